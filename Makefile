@@ -1,0 +1,36 @@
+# One command runs the main job (`make demo`), one passes the tests (`make test`).
+# Both set up what they need: Debian's libibverbs1/libnuma1, a .venv, the pinned
+# CPU torch, and this package with its C core.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup demo test bench doctor clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py $(wildcard native/*.c native/*.h)
+	@scripts/ensure-debian-libs.sh
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[cpu,test]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/epd-transfer demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra tests
+
+bench: $(STAMP)
+	$(VENV)/bin/epd-transfer bench --quick
+
+doctor: $(STAMP)
+	$(VENV)/bin/epd-transfer doctor
+
+clean:
+	rm -rf $(VENV) build *.egg-info transfer/_native*.so
