@@ -1,0 +1,36 @@
+/* Shared declarations of the native core: the framed wire, the Msg codec and the layer checksum. */
+#ifndef EPD_H
+#define EPD_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* SPEC.md section 9: a payload (what follows the kind byte) is at most 64 MiB. */
+#define EPD_MAX_PAYLOAD ((size_t)64 << 20)
+/* Bytes of a LAYER payload's header: u32 layer, u32 rows, u64 checksum. */
+#define EPD_LAYER_HEADER 16
+
+/* Exception types, created by the module (module.c) and raised by every part. */
+extern PyObject *epd_FrameError;
+extern PyObject *epd_MsgError;
+extern PyObject *epd_LayerError;
+
+/* layer.c: pure C, no Python. */
+uint64_t epd_layer_sum(const void *data, size_t len);
+void epd_put_le32(unsigned char *out, uint32_t v);
+void epd_put_le64(unsigned char *out, uint64_t v);
+uint32_t epd_get_le32(const unsigned char *in);
+uint64_t epd_get_le64(const unsigned char *in);
+
+/* frame.c: whole-frame socket/fd I/O; the GIL must be held on entry. */
+int epd_write_frame(int fd, unsigned kind, Py_buffer *parts, Py_ssize_t nparts, double timeout);
+PyObject *epd_read_frame(int fd, double timeout);
+
+/* msg.c: the key=value message codec. */
+int epd_msg_check(PyObject *key, PyObject *value);
+PyObject *epd_msg_encode(PyObject *fields, Py_buffer *body);
+PyObject *epd_msg_decode(Py_buffer *data);
+
+#endif

@@ -1,0 +1,296 @@
+/* transfer._native: the CPython face of the native core (argument glue only). */
+#include "epd.h"
+
+PyObject *epd_FrameError;
+PyObject *epd_MsgError;
+PyObject *epd_LayerError;
+
+/* Below this size the checksum is cheaper than a GIL round trip. */
+#define GIL_RELEASE_BYTES ((Py_ssize_t)1 << 16)
+
+/* Reads an int argument that must fit in u32; `what` names it in the error. */
+static int u32_arg(PyObject *obj, const char *what, uint32_t *out)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError) || PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "%s must be an int in 0..4294967295, got %R", what, obj);
+        }
+        return -1;
+    }
+    if (v > UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s must be an int in 0..4294967295, got %R", what, obj);
+        return -1;
+    }
+    *out = (uint32_t)v;
+    return 0;
+}
+
+/* Exports obj's bytes as one C-contiguous run, with an error that says what was wrong. */
+static int get_contiguous(PyObject *obj, Py_buffer *view, const char *who)
+{
+    if (!PyObject_CheckBuffer(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s needs a buffer (bytes, memoryview, array), not %.100s", who,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_BufferError, "%s needs a C-contiguous buffer; this %.100s is not contiguous",
+                     who, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+/* Sums a region, releasing the GIL when it is long enough to matter. */
+static uint64_t sum_region(const void *p, Py_ssize_t len)
+{
+    uint64_t s;
+    if (len >= GIL_RELEASE_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        s = epd_layer_sum(p, (size_t)len);
+        Py_END_ALLOW_THREADS
+    } else {
+        s = epd_layer_sum(p, (size_t)len);
+    }
+    return s;
+}
+
+static PyObject *py_layer_sum(PyObject *self, PyObject *obj)
+{
+    (void)self;
+    Py_buffer view;
+    if (get_contiguous(obj, &view, "layer_sum") < 0)
+        return NULL;
+    uint64_t s = sum_region(view.buf, view.len);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(s);
+}
+
+static PyObject *py_layer_sum_addr(PyObject *self, PyObject *args)
+{
+    (void)self;
+    unsigned long long addr, len;
+    if (!PyArg_ParseTuple(args, "KK:layer_sum_addr", &addr, &len))
+        return NULL;
+    if (addr == 0 && len > 0) {
+        PyErr_SetString(PyExc_ValueError, "layer_sum: a null address with a non-zero length");
+        return NULL;
+    }
+    if (len > (unsigned long long)PY_SSIZE_T_MAX) {
+        PyErr_SetString(PyExc_ValueError, "layer_sum: length out of range");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(sum_region((const void *)(uintptr_t)addr, (Py_ssize_t)len));
+}
+
+static PyObject *py_layer_header(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *layer_o, *rows_o;
+    unsigned long long checksum;
+    uint32_t layer, rows;
+    if (!PyArg_ParseTuple(args, "OOK:layer_header", &layer_o, &rows_o, &checksum))
+        return NULL;
+    if (u32_arg(layer_o, "layer", &layer) < 0 || u32_arg(rows_o, "rows", &rows) < 0)
+        return NULL;
+    unsigned char h[EPD_LAYER_HEADER];
+    epd_put_le32(h, layer);
+    epd_put_le32(h + 4, rows);
+    epd_put_le64(h + 8, checksum);
+    return PyBytes_FromStringAndSize((const char *)h, sizeof h);
+}
+
+static PyObject *py_layer_frame(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *layer_o, *rows_o, *data_o;
+    uint32_t layer, rows;
+    if (!PyArg_ParseTuple(args, "OOO:layer_frame", &layer_o, &rows_o, &data_o))
+        return NULL;
+    if (u32_arg(layer_o, "layer", &layer) < 0 || u32_arg(rows_o, "rows", &rows) < 0)
+        return NULL;
+    Py_buffer view;
+    if (get_contiguous(data_o, &view, "layer_frame") < 0)
+        return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, view.len + EPD_LAYER_HEADER);
+    if (out != NULL) {
+        unsigned char *w = (unsigned char *)PyBytes_AS_STRING(out);
+        uint64_t s;
+        Py_BEGIN_ALLOW_THREADS
+        s = epd_layer_sum(view.buf, (size_t)view.len);
+        memcpy(w + EPD_LAYER_HEADER, view.buf, (size_t)view.len);
+        Py_END_ALLOW_THREADS
+        epd_put_le32(w, layer);
+        epd_put_le32(w + 4, rows);
+        epd_put_le64(w + 8, s);
+    }
+    PyBuffer_Release(&view);
+    return out;
+}
+
+static PyObject *py_parse_layer(PyObject *self, PyObject *obj)
+{
+    (void)self;
+    Py_buffer view;
+    if (get_contiguous(obj, &view, "parse_layer") < 0)
+        return NULL;
+    PyObject *out = NULL;
+    const unsigned char *p = view.buf;
+    if (view.len < EPD_LAYER_HEADER) {
+        PyErr_Format(epd_LayerError, "LAYER payload shorter than its %d-byte header: %zd bytes",
+                     EPD_LAYER_HEADER, view.len);
+    } else {
+        uint64_t want = epd_get_le64(p + 8);
+        uint64_t got = sum_region(p + EPD_LAYER_HEADER, view.len - EPD_LAYER_HEADER);
+        if (want != got) {
+            char text[96];
+            snprintf(text, sizeof text, "LAYER checksum mismatch: header 0x%016llx, computed 0x%016llx",
+                     (unsigned long long)want, (unsigned long long)got);
+            PyErr_SetString(epd_LayerError, text);
+        } else {
+            out = Py_BuildValue("(kk)", (unsigned long)epd_get_le32(p), (unsigned long)epd_get_le32(p + 4));
+        }
+    }
+    PyBuffer_Release(&view);
+    return out;
+}
+
+static PyObject *py_write_frame(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int fd;
+    unsigned int kind;
+    PyObject *parts_o;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "iIOd:write_frame", &fd, &kind, &parts_o, &timeout))
+        return NULL;
+    if (kind > 255) {
+        PyErr_Format(PyExc_ValueError, "frame kind must be in 0..255, got %u", kind);
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(parts_o, "write_frame needs a sequence of buffers");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer *views = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof(Py_buffer));
+    if (views == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t got = 0;
+    int rc = 0;
+    for (; got < n; got++) {
+        if (get_contiguous(PySequence_Fast_GET_ITEM(seq, got), &views[got], "write_frame") < 0) {
+            rc = -1;
+            break;
+        }
+    }
+    if (rc == 0)
+        rc = epd_write_frame(fd, kind, views, n, timeout);
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    Py_DECREF(seq);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_read_frame(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int fd;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "id:read_frame", &fd, &timeout))
+        return NULL;
+    return epd_read_frame(fd, timeout);
+}
+
+static PyObject *py_msg_check(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *key, *value;
+    if (!PyArg_ParseTuple(args, "OO:msg_check", &key, &value))
+        return NULL;
+    if (epd_msg_check(key, value) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_msg_encode(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *fields;
+    Py_buffer body;
+    if (!PyArg_ParseTuple(args, "Oy*:msg_encode", &fields, &body))
+        return NULL;
+    PyObject *out = epd_msg_encode(fields, &body);
+    PyBuffer_Release(&body);
+    return out;
+}
+
+static PyObject *py_msg_decode(PyObject *self, PyObject *obj)
+{
+    (void)self;
+    Py_buffer data;
+    if (get_contiguous(obj, &data, "Msg.decode") < 0)
+        return NULL;
+    PyObject *out = epd_msg_decode(&data);
+    PyBuffer_Release(&data);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"layer_sum", py_layer_sum, METH_O, "layer_sum(buffer) -> int: wrapping u64 sum of LE words."},
+    {"layer_sum_addr", py_layer_sum_addr, METH_VARARGS, "layer_sum_addr(address, length) -> int."},
+    {"layer_header", py_layer_header, METH_VARARGS, "layer_header(layer, rows, checksum) -> 16 bytes."},
+    {"layer_frame", py_layer_frame, METH_VARARGS, "layer_frame(layer, rows, data) -> LAYER payload."},
+    {"parse_layer", py_parse_layer, METH_O, "parse_layer(payload) -> (layer, rows); verifies the checksum."},
+    {"write_frame", py_write_frame, METH_VARARGS, "write_frame(fd, kind, parts, timeout) -> None."},
+    {"read_frame", py_read_frame, METH_VARARGS, "read_frame(fd, timeout) -> (kind, payload, wire_us)."},
+    {"msg_check", py_msg_check, METH_VARARGS, "msg_check(key, value): raises if the field cannot be encoded."},
+    {"msg_encode", py_msg_encode, METH_VARARGS, "msg_encode(fields, body) -> bytes."},
+    {"msg_decode", py_msg_decode, METH_O, "msg_decode(data) -> (fields, body)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "transfer._native", "The native core: framed wire, Msg codec, layer checksum.",
+    -1, methods, NULL, NULL, NULL, NULL,
+};
+
+/* Creates one exception type and adds it to the module under its short name. */
+static PyObject *add_error(PyObject *m, const char *qualname, const char *name, PyObject *base, const char *doc)
+{
+    PyObject *type = PyErr_NewExceptionWithDoc(qualname, doc, base, NULL);
+    if (type == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, name, type) < 0) {
+        Py_DECREF(type);
+        return NULL;
+    }
+    return type;
+}
+
+PyMODINIT_FUNC PyInit__native(void)
+{
+    PyObject *m = PyModule_Create(&moduledef);
+    if (m == NULL)
+        return NULL;
+    epd_FrameError = add_error(m, "transfer.wire.FrameError", "FrameError", PyExc_OSError,
+                               "A framed-wire read or write failed; the message starts with 'read: ' or 'write: '.");
+    epd_MsgError = add_error(m, "transfer.wire.MsgError", "MsgError", PyExc_ValueError,
+                             "A Msg could not be decoded or a field could not be read.");
+    epd_LayerError = add_error(m, "transfer.wire.LayerError", "LayerError", PyExc_ValueError,
+                               "A LAYER payload is short or fails its checksum.");
+    if (epd_FrameError == NULL || epd_MsgError == NULL || epd_LayerError == NULL ||
+        PyModule_AddIntConstant(m, "MAX_PAYLOAD", (long)EPD_MAX_PAYLOAD) < 0 ||
+        PyModule_AddIntConstant(m, "LAYER_HEADER", EPD_LAYER_HEADER) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,352 @@
+"""Frames across real sockets and pipes: bytes, round trips and every read/write error (SPEC.md section 9)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from transfer import wire
+from transfer.wire import FrameError
+
+MAX = wire.MAX_PAYLOAD
+
+
+@pytest.fixture
+def pair():
+    """A connected socketpair whose reads give up after 20 s instead of hanging a broken test."""
+    a, b = socket.socketpair()
+    a.settimeout(20)
+    b.settimeout(20)
+    with a, b:
+        yield a, b
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    """Reads n raw bytes."""
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        assert chunk, "peer closed early"
+        out += chunk
+    return out
+
+
+def pending(sock: socket.socket) -> bytes:
+    """Whatever bytes are waiting, without blocking."""
+    try:
+        return sock.recv(1 << 20, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return b""
+
+
+def read_error(sock) -> str:
+    """The message of the FrameError a read raises."""
+    with pytest.raises(FrameError) as err:
+        wire.read_frame(sock)
+    return str(err.value)
+
+
+def writer_thread(sock, kind, payload) -> threading.Thread:
+    """Writes one frame from a thread (a big frame does not fit the socket buffer)."""
+    t = threading.Thread(target=wire.write_frame, args=(sock, kind, payload), daemon=True)
+    t.start()
+    return t
+
+
+# --- bytes on the wire --------------------------------------------------------------
+
+
+def test_frame_bytes_golden(pair):
+    a, b = pair
+    wire.write_frame(a, wire.RESULT, b"ok")
+    assert recv_exactly(b, 6) == b"\x03\x00\x00\x00\x14ok"
+    wire.write_frame(a, wire.GEN, b"")
+    assert recv_exactly(b, 5) == b"\x01\x00\x00\x00\x01"
+    wire.write_frame(a, 255, bytearray(b"\x00" * 256))
+    assert recv_exactly(b, 5 + 256) == b"\x01\x01\x00\x00\xff" + b"\x00" * 256
+    assert pending(b) == b""
+
+
+def test_write_frame_parts_gathers_without_joining(pair):
+    a, b = pair
+    base = bytearray(b"0123456789")
+    wire.write_frame_parts(a, wire.LAYER, [b"ab", memoryview(base)[3:6], b"", np.frombuffer(b"xyz", np.uint8)])
+    assert recv_exactly(b, 5 + 8) == b"\x09\x00\x00\x00\x0aab345xyz"
+    wire.write_frame_parts(a, wire.ERROR, [])
+    assert recv_exactly(b, 5) == b"\x01\x00\x00\x00\x15"
+
+
+def test_read_frame_parses_hand_made_bytes(pair):
+    a, b = pair
+    a.sendall(b"\x03\x00\x00\x00\x14ok" + b"\x01\x00\x00\x00\x0b")
+    kind, payload, wire_us = wire.read_frame(b)
+    assert (kind, payload) == (20, b"ok") and isinstance(wire_us, int) and wire_us >= 0
+    assert wire.read_frame(b)[:2] == (wire.FIRST, b"")
+
+
+def test_streams_a_layer_frame_without_a_copy(pair):
+    a, b = pair
+    data = np.random.default_rng(2).integers(0, 256, 4099, dtype=np.uint8)
+    header = wire.layer_header(5, 3, wire.layer_sum(data))
+    wire.write_frame_parts(a, wire.LAYER, [header, data])
+    kind, payload, _ = wire.read_frame(b)
+    assert kind == wire.LAYER and payload == wire.layer_frame(5, 3, data.tobytes())
+    layer, rows, view = wire.parse_layer(payload)
+    assert (layer, rows, bytes(view)) == (5, 3, data.tobytes())
+
+
+# --- round trips --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 4096, 200_000])
+def test_round_trip_sizes(pair, size):
+    a, b = pair
+    payload = os.urandom(size)
+    t = writer_thread(a, wire.DECODE, payload)
+    assert wire.read_frame(b)[:2] == (wire.DECODE, payload)
+    t.join(20)
+    assert not t.is_alive()
+
+
+def test_round_trip_10_mib_and_wire_time(pair):
+    a, b = pair
+    payload = os.urandom(10 << 20)
+    t = writer_thread(a, wire.PREFILL, memoryview(payload))
+    kind, got, wire_us = wire.read_frame(b)
+    t.join(20)
+    assert kind == wire.PREFILL and got == payload
+    assert 0 <= wire_us < 20_000_000
+
+
+def test_round_trip_exactly_max_payload(pair):
+    a, b = pair
+    payload = np.random.default_rng(3).integers(0, 256, MAX, dtype=np.uint8)
+    t = writer_thread(a, wire.LAYER, payload)
+    kind, got, _ = wire.read_frame(b)
+    t.join(30)
+    assert kind == wire.LAYER and len(got) == MAX and wire.layer_sum(got) == wire.layer_sum(payload)
+
+
+def test_many_frames_in_a_row(pair):
+    a, b = pair
+
+    def send():
+        for i in range(200):
+            wire.write_frame(a, wire.GEN, i.to_bytes(2, "little") * i)
+
+    t = threading.Thread(target=send, daemon=True)
+    t.start()
+    for i in range(200):
+        assert wire.read_frame(b)[:2] == (wire.GEN, i.to_bytes(2, "little") * i)
+    t.join(20)
+
+
+def test_int_fds_over_a_pipe():
+    r, w = os.pipe()
+    try:
+        wire.write_frame(w, wire.RESULT, b"via fd")
+        assert wire.read_frame(r)[:2] == (wire.RESULT, b"via fd")
+        os.close(w)
+        w = -1
+        assert read_error(r) == "read: connection closed before a frame header"
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
+# --- read errors ----------------------------------------------------------------------------
+
+
+def test_closed_before_header(pair):
+    a, b = pair
+    a.close()
+    assert read_error(b) == "read: connection closed before a frame header"
+
+
+def test_truncated_header(pair):
+    a, b = pair
+    a.sendall(b"\x05\x00")
+    a.close()
+    assert read_error(b) == "read: connection closed inside a frame header after 2 of 4 bytes"
+
+
+def test_header_only_stream(pair):
+    a, b = pair
+    a.sendall(struct.pack("<I", 11))  # promises a kind byte and 10 payload bytes, sends none
+    a.close()
+    assert read_error(b) == "read: connection closed mid-payload after 0 of 11 bytes"
+
+
+def test_peer_closes_mid_payload(pair):
+    a, b = pair
+    a.sendall(struct.pack("<IB", 101, wire.GEN) + b"z" * 10)
+    a.close()
+    assert read_error(b) == "read: connection closed mid-payload after 11 of 101 bytes"
+
+
+def test_zero_length_frame(pair):
+    a, b = pair
+    a.sendall(b"\x00\x00\x00\x00")
+    assert read_error(b) == "read: zero-length frame has no kind byte"
+
+
+def test_oversize_length_fails_before_allocating(pair):
+    a, b = pair
+    a.sendall(struct.pack("<IB", MAX + 2, wire.GEN))  # payload of 64 MiB + 1
+    tracemalloc.start()
+    try:
+        message = read_error(b)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert message == "read: frame payload of 67108865 bytes exceeds the limit of 67108864 bytes"
+    assert peak < 1 << 20  # nothing near the announced size was allocated
+    assert pending(b) == bytes([wire.GEN])  # the kind byte was never read
+
+
+def test_largest_length_field(pair):
+    a, b = pair
+    a.sendall(b"\xff\xff\xff\xff")
+    assert read_error(b) == "read: frame payload of 4294967294 bytes exceeds the limit of 67108864 bytes"
+
+
+def test_max_payload_length_is_accepted(pair):
+    a, b = pair
+    a.sendall(struct.pack("<IB", MAX + 1, wire.GEN) + b"abc")
+    a.close()
+    assert read_error(b) == f"read: connection closed mid-payload after 4 of {MAX + 1} bytes"
+
+
+def test_read_timeout_from_socket(pair):
+    a, b = pair
+    b.settimeout(0.2)
+    start = time.monotonic()
+    with pytest.raises(FrameError) as err:
+        wire.read_frame(b)
+    assert str(err.value) == "read: timed out after 0.2 s without progress"
+    assert err.value.errno == errno.ETIMEDOUT
+    assert 0.15 < time.monotonic() - start < 5
+
+
+def test_read_bad_fd_reports_errno():
+    s = socket.socket()
+    s.close()  # fileno() is now -1
+    with pytest.raises(FrameError) as err:
+        wire.read_frame(s)
+    assert str(err.value) == f"read: {os.strerror(errno.EBADF)}"
+    assert err.value.errno == errno.EBADF
+
+
+# --- write errors ---------------------------------------------------------------------------
+
+
+def test_write_oversize_payload_sends_nothing(pair):
+    a, b = pair
+    big = np.zeros(MAX + 1, dtype=np.uint8)  # calloc'd: no real memory touched
+    with pytest.raises(FrameError) as err:
+        wire.write_frame(a, wire.GEN, big)
+    assert str(err.value) == "write: payload of 67108865 bytes exceeds the limit of 67108864 bytes"
+    with pytest.raises(FrameError) as err:
+        wire.write_frame_parts(a, wire.GEN, [big[:MAX], b"x"])
+    assert str(err.value) == "write: payload of 67108865 bytes exceeds the limit of 67108864 bytes"
+    assert pending(b) == b""
+
+
+def test_write_to_closed_peer(pair):
+    a, b = pair
+    b.close()
+    with pytest.raises(FrameError) as err:
+        wire.write_frame(a, wire.GEN, b"x" * 100)
+    assert err.value.errno in (errno.EPIPE, errno.ECONNRESET)
+    assert str(err.value) == f"write: {os.strerror(err.value.errno)}"
+
+
+def test_write_timeout_when_peer_does_not_read(pair):
+    a, b = pair
+    a.settimeout(0.2)
+    with pytest.raises(FrameError) as err:
+        wire.write_frame(a, wire.GEN, bytes(32 << 20))
+    assert str(err.value) == "write: timed out after 0.2 s without progress"
+    assert err.value.errno == errno.ETIMEDOUT
+
+
+def test_write_argument_errors(pair):
+    a, _ = pair
+    for kind in (-1, 256, True, 1.0):
+        with pytest.raises(ValueError, match="frame kind must be an int in 0..255"):
+            wire.write_frame(a, kind, b"")
+    with pytest.raises(BufferError, match="C-contiguous"):
+        wire.write_frame(a, 1, memoryview(bytes(10))[::2])
+    with pytest.raises(TypeError, match="need a socket or an int fd"):
+        wire.write_frame("nope", 1, b"")
+
+
+# --- GIL and signals --------------------------------------------------------------------------
+
+
+def test_gil_released_while_blocked_in_read(pair):
+    a, b = pair
+    result = {}
+
+    def reader():
+        result["frame"] = wire.read_frame(b)
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    # If the read held the GIL, this thread could not run until the 20 s socket timeout.
+    start = time.monotonic()
+    count = 0
+    while time.monotonic() - start < 0.2:
+        count += 1
+    wire.write_frame(a, wire.FIRST, b"late")
+    t.join(20)
+    assert result["frame"][:2] == (wire.FIRST, b"late")
+    assert time.monotonic() - start < 5 and count > 1000
+
+
+def test_eintr_is_retried():
+    a, b = socket.socketpair()
+    calls = []
+    old = signal.signal(signal.SIGALRM, lambda *_: calls.append(1))
+    timer = threading.Timer(0.4, wire.write_frame, (a, wire.RESULT, b"after signal"))
+    try:
+        timer.start()
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        assert wire.read_frame(b)[:2] == (wire.RESULT, b"after signal")
+        assert calls == [1]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        timer.join(5)
+        a.close()
+        b.close()
+
+
+def test_signal_handler_exception_aborts_read():
+    class Stop(Exception):
+        pass
+
+    def handler(*_):
+        raise Stop("interrupted")
+
+    a, b = socket.socketpair()
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(Stop):
+            wire.read_frame(b)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        a.close()
+        b.close()

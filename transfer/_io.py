@@ -1,0 +1,202 @@
+"""Plumbing shared by the sender pool and the session manager: one ZMQ context per
+process, a cross-thread wake-up for zmq.Poller loops, bounded status pushers, and
+helpers that turn tensors or raw pointers into memory regions."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+log = logging.getLogger("transfer")
+
+#: Largest control-plane message accepted by our listeners (ZMQ drops bigger ones
+#: before buffering them). A TransferInfo is about 200 bytes; 64 KiB is generous.
+MAX_CONTROL_MESSAGE = 64 << 10
+
+#: Statuses queued for one receiver before further pushes are dropped: a dead
+#: prefill rank must never make the sender block.
+STATUS_HWM = 4096
+
+
+def context() -> zmq.Context:
+    """The process's one ZMQ context (shared by every socket we open)."""
+    return zmq.Context.instance()
+
+
+def zmq_host(host: str) -> str:
+    """`host` as ZMQ wants it in a tcp:// address (IPv6 literals bracketed)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+class Waker:
+    """A self-pipe that any thread can set to wake a zmq.Poller loop."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self._armed = threading.Event()
+
+    def fileno(self) -> int:
+        """The read end, to register with a zmq.Poller."""
+        return self._r
+
+    def wake(self) -> None:
+        """Makes the read end readable (at most one byte pending at a time)."""
+        if not self._armed.is_set():
+            self._armed.set()
+            try:
+                os.write(self._w, b"!")
+            except BlockingIOError:
+                pass
+
+    def drain(self) -> None:
+        """Consumes the pending wake-up; call before looking at the work queue."""
+        self._armed.clear()
+        try:
+            while os.read(self._r, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        """Closes both ends."""
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def pull_socket(host: str, port: int) -> tuple[zmq.Socket, int]:
+    """A PULL socket bound to exactly `host` (port 0: ephemeral); returns it and its port."""
+    sock = context().socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    address = f"tcp://{zmq_host(host)}:{port}"
+    if port == 0:
+        bound = sock.bind_to_random_port(f"tcp://{zmq_host(host)}")
+    else:
+        sock.bind(address)
+        bound = port
+    return sock, bound
+
+
+def push_socket(host: str, port: int, hwm: int = STATUS_HWM) -> zmq.Socket:
+    """A PUSH socket connected to host:port that never blocks the sender for long."""
+    sock = context().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.SNDTIMEO, 0)
+    sock.connect(f"tcp://{zmq_host(host)}:{port}")
+    return sock
+
+
+def recv_frames(sock: zmq.Socket) -> list[bytes] | None:
+    """One multipart message without blocking, or None when none is queued."""
+    try:
+        return sock.recv_multipart(zmq.NOBLOCK, copy=True)
+    except zmq.Again:
+        return None
+
+
+class Pushers:
+    """PUSH sockets keyed by endpoint, shared by threads under one lock.
+
+    Sends never block: a full queue (the peer is dead or slow) drops the message,
+    logged once per endpoint, so one dead receiver cannot stall anyone else.
+    """
+
+    def __init__(self, hwm: int = STATUS_HWM, limit: int = 4096) -> None:
+        self._hwm = hwm
+        self._limit = limit
+        self._sockets: dict[tuple[str, int], zmq.Socket] = {}
+        self._warned: set[tuple[str, int]] = set()
+        self._lock = threading.Lock()
+        self.dropped = 0
+
+    def send(self, endpoint: str, port: int, frames: list[bytes]) -> bool:
+        """Queues `frames` for endpoint:port; False when they had to be dropped."""
+        key = (endpoint, port)
+        with self._lock:
+            sock = self._sockets.get(key)
+            if sock is None:
+                if len(self._sockets) >= self._limit:
+                    # Forget the oldest endpoint rather than grow without bound.
+                    old_key = next(iter(self._sockets))
+                    self._sockets.pop(old_key).close(0)
+                sock = self._sockets[key] = push_socket(endpoint, port, self._hwm)
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK, copy=True)
+                return True
+            except zmq.Again:
+                self.dropped += 1
+                if key not in self._warned:
+                    self._warned.add(key)
+                    log.warning("%s:%d is not draining its queue; dropping messages to it", endpoint, port)
+                return False
+
+    def __len__(self) -> int:
+        return len(self._sockets)
+
+    def close(self) -> None:
+        """Closes every socket at once (linger 0: queued messages are discarded)."""
+        with self._lock:
+            for sock in self._sockets.values():
+                sock.close(0)
+            self._sockets.clear()
+
+
+@dataclass(frozen=True)
+class Region:
+    """A span of memory: its address, length in bytes, and device ('cpu' or 'cuda:N')."""
+
+    addr: int
+    nbytes: int
+    device: str = "cpu"
+    tensor: Any = None  # the tensor it came from, kept alive and used for checksums
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.nbytes
+
+    def contains(self, addr: int, nbytes: int) -> bool:
+        """Whether [addr, addr + nbytes) lies wholly inside this region."""
+        return nbytes == 0 or (self.addr <= addr and addr + nbytes <= self.end)
+
+
+def as_region(buf: Any, nbytes: int | None = None) -> Region:
+    """A Region from a contiguous torch tensor, an (addr, nbytes) pair, or an address and `nbytes`."""
+    if isinstance(buf, Region):
+        return buf
+    if isinstance(buf, tuple):
+        addr, nbytes = buf
+        return Region(int(addr), int(nbytes))
+    if isinstance(buf, int):
+        if nbytes is None:
+            raise ValueError("a raw address needs its length in bytes")
+        return Region(buf, int(nbytes))
+    if hasattr(buf, "data_ptr"):
+        if not buf.is_contiguous():
+            raise ValueError(f"tensor of shape {tuple(buf.shape)} is not contiguous")
+        return Region(buf.data_ptr(), buf.numel() * buf.element_size(), str(buf.device), buf)
+    raise TypeError(f"expected a torch tensor or an (address, length) pair, got {type(buf).__name__}")
+
+
+def checksum(region: Region, addr: int, nbytes: int) -> int:
+    """The layer checksum of [addr, addr + nbytes) inside `region`, host or CUDA memory."""
+    from transfer import wire
+
+    if region.device.startswith("cuda"):
+        import torch
+
+        flat = region.tensor.reshape(-1).view(torch.uint8)
+        offset = addr - region.addr
+        return wire.tensor_layer_sum(flat[offset : offset + nbytes])
+    return wire.layer_sum(addr, nbytes)

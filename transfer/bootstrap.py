@@ -1,0 +1,405 @@
+"""The HTTP bootstrap rendezvous on the encode node, and its client (SPEC.md sections 5 and 8).
+
+Encode ranks `PUT /route` their ZMQ endpoint; prefill ranks `GET /route` the
+encode side's parallel sizes and then one encode rank's endpoint.
+
+Decisions the spec leaves open, documented here:
+- The first accepted PUT fixes world_size and dp_size; a later PUT with other
+  sizes is refused with 409 (a rank of a different deployment must not join).
+- A PUT for a (dp_group, tp_rank) already present replaces it, so a restarted
+  encode rank can re-register; configure a token to keep strangers out.
+- The route lookup is `table[target_dp_group][engine_rank]`, i.e. engine_rank
+  is read as the tp rank inside the group, as the peers' servers do.
+- Success bodies are JSON (application/json); errors and /health are short
+  text/plain bodies that name the problem, since peers log the body as is.
+- Bodies are parsed as JSON only: never unpickled or evaluated.
+"""
+
+from __future__ import annotations
+
+import hmac
+import http.client
+import json
+import logging
+import re
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 64 * 1024
+ROLE = "Prefill"
+_INTEGER = re.compile(r"[+-]?[0-9]+\Z")
+
+
+class BootstrapError(RuntimeError):
+    """The bootstrap server could not be reached or refused the request."""
+
+
+class _RequestError(Exception):
+    """An HTTP error answer: status code and text."""
+
+    def __init__(self, status: int, text: str) -> None:
+        """Remember the status and the text sent back."""
+        super().__init__(text)
+        self.status = status
+        self.text = text
+
+
+class _RouteTable:
+    """Thread-safe registry of encode ranks keyed by (dp_group, tp_rank)."""
+
+    def __init__(self) -> None:
+        """An empty table; sizes unknown until the first registration."""
+        self._lock = threading.Lock()
+        self.world_size: int | None = None
+        self.dp_size: int | None = None
+        self._routes: dict[tuple[int, int], tuple[str, int]] = {}
+
+    def put(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
+            engine_rank: int) -> tuple[int, int]:
+        """Store one rank's endpoint; returns its (dp_group, tp_rank)."""
+        group_size = world_size // dp_size
+        key = (engine_rank // group_size, engine_rank % group_size)
+        with self._lock:
+            if self.world_size is None:
+                self.world_size, self.dp_size = world_size, dp_size
+            elif (self.world_size, self.dp_size) != (world_size, dp_size):
+                raise _RequestError(
+                    409, f"world_size/dp_size mismatch: this server has world_size="
+                         f"{self.world_size} dp_size={self.dp_size}, the PUT says "
+                         f"world_size={world_size} dp_size={dp_size}")
+            self._routes[key] = (rank_ip, rank_port)
+        return key
+
+    def sizes(self) -> tuple[int | None, int | None]:
+        """(world_size, dp_size), None before any registration."""
+        with self._lock:
+            return self.world_size, self.dp_size
+
+    def get(self, engine_rank: int, dp_group: int) -> tuple[str, int] | None:
+        """The endpoint for tp rank engine_rank of dp_group, or None."""
+        with self._lock:
+            return self._routes.get((dp_group, engine_rank))
+
+    def __len__(self) -> int:
+        """How many ranks are registered."""
+        with self._lock:
+            return len(self._routes)
+
+
+def _field_int(body: dict, name: str, low: int, high: int | None = None) -> int:
+    """A required integer field within [low, high]; 400 naming the field otherwise."""
+    value = body.get(name)
+    if name not in body:
+        raise _RequestError(400, f"missing field {name}")
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _RequestError(400, f"{name} is not an integer")
+    if value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise _RequestError(400, f"{name} out of range: {value} not in {bound}")
+    return value
+
+
+def _parse_registration(raw: bytes) -> tuple[int, int, str, int, int]:
+    """Validate a PUT /route body; returns (world_size, dp_size, ip, port, engine_rank)."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        raise _RequestError(400, "body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise _RequestError(400, "body must be a JSON object")
+    role = body.get("role")
+    if role != ROLE:
+        raise _RequestError(400, f"role must be \"{ROLE}\" (the encode side), got {role!r}")
+    world_size = _field_int(body, "world_size", 1)
+    dp_size = _field_int(body, "dp_size", 1)
+    if world_size % dp_size != 0:
+        raise _RequestError(400, f"world_size {world_size} is not a multiple of dp_size {dp_size}")
+    rank_ip = body.get("rank_ip")
+    if not isinstance(rank_ip, str) or not rank_ip:
+        raise _RequestError(400, "rank_ip must be a non-empty string")
+    rank_port = _field_int(body, "rank_port", 1, 65535)
+    engine_rank = _field_int(body, "engine_rank", 0, world_size - 1)
+    return world_size, dp_size, rank_ip, rank_port, engine_rank
+
+
+def _query_int(query: dict[str, list[str]], name: str) -> int:
+    """A required integer query parameter; 400 when missing or not an integer."""
+    values = query.get(name)
+    if not values:
+        raise _RequestError(400, f"missing query parameter {name}")
+    if not _INTEGER.match(values[0]):
+        raise _RequestError(400, f"{name} is not an integer")
+    return int(values[0])
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """One HTTP request against the server's route table."""
+
+    server: "_HTTPServer"
+    # One request per connection: no handler thread lingers on a keep-alive
+    # socket after close(), and a silent client is dropped after `timeout`.
+    protocol_version = "HTTP/1.0"
+    timeout = 10.0
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib name
+        """Route access logs to logging at debug instead of stderr."""
+        log.debug("bootstrap %s: " + format, self.address_string(), *args)
+
+    def _send(self, status: int, body: bytes, content_type: str) -> None:
+        """Send one complete response."""
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, status: int, value: Any) -> None:
+        """Send a JSON response."""
+        self._send(status, json.dumps(value).encode(), "application/json")
+
+    def _text(self, status: int, text: str) -> None:
+        """Send a text/plain response."""
+        self._send(status, text.encode(), "text/plain; charset=utf-8")
+
+    def do_GET(self) -> None:
+        """GET /route (sync sizes or one route) and GET /health."""
+        url = urlsplit(self.path)
+        try:
+            if url.path == "/health":
+                self._text(200, "OK")
+            elif url.path == "/route":
+                self._get_route(parse_qs(url.query, keep_blank_values=True))
+            else:
+                raise _RequestError(404, f"no such path {url.path}")
+        except _RequestError as error:
+            self._text(error.status, error.text)
+
+    def _get_route(self, query: dict[str, list[str]]) -> None:
+        """Answer the sync call (-1, -1) or one encode rank's endpoint."""
+        engine_rank = _query_int(query, "engine_rank")
+        dp_group = _query_int(query, "target_dp_group")
+        table = self.server.table
+        if engine_rank == -1 and dp_group == -1:
+            world_size, dp_size = table.sizes()
+            self._json(200, {"prefill_tp_size": world_size, "prefill_dp_size": dp_size})
+            return
+        route = table.get(engine_rank, dp_group)
+        if route is None:
+            raise _RequestError(404, f"no route for encode rank {engine_rank} in dp group {dp_group}")
+        self._json(200, {"rank_ip": route[0], "rank_port": route[1]})
+
+    def do_PUT(self) -> None:
+        """PUT /route: one encode rank registers its endpoint."""
+        try:
+            if urlsplit(self.path).path != "/route":
+                self.close_connection = True  # the body stays unread
+                raise _RequestError(404, f"no such path {urlsplit(self.path).path}")
+            self._authorize()
+            raw = self._read_body()
+            key = self.server.table.put(*_parse_registration(raw))
+            self._json(200, {"status": "OK", "dp_group": key[0], "tp_rank": key[1]})
+        except _RequestError as error:
+            self._text(error.status, error.text)
+
+    def _authorize(self) -> None:
+        """With a token configured, require `Authorization: Bearer <token>` (401 otherwise)."""
+        token = self.server.token
+        if token is None:
+            return
+        given = self.headers.get("Authorization", "")
+        expected = f"Bearer {token}"
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            self.close_connection = True  # the body stays unread
+            raise _RequestError(401, "PUT /route needs Authorization: Bearer <token>")
+
+    def _read_body(self) -> bytes:
+        """Read a Content-Length body of at most MAX_BODY bytes (413 beyond, before reading)."""
+        length_text = self.headers.get("Content-Length")
+        if length_text is None or not length_text.strip().isdigit():
+            self.close_connection = True
+            raise _RequestError(411 if length_text is None else 400,
+                                "PUT /route needs a Content-Length body")
+        length = int(length_text)
+        if length > MAX_BODY:
+            self.close_connection = True
+            raise _RequestError(413, f"body of {length} bytes exceeds {MAX_BODY}")
+        return self.rfile.read(length)
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer holding the route table and the token."""
+
+    daemon_threads = True
+    table: _RouteTable
+    token: str | None
+
+
+class BootstrapServer:
+    """The bootstrap HTTP server, serving on its own thread from construction until close()."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 8998, token: str | None = None) -> None:
+        """Bind host:port (0: ephemeral) and start serving; ready on return."""
+        server_class = _HTTPServer
+        if ":" in host:  # an IPv6 literal
+            server_class = type("_HTTPServer6", (_HTTPServer,), {"address_family": socket.AF_INET6})
+        self._server = server_class((host, port), _Handler)
+        self._server.table = _RouteTable()
+        self._server.token = token or None
+        self.host = host
+        self.port = int(self._server.server_address[1])
+        self.address = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        self._closed = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name=f"bootstrap-{self.address}", daemon=True)
+        self._thread.start()
+        log.debug("bootstrap server on %s (token %s)", self.address, "on" if token else "off")
+
+    @property
+    def registered_ranks(self) -> int:
+        """How many encode ranks registered."""
+        return len(self._server.table)
+
+    def close(self) -> None:
+        """Stop serving, join the thread and close the socket; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._server.shutdown()
+        self._thread.join()
+        self._server.server_close()
+
+    def __enter__(self) -> "BootstrapServer":
+        """Context-manager entry."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Close on exit."""
+        self.close()
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    """Split "host:port" (or "[v6]:port") into host and port."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"bootstrap address must be host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+class BootstrapClient:
+    """Talks to one bootstrap server with bounded timeouts (http.client: no proxies, no pickles)."""
+
+    def __init__(self, address: str, timeout: float = 2.0, token: str | None = None) -> None:
+        """address is "host:port"; timeout bounds each attempt."""
+        self.address = address
+        self.host, self.port = _split_address(address)
+        self.timeout = timeout
+        self.token = token
+
+    def _request(self, method: str, path: str, body: bytes | None = None,
+                 headers: dict[str, str] | None = None,
+                 timeout: float | None = None) -> tuple[int, bytes]:
+        """One HTTP exchange; returns (status, body); OSError/HTTPException on transport failure."""
+        conn = http.client.HTTPConnection(self.host, self.port,
+                                          timeout=self.timeout if timeout is None else timeout)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            response = conn.getresponse()
+            return response.status, response.read(MAX_BODY)
+        finally:
+            conn.close()
+
+    def _get_json(self, path: str, what: str) -> tuple[int, Any]:
+        """One bounded GET; BootstrapError when unreachable or the body is not JSON on 200."""
+        try:
+            status, raw = self._request("GET", path)
+        except (OSError, http.client.HTTPException) as error:
+            raise BootstrapError(f"bootstrap server {self.address} unreachable for {what}: "
+                                 f"{error or type(error).__name__}") from error
+        if status != 200:
+            return status, raw.decode("utf-8", "replace")
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            raise BootstrapError(f"bootstrap server {self.address} sent a body that is not "
+                                 f"JSON for {what}") from None
+
+    def register_rank(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
+                      engine_rank: int, retry_for: float = 30.0) -> None:
+        """PUT this encode rank's endpoint, retrying refusals and 5xx until retry_for elapses."""
+        body = json.dumps({"role": ROLE, "world_size": world_size, "dp_size": dp_size,
+                           "rank_ip": rank_ip, "rank_port": rank_port,
+                           "engine_rank": engine_rank}).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        deadline = time.monotonic() + retry_for
+        delay = 0.05
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                status, raw = self._request("PUT", "/route", body, headers,
+                                            timeout=max(0.05, min(self.timeout, remaining)))
+            except (OSError, http.client.HTTPException) as error:
+                last = f"{type(error).__name__}: {error}"
+            else:
+                text = raw.decode("utf-8", "replace")
+                if status == 200:
+                    return
+                if 400 <= status < 500:
+                    raise BootstrapError(f"bootstrap server {self.address} refused encode rank "
+                                         f"{engine_rank}: HTTP {status}: {text}")
+                last = f"HTTP {status}: {text}"
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BootstrapError(f"could not register encode rank {engine_rank} with bootstrap "
+                                     f"server {self.address} within {retry_for}s: {last}")
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, 0.5)
+
+    def parallel_info(self) -> tuple[int, int]:
+        """(world_size, dp_size) of the encode side; one bounded attempt."""
+        status, value = self._get_json("/route?engine_rank=-1&target_dp_group=-1", "parallel info")
+        if status != 200:
+            raise BootstrapError(f"bootstrap server {self.address} answered HTTP {status} "
+                                 f"for parallel info: {value}")
+        sizes = (value.get("prefill_tp_size"), value.get("prefill_dp_size")) \
+            if isinstance(value, dict) else (None, None)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
+            raise BootstrapError(f"bootstrap server {self.address} has incomplete parallel info "
+                                 f"(no encode rank registered yet?): {value}")
+        return sizes[0], sizes[1]
+
+    def route(self, engine_rank: int, dp_group: int) -> tuple[str, int]:
+        """(ip, port) of encode rank engine_rank in dp_group; one bounded attempt."""
+        path = f"/route?engine_rank={int(engine_rank)}&target_dp_group={int(dp_group)}"
+        status, value = self._get_json(path, f"encode rank {engine_rank}")
+        if status == 404:
+            raise BootstrapError(f"no route for encode rank {engine_rank} in dp group "
+                                 f"{dp_group} at {self.address}")
+        if status != 200:
+            raise BootstrapError(f"bootstrap server {self.address} answered HTTP {status} "
+                                 f"for encode rank {engine_rank}: {value}")
+        ip = value.get("rank_ip") if isinstance(value, dict) else None
+        port = value.get("rank_port") if isinstance(value, dict) else None
+        if not isinstance(ip, str) or not isinstance(port, int) or isinstance(port, bool):
+            raise BootstrapError(f"bootstrap server {self.address} sent an incomplete route "
+                                 f"for encode rank {engine_rank}: {value}")
+        return ip, port
+
+    def health(self) -> bool:
+        """True when the server answers /health with 200 OK."""
+        try:
+            status, raw = self._request("GET", "/health")
+        except (OSError, http.client.HTTPException):
+            return False
+        return status == 200 and raw.strip() == b"OK"

@@ -1,0 +1,472 @@
+"""`epd-transfer doctor`: what is installed and usable on this host, and the fix for what is not.
+
+Each check is one line: a level (ok, WARN, FAIL, or -- for "absent, and that
+is fine"), a name, what was found, and the exact fix. The exit code is non-zero
+only when no data path can run (neither mooncake.engine nor transfer._native
+imports). Everything read from the host goes through SYSFS_ROOT, PROC_MODULES
+and the `environ` argument, so tests can fake a device tree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Mapping, TextIO
+
+# The host's sysfs and module list; tests point these at a temporary tree.
+SYSFS_ROOT = "/sys"
+PROC_MODULES = "/proc/modules"
+
+# How long the mooncake import may take in its subprocess before we call it hung.
+IMPORT_TIMEOUT_S = 60.0
+
+# Mooncake distributions and the build each one is (they all install `mooncake`).
+MOONCAKE_FLAVOURS = {
+    "mooncake-transfer-engine": "CUDA build",
+    "mooncake-transfer-engine-non-cuda": "CPU build",
+    "mooncake-transfer-engine-cuda13": "CUDA 13 build",
+}
+
+LEVEL_TAGS = {"ok": "ok", "info": "--", "warn": "WARN", "fail": "FAIL"}
+
+Probe = Callable[[], "tuple[bool, str]"]
+
+
+@dataclass
+class Check:
+    """One doctor line: level is ok | info | warn | fail; fix is '' when nothing to do."""
+
+    name: str
+    level: str
+    detail: str
+    fix: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """True unless something needs fixing (info means absent-and-fine)."""
+        return self.level in ("ok", "info")
+
+    def as_dict(self) -> dict:
+        """The JSON form: name, ok, detail, fix, level."""
+        return {"name": self.name, "ok": self.ok, "detail": self.detail,
+                "fix": self.fix, "level": self.level}
+
+
+@dataclass
+class Report:
+    """Everything collect() found, before rendering."""
+
+    checks: list[Check] = field(default_factory=list)
+    protocol: str = ""
+    protocol_reason: str = ""
+    rdma_devices: list[dict] = field(default_factory=list)
+    mc_env: dict[str, str] = field(default_factory=dict)
+    data_path_ok: bool = False
+    mooncake: dict = field(default_factory=dict)
+    cuda: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        """The --json object."""
+        out = asdict(self)
+        out["checks"] = [c.as_dict() for c in self.checks]
+        return out
+
+
+# ---- small readers ------------------------------------------------------------
+
+
+def _read(path: str) -> str | None:
+    """A sysfs file's stripped text, or None when absent or unreadable (EINVAL for unused GIDs)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _listdir(path: str) -> list[str]:
+    """Sorted entries of a folder, [] when absent."""
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+def _after_colon(text: str | None) -> str | None:
+    """`4: ACTIVE` -> `ACTIVE` (the kernel prefixes port states with their number)."""
+    if text is None:
+        return None
+    return text.split(":", 1)[1].strip() if ":" in text else text
+
+
+def _cuda_host() -> bool:
+    """True when an NVIDIA driver is present (decides which wheel to suggest)."""
+    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidia0")
+
+
+# ---- Mooncake ------------------------------------------------------------------
+
+
+def mooncake_distributions() -> list[dict]:
+    """Installed Mooncake transfer-engine distributions: name, version, flavour."""
+    found = []
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name.startswith("mooncake-transfer-engine"):
+            flavour = MOONCAKE_FLAVOURS.get(name)
+            if flavour is None:
+                flavour = "CUDA build" if "cuda" in name and "non-cuda" not in name else "build"
+            found.append({"name": name, "version": dist.version, "flavour": flavour})
+    return sorted(found, key=lambda d: d["name"])
+
+
+def probe_mooncake_import(timeout_s: float | None = None) -> tuple[bool, str]:
+    """Import mooncake.engine in a child process (a crash or hang cannot take the doctor down)."""
+    timeout_s = IMPORT_TIMEOUT_S if timeout_s is None else timeout_s
+    code = "import mooncake.engine as e; e.TransferEngine; print('imports')"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return False, f"import mooncake.engine hung for more than {timeout_s:g}s"
+    if done.returncode == 0:
+        return True, "imports"
+    if done.returncode < 0:
+        return False, f"import mooncake.engine crashed (signal {-done.returncode})"
+    lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()]
+    return False, f"import fails: {lines[-1] if lines else f'exit {done.returncode}'}"
+
+
+def probe_native_import() -> tuple[bool, str]:
+    """Import transfer._native (the C core that carries the framed-wire data path)."""
+    try:
+        from transfer import _native  # noqa: F401
+    except ImportError as error:
+        return False, f"transfer._native does not import: {error}"
+    return True, "transfer._native imports (framed wire, needs no Mooncake)"
+
+
+def check_mooncake(probe: Probe) -> tuple[list[Check], dict]:
+    """The installed wheel(s), their flavour, and whether mooncake.engine imports."""
+    dists = mooncake_distributions()
+    imports, how = probe()
+    info = {"distributions": dists, "imports": imports, "import_detail": how}
+    wheel_fix = ("pip install mooncake-transfer-engine  (CUDA host)" if _cuda_host()
+                 else "pip install mooncake-transfer-engine-non-cuda  (CPU host)")
+    if not dists:
+        detail = "no mooncake-transfer-engine wheel installed"
+        if imports:
+            detail = "mooncake imports but no wheel metadata (source build?)"
+            return [Check("mooncake", "ok", f"{detail}, {how}")], info
+        return [Check("mooncake", "fail", detail, wheel_fix)], info
+    names = ", ".join(f"{d['name']} {d['version']} ({d['flavour']})" for d in dists)
+    checks = []
+    if imports:
+        checks.append(Check("mooncake", "ok", f"{names}, {how}"))
+    else:
+        fix = "apt-get install libibverbs1 libnuma1" if ("libibverbs" in how or "libnuma" in how) \
+            else f"pip uninstall {' '.join(d['name'] for d in dists)} && {wheel_fix}"
+        checks.append(Check("mooncake", "fail", f"{names}, {how}", fix))
+    if len(dists) > 1:
+        checks.append(Check(
+            "mooncake-wheels", "warn",
+            f"{len(dists)} Mooncake wheels installed; they overwrite each other's `mooncake` module",
+            f"keep one: pip uninstall {' '.join(d['name'] for d in dists)} && {wheel_fix}"))
+    elif dists[0]["flavour"].startswith("CUDA") and not _cuda_host():
+        checks.append(Check(
+            "mooncake-wheels", "warn", "a CUDA build of Mooncake on a host without an NVIDIA driver",
+            f"pip uninstall {dists[0]['name']} && pip install mooncake-transfer-engine-non-cuda"))
+    return checks, info
+
+
+# ---- system libraries ---------------------------------------------------------
+
+
+def check_library(soname: str, short: str, package: str) -> Check:
+    """Whether a shared library loads (what Mooncake's import needs)."""
+    try:
+        ctypes.CDLL(soname)
+        return Check(short, "ok", f"{soname} loads")
+    except OSError:
+        found = ctypes.util.find_library(short.removeprefix("lib"))
+        if found:
+            return Check(short, "warn", f"{soname} does not load, but {found} exists",
+                         f"apt-get install {package}")
+        return Check(short, "fail", f"{soname} not found", f"apt-get install {package}")
+
+
+# ---- RDMA devices -------------------------------------------------------------
+
+
+def infiniband_root(sysfs_root: str | None = None) -> str:
+    """The folder where the kernel lists RDMA devices."""
+    return os.path.join(SYSFS_ROOT if sysfs_root is None else sysfs_root, "class", "infiniband")
+
+
+def _gids(port_dir: str) -> list[dict]:
+    """Non-zero GID table entries of a port, with their type and netdev when the kernel says."""
+    entries = []
+    for index in sorted(_listdir(os.path.join(port_dir, "gids")), key=_int_or_big):
+        gid = _read(os.path.join(port_dir, "gids", index))
+        if not gid or set(gid.replace(":", "")) <= {"0"}:
+            continue
+        entries.append({
+            "index": int(index) if index.isdigit() else index,
+            "gid": gid,
+            "type": _read(os.path.join(port_dir, "gid_attrs", "types", index)),
+            "ndev": _read(os.path.join(port_dir, "gid_attrs", "ndevs", index)),
+        })
+    return entries
+
+
+def _int_or_big(text: str) -> int:
+    """Sort key for numbered sysfs entries."""
+    return int(text) if text.isdigit() else 1 << 30
+
+
+def _port_mtu(port_dir: str, gids: list[dict], sysfs_root: str) -> str | None:
+    """Active MTU: the port's own file when the driver has one, else the RoCE netdev's MTU."""
+    own = _read(os.path.join(port_dir, "active_mtu")) or _read(os.path.join(port_dir, "mtu"))
+    if own:
+        return own
+    for entry in gids:
+        if entry["ndev"]:
+            mtu = _read(os.path.join(sysfs_root, "class", "net", entry["ndev"], "mtu"))
+            if mtu:
+                return f"{mtu} (netdev {entry['ndev']})"
+    return None
+
+
+def describe_device(name: str, sysfs_root: str | None = None) -> dict:
+    """One RDMA device from sysfs: driver, soft-RoCE or not, node type, ports."""
+    root = SYSFS_ROOT if sysfs_root is None else sysfs_root
+    dev_dir = os.path.join(infiniband_root(root), name)
+    driver_link = os.path.join(dev_dir, "device", "driver")
+    driver = os.path.basename(os.path.realpath(driver_link)) if os.path.exists(driver_link) else None
+    parent = _read(os.path.join(dev_dir, "parent"))
+    soft = None
+    if name.startswith("rxe") or driver in ("rdma_rxe", "rxe"):
+        soft = "soft-RoCE (rdma_rxe)"
+    elif name.startswith("siw") or driver == "siw":
+        soft = "soft-iWARP (siw)"
+    ports = []
+    for port in sorted(_listdir(os.path.join(dev_dir, "ports")), key=_int_or_big):
+        port_dir = os.path.join(dev_dir, "ports", port)
+        gids = _gids(port_dir)
+        ports.append({
+            "port": int(port) if port.isdigit() else port,
+            "state": _after_colon(_read(os.path.join(port_dir, "state"))),
+            "phys_state": _after_colon(_read(os.path.join(port_dir, "phys_state"))),
+            "link_layer": _read(os.path.join(port_dir, "link_layer")),
+            "rate": _read(os.path.join(port_dir, "rate")),
+            "mtu": _port_mtu(port_dir, gids, root),
+            "gids": gids,
+        })
+    return {"name": name, "driver": driver, "parent": parent, "soft": soft,
+            "node_type": _after_colon(_read(os.path.join(dev_dir, "node_type"))), "ports": ports}
+
+
+def _port_check(dev: dict, port: dict) -> Check:
+    """One line for one port of one device."""
+    layer = port["link_layer"] or "unknown link layer"
+    if layer == "Ethernet":
+        layer = "RoCE (Ethernet)"
+    parts = [port["state"] or "state unknown", layer]
+    if port["mtu"]:
+        parts.append(f"mtu {port['mtu']}")
+    if port["rate"]:
+        parts.append(port["rate"])
+    if dev["soft"]:
+        parts.append(dev["soft"] + (f" on {dev['parent']}" if dev["parent"] else ""))
+    elif dev["driver"]:
+        parts.append(f"driver {dev['driver']}")
+    gids = [f"[{g['index']}] {g['gid']}" + (f" {g['type']}" if g["type"] else "") for g in port["gids"]]
+    parts.append("GIDs " + ", ".join(gids) if gids else "no GIDs")
+    name = f"rdma {dev['name']}/{port['port']}"
+    detail = ", ".join(parts)
+    if port["state"] != "ACTIVE":
+        netdev = dev["parent"] or "<netdev>"
+        fix = (f"ip link set {netdev} up" if port["link_layer"] == "Ethernet"
+               else "check the cable and that a subnet manager runs (opensm)")
+        return Check(name, "warn", detail, fix)
+    if port["link_layer"] == "Ethernet" and not port["gids"]:
+        return Check(name, "warn", detail,
+                     f"give {dev['parent'] or 'the netdev'} an IP address (RoCE GIDs come from it)")
+    return Check(name, "ok", detail)
+
+
+def check_rdma(sysfs_root: str | None = None) -> tuple[list[Check], list[dict]]:
+    """Every RDMA device and port, or a note that there are none."""
+    root = infiniband_root(sysfs_root)
+    names = _listdir(root)
+    if not names:
+        return [Check("rdma", "warn", f"no RDMA devices under {root}; protocol rdma cannot run",
+                      "scripts/soft-roce.sh up  (soft-RoCE; needs a kernel with rdma_rxe), "
+                      "or use protocol tcp")], []
+    devices = [describe_device(n, sysfs_root) for n in names]
+    checks = []
+    for dev in devices:
+        if not dev["ports"]:
+            checks.append(Check(f"rdma {dev['name']}", "warn", "device without ports in sysfs"))
+        checks.extend(_port_check(dev, port) for port in dev["ports"])
+    return checks, devices
+
+
+# ---- CUDA and GPUDirect ---------------------------------------------------------
+
+
+def check_cuda() -> tuple[Check, dict]:
+    """torch's view of CUDA: available, device count and names."""
+    try:
+        import torch
+    except Exception as error:  # a broken torch install raises more than ImportError
+        return Check("cuda", "warn", f"torch does not import: {error}",
+                     "pip install torch (the build matching this host)"), {"available": False}
+    try:
+        available = bool(torch.cuda.is_available())
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
+            if available else []
+    except Exception as error:
+        return Check("cuda", "warn", f"torch {torch.__version__}: CUDA query failed: {error}"), \
+            {"available": False}
+    info = {"available": available, "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda, "devices": names}
+    if not available:
+        build = "CPU build" if torch.version.cuda is None else f"CUDA {torch.version.cuda} build"
+        return Check("cuda", "info", f"torch {torch.__version__} ({build}): no CUDA device; "
+                                     "host buffers only"), info
+    return Check("cuda", "ok", f"torch {torch.__version__}: {len(names)} device(s): "
+                               + ", ".join(names)), info
+
+
+def check_gpudirect(cuda_available: bool, sysfs_root: str | None = None,
+                    proc_modules: str | None = None) -> Check:
+    """Whether the peer-memory module that lets RDMA NICs read GPU memory is loaded."""
+    root = SYSFS_ROOT if sysfs_root is None else sysfs_root
+    modules_text = _read(PROC_MODULES if proc_modules is None else proc_modules) or ""
+    loaded = {line.split()[0] for line in modules_text.splitlines() if line.strip()}
+    for module in ("nvidia_peermem", "nv_peer_mem"):
+        if module in loaded or os.path.isdir(os.path.join(root, "module", module)):
+            return Check("gpudirect", "ok", f"{module} loaded: RDMA can read and write GPU memory")
+    if not cuda_available:
+        return Check("gpudirect", "info", "no CUDA device, so no GPUDirect RDMA (not needed)")
+    return Check("gpudirect", "warn", "nvidia_peermem not loaded: RDMA cannot touch GPU memory",
+                 "modprobe nvidia_peermem")
+
+
+# ---- protocol, wire, environment -------------------------------------------------
+
+
+def check_protocol(sysfs_root: str | None, mooncake_ok: bool) -> tuple[Check, str, str]:
+    """Which protocol `auto` resolves to on this host, and why (engine.choose_protocol)."""
+    from transfer.engine import choose_protocol
+
+    protocol, why = choose_protocol("auto", root=infiniband_root(sysfs_root))
+    level = "ok" if mooncake_ok else "warn"
+    fix = "" if mooncake_ok else "install Mooncake (see the mooncake line) or use the wire path"
+    return Check("protocol", level, f"auto -> {protocol}: {why}", fix), protocol, why
+
+
+def check_wire(probe: Probe) -> Check:
+    """The framed-wire data path, which needs only our C core."""
+    ok, detail = probe()
+    if ok:
+        return Check("wire", "ok", detail)
+    return Check("wire", "warn", detail,
+                 "pip install -e .  (or: python setup.py build_ext --inplace) to build the C core")
+
+
+def mc_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Mooncake's MC_* environment variables that are set, by name."""
+    env = os.environ if environ is None else environ
+    return {k: env[k] for k in sorted(env) if k.startswith("MC_")}
+
+
+def check_mc_env(mc_env: dict[str, str]) -> Check:
+    """One line listing the MC_* variables (they change Mooncake's behaviour silently)."""
+    if not mc_env:
+        return Check("mc-env", "info", "no MC_* variables set (Mooncake defaults)")
+    return Check("mc-env", "ok", " ".join(f"{k}={v}" for k, v in mc_env.items()))
+
+
+# ---- putting it together ----------------------------------------------------------
+
+
+def collect(sysfs_root: str | None = None, environ: Mapping[str, str] | None = None,
+            mooncake_probe: Probe | None = None, native_probe: Probe | None = None,
+            proc_modules: str | None = None) -> dict:
+    """Run every check and return the --json object (see Report.as_dict)."""
+    return collect_report(sysfs_root, environ, mooncake_probe, native_probe, proc_modules).as_dict()
+
+
+def collect_report(sysfs_root: str | None = None, environ: Mapping[str, str] | None = None,
+                   mooncake_probe: Probe | None = None, native_probe: Probe | None = None,
+                   proc_modules: str | None = None) -> Report:
+    """Run every check; probes default to the real imports."""
+    report = Report()
+    report.checks.append(Check("python", "info", f"{platform.python_version()} on "
+                                                 f"{platform.system()} {platform.machine()}"))
+    mooncake_checks, report.mooncake = check_mooncake(mooncake_probe or probe_mooncake_import)
+    report.checks.extend(mooncake_checks)
+    report.checks.append(check_library("libibverbs.so.1", "libibverbs", "libibverbs1"))
+    report.checks.append(check_library("libnuma.so.1", "libnuma", "libnuma1"))
+    rdma_checks, report.rdma_devices = check_rdma(sysfs_root)
+    report.checks.extend(rdma_checks)
+    cuda_check, report.cuda = check_cuda()
+    report.checks.append(cuda_check)
+    report.checks.append(check_gpudirect(report.cuda.get("available", False), sysfs_root,
+                                         proc_modules))
+    mooncake_ok = bool(report.mooncake["imports"])
+    protocol_check, report.protocol, report.protocol_reason = check_protocol(sysfs_root, mooncake_ok)
+    report.checks.append(protocol_check)
+    wire_check = check_wire(native_probe or probe_native_import)
+    report.checks.append(wire_check)
+    report.mc_env = mc_environment(environ)
+    report.checks.append(check_mc_env(report.mc_env))
+    report.data_path_ok = mooncake_ok or wire_check.level == "ok"
+    report.checks.append(_data_path_check(mooncake_ok, wire_check.level == "ok", report.protocol))
+    return report
+
+
+def _data_path_check(mooncake_ok: bool, wire_ok: bool, protocol: str) -> Check:
+    """The verdict line: which data paths can run."""
+    paths = ([f"mooncake {protocol}"] if mooncake_ok else []) + (["wire"] if wire_ok else [])
+    if paths:
+        return Check("data-path", "ok", "runnable: " + ", ".join(paths))
+    return Check("data-path", "fail",
+                 "no data path can run: neither mooncake.engine nor transfer._native imports",
+                 "fix the mooncake line above, or build the C core (pip install -e .)")
+
+
+def format_checks(checks: list[Check]) -> str:
+    """The aligned text lines: level, name, detail, and `-> fix: ...` when there is one."""
+    width = max([14] + [len(c.name) for c in checks]) + 2
+    lines = []
+    for c in checks:
+        line = f"{LEVEL_TAGS[c.level]:<6}{c.name:<{width}}{c.detail}"
+        if c.fix:
+            line += f" -> fix: {c.fix}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def run(as_json: bool = False, out: TextIO | None = None, **collect_args) -> int:
+    """Print the report (text or one JSON object); return 0 when a data path can run, else 1."""
+    out = sys.stdout if out is None else out
+    report = collect_report(**collect_args)
+    if as_json:
+        out.write(json.dumps(report.as_dict(), indent=2) + "\n")
+    else:
+        out.write(format_checks(report.checks))
+    return 0 if report.data_path_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(run(as_json="--json" in sys.argv[1:]))

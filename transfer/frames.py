@@ -1,0 +1,486 @@
+"""Control-plane frame codecs, shard geometry and fanout validation (SPEC.md sections 2, 4, 6, 8).
+
+Pure: no sockets, no torch. Every parser raises only `WireError`, whose
+messages are exactly SPEC.md's because peers' logs and tests match them.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+import struct
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from transfer.status import TransferPoll
+
+__all__ = [
+    "WireError",
+    "shard_rows",
+    "DTYPE_BYTES",
+    "dtype_size",
+    "TransferInfo",
+    "Registration",
+    "registration_frames",
+    "is_registration",
+    "parse_registration",
+    "status_frames",
+    "parse_status",
+    "validate_fanout",
+    "check_region",
+    "TRANSFER_INFO_PARTS",
+    "REGISTRATION_PARTS",
+    "STATUS_PARTS",
+    "REGISTRATION_MARKER",
+]
+
+TRANSFER_INFO_PARTS = 13
+REGISTRATION_PARTS = 6
+STATUS_PARTS = 3
+MAX_CHECKSUMS = 2
+REGISTRATION_MARKER = b"None"
+
+_I64_MIN = -(1 << 63)
+_I64_MAX = (1 << 63) - 1
+_U64_MAX = (1 << 64) - 1
+# Native byte order, standard 8-byte size: SPEC.md's struct.pack("Q", p) without alignment padding.
+_POINTER = struct.Struct("=Q")
+# bytes pattern: [0-9] matches ASCII digits only, and fullmatch rejects a trailing newline.
+_DECIMAL = re.compile(rb"[+-]?[0-9]+")
+
+DTYPE_BYTES: dict[str, int] = {
+    "torch.bfloat16": 2,
+    "torch.float16": 2,
+    "torch.float32": 4,
+    "torch.float64": 8,
+    "torch.int8": 1,
+    "torch.uint8": 1,
+    "torch.int16": 2,
+    "torch.int32": 4,
+    "torch.int64": 8,
+    "torch.float8_e4m3fn": 1,
+    "torch.float8_e5m2": 1,
+    "torch.bool": 1,
+}
+
+
+class WireError(ValueError):
+    """A frame that breaks the wire contract; the message is SPEC.md's wording."""
+
+
+# ---------------------------------------------------------------- geometry
+
+
+def shard_rows(span: int, rank: int, size: int) -> tuple[int, int]:
+    """Return (row_start, row_count) of `rank`'s balanced contiguous shard of `span` rows over `size` ranks."""
+    if size <= 0:
+        raise ValueError(f"shard size must be positive, got {size}")
+    if not 0 <= rank < size:
+        raise ValueError(f"shard rank {rank} outside [0, {size})")
+    if span < 0:
+        raise ValueError(f"span must be >= 0, got {span}")
+    base, rem = divmod(span, size)
+    return rank * base + min(rank, rem), base + (1 if rank < rem else 0)
+
+
+def dtype_size(name: str) -> int:
+    """Bytes per element of a `str(torch.dtype)` name."""
+    try:
+        return DTYPE_BYTES[name]
+    except (KeyError, TypeError):
+        raise WireError(f"unknown dtype {name!r}") from None
+
+
+# ---------------------------------------------------------------- part codecs
+
+
+def _part(frame: object) -> bytes:
+    """One received part as bytes (accepts bytes, bytearray, memoryview, zmq.Frame)."""
+    if isinstance(frame, bytes):
+        return frame
+    return bytes(memoryview(frame))  # type: ignore[arg-type]
+
+
+def _text(part: bytes, name: str) -> str:
+    """Decode an ASCII text part."""
+    if not part.isascii():
+        raise WireError(f"{name} must be ASCII")
+    return part.decode("ascii")
+
+
+def _decimal(part: bytes, name: str, low: int = _I64_MIN, high: int = _I64_MAX) -> int:
+    """Parse an optional sign and ASCII digits within [low, high]; anything else is not an integer."""
+    if _DECIMAL.fullmatch(part) is None:
+        raise WireError(f"{name} is not an integer")
+    # Bound the digit count before int() so a huge part costs nothing (leading zeros are legal).
+    if len(part.lstrip(b"+-").lstrip(b"0")) > 20:
+        raise WireError(f"{name} is not an integer")
+    value = int(part)
+    if not low <= value <= high:
+        raise WireError(f"{name} is not an integer")
+    return value
+
+
+def _number(part: bytes, name: str) -> int:
+    """A TransferInfo/registration number: ASCII first, then a signed 64-bit decimal."""
+    if not part.isascii():
+        raise WireError(f"{name} must be ASCII")
+    return _decimal(part, name)
+
+
+def _pointer(part: bytes, name: str) -> int:
+    """An 8-byte native-order pointer part."""
+    if len(part) != _POINTER.size:
+        raise WireError(f"{name} must be 8 bytes")
+    return _POINTER.unpack(part)[0]
+
+
+def _port(value: int) -> int:
+    """Check a port is a u16."""
+    if not 0 <= value <= 0xFFFF:
+        raise WireError("invalid port")
+    return value
+
+
+def _encode_int(value: object, name: str, low: int = _I64_MIN, high: int = _I64_MAX) -> bytes:
+    """Encode an integer as ASCII decimal, refusing what the parser would refuse."""
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise WireError(f"{name} is not an integer") from None
+    if not low <= number <= high:
+        raise WireError(f"{name} is not an integer")
+    return str(number).encode("ascii")
+
+
+def _encode_text(value: object, name: str) -> bytes:
+    """Encode an ASCII text field."""
+    if not isinstance(value, str) or not value.isascii():
+        raise WireError(f"{name} must be ASCII")
+    return value.encode("ascii")
+
+
+def _encode_pointer(value: object, name: str) -> bytes:
+    """Encode a pointer as 8 native-order bytes."""
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise WireError(f"{name} is not an integer") from None
+    if not 0 <= number <= _U64_MAX:
+        raise WireError(f"{name} does not fit 8 bytes")
+    return _POINTER.pack(number)
+
+
+def _encode_room(room: object) -> bytes:
+    """Encode a room (non-negative signed 64-bit)."""
+    encoded = _encode_int(room, "room")
+    if encoded.startswith(b"-"):
+        raise WireError("negative room")
+    return encoded
+
+
+def _encode_port(port: object) -> bytes:
+    """Encode a port (u16)."""
+    encoded = _encode_int(port, "port")
+    _port(int(encoded))
+    return encoded
+
+
+# ---------------------------------------------------------------- TransferInfo (4.2)
+
+
+@dataclass(frozen=True)
+class TransferInfo:
+    """One prefill rank's request for one room's rows (SPEC.md 4.2, 13 parts)."""
+
+    room: int
+    endpoint: str
+    port: int
+    session_id: str
+    embedding_ptr: int
+    deepstack_ptr: int
+    rows: int
+    hidden: int
+    dtype: str
+    has_deepstack: bool
+    fanout: int
+    row_start: int
+    span: int
+
+    @property
+    def is_identity(self) -> bool:
+        """True when this receiver gets the item's full span (no row sharding)."""
+        return self.row_start == 0 and self.rows == self.span
+
+    @property
+    def receiver(self) -> str:
+        """The receiver's name in reasons and logs (its Mooncake session id)."""
+        return self.session_id
+
+    def row_bytes(self) -> int:
+        """Bytes of one embedding row: hidden * element size."""
+        return self.hidden * dtype_size(self.dtype)
+
+    def to_frames(self) -> list[bytes]:
+        """Encode as the 13 parts of SPEC.md 4.2; raises WireError for a value the parser would refuse."""
+        return [
+            _encode_room(self.room),
+            _encode_text(self.endpoint, "endpoint"),
+            _encode_port(self.port),
+            _encode_text(self.session_id, "session"),
+            _encode_pointer(self.embedding_ptr, "embedding pointer"),
+            _encode_pointer(self.deepstack_ptr, "deepstack pointer"),
+            _encode_int(self.rows, "rows"),
+            _encode_int(self.hidden, "hidden"),
+            _encode_text(self.dtype, "dtype"),
+            b"1" if self.has_deepstack else b"0",
+            _encode_int(self.fanout, "fanout"),
+            _encode_int(self.row_start, "row_start"),
+            _encode_int(self.span, "span"),
+        ]
+
+    @classmethod
+    def from_frames(cls, frames: Sequence[object]) -> "TransferInfo":
+        """Parse SPEC.md 4.2's parts in order; the first failure is the one raised."""
+        frames = list(frames)
+        if len(frames) < TRANSFER_INFO_PARTS:
+            raise WireError(f"malformed EmbeddingTransferInfo frame: {len(frames)} parts < {TRANSFER_INFO_PARTS}")
+        parts = [_part(f) for f in frames[:TRANSFER_INFO_PARTS]]
+        room = _number(parts[0], "room")
+        if room < 0:
+            raise WireError("negative room")
+        endpoint = _text(parts[1], "endpoint")
+        port = _port(_number(parts[2], "port"))
+        session_id = _text(parts[3], "session")
+        embedding_ptr = _pointer(parts[4], "embedding pointer")
+        deepstack_ptr = _pointer(parts[5], "deepstack pointer")
+        rows = _number(parts[6], "rows")
+        hidden = _number(parts[7], "hidden")
+        dtype = _text(parts[8], "dtype")
+        # Anything but "1" reads as false, as the peers do.
+        has_deepstack = parts[9] == b"1"
+        fanout = _number(parts[10], "fanout")
+        row_start = _number(parts[11], "row_start")
+        span = _number(parts[12], "span")
+        return cls(room, endpoint, port, session_id, embedding_ptr, deepstack_ptr, rows, hidden, dtype,
+                   has_deepstack, fanout, row_start, span)
+
+
+# ---------------------------------------------------------------- Registration (4.1, 8)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A prefill rank's registration with an encode rank (SPEC.md 4.1; lengths are section 8's extension)."""
+
+    endpoint: str
+    port: int
+    session_id: str
+    embedding_base: int
+    deepstack_base: int
+    embedding_len: int | None = None
+    deepstack_len: int | None = None
+
+    @property
+    def has_lengths(self) -> bool:
+        """True when the registration carries region lengths (our peers-ignored extension)."""
+        return self.embedding_len is not None
+
+    def to_frames(self) -> list[bytes]:
+        """Encode as registration parts (see registration_frames)."""
+        return registration_frames(self.endpoint, self.port, self.session_id, self.embedding_base,
+                                   self.deepstack_base, self.embedding_len, self.deepstack_len)
+
+
+def registration_frames(endpoint: str, port: int, session_id: str, embedding_base: int, deepstack_base: int,
+                        embedding_len: int | None = None, deepstack_len: int | None = None) -> list[bytes]:
+    """Encode a registration: 6 parts, or 8 with region lengths (a missing deepstack length is sent as 0)."""
+    parts = [
+        REGISTRATION_MARKER,
+        _encode_text(endpoint, "endpoint"),
+        _encode_port(port),
+        _encode_text(session_id, "session"),
+        _encode_pointer(embedding_base, "embedding pointer"),
+        _encode_pointer(deepstack_base, "deepstack pointer"),
+    ]
+    if embedding_len is None and deepstack_len is not None:
+        raise WireError("a deepstack length needs an embedding length")
+    if embedding_len is not None:
+        parts.append(_encode_length(embedding_len, "embedding length"))
+        parts.append(_encode_length(0 if deepstack_len is None else deepstack_len, "deepstack length"))
+    return parts
+
+
+def _encode_length(value: object, name: str) -> bytes:
+    """Encode a region length (non-negative)."""
+    encoded = _encode_int(value, name)
+    if encoded.startswith(b"-"):
+        raise WireError(f"negative {name}")
+    return encoded
+
+
+def _length(part: bytes, name: str) -> int:
+    """Parse a region length part."""
+    value = _number(part, name)
+    if value < 0:
+        raise WireError(f"negative {name}")
+    return value
+
+
+def is_registration(frames: Sequence[object]) -> bool:
+    """True exactly when part 0 is the literal `None` (SPEC.md 4.1)."""
+    frames = list(frames)
+    if not frames:
+        return False
+    try:
+        return _part(frames[0]) == REGISTRATION_MARKER
+    except TypeError:
+        return False
+
+
+def parse_registration(frames: Sequence[object]) -> Registration:
+    """Parse a registration's parts in order; parts 6 and 7 (region lengths) are optional, later ones ignored."""
+    frames = list(frames)
+    if len(frames) < REGISTRATION_PARTS:
+        raise WireError(f"malformed registration frame: {len(frames)} parts < {REGISTRATION_PARTS}")
+    parts = [_part(f) for f in frames[:REGISTRATION_PARTS + 2]]
+    if parts[0] != REGISTRATION_MARKER:
+        raise WireError("registration part 0 must be None")
+    endpoint = _text(parts[1], "endpoint")
+    port = _port(_number(parts[2], "port"))
+    session_id = _text(parts[3], "session")
+    embedding_base = _pointer(parts[4], "embedding pointer")
+    deepstack_base = _pointer(parts[5], "deepstack pointer")
+    embedding_len = _length(parts[6], "embedding length") if len(parts) > 6 else None
+    deepstack_len = _length(parts[7], "deepstack length") if len(parts) > 7 else None
+    return Registration(endpoint, port, session_id, embedding_base, deepstack_base, embedding_len, deepstack_len)
+
+
+# ---------------------------------------------------------------- Status (4.3, 8)
+
+
+def status_frames(room: int, status: TransferPoll | int, rank: int, checksums: Iterable[int] = ()) -> list[bytes]:
+    """Encode a status: 3 parts, plus one ASCII u64 per checksum (embedding, then deepstack)."""
+    checksums = tuple(checksums)
+    if len(checksums) > MAX_CHECKSUMS:
+        raise WireError(f"at most {MAX_CHECKSUMS} checksums, got {len(checksums)}")
+    encoded_status = _encode_int(status, "status")
+    if int(encoded_status) not in TransferPoll._value2member_map_:
+        raise WireError("unknown status")
+    parts = [_encode_room(room), encoded_status, _encode_int(rank, "rank")]
+    parts.extend(_encode_int(c, "checksum", 0, _U64_MAX) for c in checksums)
+    return parts
+
+
+def parse_status(frames: Sequence[object]) -> tuple[int, TransferPoll, int, tuple[int, ...]]:
+    """Parse a status into (room, status, rank, checksums); errors in SPEC.md 4.3's order."""
+    frames = list(frames)
+    if len(frames) < STATUS_PARTS:
+        raise WireError("an EPD status has 3 frames")
+    parts = [_part(f) for f in frames[:STATUS_PARTS + MAX_CHECKSUMS]]
+    # Status numbers have no ASCII step: a non-ASCII (or non-UTF-8) part simply fails the digit grammar.
+    room = _decimal(parts[0], "room")
+    if room < 0:
+        raise WireError("negative room")
+    code = _decimal(parts[1], "status")
+    if code not in TransferPoll._value2member_map_:
+        raise WireError("unknown status")
+    rank = _decimal(parts[2], "rank")
+    checksums = tuple(_decimal(p, "checksum", 0, _U64_MAX) for p in parts[STATUS_PARTS:])
+    return room, TransferPoll(code), rank, checksums
+
+
+# ---------------------------------------------------------------- encode-side checks (6, 8)
+
+
+def validate_fanout(span: int, hidden: int, dtype: str, has_deepstack: bool, infos: Iterable[TransferInfo],
+                    fanout: int | None = None) -> str | None:
+    """Check a room's whole receiver set against its item (SPEC.md 6); return the first violation or None.
+
+    `fanout` defaults to the number of infos. A set is valid when every receiver
+    agrees with the item and either all are identity, or the non-empty shards,
+    sorted by row_start, tile [0, span) with no gap or overlap. Mixed sets are
+    judged by the tiling rule, which is what makes span < fanout valid (shard 0
+    then holds all rows and looks like identity, the others are empty).
+    """
+    infos = list(infos)
+    if not infos:
+        return "no receivers to validate"
+    room = infos[0].room
+    want = len(infos) if fanout is None else fanout
+    if len(infos) != want:
+        return f"room {room}: {len(infos)} receivers != fanout {want}"
+    for info in infos:
+        reason = _receiver_mismatch(info, room, want, span, hidden, dtype, has_deepstack)
+        if reason is not None:
+            return f"room {room}: receiver {info.session_id} {reason}"
+    seen: set[str] = set()
+    for info in infos:
+        if info.session_id in seen:
+            return f"room {room}: receiver {info.session_id} asked twice"
+        seen.add(info.session_id)
+    if all(info.is_identity for info in infos):
+        return None
+    return _tiling_gap(room, span, infos)
+
+
+def _receiver_mismatch(info: TransferInfo, room: int, fanout: int, span: int, hidden: int, dtype: str,
+                       has_deepstack: bool) -> str | None:
+    """One receiver's disagreement with the item, or None."""
+    if info.room != room:
+        return f"is for room {info.room}"
+    if info.fanout != fanout:
+        return f"fanout {info.fanout} != fanout {fanout}"
+    if info.hidden != hidden:
+        return f"hidden {info.hidden} != item hidden {hidden}"
+    if info.dtype != dtype:
+        return f"dtype {info.dtype} != item dtype {dtype}"
+    if info.span != span:
+        return f"span {info.span} != item span {span}"
+    if bool(info.has_deepstack) != bool(has_deepstack):
+        return f"deepstack {bool(info.has_deepstack)} != item deepstack {bool(has_deepstack)}"
+    if info.rows < 0 or info.row_start < 0 or info.row_start + info.rows > span:
+        return f"shard rows [{info.row_start}, {info.row_start + info.rows}) outside [0, {span})"
+    return None
+
+
+def _tiling_gap(room: int, span: int, infos: list[TransferInfo]) -> str | None:
+    """Check non-empty shards sorted by row_start tile [0, span) exactly."""
+    shards = sorted((i for i in infos if i.rows > 0), key=lambda i: (i.row_start, i.rows))
+    end, previous = 0, None
+    for info in shards:
+        if info.row_start < end:
+            return (f"room {room}: receivers {previous.session_id} and {info.session_id} overlap on rows "
+                    f"[{info.row_start}, {min(end, info.row_start + info.rows)})")
+        if info.row_start > end:
+            return f"room {room}: rows [{end}, {info.row_start}) have no receiver (gap before {info.session_id})"
+        end, previous = info.row_start + info.rows, info
+    if end != span:
+        return f"room {room}: rows [{end}, {span}) have no receiver (gap at the end)"
+    return None
+
+
+def check_region(info: TransferInfo, registration: Registration, row_bytes: int,
+                 deepstack_row_bytes: int) -> str | None:
+    """Check the write ranges lie inside the registered regions (SPEC.md 8); None when fine or lengths unknown."""
+    if registration.embedding_len is not None:
+        reason = _outside("embedding", info.embedding_ptr, info.rows * row_bytes,
+                          registration.embedding_base, registration.embedding_len)
+        if reason is not None:
+            return f"room {info.room}: receiver {info.session_id} {reason}"
+    if info.has_deepstack and registration.deepstack_len is not None:
+        reason = _outside("deepstack", info.deepstack_ptr, info.rows * deepstack_row_bytes,
+                          registration.deepstack_base, registration.deepstack_len)
+        if reason is not None:
+            return f"room {info.room}: receiver {info.session_id} {reason}"
+    return None
+
+
+def _outside(what: str, ptr: int, length: int, base: int, region_len: int) -> str | None:
+    """Describe [ptr, ptr+length) escaping [base, base+region_len), or None; an empty write always fits."""
+    if length <= 0:
+        return None  # a zero-row shard writes nothing, so no address is touched
+    if length > 0 and base <= ptr and ptr + length <= base + region_len:
+        return None
+    return (f"{what} range [{ptr:#x}, {ptr + length:#x}) ({length} bytes) outside registered region "
+            f"[{base:#x}, {base + region_len:#x})")

@@ -1,0 +1,376 @@
+"""Loopback runs of whole deployments: a bootstrap server, E encode ranks and P prefill
+ranks, each rank its own process, moving deterministic items and checking every landed
+byte. The demo, the benchmark, the launch scripts and the live tests all run on this.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue as queue_mod
+import time
+import traceback
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from transfer.frames import dtype_size, shard_rows
+
+#: The byte every receive slot is filled with before an ask, so that writes outside
+#: the rank's shard show up.
+SENTINEL = 0xA5
+
+
+@dataclass
+class Scenario:
+    """One run: the deployment's shape, the items, and the knobs."""
+
+    encode_ranks: int = 1
+    prefill_ranks: int = 4
+    items: int = 64
+    span: int = 1024
+    hidden: int = 4096
+    dtype: str = "torch.bfloat16"
+    sharded: bool = True
+    deepstack: int = 0  # deepstack rows are hidden * deepstack wide; 0: no deepstack
+    inflight: int = 8
+    protocol: str = "auto"
+    host: str = "127.0.0.1"
+    integrity: bool = True
+    writers: int = 2
+    deadline_s: float = 60.0
+    bootstrap_timeout_s: float = 60.0
+    first_room: int = 0
+    spans: list[int] | None = None  # per-item spans (mixed sizes); default: `span` for all
+    token: str | None = None
+    timeout_s: float = 300.0  # the whole run's bound
+
+    def span_of(self, index: int) -> int:
+        """The span of the index-th item."""
+        return self.spans[index % len(self.spans)] if self.spans else self.span
+
+    @property
+    def rooms(self) -> list[int]:
+        return [self.first_room + i for i in range(self.items)]
+
+    @property
+    def max_span(self) -> int:
+        return max(self.spans) if self.spans else self.span
+
+    @property
+    def fanout(self) -> int:
+        return self.prefill_ranks // self.encode_ranks
+
+    @property
+    def row_bytes(self) -> int:
+        return self.hidden * dtype_size(self.dtype)
+
+
+# ------------------------------------------------------------------ item data
+
+
+class ItemSource:
+    """Deterministic items: room r's rows are a window of one seeded random pool.
+
+    Both ends build the same pool from the seed, so a prefill rank can check every
+    byte without the item being shipped twice; distinct rooms start at distinct rows,
+    so a row delivered to the wrong room is caught.
+    """
+
+    def __init__(self, max_span: int, hidden: int, dtype: str, seed: int = 1234, width_factor: int = 1) -> None:
+        import torch
+
+        self.hidden = hidden * width_factor
+        self.dtype = getattr(torch, dtype.removeprefix("torch."))
+        self.rows = max(2 * max_span, max_span + 64)
+        gen = torch.Generator().manual_seed(seed)
+        nbytes = self.rows * self.hidden * dtype_size(dtype)
+        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        self.pool = raw.view(self.dtype).view(self.rows, self.hidden)
+
+    def offset(self, room: int, span: int) -> int:
+        """The pool row where room's item starts."""
+        return (room * 131) % (self.rows - span + 1)
+
+    def item(self, room: int, span: int):
+        """Room's rows `[span, hidden]`, a view of the pool (no copy)."""
+        start = self.offset(room, span)
+        return self.pool[start : start + span]
+
+
+# --------------------------------------------------------------- rank bodies
+
+
+def make_engine(sc: Scenario):
+    """The data-path engine the scenario asks for."""
+    from transfer.engine import Engine
+
+    return Engine(hostname=sc.host, protocol=sc.protocol)
+
+
+def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finished) -> dict:
+    """Body of one encode rank: offers every room's item to its block of prefill ranks."""
+    from transfer.sender import SenderPool
+
+    source = ItemSource(sc.max_span, sc.hidden, sc.dtype)
+    deep = ItemSource(sc.max_span, sc.hidden, sc.dtype, seed=99, width_factor=sc.deepstack) if sc.deepstack else None
+    report: dict[str, Any] = {"role": "encode", "rank": rank, "rooms": [], "failed": []}
+    with make_engine(sc) as engine:
+        engine.register(source.pool)
+        if deep is not None:
+            engine.register(deep.pool)
+        with SenderPool(
+            engine, rank, sc.encode_ranks, 1, bootstrap_addr, host=sc.host, token=sc.token,
+            bootstrap_timeout_s=sc.bootstrap_timeout_s, integrity=sc.integrity, writers=sc.writers,
+        ) as pool:
+            ready()
+            go()
+            window: deque = deque()
+            for index, room in enumerate(sc.rooms):
+                span = sc.span_of(index)
+                ds = deep.item(room, span) if deep is not None else None
+                window.append(pool.send(room, source.item(room, span), ds))
+                if len(window) >= sc.inflight:
+                    _settle_send(window.popleft(), sc, report)
+            while window:
+                _settle_send(window.popleft(), sc, report)
+            report["stats"] = pool.stats()
+            finished()
+    return report
+
+
+def _settle_send(handle, sc: Scenario, report: dict) -> None:
+    from transfer.status import TransferPoll
+
+    status = handle.wait(sc.bootstrap_timeout_s + sc.deadline_s + 5)
+    report["rooms"].append(handle.room)
+    if status != TransferPoll.Success:
+        report["failed"].append((handle.room, handle.failure or f"still {status.name}"))
+    handle.clear()
+
+
+def prefill_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finished) -> dict:
+    """Body of one prefill rank: asks for every room, then checks every landed byte."""
+    import torch
+
+    from transfer.receiver import SessionManager
+
+    source = ItemSource(sc.max_span, sc.hidden, sc.dtype)
+    deep = ItemSource(sc.max_span, sc.hidden, sc.dtype, seed=99, width_factor=sc.deepstack) if sc.deepstack else None
+    fanout = sc.fanout
+    block_rank = rank % fanout
+    slots = torch.empty((sc.inflight, sc.max_span, sc.hidden), dtype=source.dtype)
+    ds_slots = torch.empty((sc.inflight, sc.max_span, deep.hidden), dtype=source.dtype) if deep else None
+    report: dict[str, Any] = {
+        "role": "prefill", "rank": rank, "rooms": [], "failed": [], "latencies": [],
+        "bytes": 0, "verified_bytes": 0, "bad": [],
+    }
+    with make_engine(sc) as engine, SessionManager(
+        engine, rank, sc.prefill_ranks, 1, buffer=slots, deepstack_buffer=ds_slots, host=sc.host,
+        deadline_s=sc.deadline_s, integrity=sc.integrity,
+    ) as manager:
+        ready()
+        go()
+        window: deque = deque()
+        free = list(range(sc.inflight))
+        report["t_start"] = time.time()
+        for index, room in enumerate(sc.rooms):
+            if not free:
+                free.append(_settle_receive(window.popleft(), sc, source, deep, slots, ds_slots, report))
+            slot = free.pop()
+            span = sc.span_of(index)
+            row_start, rows = shard_rows(span, block_rank, fanout) if sc.sharded else (0, span)
+            slots[slot].view(torch.uint8).fill_(SENTINEL)
+            ds_dst = None
+            if ds_slots is not None:
+                ds_slots[slot].view(torch.uint8).fill_(SENTINEL)
+                ds_dst = ds_slots[slot, row_start : row_start + rows]
+            handle = manager.receive(
+                room, bootstrap_addr, slots[slot, row_start : row_start + rows],
+                row_start=row_start, span=span, deepstack_dst=ds_dst,
+            )
+            window.append((handle, slot, span, row_start, rows))
+        while window:
+            _settle_receive(window.popleft(), sc, source, deep, slots, ds_slots, report)
+        report["t_end"] = time.time()
+        report["stats"] = manager.stats()
+        finished()
+    return report
+
+
+def _settle_receive(entry, sc: Scenario, source, deep, slots, ds_slots, report: dict) -> int:
+    """Waits for one room, checks its bytes, frees its slot; returns the slot."""
+    from transfer.status import TransferPoll
+
+    handle, slot, span, row_start, rows = entry
+    status = handle.wait(sc.deadline_s + 5)
+    report["rooms"].append(handle.room)
+    if status != TransferPoll.Success:
+        report["failed"].append((handle.room, handle.failure or f"still {status.name}"))
+    else:
+        report["latencies"].append(handle.latency_s)
+        bad = check_landed(slots[slot], source.item(handle.room, span), row_start, rows)
+        if ds_slots is not None and not bad:
+            bad = check_landed(ds_slots[slot], deep.item(handle.room, span), row_start, rows)
+        nbytes = rows * sc.row_bytes * (1 + sc.deepstack)
+        report["bytes"] += nbytes
+        if bad:
+            report["bad"].append(f"room {handle.room}: {bad}")
+        else:
+            report["verified_bytes"] += nbytes
+    handle.clear()
+    return slot
+
+
+def check_landed(slot, item, row_start: int, rows: int) -> str | None:
+    """None when slot rows [row_start, +rows) equal the item's and every other row is untouched."""
+    import torch
+
+    landed = slot.view(torch.uint8)
+    want = item.view(torch.uint8)
+    for row in range(rows):
+        if not torch.equal(landed[row_start + row], want[row_start + row]):
+            return f"row {row_start + row} differs from the item"
+    outside = torch.cat([landed[:row_start].reshape(-1), landed[row_start + rows :].reshape(-1)])
+    if outside.numel() and not bool((outside == SENTINEL).all()):
+        return "bytes outside the shard were written"
+    return None
+
+
+# -------------------------------------------------------------- orchestration
+
+
+def _rank_process(body, sc, rank, bootstrap_addr, results, ready_q, go_evt, finished_q, done_evt) -> None:
+    """Runs one rank's body in its own process and reports its result or its traceback."""
+    try:
+        def ready():
+            ready_q.put(rank)
+
+        def go():
+            if not go_evt.wait(sc.timeout_s):
+                raise TimeoutError("never told to start")
+
+        def finished():
+            finished_q.put(rank)
+            # Encode ranks keep serving until every prefill rank is done.
+            if body is encode_rank:
+                done_evt.wait(sc.timeout_s)
+
+        results.put(body(sc, rank, bootstrap_addr, ready, go, finished))
+    except BaseException:  # noqa: BLE001 - the parent must hear about it
+        results.put({"role": body.__name__, "rank": rank, "error": traceback.format_exc()})
+
+
+def run(sc: Scenario) -> dict:
+    """Runs the scenario end to end in separate processes; returns the summary."""
+    from transfer.bootstrap import BootstrapServer
+
+    ctx = mp.get_context("spawn")
+    results, ready_q, finished_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    go_evt, done_evt = ctx.Event(), ctx.Event()
+    deadline = time.monotonic() + sc.timeout_s
+    with BootstrapServer(sc.host, 0, token=sc.token) as server:
+        procs = []
+        for body, count in ((encode_rank, sc.encode_ranks), (prefill_rank, sc.prefill_ranks)):
+            for rank in range(count):
+                proc = ctx.Process(
+                    target=_rank_process,
+                    args=(body, sc, rank, server.address, results, ready_q, go_evt, finished_q, done_evt),
+                    name=f"{body.__name__}-{rank}", daemon=True,
+                )
+                proc.start()
+                procs.append(proc)
+        reports: list[dict] = []
+        try:
+            total = len(procs)
+            _gather(ready_q, total, deadline, results, reports, "ready")
+            go_evt.set()
+            _gather(finished_q, sc.prefill_ranks, deadline, results, reports, "finished", role="prefill")
+            done_evt.set()
+            while len(reports) < total:
+                reports.append(results.get(timeout=max(0.1, deadline - time.monotonic())))
+        except queue_mod.Empty:
+            raise TimeoutError(f"the run did not finish within {sc.timeout_s:g}s") from None
+        finally:
+            done_evt.set()
+            go_evt.set()
+            for proc in procs:
+                proc.join(timeout=max(1.0, deadline - time.monotonic()))
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
+    return summarize(sc, reports)
+
+
+def _gather(q, count, deadline, results, reports, what, role=None) -> None:
+    """Waits for `count` ranks to report `what`, failing fast when a rank died instead."""
+    seen = 0
+    while seen < count:
+        try:
+            q.get(timeout=0.2)
+            seen += 1
+        except queue_mod.Empty:
+            pass
+        while True:
+            try:
+                report = results.get_nowait()
+            except queue_mod.Empty:
+                break
+            reports.append(report)
+            if "error" in report:
+                raise RuntimeError(f"{report['role']} rank {report['rank']} crashed:\n{report['error']}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {seen} of {count} ranks {what} in time")
+
+
+def summarize(sc: Scenario, reports: list[dict]) -> dict:
+    """The run's figures: items, bytes, failures, verification, GB/s and latency percentiles."""
+    errors = [r for r in reports if "error" in r]
+    if errors:
+        raise RuntimeError(f"{errors[0]['role']} rank {errors[0]['rank']} crashed:\n{errors[0]['error']}")
+    prefill = [r for r in reports if r["role"] == "prefill"]
+    encode = [r for r in reports if r["role"] == "encode"]
+    latencies = sorted(lat for r in prefill for lat in r["latencies"])
+    failed = sorted({room for r in prefill + encode for room, _ in r["failed"]})
+    reasons = [f"{r['role']} {r['rank']} room {room}: {why}" for r in prefill + encode for room, why in r["failed"]]
+    bad = [f"prefill {r['rank']} {b}" for r in prefill for b in r["bad"]]
+    nbytes = sum(r["bytes"] for r in prefill)
+    wall = max(r["t_end"] for r in prefill) - min(r["t_start"] for r in prefill)
+    return {
+        "items": sc.items,
+        "bytes": nbytes,
+        "failed": len(failed),
+        "verified": sum(r["verified_bytes"] for r in prefill) == nbytes and not bad,
+        "gbps": nbytes / wall / 1e9 if wall > 0 else 0.0,
+        "p50_ms": _percentile(latencies, 50) * 1e3,
+        "p99_ms": _percentile(latencies, 99) * 1e3,
+        "protocol": _resolved_protocol(sc.protocol),
+        "encode_ranks": sc.encode_ranks,
+        "prefill_ranks": sc.prefill_ranks,
+        "wall_s": wall,
+        "rooms_per_s": sc.items / wall if wall > 0 else 0.0,
+        "failures": reasons[:20],
+        "mismatches": bad[:20],
+    }
+
+
+def _percentile(sorted_values: list[float], pct: float) -> float:
+    if not sorted_values:
+        return 0.0
+    index = min(len(sorted_values) - 1, max(0, round(pct / 100 * len(sorted_values) + 0.5) - 1))
+    return sorted_values[index]
+
+
+def _resolved_protocol(protocol: str) -> str:
+    if protocol != "auto":
+        return protocol
+    from transfer.engine import choose_protocol
+
+    return choose_protocol("auto")[0]
+
+
+def scenario_dict(sc: Scenario) -> dict:
+    """The scenario as plain data (for JSON output)."""
+    return asdict(sc)
+
+
+__all__ = ["Scenario", "ItemSource", "run", "check_landed", "encode_rank", "prefill_rank", "SENTINEL", "scenario_dict"]

@@ -1,0 +1,483 @@
+"""Counters, histograms and gauges a serving stack scrapes, with no mandatory dependency.
+
+One `Metrics` object per component (session manager, sender pool) holds its
+series under a namespace. Read it three ways: `snapshot()` (plain dict for
+`stats()` and JSON), `prometheus_text()` (the text exposition format, written
+here so it works without prometheus_client), and `register_with_prometheus_client()`
+(a Collector an engine mounts in its own registry). `serve()` starts a tiny
+/metrics endpoint for processes that have none.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable, Iterable
+
+# Latency buckets in seconds: a room takes from a millisecond (small item on
+# loopback) to a minute (bootstrap timeout), so cover both ends.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+# Help text for the names the library uses; others get their name spelled out.
+KNOWN_HELP: dict[str, str] = {
+    "rooms_started_total": "Rooms started (ask sent or item accepted).",
+    "rooms_succeeded_total": "Rooms concluded Success.",
+    "rooms_failed_total": "Rooms concluded Failed, by bounded reason category.",
+    "bytes_written_total": "Embedding and deepstack bytes written to receivers.",
+    "bytes_received_total": "Embedding and deepstack bytes landed in receive slots.",
+    "room_latency_seconds": "Seconds from a room's start to its Success.",
+    "queue_depth": "Items waiting to be sent.",
+    "parked_rooms": "Items parked until their receiver registers.",
+    "quarantined_slots": "Receive slots held back after a failed or late write.",
+}
+
+# The bounded reason categories, checked in this order; the first keyword hit wins.
+# Order matters: "checksum mismatch ... write" is a checksum failure, and a
+# bootstrap timeout is a timeout before it is a bootstrap problem.
+_REASON_KEYWORDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("checksum", ("checksum",)),
+    ("encode_failed", ("encode failed",)),
+    ("timeout", ("timeout", "timed out", "deadline", "never registered", "expired")),
+    ("geometry", ("geometry", "hidden", "dtype", "span", "shard", "row", "fanout", "tile",
+                  "overlap", "gap", "deepstack", "region", "outside", "shape")),
+    ("bootstrap", ("bootstrap", "route", "parallel info", "unreachable", "connect", "handshake")),
+    ("write", ("write", "transfer", "mooncake", "batch")),
+    ("aborted", ("abort", "cancel", "closed", "shutdown")),
+)
+REASON_CATEGORIES: tuple[str, ...] = tuple(c for c, _ in _REASON_KEYWORDS) + ("other",)
+
+_NAME_RE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+_LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+LabelKey = tuple[tuple[str, str], ...]
+
+
+def reason_label(reason: str) -> str:
+    """Map a free-text failure reason to one of REASON_CATEGORIES (bounded label cardinality)."""
+    text = (reason or "").lower()
+    for category, keywords in _REASON_KEYWORDS:
+        if any(k in text for k in keywords):
+            return category
+    return "other"
+
+
+def escape_label_value(value: str) -> str:
+    """Escape a label value for the text format: backslash, double quote, newline."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def escape_help(text: str) -> str:
+    """Escape HELP text for the text format: backslash and newline."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def format_value(value: float) -> str:
+    """Format a sample value as the text format expects (ints bare, +Inf, NaN)."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+def label_key_string(key: LabelKey) -> str:
+    """The snapshot's key for a label set: `k=v,k2=v2` sorted by name, '' when unlabelled."""
+    return ",".join(f"{k}={v}" for k, v in key)
+
+
+def _labels_text(key: LabelKey, extra: Iterable[tuple[str, str]] = ()) -> str:
+    """Render `{k="v",...}` for a sample line, or '' when there are no labels."""
+    pairs = list(key) + list(extra)
+    if not pairs:
+        return ""
+    return "{" + ",".join(f'{k}="{escape_label_value(v)}"' for k, v in pairs) + "}"
+
+
+def _check_name(name: str) -> None:
+    """Refuse a metric name the text format cannot carry."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"metric name {name!r} is not a valid Prometheus name")
+
+
+def _label_key(labels: dict[str, object], reserved: tuple[str, ...] = ()) -> LabelKey:
+    """Normalise keyword labels into a sorted tuple of (name, str(value))."""
+    for k in labels:
+        if not _LABEL_RE.match(k) or k.startswith("__") or k in reserved:
+            raise ValueError(f"label name {k!r} is not allowed")
+    return tuple(sorted((k, str(v)) for k, v in labels.items()))
+
+
+class _Histogram:
+    """One label set's bucket counts (non-cumulative), sum, count, min and max."""
+
+    __slots__ = ("counts", "total", "count", "low", "high")
+
+    def __init__(self, n_buckets: int) -> None:
+        self.counts = [0] * (n_buckets + 1)  # last slot is the +Inf overflow
+        self.total = 0.0
+        self.count = 0
+        self.low = math.inf
+        self.high = -math.inf
+
+
+def estimate_quantile(q: float, bounds: tuple[float, ...], counts: list[int],
+                      low: float = 0.0, high: float = math.inf) -> float:
+    """Estimate the q-quantile from non-cumulative bucket counts by linear interpolation.
+
+    Like Prometheus' histogram_quantile, but clamped to the observed [low, high],
+    so a sample in the +Inf bucket yields the largest value seen, not a bound.
+    Returns NaN when there are no observations.
+    """
+    count = sum(counts)
+    if count == 0:
+        return math.nan
+    rank = q * count
+    cumulative = 0
+    for i, n in enumerate(counts):
+        if n and cumulative + n >= rank:
+            lower = bounds[i - 1] if i > 0 else min(0.0, low)
+            upper = bounds[i] if i < len(bounds) else high
+            lower = max(lower, low)
+            upper = min(upper, high)
+            if upper <= lower:
+                return float(upper)
+            return lower + (upper - lower) * ((rank - cumulative) / n)
+        cumulative += n
+    return float(high)
+
+
+class Metrics:
+    """Thread-safe counters, histograms and gauges under one namespace."""
+
+    def __init__(self, namespace: str, buckets: Iterable[float] = LATENCY_BUCKETS) -> None:
+        """Create an empty set; `namespace` prefixes every exposed name (`<ns>_<name>`)."""
+        if namespace:
+            _check_name(namespace)
+        self.namespace = namespace
+        self.buckets = tuple(sorted(float(b) for b in buckets))
+        if not self.buckets or any(math.isinf(b) or math.isnan(b) for b in self.buckets):
+            raise ValueError("buckets must be finite numbers, at least one")
+        self._lock = threading.Lock()
+        self._kinds: dict[str, str] = {}
+        self._help: dict[str, str] = {}
+        self._counters: dict[str, dict[LabelKey, float]] = {}
+        self._gauges: dict[str, dict[LabelKey, float]] = {}
+        self._gauge_fns: dict[str, Callable[[], float]] = {}
+        self._histograms: dict[str, dict[LabelKey, _Histogram]] = {}
+
+    # ---- recording -------------------------------------------------------
+
+    def _claim(self, name: str, kind: str) -> None:
+        """Bind a name to one kind on first use; refuse reuse as another kind (lock held)."""
+        have = self._kinds.get(name)
+        if have is None:
+            _check_name(self.full_name(name))
+            self._kinds[name] = kind
+        elif have != kind:
+            raise ValueError(f"metric {name!r} is a {have}, not a {kind}")
+
+    def describe(self, name: str, help_text: str) -> None:
+        """Set the HELP text of a metric (defaults: KNOWN_HELP, else the name spelled out)."""
+        with self._lock:
+            self._help[name] = help_text
+
+    def inc(self, name: str, amount: float = 1, **labels: object) -> None:
+        """Add a non-negative amount to a counter."""
+        if amount < 0:
+            raise ValueError(f"counter {name!r} cannot decrease (amount {amount})")
+        key = _label_key(labels)
+        with self._lock:
+            self._claim(name, "counter")
+            series = self._counters.setdefault(name, {})
+            series[key] = series.get(key, 0) + amount
+
+    def observe(self, name: str, value: float, **labels: object) -> None:
+        """Record one observation (seconds, for latencies) in a histogram."""
+        value = float(value)
+        if math.isnan(value):
+            raise ValueError(f"histogram {name!r} got NaN")
+        key = _label_key(labels, reserved=("le",))
+        index = _bucket_index(self.buckets, value)
+        with self._lock:
+            self._claim(name, "histogram")
+            series = self._histograms.setdefault(name, {})
+            hist = series.get(key)
+            if hist is None:
+                hist = series[key] = _Histogram(len(self.buckets))
+            hist.counts[index] += 1
+            hist.total += value
+            hist.count += 1
+            hist.low = min(hist.low, value)
+            hist.high = max(hist.high, value)
+
+    def set_gauge(self, name: str, value: float, **labels: object) -> None:
+        """Set a gauge to a value."""
+        key = _label_key(labels)
+        with self._lock:
+            self._claim(name, "gauge")
+            self._gauges.setdefault(name, {})[key] = value
+
+    def gauge_fn(self, name: str, fn: Callable[[], float]) -> None:
+        """Make a gauge whose value is `fn()` evaluated at read time (e.g. a queue's depth)."""
+        if not callable(fn):
+            raise TypeError(f"gauge_fn {name!r}: fn is not callable")
+        with self._lock:
+            self._claim(name, "gauge")
+            self._gauge_fns[name] = fn
+
+    # ---- reading ---------------------------------------------------------
+
+    def full_name(self, name: str) -> str:
+        """The exposed name: `<namespace>_<name>`, or `name` without a namespace."""
+        return f"{self.namespace}_{name}" if self.namespace else name
+
+    def help_text(self, name: str) -> str:
+        """HELP text for a metric."""
+        return self._help.get(name) or KNOWN_HELP.get(name) or name.replace("_", " ")
+
+    def _read(self) -> tuple[dict, dict, dict, dict]:
+        """Copy every series under the lock, then evaluate gauge callables outside it."""
+        with self._lock:
+            counters = {n: dict(s) for n, s in self._counters.items()}
+            gauges = {n: dict(s) for n, s in self._gauges.items()}
+            fns = dict(self._gauge_fns)
+            hists = {
+                n: {k: (list(h.counts), h.total, h.count, h.low, h.high) for k, h in s.items()}
+                for n, s in self._histograms.items()
+            }
+            kinds = dict(self._kinds)
+        # A callable may take its own locks (a queue's), so never call it under ours.
+        for name, fn in fns.items():
+            try:
+                gauges.setdefault(name, {})[()] = float(fn())
+            except Exception:  # a broken callable must not break a scrape
+                gauges.setdefault(name, {})[()] = math.nan
+        return kinds, counters, gauges, hists
+
+    def snapshot(self) -> dict:
+        """Plain JSON-serializable view: counters, gauges, histograms (count/sum/p50/p99)."""
+        _, counters, gauges, hists = self._read()
+        out: dict = {"namespace": self.namespace, "counters": {}, "gauges": {}, "histograms": {}}
+        for name in sorted(counters):
+            out["counters"][name] = {label_key_string(k): v for k, v in sorted(counters[name].items())}
+        for name in sorted(gauges):
+            out["gauges"][name] = {label_key_string(k): _json_number(v)
+                                   for k, v in sorted(gauges[name].items())}
+        for name in sorted(hists):
+            out["histograms"][name] = {
+                label_key_string(k): self._hist_summary(*h) for k, h in sorted(hists[name].items())
+            }
+        return out
+
+    def _hist_summary(self, counts: list[int], total: float, count: int,
+                      low: float, high: float) -> dict:
+        """count, sum, p50, p99 and max of one label set (quantiles None when empty)."""
+        if count == 0:
+            return {"count": 0, "sum": 0.0, "p50": None, "p99": None, "max": None}
+        return {
+            "count": count,
+            "sum": total,
+            "p50": estimate_quantile(0.5, self.buckets, counts, low, high),
+            "p99": estimate_quantile(0.99, self.buckets, counts, low, high),
+            "max": high,
+        }
+
+    def prometheus_text(self) -> str:
+        """The metrics in the Prometheus text exposition format (version 0.0.4)."""
+        kinds, counters, gauges, hists = self._read()
+        lines: list[str] = []
+        for name in sorted(kinds):
+            kind = kinds[name]
+            full = self.full_name(name)
+            lines.append(f"# HELP {full} {escape_help(self.help_text(name))}")
+            lines.append(f"# TYPE {full} {kind}")
+            if kind == "counter":
+                for key, value in sorted(counters.get(name, {}).items()):
+                    lines.append(f"{full}{_labels_text(key)} {format_value(value)}")
+            elif kind == "gauge":
+                for key, value in sorted(gauges.get(name, {}).items()):
+                    lines.append(f"{full}{_labels_text(key)} {format_value(value)}")
+            else:
+                for key, (counts, total, count, _, _) in sorted(hists.get(name, {}).items()):
+                    lines.extend(self._hist_lines(full, key, counts, total, count))
+        return "\n".join(lines) + "\n" if lines else ""
+
+    def _hist_lines(self, full: str, key: LabelKey, counts: list[int],
+                    total: float, count: int) -> list[str]:
+        """_bucket lines (cumulative, ending at +Inf), then _sum and _count, for one label set."""
+        lines = []
+        cumulative = 0
+        for bound, n in zip(self.buckets + (math.inf,), counts):
+            cumulative += n
+            le = format_value(float(bound))
+            lines.append(f"{full}_bucket{_labels_text(key, [('le', le)])} {cumulative}")
+        lines.append(f"{full}_sum{_labels_text(key)} {format_value(float(total))}")
+        lines.append(f"{full}_count{_labels_text(key)} {count}")
+        return lines
+
+    # ---- exposing --------------------------------------------------------
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> "MetricsServer":
+        """Start a /metrics endpoint for this set in a daemon thread; close() stops it."""
+        return MetricsServer([self], host=host, port=port)
+
+    def register_with_prometheus_client(self, registry=None):
+        """Register a Collector for these metrics in `registry` (default: the global one); returns it."""
+        try:
+            from prometheus_client import REGISTRY
+        except ImportError as e:
+            raise ImportError(
+                "register_with_prometheus_client needs prometheus_client: "
+                "pip install 'epd-transfer[metrics]' (or pip install prometheus_client)"
+            ) from e
+        collector = _PrometheusCollector(self)
+        (registry if registry is not None else REGISTRY).register(collector)
+        return collector
+
+
+def _bucket_index(bounds: tuple[float, ...], value: float) -> int:
+    """Index of the first bucket whose upper bound is >= value (len(bounds) for +Inf)."""
+    for i, bound in enumerate(bounds):
+        if value <= bound:
+            return i
+    return len(bounds)
+
+
+def _json_number(value: float) -> float | None:
+    """JSON has no NaN/Inf: map them to None so json.dumps(strict) works."""
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return None
+    return value
+
+
+class _PrometheusCollector:
+    """A prometheus_client Collector that reads a Metrics at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self):
+        """Nothing up front: names are only known once recorded (and avoids a collect at register)."""
+        return []
+
+    def collect(self):
+        """Yield one metric family per series name."""
+        from prometheus_client.core import (
+            CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+        )
+        m = self.metrics
+        kinds, counters, gauges, hists = m._read()
+        for name in sorted(kinds):
+            kind, full, doc = kinds[name], m.full_name(name), m.help_text(name)
+            if kind == "counter":
+                series = counters.get(name, {})
+                family = CounterMetricFamily(full, doc, labels=_label_names(series))
+                for key, value in sorted(series.items()):
+                    family.add_metric([v for _, v in key], value)
+            elif kind == "gauge":
+                series = gauges.get(name, {})
+                family = GaugeMetricFamily(full, doc, labels=_label_names(series))
+                for key, value in sorted(series.items()):
+                    family.add_metric([v for _, v in key], value)
+            else:
+                series = hists.get(name, {})
+                family = HistogramMetricFamily(full, doc, labels=_label_names(series))
+                for key, (counts, total, _, _, _) in sorted(series.items()):
+                    buckets, cumulative = [], 0
+                    for bound, n in zip(m.buckets + (math.inf,), counts):
+                        cumulative += n
+                        buckets.append((format_value(float(bound)), cumulative))
+                    family.add_metric([v for _, v in key], buckets, total)
+            yield family
+
+
+def _label_names(series: dict[LabelKey, object]) -> list[str]:
+    """The label names of a family (its first label set's; the library keeps them uniform)."""
+    for key in series:
+        return [k for k, _ in key]
+    return []
+
+
+class MetricsServer:
+    """A tiny HTTP server: GET /metrics (text format) and /stats (JSON snapshot)."""
+
+    def __init__(self, sources: list[Metrics], host: str = "127.0.0.1", port: int = 0) -> None:
+        """Bind and start serving in a daemon thread."""
+        self.sources = list(sources)
+        handler = _make_handler(self)
+        self._httpd = ThreadingHTTPServer((host, port), handler)
+        self._httpd.daemon_threads = True
+        self.host, self.port = self._httpd.server_address[:2]
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
+            name=f"metrics-http-{self.port}", daemon=True,
+        )
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        """The /metrics URL."""
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def render_text(self) -> str:
+        """All sources' text, concatenated (namespaces keep names apart)."""
+        return "".join(s.prometheus_text() for s in self.sources)
+
+    def render_json(self) -> str:
+        """All sources' snapshots as one JSON object keyed by namespace."""
+        return json.dumps({s.namespace: s.snapshot() for s in self.sources})
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        if self._thread.is_alive():
+            self._httpd.shutdown()
+            self._thread.join(timeout=5)
+        self._httpd.server_close()
+
+    def __enter__(self) -> "MetricsServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def serve(*sources: Metrics, host: str = "127.0.0.1", port: int = 0) -> MetricsServer:
+    """Serve several Metrics (e.g. session manager and sender pool) on one /metrics endpoint."""
+    return MetricsServer(list(sources), host=host, port=port)
+
+
+def _make_handler(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
+    """A request handler bound to one MetricsServer."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            """Answer /metrics and /stats; 404 for anything else."""
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                body = server.render_text().encode()
+                ctype = "text/plain; version=0.0.4; charset=utf-8"
+            elif path == "/stats":
+                body = server.render_json().encode()
+                ctype = "application/json"
+            else:
+                self.send_error(404, "only /metrics and /stats are served")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args) -> None:  # noqa: A002
+            """Stay quiet: a scraper every few seconds would flood stderr."""
+
+    return Handler

@@ -1,0 +1,460 @@
+"""The prefill side: a session manager that asks encode ranks for items and tracks
+their rooms (SPEC.md sections 5, 7 and 8).
+
+`receive()` and `poll()` run on the engine's scheduler thread and never block on
+the network: bootstrap look-ups, frame pushes, status reads, checksum checks and
+deadlines all happen on one I/O thread that sleeps in zmq.Poller.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from transfer import _io
+from transfer.bootstrap import BootstrapClient, BootstrapError
+from transfer.frames import (
+    TransferInfo,
+    WireError,
+    dtype_size,
+    parse_status,
+    registration_frames,
+)
+from transfer.metrics import Metrics, reason_label
+from transfer.status import RoomTable, TransferPoll, is_terminal
+
+log = logging.getLogger("transfer.receiver")
+
+ENCODE_FAILED = "encode failed to send embedding"
+
+
+@dataclass
+class _Room:
+    """What the I/O thread knows about one room this rank asked for."""
+
+    room: int
+    bootstrap_addr: str
+    embedding_ptr: int
+    rows: int
+    hidden: int
+    dtype: str
+    row_bytes: int
+    row_start: int
+    span: int
+    deepstack_ptr: int
+    deepstack_nbytes: int
+    asked_at: float
+    deadline: float
+    done: threading.Event = field(default_factory=threading.Event)
+    encode_rank: int | None = None
+    encode_addr: tuple[str, int] | None = None
+    route_key: tuple[str, int, int] | None = None
+    concluded_at: float | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    def where(self) -> str:
+        """The encode rank this room waits on, for failure reasons."""
+        if self.encode_rank is None:
+            return f"its encode rank (bootstrap {self.bootstrap_addr})"
+        host, port = self.encode_addr or ("?", 0)
+        return f"encode rank {self.encode_rank} at {host}:{port}"
+
+
+class ReceiveHandle:
+    """One room's progress as the scheduler loop sees it."""
+
+    def __init__(self, manager: SessionManager, room: _Room) -> None:
+        self._manager = manager
+        self._room = room
+        self.room = room.room
+
+    def poll(self) -> TransferPoll:
+        """The room's status right now (never blocks; Failed once cleared)."""
+        status = self._manager._table.get(self.room)
+        return TransferPoll.Failed if status is None else status
+
+    @property
+    def failure(self) -> str | None:
+        """Why the room failed, or None."""
+        return self._manager._table.reason(self.room)
+
+    @property
+    def latency_s(self) -> float | None:
+        """Seconds from the ask to the room's conclusion, once concluded."""
+        end = self._room.concluded_at
+        return None if end is None else end - self._room.asked_at
+
+    def wait(self, timeout: float) -> TransferPoll:
+        """Blocks up to `timeout` seconds for a terminal status (for tools and tests, not scheduler loops)."""
+        self._room.done.wait(timeout)
+        return self.poll()
+
+    def clear(self) -> None:
+        """Forgets the room; a status that still arrives for it is ignored."""
+        self._manager._forget(self.room)
+
+
+class SessionManager:
+    """A prefill rank's receiving side: registration, TransferInfos, statuses, deadlines."""
+
+    def __init__(
+        self,
+        engine: Any,
+        engine_rank: int,
+        tp_size: int,
+        dp_size: int = 1,
+        *,
+        buffer: Any,
+        deepstack_buffer: Any = None,
+        host: str | None = None,
+        status_port: int = 0,
+        deadline_s: float = 60.0,
+        bootstrap_timeout_s: float = 2.0,
+        integrity: bool = True,
+        metrics: Metrics | None = None,
+    ) -> None:
+        if tp_size % dp_size:
+            raise ValueError(f"tp size {tp_size} is not a multiple of dp size {dp_size}")
+        self.engine = engine
+        self.engine_rank = engine_rank
+        self.tp_size = tp_size
+        self.dp_size = dp_size
+        self.deadline_s = deadline_s
+        self.bootstrap_timeout_s = bootstrap_timeout_s
+        self.integrity = integrity
+        self.host = host or engine.hostname
+        self.metrics = metrics or Metrics("epd_prefill")
+
+        self._owned: list[int] = []
+        self.buffer = self._register(buffer)
+        self.deepstack_buffer = self._register(deepstack_buffer) if deepstack_buffer is not None else None
+
+        self._table = RoomTable()
+        self._rooms: dict[int, _Room] = {}
+        self._lock = threading.Lock()
+        self._asks: deque[_Room] = deque()
+        self._deadlines: list[tuple[float, int, _Room]] = []
+        self._waker = _io.Waker()
+        self._stopping = False
+
+        # Caches owned by the I/O thread.
+        self._parallel: dict[str, tuple[int, int]] = {}
+        self._routes: dict[tuple[str, int, int], tuple[str, int]] = {}
+        self._registered: set[tuple[str, int, int]] = set()
+        self._encode_sockets: dict[tuple[str, int], zmq.Socket] = {}
+
+        self._status_sock, self.status_port = _io.pull_socket(self.host, status_port)
+        self.metrics.gauge_fn("rooms_in_flight", lambda: len(self._rooms))
+        self._thread = threading.Thread(target=self._run, name=f"epd-prefill-{engine_rank}", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------- caller side
+
+    def receive(
+        self,
+        room: int,
+        bootstrap_addr: str,
+        dst: Any,
+        rows: int | None = None,
+        hidden: int | None = None,
+        dtype: str | None = None,
+        row_start: int = 0,
+        span: int | None = None,
+        deepstack_dst: Any = None,
+    ) -> ReceiveHandle:
+        """Asks the encode rank behind `bootstrap_addr` for this rank's rows of `room`.
+
+        `dst` is a tensor `[rows, hidden]` (geometry taken from it) or a raw address with
+        `rows`, `hidden` and `dtype`; it must lie inside the registered `buffer`. `span` is
+        the item's full row count (default: `rows`, an identity receive). Never blocks.
+        """
+        if self._stopping:
+            raise RuntimeError("session manager is closed")
+        if room < 0:
+            raise ValueError(f"negative room {room}")
+        ptr, rows, hidden, dtype = _destination(dst, rows, hidden, dtype)
+        row_bytes = hidden * dtype_size(dtype)
+        span = rows if span is None else span
+        if not (0 <= row_start and row_start + rows <= span):
+            raise ValueError(f"room {room}: shard [{row_start}, {row_start + rows}) outside the item's span {span}")
+        if not self.buffer.contains(ptr, rows * row_bytes):
+            raise ValueError(
+                f"room {room}: destination [{ptr:#x}, +{rows * row_bytes}) is outside the registered "
+                f"receive buffer [{self.buffer.addr:#x}, +{self.buffer.nbytes})"
+            )
+        ds_ptr, ds_nbytes = 0, 0
+        if deepstack_dst is not None:
+            if self.deepstack_buffer is None:
+                raise ValueError(f"room {room}: deepstack_dst given but the manager has no deepstack_buffer")
+            ds = _io.as_region(deepstack_dst)
+            ds_ptr, ds_nbytes = ds.addr, ds.nbytes
+            if not self.deepstack_buffer.contains(ds_ptr, ds_nbytes):
+                raise ValueError(f"room {room}: deepstack destination is outside the registered deepstack buffer")
+        now = time.monotonic()
+        state = _Room(
+            room, bootstrap_addr, ptr, rows, hidden, dtype, row_bytes, row_start, span,
+            ds_ptr, ds_nbytes, asked_at=now, deadline=now + self.deadline_s,
+        )
+        with self._lock:
+            if room in self._rooms:
+                raise ValueError(f"room {room} is already being received; clear() it first")
+            self._rooms[room] = state
+            self._table.start(room, TransferPoll.Bootstrapping)
+            self._asks.append(state)
+        self.metrics.inc("rooms_started_total")
+        self._waker.wake()
+        return ReceiveHandle(self, state)
+
+    def stats(self) -> dict:
+        """A plain snapshot of counters, histograms and gauges."""
+        return self.metrics.snapshot()
+
+    def close(self) -> None:
+        """Fails rooms still in flight, stops the I/O thread, closes sockets, unregisters owned memory."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._waker.wake()
+        self._thread.join(timeout=10)
+        for state in list(self._rooms.values()):
+            self._conclude(state, TransferPoll.Failed, "session manager closed")
+        self._status_sock.close(0)
+        for sock in self._encode_sockets.values():
+            sock.close(0)
+        self._encode_sockets.clear()
+        self._waker.close()
+        for addr in self._owned:
+            try:
+                self.engine.unregister(addr)
+            except Exception as exc:  # noqa: BLE001 - closing must go on
+                log.warning("unregistering %#x failed: %s", addr, exc)
+        self._owned.clear()
+
+    def __enter__(self) -> SessionManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------- internals
+
+    def _register(self, buf: Any) -> _io.Region:
+        """Registers `buf` with the engine unless it already lies in registered memory."""
+        region = _io.as_region(buf)
+        for addr, nbytes in self.engine.registered().items():
+            if addr <= region.addr and region.end <= addr + nbytes:
+                return region
+        self.engine.register(region.tensor if region.tensor is not None else region.addr, region.nbytes)
+        self._owned.append(region.addr)
+        return region
+
+    def _forget(self, room: int) -> None:
+        with self._lock:
+            self._rooms.pop(room, None)
+            self._table.clear(room)
+
+    def _conclude(self, state: _Room, status: TransferPoll, reason: str | None = None) -> None:
+        """Moves a room to a terminal status once; later statuses for it change nothing."""
+        with self._lock:
+            if self._rooms.get(state.room) is not state or is_terminal(self._table.get(state.room)):
+                return
+            if status == TransferPoll.Failed:
+                self._table.fail(state.room, reason or "failed")
+            else:
+                self._table.update(state.room, status)
+        if status == TransferPoll.Success:
+            self.metrics.inc("rooms_succeeded_total")
+            self.metrics.inc("bytes_received_total", state.nbytes + state.deepstack_nbytes)
+            self.metrics.observe("room_latency_seconds", time.monotonic() - state.asked_at)
+        else:
+            self.metrics.inc("rooms_failed_total", reason=reason_label(reason or ""))
+            log.warning("room %d failed: %s", state.room, reason)
+        state.concluded_at = time.monotonic()
+        state.done.set()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._status_sock, zmq.POLLIN)
+        poller.register(self._waker.fileno(), zmq.POLLIN)
+        while not self._stopping:
+            timeout_ms = self._next_timeout_ms()
+            try:
+                events = dict(poller.poll(timeout_ms))
+            except zmq.ZMQError as exc:
+                log.error("status poller failed: %s", exc)
+                break
+            if self._waker.fileno() in events:
+                self._waker.drain()
+                self._serve_asks()
+            if self._status_sock in events:
+                self._drain_statuses()
+            self._expire(time.monotonic())
+
+    def _next_timeout_ms(self) -> int:
+        if not self._deadlines:
+            return 1000
+        return max(0, min(1000, int((self._deadlines[0][0] - time.monotonic()) * 1000) + 1))
+
+    def _serve_asks(self) -> None:
+        while self._asks:
+            state = self._asks.popleft()
+            heapq.heappush(self._deadlines, (state.deadline, state.room, state))
+            try:
+                self._ask(state)
+            except BootstrapError as exc:
+                self._conclude(state, TransferPoll.Failed, f"bootstrap {state.bootstrap_addr}: {exc}")
+            except _AskFailed as exc:
+                self._conclude(state, TransferPoll.Failed, str(exc))
+
+    def _ask(self, state: _Room) -> None:
+        """Resolves the room's encode rank and sends the registration (once) and its TransferInfo."""
+        encode_tp, encode_dp = self._parallel_info(state.bootstrap_addr)
+        local_tp = self.tp_size // self.dp_size
+        if local_tp % encode_tp:
+            raise _AskFailed(f"prefill local tp {local_tp} is not a multiple of encode tp {encode_tp}")
+        fanout = local_tp // encode_tp
+        state.encode_rank = (self.engine_rank % local_tp) // fanout
+        group = state.room % encode_dp
+        key = (state.bootstrap_addr, group, state.encode_rank)
+        state.route_key = key
+        route = self._routes.get(key)
+        if route is None:
+            client = BootstrapClient(state.bootstrap_addr, timeout=self.bootstrap_timeout_s)
+            route = self._routes[key] = client.route(state.encode_rank, group)
+        state.encode_addr = route
+        sock = self._encode_sockets.get(route)
+        if sock is None:
+            sock = self._encode_sockets[route] = _io.push_socket(*route)
+        if key not in self._registered:
+            ds = self.deepstack_buffer
+            frames = registration_frames(
+                self.host, self.status_port, self.engine.session_id,
+                self.buffer.addr, ds.addr if ds else 0,
+                self.buffer.nbytes, ds.nbytes if ds else 0,
+            )
+            self._push(sock, frames, state)
+            self._registered.add(key)
+        info = TransferInfo(
+            room=state.room, endpoint=self.host, port=self.status_port, session_id=self.engine.session_id,
+            embedding_ptr=state.embedding_ptr, deepstack_ptr=state.deepstack_ptr, rows=state.rows,
+            hidden=state.hidden, dtype=state.dtype, has_deepstack=state.deepstack_ptr != 0,
+            fanout=fanout, row_start=state.row_start, span=state.span,
+        )
+        self._push(sock, info.to_frames(), state)
+        with self._lock:
+            if self._rooms.get(state.room) is state:
+                self._table.update(state.room, TransferPoll.WaitingForInput)
+
+    def _push(self, sock: zmq.Socket, frames: list[bytes], state: _Room) -> None:
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            raise _AskFailed(f"{state.where()} is not accepting requests (its queue is full)") from None
+
+    def _parallel_info(self, bootstrap_addr: str) -> tuple[int, int]:
+        info = self._parallel.get(bootstrap_addr)
+        if info is None:
+            client = BootstrapClient(bootstrap_addr, timeout=self.bootstrap_timeout_s)
+            info = self._parallel[bootstrap_addr] = client.parallel_info()
+        return info
+
+    def _drain_statuses(self) -> None:
+        while True:
+            frames = _io.recv_frames(self._status_sock)
+            if frames is None:
+                return
+            try:
+                room, status, rank, sums = parse_status(frames)
+            except WireError as exc:
+                log.warning("dropped a malformed status (%d parts): %s", len(frames), exc)
+                continue
+            with self._lock:
+                state = self._rooms.get(room)
+            if state is None:
+                log.debug("status %s for unknown room %d ignored", status.name, room)
+                continue
+            if state.encode_rank is not None and rank != state.encode_rank:
+                log.warning("room %d: status from encode rank %d, expected %d; ignored", room, rank, state.encode_rank)
+                continue
+            self._on_status(state, status, sums)
+
+    def _on_status(self, state: _Room, status: TransferPoll, sums: tuple[int, ...]) -> None:
+        if status == TransferPoll.Failed:
+            self._conclude(state, TransferPoll.Failed, f"{ENCODE_FAILED} ({state.where()})")
+        elif status == TransferPoll.Success:
+            mismatch = self._verify(state, sums) if self.integrity else None
+            if mismatch:
+                self._conclude(state, TransferPoll.Failed, mismatch)
+            else:
+                self._conclude(state, TransferPoll.Success)
+        else:
+            with self._lock:
+                if self._rooms.get(state.room) is state:
+                    self._table.update(state.room, status)
+
+    def _verify(self, state: _Room, sums: tuple[int, ...]) -> str | None:
+        """Compares the landed bytes with the sender's checksums (none sent: unverified)."""
+        checks = [("embedding", self.buffer, state.embedding_ptr, state.nbytes)]
+        if state.deepstack_ptr and self.deepstack_buffer is not None:
+            checks.append(("deepstack", self.deepstack_buffer, state.deepstack_ptr, state.deepstack_nbytes))
+        for (what, region, addr, nbytes), expected in zip(checks, sums):
+            landed = _io.checksum(region, addr, nbytes)
+            if landed != expected:
+                return (
+                    f"checksum mismatch: room {state.room}, prefill rank {self.engine_rank}, {what} "
+                    f"from {state.where()}: sent {expected}, landed {landed}"
+                )
+        return None
+
+    def _expire(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, state = heapq.heappop(self._deadlines)
+            with self._lock:
+                live = self._rooms.get(state.room) is state and not is_terminal(self._table.get(state.room))
+            if not live:
+                continue
+            # The encode rank may have restarted elsewhere: look it up afresh next time.
+            if state.route_key is not None:
+                self._routes.pop(state.route_key, None)
+                self._registered.discard(state.route_key)
+            self._conclude(
+                state, TransferPoll.Failed,
+                f"no status from {state.where()} within {self.deadline_s:g}s for room {state.room}",
+            )
+
+
+class _AskFailed(Exception):
+    """A room could not be asked for; its message is the room's failure reason."""
+
+
+def _destination(dst: Any, rows: int | None, hidden: int | None, dtype: str | None) -> tuple[int, int, int, str]:
+    """(pointer, rows, hidden, dtype) of a destination tensor or raw pointer."""
+    if isinstance(dst, int):
+        if rows is None or hidden is None or dtype is None:
+            raise ValueError("a raw destination pointer needs rows, hidden and dtype")
+        return dst, rows, hidden, dtype
+    if not hasattr(dst, "data_ptr"):
+        raise TypeError(f"dst must be a torch tensor or a pointer, got {type(dst).__name__}")
+    if not dst.is_contiguous():
+        raise ValueError(f"destination of shape {tuple(dst.shape)} is not contiguous")
+    if dst.dim() == 2:
+        t_rows, t_hidden = dst.shape
+    elif hidden:
+        t_rows, t_hidden = dst.numel() // hidden, hidden
+    else:
+        raise ValueError("a destination that is not 2-D needs `hidden`")
+    t_dtype = str(dst.dtype)
+    for name, given, actual in (("rows", rows, t_rows), ("hidden", hidden, t_hidden), ("dtype", dtype, t_dtype)):
+        if given is not None and given != actual:
+            raise ValueError(f"{name} {given} disagrees with the destination tensor's {actual}")
+    return dst.data_ptr(), int(t_rows), int(t_hidden), t_dtype

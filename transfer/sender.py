@@ -1,0 +1,481 @@
+"""The encode side: a sender pool that writes each item's row shards into the prefill
+ranks that asked for it (SPEC.md sections 5, 6 and 8).
+
+One I/O thread owns the PULL socket: it files registrations and TransferInfos,
+parks items until their whole fanout asked, validates the set, and hands one write
+job per receiver to a few writer threads (Mooncake's synchronous batch write
+releases the GIL). Writers push each receiver's status without ever blocking.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from transfer import _io
+from transfer.bootstrap import BootstrapClient
+from transfer.frames import (
+    Registration,
+    TransferInfo,
+    WireError,
+    check_region,
+    dtype_size,
+    is_registration,
+    parse_registration,
+    status_frames,
+    validate_fanout,
+)
+from transfer.metrics import Metrics, reason_label
+from transfer.status import RoomTable, TransferPoll, is_terminal
+
+log = logging.getLogger("transfer.sender")
+
+
+@dataclass
+class _Item:
+    """One room's source rows, its receivers once they asked, and its progress."""
+
+    room: int
+    src: _io.Region
+    span: int
+    hidden: int
+    dtype: str
+    row_bytes: int
+    deepstack: _io.Region | None
+    deepstack_row_bytes: int
+    ready_event: Any
+    sent_at: float
+    release: Any = None  # callable that drops a temporary source registration
+    done: threading.Event = field(default_factory=threading.Event)
+    receivers: list[TransferInfo] = field(default_factory=list)
+    pending: int = 0
+    failed: bool = False
+    event_lock: threading.Lock = field(default_factory=threading.Lock)
+    concluded_at: float | None = None
+
+
+@dataclass
+class _Asks:
+    """TransferInfos that arrived for a room, by session id, and when the first came."""
+
+    first_at: float
+    infos: dict[str, TransferInfo] = field(default_factory=dict)
+
+
+class SendHandle:
+    """One room's progress on the encode side."""
+
+    def __init__(self, pool: SenderPool, item: _Item) -> None:
+        self._pool = pool
+        self._item = item
+        self.room = item.room
+
+    def poll(self) -> TransferPoll:
+        """The room's status right now (never blocks; Failed once cleared)."""
+        status = self._pool._table.get(self.room)
+        return TransferPoll.Failed if status is None else status
+
+    @property
+    def failure(self) -> str | None:
+        """Why the room failed, or None."""
+        return self._pool._table.reason(self.room)
+
+    @property
+    def latency_s(self) -> float | None:
+        """Seconds from send() to the room's conclusion, once concluded."""
+        end = self._item.concluded_at
+        return None if end is None else end - self._item.sent_at
+
+    def wait(self, timeout: float) -> TransferPoll:
+        """Blocks up to `timeout` seconds for a terminal status (for tools and tests)."""
+        self._item.done.wait(timeout)
+        return self.poll()
+
+    def clear(self) -> None:
+        """Forgets a concluded room (an unconcluded one is failed first)."""
+        self._pool._forget(self._item)
+
+
+class SenderPool:
+    """An encode rank's sending side."""
+
+    def __init__(
+        self,
+        engine: Any,
+        engine_rank: int,
+        tp_size: int,
+        dp_size: int,
+        bootstrap_addr: str,
+        *,
+        host: str | None = None,
+        port: int = 0,
+        token: str | None = None,
+        bootstrap_timeout_s: float = 120.0,
+        register_timeout_s: float = 30.0,
+        integrity: bool = True,
+        writers: int = 2,
+        metrics: Metrics | None = None,
+    ) -> None:
+        if tp_size % dp_size:
+            raise ValueError(f"tp size {tp_size} is not a multiple of dp size {dp_size}")
+        self.engine = engine
+        self.engine_rank = engine_rank
+        self.tp_size = tp_size
+        self.dp_size = dp_size
+        self.host = host or engine.hostname
+        self.bootstrap_timeout_s = bootstrap_timeout_s
+        self.integrity = integrity
+        self.metrics = metrics or Metrics("epd_encode")
+
+        self._table = RoomTable()
+        self._items: dict[int, _Item] = {}  # sent by the caller, not yet concluded
+        self._asks: dict[int, _Asks] = {}  # TransferInfos waiting for their whole fanout or item
+        self._sessions: dict[str, Registration] = {}
+        self._lock = threading.Lock()
+        self._new_items: list[_Item] = []
+        self._waker = _io.Waker()
+        self._stopping = False
+        self._temp_sources: dict[int, int] = {}  # address -> refcount of registrations we made
+        self._temp_lock = threading.Lock()
+
+        self._pull, self.port = _io.pull_socket(self.host, port)
+        self._statuses = _io.Pushers()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.metrics.gauge_fn("queue_depth", self._jobs.qsize)
+        self.metrics.gauge_fn("parked_rooms", lambda: sum(1 for i in self._items.values() if not i.receivers))
+
+        self._threads = [threading.Thread(target=self._run, name=f"epd-encode-{engine_rank}-io", daemon=True)]
+        self._threads += [
+            threading.Thread(target=self._write_loop, name=f"epd-encode-{engine_rank}-w{i}", daemon=True)
+            for i in range(max(1, writers))
+        ]
+        for thread in self._threads:
+            thread.start()
+        try:
+            BootstrapClient(bootstrap_addr, token=token).register_rank(
+                tp_size, dp_size, self.host, self.port, engine_rank, retry_for=register_timeout_s
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    # ----------------------------------------------------------- caller side
+
+    def send(
+        self,
+        room: int,
+        src: Any,
+        deepstack: Any = None,
+        *,
+        span: int | None = None,
+        hidden: int | None = None,
+        dtype: str | None = None,
+        deepstack_hidden: int | None = None,
+        ready_event: Any = None,
+    ) -> SendHandle:
+        """Offers `room`'s rows to the prefill ranks that ask for it; never blocks on them.
+
+        `src` is a tensor `[span, hidden]` on any device, or a raw address with `span`,
+        `hidden` and `dtype`; `deepstack` likewise `[span, hidden * k]` (raw: give
+        `deepstack_hidden`). `ready_event` (e.g. a CUDA event) is waited for by the
+        writer, not the caller, before the first byte is read.
+        """
+        if self._stopping:
+            raise RuntimeError("sender pool is closed")
+        if room < 0:
+            raise ValueError(f"negative room {room}")
+        region, span, hidden, dtype = _source(src, span, hidden, dtype)
+        row_bytes = hidden * dtype_size(dtype)
+        ds_region, ds_row_bytes = None, 0
+        if deepstack is not None:
+            ds_region, ds_span, ds_hidden, ds_dtype = _source(deepstack, span, deepstack_hidden, dtype)
+            if ds_span != span or ds_dtype != dtype:
+                raise ValueError(f"room {room}: deepstack rows {ds_span} x {ds_dtype} != item rows {span} x {dtype}")
+            ds_row_bytes = ds_hidden * dtype_size(ds_dtype)
+        item = _Item(room, region, span, hidden, dtype, row_bytes, ds_region, ds_row_bytes, ready_event, time.monotonic())
+        with self._lock:
+            if room in self._items:
+                raise ValueError(f"room {room} is already being sent; clear() it first")
+            self._items[room] = item
+            self._table.start(room, TransferPoll.WaitingForInput)
+            self._new_items.append(item)
+        try:
+            item.release = self._hold_registered(region, ds_region)
+        except Exception:
+            self._forget(item)
+            raise
+        self.metrics.inc("rooms_started_total")
+        self._waker.wake()
+        return SendHandle(self, item)
+
+    def stats(self) -> dict:
+        """A plain snapshot of counters, histograms and gauges."""
+        return self.metrics.snapshot()
+
+    def close(self) -> None:
+        """Fails rooms still in flight, joins every thread, closes sockets, drops temporary registrations."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._waker.wake()
+        for _ in self._threads[1:]:
+            self._jobs.put(None)
+        for thread in self._threads:
+            thread.join(timeout=30)
+        for item in list(self._items.values()):
+            self._fail(item, "sender pool closed")
+        self._pull.close(0)
+        self._statuses.close()
+        self._waker.close()
+
+    def __enter__(self) -> SenderPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------- registrations
+
+    def _hold_registered(self, *regions: _io.Region | None):
+        """Registers source regions that lie outside registered memory; returns their release."""
+        held: list[int] = []
+        for region in regions:
+            if region is None or region.nbytes == 0:
+                continue
+            with self._temp_lock:
+                count = self._temp_sources.get(region.addr, 0)
+                if count == 0:
+                    registered = self.engine.registered()
+                    if any(a <= region.addr and region.end <= a + n for a, n in registered.items()):
+                        continue
+                    self.engine.register(region.tensor if region.tensor is not None else region.addr, region.nbytes)
+                self._temp_sources[region.addr] = count + 1
+            held.append(region.addr)
+        if not held:
+            return None
+
+        def release() -> None:
+            with self._temp_lock:
+                for addr in held:
+                    count = self._temp_sources[addr] - 1
+                    if count:
+                        self._temp_sources[addr] = count
+                    else:
+                        del self._temp_sources[addr]
+                        self.engine.unregister(addr)
+
+        return release
+
+    # ------------------------------------------------------------ I/O thread
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        poller.register(self._waker.fileno(), zmq.POLLIN)
+        next_sweep = time.monotonic() + 0.5
+        while not self._stopping:
+            try:
+                events = dict(poller.poll(500))
+            except zmq.ZMQError as exc:
+                log.error("request poller failed: %s", exc)
+                break
+            if self._waker.fileno() in events:
+                self._waker.drain()
+                with self._lock:
+                    new, self._new_items = self._new_items, []
+                for item in new:
+                    self._maybe_dispatch(item.room)
+            if self._pull in events:
+                self._drain_requests()
+            now = time.monotonic()
+            if now >= next_sweep:
+                self._sweep(now)
+                next_sweep = now + 0.5
+
+    def _drain_requests(self) -> None:
+        while True:
+            frames = _io.recv_frames(self._pull)
+            if frames is None:
+                return
+            try:
+                if is_registration(frames):
+                    reg = parse_registration(frames)
+                    self._sessions[reg.session_id] = reg
+                    continue
+                info = TransferInfo.from_frames(frames)
+            except WireError as exc:
+                log.warning("dropped a malformed request (%d parts): %s", len(frames), exc)
+                continue
+            asks = self._asks.get(info.room)
+            if asks is None:
+                asks = self._asks[info.room] = _Asks(time.monotonic())
+            asks.infos[info.session_id] = info
+            self._maybe_dispatch(info.room)
+
+    def _maybe_dispatch(self, room: int) -> None:
+        """Starts the room's writes once the item is here and its whole fanout asked."""
+        asks = self._asks.get(room)
+        with self._lock:
+            item = self._items.get(room)
+        if asks is None or item is None or item.receivers or item.failed:
+            return
+        fanout = next(iter(asks.infos.values())).fanout
+        if len(asks.infos) < fanout:
+            return
+        del self._asks[room]
+        infos = sorted(asks.infos.values(), key=lambda i: (i.row_start, i.session_id))
+        item.receivers = infos
+        reason = validate_fanout(item.span, item.hidden, item.dtype, item.deepstack is not None, infos, fanout)
+        if reason is None:
+            reason = self._check_regions(item, infos)
+        if reason is not None:
+            self._fail(item, reason)
+            return
+        with self._lock:
+            if self._items.get(room) is item:
+                self._table.update(room, TransferPoll.Transferring)
+        item.pending = len(infos)
+        for info in infos:
+            self._jobs.put((item, info))
+
+    def _check_regions(self, item: _Item, infos: list[TransferInfo]) -> str | None:
+        for info in infos:
+            reg = self._sessions.get(info.session_id)
+            if reg is not None:
+                reason = check_region(info, reg, item.row_bytes, item.deepstack_row_bytes)
+                if reason is not None:
+                    return reason
+        return None
+
+    def _sweep(self, now: float) -> None:
+        """Fails items whose receivers never all asked, and asks whose item never came."""
+        limit = self.bootstrap_timeout_s
+        with self._lock:
+            parked = [i for i in self._items.values() if not i.receivers and not i.failed and now - i.sent_at > limit]
+        for item in parked:
+            asks = self._asks.pop(item.room, None)
+            item.receivers = list(asks.infos.values()) if asks else []
+            self._fail(item, f"receiver never registered within {limit:g}s")
+        for room in [r for r, a in self._asks.items() if now - a.first_at > limit]:
+            with self._lock:
+                known = room in self._items
+            if known:
+                continue
+            asks = self._asks.pop(room)
+            log.warning("room %d: no item sent within %gs for %d receiver(s); telling them Failed", room, limit, len(asks.infos))
+            for info in asks.infos.values():
+                self._push_status(info, TransferPoll.Failed)
+
+    # --------------------------------------------------------------- writers
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            item, info = job
+            try:
+                self._write(item, info)
+            except Exception as exc:  # noqa: BLE001 - any failure concludes the room
+                self._fail(item, f"write to {info.session_id} (room {item.room}) failed: {exc}")
+                continue
+            self._receiver_done(item, info)
+
+    def _write(self, item: _Item, info: TransferInfo) -> None:
+        """Writes one receiver's shard (embedding and deepstack in one batch) and pushes its Success."""
+        if item.failed:
+            return
+        if item.ready_event is not None:
+            with item.event_lock:
+                if item.ready_event is not None:
+                    item.ready_event.synchronize()
+                    item.ready_event = None
+        srcs, dsts, lengths = [], [], []
+        src_off, nbytes = info.row_start * item.row_bytes, info.rows * item.row_bytes
+        srcs.append(item.src.addr + src_off)
+        dsts.append(info.embedding_ptr)
+        lengths.append(nbytes)
+        if item.deepstack is not None:
+            srcs.append(item.deepstack.addr + info.row_start * item.deepstack_row_bytes)
+            dsts.append(info.deepstack_ptr)
+            lengths.append(info.rows * item.deepstack_row_bytes)
+        sums: tuple[int, ...] = ()
+        if self.integrity:
+            regions = (item.src, item.deepstack)
+            sums = tuple(_io.checksum(region, s, n) for region, s, n in zip(regions, srcs, lengths))
+        if nbytes:
+            self.engine.write(info.session_id, srcs, dsts, lengths)
+        self.metrics.inc("bytes_written_total", sum(lengths))
+        if not item.failed:
+            self._push_status(info, TransferPoll.Success, sums)
+
+    def _receiver_done(self, item: _Item, info: TransferInfo) -> None:
+        with self._lock:
+            item.pending -= 1
+            last = item.pending == 0 and not item.failed
+        if last:
+            self._conclude(item, TransferPoll.Success)
+
+    def _push_status(self, info: TransferInfo, status: TransferPoll, sums: tuple[int, ...] = ()) -> None:
+        frames = status_frames(info.room, status, self.engine_rank, sums)
+        self._statuses.send(info.endpoint, info.port, frames)
+
+    def _fail(self, item: _Item, reason: str) -> None:
+        """Fails the room once and tells every receiver that asked for it."""
+        with self._lock:
+            if item.failed:
+                return
+            item.failed = True
+        for info in item.receivers:
+            self._push_status(info, TransferPoll.Failed)
+        self._conclude(item, TransferPoll.Failed, reason)
+
+    def _conclude(self, item: _Item, status: TransferPoll, reason: str | None = None) -> None:
+        with self._lock:
+            live = self._items.get(item.room) is item and not is_terminal(self._table.get(item.room))
+            if live:
+                if status == TransferPoll.Failed:
+                    self._table.fail(item.room, reason or "failed")
+                else:
+                    self._table.update(item.room, status)
+        if item.release is not None:
+            release, item.release = item.release, None
+            release()
+        if not live:
+            return
+        if status == TransferPoll.Success:
+            self.metrics.inc("rooms_succeeded_total")
+            self.metrics.observe("room_latency_seconds", time.monotonic() - item.sent_at)
+        else:
+            self.metrics.inc("rooms_failed_total", reason=reason_label(reason or ""))
+            log.warning("room %d failed: %s", item.room, reason)
+        item.concluded_at = time.monotonic()
+        item.done.set()
+
+    def _forget(self, item: _Item) -> None:
+        if not is_terminal(self._table.get(item.room)) and item.room in self._items:
+            self._fail(item, "cleared before it concluded")
+        with self._lock:
+            if self._items.get(item.room) is item:
+                del self._items[item.room]
+                self._table.clear(item.room)
+
+
+def _source(src: Any, span: int | None, hidden: int | None, dtype: str | None) -> tuple[_io.Region, int, int, str]:
+    """(region, span, hidden, dtype) of a source tensor `[span, hidden]` or raw pointer."""
+    if isinstance(src, int):
+        if span is None or hidden is None or dtype is None:
+            raise ValueError("a raw source pointer needs span, hidden and dtype")
+        return _io.Region(src, span * hidden * dtype_size(dtype)), span, hidden, dtype
+    if not hasattr(src, "data_ptr"):
+        raise TypeError(f"src must be a torch tensor or a pointer, got {type(src).__name__}")
+    if src.dim() != 2:
+        raise ValueError(f"source must be 2-D [span, hidden], got shape {tuple(src.shape)}")
+    region = _io.as_region(src)
+    return region, int(src.shape[0]), int(src.shape[1]), str(src.dtype)

@@ -1,0 +1,107 @@
+"""TransferPoll and the room table: the monotone per-room state machine (SPEC.md section 3)."""
+
+from __future__ import annotations
+
+import threading
+from enum import IntEnum
+
+__all__ = ["TransferPoll", "advance", "is_terminal", "RoomTable"]
+
+
+class TransferPoll(IntEnum):
+    """A room's transfer status; the integer values travel on the wire."""
+
+    Failed = 0
+    Bootstrapping = 1
+    Bootstrapped = 2
+    WaitingForInput = 3
+    Transferring = 4
+    Success = 5
+
+
+def advance(old: TransferPoll | None, new: TransferPoll) -> TransferPoll:
+    """Return the status after `new` arrives in a room that was `old`: max, with Failed sticky."""
+    new = TransferPoll(new)
+    if old is None:
+        return new
+    old = TransferPoll(old)
+    # Failed overrides anything and nothing moves a room out of it.
+    if old is TransferPoll.Failed or new is TransferPoll.Failed:
+        return TransferPoll.Failed
+    return max(old, new)
+
+
+def is_terminal(status: TransferPoll | None) -> bool:
+    """True for the statuses a room concludes with (Failed, Success)."""
+    return status is not None and TransferPoll(status) in (TransferPoll.Failed, TransferPoll.Success)
+
+
+class RoomTable:
+    """Thread-safe map room -> status (+ first failure reason); unknown rooms are ignored on update.
+
+    A room enters with `start` and leaves with `clear`. `update` and `fail` on a
+    room that is not in the table do nothing and return None, because a status
+    for a room we never started (or already concluded and cleared) is stale.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._status: dict[int, TransferPoll] = {}
+        self._reason: dict[int, str] = {}
+
+    def start(self, room: int, status: TransferPoll = TransferPoll.Bootstrapping) -> TransferPoll:
+        """Begin tracking `room`; on a room already tracked this only advances it (Failed stays)."""
+        with self._lock:
+            now = advance(self._status.get(room), status)
+            self._status[room] = now
+            return now
+
+    def update(self, room: int, status: TransferPoll, reason: str | None = None) -> TransferPoll | None:
+        """Apply `status` to a known room and return its new status; None (ignored) for an unknown room."""
+        with self._lock:
+            old = self._status.get(room)
+            if old is None:
+                return None
+            now = advance(old, status)
+            self._status[room] = now
+            # The first reason is the cause; later ones are usually consequences.
+            if now is TransferPoll.Failed and reason is not None and room not in self._reason:
+                self._reason[room] = reason
+            return now
+
+    def fail(self, room: int, reason: str) -> TransferPoll | None:
+        """Mark a known room Failed with `reason` (the first reason wins); None for an unknown room."""
+        return self.update(room, TransferPoll.Failed, reason)
+
+    def get(self, room: int) -> TransferPoll | None:
+        """The room's status, or None when it is not tracked."""
+        with self._lock:
+            return self._status.get(room)
+
+    def reason(self, room: int) -> str | None:
+        """The room's first failure reason, or None."""
+        with self._lock:
+            return self._reason.get(room)
+
+    def clear(self, room: int) -> None:
+        """Forget the room entirely (status and reason); a no-op for an unknown room."""
+        with self._lock:
+            self._status.pop(room, None)
+            self._reason.pop(room, None)
+
+    def rooms(self) -> list[int]:
+        """The tracked rooms, sorted."""
+        with self._lock:
+            return sorted(self._status)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._status)
+
+    def __contains__(self, room: object) -> bool:
+        with self._lock:
+            return room in self._status
+
+    def __repr__(self) -> str:
+        with self._lock:
+            return f"RoomTable({len(self._status)} rooms)"
