@@ -180,13 +180,20 @@ def test_concurrent_puts_and_gets():
     errors: list[str] = []
     with BootstrapServer("127.0.0.1", 0) as srv:
         def register(rank: int) -> None:
-            status, text = _put(srv, _registration(rank, world, dp, ip=f"10.1.0.{rank}"))
+            try:
+                status, text = _put(srv, _registration(rank, world, dp, ip=f"10.1.0.{rank}"))
+            except OSError as error:
+                status, text = -1, repr(error)
             if status != 200:
                 errors.append(f"PUT {rank}: {status} {text}")
 
         def read(_: int) -> None:
             for _ in range(5):
-                status, _, text = _get(srv, "engine_rank=-1&target_dp_group=-1")
+                try:
+                    status, _, text = _get(srv, "engine_rank=-1&target_dp_group=-1")
+                except OSError as error:
+                    errors.append(f"GET: {error!r}")
+                    continue
                 if status != 200 or json.loads(text)["prefill_tp_size"] not in (None, world):
                     errors.append(f"GET: {status} {text}")
 

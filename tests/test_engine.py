@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from transfer import engine as engine_module
-from transfer.engine import (Engine, EngineUnavailable, TransferError, choose_protocol,
+from transfer.engine import (Engine, TransferError, choose_protocol,
                              rdma_device_names)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,11 +34,22 @@ def _random_bytes(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator)
 
 
-@pytest.fixture
-def pair():
-    """Two tcp engines in this process: (writer, reader)."""
+@pytest.fixture(scope="module")
+def _engines():
+    """Two tcp engines shared by the module (closing one takes Mooncake about a second)."""
     with Engine("127.0.0.1", protocol="tcp") as writer, Engine("127.0.0.1", protocol="tcp") as reader:
         yield writer, reader
+
+
+@pytest.fixture
+def pair(_engines):
+    """(writer, reader), with no memory registered before or after the test."""
+    for engine in _engines:
+        assert engine.registered() == {}
+    yield _engines
+    for engine in _engines:
+        for addr in engine.registered():
+            engine.unregister(addr)
 
 
 # -- pure parts ------------------------------------------------------------

@@ -238,6 +238,8 @@ class _HTTPServer(ThreadingHTTPServer):
     """ThreadingHTTPServer holding the route table and the token."""
 
     daemon_threads = True
+    # The stdlib default backlog of 5 resets connections when many ranks start at once.
+    request_queue_size = 128
     table: _RouteTable
     token: str | None
 

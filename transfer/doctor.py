@@ -171,8 +171,12 @@ def check_mooncake(probe: Probe) -> tuple[list[Check], dict]:
     if imports:
         checks.append(Check("mooncake", "ok", f"{names}, {how}"))
     else:
-        fix = "apt-get install libibverbs1 libnuma1" if ("libibverbs" in how or "libnuma" in how) \
-            else f"pip uninstall {' '.join(d['name'] for d in dists)} && {wheel_fix}"
+        if "libibverbs" in how or "libnuma" in how:
+            fix = "apt-get install libibverbs1 libnuma1"
+        elif len(dists) == 1:
+            fix = f"pip install --force-reinstall {dists[0]['name']}"
+        else:
+            fix = f"pip uninstall {' '.join(d['name'] for d in dists)} && {wheel_fix}"
         checks.append(Check("mooncake", "fail", f"{names}, {how}", fix))
     if len(dists) > 1:
         checks.append(Check(
@@ -231,16 +235,17 @@ def _int_or_big(text: str) -> int:
     return int(text) if text.isdigit() else 1 << 30
 
 
-def _port_mtu(port_dir: str, gids: list[dict], sysfs_root: str) -> str | None:
+def _port_mtu(port_dir: str, gids: list[dict], parent: str | None,
+              sysfs_root: str) -> str | None:
     """Active MTU: the port's own file when the driver has one, else the RoCE netdev's MTU."""
     own = _read(os.path.join(port_dir, "active_mtu")) or _read(os.path.join(port_dir, "mtu"))
     if own:
         return own
-    for entry in gids:
-        if entry["ndev"]:
-            mtu = _read(os.path.join(sysfs_root, "class", "net", entry["ndev"], "mtu"))
-            if mtu:
-                return f"{mtu} (netdev {entry['ndev']})"
+    # sysfs has no MTU file for RoCE ports; the netdev's MTU bounds the RoCE MTU.
+    for netdev in [g["ndev"] for g in gids if g["ndev"]] + ([parent] if parent else []):
+        mtu = _read(os.path.join(sysfs_root, "class", "net", netdev, "mtu"))
+        if mtu:
+            return f"{mtu} (netdev {netdev})"
     return None
 
 
@@ -266,7 +271,7 @@ def describe_device(name: str, sysfs_root: str | None = None) -> dict:
             "phys_state": _after_colon(_read(os.path.join(port_dir, "phys_state"))),
             "link_layer": _read(os.path.join(port_dir, "link_layer")),
             "rate": _read(os.path.join(port_dir, "rate")),
-            "mtu": _port_mtu(port_dir, gids, root),
+            "mtu": _port_mtu(port_dir, gids, parent, root),
             "gids": gids,
         })
     return {"name": name, "driver": driver, "parent": parent, "soft": soft,

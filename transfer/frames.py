@@ -478,7 +478,7 @@ def check_region(info: TransferInfo, registration: Registration, row_bytes: int,
 
 def _outside(what: str, ptr: int, length: int, base: int, region_len: int) -> str | None:
     """Describe [ptr, ptr+length) escaping [base, base+region_len), or None; an empty write always fits."""
-    if length <= 0:
+    if length == 0:
         return None  # a zero-row shard writes nothing, so no address is touched
     if length > 0 and base <= ptr and ptr + length <= base + region_len:
         return None
