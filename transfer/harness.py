@@ -101,7 +101,11 @@ class ItemSource:
 
 
 def make_engine(sc: Scenario):
-    """The data-path engine the scenario asks for."""
+    """The data-path engine the scenario asks for: Mooncake, or the framed wire."""
+    if sc.protocol == "wire":
+        from transfer.wire_engine import WireEngine
+
+        return WireEngine(hostname=sc.host)
     from transfer.engine import Engine
 
     return Engine(hostname=sc.host, protocol=sc.protocol)
