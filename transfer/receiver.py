@@ -56,6 +56,7 @@ class _Room:
     encode_rank: int | None = None
     encode_addr: tuple[str, int] | None = None
     route_key: tuple[str, int, int] | None = None
+    regions: RegionSet | None = None
     concluded_at: float | None = None
 
     @property
@@ -138,6 +139,9 @@ class SessionManager:
         self._owned: list[int] = []
         self.buffer = self._register(buffer)
         self.deepstack_buffer = self._register(deepstack_buffer) if deepstack_buffer is not None else None
+        # Every destination lies in one of these announced (embedding, deepstack) region
+        # pairs; the first is the main buffer, the rest are added for per-item buffers.
+        self._region_sets: list[RegionSet] = [RegionSet(self.buffer, self.deepstack_buffer)]
 
         self._table = RoomTable()
         self._rooms: dict[int, _Room] = {}
@@ -150,7 +154,7 @@ class SessionManager:
         # Caches owned by the I/O thread.
         self._parallel: dict[str, tuple[int, int]] = {}
         self._routes: dict[tuple[str, int, int], tuple[str, int]] = {}
-        self._registered: set[tuple[str, int, int]] = set()
+        self._announced: set[tuple[tuple[str, int, int], int]] = set()  # (route key, region addr)
         self._encode_sockets: dict[tuple[str, int], zmq.Socket] = {}
 
         self._status_sock, self.status_port = _io.pull_socket(self.host, status_port)
@@ -187,24 +191,17 @@ class SessionManager:
         span = rows if span is None else span
         if not (0 <= row_start and row_start + rows <= span):
             raise ValueError(f"room {room}: shard [{row_start}, {row_start + rows}) outside the item's span {span}")
-        if not self.buffer.contains(ptr, rows * row_bytes):
-            raise ValueError(
-                f"room {room}: destination [{ptr:#x}, +{rows * row_bytes}) is outside the registered "
-                f"receive buffer [{self.buffer.addr:#x}, +{self.buffer.nbytes})"
-            )
         ds_ptr, ds_nbytes = 0, 0
         if deepstack_dst is not None:
-            if self.deepstack_buffer is None:
-                raise ValueError(f"room {room}: deepstack_dst given but the manager has no deepstack_buffer")
             ds = _io.as_region(deepstack_dst)
             ds_ptr, ds_nbytes = ds.addr, ds.nbytes
-            if not self.deepstack_buffer.contains(ds_ptr, ds_nbytes):
-                raise ValueError(f"room {room}: deepstack destination is outside the registered deepstack buffer")
+        regions = self._regions_for(room, ptr, rows * row_bytes, ds_ptr, ds_nbytes, deepstack_dst is not None)
         now = time.monotonic()
         state = _Room(
             room, bootstrap_addr, ptr, rows, hidden, dtype, row_bytes, row_start, span,
             ds_ptr, ds_nbytes, asked_at=now, deadline=now + self.deadline_s,
         )
+        state.regions = regions
         with self._lock:
             if room in self._rooms:
                 raise ValueError(f"room {room} is already being received; clear() it first")
@@ -214,6 +211,39 @@ class SessionManager:
         self.metrics.inc("rooms_started_total")
         self._waker.wake()
         return ReceiveHandle(self, state)
+
+    def add_region(self, embedding: Any, deepstack: Any = None) -> RegionSet:
+        """Adds registered memory outside the main buffer as a destination (e.g. a per-item buffer).
+
+        The region is announced to each encode rank, before the first room that lands in it,
+        with a registration of its own (our extension: peers keep writing as before).
+        """
+        regions = RegionSet(_io.as_region(embedding), _io.as_region(deepstack) if deepstack is not None else None)
+        with self._lock:
+            self._region_sets.append(regions)
+        return regions
+
+    def remove_region(self, regions: RegionSet) -> None:
+        """Stops accepting destinations in a region added with add_region()."""
+        with self._lock:
+            if regions in self._region_sets[1:]:
+                self._region_sets.remove(regions)
+
+    def _regions_for(self, room: int, ptr: int, nbytes: int, ds_ptr: int, ds_nbytes: int, has_ds: bool) -> RegionSet:
+        """The announced region pair that holds the destination, or a ValueError naming it."""
+        with self._lock:
+            sets = list(self._region_sets)
+        for regions in sets:
+            if not regions.embedding.contains(ptr, nbytes):
+                continue
+            if has_ds and (regions.deepstack is None or not regions.deepstack.contains(ds_ptr, ds_nbytes)):
+                continue
+            return regions
+        ds = f" and deepstack [{ds_ptr:#x}, +{ds_nbytes})" if has_ds else ""
+        raise ValueError(
+            f"room {room}: destination [{ptr:#x}, +{nbytes}){ds} is outside every registered receive "
+            f"buffer (main buffer [{self.buffer.addr:#x}, +{self.buffer.nbytes}))"
+        )
 
     def stats(self) -> dict:
         """A plain snapshot of counters, histograms and gauges."""
@@ -335,15 +365,16 @@ class SessionManager:
         sock = self._encode_sockets.get(route)
         if sock is None:
             sock = self._encode_sockets[route] = _io.push_socket(*route)
-        if key not in self._registered:
-            ds = self.deepstack_buffer
+        regions = state.regions
+        if (key, regions.embedding.addr) not in self._announced:
+            ds = regions.deepstack
             frames = registration_frames(
                 self.host, self.status_port, self.engine.session_id,
-                self.buffer.addr, ds.addr if ds else 0,
-                self.buffer.nbytes, ds.nbytes if ds else 0,
+                regions.embedding.addr, ds.addr if ds else 0,
+                regions.embedding.nbytes, ds.nbytes if ds else 0,
             )
             self._push(sock, frames, state)
-            self._registered.add(key)
+            self._announced.add((key, regions.embedding.addr))
         info = TransferInfo(
             room=state.room, endpoint=self.host, port=self.status_port, session_id=self.engine.session_id,
             embedding_ptr=state.embedding_ptr, deepstack_ptr=state.deepstack_ptr, rows=state.rows,
@@ -404,9 +435,10 @@ class SessionManager:
 
     def _verify(self, state: _Room, sums: tuple[int, ...]) -> str | None:
         """Compares the landed bytes with the sender's checksums (none sent: unverified)."""
-        checks = [("embedding", self.buffer, state.embedding_ptr, state.nbytes)]
-        if state.deepstack_ptr and self.deepstack_buffer is not None:
-            checks.append(("deepstack", self.deepstack_buffer, state.deepstack_ptr, state.deepstack_nbytes))
+        regions = state.regions
+        checks = [("embedding", regions.embedding, state.embedding_ptr, state.nbytes)]
+        if state.deepstack_ptr and regions.deepstack is not None:
+            checks.append(("deepstack", regions.deepstack, state.deepstack_ptr, state.deepstack_nbytes))
         for (what, region, addr, nbytes), expected in zip(checks, sums):
             landed = _io.checksum(region, addr, nbytes)
             if landed != expected:
@@ -426,11 +458,19 @@ class SessionManager:
             # The encode rank may have restarted elsewhere: look it up afresh next time.
             if state.route_key is not None:
                 self._routes.pop(state.route_key, None)
-                self._registered.discard(state.route_key)
+                self._announced = {a for a in self._announced if a[0] != state.route_key}
             self._conclude(
                 state, TransferPoll.Failed,
                 f"no status from {state.where()} within {self.deadline_s:g}s for room {state.room}",
             )
+
+
+@dataclass(frozen=True, eq=False)
+class RegionSet:
+    """An announced pair of receive regions: embedding rows and (optionally) deepstack rows."""
+
+    embedding: _io.Region
+    deepstack: _io.Region | None = None
 
 
 class _AskFailed(Exception):

@@ -36,6 +36,9 @@ from transfer.status import RoomTable, TransferPoll, is_terminal
 
 log = logging.getLogger("transfer.sender")
 
+#: Regions remembered per prefill session (a main buffer plus per-item fallbacks).
+MAX_REGIONS_PER_SESSION = 64
+
 
 @dataclass
 class _Item:
@@ -136,7 +139,8 @@ class SenderPool:
         self._table = RoomTable()
         self._items: dict[int, _Item] = {}  # sent by the caller, not yet concluded
         self._asks: dict[int, _Asks] = {}  # TransferInfos waiting for their whole fanout or item
-        self._sessions: dict[str, Registration] = {}
+        # Receive regions each prefill session announced, newest last (bounded).
+        self._sessions: dict[str, list[Registration]] = {}
         self._lock = threading.Lock()
         self._new_items: list[_Item] = []
         self._waker = _io.Waker()
@@ -305,8 +309,7 @@ class SenderPool:
                 return
             try:
                 if is_registration(frames):
-                    reg = parse_registration(frames)
-                    self._sessions[reg.session_id] = reg
+                    self._file_registration(parse_registration(frames))
                     continue
                 info = TransferInfo.from_frames(frames)
             except WireError as exc:
@@ -344,13 +347,20 @@ class SenderPool:
         for info in infos:
             self._jobs.put((item, info))
 
+    def _file_registration(self, reg: Registration) -> None:
+        """Remembers a session's announced regions; a repeat of the same region replaces it."""
+        regs = self._sessions.setdefault(reg.session_id, [])
+        regs[:] = [r for r in regs if r.embedding_base != reg.embedding_base]
+        regs.append(reg)
+        del regs[:-MAX_REGIONS_PER_SESSION]
+
     def _check_regions(self, item: _Item, infos: list[TransferInfo]) -> str | None:
+        """SPEC 8: every destination must lie inside a region its session announced with lengths."""
         for info in infos:
-            reg = self._sessions.get(info.session_id)
-            if reg is not None:
-                reason = check_region(info, reg, item.row_bytes, item.deepstack_row_bytes)
-                if reason is not None:
-                    return reason
+            regs = self._sessions.get(info.session_id, [])
+            reasons = [check_region(info, reg, item.row_bytes, item.deepstack_row_bytes) for reg in regs]
+            if reasons and all(reasons):
+                return reasons[-1]
         return None
 
     def _sweep(self, now: float) -> None:
