@@ -1,5 +1,6 @@
 /* transfer._native: the CPython face of the native core (argument glue only). */
 #include "epd.h"
+#include "wire_listener.h"
 
 PyObject *epd_FrameError;
 PyObject *epd_MsgError;
@@ -254,6 +255,7 @@ static PyMethodDef methods[] = {
     {"msg_check", py_msg_check, METH_VARARGS, "msg_check(key, value): raises if the field cannot be encoded."},
     {"msg_encode", py_msg_encode, METH_VARARGS, "msg_encode(fields, body) -> bytes."},
     {"msg_decode", py_msg_decode, METH_O, "msg_decode(data) -> (fields, body)."},
+    EPD_WIRE_METHODS
     {NULL, NULL, 0, NULL},
 };
 

@@ -231,9 +231,10 @@ def check_landed(slot, item, row_start: int, rows: int) -> str | None:
 
     landed = slot.view(torch.uint8)
     want = item.view(torch.uint8)
-    for row in range(rows):
-        if not torch.equal(landed[row_start + row], want[row_start + row]):
-            return f"row {row_start + row} differs from the item"
+    shard = slice(row_start, row_start + rows)
+    if not torch.equal(landed[shard], want[shard]):
+        differs = (landed[shard] != want[shard]).any(dim=1).nonzero()
+        return f"row {row_start + int(differs[0])} differs from the item"
     outside = torch.cat([landed[:row_start].reshape(-1), landed[row_start + rows :].reshape(-1)])
     if outside.numel() and not bool((outside == SENTINEL).all()):
         return "bytes outside the shard were written"
@@ -246,6 +247,11 @@ def check_landed(slot, item, row_start: int, rows: int) -> str | None:
 def _rank_process(body, sc, rank, bootstrap_addr, results, ready_q, go_evt, finished_q, done_evt) -> None:
     """Runs one rank's body in its own process and reports its result or its traceback."""
     try:
+        import torch
+
+        # Several ranks share the host's cores: torch's own thread pool would fight them.
+        torch.set_num_threads(1)
+
         def ready():
             ready_q.put(rank)
 

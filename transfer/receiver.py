@@ -57,6 +57,7 @@ class _Room:
     encode_addr: tuple[str, int] | None = None
     route_key: tuple[str, int, int] | None = None
     regions: RegionSet | None = None
+    lease: Any = None  # the pool slot (or fallback buffer) the rows land in, when pooled
     concluded_at: float | None = None
 
     @property
@@ -74,10 +75,14 @@ class _Room:
 class ReceiveHandle:
     """One room's progress as the scheduler loop sees it."""
 
-    def __init__(self, manager: SessionManager, room: _Room) -> None:
+    def __init__(self, manager: SessionManager, room: _Room, rows: Any = None, deepstack: Any = None) -> None:
         self._manager = manager
         self._room = room
         self.room = room.room
+        #: With a pool: the leased `[span, hidden]` rows (this rank's shard lands in its
+        #: rows; the others are for reassembly) and likewise the deepstack rows.
+        self.rows = rows
+        self.deepstack = deepstack
 
     def poll(self) -> TransferPoll:
         """The room's status right now (never blocks; Failed once cleared)."""
@@ -100,9 +105,14 @@ class ReceiveHandle:
         self._room.done.wait(timeout)
         return self.poll()
 
-    def clear(self) -> None:
-        """Forgets the room; a status that still arrives for it is ignored."""
-        self._manager._forget(self.room)
+    def clear(self, event: Any = None) -> None:
+        """Forgets the room; a status that still arrives for it is ignored.
+
+        A pooled room gives its slot back here: after a Success once `event` (the
+        copy-out's CUDA event, if any) completed; otherwise into quarantine, since a
+        late one-sided write may still land in it.
+        """
+        self._manager._forget(self._room, event)
 
 
 class SessionManager:
@@ -115,8 +125,9 @@ class SessionManager:
         tp_size: int,
         dp_size: int = 1,
         *,
-        buffer: Any,
+        buffer: Any = None,
         deepstack_buffer: Any = None,
+        pool: Any = None,
         host: str | None = None,
         status_port: int = 0,
         deadline_s: float = 60.0,
@@ -136,9 +147,16 @@ class SessionManager:
         self.host = host or engine.hostname
         self.metrics = metrics or Metrics("epd_prefill")
 
+        if (buffer is None) == (pool is None):
+            raise ValueError("give the session manager either a registered `buffer` or a `pool` of receive slots")
         self._owned: list[int] = []
-        self.buffer = self._register(buffer)
-        self.deepstack_buffer = self._register(deepstack_buffer) if deepstack_buffer is not None else None
+        self.pool = pool
+        if pool is not None:
+            # Slots hold embedding and deepstack rows alike: one region serves both.
+            self.buffer = self.deepstack_buffer = pool.region
+        else:
+            self.buffer = self._register(buffer)
+            self.deepstack_buffer = self._register(deepstack_buffer) if deepstack_buffer is not None else None
         # Every destination lies in one of these announced (embedding, deepstack) region
         # pairs; the first is the main buffer, the rest are added for per-item buffers.
         self._region_sets: list[RegionSet] = [RegionSet(self.buffer, self.deepstack_buffer)]
@@ -154,11 +172,13 @@ class SessionManager:
         # Caches owned by the I/O thread.
         self._parallel: dict[str, tuple[int, int]] = {}
         self._routes: dict[tuple[str, int, int], tuple[str, int]] = {}
-        self._announced: set[tuple[tuple[str, int, int], int]] = set()  # (route key, region addr)
+        self._announced: set[tuple] = set()  # (route key, region addr, region length)
         self._encode_sockets: dict[tuple[str, int], zmq.Socket] = {}
 
         self._status_sock, self.status_port = _io.pull_socket(self.host, status_port)
         self.metrics.gauge_fn("rooms_in_flight", lambda: len(self._rooms))
+        if pool is not None:
+            self.metrics.gauge_fn("quarantined_slots", lambda: pool.stats()["quarantined"])
         self._thread = threading.Thread(target=self._run, name=f"epd-prefill-{engine_rank}", daemon=True)
         self._thread.start()
 
@@ -168,24 +188,46 @@ class SessionManager:
         self,
         room: int,
         bootstrap_addr: str,
-        dst: Any,
+        dst: Any = None,
         rows: int | None = None,
         hidden: int | None = None,
         dtype: str | None = None,
         row_start: int = 0,
         span: int | None = None,
         deepstack_dst: Any = None,
+        deepstack_hidden: int | None = None,
     ) -> ReceiveHandle:
         """Asks the encode rank behind `bootstrap_addr` for this rank's rows of `room`.
 
         `dst` is a tensor `[rows, hidden]` (geometry taken from it) or a raw address with
         `rows`, `hidden` and `dtype`; it must lie inside the registered `buffer`. `span` is
         the item's full row count (default: `rows`, an identity receive). Never blocks.
+
+        With a `pool` and no `dst`, the manager leases a slot for the item's full span
+        (`rows`, `hidden`, `dtype` and, with deepstack, `deepstack_hidden` given) and
+        this rank's shard lands in its rows `[row_start, row_start + rows)`.
         """
         if self._stopping:
             raise RuntimeError("session manager is closed")
         if room < 0:
             raise ValueError(f"negative room {room}")
+        lease = full = full_ds = None
+        if dst is None:
+            lease, full, full_ds = self._lease(room, rows, hidden, dtype, row_start, span, deepstack_hidden)
+            dst = full[row_start : row_start + rows]
+            deepstack_dst = full_ds[row_start : row_start + rows] if full_ds is not None else None
+            try:
+                return self._receive(room, bootstrap_addr, dst, None, None, None, row_start, span, deepstack_dst,
+                                     lease, full, full_ds)
+            except BaseException:
+                lease.release()
+                self._drop_lease_region(lease)
+                raise
+        return self._receive(room, bootstrap_addr, dst, rows, hidden, dtype, row_start, span, deepstack_dst)
+
+    def _receive(self, room, bootstrap_addr, dst, rows, hidden, dtype, row_start, span, deepstack_dst,
+                 lease=None, full=None, full_ds=None) -> ReceiveHandle:
+        """receive() once the destination is known."""
         ptr, rows, hidden, dtype = _destination(dst, rows, hidden, dtype)
         row_bytes = hidden * dtype_size(dtype)
         span = rows if span is None else span
@@ -202,6 +244,7 @@ class SessionManager:
             ds_ptr, ds_nbytes, asked_at=now, deadline=now + self.deadline_s,
         )
         state.regions = regions
+        state.lease = lease
         with self._lock:
             if room in self._rooms:
                 raise ValueError(f"room {room} is already being received; clear() it first")
@@ -210,7 +253,32 @@ class SessionManager:
             self._asks.append(state)
         self.metrics.inc("rooms_started_total")
         self._waker.wake()
-        return ReceiveHandle(self, state)
+        return ReceiveHandle(self, state, full, full_ds)
+
+    def _lease(self, room, rows, hidden, dtype, row_start, span, deepstack_hidden):
+        """Leases a pool slot for the item's full span; returns (lease, rows view, deepstack view)."""
+        import torch
+
+        if self.pool is None:
+            raise ValueError(f"room {room}: no dst given and the manager has no pool")
+        if rows is None or hidden is None or dtype is None:
+            raise ValueError(f"room {room}: a pooled receive needs rows, hidden and dtype")
+        span = rows if span is None else span
+        torch_dtype = getattr(torch, dtype.removeprefix("torch."))
+        nbytes = span * hidden * dtype_size(dtype)
+        ds_nbytes = span * (deepstack_hidden or 0) * dtype_size(dtype)
+        lease = self.pool.lease_or_fallback(nbytes + ds_nbytes)
+        flat = lease.view((nbytes + ds_nbytes,), torch.uint8)
+        full = flat[:nbytes].view(torch_dtype).view(span, hidden)
+        full_ds = flat[nbytes:].view(torch_dtype).view(span, deepstack_hidden) if deepstack_hidden else None
+        if lease.is_fallback:
+            self.add_region(lease.region, lease.region)
+        return lease, full, full_ds
+
+    def _drop_lease_region(self, lease: Any) -> None:
+        if lease.is_fallback:
+            with self._lock:
+                self._region_sets = [r for r in self._region_sets if r.embedding is not lease.region]
 
     def add_region(self, embedding: Any, deepstack: Any = None) -> RegionSet:
         """Adds registered memory outside the main buffer as a destination (e.g. a per-item buffer).
@@ -288,10 +356,21 @@ class SessionManager:
         self._owned.append(region.addr)
         return region
 
-    def _forget(self, room: int) -> None:
+    def _forget(self, state: _Room, event: Any = None) -> None:
+        """Drops the room; hands a pooled slot back (Success) or to quarantine (anything else)."""
         with self._lock:
-            self._rooms.pop(room, None)
-            self._table.clear(room)
+            if self._rooms.get(state.room) is not state:
+                return
+            succeeded = self._table.get(state.room) == TransferPoll.Success
+            del self._rooms[state.room]
+            self._table.clear(state.room)
+        if state.lease is not None:
+            lease, state.lease = state.lease, None
+            if succeeded:
+                lease.release(event)
+            else:
+                lease.fail()
+            self._drop_lease_region(lease)
 
     def _conclude(self, state: _Room, status: TransferPoll, reason: str | None = None) -> None:
         """Moves a room to a terminal status once; later statuses for it change nothing."""
@@ -366,7 +445,8 @@ class SessionManager:
         if sock is None:
             sock = self._encode_sockets[route] = _io.push_socket(*route)
         regions = state.regions
-        if (key, regions.embedding.addr) not in self._announced:
+        announcement = (key, regions.embedding.addr, regions.embedding.nbytes)
+        if announcement not in self._announced:
             ds = regions.deepstack
             frames = registration_frames(
                 self.host, self.status_port, self.engine.session_id,
@@ -374,7 +454,7 @@ class SessionManager:
                 regions.embedding.nbytes, ds.nbytes if ds else 0,
             )
             self._push(sock, frames, state)
-            self._announced.add((key, regions.embedding.addr))
+            self._announced.add(announcement)
         info = TransferInfo(
             room=state.room, endpoint=self.host, port=self.status_port, session_id=self.engine.session_id,
             embedding_ptr=state.embedding_ptr, deepstack_ptr=state.deepstack_ptr, rows=state.rows,

@@ -1,0 +1,1008 @@
+/* The wire data path's listener: pthreads that accept framed-TCP transfers and land verified bytes in
+   registered memory. No thread here ever takes the GIL; only the glue at the bottom of the file does.
+
+   One transfer on a connection (the message is documented in transfer/wire_engine.py):
+     PREFILL (a Msg naming room, layers, rows, row_bytes, ptr and ptr<i>/bytes<i> per layer)
+     LAYER frames, in layer order, each at most chunk_limit data bytes
+     FIRST
+   answered by RESULT (Msg room, bytes) or ERROR (Msg room, body = the reason, then the connection
+   is dropped). Every destination range is checked against the region table before the first byte
+   lands, and again under the table's read lock for each chunk, so unregister() waits for a copy in
+   progress and no copy starts into a region that is gone. */
+#include "wire_listener.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define KIND_PREFILL 3
+#define KIND_LAYER 10
+#define KIND_FIRST 11
+#define KIND_RESULT 20
+#define KIND_ERROR 21
+
+#define REASON_MAX 512
+/* After an ERROR the connection is drained this long, so the peer reads the reason instead of a reset. */
+#define DRAIN_MS 1000
+
+enum { RD_OK, RD_EOF, RD_TIMEOUT, RD_ERR };
+
+typedef struct {
+    uint64_t addr, len;
+} wl_region;
+
+struct wl_listener;
+
+typedef struct {
+    struct wl_listener *owner;
+    int fd;           /* -1 once the connection closed it (under owner->lock) */
+    int used;         /* a thread was started for this slot and not yet joined */
+    atomic_int done;  /* the thread finished and may be joined */
+    pthread_t thread;
+} wl_conn;
+
+typedef struct wl_listener {
+    int lfd;
+    int wake[2];
+    int port;
+    int started; /* the accept thread runs */
+    int closed;
+    atomic_int stopping;
+    pthread_t accept_thread;
+    int recv_timeout_ms, idle_timeout_ms;
+    size_t chunk_limit;
+    int max_conns;
+    wl_conn *conns;
+    pthread_rwlock_t regions_lock;
+    wl_region *regions;
+    size_t nregions, cap;
+    pthread_mutex_t lock; /* conns' fds and the counters below */
+    unsigned long long accepted, refused, transfers, failures, bytes;
+    int active;
+    char last_error[REASON_MAX];
+} wl_listener;
+
+/* One transfer's announced shape, parsed from the PREFILL Msg. */
+typedef struct {
+    uint64_t room, rows, row_bytes, ptr;
+    int room_known;
+    unsigned layers;
+    uint64_t lptr[EPD_WIRE_MAX_LAYERS], lbytes[EPD_WIRE_MAX_LAYERS];
+} wl_prefill;
+
+/* ------------------------------------------------------------------ region table */
+
+/* Whether [addr, addr + len) lies wholly inside one region; caller holds the read lock. */
+static int regions_cover(const wl_listener *l, uint64_t addr, uint64_t len)
+{
+    if (len == 0)
+        return 1;
+    if (addr + len < addr)
+        return 0;
+    for (size_t i = 0; i < l->nregions; i++) {
+        const wl_region *r = &l->regions[i];
+        if (addr >= r->addr && addr + len <= r->addr + r->len)
+            return 1;
+    }
+    return 0;
+}
+
+/* Adds a region; 0, or -1 with a reason when it is empty, wraps, or overlaps another. */
+static int regions_add(wl_listener *l, uint64_t addr, uint64_t len, char *why, size_t whylen)
+{
+    int rc = 0;
+    pthread_rwlock_wrlock(&l->regions_lock);
+    for (size_t i = 0; i < l->nregions; i++) {
+        const wl_region *r = &l->regions[i];
+        if (addr < r->addr + r->len && r->addr < addr + len) {
+            snprintf(why, whylen, "region 0x%llx+%llu overlaps the registered region 0x%llx+%llu",
+                     (unsigned long long)addr, (unsigned long long)len, (unsigned long long)r->addr,
+                     (unsigned long long)r->len);
+            rc = -1;
+            break;
+        }
+    }
+    if (rc == 0 && l->nregions == l->cap) {
+        size_t cap = l->cap ? l->cap * 2 : 16;
+        wl_region *grown = realloc(l->regions, cap * sizeof *grown);
+        if (grown == NULL) {
+            snprintf(why, whylen, "out of memory growing the region table");
+            rc = -1;
+        } else {
+            l->regions = grown;
+            l->cap = cap;
+        }
+    }
+    if (rc == 0)
+        l->regions[l->nregions++] = (wl_region){addr, len};
+    pthread_rwlock_unlock(&l->regions_lock);
+    return rc;
+}
+
+/* Removes the region starting at addr once no copy into it runs; its length, or -1 when unknown. */
+static long long regions_remove(wl_listener *l, uint64_t addr)
+{
+    long long len = -1;
+    pthread_rwlock_wrlock(&l->regions_lock);
+    for (size_t i = 0; i < l->nregions; i++) {
+        if (l->regions[i].addr == addr) {
+            len = (long long)l->regions[i].len;
+            l->regions[i] = l->regions[--l->nregions];
+            break;
+        }
+    }
+    pthread_rwlock_unlock(&l->regions_lock);
+    return len;
+}
+
+/* --------------------------------------------------------------------- socket I/O */
+
+/* Reads exactly n bytes; each wait for progress is bounded by timeout_ms. */
+static int read_all(int fd, void *buf, size_t n, int timeout_ms, size_t *got)
+{
+    char *p = buf;
+    *got = 0;
+    while (*got < n) {
+        struct pollfd pfd = {.fd = fd, .events = POLLIN};
+        int r = poll(&pfd, 1, timeout_ms);
+        if (r == 0)
+            return RD_TIMEOUT;
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            return RD_ERR;
+        }
+        ssize_t k = recv(fd, p + *got, n - *got, 0);
+        if (k == 0)
+            return RD_EOF;
+        if (k < 0) {
+            if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)
+                continue;
+            return RD_ERR;
+        }
+        *got += (size_t)k;
+    }
+    return RD_OK;
+}
+
+/* Sends every byte (SO_SNDTIMEO bounds a stuck peer; MSG_NOSIGNAL keeps SIGPIPE away); 0 or -1. */
+static int send_all(int fd, const void *buf, size_t n)
+{
+    const char *p = buf;
+    while (n > 0) {
+        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
+        if (k < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        p += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+/* Sends one frame whose payload is a Msg with `room` (when known) and an optional extra field. */
+static int send_reply(int fd, unsigned kind, const wl_prefill *pf, const char *extra_key, uint64_t extra,
+                      const char *body)
+{
+    char msg[REASON_MAX + 128];
+    int n = 0;
+    /* Keys in sorted order, as every Msg encodes them: "bytes" < "room". */
+    if (extra_key != NULL)
+        n += snprintf(msg + n, sizeof msg - (size_t)n, "%s=%llu\n", extra_key, (unsigned long long)extra);
+    if (pf->room_known)
+        n += snprintf(msg + n, sizeof msg - (size_t)n, "room=%llu\n", (unsigned long long)pf->room);
+    n += snprintf(msg + n, sizeof msg - (size_t)n, "\n%s", body ? body : "");
+    if (n < 0 || (size_t)n >= sizeof msg)
+        n = (int)sizeof msg - 1;
+    unsigned char header[5];
+    epd_put_le32(header, (uint32_t)n + 1);
+    header[4] = (unsigned char)kind;
+    if (send_all(fd, header, sizeof header) < 0)
+        return -1;
+    return send_all(fd, msg, (size_t)n);
+}
+
+/* Tells the peer why (best effort), stops our sending side and drains briefly, so the reason is
+   read rather than lost to a connection reset. */
+static void refuse(wl_listener *l, int fd, const wl_prefill *pf, const char *fmt, ...)
+{
+    char why[REASON_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    pthread_mutex_lock(&l->lock);
+    l->failures++;
+    snprintf(l->last_error, sizeof l->last_error, "%s", why);
+    pthread_mutex_unlock(&l->lock);
+    if (send_reply(fd, KIND_ERROR, pf, NULL, 0, why) < 0)
+        return;
+    shutdown(fd, SHUT_WR);
+    char sink[65536];
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        long ms = (t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000;
+        if (ms >= DRAIN_MS || atomic_load(&l->stopping))
+            return;
+        struct pollfd pfd = {.fd = fd, .events = POLLIN};
+        int r = poll(&pfd, 1, (int)(DRAIN_MS - ms));
+        if (r <= 0)
+            return;
+        if (recv(fd, sink, sizeof sink, 0) <= 0)
+            return;
+    }
+}
+
+/* Words for a failed read in a reason. */
+static const char *read_failure(int rc)
+{
+    switch (rc) {
+    case RD_EOF:
+        return "the peer closed the connection";
+    case RD_TIMEOUT:
+        return "timed out waiting for the peer";
+    default:
+        return strerror(errno);
+    }
+}
+
+/* ------------------------------------------------------------------- PREFILL Msg */
+
+/* Finds the last header line `key=...`; the value's start and length, or NULL when absent. */
+static const char *msg_find(const char *msg, size_t hlen, const char *key, size_t *vlen)
+{
+    size_t klen = strlen(key);
+    const char *found = NULL;
+    size_t at = 0;
+    while (at < hlen) {
+        const char *nl = memchr(msg + at, '\n', hlen - at);
+        size_t end = nl ? (size_t)(nl - msg) : hlen;
+        if (end - at > klen && memcmp(msg + at, key, klen) == 0 && msg[at + klen] == '=') {
+            found = msg + at + klen + 1;
+            *vlen = end - at - klen - 1;
+        }
+        at = end + 1;
+    }
+    return found;
+}
+
+/* Reads field `key` as a u64 decimal (optional '+', ASCII digits); 0, or -1 with SPEC.md's words. */
+static int msg_u64(const char *msg, size_t hlen, const char *key, uint64_t *out, char *why, size_t whylen)
+{
+    size_t n;
+    const char *v = msg_find(msg, hlen, key, &n);
+    if (v == NULL) {
+        snprintf(why, whylen, "PREFILL: missing %s", key);
+        return -1;
+    }
+    if (n > 0 && v[0] == '+') {
+        v++;
+        n--;
+    }
+    uint64_t x = 0;
+    int ok = n > 0;
+    for (size_t i = 0; ok && i < n; i++) {
+        unsigned d = (unsigned char)v[i] - '0';
+        if (d > 9 || x > (UINT64_MAX - d) / 10)
+            ok = 0;
+        else
+            x = x * 10 + d;
+    }
+    if (!ok) {
+        snprintf(why, whylen, "PREFILL: %s: not a number", key);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+/* Parses and checks the announced shape (not yet the destinations); 0, or -1 with a reason. */
+static int parse_prefill(const char *msg, size_t n, wl_prefill *pf, char *why, size_t whylen)
+{
+    size_t hlen = n;
+    if (n > 0 && msg[0] == '\n')
+        hlen = 0;
+    for (size_t i = 0; i + 1 < n; i++) {
+        if (msg[i] == '\n' && msg[i + 1] == '\n') {
+            hlen = i + 1;
+            break;
+        }
+    }
+    if (msg_u64(msg, hlen, "room", &pf->room, why, whylen) < 0)
+        return -1;
+    pf->room_known = 1;
+    uint64_t layers;
+    if (msg_u64(msg, hlen, "layers", &layers, why, whylen) < 0 ||
+        msg_u64(msg, hlen, "rows", &pf->rows, why, whylen) < 0 ||
+        msg_u64(msg, hlen, "row_bytes", &pf->row_bytes, why, whylen) < 0 ||
+        msg_u64(msg, hlen, "ptr", &pf->ptr, why, whylen) < 0)
+        return -1;
+    if (layers < 1 || layers > EPD_WIRE_MAX_LAYERS) {
+        snprintf(why, whylen, "PREFILL announces %llu layers; 1..%d are allowed", (unsigned long long)layers,
+                 EPD_WIRE_MAX_LAYERS);
+        return -1;
+    }
+    if (pf->rows > UINT32_MAX) {
+        snprintf(why, whylen, "PREFILL: rows %llu does not fit the LAYER header's u32", (unsigned long long)pf->rows);
+        return -1;
+    }
+    pf->layers = (unsigned)layers;
+    for (unsigned i = 0; i < pf->layers; i++) {
+        char key[16];
+        snprintf(key, sizeof key, "ptr%u", i);
+        if (msg_u64(msg, hlen, key, &pf->lptr[i], why, whylen) < 0)
+            return -1;
+        snprintf(key, sizeof key, "bytes%u", i);
+        if (msg_u64(msg, hlen, key, &pf->lbytes[i], why, whylen) < 0)
+            return -1;
+    }
+    uint64_t want;
+    if (__builtin_mul_overflow(pf->rows, pf->row_bytes, &want)) {
+        snprintf(why, whylen, "PREFILL: rows %llu x row_bytes %llu overflows", (unsigned long long)pf->rows,
+                 (unsigned long long)pf->row_bytes);
+        return -1;
+    }
+    if (want != pf->lbytes[0]) {
+        snprintf(why, whylen, "PREFILL: rows %llu x row_bytes %llu = %llu but bytes0 is %llu",
+                 (unsigned long long)pf->rows, (unsigned long long)pf->row_bytes, (unsigned long long)want,
+                 (unsigned long long)pf->lbytes[0]);
+        return -1;
+    }
+    if (pf->ptr != pf->lptr[0]) {
+        snprintf(why, whylen, "PREFILL: ptr 0x%llx differs from ptr0 0x%llx", (unsigned long long)pf->ptr,
+                 (unsigned long long)pf->lptr[0]);
+        return -1;
+    }
+    for (unsigned i = 1; i < pf->layers; i++) {
+        if (pf->rows > 0 && pf->lbytes[i] % pf->rows != 0) {
+            snprintf(why, whylen, "PREFILL: bytes%u = %llu is not a multiple of rows %llu", i,
+                     (unsigned long long)pf->lbytes[i], (unsigned long long)pf->rows);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Checks every layer's destination against the region table; 0, or -1 with a reason naming the range. */
+static int check_destinations(wl_listener *l, const wl_prefill *pf, char *why, size_t whylen)
+{
+    int rc = 0;
+    pthread_rwlock_rdlock(&l->regions_lock);
+    for (unsigned i = 0; i < pf->layers && rc == 0; i++) {
+        uint64_t p = pf->lptr[i], n = pf->lbytes[i];
+        if (n == 0)
+            continue;
+        if (p + n < p) {
+            snprintf(why, whylen, "layer %u: destination 0x%llx + %llu bytes wraps around the address space", i,
+                     (unsigned long long)p, (unsigned long long)n);
+            rc = -1;
+        } else if (!regions_cover(l, p, n)) {
+            snprintf(why, whylen, "layer %u: destination [0x%llx, 0x%llx) (%llu bytes) is not inside registered memory",
+                     i, (unsigned long long)p, (unsigned long long)(p + n), (unsigned long long)n);
+            rc = -1;
+        }
+    }
+    pthread_rwlock_unlock(&l->regions_lock);
+    return rc;
+}
+
+/* ------------------------------------------------------------------- one transfer */
+
+/* Outcome of serve_one: go on with the next transfer, or drop the connection. */
+enum { SERVE_AGAIN, SERVE_DROP };
+
+/* Reads a frame header (u32 length, u8 kind); the payload length, or -1 after refusing the peer. */
+static long long read_header(wl_listener *l, int fd, const wl_prefill *pf, unsigned *kind, const char *when)
+{
+    unsigned char h[5];
+    size_t got;
+    int rc = read_all(fd, h, sizeof h, l->recv_timeout_ms, &got);
+    if (rc != RD_OK) {
+        refuse(l, fd, pf, "read: %s %s (%zu of 5 header bytes)", read_failure(rc), when, got);
+        return -1;
+    }
+    uint32_t len = epd_get_le32(h);
+    if (len == 0) {
+        refuse(l, fd, pf, "read: zero-length frame has no kind byte %s", when);
+        return -1;
+    }
+    *kind = h[4];
+    return (long long)len - 1;
+}
+
+/* Reads and discards a small control payload (FIRST's); 0, or -1 after refusing the peer. */
+static int skip_control(wl_listener *l, int fd, const wl_prefill *pf, size_t n)
+{
+    char buf[512];
+    if (n > EPD_WIRE_MAX_CONTROL) {
+        refuse(l, fd, pf, "FIRST payload of %zu bytes exceeds the limit of %zu bytes", n, EPD_WIRE_MAX_CONTROL);
+        return -1;
+    }
+    while (n > 0) {
+        size_t take = n < sizeof buf ? n : sizeof buf, got;
+        int rc = read_all(fd, buf, take, l->recv_timeout_ms, &got);
+        if (rc != RD_OK) {
+            refuse(l, fd, pf, "read: %s inside FIRST", read_failure(rc));
+            return -1;
+        }
+        n -= take;
+    }
+    return 0;
+}
+
+/* Receives one LAYER frame's data into the bounce buffer, verifies it, and copies it into place. */
+static int land_chunk(wl_listener *l, int fd, const wl_prefill *pf, unsigned layer, uint64_t *done,
+                      size_t plen, unsigned char *bounce)
+{
+    unsigned char lh[EPD_LAYER_HEADER];
+    size_t got;
+    if (plen < EPD_LAYER_HEADER) {
+        refuse(l, fd, pf, "LAYER payload shorter than its %d-byte header: %zu bytes", EPD_LAYER_HEADER, plen);
+        return -1;
+    }
+    size_t dlen = plen - EPD_LAYER_HEADER;
+    uint64_t left = pf->lbytes[layer] - *done;
+    /* Every size is judged before reading the data, so a lying frame costs no memory. */
+    if (dlen > l->chunk_limit) {
+        refuse(l, fd, pf, "LAYER frame of %zu data bytes exceeds the chunk limit of %zu bytes", dlen, l->chunk_limit);
+        return -1;
+    }
+    if (dlen == 0) {
+        refuse(l, fd, pf, "empty LAYER frame in layer %u", layer);
+        return -1;
+    }
+    if (dlen > left) {
+        refuse(l, fd, pf, "layer %u overruns its announced %llu bytes: %llu received + %zu in this frame", layer,
+               (unsigned long long)pf->lbytes[layer], (unsigned long long)*done, dlen);
+        return -1;
+    }
+    int rc = read_all(fd, lh, sizeof lh, l->recv_timeout_ms, &got);
+    if (rc != RD_OK) {
+        refuse(l, fd, pf, "read: %s inside a LAYER header of layer %u", read_failure(rc), layer);
+        return -1;
+    }
+    uint32_t flayer = epd_get_le32(lh), frows = epd_get_le32(lh + 4);
+    uint64_t want = epd_get_le64(lh + 8);
+    if (flayer != layer) {
+        refuse(l, fd, pf, "LAYER frame for layer %u while layer %u has %llu of %llu bytes", flayer, layer,
+               (unsigned long long)*done, (unsigned long long)pf->lbytes[layer]);
+        return -1;
+    }
+    if (frows != pf->rows) {
+        refuse(l, fd, pf, "LAYER frame of layer %u says %u rows; PREFILL announced %llu", layer, frows,
+               (unsigned long long)pf->rows);
+        return -1;
+    }
+    rc = read_all(fd, bounce, dlen, l->recv_timeout_ms, &got);
+    if (rc != RD_OK) {
+        refuse(l, fd, pf, "read: %s mid-frame in layer %u after %zu of %zu data bytes", read_failure(rc), layer, got,
+               dlen);
+        return -1;
+    }
+    uint64_t sum = epd_layer_sum(bounce, dlen);
+    if (sum != want) {
+        refuse(l, fd, pf, "LAYER checksum mismatch in layer %u at offset %llu: header 0x%016llx, computed 0x%016llx",
+               layer, (unsigned long long)*done, (unsigned long long)want, (unsigned long long)sum);
+        return -1;
+    }
+    uint64_t dst = pf->lptr[layer] + *done;
+    /* The read lock holds unregister() off for exactly the copy. */
+    pthread_rwlock_rdlock(&l->regions_lock);
+    int inside = regions_cover(l, dst, dlen);
+    if (inside)
+        memcpy((void *)(uintptr_t)dst, bounce, dlen);
+    pthread_rwlock_unlock(&l->regions_lock);
+    if (!inside) {
+        refuse(l, fd, pf, "layer %u: destination [0x%llx, 0x%llx) was unregistered during the transfer", layer,
+               (unsigned long long)dst, (unsigned long long)(dst + dlen));
+        return -1;
+    }
+    *done += dlen;
+    return 0;
+}
+
+/* Serves one transfer whose PREFILL header was read; SERVE_AGAIN after a RESULT. */
+static int serve_transfer(wl_listener *l, int fd, unsigned kind, size_t plen, unsigned char **bounce)
+{
+    wl_prefill pf = {0};
+    char why[REASON_MAX];
+    if (kind != KIND_PREFILL) {
+        refuse(l, fd, &pf, "expected a PREFILL frame, got kind %u", kind);
+        return SERVE_DROP;
+    }
+    if (plen > EPD_WIRE_MAX_CONTROL) {
+        refuse(l, fd, &pf, "PREFILL payload of %zu bytes exceeds the limit of %zu bytes", plen, EPD_WIRE_MAX_CONTROL);
+        return SERVE_DROP;
+    }
+    char *msg = malloc(plen + 1);
+    size_t got;
+    if (msg == NULL) {
+        refuse(l, fd, &pf, "out of memory reading a PREFILL of %zu bytes", plen);
+        return SERVE_DROP;
+    }
+    int rc = read_all(fd, msg, plen, l->recv_timeout_ms, &got);
+    if (rc != RD_OK) {
+        free(msg);
+        refuse(l, fd, &pf, "read: %s inside PREFILL after %zu of %zu bytes", read_failure(rc), got, plen);
+        return SERVE_DROP;
+    }
+    rc = parse_prefill(msg, plen, &pf, why, sizeof why);
+    free(msg);
+    if (rc < 0 || check_destinations(l, &pf, why, sizeof why) < 0) {
+        refuse(l, fd, &pf, "%s", why);
+        return SERVE_DROP;
+    }
+    uint64_t total = 0;
+    for (unsigned i = 0; i < pf.layers; i++) {
+        uint64_t done = 0;
+        while (done < pf.lbytes[i]) {
+            long long n = read_header(l, fd, &pf, &kind, "inside a transfer");
+            if (n < 0)
+                return SERVE_DROP;
+            if (kind != KIND_LAYER) {
+                refuse(l, fd, &pf, "%s frame (kind %u) with layer %u at %llu of %llu bytes",
+                       kind == KIND_FIRST ? "early FIRST" : "unexpected", kind, i, (unsigned long long)done,
+                       (unsigned long long)pf.lbytes[i]);
+                return SERVE_DROP;
+            }
+            if (*bounce == NULL && (*bounce = malloc(l->chunk_limit)) == NULL) {
+                refuse(l, fd, &pf, "out of memory for a %zu-byte bounce buffer", l->chunk_limit);
+                return SERVE_DROP;
+            }
+            if (land_chunk(l, fd, &pf, i, &done, (size_t)n, *bounce) < 0)
+                return SERVE_DROP;
+        }
+        total += done;
+    }
+    long long n = read_header(l, fd, &pf, &kind, "waiting for FIRST");
+    if (n < 0)
+        return SERVE_DROP;
+    if (kind != KIND_FIRST) {
+        refuse(l, fd, &pf, "%s frame (kind %u) after all %llu announced bytes; expected FIRST",
+               kind == KIND_LAYER ? "LAYER data beyond the announced total: a LAYER" : "unexpected", kind,
+               (unsigned long long)total);
+        return SERVE_DROP;
+    }
+    if (skip_control(l, fd, &pf, (size_t)n) < 0)
+        return SERVE_DROP;
+    pthread_mutex_lock(&l->lock);
+    l->transfers++;
+    l->bytes += total;
+    pthread_mutex_unlock(&l->lock);
+    if (send_reply(fd, KIND_RESULT, &pf, "bytes", total, NULL) < 0)
+        return SERVE_DROP;
+    return SERVE_AGAIN;
+}
+
+/* Waits up to the idle timeout for the next transfer's first byte; 1 when one comes. */
+static int wait_for_transfer(wl_listener *l, int fd)
+{
+    struct pollfd pfd = {.fd = fd, .events = POLLIN};
+    for (;;) {
+        int r = poll(&pfd, 1, l->idle_timeout_ms);
+        if (r > 0)
+            return !atomic_load(&l->stopping);
+        if (r == 0 || errno != EINTR)
+            return 0;
+    }
+}
+
+/* A connection's thread: transfers back to back until the peer leaves, lies, or we stop. */
+static void *conn_main(void *arg)
+{
+    wl_conn *c = arg;
+    wl_listener *l = c->owner;
+    int fd = c->fd;
+    unsigned char *bounce = NULL;
+    while (!atomic_load(&l->stopping) && wait_for_transfer(l, fd)) {
+        unsigned char h[5];
+        size_t got;
+        int rc = read_all(fd, h, sizeof h, l->recv_timeout_ms, &got);
+        if (rc == RD_EOF && got == 0)
+            break; /* the peer closed an idle connection: not an error */
+        wl_prefill none = {0};
+        if (rc != RD_OK) {
+            refuse(l, fd, &none, "read: %s in a frame header (%zu of 5 bytes)", read_failure(rc), got);
+            break;
+        }
+        uint32_t len = epd_get_le32(h);
+        if (len == 0) {
+            refuse(l, fd, &none, "read: zero-length frame has no kind byte");
+            break;
+        }
+        if (serve_transfer(l, fd, h[4], (size_t)len - 1, &bounce) != SERVE_AGAIN)
+            break;
+    }
+    free(bounce);
+    pthread_mutex_lock(&l->lock);
+    close(fd);
+    c->fd = -1;
+    l->active--;
+    pthread_mutex_unlock(&l->lock);
+    atomic_store(&c->done, 1);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ accepting */
+
+/* Joins the threads of finished connections so their slots can be reused. */
+static void reap(wl_listener *l)
+{
+    for (int i = 0; i < l->max_conns; i++) {
+        wl_conn *c = &l->conns[i];
+        if (c->used && atomic_load(&c->done)) {
+            pthread_join(c->thread, NULL);
+            c->used = 0;
+        }
+    }
+}
+
+/* Starts a thread for a new connection, or refuses it when every slot is busy. */
+static void admit(wl_listener *l, int fd)
+{
+    reap(l);
+    wl_conn *slot = NULL;
+    for (int i = 0; i < l->max_conns && slot == NULL; i++)
+        if (!l->conns[i].used)
+            slot = &l->conns[i];
+    if (slot == NULL) {
+        wl_prefill none = {0};
+        char why[128];
+        snprintf(why, sizeof why, "listener busy: all %d connections in use", l->max_conns);
+        pthread_mutex_lock(&l->lock);
+        l->refused++;
+        pthread_mutex_unlock(&l->lock);
+        send_reply(fd, KIND_ERROR, &none, NULL, 0, why);
+        close(fd);
+        return;
+    }
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    struct timeval tv = {.tv_sec = l->recv_timeout_ms / 1000, .tv_usec = (l->recv_timeout_ms % 1000) * 1000};
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    slot->owner = l;
+    slot->fd = fd;
+    atomic_store(&slot->done, 0);
+    pthread_mutex_lock(&l->lock);
+    l->accepted++;
+    l->active++;
+    pthread_mutex_unlock(&l->lock);
+    if (pthread_create(&slot->thread, NULL, conn_main, slot) != 0) {
+        pthread_mutex_lock(&l->lock);
+        l->active--;
+        l->refused++;
+        slot->fd = -1;
+        pthread_mutex_unlock(&l->lock);
+        close(fd);
+        return;
+    }
+    slot->used = 1;
+}
+
+/* The accept thread: admits connections until the wake pipe says stop. */
+static void *accept_main(void *arg)
+{
+    wl_listener *l = arg;
+    for (;;) {
+        struct pollfd pfd[2] = {{.fd = l->lfd, .events = POLLIN}, {.fd = l->wake[0], .events = POLLIN}};
+        int r = poll(pfd, 2, 1000);
+        if (atomic_load(&l->stopping))
+            break;
+        if (r < 0 && errno != EINTR)
+            break;
+        if (r <= 0 || !(pfd[0].revents & POLLIN)) {
+            reap(l);
+            continue;
+        }
+        int fd = accept4(l->lfd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+                usleep(10000); /* out of descriptors: back off instead of spinning */
+            continue;
+        }
+        admit(l, fd);
+    }
+    return NULL;
+}
+
+/* Binds and listens on host:port; fills l->lfd and l->port, or returns -1 with a reason. */
+static int bind_listener(wl_listener *l, const char *host, int port, char *why, size_t whylen)
+{
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
+    struct addrinfo *res = NULL;
+    char service[16];
+    snprintf(service, sizeof service, "%d", port);
+    int rc = getaddrinfo(host, service, &hints, &res);
+    if (rc != 0) {
+        snprintf(why, whylen, "wire listener: cannot resolve %s: %s", host, gai_strerror(rc));
+        return -1;
+    }
+    int err = 0;
+    l->lfd = -1;
+    for (struct addrinfo *ai = res; ai != NULL && l->lfd < 0; ai = ai->ai_next) {
+        int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+        if (fd < 0) {
+            err = errno;
+            continue;
+        }
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (bind(fd, ai->ai_addr, ai->ai_addrlen) < 0 || listen(fd, 128) < 0) {
+            err = errno;
+            close(fd);
+            continue;
+        }
+        l->lfd = fd;
+    }
+    freeaddrinfo(res);
+    if (l->lfd < 0) {
+        snprintf(why, whylen, "wire listener: cannot listen on %s:%d: %s", host, port, strerror(err));
+        return -1;
+    }
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
+    getsockname(l->lfd, (struct sockaddr *)&ss, &sl);
+    l->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                             : ((struct sockaddr_in *)&ss)->sin_port);
+    return 0;
+}
+
+/* Stops accepting, wakes and joins every thread, closes every socket; idempotent. */
+static void listener_close(wl_listener *l)
+{
+    if (l->closed)
+        return;
+    l->closed = 1;
+    atomic_store(&l->stopping, 1);
+    if (l->started) {
+        ssize_t w = write(l->wake[1], "x", 1);
+        (void)w;
+        pthread_join(l->accept_thread, NULL);
+    }
+    /* shutdown() wakes a connection blocked in poll or recv; its thread then closes the fd. */
+    pthread_mutex_lock(&l->lock);
+    for (int i = 0; i < l->max_conns; i++)
+        if (l->conns[i].used && l->conns[i].fd >= 0)
+            shutdown(l->conns[i].fd, SHUT_RDWR);
+    pthread_mutex_unlock(&l->lock);
+    for (int i = 0; i < l->max_conns; i++) {
+        if (l->conns[i].used) {
+            pthread_join(l->conns[i].thread, NULL);
+            l->conns[i].used = 0;
+        }
+    }
+    if (l->lfd >= 0)
+        close(l->lfd);
+    l->lfd = -1;
+    close(l->wake[0]);
+    close(l->wake[1]);
+}
+
+/* Frees a closed listener. */
+static void listener_free(wl_listener *l)
+{
+    listener_close(l);
+    pthread_rwlock_destroy(&l->regions_lock);
+    pthread_mutex_destroy(&l->lock);
+    free(l->regions);
+    free(l->conns);
+    free(l);
+}
+
+/* ------------------------------------------------------------------ CPython glue */
+
+#define CAPSULE_NAME "transfer._native.WireListener"
+
+/* The listener behind a capsule, or NULL with TypeError. */
+static wl_listener *get_listener(PyObject *cap)
+{
+    return PyCapsule_GetPointer(cap, CAPSULE_NAME);
+}
+
+/* Capsule destructor: stops the threads (without the GIL; they never take it) and frees. */
+static void capsule_free(PyObject *cap)
+{
+    wl_listener *l = PyCapsule_GetPointer(cap, CAPSULE_NAME);
+    if (l == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    listener_free(l);
+    Py_END_ALLOW_THREADS
+}
+
+/* Converts seconds to poll milliseconds (at least 1). */
+static int to_ms(double s)
+{
+    if (s <= 0)
+        return 1;
+    if (s > 86400.0 * 24)
+        return 86400 * 24 * 1000;
+    return (int)(s * 1000.0 + 0.5) > 0 ? (int)(s * 1000.0 + 0.5) : 1;
+}
+
+PyObject *epd_py_wire_listen(PyObject *self, PyObject *args)
+{
+    (void)self;
+    const char *host;
+    int port, max_conns;
+    double recv_timeout, idle_timeout;
+    Py_ssize_t chunk_limit;
+    if (!PyArg_ParseTuple(args, "siddni:wire_listen", &host, &port, &recv_timeout, &idle_timeout, &chunk_limit,
+                          &max_conns))
+        return NULL;
+    if (port < 0 || port > 65535) {
+        PyErr_Format(PyExc_ValueError, "wire listener: port %d is outside 0..65535", port);
+        return NULL;
+    }
+    if (chunk_limit < 1 || (size_t)chunk_limit > EPD_MAX_PAYLOAD - EPD_LAYER_HEADER) {
+        PyErr_Format(PyExc_ValueError, "wire listener: chunk_limit %zd is outside 1..%zu", chunk_limit,
+                     EPD_MAX_PAYLOAD - EPD_LAYER_HEADER);
+        return NULL;
+    }
+    if (max_conns < 1 || max_conns > 4096) {
+        PyErr_Format(PyExc_ValueError, "wire listener: max_conns %d is outside 1..4096", max_conns);
+        return NULL;
+    }
+    wl_listener *l = calloc(1, sizeof *l);
+    wl_conn *conns = calloc((size_t)max_conns, sizeof *conns);
+    if (l == NULL || conns == NULL) {
+        free(l);
+        free(conns);
+        return PyErr_NoMemory();
+    }
+    l->conns = conns;
+    l->max_conns = max_conns;
+    l->recv_timeout_ms = to_ms(recv_timeout);
+    l->idle_timeout_ms = to_ms(idle_timeout);
+    l->chunk_limit = (size_t)chunk_limit;
+    l->wake[0] = l->wake[1] = -1;
+    pthread_mutex_init(&l->lock, NULL);
+    pthread_rwlockattr_t attr;
+    pthread_rwlockattr_init(&attr);
+    /* A waiting unregister() must not starve behind a stream of copies. */
+    pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+    pthread_rwlock_init(&l->regions_lock, &attr);
+    pthread_rwlockattr_destroy(&attr);
+    char why[REASON_MAX];
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = bind_listener(l, host, port, why, sizeof why);
+    Py_END_ALLOW_THREADS
+    if (rc < 0 || pipe2(l->wake, O_CLOEXEC) < 0) {
+        if (rc == 0)
+            snprintf(why, sizeof why, "wire listener: pipe: %s", strerror(errno));
+        l->closed = 1;
+        if (l->lfd >= 0)
+            close(l->lfd);
+        pthread_rwlock_destroy(&l->regions_lock);
+        pthread_mutex_destroy(&l->lock);
+        free(l->conns);
+        free(l);
+        PyErr_SetString(PyExc_OSError, why);
+        return NULL;
+    }
+    if (pthread_create(&l->accept_thread, NULL, accept_main, l) != 0) {
+        listener_free(l);
+        PyErr_SetString(PyExc_OSError, "wire listener: cannot start the accept thread");
+        return NULL;
+    }
+    l->started = 1;
+    PyObject *cap = PyCapsule_New(l, CAPSULE_NAME, capsule_free);
+    if (cap == NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        listener_free(l);
+        Py_END_ALLOW_THREADS
+    }
+    return cap;
+}
+
+PyObject *epd_py_wire_listener_port(PyObject *self, PyObject *cap)
+{
+    (void)self;
+    wl_listener *l = get_listener(cap);
+    return l ? PyLong_FromLong(l->port) : NULL;
+}
+
+PyObject *epd_py_wire_add_region(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *cap;
+    unsigned long long addr, len;
+    if (!PyArg_ParseTuple(args, "OKK:wire_add_region", &cap, &addr, &len))
+        return NULL;
+    wl_listener *l = get_listener(cap);
+    if (l == NULL)
+        return NULL;
+    if (len == 0 || addr == 0 || addr + len < addr) {
+        PyErr_Format(PyExc_ValueError, "cannot register region 0x%llx+%llu: empty, null or wrapping", addr, len);
+        return NULL;
+    }
+    char why[REASON_MAX];
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = regions_add(l, addr, len, why, sizeof why);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        PyErr_SetString(PyExc_ValueError, why);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+PyObject *epd_py_wire_remove_region(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *cap;
+    unsigned long long addr;
+    if (!PyArg_ParseTuple(args, "OK:wire_remove_region", &cap, &addr))
+        return NULL;
+    wl_listener *l = get_listener(cap);
+    if (l == NULL)
+        return NULL;
+    long long len;
+    Py_BEGIN_ALLOW_THREADS
+    len = regions_remove(l, addr);
+    Py_END_ALLOW_THREADS
+    if (len < 0) {
+        PyErr_Format(PyExc_KeyError, "address 0x%llx is not a registered region", addr);
+        return NULL;
+    }
+    return PyLong_FromLongLong(len);
+}
+
+PyObject *epd_py_wire_listener_stats(PyObject *self, PyObject *cap)
+{
+    (void)self;
+    wl_listener *l = get_listener(cap);
+    if (l == NULL)
+        return NULL;
+    unsigned long long accepted, refused, transfers, failures, bytes;
+    int active;
+    char last[REASON_MAX];
+    pthread_mutex_lock(&l->lock);
+    accepted = l->accepted;
+    refused = l->refused;
+    transfers = l->transfers;
+    failures = l->failures;
+    bytes = l->bytes;
+    active = l->active;
+    memcpy(last, l->last_error, sizeof last);
+    pthread_mutex_unlock(&l->lock);
+    pthread_rwlock_rdlock(&l->regions_lock);
+    size_t nregions = l->nregions;
+    pthread_rwlock_unlock(&l->regions_lock);
+    return Py_BuildValue("{sKsKsKsKsKsisnsisss}", "accepted", accepted, "refused", refused, "transfers", transfers,
+                         "failures", failures, "bytes", bytes, "active", active, "regions", (Py_ssize_t)nregions,
+                         "port", l->port, "last_error", last);
+}
+
+PyObject *epd_py_wire_listener_close(PyObject *self, PyObject *cap)
+{
+    (void)self;
+    wl_listener *l = get_listener(cap);
+    if (l == NULL)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    listener_close(l);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}

@@ -1,0 +1,31 @@
+/* The framed-wire data path's receiving side: a native listener that lands LAYER bytes in registered memory. */
+#ifndef EPD_WIRE_LISTENER_H
+#define EPD_WIRE_LISTENER_H
+
+#include "epd.h"
+
+/* Most layers one PREFILL may announce (embedding, deepstack, and room to grow). */
+#define EPD_WIRE_MAX_LAYERS 16
+/* Largest PREFILL (or FIRST) payload the listener reads: the Msg is a few hundred bytes. */
+#define EPD_WIRE_MAX_CONTROL ((size_t)64 << 10)
+
+PyObject *epd_py_wire_listen(PyObject *self, PyObject *args);
+PyObject *epd_py_wire_listener_port(PyObject *self, PyObject *cap);
+PyObject *epd_py_wire_add_region(PyObject *self, PyObject *args);
+PyObject *epd_py_wire_remove_region(PyObject *self, PyObject *args);
+PyObject *epd_py_wire_listener_stats(PyObject *self, PyObject *cap);
+PyObject *epd_py_wire_listener_close(PyObject *self, PyObject *cap);
+
+/* Entries for the module's method table (module.c). */
+#define EPD_WIRE_METHODS                                                                                  \
+    {"wire_listen", epd_py_wire_listen, METH_VARARGS,                                                    \
+     "wire_listen(host, port, recv_timeout, idle_timeout, chunk_limit, max_conns) -> listener."},        \
+    {"wire_listener_port", epd_py_wire_listener_port, METH_O, "wire_listener_port(listener) -> int."},   \
+    {"wire_add_region", epd_py_wire_add_region, METH_VARARGS, "wire_add_region(listener, addr, len)."},  \
+    {"wire_remove_region", epd_py_wire_remove_region, METH_VARARGS,                                      \
+     "wire_remove_region(listener, addr) -> len; waits for copies into it."},                            \
+    {"wire_listener_stats", epd_py_wire_listener_stats, METH_O, "wire_listener_stats(listener) -> dict."}, \
+    {"wire_listener_close", epd_py_wire_listener_close, METH_O,                                          \
+     "wire_listener_close(listener): stops and joins every thread; idempotent."},
+
+#endif

@@ -1,0 +1,558 @@
+"""Shared pieces of the live tests: deterministic items, rank processes driven by
+command queues, a prefill rank in the test process, and a raw-ZMQ stand-in peer.
+
+The rank processes are spawned (never forked: Mooncake and ZMQ own threads) and
+stay free of torch, so one starts in well under a second; the test process keeps
+torch for `transfer.harness.check_landed`. Every wait here is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import signal
+import socket
+import struct
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+HOST = "127.0.0.1"
+DTYPE = "torch.bfloat16"
+#: The byte receive slots hold before an ask (the harness's, so check_landed applies).
+SENTINEL = 0xA5
+#: How long a command to a rank process may take before the test fails.
+COMMAND_TIMEOUT_S = 30.0
+
+try:
+    import mooncake.engine  # noqa: F401
+
+    MOONCAKE_MISSING = ""
+except ImportError as _error:  # pragma: no cover - depends on the host
+    MOONCAKE_MISSING = f"mooncake.engine cannot be imported: {_error}"
+
+#: Marks for every live test module: `pytestmark = LIVE`.
+LIVE = [pytest.mark.live, pytest.mark.skipif(bool(MOONCAKE_MISSING), reason=MOONCAKE_MISSING or "n/a")]
+
+_ELEMENT = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4, "torch.uint8": 1}
+
+
+def element_size(dtype: str) -> int:
+    """Bytes per element of the dtypes the live tests use."""
+    return _ELEMENT[dtype]
+
+
+def item_bytes(room: int, nbytes: int, seed: int = 0) -> np.ndarray:
+    """Room's deterministic item bytes (both ends derive them; distinct rooms differ)."""
+    rng = np.random.default_rng([seed, room])
+    return rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+
+
+def item_tensor(room: int, span: int, hidden: int, dtype: str = DTYPE, seed: int = 0):
+    """Room's item as a torch tensor `[span, hidden]` (test process only)."""
+    import torch
+
+    raw = torch.from_numpy(item_bytes(room, span * hidden * element_size(dtype), seed))
+    return raw.view(getattr(torch, dtype.removeprefix("torch."))).view(span, hidden)
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.01) -> bool:
+    """Polls `predicate` until it is true or `timeout` seconds passed; returns its last truth."""
+    end = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= end:
+            return False
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (bound and released a moment ago)."""
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def port_rebindable(host: str, port: int, timeout: float = 2.0) -> bool:
+    """True when a ZMQ socket can bind host:port again within `timeout` (ZMQ closes asynchronously)."""
+    import zmq
+
+    end = time.monotonic() + timeout
+    while True:
+        sock = zmq.Context.instance().socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(f"tcp://{host}:{port}")
+            return True
+        except zmq.ZMQError:
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.05)
+        finally:
+            sock.close(0)
+
+
+def epd_threads() -> list[str]:
+    """Names of the live threads our sender pools and session managers start."""
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("epd-"))
+
+
+class LogCapture(logging.Handler):
+    """Keeps the messages of `transfer.*` warnings and errors (installed in rank processes)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        self._lock_messages = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self._lock_messages:
+            self.messages.append(record.getMessage())
+
+    def take(self) -> list[str]:
+        """The messages so far."""
+        with self._lock_messages:
+            return list(self.messages)
+
+
+# ------------------------------------------------------------- rank processes
+
+
+def _serve(setup: Callable[[dict], Any], cfg: dict, ctrl, out) -> None:
+    """Runs a rank process: `setup` builds its state; then it answers commands until `close`."""
+    capture = LogCapture()
+    logging.getLogger("transfer").addHandler(capture)
+    logging.getLogger("transfer").setLevel(logging.WARNING)
+    try:
+        rank = setup(cfg)
+        rank.capture = capture
+        out.put(("ready", rank.hello()))
+        while True:
+            command, args = ctrl.get()
+            try:
+                reply = getattr(rank, "do_" + command)(*args)
+            except Exception:  # noqa: BLE001 - the test must see it
+                out.put(("error", traceback.format_exc()))
+                continue
+            out.put(("ok", reply))
+            if command == "close":
+                return
+    except BaseException:  # noqa: BLE001 - the parent must hear about it
+        out.put(("error", traceback.format_exc()))
+
+
+class _EncodeRank:
+    """State of an encode rank process: a Mooncake engine, a SenderPool, the items it sent."""
+
+    def __init__(self, cfg: dict) -> None:
+        from transfer.engine import Engine
+        from transfer.sender import SenderPool
+
+        self.engine = Engine(HOST, protocol=cfg.get("protocol", "tcp"))
+        self.registered_before = dict(self.engine.registered())
+        self.pool = SenderPool(
+            self.engine, cfg.get("rank", 0), cfg.get("tp", 1), cfg.get("dp", 1), cfg["bootstrap"],
+            host=HOST, token=cfg.get("token"), bootstrap_timeout_s=cfg.get("bootstrap_timeout_s", 60.0),
+            register_timeout_s=cfg.get("register_timeout_s", 10.0), writers=cfg.get("writers", 2),
+        )
+        self.handles: dict[int, Any] = {}
+        self.arenas: list[tuple[np.ndarray, int]] = []
+
+    def hello(self) -> dict:
+        return {"host": self.pool.host, "port": self.pool.port, "session": self.engine.session_id, "pid": os.getpid()}
+
+    def _arena(self, nbytes: int) -> np.ndarray:
+        """A registered source buffer of `nbytes` (kept until close)."""
+        arena = np.empty(max(nbytes, 8), dtype=np.uint8)
+        addr = arena.ctypes.data
+        self.engine.register(addr, arena.nbytes)
+        self.arenas.append((arena, addr))
+        return arena
+
+    def do_send(self, rooms: list[int], span: int, hidden: int, dtype: str = DTYPE, deepstack: int = 0) -> None:
+        """Sends each room's item (and deepstack rows `hidden * deepstack` wide) from registered memory."""
+        row = hidden * element_size(dtype)
+        nbytes = span * row
+        arena = self._arena(len(rooms) * nbytes)
+        ds_arena = self._arena(len(rooms) * nbytes * deepstack) if deepstack else None
+        for i, room in enumerate(rooms):
+            arena[i * nbytes : (i + 1) * nbytes] = item_bytes(room, nbytes)
+            ds = None
+            if ds_arena is not None:
+                ds_n = nbytes * deepstack
+                ds_arena[i * ds_n : (i + 1) * ds_n] = item_bytes(room, ds_n, seed=1)
+                ds = ds_arena.ctypes.data + i * ds_n
+            self.handles[room] = self.pool.send(
+                room, arena.ctypes.data + i * nbytes, ds, span=span, hidden=hidden, dtype=dtype,
+                deepstack_hidden=hidden * deepstack if deepstack else None,
+            )
+
+    def do_wait(self, rooms: list[int], timeout: float) -> dict[int, tuple[str, str | None, float]]:
+        """Waits (bounded overall) for each room; returns room -> (status, reason, seconds) and clears it."""
+        end = time.monotonic() + timeout
+        results = {}
+        for room in rooms:
+            handle = self.handles.pop(room)
+            status = handle.wait(max(0.0, end - time.monotonic()))
+            results[room] = (status.name, handle.failure, handle.latency_s)
+            handle.clear()
+        return results
+
+    def do_logs(self) -> list[str]:
+        return self.capture.take()
+
+    def do_state(self) -> dict:
+        """What the pool still holds, for the no-state-left checks."""
+        pool = self.pool
+        arenas = {addr for _, addr in self.arenas}
+        return {
+            "items": len(pool._items), "asks": len(pool._asks), "table": len(pool._table),
+            "temp_sources": len(pool._temp_sources), "pending_handles": len(self.handles),
+            "extra_registrations": sorted(set(self.engine.registered()) - set(self.registered_before) - arenas),
+            "dropped_statuses": pool._statuses.dropped,
+            "contexts_shared": _one_context(pool),
+        }
+
+    def do_close(self) -> dict:
+        """Closes the pool and reports what is left: threads, the port, registrations."""
+        started = time.monotonic()
+        in_flight = {room: h for room, h in self.handles.items()}
+        self.pool.close()
+        close_s = time.monotonic() - started
+        failures = {room: (h.poll().name, h.failure) for room, h in in_flight.items()}
+        for _, addr in self.arenas:
+            self.engine.unregister(addr)
+        facts = {
+            "close_s": close_s,
+            "threads": epd_threads(),
+            "port_free": port_rebindable(self.pool.host, self.pool.port),
+            "registered_back": self.engine.registered() == self.registered_before,
+            "in_flight": failures,
+        }
+        self.engine.close()
+        return facts
+
+
+def _one_context(pool) -> bool:
+    """True when every socket the pool opened belongs to the process's one ZMQ context."""
+    import zmq
+
+    shared = zmq.Context.instance()
+    socks = [pool._pull, *pool._statuses._sockets.values()]
+    return all(s.context is shared for s in socks)
+
+
+def _encode_main(cfg: dict, ctrl, out) -> None:
+    """Process body of an encode rank."""
+    _serve(_EncodeRank, cfg, ctrl, out)
+
+
+class _PrefillRank:
+    """State of a prefill rank process: an engine, a SessionManager over a numpy slot arena."""
+
+    def __init__(self, cfg: dict) -> None:
+        from transfer.engine import Engine
+        from transfer.receiver import SessionManager
+
+        self.cfg = cfg
+        self.row = cfg["hidden"] * element_size(cfg.get("dtype", DTYPE))
+        self.slot_bytes = cfg["span"] * self.row
+        self.arena = np.full(cfg["slots"] * self.slot_bytes, SENTINEL, dtype=np.uint8)
+        self.engine = Engine(HOST, protocol=cfg.get("protocol", "tcp"))
+        self.manager = SessionManager(
+            self.engine, cfg.get("rank", 0), cfg.get("tp", 1), cfg.get("dp", 1),
+            buffer=(self.arena.ctypes.data, self.arena.nbytes), host=HOST, deadline_s=cfg.get("deadline_s", 30.0),
+        )
+        self.handles: dict[int, tuple[Any, int]] = {}
+
+    def hello(self) -> dict:
+        return {"status_port": self.manager.status_port, "session": self.engine.session_id, "pid": os.getpid()}
+
+    def do_ask(self, rooms: list[int]) -> None:
+        """Asks for each room's full span (identity) into its own slot."""
+        for room in rooms:
+            slot = len(self.handles)
+            ptr = self.arena.ctypes.data + slot * self.slot_bytes
+            handle = self.manager.receive(
+                room, self.cfg["bootstrap"], ptr, self.cfg["span"], self.cfg["hidden"], self.cfg.get("dtype", DTYPE),
+            )
+            self.handles[room] = (handle, slot)
+
+    def do_wait(self, rooms: list[int], timeout: float) -> dict[int, tuple[str, str | None, bool]]:
+        """room -> (status, reason, bytes equal the item's) after a bounded wait."""
+        end = time.monotonic() + timeout
+        results = {}
+        for room in rooms:
+            handle, slot = self.handles.pop(room)
+            status = handle.wait(max(0.0, end - time.monotonic()))
+            landed = self.arena[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
+            results[room] = (status.name, handle.failure, bool(np.array_equal(landed, item_bytes(room, self.slot_bytes))))
+            handle.clear()
+        return results
+
+    def do_close(self) -> dict:
+        self.manager.close()
+        self.engine.close()
+        return {"threads": epd_threads()}
+
+
+def _prefill_main(cfg: dict, ctrl, out) -> None:
+    """Process body of a prefill rank."""
+    _serve(_PrefillRank, cfg, ctrl, out)
+
+
+class RankProcess:
+    """A rank in its own spawned process, driven by commands with bounded replies."""
+
+    def __init__(self, body: Callable, cfg: dict, timeout: float = COMMAND_TIMEOUT_S) -> None:
+        ctx = mp.get_context("spawn")
+        self._ctrl, self._out = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=body, args=(cfg, self._ctrl, self._out), daemon=True)
+        self.proc.start()
+        self.info: dict = self._reply("start", timeout)
+
+    def _reply(self, what: str, timeout: float) -> Any:
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                kind, value = self._out.get(timeout=0.1)
+            except queue_mod.Empty:
+                if not self.proc.is_alive():
+                    raise RuntimeError(f"rank process died (exit {self.proc.exitcode}) during {what}") from None
+                if time.monotonic() >= end:
+                    raise TimeoutError(f"rank process did not answer {what} within {timeout:g}s") from None
+                continue
+            if kind == "error":
+                raise RuntimeError(f"rank process failed during {what}:\n{value}")
+            return value
+
+    def call(self, command: str, *args: Any, timeout: float = COMMAND_TIMEOUT_S) -> Any:
+        """Runs `command` in the rank process and returns its reply."""
+        self._ctrl.put((command, args))
+        return self._reply(command, timeout)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: nothing gets to close."""
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def close(self, timeout: float = COMMAND_TIMEOUT_S) -> dict | None:
+        """Asks the rank to close and reports its facts; kills it when it does not exit."""
+        facts = None
+        if self.proc.is_alive():
+            try:
+                facts = self.call("close", timeout=timeout)
+            finally:
+                self.proc.join(10)
+                if self.proc.is_alive():
+                    self.kill()
+        return facts
+
+    def __enter__(self) -> RankProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def encode_process(bootstrap: str, **cfg: Any) -> RankProcess:
+    """An encode rank process registered with `bootstrap` (cfg: rank, tp, dp, token, bootstrap_timeout_s, ...)."""
+    return RankProcess(_encode_main, {"bootstrap": bootstrap, **cfg})
+
+
+def prefill_process(bootstrap: str, **cfg: Any) -> RankProcess:
+    """A prefill rank process (cfg: span, hidden, slots, rank, tp, dp, deadline_s)."""
+    return RankProcess(_prefill_main, {"bootstrap": bootstrap, **cfg})
+
+
+# ------------------------------------------------ a prefill rank in the test process
+
+
+class Receiver:
+    """A prefill rank in the test process: a SessionManager over sentinel-filled slots."""
+
+    def __init__(
+        self, engine, rank: int, tp: int, *, fanout: int, slots: int = 8, max_span: int = 16, hidden: int = 64,
+        dtype: str = DTYPE, deepstack: int = 0, deadline_s: float = 30.0, dp: int = 1,
+    ) -> None:
+        import torch
+
+        from transfer.receiver import SessionManager
+
+        self.rank, self.fanout, self.hidden, self.dtype, self.deepstack = rank, fanout, hidden, dtype, deepstack
+        torch_dtype = getattr(torch, dtype.removeprefix("torch."))
+        self.slots = torch.empty((slots, max_span, hidden), dtype=torch_dtype)
+        self.slots.view(torch.uint8).fill_(SENTINEL)
+        self.ds_slots = None
+        if deepstack:
+            self.ds_slots = torch.empty((slots, max_span, hidden * deepstack), dtype=torch_dtype)
+            self.ds_slots.view(torch.uint8).fill_(SENTINEL)
+        self.manager = SessionManager(
+            engine, rank, tp, dp, buffer=self.slots, deepstack_buffer=self.ds_slots, host=HOST, deadline_s=deadline_s,
+        )
+        self._next_slot = 0
+        self.asked: dict[int, tuple[Any, int, int, int, int]] = {}
+
+    def shard(self, span: int) -> tuple[int, int]:
+        """This rank's (row_start, rows) of a span."""
+        from transfer.frames import shard_rows
+
+        return shard_rows(span, self.rank % self.fanout, self.fanout)
+
+    def ask(self, room: int, bootstrap: str, span: int, *, hidden: int | None = None, dtype: str | None = None,
+            claimed_span: int | None = None):
+        """Asks for this rank's shard of `room`; `hidden`, `dtype` or `claimed_span` lie about the geometry."""
+        slot = self._next_slot
+        self._next_slot += 1
+        claimed = span if claimed_span is None else claimed_span
+        row_start, rows = self.shard(claimed)
+        hidden = self.hidden if hidden is None else hidden
+        ptr = self.slots[slot].data_ptr() + row_start * self.hidden * element_size(self.dtype)
+        ds_dst = None
+        if self.ds_slots is not None:
+            ds_dst = self.ds_slots[slot, row_start : row_start + rows]
+        handle = self.manager.receive(
+            room, bootstrap, ptr, rows, hidden, dtype or self.dtype, row_start=row_start, span=claimed,
+            deepstack_dst=ds_dst,
+        )
+        self.asked[room] = (handle, slot, span, row_start, rows)
+        return handle
+
+    def handle(self, room: int):
+        return self.asked[room][0]
+
+    def landed(self, room: int) -> str | None:
+        """None when room's shard landed exactly and nothing outside it was touched (harness.check_landed)."""
+        from transfer.harness import check_landed
+
+        _, slot, span, row_start, rows = self.asked[room]
+        bad = check_landed(self.slots[slot], item_tensor(room, span, self.hidden, self.dtype), row_start, rows)
+        if bad is None and self.ds_slots is not None:
+            want = item_tensor(room, span, self.hidden * self.deepstack, self.dtype, seed=1)
+            bad = check_landed(self.ds_slots[slot], want, row_start, rows)
+            bad = None if bad is None else f"deepstack: {bad}"
+        return None if bad is None else f"room {room}: {bad}"
+
+    def untouched(self, room: int) -> bool:
+        """True when room's slot still holds only the sentinel."""
+        import torch
+
+        _, slot, *_ = self.asked[room]
+        slots = [self.slots[slot]] + ([self.ds_slots[slot]] if self.ds_slots is not None else [])
+        return all(bool((s.view(torch.uint8) == SENTINEL).all()) for s in slots)
+
+    def wait(self, rooms, timeout: float) -> dict[int, tuple[str, str | None]]:
+        """room -> (status, reason) after a bounded wait for all of them."""
+        end = time.monotonic() + timeout
+        return {r: (self.asked[r][0].wait(max(0.0, end - time.monotonic())).name, self.asked[r][0].failure) for r in rooms}
+
+    def clear(self) -> None:
+        """Clears every room asked for."""
+        for handle, *_ in self.asked.values():
+            handle.clear()
+        self.asked.clear()
+
+    def close(self) -> None:
+        self.manager.close()
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ------------------------------------------------------ a raw-ZMQ stand-in peer
+
+
+def pointer(value: int) -> bytes:
+    """SPEC.md 4.1/4.2's pointer part: struct.pack("Q", p), native order."""
+    return struct.pack("Q", value)
+
+
+class RawPrefill:
+    """A prefill rank built from raw ZMQ sockets and a real engine: crafts its own frames.
+
+    It owns a real status PULL (to observe what the encode rank pushes) and a
+    registered buffer, so an encode rank can really write into it.
+    """
+
+    def __init__(self, engine, encode_host: str, encode_port: int, nbytes: int) -> None:
+        import torch
+        import zmq
+
+        self.engine = engine
+        self.buffer = torch.full((nbytes,), SENTINEL, dtype=torch.uint8)
+        engine.register(self.buffer)
+        ctx = zmq.Context.instance()
+        self.status = ctx.socket(zmq.PULL)
+        self.status.setsockopt(zmq.LINGER, 0)
+        self.status_port = self.status.bind_to_random_port(f"tcp://{HOST}")
+        self.push = ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.connect(f"tcp://{encode_host}:{encode_port}")
+
+    @property
+    def base(self) -> int:
+        return self.buffer.data_ptr()
+
+    def register(self, lengths: tuple[int, int] | None) -> list[bytes]:
+        """Sends a registration (SPEC.md 4.1, plus section 8's lengths when given); returns its parts."""
+        parts = [b"None", HOST.encode(), str(self.status_port).encode(), self.engine.session_id.encode(),
+                 pointer(self.base), pointer(0)]
+        if lengths is not None:
+            parts += [str(lengths[0]).encode(), str(lengths[1]).encode()]
+        self.push.send_multipart(parts)
+        return parts
+
+    def ask(self, room: int, ptr: int, rows: int, hidden: int, span: int, *, dtype: str = DTYPE, fanout: int = 1,
+            row_start: int = 0, deepstack_ptr: int = 0) -> list[bytes]:
+        """Sends a TransferInfo (SPEC.md 4.2) built by hand; returns its parts."""
+        parts = [str(room).encode(), HOST.encode(), str(self.status_port).encode(), self.engine.session_id.encode(),
+                 pointer(ptr), pointer(deepstack_ptr), str(rows).encode(), str(hidden).encode(), dtype.encode(),
+                 b"1" if deepstack_ptr else b"0", str(fanout).encode(), str(row_start).encode(), str(span).encode()]
+        self.push.send_multipart(parts)
+        return parts
+
+    def statuses(self, count: int, timeout: float) -> list[list[bytes]]:
+        """The next `count` status messages, or fewer when `timeout` passes first."""
+        got: list[list[bytes]] = []
+        end = time.monotonic() + timeout
+        while len(got) < count:
+            left = int((end - time.monotonic()) * 1000)
+            if left <= 0 or not self.status.poll(left):
+                break
+            got.append(self.status.recv_multipart())
+        return got
+
+    def untouched(self) -> bool:
+        return bool((self.buffer == SENTINEL).all())
+
+    def close(self) -> None:
+        self.push.close(0)
+        self.status.close(0)
+        self.engine.unregister(self.base)
+
+    def __enter__(self) -> RawPrefill:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def junk_pusher(host: str, port: int):
+    """A raw PUSH connected to host:port (the caller closes it)."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{host}:{port}")
+    return sock

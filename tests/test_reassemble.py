@@ -1,0 +1,276 @@
+"""transfer.reassemble across real processes over torch.distributed gloo on 127.0.0.1.
+
+Each world size is spawned once (a module fixture); every rank runs all scenarios
+in order and writes what it observed to a JSON file, and the tests below judge
+those observations. Item contents are derived from (room, seed), so every rank
+can rebuild the original rows and compare bit for bit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from transfer import reassemble as reassemble_module
+from transfer.frames import shard_rows
+from transfer.reassemble import ShardedItem, agree, reassemble
+
+WORLD_SIZES = (2, 4)
+HIDDEN = 6
+GARBAGE = 0xA5  # what a rank's destination holds outside its own shard before reassembly
+
+
+# -- item construction (shared by the children and the pure tests) ----------------------
+
+def original(room: int, span: int, dtype: torch.dtype, cols: int = HIDDEN) -> torch.Tensor:
+    """The item's true rows, reproducible from the room number."""
+    generator = torch.Generator().manual_seed(1000 + room * 7 + cols)
+    raw = torch.randint(0, 256, (span, cols * torch.empty((), dtype=dtype).element_size()),
+                        dtype=torch.uint8, generator=generator)
+    return raw.view(dtype).contiguous()
+
+
+def destination(rows: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """A full-size destination holding only this rank's shard of `rows`, garbage elsewhere."""
+    dst = torch.full_like(rows.view(torch.uint8), GARBAGE).view(rows.dtype).contiguous()
+    start, count = shard_rows(rows.shape[0], rank, size)
+    dst[start : start + count] = rows[start : start + count]
+    return dst
+
+
+def make_item(room: int, span: int, rank: int, size: int, *, dtype: torch.dtype = torch.float32,
+              deepstack_k: int = 0, ok: bool = True) -> tuple[ShardedItem, torch.Tensor, torch.Tensor | None]:
+    """(item for this rank, its original rows, its original deepstack rows or None)."""
+    rows = original(room, span, dtype)
+    ds_rows = original(room, span, dtype, HIDDEN * deepstack_k) if deepstack_k else None
+    item = ShardedItem(room, destination(rows, rank, size), ok,
+                       destination(ds_rows, rank, size) if ds_rows is not None else None)
+    return item, rows, ds_rows
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality (NaN payloads included)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+# -- what every rank runs -------------------------------------------------------------------
+
+class CollectiveCounter:
+    """Counts all-gathers and all-reduces by wrapping torch.distributed's functions."""
+
+    NAMES = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_reduce")
+
+    def __init__(self) -> None:
+        self.calls = {name: 0 for name in self.NAMES}
+        self._saved = {}
+
+    def __enter__(self) -> "CollectiveCounter":
+        for name in self.NAMES:
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            self._saved[name] = fn
+
+            def wrapped(*args, _fn=fn, _name=name, **kwargs):
+                self.calls[_name] += 1
+                return _fn(*args, **kwargs)
+
+            setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+
+    @property
+    def gathers(self) -> int:
+        """All-gathers of any flavour."""
+        return sum(n for name, n in self.calls.items() if name.startswith("all_gather"))
+
+
+def run_batch(rank: int, size: int, specs: list[dict]) -> dict:
+    """Reassemble one batch built from `specs`; report flags, exactness and collective counts."""
+    built = [make_item(s["room"], s["span"], rank, size, dtype=getattr(torch, s.get("dtype", "float32")),
+                       deepstack_k=s.get("k", 0), ok=s.get("ok_on", {}).get(str(rank), True))
+             for s in specs]
+    items = [b[0] for b in built]
+    before = [(i.full.clone(), None if i.deepstack is None else i.deepstack.clone()) for i in items]
+    with CollectiveCounter() as counter:
+        flags = reassemble(items)
+    exact, untouched = [], []
+    for (item, rows, ds_rows), (full0, ds0) in zip(built, before):
+        exact.append(same_bytes(item.full, rows) and (ds_rows is None or same_bytes(item.deepstack, ds_rows)))
+        untouched.append(same_bytes(item.full, full0) and (ds0 is None or same_bytes(item.deepstack, ds0)))
+    return {"flags": flags, "exact": exact, "untouched": untouched, "calls": counter.calls,
+            "gathers": counter.gathers}
+
+
+def scenarios(rank: int, size: int) -> dict:
+    """Every scenario, in the same order on every rank."""
+    out: dict = {}
+    out["plain"] = run_batch(rank, size, [{"room": 1, "span": 10}, {"room": 2, "span": 7},
+                                          {"room": 3, "span": 64}])
+    out["deepstack"] = run_batch(rank, size, [{"room": 4, "span": 9, "dtype": "bfloat16", "k": 3},
+                                              {"room": 5, "span": 13, "dtype": "bfloat16", "k": 2}])
+    # Mixed spans, several below the block size (empty shards), one empty item.
+    out["mixed"] = run_batch(rank, size, [{"room": 6, "span": 1, "k": 1}, {"room": 7, "span": 2, "k": 1},
+                                          {"room": 8, "span": 3, "k": 1}, {"room": 9, "span": 0, "k": 1},
+                                          {"room": 10, "span": 17, "k": 1}, {"room": 11, "span": size, "k": 1}])
+    # The last rank's room 13 failed: it fails everywhere, rooms 12 and 14 still succeed.
+    last = str(size - 1)
+    out["one_rank_fails"] = run_batch(rank, size, [{"room": 12, "span": 11},
+                                                   {"room": 13, "span": 11, "ok_on": {last: False}},
+                                                   {"room": 14, "span": 5, "k": 2}])
+    out["all_fail"] = run_batch(rank, size, [{"room": 15, "span": 8, "ok_on": {"0": False}},
+                                             {"room": 16, "span": 8, "ok_on": {last: False}}])
+    out["only_small"] = run_batch(rank, size, [{"room": 17, "span": 1}])
+    out["empty_batch"] = reassemble([])
+    # Rank 0 disagrees about room 19's span: it must fail on all ranks.
+    specs = [{"room": 18, "span": 6}, {"room": 19, "span": 5 if rank else 4}, {"room": 20, "span": 3}]
+    out["geometry_mismatch"] = run_batch(rank, size, specs)
+    # The padded list all_gather, as on a backend without a gather-into-one-tensor.
+    saved = reassemble_module._gather_into_supported
+    reassemble_module._gather_into_supported = lambda group: False
+    try:
+        out["list_gather"] = run_batch(rank, size, [{"room": 21, "span": 7, "k": 1}, {"room": 22, "span": 2},
+                                                    {"room": 23, "span": 5, "dtype": "float16"}])
+    finally:
+        reassemble_module._gather_into_supported = saved
+    # Identity items: only the agreement.
+    with CollectiveCounter() as counter:
+        flags = agree([True, rank != 1, True])
+    out["identity"] = {"flags": flags, "calls": counter.calls}
+    return out
+
+
+def child(rank: int, size: int, port: int, folder: str) -> None:
+    """One rank: join the gloo group, run every scenario, write the observations."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        observed = scenarios(rank, size)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as handle:
+        json.dump(observed, handle)
+
+
+def free_port() -> int:
+    """An ephemeral port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"world{n}")
+def world(request, tmp_path_factory):
+    """(size, [observations of rank 0 .. size-1]) after one spawned run of all scenarios."""
+    size = request.param
+    folder = str(tmp_path_factory.mktemp(f"world{size}"))
+    mp.spawn(child, args=(size, free_port(), folder), nprocs=size, join=True)
+    observed = []
+    for rank in range(size):
+        with open(os.path.join(folder, f"rank{rank}.json")) as handle:
+            observed.append(json.load(handle))
+    return size, observed
+
+
+# -- the judgements ------------------------------------------------------------------------------
+
+def _each(world, name):
+    """The scenario's observation on every rank."""
+    return [ranks[name] for ranks in world[1]]
+
+
+@pytest.mark.parametrize("name", ["plain", "deepstack", "mixed", "only_small", "list_gather"])
+def test_sharded_items_rebuild_bit_exact_on_every_rank(world, name):
+    for seen in _each(world, name):
+        assert all(seen["flags"]), seen
+        assert all(seen["exact"]), seen
+
+
+def test_one_rank_failing_fails_the_item_everywhere_and_leaves_it_untouched(world):
+    for seen in _each(world, "one_rank_fails"):
+        assert seen["flags"] == [True, False, True]
+        assert seen["exact"][0] and seen["exact"][2]
+        assert seen["untouched"][1] and not seen["exact"][1]
+
+
+def test_all_failed_batch_needs_no_gather(world):
+    for seen in _each(world, "all_fail"):
+        assert seen["flags"] == [False, False]
+        assert all(seen["untouched"])
+        assert seen["gathers"] == 0 and seen["calls"]["all_reduce"] == 1
+
+
+def test_geometry_disagreement_fails_only_that_item(world):
+    for seen in _each(world, "geometry_mismatch"):
+        assert seen["flags"] == [True, False, True]
+        assert seen["untouched"][1]
+        assert seen["exact"][0] and seen["exact"][2]
+
+
+@pytest.mark.parametrize("name", ["plain", "deepstack", "mixed", "one_rank_fails", "list_gather"])
+def test_one_agreement_and_one_gather_per_batch(world, name):
+    for seen in _each(world, name):
+        assert seen["calls"]["all_reduce"] == 1
+        assert seen["gathers"] == 1, seen["calls"]
+
+
+def test_list_gather_path_uses_plain_all_gather(world):
+    for seen in _each(world, "list_gather"):
+        assert seen["calls"]["all_gather"] == 1
+        assert seen["gathers"] == 1
+
+
+def test_identity_items_only_agree(world):
+    size = world[0]
+    for seen in _each(world, "identity"):
+        assert seen["flags"] == [True, False, True]
+        assert seen["calls"]["all_reduce"] == 1 and sum(seen["calls"].values()) == 1
+    assert size >= 2
+
+
+def test_empty_batch_is_empty(world):
+    assert _each(world, "empty_batch") == [[]] * world[0]
+
+
+# -- pure parts (no process group) --------------------------------------------------------------
+
+def test_destinations_hold_exactly_their_shard():
+    rows = original(1, 10, torch.float32)
+    shards = [destination(rows, r, 3) for r in range(3)]
+    for r, dst in enumerate(shards):
+        start, count = shard_rows(10, r, 3)
+        assert same_bytes(dst[start : start + count], rows[start : start + count])
+        assert not same_bytes(dst, rows)
+
+
+def test_shard_views_tile_the_item_bytes():
+    rows = original(2, 7, torch.bfloat16)
+    ds = original(2, 7, torch.bfloat16, HIDDEN * 3)
+    item = ShardedItem(2, rows, True, ds)
+    parts = [reassemble_module._shard_views(item, r, 3) for r in range(3)]
+    assert same_bytes(torch.cat([p[0] for p in parts]), rows.view(torch.uint8).reshape(-1))
+    assert same_bytes(torch.cat([p[1] for p in parts]), ds.view(torch.uint8).reshape(-1))
+    sizes = [reassemble_module._shard_bytes([item], r, 3) for r in range(3)]
+    assert sizes == [v[0].numel() + v[1].numel() for v in parts]
+    assert max(sizes) - min(sizes) <= rows[0].numel() * 2 + ds[0].numel() * 2  # at most one row apart
+
+
+def test_check_item_names_the_problem():
+    rows = original(3, 4, torch.float32)
+    assert reassemble_module._check_item(ShardedItem(3, rows, True), torch.device("cpu")) is None
+    bad = reassemble_module._check_item(ShardedItem(3, rows.t(), True), torch.device("cpu"))
+    assert "not a contiguous" in bad
+    short_ds = original(3, 3, torch.float32, HIDDEN)
+    assert "deepstack of shape (3, 6)" in reassemble_module._check_item(
+        ShardedItem(3, rows, True, short_ds), torch.device("cpu"))

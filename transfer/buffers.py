@@ -1,0 +1,325 @@
+"""Receive slots registered once for the engine's lifetime (issue 4).
+
+Registering memory per request is slow, and re-registering a recycled address
+while a sender still caches the old registration breaks RDMA connections. A
+ReceivePool allocates one region (host or CUDA), registers it once, and cuts it
+into fixed-size slots that are leased per item and returned when the rows were
+copied out:
+
+- `release(event)` with a CUDA event (anything with `.query() -> bool`) frees the
+  slot only once the event completed; events are checked lazily by `lease()` and
+  `poll()`, never waited on.
+- `fail()` (the room failed) quarantines the slot for `quarantine_s`, the sender's
+  transfer timeout, because a late one-sided write may still land in it.
+- an item too big for a slot, or an exhausted pool, gets a per-item fallback buffer
+  registered for that item and deregistered only `grace_s` after its release.
+
+Every state change goes through one lock, so release() may come from another
+thread than lease(). Time comes from an injectable `clock` (tests fake it).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Protocol
+
+import torch
+
+from transfer._io import Region
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ReceivePool", "Slot", "SlotError", "SLOT_ALIGN"]
+
+#: Slot sizes are multiples of this, so a view of any dtype starts aligned.
+SLOT_ALIGN = 16
+
+# Slot handle states.
+_LEASED = "leased"
+_RELEASED = "released"
+_FAILED = "failed"
+
+
+class SlotError(RuntimeError):
+    """A slot used against its lifecycle (released twice, failed after release, ...)."""
+
+
+class _Event(Protocol):
+    """What release() accepts as an event: a CUDA event or anything alike."""
+
+    def query(self) -> bool: ...
+
+
+def _query(event: _Event) -> bool | None:
+    """event.query(), or None when the query itself failed (the copy's fate is unknown)."""
+    try:
+        return bool(event.query())
+    except Exception as exc:  # e.g. a sticky CUDA error: quarantine rather than reuse or leak
+        log.warning("querying copy-out event %r failed (%s); quarantining its buffer", event, exc)
+        return None
+
+
+class Slot:
+    """One lease: a slot of the pool (or a fallback buffer) until release() or fail()."""
+
+    __slots__ = ("addr", "nbytes", "region", "is_fallback", "index", "_pool", "_state", "_offset")
+
+    def __init__(self, pool: "ReceivePool", region: Region, offset: int, nbytes: int,
+                 index: int, is_fallback: bool) -> None:
+        self.addr = region.addr + offset
+        self.nbytes = nbytes
+        self.region = region
+        self.is_fallback = is_fallback
+        self.index = index  # slot number in the pool; -1 for a fallback
+        self._pool = pool
+        self._state = _LEASED
+        self._offset = offset
+
+    @property
+    def leased(self) -> bool:
+        """Whether this handle still owns its memory (neither released nor failed)."""
+        return self._state == _LEASED
+
+    def view(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """The slot's first bytes as a tensor of `shape` and `dtype` (shares the slot's memory)."""
+        self._check_leased("view")
+        shape = tuple(int(n) for n in shape)
+        count = 1
+        for n in shape:
+            if n < 0:
+                raise ValueError(f"{self._name()}: negative dimension in shape {shape}")
+            count *= n
+        size = torch.empty((), dtype=dtype).element_size()
+        need = count * size
+        if need > self.nbytes:
+            raise ValueError(f"{self._name()}: shape {shape} of {dtype} needs {need} bytes, "
+                             f"the slot holds {self.nbytes}")
+        flat = self.region.tensor.reshape(-1).view(torch.uint8)
+        return flat[self._offset : self._offset + need].view(dtype).view(shape)
+
+    def release(self, event: _Event | None = None) -> None:
+        """Returns the slot once its rows were copied out (after `event.query()` is True, if given)."""
+        self._transition(_RELEASED, "release")
+        self._pool._on_release(self, event)
+
+    def fail(self) -> None:
+        """The room failed: quarantine the slot (a late one-sided write may still land in it)."""
+        self._transition(_FAILED, "fail")
+        self._pool._on_fail(self)
+
+    def _transition(self, state: str, what: str) -> None:
+        """Moves a leased handle to `state`; any second move is a SlotError."""
+        with self._pool._lock:
+            if self._state != _LEASED:
+                raise SlotError(f"{self._name()}: {what}() after it was already {self._state}")
+            self._state = state
+
+    def _check_leased(self, what: str) -> None:
+        """Refuses access through a handle that gave its memory back."""
+        if self._state != _LEASED:
+            raise SlotError(f"{self._name()}: {what}() after it was {self._state}")
+
+    def _name(self) -> str:
+        """'slot 3 at 0x...' or 'fallback buffer at 0x...', for errors."""
+        if self.is_fallback:
+            return f"fallback buffer at {self.addr:#x} ({self.nbytes} bytes)"
+        return f"slot {self.index} at {self.addr:#x}"
+
+    def __repr__(self) -> str:
+        """Name and state, for logs."""
+        return f"Slot({self._name()}, {self._state})"
+
+
+class ReceivePool:
+    """One registered receive region cut into equal slots, leased per item."""
+
+    def __init__(self, engine: Any, nbytes: int, slot_bytes: int, *, device: str = "cpu",
+                 quarantine_s: float = 30.0, grace_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """Allocates `nbytes` on `device`, registers them once with `engine`, cuts `slot_bytes` slots."""
+        if slot_bytes <= 0 or slot_bytes % SLOT_ALIGN:
+            raise ValueError(f"slot_bytes must be a positive multiple of {SLOT_ALIGN}, got {slot_bytes}")
+        if nbytes < slot_bytes:
+            raise ValueError(f"pool of {nbytes} bytes cannot hold one slot of {slot_bytes} bytes")
+        if quarantine_s < 0 or grace_s < 0:
+            raise ValueError(f"quarantine_s ({quarantine_s}) and grace_s ({grace_s}) must be >= 0")
+        self.engine = engine
+        self.slot_bytes = int(slot_bytes)
+        self.slots = int(nbytes) // self.slot_bytes
+        self.device = str(torch.device(device))
+        self.quarantine_s = float(quarantine_s)
+        self.grace_s = float(grace_s)
+        self._clock = clock
+        self._lock = threading.Lock()
+        tensor = torch.empty(int(nbytes), dtype=torch.uint8, device=self.device)
+        engine.register(tensor)
+        self.region = Region(tensor.data_ptr(), int(nbytes), self.device, tensor)
+        self._closed = False
+        # Free slot numbers, oldest-returned first: spreads reuse over the whole pool.
+        self._free: deque[int] = deque(range(self.slots))
+        self._leased = 0
+        # Released with an event not yet completed: [(slot handle, event)].
+        self._pending: list[tuple[Slot, _Event]] = []
+        # Quarantined slots and fallbacks in their grace: heaps of (deadline, seq, ...).
+        self._quarantine: list[tuple[float, int, int]] = []
+        self._graces: list[tuple[float, int, Region]] = []
+        self._fallbacks: dict[int, Region] = {}  # live fallback buffers, addr -> region
+        self._fallbacks_total = 0
+        self._seq = itertools.count()
+
+    # -- leasing ------------------------------------------------------------
+
+    def lease(self, nbytes: int) -> Slot | None:
+        """A free slot for an item of `nbytes`, or None (too big or exhausted); never blocks."""
+        if nbytes < 0:
+            raise ValueError(f"cannot lease a negative size ({nbytes} bytes)")
+        self.poll()
+        with self._lock:
+            self._check_open()
+            if nbytes > self.slot_bytes or not self._free:
+                return None
+            index = self._free.popleft()
+            self._leased += 1
+        return Slot(self, self.region, index * self.slot_bytes, self.slot_bytes, index, False)
+
+    def lease_or_fallback(self, nbytes: int) -> Slot:
+        """A slot, or a fallback buffer of `nbytes` registered for this item alone."""
+        slot = self.lease(nbytes)
+        if slot is not None:
+            return slot
+        # Mooncake refuses empty regions; a zero-byte item still gets a (1-byte) buffer.
+        tensor = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=self.device)
+        with self._lock:
+            self._check_open()
+            self.engine.register(tensor)
+            region = Region(tensor.data_ptr(), tensor.numel(), self.device, tensor)
+            self._fallbacks[region.addr] = region
+            self._fallbacks_total += 1
+        log.debug("fallback buffer of %d bytes at %#x (pool slots %d bytes, %d free)",
+                  nbytes, region.addr, self.slot_bytes, len(self._free))
+        return Slot(self, region, 0, int(nbytes), -1, True)
+
+    # -- returns (called by Slot) -----------------------------------------------
+
+    def _on_release(self, slot: Slot, event: _Event | None) -> None:
+        """A released handle: free now, or once its event completed."""
+        with self._lock:
+            if not slot.is_fallback:
+                self._leased -= 1
+            done = True if event is None else _query(event)
+            if done is None:
+                self._quarantine_handle(slot, self._clock())
+            elif done:
+                self._settle(slot, self._clock())
+            else:
+                self._pending.append((slot, event))
+
+    def _on_fail(self, slot: Slot) -> None:
+        """A failed handle: quarantine (slot) or the longer of grace and quarantine (fallback)."""
+        with self._lock:
+            if not slot.is_fallback:
+                self._leased -= 1
+            self._quarantine_handle(slot, self._clock())
+
+    def _quarantine_handle(self, slot: Slot, now: float) -> None:
+        """Park a slot for quarantine_s, a fallback for the longer of grace and quarantine (lock held)."""
+        if slot.is_fallback:
+            delay = max(self.grace_s, self.quarantine_s)
+            heapq.heappush(self._graces, (now + delay, next(self._seq), slot.region))
+        else:
+            heapq.heappush(self._quarantine, (now + self.quarantine_s, next(self._seq), slot.index))
+
+    def _settle(self, slot: Slot, now: float) -> None:
+        """Copy-out done: a slot is free again, a fallback starts its grace (lock held)."""
+        if slot.is_fallback:
+            heapq.heappush(self._graces, (now + self.grace_s, next(self._seq), slot.region))
+        else:
+            self._free.append(slot.index)
+
+    # -- housekeeping -------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Frees slots whose event completed or quarantine ended, drops fallbacks past their grace."""
+        expired: list[Region] = []
+        with self._lock:
+            if self._closed:
+                return
+            now = self._clock()
+            if self._pending:
+                waiting = []
+                for slot, event in self._pending:
+                    done = _query(event)
+                    if done is None:
+                        self._quarantine_handle(slot, now)
+                    elif done:
+                        self._settle(slot, now)
+                    else:
+                        waiting.append((slot, event))
+                self._pending = waiting
+            while self._quarantine and self._quarantine[0][0] <= now:
+                self._free.append(heapq.heappop(self._quarantine)[2])
+            while self._graces and self._graces[0][0] <= now:
+                region = heapq.heappop(self._graces)[2]
+                self._fallbacks.pop(region.addr, None)
+                expired.append(region)
+        for region in expired:
+            self._unregister(region)
+
+    def stats(self) -> dict[str, int]:
+        """Counts: free, leased, pending_events, quarantined slots; live and total fallbacks."""
+        with self._lock:
+            return {
+                "slots": self.slots,
+                "free": len(self._free),
+                "leased": self._leased,
+                "pending_events": sum(1 for slot, _ in self._pending if not slot.is_fallback),
+                "quarantined": len(self._quarantine),
+                "fallbacks_live": len(self._fallbacks),
+                "fallbacks_total": self._fallbacks_total,
+            }
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        """Raise when the pool was closed (caller holds the lock)."""
+        if self._closed:
+            raise SlotError(f"receive pool at {self.region.addr:#x} is closed")
+
+    def _unregister(self, region: Region) -> None:
+        """Deregister one region, logging (not raising) when the engine refuses."""
+        try:
+            self.engine.unregister(region.addr)
+        except Exception as exc:  # the engine may already be closed; nothing left to undo
+            log.warning("unregistering %#x (%d bytes) failed: %s", region.addr, region.nbytes, exc)
+
+    def close(self) -> None:
+        """Unregisters the pool region and every live fallback buffer; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            regions = [self.region, *self._fallbacks.values()]
+            self._fallbacks.clear()
+            self._pending.clear()
+            self._quarantine.clear()
+            self._graces.clear()
+        for region in regions:
+            self._unregister(region)
+
+    def __enter__(self) -> "ReceivePool":
+        """Context-manager entry."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Close on exit."""
+        self.close()
+
+    def __repr__(self) -> str:
+        """Geometry and occupancy, for logs."""
+        return (f"ReceivePool({self.slots} x {self.slot_bytes} bytes on {self.device} at "
+                f"{self.region.addr:#x}, {len(self._free)} free)")

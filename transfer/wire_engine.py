@@ -1,0 +1,433 @@
+"""The `wire` data path: the Engine interface over the framed wire of SPEC.md section 9.
+
+It needs no Mooncake wheel and no RDMA stack: a native listener (native/wire_listener.c,
+pthreads, never the GIL) receives transfers on a TCP port, checks every destination
+against the regions registered with it and every chunk's checksum, and only then copies
+the bytes into place. The sender streams straight from the source memory.
+
+Session id: ``host:port`` of the receiver's listener (advertised in the registration
+and TransferInfo frames exactly like a Mooncake session id).
+
+One transfer (one ``write()`` call) on a connection
+---------------------------------------------------
+1. PREFILL (kind 3), payload a Msg (sorted ``key=value`` lines, blank line, empty body)::
+
+       bytes<i>=<decimal>   length of layer i, for i in 0..layers-1
+       layers=<decimal>     how many layers follow, 1..16
+       ptr=<decimal>        destination of layer 0 (must equal ptr0)
+       ptr<i>=<decimal>     destination address of layer i (u64, decimal)
+       room=<decimal>       the transfer's id, echoed in the answer (a per-engine counter)
+       row_bytes=<decimal>  bytes of one layer-0 row
+       rows=<decimal>       rows of every layer (u32); rows * row_bytes must equal bytes0,
+                            and every other layer's bytes must be a multiple of rows
+
+   A layer is one ``(src, dst, length)`` entry of the write: layer 0 the embedding rows,
+   layer 1 the deepstack rows. Zero-length entries are left out before the message is built.
+   The listener refuses the transfer before reading any data when a field is missing or
+   not a u64 (``PREFILL: missing <k>`` / ``PREFILL: <k>: not a number``), the geometry does
+   not add up, or a destination ``[ptr<i>, ptr<i> + bytes<i>)`` wraps or is not wholly
+   inside one registered region (``layer <i>: destination [0x.., 0x..) (N bytes) is not
+   inside registered memory``).
+2. LAYER frames (kind 10), in layer order, each carrying the next chunk of its layer:
+   u32 LE layer, u32 LE rows, u64 LE layer_sum of the chunk, then 1..chunk_limit bytes
+   (4 MiB by default). A chunk lands at ``ptr<i>`` plus the bytes of that layer received
+   so far. The listener reads each chunk into a per-connection bounce buffer, checks its
+   size against the chunk limit and the layer's remaining bytes (before reading it), its
+   layer index and rows, and its checksum, then copies it under the region table's read
+   lock (so ``unregister()`` waits for a copy in progress and no copy starts after it).
+3. FIRST (kind 11), empty payload, after exactly the announced bytes.
+
+Answer: RESULT (kind 20) Msg ``bytes=<total>``, ``room=<room>``, empty body; the
+connection stays open for the next transfer. Or ERROR (kind 21) Msg ``room=<room>`` (absent
+when the PREFILL could not be read) whose body is the reason as UTF-8 text; the listener
+then drops the connection. Bytes of earlier chunks of a failed transfer may have landed
+(inside registered memory only); the room fails as a whole.
+
+Connections: the sender keeps idle connections per peer session and reuses them; a
+connection the peer closed is noticed before reuse; a write that fails on a reused
+connection before any byte of it was accepted is retried once on a fresh one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import select
+import socket
+import threading
+from typing import Any, Sequence
+
+from transfer import _native, wire
+from transfer.engine import TransferError
+
+log = logging.getLogger(__name__)
+
+#: Data bytes per LAYER frame, and the listener's bounce-buffer size by default.
+CHUNK_BYTES = 4 << 20
+#: Idle connections kept per peer session; more are closed when they come back.
+IDLE_PER_SESSION = 8
+
+
+def _span(buf: Any, length: int | None) -> tuple[int, int]:
+    """(address, length) of a contiguous host tensor, or of an int address with a length."""
+    if isinstance(buf, int) and not isinstance(buf, bool):
+        if length is None:
+            raise ValueError(f"registering address 0x{buf:x} needs a length")
+        return buf, int(length)
+    if not (hasattr(buf, "data_ptr") and hasattr(buf, "nbytes")):
+        raise TypeError(f"cannot register a {type(buf).__name__}: expected a tensor or an int address")
+    device = getattr(buf, "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        raise TransferError(f"the wire path is host-only: cannot register a tensor on {device} "
+                            f"(use protocol tcp or rdma for device memory)")
+    if not buf.is_contiguous():
+        raise ValueError("cannot register a non-contiguous tensor: call .contiguous() first")
+    nbytes = int(buf.nbytes)
+    if length is not None and length != nbytes:
+        raise ValueError(f"length {length} differs from the tensor's {nbytes} bytes")
+    return int(buf.data_ptr()), nbytes
+
+
+def _split_session(session_id: str) -> tuple[str, int]:
+    """('host', port) from 'host:port' (an IPv6 host may be bracketed)."""
+    host, sep, port = session_id.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise TransferError(f"session id {session_id!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+class _Refused(Exception):
+    """The peer answered ERROR: the reason is its message."""
+
+
+class _Conn:
+    """One TCP connection to a peer's listener."""
+
+    def __init__(self, session_id: str, timeout_s: float, connect_timeout_s: float) -> None:
+        """Connects to session_id's listener."""
+        host, port = _split_session(session_id)
+        self.sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.settimeout(timeout_s)  # the idle bound of every frame read and write
+        self.fresh = True
+
+    def stale(self) -> bool:
+        """True when the peer spoke or hung up while the connection sat idle."""
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        return bool(readable)
+
+    def peer_spoke(self) -> bool:
+        """True when an answer (an early ERROR) is waiting to be read."""
+        readable, _, _ = select.select([self.sock], [], [], 0)
+        return bool(readable)
+
+    def close(self) -> None:
+        """Closes the socket."""
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class WireEngine:
+    """The Engine interface over the framed wire: a native listener plus pooled sender connections."""
+
+    protocol = "wire"
+    protocol_reason = "requested"
+
+    def __init__(self, hostname: str = "127.0.0.1", port: int = 0, *, recv_timeout_s: float = 30.0,
+                 idle_timeout_s: float = 300.0, reply_timeout_s: float = 60.0,
+                 connect_timeout_s: float = 10.0, chunk_bytes: int = CHUNK_BYTES,
+                 max_connections: int = 64) -> None:
+        """Starts the listener on hostname:port (0: ephemeral); chunk_bytes is both the LAYER
+        size we send and the largest we accept, so peers must agree on it."""
+        self.hostname = hostname
+        self.chunk_bytes = int(chunk_bytes)
+        self.reply_timeout_s = reply_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._listener = _native.wire_listen(hostname, int(port), float(recv_timeout_s),
+                                             float(idle_timeout_s), self.chunk_bytes, int(max_connections))
+        self.port = _native.wire_listener_port(self._listener)
+        self.rpc_port = self.port
+        self.session_id = f"{hostname}:{self.port}"
+        self._lock = threading.Condition()
+        self._regions: dict[int, int] = {}
+        self._owners: dict[int, Any] = {}  # keeps registered tensors alive
+        self._idle: dict[str, list[_Conn]] = {}
+        self._rooms = itertools.count(1)
+        self._in_flight = 0
+        self._closed = False
+        self._sent = {"connections_opened": 0, "writes": 0, "bytes_sent": 0, "write_failures": 0, "retries": 0}
+        log.debug("wire engine %s listening", self.session_id)
+
+    # -- memory -----------------------------------------------------------
+
+    def register(self, buf: Any, length: int | None = None) -> tuple[int, int]:
+        """Allow peers to write into a host tensor or address range; returns (address, length)."""
+        addr, nbytes = _span(buf, length)
+        if nbytes <= 0:
+            raise ValueError(f"cannot register address 0x{addr:x} with length {nbytes}: empty region")
+        with self._lock:
+            self._check_open()
+            if addr in self._regions:
+                raise TransferError(f"address 0x{addr:x} is already registered "
+                                    f"({self._regions[addr]} bytes) on {self.session_id}")
+            try:
+                _native.wire_add_region(self._listener, addr, nbytes)
+            except ValueError as exc:
+                raise TransferError(f"registering 0x{addr:x} length {nbytes} on {self.session_id}: {exc}") from None
+            self._regions[addr] = nbytes
+            if not isinstance(buf, int):
+                self._owners[addr] = buf
+        return addr, nbytes
+
+    def unregister(self, addr: int) -> None:
+        """Stop accepting writes into the region at addr; waits for a copy into it in progress."""
+        with self._lock:
+            self._check_open()
+            if addr not in self._regions:
+                raise TransferError(f"address 0x{addr:x} is not registered on {self.session_id}")
+            _native.wire_remove_region(self._listener, addr)
+            del self._regions[addr]
+            self._owners.pop(addr, None)
+
+    def registered(self) -> dict[int, int]:
+        """A snapshot of the registered regions, address -> length."""
+        with self._lock:
+            return dict(self._regions)
+
+    # -- writes -----------------------------------------------------------
+
+    def write(self, session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
+              lengths: Sequence[int], rows: int | None = None) -> None:
+        """Write every (src, dst, length) to the peer as one transfer; blocks until it answers.
+
+        rows (default 1) is the row count the PREFILL announces: every length must be a
+        multiple of it. Raises TransferError naming the session and the sizes."""
+        srcs, dsts, lens = self._batch(session_id, src_addrs, dst_addrs, lengths)
+        if not lens:
+            return
+        rows = 1 if rows is None else int(rows)
+        if rows < 1 or any(n % rows for n in lens):
+            raise ValueError(f"write to {session_id}: lengths {lens} are not multiples of rows {rows}")
+        self._enter()
+        try:
+            self._write_with_retry(session_id, srcs, dsts, lens, rows)
+        except (_Refused, OSError, wire.MsgError, TransferError) as exc:
+            with self._lock:
+                self._sent["write_failures"] += 1
+            what = "refused by the peer" if isinstance(exc, _Refused) else "failed"
+            raise TransferError(f"write to {session_id} {what}: {exc} ({len(lens)} buffer(s), "
+                                f"{sum(lens)} bytes, first destination 0x{dsts[0]:x}+{lens[0]})") from None
+        finally:
+            self._leave()
+
+    def _write_with_retry(self, session_id: str, srcs: list[int], dsts: list[int], lens: list[int],
+                          rows: int) -> None:
+        """One transfer; a reused connection that fails before the peer took any byte is retried once."""
+        room = next(self._rooms)
+        conn = self._checkout(session_id)
+        try:
+            self._transfer(conn, room, srcs, dsts, lens, rows)
+        except _Untouched as exc:
+            conn.close()
+            if conn.fresh:
+                raise exc.cause from None
+            with self._lock:
+                self._sent["retries"] += 1
+            conn = self._open(session_id)
+            try:
+                self._transfer(conn, room, srcs, dsts, lens, rows)
+            except _Untouched as again:
+                conn.close()
+                raise again.cause from None
+            except BaseException:
+                conn.close()
+                raise
+        except BaseException:
+            conn.close()
+            raise
+        self._checkin(session_id, conn)
+
+    def _transfer(self, conn: _Conn, room: int, srcs: list[int], dsts: list[int], lens: list[int],
+                  rows: int) -> None:
+        """PREFILL, the LAYER chunks, FIRST, then the answer."""
+        sock = conn.sock
+        msg = wire.Msg({"room": room, "layers": len(lens), "rows": rows, "row_bytes": lens[0] // rows,
+                        "ptr": dsts[0]})
+        for i, (dst, n) in enumerate(zip(dsts, lens)):
+            msg.set(f"ptr{i}", dst).set(f"bytes{i}", n)
+        try:
+            wire.write_frame(sock, wire.PREFILL, msg.encode())
+        except OSError as exc:
+            raise _Untouched(exc) from None
+        chunk = self.chunk_bytes
+        for layer, (src, n) in enumerate(zip(srcs, lens)):
+            # Zero copy: the frames are gathered straight from the source memory.
+            view = memoryview((ctypes.c_char * n).from_address(src))
+            for off in range(0, n, chunk):
+                size = min(chunk, n - off)
+                header = wire.layer_header(layer, rows, _native.layer_sum_addr(src + off, size))
+                try:
+                    wire.write_frame_parts(sock, wire.LAYER, (header, view[off:off + size]))
+                except OSError as exc:
+                    self._raise_answer(conn, room, exc)
+                if conn.peer_spoke():
+                    self._raise_answer(conn, room, None)
+        try:
+            wire.write_frame(sock, wire.FIRST, b"")
+        except OSError as exc:
+            self._raise_answer(conn, room, exc)
+        self._check_answer(conn, room, sum(lens))
+        conn.fresh = False
+        with self._lock:
+            self._sent["writes"] += 1
+            self._sent["bytes_sent"] += sum(lens)
+
+    def _raise_answer(self, conn: _Conn, room: int, cause: OSError | None) -> None:
+        """The peer stopped us mid-transfer: raise its ERROR reason if it sent one, else cause."""
+        try:
+            kind, payload, _ = wire.read_frame(conn.sock)
+        except OSError:
+            if cause is not None:
+                raise cause from None
+            raise
+        self._judge(kind, payload, room, None)
+        raise TransferError(f"the peer answered before the transfer was complete (kind {kind})")
+
+    def _check_answer(self, conn: _Conn, room: int, total: int) -> None:
+        """Reads the answer to FIRST and checks it names our room and byte count."""
+        kind, payload, _ = wire.read_frame(conn.sock)
+        self._judge(kind, payload, room, total)
+
+    @staticmethod
+    def _judge(kind: int, payload: bytes, room: int, total: int | None) -> None:
+        """Raises unless the answer is a RESULT for this room (with total bytes when given)."""
+        answer = wire.Msg.decode(payload)
+        if kind == wire.ERROR:
+            raise _Refused(answer.body.decode("utf-8", "replace") or "no reason given")
+        if kind != wire.RESULT:
+            raise TransferError(f"the peer answered with frame kind {kind}, expected RESULT or ERROR")
+        if answer.number("room") != room or (total is not None and answer.number("bytes") != total):
+            raise TransferError(f"the peer's RESULT (room {answer.get('room')}, {answer.get('bytes')} bytes) "
+                                f"does not match room {room} with {total} bytes")
+
+    # -- connections ------------------------------------------------------
+
+    def _open(self, session_id: str) -> _Conn:
+        """A fresh connection to the peer."""
+        conn = _Conn(session_id, self.reply_timeout_s, self.connect_timeout_s)
+        with self._lock:
+            self._sent["connections_opened"] += 1
+        return conn
+
+    def _checkout(self, session_id: str) -> _Conn:
+        """An idle connection to the peer that is still good, or a new one."""
+        while True:
+            with self._lock:
+                idle = self._idle.get(session_id)
+                conn = idle.pop() if idle else None
+            if conn is None:
+                return self._open(session_id)
+            if not conn.stale():
+                return conn
+            conn.close()  # the peer restarted or timed the connection out
+
+    def _checkin(self, session_id: str, conn: _Conn) -> None:
+        """Returns a healthy connection for reuse."""
+        with self._lock:
+            idle = self._idle.setdefault(session_id, [])
+            if self._closed or len(idle) >= IDLE_PER_SESSION:
+                conn.close()
+            else:
+                idle.append(conn)
+
+    def _batch(self, session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
+               lengths: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+        """Validates a batch, drops zero-length entries, checks sources lie in registered memory."""
+        if not (len(src_addrs) == len(dst_addrs) == len(lengths)):
+            raise ValueError(f"write to {session_id}: {len(src_addrs)} sources, "
+                             f"{len(dst_addrs)} destinations, {len(lengths)} lengths")
+        kept = [(int(s), int(d), int(n)) for s, d, n in zip(src_addrs, dst_addrs, lengths) if n != 0]
+        for _, _, n in kept:
+            if n < 0:
+                raise ValueError(f"write to {session_id}: negative length {n}")
+        if len(kept) > 16:
+            raise ValueError(f"write to {session_id}: {len(kept)} buffers; one transfer carries at most 16")
+        with self._lock:
+            self._check_open()
+            for src, _, n in kept:
+                # A source outside registered memory would be read through a raw pointer.
+                if not any(a <= src and src + n <= a + size for a, size in self._regions.items()):
+                    raise TransferError(f"write to {session_id}: source 0x{src:x} length {n} is not "
+                                        f"inside memory registered on {self.session_id}")
+        return [k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept]
+
+    # -- figures and lifecycle ---------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """The listener's counters (accepted, refused, active, transfers, failures, bytes,
+        regions, last_error) and the sender's (connections_opened, writes, bytes_sent, ...)."""
+        with self._lock:
+            out = dict(self._sent)
+            out["idle_connections"] = sum(len(v) for v in self._idle.values())
+        out.update(_native.wire_listener_stats(self._listener))
+        return out
+
+    def _check_open(self) -> None:
+        """Raise when the engine was closed (caller holds the lock)."""
+        if self._closed:
+            raise TransferError(f"wire engine {self.session_id} is closed")
+
+    def _enter(self) -> None:
+        """Count a write in flight so close() waits for it."""
+        with self._lock:
+            self._check_open()
+            self._in_flight += 1
+
+    def _leave(self) -> None:
+        """A write finished."""
+        with self._lock:
+            self._in_flight -= 1
+            self._lock.notify_all()
+
+    def close(self) -> None:
+        """Waits for writes in flight (each bounded by the timeouts), closes every connection,
+        stops and joins the listener's threads and frees its port; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            while self._in_flight:
+                self._lock.wait()
+            idle = [c for conns in self._idle.values() for c in conns]
+            self._idle.clear()
+        for conn in idle:
+            conn.close()
+        _native.wire_listener_close(self._listener)
+        with self._lock:
+            self._regions.clear()
+            self._owners.clear()
+
+    def __enter__(self) -> "WireEngine":
+        """Context-manager entry."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Close on exit."""
+        self.close()
+
+
+class _Untouched(Exception):
+    """A transfer failed before the peer accepted any of its bytes (safe to retry elsewhere)."""
+
+    def __init__(self, cause: OSError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+__all__ = ["WireEngine", "CHUNK_BYTES", "TransferError"]
