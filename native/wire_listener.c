@@ -990,7 +990,7 @@ PyObject *epd_py_wire_listener_stats(PyObject *self, PyObject *cap)
     pthread_rwlock_rdlock(&l->regions_lock);
     size_t nregions = l->nregions;
     pthread_rwlock_unlock(&l->regions_lock);
-    return Py_BuildValue("{sKsKsKsKsKsisnsisss}", "accepted", accepted, "refused", refused, "transfers", transfers,
+    return Py_BuildValue("{sKsKsKsKsKsisnsiss}", "accepted", accepted, "refused", refused, "transfers", transfers,
                          "failures", failures, "bytes", bytes, "active", active, "regions", (Py_ssize_t)nregions,
                          "port", l->port, "last_error", last);
 }

@@ -99,6 +99,17 @@ def port_rebindable(host: str, port: int, timeout: float = 2.0) -> bool:
             sock.close(0)
 
 
+def thread_stacks() -> str:
+    """Every thread's current stack, for diagnosing a stall."""
+    import sys
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(
+        f"--- {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame))
+        for ident, frame in sys._current_frames().items()
+    )
+
+
 def epd_threads() -> list[str]:
     """Names of the live threads our sender pools and session managers start."""
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("epd-"))
@@ -207,6 +218,10 @@ class _EncodeRank:
 
     def do_logs(self) -> list[str]:
         return self.capture.take()
+
+    def do_stacks(self) -> str:
+        """Every thread's stack (to explain a stall)."""
+        return thread_stacks()
 
     def do_state(self) -> dict:
         """What the pool still holds, for the no-state-left checks."""

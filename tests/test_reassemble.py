@@ -132,8 +132,9 @@ def scenarios(rank: int, size: int) -> dict:
                                              {"room": 16, "span": 8, "ok_on": {last: False}}])
     out["only_small"] = run_batch(rank, size, [{"room": 17, "span": 1}])
     out["empty_batch"] = reassemble([])
-    # Rank 0 disagrees about room 19's span: it must fail on all ranks.
-    specs = [{"room": 18, "span": 6}, {"room": 19, "span": 5 if rank else 4}, {"room": 20, "span": 3}]
+    # Rank 0 disagrees about room 19's span and room 24's dtype (same size): both fail on all ranks.
+    specs = [{"room": 18, "span": 6}, {"room": 19, "span": 5 if rank else 4}, {"room": 20, "span": 3},
+             {"room": 24, "span": 4, "dtype": "float16" if rank else "bfloat16"}]
     out["geometry_mismatch"] = run_batch(rank, size, specs)
     # The padded list all_gather, as on a backend without a gather-into-one-tensor.
     saved = reassemble_module._gather_into_supported
@@ -213,8 +214,8 @@ def test_all_failed_batch_needs_no_gather(world):
 
 def test_geometry_disagreement_fails_only_that_item(world):
     for seen in _each(world, "geometry_mismatch"):
-        assert seen["flags"] == [True, False, True]
-        assert seen["untouched"][1]
+        assert seen["flags"] == [True, False, True, False]
+        assert seen["untouched"][1] and seen["untouched"][3]
         assert seen["exact"][0] and seen["exact"][2]
 
 

@@ -271,7 +271,8 @@ class ReceivePool:
             self._unregister(region)
 
     def stats(self) -> dict[str, int]:
-        """Counts: free, leased, pending_events, quarantined slots; live and total fallbacks."""
+        """Counts after a poll(): free, leased, pending_events, quarantined slots; live and total fallbacks."""
+        self.poll()
         with self._lock:
             return {
                 "slots": self.slots,

@@ -26,11 +26,14 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from transfer.frames import shard_rows
+from transfer.frames import DTYPE_BYTES, shard_rows
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ShardedItem", "agree", "reassemble"]
+
+# Dtype names in a fixed order, so a dtype travels in the agreement as a small integer.
+_DTYPE_NAMES = list(DTYPE_BYTES)
 
 
 @dataclass
@@ -101,13 +104,24 @@ def _check_item(item: ShardedItem, device: torch.device) -> str | None:
     return None
 
 
-def _keys(item: ShardedItem) -> tuple[int, int, int, int]:
-    """Geometry that every rank must share: span, row bytes, element size, deepstack row bytes."""
+def _dtype_code(tensor: torch.Tensor | None) -> int:
+    """A number for the tensor's dtype that every rank computes alike (-1: none or unlisted)."""
+    if tensor is None:
+        return -1
+    try:
+        return _DTYPE_NAMES.index(str(tensor.dtype))
+    except ValueError:
+        return -1
+
+
+def _keys(item: ShardedItem) -> tuple[int, int, int, int, int]:
+    """Geometry every rank must share: span, row bytes, dtype, deepstack row bytes and dtype."""
     full = item.full
+    span = int(full.shape[0]) if full.dim() >= 1 else -1
     row_bytes = full.shape[1] * full.element_size() if full.dim() == 2 else -1
     ds = item.deepstack
     ds_bytes = ds.shape[1] * ds.element_size() if ds is not None and ds.dim() == 2 else -1
-    return (int(full.shape[0]) if full.dim() >= 1 else -1, row_bytes, full.element_size(), ds_bytes)
+    return (span, row_bytes, _dtype_code(full), ds_bytes, _dtype_code(ds))
 
 
 def _rows_bytes(tensor: torch.Tensor, start: int, count: int) -> torch.Tensor:
@@ -152,8 +166,7 @@ def _gather_into_supported(group: Any) -> bool:
     """Whether the backend gathers into one tensor (NCCL always; gloo since torch 2.1)."""
     if dist.get_backend(group) == "nccl":
         return True
-    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
-    return (major, minor) >= (2, 1)
+    return torch.__version__ >= (2, 1)  # TorchVersion compares with tuples
 
 
 def reassemble(items: Sequence[ShardedItem], group: Any = None, *, block_size: int | None = None,

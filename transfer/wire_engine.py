@@ -370,12 +370,16 @@ class WireEngine:
     # -- figures and lifecycle ---------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """The listener's counters (accepted, refused, active, transfers, failures, bytes,
-        regions, last_error) and the sender's (connections_opened, writes, bytes_sent, ...)."""
+        """The listener's counters (accepted, refused, active, transfers_received,
+        transfers_refused, bytes_received, regions, port, last_error) and the sender's
+        (connections_opened, writes, bytes_sent, write_failures, retries, idle_connections)."""
         with self._lock:
             out = dict(self._sent)
             out["idle_connections"] = sum(len(v) for v in self._idle.values())
-        out.update(_native.wire_listener_stats(self._listener))
+        listener = _native.wire_listener_stats(self._listener)
+        # The listener's names, made unambiguous next to the sender's.
+        renames = {"bytes": "bytes_received", "transfers": "transfers_received", "failures": "transfers_refused"}
+        out.update({renames.get(k, k): v for k, v in listener.items()})
         return out
 
     def _check_open(self) -> None:

@@ -1,0 +1,911 @@
+"""`epd-transfer bench`: raw Mooncake writes, the epd path and the framed wire, side by side.
+
+Every transfer path runs between the same processes and the same engines: one encode
+process and `fanout` prefill processes on loopback, started once and kept for the whole
+run (spawning ranks costs seconds on a small host, which would dwarf a cell). Each cell
+(item size, fanout, rooms in flight) runs every path back to back:
+
+- raw:    the encode process writes each prefill rank's shard of each item with Mooncake
+          batch writes, no control plane, keeping `inflight` rooms outstanding;
+- epd:    a fresh sender pool and session managers (a fresh bootstrap server) over the
+          same engines: asks, statuses, checksums when integrity is on;
+- wire:   the same with protocol "wire" (transfer.wire_engine), skipped if it is absent;
+- memcpy: one host copy of an item per room in this process: the physical ceiling on
+          loopback (its ratio_to_raw compares it with the best raw figure at that size).
+
+Latency: raw, from a room's submission to its last shard's completion; epd and wire, from
+a prefill rank's ask to its Success (every rank's rooms pooled). Landed bytes are checked
+outside the timed window: every slot's last room is compared with the item, so a lost or
+misplaced write fails the cell without the check slowing the figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from transfer.frames import dtype_size, shard_rows
+
+PATHS = ("raw", "epd", "wire", "memcpy")
+DEFAULT_SIZES = "64x4096,1024x4096,8192x4096"
+ROW_KEYS = ("path", "item_bytes", "fanout", "inflight", "integrity", "gbps", "rooms_per_s", "p50_ms", "p99_ms",
+            "ratio_to_raw")
+MiB = 2**20
+
+
+# ------------------------------------------------------------------ the plan
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measurement: a path over one geometry, fanout and window."""
+
+    path: str  # raw | epd | wire | memcpy
+    span: int
+    hidden: int
+    dtype: str
+    fanout: int
+    inflight: int
+    items: int
+    integrity: bool = False
+
+    @property
+    def row_bytes(self) -> int:
+        return self.hidden * dtype_size(self.dtype)
+
+    @property
+    def item_bytes(self) -> int:
+        return self.span * self.row_bytes
+
+    @property
+    def slots(self) -> int:
+        """Receive slots per prefill rank: one per room in flight."""
+        return max(1, min(self.inflight, self.items))
+
+
+@dataclass
+class Options:
+    """What to measure and how (the command line, as data)."""
+
+    sizes: list[tuple[int, int]] = field(default_factory=lambda: parse_sizes(DEFAULT_SIZES))
+    dtype: str = "torch.bfloat16"
+    fanouts: list[int] = field(default_factory=lambda: [1, 2, 4])
+    inflight: list[int] = field(default_factory=lambda: [1, 8, 32])
+    paths: list[str] = field(default_factory=lambda: list(PATHS))
+    integrity: list[bool] = field(default_factory=lambda: [True, False])
+    items: int | None = None  # fixed rooms per cell; None: scale by size
+    cell_bytes: int = 256 * MiB
+    min_items: int = 16
+    protocol: str = "tcp"
+    host: str = "127.0.0.1"
+    writers: int = 2
+    raw_issue: str = "async"
+    raw_writers: int = 2
+    timeout_s: float = 300.0
+    log_dir: str | None = None
+
+    def items_for(self, item_bytes: int, inflight: int) -> int:
+        """Rooms per cell: about cell_bytes moved, at least min_items and one full window."""
+        if self.items is not None:
+            return max(1, self.items)
+        return max(self.min_items, inflight, math.ceil(self.cell_bytes / item_bytes))
+
+
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    """'64x4096,1024x4096' -> [(64, 4096), (1024, 4096)] (rows x hidden)."""
+    sizes = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        rows, sep, hidden = part.lower().partition("x")
+        if not sep or not rows.isdigit() or not hidden.isdigit() or int(rows) <= 0 or int(hidden) <= 0:
+            raise argparse.ArgumentTypeError(f"item size {part!r} is not ROWSxHIDDEN (e.g. 1024x4096)")
+        sizes.append((int(rows), int(hidden)))
+    if not sizes:
+        raise argparse.ArgumentTypeError("no item sizes given")
+    return sizes
+
+
+def parse_ints(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4], all positive."""
+    try:
+        values = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} must list positive integers")
+    return values
+
+
+def parse_paths(text: str) -> list[str]:
+    """'raw,epd' -> ['raw', 'epd'], each one of PATHS."""
+    paths = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown or not paths:
+        raise argparse.ArgumentTypeError(f"unknown path(s) {unknown or text!r}: choose from {', '.join(PATHS)}")
+    return paths
+
+
+def parse_integrity(text: str) -> list[bool]:
+    """'on,off' -> [True, False]."""
+    table = {"on": True, "off": False}
+    values = [p.strip().lower() for p in text.split(",") if p.strip()]
+    if not values or any(v not in table for v in values):
+        raise argparse.ArgumentTypeError(f"integrity {text!r}: expected on, off or on,off")
+    return [table[v] for v in values]
+
+
+def plan(opts: Options, wire_ok: bool) -> list[Cell]:
+    """Every transfer cell, fanout-major so the same processes serve consecutive cells."""
+    cells = []
+    for fanout in opts.fanouts:
+        for span, hidden in opts.sizes:
+            item_bytes = span * hidden * dtype_size(opts.dtype)
+            for inflight in opts.inflight:
+                items = opts.items_for(item_bytes, inflight)
+                for path in opts.paths:
+                    if path == "memcpy" or (path == "wire" and not wire_ok):
+                        continue
+                    flags = opts.integrity if path in ("epd", "wire") else [False]
+                    for integrity in flags:
+                        cells.append(Cell(path, span, hidden, opts.dtype, fanout, inflight, items, integrity))
+    return cells
+
+
+def wire_available() -> str | None:
+    """None when transfer.wire_engine imports, else why not."""
+    try:
+        importlib.import_module("transfer.wire_engine")
+    except Exception as exc:  # noqa: BLE001 - any failure means the row is skipped
+        return f"transfer.wire_engine does not import ({type(exc).__name__}: {exc})"
+    return None
+
+
+# ------------------------------------------------------------- worker side
+
+
+class _Worker:
+    """State a rank process keeps across cells: engines, their registered memory, item pools."""
+
+    def __init__(self, role: str, rank: int, setup: dict, cmd_q, res_q) -> None:
+        self.role, self.rank, self.setup = role, rank, setup
+        self.cmd_q, self.res_q = cmd_q, res_q
+        self.engines: dict[str, Any] = {}
+        self.sources: dict[tuple[int, int, str], Any] = {}
+        self.registered: set[tuple[str, int]] = set()
+        self.arena = None
+        if role == "prefill" and setup["arena_bytes"]:
+            import torch
+
+            # One receive arena for the whole run, registered once per engine: every cell's
+            # slots are a view of it, so peers never see a region change between cells.
+            self.arena = torch.empty(setup["arena_bytes"], dtype=torch.uint8)
+
+    def engine(self, protocol: str):
+        """The engine for protocol, started on first use with the arena registered."""
+        if protocol not in self.engines:
+            from transfer.harness import make_engine
+
+            engine = make_engine(argparse.Namespace(protocol=protocol, host=self.setup["host"]))
+            self.engines[protocol] = engine
+            if self.arena is not None:
+                engine.register(self.arena)
+        return self.engines[protocol]
+
+    def source(self, cell: Cell, protocol: str | None = None):
+        """The deterministic item pool for cell's geometry, registered with protocol's engine."""
+        from transfer.harness import ItemSource
+
+        key = (cell.span, cell.hidden, cell.dtype)
+        if key not in self.sources:
+            self.sources[key] = ItemSource(cell.span, cell.hidden, cell.dtype)
+        src = self.sources[key]
+        if protocol is not None and (protocol, src.pool.data_ptr()) not in self.registered:
+            self.engine(protocol).register(src.pool)
+            self.registered.add((protocol, src.pool.data_ptr()))
+        return src
+
+    def slots(self, cell: Cell, rows: int):
+        """This rank's receive slots `[slots, rows, hidden]` for cell, a view of the arena."""
+        import torch
+
+        nbytes = cell.slots * max(rows, 1) * cell.row_bytes
+        if self.arena is None or nbytes > self.arena.numel():
+            raise RuntimeError(f"prefill {self.rank}: cell needs {nbytes} receive bytes, arena has "
+                               f"{0 if self.arena is None else self.arena.numel()}")
+        dtype = getattr(torch, cell.dtype.removeprefix("torch."))
+        return self.arena[:nbytes].view(dtype).view(cell.slots, max(rows, 1), cell.hidden)
+
+    # -- hooks the parent drives
+
+    def ready(self, info: Any = None) -> None:
+        """Tell the parent this rank is set up for the cell."""
+        self.res_q.put(("ready", self.role, self.rank, info))
+
+    def go(self) -> Any:
+        """Block until the parent starts the cell; returns what it sent along."""
+        return self._expect("go")
+
+    def finished(self) -> None:
+        """Tell the parent the timed part is over, then wait until every rank is."""
+        self.res_q.put(("finished", self.role, self.rank, None))
+        self._expect("close")
+
+    def _expect(self, what: str) -> Any:
+        try:
+            msg = self.cmd_q.get(timeout=self.setup["timeout_s"])
+        except queue_mod.Empty:
+            raise TimeoutError(f"{self.role} {self.rank}: no {what!r} from the bench within "
+                               f"{self.setup['timeout_s']:g}s") from None
+        if msg is None or msg[0] != what:
+            raise RuntimeError(f"{self.role} {self.rank}: expected {what!r}, got {msg!r}")
+        return msg[1]
+
+    def close(self) -> None:
+        """Close every engine this process started."""
+        for engine in self.engines.values():
+            engine.close()
+        self.engines.clear()
+
+
+def _worker_main(role: str, rank: int, setup: dict, cmd_q, res_q) -> None:
+    """A rank process: runs cells until told to stop, reporting each or its traceback."""
+    if setup.get("log_path"):
+        # Mooncake logs through glog straight to fd 2; keep it out of the bench's output.
+        fd = os.open(setup["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    worker = None
+    try:
+        worker = _Worker(role, rank, setup, cmd_q, res_q)
+        res_q.put(("started", role, rank, None))
+        while True:
+            msg = cmd_q.get()
+            if msg is None or msg[0] == "stop":
+                break
+            cell = msg[1]
+            try:
+                body = _BODIES[(role, "raw" if cell.path == "raw" else "epd")]
+                res_q.put(("report", role, rank, body(worker, cell, msg[2])))
+            except BaseException:  # noqa: BLE001 - the parent must hear about it
+                res_q.put(("error", role, rank, traceback.format_exc()))
+    except BaseException:  # noqa: BLE001
+        res_q.put(("error", role, rank, traceback.format_exc()))
+    finally:
+        if worker is not None:
+            worker.close()
+
+
+def _cell_protocol(cell: Cell, protocol: str) -> str:
+    """The engine protocol a cell runs on: wire for the wire path, else the Mooncake one."""
+    return "wire" if cell.path == "wire" else protocol
+
+
+def _raw_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
+    """Raw encode body: each room's shards written back to back, `inflight` rooms outstanding."""
+    protocol = _cell_protocol(cell, extra["protocol"])
+    engine = worker.engine(protocol)
+    source = worker.source(cell, protocol)
+    worker.ready()
+    receivers = worker.go()
+    report: dict[str, Any] = {"latencies": [], "failed": []}
+    base = source.pool.data_ptr()
+
+    def batches(index: int, room: int) -> list[tuple[str, int, int, int]]:
+        """(session, src, dst, length) of room's shard for every receiver."""
+        first = source.offset(room, cell.span)
+        slot = index % cell.slots
+        return [(r["session"], base + (first + r["row_start"]) * cell.row_bytes, r["addr"] + slot * r["stride"],
+                 r["rows"] * cell.row_bytes) for r in receivers if r["rows"]]
+
+    report["t_start"] = time.time()
+    if extra["raw_issue"] == "sync":
+        _raw_sync(engine, cell, batches, extra["raw_writers"], report)
+    else:
+        _raw_async(engine, cell, batches, report)
+    report["t_end"] = time.time()
+    report["bytes"] = (cell.items - len(report["failed"])) * cell.item_bytes
+    worker.finished()
+    return report
+
+
+def _raw_async(engine, cell: Cell, batches, report: dict) -> None:
+    """Issue each shard with write_async; wait for the oldest room when the window is full."""
+    window: deque = deque()
+
+    def settle(entry) -> None:
+        room, ids, started = entry
+        try:
+            for batch_id in ids:
+                engine.wait(batch_id, 60.0)
+        except Exception as exc:  # noqa: BLE001 - recorded, the cell fails
+            report["failed"].append((room, str(exc)))
+            return
+        report["latencies"].append(time.monotonic() - started)
+
+    for index in range(cell.items):
+        started = time.monotonic()
+        ids = [engine.write_async(session, [src], [dst], [length]) for session, src, dst, length in batches(index, index)]
+        window.append((index, ids, started))
+        if len(window) >= cell.inflight:
+            settle(window.popleft())
+    while window:
+        settle(window.popleft())
+
+
+def _raw_sync(engine, cell: Cell, batches, writers: int, report: dict) -> None:
+    """Issue each shard as a synchronous write from `writers` threads, `inflight` rooms outstanding."""
+    jobs: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+    window = threading.Semaphore(cell.inflight)
+    lock = threading.Lock()
+    pending: dict[int, list] = {}
+
+    def write_loop() -> None:
+        while (job := jobs.get()) is not None:
+            room, session, src, dst, length = job
+            error = None
+            try:
+                engine.write(session, [src], [dst], [length])
+            except Exception as exc:  # noqa: BLE001 - recorded, the cell fails
+                error = str(exc)
+            with lock:
+                state = pending[room]
+                state[0] -= 1
+                if error and not state[2]:
+                    state[2] = error
+                    report["failed"].append((room, error))
+                if state[0] == 0:
+                    if not state[2]:
+                        report["latencies"].append(time.monotonic() - state[1])
+                    del pending[room]
+                    window.release()
+
+    threads = [threading.Thread(target=write_loop, daemon=True) for _ in range(max(1, writers))]
+    for thread in threads:
+        thread.start()
+    for index in range(cell.items):
+        window.acquire()
+        shards = batches(index, index)
+        with lock:
+            pending[index] = [len(shards), time.monotonic(), None]
+        for session, src, dst, length in shards:
+            jobs.put((index, session, src, dst, length))
+    for _ in threads:
+        jobs.put(None)
+    for thread in threads:
+        thread.join()
+
+
+def _raw_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
+    """Raw prefill body: offers its slots, waits out the writes, checks the last rooms' bytes."""
+    protocol = _cell_protocol(cell, extra["protocol"])
+    engine = worker.engine(protocol)
+    row_start, rows = shard_rows(cell.span, worker.rank, cell.fanout)
+    slots = worker.slots(cell, rows)
+    _fill_sentinel(slots)
+    worker.ready({"session": engine.session_id, "addr": slots.data_ptr(), "stride": slots[0].nbytes,
+                  "row_start": row_start, "rows": rows, "rank": worker.rank})
+    worker.go()
+    worker.finished()
+    # Writes are over: slot s holds the last room written into it.
+    last = {index % cell.slots: index for index in range(cell.items)}
+    bad = _check_slots(worker, cell, slots, last, row_start, rows)
+    return {"bad": bad}
+
+
+def _epd_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
+    """epd encode body: a sender pool over the persistent engine, `inflight` rooms outstanding."""
+    from transfer.sender import SenderPool
+    from transfer.status import TransferPoll
+
+    protocol = _cell_protocol(cell, extra["protocol"])
+    engine = worker.engine(protocol)
+    source = worker.source(cell, protocol)
+    report: dict[str, Any] = {"failed": []}
+    with SenderPool(engine, 0, 1, 1, extra["bootstrap"], host=worker.setup["host"], integrity=cell.integrity,
+                    writers=extra["writers"], bootstrap_timeout_s=extra["deadline_s"]) as pool:
+        worker.ready()
+        worker.go()
+        report["t_start"] = time.time()
+        window: deque = deque()
+
+        def settle(handle) -> None:
+            if handle.wait(extra["deadline_s"] + 5) != TransferPoll.Success:
+                report["failed"].append((handle.room, handle.failure or "not concluded"))
+            handle.clear()
+
+        for room in range(cell.items):
+            window.append(pool.send(room, source.item(room, cell.span)))
+            if len(window) >= cell.inflight:
+                settle(window.popleft())
+        while window:
+            settle(window.popleft())
+        report["t_end"] = time.time()
+        # Keep serving (statuses in flight) until every prefill rank is done.
+        worker.finished()
+    return report
+
+
+def _epd_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
+    """epd prefill body: a session manager asking for `inflight` rooms at a time into arena slots."""
+    from transfer.receiver import SessionManager
+    from transfer.status import TransferPoll
+
+    protocol = _cell_protocol(cell, extra["protocol"])
+    engine = worker.engine(protocol)
+    row_start, rows = shard_rows(cell.span, worker.rank, cell.fanout)
+    slots = worker.slots(cell, rows)
+    _fill_sentinel(slots)
+    report: dict[str, Any] = {"latencies": [], "failed": [], "bytes": 0}
+    last: dict[int, int] = {}
+    with SessionManager(engine, worker.rank, cell.fanout, 1, buffer=slots, host=worker.setup["host"],
+                        deadline_s=extra["deadline_s"], integrity=cell.integrity) as manager:
+        worker.ready()
+        worker.go()
+        report["t_start"] = time.time()
+        window: deque = deque()
+        free = list(range(cell.slots))
+
+        def settle() -> int:
+            handle, slot = window.popleft()
+            if handle.wait(extra["deadline_s"] + 5) == TransferPoll.Success:
+                report["latencies"].append(handle.latency_s)
+                report["bytes"] += rows * cell.row_bytes
+                last[slot] = handle.room
+            else:
+                report["failed"].append((handle.room, handle.failure or "not concluded"))
+                last.pop(slot, None)
+            handle.clear()
+            return slot
+
+        for room in range(cell.items):
+            if not free:
+                free.append(settle())
+            slot = free.pop()
+            window.append((manager.receive(room, extra["bootstrap"], slots[slot, :rows], row_start=row_start,
+                                           span=cell.span), slot))
+        while window:
+            settle()
+        report["t_end"] = time.time()
+        report["bad"] = _check_slots(worker, cell, slots, last, row_start, rows)
+        worker.finished()
+    return report
+
+
+def _fill_sentinel(slots) -> None:
+    """Fill receive slots with the sentinel byte so a write that never landed shows."""
+    import torch
+
+    from transfer.harness import SENTINEL
+
+    slots.view(torch.uint8).fill_(SENTINEL)
+
+
+def _check_slots(worker: _Worker, cell: Cell, slots, last: dict[int, int], row_start: int, rows: int) -> list[str]:
+    """Compare each slot's last room with its item's shard; returns what differs."""
+    import torch
+
+    if not rows:
+        return []
+    source = worker.source(cell)
+    bad = []
+    for slot, room in sorted(last.items()):
+        want = source.item(room, cell.span)[row_start : row_start + rows]
+        if not torch.equal(slots[slot, :rows].view(torch.uint8), want.view(torch.uint8)):
+            bad.append(f"prefill {worker.rank} room {room}: landed rows differ from the item")
+    return bad
+
+
+_BODIES = {
+    ("encode", "raw"): _raw_encode,
+    ("prefill", "raw"): _raw_prefill,
+    ("encode", "epd"): _epd_encode,
+    ("prefill", "epd"): _epd_prefill,
+}
+
+
+# -------------------------------------------------------------- parent side
+
+
+class RankSet:
+    """One encode and `prefill` prefill rank processes, serving cells until closed."""
+
+    def __init__(self, opts: Options, prefill: int, arena_bytes: list[int]) -> None:
+        self.opts = opts
+        ctx = mp.get_context("spawn")
+        self.res_q = ctx.Queue()
+        self._tmp = None if opts.log_dir else tempfile.TemporaryDirectory(prefix="epd-bench-")
+        self.log_dir = opts.log_dir or self._tmp.name
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.procs: dict[tuple[str, int], Any] = {}
+        self.cmd_qs: dict[tuple[str, int], Any] = {}
+        ranks = [("encode", 0, 0)] + [("prefill", r, arena_bytes[r]) for r in range(prefill)]
+        for role, rank, arena in ranks:
+            setup = {"host": opts.host, "arena_bytes": arena, "timeout_s": opts.timeout_s,
+                     "log_path": os.path.join(self.log_dir, f"bench-{role}-{rank}.log")}
+            cmd_q = ctx.Queue()
+            proc = ctx.Process(target=_worker_main, args=(role, rank, setup, cmd_q, self.res_q),
+                               name=f"bench-{role}-{rank}", daemon=True)
+            proc.start()
+            self.procs[(role, rank)] = proc
+            self.cmd_qs[(role, rank)] = cmd_q
+        self._gather("started", list(self.procs))
+
+    def run_cell(self, cell: Cell) -> dict:
+        """Runs one transfer cell on ranks encode 0 and prefill 0..fanout-1; returns the reports."""
+        from transfer.bootstrap import BootstrapServer
+
+        members = [("encode", 0)] + [("prefill", r) for r in range(cell.fanout)]
+        extra = {"protocol": self.opts.protocol, "writers": self.opts.writers, "raw_issue": self.opts.raw_issue,
+                 "raw_writers": self.opts.raw_writers, "deadline_s": min(60.0, self.opts.timeout_s)}
+        server = BootstrapServer(self.opts.host, 0) if cell.path != "raw" else None
+        try:
+            if server is not None:
+                extra["bootstrap"] = server.address
+            for key in members:
+                self.cmd_qs[key].put(("cell", cell, extra))
+            ready = self._gather("ready", members)
+            receivers = sorted((info for key, info in ready.items() if key[0] == "prefill" and info), key=lambda i: i["rank"])
+            for key in members:
+                self.cmd_qs[key].put(("go", receivers if key[0] == "encode" else None))
+            self._gather("finished", members)
+            for key in members:
+                self.cmd_qs[key].put(("close", None))
+            return self._gather("report", members)
+        finally:
+            if server is not None:
+                server.close()
+
+    def _gather(self, what: str, members: list[tuple[str, int]]) -> dict:
+        """Waits for `what` from every member; a member's error or the timeout raises."""
+        deadline = time.monotonic() + self.opts.timeout_s
+        got: dict[tuple[str, int], Any] = {}
+        while len(got) < len(members):
+            try:
+                kind, role, rank, payload = self.res_q.get(timeout=0.5)
+            except queue_mod.Empty:
+                dead = [k for k in members if k not in got and not self.procs[k].is_alive()]
+                if dead:
+                    raise RuntimeError(f"{dead[0][0]} rank {dead[0][1]} exited "
+                                       f"({self.procs[dead[0]].exitcode}); log: {self._log_tail(dead[0])}")
+                if time.monotonic() > deadline:
+                    missing = [f"{r} {n}" for r, n in members if (r, n) not in got]
+                    raise TimeoutError(f"no {what!r} from {', '.join(missing)} within {self.opts.timeout_s:g}s")
+                continue
+            if kind == "error":
+                raise RuntimeError(f"{role} rank {rank} failed:\n{payload}\nlog: {self._log_tail((role, rank))}")
+            if kind != what:
+                raise RuntimeError(f"{role} rank {rank} sent {kind!r} while the bench waited for {what!r}")
+            got[(role, rank)] = payload
+        return got
+
+    def _log_tail(self, key: tuple[str, int], lines: int = 15) -> str:
+        """The last lines of a rank's log, for error messages."""
+        path = os.path.join(self.log_dir, f"bench-{key[0]}-{key[1]}.log")
+        try:
+            with open(path, errors="replace") as fh:
+                return path + "\n" + "".join(fh.readlines()[-lines:])
+        except OSError:
+            return path
+
+    def close(self) -> None:
+        """Stop every rank process (bounded), then drop the temporary logs."""
+        for key, cmd_q in self.cmd_qs.items():
+            if self.procs[key].is_alive():
+                cmd_q.put(None)
+        for proc in self.procs.values():
+            proc.join(timeout=15)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> RankSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def row_of(cell: Cell, reports: dict) -> dict:
+    """One table row from a cell's rank reports."""
+    encode = reports[("encode", 0)]
+    prefill = [v for k, v in reports.items() if k[0] == "prefill"]
+    if cell.path == "raw":
+        latencies = sorted(encode["latencies"])
+        starts, ends, nbytes = [encode["t_start"]], [encode["t_end"]], encode["bytes"]
+        failed = {room for room, _ in encode["failed"]}
+    else:
+        latencies = sorted(lat for r in prefill for lat in r["latencies"])
+        starts = [encode["t_start"]] + [r["t_start"] for r in prefill]
+        ends = [r["t_end"] for r in prefill]
+        nbytes = sum(r["bytes"] for r in prefill)
+        failed = {room for r in prefill + [encode] for room, _ in r["failed"]}
+    reasons = [why for r in prefill + [encode] for _, why in r.get("failed", [])]
+    bad = [b for r in prefill for b in r.get("bad", [])]
+    wall = max(ends) - min(starts)
+    return {
+        "path": cell.path, "item_bytes": cell.item_bytes, "fanout": cell.fanout, "inflight": cell.inflight,
+        "integrity": cell.integrity, "gbps": nbytes / wall / 1e9 if wall > 0 else 0.0,
+        "rooms_per_s": (cell.items - len(failed)) / wall if wall > 0 else 0.0,
+        "p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3,
+        "ratio_to_raw": None, "items": cell.items, "failed": len(failed), "verified": not bad and not failed,
+        "problems": (reasons + bad)[:5],
+    }
+
+
+def percentile(sorted_values: list[float], pct: float) -> float:
+    """Nearest-rank percentile of sorted values (0.0 when empty)."""
+    if not sorted_values:
+        return 0.0
+    index = min(len(sorted_values) - 1, max(0, math.ceil(pct / 100 * len(sorted_values)) - 1))
+    return sorted_values[index]
+
+
+def memcpy_row(span: int, hidden: int, dtype: str, items: int) -> dict:
+    """Host copy bandwidth of one item, `items` copies into rotating destinations."""
+    import torch
+
+    item_bytes = span * hidden * dtype_size(dtype)
+    src = torch.randint(0, 256, (item_bytes,), dtype=torch.uint8)
+    dsts = [torch.empty_like(src) for _ in range(2)]
+    for dst in dsts:  # fault the pages in first: a ceiling, not a page-fault test
+        dst.copy_(src)
+    latencies = []
+    start = time.perf_counter()
+    for i in range(items):
+        t0 = time.perf_counter()
+        dsts[i % 2].copy_(src)
+        latencies.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - start
+    if not torch.equal(dsts[0], src):
+        raise RuntimeError("memcpy: the copy differs from its source")
+    latencies.sort()
+    return {
+        "path": "memcpy", "item_bytes": item_bytes, "fanout": 1, "inflight": 1, "integrity": False,
+        "gbps": items * item_bytes / wall / 1e9, "rooms_per_s": items / wall,
+        "p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3,
+        "ratio_to_raw": None, "items": items, "failed": 0, "verified": True, "problems": [],
+    }
+
+
+def fill_ratios(rows: list[dict]) -> None:
+    """ratio_to_raw: against raw in the same cell; memcpy against the best raw at its size."""
+    raw = {(r["item_bytes"], r["fanout"], r["inflight"]): r["gbps"] for r in rows if r["path"] == "raw"}
+    best: dict[int, float] = {}
+    for (size, _, _), gbps in raw.items():
+        best[size] = max(best.get(size, 0.0), gbps)
+    for row in rows:
+        ref = best.get(row["item_bytes"]) if row["path"] == "memcpy" else raw.get(
+            (row["item_bytes"], row["fanout"], row["inflight"]))
+        row["ratio_to_raw"] = row["gbps"] / ref if ref else None
+
+
+def arena_sizes(opts: Options, cells: list[Cell]) -> list[int]:
+    """Receive bytes each prefill rank needs at most over the plan."""
+    need = [0] * max([c.fanout for c in cells] or [1])
+    for cell in cells:
+        for rank in range(cell.fanout):
+            rows = max(1, shard_rows(cell.span, rank, cell.fanout)[1])
+            need[rank] = max(need[rank], cell.slots * rows * cell.row_bytes)
+    return need
+
+
+# ------------------------------------------------------------------ output
+
+
+def human_bytes(n: int) -> str:
+    """512 KiB, 8 MiB, 1.5 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", MiB), ("KiB", 1024)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:g} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{n} B"
+
+
+def format_table(rows: list[dict]) -> str:
+    """The rows as an aligned text table."""
+    head = ["path", "item", "fanout", "inflight", "integrity", "GB/s", "rooms/s", "p50 ms", "p99 ms", "ratio"]
+    body = []
+    for r in rows:
+        ratio = "-" if r["ratio_to_raw"] is None else f"{r['ratio_to_raw']:.2f}"
+        path = r["path"] + ("" if r.get("verified", True) else " !")
+        body.append([path, human_bytes(r["item_bytes"]), str(r["fanout"]), str(r["inflight"]),
+                     "on" if r["integrity"] else "off", f"{r['gbps']:.3f}", f"{r['rooms_per_s']:.1f}",
+                     f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", ratio])
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    lines = ["  ".join(x.rjust(w) if i >= 2 else x.ljust(w) for i, (x, w) in enumerate(zip(line, widths)))
+             for line in [head] + body]
+    return "\n".join(lines)
+
+
+class Progress:
+    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+
+    def __init__(self, total: int, stream=None) -> None:
+        self.total, self.done = total, 0
+        self.stream = stream or sys.stderr
+        self.enabled = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.started = time.monotonic()
+
+    def step(self, label: str) -> None:
+        """Count one finished cell and redraw."""
+        self.done += 1
+        if not self.enabled:
+            return
+        width = 30
+        filled = int(width * self.done / max(1, self.total))
+        elapsed = time.monotonic() - self.started
+        self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                          f"{elapsed:5.0f}s  {label[:40]:<40}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """End the bar's line."""
+        if self.enabled and self.done:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """GB/s and p99 against item size, one line per path, one column per fanout."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install matplotlib  (or: pip install 'epd-transfer[plot]')") from None
+    fanouts = sorted({r["fanout"] for r in rows if r["path"] != "memcpy"}) or [1]
+    inflights = sorted({r["inflight"] for r in rows if r["path"] != "memcpy"})
+    window = 8 if 8 in inflights else (inflights[-1] if inflights else 1)
+    fig, axes = plt.subplots(2, len(fanouts), figsize=(5 * len(fanouts), 8), squeeze=False)
+    for col, fanout in enumerate(fanouts):
+        series: dict[str, list[tuple[int, float, float]]] = {}
+        for r in rows:
+            if r["path"] == "memcpy" or (r["fanout"] == fanout and r["inflight"] == window):
+                label = r["path"] + (" +integrity" if r["integrity"] else "")
+                series.setdefault(label, []).append((r["item_bytes"], r["gbps"], r["p99_ms"]))
+        for label, points in sorted(series.items()):
+            points.sort()
+            sizes = [p[0] / MiB for p in points]
+            axes[0][col].plot(sizes, [p[1] for p in points], marker="o", label=label)
+            axes[1][col].plot(sizes, [p[2] for p in points], marker="o", label=label)
+        axes[0][col].set_title(f"fanout {fanout}, {window} rooms in flight")
+        axes[0][col].set_ylabel("GB/s")
+        axes[1][col].set_ylabel("p99 latency (ms)")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("item size (MiB)")
+            ax.grid(True, alpha=0.3)
+        axes[0][col].legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ driver
+
+
+def measure(opts: Options, progress: Progress | None = None, notes: list[str] | None = None) -> list[dict]:
+    """Runs the whole plan and returns the rows, ratios filled in."""
+    notes = notes if notes is not None else []
+    wire_ok = True
+    if "wire" in opts.paths:
+        why = wire_available()
+        if why:
+            wire_ok = False
+            notes.append(f"wire: skipped, {why}")
+    cells = plan(opts, wire_ok)
+    memcpys = [(s, h) for s, h in opts.sizes] if "memcpy" in opts.paths else []
+    progress = progress or Progress(len(cells) + len(memcpys))
+    progress.total = len(cells) + len(memcpys)
+    rows = []
+    for span, hidden in memcpys:
+        item_bytes = span * hidden * dtype_size(opts.dtype)
+        rows.append(memcpy_row(span, hidden, opts.dtype, opts.items_for(item_bytes, 1)))
+        progress.step(f"memcpy {human_bytes(item_bytes)}")
+    if cells:
+        with RankSet(opts, max(c.fanout for c in cells), arena_sizes(opts, cells)) as ranks:
+            for cell in cells:
+                row = row_of(cell, ranks.run_cell(cell))
+                rows.append(row)
+                flag = "+i" if cell.integrity else ""
+                progress.step(f"{cell.path}{flag} {human_bytes(cell.item_bytes)} f{cell.fanout} i{cell.inflight}")
+    progress.close()
+    fill_ratios(rows)
+    order = {p: i for i, p in enumerate(PATHS)}
+    rows.sort(key=lambda r: (r["item_bytes"], r["fanout"], r["inflight"], order[r["path"]], not r["integrity"]))
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The bench's options on its subcommand parser."""
+    parser.add_argument("--sizes", type=parse_sizes, default=None,
+                        help=f"item sizes as ROWSxHIDDEN, comma-separated (default {DEFAULT_SIZES})")
+    parser.add_argument("--dtype", default="torch.bfloat16")
+    parser.add_argument("--fanouts", type=parse_ints, default=None, help="prefill ranks per encode rank (default 1,2,4)")
+    parser.add_argument("--inflight", type=parse_ints, default=None, help="rooms in flight (default 1,8,32)")
+    parser.add_argument("--paths", type=parse_paths, default=None, help=f"subset of {','.join(PATHS)} (default all)")
+    parser.add_argument("--integrity", type=parse_integrity, default=None,
+                        help="epd/wire checksums: on, off or on,off (default on,off)")
+    parser.add_argument("--items", type=int, default=None, help="rooms per cell (default: ~--cell-mib per cell)")
+    parser.add_argument("--cell-mib", type=int, default=None, help="MiB moved per cell when --items is not given (default 256)")
+    parser.add_argument("--min-items", type=int, default=None, help="fewest rooms per cell (default 16)")
+    parser.add_argument("--protocol", default="tcp", choices=["tcp", "rdma", "auto"],
+                        help="Mooncake protocol of the raw and epd paths")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--writers", type=int, default=2, help="writer threads of the epd sender pool")
+    parser.add_argument("--raw-issue", choices=["async", "sync"], default="async",
+                        help="raw writes: write_async + wait (async) or sync writes from --raw-writers threads")
+    parser.add_argument("--raw-writers", type=int, default=2, help="threads for --raw-issue sync")
+    parser.add_argument("--timeout", type=float, default=300.0, help="bound on each step of a cell, seconds")
+    parser.add_argument("--log-dir", default=None, help="keep the rank processes' logs here")
+    parser.add_argument("--quick", action="store_true",
+                        help="a subset: 512 KiB and 8 MiB, fanout 1 and 4, 8 in flight, ~64 MiB per cell")
+    parser.add_argument("--json", metavar="FILE", default=None, help="write the rows as JSON")
+    parser.add_argument("--plot", metavar="FILE.png", default=None, help="draw GB/s and p99 against item size")
+
+
+def options_from(args: argparse.Namespace) -> Options:
+    """Options from parsed arguments; --quick fills whatever was not given."""
+    quick = getattr(args, "quick", False)
+    opts = Options()
+    opts.sizes = args.sizes or (parse_sizes("64x4096,1024x4096") if quick else opts.sizes)
+    opts.fanouts = args.fanouts or ([1, 4] if quick else opts.fanouts)
+    opts.inflight = args.inflight or ([8] if quick else opts.inflight)
+    opts.paths = args.paths or opts.paths
+    opts.integrity = args.integrity if args.integrity is not None else opts.integrity
+    opts.items = args.items
+    opts.cell_bytes = (args.cell_mib or (64 if quick else 256)) * MiB
+    opts.min_items = args.min_items or (8 if quick else opts.min_items)
+    for name in ("dtype", "protocol", "host", "writers", "raw_issue", "raw_writers", "log_dir"):
+        setattr(opts, name, getattr(args, name))
+    opts.timeout_s = args.timeout
+    return opts
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the bench; 0 when every cell moved every byte correctly."""
+    opts = options_from(args)
+    if args.plot:
+        try:
+            importlib.import_module("matplotlib")
+        except ImportError:
+            print("epd-transfer bench: --plot needs matplotlib: pip install matplotlib "
+                  "(or: pip install 'epd-transfer[plot]')", file=sys.stderr)
+            return 2
+    notes: list[str] = []
+    rows = measure(opts, notes=notes)
+    print(f"epd-transfer bench: protocol {opts.protocol} on {opts.host}, {opts.writers} sender writers, "
+          f"raw issue {opts.raw_issue}")
+    print(format_table(rows))
+    for note in notes:
+        print(f"note: {note}")
+    broken = [r for r in rows if not r["verified"]]
+    for r in broken:
+        print(f"! {r['path']} {human_bytes(r['item_bytes'])} fanout {r['fanout']} inflight {r['inflight']}: "
+              f"{r['failed']} failed room(s); {'; '.join(r['problems'])}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+    return 1 if broken else 0
+
+
+__all__ = ["Options", "Cell", "RankSet", "measure", "main", "add_arguments", "format_table", "plot", "memcpy_row",
+           "parse_sizes", "plan", "ROW_KEYS"]
