@@ -20,9 +20,6 @@ try:
 except ImportError as _error:
     _MOONCAKE_MISSING = f"mooncake.engine cannot be imported: {_error}"
 
-live = [pytest.mark.live,
-        pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")]
-
 SLOT = 256
 QUARANTINE = 30.0
 GRACE = 10.0

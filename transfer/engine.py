@@ -69,6 +69,9 @@ def _unavailable_message(error: BaseException) -> str:
 
 def _import_engine() -> Any:
     """Import mooncake.engine, turning any import failure into EngineUnavailable."""
+    # Mooncake logs every completed batch at INFO: a stderr write per transfer on the
+    # hot path. Keep warnings and errors unless the operator asked for more.
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     try:
         from mooncake import engine as mooncake_engine
     except ImportError as error:
