@@ -177,6 +177,45 @@ static int read_all(int fd, void *buf, size_t n, int timeout_ms, size_t *got)
     return RD_OK;
 }
 
+/* read_all that also sums the bytes as they arrive, while they are still in cache: whole words are
+   summed as soon as they are complete (offsets stay multiples of 8 from the start, so the partial
+   sums add up to epd_layer_sum of the whole), the zero-padded tail at the end. */
+static int read_summed(int fd, unsigned char *buf, size_t n, int timeout_ms, size_t *got, uint64_t *sum)
+{
+    size_t summed = 0;
+    uint64_t acc = 0;
+    *got = 0;
+    while (*got < n) {
+        struct pollfd pfd = {.fd = fd, .events = POLLIN};
+        int r = poll(&pfd, 1, timeout_ms);
+        if (r == 0)
+            return RD_TIMEOUT;
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            return RD_ERR;
+        }
+        ssize_t k = recv(fd, buf + *got, n - *got, 0);
+        if (k == 0)
+            return RD_EOF;
+        if (k < 0) {
+            if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)
+                continue;
+            return RD_ERR;
+        }
+        *got += (size_t)k;
+        size_t whole = *got & ~(size_t)7;
+        if (whole > summed) {
+            acc += epd_layer_sum(buf + summed, whole - summed);
+            summed = whole;
+        }
+    }
+    if (summed < n)
+        acc += epd_layer_sum(buf + summed, n - summed);
+    *sum = acc;
+    return RD_OK;
+}
+
 /* Sends every byte (SO_SNDTIMEO bounds a stuck peer; MSG_NOSIGNAL keeps SIGPIPE away); 0 or -1. */
 static int send_all(int fd, const void *buf, size_t n)
 {
@@ -198,16 +237,17 @@ static int send_all(int fd, const void *buf, size_t n)
 static int send_reply(int fd, unsigned kind, const wl_prefill *pf, const char *extra_key, uint64_t extra,
                       const char *body)
 {
-    char msg[REASON_MAX + 128];
-    int n = 0;
+    char msg[REASON_MAX + 128], extra_line[64] = "", room_line[40] = "";
     /* Keys in sorted order, as every Msg encodes them: "bytes" < "room". */
     if (extra_key != NULL)
-        n += snprintf(msg + n, sizeof msg - (size_t)n, "%s=%llu\n", extra_key, (unsigned long long)extra);
+        snprintf(extra_line, sizeof extra_line, "%s=%llu\n", extra_key, (unsigned long long)extra);
     if (pf->room_known)
-        n += snprintf(msg + n, sizeof msg - (size_t)n, "room=%llu\n", (unsigned long long)pf->room);
-    n += snprintf(msg + n, sizeof msg - (size_t)n, "\n%s", body ? body : "");
-    if (n < 0 || (size_t)n >= sizeof msg)
-        n = (int)sizeof msg - 1;
+        snprintf(room_line, sizeof room_line, "room=%llu\n", (unsigned long long)pf->room);
+    int n = snprintf(msg, sizeof msg, "%s%s\n%s", extra_line, room_line, body ? body : "");
+    if (n < 0)
+        return -1;
+    if ((size_t)n >= sizeof msg)
+        n = (int)sizeof msg - 1; /* a reason is at most REASON_MAX bytes, so this never cuts one */
     unsigned char header[5];
     epd_put_le32(header, (uint32_t)n + 1);
     header[4] = (unsigned char)kind;
@@ -412,18 +452,21 @@ static long long read_header(wl_listener *l, int fd, const wl_prefill *pf, unsig
 {
     unsigned char h[5];
     size_t got;
-    int rc = read_all(fd, h, sizeof h, l->recv_timeout_ms, &got);
+    int rc = read_all(fd, h, 4, l->recv_timeout_ms, &got);
+    if (rc == RD_OK && epd_get_le32(h) == 0) {
+        refuse(l, fd, pf, "read: zero-length frame has no kind byte (%s)", when);
+        return -1;
+    }
+    if (rc == RD_OK) {
+        rc = read_all(fd, h + 4, 1, l->recv_timeout_ms, &got);
+        got += 4;
+    }
     if (rc != RD_OK) {
         refuse(l, fd, pf, "read: %s %s (%zu of 5 header bytes)", read_failure(rc), when, got);
         return -1;
     }
-    uint32_t len = epd_get_le32(h);
-    if (len == 0) {
-        refuse(l, fd, pf, "read: zero-length frame has no kind byte %s", when);
-        return -1;
-    }
     *kind = h[4];
-    return (long long)len - 1;
+    return (long long)epd_get_le32(h) - 1;
 }
 
 /* Reads and discards a small control payload (FIRST's); 0, or -1 after refusing the peer. */
@@ -489,13 +532,13 @@ static int land_chunk(wl_listener *l, int fd, const wl_prefill *pf, unsigned lay
                (unsigned long long)pf->rows);
         return -1;
     }
-    rc = read_all(fd, bounce, dlen, l->recv_timeout_ms, &got);
+    uint64_t sum;
+    rc = read_summed(fd, bounce, dlen, l->recv_timeout_ms, &got, &sum);
     if (rc != RD_OK) {
         refuse(l, fd, pf, "read: %s mid-frame in layer %u after %zu of %zu data bytes", read_failure(rc), layer, got,
                dlen);
         return -1;
     }
-    uint64_t sum = epd_layer_sum(bounce, dlen);
     if (sum != want) {
         refuse(l, fd, pf, "LAYER checksum mismatch in layer %u at offset %llu: header 0x%016llx, computed 0x%016llx",
                layer, (unsigned long long)*done, (unsigned long long)want, (unsigned long long)sum);
@@ -611,22 +654,16 @@ static void *conn_main(void *arg)
     int fd = c->fd;
     unsigned char *bounce = NULL;
     while (!atomic_load(&l->stopping) && wait_for_transfer(l, fd)) {
-        unsigned char h[5];
-        size_t got;
-        int rc = read_all(fd, h, sizeof h, l->recv_timeout_ms, &got);
-        if (rc == RD_EOF && got == 0)
+        char first;
+        ssize_t k = recv(fd, &first, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (k == 0)
             break; /* the peer closed an idle connection: not an error */
         wl_prefill none = {0};
-        if (rc != RD_OK) {
-            refuse(l, fd, &none, "read: %s in a frame header (%zu of 5 bytes)", read_failure(rc), got);
+        unsigned kind;
+        long long n = read_header(l, fd, &none, &kind, "at the start of a transfer");
+        if (n < 0)
             break;
-        }
-        uint32_t len = epd_get_le32(h);
-        if (len == 0) {
-            refuse(l, fd, &none, "read: zero-length frame has no kind byte");
-            break;
-        }
-        if (serve_transfer(l, fd, h[4], (size_t)len - 1, &bounce) != SERVE_AGAIN)
+        if (serve_transfer(l, fd, kind, (size_t)n, &bounce) != SERVE_AGAIN)
             break;
     }
     free(bounce);

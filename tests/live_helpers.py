@@ -26,7 +26,7 @@ import pytest
 HOST = "127.0.0.1"
 DTYPE = "torch.bfloat16"
 #: The byte receive slots hold before an ask (the harness's, so check_landed applies).
-SENTINEL = 0xA5
+from transfer.harness import SENTINEL  # noqa: E402
 #: How long a command to a rank process may take before the test fails.
 COMMAND_TIMEOUT_S = 30.0
 
@@ -299,6 +299,12 @@ class _PrefillRank:
                 room, self.cfg["bootstrap"], ptr, self.cfg["span"], self.cfg["hidden"], self.cfg.get("dtype", DTYPE),
             )
             self.handles[room] = (handle, slot)
+        # Return once every TransferInfo went out (the room left Bootstrapping), bounded.
+        from transfer.status import TransferPoll
+
+        handles = [h for h, _ in self.handles.values()]
+        if not wait_until(lambda: all(h.poll() != TransferPoll.Bootstrapping for h in handles), 10.0):
+            raise TimeoutError("TransferInfos not sent within 10s")
 
     def do_wait(self, rooms: list[int], timeout: float) -> dict[int, tuple[str, str | None, bool]]:
         """room -> (status, reason, bytes equal the item's) after a bounded wait."""
@@ -519,10 +525,10 @@ class RawPrefill:
     def base(self) -> int:
         return self.buffer.data_ptr()
 
-    def register(self, lengths: tuple[int, int] | None) -> list[bytes]:
+    def register(self, lengths: tuple[int, int] | None, deepstack_base: int = 0) -> list[bytes]:
         """Sends a registration (SPEC.md 4.1, plus section 8's lengths when given); returns its parts."""
         parts = [b"None", HOST.encode(), str(self.status_port).encode(), self.engine.session_id.encode(),
-                 pointer(self.base), pointer(0)]
+                 pointer(self.base), pointer(deepstack_base)]
         if lengths is not None:
             parts += [str(lengths[0]).encode(), str(lengths[1]).encode()]
         self.push.send_multipart(parts)

@@ -241,11 +241,11 @@ def test_bad_arguments_and_host_only_memory(pair):
 
 
 def test_close_joins_threads_and_frees_the_port():
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    src = _random_bytes(4096, 2)  # torch starts its own threads first, before the count
     before = _tasks()
     engine = WireEngine("127.0.0.1")
     writer = WireEngine("127.0.0.1")
-    buf = torch.zeros(4096, dtype=torch.uint8)
-    src = _random_bytes(4096, 2)
     engine.register(buf)
     writer.register(src)
     writer.write(engine.session_id, [src.data_ptr()], [buf.data_ptr()], [4096])
@@ -317,3 +317,26 @@ def test_demo_runs_where_mooncake_cannot_be_imported(tmp_path):
 
 def test_chunk_size_default_is_four_mib():
     assert CHUNK_BYTES == 4 << 20
+
+
+def test_write_async_overlaps_peers_and_reports_failures():
+    n = 1 << 20
+    with WireEngine() as writer, WireEngine() as peer_a, WireEngine() as peer_b:
+        src = _random_bytes(n, 21)
+        writer.register(src)
+        dst_a, dst_b = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+        peer_a.register(dst_a)
+        peer_b.register(dst_b)
+        batches = [writer.write_async(peer.session_id, [src.data_ptr()], [dst.data_ptr()], [n])
+                   for peer, dst in ((peer_a, dst_a), (peer_b, dst_b))]
+        assert 0 not in batches
+        for batch in batches:
+            writer.wait(batch, timeout_s=30)
+        assert torch.equal(dst_a, src) and torch.equal(dst_b, src)
+        assert writer.write_async(peer_a.session_id, [src.data_ptr()], [dst_a.data_ptr()], [0]) == 0
+        writer.wait(0)
+        bad = writer.write_async(peer_a.session_id, [src.data_ptr()], [dst_a.data_ptr() + n - 8], [16])
+        with pytest.raises(TransferError, match="is not inside registered memory"):
+            writer.wait(bad, timeout_s=30)
+        with pytest.raises(TransferError, match=f"batch {bad} is unknown"):
+            writer.wait(bad)

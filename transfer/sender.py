@@ -40,6 +40,11 @@ log = logging.getLogger("transfer.sender")
 #: Regions remembered per prefill session (a main buffer plus per-item fallbacks).
 MAX_REGIONS_PER_SESSION = 64
 
+#: After a write to a prefill session failed, later writes to it fail at once for this
+#: long (or until it registers again): each batch to a dead peer costs Mooncake a
+#: reconnect timeout, and the pipelined writer must not spend that while other rooms wait.
+DEAD_SESSION_S = 5.0
+
 
 @dataclass
 class _Item:
@@ -161,6 +166,7 @@ class SenderPool:
         self._stopping = False
         self._temp_sources: dict[int, int] = {}  # address -> refcount of registrations we made
         self._temp_lock = threading.Lock()
+        self._dead_sessions: dict[str, float] = {}  # session id -> when a write to it failed
 
         self._pull, self.port = _io.pull_socket(self.host, port)
         self._statuses = _io.Pushers()
@@ -363,6 +369,7 @@ class SenderPool:
 
     def _file_registration(self, reg: Registration) -> None:
         """Remembers a session's announced regions; a repeat of the same region replaces it."""
+        self._dead_sessions.pop(reg.session_id, None)  # it is back (or restarted): try again
         regs = self._sessions.setdefault(reg.session_id, [])
         regs[:] = [r for r in regs if r.embedding_base != reg.embedding_base]
         regs.append(reg)
@@ -427,6 +434,11 @@ class SenderPool:
         if item.failed:
             self._receiver_done(item, info)
             return None
+        failed_at = self._dead_sessions.get(info.session_id)
+        if failed_at is not None and time.monotonic() - failed_at < DEAD_SESSION_S:
+            ago = time.monotonic() - failed_at
+            self._fail(item, f"write to {info.session_id} (room {item.room}) skipped: a write to it failed {ago:.1f}s ago")
+            return None
         try:
             if item.ready_event is not None:
                 with item.event_lock:
@@ -466,6 +478,7 @@ class SenderPool:
             if write.batch:
                 self.engine.wait(write.batch)
         except Exception as exc:  # noqa: BLE001 - any failure concludes the room
+            self._dead_sessions[info.session_id] = time.monotonic()
             self._fail(item, f"write to {info.session_id} (room {item.room}) failed: {exc}")
             return
         self.metrics.inc("bytes_written_total", write.nbytes)

@@ -56,6 +56,8 @@ import logging
 import select
 import socket
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Sequence
 
 from transfer import _native, wire
@@ -67,6 +69,8 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 4 << 20
 #: Idle connections kept per peer session; more are closed when they come back.
 IDLE_PER_SESSION = 8
+#: Threads that carry write_async() batches, so that writes to different peers overlap.
+ASYNC_WRITERS = 4
 
 
 def _span(buf: Any, length: int | None) -> tuple[int, int]:
@@ -162,6 +166,9 @@ class WireEngine:
         self._in_flight = 0
         self._closed = False
         self._sent = {"connections_opened": 0, "writes": 0, "bytes_sent": 0, "write_failures": 0, "retries": 0}
+        self._batches: dict[int, Future] = {}
+        self._batch_ids = itertools.count(1)
+        self._executor: ThreadPoolExecutor | None = None
         log.debug("wire engine %s listening", self.session_id)
 
     # -- memory -----------------------------------------------------------
@@ -225,6 +232,37 @@ class WireEngine:
                                 f"{sum(lens)} bytes, first destination 0x{dsts[0]:x}+{lens[0]})") from None
         finally:
             self._leave()
+
+    def write_async(self, session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
+                    lengths: Sequence[int]) -> int:
+        """Start write() on a small thread pool; returns a batch id for wait() (0: nothing to write)."""
+        srcs, dsts, lens = self._batch(session_id, src_addrs, dst_addrs, lengths)
+        if not lens:
+            return 0
+        with self._lock:
+            self._check_open()
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(ASYNC_WRITERS, thread_name_prefix=f"wire-write-{self.port}")
+            batch_id = next(self._batch_ids)
+            self._batches[batch_id] = self._executor.submit(self.write, session_id, srcs, dsts, lens)
+        return batch_id
+
+    def wait(self, batch_id: int, timeout_s: float | None = None) -> None:
+        """Block until the batch from write_async completes; TransferError if it failed or is unknown."""
+        if batch_id == 0:
+            return
+        with self._lock:
+            future = self._batches.get(batch_id)
+        if future is None:
+            raise TransferError(f"batch {batch_id} is unknown on {self.session_id}")
+        try:
+            future.result(timeout_s)
+        except FutureTimeout:
+            raise TransferError(f"batch {batch_id} on {self.session_id} still in flight after {timeout_s}s") from None
+        finally:
+            if future.done():
+                with self._lock:
+                    self._batches.pop(batch_id, None)
 
     def _write_with_retry(self, session_id: str, srcs: list[int], dsts: list[int], lens: list[int],
                           rows: int) -> None:
@@ -406,10 +444,15 @@ class WireEngine:
             if self._closed:
                 return
             self._closed = True
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)  # queued batches fail fast: the engine is closed
+        with self._lock:
             while self._in_flight:
                 self._lock.wait()
             idle = [c for conns in self._idle.values() for c in conns]
             self._idle.clear()
+            self._batches.clear()
         for conn in idle:
             conn.close()
         _native.wire_listener_close(self._listener)
