@@ -95,6 +95,7 @@ class Options:
     raw_issue: str = "async"
     raw_writers: int = 2
     timeout_s: float = 300.0
+    deadline_s: float = 60.0
     log_dir: str | None = None
 
     def items_for(self, item_bytes: int, inflight: int) -> int:
@@ -549,7 +550,7 @@ class RankSet:
 
         members = [("encode", 0)] + [("prefill", r) for r in range(cell.fanout)]
         extra = {"protocol": self.opts.protocol, "writers": self.opts.writers, "raw_issue": self.opts.raw_issue,
-                 "raw_writers": self.opts.raw_writers, "deadline_s": min(60.0, self.opts.timeout_s)}
+                 "raw_writers": self.opts.raw_writers, "deadline_s": self.opts.deadline_s}
         server = BootstrapServer(self.opts.host, 0) if cell.path != "raw" else None
         try:
             if server is not None:
@@ -655,8 +656,10 @@ def percentile(sorted_values: list[float], pct: float) -> float:
     return sorted_values[index]
 
 
-def memcpy_row(span: int, hidden: int, dtype: str, items: int) -> dict:
-    """Host copy bandwidth of one item, `items` copies into rotating destinations."""
+def memcpy_row(span: int, hidden: int, dtype: str, items: int, passes: int = 3) -> dict:
+    """Host copy bandwidth of one item (single-threaded memmove), the best of `passes` passes."""
+    import ctypes
+
     import torch
 
     item_bytes = span * hidden * dtype_size(dtype)
@@ -664,19 +667,23 @@ def memcpy_row(span: int, hidden: int, dtype: str, items: int) -> dict:
     dsts = [torch.empty_like(src) for _ in range(2)]
     for dst in dsts:  # fault the pages in first: a ceiling, not a page-fault test
         dst.copy_(src)
-    latencies = []
-    start = time.perf_counter()
-    for i in range(items):
-        t0 = time.perf_counter()
-        dsts[i % 2].copy_(src)
-        latencies.append(time.perf_counter() - t0)
-    wall = time.perf_counter() - start
+    src_addr = src.data_ptr()
+    dst_addrs = [dst.data_ptr() for dst in dsts]
+    latencies: list[float] = []
+    best = math.inf
+    for _ in range(passes):
+        start = time.perf_counter()
+        for i in range(items):
+            t0 = time.perf_counter()
+            ctypes.memmove(dst_addrs[i % 2], src_addr, item_bytes)
+            latencies.append(time.perf_counter() - t0)
+        best = min(best, time.perf_counter() - start)
     if not torch.equal(dsts[0], src):
         raise RuntimeError("memcpy: the copy differs from its source")
     latencies.sort()
     return {
         "path": "memcpy", "item_bytes": item_bytes, "fanout": 1, "inflight": 1, "integrity": False,
-        "gbps": items * item_bytes / wall / 1e9, "rooms_per_s": items / wall,
+        "gbps": items * item_bytes / best / 1e9, "rooms_per_s": items / best,
         "p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3,
         "ratio_to_raw": None, "items": items, "failed": 0, "verified": True, "problems": [],
     }
@@ -852,6 +859,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raw-issue", choices=["async", "sync"], default="async",
                         help="raw writes: write_async + wait (async) or sync writes from --raw-writers threads")
     parser.add_argument("--raw-writers", type=int, default=2, help="threads for --raw-issue sync")
+    parser.add_argument("--deadline", type=float, default=60.0, help="per-room deadline of the epd and wire paths, seconds")
     parser.add_argument("--timeout", type=float, default=300.0, help="bound on each step of a cell, seconds")
     parser.add_argument("--log-dir", default=None, help="keep the rank processes' logs here")
     parser.add_argument("--quick", action="store_true",
@@ -875,6 +883,7 @@ def options_from(args: argparse.Namespace) -> Options:
     for name in ("dtype", "protocol", "host", "writers", "raw_issue", "raw_writers", "log_dir"):
         setattr(opts, name, getattr(args, name))
     opts.timeout_s = args.timeout
+    opts.deadline_s = args.deadline
     return opts
 
 

@@ -5,6 +5,8 @@ byte. The demo, the benchmark, the launch scripts and the live tests all run on 
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import multiprocessing as mp
 import queue as queue_mod
 import time
@@ -232,13 +234,44 @@ def check_landed(slot, item, row_start: int, rows: int) -> str | None:
     landed = slot.view(torch.uint8)
     want = item.view(torch.uint8)
     shard = slice(row_start, row_start + rows)
-    if not torch.equal(landed[shard], want[shard]):
+    if not same_bytes(landed[shard], want[shard]):
         differs = (landed[shard] != want[shard]).any(dim=1).nonzero()
         return f"row {row_start + int(differs[0])} differs from the item"
-    outside = torch.cat([landed[:row_start].reshape(-1), landed[row_start + rows :].reshape(-1)])
-    if outside.numel() and not bool((outside == SENTINEL).all()):
-        return "bytes outside the shard were written"
+    for outside in (landed[:row_start], landed[row_start + rows :]):
+        if outside.numel() and not same_bytes(outside, _sentinel(outside.numel())):
+            return "bytes outside the shard were written"
     return None
+
+
+def same_bytes(a, b) -> bool:
+    """Whether two contiguous host tensors hold the same bytes (memcmp: several times torch.equal's speed)."""
+    nbytes = a.numel() * a.element_size()
+    if nbytes != b.numel() * b.element_size():
+        return False
+    return nbytes == 0 or _libc().memcmp(ctypes.c_void_p(a.data_ptr()), ctypes.c_void_p(b.data_ptr()), nbytes) == 0
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    libc = ctypes.CDLL(None)
+    libc.memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    libc.memcmp.restype = ctypes.c_int
+    return libc
+
+
+_SENTINELS: dict[int, object] = {}
+
+
+def _sentinel(nbytes: int):
+    """A host buffer of at least `nbytes` SENTINEL bytes, flattened to exactly nbytes."""
+    import torch
+
+    size = max((n for n in _SENTINELS if n >= nbytes), default=None)
+    if size is None:
+        size = nbytes
+        _SENTINELS.clear()
+        _SENTINELS[size] = torch.full((size,), SENTINEL, dtype=torch.uint8)
+    return _SENTINELS[size][:nbytes]
 
 
 # -------------------------------------------------------------- orchestration
