@@ -87,8 +87,14 @@ def _rank(args: argparse.Namespace) -> int:
         hidden=args.hidden, dtype=args.dtype, sharded=not args.identity, deepstack=args.deepstack,
         inflight=args.inflight, protocol=args.protocol, host=args.host, integrity=not args.no_integrity,
         writers=args.writers, deadline_s=args.deadline, bootstrap_timeout_s=args.bootstrap_timeout,
-        token=args.token, timeout_s=args.timeout,
+        token=args.token, timeout_s=args.timeout, first_room=args.first_room,
     )
+    if args.device:
+        if "device" in getattr(harness.Scenario, "__dataclass_fields__", {}):
+            sc.device = args.device
+        else:
+            print(f"warning: --device {args.device} ignored: this build's harness cannot pick a Mooncake "
+                  f"device, so Mooncake uses every device it finds", file=sys.stderr)
 
     def interrupted(*_: object) -> None:
         raise KeyboardInterrupt  # unwinds through the context managers: engines and sockets close
@@ -196,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--host", default="127.0.0.1", help="this node's address (engine and sockets)")
     rank.add_argument("--protocol", default="auto", choices=["auto", "tcp", "rdma", "wire"])
     rank.add_argument("--items", type=int, default=64)
+    rank.add_argument("--first-room", type=int, default=0, help="rooms are first-room .. first-room + items - 1")
+    rank.add_argument("--device", default="", help="Mooncake RDMA device (e.g. mlx5_0); default: all")
     rank.add_argument("--span", type=int, default=1024, help="rows per item")
     rank.add_argument("--hidden", type=int, default=4096)
     rank.add_argument("--dtype", default="torch.bfloat16")
