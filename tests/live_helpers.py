@@ -23,10 +23,11 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
+# The byte receive slots hold before an ask (the harness's, so check_landed applies).
+from transfer.harness import SENTINEL
+
 HOST = "127.0.0.1"
 DTYPE = "torch.bfloat16"
-#: The byte receive slots hold before an ask (the harness's, so check_landed applies).
-from transfer.harness import SENTINEL  # noqa: E402
 #: How long a command to a rank process may take before the test fails.
 COMMAND_TIMEOUT_S = 30.0
 
@@ -145,8 +146,14 @@ def _serve(setup: Callable[[dict], Any], cfg: dict, ctrl, out) -> None:
         rank = setup(cfg)
         rank.capture = capture
         out.put(("ready", rank.hello()))
+        parent = os.getppid()
         while True:
-            command, args = ctrl.get()
+            try:
+                command, args = ctrl.get(timeout=1.0)
+            except queue_mod.Empty:
+                if os.getppid() != parent:  # the test process died: do not linger
+                    return
+                continue
             try:
                 reply = getattr(rank, "do_" + command)(*args)
             except Exception:  # noqa: BLE001 - the test must see it
@@ -233,6 +240,7 @@ class _EncodeRank:
             "extra_registrations": sorted(set(self.engine.registered()) - set(self.registered_before) - arenas),
             "dropped_statuses": pool._statuses.dropped,
             "contexts_shared": _one_context(pool),
+            "pushers": len(pool._statuses),
         }
 
     def do_close(self) -> dict:
@@ -286,6 +294,7 @@ class _PrefillRank:
             buffer=(self.arena.ctypes.data, self.arena.nbytes), host=HOST, deadline_s=cfg.get("deadline_s", 30.0),
         )
         self.handles: dict[int, tuple[Any, int]] = {}
+        self.next_slot = 0
 
     def hello(self) -> dict:
         return {"status_port": self.manager.status_port, "session": self.engine.session_id, "pid": os.getpid()}
@@ -293,7 +302,7 @@ class _PrefillRank:
     def do_ask(self, rooms: list[int]) -> None:
         """Asks for each room's full span (identity) into its own slot."""
         for room in rooms:
-            slot = len(self.handles)
+            slot, self.next_slot = self.next_slot, self.next_slot + 1
             ptr = self.arena.ctypes.data + slot * self.slot_bytes
             handle = self.manager.receive(
                 room, self.cfg["bootstrap"], ptr, self.cfg["span"], self.cfg["hidden"], self.cfg.get("dtype", DTYPE),

@@ -58,6 +58,8 @@ class _Room:
     route_key: tuple[str, int, int] | None = None
     regions: RegionSet | None = None
     lease: Any = None  # the pool slot (or fallback buffer) the rows land in, when pooled
+    # Not deepstack_ptr != 0: an empty shard's tensor slice has data_ptr() 0.
+    has_deepstack: bool = False
     concluded_at: float | None = None
 
     @property
@@ -245,6 +247,7 @@ class SessionManager:
         )
         state.regions = regions
         state.lease = lease
+        state.has_deepstack = deepstack_dst is not None
         with self._lock:
             if room in self._rooms:
                 raise ValueError(f"room {room} is already being received; clear() it first")
@@ -458,7 +461,7 @@ class SessionManager:
         info = TransferInfo(
             room=state.room, endpoint=self.host, port=self.status_port, session_id=self.engine.session_id,
             embedding_ptr=state.embedding_ptr, deepstack_ptr=state.deepstack_ptr, rows=state.rows,
-            hidden=state.hidden, dtype=state.dtype, has_deepstack=state.deepstack_ptr != 0,
+            hidden=state.hidden, dtype=state.dtype, has_deepstack=state.has_deepstack,
             fanout=fanout, row_start=state.row_start, span=state.span,
         )
         self._push(sock, info.to_frames(), state)

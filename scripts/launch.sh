@@ -1,0 +1,203 @@
+#!/usr/bin/env bash
+# launch.sh encode|prefill: start one node's share of an EPD transfer deployment.
+#
+#   encode node:  the bootstrap server and EPD_ENCODE_TP encode ranks
+#   prefill node: EPD_PREFILL_TP prefill ranks (one prefill instance)
+#
+# Every rank is `epd-transfer rank` (python -m transfer.cli rank): it moves EPD_ITEMS
+# deterministic items per prefill node and checks every landed byte, so a cluster smoke
+# test is one command per node. launch-encode.sh and launch-prefill.sh call this script.
+# Logs: $EPD_LOG_DIR/<role>-<rank>.log (prefill ranks numbered node * EPD_PREFILL_TP + rank)
+# and bootstrap.log. Ctrl-C or SIGTERM stops every process this script started (each runs
+# in its own process group, which is killed), waits for them, and exits 130.
+# Exit status: 0 when every rank exited 0, else 1 (2: bad settings).
+#
+# Environment (default in brackets):
+#   EPD_ENCODE_HOST      IP address of the encode node; the bootstrap server listens there [127.0.0.1]
+#   EPD_BOOTSTRAP_PORT   bootstrap server port [8998]
+#   EPD_BOOTSTRAP_BIND   address the bootstrap server binds [EPD_ENCODE_HOST]
+#   EPD_NO_BOOTSTRAP=1   encode node: do not start a bootstrap server (one runs elsewhere)
+#   EPD_ENCODE_TP        encode ranks E [1]
+#   EPD_PREFILL_TP       prefill ranks P per prefill node, a multiple of E [1]
+#   EPD_PREFILL_NODES    prefill nodes the encode node serves [1]
+#   EPD_PREFILL_NODE     this prefill node's index, 0-based [SLURM_PROCID, else 0]
+#   EPD_PREFILL_HOST     IP address of this prefill node [127.0.0.1 if EPD_ENCODE_HOST is
+#                        loopback, else the first address of `hostname -I`]
+#   EPD_PROTOCOL         auto | tcp | rdma | wire [auto]
+#   EPD_DEVICE           Mooncake RDMA device, e.g. mlx5_0 [every device found]
+#   EPD_TOKEN            bearer token the bootstrap server requires for registrations [none]
+#   EPD_ITEMS            items per prefill node [64]
+#   EPD_SPAN, EPD_HIDDEN rows per item and row width (bf16) [1024, 4096]
+#   EPD_INFLIGHT         rooms in flight per rank [8]
+#   EPD_LOG_DIR          where the per-rank logs go [./epd-logs]
+#   EPD_PYTHON           interpreter [<repo>/.venv/bin/python if present, else python3]
+#   EPD_EXTRA_ARGS       more `epd-transfer rank` options, split on spaces (e.g. --no-integrity)
+#
+# Plain ssh (encode node 10.0.0.1, prefill nodes 10.0.0.2 and 10.0.0.3, repo in ~/epd):
+#   ssh 10.0.0.1 'cd epd && EPD_ENCODE_HOST=10.0.0.1 EPD_PREFILL_TP=4 EPD_PREFILL_NODES=2 scripts/launch-encode.sh' &
+#   for i in 0 1; do ssh 10.0.0.$((i + 2)) "cd epd && EPD_ENCODE_HOST=10.0.0.1 EPD_PREFILL_TP=4 EPD_PREFILL_NODES=2 EPD_PREFILL_NODE=$i scripts/launch-prefill.sh" & done; wait
+#
+# SLURM (inside an allocation of 3 nodes; one task per node, SLURM_PROCID numbers the prefill nodes):
+#   nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
+#   export EPD_ENCODE_HOST=$(getent hosts "${nodes[0]}" | awk '{print $1}') EPD_PREFILL_TP=4 EPD_PREFILL_NODES=2
+#   srun -N1 -n1 -w "${nodes[0]}" scripts/launch-encode.sh &
+#   srun -N2 -n2 --ntasks-per-node=1 -x "${nodes[0]}" scripts/launch-prefill.sh; wait
+set -euo pipefail
+
+ROLE=${1:-}
+case "$ROLE" in
+    encode | prefill) ;;
+    *)
+        echo "usage: $0 encode|prefill   (settings come from EPD_* variables; see the header)" >&2
+        exit 2
+        ;;
+esac
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [[ -n "${EPD_PYTHON:-}" ]]; then
+    PYTHON=$EPD_PYTHON
+elif [[ -x "$REPO/.venv/bin/python" ]]; then
+    PYTHON=$REPO/.venv/bin/python
+else
+    PYTHON=python3
+fi
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+
+ENCODE_HOST=${EPD_ENCODE_HOST:-127.0.0.1}
+PORT=${EPD_BOOTSTRAP_PORT:-8998}
+ENCODE_TP=${EPD_ENCODE_TP:-1}
+PREFILL_TP=${EPD_PREFILL_TP:-1}
+PREFILL_NODES=${EPD_PREFILL_NODES:-1}
+PREFILL_NODE=${EPD_PREFILL_NODE:-${SLURM_PROCID:-0}}
+PROTOCOL=${EPD_PROTOCOL:-auto}
+ITEMS=${EPD_ITEMS:-64}
+LOG_DIR=${EPD_LOG_DIR:-./epd-logs}
+
+for name in PORT ENCODE_TP PREFILL_TP PREFILL_NODES PREFILL_NODE ITEMS; do
+    if ! [[ "${!name}" =~ ^[0-9]+$ ]]; then
+        echo "$0: EPD_$name must be a non-negative integer, got '${!name}'" >&2
+        exit 2
+    fi
+done
+if ((ENCODE_TP < 1 || PREFILL_TP < 1 || PREFILL_TP % ENCODE_TP != 0)); then
+    echo "$0: EPD_PREFILL_TP ($PREFILL_TP) must be a positive multiple of EPD_ENCODE_TP ($ENCODE_TP)" >&2
+    exit 2
+fi
+if ((PREFILL_NODE >= PREFILL_NODES)); then
+    echo "$0: EPD_PREFILL_NODE ($PREFILL_NODE) must be below EPD_PREFILL_NODES ($PREFILL_NODES)" >&2
+    exit 2
+fi
+
+default_prefill_host() {
+    # Same-machine runs stay on loopback; otherwise the node's first address.
+    if [[ "$ENCODE_HOST" == 127.* || "$ENCODE_HOST" == localhost ]]; then
+        echo 127.0.0.1
+    else
+        hostname -I 2>/dev/null | awk '{print $1}'
+    fi
+}
+
+# Options every rank shares (both ends must agree on the items' geometry).
+common=(--encode-ranks "$ENCODE_TP" --prefill-ranks "$PREFILL_TP" --bootstrap "$ENCODE_HOST:$PORT"
+    --protocol "$PROTOCOL" --span "${EPD_SPAN:-1024}" --hidden "${EPD_HIDDEN:-4096}"
+    --inflight "${EPD_INFLIGHT:-8}")
+[[ -n "${EPD_TOKEN:-}" ]] && common+=(--token "$EPD_TOKEN")
+[[ -n "${EPD_DEVICE:-}" ]] && common+=(--device "$EPD_DEVICE")
+if [[ -n "${EPD_EXTRA_ARGS:-}" ]]; then
+    read -r -a extra <<<"$EPD_EXTRA_ARGS"
+    common+=("${extra[@]}")
+fi
+
+mkdir -p "$LOG_DIR"
+pids=()
+names=()
+helper_pids=()
+
+start() {
+    # start NAME ARGS...: run ARGS in its own process group, output to $LOG_DIR/NAME.log.
+    local name=$1
+    shift
+    if command -v setsid >/dev/null; then
+        setsid "$@" >"$LOG_DIR/$name.log" 2>&1 &
+    else
+        "$@" >"$LOG_DIR/$name.log" 2>&1 &
+    fi
+}
+
+stop() {
+    # TERM every process group we started, give them 10 s, then KILL what is left.
+    local pid tries=0
+    for pid in "${pids[@]}" "${helper_pids[@]}"; do
+        kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+    done
+    while ((tries < 100)); do
+        local alive=0
+        for pid in "${pids[@]}" "${helper_pids[@]}"; do
+            kill -0 "$pid" 2>/dev/null && alive=1
+        done
+        ((alive)) || break
+        sleep 0.1
+        tries=$((tries + 1))
+    done
+    for pid in "${pids[@]}" "${helper_pids[@]}"; do
+        kill -KILL -- "-$pid" 2>/dev/null || true
+    done
+    wait 2>/dev/null || true
+}
+
+# shellcheck disable=SC2317  # invoked by the trap below
+on_signal() {
+    trap - INT TERM
+    echo "launch.sh $ROLE: interrupted, stopping ${#pids[@]} rank(s)" >&2
+    stop
+    exit 130
+}
+trap on_signal INT TERM
+
+if [[ "$ROLE" == encode ]]; then
+    if [[ "${EPD_NO_BOOTSTRAP:-0}" != 1 ]]; then
+        boot=(bootstrap --host "${EPD_BOOTSTRAP_BIND:-$ENCODE_HOST}" --port "$PORT")
+        [[ -n "${EPD_TOKEN:-}" ]] && boot+=(--token "$EPD_TOKEN")
+        start bootstrap "$PYTHON" -m transfer.cli "${boot[@]}"
+        helper_pids+=($!)
+    fi
+    # The encode ranks serve every prefill node's rooms: node n asks for n*ITEMS .. (n+1)*ITEMS-1.
+    for ((rank = 0; rank < ENCODE_TP; rank++)); do
+        start "encode-$rank" "$PYTHON" -m transfer.cli rank --role encode --rank "$rank" --host "$ENCODE_HOST" \
+            --items $((ITEMS * PREFILL_NODES)) "${common[@]}"
+        pids+=($!)
+        names+=("encode-$rank")
+    done
+else
+    host=${EPD_PREFILL_HOST:-$(default_prefill_host)}
+    if [[ -z "$host" ]]; then
+        echo "$0: cannot tell this node's address; set EPD_PREFILL_HOST" >&2
+        exit 2
+    fi
+    for ((rank = 0; rank < PREFILL_TP; rank++)); do
+        name="prefill-$((PREFILL_NODE * PREFILL_TP + rank))"
+        start "$name" "$PYTHON" -m transfer.cli rank --role prefill --rank "$rank" --host "$host" \
+            --items "$ITEMS" --first-room $((PREFILL_NODE * ITEMS)) "${common[@]}"
+        pids+=($!)
+        names+=("$name")
+    done
+fi
+echo "launch.sh $ROLE: started ${names[*]} (logs in $LOG_DIR)" >&2
+
+status=0
+for i in "${!pids[@]}"; do
+    if wait "${pids[$i]}"; then
+        result=ok
+    else
+        result="FAILED (exit $?)"
+        status=1
+    fi
+    # The rank's last stdout line is its JSON summary.
+    summary=$(grep '^{' "$LOG_DIR/${names[$i]}.log" | tail -n 1 || true)
+    echo "${names[$i]}: $result ${summary}"
+done
+if ((${#helper_pids[@]})); then
+    pids=()
+    stop
+fi
+exit "$status"

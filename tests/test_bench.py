@@ -1,0 +1,236 @@
+"""`epd-transfer bench`: the plan, the figures' arithmetic, the table and progress bar, and one
+tiny live run (raw, epd with and without integrity, wire when present, memcpy) checked row by row."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+
+import pytest
+
+from transfer import bench, cli
+
+try:
+    import mooncake.engine  # noqa: F401
+
+    _MOONCAKE_MISSING = ""
+except ImportError as _error:  # pragma: no cover - depends on the host
+    _MOONCAKE_MISSING = f"mooncake.engine cannot be imported: {_error}"
+
+try:
+    import matplotlib  # noqa: F401
+
+    _MATPLOTLIB = True
+except ImportError:  # pragma: no cover - optional extra
+    _MATPLOTLIB = False
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    """The bench's parsed arguments, through the real command line."""
+    return cli.build_parser().parse_args(["bench", *argv])
+
+
+# ------------------------------------------------------------------ pure parts
+
+
+def test_parse_sizes_reads_rows_by_hidden():
+    assert bench.parse_sizes("64x4096, 1024X4096") == [(64, 4096), (1024, 4096)]
+    for bad in ("64", "64x", "x4096", "0x4096", "64x-1", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_sizes(bad)
+
+
+def test_parse_lists_refuse_nonsense():
+    assert bench.parse_ints("1,2,4") == [1, 2, 4]
+    assert bench.parse_paths("raw,memcpy") == ["raw", "memcpy"]
+    assert bench.parse_integrity("off,on") == [False, True]
+    for parse, bad in ((bench.parse_ints, "1,0"), (bench.parse_ints, "a"), (bench.parse_paths, "raw,fast"),
+                       (bench.parse_integrity, "maybe")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(bad)
+
+
+def test_defaults_are_the_issues_matrix():
+    opts = bench.options_from(_args())
+    assert opts.sizes == [(64, 4096), (1024, 4096), (8192, 4096)]
+    assert opts.fanouts == [1, 2, 4] and opts.inflight == [1, 8, 32]
+    assert opts.integrity == [True, False] and opts.protocol == "tcp"
+    cells = bench.plan(opts, wire_ok=True)
+    # 3 sizes x 3 fanouts x 3 windows x (raw + epd on/off + wire on/off)
+    assert len(cells) == 27 * 5
+    assert {c.item_bytes for c in cells} == {512 * 1024, 8 * 2**20, 64 * 2**20}
+    assert len(bench.plan(opts, wire_ok=False)) == 27 * 3
+
+
+def test_quick_is_a_small_subset():
+    opts = bench.options_from(_args("--quick"))
+    assert opts.sizes == [(64, 4096), (1024, 4096)] and opts.fanouts == [1, 4] and opts.inflight == [8]
+    cells = bench.plan(opts, wire_ok=True)
+    assert len(cells) == 2 * 2 * 5
+    assert sum(c.items * c.item_bytes for c in cells) <= 20 * 64 * 2**20
+
+
+def test_items_per_cell_scale_with_size_and_fill_the_window():
+    opts = bench.Options()
+    assert opts.items_for(512 * 1024, 8) == 512  # 256 MiB of 512 KiB items
+    assert opts.items_for(64 * 2**20, 8) == 16  # the minimum
+    assert opts.items_for(64 * 2**20, 32) == 32  # at least one full window
+    opts.items = 5
+    assert opts.items_for(64 * 2**20, 32) == 5
+
+
+def test_percentile_is_nearest_rank():
+    values = [float(v) for v in range(1, 101)]
+    assert bench.percentile(values, 50) == 50.0
+    assert bench.percentile(values, 99) == 99.0
+    assert bench.percentile([3.0], 99) == 3.0
+    assert bench.percentile([], 50) == 0.0
+
+
+def _row(path, gbps, fanout=1, inflight=8, size=1024, integrity=False):
+    return {"path": path, "item_bytes": size, "fanout": fanout, "inflight": inflight, "integrity": integrity,
+            "gbps": gbps, "rooms_per_s": 1.0, "p50_ms": 1.0, "p99_ms": 2.0, "ratio_to_raw": None}
+
+
+def test_ratios_are_against_raw_in_the_same_cell():
+    rows = [_row("raw", 2.0), _row("epd", 1.5, integrity=True), _row("raw", 4.0, fanout=4), _row("epd", 1.0, fanout=4),
+            _row("memcpy", 8.0), _row("epd", 1.0, size=2048)]
+    bench.fill_ratios(rows)
+    assert [r["ratio_to_raw"] for r in rows] == [1.0, 0.75, 1.0, 0.25, 2.0, None]
+
+
+def test_row_of_flags_lost_rooms_and_bad_bytes():
+    cell = bench.Cell("epd", 4, 8, "torch.bfloat16", fanout=2, inflight=2, items=4, integrity=True)
+    encode = {"t_start": 10.0, "failed": []}
+    prefill = {"t_start": 10.0, "t_end": 12.0, "latencies": [0.1, 0.2, 0.3, 0.4], "failed": [], "bytes": 32, "bad": []}
+    good = bench.row_of(cell, {("encode", 0): encode, ("prefill", 0): prefill, ("prefill", 1): dict(prefill)})
+    assert good["verified"] and good["failed"] == 0
+    assert good["gbps"] == pytest.approx(64 / 2.0 / 1e9) and good["rooms_per_s"] == pytest.approx(2.0)
+    assert good["p50_ms"] == pytest.approx(200.0) and good["p99_ms"] == pytest.approx(400.0)
+    bad = dict(prefill, bad=["prefill 1 room 3: landed rows differ from the item"], failed=[(2, "deadline")])
+    row = bench.row_of(cell, {("encode", 0): encode, ("prefill", 0): prefill, ("prefill", 1): bad})
+    assert not row["verified"] and row["failed"] == 1 and "deadline" in row["problems"]
+
+
+def test_table_lists_every_row():
+    rows = [_row("raw", 2.0), _row("epd", 1.5, integrity=True)]
+    bench.fill_ratios(rows)
+    table = bench.format_table(rows).splitlines()
+    assert table[0].split()[:2] == ["path", "item"] and "GB/s" in table[0] and "p99" in table[0]
+    assert table[1].split()[0] == "raw" and table[1].split()[-1] == "1.00"
+    assert table[2].split()[0] == "epd" and " on " in table[2] and table[2].split()[-1] == "0.75"
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_draws_only_on_a_terminal():
+    plain = io.StringIO()
+    bar = bench.Progress(2, plain)
+    bar.step("raw 512 KiB")
+    bar.close()
+    assert plain.getvalue() == ""
+    tty = _Tty()
+    bar = bench.Progress(2, tty)
+    bar.step("raw 512 KiB")
+    bar.step("epd 512 KiB")
+    bar.close()
+    assert "1/2" in tty.getvalue() and "2/2" in tty.getvalue() and tty.getvalue().endswith("\n")
+
+
+def test_memcpy_row_moves_bytes():
+    row = bench.memcpy_row(64, 256, "torch.bfloat16", items=8)
+    assert row["path"] == "memcpy" and row["item_bytes"] == 64 * 256 * 2
+    assert row["gbps"] > 0 and row["p99_ms"] >= row["p50_ms"] >= 0
+
+
+# ------------------------------------------------------------------ live run
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One tiny bench run: 64 x 256 bf16 items, fanout 1 and 2, 1 and 4 in flight."""
+    if _MOONCAKE_MISSING:
+        pytest.skip(_MOONCAKE_MISSING)
+    out = tmp_path_factory.mktemp("bench")
+    argv = ["--sizes", "64x256", "--fanouts", "1,2", "--inflight", "1,4", "--items", "12",
+            "--deadline", "30", "--timeout", "120", "--json", str(out / "rows.json")]
+    if _MATPLOTLIB:
+        argv += ["--plot", str(out / "plot.png")]
+    stdout = io.StringIO()
+    import contextlib
+
+    with contextlib.redirect_stdout(stdout):
+        rc = bench.main(_args(*argv))
+    return rc, stdout.getvalue(), out
+
+
+@pytest.mark.live
+def test_tiny_bench_writes_sane_rows(tiny_run):
+    rc, stdout, out = tiny_run
+    assert rc == 0, stdout
+    with open(out / "rows.json") as fh:
+        rows = json.load(fh)
+    wire = bench.wire_available() is None
+    transfer_rows = 2 * 2 * (1 + 2 + (2 if wire else 0))
+    assert len(rows) == transfer_rows + 1  # + one memcpy row
+    for row in rows:
+        assert set(bench.ROW_KEYS) <= set(row), row
+        assert row["item_bytes"] == 64 * 256 * 2
+        assert row["gbps"] > 0 and row["rooms_per_s"] > 0, row
+        assert row["ratio_to_raw"] is not None and row["ratio_to_raw"] > 0, row
+        assert row["p99_ms"] >= row["p50_ms"] > 0, row
+        assert row["verified"] is True and row["failed"] == 0, row
+    cells = {(r["path"], r["fanout"], r["inflight"], r["integrity"]) for r in rows if r["path"] != "memcpy"}
+    for fanout in (1, 2):
+        for inflight in (1, 4):
+            assert ("raw", fanout, inflight, False) in cells
+            assert ("epd", fanout, inflight, True) in cells and ("epd", fanout, inflight, False) in cells
+            if wire:
+                assert ("wire", fanout, inflight, True) in cells
+    raw = [r for r in rows if r["path"] == "raw"]
+    assert all(r["ratio_to_raw"] == 1.0 for r in raw)
+
+
+@pytest.mark.live
+def test_tiny_bench_prints_the_table(tiny_run):
+    rc, stdout, _ = tiny_run
+    lines = stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("path"))
+    assert "GB/s" in lines[header] and "ratio" in lines[header]
+    paths = [line.split()[0] for line in lines[header + 1:] if line and not line.startswith(("note", "!"))]
+    assert {"raw", "epd", "memcpy"} <= set(paths)
+    if bench.wire_available() is not None:
+        assert any(line.startswith("note: wire: skipped") for line in lines)
+
+
+@pytest.mark.live
+@pytest.mark.skipif(not _MATPLOTLIB, reason="matplotlib is not installed (pip install 'epd-transfer[plot]')")
+def test_tiny_bench_draws_a_png(tiny_run):
+    _, _, out = tiny_run
+    with open(out / "plot.png", "rb") as fh:
+        head = fh.read(8)
+    assert head == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(out / "plot.png") > 5000
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path, capsys):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    monkeypatch.setattr(bench.importlib, "import_module", lambda name: no_matplotlib(name))
+    rc = bench.main(_args("--paths", "memcpy", "--plot", str(tmp_path / "p.png")))
+    assert rc == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()
