@@ -12,6 +12,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import secrets
 import signal
 import socket
 import struct
@@ -27,6 +28,10 @@ import pytest
 from transfer.harness import SENTINEL
 
 HOST = "127.0.0.1"
+#: The bootstrap token of the tests' servers: on a shared host, an encode rank of another
+#: deployment still retrying its PUT against a port our server reused must not take over
+#: our routes.
+TOKEN = secrets.token_hex(8)
 DTYPE = "torch.bfloat16"
 #: How long a command to a rank process may take before the test fails.
 COMMAND_TIMEOUT_S = 30.0
@@ -393,9 +398,16 @@ class RankProcess:
         self.close()
 
 
+def bootstrap_server(token: str | None = TOKEN):
+    """A BootstrapServer on an ephemeral loopback port, guarded by the tests' token."""
+    from transfer.bootstrap import BootstrapServer
+
+    return BootstrapServer(HOST, 0, token=token)
+
+
 def encode_process(bootstrap: str, **cfg: Any) -> RankProcess:
     """An encode rank process registered with `bootstrap` (cfg: rank, tp, dp, token, bootstrap_timeout_s, ...)."""
-    return RankProcess(_encode_main, {"bootstrap": bootstrap, **cfg})
+    return RankProcess(_encode_main, {"bootstrap": bootstrap, "token": TOKEN, **cfg})
 
 
 def prefill_process(bootstrap: str, **cfg: Any) -> RankProcess:

@@ -4,6 +4,7 @@ tiny live run (raw, epd with and without integrity, wire when present, memcpy) c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -161,12 +162,10 @@ def tiny_run(tmp_path_factory):
             "--deadline", "30", "--timeout", "120", "--json", str(out / "rows.json")]
     if _MATPLOTLIB:
         argv += ["--plot", str(out / "plot.png")]
-    stdout = io.StringIO()
-    import contextlib
-
-    with contextlib.redirect_stdout(stdout):
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         rc = bench.main(_args(*argv))
-    return rc, stdout.getvalue(), out
+    return rc, stdout.getvalue() + stderr.getvalue(), out
 
 
 @pytest.mark.live

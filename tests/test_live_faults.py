@@ -16,6 +16,8 @@ import time
 import pytest
 
 from live_helpers import (
+    TOKEN,
+    bootstrap_server,
     DTYPE,
     HOST,
     LIVE,
@@ -49,7 +51,7 @@ def rooms(n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def bootstrap():
-    with BootstrapServer(HOST, 0) as server:
+    with bootstrap_server() as server:
         yield server
 
 
@@ -131,7 +133,7 @@ def test_geometry_mismatch_fails_every_receiver_and_writes_nothing(bootstrap, en
 
 def test_receiver_that_never_asks_fails_the_room_after_the_bootstrap_timeout(engines):
     lonely, *good = rooms(3)
-    with BootstrapServer(HOST, 0) as server, encode_process(server.address, bootstrap_timeout_s=2.0) as encode:
+    with bootstrap_server() as server, encode_process(server.address, bootstrap_timeout_s=2.0) as encode:
         with Receiver(engines[0], 0, 2, fanout=2) as r0, Receiver(engines[1], 1, 2, fanout=2) as r1:
             r0.ask(lonely, server.address, SPAN)  # rank 1 never asks for it
             for room in good:
@@ -161,7 +163,7 @@ def test_receiver_that_never_asks_fails_the_room_after_the_bootstrap_timeout(eng
 
 def test_encode_killed_mid_stream_fails_rooms_by_their_deadline(engines):
     done, cut = rooms(4), rooms(6)
-    with BootstrapServer(HOST, 0) as server:
+    with bootstrap_server() as server:
         encode = encode_process(server.address)
         try:
             port = encode.info["port"]
@@ -192,7 +194,7 @@ def test_encode_killed_mid_stream_fails_rooms_by_their_deadline(engines):
 
 def test_prefill_killed_mid_stream_never_stalls_the_sender(engines):
     warmup, doomed, survivors = rooms(4), rooms(200), rooms(60)
-    with BootstrapServer(HOST, 0) as server, encode_process(server.address) as encode:
+    with bootstrap_server() as server, encode_process(server.address) as encode:
         victim = prefill_process(server.address, span=SPAN, hidden=HIDDEN, slots=len(warmup) + len(doomed))
         try:
             victim.call("ask", warmup)
@@ -351,13 +353,13 @@ def _unreachable() -> str:
 @pytest.mark.parametrize("case", ["unreachable", "no-encode-rank", "no-route"])
 def test_bootstrap_failure_fails_the_room_fast_without_raising(engines, case):
     room = rooms(1)[0]
-    with BootstrapServer(HOST, 0) as server:
+    with bootstrap_server() as server:
         address, tp, rank, needle = server.address, 1, 0, "incomplete parallel info"
         if case == "unreachable":
             address, needle = _unreachable(), "unreachable"
         elif case == "no-route":
             # Two encode ranks announced, only rank 0 registered: prefill rank 1 pairs with rank 1.
-            BootstrapClient(server.address).register_rank(2, 1, HOST, free_port(), 0, retry_for=2.0)
+            BootstrapClient(server.address, token=TOKEN).register_rank(2, 1, HOST, free_port(), 0, retry_for=2.0)
             tp, rank, needle = 2, 1, "no route for encode rank 1"
         with Receiver(engines[0], rank, tp, fanout=1) as r:
             started = time.monotonic()

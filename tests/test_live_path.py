@@ -19,6 +19,8 @@ import urllib.request
 import pytest
 
 from live_helpers import (
+    TOKEN,
+    bootstrap_server,
     DTYPE,
     HOST,
     LIVE,
@@ -26,7 +28,7 @@ from live_helpers import (
     encode_process,
     item_bytes,
 )
-from transfer.bootstrap import BootstrapClient, BootstrapServer
+from transfer.bootstrap import BootstrapClient
 from transfer.engine import rdma_device_names
 from transfer.frames import dtype_size, shard_rows
 from transfer.harness import Scenario, run
@@ -64,9 +66,11 @@ def scenario(**kw) -> Scenario:
     """Small items and short bounds: the suite runs on two cores.
 
     Rooms start at a random number: a rank of another deployment on this host whose
-    encode port was reused (ZMQ reconnects by itself) must not ask for our rooms.
+    encode port was reused (ZMQ reconnects by itself) must not ask for our rooms. The
+    token keeps another deployment's encode rank, still retrying its PUT against a port
+    our bootstrap server reused, from replacing our routes.
     """
-    base = dict(first_room=random.randrange(1 << 20, 1 << 40), items=12, span=16, hidden=128, inflight=6,
+    base = dict(first_room=random.randrange(1 << 20, 1 << 40), token=TOKEN, items=12, span=16, hidden=128, inflight=6,
                 deadline_s=20.0, bootstrap_timeout_s=20.0, timeout_s=120.0, protocol="tcp")
     base.update(kw)
     return Scenario(**base)
@@ -129,13 +133,13 @@ def test_prefill_frames_match_the_spec_layouts(engine):
     from transfer.receiver import SessionManager
 
     span, hidden, k = 8, 64, 2
-    with BootstrapServer(HOST, 0) as server:
+    with bootstrap_server() as server:
         ctx = zmq.Context.instance()
         stand_in = ctx.socket(zmq.PULL)  # plays encode rank 0
         stand_in.setsockopt(zmq.LINGER, 0)
         port = stand_in.bind_to_random_port(f"tcp://{HOST}")
         try:
-            BootstrapClient(server.address).register_rank(1, 1, HOST, port, 0, retry_for=2.0)
+            BootstrapClient(server.address, token=TOKEN).register_rank(1, 1, HOST, port, 0, retry_for=2.0)
             buf = torch.empty((2, span, hidden), dtype=torch.bfloat16)
             ds = torch.empty((2, span, hidden * k), dtype=torch.bfloat16)
             # Prefill tp 2 against encode tp 1: fanout 2, this is rank 1 of the block.
@@ -194,7 +198,7 @@ def test_prefill_frames_match_the_spec_layouts(engine):
 
 @pytest.fixture(scope="module")
 def encoder():
-    with BootstrapServer(HOST, 0) as server, encode_process(server.address) as rank:
+    with bootstrap_server() as server, encode_process(server.address) as rank:
         rank.bootstrap = server.address
         yield rank
 

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from live_helpers import (
+    bootstrap_server,
     HOST,
     LIVE,
     Receiver,
@@ -22,7 +23,6 @@ from live_helpers import (
     epd_threads,
     port_rebindable,
 )
-from transfer.bootstrap import BootstrapServer
 from transfer.receiver import ENCODE_FAILED
 from transfer.status import TransferPoll
 
@@ -47,7 +47,7 @@ def engines():
 def test_concluded_and_cleared_rooms_leave_no_state(engines):
     good, bad, unsent, unasked = rooms(24), rooms(3), rooms(2), rooms(2)
     before = [dict(e.registered()) for e in engines]
-    with BootstrapServer(HOST, 0) as server, encode_process(server.address, bootstrap_timeout_s=1.5) as encode:
+    with bootstrap_server() as server, encode_process(server.address, bootstrap_timeout_s=1.5) as encode:
         with Receiver(engines[0], 0, 2, fanout=2, slots=32) as r0, Receiver(engines[1], 1, 2, fanout=2, slots=32) as r1:
             for room in good + bad + unsent:
                 r0.ask(room, server.address, SPAN)
@@ -84,7 +84,7 @@ def test_both_sides_close_cleanly(engines):
     done, stuck = rooms(2), rooms(1)
     before = dict(engines[0].registered())
     threads = epd_threads()
-    with BootstrapServer(HOST, 0) as server:
+    with bootstrap_server() as server:
         encode = encode_process(server.address)
         try:
             r = Receiver(engines[0], 0, 1, fanout=1)
@@ -135,7 +135,7 @@ def test_one_zmq_context_per_process(engines):
 
     room = rooms(1)[0]
     assert _io.context() is zmq.Context.instance()
-    with BootstrapServer(HOST, 0) as server, encode_process(server.address) as encode:
+    with bootstrap_server() as server, encode_process(server.address) as encode:
         with Receiver(engines[0], 0, 1, fanout=1) as r:
             r.ask(room, server.address, SPAN)
             encode.call("send", [room], SPAN, HIDDEN)

@@ -166,3 +166,24 @@ def test_room_table_thread_safety_smoke():
         else:
             assert table.get(room) is P.Success
             assert table.reason(room) is None
+
+
+def test_waker_never_loses_a_wake_up_racing_with_drain():
+    """A wake() landing between drain()'s steps must still leave the pipe readable later."""
+    import select
+
+    from transfer._io import Waker
+
+    waker = Waker()
+    try:
+        for _ in range(1000):
+            waker.wake()
+            waker.drain()
+            waker.wake()  # a wake-up after the drain must be seen
+            readable, _, _ = select.select([waker.fileno()], [], [], 0)
+            assert readable == [waker.fileno()]
+            waker.drain()
+            readable, _, _ = select.select([waker.fileno()], [], [], 0)
+            assert readable == []
+    finally:
+        waker.close()

@@ -56,13 +56,17 @@ class Waker:
                 pass
 
     def drain(self) -> None:
-        """Consumes the pending wake-up; call before looking at the work queue."""
-        self._armed.clear()
+        """Consumes the pending wake-up; call before looking at the work queue.
+
+        The pipe is emptied before the flag is cleared: the other order lets a wake()
+        in between lose its byte while leaving the flag set, silencing every later wake().
+        """
         try:
             while os.read(self._r, 512):
                 pass
         except BlockingIOError:
             pass
+        self._armed.clear()
 
     def close(self) -> None:
         """Closes both ends."""

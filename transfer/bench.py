@@ -91,7 +91,8 @@ class Options:
     min_items: int = 16
     protocol: str = "tcp"
     host: str = "127.0.0.1"
-    writers: int = 2
+    writers: int | None = None  # None: the sender pool's default
+    depth: int | None = None  # async batches in flight per sender writer; None: its default
     raw_issue: str = "async"
     raw_writers: int = 2
     timeout_s: float = 300.0
@@ -249,7 +250,9 @@ class _Worker:
         except queue_mod.Empty:
             raise TimeoutError(f"{self.role} {self.rank}: no {what!r} from the bench within "
                                f"{self.setup['timeout_s']:g}s") from None
-        if msg is None or msg[0] != what:
+        if msg is None or msg[0] == "stop":
+            raise _Stop()
+        if msg[0] != what:
             raise RuntimeError(f"{self.role} {self.rank}: expected {what!r}, got {msg!r}")
         return msg[1]
 
@@ -258,6 +261,10 @@ class _Worker:
         for engine in self.engines.values():
             engine.close()
         self.engines.clear()
+
+
+class _Stop(Exception):
+    """The bench told this rank process to stop."""
 
 
 def _worker_main(role: str, rank: int, setup: dict, cmd_q, res_q) -> None:
@@ -276,10 +283,14 @@ def _worker_main(role: str, rank: int, setup: dict, cmd_q, res_q) -> None:
             msg = cmd_q.get()
             if msg is None or msg[0] == "stop":
                 break
+            if msg[0] != "cell":
+                continue  # a leftover of a cell that failed elsewhere
             cell = msg[1]
             try:
                 body = _BODIES[(role, "raw" if cell.path == "raw" else "epd")]
                 res_q.put(("report", role, rank, body(worker, cell, msg[2])))
+            except _Stop:
+                break
             except BaseException:  # noqa: BLE001 - the parent must hear about it
                 res_q.put(("error", role, rank, traceback.format_exc()))
     except BaseException:  # noqa: BLE001
@@ -304,9 +315,10 @@ def _raw_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
     report: dict[str, Any] = {"latencies": [], "failed": []}
     base = source.pool.data_ptr()
 
-    def batches(index: int, room: int) -> list[tuple[str, int, int, int]]:
-        """(session, src, dst, length) of room's shard for every receiver."""
+    def batches(room: int) -> list[tuple[str, int, int, int]]:
+        """(session, src, dst, length) of room's shard for every receiver (room i lands in slot i % slots)."""
         first = source.offset(room, cell.span)
+        index = room
         slot = index % cell.slots
         return [(r["session"], base + (first + r["row_start"]) * cell.row_bytes, r["addr"] + slot * r["stride"],
                  r["rows"] * cell.row_bytes) for r in receivers if r["rows"]]
@@ -340,7 +352,7 @@ def _raw_async(engine, cell: Cell, batches, report: dict) -> None:
 
     for index in range(cell.items):
         started = time.monotonic()
-        ids = [engine.write_async(session, [src], [dst], [length]) for session, src, dst, length in batches(index, index)]
+        ids = [engine.write_async(session, [src], [dst], [length]) for session, src, dst, length in batches(index)]
         window.append((index, ids, started))
         if len(window) >= cell.inflight:
             settle(window.popleft())
@@ -380,7 +392,7 @@ def _raw_sync(engine, cell: Cell, batches, writers: int, report: dict) -> None:
         thread.start()
     for index in range(cell.items):
         window.acquire()
-        shards = batches(index, index)
+        shards = batches(index)
         with lock:
             pending[index] = [len(shards), time.monotonic(), None]
         for session, src, dst, length in shards:
@@ -417,8 +429,9 @@ def _epd_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
     engine = worker.engine(protocol)
     source = worker.source(cell, protocol)
     report: dict[str, Any] = {"failed": []}
+    knobs = {k: extra[k] for k in ("writers", "depth") if extra.get(k) is not None}
     with SenderPool(engine, 0, 1, 1, extra["bootstrap"], host=worker.setup["host"], integrity=cell.integrity,
-                    writers=extra["writers"], bootstrap_timeout_s=extra["deadline_s"]) as pool:
+                    bootstrap_timeout_s=extra["deadline_s"], **knobs) as pool:
         worker.ready()
         worker.go()
         report["t_start"] = time.time()
@@ -527,14 +540,23 @@ class RankSet:
 
     def __init__(self, opts: Options, prefill: int, arena_bytes: list[int]) -> None:
         self.opts = opts
-        ctx = mp.get_context("spawn")
-        self.res_q = ctx.Queue()
+        self._ctx = mp.get_context("spawn")
+        self.res_q = self._ctx.Queue()
         self._tmp = None if opts.log_dir else tempfile.TemporaryDirectory(prefix="epd-bench-")
         self.log_dir = opts.log_dir or self._tmp.name
         os.makedirs(self.log_dir, exist_ok=True)
         self.procs: dict[tuple[str, int], Any] = {}
         self.cmd_qs: dict[tuple[str, int], Any] = {}
         ranks = [("encode", 0, 0)] + [("prefill", r, arena_bytes[r]) for r in range(prefill)]
+        try:
+            self._start(ranks)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, ranks: list[tuple[str, int, int]]) -> None:
+        """Spawns the rank processes and waits until each has started."""
+        ctx, opts = self._ctx, self.opts
         for role, rank, arena in ranks:
             setup = {"host": opts.host, "arena_bytes": arena, "timeout_s": opts.timeout_s,
                      "log_path": os.path.join(self.log_dir, f"bench-{role}-{rank}.log")}
@@ -552,7 +574,7 @@ class RankSet:
 
         members = [("encode", 0)] + [("prefill", r) for r in range(cell.fanout)]
         extra = {"protocol": self.opts.protocol, "writers": self.opts.writers, "raw_issue": self.opts.raw_issue,
-                 "raw_writers": self.opts.raw_writers, "deadline_s": self.opts.deadline_s}
+                 "raw_writers": self.opts.raw_writers, "deadline_s": self.opts.deadline_s, "depth": self.opts.depth}
         server = BootstrapServer(self.opts.host, 0) if cell.path != "raw" else None
         try:
             if server is not None:
@@ -607,9 +629,10 @@ class RankSet:
         """Stop every rank process (bounded), then drop the temporary logs."""
         for key, cmd_q in self.cmd_qs.items():
             if self.procs[key].is_alive():
-                cmd_q.put(None)
+                cmd_q.put(("stop", None))
+        deadline = time.monotonic() + 15
         for proc in self.procs.values():
-            proc.join(timeout=15)
+            proc.join(timeout=max(0.1, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
@@ -857,7 +880,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--protocol", default="tcp", choices=["tcp", "rdma", "auto"],
                         help="Mooncake protocol of the raw and epd paths")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--writers", type=int, default=2, help="writer threads of the epd sender pool")
+    parser.add_argument("--writers", type=int, default=None, help="writer threads of the epd sender pool (default: its own)")
+    parser.add_argument("--depth", type=int, default=None,
+                        help="async batches in flight per sender writer (default: the pool's own)")
     parser.add_argument("--raw-issue", choices=["async", "sync"], default="async",
                         help="raw writes: write_async + wait (async) or sync writes from --raw-writers threads")
     parser.add_argument("--raw-writers", type=int, default=2, help="threads for --raw-issue sync")
@@ -882,7 +907,7 @@ def options_from(args: argparse.Namespace) -> Options:
     opts.items = args.items
     opts.cell_bytes = (args.cell_mib or (64 if quick else 256)) * MiB
     opts.min_items = args.min_items or (8 if quick else opts.min_items)
-    for name in ("dtype", "protocol", "host", "writers", "raw_issue", "raw_writers", "log_dir"):
+    for name in ("dtype", "protocol", "host", "writers", "depth", "raw_issue", "raw_writers", "log_dir"):
         setattr(opts, name, getattr(args, name))
     opts.timeout_s = args.timeout
     opts.deadline_s = args.deadline
@@ -900,9 +925,14 @@ def main(args: argparse.Namespace) -> int:
                   "(or: pip install 'epd-transfer[plot]')", file=sys.stderr)
             return 2
     notes: list[str] = []
-    rows = measure(opts, notes=notes)
-    print(f"epd-transfer bench: protocol {opts.protocol} on {opts.host}, {opts.writers} sender writers, "
-          f"raw issue {opts.raw_issue}")
+    try:
+        rows = measure(opts, notes=notes)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"epd-transfer bench: {exc}", file=sys.stderr)
+        return 1
+    pool = ", ".join(f"{k} {v}" for k, v in (("writers", opts.writers), ("depth", opts.depth)) if v is not None)
+    print(f"epd-transfer bench: protocol {opts.protocol} on {opts.host}, sender pool "
+          f"{pool or 'defaults'}, raw issue {opts.raw_issue}")
     print(format_table(rows))
     for note in notes:
         print(f"note: {note}")
