@@ -168,22 +168,36 @@ def test_room_table_thread_safety_smoke():
             assert table.reason(room) is None
 
 
-def test_waker_never_loses_a_wake_up_racing_with_drain():
-    """A wake() landing between drain()'s steps must still leave the pipe readable later."""
+def test_waker_never_loses_a_wake_up_racing_with_drain(monkeypatch):
+    """A wake() that lands while drain() runs must not silence every later wake().
+
+    The race is forced deterministically: the first read inside drain() lets another
+    wake() in before it reads. With the flag cleared before the pipe is emptied, that
+    wake-up's byte is swallowed while the flag stays set, and the loop sleeps forever.
+    """
+    import os
     import select
 
-    from transfer._io import Waker
+    from transfer import _io
 
-    waker = Waker()
+    waker = _io.Waker()
+    real_read = os.read
+    raced = []
+
+    def read_after_a_racing_wake(fd, n):
+        if not raced:
+            raced.append(True)
+            waker.wake()  # another thread queues work and wakes the loop right now
+        return real_read(fd, n)
+
     try:
-        for _ in range(1000):
-            waker.wake()
-            waker.drain()
-            waker.wake()  # a wake-up after the drain must be seen
-            readable, _, _ = select.select([waker.fileno()], [], [], 0)
-            assert readable == [waker.fileno()]
-            waker.drain()
-            readable, _, _ = select.select([waker.fileno()], [], [], 0)
-            assert readable == []
+        waker.wake()
+        monkeypatch.setattr(_io.os, "read", read_after_a_racing_wake)
+        waker.drain()
+        monkeypatch.setattr(_io.os, "read", real_read)
+        assert raced
+        waker.wake()  # the next piece of work must still wake the loop
+        readable, _, _ = select.select([waker.fileno()], [], [], 0.5)
+        assert readable == [waker.fileno()]
     finally:
         waker.close()
