@@ -38,7 +38,7 @@ class Scenario:
     protocol: str = "auto"
     host: str = "127.0.0.1"
     integrity: bool = True
-    writers: int = 2
+    writers: int = 1  # pipelined writer threads per encode rank (each keeps `depth` batches in flight)
     deadline_s: float = 60.0
     bootstrap_timeout_s: float = 60.0
     first_room: int = 0

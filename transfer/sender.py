@@ -140,7 +140,7 @@ class SenderPool:
         register_timeout_s: float = 30.0,
         integrity: bool = True,
         writers: int = 1,
-        depth: int = 8,
+        depth: int = 32,
         metrics: Metrics | None = None,
     ) -> None:
         if tp_size % dp_size:
