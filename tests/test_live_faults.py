@@ -26,6 +26,7 @@ from live_helpers import (
     encode_process,
     epd_threads,
     free_port,
+    item_bytes,
     junk_pusher,
     pointer,
     prefill_process,
@@ -410,8 +411,7 @@ def test_destination_outside_the_announced_region_is_refused(bootstrap, encoder)
 
 
 def _item(room: int):
-    from live_helpers import item_bytes
-
+    """Room's item bytes, as the encode process sends them."""
     return item_bytes(room, ITEM)
 
 
