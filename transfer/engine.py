@@ -12,8 +12,10 @@ transfer_engine_py.cpp in kvcache-ai/Mooncake):
   short (no network I/O) and happen once per buffer, so that is acceptable.
 - A sync write blocks for at most Mooncake's transfer timeout
   (`MC_TRANSFER_TIMEOUT` seconds, default 30, minimum 5, plus 1 ns per byte).
-- `get_batch_transfer_status` takes no timeout of its own: it spins until
-  every batch completes, fails, or passes that same transfer timeout.
+- `get_batch_transfer_status` takes no timeout of its own and spins a core until
+  every batch completes, fails, or passes that same transfer timeout. On two cores
+  that spinning thread starves the transport, so `wait()` polls the non-blocking
+  `transfer_check_status` with a short, growing sleep instead.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 log = logging.getLogger(__name__)
@@ -33,6 +37,22 @@ PROTOCOLS = ("rdma", "tcp")
 # Mooncake's async API answers these batch ids when submission failed (0 in the
 # current wheels, -1 cast to u64 in older sources).
 _BAD_BATCH_IDS = (0, (1 << 64) - 1)
+
+#: wait()'s sleep between polls grows from POLL_MIN_S to POLL_MAX_S.
+POLL_MIN_S = 20e-6
+POLL_MAX_S = 1e-3
+
+
+@dataclass
+class _Pending:
+    """An async write: its batches not yet settled, and what to say if it failed."""
+
+    session_id: str
+    dsts: list[int]
+    lens: list[int]
+    batches: list[int] = field(default_factory=list)
+    error: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one poller at a time per batch
 
 
 class EngineUnavailable(RuntimeError):
@@ -130,6 +150,8 @@ class Engine:
         self._regions: dict[int, int] = {}
         self._owners: dict[int, Any] = {}  # keeps registered tensors alive
         self._in_flight = 0
+        self._pending: dict[int, _Pending] = {}  # write_async tickets not yet settled
+        self._next_ticket = 0
         self._closed = False
         self._te = mooncake_engine.TransferEngine()
         rc = self._te.initialize(hostname, metadata, self.protocol, device_name)
@@ -188,69 +210,76 @@ class Engine:
 
     def write(self, session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
               lengths: Sequence[int]) -> None:
-        """Write every (src, dst, length) to the peer session in one batch; blocks, GIL released."""
-        batch = self._batch(session_id, src_addrs, dst_addrs, lengths)
-        if batch is None:
-            return
-        srcs, dsts, lens = batch
-        self._enter()
-        try:
-            rc = self._te.batch_transfer_sync_write(session_id, srcs, dsts, lens)
-        finally:
-            self._leave()
-        if rc != 0:
-            raise TransferError(self._describe_failure("write", session_id, dsts, lens, rc))
+        """Write every (src, dst, length) to the peer session and wait for it, without spinning a core."""
+        self.wait(self.write_async(session_id, src_addrs, dst_addrs, lengths))
 
     def write_async(self, session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
                     lengths: Sequence[int]) -> int:
-        """Submit the batch without waiting; returns a batch id for wait() (0: nothing to write)."""
+        """Submit the buffers without waiting; returns a ticket for poll()/wait() (0: nothing to write).
+
+        Each buffer becomes a batch of its own, because Mooncake's non-blocking status
+        call looks at a batch's first task only.
+        """
         batch = self._batch(session_id, src_addrs, dst_addrs, lengths)
         if batch is None:
             return 0
         srcs, dsts, lens = batch
-        self._enter()
-        try:
-            batch_id = int(self._te.batch_transfer_async_write(session_id, srcs, dsts, lens))
-        finally:
-            self._leave()
-        if batch_id in _BAD_BATCH_IDS:
-            raise TransferError(self._describe_failure("async write submit", session_id,
-                                                       dsts, lens, batch_id))
-        return batch_id
+        pending = _Pending(session_id, dsts, lens)
+        for src, dst, length in zip(srcs, dsts, lens):
+            batch_id = int(self._te.batch_transfer_async_write(session_id, [src], [dst], [length]))
+            if batch_id in _BAD_BATCH_IDS:
+                pending.error = self._describe_failure("write", session_id, dsts, lens, batch_id) + "; submit refused"
+                break
+            pending.batches.append(batch_id)
+        if pending.error is not None and not pending.batches:
+            raise TransferError(pending.error)  # nothing in flight: fail at once
+        with self._lock:
+            ticket = self._next_ticket = self._next_ticket + 1
+            self._pending[ticket] = pending
+        return ticket
 
-    def wait(self, batch_id: int, timeout_s: float | None = None) -> None:
-        """Block until the batch from write_async completes; TransferError if it fails.
+    def poll(self, ticket: int) -> bool:
+        """Whether the write behind `ticket` is over, without blocking; TransferError if it failed.
 
-        Mooncake's status call has no timeout argument: it returns when the batch
-        completes, fails or passes MC_TRANSFER_TIMEOUT. With timeout_s the call
-        runs on a helper thread; if it has not returned in time we raise, and the
-        helper finishes (and frees the batch) in the background; close() waits
-        for it before releasing the engine.
+        A failed ticket raises only once every buffer it submitted has settled, so the
+        caller never reuses memory that Mooncake may still be reading.
         """
-        if batch_id == 0:
-            return
-        outcome: dict[str, int] = {}
-        self._enter()
+        if ticket == 0:
+            return True
+        with self._lock:
+            pending = self._pending.get(ticket)
+        if pending is None:
+            raise TransferError(f"unknown write ticket {ticket} on {self.session_id}")
+        with pending.lock:
+            while pending.batches:
+                rc = int(self._te.transfer_check_status(pending.batches[0]))
+                if rc == 0:
+                    return False
+                pending.batches.pop(0)  # Mooncake freed (or timed out) that batch
+                if rc < 0 and pending.error is None:
+                    pending.error = self._describe_failure("write", pending.session_id, pending.dsts, pending.lens, rc)
+                    if rc == -2:
+                        pending.error += "; Mooncake's transfer timeout (MC_TRANSFER_TIMEOUT) passed"
+        with self._lock:
+            self._pending.pop(ticket, None)
+            self._lock.notify_all()
+        if pending.error is not None:
+            raise TransferError(pending.error)
+        return True
 
-        def status() -> None:
-            """Ask Mooncake for the batch's fate (GIL released inside)."""
-            try:
-                outcome["rc"] = int(self._te.get_batch_transfer_status([batch_id]))
-            finally:
-                self._leave()
+    def wait(self, ticket: int, timeout_s: float | None = None) -> None:
+        """Blocks until the write behind `ticket` is over, sleeping between polls (no spinning).
 
-        if timeout_s is None:
-            status()
-        else:
-            helper = threading.Thread(target=status, name=f"mooncake-wait-{batch_id:x}", daemon=True)
-            helper.start()
-            helper.join(timeout_s)
-            if helper.is_alive():
-                raise TransferError(f"batch 0x{batch_id:x} on {self.session_id} still in flight "
-                                    f"after {timeout_s}s")
-        rc = outcome.get("rc", -1)
-        if rc != 0:
-            raise TransferError(f"batch 0x{batch_id:x} on {self.session_id} failed (rc={rc})")
+        Bounded by `timeout_s` when given, and always by Mooncake's transfer timeout
+        (MC_TRANSFER_TIMEOUT), after which the batch reports failure.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        delay = POLL_MIN_S
+        while not self.poll(ticket):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TransferError(f"write ticket {ticket} on {self.session_id} still in flight after {timeout_s}s")
+            time.sleep(delay)
+            delay = min(delay * 2, POLL_MAX_S)
 
     def _batch(self, session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
                lengths: Sequence[int]) -> tuple[list[int], list[int], list[int]] | None:
@@ -320,6 +349,14 @@ class Engine:
             # Writes are bounded by Mooncake's transfer timeout, so this wait is too.
             while self._in_flight:
                 self._lock.wait()
+            tickets = list(self._pending)
+        # Nobody may be polling abandoned tickets: settle them here before the memory goes.
+        for ticket in tickets:
+            try:
+                self.wait(ticket)
+            except TransferError as exc:
+                log.warning("closing %s: %s", self.session_id, exc)
+        with self._lock:
             for addr in list(self._regions):
                 rc = self._te.unregister_memory(addr)
                 if rc != 0:

@@ -37,6 +37,10 @@ from transfer.status import RoomTable, TransferPoll, is_terminal
 
 log = logging.getLogger("transfer.sender")
 
+#: The writer polls completions with a sleep growing from POLL_MIN_S to POLL_MAX_S.
+POLL_MIN_S = 20e-6
+POLL_MAX_S = 1e-3
+
 #: Regions remembered per prefill session (a main buffer plus per-item fallbacks).
 MAX_REGIONS_PER_SESSION = 64
 
@@ -406,18 +410,27 @@ class SenderPool:
     # --------------------------------------------------------------- writers
 
     def _write_loop(self) -> None:
-        """Keeps up to `depth` receivers' writes in flight with Mooncake's async batches.
+        """Keeps up to `depth` receivers' writes in flight and settles them as they complete.
 
-        On two cores, one thread overlapping several submitted batches beats several
-        threads each spinning in a synchronous write (measured: 1.3 vs 0.8 GB/s for
-        8 MiB shards, 0.8 vs 0.25 GB/s for 128 KiB shards on loopback tcp).
+        Measured on two cores: one thread overlapping many submitted batches beats
+        several threads each blocked in a synchronous write, and polling completions
+        with a short sleep beats Mooncake's own wait, which spins a whole core.
+        Waiting for the next job doubles as that sleep, so new work starts at once.
         """
-        in_flight: deque[_Write] = deque()
+        in_flight: list[_Write] = []
         stopping = False
+        delay = POLL_MIN_S
         while not (stopping and not in_flight):
+            waited = False
             while not stopping and len(in_flight) < self.depth:
                 try:
-                    job = self._jobs.get(block=not in_flight)
+                    if not in_flight:
+                        job = self._jobs.get()  # idle: sleep until there is work
+                    elif not waited:
+                        waited = True
+                        job = self._jobs.get(timeout=delay)  # busy: the back-off between polls
+                    else:
+                        job = self._jobs.get_nowait()
                 except queue.Empty:
                     break
                 if job is None:
@@ -426,8 +439,14 @@ class SenderPool:
                 write = self._start_write(*job)
                 if write is not None:
                     in_flight.append(write)
-            if in_flight:
-                self._finish_write(in_flight.popleft())
+            if in_flight and not waited and len(in_flight) >= self.depth:
+                time.sleep(delay)
+            done = [write for write in in_flight if self._settled(write)]
+            if done:
+                delay = POLL_MIN_S
+                in_flight = [write for write in in_flight if write not in done]
+            else:
+                delay = min(2 * delay, POLL_MAX_S)
 
     def _start_write(self, item: _Item, info: TransferInfo) -> _Write | None:
         """Submits one receiver's shard (embedding and deepstack in one batch) without waiting."""
@@ -471,20 +490,25 @@ class SenderPool:
             return 0
         return write_async(session_id, srcs, dsts, lengths)
 
-    def _finish_write(self, write: _Write) -> None:
-        """Waits for a submitted batch (bounded by Mooncake's MC_TRANSFER_TIMEOUT) and pushes the status."""
+    def _settled(self, write: _Write) -> bool:
+        """Whether the write is over; if so, pushes its receiver's status (or fails the room)."""
         item, info = write.item, write.info
         try:
             if write.batch:
-                self.engine.wait(write.batch)
+                poll = getattr(self.engine, "poll", None)
+                if poll is None:
+                    self.engine.wait(write.batch)
+                elif not poll(write.batch):
+                    return False
         except Exception as exc:  # noqa: BLE001 - any failure concludes the room
             self._dead_sessions[info.session_id] = time.monotonic()
             self._fail(item, f"write to {info.session_id} (room {item.room}) failed: {exc}")
-            return
+            return True
         self.metrics.inc("bytes_written_total", write.nbytes)
         if not item.failed:
             self._push_status(info, TransferPoll.Success, write.sums)
         self._receiver_done(item, info)
+        return True
 
     def _receiver_done(self, item: _Item, info: TransferInfo) -> None:
         with self._lock:
