@@ -26,8 +26,18 @@ class CorruptingEngine:
             self._batches[batch] = (session_id, dsts[0], self._targets[srcs[0]])
         return batch
 
+    def poll(self, batch):
+        done = self._engine.poll(batch)
+        if done:
+            self._corrupt(batch)
+        return done
+
     def wait(self, batch, timeout_s=None):
         self._engine.wait(batch, timeout_s)
+        self._corrupt(batch)
+
+    def _corrupt(self, batch):
+        """Once the shard landed, overwrite its first byte with a second real write."""
         hit = self._batches.pop(batch, None)
         if hit is not None:
             session_id, dst, byte = hit
