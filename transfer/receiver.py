@@ -395,6 +395,7 @@ class SessionManager:
         state.done.set()
 
     def _run(self) -> None:
+        _io.name_this_thread(f"epd-pre{self.engine_rank}-io")
         poller = zmq.Poller()
         poller.register(self._status_sock, zmq.POLLIN)
         poller.register(self._waker.fileno(), zmq.POLLIN)

@@ -38,7 +38,7 @@ from transfer.status import RoomTable, TransferPoll, is_terminal
 log = logging.getLogger("transfer.sender")
 
 #: The writer polls completions with a sleep growing from POLL_MIN_S to POLL_MAX_S.
-POLL_MIN_S = 20e-6
+POLL_MIN_S = 50e-6
 POLL_MAX_S = 1e-3
 
 #: Regions remembered per prefill session (a main buffer plus per-item fallbacks).
@@ -174,7 +174,10 @@ class SenderPool:
 
         self._pull, self.port = _io.pull_socket(self.host, port)
         self._statuses = _io.Pushers()
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # queue.Queue, not SimpleQueue: CPython 3.11's SimpleQueue.get(timeout=...) can
+        # recompute a negative timeout after a spurious wake-up and then block forever
+        # (seen here with 20 us timeouts: the writer hung with writes in flight).
+        self._jobs: queue.Queue = queue.Queue()
         self.metrics.gauge_fn("queue_depth", self._jobs.qsize)
         self.metrics.gauge_fn("parked_rooms", lambda: sum(1 for i in self._items.values() if not i.receivers))
 
@@ -303,6 +306,7 @@ class SenderPool:
     # ------------------------------------------------------------ I/O thread
 
     def _run(self) -> None:
+        _io.name_this_thread(f"epd-enc{self.engine_rank}-io")
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
         poller.register(self._waker.fileno(), zmq.POLLIN)
@@ -417,6 +421,7 @@ class SenderPool:
         with a short sleep beats Mooncake's own wait, which spins a whole core.
         Waiting for the next job doubles as that sleep, so new work starts at once.
         """
+        _io.name_this_thread(f"epd-enc{self.engine_rank}-wr")
         in_flight: list[_Write] = []
         stopping = False
         delay = POLL_MIN_S
@@ -441,12 +446,25 @@ class SenderPool:
                     in_flight.append(write)
             if in_flight and not waited and len(in_flight) >= self.depth:
                 time.sleep(delay)
-            done = [write for write in in_flight if self._settled(write)]
-            if done:
-                delay = POLL_MIN_S
-                in_flight = [write for write in in_flight if write not in done]
-            else:
-                delay = min(2 * delay, POLL_MAX_S)
+            remaining = self._settle_ready(in_flight)
+            delay = POLL_MIN_S if len(remaining) < len(in_flight) else min(2 * delay, POLL_MAX_S)
+            in_flight = remaining
+
+    def _settle_ready(self, in_flight: list[_Write]) -> list[_Write]:
+        """Settles the writes that completed; returns those still in flight, in order.
+
+        A session's writes complete in the order they were submitted, so polling stops
+        at each session's first unfinished write: one status call per busy receiver
+        per round, not one per write in flight.
+        """
+        busy: set[str] = set()
+        remaining = []
+        for write in in_flight:
+            session = write.info.session_id
+            if session in busy or not self._settled(write):
+                busy.add(session)
+                remaining.append(write)
+        return remaining
 
     def _start_write(self, item: _Item, info: TransferInfo) -> _Write | None:
         """Submits one receiver's shard (embedding and deepstack in one batch) without waiting."""
