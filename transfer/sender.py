@@ -376,10 +376,18 @@ class SenderPool:
             self._jobs.put((item, info))
 
     def _file_registration(self, reg: Registration) -> None:
-        """Remembers a session's announced regions; a repeat of the same region replaces it."""
+        """Remembers a session's announced regions; a repeat of the same region replaces it.
+
+        A registration from a new status endpoint is a new session manager on that
+        engine: the regions its predecessor announced are forgotten, so memory it
+        freed is never again an accepted destination.
+        """
         self._dead_sessions.pop(reg.session_id, None)  # it is back (or restarted): try again
         regs = self._sessions.setdefault(reg.session_id, [])
-        regs[:] = [r for r in regs if r.embedding_base != reg.embedding_base]
+        regs[:] = [
+            r for r in regs
+            if r.embedding_base != reg.embedding_base and (r.endpoint, r.port) == (reg.endpoint, reg.port)
+        ]
         regs.append(reg)
         del regs[:-MAX_REGIONS_PER_SESSION]
 
