@@ -157,6 +157,38 @@ class Pushers:
             self._sockets.clear()
 
 
+class RoomHandle:
+    """One room's progress as its caller sees it; `state` carries room, done, started_at, concluded_at."""
+
+    def __init__(self, table: Any, state: Any) -> None:
+        self._table = table
+        self._state = state
+        self.room = state.room
+
+    def poll(self):
+        """The room's status right now (never blocks; Failed once cleared)."""
+        from transfer.status import TransferPoll
+
+        status = self._table.get(self.room)
+        return TransferPoll.Failed if status is None else status
+
+    @property
+    def failure(self) -> str | None:
+        """Why the room failed, or None."""
+        return self._table.reason(self.room)
+
+    @property
+    def latency_s(self) -> float | None:
+        """Seconds from the room's start to its conclusion, once concluded."""
+        end = self._state.concluded_at
+        return None if end is None else end - self._state.started_at
+
+    def wait(self, timeout: float):
+        """Blocks up to `timeout` seconds for a terminal status (for tools and tests, not scheduler loops)."""
+        self._state.done.wait(timeout)
+        return self.poll()
+
+
 @dataclass(frozen=True)
 class Region:
     """A span of memory: its address, length in bytes, and device ('cpu' or 'cuda:N')."""

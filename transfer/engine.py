@@ -149,7 +149,6 @@ class Engine:
         self._lock = threading.Condition()
         self._regions: dict[int, int] = {}
         self._owners: dict[int, Any] = {}  # keeps registered tensors alive
-        self._in_flight = 0
         self._pending: dict[int, _Pending] = {}  # write_async tickets not yet settled
         self._next_ticket = 0
         self._closed = False
@@ -328,29 +327,15 @@ class Engine:
         if self._closed:
             raise TransferError(f"engine {getattr(self, 'session_id', self.hostname)} is closed")
 
-    def _enter(self) -> None:
-        """Count an operation in flight so close() waits for it."""
-        with self._lock:
-            self._check_open()
-            self._in_flight += 1
-
-    def _leave(self) -> None:
-        """An operation left Mooncake."""
-        with self._lock:
-            self._in_flight -= 1
-            self._lock.notify_all()
-
     def close(self) -> None:
         """Wait for writes in flight, unregister all memory and release the engine; idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            # Writes are bounded by Mooncake's transfer timeout, so this wait is too.
-            while self._in_flight:
-                self._lock.wait()
             tickets = list(self._pending)
-        # Nobody may be polling abandoned tickets: settle them here before the memory goes.
+        # Nobody may be polling abandoned tickets: settle them here before the memory goes
+        # (each is bounded by Mooncake's transfer timeout).
         for ticket in tickets:
             try:
                 self.wait(ticket)

@@ -50,7 +50,7 @@ class _Room:
     span: int
     deepstack_ptr: int
     deepstack_nbytes: int
-    asked_at: float
+    started_at: float
     deadline: float
     done: threading.Event = field(default_factory=threading.Event)
     encode_rank: int | None = None
@@ -74,38 +74,16 @@ class _Room:
         return f"encode rank {self.encode_rank} at {host}:{port}"
 
 
-class ReceiveHandle:
-    """One room's progress as the scheduler loop sees it."""
+class ReceiveHandle(_io.RoomHandle):
+    """One room's progress as the scheduler loop sees it: poll(), failure, latency_s, wait(), clear()."""
 
     def __init__(self, manager: SessionManager, room: _Room, rows: Any = None, deepstack: Any = None) -> None:
+        super().__init__(manager._table, room)
         self._manager = manager
-        self._room = room
-        self.room = room.room
         #: With a pool: the leased `[span, hidden]` rows (this rank's shard lands in its
         #: rows; the others are for reassembly) and likewise the deepstack rows.
         self.rows = rows
         self.deepstack = deepstack
-
-    def poll(self) -> TransferPoll:
-        """The room's status right now (never blocks; Failed once cleared)."""
-        status = self._manager._table.get(self.room)
-        return TransferPoll.Failed if status is None else status
-
-    @property
-    def failure(self) -> str | None:
-        """Why the room failed, or None."""
-        return self._manager._table.reason(self.room)
-
-    @property
-    def latency_s(self) -> float | None:
-        """Seconds from the ask to the room's conclusion, once concluded."""
-        end = self._room.concluded_at
-        return None if end is None else end - self._room.asked_at
-
-    def wait(self, timeout: float) -> TransferPoll:
-        """Blocks up to `timeout` seconds for a terminal status (for tools and tests, not scheduler loops)."""
-        self._room.done.wait(timeout)
-        return self.poll()
 
     def clear(self, event: Any = None) -> None:
         """Forgets the room; a status that still arrives for it is ignored.
@@ -114,7 +92,7 @@ class ReceiveHandle:
         copy-out's CUDA event, if any) completed; otherwise into quarantine, since a
         late one-sided write may still land in it.
         """
-        self._manager._forget(self._room, event)
+        self._manager._forget(self._state, event)
 
 
 class SessionManager:
@@ -243,7 +221,7 @@ class SessionManager:
         now = time.monotonic()
         state = _Room(
             room, bootstrap_addr, ptr, rows, hidden, dtype, row_bytes, row_start, span,
-            ds_ptr, ds_nbytes, asked_at=now, deadline=now + self.deadline_s,
+            ds_ptr, ds_nbytes, started_at=now, deadline=now + self.deadline_s,
         )
         state.regions = regions
         state.lease = lease
@@ -387,7 +365,7 @@ class SessionManager:
         if status == TransferPoll.Success:
             self.metrics.inc("rooms_succeeded_total")
             self.metrics.inc("bytes_received_total", state.nbytes + state.deepstack_nbytes)
-            self.metrics.observe("room_latency_seconds", time.monotonic() - state.asked_at)
+            self.metrics.observe("room_latency_seconds", time.monotonic() - state.started_at)
         else:
             self.metrics.inc("rooms_failed_total", reason=reason_label(reason or ""))
             log.warning("room %d failed: %s", state.room, reason)

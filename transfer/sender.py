@@ -63,7 +63,7 @@ class _Item:
     deepstack: _io.Region | None
     deepstack_row_bytes: int
     ready_event: Any
-    sent_at: float
+    started_at: float
     release: Any = None  # callable that drops a temporary source registration
     done: threading.Event = field(default_factory=threading.Event)
     receivers: list[TransferInfo] = field(default_factory=list)
@@ -92,38 +92,16 @@ class _Asks:
     infos: dict[str, TransferInfo] = field(default_factory=dict)
 
 
-class SendHandle:
-    """One room's progress on the encode side."""
+class SendHandle(_io.RoomHandle):
+    """One room's progress on the encode side: poll(), failure, latency_s, wait(), clear()."""
 
     def __init__(self, pool: SenderPool, item: _Item) -> None:
+        super().__init__(pool._table, item)
         self._pool = pool
-        self._item = item
-        self.room = item.room
-
-    def poll(self) -> TransferPoll:
-        """The room's status right now (never blocks; Failed once cleared)."""
-        status = self._pool._table.get(self.room)
-        return TransferPoll.Failed if status is None else status
-
-    @property
-    def failure(self) -> str | None:
-        """Why the room failed, or None."""
-        return self._pool._table.reason(self.room)
-
-    @property
-    def latency_s(self) -> float | None:
-        """Seconds from send() to the room's conclusion, once concluded."""
-        end = self._item.concluded_at
-        return None if end is None else end - self._item.sent_at
-
-    def wait(self, timeout: float) -> TransferPoll:
-        """Blocks up to `timeout` seconds for a terminal status (for tools and tests)."""
-        self._item.done.wait(timeout)
-        return self.poll()
 
     def clear(self) -> None:
         """Forgets a concluded room (an unconcluded one is failed first)."""
-        self._pool._forget(self._item)
+        self._pool._forget(self._state)
 
 
 class SenderPool:
@@ -404,7 +382,7 @@ class SenderPool:
         """Fails items whose receivers never all asked, and asks whose item never came."""
         limit = self.bootstrap_timeout_s
         with self._lock:
-            parked = [i for i in self._items.values() if not i.receivers and not i.failed and now - i.sent_at > limit]
+            parked = [i for i in self._items.values() if not i.receivers and not i.failed and now - i.started_at > limit]
         for item in parked:
             asks = self._asks.pop(item.room, None)
             item.receivers = list(asks.infos.values()) if asks else []
@@ -572,7 +550,7 @@ class SenderPool:
             return
         if status == TransferPoll.Success:
             self.metrics.inc("rooms_succeeded_total")
-            self.metrics.observe("room_latency_seconds", time.monotonic() - item.sent_at)
+            self.metrics.observe("room_latency_seconds", time.monotonic() - item.started_at)
         else:
             self.metrics.inc("rooms_failed_total", reason=reason_label(reason or ""))
             log.warning("room %d failed: %s", item.room, reason)
