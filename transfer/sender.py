@@ -37,8 +37,9 @@ from transfer.status import RoomTable, TransferPoll, is_terminal
 
 log = logging.getLogger("transfer.sender")
 
-#: The writer polls completions with a sleep growing from POLL_MIN_S to POLL_MAX_S.
-POLL_MIN_S = 50e-6
+#: The writer polls completions with a sleep growing from POLL_MIN_S to POLL_MAX_S
+#: (250 us measured better than 50 us on loopback: fewer wake-ups competing for the cores).
+POLL_MIN_S = 250e-6
 POLL_MAX_S = 1e-3
 
 #: Regions remembered per prefill session (a main buffer plus per-item fallbacks).
