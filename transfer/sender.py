@@ -209,17 +209,18 @@ class SenderPool:
                 raise ValueError(f"room {room}: deepstack rows {ds_span} x {ds_dtype} != item rows {span} x {dtype}")
             ds_row_bytes = ds_hidden * dtype_size(ds_dtype)
         item = _Item(room, region, span, hidden, dtype, row_bytes, ds_region, ds_row_bytes, ready_event, time.monotonic())
+        # Registered before the item is published: a TransferInfo may dispatch it at once.
+        item.release = self._hold_registered(region, ds_region)
         with self._lock:
-            if room in self._items:
-                raise ValueError(f"room {room} is already being sent; clear() it first")
-            self._items[room] = item
-            self._table.start(room, TransferPoll.WaitingForInput)
-            self._new_items.append(item)
-        try:
-            item.release = self._hold_registered(region, ds_region)
-        except Exception:
-            self._forget(item)
-            raise
+            duplicate = room in self._items
+            if not duplicate:
+                self._items[room] = item
+                self._table.start(room, TransferPoll.WaitingForInput)
+                self._new_items.append(item)
+        if duplicate:
+            if item.release is not None:
+                item.release()
+            raise ValueError(f"room {room} is already being sent; clear() it first")
         self.metrics.inc("rooms_started_total")
         self._waker.wake()
         return SendHandle(self, item)
