@@ -399,6 +399,9 @@ class SessionManager:
     def _serve_asks(self) -> None:
         while self._asks:
             state = self._asks.popleft()
+            with self._lock:
+                if self._rooms.get(state.room) is not state:
+                    continue  # cleared before we got to it: nothing to ask for
             heapq.heappush(self._deadlines, (state.deadline, state.room, state))
             try:
                 self._ask(state)
