@@ -13,7 +13,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,6 +157,7 @@ class SenderPool:
         # (seen here with 20 us timeouts: the writer hung with writes in flight).
         self._jobs: queue.Queue = queue.Queue()
         self.metrics.gauge_fn("queue_depth", self._jobs.qsize)
+        self.metrics.gauge_fn("statuses_dropped", lambda: self._statuses.dropped)
         self.metrics.gauge_fn("parked_rooms", lambda: sum(1 for i in self._items.values() if not i.receivers))
 
         self._threads = [threading.Thread(target=self._run, name=f"epd-encode-{engine_rank}-io", daemon=True)]
