@@ -3,7 +3,8 @@
 set -euo pipefail
 missing=()
 for lib in libibverbs.so.1 libnuma.so.1; do
-    ldconfig -p | grep -q "$lib" || missing+=("$lib")
+    # grep reads all of it (no -q): an early exit would SIGPIPE ldconfig and fail the pipe.
+    ldconfig -p | grep -F "$lib" >/dev/null || missing+=("$lib")
 done
 [ ${#missing[@]} -eq 0 ] && exit 0
 echo "installing Debian packages for: ${missing[*]}"
