@@ -8,7 +8,7 @@ from live_helpers import LIVE
 from transfer.bootstrap import BootstrapServer
 from transfer.engine import Engine
 from transfer.frames import Registration, TransferInfo
-from transfer.sender import MAX_REGIONS_PER_SESSION, SenderPool
+from transfer.sender import DEAD_AFTER_S, MAX_REGIONS_PER_SESSION, SenderPool
 
 pytestmark = LIVE
 
@@ -67,3 +67,49 @@ def test_a_peer_registration_without_lengths_accepts_any_destination(pool):
     pool._sessions.pop(SESSION, None)
     pool._file_registration(Registration("10.0.0.7", 5000, SESSION, 0x10000, 0))
     assert pool._check_regions(_Item, [_ask(0xDEAD0000)]) is None
+
+
+def test_a_quickly_refused_write_does_not_mark_the_session_dead():
+    """A peer that refuses one write (bad destination) keeps getting the next rooms at once."""
+    import time
+
+    import torch
+    import zmq
+
+    from transfer import _io
+    from transfer.frames import parse_status, registration_frames
+    from transfer.status import TransferPoll
+
+    with Engine("127.0.0.1", "tcp") as encode_engine, Engine("127.0.0.1", "tcp") as prefill_engine, \
+            BootstrapServer("127.0.0.1", 0) as server, \
+            SenderPool(encode_engine, 0, 1, 1, server.address) as sender:
+        landing = torch.zeros(4, 256, dtype=torch.bfloat16)
+        prefill_engine.register(landing)
+        statuses, status_port = _io.pull_socket("127.0.0.1", 0)
+        asks = _io.push_socket(sender.host, sender.port)
+        try:
+            session = prefill_engine.session_id
+            # A peer-style registration: no lengths, so only Mooncake itself checks the range.
+            asks.send_multipart(registration_frames("127.0.0.1", status_port, session, landing.data_ptr(), 0))
+            item = torch.randn(4, 256).to(torch.bfloat16)
+
+            def ask(room: int, ptr: int):
+                info = TransferInfo(room, "127.0.0.1", status_port, session, ptr, 0, 4, 256, "torch.bfloat16",
+                                    False, 1, 0, 4)
+                asks.send_multipart(info.to_frames())
+                handle = sender.send(room, item)
+                assert statuses.poll(10_000), f"no status for room {room}"
+                got_room, status, _, _ = parse_status(statuses.recv_multipart())
+                assert got_room == room
+                return handle, status
+
+            started = time.monotonic()
+            refused, status = ask(1, landing.data_ptr() + (1 << 30))  # far outside registered memory
+            assert status == TransferPoll.Failed and refused.wait(5) == TransferPoll.Failed
+            assert time.monotonic() - started < DEAD_AFTER_S
+            served, status = ask(2, landing.data_ptr())
+            assert status == TransferPoll.Success, served.failure
+            assert torch.equal(landing.view(torch.uint8), item.view(torch.uint8))
+        finally:
+            asks.close(0)
+            statuses.close(0)

@@ -44,10 +44,14 @@ POLL_MAX_S = 1e-3
 #: Regions remembered per prefill session (a main buffer plus per-item fallbacks).
 MAX_REGIONS_PER_SESSION = 64
 
-#: After a write to a prefill session failed, later writes to it fail at once for this
+#: After a write to a prefill session failed slowly, later writes to it fail at once for this
 #: long (or until it registers again): each batch to a dead peer costs Mooncake a
 #: reconnect timeout, and the pipelined writer must not spend that while other rooms wait.
 DEAD_SESSION_S = 5.0
+
+#: Only a failure that took this long marks its session dead: a peer that refuses one
+#: write (a bad destination, say) answers within milliseconds and stays usable.
+DEAD_AFTER_S = 0.25
 
 
 @dataclass
@@ -82,6 +86,7 @@ class _Write:
     batch: int  # the engine's batch id; 0 when the write already completed
     nbytes: int
     sums: tuple[int, ...]
+    submitted_at: float
 
 
 @dataclass
@@ -464,6 +469,7 @@ class SenderPool:
             ago = time.monotonic() - failed_at
             self._fail(item, f"write to {info.session_id} (room {item.room}) skipped: a write to it failed {ago:.1f}s ago")
             return None
+        submitted_at = None
         try:
             if item.ready_event is not None:
                 with item.event_lock:
@@ -477,6 +483,7 @@ class SenderPool:
                 srcs.append(item.deepstack.addr + info.row_start * item.deepstack_row_bytes)
                 dsts.append(info.deepstack_ptr)
                 lengths.append(info.rows * item.deepstack_row_bytes)
+            submitted_at = time.monotonic()
             batch = self._submit(info.session_id, srcs, dsts, lengths)
             # The checksums are computed while the batch is on the wire.
             sums: tuple[int, ...] = ()
@@ -484,9 +491,9 @@ class SenderPool:
                 regions = (item.src, item.deepstack)
                 sums = tuple(_io.checksum(region, s, n) for region, s, n in zip(regions, srcs, lengths))
         except Exception as exc:  # noqa: BLE001 - any failure concludes the room
-            self._fail(item, f"write to {info.session_id} (room {item.room}) failed: {exc}")
+            self._write_failed(item, info, exc, submitted_at)
             return None
-        return _Write(item, info, batch, sum(lengths), sums)
+        return _Write(item, info, batch, sum(lengths), sums, submitted_at)
 
     def _submit(self, session_id: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
         """Starts a batch write; engines without an async API write synchronously here (id 0)."""
@@ -507,14 +514,20 @@ class SenderPool:
                 elif not poll(write.batch):
                     return False
         except Exception as exc:  # noqa: BLE001 - any failure concludes the room
-            self._dead_sessions[info.session_id] = time.monotonic()
-            self._fail(item, f"write to {info.session_id} (room {item.room}) failed: {exc}")
+            self._write_failed(item, info, exc, write.submitted_at)
             return True
         self.metrics.inc("bytes_written_total", write.nbytes)
         if not item.failed:
             self._push_status(info, TransferPoll.Success, write.sums)
         self._receiver_done(item, info)
         return True
+
+    def _write_failed(self, item: _Item, info: TransferInfo, exc: Exception, submitted_at: float | None) -> None:
+        """Fails the room; a failure that took long (a dead peer) also marks its session dead."""
+        now = time.monotonic()
+        if submitted_at is not None and now - submitted_at >= DEAD_AFTER_S:
+            self._dead_sessions[info.session_id] = now
+        self._fail(item, f"write to {info.session_id} (room {item.room}) failed: {exc}")
 
     def _receiver_done(self, item: _Item, info: TransferInfo) -> None:
         with self._lock:
