@@ -327,7 +327,7 @@ def run(sc: Scenario) -> dict:
             total = len(procs)
             _gather(ready_q, total, deadline, results, reports, "ready")
             go_evt.set()
-            _gather(finished_q, sc.prefill_ranks, deadline, results, reports, "finished", role="prefill")
+            _gather(finished_q, sc.prefill_ranks, deadline, results, reports, "finished")
             done_evt.set()
             while len(reports) < total:
                 reports.append(results.get(timeout=max(0.1, deadline - time.monotonic())))
@@ -344,7 +344,7 @@ def run(sc: Scenario) -> dict:
     return summarize(sc, reports)
 
 
-def _gather(q, count, deadline, results, reports, what, role=None) -> None:
+def _gather(q, count, deadline, results, reports, what) -> None:
     """Waits for `count` ranks to report `what`, failing fast when a rank died instead."""
     seen = 0
     while seen < count:
