@@ -247,6 +247,19 @@ class WireEngine:
             self._batches[batch_id] = self._executor.submit(self.write, session_id, srcs, dsts, lens)
         return batch_id
 
+    def poll(self, batch_id: int) -> bool:
+        """Whether the batch from write_async is over, without blocking; TransferError if it failed."""
+        if batch_id == 0:
+            return True
+        with self._lock:
+            future = self._batches.get(batch_id)
+        if future is None:
+            raise TransferError(f"batch {batch_id} is unknown on {self.session_id}")
+        if not future.done():
+            return False
+        self.wait(batch_id)
+        return True
+
     def wait(self, batch_id: int, timeout_s: float | None = None) -> None:
         """Block until the batch from write_async completes; TransferError if it failed or is unknown."""
         if batch_id == 0:
