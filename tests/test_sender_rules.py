@@ -113,3 +113,22 @@ def test_a_quickly_refused_write_does_not_mark_the_session_dead():
         finally:
             asks.close(0)
             statuses.close(0)
+
+
+def test_concluded_rooms_leave_the_receivers_deadline_heap():
+    """Thousands of concluded rooms must not sit in the deadline heap for their whole deadline."""
+    import torch
+
+    from transfer.receiver import SessionManager
+    from transfer.status import TransferPoll
+
+    with Engine("127.0.0.1", "tcp") as engine, BootstrapServer("127.0.0.1", 0) as server:
+        buf = torch.zeros(1, 8, 64, dtype=torch.bfloat16)
+        # No encode rank registered: each ask fails fast at the bootstrap, then is cleared.
+        with SessionManager(engine, 0, 1, 1, buffer=buf, deadline_s=600) as manager:
+            for room in range(3000):
+                handle = manager.receive(room, server.address, buf[0])
+                assert handle.wait(5) == TransferPoll.Failed
+                handle.clear()
+            assert len(manager._deadlines) <= 1024 + 2
+            assert not manager._rooms and len(manager._table) == 0

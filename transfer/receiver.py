@@ -514,6 +514,15 @@ class SessionManager:
         return None
 
     def _expire(self, now: float) -> None:
+        """Fails rooms past their deadline; drops the entries of rooms that concluded."""
+        if len(self._deadlines) > 2 * len(self._rooms) + 1024:
+            # Concluded rooms' entries would otherwise wait out their whole deadline here.
+            with self._lock:
+                self._deadlines = [
+                    entry for entry in self._deadlines
+                    if self._rooms.get(entry[1]) is entry[2] and not is_terminal(self._table.get(entry[1]))
+                ]
+            heapq.heapify(self._deadlines)
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, state = heapq.heappop(self._deadlines)
             with self._lock:
