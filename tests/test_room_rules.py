@@ -1,4 +1,4 @@
-"""The encode side's memory of announced receive regions (SPEC.md section 8)."""
+"""Rules both ends keep about rooms and sessions: announced regions, dead sessions, deadline state."""
 
 from __future__ import annotations
 
