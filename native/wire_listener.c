@@ -149,12 +149,10 @@ static long long regions_remove(wl_listener *l, uint64_t addr)
 
 /* --------------------------------------------------------------------- socket I/O */
 
-/* Reads exactly n bytes; each wait for progress is bounded by timeout_ms. */
-static int read_all(int fd, void *buf, size_t n, int timeout_ms, size_t *got)
+/* Waits (at most timeout_ms) until the socket is readable, then receives up to n bytes into *k. */
+static int recv_some(int fd, void *buf, size_t n, int timeout_ms, size_t *k)
 {
-    char *p = buf;
-    *got = 0;
-    while (*got < n) {
+    for (;;) {
         struct pollfd pfd = {.fd = fd, .events = POLLIN};
         int r = poll(&pfd, 1, timeout_ms);
         if (r == 0)
@@ -164,15 +162,30 @@ static int read_all(int fd, void *buf, size_t n, int timeout_ms, size_t *got)
                 continue;
             return RD_ERR;
         }
-        ssize_t k = recv(fd, p + *got, n - *got, 0);
-        if (k == 0)
+        ssize_t got = recv(fd, buf, n, 0);
+        if (got == 0)
             return RD_EOF;
-        if (k < 0) {
+        if (got < 0) {
             if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)
                 continue;
             return RD_ERR;
         }
-        *got += (size_t)k;
+        *k = (size_t)got;
+        return RD_OK;
+    }
+}
+
+/* Reads exactly n bytes; each wait for progress is bounded by timeout_ms. */
+static int read_all(int fd, void *buf, size_t n, int timeout_ms, size_t *got)
+{
+    char *p = buf;
+    *got = 0;
+    while (*got < n) {
+        size_t k;
+        int rc = recv_some(fd, p + *got, n - *got, timeout_ms, &k);
+        if (rc != RD_OK)
+            return rc;
+        *got += k;
     }
     return RD_OK;
 }
@@ -186,24 +199,11 @@ static int read_summed(int fd, unsigned char *buf, size_t n, int timeout_ms, siz
     uint64_t acc = 0;
     *got = 0;
     while (*got < n) {
-        struct pollfd pfd = {.fd = fd, .events = POLLIN};
-        int r = poll(&pfd, 1, timeout_ms);
-        if (r == 0)
-            return RD_TIMEOUT;
-        if (r < 0) {
-            if (errno == EINTR)
-                continue;
-            return RD_ERR;
-        }
-        ssize_t k = recv(fd, buf + *got, n - *got, 0);
-        if (k == 0)
-            return RD_EOF;
-        if (k < 0) {
-            if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)
-                continue;
-            return RD_ERR;
-        }
-        *got += (size_t)k;
+        size_t k;
+        int rc = recv_some(fd, buf + *got, n - *got, timeout_ms, &k);
+        if (rc != RD_OK)
+            return rc;
+        *got += k;
         size_t whole = *got & ~(size_t)7;
         if (whole > summed) {
             acc += epd_layer_sum(buf + summed, whole - summed);
