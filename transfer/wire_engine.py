@@ -61,7 +61,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Sequence
 
 from transfer import _native, wire
-from transfer.engine import TransferError
+from transfer.engine import TransferError, _buffer_span
 
 log = logging.getLogger(__name__)
 
@@ -75,22 +75,11 @@ ASYNC_WRITERS = 4
 
 def _span(buf: Any, length: int | None) -> tuple[int, int]:
     """(address, length) of a contiguous host tensor, or of an int address with a length."""
-    if isinstance(buf, int) and not isinstance(buf, bool):
-        if length is None:
-            raise ValueError(f"registering address 0x{buf:x} needs a length")
-        return buf, int(length)
-    if not (hasattr(buf, "data_ptr") and hasattr(buf, "nbytes")):
-        raise TypeError(f"cannot register a {type(buf).__name__}: expected a tensor or an int address")
     device = getattr(buf, "device", None)
     if device is not None and getattr(device, "type", "cpu") != "cpu":
         raise TransferError(f"the wire path is host-only: cannot register a tensor on {device} "
                             f"(use protocol tcp or rdma for device memory)")
-    if not buf.is_contiguous():
-        raise ValueError("cannot register a non-contiguous tensor: call .contiguous() first")
-    nbytes = int(buf.nbytes)
-    if length is not None and length != nbytes:
-        raise ValueError(f"length {length} differs from the tensor's {nbytes} bytes")
-    return int(buf.data_ptr()), nbytes
+    return _buffer_span(buf, length)
 
 
 def _split_session(session_id: str) -> tuple[str, int]:
