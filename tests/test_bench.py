@@ -102,6 +102,26 @@ def test_ratios_are_against_raw_in_the_same_cell():
     assert [r["ratio_to_raw"] for r in rows] == [1.0, 0.75, 1.0, 0.25, 2.0, None]
 
 
+def test_repeats_take_turns_within_a_geometry():
+    opts = bench.options_from(_args("--sizes", "64x256,128x256", "--fanouts", "1", "--inflight", "1,8",
+                                    "--paths", "raw,epd", "--integrity", "on"))
+    groups = bench._groups(bench.plan(opts, wire_ok=False))
+    assert [[c.path for c in g] for g in groups] == [["raw", "epd"]] * 4
+    assert len({(g[0].span, g[0].inflight) for g in groups}) == 4
+    assert all(len({(c.span, c.inflight, c.fanout) for c in g}) == 1 for g in groups)
+
+
+def test_median_row_keeps_the_median_run_and_any_failure():
+    runs = [dict(_row("epd", g), p99_ms=g * 10, verified=True, failed=0, problems=[]) for g in (3.0, 1.0, 2.0)]
+    row = bench.median_row(runs)
+    assert row["gbps"] == 2.0 and row["p99_ms"] == 20.0 and row["gbps_runs"] == [3.0, 1.0, 2.0]
+    assert row["verified"]
+    runs[0].update(verified=False, failed=1, problems=["room 7: deadline"])
+    row = bench.median_row(runs)
+    assert row["gbps"] == 2.0 and not row["verified"] and row["failed"] == 1 and row["problems"] == ["room 7: deadline"]
+    assert bench.median_row(runs[:2])["gbps"] == 1.0  # an even count reports the lower middle run
+
+
 def test_row_of_flags_lost_rooms_and_bad_bytes():
     cell = bench.Cell("epd", 4, 8, "torch.bfloat16", fanout=2, inflight=2, items=4, integrity=True)
     encode = {"t_start": 10.0, "failed": []}
@@ -158,7 +178,7 @@ def tiny_run(tmp_path_factory):
     if _MOONCAKE_MISSING:
         pytest.skip(_MOONCAKE_MISSING)
     out = tmp_path_factory.mktemp("bench")
-    argv = ["--sizes", "64x256", "--fanouts", "1,2", "--inflight", "1,4", "--items", "12",
+    argv = ["--sizes", "64x256", "--fanouts", "1,2", "--inflight", "1,4", "--items", "12", "--repeat", "2",
             "--deadline", "30", "--timeout", "120", "--json", str(out / "rows.json")]
     if _MATPLOTLIB:
         argv += ["--plot", str(out / "plot.png")]
@@ -184,6 +204,8 @@ def test_tiny_bench_writes_sane_rows(tiny_run):
         assert row["ratio_to_raw"] is not None and row["ratio_to_raw"] > 0, row
         assert row["p99_ms"] >= row["p50_ms"] > 0, row
         assert row["verified"] is True and row["failed"] == 0, row
+        if row["path"] != "memcpy":
+            assert len(row["gbps_runs"]) == 2 and row["gbps"] in row["gbps_runs"], row
     cells = {(r["path"], r["fanout"], r["inflight"], r["integrity"]) for r in rows if r["path"] != "memcpy"}
     for fanout in (1, 2):
         for inflight in (1, 4):

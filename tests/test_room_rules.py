@@ -74,7 +74,6 @@ def test_a_quickly_refused_write_does_not_mark_the_session_dead():
     import time
 
     import torch
-    import zmq
 
     from transfer import _io
     from transfer.frames import parse_status, registration_frames
@@ -132,3 +131,53 @@ def test_concluded_rooms_leave_the_receivers_deadline_heap():
                 handle.clear()
             assert len(manager._deadlines) <= 1024 + 2
             assert not manager._rooms and len(manager._table) == 0
+
+
+def test_cached_route_asks_from_receive_and_keeps_deadlines():
+    """Once its route is cached a room is asked for inside receive(), after its registration,
+    and its deadline still wakes the I/O thread even when that thread was idle."""
+    import time
+
+    import torch
+
+    from transfer import _io
+    from transfer.bootstrap import BootstrapClient
+    from transfer.frames import is_registration, parse_registration, status_frames
+    from transfer.receiver import SessionManager
+    from transfer.status import TransferPoll
+
+    with Engine("127.0.0.1", "tcp") as engine, BootstrapServer("127.0.0.1", 0) as server:
+        asks, port = _io.pull_socket("127.0.0.1", 0)  # a stand-in encode rank 0
+        try:
+            BootstrapClient(server.address).register_rank(1, 1, "127.0.0.1", port, 0)
+            buf = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+            with SessionManager(engine, 0, 1, 1, buffer=buf, deadline_s=0.25) as manager:
+
+                def next_message() -> list[bytes]:
+                    assert asks.poll(5000), "the manager sent nothing"
+                    return asks.recv_multipart()
+
+                first = manager.receive(1, server.address, buf[0])
+                reg = next_message()
+                assert is_registration(reg) and parse_registration(reg).embedding_base == buf.data_ptr()
+                assert TransferInfo.from_frames(next_message()).room == 1
+                statuses = _io.push_socket("127.0.0.1", manager.status_port)
+                statuses.send_multipart(status_frames(1, TransferPoll.Success, 0))
+                assert first.wait(5) == TransferPoll.Success
+                first.clear()
+                statuses.close(0)
+                time.sleep(0.4)  # room 1's deadline entry is gone: the I/O thread sleeps ~1 s now
+
+                started = time.monotonic()
+                second = manager.receive(2, server.address, buf[1])
+                # Asked before receive() returned: no hand-off, and no second registration.
+                assert second.poll() == TransferPoll.WaitingForInput
+                assert asks.poll(5000)
+                info = TransferInfo.from_frames(asks.recv_multipart())
+                assert info.room == 2 and info.embedding_ptr == buf[1].data_ptr()
+                # Nobody answers: the room fails at its deadline, not at the I/O thread's next idle wake-up.
+                assert second.wait(0.75) == TransferPoll.Failed
+                assert time.monotonic() - started < 0.75
+                assert "no status from encode rank 0 at 127.0.0.1" in second.failure
+        finally:
+            asks.close(0)

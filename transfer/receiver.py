@@ -2,8 +2,10 @@
 their rooms (SPEC.md sections 5, 7 and 8).
 
 `receive()` and `poll()` run on the engine's scheduler thread and never block on
-the network: bootstrap look-ups, frame pushes, status reads, checksum checks and
-deadlines all happen on one I/O thread that sleeps in zmq.Poller.
+the network. Bootstrap look-ups, registrations, status reads, checksum checks and
+deadlines happen on one I/O thread that sleeps in zmq.Poller; once a room's encode
+rank is known (its route cached, its region announced), `receive()` pushes the
+room's TransferInfo itself with a non-blocking send, saving a thread hand-off per room.
 """
 
 from __future__ import annotations
@@ -145,15 +147,19 @@ class SessionManager:
         self._rooms: dict[int, _Room] = {}
         self._lock = threading.Lock()
         self._asks: deque[_Room] = deque()
-        self._deadlines: list[tuple[float, int, _Room]] = []
+        self._deadlines: list[tuple[float, int, _Room]] = []  # under _lock
+        self._wake_at = 0.0  # when the I/O thread next wakes by itself (under _lock)
         self._waker = _io.Waker()
         self._stopping = False
 
-        # Caches owned by the I/O thread.
+        # Caches filled by the I/O thread; receive() reads them for its direct asks.
+        # _send_lock serialises every push to an encode rank and every change to the
+        # routes and announcements, so a direct ask never overtakes its registration.
         self._parallel: dict[str, tuple[int, int]] = {}
         self._routes: dict[tuple[str, int, int], tuple[str, int]] = {}
         self._announced: set[tuple] = set()  # (route key, region addr, region length)
         self._encode_sockets: dict[tuple[str, int], zmq.Socket] = {}
+        self._send_lock = threading.Lock()
 
         self._status_sock, self.status_port = _io.pull_socket(self.host, status_port)
         self.metrics.gauge_fn("rooms_in_flight", lambda: len(self._rooms))
@@ -231,9 +237,17 @@ class SessionManager:
                 raise ValueError(f"room {room} is already being received; clear() it first")
             self._rooms[room] = state
             self._table.start(room, TransferPoll.Bootstrapping)
-            self._asks.append(state)
         self.metrics.inc("rooms_started_total")
-        self._waker.wake()
+        if self._ask_from_cache(state):
+            with self._lock:
+                heapq.heappush(self._deadlines, (state.deadline, state.room, state))
+                wake = state.deadline < self._wake_at
+        else:
+            with self._lock:
+                self._asks.append(state)
+            wake = True
+        if wake:
+            self._waker.wake()
         return ReceiveHandle(self, state, full, full_ds)
 
     def _lease(self, room, rows, hidden, dtype, row_start, span, deepstack_hidden):
@@ -308,9 +322,10 @@ class SessionManager:
         for state in list(self._rooms.values()):
             self._conclude(state, TransferPoll.Failed, "session manager closed")
         self._status_sock.close(0)
-        for sock in self._encode_sockets.values():
-            sock.close(0)
-        self._encode_sockets.clear()
+        with self._send_lock:
+            for sock in self._encode_sockets.values():
+                sock.close(0)
+            self._encode_sockets.clear()
         self._waker.close()
         for addr in self._owned:
             try:
@@ -392,17 +407,23 @@ class SessionManager:
             self._expire(time.monotonic())
 
     def _next_timeout_ms(self) -> int:
-        if not self._deadlines:
-            return 1000
-        return max(0, min(1000, int((self._deadlines[0][0] - time.monotonic()) * 1000) + 1))
+        """How long the I/O thread may sleep: until the earliest deadline, at most 1 s."""
+        with self._lock:
+            timeout_ms = 1000
+            if self._deadlines:
+                timeout_ms = max(0, min(1000, int((self._deadlines[0][0] - time.monotonic()) * 1000) + 1))
+            self._wake_at = time.monotonic() + timeout_ms / 1000
+        return timeout_ms
 
     def _serve_asks(self) -> None:
-        while self._asks:
-            state = self._asks.popleft()
+        while True:
             with self._lock:
+                if not self._asks:
+                    return
+                state = self._asks.popleft()
                 if self._rooms.get(state.room) is not state:
                     continue  # cleared before we got to it: nothing to ask for
-            heapq.heappush(self._deadlines, (state.deadline, state.room, state))
+                heapq.heappush(self._deadlines, (state.deadline, state.room, state))
             try:
                 self._ask(state)
             except BootstrapError as exc:
@@ -410,36 +431,75 @@ class SessionManager:
             except _AskFailed as exc:
                 self._conclude(state, TransferPoll.Failed, str(exc))
 
-    def _ask(self, state: _Room) -> None:
-        """Resolves the room's encode rank and sends the registration (once) and its TransferInfo."""
-        encode_tp, encode_dp = self._parallel_info(state.bootstrap_addr)
+    def _route_key(self, state: _Room, encode_tp: int, encode_dp: int) -> tuple[int, tuple[str, int, int]]:
+        """(fanout, route key) of the room's encode rank (SPEC.md section 5); sets state.encode_rank."""
         local_tp = self.tp_size // self.dp_size
         if local_tp % encode_tp:
             raise _AskFailed(f"prefill local tp {local_tp} is not a multiple of encode tp {encode_tp}")
         fanout = local_tp // encode_tp
         state.encode_rank = (self.engine_rank % local_tp) // fanout
-        group = state.room % encode_dp
-        key = (state.bootstrap_addr, group, state.encode_rank)
-        state.route_key = key
+        state.route_key = (state.bootstrap_addr, state.room % encode_dp, state.encode_rank)
+        return fanout, state.route_key
+
+    def _ask(self, state: _Room) -> None:
+        """Resolves the room's encode rank and sends the registration (once) and its TransferInfo."""
+        encode_tp, encode_dp = self._parallel_info(state.bootstrap_addr)
+        fanout, key = self._route_key(state, encode_tp, encode_dp)
         route = self._routes.get(key)
         if route is None:
             client = BootstrapClient(state.bootstrap_addr, timeout=self.bootstrap_timeout_s)
-            route = self._routes[key] = client.route(state.encode_rank, group)
+            route = client.route(state.encode_rank, key[1])
+            with self._send_lock:
+                self._routes[key] = route
         state.encode_addr = route
-        sock = self._encode_sockets.get(route)
-        if sock is None:
-            sock = self._encode_sockets[route] = _io.push_socket(*route)
+        with self._send_lock:
+            sock = self._encode_sockets.get(route)
+            if sock is None:
+                sock = self._encode_sockets[route] = _io.push_socket(*route)
+            regions = state.regions
+            announcement = (key, regions.embedding.addr, regions.embedding.nbytes)
+            if announcement not in self._announced:
+                ds = regions.deepstack
+                frames = registration_frames(
+                    self.host, self.status_port, self.engine.session_id,
+                    regions.embedding.addr, ds.addr if ds else 0,
+                    regions.embedding.nbytes, ds.nbytes if ds else 0,
+                )
+                self._push(sock, frames, state)
+                self._announced.add(announcement)
+            self._send_info(sock, state, fanout)
+
+    def _ask_from_cache(self, state: _Room) -> bool:
+        """Asks from the caller's thread when everything is cached; False leaves it to the I/O thread.
+
+        The I/O thread alone looks routes up, announces regions and reports failures;
+        this only sends the TransferInfo once the route is known and the room's region
+        was announced on that same socket.
+        """
+        parallel = self._parallel.get(state.bootstrap_addr)
+        if parallel is None:
+            return False
+        try:
+            fanout, key = self._route_key(state, *parallel)
+        except _AskFailed:
+            return False
         regions = state.regions
-        announcement = (key, regions.embedding.addr, regions.embedding.nbytes)
-        if announcement not in self._announced:
-            ds = regions.deepstack
-            frames = registration_frames(
-                self.host, self.status_port, self.engine.session_id,
-                regions.embedding.addr, ds.addr if ds else 0,
-                regions.embedding.nbytes, ds.nbytes if ds else 0,
-            )
-            self._push(sock, frames, state)
-            self._announced.add(announcement)
+        with self._send_lock:
+            route = self._routes.get(key)
+            sock = self._encode_sockets.get(route) if route is not None else None
+            if sock is None or self._stopping:
+                return False
+            if (key, regions.embedding.addr, regions.embedding.nbytes) not in self._announced:
+                return False
+            state.encode_addr = route
+            try:
+                self._send_info(sock, state, fanout)
+            except _AskFailed:
+                return False  # the I/O thread tries again and reports the failure
+        return True
+
+    def _send_info(self, sock: zmq.Socket, state: _Room, fanout: int) -> None:
+        """Pushes the room's TransferInfo (_send_lock held)."""
         info = TransferInfo(
             room=state.room, endpoint=self.host, port=self.status_port, session_id=self.engine.session_id,
             embedding_ptr=state.embedding_ptr, deepstack_ptr=state.deepstack_ptr, rows=state.rows,
@@ -453,7 +513,7 @@ class SessionManager:
 
     def _push(self, sock: zmq.Socket, frames: list[bytes], state: _Room) -> None:
         try:
-            sock.send_multipart(frames, zmq.NOBLOCK)
+            _io.send_frames(sock, frames)
         except zmq.Again:
             raise _AskFailed(f"{state.where()} is not accepting requests (its queue is full)") from None
 
@@ -522,17 +582,20 @@ class SessionManager:
                     entry for entry in self._deadlines
                     if self._rooms.get(entry[1]) is entry[2] and not is_terminal(self._table.get(entry[1]))
                 ]
-            heapq.heapify(self._deadlines)
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, state = heapq.heappop(self._deadlines)
+                heapq.heapify(self._deadlines)
+        while True:
             with self._lock:
+                if not self._deadlines or self._deadlines[0][0] > now:
+                    return
+                _, _, state = heapq.heappop(self._deadlines)
                 live = self._rooms.get(state.room) is state and not is_terminal(self._table.get(state.room))
             if not live:
                 continue
             # The encode rank may have restarted elsewhere: look it up afresh next time.
             if state.route_key is not None:
-                self._routes.pop(state.route_key, None)
-                self._announced = {a for a in self._announced if a[0] != state.route_key}
+                with self._send_lock:
+                    self._routes.pop(state.route_key, None)
+                    self._announced = {a for a in self._announced if a[0] != state.route_key}
             self._conclude(
                 state, TransferPoll.Failed,
                 f"no status from {state.where()} within {self.deadline_s:g}s for room {state.room}",

@@ -337,12 +337,14 @@ class SenderPool:
     def _maybe_dispatch(self, room: int) -> None:
         """Starts the room's writes once the item is here and its whole fanout asked."""
         asks = self._asks.get(room)
-        with self._lock:
-            item = self._items.get(room)
-        if asks is None or item is None or item.receivers or item.failed:
+        if asks is None:
             return
         fanout = next(iter(asks.infos.values())).fanout
         if len(asks.infos) < fanout:
+            return  # the rest of the fanout has not asked yet
+        with self._lock:
+            item = self._items.get(room)
+        if item is None or item.receivers or item.failed:
             return
         del self._asks[room]
         infos = sorted(asks.infos.values(), key=lambda i: (i.row_start, i.session_id))
