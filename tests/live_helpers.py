@@ -183,7 +183,7 @@ class _EncodeRank:
         self.pool = SenderPool(
             self.engine, cfg.get("rank", 0), cfg.get("tp", 1), cfg.get("dp", 1), cfg["bootstrap"],
             host=HOST, token=cfg.get("token"), bootstrap_timeout_s=cfg.get("bootstrap_timeout_s", 60.0),
-            register_timeout_s=cfg.get("register_timeout_s", 10.0), writers=cfg.get("writers", 2),
+            register_timeout_s=cfg.get("register_timeout_s", 10.0),
         )
         self.handles: dict[int, Any] = {}
         self.arenas: list[tuple[np.ndarray, int]] = []

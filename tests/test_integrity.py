@@ -123,22 +123,26 @@ def test_receiver_with_integrity_off_skips_the_check(engine):
 
 
 class _SlowEvent:
-    """Stands in for a CUDA event: synchronize() blocks until the test releases it."""
+    """Stands in for a CUDA event: query() is False until the test releases it."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
-        self.waited_on: str | None = None
+        self.queried_on: set[str] = set()
+
+    def query(self) -> bool:
+        self.queried_on.add(threading.current_thread().name)
+        return self.release.is_set()
 
     def synchronize(self) -> None:
-        self.waited_on = threading.current_thread().name
-        assert self.release.wait(10)
+        raise AssertionError("the pool blocked on the ready event instead of polling it")
 
 
-def test_send_waits_for_the_ready_event_on_the_writer_not_the_caller(engine):
+def test_a_pending_ready_event_holds_only_its_own_room(engine):
     from transfer.sender import SenderPool
 
     item = torch.randn(SPAN, HIDDEN).to(BF16)
-    buf = torch.zeros(1, SPAN, HIDDEN, dtype=BF16)
+    other = torch.randn(SPAN, HIDDEN).to(BF16)
+    buf = torch.zeros(2, SPAN, HIDDEN, dtype=BF16)
     event = _SlowEvent()
     with Engine("127.0.0.1", "tcp") as encode_engine, BootstrapServer("127.0.0.1", 0) as server, \
             SenderPool(encode_engine, 0, 1, 1, server.address) as pool, \
@@ -147,14 +151,18 @@ def test_send_waits_for_the_ready_event_on_the_writer_not_the_caller(engine):
         sent = pool.send(5, item, ready_event=event)
         assert time.monotonic() - started < 0.5  # the caller did not wait for the event
         received = manager.receive(5, server.address, buf[0])
-        time.sleep(0.3)
-        # The rows were not read before the event completed.
+        # Another room, asked for after room 5, is written while room 5's event is pending.
+        sent_other = pool.send(6, other)
+        received_other = manager.receive(6, server.address, buf[1])
+        assert received_other.wait(10) == TransferPoll.Success and sent_other.wait(10) == TransferPoll.Success
+        assert _same(buf[1], other)
+        # Room 5's rows were not read before its event completed.
         assert received.poll() != TransferPoll.Success
         assert not _same(buf[0], item)
         event.release.set()
         assert received.wait(10) == TransferPoll.Success
         assert sent.wait(10) == TransferPoll.Success
-        assert event.waited_on.startswith("epd-encode-0-w")
+        assert event.queried_on == {"epd-encode-0"}  # polled by the pool's thread, never the caller's
         assert _same(buf[0], item)
 
 

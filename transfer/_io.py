@@ -55,18 +55,20 @@ class Waker:
             except BlockingIOError:
                 pass
 
-    def drain(self) -> None:
-        """Consumes the pending wake-up; call before looking at the work queue.
+    def drain(self) -> bool:
+        """Consumes the pending wake-up (True if there was one); call before looking at the work queue.
 
         The pipe is emptied before the flag is cleared: the other order lets a wake()
         in between lose its byte while leaving the flag set, silencing every later wake().
         """
+        woken = False
         try:
             while os.read(self._r, 512):
-                pass
+                woken = True
         except BlockingIOError:
             pass
         self._armed.clear()
+        return woken
 
     def close(self) -> None:
         """Closes both ends."""

@@ -97,8 +97,7 @@ class Options:
     min_items: int = 16
     protocol: str = "tcp"
     host: str = "127.0.0.1"
-    writers: int | None = None  # None: the sender pool's default
-    depth: int | None = None  # async batches in flight per sender writer; None: its default
+    depth: int | None = None  # async batches the sender pool keeps in flight; None: its default
     raw_issue: str = "async"
     raw_writers: int = 2
     timeout_s: float = 300.0
@@ -436,7 +435,7 @@ def _epd_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
     engine = worker.engine(protocol)
     source = worker.source(cell, protocol)
     report: dict[str, Any] = {"failed": []}
-    knobs = {k: extra[k] for k in ("writers", "depth") if extra.get(k) is not None}
+    knobs = {"depth": extra["depth"]} if extra.get("depth") is not None else {}
     with SenderPool(engine, 0, 1, 1, extra["bootstrap"], host=worker.setup["host"], integrity=cell.integrity,
                     bootstrap_timeout_s=extra["deadline_s"], **knobs) as pool:
         worker.ready()
@@ -589,7 +588,7 @@ class RankSet:
         from transfer.bootstrap import BootstrapServer
 
         members = [("encode", 0)] + [("prefill", r) for r in range(cell.fanout)]
-        extra = {"protocol": self.opts.protocol, "writers": self.opts.writers, "raw_issue": self.opts.raw_issue,
+        extra = {"protocol": self.opts.protocol, "raw_issue": self.opts.raw_issue,
                  "raw_writers": self.opts.raw_writers, "deadline_s": self.opts.deadline_s, "depth": self.opts.depth}
         server = BootstrapServer(self.opts.host, 0) if cell.path != "raw" else None
         try:
@@ -927,9 +926,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--protocol", default="tcp", choices=["tcp", "rdma", "auto"],
                         help="Mooncake protocol of the raw and epd paths")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--writers", type=int, default=None, help="writer threads of the epd sender pool (default: its own)")
     parser.add_argument("--depth", type=int, default=None,
-                        help="async batches in flight per sender writer (default: the pool's own)")
+                        help="async batches the epd sender pool keeps in flight (default: the pool's own)")
     parser.add_argument("--raw-issue", choices=["async", "sync"], default="async",
                         help="raw writes: write_async + wait (async) or sync writes from --raw-writers threads")
     parser.add_argument("--raw-writers", type=int, default=2, help="threads for --raw-issue sync")
@@ -956,7 +954,7 @@ def options_from(args: argparse.Namespace) -> Options:
     opts.items = args.items
     opts.cell_bytes = (args.cell_mib or (64 if quick else 256)) * MiB
     opts.min_items = args.min_items or (8 if quick else opts.min_items)
-    for name in ("dtype", "protocol", "host", "writers", "depth", "raw_issue", "raw_writers", "log_dir"):
+    for name in ("dtype", "protocol", "host", "depth", "raw_issue", "raw_writers", "log_dir"):
         setattr(opts, name, getattr(args, name))
     opts.timeout_s = args.timeout
     opts.repeat = max(1, getattr(args, "repeat", 1) or 1)
@@ -980,7 +978,7 @@ def main(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError) as exc:
         print(f"epd-transfer bench: {exc}", file=sys.stderr)
         return 1
-    pool = ", ".join(f"{k} {v}" for k, v in (("writers", opts.writers), ("depth", opts.depth)) if v is not None)
+    pool = f"depth {opts.depth}" if opts.depth is not None else ""
     print(f"epd-transfer bench: protocol {opts.protocol} on {opts.host}, sender pool "
           f"{pool or 'defaults'}, raw issue {opts.raw_issue}")
     print(format_table(rows))

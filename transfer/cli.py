@@ -17,7 +17,7 @@ def _demo(args: argparse.Namespace) -> int:
         encode_ranks=args.encode_ranks, prefill_ranks=args.prefill_ranks, items=args.items,
         span=args.span, hidden=args.hidden, dtype=args.dtype, sharded=not args.identity,
         deepstack=args.deepstack, inflight=args.inflight, protocol=args.protocol, host=args.host,
-        integrity=not args.no_integrity, writers=args.writers, deadline_s=args.deadline,
+        integrity=not args.no_integrity, deadline_s=args.deadline,
         timeout_s=args.timeout,
     )
     if sc.prefill_ranks % sc.encode_ranks:
@@ -86,7 +86,7 @@ def _rank(args: argparse.Namespace) -> int:
         encode_ranks=args.encode_ranks, prefill_ranks=args.prefill_ranks, items=args.items, span=args.span,
         hidden=args.hidden, dtype=args.dtype, sharded=not args.identity, deepstack=args.deepstack,
         inflight=args.inflight, protocol=args.protocol, host=args.host, integrity=not args.no_integrity,
-        writers=args.writers, deadline_s=args.deadline, bootstrap_timeout_s=args.bootstrap_timeout,
+        deadline_s=args.deadline, bootstrap_timeout_s=args.bootstrap_timeout,
         token=args.token, timeout_s=args.timeout, first_room=args.first_room,
     )
     if args.device:
@@ -165,7 +165,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--inflight", type=int, default=8, help="rooms in flight per rank")
     demo.add_argument("--protocol", default="auto", choices=["auto", "tcp", "rdma", "wire"])
     demo.add_argument("--host", default="127.0.0.1")
-    demo.add_argument("--writers", type=int, default=1, help="pipelined writer threads per encode rank")
     demo.add_argument("--no-integrity", action="store_true", help="skip the checksums of landed bytes")
     demo.add_argument("--deadline", type=float, default=60.0, help="per-room receive deadline, seconds")
     demo.add_argument("--timeout", type=float, default=600.0, help="bound on the whole run, seconds")
@@ -210,7 +209,6 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--deepstack", type=int, default=0, help="deepstack width factor k (0: none)")
     rank.add_argument("--identity", action="store_true", help="every prefill rank receives the full rows")
     rank.add_argument("--inflight", type=int, default=8, help="rooms in flight")
-    rank.add_argument("--writers", type=int, default=1, help="pipelined writer threads (encode)")
     rank.add_argument("--no-integrity", action="store_true", help="skip the checksums of landed bytes")
     rank.add_argument("--token", default=None, help="bootstrap bearer token")
     rank.add_argument("--deadline", type=float, default=60.0, help="per-room deadline, seconds")

@@ -38,7 +38,6 @@ class Scenario:
     protocol: str = "auto"
     host: str = "127.0.0.1"
     integrity: bool = True
-    writers: int = 1  # pipelined writer threads per encode rank (each keeps `depth` batches in flight)
     deadline_s: float = 60.0
     bootstrap_timeout_s: float = 60.0
     first_room: int = 0
@@ -126,7 +125,7 @@ def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finishe
             engine.register(deep.pool)
         with SenderPool(
             engine, rank, sc.encode_ranks, 1, bootstrap_addr, host=sc.host, token=sc.token,
-            bootstrap_timeout_s=sc.bootstrap_timeout_s, integrity=sc.integrity, writers=sc.writers,
+            bootstrap_timeout_s=sc.bootstrap_timeout_s, integrity=sc.integrity,
         ) as pool:
             ready()
             go()

@@ -31,7 +31,7 @@ KNOWN_HELP: dict[str, str] = {
     "bytes_written_total": "Embedding and deepstack bytes written to receivers.",
     "bytes_received_total": "Embedding and deepstack bytes landed in receive slots.",
     "room_latency_seconds": "Seconds from a room's start to its Success.",
-    "queue_depth": "Receiver shard writes waiting for the writer.",
+    "queue_depth": "Receiver shard writes ready to start, waiting for a free slot in flight or their ready event.",
     "rooms_in_flight": "Rooms asked for and not yet cleared.",
     "statuses_dropped": "Status pushes dropped because a receiver stopped draining its queue.",
     "parked_rooms": "Items parked until their receiver registers.",

@@ -1,18 +1,22 @@
 """The encode side: a sender pool that writes each item's row shards into the prefill
 ranks that asked for it (SPEC.md sections 5, 6 and 8).
 
-One I/O thread owns the PULL socket: it files registrations and TransferInfos,
-parks items until their whole fanout asked, validates the set, and hands one write
-job per receiver to a few writer threads (Mooncake's synchronous batch write
-releases the GIL). Writers push each receiver's status without ever blocking.
+One thread does all of it: it owns the PULL socket, files registrations and
+TransferInfos, parks items until their whole fanout asked, validates the set,
+submits each receiver's shard as an asynchronous batch the moment the set is
+complete, polls the batches in flight, and pushes each receiver's status without
+ever blocking. Measured on two cores, one such thread beats an I/O thread feeding
+writer threads: every hand-off between threads cost a wake-up on a busy core, and
+the Mooncake threads that move the bytes need those cores.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
+import select
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,8 +40,9 @@ from transfer.status import RoomTable, TransferPoll, is_terminal
 
 log = logging.getLogger("transfer.sender")
 
-#: The writer polls completions with a sleep growing from POLL_MIN_S to POLL_MAX_S
-#: (250 us measured better than 50 us on loopback: fewer wake-ups competing for the cores).
+#: Writes in flight are polled after a sleep growing from POLL_MIN_S to POLL_MAX_S, cut
+#: short by any request (250 us measured better than 50 us on loopback: fewer wake-ups
+#: competing for the cores).
 POLL_MIN_S = 250e-6
 POLL_MAX_S = 1e-3
 
@@ -46,7 +51,7 @@ MAX_REGIONS_PER_SESSION = 64
 
 #: After a write to a prefill session failed slowly, later writes to it fail at once for this
 #: long (or until it registers again): each batch to a dead peer costs Mooncake a
-#: reconnect timeout, and the pipelined writer must not spend that while other rooms wait.
+#: reconnect timeout, and the pool's one thread must not spend that while other rooms wait.
 DEAD_SESSION_S = 5.0
 
 #: Only a failure that took this long marks its session dead: a peer that refuses one
@@ -73,8 +78,23 @@ class _Item:
     receivers: list[TransferInfo] = field(default_factory=list)
     pending: int = 0
     failed: bool = False
-    event_lock: threading.Lock = field(default_factory=threading.Lock)
     concluded_at: float | None = None
+
+    def ready(self) -> bool:
+        """Whether the source rows may be read: no ready event, or it completed.
+
+        An event with query() (a CUDA event) is polled so the pool's thread never
+        blocks on a producer; any other event is waited for with synchronize().
+        """
+        event = self.ready_event
+        if event is not None:
+            if hasattr(event, "query"):
+                if not event.query():
+                    return False
+            else:
+                event.synchronize()
+            self.ready_event = None
+        return True
 
 
 @dataclass
@@ -126,7 +146,6 @@ class SenderPool:
         bootstrap_timeout_s: float = 120.0,
         register_timeout_s: float = 30.0,
         integrity: bool = True,
-        writers: int = 1,
         depth: int = 32,
         metrics: Metrics | None = None,
     ) -> None:
@@ -156,22 +175,17 @@ class SenderPool:
         self._dead_sessions: dict[str, float] = {}  # session id -> when a write to it failed
 
         self._pull, self.port = _io.pull_socket(self.host, port)
+        self._pull_fd = self._pull.getsockopt(zmq.FD)
         self._statuses = _io.Pushers()
-        # queue.Queue, not SimpleQueue: CPython 3.11's SimpleQueue.get(timeout=...) can
-        # recompute a negative timeout after a spurious wake-up and then block forever
-        # (seen here with 20 us timeouts: the writer hung with writes in flight).
-        self._jobs: queue.Queue = queue.Queue()
-        self.metrics.gauge_fn("queue_depth", self._jobs.qsize)
+        # Receivers' writes whose room is complete, waiting for a free slot in flight or
+        # for their item's ready event (owned by the pool's thread).
+        self._waiting: deque[tuple[_Item, TransferInfo]] = deque()
+        self.metrics.gauge_fn("queue_depth", lambda: len(self._waiting))
         self.metrics.gauge_fn("statuses_dropped", lambda: self._statuses.dropped)
         self.metrics.gauge_fn("parked_rooms", lambda: sum(1 for i in self._items.values() if not i.receivers))
 
-        self._threads = [threading.Thread(target=self._run, name=f"epd-encode-{engine_rank}-io", daemon=True)]
-        self._threads += [
-            threading.Thread(target=self._write_loop, name=f"epd-encode-{engine_rank}-w{i}", daemon=True)
-            for i in range(max(1, writers))
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._thread = threading.Thread(target=self._run, name=f"epd-encode-{engine_rank}", daemon=True)
+        self._thread.start()
         try:
             BootstrapClient(bootstrap_addr, token=token).register_rank(
                 tp_size, dp_size, self.host, self.port, engine_rank, retry_for=register_timeout_s
@@ -198,8 +212,8 @@ class SenderPool:
 
         `src` is a tensor `[span, hidden]` on any device, or a raw address with `span`,
         `hidden` and `dtype`; `deepstack` likewise `[span, hidden * k]` (raw: give
-        `deepstack_hidden`). `ready_event` (e.g. a CUDA event) is waited for by the
-        writer, not the caller, before the first byte is read.
+        `deepstack_hidden`). `ready_event` (e.g. a CUDA event) must complete before the
+        first byte is read; the pool polls it (query()), never blocking the caller.
         """
         if self._stopping:
             raise RuntimeError("sender pool is closed")
@@ -235,15 +249,16 @@ class SenderPool:
         return self.metrics.snapshot()
 
     def close(self) -> None:
-        """Fails rooms still in flight, joins every thread, closes sockets, drops temporary registrations."""
+        """Fails rooms still in flight, joins the thread, closes sockets, drops temporary registrations.
+
+        Writes already submitted are waited for first (bounded by the engine's transfer
+        timeout), so no source is released while the engine may still read it.
+        """
         if self._stopping:
             return
         self._stopping = True
         self._waker.wake()
-        for _ in self._threads[1:]:
-            self._jobs.put(None)
-        for thread in self._threads:
-            thread.join(timeout=30)
+        self._thread.join(timeout=30)
         for item in list(self._items.values()):
             self._fail(item, "sender pool closed")
         self._pull.close(0)
@@ -288,34 +303,59 @@ class SenderPool:
 
         return release
 
-    # ------------------------------------------------------------ I/O thread
+    # ------------------------------------------------------------ the thread
 
     def _run(self) -> None:
-        _io.name_this_thread(f"epd-enc{self.engine_rank}-io")
-        poller = zmq.Poller()
-        poller.register(self._pull, zmq.POLLIN)
-        poller.register(self._waker.fileno(), zmq.POLLIN)
+        """Serves requests, starts writes and settles them, until close()."""
+        _io.name_this_thread(f"epd-enc{self.engine_rank}")
+        in_flight: list[_Write] = []
+        delay = POLL_MIN_S
         next_sweep = time.monotonic() + 0.5
-        while not self._stopping:
-            try:
-                events = dict(poller.poll(500))
-            except zmq.ZMQError as exc:
-                log.error("request poller failed: %s", exc)
-                break
-            if self._waker.fileno() in events:
-                self._waker.drain()
-                with self._lock:
-                    new, self._new_items = self._new_items, []
-                for item in new:
-                    self._maybe_dispatch(item.room)
-            if self._pull in events:
+        try:
+            while not self._stopping:
+                busy = bool(in_flight or self._waiting)
+                self._sleep(delay if busy else max(0.0, next_sweep - time.monotonic()))
+                if self._waker.drain():
+                    with self._lock:
+                        new, self._new_items = self._new_items, []
+                    for item in new:
+                        self._maybe_dispatch(item.room)
                 self._drain_requests()
-            now = time.monotonic()
-            if now >= next_sweep:
-                self._sweep(now)
-                next_sweep = now + 0.5
+                self._start_waiting(in_flight)
+                if in_flight:
+                    remaining = self._settle_ready(in_flight)
+                    delay = POLL_MIN_S if len(remaining) < len(in_flight) else min(2 * delay, POLL_MAX_S)
+                    in_flight[:] = remaining
+                now = time.monotonic()
+                if now >= next_sweep:
+                    self._sweep(now)
+                    next_sweep = now + 0.5
+        except Exception as exc:  # noqa: BLE001 - a bug here must not leave rooms hanging silently
+            log.exception("the sender pool's thread failed; failing its rooms")
+            self._stopping = True
+            with self._lock:
+                items = list(self._items.values())
+            for item in items:
+                self._fail(item, f"sender pool stopped: {type(exc).__name__}: {exc}")
+        # Closing: settle what was submitted before any source can be released.
+        while in_flight:
+            in_flight[:] = self._settle_ready(in_flight)
+            if in_flight:
+                time.sleep(POLL_MAX_S)
+
+    def _sleep(self, timeout: float) -> None:
+        """Waits until a request or a wake-up arrives, or `timeout` seconds passed.
+
+        select() rather than zmq's poller, whose whole-millisecond timeouts are too
+        coarse for polling writes. ZMQ's FD only signals that the socket's state may
+        have changed, so pending messages are looked for first.
+        """
+        if self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return
+        select.select([self._pull_fd, self._waker.fileno()], [], [], timeout)
 
     def _drain_requests(self) -> None:
+        """Files every queued request; a complete fanout starts its room's writes."""
         while True:
             frames = _io.recv_frames(self._pull)
             if frames is None:
@@ -359,8 +399,7 @@ class SenderPool:
             if self._items.get(room) is item:
                 self._table.update(room, TransferPoll.Transferring)
         item.pending = len(infos)
-        for info in infos:
-            self._jobs.put((item, info))
+        self._waiting.extend((item, info) for info in infos)
 
     def _file_registration(self, reg: Registration) -> None:
         """Remembers a session's announced regions; a repeat of the same region replaces it.
@@ -406,44 +445,31 @@ class SenderPool:
             for info in asks.infos.values():
                 self._push_status(info, TransferPoll.Failed)
 
-    # --------------------------------------------------------------- writers
+    # ---------------------------------------------------------------- writes
 
-    def _write_loop(self) -> None:
-        """Keeps up to `depth` receivers' writes in flight and settles them as they complete.
+    def _start_waiting(self, in_flight: list[_Write]) -> None:
+        """Submits waiting writes, oldest first, while fewer than `depth` are in flight.
 
-        Measured on two cores: one thread overlapping many submitted batches beats
-        several threads each blocked in a synchronous write, and polling completions
-        with a short sleep beats Mooncake's own wait, which spins a whole core.
-        Waiting for the next job doubles as that sleep, so new work starts at once.
+        Measured on two cores: overlapping many submitted batches from one thread beats
+        threads blocked in synchronous writes, and polling completions with a short
+        sleep beats Mooncake's own wait, which spins a whole core. A write whose item's
+        ready event has not completed waits without holding up the others.
         """
-        _io.name_this_thread(f"epd-enc{self.engine_rank}-wr")
-        in_flight: list[_Write] = []
-        stopping = False
-        delay = POLL_MIN_S
-        while not (stopping and not in_flight):
-            waited = False
-            while not stopping and len(in_flight) < self.depth:
-                try:
-                    if not in_flight:
-                        job = self._jobs.get()  # idle: sleep until there is work
-                    elif not waited:
-                        waited = True
-                        job = self._jobs.get(timeout=delay)  # busy: the back-off between polls
-                    else:
-                        job = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if job is None:
-                    stopping = True
-                    break
-                write = self._start_write(*job)
-                if write is not None:
-                    in_flight.append(write)
-            if in_flight and not waited and len(in_flight) >= self.depth:
-                time.sleep(delay)
-            remaining = self._settle_ready(in_flight)
-            delay = POLL_MIN_S if len(remaining) < len(in_flight) else min(2 * delay, POLL_MAX_S)
-            in_flight = remaining
+        held: list[tuple[_Item, TransferInfo]] = []
+        while self._waiting and len(in_flight) < self.depth:
+            item, info = self._waiting.popleft()
+            try:
+                ready = item.failed or item.ready()
+            except Exception as exc:  # noqa: BLE001 - a broken event fails its room only
+                self._fail(item, f"room {item.room}: waiting for its ready event failed: {exc}")
+                ready = True  # _start_write now just counts this receiver out
+            if not ready:
+                held.append((item, info))
+                continue
+            write = self._start_write(item, info)
+            if write is not None:
+                in_flight.append(write)
+        self._waiting.extendleft(reversed(held))
 
     def _settle_ready(self, in_flight: list[_Write]) -> list[_Write]:
         """Settles the writes that completed; returns those still in flight, in order.
@@ -473,11 +499,6 @@ class SenderPool:
             return None
         submitted_at = None
         try:
-            if item.ready_event is not None:
-                with item.event_lock:
-                    if item.ready_event is not None:
-                        item.ready_event.synchronize()
-                        item.ready_event = None
             srcs = [item.src.addr + info.row_start * item.row_bytes]
             dsts = [info.embedding_ptr]
             lengths = [info.rows * item.row_bytes]
