@@ -104,27 +104,46 @@ def push_socket(host: str, port: int, hwm: int = STATUS_HWM) -> zmq.Socket:
     return sock
 
 
+# pyzmq's Python-level Socket.send/get wrappers cost more than libzmq itself for our
+# small parts; the Cython methods underneath take the same arguments.
+_send = getattr(zmq.backend.Socket, "send", zmq.Socket.send)
+_recv = getattr(zmq.backend.Socket, "recv", zmq.Socket.recv)
+_get = getattr(zmq.backend.Socket, "get", zmq.Socket.get)
 _MORE = zmq.SNDMORE | zmq.NOBLOCK
 
 
 def send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
     """Queues one multipart message without blocking (zmq.Again when the queue is full).
 
-    What send_multipart does, less its per-part checks: a third cheaper for our
-    13-part TransferInfos. Only the first part can meet a full queue, and then
-    nothing was queued; later parts of a started message always go through.
+    send_multipart's work without its per-part Python layers: a third of the cost
+    for our 13-part TransferInfos. Only the first part can meet a full queue, and
+    then nothing was queued; the later parts of a started message always go in.
     """
     last = len(frames) - 1
     for i, frame in enumerate(frames):
-        sock.send(frame, _MORE if i < last else zmq.NOBLOCK)
+        _send(sock, frame, _MORE if i < last else zmq.NOBLOCK)
+
+
+def readable(sock: zmq.Socket) -> bool:
+    """Whether a message is queued on sock (never blocks)."""
+    return bool(_get(sock, zmq.EVENTS) & zmq.POLLIN)
 
 
 def recv_frames(sock: zmq.Socket) -> list[bytes] | None:
-    """One multipart message without blocking, or None when none is queued."""
+    """One multipart message without blocking, or None when none is queued.
+
+    ZMQ_EVENTS is asked first, so draining a socket ends without raising (and
+    building) a zmq.Again, which cost more than a message.
+    """
+    if not readable(sock):
+        return None
     try:
-        return sock.recv_multipart(zmq.NOBLOCK, copy=True)
+        frames = [_recv(sock, zmq.NOBLOCK)]
+        while _get(sock, zmq.RCVMORE):
+            frames.append(_recv(sock, zmq.NOBLOCK))
     except zmq.Again:
         return None
+    return frames
 
 
 class Pushers:
@@ -174,12 +193,42 @@ class Pushers:
             self._sockets.clear()
 
 
-class RoomHandle:
-    """One room's progress as its caller sees it; `state` carries room, done, started_at, concluded_at."""
+class Conclusions:
+    """Wakes the threads in RoomHandle.wait() when a room concludes.
 
-    def __init__(self, table: Any, state: Any) -> None:
+    One condition per manager or pool rather than an Event per room: a room costs
+    nothing here unless someone waits on it, and scheduler loops only poll.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._waiters = 0
+
+    def notify(self) -> None:
+        """Call after setting a room's concluded_at."""
+        # Unlocked read: a waiter counts itself before it looks at concluded_at, and
+        # concluded_at was set before this read, so no waiter can be missed.
+        if self._waiters:
+            with self._cond:
+                self._cond.notify_all()
+
+    def wait(self, state: Any, timeout: float) -> None:
+        """Blocks until state.concluded_at is set, at most `timeout` seconds."""
+        with self._cond:
+            self._waiters += 1
+            try:
+                self._cond.wait_for(lambda: state.concluded_at is not None, timeout)
+            finally:
+                self._waiters -= 1
+
+
+class RoomHandle:
+    """One room's progress as its caller sees it; `state` carries room, started_at, concluded_at."""
+
+    def __init__(self, table: Any, state: Any, conclusions: Conclusions) -> None:
         self._table = table
         self._state = state
+        self._conclusions = conclusions
         self.room = state.room
 
     def poll(self):
@@ -202,7 +251,7 @@ class RoomHandle:
 
     def wait(self, timeout: float):
         """Blocks up to `timeout` seconds for a terminal status (for tools and tests, not scheduler loops)."""
-        self._state.done.wait(timeout)
+        self._conclusions.wait(self._state, timeout)
         return self.poll()
 
 

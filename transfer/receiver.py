@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -54,7 +54,6 @@ class _Room:
     deepstack_nbytes: int
     started_at: float
     deadline: float
-    done: threading.Event = field(default_factory=threading.Event)
     encode_rank: int | None = None
     encode_addr: tuple[str, int] | None = None
     route_key: tuple[str, int, int] | None = None
@@ -80,7 +79,7 @@ class ReceiveHandle(_io.RoomHandle):
     """One room's progress as the scheduler loop sees it: poll(), failure, latency_s, wait(), clear()."""
 
     def __init__(self, manager: SessionManager, room: _Room, rows: Any = None, deepstack: Any = None) -> None:
-        super().__init__(manager._table, room)
+        super().__init__(manager._table, room, manager._conclusions)
         self._manager = manager
         #: With a pool: the leased `[span, hidden]` rows (this rank's shard lands in its
         #: rows; the others are for reassembly) and likewise the deepstack rows.
@@ -144,6 +143,7 @@ class SessionManager:
         self._region_sets: list[RegionSet] = [RegionSet(self.buffer, self.deepstack_buffer)]
 
         self._table = RoomTable()
+        self._conclusions = _io.Conclusions()
         self._rooms: dict[int, _Room] = {}
         self._lock = threading.Lock()
         self._asks: deque[_Room] = deque()
@@ -385,7 +385,7 @@ class SessionManager:
             self.metrics.inc("rooms_failed_total", reason=reason_label(reason or ""))
             log.warning("room %d failed: %s", state.room, reason)
         state.concluded_at = time.monotonic()
-        state.done.set()
+        self._conclusions.notify()
 
     def _run(self) -> None:
         _io.name_this_thread(f"epd-pre{self.engine_rank}-io")

@@ -74,7 +74,6 @@ class _Item:
     ready_event: Any
     started_at: float
     release: Any = None  # callable that drops a temporary source registration
-    done: threading.Event = field(default_factory=threading.Event)
     receivers: list[TransferInfo] = field(default_factory=list)
     pending: int = 0
     failed: bool = False
@@ -121,7 +120,7 @@ class SendHandle(_io.RoomHandle):
     """One room's progress on the encode side: poll(), failure, latency_s, wait(), clear()."""
 
     def __init__(self, pool: SenderPool, item: _Item) -> None:
-        super().__init__(pool._table, item)
+        super().__init__(pool._table, item, pool._conclusions)
         self._pool = pool
 
     def clear(self) -> None:
@@ -162,6 +161,7 @@ class SenderPool:
         self.metrics = metrics or Metrics("epd_encode")
 
         self._table = RoomTable()
+        self._conclusions = _io.Conclusions()
         self._items: dict[int, _Item] = {}  # sent by the caller, not yet concluded
         self._asks: dict[int, _Asks] = {}  # TransferInfos waiting for their whole fanout or item
         # Receive regions each prefill session announced, newest last (bounded).
@@ -350,7 +350,7 @@ class SenderPool:
         coarse for polling writes. ZMQ's FD only signals that the socket's state may
         have changed, so pending messages are looked for first.
         """
-        if self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if _io.readable(self._pull):
             return
         select.select([self._pull_fd, self._waker.fileno()], [], [], timeout)
 
@@ -593,7 +593,7 @@ class SenderPool:
             self.metrics.inc("rooms_failed_total", reason=reason_label(reason or ""))
             log.warning("room %d failed: %s", item.room, reason)
         item.concluded_at = time.monotonic()
-        item.done.set()
+        self._conclusions.notify()
 
     def _forget(self, item: _Item) -> None:
         if not is_terminal(self._table.get(item.room)) and item.room in self._items:
