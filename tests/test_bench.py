@@ -122,6 +122,20 @@ def test_median_row_keeps_the_median_run_and_any_failure():
     assert bench.median_row(runs[:2])["gbps"] == 1.0  # an even count reports the lower middle run
 
 
+def test_repeated_ratios_pair_each_run_with_raw_of_its_turn():
+    # A slow spell halves both paths in turn 2: the paired ratio stays 0.8.
+    raw = [_row("raw", g) for g in (2.0, 1.0, 2.0)]
+    epd = [dict(_row("epd", g), verified=True, failed=0, problems=[]) for g in (1.6, 0.8, 1.0)]
+    raw_row = bench.median_row([dict(r, verified=True, failed=0, problems=[]) for r in raw], raw)
+    epd_row = bench.median_row(epd, raw)
+    assert epd_row["ratio_runs"] == pytest.approx([0.8, 0.8, 0.5])
+    rows = [raw_row, epd_row]
+    bench.fill_ratios(rows)
+    assert raw_row["ratio_to_raw"] == 1.0
+    assert epd_row["ratio_to_raw"] == pytest.approx(0.8)  # not 1.0 / 2.0, the median runs' own ratio
+    assert "paired_ratio" not in epd_row
+
+
 def test_row_of_flags_lost_rooms_and_bad_bytes():
     cell = bench.Cell("epd", 4, 8, "torch.bfloat16", fanout=2, inflight=2, items=4, integrity=True)
     encode = {"t_start": 10.0, "failed": []}

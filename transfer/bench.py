@@ -730,7 +730,8 @@ def memcpy_row(span: int, hidden: int, dtype: str, items: int, passes: int = 3) 
 
 
 def fill_ratios(rows: list[dict]) -> None:
-    """ratio_to_raw: against raw in the same cell; memcpy against the best raw at its size."""
+    """ratio_to_raw: against raw in the same cell (the median of per-turn ratios when repeated);
+    memcpy against the best raw at its size."""
     raw = {(r["item_bytes"], r["fanout"], r["inflight"]): r["gbps"] for r in rows if r["path"] == "raw"}
     best: dict[int, float] = {}
     for (size, _, _), gbps in raw.items():
@@ -739,6 +740,8 @@ def fill_ratios(rows: list[dict]) -> None:
         ref = best.get(row["item_bytes"]) if row["path"] == "memcpy" else raw.get(
             (row["item_bytes"], row["fanout"], row["inflight"]))
         row["ratio_to_raw"] = row["gbps"] / ref if ref else None
+        if row.get("paired_ratio") is not None:
+            row["ratio_to_raw"] = row.pop("paired_ratio")
 
 
 def arena_sizes(opts: Options, cells: list[Cell]) -> list[int]:
@@ -879,7 +882,8 @@ def measure(opts: Options, progress: Progress | None = None, notes: list[str] | 
                         flag = "+i" if cell.integrity else ""
                         progress.step(f"{cell.path}{flag} {human_bytes(cell.item_bytes)} f{cell.fanout} "
                                       f"i{cell.inflight}")
-                rows += [median_row(found) for found in runs.values()]
+                raw = next((found for cell, found in runs.items() if cell.path == "raw"), None)
+                rows += [median_row(found, raw) for found in runs.values()]
     progress.close()
     fill_ratios(rows)
     order = {p: i for i, p in enumerate(PATHS)}
@@ -899,11 +903,21 @@ def _groups(cells: list[Cell]) -> list[list[Cell]]:
     return groups
 
 
-def median_row(runs: list[dict]) -> dict:
-    """The run with the median GB/s (its latencies with it), every run's GB/s, and any failure."""
+def median_row(runs: list[dict], raw: list[dict] | None = None) -> dict:
+    """The run with the median GB/s (its latencies with it), every run's GB/s, and any failure.
+
+    With `raw`, the raw runs of the same turns: `ratio_runs` pairs each run with the raw
+    run of its own turn, and ratio_to_raw becomes their median, so a slow spell of the
+    host that hit both paths of a turn cancels out.
+    """
     ordered = sorted(runs, key=lambda r: r["gbps"])
     row = dict(ordered[(len(ordered) - 1) // 2])
     row["gbps_runs"] = [r["gbps"] for r in runs]
+    if raw is not None and len(raw) == len(runs) and all(r["gbps"] > 0 for r in raw):
+        ratios = sorted(r["gbps"] / ref["gbps"] for r, ref in zip(runs, raw))
+        row["ratio_runs"] = [r["gbps"] / ref["gbps"] for r, ref in zip(runs, raw)]
+        row["paired_ratio"] = ratios[(len(ratios) - 1) // 2] if len(ratios) % 2 else \
+            (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
     broken = [r for r in runs if not r["verified"]]
     if broken:
         row.update(verified=False, failed=max(r["failed"] for r in broken), problems=broken[0]["problems"])
