@@ -181,3 +181,67 @@ def test_cached_route_asks_from_receive_and_keeps_deadlines():
                 assert "no status from encode rank 0 at 127.0.0.1" in second.failure
         finally:
             asks.close(0)
+
+
+def test_close_with_a_write_stuck_on_a_stopped_peer_is_bounded_and_frees_nothing(monkeypatch, caplog):
+    """A peer that stops reading (SIGSTOP) leaves a write in flight: close() still returns within
+    its bound, fails the room, and keeps the source registered since Mooncake may still read it."""
+    import logging
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    from transfer import _io, sender
+    from transfer.frames import registration_frames
+    from transfer.status import TransferPoll
+
+    monkeypatch.setattr(sender, "CLOSE_WAIT_S", 1.0)
+    peer = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import time, torch\n"
+            "from transfer.engine import Engine\n"
+            "e = Engine('127.0.0.1', 'tcp'); buf = torch.zeros(64 << 20, dtype=torch.uint8); e.register(buf)\n"
+            "print(e.session_id, buf.data_ptr(), flush=True)\n"
+            "time.sleep(120)\n")],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        session, landing = peer.stdout.readline().split()
+        landing = int(landing)
+        item = torch.ones(64 << 20, dtype=torch.uint8).view(torch.bfloat16).view(8192, 4096)
+        with Engine("127.0.0.1", "tcp") as encode_engine, BootstrapServer("127.0.0.1", 0) as server:
+            pool = SenderPool(encode_engine, 0, 1, 1, server.address)
+            statuses, status_port = _io.pull_socket("127.0.0.1", 0)
+            asks = _io.push_socket(pool.host, pool.port)
+            try:
+                os.kill(peer.pid, signal.SIGSTOP)
+                asks.send_multipart(registration_frames("127.0.0.1", status_port, session, landing, 0, 64 << 20, 0))
+                asks.send_multipart(TransferInfo(1, "127.0.0.1", status_port, session, landing, 0, 8192, 4096,
+                                                 "torch.bfloat16", False, 1, 0, 8192).to_frames())
+                handle = pool.send(1, item)  # not in registered memory: the pool registers it for the write
+                deadline = time.monotonic() + 10
+                while handle.poll() != TransferPoll.Transferring and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert handle.poll() == TransferPoll.Transferring
+                time.sleep(0.2)  # the 64 MiB cannot fit in the stopped peer's socket buffers
+                with caplog.at_level(logging.ERROR, logger="transfer.sender"):
+                    started = time.monotonic()
+                    pool.close()
+                    assert time.monotonic() - started < 5
+                assert handle.poll() == TransferPoll.Failed and handle.failure == "sender pool closed"
+                assert any("writes still in flight" in m for m in caplog.messages)
+                assert item.data_ptr() in encode_engine.registered()  # kept: Mooncake may still read it
+            finally:
+                asks.close(0)
+                statuses.close(0)
+                os.kill(peer.pid, signal.SIGCONT)
+                peer.kill()
+                peer.wait(10)
+                pool._thread.join(60)  # the write fails once the peer is gone
+                assert not pool._thread.is_alive()
+    finally:
+        if peer.poll() is None:
+            peer.kill()

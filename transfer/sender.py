@@ -58,6 +58,10 @@ DEAD_SESSION_S = 5.0
 #: write (a bad destination, say) answers within milliseconds and stays usable.
 DEAD_AFTER_S = 0.25
 
+#: How long close() waits for writes already submitted: past Mooncake's own transfer
+#: timeout (30 s by default, measured against a stopped peer).
+CLOSE_WAIT_S = 60.0
+
 
 @dataclass
 class _Item:
@@ -251,19 +255,31 @@ class SenderPool:
     def close(self) -> None:
         """Fails rooms still in flight, joins the thread, closes sockets, drops temporary registrations.
 
-        Writes already submitted are waited for first (bounded by the engine's transfer
-        timeout), so no source is released while the engine may still read it.
+        Writes already submitted are waited for first, at most CLOSE_WAIT_S, so no source
+        is released while the engine may still read it. Writes still in flight after that
+        (an engine whose transfer timeout is longer) are logged, and their rooms fail
+        without releasing anything the engine may still be reading.
         """
         if self._stopping:
             return
         self._stopping = True
         self._waker.wake()
-        self._thread.join(timeout=30)
-        for item in list(self._items.values()):
+        self._thread.join(timeout=CLOSE_WAIT_S)
+        stuck = self._thread.is_alive()
+        if stuck:
+            log.error("sender pool of encode rank %d: writes still in flight after %gs; failing their rooms, "
+                      "keeping temporary source registrations and sockets until they settle",
+                      self.engine_rank, CLOSE_WAIT_S)
+        with self._lock:
+            items = list(self._items.values())
+        for item in items:
+            if stuck:
+                item.release = None  # the engine may still read it: leak it rather than free it
             self._fail(item, "sender pool closed")
-        self._pull.close(0)
-        self._statuses.close()
-        self._waker.close()
+        if not stuck:
+            self._pull.close(0)
+            self._statuses.close()
+            self._waker.close()
 
     def __enter__(self) -> SenderPool:
         return self
