@@ -55,6 +55,10 @@ class Waker:
             except BlockingIOError:
                 pass
 
+    def pending(self) -> bool:
+        """Whether a wake-up is waiting to be drained (no system call)."""
+        return self._armed.is_set()
+
     def drain(self) -> bool:
         """Consumes the pending wake-up (True if there was one); call before looking at the work queue.
 

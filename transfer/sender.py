@@ -330,8 +330,10 @@ class SenderPool:
         try:
             while not self._stopping:
                 busy = bool(in_flight or self._waiting)
-                self._sleep(delay if busy else max(0.0, next_sweep - time.monotonic()))
-                if self._waker.drain():
+                woken = self._sleep(delay if busy else max(0.0, next_sweep - time.monotonic()))
+                # The flag saves a system call per loop; the pipe's readability covers a
+                # wake() caught between setting the flag and writing its byte.
+                if (woken or self._waker.pending()) and self._waker.drain():
                     with self._lock:
                         new, self._new_items = self._new_items, []
                     for item in new:
@@ -359,16 +361,16 @@ class SenderPool:
             if in_flight:
                 time.sleep(POLL_MAX_S)
 
-    def _sleep(self, timeout: float) -> None:
-        """Waits until a request or a wake-up arrives, or `timeout` seconds passed.
+    def _sleep(self, timeout: float) -> bool:
+        """Waits until a request or a wake-up arrives, or `timeout` seconds passed; True if woken.
 
         select() rather than zmq's poller, whose whole-millisecond timeouts are too
         coarse for polling writes. ZMQ's FD only signals that the socket's state may
-        have changed, so pending messages are looked for first.
+        have changed: the loop's last look at the socket was the drain that found it
+        empty, so a message queued since then has signalled the FD.
         """
-        if _io.readable(self._pull):
-            return
-        select.select([self._pull_fd, self._waker.fileno()], [], [], timeout)
+        readable, _, _ = select.select([self._pull_fd, self._waker.fileno()], [], [], timeout)
+        return self._waker.fileno() in readable
 
     def _drain_requests(self) -> None:
         """Files every queued request; a complete fanout starts its room's writes."""
