@@ -245,3 +245,29 @@ def test_close_with_a_write_stuck_on_a_stopped_peer_is_bounded_and_frees_nothing
     finally:
         if peer.poll() is None:
             peer.kill()
+
+
+def test_a_failure_inside_the_pools_thread_fails_its_rooms_and_close_still_cleans_up(caplog):
+    import logging
+
+    import torch
+
+    from live_helpers import port_rebindable
+    from transfer.status import TransferPoll
+
+    with Engine("127.0.0.1", "tcp") as engine, BootstrapServer("127.0.0.1", 0) as server:
+        pool = SenderPool(engine, 0, 1, 1, server.address)
+
+        def broken(room):
+            raise RuntimeError("injected")
+
+        pool._maybe_dispatch = broken  # the thread calls it when an item is sent
+        with caplog.at_level(logging.ERROR, logger="transfer.sender"):
+            handle = pool.send(1, torch.zeros(4, 256, dtype=torch.bfloat16))
+            assert handle.wait(5) == TransferPoll.Failed
+        assert handle.failure == "sender pool stopped: RuntimeError: injected"
+        assert any("thread failed" in m for m in caplog.messages)
+        with pytest.raises(RuntimeError, match="thread stopped after an error"):
+            pool.send(2, torch.zeros(4, 256, dtype=torch.bfloat16))
+        pool.close()
+        assert not pool._thread.is_alive() and port_rebindable(pool.host, pool.port)

@@ -173,7 +173,8 @@ class SenderPool:
         self._lock = threading.Lock()
         self._new_items: list[_Item] = []
         self._waker = _io.Waker()
-        self._stopping = False
+        self._stopping = False  # the thread stops (close(), or a failure of its own)
+        self._closed = False
         self._temp_sources: dict[int, int] = {}  # address -> refcount of registrations we made
         self._temp_lock = threading.Lock()
         self._dead_sessions: dict[str, float] = {}  # session id -> when a write to it failed
@@ -220,7 +221,8 @@ class SenderPool:
         first byte is read; the pool polls it (query()), never blocking the caller.
         """
         if self._stopping:
-            raise RuntimeError("sender pool is closed")
+            raise RuntimeError("sender pool is closed" if self._closed else
+                               "sender pool's thread stopped after an error (see the log)")
         if room < 0:
             raise ValueError(f"negative room {room}")
         region, span, hidden, dtype = _source(src, span, hidden, dtype)
@@ -260,9 +262,9 @@ class SenderPool:
         (an engine whose transfer timeout is longer) are logged, and their rooms fail
         without releasing anything the engine may still be reading.
         """
-        if self._stopping:
+        if self._closed:
             return
-        self._stopping = True
+        self._closed = self._stopping = True
         self._waker.wake()
         self._thread.join(timeout=CLOSE_WAIT_S)
         stuck = self._thread.is_alive()
