@@ -137,8 +137,67 @@ def _buffer_span(buf: Any, length: int | None) -> tuple[int, int]:
     return int(buf.data_ptr()), nbytes
 
 
-class Engine:
+class RegisteredMemory:
+    """register(), unregister() and registered() for an engine, over its own add/remove hooks.
+
+    The engine provides `_lock`, `_regions` (address -> length), `_owners` (the tensors
+    kept alive), `_check_open()`, `session_id`, and the hooks below.
+    """
+
+    #: Why an empty region is refused, for the error message.
+    _EMPTY_REASON = "empty region"
+
+    def _region_span(self, buf: Any, length: int | None) -> tuple[int, int]:
+        """(address, length) of what register() was given."""
+        return _buffer_span(buf, length)
+
+    def _add_region(self, addr: int, nbytes: int) -> None:
+        """Makes the region writable by peers (lock held); raises TransferError when refused."""
+        raise NotImplementedError
+
+    def _remove_region(self, addr: int) -> str | None:
+        """Stops peers writing into the region (lock held); a problem to report, or None."""
+        raise NotImplementedError
+
+    def register(self, buf: Any, length: int | None = None) -> tuple[int, int]:
+        """Register a tensor or an address range for peers' writes; returns (address, length)."""
+        addr, nbytes = self._region_span(buf, length)
+        if nbytes <= 0:
+            raise ValueError(f"cannot register address 0x{addr:x} with length {nbytes}: {self._EMPTY_REASON}")
+        with self._lock:
+            self._check_open()
+            if addr in self._regions:
+                raise TransferError(f"address 0x{addr:x} is already registered "
+                                    f"({self._regions[addr]} bytes) on {self.session_id}")
+            self._add_region(addr, nbytes)
+            self._regions[addr] = nbytes
+            if not isinstance(buf, int):
+                self._owners[addr] = buf
+        return addr, nbytes
+
+    def unregister(self, addr: int) -> None:
+        """Unregister the region that starts at addr."""
+        with self._lock:
+            self._check_open()
+            if addr not in self._regions:
+                raise TransferError(f"address 0x{addr:x} is not registered on {self.session_id}")
+            problem = self._remove_region(addr)
+            nbytes = self._regions.pop(addr)
+            self._owners.pop(addr, None)
+        if problem:
+            raise TransferError(f"unregistering address 0x{addr:x} length {nbytes} on "
+                                f"{self.session_id} failed ({problem})")
+
+    def registered(self) -> dict[int, int]:
+        """A snapshot of the registered regions, address -> length."""
+        with self._lock:
+            return dict(self._regions)
+
+
+class Engine(RegisteredMemory):
     """A started Mooncake TransferEngine with its registered memory."""
+
+    _EMPTY_REASON = "Mooncake refuses empty regions"
 
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "auto",
                  device_name: str = "", metadata: str = "P2PHANDSHAKE") -> None:
@@ -166,44 +225,17 @@ class Engine:
 
     # -- memory -----------------------------------------------------------
 
-    def register(self, buf: Any, length: int | None = None) -> tuple[int, int]:
-        """Register a tensor (host or CUDA) or an address range; returns (address, length)."""
-        addr, nbytes = _buffer_span(buf, length)
-        if nbytes <= 0:
-            raise ValueError(f"cannot register address 0x{addr:x} with length {nbytes}: "
-                             f"Mooncake refuses empty regions")
-        with self._lock:
-            self._check_open()
-            if addr in self._regions:
-                raise TransferError(f"address 0x{addr:x} is already registered "
-                                    f"({self._regions[addr]} bytes) on {self.session_id}")
-            rc = self._te.register_memory(addr, nbytes)
-            if rc != 0:
-                raise TransferError(f"registering address 0x{addr:x} length {nbytes} on "
-                                    f"{self.session_id} failed (rc={rc}; -7 means it overlaps "
-                                    f"a registered region)")
-            self._regions[addr] = nbytes
-            if not isinstance(buf, int):
-                self._owners[addr] = buf
-        return addr, nbytes
-
-    def unregister(self, addr: int) -> None:
-        """Unregister the region that starts at addr."""
-        with self._lock:
-            self._check_open()
-            if addr not in self._regions:
-                raise TransferError(f"address 0x{addr:x} is not registered on {self.session_id}")
-            rc = self._te.unregister_memory(addr)
-            nbytes = self._regions.pop(addr)
-            self._owners.pop(addr, None)
+    def _add_region(self, addr: int, nbytes: int) -> None:
+        """Registers a tensor's memory (host or CUDA) or an address range with Mooncake."""
+        rc = self._te.register_memory(addr, nbytes)
         if rc != 0:
-            raise TransferError(f"unregistering address 0x{addr:x} length {nbytes} on "
-                                f"{self.session_id} failed (rc={rc})")
+            raise TransferError(f"registering address 0x{addr:x} length {nbytes} on "
+                                f"{self.session_id} failed (rc={rc}; -7 means it overlaps "
+                                f"a registered region)")
 
-    def registered(self) -> dict[int, int]:
-        """A snapshot of the registered regions, address -> length."""
-        with self._lock:
-            return dict(self._regions)
+    def _remove_region(self, addr: int) -> str | None:
+        rc = self._te.unregister_memory(addr)
+        return f"rc={rc}" if rc != 0 else None
 
     # -- writes -----------------------------------------------------------
 

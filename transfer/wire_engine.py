@@ -61,7 +61,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Sequence
 
 from transfer import _native, wire
-from transfer.engine import TransferError, _buffer_span
+from transfer.engine import RegisteredMemory, TransferError, _buffer_span
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class _Conn:
             pass
 
 
-class WireEngine:
+class WireEngine(RegisteredMemory):
     """The Engine interface over the framed wire: a native listener plus pooled sender connections."""
 
     protocol = "wire"
@@ -162,39 +162,20 @@ class WireEngine:
 
     # -- memory -----------------------------------------------------------
 
-    def register(self, buf: Any, length: int | None = None) -> tuple[int, int]:
-        """Allow peers to write into a host tensor or address range; returns (address, length)."""
-        addr, nbytes = _span(buf, length)
-        if nbytes <= 0:
-            raise ValueError(f"cannot register address 0x{addr:x} with length {nbytes}: empty region")
-        with self._lock:
-            self._check_open()
-            if addr in self._regions:
-                raise TransferError(f"address 0x{addr:x} is already registered "
-                                    f"({self._regions[addr]} bytes) on {self.session_id}")
-            try:
-                _native.wire_add_region(self._listener, addr, nbytes)
-            except ValueError as exc:
-                raise TransferError(f"registering 0x{addr:x} length {nbytes} on {self.session_id}: {exc}") from None
-            self._regions[addr] = nbytes
-            if not isinstance(buf, int):
-                self._owners[addr] = buf
-        return addr, nbytes
+    def _region_span(self, buf: Any, length: int | None) -> tuple[int, int]:
+        return _span(buf, length)  # host memory only
 
-    def unregister(self, addr: int) -> None:
-        """Stop accepting writes into the region at addr; waits for a copy into it in progress."""
-        with self._lock:
-            self._check_open()
-            if addr not in self._regions:
-                raise TransferError(f"address 0x{addr:x} is not registered on {self.session_id}")
-            _native.wire_remove_region(self._listener, addr)
-            del self._regions[addr]
-            self._owners.pop(addr, None)
+    def _add_region(self, addr: int, nbytes: int) -> None:
+        """Lets peers write into a host tensor or address range."""
+        try:
+            _native.wire_add_region(self._listener, addr, nbytes)
+        except ValueError as exc:
+            raise TransferError(f"registering 0x{addr:x} length {nbytes} on {self.session_id}: {exc}") from None
 
-    def registered(self) -> dict[int, int]:
-        """A snapshot of the registered regions, address -> length."""
-        with self._lock:
-            return dict(self._regions)
+    def _remove_region(self, addr: int) -> str | None:
+        """Stops accepting writes into the region; waits for a copy into it in progress."""
+        _native.wire_remove_region(self._listener, addr)
+        return None
 
     # -- writes -----------------------------------------------------------
 
