@@ -32,6 +32,7 @@ import math
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import statistics
 import sys
 import tempfile
 import threading
@@ -440,10 +441,7 @@ def _epd_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
                     bootstrap_timeout_s=extra["deadline_s"], **knobs) as pool:
         worker.ready()
         worker.go()
-        warmup = pool.send(WARMUP_ROOM, source.item(0, cell.span))
-        if warmup.wait(extra["deadline_s"] + 5) != TransferPoll.Success:
-            raise RuntimeError(f"the warm-up room failed: {warmup.failure}")
-        warmup.clear()
+        _warm_up(pool.send(WARMUP_ROOM, source.item(0, cell.span)), extra["deadline_s"], "encode 0")
         report["t_start"] = time.time()
         window: deque = deque()
 
@@ -480,11 +478,8 @@ def _epd_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
                         deadline_s=extra["deadline_s"], integrity=cell.integrity) as manager:
         worker.ready()
         worker.go()
-        warmup = manager.receive(WARMUP_ROOM, extra["bootstrap"], slots[0, :rows], row_start=row_start,
-                                 span=cell.span)
-        if warmup.wait(extra["deadline_s"] + 5) != TransferPoll.Success:
-            raise RuntimeError(f"prefill {worker.rank}: the warm-up room failed: {warmup.failure}")
-        warmup.clear()
+        _warm_up(manager.receive(WARMUP_ROOM, extra["bootstrap"], slots[0, :rows], row_start=row_start,
+                                 span=cell.span), extra["deadline_s"], f"prefill {worker.rank}")
         report["t_start"] = time.time()
         window: deque = deque()
         free = list(range(cell.slots))
@@ -513,6 +508,15 @@ def _epd_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
         report["bad"] = _check_slots(worker, cell, slots, last, row_start, rows)
         worker.finished()
     return report
+
+
+def _warm_up(handle, deadline_s: float, who: str) -> None:
+    """Waits out the untimed warm-up room (WARMUP_ROOM); if it fails, so does the cell."""
+    from transfer.status import TransferPoll
+
+    if handle.wait(deadline_s + 5) != TransferPoll.Success:
+        raise RuntimeError(f"{who}: the warm-up room failed: {handle.failure}")
+    handle.clear()
 
 
 def _fill_sentinel(slots) -> None:
@@ -740,8 +744,8 @@ def fill_ratios(rows: list[dict]) -> None:
         ref = best.get(row["item_bytes"]) if row["path"] == "memcpy" else raw.get(
             (row["item_bytes"], row["fanout"], row["inflight"]))
         row["ratio_to_raw"] = row["gbps"] / ref if ref else None
-        if row.get("paired_ratio") is not None:
-            row["ratio_to_raw"] = row.pop("paired_ratio")
+        if row.get("ratio_runs"):
+            row["ratio_to_raw"] = statistics.median(row["ratio_runs"])
 
 
 def arena_sizes(opts: Options, cells: list[Cell]) -> list[int]:
@@ -907,17 +911,14 @@ def median_row(runs: list[dict], raw: list[dict] | None = None) -> dict:
     """The run with the median GB/s (its latencies with it), every run's GB/s, and any failure.
 
     With `raw`, the raw runs of the same turns: `ratio_runs` pairs each run with the raw
-    run of its own turn, and ratio_to_raw becomes their median, so a slow spell of the
+    run of its own turn, and fill_ratios() reports their median, so a slow spell of the
     host that hit both paths of a turn cancels out.
     """
     ordered = sorted(runs, key=lambda r: r["gbps"])
     row = dict(ordered[(len(ordered) - 1) // 2])
     row["gbps_runs"] = [r["gbps"] for r in runs]
     if raw is not None and len(raw) == len(runs) and all(r["gbps"] > 0 for r in raw):
-        ratios = sorted(r["gbps"] / ref["gbps"] for r, ref in zip(runs, raw))
         row["ratio_runs"] = [r["gbps"] / ref["gbps"] for r, ref in zip(runs, raw)]
-        row["paired_ratio"] = ratios[(len(ratios) - 1) // 2] if len(ratios) % 2 else \
-            (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
     broken = [r for r in runs if not r["verified"]]
     if broken:
         row.update(verified=False, failed=max(r["failed"] for r in broken), problems=broken[0]["problems"])
