@@ -588,6 +588,40 @@ def test_parsers_on_mutated_valid_frames(data):
         only_wire_errors(parser, frames)
 
 
+def outcome(parser, frames):
+    """('ok', result) or ('error', message): what a parser made of frames."""
+    try:
+        return "ok", parser(frames)
+    except WireError as exc:
+        return "error", str(exc)
+
+
+# Parts near every bound the shortcuts check: digit counts, i64, u64 and u16 limits, leading zeros.
+edge_parts = st.one_of(
+    st.from_regex(rb"\A[0-9]{1,22}\Z"),
+    st.sampled_from([b"0", b"00", b"-0", b"+1", b"65535", b"65536", b"9223372036854775807", b"9223372036854775808",
+                     b"18446744073709551615", b"18446744073709551616", b"000000000000000000000001", b"\xff",
+                     b"1\n", b"", b"12345678", b"torch.bfloat16"]),
+    st.binary(max_size=10),
+)
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_shortcuts_agree_with_the_strict_parsers(data):
+    # A list of bytes may take the shortcut; the same parts as a tuple always parse strictly.
+    valid = {
+        TransferInfo.from_frames: INFO_FRAMES,
+        parse_status: status_frames(1, TransferPoll.Success, 0, (1, 2)),
+    }
+    for parser, frames in valid.items():
+        frames = list(frames)
+        for index in data.draw(st.sets(st.integers(0, len(frames) - 1), max_size=3)):
+            frames[index] = data.draw(edge_parts)
+        frames = frames[: data.draw(st.integers(max(0, len(frames) - 2), len(frames) + 1))]
+        assert outcome(parser, frames) == outcome(parser, tuple(frames))
+
+
 # ---------------------------------------------------------------- validate_fanout (SPEC.md 6)
 
 SPAN, HIDDEN, DTYPE = 10, 4096, "torch.bfloat16"

@@ -121,6 +121,18 @@ def _decimal(part: bytes, name: str, low: int = _I64_MIN, high: int = _I64_MAX) 
     return value
 
 
+def _plain_int(part: object, high: int = _I64_MAX) -> int | None:
+    """The value of a part that is plain ASCII digits within [0, high], else None (then parse strictly).
+
+    The hot paths' shortcut: every part it accepts, _decimal accepts with the same
+    value, and whatever it declines goes through the strict parser and its errors.
+    """
+    if type(part) is not bytes or not part.isdigit() or len(part) > 20:
+        return None
+    value = int(part)
+    return value if value <= high else None
+
+
 def _number(part: bytes, name: str) -> int:
     """A TransferInfo/registration number: ASCII first, then a signed 64-bit decimal."""
     if not part.isascii():
@@ -242,6 +254,9 @@ class TransferInfo:
     @classmethod
     def from_frames(cls, frames: Sequence[object]) -> "TransferInfo":
         """Parse SPEC.md 4.2's parts in order; the first failure is the one raised."""
+        info = cls._from_plain_frames(frames)
+        if info is not None:
+            return info
         frames = list(frames)
         if len(frames) < TRANSFER_INFO_PARTS:
             raise WireError(f"malformed EmbeddingTransferInfo frame: {len(frames)} parts < {TRANSFER_INFO_PARTS}")
@@ -264,6 +279,25 @@ class TransferInfo:
         span = _number(parts[12], "span")
         return cls(room, endpoint, port, session_id, embedding_ptr, deepstack_ptr, rows, hidden, dtype,
                    has_deepstack, fanout, row_start, span)
+
+    @classmethod
+    def _from_plain_frames(cls, frames: Sequence[object]) -> "TransferInfo | None":
+        """The common case in a few steps: 13 well-formed bytes parts, or None (then parse strictly)."""
+        if type(frames) is not list or len(frames) != TRANSFER_INFO_PARTS:
+            return None
+        room, endpoint, port, session, emb, ds, rows, hidden, dtype, has_ds, fanout, row_start, span = frames
+        numbers = [_plain_int(p) for p in (room, rows, hidden, fanout, row_start, span)]
+        port_number = _plain_int(port, 0xFFFF)
+        if None in numbers or port_number is None:
+            return None
+        if not all(type(t) is bytes and t.isascii() for t in (endpoint, session, dtype)):
+            return None
+        if type(emb) is not bytes or type(ds) is not bytes or len(emb) != 8 or len(ds) != 8:
+            return None
+        room_n, rows_n, hidden_n, fanout_n, row_start_n, span_n = numbers
+        return cls(room_n, endpoint.decode("ascii"), port_number, session.decode("ascii"), _POINTER.unpack(emb)[0],
+                   _POINTER.unpack(ds)[0], rows_n, hidden_n, dtype.decode("ascii"), has_ds == b"1", fanout_n,
+                   row_start_n, span_n)
 
 
 # ---------------------------------------------------------------- Registration (4.1, 8)
@@ -374,6 +408,12 @@ def status_frames(room: int, status: TransferPoll | int, rank: int, checksums: I
 
 def parse_status(frames: Sequence[object]) -> tuple[int, TransferPoll, int, tuple[int, ...]]:
     """Parse a status into (room, status, rank, checksums); errors in SPEC.md 4.3's order."""
+    if type(frames) is list and STATUS_PARTS <= len(frames) <= STATUS_PARTS + MAX_CHECKSUMS:
+        # The common case: plain digits throughout (anything else is parsed strictly below).
+        values = [_plain_int(p) for p in frames[:STATUS_PARTS]]
+        values += [_plain_int(p, _U64_MAX) for p in frames[STATUS_PARTS:]]
+        if None not in values and values[1] in TransferPoll._value2member_map_:
+            return values[0], TransferPoll(values[1]), values[2], tuple(values[STATUS_PARTS:])
     frames = list(frames)
     if len(frames) < STATUS_PARTS:
         raise WireError("an EPD status has 3 frames")
