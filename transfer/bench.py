@@ -879,9 +879,10 @@ def measure(opts: Options, progress: Progress | None = None, notes: list[str] | 
             for group in _groups(cells):
                 runs: dict[Cell, list[dict]] = {cell: [] for cell in group}
                 # The paths of one geometry take turns, so a slow spell of a shared host
-                # falls on every path rather than on whichever ran during it.
-                for _ in range(repeat):
-                    for cell in group:
+                # falls on every path rather than on whichever ran during it; every other
+                # turn runs them in reverse, so no path always goes first.
+                for turn in range(repeat):
+                    for cell in (group if turn % 2 == 0 else group[::-1]):
                         runs[cell].append(row_of(cell, ranks.run_cell(cell)))
                         flag = "+i" if cell.integrity else ""
                         progress.step(f"{cell.path}{flag} {human_bytes(cell.item_bytes)} f{cell.fanout} "
