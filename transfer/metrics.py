@@ -196,7 +196,7 @@ class Metrics:
         """Add a non-negative amount to a counter."""
         if amount < 0:
             raise ValueError(f"counter {name!r} cannot decrease (amount {amount})")
-        key = _label_key(labels)
+        key = _label_key(labels) if labels else ()
         with self._lock:
             self._claim(name, "counter")
             series = self._counters.setdefault(name, {})
@@ -207,7 +207,7 @@ class Metrics:
         value = float(value)
         if math.isnan(value):
             raise ValueError(f"histogram {name!r} got NaN")
-        key = _label_key(labels, reserved=("le",))
+        key = _label_key(labels, reserved=("le",)) if labels else ()
         index = _bucket_index(self.buckets, value)
         with self._lock:
             self._claim(name, "histogram")
