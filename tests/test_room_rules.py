@@ -69,6 +69,45 @@ def test_a_peer_registration_without_lengths_accepts_any_destination(pool):
     assert pool._check_regions(_Item, [_ask(0xDEAD0000)]) is None
 
 
+def test_pool_gauges_count_parked_rooms_while_items_change_under_them(pool):
+    """parked_rooms counts items nobody asked for yet, read safely while other threads send and clear."""
+    import threading
+
+    import torch
+
+    rows = torch.zeros(4, 256, dtype=torch.bfloat16)
+    pool.engine.register(rows)
+    try:
+        handles = [pool.send(room, rows) for room in (101, 102)]
+        assert pool.stats()["gauges"]["parked_rooms"] == {"": 2}
+        stop = threading.Event()
+        readings: list[float] = []
+
+        def scrape() -> None:
+            while not stop.is_set():
+                readings.append(pool.stats()["gauges"]["parked_rooms"][""])
+
+        import sys
+
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # switch threads often, so a read can land mid-change
+        scraper = threading.Thread(target=scrape)
+        scraper.start()
+        try:
+            for room in range(1000, 1300):  # items come and go while the scraper reads
+                pool.send(room, rows).clear()
+        finally:
+            stop.set()
+            scraper.join()
+            sys.setswitchinterval(interval)
+        assert readings and all(2 <= value <= 3 for value in readings)  # never NaN from a racing read
+        for handle in handles:
+            handle.clear()
+        assert pool.stats()["gauges"]["parked_rooms"] == {"": 0}
+    finally:
+        pool.engine.unregister(rows.data_ptr())
+
+
 def test_a_quickly_refused_write_does_not_mark_the_session_dead():
     """A peer that refuses one write (bad destination) keeps getting the next rooms at once."""
     import time

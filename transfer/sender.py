@@ -187,7 +187,7 @@ class SenderPool:
         self._waiting: deque[tuple[_Item, TransferInfo]] = deque()
         self.metrics.gauge_fn("queue_depth", lambda: len(self._waiting))
         self.metrics.gauge_fn("statuses_dropped", lambda: self._statuses.dropped)
-        self.metrics.gauge_fn("parked_rooms", lambda: sum(1 for i in self._items.values() if not i.receivers))
+        self.metrics.gauge_fn("parked_rooms", self._parked_rooms)
 
         self._thread = threading.Thread(target=self._run, name=f"epd-encode-{engine_rank}", daemon=True)
         self._thread.start()
@@ -253,6 +253,11 @@ class SenderPool:
     def stats(self) -> dict:
         """A plain snapshot of counters, histograms and gauges."""
         return self.metrics.snapshot()
+
+    def _parked_rooms(self) -> int:
+        """Items sent whose receivers have not all asked yet (a scrape may come from any thread)."""
+        with self._lock:
+            return sum(1 for item in self._items.values() if not item.receivers)
 
     def close(self) -> None:
         """Fails rooms still in flight, joins the thread, closes sockets, drops temporary registrations.
