@@ -373,6 +373,33 @@ def test_bootstrap_failure_fails_the_room_fast_without_raising(engines, case):
             assert r.untouched(room)
 
 
+def test_a_silent_bootstrap_server_costs_one_timeout_not_one_per_room(engines):
+    """Rooms behind a server that never answers fail together, not one I/O-thread timeout each."""
+    import socket
+
+    from transfer.receiver import UNREACHABLE_RETRY_S
+
+    silent_rooms = rooms(6)
+    with socket.socket() as silent:
+        silent.bind((HOST, 0))
+        silent.listen(16)  # the kernel accepts; nobody ever answers
+        address = f"{HOST}:{silent.getsockname()[1]}"
+        with Receiver(engines[0], 0, 1, fanout=1, bootstrap_timeout_s=0.5) as r:
+            started = time.monotonic()
+            handles = [r.ask(room, address, SPAN) for room in silent_rooms]
+            assert wait_until(lambda: all(is_terminal(h.poll()) for h in handles), 5.0)
+            took = time.monotonic() - started
+            assert took < 0.5 * len(silent_rooms) / 2, f"{took:.2f}s: one timeout per room"
+            reasons = [h.failure for h in handles]
+            assert all(reason.startswith(f"bootstrap {address}: ") and "unreachable" in reason for reason in reasons)
+            assert sum("not asked again" in reason for reason in reasons) >= len(silent_rooms) - 1, reasons
+            # Once the pause is over, the server is asked again (and times out again).
+            time.sleep(UNREACHABLE_RETRY_S)
+            again = r.ask(rooms(1)[0], address, SPAN)
+            assert wait_until(lambda: is_terminal(again.poll()), 3.0)
+            assert "unreachable" in again.failure and "not asked again" not in again.failure, again.failure
+
+
 # -------------------------------------------------------------- region safety
 
 

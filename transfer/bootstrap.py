@@ -40,6 +40,10 @@ class BootstrapError(RuntimeError):
     """The bootstrap server could not be reached or refused the request."""
 
 
+class BootstrapUnreachable(BootstrapError):
+    """No answer from the bootstrap server at all (refused, reset or timed out)."""
+
+
 class _RequestError(Exception):
     """An HTTP error answer: status code and text."""
 
@@ -325,8 +329,8 @@ class BootstrapClient:
         try:
             status, raw = self._request("GET", path)
         except (OSError, http.client.HTTPException) as error:
-            raise BootstrapError(f"bootstrap server {self.address} unreachable for {what}: "
-                                 f"{error or type(error).__name__}") from error
+            raise BootstrapUnreachable(f"bootstrap server {self.address} unreachable for {what}: "
+                                       f"{error or type(error).__name__}") from error
         if status != 200:
             return status, raw.decode("utf-8", "replace")
         try:

@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from transfer import _io
-from transfer.bootstrap import BootstrapClient, BootstrapError
+from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapUnreachable
 from transfer.frames import (
     TransferInfo,
     WireError,
@@ -35,6 +35,11 @@ from transfer.status import RoomTable, TransferPoll, is_terminal
 log = logging.getLogger("transfer.receiver")
 
 ENCODE_FAILED = "encode failed to send embedding"
+
+#: After a bootstrap server did not answer at all, rooms that would look it up fail at
+#: once for this long instead of each spending a whole timeout on the I/O thread, whose
+#: other rooms (statuses, deadlines) would wait behind them.
+UNREACHABLE_RETRY_S = 1.0
 
 
 @dataclass
@@ -160,6 +165,8 @@ class SessionManager:
         self._announced: set[tuple] = set()  # (route key, region addr, region length)
         self._encode_sockets: dict[tuple[str, int], zmq.Socket] = {}
         self._send_lock = threading.Lock()
+        # Bootstrap servers that did not answer: address -> (when, why). I/O thread only.
+        self._unreachable: dict[str, tuple[float, str]] = {}
 
         self._status_sock, self.status_port = _io.pull_socket(self.host, status_port)
         self.metrics.gauge_fn("rooms_in_flight", lambda: len(self._rooms))
@@ -318,15 +325,23 @@ class SessionManager:
             return
         self._stopping = True
         self._waker.wake()
-        self._thread.join(timeout=10)
-        for state in list(self._rooms.values()):
+        # The I/O thread's longest step is one room's bootstrap look-up (two requests).
+        self._thread.join(timeout=2 * self.bootstrap_timeout_s + 5)
+        stuck = self._thread.is_alive()
+        with self._lock:
+            states = list(self._rooms.values())
+        for state in states:
             self._conclude(state, TransferPoll.Failed, "session manager closed")
-        self._status_sock.close(0)
-        with self._send_lock:
-            for sock in self._encode_sockets.values():
-                sock.close(0)
-            self._encode_sockets.clear()
-        self._waker.close()
+        if stuck:
+            # Its sockets are its own: closing them under it could crash the process.
+            log.error("prefill rank %d: the I/O thread did not stop; leaving its sockets open", self.engine_rank)
+        else:
+            self._status_sock.close(0)
+            with self._send_lock:
+                for sock in self._encode_sockets.values():
+                    sock.close(0)
+                self._encode_sockets.clear()
+            self._waker.close()
         for addr in self._owned:
             try:
                 self.engine.unregister(addr)
@@ -416,7 +431,7 @@ class SessionManager:
         return timeout_ms
 
     def _serve_asks(self) -> None:
-        while True:
+        while not self._stopping:
             with self._lock:
                 if not self._asks:
                     return
@@ -424,9 +439,19 @@ class SessionManager:
                 if self._rooms.get(state.room) is not state:
                     continue  # cleared before we got to it: nothing to ask for
                 heapq.heappush(self._deadlines, (state.deadline, state.room, state))
+            down = self._unreachable.get(state.bootstrap_addr)
+            if down is not None:
+                ago = time.monotonic() - down[0]
+                if ago < UNREACHABLE_RETRY_S:
+                    self._conclude(state, TransferPoll.Failed, f"bootstrap {state.bootstrap_addr}: {down[1]} "
+                                   f"({ago:.1f}s ago; not asked again for {UNREACHABLE_RETRY_S:g}s)")
+                    continue
+                del self._unreachable[state.bootstrap_addr]
             try:
                 self._ask(state)
             except BootstrapError as exc:
+                if isinstance(exc, BootstrapUnreachable):
+                    self._unreachable[state.bootstrap_addr] = (time.monotonic(), str(exc))
                 self._conclude(state, TransferPoll.Failed, f"bootstrap {state.bootstrap_addr}: {exc}")
             except _AskFailed as exc:
                 self._conclude(state, TransferPoll.Failed, str(exc))
