@@ -310,3 +310,83 @@ def test_a_failure_inside_the_pools_thread_fails_its_rooms_and_close_still_clean
             pool.send(2, torch.zeros(4, 256, dtype=torch.bfloat16))
         pool.close()
         assert not pool._thread.is_alive() and port_rebindable(pool.host, pool.port)
+
+
+def _stand_in_encode_rank(server):
+    """A PULL socket registered as encode rank 0 of `server`: it takes the manager's asks."""
+    from transfer import _io
+    from transfer.bootstrap import BootstrapClient
+
+    asks, port = _io.pull_socket("127.0.0.1", 0)
+    BootstrapClient(server.address).register_rank(1, 1, "127.0.0.1", port, 0)
+    return asks
+
+
+def test_a_status_whose_handling_fails_fails_its_room_only():
+    import torch
+
+    from transfer import _io
+    from transfer.frames import status_frames
+    from transfer.receiver import SessionManager
+    from transfer.status import TransferPoll
+
+    with Engine("127.0.0.1", "tcp") as engine, BootstrapServer("127.0.0.1", 0) as server:
+        asks = _stand_in_encode_rank(server)
+        statuses = None
+        try:
+            buf = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+            with SessionManager(engine, 0, 1, 1, buffer=buf) as manager:
+                verify = manager._verify
+
+                def verify_or_break(state, sums):
+                    if state.room == 1:
+                        raise RuntimeError("injected")  # as a device error while checking would
+                    return verify(state, sums)
+
+                manager._verify = verify_or_break
+                first, second = manager.receive(1, server.address, buf[0]), manager.receive(2, server.address, buf[1])
+                statuses = _io.push_socket("127.0.0.1", manager.status_port)
+                for room in (1, 2):
+                    statuses.send_multipart(status_frames(room, TransferPoll.Success, 0))
+                assert first.wait(5) == TransferPoll.Failed
+                assert first.failure == "room 1: handling its status failed: RuntimeError: injected"
+                assert second.wait(5) == TransferPoll.Success  # the I/O thread lives on
+                assert manager._thread.is_alive()
+        finally:
+            asks.close(0)
+            if statuses is not None:
+                statuses.close(0)
+
+
+def test_a_failure_inside_the_managers_io_thread_fails_its_rooms_and_close_still_cleans_up(caplog):
+    import logging
+
+    import torch
+
+    from live_helpers import port_rebindable
+    from transfer.receiver import SessionManager
+    from transfer.status import TransferPoll
+
+    with Engine("127.0.0.1", "tcp") as engine, BootstrapServer("127.0.0.1", 0) as server:
+        asks = _stand_in_encode_rank(server)
+        try:
+            buf = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+            manager = SessionManager(engine, 0, 1, 1, buffer=buf, deadline_s=30)
+            handle = manager.receive(1, server.address, buf[0])
+            assert asks.poll(5000), "the manager never asked"
+
+            def broken(now):
+                raise RuntimeError("injected")
+
+            manager._expire = broken  # the thread calls it on every turn
+            with caplog.at_level(logging.ERROR, logger="transfer.receiver"):
+                manager._waker.wake()
+                assert handle.wait(5) == TransferPoll.Failed  # long before its 30 s deadline
+            assert handle.failure == "session manager stopped: RuntimeError: injected"
+            assert any("I/O thread failed" in m for m in caplog.messages)
+            with pytest.raises(RuntimeError, match="I/O thread stopped after an error"):
+                manager.receive(2, server.address, buf[1])
+            manager.close()
+            assert not manager._thread.is_alive() and port_rebindable(manager.host, manager.status_port)
+        finally:
+            asks.close(0)

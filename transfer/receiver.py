@@ -156,6 +156,7 @@ class SessionManager:
         self._wake_at = 0.0  # when the I/O thread next wakes by itself (under _lock)
         self._waker = _io.Waker()
         self._stopping = False
+        self._failure: str | None = None  # why the I/O thread stopped on its own (under _lock)
 
         # Caches filled by the I/O thread; receive() reads them for its direct asks.
         # _send_lock serialises every push to an encode rank and every change to the
@@ -240,6 +241,8 @@ class SessionManager:
         state.lease = lease
         state.has_deepstack = deepstack_dst is not None
         with self._lock:
+            if self._failure is not None:
+                raise RuntimeError(f"session manager's I/O thread stopped after an error: {self._failure}")
             if room in self._rooms:
                 raise ValueError(f"room {room} is already being received; clear() it first")
             self._rooms[room] = state
@@ -407,19 +410,22 @@ class SessionManager:
         poller = zmq.Poller()
         poller.register(self._status_sock, zmq.POLLIN)
         poller.register(self._waker.fileno(), zmq.POLLIN)
-        while not self._stopping:
-            timeout_ms = self._next_timeout_ms()
-            try:
-                events = dict(poller.poll(timeout_ms))
-            except zmq.ZMQError as exc:
-                log.error("status poller failed: %s", exc)
-                break
-            if self._waker.fileno() in events:
-                self._waker.drain()
-                self._serve_asks()
-            if self._status_sock in events:
-                self._drain_statuses()
-            self._expire(time.monotonic())
+        try:
+            while not self._stopping:
+                events = dict(poller.poll(self._next_timeout_ms()))
+                if self._waker.fileno() in events:
+                    self._waker.drain()
+                    self._serve_asks()
+                if self._status_sock in events:
+                    self._drain_statuses()
+                self._expire(time.monotonic())
+        except Exception as exc:  # noqa: BLE001 - without this thread no room would ever conclude
+            log.exception("prefill rank %d: the I/O thread failed; failing its rooms", self.engine_rank)
+            with self._lock:
+                self._failure = f"{type(exc).__name__}: {exc}"
+                states = list(self._rooms.values())
+            for state in states:
+                self._conclude(state, TransferPoll.Failed, f"session manager stopped: {self._failure}")
 
     def _next_timeout_ms(self) -> int:
         """How long the I/O thread may sleep: until the earliest deadline, at most 1 s."""
@@ -567,7 +573,12 @@ class SessionManager:
             if state.encode_rank is not None and rank != state.encode_rank:
                 log.warning("room %d: status from encode rank %d, expected %d; ignored", room, rank, state.encode_rank)
                 continue
-            self._on_status(state, status, sums)
+            try:
+                self._on_status(state, status, sums)
+            except Exception as exc:  # noqa: BLE001 - e.g. a device error while checking: this room only
+                log.exception("room %d: handling its status failed", room)
+                self._conclude(state, TransferPoll.Failed,
+                               f"room {room}: handling its status failed: {type(exc).__name__}: {exc}")
 
     def _on_status(self, state: _Room, status: TransferPoll, sums: tuple[int, ...]) -> None:
         if status == TransferPoll.Failed:
