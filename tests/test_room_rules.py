@@ -390,3 +390,58 @@ def test_a_failure_inside_the_managers_io_thread_fails_its_rooms_and_close_still
             assert not manager._thread.is_alive() and port_rebindable(manager.host, manager.status_port)
         finally:
             asks.close(0)
+
+
+def test_a_receiver_endpoint_that_cannot_be_connected_loses_its_status_only():
+    """A TransferInfo naming a malformed status host: its status is dropped, the pool serves on."""
+    import torch
+
+    from transfer import _io
+    from transfer.frames import parse_status
+    from transfer.status import TransferPoll
+
+    with Engine("127.0.0.1", "tcp") as encode_engine, Engine("127.0.0.1", "tcp") as prefill_engine, \
+            BootstrapServer("127.0.0.1", 0) as server, \
+            SenderPool(encode_engine, 0, 1, 1, server.address) as sender:
+        landing = torch.zeros(2, 4, 256, dtype=torch.bfloat16)
+        prefill_engine.register(landing)
+        statuses, status_port = _io.pull_socket("127.0.0.1", 0)
+        asks = _io.push_socket(sender.host, sender.port)
+        try:
+            session = prefill_engine.session_id
+            item = torch.randn(4, 256).to(torch.bfloat16)
+            for room, host in ((1, "bad host"), (2, "127.0.0.1")):
+                info = TransferInfo(room, host, status_port, session, landing[room - 1].data_ptr(), 0, 4, 256,
+                                    "torch.bfloat16", False, 1, 0, 4)
+                asks.send_multipart(info.to_frames())
+                handle = sender.send(room, item)
+                assert handle.wait(10) == TransferPoll.Success, handle.failure  # the bytes were written
+            assert statuses.poll(10_000), "no status for room 2"
+            assert parse_status(statuses.recv_multipart())[:2] == (2, TransferPoll.Success)
+            assert not statuses.poll(200), "a status reached a receiver it should not have"
+            assert sender._thread.is_alive()
+            assert sender.stats()["gauges"]["statuses_dropped"] == {"": 1}
+            for slot in (0, 1):
+                assert torch.equal(landing[slot].view(torch.uint8), item.view(torch.uint8))
+        finally:
+            asks.close(0)
+            statuses.close(0)
+
+
+def test_a_route_that_cannot_be_connected_fails_its_room_only():
+    import torch
+
+    from transfer.bootstrap import BootstrapClient
+    from transfer.receiver import SessionManager
+    from transfer.status import TransferPoll
+
+    with Engine("127.0.0.1", "tcp") as engine, BootstrapServer("127.0.0.1", 0) as server:
+        BootstrapClient(server.address).register_rank(1, 1, "bad host", 5000, 0)
+        buf = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+        with SessionManager(engine, 0, 1, 1, buffer=buf) as manager:
+            first = manager.receive(1, server.address, buf[0])
+            assert first.wait(5) == TransferPoll.Failed
+            assert "encode rank 0 at bad host:5000" in first.failure and "cannot connect" in first.failure
+            second = manager.receive(2, server.address, buf[1])  # looked up afresh, fails the same way
+            assert second.wait(5) == TransferPoll.Failed and "cannot connect" in second.failure
+            assert manager._thread.is_alive()

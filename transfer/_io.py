@@ -99,12 +99,20 @@ def pull_socket(host: str, port: int) -> tuple[zmq.Socket, int]:
 
 
 def push_socket(host: str, port: int, hwm: int = STATUS_HWM) -> zmq.Socket:
-    """A PUSH socket connected to host:port that never blocks the sender for long."""
+    """A PUSH socket connected to host:port that never blocks the sender for long.
+
+    zmq.ZMQError when the address cannot be connected to (a malformed host); no
+    socket is left behind then.
+    """
     sock = context().socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, hwm)
-    sock.setsockopt(zmq.SNDTIMEO, 0)
-    sock.connect(f"tcp://{zmq_host(host)}:{port}")
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.SNDTIMEO, 0)
+        sock.connect(f"tcp://{zmq_host(host)}:{port}")
+    except zmq.ZMQError:
+        sock.close(0)
+        raise
     return sock
 
 
@@ -166,7 +174,11 @@ class Pushers:
         self.dropped = 0
 
     def send(self, endpoint: str, port: int, frames: list[bytes]) -> bool:
-        """Queues `frames` for endpoint:port; False when they had to be dropped."""
+        """Queues `frames` for endpoint:port; False when they had to be dropped.
+
+        Never raises for the endpoint's sake: one that cannot even be connected to (a
+        peer announced a malformed host) loses its messages, logged once, like a dead one.
+        """
         key = (endpoint, port)
         with self._lock:
             sock = self._sockets.get(key)
@@ -175,16 +187,24 @@ class Pushers:
                     # Forget the oldest endpoint rather than grow without bound.
                     old_key = next(iter(self._sockets))
                     self._sockets.pop(old_key).close(0)
-                sock = self._sockets[key] = push_socket(endpoint, port, self._hwm)
+                try:
+                    sock = push_socket(endpoint, port, self._hwm)
+                except zmq.ZMQError as exc:
+                    return self._drop(key, f"cannot connect to it ({exc})")
+                self._sockets[key] = sock
             try:
                 send_frames(sock, frames)
                 return True
             except zmq.Again:
-                self.dropped += 1
-                if key not in self._warned:
-                    self._warned.add(key)
-                    log.warning("%s:%d is not draining its queue; dropping messages to it", endpoint, port)
-                return False
+                return self._drop(key, "it is not draining its queue")
+
+    def _drop(self, key: tuple[str, int], why: str) -> bool:
+        """Counts a dropped message; warns once per endpoint (lock held)."""
+        self.dropped += 1
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("dropping messages to %s:%d: %s", key[0], key[1], why)
+        return False
 
     def __len__(self) -> int:
         return len(self._sockets)

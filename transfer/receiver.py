@@ -486,7 +486,12 @@ class SessionManager:
         with self._send_lock:
             sock = self._encode_sockets.get(route)
             if sock is None:
-                sock = self._encode_sockets[route] = _io.push_socket(*route)
+                try:
+                    sock = self._encode_sockets[route] = _io.push_socket(*route)
+                except zmq.ZMQError as exc:
+                    self._routes.pop(key, None)  # the next room looks the rank up afresh
+                    raise _AskFailed(f"encode rank {state.encode_rank} at {route[0]}:{route[1]} (from bootstrap "
+                                     f"{state.bootstrap_addr}): cannot connect: {exc}") from None
             regions = state.regions
             announcement = (key, regions.embedding.addr, regions.embedding.nbytes)
             if announcement not in self._announced:
