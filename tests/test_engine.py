@@ -261,6 +261,19 @@ def test_write_to_dead_session_names_it(pair):
 
 
 @_live
+def test_a_refused_submit_says_so_and_shortens_a_long_session_name(pair):
+    writer, _ = pair
+    src = _random_bytes(64, seed=7)
+    writer.register(src)
+    long_name = "h" * 5000  # a peer's TransferInfo can carry any session id
+    with pytest.raises(TransferError) as caught:
+        writer.write_async(long_name, [src.data_ptr()], [0x10000], [64])
+    message = str(caught.value)
+    assert "Mooncake refused the batch" in message and "rc=0" not in message
+    assert f"{'h' * 100}... (5000 characters) failed" in message and len(message) < 400
+
+
+@_live
 def test_write_outside_peer_region_fails_and_touches_nothing(pair):
     writer, reader = pair
     src = _random_bytes(4096, seed=7)

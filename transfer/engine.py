@@ -259,7 +259,8 @@ class Engine(RegisteredMemory):
         for src, dst, length in zip(srcs, dsts, lens):
             batch_id = int(self._te.batch_transfer_async_write(session_id, [src], [dst], [length]))
             if batch_id in _BAD_BATCH_IDS:
-                pending.error = self._describe_failure("write", session_id, dsts, lens, batch_id) + "; submit refused"
+                pending.error = self._describe_failure(
+                    "write", session_id, dsts, lens, "Mooncake refused the batch: an unknown or unreachable session?")
                 break
             pending.batches.append(batch_id)
         if pending.error is not None and not pending.batches:
@@ -288,7 +289,8 @@ class Engine(RegisteredMemory):
                     return False
                 pending.batches.pop(0)  # Mooncake freed (or timed out) that batch
                 if rc < 0 and pending.error is None:
-                    pending.error = self._describe_failure("write", pending.session_id, pending.dsts, pending.lens, rc)
+                    pending.error = self._describe_failure("write", pending.session_id, pending.dsts, pending.lens,
+                                                           f"rc={rc}")
                     if rc == -2:
                         pending.error += "; Mooncake's transfer timeout (MC_TRANSFER_TIMEOUT) passed"
         with self._lock:
@@ -346,11 +348,11 @@ class Engine(RegisteredMemory):
                             f"inside memory registered on {self.session_id}")
 
     def _describe_failure(self, what: str, session_id: str, dsts: list[int],
-                          lens: list[int], rc: int) -> str:
-        """Name the session, the destination range(s), the sizes and the return code."""
+                          lens: list[int], why: str) -> str:
+        """Name the session (a peer's, so shortened when long), the destination range(s), the sizes and why."""
+        name = session_id if len(session_id) <= 120 else f"{session_id[:100]}... ({len(session_id)} characters)"
         first = f"first destination 0x{dsts[0]:x}+{lens[0]}"
-        return (f"{what} to {session_id} failed (rc={rc}): {len(lens)} buffer(s), "
-                f"{sum(lens)} bytes, {first}")
+        return f"{what} to {name} failed ({why}): {len(lens)} buffer(s), {sum(lens)} bytes, {first}"
 
     # -- lifecycle --------------------------------------------------------
 
