@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,6 +157,38 @@ def recv_frames(sock: zmq.Socket) -> list[bytes] | None:
     except zmq.Again:
         return None
     return frames
+
+
+class ThrottledLog:
+    """Warnings about what peers send, at most one per kind per `interval_s`.
+
+    A misconfigured or hostile peer can send thousands of bad messages a second; each
+    kind of complaint (a key the caller picks, such as the error text) is logged the
+    first time, then at most once per interval with a count of the repeats left out.
+    """
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 1.0, max_kinds: int = 256) -> None:
+        self._logger = logger
+        self._interval_s = interval_s
+        self._max_kinds = max_kinds
+        self._kinds: dict[object, list] = {}  # key -> [next time it may log, repeats left out]
+        self._lock = threading.Lock()
+
+    def warning(self, key: object, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            entry = self._kinds.get(key)
+            if entry is not None and now < entry[0]:
+                entry[1] += 1
+                return
+            left_out = entry[1] if entry is not None else 0
+            if entry is None and len(self._kinds) >= self._max_kinds:
+                self._kinds.clear()  # bounded memory; at worst a kind is logged once more
+            self._kinds[key] = [now + self._interval_s, 0]
+        if left_out:
+            msg += " (and %d more like it in the last %gs, not logged)"
+            args += (left_out, self._interval_s)
+        self._logger.warning(msg, *args)
 
 
 class Pushers:

@@ -157,6 +157,7 @@ class SessionManager:
         self._waker = _io.Waker()
         self._stopping = False
         self._failure: str | None = None  # why the I/O thread stopped on its own (under _lock)
+        self._complaints = _io.ThrottledLog(log)  # about statuses peers sent
 
         # Caches filled by the I/O thread; receive() reads them for its direct asks.
         # _send_lock serialises every push to an encode rank and every change to the
@@ -568,7 +569,7 @@ class SessionManager:
             try:
                 room, status, rank, sums = parse_status(frames)
             except WireError as exc:
-                log.warning("dropped a malformed status (%d parts): %s", len(frames), exc)
+                self._complaints.warning(str(exc), "dropped a malformed status (%d parts): %s", len(frames), exc)
                 continue
             with self._lock:
                 state = self._rooms.get(room)
@@ -576,7 +577,8 @@ class SessionManager:
                 log.debug("status %s for unknown room %d ignored", status.name, room)
                 continue
             if state.encode_rank is not None and rank != state.encode_rank:
-                log.warning("room %d: status from encode rank %d, expected %d; ignored", room, rank, state.encode_rank)
+                self._complaints.warning(("rank", rank), "room %d: status from encode rank %d, expected %d; ignored",
+                                         room, rank, state.encode_rank)
                 continue
             try:
                 self._on_status(state, status, sums)

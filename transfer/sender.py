@@ -178,6 +178,7 @@ class SenderPool:
         self._temp_sources: dict[int, int] = {}  # address -> refcount of registrations we made
         self._temp_lock = threading.Lock()
         self._dead_sessions: dict[str, float] = {}  # session id -> when a write to it failed
+        self._complaints = _io.ThrottledLog(log)  # about requests peers sent
 
         self._pull, self.port = _io.pull_socket(self.host, port)
         self._pull_fd = self._pull.getsockopt(zmq.FD)
@@ -391,7 +392,7 @@ class SenderPool:
                     continue
                 info = TransferInfo.from_frames(frames)
             except WireError as exc:
-                log.warning("dropped a malformed request (%d parts): %s", len(frames), exc)
+                self._complaints.warning(str(exc), "dropped a malformed request (%d parts): %s", len(frames), exc)
                 continue
             asks = self._asks.get(info.room)
             if asks is None:

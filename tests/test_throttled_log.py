@@ -1,0 +1,44 @@
+"""transfer._io.ThrottledLog: complaints about peers, at most one per kind per interval."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from transfer import _io
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(_io.time, "monotonic", lambda: now[0])
+    return now
+
+
+def test_each_kind_logs_once_per_interval_then_counts_what_it_left_out(clock, caplog):
+    logger = logging.getLogger("test.throttled")
+    throttled = _io.ThrottledLog(logger, interval_s=1.0)
+    with caplog.at_level(logging.WARNING, logger="test.throttled"):
+        for _ in range(1000):
+            throttled.warning("bad room", "dropped: %s", "bad room")
+        throttled.warning("bad rank", "dropped: %s", "bad rank")  # another kind logs at once
+        assert caplog.messages == ["dropped: bad room", "dropped: bad rank"]
+        clock[0] += 0.5
+        throttled.warning("bad room", "dropped: %s", "bad room")
+        assert len(caplog.messages) == 2
+        clock[0] += 0.6
+        throttled.warning("bad room", "dropped: %s", "bad room")
+        assert caplog.messages[-1] == "dropped: bad room (and 1000 more like it in the last 1s, not logged)"
+        clock[0] += 5
+        throttled.warning("bad room", "dropped: %s", "bad room")
+        assert caplog.messages[-1] == "dropped: bad room"  # nothing was left out since
+
+
+def test_kinds_are_bounded(clock, caplog):
+    throttled = _io.ThrottledLog(logging.getLogger("test.throttled"), interval_s=60.0, max_kinds=8)
+    with caplog.at_level(logging.WARNING, logger="test.throttled"):
+        for kind in range(100):  # e.g. a peer cycling through ranks
+            throttled.warning(kind, "kind %d", kind)
+    assert len(throttled._kinds) <= 8
+    assert len(caplog.messages) == 100  # new kinds are never silenced
