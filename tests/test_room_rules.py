@@ -63,6 +63,37 @@ def test_region_memory_is_bounded(pool):
     assert pool._check_regions(_Item, [_ask(0x100000 * (MAX_REGIONS_PER_SESSION + 10))]) is None
 
 
+def test_sessions_remembered_are_bounded_least_recently_registered_first(pool):
+    from transfer.sender import MAX_SESSIONS
+
+    def register(index: int) -> None:
+        pool._file_registration(Registration("10.0.0.7", 5000, f"session-{index}", 0x10000, 0, 4096, 0))
+
+    pool._sessions.clear()
+    for index in range(MAX_SESSIONS):
+        register(index)
+    register(0)  # registered again: now the most recent
+    register(MAX_SESSIONS)  # one too many: the least recently registered goes
+    assert len(pool._sessions) == MAX_SESSIONS
+    assert "session-0" in pool._sessions and "session-1" not in pool._sessions
+    assert f"session-{MAX_SESSIONS}" in pool._sessions
+    pool._sessions.clear()
+
+
+def test_dead_sessions_are_forgotten_once_their_pause_is_over(pool):
+    import time
+
+    from live_helpers import wait_until
+    from transfer.sender import DEAD_SESSION_S
+
+    now = time.monotonic()
+    pool._dead_sessions["10.0.0.9:1"] = now - DEAD_SESSION_S - 1  # the pool's thread sweeps twice a second
+    pool._dead_sessions["10.0.0.9:2"] = now + 3600  # still paused
+    assert wait_until(lambda: "10.0.0.9:1" not in pool._dead_sessions, 3.0)
+    assert "10.0.0.9:2" in pool._dead_sessions
+    del pool._dead_sessions["10.0.0.9:2"]
+
+
 def test_a_peer_registration_without_lengths_accepts_any_destination(pool):
     pool._sessions.pop(SESSION, None)
     pool._file_registration(Registration("10.0.0.7", 5000, SESSION, 0x10000, 0))

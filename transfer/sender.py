@@ -46,8 +46,10 @@ log = logging.getLogger("transfer.sender")
 POLL_MIN_S = 250e-6
 POLL_MAX_S = 1e-3
 
-#: Regions remembered per prefill session (a main buffer plus per-item fallbacks).
+#: Regions remembered per prefill session (a main buffer plus per-item fallbacks), and
+#: sessions remembered (the least recently registered is forgotten first).
 MAX_REGIONS_PER_SESSION = 64
+MAX_SESSIONS = 4096
 
 #: After a write to a prefill session failed slowly, later writes to it fail at once for this
 #: long (or until it registers again): each batch to a dead peer costs Mooncake a
@@ -435,7 +437,10 @@ class SenderPool:
         freed is never again an accepted destination.
         """
         self._dead_sessions.pop(reg.session_id, None)  # it is back (or restarted): try again
-        regs = self._sessions.setdefault(reg.session_id, [])
+        regs = self._sessions.pop(reg.session_id, [])
+        self._sessions[reg.session_id] = regs  # now the most recently registered
+        if len(self._sessions) > MAX_SESSIONS:
+            del self._sessions[next(iter(self._sessions))]
         regs[:] = [
             r for r in regs
             if r.embedding_base != reg.embedding_base and (r.endpoint, r.port) == (reg.endpoint, reg.port)
@@ -470,6 +475,10 @@ class SenderPool:
             log.warning("room %d: no item sent within %gs for %d receiver(s); telling them Failed", room, limit, len(asks.infos))
             for info in asks.infos.values():
                 self._push_status(info, TransferPoll.Failed)
+        # A dead session is skipped for DEAD_SESSION_S; older entries only take memory.
+        for session, failed_at in list(self._dead_sessions.items()):
+            if now - failed_at >= DEAD_SESSION_S:
+                self._dead_sessions.pop(session, None)
 
     # ---------------------------------------------------------------- writes
 
