@@ -476,3 +476,41 @@ def test_a_route_that_cannot_be_connected_fails_its_room_only():
             second = manager.receive(2, server.address, buf[1])  # looked up afresh, fails the same way
             assert second.wait(5) == TransferPoll.Failed and "cannot connect" in second.failure
             assert manager._thread.is_alive()
+
+
+def test_parked_asks_are_bounded_oldest_told_failed(monkeypatch):
+    """A peer asking for rooms nobody sends cannot grow the pool without bound."""
+    from live_helpers import wait_until
+    from transfer import _io
+    from transfer import sender as sender_module
+    from transfer.frames import parse_status
+    from transfer.status import TransferPoll
+
+    monkeypatch.setattr(sender_module, "MAX_PARKED_ASKS", 4)
+    monkeypatch.setattr(sender_module, "MAX_RECEIVERS_PER_ROOM", 2)
+    with Engine("127.0.0.1", "tcp") as engine, BootstrapServer("127.0.0.1", 0) as server, \
+            SenderPool(engine, 0, 1, 1, server.address) as sender:
+        statuses, status_port = _io.pull_socket("127.0.0.1", 0)
+        asks = _io.push_socket(sender.host, sender.port)
+        try:
+            def ask(room: int, session: str = SESSION, fanout: int = 1) -> None:
+                info = TransferInfo(room, "127.0.0.1", status_port, session, 0x10000, 0, 4, 256, "torch.bfloat16",
+                                    False, fanout, 0, 4)
+                asks.send_multipart(info.to_frames())
+
+            for room in range(1, 7):
+                ask(room)
+            failed = []
+            while len(failed) < 2 and statuses.poll(5000):
+                room, status, _, _ = parse_status(statuses.recv_multipart())
+                failed.append((room, status))
+            assert failed == [(1, TransferPoll.Failed), (2, TransferPoll.Failed)]
+            assert wait_until(lambda: sorted(sender._asks) == [3, 4, 5, 6], 2.0), sorted(sender._asks)
+
+            for index in range(3):  # a fourth-fanout room: the third receiver is one too many
+                ask(6, f"10.0.0.8:{index}", fanout=4)
+            assert wait_until(lambda: len(sender._asks[6].infos) == 2, 2.0)
+            assert not statuses.poll(200)  # nobody else was told anything
+        finally:
+            asks.close(0)
+            statuses.close(0)

@@ -51,6 +51,12 @@ POLL_MAX_S = 1e-3
 MAX_REGIONS_PER_SESSION = 64
 MAX_SESSIONS = 4096
 
+#: Rooms asked for whose item (or rest of the fanout) has not come yet, and receivers per
+#: such room: past these, a peer asking for rooms nobody sends would only eat memory, so
+#: the oldest parked ask is told Failed (and an extra receiver of a room is dropped).
+MAX_PARKED_ASKS = 16384
+MAX_RECEIVERS_PER_ROOM = 1024
+
 #: After a write to a prefill session failed slowly, later writes to it fail at once for this
 #: long (or until it registers again): each batch to a dead peer costs Mooncake a
 #: reconnect timeout, and the pool's one thread must not spend that while other rooms wait.
@@ -398,9 +404,24 @@ class SenderPool:
                 continue
             asks = self._asks.get(info.room)
             if asks is None:
+                if len(self._asks) >= MAX_PARKED_ASKS:
+                    self._evict_oldest_ask()
                 asks = self._asks[info.room] = _Asks(time.monotonic())
+            elif len(asks.infos) >= MAX_RECEIVERS_PER_ROOM and info.session_id not in asks.infos:
+                self._complaints.warning("receivers", "room %d: more than %d receivers asked; dropped the ask of %s",
+                                         info.room, MAX_RECEIVERS_PER_ROOM, info.session_id)
+                continue
             asks.infos[info.session_id] = info
             self._maybe_dispatch(info.room)
+
+    def _evict_oldest_ask(self) -> None:
+        """Tells the receivers of the oldest parked ask Failed and forgets it (too many parked)."""
+        room = next(iter(self._asks))
+        asks = self._asks.pop(room)
+        self._complaints.warning("parked", "room %d: %d rooms were asked for and not sent yet; failing the "
+                                 "oldest ask", room, MAX_PARKED_ASKS)
+        for info in asks.infos.values():
+            self._push_status(info, TransferPoll.Failed)
 
     def _maybe_dispatch(self, room: int) -> None:
         """Starts the room's writes once the item is here and its whole fanout asked."""
