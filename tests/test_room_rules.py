@@ -514,3 +514,57 @@ def test_parked_asks_are_bounded_oldest_told_failed(monkeypatch):
         finally:
             asks.close(0)
             statuses.close(0)
+
+
+def test_rooms_that_do_not_fit_the_wire_and_non_ascii_hosts_are_refused_up_front(pool):
+    import torch
+
+    from transfer.receiver import SessionManager
+
+    rows = torch.zeros(4, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="does not fit the wire's signed 64 bits"):
+        pool.send(1 << 63, rows)
+    with pytest.raises(ValueError, match="negative room -1"):
+        pool.send(-1, rows)
+    with Engine("127.0.0.1", "tcp") as engine:
+        buf = torch.zeros(4, 64, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="must be ASCII"):
+            SessionManager(engine, 0, 1, 1, buffer=buf, host="h\u00f6st")
+        with SessionManager(engine, 0, 1, 1, buffer=buf) as manager:
+            with pytest.raises(ValueError, match="does not fit the wire's signed 64 bits"):
+                manager.receive(1 << 63, "127.0.0.1:1", buf)
+            assert not manager._rooms and manager._thread.is_alive()
+
+
+def test_an_ask_that_fails_unexpectedly_fails_its_room_only_and_a_direct_one_leaves_nothing_behind():
+    import torch
+
+    from transfer.receiver import SessionManager
+    from transfer.status import TransferPoll
+
+    with Engine("127.0.0.1", "tcp") as engine, BootstrapServer("127.0.0.1", 0) as server:
+        asks = _stand_in_encode_rank(server)
+        try:
+            buf = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
+            with SessionManager(engine, 0, 1, 1, buffer=buf) as manager:
+                send_info = manager._send_info
+
+                def send_info_or_break(sock, state, fanout):
+                    if state.room in (1, 3):
+                        raise RuntimeError("injected")
+                    return send_info(sock, state, fanout)
+
+                manager._send_info = send_info_or_break
+                first = manager.receive(1, server.address, buf[0])  # asked by the I/O thread
+                assert first.wait(5) == TransferPoll.Failed
+                assert first.failure == "room 1: asking for it failed: RuntimeError: injected"
+                second = manager.receive(2, server.address, buf[1])  # the route is cached now
+                assert asks.poll(5000) and manager._thread.is_alive()
+                assert second.poll() == TransferPoll.WaitingForInput
+                with pytest.raises(RuntimeError, match="injected"):
+                    manager.receive(3, server.address, buf[2])  # asked from receive() itself
+                assert 3 not in manager._rooms and manager._table.get(3) is None
+                manager._send_info = send_info
+                assert manager.receive(3, server.address, buf[2]).poll() == TransferPoll.WaitingForInput
+        finally:
+            asks.close(0)

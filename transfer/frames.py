@@ -17,6 +17,7 @@ from transfer.status import TransferPoll
 __all__ = [
     "WireError",
     "shard_rows",
+    "check_room",
     "DTYPE_BYTES",
     "dtype_size",
     "TransferInfo",
@@ -81,6 +82,14 @@ def shard_rows(span: int, rank: int, size: int) -> tuple[int, int]:
         raise ValueError(f"span must be >= 0, got {span}")
     base, rem = divmod(span, size)
     return rank * base + min(rank, rem), base + (1 if rank < rem else 0)
+
+
+def check_room(room: int) -> None:
+    """ValueError unless `room` fits the wire: a non-negative signed 64-bit integer."""
+    if room < 0:
+        raise ValueError(f"negative room {room}")
+    if room > _I64_MAX:
+        raise ValueError(f"room {room} does not fit the wire's signed 64 bits")
 
 
 def dtype_size(name: str) -> int:

@@ -25,6 +25,7 @@ from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapUnreach
 from transfer.frames import (
     TransferInfo,
     WireError,
+    check_room,
     dtype_size,
     parse_status,
     registration_frames,
@@ -131,6 +132,8 @@ class SessionManager:
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.integrity = integrity
         self.host = host or engine.hostname
+        if not self.host.isascii():
+            raise ValueError(f"host {self.host!r} must be ASCII: it goes on the wire in every TransferInfo")
         self.metrics = metrics or Metrics("epd_prefill")
 
         if (buffer is None) == (pool is None):
@@ -204,8 +207,7 @@ class SessionManager:
         """
         if self._stopping:
             raise RuntimeError("session manager is closed")
-        if room < 0:
-            raise ValueError(f"negative room {room}")
+        check_room(room)
         lease = full = full_ds = None
         if dst is None:
             lease, full, full_ds = self._lease(room, rows, hidden, dtype, row_start, span, deepstack_hidden)
@@ -249,7 +251,14 @@ class SessionManager:
             self._rooms[room] = state
             self._table.start(room, TransferPoll.Bootstrapping)
         self.metrics.inc("rooms_started_total")
-        if self._ask_from_cache(state):
+        try:
+            asked = self._ask_from_cache(state)
+        except BaseException:
+            with self._lock:  # the caller gets the error and no handle: leave nothing behind
+                del self._rooms[room]
+                self._table.clear(room)
+            raise
+        if asked:
             with self._lock:
                 heapq.heappush(self._deadlines, (state.deadline, state.room, state))
                 wake = state.deadline < self._wake_at
@@ -462,6 +471,10 @@ class SessionManager:
                 self._conclude(state, TransferPoll.Failed, f"bootstrap {state.bootstrap_addr}: {exc}")
             except _AskFailed as exc:
                 self._conclude(state, TransferPoll.Failed, str(exc))
+            except Exception as exc:  # noqa: BLE001 - one room's ask must not stop the others
+                log.exception("room %d: asking for it failed", state.room)
+                self._conclude(state, TransferPoll.Failed,
+                               f"room {state.room}: asking for it failed: {type(exc).__name__}: {exc}")
 
     def _route_key(self, state: _Room, encode_tp: int, encode_dp: int) -> tuple[int, tuple[str, int, int]]:
         """(fanout, route key) of the room's encode rank (SPEC.md section 5); sets state.encode_rank."""

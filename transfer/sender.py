@@ -29,6 +29,7 @@ from transfer.frames import (
     TransferInfo,
     WireError,
     check_region,
+    check_room,
     dtype_size,
     is_registration,
     parse_registration,
@@ -232,8 +233,7 @@ class SenderPool:
         if self._stopping:
             raise RuntimeError("sender pool is closed" if self._closed else
                                "sender pool's thread stopped after an error (see the log)")
-        if room < 0:
-            raise ValueError(f"negative room {room}")
+        check_room(room)
         region, span, hidden, dtype = _source(src, span, hidden, dtype)
         row_bytes = hidden * dtype_size(dtype)
         ds_region, ds_row_bytes = None, 0
