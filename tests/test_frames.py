@@ -830,3 +830,26 @@ def test_import_pulls_no_torch_zmq_or_io():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("rank, tp, dp, message", [
+    (0, 4, 3, "tp size 4 is not a multiple of dp size 3"),
+    (0, 4, 0, "tp size 4 is not a multiple of dp size 0"),
+    (4, 4, 1, r"engine rank 4 outside \[0, tp size 4\)"),
+    (-1, 4, 2, r"engine rank -1 outside \[0, tp size 4\)"),
+])
+def test_check_parallel_refuses(rank, tp, dp, message):
+    from transfer.frames import check_parallel
+
+    with pytest.raises(ValueError, match=message):
+        check_parallel(rank, tp, dp)
+
+
+def test_check_parallel_and_check_room_accept_the_valid():
+    from transfer.frames import check_parallel, check_room
+
+    check_parallel(3, 4, 2)
+    check_room(0)
+    check_room(I64_MAX)
+    with pytest.raises(ValueError, match="does not fit"):
+        check_room(I64_MAX + 1)

@@ -18,6 +18,7 @@ __all__ = [
     "WireError",
     "shard_rows",
     "check_room",
+    "check_parallel",
     "DTYPE_BYTES",
     "dtype_size",
     "TransferInfo",
@@ -82,6 +83,14 @@ def shard_rows(span: int, rank: int, size: int) -> tuple[int, int]:
         raise ValueError(f"span must be >= 0, got {span}")
     base, rem = divmod(span, size)
     return rank * base + min(rank, rem), base + (1 if rank < rem else 0)
+
+
+def check_parallel(engine_rank: int, tp_size: int, dp_size: int) -> None:
+    """ValueError unless engine_rank is one of tp_size ranks split into dp_size groups."""
+    if dp_size <= 0 or tp_size % dp_size:
+        raise ValueError(f"tp size {tp_size} is not a multiple of dp size {dp_size}")
+    if not 0 <= engine_rank < tp_size:
+        raise ValueError(f"engine rank {engine_rank} outside [0, tp size {tp_size})")
 
 
 def check_room(room: int) -> None:

@@ -25,6 +25,7 @@ from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapUnreach
 from transfer.frames import (
     TransferInfo,
     WireError,
+    check_parallel,
     check_room,
     dtype_size,
     parse_status,
@@ -122,8 +123,7 @@ class SessionManager:
         integrity: bool = True,
         metrics: Metrics | None = None,
     ) -> None:
-        if tp_size % dp_size:
-            raise ValueError(f"tp size {tp_size} is not a multiple of dp size {dp_size}")
+        check_parallel(engine_rank, tp_size, dp_size)
         self.engine = engine
         self.engine_rank = engine_rank
         self.tp_size = tp_size

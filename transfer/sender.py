@@ -28,6 +28,7 @@ from transfer.frames import (
     Registration,
     TransferInfo,
     WireError,
+    check_parallel,
     check_region,
     check_room,
     dtype_size,
@@ -161,8 +162,7 @@ class SenderPool:
         depth: int = 32,
         metrics: Metrics | None = None,
     ) -> None:
-        if tp_size % dp_size:
-            raise ValueError(f"tp size {tp_size} is not a multiple of dp size {dp_size}")
+        check_parallel(engine_rank, tp_size, dp_size)
         self.engine = engine
         self.engine_rank = engine_rank
         self.tp_size = tp_size
