@@ -568,3 +568,24 @@ def test_an_ask_that_fails_unexpectedly_fails_its_room_only_and_a_direct_one_lea
                 assert manager.receive(3, server.address, buf[2]).poll() == TransferPoll.WaitingForInput
         finally:
             asks.close(0)
+
+
+def test_a_temporary_registration_gone_behind_the_pools_back_does_not_stop_it(caplog):
+    import logging
+
+    import torch
+
+    from transfer.status import TransferPoll
+
+    with Engine("127.0.0.1", "tcp") as engine, BootstrapServer("127.0.0.1", 0) as server, \
+            SenderPool(engine, 0, 1, 1, server.address, bootstrap_timeout_s=0.5) as sender:
+        rows = torch.zeros(4, 256, dtype=torch.bfloat16)  # not registered: the pool registers it for the room
+        handle = sender.send(1, rows)
+        assert rows.data_ptr() in engine.registered()
+        engine.unregister(rows.data_ptr())  # the caller's mistake
+        with caplog.at_level(logging.WARNING, logger="transfer.sender"):
+            assert handle.wait(5) == TransferPoll.Failed  # nobody asked within 0.5 s
+            assert handle.failure == "receiver never registered within 0.5s"
+        assert any("dropping the temporary registration" in m for m in caplog.messages), caplog.messages
+        assert sender._thread.is_alive()
+        handle.clear()

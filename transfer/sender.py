@@ -331,7 +331,10 @@ class SenderPool:
                         self._temp_sources[addr] = count
                     else:
                         del self._temp_sources[addr]
-                        self.engine.unregister(addr)
+                        try:
+                            self.engine.unregister(addr)
+                        except Exception as exc:  # noqa: BLE001 - e.g. the engine closed first: the room still concludes
+                            log.warning("dropping the temporary registration of %#x failed: %s", addr, exc)
 
         return release
 
