@@ -184,8 +184,12 @@ def test_a_quickly_refused_write_does_not_mark_the_session_dead():
             statuses.close(0)
 
 
-def test_concluded_rooms_leave_the_receivers_deadline_heap():
-    """Thousands of concluded rooms must not sit in the deadline heap for their whole deadline."""
+def test_concluded_rooms_leave_the_receivers_deadline_heap(caplog):
+    """Thousands of concluded rooms must not sit in the deadline heap for their whole deadline,
+    nor write a log line each."""
+    import logging
+    import time
+
     import torch
 
     from transfer.receiver import SessionManager
@@ -194,13 +198,19 @@ def test_concluded_rooms_leave_the_receivers_deadline_heap():
     with Engine("127.0.0.1", "tcp") as engine, BootstrapServer("127.0.0.1", 0) as server:
         buf = torch.zeros(1, 8, 64, dtype=torch.bfloat16)
         # No encode rank registered: each ask fails fast at the bootstrap, then is cleared.
-        with SessionManager(engine, 0, 1, 1, buffer=buf, deadline_s=600) as manager:
+        with SessionManager(engine, 0, 1, 1, buffer=buf, deadline_s=600) as manager, \
+                caplog.at_level(logging.WARNING, logger="transfer.receiver"):
+            started = time.monotonic()
             for room in range(3000):
                 handle = manager.receive(room, server.address, buf[0])
                 assert handle.wait(5) == TransferPoll.Failed
                 handle.clear()
+            took = time.monotonic() - started
             assert len(manager._deadlines) <= 1024 + 2
             assert not manager._rooms and len(manager._table) == 0
+        lines = [m for m in caplog.messages if " failed: bootstrap" in m]
+        assert 1 <= len(lines) <= took + 2, (len(lines), took)  # one a second, not one a room
+        assert any("more like it" in m for m in lines) or len(lines) == 1
 
 
 def test_cached_route_asks_from_receive_and_keeps_deadlines():

@@ -161,6 +161,7 @@ class SessionManager:
         self._stopping = False
         self._failure: str | None = None  # why the I/O thread stopped on its own (under _lock)
         self._complaints = _io.ThrottledLog(log)  # about statuses peers sent
+        self._failures = _io.ThrottledLog(log)  # rooms that failed, per kind of reason
 
         # Caches filled by the I/O thread; receive() reads them for its direct asks.
         # _send_lock serialises every push to an encode rank and every change to the
@@ -410,8 +411,9 @@ class SessionManager:
             self.metrics.inc("bytes_received_total", state.nbytes + state.deepstack_nbytes)
             self.metrics.observe("room_latency_seconds", time.monotonic() - state.started_at)
         else:
-            self.metrics.inc("rooms_failed_total", reason=reason_label(reason or ""))
-            log.warning("room %d failed: %s", state.room, reason)
+            label = reason_label(reason or "")
+            self.metrics.inc("rooms_failed_total", reason=label)
+            self._failures.warning(label, "room %d failed: %s", state.room, reason)
         state.concluded_at = time.monotonic()
         self._conclusions.notify()
 

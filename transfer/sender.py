@@ -188,6 +188,7 @@ class SenderPool:
         self._temp_lock = threading.Lock()
         self._dead_sessions: dict[str, float] = {}  # session id -> when a write to it failed
         self._complaints = _io.ThrottledLog(log)  # about requests peers sent
+        self._failures = _io.ThrottledLog(log)  # rooms that failed, per kind of reason
 
         self._pull, self.port = _io.pull_socket(self.host, port)
         self._pull_fd = self._pull.getsockopt(zmq.FD)
@@ -649,8 +650,9 @@ class SenderPool:
             self.metrics.inc("rooms_succeeded_total")
             self.metrics.observe("room_latency_seconds", time.monotonic() - item.started_at)
         else:
-            self.metrics.inc("rooms_failed_total", reason=reason_label(reason or ""))
-            log.warning("room %d failed: %s", item.room, reason)
+            label = reason_label(reason or "")
+            self.metrics.inc("rooms_failed_total", reason=label)
+            self._failures.warning(label, "room %d failed: %s", item.room, reason)
         item.concluded_at = time.monotonic()
         self._conclusions.notify()
 
