@@ -599,3 +599,48 @@ def test_a_temporary_registration_gone_behind_the_pools_back_does_not_stop_it(ca
         assert any("dropping the temporary registration" in m for m in caplog.messages), caplog.messages
         assert sender._thread.is_alive()
         handle.clear()
+
+
+def test_a_peer_flooding_a_stalled_listener_meets_back_pressure():
+    """Our listeners queue a bounded number of messages per peer, so a flood cannot grow memory."""
+    import threading
+
+    import torch
+    import zmq
+
+    from transfer import _io
+    from transfer.receiver import SessionManager
+
+    with Engine("127.0.0.1", "tcp") as engine:
+        buf = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+        with SessionManager(engine, 0, 1, 1, buffer=buf) as manager:
+            release = threading.Event()
+            drain = manager._drain_statuses
+
+            def stalled() -> None:
+                release.wait(30)  # the I/O thread is busy elsewhere for a while
+                drain()
+
+            manager._drain_statuses = stalled
+            flood = _io.context().socket(zmq.PUSH)
+            flood.setsockopt(zmq.LINGER, 0)
+            flood.setsockopt(zmq.SNDHWM, 16)
+            flood.connect(f"tcp://127.0.0.1:{manager.status_port}")
+            part = b"7" * (16 << 10)
+            sent = 0
+            limit = 3 * _io.LISTENER_HWM  # unbounded queueing would take all of these (and more)
+            try:
+                while sent < limit:
+                    try:
+                        flood.send_multipart([part, b"5", b"0"], zmq.NOBLOCK)
+                        sent += 1
+                    except zmq.Again:
+                        # Not drained yet: wait a moment for queues to move, then decide.
+                        if flood.poll(500, zmq.POLLOUT) == 0:
+                            break
+            finally:
+                release.set()
+                flood.close(0)
+            assert sent < limit, f"{sent} messages queued for a listener that was not reading"
+            assert sent >= _io.LISTENER_HWM // 2  # a burst of legitimate size still fits
+            assert manager._thread.is_alive()

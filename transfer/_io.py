@@ -23,6 +23,11 @@ MAX_CONTROL_MESSAGE = 64 << 10
 #: prefill rank must never make the sender block.
 STATUS_HWM = 4096
 
+#: Messages our listeners queue per connected peer before ZMQ stops reading from it:
+#: a peer that sends faster than we drain meets back-pressure (its own sends fill up)
+#: instead of growing our memory without bound; other peers' connections are unaffected.
+LISTENER_HWM = 4096
+
 
 def context() -> zmq.Context:
     """The process's one ZMQ context (shared by every socket we open)."""
@@ -89,7 +94,7 @@ def pull_socket(host: str, port: int) -> tuple[zmq.Socket, int]:
     sock = context().socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
-    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, LISTENER_HWM)
     address = f"tcp://{zmq_host(host)}:{port}"
     if port == 0:
         bound = sock.bind_to_random_port(f"tcp://{zmq_host(host)}")
