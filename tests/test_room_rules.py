@@ -63,20 +63,27 @@ def test_region_memory_is_bounded(pool):
     assert pool._check_regions(_Item, [_ask(0x100000 * (MAX_REGIONS_PER_SESSION + 10))]) is None
 
 
-def test_sessions_remembered_are_bounded_least_recently_registered_first(pool):
+def test_sessions_remembered_are_bounded_least_recently_used_first(pool):
     from transfer.sender import MAX_SESSIONS
 
     def register(index: int) -> None:
         pool._file_registration(Registration("10.0.0.7", 5000, f"session-{index}", 0x10000, 0, 4096, 0))
 
+    def ask(index: int) -> TransferInfo:
+        return TransferInfo(1, "10.0.0.7", 5000, f"session-{index}", 0x10000, 0, 4, 256, "torch.bfloat16", False,
+                            1, 0, 4)
+
     pool._sessions.clear()
     for index in range(MAX_SESSIONS):
         register(index)
     register(0)  # registered again: now the most recent
-    register(MAX_SESSIONS)  # one too many: the least recently registered goes
+    assert pool._check_regions(_Item, [ask(1)]) is None  # written to: more recent still
+    register(MAX_SESSIONS)
+    register(MAX_SESSIONS + 1)  # two too many: the least recently used two go
     assert len(pool._sessions) == MAX_SESSIONS
-    assert "session-0" in pool._sessions and "session-1" not in pool._sessions
-    assert f"session-{MAX_SESSIONS}" in pool._sessions
+    assert "session-0" in pool._sessions and "session-1" in pool._sessions
+    assert "session-2" not in pool._sessions and "session-3" not in pool._sessions
+    assert f"session-{MAX_SESSIONS + 1}" in pool._sessions
     pool._sessions.clear()
 
 

@@ -49,7 +49,7 @@ POLL_MIN_S = 250e-6
 POLL_MAX_S = 1e-3
 
 #: Regions remembered per prefill session (a main buffer plus per-item fallbacks), and
-#: sessions remembered (the least recently registered is forgotten first).
+#: sessions remembered (the one least recently registered or written to is forgotten first).
 MAX_REGIONS_PER_SESSION = 64
 MAX_SESSIONS = 4096
 
@@ -476,7 +476,10 @@ class SenderPool:
     def _check_regions(self, item: _Item, infos: list[TransferInfo]) -> str | None:
         """SPEC 8: every destination must lie inside a region its session announced with lengths."""
         for info in infos:
-            regs = self._sessions.get(info.session_id, [])
+            regs = self._sessions.pop(info.session_id, None)
+            if regs is None:
+                continue  # a peer that never announced lengths: written as the peers do
+            self._sessions[info.session_id] = regs  # in use: the last to be forgotten
             reasons = [check_region(info, reg, item.row_bytes, item.deepstack_row_bytes) for reg in regs]
             if reasons and all(reasons):
                 return reasons[-1]
