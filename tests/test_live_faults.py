@@ -414,6 +414,16 @@ def test_a_silent_bootstrap_server_costs_one_timeout_not_one_per_room(engines):
             assert "unreachable" in again.failure and "not asked again" not in again.failure, again.failure
 
 
+def test_a_refusing_bootstrap_server_is_still_asked_by_every_room(engines):
+    """A quick refusal (a server not up yet) costs little: no pause, each room tries for itself."""
+    with Receiver(engines[0], 0, 1, fanout=1, bootstrap_timeout_s=0.5) as r:
+        address = _unreachable()  # nothing listens there: connection refused at once
+        handles = [r.ask(room, address, SPAN) for room in rooms(3)]
+        assert wait_until(lambda: all(is_terminal(h.poll()) for h in handles), 5.0)
+        reasons = [h.failure for h in handles]
+        assert all("unreachable" in reason and "not asked again" not in reason for reason in reasons), reasons
+
+
 # -------------------------------------------------------------- region safety
 
 

@@ -38,10 +38,13 @@ log = logging.getLogger("transfer.receiver")
 
 ENCODE_FAILED = "encode failed to send embedding"
 
-#: After a bootstrap server did not answer at all, rooms that would look it up fail at
-#: once for this long instead of each spending a whole timeout on the I/O thread, whose
-#: other rooms (statuses, deadlines) would wait behind them.
+#: After a bootstrap server did not answer at all and that took a while (a timeout, not
+#: a refusal), rooms that would look it up fail at once for UNREACHABLE_RETRY_S instead
+#: of each spending a whole timeout on the I/O thread, whose other rooms (statuses,
+#: deadlines) would wait behind them. A quick refusal (a server not up yet) costs little,
+#: so every room still tries.
 UNREACHABLE_RETRY_S = 1.0
+SLOW_FAILURE_S = 0.25
 
 
 @dataclass
@@ -465,11 +468,13 @@ class SessionManager:
                                    f"({ago:.1f}s ago; not asked again for {UNREACHABLE_RETRY_S:g}s)")
                     continue
                 del self._unreachable[state.bootstrap_addr]
+            started = time.monotonic()
             try:
                 self._ask(state)
             except BootstrapError as exc:
-                if isinstance(exc, BootstrapUnreachable):
-                    self._unreachable[state.bootstrap_addr] = (time.monotonic(), str(exc))
+                now = time.monotonic()
+                if isinstance(exc, BootstrapUnreachable) and now - started >= SLOW_FAILURE_S:
+                    self._unreachable[state.bootstrap_addr] = (now, str(exc))
                 self._conclude(state, TransferPoll.Failed, f"bootstrap {state.bootstrap_addr}: {exc}")
             except _AskFailed as exc:
                 self._conclude(state, TransferPoll.Failed, str(exc))
