@@ -275,3 +275,40 @@ def test_check_item_names_the_problem():
     short_ds = original(3, 3, torch.float32, HIDDEN)
     assert "deepstack of shape (3, 6)" in reassemble_module._check_item(
         ShardedItem(3, rows, True, short_ds), torch.device("cpu"))
+
+
+# -- a rank that never joins the collective --------------------------------------------------
+
+STALL_TIMEOUT_S = 3
+
+
+def stall_child(rank: int, port: int, folder: str) -> None:
+    """Rank 0 reassembles; rank 1 joined the group but never reaches reassembly."""
+    import time
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=STALL_TIMEOUT_S))
+    if rank == 1:
+        time.sleep(STALL_TIMEOUT_S + 5)  # stuck elsewhere, then gone without a word
+        os._exit(0)
+    item, _, _ = make_item(1, 8, rank, 2)
+    started = time.monotonic()
+    try:
+        reassemble([item])
+        outcome = "returned"
+    except Exception as exc:  # noqa: BLE001 - what it raises is the observation
+        outcome = f"raised {type(exc).__name__}"
+    took = time.monotonic() - started
+    untouched = bool((item.full.view(torch.uint8)[4:] == GARBAGE).all())  # rank 1's rows, never agreed
+    with open(os.path.join(folder, "stall.json"), "w") as handle:
+        json.dump({"outcome": outcome, "took": took, "untouched": untouched}, handle)
+    os._exit(0)  # the group cannot be torn down cleanly with its peer stuck
+
+
+def test_a_rank_that_never_reaches_reassembly_costs_the_groups_timeout_not_a_hang(tmp_path):
+    mp.spawn(stall_child, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    with open(tmp_path / "stall.json") as handle:
+        seen = json.load(handle)
+    assert seen["outcome"].startswith("raised"), seen
+    assert STALL_TIMEOUT_S - 1 <= seen["took"] <= STALL_TIMEOUT_S + 10, seen
+    assert seen["untouched"], "rows outside this rank's shard were written although nothing was agreed"
