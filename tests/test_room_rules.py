@@ -651,3 +651,57 @@ def test_a_peer_flooding_a_stalled_listener_meets_back_pressure():
             assert sent < limit, f"{sent} messages queued for a listener that was not reading"
             assert sent >= _io.LISTENER_HWM // 2  # a burst of legitimate size still fits
             assert manager._thread.is_alive()
+
+
+def test_clearing_a_room_mid_write_keeps_its_source_registered_until_the_write_is_over():
+    """clear() fails the room at once, but the temporary registration of its source stays
+    until the engine is done reading it; then it goes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    from live_helpers import wait_until
+    from transfer import _io
+    from transfer.frames import registration_frames
+    from transfer.status import TransferPoll
+
+    peer = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import time, torch\n"
+            "from transfer.engine import Engine\n"
+            "e = Engine('127.0.0.1', 'tcp'); buf = torch.zeros(64 << 20, dtype=torch.uint8); e.register(buf)\n"
+            "print(e.session_id, buf.data_ptr(), flush=True)\n"
+            "time.sleep(120)\n")],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        session, landing = peer.stdout.readline().split()
+        landing = int(landing)
+        item = torch.ones(64 << 20, dtype=torch.uint8).view(torch.bfloat16).view(8192, 4096)
+        with Engine("127.0.0.1", "tcp") as encode_engine, BootstrapServer("127.0.0.1", 0) as server, \
+                SenderPool(encode_engine, 0, 1, 1, server.address) as pool:
+            statuses, status_port = _io.pull_socket("127.0.0.1", 0)
+            asks = _io.push_socket(pool.host, pool.port)
+            try:
+                os.kill(peer.pid, signal.SIGSTOP)
+                asks.send_multipart(registration_frames("127.0.0.1", status_port, session, landing, 0, 64 << 20, 0))
+                asks.send_multipart(TransferInfo(1, "127.0.0.1", status_port, session, landing, 0, 8192, 4096,
+                                                 "torch.bfloat16", False, 1, 0, 8192).to_frames())
+                handle = pool.send(1, item)  # not in registered memory: the pool registers it for the write
+                assert wait_until(lambda: handle.poll() == TransferPoll.Transferring, 10.0)
+                time.sleep(0.2)  # the 64 MiB cannot fit in the stopped peer's socket buffers
+                handle.clear()
+                assert item.data_ptr() in encode_engine.registered()  # Mooncake is still reading it
+                os.kill(peer.pid, signal.SIGCONT)
+                assert wait_until(lambda: item.data_ptr() not in encode_engine.registered(), 30.0)
+                assert not pool._temp_sources and pool._thread.is_alive()
+            finally:
+                asks.close(0)
+                statuses.close(0)
+    finally:
+        os.kill(peer.pid, signal.SIGCONT)
+        peer.kill()
+        peer.wait(10)

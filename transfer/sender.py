@@ -292,7 +292,11 @@ class SenderPool:
         for item in items:
             if stuck:
                 item.release = None  # the engine may still read it: leak it rather than free it
+            else:
+                with self._lock:
+                    item.pending = 0  # the thread settled every write it submitted; the rest never started
             self._fail(item, "sender pool closed")
+            self._release_when_idle(item)
         if not stuck:
             self._pull.close(0)
             self._statuses.close()
@@ -559,6 +563,7 @@ class SenderPool:
         if failed_at is not None and time.monotonic() - failed_at < DEAD_SESSION_S:
             ago = time.monotonic() - failed_at
             self._fail(item, f"write to {info.session_id} (room {item.room}) skipped: a write to it failed {ago:.1f}s ago")
+            self._receiver_done(item, info)
             return None
         submitted_at = None
         try:
@@ -571,14 +576,19 @@ class SenderPool:
                 lengths.append(info.rows * item.deepstack_row_bytes)
             submitted_at = time.monotonic()
             batch = self._submit(info.session_id, srcs, dsts, lengths)
-            # The checksums are computed while the batch is on the wire.
-            sums: tuple[int, ...] = ()
-            if self.integrity:
-                regions = (item.src, item.deepstack)
-                sums = tuple(_io.checksum(region, s, n) for region, s, n in zip(regions, srcs, lengths))
         except Exception as exc:  # noqa: BLE001 - any failure concludes the room
             self._write_failed(item, info, exc, submitted_at)
+            self._receiver_done(item, info)  # nothing of it is in flight
             return None
+        # The checksums are computed while the batch is on the wire. If that fails the
+        # room fails, and the write is still tracked until the engine is done with it.
+        sums: tuple[int, ...] = ()
+        if self.integrity:
+            try:
+                regions = (item.src, item.deepstack)
+                sums = tuple(_io.checksum(region, s, n) for region, s, n in zip(regions, srcs, lengths))
+            except Exception as exc:  # noqa: BLE001 - e.g. a device error: this room only
+                self._fail(item, f"room {item.room}: checksumming its rows for {info.session_id} failed: {exc}")
         return _Write(item, info, batch, sum(lengths), sums, submitted_at)
 
     def _submit(self, session_id: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
@@ -601,6 +611,7 @@ class SenderPool:
                     return False
         except Exception as exc:  # noqa: BLE001 - any failure concludes the room
             self._write_failed(item, info, exc, write.submitted_at)
+            self._receiver_done(item, info)
             return True
         self.metrics.inc("bytes_written_total", write.nbytes)
         if not item.failed:
@@ -616,11 +627,24 @@ class SenderPool:
         self._fail(item, f"write to {info.session_id} (room {item.room}) failed: {exc}")
 
     def _receiver_done(self, item: _Item, info: TransferInfo) -> None:
+        """One receiver's write is over (settled, failed or skipped): nothing of it is in flight."""
         with self._lock:
             item.pending -= 1
-            last = item.pending == 0 and not item.failed
-        if last:
+            last = item.pending == 0
+            succeeded = last and not item.failed
+        if succeeded:
             self._conclude(item, TransferPoll.Success)
+        elif last:
+            self._release_when_idle(item)  # a failed room's sources, once the engine is done with them
+
+    def _release_when_idle(self, item: _Item) -> None:
+        """Drops the item's temporary source registrations once none of its writes waits or is in flight."""
+        with self._lock:
+            if item.pending:
+                return
+            release, item.release = item.release, None
+        if release is not None:
+            release()
 
     def _push_status(self, info: TransferInfo, status: TransferPoll, sums: tuple[int, ...] = ()) -> None:
         frames = status_frames(info.room, status, self.engine_rank, sums)
@@ -644,9 +668,7 @@ class SenderPool:
                     self._table.fail(item.room, reason or "failed")
                 else:
                     self._table.update(item.room, status)
-        if item.release is not None:
-            release, item.release = item.release, None
-            release()
+        self._release_when_idle(item)
         if not live:
             return
         if status == TransferPoll.Success:
