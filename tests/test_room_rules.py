@@ -270,23 +270,11 @@ def test_cached_route_asks_from_receive_and_keeps_deadlines():
             asks.close(0)
 
 
-def test_close_with_a_write_stuck_on_a_stopped_peer_is_bounded_and_frees_nothing(monkeypatch, caplog):
-    """A peer that stops reading (SIGSTOP) leaves a write in flight: close() still returns within
-    its bound, fails the room, and keeps the source registered since Mooncake may still read it."""
-    import logging
-    import os
-    import signal
+def _peer_with_64_mib():
+    """A prefill engine in a process of its own with 64 MiB registered: (process, session, address)."""
     import subprocess
     import sys
-    import time
 
-    import torch
-
-    from transfer import _io, sender
-    from transfer.frames import registration_frames
-    from transfer.status import TransferPoll
-
-    monkeypatch.setattr(sender, "CLOSE_WAIT_S", 1.0)
     peer = subprocess.Popen(
         [sys.executable, "-c", (
             "import time, torch\n"
@@ -295,25 +283,59 @@ def test_close_with_a_write_stuck_on_a_stopped_peer_is_bounded_and_frees_nothing
             "print(e.session_id, buf.data_ptr(), flush=True)\n"
             "time.sleep(120)\n")],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    session, landing = peer.stdout.readline().split()
+    return peer, session, int(landing)
+
+
+def _ask_for_64_mib(asks, status_port: int, session: str, landing: int) -> None:
+    """The peer's registration and its TransferInfo for room 1: 8192 x 4096 bf16 into its buffer."""
+    from transfer.frames import registration_frames
+
+    asks.send_multipart(registration_frames("127.0.0.1", status_port, session, landing, 0, 64 << 20, 0))
+    asks.send_multipart(TransferInfo(1, "127.0.0.1", status_port, session, landing, 0, 8192, 4096,
+                                     "torch.bfloat16", False, 1, 0, 8192).to_frames())
+
+
+def _stuck_write(pool, peer, asks, status_port: int, session: str, landing: int, item):
+    """Stops the peer, then has the pool start room 1's 64 MiB write to it; returns the room's handle."""
+    import os
+    import signal
+    import time
+
+    from live_helpers import wait_until
+    from transfer.status import TransferPoll
+
+    os.kill(peer.pid, signal.SIGSTOP)
+    _ask_for_64_mib(asks, status_port, session, landing)
+    handle = pool.send(1, item)  # not in registered memory: the pool registers it for the write
+    assert wait_until(lambda: handle.poll() == TransferPoll.Transferring, 10.0)
+    time.sleep(0.2)  # the 64 MiB cannot fit in the stopped peer's socket buffers
+    return handle
+
+
+def test_close_with_a_write_stuck_on_a_stopped_peer_is_bounded_and_frees_nothing(monkeypatch, caplog):
+    """A peer that stops reading (SIGSTOP) leaves a write in flight: close() still returns within
+    its bound, fails the room, and keeps the source registered since Mooncake may still read it."""
+    import logging
+    import os
+    import signal
+    import time
+
+    import torch
+
+    from transfer import _io, sender
+    from transfer.status import TransferPoll
+
+    monkeypatch.setattr(sender, "CLOSE_WAIT_S", 1.0)
+    peer, session, landing = _peer_with_64_mib()
     try:
-        session, landing = peer.stdout.readline().split()
-        landing = int(landing)
         item = torch.ones(64 << 20, dtype=torch.uint8).view(torch.bfloat16).view(8192, 4096)
         with Engine("127.0.0.1", "tcp") as encode_engine, BootstrapServer("127.0.0.1", 0) as server:
             pool = SenderPool(encode_engine, 0, 1, 1, server.address)
             statuses, status_port = _io.pull_socket("127.0.0.1", 0)
             asks = _io.push_socket(pool.host, pool.port)
             try:
-                os.kill(peer.pid, signal.SIGSTOP)
-                asks.send_multipart(registration_frames("127.0.0.1", status_port, session, landing, 0, 64 << 20, 0))
-                asks.send_multipart(TransferInfo(1, "127.0.0.1", status_port, session, landing, 0, 8192, 4096,
-                                                 "torch.bfloat16", False, 1, 0, 8192).to_frames())
-                handle = pool.send(1, item)  # not in registered memory: the pool registers it for the write
-                deadline = time.monotonic() + 10
-                while handle.poll() != TransferPoll.Transferring and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                assert handle.poll() == TransferPoll.Transferring
-                time.sleep(0.2)  # the 64 MiB cannot fit in the stopped peer's socket buffers
+                handle = _stuck_write(pool, peer, asks, status_port, session, landing, item)
                 with caplog.at_level(logging.ERROR, logger="transfer.sender"):
                     started = time.monotonic()
                     pool.close()
@@ -658,41 +680,21 @@ def test_clearing_a_room_mid_write_keeps_its_source_registered_until_the_write_i
     until the engine is done reading it; then it goes."""
     import os
     import signal
-    import subprocess
-    import sys
-    import time
 
     import torch
 
     from live_helpers import wait_until
     from transfer import _io
-    from transfer.frames import registration_frames
-    from transfer.status import TransferPoll
 
-    peer = subprocess.Popen(
-        [sys.executable, "-c", (
-            "import time, torch\n"
-            "from transfer.engine import Engine\n"
-            "e = Engine('127.0.0.1', 'tcp'); buf = torch.zeros(64 << 20, dtype=torch.uint8); e.register(buf)\n"
-            "print(e.session_id, buf.data_ptr(), flush=True)\n"
-            "time.sleep(120)\n")],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    peer, session, landing = _peer_with_64_mib()
     try:
-        session, landing = peer.stdout.readline().split()
-        landing = int(landing)
         item = torch.ones(64 << 20, dtype=torch.uint8).view(torch.bfloat16).view(8192, 4096)
         with Engine("127.0.0.1", "tcp") as encode_engine, BootstrapServer("127.0.0.1", 0) as server, \
                 SenderPool(encode_engine, 0, 1, 1, server.address) as pool:
             statuses, status_port = _io.pull_socket("127.0.0.1", 0)
             asks = _io.push_socket(pool.host, pool.port)
             try:
-                os.kill(peer.pid, signal.SIGSTOP)
-                asks.send_multipart(registration_frames("127.0.0.1", status_port, session, landing, 0, 64 << 20, 0))
-                asks.send_multipart(TransferInfo(1, "127.0.0.1", status_port, session, landing, 0, 8192, 4096,
-                                                 "torch.bfloat16", False, 1, 0, 8192).to_frames())
-                handle = pool.send(1, item)  # not in registered memory: the pool registers it for the write
-                assert wait_until(lambda: handle.poll() == TransferPoll.Transferring, 10.0)
-                time.sleep(0.2)  # the 64 MiB cannot fit in the stopped peer's socket buffers
+                handle = _stuck_write(pool, peer, asks, status_port, session, landing, item)
                 handle.clear()
                 assert item.data_ptr() in encode_engine.registered()  # Mooncake is still reading it
                 os.kill(peer.pid, signal.SIGCONT)
