@@ -32,6 +32,7 @@ import math
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import itertools
 import statistics
 import sys
 import tempfile
@@ -898,14 +899,8 @@ def measure(opts: Options, progress: Progress | None = None, notes: list[str] | 
 
 def _groups(cells: list[Cell]) -> list[list[Cell]]:
     """Consecutive cells of one geometry (fanout, size, window), in plan order."""
-    groups: list[list[Cell]] = []
-    for cell in cells:
-        key = (cell.fanout, cell.span, cell.hidden, cell.inflight)
-        if groups and (groups[-1][0].fanout, groups[-1][0].span, groups[-1][0].hidden, groups[-1][0].inflight) == key:
-            groups[-1].append(cell)
-        else:
-            groups.append([cell])
-    return groups
+    geometries = itertools.groupby(cells, key=lambda cell: (cell.fanout, cell.span, cell.hidden, cell.inflight))
+    return [list(group) for _, group in geometries]
 
 
 def median_row(runs: list[dict], raw: list[dict] | None = None) -> dict:

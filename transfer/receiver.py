@@ -262,14 +262,13 @@ class SessionManager:
                 del self._rooms[room]
                 self._table.clear(room)
             raise
-        if asked:
-            with self._lock:
+        with self._lock:
+            if asked:  # only its deadline is left for the I/O thread
                 heapq.heappush(self._deadlines, (state.deadline, state.room, state))
                 wake = state.deadline < self._wake_at
-        else:
-            with self._lock:
+            else:
                 self._asks.append(state)
-            wake = True
+                wake = True
         if wake:
             self._waker.wake()
         return ReceiveHandle(self, state, full, full_ds)
@@ -345,10 +344,7 @@ class SessionManager:
         # The I/O thread's longest step is one room's bootstrap look-up (two requests).
         self._thread.join(timeout=2 * self.bootstrap_timeout_s + 5)
         stuck = self._thread.is_alive()
-        with self._lock:
-            states = list(self._rooms.values())
-        for state in states:
-            self._conclude(state, TransferPoll.Failed, "session manager closed")
+        self._fail_rooms("session manager closed")
         if stuck:
             # Its sockets are its own: closing them under it could crash the process.
             log.error("prefill rank %d: the I/O thread did not stop; leaving its sockets open", self.engine_rank)
@@ -438,9 +434,14 @@ class SessionManager:
             log.exception("prefill rank %d: the I/O thread failed; failing its rooms", self.engine_rank)
             with self._lock:
                 self._failure = f"{type(exc).__name__}: {exc}"
-                states = list(self._rooms.values())
-            for state in states:
-                self._conclude(state, TransferPoll.Failed, f"session manager stopped: {self._failure}")
+            self._fail_rooms(f"session manager stopped: {self._failure}")
+
+    def _fail_rooms(self, reason: str) -> None:
+        """Concludes every room still held Failed with `reason`."""
+        with self._lock:
+            states = list(self._rooms.values())
+        for state in states:
+            self._conclude(state, TransferPoll.Failed, reason)
 
     def _next_timeout_ms(self) -> int:
         """How long the I/O thread may sleep: until the earliest deadline, at most 1 s."""

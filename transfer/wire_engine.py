@@ -73,15 +73,6 @@ IDLE_PER_SESSION = 8
 ASYNC_WRITERS = 4
 
 
-def _span(buf: Any, length: int | None) -> tuple[int, int]:
-    """(address, length) of a contiguous host tensor, or of an int address with a length."""
-    device = getattr(buf, "device", None)
-    if device is not None and getattr(device, "type", "cpu") != "cpu":
-        raise TransferError(f"the wire path is host-only: cannot register a tensor on {device} "
-                            f"(use protocol tcp or rdma for device memory)")
-    return _buffer_span(buf, length)
-
-
 def _split_session(session_id: str) -> tuple[str, int]:
     """('host', port) from 'host:port' (an IPv6 host may be bracketed)."""
     host, sep, port = session_id.rpartition(":")
@@ -163,7 +154,12 @@ class WireEngine(RegisteredMemory):
     # -- memory -----------------------------------------------------------
 
     def _region_span(self, buf: Any, length: int | None) -> tuple[int, int]:
-        return _span(buf, length)  # host memory only
+        """(address, length) of a contiguous host tensor, or of an int address with a length."""
+        device = getattr(buf, "device", None)
+        if device is not None and getattr(device, "type", "cpu") != "cpu":
+            raise TransferError(f"the wire path is host-only: cannot register a tensor on {device} "
+                                f"(use protocol tcp or rdma for device memory)")
+        return _buffer_span(buf, length)
 
     def _add_region(self, addr: int, nbytes: int) -> None:
         """Lets peers write into a host tensor or address range."""
