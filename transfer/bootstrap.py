@@ -17,12 +17,15 @@ Decisions the spec leaves open, documented here:
 
 from __future__ import annotations
 
+import functools
 import hmac
 import http.client
+import io
 import json
 import logging
 import re
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -34,6 +37,7 @@ log = logging.getLogger(__name__)
 MAX_BODY = 64 * 1024
 ROLE = "Prefill"
 _INTEGER = re.compile(r"[+-]?[0-9]+\Z")
+_DIGITS = re.compile(r"[0-9]+\Z")
 
 
 class BootstrapError(RuntimeError):
@@ -113,7 +117,7 @@ def _parse_registration(raw: bytes) -> tuple[int, int, str, int, int]:
     """Validate a PUT /route body; returns (world_size, dp_size, ip, port, engine_rank)."""
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # deep nesting exhausts the parser's stack
         raise _RequestError(400, "body is not valid JSON") from None
     if not isinstance(body, dict):
         raise _RequestError(400, "body must be a JSON object")
@@ -139,7 +143,44 @@ def _query_int(query: dict[str, list[str]], name: str) -> int:
         raise _RequestError(400, f"missing query parameter {name}")
     if not _INTEGER.match(values[0]):
         raise _RequestError(400, f"{name} is not an integer")
-    return int(values[0])
+    try:
+        return int(values[0])
+    except ValueError:  # more digits than int() converts
+        raise _RequestError(400, f"{name} is not an integer") from None
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads, each bounded by what is left of one deadline for a whole exchange.
+
+    The socket's own timeout bounds each read alone: a peer sending a byte now and
+    then would hold the reading thread for ever.
+    """
+
+    def __init__(self, sock: socket.socket, deadline: float, keep: Any = None) -> None:
+        """Reads from `sock` until `deadline` (time.monotonic()); `keep` is closed along with it."""
+        super().__init__()
+        self._sock = sock
+        self._deadline = deadline
+        self._keep = keep
+
+    def close(self) -> None:
+        """Closes the reader and what it keeps."""
+        if self._keep is not None:
+            self._keep.close()
+            self._keep = None
+        super().close()
+
+    def readable(self) -> bool:
+        """A reader."""
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        """One recv, waiting at most until the deadline (TimeoutError past it)."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out: the exchange's deadline passed")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -147,9 +188,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     server: "_HTTPServer"
     # One request per connection: no handler thread lingers on a keep-alive
-    # socket after close(), and a silent client is dropped after `timeout`.
+    # socket after close(), and a silent or slow client is dropped `timeout`
+    # seconds after it connected.
     protocol_version = "HTTP/1.0"
     timeout = 10.0
+
+    def setup(self) -> None:
+        """Reads the request through one deadline (BaseHTTPRequestHandler answers a timeout by closing)."""
+        super().setup()
+        self.rfile.close()
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, time.monotonic() + self.timeout))
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib name
         """Route access logs to logging at debug instead of stderr."""
@@ -227,15 +275,22 @@ class _Handler(BaseHTTPRequestHandler):
     def _read_body(self) -> bytes:
         """Read a Content-Length body of at most MAX_BODY bytes (413 beyond, before reading)."""
         length_text = self.headers.get("Content-Length")
-        if length_text is None or not length_text.strip().isdigit():
+        text = (length_text or "").strip()
+        # ASCII digits only: str.isdigit() also takes '\xb2', which int() refuses.
+        if length_text is None or not _DIGITS.match(text):
             self.close_connection = True
             raise _RequestError(411 if length_text is None else 400,
                                 "PUT /route needs a Content-Length body")
-        length = int(length_text)
-        if length > MAX_BODY:
+        # Its length first: int() refuses thousands of digits.
+        if len(text) > 18 or int(text) > MAX_BODY:
             self.close_connection = True
-            raise _RequestError(413, f"body of {length} bytes exceeds {MAX_BODY}")
-        return self.rfile.read(length)
+            raise _RequestError(413, f"body of {text[:18]}{'...' if len(text) > 18 else ''} bytes exceeds {MAX_BODY}")
+        return self.rfile.read(int(text))
+
+
+_BUSY_TEXT = b"bootstrap server busy: too many connections at once"
+_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+         b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_TEXT), _BUSY_TEXT))
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -244,8 +299,63 @@ class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     # The stdlib default backlog of 5 resets connections when many ranks start at once.
     request_queue_size = 128
+    #: Connections served at once; more are answered 503 at once instead of each getting
+    #: a thread, so silent or slow clients cost at most this many threads.
+    max_handlers = 256
     table: _RouteTable
     token: str | None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """The stdlib server, counting its handler threads."""
+        self._handlers = 0
+        self._handlers_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Hands the connection to a thread of its own, or turns it away when max_handlers are busy."""
+        with self._handlers_lock:
+            busy = self._handlers >= self.max_handlers
+            if not busy:
+                self._handlers += 1
+        if busy:
+            _turn_away(request)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._handler_done()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        """Serves one connection on its thread and counts it out."""
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._handler_done()
+
+    def _handler_done(self) -> None:
+        """One handler thread fewer."""
+        with self._handlers_lock:
+            self._handlers -= 1
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Logs a failed request instead of printing to stderr; a client that went away is routine."""
+        level = logging.DEBUG if isinstance(sys.exc_info()[1], OSError) else logging.ERROR
+        log.log(level, "bootstrap: request from %s failed", client_address, exc_info=True)
+
+
+def _turn_away(request: socket.socket) -> None:
+    """Answers 503 without blocking the accepting thread (the client may not read it)."""
+    try:
+        request.setblocking(False)
+        try:
+            request.recv(MAX_BODY)  # unread bytes at close() would reset the answer away
+        except OSError:
+            pass
+        request.send(_BUSY)
+    except OSError:
+        pass
 
 
 class BootstrapServer:
@@ -301,6 +411,17 @@ def _split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class _BoundedResponse(http.client.HTTPResponse):
+    """An HTTP response read through one deadline: a server dripping its answer meets it too."""
+
+    def __init__(self, sock: socket.socket, *args: Any, deadline: float, **kwargs: Any) -> None:
+        """The stdlib response, reading `sock` until `deadline` (time.monotonic())."""
+        super().__init__(sock, *args, **kwargs)
+        # The stdlib's file stays open until the response closes: the connection lets go of
+        # the socket once the response begins, and that file is what keeps it open.
+        self.fp = io.BufferedReader(_DeadlineReader(sock, deadline, keep=self.fp))
+
+
 class BootstrapClient:
     """Talks to one bootstrap server with bounded timeouts (http.client: no proxies, no pickles)."""
 
@@ -314,9 +435,11 @@ class BootstrapClient:
     def _request(self, method: str, path: str, body: bytes | None = None,
                  headers: dict[str, str] | None = None,
                  timeout: float | None = None) -> tuple[int, bytes]:
-        """One HTTP exchange; returns (status, body); OSError/HTTPException on transport failure."""
-        conn = http.client.HTTPConnection(self.host, self.port,
-                                          timeout=self.timeout if timeout is None else timeout)
+        """One HTTP exchange within `timeout`; returns (status, body); OSError/HTTPException on transport failure."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        conn.response_class = functools.partial(_BoundedResponse, deadline=deadline)
         try:
             conn.request(method, path, body=body, headers=headers or {})
             response = conn.getresponse()

@@ -9,8 +9,9 @@ copied out:
 - `release(event)` with a CUDA event (anything with `.query() -> bool`) frees the
   slot only once the event completed; events are checked lazily by `lease()` and
   `poll()`, never waited on.
-- `fail()` (the room failed) quarantines the slot for `quarantine_s`, the sender's
-  transfer timeout, because a late one-sided write may still land in it.
+- `fail()` (the room failed) quarantines the slot for `quarantine_s`, longer than an
+  encode rank keeps an ask parked (QUARANTINE_S), because a late one-sided write may
+  still land in it.
 - an item too big for a slot, or an exhausted pool, gets a per-item fallback buffer
   registered for that item and deregistered only `grace_s` after its release.
 
@@ -38,6 +39,11 @@ __all__ = ["ReceivePool", "Slot", "SlotError", "SLOT_ALIGN"]
 
 #: Slot sizes are multiples of this, so a view of any dtype starts aligned.
 SLOT_ALIGN = 16
+
+#: Default quarantine of a failed room's slot. An encode rank keeps an ask whose item has
+#: not come for its bootstrap timeout (120 s by default) and writes it when the item
+#: comes, however long ago the prefill rank gave the room up; then the write itself.
+QUARANTINE_S = 130.0
 
 # Slot handle states.
 _LEASED = "leased"
@@ -139,7 +145,7 @@ class ReceivePool:
     """One registered receive region cut into equal slots, leased per item."""
 
     def __init__(self, engine: Any, nbytes: int, slot_bytes: int, *, device: str = "cpu",
-                 quarantine_s: float = 30.0, grace_s: float = 30.0,
+                 quarantine_s: float = QUARANTINE_S, grace_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """Allocates `nbytes` on `device`, registers them once with `engine`, cuts `slot_bytes` slots."""
         if slot_bytes <= 0 or slot_bytes % SLOT_ALIGN:

@@ -34,6 +34,7 @@ __all__ = [
     "REGISTRATION_PARTS",
     "STATUS_PARTS",
     "REGISTRATION_MARKER",
+    "MAX_REGIONS_PER_SESSION",
 ]
 
 TRANSFER_INFO_PARTS = 13
@@ -41,6 +42,11 @@ REGISTRATION_PARTS = 6
 STATUS_PARTS = 3
 MAX_CHECKSUMS = 2
 REGISTRATION_MARKER = b"None"
+
+#: Regions our encode ranks remember per prefill session, newest announcement last (a
+#: main buffer plus per-item fallbacks). Our prefill side announces a region again before
+#: it can fall out, so both sides must agree on the number.
+MAX_REGIONS_PER_SESSION = 64
 
 _I64_MIN = -(1 << 63)
 _I64_MAX = (1 << 63) - 1

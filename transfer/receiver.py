@@ -23,6 +23,7 @@ import zmq
 from transfer import _io
 from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapUnreachable
 from transfer.frames import (
+    MAX_REGIONS_PER_SESSION,
     TransferInfo,
     WireError,
     check_parallel,
@@ -45,6 +46,15 @@ ENCODE_FAILED = "encode failed to send embedding"
 #: so every room still tries.
 UNREACHABLE_RETRY_S = 1.0
 SLOW_FAILURE_S = 0.25
+
+#: Statuses handled per turn of the I/O thread: a peer pushing faster than we drain must
+#: not keep the thread from asks, deadlines and close().
+DRAIN_BATCH = 1024
+
+#: An encode rank keeps only the newest MAX_REGIONS_PER_SESSION regions each session
+#: announced. A region is announced again once this many others were announced after it,
+#: leaving the rest of that window for rooms already asked for to be written.
+REANNOUNCE_AFTER = MAX_REGIONS_PER_SESSION // 2
 
 
 @dataclass
@@ -95,6 +105,19 @@ class ReceiveHandle(_io.RoomHandle):
         #: rows; the others are for reassembly) and likewise the deepstack rows.
         self.rows = rows
         self.deepstack = deepstack
+
+    def _current(self) -> bool:
+        """Whether this handle's room is still held (not cleared, its number not reused since)."""
+        return self._manager._rooms.get(self.room) is self._state
+
+    def poll(self) -> TransferPoll:
+        """The room's status right now (never blocks; Failed once cleared, whoever reuses its number)."""
+        return super().poll() if self._current() else TransferPoll.Failed
+
+    @property
+    def failure(self) -> str | None:
+        """Why the room failed, or None (also once cleared)."""
+        return super().failure if self._current() else None
 
     def clear(self, event: Any = None) -> None:
         """Forgets the room; a status that still arrives for it is ignored.
@@ -171,7 +194,7 @@ class SessionManager:
         # routes and announcements, so a direct ask never overtakes its registration.
         self._parallel: dict[str, tuple[int, int]] = {}
         self._routes: dict[tuple[str, int, int], tuple[str, int]] = {}
-        self._announced: set[tuple] = set()  # (route key, region addr, region length)
+        self._announced: dict[tuple[str, int, int], _Announcements] = {}  # per route key
         self._encode_sockets: dict[tuple[str, int], zmq.Socket] = {}
         self._send_lock = threading.Lock()
         # Bootstrap servers that did not answer: address -> (when, why). I/O thread only.
@@ -515,8 +538,8 @@ class SessionManager:
                     raise _AskFailed(f"encode rank {state.encode_rank} at {route[0]}:{route[1]} (from bootstrap "
                                      f"{state.bootstrap_addr}): cannot connect: {exc}") from None
             regions = state.regions
-            announcement = (key, regions.embedding.addr, regions.embedding.nbytes)
-            if announcement not in self._announced:
+            announced = self._announced.setdefault(key, _Announcements())
+            if not announced.holds(regions.embedding):
                 ds = regions.deepstack
                 frames = registration_frames(
                     self.host, self.status_port, self.engine.session_id,
@@ -524,7 +547,7 @@ class SessionManager:
                     regions.embedding.nbytes, ds.nbytes if ds else 0,
                 )
                 self._push(sock, frames, state)
-                self._announced.add(announcement)
+                announced.add(regions.embedding)
             self._send_info(sock, state, fanout)
 
     def _ask_from_cache(self, state: _Room) -> bool:
@@ -547,7 +570,8 @@ class SessionManager:
             sock = self._encode_sockets.get(route) if route is not None else None
             if sock is None or self._stopping:
                 return False
-            if (key, regions.embedding.addr, regions.embedding.nbytes) not in self._announced:
+            announced = self._announced.get(key)
+            if announced is None or not announced.holds(regions.embedding):
                 return False
             state.encode_addr = route
             try:
@@ -557,17 +581,21 @@ class SessionManager:
         return True
 
     def _send_info(self, sock: zmq.Socket, state: _Room, fanout: int) -> None:
-        """Pushes the room's TransferInfo (_send_lock held)."""
+        """Pushes the room's TransferInfo unless it was cleared meanwhile (_send_lock held)."""
         info = TransferInfo(
             room=state.room, endpoint=self.host, port=self.status_port, session_id=self.engine.session_id,
             embedding_ptr=state.embedding_ptr, deepstack_ptr=state.deepstack_ptr, rows=state.rows,
             hidden=state.hidden, dtype=state.dtype, has_deepstack=state.has_deepstack,
             fanout=fanout, row_start=state.row_start, span=state.span,
         )
-        self._push(sock, info.to_frames(), state)
+        frames = info.to_frames()
+        # Under _lock, so a clear() (say, during a slow look-up) comes wholly before or after:
+        # a room given up is never asked for, since its memory is the caller's again.
         with self._lock:
-            if self._rooms.get(state.room) is state:
-                self._table.update(state.room, TransferPoll.WaitingForInput)
+            if self._rooms.get(state.room) is not state:
+                return
+            self._push(sock, frames, state)
+            self._table.update(state.room, TransferPoll.WaitingForInput)
 
     def _push(self, sock: zmq.Socket, frames: list[bytes], state: _Room) -> None:
         try:
@@ -583,7 +611,8 @@ class SessionManager:
         return info
 
     def _drain_statuses(self) -> None:
-        while True:
+        """Handles the statuses queued, at most DRAIN_BATCH of them (the poller calls again for the rest)."""
+        for _ in range(DRAIN_BATCH):
             frames = _io.recv_frames(self._status_sock)
             if frames is None:
                 return
@@ -659,7 +688,12 @@ class SessionManager:
             if state.route_key is not None:
                 with self._send_lock:
                     self._routes.pop(state.route_key, None)
-                    self._announced = {a for a in self._announced if a[0] != state.route_key}
+                    self._announced.pop(state.route_key, None)
+                    # ZMQ would hand what is still queued for a dead rank to whoever listens at
+                    # its address next: expired rooms' asks, whose memory may be reused by then.
+                    sock = self._encode_sockets.pop(state.encode_addr, None)
+                    if sock is not None:
+                        sock.close(0)
             self._conclude(
                 state, TransferPoll.Failed,
                 f"no status from {state.where()} within {self.deadline_s:g}s for room {state.room}",
@@ -672,6 +706,27 @@ class RegionSet:
 
     embedding: _io.Region
     deepstack: _io.Region | None = None
+
+
+class _Announcements:
+    """The regions one encode rank was told of, filed as it files them: newest last, bounded."""
+
+    def __init__(self) -> None:
+        self.count = 0  # announcements made
+        self.regions: dict[int, tuple[int, int]] = {}  # addr -> (length, its announcement's count)
+
+    def holds(self, region: _io.Region) -> bool:
+        """Whether the encode rank still holds `region` with room to spare (REANNOUNCE_AFTER)."""
+        entry = self.regions.get(region.addr)
+        return entry is not None and entry[0] == region.nbytes and self.count - entry[1] < REANNOUNCE_AFTER
+
+    def add(self, region: _io.Region) -> None:
+        """Records an announcement of `region`; it replaces one at the same address."""
+        self.count += 1
+        self.regions.pop(region.addr, None)
+        self.regions[region.addr] = (region.nbytes, self.count)
+        while len(self.regions) > MAX_REGIONS_PER_SESSION:
+            del self.regions[next(iter(self.regions))]
 
 
 class _AskFailed(Exception):
