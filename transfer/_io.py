@@ -247,11 +247,14 @@ class Pushers:
     def __len__(self) -> int:
         return len(self._sockets)
 
-    def close(self) -> None:
-        """Closes every socket at once (linger 0: queued messages are discarded)."""
+    def close(self, linger_ms: int = 0) -> None:
+        """Closes every socket; what is still queued gets `linger_ms` to go out (0: discarded).
+
+        close() returns at once either way: the context's I/O thread does the lingering.
+        """
         with self._lock:
             for sock in self._sockets.values():
-                sock.close(0)
+                sock.close(linger_ms)
             self._sockets.clear()
 
 

@@ -25,6 +25,7 @@ import zmq
 from transfer import _io
 from transfer.bootstrap import BootstrapClient
 from transfer.frames import (
+    MAX_REGIONS_PER_SESSION,
     Registration,
     TransferInfo,
     WireError,
@@ -48,9 +49,8 @@ log = logging.getLogger("transfer.sender")
 POLL_MIN_S = 250e-6
 POLL_MAX_S = 1e-3
 
-#: Regions remembered per prefill session (a main buffer plus per-item fallbacks), and
-#: sessions remembered (the one least recently registered or written to is forgotten first).
-MAX_REGIONS_PER_SESSION = 64
+#: Prefill sessions whose regions are remembered (MAX_REGIONS_PER_SESSION each); the one
+#: least recently registered or written to is forgotten first.
 MAX_SESSIONS = 4096
 
 #: Rooms asked for whose item (or rest of the fanout) has not come yet, and receivers per
@@ -58,6 +58,13 @@ MAX_SESSIONS = 4096
 #: the oldest parked ask is told Failed (and an extra receiver of a room is dropped).
 MAX_PARKED_ASKS = 16384
 MAX_RECEIVERS_PER_ROOM = 1024
+
+#: Requests filed per round of the pool's thread before it turns to its writes: a peer that
+#: sends without pause must not keep the thread (its writes, sweep and close()) waiting.
+MAX_REQUESTS_PER_ROUND = 256
+
+#: How long the statuses close() pushes may take to leave once the pool is closed.
+CLOSE_LINGER_MS = 1000
 
 #: After a write to a prefill session failed slowly, later writes to it fail at once for this
 #: long (or until it registers again): each batch to a dead peer costs Mooncake a
@@ -91,6 +98,7 @@ class _Item:
     receivers: list[TransferInfo] = field(default_factory=list)
     pending: int = 0
     failed: bool = False
+    succeeded: bool = False  # every receiver was served: nothing may tell them Failed any more
     concluded_at: float | None = None
 
     def ready(self) -> bool:
@@ -232,8 +240,7 @@ class SenderPool:
         first byte is read; the pool polls it (query()), never blocking the caller.
         """
         if self._stopping:
-            raise RuntimeError("sender pool is closed" if self._closed else
-                               "sender pool's thread stopped after an error (see the log)")
+            raise self._stopped_error()
         check_room(room)
         region, span, hidden, dtype = _source(src, span, hidden, dtype)
         row_bytes = hidden * dtype_size(dtype)
@@ -247,18 +254,29 @@ class SenderPool:
         # Registered before the item is published: a TransferInfo may dispatch it at once.
         item.release = self._hold_registered(region, ds_region)
         with self._lock:
-            duplicate = room in self._items
-            if not duplicate:
+            # Looked at under the lock close() sets it under: an item published here is
+            # one close() will fail, and the waker is still open for the wake-up.
+            if self._stopping:
+                refused: Exception | None = self._stopped_error()
+            elif room in self._items:
+                refused = ValueError(f"room {room} is already being sent; clear() it first")
+            else:
+                refused = None
                 self._items[room] = item
                 self._table.start(room, TransferPoll.WaitingForInput)
                 self._new_items.append(item)
-        if duplicate:
+                self._waker.wake()
+        if refused is not None:
             if item.release is not None:
                 item.release()
-            raise ValueError(f"room {room} is already being sent; clear() it first")
+            raise refused
         self.metrics.inc("rooms_started_total")
-        self._waker.wake()
         return SendHandle(self, item)
+
+    def _stopped_error(self) -> RuntimeError:
+        """Why send() is refused once the pool's thread stopped."""
+        return RuntimeError("sender pool is closed" if self._closed else
+                            "sender pool's thread stopped after an error (see the log)")
 
     def stats(self) -> dict:
         """A plain snapshot of counters, histograms and gauges."""
@@ -267,19 +285,20 @@ class SenderPool:
     def _parked_rooms(self) -> int:
         """Items sent whose receivers have not all asked yet (a scrape may come from any thread)."""
         with self._lock:
-            return sum(1 for item in self._items.values() if not item.receivers)
+            return sum(1 for item in self._items.values() if not item.receivers and not item.failed)
 
     def close(self) -> None:
-        """Fails rooms still in flight, joins the thread, closes sockets, drops temporary registrations.
+        """Fails rooms still in flight and parked asks, joins the thread, closes sockets, drops temporary registrations.
 
         Writes already submitted are waited for first, at most CLOSE_WAIT_S, so no source
         is released while the engine may still read it. Writes still in flight after that
         (an engine whose transfer timeout is longer) are logged, and their rooms fail
         without releasing anything the engine may still be reading.
         """
-        if self._closed:
-            return
-        self._closed = self._stopping = True
+        with self._lock:  # send() publishes items under it: none slips in after the snapshot below
+            if self._closed:
+                return
+            self._closed = self._stopping = True
         self._waker.wake()
         self._thread.join(timeout=CLOSE_WAIT_S)
         stuck = self._thread.is_alive()
@@ -289,6 +308,13 @@ class SenderPool:
                       self.engine_rank, CLOSE_WAIT_S)
         with self._lock:
             items = list(self._items.values())
+        # The thread touches neither queue any more (a stuck one only settles what it submitted):
+        # a room cleared while its writes waited for a slot is only found there, and receivers
+        # of parked asks would otherwise never hear (a peer has no deadline of its own).
+        items = list({id(item): item for item in [*items, *(item for item, _ in self._waiting)]}.values())
+        for asks in self._asks.values():
+            self._tell_failed(asks.infos.values())
+        self._asks.clear()
         for item in items:
             if stuck:
                 item.release = None  # the engine may still read it: leak it rather than free it
@@ -299,7 +325,7 @@ class SenderPool:
             self._release_when_idle(item)
         if not stuck:
             self._pull.close(0)
-            self._statuses.close()
+            self._statuses.close(linger_ms=CLOSE_LINGER_MS)  # the Failed statuses just pushed still go out
             self._waker.close()
 
     def __enter__(self) -> SenderPool:
@@ -311,22 +337,13 @@ class SenderPool:
     # -------------------------------------------------------- registrations
 
     def _hold_registered(self, *regions: _io.Region | None):
-        """Registers source regions that lie outside registered memory; returns their release."""
+        """Registers source regions that lie outside registered memory; returns their release.
+
+        A region inside one of our temporary registrations holds that one (another room's
+        rows, say), so it stays registered until every room reading from it is done. If
+        one region cannot be registered, those already held are released before raising.
+        """
         held: list[int] = []
-        for region in regions:
-            if region is None or region.nbytes == 0:
-                continue
-            with self._temp_lock:
-                count = self._temp_sources.get(region.addr, 0)
-                if count == 0:
-                    registered = self.engine.registered()
-                    if any(a <= region.addr and region.end <= a + n for a, n in registered.items()):
-                        continue
-                    self.engine.register(region.tensor if region.tensor is not None else region.addr, region.nbytes)
-                self._temp_sources[region.addr] = count + 1
-            held.append(region.addr)
-        if not held:
-            return None
 
         def release() -> None:
             with self._temp_lock:
@@ -341,7 +358,29 @@ class SenderPool:
                         except Exception as exc:  # noqa: BLE001 - e.g. the engine closed first: the room still concludes
                             log.warning("dropping the temporary registration of %#x failed: %s", addr, exc)
 
-        return release
+        try:
+            for region in regions:
+                if region is None or region.nbytes == 0:
+                    continue
+                with self._temp_lock:
+                    base = self._registered_base(region)
+                    if base is None:
+                        self.engine.register(region.tensor if region.tensor is not None else region.addr,
+                                             region.nbytes)
+                        base = region.addr
+                    elif base not in self._temp_sources:
+                        continue  # inside the caller's own registration
+                    self._temp_sources[base] = self._temp_sources.get(base, 0) + 1
+                    held.append(base)
+        except BaseException:
+            release()
+            raise
+        return release if held else None
+
+    def _registered_base(self, region: _io.Region) -> int | None:
+        """Start of a registered region that holds `region` wholly (the caller's before ours), or None."""
+        bases = [a for a, n in self.engine.registered().items() if a <= region.addr and region.end <= a + n]
+        return next((a for a in bases if a not in self._temp_sources), bases[0] if bases else None)
 
     # ------------------------------------------------------------ the thread
 
@@ -351,10 +390,15 @@ class SenderPool:
         in_flight: list[_Write] = []
         delay = POLL_MIN_S
         next_sweep = time.monotonic() + 0.5
+        more_requests = False  # the last round left requests queued (the socket's FD will not signal them)
         try:
             while not self._stopping:
                 busy = bool(in_flight or self._waiting)
-                woken = self._sleep(delay if busy else max(0.0, next_sweep - time.monotonic()))
+                if more_requests:
+                    timeout = 0.0
+                else:
+                    timeout = delay if busy else max(0.0, next_sweep - time.monotonic())
+                woken = self._sleep(timeout)
                 # The flag saves a system call per loop; the pipe's readability covers a
                 # wake() caught between setting the flag and writing its byte.
                 if (woken or self._waker.pending()) and self._waker.drain():
@@ -362,20 +406,22 @@ class SenderPool:
                         new, self._new_items = self._new_items, []
                     for item in new:
                         self._maybe_dispatch(item.room)
-                self._drain_requests()
+                more_requests = self._drain_requests()
                 self._start_waiting(in_flight)
                 if in_flight:
                     remaining = self._settle_ready(in_flight)
                     delay = POLL_MIN_S if len(remaining) < len(in_flight) else min(2 * delay, POLL_MAX_S)
                     in_flight[:] = remaining
+                elif self._waiting:  # only writes held by their ready events: back off as for writes
+                    delay = min(2 * delay, POLL_MAX_S)
                 now = time.monotonic()
                 if now >= next_sweep:
                     self._sweep(now)
                     next_sweep = now + 0.5
         except Exception as exc:  # noqa: BLE001 - a bug here must not leave rooms hanging silently
             log.exception("the sender pool's thread failed; failing its rooms")
-            self._stopping = True
-            with self._lock:
+            with self._lock:  # as in close(): send() publishes no item after this
+                self._stopping = True
                 items = list(self._items.values())
             for item in items:
                 self._fail(item, f"sender pool stopped: {type(exc).__name__}: {exc}")
@@ -390,37 +436,42 @@ class SenderPool:
 
         select() rather than zmq's poller, whose whole-millisecond timeouts are too
         coarse for polling writes. ZMQ's FD only signals that the socket's state may
-        have changed: the loop's last look at the socket was the drain that found it
-        empty, so a message queued since then has signalled the FD.
+        have changed: the loop sleeps only after a drain that found the socket empty,
+        so a message queued since then has signalled the FD.
         """
         readable, _, _ = select.select([self._pull_fd, self._waker.fileno()], [], [], timeout)
         return self._waker.fileno() in readable
 
-    def _drain_requests(self) -> None:
-        """Files every queued request; a complete fanout starts its room's writes."""
-        while True:
+    def _drain_requests(self) -> bool:
+        """Files up to MAX_REQUESTS_PER_ROUND queued requests; True when more may be queued."""
+        for _ in range(MAX_REQUESTS_PER_ROUND):
             frames = _io.recv_frames(self._pull)
             if frames is None:
+                return False
+            self._file_request(frames)
+        return True
+
+    def _file_request(self, frames: list[bytes]) -> None:
+        """Files one registration or TransferInfo; a complete fanout starts its room's writes."""
+        try:
+            if is_registration(frames):
+                self._file_registration(parse_registration(frames))
                 return
-            try:
-                if is_registration(frames):
-                    self._file_registration(parse_registration(frames))
-                    continue
-                info = TransferInfo.from_frames(frames)
-            except WireError as exc:
-                self._complaints.warning(str(exc), "dropped a malformed request (%d parts): %s", len(frames), exc)
-                continue
-            asks = self._asks.get(info.room)
-            if asks is None:
-                if len(self._asks) >= MAX_PARKED_ASKS:
-                    self._evict_oldest_ask()
-                asks = self._asks[info.room] = _Asks(time.monotonic())
-            elif len(asks.infos) >= MAX_RECEIVERS_PER_ROOM and info.session_id not in asks.infos:
-                self._complaints.warning("receivers", "room %d: more than %d receivers asked; dropped the ask of %s",
-                                         info.room, MAX_RECEIVERS_PER_ROOM, info.session_id)
-                continue
-            asks.infos[info.session_id] = info
-            self._maybe_dispatch(info.room)
+            info = TransferInfo.from_frames(frames)
+        except WireError as exc:
+            self._complaints.warning(str(exc), "dropped a malformed request (%d parts): %s", len(frames), exc)
+            return
+        asks = self._asks.get(info.room)
+        if asks is None:
+            if len(self._asks) >= MAX_PARKED_ASKS:
+                self._evict_oldest_ask()
+            asks = self._asks[info.room] = _Asks(time.monotonic())
+        elif len(asks.infos) >= MAX_RECEIVERS_PER_ROOM and info.session_id not in asks.infos:
+            self._complaints.warning("receivers", "room %d: more than %d receivers asked; dropped the ask of %s",
+                                     info.room, MAX_RECEIVERS_PER_ROOM, info.session_id)
+            return
+        asks.infos[info.session_id] = info
+        self._maybe_dispatch(info.room)
 
     def _evict_oldest_ask(self) -> None:
         """Tells the receivers of the oldest parked ask Failed and forgets it (too many parked)."""
@@ -428,24 +479,29 @@ class SenderPool:
         asks = self._asks.pop(room)
         self._complaints.warning("parked", "room %d: %d rooms were asked for and not sent yet; failing the "
                                  "oldest ask", room, MAX_PARKED_ASKS)
-        for info in asks.infos.values():
-            self._push_status(info, TransferPoll.Failed)
+        self._tell_failed(asks.infos.values())
 
     def _maybe_dispatch(self, room: int) -> None:
-        """Starts the room's writes once the item is here and its whole fanout asked."""
+        """Starts the room's writes once the item is here and its whole fanout asked.
+
+        Asks for a room that already failed are answered Failed at once: nothing will
+        serve them, and a peer has no deadline of its own.
+        """
         asks = self._asks.get(room)
         if asks is None:
             return
-        fanout = next(iter(asks.infos.values())).fanout
-        if len(asks.infos) < fanout:
-            return  # the rest of the fanout has not asked yet
         with self._lock:
             item = self._items.get(room)
-        if item is None or item.receivers or item.failed:
-            return
+        if item is None or (item.receivers and not item.failed):
+            return  # no item yet, or the room is served: these wait for its next send
+        fanout = next(iter(asks.infos.values())).fanout
+        if len(asks.infos) < fanout and not item.failed:
+            return  # the rest of the fanout has not asked yet
         del self._asks[room]
         infos = sorted(asks.infos.values(), key=lambda i: (i.row_start, i.session_id))
-        item.receivers = infos
+        if not self._attach(item, infos):
+            self._tell_failed(infos)
+            return
         reason = validate_fanout(item.span, item.hidden, item.dtype, item.deepstack is not None, infos, fanout)
         if reason is None:
             reason = self._check_regions(item, infos)
@@ -496,8 +552,11 @@ class SenderPool:
             parked = [i for i in self._items.values() if not i.receivers and not i.failed and now - i.started_at > limit]
         for item in parked:
             asks = self._asks.pop(item.room, None)
-            item.receivers = list(asks.infos.values()) if asks else []
-            self._fail(item, f"receiver never registered within {limit:g}s")
+            infos = list(asks.infos.values()) if asks else []
+            if self._attach(item, infos):
+                self._fail(item, f"receiver never registered within {limit:g}s")
+            else:
+                self._tell_failed(infos)  # cleared meanwhile: its failure could not name them
         for room in [r for r, a in self._asks.items() if now - a.first_at > limit]:
             with self._lock:
                 known = room in self._items
@@ -505,8 +564,7 @@ class SenderPool:
                 continue
             asks = self._asks.pop(room)
             log.warning("room %d: no item sent within %gs for %d receiver(s); telling them Failed", room, limit, len(asks.infos))
-            for info in asks.infos.values():
-                self._push_status(info, TransferPoll.Failed)
+            self._tell_failed(asks.infos.values())
         # A dead session is skipped for DEAD_SESSION_S; older entries only take memory.
         for session, failed_at in list(self._dead_sessions.items()):
             if now - failed_at >= DEAD_SESSION_S:
@@ -520,7 +578,8 @@ class SenderPool:
         Measured on two cores: overlapping many submitted batches from one thread beats
         threads blocked in synchronous writes, and polling completions with a short
         sleep beats Mooncake's own wait, which spins a whole core. A write whose item's
-        ready event has not completed waits without holding up the others.
+        ready event has not completed waits without holding up the others, for at most
+        the bootstrap timeout after send().
         """
         held: list[tuple[_Item, TransferInfo]] = []
         while self._waiting and len(in_flight) < self.depth:
@@ -530,6 +589,10 @@ class SenderPool:
             except Exception as exc:  # noqa: BLE001 - a broken event fails its room only
                 self._fail(item, f"room {item.room}: waiting for its ready event failed: {exc}")
                 ready = True  # _start_write now just counts this receiver out
+            if not ready and time.monotonic() - item.started_at > self.bootstrap_timeout_s:
+                self._fail(item, f"room {item.room}: its ready event did not complete within "
+                                 f"{self.bootstrap_timeout_s:g}s")
+                ready = True
             if not ready:
                 held.append((item, info))
                 continue
@@ -631,7 +694,7 @@ class SenderPool:
         with self._lock:
             item.pending -= 1
             last = item.pending == 0
-            succeeded = last and not item.failed
+            succeeded = item.succeeded = last and not item.failed
         if succeeded:
             self._conclude(item, TransferPoll.Success)
         elif last:
@@ -650,14 +713,31 @@ class SenderPool:
         frames = status_frames(info.room, status, self.engine_rank, sums)
         self._statuses.send(info.endpoint, info.port, frames)
 
-    def _fail(self, item: _Item, reason: str) -> None:
-        """Fails the room once and tells every receiver that asked for it."""
+    def _tell_failed(self, infos) -> None:
+        """Pushes Failed to receivers whose asks no item will serve."""
+        for info in infos:
+            self._push_status(info, TransferPoll.Failed)
+
+    def _attach(self, item: _Item, infos: list[TransferInfo]) -> bool:
+        """Makes `infos` the item's receivers, unless it failed first (then the caller tells them).
+
+        Under the lock _fail reads the receivers under: a clear() from the caller's thread
+        either sees them (and tells them) or comes first (and this says so).
+        """
         with self._lock:
             if item.failed:
-                return
+                return False
+            item.receivers = infos
+            return True
+
+    def _fail(self, item: _Item, reason: str) -> None:
+        """Fails the room once and tells every receiver that asked for it; a room already served is left alone."""
+        with self._lock:
+            if item.failed or item.succeeded:
+                return  # a Failed after their Success would undo it (Failed is sticky on the wire)
             item.failed = True
-        for info in item.receivers:
-            self._push_status(info, TransferPoll.Failed)
+            receivers = list(item.receivers)
+        self._tell_failed(receivers)
         self._conclude(item, TransferPoll.Failed, reason)
 
     def _conclude(self, item: _Item, status: TransferPoll, reason: str | None = None) -> None:
@@ -682,7 +762,9 @@ class SenderPool:
         self._conclusions.notify()
 
     def _forget(self, item: _Item) -> None:
-        if not is_terminal(self._table.get(item.room)) and item.room in self._items:
+        with self._lock:  # this item's own entry: the room may have been sent again since
+            live = self._items.get(item.room) is item and not is_terminal(self._table.get(item.room))
+        if live:
             self._fail(item, "cleared before it concluded")
         with self._lock:
             if self._items.get(item.room) is item:
