@@ -136,6 +136,26 @@ def test_a_stale_clear_after_the_room_was_sent_again_tells_its_receiver_nothing(
         assert bytes(raw.buffer[ITEM:2 * ITEM].numpy()) == _item_bytes(2)
 
 
+def test_a_cleared_send_handle_never_reports_the_room_that_reused_its_number(engines, server, peer):
+    """An old handle kept by mistake reads Failed (no reason) once cleared, not the status of
+    the item sent later under the same room number; nor does its wait() block."""
+    encode, _ = engines
+    with SenderPool(encode, 0, 1, 1, server.address) as pool:
+        raw = peer(pool)
+        first = pool.send(7, item_tensor(1, SPAN, HIDDEN))
+        first.clear()  # before any ask: it fails "cleared before it concluded"
+        assert first.poll() == TransferPoll.Failed and first.failure is None
+        second = pool.send(7, item_tensor(2, SPAN, HIDDEN))
+        assert second.poll() == TransferPoll.WaitingForInput
+        assert first.poll() == TransferPoll.Failed and first.failure is None
+        started = time.monotonic()
+        assert first.wait(5.0) == TransferPoll.Failed
+        assert time.monotonic() - started < 4.0  # not its whole timeout
+        raw.ask(7, raw.base, SPAN, HIDDEN, SPAN)
+        assert second.wait(5) == TransferPoll.Success
+        assert first.poll() == TransferPoll.Failed
+
+
 @pytest.mark.parametrize("stop", ["thread fails", "close"])
 def test_rooms_that_succeeded_are_not_told_failed_when_the_pool_stops(engines, server, peer, stop):
     """A room concluded Success (not cleared yet) keeps its receivers' Success when the pool's

@@ -9,7 +9,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -290,23 +290,29 @@ class Conclusions:
 class RoomHandle:
     """One room's progress as its caller sees it; `state` carries room, started_at, concluded_at."""
 
-    def __init__(self, table: Any, state: Any, conclusions: Conclusions) -> None:
+    def __init__(self, table: Any, state: Any, conclusions: Conclusions, held: Callable[[int], Any]) -> None:
+        """`held(room)` is the state its owner holds for the room now (None once forgotten)."""
         self._table = table
         self._state = state
         self._conclusions = conclusions
+        self._held = held
         self.room = state.room
 
+    def _current(self) -> bool:
+        """Whether this handle's room is still held: not cleared, and its number not reused since."""
+        return self._held(self.room) is self._state
+
     def poll(self):
-        """The room's status right now (never blocks; Failed once cleared)."""
+        """The room's status right now (never blocks; Failed once cleared, whoever reuses its number)."""
         from transfer.status import TransferPoll
 
-        status = self._table.get(self.room)
+        status = self._table.get(self.room) if self._current() else None
         return TransferPoll.Failed if status is None else status
 
     @property
     def failure(self) -> str | None:
-        """Why the room failed, or None."""
-        return self._table.reason(self.room)
+        """Why the room failed, or None (also once cleared)."""
+        return self._table.reason(self.room) if self._current() else None
 
     @property
     def latency_s(self) -> float | None:
@@ -316,7 +322,8 @@ class RoomHandle:
 
     def wait(self, timeout: float):
         """Blocks up to `timeout` seconds for a terminal status (for tools and tests, not scheduler loops)."""
-        self._conclusions.wait(self._state, timeout)
+        if self._current():  # a cleared room will not conclude for this handle
+            self._conclusions.wait(self._state, timeout)
         return self.poll()
 
 

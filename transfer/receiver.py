@@ -99,25 +99,12 @@ class ReceiveHandle(_io.RoomHandle):
     """One room's progress as the scheduler loop sees it: poll(), failure, latency_s, wait(), clear()."""
 
     def __init__(self, manager: SessionManager, room: _Room, rows: Any = None, deepstack: Any = None) -> None:
-        super().__init__(manager._table, room, manager._conclusions)
+        super().__init__(manager._table, room, manager._conclusions, manager._rooms.get)
         self._manager = manager
         #: With a pool: the leased `[span, hidden]` rows (this rank's shard lands in its
         #: rows; the others are for reassembly) and likewise the deepstack rows.
         self.rows = rows
         self.deepstack = deepstack
-
-    def _current(self) -> bool:
-        """Whether this handle's room is still held (not cleared, its number not reused since)."""
-        return self._manager._rooms.get(self.room) is self._state
-
-    def poll(self) -> TransferPoll:
-        """The room's status right now (never blocks; Failed once cleared, whoever reuses its number)."""
-        return super().poll() if self._current() else TransferPoll.Failed
-
-    @property
-    def failure(self) -> str | None:
-        """Why the room failed, or None (also once cleared)."""
-        return super().failure if self._current() else None
 
     def clear(self, event: Any = None) -> None:
         """Forgets the room; a status that still arrives for it is ignored.

@@ -142,7 +142,7 @@ class SendHandle(_io.RoomHandle):
     """One room's progress on the encode side: poll(), failure, latency_s, wait(), clear()."""
 
     def __init__(self, pool: SenderPool, item: _Item) -> None:
-        super().__init__(pool._table, item, pool._conclusions)
+        super().__init__(pool._table, item, pool._conclusions, pool._items.get)
         self._pool = pool
 
     def clear(self) -> None:
@@ -183,7 +183,7 @@ class SenderPool:
 
         self._table = RoomTable()
         self._conclusions = _io.Conclusions()
-        self._items: dict[int, _Item] = {}  # sent by the caller, not yet concluded
+        self._items: dict[int, _Item] = {}  # sent by the caller, not yet cleared
         self._asks: dict[int, _Asks] = {}  # TransferInfos waiting for their whole fanout or item
         # Receive regions each prefill session announced, newest last (bounded).
         self._sessions: dict[str, list[Registration]] = {}
