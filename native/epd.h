@@ -17,6 +17,9 @@ extern PyObject *epd_FrameError;
 extern PyObject *epd_MsgError;
 extern PyObject *epd_LayerError;
 
+/* module.c: reads an int argument that must fit in u64 (no silent wrap); `what` names it in the error. */
+int epd_u64_arg(PyObject *obj, const char *what, uint64_t *out);
+
 /* layer.c: pure C, no Python. */
 uint64_t epd_layer_sum(const void *data, size_t len);
 void epd_put_le32(unsigned char *out, uint32_t v);

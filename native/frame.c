@@ -48,12 +48,22 @@ static int check_signals(PyThreadState **ts)
     return rc;
 }
 
+/* A timeout in seconds as poll() milliseconds: -1 (wait forever) when negative or NaN, capped at
+   INT_MAX, since converting a double that int cannot hold is undefined behaviour. */
+static int poll_ms(double timeout)
+{
+    if (!(timeout >= 0))
+        return -1;
+    double ms = ceil(timeout * 1000.0);
+    return ms >= (double)INT_MAX ? INT_MAX : (int)ms;
+}
+
 /* Waits until fd is ready: a socket with a Python timeout is non-blocking at the OS level. */
 static int wait_ready(int fd, int writing, double timeout, PyThreadState **ts)
 {
     for (;;) {
         struct pollfd pfd = {.fd = fd, .events = writing ? POLLOUT : POLLIN};
-        int ms = timeout < 0 ? -1 : (int)ceil(timeout * 1000.0);
+        int ms = poll_ms(timeout);
         int r = poll(&pfd, 1, ms);
         if (r > 0)
             return IO_OK;

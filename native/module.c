@@ -2,6 +2,8 @@
 #include "epd.h"
 #include "wire_listener.h"
 
+#include <math.h>
+
 PyObject *epd_FrameError;
 PyObject *epd_MsgError;
 PyObject *epd_LayerError;
@@ -25,6 +27,37 @@ static int u32_arg(PyObject *obj, const char *what, uint32_t *out)
         return -1;
     }
     *out = (uint32_t)v;
+    return 0;
+}
+
+/* Reads an int argument that must fit in u64; `what` names it in the error. */
+int epd_u64_arg(PyObject *obj, const char *what, uint64_t *out)
+{
+    /* Not the "K" format: it silently keeps the low 64 bits, so -1 or 2**64 + a would read or
+       register an address nobody asked for. */
+    PyObject *index = PyNumber_Index(obj);
+    if (index == NULL)
+        return -1;
+    unsigned long long v = PyLong_AsUnsignedLongLong(index);
+    Py_DECREF(index);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return -1;
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s must be an int in 0..18446744073709551615, got %R", what, obj);
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
+/* Refuses a NaN timeout, as socket.settimeout does; a negative one still means no timeout. */
+static int timeout_arg(double timeout, const char *who)
+{
+    if (isnan(timeout)) {
+        PyErr_Format(PyExc_ValueError, "%s: the timeout is NaN", who);
+        return -1;
+    }
     return 0;
 }
 
@@ -73,8 +106,12 @@ static PyObject *py_layer_sum(PyObject *self, PyObject *obj)
 static PyObject *py_layer_sum_addr(PyObject *self, PyObject *args)
 {
     (void)self;
-    unsigned long long addr, len;
-    if (!PyArg_ParseTuple(args, "KK:layer_sum_addr", &addr, &len))
+    PyObject *addr_o, *len_o;
+    uint64_t addr, len;
+    if (!PyArg_ParseTuple(args, "OO:layer_sum_addr", &addr_o, &len_o))
+        return NULL;
+    if (epd_u64_arg(addr_o, "layer_sum: the address", &addr) < 0 ||
+        epd_u64_arg(len_o, "layer_sum: the length", &len) < 0)
         return NULL;
     if (addr == 0 && len > 0) {
         PyErr_SetString(PyExc_ValueError, "layer_sum: a null address with a non-zero length");
@@ -82,6 +119,13 @@ static PyObject *py_layer_sum_addr(PyObject *self, PyObject *args)
     }
     if (len > (unsigned long long)PY_SSIZE_T_MAX) {
         PyErr_SetString(PyExc_ValueError, "layer_sum: length out of range");
+        return NULL;
+    }
+    if (addr + len < addr) {
+        char text[96];
+        snprintf(text, sizeof text, "layer_sum: the range 0x%llx+%llu wraps around the address space",
+                 (unsigned long long)addr, (unsigned long long)len);
+        PyErr_SetString(PyExc_ValueError, text);
         return NULL;
     }
     return PyLong_FromUnsignedLongLong(sum_region((const void *)(uintptr_t)addr, (Py_ssize_t)len));
@@ -168,6 +212,8 @@ static PyObject *py_write_frame(PyObject *self, PyObject *args)
     double timeout;
     if (!PyArg_ParseTuple(args, "iIOd:write_frame", &fd, &kind, &parts_o, &timeout))
         return NULL;
+    if (timeout_arg(timeout, "write_frame") < 0)
+        return NULL;
     if (kind > 255) {
         PyErr_Format(PyExc_ValueError, "frame kind must be in 0..255, got %u", kind);
         return NULL;
@@ -206,6 +252,8 @@ static PyObject *py_read_frame(PyObject *self, PyObject *args)
     int fd;
     double timeout;
     if (!PyArg_ParseTuple(args, "id:read_frame", &fd, &timeout))
+        return NULL;
+    if (timeout_arg(timeout, "read_frame") < 0)
         return NULL;
     return epd_read_frame(fd, timeout);
 }

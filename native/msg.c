@@ -33,25 +33,36 @@ int epd_msg_check(PyObject *key, PyObject *value)
     return 0;
 }
 
+/* The (key, value) pair of item i of a sorted items list (borrowed references). */
+static void item_at(PyObject *items, Py_ssize_t i, PyObject **key, PyObject **value)
+{
+    PyObject *item = PyList_GET_ITEM(items, i);
+    *key = PyTuple_GET_ITEM(item, 0);
+    *value = PyTuple_GET_ITEM(item, 1);
+}
+
 PyObject *epd_msg_encode(PyObject *fields, Py_buffer *body)
 {
     if (!PyDict_Check(fields)) {
         PyErr_SetString(PyExc_TypeError, "msg_encode needs a dict of str to str");
         return NULL;
     }
-    /* str order is code point order, which is also the UTF-8 byte order of the keys. */
-    PyObject *keys = PyDict_Keys(fields);
-    if (keys == NULL || PyList_Sort(keys) < 0) {
-        Py_XDECREF(keys);
+    /* A snapshot of the pairs, never a lookup: hashing or comparing a str subclass key runs Python
+       code that may change the dict, and the bytes counted below must be exactly the bytes written.
+       Distinct keys decide every comparison, so the pairs sort in key order: str order is code point
+       order, which is also the UTF-8 byte order of the keys. */
+    PyObject *items = PyDict_Items(fields);
+    if (items == NULL || PyList_Sort(items) < 0) {
+        Py_XDECREF(items);
         return NULL;
     }
-    Py_ssize_t n = PyList_GET_SIZE(keys);
+    Py_ssize_t n = PyList_GET_SIZE(items);
     size_t total = 1 + (size_t)body->len;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *key = PyList_GET_ITEM(keys, i);
-        PyObject *value = PyDict_GetItemWithError(fields, key);
-        if (value == NULL || epd_msg_check(key, value) < 0) {
-            Py_DECREF(keys);
+        PyObject *key, *value;
+        item_at(items, i, &key, &value);
+        if (epd_msg_check(key, value) < 0) {
+            Py_DECREF(items);
             return NULL;
         }
         Py_ssize_t klen, vlen;
@@ -61,13 +72,13 @@ PyObject *epd_msg_encode(PyObject *fields, Py_buffer *body)
     }
     PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
     if (out == NULL) {
-        Py_DECREF(keys);
+        Py_DECREF(items);
         return NULL;
     }
     char *w = PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *key = PyList_GET_ITEM(keys, i);
-        PyObject *value = PyDict_GetItemWithError(fields, key);
+        PyObject *key, *value;
+        item_at(items, i, &key, &value);
         Py_ssize_t klen, vlen;
         const char *k = PyUnicode_AsUTF8AndSize(key, &klen);
         const char *v = PyUnicode_AsUTF8AndSize(value, &vlen);
@@ -81,7 +92,7 @@ PyObject *epd_msg_encode(PyObject *fields, Py_buffer *body)
     *w++ = '\n';
     if (body->len > 0)
         memcpy(w, body->buf, (size_t)body->len);
-    Py_DECREF(keys);
+    Py_DECREF(items);
     return out;
 }
 

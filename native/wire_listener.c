@@ -13,6 +13,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -58,7 +59,7 @@ typedef struct wl_listener {
     int wake[2];
     int port;
     int started; /* the accept thread runs */
-    int closed;
+    atomic_int closed;
     atomic_int stopping;
     pthread_t accept_thread;
     int recv_timeout_ms, idle_timeout_ms;
@@ -804,9 +805,9 @@ static int bind_listener(wl_listener *l, const char *host, int port, char *why, 
 /* Stops accepting, wakes and joins every thread, closes every socket; idempotent. */
 static void listener_close(wl_listener *l)
 {
-    if (l->closed)
+    /* Two Python threads may close at once (the GIL is released here): only the first stops and joins. */
+    if (atomic_exchange(&l->closed, 1))
         return;
-    l->closed = 1;
     atomic_store(&l->stopping, 1);
     if (l->started) {
         ssize_t w = write(l->wake[1], "x", 1);
@@ -866,10 +867,11 @@ static void capsule_free(PyObject *cap)
     Py_END_ALLOW_THREADS
 }
 
-/* Converts seconds to poll milliseconds (at least 1). */
+/* Converts seconds to poll milliseconds (at least 1); NaN, which no comparison holds for and which
+   int cannot represent, counts as the shortest wait. */
 static int to_ms(double s)
 {
-    if (s <= 0)
+    if (!(s > 0))
         return 1;
     if (s > 86400.0 * 24)
         return 86400 * 24 * 1000;
@@ -888,6 +890,10 @@ PyObject *epd_py_wire_listen(PyObject *self, PyObject *args)
         return NULL;
     if (port < 0 || port > 65535) {
         PyErr_Format(PyExc_ValueError, "wire listener: port %d is outside 0..65535", port);
+        return NULL;
+    }
+    if (isnan(recv_timeout) || isnan(idle_timeout)) {
+        PyErr_SetString(PyExc_ValueError, "wire listener: a timeout is NaN");
         return NULL;
     }
     if (chunk_limit < 1 || (size_t)chunk_limit > EPD_MAX_PAYLOAD - EPD_LAYER_HEADER) {
@@ -962,15 +968,22 @@ PyObject *epd_py_wire_listener_port(PyObject *self, PyObject *cap)
 PyObject *epd_py_wire_add_region(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *cap;
-    unsigned long long addr, len;
-    if (!PyArg_ParseTuple(args, "OKK:wire_add_region", &cap, &addr, &len))
+    PyObject *cap, *addr_o, *len_o;
+    uint64_t addr, len;
+    if (!PyArg_ParseTuple(args, "OOO:wire_add_region", &cap, &addr_o, &len_o))
         return NULL;
     wl_listener *l = get_listener(cap);
     if (l == NULL)
         return NULL;
+    if (epd_u64_arg(addr_o, "wire_add_region: the address", &addr) < 0 ||
+        epd_u64_arg(len_o, "wire_add_region: the length", &len) < 0)
+        return NULL;
     if (len == 0 || addr == 0 || addr + len < addr) {
-        PyErr_Format(PyExc_ValueError, "cannot register region 0x%llx+%llu: empty, null or wrapping", addr, len);
+        /* snprintf, not PyErr_Format: before Python 3.12 the latter knows no %llx and printed it raw. */
+        char text[96];
+        snprintf(text, sizeof text, "cannot register region 0x%llx+%llu: empty, null or wrapping",
+                 (unsigned long long)addr, (unsigned long long)len);
+        PyErr_SetString(PyExc_ValueError, text);
         return NULL;
     }
     char why[REASON_MAX];
@@ -988,19 +1001,21 @@ PyObject *epd_py_wire_add_region(PyObject *self, PyObject *args)
 PyObject *epd_py_wire_remove_region(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *cap;
-    unsigned long long addr;
-    if (!PyArg_ParseTuple(args, "OK:wire_remove_region", &cap, &addr))
+    PyObject *cap, *addr_o;
+    uint64_t addr;
+    if (!PyArg_ParseTuple(args, "OO:wire_remove_region", &cap, &addr_o))
         return NULL;
     wl_listener *l = get_listener(cap);
-    if (l == NULL)
+    if (l == NULL || epd_u64_arg(addr_o, "wire_remove_region: the address", &addr) < 0)
         return NULL;
     long long len;
     Py_BEGIN_ALLOW_THREADS
     len = regions_remove(l, addr);
     Py_END_ALLOW_THREADS
     if (len < 0) {
-        PyErr_Format(PyExc_KeyError, "address 0x%llx is not a registered region", addr);
+        char text[64];
+        snprintf(text, sizeof text, "address 0x%llx is not a registered region", (unsigned long long)addr);
+        PyErr_SetString(PyExc_KeyError, text);
         return NULL;
     }
     return PyLong_FromLongLong(len);
