@@ -1,6 +1,7 @@
 """A hostile peer speaking raw frames to the wire listener: every lie is refused with a reason, nothing
-outside registered memory (nor, for a refused transfer, inside it) is written, and other connections
-keep being served."""
+outside registered memory is written, a frame refused by its checks writes nothing (chunks checked
+before it have landed, as a one-sided write cut short would have), and other connections keep being
+served."""
 
 from __future__ import annotations
 
