@@ -259,6 +259,44 @@ def test_an_ask_left_queued_for_a_dead_encode_rank_never_reaches_its_successor(e
 
 
 @pytest.mark.live
+def test_an_encode_node_restarted_with_other_sizes_is_asked_with_the_new_fanout(engines):
+    """The encode side's tp size is cached per bootstrap address; once a room expired there,
+    the node may have come back with another size, and a stale fanout would park every room."""
+    import torch
+    from live_helpers import port_rebindable
+
+    from transfer.bootstrap import BootstrapClient
+    from transfer.frames import TransferInfo, is_registration
+    from transfer.receiver import SessionManager
+    from transfer.status import TransferPoll
+
+    _, prefill_engine = engines
+    buf = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+    sink, port = _encode_stand_in()
+    try:
+        # prefill tp 2: one encode rank serves both prefill ranks (fanout 2) ...
+        with SessionManager(prefill_engine, 0, 2, 1, buffer=buf, host=HOST, deadline_s=0.5) as manager:
+            with BootstrapServer(HOST, 0) as first:
+                address, bootstrap_port = first.address, first.port
+                BootstrapClient(address).register_rank(1, 1, HOST, port, 0)
+                lost = manager.receive(1, address, buf[0, :2], row_start=0, span=4)
+                asks = [m for m in _messages(sink, 2.0, 2) if not is_registration(m)]
+                assert [TransferInfo.from_frames(m).fanout for m in asks] == [2]
+                assert lost.wait(5) == TransferPoll.Failed  # the node went away
+                lost.clear()
+            # ... and it comes back at the same address with two encode ranks (fanout 1).
+            assert port_rebindable(HOST, bootstrap_port)
+            with BootstrapServer(HOST, bootstrap_port) as second:
+                BootstrapClient(second.address).register_rank(2, 1, HOST, port, 0)
+                fresh = manager.receive(2, address, buf[1, :4], row_start=0, span=4)
+                asks = [m for m in _messages(sink, 2.0, 2) if not is_registration(m)]
+                assert [(TransferInfo.from_frames(m).room, TransferInfo.from_frames(m).fanout) for m in asks] == [(2, 1)]
+                fresh.clear()
+    finally:
+        sink.close(0)
+
+
+@pytest.mark.live
 def test_a_cleared_handle_never_reports_the_room_that_reused_its_number(engines):
     """poll() says Failed once a room was cleared; the next room of that number (the router
     reuses them) is another room, whose status the old handle must not show."""

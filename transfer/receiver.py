@@ -671,9 +671,11 @@ class SessionManager:
                 live = self._rooms.get(state.room) is state and not is_terminal(self._table.get(state.room))
             if not live:
                 continue
-            # The encode rank may have restarted elsewhere: look it up afresh next time.
+            # The encode rank may have restarted elsewhere, its node with other sizes: look
+            # both up afresh next time.
             if state.route_key is not None:
                 with self._send_lock:
+                    self._parallel.pop(state.bootstrap_addr, None)
                     self._routes.pop(state.route_key, None)
                     self._announced.pop(state.route_key, None)
                     # ZMQ would hand what is still queued for a dead rank to whoever listens at
