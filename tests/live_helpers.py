@@ -600,3 +600,23 @@ def junk_pusher(host: str, port: int):
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://{host}:{port}")
     return sock
+
+
+def peer_with_64_mib():
+    """A prefill engine in a process of its own with 64 MiB registered: (process, session, address).
+
+    A 64 MiB write to it takes long enough to still be in flight when a test stops (SIGSTOP) it.
+    """
+    import subprocess
+    import sys
+
+    peer = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import time, torch\n"
+            "from transfer.engine import Engine\n"
+            "e = Engine('127.0.0.1', 'tcp'); buf = torch.zeros(64 << 20, dtype=torch.uint8); e.register(buf)\n"
+            "print(e.session_id, buf.data_ptr(), flush=True)\n"
+            "time.sleep(120)\n")],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    session, landing = peer.stdout.readline().split()
+    return peer, session, int(landing)

@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from live_helpers import DTYPE, HOST, LIVE, SENTINEL, RawPrefill, item_tensor, wait_until
+from live_helpers import DTYPE, HOST, LIVE, SENTINEL, RawPrefill, item_tensor, peer_with_64_mib, wait_until
 
 from transfer.bootstrap import BootstrapServer
 from transfer.engine import Engine, TransferError
@@ -344,23 +344,15 @@ def _stopped_peer(encode: Engine):
     Returns (process, session, address); a write of 64 MiB to it stays in flight until
     the process is continued.
     """
-    peer = subprocess.Popen(
-        [sys.executable, "-c", (
-            "import time, torch\n"
-            "from transfer.engine import Engine\n"
-            "e = Engine('127.0.0.1', 'tcp'); buf = torch.zeros(64 << 20, dtype=torch.uint8); e.register(buf)\n"
-            "print(e.session_id, buf.data_ptr(), flush=True)\n"
-            "time.sleep(120)\n")],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    session, landing = peer.stdout.readline().split()
+    peer, session, landing = peer_with_64_mib()
     warm = torch.zeros(64, dtype=torch.uint8)
     encode.register(warm)
     try:
-        encode.write(session, [warm.data_ptr()], [int(landing)], [64])
+        encode.write(session, [warm.data_ptr()], [landing], [64])
     finally:
         encode.unregister(warm.data_ptr())
     os.kill(peer.pid, signal.SIGSTOP)
-    return peer, session, int(landing)
+    return peer, session, landing
 
 
 def test_close_drops_the_registration_of_a_cleared_room_whose_write_never_started(engines, server, peer):

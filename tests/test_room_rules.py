@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from live_helpers import LIVE
+from live_helpers import LIVE, peer_with_64_mib
 from transfer.bootstrap import BootstrapServer
 from transfer.engine import Engine
 from transfer.frames import Registration, TransferInfo
@@ -270,23 +270,6 @@ def test_cached_route_asks_from_receive_and_keeps_deadlines():
             asks.close(0)
 
 
-def _peer_with_64_mib():
-    """A prefill engine in a process of its own with 64 MiB registered: (process, session, address)."""
-    import subprocess
-    import sys
-
-    peer = subprocess.Popen(
-        [sys.executable, "-c", (
-            "import time, torch\n"
-            "from transfer.engine import Engine\n"
-            "e = Engine('127.0.0.1', 'tcp'); buf = torch.zeros(64 << 20, dtype=torch.uint8); e.register(buf)\n"
-            "print(e.session_id, buf.data_ptr(), flush=True)\n"
-            "time.sleep(120)\n")],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    session, landing = peer.stdout.readline().split()
-    return peer, session, int(landing)
-
-
 def _ask_for_64_mib(asks, status_port: int, session: str, landing: int) -> None:
     """The peer's registration and its TransferInfo for room 1: 8192 x 4096 bf16 into its buffer."""
     from transfer.frames import registration_frames
@@ -327,7 +310,7 @@ def test_close_with_a_write_stuck_on_a_stopped_peer_is_bounded_and_frees_nothing
     from transfer.status import TransferPoll
 
     monkeypatch.setattr(sender, "CLOSE_WAIT_S", 1.0)
-    peer, session, landing = _peer_with_64_mib()
+    peer, session, landing = peer_with_64_mib()
     try:
         item = torch.ones(64 << 20, dtype=torch.uint8).view(torch.bfloat16).view(8192, 4096)
         with Engine("127.0.0.1", "tcp") as encode_engine, BootstrapServer("127.0.0.1", 0) as server:
@@ -686,7 +669,7 @@ def test_clearing_a_room_mid_write_keeps_its_source_registered_until_the_write_i
     from live_helpers import wait_until
     from transfer import _io
 
-    peer, session, landing = _peer_with_64_mib()
+    peer, session, landing = peer_with_64_mib()
     try:
         item = torch.ones(64 << 20, dtype=torch.uint8).view(torch.bfloat16).view(8192, 4096)
         with Engine("127.0.0.1", "tcp") as encode_engine, BootstrapServer("127.0.0.1", 0) as server, \
