@@ -8,7 +8,17 @@
    answered by RESULT (Msg room, bytes) or ERROR (Msg room, body = the reason, then the connection
    is dropped). Every destination range is checked against the region table before the first byte
    lands, and again under the table's read lock for each chunk, so unregister() waits for a copy in
-   progress and no copy starts into a region that is gone. */
+   progress and no copy starts into a region that is gone.
+
+   Time bounds: each wait for the peer's next bytes is bounded by the receive timeout; a whole
+   transfer (first byte of PREFILL to the last of FIRST) must also keep an average of at least
+   min_rate bytes/s after a grace period, so a peer that dribbles a byte just inside every timeout
+   (within one frame or across many tiny ones) cannot hold a connection slot for long. Between
+   transfers a connection may sit idle for the idle timeout, which no rate applies to. A connection
+   beyond max_conns is answered "listener busy" by the accept thread, which never blocks on it: it
+   discards what the peer already sent, answers, shuts its side down and keeps draining the socket
+   (polled with the listening one) until the peer closes or DRAIN_MS pass, so the peer reads the
+   answer rather than a connection reset. */
 #include "wire_listener.h"
 
 #include <errno.h>
@@ -37,8 +47,18 @@
 #define REASON_MAX 512
 /* After an ERROR the connection is drained this long, so the peer reads the reason instead of a reset. */
 #define DRAIN_MS 1000
+/* Refused ("listener busy") connections the accept thread drains at once; more are closed at once. */
+#define LINGER_MAX 64
+/* Bytes the accept thread discards from one refused connection per wake-up, so others get their turn. */
+#define LINGER_BUDGET ((size_t)256 << 10)
+/* Default least average rate of a transfer (bytes/s): far below any real link (a 1 Gb/s link shared by
+   64 connections still gives each ~1.8 MiB/s), yet a slot costs a dribbling peer this much bandwidth. */
+#define DEFAULT_MIN_RATE (256.0 * 1024.0)
+/* Default grace before the rate applies, in receive timeouts: two, so a peer that stops outright is
+   still reported as timed out, and a sender's start-up stall is never judged a slow transfer. */
+#define GRACE_TIMEOUTS 2
 
-enum { RD_OK, RD_EOF, RD_TIMEOUT, RD_ERR };
+enum { RD_OK, RD_EOF, RD_TIMEOUT, RD_ERR, RD_SLOW };
 
 typedef struct {
     uint64_t addr, len;
@@ -63,17 +83,30 @@ typedef struct wl_listener {
     atomic_int stopping;
     pthread_t accept_thread;
     int recv_timeout_ms, idle_timeout_ms;
+    double min_rate;  /* least average bytes/s of a transfer after the grace; 0: no rate bound */
+    int64_t grace_ns; /* how long a transfer runs before min_rate applies */
     size_t chunk_limit;
     int max_conns;
     wl_conn *conns;
+    /* Refused connections still being drained; only the accept thread touches these. */
+    int linger_fd[LINGER_MAX];
+    int64_t linger_until[LINGER_MAX];
+    int nlinger;
     pthread_rwlock_t regions_lock;
     wl_region *regions;
     size_t nregions, cap;
     pthread_mutex_t lock; /* conns' fds and the counters below */
-    unsigned long long accepted, refused, transfers, failures, bytes;
+    unsigned long long accepted, refused, transfers, failures, bytes, too_slow;
     int active;
     char last_error[REASON_MAX];
 } wl_listener;
+
+/* A connection's reading side: its socket and the clock of the transfer being read. */
+typedef struct {
+    int fd;
+    int64_t start_ns; /* when the transfer's first byte was there */
+    uint64_t got;     /* bytes of the transfer received so far, headers included */
+} wl_io;
 
 /* One transfer's announced shape, parsed from the PREFILL Msg. */
 typedef struct {
@@ -150,12 +183,46 @@ static long long regions_remove(wl_listener *l, uint64_t addr)
 
 /* --------------------------------------------------------------------- socket I/O */
 
-/* Waits (at most timeout_ms) until the socket is readable, then receives up to n bytes into *k. */
-static int recv_some(int fd, void *buf, size_t n, int timeout_ms, size_t *k)
+/* CLOCK_MONOTONIC in nanoseconds. */
+static int64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* Nanoseconds the transfer may have taken once it has received `got` bytes: the grace plus the time
+   those bytes take at min_rate (capped far beyond any real wait, so it never overflows). */
+static int64_t allowed_ns(const wl_listener *l, uint64_t got)
+{
+    double ns = (double)l->grace_ns + (double)got / l->min_rate * 1e9;
+    return ns < 1e18 ? (int64_t)ns : (int64_t)1e18;
+}
+
+/* Waits until the socket is readable, then receives up to n bytes into *k. A wait is bounded by the
+   receive timeout (RD_TIMEOUT) and by the transfer's rate deadline (RD_SLOW). */
+static int recv_some(wl_listener *l, wl_io *io, void *buf, size_t n, size_t *k)
 {
     for (;;) {
-        struct pollfd pfd = {.fd = fd, .events = POLLIN};
-        int r = poll(&pfd, 1, timeout_ms);
+        int wait_ms = l->recv_timeout_ms, by_rate = 0;
+        if (l->min_rate > 0) {
+            int64_t left = io->start_ns + allowed_ns(l, io->got) - now_ns();
+            if (left < (int64_t)wait_ms * 1000000) {
+                /* Past the deadline, bytes already here are still taken (this thread may have been the
+                   slow one); a peer below the rate is cut the first time none are. Rounded up, a wait
+                   ends past the deadline. */
+                wait_ms = left <= 0 ? 0 : (int)((left + 999999) / 1000000);
+                by_rate = 1;
+            }
+        }
+        struct pollfd pfd = {.fd = io->fd, .events = POLLIN};
+        int r = poll(&pfd, 1, wait_ms);
+        if (r == 0 && by_rate) {
+            pthread_mutex_lock(&l->lock);
+            l->too_slow++;
+            pthread_mutex_unlock(&l->lock);
+            return RD_SLOW;
+        }
         if (r == 0)
             return RD_TIMEOUT;
         if (r < 0) {
@@ -163,7 +230,7 @@ static int recv_some(int fd, void *buf, size_t n, int timeout_ms, size_t *k)
                 continue;
             return RD_ERR;
         }
-        ssize_t got = recv(fd, buf, n, 0);
+        ssize_t got = recv(io->fd, buf, n, 0);
         if (got == 0)
             return RD_EOF;
         if (got < 0) {
@@ -172,18 +239,19 @@ static int recv_some(int fd, void *buf, size_t n, int timeout_ms, size_t *k)
             return RD_ERR;
         }
         *k = (size_t)got;
+        io->got += (uint64_t)got;
         return RD_OK;
     }
 }
 
-/* Reads exactly n bytes; each wait for progress is bounded by timeout_ms. */
-static int read_all(int fd, void *buf, size_t n, int timeout_ms, size_t *got)
+/* Reads exactly n bytes, each wait bounded as recv_some says. */
+static int read_all(wl_listener *l, wl_io *io, void *buf, size_t n, size_t *got)
 {
     char *p = buf;
     *got = 0;
     while (*got < n) {
         size_t k;
-        int rc = recv_some(fd, p + *got, n - *got, timeout_ms, &k);
+        int rc = recv_some(l, io, p + *got, n - *got, &k);
         if (rc != RD_OK)
             return rc;
         *got += k;
@@ -194,14 +262,14 @@ static int read_all(int fd, void *buf, size_t n, int timeout_ms, size_t *got)
 /* read_all that also sums the bytes as they arrive, while they are still in cache: whole words are
    summed as soon as they are complete (offsets stay multiples of 8 from the start, so the partial
    sums add up to epd_layer_sum of the whole), the zero-padded tail at the end. */
-static int read_summed(int fd, unsigned char *buf, size_t n, int timeout_ms, size_t *got, uint64_t *sum)
+static int read_summed(wl_listener *l, wl_io *io, unsigned char *buf, size_t n, size_t *got, uint64_t *sum)
 {
     size_t summed = 0;
     uint64_t acc = 0;
     *got = 0;
     while (*got < n) {
         size_t k;
-        int rc = recv_some(fd, buf + *got, n - *got, timeout_ms, &k);
+        int rc = recv_some(l, io, buf + *got, n - *got, &k);
         if (rc != RD_OK)
             return rc;
         *got += k;
@@ -234,27 +302,40 @@ static int send_all(int fd, const void *buf, size_t n)
     return 0;
 }
 
-/* Sends one frame whose payload is a Msg with `room` (when known) and an optional extra field. */
-static int send_reply(int fd, unsigned kind, const wl_prefill *pf, const char *extra_key, uint64_t extra,
-                      const char *body)
+/* Room for one reply frame: the 5-byte header, a Msg's few header lines, a reason. */
+#define REPLY_MAX (5 + REASON_MAX + 128)
+
+/* Encodes one frame whose payload is a Msg with `room` (when known) and an optional extra field into
+   out (REPLY_MAX bytes); its length, or -1. */
+static int format_reply(unsigned char *out, unsigned kind, const wl_prefill *pf, const char *extra_key,
+                        uint64_t extra, const char *body)
 {
-    char msg[REASON_MAX + 128], extra_line[64] = "", room_line[40] = "";
+    char extra_line[64] = "", room_line[40] = "";
     /* Keys in sorted order, as every Msg encodes them: "bytes" < "room". */
     if (extra_key != NULL)
         snprintf(extra_line, sizeof extra_line, "%s=%llu\n", extra_key, (unsigned long long)extra);
     if (pf->room_known)
         snprintf(room_line, sizeof room_line, "room=%llu\n", (unsigned long long)pf->room);
-    int n = snprintf(msg, sizeof msg, "%s%s\n%s", extra_line, room_line, body ? body : "");
+    char *msg = (char *)out + 5;
+    size_t room = REPLY_MAX - 5;
+    int n = snprintf(msg, room, "%s%s\n%s", extra_line, room_line, body ? body : "");
     if (n < 0)
         return -1;
-    if ((size_t)n >= sizeof msg)
-        n = (int)sizeof msg - 1; /* a reason is at most REASON_MAX bytes, so this never cuts one */
-    unsigned char header[5];
-    epd_put_le32(header, (uint32_t)n + 1);
-    header[4] = (unsigned char)kind;
-    if (send_all(fd, header, sizeof header) < 0)
-        return -1;
-    return send_all(fd, msg, (size_t)n);
+    if ((size_t)n >= room)
+        n = (int)room - 1; /* a reason is at most REASON_MAX bytes, so this never cuts one */
+    epd_put_le32(out, (uint32_t)n + 1);
+    out[4] = (unsigned char)kind;
+    return n + 5;
+}
+
+/* Sends one reply frame (see format_reply) in a single send: a frame split over two sends could
+   leave its tail unsent behind Nagle when a reset follows, and the peer would read half an answer. */
+static int send_reply(int fd, unsigned kind, const wl_prefill *pf, const char *extra_key, uint64_t extra,
+                      const char *body)
+{
+    unsigned char frame[REPLY_MAX];
+    int n = format_reply(frame, kind, pf, extra_key, extra, body);
+    return n < 0 ? -1 : send_all(fd, frame, (size_t)n);
 }
 
 /* Tells the peer why (best effort), stops our sending side and drains briefly, so the reason is
@@ -290,17 +371,28 @@ static void refuse(wl_listener *l, int fd, const wl_prefill *pf, const char *fmt
     }
 }
 
-/* Words for a failed read in a reason. */
-static const char *read_failure(int rc)
+/* Words for a failed read in a reason, written into buf; returns buf. */
+static const char *read_failure(const wl_listener *l, const wl_io *io, int rc, char *buf, size_t len)
 {
     switch (rc) {
     case RD_EOF:
-        return "the peer closed the connection";
+        snprintf(buf, len, "the peer closed the connection");
+        break;
     case RD_TIMEOUT:
-        return "timed out waiting for the peer";
+        snprintf(buf, len, "timed out waiting for the peer");
+        break;
+    case RD_SLOW:
+        snprintf(buf, len,
+                 "the peer is too slow (%llu bytes of this transfer in %.2f s; a transfer must average at least "
+                 "%.0f bytes/s after its first %.2f s)",
+                 (unsigned long long)io->got, (double)(now_ns() - io->start_ns) / 1e9, l->min_rate,
+                 (double)l->grace_ns / 1e9);
+        break;
     default:
-        return strerror(errno);
+        snprintf(buf, len, "%s", strerror(errno));
+        break;
     }
+    return buf;
 }
 
 /* ------------------------------------------------------------------- PREFILL Msg */
@@ -449,21 +541,24 @@ static int check_destinations(wl_listener *l, const wl_prefill *pf, char *why, s
 enum { SERVE_AGAIN, SERVE_DROP };
 
 /* Reads a frame header (u32 length, u8 kind); the payload length, or -1 after refusing the peer. */
-static long long read_header(wl_listener *l, int fd, const wl_prefill *pf, unsigned *kind, const char *when)
+static long long read_header(wl_listener *l, wl_io *io, const wl_prefill *pf, unsigned *kind, const char *when)
 {
+    const int fd = io->fd;
+    char fail[REASON_MAX / 2];
     unsigned char h[5];
     size_t got;
-    int rc = read_all(fd, h, 4, l->recv_timeout_ms, &got);
+    int rc = read_all(l, io, h, 4, &got);
     if (rc == RD_OK && epd_get_le32(h) == 0) {
         refuse(l, fd, pf, "read: zero-length frame has no kind byte (%s)", when);
         return -1;
     }
     if (rc == RD_OK) {
-        rc = read_all(fd, h + 4, 1, l->recv_timeout_ms, &got);
+        rc = read_all(l, io, h + 4, 1, &got);
         got += 4;
     }
     if (rc != RD_OK) {
-        refuse(l, fd, pf, "read: %s %s (%zu of 5 header bytes)", read_failure(rc), when, got);
+        refuse(l, fd, pf, "read: %s %s (%zu of 5 header bytes)", read_failure(l, io, rc, fail, sizeof fail), when,
+               got);
         return -1;
     }
     *kind = h[4];
@@ -471,18 +566,19 @@ static long long read_header(wl_listener *l, int fd, const wl_prefill *pf, unsig
 }
 
 /* Reads and discards a small control payload (FIRST's); 0, or -1 after refusing the peer. */
-static int skip_control(wl_listener *l, int fd, const wl_prefill *pf, size_t n)
+static int skip_control(wl_listener *l, wl_io *io, const wl_prefill *pf, size_t n)
 {
-    char buf[512];
+    const int fd = io->fd;
+    char buf[512], fail[REASON_MAX / 2];
     if (n > EPD_WIRE_MAX_CONTROL) {
         refuse(l, fd, pf, "FIRST payload of %zu bytes exceeds the limit of %zu bytes", n, EPD_WIRE_MAX_CONTROL);
         return -1;
     }
     while (n > 0) {
         size_t take = n < sizeof buf ? n : sizeof buf, got;
-        int rc = read_all(fd, buf, take, l->recv_timeout_ms, &got);
+        int rc = read_all(l, io, buf, take, &got);
         if (rc != RD_OK) {
-            refuse(l, fd, pf, "read: %s inside FIRST", read_failure(rc));
+            refuse(l, fd, pf, "read: %s inside FIRST", read_failure(l, io, rc, fail, sizeof fail));
             return -1;
         }
         n -= take;
@@ -491,9 +587,11 @@ static int skip_control(wl_listener *l, int fd, const wl_prefill *pf, size_t n)
 }
 
 /* Receives one LAYER frame's data into the bounce buffer, verifies it, and copies it into place. */
-static int land_chunk(wl_listener *l, int fd, const wl_prefill *pf, unsigned layer, uint64_t *done,
+static int land_chunk(wl_listener *l, wl_io *io, const wl_prefill *pf, unsigned layer, uint64_t *done,
                       size_t plen, unsigned char *bounce)
 {
+    const int fd = io->fd;
+    char fail[REASON_MAX / 2];
     unsigned char lh[EPD_LAYER_HEADER];
     size_t got;
     if (plen < EPD_LAYER_HEADER) {
@@ -516,9 +614,10 @@ static int land_chunk(wl_listener *l, int fd, const wl_prefill *pf, unsigned lay
                (unsigned long long)pf->lbytes[layer], (unsigned long long)*done, dlen);
         return -1;
     }
-    int rc = read_all(fd, lh, sizeof lh, l->recv_timeout_ms, &got);
+    int rc = read_all(l, io, lh, sizeof lh, &got);
     if (rc != RD_OK) {
-        refuse(l, fd, pf, "read: %s inside a LAYER header of layer %u", read_failure(rc), layer);
+        refuse(l, fd, pf, "read: %s inside a LAYER header of layer %u", read_failure(l, io, rc, fail, sizeof fail),
+               layer);
         return -1;
     }
     uint32_t flayer = epd_get_le32(lh), frows = epd_get_le32(lh + 4);
@@ -534,10 +633,10 @@ static int land_chunk(wl_listener *l, int fd, const wl_prefill *pf, unsigned lay
         return -1;
     }
     uint64_t sum;
-    rc = read_summed(fd, bounce, dlen, l->recv_timeout_ms, &got, &sum);
+    rc = read_summed(l, io, bounce, dlen, &got, &sum);
     if (rc != RD_OK) {
-        refuse(l, fd, pf, "read: %s mid-frame in layer %u after %zu of %zu data bytes", read_failure(rc), layer, got,
-               dlen);
+        refuse(l, fd, pf, "read: %s mid-frame in layer %u after %zu of %zu data bytes",
+               read_failure(l, io, rc, fail, sizeof fail), layer, got, dlen);
         return -1;
     }
     if (sum != want) {
@@ -562,10 +661,11 @@ static int land_chunk(wl_listener *l, int fd, const wl_prefill *pf, unsigned lay
 }
 
 /* Serves one transfer whose PREFILL header was read; SERVE_AGAIN after a RESULT. */
-static int serve_transfer(wl_listener *l, int fd, unsigned kind, size_t plen, unsigned char **bounce)
+static int serve_transfer(wl_listener *l, wl_io *io, unsigned kind, size_t plen, unsigned char **bounce)
 {
+    const int fd = io->fd;
     wl_prefill pf = {0};
-    char why[REASON_MAX];
+    char why[REASON_MAX], fail[REASON_MAX / 2];
     if (kind != KIND_PREFILL) {
         refuse(l, fd, &pf, "expected a PREFILL frame, got kind %u", kind);
         return SERVE_DROP;
@@ -580,10 +680,11 @@ static int serve_transfer(wl_listener *l, int fd, unsigned kind, size_t plen, un
         refuse(l, fd, &pf, "out of memory reading a PREFILL of %zu bytes", plen);
         return SERVE_DROP;
     }
-    int rc = read_all(fd, msg, plen, l->recv_timeout_ms, &got);
+    int rc = read_all(l, io, msg, plen, &got);
     if (rc != RD_OK) {
         free(msg);
-        refuse(l, fd, &pf, "read: %s inside PREFILL after %zu of %zu bytes", read_failure(rc), got, plen);
+        refuse(l, fd, &pf, "read: %s inside PREFILL after %zu of %zu bytes", read_failure(l, io, rc, fail, sizeof fail),
+               got, plen);
         return SERVE_DROP;
     }
     rc = parse_prefill(msg, plen, &pf, why, sizeof why);
@@ -596,7 +697,7 @@ static int serve_transfer(wl_listener *l, int fd, unsigned kind, size_t plen, un
     for (unsigned i = 0; i < pf.layers; i++) {
         uint64_t done = 0;
         while (done < pf.lbytes[i]) {
-            long long n = read_header(l, fd, &pf, &kind, "inside a transfer");
+            long long n = read_header(l, io, &pf, &kind, "inside a transfer");
             if (n < 0)
                 return SERVE_DROP;
             if (kind != KIND_LAYER) {
@@ -609,12 +710,12 @@ static int serve_transfer(wl_listener *l, int fd, unsigned kind, size_t plen, un
                 refuse(l, fd, &pf, "out of memory for a %zu-byte bounce buffer", l->chunk_limit);
                 return SERVE_DROP;
             }
-            if (land_chunk(l, fd, &pf, i, &done, (size_t)n, *bounce) < 0)
+            if (land_chunk(l, io, &pf, i, &done, (size_t)n, *bounce) < 0)
                 return SERVE_DROP;
         }
         total += done;
     }
-    long long n = read_header(l, fd, &pf, &kind, "waiting for FIRST");
+    long long n = read_header(l, io, &pf, &kind, "waiting for FIRST");
     if (n < 0)
         return SERVE_DROP;
     if (kind != KIND_FIRST) {
@@ -623,7 +724,7 @@ static int serve_transfer(wl_listener *l, int fd, unsigned kind, size_t plen, un
                (unsigned long long)total);
         return SERVE_DROP;
     }
-    if (skip_control(l, fd, &pf, (size_t)n) < 0)
+    if (skip_control(l, io, &pf, (size_t)n) < 0)
         return SERVE_DROP;
     pthread_mutex_lock(&l->lock);
     l->transfers++;
@@ -653,18 +754,23 @@ static void *conn_main(void *arg)
     wl_conn *c = arg;
     wl_listener *l = c->owner;
     int fd = c->fd;
+    wl_io io = {.fd = fd};
     unsigned char *bounce = NULL;
     while (!atomic_load(&l->stopping) && wait_for_transfer(l, fd)) {
         char first;
         ssize_t k = recv(fd, &first, 1, MSG_PEEK | MSG_DONTWAIT);
         if (k == 0)
             break; /* the peer closed an idle connection: not an error */
+        /* The transfer's clock starts with its first byte: the idle wait before it is not the peer's
+           slowness. */
+        io.start_ns = now_ns();
+        io.got = 0;
         wl_prefill none = {0};
         unsigned kind;
-        long long n = read_header(l, fd, &none, &kind, "at the start of a transfer");
+        long long n = read_header(l, &io, &none, &kind, "at the start of a transfer");
         if (n < 0)
             break;
-        if (serve_transfer(l, fd, kind, (size_t)n, &bounce) != SERVE_AGAIN)
+        if (serve_transfer(l, &io, kind, (size_t)n, &bounce) != SERVE_AGAIN)
             break;
     }
     free(bounce);
@@ -691,6 +797,101 @@ static void reap(wl_listener *l)
     }
 }
 
+/* Discards up to `budget` bytes the peer sent, without blocking; 1 once the peer closed (or the socket
+   failed), 0 while it is still open. */
+static int drain_now(int fd, size_t budget)
+{
+    char sink[65536];
+    while (budget > 0) {
+        ssize_t k = recv(fd, sink, sizeof sink, MSG_DONTWAIT);
+        if (k == 0)
+            return 1;
+        if (k < 0)
+            return errno == EINTR ? 0 : !(errno == EAGAIN || errno == EWOULDBLOCK);
+        budget -= (size_t)k < budget ? (size_t)k : budget;
+    }
+    return 0;
+}
+
+/* Closes a refused connection after discarding what it still holds: closing with unread bytes would
+   make the kernel send a reset, which can overtake our answer. */
+static void close_drained(int fd)
+{
+    drain_now(fd, LINGER_BUDGET);
+    close(fd);
+}
+
+/* Answers a connection beyond max_conns "listener busy" without blocking this (the accept) thread:
+   discards what the peer already sent, sends the answer in one segment, shuts our side down, then
+   leaves the socket to accept_main's poll to drain until the peer closes or DRAIN_MS pass. */
+static void refuse_busy(wl_listener *l, int fd)
+{
+    wl_prefill none = {0};
+    char why[128];
+    unsigned char frame[REPLY_MAX];
+    snprintf(why, sizeof why, "listener busy: all %d connections in use", l->max_conns);
+    pthread_mutex_lock(&l->lock);
+    l->refused++;
+    pthread_mutex_unlock(&l->lock);
+    int one = 1, flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) {
+        close(fd); /* cannot make it non-blocking: not worth risking a stall of the accept thread */
+        return;
+    }
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    if (drain_now(fd, LINGER_BUDGET)) {
+        close(fd); /* the peer is gone already */
+        return;
+    }
+    int n = format_reply(frame, KIND_ERROR, &none, NULL, 0, why);
+    /* A fresh socket's send buffer takes these few hundred bytes whole; if not, the peer gets no answer. */
+    if (n < 0 || send(fd, frame, (size_t)n, MSG_NOSIGNAL | MSG_DONTWAIT) != n) {
+        close_drained(fd);
+        return;
+    }
+    shutdown(fd, SHUT_WR);
+    if (l->nlinger == LINGER_MAX) {
+        close_drained(fd); /* a flood of refusals: the newest gets a best-effort answer */
+        return;
+    }
+    l->linger_fd[l->nlinger] = fd;
+    l->linger_until[l->nlinger] = now_ns() + (int64_t)DRAIN_MS * 1000000;
+    l->nlinger++;
+}
+
+/* Drains the refused connections whose poll entries (in linger order) are ready; closes those whose
+   peer closed or whose time is up. */
+static void serve_lingering(wl_listener *l, const struct pollfd *pfd)
+{
+    int64_t now = now_ns();
+    int kept = 0;
+    for (int i = 0; i < l->nlinger; i++) {
+        int fd = l->linger_fd[i];
+        int over = (pfd[i].revents & (POLLIN | POLLHUP | POLLERR)) && drain_now(fd, LINGER_BUDGET);
+        if (over || now >= l->linger_until[i]) {
+            close_drained(fd);
+            continue;
+        }
+        l->linger_fd[kept] = fd;
+        l->linger_until[kept] = l->linger_until[i];
+        kept++;
+    }
+    l->nlinger = kept;
+}
+
+/* Milliseconds accept_main may sleep: a second (for reaping), or less when a refused connection's
+   drain time ends sooner. */
+static int accept_wait_ms(const wl_listener *l)
+{
+    int64_t now = now_ns(), wait = 1000;
+    for (int i = 0; i < l->nlinger; i++) {
+        int64_t left = (l->linger_until[i] - now + 999999) / 1000000;
+        if (left < wait)
+            wait = left < 0 ? 0 : left;
+    }
+    return (int)wait;
+}
+
 /* Starts a thread for a new connection, or refuses it when every slot is busy. */
 static void admit(wl_listener *l, int fd)
 {
@@ -700,14 +901,7 @@ static void admit(wl_listener *l, int fd)
         if (!l->conns[i].used)
             slot = &l->conns[i];
     if (slot == NULL) {
-        wl_prefill none = {0};
-        char why[128];
-        snprintf(why, sizeof why, "listener busy: all %d connections in use", l->max_conns);
-        pthread_mutex_lock(&l->lock);
-        l->refused++;
-        pthread_mutex_unlock(&l->lock);
-        send_reply(fd, KIND_ERROR, &none, NULL, 0, why);
-        close(fd);
+        refuse_busy(l, fd);
         return;
     }
     int one = 1;
@@ -734,17 +928,25 @@ static void admit(wl_listener *l, int fd)
     slot->used = 1;
 }
 
-/* The accept thread: admits connections until the wake pipe says stop. */
+/* The accept thread: admits connections and drains refused ones until the wake pipe says stop. */
 static void *accept_main(void *arg)
 {
     wl_listener *l = arg;
+    struct pollfd pfd[2 + LINGER_MAX];
     for (;;) {
-        struct pollfd pfd[2] = {{.fd = l->lfd, .events = POLLIN}, {.fd = l->wake[0], .events = POLLIN}};
-        int r = poll(pfd, 2, 1000);
+        pfd[0] = (struct pollfd){.fd = l->lfd, .events = POLLIN};
+        pfd[1] = (struct pollfd){.fd = l->wake[0], .events = POLLIN};
+        for (int i = 0; i < l->nlinger; i++)
+            pfd[2 + i] = (struct pollfd){.fd = l->linger_fd[i], .events = POLLIN};
+        int r = poll(pfd, (nfds_t)(2 + l->nlinger), accept_wait_ms(l));
         if (atomic_load(&l->stopping))
             break;
         if (r < 0 && errno != EINTR)
             break;
+        if (r < 0)
+            for (int i = 0; i < l->nlinger; i++)
+                pfd[2 + i].revents = 0; /* poll failed: nothing it says is ready */
+        serve_lingering(l, pfd + 2);
         if (r <= 0 || !(pfd[0].revents & POLLIN)) {
             reap(l);
             continue;
@@ -757,6 +959,9 @@ static void *accept_main(void *arg)
         }
         admit(l, fd);
     }
+    for (int i = 0; i < l->nlinger; i++)
+        close_drained(l->linger_fd[i]);
+    l->nlinger = 0;
     return NULL;
 }
 
@@ -883,17 +1088,24 @@ PyObject *epd_py_wire_listen(PyObject *self, PyObject *args)
     (void)self;
     const char *host;
     int port, max_conns;
-    double recv_timeout, idle_timeout;
+    double recv_timeout, idle_timeout, min_rate = DEFAULT_MIN_RATE, rate_grace = -1.0;
     Py_ssize_t chunk_limit;
-    if (!PyArg_ParseTuple(args, "siddni:wire_listen", &host, &port, &recv_timeout, &idle_timeout, &chunk_limit,
-                          &max_conns))
+    if (!PyArg_ParseTuple(args, "siddni|dd:wire_listen", &host, &port, &recv_timeout, &idle_timeout, &chunk_limit,
+                          &max_conns, &min_rate, &rate_grace))
         return NULL;
     if (port < 0 || port > 65535) {
         PyErr_Format(PyExc_ValueError, "wire listener: port %d is outside 0..65535", port);
         return NULL;
     }
-    if (isnan(recv_timeout) || isnan(idle_timeout)) {
+    if (isnan(recv_timeout) || isnan(idle_timeout) || isnan(rate_grace)) {
         PyErr_SetString(PyExc_ValueError, "wire listener: a timeout is NaN");
+        return NULL;
+    }
+    if (!(min_rate >= 0)) {
+        char text[112];
+        snprintf(text, sizeof text, "wire listener: min_rate %g is not a rate in bytes/s (0 turns the bound off)",
+                 min_rate);
+        PyErr_SetString(PyExc_ValueError, text);
         return NULL;
     }
     if (chunk_limit < 1 || (size_t)chunk_limit > EPD_MAX_PAYLOAD - EPD_LAYER_HEADER) {
@@ -916,6 +1128,10 @@ PyObject *epd_py_wire_listen(PyObject *self, PyObject *args)
     l->max_conns = max_conns;
     l->recv_timeout_ms = to_ms(recv_timeout);
     l->idle_timeout_ms = to_ms(idle_timeout);
+    l->min_rate = min_rate;
+    /* A negative grace asks for the default, a few receive timeouts. */
+    int64_t grace_ms = rate_grace < 0 ? (int64_t)GRACE_TIMEOUTS * l->recv_timeout_ms : to_ms(rate_grace);
+    l->grace_ns = grace_ms * 1000000;
     l->chunk_limit = (size_t)chunk_limit;
     l->wake[0] = l->wake[1] = -1;
     pthread_mutex_init(&l->lock, NULL);
@@ -1027,10 +1243,11 @@ PyObject *epd_py_wire_listener_stats(PyObject *self, PyObject *cap)
     wl_listener *l = get_listener(cap);
     if (l == NULL)
         return NULL;
-    unsigned long long accepted, refused, transfers, failures, bytes;
+    unsigned long long accepted, refused, transfers, failures, bytes, too_slow;
     int active;
     char last[REASON_MAX];
     pthread_mutex_lock(&l->lock);
+    too_slow = l->too_slow;
     accepted = l->accepted;
     refused = l->refused;
     transfers = l->transfers;
@@ -1042,9 +1259,9 @@ PyObject *epd_py_wire_listener_stats(PyObject *self, PyObject *cap)
     pthread_rwlock_rdlock(&l->regions_lock);
     size_t nregions = l->nregions;
     pthread_rwlock_unlock(&l->regions_lock);
-    return Py_BuildValue("{sKsKsKsKsKsisnsiss}", "accepted", accepted, "refused", refused, "transfers", transfers,
-                         "failures", failures, "bytes", bytes, "active", active, "regions", (Py_ssize_t)nregions,
-                         "port", l->port, "last_error", last);
+    return Py_BuildValue("{sKsKsKsKsKsKsisnsiss}", "accepted", accepted, "refused", refused, "transfers", transfers,
+                         "failures", failures, "too_slow", too_slow, "bytes", bytes, "active", active, "regions",
+                         (Py_ssize_t)nregions, "port", l->port, "last_error", last);
 }
 
 PyObject *epd_py_wire_listener_close(PyObject *self, PyObject *cap)

@@ -19,7 +19,9 @@ PyObject *epd_py_wire_listener_close(PyObject *self, PyObject *cap);
 /* Entries for the module's method table (module.c). */
 #define EPD_WIRE_METHODS                                                                                  \
     {"wire_listen", epd_py_wire_listen, METH_VARARGS,                                                    \
-     "wire_listen(host, port, recv_timeout, idle_timeout, chunk_limit, max_conns) -> listener."},        \
+     "wire_listen(host, port, recv_timeout, idle_timeout, chunk_limit, max_conns, min_rate=262144.0, "    \
+     "rate_grace=-1.0) -> listener. A transfer must average min_rate bytes/s (0: no bound) once it has "  \
+     "run rate_grace seconds (negative: 2 * recv_timeout)."},                                           \
     {"wire_listener_port", epd_py_wire_listener_port, METH_O, "wire_listener_port(listener) -> int."},   \
     {"wire_add_region", epd_py_wire_add_region, METH_VARARGS, "wire_add_region(listener, addr, len)."},  \
     {"wire_remove_region", epd_py_wire_remove_region, METH_VARARGS,                                      \
