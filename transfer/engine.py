@@ -16,6 +16,13 @@ transfer_engine_py.cpp in kvcache-ai/Mooncake):
   every batch completes, fails, or passes that same transfer timeout. On two cores
   that spinning thread starves the transport, so `wait()` polls the non-blocking
   `transfer_check_status` with a short, growing sleep instead.
+- `transfer_check_status` has no deadline at all: a batch to a peer that stopped
+  reading (a stopped or wedged process whose socket stays open) reads "in flight"
+  for as long as the peer stays that way, and its TIMEOUT answer (-2, only with
+  `MC_SLICE_TIMEOUT` set) is a warning, not an outcome: the batch still completes or
+  fails later. So poll() applies the transfer timeout itself, and a batch that
+  outlives it keeps its source memory pinned (unregister() refuses it) until
+  Mooncake settles it or close() destroys the transport.
 """
 
 from __future__ import annotations
@@ -42,17 +49,36 @@ _BAD_BATCH_IDS = (0, (1 << 64) - 1)
 POLL_MIN_S = 20e-6
 POLL_MAX_S = 1e-3
 
+#: Highest address + 1: a region or a destination must end at or below it.
+_ADDRESS_SPACE = 1 << 64
+
+
+def _transfer_timeout_s() -> float:
+    """Mooncake's transfer timeout: MC_TRANSFER_TIMEOUT seconds, default 30, at least 5."""
+    text = os.environ.get("MC_TRANSFER_TIMEOUT", "")
+    try:
+        return max(5.0, float(int(text))) if text.strip() else 30.0
+    except ValueError:
+        return 30.0
+
 
 @dataclass
 class _Pending:
     """An async write: its batches not yet settled, and what to say if it failed."""
 
     session_id: str
+    srcs: list[int]
     dsts: list[int]
     lens: list[int]
+    deadline: float = 0.0  # monotonic, set once submitted: past it, poll() reports the write failed
     batches: list[int] = field(default_factory=list)
     error: str | None = None
+    submitting: bool = True  # batches are still being handed to Mooncake (set and cleared under the engine lock)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one poller at a time per batch
+
+    def reads(self, addr: int, nbytes: int) -> bool:
+        """Whether one of its sources overlaps [addr, addr + nbytes)."""
+        return any(src < addr + nbytes and addr < src + n for src, n in zip(self.srcs, self.lens))
 
 
 class EngineUnavailable(RuntimeError):
@@ -159,11 +185,19 @@ class RegisteredMemory:
         """Stops peers writing into the region (lock held); a problem to report, or None."""
         raise NotImplementedError
 
+    def _reader_of(self, addr: int, nbytes: int) -> str | None:
+        """A write still reading from [addr, addr + nbytes) (lock held), described; None when there is none."""
+        return None
+
     def register(self, buf: Any, length: int | None = None) -> tuple[int, int]:
         """Register a tensor or an address range for peers' writes; returns (address, length)."""
         addr, nbytes = self._region_span(buf, length)
         if nbytes <= 0:
             raise ValueError(f"cannot register address 0x{addr:x} with length {nbytes}: {self._EMPTY_REASON}")
+        if addr <= 0 or addr + nbytes > _ADDRESS_SPACE:
+            # Mooncake takes a range that wraps past 2**64 and pybind a negative one with a bare TypeError.
+            raise ValueError(f"cannot register address {addr:#x} with length {nbytes}: "
+                             f"not a range of the 64-bit address space")
         with self._lock:
             self._check_open()
             if addr in self._regions:
@@ -181,6 +215,11 @@ class RegisteredMemory:
             self._check_open()
             if addr not in self._regions:
                 raise TransferError(f"address 0x{addr:x} is not registered on {self.session_id}")
+            reader = self._reader_of(addr, self._regions[addr])
+            if reader is not None:
+                # Unregistering drops the tensor we keep alive while a write still reads it.
+                raise TransferError(f"address 0x{addr:x} length {self._regions[addr]} on {self.session_id} "
+                                    f"is still being read by {reader}: unregister it once that write settled")
             problem = self._remove_region(addr)
             nbytes = self._regions.pop(addr)
             self._owners.pop(addr, None)
@@ -200,15 +239,21 @@ class Engine(RegisteredMemory):
     _EMPTY_REASON = "Mooncake refuses empty regions"
 
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "auto",
-                 device_name: str = "", metadata: str = "P2PHANDSHAKE") -> None:
-        """Start the engine on hostname; protocol auto picks rdma when a device exists."""
+                 device_name: str = "", metadata: str = "P2PHANDSHAKE",
+                 transfer_timeout_s: float | None = None) -> None:
+        """Start the engine on hostname; protocol auto picks rdma when a device exists.
+
+        transfer_timeout_s (default: Mooncake's MC_TRANSFER_TIMEOUT) bounds every write,
+        plus 1 ns per byte as Mooncake's own sync writes do."""
         self.protocol, self.protocol_reason = choose_protocol(protocol)
         mooncake_engine = _import_engine()
         self.hostname = hostname
+        self.transfer_timeout_s = _transfer_timeout_s() if transfer_timeout_s is None else float(transfer_timeout_s)
         self._lock = threading.Condition()
         self._regions: dict[int, int] = {}
         self._owners: dict[int, Any] = {}  # keeps registered tensors alive
         self._pending: dict[int, _Pending] = {}  # write_async tickets not yet settled
+        self._overdue: list[_Pending] = []  # writes reported failed at their deadline, still in Mooncake's hands
         self._next_ticket = 0
         self._closed = False
         self._te = mooncake_engine.TransferEngine()
@@ -249,32 +294,49 @@ class Engine(RegisteredMemory):
         """Submit the buffers without waiting; returns a ticket for poll()/wait() (0: nothing to write).
 
         Each buffer becomes a batch of its own, because Mooncake's non-blocking status
-        call looks at a batch's first task only.
+        call looks at a batch's first task only. The ticket is filed before the first
+        batch goes out, so close() and unregister() see the write while it is submitted.
         """
-        batch = self._batch(session_id, src_addrs, dst_addrs, lengths)
-        if batch is None:
+        pending = self._batch(session_id, src_addrs, dst_addrs, lengths)
+        if pending is None:
             return 0
-        srcs, dsts, lens = batch
-        pending = _Pending(session_id, dsts, lens)
-        for src, dst, length in zip(srcs, dsts, lens):
-            batch_id = int(self._te.batch_transfer_async_write(session_id, [src], [dst], [length]))
-            if batch_id in _BAD_BATCH_IDS:
-                pending.error = self._describe_failure(
-                    "write", session_id, dsts, lens, "Mooncake refused the batch: an unknown or unreachable session?")
-                break
-            pending.batches.append(batch_id)
-        if pending.error is not None and not pending.batches:
-            raise TransferError(pending.error)  # nothing in flight: fail at once
         with self._lock:
+            self._check_open()
+            for src, length in zip(pending.srcs, pending.lens):
+                self._check_source(src, length, session_id)
             ticket = self._next_ticket = self._next_ticket + 1
             self._pending[ticket] = pending
+        try:
+            for src, dst, length in zip(pending.srcs, pending.dsts, pending.lens):
+                batch_id = int(self._te.batch_transfer_async_write(session_id, [src], [dst], [length]))
+                if batch_id in _BAD_BATCH_IDS:
+                    pending.error = self._describe_failure(
+                        "write", session_id, pending.dsts, pending.lens,
+                        "Mooncake refused the batch: an unknown or unreachable session?")
+                    break
+                pending.batches.append(batch_id)
+        except Exception as exc:  # noqa: BLE001 - the batches already submitted stay tracked
+            pending.error = self._describe_failure("write", session_id, pending.dsts, pending.lens,
+                                                   f"submitting failed: {exc}")
+        finally:
+            # The clock starts once submitted: a handshake with a new peer may take a while.
+            pending.deadline = time.monotonic() + self.transfer_timeout_s + sum(pending.lens) * 1e-9
+            with self._lock:
+                pending.submitting = False
+                if pending.error is not None and not pending.batches:
+                    self._pending.pop(ticket, None)  # nothing in flight: fail at once
+                self._lock.notify_all()
+        if pending.error is not None and not pending.batches:
+            raise TransferError(pending.error)
         return ticket
 
     def poll(self, ticket: int) -> bool:
         """Whether the write behind `ticket` is over, without blocking; TransferError if it failed.
 
-        A failed ticket raises only once every buffer it submitted has settled, so the
-        caller never reuses memory that Mooncake may still be reading.
+        A failed ticket raises once every buffer it submitted has settled, so the caller
+        never reuses memory that Mooncake may still be reading; or once the transfer
+        timeout passed, and then its source regions stay registered (and their tensors
+        alive) until Mooncake is done with them or the engine closes.
         """
         if ticket == 0:
             return True
@@ -282,17 +344,17 @@ class Engine(RegisteredMemory):
             pending = self._pending.get(ticket)
         if pending is None:
             raise TransferError(f"unknown write ticket {ticket} on {self.session_id}")
-        with pending.lock:
-            while pending.batches:
-                rc = int(self._te.transfer_check_status(pending.batches[0]))
-                if rc == 0:
-                    return False
-                pending.batches.pop(0)  # Mooncake freed (or timed out) that batch
-                if rc < 0 and pending.error is None:
-                    pending.error = self._describe_failure("write", pending.session_id, pending.dsts, pending.lens,
-                                                           f"rc={rc}")
-                    if rc == -2:
-                        pending.error += "; Mooncake's transfer timeout (MC_TRANSFER_TIMEOUT) passed"
+        if not self._advance(pending):
+            if time.monotonic() <= pending.deadline:
+                return False
+            with self._lock:
+                if self._pending.pop(ticket, None) is not None:
+                    self._overdue.append(pending)
+                self._lock.notify_all()
+            raise TransferError(self._describe_failure(
+                "write", pending.session_id, pending.dsts, pending.lens,
+                f"still in flight after the transfer timeout of {self.transfer_timeout_s:g}s "
+                f"(MC_TRANSFER_TIMEOUT) plus 1 ns per byte: a peer that stopped reading?"))
         with self._lock:
             self._pending.pop(ticket, None)
             self._lock.notify_all()
@@ -300,11 +362,41 @@ class Engine(RegisteredMemory):
             raise TransferError(pending.error)
         return True
 
+    def _advance(self, pending: _Pending) -> bool:
+        """Collects the write's settled batches; True when none is in flight any more."""
+        with pending.lock:
+            while pending.batches:
+                te = self._te
+                if te is None:  # close() destroyed the transport: nothing reads the sources now
+                    pending.batches.clear()
+                    if pending.error is None:
+                        pending.error = self._describe_failure("write", pending.session_id, pending.dsts,
+                                                               pending.lens, "the engine closed first")
+                    break
+                rc = int(te.transfer_check_status(pending.batches[0]))
+                # -2 (TIMEOUT, with MC_SLICE_TIMEOUT set) says a slice is old, not that it stopped:
+                # the batch completes or fails later and Mooncake frees it only then.
+                if rc in (0, -2):
+                    return False
+                pending.batches.pop(0)  # Mooncake freed that batch
+                if rc < 0 and pending.error is None:
+                    pending.error = self._describe_failure("write", pending.session_id, pending.dsts, pending.lens,
+                                                           f"rc={rc}")
+            return not pending.submitting
+
+    def _reader_of(self, addr: int, nbytes: int) -> str | None:
+        """A write in flight (or overdue) whose sources overlap the region, described (lock held)."""
+        self._overdue = [p for p in self._overdue if not self._advance(p)]
+        for pending in (*self._pending.values(), *self._overdue):
+            if pending.reads(addr, nbytes) and not self._advance(pending):
+                return f"a write to {pending.session_id} in flight"
+        return None
+
     def wait(self, ticket: int, timeout_s: float | None = None) -> None:
         """Blocks until the write behind `ticket` is over, sleeping between polls (no spinning).
 
-        Bounded by `timeout_s` when given, and always by Mooncake's transfer timeout
-        (MC_TRANSFER_TIMEOUT), after which the batch reports failure.
+        Bounded by `timeout_s` when given, and always by the transfer timeout, after
+        which poll() reports the write failed.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         delay = POLL_MIN_S
@@ -315,8 +407,8 @@ class Engine(RegisteredMemory):
             delay = min(delay * 2, POLL_MAX_S)
 
     def _batch(self, session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
-               lengths: Sequence[int]) -> tuple[list[int], list[int], list[int]] | None:
-        """Validate a batch and drop zero-length entries; None when nothing is left."""
+               lengths: Sequence[int]) -> _Pending | None:
+        """Validate a batch and drop zero-length entries; the write to file, or None when nothing is left."""
         if not (len(src_addrs) == len(dst_addrs) == len(lengths)):
             raise ValueError(f"write to {session_id}: {len(src_addrs)} sources, "
                              f"{len(dst_addrs)} destinations, {len(lengths)} lengths")
@@ -328,16 +420,18 @@ class Engine(RegisteredMemory):
                 raise ValueError(f"write to {session_id}: negative length {length}")
             if length == 0:
                 continue
-            srcs.append(int(src))
-            dsts.append(int(dst))
-            lens.append(int(length))
+            src, dst, length = int(src), int(dst), int(length)
+            if dst < 0 or dst + length > _ADDRESS_SPACE:
+                # Caught here, not by pybind halfway through the batches (a bare TypeError
+                # after the first buffer was already on its way).
+                raise ValueError(f"write to {session_id}: destination {dst:#x} length {length} "
+                                 f"is not a range of the 64-bit address space")
+            srcs.append(src)
+            dsts.append(dst)
+            lens.append(length)
         if not lens:
             return None
-        with self._lock:
-            self._check_open()
-            for src, length in zip(srcs, lens):
-                self._check_source(src, length, session_id)
-        return srcs, dsts, lens
+        return _Pending(session_id, srcs, dsts, lens)
 
     def _check_source(self, src: int, length: int, session_id: str) -> None:
         """Refuse a source range outside our registered memory (RDMA would fail obscurely)."""
@@ -362,28 +456,42 @@ class Engine(RegisteredMemory):
             raise TransferError(f"engine {getattr(self, 'session_id', self.hostname)} is closed")
 
     def close(self) -> None:
-        """Wait for writes in flight, unregister all memory and release the engine; idempotent."""
+        """Wait for writes in flight, unregister all memory and release the engine; idempotent.
+
+        Each write is waited for at most until its transfer timeout; the transport is
+        destroyed before the tensors kept alive are let go, so an overdue write never
+        reads freed memory.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            tickets = list(self._pending)
-        # Nobody may be polling abandoned tickets: settle them here before the memory goes
-        # (each is bounded by Mooncake's transfer timeout).
-        for ticket in tickets:
-            try:
-                self.wait(ticket)
-            except TransferError as exc:
-                log.warning("closing %s: %s", self.session_id, exc)
+            # A submission in progress files batches close() must see (each is bounded by
+            # Mooncake's handshake with a new peer).
+            while any(p.submitting for p in self._pending.values()):
+                self._lock.wait()
+            writes = list(self._pending.values())
+        # Let writes in flight finish before the memory goes, each until its deadline. Their
+        # tickets stay filed: an owner polling one later still learns how its write ended.
+        for pending in writes:
+            delay = POLL_MIN_S
+            while not self._advance(pending) and time.monotonic() <= pending.deadline:
+                time.sleep(delay)
+                delay = min(delay * 2, POLL_MAX_S)
+            if pending.batches:
+                log.warning("closing %s: %s", self.session_id, self._describe_failure(
+                    "write", pending.session_id, pending.dsts, pending.lens, "still in flight at close"))
         with self._lock:
             for addr in list(self._regions):
                 rc = self._te.unregister_memory(addr)
                 if rc != 0:
                     log.warning("unregistering 0x%x on %s failed (rc=%s)", addr, self.session_id, rc)
             self._regions.clear()
-            self._owners.clear()
             te, self._te = self._te, None
         del te  # the TransferEngine's destructor stops its threads and listener
+        with self._lock:
+            self._owners.clear()  # only now: an overdue write may have read them until the line above
+            self._overdue.clear()
 
     def __enter__(self) -> "Engine":
         """Context-manager entry."""

@@ -44,8 +44,11 @@ then drops the connection. Bytes of earlier chunks of a failed transfer may have
 (inside registered memory only); the room fails as a whole.
 
 Connections: the sender keeps idle connections per peer session and reuses them; a
-connection the peer closed is noticed before reuse; a write that fails on a reused
-connection before any byte of it was accepted is retried once on a fresh one.
+connection the peer closed is noticed before reuse, and those of every other session are
+dropped whenever a new connection is opened (a peer that restarted on another port never
+takes its old ones back); a write that fails on a reused connection before any byte of it
+was accepted is retried once on a fresh one. Readiness is asked with poll(), never
+select(), which refuses descriptors past 1023 in a process with many sockets open.
 """
 
 from __future__ import annotations
@@ -99,15 +102,15 @@ class _Conn:
     def stale(self) -> bool:
         """True when the peer spoke or hung up while the connection sat idle."""
         try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
+            return self.peer_spoke()
         except (OSError, ValueError):
             return True
-        return bool(readable)
 
     def peer_spoke(self) -> bool:
-        """True when an answer (an early ERROR) is waiting to be read."""
-        readable, _, _ = select.select([self.sock], [], [], 0)
-        return bool(readable)
+        """True when an answer (an early ERROR) or a hang-up is waiting to be read."""
+        poller = select.poll()  # select() fails outright on a descriptor past FD_SETSIZE (1024)
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(0))
 
     def close(self) -> None:
         """Closes the socket."""
@@ -143,7 +146,8 @@ class WireEngine(RegisteredMemory):
         self._owners: dict[int, Any] = {}  # keeps registered tensors alive
         self._idle: dict[str, list[_Conn]] = {}
         self._rooms = itertools.count(1)
-        self._in_flight = 0
+        self._reading: dict[int, tuple[str, list[tuple[int, int]]]] = {}  # writes in flight: session, sources
+        self._write_ids = itertools.count(1)
         self._closed = False
         self._sent = {"connections_opened": 0, "writes": 0, "bytes_sent": 0, "write_failures": 0, "retries": 0}
         self._batches: dict[int, Future] = {}
@@ -187,7 +191,7 @@ class WireEngine(RegisteredMemory):
         rows = 1 if rows is None else int(rows)
         if rows < 1 or any(n % rows for n in lens):
             raise ValueError(f"write to {session_id}: lengths {lens} are not multiples of rows {rows}")
-        self._enter()
+        token = self._enter(session_id, srcs, lens)
         try:
             self._write_with_retry(session_id, srcs, dsts, lens, rows)
         except (_Refused, OSError, wire.MsgError, TransferError) as exc:
@@ -197,7 +201,7 @@ class WireEngine(RegisteredMemory):
             raise TransferError(f"write to {session_id} {what}: {exc} ({len(lens)} buffer(s), "
                                 f"{sum(lens)} bytes, first destination 0x{dsts[0]:x}+{lens[0]})") from None
         finally:
-            self._leave()
+            self._leave(token)
 
     def write_async(self, session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
                     lengths: Sequence[int]) -> int:
@@ -307,6 +311,10 @@ class WireEngine(RegisteredMemory):
 
     def _raise_answer(self, conn: _Conn, room: int, cause: OSError | None) -> None:
         """The peer stopped us mid-transfer: raise its ERROR reason if it sent one, else cause."""
+        if cause is not None and not conn.peer_spoke():
+            # A peer that refused us has said so by the time our send fails; one that merely
+            # stopped reading would keep us another reply timeout waiting for nothing.
+            raise cause
         try:
             kind, payload, _ = wire.read_frame(conn.sock)
         except OSError:
@@ -336,7 +344,8 @@ class WireEngine(RegisteredMemory):
     # -- connections ------------------------------------------------------
 
     def _open(self, session_id: str) -> _Conn:
-        """A fresh connection to the peer."""
+        """A fresh connection to the peer (first dropping idle ones whose peers hung up)."""
+        self._prune_idle()
         conn = _Conn(session_id, self.reply_timeout_s, self.connect_timeout_s)
         with self._lock:
             self._sent["connections_opened"] += 1
@@ -353,6 +362,21 @@ class WireEngine(RegisteredMemory):
             if not conn.stale():
                 return conn
             conn.close()  # the peer restarted or timed the connection out
+
+    def _prune_idle(self) -> None:
+        """Closes idle connections of any session whose peer hung up; forgets sessions left with none."""
+        dead: list[_Conn] = []
+        with self._lock:
+            for session_id in list(self._idle):
+                alive = []
+                for conn in self._idle[session_id]:
+                    (dead if conn.stale() else alive).append(conn)
+                if alive:
+                    self._idle[session_id] = alive
+                else:
+                    del self._idle[session_id]
+        for conn in dead:
+            conn.close()
 
     def _checkin(self, session_id: str, conn: _Conn) -> None:
         """Returns a healthy connection for reuse."""
@@ -377,12 +401,15 @@ class WireEngine(RegisteredMemory):
             raise ValueError(f"write to {session_id}: {len(kept)} buffers; one transfer carries at most 16")
         with self._lock:
             self._check_open()
-            for src, _, n in kept:
-                # A source outside registered memory would be read through a raw pointer.
-                if not any(a <= src and src + n <= a + size for a, size in self._regions.items()):
-                    raise TransferError(f"write to {session_id}: source 0x{src:x} length {n} is not "
-                                        f"inside memory registered on {self.session_id}")
+            self._check_sources(session_id, [k[0] for k in kept], [k[2] for k in kept])
         return [k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept]
+
+    def _check_sources(self, session_id: str, srcs: list[int], lens: list[int]) -> None:
+        """Refuses a source outside registered memory (lock held): it would be read through a raw pointer."""
+        for src, n in zip(srcs, lens):
+            if not any(a <= src and src + n <= a + size for a, size in self._regions.items()):
+                raise TransferError(f"write to {session_id}: source 0x{src:x} length {n} is not "
+                                    f"inside memory registered on {self.session_id}")
 
     # -- figures and lifecycle ---------------------------------------------
 
@@ -404,17 +431,27 @@ class WireEngine(RegisteredMemory):
         if self._closed:
             raise TransferError(f"wire engine {self.session_id} is closed")
 
-    def _enter(self) -> None:
-        """Count a write in flight so close() waits for it."""
+    def _enter(self, session_id: str, srcs: list[int], lens: list[int]) -> int:
+        """Files a write in flight with its sources: close() waits for it, unregister() refuses them."""
         with self._lock:
             self._check_open()
-            self._in_flight += 1
+            self._check_sources(session_id, srcs, lens)  # again: an unregister() may have come since _batch
+            token = next(self._write_ids)
+            self._reading[token] = (session_id, list(zip(srcs, lens)))
+        return token
 
-    def _leave(self) -> None:
-        """A write finished."""
+    def _leave(self, token: int) -> None:
+        """A write finished: nothing reads its sources any more."""
         with self._lock:
-            self._in_flight -= 1
+            del self._reading[token]
             self._lock.notify_all()
+
+    def _reader_of(self, addr: int, nbytes: int) -> str | None:
+        """A write in flight whose sources overlap the region, described (lock held)."""
+        for session_id, sources in self._reading.values():
+            if any(src < addr + nbytes and addr < src + n for src, n in sources):
+                return f"a write to {session_id} in flight"
+        return None
 
     def close(self) -> None:
         """Waits for writes in flight (each bounded by the timeouts), closes every connection,
@@ -427,11 +464,11 @@ class WireEngine(RegisteredMemory):
         if executor is not None:
             executor.shutdown(wait=True)  # queued batches fail fast: the engine is closed
         with self._lock:
-            while self._in_flight:
+            while self._reading:
                 self._lock.wait()
             idle = [c for conns in self._idle.values() for c in conns]
             self._idle.clear()
-            self._batches.clear()
+            # Finished batches stay filed: an owner polling one after close() learns how it ended.
         for conn in idle:
             conn.close()
         _native.wire_listener_close(self._listener)
