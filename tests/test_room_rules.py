@@ -339,6 +339,49 @@ def test_close_with_a_write_stuck_on_a_stopped_peer_is_bounded_and_frees_nothing
             peer.kill()
 
 
+def test_a_write_the_engine_gave_up_on_keeps_its_source_registered_until_mooncake_lets_go():
+    """A peer that stops reading fails the write at the engine's transfer timeout, while Mooncake
+    still reads the source: the pool must not unregister it then (the engine refuses), nor leak
+    it for good: once the peer reads again, the sweep drops the temporary registration."""
+    import os
+    import signal
+
+    import torch
+
+    from live_helpers import wait_until
+    from transfer import _io
+    from transfer.status import TransferPoll
+
+    peer, session, landing = peer_with_64_mib()
+    try:
+        item = torch.ones(64 << 20, dtype=torch.uint8).view(torch.bfloat16).view(8192, 4096)
+        with Engine("127.0.0.1", "tcp", transfer_timeout_s=1.0) as encode_engine, \
+                BootstrapServer("127.0.0.1", 0) as server, SenderPool(encode_engine, 0, 1, 1, server.address) as pool:
+            statuses, status_port = _io.pull_socket("127.0.0.1", 0)
+            asks = _io.push_socket(pool.host, pool.port)
+            warm = torch.zeros(64, dtype=torch.uint8)
+            encode_engine.register(warm)
+            encode_engine.write(session, [warm.data_ptr()], [landing], [64])  # the handshake, before it stops
+            encode_engine.unregister(warm.data_ptr())
+            try:
+                handle = _stuck_write(pool, peer, asks, status_port, session, landing, item)
+                assert handle.wait(10) == TransferPoll.Failed
+                assert "transfer timeout" in handle.failure, handle.failure
+                handle.clear()
+                assert item.data_ptr() in encode_engine.registered()  # Mooncake still reads it
+                assert pool._temp_sources == {item.data_ptr(): 0}
+                os.kill(peer.pid, signal.SIGCONT)
+                assert wait_until(lambda: item.data_ptr() not in encode_engine.registered(), 30.0)
+                assert pool._temp_sources == {} and not pool._unreleased
+            finally:
+                asks.close(0)
+                statuses.close(0)
+    finally:
+        os.kill(peer.pid, signal.SIGCONT)
+        peer.kill()
+        peer.wait(10)
+
+
 def test_a_failure_inside_the_pools_thread_fails_its_rooms_and_close_still_cleans_up(caplog):
     import logging
 

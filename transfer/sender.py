@@ -193,6 +193,7 @@ class SenderPool:
         self._stopping = False  # the thread stops (close(), or a failure of its own)
         self._closed = False
         self._temp_sources: dict[int, int] = {}  # address -> refcount of registrations we made
+        self._unreleased: set[int] = set()  # ours at refcount 0 that the engine would not drop yet
         self._temp_lock = threading.Lock()
         self._dead_sessions: dict[str, float] = {}  # session id -> when a write to it failed
         self._complaints = _io.ThrottledLog(log)  # about requests peers sent
@@ -324,6 +325,7 @@ class SenderPool:
             self._fail(item, "sender pool closed")
             self._release_when_idle(item)
         if not stuck:
+            self._retry_releases()  # registrations an abandoned write held, if the engine let go since
             self._pull.close(0)
             self._statuses.close(linger_ms=CLOSE_LINGER_MS)  # the Failed statuses just pushed still go out
             self._waker.close()
@@ -348,15 +350,9 @@ class SenderPool:
         def release() -> None:
             with self._temp_lock:
                 for addr in held:
-                    count = self._temp_sources[addr] - 1
-                    if count:
-                        self._temp_sources[addr] = count
-                    else:
-                        del self._temp_sources[addr]
-                        try:
-                            self.engine.unregister(addr)
-                        except Exception as exc:  # noqa: BLE001 - e.g. the engine closed first: the room still concludes
-                            log.warning("dropping the temporary registration of %#x failed: %s", addr, exc)
+                    self._temp_sources[addr] -= 1
+                    if not self._temp_sources[addr]:
+                        self._drop_temporary(addr)
 
         try:
             for region in regions:
@@ -376,6 +372,34 @@ class SenderPool:
             release()
             raise
         return release if held else None
+
+    def _drop_temporary(self, addr: int) -> None:
+        """Unregisters one of ours no room holds any more (_temp_lock held).
+
+        The engine refuses while a write it gave up on (a peer that stopped reading)
+        still reads the memory: the registration then stays ours, at refcount 0, and
+        the sweep tries again, so the caller's memory is released once the engine lets go.
+        """
+        try:
+            self.engine.unregister(addr)
+        except Exception as exc:  # noqa: BLE001 - the room concludes either way
+            if addr in self.engine.registered():
+                if addr not in self._unreleased:
+                    log.warning("keeping the temporary registration of %#x for now: %s", addr, exc)
+                    self._unreleased.add(addr)
+                return
+            log.warning("dropping the temporary registration of %#x failed: %s", addr, exc)  # e.g. engine closed
+        del self._temp_sources[addr]
+        self._unreleased.discard(addr)
+
+    def _retry_releases(self) -> None:
+        """Tries again to drop the temporary registrations the engine would not let go of."""
+        with self._temp_lock:
+            for addr in list(self._unreleased):
+                if self._temp_sources.get(addr) == 0:
+                    self._drop_temporary(addr)
+                else:
+                    self._unreleased.discard(addr)  # held again: its next release tries
 
     def _registered_base(self, region: _io.Region) -> int | None:
         """Start of a registered region that holds `region` wholly (the caller's before ours), or None."""
@@ -546,7 +570,9 @@ class SenderPool:
         return None
 
     def _sweep(self, now: float) -> None:
-        """Fails items whose receivers never all asked, and asks whose item never came."""
+        """Fails items whose receivers never all asked, and asks whose item never came; retries releases."""
+        if self._unreleased:
+            self._retry_releases()
         limit = self.bootstrap_timeout_s
         with self._lock:
             parked = [i for i in self._items.values() if not i.receivers and not i.failed and now - i.started_at > limit]
