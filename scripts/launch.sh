@@ -8,9 +8,11 @@
 # deterministic items per prefill node and checks every landed byte, so a cluster smoke
 # test is one command per node. launch-encode.sh and launch-prefill.sh call this script.
 # Logs: $EPD_LOG_DIR/<role>-<rank>.log (prefill ranks numbered node * EPD_PREFILL_TP + rank)
-# and bootstrap.log. Ctrl-C or SIGTERM stops every process this script started (each runs
-# in its own process group, which is killed), waits for them, and exits 130.
-# Exit status: 0 when every rank exited 0, else 1 (2: bad settings).
+# and bootstrap.log. Ctrl-C, SIGTERM or SIGHUP (a dropped ssh session) stops every process
+# this script started (each runs in its own process group, which is killed), waits for
+# them, and exits 130.
+# Exit status: 0 when every rank exited 0, else 1 (2: bad settings, refused before anything
+# starts; 130: stopped by Ctrl-C, SIGTERM or SIGHUP).
 #
 # Environment (default in brackets):
 #   EPD_ENCODE_HOST      IP address of the encode node; the bootstrap server listens there [127.0.0.1]
@@ -25,7 +27,8 @@
 #                        loopback, else the first address of `hostname -I`]
 #   EPD_PROTOCOL         auto | tcp | rdma | wire [auto]
 #   EPD_DEVICE           Mooncake RDMA device, e.g. mlx5_0 [every device found]
-#   EPD_TOKEN            bearer token the bootstrap server requires for registrations [none]
+#   EPD_TOKEN            bearer token the bootstrap server requires for registrations [none];
+#                        handed to the processes in their environment, never on a command line
 #   EPD_ITEMS            items per prefill node [64]
 #   EPD_SPAN, EPD_HIDDEN rows per item and row width (bf16) [1024, 4096]
 #   EPD_INFLIGHT         rooms in flight per rank [8]
@@ -71,21 +74,57 @@ PREFILL_NODES=${EPD_PREFILL_NODES:-1}
 PREFILL_NODE=${EPD_PREFILL_NODE:-${SLURM_PROCID:-0}}
 PROTOCOL=${EPD_PROTOCOL:-auto}
 ITEMS=${EPD_ITEMS:-64}
+SPAN=${EPD_SPAN:-1024}
+HIDDEN=${EPD_HIDDEN:-4096}
+INFLIGHT=${EPD_INFLIGHT:-8}
 LOG_DIR=${EPD_LOG_DIR:-./epd-logs}
 
-for name in PORT ENCODE_TP PREFILL_TP PREFILL_NODES PREFILL_NODE ITEMS; do
-    if ! [[ "${!name}" =~ ^[0-9]+$ ]]; then
-        echo "$0: EPD_$name must be a non-negative integer, got '${!name}'" >&2
-        exit 2
-    fi
-done
-if ((ENCODE_TP < 1 || PREFILL_TP < 1 || PREFILL_TP % ENCODE_TP != 0)); then
-    echo "$0: EPD_PREFILL_TP ($PREFILL_TP) must be a positive multiple of EPD_ENCODE_TP ($ENCODE_TP)" >&2
+bad_setting() {
+    echo "$0: $1" >&2
     exit 2
+}
+
+whole_number() {
+    # whole_number VAR SETTING LOW [HIGH]: VAR must hold a whole number in [LOW, HIGH]; it is stored
+    # back in plain decimal (bash arithmetic reads 010 as octal 8 and refuses 08).
+    local value=${!1} high=${4:-999999999999}
+    if ! [[ "$value" =~ ^[0-9]{1,12}$ ]] || ((10#$value < $3 || 10#$value > high)); then
+        bad_setting "$2 must be a whole number from $3 to $high, got '$value'"
+    fi
+    printf -v "$1" '%d' "$((10#$value))"
+}
+
+check_host() {
+    # check_host SETTING VALUE: an IP address or host name, nothing a command line or URL would split.
+    [[ "$2" =~ ^[][A-Za-z0-9.:%_-]+$ ]] || bad_setting "$1 must be an IP address or host name, got '$2'"
+}
+
+whole_number PORT EPD_BOOTSTRAP_PORT 1 65535
+whole_number ENCODE_TP EPD_ENCODE_TP 1
+whole_number PREFILL_TP EPD_PREFILL_TP 1
+whole_number PREFILL_NODES EPD_PREFILL_NODES 1
+whole_number PREFILL_NODE EPD_PREFILL_NODE 0
+whole_number ITEMS EPD_ITEMS 1
+whole_number SPAN EPD_SPAN 1
+whole_number HIDDEN EPD_HIDDEN 1
+whole_number INFLIGHT EPD_INFLIGHT 1
+if ((PREFILL_TP % ENCODE_TP != 0)); then
+    bad_setting "EPD_PREFILL_TP ($PREFILL_TP) must be a positive multiple of EPD_ENCODE_TP ($ENCODE_TP)"
 fi
 if ((PREFILL_NODE >= PREFILL_NODES)); then
-    echo "$0: EPD_PREFILL_NODE ($PREFILL_NODE) must be below EPD_PREFILL_NODES ($PREFILL_NODES)" >&2
-    exit 2
+    bad_setting "EPD_PREFILL_NODE ($PREFILL_NODE) must be below EPD_PREFILL_NODES ($PREFILL_NODES)"
+fi
+case "$PROTOCOL" in
+    auto | tcp | rdma | wire) ;;
+    *) bad_setting "EPD_PROTOCOL must be auto, tcp, rdma or wire, got '$PROTOCOL'" ;;
+esac
+check_host EPD_ENCODE_HOST "$ENCODE_HOST"
+[[ -z "${EPD_BOOTSTRAP_BIND:-}" ]] || check_host EPD_BOOTSTRAP_BIND "$EPD_BOOTSTRAP_BIND"
+command -v "$PYTHON" >/dev/null 2>&1 || bad_setting "no Python interpreter '$PYTHON' (set EPD_PYTHON)"
+# The ranks and the bootstrap server read the token from the environment: on a command
+# line every user of the host could read it (ps), and one starting with '-' reads as an option.
+if [[ -n "${EPD_TOKEN:-}" ]]; then
+    export EPD_TOKEN
 fi
 
 default_prefill_host() {
@@ -99,10 +138,8 @@ default_prefill_host() {
 
 # Options every rank shares (both ends must agree on the items' geometry).
 common=(--encode-ranks "$ENCODE_TP" --prefill-ranks "$PREFILL_TP" --bootstrap "$ENCODE_HOST:$PORT"
-    --protocol "$PROTOCOL" --span "${EPD_SPAN:-1024}" --hidden "${EPD_HIDDEN:-4096}"
-    --inflight "${EPD_INFLIGHT:-8}")
-[[ -n "${EPD_TOKEN:-}" ]] && common+=(--token "$EPD_TOKEN")
-[[ -n "${EPD_DEVICE:-}" ]] && common+=(--device "$EPD_DEVICE")
+    --protocol "$PROTOCOL" --span "$SPAN" --hidden "$HIDDEN" --inflight "$INFLIGHT")
+[[ -n "${EPD_DEVICE:-}" ]] && common+=("--device=$EPD_DEVICE")
 if [[ -n "${EPD_EXTRA_ARGS:-}" ]]; then
     read -r -a extra <<<"$EPD_EXTRA_ARGS"
     common+=("${extra[@]}")
@@ -147,18 +184,17 @@ stop() {
 
 # shellcheck disable=SC2317  # invoked by the trap below
 on_signal() {
-    trap - INT TERM
+    trap - INT TERM HUP
     echo "launch.sh $ROLE: interrupted, stopping ${#pids[@]} rank(s)" >&2
     stop
     exit 130
 }
-trap on_signal INT TERM
+# HUP too: a dropped ssh session must not leave the ranks (in sessions of their own) running.
+trap on_signal INT TERM HUP
 
 if [[ "$ROLE" == encode ]]; then
     if [[ "${EPD_NO_BOOTSTRAP:-0}" != 1 ]]; then
-        boot=(bootstrap --host "${EPD_BOOTSTRAP_BIND:-$ENCODE_HOST}" --port "$PORT")
-        [[ -n "${EPD_TOKEN:-}" ]] && boot+=(--token "$EPD_TOKEN")
-        start bootstrap "$PYTHON" -m transfer.cli "${boot[@]}"
+        start bootstrap "$PYTHON" -m transfer.cli bootstrap --host "${EPD_BOOTSTRAP_BIND:-$ENCODE_HOST}" --port "$PORT"
         helper_pids+=($!)
     fi
     # The encode ranks serve every prefill node's rooms: node n asks for n*ITEMS .. (n+1)*ITEMS-1.
@@ -170,10 +206,8 @@ if [[ "$ROLE" == encode ]]; then
     done
 else
     host=${EPD_PREFILL_HOST:-$(default_prefill_host)}
-    if [[ -z "$host" ]]; then
-        echo "$0: cannot tell this node's address; set EPD_PREFILL_HOST" >&2
-        exit 2
-    fi
+    [[ -n "$host" ]] || bad_setting "cannot tell this node's address; set EPD_PREFILL_HOST"
+    check_host EPD_PREFILL_HOST "$host"
     for ((rank = 0; rank < PREFILL_TP; rank++)); do
         name="prefill-$((PREFILL_NODE * PREFILL_TP + rank))"
         start "$name" "$PYTHON" -m transfer.cli rank --role prefill --rank "$rank" --host "$host" \
@@ -192,9 +226,22 @@ for i in "${!pids[@]}"; do
         result="FAILED (exit $?)"
         status=1
     fi
-    # The rank's last stdout line is its JSON summary.
+    # The rank's last stdout line is its JSON summary; without one, its last line says why.
     summary=$(grep '^{' "$LOG_DIR/${names[$i]}.log" | tail -n 1 || true)
+    if [[ -z "$summary" && "$result" != ok ]]; then
+        summary=$(grep -v '^[[:space:]]*$' "$LOG_DIR/${names[$i]}.log" | tail -n 1 || true)
+    fi
     echo "${names[$i]}: $result ${summary}"
+done
+# A bootstrap server that could not start (its port taken, say) explains the ranks' failures.
+for pid in "${helper_pids[@]}"; do
+    kill -0 "$pid" 2>/dev/null && continue
+    code=0
+    wait "$pid" || code=$?
+    if ((code != 0)); then
+        echo "bootstrap: FAILED (exit $code) $(grep -v '^[[:space:]]*$' "$LOG_DIR/bootstrap.log" | tail -n 1 || true)"
+        status=1
+    fi
 done
 if ((${#helper_pids[@]})); then
     pids=()

@@ -8,8 +8,9 @@
 #
 # The bridge lives in a namespace of its own and the addresses (10.231.0.0/24) exist only
 # inside these namespaces, so no packet of the run touches the host's network stack or
-# its interfaces. Everything is torn down on exit, Ctrl-C included. Needs root and a
-# kernel with network namespaces, veth and bridge support.
+# its interfaces. Everything is torn down on exit, Ctrl-C, SIGTERM and SIGHUP included
+# (SIGKILL leaves no chance: `ip netns list` shows what is left, named epd<pid>-*).
+# Needs root and a kernel with network namespaces, veth and bridge support.
 #
 # usage: netns-cluster.sh [--prefill-nodes 1|2] [--protocol tcp|wire|rdma|auto] [--items N]
 #                         [--span ROWS] [--hidden WIDTH] [--log-dir DIR] [--keep-logs]
@@ -26,23 +27,43 @@ LOG_DIR=${EPD_LOG_DIR:-}
 KEEP_LOGS=0
 SUBNET=10.231.0
 
+usage_error() {
+    echo "$0: $1 (see --help)" >&2
+    exit 2
+}
+
+whole_number() {
+    # whole_number VAR OPTION VALUE: VALUE must be a whole number >= 1; VAR gets it in plain decimal.
+    if ! [[ "$3" =~ ^[0-9]{1,12}$ ]] || ((10#$3 < 1)); then
+        usage_error "$2 must be a whole number >= 1, got '$3'"
+    fi
+    printf -v "$1" '%d' "$((10#$3))"
+}
+
 while (($#)); do
     case "$1" in
-        --prefill-nodes) NODES=$(($2 + 1)); shift 2 ;;
+        --prefill-nodes | --protocol | --items | --span | --hidden | --log-dir)
+            (($# >= 2)) || usage_error "$1 needs a value"
+            ;;
+    esac
+    case "$1" in
+        --prefill-nodes)
+            [[ "$2" == 1 || "$2" == 2 ]] || usage_error "--prefill-nodes must be 1 or 2, got '$2'"
+            NODES=$(($2 + 1)); shift 2 ;;
         --protocol) PROTOCOL=$2; shift 2 ;;
-        --items) ITEMS=$2; shift 2 ;;
-        --span) SPAN=$2; shift 2 ;;
-        --hidden) HIDDEN=$2; shift 2 ;;
+        --items) whole_number ITEMS --items "$2"; shift 2 ;;
+        --span) whole_number SPAN --span "$2"; shift 2 ;;
+        --hidden) whole_number HIDDEN --hidden "$2"; shift 2 ;;
         --log-dir) LOG_DIR=$2; shift 2 ;;
         --keep-logs) KEEP_LOGS=1; shift ;;
-        -h | --help) sed -n '2,18p' "$0"; exit 0 ;;
-        *) echo "$0: unknown option $1 (see --help)" >&2; exit 2 ;;
+        -h | --help) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 0 ;;
+        *) usage_error "unknown option $1" ;;
     esac
 done
-if ((NODES < 2 || NODES > 3)); then
-    echo "$0: --prefill-nodes must be 1 or 2" >&2
-    exit 2
-fi
+case "$PROTOCOL" in
+    auto | tcp | rdma | wire) ;;
+    *) usage_error "--protocol must be tcp, wire, rdma or auto, got '$PROTOCOL'" ;;
+esac
 if ((EUID != 0)); then
     echo "$0: needs root (ip netns add); run it with sudo" >&2
     exit 2
@@ -86,7 +107,7 @@ teardown() {
     fi
 }
 trap teardown EXIT
-trap 'exit 130' INT TERM
+trap 'exit 130' INT TERM HUP
 
 ip netns add "$SW"
 ip -n "$SW" link add br0 type bridge

@@ -5,9 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
 import signal
 import sys
 import threading
+import traceback
+
+from transfer.frames import DTYPE_BYTES
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -23,6 +28,8 @@ def _demo(args: argparse.Namespace) -> int:
     if sc.prefill_ranks % sc.encode_ranks:
         print(f"prefill ranks {sc.prefill_ranks} must be a multiple of encode ranks {sc.encode_ranks}", file=sys.stderr)
         return 2
+    # SIGTERM unwinds like Ctrl-C, so the harness stops its ranks instead of orphaning them.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     summary = run(sc)
     ok = summary["failed"] == 0 and summary["verified"]
     if args.json:
@@ -55,6 +62,15 @@ def _doctor(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from transfer import bench
 
+    # Refuse an output path that cannot be written now, not after minutes of measuring.
+    for option in ("json", "plot"):
+        path = getattr(args, option, None)
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            print(f"epd-transfer bench: --{option} {path}: folder {folder} does not exist or is not writable",
+                  file=sys.stderr)
+            return 2
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # unwinds like Ctrl-C: the bench stops its ranks
     return bench.main(args)
 
 
@@ -64,7 +80,11 @@ def _bootstrap(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with BootstrapServer(args.host, args.port, token=args.token) as server:
+    try:
+        server = BootstrapServer(args.host, args.port, token=args.token)
+    except OSError as error:
+        raise OSError(f"cannot serve on {args.host}:{args.port}: {error}") from None
+    with server:
         print(f"bootstrap server on http://{server.address}", flush=True)
         stop.wait()
     return 0
@@ -96,15 +116,16 @@ def _rank(args: argparse.Namespace) -> int:
             print(f"warning: --device {args.device} ignored: this build's harness cannot pick a Mooncake "
                   f"device, so Mooncake uses every device it finds", file=sys.stderr)
 
-    def interrupted(*_: object) -> None:
-        raise KeyboardInterrupt  # unwinds through the context managers: engines and sockets close
-
-    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     noop = lambda: None  # noqa: E731 - nobody to sync with in a real deployment
     server = None
     if args.serve_bootstrap:
         bind = args.bootstrap_bind or args.bootstrap.rpartition(":")[0].strip("[]")
-        server = BootstrapServer(bind, int(args.bootstrap.rpartition(":")[2]), token=args.token)
+        port = int(args.bootstrap.rpartition(":")[2])
+        try:
+            server = BootstrapServer(bind, port, token=args.token)
+        except OSError as error:
+            raise OSError(f"cannot serve the bootstrap on {bind}:{port}: {error}") from None
         print(f"bootstrap server on http://{server.address}", file=sys.stderr, flush=True)
     try:
         if args.role == "encode":
@@ -128,6 +149,11 @@ def _rank(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _raise_interrupt(*_: object) -> None:
+    """A SIGTERM handler: unwinds through the context managers like Ctrl-C (engines, sockets, ranks close)."""
+    raise KeyboardInterrupt
+
+
 def _wait_for_route(bootstrap: str, encode_rank: int, timeout_s: float) -> None:
     """Blocks until the bootstrap server knows encode_rank (prefill ranks may start first)."""
     import time
@@ -147,27 +173,115 @@ def _wait_for_route(bootstrap: str, encode_rank: int, timeout_s: float) -> None:
                        f"within {timeout_s:g}s (last: {last})")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line (the usage block buries it) and exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """Print `PROG: error: MESSAGE (see PROG --help)` and exit 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    """An integer >= 1."""
+    return _int_at_least(text, 1, "a positive integer")
+
+
+def _non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    return _int_at_least(text, 0, "a non-negative integer")
+
+
+def _int_at_least(text: str, low: int, what: str) -> int:
+    """An integer >= low, or an argparse error saying it is not `what`."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return value
+
+
+def _port(text: str) -> int:
+    """A TCP port, 0 (ephemeral) to 65535."""
+    value = _int_at_least(text, 0, "a port (0-65535)")
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A finite number of seconds > 0."""
+    return _seconds_from(text, zero_ok=False)
+
+
+def _non_negative_seconds(text: str) -> float:
+    """A finite number of seconds >= 0."""
+    return _seconds_from(text, zero_ok=True)
+
+
+def _seconds_from(text: str, zero_ok: bool) -> float:
+    """A finite number of seconds, > 0 (or >= 0 when zero_ok); nan and inf are refused."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a {'non-negative' if zero_ok else 'positive'} "
+                                         f"number of seconds")
+    return value
+
+
+def _dtype(text: str) -> str:
+    """A torch dtype name the wire knows, as `torch.NAME` (`bfloat16` works too)."""
+    name = text if text.startswith("torch.") else f"torch.{text}"
+    if name not in DTYPE_BYTES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(sorted(DTYPE_BYTES))}")
+    return name
+
+
+def _host_port(text: str) -> str:
+    """HOST:PORT (or [V6]:PORT) with a port from 1 to 65535."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    return text
+
+
+def _token(text: str) -> str:
+    """A bearer token: printable ASCII (it travels in an HTTP header), at most 4096 characters."""
+    if not text or len(text) > 4096 or not all(" " <= c <= "~" for c in text):
+        raise argparse.ArgumentTypeError("the token must be 1 to 4096 printable ASCII characters "
+                                         "(it travels in an HTTP header)")
+    return text
+
+
+def _token_default() -> str | None:
+    """EPD_TOKEN from the environment (the launch scripts keep the token off command lines)."""
+    return os.environ.get("EPD_TOKEN") or None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
-    parser = argparse.ArgumentParser(prog="epd-transfer", description=__doc__)
+    parser = _Parser(prog="epd-transfer", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="loopback run: bootstrap + E encode + P prefill ranks, every byte checked")
-    demo.add_argument("--encode-ranks", "-E", type=int, default=1)
-    demo.add_argument("--prefill-ranks", "-P", type=int, default=4)
-    demo.add_argument("--items", type=int, default=64)
-    demo.add_argument("--span", type=int, default=1024, help="rows per item")
-    demo.add_argument("--hidden", type=int, default=4096)
-    demo.add_argument("--dtype", default="torch.bfloat16")
-    demo.add_argument("--deepstack", type=int, default=0, help="deepstack width factor k (0: none)")
+    demo.add_argument("--encode-ranks", "-E", type=_positive_int, default=1)
+    demo.add_argument("--prefill-ranks", "-P", type=_positive_int, default=4)
+    demo.add_argument("--items", type=_positive_int, default=64)
+    demo.add_argument("--span", type=_positive_int, default=1024, help="rows per item")
+    demo.add_argument("--hidden", type=_positive_int, default=4096)
+    demo.add_argument("--dtype", type=_dtype, default="torch.bfloat16")
+    demo.add_argument("--deepstack", type=_non_negative_int, default=0, help="deepstack width factor k (0: none)")
     demo.add_argument("--identity", action="store_true", help="every prefill rank receives the full rows")
-    demo.add_argument("--inflight", type=int, default=8, help="rooms in flight per rank")
+    demo.add_argument("--inflight", type=_positive_int, default=8, help="rooms in flight per rank")
     demo.add_argument("--protocol", default="auto", choices=["auto", "tcp", "rdma", "wire"])
     demo.add_argument("--host", default="127.0.0.1")
     demo.add_argument("--no-integrity", action="store_true", help="skip the checksums of landed bytes")
-    demo.add_argument("--deadline", type=float, default=60.0, help="per-room receive deadline, seconds")
-    demo.add_argument("--timeout", type=float, default=600.0, help="bound on the whole run, seconds")
+    demo.add_argument("--deadline", type=_seconds, default=60.0, help="per-room receive deadline, seconds")
+    demo.add_argument("--timeout", type=_seconds, default=600.0, help="bound on the whole run, seconds")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(func=_demo)
 
@@ -186,36 +300,39 @@ def build_parser() -> argparse.ArgumentParser:
 
     boot = sub.add_parser("bootstrap", help="run the HTTP bootstrap server until interrupted")
     boot.add_argument("--host", default="127.0.0.1")
-    boot.add_argument("--port", type=int, default=8998)
-    boot.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN' on PUT /route")
+    boot.add_argument("--port", type=_port, default=8998, help="0: any free port")
+    boot.add_argument("--token", type=_token, default=_token_default(),
+                      help="require 'Authorization: Bearer TOKEN' on PUT /route (default: $EPD_TOKEN)")
     boot.set_defaults(func=_bootstrap)
 
     rank = sub.add_parser("rank", help="run ONE rank of a real deployment (what the launch scripts start)")
     rank.add_argument("--role", required=True, choices=["encode", "prefill"])
-    rank.add_argument("--rank", type=int, required=True, help="this rank's index within its role")
-    rank.add_argument("--encode-ranks", "-E", type=int, default=1)
-    rank.add_argument("--prefill-ranks", "-P", type=int, default=1)
-    rank.add_argument("--bootstrap", required=True, help="HOST:PORT of the bootstrap server")
+    rank.add_argument("--rank", type=_non_negative_int, required=True, help="this rank's index within its role")
+    rank.add_argument("--encode-ranks", "-E", type=_positive_int, default=1)
+    rank.add_argument("--prefill-ranks", "-P", type=_positive_int, default=1)
+    rank.add_argument("--bootstrap", type=_host_port, required=True, help="HOST:PORT of the bootstrap server")
     rank.add_argument("--serve-bootstrap", action="store_true", help="also run the bootstrap server here")
     rank.add_argument("--bootstrap-bind", default=None, help="address the served bootstrap binds (default: its host)")
     rank.add_argument("--host", default="127.0.0.1", help="this node's address (engine and sockets)")
     rank.add_argument("--protocol", default="auto", choices=["auto", "tcp", "rdma", "wire"])
-    rank.add_argument("--items", type=int, default=64)
-    rank.add_argument("--first-room", type=int, default=0, help="rooms are first-room .. first-room + items - 1")
+    rank.add_argument("--items", type=_positive_int, default=64)
+    rank.add_argument("--first-room", type=_non_negative_int, default=0,
+                      help="rooms are first-room .. first-room + items - 1")
     rank.add_argument("--device", default="", help="Mooncake RDMA device (e.g. mlx5_0); default: all")
-    rank.add_argument("--span", type=int, default=1024, help="rows per item")
-    rank.add_argument("--hidden", type=int, default=4096)
-    rank.add_argument("--dtype", default="torch.bfloat16")
-    rank.add_argument("--deepstack", type=int, default=0, help="deepstack width factor k (0: none)")
+    rank.add_argument("--span", type=_positive_int, default=1024, help="rows per item")
+    rank.add_argument("--hidden", type=_positive_int, default=4096)
+    rank.add_argument("--dtype", type=_dtype, default="torch.bfloat16")
+    rank.add_argument("--deepstack", type=_non_negative_int, default=0, help="deepstack width factor k (0: none)")
     rank.add_argument("--identity", action="store_true", help="every prefill rank receives the full rows")
-    rank.add_argument("--inflight", type=int, default=8, help="rooms in flight")
+    rank.add_argument("--inflight", type=_positive_int, default=8, help="rooms in flight")
     rank.add_argument("--no-integrity", action="store_true", help="skip the checksums of landed bytes")
-    rank.add_argument("--token", default=None, help="bootstrap bearer token")
-    rank.add_argument("--deadline", type=float, default=60.0, help="per-room deadline, seconds")
-    rank.add_argument("--bootstrap-timeout", type=float, default=120.0,
+    rank.add_argument("--token", type=_token, default=_token_default(), help="bootstrap bearer token (default: $EPD_TOKEN)")
+    rank.add_argument("--deadline", type=_seconds, default=60.0, help="per-room deadline, seconds")
+    rank.add_argument("--bootstrap-timeout", type=_seconds, default=120.0,
                       help="how long to wait for the bootstrap server and the peers, seconds")
-    rank.add_argument("--linger", type=float, default=2.0, help="encode: seconds to stay up after the last room")
-    rank.add_argument("--timeout", type=float, default=600.0)
+    rank.add_argument("--linger", type=_non_negative_seconds, default=2.0,
+                      help="encode: seconds to stay up after the last room")
+    rank.add_argument("--timeout", type=_seconds, default=600.0)
     rank.set_defaults(func=_rank)
     return parser
 
@@ -227,7 +344,18 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"epd-transfer {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 - an operator gets one line; -v shows the traceback
+        if args.verbose:
+            traceback.print_exc()
+        expected = isinstance(error, (OSError, RuntimeError, ValueError))  # TimeoutError is an OSError
+        what = str(error) if expected else f"{type(error).__name__}: {error} (run with -v for the traceback)"
+        print(f"epd-transfer {args.command}: {what}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -6,9 +6,15 @@ byte. The demo, the benchmark, the launch scripts and the live tests all run on 
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import functools
 import multiprocessing as mp
+import os
 import queue as queue_mod
+import signal
+import sys
+import tempfile
+import threading
 import time
 import traceback
 from collections import deque
@@ -275,9 +281,25 @@ def _sentinel(nbytes: int):
 
 # -------------------------------------------------------------- orchestration
 
+#: Seconds the ranks get to stop (SIGTERM unwinds them) after a failure or an interrupt
+#: before they are killed.
+STOP_GRACE_S = 5.0
+#: Lines of a failing rank's log quoted in the error.
+LOG_TAIL_LINES = 25
 
-def _rank_process(body, sc, rank, bootstrap_addr, results, ready_q, go_evt, finished_q, done_evt) -> None:
-    """Runs one rank's body in its own process and reports its result or its traceback."""
+_BODIES = {"encode": encode_rank, "prefill": prefill_rank}
+
+
+def _rank_process(role, sc, rank, bootstrap_addr, results, ready_q, go_evt, finished_q, done_evt, log_path) -> None:
+    """Runs one rank's body in its own process, its output in log_path; reports its result or its traceback."""
+    _log_to(log_path)
+    # The run's process decides when ranks stop: Ctrl-C reaches it, and it stops them with SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    faulthandler.enable()  # a crash in C code leaves the Python stacks in the log
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the run asks a rank that hangs where it is
+    _exit_with_parent()
+    body = _BODIES[role]
     try:
         import torch
 
@@ -285,83 +307,229 @@ def _rank_process(body, sc, rank, bootstrap_addr, results, ready_q, go_evt, fini
         torch.set_num_threads(1)
 
         def ready():
-            ready_q.put(rank)
+            ready_q.put((role, rank))
 
         def go():
             if not go_evt.wait(sc.timeout_s):
                 raise TimeoutError("never told to start")
 
         def finished():
-            finished_q.put(rank)
+            finished_q.put((role, rank))
             # Encode ranks keep serving until every prefill rank is done.
-            if body is encode_rank:
+            if role == "encode":
                 done_evt.wait(sc.timeout_s)
 
         results.put(body(sc, rank, bootstrap_addr, ready, go, finished))
     except BaseException:  # noqa: BLE001 - the parent must hear about it
-        results.put({"role": body.__name__, "rank": rank, "error": traceback.format_exc()})
+        text = traceback.format_exc()
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        results.put({"role": role, "rank": rank, "error": text})
+
+
+def _log_to(path: str) -> None:
+    """Sends this process's stdout and stderr (C code's included) to the file at path."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _raise_interrupt(*_: object) -> None:
+    """SIGTERM handler: unwinds through the context managers, so engines and sockets close."""
+    raise KeyboardInterrupt
+
+
+def _exit_with_parent() -> None:
+    """Ends this rank when the run's process dies without stopping it (SIGKILL, the OOM killer)."""
+    import multiprocessing.connection
+
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+@dataclass
+class _Rank:
+    """One rank process of a run and the log its output goes to."""
+
+    role: str
+    rank: int
+    proc: Any
+    log: str
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.role, self.rank)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} rank {self.rank}"
 
 
 def run(sc: Scenario) -> dict:
-    """Runs the scenario end to end in separate processes; returns the summary."""
+    """Runs the scenario end to end in separate processes; returns the summary.
+
+    Each rank's output goes to a log of its own. A rank that crashes or dies ends the
+    run at once (RuntimeError), one that hangs ends it at sc.timeout_s (TimeoutError),
+    naming the rank and quoting the end of its log. Every rank is stopped on the way
+    out (Ctrl-C included), and the logs go with the run.
+    """
     from transfer.bootstrap import BootstrapServer
 
     ctx = mp.get_context("spawn")
     results, ready_q, finished_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
     go_evt, done_evt = ctx.Event(), ctx.Event()
     deadline = time.monotonic() + sc.timeout_s
-    with BootstrapServer(sc.host, 0, token=sc.token) as server:
-        procs = []
-        for body, count in ((encode_rank, sc.encode_ranks), (prefill_rank, sc.prefill_ranks)):
-            for rank in range(count):
-                proc = ctx.Process(
-                    target=_rank_process,
-                    args=(body, sc, rank, server.address, results, ready_q, go_evt, finished_q, done_evt),
-                    name=f"{body.__name__}-{rank}", daemon=True,
-                )
-                proc.start()
-                procs.append(proc)
-        reports: list[dict] = []
+    ranks: list[_Rank] = []
+    try:
+        server = BootstrapServer(sc.host, 0, token=sc.token)
+    except OSError as error:
+        raise OSError(f"cannot serve the run's bootstrap on {sc.host}: {error}") from None
+    with server, tempfile.TemporaryDirectory(prefix="epd-run-") as log_dir:
         try:
-            total = len(procs)
-            _gather(ready_q, total, deadline, results, reports, "ready")
+            for role, count in (("encode", sc.encode_ranks), ("prefill", sc.prefill_ranks)):
+                for rank in range(count):
+                    log = os.path.join(log_dir, f"{role}-{rank}.log")
+                    proc = ctx.Process(
+                        target=_rank_process,
+                        args=(role, sc, rank, server.address, results, ready_q, go_evt, finished_q, done_evt, log),
+                        name=f"{role}-{rank}", daemon=True,
+                    )
+                    proc.start()
+                    ranks.append(_Rank(role, rank, proc, log))
+            watch = _Watch(ranks, results, deadline, sc.timeout_s)
+            watch.until(ready_q, ranks, "to be ready")
             go_evt.set()
-            _gather(finished_q, sc.prefill_ranks, deadline, results, reports, "finished")
+            watch.until(finished_q, [r for r in ranks if r.role == "prefill"], "to finish")
             done_evt.set()
-            while len(reports) < total:
-                reports.append(results.get(timeout=max(0.1, deadline - time.monotonic())))
-        except queue_mod.Empty:
-            raise TimeoutError(f"the run did not finish within {sc.timeout_s:g}s") from None
+            reports = watch.all_reports()
+        except BaseException:
+            _stop(ranks)
+            raise
         finally:
             done_evt.set()
             go_evt.set()
-            for proc in procs:
-                proc.join(timeout=max(1.0, deadline - time.monotonic()))
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(5)
+            for r in ranks:
+                r.proc.join(timeout=max(1.0, deadline - time.monotonic()))
+            _stop(ranks)
     return summarize(sc, reports)
 
 
-def _gather(q, count, deadline, results, reports, what) -> None:
-    """Waits for `count` ranks to report `what`, failing fast when a rank died instead."""
-    seen = 0
-    while seen < count:
-        try:
-            q.get(timeout=0.2)
-            seen += 1
-        except queue_mod.Empty:
-            pass
+class _Watch:
+    """The run's view of its ranks: their reports, their deaths and the run's deadline."""
+
+    def __init__(self, ranks: list[_Rank], results, deadline: float, timeout_s: float) -> None:
+        self.ranks = ranks
+        self.results = results
+        self.deadline = deadline
+        self.timeout_s = timeout_s
+        self.reports: list[dict] = []
+
+    def until(self, q, waiting: list[_Rank], what: str) -> None:
+        """Waits until every rank of `waiting` put its (role, rank) on q."""
+        pending = {r.key: r for r in waiting}
+        while pending:
+            try:
+                pending.pop(tuple(q.get(timeout=0.2)), None)
+            except queue_mod.Empty:
+                pass
+            self._check(list(pending.values()), what)
+
+    def all_reports(self) -> list[dict]:
+        """Waits for every rank's report."""
+        while True:
+            reported = {(r["role"], r["rank"]) for r in self.reports}
+            pending = [r for r in self.ranks if r.key not in reported]
+            if not pending:
+                return self.reports
+            try:
+                self._take(self.results.get(timeout=0.2))
+            except queue_mod.Empty:
+                pass
+            self._check(pending, "to report")
+
+    def _take(self, report: dict) -> None:
+        """Files one report; a crash report ends the run."""
+        self.reports.append(report)
+        if "error" in report:
+            rank = next(r for r in self.ranks if r.key == (report["role"], report["rank"]))
+            raise RuntimeError(f"{rank.name} crashed; {_log_tail(rank)}")
+
+    def _check(self, pending: list[_Rank], what: str) -> None:
+        """Ends the run when a rank crashed, died without a report, or the deadline passed."""
+        codes = [(r, r.proc.exitcode) for r in self.ranks]  # before draining: a report precedes its exit
         while True:
             try:
-                report = results.get_nowait()
+                self._take(self.results.get_nowait())
             except queue_mod.Empty:
                 break
-            reports.append(report)
-            if "error" in report:
-                raise RuntimeError(f"{report['role']} rank {report['rank']} crashed:\n{report['error']}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"only {seen} of {count} ranks {what} in time")
+        reported = {(r["role"], r["rank"]) for r in self.reports}
+        for rank, code in codes:
+            if code is not None and rank.key not in reported:
+                raise RuntimeError(f"{rank.name} died ({_exit_text(code)}) without a report; {_log_tail(rank)}")
+        if time.monotonic() > self.deadline:
+            raise TimeoutError(_hang_message(pending, what, self.timeout_s))
+
+
+def _exit_text(code: int) -> str:
+    """`exit code 3` or `killed by SIGKILL`."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+def _hang_message(pending: list[_Rank], what: str, timeout_s: float) -> str:
+    """Names the ranks the run still waits for, with where each is (their stacks, when they answer)."""
+    for rank in pending:
+        try:
+            os.kill(rank.proc.pid, signal.SIGUSR1)  # faulthandler writes its threads' stacks to its log
+        except OSError:
+            pass
+    time.sleep(0.5)
+    names = ", ".join(r.name for r in pending)
+    tails = "\n".join(f"{r.name}: {_log_tail(r)}" for r in pending[:4])
+    return f"the run did not finish within {timeout_s:g}s; still waiting for {names} {what}\n{tails}"
+
+
+def _log_tail(rank: _Rank) -> str:
+    """`the last lines of its log:` and them, or a note that it wrote nothing."""
+    try:
+        with open(rank.log, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 64 * 1024))
+            text = fh.read().decode(errors="replace")
+    except OSError:
+        text = ""
+    lines = [line for line in text.splitlines() if line.strip()][-LOG_TAIL_LINES:]
+    if not lines:
+        return "its log is empty"
+    return "the last lines of its log:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def _stop(ranks: list[_Rank]) -> None:
+    """Asks every live rank to stop (SIGTERM), then kills what is left after STOP_GRACE_S."""
+    for r in ranks:
+        if r.proc.is_alive():
+            r.proc.terminate()
+    grace_end = time.monotonic() + STOP_GRACE_S
+    for r in ranks:
+        r.proc.join(timeout=max(0.0, grace_end - time.monotonic()))
+    for r in ranks:
+        if r.proc.is_alive():
+            r.proc.kill()  # a stopped (SIGSTOP) or wedged rank ignores SIGTERM
+            r.proc.join(timeout=5)
 
 
 def summarize(sc: Scenario, reports: list[dict]) -> dict:
