@@ -199,6 +199,18 @@ def _encode_stand_in(port: int = 0, timeout: float = 5.0):
             time.sleep(0.05)
 
 
+def _bootstrap_at(port: int, timeout: float = 5.0) -> BootstrapServer:
+    """A bootstrap server on `port`, retrying while the previous one's sockets let go of it."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            return BootstrapServer(HOST, port)
+        except OSError:
+            if time.monotonic() >= end:
+                raise
+            time.sleep(0.05)
+
+
 def _messages(sock, timeout: float, count: int | None = None) -> list[list[bytes]]:
     """The messages that reach `sock` until `count` came or it stays quiet for `timeout` seconds."""
     got = []
@@ -286,7 +298,7 @@ def test_an_encode_node_restarted_with_other_sizes_is_asked_with_the_new_fanout(
                 lost.clear()
             # ... and it comes back at the same address with two encode ranks (fanout 1).
             assert port_rebindable(HOST, bootstrap_port)
-            with BootstrapServer(HOST, bootstrap_port) as second:
+            with _bootstrap_at(bootstrap_port) as second:
                 BootstrapClient(second.address).register_rank(2, 1, HOST, port, 0)
                 fresh = manager.receive(2, address, buf[1, :4], row_start=0, span=4)
                 asks = [m for m in _messages(sink, 2.0, 2) if not is_registration(m)]

@@ -25,12 +25,12 @@ import json
 import logging
 import re
 import socket
-import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+from transfer._http import BoundedHTTPServer, DeadlineReader, OneDeadlineHandler
 
 log = logging.getLogger(__name__)
 
@@ -149,55 +149,11 @@ def _query_int(query: dict[str, list[str]], name: str) -> int:
         raise _RequestError(400, f"{name} is not an integer") from None
 
 
-class _DeadlineReader(io.RawIOBase):
-    """A socket's reads, each bounded by what is left of one deadline for a whole exchange.
-
-    The socket's own timeout bounds each read alone: a peer sending a byte now and
-    then would hold the reading thread for ever.
-    """
-
-    def __init__(self, sock: socket.socket, deadline: float, keep: Any = None) -> None:
-        """Reads from `sock` until `deadline` (time.monotonic()); `keep` is closed along with it."""
-        super().__init__()
-        self._sock = sock
-        self._deadline = deadline
-        self._keep = keep
-
-    def close(self) -> None:
-        """Closes the reader and what it keeps."""
-        if self._keep is not None:
-            self._keep.close()
-            self._keep = None
-        super().close()
-
-    def readable(self) -> bool:
-        """A reader."""
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        """One recv, waiting at most until the deadline (TimeoutError past it)."""
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("timed out: the exchange's deadline passed")
-        self._sock.settimeout(left)
-        return self._sock.recv_into(buffer)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    """One HTTP request against the server's route table."""
+class _Handler(OneDeadlineHandler):
+    """One HTTP request against the server's route table (a silent or slow client is dropped
+    `timeout` seconds after it connected)."""
 
     server: "_HTTPServer"
-    # One request per connection: no handler thread lingers on a keep-alive
-    # socket after close(), and a silent or slow client is dropped `timeout`
-    # seconds after it connected.
-    protocol_version = "HTTP/1.0"
-    timeout = 10.0
-
-    def setup(self) -> None:
-        """Reads the request through one deadline (BaseHTTPRequestHandler answers a timeout by closing)."""
-        super().setup()
-        self.rfile.close()
-        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, time.monotonic() + self.timeout))
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib name
         """Route access logs to logging at debug instead of stderr."""
@@ -288,74 +244,18 @@ class _Handler(BaseHTTPRequestHandler):
         return self.rfile.read(int(text))
 
 
-_BUSY_TEXT = b"bootstrap server busy: too many connections at once"
-_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
-         b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_TEXT), _BUSY_TEXT))
+class _HTTPServer(BoundedHTTPServer):
+    """The bounded HTTP server holding the route table and the token."""
 
-
-class _HTTPServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer holding the route table and the token."""
-
-    daemon_threads = True
     # The stdlib default backlog of 5 resets connections when many ranks start at once.
     request_queue_size = 128
     #: Connections served at once; more are answered 503 at once instead of each getting
     #: a thread, so silent or slow clients cost at most this many threads.
     max_handlers = 256
+    busy_text = b"bootstrap server busy: too many connections at once"
+    log = logging.getLogger(__name__)  # request errors go to this module's log
     table: _RouteTable
     token: str | None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """The stdlib server, counting its handler threads."""
-        self._handlers = 0
-        self._handlers_lock = threading.Lock()
-        super().__init__(*args, **kwargs)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        """Hands the connection to a thread of its own, or turns it away when max_handlers are busy."""
-        with self._handlers_lock:
-            busy = self._handlers >= self.max_handlers
-            if not busy:
-                self._handlers += 1
-        if busy:
-            _turn_away(request)
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._handler_done()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        """Serves one connection on its thread and counts it out."""
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._handler_done()
-
-    def _handler_done(self) -> None:
-        """One handler thread fewer."""
-        with self._handlers_lock:
-            self._handlers -= 1
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """Logs a failed request instead of printing to stderr; a client that went away is routine."""
-        level = logging.DEBUG if isinstance(sys.exc_info()[1], OSError) else logging.ERROR
-        log.log(level, "bootstrap: request from %s failed", client_address, exc_info=True)
-
-
-def _turn_away(request: socket.socket) -> None:
-    """Answers 503 without blocking the accepting thread (the client may not read it)."""
-    try:
-        request.setblocking(False)
-        try:
-            request.recv(MAX_BODY)  # unread bytes at close() would reset the answer away
-        except OSError:
-            pass
-        request.send(_BUSY)
-    except OSError:
-        pass
 
 
 class BootstrapServer:
@@ -363,10 +263,7 @@ class BootstrapServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8998, token: str | None = None) -> None:
         """Bind host:port (0: ephemeral) and start serving; ready on return."""
-        server_class = _HTTPServer
-        if ":" in host:  # an IPv6 literal
-            server_class = type("_HTTPServer6", (_HTTPServer,), {"address_family": socket.AF_INET6})
-        self._server = server_class((host, port), _Handler)
+        self._server = _HTTPServer.for_host(host)((host, port), _Handler)
         self._server.table = _RouteTable()
         self._server.token = token or None
         self.host = host
@@ -419,7 +316,7 @@ class _BoundedResponse(http.client.HTTPResponse):
         super().__init__(sock, *args, **kwargs)
         # The stdlib's file stays open until the response closes: the connection lets go of
         # the socket once the response begins, and that file is what keeps it open.
-        self.fp = io.BufferedReader(_DeadlineReader(sock, deadline, keep=self.fp))
+        self.fp = io.BufferedReader(DeadlineReader(sock, deadline, keep=self.fp))
 
 
 class BootstrapClient:

@@ -10,17 +10,15 @@ here so it works without prometheus_client), and `register_with_prometheus_clien
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import math
 import re
-import socket
-import sys
 import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterable
+from http.server import BaseHTTPRequestHandler
+from typing import Callable, Iterable
+
+from transfer._http import BoundedHTTPServer, OneDeadlineHandler
 
 log = logging.getLogger(__name__)
 
@@ -439,11 +437,8 @@ class MetricsServer:
                                  f"give each its own (Metrics(namespace=...))")
             seen.add(source.namespace)
         handler = _make_handler(self, request_timeout_s)
-        server_class = _BoundedHTTPServer
-        if ":" in host:  # an IPv6 literal
-            server_class = type("_BoundedHTTPServer6", (_BoundedHTTPServer,), {"address_family": socket.AF_INET6})
-        self._httpd = server_class((host, port), handler)
-        self._httpd.max_connections = max_connections
+        self._httpd = _MetricsHTTPServer.for_host(host)((host, port), handler)
+        self._httpd.max_handlers = max_connections
         self.host, self.port = self._httpd.server_address[:2]
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
@@ -479,80 +474,11 @@ class MetricsServer:
         self.close()
 
 
-_BUSY_TEXT = b"metrics endpoint busy: too many connections at once"
-_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
-         b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_TEXT), _BUSY_TEXT))
+class _MetricsHTTPServer(BoundedHTTPServer):
+    """The bounded HTTP server behind a MetricsServer."""
 
-
-class _BoundedHTTPServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer that serves at most max_connections at once and turns the rest away."""
-
-    daemon_threads = True
-    max_connections = 64
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """The stdlib server, counting its handler threads."""
-        self._active = 0
-        self._active_lock = threading.Lock()
-        super().__init__(*args, **kwargs)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        """Hands the connection to a thread of its own, or answers 503 when max_connections are busy."""
-        with self._active_lock:
-            busy = self._active >= self.max_connections
-            if not busy:
-                self._active += 1
-        if busy:
-            try:
-                request.setblocking(False)  # never let a client that does not read hold the accepting thread
-                request.send(_BUSY)
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._done()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        """Serves one connection on its thread and counts it out."""
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._done()
-
-    def _done(self) -> None:
-        """One handler thread fewer."""
-        with self._active_lock:
-            self._active -= 1
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """Logs a failed request instead of printing to stderr; a client that went away is routine."""
-        level = logging.DEBUG if isinstance(sys.exc_info()[1], OSError) else logging.ERROR
-        log.log(level, "metrics: request from %s failed", client_address, exc_info=True)
-
-
-class _DeadlineReader(io.RawIOBase):
-    """A socket's reads, all bounded by one deadline (a per-read timeout lets a dripping client stay for ever)."""
-
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        super().__init__()
-        self._sock = sock
-        self._deadline = deadline
-
-    def readable(self) -> bool:
-        """A reader."""
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        """One recv, waiting at most until the deadline (TimeoutError past it)."""
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the request's deadline passed")
-        self._sock.settimeout(left)
-        return self._sock.recv_into(buffer)
+    busy_text = b"metrics endpoint busy: too many connections at once"
+    log = logging.getLogger(__name__)  # request errors go to this module's log
 
 
 def serve(*sources: Metrics, host: str = "127.0.0.1", port: int = 0) -> MetricsServer:
@@ -563,16 +489,9 @@ def serve(*sources: Metrics, host: str = "127.0.0.1", port: int = 0) -> MetricsS
 def _make_handler(server: MetricsServer, request_timeout_s: float) -> type[BaseHTTPRequestHandler]:
     """A request handler bound to one MetricsServer."""
 
-    class Handler(BaseHTTPRequestHandler):
-        # One request per connection (HTTP/1.0), read and answered within `timeout` seconds.
-        protocol_version = "HTTP/1.0"
+    class Handler(OneDeadlineHandler):
+        # One request per connection, read within `timeout` seconds in all.
         timeout = request_timeout_s
-
-        def setup(self) -> None:
-            """Reads the request through one deadline; a timeout ends the connection."""
-            super().setup()
-            self.rfile.close()
-            self.rfile = io.BufferedReader(_DeadlineReader(self.connection, time.monotonic() + self.timeout))
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             """Answer /metrics and /stats; 404 for anything else."""

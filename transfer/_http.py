@@ -1,0 +1,138 @@
+"""The bounded HTTP plumbing shared by the bootstrap server (and its client) and the /metrics endpoint.
+
+Both listen where anyone on the network may connect, so both bound what a client can
+hold: one request per connection, one deadline for the whole request however slowly it
+drips in, and a cap on connections served at once (503 beyond, answered without
+blocking the accepting thread).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import socket
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class DeadlineReader(io.RawIOBase):
+    """A socket's reads, each bounded by what is left of one deadline for a whole exchange.
+
+    The socket's own timeout bounds each read alone: a peer sending a byte now and
+    then would hold the reading thread for ever.
+    """
+
+    def __init__(self, sock: socket.socket, deadline: float, keep: Any = None) -> None:
+        """Reads from `sock` until `deadline` (time.monotonic()); `keep` is closed along with it."""
+        super().__init__()
+        self._sock = sock
+        self._deadline = deadline
+        self._keep = keep
+
+    def close(self) -> None:
+        """Closes the reader and what it keeps."""
+        if self._keep is not None:
+            self._keep.close()
+            self._keep = None
+        super().close()
+
+    def readable(self) -> bool:
+        """A reader."""
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        """One recv, waiting at most until the deadline (TimeoutError past it)."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out: the exchange's deadline passed")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
+
+
+class OneDeadlineHandler(BaseHTTPRequestHandler):
+    """A request handler that reads its one request (HTTP/1.0) within `timeout` seconds in all.
+
+    BaseHTTPRequestHandler answers a timeout by closing the connection; with one request
+    per connection no handler thread lingers on a keep-alive socket.
+    """
+
+    protocol_version = "HTTP/1.0"
+    timeout = 10.0
+
+    def setup(self) -> None:
+        """Reads the request through one deadline that starts now."""
+        super().setup()
+        self.rfile.close()
+        self.rfile = io.BufferedReader(DeadlineReader(self.connection, time.monotonic() + self.timeout))
+
+
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer serving at most `max_handlers` connections at once; the rest get 503."""
+
+    daemon_threads = True
+    max_handlers = 64
+    busy_text = b"server busy: too many connections at once"
+    log = logging.getLogger("transfer.http")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """The stdlib server, counting its handler threads."""
+        self._handlers = 0
+        self._handlers_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    @classmethod
+    def for_host(cls, host: str) -> type[BoundedHTTPServer]:
+        """This class, or its IPv6 variant for an IPv6 literal."""
+        if ":" not in host:
+            return cls
+        return type(f"{cls.__name__}6", (cls,), {"address_family": socket.AF_INET6})
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Hands the connection to a thread of its own, or turns it away when max_handlers are busy."""
+        with self._handlers_lock:
+            busy = self._handlers >= self.max_handlers
+            if not busy:
+                self._handlers += 1
+        if busy:
+            self._turn_away(request)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._handler_done()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        """Serves one connection on its thread and counts it out."""
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._handler_done()
+
+    def _handler_done(self) -> None:
+        """One handler thread fewer."""
+        with self._handlers_lock:
+            self._handlers -= 1
+
+    def _turn_away(self, request: socket.socket) -> None:
+        """Answers 503 without blocking the accepting thread (the client may not read it)."""
+        answer = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                  b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(self.busy_text), self.busy_text))
+        try:
+            request.setblocking(False)
+            try:
+                request.recv(64 * 1024)  # unread bytes at close() would reset the answer away
+            except OSError:
+                pass
+            request.send(answer)
+        except OSError:
+            pass
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Logs a failed request instead of printing to stderr; a client that went away is routine."""
+        level = logging.DEBUG if isinstance(sys.exc_info()[1], OSError) else logging.ERROR
+        self.log.log(level, "request from %s failed", client_address, exc_info=True)
