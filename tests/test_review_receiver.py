@@ -199,6 +199,20 @@ def _encode_stand_in(port: int = 0, timeout: float = 5.0):
             time.sleep(0.05)
 
 
+def _bootstrap_below_ephemeral() -> BootstrapServer:
+    """A bootstrap server on a port below Linux's ephemeral range (32768-60999): once it
+    closes, no connection of this busy process can take the port as its own local port,
+    so a server restarted there binds it again."""
+    import random
+
+    for port in random.sample(range(20000, 32000), 200):
+        try:
+            return BootstrapServer(HOST, port)
+        except OSError:
+            continue
+    raise RuntimeError("no free port in 20000-32000")
+
+
 def _bootstrap_at(port: int, timeout: float = 5.0) -> BootstrapServer:
     """A bootstrap server on `port`, retrying while the previous one's sockets let go of it."""
     end = time.monotonic() + timeout
@@ -288,7 +302,7 @@ def test_an_encode_node_restarted_with_other_sizes_is_asked_with_the_new_fanout(
     try:
         # prefill tp 2: one encode rank serves both prefill ranks (fanout 2) ...
         with SessionManager(prefill_engine, 0, 2, 1, buffer=buf, host=HOST, deadline_s=0.5) as manager:
-            with BootstrapServer(HOST, 0) as first:
+            with _bootstrap_below_ephemeral() as first:
                 address, bootstrap_port = first.address, first.port
                 BootstrapClient(address).register_rank(1, 1, HOST, port, 0)
                 lost = manager.receive(1, address, buf[0, :2], row_start=0, span=4)
