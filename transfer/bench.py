@@ -277,6 +277,9 @@ class _Stop(Exception):
 
 def _worker_main(role: str, rank: int, setup: dict, cmd_q, res_q) -> None:
     """A rank process: runs cells until told to stop, reporting each or its traceback."""
+    from transfer.harness import exit_with_parent
+
+    exit_with_parent()  # a bench killed outright must not leave its ranks holding engines and ports
     if setup.get("log_path"):
         # Mooncake logs through glog straight to fd 2; keep it out of the bench's output.
         fd = os.open(setup["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

@@ -298,7 +298,7 @@ def _rank_process(role, sc, rank, bootstrap_addr, results, ready_q, go_evt, fini
     signal.signal(signal.SIGTERM, _raise_interrupt)
     faulthandler.enable()  # a crash in C code leaves the Python stacks in the log
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the run asks a rank that hangs where it is
-    _exit_with_parent()
+    exit_with_parent()
     body = _BODIES[role]
     try:
         import torch
@@ -342,8 +342,8 @@ def _raise_interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def _exit_with_parent() -> None:
-    """Ends this rank when the run's process dies without stopping it (SIGKILL, the OOM killer)."""
+def exit_with_parent() -> None:
+    """Ends this rank process when the run's process dies without stopping it (SIGKILL, the OOM killer)."""
     import multiprocessing.connection
 
     parent = mp.parent_process()
