@@ -393,6 +393,28 @@ def test_mooncake_close_is_bounded_with_a_stopped_peer(stalled_mooncake, monkeyp
     assert kept() is None and writer.registered() == {}
 
 
+def _unregister_during_a_stalled_write(writer, src, peer) -> None:
+    """Writes `src` (filled with 7s) to the stopped `peer`, tries to unregister it mid-write and
+    reuse it, resumes the peer: the engine must have refused, and only the 7s may have landed."""
+    ticket = writer.write_async(peer.session_id, [src.data_ptr()], [peer.addr], [STALL_BYTES])
+    time.sleep(0.5)
+    assert not writer.poll(ticket)
+    try:
+        writer.unregister(src.data_ptr())
+        refused = None
+        src.fill_(1)  # the memory is the caller's again: it reuses it
+    except TransferError as exc:
+        refused = str(exc)
+    peer.resume()
+    writer.wait(ticket, timeout_s=60)
+    counts = peer.counts()
+    assert refused is not None, f"unregister() returned while the write was in flight; the peer got {counts}"
+    assert f"is still being read by a write to {peer.session_id} in flight" in refused
+    assert counts == {7: STALL_BYTES}
+    writer.unregister(src.data_ptr())  # settled: now it goes
+    assert writer.registered() == {}
+
+
 @pytest.mark.live
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
 def test_mooncake_unregister_refuses_a_source_still_being_read(stalled_mooncake):
@@ -403,23 +425,7 @@ def test_mooncake_unregister_refuses_a_source_still_being_read(stalled_mooncake)
         src = _filled(STALL_BYTES, 7)
         writer.register(src)
         _handshake_then_stop(writer, src, peer)
-        ticket = writer.write_async(peer.session_id, [src.data_ptr()], [peer.addr], [STALL_BYTES])
-        time.sleep(0.5)
-        assert not writer.poll(ticket)
-        try:
-            writer.unregister(src.data_ptr())
-            refused = None
-            src.fill_(1)  # the memory is the caller's again: it reuses it
-        except TransferError as exc:
-            refused = str(exc)
-        peer.resume()
-        writer.wait(ticket, timeout_s=60)
-        counts = peer.counts()
-        assert refused is not None, f"unregister() returned while the write was in flight; the peer got {counts}"
-        assert f"is still being read by a write to {peer.session_id} in flight" in refused
-        assert counts == {7: STALL_BYTES}
-        writer.unregister(src.data_ptr())  # settled: now it goes
-        assert writer.registered() == {}
+        _unregister_during_a_stalled_write(writer, src, peer)
 
 
 class _ScriptedTE:
@@ -570,20 +576,4 @@ def test_wire_unregister_refuses_a_source_still_being_read(wire_peer):
         src = _filled(STALL_BYTES, 7)
         writer.register(src)
         wire_peer.stop()
-        batch = writer.write_async(wire_peer.session_id, [src.data_ptr()], [wire_peer.addr], [STALL_BYTES])
-        time.sleep(0.5)
-        assert not writer.poll(batch)
-        try:
-            writer.unregister(src.data_ptr())
-            refused = None
-            src.fill_(1)  # the memory is the caller's again: it reuses it
-        except TransferError as exc:
-            refused = str(exc)
-        wire_peer.resume()
-        writer.wait(batch, timeout_s=60)
-        counts = wire_peer.counts()
-        assert refused is not None, f"unregister() returned while the write was in flight; the peer got {counts}"
-        assert f"is still being read by a write to {wire_peer.session_id} in flight" in refused
-        assert counts == {7: STALL_BYTES}
-        writer.unregister(src.data_ptr())
-        assert writer.registered() == {}
+        _unregister_during_a_stalled_write(writer, src, wire_peer)

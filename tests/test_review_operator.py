@@ -27,27 +27,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from live_helpers import MOONCAKE_MISSING, free_port
 from transfer import cli
 from transfer.metrics import Metrics, MetricsServer, serve
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "scripts")
 
-try:
-    import mooncake.engine  # noqa: F401
-
-    _MOONCAKE_MISSING = ""
-except ImportError as _error:  # pragma: no cover - depends on the host
-    _MOONCAKE_MISSING = f"mooncake.engine cannot be imported: {_error}"
-
-needs_mooncake = pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
-
-
-def _free_port() -> int:
-    """A port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+needs_mooncake = pytest.mark.skipif(bool(MOONCAKE_MISSING), reason=MOONCAKE_MISSING or "n/a")
 
 
 def _cli(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -107,7 +94,7 @@ def test_demo_with_no_items_is_refused_not_run():
 
 def test_a_runtime_failure_is_one_line_not_a_traceback():
     # A prefill rank whose bootstrap server never answers: an expected failure, so one line.
-    port = _free_port()
+    port = free_port()
     done = _cli("rank", "--role", "prefill", "--rank", "0", "--bootstrap", f"127.0.0.1:{port}",
                 "--bootstrap-timeout", "1", "--protocol", "tcp")
     assert done.returncode == 1
@@ -781,7 +768,7 @@ def test_launch_scripts_run_with_an_odd_token(tmp_path):
     # The whole deployment, real Mooncake tcp: the token reaches the bootstrap server and the
     # encode rank through their environment, and the prefill rank reads the routes.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EPD_", "SLURM_"))}
-    env.update(EPD_ENCODE_HOST="127.0.0.1", EPD_BOOTSTRAP_PORT=str(_free_port()), EPD_PROTOCOL="tcp",
+    env.update(EPD_ENCODE_HOST="127.0.0.1", EPD_BOOTSTRAP_PORT=str(free_port()), EPD_PROTOCOL="tcp",
                EPD_ITEMS="4", EPD_SPAN="64", EPD_HIDDEN="256", EPD_INFLIGHT="4", EPD_LOG_DIR=str(tmp_path / "logs"),
                EPD_PYTHON=sys.executable, EPD_EXTRA_ARGS="--deadline 30 --bootstrap-timeout 60",
                EPD_TOKEN="-t0k\"en\"$(x)'q'\\*")  # no space: argparse took '-t0k...' for an option

@@ -12,7 +12,6 @@ Every listener here uses short timeouts, and every socket wait is bounded."""
 from __future__ import annotations
 
 import math
-import re
 import select
 import socket
 import struct
@@ -22,9 +21,10 @@ import numpy as np
 import pytest
 import torch
 
+from test_wire_hostile import expect_error
 from transfer import _native, wire
 from transfer.engine import TransferError
-from transfer.wire import FrameError, Msg
+from transfer.wire import Msg
 from transfer.wire_engine import WireEngine
 
 PAGE = 4096
@@ -113,19 +113,6 @@ def only_error(data: bytes) -> Msg:
     length, kind = struct.unpack_from("<IB", data)
     assert kind == wire.ERROR and len(data) == 4 + length, data
     return Msg.decode(data[5:])
-
-
-def expect_error(sock: socket.socket, pattern: str, room: int | None) -> str:
-    """Reads an ERROR whose reason matches pattern, then sees the connection closed; returns the reason."""
-    kind, payload, _ = wire.read_frame(sock)
-    answer = Msg.decode(payload)
-    reason = answer.body.decode()
-    assert kind == wire.ERROR, (kind, answer)
-    assert re.search(pattern, reason), reason
-    assert answer.get("room") == (None if room is None else str(room))
-    with pytest.raises(FrameError, match="connection closed"):
-        wire.read_frame(sock)
-    return reason
 
 
 def dribble_until_answered(sock: socket.socket, pieces: list[bytes], every: float, limit: float) -> float:
