@@ -318,6 +318,8 @@ class TransferInfo:
             return None
         if type(emb) is not bytes or type(ds) is not bytes or len(emb) != 8 or len(ds) != 8:
             return None
+        if type(has_ds) is not bytes:
+            return None  # a zmq.Frame does not compare equal to bytes: the strict path reads its bytes
         room_n, rows_n, hidden_n, fanout_n, row_start_n, span_n = numbers
         return cls(room_n, endpoint.decode("ascii"), port_number, session.decode("ascii"), _POINTER.unpack(emb)[0],
                    _POINTER.unpack(ds)[0], rows_n, hidden_n, dtype.decode("ascii"), has_ds == b"1", fanout_n,
