@@ -263,7 +263,7 @@ def test_an_ask_left_queued_for_a_dead_encode_rank_never_reaches_its_successor(e
                 first.close(0)  # the encode rank dies
                 time.sleep(0.3)  # and the manager's socket notices
                 lost = manager.receive(2, server.address, buf[1])
-                assert lost.wait(5) == TransferPoll.Failed and "no status from encode rank 0" in lost.failure
+                assert lost.wait(5) == TransferPoll.Failed and "no connection to encode rank 0" in lost.failure
                 lost.clear()  # buf[1] is the caller's again
 
                 second, _ = _encode_stand_in(port)  # restarted at the same address

@@ -104,9 +104,12 @@ def pull_socket(host: str, port: int) -> tuple[zmq.Socket, int]:
     return sock, bound
 
 
-def push_socket(host: str, port: int, hwm: int = STATUS_HWM) -> zmq.Socket:
+def push_socket(host: str, port: int, hwm: int = STATUS_HWM, immediate: bool = False) -> zmq.Socket:
     """A PUSH socket connected to host:port that never blocks the sender for long.
 
+    With `immediate`, messages are queued only while a connection is up (sending
+    meanwhile raises zmq.Again), and what was queued dies with the connection: ZMQ
+    otherwise keeps it and hands it to whoever listens at that address next.
     zmq.ZMQError when the address cannot be connected to (a malformed host); no
     socket is left behind then.
     """
@@ -115,6 +118,8 @@ def push_socket(host: str, port: int, hwm: int = STATUS_HWM) -> zmq.Socket:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.SNDTIMEO, 0)
+        if immediate:
+            sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.connect(f"tcp://{zmq_host(host)}:{port}")
     except zmq.ZMQError:
         sock.close(0)

@@ -56,6 +56,13 @@ DRAIN_BATCH = 1024
 #: leaving the rest of that window for rooms already asked for to be written.
 REANNOUNCE_AFTER = MAX_REGIONS_PER_SESSION // 2
 
+#: Asks (registrations and TransferInfos) waiting, in order, for their encode rank's
+#: connection. The sockets to encode ranks queue nothing while disconnected (see
+#: _io.push_socket's `immediate`): ZMQ would hand such a queue to whoever listens at the
+#: address next, rooms cleared meanwhile included. Ours drops cleared rooms instead.
+#: Past this many for one encode rank, new rooms for it fail at once.
+MAX_UNSENT_ASKS = 4096
+
 
 @dataclass
 class _Room:
@@ -82,6 +89,7 @@ class _Room:
     # Not deepstack_ptr != 0: an empty shard's tensor slice has data_ptr() 0.
     has_deepstack: bool = False
     concluded_at: float | None = None
+    unsent: bool = False  # its TransferInfo waits for the encode rank's connection
 
     @property
     def nbytes(self) -> int:
@@ -183,7 +191,11 @@ class SessionManager:
         self._routes: dict[tuple[str, int, int], tuple[str, int]] = {}
         self._announced: dict[tuple[str, int, int], _Announcements] = {}  # per route key
         self._encode_sockets: dict[tuple[str, int], zmq.Socket] = {}
+        # Per encode address, asks its socket could not take yet: (room or None for a
+        # registration, fanout or registration frames). Changed by the I/O thread only.
+        self._unsent: dict[tuple[str, int], deque[tuple[_Room | None, Any]]] = {}
         self._send_lock = threading.Lock()
+        self._poller = zmq.Poller()  # the I/O thread's
         # Bootstrap servers that did not answer: address -> (when, why). I/O thread only.
         self._unreachable: dict[str, tuple[float, str]] = {}
 
@@ -364,6 +376,7 @@ class SessionManager:
                 for sock in self._encode_sockets.values():
                     sock.close(0)
                 self._encode_sockets.clear()
+                self._unsent.clear()
             self._waker.close()
         for addr in self._owned:
             try:
@@ -428,12 +441,14 @@ class SessionManager:
 
     def _run(self) -> None:
         _io.name_this_thread(f"epd-pre{self.engine_rank}-io")
-        poller = zmq.Poller()
+        poller = self._poller
         poller.register(self._status_sock, zmq.POLLIN)
         poller.register(self._waker.fileno(), zmq.POLLIN)
         try:
             while not self._stopping:
                 events = dict(poller.poll(self._next_timeout_ms()))
+                if any(flags & zmq.POLLOUT for flags in events.values()):
+                    self._flush_unsent()  # before new asks, which queue behind these
                 if self._waker.fileno() in events:
                     self._waker.drain()
                     self._serve_asks()
@@ -519,7 +534,7 @@ class SessionManager:
             sock = self._encode_sockets.get(route)
             if sock is None:
                 try:
-                    sock = self._encode_sockets[route] = _io.push_socket(*route)
+                    sock = self._encode_sockets[route] = _io.push_socket(*route, immediate=True)
                 except zmq.ZMQError as exc:
                     self._routes.pop(key, None)  # the next room looks the rank up afresh
                     raise _AskFailed(f"encode rank {state.encode_rank} at {route[0]}:{route[1]} (from bootstrap "
@@ -533,9 +548,54 @@ class SessionManager:
                     regions.embedding.addr, ds.addr if ds else 0,
                     regions.embedding.nbytes, ds.nbytes if ds else 0,
                 )
-                self._push(sock, frames, state)
+                self._send_or_queue(route, sock, None, frames)
                 announced.add(regions.embedding)
-            self._send_info(sock, state, fanout)
+            self._send_or_queue(route, sock, state, fanout)
+
+    def _send_or_queue(self, addr: tuple[str, int], sock: zmq.Socket, state: _Room | None, payload: Any) -> None:
+        """Sends an ask now, or queues it behind those waiting for the encode rank's connection.
+
+        `state` None: a registration (`payload` its frames); otherwise the room's
+        TransferInfo (`payload` its fanout). I/O thread, _send_lock held.
+        """
+        queue = self._unsent.get(addr)
+        if queue is None:
+            if self._send_ask(sock, state, payload):
+                return
+            queue = self._unsent[addr] = deque()
+            self._poller.register(sock, zmq.POLLOUT)
+        elif len(queue) >= MAX_UNSENT_ASKS:
+            where = state.where() if state is not None else f"the encode rank at {addr[0]}:{addr[1]}"
+            raise _AskFailed(f"{where} is not taking requests ({len(queue)} asks already wait for it)")
+        queue.append((state, payload))
+        if state is not None:
+            state.unsent = True
+
+    def _send_ask(self, sock: zmq.Socket, state: _Room | None, payload: Any) -> bool:
+        """Pushes one ask (see _send_or_queue); False when the socket cannot take it now."""
+        if state is not None:
+            return self._send_info(sock, state, payload)
+        try:
+            _io.send_frames(sock, payload)
+        except zmq.Again:
+            return False
+        return True
+
+    def _flush_unsent(self) -> None:
+        """Sends, in order, the asks that waited for a connection, as far as the sockets take them."""
+        with self._send_lock:
+            for addr, queue in list(self._unsent.items()):
+                sock = self._encode_sockets[addr]
+                while queue:
+                    state, payload = queue[0]
+                    if not self._send_ask(sock, state, payload):
+                        break
+                    queue.popleft()
+                    if state is not None:
+                        state.unsent = False
+                if not queue:
+                    del self._unsent[addr]
+                    self._poller.unregister(sock)
 
     def _ask_from_cache(self, state: _Room) -> bool:
         """Asks from the caller's thread when everything is cached; False leaves it to the I/O thread.
@@ -555,20 +615,18 @@ class SessionManager:
         with self._send_lock:
             route = self._routes.get(key)
             sock = self._encode_sockets.get(route) if route is not None else None
-            if sock is None or self._stopping:
-                return False
+            if sock is None or self._stopping or route in self._unsent:
+                return False  # asks waiting for a connection go first, in order
             announced = self._announced.get(key)
             if announced is None or not announced.holds(regions.embedding):
                 return False
             state.encode_addr = route
-            try:
-                self._send_info(sock, state, fanout)
-            except _AskFailed:
-                return False  # the I/O thread tries again and reports the failure
-        return True
+            # Not taken now (no connection): the I/O thread queues it.
+            return self._send_info(sock, state, fanout)
 
-    def _send_info(self, sock: zmq.Socket, state: _Room, fanout: int) -> None:
-        """Pushes the room's TransferInfo unless it was cleared meanwhile (_send_lock held)."""
+    def _send_info(self, sock: zmq.Socket, state: _Room, fanout: int) -> bool:
+        """Pushes the room's TransferInfo unless it was cleared or concluded meanwhile (_send_lock
+        held); False when the socket cannot take it now."""
         info = TransferInfo(
             room=state.room, endpoint=self.host, port=self.status_port, session_id=self.engine.session_id,
             embedding_ptr=state.embedding_ptr, deepstack_ptr=state.deepstack_ptr, rows=state.rows,
@@ -579,16 +637,14 @@ class SessionManager:
         # Under _lock, so a clear() (say, during a slow look-up) comes wholly before or after:
         # a room given up is never asked for, since its memory is the caller's again.
         with self._lock:
-            if self._rooms.get(state.room) is not state:
-                return
-            self._push(sock, frames, state)
+            if self._rooms.get(state.room) is not state or is_terminal(self._table.get(state.room)):
+                return True  # nothing to send any more
+            try:
+                _io.send_frames(sock, frames)
+            except zmq.Again:
+                return False
             self._table.update(state.room, TransferPoll.WaitingForInput)
-
-    def _push(self, sock: zmq.Socket, frames: list[bytes], state: _Room) -> None:
-        try:
-            _io.send_frames(sock, frames)
-        except zmq.Again:
-            raise _AskFailed(f"{state.where()} is not accepting requests (its queue is full)") from None
+        return True
 
     def _parallel_info(self, bootstrap_addr: str) -> tuple[int, int]:
         info = self._parallel.get(bootstrap_addr)
@@ -673,20 +729,32 @@ class SessionManager:
                 continue
             # The encode rank may have restarted elsewhere, its node with other sizes: look
             # both up afresh next time.
+            never_sent: deque = deque()
             if state.route_key is not None:
                 with self._send_lock:
                     self._parallel.pop(state.bootstrap_addr, None)
                     self._routes.pop(state.route_key, None)
                     self._announced.pop(state.route_key, None)
-                    # ZMQ would hand what is still queued for a dead rank to whoever listens at
-                    # its address next: expired rooms' asks, whose memory may be reused by then.
+                    # A fresh socket, and nothing of this one's queue (expired rooms' asks,
+                    # whose memory may be reused by then) reaches a rank restarted there.
                     sock = self._encode_sockets.pop(state.encode_addr, None)
                     if sock is not None:
+                        never_sent = self._unsent.pop(state.encode_addr, never_sent)
+                        if never_sent:
+                            self._poller.unregister(sock)
                         sock.close(0)
-            self._conclude(
-                state, TransferPoll.Failed,
-                f"no status from {state.where()} within {self.deadline_s:g}s for room {state.room}",
-            )
+            if state.unsent:
+                reason = (f"no connection to {state.where()} within {self.deadline_s:g}s: room {state.room} "
+                          f"was never asked for (is the encode rank running?)")
+            else:
+                reason = f"no status from {state.where()} within {self.deadline_s:g}s for room {state.room}"
+            self._conclude(state, TransferPoll.Failed, reason)
+            # The rooms queued behind it wait on the same silent rank: they fail now, unasked.
+            for other, _ in never_sent:
+                if other is not None and other is not state:
+                    self._conclude(other, TransferPoll.Failed,
+                                   f"{other.where()} went silent: room {state.room} had no answer within "
+                                   f"{self.deadline_s:g}s, and room {other.room} was never asked for")
 
 
 @dataclass(frozen=True, eq=False)
