@@ -579,3 +579,44 @@ def test_a_bootstrap_answer_that_comes_in_time_is_read_whole(server):
     assert client.parallel_info() == (2, 1)
     assert client.route(1, 0) == (HOST, 4242)
     assert client.health()
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("integrity", [True, False])
+def test_a_success_with_an_unreadable_checksum_part_concludes_at_once(engines, integrity):
+    """Status part 3 is our checksum (SPEC.md 8). One that does not parse used to drop the
+    whole status, leaving the room to wait out its deadline as if the encode rank were
+    silent. With integrity on the room fails at once, saying why; with it off the
+    checksum is not read and the Success stands."""
+    import torch
+
+    from transfer import _io
+    from transfer.bootstrap import BootstrapClient
+    from transfer.receiver import SessionManager
+    from transfer.status import TransferPoll
+
+    _, prefill_engine = engines
+    buf = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
+    with BootstrapServer(HOST, 0) as server:
+        encode, port = _encode_stand_in()
+        BootstrapClient(server.address).register_rank(1, 1, HOST, port, 0)
+        try:
+            with SessionManager(prefill_engine, 0, 1, 1, buffer=buf, host=HOST, deadline_s=30,
+                                integrity=integrity) as manager:
+                statuses = _io.push_socket(HOST, manager.status_port)
+                try:
+                    room = manager.receive(1, server.address, buf[0])
+                    assert len(_messages(encode, 2.0, 2)) == 2
+                    statuses.send_multipart([b"1", b"5", b"0", b"not-a-sum"])
+                    status = room.wait(5)
+                    if integrity:
+                        assert status == TransferPoll.Failed
+                        assert "checksum part that does not parse (checksum is not an integer)" in room.failure
+                        assert f"encode rank 0 at {HOST}:{port}" in room.failure
+                    else:
+                        assert status == TransferPoll.Success, room.failure
+                    room.clear()
+                finally:
+                    statuses.close(0)
+        finally:
+            encode.close(0)

@@ -28,6 +28,7 @@ __all__ = [
     "parse_registration",
     "status_frames",
     "parse_status",
+    "UnreadableChecksum",
     "validate_fanout",
     "check_region",
     "TRANSFER_INFO_PARTS",
@@ -74,6 +75,18 @@ DTYPE_BYTES: dict[str, int] = {
 
 class WireError(ValueError):
     """A frame that breaks the wire contract; the message is SPEC.md's wording."""
+
+
+class UnreadableChecksum(WireError):
+    """A status whose SPEC parts are sound but whose checksum part (ours, SPEC.md 8) is not.
+
+    Carries what did parse, so the receiver can conclude the room with a reason
+    instead of dropping the status and leaving the room to its deadline.
+    """
+
+    def __init__(self, message: str, room: int, status: TransferPoll, rank: int) -> None:
+        super().__init__(message)
+        self.room, self.status, self.rank = room, status, rank
 
 
 # ---------------------------------------------------------------- geometry
@@ -452,7 +465,10 @@ def parse_status(frames: Sequence[object]) -> tuple[int, TransferPoll, int, tupl
     if code not in TransferPoll._value2member_map_:
         raise WireError("unknown status")
     rank = _decimal(parts[2], "rank")
-    checksums = tuple(_decimal(p, "checksum", 0, _U64_MAX) for p in parts[STATUS_PARTS:])
+    try:
+        checksums = tuple(_decimal(p, "checksum", 0, _U64_MAX) for p in parts[STATUS_PARTS:])
+    except WireError as exc:
+        raise UnreadableChecksum(str(exc), room, TransferPoll(code), rank) from None
     return room, TransferPoll(code), rank, checksums
 
 

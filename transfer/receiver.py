@@ -25,6 +25,7 @@ from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapUnreach
 from transfer.frames import (
     MAX_REGIONS_PER_SESSION,
     TransferInfo,
+    UnreadableChecksum,
     WireError,
     check_parallel,
     check_room,
@@ -659,8 +660,11 @@ class SessionManager:
             frames = _io.recv_frames(self._status_sock)
             if frames is None:
                 return
+            unreadable = None  # a checksum part (ours, SPEC.md 8) that does not parse
             try:
                 room, status, rank, sums = parse_status(frames)
+            except UnreadableChecksum as exc:
+                room, status, rank, sums, unreadable = exc.room, exc.status, exc.rank, (), str(exc)
             except WireError as exc:
                 self._complaints.warning(str(exc), "dropped a malformed status (%d parts): %s", len(frames), exc)
                 continue
@@ -672,6 +676,12 @@ class SessionManager:
             if state.encode_rank is not None and rank != state.encode_rank:
                 self._complaints.warning(("rank", rank), "room %d: status from encode rank %d, expected %d; ignored",
                                          room, rank, state.encode_rank)
+                continue
+            if unreadable and status == TransferPoll.Success and self.integrity:
+                # Not dropped (the room would wait out its deadline for nothing) nor taken unverified.
+                self._conclude(state, TransferPoll.Failed,
+                               f"room {room}: Success from {state.where()} came with a checksum part that "
+                               f"does not parse ({unreadable}), so the landed bytes cannot be verified")
                 continue
             try:
                 self._on_status(state, status, sums)
