@@ -47,6 +47,9 @@ class Waker:
         os.set_blocking(self._r, False)
         os.set_blocking(self._w, False)
         self._armed = threading.Event()
+        # A wake() racing close() must not write into whatever file reuses the descriptor.
+        self._closing = threading.Lock()
+        self._closed = False
 
     def fileno(self) -> int:
         """The read end, to register with a zmq.Poller."""
@@ -56,10 +59,13 @@ class Waker:
         """Makes the read end readable (at most one byte pending at a time)."""
         if not self._armed.is_set():
             self._armed.set()
-            try:
-                os.write(self._w, b"!")
-            except BlockingIOError:
-                pass
+            with self._closing:
+                if self._closed:
+                    return
+                try:
+                    os.write(self._w, b"!")
+                except BlockingIOError:
+                    pass
 
     def pending(self) -> bool:
         """Whether a wake-up is waiting to be drained (no system call)."""
@@ -81,12 +87,16 @@ class Waker:
         return woken
 
     def close(self) -> None:
-        """Closes both ends."""
-        for fd in (self._r, self._w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        """Closes both ends; later wake()s do nothing."""
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            for fd in (self._r, self._w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
 
 def pull_socket(host: str, port: int) -> tuple[zmq.Socket, int]:

@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from transfer import _io
-from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapUnreachable
+from transfer.bootstrap import BootstrapClient, BootstrapError
 from transfer.frames import (
     MAX_REGIONS_PER_SESSION,
     TransferInfo,
@@ -40,13 +40,19 @@ log = logging.getLogger("transfer.receiver")
 
 ENCODE_FAILED = "encode failed to send embedding"
 
-#: After a bootstrap server did not answer at all and that took a while (a timeout, not
-#: a refusal), rooms that would look it up fail at once for UNREACHABLE_RETRY_S instead
-#: of each spending a whole timeout on the I/O thread, whose other rooms (statuses,
-#: deadlines) would wait behind them. A quick refusal (a server not up yet) costs little,
-#: so every room still tries.
+#: After a bootstrap look-up failed and that took a while (a timeout, or an error
+#: answered slowly), rooms that would look that server up fail at once for
+#: UNREACHABLE_RETRY_S instead of each spending as long on the I/O thread, whose other
+#: rooms (statuses, deadlines) would wait behind them. A quick failure (a server not up
+#: yet refusing) costs little, so every room still tries.
 UNREACHABLE_RETRY_S = 1.0
 SLOW_FAILURE_S = 0.25
+
+#: Asks the I/O thread handles per turn (and per ASK_TURN_S at most), and asks waiting for
+#: a connection it sends per turn: between turns it reads statuses, runs deadlines and
+#: sends what waited, and the caller's receive() never waits on a long batch.
+ASK_BATCH = 256
+ASK_TURN_S = 0.02
 
 #: Statuses handled per turn of the I/O thread: a peer pushing faster than we drain must
 #: not keep the thread from asks, deadlines and close().
@@ -271,6 +277,8 @@ class SessionManager:
         state.lease = lease
         state.has_deepstack = deepstack_dst is not None
         with self._lock:
+            if self._stopping:  # close() ran since receive() looked
+                raise RuntimeError("session manager is closed")
             if self._failure is not None:
                 raise RuntimeError(f"session manager's I/O thread stopped after an error: {self._failure}")
             if room in self._rooms:
@@ -360,9 +368,10 @@ class SessionManager:
 
     def close(self) -> None:
         """Fails rooms still in flight, stops the I/O thread, closes sockets, unregisters owned memory."""
-        if self._stopping:
-            return
-        self._stopping = True
+        with self._lock:  # receive() files rooms under it: none is filed after this
+            if self._stopping:
+                return
+            self._stopping = True
         self._waker.wake()
         # The I/O thread's longest step is one room's bootstrap look-up (two requests).
         self._thread.join(timeout=2 * self.bootstrap_timeout_s + 5)
@@ -479,7 +488,13 @@ class SessionManager:
         return timeout_ms
 
     def _serve_asks(self) -> None:
-        while not self._stopping:
+        """Asks for up to ASK_BATCH queued rooms; wakes itself for the next turn when more wait."""
+        turn_ends = time.monotonic() + ASK_TURN_S
+        for _ in range(ASK_BATCH):
+            if self._stopping:
+                return
+            if time.monotonic() > turn_ends:
+                break
             with self._lock:
                 if not self._asks:
                     return
@@ -500,8 +515,8 @@ class SessionManager:
                 self._ask(state)
             except BootstrapError as exc:
                 now = time.monotonic()
-                if isinstance(exc, BootstrapUnreachable) and now - started >= SLOW_FAILURE_S:
-                    self._unreachable[state.bootstrap_addr] = (now, str(exc))
+                if now - started >= SLOW_FAILURE_S:
+                    self._unreachable[state.bootstrap_addr] = (now, f"{exc} (after {now - started:.1f}s)")
                 self._conclude(state, TransferPoll.Failed, f"bootstrap {state.bootstrap_addr}: {exc}")
             except _AskFailed as exc:
                 self._conclude(state, TransferPoll.Failed, str(exc))
@@ -509,6 +524,7 @@ class SessionManager:
                 log.exception("room %d: asking for it failed", state.room)
                 self._conclude(state, TransferPoll.Failed,
                                f"room {state.room}: asking for it failed: {type(exc).__name__}: {exc}")
+        self._waker.wake()  # more asks wait: the next turn comes after the poller's
 
     def _route_key(self, state: _Room, encode_tp: int, encode_dp: int) -> tuple[int, tuple[str, int, int]]:
         """(fanout, route key) of the room's encode rank (SPEC.md section 5); sets state.encode_rank."""
@@ -583,20 +599,35 @@ class SessionManager:
         return True
 
     def _flush_unsent(self) -> None:
-        """Sends, in order, the asks that waited for a connection, as far as the sockets take them."""
-        with self._send_lock:
-            for addr, queue in list(self._unsent.items()):
-                sock = self._encode_sockets[addr]
-                while queue:
-                    state, payload = queue[0]
-                    if not self._send_ask(sock, state, payload):
+        """Sends, in order, up to ASK_BATCH asks that waited for a connection, as far as the
+        sockets take them; the poller calls again while a socket with more can take them.
+
+        _send_lock is taken per ask, so the caller's receive() never waits on the batch.
+        """
+        budget = ASK_BATCH
+        for addr in list(self._unsent):
+            while budget > 0:
+                with self._send_lock:
+                    queue = self._unsent.get(addr)
+                    if not queue:
                         break
+                    sock = self._encode_sockets[addr]
+                    state, payload = queue[0]
+                    try:
+                        if not self._send_ask(sock, state, payload):
+                            break
+                    except Exception as exc:  # noqa: BLE001 - one ask's failure must not stop the others
+                        log.exception("sending a queued ask to %s:%d failed", *addr)
+                        if state is not None:
+                            self._conclude(state, TransferPoll.Failed,
+                                           f"room {state.room}: asking for it failed: {type(exc).__name__}: {exc}")
                     queue.popleft()
+                    budget -= 1
                     if state is not None:
                         state.unsent = False
-                if not queue:
-                    del self._unsent[addr]
-                    self._poller.unregister(sock)
+                    if not queue:
+                        del self._unsent[addr]
+                        self._poller.unregister(sock)
 
     def _ask_from_cache(self, state: _Room) -> bool:
         """Asks from the caller's thread when everything is cached; False leaves it to the I/O thread.
