@@ -14,7 +14,11 @@
    transfer (first byte of PREFILL to the last of FIRST) must also keep an average of at least
    min_rate bytes/s after a grace period, so a peer that dribbles a byte just inside every timeout
    (within one frame or across many tiny ones) cannot hold a connection slot for long. Between
-   transfers a connection may sit idle for the idle timeout, which no rate applies to. A connection
+   transfers a connection may sit idle for the idle timeout, which no rate applies to; a fresh
+   connection, though, must send its first transfer's first byte within the first-byte bound (10 s by
+   default, never more than the idle timeout), or it is answered ERROR and closed: a sender connects
+   only to send at once, so a connection that stays silent is a port probe, a wedged peer or an attack,
+   and a few of them must not hold every slot for the idle timeout. A connection
    beyond max_conns is answered "listener busy" by the accept thread, which never blocks on it: it
    discards what the peer already sent, answers, shuts its side down and keeps draining the socket
    (polled with the listening one) until the peer closes or DRAIN_MS pass, so the peer reads the
@@ -57,6 +61,13 @@
 /* Default grace before the rate applies, in receive timeouts: two, so a peer that stops outright is
    still reported as timed out, and a sender's start-up stall is never judged a slow transfer. */
 #define GRACE_TIMEOUTS 2
+/* Default first-byte bound: how long a fresh connection may stay silent (capped by the idle timeout).
+   A sender writes its PREFILL right after connecting, so its first byte needs a round trip and some
+   scheduling; 10 s is orders of magnitude more than that, yet 30 times shorter than WireEngine's
+   default idle timeout (300 s). It is not the receive timeout: that one may be set long for slow
+   links, or (in tests) shorter than a sender's start-up hiccup, and neither concerns a connection
+   that never began. */
+#define DEFAULT_FIRST_BYTE_MS 10000
 
 enum { RD_OK, RD_EOF, RD_TIMEOUT, RD_ERR, RD_SLOW };
 
@@ -83,6 +94,7 @@ typedef struct wl_listener {
     atomic_int stopping;
     pthread_t accept_thread;
     int recv_timeout_ms, idle_timeout_ms;
+    int first_byte_ms; /* how long a fresh connection may wait before its first byte */
     double min_rate;  /* least average bytes/s of a transfer after the grace; 0: no rate bound */
     int64_t grace_ns; /* how long a transfer runs before min_rate applies */
     size_t chunk_limit;
@@ -97,6 +109,7 @@ typedef struct wl_listener {
     size_t nregions, cap;
     pthread_mutex_t lock; /* conns' fds and the counters below */
     unsigned long long accepted, refused, transfers, failures, bytes, too_slow;
+    unsigned long long silent; /* fresh connections closed for sending nothing within first_byte_ms */
     int active;
     char last_error[REASON_MAX];
 } wl_listener;
@@ -340,17 +353,8 @@ static int send_reply(int fd, unsigned kind, const wl_prefill *pf, const char *e
 
 /* Tells the peer why (best effort), stops our sending side and drains briefly, so the reason is
    read rather than lost to a connection reset. */
-static void refuse(wl_listener *l, int fd, const wl_prefill *pf, const char *fmt, ...)
+static void answer_error(wl_listener *l, int fd, const wl_prefill *pf, const char *why)
 {
-    char why[REASON_MAX];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(why, sizeof why, fmt, ap);
-    va_end(ap);
-    pthread_mutex_lock(&l->lock);
-    l->failures++;
-    snprintf(l->last_error, sizeof l->last_error, "%s", why);
-    pthread_mutex_unlock(&l->lock);
     if (send_reply(fd, KIND_ERROR, pf, NULL, 0, why) < 0)
         return;
     shutdown(fd, SHUT_WR);
@@ -369,6 +373,21 @@ static void refuse(wl_listener *l, int fd, const wl_prefill *pf, const char *fmt
         if (recv(fd, sink, sizeof sink, 0) <= 0)
             return;
     }
+}
+
+/* Refuses a transfer: counts it, keeps its reason for stats, and answers it (answer_error). */
+static void refuse(wl_listener *l, int fd, const wl_prefill *pf, const char *fmt, ...)
+{
+    char why[REASON_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    pthread_mutex_lock(&l->lock);
+    l->failures++;
+    snprintf(l->last_error, sizeof l->last_error, "%s", why);
+    pthread_mutex_unlock(&l->lock);
+    answer_error(l, fd, pf, why);
 }
 
 /* Words for a failed read in a reason, written into buf; returns buf. */
@@ -735,17 +754,38 @@ static int serve_transfer(wl_listener *l, wl_io *io, unsigned kind, size_t plen,
     return SERVE_AGAIN;
 }
 
-/* Waits up to the idle timeout for the next transfer's first byte; 1 when one comes. */
-static int wait_for_transfer(wl_listener *l, int fd)
+/* Outcome of wait_for_transfer. */
+enum { WAIT_BYTES, WAIT_TIMEOUT, WAIT_STOP };
+
+/* Waits up to wait_ms for the next transfer's first byte (or the peer's hang-up). */
+static int wait_for_transfer(wl_listener *l, int fd, int wait_ms)
 {
     struct pollfd pfd = {.fd = fd, .events = POLLIN};
     for (;;) {
-        int r = poll(&pfd, 1, l->idle_timeout_ms);
+        int r = poll(&pfd, 1, wait_ms);
         if (r > 0)
-            return !atomic_load(&l->stopping);
-        if (r == 0 || errno != EINTR)
-            return 0;
+            return atomic_load(&l->stopping) ? WAIT_STOP : WAIT_BYTES;
+        if (r == 0)
+            return WAIT_TIMEOUT;
+        if (errno != EINTR)
+            return WAIT_STOP;
     }
+}
+
+/* Closes out a fresh connection that sent nothing within the first-byte bound: counts it, keeps the
+   reason for stats (no transfer was refused, so `failures` stays as it is) and tells the peer. */
+static void drop_silent(wl_listener *l, int fd)
+{
+    wl_prefill none = {0};
+    char why[REASON_MAX];
+    snprintf(why, sizeof why,
+             "read: nothing received within %.2f s of connecting (the first-byte bound); connection closed",
+             (double)l->first_byte_ms / 1e3);
+    pthread_mutex_lock(&l->lock);
+    l->silent++;
+    snprintf(l->last_error, sizeof l->last_error, "%s", why);
+    pthread_mutex_unlock(&l->lock);
+    answer_error(l, fd, &none, why);
 }
 
 /* A connection's thread: transfers back to back until the peer leaves, lies, or we stop. */
@@ -756,7 +796,16 @@ static void *conn_main(void *arg)
     int fd = c->fd;
     wl_io io = {.fd = fd};
     unsigned char *bounce = NULL;
-    while (!atomic_load(&l->stopping) && wait_for_transfer(l, fd)) {
+    /* Until its first transfer begins, a connection holds a slot on nothing but a connect: the short
+       first-byte bound applies. Once one completed, it is a pooled sender connection, legitimately
+       idle between items for up to the idle timeout. */
+    int fresh = 1;
+    while (!atomic_load(&l->stopping)) {
+        int waited = wait_for_transfer(l, fd, fresh ? l->first_byte_ms : l->idle_timeout_ms);
+        if (waited == WAIT_TIMEOUT && fresh)
+            drop_silent(l, fd);
+        if (waited != WAIT_BYTES)
+            break;
         char first;
         ssize_t k = recv(fd, &first, 1, MSG_PEEK | MSG_DONTWAIT);
         if (k == 0)
@@ -772,6 +821,7 @@ static void *conn_main(void *arg)
             break;
         if (serve_transfer(l, &io, kind, (size_t)n, &bounce) != SERVE_AGAIN)
             break;
+        fresh = 0;
     }
     free(bounce);
     pthread_mutex_lock(&l->lock);
@@ -1083,21 +1133,23 @@ static int to_ms(double s)
     return (int)(s * 1000.0 + 0.5) > 0 ? (int)(s * 1000.0 + 0.5) : 1;
 }
 
-PyObject *epd_py_wire_listen(PyObject *self, PyObject *args)
+PyObject *epd_py_wire_listen(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     (void)self;
+    static char *keywords[] = {"host",     "port",       "recv_timeout", "idle_timeout",       "chunk_limit",
+                               "max_conns", "min_rate", "rate_grace",   "first_byte_timeout", NULL};
     const char *host;
     int port, max_conns;
-    double recv_timeout, idle_timeout, min_rate = DEFAULT_MIN_RATE, rate_grace = -1.0;
+    double recv_timeout, idle_timeout, min_rate = DEFAULT_MIN_RATE, rate_grace = -1.0, first_byte = -1.0;
     Py_ssize_t chunk_limit;
-    if (!PyArg_ParseTuple(args, "siddni|dd:wire_listen", &host, &port, &recv_timeout, &idle_timeout, &chunk_limit,
-                          &max_conns, &min_rate, &rate_grace))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "siddni|ddd:wire_listen", keywords, &host, &port, &recv_timeout,
+                                     &idle_timeout, &chunk_limit, &max_conns, &min_rate, &rate_grace, &first_byte))
         return NULL;
     if (port < 0 || port > 65535) {
         PyErr_Format(PyExc_ValueError, "wire listener: port %d is outside 0..65535", port);
         return NULL;
     }
-    if (isnan(recv_timeout) || isnan(idle_timeout) || isnan(rate_grace)) {
+    if (isnan(recv_timeout) || isnan(idle_timeout) || isnan(rate_grace) || isnan(first_byte)) {
         PyErr_SetString(PyExc_ValueError, "wire listener: a timeout is NaN");
         return NULL;
     }
@@ -1132,6 +1184,11 @@ PyObject *epd_py_wire_listen(PyObject *self, PyObject *args)
     /* A negative grace asks for the default, a few receive timeouts. */
     int64_t grace_ms = rate_grace < 0 ? (int64_t)GRACE_TIMEOUTS * l->recv_timeout_ms : to_ms(rate_grace);
     l->grace_ns = grace_ms * 1000000;
+    /* A negative first-byte bound asks for the default; either way it never exceeds the idle timeout,
+       which a connection that already carried a transfer gets. */
+    l->first_byte_ms = first_byte < 0 ? DEFAULT_FIRST_BYTE_MS : to_ms(first_byte);
+    if (l->first_byte_ms > l->idle_timeout_ms)
+        l->first_byte_ms = l->idle_timeout_ms;
     l->chunk_limit = (size_t)chunk_limit;
     l->wake[0] = l->wake[1] = -1;
     pthread_mutex_init(&l->lock, NULL);
@@ -1243,11 +1300,12 @@ PyObject *epd_py_wire_listener_stats(PyObject *self, PyObject *cap)
     wl_listener *l = get_listener(cap);
     if (l == NULL)
         return NULL;
-    unsigned long long accepted, refused, transfers, failures, bytes, too_slow;
+    unsigned long long accepted, refused, transfers, failures, bytes, too_slow, silent;
     int active;
     char last[REASON_MAX];
     pthread_mutex_lock(&l->lock);
     too_slow = l->too_slow;
+    silent = l->silent;
     accepted = l->accepted;
     refused = l->refused;
     transfers = l->transfers;
@@ -1259,9 +1317,9 @@ PyObject *epd_py_wire_listener_stats(PyObject *self, PyObject *cap)
     pthread_rwlock_rdlock(&l->regions_lock);
     size_t nregions = l->nregions;
     pthread_rwlock_unlock(&l->regions_lock);
-    return Py_BuildValue("{sKsKsKsKsKsKsisnsiss}", "accepted", accepted, "refused", refused, "transfers", transfers,
-                         "failures", failures, "too_slow", too_slow, "bytes", bytes, "active", active, "regions",
-                         (Py_ssize_t)nregions, "port", l->port, "last_error", last);
+    return Py_BuildValue("{sKsKsKsKsKsKsKsisnsiss}", "accepted", accepted, "refused", refused, "transfers",
+                         transfers, "failures", failures, "too_slow", too_slow, "silent", silent, "bytes", bytes,
+                         "active", active, "regions", (Py_ssize_t)nregions, "port", l->port, "last_error", last);
 }
 
 PyObject *epd_py_wire_listener_close(PyObject *self, PyObject *cap)

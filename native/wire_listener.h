@@ -9,7 +9,7 @@
 /* Largest PREFILL (or FIRST) payload the listener reads: the Msg is a few hundred bytes. */
 #define EPD_WIRE_MAX_CONTROL ((size_t)64 << 10)
 
-PyObject *epd_py_wire_listen(PyObject *self, PyObject *args);
+PyObject *epd_py_wire_listen(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *epd_py_wire_listener_port(PyObject *self, PyObject *cap);
 PyObject *epd_py_wire_add_region(PyObject *self, PyObject *args);
 PyObject *epd_py_wire_remove_region(PyObject *self, PyObject *args);
@@ -18,10 +18,12 @@ PyObject *epd_py_wire_listener_close(PyObject *self, PyObject *cap);
 
 /* Entries for the module's method table (module.c). */
 #define EPD_WIRE_METHODS                                                                                  \
-    {"wire_listen", epd_py_wire_listen, METH_VARARGS,                                                    \
+    /* METH_KEYWORDS functions are stored as PyCFunction; via void (*)(void) the cast draws no warning. */ \
+    {"wire_listen", (PyCFunction)(void (*)(void))epd_py_wire_listen, METH_VARARGS | METH_KEYWORDS,       \
      "wire_listen(host, port, recv_timeout, idle_timeout, chunk_limit, max_conns, min_rate=262144.0, "    \
-     "rate_grace=-1.0) -> listener. A transfer must average min_rate bytes/s (0: no bound) once it has "  \
-     "run rate_grace seconds (negative: 2 * recv_timeout)."},                                           \
+     "rate_grace=-1.0, first_byte_timeout=-1.0) -> listener. A transfer must average min_rate bytes/s "   \
+     "(0: no bound) once it has run rate_grace seconds (negative: 2 * recv_timeout). A new connection "   \
+     "that sends nothing for first_byte_timeout seconds (negative: 10; at most idle_timeout) is closed."}, \
     {"wire_listener_port", epd_py_wire_listener_port, METH_O, "wire_listener_port(listener) -> int."},   \
     {"wire_add_region", epd_py_wire_add_region, METH_VARARGS, "wire_add_region(listener, addr, len)."},  \
     {"wire_remove_region", epd_py_wire_remove_region, METH_VARARGS,                                      \

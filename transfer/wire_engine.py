@@ -49,6 +49,16 @@ dropped whenever a new connection is opened (a peer that restarted on another po
 takes its old ones back); a write that fails on a reused connection before any byte of it
 was accepted is retried once on a fresh one. Readiness is asked with poll(), never
 select(), which refuses descriptors past 1023 in a process with many sockets open.
+The listener closes a fresh connection that sends nothing for the first-byte bound
+(``first_byte_timeout_s``, 10 s by default, never more than the idle timeout) with an ERROR
+``read: nothing received within T s of connecting (the first-byte bound); connection closed``
+and counts it in ``stats()["silent"]``; a connection that carried a transfer keeps the idle
+timeout.
+
+write_async(): each peer session has its own FIFO queue, and at most ``WRITERS_PER_PEER``
+of its writes run at once (``MAX_WRITERS`` threads in all), so a peer that stops reading
+holds only its own writers, each for at most the reply timeout, while writes to other
+peers go on.
 """
 
 from __future__ import annotations
@@ -59,9 +69,11 @@ import logging
 import select
 import socket
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from collections import deque
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from transfer import _native, wire
 from transfer.engine import RegisteredMemory, TransferError, _buffer_span
@@ -72,8 +84,10 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 4 << 20
 #: Idle connections kept per peer session; more are closed when they come back.
 IDLE_PER_SESSION = 8
-#: Threads that carry write_async() batches, so that writes to different peers overlap.
-ASYNC_WRITERS = 4
+#: write_async() batches of one peer session that run at once (more wait in that peer's queue).
+WRITERS_PER_PEER = 4
+#: Threads that carry write_async() batches in all, so that writes to different peers overlap.
+MAX_WRITERS = 64
 
 
 def _split_session(session_id: str) -> tuple[str, int]:
@@ -120,6 +134,112 @@ class _Conn:
             pass
 
 
+class _WriterPool:
+    """Threads for write_async(): a FIFO queue per key (a peer session), at most per_peer of one
+    key's jobs running at once and total threads in all; a free thread serves the keys in turn.
+
+    One shared pool let a peer that stopped reading take every thread, each for a reply timeout,
+    while writes to healthy peers waited behind them; here it takes only its own per_peer."""
+
+    #: How long a thread with nothing to take waits for a job before it leaves: starting a
+    #: thread per write cost two thirds of the 512 KiB rate.
+    IDLE_S = 2.0
+
+    def __init__(self, name: str, per_peer: int, total: int) -> None:
+        """An empty pool; threads start on demand and leave after IDLE_S with nothing to take."""
+        if per_peer < 1 or total < 1:
+            raise ValueError(f"{name}: per_peer {per_peer} and total {total} must be at least 1")
+        self.name = name
+        self.per_peer = per_peer
+        self.total = total
+        self._cond = threading.Condition()
+        self._queues: dict[str, deque] = {}  # keys with waiting jobs, in the order they are served
+        self._running: dict[str, int] = {}
+        self._threads: set[threading.Thread] = set()
+        self._idle = 0  # threads waiting for a job they may take
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    def submit(self, key: str, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queues fn(*args) behind key's earlier jobs; its Future."""
+        future: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"{self.name} is shut down")
+            queue = self._queues.setdefault(key, deque())
+            queue.append((future, fn, args))
+            if self._running.get(key, 0) >= self.per_peer:
+                return future  # a thread of this key's takes it when one of its jobs ends
+            if self._idle:
+                self._cond.notify_all()  # (shutdown() waits on this condition too)
+            elif len(self._threads) < self.total:
+                thread = threading.Thread(target=self._work, name=f"{self.name}-{next(self._ids)}", daemon=True)
+                self._threads.add(thread)
+                try:
+                    thread.start()
+                except RuntimeError:  # out of threads: the caller hears it, and no job waits on a phantom
+                    self._threads.discard(thread)
+                    queue.pop()
+                    if not queue:
+                        del self._queues[key]
+                    raise
+        return future
+
+    def _take(self) -> tuple[str, Future, Callable[..., Any], tuple] | None:
+        """The next job of the first key below its cap (that key then goes last); lock held."""
+        for key, queue in self._queues.items():
+            if self._running.get(key, 0) < self.per_peer:
+                future, fn, args = queue.popleft()
+                del self._queues[key]
+                if queue:
+                    self._queues[key] = queue  # re-inserted last: the keys take turns
+                self._running[key] = self._running.get(key, 0) + 1
+                return key, future, fn, args
+        return None
+
+    def _work(self) -> None:
+        """A thread: runs jobs, waiting up to IDLE_S for one it may take, then leaves."""
+        me = threading.current_thread()
+        while True:
+            with self._cond:
+                job = self._take()
+                idle_until = time.monotonic() + self.IDLE_S
+                while job is None and not self._closed and time.monotonic() < idle_until:
+                    self._idle += 1
+                    self._cond.wait(idle_until - time.monotonic())
+                    self._idle -= 1
+                    job = self._take()
+                if job is None:
+                    self._threads.discard(me)
+                    self._cond.notify_all()
+                    return
+            key, future, fn, args = job
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        result = fn(*args)
+                    except BaseException as exc:  # noqa: BLE001 - the Future carries it to wait()
+                        future.set_exception(exc)
+                    else:
+                        future.set_result(result)
+            finally:
+                with self._cond:
+                    self._running[key] -= 1
+                    if not self._running[key]:
+                        del self._running[key]
+                    if key in self._queues and self._idle:
+                        self._cond.notify_all()  # that key's next job may be taken now
+
+    def shutdown(self) -> None:
+        """Refuses new jobs and waits until every queued one has run and every thread has left."""
+        me = threading.current_thread()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()  # idle threads take what is left, then leave
+            while self._threads - {me}:
+                self._cond.wait()
+
+
 class WireEngine(RegisteredMemory):
     """The Engine interface over the framed wire: a native listener plus pooled sender connections."""
 
@@ -129,15 +249,19 @@ class WireEngine(RegisteredMemory):
     def __init__(self, hostname: str = "127.0.0.1", port: int = 0, *, recv_timeout_s: float = 30.0,
                  idle_timeout_s: float = 300.0, reply_timeout_s: float = 60.0,
                  connect_timeout_s: float = 10.0, chunk_bytes: int = CHUNK_BYTES,
-                 max_connections: int = 64) -> None:
+                 max_connections: int = 64, first_byte_timeout_s: float | None = None) -> None:
         """Starts the listener on hostname:port (0: ephemeral); chunk_bytes is both the LAYER
-        size we send and the largest we accept, so peers must agree on it."""
+        size we send and the largest we accept, so peers must agree on it. A fresh connection
+        that sends nothing for first_byte_timeout_s (None: the listener's 10 s; never more than
+        idle_timeout_s) is closed."""
         self.hostname = hostname
         self.chunk_bytes = int(chunk_bytes)
         self.reply_timeout_s = reply_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._listener = _native.wire_listen(hostname, int(port), float(recv_timeout_s),
-                                             float(idle_timeout_s), self.chunk_bytes, int(max_connections))
+                                             float(idle_timeout_s), self.chunk_bytes, int(max_connections),
+                                             first_byte_timeout=-1.0 if first_byte_timeout_s is None
+                                             else float(first_byte_timeout_s))
         self.port = _native.wire_listener_port(self._listener)
         self.rpc_port = self.port
         self.session_id = f"{hostname}:{self.port}"
@@ -152,7 +276,7 @@ class WireEngine(RegisteredMemory):
         self._sent = {"connections_opened": 0, "writes": 0, "bytes_sent": 0, "write_failures": 0, "retries": 0}
         self._batches: dict[int, Future] = {}
         self._batch_ids = itertools.count(1)
-        self._executor: ThreadPoolExecutor | None = None
+        self._writers: _WriterPool | None = None
         log.debug("wire engine %s listening", self.session_id)
 
     # -- memory -----------------------------------------------------------
@@ -205,16 +329,17 @@ class WireEngine(RegisteredMemory):
 
     def write_async(self, session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
                     lengths: Sequence[int]) -> int:
-        """Start write() on a small thread pool; returns a batch id for wait() (0: nothing to write)."""
+        """Start write() on the peer's writer queue (at most WRITERS_PER_PEER of one peer's writes
+        run at once); returns a batch id for wait() (0: nothing to write)."""
         srcs, dsts, lens = self._batch(session_id, src_addrs, dst_addrs, lengths)
         if not lens:
             return 0
         with self._lock:
             self._check_open()
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(ASYNC_WRITERS, thread_name_prefix=f"wire-write-{self.port}")
+            if self._writers is None:
+                self._writers = _WriterPool(f"wire-write-{self.port}", WRITERS_PER_PEER, MAX_WRITERS)
             batch_id = next(self._batch_ids)
-            self._batches[batch_id] = self._executor.submit(self.write, session_id, srcs, dsts, lens)
+            self._batches[batch_id] = self._writers.submit(session_id, self.write, session_id, srcs, dsts, lens)
         return batch_id
 
     def poll(self, batch_id: int) -> bool:
@@ -415,7 +540,7 @@ class WireEngine(RegisteredMemory):
 
     def stats(self) -> dict[str, Any]:
         """The listener's counters (accepted, refused, active, transfers_received,
-        transfers_refused, bytes_received, regions, port, last_error) and the sender's
+        transfers_refused, too_slow, silent, bytes_received, regions, port, last_error) and the sender's
         (connections_opened, writes, bytes_sent, write_failures, retries, idle_connections)."""
         with self._lock:
             out = dict(self._sent)
@@ -460,9 +585,9 @@ class WireEngine(RegisteredMemory):
             if self._closed:
                 return
             self._closed = True
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True)  # queued batches fail fast: the engine is closed
+            writers, self._writers = self._writers, None
+        if writers is not None:
+            writers.shutdown()  # queued batches fail fast: the engine is closed
         with self._lock:
             while self._reading:
                 self._lock.wait()
@@ -493,4 +618,4 @@ class _Untouched(Exception):
         self.cause = cause
 
 
-__all__ = ["WireEngine", "CHUNK_BYTES", "TransferError"]
+__all__ = ["WireEngine", "CHUNK_BYTES", "WRITERS_PER_PEER", "MAX_WRITERS", "TransferError"]
