@@ -5,8 +5,10 @@ With row sharding, prefill rank `r` of a block receives only the rows
 `reassemble` runs on every rank of the block, in the same order with the same
 items, and:
 
-1. agrees on the outcome with one MIN all-reduce: an item that failed on any rank
-   (or whose geometry differs between ranks) fails on all of them;
+1. agrees on the outcome with one MIN all-reduce (two for batches of more than
+   about 300 items): an item that failed on any rank (or whose geometry differs
+   between ranks) fails on all of them; ranks that pass different numbers of items,
+   or different rooms at one position, raise on every rank;
 2. rebuilds the full rows of every agreed item with ONE all-gather for the whole
    batch: each rank packs its shard rows (embedding, then deepstack) of every
    item into one flat byte buffer padded to the largest rank's size, and unpacks
@@ -14,26 +16,33 @@ items, and:
 
 A failed item's tensors are never touched, so no rank consumes half-received rows.
 Works on gloo (CPU tensors) and NCCL (CUDA tensors); the agreement tensor lives on
-the items' device.
+the items' device (on NCCL: the current CUDA device). Every wait is bounded only by
+the group's timeout (`init_process_group`/`new_group` `timeout=`); this module sets none.
 """
 
 from __future__ import annotations
 
 import logging
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from transfer.frames import DTYPE_BYTES, shard_rows
+from transfer.frames import shard_rows
+from transfer.status import TransferPoll
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ShardedItem", "agree", "reassemble"]
 
-# Dtype names in a fixed order, so a dtype travels in the agreement as a small integer.
-_DTYPE_NAMES = list(DTYPE_BYTES)
+_I64_MAX = 2**63 - 1
+# The first all-reduce has this many int64 elements whatever the batch, so ranks that
+# disagree on the number of items still meet in one collective of one size and all see it.
+_FIRST_ELEMENTS = 4096
+_HEADER = 5  # valid, count, -count, width, -width
 
 
 @dataclass
@@ -42,8 +51,13 @@ class ShardedItem:
 
     room: int
     full: torch.Tensor  # [span, hidden]
-    ok: bool
+    ok: bool  # or the room's TransferPoll: only Success is ok
     deepstack: torch.Tensor | None = None  # [span, hidden * k]
+
+    def __post_init__(self) -> None:
+        # A TransferPoll is an int: bool() would call Bootstrapping (1) ok.
+        if isinstance(self.ok, TransferPoll):
+            self.ok = self.ok == TransferPoll.Success
 
 
 def _default_device(group: Any) -> torch.device:
@@ -59,28 +73,78 @@ def agree(oks: Sequence[bool], group: Any = None, *, keys: Sequence[Sequence[int
 
     `keys`, when given, holds one tuple of integers per item that must be equal on
     every rank (e.g. the item's geometry); an item whose keys differ fails on all
-    ranks. Every rank must pass the same number of items (and of keys per item).
+    ranks. Ranks that pass different numbers of items or of keys per item, or a
+    rank with invalid keys, make every rank raise.
     """
-    count = len(oks)
-    if keys is not None and len(keys) != count:
-        raise ValueError(f"agree: {len(keys)} keys for {count} items")
-    if count == 0:
-        return []
-    width = len(keys[0]) if keys else 0
-    # Row per item: [ok, k..., -k...]; MIN of -k is -(MAX of k), so one MIN finds disagreement.
-    table = torch.zeros((count, 1 + 2 * width), dtype=torch.int64)
-    for i, ok in enumerate(oks):
-        table[i, 0] = 1 if ok else 0
-        if width:
-            row = [int(k) for k in keys[i]]
-            if len(row) != width:
-                raise ValueError(f"agree: item {i} has {len(row)} keys, item 0 has {width}")
-            table[i, 1 : 1 + width] = torch.tensor(row, dtype=torch.int64)
-            table[i, 1 + width :] = -table[i, 1 : 1 + width]
+    _check_member(group, "agree")
     target = torch.device(device) if device is not None else _default_device(group)
-    reduced = table.to(target)
+    reduced = _agreement(oks, keys, group, target)
+    return _flags(reduced)
+
+
+def _check_member(group: Any, what: str) -> None:
+    """ValueError on a rank outside `group`: torch.distributed would skip its collectives silently."""
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"{what}: this rank is not a member of the group")
+
+
+def _table(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None) -> tuple[list[int], str | None]:
+    """This rank's flat [ok, k..., -k...] rows and the reason they are invalid (None when valid)."""
+    width = len(keys[0]) if keys else 0
+    if keys is not None and len(keys) != len(oks):
+        return [], f"{len(keys)} keys for {len(oks)} items"
+    flat: list[int] = []
+    for i, ok in enumerate(oks):
+        try:
+            row = [int(k) for k in keys[i]] if width else []
+        except (TypeError, ValueError):
+            return [], f"item {i} has a key that is not an integer: {keys[i]!r}"
+        if len(row) != width:
+            return [], f"item {i} has {len(row)} keys, item 0 has {width}"
+        if any(not -_I64_MAX <= k <= _I64_MAX for k in row):
+            return [], f"item {i} has a key outside signed 64 bits: {row}"
+        # MIN of -k is -(MAX of k), so one MIN finds disagreement.
+        flat += [1 if ok else 0, *row, *(-k for k in row)]
+    return flat, None
+
+
+def _agreement(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None, group: Any,
+               device: torch.device) -> torch.Tensor:
+    """The MIN over the ranks of every item's [ok, k..., -k...] row, as a [count, 1 + 2 * width] tensor."""
+    count, width = len(oks), len(keys[0]) if keys else 0
+    flat, problem = _table(oks, keys)
+    if problem is not None:
+        log.error("agree on rank %d of the group: %s", dist.get_rank(group), problem)
+    header = [0 if problem else 1, count, -count, width, -width]
+    message = torch.tensor(header + flat, dtype=torch.int64)
+    first = torch.zeros(_FIRST_ELEMENTS, dtype=torch.int64)
+    first[: min(message.numel(), _FIRST_ELEMENTS)] = message[:_FIRST_ELEMENTS]
+    first = _min_all_reduce(first, group, device)
+    if first[0] != 1:
+        raise ValueError(f"agree: {problem or 'another rank of the group passed invalid items (see its log)'}")
+    if first[1] != -first[2]:
+        raise RuntimeError(f"agree: the ranks of the group pass different numbers of items "
+                           f"({int(first[1])} to {int(-first[2])}); they must pass the same items")
+    if first[3] != -first[4]:
+        raise RuntimeError(f"agree: the ranks of the group pass different numbers of keys per item "
+                           f"({int(first[3])} to {int(-first[4])})")
+    # Every rank now knows the others hold the same count and width: the rest has one size.
+    rest = message[_FIRST_ELEMENTS:]
+    if rest.numel():
+        rest = _min_all_reduce(rest, group, device)
+    return torch.cat([first, rest])[_HEADER : _HEADER + count * (1 + 2 * width)].view(count, 1 + 2 * width)
+
+
+def _min_all_reduce(tensor: torch.Tensor, group: Any, device: torch.device) -> torch.Tensor:
+    """The element-wise MIN of `tensor` over the group, back on the CPU."""
+    reduced = tensor.to(device)
     dist.all_reduce(reduced, op=dist.ReduceOp.MIN, group=group)
-    reduced = reduced.cpu()
+    return reduced.cpu()
+
+
+def _flags(reduced: torch.Tensor) -> list[bool]:
+    """Per item: every rank said ok and every key was equal on every rank."""
+    width = (reduced.shape[1] - 1) // 2
     agreed = reduced[:, 0] == 1
     if width:
         agreed &= (reduced[:, 1 : 1 + width] == -reduced[:, 1 + width :]).all(dim=1)
@@ -90,28 +154,49 @@ def agree(oks: Sequence[bool], group: Any = None, *, keys: Sequence[Sequence[int
 def _check_item(item: ShardedItem, device: torch.device) -> str | None:
     """Why this rank cannot take part with `item` (None when it can)."""
     full = item.full
+    if not isinstance(full, torch.Tensor):
+        return f"full is {type(full).__name__}, not a tensor"
     if full.dim() != 2 or not full.is_contiguous():
         return f"full tensor of shape {tuple(full.shape)} is not a contiguous [span, hidden] tensor"
     if full.device != device:
         return f"full tensor is on {full.device}, the batch on {device}"
     ds = item.deepstack
     if ds is not None:
+        if not isinstance(ds, torch.Tensor):
+            return f"deepstack is {type(ds).__name__}, not a tensor"
         if ds.dim() != 2 or not ds.is_contiguous() or ds.shape[0] != full.shape[0]:
             return (f"deepstack of shape {tuple(ds.shape)} is not a contiguous "
                     f"[{full.shape[0]}, hidden * k] tensor")
         if ds.device != device:
             return f"deepstack is on {ds.device}, the batch on {device}"
+    # torch calls a tensor with a size-1 or size-0 dimension contiguous whatever its strides,
+    # yet a byte view needs a unit column stride; failing in the exchange instead would leave
+    # this rank out of the all-gather the others are in.
+    for name, tensor in (("full tensor", full), ("deepstack", ds)):
+        if tensor is not None and not _has_byte_view(tensor):
+            return f"{name} of strides {tuple(tensor.stride())} has no byte view"
     return None
 
 
+def _has_byte_view(tensor: torch.Tensor) -> bool:
+    """Whether `tensor.view(torch.uint8)` works (the exchange reads and writes through it)."""
+    try:
+        tensor.view(torch.uint8)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _dtype_code(tensor: torch.Tensor | None) -> int:
-    """A number for the tensor's dtype that every rank computes alike (-1: none or unlisted)."""
+    """A number for the tensor's dtype that every rank computes alike, for every dtype (-1: none)."""
     if tensor is None:
         return -1
-    try:
-        return _DTYPE_NAMES.index(str(tensor.dtype))
-    except ValueError:
-        return -1
+    return zlib.crc32(str(tensor.dtype).encode())
+
+
+def _room_key(room: int) -> int:
+    """The room as an agreement key: itself for every room the wire carries (0 .. 2**63 - 1)."""
+    return int(room) % (_I64_MAX + 1)
 
 
 def _keys(item: ShardedItem) -> tuple[int, int, int, int, int]:
@@ -175,8 +260,11 @@ def reassemble(items: Sequence[ShardedItem], group: Any = None, *, block_size: i
 
     Call on every rank of the block (the group) with the same items in the same
     order. One all-reduce agrees on the outcome, one all-gather rebuilds the rows.
-    An item flagged False is left exactly as it was.
+    An item flagged False is left exactly as it was. Ranks that disagree on the
+    number of items or on the room at a position raise RuntimeError on every rank,
+    before any row is written; a rank outside `group` raises ValueError.
     """
+    _check_member(group, "reassemble")
     size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     block_size = size if block_size is None else block_size
@@ -187,21 +275,45 @@ def reassemble(items: Sequence[ShardedItem], group: Any = None, *, block_size: i
     if rank_in_block != rank:
         raise ValueError(f"reassemble: rank_in_block {rank_in_block} differs from the group rank {rank} "
                          f"(shards are gathered in group rank order)")
-    if not items:
-        return []
-    device = items[0].full.device
-    oks = []
+    # An empty batch still takes part in the agreement: a peer with items is waiting in it.
+    device = _batch_device(items, group)
+    oks, keys = [], []
     for item in items:
         problem = _check_item(item, device)
         if problem is not None:
             # Not raising: the other ranks are already in the collective; fail the item everywhere.
             log.warning("room %s on rank %d of the block: %s; failing it", item.room, rank, problem)
         oks.append(bool(item.ok) and problem is None)
-    agreed = agree(oks, group, keys=[_keys(item) for item in items], device=device)
+        keys.append((_room_key(item.room), *(_keys(item) if problem is None else (-1,) * 5)))
+    reduced = _agreement(oks, keys, group, device)
+    _check_rooms(reduced)
+    agreed = _flags(reduced)
     chosen = [item for item, ok in zip(items, agreed) if ok]
     if size > 1 and chosen:
         _exchange(chosen, rank, size, group, device)
     return agreed
+
+
+def _batch_device(items: Sequence[ShardedItem], group: Any) -> torch.device:
+    """Where the batch's collectives run: NCCL's current CUDA device, else the first item's device."""
+    first = items[0].full if items else None
+    if dist.get_backend(group) != "nccl" and isinstance(first, torch.Tensor):
+        return first.device
+    return _default_device(group)
+
+
+def _check_rooms(reduced: torch.Tensor) -> None:
+    """RuntimeError (on every rank alike) where the ranks hold different rooms at one position."""
+    if not reduced.numel():
+        return
+    width = (reduced.shape[1] - 1) // 2
+    low, high = reduced[:, 1], -reduced[:, 1 + width]
+    differ = (low != high).nonzero()
+    if differ.numel():
+        i = int(differ[0, 0])
+        raise RuntimeError(f"reassemble: the ranks of the group hold different rooms at position {i} "
+                           f"(rooms {int(low[i])} to {int(high[i])}); they must pass the same items "
+                           f"in the same order")
 
 
 def _exchange(items: list[ShardedItem], rank: int, size: int, group: Any, device: torch.device) -> None:
