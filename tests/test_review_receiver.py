@@ -6,6 +6,7 @@ Mooncake (tcp on loopback), real ZMQ and the real bootstrap server."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -233,6 +234,29 @@ def _messages(sock, timeout: float, count: int | None = None) -> list[list[bytes
     return got
 
 
+@contextlib.contextmanager
+def _stand_in_session(prefill_engine, buf, **manager_kw):
+    """A session manager whose one encode rank (tp 1) is a raw PULL behind a real bootstrap
+    server: yields (manager, bootstrap address, the encode rank's socket and port, a PUSH
+    to the manager's status port)."""
+    from transfer import _io
+    from transfer.bootstrap import BootstrapClient
+    from transfer.receiver import SessionManager
+
+    with BootstrapServer(HOST, 0) as server:
+        encode, port = _encode_stand_in()
+        BootstrapClient(server.address).register_rank(1, 1, HOST, port, 0)
+        try:
+            with SessionManager(prefill_engine, 0, 1, 1, buffer=buf, host=HOST, **manager_kw) as manager:
+                statuses = _io.push_socket(HOST, manager.status_port)
+                try:
+                    yield manager, server.address, encode, port, statuses
+                finally:
+                    statuses.close(0)
+        finally:
+            encode.close(0)
+
+
 @pytest.mark.live
 def test_an_ask_left_queued_for_a_dead_encode_rank_never_reaches_its_successor(engines):
     """ZMQ keeps what was queued for a dead peer and hands it to whoever listens at that
@@ -328,36 +352,23 @@ def test_a_cleared_handle_never_reports_the_room_that_reused_its_number(engines)
     reuses them) is another room, whose status the old handle must not show."""
     import torch
 
-    from transfer import _io
-    from transfer.bootstrap import BootstrapClient
     from transfer.frames import status_frames
-    from transfer.receiver import SessionManager
     from transfer.status import TransferPoll
 
     _, prefill_engine = engines
     buf = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
-    with BootstrapServer(HOST, 0) as server:
-        encode, port = _encode_stand_in()
-        BootstrapClient(server.address).register_rank(1, 1, HOST, port, 0)
-        try:
-            with SessionManager(prefill_engine, 0, 1, 1, buffer=buf, host=HOST, deadline_s=10) as manager:
-                statuses = _io.push_socket(HOST, manager.status_port)
-                try:
-                    old = manager.receive(7, server.address, buf[0])
-                    assert len(_messages(encode, 2.0, 2)) == 2
-                    old.clear()  # given up before any status came
-                    assert old.poll() == TransferPoll.Failed
-                    new = manager.receive(7, server.address, buf[1])
-                    assert len(_messages(encode, 2.0, 1)) == 1
-                    statuses.send_multipart(status_frames(7, TransferPoll.Success, 0))
-                    assert new.wait(5) == TransferPoll.Success
-                    assert old.poll() == TransferPoll.Failed, "the cleared handle reports the new room's Success"
-                    assert old.wait(0.01) == TransferPoll.Failed
-                    new.clear()
-                finally:
-                    statuses.close(0)
-        finally:
-            encode.close(0)
+    with _stand_in_session(prefill_engine, buf, deadline_s=10) as (manager, bootstrap, encode, _, statuses):
+        old = manager.receive(7, bootstrap, buf[0])
+        assert len(_messages(encode, 2.0, 2)) == 2
+        old.clear()  # given up before any status came
+        assert old.poll() == TransferPoll.Failed
+        new = manager.receive(7, bootstrap, buf[1])
+        assert len(_messages(encode, 2.0, 1)) == 1
+        statuses.send_multipart(status_frames(7, TransferPoll.Success, 0))
+        assert new.wait(5) == TransferPoll.Success
+        assert old.poll() == TransferPoll.Failed, "the cleared handle reports the new room's Success"
+        assert old.wait(0.01) == TransferPoll.Failed
+        new.clear()
 
 
 _FLOODER = """
@@ -590,33 +601,20 @@ def test_a_success_with_an_unreadable_checksum_part_concludes_at_once(engines, i
     checksum is not read and the Success stands."""
     import torch
 
-    from transfer import _io
-    from transfer.bootstrap import BootstrapClient
-    from transfer.receiver import SessionManager
     from transfer.status import TransferPoll
 
     _, prefill_engine = engines
     buf = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
-    with BootstrapServer(HOST, 0) as server:
-        encode, port = _encode_stand_in()
-        BootstrapClient(server.address).register_rank(1, 1, HOST, port, 0)
-        try:
-            with SessionManager(prefill_engine, 0, 1, 1, buffer=buf, host=HOST, deadline_s=30,
-                                integrity=integrity) as manager:
-                statuses = _io.push_socket(HOST, manager.status_port)
-                try:
-                    room = manager.receive(1, server.address, buf[0])
-                    assert len(_messages(encode, 2.0, 2)) == 2
-                    statuses.send_multipart([b"1", b"5", b"0", b"not-a-sum"])
-                    status = room.wait(5)
-                    if integrity:
-                        assert status == TransferPoll.Failed
-                        assert "checksum part that does not parse (checksum is not an integer)" in room.failure
-                        assert f"encode rank 0 at {HOST}:{port}" in room.failure
-                    else:
-                        assert status == TransferPoll.Success, room.failure
-                    room.clear()
-                finally:
-                    statuses.close(0)
-        finally:
-            encode.close(0)
+    with _stand_in_session(prefill_engine, buf, deadline_s=30, integrity=integrity) as (
+            manager, bootstrap, encode, port, statuses):
+        room = manager.receive(1, bootstrap, buf[0])
+        assert len(_messages(encode, 2.0, 2)) == 2
+        statuses.send_multipart([b"1", b"5", b"0", b"not-a-sum"])
+        status = room.wait(5)
+        if integrity:
+            assert status == TransferPoll.Failed
+            assert "checksum part that does not parse (checksum is not an integer)" in room.failure
+            assert f"encode rank 0 at {HOST}:{port}" in room.failure
+        else:
+            assert status == TransferPoll.Success, room.failure
+        room.clear()
