@@ -91,3 +91,87 @@ def test_a_room_whose_ask_never_left_says_so_when_it_expires(engines):  # noqa: 
                 assert len(_messages(rank, 2.0, 2)) == 2
             finally:
                 rank.close(0)
+
+
+def test_a_room_asked_before_a_reconnect_expiring_spares_the_rooms_asked_after_it(engines):  # noqa: F811
+    """When a room expires its encode rank's socket is replaced and what waited on it fails.
+    A room asked on a socket already replaced says nothing about the new one: the rooms
+    waiting there were asked after a fresh look-up, and must keep their own deadlines
+    (here the rank comes back in time for them)."""
+    import torch
+
+    from transfer.frames import TransferInfo, is_registration
+    from transfer.receiver import SessionManager
+    from transfer.status import TransferPoll
+
+    _, prefill_engine = engines
+    buf = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
+    with BootstrapServer(HOST, 0) as server:
+        first, port = _encode_stand_in()
+        BootstrapClient(server.address).register_rank(1, 1, HOST, port, 0)
+        with SessionManager(prefill_engine, 0, 1, 1, buffer=buf, host=HOST, deadline_s=2.0) as manager:
+            try:
+                early = manager.receive(1, server.address, buf[0])
+                assert len(_messages(first, 2.0, 2)) == 2  # registration and room 1
+                time.sleep(0.7)
+                later = manager.receive(2, server.address, buf[1])  # expires 0.7 s after room 1
+                assert len(_messages(first, 2.0, 1)) == 1
+            finally:
+                first.close(0)  # the encode rank goes down, nothing answered
+            assert early.wait(5) == TransferPoll.Failed and "no status from" in early.failure, early.failure
+            # The socket room 1 was asked on is gone; room 3 gets a fresh one, and waits there.
+            waiting = manager.receive(3, server.address, buf[2])
+            assert later.wait(5) == TransferPoll.Failed and "no status from" in later.failure, later.failure
+            assert waiting.poll() != TransferPoll.Failed, waiting.failure
+            second, _ = _encode_stand_in(port)  # back, 0.8 s before room 3's deadline
+            try:
+                got = _messages(second, 1.0, 2)
+                assert [is_registration(m) for m in got] == [True, False], got
+                assert TransferInfo.from_frames(got[1]).room == 3
+                assert wait_until(lambda: waiting.poll() == TransferPoll.WaitingForInput, 2.0), waiting.failure
+            finally:
+                second.close(0)
+            for handle in (early, later, waiting):
+                handle.clear()
+
+
+def test_an_encode_rank_restarted_at_the_same_address_is_registered_with_before_its_first_room(engines):  # noqa: F811
+    """SPEC.md 5: the registration goes to an encode rank the first time the prefill rank
+    meets it. A rank restarted at the same address is a new one that knows nothing of this
+    session; without the registration it cannot check destinations (SPEC.md 8), and once it
+    learns of another region of ours it refuses every room in this one."""
+    import torch
+
+    from transfer import _io
+    from transfer.frames import TransferInfo, is_registration, parse_registration, status_frames
+    from transfer.receiver import SessionManager
+    from transfer.status import TransferPoll
+
+    _, prefill_engine = engines
+    buf = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+    with BootstrapServer(HOST, 0) as server:
+        first, port = _encode_stand_in()
+        BootstrapClient(server.address).register_rank(1, 1, HOST, port, 0)
+        with SessionManager(prefill_engine, 0, 1, 1, buffer=buf, host=HOST, deadline_s=10) as manager:
+            statuses = _io.push_socket(HOST, manager.status_port)
+            try:
+                served = manager.receive(1, server.address, buf[0])
+                assert [is_registration(m) for m in _messages(first, 2.0, 2)] == [True, False]
+                statuses.send_multipart(status_frames(1, TransferPoll.Success, 0))
+                assert served.wait(5) == TransferPoll.Success
+                served.clear()
+            finally:
+                first.close(0)  # the encode rank restarts between rooms: no room of ours waits on it
+            time.sleep(0.3)
+            second, _ = _encode_stand_in(port)
+            try:
+                time.sleep(0.5)  # the manager's socket reconnects
+                fresh = manager.receive(2, server.address, buf[1])
+                got = _messages(second, 2.0, 2)
+                assert [is_registration(m) for m in got] == [True, False], [len(m) for m in got]
+                assert parse_registration(got[0]).embedding_base == buf.data_ptr()
+                assert TransferInfo.from_frames(got[1]).room == 2
+                fresh.clear()
+            finally:
+                second.close(0)
+                statuses.close(0)

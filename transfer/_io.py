@@ -137,6 +137,31 @@ def push_socket(host: str, port: int, hwm: int = STATUS_HWM, immediate: bool = F
     return sock
 
 
+def watch_drops(sock: zmq.Socket) -> zmq.Socket:
+    """A socket that reports each connection `sock` loses (read it with dropped()).
+
+    Nothing polls it: it is read under the same lock as the sends on `sock`, so a send
+    after a reconnection always sees the drop first (ZMQ reconnects 100 ms or more later).
+    """
+    return sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+
+def dropped(monitor: zmq.Socket) -> bool:
+    """Whether the watched socket lost a connection since the last call (drains the reports)."""
+    lost = False
+    while recv_frames(monitor) is not None:
+        lost = True
+    return lost
+
+
+def close_watched(sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
+    """Closes `sock` and the socket watching it, discarding what either still queues."""
+    if monitor is not None:
+        sock.disable_monitor()
+        monitor.close(0)
+    sock.close(0)
+
+
 # pyzmq's Python-level Socket.send/get wrappers cost more than libzmq itself for our
 # small parts; the Cython methods underneath take the same arguments.
 _send = getattr(zmq.backend.Socket, "send", zmq.Socket.send)

@@ -97,6 +97,7 @@ class _Room:
     has_deepstack: bool = False
     concluded_at: float | None = None
     unsent: bool = False  # its TransferInfo waits for the encode rank's connection
+    asked_on: Any = None  # the socket its TransferInfo went to (or waits for)
 
     @property
     def nbytes(self) -> int:
@@ -198,9 +199,13 @@ class SessionManager:
         self._routes: dict[tuple[str, int, int], tuple[str, int]] = {}
         self._announced: dict[tuple[str, int, int], _Announcements] = {}  # per route key
         self._encode_sockets: dict[tuple[str, int], zmq.Socket] = {}
-        # Per encode address, asks its socket could not take yet: (room or None for a
-        # registration, fanout or registration frames). Changed by the I/O thread only.
-        self._unsent: dict[tuple[str, int], deque[tuple[_Room | None, Any]]] = {}
+        # Per encode address, asks its socket could not take yet: (room, fanout). Changed by
+        # the I/O thread only.
+        self._unsent: dict[tuple[str, int], deque[tuple[_Room, int]]] = {}
+        # Per encode address, what reports its socket's lost connections (_io.watch_drops):
+        # a rank restarted there knows nothing of what was announced to its predecessor.
+        self._monitors: dict[tuple[str, int], zmq.Socket] = {}
+        self._monitors_read_at = 0.0  # I/O thread only
         self._send_lock = threading.Lock()
         self._poller = zmq.Poller()  # the I/O thread's
         # Bootstrap servers that did not answer: address -> (when, why). I/O thread only.
@@ -383,8 +388,8 @@ class SessionManager:
         else:
             self._status_sock.close(0)
             with self._send_lock:
-                for sock in self._encode_sockets.values():
-                    sock.close(0)
+                for addr, sock in self._encode_sockets.items():
+                    _io.close_watched(sock, self._monitors.pop(addr, None))
                 self._encode_sockets.clear()
                 self._unsent.clear()
             self._waker.close()
@@ -464,12 +469,22 @@ class SessionManager:
                     self._serve_asks()
                 if self._status_sock in events:
                     self._drain_statuses()
-                self._expire(time.monotonic())
+                now = time.monotonic()
+                self._expire(now)
+                if now - self._monitors_read_at >= 1.0:
+                    self._read_monitors(now)
         except Exception as exc:  # noqa: BLE001 - without this thread no room would ever conclude
             log.exception("prefill rank %d: the I/O thread failed; failing its rooms", self.engine_rank)
             with self._lock:
                 self._failure = f"{type(exc).__name__}: {exc}"
             self._fail_rooms(f"session manager stopped: {self._failure}")
+
+    def _read_monitors(self, now: float) -> None:
+        """Reads the drop reports of every encode socket, so an idle one's do not pile up in ZMQ."""
+        self._monitors_read_at = now
+        for addr in list(self._monitors):
+            with self._send_lock:
+                self._note_drops(addr)
 
     def _fail_rooms(self, reason: str) -> None:
         """Concludes every room still held Failed with `reason`."""
@@ -556,47 +571,53 @@ class SessionManager:
                     self._routes.pop(key, None)  # the next room looks the rank up afresh
                     raise _AskFailed(f"encode rank {state.encode_rank} at {route[0]}:{route[1]} (from bootstrap "
                                      f"{state.bootstrap_addr}): cannot connect: {exc}") from None
-            regions = state.regions
-            announced = self._announced.setdefault(key, _Announcements())
-            if not announced.holds(regions.embedding):
-                ds = regions.deepstack
-                frames = registration_frames(
-                    self.host, self.status_port, self.engine.session_id,
-                    regions.embedding.addr, ds.addr if ds else 0,
-                    regions.embedding.nbytes, ds.nbytes if ds else 0,
-                )
-                self._send_or_queue(route, sock, None, frames)
-                announced.add(regions.embedding)
+                self._monitors[route] = _io.watch_drops(sock)
             self._send_or_queue(route, sock, state, fanout)
 
-    def _send_or_queue(self, addr: tuple[str, int], sock: zmq.Socket, state: _Room | None, payload: Any) -> None:
-        """Sends an ask now, or queues it behind those waiting for the encode rank's connection.
-
-        `state` None: a registration (`payload` its frames); otherwise the room's
-        TransferInfo (`payload` its fanout). I/O thread, _send_lock held.
-        """
+    def _send_or_queue(self, addr: tuple[str, int], sock: zmq.Socket, state: _Room, fanout: int) -> None:
+        """Sends the room's ask now, or queues it behind those waiting for the encode rank's
+        connection (I/O thread, _send_lock held)."""
+        state.asked_on = sock
         queue = self._unsent.get(addr)
         if queue is None:
-            if self._send_ask(sock, state, payload):
+            if self._send_ask(addr, sock, state, fanout):
                 return
             queue = self._unsent[addr] = deque()
             self._poller.register(sock, zmq.POLLOUT)
         elif len(queue) >= MAX_UNSENT_ASKS:
-            where = state.where() if state is not None else f"the encode rank at {addr[0]}:{addr[1]}"
-            raise _AskFailed(f"{where} is not taking requests ({len(queue)} asks already wait for it)")
-        queue.append((state, payload))
-        if state is not None:
-            state.unsent = True
+            raise _AskFailed(f"{state.where()} is not taking requests ({len(queue)} asks already wait for it)")
+        queue.append((state, fanout))
+        state.unsent = True
 
-    def _send_ask(self, sock: zmq.Socket, state: _Room | None, payload: Any) -> bool:
-        """Pushes one ask (see _send_or_queue); False when the socket cannot take it now."""
-        if state is not None:
-            return self._send_info(sock, state, payload)
-        try:
-            _io.send_frames(sock, payload)
-        except zmq.Again:
-            return False
-        return True
+    def _send_ask(self, addr: tuple[str, int], sock: zmq.Socket, state: _Room, fanout: int) -> bool:
+        """Pushes the room's TransferInfo, its regions' registration first unless this connection
+        carried it already (_send_lock held); False when the socket cannot take them now."""
+        self._note_drops(addr)
+        announced = self._announced.setdefault(state.route_key, _Announcements())
+        regions = state.regions
+        if not announced.holds(regions.embedding) and self._rooms.get(state.room) is state:
+            ds = regions.deepstack
+            frames = registration_frames(
+                self.host, self.status_port, self.engine.session_id,
+                regions.embedding.addr, ds.addr if ds else 0,
+                regions.embedding.nbytes, ds.nbytes if ds else 0,
+            )
+            try:
+                _io.send_frames(sock, frames)
+            except zmq.Again:
+                return False
+            announced.add(regions.embedding)
+        return self._send_info(sock, state, fanout)
+
+    def _note_drops(self, addr: tuple[str, int]) -> None:
+        """Forgets what was announced to the encode rank at `addr` once its connection dropped
+        (_send_lock held): a rank restarted there never heard it, and what was still queued
+        for the old connection died with it."""
+        monitor = self._monitors.get(addr)
+        if monitor is not None and _io.dropped(monitor):
+            for key, route in self._routes.items():
+                if route == addr:
+                    self._announced.pop(key, None)
 
     def _flush_unsent(self) -> None:
         """Sends, in order, up to ASK_BATCH asks that waited for a connection, as far as the
@@ -612,19 +633,17 @@ class SessionManager:
                     if not queue:
                         break
                     sock = self._encode_sockets[addr]
-                    state, payload = queue[0]
+                    state, fanout = queue[0]
                     try:
-                        if not self._send_ask(sock, state, payload):
+                        if not self._send_ask(addr, sock, state, fanout):
                             break
                     except Exception as exc:  # noqa: BLE001 - one ask's failure must not stop the others
                         log.exception("sending a queued ask to %s:%d failed", *addr)
-                        if state is not None:
-                            self._conclude(state, TransferPoll.Failed,
-                                           f"room {state.room}: asking for it failed: {type(exc).__name__}: {exc}")
+                        self._conclude(state, TransferPoll.Failed,
+                                       f"room {state.room}: asking for it failed: {type(exc).__name__}: {exc}")
                     queue.popleft()
                     budget -= 1
-                    if state is not None:
-                        state.unsent = False
+                    state.unsent = False
                     if not queue:
                         del self._unsent[addr]
                         self._poller.unregister(sock)
@@ -634,7 +653,7 @@ class SessionManager:
 
         The I/O thread alone looks routes up, announces regions and reports failures;
         this only sends the TransferInfo once the route is known and the room's region
-        was announced on that same socket.
+        was announced on that same socket since its last lost connection.
         """
         parallel = self._parallel.get(state.bootstrap_addr)
         if parallel is None:
@@ -649,10 +668,11 @@ class SessionManager:
             sock = self._encode_sockets.get(route) if route is not None else None
             if sock is None or self._stopping or route in self._unsent:
                 return False  # asks waiting for a connection go first, in order
+            self._note_drops(route)
             announced = self._announced.get(key)
             if announced is None or not announced.holds(regions.embedding):
                 return False
-            state.encode_addr = route
+            state.encode_addr, state.asked_on = route, sock
             # Not taken now (no connection): the I/O thread queues it.
             return self._send_info(sock, state, fanout)
 
@@ -771,19 +791,21 @@ class SessionManager:
             # The encode rank may have restarted elsewhere, its node with other sizes: look
             # both up afresh next time.
             never_sent: deque = deque()
-            if state.route_key is not None:
-                with self._send_lock:
+            with self._send_lock:
+                # Only the socket this room was asked on went silent. One replaced since came
+                # with a fresh look-up, and the rooms waiting on it keep their own deadlines.
+                sock = self._encode_sockets.get(state.encode_addr)
+                if sock is not None and sock is state.asked_on:
                     self._parallel.pop(state.bootstrap_addr, None)
                     self._routes.pop(state.route_key, None)
                     self._announced.pop(state.route_key, None)
                     # A fresh socket, and nothing of this one's queue (expired rooms' asks,
                     # whose memory may be reused by then) reaches a rank restarted there.
-                    sock = self._encode_sockets.pop(state.encode_addr, None)
-                    if sock is not None:
-                        never_sent = self._unsent.pop(state.encode_addr, never_sent)
-                        if never_sent:
-                            self._poller.unregister(sock)
-                        sock.close(0)
+                    del self._encode_sockets[state.encode_addr]
+                    never_sent = self._unsent.pop(state.encode_addr, never_sent)
+                    if never_sent:
+                        self._poller.unregister(sock)
+                    _io.close_watched(sock, self._monitors.pop(state.encode_addr, None))
             if state.unsent:
                 reason = (f"no connection to {state.where()} within {self.deadline_s:g}s: room {state.room} "
                           f"was never asked for (is the encode rank running?)")
@@ -792,7 +814,7 @@ class SessionManager:
             self._conclude(state, TransferPoll.Failed, reason)
             # The rooms queued behind it wait on the same silent rank: they fail now, unasked.
             for other, _ in never_sent:
-                if other is not None and other is not state:
+                if other is not state:
                     self._conclude(other, TransferPoll.Failed,
                                    f"{other.where()} went silent: room {state.room} had no answer within "
                                    f"{self.deadline_s:g}s, and room {other.room} was never asked for")
