@@ -214,12 +214,13 @@ def _cmdline(pid: int) -> str:
 
 
 def _ranks_of(parent: int) -> list[int]:
-    """The parent's rank processes (not multiprocessing's resource tracker), oldest first."""
+    """The parent's rank processes (multiprocessing's spawned children, not its resource
+    tracker nor anything else the run may start), oldest first."""
     kids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             fields = _proc_stat(int(entry))
-            if fields and fields[1] == str(parent) and "resource_tracker" not in _cmdline(int(entry)):
+            if fields and fields[1] == str(parent) and "spawn_main" in _cmdline(int(entry)):
                 kids.append((int(fields[19]), int(entry)))  # field 22: start time
     return [pid for _, pid in sorted(kids)]
 
@@ -253,9 +254,11 @@ class Demo:
         try:
             out, err = self.proc.communicate(timeout=within)
         except subprocess.TimeoutExpired:
+            alive = [f"{pid}: {_cmdline(pid)[:120]}" for pid in _session(self.proc.pid)]
             self.kill()
             out, err = self.proc.communicate()
-            raise AssertionError(f"the demo did not exit within {within}s:\n{err[-3000:]}") from None
+            raise AssertionError(f"the demo did not exit within {within}s; its session then: {alive}\n"
+                                 f"stdout: {out[-1500:]}\nstderr: {err[-3000:]}") from None
         return self.proc.returncode, out, err, time.monotonic() - started
 
     def leftovers(self, within: float = 10) -> list[str]:
@@ -312,6 +315,38 @@ def test_demo_stops_every_rank(demo, how):
         assert err.strip().splitlines()[-1] == "epd-transfer demo: interrupted"
         assert "Traceback" not in err
         assert os.listdir(run.tmp) == []  # the ranks' logs went with the run
+
+
+def _wait_on(flag) -> None:
+    flag.wait(60)
+
+
+@pytest.mark.parametrize("raise_first", [False, True])
+def test_the_runs_go_and_done_flags_survive_a_rank_killed_while_waiting(raise_first):
+    """The run tells its ranks to go, and its encode ranks that it is done, through flags.
+    With multiprocessing.Event, set() waits for every process asleep in wait() to answer,
+    so a rank killed there (before it was told to go, as happens on a loaded host) left
+    the run hanging for ever in set() instead of reporting the dead rank."""
+    import multiprocessing
+
+    from transfer.harness import _Flag
+
+    ctx = multiprocessing.get_context("spawn")
+    flag = _Flag(ctx)
+    waiters = [ctx.Process(target=_wait_on, args=(flag,), daemon=True) for _ in range(2)]
+    for proc in waiters:
+        proc.start()
+    time.sleep(1.0)  # both asleep in wait()
+    for proc in waiters:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+    if raise_first:
+        flag.set()
+    setter = threading.Thread(target=flag.set, daemon=True)
+    setter.start()
+    setter.join(3)
+    assert not setter.is_alive(), "set() hangs on the killed waiters"
+    assert flag.is_set() and flag.wait(0)
 
 
 @pytest.mark.live

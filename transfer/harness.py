@@ -290,6 +290,36 @@ LOG_TAIL_LINES = 25
 _BODIES = {"encode": encode_rank, "prefill": prefill_rank}
 
 
+class _Flag:
+    """A one-way flag the run raises for its ranks, which no rank's death can wedge.
+
+    Not multiprocessing.Event: its set() waits for every process asleep in wait() to
+    acknowledge, and one killed there (the OOM killer, a test's SIGKILL) never does, so
+    the run hung for ever in set() instead of reporting the dead rank. A shared byte,
+    polled, has no lock to be left held.
+    """
+
+    POLL_S = 0.01
+
+    def __init__(self, ctx: Any) -> None:
+        self._raised = ctx.RawValue(ctypes.c_byte, 0)
+
+    def set(self) -> None:
+        self._raised.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self._raised.value)
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the flag was raised within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self._raised.value:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(self.POLL_S)
+        return True
+
+
 def _rank_process(role, sc, rank, bootstrap_addr, results, ready_q, go_evt, finished_q, done_evt, log_path) -> None:
     """Runs one rank's body in its own process, its output in log_path; reports its result or its traceback."""
     _log_to(log_path)
@@ -387,7 +417,7 @@ def run(sc: Scenario) -> dict:
 
     ctx = mp.get_context("spawn")
     results, ready_q, finished_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    go_evt, done_evt = ctx.Event(), ctx.Event()
+    go_evt, done_evt = _Flag(ctx), _Flag(ctx)
     deadline = time.monotonic() + sc.timeout_s
     ranks: list[_Rank] = []
     try:
