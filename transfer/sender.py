@@ -16,7 +16,7 @@ import logging
 import select
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +62,12 @@ MAX_RECEIVERS_PER_ROOM = 1024
 #: Requests filed per round of the pool's thread before it turns to its writes: a peer that
 #: sends without pause must not keep the thread (its writes, sweep and close()) waiting.
 MAX_REQUESTS_PER_ROUND = 256
+
+#: Bytes of parked asks held in all (their text parts plus a fixed cost each): past it, the
+#: oldest parked ask is told Failed. MAX_PARKED_ASKS * MAX_RECEIVERS_PER_ROOM asks of up to
+#: a control message each would otherwise be a terabyte a peer could make us hold.
+MAX_PARKED_BYTES = 64 << 20
+ASK_OVERHEAD_BYTES = 512  # measured: a parked TransferInfo with short text parts takes about 500 bytes
 
 #: How long the statuses close() pushes may take to leave once the pool is closed.
 CLOSE_LINGER_MS = 1000
@@ -136,6 +142,7 @@ class _Asks:
 
     first_at: float
     infos: dict[str, TransferInfo] = field(default_factory=dict)
+    nbytes: int = 0  # what its infos cost, counted against MAX_PARKED_BYTES
 
 
 class SendHandle(_io.RoomHandle):
@@ -179,12 +186,17 @@ class SenderPool:
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.integrity = integrity
         self.depth = max(1, depth)
+        # Slots one prefill session may hold: all but a quarter (at least one) of `depth`, so
+        # one that stopped reading (its writes in flight until Mooncake's transfer timeout,
+        # 30 s by default) leaves slots for every other receiver meanwhile.
+        self._session_slots = max(1, self.depth - max(1, self.depth // 4))
         self.metrics = metrics or Metrics("epd_encode")
 
         self._table = RoomTable()
         self._conclusions = _io.Conclusions()
         self._items: dict[int, _Item] = {}  # sent by the caller, not yet cleared
         self._asks: dict[int, _Asks] = {}  # TransferInfos waiting for their whole fanout or item
+        self._parked_bytes = 0  # what the parked asks cost in all (owned by the pool's thread)
         # Receive regions each prefill session announced, newest last (bounded).
         self._sessions: dict[str, list[Registration]] = {}
         self._lock = threading.Lock()
@@ -205,6 +217,7 @@ class SenderPool:
         # Receivers' writes whose room is complete, waiting for a free slot in flight or
         # for their item's ready event (owned by the pool's thread).
         self._waiting: deque[tuple[_Item, TransferInfo]] = deque()
+        self._queued: Counter[str] = Counter()  # entries of _waiting per session
         self.metrics.gauge_fn("queue_depth", lambda: len(self._waiting))
         self.metrics.gauge_fn("statuses_dropped", lambda: self._statuses.dropped)
         self.metrics.gauge_fn("parked_rooms", self._parked_rooms)
@@ -316,6 +329,7 @@ class SenderPool:
         for asks in self._asks.values():
             self._tell_failed(asks.infos.values())
         self._asks.clear()
+        self._parked_bytes = 0
         for item in items:
             if stuck:
                 item.release = None  # the engine may still read it: leak it rather than free it
@@ -494,15 +508,28 @@ class SenderPool:
             self._complaints.warning("receivers", "room %d: more than %d receivers asked; dropped the ask of %s",
                                      info.room, MAX_RECEIVERS_PER_ROOM, info.session_id)
             return
+        replaced = asks.infos.get(info.session_id)
         asks.infos[info.session_id] = info
+        cost = _ask_cost(info) - (_ask_cost(replaced) if replaced is not None else 0)
+        asks.nbytes += cost
+        self._parked_bytes += cost
+        while self._parked_bytes > MAX_PARKED_BYTES and len(self._asks) > 1:
+            self._evict_oldest_ask()
         self._maybe_dispatch(info.room)
+
+    def _take_asks(self, room: int) -> _Asks | None:
+        """Removes and returns the room's parked asks (None when there are none)."""
+        asks = self._asks.pop(room, None)
+        if asks is not None:
+            self._parked_bytes -= asks.nbytes
+        return asks
 
     def _evict_oldest_ask(self) -> None:
         """Tells the receivers of the oldest parked ask Failed and forgets it (too many parked)."""
         room = next(iter(self._asks))
-        asks = self._asks.pop(room)
-        self._complaints.warning("parked", "room %d: %d rooms were asked for and not sent yet; failing the "
-                                 "oldest ask", room, MAX_PARKED_ASKS)
+        asks = self._take_asks(room)
+        self._complaints.warning("parked", "room %d: %d rooms (%d bytes of asks) were asked for and not served yet; "
+                                 "failing the oldest ask", room, len(self._asks) + 1, self._parked_bytes + asks.nbytes)
         self._tell_failed(asks.infos.values())
 
     def _maybe_dispatch(self, room: int) -> None:
@@ -521,7 +548,7 @@ class SenderPool:
         fanout = next(iter(asks.infos.values())).fanout
         if len(asks.infos) < fanout and not item.failed:
             return  # the rest of the fanout has not asked yet
-        del self._asks[room]
+        self._take_asks(room)
         infos = sorted(asks.infos.values(), key=lambda i: (i.row_start, i.session_id))
         if not self._attach(item, infos):
             self._tell_failed(infos)
@@ -537,6 +564,7 @@ class SenderPool:
                 self._table.update(room, TransferPoll.Transferring)
         item.pending = len(infos)
         self._waiting.extend((item, info) for info in infos)
+        self._queued.update(info.session_id for info in infos)
 
     def _file_registration(self, reg: Registration) -> None:
         """Remembers a session's announced regions; a repeat of the same region replaces it.
@@ -577,7 +605,7 @@ class SenderPool:
         with self._lock:
             parked = [i for i in self._items.values() if not i.receivers and not i.failed and now - i.started_at > limit]
         for item in parked:
-            asks = self._asks.pop(item.room, None)
+            asks = self._take_asks(item.room)
             infos = list(asks.infos.values()) if asks else []
             if self._attach(item, infos):
                 self._fail(item, f"receiver never registered within {limit:g}s")
@@ -588,7 +616,7 @@ class SenderPool:
                 known = room in self._items
             if known:
                 continue
-            asks = self._asks.pop(room)
+            asks = self._take_asks(room)
             log.warning("room %d: no item sent within %gs for %d receiver(s); telling them Failed", room, limit, len(asks.infos))
             self._tell_failed(asks.infos.values())
         # A dead session is skipped for DEAD_SESSION_S; older entries only take memory.
@@ -605,11 +633,21 @@ class SenderPool:
         threads blocked in synchronous writes, and polling completions with a short
         sleep beats Mooncake's own wait, which spins a whole core. A write whose item's
         ready event has not completed waits without holding up the others, for at most
-        the bootstrap timeout after send().
+        the bootstrap timeout after send(). One session holds at most its share of the
+        slots; its further writes wait without holding up other sessions' writes.
         """
+        if not self._waiting or len(in_flight) >= self.depth:
+            return  # the common case, every turn of the loop: nothing to count
         held: list[tuple[_Item, TransferInfo]] = []
-        while self._waiting and len(in_flight) < self.depth:
+        per_session = Counter(write.info.session_id for write in in_flight)
+        # Sessions that may start a write now: none, and the queue is not even looked at.
+        open_sessions = {s for s in self._queued if per_session[s] < self._session_slots}
+        while self._waiting and len(in_flight) < self.depth and open_sessions:
             item, info = self._waiting.popleft()
+            session = info.session_id
+            if not item.failed and session not in open_sessions:
+                held.append((item, info))  # its session has its share in flight: others go first
+                continue
             try:
                 ready = item.failed or item.ready()
             except Exception as exc:  # noqa: BLE001 - a broken event fails its room only
@@ -622,9 +660,16 @@ class SenderPool:
             if not ready:
                 held.append((item, info))
                 continue
+            self._queued[session] -= 1
+            if not self._queued[session]:
+                del self._queued[session]
+                open_sessions.discard(session)
             write = self._start_write(item, info)
             if write is not None:
                 in_flight.append(write)
+                per_session[session] += 1
+                if per_session[session] >= self._session_slots:
+                    open_sessions.discard(session)
         self._waiting.extendleft(reversed(held))
 
     def _settle_ready(self, in_flight: list[_Write]) -> list[_Write]:
@@ -796,6 +841,11 @@ class SenderPool:
             if self._items.get(item.room) is item:
                 del self._items[item.room]
                 self._table.clear(item.room)
+
+
+def _ask_cost(info: TransferInfo) -> int:
+    """What a parked ask costs against MAX_PARKED_BYTES: its peer-sized text parts and a fixed part."""
+    return len(info.endpoint) + len(info.session_id) + len(info.dtype) + ASK_OVERHEAD_BYTES
 
 
 def _source(src: Any, span: int | None, hidden: int | None, dtype: str | None) -> tuple[_io.Region, int, int, str]:
