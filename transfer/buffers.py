@@ -9,9 +9,9 @@ copied out:
 - `release(event)` with a CUDA event (anything with `.query() -> bool`) frees the
   slot only once the event completed; events are checked lazily by `lease()` and
   `poll()`, never waited on.
-- `fail()` (the room failed) quarantines the slot for `quarantine_s`, longer than an
-  encode rank keeps an ask parked (QUARANTINE_S), because a late one-sided write may
-  still land in it.
+- `fail()` (the room failed) quarantines the slot for `quarantine_s`, as long as an
+  encode rank may still serve the room's ask (QUARANTINE_S), because a late one-sided
+  write may still land in it.
 - an item too big for a slot, or an exhausted pool, gets a per-item fallback buffer
   registered for that item and deregistered only `grace_s` after its release.
 
@@ -40,10 +40,14 @@ __all__ = ["ReceivePool", "Slot", "SlotError", "SLOT_ALIGN"]
 #: Slot sizes are multiples of this, so a view of any dtype starts aligned.
 SLOT_ALIGN = 16
 
-#: Default quarantine of a failed room's slot. An encode rank keeps an ask whose item has
-#: not come for its bootstrap timeout (120 s by default) and writes it when the item
-#: comes, however long ago the prefill rank gave the room up; then the write itself.
-QUARANTINE_S = 130.0
+#: Default quarantine of a failed room's slot: until no late write of the room can land.
+#: An encode rank keeps an ask whose item has not come for its bootstrap timeout (120 s by
+#: default) and serves it when the item comes, however long ago the prefill rank gave the
+#: room up; that item's write may then wait another bootstrap timeout (counted from send())
+#: for its ready event, and the write itself lasts up to Mooncake's transfer timeout (30 s
+#: by default). 10 s spare on top; encode ranks with a bootstrap timeout T need a pool with
+#: quarantine_s >= 2 T + the transfer timeout.
+QUARANTINE_S = 2 * 120.0 + 30.0 + 10.0
 
 # Slot handle states.
 _LEASED = "leased"
@@ -176,6 +180,7 @@ class ReceivePool:
         self._graces: list[tuple[float, int, Region]] = []
         self._fallbacks: dict[int, Region] = {}  # live fallback buffers, addr -> region
         self._fallbacks_total = 0
+        self._retired: list[Region] = []  # fallbacks close() unregistered; freed with the pool
         self._seq = itertools.count()
 
     # -- leasing ------------------------------------------------------------
@@ -305,12 +310,16 @@ class ReceivePool:
             log.warning("unregistering %#x (%d bytes) failed: %s", region.addr, region.nbytes, exc)
 
     def close(self) -> None:
-        """Unregisters the pool region and every live fallback buffer; idempotent."""
+        """Unregisters the pool region and every live fallback buffer (their memory lives as
+        long as the pool object); idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             regions = [self.region, *self._fallbacks.values()]
+            # Unregistered, but freed only with the pool, like its own region: a copy-out
+            # whose event is pending may still read a fallback.
+            self._retired = list(self._fallbacks.values())
             self._fallbacks.clear()
             self._pending.clear()
             self._quarantine.clear()

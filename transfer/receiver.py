@@ -255,7 +255,9 @@ class SessionManager:
                 return self._receive(room, bootstrap_addr, dst, None, None, None, row_start, span, deepstack_dst,
                                      lease, full, full_ds)
             except BaseException:
-                lease.release()
+                # fail(), not release(): if its TransferInfo went out before the error, a write
+                # may still land in the slot, which quarantine keeps from the next room.
+                lease.fail()
                 self._drop_lease_region(lease)
                 raise
         return self._receive(room, bootstrap_addr, dst, rows, hidden, dtype, row_start, span, deepstack_dst)
@@ -473,6 +475,8 @@ class SessionManager:
                 self._expire(now)
                 if now - self._monitors_read_at >= 1.0:
                     self._read_monitors(now)
+                    if self.pool is not None:
+                        self.pool.poll()  # graces and quarantines end while no room is received, too
         except Exception as exc:  # noqa: BLE001 - without this thread no room would ever conclude
             log.exception("prefill rank %d: the I/O thread failed; failing its rooms", self.engine_rank)
             with self._lock:
