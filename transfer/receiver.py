@@ -6,6 +6,10 @@ the network. Bootstrap look-ups, registrations, status reads, checksum checks an
 deadlines happen on one I/O thread that sleeps in zmq.Poller; once a room's encode
 rank is known (its route cached, its region announced), `receive()` pushes the
 room's TransferInfo itself with a non-blocking send, saving a thread hand-off per room.
+
+Asks travel only over a live connection (ZMQ_IMMEDIATE): while an encode rank is not
+connected they wait, in order, in the manager, which drops a room cleared meanwhile,
+and a connection that dropped gets the registration again before its next room.
 """
 
 from __future__ import annotations
