@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from live_helpers import wait_until
 from test_review_receiver import HOST, _encode_stand_in, _messages, engines  # noqa: F401 - fixture
+
 from transfer.bootstrap import BootstrapClient, BootstrapServer
 
 pytestmark = pytest.mark.live
@@ -143,7 +143,12 @@ def test_an_encode_rank_restarted_at_the_same_address_is_registered_with_before_
     import torch
 
     from transfer import _io
-    from transfer.frames import TransferInfo, is_registration, parse_registration, status_frames
+    from transfer.frames import (
+        TransferInfo,
+        is_registration,
+        parse_registration,
+        status_frames,
+    )
     from transfer.receiver import SessionManager
     from transfer.status import TransferPoll
 

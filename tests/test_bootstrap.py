@@ -12,7 +12,12 @@ import urllib.request
 
 import pytest
 
-from transfer.bootstrap import MAX_BODY, BootstrapClient, BootstrapError, BootstrapServer
+from transfer.bootstrap import (
+    MAX_BODY,
+    BootstrapClient,
+    BootstrapError,
+    BootstrapServer,
+)
 
 # urllib honours http_proxy; a peer on loopback never goes through one.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))

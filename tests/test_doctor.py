@@ -204,7 +204,7 @@ def test_two_mooncake_wheels_warn(monkeypatch):
 
 
 def test_missing_mooncake_fails_with_the_wheel_fix(monkeypatch):
-    monkeypatch.setattr(doctor, "mooncake_distributions", lambda: [])
+    monkeypatch.setattr(doctor, "mooncake_distributions", list)
     checks, _ = doctor.check_mooncake(bad_probe)
     assert checks[0].level == "fail"
     assert "pip install mooncake-transfer-engine" in checks[0].fix

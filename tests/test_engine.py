@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from transfer import engine as engine_module
-from transfer.engine import (Engine, TransferError, choose_protocol,
-                             rdma_device_names)
+from transfer.engine import Engine, TransferError, choose_protocol, rdma_device_names
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

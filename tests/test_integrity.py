@@ -9,9 +9,9 @@ import time
 
 import pytest
 import torch
-
 from integrity_ranks import encode_process
 from live_helpers import LIVE
+
 from transfer.bootstrap import BootstrapServer
 from transfer.engine import Engine
 from transfer.harness import ItemSource

@@ -14,15 +14,14 @@ import random
 import time
 
 import pytest
-
 from live_helpers import (
-    TOKEN,
-    bootstrap_server,
     DTYPE,
     HOST,
     LIVE,
+    TOKEN,
     RawPrefill,
     Receiver,
+    bootstrap_server,
     encode_process,
     epd_threads,
     free_port,
@@ -32,6 +31,7 @@ from live_helpers import (
     prefill_process,
     wait_until,
 )
+
 from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
 from transfer.receiver import ENCODE_FAILED
 from transfer.status import TransferPoll, is_terminal

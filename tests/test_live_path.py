@@ -17,17 +17,17 @@ import time
 import urllib.request
 
 import pytest
-
 from live_helpers import (
-    TOKEN,
-    bootstrap_server,
     DTYPE,
     HOST,
     LIVE,
+    TOKEN,
     RawPrefill,
+    bootstrap_server,
     encode_process,
     item_bytes,
 )
+
 from transfer.bootstrap import BootstrapClient
 from transfer.engine import rdma_device_names
 from transfer.frames import dtype_size, shard_rows

@@ -13,16 +13,16 @@ import random
 import time
 
 import pytest
-
 from live_helpers import (
-    bootstrap_server,
     HOST,
     LIVE,
     Receiver,
+    bootstrap_server,
     encode_process,
     epd_threads,
     port_rebindable,
 )
+
 from transfer.receiver import ENCODE_FAILED
 from transfer.status import TransferPoll
 

@@ -11,7 +11,12 @@ import urllib.request
 import pytest
 
 from transfer.metrics import (
-    REASON_CATEGORIES, Metrics, escape_label_value, estimate_quantile, reason_label, serve,
+    REASON_CATEGORIES,
+    Metrics,
+    escape_label_value,
+    estimate_quantile,
+    reason_label,
+    serve,
 )
 
 

@@ -70,14 +70,14 @@ def test_layer_sum_all_ones_overflows_by_hand():
 # --- layer_sum: against the reference ------------------------------------------------
 
 
-@pytest.mark.parametrize("n", range(0, 65))
+@pytest.mark.parametrize("n", range(65))
 def test_layer_sum_small_lengths(n):
     data = random_bytes(n, seed=n)
     assert wire.layer_sum(data) == reference_sum(data)
 
 
 @pytest.mark.parametrize("offset", range(1, 8))
-@pytest.mark.parametrize("tail", range(0, 8))
+@pytest.mark.parametrize("tail", range(8))
 def test_layer_sum_unaligned_starts_and_tails(offset, tail):
     base = bytearray(random_bytes(600, seed=offset * 8 + tail))
     view = memoryview(base)[offset : offset + 512 + tail]

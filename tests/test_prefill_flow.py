@@ -9,6 +9,7 @@ import multiprocessing as mp
 
 from flow_ranks import encode_process, prefill_process
 from live_helpers import LIVE, free_port
+
 from transfer.bootstrap import BootstrapServer
 
 pytestmark = LIVE

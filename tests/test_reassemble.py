@@ -71,7 +71,7 @@ class CollectiveCounter:
         self.calls = {name: 0 for name in self.NAMES}
         self._saved = {}
 
-    def __enter__(self) -> "CollectiveCounter":
+    def __enter__(self) -> CollectiveCounter:
         for name in self.NAMES:
             fn = getattr(dist, name, None)
             if fn is None:

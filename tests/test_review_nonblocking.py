@@ -22,11 +22,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
-
 from live_helpers import LIVE, MOONCAKE_MISSING, junk_pusher, wait_until
 
 pytestmark = LIVE
@@ -259,7 +259,7 @@ class HostileHTTP:
         while not self._stop.is_set():
             try:
                 conn, _ = self._listener.accept()
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
             self.accepted += 1
             self._conns.append(conn)
@@ -272,7 +272,7 @@ class HostileHTTP:
             conn.settimeout(0.05)
             try:
                 conn.recv(4096)  # the request (one recv is all a GET takes here)
-            except socket.timeout:
+            except TimeoutError:
                 pass
             if self.mode == "slow503":
                 self._stop.wait(self.delay)
@@ -359,7 +359,7 @@ class StalledPeer:
         while not self._stop.is_set():
             try:
                 self._conns.append(self._listener.accept()[0])
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
 
     def close(self) -> None:

@@ -26,8 +26,8 @@ import urllib.request
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from live_helpers import MOONCAKE_MISSING, free_port
+
 from transfer import cli
 from transfer.metrics import Metrics, MetricsServer, serve
 

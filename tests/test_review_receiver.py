@@ -12,8 +12,8 @@ import threading
 import time
 
 import pytest
-
 from live_helpers import wait_until
+
 from transfer.bootstrap import BootstrapServer
 
 HOST = "127.0.0.1"

@@ -18,7 +18,16 @@ import time
 
 import pytest
 import torch
-from live_helpers import DTYPE, HOST, LIVE, SENTINEL, RawPrefill, item_tensor, peer_with_64_mib, wait_until
+from live_helpers import (
+    DTYPE,
+    HOST,
+    LIVE,
+    SENTINEL,
+    RawPrefill,
+    item_tensor,
+    peer_with_64_mib,
+    wait_until,
+)
 
 from transfer.bootstrap import BootstrapServer
 from transfer.engine import Engine, TransferError

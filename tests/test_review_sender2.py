@@ -14,7 +14,16 @@ import signal
 
 import pytest
 import torch
-from live_helpers import DTYPE, HOST, LIVE, SENTINEL, RawPrefill, item_tensor, peer_with_64_mib, wait_until
+from live_helpers import (
+    DTYPE,
+    HOST,
+    LIVE,
+    SENTINEL,
+    RawPrefill,
+    item_tensor,
+    peer_with_64_mib,
+    wait_until,
+)
 
 from transfer import _io, sender
 from transfer.bootstrap import BootstrapServer

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from live_helpers import LIVE, peer_with_64_mib
+
 from transfer.bootstrap import BootstrapServer
 from transfer.engine import Engine
 from transfer.frames import Registration, TransferInfo
@@ -91,6 +91,7 @@ def test_dead_sessions_are_forgotten_once_their_pause_is_over(pool):
     import time
 
     from live_helpers import wait_until
+
     from transfer.sender import DEAD_SESSION_S
 
     now = time.monotonic()
@@ -286,6 +287,7 @@ def _stuck_write(pool, peer, asks, status_port: int, session: str, landing: int,
     import time
 
     from live_helpers import wait_until
+
     from transfer.status import TransferPoll
 
     os.kill(peer.pid, signal.SIGSTOP)
@@ -347,8 +349,8 @@ def test_a_write_the_engine_gave_up_on_keeps_its_source_registered_until_mooncak
     import signal
 
     import torch
-
     from live_helpers import wait_until
+
     from transfer import _io
     from transfer.status import TransferPoll
 
@@ -386,8 +388,8 @@ def test_a_failure_inside_the_pools_thread_fails_its_rooms_and_close_still_clean
     import logging
 
     import torch
-
     from live_helpers import port_rebindable
+
     from transfer.status import TransferPoll
 
     with Engine("127.0.0.1", "tcp") as engine, BootstrapServer("127.0.0.1", 0) as server:
@@ -458,8 +460,8 @@ def test_a_failure_inside_the_managers_io_thread_fails_its_rooms_and_close_still
     import logging
 
     import torch
-
     from live_helpers import port_rebindable
+
     from transfer.receiver import SessionManager
     from transfer.status import TransferPoll
 
@@ -546,6 +548,7 @@ def test_a_route_that_cannot_be_connected_fails_its_room_only():
 def test_parked_asks_are_bounded_oldest_told_failed(monkeypatch):
     """A peer asking for rooms nobody sends cannot grow the pool without bound."""
     from live_helpers import wait_until
+
     from transfer import _io
     from transfer import sender as sender_module
     from transfer.frames import parse_status
@@ -708,8 +711,8 @@ def test_clearing_a_room_mid_write_keeps_its_source_registered_until_the_write_i
     import signal
 
     import torch
-
     from live_helpers import wait_until
+
     from transfer import _io
 
     peer, session, landing = peer_with_64_mib()

@@ -57,7 +57,7 @@ def test_shard_rows_examples(span, rank, size, expected):
 
 @pytest.mark.parametrize("size", range(1, 13))
 def test_shard_rows_tile_the_span_in_rank_order(size):
-    for span in range(0, 70):
+    for span in range(70):
         base, rem = span // size, span % size
         end = 0
         for rank in range(size):

@@ -20,8 +20,8 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from test_wire_hostile import expect_error
+
 from transfer import _native, wire
 from transfer.engine import TransferError
 from transfer.wire import Msg

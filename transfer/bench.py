@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import json
 import math
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import itertools
 import statistics
 import sys
 import tempfile
@@ -1039,5 +1039,17 @@ def main(args: argparse.Namespace) -> int:
     return 1 if broken else 0
 
 
-__all__ = ["Options", "Cell", "RankSet", "measure", "main", "add_arguments", "format_table", "plot", "memcpy_row",
-           "parse_sizes", "plan", "ROW_KEYS"]
+__all__ = [
+    "ROW_KEYS",
+    "Cell",
+    "Options",
+    "RankSet",
+    "add_arguments",
+    "format_table",
+    "main",
+    "measure",
+    "memcpy_row",
+    "parse_sizes",
+    "plan",
+    "plot",
+]

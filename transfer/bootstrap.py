@@ -153,9 +153,9 @@ class _Handler(OneDeadlineHandler):
     """One HTTP request against the server's route table (a silent or slow client is dropped
     `timeout` seconds after it connected)."""
 
-    server: "_HTTPServer"
+    server: _HTTPServer
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib name
+    def log_message(self, format: str, *args: Any) -> None:
         """Route access logs to logging at debug instead of stderr."""
         log.debug("bootstrap %s: " + format, self.address_string(), *args)
 
@@ -291,7 +291,7 @@ class BootstrapServer:
         self._thread.join()
         self._server.server_close()
 
-    def __enter__(self) -> "BootstrapServer":
+    def __enter__(self) -> BootstrapServer:
         """Context-manager entry."""
         return self
 

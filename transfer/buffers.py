@@ -27,7 +27,8 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -35,7 +36,7 @@ from transfer._io import Region
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ReceivePool", "Slot", "SlotError", "SLOT_ALIGN"]
+__all__ = ["SLOT_ALIGN", "ReceivePool", "Slot", "SlotError"]
 
 #: Slot sizes are multiples of this, so a view of any dtype starts aligned.
 SLOT_ALIGN = 16
@@ -77,9 +78,9 @@ def _query(event: _Event) -> bool | None:
 class Slot:
     """One lease: a slot of the pool (or a fallback buffer) until release() or fail()."""
 
-    __slots__ = ("addr", "nbytes", "region", "is_fallback", "index", "_pool", "_state", "_offset")
+    __slots__ = ("_offset", "_pool", "_state", "addr", "index", "is_fallback", "nbytes", "region")
 
-    def __init__(self, pool: "ReceivePool", region: Region, offset: int, nbytes: int,
+    def __init__(self, pool: ReceivePool, region: Region, offset: int, nbytes: int,
                  index: int, is_fallback: bool) -> None:
         self.addr = region.addr + offset
         self.nbytes = nbytes
@@ -327,7 +328,7 @@ class ReceivePool:
         for region in regions:
             self._unregister(region)
 
-    def __enter__(self) -> "ReceivePool":
+    def __enter__(self) -> ReceivePool:
         """Context-manager entry."""
         return self
 

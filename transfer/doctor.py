@@ -17,8 +17,9 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Mapping, TextIO
+from typing import TextIO
 
 # The host's sysfs and module list; tests point these at a temporary tree.
 SYSFS_ROOT = "/sys"

@@ -31,8 +31,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -493,7 +494,7 @@ class Engine(RegisteredMemory):
             self._owners.clear()  # only now: an overdue write may have read them until the line above
             self._overdue.clear()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         """Context-manager entry."""
         return self
 

@@ -9,33 +9,33 @@ from __future__ import annotations
 import operator
 import re
 import struct
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from transfer.status import TransferPoll
 
 __all__ = [
-    "WireError",
-    "shard_rows",
-    "check_room",
-    "check_parallel",
     "DTYPE_BYTES",
-    "dtype_size",
-    "TransferInfo",
-    "Registration",
-    "registration_frames",
-    "is_registration",
-    "parse_registration",
-    "status_frames",
-    "parse_status",
-    "UnreadableChecksum",
-    "validate_fanout",
-    "check_region",
-    "TRANSFER_INFO_PARTS",
+    "MAX_REGIONS_PER_SESSION",
+    "REGISTRATION_MARKER",
     "REGISTRATION_PARTS",
     "STATUS_PARTS",
-    "REGISTRATION_MARKER",
-    "MAX_REGIONS_PER_SESSION",
+    "TRANSFER_INFO_PARTS",
+    "Registration",
+    "TransferInfo",
+    "UnreadableChecksum",
+    "WireError",
+    "check_parallel",
+    "check_region",
+    "check_room",
+    "dtype_size",
+    "is_registration",
+    "parse_registration",
+    "parse_status",
+    "registration_frames",
+    "shard_rows",
+    "status_frames",
+    "validate_fanout",
 ]
 
 TRANSFER_INFO_PARTS = 13
@@ -289,7 +289,7 @@ class TransferInfo:
         ]
 
     @classmethod
-    def from_frames(cls, frames: Sequence[object]) -> "TransferInfo":
+    def from_frames(cls, frames: Sequence[object]) -> TransferInfo:
         """Parse SPEC.md 4.2's parts in order; the first failure is the one raised."""
         info = cls._from_plain_frames(frames)
         if info is not None:
@@ -318,7 +318,7 @@ class TransferInfo:
                    has_deepstack, fanout, row_start, span)
 
     @classmethod
-    def _from_plain_frames(cls, frames: Sequence[object]) -> "TransferInfo | None":
+    def _from_plain_frames(cls, frames: Sequence[object]) -> TransferInfo | None:
         """The common case in a few steps: 13 well-formed bytes parts, or None (then parse strictly)."""
         if type(frames) is not list or len(frames) != TRANSFER_INFO_PARTS:
             return None

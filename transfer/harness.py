@@ -613,4 +613,4 @@ def scenario_dict(sc: Scenario) -> dict:
     return asdict(sc)
 
 
-__all__ = ["Scenario", "ItemSource", "run", "check_landed", "encode_rank", "prefill_rank", "SENTINEL", "scenario_dict"]
+__all__ = ["SENTINEL", "ItemSource", "Scenario", "check_landed", "encode_rank", "prefill_rank", "run", "scenario_dict"]

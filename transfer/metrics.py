@@ -15,8 +15,8 @@ import logging
 import math
 import re
 import threading
+from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler
-from typing import Callable, Iterable
 
 from transfer._http import BoundedHTTPServer, OneDeadlineHandler
 
@@ -126,7 +126,7 @@ def _label_key(labels: dict[str, object], reserved: tuple[str, ...] = ()) -> Lab
 class _Histogram:
     """One label set's bucket counts (non-cumulative), sum, count, min and max."""
 
-    __slots__ = ("counts", "total", "count", "low", "high")
+    __slots__ = ("count", "counts", "high", "low", "total")
 
     def __init__(self, n_buckets: int) -> None:
         self.counts = [0] * (n_buckets + 1)  # last slot is the +Inf overflow
@@ -333,7 +333,7 @@ class Metrics:
 
     # ---- exposing --------------------------------------------------------
 
-    def serve(self, host: str = "127.0.0.1", port: int = 0) -> "MetricsServer":
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> MetricsServer:
         """Start a /metrics endpoint for this set in a daemon thread; close() stops it."""
         return MetricsServer([self], host=host, port=port)
 
@@ -379,7 +379,9 @@ class _PrometheusCollector:
     def collect(self):
         """Yield one metric family per series name."""
         from prometheus_client.core import (
-            CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
         )
         m = self.metrics
         kinds, counters, gauges, hists = m._read()
@@ -467,7 +469,7 @@ class MetricsServer:
             self._thread.join(timeout=5)
         self._httpd.server_close()
 
-    def __enter__(self) -> "MetricsServer":
+    def __enter__(self) -> MetricsServer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -493,7 +495,7 @@ def _make_handler(server: MetricsServer, request_timeout_s: float) -> type[BaseH
         # One request per connection, read within `timeout` seconds in all.
         timeout = request_timeout_s
 
-        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        def do_GET(self) -> None:
             """Answer /metrics and /stats; 404 for anything else."""
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
@@ -511,7 +513,7 @@ def _make_handler(server: MetricsServer, request_timeout_s: float) -> type[BaseH
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args) -> None:  # noqa: A002
+        def log_message(self, format: str, *args) -> None:
             """Stay quiet: a scraper every few seconds would flood stderr."""
 
     return Handler

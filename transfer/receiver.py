@@ -481,7 +481,7 @@ class SessionManager:
                     self._read_monitors(now)
                     if self.pool is not None:
                         self.pool.poll()  # graces and quarantines end while no room is received, too
-        except Exception as exc:  # noqa: BLE001 - without this thread no room would ever conclude
+        except Exception as exc:
             log.exception("prefill rank %d: the I/O thread failed; failing its rooms", self.engine_rank)
             with self._lock:
                 self._failure = f"{type(exc).__name__}: {exc}"
@@ -543,7 +543,7 @@ class SessionManager:
                 self._conclude(state, TransferPoll.Failed, f"bootstrap {state.bootstrap_addr}: {exc}")
             except _AskFailed as exc:
                 self._conclude(state, TransferPoll.Failed, str(exc))
-            except Exception as exc:  # noqa: BLE001 - one room's ask must not stop the others
+            except Exception as exc:
                 log.exception("room %d: asking for it failed", state.room)
                 self._conclude(state, TransferPoll.Failed,
                                f"room {state.room}: asking for it failed: {type(exc).__name__}: {exc}")
@@ -645,7 +645,7 @@ class SessionManager:
                     try:
                         if not self._send_ask(addr, sock, state, fanout):
                             break
-                    except Exception as exc:  # noqa: BLE001 - one ask's failure must not stop the others
+                    except Exception as exc:
                         log.exception("sending a queued ask to %s:%d failed", *addr)
                         self._conclude(state, TransferPoll.Failed,
                                        f"room {state.room}: asking for it failed: {type(exc).__name__}: {exc}")
@@ -744,7 +744,7 @@ class SessionManager:
                 continue
             try:
                 self._on_status(state, status, sums)
-            except Exception as exc:  # noqa: BLE001 - e.g. a device error while checking: this room only
+            except Exception as exc:
                 log.exception("room %d: handling its status failed", room)
                 self._conclude(state, TransferPoll.Failed,
                                f"room {room}: handling its status failed: {type(exc).__name__}: {exc}")

@@ -456,7 +456,7 @@ class SenderPool:
                 if now >= next_sweep:
                     self._sweep(now)
                     next_sweep = now + 0.5
-        except Exception as exc:  # noqa: BLE001 - a bug here must not leave rooms hanging silently
+        except Exception as exc:
             log.exception("the sender pool's thread failed; failing its rooms")
             with self._lock:  # as in close(): send() publishes no item after this
                 self._stopping = True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from enum import IntEnum
 
-__all__ = ["TransferPoll", "advance", "is_terminal", "RoomTable"]
+__all__ = ["RoomTable", "TransferPoll", "advance", "is_terminal"]
 
 
 class TransferPoll(IntEnum):

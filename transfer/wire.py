@@ -39,16 +39,35 @@ from __future__ import annotations
 
 import socket
 import sys
+from collections.abc import Iterable, Mapping
 from enum import IntEnum
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from . import _native
 
 __all__ = [
-    "Kind", "GEN", "DECODE", "PREFILL", "LAYER", "FIRST", "RESULT", "ERROR", "MAX_PAYLOAD",
-    "LAYER_HEADER", "FrameError", "MsgError", "LayerError", "write_frame", "write_frame_parts",
-    "read_frame", "Msg", "layer_sum", "tensor_layer_sum", "layer_frame", "layer_header",
+    "DECODE",
+    "ERROR",
+    "FIRST",
+    "GEN",
+    "LAYER",
+    "LAYER_HEADER",
+    "MAX_PAYLOAD",
+    "PREFILL",
+    "RESULT",
+    "FrameError",
+    "Kind",
+    "LayerError",
+    "Msg",
+    "MsgError",
+    "layer_frame",
+    "layer_header",
+    "layer_sum",
     "parse_layer",
+    "read_frame",
+    "tensor_layer_sum",
+    "write_frame",
+    "write_frame_parts",
 ]
 
 MAX_PAYLOAD: int = _native.MAX_PAYLOAD
@@ -131,7 +150,7 @@ class Msg:
         for key, value in (fields or {}).items():
             self.set(key, value)
 
-    def set(self, key: str, value: str | int) -> "Msg":
+    def set(self, key: str, value: str | int) -> Msg:
         """Sets (or replaces) a field; ints are stored as their decimal text."""
         if isinstance(value, bool) or not isinstance(value, (str, int)):
             raise TypeError(f"Msg value of {key!r} must be str or int, not {type(value).__name__}")
@@ -184,7 +203,7 @@ class Msg:
         return _native.msg_encode(self._fields, self.body)
 
     @classmethod
-    def decode(cls, data: Any) -> "Msg":
+    def decode(cls, data: Any) -> Msg:
         """Parses encoded bytes; raises MsgError with SPEC.md's messages."""
         fields, body = _native.msg_decode(data)
         msg = cls()

@@ -71,9 +71,10 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from transfer import _native, wire
 from transfer.engine import RegisteredMemory, TransferError, _buffer_span
@@ -601,7 +602,7 @@ class WireEngine(RegisteredMemory):
             self._regions.clear()
             self._owners.clear()
 
-    def __enter__(self) -> "WireEngine":
+    def __enter__(self) -> WireEngine:
         """Context-manager entry."""
         return self
 
@@ -618,4 +619,4 @@ class _Untouched(Exception):
         self.cause = cause
 
 
-__all__ = ["WireEngine", "CHUNK_BYTES", "WRITERS_PER_PEER", "MAX_WRITERS", "TransferError"]
+__all__ = ["CHUNK_BYTES", "MAX_WRITERS", "WRITERS_PER_PEER", "TransferError", "WireEngine"]
