@@ -155,7 +155,7 @@ class _Handler(OneDeadlineHandler):
 
     server: _HTTPServer
 
-    def log_message(self, format: str, *args: Any) -> None:
+    def log_message(self, format: str, *args: Any) -> None:  # stdlib name
         """Route access logs to logging at debug instead of stderr."""
         log.debug("bootstrap %s: " + format, self.address_string(), *args)
 

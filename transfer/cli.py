@@ -117,7 +117,7 @@ def _rank(args: argparse.Namespace) -> int:
                   f"device, so Mooncake uses every device it finds", file=sys.stderr)
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    noop = lambda: None
+    noop = lambda: None  # nobody to sync with in a real deployment
     server = None
     if args.serve_bootstrap:
         bind = args.bootstrap_bind or args.bootstrap.rpartition(":")[0].strip("[]")

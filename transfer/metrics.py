@@ -495,7 +495,7 @@ def _make_handler(server: MetricsServer, request_timeout_s: float) -> type[BaseH
         # One request per connection, read within `timeout` seconds in all.
         timeout = request_timeout_s
 
-        def do_GET(self) -> None:
+        def do_GET(self) -> None:  # http.server's naming
             """Answer /metrics and /stats; 404 for anything else."""
             path = self.path.split("?", 1)[0]
             if path == "/metrics":

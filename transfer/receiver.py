@@ -102,6 +102,7 @@ class _Room:
     concluded_at: float | None = None
     unsent: bool = False  # its TransferInfo waits for the encode rank's connection
     asked_on: Any = None  # the socket its TransferInfo went to (or waits for)
+    asked_at: float = 0.0  # when it was handed to that socket
 
     @property
     def nbytes(self) -> int:
@@ -481,7 +482,7 @@ class SessionManager:
                     self._read_monitors(now)
                     if self.pool is not None:
                         self.pool.poll()  # graces and quarantines end while no room is received, too
-        except Exception as exc:
+        except Exception as exc:  # without this thread no room would ever conclude
             log.exception("prefill rank %d: the I/O thread failed; failing its rooms", self.engine_rank)
             with self._lock:
                 self._failure = f"{type(exc).__name__}: {exc}"
@@ -525,6 +526,12 @@ class SessionManager:
                 if self._rooms.get(state.room) is not state:
                     continue  # cleared before we got to it: nothing to ask for
                 heapq.heappush(self._deadlines, (state.deadline, state.room, state))
+            if time.monotonic() >= state.deadline:
+                # Asking now would only have it expire at once, on a socket that then looks silent.
+                self._conclude(state, TransferPoll.Failed,
+                               f"room {state.room}: its deadline of {self.deadline_s:g}s passed before it could be "
+                               f"asked for (the session manager's I/O thread was behind)")
+                continue
             down = self._unreachable.get(state.bootstrap_addr)
             if down is not None:
                 ago = time.monotonic() - down[0]
@@ -543,7 +550,7 @@ class SessionManager:
                 self._conclude(state, TransferPoll.Failed, f"bootstrap {state.bootstrap_addr}: {exc}")
             except _AskFailed as exc:
                 self._conclude(state, TransferPoll.Failed, str(exc))
-            except Exception as exc:
+            except Exception as exc:  # one room's ask must not stop the others
                 log.exception("room %d: asking for it failed", state.room)
                 self._conclude(state, TransferPoll.Failed,
                                f"room {state.room}: asking for it failed: {type(exc).__name__}: {exc}")
@@ -585,7 +592,7 @@ class SessionManager:
     def _send_or_queue(self, addr: tuple[str, int], sock: zmq.Socket, state: _Room, fanout: int) -> None:
         """Sends the room's ask now, or queues it behind those waiting for the encode rank's
         connection (I/O thread, _send_lock held)."""
-        state.asked_on = sock
+        state.asked_on, state.asked_at = sock, time.monotonic()
         queue = self._unsent.get(addr)
         if queue is None:
             if self._send_ask(addr, sock, state, fanout):
@@ -645,7 +652,7 @@ class SessionManager:
                     try:
                         if not self._send_ask(addr, sock, state, fanout):
                             break
-                    except Exception as exc:
+                    except Exception as exc:  # one ask's failure must not stop the others
                         log.exception("sending a queued ask to %s:%d failed", *addr)
                         self._conclude(state, TransferPoll.Failed,
                                        f"room {state.room}: asking for it failed: {type(exc).__name__}: {exc}")
@@ -680,7 +687,7 @@ class SessionManager:
             announced = self._announced.get(key)
             if announced is None or not announced.holds(regions.embedding):
                 return False
-            state.encode_addr, state.asked_on = route, sock
+            state.encode_addr, state.asked_on, state.asked_at = route, sock, time.monotonic()
             # Not taken now (no connection): the I/O thread queues it.
             return self._send_info(sock, state, fanout)
 
@@ -744,7 +751,7 @@ class SessionManager:
                 continue
             try:
                 self._on_status(state, status, sums)
-            except Exception as exc:
+            except Exception as exc:  # e.g. a device error while checking: this room only
                 log.exception("room %d: handling its status failed", room)
                 self._conclude(state, TransferPoll.Failed,
                                f"room {room}: handling its status failed: {type(exc).__name__}: {exc}")
@@ -800,10 +807,13 @@ class SessionManager:
             # both up afresh next time.
             never_sent: deque = deque()
             with self._send_lock:
-                # Only the socket this room was asked on went silent. One replaced since came
-                # with a fresh look-up, and the rooms waiting on it keep their own deadlines.
+                # Only the socket this room was asked on went silent, and only if the room
+                # waited on it a while (one asked late says little, and tearing the socket down
+                # for each such room would cost every later room a look-up and a connection).
+                # One replaced since came with a fresh look-up; its rooms keep their deadlines.
                 sock = self._encode_sockets.get(state.encode_addr)
-                if sock is not None and sock is state.asked_on:
+                waited = time.monotonic() - state.asked_at
+                if sock is not None and sock is state.asked_on and waited >= self.deadline_s / 2:
                     self._parallel.pop(state.bootstrap_addr, None)
                     self._routes.pop(state.route_key, None)
                     self._announced.pop(state.route_key, None)

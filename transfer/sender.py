@@ -456,7 +456,7 @@ class SenderPool:
                 if now >= next_sweep:
                     self._sweep(now)
                     next_sweep = now + 0.5
-        except Exception as exc:
+        except Exception as exc:  # a bug here must not leave rooms hanging silently
             log.exception("the sender pool's thread failed; failing its rooms")
             with self._lock:  # as in close(): send() publishes no item after this
                 self._stopping = True
