@@ -10,7 +10,7 @@ import time
 
 import pytest
 from live_helpers import wait_until
-from test_review_receiver import HOST, _encode_stand_in, _messages, engines  # noqa: F401 - fixture
+from test_review_receiver import HOST, _encode_stand_in, _messages
 
 from transfer.bootstrap import BootstrapClient, BootstrapServer
 
@@ -23,7 +23,7 @@ def _free_port() -> int:
     return port
 
 
-def test_a_room_cleared_while_its_encode_rank_is_down_never_reaches_the_rank_that_comes_back(engines):  # noqa: F811
+def test_a_room_cleared_while_its_encode_rank_is_down_never_reaches_the_rank_that_comes_back(engines):
     """ZMQ queues what is sent to a peer that is not connected and delivers it to whoever
     listens at that address next. A room cleared before its deadline, while its encode rank
     was down, must not reach the rank restarted there: its memory is the caller's again,
@@ -58,7 +58,7 @@ def test_a_room_cleared_while_its_encode_rank_is_down_never_reaches_the_rank_tha
             kept.clear()
 
 
-def test_a_room_whose_ask_never_left_says_so_when_it_expires(engines):  # noqa: F811
+def test_a_room_whose_ask_never_left_says_so_when_it_expires(engines):
     """The deadline's reason tells an operator the encode rank was never reachable, not
     merely that it sent nothing."""
     import torch
@@ -93,7 +93,7 @@ def test_a_room_whose_ask_never_left_says_so_when_it_expires(engines):  # noqa: 
                 rank.close(0)
 
 
-def test_a_room_asked_before_a_reconnect_expiring_spares_the_rooms_asked_after_it(engines):  # noqa: F811
+def test_a_room_asked_before_a_reconnect_expiring_spares_the_rooms_asked_after_it(engines):
     """When a room expires its encode rank's socket is replaced and what waited on it fails.
     A room asked on a socket already replaced says nothing about the new one: the rooms
     waiting there were asked after a fresh look-up, and must keep their own deadlines
@@ -135,7 +135,7 @@ def test_a_room_asked_before_a_reconnect_expiring_spares_the_rooms_asked_after_i
                 handle.clear()
 
 
-def test_an_encode_rank_restarted_at_the_same_address_is_registered_with_before_its_first_room(engines):  # noqa: F811
+def test_an_encode_rank_restarted_at_the_same_address_is_registered_with_before_its_first_room(engines):
     """SPEC.md 5: the registration goes to an encode rank the first time the prefill rank
     meets it. A rank restarted at the same address is a new one that knows nothing of this
     session; without the registration it cannot check destinations (SPEC.md 8), and once it

@@ -17,7 +17,7 @@ import weakref
 
 import pytest
 import torch
-from live_helpers import MOONCAKE_MISSING, wait_until
+from live_helpers import wait_until
 from test_buffers import FakeClock, FakeEvent, RecordingEngine
 
 from transfer.buffers import QUARANTINE_S, ReceivePool, SlotError
@@ -46,17 +46,6 @@ def test_default_quarantine_outlasts_a_parked_ask_whose_item_then_waits_for_its_
     assert QUARANTINE_S >= latest_write, (
         f"a failed room's slot is free again after {QUARANTINE_S:g}s, but its late write may land "
         f"up to {latest_write:g}s after the ask")
-
-
-@pytest.fixture(scope="module")
-def engines():
-    """Two real Mooncake engines (tcp on loopback): the encode side's and the prefill side's."""
-    if MOONCAKE_MISSING:
-        pytest.skip(MOONCAKE_MISSING)
-    from transfer.engine import Engine
-
-    with Engine(HOST, "tcp") as encode, Engine(HOST, "tcp") as prefill:
-        yield encode, prefill
 
 
 @pytest.mark.live

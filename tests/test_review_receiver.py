@@ -22,12 +22,6 @@ HOST = "127.0.0.1"
 # ------------------------------------------------------------------ bootstrap server
 
 
-@pytest.fixture()
-def server():
-    with BootstrapServer(HOST, 0) as srv:
-        yield srv
-
-
 def _exchange(port: int, request: bytes, timeout: float = 5.0) -> bytes:
     """Sends `request` on a fresh connection; returns everything the server answers before closing."""
     with socket.create_connection((HOST, port), timeout=timeout) as sock:
@@ -125,19 +119,6 @@ def test_many_silent_connections_hold_a_bounded_number_of_server_threads(monkeyp
 # ------------------------------------------------------------------ session manager (live)
 
 BF16 = "torch.bfloat16"
-
-
-@pytest.fixture(scope="module")
-def engines():
-    """Two real Mooncake engines (tcp on loopback): the encode side's and the prefill side's."""
-    from live_helpers import MOONCAKE_MISSING
-
-    if MOONCAKE_MISSING:
-        pytest.skip(MOONCAKE_MISSING)
-    from transfer.engine import Engine
-
-    with Engine(HOST, "tcp") as encode, Engine(HOST, "tcp") as prefill:
-        yield encode, prefill
 
 
 @pytest.mark.live

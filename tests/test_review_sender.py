@@ -29,7 +29,6 @@ from live_helpers import (
     wait_until,
 )
 
-from transfer.bootstrap import BootstrapServer
 from transfer.engine import Engine, TransferError
 from transfer.frames import TransferInfo, registration_frames
 from transfer.sender import SenderPool
@@ -41,19 +40,6 @@ SPAN = 4
 HIDDEN = 256
 ROW = HIDDEN * 2  # bf16
 ITEM = SPAN * ROW
-
-
-@pytest.fixture(scope="module")
-def engines():
-    """(encode engine, prefill engine): two real Mooncake engines on loopback."""
-    with Engine(HOST, "tcp") as encode, Engine(HOST, "tcp") as prefill:
-        yield encode, prefill
-
-
-@pytest.fixture
-def server():
-    with BootstrapServer(HOST, 0) as bootstrap:
-        yield bootstrap
 
 
 @pytest.fixture
