@@ -381,6 +381,20 @@ def sub_groups(rank: int, size: int) -> dict:
     return out
 
 
+def wrong_block_on_one_rank(rank: int, size: int) -> dict:
+    """The last rank believes its block is one rank larger (then its rank_in_block is off by one);
+    afterwards a well-formed batch must still work."""
+    out = {}
+    for name, kwargs in (("block_size", {"block_size": size + 1}), ("rank_in_block", {"rank_in_block": rank + 1})):
+        cases = [Case(rank, size, 100, 6)]
+        call = (lambda items, kw=kwargs: reassemble(items, **kw)) if rank == size - 1 else reassemble
+        started = time.monotonic()
+        out[name] = judge(cases, call)
+        out[name]["took"] = time.monotonic() - started
+    out["after"] = judge([Case(rank, size, 101, 5)], reassemble)
+    return out
+
+
 def dead_peer(rank: int, size: int) -> dict:
     """Rank 1 exits without a word once the group is up; rank 0 must not wait the group timeout."""
     dist.barrier()
@@ -433,6 +447,19 @@ def test_destination_without_a_byte_view_fails_the_item_everywhere(tmp_path):
         assert obs["raised"] is None, (rank, obs["raised"])
         assert obs["flags"] == [False, True], (rank, obs)
         assert obs["untouched"][0] and obs["exact"][1]
+
+
+def test_a_wrong_block_on_one_rank_raises_everywhere_promptly(tmp_path):
+    observed = seen(run_ranks("wrong_block_on_one_rank", 2, tmp_path))
+    for rank, obs in enumerate(observed):
+        for name in ("block_size", "rank_in_block"):
+            got = obs[name]
+            assert got["raised"] is not None and got["raised"].startswith("ValueError: reassemble:"), (rank, name, got)
+            expected = name if rank == 1 else "another rank of the group refused the batch"
+            assert expected in got["raised"], (rank, name, got["raised"])
+            assert got["took"] < GROUP_TIMEOUT_S - 5, (rank, name, got["took"])
+            assert all(got["untouched"]), (rank, name)
+        assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
 
 
 def test_blocks_inside_a_larger_world(tmp_path):

@@ -78,7 +78,7 @@ def agree(oks: Sequence[bool], group: Any = None, *, keys: Sequence[Sequence[int
     """
     _check_member(group, "agree")
     target = torch.device(device) if device is not None else _default_device(group)
-    reduced = _agreement(oks, keys, group, target)
+    reduced = _agreement(oks, keys, group, target, "agree")
     return _flags(reduced)
 
 
@@ -109,24 +109,30 @@ def _table(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None) -> tuple[l
 
 
 def _agreement(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None, group: Any,
-               device: torch.device) -> torch.Tensor:
-    """The MIN over the ranks of every item's [ok, k..., -k...] row, as a [count, 1 + 2 * width] tensor."""
+               device: torch.device, what: str, refusal: str | None = None) -> torch.Tensor:
+    """The MIN over the ranks of every item's [ok, k..., -k...] row, as a [count, 1 + 2 * width] tensor.
+
+    A rank that must refuse the batch (`refusal`, or invalid keys) still takes part in
+    the first all-reduce, so every rank raises instead of its peers waiting out the
+    group's timeout in a collective it never joins.
+    """
     count, width = len(oks), len(keys[0]) if keys else 0
     flat, problem = _table(oks, keys)
+    problem = refusal or problem
     if problem is not None:
-        log.error("agree on rank %d of the group: %s", dist.get_rank(group), problem)
+        log.error("%s on rank %d of the group: %s", what, dist.get_rank(group), problem)
     header = [0 if problem else 1, count, -count, width, -width]
     message = torch.tensor(header + flat, dtype=torch.int64)
     first = torch.zeros(_FIRST_ELEMENTS, dtype=torch.int64)
     first[: min(message.numel(), _FIRST_ELEMENTS)] = message[:_FIRST_ELEMENTS]
     first = _min_all_reduce(first, group, device)
     if first[0] != 1:
-        raise ValueError(f"agree: {problem or 'another rank of the group passed invalid items (see its log)'}")
+        raise ValueError(f"{what}: {problem or 'another rank of the group refused the batch (see its log)'}")
     if first[1] != -first[2]:
-        raise RuntimeError(f"agree: the ranks of the group pass different numbers of items "
+        raise RuntimeError(f"{what}: the ranks of the group pass different numbers of items "
                            f"({int(first[1])} to {int(-first[2])}); they must pass the same items")
     if first[3] != -first[4]:
-        raise RuntimeError(f"agree: the ranks of the group pass different numbers of keys per item "
+        raise RuntimeError(f"{what}: the ranks of the group pass different numbers of keys per item "
                            f"({int(first[3])} to {int(-first[4])})")
     # Every rank now knows the others hold the same count and width: the rest has one size.
     rest = message[_FIRST_ELEMENTS:]
@@ -262,19 +268,14 @@ def reassemble(items: Sequence[ShardedItem], group: Any = None, *, block_size: i
     order. One all-reduce agrees on the outcome, one all-gather rebuilds the rows.
     An item flagged False is left exactly as it was. Ranks that disagree on the
     number of items or on the room at a position raise RuntimeError on every rank,
-    before any row is written; a rank outside `group` raises ValueError.
+    before any row is written; so does a rank whose `block_size` or `rank_in_block`
+    contradicts the group (ValueError, naming it on that rank). A rank outside `group`
+    raises ValueError.
     """
     _check_member(group, "reassemble")
     size = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    block_size = size if block_size is None else block_size
-    rank_in_block = rank if rank_in_block is None else rank_in_block
-    if block_size != size:
-        raise ValueError(f"reassemble: block_size {block_size} differs from the group's {size} ranks "
-                         f"(the group must be exactly the block)")
-    if rank_in_block != rank:
-        raise ValueError(f"reassemble: rank_in_block {rank_in_block} differs from the group rank {rank} "
-                         f"(shards are gathered in group rank order)")
+    refusal = _check_block(size, rank, block_size, rank_in_block)
     # An empty batch still takes part in the agreement: a peer with items is waiting in it.
     device = _batch_device(items, group)
     oks, keys = [], []
@@ -285,13 +286,22 @@ def reassemble(items: Sequence[ShardedItem], group: Any = None, *, block_size: i
             log.warning("room %s on rank %d of the block: %s; failing it", item.room, rank, problem)
         oks.append(bool(item.ok) and problem is None)
         keys.append((_room_key(item.room), *(_keys(item) if problem is None else (-1,) * 5)))
-    reduced = _agreement(oks, keys, group, device)
+    reduced = _agreement(oks, keys, group, device, "reassemble", refusal)
     _check_rooms(reduced)
     agreed = _flags(reduced)
     chosen = [item for item, ok in zip(items, agreed) if ok]
     if size > 1 and chosen:
         _exchange(chosen, rank, size, group, device)
     return agreed
+
+
+def _check_block(size: int, rank: int, block_size: int | None, rank_in_block: int | None) -> str | None:
+    """Why this rank's view of its block contradicts the group (None when it agrees)."""
+    if block_size is not None and block_size != size:
+        return f"block_size {block_size} differs from the group's {size} ranks (the group must be exactly the block)"
+    if rank_in_block is not None and rank_in_block != rank:
+        return f"rank_in_block {rank_in_block} differs from the group rank {rank} (shards are gathered in group rank order)"
+    return None
 
 
 def _batch_device(items: Sequence[ShardedItem], group: Any) -> torch.device:
