@@ -196,6 +196,7 @@ def test_pooled_receives_lease_slots_fall_back_and_quarantine_failures(engine):
         lost.clear()
         assert slots.stats()["quarantined"] == 1
         assert manager.stats()["gauges"]["quarantined_slots"] == {"": 1}
+        assert manager.stats()["gauges"]["fallback_bytes"] == {"": 0}
         time.sleep(0.6)
         slots.poll()
         assert slots.stats()["quarantined"] == 0 and slots.stats()["free"] == 2

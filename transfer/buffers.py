@@ -14,6 +14,9 @@ copied out:
   write may still land in it.
 - an item too big for a slot, or an exhausted pool, gets a per-item fallback buffer
   registered for that item and deregistered only `grace_s` after its release.
+  The bytes fallbacks hold at once (live, awaiting events, in grace or quarantined)
+  are capped by `max_fallback_bytes`; past it `lease_or_fallback()` raises
+  FallbackLimitError, leaving nothing allocated or registered.
 
 Every state change goes through one lock, so release() may come from another
 thread than lease(). Time comes from an injectable `clock` (tests fake it).
@@ -36,7 +39,7 @@ from transfer._io import Region
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SLOT_ALIGN", "ReceivePool", "Slot", "SlotError"]
+__all__ = ["FALLBACK_FLOOR_BYTES", "SLOT_ALIGN", "FallbackLimitError", "ReceivePool", "Slot", "SlotError"]
 
 #: Slot sizes are multiples of this, so a view of any dtype starts aligned.
 SLOT_ALIGN = 16
@@ -50,6 +53,16 @@ SLOT_ALIGN = 16
 #: quarantine_s >= 2 T + the transfer timeout.
 QUARANTINE_S = 2 * 120.0 + 30.0 + 10.0
 
+#: The default cap on fallback bytes is the pool's own size, but at least this. The pool is
+#: what the operator sized for the rank's load, so fallbacks (outliers and bursts) at most
+#: double the registered memory that was planned for; the floor lets a pool sized for typical
+#: items still take a few outliers (32k rows of hidden 4096 in bf16 are 256 MiB). Without a
+#: cap, a burst of failing rooms with big items, each kept QUARANTINE_S, could hold any amount.
+FALLBACK_FLOOR_BYTES = 1 << 30
+
+# max_fallback_bytes' default: computed from the pool's size (None means unbounded).
+_AUTO: Any = object()
+
 # Slot handle states.
 _LEASED = "leased"
 _RELEASED = "released"
@@ -58,6 +71,14 @@ _FAILED = "failed"
 
 class SlotError(RuntimeError):
     """A slot used against its lifecycle (released twice, failed after release, ...)."""
+
+
+class FallbackLimitError(RuntimeError):
+    """A fallback buffer would take the pool's fallbacks past max_fallback_bytes.
+
+    A RuntimeError, like the error a failed allocation of the buffer raises, so callers
+    that already handle one handle both; catch this one to tell "over budget" apart.
+    """
 
 
 class _Event(Protocol):
@@ -151,14 +172,26 @@ class ReceivePool:
 
     def __init__(self, engine: Any, nbytes: int, slot_bytes: int, *, device: str = "cpu",
                  quarantine_s: float = QUARANTINE_S, grace_s: float = 30.0,
+                 max_fallback_bytes: int | None = _AUTO,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """Allocates `nbytes` on `device`, registers them once with `engine`, cuts `slot_bytes` slots."""
+        """Allocates `nbytes` on `device`, registers them once with `engine`, cuts `slot_bytes` slots.
+
+        `max_fallback_bytes` caps the bytes fallback buffers hold at once (default: the
+        larger of `nbytes` and FALLBACK_FLOOR_BYTES; None: unbounded; 0: no fallbacks).
+        """
         if slot_bytes <= 0 or slot_bytes % SLOT_ALIGN:
             raise ValueError(f"slot_bytes must be a positive multiple of {SLOT_ALIGN}, got {slot_bytes}")
         if nbytes < slot_bytes:
             raise ValueError(f"pool of {nbytes} bytes cannot hold one slot of {slot_bytes} bytes")
         if quarantine_s < 0 or grace_s < 0:
             raise ValueError(f"quarantine_s ({quarantine_s}) and grace_s ({grace_s}) must be >= 0")
+        if max_fallback_bytes is _AUTO:
+            max_fallback_bytes = max(int(nbytes), FALLBACK_FLOOR_BYTES)
+        elif max_fallback_bytes is not None:
+            if max_fallback_bytes < 0:
+                raise ValueError(f"max_fallback_bytes must be >= 0 or None, got {max_fallback_bytes}")
+            max_fallback_bytes = int(max_fallback_bytes)
+        self.max_fallback_bytes: int | None = max_fallback_bytes
         self.engine = engine
         self.slot_bytes = int(slot_bytes)
         self.slots = int(nbytes) // self.slot_bytes
@@ -176,11 +209,15 @@ class ReceivePool:
         self._leased = 0
         # Released with an event not yet completed: [(slot handle, event)].
         self._pending: list[tuple[Slot, _Event]] = []
-        # Quarantined slots and fallbacks in their grace: heaps of (deadline, seq, ...).
+        # Quarantined slots and fallbacks in their grace: heaps of (deadline, seq, ...); a
+        # fallback's entry ends with whether it was quarantined (for the cap's error text).
         self._quarantine: list[tuple[float, int, int]] = []
-        self._graces: list[tuple[float, int, Region]] = []
-        self._fallbacks: dict[int, Region] = {}  # live fallback buffers, addr -> region
+        self._graces: list[tuple[float, int, Region, bool]] = []
+        self._fallbacks: dict[int, Region] = {}  # registered fallback buffers, addr -> region
         self._fallbacks_total = 0
+        # Bytes of the fallbacks in _fallbacks plus those being allocated (reserved first,
+        # so two threads cannot both pass the cap).
+        self._fallback_bytes = 0
         self._retired: list[Region] = []  # fallbacks close() unregistered; freed with the pool
         self._seq = itertools.count()
 
@@ -200,21 +237,73 @@ class ReceivePool:
         return Slot(self, self.region, index * self.slot_bytes, self.slot_bytes, index, False)
 
     def lease_or_fallback(self, nbytes: int) -> Slot:
-        """A slot, or a fallback buffer of `nbytes` registered for this item alone."""
+        """A slot, or a fallback buffer of `nbytes` registered for this item alone.
+
+        Raises FallbackLimitError when that buffer would take the fallbacks past
+        max_fallback_bytes even after retiring what poll() can.
+        """
         slot = self.lease(nbytes)
         if slot is not None:
             return slot
         # Mooncake refuses empty regions; a zero-byte item still gets a (1-byte) buffer.
-        tensor = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=self.device)
-        with self._lock:
-            self._check_open()
-            self.engine.register(tensor)
-            region = Region(tensor.data_ptr(), tensor.numel(), self.device, tensor)
-            self._fallbacks[region.addr] = region
-            self._fallbacks_total += 1
+        size = max(int(nbytes), 1)
+        if not self._reserve(size):
+            self.poll()  # lease() polled already, but graces may have ended since
+            if not self._reserve(size):
+                raise FallbackLimitError(self._over_cap(int(nbytes)))
+        try:
+            tensor = torch.empty(size, dtype=torch.uint8, device=self.device)
+            with self._lock:
+                self._check_open()
+                self.engine.register(tensor)
+                region = Region(tensor.data_ptr(), tensor.numel(), self.device, tensor)
+                self._fallbacks[region.addr] = region
+                self._fallbacks_total += 1
+        except BaseException:
+            self._unreserve(size)
+            raise
         log.debug("fallback buffer of %d bytes at %#x (pool slots %d bytes, %d free)",
                   nbytes, region.addr, self.slot_bytes, len(self._free))
         return Slot(self, region, 0, int(nbytes), -1, True)
+
+    def _reserve(self, size: int) -> bool:
+        """Counts `size` more fallback bytes if the cap allows; False (nothing counted) if not."""
+        with self._lock:
+            self._check_open()
+            cap = self.max_fallback_bytes
+            if cap is not None and self._fallback_bytes + size > cap:
+                return False
+            self._fallback_bytes += size
+            return True
+
+    def _unreserve(self, size: int) -> None:
+        """Gives back a reservation whose buffer never came to be."""
+        with self._lock:
+            if not self._closed:  # close() zeroed the count, reservations included
+                self._fallback_bytes -= size
+
+    def _over_cap(self, nbytes: int) -> str:
+        """FallbackLimitError's text: what was asked, what fallbacks hold and why, what to do."""
+        with self._lock:
+            now = self._clock()
+            pending = sum(1 for slot, _ in self._pending if slot.is_fallback)
+            quarantined = sum(1 for entry in self._graces if entry[3])
+            in_grace = len(self._graces) - quarantined
+            live = len(self._fallbacks) - pending - len(self._graces)
+            held, cap = self._fallback_bytes, self.max_fallback_bytes
+            soonest = f"; the next retires in {max(0.0, self._graces[0][0] - now):.1f}s" if self._graces else ""
+            if nbytes > self.slot_bytes:
+                why = f"the item is bigger than a slot ({self.slot_bytes} bytes)"
+                fix = f"size the pool's slots to at least {nbytes} bytes"
+            else:
+                why = (f"all {self.slots} slots are taken ({self._leased} leased, {len(self._quarantine)} "
+                       f"quarantined, {len(self._pending) - pending} awaiting copy-out events)")
+                fix = f"size the pool larger (more than {self.slots} slots of {self.slot_bytes} bytes)"
+        return (f"receive pool at {self.region.addr:#x}: a fallback buffer of {nbytes} bytes would take "
+                f"fallbacks past max_fallback_bytes={cap}: they hold {held} bytes in {len(self._fallbacks)} "
+                f"buffers ({live} live, {pending} awaiting copy-out events, {in_grace} in grace, "
+                f"{quarantined} quarantined after failed rooms{soonest}), and {why}; "
+                f"{fix}, or raise max_fallback_bytes (None: unbounded)")
 
     # -- returns (called by Slot) -----------------------------------------------
 
@@ -242,14 +331,14 @@ class ReceivePool:
         """Park a slot for quarantine_s, a fallback for the longer of grace and quarantine (lock held)."""
         if slot.is_fallback:
             delay = max(self.grace_s, self.quarantine_s)
-            heapq.heappush(self._graces, (now + delay, next(self._seq), slot.region))
+            heapq.heappush(self._graces, (now + delay, next(self._seq), slot.region, True))
         else:
             heapq.heappush(self._quarantine, (now + self.quarantine_s, next(self._seq), slot.index))
 
     def _settle(self, slot: Slot, now: float) -> None:
         """Copy-out done: a slot is free again, a fallback starts its grace (lock held)."""
         if slot.is_fallback:
-            heapq.heappush(self._graces, (now + self.grace_s, next(self._seq), slot.region))
+            heapq.heappush(self._graces, (now + self.grace_s, next(self._seq), slot.region, False))
         else:
             self._free.append(slot.index)
 
@@ -277,13 +366,15 @@ class ReceivePool:
                 self._free.append(heapq.heappop(self._quarantine)[2])
             while self._graces and self._graces[0][0] <= now:
                 region = heapq.heappop(self._graces)[2]
-                self._fallbacks.pop(region.addr, None)
+                if self._fallbacks.pop(region.addr, None) is not None:
+                    self._fallback_bytes -= region.nbytes
                 expired.append(region)
         for region in expired:
             self._unregister(region)
 
-    def stats(self) -> dict[str, int]:
-        """Counts after a poll(): free, leased, pending_events, quarantined slots; live and total fallbacks."""
+    def stats(self) -> dict[str, int | None]:
+        """Counts after a poll(): free, leased, pending_events, quarantined slots; live and total
+        fallbacks, the bytes they hold and their cap (max_fallback_bytes, None when unbounded)."""
         self.poll()
         with self._lock:
             return {
@@ -294,6 +385,8 @@ class ReceivePool:
                 "quarantined": len(self._quarantine),
                 "fallbacks_live": len(self._fallbacks),
                 "fallbacks_total": self._fallbacks_total,
+                "fallback_bytes": self._fallback_bytes,
+                "max_fallback_bytes": self.max_fallback_bytes,
             }
 
     # -- lifecycle -------------------------------------------------------------------
@@ -322,6 +415,7 @@ class ReceivePool:
             # whose event is pending may still read a fallback.
             self._retired = list(self._fallbacks.values())
             self._fallbacks.clear()
+            self._fallback_bytes = 0
             self._pending.clear()
             self._quarantine.clear()
             self._graces.clear()

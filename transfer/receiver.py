@@ -220,6 +220,7 @@ class SessionManager:
         self.metrics.gauge_fn("rooms_in_flight", lambda: len(self._rooms))
         if pool is not None:
             self.metrics.gauge_fn("quarantined_slots", lambda: pool.stats()["quarantined"])
+            self.metrics.gauge_fn("fallback_bytes", lambda: pool.stats()["fallback_bytes"])
         self._thread = threading.Thread(target=self._run, name=f"epd-prefill-{engine_rank}", daemon=True)
         self._thread.start()
 
