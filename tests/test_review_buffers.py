@@ -52,8 +52,10 @@ def test_default_quarantine_outlasts_a_parked_ask_whose_item_then_waits_for_its_
 def test_a_late_write_held_by_its_ready_event_does_not_land_in_the_next_rooms_slot(engines):
     """Defaults scaled down 40 times: room 1 is asked for and given up at once; its item comes
     just before the encode rank's parking ends, with a ready event that completes just before
-    its own bound. Room 2, leased after the failed slot's quarantine would end if it covered
-    only the parking, must keep its bytes; room 1's write does land (in the quarantined slot)."""
+    the bound counted from send(). Room 2, leased after the failed slot's quarantine would end
+    if it covered only the parking, must keep its bytes. Our encode rank no longer starts a
+    write more than its bootstrap timeout after the room's first ask, so room 1 fails unwritten
+    (the quarantine stays sized for encode ranks that count from send())."""
     from transfer.bootstrap import BootstrapServer
     from transfer.receiver import SessionManager
     from transfer.sender import SenderPool
@@ -79,6 +81,7 @@ def test_a_late_write_held_by_its_ready_event_does_not_land_in_the_next_rooms_sl
             assert wait_until(lambda: given_up.poll() == TransferPoll.WaitingForInput, 5.0)
             cleared_at = time.monotonic()
             given_up.clear()  # the request was aborted: its slot goes to quarantine now
+            slots.region.tensor[:slot].fill_(0x5A)  # what the quarantined slot holds until a write lands
             time.sleep(max(0.0, cleared_at + 2 / 3 * parking - time.monotonic()))
             written = sender.send(1, late_item, ready_event=ready)  # within the parking: it is served
             # After a quarantine of parking + 10 s (scaled) would have ended, before the ready
@@ -90,10 +93,12 @@ def test_a_late_write_held_by_its_ready_event_does_not_land_in_the_next_rooms_sl
             assert time.monotonic() < cleared_at + 2 / 3 * parking + parking - 0.2, \
                 "the machine is too slow for this test's timing"
             ready.done = True
-            assert written.wait(5) == TransferPoll.Success, written.failure
+            assert written.wait(5) == TransferPoll.Failed
+            assert "since the room's first ask" in written.failure and "not started" in written.failure, \
+                written.failure
             written.clear()
             landed = slots.region.tensor[:slot]
-            assert torch.equal(landed, late_item.view(-1).view(torch.uint8)), "room 1's late write never came"
+            assert bool((landed == 0x5A).all()), "room 1's write landed in its quarantined slot after all"
             assert torch.equal(following.rows.view(torch.uint8), next_item.view(torch.uint8)), \
                 "room 1's late write landed in room 2's rows"
             assert slots.stats()["fallbacks_total"] == 1  # room 2 got a buffer of its own

@@ -50,7 +50,9 @@ SLOT_ALIGN = 16
 #: room up; that item's write may then wait another bootstrap timeout (counted from send())
 #: for its ready event, and the write itself lasts up to Mooncake's transfer timeout (30 s
 #: by default). 10 s spare on top; encode ranks with a bootstrap timeout T need a pool with
-#: quarantine_s >= 2 T + the transfer timeout.
+#: quarantine_s >= 2 T + the transfer timeout. Our own encode ranks start no write later than
+#: T after the room's first ask, so T + the transfer timeout would do against them; the
+#: default stays sized for encode ranks that bound a ready event's wait from send() only.
 QUARANTINE_S = 2 * 120.0 + 30.0 + 10.0
 
 #: The default cap on fallback bytes is the pool's own size, but at least this. The pool is

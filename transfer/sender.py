@@ -8,6 +8,11 @@ complete, polls the batches in flight, and pushes each receiver's status without
 ever blocking. Measured on two cores, one such thread beats an I/O thread feeding
 writer threads: every hand-off between threads cost a wake-up on a busy core, and
 the Mooncake threads that move the bytes need those cores.
+
+A receiver that asked is told Failed as soon as nothing will serve it, since a peer
+has no deadline of its own: its room was cleared before the whole fanout asked (and
+not sent again), the room already has MAX_RECEIVERS_PER_ROOM receivers, or its write
+could not start within the bootstrap timeout of the room's first ask.
 """
 
 from __future__ import annotations
@@ -106,6 +111,7 @@ class _Item:
     failed: bool = False
     succeeded: bool = False  # every receiver was served: nothing may tell them Failed any more
     concluded_at: float | None = None
+    asked_at: float = 0.0  # when the room's first ask came (set at dispatch): bounds its writes' wait
 
     def ready(self) -> bool:
         """Whether the source rows may be read: no ready event, or it completed.
@@ -201,6 +207,9 @@ class SenderPool:
         self._sessions: dict[str, list[Registration]] = {}
         self._lock = threading.Lock()
         self._new_items: list[_Item] = []
+        # (room, when) of items cleared before any receiver was attached: the pool's thread
+        # tells the receivers parked for them Failed (the asks are its own to touch).
+        self._cleared: list[tuple[int, float]] = []
         self._waker = _io.Waker()
         self._stopping = False  # the thread stops (close(), or a failure of its own)
         self._closed = False
@@ -442,8 +451,11 @@ class SenderPool:
                 if (woken or self._waker.pending()) and self._waker.drain():
                     with self._lock:
                         new, self._new_items = self._new_items, []
+                        cleared, self._cleared = self._cleared, []
                     for item in new:
                         self._maybe_dispatch(item.room)
+                    for room, cleared_at in cleared:
+                        self._fail_cleared_asks(room, cleared_at)
                 more_requests = self._drain_requests()
                 self._start_waiting(in_flight)
                 if in_flight:
@@ -490,7 +502,10 @@ class SenderPool:
         return True
 
     def _file_request(self, frames: list[bytes]) -> None:
-        """Files one registration or TransferInfo; a complete fanout starts its room's writes."""
+        """Files one registration or TransferInfo; a complete fanout starts its room's writes.
+
+        An ask past MAX_RECEIVERS_PER_ROOM for its room is told Failed and not kept.
+        """
         try:
             if is_registration(frames):
                 self._file_registration(parse_registration(frames))
@@ -505,8 +520,10 @@ class SenderPool:
                 self._evict_oldest_ask()
             asks = self._asks[info.room] = _Asks(time.monotonic())
         elif len(asks.infos) >= MAX_RECEIVERS_PER_ROOM and info.session_id not in asks.infos:
-            self._complaints.warning("receivers", "room %d: more than %d receivers asked; dropped the ask of %s",
-                                     info.room, MAX_RECEIVERS_PER_ROOM, info.session_id)
+            # Told, not just dropped: the receiver has no deadline of its own to give up by.
+            self._complaints.warning("receivers", "room %d: more than %d receivers asked; telling %s Failed",
+                                     info.room, MAX_RECEIVERS_PER_ROOM, info.session_id[:64])
+            self._tell_failed([info])
             return
         replaced = asks.infos.get(info.session_id)
         asks.infos[info.session_id] = info
@@ -536,7 +553,8 @@ class SenderPool:
         """Starts the room's writes once the item is here and its whole fanout asked.
 
         Asks for a room that already failed are answered Failed at once: nothing will
-        serve them, and a peer has no deadline of its own.
+        serve them, and a peer has no deadline of its own. The item keeps when the room's
+        first ask came, which bounds how long its writes may wait to start.
         """
         asks = self._asks.get(room)
         if asks is None:
@@ -563,6 +581,7 @@ class SenderPool:
             if self._items.get(room) is item:
                 self._table.update(room, TransferPoll.Transferring)
         item.pending = len(infos)
+        item.asked_at = asks.first_at  # _start_waiting's bound on each write's wait counts from here
         self._waiting.extend((item, info) for info in infos)
         self._queued.update(info.session_id for info in infos)
 
@@ -634,10 +653,15 @@ class SenderPool:
         sleep beats Mooncake's own wait, which spins a whole core. A write whose item's
         ready event has not completed waits without holding up the others, for at most
         the bootstrap timeout after send(). One session holds at most its share of the
-        slots; its further writes wait without holding up other sessions' writes.
+        slots; its further writes wait without holding up other sessions' writes. A
+        write about to start when the bootstrap timeout has passed since its room's
+        first ask (it waited that long for a slot or its ready event) fails the room
+        instead: the receiver is told Failed rather than written to ever later.
         """
         if not self._waiting or len(in_flight) >= self.depth:
             return  # the common case, every turn of the loop: nothing to count
+        limit = self.bootstrap_timeout_s
+        now = time.monotonic()
         held: list[tuple[_Item, TransferInfo]] = []
         per_session = Counter(write.info.session_id for write in in_flight)
         # Sessions that may start a write now: none, and the queue is not even looked at.
@@ -653,13 +677,16 @@ class SenderPool:
             except Exception as exc:  # noqa: BLE001 - a broken event fails its room only
                 self._fail(item, f"room {item.room}: waiting for its ready event failed: {exc}")
                 ready = True  # _start_write now just counts this receiver out
-            if not ready and time.monotonic() - item.started_at > self.bootstrap_timeout_s:
-                self._fail(item, f"room {item.room}: its ready event did not complete within "
-                                 f"{self.bootstrap_timeout_s:g}s")
+            if not ready and now - item.started_at > limit:
+                self._fail(item, f"room {item.room}: its ready event did not complete within {limit:g}s")
                 ready = True
             if not ready:
                 held.append((item, info))
                 continue
+            if not item.failed and now - item.asked_at > limit:
+                self._fail(item, f"room {item.room}: its write for {session[:64]} waited {now - item.asked_at:.1f}s "
+                                 f"since the room's first ask for a free write slot or its ready event, "
+                                 f"past the bootstrap timeout {limit:g}s; not started")
             self._queued[session] -= 1
             if not self._queued[session]:
                 del self._queued[session]
@@ -833,6 +860,12 @@ class SenderPool:
         self._conclusions.notify()
 
     def _forget(self, item: _Item) -> None:
+        """Fails the item unless it concluded, then forgets it (called from the caller's thread).
+
+        An item cleared before any receiver was attached leaves the asks parked for it
+        (part of a fanout) unanswered: the pool's thread is handed the room to tell them
+        Failed, as it is handed new items.
+        """
         with self._lock:  # this item's own entry: the room may have been sent again since
             live = self._items.get(item.room) is item and not is_terminal(self._table.get(item.room))
         if live:
@@ -841,6 +874,31 @@ class SenderPool:
             if self._items.get(item.room) is item:
                 del self._items[item.room]
                 self._table.clear(item.room)
+                if not item.receivers and not self._stopping:  # once stopped, close() tells the parked asks
+                    self._cleared.append((item.room, time.monotonic()))
+                    self._waker.wake()
+
+    def _fail_cleared_asks(self, room: int, cleared_at: float) -> None:
+        """Tells the receivers parked for a room cleared unserved Failed, unless it was sent again.
+
+        Only asks parked before the clear were the cleared item's: a room whose first
+        ask came later, or one sent again since (a retry, which they now wait for), keeps
+        its asks for the room's next send.
+        """
+        asks = self._asks.get(room)
+        if asks is None or asks.first_at > cleared_at:
+            return
+        with self._lock:
+            if room in self._items:
+                return
+        self._take_asks(room)
+        fanout = next(iter(asks.infos.values())).fanout
+        sessions = ", ".join(s[:64] for s in sorted(asks.infos)[:3]) + (", ..." if len(asks.infos) > 3 else "")
+        self._failures.warning("cleared", "room %d: the caller cleared it before its whole fanout asked (%d of %d "
+                               "prefill ranks asked: %s); telling them Failed. Are the other ranks of the fanout "
+                               "running and routed to this encode rank, or was the room cleared too early?",
+                               room, len(asks.infos), fanout, sessions)
+        self._tell_failed(asks.infos.values())
 
 
 def _ask_cost(info: TransferInfo) -> int:
