@@ -578,7 +578,12 @@ def test_parked_asks_are_bounded_oldest_told_failed(monkeypatch):
             for index in range(3):  # a fourth-fanout room: the third receiver is one too many
                 ask(6, f"10.0.0.8:{index}", fanout=4)
             assert wait_until(lambda: len(sender._asks[6].infos) == 2, 2.0)
-            assert not statuses.poll(200)  # nobody else was told anything
+            assert sorted(sender._asks[6].infos) == sorted([SESSION, "10.0.0.8:0"])
+            # The two too many are told Failed (a peer has no deadline of its own); nobody else hears a thing.
+            for _ in range(2):
+                assert statuses.poll(2000)
+                assert parse_status(statuses.recv_multipart())[:2] == (6, TransferPoll.Failed)
+            assert not statuses.poll(200)
         finally:
             asks.close(0)
             statuses.close(0)
