@@ -123,6 +123,33 @@ def test_a_room_cleared_and_sent_again_keeps_the_asks_for_the_new_item(engines, 
         assert bytes(second.buffer[:2 * ROW].numpy()) == _rows_bytes(new_rows[2:])
 
 
+def test_a_retry_sent_just_after_the_pool_took_the_clear_still_keeps_the_asks(engines, server, second_prefill):
+    """clear() then send() from the caller, with the pool's thread waking in between (it
+    took the clear before the new item came): the parked half of the fanout still waits
+    for the new item, since the clear is acted on only CLEARED_GRACE_S later."""
+    from transfer.sender import CLEARED_GRACE_S
+
+    encode, prefill = engines
+    old_rows, new_rows = item_tensor(1, SPAN, HIDDEN), item_tensor(2, SPAN, HIDDEN)
+    with SenderPool(encode, 0, 1, 1, server.address) as pool, \
+            RawPrefill(prefill, pool.host, pool.port, ITEM) as first, \
+            RawPrefill(second_prefill, pool.host, pool.port, ITEM) as second:
+        old = pool.send(1, old_rows)
+        first.ask(1, first.base, 2, HIDDEN, SPAN, fanout=2)
+        assert wait_until(lambda: 1 in pool._asks, 5.0)
+        cleared_at = time.monotonic()
+        old.clear()
+        assert wait_until(lambda: not pool._cleared, 1.0)  # the pool's thread has the clear
+        new = pool.send(1, new_rows)
+        assert time.monotonic() - cleared_at < CLEARED_GRACE_S, "the machine is too slow for this test's timing"
+        assert _heads(first, 1, 1.0) == []  # not failed: the asks are the new item's
+        second.ask(1, second.base, 2, HIDDEN, SPAN, fanout=2, row_start=2)
+        assert new.wait(5.0) == TransferPoll.Success, new.failure
+        assert _heads(first, 1, 2.0) == [[b"1", SUCCESS, b"0"]]
+        assert bytes(first.buffer[:2 * ROW].numpy()) == _rows_bytes(new_rows[:2])
+        assert bytes(second.buffer[:2 * ROW].numpy()) == _rows_bytes(new_rows[2:])
+
+
 @pytest.mark.parametrize("when", ["after its room was served", "after an unserved room was cleared"])
 def test_an_ask_for_the_next_send_of_a_room_is_not_failed_by_a_clear(engines, server, when):
     """A prefill reusing the room number for its next request asks while the old item is

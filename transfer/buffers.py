@@ -250,7 +250,11 @@ class ReceivePool:
         # Mooncake refuses empty regions; a zero-byte item still gets a (1-byte) buffer.
         size = max(int(nbytes), 1)
         if not self._reserve(size):
-            self.poll()  # lease() polled already, but graces may have ended since
+            # lease() polled already, but events may have completed and graces ended since
+            # (or another thread released): what that poll frees is tried before refusing.
+            slot = self.lease(nbytes)
+            if slot is not None:
+                return slot
             if not self._reserve(size):
                 raise FallbackLimitError(self._over_cap(int(nbytes)))
         try:

@@ -11,8 +11,9 @@ the Mooncake threads that move the bytes need those cores.
 
 A receiver that asked is told Failed as soon as nothing will serve it, since a peer
 has no deadline of its own: its room was cleared before the whole fanout asked (and
-not sent again), the room already has MAX_RECEIVERS_PER_ROOM receivers, or its write
-could not start within the bootstrap timeout of the room's first ask.
+not sent again within CLEARED_GRACE_S), the room already has MAX_RECEIVERS_PER_ROOM receivers, or its write
+could not start within the bootstrap timeout of the room's first ask (nor can it once
+that much time passed with the fanout still incomplete).
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ MAX_REQUESTS_PER_ROUND = 256
 #: a control message each would otherwise be a terabyte a peer could make us hold.
 MAX_PARKED_BYTES = 64 << 20
 ASK_OVERHEAD_BYTES = 512  # measured: a parked TransferInfo with short text parts takes about 500 bytes
+
+#: A room cleared before its whole fanout asked has its parked asks told Failed this long
+#: after the clear, so a caller that clears and sends the room again at once (a retry)
+#: keeps them for the new item whichever way its two calls meet the pool's thread.
+CLEARED_GRACE_S = 0.1
 
 #: How long the statuses close() pushes may take to leave once the pool is closed.
 CLOSE_LINGER_MS = 1000
@@ -208,8 +214,10 @@ class SenderPool:
         self._lock = threading.Lock()
         self._new_items: list[_Item] = []
         # (room, when) of items cleared before any receiver was attached: the pool's thread
-        # tells the receivers parked for them Failed (the asks are its own to touch).
+        # tells the receivers parked for them Failed (the asks are its own to touch) once
+        # CLEARED_GRACE_S passed; _clears_due holds those it took and has not handled yet.
         self._cleared: list[tuple[int, float]] = []
+        self._clears_due: deque[tuple[int, float]] = deque()
         self._waker = _io.Waker()
         self._stopping = False  # the thread stops (close(), or a failure of its own)
         self._closed = False
@@ -444,7 +452,10 @@ class SenderPool:
                 if more_requests:
                     timeout = 0.0
                 else:
-                    timeout = delay if busy else max(0.0, next_sweep - time.monotonic())
+                    wake_at = next_sweep
+                    if self._clears_due:
+                        wake_at = min(wake_at, self._clears_due[0][1] + CLEARED_GRACE_S)
+                    timeout = delay if busy else max(0.0, wake_at - time.monotonic())
                 woken = self._sleep(timeout)
                 # The flag saves a system call per loop; the pipe's readability covers a
                 # wake() caught between setting the flag and writing its byte.
@@ -454,8 +465,7 @@ class SenderPool:
                         cleared, self._cleared = self._cleared, []
                     for item in new:
                         self._maybe_dispatch(item.room)
-                    for room, cleared_at in cleared:
-                        self._fail_cleared_asks(room, cleared_at)
+                    self._clears_due.extend(cleared)
                 more_requests = self._drain_requests()
                 self._start_waiting(in_flight)
                 if in_flight:
@@ -465,6 +475,8 @@ class SenderPool:
                 elif self._waiting:  # only writes held by their ready events: back off as for writes
                     delay = min(2 * delay, POLL_MAX_S)
                 now = time.monotonic()
+                while self._clears_due and now >= self._clears_due[0][1] + CLEARED_GRACE_S:
+                    self._fail_cleared_asks(*self._clears_due.popleft())
                 if now >= next_sweep:
                     self._sweep(now)
                     next_sweep = now + 0.5
@@ -571,6 +583,16 @@ class SenderPool:
         if not self._attach(item, infos):
             self._tell_failed(infos)
             return
+        waited = time.monotonic() - asks.first_at
+        if waited > self.bootstrap_timeout_s:
+            # No write may start this late after the first ask (_start_waiting): say why here,
+            # not later as a wait for a write slot that never happened. The sweep usually fails
+            # such a room first; this covers a fanout completed between two sweeps.
+            self._failures.warning("late fanout", "room %d: its whole fanout of %d asked only %.1fs after its first "
+                                   "ask, past the bootstrap timeout %gs; failing it", room, fanout, waited,
+                                   self.bootstrap_timeout_s)
+            self._fail(item, f"receiver never registered within {self.bootstrap_timeout_s:g}s")  # SPEC 6's text
+            return
         reason = validate_fanout(item.span, item.hidden, item.dtype, item.deepstack is not None, infos, fanout)
         if reason is None:
             reason = self._check_regions(item, infos)
@@ -617,17 +639,24 @@ class SenderPool:
         return None
 
     def _sweep(self, now: float) -> None:
-        """Fails items whose receivers never all asked, and asks whose item never came; retries releases."""
+        """Fails items whose receivers never all asked, and asks whose item never came; retries releases.
+
+        An item is parked from its send() or from its room's first ask, whichever came
+        first: past the bootstrap timeout of that ask no write of it may start any more
+        (_start_waiting), so the receivers that asked are told Failed now rather than at
+        the item's own timeout.
+        """
         if self._unreleased:
             self._retry_releases()
         limit = self.bootstrap_timeout_s
         with self._lock:
-            parked = [i for i in self._items.values() if not i.receivers and not i.failed and now - i.started_at > limit]
+            unserved = [i for i in self._items.values() if not i.receivers and not i.failed]
+        parked = [i for i in unserved if now - self._parked_since(i) > limit]
         for item in parked:
             asks = self._take_asks(item.room)
             infos = list(asks.infos.values()) if asks else []
             if self._attach(item, infos):
-                self._fail(item, f"receiver never registered within {limit:g}s")
+                self._fail(item, f"receiver never registered within {limit:g}s")  # SPEC 6's text
             else:
                 self._tell_failed(infos)  # cleared meanwhile: its failure could not name them
         for room in [r for r, a in self._asks.items() if now - a.first_at > limit]:
@@ -643,6 +672,11 @@ class SenderPool:
             if now - failed_at >= DEAD_SESSION_S:
                 self._dead_sessions.pop(session, None)
 
+    def _parked_since(self, item: _Item) -> float:
+        """When an unserved item started waiting for its fanout: its send(), or its room's first ask if earlier."""
+        asks = self._asks.get(item.room)
+        return item.started_at if asks is None else min(item.started_at, asks.first_at)
+
     # ---------------------------------------------------------------- writes
 
     def _start_waiting(self, in_flight: list[_Write]) -> None:
@@ -652,8 +686,9 @@ class SenderPool:
         threads blocked in synchronous writes, and polling completions with a short
         sleep beats Mooncake's own wait, which spins a whole core. A write whose item's
         ready event has not completed waits without holding up the others, for at most
-        the bootstrap timeout after send(). One session holds at most its share of the
-        slots; its further writes wait without holding up other sessions' writes. A
+        the bootstrap timeout after send() or after the room's first ask, whichever ends
+        first. One session holds at most its share of the slots; its further writes wait
+        without holding up other sessions' writes. A
         write about to start when the bootstrap timeout has passed since its room's
         first ask (it waited that long for a slot or its ready event) fails the room
         instead: the receiver is told Failed rather than written to ever later.
@@ -680,13 +715,16 @@ class SenderPool:
             if not ready and now - item.started_at > limit:
                 self._fail(item, f"room {item.room}: its ready event did not complete within {limit:g}s")
                 ready = True
-            if not ready:
-                held.append((item, info))
-                continue
+            # Checked before a write held by its ready event is put back too: it can never
+            # start past this bound, so its receivers are told now, not at send() + the timeout.
             if not item.failed and now - item.asked_at > limit:
                 self._fail(item, f"room {item.room}: its write for {session[:64]} waited {now - item.asked_at:.1f}s "
                                  f"since the room's first ask for a free write slot or its ready event, "
                                  f"past the bootstrap timeout {limit:g}s; not started")
+                ready = True
+            if not ready:
+                held.append((item, info))
+                continue
             self._queued[session] -= 1
             if not self._queued[session]:
                 del self._queued[session]
