@@ -76,6 +76,25 @@ def gc_pauses():
     gc.callbacks.remove(tracker)
 
 
+_SCHED = threading.local()
+
+
+def runq_wait() -> float:
+    """Seconds this thread has spent runnable but not running (preempted), from the kernel's
+    schedstat; 0 where the kernel does not keep it. A thread preempted on a loaded host is
+    not the library's doing; one that sleeps (blocks on I/O or a lock) is not counted here."""
+    fd = getattr(_SCHED, "fd", None)
+    if fd is None:
+        try:
+            fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            fd = -1
+        _SCHED.fd = fd
+    if fd < 0:
+        return 0.0
+    return int(os.pread(fd, 128, 0).split()[1]) / 1e9
+
+
 class Latencies:
     """The worst wall time of each kind of call made through it, per thread."""
 
@@ -111,7 +130,8 @@ class Latencies:
 
 
 class HoldProbe:
-    """Stands in for a threading.Lock and records the longest hold and the thread that held it."""
+    """Stands in for a threading.Lock and records the longest hold and the thread that held it
+    (wall time less GC pauses and time the holder spent preempted)."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -122,12 +142,14 @@ class HoldProbe:
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         got = self._inner.acquire(blocking, timeout)
         if got:
-            self._since.t = (time.perf_counter(), GC_TOTAL)
+            self._since.t = (time.perf_counter(), GC_TOTAL, runq_wait())
         return got
 
     def release(self) -> None:
-        since, gc_before = self._since.t
-        held = time.perf_counter() - since - (GC_TOTAL - gc_before)
+        # A hold spans a slow step only while the holder runs or sleeps: time it spent
+        # preempted by other threads (a loaded CI host) and in GC pauses does not count.
+        since, gc_before, preempted_before = self._since.t
+        held = time.perf_counter() - since - (GC_TOTAL - gc_before) - (runq_wait() - preempted_before)
         self._inner.release()
         if held > self.worst:
             self.worst, self.worst_by = held, threading.current_thread().name
