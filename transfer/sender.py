@@ -207,6 +207,7 @@ class SenderPool:
         self._table = RoomTable()
         self._conclusions = _io.Conclusions()
         self._items: dict[int, _Item] = {}  # sent by the caller, not yet cleared
+        self._fresh: dict[int, None] = {}  # rooms concluded, not yet handed out by concluded()
         self._asks: dict[int, _Asks] = {}  # TransferInfos waiting for their whole fanout or item
         self._parked_bytes = 0  # what the parked asks cost in all (owned by the pool's thread)
         # Receive regions each prefill session announced, newest last (bounded).
@@ -308,6 +309,15 @@ class SenderPool:
         """Why send() is refused once the pool's thread stopped."""
         return RuntimeError("sender pool is closed" if self._closed else
                             "sender pool's thread stopped after an error (see the log)")
+
+    def concluded(self) -> list[int]:
+        """Rooms that reached Success or Failed since the last call, oldest first, each once.
+
+        Never blocks; a room cleared before it was handed out is left out.
+        """
+        with self._lock:
+            rooms, self._fresh = list(self._fresh), {}
+        return rooms
 
     def stats(self) -> dict:
         """A plain snapshot of counters, histograms and gauges."""
@@ -884,6 +894,7 @@ class SenderPool:
                     self._table.fail(item.room, reason or "failed")
                 else:
                     self._table.update(item.room, status)
+                self._fresh[item.room] = None
         self._release_when_idle(item)
         if not live:
             return
@@ -912,6 +923,7 @@ class SenderPool:
             if self._items.get(item.room) is item:
                 del self._items[item.room]
                 self._table.clear(item.room)
+                self._fresh.pop(item.room, None)
                 if not item.receivers and not self._stopping:  # once stopped, close() tells the parked asks
                     self._cleared.append((item.room, time.monotonic()))
                     self._waker.wake()
