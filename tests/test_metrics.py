@@ -161,6 +161,8 @@ def test_reason_label_is_bounded():
         "incomplete parallel info": "bootstrap",
         "batch write failed: -1": "write",
         "room aborted by caller": "aborted",
+        "cleared before it concluded": "aborted",  # the encode side's caller gave the room up
+        "room 3: its ready event did not complete within 120s": "timeout",
         "something odd": "other",
         "": "other",
     }

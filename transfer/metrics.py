@@ -49,12 +49,12 @@ KNOWN_HELP: dict[str, str] = {
 _REASON_KEYWORDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("checksum", ("checksum",)),
     ("encode_failed", ("encode failed",)),
-    ("timeout", ("timeout", "timed out", "deadline", "never registered", "expired")),
+    ("timeout", ("timeout", "timed out", "deadline", "never registered", "expired", "did not complete")),
     ("geometry", ("geometry", "hidden", "dtype", "span", "shard", "row", "fanout", "tile",
                   "overlap", "gap", "deepstack", "region", "outside", "shape")),
     ("bootstrap", ("bootstrap", "route", "parallel info", "unreachable", "connect", "handshake")),
     ("write", ("write", "transfer", "mooncake", "batch")),
-    ("aborted", ("abort", "cancel", "closed", "shutdown")),
+    ("aborted", ("abort", "cancel", "closed", "shutdown", "cleared")),
 )
 REASON_CATEGORIES: tuple[str, ...] = tuple(c for c, _ in _REASON_KEYWORDS) + ("other",)
 
