@@ -95,8 +95,9 @@ def test_dead_sessions_are_forgotten_once_their_pause_is_over(pool):
     from transfer.sender import DEAD_SESSION_S
 
     now = time.monotonic()
-    pool._dead_sessions["10.0.0.9:1"] = now - DEAD_SESSION_S - 1  # the pool's thread sweeps twice a second
-    pool._dead_sessions["10.0.0.9:2"] = now + 3600  # still paused
+    # (failed at, paused until); the pool's thread sweeps twice a second.
+    pool._dead_sessions["10.0.0.9:1"] = (now - DEAD_SESSION_S - 1, now - 1)
+    pool._dead_sessions["10.0.0.9:2"] = (now, now + 3600)  # still paused
     assert wait_until(lambda: "10.0.0.9:1" not in pool._dead_sessions, 3.0)
     assert "10.0.0.9:2" in pool._dead_sessions
     del pool._dead_sessions["10.0.0.9:2"]
@@ -741,3 +742,77 @@ def test_clearing_a_room_mid_write_keeps_its_source_registered_until_the_write_i
         os.kill(peer.pid, signal.SIGCONT)
         peer.kill()
         peer.wait(10)
+
+
+class _StallingEngine:
+    """A real engine whose submissions to one session block, then fail: what Mooncake does
+    (for 60 s, holding its lock) when that session's port accepts and never answers."""
+
+    def __init__(self, engine, session: str, stall_s: float) -> None:
+        self._engine, self._session, self._stall_s = engine, session, stall_s
+        self.stalls = 0
+
+    def write_async(self, session_id, srcs, dsts, lengths):
+        if session_id == self._session:
+            import time
+
+            from transfer.engine import TransferError
+
+            self.stalls += 1
+            time.sleep(self._stall_s)
+            raise TransferError(f"write to {session_id} failed (Mooncake refused the batch)")
+        return self._engine.write_async(session_id, srcs, dsts, lengths)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+def test_a_submission_that_stalls_the_pool_pauses_its_session_for_longer(caplog):
+    """A submission that held the pool's thread for 2 s pauses its session for 8 s (not
+    DEAD_SESSION_S), says why once, and the next room for it fails at once, unsubmitted."""
+    import logging
+    import time
+
+    import torch
+
+    from transfer import _io
+    from transfer.frames import parse_status
+    from transfer.sender import DEAD_SESSION_S, DEAD_STALL_FACTOR
+    from transfer.status import TransferPoll
+
+    caplog.set_level(logging.WARNING, logger="transfer.sender")
+    stall_s = 2.0
+    assert stall_s * DEAD_STALL_FACTOR > DEAD_SESSION_S + 2
+    bogus = "127.0.0.1:9"  # never contacted: the wrapper stands in for Mooncake's handshake
+    with Engine("127.0.0.1", "tcp") as real, BootstrapServer("127.0.0.1", 0) as server:
+        engine = _StallingEngine(real, bogus, stall_s)
+        with SenderPool(engine, 0, 1, 1, server.address) as sender:
+            statuses, status_port = _io.pull_socket("127.0.0.1", 0)
+            asks = _io.push_socket(sender.host, sender.port)
+            try:
+                item = torch.randn(4, 256).to(torch.bfloat16)
+
+                def room_status(room: int):
+                    info = TransferInfo(room, "127.0.0.1", status_port, bogus, 0x10000, 0, 4, 256,
+                                        "torch.bfloat16", False, 1, 0, 4)
+                    asks.send_multipart(info.to_frames())
+                    handle = sender.send(room, item)
+                    assert statuses.poll(10_000), f"no status for room {room}"
+                    got_room, status, _, _ = parse_status(statuses.recv_multipart())
+                    assert got_room == room
+                    return handle, status
+
+                first, status = room_status(1)
+                assert status == TransferPoll.Failed and first.wait(5) == TransferPoll.Failed
+                failed_at, until = sender._dead_sessions[bogus]
+                assert until - failed_at == pytest.approx(DEAD_STALL_FACTOR * stall_s, abs=0.5)
+                said = [m for m in caplog.messages if "held the sender pool's thread" in m]
+                assert len(said) == 1 and bogus in said[0], caplog.messages
+                started = time.monotonic()
+                second, status = room_status(2)
+                assert status == TransferPoll.Failed and time.monotonic() - started < 1.0
+                assert "skipped: a write to it failed" in second.failure, second.failure
+                assert engine.stalls == 1  # the second room was never submitted
+            finally:
+                asks.close(0)
+                statuses.close(0)

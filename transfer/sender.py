@@ -92,6 +92,14 @@ DEAD_SESSION_S = 5.0
 #: write (a bad destination, say) answers within milliseconds and stays usable.
 DEAD_AFTER_S = 0.25
 
+#: A submission that itself held the pool's thread, failing after `t` seconds, pauses its
+#: session for DEAD_STALL_FACTOR * t (at most DEAD_SESSION_MAX_S) instead. Measured: a peer
+#: that accepts connections and never answers Mooncake's handshake blocks the submission
+#: for 60 s inside Mooncake's lock, and every other write with it; one that keeps asking
+#: would otherwise stall all receivers 60 s out of every 65.
+DEAD_STALL_FACTOR = 4.0
+DEAD_SESSION_MAX_S = 600.0
+
 #: How long close() waits for writes already submitted: past Mooncake's own transfer
 #: timeout (30 s by default, measured against a stopped peer).
 CLOSE_WAIT_S = 60.0
@@ -225,7 +233,7 @@ class SenderPool:
         self._temp_sources: dict[int, int] = {}  # address -> refcount of registrations we made
         self._unreleased: set[int] = set()  # ours at refcount 0 that the engine would not drop yet
         self._temp_lock = threading.Lock()
-        self._dead_sessions: dict[str, float] = {}  # session id -> when a write to it failed
+        self._dead_sessions: dict[str, tuple[float, float]] = {}  # session id -> (failed at, paused until)
         self._complaints = _io.ThrottledLog(log)  # about requests peers sent
         self._failures = _io.ThrottledLog(log)  # rooms that failed, per kind of reason
 
@@ -677,9 +685,9 @@ class SenderPool:
             asks = self._take_asks(room)
             log.warning("room %d: no item sent within %gs for %d receiver(s); telling them Failed", room, limit, len(asks.infos))
             self._tell_failed(asks.infos.values())
-        # A dead session is skipped for DEAD_SESSION_S; older entries only take memory.
-        for session, failed_at in list(self._dead_sessions.items()):
-            if now - failed_at >= DEAD_SESSION_S:
+        # A dead session is skipped until its pause ends; older entries only take memory.
+        for session, (_, until) in list(self._dead_sessions.items()):
+            if now >= until:
                 self._dead_sessions.pop(session, None)
 
     def _parked_since(self, item: _Item) -> float:
@@ -768,9 +776,9 @@ class SenderPool:
         if item.failed:
             self._receiver_done(item, info)
             return None
-        failed_at = self._dead_sessions.get(info.session_id)
-        if failed_at is not None and time.monotonic() - failed_at < DEAD_SESSION_S:
-            ago = time.monotonic() - failed_at
+        dead = self._dead_sessions.get(info.session_id)
+        if dead is not None and time.monotonic() < dead[1]:
+            ago = time.monotonic() - dead[0]
             self._fail(item, f"write to {info.session_id} (room {item.room}) skipped: a write to it failed {ago:.1f}s ago")
             self._receiver_done(item, info)
             return None
@@ -786,7 +794,7 @@ class SenderPool:
             submitted_at = time.monotonic()
             batch = self._submit(info.session_id, srcs, dsts, lengths)
         except Exception as exc:  # noqa: BLE001 - any failure concludes the room
-            self._write_failed(item, info, exc, submitted_at)
+            self._write_failed(item, info, exc, submitted_at, blocked=True)
             self._receiver_done(item, info)  # nothing of it is in flight
             return None
         # The checksums are computed while the batch is on the wire. If that fails the
@@ -828,11 +836,24 @@ class SenderPool:
         self._receiver_done(item, info)
         return True
 
-    def _write_failed(self, item: _Item, info: TransferInfo, exc: Exception, submitted_at: float | None) -> None:
-        """Fails the room; a failure that took long (a dead peer) also marks its session dead."""
+    def _write_failed(self, item: _Item, info: TransferInfo, exc: Exception, submitted_at: float | None,
+                      blocked: bool = False) -> None:
+        """Fails the room; a failure that took long (a dead peer) also marks its session dead.
+
+        `blocked`: the submission itself failed, holding the pool's thread all along.
+        """
         now = time.monotonic()
-        if submitted_at is not None and now - submitted_at >= DEAD_AFTER_S:
-            self._dead_sessions[info.session_id] = now
+        took = 0.0 if submitted_at is None else now - submitted_at
+        if took >= DEAD_AFTER_S:
+            pause = DEAD_SESSION_S
+            if blocked and took * DEAD_STALL_FACTOR > pause:
+                pause = min(DEAD_SESSION_MAX_S, took * DEAD_STALL_FACTOR)
+                self._failures.warning(
+                    "stall", "submitting a write to %s held the sender pool's thread (and every other write) for "
+                    "%.1fs before failing: a peer that accepts connections but never answers the engine's "
+                    "handshake? Writes to it fail at once for the next %.0fs, or until it registers again",
+                    info.session_id[:64], took, pause)
+            self._dead_sessions[info.session_id] = (now, now + pause)
         self._fail(item, f"write to {info.session_id} (room {item.room}) failed: {exc}")
 
     def _receiver_done(self, item: _Item, info: TransferInfo) -> None:
