@@ -148,6 +148,19 @@ def test_pool_gauges_count_parked_rooms_while_items_change_under_them(pool):
         pool.engine.unregister(rows.data_ptr())
 
 
+def _send_and_hear(sender, asks, statuses, status_port: int, session: str, room: int, ptr: int, item):
+    """Asks for `room` as `session`, sends its item, and returns (handle, the status pushed back)."""
+    from transfer.frames import parse_status
+
+    info = TransferInfo(room, "127.0.0.1", status_port, session, ptr, 0, 4, 256, "torch.bfloat16", False, 1, 0, 4)
+    asks.send_multipart(info.to_frames())
+    handle = sender.send(room, item)
+    assert statuses.poll(10_000), f"no status for room {room}"
+    got_room, status, _, _ = parse_status(statuses.recv_multipart())
+    assert got_room == room
+    return handle, status
+
+
 def test_a_quickly_refused_write_does_not_mark_the_session_dead():
     """A peer that refuses one write (bad destination) keeps getting the next rooms at once."""
     import time
@@ -155,7 +168,7 @@ def test_a_quickly_refused_write_does_not_mark_the_session_dead():
     import torch
 
     from transfer import _io
-    from transfer.frames import parse_status, registration_frames
+    from transfer.frames import registration_frames
     from transfer.status import TransferPoll
 
     with Engine("127.0.0.1", "tcp") as encode_engine, Engine("127.0.0.1", "tcp") as prefill_engine, \
@@ -172,14 +185,7 @@ def test_a_quickly_refused_write_does_not_mark_the_session_dead():
             item = torch.randn(4, 256).to(torch.bfloat16)
 
             def ask(room: int, ptr: int):
-                info = TransferInfo(room, "127.0.0.1", status_port, session, ptr, 0, 4, 256, "torch.bfloat16",
-                                    False, 1, 0, 4)
-                asks.send_multipart(info.to_frames())
-                handle = sender.send(room, item)
-                assert statuses.poll(10_000), f"no status for room {room}"
-                got_room, status, _, _ = parse_status(statuses.recv_multipart())
-                assert got_room == room
-                return handle, status
+                return _send_and_hear(sender, asks, statuses, status_port, session, room, ptr, item)
 
             started = time.monotonic()
             refused, status = ask(1, landing.data_ptr() + (1 << 30))  # far outside registered memory
@@ -776,7 +782,6 @@ def test_a_submission_that_stalls_the_pool_pauses_its_session_for_longer(caplog)
     import torch
 
     from transfer import _io
-    from transfer.frames import parse_status
     from transfer.sender import DEAD_SESSION_S, DEAD_STALL_FACTOR
     from transfer.status import TransferPoll
 
@@ -793,14 +798,7 @@ def test_a_submission_that_stalls_the_pool_pauses_its_session_for_longer(caplog)
                 item = torch.randn(4, 256).to(torch.bfloat16)
 
                 def room_status(room: int):
-                    info = TransferInfo(room, "127.0.0.1", status_port, bogus, 0x10000, 0, 4, 256,
-                                        "torch.bfloat16", False, 1, 0, 4)
-                    asks.send_multipart(info.to_frames())
-                    handle = sender.send(room, item)
-                    assert statuses.poll(10_000), f"no status for room {room}"
-                    got_room, status, _, _ = parse_status(statuses.recv_multipart())
-                    assert got_room == room
-                    return handle, status
+                    return _send_and_hear(sender, asks, statuses, status_port, bogus, room, 0x10000, item)
 
                 first, status = room_status(1)
                 assert status == TransferPoll.Failed and first.wait(5) == TransferPoll.Failed

@@ -216,10 +216,6 @@ class SessionManager:
         # Bootstrap servers that did not answer: address -> (when, why). I/O thread only.
         self._unreachable: dict[str, tuple[float, str]] = {}
 
-        # Rooms concluded and not yet handed out by concluded(), oldest first (a dict as an
-        # ordered set; a cleared room leaves it, so it never outgrows the rooms held).
-        self._fresh: dict[int, None] = {}
-
         self._status_sock, self.status_port = _io.pull_socket(self.host, status_port)
         self.metrics.gauge_fn("rooms_in_flight", lambda: len(self._rooms))
         if pool is not None:
@@ -386,9 +382,7 @@ class SessionManager:
         rooms' handles instead of polling every handle each step. A room cleared before
         it was handed out is left out.
         """
-        with self._lock:
-            rooms, self._fresh = list(self._fresh), {}
-        return rooms
+        return self._table.take_concluded()
 
     def stats(self) -> dict:
         """A plain snapshot of counters, histograms and gauges."""
@@ -449,7 +443,6 @@ class SessionManager:
             succeeded = self._table.get(state.room) == TransferPoll.Success
             del self._rooms[state.room]
             self._table.clear(state.room)
-            self._fresh.pop(state.room, None)
         if state.lease is not None:
             lease, state.lease = state.lease, None
             if succeeded:
@@ -467,7 +460,6 @@ class SessionManager:
                 self._table.fail(state.room, reason or "failed")
             else:
                 self._table.update(state.room, status)
-            self._fresh[state.room] = None
         if status == TransferPoll.Success:
             self.metrics.inc("rooms_succeeded_total")
             self.metrics.inc("bytes_received_total", state.nbytes + state.deepstack_nbytes)

@@ -215,7 +215,6 @@ class SenderPool:
         self._table = RoomTable()
         self._conclusions = _io.Conclusions()
         self._items: dict[int, _Item] = {}  # sent by the caller, not yet cleared
-        self._fresh: dict[int, None] = {}  # rooms concluded, not yet handed out by concluded()
         self._asks: dict[int, _Asks] = {}  # TransferInfos waiting for their whole fanout or item
         self._parked_bytes = 0  # what the parked asks cost in all (owned by the pool's thread)
         # Receive regions each prefill session announced, newest last (bounded).
@@ -323,9 +322,7 @@ class SenderPool:
 
         Never blocks; a room cleared before it was handed out is left out.
         """
-        with self._lock:
-            rooms, self._fresh = list(self._fresh), {}
-        return rooms
+        return self._table.take_concluded()
 
     def stats(self) -> dict:
         """A plain snapshot of counters, histograms and gauges."""
@@ -915,7 +912,6 @@ class SenderPool:
                     self._table.fail(item.room, reason or "failed")
                 else:
                     self._table.update(item.room, status)
-                self._fresh[item.room] = None
         self._release_when_idle(item)
         if not live:
             return
@@ -944,7 +940,6 @@ class SenderPool:
             if self._items.get(item.room) is item:
                 del self._items[item.room]
                 self._table.clear(item.room)
-                self._fresh.pop(item.room, None)
                 if not item.receivers and not self._stopping:  # once stopped, close() tells the parked asks
                     self._cleared.append((item.room, time.monotonic()))
                     self._waker.wake()

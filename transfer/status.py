@@ -42,12 +42,15 @@ class RoomTable:
     A room enters with `start` and leaves with `clear`. `update` and `fail` on a
     room that is not in the table do nothing and return None, because a status
     for a room we never started (or already concluded and cleared) is stale.
+    Rooms that turn terminal are remembered, in order, until `take_concluded` hands
+    them out or `clear` forgets them.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._status: dict[int, TransferPoll] = {}
         self._reason: dict[int, str] = {}
+        self._concluded: dict[int, None] = {}  # an ordered set: terminal, not yet handed out
 
     def start(self, room: int, status: TransferPoll = TransferPoll.Bootstrapping) -> TransferPoll:
         """Begin tracking `room`; on a room already tracked this only advances it (Failed stays)."""
@@ -64,6 +67,8 @@ class RoomTable:
                 return None
             now = advance(old, status)
             self._status[room] = now
+            if is_terminal(now) and not is_terminal(old):
+                self._concluded[room] = None
             # The first reason is the cause; later ones are usually consequences.
             if now is TransferPoll.Failed and reason is not None and room not in self._reason:
                 self._reason[room] = reason
@@ -88,6 +93,13 @@ class RoomTable:
         with self._lock:
             self._status.pop(room, None)
             self._reason.pop(room, None)
+            self._concluded.pop(room, None)
+
+    def take_concluded(self) -> list[int]:
+        """Rooms that turned Success or Failed since the last call, oldest first, each once."""
+        with self._lock:
+            rooms, self._concluded = list(self._concluded), {}
+        return rooms
 
     def rooms(self) -> list[int]:
         """The tracked rooms, sorted."""
