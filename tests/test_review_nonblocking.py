@@ -6,7 +6,9 @@ promptly whatever the peers do. Each test below builds one adverse condition fro
 parts (real ZMQ sockets, hand-rolled hostile HTTP servers, the real bootstrap server,
 Mooncake `tcp` on 127.0.0.1), drives the manager from the test's thread as a scheduler
 loop would, and records the worst wall time of every call in that thread, less any
-garbage collection that ran meanwhile (it stops every thread; its worst is reported). The bound
+garbage collection that ran meanwhile (it stops every thread; its worst is reported), the
+time the thread spent preempted, and any stall of the whole host that a separate meter
+process saw (a VM paused by its hypervisor stops everything; its longest is reported). The bound
 (CALL_BOUND_S) is generous: it catches a call that waits on the network, a checksum or
 a look-up (seconds), not a slow machine. The manager's two locks are wrapped in probes
 that record the longest any thread held them, since a lock the I/O thread holds across
@@ -55,9 +57,9 @@ class GcPauses:
     def __call__(self, phase: str, info: dict) -> None:
         global GC_TOTAL
         if phase == "start":
-            self._start = time.perf_counter()
+            self._start = time.monotonic()
         else:
-            took = time.perf_counter() - self._start
+            took = time.monotonic() - self._start
             self.worst = max(self.worst, took)
             GC_TOTAL += took
 
@@ -71,6 +73,8 @@ GC_TOTAL = 0.0
 def gc_pauses():
     """Records GC pauses per test, so a spike in a call can be told apart from the library's doing."""
     tracker = GcPauses()
+    if STALLS is not None:
+        STALLS.spans.clear()  # each test reports its own
     gc.callbacks.append(tracker)
     yield tracker
     gc.callbacks.remove(tracker)
@@ -95,66 +99,176 @@ def runq_wait() -> float:
     return int(os.pread(fd, 128, 0).split()[1]) / 1e9
 
 
+#: A separate process that sleeps 1 ms at a time and prints each span in which it did not
+#: run for STALL_GAP_S or more (CLOCK_MONOTONIC is the same clock in every process).
+_METER = """
+import sys, time
+gap = float(sys.argv[1])
+while True:
+    before = time.monotonic()
+    time.sleep(0.001)
+    after = time.monotonic()
+    if after - before > gap:
+        print(before + 0.001, after, flush=True)
+"""
+#: A 1 ms sleep that lasts this long means the host (a VM paused by its hypervisor, say) ran nothing of ours.
+STALL_GAP_S = 0.02
+
+
+class HostStalls:
+    """The spans in which the host stalled, seen from outside the test's process: a step that was
+    slow only because the whole machine stopped is not the library's doing. It is measured by
+    another process, so a lock held across blocking I/O, or a call that blocks holding the GIL,
+    is never explained away by it."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
+        self._proc = subprocess.Popen([sys.executable, "-c", _METER, str(STALL_GAP_S)],
+                                      stdout=subprocess.PIPE, text=True)
+        self._reader = threading.Thread(target=self._read, name="host-stalls", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            start, end = map(float, line.split())
+            self.spans.append((start, end))
+
+    def overlap(self, start: float, end: float) -> float:
+        """Seconds of [start, end] the host spent stalled."""
+        return sum(max(0.0, min(end, e) - max(start, s)) for s, e in list(self.spans))
+
+    def longest(self) -> float:
+        return max((e - s for s, e in self.spans), default=0.0)
+
+    def settle(self) -> None:
+        """Gives the meter time to report a stall that ended just now."""
+        time.sleep(5 * STALL_GAP_S)
+
+    def close(self) -> None:
+        self._proc.kill()
+        self._proc.wait()
+        self._reader.join(5)
+
+
+STALLS: HostStalls | None = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def host_stalls():
+    """Meters host stalls while this module's tests run."""
+    global STALLS
+    STALLS = HostStalls()
+    yield STALLS
+    STALLS.close()
+    STALLS = None
+
+
+class Slowest:
+    """The slowest of one kind of step. Steps over SUSPECT_S keep their span, so that host stalls
+    (reported a little later) are taken out of them when the worst is read."""
+
+    #: Steps faster than this are kept as one running maximum.
+    SUSPECT_S = 0.02
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._fast, self._fast_by = 0.0, ""
+        self._suspects: list[tuple[float, float, float, str]] = []
+
+    def add(self, took: float, start: float, end: float, by: str) -> None:
+        """One step that took `took` seconds (already less GC pauses and preemption) in [start, end]."""
+        if took > self.SUSPECT_S:
+            self._suspects.append((took, start, end, by))
+        elif took > self._fast:
+            self._fast, self._fast_by = took, by
+
+    def worst(self) -> tuple[float, str]:
+        """The longest step less the host stalls during it, and who took it."""
+        best = (self._fast, self._fast_by)
+        for took, start, end, by in self._suspects:
+            ours = max(0.0, took - (STALLS.overlap(start, end) if STALLS is not None else 0.0))
+            best = max(best, (ours, by))
+        return best
+
+
 class Latencies:
-    """The worst wall time of each kind of call made through it, per thread (less GC pauses and
-    time the calling thread spent preempted)."""
+    """The worst wall time of each kind of call made through it, per thread (less GC pauses,
+    time the calling thread spent preempted, and host stalls)."""
 
     def __init__(self, scenario: str) -> None:
         self.scenario = scenario
-        self.worst: dict[str, float] = {}
+        self.slowest: dict[str, Slowest] = {}
         self.counts: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Calls fn(*args, **kwargs), timing it under `name`; exceptions pass through."""
-        start, gc_before, preempted_before = time.perf_counter(), GC_TOTAL, runq_wait()
+        start, gc_before, preempted_before = time.monotonic(), GC_TOTAL, runq_wait()
         try:
             return fn(*args, **kwargs)
         finally:
             # Blocking shows as sleep; time preempted (a loaded host) or in GC pauses is not ours.
-            took = time.perf_counter() - start - (GC_TOTAL - gc_before) - (runq_wait() - preempted_before)
+            end = time.monotonic()
+            took = end - start - (GC_TOTAL - gc_before) - (runq_wait() - preempted_before)
             with self._lock:
                 self.counts[name] = self.counts.get(name, 0) + 1
-                if took > self.worst.get(name, -1.0):
-                    self.worst[name] = took
+                self.slowest.setdefault(name, Slowest()).add(took, start, end, name)
+
+    @property
+    def worst(self) -> dict[str, float]:
+        """Each kind of call's worst time, host stalls taken out."""
+        return {name: slowest.worst()[0] for name, slowest in self.slowest.items()}
 
     def check(self, bound: float = CALL_BOUND_S, **extra: float) -> None:
         """Records the figures and fails when any call took longer than `bound`."""
-        figures = {**self.worst, **extra}
+        if STALLS is not None:
+            STALLS.settle()
+            extra = {**extra, "(longest host stall)": STALLS.longest()}
+        worst = self.worst
+        figures = {**worst, **extra}
         tracker = next((cb for cb in gc.callbacks if isinstance(cb, GcPauses)), None)
         if tracker is not None:
             figures["(longest GC pause)"] = tracker.worst
         WORST[self.scenario] = figures
         shown = ", ".join(f"{k} {v * 1000:.1f} ms (x{self.counts.get(k, 1)})" for k, v in sorted(figures.items()))
         print(f"\n[nonblocking] {self.scenario}: {shown}")
-        slow = {k: round(v, 4) for k, v in self.worst.items() if v > bound}
+        slow = {k: round(v, 4) for k, v in worst.items() if v > bound}
         assert not slow, f"{self.scenario}: calls in the caller's thread slower than {bound}s: {slow}"
 
 
 class HoldProbe:
     """Stands in for a threading.Lock and records the longest hold and the thread that held it
-    (wall time less GC pauses and time the holder spent preempted)."""
+    (wall time less GC pauses, time the holder spent preempted, and host stalls)."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         self._since = threading.local()
-        self.worst = 0.0
-        self.worst_by = ""
+        self.slowest = Slowest()
+
+    @property
+    def worst(self) -> float:
+        return self.slowest.worst()[0]
+
+    @property
+    def worst_by(self) -> str:
+        return self.slowest.worst()[1]
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         got = self._inner.acquire(blocking, timeout)
         if got:
-            self._since.t = (time.perf_counter(), GC_TOTAL, runq_wait())
+            self._since.t = (time.monotonic(), GC_TOTAL, runq_wait())
         return got
 
     def release(self) -> None:
         # A hold spans a slow step only while the holder runs or sleeps: time it spent
         # preempted by other threads (a loaded CI host) and in GC pauses does not count.
         since, gc_before, preempted_before = self._since.t
-        held = time.perf_counter() - since - (GC_TOTAL - gc_before) - (runq_wait() - preempted_before)
+        end = time.monotonic()
+        held = end - since - (GC_TOTAL - gc_before) - (runq_wait() - preempted_before)
         self._inner.release()
-        if held > self.worst:
-            self.worst, self.worst_by = held, threading.current_thread().name
+        self.slowest.add(held, since, end, threading.current_thread().name)
 
     def __enter__(self) -> bool:
         return self.acquire()
@@ -240,6 +354,8 @@ class Prefill:
 
     def check(self, holds: bool = True, **extra: float) -> None:
         """Checks every call's worst time, then (unless `holds` is False) the locks' longest holds."""
+        if STALLS is not None:
+            STALLS.settle()
         extra = {"(_lock held)": self.lock.worst, "(_send_lock held)": self.send_lock.worst, **extra}
         self.lat.check(**extra)
         if holds:
@@ -247,9 +363,9 @@ class Prefill:
 
     def close(self) -> float:
         """Closes the manager; returns how long close() took."""
-        start = time.perf_counter()
+        start = time.monotonic()
         self.manager.close()
-        return time.perf_counter() - start
+        return time.monotonic() - start
 
     def __enter__(self) -> Prefill:
         return self
@@ -606,7 +722,8 @@ def test_asks_flushed_when_encode_ranks_come_up_do_not_hold_the_callers_receive(
             assert not any(terminal(pre.handles[r]) for r in waiting), "rooms for a rank that is down failed early"
             # Measure from here: the flush alone.
             pre.lat = Latencies(pre.lat.scenario)
-            pre.lock.worst = pre.send_lock.worst = 0.0
+            pre.lock.slowest.reset()
+            pre.send_lock.slowest.reset()
             for port in ports:
                 peer = zmq.Context.instance().socket(zmq.PULL)
                 peer.setsockopt(zmq.LINGER, 0)
