@@ -270,10 +270,10 @@ class _EncodeRank:
 
 
 def _one_context(pool) -> bool:
-    """True when every socket the pool opened belongs to the process's one ZMQ context."""
-    import zmq
+    """True when every socket the pool opened belongs to the library's one ZMQ context."""
+    from transfer import _io
 
-    shared = zmq.Context.instance()
+    shared = _io.context()
     socks = [pool._pull, *pool._statuses._sockets.values()]
     return all(s.context is shared for s in socks)
 

@@ -9,6 +9,7 @@ the prefill ranks run here, where their internals can be inspected.
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import time
 
@@ -129,12 +130,16 @@ def test_both_sides_close_cleanly(engines):
 
 
 def test_one_zmq_context_per_process(engines):
+    """Every socket of ours shares the library's one context, which is not the engine's own
+    zmq.Context.instance(); its I/O thread runs SCHED_BATCH, the engine's does not."""
     import zmq
 
     from transfer import _io
 
     room = rooms(1)[0]
-    assert _io.context() is zmq.Context.instance()
+    ours = _io.context()
+    assert ours is _io.context() and ours is not zmq.Context.instance()
+    assert ours.get(zmq.THREAD_SCHED_POLICY) == os.SCHED_BATCH
     with bootstrap_server() as server, encode_process(server.address) as encode:
         with Receiver(engines[0], 0, 1, fanout=1) as r:
             r.ask(room, server.address, SPAN)
@@ -143,7 +148,7 @@ def test_one_zmq_context_per_process(engines):
             m = r.manager
             sockets = [m._status_sock, *m._encode_sockets.values()]
             assert len(sockets) == 2
-            assert all(s.context is zmq.Context.instance() for s in sockets)
+            assert all(s.context is ours for s in sockets)
             # The encode process checks its PULL and its status pushers the same way.
             state = encode.call("state")
             assert state["pushers"] == 1 and state["contexts_shared"]
