@@ -303,6 +303,10 @@ static PyMethodDef methods[] = {
     {"msg_check", py_msg_check, METH_VARARGS, "msg_check(key, value): raises if the field cannot be encoded."},
     {"msg_encode", py_msg_encode, METH_VARARGS, "msg_encode(fields, body) -> bytes."},
     {"msg_decode", py_msg_decode, METH_O, "msg_decode(data) -> (fields, body)."},
+    {"zmq_bind", epd_zmq_bind, METH_VARARGS,
+     "zmq_bind(msg_init, msg_recv, msg_close, msg_data, msg_size, msg_more, send, errno): libzmq's functions."},
+    {"zmq_recv_parts", epd_zmq_recv_parts, METH_O, "zmq_recv_parts(handle) -> list of bytes, or None when none queued."},
+    {"zmq_send_parts", epd_zmq_send_parts, METH_VARARGS, "zmq_send_parts(handle, parts): one message, never blocking."},
     EPD_WIRE_METHODS
     {NULL, NULL, 0, NULL},
 };

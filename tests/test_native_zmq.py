@@ -1,0 +1,130 @@
+"""send_frames/recv_frames: whole multipart messages through transfer._native's libzmq calls,
+and the pyzmq path that serves where those cannot be bound. Real ZMQ sockets on loopback."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+import zmq
+
+from transfer import _io
+
+HOST = "127.0.0.1"
+
+
+@pytest.fixture(params=["native", "pyzmq"])
+def path(request, monkeypatch):
+    """Runs a test on the native path and again on pyzmq's."""
+    if request.param == "native":
+        if _io._NATIVE is None:
+            pytest.fail("the native ZMQ path did not bind (transfer._native built? libzmq 4?)")
+    else:
+        monkeypatch.setattr(_io, "_NATIVE", None)
+    return request.param
+
+
+@pytest.fixture
+def pair():
+    """A PUSH connected to a PULL on loopback, neither bounded."""
+    ctx = _io.context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    port = pull.bind_to_random_port(f"tcp://{HOST}")
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.connect(f"tcp://{HOST}:{port}")
+    yield push, pull
+    push.close(0)
+    pull.close(0)
+
+
+def drain(sock: zmq.Socket, count: int, recv=_io.recv_frames, timeout: float = 10.0) -> list[list[bytes]]:
+    got: list[list[bytes]] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count:
+        frames = recv(sock)
+        if frames is None:
+            assert time.monotonic() < deadline, f"{len(got)} of {count} messages arrived"
+            time.sleep(0.001)
+            continue
+        got.append(frames)
+    return got
+
+
+def messages(n: int, seed: int) -> list[list[bytes]]:
+    rng = random.Random(seed)
+    return [[rng.randbytes(rng.choice([0, 1, 7, 200, 70_000])) for _ in range(rng.randint(1, 20))] for _ in range(n)]
+
+
+def test_messages_arrive_whole_and_in_order(path, pair):
+    push, pull = pair
+    sent = messages(500, seed=1)
+    assert _io.recv_frames(pull) is None  # nothing queued yet: None, not an error
+    for frames in sent:
+        _io.send_frames(push, frames)
+    assert drain(pull, len(sent)) == sent
+    assert _io.recv_frames(pull) is None
+
+
+def test_either_path_reads_what_plain_pyzmq_sent_and_the_other_way(path, pair):
+    push, pull = pair
+    sent = messages(100, seed=2)
+    for frames in sent:
+        push.send_multipart(frames)
+    assert drain(pull, len(sent)) == sent
+    for frames in sent:
+        _io.send_frames(push, frames)
+    assert drain(pull, len(sent), recv=lambda s: s.recv_multipart(zmq.NOBLOCK) if s.poll(0) else None) == sent
+
+
+def test_a_full_queue_raises_again_and_queues_no_part(path):
+    ctx = _io.context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 1)
+    port = pull.bind_to_random_port(f"tcp://{HOST}")
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 1)
+    push.connect(f"tcp://{HOST}:{port}")
+    try:
+        sent = []
+        deadline = time.monotonic() + 10
+        while True:  # the kernel's buffers take some first
+            frames = [b"%d" % len(sent), os.urandom(4096), b"end"]
+            try:
+                _io.send_frames(push, frames)
+            except zmq.Again:
+                break
+            sent.append(frames)
+            assert time.monotonic() < deadline, "the queue never filled"
+        assert drain(pull, len(sent)) == sent  # every message whole: no refused one left a part behind
+        time.sleep(0.1)
+        assert _io.recv_frames(pull) is None
+    finally:
+        push.close(0)
+        pull.close(0)
+
+
+def test_a_closed_socket_raises_zmq_error(path):
+    sock = _io.context().socket(zmq.PULL)
+    sock.close(0)
+    with pytest.raises(zmq.ZMQError):
+        _io.recv_frames(sock)
+    push = _io.context().socket(zmq.PUSH)
+    push.close(0)
+    with pytest.raises(zmq.ZMQError):
+        _io.send_frames(push, [b"x"])
+
+
+def test_native_send_refuses_what_is_not_a_list_of_bytes(pair):
+    if _io._NATIVE is None:
+        pytest.fail("the native ZMQ path did not bind")
+    push, pull = pair
+    with pytest.raises(TypeError, match="part 1 is str"):
+        _io._NATIVE.zmq_send_parts(push.underlying, [b"a", "b"])
+    with pytest.raises(ValueError, match="at least one part"):
+        _io._NATIVE.zmq_send_parts(push.underlying, [])
+    _io.send_frames(push, [b"after"])  # nothing of the refused ones was queued
+    assert drain(pull, 1) == [[b"after"]]
