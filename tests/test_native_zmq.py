@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from contextlib import contextmanager
 
 import pytest
 import zmq
@@ -26,19 +27,27 @@ def path(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture
-def pair():
-    """A PUSH connected to a PULL on loopback, neither bounded."""
+@contextmanager
+def connected(hwm: int):
+    """A PUSH connected to a PULL on loopback, each queue bounded at `hwm` (0: unbounded)."""
     ctx = _io.context()
     pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.RCVHWM, 0)
+    pull.setsockopt(zmq.RCVHWM, hwm)
     port = pull.bind_to_random_port(f"tcp://{HOST}")
     push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.SNDHWM, 0)
+    push.setsockopt(zmq.SNDHWM, hwm)
     push.connect(f"tcp://{HOST}:{port}")
-    yield push, pull
-    push.close(0)
-    pull.close(0)
+    try:
+        yield push, pull
+    finally:
+        push.close(0)
+        pull.close(0)
+
+
+@pytest.fixture
+def pair():
+    with connected(0) as socks:
+        yield socks
 
 
 def drain(sock: zmq.Socket, count: int, recv=_io.recv_frames, timeout: float = 10.0) -> list[list[bytes]]:
@@ -81,14 +90,7 @@ def test_either_path_reads_what_plain_pyzmq_sent_and_the_other_way(path, pair):
 
 
 def test_a_full_queue_raises_again_and_queues_no_part(path):
-    ctx = _io.context()
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.RCVHWM, 1)
-    port = pull.bind_to_random_port(f"tcp://{HOST}")
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.SNDHWM, 1)
-    push.connect(f"tcp://{HOST}:{port}")
-    try:
+    with connected(1) as (push, pull):
         sent = []
         deadline = time.monotonic() + 10
         while True:  # the kernel's buffers take some first
@@ -102,9 +104,6 @@ def test_a_full_queue_raises_again_and_queues_no_part(path):
         assert drain(pull, len(sent)) == sent  # every message whole: no refused one left a part behind
         time.sleep(0.1)
         assert _io.recv_frames(pull) is None
-    finally:
-        push.close(0)
-        pull.close(0)
 
 
 def test_a_closed_socket_raises_zmq_error(path):
