@@ -92,19 +92,22 @@ PyObject *epd_zmq_recv_parts(PyObject *self, PyObject *arg)
         PyObject *part = PyBytes_FromStringAndSize(msg_data(&msg), (Py_ssize_t)msg_size(&msg));
         int more = msg_more(&msg);
         msg_close(&msg);
-        if (part == NULL || (parts == NULL && (parts = PyList_New(0)) == NULL)) {
-            Py_XDECREF(part);
+        if (part == NULL)
+            goto fail;
+        if (parts == NULL && (parts = PyList_New(0)) == NULL) {
+            Py_DECREF(part);
             return NULL;
         }
-        int failed = PyList_Append(parts, part);
+        int appended = PyList_Append(parts, part);
         Py_DECREF(part);
-        if (failed) {
-            Py_DECREF(parts);
-            return NULL;
-        }
+        if (appended < 0)
+            goto fail;
         if (!more)
             return parts;
     }
+fail:
+    Py_XDECREF(parts);
+    return NULL;
 }
 
 /* zmq_send_parts(handle, parts): queues one multipart message; OSError(EAGAIN) when the
