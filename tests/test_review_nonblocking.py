@@ -221,10 +221,12 @@ class Latencies:
         """Each kind of call's worst time, host stalls taken out."""
         return {name: slowest.worst()[0] for name, slowest in self.slowest.items()}
 
-    def check(self, bound: float = CALL_BOUND_S, **extra: float) -> None:
-        """Records the figures and fails when any call took longer than `bound`."""
+    def check(self, bound: float = CALL_BOUND_S, settled: bool = False, **extra: float) -> None:
+        """Records the figures and fails when any call took longer than `bound` (`settled`: the
+        caller already gave the stall meter its time)."""
         if STALLS is not None:
-            STALLS.settle()
+            if not settled:
+                STALLS.settle()
             extra = {**extra, "(longest host stall)": STALLS.longest()}
         worst = self.worst
         figures = {**worst, **extra}
@@ -357,7 +359,7 @@ class Prefill:
         if STALLS is not None:
             STALLS.settle()
         extra = {"(_lock held)": self.lock.worst, "(_send_lock held)": self.send_lock.worst, **extra}
-        self.lat.check(**extra)
+        self.lat.check(settled=True, **extra)
         if holds:
             check_holds(self.lat, self.lock, self.send_lock)
 
