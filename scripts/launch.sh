@@ -182,7 +182,7 @@ stop() {
     wait 2>/dev/null || true
 }
 
-# shellcheck disable=SC2317  # invoked by the trap below
+# shellcheck disable=SC2317,SC2329  # invoked by the trap below (0.9 says SC2317, 0.10+ SC2329)
 on_signal() {
     trap - INT TERM HUP
     echo "launch.sh $ROLE: interrupted, stopping ${#pids[@]} rank(s)" >&2

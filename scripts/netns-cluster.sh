@@ -85,7 +85,7 @@ else
 fi
 launchers=()
 
-# shellcheck disable=SC2317  # invoked by the trap below
+# shellcheck disable=SC2317,SC2329  # invoked by the trap below (0.9 says SC2317, 0.10+ SC2329)
 teardown() {
     local pid ns
     trap - EXIT INT TERM

