@@ -451,8 +451,9 @@ def parse_status(frames: Sequence[object]) -> tuple[int, TransferPoll, int, tupl
         # The common case: plain digits throughout (anything else is parsed strictly below).
         values = [_plain_int(p) for p in frames[:STATUS_PARTS]]
         values += [_plain_int(p, _U64_MAX) for p in frames[STATUS_PARTS:]]
-        if None not in values and values[1] in TransferPoll._value2member_map_:
-            return values[0], TransferPoll(values[1]), values[2], tuple(values[STATUS_PARTS:])
+        status = TransferPoll._value2member_map_.get(values[1])  # the member itself: no enum call
+        if status is not None and None not in values:
+            return values[0], status, values[2], tuple(values[STATUS_PARTS:])
     frames = list(frames)
     if len(frames) < STATUS_PARTS:
         raise WireError("an EPD status has 3 frames")

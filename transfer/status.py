@@ -21,19 +21,27 @@ class TransferPoll(IntEnum):
 
 def advance(old: TransferPoll | None, new: TransferPoll) -> TransferPoll:
     """Return the status after `new` arrives in a room that was `old`: max, with Failed sticky."""
-    new = TransferPoll(new)
+    # Members pass as they are (the table only holds members): the enum's call costs
+    # a microsecond, and this runs several times per room under the table's lock.
+    if type(new) is not TransferPoll:
+        new = TransferPoll(new)
     if old is None:
         return new
-    old = TransferPoll(old)
+    if type(old) is not TransferPoll:
+        old = TransferPoll(old)
     # Failed overrides anything and nothing moves a room out of it.
     if old is TransferPoll.Failed or new is TransferPoll.Failed:
         return TransferPoll.Failed
-    return max(old, new)
+    return new if new > old else old
 
 
 def is_terminal(status: TransferPoll | None) -> bool:
     """True for the statuses a room concludes with (Failed, Success)."""
-    return status is not None and TransferPoll(status) in (TransferPoll.Failed, TransferPoll.Success)
+    if status is None:
+        return False
+    if type(status) is not TransferPoll:
+        status = TransferPoll(status)
+    return status is TransferPoll.Failed or status is TransferPoll.Success
 
 
 class RoomTable:
