@@ -848,7 +848,11 @@ class Progress:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """GB/s and p99 against item size, one line per path, one column per fanout."""
+    """GB/s, ratio to raw and p99 against item size, one line per path, one column per fanout.
+
+    GB/s and p99 are on log scales: memcpy (drawn dashed, the ceiling) runs ten times
+    faster than any transfer path, which a linear axis would flatten into one line.
+    """
     try:
         import matplotlib
 
@@ -859,26 +863,38 @@ def plot(rows: list[dict], path: str) -> None:
     fanouts = sorted({r["fanout"] for r in rows if r["path"] != "memcpy"}) or [1]
     inflights = sorted({r["inflight"] for r in rows if r["path"] != "memcpy"})
     window = 8 if 8 in inflights else (inflights[-1] if inflights else 1)
-    fig, axes = plt.subplots(2, len(fanouts), figsize=(5 * len(fanouts), 8), squeeze=False)
+    fig, axes = plt.subplots(3, len(fanouts), figsize=(5.5 * len(fanouts), 11), squeeze=False)
+    labels = sorted({r["path"] + (" +integrity" if r["integrity"] else "") for r in rows})
+    colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}  # one colour per path in every panel
     for col, fanout in enumerate(fanouts):
-        series: dict[str, list[tuple[int, float, float]]] = {}
+        series: dict[str, list[tuple[int, float, float, float | None]]] = {}
         for r in rows:
             if r["path"] == "memcpy" or (r["fanout"] == fanout and r["inflight"] == window):
                 label = r["path"] + (" +integrity" if r["integrity"] else "")
-                series.setdefault(label, []).append((r["item_bytes"], r["gbps"], r["p99_ms"]))
+                series.setdefault(label, []).append((r["item_bytes"], r["gbps"], r["p99_ms"], r.get("ratio_to_raw")))
+        gbps_ax, ratio_ax, p99_ax = (axes[row][col] for row in range(3))
         for label, points in sorted(series.items()):
             points.sort()
             sizes = [p[0] / MiB for p in points]
-            axes[0][col].plot(sizes, [p[1] for p in points], marker="o", label=label)
-            axes[1][col].plot(sizes, [p[2] for p in points], marker="o", label=label)
-        axes[0][col].set_title(f"fanout {fanout}, {window} rooms in flight")
-        axes[0][col].set_ylabel("GB/s")
-        axes[1][col].set_ylabel("p99 latency (ms)")
-        for ax in (axes[0][col], axes[1][col]):
+            style = {"marker": "o", "label": label, "color": colours[label],
+                     "linestyle": "--" if label == "memcpy" else "-"}
+            gbps_ax.plot(sizes, [p[1] for p in points], **style)
+            p99_ax.plot(sizes, [p[2] for p in points], **style)
+            ratios = [(size, p[3]) for size, p in zip(sizes, points) if p[3] is not None]
+            if label not in ("raw", "memcpy") and ratios:
+                ratio_ax.plot([x for x, _ in ratios], [y for _, y in ratios], **style)
+        ratio_ax.axhline(1.0, color="grey", linewidth=0.8)
+        gbps_ax.set_title(f"fanout {fanout}, {window} rooms in flight")
+        gbps_ax.set_ylabel("GB/s (log)")
+        ratio_ax.set_ylabel("ratio to raw GB/s")
+        p99_ax.set_ylabel("p99 latency, ms (log)")
+        gbps_ax.set_yscale("log")
+        p99_ax.set_yscale("log")
+        for ax in (gbps_ax, ratio_ax, p99_ax):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("item size (MiB)")
-            ax.grid(True, alpha=0.3)
-        axes[0][col].legend(fontsize="small")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -982,7 +998,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a subset: 512 KiB and 8 MiB, fanout 1 and 4, 8 in flight, ~64 MiB per cell")
     parser.add_argument("--json", metavar="FILE", default=None, help="write the rows as JSON")
-    parser.add_argument("--plot", metavar="FILE.png", default=None, help="draw GB/s and p99 against item size")
+    parser.add_argument("--plot", metavar="FILE.png", default=None, help="draw GB/s, the ratio to raw and p99 against item size")
 
 
 def options_from(args: argparse.Namespace) -> Options:
