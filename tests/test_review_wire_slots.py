@@ -278,15 +278,32 @@ def healthy_write_delay(stalled_writes: int, reply_timeout_s: float) -> tuple[fl
 
 
 def test_writes_to_a_healthy_peer_do_not_wait_for_a_stalled_one():
-    """Eight 16 MiB writes to a peer that stopped reading, then one to a healthy peer: the healthy
-    one used to queue behind them (four at a time, 2 s reply timeout each: about 4 s); now it runs
-    at once, and the stalled ones still fail with the write timeout, at most WRITERS_PER_PEER at a
-    time."""
+    """2 x WRITERS_PER_PEER 16 MiB writes to a peer that stopped reading, then one to a healthy
+    peer: the healthy one used to queue behind them (2 s reply timeout each); now it runs at once,
+    and the stalled ones still fail with the write timeout, at most WRITERS_PER_PEER at a time."""
     took, errors = healthy_write_delay(2 * WRITERS_PER_PEER, 2.0)
     assert took < 1.0, f"the healthy write waited {took:.2f} s behind the stalled peer's writes"
     assert len(errors) == 2 * WRITERS_PER_PEER
     for error in errors:
         assert "failed: write: timed out after 2 s without progress" in error, error
+
+
+def test_writers_per_peer_sets_how_many_writes_to_one_peer_run_at_once():
+    """Two 16 MiB writes to a stalled peer with a 2 s reply timeout: with writers_per_peer=2 both
+    time out together (about 2 s); one writer would take them in turn (about 4 s). Zero is refused."""
+    with pytest.raises(ValueError, match="writers_per_peer must be at least 1"):
+        WireEngine("127.0.0.1", writers_per_peer=0)
+    big = 16 << 20
+    with StalledPeer() as stalled, WireEngine("127.0.0.1", reply_timeout_s=2.0, writers_per_peer=2) as writer:
+        src = torch.zeros(big, dtype=torch.uint8)
+        writer.register(src)
+        started = time.monotonic()
+        stuck = [writer.write_async(stalled.session_id, [src.data_ptr()], [0x10000], [big]) for _ in range(2)]
+        for ticket in stuck:
+            with pytest.raises(TransferError, match="timed out after 2 s without progress"):
+                writer.wait(ticket, timeout_s=60)
+        took = time.monotonic() - started
+    assert took < 3.5, f"two writes to one peer took {took:.1f} s: they ran one after the other"
 
 
 def test_writer_pool_caps_each_peer():
