@@ -56,9 +56,9 @@ and counts it in ``stats()["silent"]``; a connection that carried a transfer kee
 timeout.
 
 write_async(): each peer session has its own FIFO queue, and at most ``writers_per_peer``
-(``WRITERS_PER_PEER``, 1, by default) of its writes run at once (``MAX_WRITERS`` threads in all), so a peer that stops reading
-holds only its own writers, each for at most the reply timeout, while writes to other
-peers go on.
+(``WRITERS_PER_PEER``, 4, by default) of its writes run at once (``MAX_WRITERS`` threads in
+all), so a peer that stops reading holds only its own writers, each for at most the reply
+timeout, while writes to other peers go on.
 """
 
 from __future__ import annotations
@@ -86,11 +86,11 @@ CHUNK_BYTES = 4 << 20
 #: Idle connections kept per peer session; more are closed when they come back.
 IDLE_PER_SESSION = 8
 #: write_async() batches of one peer session that run at once (more wait in that peer's queue),
-#: by default. Measured on 2 cores over loopback, one beat four at every size: 512 KiB items
-#: at fanout 4 0.42/0.39 against 0.33/0.28 GB/s, 8 MiB 1.84/2.04 against 1.63/1.65, fanout 1
-#: as fast or faster; each extra writer is one more thread waking for its reply. A link whose
-#: round trip is long next to a transfer may want more (WireEngine(writers_per_peer=)).
-WRITERS_PER_PEER = 1
+#: by default (WireEngine(writers_per_peer=) sets it per engine). On 2 cores over loopback,
+#: 1, 2 and 4 measured alike within this VM's noise (two alternations of three turns each:
+#: 8 MiB at fanout 1 0.72-0.94, 0.88-1.10 and 0.81-0.96 of raw); more than one hides the wait
+#: for each transfer's reply behind the next transfer's bytes.
+WRITERS_PER_PEER = 4
 #: Threads that carry write_async() batches in all, so that writes to different peers overlap.
 MAX_WRITERS = 64
 
