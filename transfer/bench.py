@@ -864,14 +864,15 @@ def plot(rows: list[dict], path: str) -> None:
     inflights = sorted({r["inflight"] for r in rows if r["path"] != "memcpy"})
     window = 8 if 8 in inflights else (inflights[-1] if inflights else 1)
     fig, axes = plt.subplots(3, len(fanouts), figsize=(5.5 * len(fanouts), 11), squeeze=False)
-    labels = sorted({r["path"] + (" +integrity" if r["integrity"] else "") for r in rows})
-    colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}  # one colour per path in every panel
+    def label_of(row: dict) -> str:
+        return row["path"] + (" +integrity" if row["integrity"] else "")
+
+    colours = {label: f"C{i % 10}" for i, label in enumerate(sorted({label_of(r) for r in rows}))}  # same in every panel
     for col, fanout in enumerate(fanouts):
         series: dict[str, list[tuple[int, float, float, float | None]]] = {}
         for r in rows:
             if r["path"] == "memcpy" or (r["fanout"] == fanout and r["inflight"] == window):
-                label = r["path"] + (" +integrity" if r["integrity"] else "")
-                series.setdefault(label, []).append((r["item_bytes"], r["gbps"], r["p99_ms"], r.get("ratio_to_raw")))
+                series.setdefault(label_of(r), []).append((r["item_bytes"], r["gbps"], r["p99_ms"], r.get("ratio_to_raw")))
         gbps_ax, ratio_ax, p99_ax = (axes[row][col] for row in range(3))
         for label, points in sorted(series.items()):
             points.sort()
