@@ -27,9 +27,28 @@ void epd_put_le64(unsigned char *out, uint64_t v);
 uint32_t epd_get_le32(const unsigned char *in);
 uint64_t epd_get_le64(const unsigned char *in);
 
+/* Frame kinds the sender of a transfer writes (SPEC.md section 9). */
+#define EPD_KIND_PREFILL 3
+#define EPD_KIND_LAYER 10
+#define EPD_KIND_FIRST 11
+
+/* A run of memory: where it starts and how many bytes. */
+struct epd_span {
+    uint64_t addr;
+    size_t len;
+};
+
 /* frame.c: whole-frame socket/fd I/O; the GIL must be held on entry. */
 int epd_write_frame(int fd, unsigned kind, Py_buffer *parts, Py_ssize_t nparts, double timeout);
 PyObject *epd_read_frame(int fd, double timeout);
+/* One whole transfer on a connection: the PREFILL payload, each layer in LAYER chunks of at most
+   `chunk` bytes (checksummed), FIRST, then the answer frame, in one GIL release. Returns
+   (complete, (kind, payload, wire_us)); complete is False when the peer spoke mid-transfer and
+   the rest was not sent. A failure raises FrameError with `stage` "prefill" (the PREFILL did not
+   get out whole: nothing of the transfer reached the peer), "data" or "answer". Every layer is
+   non-empty and 1 <= nlayers <= 16 (the caller checks). */
+PyObject *epd_wire_transfer(int fd, Py_buffer *prefill, const struct epd_span *layers, int nlayers, uint32_t rows,
+                            size_t chunk, double timeout);
 
 /* msg.c: the key=value message codec. */
 int epd_msg_check(PyObject *key, PyObject *value);

@@ -76,15 +76,15 @@ static int wait_ready(int fd, int writing, double timeout, PyThreadState **ts)
     }
 }
 
-/* Moves every byte of the iovec list (readv or writev), GIL released; called with the GIL held.
-   The timeout bounds each wait for progress, not the whole transfer, so big frames on a
-   slow link still complete while a silent peer is caught. */
-static int io_all(int fd, struct iovec *iov, int cnt, int writing, double timeout, size_t *done, int *err)
+/* Moves every byte of the iovec list (readv or writev); called with the GIL released, *ts being
+   the saved thread state (signal handlers run with it). The timeout bounds each wait for
+   progress, not the whole transfer, so big frames on a slow link still complete while a silent
+   peer is caught. */
+static int io_loop(int fd, struct iovec *iov, int cnt, int writing, double timeout, size_t *done, int *err,
+                   PyThreadState **ts)
 {
-    int rc = IO_OK;
     *done = 0;
     *err = 0;
-    PyThreadState *ts = PyEval_SaveThread();
     while (cnt > 0) {
         if (iov->iov_len == 0) {
             iov++;
@@ -98,29 +98,32 @@ static int io_all(int fd, struct iovec *iov, int cnt, int writing, double timeou
             iov_advance(&iov, &cnt, (size_t)n);
             continue;
         }
-        if (n == 0) {
-            rc = IO_EOF;
-            break;
-        }
+        if (n == 0)
+            return IO_EOF;
         if (errno == EINTR) {
-            if (check_signals(&ts) < 0) {
-                rc = IO_SIGNAL;
-                break;
-            }
+            if (check_signals(ts) < 0)
+                return IO_SIGNAL;
             continue;
         }
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            rc = wait_ready(fd, writing, timeout, &ts);
+            int rc = wait_ready(fd, writing, timeout, ts);
             if (rc == IO_OK)
                 continue;
             if (rc == IO_ERRNO)
                 *err = errno;
-            break;
+            return rc;
         }
         *err = errno;
-        rc = IO_ERRNO;
-        break;
+        return IO_ERRNO;
     }
+    return IO_OK;
+}
+
+/* io_loop with the GIL released around it; called with the GIL held. */
+static int io_all(int fd, struct iovec *iov, int cnt, int writing, double timeout, size_t *done, int *err)
+{
+    PyThreadState *ts = PyEval_SaveThread();
+    int rc = io_loop(fd, iov, cnt, writing, timeout, done, err, &ts);
     PyEval_RestoreThread(ts);
     return rc;
 }
@@ -206,56 +209,187 @@ int epd_write_frame(int fd, unsigned kind, Py_buffer *parts, Py_ssize_t nparts, 
     return -1;
 }
 
-PyObject *epd_read_frame(int fd, double timeout)
+/* Payloads up to this size are read with the header in one GIL release, into a stack buffer. */
+#define SMALL_PAYLOAD 4096
+
+/* Raises the FrameError for a failed read of a frame's kind and payload. */
+static void raise_payload_io(int rc, int err, size_t done, uint32_t length, double timeout)
+{
+    if (rc == IO_EOF)
+        raise_frame_error(0, "read: connection closed mid-payload after %zu of %u bytes", done, (unsigned)length);
+    else
+        raise_io("read", rc, err, timeout);
+}
+
+/* Reads the 4-byte length (GIL released, *ts saved); 0, or -1 with FrameError raised after
+   restoring the thread state into *ts (the caller must not restore it again). */
+static int read_length(int fd, double timeout, PyThreadState **ts, uint32_t *length)
 {
     unsigned char lenbuf[4];
-    struct iovec iov[2] = {{.iov_base = lenbuf, .iov_len = sizeof lenbuf}};
+    struct iovec iov = {.iov_base = lenbuf, .iov_len = sizeof lenbuf};
     size_t done;
     int err;
-    int rc = io_all(fd, iov, 1, 0, timeout, &done, &err);
-    if (rc == IO_EOF) {
-        if (done == 0)
-            raise_frame_error(0, "read: connection closed before a frame header");
+    int rc = io_loop(fd, &iov, 1, 0, timeout, &done, &err, ts);
+    if (rc == IO_OK) {
+        *length = epd_get_le32(lenbuf);
+        if (*length == 0)
+            rc = -2;
+        else if ((size_t)*length - 1 > EPD_MAX_PAYLOAD)
+            rc = -3;
         else
-            raise_frame_error(0, "read: connection closed inside a frame header after %zu of 4 bytes",
-                              done);
-        return NULL;
+            return 0;
     }
-    if (rc != IO_OK) {
-        raise_io("read", rc, err, timeout);
-        return NULL;
-    }
-    long long t0 = now_us();
-    uint32_t length = epd_get_le32(lenbuf);
-    if (length == 0) {
+    PyEval_RestoreThread(*ts);
+    *ts = NULL;
+    if (rc == IO_EOF && done == 0)
+        raise_frame_error(0, "read: connection closed before a frame header");
+    else if (rc == IO_EOF)
+        raise_frame_error(0, "read: connection closed inside a frame header after %zu of 4 bytes", done);
+    else if (rc == -2)
         raise_frame_error(0, "read: zero-length frame has no kind byte");
-        return NULL;
-    }
-    /* Checked before anything is allocated: a hostile length must not cost memory. */
-    size_t payload_len = (size_t)length - 1;
-    if (payload_len > EPD_MAX_PAYLOAD) {
+    else if (rc == -3)
+        /* Checked before anything is allocated: a hostile length must not cost memory. */
         raise_frame_error(0, "read: frame payload of %zu bytes exceeds the limit of %zu bytes",
-                          payload_len, EPD_MAX_PAYLOAD);
+                          (size_t)*length - 1, EPD_MAX_PAYLOAD);
+    else
+        raise_io("read", rc, err, timeout);
+    return -1;
+}
+
+/* Reads one frame; called with the GIL released (*ts saved) and returns with it held. A small
+   payload (an answer, a control frame) comes in the same release as its header. */
+static PyObject *read_frame_released(int fd, double timeout, PyThreadState *ts)
+{
+    uint32_t length;
+    if (read_length(fd, timeout, &ts, &length) < 0)
         return NULL;
+    long long t0 = now_us();
+    size_t payload_len = (size_t)length - 1;
+    unsigned char kind = 0;
+    size_t done;
+    int err;
+    if (payload_len <= SMALL_PAYLOAD) {
+        unsigned char small[SMALL_PAYLOAD];
+        struct iovec iov[2] = {{.iov_base = &kind, .iov_len = 1}, {.iov_base = small, .iov_len = payload_len}};
+        int rc = io_loop(fd, iov, 2, 0, timeout, &done, &err, &ts);
+        long long t1 = now_us();
+        PyEval_RestoreThread(ts);
+        if (rc != IO_OK) {
+            raise_payload_io(rc, err, done, length, timeout);
+            return NULL;
+        }
+        return Py_BuildValue("(iy#L)", (int)kind, (const char *)small, (Py_ssize_t)payload_len, t1 - t0);
     }
+    PyEval_RestoreThread(ts);
     PyObject *payload = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)payload_len);
     if (payload == NULL)
         return NULL;
-    unsigned char kind = 0;
-    iov[0].iov_base = &kind;
-    iov[0].iov_len = 1;
-    iov[1].iov_base = PyBytes_AS_STRING(payload);
-    iov[1].iov_len = payload_len;
-    rc = io_all(fd, iov, 2, 0, timeout, &done, &err);
+    struct iovec iov[2] = {{.iov_base = &kind, .iov_len = 1},
+                           {.iov_base = PyBytes_AS_STRING(payload), .iov_len = payload_len}};
+    int rc = io_all(fd, iov, 2, 0, timeout, &done, &err);
     long long t1 = now_us();
     if (rc != IO_OK) {
         Py_DECREF(payload);
-        if (rc == IO_EOF)
-            raise_frame_error(0, "read: connection closed mid-payload after %zu of %u bytes", done,
-                              (unsigned)length);
-        else
-            raise_io("read", rc, err, timeout);
+        raise_payload_io(rc, err, done, length, timeout);
         return NULL;
     }
     return Py_BuildValue("(iNL)", (int)kind, payload, t1 - t0);
+}
+
+PyObject *epd_read_frame(int fd, double timeout)
+{
+    return read_frame_released(fd, timeout, PyEval_SaveThread());
+}
+
+/* Sets `stage` on the FrameError being raised, telling the caller how far a transfer got. */
+static void tag_stage(const char *stage)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (value != NULL) {
+        PyObject *text = PyUnicode_FromString(stage);
+        if (text == NULL || PyObject_SetAttrString(value, "stage", text) < 0)
+            PyErr_Clear();
+        Py_XDECREF(text);
+    }
+    PyErr_Restore(type, value, tb);
+}
+
+/* Whether the peer has something for us (an early answer, or a hang-up) right now. */
+static int peer_spoke(int fd)
+{
+    struct pollfd pfd = {.fd = fd, .events = POLLIN};
+    return poll(&pfd, 1, 0) > 0;
+}
+
+PyObject *epd_wire_transfer(int fd, Py_buffer *prefill, const struct epd_span *layers, int nlayers, uint32_t rows,
+                            size_t chunk, double timeout)
+{
+    if ((size_t)prefill->len > EPD_MAX_PAYLOAD) {
+        raise_frame_error(0, "write: payload of %zd bytes exceeds the limit of %zu bytes", prefill->len,
+                          EPD_MAX_PAYLOAD);
+        return NULL;
+    }
+    unsigned char prefill_header[5], first_frame[5], chunk_header[5 + EPD_LAYER_HEADER];
+    epd_put_le32(prefill_header, (uint32_t)prefill->len + 1);
+    prefill_header[4] = EPD_KIND_PREFILL;
+    epd_put_le32(first_frame, 1);
+    first_frame[4] = EPD_KIND_FIRST;
+    size_t prefill_bytes = sizeof prefill_header + (size_t)prefill->len;
+
+    PyThreadState *ts = PyEval_SaveThread();
+    struct iovec iov[5];
+    int cnt = 0;
+    iov[cnt++] = (struct iovec){.iov_base = prefill_header, .iov_len = sizeof prefill_header};
+    iov[cnt++] = (struct iovec){.iov_base = prefill->buf, .iov_len = (size_t)prefill->len};
+    int complete = 1, rc = IO_OK, err = 0, untouched = 1;
+    size_t done = 0;
+    for (int layer = 0; layer < nlayers && complete; layer++) {
+        const unsigned char *src = (const unsigned char *)(uintptr_t)layers[layer].addr;
+        size_t n = layers[layer].len;
+        for (size_t off = 0; off < n; off += chunk) {
+            size_t size = n - off < chunk ? n - off : chunk;
+            /* Zero copy: the frame is gathered straight from the source memory. */
+            epd_put_le32(chunk_header, (uint32_t)(size + EPD_LAYER_HEADER + 1));
+            chunk_header[4] = EPD_KIND_LAYER;
+            epd_put_le32(chunk_header + 5, (uint32_t)layer);
+            epd_put_le32(chunk_header + 9, rows);
+            epd_put_le64(chunk_header + 13, epd_layer_sum(src + off, size));
+            iov[cnt++] = (struct iovec){.iov_base = chunk_header, .iov_len = sizeof chunk_header};
+            iov[cnt++] = (struct iovec){.iov_base = (void *)(src + off), .iov_len = size};
+            int last = layer == nlayers - 1 && off + size == n;
+            if (last)  /* FIRST rides with the last chunk: a small transfer is one system call */
+                iov[cnt++] = (struct iovec){.iov_base = first_frame, .iov_len = sizeof first_frame};
+            rc = io_loop(fd, iov, cnt, 1, timeout, &done, &err, &ts);
+            if (untouched && (rc == IO_OK || done >= prefill_bytes))
+                untouched = 0;
+            cnt = 0;
+            if (rc != IO_OK)
+                break;
+            if (!last && peer_spoke(fd)) {  /* it refused us mid-transfer: read why, send no more */
+                complete = 0;
+                break;
+            }
+        }
+        if (rc != IO_OK)
+            break;
+    }
+    if (rc != IO_OK) {
+        PyEval_RestoreThread(ts);
+        if (rc == IO_EOF)
+            raise_frame_error(0, "write: the connection accepted no bytes after %zu", done);
+        else
+            raise_io("write", rc, err, timeout);
+        tag_stage(untouched ? "prefill" : "data");
+        return NULL;
+    }
+    PyObject *answer = read_frame_released(fd, timeout, ts);
+    if (answer == NULL) {
+        tag_stage("answer");
+        return NULL;
+    }
+    PyObject *out = Py_BuildValue("(OO)", complete ? Py_True : Py_False, answer);
+    Py_DECREF(answer);
+    return out;
 }

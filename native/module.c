@@ -246,6 +246,63 @@ static PyObject *py_write_frame(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *py_wire_transfer(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int fd;
+    Py_buffer prefill;
+    PyObject *layers_o, *rows_o, *chunk_o;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "iy*OOOd:wire_transfer", &fd, &prefill, &layers_o, &rows_o, &chunk_o, &timeout))
+        return NULL;
+    PyObject *out = NULL, *seq = NULL;
+    struct epd_span spans[16];
+    uint32_t rows;
+    uint64_t chunk;
+    if (timeout_arg(timeout, "wire_transfer") < 0 || u32_arg(rows_o, "rows", &rows) < 0 ||
+        epd_u64_arg(chunk_o, "chunk", &chunk) < 0)
+        goto done;
+    if (chunk == 0 || chunk > EPD_MAX_PAYLOAD - EPD_LAYER_HEADER) {
+        char text[96];
+        snprintf(text, sizeof text, "wire_transfer: chunk must be in 1..%zu bytes, got %llu",
+                 EPD_MAX_PAYLOAD - EPD_LAYER_HEADER, (unsigned long long)chunk);
+        PyErr_SetString(PyExc_ValueError, text);
+        goto done;
+    }
+    seq = PySequence_Fast(layers_o, "wire_transfer needs a sequence of (address, length) pairs");
+    if (seq == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1 || n > 16) {
+        PyErr_Format(PyExc_ValueError, "wire_transfer: 1..16 layers, got %zd", n);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(seq, i);
+        uint64_t addr, len;
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_SetString(PyExc_TypeError, "wire_transfer: each layer is an (address, length) tuple");
+            goto done;
+        }
+        if (epd_u64_arg(PyTuple_GET_ITEM(pair, 0), "a layer's address", &addr) < 0 ||
+            epd_u64_arg(PyTuple_GET_ITEM(pair, 1), "a layer's length", &len) < 0)
+            goto done;
+        if (addr == 0 || len == 0 || len > (uint64_t)PY_SSIZE_T_MAX || addr + len < addr) {
+            char text[128];
+            snprintf(text, sizeof text, "wire_transfer: layer %zd (0x%llx+%llu) is not a non-empty range of "
+                     "the address space", i, (unsigned long long)addr, (unsigned long long)len);
+            PyErr_SetString(PyExc_ValueError, text);
+            goto done;
+        }
+        spans[i] = (struct epd_span){.addr = addr, .len = (size_t)len};
+    }
+    out = epd_wire_transfer(fd, &prefill, spans, (int)n, rows, (size_t)chunk, timeout);
+done:
+    Py_XDECREF(seq);
+    PyBuffer_Release(&prefill);
+    return out;
+}
+
 static PyObject *py_read_frame(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -300,6 +357,9 @@ static PyMethodDef methods[] = {
     {"parse_layer", py_parse_layer, METH_O, "parse_layer(payload) -> (layer, rows); verifies the checksum."},
     {"write_frame", py_write_frame, METH_VARARGS, "write_frame(fd, kind, parts, timeout) -> None."},
     {"read_frame", py_read_frame, METH_VARARGS, "read_frame(fd, timeout) -> (kind, payload, wire_us)."},
+    {"wire_transfer", py_wire_transfer, METH_VARARGS,
+     "wire_transfer(fd, prefill, layers, rows, chunk, timeout) -> (complete, (kind, payload, wire_us)): "
+     "PREFILL, each (address, length) layer in checksummed LAYER chunks, FIRST, then the answer."},
     {"msg_check", py_msg_check, METH_VARARGS, "msg_check(key, value): raises if the field cannot be encoded."},
     {"msg_encode", py_msg_encode, METH_VARARGS, "msg_encode(fields, body) -> bytes."},
     {"msg_decode", py_msg_decode, METH_O, "msg_decode(data) -> (fields, body)."},

@@ -385,3 +385,46 @@ def test_writer_pool_total_cap_still_serves_every_peer():
     finally:
         gate.set()
         pool.shutdown()
+
+
+def test_writer_pool_shares_per_peer_among_busy_peers(monkeypatch):
+    """Pure logic: a lone peer runs per_peer (4) jobs at once; once a second peer has jobs too they
+    share the 4, two each, and each peer's later jobs keep to that; once the first is done the
+    other runs four again; threads that find nothing to do for IDLE_S leave. (Sixteen threads over four peers measured slower than four.)"""
+    monkeypatch.setattr(_WriterPool, "IDLE_S", 0.3)
+    pool = _WriterPool("shared", per_peer=4, total=16)
+    gates = {"a": threading.Event(), "b": threading.Event()}
+    lock = threading.Lock()
+    running = {"a": 0, "b": 0}
+    peaks = {"a": [], "b": []}
+
+    def job(key: str) -> None:
+        with lock:
+            running[key] += 1
+            peaks[key].append(running[key])
+        gates[key].wait(10)
+        with lock:
+            running[key] -= 1
+
+    try:
+        first_a = [pool.submit("a", job, "a") for _ in range(4)]
+        assert wait_for(lambda: running["a"] == 4, 5)  # alone: the whole per_peer
+        later_a = [pool.submit("a", job, "a") for _ in range(4)]
+        futures_b = [pool.submit("b", job, "b") for _ in range(4)]
+        assert wait_for(lambda: running["b"] == 2, 5)
+        time.sleep(0.1)
+        assert running == {"a": 4, "b": 2}  # a's running jobs are not cut short; b gets its share
+        gates["a"].set()
+        for future in first_a + later_a:
+            future.result(timeout=10)
+        assert max(peaks["a"][4:]) <= 2, peaks["a"]  # a's later jobs ran two at a time beside b
+        assert wait_for(lambda: running["b"] == 4, 5), running  # a is done: b alone may run all four
+        gates["b"].set()
+        for future in futures_b:
+            future.result(timeout=10)
+        assert wait_for(lambda: not pool._threads, 5), f"{len(pool._threads)} idle threads did not leave"
+        assert pool.submit("a", lambda: "again").result(timeout=5) == "again"  # a new thread starts
+    finally:
+        gates["a"].set()
+        gates["b"].set()
+        pool.shutdown()

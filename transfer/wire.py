@@ -101,7 +101,7 @@ RESULT = Kind.RESULT
 ERROR = Kind.ERROR
 
 
-def _endpoint(sock_or_fd: Any) -> tuple[int, float]:
+def endpoint(sock_or_fd: Any) -> tuple[int, float]:
     """Returns (fd, idle timeout in seconds or -1) for a socket object or an int fd."""
     if isinstance(sock_or_fd, int) and not isinstance(sock_or_fd, bool):
         return sock_or_fd, -1.0
@@ -122,19 +122,19 @@ def _kind(kind: int) -> int:
 
 def write_frame(sock_or_fd: Any, kind: int, payload: Any) -> None:
     """Writes one whole frame (header and payload in one gather write)."""
-    fd, timeout = _endpoint(sock_or_fd)
+    fd, timeout = endpoint(sock_or_fd)
     _native.write_frame(fd, _kind(kind), (payload,), timeout)
 
 
 def write_frame_parts(sock_or_fd: Any, kind: int, parts: Iterable[Any]) -> None:
     """Writes one frame whose payload is the concatenation of parts, without joining them."""
-    fd, timeout = _endpoint(sock_or_fd)
+    fd, timeout = endpoint(sock_or_fd)
     _native.write_frame(fd, _kind(kind), tuple(parts), timeout)
 
 
 def read_frame(sock_or_fd: Any) -> tuple[int, bytes, int]:
     """Reads one whole frame: (kind, payload, microseconds the payload took after its header)."""
-    fd, timeout = _endpoint(sock_or_fd)
+    fd, timeout = endpoint(sock_or_fd)
     return _native.read_frame(fd, timeout)
 
 

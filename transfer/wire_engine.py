@@ -3,7 +3,9 @@
 It needs no Mooncake wheel and no RDMA stack: a native listener (native/wire_listener.c,
 pthreads, never the GIL) receives transfers on a TCP port, checks every destination
 against the regions registered with it and every chunk's checksum, and only then copies
-the bytes into place. The sender streams straight from the source memory.
+the bytes into place. The sender streams straight from the source memory: one native
+call (``_native.wire_transfer``) checksums and writes a whole transfer and reads its
+answer in a single release of the GIL, a transfer of one chunk being one gather write.
 
 Session id: ``host:port`` of the receiver's listener (advertised in the registration
 and TransferInfo frames exactly like a Mooncake session id).
@@ -55,15 +57,15 @@ The listener closes a fresh connection that sends nothing for the first-byte bou
 and counts it in ``stats()["silent"]``; a connection that carried a transfer keeps the idle
 timeout.
 
-write_async(): each peer session has its own FIFO queue, and at most ``writers_per_peer``
-(``WRITERS_PER_PEER``, 4, by default) of its writes run at once (``MAX_WRITERS`` threads in
-all), so a peer that stops reading holds only its own writers, each for at most the reply
+write_async(): each peer session has its own FIFO queue. A lone busy peer runs at most
+``writers_per_peer`` (``WRITERS_PER_PEER``, 4, by default) of its writes at once; peers with
+writes queued or running share that many, at least one each (``MAX_WRITERS`` threads in
+all). So a peer that stops reading holds only its own writers, each for at most the reply
 timeout, while writes to other peers go on.
 """
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
 import select
@@ -85,11 +87,12 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 4 << 20
 #: Idle connections kept per peer session; more are closed when they come back.
 IDLE_PER_SESSION = 8
-#: write_async() batches of one peer session that run at once (more wait in that peer's queue),
-#: by default (WireEngine(writers_per_peer=) sets it per engine). On 2 cores over loopback,
-#: 1, 2 and 4 measured alike within this VM's noise (two alternations of three turns each:
-#: 8 MiB at fanout 1 0.72-0.94, 0.88-1.10 and 0.81-0.96 of raw); more than one hides the wait
-#: for each transfer's reply behind the next transfer's bytes.
+#: write_async() batches of a lone busy peer that run at once (more wait in its queue), shared
+#: among the peers with writes (at least one each), by default (WireEngine(writers_per_peer=)
+#: sets it per engine). On 2 cores over loopback, 4 per peer at fanout 4 (16 threads) ran
+#: 512 KiB items at 0.11-0.14 of raw and 1 per peer at 0.19-0.22; at fanout 1, 1, 2 and 4
+#: measured alike within this VM's noise. More than one hides the wait for a transfer's
+#: reply behind the next transfer's bytes.
 WRITERS_PER_PEER = 4
 #: Threads that carry write_async() batches in all, so that writes to different peers overlap.
 MAX_WRITERS = 64
@@ -140,11 +143,17 @@ class _Conn:
 
 
 class _WriterPool:
-    """Threads for write_async(): a FIFO queue per key (a peer session), at most per_peer of one
-    key's jobs running at once and total threads in all; a free thread serves the keys in turn.
+    """Threads for write_async(): a FIFO queue per key (a peer session), and total threads in all.
 
-    One shared pool let a peer that stopped reading take every thread, each for a reply timeout,
-    while writes to healthy peers waited behind them; here it takes only its own per_peer."""
+    At most per_peer of a lone key's jobs run at once; keys with jobs queued or running share
+    per_peer (at least one each). A free thread serves the keys in turn. One shared pool let a
+    peer that stopped reading take every thread, each for a reply timeout, while writes to
+    healthy peers waited behind them; here it takes only its share.
+
+    Each job wakes at most one parked thread, and a thread that finishes a job takes the next
+    itself. Waking every parked thread for each job (a Condition's notify_all) cost more than
+    the writes at 512 KiB over four peers: a herd of threads fighting for the GIL to find
+    nothing to do."""
 
     #: How long a thread with nothing to take waits for a job before it leaves: starting a
     #: thread per write cost two thirds of the 512 KiB rate.
@@ -157,43 +166,64 @@ class _WriterPool:
         self.name = name
         self.per_peer = per_peer
         self.total = total
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._left = threading.Condition(self._lock)  # shutdown() waits here for the threads to go
         self._queues: dict[str, deque] = {}  # keys with waiting jobs, in the order they are served
         self._running: dict[str, int] = {}
         self._threads: set[threading.Thread] = set()
-        self._idle = 0  # threads waiting for a job they may take
+        self._parked: list[threading.Lock] = []  # parked threads' wake locks, held while they sleep
+        self._waking = 0  # threads started or woken that have not looked for a job yet
         self._ids = itertools.count(1)
         self._closed = False
 
     def submit(self, key: str, fn: Callable[..., Any], *args: Any) -> Future:
         """Queues fn(*args) behind key's earlier jobs; its Future."""
         future: Future = Future()
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name} is shut down")
             queue = self._queues.setdefault(key, deque())
             queue.append((future, fn, args))
-            if self._running.get(key, 0) >= self.per_peer:
-                return future  # a thread of this key's takes it when one of its jobs ends
-            if self._idle:
-                self._cond.notify_all()  # (shutdown() waits on this condition too)
+            try:
+                self._fill()
+            except RuntimeError:  # out of threads: the caller hears it, and no job waits on a phantom
+                queue.pop()
+                if not queue:
+                    del self._queues[key]
+                raise
+        return future
+
+    def _cap(self) -> int:
+        """How many jobs of one key may run now: per_peer shared among the keys with jobs
+        queued or running, at least one each (lock held)."""
+        busy = len(self._queues.keys() | self._running.keys())
+        return max(1, self.per_peer // busy) if busy > 1 else self.per_peer
+
+    def _fill(self) -> None:
+        """Wakes (or starts) one thread for each job that may start now and has none coming (lock held)."""
+        cap = self._cap()
+        startable = sum(min(len(queue), cap - self._running.get(key, 0))
+                        for key, queue in self._queues.items() if self._running.get(key, 0) < cap)
+        for _ in range(startable - self._waking):
+            if self._parked:
+                self._parked.pop().release()
             elif len(self._threads) < self.total:
                 thread = threading.Thread(target=self._work, name=f"{self.name}-{next(self._ids)}", daemon=True)
                 self._threads.add(thread)
                 try:
                     thread.start()
-                except RuntimeError:  # out of threads: the caller hears it, and no job waits on a phantom
+                except RuntimeError:
                     self._threads.discard(thread)
-                    queue.pop()
-                    if not queue:
-                        del self._queues[key]
                     raise
-        return future
+            else:
+                return  # every thread is busy: the first to finish takes the next job
+            self._waking += 1
 
     def _take(self) -> tuple[str, Future, Callable[..., Any], tuple] | None:
         """The next job of the first key below its cap (that key then goes last); lock held."""
+        cap = self._cap()
         for key, queue in self._queues.items():
-            if self._running.get(key, 0) < self.per_peer:
+            if self._running.get(key, 0) < cap:
                 future, fn, args = queue.popleft()
                 del self._queues[key]
                 if queue:
@@ -202,47 +232,68 @@ class _WriterPool:
                 return key, future, fn, args
         return None
 
-    def _work(self) -> None:
-        """A thread: runs jobs, waiting up to IDLE_S for one it may take, then leaves."""
-        me = threading.current_thread()
+    def _next_job(self, wake: threading.Lock) -> tuple[str, Future, Callable[..., Any], tuple] | None:
+        """A job to run, parking up to IDLE_S while there is none; None: leave (lock held)."""
         while True:
-            with self._cond:
-                job = self._take()
-                idle_until = time.monotonic() + self.IDLE_S
-                while job is None and not self._closed and time.monotonic() < idle_until:
-                    self._idle += 1
-                    self._cond.wait(idle_until - time.monotonic())
-                    self._idle -= 1
-                    job = self._take()
-                if job is None:
-                    self._threads.discard(me)
-                    self._cond.notify_all()
-                    return
-            key, future, fn, args = job
+            job = self._take()
+            if job is not None or self._closed:
+                return job
+            self._parked.append(wake)
+            self._lock.release()
             try:
-                if future.set_running_or_notify_cancel():
-                    try:
-                        result = fn(*args)
-                    except BaseException as exc:  # noqa: BLE001 - the Future carries it to wait()
-                        future.set_exception(exc)
-                    else:
-                        future.set_result(result)
+                woken = wake.acquire(timeout=self.IDLE_S)
             finally:
-                with self._cond:
-                    self._running[key] -= 1
-                    if not self._running[key]:
-                        del self._running[key]
-                    if key in self._queues and self._idle:
-                        self._cond.notify_all()  # that key's next job may be taken now
+                self._lock.acquire()
+            if not woken and wake in self._parked:  # nobody woke it: idle for IDLE_S
+                self._parked.remove(wake)
+                return self._take()
+            if not woken:  # woken just after its wait ran out: the lock is free again
+                wake.acquire()
+            self._waking -= 1
+
+    def _work(self) -> None:
+        """A thread: runs jobs until it finds none for IDLE_S (or the pool is shut down)."""
+        me = threading.current_thread()
+        wake = threading.Lock()
+        wake.acquire()  # held while parked; a waker releases it
+        with self._lock:
+            self._waking -= 1
+            try:
+                while (job := self._next_job(wake)) is not None:
+                    key, future, fn, args = job
+                    self._lock.release()
+                    try:
+                        if future.set_running_or_notify_cancel():
+                            try:
+                                result = fn(*args)
+                            except BaseException as exc:  # noqa: BLE001 - the Future carries it to wait()
+                                future.set_exception(exc)
+                            else:
+                                future.set_result(result)
+                    finally:
+                        self._lock.acquire()
+                        self._running[key] -= 1
+                        if not self._running[key]:
+                            del self._running[key]
+                            if self._queues:  # one key fewer shares per_peer: the others may run more
+                                try:
+                                    self._fill()
+                                except RuntimeError:  # no thread to start: this one takes the next job
+                                    pass
+            finally:
+                self._threads.discard(me)
+                self._left.notify_all()
 
     def shutdown(self) -> None:
         """Refuses new jobs and waits until every queued one has run and every thread has left."""
         me = threading.current_thread()
-        with self._cond:
+        with self._lock:
             self._closed = True
-            self._cond.notify_all()  # idle threads take what is left, then leave
+            while self._parked:  # parked threads take what is left, then leave
+                self._parked.pop().release()
+                self._waking += 1
             while self._threads - {me}:
-                self._cond.wait()
+                self._left.wait()
 
 
 class WireEngine(RegisteredMemory):
@@ -259,8 +310,9 @@ class WireEngine(RegisteredMemory):
         """Starts the listener on hostname:port (0: ephemeral); chunk_bytes is both the LAYER
         size we send and the largest we accept, so peers must agree on it. A fresh connection
         that sends nothing for first_byte_timeout_s (None: the listener's 10 s; never more than
-        idle_timeout_s) is closed. writers_per_peer: write_async() batches to one peer that run
-        at once, each on a connection of its own."""
+        idle_timeout_s) is closed. writers_per_peer: write_async() batches to a lone busy peer
+        that run at once, each on a connection of its own; busy peers share that many (at
+        least one each)."""
         if int(writers_per_peer) < 1:
             raise ValueError(f"writers_per_peer must be at least 1, got {writers_per_peer}")
         self.writers_per_peer = int(writers_per_peer)
@@ -339,7 +391,7 @@ class WireEngine(RegisteredMemory):
 
     def write_async(self, session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
                     lengths: Sequence[int]) -> int:
-        """Start write() on the peer's writer queue (at most writers_per_peer of one peer's writes
+        """Start write() on the peer's writer queue (at most its share of writers_per_peer
         run at once); returns a batch id for wait() (0: nothing to write)."""
         srcs, dsts, lens = self._batch(session_id, src_addrs, dst_addrs, lengths)
         if not lens:
@@ -411,34 +463,25 @@ class WireEngine(RegisteredMemory):
 
     def _transfer(self, conn: _Conn, room: int, srcs: list[int], dsts: list[int], lens: list[int],
                   rows: int) -> None:
-        """PREFILL, the LAYER chunks, FIRST, then the answer."""
-        sock = conn.sock
+        """PREFILL, the LAYER chunks, FIRST, then the answer: one native call, one GIL release."""
         msg = wire.Msg({"room": room, "layers": len(lens), "rows": rows, "row_bytes": lens[0] // rows,
                         "ptr": dsts[0]})
         for i, (dst, n) in enumerate(zip(dsts, lens)):
             msg.set(f"ptr{i}", dst).set(f"bytes{i}", n)
+        fd, timeout = wire.endpoint(conn.sock)
         try:
-            wire.write_frame(sock, wire.PREFILL, msg.encode())
+            complete, (kind, payload, _) = _native.wire_transfer(fd, msg.encode(), tuple(zip(srcs, lens)), rows,
+                                                                 self.chunk_bytes, timeout)
         except OSError as exc:
-            raise _Untouched(exc) from None
-        chunk = self.chunk_bytes
-        for layer, (src, n) in enumerate(zip(srcs, lens)):
-            # Zero copy: the frames are gathered straight from the source memory.
-            view = memoryview((ctypes.c_char * n).from_address(src))
-            for off in range(0, n, chunk):
-                size = min(chunk, n - off)
-                header = wire.layer_header(layer, rows, _native.layer_sum_addr(src + off, size))
-                try:
-                    wire.write_frame_parts(sock, wire.LAYER, (header, view[off:off + size]))
-                except OSError as exc:
-                    self._raise_answer(conn, room, exc)
-                if conn.peer_spoke():
-                    self._raise_answer(conn, room, None)
-        try:
-            wire.write_frame(sock, wire.FIRST, b"")
-        except OSError as exc:
-            self._raise_answer(conn, room, exc)
-        self._check_answer(conn, room, sum(lens))
+            stage = getattr(exc, "stage", None)
+            if stage == "prefill":
+                raise _Untouched(exc) from None
+            if stage == "data":
+                self._raise_answer(conn, room, exc)
+            raise
+        self._judge(kind, payload, room, sum(lens) if complete else None)
+        if not complete:
+            raise TransferError(f"the peer answered before the transfer was complete (kind {kind})")
         conn.fresh = False
         with self._lock:
             self._sent["writes"] += 1
@@ -458,11 +501,6 @@ class WireEngine(RegisteredMemory):
             raise
         self._judge(kind, payload, room, None)
         raise TransferError(f"the peer answered before the transfer was complete (kind {kind})")
-
-    def _check_answer(self, conn: _Conn, room: int, total: int) -> None:
-        """Reads the answer to FIRST and checks it names our room and byte count."""
-        kind, payload, _ = wire.read_frame(conn.sock)
-        self._judge(kind, payload, room, total)
 
     @staticmethod
     def _judge(kind: int, payload: bytes, room: int, total: int | None) -> None:
