@@ -6,6 +6,7 @@
 #include <math.h>
 #include <poll.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -76,6 +77,21 @@ static int wait_ready(int fd, int writing, double timeout, PyThreadState **ts)
     }
 }
 
+/* One gather write. On a socket it is sendmsg with MSG_NOSIGNAL, so a peer that hung up is
+   an EPIPE error, never a SIGPIPE that kills a host process which did not ignore it (Python
+   does; an engine embedding it may not); other descriptors (pipes) take writev. */
+static ssize_t gather_write(int fd, struct iovec *iov, int cnt, int *not_socket)
+{
+    if (!*not_socket) {
+        struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)cnt};
+        ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL);
+        if (n >= 0 || errno != ENOTSOCK)
+            return n;
+        *not_socket = 1;
+    }
+    return writev(fd, iov, cnt);
+}
+
 /* Moves every byte of the iovec list (readv or writev); called with the GIL released, *ts being
    the saved thread state (signal handlers run with it). The timeout bounds each wait for
    progress, not the whole transfer, so big frames on a slow link still complete while a silent
@@ -85,6 +101,7 @@ static int io_loop(int fd, struct iovec *iov, int cnt, int writing, double timeo
 {
     *done = 0;
     *err = 0;
+    int not_socket = 0;
     while (cnt > 0) {
         if (iov->iov_len == 0) {
             iov++;
@@ -92,7 +109,7 @@ static int io_loop(int fd, struct iovec *iov, int cnt, int writing, double timeo
             continue;
         }
         int batch = cnt > IOV_MAX ? IOV_MAX : cnt;
-        ssize_t n = writing ? writev(fd, iov, batch) : readv(fd, iov, batch);
+        ssize_t n = writing ? gather_write(fd, iov, batch, &not_socket) : readv(fd, iov, batch);
         if (n > 0) {
             *done += (size_t)n;
             iov_advance(&iov, &cnt, (size_t)n);

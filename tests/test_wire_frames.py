@@ -8,6 +8,9 @@ import os
 import signal
 import socket
 import struct
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import tracemalloc
@@ -274,6 +277,36 @@ def test_write_to_closed_peer(pair):
         wire.write_frame(a, wire.GEN, b"x" * 100)
     assert err.value.errno in (errno.EPIPE, errno.ECONNRESET)
     assert str(err.value) == f"write: {os.strerror(err.value.errno)}"
+
+
+def test_write_to_a_closed_peer_raises_even_where_sigpipe_would_kill():
+    """A host that did not ignore SIGPIPE (an engine embedding Python may not): writing a frame,
+    or a whole transfer, to a socket whose peer hung up is an EPIPE error, not a dead process;
+    a pipe still takes writev."""
+    code = textwrap.dedent("""
+        import errno, os, signal, socket
+        import numpy as np
+        from transfer import _native, wire
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        a, b = socket.socketpair()
+        b.close()
+        for attempt in ("frame", "transfer"):
+            try:
+                if attempt == "frame":
+                    wire.write_frame(a, wire.GEN, b"x" * 100)
+                else:
+                    data = np.ones(4096, dtype=np.uint8)
+                    _native.wire_transfer(a.fileno(), b"p", ((data.ctypes.data, data.nbytes),), 1, 1024, 5.0)
+            except wire.FrameError as exc:
+                assert exc.errno == errno.EPIPE, exc
+                print(attempt, "EPIPE")
+        r, w = os.pipe()
+        wire.write_frame(w, wire.GEN, b"pipe")
+        print("pipe", wire.read_frame(r)[1].decode())
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"rc {done.returncode} (-13 is SIGPIPE): {done.stderr}"
+    assert done.stdout.split("\n")[:3] == ["frame EPIPE", "transfer EPIPE", "pipe pipe"], done.stdout
 
 
 def test_write_timeout_when_peer_does_not_read(pair):
