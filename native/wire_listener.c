@@ -791,6 +791,7 @@ static void drop_silent(wl_listener *l, int fd)
 /* A connection's thread: transfers back to back until the peer leaves, lies, or we stop. */
 static void *conn_main(void *arg)
 {
+    pthread_setname_np(pthread_self(), "epd-wire-conn"); /* in top -H and /proc: the wire's transport */
     wl_conn *c = arg;
     wl_listener *l = c->owner;
     int fd = c->fd;
@@ -981,6 +982,7 @@ static void admit(wl_listener *l, int fd)
 /* The accept thread: admits connections and drains refused ones until the wake pipe says stop. */
 static void *accept_main(void *arg)
 {
+    pthread_setname_np(pthread_self(), "epd-wire-accept");
     wl_listener *l = arg;
     struct pollfd pfd[2 + LINGER_MAX];
     for (;;) {

@@ -8,6 +8,8 @@ import contextlib
 import io
 import json
 import os
+import threading
+import time
 
 import pytest
 
@@ -149,6 +151,58 @@ def test_row_of_flags_lost_rooms_and_bad_bytes():
     assert not row["verified"] and row["failed"] == 1 and "deadline" in row["problems"]
 
 
+def test_row_of_gives_each_rooms_cpu_summed_over_the_ranks():
+    """Four rooms; the encode rank and two prefill ranks spent 8 ms / 40 ms and 4 ms / 20 ms each:
+    per room (8 + 4 + 4) / 4 = 4 ms of control plane and (40 + 20 + 20) / 4 = 20 ms of transport.
+    A rank without a reading (no /proc) leaves both out."""
+    cell = bench.Cell("epd", 4, 8, "torch.bfloat16", fanout=2, inflight=2, items=4, integrity=False)
+    encode = {"t_start": 10.0, "failed": [], "cpu": {"control": 0.008, "transport": 0.040}}
+    prefill = {"t_start": 10.0, "t_end": 12.0, "latencies": [0.1] * 4, "failed": [], "bytes": 32, "bad": [],
+               "cpu": {"control": 0.004, "transport": 0.020}}
+    row = bench.row_of(cell, {("encode", 0): encode, ("prefill", 0): prefill, ("prefill", 1): dict(prefill)})
+    assert row["cpu_control_ms"] == pytest.approx(4.0) and row["cpu_transport_ms"] == pytest.approx(20.0)
+    blind = bench.row_of(cell, {("encode", 0): encode, ("prefill", 0): prefill, ("prefill", 1): dict(prefill, cpu=None)})
+    assert blind["cpu_control_ms"] is None and blind["cpu_transport_ms"] is None
+
+
+def test_thread_cpu_splits_our_threads_from_the_transports():
+    """A thread named epd-* is the control plane; an unnamed one, or one named epd-wire-*, is the
+    transport, and so is a thread that ended inside the window (its time stays in the process's)."""
+    if bench.thread_cpu() is None:
+        pytest.skip("no /proc/self/stat on this host")
+    from transfer import _io
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    release = threading.Event()
+
+    def named(name: str, seconds: float, done: threading.Event) -> None:
+        _io.name_this_thread(name)
+        burn(seconds)
+        done.set()
+        release.wait(30)  # alive until the reading: a control-plane thread lives as long as its pool
+
+    before = bench.thread_cpu()
+    ours, wire_side = threading.Event(), threading.Event()
+    threads = [threading.Thread(target=named, args=("epd-test-pool", 0.3, ours)),
+               threading.Thread(target=named, args=("epd-wire-test", 0.2, wire_side))]
+    for thread in threads:
+        thread.start()
+    assert ours.wait(30) and wire_side.wait(30)
+    ended = threading.Thread(target=burn, args=(0.2,))
+    ended.start()
+    ended.join(30)
+    spent = bench._cpu_since(before)
+    release.set()
+    for thread in threads:
+        thread.join(30)
+    assert 0.28 <= spent["control"] < 0.55, spent  # the pool thread's 0.3 s, plus this test's own bits
+    assert spent["transport"] >= 0.38, spent  # the epd-wire thread's 0.2 s and the ended thread's 0.2 s
+
+
 def test_table_lists_every_row():
     rows = [_row("raw", 2.0), _row("epd", 1.5, integrity=True)]
     bench.fill_ratios(rows)
@@ -156,6 +210,10 @@ def test_table_lists_every_row():
     assert table[0].split()[:2] == ["path", "item"] and "GB/s" in table[0] and "p99" in table[0]
     assert table[1].split()[0] == "raw" and table[1].split()[-1] == "1.00"
     assert table[2].split()[0] == "epd" and " on " in table[2] and table[2].split()[-1] == "0.75"
+    rows[1].update(cpu_control_ms=1.25, cpu_transport_ms=6.5)
+    wide = bench.format_table(rows, cpu=True).splitlines()
+    assert wide[0].split()[-4:] == ["control", "ms", "transport", "ms"]
+    assert wide[1].split()[-2:] == ["-", "-"] and wide[2].split()[-3:] == ["0.75", "1.250", "6.500"]
 
 
 class _Tty(io.StringIO):
@@ -220,6 +278,7 @@ def test_tiny_bench_writes_sane_rows(tiny_run):
         assert row["verified"] is True and row["failed"] == 0, row
         if row["path"] != "memcpy":
             assert len(row["gbps_runs"]) == 2 and row["gbps"] in row["gbps_runs"], row
+            assert row["cpu_control_ms"] >= 0 and row["cpu_transport_ms"] >= 0, row
     cells = {(r["path"], r["fanout"], r["inflight"], r["integrity"]) for r in rows if r["path"] != "memcpy"}
     for fanout in (1, 2):
         for inflight in (1, 4):

@@ -23,6 +23,13 @@ wire, from a prefill rank's ask to its Success, the slowest rank's for each room
 served once every rank holds its shard). Landed bytes are checked outside the timed window:
 every slot's last room is compared with the item, so a lost or misplaced write fails the
 cell without the check slowing the figure.
+
+CPU per room (`--cpu`; always in --json): each rank reads its threads' CPU time from /proc
+over its timed window, split into the control plane (the caller's thread, the sender pool,
+the session manager's I/O thread, ZMQ's I/O threads) and the transport (Mooncake's threads,
+or the wire path's writer and listener threads: everything else), summed over the ranks and
+divided by the rooms. A raw cell's prefill ranks cannot tell its warm-up shard from the
+timed ones, so theirs includes it.
 """
 
 from __future__ import annotations
@@ -187,6 +194,53 @@ def wire_available() -> str | None:
 # ------------------------------------------------------------- worker side
 
 
+def thread_cpu() -> dict[str, float] | None:
+    """CPU seconds this process has used: {'control': ..., 'transport': ...}; None without /proc.
+
+    The control plane is the main thread and the threads we name epd-* (but epd-wire-*) or
+    ZMQ names ZMQbg/*; they live as long as their pool or manager. The transport is the rest:
+    the process's total (time.process_time(), which keeps the time of threads that have
+    ended) less the control plane. Per-thread times come from schedstat (nanoseconds), or
+    from stat's clock ticks where the kernel has no schedstat.
+    """
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    control = 0.0
+    main = str(os.getpid())
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as fh:
+                comm = fh.read().rstrip("\n")
+            if tid == main or (comm.startswith(("epd-", "ZMQbg")) and not comm.startswith("epd-wire")):
+                control += _task_seconds(tid)
+        except (OSError, ValueError):
+            continue  # it ended: its time is in the process's total, on the transport's side
+    # Read last, so the total covers every thread's time read above.
+    return {"control": control, "transport": max(0.0, time.process_time() - control)}
+
+
+def _task_seconds(tid: str) -> float:
+    """A thread's CPU seconds: schedstat's nanoseconds, else stat's utime + stime ticks."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as fh:
+            return int(fh.read().split()[0]) / 1e9
+    except FileNotFoundError:
+        with open(f"/proc/self/task/{tid}/stat") as fh:
+            stat = fh.read()
+        fields = stat[stat.rindex(")") + 2 :].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_since(before: dict[str, float] | None) -> dict[str, float] | None:
+    """CPU seconds per side since `before` (a thread_cpu() reading)."""
+    after = thread_cpu()
+    if before is None or after is None:
+        return None
+    return {side: after[side] - before[side] for side in before}
+
+
 class _Worker:
     """State a rank process keeps across cells: engines, their registered memory, item pools."""
 
@@ -340,12 +394,12 @@ def _raw_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
     # connection. Room `items` is never timed, and the timed room last in its slot overwrites it.
     for session, src, dst, length in batches(cell.items):
         engine.write(session, [src], [dst], [length])
-    report["t_start"] = time.time()
+    report["t_start"], cpu = time.time(), thread_cpu()
     if extra["raw_issue"] == "sync":
         _raw_sync(engine, cell, batches, extra["raw_writers"], report)
     else:
         _raw_async(engine, cell, batches, report)
-    report["t_end"] = time.time()
+    report["t_end"], report["cpu"] = time.time(), _cpu_since(cpu)
     report["bytes"] = (cell.items - len(report["failed"])) * cell.item_bytes
     worker.finished()
     return report
@@ -430,11 +484,13 @@ def _raw_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
     worker.ready({"session": engine.session_id, "addr": slots.data_ptr(), "stride": slots[0].nbytes,
                   "row_start": row_start, "rows": rows, "rank": worker.rank})
     worker.go()
+    cpu = thread_cpu()
     worker.finished()
+    cpu = _cpu_since(cpu)  # the encode's timed writes and its warm-up shard
     # Writes are over: slot s holds the last room written into it.
     last = {index % cell.slots: index for index in range(cell.items)}
     bad = _check_slots(worker, cell, slots, last, row_start, rows)
-    return {"bad": bad}
+    return {"bad": bad, "cpu": cpu}
 
 
 def _epd_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
@@ -452,7 +508,7 @@ def _epd_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
         worker.ready()
         worker.go()
         _warm_up(pool.send(WARMUP_ROOM, source.item(0, cell.span)), extra["deadline_s"], "encode 0")
-        report["t_start"] = time.time()
+        report["t_start"], cpu = time.time(), thread_cpu()
         window: deque = deque()
 
         def settle(handle) -> None:
@@ -466,7 +522,7 @@ def _epd_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
                 settle(window.popleft())
         while window:
             settle(window.popleft())
-        report["t_end"] = time.time()
+        report["t_end"], report["cpu"] = time.time(), _cpu_since(cpu)
         # Keep serving (statuses in flight) until every prefill rank is done.
         worker.finished()
     return report
@@ -490,7 +546,7 @@ def _epd_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
         worker.go()
         _warm_up(manager.receive(WARMUP_ROOM, extra["bootstrap"], slots[0, :rows], row_start=row_start,
                                  span=cell.span), extra["deadline_s"], f"prefill {worker.rank}")
-        report["t_start"] = time.time()
+        report["t_start"], cpu = time.time(), thread_cpu()
         window: deque = deque()
         free = list(range(cell.slots))
 
@@ -515,7 +571,7 @@ def _epd_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
                                            span=cell.span), slot))
         while window:
             settle()
-        report["t_end"] = time.time()
+        report["t_end"], report["cpu"] = time.time(), _cpu_since(cpu)
         report["bad"] = _check_slots(worker, cell, slots, last, row_start, rows)
         worker.finished()
     return report
@@ -690,6 +746,9 @@ def row_of(cell: Cell, reports: dict) -> dict:
         ends = [r["t_end"] for r in prefill]
         nbytes = sum(r["bytes"] for r in prefill)
         failed = {room for r in prefill + [encode] for room, _ in r["failed"]}
+    cpu = [r.get("cpu") for r in prefill + [encode]]
+    split = {side: sum(c[side] for c in cpu) * 1e3 / cell.items for side in ("control", "transport")} \
+        if all(cpu) else {"control": None, "transport": None}
     reasons = [why for r in prefill + [encode] for _, why in r.get("failed", [])]
     bad = [b for r in prefill for b in r.get("bad", [])]
     wall = max(ends) - min(starts)
@@ -700,6 +759,7 @@ def row_of(cell: Cell, reports: dict) -> dict:
         "p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3,
         "ratio_to_raw": None, "items": cell.items, "failed": len(failed), "verified": not bad and not failed,
         "problems": (reasons + bad)[:5],
+        "cpu_control_ms": split["control"], "cpu_transport_ms": split["transport"],
     }
 
 
@@ -761,6 +821,7 @@ def memcpy_row(span: int, hidden: int, dtype: str, items: int, passes: int = 3) 
         "gbps": items * item_bytes / best / 1e9, "rooms_per_s": items / best,
         "p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3,
         "ratio_to_raw": None, "items": items, "failed": 0, "verified": True, "problems": [],
+        "cpu_control_ms": None, "cpu_transport_ms": None,
     }
 
 
@@ -803,16 +864,21 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def format_table(rows: list[dict]) -> str:
-    """The rows as an aligned text table."""
+def format_table(rows: list[dict], cpu: bool = False) -> str:
+    """The rows as an aligned text table; with cpu, each room's CPU ms (control plane, transport)."""
     head = ["path", "item", "fanout", "inflight", "integrity", "GB/s", "rooms/s", "p50 ms", "p99 ms", "ratio"]
+    if cpu:
+        head += ["control ms", "transport ms"]
     body = []
     for r in rows:
         ratio = "-" if r["ratio_to_raw"] is None else f"{r['ratio_to_raw']:.2f}"
         path = r["path"] + ("" if r.get("verified", True) else " !")
-        body.append([path, human_bytes(r["item_bytes"]), str(r["fanout"]), str(r["inflight"]),
-                     "on" if r["integrity"] else "off", f"{r['gbps']:.3f}", f"{r['rooms_per_s']:.1f}",
-                     f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", ratio])
+        line = [path, human_bytes(r["item_bytes"]), str(r["fanout"]), str(r["inflight"]),
+                "on" if r["integrity"] else "off", f"{r['gbps']:.3f}", f"{r['rooms_per_s']:.1f}",
+                f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", ratio]
+        if cpu:
+            line += ["-" if r.get(key) is None else f"{r[key]:.3f}" for key in ("cpu_control_ms", "cpu_transport_ms")]
+        body.append(line)
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     lines = ["  ".join(x.rjust(w) if i >= 2 else x.ljust(w) for i, (x, w) in enumerate(zip(line, widths)))
              for line in [head] + body]
@@ -998,6 +1064,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", default=None, help="keep the rank processes' logs here")
     parser.add_argument("--quick", action="store_true",
                         help="a subset: 512 KiB and 8 MiB, fanout 1 and 4, 8 in flight, ~64 MiB per cell")
+    parser.add_argument("--cpu", action="store_true",
+                        help="add each room's CPU ms to the table: our control plane, and the transport's threads")
     parser.add_argument("--json", metavar="FILE", default=None, help="write the rows as JSON")
     parser.add_argument("--plot", metavar="FILE.png", default=None, help="draw GB/s, the ratio to raw and p99 against item size")
 
@@ -1041,7 +1109,7 @@ def main(args: argparse.Namespace) -> int:
     pool = f"depth {opts.depth}" if opts.depth is not None else ""
     print(f"epd-transfer bench: protocol {opts.protocol} on {opts.host}, sender pool "
           f"{pool or 'defaults'}, raw issue {opts.raw_issue}")
-    print(format_table(rows))
+    print(format_table(rows, cpu=getattr(args, "cpu", False)))
     for note in notes:
         print(f"note: {note}")
     broken = [r for r in rows if not r["verified"]]

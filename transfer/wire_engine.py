@@ -78,7 +78,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from transfer import _native, wire
+from transfer import _io, _native, wire
 from transfer.engine import RegisteredMemory, TransferError, _buffer_span
 
 log = logging.getLogger(__name__)
@@ -253,6 +253,7 @@ class _WriterPool:
 
     def _work(self) -> None:
         """A thread: runs jobs until it finds none for IDLE_S (or the pool is shut down)."""
+        _io.name_this_thread("epd-wire-write")  # for top -H, and bench's CPU split (the transport's side)
         me = threading.current_thread()
         wake = threading.Lock()
         wake.acquire()  # held while parked; a waker releases it
