@@ -16,6 +16,7 @@ Every test here failed on the code before its fix; every wait is bounded."""
 from __future__ import annotations
 
 import math
+import os
 import re
 import socket
 import struct
@@ -428,3 +429,31 @@ def test_writer_pool_shares_per_peer_among_busy_peers(monkeypatch):
         gates["a"].set()
         gates["b"].set()
         pool.shutdown()
+
+
+def _thread_names() -> list[str]:
+    """The OS names of this process's threads."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as fh:
+                names.append(fh.read().strip())
+        except OSError:
+            pass  # it ended meanwhile
+    return names
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="no /proc/self/task on this host")
+def test_the_wire_paths_threads_carry_names():
+    """The listener's accept and connection threads and the writers are named epd-wire-*, so top -H
+    and bench's CPU split (which counts them as the transport) tell them apart from ours."""
+    with WireEngine("127.0.0.1") as receiver, WireEngine("127.0.0.1") as sender:
+        src = torch.arange(4096, dtype=torch.uint8)
+        dst = torch.zeros(4096, dtype=torch.uint8)
+        sender.register(src)
+        receiver.register(dst)
+        sender.wait(sender.write_async(receiver.session_id, [src.data_ptr()], [dst.data_ptr()], [4096]), 30)
+        assert torch.equal(dst, src)
+        names = _thread_names()
+    for name in ("epd-wire-accept", "epd-wire-conn", "epd-wire-write"):
+        assert name in names, names
