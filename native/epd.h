@@ -26,6 +26,11 @@ void epd_put_le32(unsigned char *out, uint32_t v);
 void epd_put_le64(unsigned char *out, uint64_t v);
 uint32_t epd_get_le32(const unsigned char *in);
 uint64_t epd_get_le64(const unsigned char *in);
+/* A frame's 5-byte header: u32 LE length (kind byte + payload), then the kind. */
+#define EPD_FRAME_HEADER 5
+void epd_put_frame_header(unsigned char *out, size_t payload_len, unsigned kind);
+/* A LAYER payload's EPD_LAYER_HEADER bytes: u32 LE layer, u32 LE rows, u64 LE checksum. */
+void epd_put_layer_header(unsigned char *out, uint32_t layer, uint32_t rows, uint64_t checksum);
 
 /* Frame kinds the sender of a transfer writes (SPEC.md section 9). */
 #define EPD_KIND_PREFILL 3

@@ -198,9 +198,8 @@ int epd_write_frame(int fd, unsigned kind, Py_buffer *parts, Py_ssize_t nparts, 
         return -1;
     }
     /* One gather write carries the header and every part: a small frame is one syscall. */
-    unsigned char header[5];
-    epd_put_le32(header, (uint32_t)(total + 1));
-    header[4] = (unsigned char)kind;
+    unsigned char header[EPD_FRAME_HEADER];
+    epd_put_frame_header(header, total, kind);
     struct iovec *iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(nparts + 1));
     if (iov == NULL) {
         PyErr_NoMemory();
@@ -348,11 +347,10 @@ PyObject *epd_wire_transfer(int fd, Py_buffer *prefill, const struct epd_span *l
                           EPD_MAX_PAYLOAD);
         return NULL;
     }
-    unsigned char prefill_header[5], first_frame[5], chunk_header[5 + EPD_LAYER_HEADER];
-    epd_put_le32(prefill_header, (uint32_t)prefill->len + 1);
-    prefill_header[4] = EPD_KIND_PREFILL;
-    epd_put_le32(first_frame, 1);
-    first_frame[4] = EPD_KIND_FIRST;
+    unsigned char prefill_header[EPD_FRAME_HEADER], first_frame[EPD_FRAME_HEADER];
+    unsigned char chunk_header[EPD_FRAME_HEADER + EPD_LAYER_HEADER];
+    epd_put_frame_header(prefill_header, (size_t)prefill->len, EPD_KIND_PREFILL);
+    epd_put_frame_header(first_frame, 0, EPD_KIND_FIRST);
     size_t prefill_bytes = sizeof prefill_header + (size_t)prefill->len;
 
     PyThreadState *ts = PyEval_SaveThread();
@@ -362,17 +360,15 @@ PyObject *epd_wire_transfer(int fd, Py_buffer *prefill, const struct epd_span *l
     iov[cnt++] = (struct iovec){.iov_base = prefill->buf, .iov_len = (size_t)prefill->len};
     int complete = 1, rc = IO_OK, err = 0, untouched = 1;
     size_t done = 0;
-    for (int layer = 0; layer < nlayers && complete; layer++) {
+    for (int layer = 0; layer < nlayers && complete && rc == IO_OK; layer++) {
         const unsigned char *src = (const unsigned char *)(uintptr_t)layers[layer].addr;
         size_t n = layers[layer].len;
         for (size_t off = 0; off < n; off += chunk) {
             size_t size = n - off < chunk ? n - off : chunk;
             /* Zero copy: the frame is gathered straight from the source memory. */
-            epd_put_le32(chunk_header, (uint32_t)(size + EPD_LAYER_HEADER + 1));
-            chunk_header[4] = EPD_KIND_LAYER;
-            epd_put_le32(chunk_header + 5, (uint32_t)layer);
-            epd_put_le32(chunk_header + 9, rows);
-            epd_put_le64(chunk_header + 13, epd_layer_sum(src + off, size));
+            epd_put_frame_header(chunk_header, EPD_LAYER_HEADER + size, EPD_KIND_LAYER);
+            epd_put_layer_header(chunk_header + EPD_FRAME_HEADER, (uint32_t)layer, rows,
+                                 epd_layer_sum(src + off, size));
             iov[cnt++] = (struct iovec){.iov_base = chunk_header, .iov_len = sizeof chunk_header};
             iov[cnt++] = (struct iovec){.iov_base = (void *)(src + off), .iov_len = size};
             int last = layer == nlayers - 1 && off + size == n;
@@ -389,8 +385,6 @@ PyObject *epd_wire_transfer(int fd, Py_buffer *prefill, const struct epd_span *l
                 break;
             }
         }
-        if (rc != IO_OK)
-            break;
     }
     if (rc != IO_OK) {
         PyEval_RestoreThread(ts);

@@ -33,6 +33,19 @@ void epd_put_le64(unsigned char *out, uint64_t v)
         out[i] = (unsigned char)(v >> (8 * i));
 }
 
+void epd_put_frame_header(unsigned char *out, size_t payload_len, unsigned kind)
+{
+    epd_put_le32(out, (uint32_t)(payload_len + 1));
+    out[4] = (unsigned char)kind;
+}
+
+void epd_put_layer_header(unsigned char *out, uint32_t layer, uint32_t rows, uint64_t checksum)
+{
+    epd_put_le32(out, layer);
+    epd_put_le32(out + 4, rows);
+    epd_put_le64(out + 8, checksum);
+}
+
 /* Eight independent accumulators so the adds do not serialise on one register
    and the compiler can vectorise the block loop; unsigned adds wrap mod 2^64,
    which is exactly the checksum's definition, and the order of adds is free. */

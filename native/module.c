@@ -142,9 +142,7 @@ static PyObject *py_layer_header(PyObject *self, PyObject *args)
     if (u32_arg(layer_o, "layer", &layer) < 0 || u32_arg(rows_o, "rows", &rows) < 0)
         return NULL;
     unsigned char h[EPD_LAYER_HEADER];
-    epd_put_le32(h, layer);
-    epd_put_le32(h + 4, rows);
-    epd_put_le64(h + 8, checksum);
+    epd_put_layer_header(h, layer, rows, checksum);
     return PyBytes_FromStringAndSize((const char *)h, sizeof h);
 }
 
@@ -168,9 +166,7 @@ static PyObject *py_layer_frame(PyObject *self, PyObject *args)
         s = epd_layer_sum(view.buf, (size_t)view.len);
         memcpy(w + EPD_LAYER_HEADER, view.buf, (size_t)view.len);
         Py_END_ALLOW_THREADS
-        epd_put_le32(w, layer);
-        epd_put_le32(w + 4, rows);
-        epd_put_le64(w + 8, s);
+        epd_put_layer_header(w, layer, rows, s);
     }
     PyBuffer_Release(&view);
     return out;

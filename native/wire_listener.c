@@ -329,16 +329,15 @@ static int format_reply(unsigned char *out, unsigned kind, const wl_prefill *pf,
         snprintf(extra_line, sizeof extra_line, "%s=%llu\n", extra_key, (unsigned long long)extra);
     if (pf->room_known)
         snprintf(room_line, sizeof room_line, "room=%llu\n", (unsigned long long)pf->room);
-    char *msg = (char *)out + 5;
-    size_t room = REPLY_MAX - 5;
+    char *msg = (char *)out + EPD_FRAME_HEADER;
+    size_t room = REPLY_MAX - EPD_FRAME_HEADER;
     int n = snprintf(msg, room, "%s%s\n%s", extra_line, room_line, body ? body : "");
     if (n < 0)
         return -1;
     if ((size_t)n >= room)
         n = (int)room - 1; /* a reason is at most REASON_MAX bytes, so this never cuts one */
-    epd_put_le32(out, (uint32_t)n + 1);
-    out[4] = (unsigned char)kind;
-    return n + 5;
+    epd_put_frame_header(out, (size_t)n, kind);
+    return n + EPD_FRAME_HEADER;
 }
 
 /* Sends one reply frame (see format_reply) in a single send: a frame split over two sends could
