@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from enum import IntEnum
 
+from transfer.core.failure import Failure, FailureKind
+
 __all__ = ["RoomTable", "TransferPoll", "advance", "is_terminal"]
 
 
@@ -57,7 +59,7 @@ class RoomTable:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._status: dict[int, TransferPoll] = {}
-        self._reason: dict[int, str] = {}
+        self._reason: dict[int, Failure] = {}
         self._concluded: dict[int, None] = {}  # an ordered set: terminal, not yet handed out
 
     def start(self, room: int, status: TransferPoll = TransferPoll.Bootstrapping) -> TransferPoll:
@@ -67,8 +69,12 @@ class RoomTable:
             self._status[room] = now
             return now
 
-    def update(self, room: int, status: TransferPoll, reason: str | None = None) -> TransferPoll | None:
-        """Apply `status` to a known room and return its new status; None (ignored) for an unknown room."""
+    def update(self, room: int, status: TransferPoll, reason: Failure | str | None = None) -> TransferPoll | None:
+        """Apply `status` to a known room and return its new status; None (ignored) for an unknown room.
+
+        A plain-text `reason` is kept as a Failure of kind OTHER."""
+        if isinstance(reason, str):
+            reason = Failure(FailureKind.OTHER, reason)
         with self._lock:
             old = self._status.get(room)
             if old is None:
@@ -82,7 +88,7 @@ class RoomTable:
                 self._reason[room] = reason
             return now
 
-    def fail(self, room: int, reason: str) -> TransferPoll | None:
+    def fail(self, room: int, reason: Failure | str) -> TransferPoll | None:
         """Mark a known room Failed with `reason` (the first reason wins); None for an unknown room."""
         return self.update(room, TransferPoll.Failed, reason)
 
@@ -92,9 +98,29 @@ class RoomTable:
             return self._status.get(room)
 
     def reason(self, room: int) -> str | None:
-        """The room's first failure reason, or None."""
+        """The room's first failure reason as text, or None."""
+        with self._lock:
+            failure = self._reason.get(room)
+        return None if failure is None else failure.detail
+
+    def failure(self, room: int) -> Failure | None:
+        """The room's first failure (kind and detail), or None."""
         with self._lock:
             return self._reason.get(room)
+
+    def conclude(self, room: int, status: TransferPoll, failure: Failure | None = None) -> bool:
+        """Move a known, open room to Success or Failed; True only for the call that concluded it."""
+        with self._lock:
+            old = self._status.get(room)
+            if old is None or is_terminal(old):
+                return False
+            now = advance(old, status)
+            self._status[room] = now
+            if is_terminal(now):
+                self._concluded[room] = None
+                if now is TransferPoll.Failed:
+                    self._reason[room] = failure or Failure(FailureKind.OTHER, "failed")
+            return is_terminal(now)
 
     def clear(self, room: int) -> None:
         """Forget the room entirely (status and reason); a no-op for an unknown room."""

@@ -1,0 +1,43 @@
+"""Why a room failed: a kind from a small closed set, and the human-readable detail."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = ["Failure", "FailureKind"]
+
+
+class FailureKind(str, Enum):
+    """The closed set of reasons a room concludes Failed; metrics label by it, logs throttle by it."""
+
+    DEADLINE = "deadline"  # no terminal status within the room's deadline (prefill side)
+    NO_CONNECTION = "no_connection"  # the encode rank's request socket could not be reached
+    BOOTSTRAP = "bootstrap"  # bootstrap server unreachable, refused, or has no route yet
+    GEOMETRY = "geometry"  # the ask disagrees with the item, or shards do not tile
+    REGION = "region"  # a destination lies outside the receiver's announced region
+    FANOUT_TIMEOUT = "fanout_timeout"  # not every receiver of the block asked in time
+    WRITE = "write"  # the data path refused or failed a write
+    CHECKSUM = "checksum"  # landed bytes differ from what the encode rank wrote
+    PEER_FAILED = "peer_failed"  # the peer pushed Failed (encode failed to send embedding)
+    CLEARED = "cleared"  # the caller cleared the room before it concluded
+    CLOSED = "closed"  # the pool or session manager closed with the room open
+    OTHER = "other"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A room's failure: `kind` for programs (metrics, retries), `detail` for people."""
+
+    kind: FailureKind
+    detail: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, FailureKind):
+            object.__setattr__(self, "kind", FailureKind(self.kind))
+
+    def __str__(self) -> str:
+        return self.detail
