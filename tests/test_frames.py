@@ -742,13 +742,6 @@ def test_gap_between_shards():
     assert "[3, 5)" in reason and "no receiver" in reason
 
 
-def test_gap_at_start_and_end():
-    assert "[0, 1)" in reason_of([receiver(0, 1, 4), receiver(1, 5, 5), receiver(2, 10, 0)])
-    assert "[8, 10)" in reason_of([receiver(0, 0, 4), receiver(1, 4, 4), receiver(2, 8, 0)])
-    # All shards empty for a non-empty item: nothing would be written.
-    assert "[0, 10)" in reason_of([receiver(0, 10, 0), receiver(1, 10, 0), receiver(2, 10, 0)])
-
-
 def test_overlap():
     reason = reason_of([receiver(0, 0, 5), receiver(1, 4, 3), receiver(2, 7, 3)])
     assert "overlap" in reason and "[4, 5)" in reason and "10.0.0.0:17000" in reason and "10.0.0.1:17001" in reason

@@ -41,8 +41,8 @@ NO_RDMA = "no RDMA device under /sys/class/infiniband"
 
 
 def expected_bytes(sc: Scenario) -> int:
-    """What every prefill rank together must receive: shards tile each item once per encode block."""
-    copies = sc.encode_ranks if sc.sharded else sc.prefill_ranks
+    """What every prefill rank together must receive: group-wide shards tile each item once, per-block ones once per block."""
+    copies = (sc.encode_ranks if sc.per_block else 1) if sc.sharded else sc.prefill_ranks
     rows = sum(sc.span_of(i) for i in range(sc.items)) * copies
     return rows * sc.row_bytes * (1 + sc.deepstack)
 
@@ -83,6 +83,8 @@ HAPPY = {
     "fanout4-sharded-empty-shards": dict(encode_ranks=1, prefill_ranks=4, spans=[1, 2, 3, 5, 8, 13]),
     "p4-e2-sharded-deepstack-empty-shards": dict(encode_ranks=2, prefill_ranks=4, deepstack=1, spans=[1, 2, 3, 5, 9]),
     "p4-e2-identity": dict(encode_ranks=2, prefill_ranks=4, sharded=False, spans=[4, 7]),
+    "p4-e2-per-block": dict(encode_ranks=2, prefill_ranks=4, per_block=True, spans=[1, 3, 8, 13]),
+    "p2-e2-sharded-empty-shards": dict(encode_ranks=2, prefill_ranks=2, spans=[1, 2, 7]),
 }
 
 

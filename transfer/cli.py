@@ -21,7 +21,7 @@ def _demo(args: argparse.Namespace) -> int:
     sc = Scenario(
         encode_ranks=args.encode_ranks, prefill_ranks=args.prefill_ranks, items=args.items,
         span=args.span, hidden=args.hidden, dtype=args.dtype, sharded=not args.identity,
-        deepstack=args.deepstack, inflight=args.inflight, protocol=args.protocol, host=args.host,
+        per_block=args.per_block, deepstack=args.deepstack, inflight=args.inflight, protocol=args.protocol, host=args.host,
         integrity=not args.no_integrity, deadline_s=args.deadline,
         timeout_s=args.timeout,
     )
@@ -35,7 +35,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        mode = "identity" if args.identity else "sharded"
+        mode = _shard_mode(sc)
         print(
             f"epd-transfer demo: {sc.encode_ranks} encode -> {sc.prefill_ranks} prefill ranks over "
             f"{summary['protocol']} ({mode}, {sc.span} x {sc.hidden} {sc.dtype.removeprefix('torch.')}"
@@ -43,6 +43,9 @@ def _demo(args: argparse.Namespace) -> int:
         )
         print(f"  items     {summary['items']}")
         print(f"  bytes     {summary['bytes']} ({summary['bytes'] / 2**20:.1f} MiB landed, every byte checked)")
+        written = ", ".join(f"{n / 2**20:.2f}" for n in summary["encode_bytes"])
+        print(f"  written   {written} MiB by encode rank{'s' if len(summary['encode_bytes']) > 1 else ''} "
+              f"{', '.join(str(r) for r in range(len(summary['encode_bytes'])))}")
         print(f"  failed    {summary['failed']}")
         print(f"  verified  {'yes' if summary['verified'] else 'NO'}")
         print(f"  GB/s      {summary['gbps']:.2f}")
@@ -51,6 +54,15 @@ def _demo(args: argparse.Namespace) -> int:
         for line in summary["failures"] + summary["mismatches"]:
             print(f"  ! {line}")
     return 0 if ok else 1
+
+
+def _shard_mode(sc) -> str:
+    """How the demo splits each item's rows over the prefill ranks, in words."""
+    if not sc.sharded:
+        return "identity"
+    if sc.encode_ranks == 1:
+        return "sharded"
+    return "sharded per encode block" if sc.per_block else "sharded over the prefill group"
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -104,7 +116,8 @@ def _rank(args: argparse.Namespace) -> int:
         return 2
     sc = harness.Scenario(
         encode_ranks=args.encode_ranks, prefill_ranks=args.prefill_ranks, items=args.items, span=args.span,
-        hidden=args.hidden, dtype=args.dtype, sharded=not args.identity, deepstack=args.deepstack,
+        hidden=args.hidden, dtype=args.dtype, sharded=not args.identity, per_block=args.per_block,
+        deepstack=args.deepstack,
         inflight=args.inflight, protocol=args.protocol, host=args.host, integrity=not args.no_integrity,
         deadline_s=args.deadline, bootstrap_timeout_s=args.bootstrap_timeout,
         token=args.token, timeout_s=args.timeout, first_room=args.first_room,
@@ -276,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", type=_dtype, default="torch.bfloat16")
     demo.add_argument("--deepstack", type=_non_negative_int, default=0, help="deepstack width factor k (0: none)")
     demo.add_argument("--identity", action="store_true", help="every prefill rank receives the full rows")
+    demo.add_argument("--per-block", action="store_true",
+                        help="shard each item over an encode rank's block of prefill ranks (default: over the "
+                             "whole prefill group, as the reference peer does; each encode rank then writes 1/E)")
     demo.add_argument("--inflight", type=_positive_int, default=8, help="rooms in flight per rank")
     demo.add_argument("--protocol", default="auto", choices=["auto", "tcp", "rdma", "wire"])
     demo.add_argument("--host", default="127.0.0.1")
@@ -324,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--dtype", type=_dtype, default="torch.bfloat16")
     rank.add_argument("--deepstack", type=_non_negative_int, default=0, help="deepstack width factor k (0: none)")
     rank.add_argument("--identity", action="store_true", help="every prefill rank receives the full rows")
+    rank.add_argument("--per-block", action="store_true",
+                        help="shard each item over an encode rank's block of prefill ranks (default: over the "
+                             "whole prefill group, as the reference peer does; each encode rank then writes 1/E)")
     rank.add_argument("--inflight", type=_positive_int, default=8, help="rooms in flight")
     rank.add_argument("--no-integrity", action="store_true", help="skip the checksums of landed bytes")
     rank.add_argument("--token", type=_token, default=_token_default(), help="bootstrap bearer token (default: $EPD_TOKEN)")

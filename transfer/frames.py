@@ -33,6 +33,7 @@ __all__ = [
     "parse_registration",
     "parse_status",
     "registration_frames",
+    "prefill_shard",
     "shard_rows",
     "status_frames",
     "validate_fanout",
@@ -102,6 +103,24 @@ def shard_rows(span: int, rank: int, size: int) -> tuple[int, int]:
         raise ValueError(f"span must be >= 0, got {span}")
     base, rem = divmod(span, size)
     return rank * base + min(rank, rem), base + (1 if rank < rem else 0)
+
+
+def prefill_shard(span: int, tp_rank: int, tp_size: int, encode_tp: int = 1, *,
+                  per_block: bool = False) -> tuple[int, int]:
+    """Return (row_start, row_count) of the rows prefill tp-rank `tp_rank` receives of a `span`-row item.
+
+    By default the item is split over the whole prefill group, as the reference peer
+    does, so each encode rank writes only its block's share and the whole group
+    rebuilds the rows. `per_block=True` splits it over the `tp_size // encode_tp`
+    ranks of the rank's encode block instead (every encode rank then writes the whole
+    item, and each block rebuilds it on its own).
+    """
+    if encode_tp <= 0 or tp_size % encode_tp:
+        raise ValueError(f"prefill tp {tp_size} is not a multiple of encode tp {encode_tp}")
+    if not per_block:
+        return shard_rows(span, tp_rank, tp_size)
+    fanout = tp_size // encode_tp
+    return shard_rows(span, tp_rank % fanout, fanout)
 
 
 def check_parallel(engine_rank: int, tp_size: int, dp_size: int) -> None:
@@ -482,9 +501,12 @@ def validate_fanout(span: int, hidden: int, dtype: str, has_deepstack: bool, inf
 
     `fanout` defaults to the number of infos. A set is valid when every receiver
     agrees with the item and either all are identity, or the non-empty shards,
-    sorted by row_start, tile [0, span) with no gap or overlap. Mixed sets are
-    judged by the tiling rule, which is what makes span < fanout valid (shard 0
-    then holds all rows and looks like identity, the others are empty).
+    sorted by row_start, tile one contiguous range inside [0, span) with no gap or
+    overlap: the block's share of shards taken over the whole prefill group, or all
+    of [0, span) when a peer shards per block. A block whose shards are all empty
+    (span smaller than the group) is valid and writes nothing. Mixed sets are judged
+    by the tiling rule, which is what makes span < fanout valid (shard 0 then holds
+    all rows and looks like identity, the others are empty).
     """
     infos = list(infos)
     if not infos:
@@ -504,7 +526,7 @@ def validate_fanout(span: int, hidden: int, dtype: str, has_deepstack: bool, inf
         seen.add(info.session_id)
     if all(info.is_identity for info in infos):
         return None
-    return _tiling_gap(room, span, infos)
+    return _tiling_gap(room, infos)
 
 
 def _receiver_mismatch(info: TransferInfo, room: int, fanout: int, span: int, hidden: int, dtype: str,
@@ -527,10 +549,12 @@ def _receiver_mismatch(info: TransferInfo, room: int, fanout: int, span: int, hi
     return None
 
 
-def _tiling_gap(room: int, span: int, infos: list[TransferInfo]) -> str | None:
-    """Check non-empty shards sorted by row_start tile [0, span) exactly."""
+def _tiling_gap(room: int, infos: list[TransferInfo]) -> str | None:
+    """Check the non-empty shards, sorted by row_start, tile one contiguous range with no gap or overlap."""
     shards = sorted((i for i in infos if i.rows > 0), key=lambda i: (i.row_start, i.rows))
-    end, previous = 0, None
+    if not shards:
+        return None
+    end, previous = shards[0].row_start, None
     for info in shards:
         if info.row_start < end:
             return (f"room {room}: receivers {previous.session_id} and {info.session_id} overlap on rows "
@@ -538,8 +562,6 @@ def _tiling_gap(room: int, span: int, infos: list[TransferInfo]) -> str | None:
         if info.row_start > end:
             return f"room {room}: rows [{end}, {info.row_start}) have no receiver (gap before {info.session_id})"
         end, previous = info.row_start + info.rows, info
-    if end != span:
-        return f"room {room}: rows [{end}, {span}) have no receiver (gap at the end)"
     return None
 
 

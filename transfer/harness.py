@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from transfer.frames import dtype_size, shard_rows
+from transfer.frames import dtype_size, prefill_shard
 
 #: The byte every receive slot is filled with before an ask, so that writes outside
 #: the rank's shard show up.
@@ -39,6 +39,7 @@ class Scenario:
     hidden: int = 4096
     dtype: str = "torch.bfloat16"
     sharded: bool = True
+    per_block: bool = False  # shard over each encode rank's block instead of the whole prefill group
     deepstack: int = 0  # deepstack rows are hidden * deepstack wide; 0: no deepstack
     inflight: int = 8
     protocol: str = "auto"
@@ -145,8 +146,14 @@ def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finishe
             while window:
                 _settle_send(window.popleft(), sc, report)
             report["stats"] = pool.stats()
+            report["bytes_written"] = _counter(report["stats"], "bytes_written_total")
             finished()
     return report
+
+
+def _counter(stats: dict, name: str) -> int:
+    """A counter's total over its labels in a stats() snapshot (0 before its first increment)."""
+    return int(sum(stats.get("counters", {}).get(name, {}).values()))
 
 
 def _settle_send(handle, sc: Scenario, report: dict) -> None:
@@ -167,8 +174,6 @@ def prefill_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finish
 
     source = ItemSource(sc.max_span, sc.hidden, sc.dtype)
     deep = ItemSource(sc.max_span, sc.hidden, sc.dtype, seed=99, width_factor=sc.deepstack) if sc.deepstack else None
-    fanout = sc.fanout
-    block_rank = rank % fanout
     slots = torch.empty((sc.inflight, sc.max_span, sc.hidden), dtype=source.dtype)
     ds_slots = torch.empty((sc.inflight, sc.max_span, deep.hidden), dtype=source.dtype) if deep else None
     report: dict[str, Any] = {
@@ -189,7 +194,8 @@ def prefill_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finish
                 free.append(_settle_receive(window.popleft(), sc, source, deep, slots, ds_slots, report))
             slot = free.pop()
             span = sc.span_of(index)
-            row_start, rows = shard_rows(span, block_rank, fanout) if sc.sharded else (0, span)
+            row_start, rows = (prefill_shard(span, rank, sc.prefill_ranks, sc.encode_ranks, per_block=sc.per_block)
+                               if sc.sharded else (0, span))
             slots[slot].view(torch.uint8).fill_(SENTINEL)
             ds_dst = None
             if ds_slots is not None:
@@ -588,6 +594,7 @@ def summarize(sc: Scenario, reports: list[dict]) -> dict:
         "prefill_ranks": sc.prefill_ranks,
         "wall_s": wall,
         "rooms_per_s": sc.items / wall if wall > 0 else 0.0,
+        "encode_bytes": [r.get("bytes_written", 0) for r in sorted(encode, key=lambda r: r["rank"])],
         "failures": reasons[:20],
         "mismatches": bad[:20],
     }

@@ -1,8 +1,11 @@
-"""Rebuilding sharded rows across the prefill ranks of a block (issue 4, SPEC.md sections 1-2).
+"""Rebuilding sharded rows across the prefill ranks that share an item (SPEC.md sections 1-2).
 
-With row sharding, prefill rank `r` of a block receives only the rows
-`shard_rows(span, r, block_size)` of each item. Once every rank's room concluded,
-`reassemble` runs on every rank of the block, in the same order with the same
+With row sharding, each prefill rank receives only its shard of each item: by default
+`prefill_shard(span, r, P, E)`, a split over the whole prefill group of P ranks (then
+the group to pass here is that whole group), or with per-block sharding a split over
+the `P // E` ranks of its encode rank's block (then pass the block's group). Either way
+rank r of the group holds `shard_rows(span, r, group size)`. Once every rank's room
+concluded, `reassemble` runs on every rank of the group, in the same order with the same
 items, and:
 
 1. agrees on the outcome with one MIN all-reduce (two for batches of more than
@@ -264,7 +267,8 @@ def reassemble(items: Sequence[ShardedItem], group: Any = None, *, block_size: i
                rank_in_block: int | None = None) -> list[bool]:
     """Rebuild the full rows of every item that succeeded on all ranks; returns agreed success flags.
 
-    Call on every rank of the block (the group) with the same items in the same
+    Call on every rank of the group that shares the items' rows (the whole prefill
+    group, or one encode block with per-block shards) with the same items in the same
     order. One all-reduce agrees on the outcome, one all-gather rebuilds the rows.
     An item flagged False is left exactly as it was. Ranks that disagree on the
     number of items or on the room at a position raise RuntimeError on every rank,
@@ -298,7 +302,8 @@ def reassemble(items: Sequence[ShardedItem], group: Any = None, *, block_size: i
 def _check_block(size: int, rank: int, block_size: int | None, rank_in_block: int | None) -> str | None:
     """Why this rank's view of its block contradicts the group (None when it agrees)."""
     if block_size is not None and block_size != size:
-        return f"block_size {block_size} differs from the group's {size} ranks (the group must be exactly the block)"
+        return f"block_size {block_size} differs from the group's {size} ranks (the group must be exactly "
+                f"the ranks the item's rows are split over)"
     if rank_in_block is not None and rank_in_block != rank:
         return f"rank_in_block {rank_in_block} differs from the group rank {rank} (shards are gathered in group rank order)"
     return None
