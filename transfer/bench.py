@@ -1,11 +1,14 @@
 """`epd-transfer bench`: raw Mooncake writes, the epd path and the framed wire, side by side.
 
-Every transfer path runs between the same processes and the same engines: one encode
-process and `fanout` prefill processes on loopback, started once and kept for the whole
-run (spawning ranks costs seconds on a small host, which would dwarf a cell). Each cell
-(item size, fanout, rooms in flight) runs every path back to back:
+Every transfer path runs between the same processes and the same engines: `E` encode
+processes and `E x fanout` prefill processes on loopback, started once and kept for the
+whole run (spawning ranks costs seconds on a small host, which would dwarf a cell). Each
+cell (item size, encode ranks, fanout, rooms in flight) runs every path back to back.
+Prefill rank r receives rows prefill_shard(span, r, P, E) of each item, split over the
+whole prefill group, and encode rank e serves the ranks of its block (r // fanout == e),
+so with E > 1 each encode rank moves only its block's share:
 
-- raw:    the encode process writes each prefill rank's shard of each item with Mooncake
+- raw:    each encode process writes its block's shards of each item with Mooncake
           batch writes, no control plane, keeping `inflight` rooms outstanding;
 - epd:    a fresh sender pool and session managers (a fresh bootstrap server) over the
           same engines: asks, statuses, checksums when integrity is on;
@@ -18,11 +21,13 @@ set-up (the bootstrap look-up, the registration, the first connections) stays ou
 timed window; each raw cell likewise first writes one untimed shard to every receiver, so
 the first write to a new peer (Mooncake's connection and handshake) is not timed either.
 
-Latency, per room: raw, from a room's submission to its last shard's completion; epd and
-wire, from a prefill rank's ask to its Success, the slowest rank's for each room (a room is
-served once every rank holds its shard). Landed bytes are checked outside the timed window:
-every slot's last room is compared with the item, so a lost or misplaced write fails the
-cell without the check slowing the figure.
+Latency, per room: raw, from a room's submission to its last shard's completion (the
+slowest encode rank's); epd and wire, from a prefill rank's ask to its Success, the slowest
+rank's for each room (a room is served once every rank holds its shard). `p50_added_ms`
+is an epd or wire run's p50 less the p50 of the raw run of the same cell and turn.
+Landed bytes are checked outside the timed window: every slot's last room is compared
+with the item, so a lost or misplaced write fails the cell without the check slowing the
+figure. Each row also lists the bytes every encode rank reports it wrote (`encode_bytes`).
 
 CPU per room (`--cpu`; always in --json): each rank reads its threads' CPU time from /proc
 over its timed window, split into the control plane (the caller's thread, the sender pool,
@@ -52,12 +57,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from transfer.frames import dtype_size, shard_rows
+from transfer.frames import dtype_size, prefill_shard
 
 PATHS = ("raw", "epd", "wire", "memcpy")
 DEFAULT_SIZES = "64x4096,1024x4096,8192x4096"
-ROW_KEYS = ("path", "item_bytes", "fanout", "inflight", "integrity", "gbps", "rooms_per_s", "p50_ms", "p99_ms",
-            "ratio_to_raw")
+ROW_KEYS = ("path", "item_bytes", "encode_ranks", "fanout", "inflight", "integrity", "gbps", "rooms_per_s", "p50_ms",
+            "p99_ms", "ratio_to_raw", "p50_added_ms", "encode_bytes")
 MiB = 2**20
 #: The untimed room every epd and wire cell moves first (outside the timed rooms' range).
 WARMUP_ROOM = 1 << 40
@@ -78,6 +83,16 @@ class Cell:
     inflight: int
     items: int
     integrity: bool = False
+    encode_ranks: int = 1
+
+    @property
+    def prefill_ranks(self) -> int:
+        """P: every encode rank serves a block of `fanout` prefill ranks."""
+        return self.encode_ranks * self.fanout
+
+    def shard(self, rank: int) -> tuple[int, int]:
+        """(row_start, rows) prefill rank `rank` receives of each item: a share of the whole group's."""
+        return prefill_shard(self.span, rank, self.prefill_ranks, self.encode_ranks)
 
     @property
     def row_bytes(self) -> int:
@@ -100,6 +115,7 @@ class Options:
     sizes: list[tuple[int, int]] = field(default_factory=lambda: parse_sizes(DEFAULT_SIZES))
     dtype: str = "torch.bfloat16"
     fanouts: list[int] = field(default_factory=lambda: [1, 2, 4])
+    encode_ranks: list[int] = field(default_factory=lambda: [1])
     inflight: list[int] = field(default_factory=lambda: [1, 8, 32])
     paths: list[str] = field(default_factory=lambda: list(PATHS))
     integrity: list[bool] = field(default_factory=lambda: [True, False])
@@ -166,9 +182,9 @@ def parse_integrity(text: str) -> list[bool]:
 
 
 def plan(opts: Options, wire_ok: bool) -> list[Cell]:
-    """Every transfer cell, fanout-major so the same processes serve consecutive cells."""
+    """Every transfer cell, encode-ranks- then fanout-major so the same processes serve consecutive cells."""
     cells = []
-    for fanout in opts.fanouts:
+    for encode_ranks, fanout in itertools.product(opts.encode_ranks, opts.fanouts):
         for span, hidden in opts.sizes:
             item_bytes = span * hidden * dtype_size(opts.dtype)
             for inflight in opts.inflight:
@@ -178,7 +194,8 @@ def plan(opts: Options, wire_ok: bool) -> list[Cell]:
                         continue
                     flags = opts.integrity if path in ("epd", "wire") else [False]
                     for integrity in flags:
-                        cells.append(Cell(path, span, hidden, opts.dtype, fanout, inflight, items, integrity))
+                        cells.append(Cell(path, span, hidden, opts.dtype, fanout, inflight, items, integrity,
+                                          encode_ranks))
     return cells
 
 
@@ -373,13 +390,13 @@ def _cell_protocol(cell: Cell, protocol: str) -> str:
 
 
 def _raw_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
-    """Raw encode body: each room's shards written back to back, `inflight` rooms outstanding."""
+    """Raw encode body: each room's shards for this rank's block, back to back, `inflight` rooms outstanding."""
     protocol = _cell_protocol(cell, extra["protocol"])
     engine = worker.engine(protocol)
     source = worker.source(cell, protocol)
     worker.ready()
-    receivers = worker.go()
-    report: dict[str, Any] = {"latencies": [], "failed": []}
+    receivers = worker.go()  # this encode rank's block
+    report: dict[str, Any] = {"latencies": [], "latency_rooms": [], "failed": []}
     base = source.pool.data_ptr()
 
     def batches(room: int) -> list[tuple[str, int, int, int]]:
@@ -400,7 +417,8 @@ def _raw_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
     else:
         _raw_async(engine, cell, batches, report)
     report["t_end"], report["cpu"] = time.time(), _cpu_since(cpu)
-    report["bytes"] = (cell.items - len(report["failed"])) * cell.item_bytes
+    # What this rank wrote: every shard of each room whose writes all completed.
+    report["bytes"] = sum(length for room in report["latency_rooms"] for *_, length in batches(room))
     worker.finished()
     return report
 
@@ -420,6 +438,7 @@ def _raw_async(engine, cell: Cell, batches, report: dict) -> None:
             report["failed"].append((room, str(exc)))
             return
         report["latencies"].append(time.monotonic() - started)
+        report["latency_rooms"].append(room)
 
     for index in range(cell.items):
         started = time.monotonic()
@@ -455,6 +474,7 @@ def _raw_sync(engine, cell: Cell, batches, writers: int, report: dict) -> None:
                 if state[0] == 0:
                     if not state[2]:
                         report["latencies"].append(time.monotonic() - state[1])
+                        report["latency_rooms"].append(room)
                     del pending[room]
                     window.release()
 
@@ -478,7 +498,7 @@ def _raw_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
     """Raw prefill body: offers its slots, waits out the writes, checks the last rooms' bytes."""
     protocol = _cell_protocol(cell, extra["protocol"])
     engine = worker.engine(protocol)
-    row_start, rows = shard_rows(cell.span, worker.rank, cell.fanout)
+    row_start, rows = cell.shard(worker.rank)
     slots = worker.slots(cell, rows)
     _fill_sentinel(slots)
     worker.ready({"session": engine.session_id, "addr": slots.data_ptr(), "stride": slots[0].nbytes,
@@ -494,7 +514,10 @@ def _raw_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
 
 
 def _epd_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
-    """epd encode body: a sender pool over the persistent engine, `inflight` rooms outstanding."""
+    """epd encode body: a sender pool over the persistent engine, `inflight` rooms outstanding.
+
+    Its `bytes` are what the pool wrote in the timed window (its bytes_written_total counter).
+    """
     from transfer.sender import SenderPool
     from transfer.status import TransferPoll
 
@@ -503,11 +526,13 @@ def _epd_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
     source = worker.source(cell, protocol)
     report: dict[str, Any] = {"failed": []}
     knobs = {"depth": extra["depth"]} if extra.get("depth") is not None else {}
-    with SenderPool(engine, 0, 1, 1, extra["bootstrap"], host=worker.setup["host"], integrity=cell.integrity,
-                    bootstrap_timeout_s=extra["deadline_s"], **knobs) as pool:
+    who = f"encode {worker.rank}"
+    with SenderPool(engine, worker.rank, cell.encode_ranks, 1, extra["bootstrap"], host=worker.setup["host"],
+                    integrity=cell.integrity, bootstrap_timeout_s=extra["deadline_s"], **knobs) as pool:
         worker.ready()
         worker.go()
-        _warm_up(pool.send(WARMUP_ROOM, source.item(0, cell.span)), extra["deadline_s"], "encode 0")
+        _warm_up(pool.send(WARMUP_ROOM, source.item(0, cell.span)), extra["deadline_s"], who)
+        written = _bytes_written(pool)
         cpu, report["t_start"] = thread_cpu(), time.time()  # the reading stays out of the timed window
         window: deque = deque()
 
@@ -523,6 +548,8 @@ def _epd_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
         while window:
             settle(window.popleft())
         report["t_end"], report["cpu"] = time.time(), _cpu_since(cpu)
+        # A write is counted before its status goes out, so every settled room's writes are in.
+        report["bytes"] = _bytes_written(pool) - written
         # Keep serving (statuses in flight) until every prefill rank is done.
         worker.finished()
     return report
@@ -535,12 +562,12 @@ def _epd_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
 
     protocol = _cell_protocol(cell, extra["protocol"])
     engine = worker.engine(protocol)
-    row_start, rows = shard_rows(cell.span, worker.rank, cell.fanout)
+    row_start, rows = cell.shard(worker.rank)
     slots = worker.slots(cell, rows)
     _fill_sentinel(slots)
     report: dict[str, Any] = {"latencies": [], "latency_rooms": [], "failed": [], "bytes": 0}
     last: dict[int, int] = {}
-    with SessionManager(engine, worker.rank, cell.fanout, 1, buffer=slots, host=worker.setup["host"],
+    with SessionManager(engine, worker.rank, cell.prefill_ranks, 1, buffer=slots, host=worker.setup["host"],
                         deadline_s=extra["deadline_s"], integrity=cell.integrity) as manager:
         worker.ready()
         worker.go()
@@ -575,6 +602,11 @@ def _epd_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
         report["bad"] = _check_slots(worker, cell, slots, last, row_start, rows)
         worker.finished()
     return report
+
+
+def _bytes_written(pool) -> int:
+    """The bytes a sender pool has written so far."""
+    return int(sum(pool.stats().get("counters", {}).get("bytes_written_total", {}).values()))
 
 
 def _warm_up(handle, deadline_s: float, who: str) -> None:
@@ -622,9 +654,9 @@ _BODIES = {
 
 
 class RankSet:
-    """One encode and `prefill` prefill rank processes, serving cells until closed."""
+    """`encode` encode and `prefill` prefill rank processes, serving cells until closed."""
 
-    def __init__(self, opts: Options, prefill: int, arena_bytes: list[int]) -> None:
+    def __init__(self, opts: Options, prefill: int, arena_bytes: list[int], encode: int = 1) -> None:
         self.opts = opts
         self._ctx = mp.get_context("spawn")
         self.res_q = self._ctx.Queue()
@@ -633,7 +665,7 @@ class RankSet:
         os.makedirs(self.log_dir, exist_ok=True)
         self.procs: dict[tuple[str, int], Any] = {}
         self.cmd_qs: dict[tuple[str, int], Any] = {}
-        ranks = [("encode", 0, 0)] + [("prefill", r, arena_bytes[r]) for r in range(prefill)]
+        ranks = [("encode", e, 0) for e in range(encode)] + [("prefill", r, arena_bytes[r]) for r in range(prefill)]
         try:
             self._start(ranks)
         except BaseException:
@@ -655,10 +687,11 @@ class RankSet:
         self._gather("started", list(self.procs))
 
     def run_cell(self, cell: Cell) -> dict:
-        """Runs one transfer cell on ranks encode 0 and prefill 0..fanout-1; returns the reports."""
+        """Runs one transfer cell on encode ranks 0..E-1 and prefill ranks 0..P-1; returns the reports."""
         from transfer.bootstrap import BootstrapServer
 
-        members = [("encode", 0)] + [("prefill", r) for r in range(cell.fanout)]
+        members = [("encode", e) for e in range(cell.encode_ranks)]
+        members += [("prefill", r) for r in range(cell.prefill_ranks)]
         extra = {"protocol": self.opts.protocol, "raw_issue": self.opts.raw_issue,
                  "raw_writers": self.opts.raw_writers, "deadline_s": self.opts.deadline_s, "depth": self.opts.depth}
         server = BootstrapServer(self.opts.host, 0) if cell.path != "raw" else None
@@ -669,8 +702,10 @@ class RankSet:
                 self.cmd_qs[key].put(("cell", cell, extra))
             ready = self._gather("ready", members)
             receivers = sorted((info for key, info in ready.items() if key[0] == "prefill" and info), key=lambda i: i["rank"])
-            for key in members:
-                self.cmd_qs[key].put(("go", receivers if key[0] == "encode" else None))
+            for role, rank in members:
+                # A raw encode rank writes to its own block; the epd bodies ignore what go carries.
+                block = [info for info in receivers if info["rank"] // cell.fanout == rank]
+                self.cmd_qs[(role, rank)].put(("go", block if role == "encode" else None))
             self._gather("finished", members)
             for key in members:
                 self.cmd_qs[key].put(("close", None))
@@ -733,46 +768,53 @@ class RankSet:
 
 
 def row_of(cell: Cell, reports: dict) -> dict:
-    """One table row from a cell's rank reports."""
-    encode = reports[("encode", 0)]
-    prefill = [v for k, v in reports.items() if k[0] == "prefill"]
+    """One table row from a cell's rank reports.
+
+    `encode_bytes` lists what each encode rank reports it wrote in its timed window (None
+    where a report has no count); `prefill_bytes`, what each prefill rank reports landed.
+    """
+    encodes = [v for k, v in sorted(reports.items()) if k[0] == "encode"]
+    prefill = [v for k, v in sorted(reports.items()) if k[0] == "prefill"]
     if cell.path == "raw":
-        latencies = sorted(encode["latencies"])
-        starts, ends, nbytes = [encode["t_start"]], [encode["t_end"]], encode["bytes"]
-        failed = {room for room, _ in encode["failed"]}
+        latencies = sorted(_room_latencies(encodes))
+        starts, ends = [r["t_start"] for r in encodes], [r["t_end"] for r in encodes]
+        nbytes = sum(r["bytes"] for r in encodes)
+        failed = {room for r in encodes for room, _ in r["failed"]}
     else:
         latencies = sorted(_room_latencies(prefill))
-        starts = [encode["t_start"]] + [r["t_start"] for r in prefill]
+        starts = [r["t_start"] for r in encodes + prefill]
         ends = [r["t_end"] for r in prefill]
         nbytes = sum(r["bytes"] for r in prefill)
-        failed = {room for r in prefill + [encode] for room, _ in r["failed"]}
-    cpu = [r.get("cpu") for r in prefill + [encode]]
+        failed = {room for r in prefill + encodes for room, _ in r["failed"]}
+    cpu = [r.get("cpu") for r in prefill + encodes]
     split = {side: sum(c[side] for c in cpu) * 1e3 / cell.items for side in ("control", "transport")} \
         if all(cpu) else {"control": None, "transport": None}
-    reasons = [why for r in prefill + [encode] for _, why in r.get("failed", [])]
+    reasons = [why for r in prefill + encodes for _, why in r.get("failed", [])]
     bad = [b for r in prefill for b in r.get("bad", [])]
     wall = max(ends) - min(starts)
     return {
-        "path": cell.path, "item_bytes": cell.item_bytes, "fanout": cell.fanout, "inflight": cell.inflight,
-        "integrity": cell.integrity, "gbps": nbytes / wall / 1e9 if wall > 0 else 0.0,
+        "path": cell.path, "item_bytes": cell.item_bytes, "encode_ranks": cell.encode_ranks, "fanout": cell.fanout,
+        "inflight": cell.inflight, "integrity": cell.integrity, "gbps": nbytes / wall / 1e9 if wall > 0 else 0.0,
         "rooms_per_s": (cell.items - len(failed)) / wall if wall > 0 else 0.0,
         "p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3,
-        "ratio_to_raw": None, "items": cell.items, "failed": len(failed), "verified": not bad and not failed,
-        "problems": (reasons + bad)[:5],
+        "ratio_to_raw": None, "p50_added_ms": None, "items": cell.items, "failed": len(failed),
+        "verified": not bad and not failed, "problems": (reasons + bad)[:5],
         "cpu_control_ms": split["control"], "cpu_transport_ms": split["transport"],
+        "encode_bytes": [r.get("bytes") for r in encodes],
+        "prefill_bytes": [r.get("bytes") for r in prefill] if cell.path != "raw" else None,
     }
 
 
-def _room_latencies(prefill: list[dict]) -> list[float]:
-    """One latency per room: its slowest prefill rank's (raw's is its last shard's, likewise).
+def _room_latencies(reports: list[dict]) -> list[float]:
+    """One latency per room: its slowest rank's (a prefill rank's, or for raw an encode rank's last shard).
 
     Pooling the ranks' latencies instead would count one slow shard as one sample among
     fanout x rooms, and report a p99 per shard, better than raw's per room.
     """
-    if not all("latency_rooms" in r for r in prefill):  # reports without room numbers
-        return [lat for r in prefill for lat in r["latencies"]]
+    if not all("latency_rooms" in r for r in reports):  # reports without room numbers
+        return [lat for r in reports for lat in r["latencies"]]
     slowest: dict[int, float] = {}
-    for report in prefill:
+    for report in reports:
         for room, lat in zip(report["latency_rooms"], report["latencies"]):
             slowest[room] = max(lat, slowest.get(room, lat))
     return list(slowest.values())
@@ -817,11 +859,11 @@ def memcpy_row(span: int, hidden: int, dtype: str, items: int, passes: int = 3) 
         raise RuntimeError("memcpy: the copy differs from its source")
     latencies.sort()
     return {
-        "path": "memcpy", "item_bytes": item_bytes, "fanout": 1, "inflight": 1, "integrity": False,
-        "gbps": items * item_bytes / best / 1e9, "rooms_per_s": items / best,
+        "path": "memcpy", "item_bytes": item_bytes, "encode_ranks": 1, "fanout": 1, "inflight": 1,
+        "integrity": False, "gbps": items * item_bytes / best / 1e9, "rooms_per_s": items / best,
         "p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3,
-        "ratio_to_raw": None, "items": items, "failed": 0, "verified": True, "problems": [],
-        "cpu_control_ms": None, "cpu_transport_ms": None,
+        "ratio_to_raw": None, "p50_added_ms": None, "items": items, "failed": 0, "verified": True, "problems": [],
+        "cpu_control_ms": None, "cpu_transport_ms": None, "encode_bytes": None, "prefill_bytes": None,
     }
 
 
@@ -829,25 +871,28 @@ def fill_ratios(rows: list[dict]) -> None:
     """ratio_to_raw: against raw in the same cell (the median of per-turn ratios when repeated);
     memcpy against the best raw at its size. None where that raw lost rooms or bytes: its
     GB/s counts only what landed, so a ratio to it would flatter the path."""
-    raw = {(r["item_bytes"], r["fanout"], r["inflight"]): r["gbps"] for r in rows
-           if r["path"] == "raw" and r.get("verified", True)}
+    raw = {_geometry(r): r["gbps"] for r in rows if r["path"] == "raw" and r.get("verified", True)}
     best: dict[int, float] = {}
-    for (size, _, _), gbps in raw.items():
+    for (size, *_), gbps in raw.items():
         best[size] = max(best.get(size, 0.0), gbps)
     for row in rows:
-        ref = best.get(row["item_bytes"]) if row["path"] == "memcpy" else raw.get(
-            (row["item_bytes"], row["fanout"], row["inflight"]))
+        ref = best.get(row["item_bytes"]) if row["path"] == "memcpy" else raw.get(_geometry(row))
         row["ratio_to_raw"] = row["gbps"] / ref if ref else None
         if ref and row.get("ratio_runs"):
             row["ratio_to_raw"] = statistics.median(row["ratio_runs"])
 
 
+def _geometry(row: dict) -> tuple[int, int, int, int]:
+    """A row's cell without its path: (item bytes, encode ranks, fanout, rooms in flight)."""
+    return row["item_bytes"], row.get("encode_ranks", 1), row["fanout"], row["inflight"]
+
+
 def arena_sizes(opts: Options, cells: list[Cell]) -> list[int]:
     """Receive bytes each prefill rank needs at most over the plan."""
-    need = [0] * max([c.fanout for c in cells] or [1])
+    need = [0] * max([c.prefill_ranks for c in cells] or [1])
     for cell in cells:
-        for rank in range(cell.fanout):
-            rows = max(1, shard_rows(cell.span, rank, cell.fanout)[1])
+        for rank in range(cell.prefill_ranks):
+            rows = max(1, cell.shard(rank)[1])
             need[rank] = max(need[rank], cell.slots * rows * cell.row_bytes)
     return need
 
@@ -865,8 +910,14 @@ def human_bytes(n: int) -> str:
 
 
 def format_table(rows: list[dict], cpu: bool = False) -> str:
-    """The rows as an aligned text table; with cpu, each room's CPU ms (control plane, transport)."""
+    """The rows as an aligned text table; with cpu, each room's CPU ms (control plane, transport).
+
+    An `encode` column (encode ranks) appears when some row has more than one.
+    """
+    encode = any(r.get("encode_ranks", 1) > 1 for r in rows)
     head = ["path", "item", "fanout", "inflight", "integrity", "GB/s", "rooms/s", "p50 ms", "p99 ms", "ratio"]
+    if encode:
+        head.insert(2, "encode")
     if cpu:
         head += ["control ms", "transport ms"]
     body = []
@@ -876,6 +927,8 @@ def format_table(rows: list[dict], cpu: bool = False) -> str:
         line = [path, human_bytes(r["item_bytes"]), str(r["fanout"]), str(r["inflight"]),
                 "on" if r["integrity"] else "off", f"{r['gbps']:.3f}", f"{r['rooms_per_s']:.1f}",
                 f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", ratio]
+        if encode:
+            line.insert(2, str(r.get("encode_ranks", 1)))
         if cpu:
             line += ["-" if r.get(key) is None else f"{r[key]:.3f}" for key in ("cpu_control_ms", "cpu_transport_ms")]
         body.append(line)
@@ -931,7 +984,9 @@ def plot(rows: list[dict], path: str) -> None:
     window = 8 if 8 in inflights else (inflights[-1] if inflights else 1)
     fig, axes = plt.subplots(3, len(fanouts), figsize=(5.5 * len(fanouts), 11), squeeze=False)
     def label_of(row: dict) -> str:
-        return row["path"] + (" +integrity" if row["integrity"] else "")
+        encode = row.get("encode_ranks", 1)
+        label = row["path"] + (" +integrity" if row["integrity"] else "")
+        return label + (f" E={encode}" if encode > 1 else "")
 
     colours = {label: f"C{i % 10}" for i, label in enumerate(sorted({label_of(r) for r in rows}))}  # same in every panel
     for col, fanout in enumerate(fanouts):
@@ -991,7 +1046,8 @@ def measure(opts: Options, progress: Progress | None = None, notes: list[str] | 
     if cells:
         repeat = max(1, opts.repeat)
         progress.total = len(cells) * repeat + len(memcpys)
-        with RankSet(opts, max(c.fanout for c in cells), arena_sizes(opts, cells)) as ranks:
+        with RankSet(opts, max(c.prefill_ranks for c in cells), arena_sizes(opts, cells),
+                     encode=max(c.encode_ranks for c in cells)) as ranks:
             for group in _groups(cells):
                 runs: dict[Cell, list[dict]] = {cell: [] for cell in group}
                 # The paths of one geometry take turns, so a slow spell of a shared host
@@ -1001,20 +1057,23 @@ def measure(opts: Options, progress: Progress | None = None, notes: list[str] | 
                     for cell in (group if turn % 2 == 0 else group[::-1]):
                         runs[cell].append(row_of(cell, ranks.run_cell(cell)))
                         flag = "+i" if cell.integrity else ""
-                        progress.step(f"{cell.path}{flag} {human_bytes(cell.item_bytes)} f{cell.fanout} "
+                        encode = f" e{cell.encode_ranks}" if cell.encode_ranks > 1 else ""
+                        progress.step(f"{cell.path}{flag} {human_bytes(cell.item_bytes)}{encode} f{cell.fanout} "
                                       f"i{cell.inflight}")
                 raw = next((found for cell, found in runs.items() if cell.path == "raw"), None)
                 rows += [median_row(found, raw) for found in runs.values()]
     progress.close()
     fill_ratios(rows)
     order = {p: i for i, p in enumerate(PATHS)}
-    rows.sort(key=lambda r: (r["item_bytes"], r["fanout"], r["inflight"], order[r["path"]], not r["integrity"]))
+    rows.sort(key=lambda r: (r["item_bytes"], r["encode_ranks"], r["fanout"], r["inflight"], order[r["path"]],
+                             not r["integrity"]))
     return rows
 
 
 def _groups(cells: list[Cell]) -> list[list[Cell]]:
-    """Consecutive cells of one geometry (fanout, size, window), in plan order."""
-    geometries = itertools.groupby(cells, key=lambda cell: (cell.fanout, cell.span, cell.hidden, cell.inflight))
+    """Consecutive cells of one geometry (encode ranks, fanout, size, window), in plan order."""
+    geometries = itertools.groupby(cells, key=lambda cell: (cell.encode_ranks, cell.fanout, cell.span, cell.hidden,
+                                                            cell.inflight))
     return [list(group) for _, group in geometries]
 
 
@@ -1023,13 +1082,18 @@ def median_row(runs: list[dict], raw: list[dict] | None = None) -> dict:
 
     With `raw`, the raw runs of the same turns: `ratio_runs` pairs each run with the raw
     run of its own turn, and fill_ratios() reports their median, so a slow spell of the
-    host that hit both paths of a turn cancels out.
+    host that hit both paths of a turn cancels out. An epd or wire row's `p50_added_ms` is
+    its reported run's p50 less that of the raw run of the same turn (None where that raw
+    run lost rooms: its p50 would leave them out).
     """
-    ordered = sorted(runs, key=lambda r: r["gbps"])
-    row = dict(ordered[(len(ordered) - 1) // 2])
+    turn = sorted(range(len(runs)), key=lambda i: runs[i]["gbps"])[(len(runs) - 1) // 2]
+    row = dict(runs[turn])
     row["gbps_runs"] = [r["gbps"] for r in runs]
-    if raw is not None and len(raw) == len(runs) and all(r["gbps"] > 0 for r in raw):
+    paired = raw is not None and len(raw) == len(runs)
+    if paired and all(r["gbps"] > 0 for r in raw):
         row["ratio_runs"] = [r["gbps"] / ref["gbps"] for r, ref in zip(runs, raw)]
+    if paired and row["path"] in ("epd", "wire") and raw[turn].get("verified", True):
+        row["p50_added_ms"] = row["p50_ms"] - raw[turn]["p50_ms"]
     broken = [r for r in runs if not r["verified"]]
     if broken:
         row.update(verified=False, failed=max(r["failed"] for r in broken), problems=broken[0]["problems"])
@@ -1042,6 +1106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"item sizes as ROWSxHIDDEN, comma-separated (default {DEFAULT_SIZES})")
     parser.add_argument("--dtype", default="torch.bfloat16")
     parser.add_argument("--fanouts", type=parse_ints, default=None, help="prefill ranks per encode rank (default 1,2,4)")
+    parser.add_argument("--encode-ranks", type=parse_ints, default=None,
+                        help="encode ranks E (default 1); a cell has E x fanout prefill ranks, each item's rows "
+                             "split over all of them, each encode rank writing its block's share")
     parser.add_argument("--inflight", type=parse_ints, default=None, help="rooms in flight (default 1,8,32)")
     parser.add_argument("--paths", type=parse_paths, default=None, help=f"subset of {','.join(PATHS)} (default all)")
     parser.add_argument("--integrity", type=parse_integrity, default=None,
@@ -1076,6 +1143,7 @@ def options_from(args: argparse.Namespace) -> Options:
     opts = Options()
     opts.sizes = args.sizes or (parse_sizes("64x4096,1024x4096") if quick else opts.sizes)
     opts.fanouts = args.fanouts or ([1, 4] if quick else opts.fanouts)
+    opts.encode_ranks = getattr(args, "encode_ranks", None) or opts.encode_ranks
     opts.inflight = args.inflight or ([8] if quick else opts.inflight)
     opts.paths = args.paths or opts.paths
     opts.integrity = args.integrity if args.integrity is not None else opts.integrity
@@ -1114,7 +1182,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     broken = [r for r in rows if not r["verified"]]
     for r in broken:
-        print(f"! {r['path']} {human_bytes(r['item_bytes'])} fanout {r['fanout']} inflight {r['inflight']}: "
+        encode = f" encode ranks {r['encode_ranks']}" if r["encode_ranks"] > 1 else ""
+        print(f"! {r['path']} {human_bytes(r['item_bytes'])}{encode} fanout {r['fanout']} inflight {r['inflight']}: "
               f"{r['failed']} failed room(s); {'; '.join(r['problems'])}")
     if args.json:
         with open(args.json, "w") as fh:
