@@ -302,8 +302,8 @@ def reassemble(items: Sequence[ShardedItem], group: Any = None, *, block_size: i
 def _check_block(size: int, rank: int, block_size: int | None, rank_in_block: int | None) -> str | None:
     """Why this rank's view of its block contradicts the group (None when it agrees)."""
     if block_size is not None and block_size != size:
-        return f"block_size {block_size} differs from the group's {size} ranks (the group must be exactly "
-                f"the ranks the item's rows are split over)"
+        return (f"block_size {block_size} differs from the group's {size} ranks (the group must be exactly "
+                f"the ranks the item's rows are split over)")
     if rank_in_block is not None and rank_in_block != rank:
         return f"rank_in_block {rank_in_block} differs from the group rank {rank} (shards are gathered in group rank order)"
     return None
