@@ -1,4 +1,5 @@
-# One command runs the main job (`make demo`), one passes the tests (`make test`).
+# One command runs the main job (`make demo`), one passes the tests (`make test`;
+# `make test-unit` and `make test-live` run its two halves).
 # Both set up what they need: Debian's libibverbs1/libnuma1, a .venv, the pinned
 # CPU torch, and this package with its C core.
 
@@ -8,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test bench doctor clean
+.PHONY: setup demo test test-unit test-live bench doctor clean
 
 setup: $(STAMP)
 
@@ -25,6 +26,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests
+
+# Pure logic only: pytest-socket (a plugin pytest loads by itself) refuses sockets, and
+# tests/unit/conftest.py refuses threads, processes and sleeps.
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -ra tests/unit --disable-socket
+
+test-live: $(STAMP)
+	$(PY) -m pytest -q -ra tests/live
 
 bench: $(STAMP)
 	$(VENV)/bin/epd-transfer bench --quick

@@ -1,0 +1,47 @@
+"""Stand-ins the unit and live tests share: an engine that records registrations, a clock and copy-out events."""
+
+from __future__ import annotations
+
+
+class RecordingEngine:
+    """Stands in for transfer.engine.Engine's register/unregister (pure-logic tests only)."""
+
+    def __init__(self) -> None:
+        self.regions: dict[int, int] = {}
+        self.log: list[tuple[str, int, int]] = []
+
+    def register(self, buf, length=None):
+        addr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
+        assert addr not in self.regions, f"{addr:#x} registered twice"
+        self.regions[addr] = nbytes
+        self.log.append(("register", addr, nbytes))
+        return addr, nbytes
+
+    def unregister(self, addr):
+        nbytes = self.regions.pop(addr)
+        self.log.append(("unregister", addr, nbytes))
+
+
+class FakeClock:
+    """A monotonic clock that moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class FakeEvent:
+    """A copy-out event: query() is False until done is set; counts the queries."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done

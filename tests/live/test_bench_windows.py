@@ -1,0 +1,154 @@
+"""`epd-transfer bench` live: comparable timing windows, verified bytes per room, and a rank that dies
+mid-cell ends the run."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from transfer import bench
+
+
+try:
+    import mooncake.engine  # noqa: F401
+
+    _MOONCAKE_MISSING = ""
+except ImportError as _error:  # pragma: no cover - depends on the host
+    _MOONCAKE_MISSING = f"mooncake.engine cannot be imported: {_error}"
+
+
+class _HandshakeEngine:
+    """A fake engine whose first write to each session costs HANDSHAKE_S (a new peer's connection)."""
+
+    HANDSHAKE_S = 0.05
+
+    def __init__(self) -> None:
+        self.connected: set[str] = set()
+        self.writes: list[tuple[str, int, int, int]] = []
+
+    def _connect(self, session: str) -> None:
+        if session not in self.connected:
+            time.sleep(self.HANDSHAKE_S)
+            self.connected.add(session)
+
+    def write_async(self, session, srcs, dsts, lens) -> int:
+        self._connect(session)
+        self.writes.append((session, srcs[0], dsts[0], lens[0]))
+        return len(self.writes)
+
+    def wait(self, ticket, timeout_s=None) -> None:
+        return None
+
+    def write(self, session, srcs, dsts, lens) -> None:
+        self.wait(self.write_async(session, srcs, dsts, lens))
+
+
+class _FakeWorker:
+    """The hooks _raw_encode drives, with two receivers of 64 rows each."""
+
+    def __init__(self, cell: bench.Cell) -> None:
+        from transfer.harness import ItemSource
+
+        self.eng = _HandshakeEngine()
+        self.src = ItemSource(cell.span, cell.hidden, cell.dtype)
+        stride = 32 * cell.row_bytes
+        self.receivers = [{"session": f"peer{r}", "addr": 1 << 32 + r, "stride": stride,
+                           "row_start": 32 * r, "rows": 32, "rank": r} for r in range(cell.fanout)]
+
+    def engine(self, protocol):
+        return self.eng
+
+    def source(self, cell, protocol=None):
+        return self.src
+
+    def ready(self, info=None) -> None:
+        pass
+
+    def go(self):
+        return self.receivers
+
+    def finished(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("issue", ["async", "sync"])
+def test_raw_window_excludes_the_first_connection_to_each_peer(issue):
+    # The epd path moves an untimed room first; raw must not time its peers' handshakes either,
+    # or the first raw cell of each new prefill rank is slowed and every ratio to it inflated.
+    cell = bench.Cell("raw", 64, 256, "torch.bfloat16", fanout=2, inflight=2, items=6)
+    worker = _FakeWorker(cell)
+    report = bench._raw_encode(worker, cell, {"protocol": "tcp", "raw_issue": issue, "raw_writers": 2})
+    assert report["failed"] == [] and report["bytes"] == 6 * cell.item_bytes
+    wall = report["t_end"] - report["t_start"]
+    assert wall < _HandshakeEngine.HANDSHAKE_S / 2, f"the handshakes were timed: window {wall * 1e3:.1f} ms"
+    assert max(report["latencies"]) < _HandshakeEngine.HANDSHAKE_S / 2
+    # Every timed room still wrote each receiver's shard once, into slot room % slots.
+    timed = worker.eng.writes[-6 * 2:]
+    for room in range(6):
+        for r in worker.receivers:
+            dst = r["addr"] + (room % cell.slots) * r["stride"]
+            assert sum(1 for w in timed if w[0] == r["session"] and w[2] == dst) == 3
+
+
+def test_raw_warm_up_bytes_are_overwritten_by_a_timed_room_with_other_bytes():
+    # The untimed warm-up write must not leave bytes that could stand in for a lost timed write.
+    cell = bench.Cell("raw", 64, 256, "torch.bfloat16", fanout=2, inflight=4, items=10)
+    worker = _FakeWorker(cell)
+    bench._raw_encode(worker, cell, {"protocol": "tcp", "raw_issue": "async", "raw_writers": 1})
+    warm = worker.eng.writes[:2]
+    timed = worker.eng.writes[2:]
+    for session, src, dst, _ in warm:
+        later = [w for w in timed if w[0] == session and w[2] == dst]
+        assert later, "a slot written only by the warm-up would be checked against nothing timed"
+        assert later[-1][1] != src
+
+
+def _live_opts(**kw) -> bench.Options:
+    opts = bench.Options(sizes=[(64, 256)], fanouts=[2], inflight=[2], paths=["raw", "epd"], integrity=[False],
+                         items=8, deadline_s=20.0, timeout_s=60.0)
+    for key, value in kw.items():
+        setattr(opts, key, value)
+    return opts
+
+
+@pytest.mark.live
+def test_live_rows_report_one_latency_per_room_and_verified_bytes():
+    if _MOONCAKE_MISSING:
+        pytest.skip(_MOONCAKE_MISSING)
+    opts = _live_opts()
+    cells = bench.plan(opts, wire_ok=False)
+    with bench.RankSet(opts, 2, bench.arena_sizes(opts, cells)) as ranks:
+        for cell in cells:
+            reports = ranks.run_cell(cell)
+            prefill = [v for k, v in reports.items() if k[0] == "prefill"]
+            if cell.path == "epd":
+                for report in prefill:
+                    assert sorted(report["latency_rooms"]) == list(range(cell.items))
+                assert len(bench._room_latencies(prefill)) == cell.items
+            row = bench.row_of(cell, reports)
+            assert row["verified"] and row["failed"] == 0, row
+            assert row["gbps"] > 0 and row["p99_ms"] >= row["p50_ms"] > 0
+
+
+@pytest.mark.live
+def test_a_rank_killed_mid_cell_ends_the_run_with_its_log():
+    if _MOONCAKE_MISSING:
+        pytest.skip(_MOONCAKE_MISSING)
+    opts = _live_opts(paths=["epd"], items=100000, fanouts=[2], timeout_s=60.0)
+    cell = bench.plan(opts, wire_ok=False)[0]
+    with bench.RankSet(opts, 2, bench.arena_sizes(opts, [cell])) as ranks:
+        victim = ranks.procs[("prefill", 1)]
+        killer = threading.Timer(2.0, lambda: os.kill(victim.pid, 9))
+        killer.start()
+        started = time.monotonic()
+        try:
+            with pytest.raises(RuntimeError) as err:
+                ranks.run_cell(cell)
+        finally:
+            killer.cancel()
+        assert time.monotonic() - started < 20
+    assert "prefill rank 1 exited (-9)" in str(err.value)
+    assert "bench-prefill-1.log" in str(err.value)

@@ -1,0 +1,320 @@
+"""The bootstrap server driven with plain urllib as a peer drives it, and our client."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from transfer.bootstrap import MAX_BODY, BootstrapClient, BootstrapError, BootstrapServer
+
+
+# urllib honours http_proxy; a peer on loopback never goes through one.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _registration(engine_rank: int, world_size: int = 4, dp_size: int = 2,
+                  ip: str = "10.0.0.1", port: int | None = None) -> dict:
+    """The JSON body an encode rank PUTs."""
+    return {"role": "Prefill", "world_size": world_size, "dp_size": dp_size,
+            "rank_ip": ip, "rank_port": 17000 + engine_rank if port is None else port,
+            "engine_rank": engine_rank}
+
+
+def _http(method: str, url: str, body: bytes | None = None,
+          headers: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """One urllib request; returns (status, content type, body text), errors included."""
+    request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with _OPENER.open(request, timeout=5) as response:
+            return response.status, response.headers.get("Content-Type", ""), response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers.get("Content-Type", ""), error.read().decode()
+
+
+def _put(server: BootstrapServer, payload: dict | bytes, token: str | None = None) -> tuple[int, str]:
+    """PUT /route with a JSON body, as a peer's encode rank does."""
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    status, _, text = _http("PUT", f"http://{server.address}/route", body, headers)
+    return status, text
+
+
+def _get(server: BootstrapServer, query: str) -> tuple[int, str, str]:
+    """GET /route?query."""
+    return _http("GET", f"http://{server.address}/route?{query}")
+
+
+@pytest.fixture
+def server():
+    """A server on an ephemeral loopback port."""
+    with BootstrapServer("127.0.0.1", 0) as srv:
+        yield srv
+
+
+def _free_port() -> int:
+    """A port that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_health_and_unknown_path(server):
+    assert _http("GET", f"http://{server.address}/health")[::2] == (200, "OK")
+    status, _, text = _http("GET", f"http://{server.address}/nowhere")
+    assert status == 404 and "/nowhere" in text
+    status, _, text = _http("PUT", f"http://{server.address}/elsewhere", b"{}")
+    assert status == 404
+
+
+def test_sync_is_null_before_registration(server):
+    status, ctype, text = _get(server, "engine_rank=-1&target_dp_group=-1")
+    assert status == 200 and ctype == "application/json"
+    assert json.loads(text) == {"prefill_tp_size": None, "prefill_dp_size": None}
+
+
+def test_put_then_sync_and_route_keying_e4_d2(server):
+    for rank in range(4):
+        status, text = _put(server, _registration(rank, ip=f"10.0.0.{rank}"))
+        assert status == 200, text
+    status, _, text = _get(server, "engine_rank=-1&target_dp_group=-1")
+    assert json.loads(text) == {"prefill_tp_size": 4, "prefill_dp_size": 2}
+    # E=4, D=2: group size 2; rank e sits at dp_group e // 2, tp_rank e % 2.
+    expected = {(0, 0): 0, (1, 0): 1, (0, 1): 2, (1, 1): 3}
+    for (tp_rank, group), rank in expected.items():
+        status, ctype, text = _get(server, f"engine_rank={tp_rank}&target_dp_group={group}")
+        assert status == 200 and ctype == "application/json"
+        assert json.loads(text) == {"rank_ip": f"10.0.0.{rank}", "rank_port": 17000 + rank}
+    assert server.registered_ranks == 4
+
+
+def test_unknown_route_is_404(server):
+    _put(server, _registration(0))
+    status, _, text = _get(server, "engine_rank=1&target_dp_group=1")
+    assert status == 404
+    assert "no route for encode rank 1 in dp group 1" in text
+
+
+@pytest.mark.parametrize("query, needle", [
+    ("", "missing query parameter engine_rank"),
+    ("engine_rank=0", "missing query parameter target_dp_group"),
+    ("target_dp_group=0", "missing query parameter engine_rank"),
+    ("engine_rank=x&target_dp_group=0", "engine_rank is not an integer"),
+    ("engine_rank=0&target_dp_group=1.5", "target_dp_group is not an integer"),
+    ("engine_rank=&target_dp_group=0", "engine_rank is not an integer"),
+])
+def test_bad_query_is_400(server, query, needle):
+    status, _, text = _get(server, query)
+    assert status == 400 and needle in text
+
+
+@pytest.mark.parametrize("body, needle", [
+    (b"{not json", "not valid JSON"),
+    (b"\xff\xfe", "not valid JSON"),
+    (b"[1, 2]", "JSON object"),
+    (json.dumps({**_registration(0), "role": "Decode"}).encode(), "role"),
+    (json.dumps({k: v for k, v in _registration(0).items() if k != "world_size"}).encode(),
+     "missing field world_size"),
+    (json.dumps({**_registration(0), "dp_size": "2"}).encode(), "dp_size is not an integer"),
+    (json.dumps({**_registration(0), "rank_port": True}).encode(), "rank_port is not an integer"),
+    (json.dumps({**_registration(0), "rank_port": 70000}).encode(), "rank_port out of range"),
+    (json.dumps({**_registration(0), "engine_rank": 4}).encode(), "engine_rank out of range"),
+    (json.dumps({**_registration(0), "rank_ip": ""}).encode(), "rank_ip"),
+    (json.dumps(_registration(0, world_size=3, dp_size=2)).encode(), "not a multiple"),
+])
+def test_bad_put_is_400_naming_the_field(server, body, needle):
+    status, text = _put(server, body)
+    assert status == 400 and needle in text
+    # Nothing was stored.
+    assert json.loads(_get(server, "engine_rank=-1&target_dp_group=-1")[2])["prefill_tp_size"] is None
+
+
+def test_put_with_other_sizes_is_409(server):
+    assert _put(server, _registration(0))[0] == 200
+    status, text = _put(server, _registration(1, world_size=8, dp_size=2))
+    assert status == 409 and "world_size=4" in text and "world_size=8" in text
+    assert json.loads(_get(server, "engine_rank=-1&target_dp_group=-1")[2]) == {
+        "prefill_tp_size": 4, "prefill_dp_size": 2}
+
+
+def test_put_again_replaces_the_route(server):
+    _put(server, _registration(0, port=1111))
+    _put(server, _registration(0, port=2222))
+    assert json.loads(_get(server, "engine_rank=0&target_dp_group=0")[2])["rank_port"] == 2222
+
+
+def test_oversized_body_is_413(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    try:
+        conn.putrequest("PUT", "/route")
+        conn.putheader("Content-Length", str(MAX_BODY + 1))
+        conn.endheaders()  # the body is never sent: the server must answer first
+        response = conn.getresponse()
+        assert response.status == 413
+    finally:
+        conn.close()
+
+
+def test_token_guards_put_but_not_get():
+    with BootstrapServer("127.0.0.1", 0, token="s3cret") as srv:
+        status, text = _put(srv, _registration(0))
+        assert status == 401 and "Bearer" in text
+        assert _put(srv, _registration(0), token="wrong")[0] == 401
+        assert _put(srv, _registration(0), token="s3cret-and-more")[0] == 401
+        assert _put(srv, _registration(0), token="s3cret")[0] == 200
+        status, _, text = _get(srv, "engine_rank=-1&target_dp_group=-1")
+        assert status == 200 and json.loads(text)["prefill_tp_size"] == 4
+        assert json.loads(_get(srv, "engine_rank=0&target_dp_group=0")[2])["rank_ip"] == "10.0.0.1"
+        assert _http("GET", f"http://{srv.address}/health")[0] == 200
+
+
+def test_concurrent_puts_and_gets():
+    world, dp = 32, 4
+    errors: list[str] = []
+    with BootstrapServer("127.0.0.1", 0) as srv:
+        def register(rank: int) -> None:
+            try:
+                status, text = _put(srv, _registration(rank, world, dp, ip=f"10.1.0.{rank}"))
+            except OSError as error:
+                status, text = -1, repr(error)
+            if status != 200:
+                errors.append(f"PUT {rank}: {status} {text}")
+
+        def read(_: int) -> None:
+            for _ in range(5):
+                try:
+                    status, _, text = _get(srv, "engine_rank=-1&target_dp_group=-1")
+                except OSError as error:
+                    errors.append(f"GET: {error!r}")
+                    continue
+                if status != 200 or json.loads(text)["prefill_tp_size"] not in (None, world):
+                    errors.append(f"GET: {status} {text}")
+
+        threads = [threading.Thread(target=register, args=(r,)) for r in range(world)]
+        threads += [threading.Thread(target=read, args=(r,)) for r in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert not errors
+        group = world // dp
+        client = BootstrapClient(srv.address)
+        for rank in range(world):
+            assert client.route(rank % group, rank // group) == (f"10.1.0.{rank}", 17000 + rank)
+
+
+def test_close_releases_port_and_joins_thread():
+    srv = BootstrapServer("127.0.0.1", 0)
+    port = srv.port
+    _put(srv, _registration(0))
+    thread = srv._thread
+    srv.close()
+    srv.close()  # idempotent
+    assert not thread.is_alive()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))  # would fail while the server still listened
+        sock.listen()
+    assert not BootstrapClient(f"127.0.0.1:{port}", timeout=0.5).health()
+
+
+def test_binds_only_the_given_host(server):
+    assert BootstrapClient(server.address).health()
+    # The whole 127/8 range is loopback, but the server listens on 127.0.0.1 only.
+    assert not BootstrapClient(f"127.0.0.2:{server.port}", timeout=0.5).health()
+
+
+def test_client_round_trip_with_token():
+    with BootstrapServer("127.0.0.1", 0, token="t") as srv:
+        client = BootstrapClient(srv.address, token="t")
+        client.register_rank(2, 1, "10.0.0.9", 5555, 1, retry_for=5)
+        assert client.parallel_info() == (2, 1)
+        assert client.route(1, 0) == ("10.0.0.9", 5555)
+        with pytest.raises(BootstrapError, match="no route for encode rank 0 in dp group 0 at"):
+            client.route(0, 0)
+
+
+def test_client_without_token_is_refused_at_once():
+    with BootstrapServer("127.0.0.1", 0, token="t") as srv:
+        start = time.monotonic()
+        with pytest.raises(BootstrapError, match="HTTP 401"):
+            BootstrapClient(srv.address).register_rank(1, 1, "10.0.0.1", 5555, 0, retry_for=10)
+        assert time.monotonic() - start < 2  # a 4xx is not retried
+
+
+def test_client_conflict_is_not_retried(server):
+    client = BootstrapClient(server.address)
+    client.register_rank(4, 2, "10.0.0.1", 5555, 0, retry_for=5)
+    start = time.monotonic()
+    with pytest.raises(BootstrapError, match="HTTP 409"):
+        client.register_rank(8, 2, "10.0.0.1", 5555, 1, retry_for=10)
+    assert time.monotonic() - start < 2
+
+
+def test_parallel_info_incomplete_before_registration(server):
+    with pytest.raises(BootstrapError, match="incomplete parallel info"):
+        BootstrapClient(server.address).parallel_info()
+
+
+def test_register_retries_until_the_server_starts():
+    port = _free_port()
+    client = BootstrapClient(f"127.0.0.1:{port}", timeout=1.0)
+    outcome: dict[str, object] = {}
+
+    def register() -> None:
+        try:
+            client.register_rank(1, 1, "10.0.0.1", 5555, 0, retry_for=10)
+            outcome["ok"] = True
+        except BootstrapError as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=register)
+    thread.start()
+    time.sleep(0.5)
+    with BootstrapServer("127.0.0.1", port) as srv:
+        thread.join(10)
+        assert outcome == {"ok": True}
+        assert srv.registered_ranks == 1
+        assert client.route(0, 0) == ("10.0.0.1", 5555)
+
+
+def test_register_gives_up_after_retry_for():
+    port = _free_port()
+    start = time.monotonic()
+    with pytest.raises(BootstrapError, match=f"127.0.0.1:{port} within 1.0s") as caught:
+        BootstrapClient(f"127.0.0.1:{port}", timeout=0.5).register_rank(
+            1, 1, "10.0.0.1", 5555, 0, retry_for=1.0)
+    elapsed = time.monotonic() - start
+    assert 0.9 <= elapsed < 2.0
+    assert "Connection" in str(caught.value) or "refused" in str(caught.value)
+
+
+def test_dead_address_fails_fast():
+    address = f"127.0.0.1:{_free_port()}"
+    client = BootstrapClient(address, timeout=1.0)
+    for call in (client.parallel_info, lambda: client.route(0, 0)):
+        start = time.monotonic()
+        with pytest.raises(BootstrapError, match=address):
+            call()
+        assert time.monotonic() - start < 1.5
+    assert client.health() is False
+
+
+def test_silent_server_is_bounded_by_the_timeout():
+    # Accepts connections (kernel backlog) but never answers: the read must time out.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        client = BootstrapClient(f"127.0.0.1:{silent.getsockname()[1]}", timeout=0.5)
+        start = time.monotonic()
+        with pytest.raises(BootstrapError, match="unreachable"):
+            client.parallel_info()
+        assert time.monotonic() - start < 1.5

@@ -1,0 +1,237 @@
+"""transfer.buffers.ReceivePool live: late writes into slots, fallback graces under a session manager, threads.
+
+Real Mooncake engines (tcp on 127.0.0.1); the encode side is a real SenderPool behind a real
+bootstrap server."""
+
+from __future__ import annotations
+
+import inspect
+import random
+import threading
+import time
+
+import pytest
+import torch
+from fakes import FakeClock, FakeEvent, RecordingEngine
+from live_helpers import wait_until
+
+from transfer.buffers import QUARANTINE_S, ReceivePool, SlotError
+
+
+HOST = "127.0.0.1"
+BF16 = "torch.bfloat16"
+SLOT = 256
+
+
+def _default(func, name: str) -> float:
+    """A keyword's default value in `func`'s signature."""
+    return inspect.signature(func).parameters[name].default
+
+
+def test_default_quarantine_outlasts_a_parked_ask_whose_item_then_waits_for_its_ready_event():
+    """The encode rank parks an ask up to its bootstrap timeout for the item; the item that
+    comes at the end of it may then wait up to another bootstrap timeout for its ready event
+    (counted from send()), and the write itself lasts up to Mooncake's transfer timeout."""
+    from transfer.engine import _transfer_timeout_s
+    from transfer.sender import SenderPool
+
+    parking = _default(SenderPool, "bootstrap_timeout_s")
+    latest_write = 2 * parking + _transfer_timeout_s()
+    assert QUARANTINE_S >= latest_write, (
+        f"a failed room's slot is free again after {QUARANTINE_S:g}s, but its late write may land "
+        f"up to {latest_write:g}s after the ask")
+
+
+@pytest.mark.live
+def test_a_late_write_held_by_its_ready_event_does_not_land_in_the_next_rooms_slot(engines):
+    """Defaults scaled down 40 times: room 1 is asked for and given up at once; its item comes
+    just before the encode rank's parking ends, with a ready event that completes just before
+    the bound counted from send(). Room 2, leased after the failed slot's quarantine would end
+    if it covered only the parking, must keep its bytes. Our encode rank no longer starts a
+    write more than its bootstrap timeout after the room's first ask, so room 1 fails unwritten
+    (the quarantine stays sized for encode ranks that count from send())."""
+    from transfer.bootstrap import BootstrapServer
+    from transfer.receiver import SessionManager
+    from transfer.sender import SenderPool
+    from transfer.status import TransferPoll
+
+    scale = 1 / 40
+    parking = _default(SenderPool, "bootstrap_timeout_s") * scale  # 3 s
+    quarantine = QUARANTINE_S * scale
+    encode_engine, prefill_engine = engines
+    rows, hidden = 4, 64
+    slot = rows * hidden * 2
+    late_item = torch.randn(rows, hidden).to(torch.bfloat16)
+    next_item = torch.randn(rows, hidden).to(torch.bfloat16)
+    encode_engine.register(late_item)
+    encode_engine.register(next_item)
+    ready = FakeEvent()  # the encode side's copy into late_item, still running
+    try:
+        with BootstrapServer(HOST, 0) as server, \
+                ReceivePool(prefill_engine, slot, slot, quarantine_s=quarantine, grace_s=0) as slots, \
+                SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST, bootstrap_timeout_s=parking) as sender, \
+                SessionManager(prefill_engine, 0, 1, 1, pool=slots, host=HOST, deadline_s=30) as manager:
+            given_up = manager.receive(1, server.address, rows=rows, hidden=hidden, dtype=BF16)
+            assert wait_until(lambda: given_up.poll() == TransferPoll.WaitingForInput, 5.0)
+            cleared_at = time.monotonic()
+            given_up.clear()  # the request was aborted: its slot goes to quarantine now
+            slots.region.tensor[:slot].fill_(0x5A)  # what the quarantined slot holds until a write lands
+            time.sleep(max(0.0, cleared_at + 2 / 3 * parking - time.monotonic()))
+            written = sender.send(1, late_item, ready_event=ready)  # within the parking: it is served
+            # After a quarantine of parking + 10 s (scaled) would have ended, before the ready
+            # event's bound (send() + parking).
+            time.sleep(max(0.0, cleared_at + parking * 130 / 120 + 0.25 - time.monotonic()))
+            following = manager.receive(2, server.address, rows=rows, hidden=hidden, dtype=BF16)
+            assert sender.send(2, next_item).wait(5) == TransferPoll.Success
+            assert following.wait(5) == TransferPoll.Success, following.failure
+            assert time.monotonic() < cleared_at + 2 / 3 * parking + parking - 0.2, \
+                "the machine is too slow for this test's timing"
+            ready.done = True
+            assert written.wait(5) == TransferPoll.Failed
+            assert "since the room's first ask" in written.failure and "not started" in written.failure, \
+                written.failure
+            written.clear()
+            landed = slots.region.tensor[:slot]
+            assert bool((landed == 0x5A).all()), "room 1's write landed in its quarantined slot after all"
+            assert torch.equal(following.rows.view(torch.uint8), next_item.view(torch.uint8)), \
+                "room 1's late write landed in room 2's rows"
+            assert slots.stats()["fallbacks_total"] == 1  # room 2 got a buffer of its own
+            following.clear()
+    finally:
+        encode_engine.unregister(late_item.data_ptr())
+        encode_engine.unregister(next_item.data_ptr())
+
+
+@pytest.mark.live
+def test_a_write_into_a_fallback_past_its_quarantine_is_refused_and_lands_nowhere(engines):
+    """A failed fallback buffer is deregistered after its quarantine: a write that comes later
+    still is refused by the engine, not written into memory that may be reused."""
+    from transfer.engine import TransferError
+
+    encode_engine, prefill_engine = engines
+    clock = FakeClock()
+    source = torch.randint(0, 256, (SLOT * 2,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    encode_engine.register(source)
+    try:
+        with ReceivePool(prefill_engine, SLOT, SLOT, quarantine_s=5.0, grace_s=1.0, clock=clock) as pool:
+            big = pool.lease_or_fallback(SLOT * 2)
+            buffer = big.view((SLOT * 2,), torch.uint8)
+            buffer.zero_()
+            big.fail()
+            clock.advance(5.0)
+            pool.poll()
+            assert big.addr not in prefill_engine.registered()
+            with pytest.raises(TransferError):
+                encode_engine.write(prefill_engine.session_id, [source.data_ptr()], [big.addr], [SLOT * 2])
+            assert int(buffer.count_nonzero()) == 0
+    finally:
+        encode_engine.unregister(source.data_ptr())
+
+
+@pytest.mark.live
+def test_an_idle_session_manager_still_drops_a_fallback_after_its_grace(engines):
+    """Graces and quarantines are checked lazily, by lease() and stats(): a prefill rank that
+    stops receiving after a burst of big items keeps their fallback buffers registered (and
+    allocated) until its next receive()."""
+    from transfer.bootstrap import BootstrapServer
+    from transfer.receiver import SessionManager
+    from transfer.sender import SenderPool
+    from transfer.status import TransferPoll
+
+    encode_engine, prefill_engine = engines
+    rows, hidden = 8, 64
+    item = torch.randn(rows, hidden).to(torch.bfloat16)
+    encode_engine.register(item)
+    try:
+        with BootstrapServer(HOST, 0) as server, \
+                ReceivePool(prefill_engine, SLOT, SLOT, quarantine_s=0.2, grace_s=0.2) as slots, \
+                SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST) as sender, \
+                SessionManager(prefill_engine, 0, 1, 1, pool=slots, host=HOST, deadline_s=10) as manager:
+            sender.send(1, item)
+            big = manager.receive(1, server.address, rows=rows, hidden=hidden, dtype=BF16)
+            assert big.wait(5) == TransferPoll.Success, big.failure
+            assert torch.equal(big.rows.view(torch.uint8), item.view(torch.uint8))
+            fallback = big.rows.data_ptr()
+            assert fallback in prefill_engine.registered()
+            big.clear()
+            assert wait_until(lambda: fallback not in prefill_engine.registered(), 3.0), \
+                "the fallback stayed registered 3 s past a 0.2 s grace"
+    finally:
+        encode_engine.unregister(item.data_ptr())
+
+
+def test_concurrent_lease_release_and_fail_never_double_lease():
+    engine, clock = RecordingEngine(), FakeClock()
+    slots, threads, rounds = 8, 4, 1500
+    pool = ReceivePool(engine, slots * SLOT, SLOT, quarantine_s=0.5, grace_s=0.2, clock=clock)
+    owners: dict[int, int] = {}
+    owners_lock = threading.Lock()
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(rounds):
+            slot = pool.lease_or_fallback(rng.choice((8, SLOT, SLOT * 2)))
+            if not slot.is_fallback:
+                with owners_lock:
+                    if slot.index in owners:
+                        errors.append(f"slot {slot.index} leased by {owners[slot.index]} and {seed}")
+                    owners[slot.index] = seed
+            slot.view((8,), torch.uint8).fill_(seed)
+            if not slot.is_fallback:
+                with owners_lock:
+                    owners.pop(slot.index, None)
+            rng.choice((slot.release, slot.fail, lambda s=slot: s.release(_Done())))()
+            if rng.random() < 0.3:
+                with owners_lock:  # one writer at a time: the fake clock only moves forward
+                    clock.advance(0.05)
+
+    workers = [threading.Thread(target=worker, args=(seed,)) for seed in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert not any(w.is_alive() for w in workers)
+    assert errors == []
+    clock.advance(10.0)
+    stats = pool.stats()
+    assert (stats["free"], stats["leased"], stats["pending_events"], stats["quarantined"]) == (slots, 0, 0, 0)
+    assert stats["fallbacks_live"] == 0 and list(engine.regions) == [pool.region.addr]
+    pool.close()
+
+
+class _Done:
+    """An event already completed."""
+
+    def query(self) -> bool:
+        return True
+
+
+def _give_back(slot, how: str, barrier: threading.Barrier, outcomes: list[str]) -> None:
+    """Calls slot.release() or slot.fail() with the other thread; notes what happened."""
+    barrier.wait()
+    try:
+        getattr(slot, how)()
+        outcomes.append(how)
+    except SlotError:
+        outcomes.append("refused")
+
+
+def test_two_threads_releasing_one_slot_give_it_back_once():
+    engine, clock = RecordingEngine(), FakeClock()
+    with ReceivePool(engine, SLOT, SLOT, clock=clock) as pool:
+        for _ in range(200):
+            slot = pool.lease(8)
+            outcomes: list[str] = []
+            barrier = threading.Barrier(2)
+
+            pair = [threading.Thread(target=_give_back, args=(slot, how, barrier, outcomes))
+                    for how in ("release", "fail")]
+            for t in pair:
+                t.start()
+            for t in pair:
+                t.join(5)
+            assert sorted(outcomes) in (["fail", "refused"], ["refused", "release"])
+            clock.advance(QUARANTINE_S)
+            stats = pool.stats()
+            assert (stats["free"], stats["leased"], stats["quarantined"]) == (1, 0, 0)

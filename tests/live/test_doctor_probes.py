@@ -1,0 +1,102 @@
+"""doctor's probes on this host (child interpreters, the real Mooncake wheel) and scripts/soft-roce.sh."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from transfer import doctor
+
+
+ROOT = Path(__file__).resolve().parents[2]
+SOFT_ROCE = ROOT / "scripts" / "soft-roce.sh"
+
+
+def test_library_checks():
+    libc = doctor.check_library("libc.so.6", "libc", "libc6")
+    assert libc.level == "ok" and libc.detail == "libc.so.6 loads"
+    missing = doctor.check_library("libdoesnotexist.so.9", "libdoesnotexist", "nothing9")
+    assert missing.level == "fail"
+    assert missing.detail == "libdoesnotexist.so.9 not found"
+    assert missing.fix == "apt-get install nothing9"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="mooncake not installed")
+def test_real_mooncake_probe_and_wheel():
+    ok, detail = doctor.probe_mooncake_import()
+    assert ok, detail
+    names = [d["name"] for d in doctor.mooncake_distributions()]
+    assert any(n.startswith("mooncake-transfer-engine") for n in names)
+
+
+def test_probe_timeout_is_reported():
+    ok, detail = doctor.probe_mooncake_import(timeout_s=0.001)
+    assert not ok and "hung for more than" in detail
+
+
+def test_real_host_report_is_consistent():
+    report = doctor.collect()
+    assert report["data_path_ok"] == (report["mooncake"]["imports"]
+                                      or any(c["name"] == "wire" and c["level"] == "ok"
+                                             for c in report["checks"]))
+    names = [c["name"] for c in report["checks"]]
+    for name in ("mooncake", "libibverbs", "libnuma", "cuda", "gpudirect", "protocol", "wire",
+                 "mc-env", "data-path"):
+        assert name in names
+
+
+def script(*args: str) -> subprocess.CompletedProcess:
+    """Run soft-roce.sh with a bounded wait."""
+    return subprocess.run(["bash", str(SOFT_ROCE), *args], capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+def kernel_has_rdma_netlink() -> bool:
+    """True when `rdma link show` works (then `up` would really change this host)."""
+    if shutil.which("rdma") is None:
+        return False
+    done = subprocess.run(["rdma", "link", "show"], capture_output=True, text=True, timeout=30,
+                          check=False)
+    return done.returncode == 0
+
+
+def test_soft_roce_usage():
+    done = script()
+    assert done.returncode == 2 and "usage:" in done.stderr
+    assert script("sideways").returncode == 2
+
+
+def test_soft_roce_status():
+    done = script("status")
+    assert done.returncode == 0, done.stderr
+    assert "== RDMA devices" in done.stdout and "== rdma link show" in done.stdout
+    if not kernel_has_rdma_netlink() and shutil.which("rdma"):
+        assert "has no RDMA netlink" in done.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="up needs root")
+def test_soft_roce_up_explains_why_it_cannot():
+    if kernel_has_rdma_netlink():
+        pytest.skip("this kernel has RDMA netlink: up would really add a device")
+    done = script("up")
+    assert done.returncode == 1
+    if shutil.which("rdma") is None:
+        assert "apt-get install iproute2 rdma-core ibverbs-utils" in done.stderr
+    else:
+        assert "kernel" in done.stderr and ("RDMA netlink" in done.stderr
+                                            or "rdma_rxe" in done.stderr)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="up needs root")
+@pytest.mark.skipif(shutil.which("rdma") is None, reason="the rdma tool is not installed")
+def test_soft_roce_up_rejects_an_unknown_netdev(tmp_path):
+    done = subprocess.run(["bash", str(SOFT_ROCE), "up", "nosuchnet0"], capture_output=True,
+                          text=True, timeout=60, check=False,
+                          env={**os.environ, "IB_SYSFS": str(tmp_path)})
+    assert done.returncode == 1
+    assert "no such network interface: nosuchnet0" in done.stderr

@@ -1,0 +1,513 @@
+"""The two engine back-ends against hostile peers: transfer.engine (Mooncake, protocol tcp) and transfer.wire_engine.
+
+The "stalled peer" is a real engine in another process that we stop with SIGSTOP: its sockets
+stay open and it reads nothing, as a wedged or paused process would; SIGCONT lets it catch up,
+and then its landed bytes show whether our side read memory it had already given back."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+from live_helpers import wait_until
+
+from transfer.engine import Engine, TransferError
+from transfer.wire_engine import WireEngine
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+try:
+    import mooncake.engine  # noqa: F401
+    _MOONCAKE_MISSING = ""
+except ImportError as _error:
+    _MOONCAKE_MISSING = f"mooncake.engine cannot be imported: {_error}"
+
+#: Big enough that a stopped peer leaves most of it unsent (loopback buffers hold ~30 MB).
+STALL_BYTES = 64 << 20
+
+# A peer in its own process: one engine, one registered destination, commands on stdin.
+_PEER = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[3])
+kind, n = sys.argv[1], int(sys.argv[2])
+if kind == "mooncake":
+    from transfer.engine import Engine
+    engine = Engine("127.0.0.1", protocol="tcp")
+else:
+    from transfer.wire_engine import WireEngine
+    engine = WireEngine("127.0.0.1")
+dst = torch.zeros(n, dtype=torch.uint8)
+engine.register(dst)
+print(engine.session_id, dst.data_ptr(), flush=True)
+for line in sys.stdin:
+    command = line.strip()
+    if command == "counts":  # how many bytes of each value landed
+        values, counts = torch.unique(dst, return_counts=True)
+        print(" ".join(f"{int(v)}:{int(c)}" for v, c in zip(values, counts)), flush=True)
+    elif command == "zero":
+        dst.zero_()
+        print("ok", flush=True)
+    elif command == "quit":
+        break
+engine.close()
+"""
+
+
+class StoppablePeer:
+    """A real engine in a child process that the test can stop (SIGSTOP) and resume."""
+
+    def __init__(self, kind: str, nbytes: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _PEER, kind, str(nbytes), REPO],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     stderr=subprocess.DEVNULL)
+        self.session_id, addr = self._line(60).split()
+        self.addr = int(addr)
+        self.stopped = False
+
+    def _line(self, timeout: float) -> str:
+        """One answer line, within timeout seconds."""
+        box: list[str] = []
+        reader = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not box or not box[0]:
+            raise RuntimeError(f"peer process gave no answer within {timeout}s")
+        return box[0].strip()
+
+    def ask(self, command: str) -> str:
+        """Sends a command and returns its answer."""
+        self.resume()
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._line(60)
+
+    def counts(self) -> dict[int, int]:
+        """How many bytes of each value the peer's destination holds."""
+        return {int(v): int(c) for v, c in (pair.split(":") for pair in self.ask("counts").split())}
+
+    def stop(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        self.stopped = True
+
+    def resume(self) -> None:
+        if self.stopped:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.stopped = False
+
+    def close(self) -> None:
+        self.resume()
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            self.proc.wait(30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def mooncake_peer():
+    """A Mooncake engine in another process with STALL_BYTES registered."""
+    if _MOONCAKE_MISSING:
+        pytest.skip(_MOONCAKE_MISSING)
+    peer = StoppablePeer("mooncake", STALL_BYTES)
+    yield peer
+    peer.close()
+
+
+@pytest.fixture
+def stalled_mooncake(mooncake_peer):
+    """The Mooncake peer, zeroed; the test stops it (after its handshake); resumed afterwards whatever happens."""
+    assert mooncake_peer.ask("zero") == "ok"
+    yield mooncake_peer
+    mooncake_peer.resume()
+
+
+def _handshake_then_stop(writer: Engine, src: torch.Tensor, peer: StoppablePeer) -> None:
+    """Writes the source's first KiB, then stops the peer (a stopped peer never answers Mooncake's handshake)."""
+    writer.write(peer.session_id, [src.data_ptr()], [peer.addr], [1024])
+    peer.stop()
+
+
+@pytest.fixture
+def wire_peer():
+    """A wire engine in another process with STALL_BYTES registered."""
+    peer = StoppablePeer("wire", STALL_BYTES)
+    yield peer
+    peer.close()
+
+
+def _mooncake(**kwargs) -> Engine:
+    return Engine("127.0.0.1", protocol="tcp", **kwargs)
+
+
+def _filled(n: int, value: int) -> torch.Tensor:
+    return torch.full((n,), value, dtype=torch.uint8)
+
+
+def _in_thread(target) -> tuple[threading.Thread, list]:
+    """Runs target() in a daemon thread; the list gets ("ok", result) or ("raised", exception)."""
+    outcome: list = []
+
+    def body() -> None:
+        try:
+            outcome.append(("ok", target()))
+        except BaseException as exc:  # noqa: BLE001 - inspected by the test
+            outcome.append(("raised", exc))
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+@pytest.mark.live
+@pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
+def test_mooncake_bad_destination_is_refused_before_any_buffer_goes_out():
+    """A second buffer's bad destination used to surface as pybind's bare TypeError after the
+    first buffer was already submitted (it landed; no ticket tracked it); a destination range
+    wrapping past 2**64 was submitted and failed only after the first buffer landed."""
+    with _mooncake() as writer, _mooncake() as reader:
+        src = torch.arange(4096, dtype=torch.int64).to(torch.uint8) | 1  # no zero byte
+        dst = torch.zeros(8192, dtype=torch.uint8)
+        writer.register(src)
+        reader.register(dst)
+        s, d = src.data_ptr(), dst.data_ptr()
+        for bad in (-1, 1 << 64, (1 << 64) - 8):
+            with pytest.raises(ValueError, match=re.escape(f"write to {reader.session_id}: destination ")):
+                writer.write_async(reader.session_id, [s, s + 100], [d, bad], [100, 16])
+            with pytest.raises(ValueError, match="not a range of the 64-bit address space"):
+                writer.write(reader.session_id, [s], [bad], [16])
+        time.sleep(0.2)
+        assert not dst.any(), "a buffer of a refused write landed"
+        # The engine still works and tracks nothing stale.
+        writer.write(reader.session_id, [s], [d], [4096])
+        assert torch.equal(dst[:4096], src)
+
+
+@pytest.mark.live
+@pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
+def test_mooncake_registration_refuses_ranges_outside_64_bits():
+    """Mooncake registered a range that wraps past 2**64; a negative address was pybind's TypeError."""
+    with _mooncake() as engine:
+        for addr, length in (((1 << 64) - 8, 16), (-4096, 16), (1 << 64, 16), (0, 16)):
+            with pytest.raises(ValueError, match=re.escape(f"cannot register address {addr:#x} with length")):
+                engine.register(addr, length)
+        assert engine.registered() == {}
+
+
+class _PausingTE:
+    """Delegates to the real Mooncake TransferEngine; the first batch submission waits for a go.
+
+    Instrumentation, not a fake: every call reaches the real engine, later."""
+
+    def __init__(self, real) -> None:
+        self._real = real
+        self.paused = threading.Event()
+        self.go = threading.Event()
+
+    def batch_transfer_async_write(self, *args):
+        if not self.paused.is_set():
+            self.paused.set()
+            self.go.wait(30)
+        return self._real.batch_transfer_async_write(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+@pytest.mark.live
+@pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
+def test_mooncake_close_waits_for_a_write_being_submitted():
+    """close() used to see no ticket while write_async was between its checks and filing the
+    ticket: it unregistered the sources, let their tensors go and dropped the engine while the
+    write went on (then failing on a None engine with an AttributeError)."""
+    with _mooncake() as reader:
+        dst = torch.zeros(1 << 20, dtype=torch.uint8)
+        reader.register(dst)
+        writer = _mooncake()
+        src = _filled(1 << 20, 5)
+        writer.register(src)
+        gate = writer._te = _PausingTE(writer._te)
+        writing, write_outcome = _in_thread(
+            lambda: writer.write(reader.session_id, [src.data_ptr()], [dst.data_ptr()], [1 << 20]))
+        assert gate.paused.wait(30)
+        closing, close_outcome = _in_thread(writer.close)
+        closing.join(1.0)
+        returned_early = not closing.is_alive()
+        gate.go.set()
+        writing.join(60)
+        closing.join(60)
+        assert not writing.is_alive() and not closing.is_alive()
+        assert not returned_early, "close() returned while a write was being submitted"
+        assert write_outcome == [("ok", None)], write_outcome
+        assert close_outcome == [("ok", None)], close_outcome
+        assert torch.equal(dst, src)
+
+
+@pytest.mark.live
+@pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
+def test_mooncake_ticket_settled_by_close_still_tells_its_owner():
+    """close() settled the tickets in flight by polling them itself, which dropped them: the
+    owner's next poll() read 'unknown write ticket' for a write that had landed."""
+    with _mooncake() as reader:
+        dst = torch.zeros(8 << 20, dtype=torch.uint8)
+        reader.register(dst)
+        writer = _mooncake()
+        src = _filled(8 << 20, 6)
+        writer.register(src)
+        ticket = writer.write_async(reader.session_id, [src.data_ptr()], [dst.data_ptr()], [8 << 20])
+        writer.close()
+        assert writer.poll(ticket) is True
+        assert torch.equal(dst, src)
+        with pytest.raises(TransferError, match=f"unknown write ticket {ticket}"):
+            writer.poll(ticket)  # settled once only
+
+
+@pytest.mark.live
+@pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
+def test_mooncake_write_after_close_began_is_refused_cleanly():
+    """A write that passed its checks just before close() now re-checks when filing its ticket:
+    it is refused with the engine's name, nothing is written, and close() completes."""
+
+    class Pausing(Engine):
+        """Waits after validating its first batch: the moment close() used to slip in."""
+
+        def __init__(self) -> None:
+            super().__init__("127.0.0.1", protocol="tcp")
+            self.paused, self.go = threading.Event(), threading.Event()
+
+        def _batch(self, *args):
+            batch = super()._batch(*args)
+            if not self.paused.is_set():
+                self.paused.set()
+                self.go.wait(30)
+            return batch
+
+    with _mooncake() as reader:
+        dst = torch.zeros(4096, dtype=torch.uint8)
+        reader.register(dst)
+        writer = Pausing()
+        src = _filled(4096, 3)
+        writer.register(src)
+        writing, outcome = _in_thread(
+            lambda: writer.write(reader.session_id, [src.data_ptr()], [dst.data_ptr()], [4096]))
+        assert writer.paused.wait(30)
+        closing, close_outcome = _in_thread(writer.close)
+        closing.join(30)
+        writer.go.set()
+        writing.join(30)
+        assert close_outcome == [("ok", None)]
+        assert len(outcome) == 1 and outcome[0][0] == "raised", outcome
+        error = outcome[0][1]
+        assert isinstance(error, TransferError) and f"engine {writer.session_id} is closed" in str(error), repr(error)
+        time.sleep(0.2)
+        assert not dst.any()
+
+
+@pytest.mark.live
+@pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
+def test_mooncake_write_to_a_stopped_peer_settles_at_the_transfer_timeout(stalled_mooncake, monkeypatch):
+    """Mooncake's non-blocking status call has no deadline: wait() (and write()) to a peer that
+    stopped reading used to block for as long as the peer stayed stopped, although the module
+    promised MC_TRANSFER_TIMEOUT. Now the ticket fails at that timeout, naming the peer, and its
+    source stays registered (refused by unregister()) until Mooncake is done reading it."""
+    peer = stalled_mooncake
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")  # Mooncake's minimum
+    with _mooncake() as writer:
+        src = _filled(STALL_BYTES, 7)
+        writer.register(src)
+        _handshake_then_stop(writer, src, peer)
+        started = time.monotonic()
+        waiting, outcome = _in_thread(
+            lambda: writer.write(peer.session_id, [src.data_ptr()], [peer.addr], [STALL_BYTES]))
+        waiting.join(5 + 10)
+        elapsed = time.monotonic() - started
+        settled = not waiting.is_alive()
+        if settled:
+            with pytest.raises(TransferError, match="still being read by a write to " + re.escape(peer.session_id)):
+                writer.unregister(src.data_ptr())
+        peer.resume()
+        waiting.join(60)
+        assert settled, f"write() to a stopped peer still blocked after {elapsed:.1f}s (MC_TRANSFER_TIMEOUT=5)"
+        assert 4.5 <= elapsed < 15
+        kind, error = outcome[0]
+        assert kind == "raised" and isinstance(error, TransferError), outcome
+        assert f"write to {peer.session_id} failed (still in flight after the transfer timeout of 5s" in str(error)
+        # Once the peer caught up, Mooncake settles the batch and the region can go.
+
+        def unregistered() -> bool:
+            try:
+                writer.unregister(src.data_ptr())
+                return True
+            except TransferError:
+                return False
+
+        assert wait_until(unregistered, 60, 0.05)
+        assert peer.counts() == {7: STALL_BYTES}
+
+
+@pytest.mark.live
+@pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
+def test_mooncake_close_is_bounded_with_a_stopped_peer(stalled_mooncake, monkeypatch):
+    """close() waited for every ticket without a bound: a peer that stopped reading kept it
+    forever. Now it gives up at the transfer timeout and destroys the transport before letting
+    the registered tensors go."""
+    peer = stalled_mooncake
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
+    writer = _mooncake()
+    src = _filled(STALL_BYTES, 9)
+    writer.register(src)
+    _handshake_then_stop(writer, src, peer)
+    kept = weakref.ref(src)
+    writer.write_async(peer.session_id, [src.data_ptr()], [peer.addr], [STALL_BYTES])
+    del src  # only the engine keeps it alive now
+    started = time.monotonic()
+    closing, outcome = _in_thread(writer.close)
+    closing.join(5 + 10)
+    elapsed = time.monotonic() - started
+    bounded = not closing.is_alive()
+    peer.resume()
+    closing.join(60)
+    assert bounded, f"close() still waiting after {elapsed:.1f}s for a peer that stopped reading"
+    assert outcome == [("ok", None)]
+    assert kept() is None and writer.registered() == {}
+
+
+def _unregister_during_a_stalled_write(writer, src, peer) -> None:
+    """Writes `src` (filled with 7s) to the stopped `peer`, tries to unregister it mid-write and
+    reuse it, resumes the peer: the engine must have refused, and only the 7s may have landed."""
+    ticket = writer.write_async(peer.session_id, [src.data_ptr()], [peer.addr], [STALL_BYTES])
+    time.sleep(0.5)
+    assert not writer.poll(ticket)
+    try:
+        writer.unregister(src.data_ptr())
+        refused = None
+        src.fill_(1)  # the memory is the caller's again: it reuses it
+    except TransferError as exc:
+        refused = str(exc)
+    peer.resume()
+    writer.wait(ticket, timeout_s=60)
+    counts = peer.counts()
+    assert refused is not None, f"unregister() returned while the write was in flight; the peer got {counts}"
+    assert f"is still being read by a write to {peer.session_id} in flight" in refused
+    assert counts == {7: STALL_BYTES}
+    writer.unregister(src.data_ptr())  # settled: now it goes
+    assert writer.registered() == {}
+
+
+@pytest.mark.live
+@pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
+def test_mooncake_unregister_refuses_a_source_still_being_read(stalled_mooncake):
+    """unregister() dropped a source region (and the tensor kept alive for it) while a write
+    was still reading it: bytes the caller wrote afterwards reached the peer."""
+    peer = stalled_mooncake
+    with _mooncake() as writer:
+        src = _filled(STALL_BYTES, 7)
+        writer.register(src)
+        _handshake_then_stop(writer, src, peer)
+        _unregister_during_a_stalled_write(writer, src, peer)
+
+
+def test_wire_writes_work_with_descriptors_past_1024():
+    """select() refuses a descriptor >= FD_SETSIZE: in a process with many sockets open every
+    write failed with a bare ValueError ('filedescriptor out of range in select()') and idle
+    connections were never reused."""
+    with WireEngine() as writer, WireEngine() as reader:
+        src = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+        dst = torch.zeros(1 << 16, dtype=torch.uint8)
+        writer.register(src)
+        reader.register(dst)
+        padding = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+        try:
+            for i in range(3):
+                writer.write(reader.session_id, [src.data_ptr() + i], [dst.data_ptr() + i], [1000 * (i + 1)])
+                assert torch.equal(dst[i:i + 1000 * (i + 1)], src[i:i + 1000 * (i + 1)])
+        finally:
+            for fd in padding:
+                os.close(fd)
+        assert writer.stats()["connections_opened"] == 1
+
+
+def test_wire_idle_connections_to_departed_peers_are_dropped():
+    """A peer that went away (restarted on another port) left its idle connection in the pool for
+    the engine's lifetime: one socket in CLOSE_WAIT per departed peer, never reclaimed."""
+    with WireEngine() as writer, WireEngine() as live:
+        src = _filled(4096, 2)
+        writer.register(src)
+        dst = torch.zeros(4096, dtype=torch.uint8)
+        live.register(dst)
+        fds_before = len(os.listdir("/proc/self/fd"))
+        for _ in range(6):
+            with WireEngine() as peer:
+                landing = torch.zeros(4096, dtype=torch.uint8)
+                peer.register(landing)
+                writer.write(peer.session_id, [src.data_ptr()], [landing.data_ptr()], [4096])
+                assert torch.equal(landing, src)
+        writer.write(live.session_id, [src.data_ptr()], [dst.data_ptr()], [4096])
+        assert torch.equal(dst, src)
+        assert writer.stats()["idle_connections"] == 1
+        # Only the connection to the live peer is left: our end and the listener's.
+        assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
+
+
+def test_wire_peer_that_stops_reading_costs_one_reply_timeout(wire_peer):
+    """After a send timed out, the sender waited a second full reply timeout for an answer that a
+    peer which stopped reading never sends; now it reads an answer only when one is waiting."""
+    wire_peer.stop()
+    with WireEngine(reply_timeout_s=2.0) as writer:
+        src = _filled(STALL_BYTES, 4)
+        writer.register(src)
+        started = time.monotonic()
+        with pytest.raises(TransferError) as caught:
+            writer.write(wire_peer.session_id, [src.data_ptr()], [wire_peer.addr], [STALL_BYTES])
+        elapsed = time.monotonic() - started
+    assert f"write to {wire_peer.session_id} failed: write: timed out after 2 s without progress" in str(caught.value)
+    assert elapsed < 3.2, f"took {elapsed:.2f}s for a 2 s reply timeout"
+
+
+def test_wire_refused_transfer_still_reports_the_peers_reason(wire_peer):
+    """The early-answer path still reads the listener's ERROR when our send fails after it."""
+    with WireEngine() as writer:
+        src = _filled(STALL_BYTES, 4)
+        writer.register(src)
+        wrong = wire_peer.addr + STALL_BYTES - 4096  # runs past the peer's region
+        with pytest.raises(TransferError, match="refused by the peer: .*is not inside registered memory"):
+            writer.write(wire_peer.session_id, [src.data_ptr()], [wrong], [STALL_BYTES])
+    assert wire_peer.counts() == {0: STALL_BYTES}
+
+
+def test_wire_batch_finished_before_close_still_tells_its_owner():
+    """close() forgot every batch: an owner polling a write that had landed read 'batch N is unknown'."""
+    with WireEngine() as reader:
+        dst = torch.zeros(1 << 20, dtype=torch.uint8)
+        reader.register(dst)
+        writer = WireEngine()
+        src = _filled(1 << 20, 6)
+        writer.register(src)
+        batch = writer.write_async(reader.session_id, [src.data_ptr()], [dst.data_ptr()], [1 << 20])
+        # Under way before close() (a batch still queued then fails as closed, by design).
+        assert wait_until(lambda: reader.stats()["bytes_received"] == 1 << 20, 30)
+        writer.close()
+        assert writer.poll(batch) is True
+        assert torch.equal(dst, src)
+        with pytest.raises(TransferError, match=f"batch {batch} is unknown"):
+            writer.poll(batch)  # settled once only
+
+
+def test_wire_unregister_refuses_a_source_still_being_read(wire_peer):
+    """unregister() let a source go while write_async was still streaming it: bytes the caller
+    wrote afterwards reached the peer."""
+    with WireEngine(reply_timeout_s=60) as writer:
+        src = _filled(STALL_BYTES, 7)
+        writer.register(src)
+        wire_peer.stop()
+        _unregister_during_a_stalled_write(writer, src, wire_peer)

@@ -1,0 +1,146 @@
+"""The fallback cap live: concurrent fallbacks, a real-engine pool, and a SessionManager whose receive() meets the cap.
+
+Real Mooncake engines (tcp on 127.0.0.1), fed by a real SenderPool behind a real bootstrap server."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from fakes import FakeClock, RecordingEngine
+from live_helpers import wait_until
+
+from transfer.buffers import FallbackLimitError, ReceivePool
+
+
+HOST = "127.0.0.1"
+BF16 = "torch.bfloat16"
+SLOT = 256
+
+
+def _fallback_bytes(engine: RecordingEngine, pool: ReceivePool) -> int:
+    """Bytes the recording engine holds registered besides the pool's own region."""
+    return sum(n for addr, n in engine.regions.items() if addr != pool.region.addr)
+
+
+def test_concurrent_fallbacks_never_pass_the_cap():
+    engine, clock = RecordingEngine(), FakeClock()
+    threads, fits = 8, 3
+    with ReceivePool(engine, SLOT, SLOT, max_fallback_bytes=fits * 2 * SLOT, clock=clock) as pool:
+        pool.lease(8)  # the only slot: every ask below needs a fallback
+        barrier = threading.Barrier(threads)
+        got: list[object] = []
+        refused: list[str] = []
+
+        def ask() -> None:
+            barrier.wait(10)
+            try:
+                got.append(pool.lease_or_fallback(2 * SLOT))
+            except FallbackLimitError as exc:
+                refused.append(str(exc))
+
+        workers = [threading.Thread(target=ask) for _ in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(30)
+        assert not any(w.is_alive() for w in workers)
+        assert (len(got), len(refused)) == (fits, threads - fits)
+        assert pool.stats()["fallback_bytes"] == fits * 2 * SLOT == _fallback_bytes(engine, pool)
+
+
+@pytest.mark.live
+def test_a_real_engine_pool_refuses_past_the_cap_until_the_quarantine_ends(engines):
+    """A failed room's fallback holds the whole cap for its quarantine; the next fallback is
+    refused (nothing registered for it) and allowed once the quarantine ended, and a real
+    one-sided write then lands in it."""
+    encode_engine, prefill_engine = engines
+    registered_before = set(prefill_engine.registered())
+    source = torch.randint(0, 256, (2 * SLOT,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    encode_engine.register(source)
+    quarantine = 0.4
+    try:
+        with ReceivePool(prefill_engine, SLOT, SLOT, quarantine_s=quarantine, grace_s=0.05,
+                         max_fallback_bytes=2 * SLOT) as pool:
+            failed = pool.lease_or_fallback(2 * SLOT)
+            failed_addr = failed.addr
+            failed.fail()
+            failed_at = time.monotonic()
+            held = set(prefill_engine.registered())
+            assert {pool.region.addr, failed_addr} <= held
+            with pytest.raises(FallbackLimitError) as refused:
+                pool.lease_or_fallback(2 * SLOT)
+            text = str(refused.value)
+            assert time.monotonic() < failed_at + quarantine, "the machine is too slow for this test's timing"
+            assert "a fallback buffer of 512 bytes would take fallbacks past max_fallback_bytes=512" in text
+            assert "they hold 512 bytes in 1 buffers (0 live, 0 awaiting copy-out events, 0 in grace, " \
+                   "1 quarantined after failed rooms; the next retires in" in text
+            assert "size the pool's slots to at least 512 bytes, or raise max_fallback_bytes" in text
+            assert set(prefill_engine.registered()) == held  # nothing registered for the refused ask
+            time.sleep(max(0.0, failed_at + quarantine + 0.05 - time.monotonic()))
+            fresh = pool.lease_or_fallback(2 * SLOT)  # no explicit poll: the ask retires the old one
+            assert fresh.is_fallback
+            assert failed_addr not in prefill_engine.registered()
+            assert pool.stats()["fallback_bytes"] == 2 * SLOT
+            landing = fresh.view((2 * SLOT,), torch.uint8)
+            landing.zero_()
+            encode_engine.write(prefill_engine.session_id, [source.data_ptr()], [fresh.addr], [2 * SLOT])
+            assert torch.equal(landing, source)
+            fresh.release()
+            assert wait_until(lambda: pool.stats()["fallback_bytes"] == 0, 3.0)
+            assert fresh.addr not in prefill_engine.registered()
+        assert set(prefill_engine.registered()) == registered_before
+    finally:
+        encode_engine.unregister(source.data_ptr())
+
+
+@pytest.mark.live
+def test_receive_past_the_cap_raises_to_its_caller_and_starts_no_room(engines):
+    """SessionManager.receive() leases before filing the room: the cap's error reaches the
+    caller as is, no room is started (its number is free again), nothing is registered, and
+    once the first room's fallback retired the same room is received in full."""
+    from transfer.bootstrap import BootstrapServer
+    from transfer.receiver import SessionManager
+    from transfer.sender import SenderPool
+    from transfer.status import TransferPoll
+
+    encode_engine, prefill_engine = engines
+    registered_before = set(prefill_engine.registered())
+    rows, hidden = 8, 64
+    item_nbytes = rows * hidden * 2
+    first_item = torch.randn(rows, hidden).to(torch.bfloat16)
+    second_item = torch.randn(rows, hidden).to(torch.bfloat16)
+    encode_engine.register(first_item)
+    encode_engine.register(second_item)
+    try:
+        with BootstrapServer(HOST, 0) as server, \
+                ReceivePool(prefill_engine, SLOT, SLOT, quarantine_s=0.2, grace_s=0.2,
+                            max_fallback_bytes=item_nbytes) as slots, \
+                SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST) as sender, \
+                SessionManager(prefill_engine, 0, 1, 1, pool=slots, host=HOST, deadline_s=10) as manager:
+            sender.send(1, first_item)
+            first = manager.receive(1, server.address, rows=rows, hidden=hidden, dtype=BF16)
+            assert first.wait(5) == TransferPoll.Success, first.failure
+            assert torch.equal(first.rows.view(torch.uint8), first_item.view(torch.uint8))
+            held = set(prefill_engine.registered())
+            started = manager.stats()["counters"]["rooms_started_total"]
+            with pytest.raises(FallbackLimitError, match=f"a fallback buffer of {item_nbytes} bytes would take "
+                                                         f"fallbacks past max_fallback_bytes={item_nbytes}: they "
+                                                         f"hold {item_nbytes} bytes in 1 buffers \\(1 live"):
+                manager.receive(2, server.address, rows=rows, hidden=hidden, dtype=BF16)
+            assert set(prefill_engine.registered()) == held
+            assert manager.stats()["counters"]["rooms_started_total"] == started
+            first.clear()  # its fallback starts its grace
+            assert wait_until(lambda: slots.stats()["fallback_bytes"] == 0, 3.0)
+            sender.send(2, second_item)
+            second = manager.receive(2, server.address, rows=rows, hidden=hidden, dtype=BF16)
+            assert second.wait(5) == TransferPoll.Success, second.failure
+            assert torch.equal(second.rows.view(torch.uint8), second_item.view(torch.uint8))
+            second.clear()
+            assert wait_until(lambda: slots.stats()["fallback_bytes"] == 0, 3.0)
+        assert set(prefill_engine.registered()) == registered_before
+    finally:
+        encode_engine.unregister(first_item.data_ptr())
+        encode_engine.unregister(second_item.data_ptr())

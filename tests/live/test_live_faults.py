@@ -1,0 +1,490 @@
+"""Live failure paths: each affected room concludes with its reason in bounded time,
+while unrelated rooms keep succeeding with every byte checked.
+
+Real Mooncake `tcp` on 127.0.0.1, real ZMQ, a real BootstrapServer; encode ranks run
+in their own processes (tests/live/live_helpers.py), prefill ranks in this one or in
+their own process where they must die.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+
+import pytest
+from live_helpers import (
+    DTYPE,
+    HOST,
+    LIVE,
+    TOKEN,
+    RawPrefill,
+    Receiver,
+    bootstrap_server,
+    encode_process,
+    epd_threads,
+    free_port,
+    item_bytes,
+    junk_pusher,
+    pointer,
+    prefill_process,
+    wait_until,
+)
+
+from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
+from transfer.receiver import ENCODE_FAILED
+from transfer.status import TransferPoll, is_terminal
+
+pytestmark = LIVE
+
+SPAN, HIDDEN = 8, 64
+ROW = HIDDEN * 2
+ITEM = SPAN * ROW
+# A random start: ranks of other deployments on this host must not share our rooms.
+_rooms = itertools.count(random.randrange(1 << 20, 1 << 40))
+
+
+def rooms(n: int) -> list[int]:
+    """n rooms no other test of this module uses."""
+    return [next(_rooms) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def bootstrap():
+    with bootstrap_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def _engines():
+    """Two tcp engines, the sessions of the prefill ranks that live in this process."""
+    from transfer.engine import Engine
+
+    with Engine(HOST, protocol="tcp") as a, Engine(HOST, protocol="tcp") as b:
+        yield a, b
+
+
+@pytest.fixture
+def engines(_engines):
+    """The engines, with the check that a test leaves no registration behind."""
+    before = [dict(e.registered()) for e in _engines]
+    yield _engines
+    after = [dict(e.registered()) for e in _engines]
+    for engine, was in zip(_engines, before):
+        for addr in set(engine.registered()) - set(was):
+            engine.unregister(addr)
+    assert after == before, "a test left memory registered"
+
+
+@pytest.fixture(scope="module")
+def encoder(bootstrap):
+    """One encode rank (tp 1) in its own process, shared by the tests that do not kill it."""
+    rank = encode_process(bootstrap.address)
+    yield rank
+    rank.close()
+
+
+def assert_all(results: dict, status: str) -> None:
+    """Every room of `results` (room -> (status, reason, ...)) has `status`."""
+    wrong = {room: r for room, r in results.items() if r[0] != status}
+    assert not wrong, f"expected {status}: {wrong}"
+
+
+# ------------------------------------------------------------------ geometry
+
+
+@pytest.mark.parametrize(
+    "lie, needle",
+    [
+        ({"hidden": HIDDEN // 2}, f"hidden {HIDDEN // 2} != item hidden {HIDDEN}"),
+        ({"dtype": "torch.float16"}, f"dtype torch.float16 != item dtype {DTYPE}"),
+        ({"claimed_span": SPAN + 1}, f"span {SPAN + 1} != item span {SPAN}"),
+    ],
+    ids=["hidden", "dtype", "span"],
+)
+def test_geometry_mismatch_fails_every_receiver_and_writes_nothing(bootstrap, encoder, engines, lie, needle):
+    bad, *good = rooms(4)
+    with Receiver(engines[0], 0, 2, fanout=2) as r0, Receiver(engines[1], 1, 2, fanout=2) as r1:
+        for room in good:
+            r0.ask(room, bootstrap.address, SPAN)
+            r1.ask(room, bootstrap.address, SPAN)
+        r0.ask(bad, bootstrap.address, SPAN)
+        r1.ask(bad, bootstrap.address, SPAN, **lie)
+        started = time.monotonic()
+        encoder.call("send", [bad, *good], SPAN, HIDDEN)
+        sent = encoder.call("wait", [bad, *good], 10.0)
+        got = [r.wait([bad, *good], 10.0) for r in (r0, r1)]
+        assert time.monotonic() - started < 10.0
+
+        status, reason, _ = sent[bad]
+        assert status == "Failed" and needle in reason, reason
+        for r, results in zip((r0, r1), got):
+            assert results[bad][0] == "Failed"
+            assert results[bad][1].startswith(ENCODE_FAILED), results[bad][1]
+            assert r.untouched(bad), f"rank {r.rank}: bytes were written for the refused room"
+            for room in good:
+                assert results[room] == ("Success", None)
+                assert r.landed(room) is None, r.landed(room)
+        assert_all({room: sent[room] for room in good}, "Success")
+
+
+# ------------------------------------------------------- a receiver never asks
+
+
+def test_receiver_that_never_asks_fails_the_room_after_the_bootstrap_timeout(engines):
+    lonely, *good = rooms(3)
+    with bootstrap_server() as server, encode_process(server.address, bootstrap_timeout_s=2.0) as encode:
+        with Receiver(engines[0], 0, 2, fanout=2) as r0, Receiver(engines[1], 1, 2, fanout=2) as r1:
+            r0.ask(lonely, server.address, SPAN)  # rank 1 never asks for it
+            for room in good:
+                r0.ask(room, server.address, SPAN)
+                r1.ask(room, server.address, SPAN)
+            started = time.monotonic()
+            encode.call("send", [lonely, *good], SPAN, HIDDEN)
+            lonely_result = r0.wait([lonely], 8.0)[lonely]
+            told_after = time.monotonic() - started
+            sent = encode.call("wait", [lonely, *good], 5.0)
+
+            assert sent[lonely][0] == "Failed"
+            assert sent[lonely][1] == "receiver never registered within 2s"
+            # Told Failed by the encode rank (its own deadline is 30 s), only after the timeout.
+            assert lonely_result[0] == "Failed" and lonely_result[1].startswith(ENCODE_FAILED), lonely_result
+            assert 1.9 <= told_after < 5.0, told_after
+            assert r0.untouched(lonely)
+            for r in (r0, r1):
+                assert r.wait(good, 5.0) == {room: ("Success", None) for room in good}
+                for room in good:
+                    assert r.landed(room) is None
+            assert_all({room: sent[room] for room in good}, "Success")
+
+
+# ------------------------------------------------------------ processes dying
+
+
+def test_encode_killed_mid_stream_fails_rooms_by_their_deadline(engines):
+    done, cut = rooms(4), rooms(6)
+    with bootstrap_server() as server:
+        encode = encode_process(server.address)
+        try:
+            port = encode.info["port"]
+            with Receiver(engines[0], 0, 1, fanout=1, slots=16, deadline_s=3.0) as r:
+                for room in done:
+                    r.ask(room, server.address, SPAN)
+                encode.call("send", done, SPAN, HIDDEN)
+                assert r.wait(done, 10.0) == {room: ("Success", None) for room in done}
+                for room in cut:
+                    r.ask(room, server.address, SPAN)
+                asked = time.monotonic()
+                encode.kill()
+                late = rooms(1)[0]
+                r.ask(late, server.address, SPAN)  # asked after the crash: same deadline
+                results = r.wait(cut + [late], 3.0 + 3.0)
+                elapsed = time.monotonic() - asked
+                for room in done:
+                    assert r.landed(room) is None
+                for room in cut + [late]:
+                    status, reason = results[room]
+                    assert status == "Failed", (room, status)
+                    assert f"encode rank 0 at {HOST}:{port}" in reason and "within 3s" in reason, reason
+                    assert r.untouched(room)
+                assert 2.9 <= elapsed < 3.0 + 2.0, elapsed
+        finally:
+            encode.kill()
+
+
+def test_prefill_killed_mid_stream_never_stalls_the_sender(engines):
+    warmup, doomed, survivors = rooms(4), rooms(200), rooms(60)
+    with bootstrap_server() as server, encode_process(server.address) as encode:
+        victim = prefill_process(server.address, span=SPAN, hidden=HIDDEN, slots=len(warmup) + len(doomed))
+        try:
+            victim.call("ask", warmup)
+            encode.call("send", warmup, SPAN, HIDDEN)
+            assert all(r[0] == "Success" and r[2] for r in victim.call("wait", warmup, 10.0).values())
+            assert_all(encode.call("wait", warmup, 5.0), "Success")
+            dead_session = victim.info["session"]
+            victim.call("ask", doomed)
+            # Killed only once the encode rank filed every ask (queued frames die with it).
+            assert wait_until(lambda: encode.call("state")["asks"] == len(doomed), 5.0)
+            victim.kill()
+        finally:
+            victim.kill()
+        with Receiver(engines[0], 0, 1, fanout=1, slots=len(survivors)) as r:
+            for room in survivors:
+                r.ask(room, server.address, SPAN)
+            # The dead rank's rooms and the live rank's interleaved: statuses for the dead
+            # endpoint pile up while the live one must keep getting its rows.
+            mixed = [room for pair in itertools.zip_longest(doomed, survivors) for room in pair if room is not None]
+            started = time.monotonic()
+            encode.call("send", mixed, SPAN, HIDDEN)
+            got = r.wait(survivors, 10.0)
+            survivors_s = time.monotonic() - started
+            assert got == {room: ("Success", None) for room in survivors}
+            for room in survivors:
+                assert r.landed(room) is None
+            # Each batch to the dead session costs Mooncake a reconnect (about 1 s); without
+            # failing the session's later writes fast, 200 of them held the live rooms ~7 s.
+            assert survivors_s < 4.0, f"live rooms stalled {survivors_s:.1f}s behind the dead endpoint"
+            sent = encode.call("wait", mixed, 10.0, timeout=20.0)
+            assert_all({room: sent[room] for room in survivors}, "Success")
+            assert_all({room: sent[room] for room in doomed}, "Failed")
+            assert all(f"write to {dead_session}" in sent[room][1] for room in doomed), sent[doomed[-1]]
+            state = encode.call("state")
+            assert state["items"] == 0 and state["asks"] == 0 and state["table"] == 0
+
+
+# ------------------------------------------------------------- garbage frames
+
+
+def _transfer_info(room: bytes = b"1", **override: bytes) -> list[bytes]:
+    """A well-formed 13-part TransferInfo, with parts replaced by name."""
+    parts = {
+        "room": room, "endpoint": HOST.encode(), "port": b"5555", "session": b"127.0.0.1:1",
+        "embedding": pointer(0x1000), "deepstack": pointer(0), "rows": b"8", "hidden": b"64", "dtype": DTYPE.encode(),
+        "has_deepstack": b"0", "fanout": b"1", "row_start": b"0", "span": b"8",
+    }
+    parts.update(override)
+    return list(parts.values())
+
+
+ENCODE_JUNK = [
+    ([b"x"], "malformed EmbeddingTransferInfo frame: 1 parts < 13"),
+    ([b""], "malformed EmbeddingTransferInfo frame: 1 parts < 13"),
+    ([b"1"] * 12, "malformed EmbeddingTransferInfo frame: 12 parts < 13"),
+    (_transfer_info(b"\xff\xfe"), "room must be ASCII"),
+    (_transfer_info(endpoint="h\u00f6st".encode()), "endpoint must be ASCII"),
+    (_transfer_info(b"9" * 40), "room is not an integer"),
+    (_transfer_info(rows=b"99999999999999999999999"), "rows is not an integer"),
+    (_transfer_info(port=b"70000"), "invalid port"),
+    (_transfer_info(b"-3"), "negative room"),
+    (_transfer_info(embedding=b"\x00" * 7), "embedding pointer must be 8 bytes"),
+    ([b"None"], "malformed registration frame: 1 parts < 6"),
+    ([b"None", HOST.encode(), b"5555", b"s", b"\x00" * 3, pointer(0)], "embedding pointer must be 8 bytes"),
+]
+
+
+def test_garbage_to_the_encode_listener_is_logged_and_the_next_room_succeeds(bootstrap, encoder, engines):
+    host, port = encoder.info["host"], encoder.info["port"]
+    logged_before = len(encoder.call("logs"))
+    sock = junk_pusher(host, port)
+    huge = junk_pusher(host, port)
+    try:
+        # Beyond the listener's message size bound: ZMQ drops it (and that peer) unbuffered.
+        huge.send_multipart([b"1", b"\x00" * (1 << 20)])
+        for frames, _ in ENCODE_JUNK:
+            sock.send_multipart(frames)
+        wanted = [needle for _, needle in ENCODE_JUNK]
+
+        def logged() -> list[str]:
+            return [m for m in encoder.call("logs")[logged_before:] if "dropped a malformed request" in m]
+
+        # Each kind of complaint is logged once (repeats within a second are only counted).
+        assert wait_until(lambda: all(any(n in m for m in logged()) for n in wanted), 5.0), logged()
+        assert len(logged()) == len(set(wanted)), logged()
+    finally:
+        sock.close(0)
+        huge.close(0)
+
+    room = rooms(1)[0]
+    with Receiver(engines[0], 0, 1, fanout=1) as r:
+        r.ask(room, bootstrap.address, SPAN)
+        encoder.call("send", [room], SPAN, HIDDEN)
+        assert r.wait([room], 10.0) == {room: ("Success", None)}
+        assert r.landed(room) is None
+    assert encoder.call("wait", [room], 5.0)[room][0] == "Success"
+
+
+def test_a_flood_of_bad_statuses_costs_a_log_line_a_second_and_the_room_still_succeeds(bootstrap, encoder, engines,
+                                                                                        caplog):
+    caplog.set_level(logging.WARNING, logger="transfer.receiver")
+    room = rooms(1)[0]
+    with Receiver(engines[0], 0, 1, fanout=1) as r:
+        r.ask(room, bootstrap.address, SPAN)
+        sock = junk_pusher(HOST, r.manager.status_port)
+        try:
+            for _ in range(2000):
+                sock.send_multipart([b"x", b"5", b"0"])
+            encoder.call("send", [room], SPAN, HIDDEN)
+            assert r.wait([room], 10.0) == {room: ("Success", None)}  # through the same flooded listener
+        finally:
+            sock.close(0)
+        assert r.landed(room) is None
+    lines = [m for m in caplog.messages if "dropped a malformed status" in m]
+    assert 1 <= len(lines) <= 1 + 10, len(lines)  # one per second at most, however long the flood took
+
+
+def test_garbage_to_the_status_listener_is_logged_and_ignored(bootstrap, encoder, engines, caplog):
+    caplog.set_level(logging.DEBUG, logger="transfer.receiver")
+    pending, forged, unknown = rooms(3)
+    with Receiver(engines[0], 0, 1, fanout=1) as r:
+        r.ask(pending, bootstrap.address, SPAN)
+        r.ask(forged, bootstrap.address, SPAN)
+        assert wait_until(
+            lambda: all(r.handle(x).poll() == TransferPoll.WaitingForInput for x in (pending, forged)), 5.0
+        )
+        p, f, u = (str(x).encode() for x in (pending, forged, unknown))
+        junk = [
+            [b"1"], [b"1", b"5"],
+            [b"x", b"5", b"0"], [b"\xff\xfe", b"5", b"0"], [b"-1", b"5", b"0"],
+            [p, b"x", b"0"], [p, b"9", b"0"], [p, b"5", b"r"], [p, b"99999999999999999999999", b"0"],
+            [u, b"5", b"0"], [u, b"0", b"0"],  # unknown room: ignored
+            [p, b"5", b"7"], [p, b"0", b"3"],  # wrong encode rank: ignored
+            [f, b"5", b"0", b"123"],  # a forged Success whose checksum the landed bytes do not match
+            [b"end"],
+        ]
+        sock = junk_pusher(HOST, r.manager.status_port)
+        try:
+            for frames in junk:
+                sock.send_multipart(frames)
+
+            needles = ("an EPD status has 3 frames", "room is not an integer", "negative room",
+                       "status is not an integer", "unknown status", "rank is not an integer",
+                       "status from encode rank 7, expected 0", "status from encode rank 3, expected 0")
+            # Every kind is logged (once: repeats within a second are only counted).
+            assert wait_until(lambda: all(n in "\n".join(caplog.messages) for n in needles), 5.0), caplog.messages
+            assert wait_until(lambda: r.handle(forged).poll() == TransferPoll.Failed, 5.0)
+        finally:
+            sock.close(0)
+        assert r.handle(pending).poll() == TransferPoll.WaitingForInput  # not concluded by any of it
+        assert r.handle(forged).poll() == TransferPoll.Failed
+        assert r.handle(forged).failure.startswith("checksum mismatch"), r.handle(forged).failure
+        assert set(r.manager._rooms) == {pending, forged}  # the unknown room left no state
+
+        encoder.call("send", [pending, forged], SPAN, HIDDEN)
+        assert r.wait([pending], 10.0) == {pending: ("Success", None)}
+        assert r.landed(pending) is None
+        sent = encoder.call("wait", [pending, forged], 10.0)
+        assert_all(sent, "Success")
+        assert r.handle(forged).poll() == TransferPoll.Failed  # Failed is sticky
+
+
+# ------------------------------------------------------------ bootstrap faults
+
+
+def _unreachable() -> str:
+    return f"{HOST}:{free_port()}"
+
+
+@pytest.mark.parametrize("case", ["unreachable", "no-encode-rank", "no-route"])
+def test_bootstrap_failure_fails_the_room_fast_without_raising(engines, case):
+    room = rooms(1)[0]
+    with bootstrap_server() as server:
+        address, tp, rank, needle = server.address, 1, 0, "incomplete parallel info"
+        if case == "unreachable":
+            address, needle = _unreachable(), "unreachable"
+        elif case == "no-route":
+            # Two encode ranks announced, only rank 0 registered: prefill rank 1 pairs with rank 1.
+            BootstrapClient(server.address, token=TOKEN).register_rank(2, 1, HOST, free_port(), 0, retry_for=2.0)
+            tp, rank, needle = 2, 1, "no route for encode rank 1"
+        with Receiver(engines[0], rank, tp, fanout=1) as r:
+            started = time.monotonic()
+            handle = r.ask(room, address, SPAN)  # must not raise
+            assert wait_until(lambda: is_terminal(handle.poll()), 3.0)
+            assert time.monotonic() - started < 3.0
+            assert handle.poll() == TransferPoll.Failed
+            assert handle.failure.startswith("bootstrap"), handle.failure
+            assert needle in handle.failure, handle.failure
+            assert r.untouched(room)
+
+
+def test_a_silent_bootstrap_server_costs_one_timeout_not_one_per_room(engines):
+    """Rooms behind a server that never answers fail together, not one I/O-thread timeout each."""
+    import socket
+
+    from transfer.receiver import UNREACHABLE_RETRY_S
+
+    silent_rooms = rooms(6)
+    with socket.socket() as silent:
+        silent.bind((HOST, 0))
+        silent.listen(16)  # the kernel accepts; nobody ever answers
+        address = f"{HOST}:{silent.getsockname()[1]}"
+        with Receiver(engines[0], 0, 1, fanout=1, bootstrap_timeout_s=0.5) as r:
+            started = time.monotonic()
+            handles = [r.ask(room, address, SPAN) for room in silent_rooms]
+            assert wait_until(lambda: all(is_terminal(h.poll()) for h in handles), 5.0)
+            took = time.monotonic() - started
+            assert took < 0.5 * len(silent_rooms) / 2, f"{took:.2f}s: one timeout per room"
+            reasons = [h.failure for h in handles]
+            assert all(reason.startswith(f"bootstrap {address}: ") and "unreachable" in reason for reason in reasons)
+            assert sum("not asked again" in reason for reason in reasons) >= len(silent_rooms) - 1, reasons
+            # Once the pause is over, the server is asked again (and times out again).
+            time.sleep(UNREACHABLE_RETRY_S)
+            again = r.ask(rooms(1)[0], address, SPAN)
+            assert wait_until(lambda: is_terminal(again.poll()), 3.0)
+            assert "unreachable" in again.failure and "not asked again" not in again.failure, again.failure
+
+
+def test_a_refusing_bootstrap_server_is_still_asked_by_every_room(engines):
+    """A quick refusal (a server not up yet) costs little: no pause, each room tries for itself."""
+    with Receiver(engines[0], 0, 1, fanout=1, bootstrap_timeout_s=0.5) as r:
+        address = _unreachable()  # nothing listens there: connection refused at once
+        handles = [r.ask(room, address, SPAN) for room in rooms(3)]
+        assert wait_until(lambda: all(is_terminal(h.poll()) for h in handles), 5.0)
+        reasons = [h.failure for h in handles]
+        assert all("unreachable" in reason and "not asked again" not in reason for reason in reasons), reasons
+
+
+# -------------------------------------------------------------- region safety
+
+
+def test_destination_outside_the_announced_region_is_refused(bootstrap, encoder):
+    from transfer.engine import Engine
+
+    outside, inside, peer = rooms(3)
+    announced = 2 * ITEM
+    host, port = encoder.info["host"], encoder.info["port"]
+    # A session of its own: the encode rank keeps every region a session ever announced,
+    # so an earlier manager's buffer at the same address would make the range acceptable.
+    with Engine(HOST, protocol="tcp") as engine, RawPrefill(engine, host, port, 4 * ITEM) as raw:
+        raw.register((announced, 0))
+        # Starts inside the announced region, ends past it (still in registered memory).
+        raw.ask(outside, raw.base + announced - ROW, SPAN, HIDDEN, SPAN)
+        encoder.call("send", [outside], SPAN, HIDDEN)
+        assert raw.statuses(1, 5.0) == [[str(outside).encode(), b"0", b"0"]]
+        sent = encoder.call("wait", [outside], 5.0)[outside]
+        assert sent[0] == "Failed" and "outside registered region" in sent[1], sent
+        assert raw.untouched(), "the refused room wrote bytes"
+
+        raw.ask(inside, raw.base, SPAN, HIDDEN, SPAN)
+        encoder.call("send", [inside], SPAN, HIDDEN)
+        [status] = raw.statuses(1, 5.0)
+        assert status[:3] == [str(inside).encode(), b"5", b"0"]
+        assert bytes(raw.buffer[:ITEM].numpy()) == bytes(_item(inside))
+
+        # A peer's registration carries no lengths: the encode rank writes as the peers do.
+        raw.register(None)
+        raw.ask(peer, raw.base + announced, SPAN, HIDDEN, SPAN)
+        encoder.call("send", [peer], SPAN, HIDDEN)
+        [status] = raw.statuses(1, 5.0)
+        assert status[:3] == [str(peer).encode(), b"5", b"0"]
+        assert bytes(raw.buffer[announced : announced + ITEM].numpy()) == bytes(_item(peer))
+        assert_all(encoder.call("wait", [inside, peer], 5.0), "Success")
+
+
+def _item(room: int):
+    """Room's item bytes, as the encode process sends them."""
+    return item_bytes(room, ITEM)
+
+
+# ------------------------------------------------------------- bootstrap token
+
+
+def test_bootstrap_token_guards_registration(engines):
+    room = rooms(1)[0]
+    with BootstrapServer(HOST, 0, token="s3cret") as server:
+        from transfer.sender import SenderPool
+
+        threads = epd_threads()
+        for token in ("wrong", None):
+            started = time.monotonic()
+            with pytest.raises(BootstrapError, match="refused encode rank 0: HTTP 401"):
+                SenderPool(engines[0], 0, 1, 1, server.address, host=HOST, token=token, register_timeout_s=2.0)
+            assert time.monotonic() - started < 3.0  # a refusal is not retried
+            assert epd_threads() == threads, "a refused pool left threads running"
+        assert server.registered_ranks == 0
+        with encode_process(server.address, token="s3cret") as encode, Receiver(engines[0], 0, 1, fanout=1) as r:
+            assert server.registered_ranks == 1
+            r.ask(room, server.address, SPAN)
+            encode.call("send", [room], SPAN, HIDDEN)
+            assert r.wait([room], 10.0) == {room: ("Success", None)}
+            assert r.landed(room) is None

@@ -1,0 +1,109 @@
+"""Metrics over a real HTTP endpoint, and under threads."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from transfer.metrics import Metrics, serve
+
+
+def small_example() -> Metrics:
+    """A fixed set of series used by the golden text test."""
+    m = Metrics("epd", buckets=(0.01, 0.1, 1))
+    m.inc("rooms_started_total", 2)
+    m.inc("rooms_failed_total", reason="checksum")
+    m.inc("rooms_failed_total", 3, reason='we"ird\\re\nason')
+    m.set_gauge("queue_depth", 3)
+    m.describe("queue_depth", "Items waiting\nto be sent.")
+    for v in (0.005, 0.05, 2.0):
+        m.observe("room_latency_seconds", v)
+    return m
+
+
+GOLDEN = """\
+# HELP epd_queue_depth Items waiting\\nto be sent.
+# TYPE epd_queue_depth gauge
+epd_queue_depth 3
+# HELP epd_room_latency_seconds Seconds from a room's start to its Success.
+# TYPE epd_room_latency_seconds histogram
+epd_room_latency_seconds_bucket{le="0.01"} 1
+epd_room_latency_seconds_bucket{le="0.1"} 2
+epd_room_latency_seconds_bucket{le="1.0"} 2
+epd_room_latency_seconds_bucket{le="+Inf"} 3
+epd_room_latency_seconds_sum 2.055
+epd_room_latency_seconds_count 3
+# HELP epd_rooms_failed_total Rooms concluded Failed, by bounded reason category.
+# TYPE epd_rooms_failed_total counter
+epd_rooms_failed_total{reason="checksum"} 1
+epd_rooms_failed_total{reason="we\\"ird\\\\re\\nason"} 3
+# HELP epd_rooms_started_total Rooms started (ask sent or item accepted).
+# TYPE epd_rooms_started_total counter
+epd_rooms_started_total 2
+"""
+
+
+def get(url: str) -> tuple[int, str, str]:
+    """GET a URL with a bounded wait; return status, content type and body."""
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return resp.status, resp.headers["Content-Type"], resp.read().decode()
+
+
+def test_http_endpoint_serves_metrics():
+    m = small_example()
+    with m.serve() as server:
+        assert server.port > 0
+        status, ctype, body = get(server.url)
+        assert status == 200
+        assert ctype.startswith("text/plain; version=0.0.4")
+        assert body == GOLDEN
+        m.inc("rooms_started_total")
+        _, _, body = get(server.url)
+        assert "epd_rooms_started_total 3\n" in body
+        status, ctype, body = get(f"http://127.0.0.1:{server.port}/stats")
+        assert ctype == "application/json"
+        assert json.loads(body)["epd"]["counters"]["rooms_started_total"] == {"": 3}
+        with pytest.raises(urllib.error.HTTPError) as err:
+            get(f"http://127.0.0.1:{server.port}/nope")
+        assert err.value.code == 404
+    with pytest.raises(urllib.error.URLError):
+        get(server.url)  # closed: the port no longer answers
+
+
+def test_one_endpoint_for_several_sources():
+    a, b = Metrics("epd_recv"), Metrics("epd_send")
+    a.inc("bytes_received_total", 10)
+    b.inc("bytes_written_total", 20)
+    with serve(a, b) as server:
+        _, _, body = get(server.url)
+    assert "epd_recv_bytes_received_total 10\n" in body
+    assert "epd_send_bytes_written_total 20\n" in body
+
+
+def test_thread_safety_smoke():
+    m = Metrics("epd")
+    threads, per_thread = 8, 2000
+
+    def work(tid: int) -> None:
+        for i in range(per_thread):
+            m.inc("rooms_started_total")
+            m.inc("bytes_written_total", 3, worker=tid % 2)
+            m.observe("room_latency_seconds", (i % 100) / 1000)
+            if i % 200 == 0:
+                m.snapshot()
+                m.prometheus_text()
+
+    pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(timeout=60)
+        assert not t.is_alive()
+    snap = m.snapshot()
+    assert snap["counters"]["rooms_started_total"] == {"": threads * per_thread}
+    assert sum(snap["counters"]["bytes_written_total"].values()) == 3 * threads * per_thread
+    assert snap["histograms"]["room_latency_seconds"][""]["count"] == threads * per_thread

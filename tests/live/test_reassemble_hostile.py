@@ -1,0 +1,472 @@
+"""Hostile cases for transfer.reassemble: ranks in separate processes over torch.distributed gloo.
+
+Every rank builds its items from (room, dtype, columns) alone, so it can compute the
+true full rows on its own and compare the rebuilt bytes with them bit for bit. The
+expected shard of a rank is computed here from SPEC.md section 2, not with
+transfer.frames.shard_rows. Every wait is bounded: the group's timeout, a deadline
+on joining the rank processes, and a bounded wait for the peers' result files."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import multiprocessing
+import os
+import socket
+import time
+import traceback
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from transfer.reassemble import ShardedItem, agree, reassemble
+
+
+GARBAGE = 0xA5  # what a destination holds outside the rank's own shard
+GROUP_TIMEOUT_S = 15  # a hang on the reviewed code costs this, not the suite
+JOIN_S = 120
+
+
+def spec_shard(span: int, rank: int, size: int) -> tuple[int, int]:
+    """SPEC.md section 2, written out again so the test does not trust the code under review."""
+    base, rem = divmod(span, size)
+    return rank * base + min(rank, rem), base + (1 if rank < rem else 0)
+
+
+def truth(room: int, span: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """The item's true rows: random bytes seeded by (room, cols, dtype)."""
+    width = cols * torch.empty((), dtype=dtype).element_size()
+    seed = (room * 1_000_003 + cols * 131 + zlib.crc32(str(dtype).encode())) % (2**62)
+    raw = torch.randint(0, 256, (span, width), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    return raw.view(dtype)
+
+
+def placed(rows: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """A contiguous destination holding this rank's shard of `rows` and garbage elsewhere."""
+    dst = torch.full(rows.view(torch.uint8).shape, GARBAGE, dtype=torch.uint8)
+    start, count = spec_shard(rows.shape[0], rank, size)
+    dst[start : start + count] = rows.view(torch.uint8)[start : start + count]
+    return dst.view(rows.dtype)
+
+
+def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Bit-exact equality of two tensors (or both None)."""
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(dense(a).view(torch.uint8),
+                                                                     dense(b).view(torch.uint8))
+
+
+def dense(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy with default strides (.contiguous() keeps odd strides on size-1 dimensions)."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
+
+
+class Case:
+    """One item on one rank with its truth and a snapshot of the destination before the call."""
+
+    def __init__(self, rank: int, size: int, room: int, span: int, cols: int = 3,
+                 dtype: torch.dtype = torch.float32, ds_cols: int = 0, ds_dtype: torch.dtype | None = None,
+                 ok: bool = True) -> None:
+        self.rows = truth(room, span, cols, dtype)
+        ds_dtype = ds_dtype or dtype
+        self.ds_rows = truth(room + 7_777, span, ds_cols, ds_dtype) if ds_cols else None
+        ds = placed(self.ds_rows, rank, size) if self.ds_rows is not None else None
+        self.item = ShardedItem(room, placed(self.rows, rank, size), ok, ds)
+        self.snapshot()
+
+    def snapshot(self) -> None:
+        """Remember the destination as it is now (after any test-made change to the item)."""
+        self.before = (self.item.full.clone() if isinstance(self.item.full, torch.Tensor) else None,
+                       None if self.item.deepstack is None else self.item.deepstack.clone())
+
+    def exact(self) -> bool:
+        """The destination holds the item's true rows (and deepstack rows)."""
+        return same(self.item.full, self.rows) and same(self.item.deepstack, self.ds_rows)
+
+    def untouched(self) -> bool:
+        """The destination is exactly as it was before the call."""
+        full = self.item.full if isinstance(self.item.full, torch.Tensor) else None
+        return same(full, self.before[0]) and same(self.item.deepstack, self.before[1])
+
+
+def judge(cases: list[Case], call) -> dict:
+    """Run `call(items)` and report flags (or what it raised), exactness and untouchedness per item."""
+    try:
+        flags, raised = call([c.item for c in cases]), None
+    except Exception as exc:  # noqa: BLE001 - what it raises is the observation
+        flags, raised = None, f"{type(exc).__name__}: {exc}"
+    return {"flags": flags, "raised": raised, "exact": [c.exact() for c in cases],
+            "untouched": [c.untouched() for c in cases]}
+
+
+def free_port() -> int:
+    """An ephemeral port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_main(scenario: str, rank: int, size: int, port: int, folder: str) -> None:
+    """Join the gloo group, run the scenario, write what it saw, wait (bounded) for the peers, exit."""
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+        result = {"seen": globals()[scenario](rank, size)}
+    except BaseException:  # noqa: BLE001 - the test must hear about it
+        result = {"crashed": traceback.format_exc()}
+    result["took"] = time.monotonic() - started
+    with open(os.path.join(folder, f"rank{rank}.json.tmp"), "w") as handle:
+        json.dump(result, handle)
+    os.rename(os.path.join(folder, f"rank{rank}.json.tmp"), os.path.join(folder, f"rank{rank}.json"))
+    # A rank that leaves early would break a peer still in a collective; wait for the peers' files.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(
+            os.path.exists(os.path.join(folder, f"rank{r}.json")) for r in range(size)):
+        time.sleep(0.05)
+    os._exit(0)  # no teardown: a scenario may have left the group broken on purpose
+
+
+def run_ranks(scenario: str, size: int, folder) -> list[dict]:
+    """Each rank's result for `scenario` ({'missing': True, ...} for a rank that wrote none in time)."""
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(scenario, r, size, port, str(folder)), daemon=True)
+             for r in range(size)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + JOIN_S
+    for proc in procs:
+        proc.join(max(0.1, deadline - time.monotonic()))
+    hung = [proc.is_alive() for proc in procs]
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+    results = []
+    for r in range(size):
+        path = os.path.join(str(folder), f"rank{r}.json")
+        if os.path.exists(path):
+            with open(path) as handle:
+                results.append(json.load(handle))
+        else:
+            results.append({"missing": True, "hung": hung[r], "exitcode": procs[r].exitcode})
+    return results
+
+
+def seen(results: list[dict]) -> list:
+    """Every rank's observation; fails naming a rank that crashed or never reported."""
+    out = []
+    for rank, result in enumerate(results):
+        assert "seen" in result, f"rank {rank}: {result}"
+        out.append(result["seen"])
+    return out
+
+
+DTYPES = ["bfloat16", "float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
+          "float8_e4m3fn", "float8_e5m2"]
+
+
+def batch_scenarios(rank: int, size: int) -> dict:
+    """Every batch scenario in the same order on every rank; the group stays usable throughout."""
+    out: dict = {}
+
+    spans = sorted({0, 1, 2, 3, 5, 7, 97, max(size - 1, 0), size, size + 1, 2 * size + 1})
+    cases = [Case(rank, size, 100 + i, span, ds_cols=2 if i % 2 else 0) for i, span in enumerate(spans)]
+    out["uneven_spans"] = judge(cases, reassemble)
+
+    # Odd widths so the packed buffer puts multi-byte dtypes at odd byte offsets.
+    cases = [Case(rank, size, 200 + i, 5 + i % 3, cols=3, dtype=getattr(torch, name),
+                  ds_cols=1 + i % 2, ds_dtype=getattr(torch, DTYPES[-1 - i]))
+             for i, name in enumerate(DTYPES)]
+    out["dtypes"] = judge(cases, reassemble)
+
+    cases = [Case(rank, size, 300, 9, cols=1, dtype=torch.bfloat16, ds_cols=3),
+             Case(rank, size, 301, 4, cols=33, dtype=torch.int8),
+             Case(rank, size, 302, 13, cols=4, dtype=torch.float32, ds_cols=8, ds_dtype=torch.bfloat16),
+             Case(rank, size, 303, 1, cols=5, dtype=torch.float16)]
+    out["mixed_geometry"] = judge(cases, reassemble)
+
+    # Deepstack on one rank only: that item fails everywhere; the others rebuild.
+    cases = [Case(rank, size, 400, 6), Case(rank, size, 401, 6, ds_cols=2 if rank == 0 else 0),
+             Case(rank, size, 402, 6, ds_cols=2)]
+    out["deepstack_on_one_rank"] = judge(cases, reassemble)
+
+    # Two dtypes that are not in DTYPE_BYTES, of the same size: the ranks disagree on the dtype.
+    odd = torch.float8_e4m3fnuz if rank == 0 else torch.float8_e5m2fnuz
+    cases = [Case(rank, size, 500, 6, dtype=odd), Case(rank, size, 501, 6)]
+    out["unlisted_dtype_mismatch"] = judge(cases, reassemble)
+
+    # The last rank's destination is a transposed (non-contiguous) view: fail it everywhere.
+    cases = [Case(rank, size, 600, 8, cols=4), Case(rank, size, 601, 5)]
+    if rank == size - 1:
+        full = cases[0].item.full
+        cases[0].item.full = full.t().contiguous().t()  # same values, column-major
+        cases[0].snapshot()
+    out["non_contiguous_on_one_rank"] = judge(cases, reassemble)
+
+    # The ranks hold the same rooms in a different order (same geometry): must not swap rows.
+    rooms = [700, 701] if rank == 0 else [701, 700]
+    cases = [Case(rank, size, room, 6) for room in rooms]
+    out["room_order_differs"] = judge(cases, reassemble)
+
+    # A room outside the wire's signed 64 bits must not break the call.
+    cases = [Case(rank, size, 2**64 + 5, 6), Case(rank, size, 801, 4)]
+    out["huge_room"] = judge(cases, reassemble)
+
+    # More items than any small fixed agreement table holds.
+    cases = [Case(rank, size, 1000 + i, i % (2 * size + 2), cols=2, dtype=torch.float16, ds_cols=i % 2)
+             for i in range(1500)]
+    out["many_items"] = judge(cases, reassemble)
+
+    out["empty"] = judge([], reassemble)
+    out["empty_agree"] = agree([])
+    return out
+
+
+@pytest.fixture(scope="module", params=(1, 2, 3, 4), ids=lambda n: f"world{n}")
+def batch(request, tmp_path_factory):
+    """(size, every rank's observations) after one spawned run of batch_scenarios."""
+    size = request.param
+    return size, seen(run_ranks("batch_scenarios", size, tmp_path_factory.mktemp(f"batch{size}")))
+
+
+def _each(batch, name):
+    return [ranks[name] for ranks in batch[1]]
+
+
+@pytest.mark.parametrize("name", ["uneven_spans", "dtypes", "mixed_geometry", "many_items"])
+def test_batch_rebuilds_bit_exact(batch, name):
+    for rank, obs in enumerate(_each(batch, name)):
+        assert obs["raised"] is None, (rank, obs["raised"])
+        assert all(obs["flags"]), (rank, obs["flags"])
+        assert all(obs["exact"]), (rank, [i for i, e in enumerate(obs["exact"]) if not e])
+
+
+def test_deepstack_on_one_rank_only_fails_that_item(batch):
+    size = batch[0]
+    for obs in _each(batch, "deepstack_on_one_rank"):
+        if size == 1:
+            assert obs["flags"] == [True, True, True] and all(obs["exact"])
+            continue
+        assert obs["flags"] == [True, False, True]
+        assert obs["exact"][0] and obs["exact"][2] and obs["untouched"][1]
+
+
+def test_unlisted_dtypes_that_differ_fail_the_item(batch):
+    size = batch[0]
+    for obs in _each(batch, "unlisted_dtype_mismatch"):
+        assert obs["raised"] is None, obs["raised"]
+        if size == 1:
+            assert obs["flags"] == [True, True] and all(obs["exact"])
+            continue
+        assert obs["flags"] == [False, True], "rows of different dtypes were exchanged as one item"
+        assert obs["untouched"][0] and obs["exact"][1]
+
+
+def test_non_contiguous_destination_fails_everywhere_untouched(batch):
+    for obs in _each(batch, "non_contiguous_on_one_rank"):
+        assert obs["flags"] == [False, True]
+        assert obs["untouched"][0] and obs["exact"][1]
+
+
+def test_ranks_holding_rooms_in_another_order_raise_everywhere_and_write_nothing(batch):
+    size = batch[0]
+    for obs in _each(batch, "room_order_differs"):
+        if size == 1:
+            assert obs["flags"] == [True, True]
+            continue
+        assert obs["raised"] is not None and "room" in obs["raised"], obs
+        assert all(obs["untouched"]), "rows of one room were written into another"
+
+
+def test_huge_room_number_is_no_error(batch):
+    for obs in _each(batch, "huge_room"):
+        assert obs["raised"] is None, obs["raised"]
+        assert obs["flags"] == [True, True] and all(obs["exact"])
+
+
+def test_empty_batch(batch):
+    for obs in _each(batch, "empty"):
+        assert obs["flags"] == [] and obs["raised"] is None
+    assert _each(batch, "empty_agree") == [[]] * batch[0]
+
+
+def count_mismatch(rank: int, size: int) -> dict:
+    """Rank 0 has two items, the others three; afterwards a well-formed batch must still work."""
+    cases = [Case(rank, size, 10 + i, 6) for i in range(2 if rank == 0 else 3)]
+    started = time.monotonic()
+    first = judge(cases, reassemble)
+    first["took"] = time.monotonic() - started
+    return {"mismatch": first, "after": judge([Case(rank, size, 20, 7, ds_cols=1)], reassemble)}
+
+
+def empty_vs_items(rank: int, size: int) -> dict:
+    """Rank 0 has no items, the others one."""
+    cases = [] if rank == 0 else [Case(rank, size, 30, 6)]
+    started = time.monotonic()
+    first = judge(cases, reassemble)
+    first["took"] = time.monotonic() - started
+    return {"mismatch": first, "after": judge([Case(rank, size, 31, 5)], reassemble)}
+
+
+def agree_width_mismatch(rank: int, size: int) -> dict:
+    """agree() with two keys per item on rank 0 and three on the others."""
+    keys = [(1, 2)] if rank == 0 else [(1, 2, 3)]
+    try:
+        return {"flags": agree([True], keys=keys), "raised": None}
+    except Exception as exc:  # noqa: BLE001
+        return {"flags": None, "raised": f"{type(exc).__name__}: {exc}"}
+
+
+def agree_bad_key_on_one_rank(rank: int, size: int) -> dict:
+    """agree() where the last rank's key does not fit 64 bits."""
+    keys = [(2**64,)] if rank == size - 1 else [(1,)]
+    started = time.monotonic()
+    try:
+        out = {"flags": agree([True], keys=keys), "raised": None}
+    except Exception as exc:  # noqa: BLE001
+        out = {"flags": None, "raised": f"{type(exc).__name__}: {exc}"}
+    out["took"] = time.monotonic() - started
+    return out
+
+
+def missing_tensor_on_one_rank(rank: int, size: int) -> dict:
+    """The last rank's receive failed before it had rows: its item's `full` is None."""
+    cases = [Case(rank, size, 40, 6), Case(rank, size, 41, 6)]
+    if rank == size - 1:
+        cases[0].item.full, cases[0].item.ok = None, False
+        cases[0].snapshot()
+    return judge(cases, reassemble)
+
+
+def odd_strides_on_one_rank(rank: int, size: int) -> dict:
+    """The last rank's destination is 'contiguous' to torch (hidden 1) but has a row stride of 1
+    and a column stride of 4 (a transposed row): a uint8 view of it cannot be taken."""
+    cases = [Case(rank, size, 50, 4, cols=1), Case(rank, size, 51, 6)]
+    if rank == size - 1:
+        odd = torch.empty(1, 4, dtype=torch.float32).t()
+        odd.copy_(cases[0].item.full)
+        cases[0].item.full = odd
+        cases[0].snapshot()
+    return judge(cases, reassemble)
+
+
+def sub_groups(rank: int, size: int) -> dict:
+    """World 4 in blocks [0, 1] and [2, 3]: each block rebuilds its own items; a non-member call raises."""
+    blocks = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine, other = blocks[rank // 2], blocks[1 - rank // 2]
+    out = {}
+    if rank == 0:
+        cases = [Case(0, 2, 60, 6)]
+        out["non_member"] = judge(cases, lambda items: reassemble(items, other))
+    in_block = rank % 2
+    cases = [Case(in_block, 2, 70 + 10 * (rank // 2) + i, span, ds_cols=i % 2)
+             for i, span in enumerate([1, 2, 5, 11])]
+    out["block"] = judge(cases, lambda items: reassemble(items, mine))
+    cases = [Case(rank, size, 90 + i, span) for i, span in enumerate([3, 9])]
+    out["world"] = judge(cases, reassemble)
+    return out
+
+
+def wrong_block_on_one_rank(rank: int, size: int) -> dict:
+    """The last rank believes its block is one rank larger (then its rank_in_block is off by one);
+    afterwards a well-formed batch must still work."""
+    out = {}
+    for name, kwargs in (("block_size", {"block_size": size + 1}), ("rank_in_block", {"rank_in_block": rank + 1})):
+        cases = [Case(rank, size, 100, 6)]
+        call = (lambda items, kw=kwargs: reassemble(items, **kw)) if rank == size - 1 else reassemble
+        started = time.monotonic()
+        out[name] = judge(cases, call)
+        out[name]["took"] = time.monotonic() - started
+    out["after"] = judge([Case(rank, size, 101, 5)], reassemble)
+    return out
+
+
+def dead_peer(rank: int, size: int) -> dict:
+    """Rank 1 exits without a word once the group is up; rank 0 must not wait the group timeout."""
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)  # gone without a word
+    time.sleep(1)  # let the peer go
+    started = time.monotonic()
+    result = judge([Case(rank, size, 95, 8)], reassemble)
+    result["took"] = time.monotonic() - started
+    return result
+
+
+def test_ranks_with_different_item_counts_raise_everywhere_promptly(tmp_path):
+    for rank, obs in enumerate(seen(run_ranks("count_mismatch", 2, tmp_path))):
+        first = obs["mismatch"]
+        assert first["raised"] is not None and "items" in first["raised"], (rank, first)
+        assert first["took"] < GROUP_TIMEOUT_S - 5, (rank, first["took"])
+        assert all(first["untouched"])
+        assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
+
+
+def test_empty_list_on_one_rank_raises_everywhere_promptly(tmp_path):
+    for rank, obs in enumerate(seen(run_ranks("empty_vs_items", 2, tmp_path))):
+        first = obs["mismatch"]
+        assert first["raised"] is not None and "items" in first["raised"], (rank, first)
+        assert first["took"] < GROUP_TIMEOUT_S - 5, (rank, first["took"])
+        assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
+
+
+def test_agree_with_different_key_widths_raises_everywhere(tmp_path):
+    for rank, obs in enumerate(seen(run_ranks("agree_width_mismatch", 2, tmp_path))):
+        assert obs["raised"] is not None and "keys" in obs["raised"], (rank, obs)
+
+
+def test_agree_with_an_invalid_key_on_one_rank_raises_everywhere_promptly(tmp_path):
+    for rank, obs in enumerate(seen(run_ranks("agree_bad_key_on_one_rank", 2, tmp_path))):
+        assert obs["raised"] is not None and obs["raised"].startswith("ValueError: agree:"), (rank, obs)
+        assert obs["took"] < GROUP_TIMEOUT_S - 5, (rank, obs["took"])
+
+
+def test_missing_destination_on_one_rank_fails_the_item_everywhere(tmp_path):
+    for rank, obs in enumerate(seen(run_ranks("missing_tensor_on_one_rank", 2, tmp_path))):
+        assert obs["raised"] is None, (rank, obs["raised"])
+        assert obs["flags"] == [False, True], (rank, obs)
+        assert obs["untouched"][0] and obs["exact"][1]
+
+
+def test_destination_without_a_byte_view_fails_the_item_everywhere(tmp_path):
+    for rank, obs in enumerate(seen(run_ranks("odd_strides_on_one_rank", 2, tmp_path))):
+        assert obs["raised"] is None, (rank, obs["raised"])
+        assert obs["flags"] == [False, True], (rank, obs)
+        assert obs["untouched"][0] and obs["exact"][1]
+
+
+def test_a_wrong_block_on_one_rank_raises_everywhere_promptly(tmp_path):
+    observed = seen(run_ranks("wrong_block_on_one_rank", 2, tmp_path))
+    for rank, obs in enumerate(observed):
+        for name in ("block_size", "rank_in_block"):
+            got = obs[name]
+            assert got["raised"] is not None and got["raised"].startswith("ValueError: reassemble:"), (rank, name, got)
+            expected = name if rank == 1 else "another rank of the group refused the batch"
+            assert expected in got["raised"], (rank, name, got["raised"])
+            assert got["took"] < GROUP_TIMEOUT_S - 5, (rank, name, got["took"])
+            assert all(got["untouched"]), (rank, name)
+        assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
+
+
+def test_blocks_inside_a_larger_world(tmp_path):
+    observed = seen(run_ranks("sub_groups", 4, tmp_path))
+    non_member = observed[0]["non_member"]
+    assert non_member["raised"] is not None and "not a member" in non_member["raised"], non_member
+    assert all(non_member["untouched"]), "a rank outside the group reported or wrote rows"
+    for rank, obs in enumerate(observed):
+        for name in ("block", "world"):
+            assert obs[name]["raised"] is None, (rank, name, obs[name]["raised"])
+            assert all(obs[name]["flags"]) and all(obs[name]["exact"]), (rank, name, obs[name])
+
+
+def test_a_dead_peer_makes_reassembly_raise_not_hang(tmp_path):
+    obs = seen(run_ranks("dead_peer", 2, tmp_path)[:1])[0]
+    assert obs["raised"] is not None, obs
+    assert obs["took"] < GROUP_TIMEOUT_S - 5, obs["took"]
+    assert all(obs["untouched"])

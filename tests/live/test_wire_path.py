@@ -1,0 +1,336 @@
+"""The `wire` data path: WireEngine writes between real listeners on loopback, and live runs over it."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from transfer import wire
+from transfer.engine import TransferError
+from transfer.harness import Scenario, run
+from transfer.wire_engine import WireEngine
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _random_bytes(n: int, seed: int) -> torch.Tensor:
+    """n reproducible random bytes as a uint8 tensor."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator)
+
+
+def _tasks() -> int:
+    """Threads of this process, native ones included."""
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.fixture
+def pair():
+    """(writer, reader): two engines on ephemeral ports."""
+    with WireEngine("127.0.0.1") as writer, WireEngine("127.0.0.1") as reader:
+        yield writer, reader
+
+
+def _src_dst(writer: WireEngine, reader: WireEngine, n: int, seed: int = 1):
+    """A registered random source on the writer and a zeroed registered destination on the reader."""
+    src = _random_bytes(n, seed)
+    dst = torch.zeros(n, dtype=torch.uint8)
+    writer.register(src)
+    reader.register(dst)
+    return src, dst
+
+
+def test_session_id_names_the_listener(pair):
+    writer, reader = pair
+    assert writer.protocol == "wire"
+    assert reader.session_id == f"127.0.0.1:{reader.port}" and reader.port > 0
+    assert writer.port != reader.port
+    with socket.create_connection(("127.0.0.1", reader.port), timeout=5):
+        pass
+
+
+def test_several_buffers_offsets_and_zero_lengths_land_exactly(pair):
+    writer, reader = pair
+    src, dst = _src_dst(writer, reader, 1 << 16)
+    s, d = src.data_ptr(), dst.data_ptr()
+    # Layer 0 at an odd offset, an empty entry, layer 1 elsewhere with a short (non-word) tail.
+    writer.write(reader.session_id, [s + 3, s + 100, s + 5000], [d + 17, d + 9, d + 40000], [4001, 0, 999])
+    want = torch.zeros(1 << 16, dtype=torch.uint8)
+    want[17:17 + 4001] = src[3:3 + 4001]
+    want[40000:40000 + 999] = src[5000:5000 + 999]
+    assert torch.equal(dst, want)
+    stats = reader.stats()
+    assert stats["transfers_received"] == 1 and stats["bytes_received"] == 4001 + 999
+    # A batch of only empty entries sends nothing and opens no connection.
+    writer.write(reader.session_id, [s], [d], [0])
+    assert writer.stats()["connections_opened"] == 1
+
+
+def test_rows_are_announced_and_checked(pair):
+    writer, reader = pair
+    src, dst = _src_dst(writer, reader, 4096)
+    writer.write(reader.session_id, [src.data_ptr()], [dst.data_ptr()], [1024], rows=8)
+    assert torch.equal(dst[:1024], src[:1024]) and not dst[1024:].any()
+    with pytest.raises(ValueError, match="not multiples of rows 3"):
+        writer.write(reader.session_id, [src.data_ptr()], [dst.data_ptr()], [1024], rows=3)
+
+
+def test_64_mib_item_streams_in_bounded_frames(pair):
+    writer, reader = pair
+    n = 64 << 20  # more than one frame can carry: only chunking gets it across
+    assert n + wire.LAYER_HEADER > wire.MAX_PAYLOAD
+    src, dst = _src_dst(writer, reader, n, seed=7)
+    writer.write(reader.session_id, [src.data_ptr()], [dst.data_ptr()], [n])
+    assert torch.equal(src, dst)
+    assert reader.stats()["bytes_received"] == n
+    assert writer.stats()["bytes_sent"] == n
+
+
+def test_connection_is_reused_across_writes(pair):
+    writer, reader = pair
+    src, dst = _src_dst(writer, reader, 8192)
+    for i in range(6):
+        writer.write(reader.session_id, [src.data_ptr() + i], [dst.data_ptr() + 1000 * i], [500])
+    for i in range(6):
+        assert torch.equal(dst[1000 * i:1000 * i + 500], src[i:i + 500])
+    assert reader.stats()["accepted"] == 1
+    assert reader.stats()["transfers_received"] == 6
+    assert writer.stats()["connections_opened"] == 1
+
+
+def test_reconnects_after_the_listener_restarted():
+    with WireEngine("127.0.0.1") as writer:
+        src = _random_bytes(4096, 3)
+        writer.register(src)
+        dst = torch.zeros(4096, dtype=torch.uint8)
+        first = WireEngine("127.0.0.1")
+        port = first.port
+        first.register(dst)
+        writer.write(first.session_id, [src.data_ptr()], [dst.data_ptr()], [1000])
+        first.close()
+        dst.zero_()
+        with WireEngine("127.0.0.1", port=port) as second:
+            second.register(dst)
+            writer.write(second.session_id, [src.data_ptr() + 1000], [dst.data_ptr()], [2000])
+            assert torch.equal(dst[:2000], src[1000:3000]) and not dst[2000:].any()
+            assert second.stats()["accepted"] == 1
+        assert writer.stats()["connections_opened"] == 2
+        # Nobody listens any more: the write fails naming the session.
+        with pytest.raises(TransferError, match=re.escape(f"write to 127.0.0.1:{port} failed")):
+            writer.write(f"127.0.0.1:{port}", [src.data_ptr()], [dst.data_ptr()], [10])
+
+
+def test_four_threads_to_two_peers():
+    n, per = 1 << 20, 1 << 18
+    with WireEngine() as writer, WireEngine() as peer_a, WireEngine() as peer_b:
+        src = _random_bytes(n, 11)
+        writer.register(src)
+        dsts = [torch.zeros(n, dtype=torch.uint8) for _ in range(2)]
+        peer_a.register(dsts[0])
+        peer_b.register(dsts[1])
+        peers = [peer_a, peer_b]
+        errors: list[BaseException] = []
+
+        def worker(t: int) -> None:
+            try:
+                peer, dst = peers[t % 2], dsts[t % 2]
+                for k in range(8):  # thread t owns quarter t of each destination
+                    off = t * per + (k * 4096) % per
+                    writer.write(peer.session_id, [src.data_ptr() + off], [dst.data_ptr() + off], [4096 * (k + 1)])
+                writer.write(peer.session_id, [src.data_ptr() + t * per], [dst.data_ptr() + t * per], [per])
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not errors, errors
+        for t in range(4):
+            span = slice(t * per, (t + 1) * per)
+            assert torch.equal(dsts[t % 2][span], src[span]), f"thread {t}'s quarter"
+        for t in range(4):  # quarters no thread wrote to stay zero
+            if t % 2 == 0:
+                assert not dsts[1][t * per:(t + 1) * per].any()
+            else:
+                assert not dsts[0][t * per:(t + 1) * per].any()
+        assert peer_a.stats()["transfers_received"] == peer_b.stats()["transfers_received"] == 18
+        # Concurrent writes to one peer take separate pooled connections, no more than the writers.
+        assert 1 <= peer_a.stats()["accepted"] <= 2
+
+
+def test_unregister_then_write_names_the_range(pair):
+    writer, reader = pair
+    src, dst = _src_dst(writer, reader, 4096)
+    writer.write(reader.session_id, [src.data_ptr()], [dst.data_ptr()], [4096])
+    dst.zero_()
+    reader.unregister(dst.data_ptr())
+    assert reader.registered() == {}
+    start, end = dst.data_ptr() + 64, dst.data_ptr() + 64 + 128
+    with pytest.raises(TransferError) as caught:
+        writer.write(reader.session_id, [src.data_ptr()], [start], [128])
+    text = str(caught.value)
+    assert f"write to {reader.session_id} refused by the peer" in text
+    assert f"destination [{start:#x}, {end:#x}) (128 bytes) is not inside registered memory" in text
+    assert not dst.any()
+    # The refused connection was dropped; the next write reconnects and works once registered.
+    reader.register(dst)
+    writer.write(reader.session_id, [src.data_ptr()], [start], [128])
+    assert torch.equal(dst[64:192], src[:128])
+    assert writer.stats()["connections_opened"] == 2
+
+
+def test_unregister_waits_while_writes_stream():
+    """Regions come and go while a writer streams into another region of the same listener."""
+    n = 16 << 20
+    with WireEngine() as writer, WireEngine() as reader:
+        src = _random_bytes(n, 5)
+        writer.register(src)
+        dst = torch.zeros(n, dtype=torch.uint8)
+        other = torch.zeros(1 << 20, dtype=torch.uint8)
+        reader.register(dst)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def churn() -> None:
+            try:
+                while not stop.is_set():
+                    reader.register(other)
+                    reader.unregister(other.data_ptr())
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        churner = threading.Thread(target=churn)
+        churner.start()
+        try:
+            for _ in range(3):
+                writer.write(reader.session_id, [src.data_ptr()], [dst.data_ptr()], [n])
+        finally:
+            stop.set()
+            churner.join(30)
+        assert not errors and torch.equal(dst, src)
+
+
+def test_bad_arguments_and_host_only_memory(pair):
+    writer, reader = pair
+    src, dst = _src_dst(writer, reader, 1024)
+    with pytest.raises(TransferError, match="host-only: cannot register a tensor on meta"):
+        writer.register(torch.empty(16, device="meta"))
+    with pytest.raises(TransferError, match="already registered"):
+        writer.register(src)
+    with pytest.raises(TransferError, match="overlaps the registered region"):
+        writer.register(src.data_ptr() + 8, 64)
+    with pytest.raises(ValueError, match="2 sources, 1 destinations"):
+        writer.write(reader.session_id, [1, 2], [3], [4])
+    with pytest.raises(TransferError, match="source 0x10 length 4 is not inside memory registered"):
+        writer.write(reader.session_id, [16], [dst.data_ptr()], [4])
+    with pytest.raises(TransferError, match="is not host:port"):
+        writer.write("nowhere", [src.data_ptr()], [dst.data_ptr()], [4])
+    with pytest.raises(TransferError, match="is not registered"):
+        reader.unregister(12345)
+
+
+def test_close_joins_threads_and_frees_the_port():
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    src = _random_bytes(4096, 2)  # torch starts its own threads first, before the count
+    before = _tasks()
+    engine = WireEngine("127.0.0.1")
+    writer = WireEngine("127.0.0.1")
+    engine.register(buf)
+    writer.register(src)
+    writer.write(engine.session_id, [src.data_ptr()], [buf.data_ptr()], [4096])
+    port = engine.port
+    assert _tasks() >= before + 3  # two accept threads and one connection thread
+    writer.close()
+    engine.close()
+    engine.close()  # idempotent
+    deadline = time.monotonic() + 5
+    while _tasks() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _tasks() == before
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    with WireEngine("127.0.0.1", port=port) as again:
+        assert again.port == port
+    with pytest.raises(TransferError, match="is closed"):
+        engine.register(buf)
+
+
+def _check(summary: dict, items: int) -> None:
+    """A live run delivered every item and every byte checked out."""
+    assert summary["protocol"] == "wire"
+    assert summary["failed"] == 0, summary["failures"]
+    assert summary["verified"] is True, summary["mismatches"]
+    assert summary["items"] == items and summary["bytes"] > 0
+
+
+def test_live_run_sharded():
+    sc = Scenario(protocol="wire", encode_ranks=1, prefill_ranks=4, items=16, span=64, hidden=256, timeout_s=240)
+    _check(run(sc), 16)
+
+
+def test_live_run_with_deepstack():
+    sc = Scenario(protocol="wire", encode_ranks=1, prefill_ranks=4, items=16, span=64, hidden=256, deepstack=2,
+                  timeout_s=240)
+    _check(run(sc), 16)
+
+
+def test_live_run_identity_two_encode_ranks():
+    sc = Scenario(protocol="wire", encode_ranks=2, prefill_ranks=4, items=12, span=64, hidden=256, sharded=False,
+                  timeout_s=240)
+    _check(run(sc), 12)
+
+
+def test_demo_runs_where_mooncake_cannot_be_imported(tmp_path):
+    # sitecustomize runs in the demo and in every rank process it spawns.
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['mooncake'] = None\n")
+    code = textwrap.dedent("""
+        import sys
+        try:
+            import mooncake.engine
+        except ImportError:
+            pass
+        else:
+            raise SystemExit("mooncake is importable: the test proves nothing")
+        from transfer.cli import main
+        sys.exit(main(['demo', '--protocol', 'wire', '--items', '8', '--span', '64', '--hidden', '256']))
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "over wire" in proc.stdout and "verified  yes" in proc.stdout, proc.stdout
+
+
+def test_write_async_overlaps_peers_and_reports_failures():
+    n = 1 << 20
+    with WireEngine() as writer, WireEngine() as peer_a, WireEngine() as peer_b:
+        src = _random_bytes(n, 21)
+        writer.register(src)
+        dst_a, dst_b = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+        peer_a.register(dst_a)
+        peer_b.register(dst_b)
+        batches = [writer.write_async(peer.session_id, [src.data_ptr()], [dst.data_ptr()], [n])
+                   for peer, dst in ((peer_a, dst_a), (peer_b, dst_b))]
+        assert 0 not in batches
+        for batch in batches:
+            writer.wait(batch, timeout_s=30)
+        assert torch.equal(dst_a, src) and torch.equal(dst_b, src)
+        assert writer.write_async(peer_a.session_id, [src.data_ptr()], [dst_a.data_ptr()], [0]) == 0
+        writer.wait(0)
+        bad = writer.write_async(peer_a.session_id, [src.data_ptr()], [dst_a.data_ptr() + n - 8], [16])
+        with pytest.raises(TransferError, match="is not inside registered memory"):
+            writer.wait(bad, timeout_s=30)
+        with pytest.raises(TransferError, match=f"batch {bad} is unknown"):
+            writer.wait(bad)

@@ -1,0 +1,31 @@
+"""Holds every unit test to its rule: no sockets, threads, processes or sleeps (those belong in tests/live)."""
+
+from __future__ import annotations
+
+import multiprocessing.process
+import os
+import subprocess
+import threading
+import time
+
+import pytest
+import pytest_socket
+
+
+def _refuse(what: str):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a unit test must not {what}; a test that needs to belongs in tests/live")
+    return refuse
+
+
+@pytest.fixture(autouse=True)
+def _pure(monkeypatch):
+    """Refuses sockets (pytest-socket), threads, processes and sleeps for the test's duration."""
+    pytest_socket.disable_socket()
+    monkeypatch.setattr(threading.Thread, "start", _refuse("start a thread"))
+    monkeypatch.setattr(subprocess.Popen, "__init__", _refuse("start a process"))
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse("start a process"))
+    monkeypatch.setattr(os, "fork", _refuse("fork"))
+    monkeypatch.setattr(time, "sleep", _refuse("sleep"))
+    yield
+    pytest_socket.enable_socket()

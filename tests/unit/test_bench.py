@@ -1,0 +1,198 @@
+"""`epd-transfer bench`: the plan, the figures' arithmetic, the table and progress bar."""
+
+from __future__ import annotations
+
+import argparse
+import io
+
+import pytest
+
+from transfer import bench, cli
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    """The bench's parsed arguments, through the real command line."""
+    return cli.build_parser().parse_args(["bench", *argv])
+
+
+def test_parse_sizes_reads_rows_by_hidden():
+    assert bench.parse_sizes("64x4096, 1024X4096") == [(64, 4096), (1024, 4096)]
+    for bad in ("64", "64x", "x4096", "0x4096", "64x-1", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_sizes(bad)
+
+
+def test_parse_lists_refuse_nonsense():
+    assert bench.parse_ints("1,2,4") == [1, 2, 4]
+    assert bench.parse_paths("raw,memcpy") == ["raw", "memcpy"]
+    assert bench.parse_integrity("off,on") == [False, True]
+    for parse, bad in ((bench.parse_ints, "1,0"), (bench.parse_ints, "a"), (bench.parse_paths, "raw,fast"),
+                       (bench.parse_integrity, "maybe")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(bad)
+
+
+def test_defaults_are_the_issues_matrix():
+    opts = bench.options_from(_args())
+    assert opts.sizes == [(64, 4096), (1024, 4096), (8192, 4096)]
+    assert opts.fanouts == [1, 2, 4] and opts.inflight == [1, 8, 32]
+    assert opts.integrity == [True, False] and opts.protocol == "tcp"
+    cells = bench.plan(opts, wire_ok=True)
+    # 3 sizes x 3 fanouts x 3 windows x (raw + epd on/off + wire on/off)
+    assert len(cells) == 27 * 5
+    assert {c.item_bytes for c in cells} == {512 * 1024, 8 * 2**20, 64 * 2**20}
+    assert len(bench.plan(opts, wire_ok=False)) == 27 * 3
+
+
+def test_quick_is_a_small_subset():
+    opts = bench.options_from(_args("--quick"))
+    assert opts.sizes == [(64, 4096), (1024, 4096)] and opts.fanouts == [1, 4] and opts.inflight == [8]
+    cells = bench.plan(opts, wire_ok=True)
+    assert len(cells) == 2 * 2 * 5
+    assert sum(c.items * c.item_bytes for c in cells) <= 20 * 64 * 2**20
+
+
+def test_items_per_cell_scale_with_size_and_fill_the_window():
+    opts = bench.Options()
+    assert opts.items_for(512 * 1024, 8) == 512  # 256 MiB of 512 KiB items
+    assert opts.items_for(64 * 2**20, 8) == 16  # the minimum
+    assert opts.items_for(64 * 2**20, 32) == 32  # at least one full window
+    opts.items = 5
+    assert opts.items_for(64 * 2**20, 32) == 5
+
+
+def test_percentile_is_nearest_rank():
+    values = [float(v) for v in range(1, 101)]
+    assert bench.percentile(values, 50) == 50.0
+    assert bench.percentile(values, 99) == 99.0
+    assert bench.percentile([3.0], 99) == 3.0
+    assert bench.percentile([], 50) == 0.0
+
+
+def _row(path, gbps, fanout=1, inflight=8, size=1024, integrity=False):
+    return {"path": path, "item_bytes": size, "fanout": fanout, "inflight": inflight, "integrity": integrity,
+            "gbps": gbps, "rooms_per_s": 1.0, "p50_ms": 1.0, "p99_ms": 2.0, "ratio_to_raw": None}
+
+
+def test_ratios_are_against_raw_in_the_same_cell():
+    rows = [_row("raw", 2.0), _row("epd", 1.5, integrity=True), _row("raw", 4.0, fanout=4), _row("epd", 1.0, fanout=4),
+            _row("memcpy", 8.0), _row("epd", 1.0, size=2048)]
+    bench.fill_ratios(rows)
+    assert [r["ratio_to_raw"] for r in rows] == [1.0, 0.75, 1.0, 0.25, 2.0, None]
+
+
+def test_repeats_take_turns_within_a_geometry():
+    opts = bench.options_from(_args("--sizes", "64x256,128x256", "--fanouts", "1", "--inflight", "1,8",
+                                    "--paths", "raw,epd", "--integrity", "on"))
+    groups = bench._groups(bench.plan(opts, wire_ok=False))
+    assert [[c.path for c in g] for g in groups] == [["raw", "epd"]] * 4
+    assert len({(g[0].span, g[0].inflight) for g in groups}) == 4
+    assert all(len({(c.span, c.inflight, c.fanout) for c in g}) == 1 for g in groups)
+
+
+def test_median_row_keeps_the_median_run_and_any_failure():
+    runs = [dict(_row("epd", g), p99_ms=g * 10, verified=True, failed=0, problems=[]) for g in (3.0, 1.0, 2.0)]
+    row = bench.median_row(runs)
+    assert row["gbps"] == 2.0 and row["p99_ms"] == 20.0 and row["gbps_runs"] == [3.0, 1.0, 2.0]
+    assert row["verified"]
+    runs[0].update(verified=False, failed=1, problems=["room 7: deadline"])
+    row = bench.median_row(runs)
+    assert row["gbps"] == 2.0 and not row["verified"] and row["failed"] == 1 and row["problems"] == ["room 7: deadline"]
+    assert bench.median_row(runs[:2])["gbps"] == 1.0  # an even count reports the lower middle run
+
+
+def test_repeated_ratios_pair_each_run_with_raw_of_its_turn():
+    # A slow spell halves both paths in turn 2: the paired ratio stays 0.8.
+    raw = [_row("raw", g) for g in (2.0, 1.0, 2.0)]
+    epd = [dict(_row("epd", g), verified=True, failed=0, problems=[]) for g in (1.6, 0.8, 1.0)]
+    raw_row = bench.median_row([dict(r, verified=True, failed=0, problems=[]) for r in raw], raw)
+    epd_row = bench.median_row(epd, raw)
+    assert epd_row["ratio_runs"] == pytest.approx([0.8, 0.8, 0.5])
+    rows = [raw_row, epd_row]
+    bench.fill_ratios(rows)
+    assert raw_row["ratio_to_raw"] == 1.0
+    assert epd_row["ratio_to_raw"] == pytest.approx(0.8)  # not 1.0 / 2.0, the median runs' own ratio
+    assert "paired_ratio" not in epd_row
+
+
+def test_row_of_flags_lost_rooms_and_bad_bytes():
+    cell = bench.Cell("epd", 4, 8, "torch.bfloat16", fanout=2, inflight=2, items=4, integrity=True)
+    encode = {"t_start": 10.0, "failed": []}
+    prefill = {"t_start": 10.0, "t_end": 12.0, "latencies": [0.1, 0.2, 0.3, 0.4], "failed": [], "bytes": 32, "bad": []}
+    good = bench.row_of(cell, {("encode", 0): encode, ("prefill", 0): prefill, ("prefill", 1): dict(prefill)})
+    assert good["verified"] and good["failed"] == 0
+    assert good["gbps"] == pytest.approx(64 / 2.0 / 1e9) and good["rooms_per_s"] == pytest.approx(2.0)
+    assert good["p50_ms"] == pytest.approx(200.0) and good["p99_ms"] == pytest.approx(400.0)
+    bad = dict(prefill, bad=["prefill 1 room 3: landed rows differ from the item"], failed=[(2, "deadline")])
+    row = bench.row_of(cell, {("encode", 0): encode, ("prefill", 0): prefill, ("prefill", 1): bad})
+    assert not row["verified"] and row["failed"] == 1 and "deadline" in row["problems"]
+
+
+def test_row_of_gives_each_rooms_cpu_summed_over_the_ranks():
+    """Four rooms; the encode rank and two prefill ranks spent 8 ms / 40 ms and 4 ms / 20 ms each:
+    per room (8 + 4 + 4) / 4 = 4 ms of control plane and (40 + 20 + 20) / 4 = 20 ms of transport.
+    A rank without a reading (no /proc) leaves both out."""
+    cell = bench.Cell("epd", 4, 8, "torch.bfloat16", fanout=2, inflight=2, items=4, integrity=False)
+    encode = {"t_start": 10.0, "failed": [], "cpu": {"control": 0.008, "transport": 0.040}}
+    prefill = {"t_start": 10.0, "t_end": 12.0, "latencies": [0.1] * 4, "failed": [], "bytes": 32, "bad": [],
+               "cpu": {"control": 0.004, "transport": 0.020}}
+    row = bench.row_of(cell, {("encode", 0): encode, ("prefill", 0): prefill, ("prefill", 1): dict(prefill)})
+    assert row["cpu_control_ms"] == pytest.approx(4.0) and row["cpu_transport_ms"] == pytest.approx(20.0)
+    blind = bench.row_of(cell, {("encode", 0): encode, ("prefill", 0): prefill, ("prefill", 1): dict(prefill, cpu=None)})
+    assert blind["cpu_control_ms"] is None and blind["cpu_transport_ms"] is None
+
+
+def test_table_lists_every_row():
+    rows = [_row("raw", 2.0), _row("epd", 1.5, integrity=True)]
+    bench.fill_ratios(rows)
+    table = bench.format_table(rows).splitlines()
+    assert table[0].split()[:2] == ["path", "item"] and "GB/s" in table[0] and "p99" in table[0]
+    assert table[1].split()[0] == "raw" and table[1].split()[-1] == "1.00"
+    assert table[2].split()[0] == "epd" and " on " in table[2] and table[2].split()[-1] == "0.75"
+    rows[1].update(cpu_control_ms=1.25, cpu_transport_ms=6.5)
+    wide = bench.format_table(rows, cpu=True).splitlines()
+    assert wide[0].split()[-4:] == ["control", "ms", "transport", "ms"]
+    assert wide[1].split()[-2:] == ["-", "-"] and wide[2].split()[-3:] == ["0.75", "1.250", "6.500"]
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_draws_only_on_a_terminal():
+    plain = io.StringIO()
+    bar = bench.Progress(2, plain)
+    bar.step("raw 512 KiB")
+    bar.close()
+    assert plain.getvalue() == ""
+    tty = _Tty()
+    bar = bench.Progress(2, tty)
+    bar.step("raw 512 KiB")
+    bar.step("epd 512 KiB")
+    bar.close()
+    assert "1/2" in tty.getvalue() and "2/2" in tty.getvalue() and tty.getvalue().endswith("\n")
+
+
+def test_memcpy_row_moves_bytes():
+    row = bench.memcpy_row(64, 256, "torch.bfloat16", items=8)
+    assert row["path"] == "memcpy" and row["item_bytes"] == 64 * 256 * 2
+    assert row["gbps"] > 0 and row["p99_ms"] >= row["p50_ms"] >= 0
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path, capsys):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    monkeypatch.setattr(bench.importlib, "import_module", lambda name: no_matplotlib(name))
+    rc = bench.main(_args("--paths", "memcpy", "--plot", str(tmp_path / "p.png")))
+    assert rc == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()

@@ -1,0 +1,135 @@
+"""transfer.buffers.ReceivePool: fallback lifetimes, hostile events, exhaustion and churn, on the recording engine and fake clock."""
+
+from __future__ import annotations
+
+import gc
+import random
+import weakref
+
+import pytest
+import torch
+from fakes import FakeClock, FakeEvent, RecordingEngine
+
+from transfer.buffers import QUARANTINE_S, ReceivePool, SlotError
+
+
+SLOT = 256
+
+
+def test_close_keeps_a_fallback_alive_while_its_copy_out_event_is_pending():
+    """release(event) promises the memory until the event completed; close() unregisters the
+    fallback but must not free it under a copy-out still reading it (on CUDA the caching
+    allocator would hand the block to the next allocation)."""
+    engine, clock = RecordingEngine(), FakeClock()
+    pool = ReceivePool(engine, SLOT, SLOT, clock=clock)
+    big = pool.lease_or_fallback(SLOT * 4)
+    alive = weakref.ref(big.region.tensor)
+    event = FakeEvent()
+    big.release(event)
+    del big
+    pool.close()
+    gc.collect()
+    assert engine.regions == {}
+    assert alive() is not None, "close() freed a fallback buffer whose copy-out had not completed"
+
+
+def test_close_with_live_and_quarantined_leases_unregisters_everything_and_stays_closed():
+    engine, clock = RecordingEngine(), FakeClock()
+    pool = ReceivePool(engine, 4 * SLOT, SLOT, clock=clock)
+    held, failed, pending = pool.lease(8), pool.lease(8), pool.lease(8)
+    failed.fail()
+    pending.release(FakeEvent())
+    live_fallback = pool.lease_or_fallback(SLOT * 2)
+    pool.close()
+    assert engine.regions == {}
+    held.release()
+    live_fallback.fail()
+    clock.advance(QUARANTINE_S * 2)
+    pool.poll()
+    assert engine.regions == {}  # nothing unregistered twice, nothing registered again
+    with pytest.raises(SlotError, match="is closed"):
+        pool.lease_or_fallback(SLOT * 2)
+    with pytest.raises(SlotError, match="is closed"):
+        pool.lease(8)
+
+
+def test_an_event_that_fails_later_quarantines_from_the_poll_that_saw_it():
+    class FlakyEvent:
+        def __init__(self):
+            self.calls = 0
+
+        def query(self):
+            self.calls += 1
+            if self.calls == 1:
+                return False
+            raise RuntimeError("CUDA error: unspecified launch failure")
+
+    engine, clock = RecordingEngine(), FakeClock()
+    with ReceivePool(engine, SLOT, SLOT, quarantine_s=30.0, clock=clock) as pool:
+        slot = pool.lease(8)
+        slot.release(FlakyEvent())
+        clock.advance(100.0)
+        assert pool.stats()["quarantined"] == 1  # this poll saw the failure
+        seen_at = clock.now
+        clock.now = seen_at + 29.999
+        assert pool.lease(8) is None
+        clock.now = seen_at + 30.0
+        assert pool.lease(8) is not None
+
+
+def test_an_event_that_never_completes_holds_its_slot_and_the_pool_falls_back():
+    engine, clock = RecordingEngine(), FakeClock()
+    with ReceivePool(engine, SLOT, SLOT, clock=clock) as pool:
+        pool.lease(8).release(FakeEvent())
+        clock.advance(10 * QUARANTINE_S)
+        stats = pool.stats()
+        assert (stats["free"], stats["leased"], stats["pending_events"], stats["quarantined"]) == (0, 0, 1, 0)
+        spare = pool.lease_or_fallback(8)
+        assert spare.is_fallback and engine.regions[spare.addr] == 8
+        spare.release()
+
+
+def test_an_unallocatable_fallback_raises_and_leaves_nothing_behind():
+    engine, clock = RecordingEngine(), FakeClock()
+    with ReceivePool(engine, SLOT, SLOT, clock=clock) as pool:
+        with pytest.raises(RuntimeError):
+            pool.lease_or_fallback(1 << 62)
+        stats = pool.stats()
+        assert (stats["free"], stats["fallbacks_live"], stats["fallbacks_total"]) == (1, 0, 0)
+        assert list(engine.regions) == [pool.region.addr]
+
+
+def test_zero_byte_items_lease_a_slot_and_view_nothing():
+    engine, clock = RecordingEngine(), FakeClock()
+    with ReceivePool(engine, SLOT, SLOT, clock=clock) as pool:
+        empty = pool.lease(0)
+        assert empty.view((0, 64), torch.bfloat16).numel() == 0
+        spare = pool.lease_or_fallback(0)
+        assert spare.view((0,), torch.float32).numel() == 0
+        empty.release()
+        spare.release()
+        assert pool.stats()["free"] == 1
+
+
+class _Done:
+    """An event already completed."""
+
+    def query(self) -> bool:
+        return True
+
+
+def test_churn_keeps_the_pools_bookkeeping_bounded():
+    engine, clock = RecordingEngine(), FakeClock()
+    slots = 4
+    with ReceivePool(engine, slots * SLOT, SLOT, quarantine_s=1.0, grace_s=0.5, clock=clock) as pool:
+        rng = random.Random(3)
+        for _ in range(5000):
+            slot = pool.lease_or_fallback(rng.choice((8, SLOT * 2)))
+            rng.choice((slot.release, slot.fail, lambda s=slot: s.release(_Done())))()
+            clock.advance(0.01)
+            assert len(pool._pending) + len(pool._quarantine) <= slots
+            assert len(pool._graces) == len(pool._fallbacks) <= 1.0 / 0.01 + 1
+            assert len(engine.regions) == 1 + len(pool._fallbacks)
+        clock.advance(2.0)
+        stats = pool.stats()
+        assert stats["free"] == slots and stats["fallbacks_live"] == 0

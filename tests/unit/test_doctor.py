@@ -1,0 +1,213 @@
+"""doctor against a fake sysfs tree, its JSON and exit code."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from transfer import doctor
+
+
+GID = "fe80:0000:0000:0000:0211:22ff:fe33:4455"
+ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
+
+
+def write(path: Path, text: str) -> None:
+    """Create a file and its folders."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+
+
+@pytest.fixture
+def sysfs(tmp_path: Path) -> Path:
+    """A fake /sys: rxe0 on eth0 (port 1 ACTIVE, RoCE, one GID) and mlx5_0 (port 1 DOWN, IB)."""
+    ib = tmp_path / "class" / "infiniband"
+    rxe = ib / "rxe0"
+    write(rxe / "parent", "eth0")
+    write(rxe / "node_type", "1: CA")
+    port = rxe / "ports" / "1"
+    write(port / "state", "4: ACTIVE")
+    write(port / "phys_state", "5: LinkUp")
+    write(port / "link_layer", "Ethernet")
+    write(port / "rate", "10 Gb/sec (1X QDR)")
+    write(port / "gids" / "0", GID)
+    write(port / "gids" / "1", ZERO_GID)
+    write(port / "gid_attrs" / "types" / "0", "RoCE v2")
+    write(port / "gid_attrs" / "ndevs" / "0", "eth0")
+    write(tmp_path / "class" / "net" / "eth0" / "mtu", "1500")
+    mlx = ib / "mlx5_0"
+    write(mlx / "node_type", "1: CA")
+    write(mlx / "ports" / "1" / "state", "1: DOWN")
+    write(mlx / "ports" / "1" / "link_layer", "InfiniBand")
+    write(mlx / "ports" / "1" / "active_mtu", "4096")
+    return tmp_path
+
+
+def ok_probe():
+    return True, "imports"
+
+
+def bad_probe():
+    return False, "import fails: ModuleNotFoundError: No module named 'x'"
+
+
+def run_doctor(sysfs_root, as_json=False, mooncake=ok_probe, native=ok_probe, environ=None,
+               proc_modules="/nonexistent/modules"):
+    """Run the doctor with injected probes; return (exit code, output)."""
+    out = io.StringIO()
+    code = doctor.run(as_json=as_json, out=out, sysfs_root=str(sysfs_root),
+                      environ=environ if environ is not None else {},
+                      mooncake_probe=mooncake, native_probe=native, proc_modules=proc_modules)
+    return code, out.getvalue()
+
+
+def line_of(text: str, name: str) -> str:
+    """The output line whose name column is `name`."""
+    for line in text.splitlines():
+        if line[6:].split("  ", 1)[0].strip() == name:
+            return line
+    raise AssertionError(f"no line named {name!r} in:\n{text}")
+
+
+def test_fake_rxe_device_is_called_out(sysfs):
+    code, text = run_doctor(sysfs)
+    assert code == 0
+    rxe = line_of(text, "rdma rxe0/1")
+    assert rxe.startswith("ok    ")
+    assert "ACTIVE" in rxe and "RoCE (Ethernet)" in rxe
+    assert "soft-RoCE (rdma_rxe) on eth0" in rxe
+    assert f"[0] {GID} RoCE v2" in rxe
+    assert ZERO_GID not in rxe and "[1]" not in rxe  # zero GIDs are not listed
+    assert "mtu 1500 (netdev eth0)" in rxe
+    assert "10 Gb/sec" in rxe
+    mlx = line_of(text, "rdma mlx5_0/1")
+    assert mlx.startswith("WARN  ") and "DOWN" in mlx and "mtu 4096" in mlx
+    assert "soft-RoCE" not in mlx
+    assert "-> fix: check the cable" in mlx
+    proto = line_of(text, "protocol")
+    assert "auto -> rdma" in proto and "mlx5_0, rxe0" in proto
+
+
+def test_lines_are_aligned(sysfs):
+    _, text = run_doctor(sysfs)
+    lines = text.splitlines()
+    assert len(lines) >= 10
+    detail_columns = set()
+    for line in lines:
+        tag, rest = line[:6], line[6:]
+        assert tag.strip() in ("ok", "--", "WARN", "FAIL"), line
+        name = rest.split("  ", 1)[0]
+        detail_columns.add(len(rest) - len(rest[len(name):].lstrip(" ")))
+    assert len(detail_columns) == 1  # every detail starts in the same column
+
+
+def test_json_shape(sysfs):
+    code, text = run_doctor(sysfs, as_json=True, environ={"MC_TRANSFER_TIMEOUT": "40"})
+    assert code == 0
+    report = json.loads(text)
+    assert {"checks", "protocol", "protocol_reason", "rdma_devices", "mc_env",
+            "data_path_ok"} <= set(report)
+    for check in report["checks"]:
+        assert set(check) >= {"name", "ok", "detail", "fix"}
+        assert isinstance(check["ok"], bool)
+    assert report["protocol"] == "rdma"
+    assert "rxe0" in report["protocol_reason"]
+    assert report["data_path_ok"] is True
+    assert report["mc_env"] == {"MC_TRANSFER_TIMEOUT": "40"}
+    devices = {d["name"]: d for d in report["rdma_devices"]}
+    assert set(devices) == {"mlx5_0", "rxe0"}
+    rxe = devices["rxe0"]
+    assert rxe["soft"] == "soft-RoCE (rdma_rxe)" and rxe["parent"] == "eth0"
+    assert rxe["node_type"] == "CA"
+    port = rxe["ports"][0]
+    assert port["port"] == 1 and port["state"] == "ACTIVE" and port["link_layer"] == "Ethernet"
+    assert port["gids"] == [{"index": 0, "gid": GID, "type": "RoCE v2", "ndev": "eth0"}]
+    assert devices["mlx5_0"]["soft"] is None
+
+
+def test_no_rdma_devices_means_tcp(tmp_path):
+    _, text = run_doctor(tmp_path)
+    assert line_of(text, "rdma").startswith("WARN  ")
+    assert "scripts/soft-roce.sh up" in line_of(text, "rdma")
+    assert "auto -> tcp" in line_of(text, "protocol")
+    report = doctor.collect(sysfs_root=str(tmp_path), environ={}, mooncake_probe=ok_probe,
+                            native_probe=ok_probe)
+    assert report["protocol"] == "tcp" and report["rdma_devices"] == []
+
+
+@pytest.mark.parametrize("mooncake, native, expected", [
+    (ok_probe, ok_probe, 0),
+    (ok_probe, bad_probe, 0),
+    (bad_probe, ok_probe, 0),
+    (bad_probe, bad_probe, 1),
+])
+def test_exit_code_follows_data_paths(tmp_path, mooncake, native, expected):
+    code, text = run_doctor(tmp_path, mooncake=mooncake, native=native)
+    assert code == expected
+    verdict = line_of(text, "data-path")
+    if expected:
+        assert verdict.startswith("FAIL  ") and "no data path can run" in verdict
+        assert "-> fix:" in verdict
+    else:
+        assert verdict.startswith("ok    ")
+    _, js = run_doctor(tmp_path, as_json=True, mooncake=mooncake, native=native)
+    assert json.loads(js)["data_path_ok"] is (expected == 0)
+
+
+def test_wire_only_names_the_wire_path(tmp_path):
+    _, text = run_doctor(tmp_path, mooncake=bad_probe, native=ok_probe)
+    assert line_of(text, "data-path").endswith("runnable: wire")
+    assert line_of(text, "mooncake").startswith(("FAIL  ", "ok    "))
+
+
+def test_mc_env_listing(tmp_path):
+    env = {"MC_TRANSFER_TIMEOUT": "40", "MC_IB_PORT": "1", "PATH": "/bin", "XMC_NOT": "1"}
+    _, text = run_doctor(tmp_path, environ=env)
+    assert line_of(text, "mc-env").endswith("MC_IB_PORT=1 MC_TRANSFER_TIMEOUT=40")
+    assert doctor.mc_environment(env) == {"MC_IB_PORT": "1", "MC_TRANSFER_TIMEOUT": "40"}
+    _, text = run_doctor(tmp_path, environ={"PATH": "/bin"})
+    assert "no MC_* variables set" in line_of(text, "mc-env")
+
+
+def test_gpudirect_from_proc_modules(tmp_path):
+    modules = tmp_path / "modules"
+    modules.write_text("nvidia_peermem 16384 0 - Live 0x0\nnvidia 1 2 - Live 0x0\n")
+    check = doctor.check_gpudirect(True, sysfs_root=str(tmp_path), proc_modules=str(modules))
+    assert check.level == "ok" and "nvidia_peermem" in check.detail
+    modules.write_text("nvidia 1 2 - Live 0x0\n")
+    check = doctor.check_gpudirect(True, sysfs_root=str(tmp_path), proc_modules=str(modules))
+    assert check.level == "warn" and check.fix == "modprobe nvidia_peermem"
+    (tmp_path / "module" / "nvidia_peermem").mkdir(parents=True)
+    check = doctor.check_gpudirect(True, sysfs_root=str(tmp_path), proc_modules=str(modules))
+    assert check.level == "ok"
+    assert doctor.check_gpudirect(False, str(tmp_path / "x"), str(modules)).level == "info"
+
+
+def test_two_mooncake_wheels_warn(monkeypatch):
+    monkeypatch.setattr(doctor, "mooncake_distributions", lambda: [
+        {"name": "mooncake-transfer-engine", "version": "0.3.13", "flavour": "CUDA build"},
+        {"name": "mooncake-transfer-engine-non-cuda", "version": "0.3.13", "flavour": "CPU build"},
+    ])
+    checks, info = doctor.check_mooncake(ok_probe)
+    assert [c.name for c in checks] == ["mooncake", "mooncake-wheels"]
+    assert checks[1].level == "warn" and "2 Mooncake wheels" in checks[1].detail
+    assert "pip uninstall" in checks[1].fix
+    assert info["imports"] is True
+
+
+def test_missing_mooncake_fails_with_the_wheel_fix(monkeypatch):
+    monkeypatch.setattr(doctor, "mooncake_distributions", list)
+    checks, _ = doctor.check_mooncake(bad_probe)
+    assert checks[0].level == "fail"
+    assert "pip install mooncake-transfer-engine" in checks[0].fix
+
+
+def test_mtu_falls_back_to_the_parent_netdev(sysfs):
+    shutil.rmtree(sysfs / "class" / "infiniband" / "rxe0" / "ports" / "1" / "gid_attrs" / "ndevs")
+    device = doctor.describe_device("rxe0", str(sysfs))
+    assert device["ports"][0]["mtu"] == "1500 (netdev eth0)"
+    assert device["ports"][0]["gids"][0]["ndev"] is None

@@ -1,0 +1,83 @@
+"""transfer.engine's pure parts: protocol choice, and poll() against a scripted transfer engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from transfer import engine as engine_module
+from transfer.engine import Engine, choose_protocol, rdma_device_names
+
+
+def test_choose_protocol_with_fake_sysfs(tmp_path, monkeypatch):
+    assert choose_protocol("auto", str(tmp_path)) == ("tcp", f"no RDMA device under {tmp_path}")
+    missing = tmp_path / "absent"
+    assert choose_protocol("auto", str(missing))[0] == "tcp"
+    (tmp_path / "rxe0").mkdir()
+    (tmp_path / "mlx5_0").mkdir()
+    assert rdma_device_names(str(tmp_path)) == ["mlx5_0", "rxe0"]
+    assert choose_protocol("auto", str(tmp_path)) == ("rdma", "RDMA device(s) mlx5_0, rxe0 found")
+    # The module-level root is what Engine() consults.
+    monkeypatch.setattr(engine_module, "INFINIBAND_SYSFS", str(tmp_path))
+    assert choose_protocol() == ("rdma", "RDMA device(s) mlx5_0, rxe0 found")
+    monkeypatch.setattr(engine_module, "INFINIBAND_SYSFS", str(missing))
+    assert choose_protocol() == ("tcp", f"no RDMA device under {missing}")
+
+
+def test_choose_protocol_explicit_and_unknown(tmp_path):
+    (tmp_path / "rxe0").mkdir()
+    assert choose_protocol("tcp", str(tmp_path)) == ("tcp", "requested")
+    assert choose_protocol("rdma", str(tmp_path / "none")) == ("rdma", "requested")
+    with pytest.raises(ValueError, match="unknown protocol 'nvlink'"):
+        choose_protocol("nvlink")
+
+
+class _ScriptedTE:
+    """A stand-in for mooncake's TransferEngine whose status answers follow a script (pure logic)."""
+
+    def __init__(self) -> None:
+        self.script = [-2, -2, 0, 1]
+        self.freed = False
+
+    def initialize(self, *args) -> int:
+        return 0
+
+    def get_rpc_port(self) -> int:
+        return 4242
+
+    def register_memory(self, addr: int, nbytes: int) -> int:
+        return 0
+
+    def unregister_memory(self, addr: int) -> int:
+        return 0
+
+    def batch_transfer_async_write(self, *args) -> int:
+        return 77
+
+    def transfer_check_status(self, batch: int) -> int:
+        assert batch == 77 and not self.freed, "status asked of a batch Mooncake freed"
+        rc = self.script.pop(0)
+        self.freed = rc in (1, -1)
+        return rc
+
+
+def test_mooncake_timeout_status_is_a_warning_not_an_outcome(monkeypatch):
+    """transfer_check_status answers -2 (TIMEOUT, with MC_SLICE_TIMEOUT set) while the batch is
+    still in flight and does not free it; poll() used to drop the batch and report failure, so
+    the caller released memory Mooncake went on reading (Mooncake's own tests call TIMEOUT 'a
+    per-poll signal ... not an outcome')."""
+    fake = _ScriptedTE()
+
+    class FakeModule:
+        TransferEngine = staticmethod(lambda: fake)
+
+    monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
+    engine = Engine("127.0.0.1", protocol="tcp")
+    buf = bytearray(64)
+    addr = id(buf)  # any plausible address: the scripted engine reads nothing
+    engine.register(addr, 64)
+    ticket = engine.write_async("127.0.0.1:1", [addr], [0x1000], [64])
+    answers = [engine.poll(ticket) for _ in range(3)]
+    assert answers == [False, False, False]
+    assert engine.poll(ticket) is True
+    assert fake.script == []
+    engine.close()

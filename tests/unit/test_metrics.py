@@ -1,0 +1,181 @@
+"""Metrics: snapshot values, quantile estimates, the text format, the collector."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from transfer.metrics import REASON_CATEGORIES, Metrics, escape_label_value, estimate_quantile, reason_label
+
+
+def small_example() -> Metrics:
+    """A fixed set of series used by the golden text test."""
+    m = Metrics("epd", buckets=(0.01, 0.1, 1))
+    m.inc("rooms_started_total", 2)
+    m.inc("rooms_failed_total", reason="checksum")
+    m.inc("rooms_failed_total", 3, reason='we"ird\\re\nason')
+    m.set_gauge("queue_depth", 3)
+    m.describe("queue_depth", "Items waiting\nto be sent.")
+    for v in (0.005, 0.05, 2.0):
+        m.observe("room_latency_seconds", v)
+    return m
+
+
+GOLDEN = """\
+# HELP epd_queue_depth Items waiting\\nto be sent.
+# TYPE epd_queue_depth gauge
+epd_queue_depth 3
+# HELP epd_room_latency_seconds Seconds from a room's start to its Success.
+# TYPE epd_room_latency_seconds histogram
+epd_room_latency_seconds_bucket{le="0.01"} 1
+epd_room_latency_seconds_bucket{le="0.1"} 2
+epd_room_latency_seconds_bucket{le="1.0"} 2
+epd_room_latency_seconds_bucket{le="+Inf"} 3
+epd_room_latency_seconds_sum 2.055
+epd_room_latency_seconds_count 3
+# HELP epd_rooms_failed_total Rooms concluded Failed, by bounded reason category.
+# TYPE epd_rooms_failed_total counter
+epd_rooms_failed_total{reason="checksum"} 1
+epd_rooms_failed_total{reason="we\\"ird\\\\re\\nason"} 3
+# HELP epd_rooms_started_total Rooms started (ask sent or item accepted).
+# TYPE epd_rooms_started_total counter
+epd_rooms_started_total 2
+"""
+
+
+def test_text_format_golden():
+    assert small_example().prometheus_text() == GOLDEN
+
+
+def test_empty_metrics_render_nothing():
+    m = Metrics("epd")
+    assert m.prometheus_text() == ""
+    assert m.snapshot() == {"namespace": "epd", "counters": {}, "gauges": {}, "histograms": {}}
+
+
+def test_label_escaping():
+    assert escape_label_value('a"b') == 'a\\"b'
+    assert escape_label_value("a\\b") == "a\\\\b"
+    assert escape_label_value("a\nb") == "a\\nb"
+    m = Metrics("x")
+    m.inc("c_total", path='C:\\tmp\n"q"')
+    assert 'x_c_total{path="C:\\\\tmp\\n\\"q\\""} 1' in m.prometheus_text()
+
+
+def test_snapshot_values():
+    m = Metrics("epd")
+    m.inc("rooms_started_total")
+    m.inc("rooms_started_total")
+    m.inc("bytes_written_total", 4096)
+    m.inc("rooms_failed_total", reason="timeout")
+    m.inc("rooms_failed_total", reason="timeout")
+    m.inc("rooms_failed_total", reason="write", peer=3)
+    m.set_gauge("parked_rooms", 5)
+    depth = [7]
+    m.gauge_fn("queue_depth", lambda: depth[0])
+    m.observe("room_latency_seconds", 0.2)
+    snap = m.snapshot()
+    assert snap["counters"]["rooms_started_total"] == {"": 2}
+    assert snap["counters"]["bytes_written_total"] == {"": 4096}
+    assert snap["counters"]["rooms_failed_total"] == {"reason=timeout": 2, "peer=3,reason=write": 1}
+    assert snap["gauges"]["parked_rooms"] == {"": 5}
+    assert snap["gauges"]["queue_depth"] == {"": 7.0}
+    depth[0] = 9  # evaluated at read time, not at registration
+    assert m.snapshot()["gauges"]["queue_depth"] == {"": 9.0}
+    h = snap["histograms"]["room_latency_seconds"][""]
+    assert h["count"] == 1 and h["sum"] == pytest.approx(0.2)
+    json.dumps(snap, allow_nan=False)  # plain and strict-JSON serializable
+
+
+def test_broken_gauge_fn_does_not_break_reads():
+    m = Metrics("epd")
+    m.gauge_fn("queue_depth", lambda: 1 / 0)
+    assert m.snapshot()["gauges"]["queue_depth"] == {"": None}
+    assert "epd_queue_depth NaN" in m.prometheus_text()
+
+
+def test_histogram_percentiles():
+    m = Metrics("epd")
+    # 100 observations: 1 ms .. 100 ms, uniform.
+    for i in range(1, 101):
+        m.observe("room_latency_seconds", i / 1000)
+    h = m.snapshot()["histograms"]["room_latency_seconds"][""]
+    assert h["count"] == 100
+    assert h["sum"] == pytest.approx(5.05)
+    assert h["p50"] == pytest.approx(0.05, abs=0.005)  # the 0.025..0.05 bucket ends exactly at 50
+    assert 0.09 <= h["p99"] <= 0.1  # clamped to the largest value seen, 0.1
+    assert h["max"] == pytest.approx(0.1)
+
+
+def test_percentile_in_overflow_bucket_is_the_max_seen():
+    m = Metrics("epd", buckets=(1.0,))
+    m.observe("lat", 50.0)
+    m.observe("lat", 90.0)
+    h = m.snapshot()["histograms"]["lat"][""]
+    assert 50.0 <= h["p50"] <= 90.0
+    assert h["p99"] <= 90.0
+
+
+def test_estimate_quantile_edges():
+    assert math.isnan(estimate_quantile(0.5, (1.0,), [0, 0]))
+    # all mass in one bucket [0.1, 0.2]: the median sits mid-bucket
+    assert estimate_quantile(0.5, (0.1, 0.2), [0, 10, 0]) == pytest.approx(0.15)
+
+
+def test_kind_conflicts_and_bad_names():
+    m = Metrics("epd")
+    m.inc("rooms_started_total")
+    with pytest.raises(ValueError, match="is a counter, not a gauge"):
+        m.set_gauge("rooms_started_total", 1)
+    with pytest.raises(ValueError, match="cannot decrease"):
+        m.inc("rooms_started_total", -1)
+    with pytest.raises(ValueError, match="not a valid Prometheus name"):
+        m.inc("bad-name")
+    with pytest.raises(ValueError, match="label name 'le'"):
+        m.observe("room_latency_seconds", 0.1, le="x")
+    with pytest.raises(ValueError, match="NaN"):
+        m.observe("room_latency_seconds", float("nan"))
+
+
+def test_reason_label_is_bounded():
+    cases = {
+        "checksum mismatch for room 7": "checksum",
+        "encode failed to send embedding": "encode_failed",
+        "receiver never registered within 120s": "timeout",
+        "no terminal status before the deadline from encode rank 2": "timeout",
+        "hidden 4096 != item's 2048": "geometry",
+        "shard [0, 9) outside span 8": "geometry",
+        "bootstrap server unreachable: connection refused": "bootstrap",
+        "incomplete parallel info": "bootstrap",
+        "batch write failed: -1": "write",
+        "room aborted by caller": "aborted",
+        "cleared before it concluded": "aborted",  # the encode side's caller gave the room up
+        "room 3: its ready event did not complete within 120s": "timeout",
+        "something odd": "other",
+        "": "other",
+    }
+    for reason, category in cases.items():
+        assert reason_label(reason) == category, reason
+        assert category in REASON_CATEGORIES
+
+
+def test_prometheus_client_collector():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    m = small_example()
+    m.gauge_fn("parked_rooms", lambda: 4)
+    collector = m.register_with_prometheus_client(registry)
+    text = prometheus_client.generate_latest(registry).decode()
+    assert "epd_rooms_started_total 2.0" in text
+    assert 'epd_rooms_failed_total{reason="checksum"} 1.0' in text
+    assert 'epd_room_latency_seconds_bucket{le="0.1"} 2.0' in text
+    assert 'epd_room_latency_seconds_bucket{le="+Inf"} 3.0' in text
+    assert "epd_room_latency_seconds_count 3.0" in text
+    assert "epd_queue_depth 3.0" in text
+    assert "epd_parked_rooms 4.0" in text
+    m.inc("rooms_started_total")  # read at scrape time
+    assert "epd_rooms_started_total 3.0" in prometheus_client.generate_latest(registry).decode()
+    registry.unregister(collector)
+    assert "epd_" not in prometheus_client.generate_latest(registry).decode()

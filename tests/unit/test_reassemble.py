@@ -1,0 +1,65 @@
+"""transfer.reassemble's pure parts: shard destinations and views, and item checks."""
+
+from __future__ import annotations
+
+import torch
+
+from transfer import reassemble as reassemble_module
+from transfer.frames import shard_rows
+from transfer.reassemble import ShardedItem
+
+
+HIDDEN = 6
+GARBAGE = 0xA5  # what a rank's destination holds outside its own shard before reassembly
+
+
+def original(room: int, span: int, dtype: torch.dtype, cols: int = HIDDEN) -> torch.Tensor:
+    """The item's true rows, reproducible from the room number."""
+    generator = torch.Generator().manual_seed(1000 + room * 7 + cols)
+    raw = torch.randint(0, 256, (span, cols * torch.empty((), dtype=dtype).element_size()),
+                        dtype=torch.uint8, generator=generator)
+    return raw.view(dtype).contiguous()
+
+
+def destination(rows: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """A full-size destination holding only this rank's shard of `rows`, garbage elsewhere."""
+    dst = torch.full_like(rows.view(torch.uint8), GARBAGE).view(rows.dtype).contiguous()
+    start, count = shard_rows(rows.shape[0], rank, size)
+    dst[start : start + count] = rows[start : start + count]
+    return dst
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality (NaN payloads included)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_destinations_hold_exactly_their_shard():
+    rows = original(1, 10, torch.float32)
+    shards = [destination(rows, r, 3) for r in range(3)]
+    for r, dst in enumerate(shards):
+        start, count = shard_rows(10, r, 3)
+        assert same_bytes(dst[start : start + count], rows[start : start + count])
+        assert not same_bytes(dst, rows)
+
+
+def test_shard_views_tile_the_item_bytes():
+    rows = original(2, 7, torch.bfloat16)
+    ds = original(2, 7, torch.bfloat16, HIDDEN * 3)
+    item = ShardedItem(2, rows, True, ds)
+    parts = [reassemble_module._shard_views(item, r, 3) for r in range(3)]
+    assert same_bytes(torch.cat([p[0] for p in parts]), rows.view(torch.uint8).reshape(-1))
+    assert same_bytes(torch.cat([p[1] for p in parts]), ds.view(torch.uint8).reshape(-1))
+    sizes = [reassemble_module._shard_bytes([item], r, 3) for r in range(3)]
+    assert sizes == [v[0].numel() + v[1].numel() for v in parts]
+    assert max(sizes) - min(sizes) <= rows[0].numel() * 2 + ds[0].numel() * 2  # at most one row apart
+
+
+def test_check_item_names_the_problem():
+    rows = original(3, 4, torch.float32)
+    assert reassemble_module._check_item(ShardedItem(3, rows, True), torch.device("cpu")) is None
+    bad = reassemble_module._check_item(ShardedItem(3, rows.t(), True), torch.device("cpu"))
+    assert "not a contiguous" in bad
+    short_ds = original(3, 3, torch.float32, HIDDEN)
+    assert "deepstack of shape (3, 6)" in reassemble_module._check_item(
+        ShardedItem(3, rows, True, short_ds), torch.device("cpu"))

@@ -1,0 +1,124 @@
+"""TransferPoll values, the monotone FSM with sticky Failed, and the room table (SPEC.md 3, 7)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from transfer.status import RoomTable, TransferPoll, advance, is_terminal
+
+
+P = TransferPoll
+
+
+def test_wire_values():
+    assert {p.name: int(p) for p in P} == {
+        "Failed": 0, "Bootstrapping": 1, "Bootstrapped": 2, "WaitingForInput": 3, "Transferring": 4, "Success": 5}
+    assert P(5) is P.Success
+
+
+@pytest.mark.parametrize(
+    "old, new, expected",
+    [
+        (None, P.Bootstrapping, P.Bootstrapping),
+        (None, P.Failed, P.Failed),
+        (P.Bootstrapping, P.Transferring, P.Transferring),
+        (P.Transferring, P.Bootstrapped, P.Transferring),  # never moves down
+        (P.Success, P.Bootstrapping, P.Success),
+        (P.Success, P.Failed, P.Failed),  # Failed overrides even Success
+        (P.Failed, P.Success, P.Failed),  # and nothing resurrects it
+        (P.Failed, P.Bootstrapping, P.Failed),
+        (P.WaitingForInput, P.WaitingForInput, P.WaitingForInput),
+        (P.Bootstrapped, 5, P.Success),  # plain wire integers are accepted
+    ],
+)
+def test_advance_table(old, new, expected):
+    result = advance(old, new)
+    assert result is expected
+
+
+@given(st.lists(st.sampled_from(list(P)), min_size=1, max_size=30))
+def test_advance_sequence_is_max_unless_failed(seq):
+    state = None
+    for status in seq:
+        state = advance(state, status)
+    assert state is (P.Failed if P.Failed in seq else max(seq))
+
+
+def test_is_terminal():
+    assert [p for p in P if is_terminal(p)] == [P.Failed, P.Success]
+    assert not is_terminal(None)
+    assert is_terminal(0) and is_terminal(5) and not is_terminal(4)
+
+
+def test_room_table_monotone():
+    table = RoomTable()
+    assert table.start(1) is P.Bootstrapping
+    assert table.update(1, P.Transferring) is P.Transferring
+    assert table.update(1, P.Bootstrapped) is P.Transferring
+    assert table.get(1) is P.Transferring
+    assert table.update(1, P.Success) is P.Success
+    assert table.update(1, P.WaitingForInput) is P.Success
+    assert table.reason(1) is None
+
+
+def test_room_table_failed_is_sticky_and_first_reason_wins():
+    table = RoomTable()
+    table.start(3, P.WaitingForInput)
+    assert table.fail(3, "encode failed to send embedding") is P.Failed
+    assert table.fail(3, "a later consequence") is P.Failed
+    assert table.update(3, P.Success) is P.Failed
+    assert table.update(3, P.Failed, "yet another") is P.Failed
+    assert table.get(3) is P.Failed
+    assert table.reason(3) == "encode failed to send embedding"
+    # start on a known room only advances it: it does not reset a failure.
+    assert table.start(3) is P.Failed
+
+
+def test_room_table_failed_without_reason_then_reason():
+    table = RoomTable()
+    table.start(4)
+    assert table.update(4, P.Failed) is P.Failed
+    assert table.reason(4) is None
+    table.fail(4, "deadline passed waiting for encode rank 0")
+    assert table.reason(4) == "deadline passed waiting for encode rank 0"
+
+
+def test_room_table_reason_ignored_unless_failed():
+    table = RoomTable()
+    table.start(5)
+    table.update(5, P.Transferring, "not a failure")
+    assert table.reason(5) is None
+
+
+def test_room_table_ignores_unknown_rooms():
+    table = RoomTable()
+    assert table.update(9, P.Success) is None
+    assert table.fail(9, "stale") is None
+    assert table.get(9) is None and table.reason(9) is None
+    assert 9 not in table and len(table) == 0
+
+
+def test_room_table_clear_forgets():
+    table = RoomTable()
+    table.start(1)
+    table.start(2)
+    table.fail(2, "boom")
+    assert table.rooms() == [1, 2] and len(table) == 2 and 2 in table
+    table.clear(2)
+    assert table.get(2) is None and table.reason(2) is None and 2 not in table
+    assert table.rooms() == [1] and len(table) == 1
+    table.clear(2)  # no-op
+    # A cleared room id can be used again from scratch.
+    assert table.start(2) is P.Bootstrapping
+    assert table.reason(2) is None
+    assert table.update(2, P.Success) is P.Success
+
+
+def test_room_table_rooms_sorted():
+    table = RoomTable()
+    for room in (30, 1, 7):
+        table.start(room)
+    assert table.rooms() == [1, 7, 30]
+    assert "3 rooms" in repr(table)
