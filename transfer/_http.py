@@ -1,9 +1,10 @@
 """The bounded HTTP plumbing shared by the bootstrap server (and its client) and the /metrics endpoint.
 
 Both listen where anyone on the network may connect, so both bound what a client can
-hold: one request per connection, one deadline for the whole request however slowly it
-drips in, and a cap on connections served at once (503 beyond, answered without
-blocking the accepting thread).
+hold: one request per connection, a short deadline for its request line and headers
+(a real client sends them in one write), one deadline for the whole request however
+slowly it drips in, and a cap on connections served at once (503 beyond, answered
+without blocking the accepting thread).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class DeadlineReader(io.RawIOBase):
         """Reads from `sock` until `deadline` (time.monotonic()); `keep` is closed along with it."""
         super().__init__()
         self._sock = sock
-        self._deadline = deadline
+        self.deadline = deadline
         self._keep = keep
 
     def close(self) -> None:
@@ -45,7 +46,7 @@ class DeadlineReader(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         """One recv, waiting at most until the deadline (TimeoutError past it)."""
-        left = self._deadline - time.monotonic()
+        left = self.deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("timed out: the exchange's deadline passed")
         self._sock.settimeout(left)
@@ -53,20 +54,33 @@ class DeadlineReader(io.RawIOBase):
 
 
 class OneDeadlineHandler(BaseHTTPRequestHandler):
-    """A request handler that reads its one request (HTTP/1.0) within `timeout` seconds in all.
+    """A request handler that reads its request line and headers within `header_timeout`
+    seconds and its one request (HTTP/1.0) within `timeout` seconds in all.
 
-    BaseHTTPRequestHandler answers a timeout by closing the connection; with one request
-    per connection no handler thread lingers on a keep-alive socket.
+    The handler's thread is one of the server's few slots: a client that connects and
+    says nothing must give it back in about a second, not after the whole request's
+    deadline. BaseHTTPRequestHandler answers a timeout by closing the connection; with
+    one request per connection no handler thread lingers on a keep-alive socket.
     """
 
     protocol_version = "HTTP/1.0"
     timeout = 10.0
+    header_timeout = 1.0
 
     def setup(self) -> None:
-        """Reads the request through one deadline that starts now."""
+        """Reads the request through deadlines that start now."""
         super().setup()
+        self._connected_at = time.monotonic()
         self.rfile.close()
-        self.rfile = io.BufferedReader(DeadlineReader(self.connection, time.monotonic() + self.timeout))
+        self._reader = DeadlineReader(self.connection,
+                                      self._connected_at + min(self.header_timeout, self.timeout))
+        self.rfile = io.BufferedReader(self._reader)
+
+    def parse_request(self) -> bool:
+        """Parses the request line and headers; the body, if any, gets the rest of `timeout`."""
+        parsed = super().parse_request()
+        self._reader.deadline = self._connected_at + self.timeout
+        return parsed
 
 
 class BoundedHTTPServer(ThreadingHTTPServer):

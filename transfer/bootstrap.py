@@ -6,6 +6,11 @@ encode side's parallel sizes and then one encode rank's endpoint.
 Decisions the spec leaves open, documented here:
 - The first accepted PUT fixes world_size and dp_size; a later PUT with other
   sizes is refused with 409 (a rank of a different deployment must not join).
+  world_size is at most MAX_WORLD_SIZE (400 beyond), and the client refuses a
+  server's sizes beyond it: a size no deployment has must neither be fixed by a
+  stray first PUT nor be computed with by a prefill rank. Without a token, any
+  first PUT with plausible sizes still fixes them: the token is what keeps
+  strangers from squatting.
 - A PUT for a (dp_group, tp_rank) already present replaces it, so a restarted
   encode rank can re-register; configure a token to keep strangers out.
 - The route lookup is `table[target_dp_group][engine_rank]`, i.e. engine_rank
@@ -35,6 +40,11 @@ from transfer._http import BoundedHTTPServer, DeadlineReader, OneDeadlineHandler
 log = logging.getLogger(__name__)
 
 MAX_BODY = 64 * 1024
+#: Encode ranks one deployment may have; far above any real one, low enough that no
+#: rank arithmetic or message about it grows with what a stranger sends.
+MAX_WORLD_SIZE = 1 << 16
+#: A DNS name's longest spelling; an address is shorter.
+MAX_HOST_CHARS = 253
 ROLE = "Prefill"
 _INTEGER = re.compile(r"[+-]?[0-9]+\Z")
 _DIGITS = re.compile(r"[0-9]+\Z")
@@ -124,13 +134,13 @@ def _parse_registration(raw: bytes) -> tuple[int, int, str, int, int]:
     role = body.get("role")
     if role != ROLE:
         raise _RequestError(400, f"role must be \"{ROLE}\" (the encode side), got {role!r}")
-    world_size = _field_int(body, "world_size", 1)
-    dp_size = _field_int(body, "dp_size", 1)
+    world_size = _field_int(body, "world_size", 1, MAX_WORLD_SIZE)
+    dp_size = _field_int(body, "dp_size", 1, world_size)
     if world_size % dp_size != 0:
         raise _RequestError(400, f"world_size {world_size} is not a multiple of dp_size {dp_size}")
     rank_ip = body.get("rank_ip")
-    if not isinstance(rank_ip, str) or not rank_ip:
-        raise _RequestError(400, "rank_ip must be a non-empty string")
+    if not isinstance(rank_ip, str) or not rank_ip or len(rank_ip) > MAX_HOST_CHARS:
+        raise _RequestError(400, f"rank_ip must be a non-empty string of at most {MAX_HOST_CHARS} characters")
     rank_port = _field_int(body, "rank_port", 1, 65535)
     engine_rank = _field_int(body, "engine_rank", 0, world_size - 1)
     return world_size, dp_size, rank_ip, rank_port, engine_rank
@@ -403,7 +413,12 @@ class BootstrapClient:
         if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
             raise BootstrapError(f"bootstrap server {self.address} has incomplete parallel info "
                                  f"(no encode rank registered yet?): {value}")
-        return sizes[0], sizes[1]
+        world_size, dp_size = sizes
+        if world_size > MAX_WORLD_SIZE or world_size % dp_size:
+            raise BootstrapError(f"bootstrap server {self.address} sent parallel sizes no deployment "
+                                 f"has: encode tp size {world_size} (at most {MAX_WORLD_SIZE}), "
+                                 f"dp size {dp_size} (must divide it)")
+        return world_size, dp_size
 
     def route(self, engine_rank: int, dp_group: int) -> tuple[str, int]:
         """(ip, port) of encode rank engine_rank in dp_group; one bounded attempt."""

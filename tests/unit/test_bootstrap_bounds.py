@@ -1,0 +1,75 @@
+"""The bootstrap server's and client's bounds on parallel sizes, checked without sockets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from transfer.bootstrap import (
+    MAX_HOST_CHARS,
+    MAX_WORLD_SIZE,
+    BootstrapClient,
+    BootstrapError,
+    _parse_registration,
+    _RequestError,
+    _RouteTable,
+)
+
+
+def _body(**fields) -> bytes:
+    base = {"role": "Prefill", "world_size": 2, "dp_size": 1, "rank_ip": "10.0.0.1",
+            "rank_port": 17000, "engine_rank": 0}
+    base.update(fields)
+    return json.dumps(base).encode()
+
+
+@pytest.mark.parametrize("world_size", [10**30, MAX_WORLD_SIZE + 1])
+def test_a_world_size_no_deployment_has_is_a_400_naming_the_field(world_size):
+    with pytest.raises(_RequestError) as refused:
+        _parse_registration(_body(world_size=world_size))
+    assert refused.value.status == 400
+    assert refused.value.text.startswith("world_size out of range")
+
+
+def test_a_refused_world_size_does_not_fix_the_sizes_for_legitimate_ranks():
+    table = _RouteTable()
+    with pytest.raises(_RequestError):
+        table.put(*_parse_registration(_body(world_size=10**30)))
+    assert table.sizes() == (None, None)
+    assert table.put(*_parse_registration(_body(world_size=2, engine_rank=1))) == (0, 1)
+    assert table.sizes() == (2, 1)
+
+
+def test_the_largest_world_size_is_accepted():
+    parsed = _parse_registration(_body(world_size=MAX_WORLD_SIZE, engine_rank=MAX_WORLD_SIZE - 1))
+    assert parsed[0] == MAX_WORLD_SIZE and parsed[4] == MAX_WORLD_SIZE - 1
+
+
+def test_a_dp_size_above_world_size_is_a_400():
+    with pytest.raises(_RequestError) as refused:
+        _parse_registration(_body(world_size=2, dp_size=4))
+    assert refused.value.status == 400 and refused.value.text.startswith("dp_size out of range")
+
+
+def test_an_overlong_rank_ip_is_a_400():
+    with pytest.raises(_RequestError) as refused:
+        _parse_registration(_body(rank_ip="a" * (MAX_HOST_CHARS + 1)))
+    assert refused.value.status == 400 and "rank_ip" in refused.value.text
+
+
+def _client_answering(answer: dict) -> BootstrapClient:
+    client = BootstrapClient("127.0.0.1:1")
+    client._request = lambda *args, **kwargs: (200, json.dumps(answer).encode())
+    return client
+
+
+@pytest.mark.parametrize("sizes", [(10**30, 1), (MAX_WORLD_SIZE + 1, 1), (4, 3)])
+def test_the_client_refuses_parallel_sizes_no_deployment_has(sizes):
+    client = _client_answering({"prefill_tp_size": sizes[0], "prefill_dp_size": sizes[1]})
+    with pytest.raises(BootstrapError, match="parallel sizes no deployment has"):
+        client.parallel_info()
+
+
+def test_the_client_accepts_plausible_parallel_sizes():
+    assert _client_answering({"prefill_tp_size": 8, "prefill_dp_size": 2}).parallel_info() == (8, 2)
