@@ -18,11 +18,19 @@
    connection, though, must send its first transfer's first byte within the first-byte bound (10 s by
    default, never more than the idle timeout), or it is answered ERROR and closed: a sender connects
    only to send at once, so a connection that stays silent is a port probe, a wedged peer or an attack,
-   and a few of them must not hold every slot for the idle timeout. A connection
-   beyond max_conns is answered "listener busy" by the accept thread, which never blocks on it: it
-   discards what the peer already sent, answers, shuts its side down and keeps draining the socket
-   (polled with the listening one) until the peer closes or DRAIN_MS pass, so the peer reads the
-   answer rather than a connection reset. */
+   and a few of them must not hold every slot for the idle timeout.
+
+   A new connection finding all max_conns slots taken closes the connection furthest behind the rate
+   floor, counted from when that connection last began to wait or its transfer began (an idle
+   connection is as far behind as it has been idle), once it is evict_after behind (1 s by default):
+   idle or dribbling connections cannot keep new senders out, while a pooled connection between
+   back-to-back items and any transfer keeping the rate are never taken. The closed connection's
+   thread leaves at once (its socket is shut down); until it has, its slot counts towards none of
+   max_conns, so the new connection is served in a spare slot (there are as many spares as slots).
+   When no connection is that far behind, the new one is answered "listener busy" by the accept
+   thread, which never blocks on it: it discards what the peer already sent, answers, shuts its side
+   down and keeps draining the socket (polled with the listening one) until the peer closes or
+   DRAIN_MS pass, so the peer reads the answer rather than a connection reset. */
 #include "wire_listener.h"
 
 #include <errno.h>
@@ -68,6 +76,10 @@
    links, or (in tests) shorter than a sender's start-up hiccup, and neither concerns a connection
    that never began. */
 #define DEFAULT_FIRST_BYTE_MS 10000
+/* Default for how far behind the rate floor a connection must be before a new one may take its slot:
+   far longer than a sender's pause between two items on a pooled connection, far shorter than the
+   first-byte bound or a transfer's grace, which are what held slots before. */
+#define DEFAULT_EVICT_AFTER_MS 1000
 
 enum { RD_OK, RD_EOF, RD_TIMEOUT, RD_ERR, RD_SLOW };
 
@@ -82,6 +94,11 @@ typedef struct {
     int fd;           /* -1 once the connection closed it (under owner->lock) */
     int used;         /* a thread was started for this slot and not yet joined */
     atomic_int done;  /* the thread finished and may be joined */
+    atomic_int evicted;        /* shut down to make room for a new connection */
+    /* When the connection's progress is due at the rate floor: the start of its idle wait, or its
+       transfer's start plus the time its bytes so far take at min_rate. Written by its thread,
+       read by the accept thread to pick the connection furthest behind. */
+    _Atomic int64_t due_ns;
     pthread_t thread;
 } wl_conn;
 
@@ -99,6 +116,8 @@ typedef struct wl_listener {
     int64_t grace_ns; /* how long a transfer runs before min_rate applies */
     size_t chunk_limit;
     int max_conns;
+    int nslots;              /* max_conns and as many spares for connections still leaving */
+    int64_t evict_after_ns;  /* how far behind a connection may be closed for a new one; <0: never */
     wl_conn *conns;
     /* Refused connections still being drained; only the accept thread touches these. */
     int linger_fd[LINGER_MAX];
@@ -110,6 +129,7 @@ typedef struct wl_listener {
     pthread_mutex_t lock; /* conns' fds and the counters below */
     unsigned long long accepted, refused, transfers, failures, bytes, too_slow;
     unsigned long long silent; /* fresh connections closed for sending nothing within first_byte_ms */
+    unsigned long long evicted; /* connections closed to make room for a new one */
     int active;
     char last_error[REASON_MAX];
 } wl_listener;
@@ -119,6 +139,7 @@ typedef struct {
     int fd;
     int64_t start_ns; /* when the transfer's first byte was there */
     uint64_t got;     /* bytes of the transfer received so far, headers included */
+    wl_conn *conn;    /* where its progress is published for eviction */
 } wl_io;
 
 /* One transfer's announced shape, parsed from the PREFILL Msg. */
@@ -212,6 +233,17 @@ static int64_t allowed_ns(const wl_listener *l, uint64_t got)
     return ns < 1e18 ? (int64_t)ns : (int64_t)1e18;
 }
 
+/* Publishes when the transfer's progress so far is due at the rate floor (with no floor: now). */
+static void publish_due(const wl_listener *l, wl_io *io)
+{
+    int64_t due = now_ns();
+    if (l->min_rate > 0) {
+        double ns = (double)io->got / l->min_rate * 1e9;
+        due = io->start_ns + (ns < 1e18 ? (int64_t)ns : (int64_t)1e18);
+    }
+    atomic_store_explicit(&io->conn->due_ns, due, memory_order_relaxed);
+}
+
 /* Waits until the socket is readable, then receives up to n bytes into *k. A wait is bounded by the
    receive timeout (RD_TIMEOUT) and by the transfer's rate deadline (RD_SLOW). */
 static int recv_some(wl_listener *l, wl_io *io, void *buf, size_t n, size_t *k)
@@ -253,6 +285,7 @@ static int recv_some(wl_listener *l, wl_io *io, void *buf, size_t n, size_t *k)
         }
         *k = (size_t)got;
         io->got += (uint64_t)got;
+        publish_due(l, io);
         return RD_OK;
     }
 }
@@ -392,6 +425,13 @@ static void refuse(wl_listener *l, int fd, const wl_prefill *pf, const char *fmt
 /* Words for a failed read in a reason, written into buf; returns buf. */
 static const char *read_failure(const wl_listener *l, const wl_io *io, int rc, char *buf, size_t len)
 {
+    if (atomic_load(&io->conn->evicted) && (rc == RD_EOF || rc == RD_ERR)) {
+        snprintf(buf, len,
+                 "closed by the listener for a new connection: every slot was taken and this transfer "
+                 "(%llu bytes in %.2f s) was furthest behind the least rate of %.0f bytes/s",
+                 (unsigned long long)io->got, (double)(now_ns() - io->start_ns) / 1e9, l->min_rate);
+        return buf;
+    }
     switch (rc) {
     case RD_EOF:
         snprintf(buf, len, "the peer closed the connection");
@@ -794,14 +834,17 @@ static void *conn_main(void *arg)
     wl_conn *c = arg;
     wl_listener *l = c->owner;
     int fd = c->fd;
-    wl_io io = {.fd = fd};
+    wl_io io = {.fd = fd, .conn = c};
     unsigned char *bounce = NULL;
     /* Until its first transfer begins, a connection holds a slot on nothing but a connect: the short
        first-byte bound applies. Once one completed, it is a pooled sender connection, legitimately
        idle between items for up to the idle timeout. */
     int fresh = 1;
     while (!atomic_load(&l->stopping)) {
+        atomic_store_explicit(&c->due_ns, now_ns(), memory_order_relaxed); /* idle from now */
         int waited = wait_for_transfer(l, fd, fresh ? l->first_byte_ms : l->idle_timeout_ms);
+        if (atomic_load(&c->evicted))
+            break; /* shut down for a new connection: nothing to tell the peer */
         if (waited == WAIT_TIMEOUT && fresh)
             drop_silent(l, fd);
         if (waited != WAIT_BYTES)
@@ -814,6 +857,7 @@ static void *conn_main(void *arg)
            slowness. */
         io.start_ns = now_ns();
         io.got = 0;
+        publish_due(l, &io);
         wl_prefill none = {0};
         unsigned kind;
         long long n = read_header(l, &io, &none, &kind, "at the start of a transfer");
@@ -838,7 +882,7 @@ static void *conn_main(void *arg)
 /* Joins the threads of finished connections so their slots can be reused. */
 static void reap(wl_listener *l)
 {
-    for (int i = 0; i < l->max_conns; i++) {
+    for (int i = 0; i < l->nslots; i++) {
         wl_conn *c = &l->conns[i];
         if (c->used && atomic_load(&c->done)) {
             pthread_join(c->thread, NULL);
@@ -942,15 +986,53 @@ static int accept_wait_ms(const wl_listener *l)
     return (int)wait;
 }
 
-/* Starts a thread for a new connection, or refuses it when every slot is busy. */
+/* Shuts down the connection furthest behind the rate floor, if one is evict_after behind; 1 if one
+   was (its thread then leaves at once), 0 if none may be taken. Only the accept thread calls it. */
+static int evict_furthest_behind(wl_listener *l)
+{
+    if (l->evict_after_ns < 0)
+        return 0;
+    int64_t now = now_ns(), earliest = 0;
+    wl_conn *victim = NULL;
+    pthread_mutex_lock(&l->lock);
+    for (int i = 0; i < l->nslots; i++) {
+        wl_conn *c = &l->conns[i];
+        if (!c->used || c->fd < 0 || atomic_load(&c->done) || atomic_load(&c->evicted))
+            continue;
+        int64_t due = atomic_load_explicit(&c->due_ns, memory_order_relaxed);
+        char next;
+        if (now - due < l->evict_after_ns || (victim != NULL && due >= earliest))
+            continue;
+        if (recv(c->fd, &next, 1, MSG_PEEK | MSG_DONTWAIT) > 0)
+            continue; /* its next bytes are here: its thread is about to take them */
+        {
+            victim = c;
+            earliest = due;
+        }
+    }
+    if (victim != NULL) {
+        /* Under the lock: the connection's thread closes its fd only while holding it. */
+        atomic_store(&victim->evicted, 1);
+        shutdown(victim->fd, SHUT_RDWR);
+        l->evicted++;
+    }
+    pthread_mutex_unlock(&l->lock);
+    return victim != NULL;
+}
+
+/* Starts a thread for a new connection, or refuses it when every slot is busy and none can be freed. */
 static void admit(wl_listener *l, int fd)
 {
     reap(l);
     wl_conn *slot = NULL;
-    for (int i = 0; i < l->max_conns && slot == NULL; i++)
-        if (!l->conns[i].used)
+    int held = 0;
+    for (int i = 0; i < l->nslots; i++) {
+        if (l->conns[i].used)
+            held += !atomic_load(&l->conns[i].evicted);
+        else if (slot == NULL)
             slot = &l->conns[i];
-    if (slot == NULL) {
+    }
+    if (slot == NULL || (held >= l->max_conns && !evict_furthest_behind(l))) {
         refuse_busy(l, fd);
         return;
     }
@@ -962,6 +1044,8 @@ static void admit(wl_listener *l, int fd)
     slot->owner = l;
     slot->fd = fd;
     atomic_store(&slot->done, 0);
+    atomic_store(&slot->evicted, 0);
+    atomic_store(&slot->due_ns, now_ns());
     pthread_mutex_lock(&l->lock);
     l->accepted++;
     l->active++;
@@ -1072,11 +1156,11 @@ static void listener_close(wl_listener *l)
     }
     /* shutdown() wakes a connection blocked in poll or recv; its thread then closes the fd. */
     pthread_mutex_lock(&l->lock);
-    for (int i = 0; i < l->max_conns; i++)
+    for (int i = 0; i < l->nslots; i++)
         if (l->conns[i].used && l->conns[i].fd >= 0)
             shutdown(l->conns[i].fd, SHUT_RDWR);
     pthread_mutex_unlock(&l->lock);
-    for (int i = 0; i < l->max_conns; i++) {
+    for (int i = 0; i < l->nslots; i++) {
         if (l->conns[i].used) {
             pthread_join(l->conns[i].thread, NULL);
             l->conns[i].used = 0;
@@ -1138,19 +1222,22 @@ PyObject *epd_py_wire_listen(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     (void)self;
     static char *keywords[] = {"host",     "port",       "recv_timeout", "idle_timeout",       "chunk_limit",
-                               "max_conns", "min_rate", "rate_grace",   "first_byte_timeout", NULL};
+                               "max_conns", "min_rate", "rate_grace",   "first_byte_timeout", "evict_after",
+                               NULL};
     const char *host;
     int port, max_conns;
     double recv_timeout, idle_timeout, min_rate = DEFAULT_MIN_RATE, rate_grace = -1.0, first_byte = -1.0;
+    double evict_after = DEFAULT_EVICT_AFTER_MS / 1e3;
     Py_ssize_t chunk_limit;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "siddni|ddd:wire_listen", keywords, &host, &port, &recv_timeout,
-                                     &idle_timeout, &chunk_limit, &max_conns, &min_rate, &rate_grace, &first_byte))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "siddni|dddd:wire_listen", keywords, &host, &port, &recv_timeout,
+                                     &idle_timeout, &chunk_limit, &max_conns, &min_rate, &rate_grace, &first_byte,
+                                     &evict_after))
         return NULL;
     if (port < 0 || port > 65535) {
         PyErr_Format(PyExc_ValueError, "wire listener: port %d is outside 0..65535", port);
         return NULL;
     }
-    if (isnan(recv_timeout) || isnan(idle_timeout) || isnan(rate_grace) || isnan(first_byte)) {
+    if (isnan(recv_timeout) || isnan(idle_timeout) || isnan(rate_grace) || isnan(first_byte) || isnan(evict_after)) {
         PyErr_SetString(PyExc_ValueError, "wire listener: a timeout is NaN");
         return NULL;
     }
@@ -1171,7 +1258,7 @@ PyObject *epd_py_wire_listen(PyObject *self, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     wl_listener *l = calloc(1, sizeof *l);
-    wl_conn *conns = calloc((size_t)max_conns, sizeof *conns);
+    wl_conn *conns = calloc(2 * (size_t)max_conns, sizeof *conns);
     if (l == NULL || conns == NULL) {
         free(l);
         free(conns);
@@ -1179,6 +1266,9 @@ PyObject *epd_py_wire_listen(PyObject *self, PyObject *args, PyObject *kwargs)
     }
     l->conns = conns;
     l->max_conns = max_conns;
+    l->nslots = 2 * max_conns;
+    /* A negative evict_after never closes a connection for a new one. */
+    l->evict_after_ns = evict_after < 0 ? -1 : (int64_t)to_ms(evict_after) * 1000000;
     l->recv_timeout_ms = to_ms(recv_timeout);
     l->idle_timeout_ms = to_ms(idle_timeout);
     l->min_rate = min_rate;
@@ -1301,12 +1391,13 @@ PyObject *epd_py_wire_listener_stats(PyObject *self, PyObject *cap)
     wl_listener *l = get_listener(cap);
     if (l == NULL)
         return NULL;
-    unsigned long long accepted, refused, transfers, failures, bytes, too_slow, silent;
+    unsigned long long accepted, refused, transfers, failures, bytes, too_slow, silent, evicted;
     int active;
     char last[REASON_MAX];
     pthread_mutex_lock(&l->lock);
     too_slow = l->too_slow;
     silent = l->silent;
+    evicted = l->evicted;
     accepted = l->accepted;
     refused = l->refused;
     transfers = l->transfers;
@@ -1318,8 +1409,9 @@ PyObject *epd_py_wire_listener_stats(PyObject *self, PyObject *cap)
     pthread_rwlock_rdlock(&l->regions_lock);
     size_t nregions = l->nregions;
     pthread_rwlock_unlock(&l->regions_lock);
-    return Py_BuildValue("{sKsKsKsKsKsKsKsisnsiss}", "accepted", accepted, "refused", refused, "transfers",
-                         transfers, "failures", failures, "too_slow", too_slow, "silent", silent, "bytes", bytes,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsisnsiss}", "accepted", accepted, "refused", refused, "transfers",
+                         transfers, "failures", failures, "too_slow", too_slow, "silent", silent, "evicted",
+                         evicted, "bytes", bytes,
                          "active", active, "regions", (Py_ssize_t)nregions, "port", l->port, "last_error", last);
 }
 

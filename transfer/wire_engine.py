@@ -55,7 +55,10 @@ The listener closes a fresh connection that sends nothing for the first-byte bou
 (``first_byte_timeout_s``, 10 s by default, never more than the idle timeout) with an ERROR
 ``read: nothing received within T s of connecting (the first-byte bound); connection closed``
 and counts it in ``stats()["silent"]``; a connection that carried a transfer keeps the idle
-timeout.
+timeout. When all ``max_connections`` are taken, a new connection closes the one furthest
+behind the listener's least rate (an idle one: idle longest) once it is ``evict_after_s``
+behind (1 s by default), counted in ``stats()["evicted"]``, so idle or dribbling connections
+never keep new senders out; only when none is that far behind is it answered "listener busy".
 
 write_async(): each peer session has its own FIFO queue. A lone busy peer runs at most
 ``writers_per_peer`` (``WRITERS_PER_PEER``, 4, by default) of its writes at once; peers with
@@ -307,11 +310,12 @@ class WireEngine(RegisteredMemory):
                  idle_timeout_s: float = 300.0, reply_timeout_s: float = 60.0,
                  connect_timeout_s: float = 10.0, chunk_bytes: int = CHUNK_BYTES,
                  max_connections: int = 64, first_byte_timeout_s: float | None = None,
-                 writers_per_peer: int = WRITERS_PER_PEER) -> None:
+                 writers_per_peer: int = WRITERS_PER_PEER, evict_after_s: float = 1.0) -> None:
         """Starts the listener on hostname:port (0: ephemeral); chunk_bytes is both the LAYER
         size we send and the largest we accept, so peers must agree on it. A fresh connection
         that sends nothing for first_byte_timeout_s (None: the listener's 10 s; never more than
-        idle_timeout_s) is closed. writers_per_peer: write_async() batches to a lone busy peer
+        idle_timeout_s) is closed; with every connection slot taken, one evict_after_s behind
+        the least rate (negative: none) is closed for a new one. writers_per_peer: write_async() batches to a lone busy peer
         that run at once, each on a connection of its own; busy peers share that many (at
         least one each)."""
         if int(writers_per_peer) < 1:
@@ -324,7 +328,8 @@ class WireEngine(RegisteredMemory):
         self._listener = _native.wire_listen(hostname, int(port), float(recv_timeout_s),
                                              float(idle_timeout_s), self.chunk_bytes, int(max_connections),
                                              first_byte_timeout=-1.0 if first_byte_timeout_s is None
-                                             else float(first_byte_timeout_s))
+                                             else float(first_byte_timeout_s),
+                                             evict_after=float(evict_after_s))
         self.port = _native.wire_listener_port(self._listener)
         self.rpc_port = self.port
         self.session_id = f"{hostname}:{self.port}"
@@ -589,7 +594,7 @@ class WireEngine(RegisteredMemory):
 
     def stats(self) -> dict[str, Any]:
         """The listener's counters (accepted, refused, active, transfers_received,
-        transfers_refused, too_slow, silent, bytes_received, regions, port, last_error) and the sender's
+        transfers_refused, too_slow, silent, evicted, bytes_received, regions, port, last_error) and the sender's
         (connections_opened, writes, bytes_sent, write_failures, retries, idle_connections)."""
         with self._lock:
             out = dict(self._sent)

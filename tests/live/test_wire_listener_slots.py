@@ -1,0 +1,146 @@
+"""The wire listener with every connection slot held by idle or dribbling connections: a new sender
+takes the slot of the one furthest behind the least rate, and its bytes land."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import torch
+
+from transfer import _native, wire
+from transfer.engine import TransferError
+from transfer.wire import Msg
+from transfer.wire_engine import WireEngine
+
+SLOTS = 64
+NBYTES = 256 << 10
+
+
+def _connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _wait_for(predicate, limit: float) -> bool:
+    deadline = time.monotonic() + limit
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.fixture
+def pair():
+    """(receiving engine with SLOTS slots and long timeouts, sending engine, dst, src)."""
+    with WireEngine("127.0.0.1", max_connections=SLOTS, recv_timeout_s=30.0, idle_timeout_s=300.0) as rx, \
+            WireEngine("127.0.0.1") as tx:
+        dst = torch.zeros(NBYTES, dtype=torch.uint8)
+        src = torch.arange(NBYTES, dtype=torch.int64).to(torch.uint8)
+        rx.register(dst)
+        tx.register(src)
+        yield rx, tx, dst, src
+
+
+def _write(tx: WireEngine, rx: WireEngine, dst: torch.Tensor, src: torch.Tensor) -> None:
+    tx.write(rx.session_id, [src.data_ptr()], [dst.data_ptr()], [NBYTES])
+
+
+def test_idle_connections_holding_every_slot_do_not_lock_a_sender_out(pair):
+    rx, tx, dst, src = pair
+    idle = [_connect(rx.port) for _ in range(SLOTS)]
+    try:
+        assert _wait_for(lambda: rx.stats()["active"] == SLOTS, 10)
+        time.sleep(1.5)  # every idle connection is now more than the default second behind
+        _write(tx, rx, dst, src)
+        assert torch.equal(dst, src)
+        stats = rx.stats()
+        assert stats["evicted"] == 1 and stats["refused"] == 0 and stats["transfers_received"] == 1
+        closed = 0
+        for sock in idle:  # exactly one was closed to make room, without an answer
+            sock.settimeout(0.0)
+            try:
+                closed += sock.recv(1) == b""
+            except BlockingIOError:
+                pass
+        assert closed == 1
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_dribbling_transfers_holding_every_slot_do_not_lock_a_sender_out(pair):
+    """Each slot holds a transfer that began and sends a byte every 0.1 s, far below the least
+    rate but inside the receive timeout and the grace (60 s here): the furthest behind is closed
+    for the sender, with a reason that says so, and the sender's bytes land."""
+    rx, tx, dst, src = pair
+    msg = Msg({"room": 9, "layers": 1, "rows": 1, "row_bytes": 64, "ptr": dst.data_ptr(),
+               "ptr0": dst.data_ptr(), "bytes0": 64}).encode()
+    prefill = struct.pack("<IB", 1 + len(msg), wire.PREFILL) + msg
+    drippers = [_connect(rx.port) for _ in range(SLOTS)]
+    stop = threading.Event()
+
+    def drip() -> None:
+        sent = 0
+        while not stop.is_set() and sent < len(prefill):
+            for sock in drippers:
+                try:
+                    sock.send(prefill[sent:sent + 1])
+                except OSError:
+                    pass
+            sent += 1
+            stop.wait(0.1)
+
+    dripping = threading.Thread(target=drip, daemon=True)
+    dripping.start()
+    try:
+        assert _wait_for(lambda: rx.stats()["active"] == SLOTS, 10)
+        time.sleep(1.5)
+        _write(tx, rx, dst, src)
+        assert torch.equal(dst, src)
+        stats = rx.stats()
+        assert stats["evicted"] == 1 and stats["refused"] == 0
+        assert _wait_for(lambda: rx.stats()["last_error"], 5)
+        reason = rx.stats()["last_error"]
+        assert "closed by the listener for a new connection: every slot was taken" in reason, reason
+        print(reason)
+    finally:
+        stop.set()
+        dripping.join(5)
+        for sock in drippers:
+            sock.close()
+
+
+def test_connections_keeping_up_are_not_closed_for_a_newcomer(pair):
+    """Within the second, a full listener still answers a newcomer "listener busy"."""
+    rx, tx, dst, src = pair
+    holders = [_connect(rx.port) for _ in range(SLOTS)]
+    try:
+        assert _wait_for(lambda: rx.stats()["active"] == SLOTS, 10)
+        with pytest.raises(TransferError, match=f"listener busy: all {SLOTS} connections in use"):
+            _write(tx, rx, dst, src)
+        assert not bool(dst.any())
+        assert rx.stats()["evicted"] == 0
+    finally:
+        for sock in holders:
+            sock.close()
+
+
+def test_a_negative_evict_after_keeps_every_slot():
+    handle = _native.wire_listen("127.0.0.1", 0, 5.0, 5.0, 4096, 1, evict_after=-1.0)
+    try:
+        port = _native.wire_listener_port(handle)
+        with _connect(port):
+            assert _wait_for(lambda: _native.wire_listener_stats(handle)["active"] == 1, 5)
+            time.sleep(1.2)
+            with _connect(port) as extra:
+                kind, payload, _ = wire.read_frame(extra)
+                assert (kind, Msg.decode(payload).body) == (wire.ERROR, b"listener busy: all 1 connections in use")
+        assert _native.wire_listener_stats(handle)["evicted"] == 0
+    finally:
+        _native.wire_listener_close(handle)
