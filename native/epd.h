@@ -62,7 +62,7 @@ PyObject *epd_msg_decode(Py_buffer *data);
 
 /* zmqmsg.c: whole multipart messages on pyzmq's sockets, through libzmq functions handed over by zmq_bind. */
 PyObject *epd_zmq_bind(PyObject *self, PyObject *args);
-PyObject *epd_zmq_recv_parts(PyObject *self, PyObject *arg);
+PyObject *epd_zmq_recv_parts(PyObject *self, PyObject *args);
 PyObject *epd_zmq_send_parts(PyObject *self, PyObject *args);
 
 #endif

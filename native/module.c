@@ -361,7 +361,9 @@ static PyMethodDef methods[] = {
     {"msg_decode", py_msg_decode, METH_O, "msg_decode(data) -> (fields, body)."},
     {"zmq_bind", epd_zmq_bind, METH_VARARGS,
      "zmq_bind(msg_init, msg_recv, msg_close, msg_data, msg_size, msg_more, send, errno): libzmq's functions."},
-    {"zmq_recv_parts", epd_zmq_recv_parts, METH_O, "zmq_recv_parts(handle) -> list of bytes, or None when none queued."},
+    {"zmq_recv_parts", epd_zmq_recv_parts, METH_VARARGS,
+     "zmq_recv_parts(handle, max_bytes=0, max_parts=0) -> list of bytes, None when none queued, or "
+     "(bytes, parts) of a message over either bound (0: none), discarded."},
     {"zmq_send_parts", epd_zmq_send_parts, METH_VARARGS, "zmq_send_parts(handle, parts): one message, never blocking."},
     EPD_WIRE_METHODS
     {NULL, NULL, 0, NULL},

@@ -66,16 +66,26 @@ PyObject *epd_zmq_bind(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* zmq_recv_parts(handle) -> list of bytes, or None when no message is queued. */
-PyObject *epd_zmq_recv_parts(PyObject *self, PyObject *arg)
+/* zmq_recv_parts(handle, max_bytes=0, max_parts=0) -> list of bytes, None when no message is
+ * queued, or, when the message has more than max_bytes in all or more than max_parts parts (0: no
+ * bound), the tuple (bytes, parts) it has: its parts are then received and discarded without being
+ * copied, so the next call starts at the next message. libzmq's own ZMQ_MAXMSGSIZE bounds each
+ * part alone. */
+PyObject *epd_zmq_recv_parts(PyObject *self, PyObject *args)
 {
     (void)self;
-    void *handle = PyLong_AsVoidPtr(arg);
+    PyObject *handle_obj;
+    Py_ssize_t max_bytes = 0, max_parts = 0;
+    if (!PyArg_ParseTuple(args, "O|nn", &handle_obj, &max_bytes, &max_parts))
+        return NULL;
+    void *handle = PyLong_AsVoidPtr(handle_obj);
     if (handle == NULL && PyErr_Occurred())
         return NULL;
     if (!bound())
         return NULL;
     PyObject *parts = NULL;
+    unsigned long long total = 0, count = 0;
+    int over = 0;
     for (;;) {
         zmq_msg msg;
         msg_init(&msg);
@@ -84,13 +94,27 @@ PyObject *epd_zmq_recv_parts(PyObject *self, PyObject *arg)
             msg_close(&msg);
             if (err == EINTR)
                 continue;
-            if (err == EAGAIN && parts == NULL)
+            if (err == EAGAIN && count == 0)
                 Py_RETURN_NONE;
             Py_XDECREF(parts); /* a later part always follows its first; anything else is an error */
             return zmq_failed(err);
         }
-        PyObject *part = PyBytes_FromStringAndSize(msg_data(&msg), (Py_ssize_t)msg_size(&msg));
+        size_t size = msg_size(&msg);
         int more = msg_more(&msg);
+        total += size;
+        count++;
+        if ((max_bytes > 0 && total > (unsigned long long)max_bytes) ||
+            (max_parts > 0 && count > (unsigned long long)max_parts)) {
+            over = 1;
+            Py_CLEAR(parts);
+        }
+        if (over) {
+            msg_close(&msg);
+            if (!more)
+                return Py_BuildValue("(KK)", total, count);
+            continue;
+        }
+        PyObject *part = PyBytes_FromStringAndSize(msg_data(&msg), (Py_ssize_t)size);
         msg_close(&msg);
         if (part == NULL)
             goto fail;

@@ -16,9 +16,15 @@ import zmq
 
 log = logging.getLogger("transfer")
 
-#: Largest control-plane message accepted by our listeners (ZMQ drops bigger ones
-#: before buffering them). A TransferInfo is about 200 bytes; 64 KiB is generous.
+#: Largest control-plane message our listeners take, all its parts together. A
+#: TransferInfo is about 200 bytes; 64 KiB is generous. ZMQ_MAXMSGSIZE holds each part
+#: to it (ZMQ drops the connection of a peer sending a bigger part); recv_frames()
+#: discards a whole message over it unparsed.
 MAX_CONTROL_MESSAGE = 64 << 10
+
+#: Most parts a control-plane message may have: SPEC.md's largest has 13, and the few
+#: extension parts peers add are ignored, so more is a peer building lists of junk.
+MAX_CONTROL_PARTS = 64
 
 #: Statuses queued for one receiver before further pushes are dropped: a dead
 #: prefill rank must never make the sender block.
@@ -125,9 +131,14 @@ class Waker:
                     pass
 
 
+class ControlListener(zmq.Socket):
+    """A PULL socket for control-plane messages from peers: recv_frames() holds each whole
+    message to MAX_CONTROL_MESSAGE bytes and MAX_CONTROL_PARTS parts."""
+
+
 def pull_socket(host: str, port: int) -> tuple[zmq.Socket, int]:
-    """A PULL socket bound to exactly `host` (port 0: ephemeral); returns it and its port."""
-    sock = context().socket(zmq.PULL)
+    """A ControlListener bound to exactly `host` (port 0: ephemeral); returns it and its port."""
+    sock = context().socket(zmq.PULL, socket_class=ControlListener)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
     sock.setsockopt(zmq.RCVHWM, LISTENER_HWM)
@@ -248,26 +259,53 @@ def readable(sock: zmq.Socket) -> bool:
     return bool(_get(sock, zmq.EVENTS) & zmq.POLLIN)
 
 
+def oversized(sizes: list[int], max_bytes: int = MAX_CONTROL_MESSAGE, max_parts: int = MAX_CONTROL_PARTS) -> bool:
+    """Whether a message with parts of these sizes is over the control plane's bounds."""
+    return len(sizes) > max_parts or sum(sizes) > max_bytes
+
+
 def recv_frames(sock: zmq.Socket) -> list[bytes] | None:
     """One multipart message without blocking, or None when none is queued.
 
+    On a ControlListener, messages over MAX_CONTROL_MESSAGE bytes or MAX_CONTROL_PARTS
+    parts are discarded unparsed (counted in `oversized_dropped`, warned about
+    once a second) and the next one is returned: None must mean the socket is empty,
+    or a poll loop waiting on ZMQ's edge-triggered FD would sleep on queued messages.
     The pyzmq path asks ZMQ_EVENTS first, so draining a socket ends without raising
     (and building) a zmq.Again, which cost more than a message.
     """
-    if _NATIVE is not None:
-        try:
-            return _NATIVE.zmq_recv_parts(sock.underlying)
-        except OSError as exc:
-            raise _zmq_error(exc) from None
-    if not readable(sock):
-        return None
-    try:
-        frames = [_recv(sock, zmq.NOBLOCK)]
-        while _get(sock, zmq.RCVMORE):
-            frames.append(_recv(sock, zmq.NOBLOCK))
-    except zmq.Again:
-        return None
-    return frames
+    global oversized_dropped
+    bounded = type(sock) is ControlListener
+    while True:
+        if _NATIVE is not None:
+            try:
+                frames = (_NATIVE.zmq_recv_parts(sock.underlying, MAX_CONTROL_MESSAGE, MAX_CONTROL_PARTS)
+                          if bounded else _NATIVE.zmq_recv_parts(sock.underlying))
+            except OSError as exc:
+                raise _zmq_error(exc) from None
+            if type(frames) is not tuple:
+                return frames
+            total, parts = frames
+        else:
+            if not readable(sock):
+                return None
+            try:
+                frames = [_recv(sock, zmq.NOBLOCK)]
+                while _get(sock, zmq.RCVMORE):
+                    frames.append(_recv(sock, zmq.NOBLOCK))
+            except zmq.Again:
+                return None
+            if not bounded:
+                return frames
+            sizes = [len(frame) for frame in frames]
+            if not oversized(sizes):
+                return frames
+            total, parts = sum(sizes), len(sizes)
+        with _oversized_lock:
+            oversized_dropped += 1
+        _complaints.warning("oversized", "dropped a control message of %d bytes in %d parts: the "
+                            "bounds are %d bytes and %d parts in all", total, parts,
+                            MAX_CONTROL_MESSAGE, MAX_CONTROL_PARTS)
 
 
 class ThrottledLog:
@@ -300,6 +338,12 @@ class ThrottledLog:
             msg += " (and %d more like it in the last %gs, not logged)"
             args += (left_out, self._interval_s)
         self._logger.warning(msg, *args)
+
+
+#: Control messages recv_frames() discarded for their size, in this process.
+oversized_dropped = 0
+_oversized_lock = threading.Lock()
+_complaints = ThrottledLog(log)
 
 
 class Pushers:
