@@ -5,9 +5,11 @@ helpers that turn tensors or raw pointers into memory regions."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -309,31 +311,64 @@ def recv_frames(sock: zmq.Socket) -> list[bytes] | None:
 
 
 class ThrottledLog:
-    """Warnings about what peers send, at most one per kind per `interval_s`.
+    """Warnings about what peers send, throttled per kind and in all, in bounded memory.
 
-    A misconfigured or hostile peer can send thousands of bad messages a second; each
-    kind of complaint (a key the caller picks, such as the error text) is logged the
-    first time, then at most once per interval with a count of the repeats left out.
+    A misconfigured or hostile peer can send thousands of bad messages a second, under
+    one kind of complaint (a key the caller picks, such as the error text) or under
+    many (a key holding a number the peer varies). A kind is logged the first time,
+    then at most once per `interval_s` with a count of the repeats left out; and at most
+    `max_lines` lines are logged per interval in all: what the budget leaves out is
+    counted, and the first warning of a later interval says how many. Only the
+    `max_kinds` kinds seen most recently are remembered, by hash, so neither many keys
+    nor long ones grow memory; a forgotten kind's repeats go into that count too.
     """
 
-    def __init__(self, logger: logging.Logger, interval_s: float = 1.0, max_kinds: int = 256) -> None:
+    def __init__(self, logger: logging.Logger, interval_s: float = 1.0, max_kinds: int = 256,
+                 max_lines: int = 10) -> None:
         self._logger = logger
         self._interval_s = interval_s
         self._max_kinds = max_kinds
-        self._kinds: dict[object, list] = {}  # key -> [next time it may log, repeats left out]
+        self._max_lines = max_lines
+        self._kinds: OrderedDict[int, list] = OrderedDict()  # hash -> [next time it may log, repeats left out]
+        self._window_ends = -math.inf  # the interval the line budget counts in
+        self._lines = 0  # logged in this interval
+        self._untold = 0  # left out by the budget or with forgotten kinds, not yet told
         self._lock = threading.Lock()
 
     def warning(self, key: object, msg: str, *args: object) -> None:
+        """Logs `msg % args` unless its kind or the line budget says to count it instead."""
         now = time.monotonic()
+        told = None
         with self._lock:
-            entry = self._kinds.get(key)
+            if now >= self._window_ends:
+                told, self._untold = self._untold, 0
+                self._window_ends, self._lines = now + self._interval_s, 0
+            kind = hash(key)
+            entry = self._kinds.get(kind)
+            if entry is not None:
+                self._kinds.move_to_end(kind)
             if entry is not None and now < entry[0]:
                 entry[1] += 1
-                return
-            left_out = entry[1] if entry is not None else 0
-            if entry is None and len(self._kinds) >= self._max_kinds:
-                self._kinds.clear()  # bounded memory; at worst a kind is logged once more
-            self._kinds[key] = [now + self._interval_s, 0]
+                left_out = None
+            elif self._lines >= self._max_lines:
+                if entry is not None:
+                    entry[1] += 1  # told with the kind's next line
+                else:
+                    self._untold += 1
+                left_out = None
+            else:
+                self._lines += 1
+                left_out = entry[1] if entry is not None else 0
+                if entry is None:
+                    if len(self._kinds) >= self._max_kinds:
+                        self._untold += self._kinds.popitem(last=False)[1][1]
+                    entry = self._kinds[kind] = [0.0, 0]
+                entry[0], entry[1] = now + self._interval_s, 0
+        if told:
+            self._logger.warning("%d more warnings were not logged: at most %d lines are logged per %gs",
+                                 told, self._max_lines, self._interval_s)
+        if left_out is None:
+            return
         if left_out:
             msg += " (and %d more like it in the last %gs, not logged)"
             args += (left_out, self._interval_s)
