@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import select
 import threading
 import time
 from collections import OrderedDict
@@ -31,6 +32,27 @@ MAX_CONTROL_PARTS = 64
 #: Statuses queued for one receiver before further pushes are dropped: a dead
 #: prefill rank must never make the sender block.
 STATUS_HWM = 4096
+
+#: Sockets our ZMQ context may hold, set explicitly rather than left at libzmq's 1023:
+#: status connections, asks' sockets and their monitors all count.
+CONTEXT_MAX_SOCKETS = 4096
+
+#: Status connections one process keeps at most, well below CONTEXT_MAX_SOCKETS (and a
+#: quarter of the descriptors the process may open: each costs a socket and a signaler).
+#: Past it the least recently used is closed: a new receiver is always served.
+MAX_STATUS_CONNECTIONS = 512
+
+#: A status connection unused this long is closed: its receiver's rooms are over, and a
+#: dead one's reconnection attempts stop.
+STATUS_IDLE_S = 60.0
+
+#: How long a new status connection may take to come up; its statuses wait that long,
+#: then the endpoint counts as unreachable: they are dropped and the socket closed.
+STATUS_CONNECT_S = 5.0
+
+#: Longest pause between reconnection attempts of a status connection that went down
+#: (ZMQ starts at 100 ms and doubles): a restarted receiver is reached within it.
+STATUS_RECONNECT_MAX_MS = 1000
 
 #: Messages our listeners queue per connected peer before ZMQ stops reading from it:
 #: a peer that sends faster than we drain meets back-pressure (its own sends fill up)
@@ -61,6 +83,7 @@ def context() -> zmq.Context:
     with _context_lock:
         if _context is None or _context_pid != os.getpid():
             ctx = zmq.Context()
+            ctx.set(zmq.MAX_SOCKETS, CONTEXT_MAX_SOCKETS)
             batch = getattr(os, "SCHED_BATCH", None)
             if batch is not None and os.environ.get(SCHED_BATCH_ENV, "1") != "0":
                 ctx.set(zmq.THREAD_SCHED_POLICY, batch)
@@ -153,12 +176,14 @@ def pull_socket(host: str, port: int) -> tuple[zmq.Socket, int]:
     return sock, bound
 
 
-def push_socket(host: str, port: int, hwm: int = STATUS_HWM, immediate: bool = False) -> zmq.Socket:
+def push_socket(host: str, port: int, hwm: int = STATUS_HWM, immediate: bool = False,
+                reconnect_max_ms: int = 0) -> zmq.Socket:
     """A PUSH socket connected to host:port that never blocks the sender for long.
 
     With `immediate`, messages are queued only while a connection is up (sending
     meanwhile raises zmq.Again), and what was queued dies with the connection: ZMQ
     otherwise keeps it and hands it to whoever listens at that address next.
+    `reconnect_max_ms` > 0 lets the pause between reconnection attempts double up to it.
     zmq.ZMQError when the address cannot be connected to (a malformed host); no
     socket is left behind then.
     """
@@ -169,6 +194,8 @@ def push_socket(host: str, port: int, hwm: int = STATUS_HWM, immediate: bool = F
         sock.setsockopt(zmq.SNDTIMEO, 0)
         if immediate:
             sock.setsockopt(zmq.IMMEDIATE, 1)
+        if reconnect_max_ms > 0:
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, reconnect_max_ms)
         sock.connect(f"tcp://{zmq_host(host)}:{port}")
     except zmq.ZMQError:
         sock.close(0)
@@ -381,20 +408,128 @@ _oversized_lock = threading.Lock()
 _complaints = ThrottledLog(log)
 
 
-class Pushers:
-    """PUSH sockets keyed by endpoint, shared by threads under one lock.
+def status_connection_limit(wanted: int = MAX_STATUS_CONNECTIONS) -> int:
+    """`wanted`, cut to a quarter of the descriptors this process may open and of the context's sockets."""
+    sockets = CONTEXT_MAX_SOCKETS
+    try:
+        import resource
 
-    Sends never block: a full queue (the peer is dead or slow) drops the message,
-    logged once per endpoint, so one dead receiver cannot stall anyone else.
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft != resource.RLIM_INFINITY:
+            sockets = min(sockets, soft)
+    except (ImportError, OSError, ValueError):
+        pass
+    return max(1, min(wanted, sockets // 4))
+
+
+class StatusEndpoints:
+    """Which status endpoints keep a connection: the rule behind Pushers, with no sockets.
+
+    An endpoint is `connecting` from its first use until connected(); it is closed when
+    it has not connected within `connect_s` (unreachable), when unused for `idle_s`, or,
+    least recently used first, to make room for a new one beyond `limit`.
     """
 
-    def __init__(self, hwm: int = STATUS_HWM, limit: int = 4096) -> None:
+    def __init__(self, limit: int, idle_s: float = STATUS_IDLE_S, connect_s: float = STATUS_CONNECT_S) -> None:
+        if limit < 1:
+            raise ValueError(f"at least one status connection is needed, got a limit of {limit}")
+        self.limit = limit
+        self.idle_s = idle_s
+        self.connect_s = connect_s
+        self._used: OrderedDict[Any, float] = OrderedDict()  # least recently used first
+        self._connecting: dict[Any, float] = {}  # endpoint -> when it was opened
+
+    def __len__(self) -> int:
+        return len(self._used)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._used
+
+    def is_connecting(self, key: object) -> bool:
+        """Whether `key` was opened and has not connected yet."""
+        return key in self._connecting
+
+    def connecting(self) -> list:
+        """The endpoints not connected yet."""
+        return list(self._connecting)
+
+    def use(self, key: Any, now: float) -> list:
+        """Marks `key` used now; opens it if new, returning the endpoints to close to make room."""
+        if key in self._used:
+            self._used[key] = now
+            self._used.move_to_end(key)
+            return []
+        evicted = []
+        while len(self._used) >= self.limit:
+            old, _ = self._used.popitem(last=False)
+            self._connecting.pop(old, None)
+            evicted.append(old)
+        self._used[key] = now
+        self._connecting[key] = now
+        return evicted
+
+    def connected(self, key: Any) -> None:
+        """`key`'s connection is up."""
+        self._connecting.pop(key, None)
+
+    def forget(self, key: Any) -> None:
+        """`key` was closed."""
+        self._used.pop(key, None)
+        self._connecting.pop(key, None)
+
+    def expired(self, now: float) -> list[tuple[Any, str]]:
+        """Forgets and returns (endpoint, why) for those unreachable or idle by `now`."""
+        out = [(key, "unreachable") for key, opened in self._connecting.items() if now - opened >= self.connect_s]
+        for key, _ in out:
+            self.forget(key)
+        for key, used in self._used.items():  # least recently used first: stop at the first still in use
+            if now - used < self.idle_s:
+                break
+            out.append((key, "idle"))
+        for key, why in out:
+            if why == "idle":
+                self.forget(key)
+        return out
+
+    def next_expiry(self) -> float | None:
+        """When expired() next has something to say (None: nothing open)."""
+        times = [opened + self.connect_s for opened in self._connecting.values()]
+        if self._used:
+            times.append(next(iter(self._used.values())) + self.idle_s)
+        return min(times) if times else None
+
+
+class Pushers:
+    """Status PUSH sockets keyed by endpoint, shared by threads under one lock.
+
+    Sends never block, and a status goes only over a connection that is up when it is
+    sent (ZMQ_IMMEDIATE): one pushed while its receiver is down is dropped, never kept
+    for whichever process listens at that address next. A new endpoint's statuses wait
+    (in order, up to the queue's bound) for its first connection, which a thread of the
+    pool's own ("epd-status") watches; one that does not come up within connect_s is
+    unreachable and its statuses are dropped. Connections are bounded (least recently
+    used closed first to serve a new endpoint) and closed after idle_s unused, so dead
+    endpoints cost no sockets, descriptors or reconnection attempts once their rooms
+    are over. Drops are counted in `dropped` and warned about, throttled.
+    """
+
+    def __init__(self, hwm: int = STATUS_HWM, limit: int | None = None, idle_s: float = STATUS_IDLE_S,
+                 connect_s: float = STATUS_CONNECT_S) -> None:
         self._hwm = hwm
-        self._limit = limit
+        self._endpoints = StatusEndpoints(status_connection_limit() if limit is None else limit, idle_s, connect_s)
         self._sockets: dict[tuple[str, int], zmq.Socket] = {}
-        self._warned: set[tuple[str, int]] = set()
+        self._waiting: dict[tuple[str, int], list[list[bytes]]] = {}  # statuses for connections not up yet
         self._lock = threading.Lock()
+        self._waker = Waker()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._warn = ThrottledLog(log)
         self.dropped = 0
+
+    @property
+    def limit(self) -> int:
+        """Status connections kept at most."""
+        return self._endpoints.limit
 
     def send(self, endpoint: str, port: int, frames: list[bytes]) -> bool:
         """Queues `frames` for endpoint:port; False when they had to be dropped.
@@ -404,30 +539,92 @@ class Pushers:
         """
         key = (endpoint, port)
         with self._lock:
+            if self._closed:
+                return self._drop(key, 1, "the status pushers are closed")
             sock = self._sockets.get(key)
             if sock is None:
-                if len(self._sockets) >= self._limit:
-                    # Forget the oldest endpoint rather than grow without bound.
-                    old_key = next(iter(self._sockets))
-                    self._sockets.pop(old_key).close(0)
+                for old in self._endpoints.use(key, time.monotonic()):
+                    self._close(old, "closed to make room for a new receiver")
                 try:
-                    sock = push_socket(endpoint, port, self._hwm)
+                    sock = push_socket(endpoint, port, self._hwm, immediate=True,
+                                       reconnect_max_ms=STATUS_RECONNECT_MAX_MS)
                 except zmq.ZMQError as exc:
-                    return self._drop(key, f"cannot connect to it ({exc})")
+                    self._endpoints.forget(key)
+                    return self._drop(key, 1, f"cannot connect to it ({exc})")
                 self._sockets[key] = sock
+                self._waiting[key] = []
+                self._start()
+            else:
+                self._endpoints.use(key, time.monotonic())
+            waiting = self._waiting.get(key)
+            if waiting is not None and not self._came_up(key, sock):
+                if len(waiting) >= self._hwm:
+                    return self._drop(key, 1, "its connection is not up yet and its queue is full")
+                waiting.append(frames)
+                return True
             try:
                 send_frames(sock, frames)
                 return True
             except zmq.Again:
-                return self._drop(key, "it is not draining its queue")
+                return self._drop(key, 1, "it is down or not draining its queue")
 
-    def _drop(self, key: tuple[str, int], why: str) -> bool:
-        """Counts a dropped message; warns once per endpoint (lock held)."""
-        self.dropped += 1
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning("dropping messages to %s:%d: %s", key[0], key[1], why)
+    def _came_up(self, key: tuple[str, int], sock: zmq.Socket) -> bool:
+        """Whether a waiting endpoint's connection is up; if so, sends what waited (lock held)."""
+        if not _get(sock, zmq.EVENTS) & zmq.POLLOUT:
+            return False
+        self._endpoints.connected(key)
+        waiting = self._waiting.pop(key)
+        for i, frames in enumerate(waiting):
+            try:
+                send_frames(sock, frames)
+            except zmq.Again:
+                self._drop(key, len(waiting) - i, "it is not draining its queue")
+                break
+        return True
+
+    def _drop(self, key: tuple[str, int], count: int, why: str) -> bool:
+        """Counts dropped statuses and warns, throttled (lock held)."""
+        self.dropped += count
+        self._warn.warning(why, "dropping statuses to %s:%d: %s", key[0], key[1], why)
         return False
+
+    def _close(self, key: tuple[str, int], why: str) -> None:
+        """Closes one endpoint's socket, dropping the statuses still waiting for it (lock held)."""
+        waiting = self._waiting.pop(key, None)
+        if waiting:
+            self._drop(key, len(waiting), why)
+        self._sockets.pop(key).close(0)
+
+    def _start(self) -> None:
+        """Starts the watching thread, or wakes it for a new endpoint (lock held)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="epd-status", daemon=True)
+            self._thread.start()
+        self._waker.wake()
+
+    def _watch(self) -> None:
+        """Sends what waited once a connection is up; closes unreachable and idle endpoints."""
+        name_this_thread("epd-status")
+        poll = 0.001
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                for key in self._endpoints.connecting():
+                    self._came_up(key, self._sockets[key])
+                for key, why in self._endpoints.expired(now):
+                    self._close(key, f"{why}: no connection within {self._endpoints.connect_s:g}s"
+                                if why == "unreachable" else why)
+                expiry = self._endpoints.next_expiry()
+                waiting = bool(self._endpoints.connecting())
+            # Connections coming up are checked often at first (a receiver is usually there
+            # at once), then less; with none coming up the thread sleeps until an expiry.
+            timeout = None if expiry is None else max(0.0, expiry - time.monotonic())
+            if waiting:
+                timeout = poll if timeout is None else min(poll, timeout)
+            select.select([self._waker.fileno()], [], [], timeout)
+            poll = 0.001 if self._waker.drain() or not waiting else min(poll * 2, 0.05)
 
     def __len__(self) -> int:
         return len(self._sockets)
@@ -435,12 +632,32 @@ class Pushers:
     def close(self, linger_ms: int = 0) -> None:
         """Closes every socket; what is still queued gets `linger_ms` to go out (0: discarded).
 
-        close() returns at once either way: the context's I/O thread does the lingering.
+        Statuses still waiting for a connection get those `linger_ms` to see it come up;
+        queued ones then linger in the context's I/O thread, so close() waits for no more.
         """
         with self._lock:
-            for sock in self._sockets.values():
-                sock.close(linger_ms)
-            self._sockets.clear()
+            if self._closed:
+                return
+            self._closed = True
+        self._waker.wake()
+        if self._thread is not None:
+            self._thread.join()
+        deadline = time.monotonic() + linger_ms / 1000
+        while time.monotonic() < deadline:
+            with self._lock:
+                for key in list(self._waiting):
+                    self._came_up(key, self._sockets[key])
+                if not self._waiting:
+                    break
+            time.sleep(0.001)
+        with self._lock:
+            for key in list(self._sockets):
+                waiting = self._waiting.pop(key, None)
+                if waiting:
+                    self._drop(key, len(waiting), "its connection did not come up before close()")
+                self._sockets.pop(key).close(linger_ms)
+                self._endpoints.forget(key)
+        self._waker.close()
 
 
 class Conclusions:

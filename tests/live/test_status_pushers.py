@@ -1,0 +1,130 @@
+"""Status pushers (transfer._io.Pushers) over real ZMQ: thousands of dead receivers, a restarted
+receiver at the same address, and a new receiver that must always be served."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import zmq
+
+from transfer import _io
+from transfer.frames import parse_status, status_frames
+
+DEAD = 5000
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _cpu_s() -> float:
+    """This process's user + system CPU seconds, from /proc/self/stat."""
+    with open("/proc/self/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _collect(pull: zmq.Socket, until, limit: float = 10.0) -> list[list[bytes]]:
+    """Messages from `pull` until `until(messages)` holds or `limit` seconds pass."""
+    got: list[list[bytes]] = []
+    deadline = time.monotonic() + limit
+    while not until(got) and time.monotonic() < deadline:
+        frames = _io.recv_frames(pull)
+        if frames is None:
+            time.sleep(0.002)
+        else:
+            got.append(frames)
+    return got
+
+
+def _dead_endpoint(i: int) -> tuple[str, int]:
+    """A loopback address nobody listens on (127.1.x.y, port 9)."""
+    return f"127.1.{i // 250}.{1 + i % 250}", 9
+
+
+def test_a_new_receiver_is_served_after_thousands_of_dead_ones():
+    pushers = _io.Pushers(connect_s=1.0)
+    pull, port = _io.pull_socket("127.0.0.1", 0)
+    fds_before = _fds()
+    try:
+        for i in range(DEAD):
+            pushers.send(*_dead_endpoint(i), status_frames(i, 0, 0))
+        fds_flood = _fds() - fds_before
+        assert len(pushers) <= pushers.limit < _io.CONTEXT_MAX_SOCKETS // 4
+        assert fds_flood <= 3 * pushers.limit, fds_flood
+        assert pushers.send("127.0.0.1", port, status_frames(600, 4, 0))
+        got = _collect(pull, lambda got: got)
+        assert [parse_status(f)[:3] for f in got] == [(600, 4, 0)]
+        # Unreachable endpoints are closed after connect_s; only the live receiver's stays.
+        deadline = time.monotonic() + 10
+        while len(pushers) > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pushers) == 1
+        fds_settled = _fds() - fds_before
+        cpu = _cpu_s()
+        time.sleep(1.0)
+        idle_cpu = _cpu_s() - cpu
+        print(f"fds: +{fds_flood} during {DEAD} dead endpoints, +{fds_settled} after; "
+              f"idle CPU {idle_cpu:.3f} s over 1 s; dropped {pushers.dropped}")
+        assert fds_settled <= 8, fds_settled
+        assert pushers.dropped == DEAD  # every dead receiver's status, none of the live one's
+    finally:
+        pushers.close()
+        pull.close(0)
+
+
+def test_a_restarted_receiver_at_the_same_address_never_gets_what_was_pushed_while_it_was_down():
+    pull, port = _io.pull_socket("127.0.0.1", 0)
+    pushers = _io.Pushers()
+    try:
+        assert pushers.send("127.0.0.1", port, status_frames(1, 4, 0))
+        assert [parse_status(f)[0] for f in _collect(pull, lambda got: got)] == [1]
+        pull.close(0)  # the receiver dies
+        time.sleep(0.3)  # ZMQ notices the connection went down
+        for room in range(100, 130):
+            pushers.send("127.0.0.1", port, status_frames(room, 0, 0))  # Failed, for nobody
+        successor, _ = _io.pull_socket("127.0.0.1", port)
+        pull = successor
+        marker = 1000
+        deadline = time.monotonic() + 10
+        got: list[list[bytes]] = []
+        while time.monotonic() < deadline and not any(parse_status(f)[0] >= 1000 for f in got):
+            pushers.send("127.0.0.1", port, status_frames(marker, 4, 0))
+            marker += 1
+            got += _collect(pull, lambda got: got, limit=0.05)
+        rooms = [parse_status(f)[0] for f in got]
+        assert rooms and all(room >= 1000 for room in rooms), rooms
+    finally:
+        pushers.close()
+        pull.close(0)
+
+
+def test_statuses_pushed_before_a_new_connection_is_up_arrive_in_order():
+    pull, port = _io.pull_socket("127.0.0.1", 0)
+    pushers = _io.Pushers()
+    try:
+        for room in range(50):
+            assert pushers.send("127.0.0.1", port, status_frames(room, 4, 0))
+        got = _collect(pull, lambda got: len(got) == 50)
+        assert [parse_status(f)[0] for f in got] == list(range(50))
+        assert pushers.dropped == 0
+    finally:
+        pushers.close()
+        pull.close(0)
+
+
+def test_close_lets_waiting_statuses_go_out_within_the_linger():
+    pull, port = _io.pull_socket("127.0.0.1", 0)
+    pushers = _io.Pushers()
+    try:
+        pushers.send("127.0.0.1", port, status_frames(7, 0, 0))
+        pushers.close(linger_ms=2000)
+        assert [parse_status(f)[0] for f in _collect(pull, lambda got: got)] == [7]
+    finally:
+        pull.close(0)
+
+
+def test_the_context_socket_limit_is_set():
+    assert _io.context().get(zmq.MAX_SOCKETS) == _io.CONTEXT_MAX_SOCKETS
+    assert _io.status_connection_limit() <= _io.CONTEXT_MAX_SOCKETS // 4
