@@ -568,6 +568,38 @@ class Pushers:
             except zmq.Again:
                 return self._drop(key, 1, "it is down or not draining its queue")
 
+    def expect(self, endpoint: str, port: int) -> None:
+        """A receiver at endpoint:port just announced itself (its registration arrived).
+
+        Its connection is opened now if there is none, and made afresh if the one there
+        is down (its receiver restarted there): its next statuses then wait for the new
+        connection instead of being dropped while ZMQ's reconnection backs off (a live
+        connection so backed up that it takes nothing is made afresh too, its queue
+        dropped). What was pushed before this call never reaches it.
+        """
+        key = (endpoint, port)
+        with self._lock:
+            if self._closed:
+                return
+            sock = self._sockets.get(key)
+            if sock is not None and (key in self._waiting or _get(sock, zmq.EVENTS) & zmq.POLLOUT):
+                self._endpoints.use(key, time.monotonic())
+                return
+            if sock is not None:
+                self._close(key, "its receiver announced itself again")
+                self._endpoints.forget(key)
+            for old in self._endpoints.use(key, time.monotonic()):
+                self._close(old, "closed to make room for a new receiver")
+            try:
+                self._sockets[key] = push_socket(endpoint, port, self._hwm, immediate=True,
+                                                 reconnect_max_ms=STATUS_RECONNECT_MAX_MS)
+            except zmq.ZMQError as exc:
+                self._endpoints.forget(key)
+                self._warn.warning("expect", "cannot connect to receiver %s:%d: %s", endpoint, port, exc)
+                return
+            self._waiting[key] = []
+            self._start()
+
     def _came_up(self, key: tuple[str, int], sock: zmq.Socket) -> bool:
         """Whether a waiting endpoint's connection is up; if so, sends what waited (lock held)."""
         if not _get(sock, zmq.EVENTS) & zmq.POLLOUT:

@@ -128,3 +128,39 @@ def test_close_lets_waiting_statuses_go_out_within_the_linger():
 def test_the_context_socket_limit_is_set():
     assert _io.context().get(zmq.MAX_SOCKETS) == _io.CONTEXT_MAX_SOCKETS
     assert _io.status_connection_limit() <= _io.CONTEXT_MAX_SOCKETS // 4
+
+
+def test_a_receiver_restarted_at_the_same_address_is_served_at_once_once_it_announces_itself():
+    """expect() (its registration arrived) makes the next status wait for the new connection
+    rather than be dropped while ZMQ's reconnection to the address backs off."""
+    pull, port = _io.pull_socket("127.0.0.1", 0)
+    pushers = _io.Pushers()
+    try:
+        pushers.expect("127.0.0.1", port)
+        assert pushers.send("127.0.0.1", port, status_frames(1, 4, 0))
+        assert [parse_status(f)[0] for f in _collect(pull, lambda got: got)] == [1]
+        pull.close(0)
+        time.sleep(2.5)  # down long enough for the reconnection pause to reach its longest
+        pushers.send("127.0.0.1", port, status_frames(2, 0, 0))  # for nobody: dropped
+        pull, _ = _io.pull_socket("127.0.0.1", port)
+        pushers.expect("127.0.0.1", port)
+        assert pushers.send("127.0.0.1", port, status_frames(3, 4, 0))
+        assert [parse_status(f)[0] for f in _collect(pull, lambda got: got)] == [3]
+        assert pushers.dropped == 1
+    finally:
+        pushers.close()
+        pull.close(0)
+
+
+def test_expect_leaves_a_live_connection_as_it_is():
+    pull, port = _io.pull_socket("127.0.0.1", 0)
+    pushers = _io.Pushers()
+    try:
+        for room in range(20):
+            pushers.send("127.0.0.1", port, status_frames(room, 4, 0))
+            pushers.expect("127.0.0.1", port)
+        got = _collect(pull, lambda got: len(got) == 20)
+        assert [parse_status(f)[0] for f in got] == list(range(20))
+    finally:
+        pushers.close()
+        pull.close(0)
