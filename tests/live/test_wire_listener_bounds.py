@@ -37,7 +37,8 @@ class Listener:
     """A raw native listener on an ephemeral loopback port with one registered page of memory."""
 
     def __init__(self, recv: float = 0.4, idle: float = 5.0, chunk: int = PAGE, conns: int = 1, *rate: float):
-        self.handle = _native.wire_listen("127.0.0.1", 0, recv, idle, chunk, conns, *rate)
+        # Idle connections hold the slots here however long a test runs: none is closed for a newcomer.
+        self.handle = _native.wire_listen("127.0.0.1", 0, recv, idle, chunk, conns, *rate, evict_after=-1.0)
         self.port = _native.wire_listener_port(self.handle)
         self.memory = np.full(PAGE, SENTINEL, dtype=np.uint8)
         self.base = self.memory.ctypes.data
@@ -169,7 +170,7 @@ def test_busy_listener_takes_what_the_peer_sends_before_it_reads():
 def test_the_sender_reports_a_busy_listener_clearly():
     """WireEngine.write to a full listener always fails with the listener's reason, never a reset."""
     n = 1_000_000
-    with WireEngine("127.0.0.1", chunk_bytes=PAGE, max_connections=1) as rx, \
+    with WireEngine("127.0.0.1", chunk_bytes=PAGE, max_connections=1, evict_after_s=-1.0) as rx, \
             WireEngine("127.0.0.1", chunk_bytes=PAGE) as tx:
         dst = torch.zeros(n, dtype=torch.uint8)
         src = torch.ones(n, dtype=torch.uint8)

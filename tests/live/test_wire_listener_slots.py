@@ -116,19 +116,23 @@ def test_dribbling_transfers_holding_every_slot_do_not_lock_a_sender_out(pair):
             sock.close()
 
 
-def test_connections_keeping_up_are_not_closed_for_a_newcomer(pair):
-    """Within the second, a full listener still answers a newcomer "listener busy"."""
-    rx, tx, dst, src = pair
-    holders = [_connect(rx.port) for _ in range(SLOTS)]
-    try:
-        assert _wait_for(lambda: rx.stats()["active"] == SLOTS, 10)
-        with pytest.raises(TransferError, match=f"listener busy: all {SLOTS} connections in use"):
-            _write(tx, rx, dst, src)
-        assert not bool(dst.any())
-        assert rx.stats()["evicted"] == 0
-    finally:
-        for sock in holders:
-            sock.close()
+def test_connections_less_than_evict_after_behind_are_not_closed_for_a_newcomer():
+    """A full listener whose connections are all younger than evict_after answers "listener busy"."""
+    with WireEngine("127.0.0.1", max_connections=SLOTS, evict_after_s=60.0) as rx, WireEngine("127.0.0.1") as tx:
+        dst = torch.zeros(NBYTES, dtype=torch.uint8)
+        src = torch.ones(NBYTES, dtype=torch.uint8)
+        rx.register(dst)
+        tx.register(src)
+        holders = [_connect(rx.port) for _ in range(SLOTS)]
+        try:
+            assert _wait_for(lambda: rx.stats()["active"] == SLOTS, 10)
+            with pytest.raises(TransferError, match=f"listener busy: all {SLOTS} connections in use"):
+                _write(tx, rx, dst, src)
+            assert not bool(dst.any())
+            assert rx.stats()["evicted"] == 0
+        finally:
+            for sock in holders:
+                sock.close()
 
 
 def test_a_negative_evict_after_keeps_every_slot():
