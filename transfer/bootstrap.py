@@ -435,6 +435,10 @@ class BootstrapClient:
         if not isinstance(ip, str) or not isinstance(port, int) or isinstance(port, bool):
             raise BootstrapError(f"bootstrap server {self.address} sent an incomplete route "
                                  f"for encode rank {engine_rank}: {value}")
+        if not 0 < len(ip) <= MAX_HOST_CHARS or not 1 <= port <= 65535:
+            raise BootstrapError(f"bootstrap server {self.address} sent a route no encode rank has "
+                                 f"for encode rank {engine_rank}: host of {len(ip)} characters "
+                                 f"(1 to {MAX_HOST_CHARS}), port {port} (1 to 65535)")
         return ip, port
 
     def health(self) -> bool:

@@ -73,3 +73,15 @@ def test_the_client_refuses_parallel_sizes_no_deployment_has(sizes):
 
 def test_the_client_accepts_plausible_parallel_sizes():
     assert _client_answering({"prefill_tp_size": 8, "prefill_dp_size": 2}).parallel_info() == (8, 2)
+
+
+@pytest.mark.parametrize("route", [{"rank_ip": "10.0.0.1", "rank_port": 10**30}, {"rank_ip": "10.0.0.1", "rank_port": 0},
+                                   {"rank_ip": "h" * (MAX_HOST_CHARS + 1), "rank_port": 17000},
+                                   {"rank_ip": "", "rank_port": 17000}])
+def test_the_client_refuses_a_route_no_encode_rank_has(route):
+    with pytest.raises(BootstrapError, match="a route no encode rank has"):
+        _client_answering(route).route(0, 0)
+
+
+def test_the_client_accepts_a_plausible_route():
+    assert _client_answering({"rank_ip": "10.0.0.1", "rank_port": 17000}).route(0, 0) == ("10.0.0.1", 17000)
