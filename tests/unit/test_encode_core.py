@@ -393,3 +393,15 @@ def test_next_wakeup_is_the_sweep_or_a_clears_grace():
     run.tick()
     run.at(0.6).tick()
     assert run.core.next_wakeup() == pytest.approx(1.1)
+
+
+def test_close_releases_a_cleared_room_whose_write_never_left_the_queue():
+    run = Run(depth=1)
+    busy, cleared = _offer(1), _offer(2)
+    run.offer(busy)
+    run.ask(_ask(1, session="a"))
+    run.offer(cleared)
+    run.ask(_ask(2, session="b"))  # waits behind room 1's write
+    run(run.core.clear(2, cleared.token, run.now))
+    out = run(run.core.close(1.0))
+    assert run.of(Release, out) == [Release(2, cleared.token)]

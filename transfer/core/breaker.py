@@ -38,12 +38,13 @@ class Trip:
 class Breaker:
     """Keys that failed slowly, each paused until its time is up, a reset, or a sweep forgets it."""
 
-    def __init__(self, *, pause_s: float = PAUSE_S, slow_after_s: float = SLOW_AFTER_S,
-                 stall_factor: float = STALL_FACTOR, max_pause_s: float = MAX_PAUSE_S) -> None:
-        self.pause_s = pause_s
-        self.slow_after_s = slow_after_s
-        self.stall_factor = stall_factor
-        self.max_pause_s = max_pause_s
+    def __init__(self, *, pause_s: float | None = None, slow_after_s: float | None = None,
+                 stall_factor: float | None = None, max_pause_s: float | None = None) -> None:
+        """Settings left out are the module's, read now."""
+        self.pause_s = PAUSE_S if pause_s is None else pause_s
+        self.slow_after_s = SLOW_AFTER_S if slow_after_s is None else slow_after_s
+        self.stall_factor = STALL_FACTOR if stall_factor is None else stall_factor
+        self.max_pause_s = MAX_PAUSE_S if max_pause_s is None else max_pause_s
         self._open: dict[Hashable, tuple[float, float]] = {}  # key -> (failed at, paused until)
 
     def failed(self, key: Hashable, took: float, now: float, *, blocking: bool = False) -> Trip | None:
@@ -78,6 +79,10 @@ class Breaker:
     def next_expiry(self) -> float | None:
         """When the earliest pause ends (a sweep then frees memory), or None."""
         return min((until for _, until in self._open.values()), default=None)
+
+    def entry(self, key: Hashable) -> tuple[float, float] | None:
+        """(failed at, paused until) for `key`, or None."""
+        return self._open.get(key)
 
     def __contains__(self, key: object) -> bool:
         return key in self._open

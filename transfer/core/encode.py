@@ -186,6 +186,8 @@ class EncodeCore:
         self._clears_due: deque[tuple[int, float]] = deque()  # (room, cleared at) with parked asks to fail
         self._next_sweep = now + SWEEP_S
         self._closed = False
+        self._close_detail = ""
+        self._writes_stopped = False
         self._out: list = []
 
     # ------------------------------------------------------------ events
@@ -197,6 +199,9 @@ class EncodeCore:
             self._fail(old, FailureKind.CLEARED, "cleared before it concluded", now)
             self._unserved.discard(old.room)
         room = self._rooms[offer.room] = _Room(offer, now)
+        if self._closed:  # sent while the driver was closing: nothing will serve it
+            self._fail(room, FailureKind.CLOSED, self._close_detail, now)
+            return self._out_take()
         self._unserved.add(offer.room)
         self._dispatch(room.room, now)
         return self._flush(now)
@@ -294,6 +299,10 @@ class EncodeCore:
             self._next_sweep = now + SWEEP_S
         return self._flush(now)
 
+    def stop_writes(self) -> None:
+        """No write starts from now on (closing: those in flight settle first)."""
+        self._writes_stopped = True
+
     def close(self, now: float, detail: str = "sender pool closed") -> list:
         """Fails every open room and parked ask; writes still in flight keep their rooms' sources.
 
@@ -301,13 +310,14 @@ class EncodeCore:
         (the engine may read its rows) concludes Failed without a Release.
         """
         self._closed = True
+        self._close_detail = detail
         self._clears_due.clear()
         for asks in self.parked.take_all():
             self._tell_failed(asks.infos.values())
-        for job in self.scheduler.take_all():
-            job.room.pending -= 1
         for room in list(self._rooms.values()):
             self._fail(room, FailureKind.CLOSED, detail, now)
+        for job in self.scheduler.take_all():  # every room is failed now: these only count out
+            self._receiver_done(job.room, now)
         for job in self._writes.values():  # cleared rooms still in flight: release none of them
             job.room.released = True
         self._unserved.clear()
@@ -394,7 +404,7 @@ class EncodeCore:
 
     def _pump(self, now: float) -> None:
         """Starts the waiting writes that may start now."""
-        if self._closed or not len(self.scheduler):
+        if self._closed or self._writes_stopped or not len(self.scheduler):
             return
         picked = self.scheduler.pick(now, cancelled=lambda job: job.room.failed,
                                      ready=lambda job: self._ready(job, now), expired=lambda job, waited:

@@ -6,8 +6,16 @@ from dataclasses import dataclass, field
 
 from transfer.frames import TransferInfo
 
-__all__ = ["ASK_OVERHEAD_BYTES", "Admission", "Asks", "MAX_PARKED_ASKS", "MAX_PARKED_BYTES",
-           "MAX_RECEIVERS_PER_ROOM", "ParkedAsks", "ask_cost"]
+__all__ = [
+    "ASK_OVERHEAD_BYTES",
+    "MAX_PARKED_ASKS",
+    "MAX_PARKED_BYTES",
+    "MAX_RECEIVERS_PER_ROOM",
+    "Admission",
+    "Asks",
+    "ParkedAsks",
+    "ask_cost",
+]
 
 #: Rooms asked for whose item (or rest of the fanout) has not come yet, and receivers per
 #: such room: past these, a peer asking for rooms nobody sends would only eat memory, so
@@ -53,11 +61,12 @@ class Admission:
 class ParkedAsks:
     """Rooms' asks, oldest room first, bounded in rooms, receivers per room and bytes."""
 
-    def __init__(self, *, max_rooms: int = MAX_PARKED_ASKS, max_receivers: int = MAX_RECEIVERS_PER_ROOM,
-                 max_bytes: int = MAX_PARKED_BYTES) -> None:
-        self.max_rooms = max_rooms
-        self.max_receivers = max_receivers
-        self.max_bytes = max_bytes
+    def __init__(self, *, max_rooms: int | None = None, max_receivers: int | None = None,
+                 max_bytes: int | None = None) -> None:
+        """Bounds left out are the module's, read now (so a test or a deployment may set them)."""
+        self.max_rooms = MAX_PARKED_ASKS if max_rooms is None else max_rooms
+        self.max_receivers = MAX_RECEIVERS_PER_ROOM if max_receivers is None else max_receivers
+        self.max_bytes = MAX_PARKED_BYTES if max_bytes is None else max_bytes
         self._rooms: dict[int, Asks] = {}
         self.nbytes = 0
 
@@ -115,9 +124,19 @@ class ParkedAsks:
         rooms, self._rooms, self.nbytes = list(self._rooms.values()), {}, 0
         return rooms
 
+    def values(self) -> list[Asks]:
+        """Every room's asks, oldest first (a copy of the list)."""
+        return list(self._rooms.values())
+
     def rooms(self) -> list[int]:
         """Rooms with parked asks, oldest first."""
         return list(self._rooms)
+
+    def __getitem__(self, room: int) -> Asks:
+        return self._rooms[room]
+
+    def __iter__(self):
+        return iter(list(self._rooms))
 
     def __contains__(self, room: object) -> bool:
         return room in self._rooms

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from transfer.frames import MAX_REGIONS_PER_SESSION, Registration, TransferInfo, check_region
+from transfer.frames import (
+    MAX_REGIONS_PER_SESSION,
+    Registration,
+    TransferInfo,
+    check_region,
+)
 
 __all__ = ["MAX_REGIONS_PER_SESSION", "MAX_SESSIONS", "RegionBook"]
 
@@ -16,8 +21,8 @@ MAX_SESSIONS = 4096
 class RegionBook:
     """Per-session registered regions, newest last, bounded per session and in sessions (LRU)."""
 
-    def __init__(self, *, max_sessions: int = MAX_SESSIONS, per_session: int = MAX_REGIONS_PER_SESSION) -> None:
-        self.max_sessions = max_sessions
+    def __init__(self, *, max_sessions: int | None = None, per_session: int = MAX_REGIONS_PER_SESSION) -> None:
+        self.max_sessions = MAX_SESSIONS if max_sessions is None else max_sessions
         self.per_session = per_session
         self._sessions: dict[str, list[Registration]] = {}
 
