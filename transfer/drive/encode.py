@@ -264,8 +264,10 @@ class EncodeDriver:
                     timeout = 0.0
                 else:
                     timeout = delay if busy else max(0.0, self.core.next_wakeup() - self.clock())
-                self._sleep(poller, timeout)
-                if self.waker.pending():
+                woken = self._sleep(poller, timeout)
+                # The flag saves a system call per loop; the pipe's readability covers a
+                # wake() caught between setting the flag and writing its byte.
+                if woken or self.waker.pending():
                     self.waker.drain()
                 self._take_commands()
                 more_requests = self._drain_requests()
@@ -284,18 +286,19 @@ class EncodeDriver:
             self._failed(f"sender pool stopped: {type(exc).__name__}: {exc}")
         self._close()
 
-    def _sleep(self, poller: select.poll, timeout: float) -> None:
-        """Waits for a request, a wake-up or `timeout` seconds.
+    def _sleep(self, poller: select.poll, timeout: float) -> bool:
+        """Waits for a request, a wake-up or `timeout` seconds; True when the waker's pipe is readable.
 
         poll() counts whole milliseconds: a shorter wait (writes in flight) checks once
         and sleeps. ZMQ's FD only signals that the socket's state may have changed: the
         loop sleeps only after a drain that found the socket empty, so a message queued
         since then has signalled the FD.
         """
-        if timeout >= 1e-3:
-            poller.poll(timeout * 1e3)
-        elif timeout > 0 and not poller.poll(0):
+        events = poller.poll(timeout * 1e3 if timeout >= 1e-3 else 0)
+        if not events and 0 < timeout < 1e-3:
             time.sleep(timeout)
+        waker = self.waker.fileno()
+        return any(fd == waker for fd, _ in events)
 
     def _take_commands(self) -> None:
         while self.commands:
