@@ -241,12 +241,12 @@ class _EncodeRank:
         pool = self.pool
         arenas = {addr for _, addr in self.arenas}
         return {
-            "items": len(pool._items), "asks": len(pool._asks), "table": len(pool._table),
-            "temp_sources": len(pool._temp_sources), "pending_handles": len(self.handles),
+            "items": len(pool._book.held), "asks": len(pool._core.parked), "table": len(pool._table),
+            "temp_sources": len(pool._sources.counts), "pending_handles": len(self.handles),
             "extra_registrations": sorted(set(self.engine.registered()) - set(self.registered_before) - arenas),
-            "dropped_statuses": pool._statuses.dropped,
+            "dropped_statuses": pool._driver.statuses.dropped,
             "contexts_shared": _one_context(pool),
-            "pushers": len(pool._statuses),
+            "pushers": len(pool._driver.statuses),
         }
 
     def do_close(self) -> dict:
@@ -274,7 +274,7 @@ def _one_context(pool) -> bool:
     from transfer import _io
 
     shared = _io.context()
-    socks = [pool._pull, *pool._statuses._sockets.values()]
+    socks = [pool._driver.pull, *pool._driver.statuses._sockets.values()]
     return all(s.context is shared for s in socks)
 
 

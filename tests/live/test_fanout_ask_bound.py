@@ -73,7 +73,7 @@ def test_a_fanout_completed_past_the_bound_on_its_first_ask_fails_with_a_reason_
     with SenderPool(encode, 0, 1, 1, server.address, bootstrap_timeout_s=LIMIT) as pool, \
             RawPrefill(prefill, pool.host, pool.port, ITEM) as first, \
             RawPrefill(second_prefill, pool.host, pool.port, ITEM) as second:
-        monkeypatch.setattr(pool, "_sweep", lambda now: None)  # the dispatch path alone decides
+        monkeypatch.setattr(pool._core, "_sweep", lambda now: None)  # the dispatch path alone decides
         handle = pool.send(1, item_tensor(1, SPAN, HIDDEN))
         first.ask(1, first.base, 2, HIDDEN, SPAN, fanout=2)
         time.sleep(LIMIT + 0.5)
@@ -114,4 +114,4 @@ def test_a_write_held_by_its_ready_event_fails_once_the_bound_on_the_first_ask_p
         assert reason.startswith(f"room 1: its write for {prefill.session_id} waited "), reason
         assert reason.endswith(f"past the bootstrap timeout {LIMIT:g}s; not started"), reason
         assert raw.untouched()
-        assert not pool._waiting and not pool._queued
+        assert not pool._core.waiting

@@ -7,8 +7,8 @@ from live_helpers import LIVE, peer_with_64_mib
 
 from transfer.bootstrap import BootstrapServer
 from transfer.engine import Engine
-from transfer.frames import Registration, TransferInfo
-from transfer.sender import DEAD_AFTER_S, MAX_REGIONS_PER_SESSION, SenderPool
+from transfer.frames import TransferInfo
+from transfer.sender import DEAD_AFTER_S, SenderPool
 
 pytestmark = LIVE
 
@@ -20,93 +20,6 @@ def pool():
     with Engine("127.0.0.1", "tcp") as engine, BootstrapServer("127.0.0.1", 0) as server, \
             SenderPool(engine, 0, 1, 1, server.address) as sender:
         yield sender
-
-
-def _reg(port: int, base: int, length: int = 4096) -> Registration:
-    return Registration("10.0.0.7", port, SESSION, base, 0, length, 0)
-
-
-def _ask(ptr: int, rows: int = 4) -> TransferInfo:
-    return TransferInfo(1, "10.0.0.7", 5000, SESSION, ptr, 0, rows, 256, "torch.bfloat16", False, 1, 0, rows)
-
-
-class _Item:
-    row_bytes = 512
-    deepstack_row_bytes = 0
-
-
-def test_regions_accumulate_per_manager_and_reset_for_a_new_one(pool):
-    pool._sessions.pop(SESSION, None)
-    pool._file_registration(_reg(5000, 0x10000))
-    pool._file_registration(_reg(5000, 0x80000))  # a per-item buffer of the same manager
-    assert pool._check_regions(_Item, [_ask(0x10000)]) is None
-    assert pool._check_regions(_Item, [_ask(0x80000)]) is None
-    reason = pool._check_regions(_Item, [_ask(0x40000)])
-    assert reason is not None and "outside registered region" in reason
-    # A destination that runs past its region's end is refused too.
-    assert pool._check_regions(_Item, [_ask(0x10000 + 4096 - 512, rows=2)]) is not None
-
-    # A new session manager on the same engine (a new status endpoint): old regions are gone.
-    pool._file_registration(_reg(5001, 0x200000))
-    assert pool._check_regions(_Item, [_ask(0x10000)]) is not None
-    assert pool._check_regions(_Item, [_ask(0x200000)]) is None
-    assert len(pool._sessions[SESSION]) == 1
-
-
-def test_region_memory_is_bounded(pool):
-    pool._sessions.pop(SESSION, None)
-    for index in range(MAX_REGIONS_PER_SESSION + 10):
-        pool._file_registration(_reg(5000, 0x100000 * (index + 1)))
-    assert len(pool._sessions[SESSION]) == MAX_REGIONS_PER_SESSION
-    # The oldest were forgotten, the newest kept.
-    assert pool._check_regions(_Item, [_ask(0x100000)]) is not None
-    assert pool._check_regions(_Item, [_ask(0x100000 * (MAX_REGIONS_PER_SESSION + 10))]) is None
-
-
-def test_sessions_remembered_are_bounded_least_recently_used_first(pool):
-    from transfer.sender import MAX_SESSIONS
-
-    def register(index: int) -> None:
-        pool._file_registration(Registration("10.0.0.7", 5000, f"session-{index}", 0x10000, 0, 4096, 0))
-
-    def ask(index: int) -> TransferInfo:
-        return TransferInfo(1, "10.0.0.7", 5000, f"session-{index}", 0x10000, 0, 4, 256, "torch.bfloat16", False,
-                            1, 0, 4)
-
-    pool._sessions.clear()
-    for index in range(MAX_SESSIONS):
-        register(index)
-    register(0)  # registered again: now the most recent
-    assert pool._check_regions(_Item, [ask(1)]) is None  # written to: more recent still
-    register(MAX_SESSIONS)
-    register(MAX_SESSIONS + 1)  # two too many: the least recently used two go
-    assert len(pool._sessions) == MAX_SESSIONS
-    assert "session-0" in pool._sessions and "session-1" in pool._sessions
-    assert "session-2" not in pool._sessions and "session-3" not in pool._sessions
-    assert f"session-{MAX_SESSIONS + 1}" in pool._sessions
-    pool._sessions.clear()
-
-
-def test_dead_sessions_are_forgotten_once_their_pause_is_over(pool):
-    import time
-
-    from live_helpers import wait_until
-
-    from transfer.sender import DEAD_SESSION_S
-
-    now = time.monotonic()
-    # (failed at, paused until); the pool's thread sweeps twice a second.
-    pool._dead_sessions["10.0.0.9:1"] = (now - DEAD_SESSION_S - 1, now - 1)
-    pool._dead_sessions["10.0.0.9:2"] = (now, now + 3600)  # still paused
-    assert wait_until(lambda: "10.0.0.9:1" not in pool._dead_sessions, 3.0)
-    assert "10.0.0.9:2" in pool._dead_sessions
-    del pool._dead_sessions["10.0.0.9:2"]
-
-
-def test_a_peer_registration_without_lengths_accepts_any_destination(pool):
-    pool._sessions.pop(SESSION, None)
-    pool._file_registration(Registration("10.0.0.7", 5000, SESSION, 0x10000, 0))
-    assert pool._check_regions(_Item, [_ask(0xDEAD0000)]) is None
 
 
 def test_pool_gauges_count_parked_rooms_while_items_change_under_them(pool):
@@ -315,10 +228,11 @@ def test_close_with_a_write_stuck_on_a_stopped_peer_is_bounded_and_frees_nothing
 
     import torch
 
-    from transfer import _io, sender
+    from transfer import _io
+    from transfer.drive import encode as drive
     from transfer.status import TransferPoll
 
-    monkeypatch.setattr(sender, "CLOSE_WAIT_S", 1.0)
+    monkeypatch.setattr(drive, "CLOSE_WAIT_S", 1.0)
     peer, session, landing = peer_with_64_mib()
     try:
         item = torch.ones(64 << 20, dtype=torch.uint8).view(torch.bfloat16).view(8192, 4096)
@@ -378,10 +292,10 @@ def test_a_write_the_engine_gave_up_on_keeps_its_source_registered_until_mooncak
                 assert "transfer timeout" in handle.failure, handle.failure
                 handle.clear()
                 assert item.data_ptr() in encode_engine.registered()  # Mooncake still reads it
-                assert pool._temp_sources == {item.data_ptr(): 0}
+                assert pool._sources.counts.counts() == {item.data_ptr(): 0}
                 os.kill(peer.pid, signal.SIGCONT)
                 assert wait_until(lambda: item.data_ptr() not in encode_engine.registered(), 30.0)
-                assert pool._temp_sources == {} and not pool._unreleased
+                assert pool._sources.counts.counts() == {} and not pool._sources.counts.unreleased
             finally:
                 asks.close(0)
                 statuses.close(0)
@@ -402,10 +316,10 @@ def test_a_failure_inside_the_pools_thread_fails_its_rooms_and_close_still_clean
     with Engine("127.0.0.1", "tcp") as engine, BootstrapServer("127.0.0.1", 0) as server:
         pool = SenderPool(engine, 0, 1, 1, server.address)
 
-        def broken(room):
+        def broken(offer, now):
             raise RuntimeError("injected")
 
-        pool._maybe_dispatch = broken  # the thread calls it when an item is sent
+        pool._core.offer = broken  # the thread calls it when an item is sent
         with caplog.at_level(logging.ERROR, logger="transfer.sender"):
             handle = pool.send(1, torch.zeros(4, 256, dtype=torch.bfloat16))
             assert handle.wait(5) == TransferPoll.Failed
@@ -557,12 +471,12 @@ def test_parked_asks_are_bounded_oldest_told_failed(monkeypatch):
     from live_helpers import wait_until
 
     from transfer import _io
-    from transfer import sender as sender_module
+    from transfer.core import parked
     from transfer.frames import parse_status
     from transfer.status import TransferPoll
 
-    monkeypatch.setattr(sender_module, "MAX_PARKED_ASKS", 4)
-    monkeypatch.setattr(sender_module, "MAX_RECEIVERS_PER_ROOM", 2)
+    monkeypatch.setattr(parked, "MAX_PARKED_ASKS", 4)
+    monkeypatch.setattr(parked, "MAX_RECEIVERS_PER_ROOM", 2)
     with Engine("127.0.0.1", "tcp") as engine, BootstrapServer("127.0.0.1", 0) as server, \
             SenderPool(engine, 0, 1, 1, server.address) as sender:
         statuses, status_port = _io.pull_socket("127.0.0.1", 0)
@@ -580,12 +494,12 @@ def test_parked_asks_are_bounded_oldest_told_failed(monkeypatch):
                 room, status, _, _ = parse_status(statuses.recv_multipart())
                 failed.append((room, status))
             assert failed == [(1, TransferPoll.Failed), (2, TransferPoll.Failed)]
-            assert wait_until(lambda: sorted(sender._asks) == [3, 4, 5, 6], 2.0), sorted(sender._asks)
+            assert wait_until(lambda: sorted(sender._core.parked) == [3, 4, 5, 6], 2.0), sorted(sender._core.parked)
 
             for index in range(3):  # a fourth-fanout room: the third receiver is one too many
                 ask(6, f"10.0.0.8:{index}", fanout=4)
-            assert wait_until(lambda: len(sender._asks[6].infos) == 2, 2.0)
-            assert sorted(sender._asks[6].infos) == sorted([SESSION, "10.0.0.8:0"])
+            assert wait_until(lambda: len(sender._core.parked[6].infos) == 2, 2.0)
+            assert sorted(sender._core.parked[6].infos) == sorted([SESSION, "10.0.0.8:0"])
             # The two too many are told Failed (a peer has no deadline of its own); nobody else hears a thing.
             for _ in range(2):
                 assert statuses.poll(2000)
@@ -740,7 +654,7 @@ def test_clearing_a_room_mid_write_keeps_its_source_registered_until_the_write_i
                 assert item.data_ptr() in encode_engine.registered()  # Mooncake is still reading it
                 os.kill(peer.pid, signal.SIGCONT)
                 assert wait_until(lambda: item.data_ptr() not in encode_engine.registered(), 30.0)
-                assert not pool._temp_sources and pool._thread.is_alive()
+                assert not pool._sources.counts.counts() and pool._thread.is_alive()
             finally:
                 asks.close(0)
                 statuses.close(0)
@@ -802,7 +716,7 @@ def test_a_submission_that_stalls_the_pool_pauses_its_session_for_longer(caplog)
 
                 first, status = room_status(1)
                 assert status == TransferPoll.Failed and first.wait(5) == TransferPoll.Failed
-                failed_at, until = sender._dead_sessions[bogus]
+                failed_at, until = sender._core.breaker.entry(bogus)
                 assert until - failed_at == pytest.approx(DEAD_STALL_FACTOR * stall_s, abs=0.5)
                 said = [m for m in caplog.messages if "held the sender pool's thread" in m]
                 assert len(said) == 1 and bogus in said[0], caplog.messages

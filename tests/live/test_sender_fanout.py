@@ -22,7 +22,8 @@ import torch
 from live_helpers import DTYPE, HOST, LIVE, RawPrefill, item_tensor, wait_until
 from test_sender_rooms import _stopped_peer
 
-from transfer import _io, sender
+from transfer import _io
+from transfer.core import parked
 from transfer.engine import Engine
 from transfer.frames import TransferInfo
 from transfer.sender import SenderPool
@@ -52,8 +53,8 @@ class _HeldWaker:
     did meanwhile (clear(), send()) reaches the pool's thread in one round, in a fixed order."""
 
     def __init__(self, pool: SenderPool) -> None:
-        self._waker = pool._waker
-        self._wake = pool._waker.wake
+        self._waker = pool._driver.waker
+        self._wake = pool._driver.waker.wake
 
     def __enter__(self) -> _HeldWaker:
         self._waker.wake = lambda: None
@@ -84,14 +85,14 @@ def test_clearing_a_room_before_its_whole_fanout_asked_tells_the_receiver_that_a
     with SenderPool(encode, 0, 1, 1, server.address) as pool, RawPrefill(prefill, pool.host, pool.port, ITEM) as raw:
         handle = pool.send(1, item_tensor(1, SPAN, HIDDEN))
         raw.ask(1, raw.base, 2, HIDDEN, SPAN, fanout=2)  # the other half never asks
-        assert wait_until(lambda: 1 in pool._asks, 5.0)
+        assert wait_until(lambda: 1 in pool._core.parked, 5.0)
         started = time.monotonic()
         handle.clear()
         assert _heads(raw, 1, 3.0) == [[b"1", FAILED, b"0"]]
         assert time.monotonic() - started < 3.0
         assert handle.poll() == TransferPoll.Failed
         assert raw.untouched()
-        assert wait_until(lambda: 1 not in pool._asks and pool._parked_bytes == 0, 2.0)
+        assert wait_until(lambda: 1 not in pool._core.parked and pool._core.parked.nbytes == 0, 2.0)
         assert _heads(raw, 1, 0.5) == []  # told once
         said = [m for m in caplog.messages if "cleared it before its whole fanout asked" in m]
         assert len(said) == 1 and "room 1:" in said[0] and "(1 of 2 prefill ranks asked: " in said[0], said
@@ -108,7 +109,7 @@ def _held_waker_retry(pool, old, rows):
 def _retry_after_the_pool_took_the_clear(pool, old, rows):
     """clear(), then send() only once the pool's thread has taken the clear."""
     old.clear()
-    assert wait_until(lambda: not pool._cleared, 1.0, interval=0.001)
+    assert wait_until(lambda: not pool._driver.commands, 1.0, interval=0.001)
     return pool.send(1, rows)
 
 
@@ -119,9 +120,9 @@ def test_a_room_cleared_and_sent_again_keeps_the_asks_for_the_new_item(engines, 
     """A retry: the room is cleared and sent again, within CLEARED_GRACE_S (1 s here) even
     when the pool's thread took the clear first. The half of the fanout that asked is not
     failed; it waits for the new item, and once the other half asks both get its rows."""
-    from transfer import sender as sender_module
+    from transfer.core import encode as encode_core
 
-    monkeypatch.setattr(sender_module, "CLEARED_GRACE_S", 1.0)
+    monkeypatch.setattr(encode_core, "CLEARED_GRACE_S", 1.0)
     encode, prefill = engines
     old_rows, new_rows = item_tensor(1, SPAN, HIDDEN), item_tensor(2, SPAN, HIDDEN)
     with SenderPool(encode, 0, 1, 1, server.address) as pool, \
@@ -129,10 +130,10 @@ def test_a_room_cleared_and_sent_again_keeps_the_asks_for_the_new_item(engines, 
             RawPrefill(second_prefill, pool.host, pool.port, ITEM) as second:
         old = pool.send(1, old_rows)
         first.ask(1, first.base, 2, HIDDEN, SPAN, fanout=2)
-        assert wait_until(lambda: 1 in pool._asks, 5.0)
+        assert wait_until(lambda: 1 in pool._core.parked, 5.0)
         new = retry(pool, old, new_rows)
         assert _heads(first, 1, 1.0) == []  # not failed: the asks are the new item's
-        assert new.poll() == TransferPoll.WaitingForInput and 1 in pool._asks
+        assert new.poll() == TransferPoll.WaitingForInput and 1 in pool._core.parked
         second.ask(1, second.base, 2, HIDDEN, SPAN, fanout=2, row_start=2)
         assert new.wait(5.0) == TransferPoll.Success, new.failure
         assert _heads(first, 1, 2.0) == [[b"1", SUCCESS, b"0"]]
@@ -156,16 +157,16 @@ def test_an_ask_for_the_next_send_of_a_room_is_not_failed_by_a_clear(engines, se
             assert old.wait(5.0) == TransferPoll.Success, old.failure
             assert _heads(raw, 1, 2.0) == [[b"1", SUCCESS, b"0"]]
             raw.ask(1, raw.base + ITEM, SPAN, HIDDEN, SPAN)  # its next request, same room number
-            assert wait_until(lambda: 1 in pool._asks, 5.0)
+            assert wait_until(lambda: 1 in pool._core.parked, 5.0)
             old.clear()
         else:
             # The ask is filed after the clear and before the pool's thread handles it.
             with _HeldWaker(pool):
                 old.clear()
                 raw.ask(1, raw.base + ITEM, SPAN, HIDDEN, SPAN)
-                assert wait_until(lambda: 1 in pool._asks, 5.0)
+                assert wait_until(lambda: 1 in pool._core.parked, 5.0)
         assert _heads(raw, 1, 1.0) == []
-        assert 1 in pool._asks
+        assert 1 in pool._core.parked
         new = pool.send(1, new_rows)
         assert new.wait(5.0) == TransferPoll.Success, new.failure
         assert _heads(raw, 1, 2.0) == [[b"1", SUCCESS, b"0"]]
@@ -179,7 +180,7 @@ def test_an_ask_past_the_receivers_per_room_bound_is_told_failed(engines, server
     """With room for two receivers per room, a third session asking for the same room is
     told Failed at its own status endpoint (and the pool says so); the two kept still wait."""
     encode, _ = engines
-    monkeypatch.setattr(sender, "MAX_RECEIVERS_PER_ROOM", 2)
+    monkeypatch.setattr(parked, "MAX_RECEIVERS_PER_ROOM", 2)
     caplog.set_level(logging.WARNING, logger="transfer.sender")
     pulls = [_io.pull_socket(HOST, 0) for _ in range(3)]
     try:
@@ -192,7 +193,7 @@ def test_an_ask_past_the_receivers_per_room_bound_is_told_failed(engines, server
                 extra = pulls[2][0]
                 assert extra.poll(3000), "the third receiver was never told"
                 assert extra.recv_multipart()[:3] == [b"4", FAILED, b"0"]
-                assert sorted(pool._asks[4].infos) == ["session-0", "session-1"]
+                assert sorted(pool._core.parked[4].infos) == ["session-0", "session-1"]
                 assert not any(sock.poll(300) for sock, _ in pulls)  # the kept two wait; nothing else told
                 said = [m for m in caplog.messages if "more than 2 receivers asked" in m]
                 assert said and "room 4:" in said[0] and "telling session-2 Failed" in said[0], said
@@ -237,7 +238,7 @@ def test_a_write_that_waited_past_the_bootstrap_timeout_for_a_slot_is_failed_not
                 assert raw.untouched()
                 assert first.wait(10.0) == TransferPoll.Success, first.failure
                 assert statuses.poll(2000) and statuses.recv_multipart()[:3] == [b"1", SUCCESS, b"0"]
-                assert wait_until(lambda: not pool._waiting and not pool._queued, 2.0)
+                assert wait_until(lambda: not pool._core.waiting, 2.0)
             finally:
                 push.close(0)
     finally:
@@ -266,7 +267,7 @@ def test_a_write_whose_ready_event_completes_past_the_bootstrap_timeout_of_the_f
     with SenderPool(encode, 0, 1, 1, server.address, bootstrap_timeout_s=3.0) as pool, \
             RawPrefill(prefill, pool.host, pool.port, ITEM) as raw:
         raw.ask(1, raw.base, SPAN, HIDDEN, SPAN)
-        assert wait_until(lambda: 1 in pool._asks, 5.0)
+        assert wait_until(lambda: 1 in pool._core.parked, 5.0)
         time.sleep(1.5)  # the ask waits for its item (the sweep would fail it at 3 s)
         handle = pool.send(1, item_tensor(1, SPAN, HIDDEN), ready_event=_ReadyAt(time.monotonic() + 2.0))
         assert handle.wait(10.0) == TransferPoll.Failed

@@ -58,30 +58,19 @@ def peer(engines):
         raw.close()
 
 
-class _HookedAsks(dict):
-    """The pool's parked asks, running `hook` once when the pool takes (del/pop) `room`'s asks.
+def _clear_as_the_ask_arrives(pool: SenderPool, handle) -> None:
+    """Runs the caller's clear() once, just before the pool's thread files the next ask: the
+    clear reaches the driver after the ask completed the room's fanout."""
+    ask = pool._core.ask
 
-    The hook runs after the pool's thread looked at the room under its lock and before it
-    attached the asks to the item: exactly where a clear() from the caller's thread can land.
-    """
+    def hooked(info, now):
+        if hooked.armed:
+            hooked.armed = False
+            handle.clear()
+        return ask(info, now)
 
-    def __init__(self, room: int, hook) -> None:
-        super().__init__()
-        self._room = room
-        self._hook = hook
-
-    def _maybe_hook(self, room: int) -> None:
-        if room == self._room and self._hook is not None:
-            hook, self._hook = self._hook, None
-            hook()
-
-    def __delitem__(self, room: int) -> None:
-        super().__delitem__(room)
-        self._maybe_hook(room)
-
-    def pop(self, room: int, *default):
-        self._maybe_hook(room)
-        return super().pop(room, *default)
+    hooked.armed = True
+    pool._core.ask = hooked
 
 
 def _status(raw: RawPrefill, timeout: float = 5.0) -> list[bytes] | None:
@@ -98,13 +87,13 @@ def _item_bytes(room: int, span: int = SPAN) -> bytes:
 def _spy_statuses(pool: SenderPool) -> list[list[bytes]]:
     """Records every status the pool pushes from now on (they are still sent)."""
     pushed: list[list[bytes]] = []
-    send = pool._statuses.send
+    send = pool._driver.statuses.send
 
     def spy(endpoint: str, port: int, frames: list[bytes]) -> bool:
         pushed.append(list(frames))
         return send(endpoint, port, frames)
 
-    pool._statuses.send = spy
+    pool._driver.statuses.send = spy
     return pushed
 
 
@@ -165,10 +154,10 @@ def test_rooms_that_succeeded_are_not_told_failed_when_the_pool_stops(engines, s
         assert done.wait(5) == TransferPoll.Success
         pushed = _spy_statuses(pool)
         if stop == "thread fails":
-            def broken(room):
+            def broken(offer, now):
                 raise RuntimeError("injected")
 
-            pool._maybe_dispatch = broken  # the thread fails on the next item
+            pool._core.offer = broken  # the thread fails on the next item
             other = pool.send(2, item_tensor(2, SPAN, HIDDEN))
             assert other.wait(5) == TransferPoll.Failed
             assert wait_until(lambda: not pool._thread.is_alive(), 5.0)
@@ -184,17 +173,32 @@ def test_rooms_that_succeeded_are_not_told_failed_when_the_pool_stops(engines, s
 
 
 def test_a_clear_racing_the_dispatch_still_tells_every_receiver_failed(engines, server, peer):
-    """The caller's clear() lands after the pool's thread checked the room and before it
-    attached the receivers: they must still be told Failed, and nothing is written."""
+    """The caller's clear() lands as the ask that completes the room's fanout is filed: the
+    receivers must still be told Failed, and nothing is written."""
     encode, _ = engines
     with SenderPool(encode, 0, 1, 1, server.address) as pool:
         raw = peer(pool)
         handle = pool.send(1, item_tensor(1, SPAN, HIDDEN))
-        pool._asks = _HookedAsks(1, handle.clear)
+        _clear_as_the_ask_arrives(pool, handle)
         raw.ask(1, raw.base, SPAN, HIDDEN, SPAN)
         assert _status(raw) == [b"1", b"0", b"0"]
         assert raw.untouched()
-        assert wait_until(lambda: not pool._temp_sources, 5.0)
+        assert wait_until(lambda: not pool._sources.counts.counts(), 5.0)
+
+
+def _clear_as_the_sweep_runs(pool: SenderPool, handle) -> None:
+    """Runs the caller's clear() once, just before the first tick past the bootstrap timeout."""
+    tick = pool._core.tick
+    due = time.monotonic() + pool.bootstrap_timeout_s
+
+    def hooked(now):
+        if hooked.armed and now >= due:
+            hooked.armed = False
+            handle.clear()
+        return tick(now)
+
+    hooked.armed = True
+    pool._core.tick = hooked
 
 
 def test_a_clear_racing_the_parked_sweep_still_tells_the_receivers_that_asked(engines, server, peer):
@@ -204,7 +208,7 @@ def test_a_clear_racing_the_parked_sweep_still_tells_the_receivers_that_asked(en
     with SenderPool(encode, 0, 1, 1, server.address, bootstrap_timeout_s=0.3) as pool:
         raw = peer(pool)
         handle = pool.send(1, item_tensor(1, SPAN, HIDDEN))
-        pool._asks = _HookedAsks(1, handle.clear)
+        _clear_as_the_sweep_runs(pool, handle)
         raw.ask(1, raw.base, 2, HIDDEN, SPAN, fanout=2)  # the other half never asks
         assert _status(raw) == [b"1", b"0", b"0"]
         assert raw.untouched()
@@ -227,7 +231,7 @@ def test_a_send_racing_close_is_refused_and_registers_nothing(engines, server):
         with pytest.raises(RuntimeError, match="sender pool is closed"):
             pool.send(1, rows)
         assert rows.data_ptr() not in encode.registered()
-        assert not pool._items and not pool._temp_sources
+        assert not pool._book.held and not pool._sources.counts.counts()
     finally:
         pool.close()
 
@@ -243,7 +247,7 @@ def test_a_late_ask_for_a_failed_room_is_told_failed_at_once(engines, server, pe
         raw.ask(1, raw.base, SPAN, HIDDEN, SPAN)
         assert _status(raw, 2.0) == [b"1", b"0", b"0"]
         assert raw.untouched() and handle.poll() == TransferPoll.Failed
-        assert 1 not in pool._asks
+        assert 1 not in pool._core.parked
 
 
 def test_a_room_that_failed_unasked_is_not_counted_as_parked(engines, server):
@@ -305,7 +309,7 @@ def test_a_source_that_fails_to_register_leaves_no_other_registration_behind(eng
             with pytest.raises(TransferError, match="already registered"):
                 pool.send(1, rows, deepstack)
             assert rows.data_ptr() not in encode.registered()
-            assert not pool._temp_sources and not pool._items
+            assert not pool._sources.counts.counts() and not pool._book.held
     finally:
         encode.unregister(arena.data_ptr())
 
@@ -329,7 +333,7 @@ def test_a_source_inside_another_rooms_temporary_registration_keeps_it_until_don
         assert bytes(raw.buffer[2 * ITEM:3 * ITEM].numpy()) == _item_bytes(1, 2 * SPAN)[ITEM:]
         second.clear()
         assert wait_until(lambda: whole.data_ptr() not in encode.registered(), 5.0)
-        assert not pool._temp_sources
+        assert not pool._sources.counts.counts()
 
 
 def _stopped_peer(encode: Engine):
@@ -381,7 +385,7 @@ def test_close_drops_the_registration_of_a_cleared_room_whose_write_never_starte
             assert not pool._thread.is_alive()
             assert rows.data_ptr() not in encode.registered()
             assert big.data_ptr() not in encode.registered()
-            assert not pool._temp_sources
+            assert not pool._sources.counts.counts()
         finally:
             asks.close(0)
             statuses.close(0)
@@ -413,7 +417,7 @@ def test_close_tells_receivers_of_parked_asks_failed(engines, server, peer):
         pool.send(1, item_tensor(1, SPAN, HIDDEN))
         raw.ask(1, raw.base, 2, HIDDEN, SPAN, fanout=2)  # half the fanout
         raw.ask(2, raw.base + ITEM, SPAN, HIDDEN, SPAN)  # an item never sent
-        assert wait_until(lambda: sorted(pool._asks) == [1, 2], 5.0)
+        assert wait_until(lambda: sorted(pool._core.parked) == [1, 2], 5.0)
         pushed = _spy_statuses(pool)
         pool.close()
         assert sorted(f[:2] for f in pushed) == [[b"1", b"0"], [b"2", b"0"]], pushed

@@ -25,7 +25,8 @@ from live_helpers import (
     wait_until,
 )
 
-from transfer import _io, sender
+from transfer import _io
+from transfer.core import parked
 from transfer.engine import Engine
 from transfer.frames import TransferInfo, parse_status
 from transfer.sender import SenderPool
@@ -119,7 +120,7 @@ def test_a_single_receiver_still_gets_every_write_slot_it_can_use(engines, serve
         assert [h.wait(10.0) for h in handles] == [TransferPoll.Success] * rooms
         for room in range(rooms):
             assert bytes(raw.buffer[room * ITEM:(room + 1) * ITEM].numpy()) == _item_bytes(room)
-        assert not pool._waiting and not pool._queued and pool._parked_bytes == 0  # nothing left counted
+        assert not pool._core.waiting and pool._core.parked.nbytes == 0  # nothing left counted
 
 
 # ------------------------------------------------------------ parked memory
@@ -132,7 +133,7 @@ def test_parked_asks_hold_a_bounded_number_of_bytes_whatever_the_peer_sends(engi
     are told Failed when they are forgotten."""
     encode, _ = engines
     budget = 8 << 20
-    monkeypatch.setattr(sender, "MAX_PARKED_BYTES", budget, raising=False)
+    monkeypatch.setattr(parked, "MAX_PARKED_BYTES", budget)
     statuses, status_port = _io.pull_socket(HOST, 0)
     statuses.setsockopt(_io.zmq.RCVHWM, 0)
     with SenderPool(encode, 0, 1, 1, server.address) as pool:
@@ -147,15 +148,15 @@ def test_parked_asks_hold_a_bounded_number_of_bytes_whatever_the_peer_sends(engi
                     frames[3] = session
                     push.send_multipart(frames)
             last = f"{rooms - 1}-{receivers - 1}-".encode().ljust(id_bytes, b"x").decode()
-            assert wait_until(lambda: last in getattr(pool._asks.get(rooms - 1), "infos", {}), 20.0)
-            held = sum(len(i.session_id) for a in list(pool._asks.values()) for i in a.infos.values())
-            assert held <= budget, (held, len(pool._asks))
+            assert wait_until(lambda: last in getattr(pool._core.parked.get(rooms - 1), "infos", {}), 20.0)
+            held = sum(len(i.session_id) for a in list(pool._core.parked.values()) for i in a.infos.values())
+            assert held <= budget, (held, len(pool._core.parked))
             told: dict[int, int] = {}
             while statuses.poll(1000):
                 room, status, _, _ = parse_status(statuses.recv_multipart())
                 assert status == TransferPoll.Failed
                 told[room] = told.get(room, 0) + 1
-            forgotten = [room for room in range(rooms) if room not in pool._asks]
+            forgotten = [room for room in range(rooms) if room not in pool._core.parked]
             assert forgotten == list(range(len(forgotten))) and forgotten  # the oldest first
             assert told == {room: receivers for room in forgotten}
         finally:
@@ -188,7 +189,7 @@ def test_a_room_sent_again_while_the_old_write_is_in_flight(engines, server, sto
         assert wait_until(lambda: encode._pending == {}, 10.0)
         assert not statuses.poll(500)  # no Success for the cleared item
         assert new.poll() == TransferPoll.WaitingForInput
-        assert rows.data_ptr() in encode.registered() and pool._temp_sources == {rows.data_ptr(): 1}
+        assert rows.data_ptr() in encode.registered() and pool._sources.counts.counts() == {rows.data_ptr(): 1}
         raw.ask(5, raw.base, SPAN, HIDDEN, SPAN)
         assert new.wait(5.0) == TransferPoll.Success, new.failure
         got = raw.statuses(1, 2.0)[0]

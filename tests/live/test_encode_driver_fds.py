@@ -1,0 +1,54 @@
+"""The encode driver waits with poll(): a process with more than 1024 descriptors open is served."""
+
+from __future__ import annotations
+
+import os
+import resource
+
+import pytest
+import torch
+from live_helpers import HOST, LIVE, TOKEN, RawPrefill, item_tensor
+
+from transfer.bootstrap import BootstrapServer
+from transfer.engine import Engine
+from transfer.sender import SenderPool
+from transfer.status import TransferPoll
+
+pytestmark = LIVE
+
+SPAN, HIDDEN = 4, 256
+OPEN_FIRST = 1100
+
+
+@pytest.fixture
+def many_descriptors():
+    """Opens OPEN_FIRST descriptors, so every socket made afterwards is numbered past select()'s 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < OPEN_FIRST + 512:
+        pytest.skip(f"the descriptor limit {hard} is too low for this test")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, OPEN_FIRST + 512) if hard == resource.RLIM_INFINITY
+                                                else max(soft, min(hard, OPEN_FIRST + 4096)), hard))
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(OPEN_FIRST)]
+    try:
+        yield fds
+    finally:
+        for fd in fds:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_room_is_served_with_1100_descriptors_open(many_descriptors):
+    import zmq
+
+    with Engine(HOST, "tcp") as encode, Engine(HOST, "tcp") as prefill, \
+            BootstrapServer(HOST, 0, token=TOKEN) as server, \
+            SenderPool(encode, 0, 1, 1, server.address, token=TOKEN) as pool, \
+            RawPrefill(prefill, pool.host, pool.port, SPAN * HIDDEN * 2) as raw:
+        assert pool._driver.pull.getsockopt(zmq.FD) > 1024
+        rows = item_tensor(3, SPAN, HIDDEN)
+        handle = pool.send(3, rows)
+        raw.ask(3, raw.base, SPAN, HIDDEN, SPAN)
+        assert handle.wait(10.0) == TransferPoll.Success, handle.failure
+        assert raw.statuses(1, 5.0)[0][:3] == [b"3", b"5", b"0"]
+        assert torch.equal(raw.buffer, rows.contiguous().view(torch.uint8).reshape(-1))
+        assert pool._thread.is_alive()

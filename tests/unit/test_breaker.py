@@ -1,0 +1,41 @@
+"""The breaker: slow failures pause a key, quick ones do not, stalls scale the pause."""
+
+from __future__ import annotations
+
+from transfer.core.breaker import Breaker
+
+
+def test_a_quick_failure_leaves_the_key_usable():
+    breaker = Breaker(pause_s=5.0, slow_after_s=0.25)
+    assert breaker.failed("peer", took=0.01, now=100.0) is None
+    assert breaker.open_since("peer", 100.0) is None and "peer" not in breaker
+
+
+def test_a_slow_failure_pauses_the_key_until_its_time_is_up():
+    breaker = Breaker(pause_s=5.0, slow_after_s=0.25)
+    trip = breaker.failed("peer", took=1.0, now=100.0)
+    assert trip is not None and (trip.failed_at, trip.until, trip.stalled) == (100.0, 105.0, False)
+    assert breaker.open_since("peer", 104.9) == 100.0
+    assert breaker.open_since("peer", 105.0) is None
+    assert breaker.open_since("other", 101.0) is None
+
+
+def test_a_blocking_stall_scales_the_pause_up_to_the_cap():
+    breaker = Breaker(pause_s=5.0, slow_after_s=0.25, stall_factor=4.0, max_pause_s=600.0)
+    trip = breaker.failed("peer", took=60.0, now=0.0, blocking=True)
+    assert trip.stalled and trip.until == 240.0
+    assert breaker.failed("peer", took=1000.0, now=0.0, blocking=True).until == 600.0
+    # Not blocking: an asynchronous failure held nobody, so the plain pause applies.
+    assert breaker.failed("peer", took=60.0, now=0.0).until == 5.0
+
+
+def test_reset_reopens_the_key_and_sweep_forgets_expired_keys():
+    breaker = Breaker(pause_s=5.0)
+    breaker.failed(("10.0.0.9", 1), took=1.0, now=0.0)
+    breaker.failed(("10.0.0.9", 2), took=1.0, now=10.0)
+    assert breaker.next_expiry() == 5.0
+    breaker.sweep(6.0)
+    assert ("10.0.0.9", 1) not in breaker and ("10.0.0.9", 2) in breaker and len(breaker) == 1
+    breaker.reset(("10.0.0.9", 2))
+    assert breaker.open_since(("10.0.0.9", 2), 11.0) is None and len(breaker) == 0
+    assert breaker.next_expiry() is None

@@ -1,0 +1,407 @@
+"""The encode side's room rules on EncodeCore: events in with a fake clock, actions out, no I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from transfer.core.breaker import Breaker
+from transfer.core.encode import (
+    CLEARED_GRACE_S,
+    Conclude,
+    EncodeCore,
+    Offer,
+    Progress,
+    PushStatus,
+    Release,
+    StartWrite,
+    Warn,
+)
+from transfer.core.failure import FailureKind
+from transfer.core.parked import ParkedAsks
+from transfer.frames import Registration, TransferInfo, shard_rows
+from transfer.status import TransferPoll
+
+HIDDEN = 256
+DTYPE = "torch.bfloat16"
+ROW = HIDDEN * 2
+SRC = 0x7000_0000
+
+
+class Token:
+    """The caller's object for one send of a room."""
+
+
+def _offer(room: int, span: int = 4, deepstack: bool = False, ready_event=None) -> Offer:
+    return Offer(room, Token(), SRC, span, HIDDEN, DTYPE, ROW, 0x9000_0000 if deepstack else None,
+                 2 * ROW if deepstack else 0, ready_event)
+
+
+def _ask(room: int, rank: int = 0, fanout: int = 1, span: int = 4, session: str | None = None,
+         ptr: int = 0x10000, hidden: int = HIDDEN, port: int = 6000) -> TransferInfo:
+    start, rows = shard_rows(span, rank, fanout)
+    return TransferInfo(room, "10.0.0.7", port + rank, session or f"10.0.0.7:{17000 + rank}", ptr, 0, rows, hidden,
+                        DTYPE, False, fanout, start, span)
+
+
+class Run:
+    """A core, a fake clock and what it asked for, by kind."""
+
+    def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("bootstrap_timeout_s", 10.0)
+        self.now = 0.0
+        self.core = EncodeCore(0, now=self.now, **kwargs)
+        self.actions: list = []
+
+    def __call__(self, actions: list) -> list:
+        self.actions.extend(actions)
+        return actions
+
+    def at(self, t: float) -> Run:
+        self.now = t
+        return self
+
+    def offer(self, offer: Offer) -> list:
+        return self(self.core.offer(offer, self.now))
+
+    def ask(self, info: TransferInfo) -> list:
+        return self(self.core.ask(info, self.now))
+
+    def tick(self) -> list:
+        return self(self.core.tick(self.now))
+
+    def of(self, kind: type, actions: list | None = None) -> list:
+        return [a for a in (self.actions if actions is None else actions) if isinstance(a, kind)]
+
+    def statuses(self, actions: list | None = None) -> list[tuple[int, int, TransferPoll]]:
+        return [(a.room, a.port, a.status) for a in self.of(PushStatus, actions)]
+
+    def conclusions(self) -> list[tuple[int, TransferPoll, FailureKind | None]]:
+        return [(c.room, c.status, c.failure and c.failure.kind) for c in self.of(Conclude)]
+
+    def complete(self, write: StartWrite, sums: tuple[int, ...] = (7,)) -> list:
+        return self(self.core.write_done(write.wid, sums, self.now))
+
+
+def test_an_ask_before_its_item_parks_until_the_item_comes_then_writes_its_shard():
+    run = Run()
+    assert run.ask(_ask(1, ptr=0x20000)) == []
+    offer = _offer(1)
+    out = run.offer(offer)
+    [write] = run.of(StartWrite, out)
+    assert (write.srcs, write.dsts, write.lengths) == ((SRC,), (0x20000,), (4 * ROW,))
+    assert run.of(Progress, out) == [Progress(1, offer.token, TransferPoll.Transferring)]
+    out = run.complete(write, (0xABC,))
+    assert run.of(PushStatus, out) == [PushStatus("10.0.0.7", 6000, 1, TransferPoll.Success, (0xABC,))]
+    assert run.of(Conclude, out) == [Conclude(1, offer.token, TransferPoll.Success, None, 0.0)]
+    assert run.of(Release, out) == [Release(1, offer.token)]
+
+
+def test_an_item_before_its_asks_waits_for_the_whole_fanout_and_writes_each_shard():
+    run = Run()
+    run.offer(_offer(2, span=10, deepstack=True))
+    assert run.core.parked_rooms == 1
+    infos = [_ask(2, rank, fanout=3, span=10, ptr=0x40000 * (rank + 1)) for rank in range(3)]
+    infos = [TransferInfo(*(getattr(i, f) for f in ("room", "endpoint", "port", "session_id", "embedding_ptr")),
+                          0x80000, i.rows, i.hidden, i.dtype, True, i.fanout, i.row_start, i.span) for i in infos]
+    assert run.ask(infos[2]) == [] and run.ask(infos[0]) == []
+    writes = run.of(StartWrite, run.ask(infos[1]))
+    assert run.core.parked_rooms == 0
+    # Sorted by row_start; each shard's rows at its own offset, embedding then deepstack.
+    assert [w.srcs for w in writes] == [(SRC + i.row_start * ROW, 0x9000_0000 + i.row_start * 2 * ROW) for i in infos]
+    assert [w.lengths for w in writes] == [(i.rows * ROW, i.rows * 2 * ROW) for i in infos]
+    for write in writes[:2]:
+        run.complete(write)
+    assert run.conclusions() == []  # one receiver still writing
+    run.complete(writes[2])
+    assert run.conclusions() == [(2, TransferPoll.Success, None)]
+    assert sorted(p for _, p, s in run.statuses() if s == TransferPoll.Success) == [6000, 6001, 6002]
+
+
+def test_geometry_that_disagrees_with_the_item_fails_the_room_and_tells_every_receiver():
+    run = Run()
+    run.offer(_offer(3))
+    out = run.ask(_ask(3, hidden=512))
+    assert run.of(StartWrite, out) == []
+    [conclusion] = run.of(Conclude, out)
+    assert conclusion.failure.kind is FailureKind.GEOMETRY and "hidden 512 != item hidden 256" in conclusion.failure.detail
+    assert run.statuses(out) == [(3, 6000, TransferPoll.Failed)]
+
+
+def test_a_destination_outside_the_announced_region_is_refused_before_any_write():
+    run = Run()
+    run(run.core.registration(Registration("10.0.0.7", 6000, "10.0.0.7:17000", 0x10000, 0, 4 * ROW, 0), run.now))
+    run.offer(_offer(4))
+    out = run.ask(_ask(4, ptr=0x10000 + ROW))  # runs one row past the region
+    assert run.of(StartWrite, out) == []
+    [conclusion] = run.of(Conclude, out)
+    assert conclusion.failure.kind is FailureKind.REGION and "outside registered region" in conclusion.failure.detail
+    run.offer(_offer(5))
+    assert len(run.of(StartWrite, run.ask(_ask(5, ptr=0x10000)))) == 1  # inside: written
+
+
+def test_an_item_nobody_asked_for_fails_at_the_bootstrap_timeout_with_specs_text():
+    run = Run(bootstrap_timeout_s=10.0)
+    run.offer(_offer(6, span=4))
+    run.ask(_ask(6, rank=0, fanout=2))  # half the fanout
+    assert run.at(10.0).tick() == []
+    out = run.at(10.6).tick()
+    [conclusion] = run.of(Conclude, out)
+    assert conclusion.failure.kind is FailureKind.FANOUT_TIMEOUT
+    assert conclusion.failure.detail == "receiver never registered within 10s"
+    assert run.statuses(out) == [(6, 6000, TransferPoll.Failed)]  # the one that asked is told
+    assert 6 not in run.core.parked
+
+
+def test_the_item_bound_counts_from_the_rooms_first_ask_when_that_came_first():
+    run = Run(bootstrap_timeout_s=10.0)
+    run.ask(_ask(7, rank=0, fanout=2))
+    run.at(8.0).offer(_offer(7))
+    out = run.at(10.6).tick()
+    assert run.conclusions() == [(7, TransferPoll.Failed, FailureKind.FANOUT_TIMEOUT)]
+    assert run.statuses(out) == [(7, 6000, TransferPoll.Failed)]
+
+
+def test_asks_whose_item_never_comes_are_told_failed_with_a_warning():
+    run = Run(bootstrap_timeout_s=10.0)
+    run.ask(_ask(8))
+    out = run.at(11.0).tick()
+    assert run.statuses(out) == [(8, 6000, TransferPoll.Failed)]
+    assert [w.key for w in run.of(Warn, out)] == ["unserved"] and 8 not in run.core.parked
+
+
+def test_a_fanout_completed_past_the_bound_fails_rather_than_writing_late():
+    run = Run(bootstrap_timeout_s=10.0)
+    run.ask(_ask(9, rank=0, fanout=2))
+    run.at(10.2).offer(_offer(9))  # before the next sweep
+    out = run.ask(_ask(9, rank=1, fanout=2))
+    assert run.of(StartWrite, out) == [] and [w.key for w in run.of(Warn, out)] == ["late fanout"]
+    assert run.conclusions() == [(9, TransferPoll.Failed, FailureKind.FANOUT_TIMEOUT)]
+    assert sorted(run.statuses(out)) == [(9, 6000, TransferPoll.Failed), (9, 6001, TransferPoll.Failed)]
+
+
+def test_at_most_depth_writes_start_and_a_completion_starts_the_next():
+    run = Run(depth=2)
+    for room in range(3):
+        run.offer(_offer(room))
+    writes = [w for room in range(3) for w in run.of(StartWrite, run.ask(_ask(room, session=f"s{room}")))]
+    assert [w.room for w in writes] == [0, 1] and run.core.waiting == 1
+    [third] = run.of(StartWrite, run.complete(writes[0]))
+    assert third.room == 2 and run.core.waiting == 0
+
+
+def test_a_write_waits_for_its_ready_event_without_holding_up_others():
+    class Event:
+        done = False
+
+        def query(self) -> bool:
+            return self.done
+
+    event = Event()
+    run = Run()
+    run.offer(_offer(1, ready_event=event))
+    run.offer(_offer(2))
+    assert run.of(StartWrite, run.ask(_ask(1, session="a"))) == []
+    assert [w.room for w in run.of(StartWrite, run.ask(_ask(2, session="b")))] == [2]
+    assert run.core.busy and run.of(StartWrite, run.at(1.0).tick()) == []
+    event.done = True
+    assert [w.room for w in run.of(StartWrite, run.at(1.1).tick())] == [1]
+
+
+def test_a_ready_event_that_never_completes_fails_its_room_and_tells_the_receiver():
+    class Never:
+        def query(self) -> bool:
+            return False
+
+    run = Run(bootstrap_timeout_s=10.0)
+    run.offer(_offer(1, ready_event=Never()))
+    run.at(1.0).ask(_ask(1))
+    out = run.at(10.4).tick()
+    assert run.conclusions() == [(1, TransferPoll.Failed, FailureKind.WRITE)]
+    assert "ready event did not complete within 10s" in run.of(Conclude)[0].failure.detail
+    assert run.statuses(out) == [(1, 6000, TransferPoll.Failed)] and run.of(Release, out)
+
+
+def test_a_write_waiting_past_the_bound_since_the_first_ask_is_never_started():
+    run = Run(depth=1, bootstrap_timeout_s=10.0)
+    run.offer(_offer(1))
+    run.offer(_offer(2))
+    [first] = run.of(StartWrite, run.ask(_ask(1, session="a")))
+    run.ask(_ask(2, session="b"))
+    out = run.at(11.0).complete(first)
+    assert run.of(StartWrite, out) == []
+    [_, failed] = run.of(Conclude)
+    assert failed.room == 2 and "waited 11.0s since the room's first ask" in failed.failure.detail
+    assert (2, 6000, TransferPoll.Failed) in run.statuses(out)
+
+
+def test_a_slow_write_failure_opens_the_breaker_until_the_session_registers_again():
+    run = Run(breaker=Breaker(pause_s=5.0, slow_after_s=0.25))
+    run.offer(_offer(1))
+    [write] = run.of(StartWrite, run.ask(_ask(1)))
+    out = run(run.core.write_failed(write.wid, "connection reset", took=1.0, now=1.0))
+    [failed] = run.of(Conclude, out)
+    assert failed.failure.kind is FailureKind.WRITE
+    assert failed.failure.detail == "write to 10.0.0.7:17000 (room 1) failed: connection reset"
+    run.at(2.0).offer(_offer(2))
+    out = run.ask(_ask(2))
+    assert run.of(StartWrite, out) == []
+    assert "skipped: a write to it failed 1.0s ago" in run.of(Conclude, out)[0].failure.detail
+    run(run.core.registration(Registration("10.0.0.7", 6000, "10.0.0.7:17000", 0x10000, 0), run.now))
+    run.offer(_offer(3))
+    assert len(run.of(StartWrite, run.ask(_ask(3)))) == 1
+
+
+def test_a_quick_write_failure_leaves_the_session_usable_and_a_stall_is_logged():
+    run = Run()
+    run.offer(_offer(1))
+    [write] = run.of(StartWrite, run.ask(_ask(1)))
+    run(run.core.write_failed(write.wid, "bad destination", took=0.001, now=0.0))
+    run.offer(_offer(2))
+    [write] = run.of(StartWrite, run.ask(_ask(2)))
+    out = run(run.core.write_failed(write.wid, "handshake timed out", took=60.0, now=60.0, blocking=True))
+    assert [w.key for w in run.of(Warn, out)] == ["stall"]
+    assert run.core.breaker.open_since("10.0.0.7:17000", 60.0 + 239.0) == 60.0
+
+
+def test_a_clear_before_the_whole_fanout_asked_fails_the_parked_asks_after_the_grace():
+    run = Run()
+    offer = _offer(1, span=4)
+    run.offer(offer)
+    run.ask(_ask(1, rank=0, fanout=2))
+    out = run(run.core.clear(1, offer.token, run.now))
+    assert run.conclusions() == [(1, TransferPoll.Failed, FailureKind.CLEARED)] and run.statuses(out) == []
+    assert run.core.next_wakeup() == pytest.approx(CLEARED_GRACE_S)
+    out = run.at(CLEARED_GRACE_S).tick()
+    assert run.statuses(out) == [(1, 6000, TransferPoll.Failed)] and [w.key for w in run.of(Warn, out)] == ["cleared"]
+
+
+def test_a_clear_then_a_send_again_keeps_the_parked_asks_for_the_retry():
+    run = Run()
+    first = _offer(1)
+    run.offer(first)
+    run.ask(_ask(1, rank=0, fanout=2))
+    run(run.core.clear(1, first.token, run.now))
+    run.at(0.01).offer(_offer(1))
+    assert run.at(1.0).tick() == []
+    assert len(run.of(StartWrite, run.ask(_ask(1, rank=1, fanout=2)))) == 2
+
+
+def test_asks_that_came_after_the_clear_are_kept_for_the_next_send():
+    run = Run()
+    offer = _offer(1)
+    run.offer(offer)
+    run(run.core.clear(1, offer.token, run.now))
+    run.at(0.05).ask(_ask(1, rank=0, fanout=2))
+    assert run.statuses(run.at(1.0).tick()) == [] and 1 in run.core.parked
+
+
+def test_a_clear_after_the_asks_tells_the_receivers_failed_and_releases_once_writes_are_over():
+    run = Run()
+    offer = _offer(1)
+    run.offer(offer)
+    [write] = run.of(StartWrite, run.ask(_ask(1)))
+    out = run(run.core.clear(1, offer.token, run.now))
+    assert run.statuses(out) == [(1, 6000, TransferPoll.Failed)] and run.of(Release, out) == []
+    out = run.complete(write)
+    assert run.statuses(out) == [] and run.of(Release, out) == [Release(1, offer.token)]
+
+
+def test_a_clear_of_an_older_send_does_not_touch_the_room_sent_again():
+    run = Run()
+    old, new = _offer(1), _offer(1)
+    run.offer(old)
+    run(run.core.clear(1, old.token, run.now))
+    run.offer(new)
+    assert run(run.core.clear(1, old.token, run.now)) == [] and run.core.rooms() == [1]
+
+
+def test_a_session_asking_twice_counts_once_and_its_latest_ask_wins():
+    run = Run()
+    run.offer(_offer(1, span=4))
+    run.ask(_ask(1, rank=0, fanout=2, ptr=0x1000))
+    assert run.ask(_ask(1, rank=0, fanout=2, ptr=0x2000)) == []  # still one of two
+    writes = run.of(StartWrite, run.ask(_ask(1, rank=1, fanout=2, ptr=0x3000)))
+    assert [w.dsts for w in writes] == [(0x2000,), (0x3000,)]
+
+
+def test_asks_for_a_room_already_served_wait_for_its_next_send_and_for_a_failed_one_are_refused():
+    run = Run()
+    run.offer(_offer(1))
+    [write] = run.of(StartWrite, run.ask(_ask(1)))
+    run.complete(write)
+    assert run.ask(_ask(1, session="late")) == [] and 1 in run.core.parked
+    run.offer(_offer(2))
+    run.ask(_ask(2, hidden=512))  # fails the room
+    assert run.statuses(run.ask(_ask(2, session="again"))) == [(2, 6000, TransferPoll.Failed)]
+
+
+def test_a_receiver_past_the_per_room_bound_is_told_failed():
+    run = Run(parked=ParkedAsks(max_receivers=2))
+    run.ask(_ask(1, rank=0, fanout=4, span=8))
+    run.ask(_ask(1, rank=1, fanout=4, span=8))
+    out = run.ask(_ask(1, rank=2, fanout=4, span=8))
+    assert run.statuses(out) == [(1, 6002, TransferPoll.Failed)] and [w.key for w in run.of(Warn, out)] == ["receivers"]
+
+
+def test_evicted_parked_asks_are_told_failed():
+    run = Run(parked=ParkedAsks(max_rooms=2))
+    for room in range(3):
+        out = run.ask(_ask(room, fanout=2, span=4))
+    assert run.statuses(out) == [(0, 6000, TransferPoll.Failed)] and run.core.parked.rooms() == [1, 2]
+
+
+def test_a_write_skipped_because_its_room_failed_first_is_not_submitted():
+    run = Run()
+    offer = _offer(1, span=4)
+    run.offer(offer)
+    run.ask(_ask(1, rank=0, fanout=2))
+    first, second = run.of(StartWrite, run.ask(_ask(1, rank=1, fanout=2)))
+    run(run.core.write_failed(first.wid, "refused", took=0.0, now=0.0, blocking=True))
+    assert not run.core.wants(second.wid)
+    out = run(run.core.write_skipped(second.wid, run.now))
+    assert run.of(Release, out) == [Release(1, offer.token)] and run.core.in_flight() == 0
+
+
+def test_a_checksum_failure_fails_the_room_but_keeps_its_sources_until_the_write_is_over():
+    run = Run()
+    offer = _offer(1)
+    run.offer(offer)
+    [write] = run.of(StartWrite, run.ask(_ask(1)))
+    out = run(run.core.checksum_failed(write.wid, "device error", run.now))
+    assert run.conclusions() == [(1, TransferPoll.Failed, FailureKind.CHECKSUM)] and run.of(Release, out) == []
+    out = run.complete(write)
+    assert run.statuses(out) == [] and run.of(Release, out) == [Release(1, offer.token)]
+
+
+def test_close_fails_open_rooms_and_parked_asks_but_keeps_sources_with_writes_in_flight():
+    run = Run()
+    flying, parked = _offer(1), _offer(2)
+    run.offer(flying)
+    run.of(StartWrite, run.ask(_ask(1, session="a")))
+    run.offer(parked)
+    run.ask(_ask(3, session="b"))
+    out = run(run.core.close(1.0))
+    assert sorted(run.conclusions()) == [(1, TransferPoll.Failed, FailureKind.CLOSED),
+                                         (2, TransferPoll.Failed, FailureKind.CLOSED)]
+    assert sorted(run.statuses(out)) == [(1, 6000, TransferPoll.Failed), (3, 6000, TransferPoll.Failed)]
+    assert run.of(Release, out) == [Release(2, parked.token)]
+
+
+def test_next_wakeup_is_the_sweep_or_a_clears_grace():
+    run = Run()
+    assert run.core.next_wakeup() == pytest.approx(0.5)
+    run.tick()
+    run.at(0.6).tick()
+    assert run.core.next_wakeup() == pytest.approx(1.1)
+
+
+def test_close_releases_a_cleared_room_whose_write_never_left_the_queue():
+    run = Run(depth=1)
+    busy, cleared = _offer(1), _offer(2)
+    run.offer(busy)
+    run.ask(_ask(1, session="a"))
+    run.offer(cleared)
+    run.ask(_ask(2, session="b"))  # waits behind room 1's write
+    run(run.core.clear(2, cleared.token, run.now))
+    out = run(run.core.close(1.0))
+    assert run.of(Release, out) == [Release(2, cleared.token)]

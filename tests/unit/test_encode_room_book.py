@@ -1,0 +1,72 @@
+"""The encode side's room book: one conclusion per send of a room, counted and logged by failure kind."""
+
+from __future__ import annotations
+
+import logging
+
+from transfer.core.failure import Failure, FailureKind
+from transfer.drive.encode import RoomBook, RoomState
+from transfer.metrics import Metrics
+from transfer.status import TransferPoll
+
+
+def _book_with(*rooms: int) -> tuple[RoomBook, list[RoomState]]:
+    book = RoomBook(Metrics("test"))
+    states = []
+    for room in rooms:
+        state = RoomState(room, started_at=1.0)
+        book.held[room] = state
+        book.table.start(room, TransferPoll.WaitingForInput)
+        states.append(state)
+    return book, states
+
+
+def _failed(book: RoomBook) -> dict:
+    return book.metrics.snapshot()["counters"].get("rooms_failed_total", {})
+
+
+def test_a_room_concludes_once_and_counts_under_its_kind():
+    book, (state,) = _book_with(1)
+    failure = Failure(FailureKind.FANOUT_TIMEOUT, "receiver never registered within 120s")
+    assert book.conclude(state, TransferPoll.Failed, failure, at=3.0)
+    assert not book.conclude(state, TransferPoll.Failed, Failure(FailureKind.CLEARED, "cleared"), at=4.0)
+    assert not book.conclude(state, TransferPoll.Success, None, at=4.0)
+    assert _failed(book) == {"reason=fanout_timeout": 1}
+    assert book.table.failure(1) == failure and book.table.reason(1) == "receiver never registered within 120s"
+    assert state.concluded_at == 3.0 and book.table.take_concluded() == [1]
+
+
+def test_a_success_observes_the_rooms_latency():
+    book, (state,) = _book_with(1)
+    assert book.conclude(state, TransferPoll.Success, None, at=1.25)
+    snapshot = book.metrics.snapshot()
+    assert snapshot["counters"]["rooms_succeeded_total"] == {"": 1}
+    assert snapshot["histograms"]["room_latency_seconds"][""]["sum"] == 0.25
+
+
+def test_an_older_send_of_the_room_concludes_nothing_of_the_room_sent_again():
+    book, (state,) = _book_with(1)
+    stale = RoomState(1, started_at=0.0)
+    assert not book.conclude(stale, TransferPoll.Failed, Failure(FailureKind.WRITE, "late"), at=2.0)
+    book.progress(stale, TransferPoll.Transferring)
+    assert book.table.get(1) is TransferPoll.WaitingForInput and stale.concluded_at is None
+    book.progress(state, TransferPoll.Transferring)
+    assert book.table.get(1) is TransferPoll.Transferring
+
+
+def test_parked_counts_rooms_still_waiting_for_their_receivers():
+    book, states = _book_with(1, 2, 3)
+    book.progress(states[0], TransferPoll.Transferring)
+    book.conclude(states[1], TransferPoll.Failed, Failure(FailureKind.GEOMETRY, "hidden"), at=2.0)
+    assert book.parked() == 1
+
+
+def test_fail_open_fails_every_open_room_and_leaves_concluded_ones(caplog):
+    book, states = _book_with(1, 2, 3)
+    book.conclude(states[0], TransferPoll.Success, None, at=2.0)
+    with caplog.at_level(logging.WARNING, logger="transfer.sender"):
+        book.fail_open(Failure(FailureKind.CLOSED, "sender pool closed"), at=3.0)
+    assert [book.table.get(r) for r in (1, 2, 3)] == [TransferPoll.Success, TransferPoll.Failed, TransferPoll.Failed]
+    assert _failed(book) == {"reason=closed": 2}
+    # The failure log is throttled by kind: two rooms closed at once, one line.
+    assert len([m for m in caplog.messages if "failed: sender pool closed" in m]) == 1

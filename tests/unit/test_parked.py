@@ -1,0 +1,72 @@
+"""Parked asks: admission, eviction and byte accounting."""
+
+from __future__ import annotations
+
+from transfer.core.parked import ASK_OVERHEAD_BYTES, ParkedAsks, ask_cost
+
+
+def test_an_ask_costs_its_text_and_a_fixed_part():
+    assert ask_cost(_ask(1, "s" * 20)) == len("10.0.0.7") + 20 + len("torch.bfloat16") + ASK_OVERHEAD_BYTES
+from transfer.frames import TransferInfo
+
+
+def _ask(room: int, session: str = "s0", fanout: int = 1, endpoint: str = "10.0.0.7") -> TransferInfo:
+    return TransferInfo(room, endpoint, 5000, session, 0x10000, 0, 4, 256, "torch.bfloat16", False, fanout, 0, 4)
+
+
+def test_asks_of_a_room_collect_by_session_and_a_repeat_replaces():
+    parked = ParkedAsks()
+    assert not parked.add(_ask(1, "a", fanout=2), now=1.0).refused
+    parked.add(_ask(1, "b", fanout=2), now=2.0)
+    parked.add(_ask(1, "a", fanout=2, endpoint="10.0.0.77"), now=3.0)  # a's repeat, a longer endpoint
+    asks = parked.get(1)
+    assert sorted(asks.infos) == ["a", "b"] and asks.first_at == 1.0 and asks.fanout == 2
+    assert asks.infos["a"].endpoint == "10.0.0.77"
+    assert parked.nbytes == asks.nbytes == ask_cost(asks.infos["a"]) + ask_cost(asks.infos["b"])
+
+
+def test_take_removes_the_room_and_its_bytes():
+    parked = ParkedAsks()
+    parked.add(_ask(1), now=0.0)
+    parked.add(_ask(2), now=0.0)
+    taken = parked.take(1)
+    assert taken.room == 1 and 1 not in parked and parked.take(1) is None
+    assert parked.nbytes == ask_cost(_ask(2))
+    assert [a.room for a in parked.take_all()] == [2] and parked.nbytes == 0 and len(parked) == 0
+
+
+def test_a_new_room_past_the_room_bound_evicts_the_oldest():
+    parked = ParkedAsks(max_rooms=3)
+    for room in range(3):
+        parked.add(_ask(room), now=float(room))
+    admission = parked.add(_ask(3), now=3.0)
+    assert [a.room for a in admission.evicted] == [0] and parked.rooms() == [1, 2, 3]
+    assert parked.nbytes == 3 * ask_cost(_ask(0))
+
+
+def test_a_receiver_past_the_per_room_bound_is_refused_but_a_repeat_is_not():
+    parked = ParkedAsks(max_receivers=2)
+    parked.add(_ask(1, "a", fanout=4), now=0.0)
+    parked.add(_ask(1, "b", fanout=4), now=0.0)
+    assert parked.add(_ask(1, "c", fanout=4), now=0.0).refused
+    assert not parked.add(_ask(1, "a", fanout=4), now=0.0).refused
+    assert sorted(parked.get(1).infos) == ["a", "b"]
+
+
+def test_the_byte_bound_evicts_oldest_rooms_but_never_the_one_just_asked():
+    budget = 3 * ask_cost(_ask(0, "s" * 20))
+    parked = ParkedAsks(max_bytes=budget)
+    for room in range(3):
+        parked.add(_ask(room, "s" * 20), now=float(room))
+    admission = parked.add(_ask(9, "s" * 20), now=9.0)
+    assert [a.room for a in admission.evicted] == [0] and parked.nbytes <= budget
+    # One room alone over the bound is kept: it is the one being served.
+    alone = ParkedAsks(max_bytes=10)
+    assert not alone.add(_ask(1), now=0.0).evicted and 1 in alone
+
+
+def test_rooms_older_than_a_cutoff_in_arrival_order():
+    parked = ParkedAsks()
+    for room, at in ((5, 1.0), (3, 2.0), (8, 9.0)):
+        parked.add(_ask(room), now=at)
+    assert parked.older_than(5.0) == [5, 3] and parked.oldest_first_at() == 1.0

@@ -1,0 +1,78 @@
+"""The region book: announced regions per session, bounded, reset by a new session manager."""
+
+from __future__ import annotations
+
+from transfer.core.regions import MAX_REGIONS_PER_SESSION, RegionBook
+from transfer.frames import Registration, TransferInfo
+
+SESSION = "10.0.0.7:17000"
+
+
+def _reg(port: int, base: int, length: int | None = 4096, session: str = SESSION) -> Registration:
+    return Registration("10.0.0.7", port, session, base, 0, length, None if length is None else 0)
+
+
+def _ask(ptr: int, rows: int = 4, session: str = SESSION) -> TransferInfo:
+    return TransferInfo(1, "10.0.0.7", 5000, session, ptr, 0, rows, 256, "torch.bfloat16", False, 1, 0, rows)
+
+
+def _check(book: RegionBook, info: TransferInfo) -> str | None:
+    return book.check([info], 512, 0)
+
+
+def test_regions_accumulate_per_manager_and_reset_for_a_new_one():
+    book = RegionBook()
+    book.register(_reg(5000, 0x10000))
+    book.register(_reg(5000, 0x80000))  # a per-item buffer of the same manager
+    assert _check(book, _ask(0x10000)) is None and _check(book, _ask(0x80000)) is None
+    reason = _check(book, _ask(0x40000))
+    assert reason is not None and "outside registered region" in reason and "room 1" in reason
+    assert _check(book, _ask(0x10000 + 4096 - 512, rows=2)) is not None  # runs past the end
+    book.register(_reg(5001, 0x200000))  # a new status endpoint: a new manager
+    assert _check(book, _ask(0x10000)) is not None and _check(book, _ask(0x200000)) is None
+    assert len(book.regions(SESSION)) == 1
+
+
+def test_a_repeat_of_the_same_base_replaces_it():
+    book = RegionBook()
+    book.register(_reg(5000, 0x10000, 4096))
+    book.register(_reg(5000, 0x10000, 8192))
+    assert [r.embedding_len for r in book.regions(SESSION)] == [8192]
+    assert _check(book, _ask(0x10000 + 4096, rows=4)) is None
+
+
+def test_regions_per_session_are_bounded_newest_kept():
+    book = RegionBook()
+    for index in range(MAX_REGIONS_PER_SESSION + 10):
+        book.register(_reg(5000, 0x100000 * (index + 1)))
+    assert len(book.regions(SESSION)) == MAX_REGIONS_PER_SESSION
+    assert _check(book, _ask(0x100000)) is not None
+    assert _check(book, _ask(0x100000 * (MAX_REGIONS_PER_SESSION + 10))) is None
+
+
+def test_sessions_are_bounded_least_recently_used_first():
+    book = RegionBook(max_sessions=8)
+    for index in range(8):
+        book.register(_reg(5000, 0x10000, session=f"s{index}"))
+    book.register(_reg(5000, 0x10000, session="s0"))  # registered again
+    assert book.check([_ask(0x10000, session="s1")], 512, 0) is None  # written to
+    book.register(_reg(5000, 0x10000, session="s8"))
+    book.register(_reg(5000, 0x10000, session="s9"))
+    assert len(book) == 8
+    assert "s0" in book and "s1" in book and "s2" not in book and "s3" not in book and "s9" in book
+
+
+def test_a_session_that_never_registered_or_gave_no_lengths_is_written_as_peers_do():
+    book = RegionBook()
+    assert _check(book, _ask(0xDEAD0000)) is None
+    book.register(_reg(5000, 0x10000, length=None))
+    assert _check(book, _ask(0xDEAD0000)) is None
+
+
+def test_deepstack_destinations_are_checked_against_their_own_length():
+    book = RegionBook()
+    book.register(Registration("10.0.0.7", 5000, SESSION, 0x10000, 0x90000, 4096, 1024))
+    info = TransferInfo(1, "10.0.0.7", 5000, SESSION, 0x10000, 0x90000, 4, 256, "torch.bfloat16", True, 1, 0, 4)
+    assert book.check([info], 512, 256) is None
+    reason = book.check([info], 512, 512)  # 2048 deepstack bytes into a 1024-byte region
+    assert reason is not None and "deepstack" in reason

@@ -1,0 +1,91 @@
+"""The write scheduler: depth, per-session share, ready events, the bound from a room's first ask."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transfer.core.scheduler import WriteScheduler, session_share
+
+
+@dataclass
+class Job:
+    name: str
+    ready: bool = True
+    cancelled: bool = False
+
+
+def _pick(sched: WriteScheduler, now: float = 0.0, expired: list | None = None):
+    def on_expired(job: Job, waited: float) -> None:
+        job.cancelled = True  # the caller fails the room
+        if expired is not None:
+            expired.append((job.name, waited))
+
+    return sched.pick(now, cancelled=lambda j: j.cancelled, ready=lambda j: j.ready, expired=on_expired)
+
+
+def test_the_session_share_leaves_a_quarter_for_others():
+    assert [session_share(d) for d in (1, 2, 4, 8, 32)] == [1, 1, 3, 6, 24]
+
+
+def test_at_most_depth_start_oldest_first_and_a_finished_one_frees_a_slot():
+    sched = WriteScheduler(depth=2, bound_s=10.0, session_slots=2)
+    jobs = [Job(f"w{i}") for i in range(3)]
+    for job in jobs:
+        sched.push(job, "a", asked_at=0.0)
+    assert [j.name for j in _pick(sched).start] == ["w0", "w1"] and sched.in_flight == 2
+    assert _pick(sched).start == []
+    sched.finished("a")
+    assert [j.name for j in _pick(sched).start] == ["w2"] and len(sched) == 0
+
+
+def test_a_session_at_its_share_lets_other_sessions_go_first():
+    sched = WriteScheduler(depth=4, bound_s=10.0)  # share 3
+    for i in range(5):
+        sched.push(Job(f"a{i}"), "a", asked_at=0.0)
+    sched.push(Job("b0"), "b", asked_at=0.0)
+    assert [j.name for j in _pick(sched).start] == ["a0", "a1", "a2", "b0"]
+    assert sched.flying("a") == 3 and sched.queued("a") == 2
+    sched.finished("a")
+    assert [j.name for j in _pick(sched).start] == ["a3"]
+
+
+def test_a_job_whose_source_is_not_ready_waits_without_holding_up_others():
+    sched = WriteScheduler(depth=4, bound_s=10.0)
+    slow = Job("slow", ready=False)
+    sched.push(slow, "a", asked_at=0.0)
+    sched.push(Job("fast"), "b", asked_at=0.0)
+    assert [j.name for j in _pick(sched).start] == ["fast"] and len(sched) == 1
+    slow.ready = True
+    assert _pick(sched, now=1.0).start == [slow]
+
+
+def test_a_job_past_the_bound_from_its_rooms_first_ask_never_starts():
+    sched = WriteScheduler(depth=1, bound_s=5.0)
+    sched.push(Job("busy"), "a", asked_at=0.0)
+    assert len(_pick(sched, now=0.0).start) == 1
+    late, held = Job("late"), Job("held", ready=False)
+    sched.push(late, "b", asked_at=0.0)
+    sched.push(held, "c", asked_at=0.0)
+    sched.finished("a")
+    expired: list = []
+    picked = _pick(sched, now=6.0, expired=expired)
+    # Not ready and past the bound: told now, not when the ready event completes.
+    assert picked.start == [] and picked.dropped == [late, held]
+    assert expired == [("late", 6.0), ("held", 6.0)] and sched.in_flight == 0
+
+
+def test_cancelled_jobs_leave_without_a_slot_even_when_their_session_is_full():
+    sched = WriteScheduler(depth=2, bound_s=10.0, session_slots=1)
+    sched.push(Job("a0"), "a", asked_at=0.0)
+    gone = Job("a1", cancelled=True)
+    sched.push(gone, "a", asked_at=0.0)
+    sched.push(Job("b0"), "b", asked_at=0.0)
+    picked = _pick(sched)
+    assert [j.name for j in picked.start] == ["a0", "b0"] and picked.dropped == [gone]
+    assert sched.queued("a") == 0
+
+
+def test_take_all_empties_the_queue():
+    sched = WriteScheduler(depth=1, bound_s=1.0)
+    sched.push(Job("x"), "a", asked_at=0.0)
+    assert [j.name for j in sched.take_all()] == ["x"] and len(sched) == 0 and sched.queued("a") == 0

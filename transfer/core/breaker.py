@@ -1,0 +1,91 @@
+"""A circuit breaker keyed by anything hashable: a peer that failed slowly is skipped for a while.
+
+The encode side keys it by prefill session (a dead peer costs the engine a reconnect
+timeout per write); the prefill side can key it by bootstrap server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+__all__ = ["Breaker", "Trip"]
+
+#: After a failure that took this long the key is paused for PAUSE_S (or until reset).
+PAUSE_S = 5.0
+
+#: Only a failure that took this long trips the breaker: a peer that refuses one request
+#: (a bad destination, say) answers within milliseconds and stays usable.
+SLOW_AFTER_S = 0.25
+
+#: A failure that held its caller for `t` seconds pauses the key for STALL_FACTOR * t
+#: (at most MAX_PAUSE_S) when that is longer than PAUSE_S: a peer that never answers a
+#: handshake would otherwise stall everyone again each time its pause ends.
+STALL_FACTOR = 4.0
+MAX_PAUSE_S = 600.0
+
+
+@dataclass(frozen=True)
+class Trip:
+    """A key the breaker just opened: since when, until when, and whether a stall set its length."""
+
+    key: Hashable
+    failed_at: float
+    until: float
+    stalled: bool
+
+
+class Breaker:
+    """Keys that failed slowly, each paused until its time is up, a reset, or a sweep forgets it."""
+
+    def __init__(self, *, pause_s: float | None = None, slow_after_s: float | None = None,
+                 stall_factor: float | None = None, max_pause_s: float | None = None) -> None:
+        """Settings left out are the module's, read now."""
+        self.pause_s = PAUSE_S if pause_s is None else pause_s
+        self.slow_after_s = SLOW_AFTER_S if slow_after_s is None else slow_after_s
+        self.stall_factor = STALL_FACTOR if stall_factor is None else stall_factor
+        self.max_pause_s = MAX_PAUSE_S if max_pause_s is None else max_pause_s
+        self._open: dict[Hashable, tuple[float, float]] = {}  # key -> (failed at, paused until)
+
+    def failed(self, key: Hashable, took: float, now: float, *, blocking: bool = False) -> Trip | None:
+        """Records a failure that took `took` seconds; returns the trip when it opened the breaker.
+
+        `blocking`: the call held its caller all along, so a long one scales the pause.
+        """
+        if took < self.slow_after_s:
+            return None
+        pause, stalled = self.pause_s, False
+        if blocking and took * self.stall_factor > pause:
+            pause, stalled = min(self.max_pause_s, took * self.stall_factor), True
+        self._open[key] = (now, now + pause)
+        return Trip(key, now, now + pause, stalled)
+
+    def open_since(self, key: Hashable, now: float) -> float | None:
+        """When the failure that pauses `key` happened, or None when `key` may be tried."""
+        entry = self._open.get(key)
+        if entry is None or now >= entry[1]:
+            return None
+        return entry[0]
+
+    def reset(self, key: Hashable) -> None:
+        """Forgets `key`'s failure (it came back)."""
+        self._open.pop(key, None)
+
+    def sweep(self, now: float) -> None:
+        """Forgets keys whose pause is over; they only take memory."""
+        for key in [k for k, (_, until) in self._open.items() if now >= until]:
+            del self._open[key]
+
+    def next_expiry(self) -> float | None:
+        """When the earliest pause ends (a sweep then frees memory), or None."""
+        return min((until for _, until in self._open.values()), default=None)
+
+    def entry(self, key: Hashable) -> tuple[float, float] | None:
+        """(failed at, paused until) for `key`, or None."""
+        return self._open.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._open
+
+    def __len__(self) -> int:
+        return len(self._open)

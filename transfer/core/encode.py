@@ -1,0 +1,552 @@
+"""The encode side's room rules as a pure state machine (SPEC.md sections 5, 6 and 8).
+
+`EncodeCore` takes events, each with `now` (monotonic seconds), and returns actions
+for its driver to carry out; it never touches a thread, a socket, the engine or a
+clock. Events: an item offered, a room cleared, a registration or TransferInfo
+received (parsed already), a write completed, failed or skipped, a tick, close.
+Actions: start a write, push a status, advance or conclude a room, release a source,
+and warnings for the throttled log.
+
+A receiver that asked is told Failed as soon as nothing will serve it, since a peer
+has no deadline of its own: its room was cleared before the whole fanout asked (and
+not sent again within CLEARED_GRACE_S), the room already has its maximum of
+receivers, or its write could not start within the bootstrap timeout of the room's
+first ask (nor can it once that much time passed with the fanout still incomplete).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from transfer.core.breaker import Breaker
+from transfer.core.failure import Failure, FailureKind
+from transfer.core.parked import Asks, ParkedAsks
+from transfer.core.regions import RegionBook
+from transfer.core.scheduler import WriteScheduler
+from transfer.frames import Registration, TransferInfo, validate_fanout
+from transfer.status import TransferPoll
+
+__all__ = ["CLEARED_GRACE_S", "SWEEP_S", "Conclude", "EncodeCore", "Offer", "Progress", "PushStatus",
+           "Release", "StartWrite", "Warn"]
+
+#: A room cleared before its whole fanout asked has its parked asks told Failed this long
+#: after the clear, so a caller that clears and sends the room again at once (a retry)
+#: keeps them for the new item.
+CLEARED_GRACE_S = 0.1
+
+#: How often unserved items and asks are swept for the bootstrap timeout.
+SWEEP_S = 0.5
+
+
+@dataclass
+class Offer:
+    """An item the caller offers: where its rows are and how they are shaped.
+
+    `token` is the caller's own object for this room (its identity tells a room sent
+    again apart); `sources` are opaque to the core and come back with each write (for
+    checksums); `ready_event` is polled with query(), or waited for with synchronize().
+    """
+
+    room: int
+    token: Any
+    src_addr: int
+    span: int
+    hidden: int
+    dtype: str
+    row_bytes: int
+    deepstack_addr: int | None = None
+    deepstack_row_bytes: int = 0
+    ready_event: Any = None
+    sources: tuple = ()
+
+
+# ---------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class StartWrite:
+    """Submit one receiver's shard (embedding, and deepstack when present) as one batch."""
+
+    wid: int
+    room: int
+    session_id: str
+    srcs: tuple[int, ...]
+    dsts: tuple[int, ...]
+    lengths: tuple[int, ...]
+    sources: tuple = ()
+
+
+@dataclass(frozen=True)
+class PushStatus:
+    """Push a status to a receiver's status endpoint."""
+
+    endpoint: str
+    port: int
+    room: int
+    status: TransferPoll
+    checksums: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The room moved on (its whole fanout asked and writes are queued)."""
+
+    room: int
+    token: Any
+    status: TransferPoll
+
+
+@dataclass(frozen=True)
+class Conclude:
+    """The room concluded: Success, or Failed with a Failure."""
+
+    room: int
+    token: Any
+    status: TransferPoll
+    failure: Failure | None
+    at: float
+
+
+@dataclass(frozen=True)
+class Release:
+    """Nothing reads the room's sources any more: drop what was registered for them."""
+
+    room: int
+    token: Any
+
+
+@dataclass(frozen=True)
+class Warn:
+    """A warning for the log, throttled by `key`."""
+
+    key: str
+    message: str
+    args: tuple = ()
+
+
+# ---------------------------------------------------------------- state
+
+
+@dataclass(eq=False)
+class _Room:
+    """One offered item and its progress."""
+
+    offer: Offer
+    offered_at: float
+    receivers: list[TransferInfo] = field(default_factory=list)
+    pending: int = 0  # receivers whose write is queued or in flight
+    failed: bool = False
+    succeeded: bool = False  # every receiver was served: nothing may tell them Failed any more
+    released: bool = False
+    asked_at: float = 0.0  # the room's first ask: bounds how long its writes may wait
+
+    @property
+    def room(self) -> int:
+        return self.offer.room
+
+    def ready(self) -> bool:
+        """Whether the source may be read: no ready event, or it completed (polled with query())."""
+        event = self.offer.ready_event
+        if event is not None:
+            if hasattr(event, "query"):
+                if not event.query():
+                    return False
+            else:
+                event.synchronize()
+            self.offer.ready_event = None
+        return True
+
+
+@dataclass(eq=False)
+class _Job:
+    """One receiver's write of one room."""
+
+    room: _Room
+    info: TransferInfo
+
+
+class EncodeCore:
+    """An encode rank's room rules: parked asks, fanout assembly, checks, scheduling, conclusions."""
+
+    def __init__(self, engine_rank: int, *, bootstrap_timeout_s: float = 120.0, depth: int = 32,
+                 parked: ParkedAsks | None = None, regions: RegionBook | None = None,
+                 breaker: Breaker | None = None, now: float = 0.0) -> None:
+        self.engine_rank = engine_rank
+        self.bootstrap_timeout_s = bootstrap_timeout_s
+        self.parked = ParkedAsks() if parked is None else parked
+        self.regions = RegionBook() if regions is None else regions
+        self.breaker = Breaker() if breaker is None else breaker
+        self.scheduler = WriteScheduler(depth, bootstrap_timeout_s)
+        self._rooms: dict[int, _Room] = {}  # offered, not yet cleared
+        self._unserved: set[int] = set()  # offered rooms with no receivers attached yet, not failed
+        self._writes: dict[int, _Job] = {}  # started, not yet over
+        self._next_wid = 1
+        self._clears_due: deque[tuple[int, float]] = deque()  # (room, cleared at) with parked asks to fail
+        self._next_sweep = now + SWEEP_S
+        self._closed = False
+        self._close_detail = ""
+        self._writes_stopped = False
+        self._out: list = []
+
+    # ------------------------------------------------------------ events
+
+    def offer(self, offer: Offer, now: float) -> list:
+        """The caller sent an item: park it, or start its writes if its whole fanout asked."""
+        old = self._rooms.get(offer.room)
+        if old is not None:  # the caller clears before sending again; a stale one is failed, not kept
+            self._fail(old, FailureKind.CLEARED, "cleared before it concluded", now)
+            self._unserved.discard(old.room)
+        room = self._rooms[offer.room] = _Room(offer, now)
+        if self._closed:  # sent while the driver was closing: nothing will serve it
+            self._fail(room, FailureKind.CLOSED, self._close_detail, now)
+            return self._out_take()
+        self._unserved.add(offer.room)
+        self._dispatch(room.room, now)
+        return self._flush(now)
+
+    def clear(self, room: int, token: Any, now: float) -> list:
+        """The caller forgot a room: fail it unless it concluded; its unserved asks fail after a grace."""
+        held = self._rooms.get(room)
+        if held is None or held.offer.token is not token:
+            return self._flush(now)
+        del self._rooms[room]
+        self._unserved.discard(room)
+        self._fail(held, FailureKind.CLEARED, "cleared before it concluded", now)
+        if not held.receivers and not self._closed:
+            self._clears_due.append((room, now))
+        return self._flush(now)
+
+    def registration(self, reg: Registration, now: float) -> list:
+        """A prefill session announced a region; it is also back, so its breaker resets."""
+        self.breaker.reset(reg.session_id)
+        self.regions.register(reg)
+        return self._flush(now)
+
+    def ask(self, info: TransferInfo, now: float) -> list:
+        """A receiver asked for a room: park it; a complete fanout with its item starts the writes."""
+        admission = self.parked.add(info, now)
+        if admission.refused:
+            self._warn("receivers", "room %d: more than %d receivers asked; telling %s Failed",
+                       info.room, self.parked.max_receivers, info.session_id[:64])
+            self._tell_failed([info])
+            return self._flush(now)
+        for asks in admission.evicted:
+            self._warn("parked", "room %d: %d rooms (%d bytes of asks) were asked for and not served yet; "
+                       "failing the oldest ask", asks.room, len(self.parked) + 1, self.parked.nbytes + asks.nbytes)
+            self._tell_failed(asks.infos.values())
+        self._dispatch(info.room, now)
+        return self._flush(now)
+
+    def wants(self, wid: int) -> bool:
+        """Whether a started write should still be submitted (its room has not failed meanwhile)."""
+        job = self._writes.get(wid)
+        return job is not None and not job.room.failed
+
+    def write_skipped(self, wid: int, now: float) -> list:
+        """A write was not submitted after all (its room failed first)."""
+        job = self._writes.pop(wid, None)
+        if job is not None:
+            self.scheduler.finished(job.info.session_id)
+            self._receiver_done(job.room, now)
+        return self._flush(now)
+
+    def write_done(self, wid: int, checksums: tuple[int, ...], now: float) -> list:
+        """A write landed: its receiver is told Success (with the checksums) unless the room failed."""
+        job = self._writes.pop(wid, None)
+        if job is not None:
+            self.scheduler.finished(job.info.session_id)
+            if not job.room.failed:
+                self._push(job.info, TransferPoll.Success, checksums)
+            self._receiver_done(job.room, now)
+        return self._flush(now)
+
+    def write_failed(self, wid: int, error: str, took: float, now: float, *, blocking: bool = False) -> list:
+        """A write failed after `took` seconds; a slow failure (a dead peer) opens its session's breaker.
+
+        `blocking`: the submission itself failed, holding the driver all along.
+        """
+        job = self._writes.pop(wid, None)
+        if job is None:
+            return self._flush(now)
+        session = job.info.session_id
+        self.scheduler.finished(session)
+        trip = self.breaker.failed(session, took, now, blocking=blocking)
+        if trip is not None and trip.stalled:
+            self._warn("stall", "submitting a write to %s held the sender pool's thread (and every other write) "
+                       "for %.1fs before failing: a peer that accepts connections but never answers the engine's "
+                       "handshake? Writes to it fail at once for the next %.0fs, or until it registers again",
+                       session[:64], took, trip.until - now)
+        self._fail(job.room, FailureKind.WRITE, f"write to {session} (room {job.room.room}) failed: {error}", now)
+        self._receiver_done(job.room, now)
+        return self._flush(now)
+
+    def checksum_failed(self, wid: int, error: str, now: float) -> list:
+        """Checksumming a write's rows failed: its room fails (the write stays tracked until it is over)."""
+        job = self._writes.get(wid)
+        if job is not None:
+            self._fail(job.room, FailureKind.CHECKSUM,
+                       f"room {job.room.room}: checksumming its rows for {job.info.session_id} failed: {error}", now)
+        return self._flush(now)
+
+    def tick(self, now: float) -> list:
+        """Time passed: cleared rooms' grace, writes waiting for a slot or a ready event, the sweep."""
+        while self._clears_due and now >= self._clears_due[0][1] + CLEARED_GRACE_S:
+            self._fail_cleared_asks(*self._clears_due.popleft())
+        if now >= self._next_sweep:
+            self._sweep(now)
+            self._next_sweep = now + SWEEP_S
+        return self._flush(now)
+
+    def stop_writes(self) -> None:
+        """No write starts from now on (closing: those in flight settle first)."""
+        self._writes_stopped = True
+
+    def close(self, now: float, detail: str = "sender pool closed") -> list:
+        """Fails every open room and parked ask; writes still in flight keep their rooms' sources.
+
+        Writes waiting for a slot never start. A room whose write is still in flight
+        (the engine may read its rows) concludes Failed without a Release.
+        """
+        self._closed = True
+        self._close_detail = detail
+        self._clears_due.clear()
+        for asks in self.parked.take_all():
+            self._tell_failed(asks.infos.values())
+        for room in list(self._rooms.values()):
+            self._fail(room, FailureKind.CLOSED, detail, now)
+        for job in self.scheduler.take_all():  # every room is failed now: these only count out
+            self._receiver_done(job.room, now)
+        for job in self._writes.values():  # cleared rooms still in flight: release none of them
+            job.room.released = True
+        self._unserved.clear()
+        return self._out_take()
+
+    # ------------------------------------------------------------ queries
+
+    def next_wakeup(self) -> float:
+        """When the core next needs a tick (writes waiting are the driver's to poll: see `busy`)."""
+        due = self._next_sweep
+        if self._clears_due:
+            due = min(due, self._clears_due[0][1] + CLEARED_GRACE_S)
+        return due
+
+    @property
+    def busy(self) -> bool:
+        """Whether writes wait for a slot or a ready event (a tick may start them)."""
+        return len(self.scheduler) > 0
+
+    @property
+    def waiting(self) -> int:
+        """Writes waiting to start."""
+        return len(self.scheduler)
+
+    @property
+    def parked_rooms(self) -> int:
+        """Offered rooms whose receivers have not all asked yet (safe to read from another thread)."""
+        return len(self._unserved)
+
+    def rooms(self) -> list[int]:
+        """Offered rooms not yet cleared."""
+        return list(self._rooms)
+
+    def in_flight(self) -> int:
+        """Writes started and not yet over."""
+        return len(self._writes)
+
+    # ------------------------------------------------------------ rules
+
+    def _dispatch(self, room_number: int, now: float) -> None:
+        """Starts the room's writes once the item is here and its whole fanout asked.
+
+        Asks for a room that already failed are answered Failed at once: nothing will
+        serve them. A room already served keeps later asks parked for its next send.
+        """
+        asks = self.parked.get(room_number)
+        if asks is None:
+            return
+        room = self._rooms.get(room_number)
+        if room is None or (room.receivers and not room.failed):
+            return
+        fanout = asks.fanout
+        if len(asks.infos) < fanout and not room.failed:
+            return
+        self.parked.take(room_number)
+        infos = sorted(asks.infos.values(), key=lambda i: (i.row_start, i.session_id))
+        if room.failed:
+            self._tell_failed(infos)
+            return
+        room.receivers = infos
+        self._unserved.discard(room_number)
+        limit = self.bootstrap_timeout_s
+        waited = now - asks.first_at
+        if waited > limit:
+            # No write may start this late after the first ask: said here, not later as a
+            # wait for a write slot that never happened.
+            self._warn("late fanout", "room %d: its whole fanout of %d asked only %.1fs after its first ask, past "
+                       "the bootstrap timeout %gs; failing it", room_number, fanout, waited, limit)
+            self._fail(room, FailureKind.FANOUT_TIMEOUT, f"receiver never registered within {limit:g}s", now)
+            return
+        offer = room.offer
+        reason = validate_fanout(offer.span, offer.hidden, offer.dtype, offer.deepstack_addr is not None, infos, fanout)
+        kind = FailureKind.GEOMETRY
+        if reason is None:
+            reason, kind = self.regions.check(infos, offer.row_bytes, offer.deepstack_row_bytes), FailureKind.REGION
+        if reason is not None:
+            self._fail(room, kind, reason, now)
+            return
+        self._out.append(Progress(room_number, offer.token, TransferPoll.Transferring))
+        room.pending = len(infos)
+        room.asked_at = asks.first_at
+        for info in infos:
+            self.scheduler.push(_Job(room, info), info.session_id, asks.first_at)
+
+    def _pump(self, now: float) -> None:
+        """Starts the waiting writes that may start now."""
+        if self._closed or self._writes_stopped or not len(self.scheduler):
+            return
+        picked = self.scheduler.pick(now, cancelled=lambda job: job.room.failed,
+                                     ready=lambda job: self._ready(job, now), expired=lambda job, waited:
+                                     self._expired(job, waited, now))
+        for job in picked.dropped:
+            self._receiver_done(job.room, now)
+        for job in picked.start:
+            self._start(job, now)
+
+    def _ready(self, job: _Job, now: float) -> bool:
+        """Whether the job's rows may be read; a broken or overdue ready event fails its room."""
+        room = job.room
+        limit = self.bootstrap_timeout_s
+        try:
+            if room.ready():
+                return True
+        except Exception as exc:  # noqa: BLE001 - a broken event fails its room only
+            self._fail(room, FailureKind.WRITE, f"room {room.room}: waiting for its ready event failed: {exc}", now)
+            return True
+        if now - room.offered_at > limit:
+            self._fail(room, FailureKind.WRITE, f"room {room.room}: its ready event did not complete within "
+                                                f"{limit:g}s", now)
+            return True
+        return False
+
+    def _expired(self, job: _Job, waited: float, now: float) -> None:
+        self._fail(job.room, FailureKind.WRITE,
+                   f"room {job.room.room}: its write for {job.info.session_id[:64]} waited {waited:.1f}s since the "
+                   f"room's first ask for a free write slot or its ready event, past the bootstrap timeout "
+                   f"{self.bootstrap_timeout_s:g}s; not started", now)
+
+    def _start(self, job: _Job, now: float) -> None:
+        """Emits one receiver's write, unless its session's breaker is open."""
+        room, info = job.room, job.info
+        since = self.breaker.open_since(info.session_id, now)
+        if since is not None:
+            self.scheduler.finished(info.session_id)
+            self._fail(room, FailureKind.WRITE, f"write to {info.session_id} (room {room.room}) skipped: a write to "
+                                                f"it failed {now - since:.1f}s ago", now)
+            self._receiver_done(room, now)
+            return
+        offer = room.offer
+        srcs = [offer.src_addr + info.row_start * offer.row_bytes]
+        dsts = [info.embedding_ptr]
+        lengths = [info.rows * offer.row_bytes]
+        if offer.deepstack_addr is not None:
+            srcs.append(offer.deepstack_addr + info.row_start * offer.deepstack_row_bytes)
+            dsts.append(info.deepstack_ptr)
+            lengths.append(info.rows * offer.deepstack_row_bytes)
+        wid, self._next_wid = self._next_wid, self._next_wid + 1
+        self._writes[wid] = job
+        self._out.append(StartWrite(wid, room.room, info.session_id, tuple(srcs), tuple(dsts), tuple(lengths),
+                                    offer.sources))
+
+    def _receiver_done(self, room: _Room, now: float) -> None:
+        """One receiver's write is over (settled, failed or skipped)."""
+        room.pending -= 1
+        if room.pending:
+            return
+        if not room.failed:
+            room.succeeded = True
+            self._conclude(room, TransferPoll.Success, None, now)
+        else:
+            self._release_when_idle(room)
+
+    def _fail(self, room: _Room, kind: FailureKind, detail: str, now: float) -> None:
+        """Fails the room once and tells every receiver it has; a room already served is left alone."""
+        if room.failed or room.succeeded:
+            return  # a Failed after their Success would undo it (Failed is sticky on the wire)
+        room.failed = True
+        self._unserved.discard(room.room)
+        self._tell_failed(room.receivers)
+        self._conclude(room, TransferPoll.Failed, Failure(kind, detail), now)
+
+    def _conclude(self, room: _Room, status: TransferPoll, failure: Failure | None, now: float) -> None:
+        self._out.append(Conclude(room.room, room.offer.token, status, failure, now))
+        self._release_when_idle(room)
+
+    def _release_when_idle(self, room: _Room) -> None:
+        """Releases the room's sources once none of its writes waits or is in flight."""
+        if room.pending or room.released:
+            return
+        room.released = True
+        self._out.append(Release(room.room, room.offer.token))
+
+    def _fail_cleared_asks(self, room_number: int, cleared_at: float) -> None:
+        """Tells the receivers parked for a room cleared unserved Failed, unless it was sent again.
+
+        Only asks parked before the clear were the cleared item's: a room whose first
+        ask came later, or one sent again since (a retry), keeps its asks.
+        """
+        asks = self.parked.get(room_number)
+        if asks is None or asks.first_at > cleared_at or room_number in self._rooms:
+            return
+        self.parked.take(room_number)
+        sessions = ", ".join(s[:64] for s in sorted(asks.infos)[:3]) + (", ..." if len(asks.infos) > 3 else "")
+        self._warn("cleared", "room %d: the caller cleared it before its whole fanout asked (%d of %d prefill ranks "
+                   "asked: %s); telling them Failed. Are the other ranks of the fanout running and routed to this "
+                   "encode rank, or was the room cleared too early?", room_number, len(asks.infos), asks.fanout,
+                   sessions)
+        self._tell_failed(asks.infos.values())
+
+    def _sweep(self, now: float) -> None:
+        """Fails items whose receivers never all asked, and asks whose item never came.
+
+        An item is parked from its send or from its room's first ask, whichever came
+        first: past the bootstrap timeout of that ask no write of it may start.
+        """
+        limit = self.bootstrap_timeout_s
+        for number in list(self._unserved):
+            room = self._rooms[number]
+            asks = self.parked.get(number)
+            since = room.offered_at if asks is None else min(room.offered_at, asks.first_at)
+            if now - since > limit:
+                taken = self.parked.take(number)
+                room.receivers = list(taken.infos.values()) if taken else []
+                self._fail(room, FailureKind.FANOUT_TIMEOUT, f"receiver never registered within {limit:g}s", now)
+        for number in self.parked.older_than(now - limit):
+            if number in self._rooms:
+                continue
+            asks: Asks = self.parked.take(number)
+            self._warn("unserved", "room %d: no item sent within %gs for %d receiver(s); telling them Failed",
+                       number, limit, len(asks.infos))
+            self._tell_failed(asks.infos.values())
+        self.breaker.sweep(now)
+
+    # ------------------------------------------------------------ output
+
+    def _push(self, info: TransferInfo, status: TransferPoll, checksums: tuple[int, ...] = ()) -> None:
+        self._out.append(PushStatus(info.endpoint, info.port, info.room, status, tuple(checksums)))
+
+    def _tell_failed(self, infos) -> None:
+        for info in infos:
+            self._push(info, TransferPoll.Failed)
+
+    def _warn(self, key: str, message: str, *args: object) -> None:
+        self._out.append(Warn(key, message, args))
+
+    def _flush(self, now: float) -> list:
+        self._pump(now)
+        return self._out_take()
+
+    def _out_take(self) -> list:
+        out, self._out = self._out, []
+        return out

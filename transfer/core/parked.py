@@ -1,0 +1,145 @@
+"""Parked asks: TransferInfos waiting for their room's item or the rest of its fanout, bounded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transfer.frames import TransferInfo
+
+__all__ = [
+    "ASK_OVERHEAD_BYTES",
+    "MAX_PARKED_ASKS",
+    "MAX_PARKED_BYTES",
+    "MAX_RECEIVERS_PER_ROOM",
+    "Admission",
+    "Asks",
+    "ParkedAsks",
+    "ask_cost",
+]
+
+#: Rooms asked for whose item (or rest of the fanout) has not come yet, and receivers per
+#: such room: past these, a peer asking for rooms nobody sends would only eat memory, so
+#: the oldest parked ask is told Failed (and an extra receiver of a room is refused).
+MAX_PARKED_ASKS = 16384
+MAX_RECEIVERS_PER_ROOM = 1024
+
+#: Bytes of parked asks held in all (their text parts plus a fixed cost each): past it the
+#: oldest room's asks are evicted. MAX_PARKED_ASKS * MAX_RECEIVERS_PER_ROOM asks of up to a
+#: control message each would otherwise be a terabyte a peer could make us hold.
+MAX_PARKED_BYTES = 64 << 20
+ASK_OVERHEAD_BYTES = 512  # a parked TransferInfo with short text parts takes about this much
+
+
+def ask_cost(info: TransferInfo) -> int:
+    """What a parked ask costs against the byte bound: its peer-sized text parts and a fixed part."""
+    return len(info.endpoint) + len(info.session_id) + len(info.dtype) + ASK_OVERHEAD_BYTES
+
+
+@dataclass
+class Asks:
+    """One room's parked TransferInfos, by session id, and when the first came."""
+
+    room: int
+    first_at: float
+    infos: dict[str, TransferInfo] = field(default_factory=dict)
+    nbytes: int = 0
+
+    @property
+    def fanout(self) -> int:
+        """The fanout the asks announce (the first one's; validation compares the rest)."""
+        return next(iter(self.infos.values())).fanout
+
+
+@dataclass
+class Admission:
+    """What parking one ask did: whether it was refused, and whole rooms evicted to make room."""
+
+    refused: bool = False
+    evicted: list[Asks] = field(default_factory=list)
+
+
+class ParkedAsks:
+    """Rooms' asks, oldest room first, bounded in rooms, receivers per room and bytes."""
+
+    def __init__(self, *, max_rooms: int | None = None, max_receivers: int | None = None,
+                 max_bytes: int | None = None) -> None:
+        """Bounds left out are the module's, read now (so a test or a deployment may set them)."""
+        self.max_rooms = MAX_PARKED_ASKS if max_rooms is None else max_rooms
+        self.max_receivers = MAX_RECEIVERS_PER_ROOM if max_receivers is None else max_receivers
+        self.max_bytes = MAX_PARKED_BYTES if max_bytes is None else max_bytes
+        self._rooms: dict[int, Asks] = {}
+        self.nbytes = 0
+
+    def add(self, info: TransferInfo, now: float) -> Admission:
+        """Parks `info` for its room (a session's repeat replaces its earlier ask).
+
+        A new room past max_rooms evicts the oldest room first; a new receiver past
+        max_receivers for its room is refused; past max_bytes the oldest rooms go until
+        the bound holds or only this room is left.
+        """
+        admission = Admission()
+        asks = self._rooms.get(info.room)
+        if asks is None:
+            if len(self._rooms) >= self.max_rooms:
+                admission.evicted.append(self._evict_oldest())
+            asks = self._rooms[info.room] = Asks(info.room, now)
+        elif len(asks.infos) >= self.max_receivers and info.session_id not in asks.infos:
+            admission.refused = True
+            return admission
+        replaced = asks.infos.get(info.session_id)
+        asks.infos[info.session_id] = info
+        cost = ask_cost(info) - (ask_cost(replaced) if replaced is not None else 0)
+        asks.nbytes += cost
+        self.nbytes += cost
+        while self.nbytes > self.max_bytes and len(self._rooms) > 1:
+            admission.evicted.append(self._evict_oldest())
+        return admission
+
+    def _evict_oldest(self) -> Asks:
+        return self.take(next(iter(self._rooms)))
+
+    def take(self, room: int) -> Asks | None:
+        """Removes and returns the room's asks (None when none are parked)."""
+        asks = self._rooms.pop(room, None)
+        if asks is not None:
+            self.nbytes -= asks.nbytes
+        return asks
+
+    def get(self, room: int) -> Asks | None:
+        """The room's asks, left parked."""
+        return self._rooms.get(room)
+
+    def older_than(self, cutoff: float) -> list[int]:
+        """Rooms whose first ask came before `cutoff`, oldest first."""
+        return [room for room, asks in self._rooms.items() if asks.first_at < cutoff]
+
+    def oldest_first_at(self) -> float | None:
+        """When the oldest parked room's first ask came (rooms are kept in arrival order)."""
+        for asks in self._rooms.values():
+            return asks.first_at
+        return None
+
+    def take_all(self) -> list[Asks]:
+        """Removes and returns every room's asks."""
+        rooms, self._rooms, self.nbytes = list(self._rooms.values()), {}, 0
+        return rooms
+
+    def values(self) -> list[Asks]:
+        """Every room's asks, oldest first (a copy of the list)."""
+        return list(self._rooms.values())
+
+    def rooms(self) -> list[int]:
+        """Rooms with parked asks, oldest first."""
+        return list(self._rooms)
+
+    def __getitem__(self, room: int) -> Asks:
+        return self._rooms[room]
+
+    def __iter__(self):
+        return iter(list(self._rooms))
+
+    def __contains__(self, room: object) -> bool:
+        return room in self._rooms
+
+    def __len__(self) -> int:
+        return len(self._rooms)

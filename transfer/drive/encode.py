@@ -1,0 +1,460 @@
+"""The encode side's driver: one thread that owns the request socket, the status sockets,
+the engine calls and the clock, feeds EncodeCore its events and carries out its actions.
+
+Measured on two cores, one such thread beats an I/O thread feeding writer threads:
+every hand-off between threads cost a wake-up on a busy core, and the Mooncake threads
+that move the bytes need those cores. The caller's thread only posts commands (an item
+offered, a room cleared, close) and reads the room book.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from transfer import _io
+from transfer.core.encode import (
+    Conclude,
+    EncodeCore,
+    Progress,
+    PushStatus,
+    Release,
+    StartWrite,
+    Warn,
+)
+from transfer.core.failure import Failure, FailureKind
+from transfer.core.sources import SourceCounts
+from transfer.frames import (
+    TransferInfo,
+    WireError,
+    is_registration,
+    parse_registration,
+    status_frames,
+)
+from transfer.metrics import Metrics
+from transfer.status import RoomTable, TransferPoll, is_terminal
+
+log = logging.getLogger("transfer.sender")
+
+#: Writes in flight are polled after a sleep growing from POLL_MIN_S to POLL_MAX_S, cut
+#: short by any request (250 us measured better than 50 us on loopback: fewer wake-ups
+#: competing for the cores).
+POLL_MIN_S = 250e-6
+POLL_MAX_S = 1e-3
+
+#: Requests filed per round before the thread turns to its writes: a peer that sends
+#: without pause must not keep the thread (its writes, sweep and close()) waiting.
+MAX_REQUESTS_PER_ROUND = 256
+
+#: How long the statuses pushed while closing may take to leave once the pool is closed.
+CLOSE_LINGER_MS = 1000
+
+#: How long closing waits for writes already submitted: past Mooncake's own transfer
+#: timeout (30 s by default, measured against a stopped peer).
+CLOSE_WAIT_S = 60.0
+
+#: How often registrations the engine would not drop yet are tried again.
+RETRY_RELEASES_S = 0.5
+
+
+class RoomState:
+    """One send of a room as its caller's handle sees it (the core's token for it)."""
+
+    __slots__ = ("concluded_at", "release", "room", "started_at")
+
+    def __init__(self, room: int, started_at: float, release: Any = None) -> None:
+        self.room = room
+        self.started_at = started_at
+        self.concluded_at: float | None = None
+        self.release = release  # drops the temporary source registrations made for it
+
+
+class RoomBook:
+    """The rooms the caller sent and has not cleared, their table, and the one place they conclude.
+
+    Shared by the caller's thread (send, clear, reads) and the driver's (conclusions),
+    under one lock; nothing here touches a socket or the engine.
+    """
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.lock = threading.Lock()
+        self.held: dict[int, RoomState] = {}
+        self.table = RoomTable()
+        self.conclusions = _io.Conclusions()
+        self.metrics = metrics
+        self.failures = _io.ThrottledLog(log)  # rooms that failed, per kind
+        self.stopping = False  # no send() is accepted (closing, or the driver failed)
+        self.closed = False
+
+    def conclude(self, state: RoomState, status: TransferPoll, failure: Failure | None, at: float) -> bool:
+        """Concludes the room if `state` is still its current send and open; True only for the call that did."""
+        with self.lock:
+            if self.held.get(state.room) is not state or not self.table.conclude(state.room, status, failure):
+                return False
+            state.concluded_at = at
+        if status is TransferPoll.Success:
+            self.metrics.inc("rooms_succeeded_total")
+            self.metrics.observe("room_latency_seconds", at - state.started_at)
+        else:
+            kind = failure.kind if failure is not None else FailureKind.OTHER
+            self.metrics.inc("rooms_failed_total", reason=kind.value)
+            self.failures.warning(kind, "room %d failed: %s", state.room, failure)
+        self.conclusions.notify()
+        return True
+
+    def progress(self, state: RoomState, status: TransferPoll) -> None:
+        """Moves an open room on (Transferring), if `state` is still its current send."""
+        with self.lock:
+            if self.held.get(state.room) is state:
+                self.table.update(state.room, status)
+
+    def fail_open(self, failure: Failure, at: float) -> None:
+        """Fails every open room (the driver is gone; nobody else will conclude them)."""
+        with self.lock:
+            states = list(self.held.values())
+        for state in states:
+            if not is_terminal(self.table.get(state.room)):
+                self.conclude(state, TransferPoll.Failed, failure, at)
+
+    def parked(self) -> int:
+        """Rooms sent whose receivers have not all asked yet (a scrape may come from any thread)."""
+        with self.lock:
+            rooms = list(self.held)
+        return sum(1 for room in rooms if self.table.get(room) is TransferPoll.WaitingForInput)
+
+
+class SourceRegistry:
+    """Registers source regions that lie outside registered memory, counted per registration.
+
+    send() holds them on the caller's thread; the driver releases them once the core
+    says nothing reads them any more.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.lock = threading.Lock()
+        self.counts = SourceCounts()
+
+    def hold(self, *regions: _io.Region | None):
+        """Holds each region's registration (registering it if needed); returns their release, or None.
+
+        If one region cannot be registered, those already held are released before raising.
+        """
+        held: list[int] = []
+
+        def release() -> None:
+            with self.lock:
+                for base in held:
+                    if self.counts.release(base):
+                        self._drop(base)
+
+        try:
+            for region in regions:
+                if region is None or region.nbytes == 0:
+                    continue
+                with self.lock:
+                    base = self.counts.base_for(region.addr, region.end, self.engine.registered())
+                    if base is None:
+                        self.engine.register(region.tensor if region.tensor is not None else region.addr,
+                                             region.nbytes)
+                        base = region.addr
+                    elif not self.counts.is_ours(base):
+                        continue  # inside the caller's own registration
+                    self.counts.hold(base)
+                    held.append(base)
+        except BaseException:
+            release()
+            raise
+        return release if held else None
+
+    def _drop(self, base: int) -> None:
+        """Unregisters one of ours no room holds any more (lock held).
+
+        The engine refuses while a write it gave up on still reads the memory: the
+        registration then stays ours at refcount 0 and is retried.
+        """
+        try:
+            self.engine.unregister(base)
+        except Exception as exc:  # noqa: BLE001 - the room concludes either way
+            if base in self.engine.registered():
+                if self.counts.kept(base):
+                    log.warning("keeping the temporary registration of %#x for now: %s", base, exc)
+                return
+            log.warning("dropping the temporary registration of %#x failed: %s", base, exc)  # e.g. engine closed
+        self.counts.dropped(base)
+
+    def retry(self) -> None:
+        """Tries again to drop the registrations the engine would not let go of."""
+        with self.lock:
+            for base in self.counts.retry():
+                self._drop(base)
+
+
+@dataclass
+class _Flight:
+    """A write submitted to the engine and not yet settled."""
+
+    wid: int
+    batch: int  # the engine's batch id; 0 when the write already completed
+    session: str
+    nbytes: int
+    checksums: tuple[int, ...]
+    submitted_at: float
+
+
+class EncodeDriver:
+    """The thread that serves one EncodeCore: requests in, writes out, statuses pushed."""
+
+    def __init__(self, core: EncodeCore, engine: Any, engine_rank: int, host: str, port: int, book: RoomBook,
+                 sources: SourceRegistry, metrics: Metrics, *, integrity: bool = True,
+                 clock=time.monotonic) -> None:
+        self.core = core
+        self.engine = engine
+        self.engine_rank = engine_rank
+        self.book = book
+        self.sources = sources
+        self.metrics = metrics
+        self.integrity = integrity
+        self.clock = clock
+        self.commands: deque[tuple] = deque()  # posted by the caller's thread, taken by the driver's
+        self.waker = _io.Waker()
+        self.pull, self.port = _io.pull_socket(host, port)
+        self.statuses = _io.Pushers()
+        self._complaints = _io.ThrottledLog(log)  # about requests peers sent, and the core's warnings
+        self._flights: list[_Flight] = []
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name=f"epd-encode-{engine_rank}", daemon=True)
+
+    # ------------------------------------------------------ the caller's side
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def post(self, *command: object) -> None:
+        """Hands the driver a command (('offer', Offer), ('clear', room, state)) and wakes it."""
+        self.commands.append(command)
+        self.waker.wake()
+
+    def stop(self) -> None:
+        """Asks the thread to settle its writes, fail what is left and close its sockets."""
+        self._stop = True
+        self.waker.wake()
+
+    # ------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        _io.name_this_thread(f"epd-enc{self.engine_rank}")
+        poller = select.poll()
+        poller.register(self.pull.getsockopt(zmq.FD), select.POLLIN)
+        poller.register(self.waker.fileno(), select.POLLIN)
+        delay = POLL_MIN_S
+        more_requests = False  # the last round left requests queued (the socket's FD will not signal them)
+        next_retry = self.clock() + RETRY_RELEASES_S
+        try:
+            while not self._stop:
+                busy = bool(self._flights) or self.core.busy
+                if more_requests or self.commands:
+                    timeout = 0.0
+                else:
+                    timeout = delay if busy else max(0.0, self.core.next_wakeup() - self.clock())
+                woken = self._sleep(poller, timeout)
+                # The flag saves a system call per loop; the pipe's readability covers a
+                # wake() caught between setting the flag and writing its byte.
+                if woken or self.waker.pending():
+                    self.waker.drain()
+                self._take_commands()
+                more_requests = self._drain_requests()
+                now = self.clock()
+                self._carry(self.core.tick(now))
+                if self._flights:
+                    settled = self._settle()
+                    delay = POLL_MIN_S if settled else min(2 * delay, POLL_MAX_S)
+                elif self.core.busy:  # only writes held by their ready events: back off as for writes
+                    delay = min(2 * delay, POLL_MAX_S)
+                if now >= next_retry:
+                    self.sources.retry()
+                    next_retry = now + RETRY_RELEASES_S
+        except Exception as exc:  # a bug here must not leave rooms hanging silently
+            log.exception("the sender pool's thread failed; failing its rooms")
+            self._failed(f"sender pool stopped: {type(exc).__name__}: {exc}")
+        self._close()
+
+    def _sleep(self, poller: select.poll, timeout: float) -> bool:
+        """Waits for a request, a wake-up or `timeout` seconds; True when the waker's pipe is readable.
+
+        poll() counts whole milliseconds: a shorter wait (writes in flight) checks once
+        and sleeps. ZMQ's FD only signals that the socket's state may have changed: the
+        loop sleeps only after a drain that found the socket empty, so a message queued
+        since then has signalled the FD.
+        """
+        events = poller.poll(timeout * 1e3 if timeout >= 1e-3 else 0)
+        if not events and 0 < timeout < 1e-3:
+            time.sleep(timeout)
+        waker = self.waker.fileno()
+        return any(fd == waker for fd, _ in events)
+
+    def _take_commands(self) -> None:
+        while self.commands:
+            command = self.commands.popleft()
+            now = self.clock()
+            if command[0] == "offer":
+                self._carry(self.core.offer(command[1], now))
+            else:
+                _, room, state = command
+                self._carry(self.core.clear(room, state, now))
+
+    def _drain_requests(self) -> bool:
+        """Files up to MAX_REQUESTS_PER_ROUND queued requests; True when more may be queued."""
+        for _ in range(MAX_REQUESTS_PER_ROUND):
+            frames = _io.recv_frames(self.pull)
+            if frames is None:
+                return False
+            try:
+                if is_registration(frames):
+                    reg = parse_registration(frames)
+                    self._carry(self.core.registration(reg, self.clock()))
+                    continue
+                info = TransferInfo.from_frames(frames)
+            except WireError as exc:
+                self._complaints.warning(str(exc), "dropped a malformed request (%d parts): %s", len(frames), exc)
+                continue
+            self._carry(self.core.ask(info, self.clock()))
+        return True
+
+    # --------------------------------------------------------------- actions
+
+    def _carry(self, actions: list) -> None:
+        """Carries out the core's actions, and those its answers to them bring, in order."""
+        work = deque(actions)
+        while work:
+            action = work.popleft()
+            kind = type(action)
+            if kind is PushStatus:
+                frames = status_frames(action.room, action.status, self.engine_rank, action.checksums)
+                self.statuses.send(action.endpoint, action.port, frames)
+            elif kind is StartWrite:
+                work.extend(self._start(action))
+            elif kind is Conclude:
+                self.book.conclude(action.token, action.status, action.failure, action.at)
+            elif kind is Progress:
+                self.book.progress(action.token, action.status)
+            elif kind is Release:
+                release, action.token.release = action.token.release, None
+                if release is not None:
+                    release()
+            elif kind is Warn:
+                self._complaints.warning(action.key, action.message, *action.args)
+
+    def _start(self, write: StartWrite) -> list:
+        """Submits one receiver's shard without waiting; returns the core's answer when it did not start."""
+        if self.commands:  # a clear() posted meanwhile reaches the core before any byte is written
+            self._take_commands()
+        if not self.core.wants(write.wid):
+            return self.core.write_skipped(write.wid, self.clock())
+        submitted_at = self.clock()
+        try:
+            batch = self._submit(write.session_id, list(write.srcs), list(write.dsts), list(write.lengths))
+        except Exception as exc:  # noqa: BLE001 - any failure concludes the room
+            now = self.clock()
+            return self.core.write_failed(write.wid, str(exc), now - submitted_at, now, blocking=True)
+        # The checksums are computed while the batch is on the wire. If that fails the
+        # room fails, and the write is still tracked until the engine is done with it.
+        checksums: tuple[int, ...] = ()
+        answer: list = []
+        if self.integrity:
+            try:
+                checksums = tuple(_io.checksum(region, addr, n)
+                                  for region, addr, n in zip(write.sources, write.srcs, write.lengths))
+            except Exception as exc:  # noqa: BLE001 - e.g. a device error: this room only
+                answer = self.core.checksum_failed(write.wid, str(exc), self.clock())
+        self._flights.append(_Flight(write.wid, batch, write.session_id, sum(write.lengths), checksums,
+                                     submitted_at))
+        return answer
+
+    def _submit(self, session_id: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
+        """Starts a batch write; engines without an async API write synchronously here (id 0)."""
+        write_async = getattr(self.engine, "write_async", None)
+        if write_async is None:
+            self.engine.write(session_id, srcs, dsts, lengths)
+            return 0
+        return write_async(session_id, srcs, dsts, lengths)
+
+    def _settle(self) -> bool:
+        """Settles the writes that completed; True when any did.
+
+        A session's writes complete in the order they were submitted, so polling stops
+        at each session's first unfinished write: one status call per busy receiver
+        per round, not one per write in flight.
+        """
+        flights, self._flights = self._flights, []
+        busy: set[str] = set()
+        remaining = []
+        for flight in flights:
+            if flight.session in busy or not self._settled(flight):
+                busy.add(flight.session)
+                remaining.append(flight)
+        settled = len(remaining) < len(flights)
+        self._flights[:0] = remaining  # writes started meanwhile go after them
+        return settled
+
+    def _settled(self, flight: _Flight) -> bool:
+        """Whether the write is over; if so, tells the core."""
+        try:
+            if flight.batch:
+                poll = getattr(self.engine, "poll", None)
+                if poll is None:
+                    self.engine.wait(flight.batch)
+                elif not poll(flight.batch):
+                    return False
+        except Exception as exc:  # noqa: BLE001 - any failure concludes the room
+            now = self.clock()
+            self._carry(self.core.write_failed(flight.wid, str(exc), now - flight.submitted_at, now))
+            return True
+        self.metrics.inc("bytes_written_total", flight.nbytes)
+        self._carry(self.core.write_done(flight.wid, flight.checksums, self.clock()))
+        return True
+
+    # --------------------------------------------------------------- closing
+
+    def _failed(self, detail: str) -> None:
+        """The loop failed: no send is accepted, and every open room fails with `detail`."""
+        with self.book.lock:
+            self.book.stopping = True
+        now = self.clock()
+        try:
+            self.core.stop_writes()
+            self._carry(self.core.close(now, detail))
+        except Exception:
+            log.exception("the encode core could not fail its rooms; failing them in the room book")
+        self.book.fail_open(Failure(FailureKind.CLOSED, detail), now)
+
+    def _close(self) -> None:
+        """Settles what was submitted (at most CLOSE_WAIT_S), fails the rest, closes the sockets."""
+        self.core.stop_writes()
+        deadline = self.clock() + CLOSE_WAIT_S
+        try:
+            self._take_commands()
+            while self._flights and self.clock() < deadline:
+                if not self._settle():
+                    time.sleep(POLL_MAX_S)
+            self._take_commands()
+            if self._flights:
+                log.error("sender pool of encode rank %d: %d writes still in flight after %gs; failing their "
+                          "rooms, keeping their temporary source registrations", self.engine_rank,
+                          len(self._flights), CLOSE_WAIT_S)
+            self._carry(self.core.close(self.clock()))
+        except Exception:
+            log.exception("closing the sender pool's driver failed")
+        self.book.fail_open(Failure(FailureKind.CLOSED, "sender pool closed"), self.clock())
+        if not self._flights:
+            self.sources.retry()  # registrations an abandoned write held, if the engine let go since
+        self.pull.close(0)
+        self.statuses.close(linger_ms=CLOSE_LINGER_MS)  # the Failed statuses just pushed still go out
+        self.waker.close()
