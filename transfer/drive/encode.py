@@ -319,6 +319,9 @@ class EncodeDriver:
             try:
                 if is_registration(frames):
                     reg = parse_registration(frames)
+                    # A receiver that (re)announced itself gets a fresh status connection: statuses
+                    # queued for a predecessor at the same address never reach it.
+                    self.statuses.expect(reg.endpoint, reg.port)
                     self._carry(self.core.registration(reg, self.clock()))
                     continue
                 info = TransferInfo.from_frames(frames)
