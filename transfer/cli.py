@@ -274,9 +274,22 @@ def _token_default() -> str | None:
     return os.environ.get("EPD_TOKEN") or None
 
 
+def _version() -> str:
+    """The installed distribution's version, or the source tree's when it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("epd-transfer")
+    except metadata.PackageNotFoundError:
+        from transfer import __version__
+
+        return f"{__version__} (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
     parser = _Parser(prog="epd-transfer", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
