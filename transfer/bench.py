@@ -1104,7 +1104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench's options on its subcommand parser."""
     parser.add_argument("--sizes", type=parse_sizes, default=None,
                         help=f"item sizes as ROWSxHIDDEN, comma-separated (default {DEFAULT_SIZES})")
-    parser.add_argument("--dtype", default="torch.bfloat16")
+    parser.add_argument("--dtype", default="torch.bfloat16", help="element type of the items")
     parser.add_argument("--fanouts", type=parse_ints, default=None, help="prefill ranks per encode rank (default 1,2,4)")
     parser.add_argument("--encode-ranks", type=parse_ints, default=None,
                         help="encode ranks E (default 1); a cell has E x fanout prefill ranks, each item's rows "
@@ -1118,7 +1118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-items", type=int, default=None, help="fewest rooms per cell (default 16)")
     parser.add_argument("--protocol", default="tcp", choices=["tcp", "rdma", "auto"],
                         help="Mooncake protocol of the raw and epd paths")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="address every rank binds")
     parser.add_argument("--depth", type=int, default=None,
                         help="async batches the epd sender pool keeps in flight (default: the pool's own)")
     parser.add_argument("--raw-issue", choices=["async", "sync"], default="async",
@@ -1127,14 +1127,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deadline", type=float, default=60.0, help="per-room deadline of the epd and wire paths, seconds")
     parser.add_argument("--timeout", type=float, default=300.0, help="bound on each step of a cell, seconds")
     parser.add_argument("--repeat", type=int, default=1,
-                        help="runs per cell, the paths of a geometry taking turns; reports the median run (default 1)")
-    parser.add_argument("--log-dir", default=None, help="keep the rank processes' logs here")
+                        help="runs per cell, the paths of a geometry taking turns; reports the median run")
+    parser.add_argument("--log-dir", default=None, help="keep the rank processes' logs here (default: a temporary folder, removed)")
     parser.add_argument("--quick", action="store_true",
                         help="a subset: 512 KiB and 8 MiB, fanout 1 and 4, 8 in flight, ~64 MiB per cell")
     parser.add_argument("--cpu", action="store_true",
                         help="add each room's CPU ms to the table: our control plane, and the transport's threads")
-    parser.add_argument("--json", metavar="FILE", default=None, help="write the rows as JSON")
-    parser.add_argument("--plot", metavar="FILE.png", default=None, help="draw GB/s, the ratio to raw and p99 against item size")
+    parser.add_argument("--json", metavar="FILE", nargs="?", const="-", default=None,
+                        help="print the rows as JSON instead of the table, or also write them to FILE and say where "
+                             "(default: the table only)")
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="draw GB/s, the ratio to raw and p99 against item size into FILE.png (default: no plot)")
 
 
 def options_from(args: argparse.Namespace) -> Options:
@@ -1174,22 +1177,28 @@ def main(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError) as exc:
         print(f"epd-transfer bench: {exc}", file=sys.stderr)
         return 1
-    pool = f"depth {opts.depth}" if opts.depth is not None else ""
-    print(f"epd-transfer bench: protocol {opts.protocol} on {opts.host}, sender pool "
-          f"{pool or 'defaults'}, raw issue {opts.raw_issue}")
-    print(format_table(rows, cpu=getattr(args, "cpu", False)))
-    for note in notes:
-        print(f"note: {note}")
     broken = [r for r in rows if not r["verified"]]
-    for r in broken:
-        encode = f" encode ranks {r['encode_ranks']}" if r["encode_ranks"] > 1 else ""
-        print(f"! {r['path']} {human_bytes(r['item_bytes'])}{encode} fanout {r['fanout']} inflight {r['inflight']}: "
-              f"{r['failed']} failed room(s); {'; '.join(r['problems'])}")
-    if args.json:
+    as_json = args.json == "-"  # the rows on stdout instead of the table
+    if not as_json:
+        pool = f"depth {opts.depth}" if opts.depth is not None else ""
+        print(f"epd-transfer bench: protocol {opts.protocol} on {opts.host}, sender pool "
+              f"{pool or 'defaults'}, raw issue {opts.raw_issue}")
+        print(format_table(rows, cpu=getattr(args, "cpu", False)))
+        for note in notes:
+            print(f"note: {note}")
+        for r in broken:
+            encode = f" encode ranks {r['encode_ranks']}" if r["encode_ranks"] > 1 else ""
+            print(f"! {r['path']} {human_bytes(r['item_bytes'])}{encode} fanout {r['fanout']} inflight "
+                  f"{r['inflight']}: {r['failed']} failed room(s); {'; '.join(r['problems'])}")
+    if as_json:
+        print(json.dumps(rows, indent=1), flush=True)
+    elif args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
+        print(f"epd-transfer bench: wrote JSON to {os.path.abspath(args.json)}", file=sys.stderr)
     if args.plot:
         plot(rows, args.plot)
+        print(f"epd-transfer bench: wrote the plot to {os.path.abspath(args.plot)}", file=sys.stderr)
     return 1 if broken else 0
 
 
