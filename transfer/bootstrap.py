@@ -36,6 +36,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from transfer._http import BoundedHTTPServer, DeadlineReader, OneDeadlineHandler
+from transfer.errors import BootstrapError, BootstrapUnreachable, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +49,6 @@ MAX_HOST_CHARS = 253
 ROLE = "Prefill"
 _INTEGER = re.compile(r"[+-]?[0-9]+\Z")
 _DIGITS = re.compile(r"[0-9]+\Z")
-
-
-class BootstrapError(RuntimeError):
-    """The bootstrap server could not be reached or refused the request."""
-
-
-class BootstrapUnreachable(BootstrapError):
-    """No answer from the bootstrap server at all (refused, reset or timed out)."""
 
 
 class _RequestError(Exception):
@@ -314,7 +307,7 @@ def _split_address(address: str) -> tuple[str, int]:
     """Split "host:port" (or "[v6]:port") into host and port."""
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise ValueError(f"bootstrap address must be host:port, got {address!r}")
+        raise ConfigError(f"bootstrap address must be host:port, got {address!r}")
     return host.strip("[]"), int(port)
 
 

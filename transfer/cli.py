@@ -12,7 +12,8 @@ import sys
 import threading
 import traceback
 
-from transfer.frames import DTYPE_BYTES
+from transfer.errors import ConfigError
+from transfer.frames import normalize_dtype
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -282,10 +283,10 @@ def _seconds_from(text: str, zero_ok: bool) -> float:
 
 def _dtype(text: str) -> str:
     """A torch dtype name the wire knows, as `torch.NAME` (`bfloat16` works too)."""
-    name = text if text.startswith("torch.") else f"torch.{text}"
-    if name not in DTYPE_BYTES:
-        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(sorted(DTYPE_BYTES))}")
-    return name
+    try:
+        return normalize_dtype(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _host_port(text: str) -> str:

@@ -591,7 +591,7 @@ def summarize(sc: Scenario, reports: list[dict]) -> dict:
         "gbps": nbytes / wall / 1e9 if wall > 0 else 0.0,
         "p50_ms": _percentile(latencies, 50) * 1e3,
         "p99_ms": _percentile(latencies, 99) * 1e3,
-        "protocol": _resolved_protocol(sc.protocol),
+        "protocol": _resolved_protocol(sc.protocol, getattr(sc, "device", "")),
         "encode_ranks": sc.encode_ranks,
         "prefill_ranks": sc.prefill_ranks,
         "wall_s": wall,
@@ -609,12 +609,13 @@ def _percentile(sorted_values: list[float], pct: float) -> float:
     return sorted_values[index]
 
 
-def _resolved_protocol(protocol: str) -> str:
-    if protocol != "auto":
+def _resolved_protocol(protocol: str, device: str = "") -> str:
+    """What the ranks' engines ran (auto resolved, rdma only where a device is usable)."""
+    if protocol == "wire":
         return protocol
-    from transfer.engine import choose_protocol
+    from transfer.engine import effective_protocol
 
-    return choose_protocol("auto")[0]
+    return effective_protocol(protocol, device)[0]
 
 
 def scenario_dict(sc: Scenario) -> dict:
