@@ -1,5 +1,7 @@
 """Moves multimodal embeddings from encode ranks into prefill ranks' registered buffers."""
 
+import logging
+
 from transfer.errors import (
     BootstrapError,
     BootstrapUnreachable,
@@ -14,6 +16,10 @@ from transfer.errors import (
 )
 
 __version__ = "0.1.0"
+
+# A library leaves handlers to the application: without one configured, Python's
+# last-resort handler would print our warnings to stderr on its own.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "BootstrapError",

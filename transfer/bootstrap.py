@@ -12,7 +12,8 @@ Decisions the spec leaves open, documented here:
   first PUT with plausible sizes still fixes them: the token is what keeps
   strangers from squatting.
 - A PUT for a (dp_group, tp_rank) already present replaces it, so a restarted
-  encode rank can re-register; configure a token to keep strangers out.
+  encode rank can re-register; configure a token to keep strangers out. Every
+  registration is logged at INFO, and one that replaces another endpoint at WARNING.
 - The route lookup is `table[target_dp_group][engine_rank]`, i.e. engine_rank
   is read as the tp rank inside the group, as the peers' servers do.
 - Success bodies are JSON (application/json); errors and /health are short
@@ -72,8 +73,8 @@ class _RouteTable:
         self._routes: dict[tuple[int, int], tuple[str, int]] = {}
 
     def put(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
-            engine_rank: int) -> tuple[int, int]:
-        """Store one rank's endpoint; returns its (dp_group, tp_rank)."""
+            engine_rank: int) -> tuple[tuple[int, int], tuple[str, int] | None]:
+        """Store one rank's endpoint; returns its (dp_group, tp_rank) and the endpoint it replaced, if any."""
         group_size = world_size // dp_size
         key = (engine_rank // group_size, engine_rank % group_size)
         with self._lock:
@@ -84,8 +85,9 @@ class _RouteTable:
                     409, f"world_size/dp_size mismatch: this server has world_size="
                          f"{self.world_size} dp_size={self.dp_size}, the PUT says "
                          f"world_size={world_size} dp_size={dp_size}")
+            previous = self._routes.get(key)
             self._routes[key] = (rank_ip, rank_port)
-        return key
+        return key, previous
 
     def sizes(self) -> tuple[int | None, int | None]:
         """(world_size, dp_size), None before any registration."""
@@ -215,10 +217,26 @@ class _Handler(OneDeadlineHandler):
                 raise _RequestError(404, f"no such path {urlsplit(self.path).path}")
             self._authorize()
             raw = self._read_body()
-            key = self.server.table.put(*_parse_registration(raw))
+            world_size, dp_size, rank_ip, rank_port, engine_rank = _parse_registration(raw)
+            key, previous = self.server.table.put(world_size, dp_size, rank_ip, rank_port, engine_rank)
             self._json(200, {"status": "OK", "dp_group": key[0], "tp_rank": key[1]})
+            self._log_registration(engine_rank, key, (rank_ip, rank_port), previous)
         except _RequestError as error:
             self._text(error.status, error.text)
+
+    def _log_registration(self, engine_rank: int, key: tuple[int, int], endpoint: tuple[str, int],
+                          previous: tuple[str, int] | None) -> None:
+        """INFO for each registration; WARNING when another endpoint takes over a rank already claimed."""
+        where = f"{endpoint[0]}:{endpoint[1]}"
+        rank = f"encode rank {engine_rank} (dp group {key[0]}, tp rank {key[1]})"
+        if previous is None or previous == endpoint:
+            log.info("bootstrap %s: %s registered at %s%s (%d rank(s) known)", self.server.address_text, rank,
+                     where, "" if previous is None else " again", len(self.server.table))
+            return
+        log.warning("bootstrap %s: %s, registered at %s:%s, is now claimed by %s (from %s): a restarted rank, "
+                    "or two processes given the same rank? Peers asking from now on get %s",
+                    self.server.address_text, rank, previous[0], previous[1], where, self.client_address[0],
+                    where)
 
     def _authorize(self) -> None:
         """With a token configured, require `Authorization: Bearer <token>` (401 otherwise)."""
@@ -259,6 +277,7 @@ class _HTTPServer(BoundedHTTPServer):
     log = logging.getLogger(__name__)  # request errors go to this module's log
     table: _RouteTable
     token: str | None
+    address_text: str  # host:port, for log lines
 
 
 class BootstrapServer:
@@ -272,12 +291,13 @@ class BootstrapServer:
         self.host = host
         self.port = int(self._server.server_address[1])
         self.address = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        self._server.address_text = self.address
         self._closed = False
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
                                         name=f"bootstrap-{self.address}", daemon=True)
         self._thread.start()
-        log.debug("bootstrap server on %s (token %s)", self.address, "on" if token else "off")
+        log.info("bootstrap server on %s (token %s)", self.address, "on" if token else "off")
 
     @property
     def registered_ranks(self) -> int:
