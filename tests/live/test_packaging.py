@@ -47,8 +47,8 @@ def test_the_sdist_carries_what_a_build_needs(dist):
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
     for header in glob.glob(os.path.join(REPO, "native", "*.h")):
         assert f"native/{os.path.basename(header)}" in names
-    for needed in ("native/frame.c", "setup.py", "pyproject.toml", "README.md", "transfer/py.typed",
-                   "transfer/core/failure.py"):
+    for needed in ("native/frame.c", "setup.py", "pyproject.toml", "README.md", "CHANGELOG.md", "docs/protocol.md",
+                   "transfer/py.typed", "transfer/core/failure.py", "transfer/errors.py"):
         assert needed in names, f"the sdist lacks {needed}"
 
 
@@ -65,10 +65,11 @@ def test_the_wheel_installs_into_a_fresh_venv_and_imports(dist, tmp_path):
     # interpreter). No index: the dependencies (torch, pyzmq) are not needed to import the
     # package, its C core and its pure modules, or to ask the console script its version.
     _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "--quiet", wheel])
-    probe = ("import transfer, transfer._native, transfer.frames, transfer.status; "
-             "print(transfer.__file__); print(transfer.frames.dtype_size('torch.bfloat16'))")
+    probe = ("import transfer, transfer._native, transfer.frames, transfer.status, transfer.wire; "
+             "print(transfer.__file__); print(transfer.frames.dtype_size('bfloat16')); "
+             "print(issubclass(transfer.wire.FrameError, transfer.TransferError))")
     lines = _run([python, "-c", probe], cwd=str(tmp_path)).split()
     assert lines[0].startswith(str(venv)), f"imported {lines[0]}, not the installed wheel"
-    assert lines[1] == "2"
+    assert lines[1] == "2" and lines[2] == "True"
     version = _run([str(venv / "bin" / "epd-transfer"), "--version"], cwd=str(tmp_path))
     assert version.strip() == "epd-transfer 0.1.0"
