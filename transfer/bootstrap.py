@@ -284,7 +284,7 @@ class BootstrapServer:
     """The bootstrap HTTP server, serving on its own thread from construction until close()."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8998, token: str | None = None) -> None:
-        """Bind host:port (0: ephemeral) and start serving; ready on return."""
+        """Bind host:port (0: ephemeral) and start serving; ready on return. OSError when it cannot bind."""
         self._server = _HTTPServer.for_host(host)((host, port), _Handler)
         self._server.table = _RouteTable()
         self._server.token = token or None
@@ -346,7 +346,7 @@ class BootstrapClient:
     """Talks to one bootstrap server with bounded timeouts (http.client: no proxies, no pickles)."""
 
     def __init__(self, address: str, timeout: float = 2.0, token: str | None = None) -> None:
-        """address is "host:port"; timeout bounds each attempt."""
+        """address is "host:port" (ConfigError otherwise); timeout bounds each attempt."""
         self.address = address
         self.host, self.port = _split_address(address)
         self.timeout = timeout
@@ -384,7 +384,7 @@ class BootstrapClient:
 
     def register_rank(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
                       engine_rank: int, retry_for: float = 30.0) -> None:
-        """PUT this encode rank's endpoint, retrying refusals and 5xx until retry_for elapses."""
+        """PUT this encode rank's endpoint, retrying refusals and 5xx until retry_for elapses; BootstrapError after."""
         body = json.dumps({"role": ROLE, "world_size": world_size, "dp_size": dp_size,
                            "rank_ip": rank_ip, "rank_port": rank_port,
                            "engine_rank": engine_rank}).encode()
@@ -416,7 +416,7 @@ class BootstrapClient:
             delay = min(delay * 2, 0.5)
 
     def parallel_info(self) -> tuple[int, int]:
-        """(world_size, dp_size) of the encode side; one bounded attempt."""
+        """(world_size, dp_size) of the encode side; one bounded attempt (BootstrapError if none)."""
         status, value = self._get_json("/route?engine_rank=-1&target_dp_group=-1", "parallel info")
         if status != 200:
             raise BootstrapError(f"bootstrap server {self.address} answered HTTP {status} "
@@ -434,7 +434,7 @@ class BootstrapClient:
         return world_size, dp_size
 
     def route(self, engine_rank: int, dp_group: int) -> tuple[str, int]:
-        """(ip, port) of encode rank engine_rank in dp_group; one bounded attempt."""
+        """(ip, port) of encode rank engine_rank in dp_group; one bounded attempt (BootstrapError if none)."""
         path = f"/route?engine_rank={int(engine_rank)}&target_dp_group={int(dp_group)}"
         status, value = self._get_json(path, f"encode rank {engine_rank}")
         if status == 404:

@@ -169,6 +169,8 @@ class ReceivePool:
 
         `max_fallback_bytes` caps the bytes fallback buffers hold at once (default: the
         larger of `nbytes` and FALLBACK_FLOOR_BYTES; None: unbounded; 0: no fallbacks).
+        Raises ConfigError for a slot size that is not a positive multiple of SLOT_ALIGN or
+        does not fit the pool, and whatever the engine's register() raises.
         """
         if slot_bytes <= 0 or slot_bytes % SLOT_ALIGN:
             raise ConfigError(f"slot_bytes must be a positive multiple of {SLOT_ALIGN}, got {slot_bytes}")

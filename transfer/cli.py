@@ -167,7 +167,8 @@ def _rank(args: argparse.Namespace) -> int:
         if args.role == "encode":
             # After its rooms concluded, linger so the last statuses reach the prefill ranks.
             report = harness.encode_rank(sc, args.rank, args.bootstrap, noop, noop, lambda: time.sleep(args.linger))
-            summary = {"role": "encode", "node": 0, "rank": args.rank, "items": sc.items, "failed": len(report["failed"]),
+            summary = {"role": "encode", "node": 0, "rank": args.rank, "items": sc.items,
+                       "failed": len(report["failed"]),
                        "failures": [f"room {room}: {why}" for room, why in report["failed"]][:20]}
             ok = not report["failed"]
         else:

@@ -269,7 +269,10 @@ class RegisteredMemory:
         return None
 
     def register(self, buf: Any, length: int | None = None) -> tuple[int, int]:
-        """Register a tensor or an address range for peers' writes; returns (address, length)."""
+        """Register a tensor or an address range for peers' writes; returns (address, length).
+
+        Raises ConfigError (empty, non-contiguous or out-of-range memory), ConfigTypeError (not
+        a tensor or an address) or EngineError (already registered, refused, engine closed)."""
         addr, nbytes = self._region_span(buf, length)
         if nbytes <= 0:
             raise ConfigError(f"cannot register address 0x{addr:x} with length {nbytes}: {self._EMPTY_REASON}")
@@ -289,7 +292,7 @@ class RegisteredMemory:
         return addr, nbytes
 
     def unregister(self, addr: int) -> None:
-        """Unregister the region that starts at addr."""
+        """Unregister the region that starts at addr; EngineError if it is not registered or a write reads it."""
         with self._lock:
             self._check_open()
             if addr not in self._regions:
@@ -371,7 +374,9 @@ class Engine(RegisteredMemory):
 
     def write(self, session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
               lengths: Sequence[int]) -> None:
-        """Write every (src, dst, length) to the peer session and wait for it, without spinning a core."""
+        """Write every (src, dst, length) to the peer session and wait for it, without spinning a core.
+
+        Raises ConfigError for mismatched or negative lengths and EngineError when the write failed."""
         self.wait(self.write_async(session_id, src_addrs, dst_addrs, lengths))
 
     def write_async(self, session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
