@@ -454,6 +454,33 @@ class BootstrapClient:
                                  f"(1 to {MAX_HOST_CHARS}), port {port} (1 to 65535)")
         return ip, port
 
+    def wait_ready(self, timeout: float, encode_rank: int | None = None, dp_group: int = 0) -> tuple[int, int]:
+        """Blocks until the encode side registered, at most `timeout` seconds; returns (world_size, dp_size).
+
+        For a prefill rank started before its encode ranks: call it before the first
+        receive(), whose rooms would otherwise fail at once (no encode rank registered
+        yet). With `encode_rank`, also waits for that rank's route in `dp_group`. Raises
+        BootstrapError naming the last answer once the timeout passed.
+        """
+        deadline = time.monotonic() + timeout
+        delay = 0.05
+        while True:
+            try:
+                sizes = self.parallel_info()
+                if encode_rank is not None:
+                    self.route(encode_rank, dp_group)
+                return sizes
+            except BootstrapError as error:
+                last = str(error)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                what = "no encode rank" if encode_rank is None else f"encode rank {encode_rank}"
+                group = "" if encode_rank is None else f"dp group {dp_group}; "
+                raise BootstrapError(f"{what} never registered at bootstrap {self.address} within {timeout:g}s "
+                                     f"({group}last: {last})")
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, 0.5)
+
     def health(self) -> bool:
         """True when the server answers /health with 200 OK."""
         try:

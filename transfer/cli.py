@@ -206,21 +206,9 @@ def _raise_rank_timeout(*_: object) -> None:
 
 def _wait_for_route(bootstrap: str, encode_rank: int, timeout_s: float) -> None:
     """Blocks until the bootstrap server knows encode_rank (prefill ranks may start first)."""
-    import time
-
     from transfer.bootstrap import BootstrapClient
 
-    deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            BootstrapClient(bootstrap).route(encode_rank, 0)
-            return
-        except Exception as exc:  # noqa: BLE001 - server not up or rank not registered yet
-            last = exc
-            time.sleep(0.2)
-    raise TimeoutError(f"encode rank {encode_rank} never registered at bootstrap {bootstrap} "
-                       f"within {timeout_s:g}s (last: {last})")
+    BootstrapClient(bootstrap).wait_ready(timeout_s, encode_rank=encode_rank)
 
 
 class _Parser(argparse.ArgumentParser):

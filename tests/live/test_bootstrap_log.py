@@ -1,5 +1,5 @@
-"""The bootstrap server tells the operator who registered: each registration at INFO, and a WARNING
-when a second endpoint claims an encode rank already claimed (the later one wins, as before)."""
+"""The bootstrap server tells the operator who registered (each registration at INFO, a WARNING when a
+second endpoint claims an encode rank already claimed), and a client can wait until the encode side is up."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from transfer.bootstrap import BootstrapClient, BootstrapServer
+from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
 
 pytestmark = pytest.mark.live
 
@@ -36,3 +36,20 @@ def test_each_registration_is_logged_and_a_second_claim_warns(caplog):
     assert ("encode rank 0 (dp group 0, tp rank 0), registered at 10.0.0.1:7001, is now claimed by 10.0.0.9:7009 "
             "(from 127.0.0.1)") in warning
     assert route == ("10.0.0.9", 7009)
+
+
+def test_wait_ready_returns_once_the_encode_rank_registered():
+    import threading
+
+    with BootstrapServer("127.0.0.1", 0) as server:
+        client = BootstrapClient(server.address, timeout=1.0)
+        with pytest.raises(BootstrapError, match=rf"encode rank 1 never registered at bootstrap {server.address} "
+                                                 r"within 0.3s \(dp group 0; last: .*no encode rank registered yet"):
+            client.wait_ready(0.3, encode_rank=1)
+        later = threading.Timer(0.3, lambda: client.register_rank(2, 1, "10.0.0.2", 7002, engine_rank=1))
+        later.start()
+        try:
+            assert client.wait_ready(30, encode_rank=1) == (2, 1)
+        finally:
+            later.join()
+        assert client.route(1, 0) == ("10.0.0.2", 7002)

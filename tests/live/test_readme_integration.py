@@ -62,7 +62,7 @@ def _item(room: int, span: int):
     return torch.randn(span, HIDDEN, generator=gen).to(torch.bfloat16)
 
 
-def _encode(code: str, ready, done, results) -> None:
+def _encode(code: str, done, results) -> None:
     """Runs the README's encode block, offers every room, reaps them all."""
     try:
         scope: dict = {"__name__": "readme_encode"}
@@ -72,7 +72,6 @@ def _encode(code: str, ready, done, results) -> None:
         for slot, (room, span) in enumerate(ROOMS.items()):
             out[slot, :span] = _item(room, span)
             handles[room] = scope["offer"](room, slot, span)
-        ready.set()
         finished: list[int] = []
         deadline = time.monotonic() + WAIT_S
         while len(finished) < len(ROOMS) and time.monotonic() < deadline:
@@ -90,10 +89,9 @@ def _encode(code: str, ready, done, results) -> None:
         scope["engine"].close()
     except BaseException:  # noqa: BLE001 - the test process reports it
         results.put(("encode", traceback.format_exc()))
-        ready.set()
 
 
-def _prefill(code: str, rank: int, init_port: int, ready, results) -> None:
+def _prefill(code: str, rank: int, init_port: int, results) -> None:
     """Joins a gloo group of two, runs the README's prefill block, asks, rebuilds and checks every row."""
     try:
         import torch
@@ -101,9 +99,8 @@ def _prefill(code: str, rank: int, init_port: int, ready, results) -> None:
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{init_port}", rank=rank, world_size=2)
         scope: dict = {"__name__": "readme_prefill"}
+        # The block itself waits for the encode rank (BootstrapClient.wait_ready): started together.
         exec(compile(code, "README.md (prefill side)", "exec"), scope)
-        if not ready.wait(WAIT_S):
-            raise TimeoutError("the encode rank never became ready")
         handles = [scope["ask"](room, span) for room, span in ROOMS.items()]
         deadline = time.monotonic() + WAIT_S
         while not all(scope["concluded"](h) for h in handles):
@@ -140,10 +137,10 @@ def test_the_readme_integration_moves_and_rebuilds_every_row():
         "HIDDEN, DTYPE": f'{HIDDEN}, "torch.bfloat16"', "DEVICE": '"cpu"', "POOL_BYTES, SLOT_BYTES": "1 << 20, 64 << 10",
     })
     ctx = mp.get_context("spawn")
-    ready, done, results = ctx.Event(), ctx.Event(), ctx.Queue()
+    done, results = ctx.Event(), ctx.Queue()
     init_port = _free_port()
-    procs = [ctx.Process(target=_encode, args=(encode_code, ready, done, results), name="encode")]
-    procs += [ctx.Process(target=_prefill, args=(prefill_code, r, init_port, ready, results), name=f"prefill-{r}")
+    procs = [ctx.Process(target=_encode, args=(encode_code, done, results), name="encode")]
+    procs += [ctx.Process(target=_prefill, args=(prefill_code, r, init_port, results), name=f"prefill-{r}")
               for r in range(2)]
     for proc in procs:
         proc.start()
