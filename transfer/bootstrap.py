@@ -325,6 +325,10 @@ class BootstrapServer:
 
 def _split_address(address: str) -> tuple[str, int]:
     """Split "host:port" (or "[v6]:port") into host and port."""
+    if not isinstance(address, str):
+        raise ConfigError(f"bootstrap address must be a 'host:port' str, got {type(address).__name__} {address!r}")
+    if "://" in address:
+        raise ConfigError(f"bootstrap address must be host:port without a scheme, got {address!r}")
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ConfigError(f"bootstrap address must be host:port, got {address!r}")

@@ -402,7 +402,8 @@ class Engine(RegisteredMemory):
                 if batch_id in _BAD_BATCH_IDS:
                     pending.error = self._describe_failure(
                         "write", session_id, pending.dsts, pending.lens,
-                        "Mooncake refused the batch: an unknown or unreachable session?")
+                        "Mooncake refused the batch: an unknown or unreachable session, or a peer that does "
+                        "not run Mooncake (a `wire` prefill rank? both sides must use the same protocol)")
                     break
                 pending.batches.append(batch_id)
         except Exception as exc:  # noqa: BLE001 - the batches already submitted stay tracked

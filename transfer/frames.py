@@ -14,7 +14,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from transfer.errors import ConfigError, WireError
+from transfer.errors import ConfigError, ConfigTypeError, WireError
 from transfer.status import TransferPoll
 
 __all__ = [
@@ -132,7 +132,9 @@ def check_parallel(engine_rank: int, tp_size: int, dp_size: int) -> None:
 
 
 def check_room(room: int) -> None:
-    """ConfigError unless `room` fits the wire: a non-negative signed 64-bit integer."""
+    """ConfigError unless `room` fits the wire: a non-negative signed 64-bit integer (ConfigTypeError: not an int)."""
+    if type(room) is not int and (isinstance(room, bool) or not hasattr(type(room), "__index__")):
+        raise ConfigTypeError(f"room must be an int, got {type(room).__name__} {room!r}")
     if room < 0:
         raise ConfigError(f"negative room {room}")
     if room > _I64_MAX:

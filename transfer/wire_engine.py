@@ -516,7 +516,8 @@ class WireEngine(RegisteredMemory):
         if kind == wire.ERROR:
             raise _Refused(answer.body.decode("utf-8", "replace") or "no reason given")
         if kind != wire.RESULT:
-            raise EngineError(f"the peer answered with frame kind {kind}, expected RESULT or ERROR")
+            raise EngineError(f"the peer answered with frame kind {kind}, expected RESULT or ERROR (is it a "
+                              f"Mooncake engine? both sides must use the same protocol)")
         if answer.number("room") != room or (total is not None and answer.number("bytes") != total):
             raise EngineError(f"the peer's RESULT (room {answer.get('room')}, {answer.get('bytes')} bytes) "
                                 f"does not match room {room} with {total} bytes")

@@ -58,11 +58,29 @@ def test_a_native_error_keeps_its_errno_and_is_caught_by_the_base():
     (lambda: frames.check_parallel(3, 2, 1), errors.ConfigError),
     (lambda: frames.parse_status([b"x", b"5", b"0"]), errors.WireError),
     (lambda: BootstrapClient("no-port-here"), errors.ConfigError),
+    (lambda: BootstrapClient("http://encode-node:8998"), errors.ConfigError),
+    (lambda: frames.check_room("5"), errors.ConfigTypeError),
+    (lambda: frames.check_room(True), errors.ConfigTypeError),
+    (lambda: frames.check_room(5.0), errors.ConfigTypeError),
     (lambda: wire.Msg().set("k", 1.5), errors.ConfigTypeError),
 ])
 def test_caller_and_wire_mistakes_raise_their_kind(call, kind):
     with pytest.raises(kind):
         call()
+
+
+def test_a_room_of_the_wrong_type_says_so_and_an_int_like_room_passes():
+    import numpy as np
+
+    with pytest.raises(errors.ConfigTypeError, match=r"room must be an int, got str '5'"):
+        frames.check_room("5")
+    frames.check_room(np.int64(5))
+    frames.check_room(0)
+
+
+def test_a_bootstrap_url_is_refused_naming_the_form_wanted():
+    with pytest.raises(errors.ConfigError, match=r"host:port without a scheme, got 'http://encode-node:8998'"):
+        BootstrapClient("http://encode-node:8998")
 
 
 @pytest.mark.parametrize("spelling", [torch.bfloat16, "bfloat16", "torch.bfloat16"], ids=str)
