@@ -27,6 +27,7 @@ transfer_engine_py.cpp in kvcache-ai/Mooncake):
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
@@ -212,6 +213,11 @@ def check_hostname(hostname: str) -> None:
     host = host.strip("[]")
     if not host:
         raise ConfigError("hostname is empty: give this node's IP address (the one peers reach it on)")
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return  # always an address of this host
+    except ValueError:
+        pass  # a name: resolve it
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as error:

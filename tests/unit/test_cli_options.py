@@ -66,19 +66,6 @@ def test_emit_json_writes_the_file_and_names_it(tmp_path, capsys):
     assert f"wrote JSON to {dest}" in captured.err
 
 
-def test_doctor_json_file_keeps_the_text_report_and_writes_the_document(tmp_path, capsys, monkeypatch):
-    from transfer import doctor
-
-    dest = tmp_path / "doctor.json"
-    code = cli.main(["doctor", "--json", str(dest)])
-    captured = capsys.readouterr()
-    report = json.loads(dest.read_text())
-    assert code == (0 if report["data_path_ok"] else 1)
-    assert "protocol" in captured.out and not captured.out.lstrip().startswith("{")
-    assert f"wrote JSON to {dest}" in captured.err
-    assert set(report) == set(doctor.collect_report().as_dict())
-
-
 def test_bench_refuses_an_unwritable_json_folder_before_measuring(tmp_path, capsys):
     assert cli.main(["bench", "--json", str(tmp_path / "missing" / "rows.json")]) == 2
     assert "does not exist or is not writable" in capsys.readouterr().err
