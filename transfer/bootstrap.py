@@ -72,9 +72,13 @@ class _RouteTable:
         self.dp_size: int | None = None
         self._routes: dict[tuple[int, int], tuple[str, int]] = {}
 
-    def put(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
-            engine_rank: int) -> tuple[tuple[int, int], tuple[str, int] | None]:
-        """Store one rank's endpoint; returns its (dp_group, tp_rank) and the endpoint it replaced, if any."""
+    def put(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int, engine_rank: int) -> tuple[int, int]:
+        """Store one rank's endpoint; returns its (dp_group, tp_rank)."""
+        return self.claim(world_size, dp_size, rank_ip, rank_port, engine_rank)[0]
+
+    def claim(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
+              engine_rank: int) -> tuple[tuple[int, int], tuple[str, int] | None]:
+        """put(), also returning the endpoint this one replaced, if any (for the log)."""
         group_size = world_size // dp_size
         key = (engine_rank // group_size, engine_rank % group_size)
         with self._lock:
@@ -218,7 +222,7 @@ class _Handler(OneDeadlineHandler):
             self._authorize()
             raw = self._read_body()
             world_size, dp_size, rank_ip, rank_port, engine_rank = _parse_registration(raw)
-            key, previous = self.server.table.put(world_size, dp_size, rank_ip, rank_port, engine_rank)
+            key, previous = self.server.table.claim(world_size, dp_size, rank_ip, rank_port, engine_rank)
             self._json(200, {"status": "OK", "dp_group": key[0], "tp_rank": key[1]})
             self._log_registration(engine_rank, key, (rank_ip, rank_port), previous)
         except _RequestError as error:
