@@ -374,10 +374,17 @@ static struct PyModuleDef moduledef = {
     -1, methods, NULL, NULL, NULL, NULL,
 };
 
-/* Creates one exception type and adds it to the module under its short name. */
-static PyObject *add_error(PyObject *m, const char *qualname, const char *name, PyObject *base, const char *doc)
+/* Creates one exception type deriving from `base` and the library's TransferError (so
+ * `except TransferError` catches the native errors too), and adds it to the module under
+ * its short name. */
+static PyObject *add_error(PyObject *m, const char *qualname, const char *name, PyObject *base,
+                           PyObject *library_base, const char *doc)
 {
-    PyObject *type = PyErr_NewExceptionWithDoc(qualname, doc, base, NULL);
+    PyObject *bases = PyTuple_Pack(2, base, library_base);
+    if (bases == NULL)
+        return NULL;
+    PyObject *type = PyErr_NewExceptionWithDoc(qualname, doc, bases, NULL);
+    Py_DECREF(bases);
     if (type == NULL)
         return NULL;
     if (PyModule_AddObjectRef(m, name, type) < 0) {
@@ -389,15 +396,25 @@ static PyObject *add_error(PyObject *m, const char *qualname, const char *name, 
 
 PyMODINIT_FUNC PyInit__native(void)
 {
-    PyObject *m = PyModule_Create(&moduledef);
-    if (m == NULL)
+    PyObject *errors = PyImport_ImportModule("transfer.errors");
+    if (errors == NULL)
         return NULL;
-    epd_FrameError = add_error(m, "transfer.wire.FrameError", "FrameError", PyExc_OSError,
+    PyObject *library_base = PyObject_GetAttrString(errors, "TransferError");
+    Py_DECREF(errors);
+    if (library_base == NULL)
+        return NULL;
+    PyObject *m = PyModule_Create(&moduledef);
+    if (m == NULL) {
+        Py_DECREF(library_base);
+        return NULL;
+    }
+    epd_FrameError = add_error(m, "transfer.wire.FrameError", "FrameError", PyExc_OSError, library_base,
                                "A framed-wire read or write failed; the message starts with 'read: ' or 'write: '.");
-    epd_MsgError = add_error(m, "transfer.wire.MsgError", "MsgError", PyExc_ValueError,
+    epd_MsgError = add_error(m, "transfer.wire.MsgError", "MsgError", PyExc_ValueError, library_base,
                              "A Msg could not be decoded or a field could not be read.");
-    epd_LayerError = add_error(m, "transfer.wire.LayerError", "LayerError", PyExc_ValueError,
+    epd_LayerError = add_error(m, "transfer.wire.LayerError", "LayerError", PyExc_ValueError, library_base,
                                "A LAYER payload is short or fails its checksum.");
+    Py_DECREF(library_base);
     if (epd_FrameError == NULL || epd_MsgError == NULL || epd_LayerError == NULL ||
         PyModule_AddIntConstant(m, "MAX_PAYLOAD", (long)EPD_MAX_PAYLOAD) < 0 ||
         PyModule_AddIntConstant(m, "LAYER_HEADER", EPD_LAYER_HEADER) < 0) {

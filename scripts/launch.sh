@@ -12,7 +12,8 @@
 # this script started (each runs in its own process group, which is killed), waits for
 # them, and exits 130.
 # Exit status: 0 when every rank exited 0, else 1 (2: bad settings, refused before anything
-# starts; 130: stopped by Ctrl-C, SIGTERM or SIGHUP).
+# starts; 130: stopped by Ctrl-C, SIGTERM or SIGHUP). --help prints this header and exits.
+# Each rank's summary line is its JSON: role, node (prefill node index), rank within the node.
 #
 # Environment (default in brackets):
 #   EPD_ENCODE_HOST      IP address of the encode node; the bootstrap server listens there [127.0.0.1]
@@ -26,7 +27,7 @@
 #   EPD_PREFILL_HOST     IP address of this prefill node [127.0.0.1 if EPD_ENCODE_HOST is
 #                        loopback, else the first address of `hostname -I`]
 #   EPD_PROTOCOL         auto | tcp | rdma | wire [auto]
-#   EPD_DEVICE           Mooncake RDMA device, e.g. mlx5_0 [every device found]
+#   EPD_DEVICE           Mooncake RDMA device, e.g. mlx5_0 [every device found]; refused with wire
 #   EPD_TOKEN            bearer token the bootstrap server requires for registrations [none];
 #                        handed to the processes in their environment, never on a command line
 #   EPD_ITEMS            items per prefill node [64]
@@ -47,14 +48,29 @@
 #   srun -N2 -n2 --ntasks-per-node=1 -x "${nodes[0]}" scripts/launch-prefill.sh; wait
 set -euo pipefail
 
+usage() {
+    # The header above is the help: every comment line up to `set -euo pipefail`.
+    sed -n '2,/^set -euo pipefail/{/^#/{s/^# \{0,1\}//;p}}' "${BASH_SOURCE[0]}"
+}
+
+for arg in "$@"; do
+    if [[ "$arg" == -h || "$arg" == --help ]]; then
+        usage
+        exit 0
+    fi
+done
 ROLE=${1:-}
 case "$ROLE" in
     encode | prefill) ;;
     *)
-        echo "usage: $0 encode|prefill   (settings come from EPD_* variables; see the header)" >&2
+        echo "usage: $0 encode|prefill   (settings come from EPD_* variables; --help lists them)" >&2
         exit 2
         ;;
 esac
+if (($# > 1)); then
+    echo "$0 $ROLE: unexpected argument '$2' (settings come from EPD_* variables; --help lists them)" >&2
+    exit 2
+fi
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [[ -n "${EPD_PYTHON:-}" ]]; then
@@ -211,7 +227,7 @@ else
     for ((rank = 0; rank < PREFILL_TP; rank++)); do
         name="prefill-$((PREFILL_NODE * PREFILL_TP + rank))"
         start "$name" "$PYTHON" -m transfer.cli rank --role prefill --rank "$rank" --host "$host" \
-            --items "$ITEMS" --first-room $((PREFILL_NODE * ITEMS)) "${common[@]}"
+            --node "$PREFILL_NODE" --items "$ITEMS" --first-room $((PREFILL_NODE * ITEMS)) "${common[@]}"
         pids+=($!)
         names+=("$name")
     done

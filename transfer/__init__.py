@@ -1,3 +1,36 @@
 """Moves multimodal embeddings from encode ranks into prefill ranks' registered buffers."""
 
+import logging
+
+from transfer.errors import (
+    BootstrapError,
+    BootstrapUnreachable,
+    ConfigError,
+    ConfigTypeError,
+    EngineError,
+    EngineUnavailable,
+    FallbackLimitError,
+    SlotError,
+    TransferError,
+    WireError,
+)
+
 __version__ = "0.1.0"
+
+# A library leaves handlers to the application: without one configured, Python's
+# last-resort handler would print our warnings to stderr on its own.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+__all__ = [
+    "BootstrapError",
+    "BootstrapUnreachable",
+    "ConfigError",
+    "ConfigTypeError",
+    "EngineError",
+    "EngineUnavailable",
+    "FallbackLimitError",
+    "SlotError",
+    "TransferError",
+    "WireError",
+    "__version__",
+]

@@ -966,24 +966,30 @@ class Progress:
             self.stream.flush()
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, title: str = "") -> None:
     """GB/s, ratio to raw and p99 against item size, one line per path, one column per fanout.
 
     GB/s and p99 are on log scales: memcpy (drawn dashed, the ceiling) runs ten times
     faster than any transfer path, which a linear axis would flatten into one line.
+    Integrity on is drawn dotted with hollow markers, so the two runs of a path differ in
+    more than colour. `title` (protocol, repeats) heads the figure.
     """
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
     except ImportError:
         raise RuntimeError("--plot needs matplotlib: pip install matplotlib  (or: pip install 'epd-transfer[plot]')") from None
     fanouts = sorted({r["fanout"] for r in rows if r["path"] != "memcpy"}) or [1]
     inflights = sorted({r["inflight"] for r in rows if r["path"] != "memcpy"})
     window = 8 if 8 in inflights else (inflights[-1] if inflights else 1)
-    fig, axes = plt.subplots(3, len(fanouts), figsize=(5.5 * len(fanouts), 11), squeeze=False)
+    sizes_seen = sorted({r["item_bytes"] for r in rows})
+    fig, axes = plt.subplots(3, len(fanouts), figsize=(5.5 * len(fanouts), 11.5), squeeze=False)
     def label_of(row: dict) -> str:
+        if row["path"] == "memcpy":
+            return "memcpy (one copy at a time)"
         encode = row.get("encode_ranks", 1)
         label = row["path"] + (" +integrity" if row["integrity"] else "")
         return label + (f" E={encode}" if encode > 1 else "")
@@ -997,27 +1003,45 @@ def plot(rows: list[dict], path: str) -> None:
         gbps_ax, ratio_ax, p99_ax = (axes[row][col] for row in range(3))
         for label, points in sorted(series.items()):
             points.sort()
-            sizes = [p[0] / MiB for p in points]
+            sizes = [p[0] for p in points]
+            integrity = "+integrity" in label
             style = {"marker": "o", "label": label, "color": colours[label],
-                     "linestyle": "--" if label == "memcpy" else "-"}
+                     "linestyle": "--" if label.startswith("memcpy") else (":" if integrity else "-"),
+                     "markerfacecolor": "none" if integrity else colours[label]}
             gbps_ax.plot(sizes, [p[1] for p in points], **style)
             p99_ax.plot(sizes, [p[2] for p in points], **style)
             ratios = [(size, p[3]) for size, p in zip(sizes, points) if p[3] is not None]
-            if label not in ("raw", "memcpy") and ratios:
+            if label != "raw" and not label.startswith("memcpy") and ratios:
                 ratio_ax.plot([x for x, _ in ratios], [y for _, y in ratios], **style)
         ratio_ax.axhline(1.0, color="grey", linewidth=0.8)
-        gbps_ax.set_title(f"fanout {fanout}, {window} rooms in flight")
+        gbps_ax.set_title(f"fanout {fanout}, {window} room{'s' if window > 1 else ''} in flight")
         gbps_ax.set_ylabel("GB/s (log)")
         ratio_ax.set_ylabel("ratio to raw GB/s")
         p99_ax.set_ylabel("p99 latency, ms (log)")
         gbps_ax.set_yscale("log")
         p99_ax.set_yscale("log")
+        for ax in (gbps_ax, p99_ax):  # 20 and 0.1, not 2 x 10^1 and 10^-1
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+            ax.yaxis.set_minor_formatter(FuncFormatter(lambda value, _: f"{value:g}" if f"{value:g}"[0] in "25" else ""))
         for ax in (gbps_ax, ratio_ax, p99_ax):
             ax.set_xscale("log", base=2)
-            ax.set_xlabel("item size (MiB)")
+            ax.xaxis.set_major_locator(FixedLocator(sizes_seen))
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_xticklabels([human_bytes(n) for n in sizes_seen])
+            ax.set_xlabel("item size")
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize="small")
-    fig.tight_layout()
+    # One legend for the figure, below the panels, where it covers no line.
+    handles, labels = {}, []
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            if label not in handles:
+                handles[label] = handle
+                labels.append(label)
+    fig.legend([handles[label] for label in labels], labels, loc="lower center", ncol=min(4, len(labels)),
+               fontsize="small", frameon=False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.97 if title else 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -1104,7 +1128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench's options on its subcommand parser."""
     parser.add_argument("--sizes", type=parse_sizes, default=None,
                         help=f"item sizes as ROWSxHIDDEN, comma-separated (default {DEFAULT_SIZES})")
-    parser.add_argument("--dtype", default="torch.bfloat16")
+    parser.add_argument("--dtype", default="torch.bfloat16", help="element type of the items")
     parser.add_argument("--fanouts", type=parse_ints, default=None, help="prefill ranks per encode rank (default 1,2,4)")
     parser.add_argument("--encode-ranks", type=parse_ints, default=None,
                         help="encode ranks E (default 1); a cell has E x fanout prefill ranks, each item's rows "
@@ -1118,7 +1142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-items", type=int, default=None, help="fewest rooms per cell (default 16)")
     parser.add_argument("--protocol", default="tcp", choices=["tcp", "rdma", "auto"],
                         help="Mooncake protocol of the raw and epd paths")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="address every rank binds")
     parser.add_argument("--depth", type=int, default=None,
                         help="async batches the epd sender pool keeps in flight (default: the pool's own)")
     parser.add_argument("--raw-issue", choices=["async", "sync"], default="async",
@@ -1127,14 +1151,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deadline", type=float, default=60.0, help="per-room deadline of the epd and wire paths, seconds")
     parser.add_argument("--timeout", type=float, default=300.0, help="bound on each step of a cell, seconds")
     parser.add_argument("--repeat", type=int, default=1,
-                        help="runs per cell, the paths of a geometry taking turns; reports the median run (default 1)")
-    parser.add_argument("--log-dir", default=None, help="keep the rank processes' logs here")
+                        help="runs per cell, the paths of a geometry taking turns; reports the median run")
+    parser.add_argument("--log-dir", default=None, help="keep the rank processes' logs here (default: a temporary folder, removed)")
     parser.add_argument("--quick", action="store_true",
                         help="a subset: 512 KiB and 8 MiB, fanout 1 and 4, 8 in flight, ~64 MiB per cell")
     parser.add_argument("--cpu", action="store_true",
                         help="add each room's CPU ms to the table: our control plane, and the transport's threads")
-    parser.add_argument("--json", metavar="FILE", default=None, help="write the rows as JSON")
-    parser.add_argument("--plot", metavar="FILE.png", default=None, help="draw GB/s, the ratio to raw and p99 against item size")
+    parser.add_argument("--json", metavar="FILE", nargs="?", const="-", default=None,
+                        help="print the rows as JSON instead of the table, or also write them to FILE and say where "
+                             "(default: the table only)")
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="draw GB/s, the ratio to raw and p99 against item size into FILE.png (default: no plot)")
 
 
 def options_from(args: argparse.Namespace) -> Options:
@@ -1174,22 +1201,30 @@ def main(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError) as exc:
         print(f"epd-transfer bench: {exc}", file=sys.stderr)
         return 1
-    pool = f"depth {opts.depth}" if opts.depth is not None else ""
-    print(f"epd-transfer bench: protocol {opts.protocol} on {opts.host}, sender pool "
-          f"{pool or 'defaults'}, raw issue {opts.raw_issue}")
-    print(format_table(rows, cpu=getattr(args, "cpu", False)))
-    for note in notes:
-        print(f"note: {note}")
     broken = [r for r in rows if not r["verified"]]
-    for r in broken:
-        encode = f" encode ranks {r['encode_ranks']}" if r["encode_ranks"] > 1 else ""
-        print(f"! {r['path']} {human_bytes(r['item_bytes'])}{encode} fanout {r['fanout']} inflight {r['inflight']}: "
-              f"{r['failed']} failed room(s); {'; '.join(r['problems'])}")
-    if args.json:
+    as_json = args.json == "-"  # the rows on stdout instead of the table
+    if not as_json:
+        pool = f"depth {opts.depth}" if opts.depth is not None else ""
+        print(f"epd-transfer bench: protocol {opts.protocol} on {opts.host}, sender pool "
+              f"{pool or 'defaults'}, raw issue {opts.raw_issue}")
+        print(format_table(rows, cpu=getattr(args, "cpu", False)))
+        for note in notes:
+            print(f"note: {note}")
+        for r in broken:
+            encode = f" encode ranks {r['encode_ranks']}" if r["encode_ranks"] > 1 else ""
+            print(f"! {r['path']} {human_bytes(r['item_bytes'])}{encode} fanout {r['fanout']} inflight "
+                  f"{r['inflight']}: {r['failed']} failed room(s); {'; '.join(r['problems'])}")
+    if as_json:
+        print(json.dumps(rows, indent=1), flush=True)
+    elif args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
+        print(f"epd-transfer bench: wrote JSON to {os.path.abspath(args.json)}", file=sys.stderr)
     if args.plot:
-        plot(rows, args.plot)
+        repeats = f"median of {opts.repeat} runs per cell" if opts.repeat > 1 else "one run per cell"
+        plot(rows, args.plot, title=f"epd-transfer bench: Mooncake {opts.protocol} on {opts.host}, raw issue "
+                                    f"{opts.raw_issue}, {repeats}")
+        print(f"epd-transfer bench: wrote the plot to {os.path.abspath(args.plot)}", file=sys.stderr)
     return 1 if broken else 0
 
 

@@ -12,7 +12,8 @@ Decisions the spec leaves open, documented here:
   first PUT with plausible sizes still fixes them: the token is what keeps
   strangers from squatting.
 - A PUT for a (dp_group, tp_rank) already present replaces it, so a restarted
-  encode rank can re-register; configure a token to keep strangers out.
+  encode rank can re-register; configure a token to keep strangers out. Every
+  registration is logged at INFO, and one that replaces another endpoint at WARNING.
 - The route lookup is `table[target_dp_group][engine_rank]`, i.e. engine_rank
   is read as the tp rank inside the group, as the peers' servers do.
 - Success bodies are JSON (application/json); errors and /health are short
@@ -36,6 +37,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from transfer._http import BoundedHTTPServer, DeadlineReader, OneDeadlineHandler
+from transfer.errors import BootstrapError, BootstrapUnreachable, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +50,6 @@ MAX_HOST_CHARS = 253
 ROLE = "Prefill"
 _INTEGER = re.compile(r"[+-]?[0-9]+\Z")
 _DIGITS = re.compile(r"[0-9]+\Z")
-
-
-class BootstrapError(RuntimeError):
-    """The bootstrap server could not be reached or refused the request."""
-
-
-class BootstrapUnreachable(BootstrapError):
-    """No answer from the bootstrap server at all (refused, reset or timed out)."""
 
 
 class _RequestError(Exception):
@@ -78,9 +72,13 @@ class _RouteTable:
         self.dp_size: int | None = None
         self._routes: dict[tuple[int, int], tuple[str, int]] = {}
 
-    def put(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
-            engine_rank: int) -> tuple[int, int]:
+    def put(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int, engine_rank: int) -> tuple[int, int]:
         """Store one rank's endpoint; returns its (dp_group, tp_rank)."""
+        return self.claim(world_size, dp_size, rank_ip, rank_port, engine_rank)[0]
+
+    def claim(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
+              engine_rank: int) -> tuple[tuple[int, int], tuple[str, int] | None]:
+        """put(), also returning the endpoint this one replaced, if any (for the log)."""
         group_size = world_size // dp_size
         key = (engine_rank // group_size, engine_rank % group_size)
         with self._lock:
@@ -91,8 +89,9 @@ class _RouteTable:
                     409, f"world_size/dp_size mismatch: this server has world_size="
                          f"{self.world_size} dp_size={self.dp_size}, the PUT says "
                          f"world_size={world_size} dp_size={dp_size}")
+            previous = self._routes.get(key)
             self._routes[key] = (rank_ip, rank_port)
-        return key
+        return key, previous
 
     def sizes(self) -> tuple[int | None, int | None]:
         """(world_size, dp_size), None before any registration."""
@@ -222,10 +221,26 @@ class _Handler(OneDeadlineHandler):
                 raise _RequestError(404, f"no such path {urlsplit(self.path).path}")
             self._authorize()
             raw = self._read_body()
-            key = self.server.table.put(*_parse_registration(raw))
+            world_size, dp_size, rank_ip, rank_port, engine_rank = _parse_registration(raw)
+            key, previous = self.server.table.claim(world_size, dp_size, rank_ip, rank_port, engine_rank)
             self._json(200, {"status": "OK", "dp_group": key[0], "tp_rank": key[1]})
+            self._log_registration(engine_rank, key, (rank_ip, rank_port), previous)
         except _RequestError as error:
             self._text(error.status, error.text)
+
+    def _log_registration(self, engine_rank: int, key: tuple[int, int], endpoint: tuple[str, int],
+                          previous: tuple[str, int] | None) -> None:
+        """INFO for each registration; WARNING when another endpoint takes over a rank already claimed."""
+        where = f"{endpoint[0]}:{endpoint[1]}"
+        rank = f"encode rank {engine_rank} (dp group {key[0]}, tp rank {key[1]})"
+        if previous is None or previous == endpoint:
+            log.info("bootstrap %s: %s registered at %s%s (%d rank(s) known)", self.server.address_text, rank,
+                     where, "" if previous is None else " again", len(self.server.table))
+            return
+        log.warning("bootstrap %s: %s, registered at %s:%s, is now claimed by %s (from %s): a restarted rank, "
+                    "or two processes given the same rank? Peers asking from now on get %s",
+                    self.server.address_text, rank, previous[0], previous[1], where, self.client_address[0],
+                    where)
 
     def _authorize(self) -> None:
         """With a token configured, require `Authorization: Bearer <token>` (401 otherwise)."""
@@ -266,25 +281,27 @@ class _HTTPServer(BoundedHTTPServer):
     log = logging.getLogger(__name__)  # request errors go to this module's log
     table: _RouteTable
     token: str | None
+    address_text: str  # host:port, for log lines
 
 
 class BootstrapServer:
     """The bootstrap HTTP server, serving on its own thread from construction until close()."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8998, token: str | None = None) -> None:
-        """Bind host:port (0: ephemeral) and start serving; ready on return."""
+        """Bind host:port (0: ephemeral) and start serving; ready on return. OSError when it cannot bind."""
         self._server = _HTTPServer.for_host(host)((host, port), _Handler)
         self._server.table = _RouteTable()
         self._server.token = token or None
         self.host = host
         self.port = int(self._server.server_address[1])
         self.address = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        self._server.address_text = self.address
         self._closed = False
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
                                         name=f"bootstrap-{self.address}", daemon=True)
         self._thread.start()
-        log.debug("bootstrap server on %s (token %s)", self.address, "on" if token else "off")
+        log.info("bootstrap server on %s (token %s)", self.address, "on" if token else "off")
 
     @property
     def registered_ranks(self) -> int:
@@ -312,9 +329,13 @@ class BootstrapServer:
 
 def _split_address(address: str) -> tuple[str, int]:
     """Split "host:port" (or "[v6]:port") into host and port."""
+    if not isinstance(address, str):
+        raise ConfigError(f"bootstrap address must be a 'host:port' str, got {type(address).__name__} {address!r}")
+    if "://" in address:
+        raise ConfigError(f"bootstrap address must be host:port without a scheme, got {address!r}")
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise ValueError(f"bootstrap address must be host:port, got {address!r}")
+        raise ConfigError(f"bootstrap address must be host:port, got {address!r}")
     return host.strip("[]"), int(port)
 
 
@@ -333,7 +354,7 @@ class BootstrapClient:
     """Talks to one bootstrap server with bounded timeouts (http.client: no proxies, no pickles)."""
 
     def __init__(self, address: str, timeout: float = 2.0, token: str | None = None) -> None:
-        """address is "host:port"; timeout bounds each attempt."""
+        """address is "host:port" (ConfigError otherwise); timeout bounds each attempt."""
         self.address = address
         self.host, self.port = _split_address(address)
         self.timeout = timeout
@@ -371,7 +392,7 @@ class BootstrapClient:
 
     def register_rank(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
                       engine_rank: int, retry_for: float = 30.0) -> None:
-        """PUT this encode rank's endpoint, retrying refusals and 5xx until retry_for elapses."""
+        """PUT this encode rank's endpoint, retrying refusals and 5xx until retry_for elapses; BootstrapError after."""
         body = json.dumps({"role": ROLE, "world_size": world_size, "dp_size": dp_size,
                            "rank_ip": rank_ip, "rank_port": rank_port,
                            "engine_rank": engine_rank}).encode()
@@ -403,7 +424,7 @@ class BootstrapClient:
             delay = min(delay * 2, 0.5)
 
     def parallel_info(self) -> tuple[int, int]:
-        """(world_size, dp_size) of the encode side; one bounded attempt."""
+        """(world_size, dp_size) of the encode side; one bounded attempt (BootstrapError if none)."""
         status, value = self._get_json("/route?engine_rank=-1&target_dp_group=-1", "parallel info")
         if status != 200:
             raise BootstrapError(f"bootstrap server {self.address} answered HTTP {status} "
@@ -421,7 +442,7 @@ class BootstrapClient:
         return world_size, dp_size
 
     def route(self, engine_rank: int, dp_group: int) -> tuple[str, int]:
-        """(ip, port) of encode rank engine_rank in dp_group; one bounded attempt."""
+        """(ip, port) of encode rank engine_rank in dp_group; one bounded attempt (BootstrapError if none)."""
         path = f"/route?engine_rank={int(engine_rank)}&target_dp_group={int(dp_group)}"
         status, value = self._get_json(path, f"encode rank {engine_rank}")
         if status == 404:
@@ -440,6 +461,33 @@ class BootstrapClient:
                                  f"for encode rank {engine_rank}: host of {len(ip)} characters "
                                  f"(1 to {MAX_HOST_CHARS}), port {port} (1 to 65535)")
         return ip, port
+
+    def wait_ready(self, timeout: float, encode_rank: int | None = None, dp_group: int = 0) -> tuple[int, int]:
+        """Blocks until the encode side registered, at most `timeout` seconds; returns (world_size, dp_size).
+
+        For a prefill rank started before its encode ranks: call it before the first
+        receive(), whose rooms would otherwise fail at once (no encode rank registered
+        yet). With `encode_rank`, also waits for that rank's route in `dp_group`. Raises
+        BootstrapError naming the last answer once the timeout passed.
+        """
+        deadline = time.monotonic() + timeout
+        delay = 0.05
+        while True:
+            try:
+                sizes = self.parallel_info()
+                if encode_rank is not None:
+                    self.route(encode_rank, dp_group)
+                return sizes
+            except BootstrapError as error:
+                last = str(error)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                what = "no encode rank" if encode_rank is None else f"encode rank {encode_rank}"
+                group = "" if encode_rank is None else f"dp group {dp_group}; "
+                raise BootstrapError(f"{what} never registered at bootstrap {self.address} within {timeout:g}s "
+                                     f"({group}last: {last})")
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, 0.5)
 
     def health(self) -> bool:
         """True when the server answers /health with 200 OK."""

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from transfer._io import Region
+from transfer.errors import ConfigError, FallbackLimitError, SlotError
 
 log = logging.getLogger(__name__)
 
@@ -69,18 +70,6 @@ _AUTO: Any = object()
 _LEASED = "leased"
 _RELEASED = "released"
 _FAILED = "failed"
-
-
-class SlotError(RuntimeError):
-    """A slot used against its lifecycle (released twice, failed after release, ...)."""
-
-
-class FallbackLimitError(RuntimeError):
-    """A fallback buffer would take the pool's fallbacks past max_fallback_bytes.
-
-    A RuntimeError, like the error a failed allocation of the buffer raises, so callers
-    that already handle one handle both; catch this one to tell "over budget" apart.
-    """
 
 
 class _Event(Protocol):
@@ -126,12 +115,12 @@ class Slot:
         count = 1
         for n in shape:
             if n < 0:
-                raise ValueError(f"{self._name()}: negative dimension in shape {shape}")
+                raise ConfigError(f"{self._name()}: negative dimension in shape {shape}")
             count *= n
         size = torch.empty((), dtype=dtype).element_size()
         need = count * size
         if need > self.nbytes:
-            raise ValueError(f"{self._name()}: shape {shape} of {dtype} needs {need} bytes, "
+            raise ConfigError(f"{self._name()}: shape {shape} of {dtype} needs {need} bytes, "
                              f"the slot holds {self.nbytes}")
         flat = self.region.tensor.reshape(-1).view(torch.uint8)
         return flat[self._offset : self._offset + need].view(dtype).view(shape)
@@ -180,18 +169,20 @@ class ReceivePool:
 
         `max_fallback_bytes` caps the bytes fallback buffers hold at once (default: the
         larger of `nbytes` and FALLBACK_FLOOR_BYTES; None: unbounded; 0: no fallbacks).
+        Raises ConfigError for a slot size that is not a positive multiple of SLOT_ALIGN or
+        does not fit the pool, and whatever the engine's register() raises.
         """
         if slot_bytes <= 0 or slot_bytes % SLOT_ALIGN:
-            raise ValueError(f"slot_bytes must be a positive multiple of {SLOT_ALIGN}, got {slot_bytes}")
+            raise ConfigError(f"slot_bytes must be a positive multiple of {SLOT_ALIGN}, got {slot_bytes}")
         if nbytes < slot_bytes:
-            raise ValueError(f"pool of {nbytes} bytes cannot hold one slot of {slot_bytes} bytes")
+            raise ConfigError(f"pool of {nbytes} bytes cannot hold one slot of {slot_bytes} bytes")
         if quarantine_s < 0 or grace_s < 0:
-            raise ValueError(f"quarantine_s ({quarantine_s}) and grace_s ({grace_s}) must be >= 0")
+            raise ConfigError(f"quarantine_s ({quarantine_s}) and grace_s ({grace_s}) must be >= 0")
         if max_fallback_bytes is _AUTO:
             max_fallback_bytes = max(int(nbytes), FALLBACK_FLOOR_BYTES)
         elif max_fallback_bytes is not None:
             if max_fallback_bytes < 0:
-                raise ValueError(f"max_fallback_bytes must be >= 0 or None, got {max_fallback_bytes}")
+                raise ConfigError(f"max_fallback_bytes must be >= 0 or None, got {max_fallback_bytes}")
             max_fallback_bytes = int(max_fallback_bytes)
         self.max_fallback_bytes: int | None = max_fallback_bytes
         self.engine = engine
@@ -228,7 +219,7 @@ class ReceivePool:
     def lease(self, nbytes: int) -> Slot | None:
         """A free slot for an item of `nbytes`, or None (too big or exhausted); never blocks."""
         if nbytes < 0:
-            raise ValueError(f"cannot lease a negative size ({nbytes} bytes)")
+            raise ConfigError(f"cannot lease a negative size ({nbytes} bytes)")
         self.poll()
         with self._lock:
             self._check_open()

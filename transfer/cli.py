@@ -12,7 +12,8 @@ import sys
 import threading
 import traceback
 
-from transfer.frames import DTYPE_BYTES
+from transfer.errors import ConfigError
+from transfer.frames import normalize_dtype
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -32,27 +33,30 @@ def _demo(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     summary = run(sc)
     ok = summary["failed"] == 0 and summary["verified"]
+    if args.json == "-":
+        _emit_json("demo", summary, "-")
+        return 0 if ok else 1
+    mode = _shard_mode(sc)
+    print(
+        f"epd-transfer demo: {sc.encode_ranks} encode -> {sc.prefill_ranks} prefill ranks over "
+        f"{summary['protocol']} ({mode}, {sc.span} x {sc.hidden} {sc.dtype.removeprefix('torch.')}"
+        f"{f', deepstack x{sc.deepstack}' if sc.deepstack else ''})"
+    )
+    landed = f"{summary['bytes'] / 2**20:.1f} MiB landed"
+    print(f"  items     {summary['items']}")
+    print(f"  bytes     {summary['bytes']} ({landed}{', every byte checked' if summary['verified'] else ''})")
+    written = ", ".join(f"{n / 2**20:.2f}" for n in summary["encode_bytes"])
+    print(f"  written   {written} MiB by encode rank{'s' if len(summary['encode_bytes']) > 1 else ''} "
+          f"{', '.join(str(r) for r in range(len(summary['encode_bytes'])))}")
+    print(f"  failed    {summary['failed']}")
+    print(f"  verified  {_verified_text(summary)}")
+    print(f"  GB/s      {summary['gbps']:.2f}")
+    print(f"  rooms/s   {summary['rooms_per_s']:.1f}")
+    print(f"  latency   p50 {summary['p50_ms']:.2f} ms, p99 {summary['p99_ms']:.2f} ms")
+    for line in summary["failures"] + summary["mismatches"]:
+        print(f"  ! {line}")
     if args.json:
-        print(json.dumps(summary))
-    else:
-        mode = _shard_mode(sc)
-        print(
-            f"epd-transfer demo: {sc.encode_ranks} encode -> {sc.prefill_ranks} prefill ranks over "
-            f"{summary['protocol']} ({mode}, {sc.span} x {sc.hidden} {sc.dtype.removeprefix('torch.')}"
-            f"{f', deepstack x{sc.deepstack}' if sc.deepstack else ''})"
-        )
-        print(f"  items     {summary['items']}")
-        print(f"  bytes     {summary['bytes']} ({summary['bytes'] / 2**20:.1f} MiB landed, every byte checked)")
-        written = ", ".join(f"{n / 2**20:.2f}" for n in summary["encode_bytes"])
-        print(f"  written   {written} MiB by encode rank{'s' if len(summary['encode_bytes']) > 1 else ''} "
-              f"{', '.join(str(r) for r in range(len(summary['encode_bytes'])))}")
-        print(f"  failed    {summary['failed']}")
-        print(f"  verified  {'yes' if summary['verified'] else 'NO'}")
-        print(f"  GB/s      {summary['gbps']:.2f}")
-        print(f"  rooms/s   {summary['rooms_per_s']:.1f}")
-        print(f"  latency   p50 {summary['p50_ms']:.2f} ms, p99 {summary['p99_ms']:.2f} ms")
-        for line in summary["failures"] + summary["mismatches"]:
-            print(f"  ! {line}")
+        _emit_json("demo", summary, args.json)
     return 0 if ok else 1
 
 
@@ -65,10 +69,26 @@ def _shard_mode(sc) -> str:
     return "sharded per encode block" if sc.per_block else "sharded over the prefill group"
 
 
+def _verified_text(summary: dict) -> str:
+    """`yes` only when bytes landed and every one matched; otherwise NO and why."""
+    if summary["verified"]:
+        return "yes"
+    if summary["bytes"] == 0:
+        return "NO (no item landed)"
+    if summary["mismatches"]:
+        return "NO (landed bytes differ from what was sent)"
+    return "NO (not every landed byte was checked)"
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from transfer import doctor
 
-    return doctor.run(as_json=args.json)
+    if args.json in (None, "-"):
+        return doctor.run(as_json=args.json == "-")
+    report = doctor.collect_report()
+    sys.stdout.write(doctor.format_checks(report.checks))
+    _emit_json("doctor", report.as_dict(), args.json)
+    return 0 if report.data_path_ok else 1
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -77,8 +97,8 @@ def _bench(args: argparse.Namespace) -> int:
     # Refuse an output path that cannot be written now, not after minutes of measuring.
     for option in ("json", "plot"):
         path = getattr(args, option, None)
-        folder = os.path.dirname(os.path.abspath(path)) if path else ""
-        if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        folder = os.path.dirname(os.path.abspath(path)) if path and path != "-" else ""
+        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
             print(f"epd-transfer bench: --{option} {path}: folder {folder} does not exist or is not writable",
                   file=sys.stderr)
             return 2
@@ -122,14 +142,17 @@ def _rank(args: argparse.Namespace) -> int:
         deadline_s=args.deadline, bootstrap_timeout_s=args.bootstrap_timeout,
         token=args.token, timeout_s=args.timeout, first_room=args.first_room,
     )
-    if args.device:
-        if "device" in getattr(harness.Scenario, "__dataclass_fields__", {}):
-            sc.device = args.device
-        else:
-            print(f"warning: --device {args.device} ignored: this build's harness cannot pick a Mooncake "
-                  f"device, so Mooncake uses every device it finds", file=sys.stderr)
+    if args.device and args.protocol == "wire":
+        print(f"--device {args.device} names a Mooncake RDMA device; the wire protocol uses none "
+              f"(unset EPD_DEVICE or pick another --protocol)", file=sys.stderr)
+        return 2
+    sc.device = args.device
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    # --timeout bounds the whole rank: the alarm unwinds it through its context managers
+    # (engine, sockets, bootstrap server) wherever it waits.
+    signal.signal(signal.SIGALRM, _raise_rank_timeout)
+    signal.setitimer(signal.ITIMER_REAL, args.timeout)
     noop = lambda: None  # nobody to sync with in a real deployment
     server = None
     if args.serve_bootstrap:
@@ -144,18 +167,23 @@ def _rank(args: argparse.Namespace) -> int:
         if args.role == "encode":
             # After its rooms concluded, linger so the last statuses reach the prefill ranks.
             report = harness.encode_rank(sc, args.rank, args.bootstrap, noop, noop, lambda: time.sleep(args.linger))
-            summary = {"role": "encode", "rank": args.rank, "items": sc.items, "failed": len(report["failed"]),
+            summary = {"role": "encode", "node": 0, "rank": args.rank, "items": sc.items,
+                       "failed": len(report["failed"]),
                        "failures": [f"room {room}: {why}" for room, why in report["failed"]][:20]}
             ok = not report["failed"]
         else:
             _wait_for_route(args.bootstrap, args.rank // sc.fanout, args.bootstrap_timeout)
             report = harness.prefill_rank(sc, args.rank, args.bootstrap, noop, noop, noop)
-            summary = {"role": "prefill", "rank": args.rank, **harness.summarize(sc, [report])}
+            summary = {"role": "prefill", "node": args.node, "rank": args.rank, **harness.summarize(sc, [report])}
             ok = summary["failed"] == 0 and summary["verified"]
     except KeyboardInterrupt:
         print(f"{args.role} rank {args.rank}: interrupted", file=sys.stderr)
         return 130
+    except _RankTimeout:
+        print(f"{args.role} rank {args.rank}: stopped after --timeout {args.timeout:g}s", file=sys.stderr)
+        return 1
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
         if server is not None:
             server.close()
     print(json.dumps(summary), flush=True)
@@ -167,23 +195,20 @@ def _raise_interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
+class _RankTimeout(BaseException):
+    """The rank ran past its --timeout (a BaseException, like Ctrl-C, so no `except Exception` retries it)."""
+
+
+def _raise_rank_timeout(*_: object) -> None:
+    """The SIGALRM handler of `rank --timeout`."""
+    raise _RankTimeout
+
+
 def _wait_for_route(bootstrap: str, encode_rank: int, timeout_s: float) -> None:
     """Blocks until the bootstrap server knows encode_rank (prefill ranks may start first)."""
-    import time
-
     from transfer.bootstrap import BootstrapClient
 
-    deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            BootstrapClient(bootstrap).route(encode_rank, 0)
-            return
-        except Exception as exc:  # noqa: BLE001 - server not up or rank not registered yet
-            last = exc
-            time.sleep(0.2)
-    raise TimeoutError(f"encode rank {encode_rank} never registered at bootstrap {bootstrap} "
-                       f"within {timeout_s:g}s (last: {last})")
+    BootstrapClient(bootstrap).wait_ready(timeout_s, encode_rank=encode_rank)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -247,10 +272,10 @@ def _seconds_from(text: str, zero_ok: bool) -> float:
 
 def _dtype(text: str) -> str:
     """A torch dtype name the wire knows, as `torch.NAME` (`bfloat16` works too)."""
-    name = text if text.startswith("torch.") else f"torch.{text}"
-    if name not in DTYPE_BYTES:
-        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(sorted(DTYPE_BYTES))}")
-    return name
+    try:
+        return normalize_dtype(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _host_port(text: str) -> str:
@@ -274,38 +299,102 @@ def _token_default() -> str | None:
     return os.environ.get("EPD_TOKEN") or None
 
 
+def _device_default() -> str:
+    """EPD_DEVICE from the environment, else "" (Mooncake uses every device it finds)."""
+    return os.environ.get("EPD_DEVICE", "")
+
+
+def _version() -> str:
+    """The installed distribution's version, or the source tree's when it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("epd-transfer")
+    except metadata.PackageNotFoundError:
+        from transfer import __version__
+
+        return f"{__version__} (not installed)"
+
+
+#: `--json [FILE]` on every command: alone it prints one JSON document instead of the text
+#: report; with FILE it writes the document there and says so on stderr.
+_JSON_HELP = (
+    "print the result as JSON instead of text, or also write it to FILE and say where (default: text only)")
+
+
+def _add_json(parser: argparse.ArgumentParser) -> None:
+    """The shared `--json [FILE]` option."""
+    parser.add_argument("--json", metavar="FILE", nargs="?", const="-", default=None, help=_JSON_HELP)
+
+
+def _emit_json(command: str, value: object, dest: str) -> None:
+    """Print `value` as JSON (dest "-") or write it to the file dest and name it on stderr."""
+    text = json.dumps(value, indent=1)
+    if dest == "-":
+        print(text, flush=True)
+        return
+    with open(dest, "w") as fh:
+        fh.write(text + "\n")
+    print(f"epd-transfer {command}: wrote JSON to {os.path.abspath(dest)}", file=sys.stderr)
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends `(default: X)` to an option's help unless the help already says its default or it is an off flag."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        # `is`, not `in`: 0 == False, and a zero default is worth showing.
+        if "default" in help or any(action.default is v for v in (None, False, argparse.SUPPRESS)) or action.required:
+            return help
+        return super()._get_help_string(action) or help
+
+
+def _subparser(sub: argparse._SubParsersAction, name: str, help: str, common: argparse.ArgumentParser,
+               ) -> argparse.ArgumentParser:
+    """A subcommand that shows every option's default and takes -v after its name too."""
+    return sub.add_parser(name, help=help, description=help, parents=[common],
+                          formatter_class=_Help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
     parser = _Parser(prog="epd-transfer", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    # The subcommands take -v as well; SUPPRESS keeps a flag given before the subcommand.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="loopback run: bootstrap + E encode + P prefill ranks, every byte checked")
-    demo.add_argument("--encode-ranks", "-E", type=_positive_int, default=1)
-    demo.add_argument("--prefill-ranks", "-P", type=_positive_int, default=4)
-    demo.add_argument("--items", type=_positive_int, default=64)
+    demo = _subparser(sub, "demo", "loopback run: bootstrap + E encode + P prefill ranks, every byte checked", common)
+    demo.add_argument("--encode-ranks", "-E", type=_positive_int, default=1, help="encode ranks")
+    demo.add_argument("--prefill-ranks", "-P", type=_positive_int, default=4,
+                      help="prefill ranks, a multiple of the encode ranks")
+    demo.add_argument("--items", type=_positive_int, default=64, help="items (rooms) to move")
     demo.add_argument("--span", type=_positive_int, default=1024, help="rows per item")
-    demo.add_argument("--hidden", type=_positive_int, default=4096)
-    demo.add_argument("--dtype", type=_dtype, default="torch.bfloat16")
+    demo.add_argument("--hidden", type=_positive_int, default=4096, help="elements per row")
+    demo.add_argument("--dtype", type=_dtype, default="torch.bfloat16", help="element type (bfloat16 works too)")
     demo.add_argument("--deepstack", type=_non_negative_int, default=0, help="deepstack width factor k (0: none)")
     demo.add_argument("--identity", action="store_true", help="every prefill rank receives the full rows")
     demo.add_argument("--per-block", action="store_true",
                         help="shard each item over an encode rank's block of prefill ranks (default: over the "
                              "whole prefill group, as the reference peer does; each encode rank then writes 1/E)")
     demo.add_argument("--inflight", type=_positive_int, default=8, help="rooms in flight per rank")
-    demo.add_argument("--protocol", default="auto", choices=["auto", "tcp", "rdma", "wire"])
-    demo.add_argument("--host", default="127.0.0.1")
+    demo.add_argument("--protocol", default="auto", choices=["auto", "tcp", "rdma", "wire"],
+                      help="data path: auto (rdma when a device exists, else tcp), tcp, rdma, or our framed wire")
+    demo.add_argument("--host", default="127.0.0.1", help="address every rank binds")
     demo.add_argument("--no-integrity", action="store_true", help="skip the checksums of landed bytes")
     demo.add_argument("--deadline", type=_seconds, default=60.0, help="per-room receive deadline, seconds")
     demo.add_argument("--timeout", type=_seconds, default=600.0, help="bound on the whole run, seconds")
-    demo.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_json(demo)
     demo.set_defaults(func=_demo)
 
-    doctor = sub.add_parser("doctor", help="what is installed and usable here, and how to fix what is not")
-    doctor.add_argument("--json", action="store_true")
+    doctor = _subparser(sub, "doctor", "what is installed and usable here, and how to fix what is not", common)
+    _add_json(doctor)
     doctor.set_defaults(func=_doctor)
 
-    bench = sub.add_parser("bench", help="raw Mooncake vs the epd path vs the framed wire, side by side")
+    bench = _subparser(sub, "bench", "raw Mooncake vs the epd path vs the framed wire, side by side", common)
     try:
         from transfer import bench as bench_mod
 
@@ -314,30 +403,36 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     bench.set_defaults(func=_bench)
 
-    boot = sub.add_parser("bootstrap", help="run the HTTP bootstrap server until interrupted")
-    boot.add_argument("--host", default="127.0.0.1")
-    boot.add_argument("--port", type=_port, default=8998, help="0: any free port")
+    boot = _subparser(sub, "bootstrap", "run the HTTP bootstrap server until interrupted", common)
+    boot.add_argument("--host", default="127.0.0.1", help="address to bind")
+    boot.add_argument("--port", type=_port, default=8998, help="port to bind (0: any free port)")
     boot.add_argument("--token", type=_token, default=_token_default(),
-                      help="require 'Authorization: Bearer TOKEN' on PUT /route (default: $EPD_TOKEN)")
+                      help="require 'Authorization: Bearer TOKEN' on PUT /route (default: $EPD_TOKEN, else none)")
     boot.set_defaults(func=_bootstrap)
 
-    rank = sub.add_parser("rank", help="run ONE rank of a real deployment (what the launch scripts start)")
-    rank.add_argument("--role", required=True, choices=["encode", "prefill"])
+    rank = _subparser(sub, "rank", "run ONE rank of a real deployment (what the launch scripts start)", common)
+    rank.add_argument("--role", required=True, choices=["encode", "prefill"], help="which side this rank is on")
     rank.add_argument("--rank", type=_non_negative_int, required=True, help="this rank's index within its role")
-    rank.add_argument("--encode-ranks", "-E", type=_positive_int, default=1)
-    rank.add_argument("--prefill-ranks", "-P", type=_positive_int, default=1)
+    rank.add_argument("--node", type=_non_negative_int, default=0,
+                      help="prefill: this prefill node's index (reported in the summary)")
+    rank.add_argument("--encode-ranks", "-E", type=_positive_int, default=1, help="encode ranks")
+    rank.add_argument("--prefill-ranks", "-P", type=_positive_int, default=1,
+                      help="prefill ranks per prefill node, a multiple of the encode ranks")
     rank.add_argument("--bootstrap", type=_host_port, required=True, help="HOST:PORT of the bootstrap server")
     rank.add_argument("--serve-bootstrap", action="store_true", help="also run the bootstrap server here")
-    rank.add_argument("--bootstrap-bind", default=None, help="address the served bootstrap binds (default: its host)")
+    rank.add_argument("--bootstrap-bind", default=None,
+                      help="address the served bootstrap binds (default: the host of --bootstrap)")
     rank.add_argument("--host", default="127.0.0.1", help="this node's address (engine and sockets)")
-    rank.add_argument("--protocol", default="auto", choices=["auto", "tcp", "rdma", "wire"])
-    rank.add_argument("--items", type=_positive_int, default=64)
+    rank.add_argument("--protocol", default="auto", choices=["auto", "tcp", "rdma", "wire"],
+                      help="data path: auto (rdma when a device exists, else tcp), tcp, rdma, or our framed wire")
+    rank.add_argument("--items", type=_positive_int, default=64, help="items (rooms) to move")
     rank.add_argument("--first-room", type=_non_negative_int, default=0,
                       help="rooms are first-room .. first-room + items - 1")
-    rank.add_argument("--device", default="", help="Mooncake RDMA device (e.g. mlx5_0); default: all")
+    rank.add_argument("--device", default=_device_default(),
+                      help="Mooncake RDMA device(s), e.g. mlx5_0 (default: $EPD_DEVICE, else every device found)")
     rank.add_argument("--span", type=_positive_int, default=1024, help="rows per item")
-    rank.add_argument("--hidden", type=_positive_int, default=4096)
-    rank.add_argument("--dtype", type=_dtype, default="torch.bfloat16")
+    rank.add_argument("--hidden", type=_positive_int, default=4096, help="elements per row")
+    rank.add_argument("--dtype", type=_dtype, default="torch.bfloat16", help="element type (bfloat16 works too)")
     rank.add_argument("--deepstack", type=_non_negative_int, default=0, help="deepstack width factor k (0: none)")
     rank.add_argument("--identity", action="store_true", help="every prefill rank receives the full rows")
     rank.add_argument("--per-block", action="store_true",
@@ -345,13 +440,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "whole prefill group, as the reference peer does; each encode rank then writes 1/E)")
     rank.add_argument("--inflight", type=_positive_int, default=8, help="rooms in flight")
     rank.add_argument("--no-integrity", action="store_true", help="skip the checksums of landed bytes")
-    rank.add_argument("--token", type=_token, default=_token_default(), help="bootstrap bearer token (default: $EPD_TOKEN)")
+    rank.add_argument("--token", type=_token, default=_token_default(),
+                      help="bootstrap bearer token (default: $EPD_TOKEN, else none)")
     rank.add_argument("--deadline", type=_seconds, default=60.0, help="per-room deadline, seconds")
     rank.add_argument("--bootstrap-timeout", type=_seconds, default=120.0,
                       help="how long to wait for the bootstrap server and the peers, seconds")
     rank.add_argument("--linger", type=_non_negative_seconds, default=2.0,
                       help="encode: seconds to stay up after the last room")
-    rank.add_argument("--timeout", type=_seconds, default=600.0)
+    rank.add_argument("--timeout", type=_seconds, default=600.0,
+                      help="bound on the whole rank, seconds: past it the rank stops and exits 1")
     rank.set_defaults(func=_rank)
     return parser
 

@@ -371,10 +371,10 @@ def check_gpudirect(cuda_available: bool, sysfs_root: str | None = None,
 
 
 def check_protocol(sysfs_root: str | None, mooncake_ok: bool) -> tuple[Check, str, str]:
-    """Which protocol `auto` resolves to on this host, and why (engine.choose_protocol)."""
-    from transfer.engine import choose_protocol
+    """Which protocol `auto` resolves to on this host, and why (what an Engine would run)."""
+    from transfer.engine import effective_protocol
 
-    protocol, why = choose_protocol("auto", root=infiniband_root(sysfs_root))
+    protocol, why = effective_protocol("auto", root=infiniband_root(sysfs_root))
     level = "ok" if mooncake_ok else "warn"
     fix = "" if mooncake_ok else "install Mooncake (see the mooncake line) or use the wire path"
     return Check("protocol", level, f"auto -> {protocol}: {why}", fix), protocol, why

@@ -27,13 +27,17 @@ transfer_engine_py.cpp in kvcache-ai/Mooncake):
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from transfer.errors import ConfigError, ConfigTypeError, EngineError, EngineUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +86,8 @@ class _Pending:
         return any(src < addr + nbytes and addr < src + n for src, n in zip(self.srcs, self.lens))
 
 
-class EngineUnavailable(RuntimeError):
-    """mooncake.engine cannot be imported on this host."""
-
-
-class TransferError(RuntimeError):
-    """A Mooncake registration or write failed."""
+#: The name this module gave EngineError before transfer.errors existed; code that imports it keeps working.
+TransferError = EngineError
 
 
 def _cuda_host() -> bool:
@@ -140,7 +140,7 @@ def choose_protocol(protocol: str = "auto", root: str | None = None) -> tuple[st
     if protocol in PROTOCOLS:
         return protocol, "requested"
     if protocol != "auto":
-        raise ValueError(f"unknown protocol {protocol!r}: expected auto, rdma or tcp")
+        raise ConfigError(f"unknown protocol {protocol!r}: expected auto, rdma or tcp")
     devices = rdma_device_names(root)
     if devices:
         return "rdma", f"RDMA device(s) {', '.join(devices)} found"
@@ -148,19 +148,103 @@ def choose_protocol(protocol: str = "auto", root: str | None = None) -> tuple[st
     return "tcp", f"no RDMA device under {where}"
 
 
+def usable_rdma_devices(root: str | None = None) -> list[str]:
+    """The RDMA devices with at least one ACTIVE port (what Mooncake can run rdma on)."""
+    root = INFINIBAND_SYSFS if root is None else root
+    usable = []
+    for name in rdma_device_names(root):
+        ports = os.path.join(root, name, "ports")
+        try:
+            states = [_read_text(os.path.join(ports, port, "state")) for port in os.listdir(ports)]
+        except OSError:
+            continue
+        if any(state.rpartition(":")[2].strip() == "ACTIVE" for state in states):
+            usable.append(name)
+    return usable
+
+
+def _read_text(path: str) -> str:
+    """A small sysfs file's text, "" when it cannot be read."""
+    try:
+        with open(path) as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
+def effective_protocol(protocol: str = "auto", device_name: str = "", root: str | None = None) -> tuple[str, str]:
+    """The protocol an engine will really run, and why: rdma only where a named (or any) device is usable.
+
+    `auto` falls back to tcp when the devices it found have no ACTIVE port. An explicit
+    `rdma` with no usable device raises EngineError: Mooncake would otherwise start,
+    find no HCA and carry the writes over TCP while the engine said rdma.
+    """
+    chosen, why = choose_protocol(protocol, root)
+    if chosen != "rdma":
+        return chosen, why
+    where = INFINIBAND_SYSFS if root is None else root
+    wanted = [d.strip() for d in device_name.split(",") if d.strip()]
+    present = rdma_device_names(root)
+    usable = usable_rdma_devices(root)
+    if wanted:
+        missing = [d for d in wanted if d not in present]
+        if missing:
+            raise ConfigError(f"RDMA device {', '.join(missing)} not under {where} "
+                              f"(found: {', '.join(present) or 'none'})")
+        usable = [d for d in usable if d in wanted]
+    if usable:
+        return "rdma", f"{why}; usable: {', '.join(usable)}"
+    listed = ", ".join(wanted or present)
+    state = f"{listed} has no ACTIVE port" if listed else f"no RDMA device under {where}"
+    if protocol == "auto":
+        return "tcp", f"RDMA device(s) {state}"
+    raise EngineError(f"protocol 'rdma' needs a usable RDMA device, and {state}: use protocol 'tcp' (or 'auto', "
+                      f"which picks tcp here), bring a port up, or create a soft-RoCE device "
+                      f"(scripts/soft-roce.sh up); `epd-transfer doctor` shows what this host can run")
+
+
+def check_hostname(hostname: str) -> None:
+    """ConfigError unless `hostname` (optionally with :port) resolves to an address of this host."""
+    if not isinstance(hostname, str):
+        raise ConfigTypeError(f"hostname must be a str, not {type(hostname).__name__}")
+    host = hostname
+    if host.count(":") == 1 and host.rpartition(":")[2].isdigit():
+        host = host.rpartition(":")[0]  # Mooncake accepts host:port
+    host = host.strip("[]")
+    if not host:
+        raise ConfigError("hostname is empty: give this node's IP address (the one peers reach it on)")
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return  # always an address of this host
+    except ValueError:
+        pass  # a name: resolve it
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as error:
+        raise ConfigError(f"hostname {hostname!r} does not resolve ({error}): give this node's IP address "
+                          f"(the one peers reach it on)") from None
+    family, _, _, _, address = infos[0]
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((address[0], 0))
+    except OSError as error:
+        raise ConfigError(f"hostname {hostname!r} ({address[0]}) is not an address of this host ({error}): "
+                          f"the engine listens there, so give one of this node's own IP addresses") from None
+
+
 def _buffer_span(buf: Any, length: int | None) -> tuple[int, int]:
     """(address, length) of a contiguous torch tensor, or of an int address with a length."""
     if isinstance(buf, int) and not isinstance(buf, bool):
         if length is None:
-            raise ValueError(f"registering address 0x{buf:x} needs a length")
+            raise ConfigError(f"registering address 0x{buf:x} needs a length")
         return buf, int(length)
     if not (hasattr(buf, "data_ptr") and hasattr(buf, "nbytes")):
-        raise TypeError(f"cannot register a {type(buf).__name__}: expected a tensor or an int address")
+        raise ConfigTypeError(f"cannot register a {type(buf).__name__}: expected a tensor or an int address")
     if not buf.is_contiguous():
-        raise ValueError("cannot register a non-contiguous tensor: call .contiguous() first")
+        raise ConfigError("cannot register a non-contiguous tensor: call .contiguous() first")
     nbytes = int(buf.nbytes)
     if length is not None and length != nbytes:
-        raise ValueError(f"length {length} differs from the tensor's {nbytes} bytes")
+        raise ConfigError(f"length {length} differs from the tensor's {nbytes} bytes")
     return int(buf.data_ptr()), nbytes
 
 
@@ -179,7 +263,7 @@ class RegisteredMemory:
         return _buffer_span(buf, length)
 
     def _add_region(self, addr: int, nbytes: int) -> None:
-        """Makes the region writable by peers (lock held); raises TransferError when refused."""
+        """Makes the region writable by peers (lock held); raises EngineError when refused."""
         raise NotImplementedError
 
     def _remove_region(self, addr: int) -> str | None:
@@ -191,18 +275,21 @@ class RegisteredMemory:
         return None
 
     def register(self, buf: Any, length: int | None = None) -> tuple[int, int]:
-        """Register a tensor or an address range for peers' writes; returns (address, length)."""
+        """Register a tensor or an address range for peers' writes; returns (address, length).
+
+        Raises ConfigError (empty, non-contiguous or out-of-range memory), ConfigTypeError (not
+        a tensor or an address) or EngineError (already registered, refused, engine closed)."""
         addr, nbytes = self._region_span(buf, length)
         if nbytes <= 0:
-            raise ValueError(f"cannot register address 0x{addr:x} with length {nbytes}: {self._EMPTY_REASON}")
+            raise ConfigError(f"cannot register address 0x{addr:x} with length {nbytes}: {self._EMPTY_REASON}")
         if addr <= 0 or addr + nbytes > _ADDRESS_SPACE:
             # Mooncake takes a range that wraps past 2**64 and pybind a negative one with a bare TypeError.
-            raise ValueError(f"cannot register address {addr:#x} with length {nbytes}: "
+            raise ConfigError(f"cannot register address {addr:#x} with length {nbytes}: "
                              f"not a range of the 64-bit address space")
         with self._lock:
             self._check_open()
             if addr in self._regions:
-                raise TransferError(f"address 0x{addr:x} is already registered "
+                raise EngineError(f"address 0x{addr:x} is already registered "
                                     f"({self._regions[addr]} bytes) on {self.session_id}")
             self._add_region(addr, nbytes)
             self._regions[addr] = nbytes
@@ -211,21 +298,21 @@ class RegisteredMemory:
         return addr, nbytes
 
     def unregister(self, addr: int) -> None:
-        """Unregister the region that starts at addr."""
+        """Unregister the region that starts at addr; EngineError if it is not registered or a write reads it."""
         with self._lock:
             self._check_open()
             if addr not in self._regions:
-                raise TransferError(f"address 0x{addr:x} is not registered on {self.session_id}")
+                raise EngineError(f"address 0x{addr:x} is not registered on {self.session_id}")
             reader = self._reader_of(addr, self._regions[addr])
             if reader is not None:
                 # Unregistering drops the tensor we keep alive while a write still reads it.
-                raise TransferError(f"address 0x{addr:x} length {self._regions[addr]} on {self.session_id} "
+                raise EngineError(f"address 0x{addr:x} length {self._regions[addr]} on {self.session_id} "
                                     f"is still being read by {reader}: unregister it once that write settled")
             problem = self._remove_region(addr)
             nbytes = self._regions.pop(addr)
             self._owners.pop(addr, None)
         if problem:
-            raise TransferError(f"unregistering address 0x{addr:x} length {nbytes} on "
+            raise EngineError(f"unregistering address 0x{addr:x} length {nbytes} on "
                                 f"{self.session_id} failed ({problem})")
 
     def registered(self) -> dict[int, int]:
@@ -242,11 +329,17 @@ class Engine(RegisteredMemory):
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "auto",
                  device_name: str = "", metadata: str = "P2PHANDSHAKE",
                  transfer_timeout_s: float | None = None) -> None:
-        """Start the engine on hostname; protocol auto picks rdma when a device exists.
+        """Start the engine on hostname; protocol auto picks rdma when a usable device exists, else tcp.
 
         transfer_timeout_s (default: Mooncake's MC_TRANSFER_TIMEOUT) bounds every write,
-        plus 1 ns per byte as Mooncake's own sync writes do."""
-        self.protocol, self.protocol_reason = choose_protocol(protocol)
+        plus 1 ns per byte as Mooncake's own sync writes do. `protocol` then says what runs.
+
+        Raises ConfigError for a hostname that is empty, does not resolve or is not this
+        host's, or an unknown protocol or device; EngineError when rdma was asked for and
+        no RDMA device is usable, or Mooncake refused to start; EngineUnavailable when
+        mooncake.engine cannot be imported."""
+        check_hostname(hostname)
+        self.protocol, self.protocol_reason = effective_protocol(protocol, device_name)
         mooncake_engine = _import_engine()
         self.hostname = hostname
         self.transfer_timeout_s = _transfer_timeout_s() if transfer_timeout_s is None else float(transfer_timeout_s)
@@ -262,7 +355,7 @@ class Engine(RegisteredMemory):
         if rc != 0:
             self._te = None
             self._closed = True
-            raise TransferError(
+            raise EngineError(
                 f"Mooncake engine failed to start on {hostname} with protocol {self.protocol} "
                 f"(device {device_name or 'auto'}, metadata {metadata}): rc={rc}")
         self.rpc_port = int(self._te.get_rpc_port())
@@ -275,7 +368,7 @@ class Engine(RegisteredMemory):
         """Registers a tensor's memory (host or CUDA) or an address range with Mooncake."""
         rc = self._te.register_memory(addr, nbytes)
         if rc != 0:
-            raise TransferError(f"registering address 0x{addr:x} length {nbytes} on "
+            raise EngineError(f"registering address 0x{addr:x} length {nbytes} on "
                                 f"{self.session_id} failed (rc={rc}; -7 means it overlaps "
                                 f"a registered region)")
 
@@ -287,7 +380,9 @@ class Engine(RegisteredMemory):
 
     def write(self, session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
               lengths: Sequence[int]) -> None:
-        """Write every (src, dst, length) to the peer session and wait for it, without spinning a core."""
+        """Write every (src, dst, length) to the peer session and wait for it, without spinning a core.
+
+        Raises ConfigError for mismatched or negative lengths and EngineError when the write failed."""
         self.wait(self.write_async(session_id, src_addrs, dst_addrs, lengths))
 
     def write_async(self, session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
@@ -313,7 +408,8 @@ class Engine(RegisteredMemory):
                 if batch_id in _BAD_BATCH_IDS:
                     pending.error = self._describe_failure(
                         "write", session_id, pending.dsts, pending.lens,
-                        "Mooncake refused the batch: an unknown or unreachable session?")
+                        "Mooncake refused the batch: an unknown or unreachable session, or a peer that does "
+                        "not run Mooncake (a `wire` prefill rank? both sides must use the same protocol)")
                     break
                 pending.batches.append(batch_id)
         except Exception as exc:  # noqa: BLE001 - the batches already submitted stay tracked
@@ -328,11 +424,11 @@ class Engine(RegisteredMemory):
                     self._pending.pop(ticket, None)  # nothing in flight: fail at once
                 self._lock.notify_all()
         if pending.error is not None and not pending.batches:
-            raise TransferError(pending.error)
+            raise EngineError(pending.error)
         return ticket
 
     def poll(self, ticket: int) -> bool:
-        """Whether the write behind `ticket` is over, without blocking; TransferError if it failed.
+        """Whether the write behind `ticket` is over, without blocking; EngineError if it failed.
 
         A failed ticket raises once every buffer it submitted has settled, so the caller
         never reuses memory that Mooncake may still be reading; or once the transfer
@@ -344,7 +440,7 @@ class Engine(RegisteredMemory):
         with self._lock:
             pending = self._pending.get(ticket)
         if pending is None:
-            raise TransferError(f"unknown write ticket {ticket} on {self.session_id}")
+            raise EngineError(f"unknown write ticket {ticket} on {self.session_id}")
         if not self._advance(pending):
             if time.monotonic() <= pending.deadline:
                 return False
@@ -352,7 +448,7 @@ class Engine(RegisteredMemory):
                 if self._pending.pop(ticket, None) is not None:
                     self._overdue.append(pending)
                 self._lock.notify_all()
-            raise TransferError(self._describe_failure(
+            raise EngineError(self._describe_failure(
                 "write", pending.session_id, pending.dsts, pending.lens,
                 f"still in flight after the transfer timeout of {self.transfer_timeout_s:g}s "
                 f"(MC_TRANSFER_TIMEOUT) plus 1 ns per byte: a peer that stopped reading?"))
@@ -360,7 +456,7 @@ class Engine(RegisteredMemory):
             self._pending.pop(ticket, None)
             self._lock.notify_all()
         if pending.error is not None:
-            raise TransferError(pending.error)
+            raise EngineError(pending.error)
         return True
 
     def _advance(self, pending: _Pending) -> bool:
@@ -403,7 +499,7 @@ class Engine(RegisteredMemory):
         delay = POLL_MIN_S
         while not self.poll(ticket):
             if deadline is not None and time.monotonic() > deadline:
-                raise TransferError(f"write ticket {ticket} on {self.session_id} still in flight after {timeout_s}s")
+                raise EngineError(f"write ticket {ticket} on {self.session_id} still in flight after {timeout_s}s")
             time.sleep(delay)
             delay = min(delay * 2, POLL_MAX_S)
 
@@ -411,21 +507,21 @@ class Engine(RegisteredMemory):
                lengths: Sequence[int]) -> _Pending | None:
         """Validate a batch and drop zero-length entries; the write to file, or None when nothing is left."""
         if not (len(src_addrs) == len(dst_addrs) == len(lengths)):
-            raise ValueError(f"write to {session_id}: {len(src_addrs)} sources, "
+            raise ConfigError(f"write to {session_id}: {len(src_addrs)} sources, "
                              f"{len(dst_addrs)} destinations, {len(lengths)} lengths")
         srcs: list[int] = []
         dsts: list[int] = []
         lens: list[int] = []
         for src, dst, length in zip(src_addrs, dst_addrs, lengths):
             if length < 0:
-                raise ValueError(f"write to {session_id}: negative length {length}")
+                raise ConfigError(f"write to {session_id}: negative length {length}")
             if length == 0:
                 continue
             src, dst, length = int(src), int(dst), int(length)
             if dst < 0 or dst + length > _ADDRESS_SPACE:
                 # Caught here, not by pybind halfway through the batches (a bare TypeError
                 # after the first buffer was already on its way).
-                raise ValueError(f"write to {session_id}: destination {dst:#x} length {length} "
+                raise ConfigError(f"write to {session_id}: destination {dst:#x} length {length} "
                                  f"is not a range of the 64-bit address space")
             srcs.append(src)
             dsts.append(dst)
@@ -439,7 +535,7 @@ class Engine(RegisteredMemory):
         for base, size in self._regions.items():
             if base <= src and src + length <= base + size:
                 return
-        raise TransferError(f"write to {session_id}: source 0x{src:x} length {length} is not "
+        raise EngineError(f"write to {session_id}: source 0x{src:x} length {length} is not "
                             f"inside memory registered on {self.session_id}")
 
     def _describe_failure(self, what: str, session_id: str, dsts: list[int],
@@ -454,7 +550,7 @@ class Engine(RegisteredMemory):
     def _check_open(self) -> None:
         """Raise when the engine was closed (caller holds the lock)."""
         if self._closed:
-            raise TransferError(f"engine {getattr(self, 'session_id', self.hostname)} is closed")
+            raise EngineError(f"engine {getattr(self, 'session_id', self.hostname)} is closed")
 
     def close(self) -> None:
         """Wait for writes in flight, unregister all memory and release the engine; idempotent.

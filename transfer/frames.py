@@ -1,7 +1,9 @@
 """Control-plane frame codecs, shard geometry and fanout validation (SPEC.md sections 2, 4, 6, 8).
 
 Pure: no sockets, no torch. Every parser raises only `WireError`, whose
-messages are exactly SPEC.md's because peers' logs and tests match them.
+messages are exactly SPEC.md's because peers' logs and tests match them; a
+caller's bad argument (a shard outside its group, a room that does not fit, an
+unknown dtype) raises `ConfigError`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from transfer.errors import ConfigError, ConfigTypeError, WireError
 from transfer.status import TransferPoll
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "check_room",
     "dtype_size",
     "is_registration",
+    "normalize_dtype",
     "parse_registration",
     "parse_status",
     "registration_frames",
@@ -74,10 +78,6 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 
-class WireError(ValueError):
-    """A frame that breaks the wire contract; the message is SPEC.md's wording."""
-
-
 class UnreadableChecksum(WireError):
     """A status whose SPEC parts are sound but whose checksum part (ours, SPEC.md 8) is not.
 
@@ -96,11 +96,11 @@ class UnreadableChecksum(WireError):
 def shard_rows(span: int, rank: int, size: int) -> tuple[int, int]:
     """Return (row_start, row_count) of `rank`'s balanced contiguous shard of `span` rows over `size` ranks."""
     if size <= 0:
-        raise ValueError(f"shard size must be positive, got {size}")
+        raise ConfigError(f"shard size must be positive, got {size}")
     if not 0 <= rank < size:
-        raise ValueError(f"shard rank {rank} outside [0, {size})")
+        raise ConfigError(f"shard rank {rank} outside [0, {size})")
     if span < 0:
-        raise ValueError(f"span must be >= 0, got {span}")
+        raise ConfigError(f"span must be >= 0, got {span}")
     base, rem = divmod(span, size)
     return rank * base + min(rank, rem), base + (1 if rank < rem else 0)
 
@@ -116,7 +116,7 @@ def prefill_shard(span: int, tp_rank: int, tp_size: int, encode_tp: int = 1, *,
     item, and each block rebuilds it on its own).
     """
     if encode_tp <= 0 or tp_size % encode_tp:
-        raise ValueError(f"prefill tp {tp_size} is not a multiple of encode tp {encode_tp}")
+        raise ConfigError(f"prefill tp {tp_size} is not a multiple of encode tp {encode_tp}")
     if not per_block:
         return shard_rows(span, tp_rank, tp_size)
     fanout = tp_size // encode_tp
@@ -124,27 +124,52 @@ def prefill_shard(span: int, tp_rank: int, tp_size: int, encode_tp: int = 1, *,
 
 
 def check_parallel(engine_rank: int, tp_size: int, dp_size: int) -> None:
-    """ValueError unless engine_rank is one of tp_size ranks split into dp_size groups."""
+    """ConfigError unless engine_rank is one of tp_size ranks split into dp_size groups."""
     if dp_size <= 0 or tp_size % dp_size:
-        raise ValueError(f"tp size {tp_size} is not a multiple of dp size {dp_size}")
+        raise ConfigError(f"tp size {tp_size} is not a multiple of dp size {dp_size}")
     if not 0 <= engine_rank < tp_size:
-        raise ValueError(f"engine rank {engine_rank} outside [0, tp size {tp_size})")
+        raise ConfigError(f"engine rank {engine_rank} outside [0, tp size {tp_size})")
 
 
 def check_room(room: int) -> None:
-    """ValueError unless `room` fits the wire: a non-negative signed 64-bit integer."""
+    """ConfigError unless `room` fits the wire: a non-negative signed 64-bit integer (ConfigTypeError: not an int)."""
+    if type(room) is not int and (isinstance(room, bool) or not hasattr(type(room), "__index__")):
+        raise ConfigTypeError(f"room must be an int, got {type(room).__name__} {room!r}")
     if room < 0:
-        raise ValueError(f"negative room {room}")
+        raise ConfigError(f"negative room {room}")
     if room > _I64_MAX:
-        raise ValueError(f"room {room} does not fit the wire's signed 64 bits")
+        raise ConfigError(f"room {room} does not fit the wire's signed 64 bits")
 
 
-def dtype_size(name: str) -> int:
-    """Bytes per element of a `str(torch.dtype)` name."""
-    try:
-        return DTYPE_BYTES[name]
-    except (KeyError, TypeError):
-        raise WireError(f"unknown dtype {name!r}") from None
+def _dtype_name(dtype: object) -> str | None:
+    """The wire's name (`torch.NAME`) of a torch.dtype, `"torch.NAME"` or `"NAME"`; None when unknown."""
+    if isinstance(dtype, str):
+        name = dtype if dtype.startswith("torch.") else f"torch.{dtype}"
+    elif type(dtype).__name__ == "dtype" and type(dtype).__module__ == "torch":
+        name = str(dtype)  # str(torch.bfloat16) == "torch.bfloat16", without importing torch here
+    else:
+        return None
+    return name if name in DTYPE_BYTES else None
+
+
+def normalize_dtype(dtype: object) -> str:
+    """The wire's dtype name for a `torch.dtype`, `"torch.bfloat16"` or `"bfloat16"`; ConfigError otherwise."""
+    name = _dtype_name(dtype)
+    if name is None:
+        raise ConfigError(f"unknown dtype {dtype!r}: expected a torch.dtype or one of "
+                          f"{', '.join(n.removeprefix('torch.') for n in DTYPE_BYTES)} (with or without 'torch.')")
+    return name
+
+
+def dtype_size(dtype: object) -> int:
+    """Bytes per element of a `torch.dtype`, `"torch.NAME"` or `"NAME"`; WireError when unknown."""
+    size = DTYPE_BYTES.get(dtype) if type(dtype) is str else None  # the wire's own spelling: one look-up
+    if size is not None:
+        return size
+    name = _dtype_name(dtype)
+    if name is None:
+        raise WireError(f"unknown dtype {dtype!r}")
+    return DTYPE_BYTES[name]
 
 
 # ---------------------------------------------------------------- part codecs

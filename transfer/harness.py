@@ -51,6 +51,7 @@ class Scenario:
     spans: list[int] | None = None  # per-item spans (mixed sizes); default: `span` for all
     token: str | None = None
     timeout_s: float = 300.0  # the whole run's bound
+    device: str = ""  # Mooncake RDMA device(s), e.g. "mlx5_0"; "": every device found
 
     def span_of(self, index: int) -> int:
         """The span of the index-th item."""
@@ -109,14 +110,14 @@ class ItemSource:
 
 
 def make_engine(sc: Scenario):
-    """The data-path engine the scenario asks for: Mooncake, or the framed wire."""
+    """The data-path engine the scenario asks for: Mooncake, or the framed wire (a bench setup has no device)."""
     if sc.protocol == "wire":
         from transfer.wire_engine import WireEngine
 
         return WireEngine(hostname=sc.host)
     from transfer.engine import Engine
 
-    return Engine(hostname=sc.host, protocol=sc.protocol)
+    return Engine(hostname=sc.host, protocol=sc.protocol, device_name=getattr(sc, "device", ""))
 
 
 def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finished) -> dict:
@@ -585,11 +586,12 @@ def summarize(sc: Scenario, reports: list[dict]) -> dict:
         "items": sc.items,
         "bytes": nbytes,
         "failed": len(failed),
-        "verified": sum(r["verified_bytes"] for r in prefill) == nbytes and not bad,
+        # Nothing landed is nothing verified: a run whose every room failed must not read as checked.
+        "verified": nbytes > 0 and sum(r["verified_bytes"] for r in prefill) == nbytes and not bad,
         "gbps": nbytes / wall / 1e9 if wall > 0 else 0.0,
         "p50_ms": _percentile(latencies, 50) * 1e3,
         "p99_ms": _percentile(latencies, 99) * 1e3,
-        "protocol": _resolved_protocol(sc.protocol),
+        "protocol": _resolved_protocol(sc.protocol, getattr(sc, "device", "")),
         "encode_ranks": sc.encode_ranks,
         "prefill_ranks": sc.prefill_ranks,
         "wall_s": wall,
@@ -607,12 +609,13 @@ def _percentile(sorted_values: list[float], pct: float) -> float:
     return sorted_values[index]
 
 
-def _resolved_protocol(protocol: str) -> str:
-    if protocol != "auto":
+def _resolved_protocol(protocol: str, device: str = "") -> str:
+    """What the ranks' engines ran (auto resolved, rdma only where a device is usable)."""
+    if protocol == "wire":
         return protocol
-    from transfer.engine import choose_protocol
+    from transfer.engine import effective_protocol
 
-    return choose_protocol("auto")[0]
+    return effective_protocol(protocol, device)[0]
 
 
 def scenario_dict(sc: Scenario) -> dict:

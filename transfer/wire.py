@@ -8,7 +8,7 @@ payload (at most ``MAX_PAYLOAD`` = 64 MiB). Reads and writes are whole; EINTR is
 released around the blocking I/O. A socket with a Python timeout is honoured as an idle
 timeout: the call fails when no byte moved for that long.
 
-Errors (``FrameError``, an ``OSError``; ``errno`` is set when an OS call failed):
+Errors (``FrameError``, an ``OSError`` and a ``TransferError``; ``errno`` is set when an OS call failed):
 
 - ``read: connection closed before a frame header``
 - ``read: connection closed inside a frame header after N of 4 bytes``
@@ -44,6 +44,7 @@ from enum import IntEnum
 from typing import Any
 
 from . import _native
+from .errors import ConfigError, ConfigTypeError
 
 __all__ = [
     "DECODE",
@@ -107,7 +108,7 @@ def endpoint(sock_or_fd: Any) -> tuple[int, float]:
         return sock_or_fd, -1.0
     fileno = getattr(sock_or_fd, "fileno", None)
     if fileno is None:
-        raise TypeError(f"need a socket or an int fd, not {type(sock_or_fd).__name__}")
+        raise ConfigTypeError(f"need a socket or an int fd, not {type(sock_or_fd).__name__}")
     fd = fileno()  # a closed socket gives -1, which the OS reports as EBADF
     timeout = sock_or_fd.gettimeout() if isinstance(sock_or_fd, socket.socket) else None
     return fd, -1.0 if timeout is None else float(timeout)
@@ -116,7 +117,7 @@ def endpoint(sock_or_fd: Any) -> tuple[int, float]:
 def _kind(kind: int) -> int:
     """Checks that a kind fits the u8 on the wire."""
     if isinstance(kind, bool) or not isinstance(kind, int) or not 0 <= kind <= 255:
-        raise ValueError(f"frame kind must be an int in 0..255, got {kind!r}")
+        raise ConfigError(f"frame kind must be an int in 0..255, got {kind!r}")
     return int(kind)
 
 
@@ -153,7 +154,7 @@ class Msg:
     def set(self, key: str, value: str | int) -> Msg:
         """Sets (or replaces) a field; ints are stored as their decimal text."""
         if isinstance(value, bool) or not isinstance(value, (str, int)):
-            raise TypeError(f"Msg value of {key!r} must be str or int, not {type(value).__name__}")
+            raise ConfigTypeError(f"Msg value of {key!r} must be str or int, not {type(value).__name__}")
         text = value if isinstance(value, str) else str(int(value))
         _native.msg_check(key, text)
         self._fields[key] = text
@@ -224,12 +225,12 @@ def layer_sum(buf_or_addr: Any, length: int | None = None) -> int:
         return _native.layer_sum_addr(buf_or_addr, length)
     if isinstance(buf_or_addr, tuple):
         if len(buf_or_addr) != 2:
-            raise TypeError("layer_sum needs (address, length), a buffer or a CPU tensor")
+            raise ConfigTypeError("layer_sum needs (address, length), a buffer or a CPU tensor")
         return _native.layer_sum_addr(*buf_or_addr)
     if _torch_tensor(buf_or_addr):
         t = buf_or_addr
         if t.device.type != "cpu":
-            raise ValueError(f"layer_sum reads host memory; use tensor_layer_sum for a {t.device} tensor")
+            raise ConfigError(f"layer_sum reads host memory; use tensor_layer_sum for a {t.device} tensor")
         if not t.is_contiguous():
             raise BufferError("layer_sum needs a contiguous tensor")
         # The call reads through the tensor's pointer while `t` keeps its storage alive.

@@ -82,7 +82,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from transfer import _io, _native, wire
-from transfer.engine import RegisteredMemory, TransferError, _buffer_span
+from transfer.engine import RegisteredMemory, _buffer_span
+from transfer.errors import ConfigError, EngineError
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def _split_session(session_id: str) -> tuple[str, int]:
     """('host', port) from 'host:port' (an IPv6 host may be bracketed)."""
     host, sep, port = session_id.rpartition(":")
     if not sep or not port.isdigit() or not host:
-        raise TransferError(f"session id {session_id!r} is not host:port")
+        raise EngineError(f"session id {session_id!r} is not host:port")
     return host.strip("[]"), int(port)
 
 
@@ -165,7 +166,7 @@ class _WriterPool:
     def __init__(self, name: str, per_peer: int, total: int) -> None:
         """An empty pool; threads start on demand and leave after IDLE_S with nothing to take."""
         if per_peer < 1 or total < 1:
-            raise ValueError(f"{name}: per_peer {per_peer} and total {total} must be at least 1")
+            raise ConfigError(f"{name}: per_peer {per_peer} and total {total} must be at least 1")
         self.name = name
         self.per_peer = per_peer
         self.total = total
@@ -319,7 +320,7 @@ class WireEngine(RegisteredMemory):
         that run at once, each on a connection of its own; busy peers share that many (at
         least one each)."""
         if int(writers_per_peer) < 1:
-            raise ValueError(f"writers_per_peer must be at least 1, got {writers_per_peer}")
+            raise ConfigError(f"writers_per_peer must be at least 1, got {writers_per_peer}")
         self.writers_per_peer = int(writers_per_peer)
         self.hostname = hostname
         self.chunk_bytes = int(chunk_bytes)
@@ -353,7 +354,7 @@ class WireEngine(RegisteredMemory):
         """(address, length) of a contiguous host tensor, or of an int address with a length."""
         device = getattr(buf, "device", None)
         if device is not None and getattr(device, "type", "cpu") != "cpu":
-            raise TransferError(f"the wire path is host-only: cannot register a tensor on {device} "
+            raise EngineError(f"the wire path is host-only: cannot register a tensor on {device} "
                                 f"(use protocol tcp or rdma for device memory)")
         return _buffer_span(buf, length)
 
@@ -362,7 +363,7 @@ class WireEngine(RegisteredMemory):
         try:
             _native.wire_add_region(self._listener, addr, nbytes)
         except ValueError as exc:
-            raise TransferError(f"registering 0x{addr:x} length {nbytes} on {self.session_id}: {exc}") from None
+            raise EngineError(f"registering 0x{addr:x} length {nbytes} on {self.session_id}: {exc}") from None
 
     def _remove_region(self, addr: int) -> str | None:
         """Stops accepting writes into the region; waits for a copy into it in progress."""
@@ -376,21 +377,21 @@ class WireEngine(RegisteredMemory):
         """Write every (src, dst, length) to the peer as one transfer; blocks until it answers.
 
         rows (default 1) is the row count the PREFILL announces: every length must be a
-        multiple of it. Raises TransferError naming the session and the sizes."""
+        multiple of it. Raises EngineError naming the session and the sizes."""
         srcs, dsts, lens = self._batch(session_id, src_addrs, dst_addrs, lengths)
         if not lens:
             return
         rows = 1 if rows is None else int(rows)
         if rows < 1 or any(n % rows for n in lens):
-            raise ValueError(f"write to {session_id}: lengths {lens} are not multiples of rows {rows}")
+            raise ConfigError(f"write to {session_id}: lengths {lens} are not multiples of rows {rows}")
         token = self._enter(session_id, srcs, lens)
         try:
             self._write_with_retry(session_id, srcs, dsts, lens, rows)
-        except (_Refused, OSError, wire.MsgError, TransferError) as exc:
+        except (_Refused, OSError, wire.MsgError, EngineError) as exc:
             with self._lock:
                 self._sent["write_failures"] += 1
             what = "refused by the peer" if isinstance(exc, _Refused) else "failed"
-            raise TransferError(f"write to {session_id} {what}: {exc} ({len(lens)} buffer(s), "
+            raise EngineError(f"write to {session_id} {what}: {exc} ({len(lens)} buffer(s), "
                                 f"{sum(lens)} bytes, first destination 0x{dsts[0]:x}+{lens[0]})") from None
         finally:
             self._leave(token)
@@ -411,30 +412,30 @@ class WireEngine(RegisteredMemory):
         return batch_id
 
     def poll(self, batch_id: int) -> bool:
-        """Whether the batch from write_async is over, without blocking; TransferError if it failed."""
+        """Whether the batch from write_async is over, without blocking; EngineError if it failed."""
         if batch_id == 0:
             return True
         with self._lock:
             future = self._batches.get(batch_id)
         if future is None:
-            raise TransferError(f"batch {batch_id} is unknown on {self.session_id}")
+            raise EngineError(f"batch {batch_id} is unknown on {self.session_id}")
         if not future.done():
             return False
         self.wait(batch_id)
         return True
 
     def wait(self, batch_id: int, timeout_s: float | None = None) -> None:
-        """Block until the batch from write_async completes; TransferError if it failed or is unknown."""
+        """Block until the batch from write_async completes; EngineError if it failed or is unknown."""
         if batch_id == 0:
             return
         with self._lock:
             future = self._batches.get(batch_id)
         if future is None:
-            raise TransferError(f"batch {batch_id} is unknown on {self.session_id}")
+            raise EngineError(f"batch {batch_id} is unknown on {self.session_id}")
         try:
             future.result(timeout_s)
         except FutureTimeout:
-            raise TransferError(f"batch {batch_id} on {self.session_id} still in flight after {timeout_s}s") from None
+            raise EngineError(f"batch {batch_id} on {self.session_id} still in flight after {timeout_s}s") from None
         finally:
             if future.done():
                 with self._lock:
@@ -487,7 +488,7 @@ class WireEngine(RegisteredMemory):
             raise
         self._judge(kind, payload, room, sum(lens) if complete else None)
         if not complete:
-            raise TransferError(f"the peer answered before the transfer was complete (kind {kind})")
+            raise EngineError(f"the peer answered before the transfer was complete (kind {kind})")
         conn.fresh = False
         with self._lock:
             self._sent["writes"] += 1
@@ -506,7 +507,7 @@ class WireEngine(RegisteredMemory):
                 raise cause from None
             raise
         self._judge(kind, payload, room, None)
-        raise TransferError(f"the peer answered before the transfer was complete (kind {kind})")
+        raise EngineError(f"the peer answered before the transfer was complete (kind {kind})")
 
     @staticmethod
     def _judge(kind: int, payload: bytes, room: int, total: int | None) -> None:
@@ -515,9 +516,10 @@ class WireEngine(RegisteredMemory):
         if kind == wire.ERROR:
             raise _Refused(answer.body.decode("utf-8", "replace") or "no reason given")
         if kind != wire.RESULT:
-            raise TransferError(f"the peer answered with frame kind {kind}, expected RESULT or ERROR")
+            raise EngineError(f"the peer answered with frame kind {kind}, expected RESULT or ERROR (is it a "
+                              f"Mooncake engine? both sides must use the same protocol)")
         if answer.number("room") != room or (total is not None and answer.number("bytes") != total):
-            raise TransferError(f"the peer's RESULT (room {answer.get('room')}, {answer.get('bytes')} bytes) "
+            raise EngineError(f"the peer's RESULT (room {answer.get('room')}, {answer.get('bytes')} bytes) "
                                 f"does not match room {room} with {total} bytes")
 
     # -- connections ------------------------------------------------------
@@ -570,14 +572,14 @@ class WireEngine(RegisteredMemory):
                lengths: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
         """Validates a batch, drops zero-length entries, checks sources lie in registered memory."""
         if not (len(src_addrs) == len(dst_addrs) == len(lengths)):
-            raise ValueError(f"write to {session_id}: {len(src_addrs)} sources, "
+            raise ConfigError(f"write to {session_id}: {len(src_addrs)} sources, "
                              f"{len(dst_addrs)} destinations, {len(lengths)} lengths")
         kept = [(int(s), int(d), int(n)) for s, d, n in zip(src_addrs, dst_addrs, lengths) if n != 0]
         for _, _, n in kept:
             if n < 0:
-                raise ValueError(f"write to {session_id}: negative length {n}")
+                raise ConfigError(f"write to {session_id}: negative length {n}")
         if len(kept) > 16:
-            raise ValueError(f"write to {session_id}: {len(kept)} buffers; one transfer carries at most 16")
+            raise ConfigError(f"write to {session_id}: {len(kept)} buffers; one transfer carries at most 16")
         with self._lock:
             self._check_open()
             self._check_sources(session_id, [k[0] for k in kept], [k[2] for k in kept])
@@ -587,7 +589,7 @@ class WireEngine(RegisteredMemory):
         """Refuses a source outside registered memory (lock held): it would be read through a raw pointer."""
         for src, n in zip(srcs, lens):
             if not any(a <= src and src + n <= a + size for a, size in self._regions.items()):
-                raise TransferError(f"write to {session_id}: source 0x{src:x} length {n} is not "
+                raise EngineError(f"write to {session_id}: source 0x{src:x} length {n} is not "
                                     f"inside memory registered on {self.session_id}")
 
     # -- figures and lifecycle ---------------------------------------------
@@ -608,7 +610,7 @@ class WireEngine(RegisteredMemory):
     def _check_open(self) -> None:
         """Raise when the engine was closed (caller holds the lock)."""
         if self._closed:
-            raise TransferError(f"wire engine {self.session_id} is closed")
+            raise EngineError(f"wire engine {self.session_id} is closed")
 
     def _enter(self, session_id: str, srcs: list[int], lens: list[int]) -> int:
         """Files a write in flight with its sources: close() waits for it, unregister() refuses them."""
@@ -672,4 +674,7 @@ class _Untouched(Exception):
         self.cause = cause
 
 
-__all__ = ["CHUNK_BYTES", "MAX_WRITERS", "WRITERS_PER_PEER", "TransferError", "WireEngine"]
+#: This module's name for EngineError before transfer.errors existed; code that imports it keeps working.
+TransferError = EngineError
+
+__all__ = ["CHUNK_BYTES", "MAX_WRITERS", "WRITERS_PER_PEER", "EngineError", "TransferError", "WireEngine"]

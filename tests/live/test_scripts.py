@@ -130,8 +130,8 @@ def test_launch_scripts_run_a_loopback_deployment(tmp_path, encode_tp, prefill_t
         summary = _summaries(logs, f"prefill-{rank}")
         assert summary["role"] == "prefill" and summary["rank"] == rank
         assert summary["verified"] is True and summary["failed"] == 0
-        # Sharded over the fanout: each rank landed its share of 6 items of 64 x 256 bf16 rows.
-        assert summary["bytes"] == 6 * (64 // (prefill_tp // encode_tp)) * 256 * 2
+        # Sharded over the whole prefill group: each rank landed its share of 6 items of 64 x 256 bf16 rows.
+        assert summary["bytes"] == 6 * (64 // prefill_tp) * 256 * 2
         assert f"prefill-{rank}: ok" in prefill.stdout
     for rank in range(encode_tp):
         assert _summaries(logs, f"encode-{rank}")["failed"] == 0

@@ -1,0 +1,55 @@
+"""The bootstrap server tells the operator who registered (each registration at INFO, a WARNING when a
+second endpoint claims an encode rank already claimed), and a client can wait until the encode side is up."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
+
+pytestmark = pytest.mark.live
+
+
+def _records(caplog, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "transfer.bootstrap" and r.levelno == level]
+
+
+def test_each_registration_is_logged_and_a_second_claim_warns(caplog):
+    caplog.set_level(logging.INFO, logger="transfer")
+    with BootstrapServer("127.0.0.1", 0) as server:
+        client = BootstrapClient(server.address)
+        client.register_rank(2, 1, "10.0.0.1", 7001, engine_rank=0)
+        client.register_rank(2, 1, "10.0.0.1", 7001, engine_rank=0)  # a retry: the same endpoint
+        client.register_rank(2, 1, "10.0.0.2", 7002, engine_rank=1)
+        assert not _records(caplog, logging.WARNING)
+        client.register_rank(2, 1, "10.0.0.9", 7009, engine_rank=0)
+        route = client.route(0, 0)
+    info = _records(caplog, logging.INFO)
+    assert any("encode rank 0 (dp group 0, tp rank 0) registered at 10.0.0.1:7001 (1 rank(s) known)" in m
+               for m in info), info
+    assert any("encode rank 0 (dp group 0, tp rank 0) registered at 10.0.0.1:7001 again" in m for m in info), info
+    assert any("encode rank 1 (dp group 0, tp rank 1) registered at 10.0.0.2:7002 (2 rank(s) known)" in m
+               for m in info), info
+    (warning,) = _records(caplog, logging.WARNING)
+    assert ("encode rank 0 (dp group 0, tp rank 0), registered at 10.0.0.1:7001, is now claimed by 10.0.0.9:7009 "
+            "(from 127.0.0.1)") in warning
+    assert route == ("10.0.0.9", 7009)
+
+
+def test_wait_ready_returns_once_the_encode_rank_registered():
+    import threading
+
+    with BootstrapServer("127.0.0.1", 0) as server:
+        client = BootstrapClient(server.address, timeout=1.0)
+        with pytest.raises(BootstrapError, match=rf"encode rank 1 never registered at bootstrap {server.address} "
+                                                 r"within 0.3s \(dp group 0; last: .*no encode rank registered yet"):
+            client.wait_ready(0.3, encode_rank=1)
+        later = threading.Timer(0.3, lambda: client.register_rank(2, 1, "10.0.0.2", 7002, engine_rank=1))
+        later.start()
+        try:
+            assert client.wait_ready(30, encode_rank=1) == (2, 1)
+        finally:
+            later.join()
+        assert client.route(1, 0) == ("10.0.0.2", 7002)

@@ -1,0 +1,91 @@
+"""`epd-transfer rank` and the launch scripts as an operator meets them: --help prints and starts
+nothing, the prefill node reaches each rank's summary, and --timeout bounds a rank that would wait."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytestmark = pytest.mark.live
+
+try:
+    import mooncake.engine  # noqa: F401
+
+    _MOONCAKE_MISSING = ""
+except ImportError as _error:  # pragma: no cover - depends on the host
+    _MOONCAKE_MISSING = f"mooncake.engine cannot be imported: {_error}"
+
+
+def _free_port() -> int:
+    """A port nobody listens on right now (bound to 0, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("script", ["launch-encode.sh", "launch-prefill.sh", "launch.sh"])
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_launch_help_prints_the_settings_and_starts_nothing(tmp_path, script, flag):
+    env = dict(os.environ, EPD_LOG_DIR=str(tmp_path / "logs"), EPD_PYTHON="/nonexistent/python")
+    result = subprocess.run([os.path.join(REPO, "scripts", script), flag], env=env, capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert "EPD_ENCODE_HOST" in result.stdout and "EPD_DEVICE" in result.stdout
+    assert not (tmp_path / "logs").exists()
+
+
+def test_launch_refuses_an_argument_it_does_not_take(tmp_path):
+    env = dict(os.environ, EPD_LOG_DIR=str(tmp_path / "logs"))
+    result = subprocess.run([os.path.join(REPO, "scripts", "launch-encode.sh"), "--items", "4"], env=env,
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "unexpected argument '--items'" in result.stderr
+    assert not (tmp_path / "logs").exists()
+
+
+def test_launch_prefill_tells_each_rank_its_node(tmp_path):
+    # A stand-in interpreter prints the rank's command line as its JSON summary.
+    fake = tmp_path / "python"
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps({{\"argv\": sys.argv[1:]}}))\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    env = dict(os.environ, EPD_PYTHON=str(fake), EPD_LOG_DIR=str(tmp_path / "logs"), EPD_PREFILL_TP="2",
+               EPD_PREFILL_NODES="2", EPD_PREFILL_NODE="1", EPD_ITEMS="5", EPD_ENCODE_HOST="127.0.0.1")
+    result = subprocess.run([os.path.join(REPO, "scripts", "launch-prefill.sh")], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank, name in enumerate(["prefill-2", "prefill-3"]):
+        line = next(line for line in result.stdout.splitlines() if line.startswith(f"{name}: ok "))
+        argv = json.loads(line.split(" ", 2)[2])["argv"]
+        assert argv[argv.index("--node") + 1] == "1" and argv[argv.index("--rank") + 1] == str(rank)
+        assert argv[argv.index("--first-room") + 1] == "5"
+
+
+def _rank(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run `epd-transfer rank ARGV`; TimeoutExpired means the rank ignored its --timeout."""
+    return subprocess.run([sys.executable, "-m", "transfer.cli", "rank", *argv], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+def test_rank_timeout_stops_a_prefill_rank_whose_encode_rank_never_registers():
+    result = _rank(["--role", "prefill", "--rank", "0", "--bootstrap", f"127.0.0.1:{_free_port()}",
+                    "--bootstrap-timeout", "300", "--timeout", "2"], timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert "prefill rank 0: stopped after --timeout 2s" in result.stderr
+    assert not result.stdout.strip()
+
+
+@pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
+def test_rank_timeout_stops_an_encode_rank_that_no_prefill_rank_asks():
+    # Without the bound this rank waits 300 s for receivers, then lingers.
+    result = _rank(["--role", "encode", "--rank", "0", "--serve-bootstrap", "--bootstrap",
+                    f"127.0.0.1:{_free_port()}", "--protocol", "tcp", "--items", "2", "--span", "8", "--hidden", "64",
+                    "--bootstrap-timeout", "300", "--timeout", "4"], timeout=90)
+    assert result.returncode == 1, result.stderr
+    assert "encode rank 0: stopped after --timeout 4s" in result.stderr

@@ -1,0 +1,89 @@
+"""The docs hold together: every protocol section the code cites exists in docs/protocol.md, every
+relative link in the README and docs/ points at a file (and heading) that exists, and the README's
+Python blocks parse."""
+
+from __future__ import annotations
+
+import ast
+import glob
+import os
+import re
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DOCS = [os.path.join(REPO, "README.md"), os.path.join(REPO, "CHANGELOG.md"),
+        *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]
+SOURCES = [path for pattern in ("transfer/**/*.py", "native/*.[ch]", "scripts/*")
+           for path in glob.glob(os.path.join(REPO, pattern), recursive=True)]
+
+# "SPEC.md section 9", "SPEC.md sections 5, 7 and 8", "SPEC.md 4.2", "SPEC.md 2-4, 6, 8", "SPEC 6".
+_CITATION = re.compile(r"SPEC(?:\.md)?(?:'s)?\s+(?:sections?\s+)?"
+                       r"((?:\d+(?:\.\d+)?(?![\d.]|\s*parts)(?:\s*(?:,|and|-|/|\+)\s*)?)+)")
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        return fh.read()
+
+
+def _sections() -> set[str]:
+    headings = re.findall(r"^#{2,3} (\d+(?:\.\d+)?)\.? ", _read(os.path.join(REPO, "docs", "protocol.md")), re.M)
+    return set(headings)
+
+
+def _cited(text: str) -> set[str]:
+    cited = set()
+    for match in _CITATION.finditer(text):
+        numbers = re.findall(r"\d+(?:\.\d+)?", match.group(1))
+        cited.update(numbers)
+        for low, high in re.findall(r"(\d+)\s*-\s*(\d+)", match.group(1)):
+            cited.update(str(n) for n in range(int(low), int(high) + 1))
+    return cited
+
+
+def test_the_citation_pattern_reads_every_form():
+    assert _cited("SPEC.md sections 5, 7 and 8; SPEC.md 4.2, 13 parts; SPEC.md 2-4, 6; SPEC 9's text") == \
+        {"2", "3", "4", "4.2", "5", "6", "7", "8", "9"}
+
+
+def test_every_cited_protocol_section_exists():
+    sections = _sections()
+    assert {"1", "2", "3", "4", "4.1", "4.2", "4.3", "5", "6", "7", "8", "9"} <= sections
+    missing = {}
+    for path in SOURCES + DOCS:
+        unknown = _cited(_read(path)) - sections
+        if unknown:
+            missing[os.path.relpath(path, REPO)] = sorted(unknown)
+    assert not missing, f"cited sections with no heading in docs/protocol.md: {missing}"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: os.path.relpath(p, REPO))
+def test_relative_links_resolve(path):
+    text = _read(path)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue
+        file, _, anchor = target.partition("#")
+        resolved = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+        assert os.path.exists(resolved), f"{os.path.relpath(path, REPO)} links to missing {target}"
+        if anchor and resolved.endswith(".md"):
+            anchors = {_anchor(h) for h in re.findall(r"^#+ (.+)$", _read(resolved), re.M)}
+            assert anchor in anchors, f"{os.path.relpath(path, REPO)} links to missing heading {target}"
+
+
+def test_the_readme_python_blocks_parse():
+    blocks = re.findall(r"```python\n(.*?)```", _read(os.path.join(REPO, "README.md")), re.S)
+    assert len(blocks) >= 2
+    for block in blocks:
+        ast.parse(block)
+
+
+def test_the_readme_keeps_the_two_commands():
+    readme = _read(os.path.join(REPO, "README.md"))
+    assert "make test" in readme and "make demo" in readme

@@ -1,0 +1,145 @@
+"""One exception base for the library, kinds that are also the built-in a caller caught before, and
+dtypes accepted in every spelling (a torch.dtype, "torch.NAME", "NAME")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import transfer
+from transfer import errors, frames, wire
+from transfer.bootstrap import BootstrapClient
+from transfer.engine import effective_protocol, usable_rdma_devices
+
+KINDS = [
+    (errors.ConfigError, ValueError),
+    (errors.ConfigTypeError, TypeError),
+    (errors.WireError, ValueError),
+    (errors.EngineError, RuntimeError),
+    (errors.EngineUnavailable, RuntimeError),
+    (errors.BootstrapError, RuntimeError),
+    (errors.BootstrapUnreachable, RuntimeError),
+    (errors.SlotError, RuntimeError),
+    (errors.FallbackLimitError, RuntimeError),
+    (wire.FrameError, OSError),
+    (wire.MsgError, ValueError),
+    (wire.LayerError, ValueError),
+]
+
+
+@pytest.mark.parametrize("kind, builtin", KINDS, ids=lambda k: getattr(k, "__name__", ""))
+def test_every_kind_is_a_transfer_error_and_its_builtin(kind, builtin):
+    assert issubclass(kind, transfer.TransferError) and issubclass(kind, builtin)
+
+
+def test_the_package_exports_every_kind_and_the_modules_use_the_same_classes():
+    for name in errors.__all__:
+        assert getattr(transfer, name) is getattr(errors, name)
+    from transfer import bootstrap, buffers, engine, wire_engine
+
+    assert frames.WireError is errors.WireError and issubclass(frames.UnreadableChecksum, errors.WireError)
+    assert bootstrap.BootstrapError is errors.BootstrapError
+    assert buffers.FallbackLimitError is errors.FallbackLimitError and buffers.SlotError is errors.SlotError
+    assert engine.EngineUnavailable is errors.EngineUnavailable
+    # The engines' old name for their error stays importable.
+    assert engine.TransferError is errors.EngineError and wire_engine.TransferError is errors.EngineError
+
+
+def test_a_native_error_keeps_its_errno_and_is_caught_by_the_base():
+    error = wire.FrameError(32, "write: Broken pipe")
+    assert error.errno == 32
+    with pytest.raises(transfer.TransferError, match="not UTF-8"):
+        wire.Msg.decode(b"\xff\xfe")
+
+
+@pytest.mark.parametrize("call, kind", [
+    (lambda: frames.shard_rows(4, 2, 2), errors.ConfigError),
+    (lambda: frames.check_room(-1), errors.ConfigError),
+    (lambda: frames.check_parallel(3, 2, 1), errors.ConfigError),
+    (lambda: frames.parse_status([b"x", b"5", b"0"]), errors.WireError),
+    (lambda: BootstrapClient("no-port-here"), errors.ConfigError),
+    (lambda: BootstrapClient("http://encode-node:8998"), errors.ConfigError),
+    (lambda: frames.check_room("5"), errors.ConfigTypeError),
+    (lambda: frames.check_room(True), errors.ConfigTypeError),
+    (lambda: frames.check_room(5.0), errors.ConfigTypeError),
+    (lambda: wire.Msg().set("k", 1.5), errors.ConfigTypeError),
+])
+def test_caller_and_wire_mistakes_raise_their_kind(call, kind):
+    with pytest.raises(kind):
+        call()
+
+
+def test_a_room_of_the_wrong_type_says_so_and_an_int_like_room_passes():
+    import numpy as np
+
+    with pytest.raises(errors.ConfigTypeError, match=r"room must be an int, got str '5'"):
+        frames.check_room("5")
+    frames.check_room(np.int64(5))
+    frames.check_room(0)
+
+
+def test_a_bootstrap_url_is_refused_naming_the_form_wanted():
+    with pytest.raises(errors.ConfigError, match=r"host:port without a scheme, got 'http://encode-node:8998'"):
+        BootstrapClient("http://encode-node:8998")
+
+
+@pytest.mark.parametrize("spelling", [torch.bfloat16, "bfloat16", "torch.bfloat16"], ids=str)
+def test_every_spelling_of_a_dtype_names_the_same_wire_dtype(spelling):
+    assert frames.normalize_dtype(spelling) == "torch.bfloat16"
+    assert frames.dtype_size(spelling) == 2
+
+
+def test_every_torch_dtype_the_wire_knows_normalizes_to_its_own_name():
+    for name, size in frames.DTYPE_BYTES.items():
+        dtype = getattr(torch, name.removeprefix("torch."))
+        assert frames.normalize_dtype(dtype) == name and frames.dtype_size(dtype) == size
+
+
+@pytest.mark.parametrize("bad", [torch.complex64, "complex64", "torch.nope", "", None, 2])
+def test_an_unknown_dtype_is_a_config_error_naming_the_choices(bad):
+    with pytest.raises(errors.ConfigError, match=r"unknown dtype .*bfloat16"):
+        frames.normalize_dtype(bad)
+    with pytest.raises(errors.WireError, match="unknown dtype"):
+        frames.dtype_size(bad)
+
+
+def _device(root, name: str, *states: str) -> None:
+    for port, state in enumerate(states, 1):
+        folder = root / name / "ports" / str(port)
+        folder.mkdir(parents=True)
+        (folder / "state").write_text(state + "\n")
+
+
+def test_only_a_device_with_an_active_port_is_usable(tmp_path):
+    _device(tmp_path, "mlx5_0", "1: DOWN")
+    _device(tmp_path, "mlx5_1", "1: DOWN", "4: ACTIVE")
+    (tmp_path / "rxe9").mkdir()  # listed, no ports
+    assert usable_rdma_devices(str(tmp_path)) == ["mlx5_1"]
+
+
+def test_rdma_asked_for_without_a_usable_device_fails_saying_what_to_do(tmp_path):
+    _device(tmp_path, "mlx5_0", "1: DOWN")
+    with pytest.raises(errors.EngineError, match=r"protocol 'rdma' needs a usable RDMA device, and mlx5_0 has no "
+                                                 r"ACTIVE port: use protocol 'tcp'.*soft-roce.sh up"):
+        effective_protocol("rdma", root=str(tmp_path))
+    with pytest.raises(errors.EngineError, match="no RDMA device under"):
+        effective_protocol("rdma", root=str(tmp_path / "absent"))
+
+
+def test_auto_runs_tcp_when_no_device_is_usable_and_says_why(tmp_path):
+    _device(tmp_path, "mlx5_0", "1: DOWN")
+    assert effective_protocol("auto", root=str(tmp_path)) == ("tcp", "RDMA device(s) mlx5_0 has no ACTIVE port")
+    _device(tmp_path, "mlx5_1", "4: ACTIVE")
+    protocol, why = effective_protocol("auto", root=str(tmp_path))
+    assert protocol == "rdma" and why.endswith("usable: mlx5_1")
+
+
+def test_a_named_device_must_exist_and_be_usable(tmp_path):
+    _device(tmp_path, "mlx5_0", "1: DOWN")
+    _device(tmp_path, "mlx5_1", "4: ACTIVE")
+    assert effective_protocol("rdma", "mlx5_1", root=str(tmp_path))[0] == "rdma"
+    with pytest.raises(errors.EngineError, match="mlx5_0 has no ACTIVE port"):
+        effective_protocol("rdma", "mlx5_0", root=str(tmp_path))
+    with pytest.raises(errors.ConfigError, match=r"RDMA device mlx5_7 not under .*found: mlx5_0, mlx5_1"):
+        effective_protocol("rdma", "mlx5_7", root=str(tmp_path))
+    assert effective_protocol("tcp", "mlx5_7", root=str(tmp_path)) == ("tcp", "requested")

@@ -1,0 +1,68 @@
+"""The library's exceptions: one base, `TransferError`, and kinds that are also the matching built-in.
+
+`except TransferError` catches everything this library raises on purpose; each kind also
+derives from the built-in a caller would have caught before (`ConfigError` is a
+`ValueError`, `EngineError` a `RuntimeError`, ...), so existing handlers keep working.
+Failures of a room are not exceptions: they conclude the room (`handle.failure`).
+The native core's `transfer.wire.FrameError` (an `OSError`), `MsgError` and `LayerError`
+(`ValueError`s) derive from `TransferError` too.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BootstrapError",
+    "BootstrapUnreachable",
+    "ConfigError",
+    "ConfigTypeError",
+    "EngineError",
+    "EngineUnavailable",
+    "FallbackLimitError",
+    "SlotError",
+    "TransferError",
+    "WireError",
+]
+
+
+class TransferError(Exception):
+    """Base of every exception this library raises on purpose."""
+
+
+class ConfigError(TransferError, ValueError):
+    """An argument or setting the caller gave is wrong; raised before anything starts."""
+
+
+class ConfigTypeError(TransferError, TypeError):
+    """An argument the caller gave has the wrong type."""
+
+
+class WireError(TransferError, ValueError):
+    """A frame that breaks the wire contract; the message is the protocol's wording (docs/protocol.md)."""
+
+
+class EngineError(TransferError, RuntimeError):
+    """A data-path engine could not start, register memory, or complete a write."""
+
+
+class EngineUnavailable(EngineError):
+    """mooncake.engine cannot be imported on this host (the message names the wheel to install)."""
+
+
+class BootstrapError(TransferError, RuntimeError):
+    """The bootstrap server could not be reached or refused the request."""
+
+
+class BootstrapUnreachable(BootstrapError):
+    """No answer from the bootstrap server at all (refused, reset or timed out)."""
+
+
+class SlotError(TransferError, RuntimeError):
+    """A receive slot used against its lifecycle (released twice, failed after release, ...)."""
+
+
+class FallbackLimitError(TransferError, RuntimeError):
+    """A fallback buffer would take a receive pool's fallbacks past max_fallback_bytes.
+
+    A RuntimeError, like the error a failed allocation of the buffer raises, so callers
+    that already handle one handle both; catch this one to tell "over budget" apart.
+    """
