@@ -1,0 +1,67 @@
+"""Asks waiting, in order, for their encode rank's connection to take them.
+
+The sockets to encode ranks queue nothing while disconnected (ZMQ would hand such a
+queue to whoever listens at the address next, rooms cleared meanwhile included), so
+asks the socket could not take yet wait here. They go out in the order they were
+made, before any newer ask for the same rank; past `limit` waiting for one rank, new
+asks are refused.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+__all__ = ["MAX_UNSENT_ASKS", "AskQueues"]
+
+MAX_UNSENT_ASKS = 4096
+
+
+class AskQueues:
+    """One FIFO of waiting asks per encode address."""
+
+    def __init__(self, limit: int = MAX_UNSENT_ASKS) -> None:
+        self.limit = limit
+        self._queues: dict[Hashable, deque[Any]] = {}
+
+    def waiting(self, addr: Hashable) -> int:
+        """How many asks wait for `addr` (a newer ask must queue behind any)."""
+        queue = self._queues.get(addr)
+        return 0 if queue is None else len(queue)
+
+    def full(self, addr: Hashable) -> bool:
+        """Whether `addr` has as many asks waiting as it may."""
+        return self.waiting(addr) >= self.limit
+
+    def push(self, addr: Hashable, ask: Any) -> None:
+        """Queues `ask` behind those waiting for `addr` (check full() first)."""
+        self._queues.setdefault(addr, deque()).append(ask)
+
+    def put_back(self, addr: Hashable, asks: Iterable[Any]) -> None:
+        """Returns asks that were taken but not sent to the front, in their order."""
+        asks = list(asks)
+        if asks:
+            queue = self._queues.setdefault(addr, deque())
+            queue.extendleft(reversed(asks))
+
+    def take(self, addr: Hashable, budget: int) -> list[Any]:
+        """Takes up to `budget` asks from the front, oldest first."""
+        queue = self._queues.get(addr)
+        if not queue:
+            return []
+        taken = [queue.popleft() for _ in range(min(budget, len(queue)))]
+        if not queue:
+            del self._queues[addr]
+        return taken
+
+    def drop(self, addr: Hashable) -> list[Any]:
+        """Takes every ask waiting for `addr` (its connection is given up)."""
+        return list(self._queues.pop(addr, ()))
+
+    def addresses(self) -> list[Hashable]:
+        """The addresses with asks waiting, in the order they first queued."""
+        return list(self._queues)
+
+    def __len__(self) -> int:
+        return sum(len(queue) for queue in self._queues.values())
