@@ -1,0 +1,445 @@
+"""The prefill side's room rules (transfer.core.prefill.PrefillCore), with a fake clock."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from transfer.core.failure import FailureKind
+from transfer.core.prefill import (
+    ENCODE_FAILED,
+    Advance,
+    Announce,
+    Conclude,
+    Disconnect,
+    LookUpParallel,
+    LookUpRoute,
+    PrefillCore,
+    RoomSpec,
+    SendAsk,
+    Verify,
+    Warn,
+)
+from transfer.frames import TransferInfo, parse_registration
+from transfer.status import TransferPoll
+
+BOOT = "10.0.0.1:8998"
+ENCODE = ("10.0.0.2", 7000)
+KEY0 = (BOOT, 0, 0)
+
+
+@dataclass(frozen=True)
+class Region:
+    addr: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Regions:
+    embedding: Region
+    deepstack: Region | None = None
+
+
+MAIN = Regions(Region(0x10000, 1 << 20))
+
+
+def spec(room: int, *, regions: Regions = MAIN, slot: int = 0, deepstack: bool = False) -> RoomSpec:
+    ptr = regions.embedding.addr + slot * 64
+    ds_ptr = regions.deepstack.addr + slot * 32 if deepstack else 0
+    return RoomSpec(room, BOOT, ptr, rows=4, hidden=8, dtype="torch.float16", row_bytes=16, row_start=0, span=4,
+                    regions=regions, deepstack_ptr=ds_ptr, deepstack_nbytes=32 if deepstack else 0,
+                    has_deepstack=deepstack)
+
+
+def core(**kw) -> PrefillCore:
+    kw.setdefault("deadline_s", 60.0)
+    return PrefillCore(kw.pop("engine_rank", 0), kw.pop("tp_size", 1), kw.pop("dp_size", 1),
+                       host="10.0.0.3", status_port=5555, session_id="10.0.0.3:1234", **kw)
+
+
+def routed(c: PrefillCore, now: float = 0.0, tp: int = 1, dp: int = 1) -> None:
+    """Resolves the sizes and rank 0's route, as a first room would."""
+    _, actions = c.receive(now, spec(999))
+    assert actions == [LookUpParallel(BOOT)]
+    actions = c.parallel_resolved(now, BOOT, tp, dp)
+    assert actions == [LookUpRoute(KEY0)]
+    actions = c.route_resolved(now, KEY0, ENCODE)
+    assert [type(a) for a in actions] == [Announce, SendAsk]
+    c.clear(now, 999)
+
+
+def kinds(actions) -> list[type]:
+    return [type(a) for a in actions]
+
+
+def concluded(actions) -> dict[int, object]:
+    return {a.room: a.failure for a in actions if isinstance(a, Conclude)}
+
+
+# --------------------------------------------------------------- route look-up
+
+
+def test_a_first_room_looks_up_sizes_then_route_then_announces_and_asks():
+    c = core()
+    token, actions = c.receive(0.0, spec(1))
+    assert actions == [LookUpParallel(BOOT)] and c.stage(1) == "lookup"
+    assert c.parallel_resolved(0.1, BOOT, 1, 1) == [LookUpRoute(KEY0)]
+    announce, ask = c.route_resolved(0.2, KEY0, ENCODE)
+    assert isinstance(announce, Announce) and announce.addr == ENCODE
+    assert parse_registration(announce.frames).embedding_len == MAIN.embedding.nbytes
+    assert isinstance(ask, SendAsk) and ask.token == token and ask.addr == ENCODE
+    assert ask.info == TransferInfo(1, "10.0.0.3", 5555, "10.0.0.3:1234", MAIN.embedding.addr, 0, 4, 8,
+                                    "torch.float16", False, 1, 0, 4)
+    assert c.stage(1) == "asked"
+
+
+def test_rooms_waiting_on_one_look_up_share_it():
+    c = core()
+    assert c.receive(0.0, spec(1))[1] == [LookUpParallel(BOOT)]
+    assert c.receive(0.0, spec(2, slot=1))[1] == []
+    assert c.parallel_resolved(0.1, BOOT, 1, 1) == [LookUpRoute(KEY0)]
+    actions = c.route_resolved(0.2, KEY0, ENCODE)
+    assert kinds(actions) == [Announce, SendAsk, SendAsk], "the region is announced once"
+    assert [a.room for a in actions if isinstance(a, SendAsk)] == [1, 2]
+
+
+def test_a_cached_route_and_region_ask_at_once():
+    c = core()
+    routed(c)
+    assert kinds(c.receive(1.0, spec(1, slot=2))[1]) == [SendAsk]
+
+
+def test_routes_are_keyed_by_dp_group_and_encode_rank():
+    c = core(engine_rank=3, tp_size=4, dp_size=1)
+    c.receive(0.0, spec(5))
+    # local tp 4 over encode tp 2: fanout 2, this rank's encode rank is 3 // 2 = 1; room 5 of dp 2 is group 1.
+    assert c.parallel_resolved(0.0, BOOT, 2, 2) == [LookUpRoute((BOOT, 1, 1))]
+    ask = c.route_resolved(0.0, (BOOT, 1, 1), ENCODE)[-1]
+    assert ask.info.fanout == 2
+
+
+def test_a_prefill_tp_that_is_not_a_multiple_of_the_encode_tp_fails_the_room():
+    c = core(engine_rank=0, tp_size=3)
+    c.receive(0.0, spec(1))
+    (conclude,) = c.parallel_resolved(0.0, BOOT, 2, 1)
+    assert conclude.failure.kind is FailureKind.GEOMETRY
+    assert conclude.failure.detail == "prefill local tp 3 is not a multiple of encode tp 2"
+
+
+def test_a_failed_look_up_fails_every_room_behind_it_as_bootstrap():
+    c = core()
+    c.receive(0.0, spec(1))
+    c.receive(0.0, spec(2, slot=1))
+    actions = c.lookup_failed(0.1, BOOT, None, "unreachable: connection refused", took_s=0.01)
+    failures = concluded(actions)
+    assert set(failures) == {1, 2}
+    assert all(f.kind is FailureKind.BOOTSTRAP for f in failures.values())
+    assert failures[1].detail == f"bootstrap {BOOT}: unreachable: connection refused"
+    # A quick refusal does not hold the next room back.
+    assert c.receive(0.2, spec(3, slot=2))[1] == [LookUpParallel(BOOT)]
+
+
+def test_after_a_slow_failure_rooms_fail_at_once_until_the_pause_is_over():
+    c = core()
+    c.receive(0.0, spec(1))
+    c.lookup_failed(2.0, BOOT, None, "unreachable: timed out", took_s=2.0)
+    _, actions = c.receive(2.5, spec(2, slot=1))
+    failure = concluded(actions)[2]
+    assert failure.kind is FailureKind.BOOTSTRAP and "not asked again for 1s" in failure.detail
+    assert c.receive(3.0, spec(3, slot=2))[1] == [LookUpParallel(BOOT)]
+
+
+def test_a_look_up_answered_for_a_cleared_room_asks_nothing():
+    c = core()
+    c.receive(0.0, spec(1))
+    assert c.clear(0.1, 1)
+    assert c.parallel_resolved(0.2, BOOT, 1, 1) == []
+    assert c.route(KEY0) is None
+
+
+# ------------------------------------------------------------------ deadlines
+
+
+def test_a_room_without_a_status_fails_at_its_deadline_and_not_before():
+    c = core(deadline_s=10.0)
+    routed(c)
+    c.receive(1.0, spec(1, slot=1))
+    assert c.next_wakeup() == 11.0
+    assert c.tick(10.9) == []
+    actions = c.tick(11.0)
+    failure = concluded(actions)[1]
+    assert failure.kind is FailureKind.DEADLINE
+    assert failure.detail == f"no status from encode rank 0 at {ENCODE[0]}:{ENCODE[1]} within 10s for room 1"
+    assert Disconnect(ENCODE) in actions, "the rank went silent on it: a fresh look-up and socket next time"
+    assert c.next_wakeup() is None
+
+
+def test_a_silent_rank_is_looked_up_afresh_and_told_its_regions_again():
+    c = core(deadline_s=10.0)
+    routed(c)
+    c.receive(1.0, spec(1, slot=1))
+    c.tick(11.0)
+    assert c.receive(12.0, spec(2, slot=2))[1] == [LookUpParallel(BOOT)]
+    c.parallel_resolved(12.0, BOOT, 1, 1)
+    assert kinds(c.route_resolved(12.0, KEY0, ENCODE)) == [Announce, SendAsk]
+
+
+def test_a_room_asked_late_does_not_tear_the_socket_down():
+    c = core(deadline_s=10.0)
+    routed(c, now=0.0)
+    c.receive(0.0, spec(1, slot=1))
+    actions = c.tick(10.0)
+    assert Disconnect(ENCODE) in actions
+    # A fresh route, then a room whose own deadline passes but which waited less than half of it.
+    c.receive(10.0, spec(2, slot=2))
+    c.parallel_resolved(10.0, BOOT, 1, 1)
+    c.route_resolved(18.0, KEY0, ENCODE)  # slow look-up: asked 8 s into a 10 s deadline
+    actions = c.tick(20.0)
+    assert concluded(actions)[2].kind is FailureKind.DEADLINE
+    assert not any(isinstance(a, Disconnect) for a in actions)
+
+
+def test_a_room_whose_look_up_never_answered_fails_at_its_deadline():
+    c = core(deadline_s=5.0)
+    c.receive(0.0, spec(1))
+    failure = concluded(c.tick(5.0))[1]
+    assert failure.kind is FailureKind.DEADLINE and f"bootstrap {BOOT}" in failure.detail
+
+
+def test_concluded_rooms_leave_the_deadline_heap():
+    c = core(deadline_s=600.0)
+    routed(c)
+    for room in range(5000):
+        c.receive(1.0, spec(room, slot=room % 100))
+        c.status(1.0, room, TransferPoll.Failed, 0)
+        c.clear(1.0, room)
+        c.tick(1.0)
+    assert c.deadline_entries() <= 1024 + 2 and len(c) == 0
+    assert c.next_wakeup() is None
+
+
+def test_a_room_being_verified_is_left_to_its_verification():
+    c = core(deadline_s=10.0)
+    routed(c)
+    token, _ = c.receive(0.0, spec(1, slot=1))
+    (verify,) = c.status(1.0, 1, TransferPoll.Success, 0, (123,))
+    assert c.tick(20.0) == []
+    assert concluded(c.checksum_verified(20.0, 1, token)) == {1: None}
+
+
+# --------------------------------------------------------------------- statuses
+
+
+def test_a_status_from_the_wrong_encode_rank_is_ignored_with_a_warning_keyed_by_kind():
+    c = core()
+    routed(c)
+    c.receive(0.0, spec(1, slot=1))
+    first = c.status(0.1, 1, TransferPoll.Success, 3)
+    second = c.status(0.1, 1, TransferPoll.Success, 4)
+    assert kinds(first) == [Warn] and first[0].key == second[0].key
+    assert "status from encode rank 3, expected 0" in first[0].message
+    assert c.stage(1) == "asked"
+
+
+def test_a_status_for_an_unknown_room_is_ignored():
+    c = core()
+    assert c.status(0.0, 77, TransferPoll.Success, 0) == []
+
+
+def test_encode_failed_concludes_as_peer_failed_and_stays_failed():
+    c = core()
+    routed(c)
+    c.receive(0.0, spec(1, slot=1))
+    failure = concluded(c.status(0.1, 1, TransferPoll.Failed, 0))[1]
+    assert failure.kind is FailureKind.PEER_FAILED
+    assert failure.detail == f"{ENCODE_FAILED} (encode rank 0 at {ENCODE[0]}:{ENCODE[1]})"
+    assert c.status(0.2, 1, TransferPoll.Success, 0) == [], "Failed is sticky"
+    assert c.tick(100.0) == []
+
+
+def test_intermediate_statuses_advance_the_room():
+    c = core()
+    routed(c)
+    token, _ = c.receive(0.0, spec(1, slot=1))
+    assert c.status(0.1, 1, TransferPoll.Transferring, 0) == [Advance(1, token, TransferPoll.Transferring)]
+
+
+# --------------------------------------------------------------------- checksums
+
+
+def test_success_with_checksums_is_verified_before_it_counts():
+    c = core()
+    routed(c)
+    token, _ = c.receive(0.0, spec(1, slot=1, regions=Regions(MAIN.embedding, Region(0x900000, 4096)),
+                                     deepstack=True))
+    (verify,) = c.status(0.1, 1, TransferPoll.Success, 0, (11, 22))
+    assert isinstance(verify, Verify) and verify.token == token
+    assert [(what, addr, n, expected) for what, _, addr, n, expected in verify.checks] == [
+        ("embedding", MAIN.embedding.addr + 64, 64, 11), ("deepstack", 0x900000 + 32, 32, 22)]
+    assert c.status(0.2, 1, TransferPoll.Failed, 0) == [], "a status during verification changes nothing"
+    failure = concluded(c.checksum_mismatched(0.3, 1, token, "deepstack", 22, 23))[1]
+    assert failure.kind is FailureKind.CHECKSUM
+    assert failure.detail == (f"checksum mismatch: room 1, prefill rank 0, deepstack from encode rank 0 at "
+                              f"{ENCODE[0]}:{ENCODE[1]}: sent 22, landed 23")
+
+
+def test_success_without_checksums_or_integrity_concludes_at_once():
+    c = core()
+    routed(c)
+    c.receive(0.0, spec(1, slot=1))
+    assert concluded(c.status(0.1, 1, TransferPoll.Success, 0, ())) == {1: None}
+    off = core(integrity=False)
+    routed(off)
+    off.receive(0.0, spec(1, slot=1))
+    assert concluded(off.status(0.1, 1, TransferPoll.Success, 0, (5,))) == {1: None}
+
+
+def test_an_unreadable_checksum_part_fails_a_success_as_checksum():
+    c = core()
+    routed(c)
+    c.receive(0.0, spec(1, slot=1))
+    failure = concluded(c.status(0.1, 1, TransferPoll.Success, 0, (), unreadable="checksum is not a number"))[1]
+    assert failure.kind is FailureKind.CHECKSUM and "cannot be verified" in failure.detail
+
+
+def test_a_verification_for_a_cleared_and_reused_room_number_changes_nothing():
+    c = core()
+    routed(c)
+    old, _ = c.receive(0.0, spec(1, slot=1))
+    c.status(0.1, 1, TransferPoll.Success, 0, (7,))
+    c.clear(0.2, 1)
+    new, _ = c.receive(0.3, spec(1, slot=2))
+    assert new != old
+    assert c.checksum_verified(0.4, 1, old) == [] and c.stage(1) == "asked"
+
+
+# ------------------------------------------------------------------------ clear
+
+
+def test_clear_before_the_ask_means_it_never_goes_out():
+    c = core()
+    c.receive(0.0, spec(1))
+    c.clear(0.1, 1)
+    assert c.parallel_resolved(0.2, BOOT, 1, 1) == []
+    c = core()
+    routed(c)
+    c.receive(0.0, spec(2, slot=1))
+    c.refused(0.0, ENCODE, c.receive(0.0, spec(3, slot=2))[1])
+    c.receive(0.0, spec(4, slot=3))
+    c.clear(0.1, 4)
+    assert [a.room for a in c.writable(0.2, ENCODE) if isinstance(a, SendAsk)] == [3]
+
+
+def test_clear_after_the_ask_drops_its_statuses_and_deadline():
+    c = core(deadline_s=10.0)
+    routed(c)
+    token, _ = c.receive(0.0, spec(1, slot=1))
+    assert c.clear(0.1, 1, token)
+    assert c.status(0.2, 1, TransferPoll.Success, 0) == []
+    assert c.tick(20.0) == [] and c.next_wakeup() is None
+    assert not c.clear(0.3, 1)
+
+
+def test_clear_with_a_stale_token_keeps_the_new_room():
+    c = core()
+    old, _ = c.receive(0.0, spec(1))
+    c.clear(0.0, 1, old)
+    c.receive(0.0, spec(1))
+    assert not c.clear(0.0, 1, old) and 1 in c
+
+
+# -------------------------------------------------------------------- ask queue
+
+
+def test_asks_the_socket_refused_go_first_and_in_order_when_it_can_take_them():
+    c = core()
+    routed(c)
+    first = c.receive(0.0, spec(1, slot=1))[1]
+    c.refused(0.0, ENCODE, first)
+    assert c.stage(1) == "queued" and c.waiting(ENCODE) == 1
+    assert c.receive(0.1, spec(2, slot=2))[1] == [], "a newer ask waits behind it"
+    assert [a.room for a in c.writable(0.2, ENCODE)] == [1, 2]
+    assert c.waiting(ENCODE) == 0
+
+
+def test_a_refused_registration_is_announced_again():
+    c = core()
+    routed(c)
+    other = Regions(Region(0x800000, 4096))
+    actions = c.receive(0.0, spec(1, regions=other))[1]
+    assert kinds(actions) == [Announce, SendAsk]
+    c.refused(0.0, ENCODE, actions)
+    assert kinds(c.writable(0.1, ENCODE)) == [Announce, SendAsk]
+
+
+def test_a_dropped_connection_has_its_regions_announced_again():
+    c = core()
+    routed(c)
+    assert kinds(c.receive(0.0, spec(1, slot=1))[1]) == [SendAsk]
+    c.connection_dropped(0.1, ENCODE)
+    assert kinds(c.receive(0.2, spec(2, slot=2))[1]) == [Announce, SendAsk]
+
+
+def test_a_full_queue_fails_new_rooms_at_once():
+    from transfer.core.ask_queue import AskQueues
+
+    c = core(asks=AskQueues(limit=2))
+    routed(c)
+    c.refused(0.0, ENCODE, c.receive(0.0, spec(1, slot=1))[1])
+    c.receive(0.0, spec(2, slot=2))
+    failure = concluded(c.receive(0.0, spec(3, slot=3))[1])[3]
+    assert failure.kind is FailureKind.NO_CONNECTION and "2 asks already wait" in failure.detail
+
+
+def test_rooms_never_asked_fail_as_no_connection_with_the_silent_rank():
+    c = core(deadline_s=10.0)
+    routed(c)
+    c.refused(0.0, ENCODE, c.receive(0.0, spec(1, slot=1))[1])
+    c.receive(1.0, spec(2, slot=2))
+    failures = concluded(c.tick(10.0))
+    assert failures[1].kind is FailureKind.NO_CONNECTION
+    assert failures[1].detail.startswith(f"no connection to encode rank 0 at {ENCODE[0]}:{ENCODE[1]} within 10s")
+    assert failures[2].kind is FailureKind.NO_CONNECTION and "went silent" in failures[2].detail
+    assert c.waiting(ENCODE) == 0 and c.tick(11.0) == []
+
+
+def test_writable_sends_at_most_a_batch():
+    c = core(ask_batch=3)
+    routed(c)
+    c.refused(0.0, ENCODE, c.receive(0.0, spec(1, slot=1))[1])
+    for room in range(2, 6):
+        c.receive(0.0, spec(room, slot=room))
+    assert [a.room for a in c.writable(0.1, ENCODE)] == [1, 2, 3]
+    assert [a.room for a in c.writable(0.1, ENCODE)] == [4, 5]
+
+
+def test_a_socket_that_cannot_be_made_fails_its_rooms_and_the_route_is_looked_up_afresh():
+    c = core()
+    c.receive(0.0, spec(1))
+    c.parallel_resolved(0.0, BOOT, 1, 1)
+    c.route_resolved(0.0, KEY0, ENCODE)
+    failure = concluded(c.connect_failed(0.0, ENCODE, "Invalid argument"))[1]
+    assert failure.kind is FailureKind.NO_CONNECTION
+    assert failure.detail == (f"encode rank 0 at {ENCODE[0]}:{ENCODE[1]} (from bootstrap {BOOT}): "
+                              f"cannot connect: Invalid argument")
+    assert c.receive(0.1, spec(2, slot=1))[1] == [LookUpRoute(KEY0)]
+
+
+def test_a_room_number_in_flight_is_refused():
+    c = core()
+    c.receive(0.0, spec(1))
+    with pytest.raises(ValueError, match="already being received"):
+        c.receive(0.0, spec(1))
+
+
+def test_fail_all_concludes_only_open_rooms():
+    from transfer.core.failure import Failure
+
+    c = core()
+    routed(c)
+    c.receive(0.0, spec(1, slot=1))
+    c.receive(0.0, spec(2, slot=2))
+    c.status(0.0, 1, TransferPoll.Failed, 0)
+    failures = concluded(c.fail_all(0.1, Failure(FailureKind.CLOSED, "session manager closed")))
+    assert list(failures) == [2] and failures[2].kind is FailureKind.CLOSED

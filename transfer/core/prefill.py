@@ -1,0 +1,578 @@
+"""PrefillCore: a prefill rank's room rules as events in, actions out (SPEC.md sections 5, 7, 8).
+
+No threads, sockets, engine calls or clock reads: every event carries `now`, and the
+driver (transfer.drive.prefill) carries out the actions in the order they come:
+look a route up, announce a region, send an ask, verify a checksum, conclude a room,
+drop a connection. The rules kept here: bootstrap look-ups are cached and shared by
+the rooms that wait on them, a server that failed slowly is not asked again for a
+while, a region is announced before the first ask that lands in it, asks wait in
+order while their encode rank's socket cannot take them, statuses move rooms
+(Failed sticky, a wrong encode rank ignored), and a room concludes once, at the
+latest at its deadline.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any
+
+from transfer.core.announce import AnnounceBook
+from transfer.core.ask_queue import AskQueues
+from transfer.core.failure import Failure, FailureKind
+from transfer.core.prefill_breaker import BootstrapBreaker
+from transfer.frames import TransferInfo, registration_frames
+from transfer.status import TransferPoll
+
+__all__ = [
+    "ASK_BATCH",
+    "ENCODE_FAILED",
+    "Advance",
+    "Announce",
+    "Conclude",
+    "Disconnect",
+    "LookUpParallel",
+    "LookUpRoute",
+    "PrefillCore",
+    "RoomSpec",
+    "SendAsk",
+    "Verify",
+    "Warn",
+]
+
+ENCODE_FAILED = "encode failed to send embedding"
+
+#: Asks waiting for a connection sent per `writable` event: the driver reads statuses
+#: and runs deadlines between batches.
+ASK_BATCH = 256
+
+RouteKey = tuple[str, int, int]  # (bootstrap address, dp group, encode rank)
+Address = tuple[str, int]
+
+
+# --------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class LookUpParallel:
+    """Ask the bootstrap server for the encode side's (tp, dp) sizes."""
+
+    bootstrap_addr: str
+
+
+@dataclass(frozen=True)
+class LookUpRoute:
+    """Ask the bootstrap server where one encode rank's request socket listens."""
+
+    key: RouteKey
+
+    @property
+    def bootstrap_addr(self) -> str:
+        return self.key[0]
+
+
+@dataclass(frozen=True)
+class Announce:
+    """Push a registration (the room's regions) to the encode rank at `addr`."""
+
+    addr: Address
+    room: int
+    token: int
+    route_key: RouteKey
+    region_addr: int
+    frames: list[bytes] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class SendAsk:
+    """Push the room's TransferInfo to the encode rank at `addr`."""
+
+    addr: Address
+    room: int
+    token: int
+    info: TransferInfo
+
+
+@dataclass(frozen=True)
+class Verify:
+    """Checksum the landed bytes: `checks` are (what, region, addr, nbytes, expected)."""
+
+    room: int
+    token: int
+    checks: tuple[tuple[str, Any, int, int, int], ...]
+
+
+@dataclass(frozen=True)
+class Advance:
+    """Move the room to a non-terminal status the encode rank reported."""
+
+    room: int
+    token: int
+    status: TransferPoll
+
+
+@dataclass(frozen=True)
+class Conclude:
+    """The room is over: Success when `failure` is None."""
+
+    room: int
+    token: int
+    failure: Failure | None = None
+
+
+@dataclass(frozen=True)
+class Disconnect:
+    """Close the socket to `addr`, dropping what it queued; the next ask opens a fresh one."""
+
+    addr: Address
+
+
+@dataclass(frozen=True)
+class Warn:
+    """A complaint about what a peer sent, throttled by `key`."""
+
+    key: object
+    message: str
+
+
+# ----------------------------------------------------------------------- rooms
+
+
+@dataclass(frozen=True)
+class RoomSpec:
+    """What the caller asked for: the room, its bootstrap server and where its rows land.
+
+    `regions` is the announced region pair holding the destination (its `embedding` and
+    `deepstack` have `addr` and `nbytes`); the core only reads those and hands it back in
+    Verify actions.
+    """
+
+    room: int
+    bootstrap_addr: str
+    embedding_ptr: int
+    rows: int
+    hidden: int
+    dtype: str
+    row_bytes: int
+    row_start: int
+    span: int
+    regions: Any
+    deepstack_ptr: int = 0
+    deepstack_nbytes: int = 0
+    has_deepstack: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
+# A room's stages, in order; it may skip ahead to CONCLUDED from any of them.
+LOOKUP, QUEUED, ASKED, VERIFYING, CONCLUDED = "lookup", "queued", "asked", "verifying", "concluded"
+
+
+@dataclass(eq=False)
+class _Room:
+    spec: RoomSpec
+    token: int
+    deadline: float
+    stage: str = LOOKUP
+    encode_rank: int | None = None
+    fanout: int = 1
+    route_key: RouteKey | None = None
+    addr: Address | None = None
+    conn: int = 0  # the connection it was asked on (or waits for)
+    asked_at: float = 0.0
+
+    @property
+    def room(self) -> int:
+        return self.spec.room
+
+    def where(self) -> str:
+        """The encode rank this room waits on, for failure reasons."""
+        if self.encode_rank is None:
+            return f"its encode rank (bootstrap {self.spec.bootstrap_addr})"
+        host, port = self.addr or ("?", 0)
+        return f"encode rank {self.encode_rank} at {host}:{port}"
+
+
+class PrefillCore:
+    """One prefill rank's rooms: receive, clear, look-up results, statuses, checksums and ticks."""
+
+    def __init__(
+        self,
+        engine_rank: int,
+        tp_size: int,
+        dp_size: int,
+        *,
+        host: str,
+        status_port: int,
+        session_id: str,
+        deadline_s: float = 60.0,
+        integrity: bool = True,
+        breaker: BootstrapBreaker | None = None,
+        announcements: AnnounceBook | None = None,
+        asks: AskQueues | None = None,
+        ask_batch: int = ASK_BATCH,
+    ) -> None:
+        self.engine_rank = engine_rank
+        self.tp_size = tp_size
+        self.dp_size = dp_size
+        self.host = host
+        self.status_port = status_port
+        self.session_id = session_id
+        self.deadline_s = deadline_s
+        self.integrity = integrity
+        self.breaker = BootstrapBreaker() if breaker is None else breaker
+        self.announcements = AnnounceBook() if announcements is None else announcements
+        self.asks = AskQueues() if asks is None else asks
+        self.ask_batch = ask_batch
+        self._rooms: dict[int, _Room] = {}
+        self._tokens = 0
+        self._deadlines: list[tuple[float, int, _Room]] = []
+        self._parallel: dict[str, tuple[int, int]] = {}
+        self._routes: dict[RouteKey, Address] = {}
+        self._awaiting_parallel: dict[str, list[_Room]] = {}
+        self._awaiting_route: dict[RouteKey, list[_Room]] = {}
+        self._conns: dict[Address, int] = {}  # the connection in use per encode address
+        self._conn_serial = 0
+
+    # ------------------------------------------------------------ queries
+
+    def __contains__(self, room: object) -> bool:
+        return room in self._rooms
+
+    def __len__(self) -> int:
+        return len(self._rooms)
+
+    def token(self, room: int) -> int | None:
+        """The token of the room held under this number, or None."""
+        state = self._rooms.get(room)
+        return None if state is None else state.token
+
+    def stage(self, room: int) -> str | None:
+        """Where the room stands (lookup, queued, asked, verifying, concluded), or None."""
+        state = self._rooms.get(room)
+        return None if state is None else state.stage
+
+    def waiting(self, addr: Address) -> int:
+        """Asks waiting for `addr`'s socket to take them."""
+        return self.asks.waiting(addr)
+
+    def route(self, key: RouteKey) -> Address | None:
+        """The cached route of an encode rank, or None."""
+        return self._routes.get(key)
+
+    def next_wakeup(self) -> float | None:
+        """When tick() next has something to do (the earliest open room's deadline), or None."""
+        heap = self._deadlines
+        while heap and not self._open(heap[0][2]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def deadline_entries(self) -> int:
+        """Entries in the deadline heap (bounded by the open rooms, plus slack)."""
+        return len(self._deadlines)
+
+    # ------------------------------------------------------------- events
+
+    def receive(self, now: float, spec: RoomSpec) -> tuple[int, list]:
+        """A room the caller asks for; returns its token and the actions to start it."""
+        if spec.room in self._rooms:
+            raise ValueError(f"room {spec.room} is already being received; clear() it first")
+        self._tokens += 1
+        state = _Room(spec, self._tokens, now + self.deadline_s)
+        self._rooms[spec.room] = state
+        self._push_deadline(state)
+        return state.token, self._route(now, state)
+
+    def clear(self, now: float, room: int, token: int | None = None) -> bool:
+        """Forgets the room (its asks not yet sent never go out); False when it was not held."""
+        state = self._rooms.get(room)
+        if state is None or (token is not None and state.token != token):
+            return False
+        del self._rooms[room]
+        return True
+
+    def parallel_resolved(self, now: float, bootstrap_addr: str, encode_tp: int, encode_dp: int) -> list:
+        """The bootstrap server told the encode side's sizes."""
+        self._parallel[bootstrap_addr] = (encode_tp, encode_dp)
+        self.breaker.succeeded(bootstrap_addr)
+        actions: list = []
+        for state in self._awaiting_parallel.pop(bootstrap_addr, ()):
+            if self._open(state):
+                actions += self._route(now, state)
+        return actions
+
+    def route_resolved(self, now: float, key: RouteKey, addr: Address) -> list:
+        """The bootstrap server told where an encode rank listens."""
+        self._routes[key] = addr
+        self.breaker.succeeded(key[0])
+        actions: list = []
+        for state in self._awaiting_route.pop(key, ()):
+            if self._open(state):
+                actions += self._ask(now, state, addr)
+        return actions
+
+    def lookup_failed(self, now: float, bootstrap_addr: str, key: RouteKey | None, detail: str,
+                      took_s: float) -> list:
+        """A look-up (of the sizes when `key` is None, else of a route) failed after `took_s`."""
+        self.breaker.failed(bootstrap_addr, now, took_s, detail)
+        waiting = self._awaiting_parallel.pop(bootstrap_addr, ()) if key is None else self._awaiting_route.pop(key, ())
+        failure = Failure(FailureKind.BOOTSTRAP, f"bootstrap {bootstrap_addr}: {detail}")
+        return [action for state in waiting if self._open(state) for action in self._conclude(state, failure)]
+
+    def refused(self, now: float, addr: Address, actions: list) -> list:
+        """The socket to `addr` did not take these actions (in order): their asks wait for it."""
+        rooms: list[_Room] = []
+        for action in actions:
+            if isinstance(action, Announce):
+                self.announcements.withdraw(action.route_key, action.region_addr)
+            state = self._rooms.get(action.room)
+            if state is not None and state.token == action.token and state.stage == ASKED \
+                    and (not rooms or rooms[-1] is not state):
+                state.stage = QUEUED
+                rooms.append(state)
+        self.asks.put_back(addr, rooms)
+        return []
+
+    def writable(self, now: float, addr: Address) -> list:
+        """The socket to `addr` can take more: the asks that waited go out, oldest first."""
+        actions: list = []
+        for state in self.asks.take(addr, self.ask_batch):
+            if self._open(state) and state.stage == QUEUED:
+                actions += self._emit_ask(state)
+        return actions
+
+    def connection_dropped(self, now: float, addr: Address) -> list:
+        """The connection to `addr` was lost: a rank restarted there must hear every region again."""
+        for key, route in self._routes.items():
+            if route == addr:
+                self.announcements.forget(key)
+        return []
+
+    def connect_failed(self, now: float, addr: Address, detail: str) -> list:
+        """No socket could be made for `addr`: its rooms fail, and the next room looks it up afresh."""
+        for key in [key for key, route in self._routes.items() if route == addr]:
+            del self._routes[key]
+            self.announcements.forget(key)
+        conn = self._conns.pop(addr, None)
+        self.asks.drop(addr)
+        actions: list = []
+        for state in list(self._rooms.values()):
+            if state.addr == addr and state.conn == conn and state.stage in (QUEUED, ASKED):
+                actions += self._conclude(state, Failure(
+                    FailureKind.NO_CONNECTION,
+                    f"encode rank {state.encode_rank} at {addr[0]}:{addr[1]} (from bootstrap "
+                    f"{state.spec.bootstrap_addr}): cannot connect: {detail}"))
+        return actions
+
+    def status(self, now: float, room: int, status: TransferPoll, rank: int, sums: tuple[int, ...] = (),
+               unreadable: str | None = None) -> list:
+        """A status frame from an encode rank (parsed; `unreadable` when its checksum part is not)."""
+        state = self._rooms.get(room)
+        if state is None or state.stage in (VERIFYING, CONCLUDED):
+            return []  # unknown, cleared, or over: stale
+        if state.encode_rank is not None and rank != state.encode_rank:
+            # Keyed by kind, not rank: a peer cycling rank numbers must not flood the log.
+            return [Warn("status from the wrong encode rank",
+                         f"room {room}: status from encode rank {rank}, expected {state.encode_rank}; ignored")]
+        if status is TransferPoll.Failed:
+            return self._conclude(state, Failure(FailureKind.PEER_FAILED, f"{ENCODE_FAILED} ({state.where()})"))
+        if status is not TransferPoll.Success:
+            return [Advance(room, state.token, status)]
+        if not self.integrity:
+            return self._conclude(state, None)
+        if unreadable is not None:
+            # Not dropped (the room would wait out its deadline for nothing) nor taken unverified.
+            return self._conclude(state, Failure(
+                FailureKind.CHECKSUM,
+                f"room {room}: Success from {state.where()} came with a checksum part that does not parse "
+                f"({unreadable}), so the landed bytes cannot be verified"))
+        spec = state.spec
+        regions = spec.regions
+        wanted = [("embedding", regions.embedding, spec.embedding_ptr, spec.nbytes)]
+        if spec.deepstack_ptr and regions.deepstack is not None:
+            wanted.append(("deepstack", regions.deepstack, spec.deepstack_ptr, spec.deepstack_nbytes))
+        checks = tuple((*check, expected) for check, expected in zip(wanted, sums))
+        if not checks:  # the encode rank sent none: taken unverified
+            return self._conclude(state, None)
+        state.stage = VERIFYING
+        return [Verify(room, state.token, checks)]
+
+    def checksum_verified(self, now: float, room: int, token: int) -> list:
+        """Every landed byte matched what the encode rank sent."""
+        state = self._verifying(room, token)
+        return [] if state is None else self._conclude(state, None)
+
+    def checksum_mismatched(self, now: float, room: int, token: int, what: str, expected: int, landed: int) -> list:
+        """The landed `what` (embedding or deepstack) differs from what the encode rank wrote."""
+        state = self._verifying(room, token)
+        if state is None:
+            return []
+        return self._conclude(state, Failure(
+            FailureKind.CHECKSUM,
+            f"checksum mismatch: room {room}, prefill rank {self.engine_rank}, {what} from {state.where()}: "
+            f"sent {expected}, landed {landed}"))
+
+    def fail(self, now: float, room: int, token: int, failure: Failure) -> list:
+        """Concludes one open room with `failure` (the driver could not carry out one of its actions)."""
+        state = self._rooms.get(room)
+        if state is None or state.token != token or not self._open(state):
+            return []
+        return self._conclude(state, failure)
+
+    def fail_all(self, now: float, failure: Failure) -> list:
+        """Concludes every open room with `failure` (closing, or the driver stopped)."""
+        return [action for state in list(self._rooms.values()) if self._open(state)
+                for action in self._conclude(state, failure)]
+
+    def tick(self, now: float) -> list:
+        """Fails rooms past their deadline."""
+        heap = self._deadlines
+        if len(heap) > 2 * len(self._rooms) + 1024:
+            # Concluded rooms' entries would otherwise wait out their whole deadline here.
+            self._deadlines = heap = [entry for entry in heap if self._open(entry[2])]
+            heapq.heapify(heap)
+        actions: list = []
+        while heap and heap[0][0] <= now:
+            state = heapq.heappop(heap)[2]
+            if self._open(state) and state.stage != VERIFYING:
+                actions += self._expire(now, state)
+        return actions
+
+    # ---------------------------------------------------------- internals
+
+    def _open(self, state: _Room) -> bool:
+        """Whether `state` is still held and not concluded."""
+        return self._rooms.get(state.spec.room) is state and state.stage != CONCLUDED
+
+    def _verifying(self, room: int, token: int) -> _Room | None:
+        state = self._rooms.get(room)
+        if state is None or state.token != token or state.stage != VERIFYING:
+            return None
+        return state
+
+    def _push_deadline(self, state: _Room) -> None:
+        heapq.heappush(self._deadlines, (state.deadline, state.token, state))
+
+    def _conclude(self, state: _Room, failure: Failure | None) -> list:
+        state.stage = CONCLUDED
+        return [Conclude(state.room, state.token, failure)]
+
+    def _route(self, now: float, state: _Room) -> list:
+        """Finds the room's encode rank, from the caches or by a look-up."""
+        bootstrap = state.spec.bootstrap_addr
+        sizes = self._parallel.get(bootstrap)
+        if sizes is None:
+            return self._look_up(now, state, bootstrap, None)
+        encode_tp, encode_dp = sizes
+        local_tp = self.tp_size // self.dp_size
+        if local_tp % encode_tp:
+            return self._conclude(state, Failure(
+                FailureKind.GEOMETRY, f"prefill local tp {local_tp} is not a multiple of encode tp {encode_tp}"))
+        state.fanout = local_tp // encode_tp
+        state.encode_rank = (self.engine_rank % local_tp) // state.fanout
+        key = state.route_key = (bootstrap, state.room % encode_dp, state.encode_rank)
+        addr = self._routes.get(key)
+        if addr is None:
+            return self._look_up(now, state, bootstrap, key)
+        return self._ask(now, state, addr)
+
+    def _look_up(self, now: float, state: _Room, bootstrap: str, key: RouteKey | None) -> list:
+        """Files the room behind a look-up, starting one unless one is under way."""
+        refusal = self.breaker.refusal(bootstrap, now)
+        if refusal is not None:
+            return self._conclude(state, Failure(FailureKind.BOOTSTRAP, f"bootstrap {bootstrap}: {refusal}"))
+        if key is None:
+            waiting = self._awaiting_parallel.setdefault(bootstrap, [])
+            action: Any = LookUpParallel(bootstrap)
+        else:
+            waiting = self._awaiting_route.setdefault(key, [])
+            action = LookUpRoute(key)
+        waiting.append(state)
+        return [action] if len(waiting) == 1 else []
+
+    def _ask(self, now: float, state: _Room, addr: Address) -> list:
+        """Asks for the room now, or files it behind the asks waiting for the same socket."""
+        state.addr = addr
+        conn = self._conns.get(addr)
+        if conn is None:
+            self._conn_serial += 1
+            conn = self._conns[addr] = self._conn_serial
+        state.conn, state.asked_at = conn, now
+        waiting = self.asks.waiting(addr)
+        if waiting:
+            if self.asks.full(addr):
+                return self._conclude(state, Failure(
+                    FailureKind.NO_CONNECTION,
+                    f"{state.where()} is not taking requests ({waiting} asks already wait for it)"))
+            state.stage = QUEUED
+            self.asks.push(addr, state)
+            return []
+        return self._emit_ask(state)
+
+    def _emit_ask(self, state: _Room) -> list:
+        """The room's registration (unless its encode rank holds the region) and its TransferInfo."""
+        spec = state.spec
+        addr, key = state.addr, state.route_key
+        actions: list = []
+        regions = spec.regions
+        emb, ds = regions.embedding, regions.deepstack
+        if self.announcements.needs(key, emb.addr, emb.nbytes):
+            frames = registration_frames(
+                self.host, self.status_port, self.session_id, emb.addr, ds.addr if ds else 0,
+                emb.nbytes, ds.nbytes if ds else 0,
+            )
+            self.announcements.announced(key, emb.addr, emb.nbytes)
+            actions.append(Announce(addr, spec.room, state.token, key, emb.addr, frames))
+        info = TransferInfo(
+            room=spec.room, endpoint=self.host, port=self.status_port, session_id=self.session_id,
+            embedding_ptr=spec.embedding_ptr, deepstack_ptr=spec.deepstack_ptr, rows=spec.rows,
+            hidden=spec.hidden, dtype=spec.dtype, has_deepstack=spec.has_deepstack,
+            fanout=state.fanout, row_start=spec.row_start, span=spec.span,
+        )
+        actions.append(SendAsk(addr, spec.room, state.token, info))
+        state.stage = ASKED
+        return actions
+
+    def _expire(self, now: float, state: _Room) -> list:
+        """The room's deadline passed: it fails, and a socket that went silent on it is dropped."""
+        actions: list = []
+        never_sent: list[_Room] = []
+        addr = state.addr
+        if state.stage == LOOKUP:
+            failure = Failure(FailureKind.DEADLINE,
+                              f"no status from {state.where()} within {self.deadline_s:g}s for room {state.room} "
+                              f"(its bootstrap look-up had not answered)")
+            return self._conclude(state, failure)
+        # Only the socket this room was asked on went silent, and only if the room waited on
+        # it a while (one asked late says little, and tearing the socket down for each such
+        # room would cost every later room a look-up and a connection). One replaced since
+        # came with a fresh look-up; its rooms keep their deadlines.
+        if self._conns.get(addr) == state.conn and now - state.asked_at >= self.deadline_s / 2:
+            # The encode rank may have restarted elsewhere, its node with other sizes.
+            self._parallel.pop(state.spec.bootstrap_addr, None)
+            for key in [key for key, route in self._routes.items() if route == addr]:
+                del self._routes[key]
+                self.announcements.forget(key)
+            del self._conns[addr]
+            # Nothing of the old socket's queue (expired rooms' asks, whose memory may be
+            # reused by then) may reach a rank restarted there.
+            actions.append(Disconnect(addr))
+            never_sent = self.asks.drop(addr)
+        if state.stage == QUEUED:
+            failure = Failure(FailureKind.NO_CONNECTION,
+                              f"no connection to {state.where()} within {self.deadline_s:g}s: room {state.room} "
+                              f"was never asked for (is the encode rank running?)")
+        else:
+            failure = Failure(FailureKind.DEADLINE,
+                              f"no status from {state.where()} within {self.deadline_s:g}s for room {state.room}")
+        actions += self._conclude(state, failure)
+        # The rooms queued behind it wait on the same silent rank: they fail now, unasked.
+        for other in never_sent:
+            if other is not state and self._open(other):
+                actions += self._conclude(other, Failure(
+                    FailureKind.NO_CONNECTION,
+                    f"{other.where()} went silent: room {state.room} had no answer within {self.deadline_s:g}s, "
+                    f"and room {other.room} was never asked for"))
+        return actions
