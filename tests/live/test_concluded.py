@@ -55,4 +55,4 @@ def test_concluded_rooms_are_handed_out_once_in_order_and_cleared_ones_are_left_
         assert pool.concluded() == [3, 4]
         for handle in (*received.values(), again, *sent.values()):
             handle.clear()
-        assert manager._table._concluded == {} and pool._table._concluded == {}  # nothing held for cleared rooms
+        assert manager._driver.table._concluded == {} and pool._table._concluded == {}  # nothing held for cleared rooms

@@ -93,7 +93,7 @@ def test_corrupted_landed_byte_concludes_failed_with_checksum_reason(engine):
         assert manager.stats()["counters"]["rooms_failed_total"] == {"reason=checksum": 2}
         for handle in handles:
             handle.clear()
-        assert not manager._rooms and len(manager._table) == 0
+        assert not manager._driver.rooms and len(manager._driver.table) == 0
 
 
 def test_status_without_checksums_concludes_success_unverified(engine):

@@ -70,7 +70,8 @@ def test_concluded_and_cleared_rooms_leave_no_state(engines):
 
             for r in (r0, r1):
                 m = r.manager
-                assert m._rooms == {} and len(m._table) == 0 and len(m._asks) == 0
+                assert m._driver.rooms == {} and len(m._driver.table) == 0 and len(m._driver.core) == 0
+                assert len(m._driver.core.asks) == 0
             state = encode.call("state")
             assert {k: state[k] for k in ("items", "asks", "table", "temp_sources", "pending_handles")} == {
                 "items": 0, "asks": 0, "table": 0, "temp_sources": 0, "pending_handles": 0,
@@ -146,7 +147,7 @@ def test_one_zmq_context_per_process(engines):
             encode.call("send", [room], SPAN, HIDDEN)
             assert r.wait([room], 10.0) == {room: ("Success", None)}
             m = r.manager
-            sockets = [m._status_sock, *m._encode_sockets.values()]
+            sockets = m._driver.sockets()
             assert len(sockets) == 2
             assert all(s.context is ours for s in sockets)
             # The encode process checks its PULL and its status pushers the same way.

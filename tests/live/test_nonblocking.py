@@ -292,16 +292,19 @@ class HoldProbe:
 
 
 def probe_locks(manager: Any) -> tuple[HoldProbe, HoldProbe]:
-    """Wraps the manager's `_lock` and `_send_lock` (before any room exists) in hold probes."""
-    lock, send = HoldProbe(manager._lock), HoldProbe(manager._send_lock)
-    manager._lock, manager._send_lock = lock, send
-    return lock, send
+    """Wraps the driver's lock (core, rooms, sends) and the manager's regions lock (before any room
+    exists) in hold probes."""
+    driver = manager._driver
+    lock, regions = HoldProbe(driver._lock), HoldProbe(manager._regions_lock)
+    driver._lock, manager._regions_lock = lock, regions
+    return lock, regions
 
 
-def check_holds(lat: Latencies, lock: HoldProbe, send: HoldProbe) -> None:
+def check_holds(lat: Latencies, lock: HoldProbe, regions: HoldProbe) -> None:
     """Fails on a lock held across a slow step (the figures are in the scenario's line)."""
-    assert lock.worst < HOLD_BOUND_S, f"{lat.scenario}: _lock held {lock.worst:.3f}s by {lock.worst_by}"
-    assert send.worst < HOLD_BOUND_S, f"{lat.scenario}: _send_lock held {send.worst:.3f}s by {send.worst_by}"
+    assert lock.worst < HOLD_BOUND_S, f"{lat.scenario}: the driver's lock held {lock.worst:.3f}s by {lock.worst_by}"
+    assert regions.worst < HOLD_BOUND_S, \
+        f"{lat.scenario}: _regions_lock held {regions.worst:.3f}s by {regions.worst_by}"
 
 
 def test_pauses_are_the_union_of_gc_and_host_stall_spans_within_the_step():
@@ -352,7 +355,7 @@ class Prefill:
         self.buffer = buffer if buffer is not None else torch.zeros(nbytes, dtype=torch.uint8)
         self.manager = SessionManager(engine, 0, 1, 1, buffer=self.buffer, host=HOST, deadline_s=deadline_s,
                                       bootstrap_timeout_s=bootstrap_timeout_s)
-        self.lock, self.send_lock = probe_locks(self.manager)
+        self.lock, self.regions_lock = probe_locks(self.manager)
         self.lat = Latencies(scenario)
         self.handles: dict[int, Any] = {}
         # A per-item buffer to add and remove as a scheduler might.
@@ -392,10 +395,10 @@ class Prefill:
         """Checks every call's worst time, then (unless `holds` is False) the locks' longest holds."""
         if STALLS is not None:
             STALLS.settle()
-        extra = {"(_lock held)": self.lock.worst, "(_send_lock held)": self.send_lock.worst, **extra}
+        extra = {"(driver lock held)": self.lock.worst, "(_regions_lock held)": self.regions_lock.worst, **extra}
         self.lat.check(settled=True, **extra)
         if holds:
-            check_holds(self.lat, self.lock, self.send_lock)
+            check_holds(self.lat, self.lock, self.regions_lock)
 
     def close(self) -> float:
         """Closes the manager; returns how long close() took."""
@@ -731,7 +734,7 @@ def test_an_encode_rank_that_never_reads_fills_the_queue_without_blocking(engine
 def test_asks_flushed_when_encode_ranks_come_up_do_not_hold_the_callers_receive(engine):
     """Three encode ranks are down while 4000 rooms each wait for them; they come up at once and
     the I/O thread sends the 12 000 waiting asks. Meanwhile receive() for a fourth, healthy encode
-    rank (route cached, so it sends from the caller's thread under _send_lock) stays prompt."""
+    rank (route cached, so it sends from the caller's thread under the driver's lock) stays prompt."""
     import zmq
 
     from transfer.bootstrap import BootstrapClient, BootstrapServer
@@ -753,13 +756,14 @@ def test_asks_flushed_when_encode_ranks_come_up_do_not_hold_the_callers_receive(
                     room += 1
                     pre.receive(room, server.address)
             waiting = list(range(11, room + 1))
-            assert wait_until(lambda: not pre.manager._asks, 30.0), "the I/O thread did not take the asks"
+            assert wait_until(lambda: pre.manager._driver.core.asks.waiting((HOST, ports[-1])) == 4000, 30.0), \
+                "the asks did not queue for the ranks that are down"
             time.sleep(0.3)
             assert not any(terminal(pre.handles[r]) for r in waiting), "rooms for a rank that is down failed early"
             # Measure from here: the flush alone.
             pre.lat = Latencies(pre.lat.scenario)
             pre.lock.slowest.reset()
-            pre.send_lock.slowest.reset()
+            pre.regions_lock.slowest.reset()
             for port in ports:
                 peer = zmq.Context.instance().socket(zmq.PULL)
                 peer.setsockopt(zmq.LINGER, 0)
@@ -855,7 +859,7 @@ def test_ten_thousand_rooms_outstanding_then_expiring_at_once(engine):
         assert failed == count
         for room in list(pre.handles):
             pre.clear(room)
-        # Holds are reported, not asserted: the flush test below pins the long _send_lock hold.
+        # Holds are reported, not asserted: the flush test below pins the lock's holds.
         pre.check(holds=False, **{"10 000 receives took": asked_in})
 
 
@@ -960,7 +964,7 @@ def test_clear_from_another_thread_while_rooms_expire_and_conclude(engine):
             stop.set()
             pusher.close(0)
         assert cleared[0] == room, f"{cleared[0]} of {room} rooms cleared"
-        assert len(pre.manager._rooms) == 0
+        assert len(pre.manager._driver.rooms) == 0
         pre.handles.clear()
         other.check()
         pre.check()

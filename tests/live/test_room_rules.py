@@ -6,6 +6,7 @@ import pytest
 from live_helpers import LIVE, peer_with_64_mib
 
 from transfer.bootstrap import BootstrapServer
+from transfer.core.failure import FailureKind
 from transfer.engine import Engine
 from transfer.frames import TransferInfo
 from transfer.sender import DEAD_AFTER_S, SenderPool
@@ -134,8 +135,8 @@ def test_concluded_rooms_leave_the_receivers_deadline_heap(caplog):
                 assert handle.wait(5) == TransferPoll.Failed
                 handle.clear()
             took = time.monotonic() - started
-            assert len(manager._deadlines) <= 1024 + 2
-            assert not manager._rooms and len(manager._table) == 0
+            assert manager._driver.core.deadline_entries() <= 1024 + 2
+            assert not manager._driver.rooms and len(manager._driver.table) == 0
         lines = [m for m in caplog.messages if " failed: bootstrap" in m]
         assert 1 <= len(lines) <= took + 2, (len(lines), took)  # one a second, not one a room
         assert any("more like it" in m for m in lines) or len(lines) == 1
@@ -355,22 +356,23 @@ def test_a_status_whose_handling_fails_fails_its_room_only():
         try:
             buf = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
             with SessionManager(engine, 0, 1, 1, buffer=buf) as manager:
-                verify = manager._verify
+                checksum = manager._driver._checksum
 
-                def verify_or_break(state, sums):
-                    if state.room == 1:
+                def checksum_or_break(region, addr, nbytes):
+                    if addr == buf[0].data_ptr():
                         raise RuntimeError("injected")  # as a device error while checking would
-                    return verify(state, sums)
+                    return checksum(region, addr, nbytes)
 
-                manager._verify = verify_or_break
+                manager._driver._checksum = checksum_or_break
                 first, second = manager.receive(1, server.address, buf[0]), manager.receive(2, server.address, buf[1])
                 statuses = _io.push_socket("127.0.0.1", manager.status_port)
+                landed = checksum(_io.as_region(buf), buf[1].data_ptr(), buf[1].numel() * buf.element_size())
                 for room in (1, 2):
-                    statuses.send_multipart(status_frames(room, TransferPoll.Success, 0))
+                    statuses.send_multipart(status_frames(room, TransferPoll.Success, 0, (landed,)))
                 assert first.wait(5) == TransferPoll.Failed
                 assert first.failure == "room 1: handling its status failed: RuntimeError: injected"
                 assert second.wait(5) == TransferPoll.Success  # the I/O thread lives on
-                assert manager._thread.is_alive()
+                assert manager._driver._thread.is_alive()
         finally:
             asks.close(0)
             if statuses is not None:
@@ -394,19 +396,19 @@ def test_a_failure_inside_the_managers_io_thread_fails_its_rooms_and_close_still
             handle = manager.receive(1, server.address, buf[0])
             assert asks.poll(5000), "the manager never asked"
 
-            def broken(now):
+            def broken(now, limit=None):
                 raise RuntimeError("injected")
 
-            manager._expire = broken  # the thread calls it on every turn
+            manager._driver.core.tick = broken  # the thread calls it on every turn
             with caplog.at_level(logging.ERROR, logger="transfer.receiver"):
-                manager._waker.wake()
+                manager._driver._waker.wake()
                 assert handle.wait(5) == TransferPoll.Failed  # long before its 30 s deadline
             assert handle.failure == "session manager stopped: RuntimeError: injected"
             assert any("I/O thread failed" in m for m in caplog.messages)
             with pytest.raises(RuntimeError, match="I/O thread stopped after an error"):
                 manager.receive(2, server.address, buf[1])
             manager.close()
-            assert not manager._thread.is_alive() and port_rebindable(manager.host, manager.status_port)
+            assert not manager._driver._thread.is_alive() and port_rebindable(manager.host, manager.status_port)
         finally:
             asks.close(0)
 
@@ -463,7 +465,8 @@ def test_a_route_that_cannot_be_connected_fails_its_room_only():
             assert "encode rank 0 at bad host:5000" in first.failure and "cannot connect" in first.failure
             second = manager.receive(2, server.address, buf[1])  # looked up afresh, fails the same way
             assert second.wait(5) == TransferPoll.Failed and "cannot connect" in second.failure
-            assert manager._thread.is_alive()
+            assert first.failure_kind is FailureKind.NO_CONNECTION
+            assert manager._driver._thread.is_alive()
 
 
 def test_parked_asks_are_bounded_oldest_told_failed(monkeypatch):
@@ -527,12 +530,13 @@ def test_rooms_that_do_not_fit_the_wire_and_non_ascii_hosts_are_refused_up_front
         with SessionManager(engine, 0, 1, 1, buffer=buf) as manager:
             with pytest.raises(ValueError, match="does not fit the wire's signed 64 bits"):
                 manager.receive(1 << 63, "127.0.0.1:1", buf)
-            assert not manager._rooms and manager._thread.is_alive()
+            assert not manager._driver.rooms and manager._driver._thread.is_alive()
 
 
-def test_an_ask_that_fails_unexpectedly_fails_its_room_only_and_a_direct_one_leaves_nothing_behind():
+def test_an_ask_that_fails_unexpectedly_fails_its_room_only_whichever_thread_sent_it():
     import torch
 
+    from transfer.core.prefill import SendAsk
     from transfer.receiver import SessionManager
     from transfer.status import TransferPoll
 
@@ -541,24 +545,25 @@ def test_an_ask_that_fails_unexpectedly_fails_its_room_only_and_a_direct_one_lea
         try:
             buf = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
             with SessionManager(engine, 0, 1, 1, buffer=buf) as manager:
-                send_info = manager._send_info
+                send = manager._driver._send
 
-                def send_info_or_break(sock, state, fanout):
-                    if state.room in (1, 3):
+                def send_or_break(sock, action):
+                    if isinstance(action, SendAsk) and action.room in (1, 3):
                         raise RuntimeError("injected")
-                    return send_info(sock, state, fanout)
+                    return send(sock, action)
 
-                manager._send_info = send_info_or_break
+                manager._driver._send = send_or_break
                 first = manager.receive(1, server.address, buf[0])  # asked by the I/O thread
                 assert first.wait(5) == TransferPoll.Failed
                 assert first.failure == "room 1: asking for it failed: RuntimeError: injected"
                 second = manager.receive(2, server.address, buf[1])  # the route is cached now
-                assert asks.poll(5000) and manager._thread.is_alive()
+                assert asks.poll(5000) and manager._driver._thread.is_alive()
                 assert second.poll() == TransferPoll.WaitingForInput
-                with pytest.raises(RuntimeError, match="injected"):
-                    manager.receive(3, server.address, buf[2])  # asked from receive() itself
-                assert 3 not in manager._rooms and manager._table.get(3) is None
-                manager._send_info = send_info
+                third = manager.receive(3, server.address, buf[2])  # asked from receive() itself
+                assert third.poll() == TransferPoll.Failed
+                assert third.failure == "room 3: asking for it failed: RuntimeError: injected"
+                third.clear()
+                manager._driver._send = send
                 assert manager.receive(3, server.address, buf[2]).poll() == TransferPoll.WaitingForInput
         finally:
             asks.close(0)
@@ -599,13 +604,13 @@ def test_a_peer_flooding_a_stalled_listener_meets_back_pressure():
         buf = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
         with SessionManager(engine, 0, 1, 1, buffer=buf) as manager:
             release = threading.Event()
-            drain = manager._drain_statuses
+            drain = manager._driver._drain_statuses
 
             def stalled() -> None:
                 release.wait(30)  # the I/O thread is busy elsewhere for a while
                 drain()
 
-            manager._drain_statuses = stalled
+            manager._driver._drain_statuses = stalled
             flood = _io.context().socket(zmq.PUSH)
             flood.setsockopt(zmq.LINGER, 0)
             flood.setsockopt(zmq.SNDHWM, 16)
@@ -627,7 +632,7 @@ def test_a_peer_flooding_a_stalled_listener_meets_back_pressure():
                 flood.close(0)
             assert sent < limit, f"{sent} messages queued for a listener that was not reading"
             assert sent >= _io.LISTENER_HWM // 2  # a burst of legitimate size still fits
-            assert manager._thread.is_alive()
+            assert manager._driver._thread.is_alive()
 
 
 def test_clearing_a_room_mid_write_keeps_its_source_registered_until_the_write_is_over():

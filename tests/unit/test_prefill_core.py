@@ -231,14 +231,13 @@ def test_a_room_being_verified_is_left_to_its_verification():
 # --------------------------------------------------------------------- statuses
 
 
-def test_a_status_from_the_wrong_encode_rank_is_ignored_with_a_warning_keyed_by_kind():
+def test_a_status_from_the_wrong_encode_rank_is_ignored_with_a_warning():
     c = core()
     routed(c)
     c.receive(0.0, spec(1, slot=1))
-    first = c.status(0.1, 1, TransferPoll.Success, 3)
-    second = c.status(0.1, 1, TransferPoll.Success, 4)
-    assert kinds(first) == [Warn] and first[0].key == second[0].key
-    assert "status from encode rank 3, expected 0" in first[0].message
+    (warn,) = c.status(0.1, 1, TransferPoll.Success, 3)
+    assert isinstance(warn, Warn) and warn.message == "room 1: status from encode rank 3, expected 0; ignored"
+    assert c.status(0.1, 1, TransferPoll.Failed, 4)[0].key == ("status from the wrong encode rank", 4)
     assert c.stage(1) == "asked"
 
 
@@ -443,3 +442,25 @@ def test_fail_all_concludes_only_open_rooms():
     c.status(0.0, 1, TransferPoll.Failed, 0)
     failures = concluded(c.fail_all(0.1, Failure(FailureKind.CLOSED, "session manager closed")))
     assert list(failures) == [2] and failures[2].kind is FailureKind.CLOSED
+
+
+def test_a_look_up_answered_for_many_rooms_asks_a_batch_and_queues_the_rest_in_order():
+    c = core(ask_batch=2)
+    for room in range(1, 6):
+        c.receive(0.0, spec(room, slot=room))
+    c.parallel_resolved(0.0, BOOT, 1, 1)
+    actions = c.route_resolved(0.0, KEY0, ENCODE)
+    assert [a.room for a in actions if isinstance(a, SendAsk)] == [1, 2]
+    assert c.waiting(ENCODE) == 3
+    assert [a.room for a in c.writable(0.0, ENCODE)] == [3, 4]
+    assert [a.room for a in c.writable(0.0, ENCODE)] == [5]
+
+
+def test_a_tick_fails_at_most_its_limit_and_says_more_are_due():
+    c = core(deadline_s=1.0)
+    routed(c)
+    for room in range(10):
+        c.receive(0.0, spec(room, slot=room))
+    assert len(concluded(c.tick(5.0, limit=4))) == 4
+    assert c.next_wakeup() <= 5.0
+    assert len(concluded(c.tick(5.0))) == 6 and c.next_wakeup() is None

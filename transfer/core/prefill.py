@@ -71,7 +71,11 @@ class LookUpRoute:
         return self.key[0]
 
 
-@dataclass(frozen=True)
+# The actions a room makes every time are plain slotted dataclasses: a frozen one's
+# __init__ costs a microsecond per field, on the caller's thread.
+
+
+@dataclass(slots=True)
 class Announce:
     """Push a registration (the room's regions) to the encode rank at `addr`."""
 
@@ -80,10 +84,10 @@ class Announce:
     token: int
     route_key: RouteKey
     region_addr: int
-    frames: list[bytes] = field(repr=False)
+    frames: list[bytes] = field(repr=False, compare=False)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SendAsk:
     """Push the room's TransferInfo to the encode rank at `addr`."""
 
@@ -102,7 +106,7 @@ class Verify:
     checks: tuple[tuple[str, Any, int, int, int], ...]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Advance:
     """Move the room to a non-terminal status the encode rank reported."""
 
@@ -111,7 +115,7 @@ class Advance:
     status: TransferPoll
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Conclude:
     """The room is over: Success when `failure` is None."""
 
@@ -138,7 +142,7 @@ class Warn:
 # ----------------------------------------------------------------------- rooms
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class RoomSpec:
     """What the caller asked for: the room, its bootstrap server and where its rows land.
 
@@ -170,7 +174,7 @@ class RoomSpec:
 LOOKUP, QUEUED, ASKED, VERIFYING, CONCLUDED = "lookup", "queued", "asked", "verifying", "concluded"
 
 
-@dataclass(eq=False)
+@dataclass(slots=True, eq=False)
 class _Room:
     spec: RoomSpec
     token: int
@@ -254,6 +258,11 @@ class PrefillCore:
         state = self._rooms.get(room)
         return None if state is None else state.stage
 
+    def asking(self, room: int, token: int) -> bool:
+        """Whether the room's ask may go out now (held, not concluded, not waiting in a queue)."""
+        state = self._rooms.get(room)
+        return state is not None and state.token == token and state.stage == ASKED
+
     def waiting(self, addr: Address) -> int:
         """Asks waiting for `addr`'s socket to take them."""
         return self.asks.waiting(addr)
@@ -298,9 +307,9 @@ class PrefillCore:
         self._parallel[bootstrap_addr] = (encode_tp, encode_dp)
         self.breaker.succeeded(bootstrap_addr)
         actions: list = []
-        for state in self._awaiting_parallel.pop(bootstrap_addr, ()):
-            if self._open(state):
-                actions += self._route(now, state)
+        waiting = [state for state in self._awaiting_parallel.pop(bootstrap_addr, ()) if self._open(state)]
+        for i, state in enumerate(waiting):
+            actions += self._route(now, state, defer=i >= self.ask_batch)
         return actions
 
     def route_resolved(self, now: float, key: RouteKey, addr: Address) -> list:
@@ -308,9 +317,10 @@ class PrefillCore:
         self._routes[key] = addr
         self.breaker.succeeded(key[0])
         actions: list = []
-        for state in self._awaiting_route.pop(key, ()):
-            if self._open(state):
-                actions += self._ask(now, state, addr)
+        waiting = [state for state in self._awaiting_route.pop(key, ()) if self._open(state)]
+        for i, state in enumerate(waiting):
+            # Past a batch, the rest wait in the ask queue: the driver sends them a batch per turn.
+            actions += self._ask(now, state, addr, defer=i >= self.ask_batch)
         return actions
 
     def lookup_failed(self, now: float, bootstrap_addr: str, key: RouteKey | None, detail: str,
@@ -373,8 +383,7 @@ class PrefillCore:
         if state is None or state.stage in (VERIFYING, CONCLUDED):
             return []  # unknown, cleared, or over: stale
         if state.encode_rank is not None and rank != state.encode_rank:
-            # Keyed by kind, not rank: a peer cycling rank numbers must not flood the log.
-            return [Warn("status from the wrong encode rank",
+            return [Warn(("status from the wrong encode rank", rank),
                          f"room {room}: status from encode rank {rank}, expected {state.encode_rank}; ignored")]
         if status is TransferPoll.Failed:
             return self._conclude(state, Failure(FailureKind.PEER_FAILED, f"{ENCODE_FAILED} ({state.where()})"))
@@ -426,18 +435,20 @@ class PrefillCore:
         return [action for state in list(self._rooms.values()) if self._open(state)
                 for action in self._conclude(state, failure)]
 
-    def tick(self, now: float) -> list:
-        """Fails rooms past their deadline."""
+    def tick(self, now: float, limit: int | None = None) -> list:
+        """Fails rooms past their deadline, at most `limit` of them (next_wakeup() says if more are due)."""
         heap = self._deadlines
         if len(heap) > 2 * len(self._rooms) + 1024:
             # Concluded rooms' entries would otherwise wait out their whole deadline here.
             self._deadlines = heap = [entry for entry in heap if self._open(entry[2])]
             heapq.heapify(heap)
         actions: list = []
-        while heap and heap[0][0] <= now:
+        expired = 0
+        while heap and heap[0][0] <= now and (limit is None or expired < limit):
             state = heapq.heappop(heap)[2]
             if self._open(state) and state.stage != VERIFYING:
                 actions += self._expire(now, state)
+                expired += 1
         return actions
 
     # ---------------------------------------------------------- internals
@@ -459,7 +470,7 @@ class PrefillCore:
         state.stage = CONCLUDED
         return [Conclude(state.room, state.token, failure)]
 
-    def _route(self, now: float, state: _Room) -> list:
+    def _route(self, now: float, state: _Room, defer: bool = False) -> list:
         """Finds the room's encode rank, from the caches or by a look-up."""
         bootstrap = state.spec.bootstrap_addr
         sizes = self._parallel.get(bootstrap)
@@ -476,7 +487,7 @@ class PrefillCore:
         addr = self._routes.get(key)
         if addr is None:
             return self._look_up(now, state, bootstrap, key)
-        return self._ask(now, state, addr)
+        return self._ask(now, state, addr, defer)
 
     def _look_up(self, now: float, state: _Room, bootstrap: str, key: RouteKey | None) -> list:
         """Files the room behind a look-up, starting one unless one is under way."""
@@ -492,8 +503,9 @@ class PrefillCore:
         waiting.append(state)
         return [action] if len(waiting) == 1 else []
 
-    def _ask(self, now: float, state: _Room, addr: Address) -> list:
-        """Asks for the room now, or files it behind the asks waiting for the same socket."""
+    def _ask(self, now: float, state: _Room, addr: Address, defer: bool = False) -> list:
+        """Asks for the room now, or files it behind the asks waiting for the same socket
+        (`defer`: files it anyway, past the queue's bound)."""
         state.addr = addr
         conn = self._conns.get(addr)
         if conn is None:
@@ -501,8 +513,8 @@ class PrefillCore:
             conn = self._conns[addr] = self._conn_serial
         state.conn, state.asked_at = conn, now
         waiting = self.asks.waiting(addr)
-        if waiting:
-            if self.asks.full(addr):
+        if waiting or defer:
+            if not defer and self.asks.full(addr):
                 return self._conclude(state, Failure(
                     FailureKind.NO_CONNECTION,
                     f"{state.where()} is not taking requests ({waiting} asks already wait for it)"))

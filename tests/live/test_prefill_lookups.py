@@ -1,0 +1,51 @@
+"""Bootstrap look-ups run beside the prefill side's status and deadline loop.
+
+Real Mooncake engines (tcp on loopback), a real bootstrap server for the encode rank
+that answers, and a listener that accepts and never answers for the one that stalls.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+from live_helpers import HOST, LIVE, item_tensor, wait_until
+
+from transfer.core.failure import FailureKind
+from transfer.receiver import SessionManager
+from transfer.sender import SenderPool
+from transfer.status import TransferPoll, is_terminal
+
+pytestmark = LIVE
+
+SPAN, HIDDEN = 4, 64
+STALL_S = 3.0
+
+
+def test_a_stalled_bootstrap_server_does_not_delay_another_rooms_success(engines, server):
+    """A room whose bootstrap server stalls 3 s waits alone: a room behind a server that answers
+    is looked up, written, verified and concluded Success while the stalled look-up still hangs."""
+    encode, prefill = engines
+    slots = torch.zeros(2, SPAN, HIDDEN, dtype=torch.bfloat16)
+    item = item_tensor(2, SPAN, HIDDEN)
+    with socket.socket() as silent:
+        silent.bind((HOST, 0))
+        silent.listen(16)  # the kernel accepts; nobody ever answers
+        stalled = f"{HOST}:{silent.getsockname()[1]}"
+        with SenderPool(encode, 0, 1, 1, server.address, host=HOST) as pool, \
+                SessionManager(prefill, 0, 1, 1, buffer=slots, host=HOST, bootstrap_timeout_s=STALL_S) as manager:
+            waiting = manager.receive(1, stalled, slots[0])
+            healthy = manager.receive(2, server.address, slots[1])  # after the stalled one, on purpose
+            sent = pool.send(2, item)
+            assert wait_until(lambda: is_terminal(healthy.poll()), 2 * STALL_S), "the healthy room never concluded"
+            still_waiting = waiting.poll()  # read before asserting on the healthy room
+            assert healthy.poll() == TransferPoll.Success, healthy.failure
+            assert not is_terminal(still_waiting), "the healthy room concluded only after the stalled look-up"
+            assert torch.equal(slots[1].view(torch.uint8), item.view(torch.uint8)), "landed bytes differ"
+            assert torch.count_nonzero(slots[0]) == 0, "nothing may land for the room still looking up"
+            assert wait_until(lambda: sent.poll() == TransferPoll.Success, 5.0)
+            # The stalled look-up ends at its own timeout and fails only its room.
+            assert waiting.wait(2 * STALL_S) == TransferPoll.Failed
+            assert waiting.failure_kind is FailureKind.BOOTSTRAP
+            assert waiting.failure.startswith(f"bootstrap {stalled}: "), waiting.failure
+            assert manager.stats()["counters"]["rooms_failed_total"] == {"reason=bootstrap": 1}

@@ -1,0 +1,509 @@
+"""The prefill side's driver: the thread, sockets, clock and bootstrap look-ups around a PrefillCore.
+
+One I/O thread sleeps in zmq.Poller (poll(2) underneath, so any descriptor number
+works) on the status socket, a waker and the sockets to encode ranks that have asks
+waiting; it feeds statuses, look-up results and ticks to the core and carries out the
+actions. Bootstrap look-ups run on a few look-up threads of their own, so a slow
+server delays only the rooms that wait on it. The caller's receive() steps the core
+too, under the same lock, and sends a room's ask itself when its route is cached:
+that saves a thread hand-off per room. Every step under the lock is non-blocking;
+checksums run outside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from transfer import _io
+from transfer.bootstrap import BootstrapClient, BootstrapError
+from transfer.core.failure import Failure, FailureKind
+from transfer.core.prefill import (
+    Advance,
+    Announce,
+    Conclude,
+    Disconnect,
+    LookUpParallel,
+    LookUpRoute,
+    PrefillCore,
+    RoomSpec,
+    SendAsk,
+    Verify,
+    Warn,
+)
+from transfer.frames import UnreadableChecksum, WireError, parse_status
+from transfer.metrics import Metrics
+from transfer.status import RoomTable, TransferPoll
+
+__all__ = ["DRAIN_BATCH", "LOOKUP_THREADS", "PrefillDriver", "Room"]
+
+log = logging.getLogger("transfer.receiver")
+
+#: Statuses handled per turn of the I/O thread: a peer pushing faster than we drain must
+#: not keep the thread from asks, deadlines and close().
+DRAIN_BATCH = 1024
+
+#: Look-ups that may run at once (each on its own thread, started when needed): a server
+#: that stalls holds one of them, not the rooms of other servers.
+LOOKUP_THREADS = 4
+
+#: Rooms failed on their deadline per turn: 10 000 expiring at once must not hold the lock
+#: (and the caller's receive()) for the whole lot; the next turn comes at once.
+EXPIRE_BATCH = 256
+
+#: How often the sockets to encode ranks are checked for lost connections while idle,
+#: so their reports do not pile up in ZMQ (a send checks its socket's first anyway).
+MONITOR_PERIOD_S = 1.0
+
+
+@dataclass(eq=False)
+class Room:
+    """One room as its handle sees it: when it started and concluded, and its pool slot."""
+
+    room: int
+    started_at: float
+    nbytes: int  # embedding and deepstack bytes, counted when it succeeds
+    lease: Any = None
+    token: int = 0
+    concluded_at: float | None = None
+
+
+class PrefillDriver:
+    """Owns the I/O thread, the status socket, the sockets to encode ranks, the look-up threads and the clock."""
+
+    def __init__(
+        self,
+        engine_rank: int,
+        tp_size: int,
+        dp_size: int,
+        *,
+        host: str,
+        status_port: int,
+        session_id: str,
+        deadline_s: float,
+        bootstrap_timeout_s: float,
+        integrity: bool,
+        metrics: Metrics,
+        pool: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+        lookup_threads: int = LOOKUP_THREADS,
+    ) -> None:
+        self.engine_rank = engine_rank
+        self.clock = clock
+        self.metrics = metrics
+        self.pool = pool
+        self.bootstrap_timeout_s = bootstrap_timeout_s
+        self.table = RoomTable()
+        self.conclusions = _io.Conclusions()
+        self.rooms: dict[int, Room] = {}  # changed under _lock
+        self._status_sock, self.status_port = _io.pull_socket(host, status_port)
+        try:
+            self.core = PrefillCore(engine_rank, tp_size, dp_size, host=host, status_port=self.status_port,
+                                    session_id=session_id, deadline_s=deadline_s, integrity=integrity)
+        except BaseException:
+            self._status_sock.close(0)
+            raise
+        # Guards the core, the rooms and every send on the sockets to encode ranks. Held
+        # only for non-blocking steps.
+        self._lock = threading.Lock()
+        self._sockets: dict[tuple[str, int], zmq.Socket] = {}
+        self._monitors: dict[tuple[str, int], zmq.Socket] = {}
+        self._watching: dict[zmq.Socket, tuple[str, int]] = {}  # registered for POLLOUT (I/O thread only)
+        self._resync = False  # an ask was refused off the I/O thread: it must watch that socket
+        self._wake_at = 0.0  # when the I/O thread next wakes by itself
+        self._waker = _io.Waker()
+        self._results: deque[tuple] = deque()  # look-up results for the I/O thread
+        self._lookups = _LookUps(f"epd-pre{engine_rank}-boot", bootstrap_timeout_s, clock, self._deliver,
+                                 lookup_threads)
+        self._stopping = False
+        self.failure: str | None = None  # why the I/O thread stopped on its own
+        self._complaints = _io.ThrottledLog(log)  # about statuses peers sent
+        self._failures = _io.ThrottledLog(log)  # rooms that failed, per kind
+        self._poller = zmq.Poller()
+        self._thread = threading.Thread(target=self._run, name=f"epd-prefill-{engine_rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ commands
+
+    def receive(self, record: Room, spec: RoomSpec) -> None:
+        """Files the room and starts it; the caller's thread sends its ask when the route is cached."""
+        room = spec.room
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("session manager is closed")
+            if self.failure is not None:
+                raise RuntimeError(f"session manager's I/O thread stopped after an error: {self.failure}")
+            if room in self.rooms:
+                raise ValueError(f"room {room} is already being received; clear() it first")
+            self.rooms[room] = record
+            self.table.start(room, TransferPoll.Bootstrapping)
+            now = self.clock()
+            try:
+                record.token, actions = self.core.receive(now, spec)
+                verifies = self._carry(now, actions)
+            except BaseException:  # the caller gets the error and no handle: leave nothing behind
+                self.core.clear(now, room)
+                del self.rooms[room]
+                self.table.clear(room)
+                raise
+            wakeup = self.core.next_wakeup()
+            wake = self._resync or (wakeup is not None and wakeup < self._wake_at)
+        for verify in verifies:  # none in practice: a Verify follows a status
+            self._verify(verify)
+        if wake:
+            self._waker.wake()
+
+    def clear(self, record: Room) -> bool | None:
+        """Forgets the room; whether it had succeeded, or None when it was not held."""
+        with self._lock:
+            if self.rooms.get(record.room) is not record:
+                return None
+            succeeded = self.table.get(record.room) == TransferPoll.Success
+            del self.rooms[record.room]
+            self.table.clear(record.room)
+            self.core.clear(self.clock(), record.room, record.token)
+        return succeeded
+
+    def close(self, reason: str = "session manager closed") -> None:
+        """Fails rooms still open, stops the threads and closes the sockets, unless the I/O thread is stuck."""
+        with self._lock:  # receive() files rooms under it: none is filed after this
+            if self._stopping:
+                return
+            self._stopping = True
+        self._waker.wake()
+        # Nothing in the I/O thread's turn blocks (look-ups run elsewhere): this is generous.
+        self._thread.join(timeout=5.0)
+        failure = Failure(FailureKind.CLOSED, reason)
+        if self._thread.is_alive():
+            # It may be inside the core or a socket: leave both to it, conclude through the table.
+            log.error("prefill rank %d: the I/O thread did not stop; leaving its sockets open", self.engine_rank)
+            for record in list(self.rooms.values()):
+                self._conclude(self.clock(), Conclude(record.room, record.token, failure))
+        else:
+            with self._lock:
+                now = self.clock()
+                self._carry(now, self.core.fail_all(now, failure))
+                self._status_sock.close(0)
+                for addr in list(self._sockets):
+                    self._disconnect(addr)
+            self._waker.close()
+        self._lookups.close(timeout=self.bootstrap_timeout_s + 1.0)
+
+    def sockets(self) -> list[zmq.Socket]:
+        """The status socket and the open sockets to encode ranks."""
+        with self._lock:
+            return [self._status_sock, *self._sockets.values()]
+
+    # --------------------------------------------------------- the I/O thread
+
+    def _run(self) -> None:
+        _io.name_this_thread(f"epd-pre{self.engine_rank}-io")
+        poller = self._poller
+        poller.register(self._status_sock, zmq.POLLIN)
+        poller.register(self._waker.fileno(), zmq.POLLIN)
+        monitors_read_at = self.clock()
+        try:
+            while not self._stopping:
+                events = dict(poller.poll(self._sleep_ms()))
+                if self._waker.fileno() in events:
+                    self._waker.drain()
+                    self._take_results()
+                if self._status_sock in events:
+                    self._drain_statuses()
+                for sock, flags in events.items():
+                    if flags & zmq.POLLOUT and sock in self._watching:
+                        self._step(lambda now, addr=self._watching[sock]: self.core.writable(now, addr))
+                self._step(lambda now: self.core.tick(now, EXPIRE_BATCH))
+                if self.clock() - monitors_read_at >= MONITOR_PERIOD_S:
+                    monitors_read_at = self.clock()
+                    self._read_monitors()
+                    if self.pool is not None:
+                        self.pool.poll()  # graces and quarantines end while no room is received, too
+                self._watch_writable()
+        except Exception as exc:  # without this thread no room would ever conclude
+            log.exception("prefill rank %d: the I/O thread failed; failing its rooms", self.engine_rank)
+            self.failure = f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                now = self.clock()
+                self._carry(now, self.core.fail_all(now, Failure(FailureKind.CLOSED,
+                                                                 f"session manager stopped: {self.failure}")))
+
+    def _sleep_ms(self) -> int:
+        """How long the I/O thread may sleep: until the core's next wakeup, at most 1 s."""
+        with self._lock:
+            wakeup = self.core.next_wakeup()
+            now = self.clock()
+            timeout_ms = 1000 if wakeup is None else max(0, min(1000, int((wakeup - now) * 1000) + 1))
+            self._wake_at = now + timeout_ms / 1000
+        return timeout_ms
+
+    def _step(self, event: Callable[[float], list]) -> None:
+        """Feeds one event to the core under the lock, then runs the checksums it asked for."""
+        with self._lock:
+            now = self.clock()
+            verifies = self._carry(now, event(now))
+        for verify in verifies:
+            self._verify(verify)
+
+    def _deliver(self, result: tuple) -> None:
+        """A look-up thread's result, for the I/O thread."""
+        self._results.append(result)
+        self._waker.wake()
+
+    def _take_results(self) -> None:
+        core = self.core
+        while self._results:
+            kind, *args = self._results.popleft()
+            if kind == "parallel":
+                self._step(lambda now, a=args: core.parallel_resolved(now, *a))
+            elif kind == "route":
+                self._step(lambda now, a=args: core.route_resolved(now, *a))
+            else:
+                self._step(lambda now, a=args: core.lookup_failed(now, *a))
+
+    def _drain_statuses(self) -> None:
+        """Handles the statuses queued, at most DRAIN_BATCH of them (the poller calls again for the rest)."""
+        for _ in range(DRAIN_BATCH):
+            frames = _io.recv_frames(self._status_sock)
+            if frames is None:
+                return
+            unreadable = None  # a checksum part (ours, SPEC.md 8) that does not parse
+            try:
+                room, status, rank, sums = parse_status(frames)
+            except UnreadableChecksum as exc:
+                room, status, rank, sums, unreadable = exc.room, exc.status, exc.rank, (), str(exc)
+            except WireError as exc:
+                self._complaints.warning(str(exc), "dropped a malformed status (%d parts): %s", len(frames), exc)
+                continue
+            self._step(lambda now: self.core.status(now, room, status, rank, sums, unreadable))
+
+    def _verify(self, verify: Verify) -> None:
+        """Compares the landed bytes with the sender's checksums, outside the lock."""
+        core, room, token = self.core, verify.room, verify.token
+        try:
+            for what, region, addr, nbytes, expected in verify.checks:
+                landed = self._checksum(region, addr, nbytes)
+                if landed != expected:
+                    self._step(lambda now: core.checksum_mismatched(now, room, token, what, expected, landed))
+                    return
+        except Exception as exc:  # e.g. a device error while checking: this room only
+            log.exception("room %d: handling its status failed", room)
+            failure = Failure(FailureKind.OTHER, f"room {room}: handling its status failed: {type(exc).__name__}: {exc}")
+            self._step(lambda now: core.fail(now, room, token, failure))
+            return
+        self._step(lambda now: core.checksum_verified(now, room, token))
+
+    def _checksum(self, region: Any, addr: int, nbytes: int) -> int:
+        return _io.checksum(region, addr, nbytes)
+
+    def _read_monitors(self) -> None:
+        """Reads every encode socket's drop reports, so an idle one's do not pile up in ZMQ."""
+        with self._lock:
+            for addr, monitor in list(self._monitors.items()):
+                if _io.dropped(monitor):
+                    self.core.connection_dropped(self.clock(), addr)
+
+    def _watch_writable(self) -> None:
+        """Polls for POLLOUT exactly the sockets that have asks waiting (I/O thread only)."""
+        with self._lock:
+            self._resync = False
+            wanted = {self._sockets[addr]: addr for addr in self.core.asks.addresses() if addr in self._sockets}
+        for sock in [s for s in self._watching if s not in wanted]:
+            self._poller.unregister(sock)
+            del self._watching[sock]
+        for sock, addr in wanted.items():
+            if sock not in self._watching:
+                self._poller.register(sock, zmq.POLLOUT)
+                self._watching[sock] = addr
+
+    # ---------------------------------------------------------------- actions
+
+    def _carry(self, now: float, actions: list) -> list[Verify]:
+        """Carries out the core's actions in order (_lock held); returns the checksums to run after it."""
+        core = self.core
+        work = list(actions)
+        verifies: list[Verify] = []
+        refused: dict[tuple[str, int], list] = {}
+        dropped: set[tuple[str, int]] = set()
+        checked: set[tuple[str, int]] = set()
+        i = 0
+        while i < len(work):
+            action = work[i]
+            i += 1
+            kind = type(action)
+            if kind is SendAsk or kind is Announce:
+                work += self._push(now, action, refused, dropped, checked)
+            elif kind is Conclude:
+                self._conclude(now, action)
+            elif kind is Advance:
+                record = self.rooms.get(action.room)
+                if record is not None and record.token == action.token:
+                    self.table.update(action.room, action.status)
+            elif kind is Verify:
+                verifies.append(action)
+            elif kind is LookUpParallel or kind is LookUpRoute:
+                self._lookups.submit(action)
+            elif kind is Disconnect:
+                self._disconnect(action.addr)
+            elif kind is Warn:
+                self._complaints.warning(action.key, "%s", action.message)
+            if i == len(work) and refused:
+                # The asks a socket did not take wait in the core, in order; after a lost
+                # connection they go out again at once, behind a fresh registration.
+                for addr, held in refused.items():
+                    work += core.refused(now, addr, held)
+                    if addr in dropped:
+                        work += core.writable(now, addr)
+                    elif threading.current_thread() is not self._thread:
+                        self._resync = True
+                refused.clear()
+                dropped.clear()
+        return verifies
+
+    def _push(self, now: float, action: Any, refused: dict, dropped: set, checked: set) -> list:
+        """Sends a registration or a TransferInfo unless its socket cannot take it now."""
+        addr = action.addr
+        if addr in refused:
+            refused[addr].append(action)
+            return []
+        if type(action) is SendAsk and not self.core.asking(action.room, action.token):
+            return []  # concluded or cleared since the ask was made: its memory is not ours to offer
+        sock = self._sockets.get(addr)
+        if sock is None:
+            try:
+                sock = _io.push_socket(*addr, immediate=True)
+            except zmq.ZMQError as exc:
+                return self.core.connect_failed(now, addr, str(exc))
+            self._sockets[addr] = sock
+            self._monitors[addr] = _io.watch_drops(sock)
+        elif addr not in checked and _io.dropped(self._monitors[addr]):
+            # A rank restarted there knows nothing of what was announced to its predecessor.
+            self.core.connection_dropped(now, addr)
+            dropped.add(addr)
+            refused[addr] = [action]
+            return []
+        checked.add(addr)
+        try:
+            self._send(sock, action)
+        except zmq.Again:
+            refused[addr] = [action]
+            return []
+        except Exception as exc:  # one ask's failure must not stop the others
+            log.exception("asking %s:%d for room %d failed", addr[0], addr[1], action.room)
+            return self.core.fail(now, action.room, action.token, Failure(
+                FailureKind.OTHER, f"room {action.room}: asking for it failed: {type(exc).__name__}: {exc}"))
+        if type(action) is SendAsk:
+            self.table.update(action.room, TransferPoll.WaitingForInput)
+        return []
+
+    def _send(self, sock: zmq.Socket, action: Announce | SendAsk) -> None:
+        """Queues the action's frames on the socket without blocking (zmq.Again when it cannot take them)."""
+        _io.send_frames(sock, action.frames if type(action) is Announce else action.info.to_frames())
+
+    def _disconnect(self, addr: tuple[str, int]) -> None:
+        """Closes the socket to `addr` and what watches it (I/O thread or close())."""
+        sock = self._sockets.pop(addr, None)
+        if sock is None:
+            return
+        if self._watching.pop(sock, None) is not None:
+            self._poller.unregister(sock)
+        _io.close_watched(sock, self._monitors.pop(addr, None))
+
+    def _conclude(self, now: float, action: Conclude) -> None:
+        """Concludes the room in the table once; counts and logs it."""
+        record = self.rooms.get(action.room)
+        if record is None or record.token != action.token:
+            return
+        failure = action.failure
+        if not self.table.conclude(action.room, TransferPoll.Success if failure is None else TransferPoll.Failed,
+                                   failure):
+            return
+        if failure is None:
+            self.metrics.inc("rooms_succeeded_total")
+            self.metrics.inc("bytes_received_total", record.nbytes)
+            self.metrics.observe("room_latency_seconds", now - record.started_at)
+        else:
+            self.metrics.inc("rooms_failed_total", reason=failure.kind.value)
+            self._failures.warning(failure.kind, "room %d failed: %s", action.room, failure.detail)
+        record.concluded_at = now
+        self.conclusions.notify()
+
+
+class _LookUps:
+    """Bootstrap look-ups on up to `threads` threads, started as needed; results go to `deliver`."""
+
+    def __init__(self, name: str, timeout_s: float, clock: Callable[[], float], deliver: Callable[[tuple], None],
+                 threads: int) -> None:
+        self._name = name
+        self._timeout_s = timeout_s
+        self._clock = clock
+        self._deliver = deliver
+        self._max = threads
+        self._jobs: deque[Any] = deque()
+        self._cond = threading.Condition()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._stopping = False
+
+    def submit(self, action: LookUpParallel | LookUpRoute) -> None:
+        """Queues a look-up; never blocks."""
+        with self._cond:
+            if self._stopping:
+                return
+            self._jobs.append(action)
+            if self._idle == 0 and len(self._threads) < self._max:
+                thread = threading.Thread(target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+            else:
+                self._cond.notify()
+
+    def close(self, timeout: float) -> None:
+        """Stops the threads; one inside a look-up gets until `timeout` (its own is bounded too)."""
+        with self._cond:
+            self._stopping = True
+            self._jobs.clear()
+            self._cond.notify_all()
+            threads = list(self._threads)
+        ends = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, ends - time.monotonic()))
+
+    def _work(self) -> None:
+        _io.name_this_thread(self._name)
+        while True:
+            with self._cond:
+                self._idle += 1
+                self._cond.wait_for(lambda: self._jobs or self._stopping)
+                self._idle -= 1
+                if self._stopping:
+                    return
+                action = self._jobs.popleft()
+            result = self._look_up(action)
+            with self._cond:
+                if self._stopping:
+                    return
+            self._deliver(result)
+
+    def _look_up(self, action: LookUpParallel | LookUpRoute) -> tuple:
+        """One look-up, as the event tuple the I/O thread feeds to the core."""
+        addr = action.bootstrap_addr
+        key = action.key if type(action) is LookUpRoute else None
+        started = self._clock()
+        try:
+            client = BootstrapClient(addr, timeout=self._timeout_s)
+            if key is None:
+                return ("parallel", addr, *client.parallel_info())
+            return ("route", key, client.route(key[2], key[1]))
+        except BootstrapError as exc:
+            detail = str(exc)
+        except Exception as exc:  # a malformed address, say: this look-up's rooms only
+            detail = f"{type(exc).__name__}: {exc}"
+        return ("failed", addr, key, detail, self._clock() - started)
