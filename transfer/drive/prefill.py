@@ -314,6 +314,11 @@ class PrefillDriver:
         """Polls for POLLOUT exactly the sockets that have asks waiting (I/O thread only)."""
         with self._lock:
             self._resync = False
+            waiting = self.core.asks.addresses()
+        for addr in [addr for addr in waiting if addr not in self._sockets]:
+            # Queued behind a look-up's first batch with no socket yet: sending makes one.
+            self._step(lambda now, addr=addr: self.core.writable(now, addr))
+        with self._lock:
             wanted = {self._sockets[addr]: addr for addr in self.core.asks.addresses() if addr in self._sockets}
         for sock in [s for s in self._watching if s not in wanted]:
             self._poller.unregister(sock)

@@ -1,4 +1,5 @@
-"""Bootstrap look-ups run beside the prefill side's status and deadline loop.
+"""The prefill side's driver: bootstrap look-ups beside the status and deadline loop, and
+descriptors past select()'s limit.
 
 Real Mooncake engines (tcp on loopback), a real bootstrap server for the encode rank
 that answers, and a listener that accepts and never answers for the one that stalls.
@@ -6,6 +7,7 @@ that answers, and a listener that accepts and never answers for the one that sta
 
 from __future__ import annotations
 
+import os
 import socket
 
 import torch
@@ -49,3 +51,26 @@ def test_a_stalled_bootstrap_server_does_not_delay_another_rooms_success(engines
             assert waiting.failure_kind is FailureKind.BOOTSTRAP
             assert waiting.failure.startswith(f"bootstrap {stalled}: "), waiting.failure
             assert manager.stats()["counters"]["rooms_failed_total"] == {"reason=bootstrap": 1}
+
+
+def test_a_session_manager_whose_descriptors_are_past_1024_still_concludes_rooms(engines, server):
+    """The driver waits in poll(2), which takes any descriptor number (select() stops at 1024)."""
+    encode, prefill = engines
+    slots = torch.zeros(1, SPAN, HIDDEN, dtype=torch.bfloat16)
+    item = item_tensor(1, SPAN, HIDDEN)
+    pipes: list[int] = []
+    # The encode side's sockets come first, so only the session manager's land past 1024.
+    with SenderPool(encode, 0, 1, 1, server.address, host=HOST) as pool:
+        try:
+            while len(pipes) < 1100:
+                pipes.extend(os.pipe())
+            with SessionManager(prefill, 0, 1, 1, buffer=slots, host=HOST, deadline_s=10.0) as manager:
+                assert manager._driver._waker.fileno() > 1024  # polled with the status socket
+                handle = manager.receive(1, server.address, slots[0])
+                sent = pool.send(1, item)
+                assert handle.wait(10.0) == TransferPoll.Success, handle.failure
+                assert torch.equal(slots[0].view(torch.uint8), item.view(torch.uint8)), "landed bytes differ"
+                assert wait_until(lambda: sent.poll() == TransferPoll.Success, 5.0)
+        finally:
+            for fd in pipes:
+                os.close(fd)
