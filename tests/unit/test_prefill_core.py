@@ -464,3 +464,104 @@ def test_a_tick_fails_at_most_its_limit_and_says_more_are_due():
     assert len(concluded(c.tick(5.0, limit=4))) == 4
     assert c.next_wakeup() <= 5.0
     assert len(concluded(c.tick(5.0))) == 6 and c.next_wakeup() is None
+
+
+# ------------------------------------------------------- random interleavings
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+EVENTS = st.lists(
+    st.one_of(
+        st.tuples(st.just("receive"), st.integers(0, 3)),
+        st.tuples(st.just("clear"), st.integers(0, 3)),
+        st.tuples(st.just("resolve"), st.booleans()),
+        st.tuples(st.just("fail_lookup"), st.booleans()),
+        st.tuples(st.just("status"), st.integers(0, 3), st.sampled_from(list(TransferPoll)), st.integers(0, 1)),
+        st.tuples(st.just("verified"), st.integers(0, 3), st.booleans()),
+        st.tuples(st.just("socket"), st.booleans()),
+        st.tuples(st.just("writable"),),
+        st.tuples(st.just("tick"), st.floats(0.0, 30.0)),
+    ),
+    max_size=60,
+)
+
+
+class FakeDriver:
+    """Carries out a core's actions as the real driver does, with a socket that takes asks or not."""
+
+    def __init__(self, c: PrefillCore) -> None:
+        self.c = c
+        self.accepting = True
+        self.lookups: list = []
+        self.verifies: dict[int, Verify] = {}
+        self.concluded: list[int] = []
+        self.sent: list[int] = []  # tokens whose TransferInfo went out, in order
+        self.gone: set[int] = set()  # tokens cleared or concluded
+
+    def carry(self, now: float, actions: list) -> None:
+        refused: list = []
+        for action in actions:
+            if isinstance(action, (Announce, SendAsk)):
+                if refused or not self.accepting:
+                    refused.append(action)
+                elif isinstance(action, SendAsk) and self.c.asking(action.room, action.token):
+                    assert action.token not in self.gone, "asked for a room given up"
+                    self.sent.append(action.token)
+            elif isinstance(action, Conclude):
+                assert action.token not in self.concluded, "a room concluded twice"
+                self.concluded.append(action.token)
+                self.gone.add(action.token)
+            elif isinstance(action, (LookUpParallel, LookUpRoute)):
+                self.lookups.append(action)
+            elif isinstance(action, Verify):
+                self.verifies[action.room] = action
+        if refused:
+            self.carry(now, self.c.refused(now, ENCODE, refused))
+
+
+@settings(max_examples=500, deadline=None)
+@given(EVENTS)
+def test_random_interleavings_keep_the_room_invariants(events):
+    c = core(deadline_s=10.0, ask_batch=2)
+    d = FakeDriver(c)
+    now = 0.0
+    for event in events:
+        kind = event[0]
+        if kind == "receive" and event[1] not in c:
+            token, actions = c.receive(now, spec(event[1], slot=event[1]))
+            d.carry(now, actions)
+        elif kind == "clear":
+            token = c.token(event[1])
+            if token is not None and c.clear(now, event[1]):
+                d.gone.add(token)
+        elif kind == "resolve" and d.lookups:
+            action = d.lookups.pop(0 if event[1] else -1)
+            if isinstance(action, LookUpParallel):
+                d.carry(now, c.parallel_resolved(now, BOOT, 1, 1))
+            else:
+                d.carry(now, c.route_resolved(now, action.key, ENCODE))
+        elif kind == "fail_lookup" and d.lookups:
+            action = d.lookups.pop(0)
+            key = action.key if isinstance(action, LookUpRoute) else None
+            d.carry(now, c.lookup_failed(now, BOOT, key, "refused", 2.0 if event[1] else 0.0))
+        elif kind == "status":
+            d.carry(now, c.status(now, event[1], event[2], event[3], (1,)))
+        elif kind == "verified" and event[1] in d.verifies:
+            v = d.verifies.pop(event[1])
+            d.carry(now, c.checksum_verified(now, v.room, v.token) if event[2]
+                    else c.checksum_mismatched(now, v.room, v.token, "embedding", 1, 2))
+        elif kind == "socket":
+            d.accepting = event[1]
+        elif kind == "writable":
+            d.carry(now, c.writable(now, ENCODE))
+        elif kind == "tick":
+            now += event[1]
+            d.carry(now, c.tick(now))
+    # Asks reach an encode rank in the order the rooms were asked for.
+    assert d.sent == sorted(d.sent) and len(set(d.sent)) == len(d.sent)
+    # Every room still open concludes by its deadline, except one whose bytes are being checked.
+    d.carry(now + 10.0, c.tick(now + 10.0))
+    for room in range(6):
+        assert c.stage(room) in (None, "concluded", "verifying")
+    assert c.next_wakeup() is None
