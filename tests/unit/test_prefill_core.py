@@ -565,3 +565,12 @@ def test_random_interleavings_keep_the_room_invariants(events):
     for room in range(6):
         assert c.stage(room) in (None, "concluded", "verifying")
     assert c.next_wakeup() is None
+
+
+def test_a_room_a_status_moved_on_while_it_looked_up_is_not_asked_for_when_the_route_comes():
+    c = core(deadline_s=10.0)
+    token, _ = c.receive(0.0, spec(0))
+    c.parallel_resolved(0.0, BOOT, 1, 1)
+    (verify,) = c.status(0.0, 0, TransferPoll.Success, 0, (1,))
+    assert c.route_resolved(1.0, KEY0, ENCODE) == [] and c.stage(0) == "verifying"
+    assert concluded(c.checksum_verified(2.0, 0, token)) == {0: None}

@@ -307,7 +307,7 @@ class PrefillCore:
         self._parallel[bootstrap_addr] = (encode_tp, encode_dp)
         self.breaker.succeeded(bootstrap_addr)
         actions: list = []
-        waiting = [state for state in self._awaiting_parallel.pop(bootstrap_addr, ()) if self._open(state)]
+        waiting = [state for state in self._awaiting_parallel.pop(bootstrap_addr, ()) if self._looking_up(state)]
         for i, state in enumerate(waiting):
             actions += self._route(now, state, defer=i >= self.ask_batch)
         return actions
@@ -317,7 +317,7 @@ class PrefillCore:
         self._routes[key] = addr
         self.breaker.succeeded(key[0])
         actions: list = []
-        waiting = [state for state in self._awaiting_route.pop(key, ()) if self._open(state)]
+        waiting = [state for state in self._awaiting_route.pop(key, ()) if self._looking_up(state)]
         for i, state in enumerate(waiting):
             # Past a batch, the rest wait in the ask queue: the driver sends them a batch per turn.
             actions += self._ask(now, state, addr, defer=i >= self.ask_batch)
@@ -329,7 +329,7 @@ class PrefillCore:
         self.breaker.failed(bootstrap_addr, now, took_s, detail)
         waiting = self._awaiting_parallel.pop(bootstrap_addr, ()) if key is None else self._awaiting_route.pop(key, ())
         failure = Failure(FailureKind.BOOTSTRAP, f"bootstrap {bootstrap_addr}: {detail}")
-        return [action for state in waiting if self._open(state) for action in self._conclude(state, failure)]
+        return [action for state in waiting if self._looking_up(state) for action in self._conclude(state, failure)]
 
     def refused(self, now: float, addr: Address, actions: list) -> list:
         """The socket to `addr` did not take these actions (in order): their asks wait for it."""
@@ -456,6 +456,10 @@ class PrefillCore:
     def _open(self, state: _Room) -> bool:
         """Whether `state` is still held and not concluded."""
         return self._rooms.get(state.spec.room) is state and state.stage != CONCLUDED
+
+    def _looking_up(self, state: _Room) -> bool:
+        """Whether `state` is held and still waits for a look-up (a status may have moved it on)."""
+        return self._rooms.get(state.spec.room) is state and state.stage == LOOKUP
 
     def _verifying(self, room: int, token: int) -> _Room | None:
         state = self._rooms.get(room)
