@@ -1,5 +1,5 @@
-"""The prefill side's driver: bootstrap look-ups beside the status and deadline loop, and
-descriptors past select()'s limit.
+"""The prefill side's driver: bootstrap look-ups beside the status and deadline loop,
+descriptors past select()'s limit, and close() with a stuck I/O thread.
 
 Real Mooncake engines (tcp on loopback), a real bootstrap server for the encode rank
 that answers, and a listener that accepts and never answers for the one that stalls.
@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 
 import torch
 from live_helpers import HOST, LIVE, item_tensor, wait_until
 
+from transfer import _io
 from transfer.core.failure import FailureKind
+from transfer.drive import prefill as drive
 from transfer.receiver import SessionManager
 from transfer.sender import SenderPool
 from transfer.status import TransferPoll, is_terminal
@@ -74,3 +77,42 @@ def test_a_session_manager_whose_descriptors_are_past_1024_still_concludes_rooms
         finally:
             for fd in pipes:
                 os.close(fd)
+
+
+def test_close_with_a_stuck_io_thread_concludes_rooms_and_leaves_the_thread_its_sockets(engines, monkeypatch):
+    """close() gives up on an I/O thread that does not stop, concludes the rooms through the room
+    table, and leaves the sockets to the thread, which closes them once it stops."""
+    monkeypatch.setattr(drive, "STOP_WAIT_S", 0.5)
+    prefill = engines[1]
+    slots = torch.zeros(1, SPAN, HIDDEN, dtype=torch.bfloat16)
+    with socket.socket() as silent:
+        silent.bind((HOST, 0))
+        silent.listen(16)  # the room's look-up hangs: the room stays open
+        stalled = f"{HOST}:{silent.getsockname()[1]}"
+        manager = SessionManager(prefill, 0, 1, 1, buffer=slots, host=HOST, bootstrap_timeout_s=3.0)
+        driver = manager._driver
+        entered, release = threading.Event(), threading.Event()
+        drain = driver._drain_statuses
+
+        def stuck() -> None:
+            entered.set()
+            release.wait(30)  # as a thread stuck in a call that does not return would
+            drain()
+
+        driver._drain_statuses = stuck
+        handle = manager.receive(1, stalled, slots[0])
+        poke = _io.push_socket(HOST, manager.status_port)
+        try:
+            poke.send_multipart([b"99", b"5", b"0"])  # any status wakes the thread into the stuck call
+            assert entered.wait(5.0), "the I/O thread never read the status socket"
+            manager.close()
+            assert handle.poll() == TransferPoll.Failed and handle.failure == "session manager closed"
+            assert handle.failure_kind is FailureKind.CLOSED
+            assert not driver._status_sock.closed, "closed under a thread that may still use it"
+            release.set()
+            driver._thread.join(5.0)
+            assert not driver._thread.is_alive()
+            assert wait_until(lambda: driver._status_sock.closed, 2.0), "the thread left its sockets open"
+        finally:
+            release.set()
+            poke.close(0)

@@ -58,6 +58,10 @@ LOOKUP_THREADS = 4
 #: (and the caller's receive()) for the whole lot; the next turn comes at once.
 EXPIRE_BATCH = 256
 
+#: How long close() waits for the I/O thread to stop. Nothing in its turn blocks (look-ups
+#: run elsewhere), so this is generous; past it the thread is left its sockets.
+STOP_WAIT_S = 5.0
+
 #: How often the sockets to encode ranks are checked for lost connections while idle,
 #: so their reports do not pile up in ZMQ (a send checks its socket's first anyway).
 MONITOR_PERIOD_S = 1.0
@@ -123,6 +127,11 @@ class PrefillDriver:
         self._lookups = _LookUps(f"epd-pre{engine_rank}-boot", bootstrap_timeout_s, clock, self._deliver,
                                  lookup_threads)
         self._stopping = False
+        # close() and the I/O thread agree here on who closes the sockets: close() once the
+        # thread stopped, else the thread itself when it finally does.
+        self._exit_lock = threading.Lock()
+        self._exited = False
+        self._abandoned = False
         self.failure: str | None = None  # why the I/O thread stopped on its own
         self._complaints = _io.ThrottledLog(log)  # about statuses peers sent
         self._failures = _io.ThrottledLog(log)  # rooms that failed, per kind
@@ -178,23 +187,31 @@ class PrefillDriver:
                 return
             self._stopping = True
         self._waker.wake()
-        # Nothing in the I/O thread's turn blocks (look-ups run elsewhere): this is generous.
-        self._thread.join(timeout=5.0)
+        self._thread.join(timeout=STOP_WAIT_S)
+        with self._exit_lock:
+            stuck = self._abandoned = not self._exited
         failure = Failure(FailureKind.CLOSED, reason)
-        if self._thread.is_alive():
-            # It may be inside the core or a socket: leave both to it, conclude through the table.
-            log.error("prefill rank %d: the I/O thread did not stop; leaving its sockets open", self.engine_rank)
+        if stuck:
+            # It may be inside the core, the lock or a socket: leave all three to it (it closes
+            # the sockets when it stops) and conclude the rooms through the thread-safe table.
+            log.error("prefill rank %d: the I/O thread did not stop; it keeps its sockets until it does",
+                      self.engine_rank)
             for record in list(self.rooms.values()):
                 self._conclude(self.clock(), Conclude(record.room, record.token, failure))
         else:
             with self._lock:
                 now = self.clock()
                 self._carry(now, self.core.fail_all(now, failure))
-                self._status_sock.close(0)
-                for addr in list(self._sockets):
-                    self._disconnect(addr)
-            self._waker.close()
+            self._close_sockets()
         self._lookups.close(timeout=self.bootstrap_timeout_s + 1.0)
+
+    def _close_sockets(self) -> None:
+        """Closes every socket and the waker; only once the I/O thread stopped."""
+        with self._lock:
+            self._status_sock.close(0)
+            for addr in list(self._sockets):
+                self._disconnect(addr)
+        self._waker.close()
 
     def sockets(self) -> list[zmq.Socket]:
         """The status socket and the open sockets to encode ranks."""
@@ -234,6 +251,12 @@ class PrefillDriver:
                 now = self.clock()
                 self._carry(now, self.core.fail_all(now, Failure(FailureKind.CLOSED,
                                                                  f"session manager stopped: {self.failure}")))
+        finally:
+            with self._exit_lock:
+                self._exited = True
+                abandoned = self._abandoned
+            if abandoned:
+                self._close_sockets()
 
     def _sleep_ms(self) -> int:
         """How long the I/O thread may sleep: until the core's next wakeup, at most 1 s."""
