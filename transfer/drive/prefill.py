@@ -182,10 +182,16 @@ class PrefillDriver:
 
     def close(self, reason: str = "session manager closed") -> None:
         """Fails rooms still open, stops the threads and closes the sockets, unless the I/O thread is stuck."""
-        with self._lock:  # receive() files rooms under it: none is filed after this
+        # receive() files rooms under the lock: none is filed after this. A thread stuck while
+        # holding it keeps receive() out anyway, so close() goes on without it.
+        locked = self._lock.acquire(timeout=STOP_WAIT_S)
+        try:
             if self._stopping:
                 return
             self._stopping = True
+        finally:
+            if locked:
+                self._lock.release()
         self._waker.wake()
         self._thread.join(timeout=STOP_WAIT_S)
         with self._exit_lock:
