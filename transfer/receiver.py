@@ -21,7 +21,7 @@ from transfer.core.failure import FailureKind
 from transfer.core.prefill import ENCODE_FAILED, RoomSpec
 from transfer.core.prefill_breaker import UNREACHABLE_RETRY_S
 from transfer.drive.prefill import PrefillDriver, Room
-from transfer.frames import check_parallel, check_room, dtype_size
+from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype
 from transfer.metrics import Metrics
 
 __all__ = ["ENCODE_FAILED", "UNREACHABLE_RETRY_S", "ReceiveHandle", "RegionSet", "SessionManager"]
@@ -127,7 +127,7 @@ class SessionManager:
         dst: Any = None,
         rows: int | None = None,
         hidden: int | None = None,
-        dtype: str | None = None,
+        dtype: Any = None,
         row_start: int = 0,
         span: int | None = None,
         deepstack_dst: Any = None,
@@ -141,11 +141,14 @@ class SessionManager:
 
         With a `pool` and no `dst`, the manager leases a slot for the item's full span
         (`rows`, `hidden`, `dtype` and, with deepstack, `deepstack_hidden` given) and
-        this rank's shard lands in its rows `[row_start, row_start + rows)`.
+        this rank's shard lands in its rows `[row_start, row_start + rows)`. `dtype` is a
+        `torch.dtype`, `"bfloat16"` or `"torch.bfloat16"`.
         """
         if self._closed:
             raise RuntimeError("session manager is closed")
         check_room(room)
+        if dtype is not None:
+            dtype = normalize_dtype(dtype)
         lease = full = full_ds = None
         if dst is None:
             lease, full, full_ds = self._lease(room, rows, hidden, dtype, row_start, span, deepstack_hidden)

@@ -78,3 +78,18 @@ def test_cuda_pool_frees_a_slot_after_the_copy_out_event():
         pool.poll()
         assert pool.stats()["free"] == 4
         assert torch.equal(host, torch.arange(SLOT // 4, dtype=torch.float32))
+
+
+@pytest.mark.live
+@pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, "bfloat16", "torch.bfloat16"])
+def test_a_pooled_receive_takes_every_spelling_of_its_dtype(dtype):
+    from transfer.engine import Engine
+    from transfer.receiver import SessionManager
+
+    with Engine("127.0.0.1", protocol="tcp") as engine, ReceivePool(engine, 4 * 4096, 4096) as pool, \
+            SessionManager(engine, 0, 1, 1, pool=pool, deadline_s=5.0) as manager:
+        # Nothing serves 127.0.0.1:9 (discard): the room fails later; its slot's geometry is what counts.
+        handle = manager.receive(1, "127.0.0.1:9", rows=8, hidden=64, dtype=dtype)
+        assert handle.rows.dtype is torch.bfloat16 and tuple(handle.rows.shape) == (8, 64)
+        handle.clear()
