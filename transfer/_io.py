@@ -749,6 +749,12 @@ class RoomHandle:
         return self._table.reason(self.room) if self._current() else None
 
     @property
+    def failure_kind(self):
+        """Why the room failed as a FailureKind from a closed set (for metrics and retries), or None."""
+        failure = self._table.failure(self.room) if self._current() else None
+        return None if failure is None else failure.kind
+
+    @property
     def latency_s(self) -> float | None:
         """Seconds from the room's start to its conclusion, once concluded."""
         end = self._state.concluded_at

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler
 
 from transfer._http import BoundedHTTPServer, OneDeadlineHandler
+from transfer.core.failure import FailureKind
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 KNOWN_HELP: dict[str, str] = {
     "rooms_started_total": "Rooms started (ask sent or item accepted).",
     "rooms_succeeded_total": "Rooms concluded Success.",
-    "rooms_failed_total": "Rooms concluded Failed, by bounded reason category.",
+    "rooms_failed_total": "Rooms concluded Failed, by failure kind.",
     "bytes_written_total": "Embedding and deepstack bytes written to receivers.",
     "bytes_received_total": "Embedding and deepstack bytes landed in receive slots.",
     "room_latency_seconds": "Seconds from a room's start to its Success.",
@@ -43,20 +44,8 @@ KNOWN_HELP: dict[str, str] = {
     "quarantined_slots": "Receive slots held back after a failed or late write.",
 }
 
-# The bounded reason categories, checked in this order; the first keyword hit wins.
-# Order matters: "checksum mismatch ... write" is a checksum failure, and a
-# bootstrap timeout is a timeout before it is a bootstrap problem.
-_REASON_KEYWORDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("checksum", ("checksum",)),
-    ("encode_failed", ("encode failed",)),
-    ("timeout", ("timeout", "timed out", "deadline", "never registered", "expired", "did not complete")),
-    ("geometry", ("geometry", "hidden", "dtype", "span", "shard", "row", "fanout", "tile",
-                  "overlap", "gap", "deepstack", "region", "outside", "shape")),
-    ("bootstrap", ("bootstrap", "route", "parallel info", "unreachable", "connect", "handshake")),
-    ("write", ("write", "transfer", "mooncake", "batch")),
-    ("aborted", ("abort", "cancel", "closed", "shutdown", "cleared")),
-)
-REASON_CATEGORIES: tuple[str, ...] = tuple(c for c, _ in _REASON_KEYWORDS) + ("other",)
+# The bounded values of rooms_failed_total's `reason` label: the failure kinds.
+REASON_CATEGORIES: tuple[str, ...] = tuple(kind.value for kind in FailureKind)
 
 _NAME_RE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
@@ -64,13 +53,12 @@ _LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 LabelKey = tuple[tuple[str, str], ...]
 
 
-def reason_label(reason: str) -> str:
-    """Map a free-text failure reason to one of REASON_CATEGORIES (bounded label cardinality)."""
-    text = (reason or "").lower()
-    for category, keywords in _REASON_KEYWORDS:
-        if any(k in text for k in keywords):
-            return category
-    return "other"
+def zero_room_counters(metrics: Metrics) -> None:
+    """Creates the room counters at zero, one failure series per kind, so alerts see them before any room."""
+    metrics.inc("rooms_started_total", 0)
+    metrics.inc("rooms_succeeded_total", 0)
+    for reason in REASON_CATEGORIES:
+        metrics.inc("rooms_failed_total", 0, reason=reason)
 
 
 def escape_label_value(value: str) -> str:

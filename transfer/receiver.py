@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from transfer import _io
-from transfer.core.failure import FailureKind
 from transfer.core.prefill import ENCODE_FAILED, RoomSpec
 from transfer.core.prefill_breaker import UNREACHABLE_RETRY_S
 from transfer.drive.prefill import PrefillDriver, Room
 from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype
-from transfer.metrics import Metrics
+from transfer.metrics import Metrics, zero_room_counters
 
 __all__ = ["ENCODE_FAILED", "UNREACHABLE_RETRY_S", "ReceiveHandle", "RegionSet", "SessionManager"]
 
@@ -40,12 +39,6 @@ class ReceiveHandle(_io.RoomHandle):
         #: rows; the others are for reassembly) and likewise the deepstack rows.
         self.rows = rows
         self.deepstack = deepstack
-
-    @property
-    def failure_kind(self) -> FailureKind | None:
-        """Why the room failed, as a kind from a closed set (for metrics and retries), or None."""
-        failure = self._table.failure(self.room) if self._current() else None
-        return None if failure is None else failure.kind
 
     def clear(self, event: Any = None) -> None:
         """Forgets the room; a status that still arrives for it is ignored.
@@ -89,6 +82,7 @@ class SessionManager:
         if not self.host.isascii():
             raise ValueError(f"host {self.host!r} must be ASCII: it goes on the wire in every TransferInfo")
         self.metrics = metrics or Metrics("epd_prefill")
+        zero_room_counters(self.metrics)
 
         if (buffer is None) == (pool is None):
             raise ValueError("give the session manager either a registered `buffer` or a `pool` of receive slots")

@@ -26,7 +26,7 @@ from transfer.frames import (
     check_room,
     dtype_size,
 )
-from transfer.metrics import Metrics
+from transfer.metrics import Metrics, zero_room_counters
 from transfer.status import TransferPoll
 
 __all__ = ["DEAD_AFTER_S", "DEAD_SESSION_MAX_S", "DEAD_SESSION_S", "DEAD_STALL_FACTOR", "MAX_REGIONS_PER_SESSION",
@@ -88,6 +88,7 @@ class SenderPool:
         self.integrity = integrity
         self.depth = max(1, depth)
         self.metrics = metrics or Metrics("epd_encode")
+        zero_room_counters(self.metrics)
 
         self._book = RoomBook(self.metrics)
         self._table = self._book.table

@@ -188,6 +188,7 @@ def test_cached_route_asks_from_receive_and_keeps_deadlines():
                 assert second.wait(0.75) == TransferPoll.Failed
                 assert time.monotonic() - started < 0.75
                 assert "no status from encode rank 0 at 127.0.0.1" in second.failure
+                assert second.failure_kind is FailureKind.DEADLINE
         finally:
             asks.close(0)
 
@@ -248,6 +249,7 @@ def test_close_with_a_write_stuck_on_a_stopped_peer_is_bounded_and_frees_nothing
                     pool.close()
                     assert time.monotonic() - started < 5
                 assert handle.poll() == TransferPoll.Failed and handle.failure == "sender pool closed"
+                assert handle.failure_kind is FailureKind.CLOSED
                 assert any("writes still in flight" in m for m in caplog.messages)
                 assert item.data_ptr() in encode_engine.registered()  # kept: Mooncake may still read it
             finally:

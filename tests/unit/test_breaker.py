@@ -39,3 +39,19 @@ def test_reset_reopens_the_key_and_sweep_forgets_expired_keys():
     breaker.reset(("10.0.0.9", 2))
     assert breaker.open_since(("10.0.0.9", 2), 11.0) is None and len(breaker) == 0
     assert breaker.next_expiry() is None
+
+
+def test_a_bounded_breaker_forgets_the_oldest_failure_first():
+    breaker = Breaker(pause_s=100.0, slow_after_s=0.0, max_keys=2)
+    for i, key in enumerate(("a", "b", "c")):
+        breaker.failed(key, took=1.0, now=float(i), detail=f"{key} timed out")
+    assert "a" not in breaker and breaker.open_since("c", 2.5) == 2.0
+    assert breaker.detail("b") == "b timed out" and breaker.detail("a") is None
+
+
+def test_a_bounded_breaker_sweeps_finished_pauses_before_evicting():
+    breaker = Breaker(pause_s=1.0, slow_after_s=0.0, max_keys=2)
+    breaker.failed("old", took=1.0, now=0.0)
+    breaker.failed("live", took=1.0, now=5.0)
+    breaker.failed("new", took=1.0, now=5.5)
+    assert "old" not in breaker and "live" in breaker and "new" in breaker

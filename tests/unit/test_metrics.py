@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from transfer.metrics import REASON_CATEGORIES, Metrics, escape_label_value, estimate_quantile, reason_label
+from transfer.core.failure import FailureKind
+from transfer.metrics import REASON_CATEGORIES, Metrics, escape_label_value, estimate_quantile, zero_room_counters
 
 
 def small_example() -> Metrics:
@@ -35,7 +36,7 @@ epd_room_latency_seconds_bucket{le="1.0"} 2
 epd_room_latency_seconds_bucket{le="+Inf"} 3
 epd_room_latency_seconds_sum 2.055
 epd_room_latency_seconds_count 3
-# HELP epd_rooms_failed_total Rooms concluded Failed, by bounded reason category.
+# HELP epd_rooms_failed_total Rooms concluded Failed, by failure kind.
 # TYPE epd_rooms_failed_total counter
 epd_rooms_failed_total{reason="checksum"} 1
 epd_rooms_failed_total{reason="we\\"ird\\\\re\\nason"} 3
@@ -139,26 +140,14 @@ def test_kind_conflicts_and_bad_names():
         m.observe("room_latency_seconds", float("nan"))
 
 
-def test_reason_label_is_bounded():
-    cases = {
-        "checksum mismatch for room 7": "checksum",
-        "encode failed to send embedding": "encode_failed",
-        "receiver never registered within 120s": "timeout",
-        "no terminal status before the deadline from encode rank 2": "timeout",
-        "hidden 4096 != item's 2048": "geometry",
-        "shard [0, 9) outside span 8": "geometry",
-        "bootstrap server unreachable: connection refused": "bootstrap",
-        "incomplete parallel info": "bootstrap",
-        "batch write failed: -1": "write",
-        "room aborted by caller": "aborted",
-        "cleared before it concluded": "aborted",  # the encode side's caller gave the room up
-        "room 3: its ready event did not complete within 120s": "timeout",
-        "something odd": "other",
-        "": "other",
-    }
-    for reason, category in cases.items():
-        assert reason_label(reason) == category, reason
-        assert category in REASON_CATEGORIES
+def test_room_counters_exist_at_zero_with_one_failure_series_per_kind():
+    m = Metrics("epd")
+    zero_room_counters(m)
+    counters = m.snapshot()["counters"]
+    assert counters["rooms_started_total"] == {"": 0} and counters["rooms_succeeded_total"] == {"": 0}
+    assert counters["rooms_failed_total"] == {f"reason={kind.value}": 0 for kind in FailureKind}
+    assert 'epd_rooms_failed_total{reason="deadline"} 0' in m.prometheus_text()
+    assert set(REASON_CATEGORIES) == {kind.value for kind in FailureKind}
 
 
 def test_prometheus_client_collector():

@@ -1,7 +1,7 @@
 """A circuit breaker keyed by anything hashable: a peer that failed slowly is skipped for a while.
 
 The encode side keys it by prefill session (a dead peer costs the engine a reconnect
-timeout per write); the prefill side can key it by bootstrap server.
+timeout per write); the prefill side keys it by bootstrap server (core/prefill_breaker.py).
 """
 
 from __future__ import annotations
@@ -39,26 +39,42 @@ class Breaker:
     """Keys that failed slowly, each paused until its time is up, a reset, or a sweep forgets it."""
 
     def __init__(self, *, pause_s: float | None = None, slow_after_s: float | None = None,
-                 stall_factor: float | None = None, max_pause_s: float | None = None) -> None:
-        """Settings left out are the module's, read now."""
+                 stall_factor: float | None = None, max_pause_s: float | None = None,
+                 max_keys: int | None = None) -> None:
+        """Settings left out are the module's, read now; `max_keys` bounds the keys held (None: unbounded)."""
         self.pause_s = PAUSE_S if pause_s is None else pause_s
         self.slow_after_s = SLOW_AFTER_S if slow_after_s is None else slow_after_s
         self.stall_factor = STALL_FACTOR if stall_factor is None else stall_factor
         self.max_pause_s = MAX_PAUSE_S if max_pause_s is None else max_pause_s
-        self._open: dict[Hashable, tuple[float, float]] = {}  # key -> (failed at, paused until)
+        self.max_keys = max_keys
+        self._open: dict[Hashable, tuple[float, float]] = {}  # key -> (failed at, paused until), oldest first
+        self._detail: dict[Hashable, str] = {}
 
-    def failed(self, key: Hashable, took: float, now: float, *, blocking: bool = False) -> Trip | None:
+    def failed(self, key: Hashable, took: float, now: float, *, blocking: bool = False,
+               detail: str = "") -> Trip | None:
         """Records a failure that took `took` seconds; returns the trip when it opened the breaker.
 
         `blocking`: the call held its caller all along, so a long one scales the pause.
+        `detail`: why it failed, for the refusals the pause causes.
         """
         if took < self.slow_after_s:
             return None
         pause, stalled = self.pause_s, False
         if blocking and took * self.stall_factor > pause:
             pause, stalled = min(self.max_pause_s, took * self.stall_factor), True
+        self.reset(key)
+        if self.max_keys is not None and len(self._open) >= self.max_keys:
+            self.sweep(now)
+            while len(self._open) >= self.max_keys:
+                self.reset(next(iter(self._open)))  # the oldest failure goes first
         self._open[key] = (now, now + pause)
+        if detail:
+            self._detail[key] = detail
         return Trip(key, now, now + pause, stalled)
+
+    def detail(self, key: Hashable) -> str | None:
+        """Why `key` failed, as recorded, or None."""
+        return self._detail.get(key)
 
     def open_since(self, key: Hashable, now: float) -> float | None:
         """When the failure that pauses `key` happened, or None when `key` may be tried."""
@@ -70,11 +86,12 @@ class Breaker:
     def reset(self, key: Hashable) -> None:
         """Forgets `key`'s failure (it came back)."""
         self._open.pop(key, None)
+        self._detail.pop(key, None)
 
     def sweep(self, now: float) -> None:
         """Forgets keys whose pause is over; they only take memory."""
         for key in [k for k, (_, until) in self._open.items() if now >= until]:
-            del self._open[key]
+            self.reset(key)
 
     def next_expiry(self) -> float | None:
         """When the earliest pause ends (a sweep then frees memory), or None."""

@@ -1,4 +1,4 @@
-"""The prefill side's breaker: bootstrap servers that did not answer.
+"""The prefill side's breaker: bootstrap servers that did not answer (core/breaker.py keyed by address).
 
 After a look-up failed and that took a while (a timeout, or an error answered slowly),
 rooms that would look that server up fail at once for `retry_s` instead of each
@@ -7,6 +7,8 @@ little, so every room still tries.
 """
 
 from __future__ import annotations
+
+from transfer.core.breaker import Breaker
 
 __all__ = ["SLOW_FAILURE_S", "UNREACHABLE_RETRY_S", "BootstrapBreaker"]
 
@@ -20,36 +22,24 @@ class BootstrapBreaker:
     def __init__(self, retry_s: float = UNREACHABLE_RETRY_S, slow_s: float = SLOW_FAILURE_S,
                  max_servers: int = 1024) -> None:
         self.retry_s = retry_s
-        self.slow_s = slow_s
-        self.max_servers = max_servers
-        self._open: dict[str, tuple[float, str]] = {}  # address -> (when it failed, why)
+        self._breaker = Breaker(pause_s=retry_s, slow_after_s=slow_s, max_keys=max_servers)
 
     def failed(self, addr: str, now: float, took_s: float, why: str) -> bool:
         """Records a failed look-up; True when it opened the breaker for `addr`."""
-        if took_s < self.slow_s:
-            return False
-        if len(self._open) >= self.max_servers:
-            self._open = {a: e for a, e in self._open.items() if now - e[0] < self.retry_s}
-            if len(self._open) >= self.max_servers:
-                del self._open[next(iter(self._open))]
-        self._open.pop(addr, None)
-        self._open[addr] = (now, f"{why} (after {took_s:.1f}s)")
-        return True
+        return self._breaker.failed(addr, took_s, now, detail=f"{why} (after {took_s:.1f}s)") is not None
 
     def succeeded(self, addr: str) -> None:
         """A look-up answered: the server is asked freely again."""
-        self._open.pop(addr, None)
+        self._breaker.reset(addr)
 
     def refusal(self, addr: str, now: float) -> str | None:
         """Why `addr` is not asked now, or None when it may be."""
-        entry = self._open.get(addr)
-        if entry is None:
+        since = self._breaker.open_since(addr, now)
+        if since is None:
+            self._breaker.reset(addr)  # its pause is over: it only takes memory
             return None
-        ago = now - entry[0]
-        if ago >= self.retry_s:
-            del self._open[addr]
-            return None
-        return f"{entry[1]} ({ago:.1f}s ago; not asked again for {self.retry_s:g}s)"
+        return (f"{self._breaker.detail(addr)} ({now - since:.1f}s ago; "
+                f"not asked again for {self.retry_s:g}s)")
 
     def __len__(self) -> int:
-        return len(self._open)
+        return len(self._breaker)
