@@ -655,7 +655,10 @@ class Pushers:
             timeout = None if expiry is None else max(0.0, expiry - time.monotonic())
             if waiting:
                 timeout = poll if timeout is None else min(poll, timeout)
-            select.select([self._waker.fileno()], [], [], timeout)
+            # poll(2), not select(): a waker past descriptor 1024 must not end this thread.
+            waker = select.poll()
+            waker.register(self._waker.fileno(), select.POLLIN)
+            waker.poll(None if timeout is None else math.ceil(timeout * 1000))
             poll = 0.001 if self._waker.drain() or not waiting else min(poll * 2, 0.05)
 
     def __len__(self) -> int:

@@ -37,7 +37,17 @@ def many_descriptors():
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def test_a_room_is_served_with_1100_descriptors_open(many_descriptors):
+@pytest.fixture
+def thread_errors(monkeypatch):
+    """Exceptions that ended any thread during the test."""
+    import threading
+
+    errors = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(f"{args.thread.name}: {args.exc_value!r}"))
+    return errors
+
+
+def test_a_room_is_served_with_1100_descriptors_open(many_descriptors, thread_errors):
     import zmq
 
     with Engine(HOST, "tcp") as encode, Engine(HOST, "tcp") as prefill, \
@@ -52,3 +62,4 @@ def test_a_room_is_served_with_1100_descriptors_open(many_descriptors):
         assert raw.statuses(1, 5.0)[0][:3] == [b"3", b"5", b"0"]
         assert torch.equal(raw.buffer, rows.contiguous().view(torch.uint8).reshape(-1))
         assert pool._thread.is_alive()
+    assert thread_errors == []  # the status pushers' thread too waits with poll()
