@@ -8,6 +8,7 @@ from transfer.core.breaker import Breaker
 from transfer.core.encode import (
     CLEARED_GRACE_S,
     Conclude,
+    Count,
     EncodeCore,
     Offer,
     Progress,
@@ -405,3 +406,36 @@ def test_close_releases_a_cleared_room_whose_write_never_left_the_queue():
     run(run.core.clear(2, cleared.token, run.now))
     out = run(run.core.close(1.0))
     assert run.of(Release, out) == [Release(2, cleared.token)]
+
+
+def test_a_registration_without_lengths_after_lengths_is_refused_warned_and_counted():
+    run = Run()
+    session = "10.0.0.7:17000"
+    run(run.core.registration(Registration("10.0.0.7", 6000, session, 0x10000, 0, 4 * ROW, 0), run.now))
+    out = run(run.core.registration(Registration("10.0.0.7", 6000, session, 0x900000, 0), run.now))
+    assert [w.key for w in run.of(Warn, out)] == ["registration without lengths"]
+    assert run.of(Count, out) == [Count("registrations_refused_total", "no_lengths")]
+    run.offer(_offer(1))
+    out = run.ask(_ask(1, ptr=0x900000))  # the forged destination the refused registration named
+    assert run.of(StartWrite, out) == []
+    assert run.conclusions() == [(1, TransferPoll.Failed, FailureKind.REGION)]
+
+
+def test_a_destination_overlapping_another_room_in_flight_for_the_session_is_refused():
+    run = Run()
+    run.offer(_offer(1))
+    [first] = run.of(StartWrite, run.ask(_ask(1, ptr=0x10000)))
+    run.offer(_offer(2))
+    out = run.ask(_ask(2, ptr=0x10000 + 3 * ROW))  # its first row is room 1's last
+    assert run.of(StartWrite, out) == []
+    [conclusion] = run.of(Conclude, out)
+    assert conclusion.failure.kind is FailureKind.REGION
+    assert "overlaps room 1" in conclusion.failure.detail and "10.0.0.7:17000" in conclusion.failure.detail
+    assert run.statuses(out) == [(2, 6000, TransferPoll.Failed)]
+    run.offer(_offer(3))
+    assert len(run.of(StartWrite, run.ask(_ask(3, ptr=0x10000 + 4 * ROW)))) == 1  # adjacent: written
+    run.offer(_offer(4))
+    assert len(run.of(StartWrite, run.ask(_ask(4, ptr=0x10000, session="other")))) == 1  # another session
+    run.complete(first)
+    run.offer(_offer(5))
+    assert len(run.of(StartWrite, run.ask(_ask(5, ptr=0x10000)))) == 1  # room 1 is over

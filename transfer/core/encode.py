@@ -16,6 +16,7 @@ first ask (nor can it once that much time passed with the fanout still incomplet
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,7 @@ from transfer.core.scheduler import WriteScheduler
 from transfer.frames import Registration, TransferInfo, validate_fanout
 from transfer.status import TransferPoll
 
-__all__ = ["CLEARED_GRACE_S", "SWEEP_S", "Conclude", "EncodeCore", "Offer", "Progress", "PushStatus",
+__all__ = ["CLEARED_GRACE_S", "SWEEP_S", "Conclude", "Count", "EncodeCore", "Offer", "Progress", "PushStatus",
            "Release", "StartWrite", "Warn"]
 
 #: A room cleared before its whole fanout asked has its parked asks told Failed this long
@@ -126,6 +127,14 @@ class Warn:
     args: tuple = ()
 
 
+@dataclass(frozen=True)
+class Count:
+    """Count one event a peer caused in the metric `metric`, labelled with `reason`."""
+
+    metric: str
+    reason: str
+
+
 # ---------------------------------------------------------------- state
 
 
@@ -161,10 +170,11 @@ class _Room:
 
 @dataclass(eq=False)
 class _Job:
-    """One receiver's write of one room."""
+    """One receiver's write of one room, and the destination ranges it holds until it is over."""
 
     room: _Room
     info: TransferInfo
+    ranges: tuple[tuple[int, int, int], ...] = ()  # (start, end, seq) in its session's destination list
 
 
 class EncodeCore:
@@ -182,6 +192,9 @@ class EncodeCore:
         self._rooms: dict[int, _Room] = {}  # offered, not yet cleared
         self._unserved: set[int] = set()  # offered rooms with no receivers attached yet, not failed
         self._writes: dict[int, _Job] = {}  # started, not yet over
+        # Destinations of writes queued or in flight, per session, sorted: (start, end, seq, room number).
+        self._destinations: dict[str, list[tuple[int, int, int, int]]] = {}
+        self._next_seq = 1
         self._next_wid = 1
         self._clears_due: deque[tuple[int, float]] = deque()  # (room, cleared at) with parked asks to fail
         self._next_sweep = now + SWEEP_S
@@ -220,8 +233,12 @@ class EncodeCore:
 
     def registration(self, reg: Registration, now: float) -> list:
         """A prefill session announced a region; it is also back, so its breaker resets."""
+        refused = self.regions.register(reg)
+        if refused is not None:
+            self._warn("registration without lengths", "%s", refused)
+            self._out.append(Count("registrations_refused_total", "no_lengths"))
+            return self._flush(now)
         self.breaker.reset(reg.session_id)
-        self.regions.register(reg)
         return self._flush(now)
 
     def ask(self, info: TransferInfo, now: float) -> list:
@@ -249,7 +266,7 @@ class EncodeCore:
         job = self._writes.pop(wid, None)
         if job is not None:
             self.scheduler.finished(job.info.session_id)
-            self._receiver_done(job.room, now)
+            self._job_done(job, now)
         return self._flush(now)
 
     def write_done(self, wid: int, checksums: tuple[int, ...], now: float) -> list:
@@ -259,7 +276,7 @@ class EncodeCore:
             self.scheduler.finished(job.info.session_id)
             if not job.room.failed:
                 self._push(job.info, TransferPoll.Success, checksums)
-            self._receiver_done(job.room, now)
+            self._job_done(job, now)
         return self._flush(now)
 
     def write_failed(self, wid: int, error: str, took: float, now: float, *, blocking: bool = False) -> list:
@@ -279,7 +296,7 @@ class EncodeCore:
                        "handshake? Writes to it fail at once for the next %.0fs, or until it registers again",
                        session[:64], took, trip.until - now)
         self._fail(job.room, FailureKind.WRITE, f"write to {session} (room {job.room.room}) failed: {error}", now)
-        self._receiver_done(job.room, now)
+        self._job_done(job, now)
         return self._flush(now)
 
     def checksum_failed(self, wid: int, error: str, now: float) -> list:
@@ -317,7 +334,7 @@ class EncodeCore:
         for room in list(self._rooms.values()):
             self._fail(room, FailureKind.CLOSED, detail, now)
         for job in self.scheduler.take_all():  # every room is failed now: these only count out
-            self._receiver_done(job.room, now)
+            self._job_done(job, now)
         for job in self._writes.values():  # cleared rooms still in flight: release none of them
             job.room.released = True
         self._unserved.clear()
@@ -393,6 +410,8 @@ class EncodeCore:
         kind = FailureKind.GEOMETRY
         if reason is None:
             reason, kind = self.regions.check(infos, offer.row_bytes, offer.deepstack_row_bytes), FailureKind.REGION
+        if reason is None:
+            reason = self._overlap(infos, offer)
         if reason is not None:
             self._fail(room, kind, reason, now)
             return
@@ -400,7 +419,9 @@ class EncodeCore:
         room.pending = len(infos)
         room.asked_at = asks.first_at
         for info in infos:
-            self.scheduler.push(_Job(room, info), info.session_id, asks.first_at)
+            job = _Job(room, info)
+            self._hold_ranges(job, offer)
+            self.scheduler.push(job, info.session_id, asks.first_at)
 
     def _pump(self, now: float) -> None:
         """Starts the waiting writes that may start now."""
@@ -410,7 +431,7 @@ class EncodeCore:
                                      ready=lambda job: self._ready(job, now), expired=lambda job, waited:
                                      self._expired(job, waited, now))
         for job in picked.dropped:
-            self._receiver_done(job.room, now)
+            self._job_done(job, now)
         for job in picked.start:
             self._start(job, now)
 
@@ -444,7 +465,7 @@ class EncodeCore:
             self.scheduler.finished(info.session_id)
             self._fail(room, FailureKind.WRITE, f"write to {info.session_id} (room {room.room}) skipped: a write to "
                                                 f"it failed {now - since:.1f}s ago", now)
-            self._receiver_done(room, now)
+            self._job_done(job, now)
             return
         offer = room.offer
         srcs = [offer.src_addr + info.row_start * offer.row_bytes]
@@ -458,6 +479,55 @@ class EncodeCore:
         self._writes[wid] = job
         self._out.append(StartWrite(wid, room.room, info.session_id, tuple(srcs), tuple(dsts), tuple(lengths),
                                     offer.sources))
+
+    def _job_done(self, job: _Job, now: float) -> None:
+        """One receiver's write is over: its destinations are free, and its room may conclude."""
+        dests = self._destinations.get(job.info.session_id)
+        for start, end, seq in job.ranges:
+            index = bisect.bisect_left(dests, (start, end, seq))
+            del dests[index]
+        if dests is not None and not dests:
+            del self._destinations[job.info.session_id]
+        job.ranges = ()
+        self._receiver_done(job.room, now)
+
+    def _ranges(self, info: TransferInfo, offer: Offer) -> list[tuple[int, int]]:
+        """The destination byte ranges a receiver's write covers (empty ones left out)."""
+        ranges = [(info.embedding_ptr, info.rows * offer.row_bytes)]
+        if offer.deepstack_addr is not None:
+            ranges.append((info.deepstack_ptr, info.rows * offer.deepstack_row_bytes))
+        return [(ptr, ptr + length) for ptr, length in ranges if length > 0]
+
+    def _overlap(self, infos: list[TransferInfo], offer: Offer) -> str | None:
+        """Why a receiver's destination overlaps another room's write of the same session still queued or
+        in flight, or None: two rooms writing one range would leave either's rows torn."""
+        for info in infos:
+            dests = self._destinations.get(info.session_id)
+            if not dests:
+                continue
+            for start, end in self._ranges(info, offer):
+                # Sorted by start: only entries starting before `end` can overlap; a write of
+                # another send of this same room (a retry) is not another room.
+                index = bisect.bisect_left(dests, (end,))
+                while index > 0:
+                    index -= 1
+                    other_start, other_end, _, other_room = dests[index]
+                    if other_end <= start:
+                        break
+                    if other_room != info.room:
+                        return (f"room {info.room}: receiver {info.session_id} destination [{start:#x}, {end:#x}) "
+                                f"overlaps room {other_room}'s [{other_start:#x}, {other_end:#x}), still in flight")
+        return None
+
+    def _hold_ranges(self, job: _Job, offer: Offer) -> None:
+        """Records the job's destinations until it is over."""
+        dests = self._destinations.setdefault(job.info.session_id, [])
+        held = []
+        for start, end in self._ranges(job.info, offer):
+            seq, self._next_seq = self._next_seq, self._next_seq + 1
+            bisect.insort(dests, (start, end, seq, job.room.room))
+            held.append((start, end, seq))
+        job.ranges = tuple(held)
 
     def _receiver_done(self, room: _Room, now: float) -> None:
         """One receiver's write is over (settled, failed or skipped)."""
