@@ -148,7 +148,7 @@ def test_receiver_that_never_asks_fails_the_room_after_the_bootstrap_timeout(eng
             sent = encode.call("wait", [lonely, *good], 5.0)
 
             assert sent[lonely][0] == "Failed"
-            assert sent[lonely][1] == "receiver never registered within 2s"
+            assert sent[lonely][1] == "receiver never registered within 2s (1 of 2 prefill ranks asked)"
             # Told Failed by the encode rank (its own deadline is 30 s), only after the timeout.
             assert lonely_result[0] == "Failed" and lonely_result[1].startswith(ENCODE_FAILED), lonely_result
             assert 1.9 <= told_after < 5.0, told_after

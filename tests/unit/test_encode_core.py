@@ -148,7 +148,7 @@ def test_an_item_nobody_asked_for_fails_at_the_bootstrap_timeout_with_specs_text
     out = run.at(10.6).tick()
     [conclusion] = run.of(Conclude, out)
     assert conclusion.failure.kind is FailureKind.FANOUT_TIMEOUT
-    assert conclusion.failure.detail == "receiver never registered within 10s"
+    assert conclusion.failure.detail == "receiver never registered within 10s (1 of 2 prefill ranks asked)"
     assert run.statuses(out) == [(6, 6000, TransferPoll.Failed)]  # the one that asked is told
     assert 6 not in run.core.parked
 
@@ -439,3 +439,19 @@ def test_a_destination_overlapping_another_room_in_flight_for_the_session_is_ref
     run.complete(first)
     run.offer(_offer(5))
     assert len(run.of(StartWrite, run.ask(_ask(5, ptr=0x10000)))) == 1  # room 1 is over
+
+
+def test_a_fanout_that_never_completed_says_how_many_of_it_asked():
+    run = Run(bootstrap_timeout_s=10.0)
+    run.offer(_offer(1, span=4))
+    run.ask(_ask(1, rank=0, fanout=2))
+    run.offer(_offer(2))
+    run.at(10.6).tick()
+    details = {c.room: c.failure.detail for c in run.of(Conclude)}
+    assert details[1] == "receiver never registered within 10s (1 of 2 prefill ranks asked)"
+    assert details[2] == "receiver never registered within 10s (no prefill rank asked)"
+    run.ask(_ask(3, rank=0, fanout=2))
+    run.at(21.0).offer(_offer(3))
+    out = run.ask(_ask(3, rank=1, fanout=2))
+    assert run.of(Conclude, out)[0].failure.detail == "receiver never registered within 10s (2 of 2 prefill ranks " \
+                                                      "asked, the last 10.4s after the first)"

@@ -177,6 +177,13 @@ class _Job:
     ranges: tuple[tuple[int, int, int], ...] = ()  # (start, end, seq) in its session's destination list
 
 
+def _asked(asks: Asks | None) -> str:
+    """How much of a room's fanout asked, for a failure a human reads."""
+    if asks is None:
+        return "no prefill rank asked"
+    return f"{len(asks.infos)} of {asks.fanout} prefill ranks asked"
+
+
 class EncodeCore:
     """An encode rank's room rules: parked asks, fanout assembly, checks, scheduling, conclusions."""
 
@@ -403,7 +410,9 @@ class EncodeCore:
             # wait for a write slot that never happened.
             self._warn("late fanout", "room %d: its whole fanout of %d asked only %.1fs after its first ask, past "
                        "the bootstrap timeout %gs; failing it", room_number, fanout, waited, limit)
-            self._fail(room, FailureKind.FANOUT_TIMEOUT, f"receiver never registered within {limit:g}s", now)
+            self._fail(room, FailureKind.FANOUT_TIMEOUT, f"receiver never registered within {limit:g}s "
+                                                         f"({len(infos)} of {fanout} prefill ranks asked, the last "
+                                                         f"{waited:.1f}s after the first)", now)
             return
         offer = room.offer
         reason = validate_fanout(offer.span, offer.hidden, offer.dtype, offer.deepstack_addr is not None, infos, fanout)
@@ -591,7 +600,8 @@ class EncodeCore:
             if now - since > limit:
                 taken = self.parked.take(number)
                 room.receivers = list(taken.infos.values()) if taken else []
-                self._fail(room, FailureKind.FANOUT_TIMEOUT, f"receiver never registered within {limit:g}s", now)
+                self._fail(room, FailureKind.FANOUT_TIMEOUT,
+                           f"receiver never registered within {limit:g}s ({_asked(taken)})", now)
         for number in self.parked.older_than(now - limit):
             if number in self._rooms:
                 continue
