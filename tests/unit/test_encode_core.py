@@ -455,3 +455,39 @@ def test_a_fanout_that_never_completed_says_how_many_of_it_asked():
     out = run.ask(_ask(3, rank=1, fanout=2))
     assert run.of(Conclude, out)[0].failure.detail == "receiver never registered within 10s (2 of 2 prefill ranks " \
                                                       "asked, the last 10.4s after the first)"
+
+
+def test_a_dead_sessions_backlog_is_worked_through_in_bounded_turns_and_a_healthy_write_starts_in_the_first():
+    run = Run(depth=32, bootstrap_timeout_s=120.0)
+    for room in range(6000):
+        run.offer(_offer(room))
+        run.ask(_ask(room, session="dead", ptr=0x10000 + room * 4 * ROW))
+    flying = run.of(StartWrite)
+    assert len(flying) == 24 and run.core.waiting == 6000 - 24
+    run.offer(_offer(9999))
+
+    def carry(actions: list, now: float) -> list[StartWrite]:
+        """Carries actions out as the driver does: the dead peer refuses every write at once."""
+        work, started = list(actions), []
+        while work:
+            action = work.pop(0)
+            if isinstance(action, StartWrite):
+                started.append(action)
+                if action.session_id == "dead":
+                    work.extend(run.core.write_failed(action.wid, "connection refused", 0.001, now, blocking=True))
+        return started
+
+    # One driver turn: the writes in flight are found failed, then a healthy receiver's ask comes.
+    now = 1.0
+    started = carry(run.core.tick(now), now)
+    for write in flying:
+        started += carry(run.core.write_failed(write.wid, "connection reset", 0.001, now), now)
+    started += carry(run.core.ask(_ask(9999, session="live", ptr=0x10000), now), now)
+    assert [w.room for w in started if w.session_id == "live"] == [9999]
+    assert len(started) <= 200, len(started)
+    turns = 1
+    while run.core.waiting:
+        turns += 1
+        now += 1e-3
+        assert len(carry(run.core.tick(now), now)) <= 200
+    assert turns > 1

@@ -316,6 +316,7 @@ class EncodeCore:
 
     def tick(self, now: float) -> list:
         """Time passed: cleared rooms' grace, writes waiting for a slot or a ready event, the sweep."""
+        self.scheduler.new_turn()
         while self._clears_due and now >= self._clears_due[0][1] + CLEARED_GRACE_S:
             self._fail_cleared_asks(*self._clears_due.popleft())
         if now >= self._next_sweep:
