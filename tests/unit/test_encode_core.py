@@ -330,7 +330,7 @@ def test_asks_for_a_room_already_served_wait_for_its_next_send_and_for_a_failed_
     run.offer(_offer(1))
     [write] = run.of(StartWrite, run.ask(_ask(1)))
     run.complete(write)
-    assert run.ask(_ask(1, session="late")) == [] and 1 in run.core.parked
+    assert run.ask(_ask(1, session="late", port=6100)) == [] and 1 in run.core.parked
     run.offer(_offer(2))
     run.ask(_ask(2, hidden=512))  # fails the room
     assert run.statuses(run.ask(_ask(2, session="again"))) == [(2, 6000, TransferPoll.Failed)]
@@ -491,3 +491,59 @@ def test_a_dead_sessions_backlog_is_worked_through_in_bounded_turns_and_a_health
         now += 1e-3
         assert len(carry(run.core.tick(now), now)) <= 200
     assert turns > 1
+
+
+def _reask(info: TransferInfo, session: str, port: int | None = None) -> TransferInfo:
+    """The same ask from a successor process: a new Mooncake session, maybe a new status port."""
+    return TransferInfo(info.room, info.endpoint, info.port if port is None else port, session, info.embedding_ptr,
+                        info.deepstack_ptr, info.rows, info.hidden, info.dtype, info.has_deepstack, info.fanout,
+                        info.row_start, info.span)
+
+
+def test_a_successor_at_the_same_status_endpoint_supersedes_its_predecessors_parked_asks():
+    run = Run()
+    old, new = "10.0.0.7:17000", "10.0.0.7:17555"
+    run(run.core.registration(Registration("10.0.0.7", 6000, old, 0x10000, 0, 64 * ROW, 0), run.now))
+    asks = [_ask(room, ptr=0x10000 + room * 4 * ROW) for room in range(3)]
+    for info in asks:
+        run.ask(info)
+    out = run(run.core.registration(Registration("10.0.0.7", 6000, new, 0x10000, 0, 64 * ROW, 0), run.now))
+    assert run.core.parked.rooms() == [] and run.statuses(out) == []  # its endpoint is the successor's now
+    assert [w.key for w in run.of(Warn, out)] == ["successor"]
+    assert run.of(Count, out) == [Count("sessions_superseded_total", "status_endpoint")]
+    for info in asks[:2]:  # the successor retries two of them
+        run.ask(_reask(info, new))
+        run.offer(_offer(info.room))
+    writes = run.of(StartWrite)
+    assert [(w.room, w.session_id) for w in writes] == [(0, new), (1, new)]
+    for write in writes:
+        run.complete(write)
+    assert run.conclusions() == [(0, TransferPoll.Success, None), (1, TransferPoll.Success, None)]
+
+
+def test_a_successor_asking_for_the_same_shard_of_a_full_fanout_supersedes_only_that_rank():
+    run = Run()
+    span, fanout = 8, 2
+    ranks = [_ask(room, rank, fanout=fanout, span=span, ptr=0x10000 * (rank + 1)) for room in (1, 2)
+             for rank in range(fanout)]
+    for info in ranks:
+        run.ask(info)
+    dead = ranks[1].session_id  # rank 1 restarts: a new session and a new status port
+    out = run.ask(_reask(ranks[1], "10.0.0.7:17999", port=6100))
+    assert run.statuses(out) == [] and run.of(Count, out) == [Count("sessions_superseded_total", "shard")]
+    assert all(dead not in run.core.parked[room].infos for room in (1, 2))
+    assert len(run.core.parked[2].infos) == 1  # room 2 waits for the successor's retry
+    run.offer(_offer(1, span=span))
+    writes = run.of(StartWrite)
+    assert sorted(w.session_id for w in writes) == ["10.0.0.7:17000", "10.0.0.7:17999"]
+    for write in writes:
+        run.complete(write)
+    assert run.conclusions() == [(1, TransferPoll.Success, None)]
+    assert sorted(p for _, p, s in run.statuses() if s is TransferPoll.Success) == [6000, 6100]
+
+
+def test_a_new_receiver_that_matches_no_rank_is_not_taken_for_a_successor():
+    run = Run()
+    run.ask(_ask(1, 0, fanout=2, span=8))
+    out = run.ask(_ask(1, 1, fanout=2, span=8))  # the fanout's second rank, not a successor
+    assert run.of(Count, out) == [] and len(run.core.parked[1].infos) == 2

@@ -40,6 +40,10 @@ CLEARED_GRACE_S = 0.1
 #: How often unserved items and asks are swept for the bootstrap timeout.
 SWEEP_S = 0.5
 
+#: Status endpoints whose latest session is remembered (least recently seen forgotten
+#: first): a new session at a known endpoint is a restarted prefill rank.
+MAX_ENDPOINTS = 4096
+
 
 @dataclass
 class Offer:
@@ -177,6 +181,11 @@ class _Job:
     ranges: tuple[tuple[int, int, int], ...] = ()  # (start, end, seq) in its session's destination list
 
 
+def _host(session: str) -> str:
+    """The host part of a Mooncake session id (host:rpc_port)."""
+    return session.rpartition(":")[0] or session
+
+
 def _asked(asks: Asks | None) -> str:
     """How much of a room's fanout asked, for a failure a human reads."""
     if asks is None:
@@ -202,6 +211,7 @@ class EncodeCore:
         # Destinations of writes queued or in flight, per session, sorted: (start, end, seq, room number).
         self._destinations: dict[str, list[tuple[int, int, int, int]]] = {}
         self._next_seq = 1
+        self._endpoints: dict[tuple[str, int], str] = {}  # status endpoint -> its latest session
         self._next_wid = 1
         self._clears_due: deque[tuple[int, float]] = deque()  # (room, cleared at) with parked asks to fail
         self._next_sweep = now + SWEEP_S
@@ -246,10 +256,21 @@ class EncodeCore:
             self._out.append(Count("registrations_refused_total", "no_lengths"))
             return self._flush(now)
         self.breaker.reset(reg.session_id)
+        self._note_endpoint(reg.endpoint, reg.port, reg.session_id)
         return self._flush(now)
 
     def ask(self, info: TransferInfo, now: float) -> list:
-        """A receiver asked for a room: park it; a complete fanout with its item starts the writes."""
+        """A receiver asked for a room: park it; a complete fanout with its item starts the writes.
+
+        A new session asking for what a parked rank asked for is that rank restarted:
+        it supersedes its predecessor (see `_supersede`).
+        """
+        self._note_endpoint(info.endpoint, info.port, info.session_id)
+        predecessor = self._predecessor_by_shard(info)
+        if predecessor is not None:
+            self._supersede(predecessor, info.session_id, "shard",
+                            f"asking for room {info.room}'s shard (rows {info.row_start}+{info.rows} of fanout "
+                            f"{info.fanout}) it had asked for")
         admission = self.parked.add(info, now)
         if admission.refused:
             self._warn("receivers", "room %d: more than %d receivers asked; telling %s Failed",
@@ -347,6 +368,54 @@ class EncodeCore:
             job.room.released = True
         self._unserved.clear()
         return self._out_take()
+
+    # ------------------------------------------------------------ successors
+
+    def _note_endpoint(self, endpoint: str, port: int, session: str) -> None:
+        """Remembers the endpoint's session; a new one there supersedes the one before.
+
+        Only one process at a time can bind a status endpoint, so a new session at one
+        is the rank restarted there.
+        """
+        key = (endpoint, port)
+        previous = self._endpoints.pop(key, None)
+        self._endpoints[key] = session
+        if len(self._endpoints) > MAX_ENDPOINTS:
+            del self._endpoints[next(iter(self._endpoints))]
+        if previous is not None and previous != session:
+            self._supersede(previous, session, "status_endpoint", f"at the same status endpoint {endpoint}:{port}")
+
+    def _predecessor_by_shard(self, info: TransferInfo) -> str | None:
+        """The parked session a new session's ask replaces, or None.
+
+        The room's whole fanout already asked and one of them asked for this very shard:
+        only that rank, restarted, asks for it again. Ranks asking for the same shard (the
+        full span, or empty shards) are told apart by host; when that leaves more than
+        one, none is guessed (the room then fails on its receiver count, as before).
+        """
+        asks = self.parked.get(info.room)
+        if asks is None or info.session_id in asks.infos or len(asks.infos) < asks.fanout:
+            return None
+        shard = (info.row_start, info.rows, info.fanout, info.span)
+        same = [s for s, i in asks.infos.items() if (i.row_start, i.rows, i.fanout, i.span) == shard]
+        if len(same) > 1:
+            host = _host(info.session_id)
+            same = [s for s in same if _host(s) == host]
+        return same[0] if len(same) == 1 else None
+
+    def _supersede(self, old: str, new: str, reason: str, how: str) -> None:
+        """A restarted rank's new session replaces its old one: the old one's parked asks are dropped.
+
+        They are not told Failed: the process that made them is gone, and its status
+        endpoint may be its successor's, which would take that Failed for its retry.
+        Writes already queued for the old session fail on their own.
+        """
+        dropped = self.parked.drop_session(old)
+        self.regions.forget(old)
+        self.breaker.reset(old)
+        self._warn("successor", "session %s %s supersedes session %s (a restarted prefill rank): %d parked asks of "
+                   "the predecessor dropped", new[:64], how, old[:64], len(dropped))
+        self._out.append(Count("sessions_superseded_total", reason))
 
     # ------------------------------------------------------------ queries
 
