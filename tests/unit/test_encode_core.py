@@ -547,3 +547,14 @@ def test_a_new_receiver_that_matches_no_rank_is_not_taken_for_a_successor():
     run.ask(_ask(1, 0, fanout=2, span=8))
     out = run.ask(_ask(1, 1, fanout=2, span=8))  # the fanout's second rank, not a successor
     assert run.of(Count, out) == [] and len(run.core.parked[1].infos) == 2
+
+
+def test_an_overlap_with_a_long_write_behind_shorter_ones_is_found():
+    run = Run()
+    run.offer(_offer(1, span=16))
+    run.ask(_ask(1, span=16, ptr=0x10000))  # 16 rows from 0x10000, still in flight
+    run.offer(_offer(1, span=1))  # room 1 sent again: its retry may reuse its own rows
+    assert len(run.of(StartWrite, run.ask(_ask(1, span=1, ptr=0x10000 + 2 * ROW)))) == 1
+    run.offer(_offer(3, span=1))
+    out = run.ask(_ask(3, span=1, ptr=0x10000 + 8 * ROW))
+    assert run.of(StartWrite, out) == [] and "overlaps room 1" in run.of(Conclude, out)[0].failure.detail

@@ -181,6 +181,14 @@ class _Job:
     ranges: tuple[tuple[int, int, int], ...] = ()  # (start, end, seq) in its session's destination list
 
 
+@dataclass(eq=False)
+class _Destinations:
+    """One session's destination ranges of writes queued or in flight, sorted, and the longest one."""
+
+    spans: list[tuple[int, int, int, int]] = field(default_factory=list)  # (start, end, seq, room number)
+    longest: int = 0
+
+
 def _host(session: str) -> str:
     """The host part of a Mooncake session id (host:rpc_port)."""
     return session.rpartition(":")[0] or session
@@ -208,8 +216,7 @@ class EncodeCore:
         self._rooms: dict[int, _Room] = {}  # offered, not yet cleared
         self._unserved: set[int] = set()  # offered rooms with no receivers attached yet, not failed
         self._writes: dict[int, _Job] = {}  # started, not yet over
-        # Destinations of writes queued or in flight, per session, sorted: (start, end, seq, room number).
-        self._destinations: dict[str, list[tuple[int, int, int, int]]] = {}
+        self._destinations: dict[str, _Destinations] = {}  # of writes queued or in flight, per session
         self._next_seq = 1
         self._endpoints: dict[tuple[str, int], str] = {}  # status endpoint -> its latest session
         self._next_wid = 1
@@ -563,9 +570,8 @@ class EncodeCore:
         """One receiver's write is over: its destinations are free, and its room may conclude."""
         dests = self._destinations.get(job.info.session_id)
         for start, end, seq in job.ranges:
-            index = bisect.bisect_left(dests, (start, end, seq))
-            del dests[index]
-        if dests is not None and not dests:
+            del dests.spans[bisect.bisect_left(dests.spans, (start, end, seq))]
+        if dests is not None and not dests.spans:
             del self._destinations[job.info.session_id]
         job.ranges = ()
         self._receiver_done(job.room, now)
@@ -582,29 +588,31 @@ class EncodeCore:
         in flight, or None: two rooms writing one range would leave either's rows torn."""
         for info in infos:
             dests = self._destinations.get(info.session_id)
-            if not dests:
+            if dests is None:
                 continue
             for start, end in self._ranges(info, offer):
-                # Sorted by start: only entries starting before `end` can overlap; a write of
-                # another send of this same room (a retry) is not another room.
-                index = bisect.bisect_left(dests, (end,))
+                # Sorted by start: a range overlapping [start, end) starts before `end` and,
+                # being at most `longest` long, after start - longest. A write of another
+                # send of this same room (a retry) is not another room.
+                index = bisect.bisect_left(dests.spans, (end,))
                 while index > 0:
                     index -= 1
-                    other_start, other_end, _, other_room = dests[index]
-                    if other_end <= start:
+                    other_start, other_end, _, other_room = dests.spans[index]
+                    if other_start <= start - dests.longest:
                         break
-                    if other_room != info.room:
+                    if other_end > start and other_room != info.room:
                         return (f"room {info.room}: receiver {info.session_id} destination [{start:#x}, {end:#x}) "
                                 f"overlaps room {other_room}'s [{other_start:#x}, {other_end:#x}), still in flight")
         return None
 
     def _hold_ranges(self, job: _Job, offer: Offer) -> None:
         """Records the job's destinations until it is over."""
-        dests = self._destinations.setdefault(job.info.session_id, [])
+        dests = self._destinations.setdefault(job.info.session_id, _Destinations())
         held = []
         for start, end in self._ranges(job.info, offer):
             seq, self._next_seq = self._next_seq, self._next_seq + 1
-            bisect.insort(dests, (start, end, seq, job.room.room))
+            bisect.insort(dests.spans, (start, end, seq, job.room.room))
+            dests.longest = max(dests.longest, end - start)
             held.append((start, end, seq))
         job.ranges = tuple(held)
 
