@@ -547,6 +547,10 @@ def test_a_new_receiver_that_matches_no_rank_is_not_taken_for_a_successor():
     run.ask(_ask(1, 0, fanout=2, span=8))
     out = run.ask(_ask(1, 1, fanout=2, span=8))  # the fanout's second rank, not a successor
     assert run.of(Count, out) == [] and len(run.core.parked[1].infos) == 2
+    run.ask(_ask(2, 0, fanout=1, span=4))
+    for index in range(2):  # asks that disagree on the fanout are not a restarted rank's
+        run.ask(_reask(_ask(2, 0, fanout=4, span=4), f"10.0.0.8:{index}", port=6100 + index))
+    assert run.of(Count) == [] and len(run.core.parked[2].infos) == 3
 
 
 def test_an_overlap_with_a_long_write_behind_shorter_ones_is_found():

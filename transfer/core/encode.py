@@ -256,7 +256,11 @@ class EncodeCore:
         return self._flush(now)
 
     def registration(self, reg: Registration, now: float) -> list:
-        """A prefill session announced a region; it is also back, so its breaker resets."""
+        """A prefill session announced a region; it is also back, so its breaker resets.
+
+        A rank announces itself before its first ask, so a new session registering at a
+        known status endpoint is the rank restarted there: it supersedes the old one.
+        """
         refused = self.regions.register(reg)
         if refused is not None:
             self._warn("registration without lengths", "%s", refused)
@@ -272,7 +276,6 @@ class EncodeCore:
         A new session asking for what a parked rank asked for is that rank restarted:
         it supersedes its predecessor (see `_supersede`).
         """
-        self._note_endpoint(info.endpoint, info.port, info.session_id)
         predecessor = self._predecessor_by_shard(info)
         if predecessor is not None:
             self._supersede(predecessor, info.session_id, "shard",
@@ -379,10 +382,9 @@ class EncodeCore:
     # ------------------------------------------------------------ successors
 
     def _note_endpoint(self, endpoint: str, port: int, session: str) -> None:
-        """Remembers the endpoint's session; a new one there supersedes the one before.
+        """Remembers the session registered at a status endpoint; a new one there supersedes the one before.
 
-        Only one process at a time can bind a status endpoint, so a new session at one
-        is the rank restarted there.
+        Only one process at a time can bind a status endpoint.
         """
         key = (endpoint, port)
         previous = self._endpoints.pop(key, None)
@@ -401,7 +403,8 @@ class EncodeCore:
         one, none is guessed (the room then fails on its receiver count, as before).
         """
         asks = self.parked.get(info.room)
-        if asks is None or info.session_id in asks.infos or len(asks.infos) < asks.fanout:
+        if asks is None or info.session_id in asks.infos or info.fanout != asks.fanout \
+                or len(asks.infos) < asks.fanout:
             return None
         shard = (info.row_start, info.rows, info.fanout, info.span)
         same = [s for s, i in asks.infos.items() if (i.row_start, i.rows, i.fanout, i.span) == shard]
