@@ -40,6 +40,8 @@ KNOWN_HELP: dict[str, str] = {
     "queue_depth": "Receiver shard writes ready to start, waiting for a free slot in flight or their ready event.",
     "rooms_in_flight": "Rooms asked for and not yet cleared.",
     "statuses_dropped": "Status pushes dropped because a receiver stopped draining its queue.",
+    "sessions_superseded_total": "Prefill sessions replaced by a restarted rank's new session, by how it was told.",
+    "registrations_refused_total": "Registrations refused (a session that announced region lengths sent one without).",
     "parked_rooms": "Items parked until their receiver registers.",
     "quarantined_slots": "Receive slots held back after a failed or late write.",
 }

@@ -298,6 +298,7 @@ class _PrefillRank:
         self.manager = SessionManager(
             self.engine, cfg.get("rank", 0), cfg.get("tp", 1), cfg.get("dp", 1),
             buffer=(self.arena.ctypes.data, self.arena.nbytes), host=HOST, deadline_s=cfg.get("deadline_s", 30.0),
+            status_port=cfg.get("status_port", 0),
         )
         self.handles: dict[int, tuple[Any, int]] = {}
         self.next_slot = 0
@@ -412,7 +413,7 @@ def encode_process(bootstrap: str, **cfg: Any) -> RankProcess:
 
 
 def prefill_process(bootstrap: str, **cfg: Any) -> RankProcess:
-    """A prefill rank process (cfg: span, hidden, slots, rank, tp, dp, deadline_s)."""
+    """A prefill rank process (cfg: span, hidden, slots, rank, tp, dp, deadline_s, status_port)."""
     return RankProcess(_prefill_main, {"bootstrap": bootstrap, **cfg})
 
 

@@ -34,6 +34,7 @@ from live_helpers import (
 
 from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapServer
 from transfer.core.failure import FailureKind
+from transfer.harness import SENTINEL
 from transfer.receiver import ENCODE_FAILED
 from transfer.status import TransferPoll, is_terminal
 
@@ -148,7 +149,7 @@ def test_receiver_that_never_asks_fails_the_room_after_the_bootstrap_timeout(eng
             sent = encode.call("wait", [lonely, *good], 5.0)
 
             assert sent[lonely][0] == "Failed"
-            assert sent[lonely][1] == "receiver never registered within 2s"
+            assert sent[lonely][1] == "receiver never registered within 2s (1 of 2 prefill ranks asked)"
             # Told Failed by the encode rank (its own deadline is 30 s), only after the timeout.
             assert lonely_result[0] == "Failed" and lonely_result[1].startswith(ENCODE_FAILED), lonely_result
             assert 1.9 <= told_after < 5.0, told_after
@@ -435,7 +436,7 @@ def test_a_refusing_bootstrap_server_is_still_asked_by_every_room(engines):
 def test_destination_outside_the_announced_region_is_refused(bootstrap, encoder):
     from transfer.engine import Engine
 
-    outside, inside, peer = rooms(3)
+    outside, inside, forged, peer = rooms(4)
     announced = 2 * ITEM
     host, port = encoder.info["host"], encoder.info["port"]
     # A session of its own: the encode rank keeps every region a session ever announced,
@@ -456,14 +457,27 @@ def test_destination_outside_the_announced_region_is_refused(bootstrap, encoder)
         assert status[:3] == [str(inside).encode(), b"5", b"0"]
         assert bytes(raw.buffer[:ITEM].numpy()) == bytes(_item(inside))
 
-        # A peer's registration carries no lengths: the encode rank writes as the peers do.
+        # A registration without lengths from a session that announced them is refused:
+        # the announced region still bounds that session's destinations.
+        raw.register(None)
+        raw.ask(forged, raw.base + announced, SPAN, HIDDEN, SPAN)
+        encoder.call("send", [forged], SPAN, HIDDEN)
+        assert raw.statuses(1, 5.0) == [[str(forged).encode(), b"0", b"0"]]
+        sent = encoder.call("wait", [forged], 5.0)[forged]
+        assert sent[0] == "Failed" and "outside registered region" in sent[1], sent
+        assert bool((raw.buffer[ITEM:] == SENTINEL).all()), "the refused room wrote bytes"
+        assert any("without region lengths" in m for m in encoder.call("logs"))
+        assert_all(encoder.call("wait", [inside], 5.0), "Success")
+
+    # A peer's registration carries no lengths: the encode rank writes its sessions as the peers do.
+    with Engine(HOST, protocol="tcp") as engine, RawPrefill(engine, host, port, 4 * ITEM) as raw:
         raw.register(None)
         raw.ask(peer, raw.base + announced, SPAN, HIDDEN, SPAN)
         encoder.call("send", [peer], SPAN, HIDDEN)
         [status] = raw.statuses(1, 5.0)
         assert status[:3] == [str(peer).encode(), b"5", b"0"]
         assert bytes(raw.buffer[announced : announced + ITEM].numpy()) == bytes(_item(peer))
-        assert_all(encoder.call("wait", [inside, peer], 5.0), "Success")
+        assert_all(encoder.call("wait", [peer], 5.0), "Success")
 
 
 def _item(room: int):

@@ -586,7 +586,7 @@ def test_a_temporary_registration_gone_behind_the_pools_back_does_not_stop_it(ca
         engine.unregister(rows.data_ptr())  # the caller's mistake
         with caplog.at_level(logging.WARNING, logger="transfer.sender"):
             assert handle.wait(5) == TransferPoll.Failed  # nobody asked within 0.5 s
-            assert handle.failure == "receiver never registered within 0.5s"
+            assert handle.failure == "receiver never registered within 0.5s (no prefill rank asked)"
         assert any("dropping the temporary registration" in m for m in caplog.messages), caplog.messages
         assert sender._thread.is_alive()
         handle.clear()

@@ -8,6 +8,7 @@ from transfer.core.breaker import Breaker
 from transfer.core.encode import (
     CLEARED_GRACE_S,
     Conclude,
+    Count,
     EncodeCore,
     Offer,
     Progress,
@@ -147,7 +148,7 @@ def test_an_item_nobody_asked_for_fails_at_the_bootstrap_timeout_with_specs_text
     out = run.at(10.6).tick()
     [conclusion] = run.of(Conclude, out)
     assert conclusion.failure.kind is FailureKind.FANOUT_TIMEOUT
-    assert conclusion.failure.detail == "receiver never registered within 10s"
+    assert conclusion.failure.detail == "receiver never registered within 10s (1 of 2 prefill ranks asked)"
     assert run.statuses(out) == [(6, 6000, TransferPoll.Failed)]  # the one that asked is told
     assert 6 not in run.core.parked
 
@@ -329,7 +330,7 @@ def test_asks_for_a_room_already_served_wait_for_its_next_send_and_for_a_failed_
     run.offer(_offer(1))
     [write] = run.of(StartWrite, run.ask(_ask(1)))
     run.complete(write)
-    assert run.ask(_ask(1, session="late")) == [] and 1 in run.core.parked
+    assert run.ask(_ask(1, session="late", port=6100)) == [] and 1 in run.core.parked
     run.offer(_offer(2))
     run.ask(_ask(2, hidden=512))  # fails the room
     assert run.statuses(run.ask(_ask(2, session="again"))) == [(2, 6000, TransferPoll.Failed)]
@@ -405,3 +406,159 @@ def test_close_releases_a_cleared_room_whose_write_never_left_the_queue():
     run(run.core.clear(2, cleared.token, run.now))
     out = run(run.core.close(1.0))
     assert run.of(Release, out) == [Release(2, cleared.token)]
+
+
+def test_a_registration_without_lengths_after_lengths_is_refused_warned_and_counted():
+    run = Run()
+    session = "10.0.0.7:17000"
+    run(run.core.registration(Registration("10.0.0.7", 6000, session, 0x10000, 0, 4 * ROW, 0), run.now))
+    out = run(run.core.registration(Registration("10.0.0.7", 6000, session, 0x900000, 0), run.now))
+    assert [w.key for w in run.of(Warn, out)] == ["registration without lengths"]
+    assert run.of(Count, out) == [Count("registrations_refused_total", "no_lengths")]
+    run.offer(_offer(1))
+    out = run.ask(_ask(1, ptr=0x900000))  # the forged destination the refused registration named
+    assert run.of(StartWrite, out) == []
+    assert run.conclusions() == [(1, TransferPoll.Failed, FailureKind.REGION)]
+
+
+def test_a_destination_overlapping_another_room_in_flight_for_the_session_is_refused():
+    run = Run()
+    run.offer(_offer(1))
+    [first] = run.of(StartWrite, run.ask(_ask(1, ptr=0x10000)))
+    run.offer(_offer(2))
+    out = run.ask(_ask(2, ptr=0x10000 + 3 * ROW))  # its first row is room 1's last
+    assert run.of(StartWrite, out) == []
+    [conclusion] = run.of(Conclude, out)
+    assert conclusion.failure.kind is FailureKind.REGION
+    assert "overlaps room 1" in conclusion.failure.detail and "10.0.0.7:17000" in conclusion.failure.detail
+    assert run.statuses(out) == [(2, 6000, TransferPoll.Failed)]
+    run.offer(_offer(3))
+    assert len(run.of(StartWrite, run.ask(_ask(3, ptr=0x10000 + 4 * ROW)))) == 1  # adjacent: written
+    run.offer(_offer(4))
+    assert len(run.of(StartWrite, run.ask(_ask(4, ptr=0x10000, session="other")))) == 1  # another session
+    run.complete(first)
+    run.offer(_offer(5))
+    assert len(run.of(StartWrite, run.ask(_ask(5, ptr=0x10000)))) == 1  # room 1 is over
+
+
+def test_a_fanout_that_never_completed_says_how_many_of_it_asked():
+    run = Run(bootstrap_timeout_s=10.0)
+    run.offer(_offer(1, span=4))
+    run.ask(_ask(1, rank=0, fanout=2))
+    run.offer(_offer(2))
+    run.at(10.6).tick()
+    details = {c.room: c.failure.detail for c in run.of(Conclude)}
+    assert details[1] == "receiver never registered within 10s (1 of 2 prefill ranks asked)"
+    assert details[2] == "receiver never registered within 10s (no prefill rank asked)"
+    run.ask(_ask(3, rank=0, fanout=2))
+    run.at(21.0).offer(_offer(3))
+    out = run.ask(_ask(3, rank=1, fanout=2))
+    assert run.of(Conclude, out)[0].failure.detail == "receiver never registered within 10s (2 of 2 prefill ranks " \
+                                                      "asked, the last 10.4s after the first)"
+
+
+def test_a_dead_sessions_backlog_is_worked_through_in_bounded_turns_and_a_healthy_write_starts_in_the_first():
+    run = Run(depth=32, bootstrap_timeout_s=120.0)
+    for room in range(6000):
+        run.offer(_offer(room))
+        run.ask(_ask(room, session="dead", ptr=0x10000 + room * 4 * ROW))
+    flying = run.of(StartWrite)
+    assert len(flying) == 24 and run.core.waiting == 6000 - 24
+    run.offer(_offer(9999))
+
+    def carry(actions: list, now: float) -> list[StartWrite]:
+        """Carries actions out as the driver does: the dead peer refuses every write at once."""
+        work, started = list(actions), []
+        while work:
+            action = work.pop(0)
+            if isinstance(action, StartWrite):
+                started.append(action)
+                if action.session_id == "dead":
+                    work.extend(run.core.write_failed(action.wid, "connection refused", 0.001, now, blocking=True))
+        return started
+
+    # One driver turn: the writes in flight are found failed, then a healthy receiver's ask comes.
+    now = 1.0
+    started = carry(run.core.tick(now), now)
+    for write in flying:
+        started += carry(run.core.write_failed(write.wid, "connection reset", 0.001, now), now)
+    started += carry(run.core.ask(_ask(9999, session="live", ptr=0x10000), now), now)
+    assert [w.room for w in started if w.session_id == "live"] == [9999]
+    assert len(started) <= 200, len(started)
+    turns = 1
+    while run.core.waiting:
+        turns += 1
+        now += 1e-3
+        assert len(carry(run.core.tick(now), now)) <= 200
+    assert turns > 1
+
+
+def _reask(info: TransferInfo, session: str, port: int | None = None) -> TransferInfo:
+    """The same ask from a successor process: a new Mooncake session, maybe a new status port."""
+    return TransferInfo(info.room, info.endpoint, info.port if port is None else port, session, info.embedding_ptr,
+                        info.deepstack_ptr, info.rows, info.hidden, info.dtype, info.has_deepstack, info.fanout,
+                        info.row_start, info.span)
+
+
+def test_a_successor_at_the_same_status_endpoint_supersedes_its_predecessors_parked_asks():
+    run = Run()
+    old, new = "10.0.0.7:17000", "10.0.0.7:17555"
+    run(run.core.registration(Registration("10.0.0.7", 6000, old, 0x10000, 0, 64 * ROW, 0), run.now))
+    asks = [_ask(room, ptr=0x10000 + room * 4 * ROW) for room in range(3)]
+    for info in asks:
+        run.ask(info)
+    out = run(run.core.registration(Registration("10.0.0.7", 6000, new, 0x10000, 0, 64 * ROW, 0), run.now))
+    assert run.core.parked.rooms() == [] and run.statuses(out) == []  # its endpoint is the successor's now
+    assert [w.key for w in run.of(Warn, out)] == ["successor"]
+    assert run.of(Count, out) == [Count("sessions_superseded_total", "status_endpoint")]
+    for info in asks[:2]:  # the successor retries two of them
+        run.ask(_reask(info, new))
+        run.offer(_offer(info.room))
+    writes = run.of(StartWrite)
+    assert [(w.room, w.session_id) for w in writes] == [(0, new), (1, new)]
+    for write in writes:
+        run.complete(write)
+    assert run.conclusions() == [(0, TransferPoll.Success, None), (1, TransferPoll.Success, None)]
+
+
+def test_a_successor_asking_for_the_same_shard_of_a_full_fanout_supersedes_only_that_rank():
+    run = Run()
+    span, fanout = 8, 2
+    ranks = [_ask(room, rank, fanout=fanout, span=span, ptr=0x10000 * (rank + 1)) for room in (1, 2)
+             for rank in range(fanout)]
+    for info in ranks:
+        run.ask(info)
+    dead = ranks[1].session_id  # rank 1 restarts: a new session and a new status port
+    out = run.ask(_reask(ranks[1], "10.0.0.7:17999", port=6100))
+    assert run.statuses(out) == [] and run.of(Count, out) == [Count("sessions_superseded_total", "shard")]
+    assert all(dead not in run.core.parked[room].infos for room in (1, 2))
+    assert len(run.core.parked[2].infos) == 1  # room 2 waits for the successor's retry
+    run.offer(_offer(1, span=span))
+    writes = run.of(StartWrite)
+    assert sorted(w.session_id for w in writes) == ["10.0.0.7:17000", "10.0.0.7:17999"]
+    for write in writes:
+        run.complete(write)
+    assert run.conclusions() == [(1, TransferPoll.Success, None)]
+    assert sorted(p for _, p, s in run.statuses() if s is TransferPoll.Success) == [6000, 6100]
+
+
+def test_a_new_receiver_that_matches_no_rank_is_not_taken_for_a_successor():
+    run = Run()
+    run.ask(_ask(1, 0, fanout=2, span=8))
+    out = run.ask(_ask(1, 1, fanout=2, span=8))  # the fanout's second rank, not a successor
+    assert run.of(Count, out) == [] and len(run.core.parked[1].infos) == 2
+    run.ask(_ask(2, 0, fanout=1, span=4))
+    for index in range(2):  # asks that disagree on the fanout are not a restarted rank's
+        run.ask(_reask(_ask(2, 0, fanout=4, span=4), f"10.0.0.8:{index}", port=6100 + index))
+    assert run.of(Count) == [] and len(run.core.parked[2].infos) == 3
+
+
+def test_an_overlap_with_a_long_write_behind_shorter_ones_is_found():
+    run = Run()
+    run.offer(_offer(1, span=16))
+    run.ask(_ask(1, span=16, ptr=0x10000))  # 16 rows from 0x10000, still in flight
+    run.offer(_offer(1, span=1))  # room 1 sent again: its retry may reuse its own rows
+    assert len(run.of(StartWrite, run.ask(_ask(1, span=1, ptr=0x10000 + 2 * ROW)))) == 1
+    run.offer(_offer(3, span=1))
+    out = run.ask(_ask(3, span=1, ptr=0x10000 + 8 * ROW))
+    assert run.of(StartWrite, out) == [] and "overlaps room 1" in run.of(Conclude, out)[0].failure.detail

@@ -70,3 +70,17 @@ def test_rooms_older_than_a_cutoff_in_arrival_order():
     for room, at in ((5, 1.0), (3, 2.0), (8, 9.0)):
         parked.add(_ask(room), now=at)
     assert parked.older_than(5.0) == [5, 3] and parked.oldest_first_at() == 1.0
+
+
+def test_dropping_a_session_removes_its_asks_from_every_room_and_their_bytes():
+    parked = ParkedAsks()
+    for room in (1, 2):
+        parked.add(_ask(room, "dead", fanout=2), now=0.0)
+        parked.add(_ask(room, "alive", fanout=2), now=0.0)
+    parked.add(_ask(3, "dead"), now=0.0)
+    parked.take(2)
+    dropped = parked.drop_session("dead")
+    assert sorted(i.room for i in dropped) == [1, 3]
+    assert parked.rooms() == [1] and list(parked[1].infos) == ["alive"]
+    assert parked.nbytes == parked[1].nbytes == ask_cost(_ask(1, "alive", fanout=2))
+    assert not parked.has_session("dead") and parked.drop_session("dead") == []

@@ -76,3 +76,31 @@ def test_deepstack_destinations_are_checked_against_their_own_length():
     assert book.check([info], 512, 256) is None
     reason = book.check([info], 512, 512)  # 2048 deepstack bytes into a 1024-byte region
     assert reason is not None and "deepstack" in reason
+
+
+def test_once_a_session_announced_lengths_a_registration_without_them_is_refused():
+    book = RegionBook()
+    assert book.register(_reg(5000, 0x10000)) is None
+    reason = book.register(_reg(5000, 0x80000, length=None))
+    assert reason is not None and "without region lengths" in reason and SESSION in reason
+    assert [r.embedding_base for r in book.regions(SESSION)] == [0x10000]
+    assert _check(book, _ask(0x80000)) is not None
+    assert book.register(_reg(5001, 0x80000, length=None)) is not None  # from a new status endpoint too
+
+
+def test_a_registration_without_lengths_cannot_switch_the_check_off_in_any_order():
+    book = RegionBook()
+    book.register(_reg(5000, 0x80000, length=None))  # a peer-style registration first
+    book.register(_reg(5000, 0x10000))
+    reason = _check(book, _ask(0x80000))
+    assert reason is not None and "outside registered region" in reason
+    assert _check(book, _ask(0x10000)) is None
+
+
+def test_eviction_forgets_sessions_without_lengths_before_those_that_announced_them():
+    book = RegionBook(max_sessions=2)
+    book.register(_reg(5000, 0x10000, session="announced"))
+    for index in range(4):
+        book.register(_reg(5000, 0x10000, length=None, session=f"peer{index}"))
+    assert "announced" in book and len(book) == 2
+    assert book.check([_ask(0x900000, session="announced")], 512, 0) is not None

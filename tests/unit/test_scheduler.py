@@ -89,3 +89,63 @@ def test_take_all_empties_the_queue():
     sched = WriteScheduler(depth=1, bound_s=1.0)
     sched.push(Job("x"), "a", asked_at=0.0)
     assert [j.name for j in sched.take_all()] == ["x"] and len(sched) == 0 and sched.queued("a") == 0
+
+
+WORK_BOUND = 256  # entries one pick may look at, whatever the backlog
+
+
+def _counting_pick(sched: WriteScheduler, now: float = 0.0):
+    """Picks once; returns what was picked and how many distinct jobs the pick looked at."""
+    seen: set[int] = set()
+
+    def cancelled(job: Job) -> bool:
+        seen.add(id(job))
+        return job.cancelled
+
+    def ready(job: Job) -> bool:
+        seen.add(id(job))
+        return job.ready
+
+    def expired(job: Job, waited: float) -> None:
+        job.cancelled = True
+
+    return sched.pick(now, cancelled=cancelled, ready=ready, expired=expired), len(seen)
+
+
+def test_a_dead_sessions_backlog_costs_each_pick_a_bounded_look_and_a_healthy_write_starts_first():
+    sched = WriteScheduler(depth=32, bound_s=120.0)  # a session's share: 24
+    dead = [Job(f"d{i}") for i in range(6000)]
+    for job in dead:
+        sched.push(job, "dead", asked_at=0.0)
+    assert len(_pick(sched).start) == 24  # in flight to a peer that no longer answers
+    sched.push(Job("healthy"), "live", asked_at=1.0)
+    picked, looked_at = _counting_pick(sched, now=1.0)
+    assert [j.name for j in picked.start] == ["healthy"] and looked_at <= WORK_BOUND
+
+
+def test_a_backlog_of_failed_rooms_leaves_in_bounded_picks_without_holding_up_a_healthy_write():
+    sched = WriteScheduler(depth=32, bound_s=120.0)
+    dead = [Job(f"d{i}") for i in range(6000)]
+    for job in dead:
+        sched.push(job, "dead", asked_at=0.0)
+    _pick(sched)
+    for job in dead:
+        job.cancelled = True  # their rooms failed
+    sched.push(Job("healthy"), "live", asked_at=1.0)
+    picked, looked_at = _counting_pick(sched, now=1.0)
+    assert [j.name for j in picked.start] == ["healthy"] and looked_at <= WORK_BOUND
+    dropped, picks = len(picked.dropped), 1
+    while len(sched):
+        sched.new_turn()
+        picked, looked_at = _counting_pick(sched, now=1.0)
+        assert looked_at <= WORK_BOUND and picked.start == []
+        dropped, picks = dropped + len(picked.dropped), picks + 1
+    assert dropped == 6000 - 24 and sched.queued("dead") == 0
+
+
+def test_sessions_take_turns_so_one_with_a_long_queue_does_not_go_first_with_every_slot():
+    sched = WriteScheduler(depth=4, bound_s=10.0, session_slots=4)
+    for i in range(8):
+        sched.push(Job(f"a{i}"), "a", asked_at=0.0)
+    sched.push(Job("b0"), "b", asked_at=0.0)
+    assert sorted(j.name for j in _pick(sched).start) == ["a0", "a1", "a2", "b0"]

@@ -16,6 +16,7 @@ first ask (nor can it once that much time passed with the fanout still incomplet
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,7 @@ from transfer.core.scheduler import WriteScheduler
 from transfer.frames import Registration, TransferInfo, validate_fanout
 from transfer.status import TransferPoll
 
-__all__ = ["CLEARED_GRACE_S", "SWEEP_S", "Conclude", "EncodeCore", "Offer", "Progress", "PushStatus",
+__all__ = ["CLEARED_GRACE_S", "SWEEP_S", "Conclude", "Count", "EncodeCore", "Offer", "Progress", "PushStatus",
            "Release", "StartWrite", "Warn"]
 
 #: A room cleared before its whole fanout asked has its parked asks told Failed this long
@@ -38,6 +39,10 @@ CLEARED_GRACE_S = 0.1
 
 #: How often unserved items and asks are swept for the bootstrap timeout.
 SWEEP_S = 0.5
+
+#: Status endpoints whose latest session is remembered (least recently seen forgotten
+#: first): a new session at a known endpoint is a restarted prefill rank.
+MAX_ENDPOINTS = 4096
 
 
 @dataclass
@@ -126,6 +131,14 @@ class Warn:
     args: tuple = ()
 
 
+@dataclass(frozen=True)
+class Count:
+    """Count one event a peer caused in the metric `metric`, labelled with `reason`."""
+
+    metric: str
+    reason: str
+
+
 # ---------------------------------------------------------------- state
 
 
@@ -161,10 +174,31 @@ class _Room:
 
 @dataclass(eq=False)
 class _Job:
-    """One receiver's write of one room."""
+    """One receiver's write of one room, and the destination ranges it holds until it is over."""
 
     room: _Room
     info: TransferInfo
+    ranges: tuple[tuple[int, int, int], ...] = ()  # (start, end, seq) in its session's destination list
+
+
+@dataclass(eq=False)
+class _Destinations:
+    """One session's destination ranges of writes queued or in flight, sorted, and the longest one."""
+
+    spans: list[tuple[int, int, int, int]] = field(default_factory=list)  # (start, end, seq, room number)
+    longest: int = 0
+
+
+def _host(session: str) -> str:
+    """The host part of a Mooncake session id (host:rpc_port)."""
+    return session.rpartition(":")[0] or session
+
+
+def _asked(asks: Asks | None) -> str:
+    """How much of a room's fanout asked, for a failure a human reads."""
+    if asks is None:
+        return "no prefill rank asked"
+    return f"{len(asks.infos)} of {asks.fanout} prefill ranks asked"
 
 
 class EncodeCore:
@@ -182,6 +216,9 @@ class EncodeCore:
         self._rooms: dict[int, _Room] = {}  # offered, not yet cleared
         self._unserved: set[int] = set()  # offered rooms with no receivers attached yet, not failed
         self._writes: dict[int, _Job] = {}  # started, not yet over
+        self._destinations: dict[str, _Destinations] = {}  # of writes queued or in flight, per session
+        self._next_seq = 1
+        self._endpoints: dict[tuple[str, int], str] = {}  # status endpoint -> its latest session
         self._next_wid = 1
         self._clears_due: deque[tuple[int, float]] = deque()  # (room, cleared at) with parked asks to fail
         self._next_sweep = now + SWEEP_S
@@ -219,13 +256,31 @@ class EncodeCore:
         return self._flush(now)
 
     def registration(self, reg: Registration, now: float) -> list:
-        """A prefill session announced a region; it is also back, so its breaker resets."""
+        """A prefill session announced a region; it is also back, so its breaker resets.
+
+        A rank announces itself before its first ask, so a new session registering at a
+        known status endpoint is the rank restarted there: it supersedes the old one.
+        """
+        refused = self.regions.register(reg)
+        if refused is not None:
+            self._warn("registration without lengths", "%s", refused)
+            self._out.append(Count("registrations_refused_total", "no_lengths"))
+            return self._flush(now)
         self.breaker.reset(reg.session_id)
-        self.regions.register(reg)
+        self._note_endpoint(reg.endpoint, reg.port, reg.session_id)
         return self._flush(now)
 
     def ask(self, info: TransferInfo, now: float) -> list:
-        """A receiver asked for a room: park it; a complete fanout with its item starts the writes."""
+        """A receiver asked for a room: park it; a complete fanout with its item starts the writes.
+
+        A new session asking for what a parked rank asked for is that rank restarted:
+        it supersedes its predecessor (see `_supersede`).
+        """
+        predecessor = self._predecessor_by_shard(info)
+        if predecessor is not None:
+            self._supersede(predecessor, info.session_id, "shard",
+                            f"asking for room {info.room}'s shard (rows {info.row_start}+{info.rows} of fanout "
+                            f"{info.fanout}) it had asked for")
         admission = self.parked.add(info, now)
         if admission.refused:
             self._warn("receivers", "room %d: more than %d receivers asked; telling %s Failed",
@@ -249,7 +304,7 @@ class EncodeCore:
         job = self._writes.pop(wid, None)
         if job is not None:
             self.scheduler.finished(job.info.session_id)
-            self._receiver_done(job.room, now)
+            self._job_done(job, now)
         return self._flush(now)
 
     def write_done(self, wid: int, checksums: tuple[int, ...], now: float) -> list:
@@ -259,7 +314,7 @@ class EncodeCore:
             self.scheduler.finished(job.info.session_id)
             if not job.room.failed:
                 self._push(job.info, TransferPoll.Success, checksums)
-            self._receiver_done(job.room, now)
+            self._job_done(job, now)
         return self._flush(now)
 
     def write_failed(self, wid: int, error: str, took: float, now: float, *, blocking: bool = False) -> list:
@@ -279,7 +334,7 @@ class EncodeCore:
                        "handshake? Writes to it fail at once for the next %.0fs, or until it registers again",
                        session[:64], took, trip.until - now)
         self._fail(job.room, FailureKind.WRITE, f"write to {session} (room {job.room.room}) failed: {error}", now)
-        self._receiver_done(job.room, now)
+        self._job_done(job, now)
         return self._flush(now)
 
     def checksum_failed(self, wid: int, error: str, now: float) -> list:
@@ -292,6 +347,7 @@ class EncodeCore:
 
     def tick(self, now: float) -> list:
         """Time passed: cleared rooms' grace, writes waiting for a slot or a ready event, the sweep."""
+        self.scheduler.new_turn()
         while self._clears_due and now >= self._clears_due[0][1] + CLEARED_GRACE_S:
             self._fail_cleared_asks(*self._clears_due.popleft())
         if now >= self._next_sweep:
@@ -317,11 +373,59 @@ class EncodeCore:
         for room in list(self._rooms.values()):
             self._fail(room, FailureKind.CLOSED, detail, now)
         for job in self.scheduler.take_all():  # every room is failed now: these only count out
-            self._receiver_done(job.room, now)
+            self._job_done(job, now)
         for job in self._writes.values():  # cleared rooms still in flight: release none of them
             job.room.released = True
         self._unserved.clear()
         return self._out_take()
+
+    # ------------------------------------------------------------ successors
+
+    def _note_endpoint(self, endpoint: str, port: int, session: str) -> None:
+        """Remembers the session registered at a status endpoint; a new one there supersedes the one before.
+
+        Only one process at a time can bind a status endpoint.
+        """
+        key = (endpoint, port)
+        previous = self._endpoints.pop(key, None)
+        self._endpoints[key] = session
+        if len(self._endpoints) > MAX_ENDPOINTS:
+            del self._endpoints[next(iter(self._endpoints))]
+        if previous is not None and previous != session:
+            self._supersede(previous, session, "status_endpoint", f"at the same status endpoint {endpoint}:{port}")
+
+    def _predecessor_by_shard(self, info: TransferInfo) -> str | None:
+        """The parked session a new session's ask replaces, or None.
+
+        The room's whole fanout already asked and one of them asked for this very shard:
+        only that rank, restarted, asks for it again. Ranks asking for the same shard (the
+        full span, or empty shards) are told apart by host; when that leaves more than
+        one, none is guessed (the room then fails on its receiver count, as before).
+        """
+        asks = self.parked.get(info.room)
+        if asks is None or info.session_id in asks.infos or info.fanout != asks.fanout \
+                or len(asks.infos) < asks.fanout:
+            return None
+        shard = (info.row_start, info.rows, info.fanout, info.span)
+        same = [s for s, i in asks.infos.items() if (i.row_start, i.rows, i.fanout, i.span) == shard]
+        if len(same) > 1:
+            host = _host(info.session_id)
+            same = [s for s in same if _host(s) == host]
+        return same[0] if len(same) == 1 else None
+
+    def _supersede(self, old: str, new: str, reason: str, how: str) -> None:
+        """A restarted rank's new session replaces its old one: the old one's parked asks are dropped.
+
+        They are not told Failed: the process that made them is gone, and its status
+        endpoint may be its successor's, which would take that Failed for its retry.
+        Writes already queued for the old session fail on their own.
+        """
+        dropped = self.parked.drop_session(old)
+        self.regions.forget(old)
+        self.breaker.reset(old)
+        self._warn("successor", "session %s %s supersedes session %s (a restarted prefill rank): %d parked asks of "
+                   "the predecessor dropped", new[:64], how, old[:64], len(dropped))
+        self._out.append(Count("sessions_superseded_total", reason))
 
     # ------------------------------------------------------------ queries
 
@@ -386,13 +490,17 @@ class EncodeCore:
             # wait for a write slot that never happened.
             self._warn("late fanout", "room %d: its whole fanout of %d asked only %.1fs after its first ask, past "
                        "the bootstrap timeout %gs; failing it", room_number, fanout, waited, limit)
-            self._fail(room, FailureKind.FANOUT_TIMEOUT, f"receiver never registered within {limit:g}s", now)
+            self._fail(room, FailureKind.FANOUT_TIMEOUT, f"receiver never registered within {limit:g}s "
+                                                         f"({len(infos)} of {fanout} prefill ranks asked, the last "
+                                                         f"{waited:.1f}s after the first)", now)
             return
         offer = room.offer
         reason = validate_fanout(offer.span, offer.hidden, offer.dtype, offer.deepstack_addr is not None, infos, fanout)
         kind = FailureKind.GEOMETRY
         if reason is None:
             reason, kind = self.regions.check(infos, offer.row_bytes, offer.deepstack_row_bytes), FailureKind.REGION
+        if reason is None:
+            reason = self._overlap(infos, offer)
         if reason is not None:
             self._fail(room, kind, reason, now)
             return
@@ -400,7 +508,9 @@ class EncodeCore:
         room.pending = len(infos)
         room.asked_at = asks.first_at
         for info in infos:
-            self.scheduler.push(_Job(room, info), info.session_id, asks.first_at)
+            job = _Job(room, info)
+            self._hold_ranges(job, offer)
+            self.scheduler.push(job, info.session_id, asks.first_at)
 
     def _pump(self, now: float) -> None:
         """Starts the waiting writes that may start now."""
@@ -410,7 +520,7 @@ class EncodeCore:
                                      ready=lambda job: self._ready(job, now), expired=lambda job, waited:
                                      self._expired(job, waited, now))
         for job in picked.dropped:
-            self._receiver_done(job.room, now)
+            self._job_done(job, now)
         for job in picked.start:
             self._start(job, now)
 
@@ -444,7 +554,7 @@ class EncodeCore:
             self.scheduler.finished(info.session_id)
             self._fail(room, FailureKind.WRITE, f"write to {info.session_id} (room {room.room}) skipped: a write to "
                                                 f"it failed {now - since:.1f}s ago", now)
-            self._receiver_done(room, now)
+            self._job_done(job, now)
             return
         offer = room.offer
         srcs = [offer.src_addr + info.row_start * offer.row_bytes]
@@ -458,6 +568,56 @@ class EncodeCore:
         self._writes[wid] = job
         self._out.append(StartWrite(wid, room.room, info.session_id, tuple(srcs), tuple(dsts), tuple(lengths),
                                     offer.sources))
+
+    def _job_done(self, job: _Job, now: float) -> None:
+        """One receiver's write is over: its destinations are free, and its room may conclude."""
+        dests = self._destinations.get(job.info.session_id)
+        for start, end, seq in job.ranges:
+            del dests.spans[bisect.bisect_left(dests.spans, (start, end, seq))]
+        if dests is not None and not dests.spans:
+            del self._destinations[job.info.session_id]
+        job.ranges = ()
+        self._receiver_done(job.room, now)
+
+    def _ranges(self, info: TransferInfo, offer: Offer) -> list[tuple[int, int]]:
+        """The destination byte ranges a receiver's write covers (empty ones left out)."""
+        ranges = [(info.embedding_ptr, info.rows * offer.row_bytes)]
+        if offer.deepstack_addr is not None:
+            ranges.append((info.deepstack_ptr, info.rows * offer.deepstack_row_bytes))
+        return [(ptr, ptr + length) for ptr, length in ranges if length > 0]
+
+    def _overlap(self, infos: list[TransferInfo], offer: Offer) -> str | None:
+        """Why a receiver's destination overlaps another room's write of the same session still queued or
+        in flight, or None: two rooms writing one range would leave either's rows torn."""
+        for info in infos:
+            dests = self._destinations.get(info.session_id)
+            if dests is None:
+                continue
+            for start, end in self._ranges(info, offer):
+                # Sorted by start: a range overlapping [start, end) starts before `end` and,
+                # being at most `longest` long, after start - longest. A write of another
+                # send of this same room (a retry) is not another room.
+                index = bisect.bisect_left(dests.spans, (end,))
+                while index > 0:
+                    index -= 1
+                    other_start, other_end, _, other_room = dests.spans[index]
+                    if other_start <= start - dests.longest:
+                        break
+                    if other_end > start and other_room != info.room:
+                        return (f"room {info.room}: receiver {info.session_id} destination [{start:#x}, {end:#x}) "
+                                f"overlaps room {other_room}'s [{other_start:#x}, {other_end:#x}), still in flight")
+        return None
+
+    def _hold_ranges(self, job: _Job, offer: Offer) -> None:
+        """Records the job's destinations until it is over."""
+        dests = self._destinations.setdefault(job.info.session_id, _Destinations())
+        held = []
+        for start, end in self._ranges(job.info, offer):
+            seq, self._next_seq = self._next_seq, self._next_seq + 1
+            bisect.insort(dests.spans, (start, end, seq, job.room.room))
+            dests.longest = max(dests.longest, end - start)
+            held.append((start, end, seq))
+        job.ranges = tuple(held)
 
     def _receiver_done(self, room: _Room, now: float) -> None:
         """One receiver's write is over (settled, failed or skipped)."""
@@ -521,7 +681,8 @@ class EncodeCore:
             if now - since > limit:
                 taken = self.parked.take(number)
                 room.receivers = list(taken.infos.values()) if taken else []
-                self._fail(room, FailureKind.FANOUT_TIMEOUT, f"receiver never registered within {limit:g}s", now)
+                self._fail(room, FailureKind.FANOUT_TIMEOUT,
+                           f"receiver never registered within {limit:g}s ({_asked(taken)})", now)
         for number in self.parked.older_than(now - limit):
             if number in self._rooms:
                 continue

@@ -68,6 +68,7 @@ class ParkedAsks:
         self.max_receivers = MAX_RECEIVERS_PER_ROOM if max_receivers is None else max_receivers
         self.max_bytes = MAX_PARKED_BYTES if max_bytes is None else max_bytes
         self._rooms: dict[int, Asks] = {}
+        self._by_session: dict[str, set[int]] = {}  # rooms each session has an ask parked in
         self.nbytes = 0
 
     def add(self, info: TransferInfo, now: float) -> Admission:
@@ -88,6 +89,7 @@ class ParkedAsks:
             return admission
         replaced = asks.infos.get(info.session_id)
         asks.infos[info.session_id] = info
+        self._by_session.setdefault(info.session_id, set()).add(info.room)
         cost = ask_cost(info) - (ask_cost(replaced) if replaced is not None else 0)
         asks.nbytes += cost
         self.nbytes += cost
@@ -103,7 +105,34 @@ class ParkedAsks:
         asks = self._rooms.pop(room, None)
         if asks is not None:
             self.nbytes -= asks.nbytes
+            for session in asks.infos:
+                self._unindex(session, room)
         return asks
+
+    def _unindex(self, session: str, room: int) -> None:
+        rooms = self._by_session.get(session)
+        if rooms is not None:
+            rooms.discard(room)
+            if not rooms:
+                del self._by_session[session]
+
+    def drop_session(self, session: str) -> list[TransferInfo]:
+        """Removes every ask `session` has parked (a room left with none goes too); returns them."""
+        dropped = []
+        for room in sorted(self._by_session.pop(session, ())):
+            asks = self._rooms[room]
+            info = asks.infos.pop(session)
+            cost = ask_cost(info)
+            asks.nbytes -= cost
+            self.nbytes -= cost
+            dropped.append(info)
+            if not asks.infos:
+                del self._rooms[room]
+        return dropped
+
+    def has_session(self, session: str) -> bool:
+        """Whether `session` has any ask parked."""
+        return session in self._by_session
 
     def get(self, room: int) -> Asks | None:
         """The room's asks, left parked."""
@@ -122,6 +151,7 @@ class ParkedAsks:
     def take_all(self) -> list[Asks]:
         """Removes and returns every room's asks."""
         rooms, self._rooms, self.nbytes = list(self._rooms.values()), {}, 0
+        self._by_session.clear()
         return rooms
 
     def values(self) -> list[Asks]:

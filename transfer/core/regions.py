@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from transfer.frames import (
     MAX_REGIONS_PER_SESSION,
@@ -14,8 +15,17 @@ from transfer.frames import (
 __all__ = ["MAX_REGIONS_PER_SESSION", "MAX_SESSIONS", "RegionBook"]
 
 #: Prefill sessions whose regions are remembered (MAX_REGIONS_PER_SESSION each); the one
-#: least recently registered or written to is forgotten first.
+#: least recently registered or written to is forgotten first, sessions that never
+#: announced lengths before those that did.
 MAX_SESSIONS = 4096
+
+
+@dataclass
+class _Session:
+    """One session's regions, and whether it ever announced lengths (then only those count)."""
+
+    regs: list[Registration] = field(default_factory=list)
+    announced: bool = False
 
 
 class RegionBook:
@@ -24,45 +34,67 @@ class RegionBook:
     def __init__(self, *, max_sessions: int | None = None, per_session: int = MAX_REGIONS_PER_SESSION) -> None:
         self.max_sessions = MAX_SESSIONS if max_sessions is None else max_sessions
         self.per_session = per_session
-        self._sessions: dict[str, list[Registration]] = {}
+        self._sessions: dict[str, _Session] = {}
 
-    def register(self, reg: Registration) -> None:
-        """Remembers a session's announced region; a repeat of the same base replaces it.
+    def register(self, reg: Registration) -> str | None:
+        """Remembers a session's announced region; returns why it was refused, or None.
 
-        A registration from a new status endpoint is a new session manager on that
-        engine: the regions its predecessor announced are forgotten, so memory it
-        freed is never again an accepted destination.
+        A repeat of the same base replaces it. A registration from a new status
+        endpoint is a new session manager on that engine: the regions its predecessor
+        announced are forgotten, so memory it freed is never again an accepted
+        destination. Once a session announced lengths, one without lengths is refused:
+        it would name memory nobody vouched for.
         """
-        regs = self._sessions.pop(reg.session_id, [])
-        self._sessions[reg.session_id] = regs  # now the most recently used
-        if len(self._sessions) > self.max_sessions:
-            del self._sessions[next(iter(self._sessions))]
+        session = self._sessions.pop(reg.session_id, None)
+        if session is None:
+            session = _Session()
+            self._evict()
+        self._sessions[reg.session_id] = session  # now the most recently used
+        if session.announced and not reg.has_lengths:
+            return (f"a registration without region lengths from {reg.session_id} (status endpoint "
+                    f"{reg.endpoint}:{reg.port}, base {reg.embedding_base:#x}) refused: that session announced "
+                    f"lengths before")
+        if reg.has_lengths:
+            session.announced = True
+        regs = session.regs
         regs[:] = [
             r for r in regs
             if r.embedding_base != reg.embedding_base and (r.endpoint, r.port) == (reg.endpoint, reg.port)
+            and (r.has_lengths or not session.announced)
         ]
         regs.append(reg)
         del regs[:-self.per_session]
+        return None
+
+    def _evict(self) -> None:
+        """Makes room for one more session: the least recently used one without lengths, else the oldest."""
+        if len(self._sessions) < self.max_sessions:
+            return
+        victim = next((sid for sid, s in self._sessions.items() if not s.announced), None)
+        del self._sessions[victim if victim is not None else next(iter(self._sessions))]
 
     def check(self, infos: Iterable[TransferInfo], row_bytes: int, deepstack_row_bytes: int) -> str | None:
         """Why a destination lies outside every region its session announced with lengths, or None.
 
-        A session that never registered is written as the peers do; a session used here
-        becomes the last to be forgotten.
+        A session that never registered, or never announced lengths, is written as the
+        peers do; a session used here becomes the last to be forgotten.
         """
         for info in infos:
-            regs = self._sessions.pop(info.session_id, None)
-            if regs is None:
+            session = self._sessions.pop(info.session_id, None)
+            if session is None:
                 continue
-            self._sessions[info.session_id] = regs
-            reasons = [check_region(info, reg, row_bytes, deepstack_row_bytes) for reg in regs]
+            self._sessions[info.session_id] = session
+            if not session.announced:
+                continue
+            reasons = [check_region(info, reg, row_bytes, deepstack_row_bytes) for reg in session.regs]
             if reasons and all(reasons):
                 return reasons[-1]
         return None
 
     def regions(self, session_id: str) -> list[Registration]:
         """The session's regions, oldest first (a copy)."""
-        return list(self._sessions.get(session_id, ()))
+        session = self._sessions.get(session_id)
+        return list(session.regs) if session is not None else []
 
     def forget(self, session_id: str) -> None:
         """Drops a session's regions."""

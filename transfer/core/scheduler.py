@@ -1,9 +1,13 @@
-"""The write scheduler: which receivers' writes may start now, oldest first.
+"""The write scheduler: which receivers' writes may start now, sessions taking turns.
 
 At most `depth` writes are in flight; one session holds at most its share of them, so
-one that stopped reading leaves slots for every other receiver. A write waits for its
-item's ready event without holding up the others, and never starts once the bound has
-passed since its room's first ask (its receiver is told Failed instead).
+one that stopped reading leaves slots for every other receiver. Sessions take turns
+(one start per visit, oldest job of the session first), and the work spent on one
+session is bounded per pick and per turn of the driver: a dead receiver's backlog of
+thousands of writes is worked through a slice at a time while every other receiver's
+writes keep starting. A write waits for its item's ready event without holding up the
+others, and never starts once the bound has passed since its room's first ask (its
+receiver is told Failed instead).
 """
 
 from __future__ import annotations
@@ -13,7 +17,18 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Picked", "WriteScheduler", "session_share"]
+__all__ = ["MAX_PICK_WORK", "SESSION_TURN_WORK", "VISIT_WORK", "Picked", "WriteScheduler", "session_share"]
+
+#: Waiting jobs one pick looks at in all.
+MAX_PICK_WORK = 256
+
+#: Waiting jobs of one session looked at per turn (between two new_turn() calls): each
+#: write that fails at once frees a slot for the next, so without it one turn would walk
+#: a dead receiver's whole backlog.
+SESSION_TURN_WORK = 64
+
+#: Waiting jobs one visit to a session looks at before the next session's visit.
+VISIT_WORK = 8
 
 
 def session_share(depth: int) -> int:
@@ -23,28 +38,52 @@ def session_share(depth: int) -> int:
 
 @dataclass
 class Picked:
-    """Jobs leaving the queue: `start` take a slot each, `dropped` leave without one."""
+    """Jobs leaving the queue: `start` take a slot each (in the order they were queued), `dropped` leave without one."""
 
     start: list[Any] = field(default_factory=list)
     dropped: list[Any] = field(default_factory=list)
 
 
-class WriteScheduler:
-    """A queue of write jobs, each with its session and its room's first ask, and the slots in flight."""
+@dataclass
+class _Pick:
+    """One pick's callbacks, clock and progress."""
 
-    def __init__(self, depth: int, bound_s: float, session_slots: int | None = None) -> None:
+    now: float
+    cancelled: Callable[[Any], bool]
+    ready: Callable[[Any], bool]
+    expired: Callable[[Any, float], None]
+    picked: Picked = field(default_factory=Picked)
+    started: list[tuple[int, Any]] = field(default_factory=list)
+    work: int = 0
+
+
+class WriteScheduler:
+    """Per-session queues of write jobs, each with its room's first ask, and the slots in flight."""
+
+    def __init__(self, depth: int, bound_s: float, session_slots: int | None = None, *,
+                 pick_work: int = MAX_PICK_WORK, turn_work: int = SESSION_TURN_WORK,
+                 visit_work: int = VISIT_WORK) -> None:
         self.depth = max(1, depth)
         self.bound_s = bound_s
         self.session_slots = session_share(self.depth) if session_slots is None else max(1, session_slots)
-        self._waiting: deque[tuple[Any, Hashable, float]] = deque()
-        self._queued: Counter[Hashable] = Counter()  # jobs waiting per session
+        self.pick_work, self.turn_work, self.visit_work = pick_work, turn_work, max(1, visit_work)
+        self._queues: dict[Hashable, deque[tuple[int, Any, float]]] = {}  # session -> (seq, job, asked at)
+        self._ring: deque[Hashable] = deque()  # sessions with waiting jobs, the next to visit first
         self._flying: Counter[Hashable] = Counter()  # jobs in flight per session
+        self._turn: Counter[Hashable] = Counter()  # jobs looked at this turn per session
+        self._waiting = 0
+        self._seq = 0
         self.in_flight = 0
 
     def push(self, job: Any, session: Hashable, asked_at: float) -> None:
         """Queues a write; `asked_at` is its room's first ask, from which the bound counts."""
-        self._waiting.append((job, session, asked_at))
-        self._queued[session] += 1
+        queue = self._queues.get(session)
+        if queue is None:
+            queue = self._queues[session] = deque()
+            self._ring.append(session)
+        queue.append((self._seq, job, asked_at))
+        self._seq += 1
+        self._waiting += 1
 
     def finished(self, session: Hashable) -> None:
         """A started job is over (settled or failed): its slot is free."""
@@ -53,58 +92,91 @@ class WriteScheduler:
         if not self._flying[session]:
             del self._flying[session]
 
+    def new_turn(self) -> None:
+        """The driver's next turn: every session may be looked at again."""
+        self._turn.clear()
+
     def pick(self, now: float, *, cancelled: Callable[[Any], bool], ready: Callable[[Any], bool],
              expired: Callable[[Any, float], None]) -> Picked:
-        """Takes the jobs that may start now, oldest first, while slots are free.
+        """Takes the jobs that may start now while slots are free, sessions taking turns.
 
-        `cancelled(job)`: its room failed, so it leaves without a slot. `ready(job)`: its
-        source may be read (it may cancel the job instead). `expired(job, waited)` is
-        called for a job past the bound since its room's first ask, ready or not, before
-        it leaves: the caller fails its room there, so its siblings leave cancelled.
+        `cancelled(job)`: its room failed, so it leaves without a slot (even from a
+        session holding its share). `ready(job)`: its source may be read (it may cancel
+        the job instead). `expired(job, waited)` is called for a job past the bound since
+        its room's first ask, ready or not, before it leaves: the caller fails its room
+        there, so its siblings leave cancelled.
         """
-        picked = Picked()
+        pick = _Pick(now, cancelled, ready, expired)
         if not self._waiting or self.in_flight >= self.depth:
-            return picked
-        open_sessions = {s for s in self._queued if self._flying[s] < self.session_slots}
-        held: list[tuple[Any, Hashable, float]] = []
-        while self._waiting and self.in_flight < self.depth and open_sessions:
-            entry = self._waiting.popleft()
-            job, session, asked_at = entry
-            if not cancelled(job) and session not in open_sessions:
-                held.append(entry)  # its session has its share in flight: others go first
+            return pick.picked
+        progress = True
+        while progress and pick.work < self.pick_work and self.in_flight < self.depth and self._ring:
+            progress = False
+            for _ in range(len(self._ring)):
+                if pick.work >= self.pick_work or self.in_flight >= self.depth:
+                    break
+                session = self._ring[0]
+                self._ring.rotate(-1)  # the next pick starts with the next session
+                progress |= self._visit(session, pick)
+        pick.started.sort(key=lambda entry: entry[0])
+        pick.picked.start = [job for _, job in pick.started]
+        return pick.picked
+
+    def _visit(self, session: Hashable, pick: _Pick) -> bool:
+        """Looks at the session's oldest jobs: drops cancelled ones, starts at most one; True on any change."""
+        queue = self._queues[session]
+        allowance = min(self.visit_work, self.turn_work - self._turn[session], self.pick_work - pick.work)
+        opened = self._flying[session] < self.session_slots
+        held: list[tuple[int, Any, float]] = []
+        looked, moved, started = 0, False, False
+        while queue and looked < allowance:
+            entry = queue[0]
+            seq, job, asked_at = entry
+            if not pick.cancelled(job) and (not opened or started):
+                break  # its session has its share in flight, or had its start of this visit: others go next
+            queue.popleft()
+            looked += 1
+            if pick.cancelled(job):
+                pick.picked.dropped.append(job)
+                moved = True
                 continue
-            go = cancelled(job) or ready(job)
-            if not cancelled(job) and now - asked_at > self.bound_s:
-                expired(job, now - asked_at)
+            go = pick.ready(job)
+            if not pick.cancelled(job) and pick.now - asked_at > self.bound_s:
+                pick.expired(job, pick.now - asked_at)
                 go = True
             if not go:
                 held.append(entry)
                 continue
-            self._queued[session] -= 1
-            if not self._queued[session]:
-                del self._queued[session]
-                open_sessions.discard(session)
-            if cancelled(job):
-                picked.dropped.append(job)
+            moved = True
+            if pick.cancelled(job):
+                pick.picked.dropped.append(job)
                 continue
-            picked.start.append(job)
+            pick.started.append((seq, job))
             self.in_flight += 1
             self._flying[session] += 1
-            if self._flying[session] >= self.session_slots:
-                open_sessions.discard(session)
-        self._waiting.extendleft(reversed(held))
-        return picked
+            started = True  # cancelled jobs right behind it still leave
+        queue.extendleft(reversed(held))
+        taken = looked - len(held)
+        self._waiting -= taken
+        self._turn[session] += looked
+        pick.work += looked
+        if not queue:
+            del self._queues[session]
+            self._ring.pop()  # just rotated to the end
+        return moved
 
     def take_all(self) -> list[Any]:
-        """Removes and returns every waiting job."""
-        jobs = [job for job, _, _ in self._waiting]
-        self._waiting.clear()
-        self._queued.clear()
-        return jobs
+        """Removes and returns every waiting job, in the order they were queued."""
+        entries = sorted((entry for queue in self._queues.values() for entry in queue), key=lambda e: e[0])
+        self._queues.clear()
+        self._ring.clear()
+        self._waiting = 0
+        return [job for _, job, _ in entries]
 
     def queued(self, session: Hashable) -> int:
         """Jobs waiting for `session`."""
-        return self._queued[session]
+        queue = self._queues.get(session)
+        return len(queue) if queue is not None else 0
 
     def flying(self, session: Hashable) -> int:
         """Jobs in flight for `session`."""
@@ -112,4 +184,4 @@ class WriteScheduler:
 
     def __len__(self) -> int:
         """Jobs waiting."""
-        return len(self._waiting)
+        return self._waiting

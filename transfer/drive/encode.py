@@ -22,6 +22,7 @@ import zmq
 from transfer import _io
 from transfer.core.encode import (
     Conclude,
+    Count,
     EncodeCore,
     Progress,
     PushStatus,
@@ -354,6 +355,8 @@ class EncodeDriver:
                     release()
             elif kind is Warn:
                 self._complaints.warning(action.key, action.message, *action.args)
+            elif kind is Count:
+                self.metrics.inc(action.metric, reason=action.reason)
 
     def _start(self, write: StartWrite) -> list:
         """Submits one receiver's shard without waiting; returns the core's answer when it did not start."""
