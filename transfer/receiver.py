@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,12 +21,28 @@ from transfer import _io
 from transfer.core.prefill import ENCODE_FAILED, RoomSpec
 from transfer.core.prefill_breaker import UNREACHABLE_RETRY_S
 from transfer.drive.prefill import PrefillDriver, Room
+from transfer.errors import ConfigError
 from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype
 from transfer.metrics import Metrics, zero_room_counters
 
 __all__ = ["ENCODE_FAILED", "UNREACHABLE_RETRY_S", "ReceiveHandle", "RegionSet", "SessionManager"]
 
 log = logging.getLogger("transfer.receiver")
+
+# Engines that have a session manager. An encode rank knows a prefill rank by its engine's
+# session: a second manager on the same engine would replace the first's regions there.
+_managed_engines: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()  # (rank, id)
+_managed_lock = threading.Lock()
+
+
+def _refuse_shared_engine(engine: Any) -> None:
+    """ConfigError when `engine` already has an open session manager."""
+    holder = _managed_engines.get(engine)
+    if holder is not None:
+        rank = holder[0]
+        raise ConfigError(f"engine {engine.session_id} already has a session manager (engine rank {rank}): "
+                          f"encode ranks know a prefill rank by its engine's session, so each session "
+                          f"manager needs an engine of its own")
 
 
 class ReceiveHandle(_io.RoomHandle):
@@ -71,6 +88,8 @@ class SessionManager:
         metrics: Metrics | None = None,
     ) -> None:
         check_parallel(engine_rank, tp_size, dp_size)
+        with _managed_lock:
+            _refuse_shared_engine(engine)
         self.engine = engine
         self.engine_rank = engine_rank
         self.tp_size = tp_size
@@ -111,6 +130,13 @@ class SessionManager:
         if pool is not None:
             self.metrics.gauge_fn("quarantined_slots", lambda: pool.stats()["quarantined"])
             self.metrics.gauge_fn("fallback_bytes", lambda: pool.stats()["fallback_bytes"])
+        with _managed_lock:
+            try:
+                _refuse_shared_engine(engine)  # another thread's manager may have claimed it meanwhile
+            except ConfigError:
+                self.close()
+                raise
+            _managed_engines[engine] = (engine_rank, id(self))
 
     # ----------------------------------------------------------- caller side
 
@@ -255,6 +281,9 @@ class SessionManager:
         if self._closed:
             return
         self._closed = True
+        with _managed_lock:
+            if _managed_engines.get(self.engine) == (self.engine_rank, id(self)):
+                del _managed_engines[self.engine]
         self._driver.close()
         for addr in self._owned:
             try:

@@ -53,7 +53,7 @@ def test_a_stalled_bootstrap_server_does_not_delay_another_rooms_success(engines
             assert waiting.wait(2 * STALL_S) == TransferPoll.Failed
             assert waiting.failure_kind is FailureKind.BOOTSTRAP
             assert waiting.failure.startswith(f"bootstrap {stalled}: "), waiting.failure
-            assert manager.stats()["counters"]["rooms_failed_total"] == {"reason=bootstrap": 1}
+            assert {k: n for k, n in manager.stats()["counters"]["rooms_failed_total"].items() if n} == {"reason=bootstrap": 1}
 
 
 def test_a_session_manager_whose_descriptors_are_past_1024_still_concludes_rooms(engines, server):

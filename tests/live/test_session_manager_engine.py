@@ -1,0 +1,34 @@
+"""One session manager per engine: encode ranks know a prefill rank by its engine's session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from live_helpers import HOST, LIVE
+
+from transfer.engine import Engine
+from transfer.errors import ConfigError
+from transfer.receiver import SessionManager
+
+pytestmark = LIVE
+
+
+def test_a_second_manager_on_one_engine_is_refused_and_changes_nothing():
+    first_buf, second_buf = torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
+    with Engine(HOST, "tcp") as engine:
+        with SessionManager(engine, 0, 2, 1, buffer=first_buf) as first:
+            registered = engine.registered()
+            with pytest.raises(ConfigError, match=r"already has a session manager \(engine rank 0\)"):
+                SessionManager(engine, 1, 2, 1, buffer=second_buf)
+            assert engine.registered() == registered  # the refused one registered nothing
+            assert not first._closed
+        # Once the first closed, the engine takes a manager again.
+        with SessionManager(engine, 1, 2, 1, buffer=second_buf) as again:
+            assert again.engine is engine
+
+
+def test_managers_on_separate_engines_coexist():
+    with Engine(HOST, "tcp") as a, Engine(HOST, "tcp") as b, \
+            SessionManager(a, 0, 2, 1, buffer=torch.zeros(1024, dtype=torch.uint8)), \
+            SessionManager(b, 1, 2, 1, buffer=torch.zeros(1024, dtype=torch.uint8)) as second:
+        assert second.engine is b
