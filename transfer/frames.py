@@ -18,22 +18,31 @@ from transfer.errors import ConfigError, ConfigTypeError, WireError
 from transfer.status import TransferPoll
 
 __all__ = [
+    "CANCEL_MARKER",
+    "CANCEL_PARTS",
     "DTYPE_BYTES",
     "MAX_REGIONS_PER_SESSION",
     "REGISTRATION_MARKER",
     "REGISTRATION_PARTS",
     "STATUS_PARTS",
     "TRANSFER_INFO_PARTS",
+    "Cancel",
+    "CancelReply",
     "Registration",
     "TransferInfo",
     "UnreadableChecksum",
     "WireError",
+    "cancel_frames",
+    "cancel_reply_frames",
     "check_parallel",
     "check_region",
     "check_room",
     "dtype_size",
+    "is_cancel",
     "is_registration",
     "normalize_dtype",
+    "parse_cancel",
+    "parse_cancel_reply",
     "parse_registration",
     "parse_status",
     "registration_frames",
@@ -48,6 +57,15 @@ REGISTRATION_PARTS = 6
 STATUS_PARTS = 3
 MAX_CHECKSUMS = 2
 REGISTRATION_MARKER = b"None"
+#: Our cancel (SPEC.md 8, docs/protocol.md 8): 5 parts, part 0 this marker. A peer reads
+#: any request whose part 0 is not `None` as a TransferInfo and drops it as malformed
+#: (5 parts < 13), so it never reaches a peer's room rules.
+CANCEL_MARKER = b"Cancel"
+CANCEL_PARTS = 5
+#: A cancel's answer: a Failed status whose part 3 is one of these instead of a checksum.
+#: Only a rank that sent a cancel is ever sent one.
+CANCEL_CONFIRMED = b"cancel-confirmed"  # nothing was or will be written into that receiver's memory now
+CANCEL_TOO_LATE = b"cancel-too-late"  # a write was in flight; a cancel-confirmed follows once it is over
 
 #: Regions our encode ranks remember per prefill session, newest announcement last (a
 #: main buffer plus per-item fallbacks). Our prefill side announces a region again before
@@ -515,6 +533,89 @@ def parse_status(frames: Sequence[object]) -> tuple[int, TransferPoll, int, tupl
     except WireError as exc:
         raise UnreadableChecksum(str(exc), room, TransferPoll(code), rank) from None
     return room, TransferPoll(code), rank, checksums
+
+
+# ---------------------------------------------------------------- Cancel (ours, docs/protocol.md 8)
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """A prefill rank gave up on a room it asked for: write nothing more into its memory for it."""
+
+    room: int
+    endpoint: str
+    port: int
+    session_id: str
+
+    def to_frames(self) -> list[bytes]:
+        """Encode as cancel parts (see cancel_frames)."""
+        return cancel_frames(self.room, self.endpoint, self.port, self.session_id)
+
+
+def cancel_frames(room: int, endpoint: str, port: int, session_id: str) -> list[bytes]:
+    """Encode a cancel: the marker, room, status endpoint, port and session (the ask's)."""
+    return [CANCEL_MARKER, _encode_room(room), _encode_text(endpoint, "endpoint"), _encode_port(port),
+            _encode_text(session_id, "session")]
+
+
+def is_cancel(frames: Sequence[object]) -> bool:
+    """True exactly when part 0 is the cancel marker."""
+    frames = list(frames)
+    if not frames:
+        return False
+    try:
+        return _part(frames[0]) == CANCEL_MARKER
+    except TypeError:
+        return False
+
+
+def parse_cancel(frames: Sequence[object]) -> Cancel:
+    """Parse a cancel's parts in order; later parts are ignored."""
+    frames = list(frames)
+    if len(frames) < CANCEL_PARTS:
+        raise WireError(f"malformed cancel frame: {len(frames)} parts < {CANCEL_PARTS}")
+    parts = [_part(f) for f in frames[:CANCEL_PARTS]]
+    if parts[0] != CANCEL_MARKER:
+        raise WireError("cancel part 0 must be Cancel")
+    room = _number(parts[1], "room")
+    if room < 0:
+        raise WireError("negative room")
+    endpoint = _text(parts[2], "endpoint")
+    port = _port(_number(parts[3], "port"))
+    session_id = _text(parts[4], "session")
+    return Cancel(room, endpoint, port, session_id)
+
+
+@dataclass(frozen=True)
+class CancelReply:
+    """An encode rank's answer to a cancel: `confirmed` when nothing will be written any more."""
+
+    room: int
+    rank: int
+    confirmed: bool
+
+
+def cancel_reply_frames(room: int, rank: int, confirmed: bool) -> list[bytes]:
+    """Encode a cancel's answer: a Failed status with the answer in part 3."""
+    return [_encode_room(room), _encode_int(int(TransferPoll.Failed), "status"), _encode_int(rank, "rank"),
+            CANCEL_CONFIRMED if confirmed else CANCEL_TOO_LATE]
+
+
+def parse_cancel_reply(frames: Sequence[object]) -> CancelReply | None:
+    """The cancel answer a status carries, or None when it is a plain status (parse it with parse_status)."""
+    frames = list(frames)
+    if len(frames) != STATUS_PARTS + 1:
+        return None
+    try:
+        marker = _part(frames[STATUS_PARTS])
+    except TypeError:
+        return None
+    if marker not in (CANCEL_CONFIRMED, CANCEL_TOO_LATE):
+        return None
+    room, status, rank, _ = parse_status(frames[:STATUS_PARTS])
+    if status is not TransferPoll.Failed:
+        raise WireError("a cancel answer must be Failed")
+    return CancelReply(room, rank, marker == CANCEL_CONFIRMED)
 
 
 # ---------------------------------------------------------------- encode-side checks (6, 8)

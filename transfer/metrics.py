@@ -42,6 +42,7 @@ KNOWN_HELP: dict[str, str] = {
     "statuses_dropped": "Status pushes dropped because a receiver stopped draining its queue.",
     "sessions_superseded_total": "Prefill sessions replaced by a restarted rank's new session, by how it was told.",
     "registrations_refused_total": "Registrations refused (a session that announced region lengths sent one without).",
+    "cancels_total": "Cancels from receivers that gave up on a room, by answer (confirmed, too_late).",
     "parked_rooms": "Items parked until their receiver registers.",
     "quarantined_slots": "Receive slots held back after a failed or late write.",
 }

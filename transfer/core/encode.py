@@ -2,8 +2,8 @@
 
 `EncodeCore` takes events, each with `now` (monotonic seconds), and returns actions
 for its driver to carry out; it never touches a thread, a socket, the engine or a
-clock. Events: an item offered, a room cleared, a registration or TransferInfo
-received (parsed already), a write completed, failed or skipped, a tick, close.
+clock. Events: an item offered, a room cleared, a registration, TransferInfo or
+cancel received (parsed already), a write completed, failed or skipped, a tick, close.
 Actions: start a write, push a status, advance or conclude a room, release a source,
 and warnings for the throttled log.
 
@@ -12,6 +12,12 @@ has no deadline of its own: its room was cleared before the whole fanout asked (
 not sent again within CLEARED_GRACE_S), the room already has its maximum of
 receivers, or its write could not start within the bootstrap timeout of the room's
 first ask (nor can it once that much time passed with the fanout still incomplete).
+
+A receiver that gave up on a room sends a cancel (our extension): its parked ask
+or queued write is dropped and the room concludes Failed (`cancelled`), never
+Success. Its answer says whether the receiver's memory is safe now (nothing was or
+will be written) or a write was already in flight; then a second answer follows
+once that write is over.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from transfer.core.failure import Failure, FailureKind
 from transfer.core.parked import Asks, ParkedAsks
 from transfer.core.regions import RegionBook
 from transfer.core.scheduler import WriteScheduler
-from transfer.frames import Registration, TransferInfo, validate_fanout
+from transfer.frames import Cancel, Registration, TransferInfo, validate_fanout
 from transfer.status import TransferPoll
 
 __all__ = ["CLEARED_GRACE_S", "SWEEP_S", "Conclude", "Count", "EncodeCore", "Offer", "Progress", "PushStatus",
@@ -39,6 +45,10 @@ CLEARED_GRACE_S = 0.1
 
 #: How often unserved items and asks are swept for the bootstrap timeout.
 SWEEP_S = 0.5
+
+#: Rooms remembered as cancelled before their item came (oldest forgotten first), so the
+#: item fails at once when it comes instead of waiting for the bootstrap timeout.
+MAX_CANCELLED_ROOMS = 4096
 
 #: Status endpoints whose latest session is remembered (least recently seen forgotten
 #: first): a new session at a known endpoint is a restarted prefill rank.
@@ -92,6 +102,7 @@ class PushStatus:
     room: int
     status: TransferPoll
     checksums: tuple[int, ...] = ()
+    cancel: bool | None = None  # a cancel's answer: True confirmed (memory safe), False a write was in flight
 
 
 @dataclass(frozen=True)
@@ -179,6 +190,7 @@ class _Job:
     room: _Room
     info: TransferInfo
     ranges: tuple[tuple[int, int, int], ...] = ()  # (start, end, seq) in its session's destination list
+    cancelled: bool = False  # its receiver cancelled while it was in flight: confirm once it is over
 
 
 @dataclass(eq=False)
@@ -221,6 +233,7 @@ class EncodeCore:
         self._endpoints: dict[tuple[str, int], str] = {}  # status endpoint -> its latest session
         self._next_wid = 1
         self._clears_due: deque[tuple[int, float]] = deque()  # (room, cleared at) with parked asks to fail
+        self._cancelled: dict[int, tuple[str, float]] = {}  # room -> (session, at): cancelled before its item
         self._next_sweep = now + SWEEP_S
         self._closed = False
         self._close_detail = ""
@@ -239,6 +252,12 @@ class EncodeCore:
         if self._closed:  # sent while the driver was closing: nothing will serve it
             self._fail(room, FailureKind.CLOSED, self._close_detail, now)
             return self._out_take()
+        cancelled = self._cancelled.pop(offer.room, None)
+        if cancelled is not None:
+            self._fail(room, FailureKind.CANCELLED, f"room {offer.room}: receiver {cancelled[0][:64]} cancelled it "
+                                                    f"{now - cancelled[1]:.1f}s before the item was sent", now)
+            self._dispatch(room.room, now)  # tells the other receivers parked for it Failed
+            return self._flush(now)
         self._unserved.add(offer.room)
         self._dispatch(room.room, now)
         return self._flush(now)
@@ -276,6 +295,9 @@ class EncodeCore:
         A new session asking for what a parked rank asked for is that rank restarted:
         it supersedes its predecessor (see `_supersede`).
         """
+        cancelled = self._cancelled.get(info.room)
+        if cancelled is not None and cancelled[0] == info.session_id:  # the rank asks again: a retry
+            del self._cancelled[info.room]
         predecessor = self._predecessor_by_shard(info)
         if predecessor is not None:
             self._supersede(predecessor, info.session_id, "shard",
@@ -294,6 +316,39 @@ class EncodeCore:
         self._dispatch(info.room, now)
         return self._flush(now)
 
+    def cancel(self, cancel: Cancel, now: float) -> list:
+        """A receiver gave up on a room: nothing more is written into its memory for it, if that can still hold.
+
+        Its parked ask or queued write is dropped and the room fails (`cancelled`); the
+        receiver is answered confirmed at once, or, when its write is already in flight
+        (the engine cannot take it back), too late now and confirmed once it is over.
+        """
+        room_number, session = cancel.room, cancel.session_id
+        flying = next((job for job in self._writes.values()
+                       if job.room.room == room_number and job.info.session_id == session), None)
+        detail = f"room {room_number}: receiver {session[:64]} cancelled it"
+        if flying is not None:
+            flying.cancelled = True
+            self._fail(flying.room, FailureKind.CANCELLED, detail + " while its write was in flight", now)
+            self._answer_cancel(cancel, confirmed=False)
+            return self._flush(now)
+        room = self._rooms.get(room_number)
+        asks = self.parked.get(room_number)
+        if asks is not None and session in asks.infos:
+            self.parked.drop_ask(room_number, session)
+            if room is None:  # the item may still come: it fails then
+                self._cancelled.pop(room_number, None)
+                self._cancelled[room_number] = (session, now)
+                if len(self._cancelled) > MAX_CANCELLED_ROOMS:
+                    del self._cancelled[next(iter(self._cancelled))]
+            else:
+                self._fail(room, FailureKind.CANCELLED, detail + " before its whole fanout asked", now)
+                self._dispatch(room_number, now)  # tells the rest of its fanout Failed
+        elif room is not None and any(info.session_id == session for info in room.receivers):
+            self._fail(room, FailureKind.CANCELLED, detail + " before its write started", now)
+        self._answer_cancel(cancel, confirmed=True)
+        return self._flush(now)
+
     def wants(self, wid: int) -> bool:
         """Whether a started write should still be submitted (its room has not failed meanwhile)."""
         job = self._writes.get(wid)
@@ -304,6 +359,7 @@ class EncodeCore:
         job = self._writes.pop(wid, None)
         if job is not None:
             self.scheduler.finished(job.info.session_id)
+            self._job_over(job)
             self._job_done(job, now)
         return self._flush(now)
 
@@ -314,6 +370,7 @@ class EncodeCore:
             self.scheduler.finished(job.info.session_id)
             if not job.room.failed:
                 self._push(job.info, TransferPoll.Success, checksums)
+            self._job_over(job)
             self._job_done(job, now)
         return self._flush(now)
 
@@ -334,6 +391,7 @@ class EncodeCore:
                        "handshake? Writes to it fail at once for the next %.0fs, or until it registers again",
                        session[:64], took, trip.until - now)
         self._fail(job.room, FailureKind.WRITE, f"write to {session} (room {job.room.room}) failed: {error}", now)
+        self._job_over(job)
         self._job_done(job, now)
         return self._flush(now)
 
@@ -690,12 +748,27 @@ class EncodeCore:
             self._warn("unserved", "room %d: no item sent within %gs for %d receiver(s); telling them Failed",
                        number, limit, len(asks.infos))
             self._tell_failed(asks.infos.values())
+        while self._cancelled:
+            room_number, (_, at) = next(iter(self._cancelled.items()))
+            if now - at <= limit:
+                break
+            del self._cancelled[room_number]
         self.breaker.sweep(now)
 
     # ------------------------------------------------------------ output
 
     def _push(self, info: TransferInfo, status: TransferPoll, checksums: tuple[int, ...] = ()) -> None:
         self._out.append(PushStatus(info.endpoint, info.port, info.room, status, tuple(checksums)))
+
+    def _answer_cancel(self, cancel: Cancel, *, confirmed: bool) -> None:
+        self._out.append(PushStatus(cancel.endpoint, cancel.port, cancel.room, TransferPoll.Failed, (), confirmed))
+        self._out.append(Count("cancels_total", "confirmed" if confirmed else "too_late"))
+
+    def _job_over(self, job: _Job) -> None:
+        """A write is over: a receiver that cancelled while it flew is told its memory is safe now."""
+        if job.cancelled:
+            info = job.info
+            self._answer_cancel(Cancel(info.room, info.endpoint, info.port, info.session_id), confirmed=True)
 
     def _tell_failed(self, infos) -> None:
         for info in infos:

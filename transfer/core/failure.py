@@ -21,6 +21,7 @@ class FailureKind(str, Enum):
     CHECKSUM = "checksum"  # landed bytes differ from what the encode rank wrote
     PEER_FAILED = "peer_failed"  # the peer pushed Failed (encode failed to send embedding)
     CLEARED = "cleared"  # the caller cleared the room before it concluded
+    CANCELLED = "cancelled"  # a receiver gave up on the room and told the encode rank (our extension)
     CLOSED = "closed"  # the pool or session manager closed with the room open
     OTHER = "other"
 

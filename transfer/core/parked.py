@@ -130,6 +130,20 @@ class ParkedAsks:
                 del self._rooms[room]
         return dropped
 
+    def drop_ask(self, room: int, session: str) -> TransferInfo | None:
+        """Removes one session's ask for one room (a room left with none goes too); returns it."""
+        asks = self._rooms.get(room)
+        info = None if asks is None else asks.infos.pop(session, None)
+        if info is None:
+            return None
+        cost = ask_cost(info)
+        asks.nbytes -= cost
+        self.nbytes -= cost
+        self._unindex(session, room)
+        if not asks.infos:
+            del self._rooms[room]
+        return info
+
     def has_session(self, session: str) -> bool:
         """Whether `session` has any ask parked."""
         return session in self._by_session

@@ -35,7 +35,10 @@ from transfer.core.sources import SourceCounts
 from transfer.frames import (
     TransferInfo,
     WireError,
+    cancel_reply_frames,
+    is_cancel,
     is_registration,
+    parse_cancel,
     parse_registration,
     status_frames,
 )
@@ -325,6 +328,12 @@ class EncodeDriver:
                     self.statuses.expect(reg.endpoint, reg.port)
                     self._carry(self.core.registration(reg, self.clock()))
                     continue
+                if is_cancel(frames):
+                    cancel = parse_cancel(frames)
+                    # A clear() posted meanwhile reaches the core first, as for a write.
+                    self._take_commands()
+                    self._carry(self.core.cancel(cancel, self.clock()))
+                    continue
                 info = TransferInfo.from_frames(frames)
             except WireError as exc:
                 self._complaints.warning(str(exc), "dropped a malformed request (%d parts): %s", len(frames), exc)
@@ -341,7 +350,10 @@ class EncodeDriver:
             action = work.popleft()
             kind = type(action)
             if kind is PushStatus:
-                frames = status_frames(action.room, action.status, self.engine_rank, action.checksums)
+                if action.cancel is None:
+                    frames = status_frames(action.room, action.status, self.engine_rank, action.checksums)
+                else:
+                    frames = cancel_reply_frames(action.room, self.engine_rank, action.cancel)
                 self.statuses.send(action.endpoint, action.port, frames)
             elif kind is StartWrite:
                 work.extend(self._start(action))

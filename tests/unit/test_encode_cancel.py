@@ -1,0 +1,159 @@
+"""EncodeCore and a receiver's cancel: nothing more is written for it, the room fails, the answer says when."""
+
+from __future__ import annotations
+
+from transfer.core.encode import Conclude, Count, EncodeCore, Offer, PushStatus, StartWrite
+from transfer.core.failure import FailureKind
+from transfer.frames import Cancel, TransferInfo, shard_rows
+from transfer.status import TransferPoll
+
+HIDDEN = 256
+DTYPE = "torch.bfloat16"
+ROW = HIDDEN * 2
+SRC = 0x7000_0000
+
+
+class NotReady:
+    """A ready event that never completes (the write waits in the queue)."""
+
+    def query(self) -> bool:
+        return False
+
+
+def _offer(room: int, span: int = 4, ready_event=None) -> Offer:
+    return Offer(room, object(), SRC, span, HIDDEN, DTYPE, ROW, None, 0, ready_event)
+
+
+def _ask(room: int, rank: int = 0, fanout: int = 1, span: int = 4) -> TransferInfo:
+    start, rows = shard_rows(span, rank, fanout)
+    return TransferInfo(room, "10.0.0.7", 6000 + rank, f"10.0.0.7:{17000 + rank}", 0x10000 * (rank + 1), 0, rows,
+                        HIDDEN, DTYPE, False, fanout, start, span)
+
+
+def _cancel(room: int, rank: int = 0) -> Cancel:
+    return Cancel(room, "10.0.0.7", 6000 + rank, f"10.0.0.7:{17000 + rank}")
+
+
+class Run:
+    """A core on a fake clock, and everything it asked for."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.core = EncodeCore(0, bootstrap_timeout_s=10.0, now=self.now)
+        self.actions: list = []
+
+    def __call__(self, actions: list) -> list:
+        self.actions.extend(actions)
+        return actions
+
+    def of(self, kind: type, actions: list | None = None) -> list:
+        return [a for a in (self.actions if actions is None else actions) if isinstance(a, kind)]
+
+    def answers(self, actions: list | None = None) -> list[tuple[int, int, bool]]:
+        return [(a.room, a.port, a.cancel) for a in self.of(PushStatus, actions) if a.cancel is not None]
+
+    def conclusions(self) -> list[tuple[int, TransferPoll, FailureKind | None]]:
+        return [(c.room, c.status, c.failure and c.failure.kind) for c in self.of(Conclude)]
+
+
+def test_a_cancelled_ask_is_never_written_when_its_item_comes_later():
+    run = Run()
+    run(run.core.ask(_ask(1), run.now))
+    out = run(run.core.cancel(_cancel(1), run.now))
+    assert run.answers(out) == [(1, 6000, True)]
+    assert run.of(Count, out) == [Count("cancels_total", "confirmed")]
+    assert run.core.parked.get(1) is None
+    run.now = 0.5
+    out = run(run.core.offer(_offer(1), run.now))
+    assert run.of(StartWrite) == []
+    assert run.conclusions() == [(1, TransferPoll.Failed, FailureKind.CANCELLED)]
+    [conclusion] = run.of(Conclude, out)
+    assert "receiver 10.0.0.7:17000 cancelled it 0.5s before the item was sent" in conclusion.failure.detail
+
+
+def test_a_cancel_before_the_whole_fanout_asked_fails_the_room_and_tells_the_others():
+    run = Run()
+    run(run.core.offer(_offer(2, span=8), run.now))
+    run(run.core.ask(_ask(2, 0, fanout=2, span=8), run.now))
+    out = run(run.core.cancel(_cancel(2), run.now))
+    assert run.answers(out) == [(2, 6000, True)]
+    assert run.conclusions() == [(2, TransferPoll.Failed, FailureKind.CANCELLED)]
+    out = run(run.core.ask(_ask(2, 1, fanout=2, span=8), run.now))
+    assert [(a.room, a.port, a.status) for a in run.of(PushStatus, out)] == [(2, 6001, TransferPoll.Failed)]
+    assert run.of(StartWrite) == []
+
+
+def test_a_cancel_for_a_queued_write_drops_it_and_the_room_never_succeeds():
+    run = Run()
+    run(run.core.offer(_offer(3, ready_event=NotReady()), run.now))
+    run(run.core.ask(_ask(3), run.now))
+    assert run.core.waiting == 1 and run.of(StartWrite) == []
+    out = run(run.core.cancel(_cancel(3), run.now))
+    assert run.answers(out) == [(3, 6000, True)]
+    assert run.conclusions() == [(3, TransferPoll.Failed, FailureKind.CANCELLED)]
+    run.now = 1.0
+    run(run.core.tick(run.now))
+    assert run.of(StartWrite) == [] and run.core.waiting == 0
+
+
+def test_a_cancel_for_a_write_in_flight_says_too_late_then_confirms_once_it_is_over():
+    run = Run()
+    run(run.core.offer(_offer(4), run.now))
+    [write] = run.of(StartWrite, run(run.core.ask(_ask(4), run.now)))
+    out = run(run.core.cancel(_cancel(4), run.now))
+    assert run.answers(out) == [(4, 6000, False)]
+    assert run.of(Count, out) == [Count("cancels_total", "too_late")]
+    [conclusion] = run.of(Conclude, out)
+    assert conclusion.status is TransferPoll.Failed and conclusion.failure.kind is FailureKind.CANCELLED
+    assert "while its write was in flight" in conclusion.failure.detail
+    out = run(run.core.write_done(write.wid, (7,), run.now))
+    assert run.answers(out) == [(4, 6000, True)]
+    assert [a.status for a in run.of(PushStatus, out) if a.cancel is None] == []  # no Success for it
+    assert run.conclusions() == [(4, TransferPoll.Failed, FailureKind.CANCELLED)]
+
+
+def test_a_write_in_flight_that_fails_after_a_cancel_still_confirms():
+    run = Run()
+    run(run.core.offer(_offer(5), run.now))
+    [write] = run.of(StartWrite, run(run.core.ask(_ask(5), run.now)))
+    run(run.core.cancel(_cancel(5), run.now))
+    out = run(run.core.write_failed(write.wid, "peer gone", 0.01, run.now))
+    assert run.answers(out) == [(5, 6000, True)]
+
+
+def test_a_cancel_the_core_knows_nothing_of_is_confirmed_and_changes_nothing():
+    run = Run()
+    out = run(run.core.cancel(_cancel(6), run.now))
+    assert run.answers(out) == [(6, 6000, True)]
+    assert run.conclusions() == [] and len(run.core.parked) == 0
+
+
+def test_a_cancel_after_success_is_confirmed_and_the_room_stays_success():
+    run = Run()
+    run(run.core.offer(_offer(7), run.now))
+    [write] = run.of(StartWrite, run(run.core.ask(_ask(7), run.now)))
+    run(run.core.write_done(write.wid, (7,), run.now))
+    out = run(run.core.cancel(_cancel(7), run.now))
+    assert run.answers(out) == [(7, 6000, True)]
+    assert run.conclusions() == [(7, TransferPoll.Success, None)]
+
+
+def test_the_same_rank_asking_again_after_its_cancel_is_a_retry_and_is_served():
+    run = Run()
+    run(run.core.ask(_ask(8), run.now))
+    run(run.core.cancel(_cancel(8), run.now))
+    run(run.core.ask(_ask(8), run.now))
+    out = run(run.core.offer(_offer(8), run.now))
+    assert len(run.of(StartWrite, out)) == 1
+    assert run.conclusions() == []
+
+
+def test_a_cancelled_room_is_forgotten_after_the_bootstrap_timeout():
+    run = Run()
+    run(run.core.ask(_ask(9), run.now))
+    run(run.core.cancel(_cancel(9), run.now))
+    run.now = 11.0
+    run(run.core.tick(run.now))
+    run(run.core.offer(_offer(9), run.now))
+    assert run.conclusions() == []  # parked, waiting for its asks as any item
+    assert run.core.parked_rooms == 1
