@@ -9,6 +9,12 @@ while, a region is announced before the first ask that lands in it, asks wait in
 order while their encode rank's socket cannot take them, statuses move rooms
 (Failed sticky, a wrong encode rank ignored), and a room concludes once, at the
 latest at its deadline.
+
+A room given up on after its ask went out (its deadline, or clear() before Success)
+gets a cancel (our extension) on the socket it was asked on; the memory it offered
+is safe to reuse (`MemorySafe`) at once when no encode rank was ever asked, or once
+the encode rank confirms the cancel. Without either, only the caller's quarantine
+bound makes it safe.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from transfer.core.announce import AnnounceBook
 from transfer.core.ask_queue import AskQueues
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.prefill_breaker import BootstrapBreaker
-from transfer.frames import TransferInfo, registration_frames
+from transfer.frames import TransferInfo, cancel_frames, registration_frames
 from transfer.status import TransferPoll
 
 __all__ = [
@@ -33,9 +39,11 @@ __all__ = [
     "Disconnect",
     "LookUpParallel",
     "LookUpRoute",
+    "MemorySafe",
     "PrefillCore",
     "RoomSpec",
     "SendAsk",
+    "SendCancel",
     "Verify",
     "Warn",
 ]
@@ -45,6 +53,10 @@ ENCODE_FAILED = "encode failed to send embedding"
 #: Asks waiting for a connection sent per `writable` event: the driver reads statuses
 #: and runs deadlines between batches.
 ASK_BATCH = 256
+
+#: Cancels awaiting their encode rank's confirmation (the oldest is forgotten past this:
+#: its memory then waits out the caller's quarantine bound).
+MAX_PENDING_CANCELS = 65536
 
 RouteKey = tuple[str, int, int]  # (bootstrap address, dp group, encode rank)
 Address = tuple[str, int]
@@ -98,6 +110,24 @@ class SendAsk:
 
 
 @dataclass(frozen=True)
+class SendCancel:
+    """Tell the encode rank at `addr` the room is given up: write nothing more into its memory."""
+
+    addr: Address
+    room: int
+    token: int
+    frames: list[bytes] = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class MemorySafe:
+    """No encode rank writes into the memory the room (this token) offered any more."""
+
+    room: int
+    token: int
+
+
+@dataclass(frozen=True)
 class Verify:
     """Checksum the landed bytes: `checks` are (what, region, addr, nbytes, expected)."""
 
@@ -126,9 +156,13 @@ class Conclude:
 
 @dataclass(frozen=True)
 class Disconnect:
-    """Close the socket to `addr`, dropping what it queued; the next ask opens a fresh one."""
+    """Close the socket to `addr`, dropping what it queued; the next ask opens a fresh one.
+
+    `flush`: a cancel was just queued on it, so it is given a moment to go out first.
+    """
 
     addr: Address
+    flush: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -186,6 +220,10 @@ class _Room:
     addr: Address | None = None
     conn: int = 0  # the connection it was asked on (or waits for)
     asked_at: float = 0.0
+    outcome: Failure | None = None  # once concluded
+    asked: bool = False  # its TransferInfo was handed to a socket at least once
+    cancelled: bool = False  # a cancel went out, or the memory is known safe without one
+    safe: bool = False  # no encode rank writes into its memory any more (known without a cancel)
 
     @property
     def room(self) -> int:
@@ -239,6 +277,7 @@ class PrefillCore:
         self._awaiting_route: dict[RouteKey, list[_Room]] = {}
         self._conns: dict[Address, int] = {}  # the connection in use per encode address
         self._conn_serial = 0
+        self._cancels: dict[tuple[int, int], tuple[int, int]] = {}  # (room, token) -> (encode rank, token)
 
     # ------------------------------------------------------------ queries
 
@@ -293,6 +332,38 @@ class PrefillCore:
         self._rooms[spec.room] = state
         self._push_deadline(state)
         return state.token, self._route(now, state)
+
+    def abandon(self, now: float, room: int, token: int) -> list:
+        """The caller is about to clear the room: unless it succeeded, its encode rank is told to write nothing more."""
+        state = self._rooms.get(room)
+        if state is None or state.token != token or state.cancelled:
+            return []
+        if state.stage == CONCLUDED and state.outcome is None:
+            return []  # Success: the write is over
+        if state.stage == VERIFYING:  # its Success came: the write is over
+            state.cancelled = True
+            return [MemorySafe(room, token)]
+        return self._give_up(state)
+
+    def safe(self, room: int, token: int) -> bool:
+        """Whether no encode rank writes into the room's memory any more, known without a cancel's answer."""
+        state = self._rooms.get(room)
+        return state is not None and state.token == token and state.safe
+
+    @property
+    def pending_cancels(self) -> int:
+        """Cancels sent and not yet confirmed."""
+        return len(self._cancels)
+
+    def cancel_answered(self, now: float, room: int, rank: int, confirmed: bool) -> list:
+        """An encode rank answered a cancel: `confirmed` when nothing will be written any more."""
+        if not confirmed:
+            return []  # a write was in flight: its confirmation follows once it is over
+        for key, (encode_rank, token) in self._cancels.items():
+            if key[0] == room and encode_rank == rank:
+                del self._cancels[key]
+                return [MemorySafe(room, token)]
+        return []
 
     def clear(self, now: float, room: int, token: int | None = None) -> bool:
         """Forgets the room (its asks not yet sent never go out); False when it was not held."""
@@ -471,8 +542,33 @@ class PrefillCore:
         heapq.heappush(self._deadlines, (state.deadline, state.token, state))
 
     def _conclude(self, state: _Room, failure: Failure | None) -> list:
+        if not state.asked or state.stage == VERIFYING:
+            # Never asked, or its Success came (the write is over): nothing will write there.
+            state.cancelled = state.safe = True
         state.stage = CONCLUDED
+        state.outcome = failure
         return [Conclude(state.room, state.token, failure)]
+
+    def _give_up(self, state: _Room) -> list:
+        """Tells the encode rank the room is given up, on the connection it was asked on.
+
+        A room never asked has nothing to cancel. One whose connection was dropped
+        since gets no cancel: a fresh connection could overtake what the old one
+        delivered, so only the quarantine bound makes its memory safe.
+        """
+        if state.cancelled:
+            return []
+        state.cancelled = True
+        if not state.asked:
+            state.safe = True
+            return [MemorySafe(state.room, state.token)]
+        if state.addr is None or self._conns.get(state.addr) != state.conn:
+            return []
+        self._cancels[(state.room, state.token)] = (state.encode_rank, state.token)
+        if len(self._cancels) > MAX_PENDING_CANCELS:
+            del self._cancels[next(iter(self._cancels))]
+        frames = cancel_frames(state.room, self.host, self.status_port, self.session_id)
+        return [SendCancel(state.addr, state.room, state.token, frames)]
 
     def _route(self, now: float, state: _Room, defer: bool = False) -> list:
         """Finds the room's encode rank, from the caches or by a look-up."""
@@ -549,18 +645,20 @@ class PrefillCore:
         )
         actions.append(SendAsk(addr, spec.room, state.token, info))
         state.stage = ASKED
+        state.asked = True
         return actions
 
     def _expire(self, now: float, state: _Room) -> list:
         """The room's deadline passed: it fails, and a socket that went silent on it is dropped."""
-        actions: list = []
         never_sent: list[_Room] = []
         addr = state.addr
+        # On the socket it was asked on, ahead of anything that closes it.
+        actions: list = self._give_up(state) if state.asked else []
         if state.stage == LOOKUP:
             failure = Failure(FailureKind.DEADLINE,
                               f"no status from {state.where()} within {self.deadline_s:g}s for room {state.room} "
                               f"(its bootstrap look-up had not answered)")
-            return self._conclude(state, failure)
+            return actions + self._conclude(state, failure)
         # Only the socket this room was asked on went silent, and only if the room waited on
         # it a while (one asked late says little, and tearing the socket down for each such
         # room would cost every later room a look-up and a connection). One replaced since
@@ -573,8 +671,9 @@ class PrefillCore:
                 self.announcements.forget(key)
             del self._conns[addr]
             # Nothing of the old socket's queue (expired rooms' asks, whose memory may be
-            # reused by then) may reach a rank restarted there.
-            actions.append(Disconnect(addr))
+            # reused by then) may reach a rank restarted there, unless this room's cancel
+            # follows it: then the socket gets a moment to deliver the cancel.
+            actions.append(Disconnect(addr, flush=bool(actions)))
             never_sent = self.asks.drop(addr)
         if state.stage == QUEUED:
             failure = Failure(FailureKind.NO_CONNECTION,

@@ -1,0 +1,149 @@
+"""PrefillCore giving up on a room: a cancel on the socket it asked on, and when its memory is safe again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transfer.core.failure import FailureKind
+from transfer.core.prefill import (
+    Conclude,
+    Disconnect,
+    LookUpParallel,
+    LookUpRoute,
+    MemorySafe,
+    PrefillCore,
+    RoomSpec,
+    SendAsk,
+    SendCancel,
+)
+from transfer.frames import Cancel, parse_cancel
+from transfer.status import TransferPoll
+
+BOOT = "10.0.0.1:8998"
+ENCODE = ("10.0.0.2", 7000)
+KEY0 = (BOOT, 0, 0)
+
+
+@dataclass(frozen=True)
+class Region:
+    addr: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Regions:
+    embedding: Region
+    deepstack: Region | None = None
+
+
+MAIN = Regions(Region(0x10000, 1 << 20))
+
+
+def spec(room: int, slot: int = 0) -> RoomSpec:
+    return RoomSpec(room, BOOT, MAIN.embedding.addr + slot * 64, rows=4, hidden=8, dtype="torch.float16",
+                    row_bytes=16, row_start=0, span=4, regions=MAIN)
+
+
+def core() -> PrefillCore:
+    return PrefillCore(0, 1, 1, host="10.0.0.3", status_port=5555, session_id="10.0.0.3:1234", deadline_s=10.0)
+
+
+def asked(c: PrefillCore, room: int, now: float = 0.0) -> int:
+    """Receives `room` and resolves its route: its ask goes out."""
+    token, actions = c.receive(now, spec(room, slot=room))
+    if actions == [LookUpParallel(BOOT)]:
+        assert c.parallel_resolved(now, BOOT, 1, 1) == [LookUpRoute(KEY0)]
+        actions = c.route_resolved(now, KEY0, ENCODE)
+    assert SendAsk in [type(a) for a in actions]
+    return token
+
+
+def of(kind: type, actions: list) -> list:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def test_a_room_past_its_deadline_sends_its_cancel_before_the_socket_closes():
+    c = core()
+    token = asked(c, 1)
+    actions = c.tick(10.0)
+    [cancel] = of(SendCancel, actions)
+    assert cancel.addr == ENCODE and cancel.token == token
+    assert parse_cancel(cancel.frames) == Cancel(1, "10.0.0.3", 5555, "10.0.0.3:1234")
+    kinds = [type(a) for a in actions]
+    assert kinds.index(SendCancel) < kinds.index(Disconnect)
+    [disconnect] = of(Disconnect, actions)
+    assert disconnect.flush
+    assert of(Conclude, actions)[0].failure.kind is FailureKind.DEADLINE
+    assert not c.safe(1, token) and c.pending_cancels == 1
+
+
+def test_a_confirmed_cancel_makes_the_memory_safe_and_a_too_late_one_does_not():
+    c = core()
+    token = asked(c, 1)
+    c.tick(10.0)
+    assert c.cancel_answered(10.1, 1, 0, confirmed=False) == []
+    assert c.cancel_answered(10.1, 1, 3, confirmed=True) == []  # another encode rank's answer
+    assert c.cancel_answered(10.2, 1, 0, confirmed=True) == [MemorySafe(1, token)]
+    assert c.pending_cancels == 0
+    assert c.cancel_answered(10.3, 1, 0, confirmed=True) == []  # answered once
+
+
+def test_a_confirmation_after_the_room_was_cleared_still_counts():
+    c = core()
+    token = asked(c, 1)
+    c.tick(10.0)
+    c.clear(10.0, 1, token)
+    assert c.cancel_answered(10.5, 1, 0, confirmed=True) == [MemorySafe(1, token)]
+
+
+def test_clear_before_a_terminal_status_sends_a_cancel():
+    c = core()
+    token = asked(c, 2)
+    c.status(1.0, 2, TransferPoll.Transferring, 0)
+    actions = c.abandon(1.0, 2, token)
+    assert [type(a) for a in actions] == [SendCancel]
+    assert c.abandon(1.0, 2, token) == []  # once
+    assert c.clear(1.0, 2, token)
+
+
+def test_a_room_never_asked_is_safe_at_once():
+    c = core()
+    token, actions = c.receive(0.0, spec(3))
+    assert actions == [LookUpParallel(BOOT)]
+    assert c.abandon(0.5, 3, token) == [MemorySafe(3, token)]
+
+
+def test_a_room_that_failed_before_its_ask_is_safe_without_a_cancel():
+    c = core()
+    token, _ = c.receive(0.0, spec(4))
+    c.lookup_failed(0.1, BOOT, None, "connection refused", 0.1)
+    assert c.stage(4) == "concluded" and c.safe(4, token)
+    assert c.abandon(0.2, 4, token) == []
+
+
+def test_a_room_that_succeeded_sends_no_cancel():
+    c = core()
+    c.integrity = False
+    token = asked(c, 5)
+    assert of(Conclude, c.status(1.0, 5, TransferPoll.Success, 0)) == [Conclude(5, token, None)]
+    assert c.abandon(1.0, 5, token) == []
+
+
+def test_a_room_failed_by_its_encode_rank_is_cancelled_when_cleared():
+    """A Failed from the encode rank may come while its write is still in flight."""
+    c = core()
+    token = asked(c, 6)
+    c.status(1.0, 6, TransferPoll.Failed, 0)
+    assert not c.safe(6, token)
+    assert [type(a) for a in c.abandon(1.0, 6, token)] == [SendCancel]
+
+
+def test_a_room_expired_on_a_socket_dropped_since_sends_no_cancel():
+    """A fresh connection could overtake the old one's ask: only the quarantine bound helps then."""
+    c = core()
+    asked(c, 1, now=0.0)
+    token2 = asked(c, 2, now=4.0)
+    assert of(Disconnect, c.tick(10.0))  # room 1's deadline drops the socket room 2 was asked on too
+    actions = c.tick(14.0)
+    assert of(Conclude, actions)[0].failure.kind is FailureKind.DEADLINE
+    assert of(SendCancel, actions) == [] and not c.safe(2, token2)
