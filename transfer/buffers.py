@@ -11,7 +11,8 @@ copied out:
   `poll()`, never waited on.
 - `fail()` (the room failed) quarantines the slot for `quarantine_s`, as long as an
   encode rank may still serve the room's ask (QUARANTINE_S), because a late one-sided
-  write may still land in it.
+  write may still land in it; `end_quarantine()` ends that early once the encode rank
+  confirmed that nothing more will be written (its cancel, docs/protocol.md 8).
 - an item too big for a slot, or an exhausted pool, gets a per-item fallback buffer
   registered for that item and deregistered only `grace_s` after its release.
   The bytes fallbacks hold at once (live, awaiting events, in grace or quarantined)
@@ -90,7 +91,8 @@ def _query(event: _Event) -> bool | None:
 class Slot:
     """One lease: a slot of the pool (or a fallback buffer) until release() or fail()."""
 
-    __slots__ = ("_offset", "_pool", "_state", "addr", "index", "is_fallback", "nbytes", "region")
+    __slots__ = ("_offset", "_pool", "_quarantine_seq", "_state", "addr", "index", "is_fallback", "nbytes",
+                 "region")
 
     def __init__(self, pool: ReceivePool, region: Region, offset: int, nbytes: int,
                  index: int, is_fallback: bool) -> None:
@@ -102,6 +104,7 @@ class Slot:
         self._pool = pool
         self._state = _LEASED
         self._offset = offset
+        self._quarantine_seq: int | None = None  # its entry while quarantined
 
     @property
     def leased(self) -> bool:
@@ -134,6 +137,10 @@ class Slot:
         """The room failed: quarantine the slot (a late one-sided write may still land in it)."""
         self._transition(_FAILED, "fail")
         self._pool._on_fail(self)
+
+    def end_quarantine(self) -> None:
+        """No late write can land in this failed slot any more: it is free (a fallback starts its grace) now."""
+        self._pool._on_safe(self)
 
     def _transition(self, state: str, what: str) -> None:
         """Moves a leased handle to `state`; any second move is a SlotError."""
@@ -326,11 +333,27 @@ class ReceivePool:
 
     def _quarantine_handle(self, slot: Slot, now: float) -> None:
         """Park a slot for quarantine_s, a fallback for the longer of grace and quarantine (lock held)."""
+        seq = slot._quarantine_seq = next(self._seq)
         if slot.is_fallback:
             delay = max(self.grace_s, self.quarantine_s)
-            heapq.heappush(self._graces, (now + delay, next(self._seq), slot.region, True))
+            heapq.heappush(self._graces, (now + delay, seq, slot.region, True))
         else:
-            heapq.heappush(self._quarantine, (now + self.quarantine_s, next(self._seq), slot.index))
+            heapq.heappush(self._quarantine, (now + self.quarantine_s, seq, slot.index))
+
+    def _on_safe(self, slot: Slot) -> None:
+        """Ends a quarantined handle's quarantine (its entry only: the slot may have been leased again since)."""
+        with self._lock:
+            seq, slot._quarantine_seq = slot._quarantine_seq, None
+            if seq is None or self._closed:
+                return
+            heap = self._graces if slot.is_fallback else self._quarantine
+            for i, entry in enumerate(heap):
+                if entry[1] == seq:
+                    heap[i] = heap[-1]
+                    heap.pop()
+                    heapq.heapify(heap)
+                    self._settle(slot, self._clock())
+                    return
 
     def _settle(self, slot: Slot, now: float) -> None:
         """Copy-out done: a slot is free again, a fallback starts its grace (lock held)."""
