@@ -220,12 +220,13 @@ def dropped(monitor: zmq.Socket) -> bool:
     return lost
 
 
-def close_watched(sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
-    """Closes `sock` and the socket watching it, discarding what either still queues."""
+def close_watched(sock: zmq.Socket, monitor: zmq.Socket | None, linger_ms: int = 0) -> None:
+    """Closes `sock` and the socket watching it, discarding what either still queues (after
+    `linger_ms` for `sock`'s)."""
     if monitor is not None:
         sock.disable_monitor()
         monitor.close(0)
-    sock.close(0)
+    sock.close(linger_ms)
 
 
 # pyzmq's Python-level Socket.send/get wrappers cost more than libzmq itself for our

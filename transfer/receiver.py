@@ -57,12 +57,31 @@ class ReceiveHandle(_io.RoomHandle):
         self.rows = rows
         self.deepstack = deepstack
 
+    @property
+    def safe_to_reuse(self) -> bool:
+        """Whether no encode rank will write into this room's memory any more.
+
+        True once it succeeded; at once when no encode rank was ever asked; once the
+        encode rank confirmed the cancel sent when the room was given up (its deadline,
+        or clear() before a terminal status); otherwise only after the quarantine bound
+        (the pool's `quarantine_s`, else buffers.QUARANTINE_S) from its conclusion. Poll it
+        after clear() too: a confirmation may come later.
+        """
+        record = self._state
+        if record.succeeded or record.memory_safe:
+            return True
+        if record.concluded_at is None:
+            return False
+        return self._manager._driver.clock() - record.concluded_at >= self._manager.quarantine_s
+
     def clear(self, event: Any = None) -> None:
         """Forgets the room; a status that still arrives for it is ignored.
 
+        A room given up on before a terminal status has its encode rank told (a cancel).
         A pooled room gives its slot back here: after a Success once `event` (the
-        copy-out's CUDA event, if any) completed; otherwise into quarantine, since a
-        late one-sided write may still land in it.
+        copy-out's CUDA event, if any) completed, and likewise when its memory is already
+        safe (see `safe_to_reuse`); otherwise into quarantine, since a late one-sided write
+        may still land in it, until the encode rank confirms the cancel.
         """
         self._manager._forget(self._state, event)
 
@@ -310,16 +329,27 @@ class SessionManager:
         self._owned.append(region.addr)
         return region
 
+    @property
+    def quarantine_s(self) -> float:
+        """How long after a failed room a late write may still land in its memory."""
+        if self.pool is not None:
+            return self.pool.quarantine_s
+        from transfer.buffers import QUARANTINE_S
+
+        return QUARANTINE_S
+
     def _forget(self, record: Room, event: Any = None) -> None:
-        """Drops the room; hands a pooled slot back (Success) or to quarantine (anything else)."""
+        """Drops the room; hands a pooled slot back (Success, or memory already safe) or to quarantine
+        (anything else), which ends once the encode rank confirms the room's cancel."""
         succeeded = self._driver.clear(record)
         if succeeded is None or record.lease is None:
             return
         lease, record.lease = record.lease, None
-        if succeeded:
+        if succeeded or record.memory_safe:
             lease.release(event)
         else:
             lease.fail()
+            self._driver.when_safe(record, lease.end_quarantine)
         self._drop_lease_region(lease)
 
 

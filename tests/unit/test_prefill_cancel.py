@@ -147,3 +147,16 @@ def test_a_room_expired_on_a_socket_dropped_since_sends_no_cancel():
     actions = c.tick(14.0)
     assert of(Conclude, actions)[0].failure.kind is FailureKind.DEADLINE
     assert of(SendCancel, actions) == [] and not c.safe(2, token2)
+
+
+def test_cancels_awaiting_an_answer_are_bounded(monkeypatch):
+    import transfer.core.prefill as prefill
+
+    monkeypatch.setattr(prefill, "MAX_PENDING_CANCELS", 2)
+    c = core()
+    tokens = [asked(c, room, now=float(room)) for room in (1, 2, 3)]
+    for room, token in zip((1, 2, 3), tokens):
+        assert [type(a) for a in c.abandon(5.0, room, token)] == [SendCancel]
+    assert c.pending_cancels == 2
+    assert c.cancel_answered(6.0, 1, 0, confirmed=True) == []  # the oldest was forgotten
+    assert c.cancel_answered(6.0, 3, 0, confirmed=True) == [MemorySafe(3, tokens[2])]

@@ -277,7 +277,8 @@ class PrefillCore:
         self._awaiting_route: dict[RouteKey, list[_Room]] = {}
         self._conns: dict[Address, int] = {}  # the connection in use per encode address
         self._conn_serial = 0
-        self._cancels: dict[tuple[int, int], tuple[int, int]] = {}  # (room, token) -> (encode rank, token)
+        self._cancels: dict[tuple[int, int], list[int]] = {}  # (room, encode rank) -> tokens awaiting, oldest first
+        self._cancel_count = 0
 
     # ------------------------------------------------------------ queries
 
@@ -353,17 +354,20 @@ class PrefillCore:
     @property
     def pending_cancels(self) -> int:
         """Cancels sent and not yet confirmed."""
-        return len(self._cancels)
+        return self._cancel_count
 
     def cancel_answered(self, now: float, room: int, rank: int, confirmed: bool) -> list:
         """An encode rank answered a cancel: `confirmed` when nothing will be written any more."""
         if not confirmed:
             return []  # a write was in flight: its confirmation follows once it is over
-        for key, (encode_rank, token) in self._cancels.items():
-            if key[0] == room and encode_rank == rank:
-                del self._cancels[key]
-                return [MemorySafe(room, token)]
-        return []
+        tokens = self._cancels.get((room, rank))
+        if not tokens:
+            return []
+        token = tokens.pop(0)
+        if not tokens:
+            del self._cancels[(room, rank)]
+        self._cancel_count -= 1
+        return [MemorySafe(room, token)]
 
     def clear(self, now: float, room: int, token: int | None = None) -> bool:
         """Forgets the room (its asks not yet sent never go out); False when it was not held."""
@@ -564,9 +568,15 @@ class PrefillCore:
             return [MemorySafe(state.room, state.token)]
         if state.addr is None or self._conns.get(state.addr) != state.conn:
             return []
-        self._cancels[(state.room, state.token)] = (state.encode_rank, state.token)
-        if len(self._cancels) > MAX_PENDING_CANCELS:
-            del self._cancels[next(iter(self._cancels))]
+        self._cancels.setdefault((state.room, state.encode_rank), []).append(state.token)
+        self._cancel_count += 1
+        if self._cancel_count > MAX_PENDING_CANCELS:
+            oldest = next(iter(self._cancels))
+            tokens = self._cancels[oldest]
+            tokens.pop(0)
+            if not tokens:
+                del self._cancels[oldest]
+            self._cancel_count -= 1
         frames = cancel_frames(state.room, self.host, self.status_port, self.session_id)
         return [SendCancel(state.addr, state.room, state.token, frames)]
 

@@ -32,13 +32,15 @@ from transfer.core.prefill import (
     Disconnect,
     LookUpParallel,
     LookUpRoute,
+    MemorySafe,
     PrefillCore,
     RoomSpec,
     SendAsk,
+    SendCancel,
     Verify,
     Warn,
 )
-from transfer.frames import UnreadableChecksum, WireError, parse_status
+from transfer.frames import UnreadableChecksum, WireError, parse_cancel_reply, parse_status
 from transfer.metrics import Metrics
 from transfer.status import RoomTable, TransferPoll
 
@@ -62,6 +64,13 @@ EXPIRE_BATCH = 256
 #: run elsewhere), so this is generous; past it the thread is left its sockets.
 STOP_WAIT_S = 5.0
 
+#: How long a socket closed right after a cancel was queued on it may take to send it.
+CANCEL_FLUSH_MS = 1000
+
+#: Cleared rooms remembered until their encode rank confirms their cancel (oldest
+#: forgotten first: their slots then wait out the pool's quarantine).
+MAX_AWAITING_SAFE = 65536
+
 #: How often the sockets to encode ranks are checked for lost connections while idle,
 #: so their reports do not pile up in ZMQ (a send checks its socket's first anyway).
 MONITOR_PERIOD_S = 1.0
@@ -77,6 +86,11 @@ class Room:
     lease: Any = None
     token: int = 0
     concluded_at: float | None = None
+    succeeded: bool = False
+    #: No encode rank writes into the room's memory any more (its cancel was confirmed, or
+    #: it never asked one); `on_safe` runs when that becomes known after clear().
+    memory_safe: bool = False
+    on_safe: Any = None
 
 
 class PrefillDriver:
@@ -107,6 +121,7 @@ class PrefillDriver:
         self.table = RoomTable()
         self.conclusions = _io.Conclusions()
         self.rooms: dict[int, Room] = {}  # changed under _lock
+        self._awaiting_safe: dict[int, Room] = {}  # cleared rooms by token, until their cancel is confirmed
         self._status_sock, self.status_port = _io.pull_socket(host, status_port)
         try:
             self.core = PrefillCore(engine_rank, tp_size, dp_size, host=host, status_port=self.status_port,
@@ -175,10 +190,34 @@ class PrefillDriver:
             if self.rooms.get(record.room) is not record:
                 return None
             succeeded = self.table.get(record.room) == TransferPoll.Success
+            now = self.clock()
+            self._carry(now, self.core.abandon(now, record.room, record.token))
+            if self.core.safe(record.room, record.token):
+                record.memory_safe = True
             del self.rooms[record.room]
             self.table.clear(record.room)
-            self.core.clear(self.clock(), record.room, record.token)
+            self.core.clear(now, record.room, record.token)
+            if not succeeded and not record.memory_safe:
+                self._awaiting_safe[record.token] = record
+                if len(self._awaiting_safe) > MAX_AWAITING_SAFE:
+                    del self._awaiting_safe[next(iter(self._awaiting_safe))]
         return succeeded
+
+    def when_safe(self, record: Room, on_safe: Callable[[], None]) -> None:
+        """Runs `on_safe` once the cleared room's memory is known safe (at once when it already is)."""
+        with self._lock:
+            if not record.memory_safe:
+                record.on_safe = on_safe
+                return
+        on_safe()
+
+    def _run_on_safe(self, record: Room) -> None:
+        on_safe, record.on_safe = record.on_safe, None
+        if on_safe is not None:
+            try:
+                on_safe()
+            except Exception:  # noqa: BLE001 - the pool's bookkeeping must not stop the I/O thread
+                log.exception("room %d: freeing its memory after its cancel was confirmed failed", record.room)
 
     def close(self, reason: str = "session manager closed") -> None:
         """Fails rooms still open, stops the threads and closes the sockets, unless the I/O thread is stuck."""
@@ -305,6 +344,10 @@ class PrefillDriver:
                 return
             unreadable = None  # a checksum part (ours, SPEC.md 8) that does not parse
             try:
+                answer = parse_cancel_reply(frames)
+                if answer is not None:
+                    self._step(lambda now, a=answer: self.core.cancel_answered(now, a.room, a.rank, a.confirmed))
+                    continue
                 room, status, rank, sums = parse_status(frames)
             except UnreadableChecksum as exc:
                 room, status, rank, sums, unreadable = exc.room, exc.status, exc.rank, (), str(exc)
@@ -384,8 +427,12 @@ class PrefillDriver:
                 verifies.append(action)
             elif kind is LookUpParallel or kind is LookUpRoute:
                 self._lookups.submit(action)
+            elif kind is SendCancel:
+                self._send_cancel(action)
+            elif kind is MemorySafe:
+                self._memory_safe(action)
             elif kind is Disconnect:
-                self._disconnect(action.addr)
+                self._disconnect(action.addr, CANCEL_FLUSH_MS if action.flush else 0)
             elif kind is Warn:
                 self._complaints.warning(action.key, "%s", action.message)
             if i == len(work) and refused:
@@ -441,14 +488,40 @@ class PrefillDriver:
         """Queues the action's frames on the socket without blocking (zmq.Again when it cannot take them)."""
         _io.send_frames(sock, action.frames if type(action) is Announce else action.info.to_frames())
 
-    def _disconnect(self, addr: tuple[str, int]) -> None:
+    def _disconnect(self, addr: tuple[str, int], linger_ms: int = 0) -> None:
         """Closes the socket to `addr` and what watches it (I/O thread or close())."""
         sock = self._sockets.pop(addr, None)
         if sock is None:
             return
         if self._watching.pop(sock, None) is not None:
             self._poller.unregister(sock)
-        _io.close_watched(sock, self._monitors.pop(addr, None))
+        _io.close_watched(sock, self._monitors.pop(addr, None), linger_ms)
+
+    def _send_cancel(self, action: SendCancel) -> None:
+        """Queues a cancel on the socket the room was asked on; one it cannot take now is not sent
+        (the room's memory then waits out the quarantine bound)."""
+        sock = self._sockets.get(action.addr)
+        if sock is None:
+            return
+        try:
+            _io.send_frames(sock, action.frames)
+        except zmq.Again:
+            self._complaints.warning("cancel not sent", "room %d: the socket to %s:%d cannot take its cancel now; "
+                                     "its memory is safe only after the quarantine bound", action.room,
+                                     *action.addr)
+        except zmq.ZMQError as exc:
+            log.warning("room %d: sending its cancel failed: %s", action.room, exc)
+
+    def _memory_safe(self, action: MemorySafe) -> None:
+        """The encode rank confirmed the room's cancel: its memory is the caller's again."""
+        record = self.rooms.get(action.room)
+        if record is None or record.token != action.token:
+            record = self._awaiting_safe.pop(action.token, None)
+            if record is None:
+                return
+        record.memory_safe = True
+        if record.on_safe is not None:
+            self._run_on_safe(record)
 
     def _conclude(self, now: float, action: Conclude) -> None:
         """Concludes the room in the table once; counts and logs it."""
@@ -467,6 +540,8 @@ class PrefillDriver:
             self.metrics.inc("rooms_failed_total", reason=failure.kind.value)
             self._failures.warning(failure.kind, "room %d failed: %s", action.room, failure.detail)
         record.concluded_at = now
+        record.succeeded = failure is None
+        record.memory_safe = record.memory_safe or self.core.safe(action.room, action.token)
         self.conclusions.notify()
 
 

@@ -1,0 +1,86 @@
+"""A prefill rank that gives a room up tells its encode rank: the late item writes nothing (real Mooncake tcp)."""
+
+from __future__ import annotations
+
+import time
+
+from live_helpers import HOST, wait_until
+
+from transfer.bootstrap import BootstrapServer
+
+BF16 = "torch.bfloat16"
+
+
+def _counter(metrics, name: str) -> dict:
+    return metrics.snapshot()["counters"].get(name, {})
+
+
+def test_a_room_past_its_deadline_is_never_written_when_its_item_comes_later(engines):
+    import torch
+
+    from transfer.core.failure import FailureKind
+    from transfer.receiver import SessionManager
+    from transfer.sender import SenderPool
+    from transfer.status import TransferPoll
+
+    encode_engine, prefill_engine = engines
+    rows, hidden = 64, 256
+    item = torch.randn(rows, hidden).to(torch.bfloat16)
+    encode_engine.register(item)
+    buf = torch.full((rows, hidden), 7.0, dtype=torch.bfloat16)
+    filled = buf.clone()
+    try:
+        with BootstrapServer(HOST, 0) as server, \
+                SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST, bootstrap_timeout_s=30) as sender, \
+                SessionManager(prefill_engine, 0, 1, 1, buffer=buf, host=HOST, deadline_s=1.0) as manager:
+            handle = manager.receive(1, server.address, buf, rows=rows, hidden=hidden, dtype=BF16)
+            # The encode rank parks the ask: its item has not come.
+            assert wait_until(lambda: sender._core.parked.get(1) is not None, 5), "the ask never reached the rank"
+            assert handle.wait(5) == TransferPoll.Failed and handle.failure_kind is FailureKind.DEADLINE
+            assert wait_until(lambda: handle.safe_to_reuse, 5), "the encode rank never confirmed the cancel"
+            assert _counter(sender.metrics, "cancels_total") == {"reason=confirmed": 1}
+            handle.clear()
+            written = sender.send(1, item)
+            assert written.wait(5) == TransferPoll.Failed
+            assert written.failure_kind is FailureKind.CANCELLED, written.failure
+            time.sleep(0.2)  # a write, had one started, would have landed by now
+            assert torch.equal(buf.view(torch.uint8), filled.view(torch.uint8)), "the cancelled room was written"
+            counts = _counter(sender.metrics, "rooms_failed_total")
+            assert counts.get("reason=cancelled") == 1, counts
+            assert not _counter(sender.metrics, "rooms_succeeded_total").get("", 0)
+    finally:
+        encode_engine.unregister(item.data_ptr())
+
+
+def test_a_room_cleared_before_its_ask_was_answered_frees_its_pool_slot_at_once(engines):
+    import torch
+
+    from transfer.buffers import ReceivePool
+    from transfer.receiver import SessionManager
+    from transfer.sender import SenderPool
+    from transfer.status import TransferPoll
+
+    encode_engine, prefill_engine = engines
+    rows, hidden = 4, 64
+    slot = rows * hidden * 2
+    item = torch.randn(rows, hidden).to(torch.bfloat16)
+    encode_engine.register(item)
+    try:
+        with BootstrapServer(HOST, 0) as server, \
+                ReceivePool(prefill_engine, slot, slot, grace_s=0) as slots, \
+                SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST, bootstrap_timeout_s=30) as sender, \
+                SessionManager(prefill_engine, 0, 1, 1, pool=slots, host=HOST, deadline_s=30) as manager:
+            given_up = manager.receive(1, server.address, rows=rows, hidden=hidden, dtype=BF16)
+            assert wait_until(lambda: sender._core.parked.get(1) is not None, 5), "the ask never reached the rank"
+            given_up.clear()
+            assert wait_until(lambda: given_up.safe_to_reuse, 5), "the encode rank never confirmed the cancel"
+            assert wait_until(lambda: slots.stats()["quarantined"] == 0, 5)
+            following = manager.receive(2, server.address, rows=rows, hidden=hidden, dtype=BF16)
+            assert following.rows.data_ptr() == given_up.rows.data_ptr()  # the one slot, free again
+            following.rows.zero_()
+            late = sender.send(1, item)
+            assert late.wait(5) == TransferPoll.Failed, "room 1 was cancelled"
+            assert bool((following.rows.view(torch.uint8) == 0).all()), "room 1's late write landed in room 2's slot"
+            following.clear()
+    finally:
+        encode_engine.unregister(item.data_ptr())
