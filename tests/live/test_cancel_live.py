@@ -84,3 +84,30 @@ def test_a_room_cleared_before_its_ask_was_answered_frees_its_pool_slot_at_once(
             following.clear()
     finally:
         encode_engine.unregister(item.data_ptr())
+
+
+def test_rooms_no_encode_rank_was_asked_for_give_their_slot_back_at_once(engines):
+    """Rooms refused at bootstrap never reached an encode rank: their slots are not quarantined."""
+    import socket
+
+    from transfer.buffers import ReceivePool
+    from transfer.core.failure import FailureKind
+    from transfer.receiver import SessionManager
+    from transfer.status import TransferPoll
+
+    _, prefill_engine = engines
+    rows, hidden = 4, 64
+    slot = rows * hidden * 2
+    with socket.socket() as closed:  # a port nothing listens on: the look-up is refused at once
+        closed.bind((HOST, 0))
+        nowhere = f"{HOST}:{closed.getsockname()[1]}"
+    with ReceivePool(prefill_engine, slot, slot, grace_s=0, max_fallback_bytes=0) as slots, \
+            SessionManager(prefill_engine, 0, 1, 1, pool=slots, host=HOST, deadline_s=5) as manager:
+        for room in range(1, 7):  # more rooms than the pool has slots, and no fallback allowed
+            handle = manager.receive(room, nowhere, rows=rows, hidden=hidden, dtype=BF16)
+            assert handle.wait(5) == TransferPoll.Failed
+            assert handle.failure_kind is FailureKind.BOOTSTRAP, handle.failure
+            assert handle.safe_to_reuse
+            handle.clear()
+            assert slots.stats()["quarantined"] == 0
+        assert slots.stats()["fallbacks_total"] == 0
