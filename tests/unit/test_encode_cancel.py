@@ -157,3 +157,13 @@ def test_a_cancelled_room_is_forgotten_after_the_bootstrap_timeout():
     run(run.core.offer(_offer(9), run.now))
     assert run.conclusions() == []  # parked, waiting for its asks as any item
     assert run.core.parked_rooms == 1
+
+
+def test_the_cancelling_receiver_gets_only_its_answer_and_the_others_are_told_failed():
+    run = Run()
+    run(run.core.offer(_offer(10, span=8, ready_event=NotReady()), run.now))
+    run(run.core.ask(_ask(10, 0, fanout=2, span=8), run.now))
+    run(run.core.ask(_ask(10, 1, fanout=2, span=8), run.now))
+    out = run(run.core.cancel(_cancel(10, 0), run.now))
+    pushes = [(a.port, a.status, a.cancel) for a in run.of(PushStatus, out)]
+    assert sorted(pushes) == [(6000, TransferPoll.Failed, True), (6001, TransferPoll.Failed, None)]

@@ -329,6 +329,7 @@ class EncodeCore:
         detail = f"room {room_number}: receiver {session[:64]} cancelled it"
         if flying is not None:
             flying.cancelled = True
+            self._spare(flying.room, session)
             self._fail(flying.room, FailureKind.CANCELLED, detail + " while its write was in flight", now)
             self._answer_cancel(cancel, confirmed=False)
             return self._flush(now)
@@ -345,9 +346,16 @@ class EncodeCore:
                 self._fail(room, FailureKind.CANCELLED, detail + " before its whole fanout asked", now)
                 self._dispatch(room_number, now)  # tells the rest of its fanout Failed
         elif room is not None and any(info.session_id == session for info in room.receivers):
+            self._spare(room, session)
             self._fail(room, FailureKind.CANCELLED, detail + " before its write started", now)
         self._answer_cancel(cancel, confirmed=True)
         return self._flush(now)
+
+    @staticmethod
+    def _spare(room: _Room, session: str) -> None:
+        """Leaves a cancelling receiver out of the room's Failed pushes: its answer says it all, and a plain
+        Failed could reach the retry it may already have asked for under the same room number."""
+        room.receivers = [info for info in room.receivers if info.session_id != session]
 
     def wants(self, wid: int) -> bool:
         """Whether a started write should still be submitted (its room has not failed meanwhile)."""
