@@ -16,6 +16,16 @@ transfer_engine_py.cpp in kvcache-ai/Mooncake):
   every batch completes, fails, or passes that same transfer timeout. On two cores
   that spinning thread starves the transport, so `wait()` polls the non-blocking
   `transfer_check_status` with a short, growing sleep instead.
+- A write to a session whose segment is not open yet opens it first
+  (`openSegment`: a metadata exchange over the peer's handshake port) while holding
+  the binding's one mutex, which every write takes; the exchange waits up to 60 s for
+  an answer (a fixed SO_RCVTIMEO in the socket handshake plugin; only connect() is
+  bounded, by MC_HANDSHAKE_CONNECT_TIMEOUT). A peer that accepts connections and never
+  answers (a stopped process: its kernel still accepts) would stall every write of the
+  engine, so a new session's writes wait until `send_probe` (which releases the GIL
+  and takes no lock the writes need) got an answer from it on a thread of its own,
+  for at most the open timeout (core/openings.py). `get_first_buffer_address` would
+  open the segment without the mutex but keeps the GIL throughout.
 - `transfer_check_status` has no deadline at all: a batch to a peer that stopped
   reading (a stopped or wedged process whose socket stays open) reads "in flight"
   for as long as the peer stays that way, and its TIMEOUT answer (-2, only with
@@ -37,6 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from transfer.core.openings import OPEN_TIMEOUT_S, Openings, Probe, Verdict
 from transfer.errors import ConfigError, ConfigTypeError, EngineError, EngineUnavailable
 
 log = logging.getLogger(__name__)
@@ -53,6 +64,10 @@ _BAD_BATCH_IDS = (0, (1 << 64) - 1)
 #: wait()'s sleep between polls grows from POLL_MIN_S to POLL_MAX_S.
 POLL_MIN_S = 20e-6
 POLL_MAX_S = 1e-3
+
+#: How long write_async() waits for a new peer's probe before leaving the write to poll():
+#: a live peer answers within it, so a refusal is still raised at once.
+FIRST_ANSWER_S = 0.05
 
 #: Highest address + 1: a region or a destination must end at or below it.
 _ADDRESS_SPACE = 1 << 64
@@ -79,6 +94,8 @@ class _Pending:
     batches: list[int] = field(default_factory=list)
     error: str | None = None
     submitting: bool = True  # batches are still being handed to Mooncake (set and cleared under the engine lock)
+    waiting: bool = False  # held back until its session's probe lets it go (set and cleared under the engine lock)
+    probe: Probe | None = None  # the probe it waits on
     lock: threading.Lock = field(default_factory=threading.Lock)  # one poller at a time per batch
 
     def reads(self, addr: int, nbytes: int) -> bool:
@@ -328,11 +345,13 @@ class Engine(RegisteredMemory):
 
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "auto",
                  device_name: str = "", metadata: str = "P2PHANDSHAKE",
-                 transfer_timeout_s: float | None = None) -> None:
+                 transfer_timeout_s: float | None = None, open_timeout_s: float | None = None) -> None:
         """Start the engine on hostname; protocol auto picks rdma when a usable device exists, else tcp.
 
         transfer_timeout_s (default: Mooncake's MC_TRANSFER_TIMEOUT) bounds every write,
         plus 1 ns per byte as Mooncake's own sync writes do. `protocol` then says what runs.
+        open_timeout_s (default 5; 0 turns probing off) bounds how long a new peer's
+        writes wait for it to answer a probe of its handshake port before they fail.
 
         Raises ConfigError for a hostname that is empty, does not resolve or is not this
         host's, or an unknown protocol or device; EngineError when rdma was asked for and
@@ -348,8 +367,13 @@ class Engine(RegisteredMemory):
         self._owners: dict[int, Any] = {}  # keeps registered tensors alive
         self._pending: dict[int, _Pending] = {}  # write_async tickets not yet settled
         self._overdue: list[_Pending] = []  # writes reported failed at their deadline, still in Mooncake's hands
+        self._held: dict[str, list[int]] = {}  # session -> tickets held back until its probe answers, oldest first
         self._next_ticket = 0
         self._closed = False
+        self.open_timeout_s = OPEN_TIMEOUT_S if open_timeout_s is None else float(open_timeout_s)
+        if self.open_timeout_s < 0:
+            raise ConfigError(f"open_timeout_s must be >= 0 (0 turns probing off), not {open_timeout_s!r}")
+        self._openings = Openings(open_timeout_s=self.open_timeout_s)
         self._te = mooncake_engine.TransferEngine()
         rc = self._te.initialize(hostname, metadata, self.protocol, device_name)
         if rc != 0:
@@ -359,6 +383,10 @@ class Engine(RegisteredMemory):
                 f"Mooncake engine failed to start on {hostname} with protocol {self.protocol} "
                 f"(device {device_name or 'auto'}, metadata {metadata}): rc={rc}")
         self.rpc_port = int(self._te.get_rpc_port())
+        # Probing needs the binding's send_probe (wheels from mid-2026 on) and the P2P
+        # handshake, whose openSegment is what blocks.
+        self._probing = (self.open_timeout_s > 0 and metadata == "P2PHANDSHAKE"
+                         and callable(getattr(self._te, "send_probe", None)))
         self.session_id = f"{hostname}:{self.rpc_port}"
         log.debug("engine %s started (%s: %s)", self.session_id, self.protocol, self.protocol_reason)
 
@@ -401,7 +429,78 @@ class Engine(RegisteredMemory):
             for src, length in zip(pending.srcs, pending.lens):
                 self._check_source(src, length, session_id)
             ticket = self._next_ticket = self._next_ticket + 1
+            verdict, probe, why = self._admit(session_id)
+            if verdict is Verdict.REFUSE:
+                raise EngineError(self._describe_failure("write", session_id, pending.dsts, pending.lens, why))
             self._pending[ticket] = pending
+            held = verdict is not Verdict.GO or session_id in self._held
+            if held:  # behind its probe, or behind the session's writes still held back
+                pending.waiting, pending.probe, pending.submitting = True, probe, False
+                self._held.setdefault(session_id, []).append(ticket)
+            if verdict is Verdict.PROBE:
+                self._start_probe(probe)
+                self._lock.wait_for(lambda: probe.done, FIRST_ANSWER_S)
+        if held:
+            self._release_waiting(session_id)
+        else:
+            self._submit(pending)
+        with self._lock:
+            if pending.waiting or pending.submitting or pending.batches or pending.error is None:
+                return ticket
+            self._pending.pop(ticket, None)  # refused with nothing in flight: fail at once
+            self._lock.notify_all()
+        raise EngineError(pending.error)
+
+    def _admit(self, session_id: str) -> tuple[Verdict, Probe | None, str]:
+        """The openings' verdict on a new write to the session (lock held); GO when probing is off."""
+        if not self._probing:
+            return Verdict.GO, None, ""
+        return self._openings.admit(session_id, time.monotonic())
+
+    def _start_probe(self, probe: Probe) -> None:
+        """Probes the peer's handshake port on a thread of its own (lock held)."""
+        threading.Thread(target=self._probe, args=(self._te, probe), daemon=True,
+                         name=f"epd-probe-{probe.session[:32]}").start()
+
+    def _probe(self, te: Any, probe: Probe) -> None:
+        """Asks the peer for an answer (the thread keeps `te` alive, so close() cannot free it under us)."""
+        try:
+            replied = int(te.send_probe(probe.session)) == 0
+        except Exception:  # noqa: BLE001 - a probe that fails lets Mooncake give its own answer
+            replied = False
+        with self._lock:
+            self._openings.answered(probe, replied, time.monotonic())
+            self._lock.notify_all()
+
+    def _release_waiting(self, session_id: str) -> None:
+        """Submits the session's held-back writes that may go now, oldest first."""
+        with self._lock:
+            if self._closed:
+                return
+            now = time.monotonic()
+            ready, kept = [], []
+            tickets = self._held.pop(session_id, [])
+            for i, ticket in enumerate(tickets):
+                pending = self._pending.get(ticket)
+                if pending is None or not pending.waiting:
+                    continue  # failed and collected meanwhile
+                verdict = Verdict.GO if pending.probe is None else self._openings.verdict(pending.probe, now)[0]
+                if verdict is Verdict.WAIT:
+                    kept.extend(tickets[i:])  # later writes keep their order behind it
+                    break
+                if verdict is Verdict.GO:
+                    pending.waiting, pending.probe, pending.submitting = False, None, True
+                    ready.append(pending)
+                else:
+                    kept.append(ticket)  # refused: it fails when its owner polls it
+            if kept:
+                self._held[session_id] = kept
+        for pending in ready:
+            self._submit(pending)
+
+    def _submit(self, pending: _Pending) -> None:
+        """Hands a write's buffers to Mooncake, one batch each; a failure is kept on the write."""
+        session_id = pending.session_id
         try:
             for src, dst, length in zip(pending.srcs, pending.dsts, pending.lens):
                 batch_id = int(self._te.batch_transfer_async_write(session_id, [src], [dst], [length]))
@@ -420,12 +519,11 @@ class Engine(RegisteredMemory):
             pending.deadline = time.monotonic() + self.transfer_timeout_s + sum(pending.lens) * 1e-9
             with self._lock:
                 pending.submitting = False
-                if pending.error is not None and not pending.batches:
-                    self._pending.pop(ticket, None)  # nothing in flight: fail at once
+                if pending.batches:
+                    self._openings.opened(session_id)  # Mooncake holds its segment: no handshake ahead
+                elif pending.error is not None:
+                    self._openings.forget(session_id)  # probe again before Mooncake's next handshake
                 self._lock.notify_all()
-        if pending.error is not None and not pending.batches:
-            raise EngineError(pending.error)
-        return ticket
 
     def poll(self, ticket: int) -> bool:
         """Whether the write behind `ticket` is over, without blocking; EngineError if it failed.
@@ -441,6 +539,19 @@ class Engine(RegisteredMemory):
             pending = self._pending.get(ticket)
         if pending is None:
             raise EngineError(f"unknown write ticket {ticket} on {self.session_id}")
+        if pending.waiting:
+            self._release_waiting(pending.session_id)
+            with self._lock:
+                if pending.waiting:
+                    if pending.probe is None:
+                        return False  # behind the session's older writes, whose probe is still out
+                    verdict, why = self._openings.verdict(pending.probe, time.monotonic())
+                    if verdict is not Verdict.REFUSE:
+                        return False
+                    self._pending.pop(ticket, None)
+                    self._lock.notify_all()
+                    raise EngineError(self._describe_failure("write", pending.session_id, pending.dsts,
+                                                             pending.lens, why))
         if not self._advance(pending):
             if time.monotonic() <= pending.deadline:
                 return False
@@ -479,7 +590,7 @@ class Engine(RegisteredMemory):
                 if rc < 0 and pending.error is None:
                     pending.error = self._describe_failure("write", pending.session_id, pending.dsts, pending.lens,
                                                            f"rc={rc}")
-            return not pending.submitting
+            return not (pending.submitting or pending.waiting)  # a held-back write reads its sources later
 
     def _reader_of(self, addr: int, nbytes: int) -> str | None:
         """A write in flight (or overdue) whose sources overlap the region, described (lock held)."""
@@ -563,6 +674,13 @@ class Engine(RegisteredMemory):
             if self._closed:
                 return
             self._closed = True
+            self._held.clear()
+            for pending in self._pending.values():
+                if pending.waiting:
+                    pending.waiting, pending.probe = False, None
+                    pending.error = self._describe_failure("write", pending.session_id, pending.dsts,
+                                                           pending.lens, "the engine closed before the peer "
+                                                           "answered its probe")
             # A submission in progress files batches close() must see (each is bounded by
             # Mooncake's handshake with a new peer).
             while any(p.submitting for p in self._pending.values()):

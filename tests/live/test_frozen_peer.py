@@ -1,0 +1,92 @@
+"""A prefill rank stopped (SIGSTOP) before the encode rank's first write to it: other receivers keep flowing.
+
+Its kernel still accepts connections, so Mooncake's handshake with it would wait 60 s holding
+the lock every write of the encode rank's engine takes. Real Mooncake `tcp` on 127.0.0.1, the
+encode rank and the stopped prefill rank in their own processes, healthy receivers in this one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import signal
+
+import pytest
+from live_helpers import HOST, LIVE, Receiver, bootstrap_server, encode_process, prefill_process, wait_until
+
+from transfer.engine import Engine
+
+pytestmark = LIVE
+
+SPAN, HIDDEN = 8, 64
+#: A healthy room waiting for the stopped peer's handshake would take Mooncake's 60 s.
+HEALTHY_BOUND_S = 10.0
+
+_rooms = itertools.count(random.randrange(1 << 20, 1 << 40))
+
+
+def rooms(n: int) -> list[int]:
+    """n rooms no other test uses."""
+    return [next(_rooms) for _ in range(n)]
+
+
+@pytest.fixture
+def server():
+    with bootstrap_server() as s:
+        yield s
+
+
+def test_a_peer_stopped_before_first_contact_stalls_no_other_receiver(server):
+    """Rooms for a warm receiver and for one first contacted meanwhile succeed, every byte checked;
+    the stopped rank's rooms fail naming its unanswered handshake."""
+    warmup, doomed, warm_rooms, fresh_rooms = rooms(2), rooms(6), rooms(20), rooms(20)
+    with Engine(HOST, protocol="tcp") as warm_engine, Engine(HOST, protocol="tcp") as fresh_engine, \
+            encode_process(server.address) as encode, \
+            Receiver(warm_engine, 0, 1, fanout=1, slots=len(warmup) + len(warm_rooms)) as warm:
+        for room in warmup:
+            warm.ask(room, server.address, SPAN)
+        encode.call("send", warmup, SPAN, HIDDEN)
+        assert warm.wait(warmup, 10.0) == {room: ("Success", None) for room in warmup}
+
+        victim = prefill_process(server.address, span=SPAN, hidden=HIDDEN, slots=len(doomed))
+        stopped = False
+        try:
+            victim.call("ask", doomed)
+            # Stopped once the encode rank filed its asks, before any write reached it.
+            assert wait_until(lambda: encode.call("state")["asks"] == len(doomed), 10.0)
+            os.kill(victim.proc.pid, signal.SIGSTOP)
+            stopped = True
+            with Receiver(fresh_engine, 0, 1, fanout=1, slots=len(fresh_rooms)) as fresh:
+                for room in warm_rooms:
+                    warm.ask(room, server.address, SPAN)
+                for room in fresh_rooms:
+                    fresh.ask(room, server.address, SPAN)
+                # The stopped rank's rooms go first, so every healthy write queues behind its handshake.
+                healthy = [room for pair in zip(warm_rooms, fresh_rooms) for room in pair]
+                encode.call("send", doomed + healthy, SPAN, HIDDEN)
+                sent = encode.call("wait", doomed + healthy, 3 * HEALTHY_BOUND_S, timeout=4 * HEALTHY_BOUND_S)
+
+                assert {room: sent[room][0] for room in healthy} == {room: "Success" for room in healthy}, sent
+                slow = {room: sent[room][2] for room in healthy if sent[room][2] > HEALTHY_BOUND_S}
+                assert not slow, f"healthy rooms waited for the stopped peer: {slow}"
+                assert warm.wait(warm_rooms, 10.0) == {room: ("Success", None) for room in warm_rooms}
+                assert fresh.wait(fresh_rooms, 10.0) == {room: ("Success", None) for room in fresh_rooms}
+                for room in warm_rooms:
+                    assert warm.landed(room) is None
+                for room in fresh_rooms:
+                    assert fresh.landed(room) is None
+
+                session = victim.info["session"]
+                for room in doomed:
+                    status, reason, _ = sent[room]
+                    assert status == "Failed", (room, sent[room])
+                    assert f"write to {session}" in reason, reason
+                first = sent[doomed[0]][1]
+                assert "handshake port did not answer" in first and "stopped" in first, first
+                fresh.clear()
+            warm.clear()
+        finally:
+            if stopped:
+                os.kill(victim.proc.pid, signal.SIGCONT)
+            victim.kill()

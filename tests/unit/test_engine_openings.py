@@ -1,0 +1,156 @@
+"""Engine: a new peer's writes stay out of Mooncake until its probe answered (scripted engine, probes run inline)."""
+
+from __future__ import annotations
+
+import pytest
+
+from transfer import engine as engine_module
+from transfer.engine import Engine, EngineError
+
+SRC = 0x10000
+
+
+class _ProbingTE:
+    """A stand-in for mooncake's TransferEngine that records writes and answers probes as told."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, int]] = []
+        self.probe_rc = 0
+        self.probed: list[str] = []
+
+    def initialize(self, *args) -> int:
+        return 0
+
+    def get_rpc_port(self) -> int:
+        return 4242
+
+    def register_memory(self, addr: int, nbytes: int) -> int:
+        return 0
+
+    def unregister_memory(self, addr: int) -> int:
+        return 0
+
+    def send_probe(self, session: str) -> int:
+        self.probed.append(session)
+        return self.probe_rc
+
+    def batch_transfer_async_write(self, session, srcs, dsts, lens) -> int:
+        self.writes.append((session, dsts[0]))
+        return 1000 + len(self.writes)
+
+    def transfer_check_status(self, batch: int) -> int:
+        return 1  # completed
+
+
+@pytest.fixture
+def rig(monkeypatch):
+    """(engine, fake, probes started): probes are recorded, and answered by the test."""
+    fake = _ProbingTE()
+
+    class FakeModule:
+        TransferEngine = staticmethod(lambda: fake)
+
+    monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
+    monkeypatch.setattr(engine_module, "FIRST_ANSWER_S", 0.0)
+    started = []
+    monkeypatch.setattr(Engine, "_start_probe", lambda self, probe: started.append(probe))
+    engine = Engine("127.0.0.1", protocol="tcp")
+    engine.register(SRC, 1 << 20)
+    yield engine, fake, started
+    engine.close()
+
+
+def _answer(engine: Engine, fake: _ProbingTE, probe) -> None:
+    """Runs the probe the engine would have run on its own thread."""
+    engine._probe(fake, probe)
+
+
+def test_writes_to_a_new_peer_wait_for_its_probe_and_then_go_in_order(rig):
+    engine, fake, started = rig
+    first = engine.write_async("new:1", [SRC], [0x100], [64])
+    second = engine.write_async("new:1", [SRC + 64], [0x200], [64])
+    assert [p.session for p in started] == ["new:1"]  # one probe for both
+    assert engine.poll(first) is False and engine.poll(second) is False
+    assert fake.writes == []
+    # A held-back write still reads its source: the region cannot go meanwhile.
+    with pytest.raises(EngineError, match="still being read"):
+        engine.unregister(SRC)
+    _answer(engine, fake, started[0])
+    assert fake.probed == ["new:1"]
+    assert engine.poll(second) is True  # polling the later one releases both, oldest first
+    assert fake.writes == [("new:1", 0x100), ("new:1", 0x200)]
+    assert engine.poll(first) is True
+    # Open now: the next write goes at once, with no probe.
+    engine.write("new:1", [SRC], [0x300], [64])
+    assert fake.writes[-1] == ("new:1", 0x300) and len(started) == 1
+
+
+def test_a_silent_peer_holds_no_write_to_another_peer(rig):
+    engine, fake, started = rig
+    engine.write_async("silent:1", [SRC], [0x100], [64])
+    healthy = engine.write_async("healthy:2", [SRC], [0x500], [64])
+    _answer(engine, fake, started[1])
+    assert engine.poll(healthy) is True
+    assert fake.writes == [("healthy:2", 0x500)]
+
+
+def test_a_peer_that_does_not_answer_in_time_fails_its_writes_naming_why(rig, monkeypatch):
+    engine, fake, started = rig
+    engine._openings.open_timeout_s = 1e-9
+    ticket = engine.write_async("silent:1", [SRC], [0x100], [64])
+    with pytest.raises(EngineError, match=r"write to silent:1 failed \(its Mooncake handshake port did not answer"):
+        engine.poll(ticket)
+    with pytest.raises(EngineError, match="unknown write ticket"):
+        engine.poll(ticket)
+    # Its probe is still out: the next write fails at once, without a second probe.
+    with pytest.raises(EngineError, match="did not answer"):
+        engine.write_async("silent:1", [SRC], [0x100], [64])
+    assert len(started) == 1 and fake.writes == []
+    engine.unregister(SRC)  # nothing reads the source any more
+    engine.register(SRC, 1 << 20)
+
+
+def test_a_probe_refused_at_once_leaves_the_verdict_to_mooncake(rig):
+    engine, fake, started = rig
+    fake.probe_rc = -102
+    ticket = engine.write_async("old-peer:1", [SRC], [0x100], [64])
+    _answer(engine, fake, started[0])
+    assert engine.poll(ticket) is True
+    assert fake.writes == [("old-peer:1", 0x100)]
+    # Mooncake accepted a batch: its segment is open, so no further probe.
+    engine.write("old-peer:1", [SRC], [0x200], [64])
+    assert len(started) == 1
+
+
+def test_closing_fails_a_held_back_write_without_submitting_it(rig):
+    engine, fake, started = rig
+    ticket = engine.write_async("silent:1", [SRC], [0x100], [64])
+    engine.close()
+    with pytest.raises(EngineError, match="closed before the peer answered its probe"):
+        engine.poll(ticket)
+    _answer(engine, fake, started[0])  # a probe that returns after close() changes nothing
+    assert fake.writes == []
+
+
+def test_probing_can_be_turned_off(monkeypatch):
+    fake = _ProbingTE()
+
+    class FakeModule:
+        TransferEngine = staticmethod(lambda: fake)
+
+    monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
+    with Engine("127.0.0.1", protocol="tcp", open_timeout_s=0) as engine:
+        engine.register(SRC, 64)
+        engine.write("peer:1", [SRC], [0x100], [64])
+    assert fake.writes == [("peer:1", 0x100)] and fake.probed == []
+    with pytest.raises(ValueError, match="open_timeout_s must be >= 0"):
+        Engine("127.0.0.1", protocol="tcp", open_timeout_s=-1)
+
+
+def test_a_write_after_the_answer_goes_behind_the_writes_held_before_it(rig):
+    engine, fake, started = rig
+    held = engine.write_async("new:1", [SRC], [0x100], [64])
+    _answer(engine, fake, started[0])
+    later = engine.write_async("new:1", [SRC], [0x200], [64])
+    assert fake.writes == [("new:1", 0x100), ("new:1", 0x200)]
+    assert engine.poll(held) is True and engine.poll(later) is True

@@ -1,0 +1,121 @@
+"""Which peer sessions a Mooncake engine may write to now: a new peer's handshake is probed first.
+
+Mooncake opens a new peer's segment (its handshake with the peer) inside the write call,
+holding a lock that every write of the engine takes, and waits up to 60 s for an answer.
+A peer that accepts connections and never answers (a stopped or wedged process) would
+stall every write to every peer. So a session's writes go to Mooncake only once its
+segment is open or a probe of its handshake port answered; until then they wait, for at
+most the open bound, and then fail. The probe runs on a thread of its own and holds no
+lock the writes need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = ["Openings", "Probe", "Verdict"]
+
+#: How long a new session's writes wait for the answer to its probe before failing.
+OPEN_TIMEOUT_S = 5.0
+
+#: Probes in flight at once (each holds a thread until the peer answers, or up to 60 s).
+MAX_PROBING = 64
+
+#: Sessions remembered as open (the oldest is forgotten first: its next write probes again).
+MAX_OPEN = 65536
+
+
+class Verdict(Enum):
+    """What a write to a session may do now."""
+
+    GO = "go"  # hand it to Mooncake
+    PROBE = "probe"  # start the probe returned with it, then wait for its answer
+    WAIT = "wait"  # a probe is out: wait for its answer
+    REFUSE = "refuse"  # fail it, with the detail returned
+
+
+@dataclass(eq=False)
+class Probe:
+    """One probe of a session's handshake port: when it went out and how it ended."""
+
+    session: str
+    started: float
+    done: bool = False
+    answered: bool = False  # it returned within the bound (a reply, or a quick refusal)
+    took: float = 0.0
+
+
+class Openings:
+    """Sessions whose segment is open, probes in flight, and the rule for each write."""
+
+    def __init__(self, *, open_timeout_s: float = OPEN_TIMEOUT_S, max_probing: int = MAX_PROBING,
+                 max_open: int = MAX_OPEN) -> None:
+        self.open_timeout_s = open_timeout_s
+        self.max_probing = max_probing
+        self.max_open = max_open
+        self._open: dict[str, None] = {}  # oldest first
+        self._probing: dict[str, Probe] = {}
+
+    def admit(self, session: str, now: float) -> tuple[Verdict, Probe | None, str]:
+        """A new write to `session`: (verdict, the probe it waits on, why it is refused)."""
+        if session in self._open:
+            return Verdict.GO, None, ""
+        probe = self._probing.get(session)
+        if probe is not None:
+            verdict, why = self.verdict(probe, now)
+            return verdict, probe, why
+        if len(self._probing) >= self.max_probing:
+            return Verdict.REFUSE, None, (
+                f"{len(self._probing)} new peers are being probed already, none answering yet "
+                f"(at most {self.max_probing} at once): stopped or unreachable processes?")
+        probe = Probe(session, now)
+        self._probing[session] = probe
+        return Verdict.PROBE, probe, ""
+
+    def verdict(self, probe: Probe, now: float) -> tuple[Verdict, str]:
+        """What a write waiting on `probe` may do now: GO, WAIT, or REFUSE with why."""
+        if probe.done and probe.answered:
+            return Verdict.GO, ""
+        if not probe.done and now - probe.started <= self.open_timeout_s:
+            return Verdict.WAIT, ""
+        return Verdict.REFUSE, (
+            f"its Mooncake handshake port did not answer within {self.open_timeout_s:g}s "
+            f"(probed {now - probe.started:.1f}s ago): a stopped, wedged or unreachable process? "
+            f"Its writes are held back, as Mooncake's own handshake with it would block every write "
+            f"of this engine for up to 60 s")
+
+    def answered(self, probe: Probe, replied: bool, now: float) -> None:
+        """The probe returned; `replied`: the peer answered it (else it failed, e.g. refused).
+
+        Within the bound either lets the writes waiting on it go to Mooncake: a peer that
+        refused the probe (a closed port, an older Mooncake without probes) answers
+        Mooncake's handshake quickly too. A reply marks the session open, also after the
+        bound (the peer came back); a failure leaves it to the next write to probe again.
+        """
+        probe.done = True
+        probe.took = now - probe.started
+        probe.answered = probe.took <= self.open_timeout_s
+        if self._probing.get(probe.session) is probe:
+            del self._probing[probe.session]
+        if replied:
+            self.opened(probe.session)
+
+    def opened(self, session: str) -> None:
+        """The session's segment is open (a probe answered, or Mooncake accepted a write to it)."""
+        self._open.pop(session, None)
+        self._open[session] = None
+        while len(self._open) > self.max_open:
+            del self._open[next(iter(self._open))]
+
+    def forget(self, session: str) -> None:
+        """The session is gone (its peer left): its next write probes again."""
+        self._open.pop(session, None)
+
+    def is_open(self, session: str) -> bool:
+        """Whether writes to `session` go to Mooncake at once."""
+        return session in self._open
+
+    def probing(self) -> int:
+        """Probes in flight."""
+        return len(self._probing)
