@@ -11,17 +11,22 @@ import itertools
 import os
 import random
 import signal
+import time
 
 import pytest
 from live_helpers import HOST, LIVE, Receiver, bootstrap_server, encode_process, prefill_process, wait_until
 
 from transfer.engine import Engine
+from transfer.sender import DEAD_SESSION_S
 
 pytestmark = LIVE
 
 SPAN, HIDDEN = 8, 64
 #: A healthy room waiting for the stopped peer's handshake would take Mooncake's 60 s.
 HEALTHY_BOUND_S = 10.0
+
+#: How long after its writes failed the encode rank skips the stopped peer, with a margin.
+PAUSE_S = DEAD_SESSION_S + 2.0
 
 _rooms = itertools.count(random.randrange(1 << 20, 1 << 40))
 
@@ -39,8 +44,8 @@ def server():
 
 def test_a_peer_stopped_before_first_contact_stalls_no_other_receiver(server):
     """Rooms for a warm receiver and for one first contacted meanwhile succeed, every byte checked;
-    the stopped rank's rooms fail naming its unanswered handshake."""
-    warmup, doomed, warm_rooms, fresh_rooms = rooms(2), rooms(6), rooms(20), rooms(20)
+    the stopped rank's rooms fail naming its unanswered handshake, and once resumed it is served again."""
+    warmup, doomed, warm_rooms, fresh_rooms, revived = rooms(2), rooms(6), rooms(20), rooms(20), rooms(2)
     with Engine(HOST, protocol="tcp") as warm_engine, Engine(HOST, protocol="tcp") as fresh_engine, \
             encode_process(server.address) as encode, \
             Receiver(warm_engine, 0, 1, fanout=1, slots=len(warmup) + len(warm_rooms)) as warm:
@@ -49,7 +54,7 @@ def test_a_peer_stopped_before_first_contact_stalls_no_other_receiver(server):
         encode.call("send", warmup, SPAN, HIDDEN)
         assert warm.wait(warmup, 10.0) == {room: ("Success", None) for room in warmup}
 
-        victim = prefill_process(server.address, span=SPAN, hidden=HIDDEN, slots=len(doomed))
+        victim = prefill_process(server.address, span=SPAN, hidden=HIDDEN, slots=len(doomed) + len(revived))
         stopped = False
         try:
             victim.call("ask", doomed)
@@ -65,6 +70,7 @@ def test_a_peer_stopped_before_first_contact_stalls_no_other_receiver(server):
                 # The stopped rank's rooms go first, so every healthy write queues behind its handshake.
                 healthy = [room for pair in zip(warm_rooms, fresh_rooms) for room in pair]
                 encode.call("send", doomed + healthy, SPAN, HIDDEN)
+                sent_at = time.monotonic()
                 sent = encode.call("wait", doomed + healthy, 3 * HEALTHY_BOUND_S, timeout=4 * HEALTHY_BOUND_S)
 
                 assert {room: sent[room][0] for room in healthy} == {room: "Success" for room in healthy}, sent
@@ -86,6 +92,15 @@ def test_a_peer_stopped_before_first_contact_stalls_no_other_receiver(server):
                 assert "handshake port did not answer" in first and "stopped" in first, first
                 fresh.clear()
             warm.clear()
+
+            os.kill(victim.proc.pid, signal.SIGCONT)
+            stopped = False
+            victim.call("wait", doomed, 10.0)
+            time.sleep(max(0.0, sent_at + sent[doomed[0]][2] + PAUSE_S - time.monotonic()))
+            victim.call("ask", revived)
+            encode.call("send", revived, SPAN, HIDDEN)
+            back = victim.call("wait", revived, 20.0, timeout=30.0)
+            assert back == {room: ("Success", None, True) for room in revived}, back
         finally:
             if stopped:
                 os.kill(victim.proc.pid, signal.SIGCONT)
