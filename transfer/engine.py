@@ -668,7 +668,9 @@ class Engine(RegisteredMemory):
 
         Each write is waited for at most until its transfer timeout; the transport is
         destroyed before the tensors kept alive are let go, so an overdue write never
-        reads freed memory.
+        reads freed memory. Writes still held back for a probe fail; a probe still out
+        keeps Mooncake's engine (its threads and listener) alive until it returns, at
+        most Mooncake's 60 s.
         """
         with self._lock:
             if self._closed:

@@ -11,12 +11,16 @@ import itertools
 import os
 import random
 import signal
+import socket
+import threading
 import time
 
 import pytest
 from live_helpers import HOST, LIVE, Receiver, bootstrap_server, encode_process, prefill_process, wait_until
 
-from transfer.engine import Engine
+import torch
+
+from transfer.engine import Engine, EngineError
 from transfer.sender import DEAD_SESSION_S
 
 pytestmark = LIVE
@@ -105,3 +109,70 @@ def test_a_peer_stopped_before_first_contact_stalls_no_other_receiver(server):
             if stopped:
                 os.kill(victim.proc.pid, signal.SIGCONT)
             victim.kill()
+
+
+def test_engine_writes_flow_while_a_port_that_accepts_never_answers():
+    """A listening socket nobody accepts on is a stopped process as Mooncake sees it: the kernel
+    completes the connection and nothing ever answers. Writes to a live peer meanwhile land."""
+    silent = socket.create_server((HOST, 0), backlog=8)
+    session = f"{HOST}:{silent.getsockname()[1]}"
+    with silent, Engine(HOST, protocol="tcp", open_timeout_s=3.0) as writer, \
+            Engine(HOST, protocol="tcp") as reader:
+        src = torch.arange(4096, dtype=torch.int32).to(torch.uint8)
+        dst = torch.zeros(4096, dtype=torch.uint8)
+        writer.register(src)
+        reader.register(dst)
+        outcome: list[BaseException | None] = []
+
+        def write_to_silent() -> None:
+            try:
+                writer.write(session, [src.data_ptr()], [0x10000], [64])
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - the test reads it
+                outcome.append(exc)
+
+        thread = threading.Thread(target=write_to_silent, daemon=True)
+        thread.start()
+        time.sleep(0.2)  # its first contact is under way
+        try:
+            for i in range(20):
+                dst.zero_()
+                started = time.monotonic()
+                writer.write(reader.session_id, [src.data_ptr()], [dst.data_ptr()], [4096])
+                took = time.monotonic() - started
+                assert took < HEALTHY_BOUND_S, f"write {i} waited {took:.1f}s for the silent port"
+                assert torch.equal(dst, src), f"write {i}: bytes differ"
+        finally:
+            thread.join(90)
+        assert len(outcome) == 1 and isinstance(outcome[0], EngineError), outcome
+        assert f"write to {session} failed (its Mooncake handshake port did not answer within 3s" in str(outcome[0])
+
+
+def test_engine_a_port_that_refuses_at_once_gets_mooncakes_own_answer_at_once():
+    """A port that closes every connection (a peer without probes, or not Mooncake) answers the
+    probe with a failure at once: the write goes to Mooncake, which refuses it just as fast."""
+    closer = socket.create_server((HOST, 0), backlog=8)
+    session = f"{HOST}:{closer.getsockname()[1]}"
+    stop = threading.Event()
+
+    def close_everything() -> None:
+        closer.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = closer.accept()
+            except OSError:
+                continue
+            conn.close()
+
+    thread = threading.Thread(target=close_everything, daemon=True)
+    thread.start()
+    try:
+        with Engine(HOST, protocol="tcp") as writer:
+            src = torch.ones(64, dtype=torch.uint8)
+            writer.register(src)
+            with pytest.raises(EngineError, match="Mooncake refused the batch"):
+                writer.write(session, [src.data_ptr()], [0x10000], [64])
+    finally:
+        stop.set()
+        thread.join(10)
+        closer.close()
