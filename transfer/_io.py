@@ -17,6 +17,8 @@ from typing import Any
 
 import zmq
 
+from transfer import config
+
 log = logging.getLogger("transfer")
 
 #: Largest control-plane message our listeners take, all its parts together. A
@@ -60,7 +62,8 @@ STATUS_RECONNECT_MAX_MS = 1000
 LISTENER_HWM = 4096
 
 
-#: Set to "0" to leave the library's ZMQ I/O thread under the default scheduling policy.
+#: Set to 0 (or false, no, off) to leave the library's ZMQ I/O thread under the default
+#: scheduling policy (transfer.config).
 SCHED_BATCH_ENV = "EPD_ZMQ_SCHED_BATCH"
 
 _context: zmq.Context | None = None
@@ -82,10 +85,10 @@ def context() -> zmq.Context:
     global _context, _context_pid
     with _context_lock:
         if _context is None or _context_pid != os.getpid():
+            batch = getattr(os, "SCHED_BATCH", None) if config.resolve(SCHED_BATCH_ENV) else None
             ctx = zmq.Context()
             ctx.set(zmq.MAX_SOCKETS, CONTEXT_MAX_SOCKETS)
-            batch = getattr(os, "SCHED_BATCH", None)
-            if batch is not None and os.environ.get(SCHED_BATCH_ENV, "1") != "0":
+            if batch is not None:
                 ctx.set(zmq.THREAD_SCHED_POLICY, batch)
             _context, _context_pid = ctx, os.getpid()
         return _context

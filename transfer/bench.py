@@ -528,7 +528,7 @@ def _epd_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
     knobs = {"depth": extra["depth"]} if extra.get("depth") is not None else {}
     who = f"encode {worker.rank}"
     with SenderPool(engine, worker.rank, cell.encode_ranks, 1, extra["bootstrap"], host=worker.setup["host"],
-                    integrity=cell.integrity, bootstrap_timeout_s=extra["deadline_s"], **knobs) as pool:
+                    integrity=cell.integrity, fanout_timeout_s=extra["deadline_s"], **knobs) as pool:
         worker.ready()
         worker.go()
         _warm_up(pool.send(WARMUP_ROOM, source.item(0, cell.span)), extra["deadline_s"], who)

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
+from transfer import config
 from transfer._io import Region
 from transfer.errors import ConfigError, FallbackLimitError, SlotError
 
@@ -47,15 +48,15 @@ __all__ = ["FALLBACK_FLOOR_BYTES", "SLOT_ALIGN", "FallbackLimitError", "ReceiveP
 SLOT_ALIGN = 16
 
 #: Default quarantine of a failed room's slot: until no late write of the room can land.
-#: An encode rank keeps an ask whose item has not come for its bootstrap timeout (120 s by
+#: An encode rank keeps an ask whose item has not come for its fanout timeout (120 s by
 #: default) and serves it when the item comes, however long ago the prefill rank gave the
-#: room up; that item's write may then wait another bootstrap timeout (counted from send())
+#: room up; that item's write may then wait another fanout timeout (counted from send())
 #: for its ready event, and the write itself lasts up to Mooncake's transfer timeout (30 s
-#: by default). 10 s spare on top; encode ranks with a bootstrap timeout T need a pool with
+#: by default). 10 s spare on top; encode ranks with a fanout timeout T need a pool with
 #: quarantine_s >= 2 T + the transfer timeout. Our own encode ranks start no write later than
 #: T after the room's first ask, so T + the transfer timeout would do against them; the
 #: default stays sized for encode ranks that bound a ready event's wait from send() only.
-QUARANTINE_S = 2 * 120.0 + 30.0 + 10.0
+QUARANTINE_S: float = config.setting("EPD_QUARANTINE_S").default
 
 #: The default cap on fallback bytes is the pool's own size, but at least this. The pool is
 #: what the operator sized for the rank's load, so fallbacks (outliers and bursts) at most
@@ -169,11 +170,13 @@ class ReceivePool:
     """One registered receive region cut into equal slots, leased per item."""
 
     def __init__(self, engine: Any, nbytes: int, slot_bytes: int, *, device: str = "cpu",
-                 quarantine_s: float = QUARANTINE_S, grace_s: float = 30.0,
+                 quarantine_s: float | None = None, grace_s: float | None = None,
                  max_fallback_bytes: int | None = _AUTO,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """Allocates `nbytes` on `device`, registers them once with `engine`, cuts `slot_bytes` slots.
 
+        `quarantine_s` (default: EPD_QUARANTINE_S, else QUARANTINE_S) holds a failed room's
+        slot back; `grace_s` (default: EPD_FALLBACK_GRACE_S, else 30 s) keeps an idle fallback.
         `max_fallback_bytes` caps the bytes fallback buffers hold at once (default: the
         larger of `nbytes` and FALLBACK_FLOOR_BYTES; None: unbounded; 0: no fallbacks).
         Raises ConfigError for a slot size that is not a positive multiple of SLOT_ALIGN or
@@ -183,8 +186,8 @@ class ReceivePool:
             raise ConfigError(f"slot_bytes must be a positive multiple of {SLOT_ALIGN}, got {slot_bytes}")
         if nbytes < slot_bytes:
             raise ConfigError(f"pool of {nbytes} bytes cannot hold one slot of {slot_bytes} bytes")
-        if quarantine_s < 0 or grace_s < 0:
-            raise ConfigError(f"quarantine_s ({quarantine_s}) and grace_s ({grace_s}) must be >= 0")
+        quarantine_s = config.resolve("EPD_QUARANTINE_S", quarantine_s)
+        grace_s = config.resolve("EPD_FALLBACK_GRACE_S", grace_s)
         if max_fallback_bytes is _AUTO:
             max_fallback_bytes = max(int(nbytes), FALLBACK_FLOOR_BYTES)
         elif max_fallback_bytes is not None:

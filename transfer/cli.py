@@ -12,6 +12,7 @@ import sys
 import threading
 import traceback
 
+from transfer import config
 from transfer.errors import ConfigError
 from transfer.frames import normalize_dtype
 
@@ -139,7 +140,7 @@ def _rank(args: argparse.Namespace) -> int:
         hidden=args.hidden, dtype=args.dtype, sharded=not args.identity, per_block=args.per_block,
         deepstack=args.deepstack,
         inflight=args.inflight, protocol=args.protocol, host=args.host, integrity=not args.no_integrity,
-        deadline_s=args.deadline, bootstrap_timeout_s=args.bootstrap_timeout,
+        deadline_s=args.deadline, fanout_timeout_s=args.bootstrap_timeout,
         token=args.token, timeout_s=args.timeout, first_room=args.first_room,
     )
     if args.device and args.protocol == "wire":
@@ -296,12 +297,12 @@ def _token(text: str) -> str:
 
 def _token_default() -> str | None:
     """EPD_TOKEN from the environment (the launch scripts keep the token off command lines)."""
-    return os.environ.get("EPD_TOKEN") or None
+    return config.resolve("EPD_TOKEN")
 
 
 def _device_default() -> str:
     """EPD_DEVICE from the environment, else "" (Mooncake uses every device it finds)."""
-    return os.environ.get("EPD_DEVICE", "")
+    return config.resolve("EPD_DEVICE") or ""
 
 
 def _version() -> str:
@@ -385,7 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="data path: auto (rdma when a device exists, else tcp), tcp, rdma, or our framed wire")
     demo.add_argument("--host", default="127.0.0.1", help="address every rank binds")
     demo.add_argument("--no-integrity", action="store_true", help="skip the checksums of landed bytes")
-    demo.add_argument("--deadline", type=_seconds, default=60.0, help="per-room receive deadline, seconds")
+    demo.add_argument("--deadline", type=_seconds, default=config.resolve("EPD_DEADLINE_S"),
+                      help="per-room receive deadline, seconds (default: $EPD_DEADLINE_S, else 60)")
     demo.add_argument("--timeout", type=_seconds, default=600.0, help="bound on the whole run, seconds")
     _add_json(demo)
     demo.set_defaults(func=_demo)
@@ -442,9 +444,11 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--no-integrity", action="store_true", help="skip the checksums of landed bytes")
     rank.add_argument("--token", type=_token, default=_token_default(),
                       help="bootstrap bearer token (default: $EPD_TOKEN, else none)")
-    rank.add_argument("--deadline", type=_seconds, default=60.0, help="per-room deadline, seconds")
-    rank.add_argument("--bootstrap-timeout", type=_seconds, default=120.0,
-                      help="how long to wait for the bootstrap server and the peers, seconds")
+    rank.add_argument("--deadline", type=_seconds, default=config.resolve("EPD_DEADLINE_S"),
+                      help="per-room deadline, seconds (default: $EPD_DEADLINE_S, else 60)")
+    rank.add_argument("--bootstrap-timeout", type=_seconds, default=config.resolve("EPD_FANOUT_TIMEOUT_S"),
+                      help="how long to wait for the bootstrap server and the peers, seconds "
+                           "(default: $EPD_FANOUT_TIMEOUT_S, else 120)")
     rank.add_argument("--linger", type=_non_negative_seconds, default=2.0,
                       help="encode: seconds to stay up after the last room")
     rank.add_argument("--timeout", type=_seconds, default=600.0,
@@ -455,7 +459,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `epd-transfer` console script."""
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except ConfigError as error:  # an EPD_* variable a default comes from
+        print(f"epd-transfer: {error}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

@@ -46,7 +46,7 @@ class Scenario:
     host: str = "127.0.0.1"
     integrity: bool = True
     deadline_s: float = 60.0
-    bootstrap_timeout_s: float = 60.0
+    fanout_timeout_s: float = 60.0  # the sender pools'; also how long a prefill rank waits for its encode rank
     first_room: int = 0
     spans: list[int] | None = None  # per-item spans (mixed sizes); default: `span` for all
     token: str | None = None
@@ -133,7 +133,7 @@ def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finishe
             engine.register(deep.pool)
         with SenderPool(
             engine, rank, sc.encode_ranks, 1, bootstrap_addr, host=sc.host, token=sc.token,
-            bootstrap_timeout_s=sc.bootstrap_timeout_s, integrity=sc.integrity,
+            fanout_timeout_s=sc.fanout_timeout_s, integrity=sc.integrity,
         ) as pool:
             ready()
             go()

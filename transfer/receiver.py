@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from transfer import _io
+from transfer import _io, config
 from transfer.core.prefill import ENCODE_FAILED, RoomSpec
 from transfer.core.prefill_breaker import UNREACHABLE_RETRY_S
 from transfer.drive.prefill import PrefillDriver, Room
@@ -101,12 +102,21 @@ class SessionManager:
         pool: Any = None,
         host: str | None = None,
         status_port: int = 0,
-        deadline_s: float = 60.0,
-        bootstrap_timeout_s: float = 2.0,
+        deadline_s: float | None = None,
+        lookup_timeout_s: float | None = None,
         integrity: bool = True,
         metrics: Metrics | None = None,
+        bootstrap_timeout_s: float | None = None,
     ) -> None:
+        """`deadline_s` (default: EPD_DEADLINE_S, else 60 s) bounds each room; `lookup_timeout_s`
+        (default: EPD_LOOKUP_TIMEOUT_S, else 2 s) each bootstrap look-up. `bootstrap_timeout_s` is
+        the deprecated name of `lookup_timeout_s`. Raises ConfigError for a bad argument or variable.
+        """
         check_parallel(engine_rank, tp_size, dp_size)
+        lookup_timeout_s = config.renamed("SessionManager", "bootstrap_timeout_s", bootstrap_timeout_s,
+                                          "lookup_timeout_s", lookup_timeout_s)
+        deadline_s = config.resolve("EPD_DEADLINE_S", deadline_s)
+        lookup_timeout_s = config.resolve("EPD_LOOKUP_TIMEOUT_S", lookup_timeout_s)
         with _managed_lock:
             _refuse_shared_engine(engine)
         self.engine = engine
@@ -114,7 +124,7 @@ class SessionManager:
         self.tp_size = tp_size
         self.dp_size = dp_size
         self.deadline_s = deadline_s
-        self.bootstrap_timeout_s = bootstrap_timeout_s
+        self.lookup_timeout_s = lookup_timeout_s
         self.integrity = integrity
         self.host = host or engine.hostname
         if not self.host.isascii():
@@ -140,7 +150,7 @@ class SessionManager:
 
         self._driver = PrefillDriver(
             engine_rank, tp_size, dp_size, host=self.host, status_port=status_port,
-            session_id=engine.session_id, deadline_s=deadline_s, bootstrap_timeout_s=bootstrap_timeout_s,
+            session_id=engine.session_id, deadline_s=deadline_s, lookup_timeout_s=lookup_timeout_s,
             integrity=integrity, metrics=self.metrics, pool=pool,
         )
         self.status_port = self._driver.status_port
@@ -156,6 +166,13 @@ class SessionManager:
                 self.close()
                 raise
             _managed_engines[engine] = (engine_rank, id(self))
+
+    @property
+    def bootstrap_timeout_s(self) -> float:
+        """Deprecated name of `lookup_timeout_s`."""
+        warnings.warn("SessionManager.bootstrap_timeout_s is deprecated: use lookup_timeout_s", DeprecationWarning,
+                      stacklevel=2)
+        return self.lookup_timeout_s
 
     # ----------------------------------------------------------- caller side
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from typing import Any
 
-from transfer import _io
+from transfer import _io, config
 from transfer.bootstrap import BootstrapClient
 from transfer.core import breaker as _breaker
 from transfer.core.encode import EncodeCore, Offer
 from transfer.core.failure import Failure, FailureKind
+from transfer.core.parked import ParkedAsks
 from transfer.core.regions import MAX_SESSIONS
 from transfer.drive import encode as _drive
 from transfer.drive.encode import EncodeDriver, RoomBook, RoomState, SourceRegistry
@@ -72,29 +74,47 @@ class SenderPool:
         host: str | None = None,
         port: int = 0,
         token: str | None = None,
-        bootstrap_timeout_s: float = 120.0,
-        register_timeout_s: float = 30.0,
+        fanout_timeout_s: float | None = None,
+        register_timeout_s: float | None = None,
         integrity: bool = True,
-        depth: int = 32,
+        depth: int | None = None,
+        max_parked_bytes: int | None = None,
         metrics: Metrics | None = None,
+        bootstrap_timeout_s: float | None = None,
     ) -> None:
+        """Registers this rank with the bootstrap server, blocking up to `register_timeout_s`.
+
+        Defaults come from the environment (README, Configuration): `fanout_timeout_s`
+        EPD_FANOUT_TIMEOUT_S (120 s), `register_timeout_s` EPD_REGISTER_TIMEOUT_S (30 s), `depth`
+        EPD_SEND_DEPTH (32), `max_parked_bytes` EPD_MAX_PARKED_BYTES (64 MiB). `bootstrap_timeout_s`
+        is the deprecated name of `fanout_timeout_s`. Raises ConfigError for a bad argument or
+        variable, BootstrapError when the registration fails.
+        """
         check_parallel(engine_rank, tp_size, dp_size)
+        fanout_timeout_s = config.renamed("SenderPool", "bootstrap_timeout_s", bootstrap_timeout_s,
+                                          "fanout_timeout_s", fanout_timeout_s)
+        fanout_timeout_s = config.resolve("EPD_FANOUT_TIMEOUT_S", fanout_timeout_s)
+        register_timeout_s = config.resolve("EPD_REGISTER_TIMEOUT_S", register_timeout_s)
+        depth = config.resolve("EPD_SEND_DEPTH", depth)
+        max_parked_bytes = config.resolve("EPD_MAX_PARKED_BYTES", max_parked_bytes)
         self.engine = engine
         self.engine_rank = engine_rank
         self.tp_size = tp_size
         self.dp_size = dp_size
         self.host = host or engine.hostname
-        self.bootstrap_timeout_s = bootstrap_timeout_s
+        self.fanout_timeout_s = fanout_timeout_s
+        self.register_timeout_s = register_timeout_s
         self.integrity = integrity
-        self.depth = max(1, depth)
+        self.depth = depth
+        self.max_parked_bytes = max_parked_bytes
         self.metrics = metrics or Metrics("epd_encode")
         zero_room_counters(self.metrics)
 
         self._book = RoomBook(self.metrics)
         self._table = self._book.table
         self._sources = SourceRegistry(engine)
-        self._core = EncodeCore(engine_rank, bootstrap_timeout_s=bootstrap_timeout_s, depth=self.depth,
-                                now=time.monotonic())
+        self._core = EncodeCore(engine_rank, fanout_timeout_s=fanout_timeout_s, depth=depth,
+                                parked=ParkedAsks(max_bytes=max_parked_bytes), now=time.monotonic())
         self._driver = EncodeDriver(self._core, engine, engine_rank, self.host, port, self._book, self._sources,
                                     self.metrics, integrity=integrity)
         self.port = self._driver.port
@@ -110,6 +130,13 @@ class SenderPool:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def bootstrap_timeout_s(self) -> float:
+        """Deprecated name of `fanout_timeout_s`."""
+        warnings.warn("SenderPool.bootstrap_timeout_s is deprecated: use fanout_timeout_s", DeprecationWarning,
+                      stacklevel=2)
+        return self.fanout_timeout_s
 
     # ----------------------------------------------------------- caller side
 

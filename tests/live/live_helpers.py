@@ -183,7 +183,7 @@ class _EncodeRank:
         self.registered_before = dict(self.engine.registered())
         self.pool = SenderPool(
             self.engine, cfg.get("rank", 0), cfg.get("tp", 1), cfg.get("dp", 1), cfg["bootstrap"],
-            host=HOST, token=cfg.get("token"), bootstrap_timeout_s=cfg.get("bootstrap_timeout_s", 60.0),
+            host=HOST, token=cfg.get("token"), fanout_timeout_s=cfg.get("fanout_timeout_s", 60.0),
             register_timeout_s=cfg.get("register_timeout_s", 10.0),
         )
         self.handles: dict[int, Any] = {}
@@ -408,7 +408,7 @@ def bootstrap_server(token: str | None = TOKEN):
 
 
 def encode_process(bootstrap: str, **cfg: Any) -> RankProcess:
-    """An encode rank process registered with `bootstrap` (cfg: rank, tp, dp, token, bootstrap_timeout_s, ...)."""
+    """An encode rank process registered with `bootstrap` (cfg: rank, tp, dp, token, fanout_timeout_s, ...)."""
     return RankProcess(_encode_main, {"bootstrap": bootstrap, "token": TOKEN, **cfg})
 
 
@@ -426,7 +426,7 @@ class Receiver:
     def __init__(
         self, engine, rank: int, tp: int, *, fanout: int, slots: int = 8, max_span: int = 16, hidden: int = 64,
         dtype: str = DTYPE, deepstack: int = 0, deadline_s: float = 30.0, dp: int = 1,
-        bootstrap_timeout_s: float = 2.0,
+        lookup_timeout_s: float = 2.0,
     ) -> None:
         import torch
 
@@ -442,7 +442,7 @@ class Receiver:
             self.ds_slots.view(torch.uint8).fill_(SENTINEL)
         self.manager = SessionManager(
             engine, rank, tp, dp, buffer=self.slots, deepstack_buffer=self.ds_slots, host=HOST, deadline_s=deadline_s,
-            bootstrap_timeout_s=bootstrap_timeout_s,
+            lookup_timeout_s=lookup_timeout_s,
         )
         self._next_slot = 0
         self.asked: dict[int, tuple[Any, int, int, int, int]] = {}

@@ -5,7 +5,6 @@ bootstrap server."""
 
 from __future__ import annotations
 
-import inspect
 import random
 import threading
 import time
@@ -23,19 +22,20 @@ BF16 = "torch.bfloat16"
 SLOT = 256
 
 
-def _default(func, name: str) -> float:
-    """A keyword's default value in `func`'s signature."""
-    return inspect.signature(func).parameters[name].default
+def _default(env: str) -> float:
+    """The documented default of a setting (what applies when its EPD_* variable is unset)."""
+    from transfer.config import setting
+
+    return setting(env).default
 
 
 def test_default_quarantine_outlasts_a_parked_ask_whose_item_then_waits_for_its_ready_event():
-    """The encode rank parks an ask up to its bootstrap timeout for the item; the item that
-    comes at the end of it may then wait up to another bootstrap timeout for its ready event
+    """The encode rank parks an ask up to its fanout timeout for the item; the item that
+    comes at the end of it may then wait up to another fanout timeout for its ready event
     (counted from send()), and the write itself lasts up to Mooncake's transfer timeout."""
     from transfer.engine import _transfer_timeout_s
-    from transfer.sender import SenderPool
 
-    parking = _default(SenderPool, "bootstrap_timeout_s")
+    parking = _default("EPD_FANOUT_TIMEOUT_S")
     latest_write = 2 * parking + _transfer_timeout_s()
     assert QUARANTINE_S >= latest_write, (
         f"a failed room's slot is free again after {QUARANTINE_S:g}s, but its late write may land "
@@ -58,7 +58,7 @@ def test_a_late_write_held_by_its_ready_event_does_not_land_in_the_next_rooms_sl
     from transfer.status import TransferPoll
 
     scale = 1 / 40
-    parking = _default(SenderPool, "bootstrap_timeout_s") * scale  # 3 s
+    parking = _default("EPD_FANOUT_TIMEOUT_S") * scale  # 3 s
     quarantine = QUARANTINE_S * scale
     encode_engine, prefill_engine = engines
     rows, hidden = 4, 64
@@ -71,7 +71,7 @@ def test_a_late_write_held_by_its_ready_event_does_not_land_in_the_next_rooms_sl
     try:
         with BootstrapServer(HOST, 0) as server, \
                 ReceivePool(prefill_engine, slot, slot, quarantine_s=quarantine, grace_s=0) as slots, \
-                SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST, bootstrap_timeout_s=parking) as sender, \
+                SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST, fanout_timeout_s=parking) as sender, \
                 SessionManager(prefill_engine, 0, 1, 1, pool=slots, host=HOST, deadline_s=30) as manager:
             given_up = manager.receive(1, server.address, rows=rows, hidden=hidden, dtype=BF16)
             assert wait_until(lambda: given_up.poll() == TransferPoll.WaitingForInput, 5.0)

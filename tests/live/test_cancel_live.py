@@ -31,7 +31,7 @@ def test_a_room_past_its_deadline_is_never_written_when_its_item_comes_later(eng
     filled = buf.clone()
     try:
         with BootstrapServer(HOST, 0) as server, \
-                SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST, bootstrap_timeout_s=30) as sender, \
+                SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST, fanout_timeout_s=30) as sender, \
                 SessionManager(prefill_engine, 0, 1, 1, buffer=buf, host=HOST, deadline_s=1.0) as manager:
             handle = manager.receive(1, server.address, buf, rows=rows, hidden=hidden, dtype=BF16)
             # The encode rank parks the ask: its item has not come.
@@ -68,7 +68,7 @@ def test_a_room_cleared_before_its_ask_was_answered_frees_its_pool_slot_at_once(
     try:
         with BootstrapServer(HOST, 0) as server, \
                 ReceivePool(prefill_engine, slot, slot, grace_s=0) as slots, \
-                SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST, bootstrap_timeout_s=30) as sender, \
+                SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST, fanout_timeout_s=30) as sender, \
                 SessionManager(prefill_engine, 0, 1, 1, pool=slots, host=HOST, deadline_s=30) as manager:
             given_up = manager.receive(1, server.address, rows=rows, hidden=hidden, dtype=BF16)
             assert wait_until(lambda: sender._core.parked.get(1) is not None, 5), "the ask never reached the rank"

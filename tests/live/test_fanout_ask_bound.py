@@ -1,6 +1,6 @@
 """The encode side's bound on a room's first ask.
 
-Writes never start later than the bootstrap timeout after the room's first ask
+Writes never start later than the fanout timeout after the room's first ask
 (`_start_waiting` fails the room otherwise). A fanout whose last receiver asks only
 after that bound can therefore never be served. Its receivers that already asked must
 hear Failed once the bound passes, not when the item's own parked timeout (counted
@@ -23,7 +23,7 @@ from transfer.sender import SenderPool
 from transfer.status import TransferPoll
 
 
-LIMIT = 2.0  # the pools' bootstrap timeout here
+LIMIT = 2.0  # the pools' fanout timeout here
 
 
 def _live(test):
@@ -42,7 +42,7 @@ def test_the_first_receiver_of_a_fanout_hears_failed_once_the_bound_on_its_ask_p
     half asking at t0 + 3 s hears Failed at once, and the room fails with the parked-item
     reason."""
     encode, prefill = engines
-    with SenderPool(encode, 0, 1, 1, server.address, bootstrap_timeout_s=LIMIT) as pool, \
+    with SenderPool(encode, 0, 1, 1, server.address, fanout_timeout_s=LIMIT) as pool, \
             RawPrefill(prefill, pool.host, pool.port, ITEM) as first, \
             RawPrefill(second_prefill, pool.host, pool.port, ITEM) as second:
         asked = time.monotonic()
@@ -71,7 +71,7 @@ def test_a_fanout_completed_past_the_bound_on_its_first_ask_fails_with_a_reason_
     Failed and nothing is written."""
     encode, prefill = engines
     caplog.set_level(logging.WARNING, logger="transfer.sender")
-    with SenderPool(encode, 0, 1, 1, server.address, bootstrap_timeout_s=LIMIT) as pool, \
+    with SenderPool(encode, 0, 1, 1, server.address, fanout_timeout_s=LIMIT) as pool, \
             RawPrefill(prefill, pool.host, pool.port, ITEM) as first, \
             RawPrefill(second_prefill, pool.host, pool.port, ITEM) as second:
         monkeypatch.setattr(pool._core, "_sweep", lambda now: None)  # the dispatch path alone decides
@@ -83,7 +83,7 @@ def test_a_fanout_completed_past_the_bound_on_its_first_ask_fails_with_a_reason_
         assert handle.failure.startswith(f"receiver never registered within {LIMIT:g}s (2 of 2 prefill ranks asked, "
                                       "the last "), handle.failure
         said = [m for m in caplog.messages if "its whole fanout of 2 asked only" in m]
-        assert len(said) == 1 and said[0].startswith("room 1: ") and "past the bootstrap timeout 2s" in said[0], said
+        assert len(said) == 1 and said[0].startswith("room 1: ") and "past the fanout timeout 2s" in said[0], said
         assert _heads(first, 1, 2.0) == [[b"1", FAILED, b"0"]]
         assert _heads(second, 1, 2.0) == [[b"1", FAILED, b"0"]]
         assert first.untouched() and second.untouched()
@@ -103,7 +103,7 @@ def test_a_write_held_by_its_ready_event_fails_once_the_bound_on_the_first_ask_p
     Failed then. It is not left until the ready event's own bound at t0 + 3.5 s (send() +
     2 s). The reason says the write waited past the bound."""
     encode, prefill = engines
-    with SenderPool(encode, 0, 1, 1, server.address, bootstrap_timeout_s=LIMIT) as pool, \
+    with SenderPool(encode, 0, 1, 1, server.address, fanout_timeout_s=LIMIT) as pool, \
             RawPrefill(prefill, pool.host, pool.port, ITEM) as raw:
         asked = time.monotonic()
         raw.ask(1, raw.base, SPAN, HIDDEN, SPAN)
@@ -114,6 +114,6 @@ def test_a_write_held_by_its_ready_event_fails_once_the_bound_on_the_first_ask_p
         assert handle.poll() == TransferPoll.Failed
         reason = handle.failure
         assert reason.startswith(f"room 1: its write for {prefill.session_id} waited "), reason
-        assert reason.endswith(f"past the bootstrap timeout {LIMIT:g}s; not started"), reason
+        assert reason.endswith(f"past the fanout timeout {LIMIT:g}s; not started"), reason
         assert raw.untouched()
         assert not pool._core.waiting

@@ -178,7 +178,7 @@ def test_pooled_receives_lease_slots_fall_back_and_quarantine_failures(engine):
     slot_bytes = -(-item_bytes // 4096) * 4096
     with Engine("127.0.0.1", "tcp") as encode_engine, BootstrapServer("127.0.0.1", 0) as server, \
             ReceivePool(engine, 2 * slot_bytes, slot_bytes, quarantine_s=0.5, grace_s=0.2) as slots, \
-            SenderPool(encode_engine, 0, 1, 1, server.address, bootstrap_timeout_s=2) as pool, \
+            SenderPool(encode_engine, 0, 1, 1, server.address, fanout_timeout_s=2) as pool, \
             SessionManager(engine, 0, 1, 1, pool=slots, deadline_s=1.5) as manager:
         geometry = dict(rows=SPAN, hidden=HIDDEN, dtype="torch.bfloat16", deepstack_hidden=2 * HIDDEN)
         # Three rooms, two slots: the third lands in a fallback buffer announced on the fly.

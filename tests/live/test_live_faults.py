@@ -134,9 +134,9 @@ def test_geometry_mismatch_fails_every_receiver_and_writes_nothing(bootstrap, en
 # ------------------------------------------------------- a receiver never asks
 
 
-def test_receiver_that_never_asks_fails_the_room_after_the_bootstrap_timeout(engines):
+def test_receiver_that_never_asks_fails_the_room_after_the_fanout_timeout(engines):
     lonely, *good = rooms(3)
-    with bootstrap_server() as server, encode_process(server.address, bootstrap_timeout_s=2.0) as encode:
+    with bootstrap_server() as server, encode_process(server.address, fanout_timeout_s=2.0) as encode:
         with Receiver(engines[0], 0, 2, fanout=2) as r0, Receiver(engines[1], 1, 2, fanout=2) as r1:
             r0.ask(lonely, server.address, SPAN)  # rank 1 never asks for it
             for room in good:
@@ -401,7 +401,7 @@ def test_a_silent_bootstrap_server_costs_one_timeout_not_one_per_room(engines):
         silent.bind((HOST, 0))
         silent.listen(16)  # the kernel accepts; nobody ever answers
         address = f"{HOST}:{silent.getsockname()[1]}"
-        with Receiver(engines[0], 0, 1, fanout=1, bootstrap_timeout_s=0.5) as r:
+        with Receiver(engines[0], 0, 1, fanout=1, lookup_timeout_s=0.5) as r:
             started = time.monotonic()
             handles = [r.ask(room, address, SPAN) for room in silent_rooms]
             assert wait_until(lambda: all(is_terminal(h.poll()) for h in handles), 5.0)
@@ -422,7 +422,7 @@ def test_a_silent_bootstrap_server_costs_one_timeout_not_one_per_room(engines):
 
 def test_a_refusing_bootstrap_server_is_still_asked_by_every_room(engines):
     """A quick refusal (a server not up yet) costs little: no pause, each room tries for itself."""
-    with Receiver(engines[0], 0, 1, fanout=1, bootstrap_timeout_s=0.5) as r:
+    with Receiver(engines[0], 0, 1, fanout=1, lookup_timeout_s=0.5) as r:
         address = _unreachable()  # nothing listens there: connection refused at once
         handles = [r.ask(room, address, SPAN) for room in rooms(3)]
         assert wait_until(lambda: all(is_terminal(h.poll()) for h in handles), 5.0)

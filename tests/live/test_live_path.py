@@ -71,7 +71,7 @@ def scenario(**kw) -> Scenario:
     our bootstrap server reused, from replacing our routes.
     """
     base = dict(first_room=random.randrange(1 << 20, 1 << 40), token=TOKEN, items=12, span=16, hidden=128, inflight=6,
-                deadline_s=20.0, bootstrap_timeout_s=20.0, timeout_s=120.0, protocol="tcp")
+                deadline_s=20.0, fanout_timeout_s=20.0, timeout_s=120.0, protocol="tcp")
     base.update(kw)
     return Scenario(**base)
 

@@ -48,7 +48,7 @@ def engines():
 def test_concluded_and_cleared_rooms_leave_no_state(engines):
     good, bad, unsent, unasked = rooms(24), rooms(3), rooms(2), rooms(2)
     before = [dict(e.registered()) for e in engines]
-    with bootstrap_server() as server, encode_process(server.address, bootstrap_timeout_s=1.5) as encode:
+    with bootstrap_server() as server, encode_process(server.address, fanout_timeout_s=1.5) as encode:
         with Receiver(engines[0], 0, 2, fanout=2, slots=32) as r0, Receiver(engines[1], 1, 2, fanout=2, slots=32) as r1:
             for room in good + bad + unsent:
                 r0.ask(room, server.address, SPAN)
@@ -57,7 +57,7 @@ def test_concluded_and_cleared_rooms_leave_no_state(engines):
             sent = encode.call("wait", good + bad + unasked, 10.0)
             for r in (r0, r1):
                 # `unsent` rooms: the encode rank drops asks whose item never came after its
-                # bootstrap timeout and tells their receivers Failed.
+                # fanout timeout and tells their receivers Failed.
                 got = r.wait(good + bad + unsent, 10.0)
                 assert {room: got[room] for room in good} == {room: ("Success", None) for room in good}
                 assert all(got[room][0] == "Failed" and got[room][1].startswith(ENCODE_FAILED) for room in bad + unsent)

@@ -347,14 +347,14 @@ class Prefill:
     """A SessionManager over a small registered buffer, its locks probed, for one scenario."""
 
     def __init__(self, engine: Any, scenario: str, *, nbytes: int = 1 << 16, deadline_s: float = 30.0,
-                 bootstrap_timeout_s: float = 1.0, buffer: Any = None) -> None:
+                 lookup_timeout_s: float = 1.0, buffer: Any = None) -> None:
         import torch
 
         from transfer.receiver import SessionManager
 
         self.buffer = buffer if buffer is not None else torch.zeros(nbytes, dtype=torch.uint8)
         self.manager = SessionManager(engine, 0, 1, 1, buffer=self.buffer, host=HOST, deadline_s=deadline_s,
-                                      bootstrap_timeout_s=bootstrap_timeout_s)
+                                      lookup_timeout_s=lookup_timeout_s)
         self.lock, self.regions_lock = probe_locks(self.manager)
         self.lat = Latencies(scenario)
         self.handles: dict[int, Any] = {}
@@ -630,7 +630,7 @@ def test_a_bootstrap_that_never_answers_costs_the_caller_nothing(engine, mode):
     else:
         server, address = None, f"{HOST}:{closed_port()}"
     try:
-        with Prefill(engine, f"bootstrap {mode}", bootstrap_timeout_s=1.0) as pre:
+        with Prefill(engine, f"bootstrap {mode}", lookup_timeout_s=1.0) as pre:
             end = time.monotonic() + 1.5
             room = 0
             while time.monotonic() < end:  # a scheduler loop: a few new rooms a turn, polls, stats
@@ -658,7 +658,7 @@ def test_a_slow_erroring_bootstrap_does_not_hold_up_other_rooms(engine):
     from transfer.status import TransferPoll
 
     with encode_route("reading") as (good, _), HostileHTTP("slow503", delay=0.5) as bad, \
-            Prefill(engine, "slow 503 bootstrap vs a healthy room", bootstrap_timeout_s=2.0) as pre:
+            Prefill(engine, "slow 503 bootstrap vs a healthy room", lookup_timeout_s=2.0) as pre:
         healthy = pre.receive(1, good)
         assert wait_until(lambda: pre.poll(healthy) == TransferPoll.WaitingForInput, 5.0)
         for room in range(100, 120):
@@ -981,7 +981,7 @@ def test_close_while_everything_happens_is_bounded_and_concludes_every_room(engi
 
     timeout = 1.0
     with encode_route("reading") as (address, _), HostileHTTP("silent") as silent:
-        pre = Prefill(engine, "close() during hanging look-ups, 3000 rooms, flood", bootstrap_timeout_s=timeout)
+        pre = Prefill(engine, "close() during hanging look-ups, 3000 rooms, flood", lookup_timeout_s=timeout)
         try:
             for room in range(1, 3001):
                 pre.receive(room, address)

@@ -38,7 +38,7 @@ def test_a_stalled_bootstrap_server_does_not_delay_another_rooms_success(engines
         silent.listen(16)  # the kernel accepts; nobody ever answers
         stalled = f"{HOST}:{silent.getsockname()[1]}"
         with SenderPool(encode, 0, 1, 1, server.address, host=HOST) as pool, \
-                SessionManager(prefill, 0, 1, 1, buffer=slots, host=HOST, bootstrap_timeout_s=STALL_S) as manager:
+                SessionManager(prefill, 0, 1, 1, buffer=slots, host=HOST, lookup_timeout_s=STALL_S) as manager:
             waiting = manager.receive(1, stalled, slots[0])
             healthy = manager.receive(2, server.address, slots[1])  # after the stalled one, on purpose
             sent = pool.send(2, item)
@@ -89,7 +89,7 @@ def test_close_with_a_stuck_io_thread_concludes_rooms_and_leaves_the_thread_its_
         silent.bind((HOST, 0))
         silent.listen(16)  # the room's look-up hangs: the room stays open
         stalled = f"{HOST}:{silent.getsockname()[1]}"
-        manager = SessionManager(prefill, 0, 1, 1, buffer=slots, host=HOST, bootstrap_timeout_s=3.0)
+        manager = SessionManager(prefill, 0, 1, 1, buffer=slots, host=HOST, lookup_timeout_s=3.0)
         driver = manager._driver
         entered, release = threading.Event(), threading.Event()
         drain = driver._drain_statuses

@@ -444,15 +444,16 @@ def test_a_room_cleared_while_its_encode_rank_is_looked_up_is_never_asked_for(en
             encode.close(0)
 
 
-def _default(func, name: str) -> float:
-    import inspect
+def _default(env: str) -> float:
+    """The documented default of a setting (what applies when its EPD_* variable is unset)."""
+    from transfer.config import setting
 
-    return inspect.signature(func).parameters[name].default
+    return setting(env).default
 
 
 @pytest.mark.live
 def test_a_failed_rooms_slot_is_not_written_when_the_encode_rank_gets_its_parked_asks_item(engines):
-    """An encode rank keeps an ask whose item has not come for its bootstrap timeout. The
+    """An encode rank keeps an ask whose item has not come for its fanout timeout. The
     prefill rank's deadline failed the room and cancelled it there, so when the item comes
     (the defaults scaled down 20 times) nothing is written into the slot the next room has."""
     import torch
@@ -464,9 +465,9 @@ def test_a_failed_rooms_slot_is_not_written_when_the_encode_rank_gets_its_parked
     from transfer.status import TransferPoll
 
     scale = 1 / 20
-    parking = _default(SenderPool, "bootstrap_timeout_s") * scale
-    deadline = _default(SessionManager, "deadline_s") * scale
-    quarantine = _default(ReceivePool, "quarantine_s") * scale
+    parking = _default("EPD_FANOUT_TIMEOUT_S") * scale
+    deadline = _default("EPD_DEADLINE_S") * scale
+    quarantine = _default("EPD_QUARANTINE_S") * scale
     encode_engine, prefill_engine = engines
     rows, hidden = 4, 64
     slot = rows * hidden * 2
@@ -475,7 +476,7 @@ def test_a_failed_rooms_slot_is_not_written_when_the_encode_rank_gets_its_parked
     try:
         with BootstrapServer(HOST, 0) as server, \
                 ReceivePool(prefill_engine, slot, slot, quarantine_s=quarantine, grace_s=0) as slots, \
-                SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST, bootstrap_timeout_s=parking) as sender, \
+                SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST, fanout_timeout_s=parking) as sender, \
                 SessionManager(prefill_engine, 0, 1, 1, pool=slots, host=HOST, deadline_s=deadline) as manager:
             started = time.monotonic()
             late = manager.receive(1, server.address, rows=rows, hidden=hidden, dtype=BF16)
@@ -500,10 +501,7 @@ def test_a_failed_rooms_slot_is_not_written_when_the_encode_rank_gets_its_parked
 
 
 def test_the_default_quarantine_outlasts_an_encode_ranks_parked_ask():
-    from transfer.buffers import ReceivePool
-    from transfer.sender import SenderPool
-
-    assert _default(ReceivePool, "quarantine_s") > _default(SenderPool, "bootstrap_timeout_s")
+    assert _default("EPD_QUARANTINE_S") > _default("EPD_FANOUT_TIMEOUT_S")
 
 
 class _DrippingServer:

@@ -22,7 +22,7 @@ def test_a_restarted_rank_retrying_its_rooms_gets_them_at_once(status_port):
     checked, instead of failing on two receivers for a fanout of one."""
     retried = [next(_rooms) for _ in range(6)]
     port = free_port() if status_port == "same" else 0
-    with bootstrap_server() as server, encode_process(server.address, bootstrap_timeout_s=60.0) as encode:
+    with bootstrap_server() as server, encode_process(server.address, fanout_timeout_s=60.0) as encode:
         first = prefill_process(server.address, span=SPAN, hidden=HIDDEN, slots=len(retried), status_port=port)
         try:
             first.call("ask", retried)

@@ -579,7 +579,7 @@ def test_a_temporary_registration_gone_behind_the_pools_back_does_not_stop_it(ca
     from transfer.status import TransferPoll
 
     with Engine("127.0.0.1", "tcp") as engine, BootstrapServer("127.0.0.1", 0) as server, \
-            SenderPool(engine, 0, 1, 1, server.address, bootstrap_timeout_s=0.5) as sender:
+            SenderPool(engine, 0, 1, 1, server.address, fanout_timeout_s=0.5) as sender:
         rows = torch.zeros(4, 256, dtype=torch.bfloat16)  # not registered: the pool registers it for the room
         handle = sender.send(1, rows)
         assert rows.data_ptr() in engine.registered()

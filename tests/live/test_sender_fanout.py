@@ -1,6 +1,6 @@
 """The encode side's sender pool and receivers that asked and were never
 answered. A room cleared before its whole fanout asked, an ask past the per-room receiver
-bound, and a write that waited past the bootstrap timeout for a free slot (or its ready
+bound, and a write that waited past the fanout timeout for a free slot (or its ready
 event) must each end in a Failed status the receiver actually gets, not in silence until
 some far-off timeout (a prefill rank has no deadline of its own on the encode side).
 
@@ -78,7 +78,7 @@ def second_prefill():
 def test_clearing_a_room_before_its_whole_fanout_asked_tells_the_receiver_that_asked_failed(engines, server,
                                                                                            caplog):
     """Half a fanout of two asked, then the caller clears the room: that receiver hears
-    Failed within a round of the pool's thread, not when the 120 s bootstrap timeout
+    Failed within a round of the pool's thread, not when the 120 s fanout timeout
     sweeps its ask, and the pool says why once."""
     encode, prefill = engines
     caplog.set_level(logging.WARNING, logger="transfer.sender")
@@ -204,19 +204,19 @@ def test_an_ask_past_the_receivers_per_room_bound_is_told_failed(engines, server
             sock.close(0)
 
 
-# -------------------------------------------- a write that waited past the bootstrap timeout
+# -------------------------------------------- a write that waited past the fanout timeout
 
 
-def test_a_write_that_waited_past_the_bootstrap_timeout_for_a_slot_is_failed_not_started(engines, server):
+def test_a_write_that_waited_past_the_fanout_timeout_for_a_slot_is_failed_not_started(engines, server):
     """depth 1, and the one slot is held by a write to a stopped receiver for longer than the
-    bootstrap timeout: when the slot frees, the write queued behind it is not started; its
+    fanout timeout: when the slot frees, the write queued behind it is not started; its
     room fails with a reason that says so and its receiver is told Failed, untouched. The
     stuck write itself still completes and succeeds."""
     encode, prefill = engines
     stuck, session, landing = _stopped_peer(encode)
     statuses, status_port = _io.pull_socket(HOST, 0)
     try:
-        with SenderPool(encode, 0, 1, 1, server.address, depth=1, bootstrap_timeout_s=1.5) as pool, \
+        with SenderPool(encode, 0, 1, 1, server.address, depth=1, fanout_timeout_s=1.5) as pool, \
                 RawPrefill(prefill, pool.host, pool.port, ITEM) as raw:
             push = _io.push_socket(pool.host, pool.port)
             try:
@@ -227,13 +227,13 @@ def test_a_write_that_waited_past_the_bootstrap_timeout_for_a_slot_is_failed_not
                 second = pool.send(2, item_tensor(2, SPAN, HIDDEN))
                 raw.ask(2, raw.base, SPAN, HIDDEN, SPAN)
                 assert wait_until(lambda: second.poll() == TransferPoll.Transferring, 5.0)
-                time.sleep(2.0)  # past the bootstrap timeout, the slot still held
+                time.sleep(2.0)  # past the fanout timeout, the slot still held
                 assert second.poll() == TransferPoll.Transferring and raw.untouched()
                 os.kill(stuck.pid, signal.SIGCONT)  # the slot frees now
                 assert second.wait(10.0) == TransferPoll.Failed
                 reason = second.failure
                 assert reason.startswith(f"room 2: its write for {prefill.session_id} waited "), reason
-                assert reason.endswith("past the bootstrap timeout 1.5s; not started"), reason
+                assert reason.endswith("past the fanout timeout 1.5s; not started"), reason
                 assert _heads(raw, 1, 2.0) == [[b"2", FAILED, b"0"]]
                 assert raw.untouched()
                 assert first.wait(10.0) == TransferPoll.Success, first.failure
@@ -258,13 +258,13 @@ class _ReadyAt:
         return time.monotonic() >= self.at
 
 
-def test_a_write_whose_ready_event_completes_past_the_bootstrap_timeout_of_the_first_ask_is_failed(engines,
+def test_a_write_whose_ready_event_completes_past_the_fanout_timeout_of_the_first_ask_is_failed(engines,
                                                                                                      server):
     """The receiver asked 1.5 s before the item was sent, and the item's ready event completes
     2 s after send(): within the ready event's own bound (3 s after send()), but 3.5 s after
-    the ask, past the bootstrap timeout of 3 s. The write is not started; the room fails."""
+    the ask, past the fanout timeout of 3 s. The write is not started; the room fails."""
     encode, prefill = engines
-    with SenderPool(encode, 0, 1, 1, server.address, bootstrap_timeout_s=3.0) as pool, \
+    with SenderPool(encode, 0, 1, 1, server.address, fanout_timeout_s=3.0) as pool, \
             RawPrefill(prefill, pool.host, pool.port, ITEM) as raw:
         raw.ask(1, raw.base, SPAN, HIDDEN, SPAN)
         assert wait_until(lambda: 1 in pool._core.parked, 5.0)
@@ -273,6 +273,6 @@ def test_a_write_whose_ready_event_completes_past_the_bootstrap_timeout_of_the_f
         assert handle.wait(10.0) == TransferPoll.Failed
         reason = handle.failure
         assert reason.startswith(f"room 1: its write for {prefill.session_id} waited "), reason
-        assert reason.endswith("past the bootstrap timeout 3s; not started"), reason
+        assert reason.endswith("past the fanout timeout 3s; not started"), reason
         assert _heads(raw, 1, 2.0) == [[b"1", FAILED, b"0"]]
         assert raw.untouched()

@@ -187,9 +187,9 @@ def test_a_clear_racing_the_dispatch_still_tells_every_receiver_failed(engines, 
 
 
 def _clear_as_the_sweep_runs(pool: SenderPool, handle) -> None:
-    """Runs the caller's clear() once, just before the first tick past the bootstrap timeout."""
+    """Runs the caller's clear() once, just before the first tick past the fanout timeout."""
     tick = pool._core.tick
-    due = time.monotonic() + pool.bootstrap_timeout_s
+    due = time.monotonic() + pool.fanout_timeout_s
 
     def hooked(now):
         if hooked.armed and now >= due:
@@ -205,7 +205,7 @@ def test_a_clear_racing_the_parked_sweep_still_tells_the_receivers_that_asked(en
     """A parked room (half its fanout asked) times out while the caller clears it: the
     receiver that asked must be told Failed either way."""
     encode, _ = engines
-    with SenderPool(encode, 0, 1, 1, server.address, bootstrap_timeout_s=0.3) as pool:
+    with SenderPool(encode, 0, 1, 1, server.address, fanout_timeout_s=0.3) as pool:
         raw = peer(pool)
         handle = pool.send(1, item_tensor(1, SPAN, HIDDEN))
         _clear_as_the_sweep_runs(pool, handle)
@@ -238,9 +238,9 @@ def test_a_send_racing_close_is_refused_and_registers_nothing(engines, server):
 
 def test_a_late_ask_for_a_failed_room_is_told_failed_at_once(engines, server, peer):
     """A receiver that asks after its room failed (here: nobody asked in time) hears Failed
-    right away, not only once the caller cleared the room and a bootstrap timeout passed."""
+    right away, not only once the caller cleared the room and a fanout timeout passed."""
     encode, _ = engines
-    with SenderPool(encode, 0, 1, 1, server.address, bootstrap_timeout_s=0.3) as pool:
+    with SenderPool(encode, 0, 1, 1, server.address, fanout_timeout_s=0.3) as pool:
         raw = peer(pool)
         handle = pool.send(1, item_tensor(1, SPAN, HIDDEN))
         assert handle.wait(5) == TransferPoll.Failed
@@ -457,11 +457,11 @@ class _NeverReady:
         return False
 
 
-def test_a_ready_event_that_never_completes_fails_its_room_within_the_bootstrap_timeout(engines, server, peer):
+def test_a_ready_event_that_never_completes_fails_its_room_within_the_fanout_timeout(engines, server, peer):
     """A producer that never finishes must not hang its room (or its receiver) for ever, and
     waiting on it must back off like polling a write instead of waking thousands of times a second."""
     encode, _ = engines
-    pool = SenderPool(encode, 0, 1, 1, server.address, bootstrap_timeout_s=1.5)
+    pool = SenderPool(encode, 0, 1, 1, server.address, fanout_timeout_s=1.5)
     try:
         raw = peer(pool)
         event = _NeverReady()

@@ -26,7 +26,6 @@ from live_helpers import (
 )
 
 from transfer import _io
-from transfer.core import parked
 from transfer.engine import Engine
 from transfer.frames import TransferInfo, parse_status
 from transfer.sender import SenderPool
@@ -126,17 +125,16 @@ def test_a_single_receiver_still_gets_every_write_slot_it_can_use(engines, serve
 # ------------------------------------------------------------ parked memory
 
 
-def test_parked_asks_hold_a_bounded_number_of_bytes_whatever_the_peer_sends(engines, server, monkeypatch):
+def test_parked_asks_hold_a_bounded_number_of_bytes_whatever_the_peer_sends(engines, server):
     """A peer asking for rooms nobody sends, with 1024 receivers each and long session ids,
     could make the pool hold MAX_PARKED_ASKS * MAX_RECEIVERS_PER_ROOM asks of up to 64 KiB
     (a terabyte). What is parked stays within a byte budget; the oldest rooms' receivers
     are told Failed when they are forgotten."""
     encode, _ = engines
     budget = 8 << 20
-    monkeypatch.setattr(parked, "MAX_PARKED_BYTES", budget)
     statuses, status_port = _io.pull_socket(HOST, 0)
     statuses.setsockopt(_io.zmq.RCVHWM, 0)
-    with SenderPool(encode, 0, 1, 1, server.address) as pool:
+    with SenderPool(encode, 0, 1, 1, server.address, max_parked_bytes=budget) as pool:
         push = _io.push_socket(pool.host, pool.port, hwm=0)
         try:
             rooms, receivers, id_bytes = 12, 128, 8 << 10  # 12 MiB of session ids in all

@@ -380,7 +380,7 @@ def test_peer_prefill_rank_is_served_by_our_sender_pool():
     sources = np.zeros(3 * item, dtype=np.uint8)
     try:
         with BootstrapServer(HOST, 0) as server, Engine(HOST, protocol="tcp") as ours:
-            with SenderPool(ours, 1, 2, 1, server.address, host=HOST, bootstrap_timeout_s=20.0,
+            with SenderPool(ours, 1, 2, 1, server.address, host=HOST, fanout_timeout_s=20.0,
                             register_timeout_s=5.0) as pool:
                 # The peer reads the rendezvous as SPEC 5 says: prefill rank 1 of tp 2 against E=2 -> fanout 1.
                 sync = json.loads(exchange(server, "GET", SYNC)[1])

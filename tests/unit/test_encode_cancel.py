@@ -39,7 +39,7 @@ class Run:
 
     def __init__(self) -> None:
         self.now = 0.0
-        self.core = EncodeCore(0, bootstrap_timeout_s=10.0, now=self.now)
+        self.core = EncodeCore(0, fanout_timeout_s=10.0, now=self.now)
         self.actions: list = []
 
     def __call__(self, actions: list) -> list:
@@ -148,7 +148,7 @@ def test_the_same_rank_asking_again_after_its_cancel_is_a_retry_and_is_served():
     assert run.conclusions() == []
 
 
-def test_a_cancelled_room_is_forgotten_after_the_bootstrap_timeout():
+def test_a_cancelled_room_is_forgotten_after_the_fanout_timeout():
     run = Run()
     run(run.core.ask(_ask(9), run.now))
     run(run.core.cancel(_cancel(9), run.now))

@@ -48,7 +48,7 @@ class Run:
     """A core, a fake clock and what it asked for, by kind."""
 
     def __init__(self, **kwargs) -> None:
-        kwargs.setdefault("bootstrap_timeout_s", 10.0)
+        kwargs.setdefault("fanout_timeout_s", 10.0)
         self.now = 0.0
         self.core = EncodeCore(0, now=self.now, **kwargs)
         self.actions: list = []
@@ -140,8 +140,8 @@ def test_a_destination_outside_the_announced_region_is_refused_before_any_write(
     assert len(run.of(StartWrite, run.ask(_ask(5, ptr=0x10000)))) == 1  # inside: written
 
 
-def test_an_item_nobody_asked_for_fails_at_the_bootstrap_timeout_with_specs_text():
-    run = Run(bootstrap_timeout_s=10.0)
+def test_an_item_nobody_asked_for_fails_at_the_fanout_timeout_with_specs_text():
+    run = Run(fanout_timeout_s=10.0)
     run.offer(_offer(6, span=4))
     run.ask(_ask(6, rank=0, fanout=2))  # half the fanout
     assert run.at(10.0).tick() == []
@@ -154,7 +154,7 @@ def test_an_item_nobody_asked_for_fails_at_the_bootstrap_timeout_with_specs_text
 
 
 def test_the_item_bound_counts_from_the_rooms_first_ask_when_that_came_first():
-    run = Run(bootstrap_timeout_s=10.0)
+    run = Run(fanout_timeout_s=10.0)
     run.ask(_ask(7, rank=0, fanout=2))
     run.at(8.0).offer(_offer(7))
     out = run.at(10.6).tick()
@@ -163,7 +163,7 @@ def test_the_item_bound_counts_from_the_rooms_first_ask_when_that_came_first():
 
 
 def test_asks_whose_item_never_comes_are_told_failed_with_a_warning():
-    run = Run(bootstrap_timeout_s=10.0)
+    run = Run(fanout_timeout_s=10.0)
     run.ask(_ask(8))
     out = run.at(11.0).tick()
     assert run.statuses(out) == [(8, 6000, TransferPoll.Failed)]
@@ -171,7 +171,7 @@ def test_asks_whose_item_never_comes_are_told_failed_with_a_warning():
 
 
 def test_a_fanout_completed_past_the_bound_fails_rather_than_writing_late():
-    run = Run(bootstrap_timeout_s=10.0)
+    run = Run(fanout_timeout_s=10.0)
     run.ask(_ask(9, rank=0, fanout=2))
     run.at(10.2).offer(_offer(9))  # before the next sweep
     out = run.ask(_ask(9, rank=1, fanout=2))
@@ -213,7 +213,7 @@ def test_a_ready_event_that_never_completes_fails_its_room_and_tells_the_receive
         def query(self) -> bool:
             return False
 
-    run = Run(bootstrap_timeout_s=10.0)
+    run = Run(fanout_timeout_s=10.0)
     run.offer(_offer(1, ready_event=Never()))
     run.at(1.0).ask(_ask(1))
     out = run.at(10.4).tick()
@@ -223,7 +223,7 @@ def test_a_ready_event_that_never_completes_fails_its_room_and_tells_the_receive
 
 
 def test_a_write_waiting_past_the_bound_since_the_first_ask_is_never_started():
-    run = Run(depth=1, bootstrap_timeout_s=10.0)
+    run = Run(depth=1, fanout_timeout_s=10.0)
     run.offer(_offer(1))
     run.offer(_offer(2))
     [first] = run.of(StartWrite, run.ask(_ask(1, session="a")))
@@ -442,7 +442,7 @@ def test_a_destination_overlapping_another_room_in_flight_for_the_session_is_ref
 
 
 def test_a_fanout_that_never_completed_says_how_many_of_it_asked():
-    run = Run(bootstrap_timeout_s=10.0)
+    run = Run(fanout_timeout_s=10.0)
     run.offer(_offer(1, span=4))
     run.ask(_ask(1, rank=0, fanout=2))
     run.offer(_offer(2))
@@ -458,7 +458,7 @@ def test_a_fanout_that_never_completed_says_how_many_of_it_asked():
 
 
 def test_a_dead_sessions_backlog_is_worked_through_in_bounded_turns_and_a_healthy_write_starts_in_the_first():
-    run = Run(depth=32, bootstrap_timeout_s=120.0)
+    run = Run(depth=32, fanout_timeout_s=120.0)
     for room in range(6000):
         run.offer(_offer(room))
         run.ask(_ask(room, session="dead", ptr=0x10000 + room * 4 * ROW))

@@ -10,7 +10,7 @@ and warnings for the throttled log.
 A receiver that asked is told Failed as soon as nothing will serve it, since a peer
 has no deadline of its own: its room was cleared before the whole fanout asked (and
 not sent again within CLEARED_GRACE_S), the room already has its maximum of
-receivers, or its write could not start within the bootstrap timeout of the room's
+receivers, or its write could not start within the fanout timeout of the room's
 first ask (nor can it once that much time passed with the fanout still incomplete).
 
 A receiver that gave up on a room sends a cancel (our extension): its parked ask
@@ -43,11 +43,11 @@ __all__ = ["CLEARED_GRACE_S", "SWEEP_S", "Conclude", "Count", "EncodeCore", "Off
 #: keeps them for the new item.
 CLEARED_GRACE_S = 0.1
 
-#: How often unserved items and asks are swept for the bootstrap timeout.
+#: How often unserved items and asks are swept for the fanout timeout.
 SWEEP_S = 0.5
 
 #: Rooms remembered as cancelled before their item came (oldest forgotten first), so the
-#: item fails at once when it comes instead of waiting for the bootstrap timeout.
+#: item fails at once when it comes instead of waiting for the fanout timeout.
 MAX_CANCELLED_ROOMS = 4096
 
 #: Status endpoints whose latest session is remembered (least recently seen forgotten
@@ -216,15 +216,15 @@ def _asked(asks: Asks | None) -> str:
 class EncodeCore:
     """An encode rank's room rules: parked asks, fanout assembly, checks, scheduling, conclusions."""
 
-    def __init__(self, engine_rank: int, *, bootstrap_timeout_s: float = 120.0, depth: int = 32,
+    def __init__(self, engine_rank: int, *, fanout_timeout_s: float = 120.0, depth: int = 32,
                  parked: ParkedAsks | None = None, regions: RegionBook | None = None,
                  breaker: Breaker | None = None, now: float = 0.0) -> None:
         self.engine_rank = engine_rank
-        self.bootstrap_timeout_s = bootstrap_timeout_s
+        self.fanout_timeout_s = fanout_timeout_s
         self.parked = ParkedAsks() if parked is None else parked
         self.regions = RegionBook() if regions is None else regions
         self.breaker = Breaker() if breaker is None else breaker
-        self.scheduler = WriteScheduler(depth, bootstrap_timeout_s)
+        self.scheduler = WriteScheduler(depth, fanout_timeout_s)
         self._rooms: dict[int, _Room] = {}  # offered, not yet cleared
         self._unserved: set[int] = set()  # offered rooms with no receivers attached yet, not failed
         self._writes: dict[int, _Job] = {}  # started, not yet over
@@ -549,13 +549,13 @@ class EncodeCore:
             return
         room.receivers = infos
         self._unserved.discard(room_number)
-        limit = self.bootstrap_timeout_s
+        limit = self.fanout_timeout_s
         waited = now - asks.first_at
         if waited > limit:
             # No write may start this late after the first ask: said here, not later as a
             # wait for a write slot that never happened.
             self._warn("late fanout", "room %d: its whole fanout of %d asked only %.1fs after its first ask, past "
-                       "the bootstrap timeout %gs; failing it", room_number, fanout, waited, limit)
+                       "the fanout timeout %gs; failing it", room_number, fanout, waited, limit)
             self._fail(room, FailureKind.FANOUT_TIMEOUT, f"receiver never registered within {limit:g}s "
                                                          f"({len(infos)} of {fanout} prefill ranks asked, the last "
                                                          f"{waited:.1f}s after the first)", now)
@@ -593,7 +593,7 @@ class EncodeCore:
     def _ready(self, job: _Job, now: float) -> bool:
         """Whether the job's rows may be read; a broken or overdue ready event fails its room."""
         room = job.room
-        limit = self.bootstrap_timeout_s
+        limit = self.fanout_timeout_s
         try:
             if room.ready():
                 return True
@@ -609,8 +609,8 @@ class EncodeCore:
     def _expired(self, job: _Job, waited: float, now: float) -> None:
         self._fail(job.room, FailureKind.WRITE,
                    f"room {job.room.room}: its write for {job.info.session_id[:64]} waited {waited:.1f}s since the "
-                   f"room's first ask for a free write slot or its ready event, past the bootstrap timeout "
-                   f"{self.bootstrap_timeout_s:g}s; not started", now)
+                   f"room's first ask for a free write slot or its ready event, past the fanout timeout "
+                   f"{self.fanout_timeout_s:g}s; not started", now)
 
     def _start(self, job: _Job, now: float) -> None:
         """Emits one receiver's write, unless its session's breaker is open."""
@@ -737,9 +737,9 @@ class EncodeCore:
         """Fails items whose receivers never all asked, and asks whose item never came.
 
         An item is parked from its send or from its room's first ask, whichever came
-        first: past the bootstrap timeout of that ask no write of it may start.
+        first: past the fanout timeout of that ask no write of it may start.
         """
-        limit = self.bootstrap_timeout_s
+        limit = self.fanout_timeout_s
         for number in list(self._unserved):
             room = self._rooms[number]
             asks = self.parked.get(number)

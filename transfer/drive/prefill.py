@@ -106,7 +106,7 @@ class PrefillDriver:
         status_port: int,
         session_id: str,
         deadline_s: float,
-        bootstrap_timeout_s: float,
+        lookup_timeout_s: float,
         integrity: bool,
         metrics: Metrics,
         pool: Any = None,
@@ -117,7 +117,7 @@ class PrefillDriver:
         self.clock = clock
         self.metrics = metrics
         self.pool = pool
-        self.bootstrap_timeout_s = bootstrap_timeout_s
+        self.lookup_timeout_s = lookup_timeout_s
         self.table = RoomTable()
         self.conclusions = _io.Conclusions()
         self.rooms: dict[int, Room] = {}  # changed under _lock
@@ -139,7 +139,7 @@ class PrefillDriver:
         self._wake_at = 0.0  # when the I/O thread next wakes by itself
         self._waker = _io.Waker()
         self._results: deque[tuple] = deque()  # look-up results for the I/O thread
-        self._lookups = _LookUps(f"epd-pre{engine_rank}-boot", bootstrap_timeout_s, clock, self._deliver,
+        self._lookups = _LookUps(f"epd-pre{engine_rank}-boot", lookup_timeout_s, clock, self._deliver,
                                  lookup_threads)
         self._stopping = False
         # close() and the I/O thread agree here on who closes the sockets: close() once the
@@ -248,7 +248,7 @@ class PrefillDriver:
                 now = self.clock()
                 self._carry(now, self.core.fail_all(now, failure))
             self._close_sockets()
-        self._lookups.close(timeout=self.bootstrap_timeout_s + 1.0)
+        self._lookups.close(timeout=self.lookup_timeout_s + 1.0)
 
     def _close_sockets(self) -> None:
         """Closes every socket and the waker; only once the I/O thread stopped."""

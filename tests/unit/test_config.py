@@ -1,0 +1,223 @@
+"""transfer.config: EPD_* variables as defaults, arguments first, bad values refused naming the variable."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+from transfer import cli, config
+from transfer.config import SETTINGS, renamed, resolve, setting
+from transfer.errors import ConfigError
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+class Untouchable:
+    """An engine stand-in: a constructor that touches it before checking its settings fails the test."""
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"the engine was used ({name}) before the settings were checked")
+
+
+# ------------------------------------------------------------------ resolve
+
+
+@pytest.mark.parametrize("entry", SETTINGS, ids=lambda s: s.env)
+def test_an_unset_or_empty_variable_gives_the_documented_default(entry):
+    assert resolve(entry.env, environ={}) == entry.default
+    assert resolve(entry.env, environ={entry.env: ""}) == entry.default
+
+
+def test_the_environment_sets_the_default_and_an_argument_wins_over_it():
+    environ = {"EPD_DEADLINE_S": "5.5", "EPD_SEND_DEPTH": "4", "EPD_MAX_PARKED_BYTES": "1048576",
+               "EPD_DEVICE": "mlx5_0", "EPD_ZMQ_SCHED_BATCH": "off"}
+    assert resolve("EPD_DEADLINE_S", environ=environ) == 5.5
+    assert resolve("EPD_SEND_DEPTH", environ=environ) == 4
+    assert resolve("EPD_MAX_PARKED_BYTES", environ=environ) == 1 << 20
+    assert resolve("EPD_DEVICE", environ=environ) == "mlx5_0"
+    assert resolve("EPD_ZMQ_SCHED_BATCH", environ=environ) is False
+    assert resolve("EPD_DEADLINE_S", 9.0, environ=environ) == 9.0
+    assert resolve("EPD_SEND_DEPTH", 1, environ=environ) == 1
+
+
+def test_an_argument_wins_even_over_a_variable_that_would_not_parse():
+    assert resolve("EPD_DEADLINE_S", 3.0, environ={"EPD_DEADLINE_S": "soon"}) == 3.0
+
+
+@pytest.mark.parametrize("env, text, what", [
+    ("EPD_DEADLINE_S", "soon", "a positive number of seconds"),
+    ("EPD_DEADLINE_S", "0", "a positive number of seconds"),
+    ("EPD_LOOKUP_TIMEOUT_S", "-2", "a positive number of seconds"),
+    ("EPD_FANOUT_TIMEOUT_S", "inf", "a positive number of seconds"),
+    ("EPD_REGISTER_TIMEOUT_S", "nan", "a positive number of seconds"),
+    ("EPD_SEND_DEPTH", "0", "a positive integer"),
+    ("EPD_SEND_DEPTH", "2.5", "a positive integer"),
+    ("EPD_MAX_PARKED_BYTES", "64MiB", "a positive number of bytes"),
+    ("EPD_QUARANTINE_S", "-1", "a non-negative number of seconds"),
+    ("EPD_FALLBACK_GRACE_S", "x", "a non-negative number of seconds"),
+    ("EPD_ZMQ_SCHED_BATCH", "maybe", "one of 1, 0, true, false"),
+])
+def test_a_bad_value_is_refused_naming_the_variable_the_value_and_what_it_sets(env, text, what):
+    entry = setting(env)
+    with pytest.raises(ConfigError) as err:
+        resolve(env, environ={env: text})
+    message = str(err.value)
+    assert message.startswith(f"{env}={text!r} is not {what}"), message
+    assert entry.component in message and entry.argument in message
+
+
+def test_zero_is_a_valid_quarantine_and_grace():
+    assert resolve("EPD_QUARANTINE_S", environ={"EPD_QUARANTINE_S": "0"}) == 0.0
+    assert resolve("EPD_FALLBACK_GRACE_S", 0) == 0
+
+
+@pytest.mark.parametrize("text, value", [("1", True), ("yes", True), ("ON", True), ("0", False), ("false", False),
+                                         ("no", False)])
+def test_flags_read_the_usual_spellings(text, value):
+    assert resolve("EPD_ZMQ_SCHED_BATCH", environ={"EPD_ZMQ_SCHED_BATCH": text}) is value
+
+
+@pytest.mark.parametrize("env, value", [
+    ("EPD_DEADLINE_S", -1.0), ("EPD_DEADLINE_S", float("nan")), ("EPD_DEADLINE_S", "60"),
+    ("EPD_SEND_DEPTH", 0), ("EPD_SEND_DEPTH", 2.0), ("EPD_SEND_DEPTH", True), ("EPD_MAX_PARKED_BYTES", -5),
+    ("EPD_QUARANTINE_S", -0.5),
+])
+def test_a_bad_argument_is_refused_naming_the_argument(env, value):
+    with pytest.raises(ConfigError, match=rf"^{setting(env).argument}={re.escape(repr(value))} is not "):
+        resolve(env, value, environ={})
+
+
+def test_a_name_outside_the_table_is_a_programming_error():
+    with pytest.raises(KeyError):
+        resolve("EPD_NO_SUCH_THING", environ={})
+
+
+# ------------------------------------------------------------------ renamed keywords
+
+
+def test_the_new_keyword_alone_gives_no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert renamed("SenderPool", "bootstrap_timeout_s", None, "fanout_timeout_s", 5.0) == 5.0
+        assert renamed("SenderPool", "bootstrap_timeout_s", None, "fanout_timeout_s", None) is None
+
+
+def test_the_old_keyword_still_works_with_a_warning_naming_the_new_one():
+    with pytest.warns(DeprecationWarning, match=r"SenderPool\(bootstrap_timeout_s=\) is deprecated: use "
+                                                r"fanout_timeout_s="):
+        assert renamed("SenderPool", "bootstrap_timeout_s", 7.0, "fanout_timeout_s", None, stacklevel=2) == 7.0
+
+
+def test_both_keywords_at_once_are_refused():
+    with pytest.raises(ConfigError, match=r"give fanout_timeout_s= only \(bootstrap_timeout_s= is its deprecated"):
+        renamed("SenderPool", "bootstrap_timeout_s", 7.0, "fanout_timeout_s", 8.0)
+
+
+# ------------------------------------------------------------------ the components read it at construction
+
+
+def test_a_session_manager_refuses_a_bad_variable_before_it_starts_anything(monkeypatch):
+    from transfer.receiver import SessionManager
+
+    monkeypatch.setenv("EPD_LOOKUP_TIMEOUT_S", "two")
+    with pytest.raises(ConfigError, match=r"^EPD_LOOKUP_TIMEOUT_S='two' is not a positive number of seconds "
+                                          r"\(SessionManager lookup_timeout_s"):
+        SessionManager(Untouchable(), 0, 1, buffer=object())
+
+
+def test_a_session_managers_old_keyword_warns_at_the_callers_line(monkeypatch):
+    from transfer.receiver import SessionManager
+
+    monkeypatch.setenv("EPD_DEADLINE_S", "-1")  # stops the constructor right after the keywords are read
+    with pytest.warns(DeprecationWarning, match=r"SessionManager\(bootstrap_timeout_s=\) is deprecated: use "
+                                                r"lookup_timeout_s=") as caught, pytest.raises(ConfigError):
+        SessionManager(Untouchable(), 0, 1, buffer=object(), bootstrap_timeout_s=1.0)
+    assert caught[0].filename == __file__
+    with pytest.raises(ConfigError, match="give lookup_timeout_s= only"):
+        SessionManager(Untouchable(), 0, 1, buffer=object(), bootstrap_timeout_s=1.0, lookup_timeout_s=1.0)
+
+
+@pytest.mark.parametrize("env, text", [("EPD_FANOUT_TIMEOUT_S", "2m"), ("EPD_REGISTER_TIMEOUT_S", "0"),
+                                       ("EPD_SEND_DEPTH", "-3"), ("EPD_MAX_PARKED_BYTES", "lots")])
+def test_a_sender_pool_refuses_a_bad_variable_before_it_starts_anything(monkeypatch, env, text):
+    from transfer.sender import SenderPool
+
+    monkeypatch.setenv(env, text)
+    with pytest.raises(ConfigError, match=rf"^{env}={text!r} is not .*\(SenderPool "):
+        SenderPool(Untouchable(), 0, 1, 1, "127.0.0.1:8998")
+
+
+def test_a_sender_pool_refuses_both_names_of_its_fanout_timeout():
+    from transfer.sender import SenderPool
+
+    with pytest.raises(ConfigError, match="give fanout_timeout_s= only"):
+        SenderPool(Untouchable(), 0, 1, 1, "127.0.0.1:8998", fanout_timeout_s=1.0, bootstrap_timeout_s=1.0)
+
+
+def test_a_receive_pool_takes_its_quarantine_from_the_environment_unless_given(monkeypatch):
+    from fakes import RecordingEngine
+
+    from transfer.buffers import ReceivePool
+
+    monkeypatch.setenv("EPD_QUARANTINE_S", "12.5")
+    monkeypatch.setenv("EPD_FALLBACK_GRACE_S", "3")
+    with ReceivePool(RecordingEngine(), 64, 64) as pool:
+        assert (pool.quarantine_s, pool.grace_s) == (12.5, 3.0)
+    with ReceivePool(RecordingEngine(), 64, 64, quarantine_s=1.0, grace_s=0.0) as pool:
+        assert (pool.quarantine_s, pool.grace_s) == (1.0, 0.0)
+    monkeypatch.setenv("EPD_QUARANTINE_S", "-1")
+    engine = RecordingEngine()
+    with pytest.raises(ConfigError, match=r"^EPD_QUARANTINE_S='-1'"):
+        ReceivePool(engine, 64, 64)
+    assert engine.log == []
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def test_the_rank_commands_deadline_and_bootstrap_wait_default_from_the_environment(monkeypatch):
+    monkeypatch.setenv("EPD_DEADLINE_S", "7")
+    monkeypatch.setenv("EPD_FANOUT_TIMEOUT_S", "9")
+    base = ["rank", "--role", "prefill", "--rank", "0", "--bootstrap", "h:1"]
+    args = cli.build_parser().parse_args(base)
+    assert (args.deadline, args.bootstrap_timeout) == (7.0, 9.0)
+    args = cli.build_parser().parse_args([*base, "--deadline", "2", "--bootstrap-timeout", "3"])
+    assert (args.deadline, args.bootstrap_timeout) == (2.0, 3.0)
+    assert cli.build_parser().parse_args(["demo"]).deadline == 7.0
+
+
+def test_the_command_line_names_a_bad_variable_in_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("EPD_DEADLINE_S", "soon")
+    assert cli.main(["doctor"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("epd-transfer: EPD_DEADLINE_S='soon' is not a positive number of seconds")
+    assert err.count("\n") == 1
+
+
+# ------------------------------------------------------------------ one table in the README
+
+
+def _readme_rows() -> dict[str, str]:
+    text = README.read_text(encoding="utf-8")
+    return {m.group(1): m.group(0) for m in re.finditer(r"^\| `(EPD_[A-Z_]+)` \|.*$", text, re.M)}
+
+
+def test_the_readme_table_lists_every_variable_with_its_default_and_argument():
+    rows = _readme_rows()
+    assert set(rows) == {entry.env for entry in SETTINGS}
+    for entry in SETTINGS:
+        cells = [cell.strip() for cell in rows[entry.env].strip("|").split("|")]
+        assert entry.default_text() in cells[1], (entry.env, cells)
+        assert entry.component in cells[3] and entry.argument in cells[3], (entry.env, cells)
+
+
+def test_the_settings_defaults_are_the_components_own():
+    from transfer import buffers
+    from transfer.core import parked
+
+    assert setting("EPD_MAX_PARKED_BYTES").default == parked.MAX_PARKED_BYTES
+    assert setting("EPD_QUARANTINE_S").default == buffers.QUARANTINE_S
+    assert config.setting("EPD_QUARANTINE_S").default > setting("EPD_FANOUT_TIMEOUT_S").default

@@ -1,0 +1,187 @@
+"""The `EPD_*` environment variables: one table of what each sets, its default, and its check.
+
+An environment variable only supplies a default: an argument given to the constructor
+(or an option given on the command line) always wins. A value that does not parse, or
+is out of range, raises `ConfigError` naming the variable and the value when the
+component that reads it is constructed. An empty value counts as unset.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from transfer.core.parked import MAX_PARKED_BYTES
+from transfer.errors import ConfigError
+
+__all__ = ["SETTINGS", "Setting", "renamed", "resolve", "setting"]
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError
+    return value
+
+
+def _non_negative_seconds(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError
+    return value
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _flag(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError
+
+
+def _text(text: str) -> str:
+    return text
+
+
+# What each kind of value must be: (parser of the environment's text, its description).
+_KINDS: dict[str, tuple[Callable[[str], Any], str]] = {
+    "seconds": (_seconds, "a positive number of seconds"),
+    "seconds0": (_non_negative_seconds, "a non-negative number of seconds"),
+    "count": (_positive_int, "a positive integer"),
+    "bytes": (_positive_int, "a positive number of bytes"),
+    "flag": (_flag, "one of 1, 0, true, false, yes, no, on, off"),
+    "text": (_text, "text"),
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable: the argument it defaults ('' for none), where, its default, and what it bounds."""
+
+    env: str
+    argument: str
+    component: str
+    default: Any
+    kind: str
+    bounds: str
+
+    def parse(self, text: str) -> Any:
+        """The environment's `text` as this setting's value, or ConfigError naming the variable and value."""
+        parser, what = _KINDS[self.kind]
+        try:
+            return parser(text)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{self.env}={text!r} is not {what} ({self.where}: {self.bounds})") from None
+
+    @property
+    def where(self) -> str:
+        """The component and the argument it defaults, in words."""
+        return f"{self.component} {self.argument}" if self.argument else self.component
+
+    def default_text(self) -> str:
+        """The default as the README's table shows it."""
+        value = self.default
+        if value is None:
+            return "unset"
+        if self.kind in ("seconds", "seconds0"):
+            return f"{value:g} s"
+        if self.kind == "bytes" and value % (1 << 20) == 0:
+            return f"{value >> 20} MiB"
+        if self.kind == "flag":
+            return "1" if value else "0"
+        return str(value)
+
+    def check(self, value: Any) -> Any:
+        """An argument given in code, checked like the environment's text; ConfigError naming the argument."""
+        if self.kind == "text":
+            return value
+        if self.kind == "flag":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{self.argument}={value!r} must be True or False")
+            return value
+        parser, what = _KINDS[self.kind]
+        integral = self.kind in ("count", "bytes")
+        if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
+            raise ConfigError(f"{self.argument}={value!r} is not {what}")
+        try:
+            parser(str(value))
+        except ValueError:
+            raise ConfigError(f"{self.argument}={value!r} is not {what}") from None
+        return value
+
+
+#: Every variable the library and its command line read, in the README's order.
+SETTINGS: tuple[Setting, ...] = (
+    Setting("EPD_DEADLINE_S", "deadline_s", "SessionManager", 60.0, "seconds",
+            "each room, from receive() to its conclusion (also `demo`/`rank --deadline`)"),
+    Setting("EPD_LOOKUP_TIMEOUT_S", "lookup_timeout_s", "SessionManager", 2.0, "seconds",
+            "one bootstrap look-up of an encode rank"),
+    Setting("EPD_FANOUT_TIMEOUT_S", "fanout_timeout_s", "SenderPool", 120.0, "seconds",
+            "waiting for a room's whole fanout to ask, and for a write to start after the first ask "
+            "(also `rank --bootstrap-timeout`)"),
+    Setting("EPD_REGISTER_TIMEOUT_S", "register_timeout_s", "SenderPool", 30.0, "seconds",
+            "registering with the bootstrap server at construction"),
+    Setting("EPD_SEND_DEPTH", "depth", "SenderPool", 32, "count",
+            "receiver shard writes in flight at once"),
+    Setting("EPD_MAX_PARKED_BYTES", "max_parked_bytes", "SenderPool", MAX_PARKED_BYTES, "bytes",
+            "asks held for items not sent yet (past it the oldest room's asks are told Failed)"),
+    # Two fanout timeouts and a transfer timeout, 10 s spare (why: transfer.buffers.QUARANTINE_S).
+    Setting("EPD_QUARANTINE_S", "quarantine_s", "ReceivePool", 2 * 120.0 + 30.0 + 10.0, "seconds0",
+            "how long a failed room's slot is held back unless its cancel is confirmed"),
+    Setting("EPD_FALLBACK_GRACE_S", "grace_s", "ReceivePool", 30.0, "seconds0",
+            "how long an idle fallback buffer is kept for reuse"),
+    Setting("EPD_ZMQ_SCHED_BATCH", "", "the library's ZMQ I/O thread", True, "flag",
+            "runs it under SCHED_BATCH, so waking it never preempts the engine's thread (0: the default policy)"),
+    Setting("EPD_TOKEN", "--token", "epd-transfer bootstrap/rank", None, "text",
+            "the bearer token the bootstrap server requires for registrations"),
+    Setting("EPD_DEVICE", "--device", "epd-transfer rank", None, "text",
+            "Mooncake's RDMA device(s), e.g. mlx5_0 (unset: every device found)"),
+)
+
+_BY_ENV: dict[str, Setting] = {s.env: s for s in SETTINGS}
+
+
+def setting(env: str) -> Setting:
+    """The Setting of one variable (KeyError for a name not in the table)."""
+    return _BY_ENV[env]
+
+
+def resolve(env: str, given: Any = None, environ: Mapping[str, str] | None = None) -> Any:
+    """`given` (checked) when not None, else the variable's value from `environ` (default
+    os.environ), else the documented default."""
+    entry = _BY_ENV[env]
+    if given is not None:
+        return entry.check(given)
+    text = (os.environ if environ is None else environ).get(env, "")
+    if text == "":
+        return entry.default
+    return entry.parse(text)
+
+
+def renamed(owner: str, old: str, old_value: Any, new: str, new_value: Any, stacklevel: int = 3) -> Any:
+    """The value of a renamed keyword: the new one, or the old one with a DeprecationWarning.
+
+    Both given is refused (ConfigError): which one was meant cannot be told.
+    """
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise ConfigError(f"{owner}: give {new}= only ({old}= is its deprecated name), not both")
+    warnings.warn(f"{owner}({old}=) is deprecated: use {new}=", DeprecationWarning, stacklevel=stacklevel)
+    return old_value
