@@ -606,7 +606,9 @@ def _epd_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
 
 def _bytes_written(pool) -> int:
     """The bytes a sender pool has written so far."""
-    return int(sum(pool.stats().get("counters", {}).get("bytes_written_total", {}).values()))
+    from transfer.metrics import total
+
+    return int(total(pool.stats(), pool.metrics.full_name("bytes_written_total")))
 
 
 def _warm_up(handle, deadline_s: float, who: str) -> None:

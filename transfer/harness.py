@@ -122,6 +122,7 @@ def make_engine(sc: Scenario):
 
 def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finished) -> dict:
     """Body of one encode rank: offers every room's item to its block of prefill ranks."""
+    from transfer.metrics import total as metric_total
     from transfer.sender import SenderPool
 
     source = ItemSource(sc.max_span, sc.hidden, sc.dtype)
@@ -147,20 +148,15 @@ def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finishe
             while window:
                 _settle_send(window.popleft(), sc, report)
             report["stats"] = pool.stats()
-            report["bytes_written"] = _counter(report["stats"], "bytes_written_total")
+            report["bytes_written"] = int(metric_total(report["stats"], pool.metrics.full_name("bytes_written_total")))
             finished()
     return report
-
-
-def _counter(stats: dict, name: str) -> int:
-    """A counter's total over its labels in a stats() snapshot (0 before its first increment)."""
-    return int(sum(stats.get("counters", {}).get(name, {}).values()))
 
 
 def _settle_send(handle, sc: Scenario, report: dict) -> None:
     from transfer.status import TransferPoll
 
-    status = handle.wait(sc.bootstrap_timeout_s + sc.deadline_s + 5)
+    status = handle.wait(sc.fanout_timeout_s + sc.deadline_s + 5)
     report["rooms"].append(handle.room)
     if status != TransferPoll.Success:
         report["failed"].append((handle.room, handle.failure or f"still {status.name}"))

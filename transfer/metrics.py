@@ -1,11 +1,12 @@
 """Counters, histograms and gauges a serving stack scrapes, with no mandatory dependency.
 
 One `Metrics` object per component (session manager, sender pool) holds its
-series under a namespace. Read it three ways: `snapshot()` (plain dict for
-`stats()` and JSON), `prometheus_text()` (the text exposition format, written
-here so it works without prometheus_client), and `register_with_prometheus_client()`
-(a Collector an engine mounts in its own registry). `serve()` starts a tiny
-/metrics endpoint for processes that have none.
+series under a namespace, every one labelled with the component's `rank` and `role`.
+Read it three ways, all with the same names and labels: `snapshot()` (a flat list of
+samples for `stats()` and JSON), `prometheus_text()` (the text exposition format,
+written here so it works without prometheus_client), and
+`register_with_prometheus_client()` (a Collector an engine mounts in its own
+registry). `serve()` starts a tiny /metrics endpoint for processes that have none.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from http.server import BaseHTTPRequestHandler
 
 from transfer._http import BoundedHTTPServer, OneDeadlineHandler
 from transfer.core.failure import FailureKind
+from transfer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +41,14 @@ KNOWN_HELP: dict[str, str] = {
     "room_latency_seconds": "Seconds from a room's start to its Success.",
     "queue_depth": "Receiver shard writes ready to start, waiting for a free slot in flight or their ready event.",
     "rooms_in_flight": "Rooms asked for and not yet cleared.",
-    "statuses_dropped": "Status pushes dropped because a receiver stopped draining its queue.",
+    "rooms_unverified_total": "Rooms concluded Success with no checksum to verify (the encode rank sent none).",
+    "statuses_dropped_total": "Status pushes dropped because a receiver stopped draining its queue.",
     "sessions_superseded_total": "Prefill sessions replaced by a restarted rank's new session, by how it was told.",
     "registrations_refused_total": "Registrations refused (a session that announced region lengths sent one without).",
     "cancels_total": "Cancels from receivers that gave up on a room, by answer (confirmed, too_late).",
     "parked_rooms": "Items parked until their receiver registers.",
     "quarantined_slots": "Receive slots held back after a failed or late write.",
+    "fallback_bytes": "Bytes held by fallback receive buffers (items bigger than a slot, or no free slot).",
 }
 
 # The bounded values of rooms_failed_total's `reason` label: the failure kinds.
@@ -56,12 +60,58 @@ _LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 LabelKey = tuple[tuple[str, str], ...]
 
 
+#: The `role` label of each component's series.
+ROLES: tuple[str, ...] = ("encode", "prefill")
+
+#: The counters each role has from the start (at zero, so alerts and rates see them before
+#: the first event), with the bounded values of their `reason` label (empty: unlabelled).
+ROLE_COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
+    "encode": {
+        "rooms_started_total": (),
+        "rooms_succeeded_total": (),
+        "rooms_failed_total": REASON_CATEGORIES,
+        "bytes_written_total": (),
+        "cancels_total": ("confirmed", "too_late"),
+        "sessions_superseded_total": ("shard", "status_endpoint"),
+        "registrations_refused_total": ("no_lengths",),
+    },
+    "prefill": {
+        "rooms_started_total": (),
+        "rooms_succeeded_total": (),
+        "rooms_failed_total": REASON_CATEGORIES,
+        "rooms_unverified_total": (),
+        "bytes_received_total": (),
+    },
+}
+
+
 def zero_room_counters(metrics: Metrics) -> None:
     """Creates the room counters at zero, one failure series per kind, so alerts see them before any room."""
     metrics.inc("rooms_started_total", 0)
     metrics.inc("rooms_succeeded_total", 0)
     for reason in REASON_CATEGORIES:
         metrics.inc("rooms_failed_total", 0, reason=reason)
+
+
+def declare_role(metrics: Metrics, role: str, rank: int) -> None:
+    """Labels `metrics` with the component's role and rank, and creates its counters and latency histogram."""
+    if role not in ROLE_COUNTERS:
+        raise ValueError(f"role {role!r} is not one of {ROLES}")
+    metrics.label(role=role, rank=rank)
+    for name, reasons in ROLE_COUNTERS[role].items():
+        if reasons:
+            for reason in reasons:
+                metrics.inc(name, 0, reason=reason)
+        else:
+            metrics.inc(name, 0)
+    metrics.histogram("room_latency_seconds")
+
+
+def total(snapshot: Iterable[dict], name: str, **labels: object) -> float:
+    """The sum of the values of a snapshot's samples named `name` whose labels include `labels`."""
+    want = {k: str(v) for k, v in labels.items()}
+    return sum(row["value"] or 0 for row in snapshot
+               if row["name"] == name and all(row["labels"].get(k) == v for k, v in want.items()))
 
 
 def escape_label_value(value: str) -> str:
@@ -87,11 +137,6 @@ def format_value(value: float) -> str:
     return repr(float(value))
 
 
-def label_key_string(key: LabelKey) -> str:
-    """The snapshot's key for a label set: `k=v,k2=v2` sorted by name, '' when unlabelled."""
-    return ",".join(f"{k}={v}" for k, v in key)
-
-
 def _labels_text(key: LabelKey, extra: Iterable[tuple[str, str]] = ()) -> str:
     """Render `{k="v",...}` for a sample line, or '' when there are no labels."""
     pairs = list(key) + list(extra)
@@ -115,16 +160,14 @@ def _label_key(labels: dict[str, object], reserved: tuple[str, ...] = ()) -> Lab
 
 
 class _Histogram:
-    """One label set's bucket counts (non-cumulative), sum, count, min and max."""
+    """One label set's bucket counts (non-cumulative), sum and count."""
 
-    __slots__ = ("count", "counts", "high", "low", "total")
+    __slots__ = ("count", "counts", "total")
 
     def __init__(self, n_buckets: int) -> None:
         self.counts = [0] * (n_buckets + 1)  # last slot is the +Inf overflow
         self.total = 0.0
         self.count = 0
-        self.low = math.inf
-        self.high = -math.inf
 
 
 def estimate_quantile(q: float, bounds: tuple[float, ...], counts: list[int],
@@ -156,11 +199,13 @@ def estimate_quantile(q: float, bounds: tuple[float, ...], counts: list[int],
 class Metrics:
     """Thread-safe counters, histograms and gauges under one namespace."""
 
-    def __init__(self, namespace: str, buckets: Iterable[float] = LATENCY_BUCKETS) -> None:
-        """Create an empty set; `namespace` prefixes every exposed name (`<ns>_<name>`)."""
+    def __init__(self, namespace: str, buckets: Iterable[float] = LATENCY_BUCKETS,
+                 labels: dict[str, object] | None = None) -> None:
+        """Create an empty set; `namespace` prefixes every exposed name (`<ns>_<name>`), `labels` label every series."""
         if namespace:
             _check_name(namespace)
         self.namespace = namespace
+        self._const: LabelKey = _label_key(labels or {}, reserved=("le",))
         self.buckets = tuple(sorted(float(b) for b in buckets))
         if not self.buckets or any(math.isinf(b) or math.isnan(b) for b in self.buckets):
             raise ValueError("buckets must be finite numbers, at least one")
@@ -170,6 +215,7 @@ class Metrics:
         self._counters: dict[str, dict[LabelKey, float]] = {}
         self._gauges: dict[str, dict[LabelKey, float]] = {}
         self._gauge_fns: dict[str, Callable[[], float]] = {}
+        self._counter_fns: dict[str, Callable[[], float]] = {}
         self._histograms: dict[str, dict[LabelKey, _Histogram]] = {}
 
     # ---- recording -------------------------------------------------------
@@ -183,6 +229,39 @@ class Metrics:
         elif have != kind:
             raise ValueError(f"metric {name!r} is a {have}, not a {kind}")
 
+    @property
+    def labels(self) -> dict[str, str]:
+        """The labels every series of this set carries."""
+        return dict(self._const)
+
+    def label(self, **labels: object) -> None:
+        """Adds labels every series carries (a component's rank and role); ConfigError for one set otherwise.
+
+        A label already set to another value means two components share this Metrics:
+        their series would merge, so each needs its own.
+        """
+        key = _label_key(labels, reserved=("le",))
+        with self._lock:
+            have = dict(self._const)
+            clash = {k: (have[k], v) for k, v in key if k in have and have[k] != v}
+            if clash:
+                raise ConfigError(f"metrics {self.namespace!r} already labelled "
+                                  + ", ".join(f"{k}={old!r} (not {new!r})" for k, (old, new) in sorted(clash.items()))
+                                  + ": give each component a Metrics of its own")
+            used = {k for series in (*self._counters.values(), *self._gauges.values(), *self._histograms.values())
+                    for labelled in series for k, _ in labelled}
+            taken = used & {k for k, _ in key}
+            if taken:
+                raise ValueError(f"label {sorted(taken)[0]!r} is already a series label of {self.namespace!r}")
+            have.update(key)
+            self._const = tuple(sorted(have.items()))
+
+    def _series_key(self, labels: dict[str, object], reserved: tuple[str, ...] = ()) -> LabelKey:
+        """A series' own label key; the set's labels and `reserved` may not be among them."""
+        if not labels:
+            return ()
+        return _label_key(labels, reserved=reserved + tuple(k for k, _ in self._const))
+
     def describe(self, name: str, help_text: str) -> None:
         """Set the HELP text of a metric (defaults: KNOWN_HELP, else the name spelled out)."""
         with self._lock:
@@ -192,18 +271,27 @@ class Metrics:
         """Add a non-negative amount to a counter."""
         if amount < 0:
             raise ValueError(f"counter {name!r} cannot decrease (amount {amount})")
-        key = _label_key(labels) if labels else ()
+        key = self._series_key(labels)
         with self._lock:
             self._claim(name, "counter")
             series = self._counters.setdefault(name, {})
             series[key] = series.get(key, 0) + amount
+
+    def histogram(self, name: str, **labels: object) -> None:
+        """Creates a histogram series with no observations yet (so it is exposed before the first)."""
+        key = self._series_key(labels, reserved=("le",))
+        with self._lock:
+            self._claim(name, "histogram")
+            series = self._histograms.setdefault(name, {})
+            if key not in series:
+                series[key] = _Histogram(len(self.buckets))
 
     def observe(self, name: str, value: float, **labels: object) -> None:
         """Record one observation (seconds, for latencies) in a histogram."""
         value = float(value)
         if math.isnan(value):
             raise ValueError(f"histogram {name!r} got NaN")
-        key = _label_key(labels, reserved=("le",)) if labels else ()
+        key = self._series_key(labels, reserved=("le",))
         index = _bucket_index(self.buckets, value)
         with self._lock:
             self._claim(name, "histogram")
@@ -214,12 +302,10 @@ class Metrics:
             hist.counts[index] += 1
             hist.total += value
             hist.count += 1
-            hist.low = min(hist.low, value)
-            hist.high = max(hist.high, value)
 
     def set_gauge(self, name: str, value: float, **labels: object) -> None:
         """Set a gauge to a value."""
-        key = _label_key(labels)
+        key = self._series_key(labels)
         with self._lock:
             self._claim(name, "gauge")
             self._gauges.setdefault(name, {})[key] = value
@@ -232,6 +318,14 @@ class Metrics:
             self._claim(name, "gauge")
             self._gauge_fns[name] = fn
 
+    def counter_fn(self, name: str, fn: Callable[[], float]) -> None:
+        """Make a counter whose value is `fn()` evaluated at read time; `fn` must only ever grow."""
+        if not callable(fn):
+            raise TypeError(f"counter_fn {name!r}: fn is not callable")
+        with self._lock:
+            self._claim(name, "counter")
+            self._counter_fns[name] = fn
+
     # ---- reading ---------------------------------------------------------
 
     def full_name(self, name: str) -> str:
@@ -243,84 +337,76 @@ class Metrics:
         return self._help.get(name) or KNOWN_HELP.get(name) or name.replace("_", " ")
 
     def _read(self) -> tuple[dict, dict, dict, dict]:
-        """Copy every series under the lock, then evaluate gauge callables outside it."""
+        """Copy every series under the lock, then evaluate callables outside it; keys carry the set's labels."""
         with self._lock:
             counters = {n: dict(s) for n, s in self._counters.items()}
             gauges = {n: dict(s) for n, s in self._gauges.items()}
-            fns = dict(self._gauge_fns)
+            fns = [(gauges, n, fn) for n, fn in self._gauge_fns.items()]
+            fns += [(counters, n, fn) for n, fn in self._counter_fns.items()]
             hists = {
-                n: {k: (list(h.counts), h.total, h.count, h.low, h.high) for k, h in s.items()}
+                n: {k: (list(h.counts), h.total, h.count) for k, h in s.items()}
                 for n, s in self._histograms.items()
             }
             kinds = dict(self._kinds)
+            const = self._const
         # A callable may take its own locks (a queue's), so never call it under ours.
-        for name, fn in fns.items():
+        for into, name, fn in fns:
             try:
-                gauges.setdefault(name, {})[()] = float(fn())
+                value = fn()
+                into.setdefault(name, {})[()] = value if type(value) is int else float(value)
             except Exception:  # a broken callable must not break a scrape
-                gauges.setdefault(name, {})[()] = math.nan
+                into.setdefault(name, {})[()] = math.nan
+        if const:
+            counters, gauges, hists = (
+                {n: {tuple(sorted(const + k)): v for k, v in s.items()} for n, s in table.items()}
+                for table in (counters, gauges, hists))
         return kinds, counters, gauges, hists
 
-    def snapshot(self) -> dict:
-        """Plain JSON-serializable view: counters, gauges, histograms (count/sum/p50/p99)."""
-        _, counters, gauges, hists = self._read()
-        out: dict = {"namespace": self.namespace, "counters": {}, "gauges": {}, "histograms": {}}
-        for name in sorted(counters):
-            out["counters"][name] = {label_key_string(k): v for k, v in sorted(counters[name].items())}
-        for name in sorted(gauges):
-            out["gauges"][name] = {label_key_string(k): _json_number(v)
-                                   for k, v in sorted(gauges[name].items())}
-        for name in sorted(hists):
-            out["histograms"][name] = {
-                label_key_string(k): self._hist_summary(*h) for k, h in sorted(hists[name].items())
-            }
+    def samples(self) -> list[tuple[str, str, str, LabelKey, float]]:
+        """Every sample as (metric, kind, sample name, labels, value), in exposition order.
+
+        The names are the exposed ones; a histogram gives cumulative `_bucket` samples
+        (with `le`), then `_sum` and `_count`, per label set.
+        """
+        kinds, counters, gauges, hists = self._read()
+        out: list[tuple[str, str, str, LabelKey, float]] = []
+        for name in sorted(kinds):
+            kind, full = kinds[name], self.full_name(name)
+            if kind == "histogram":
+                for key, (counts, total_, count) in sorted(hists.get(name, {}).items()):
+                    cumulative = 0
+                    for bound, n in zip(self.buckets + (math.inf,), counts):
+                        cumulative += n
+                        le = format_value(float(bound))
+                        out.append((name, kind, f"{full}_bucket", key + (("le", le),), cumulative))
+                    out.append((name, kind, f"{full}_sum", key, float(total_)))
+                    out.append((name, kind, f"{full}_count", key, count))
+            else:
+                for key, value in sorted((counters if kind == "counter" else gauges).get(name, {}).items()):
+                    out.append((name, kind, full, key, value))
         return out
 
-    def _hist_summary(self, counts: list[int], total: float, count: int,
-                      low: float, high: float) -> dict:
-        """count, sum, p50, p99 and max of one label set (quantiles None when empty)."""
-        if count == 0:
-            return {"count": 0, "sum": 0.0, "p50": None, "p99": None, "max": None}
-        return {
-            "count": count,
-            "sum": total,
-            "p50": estimate_quantile(0.5, self.buckets, counts, low, high),
-            "p99": estimate_quantile(0.99, self.buckets, counts, low, high),
-            "max": high,
-        }
+    def snapshot(self) -> list[dict]:
+        """Every sample as a flat row `{"name", "type", "labels", "value"}`, named and labelled as Prometheus sees it.
+
+        JSON-serializable (a gauge whose callable failed reads None); ship it as is:
+        one row per series, counters exist at zero from the start.
+        """
+        return [{"name": sample, "type": kind, "labels": dict(key), "value": _json_number(value)}
+                for _, kind, sample, key, value in self.samples()]
 
     def prometheus_text(self) -> str:
         """The metrics in the Prometheus text exposition format (version 0.0.4)."""
-        kinds, counters, gauges, hists = self._read()
         lines: list[str] = []
-        for name in sorted(kinds):
-            kind = kinds[name]
-            full = self.full_name(name)
-            lines.append(f"# HELP {full} {escape_help(self.help_text(name))}")
-            lines.append(f"# TYPE {full} {kind}")
-            if kind == "counter":
-                for key, value in sorted(counters.get(name, {}).items()):
-                    lines.append(f"{full}{_labels_text(key)} {format_value(value)}")
-            elif kind == "gauge":
-                for key, value in sorted(gauges.get(name, {}).items()):
-                    lines.append(f"{full}{_labels_text(key)} {format_value(value)}")
-            else:
-                for key, (counts, total, count, _, _) in sorted(hists.get(name, {}).items()):
-                    lines.extend(self._hist_lines(full, key, counts, total, count))
+        current = None
+        for name, kind, sample, key, value in self.samples():
+            if name != current:
+                current = name
+                full = self.full_name(name)
+                lines.append(f"# HELP {full} {escape_help(self.help_text(name))}")
+                lines.append(f"# TYPE {full} {kind}")
+            lines.append(f"{sample}{_labels_text(key)} {format_value(value)}")
         return "\n".join(lines) + "\n" if lines else ""
-
-    def _hist_lines(self, full: str, key: LabelKey, counts: list[int],
-                    total: float, count: int) -> list[str]:
-        """_bucket lines (cumulative, ending at +Inf), then _sum and _count, for one label set."""
-        lines = []
-        cumulative = 0
-        for bound, n in zip(self.buckets + (math.inf,), counts):
-            cumulative += n
-            le = format_value(float(bound))
-            lines.append(f"{full}_bucket{_labels_text(key, [('le', le)])} {cumulative}")
-        lines.append(f"{full}_sum{_labels_text(key)} {format_value(float(total))}")
-        lines.append(f"{full}_count{_labels_text(key)} {count}")
-        return lines
 
     # ---- exposing --------------------------------------------------------
 
@@ -368,43 +454,21 @@ class _PrometheusCollector:
         return []
 
     def collect(self):
-        """Yield one metric family per series name."""
-        from prometheus_client.core import (
-            CounterMetricFamily,
-            GaugeMetricFamily,
-            HistogramMetricFamily,
-        )
+        """Yield one metric family per series name, from the same samples as the text format."""
+        from prometheus_client.core import Metric
+
         m = self.metrics
-        kinds, counters, gauges, hists = m._read()
-        for name in sorted(kinds):
-            kind, full, doc = kinds[name], m.full_name(name), m.help_text(name)
-            if kind == "counter":
-                series = counters.get(name, {})
-                family = CounterMetricFamily(full, doc, labels=_label_names(series))
-                for key, value in sorted(series.items()):
-                    family.add_metric([v for _, v in key], value)
-            elif kind == "gauge":
-                series = gauges.get(name, {})
-                family = GaugeMetricFamily(full, doc, labels=_label_names(series))
-                for key, value in sorted(series.items()):
-                    family.add_metric([v for _, v in key], value)
-            else:
-                series = hists.get(name, {})
-                family = HistogramMetricFamily(full, doc, labels=_label_names(series))
-                for key, (counts, total, _, _, _) in sorted(series.items()):
-                    buckets, cumulative = [], 0
-                    for bound, n in zip(m.buckets + (math.inf,), counts):
-                        cumulative += n
-                        buckets.append((format_value(float(bound)), cumulative))
-                    family.add_metric([v for _, v in key], buckets, total)
+        family, current = None, None
+        for name, kind, sample, key, value in m.samples():
+            if name != current:
+                if family is not None:
+                    yield family
+                current, full = name, m.full_name(name)
+                # prometheus_client names a counter family without its _total and adds it back.
+                family = Metric(full.removesuffix("_total") if kind == "counter" else full, m.help_text(name), kind)
+            family.add_sample(sample, dict(key), value)
+        if family is not None:
             yield family
-
-
-def _label_names(series: dict[LabelKey, object]) -> list[str]:
-    """The label names of a family (its first label set's; the library keeps them uniform)."""
-    for key in series:
-        return [k for k, _ in key]
-    return []
 
 
 class MetricsServer:
@@ -450,8 +514,8 @@ class MetricsServer:
         return "".join(s.prometheus_text() for s in self.sources)
 
     def render_json(self) -> str:
-        """All sources' snapshots as one JSON object keyed by namespace."""
-        return json.dumps({s.namespace: s.snapshot() for s in self.sources})
+        """All sources' snapshot rows as one JSON list (each row's name carries its namespace)."""
+        return json.dumps([row for s in self.sources for row in s.snapshot()])
 
     def close(self) -> None:
         """Stop serving and release the port."""

@@ -24,7 +24,7 @@ from transfer.core.prefill_breaker import UNREACHABLE_RETRY_S
 from transfer.drive.prefill import PrefillDriver, Room
 from transfer.errors import ConfigError
 from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype
-from transfer.metrics import Metrics, zero_room_counters
+from transfer.metrics import Metrics, declare_role
 
 __all__ = ["ENCODE_FAILED", "UNREACHABLE_RETRY_S", "ReceiveHandle", "RegionSet", "SessionManager"]
 
@@ -130,7 +130,7 @@ class SessionManager:
         if not self.host.isascii():
             raise ValueError(f"host {self.host!r} must be ASCII: it goes on the wire in every TransferInfo")
         self.metrics = metrics or Metrics("epd_prefill")
-        zero_room_counters(self.metrics)
+        declare_role(self.metrics, "prefill", engine_rank)
 
         if (buffer is None) == (pool is None):
             raise ValueError("give the session manager either a registered `buffer` or a `pool` of receive slots")
@@ -308,8 +308,8 @@ class SessionManager:
         """
         return self._driver.table.take_concluded()
 
-    def stats(self) -> dict:
-        """A plain snapshot of counters, histograms and gauges."""
+    def stats(self) -> list[dict]:
+        """Every metric sample as a flat row {name, type, labels, value} (see transfer.metrics.Metrics.snapshot)."""
         return self.metrics.snapshot()
 
     def close(self) -> None:

@@ -28,7 +28,7 @@ from transfer.frames import (
     check_room,
     dtype_size,
 )
-from transfer.metrics import Metrics, zero_room_counters
+from transfer.metrics import Metrics, declare_role
 from transfer.status import TransferPoll
 
 __all__ = ["DEAD_AFTER_S", "DEAD_SESSION_MAX_S", "DEAD_SESSION_S", "DEAD_STALL_FACTOR", "MAX_REGIONS_PER_SESSION",
@@ -108,7 +108,7 @@ class SenderPool:
         self.depth = depth
         self.max_parked_bytes = max_parked_bytes
         self.metrics = metrics or Metrics("epd_encode")
-        zero_room_counters(self.metrics)
+        declare_role(self.metrics, "encode", engine_rank)
 
         self._book = RoomBook(self.metrics)
         self._table = self._book.table
@@ -120,7 +120,7 @@ class SenderPool:
         self.port = self._driver.port
         self._thread = self._driver.thread
         self.metrics.gauge_fn("queue_depth", lambda: self._core.waiting)
-        self.metrics.gauge_fn("statuses_dropped", lambda: self._driver.statuses.dropped)
+        self.metrics.counter_fn("statuses_dropped_total", lambda: self._driver.statuses.dropped)
         self.metrics.gauge_fn("parked_rooms", self._book.parked)
         self._driver.start()
         try:
@@ -222,8 +222,8 @@ class SenderPool:
         """
         return self._table.take_concluded()
 
-    def stats(self) -> dict:
-        """A plain snapshot of counters, histograms and gauges."""
+    def stats(self) -> list[dict]:
+        """Every metric sample as a flat row {name, type, labels, value} (see transfer.metrics.Metrics.snapshot)."""
         return self.metrics.snapshot()
 
     def close(self) -> None:

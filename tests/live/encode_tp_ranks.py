@@ -17,6 +17,7 @@ def encode_process(rank, encode_tp, bootstrap_addr, rooms, spans, results, stop)
 
         from transfer.engine import Engine
         from transfer.harness import ItemSource
+        from transfer.metrics import total
         from transfer.sender import SenderPool
         from transfer.status import TransferPoll
 
@@ -28,7 +29,7 @@ def encode_process(rank, encode_tp, bootstrap_addr, rooms, spans, results, stop)
                 results.put((f"encode{rank}", "ready"))
                 handles = [pool.send(room, source.item(room, spans[room])) for room in rooms]
                 statuses = [handle.wait(60) for handle in handles]
-                written = sum(pool.stats()["counters"].get("bytes_written_total", {}).values())
+                written = total(pool.stats(), "epd_encode_bytes_written_total")
                 failures = [h.failure for h, s in zip(handles, statuses) if s != TransferPoll.Success]
                 results.put((f"encode{rank}", {"written": int(written), "failures": failures}))
                 stop.wait(60)

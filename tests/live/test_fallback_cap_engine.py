@@ -13,6 +13,7 @@ from fakes import FakeClock, RecordingEngine
 from live_helpers import wait_until
 
 from transfer.buffers import FallbackLimitError, ReceivePool
+from transfer.metrics import total
 
 
 HOST = "127.0.0.1"
@@ -125,13 +126,13 @@ def test_receive_past_the_cap_raises_to_its_caller_and_starts_no_room(engines):
             assert first.wait(5) == TransferPoll.Success, first.failure
             assert torch.equal(first.rows.view(torch.uint8), first_item.view(torch.uint8))
             held = set(prefill_engine.registered())
-            started = manager.stats()["counters"]["rooms_started_total"]
+            started = total(manager.stats(), "epd_prefill_rooms_started_total")
             with pytest.raises(FallbackLimitError, match=f"a fallback buffer of {item_nbytes} bytes would take "
                                                          f"fallbacks past max_fallback_bytes={item_nbytes}: they "
                                                          f"hold {item_nbytes} bytes in 1 buffers \\(1 live"):
                 manager.receive(2, server.address, rows=rows, hidden=hidden, dtype=BF16)
             assert set(prefill_engine.registered()) == held
-            assert manager.stats()["counters"]["rooms_started_total"] == started
+            assert total(manager.stats(), "epd_prefill_rooms_started_total") == started
             first.clear()  # its fallback starts its grace
             assert wait_until(lambda: slots.stats()["fallback_bytes"] == 0, 3.0)
             sender.send(2, second_item)

@@ -15,6 +15,7 @@ from live_helpers import LIVE
 from transfer.bootstrap import BootstrapServer
 from transfer.engine import Engine
 from transfer.harness import ItemSource
+from transfer.metrics import total
 from transfer.receiver import SessionManager
 from transfer.status import TransferPoll
 
@@ -90,9 +91,10 @@ def test_corrupted_landed_byte_concludes_failed_with_checksum_reason(engine):
                 assert _same(buf[room], source.item(room, SPAN))
             # The encode side did its part for every room: the write and the status went out.
             assert encode[room][0] == "Success"
-        failed = manager.stats()["counters"]["rooms_failed_total"]
-        assert {reason: n for reason, n in failed.items() if n} == {"reason=checksum": 2}
-        assert failed["reason=deadline"] == 0  # every kind's series exists from the start
+        failed = {row["labels"]["reason"]: row["value"] for row in manager.stats()
+                  if row["name"] == "epd_prefill_rooms_failed_total"}
+        assert {reason: n for reason, n in failed.items() if n} == {"checksum": 2}
+        assert failed["deadline"] == 0  # every kind's series exists from the start
         for handle in handles:
             handle.clear()
         assert not manager._driver.rooms and len(manager._driver.table) == 0
@@ -197,8 +199,8 @@ def test_pooled_receives_lease_slots_fall_back_and_quarantine_failures(engine):
         assert lost.wait(5) == TransferPoll.Failed and "within 1.5s" in lost.failure
         lost.clear()
         assert slots.stats()["quarantined"] == 1
-        assert manager.stats()["gauges"]["quarantined_slots"] == {"": 1}
-        assert manager.stats()["gauges"]["fallback_bytes"] == {"": 0}
+        assert total(manager.stats(), "epd_prefill_quarantined_slots") == 1
+        assert total(manager.stats(), "epd_prefill_fallback_bytes") == 0
         time.sleep(0.6)
         slots.poll()
         assert slots.stats()["quarantined"] == 0 and slots.stats()["free"] == 2

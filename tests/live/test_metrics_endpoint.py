@@ -8,9 +8,9 @@ import urllib.error
 import urllib.request
 
 import pytest
-from metrics_golden import GOLDEN, small_example
+from metrics_golden import GOLDEN, GOLDEN_SNAPSHOT, small_example
 
-from transfer.metrics import Metrics, serve
+from transfer.metrics import Metrics, serve, total
 
 
 def get(url: str) -> tuple[int, str, str]:
@@ -29,10 +29,14 @@ def test_http_endpoint_serves_metrics():
         assert body == GOLDEN
         m.inc("rooms_started_total")
         _, _, body = get(server.url)
-        assert "epd_rooms_started_total 3\n" in body
+        assert 'epd_rooms_started_total{rank="0",role="prefill"} 3\n' in body
         status, ctype, body = get(f"http://127.0.0.1:{server.port}/stats")
         assert ctype == "application/json"
-        assert json.loads(body)["epd"]["counters"]["rooms_started_total"] == {"": 3}
+        rows = json.loads(body)
+        assert [row for row in rows if row["name"] == "epd_rooms_started_total"] == [
+            {"name": "epd_rooms_started_total", "type": "counter", "labels": {"rank": "0", "role": "prefill"},
+             "value": 3}]
+        assert len(rows) == len(GOLDEN_SNAPSHOT)
         with pytest.raises(urllib.error.HTTPError) as err:
             get(f"http://127.0.0.1:{server.port}/nope")
         assert err.value.code == 404
@@ -70,6 +74,6 @@ def test_thread_safety_smoke():
         t.join(timeout=60)
         assert not t.is_alive()
     snap = m.snapshot()
-    assert snap["counters"]["rooms_started_total"] == {"": threads * per_thread}
-    assert sum(snap["counters"]["bytes_written_total"].values()) == 3 * threads * per_thread
-    assert snap["histograms"]["room_latency_seconds"][""]["count"] == threads * per_thread
+    assert total(snap, "epd_rooms_started_total") == threads * per_thread
+    assert total(snap, "epd_bytes_written_total") == 3 * threads * per_thread
+    assert total(snap, "epd_room_latency_seconds_count") == threads * per_thread

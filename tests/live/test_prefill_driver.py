@@ -53,7 +53,9 @@ def test_a_stalled_bootstrap_server_does_not_delay_another_rooms_success(engines
             assert waiting.wait(2 * STALL_S) == TransferPoll.Failed
             assert waiting.failure_kind is FailureKind.BOOTSTRAP
             assert waiting.failure.startswith(f"bootstrap {stalled}: "), waiting.failure
-            assert {k: n for k, n in manager.stats()["counters"]["rooms_failed_total"].items() if n} == {"reason=bootstrap": 1}
+            failed = {row["labels"]["reason"]: row["value"] for row in manager.stats()
+                      if row["name"] == "epd_prefill_rooms_failed_total" and row["value"]}
+            assert failed == {"bootstrap": 1}
 
 
 def test_a_session_manager_whose_descriptors_are_past_1024_still_concludes_rooms(engines, server):

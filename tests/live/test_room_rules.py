@@ -9,6 +9,7 @@ from transfer.bootstrap import BootstrapServer
 from transfer.core.failure import FailureKind
 from transfer.engine import Engine
 from transfer.frames import TransferInfo
+from transfer.metrics import total
 from transfer.sender import DEAD_AFTER_S, SenderPool
 
 pytestmark = LIVE
@@ -33,13 +34,13 @@ def test_pool_gauges_count_parked_rooms_while_items_change_under_them(pool):
     pool.engine.register(rows)
     try:
         handles = [pool.send(room, rows) for room in (101, 102)]
-        assert pool.stats()["gauges"]["parked_rooms"] == {"": 2}
+        assert total(pool.stats(), "epd_encode_parked_rooms") == 2
         stop = threading.Event()
         readings: list[float] = []
 
         def scrape() -> None:
             while not stop.is_set():
-                readings.append(pool.stats()["gauges"]["parked_rooms"][""])
+                readings.append(total(pool.stats(), "epd_encode_parked_rooms"))
 
         import sys
 
@@ -57,7 +58,7 @@ def test_pool_gauges_count_parked_rooms_while_items_change_under_them(pool):
         assert readings and all(2 <= value <= 3 for value in readings)  # never NaN from a racing read
         for handle in handles:
             handle.clear()
-        assert pool.stats()["gauges"]["parked_rooms"] == {"": 0}
+        assert total(pool.stats(), "epd_encode_parked_rooms") == 0
     finally:
         pool.engine.unregister(rows.data_ptr())
 
@@ -443,7 +444,8 @@ def test_a_receiver_endpoint_that_cannot_be_connected_loses_its_status_only():
             assert parse_status(statuses.recv_multipart())[:2] == (2, TransferPoll.Success)
             assert not statuses.poll(200), "a status reached a receiver it should not have"
             assert sender._thread.is_alive()
-            assert sender.stats()["gauges"]["statuses_dropped"] == {"": 1}
+            dropped = [row for row in sender.stats() if row["name"] == "epd_encode_statuses_dropped_total"]
+            assert [(row["type"], row["value"]) for row in dropped] == [("counter", 1)]
             for slot in (0, 1):
                 assert torch.equal(landing[slot].view(torch.uint8), item.view(torch.uint8))
         finally:

@@ -1,4 +1,4 @@
-"""Metrics: snapshot values, quantile estimates, the text format, the collector."""
+"""Metrics: the flat snapshot, role labels and zeroed series, quantile estimates, the text format, the collector."""
 
 from __future__ import annotations
 
@@ -7,10 +7,21 @@ import math
 
 import pytest
 
-from metrics_golden import GOLDEN, small_example
+from metrics_golden import GOLDEN, GOLDEN_SNAPSHOT, small_example
 
 from transfer.core.failure import FailureKind
-from transfer.metrics import REASON_CATEGORIES, Metrics, escape_label_value, estimate_quantile, zero_room_counters
+from transfer.errors import ConfigError
+from transfer.metrics import (
+    REASON_CATEGORIES,
+    ROLE_COUNTERS,
+    ROLES,
+    Metrics,
+    declare_role,
+    escape_label_value,
+    estimate_quantile,
+    total,
+    zero_room_counters,
+)
 
 
 def test_text_format_golden():
@@ -20,7 +31,16 @@ def test_text_format_golden():
 def test_empty_metrics_render_nothing():
     m = Metrics("epd")
     assert m.prometheus_text() == ""
-    assert m.snapshot() == {"namespace": "epd", "counters": {}, "gauges": {}, "histograms": {}}
+    assert m.snapshot() == []
+
+
+def test_snapshot_golden_has_the_texts_samples_one_row_each():
+    m = small_example()
+    assert m.snapshot() == GOLDEN_SNAPSHOT
+    # The text format and the snapshot name and label every sample alike.
+    lines = [line for line in m.prometheus_text().splitlines() if not line.startswith("#")]
+    assert len(lines) == len(GOLDEN_SNAPSHOT)
+    assert [line.partition("{")[0] for line in lines] == [row["name"] for row in GOLDEN_SNAPSHOT]
 
 
 def test_label_escaping():
@@ -45,45 +65,68 @@ def test_snapshot_values():
     m.gauge_fn("queue_depth", lambda: depth[0])
     m.observe("room_latency_seconds", 0.2)
     snap = m.snapshot()
-    assert snap["counters"]["rooms_started_total"] == {"": 2}
-    assert snap["counters"]["bytes_written_total"] == {"": 4096}
-    assert snap["counters"]["rooms_failed_total"] == {"reason=timeout": 2, "peer=3,reason=write": 1}
-    assert snap["gauges"]["parked_rooms"] == {"": 5}
-    assert snap["gauges"]["queue_depth"] == {"": 7.0}
+    assert total(snap, "epd_rooms_started_total") == 2
+    assert total(snap, "epd_bytes_written_total") == 4096
+    assert [(row["labels"], row["value"]) for row in snap if row["name"] == "epd_rooms_failed_total"] == [
+        ({"peer": "3", "reason": "write"}, 1), ({"reason": "timeout"}, 2)]
+    assert total(snap, "epd_rooms_failed_total", reason="timeout") == 2
+    assert total(snap, "epd_parked_rooms") == 5
+    assert [row for row in snap if row["name"] == "epd_queue_depth"] == [
+        {"name": "epd_queue_depth", "type": "gauge", "labels": {}, "value": 7}]
     depth[0] = 9  # evaluated at read time, not at registration
-    assert m.snapshot()["gauges"]["queue_depth"] == {"": 9.0}
-    h = snap["histograms"]["room_latency_seconds"][""]
-    assert h["count"] == 1 and h["sum"] == pytest.approx(0.2)
+    assert total(m.snapshot(), "epd_queue_depth") == 9
+    assert total(snap, "epd_room_latency_seconds_count") == 1
+    assert total(snap, "epd_room_latency_seconds_sum") == pytest.approx(0.2)
+    assert total(snap, "epd_room_latency_seconds_bucket", le="0.25") == 1
+    assert total(snap, "epd_room_latency_seconds_bucket", le="0.1") == 0
     json.dumps(snap, allow_nan=False)  # plain and strict-JSON serializable
 
 
 def test_broken_gauge_fn_does_not_break_reads():
     m = Metrics("epd")
     m.gauge_fn("queue_depth", lambda: 1 / 0)
-    assert m.snapshot()["gauges"]["queue_depth"] == {"": None}
+    assert m.snapshot() == [{"name": "epd_queue_depth", "type": "gauge", "labels": {}, "value": None}]
     assert "epd_queue_depth NaN" in m.prometheus_text()
 
 
-def test_histogram_percentiles():
+def test_a_counter_read_from_a_callable_is_a_counter():
+    m = Metrics("epd", labels={"rank": 1, "role": "encode"})
+    dropped = [0]
+    m.counter_fn("statuses_dropped_total", lambda: dropped[0])
+    dropped[0] = 3
+    assert m.snapshot() == [{"name": "epd_statuses_dropped_total", "type": "counter",
+                             "labels": {"rank": "1", "role": "encode"}, "value": 3}]
+    text = m.prometheus_text()
+    assert "# TYPE epd_statuses_dropped_total counter" in text
+    assert 'epd_statuses_dropped_total{rank="1",role="encode"} 3\n' in text
+    with pytest.raises(ValueError, match="is a counter, not a gauge"):
+        m.gauge_fn("statuses_dropped_total", lambda: 0)
+
+
+def test_every_series_carries_the_sets_labels_and_a_series_may_not_override_them():
     m = Metrics("epd")
-    # 100 observations: 1 ms .. 100 ms, uniform.
-    for i in range(1, 101):
-        m.observe("room_latency_seconds", i / 1000)
-    h = m.snapshot()["histograms"]["room_latency_seconds"][""]
-    assert h["count"] == 100
-    assert h["sum"] == pytest.approx(5.05)
-    assert h["p50"] == pytest.approx(0.05, abs=0.005)  # the 0.025..0.05 bucket ends exactly at 50
-    assert 0.09 <= h["p99"] <= 0.1  # clamped to the largest value seen, 0.1
-    assert h["max"] == pytest.approx(0.1)
+    m.inc("rooms_started_total")
+    m.label(role="prefill", rank=2)
+    m.observe("room_latency_seconds", 0.5)
+    assert {tuple(sorted(row["labels"].items())) for row in m.snapshot() if "le" not in row["labels"]} == {
+        (("rank", "2"), ("role", "prefill"))}
+    m.label(role="prefill")  # the same value again is fine
+    with pytest.raises(ConfigError, match=r"already labelled role='prefill' \(not 'encode'\).*a Metrics of its own"):
+        m.label(role="encode")
+    with pytest.raises(ValueError, match="label name 'rank'"):
+        m.inc("rooms_started_total", rank=3)
+    m.inc("rooms_failed_total", reason="deadline")
+    with pytest.raises(ValueError, match="label 'reason' is already a series label"):
+        m.label(reason="x")
 
 
-def test_percentile_in_overflow_bucket_is_the_max_seen():
+def test_an_empty_histogram_is_exposed_at_zero():
     m = Metrics("epd", buckets=(1.0,))
-    m.observe("lat", 50.0)
-    m.observe("lat", 90.0)
-    h = m.snapshot()["histograms"]["lat"][""]
-    assert 50.0 <= h["p50"] <= 90.0
-    assert h["p99"] <= 90.0
+    m.histogram("room_latency_seconds")
+    assert [(row["name"], row["value"]) for row in m.snapshot()] == [
+        ("epd_room_latency_seconds_bucket", 0), ("epd_room_latency_seconds_bucket", 0),
+        ("epd_room_latency_seconds_sum", 0.0), ("epd_room_latency_seconds_count", 0)]
+    assert "epd_room_latency_seconds_count 0\n" in m.prometheus_text()
 
 
 def test_estimate_quantile_edges():
@@ -110,11 +153,36 @@ def test_kind_conflicts_and_bad_names():
 def test_room_counters_exist_at_zero_with_one_failure_series_per_kind():
     m = Metrics("epd")
     zero_room_counters(m)
-    counters = m.snapshot()["counters"]
-    assert counters["rooms_started_total"] == {"": 0} and counters["rooms_succeeded_total"] == {"": 0}
-    assert counters["rooms_failed_total"] == {f"reason={kind.value}": 0 for kind in FailureKind}
+    snap = m.snapshot()
+    assert total(snap, "epd_rooms_started_total") == 0 and total(snap, "epd_rooms_succeeded_total") == 0
+    failed = {row["labels"]["reason"]: row["value"] for row in snap if row["name"] == "epd_rooms_failed_total"}
+    assert failed == {kind.value: 0 for kind in FailureKind}
     assert 'epd_rooms_failed_total{reason="deadline"} 0' in m.prometheus_text()
     assert set(REASON_CATEGORIES) == {kind.value for kind in FailureKind}
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_a_roles_counters_exist_at_zero_labelled_with_rank_and_role(role):
+    m = Metrics(f"epd_{role}")
+    declare_role(m, role, 3)
+    snap = m.snapshot()
+    assert snap and all(row["labels"]["rank"] == "3" and row["labels"]["role"] == role for row in snap)
+    assert all(row["value"] == 0 for row in snap)
+    counters = {row["name"] for row in snap if row["type"] == "counter"}
+    assert counters == {f"epd_{role}_{name}" for name in ROLE_COUNTERS[role]}
+    assert all(name.endswith("_total") for name in counters)
+    assert f"epd_{role}_room_latency_seconds_count" in {row["name"] for row in snap}
+    failed = {row["labels"]["reason"] for row in snap if row["name"] == f"epd_{role}_rooms_failed_total"}
+    assert failed == set(REASON_CATEGORIES)
+    text = m.prometheus_text()
+    assert f'epd_{role}_rooms_failed_total{{rank="3",reason="deadline",role="{role}"}} 0\n' in text
+    with pytest.raises(ConfigError, match="a Metrics of its own"):
+        declare_role(m, role, 4)  # a second component on the same Metrics
+
+
+def test_unverified_successes_are_counted_on_the_prefill_side_only():
+    assert "rooms_unverified_total" in ROLE_COUNTERS["prefill"]
+    assert "rooms_unverified_total" not in ROLE_COUNTERS["encode"]
 
 
 def test_prometheus_client_collector():
@@ -124,14 +192,16 @@ def test_prometheus_client_collector():
     m.gauge_fn("parked_rooms", lambda: 4)
     collector = m.register_with_prometheus_client(registry)
     text = prometheus_client.generate_latest(registry).decode()
-    assert "epd_rooms_started_total 2.0" in text
-    assert 'epd_rooms_failed_total{reason="checksum"} 1.0' in text
-    assert 'epd_room_latency_seconds_bucket{le="0.1"} 2.0' in text
-    assert 'epd_room_latency_seconds_bucket{le="+Inf"} 3.0' in text
-    assert "epd_room_latency_seconds_count 3.0" in text
-    assert "epd_queue_depth 3.0" in text
-    assert "epd_parked_rooms 4.0" in text
+    labels = 'rank="0",role="prefill"'
+    assert f"epd_rooms_started_total{{{labels}}} 2.0" in text
+    assert f'epd_rooms_failed_total{{rank="0",reason="checksum",role="prefill"}} 1.0' in text
+    assert f'epd_room_latency_seconds_bucket{{le="0.1",{labels}}} 2.0' in text  # prometheus_client sorts labels
+    assert f'epd_room_latency_seconds_bucket{{le="+Inf",{labels}}} 3.0' in text
+    assert f"epd_room_latency_seconds_count{{{labels}}} 3.0" in text
+    assert f"epd_queue_depth{{{labels}}} 3.0" in text
+    assert f"epd_parked_rooms{{{labels}}} 4.0" in text
+    assert "# TYPE epd_rooms_started_total counter" in text
     m.inc("rooms_started_total")  # read at scrape time
-    assert "epd_rooms_started_total 3.0" in prometheus_client.generate_latest(registry).decode()
+    assert f"epd_rooms_started_total{{{labels}}} 3.0" in prometheus_client.generate_latest(registry).decode()
     registry.unregister(collector)
     assert "epd_" not in prometheus_client.generate_latest(registry).decode()

@@ -147,11 +147,12 @@ class Advance:
 
 @dataclass(slots=True)
 class Conclude:
-    """The room is over: Success when `failure` is None."""
+    """The room is over: Success when `failure` is None (`unverified`: the encode rank sent no checksum)."""
 
     room: int
     token: int
     failure: Failure | None = None
+    unverified: bool = False
 
 
 @dataclass(frozen=True)
@@ -478,8 +479,8 @@ class PrefillCore:
         if spec.deepstack_ptr and regions.deepstack is not None:
             wanted.append(("deepstack", regions.deepstack, spec.deepstack_ptr, spec.deepstack_nbytes))
         checks = tuple((*check, expected) for check, expected in zip(wanted, sums))
-        if not checks:  # the encode rank sent none: taken unverified
-            return self._conclude(state, None)
+        if not checks:  # the encode rank sent none: taken unverified, and counted so
+            return self._conclude(state, None, unverified=True)
         state.stage = VERIFYING
         return [Verify(room, state.token, checks)]
 
@@ -545,13 +546,13 @@ class PrefillCore:
     def _push_deadline(self, state: _Room) -> None:
         heapq.heappush(self._deadlines, (state.deadline, state.token, state))
 
-    def _conclude(self, state: _Room, failure: Failure | None) -> list:
+    def _conclude(self, state: _Room, failure: Failure | None, unverified: bool = False) -> list:
         if not state.asked or state.stage == VERIFYING:
             # Never asked, or its Success came (the write is over): nothing will write there.
             state.cancelled = state.safe = True
         state.stage = CONCLUDED
         state.outcome = failure
-        return [Conclude(state.room, state.token, failure)]
+        return [Conclude(state.room, state.token, failure, unverified)]
 
     def _give_up(self, state: _Room) -> list:
         """Tells the encode rank the room is given up, on the connection it was asked on.

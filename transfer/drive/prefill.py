@@ -534,6 +534,8 @@ class PrefillDriver:
             return
         if failure is None:
             self.metrics.inc("rooms_succeeded_total")
+            if action.unverified:
+                self.metrics.inc("rooms_unverified_total")
             self.metrics.inc("bytes_received_total", record.nbytes)
             self.metrics.observe("room_latency_seconds", now - record.started_at)
         else:
