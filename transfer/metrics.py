@@ -248,8 +248,9 @@ class Metrics:
                 raise ConfigError(f"metrics {self.namespace!r} already labelled "
                                   + ", ".join(f"{k}={old!r} (not {new!r})" for k, (old, new) in sorted(clash.items()))
                                   + ": give each component a Metrics of its own")
-            used = {k for series in (*self._counters.values(), *self._gauges.values(), *self._histograms.values())
-                    for labelled in series for k, _ in labelled}
+            keys: list[LabelKey] = [k for table in (self._counters, self._gauges) for s in table.values() for k in s]
+            keys += [k for s in self._histograms.values() for k in s]
+            used = {name for labelled in keys for name, _ in labelled}
             taken = used & {k for k, _ in key}
             if taken:
                 raise ValueError(f"label {sorted(taken)[0]!r} is already a series label of {self.namespace!r}")
@@ -357,9 +358,12 @@ class Metrics:
             except Exception:  # a broken callable must not break a scrape
                 into.setdefault(name, {})[()] = math.nan
         if const:
-            counters, gauges, hists = (
-                {n: {tuple(sorted(const + k)): v for k, v in s.items()} for n, s in table.items()}
-                for table in (counters, gauges, hists))
+            def labelled(k: LabelKey) -> LabelKey:
+                return tuple(sorted(const + k))
+
+            counters = {n: {labelled(k): v for k, v in s.items()} for n, s in counters.items()}
+            gauges = {n: {labelled(k): v for k, v in s.items()} for n, s in gauges.items()}
+            hists = {n: {labelled(k): v for k, v in s.items()} for n, s in hists.items()}
         return kinds, counters, gauges, hists
 
     def samples(self) -> list[tuple[str, str, str, LabelKey, float]]:
