@@ -46,7 +46,7 @@ class Scenario:
     host: str = "127.0.0.1"
     integrity: bool = True
     deadline_s: float = 60.0
-    fanout_timeout_s: float = 60.0  # the sender pools'; also how long a prefill rank waits for its encode rank
+    fanout_timeout_s: float = 60.0  # the sender pools' (SenderPool fanout_timeout_s)
     first_room: int = 0
     spans: list[int] | None = None  # per-item spans (mixed sizes); default: `span` for all
     token: str | None = None
