@@ -9,6 +9,7 @@ component that reads it is constructed. An empty value counts as unset.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -117,13 +118,12 @@ class Setting:
             return value
         parser, what = _KINDS[self.kind]
         integral = self.kind in ("count", "bytes")
-        if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral if integral else numbers.Real):
             raise ConfigError(f"{self.argument}={value!r} is not {what}")
         try:
-            parser(str(value))
+            return parser(str(int(value) if integral else float(value)))
         except ValueError:
             raise ConfigError(f"{self.argument}={value!r} is not {what}") from None
-        return value
 
 
 #: Every variable the library and its command line read, in the README's order.

@@ -69,6 +69,15 @@ def test_a_bad_value_is_refused_naming_the_variable_the_value_and_what_it_sets(e
     assert entry.component in message and entry.argument in message
 
 
+def test_an_argument_of_any_number_type_is_taken_as_a_plain_number():
+    import numpy as np
+
+    assert resolve("EPD_SEND_DEPTH", np.int64(4)) == 4 and type(resolve("EPD_SEND_DEPTH", np.int64(4))) is int
+    assert resolve("EPD_DEADLINE_S", 5) == 5.0 and type(resolve("EPD_DEADLINE_S", 5)) is float
+    with pytest.raises(ConfigError, match=r"^deadline_s=-1 is not a positive number of seconds"):
+        resolve("EPD_DEADLINE_S", -1)
+
+
 def test_zero_is_a_valid_quarantine_and_grace():
     assert resolve("EPD_QUARANTINE_S", environ={"EPD_QUARANTINE_S": "0"}) == 0.0
     assert resolve("EPD_FALLBACK_GRACE_S", 0) == 0
