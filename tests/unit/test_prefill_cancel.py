@@ -129,6 +129,16 @@ def test_a_room_that_succeeded_sends_no_cancel():
     assert c.abandon(1.0, 5, token) == []
 
 
+def test_a_success_whose_bytes_do_not_verify_is_cancelled_when_cleared():
+    """It may be an earlier ask's Success under the same room number: this ask's write can still come."""
+    c = core()
+    token = asked(c, 7)
+    (verify,) = c.status(1.0, 7, TransferPoll.Success, 0, (11,))
+    failure = of(Conclude, c.checksum_mismatched(1.1, 7, token, "embedding", 11, 0))[0].failure
+    assert failure.kind is FailureKind.CHECKSUM and not c.safe(7, token)
+    assert [type(a) for a in c.abandon(1.2, 7, token)] == [SendCancel]
+
+
 def test_a_room_failed_by_its_encode_rank_is_cancelled_when_cleared():
     """A Failed from the encode rank may come while its write is still in flight."""
     c = core()
