@@ -22,6 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from fakes import Region, Regions
+
 from transfer.core import encode as enc
 from transfer.core import prefill as pre
 from transfer.frames import (
@@ -76,18 +78,6 @@ def status_message(push: enc.PushStatus, rank: int) -> list[bytes]:
         return cancel_reply_frames(push.room, rank, push.cancel)
     extras = {name: getattr(push, name) for name in _STATUS_EXTRAS if hasattr(push, name)}
     return status_frames(push.room, push.status, rank, push.checksums, **extras)
-
-
-@dataclass(frozen=True)
-class Region:
-    addr: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Regions:
-    embedding: Region
-    deepstack: Region | None = None
 
 
 @dataclass(eq=False)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from prefill_rooms import BOOT, ENCODE, KEY0, spec
+from prefill_rooms import core as prefill_core
 
 from transfer.core.failure import FailureKind
 from transfer.core.prefill import (
@@ -12,40 +13,15 @@ from transfer.core.prefill import (
     LookUpRoute,
     MemorySafe,
     PrefillCore,
-    RoomSpec,
     SendAsk,
     SendCancel,
 )
 from transfer.frames import Cancel, parse_cancel
 from transfer.status import TransferPoll
 
-BOOT = "10.0.0.1:8998"
-ENCODE = ("10.0.0.2", 7000)
-KEY0 = (BOOT, 0, 0)
-
-
-@dataclass(frozen=True)
-class Region:
-    addr: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Regions:
-    embedding: Region
-    deepstack: Region | None = None
-
-
-MAIN = Regions(Region(0x10000, 1 << 20))
-
-
-def spec(room: int, slot: int = 0) -> RoomSpec:
-    return RoomSpec(room, BOOT, MAIN.embedding.addr + slot * 64, rows=4, hidden=8, dtype="torch.float16",
-                    row_bytes=16, row_start=0, span=4, regions=MAIN)
-
 
 def core() -> PrefillCore:
-    return PrefillCore(0, 1, 1, host="10.0.0.3", status_port=5555, session_id="10.0.0.3:1234", deadline_s=10.0)
+    return prefill_core(deadline_s=10.0)
 
 
 def asked(c: PrefillCore, room: int, now: float = 0.0) -> int:
