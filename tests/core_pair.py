@@ -9,7 +9,7 @@ until the test says which pending step happens next (`moves()`, `do()`), so a te
 picks the interleaving: which message is delivered, which write lands or completes,
 which look-up answers, when the caller offers, receives or clears, how far the fake
 clock moves, and faults (a connection that loses what it queued, a message delivered
-twice, a failed write or look-up, a rank that dies).
+twice, a failed write or look-up, a rank that dies or restarts as a new session).
 
 Each step is checked as it happens (`Violation` says which rule broke) and logged;
 `trace()` tells the whole run, one line a step, for a failing example.
@@ -85,6 +85,7 @@ class Receive:
     """One receive() of a room on one prefill rank: where its rows land and how it ended."""
 
     rank: int
+    session: str
     room: int
     token: int
     ptr: int
@@ -111,7 +112,6 @@ class Send:
 
     rank: int
     room: int
-    token: object
     concluded: list = field(default_factory=list)  # (status, failure, step)
     cleared: bool = False
 
@@ -128,12 +128,15 @@ class Flight:
 
 @dataclass(eq=False)
 class PrefillRank:
+    """A prefill rank: its core, the memory of its announced region, and what its driver holds."""
+
     rank: int
     core: pre.PrefillCore
     memory: bytearray
     base: int
     endpoint: tuple[str, int]
     alive: bool = True
+    generation: int = 0  # restarts so far: each process has a session of its own
     next_slot: int = 0
     lookups: deque = field(default_factory=deque)
     verifies: deque = field(default_factory=deque)
@@ -147,6 +150,8 @@ class PrefillRank:
 
 @dataclass(eq=False)
 class EncodeRank:
+    """An encode rank: its core, the rooms its caller sent, and what it has seen and started."""
+
     rank: int
     core: enc.EncodeCore
     addr: tuple[str, int]
@@ -205,7 +210,7 @@ class Pair:
         """Encode rank `e`'s caller sends `room`'s item."""
         rank = self.encodes[e]
         span = span_of(room)
-        send = Send(e, room, object())
+        send = Send(e, room)
         rank.sends[room] = send
         self.all_sends.append(send)
         self.note(f"encode {e}: offer room {room} ({span} rows)")
@@ -232,7 +237,7 @@ class Pair:
         spec = pre.RoomSpec(room, BOOT, ptr, rows=rows, hidden=HIDDEN, dtype=DTYPE, row_bytes=ROW,
                             row_start=row_start, span=span, regions=self.regions[p])
         token, actions = rank.core.receive(self.now, spec)
-        rec = rank.receives[room] = Receive(p, room, token, ptr, row_start, rows)
+        rec = rank.receives[room] = Receive(p, rank.session, room, token, ptr, row_start, rows)
         self.all_receives.append(rec)
         self.note(f"prefill {p}: receive room {room} token {token} rows {row_start}+{rows} at {ptr:#x}")
         self.carry_prefill(rank, actions)
@@ -275,7 +280,8 @@ class Pair:
             elif kind is pre.Verify:
                 rank.verifies.append(action)
             elif kind is pre.MemorySafe:
-                rec = next((r for r in self.all_receives if r.rank == rank.rank and r.token == action.token), None)
+                rec = next((r for r in self.all_receives if r.session == rank.session and r.token == action.token),
+                           None)
                 if rec is not None:
                     self.memory_safe(rank, rec)
 
@@ -375,7 +381,7 @@ class Pair:
             self.expect(any(base <= dst and dst + length <= base + n for base, n in announced),
                         f"encode {rank.rank} wrote [{dst:#x}, +{length}) into {write.session_id} outside every "
                         f"region it announced ({[(hex(b), n) for b, n in announced]})")
-            owners = [r for r in self.all_receives if r.rank == target.rank and r.ptr <= dst < r.ptr + SLOT]
+            owners = [r for r in self.all_receives if r.session == target.session and r.ptr <= dst < r.ptr + SLOT]
             self.expect(len(owners) == 1 and dst + length <= owners[0].ptr + owners[0].nbytes
                         and dst == owners[0].ptr and owners[0].room == write.room,
                         f"encode {rank.rank} wrote room {write.room}'s [{dst:#x}, +{length}) outside that room's "
@@ -457,7 +463,7 @@ class Pair:
         except UnreadableChecksum as exc:
             room, status, sender, sums, unreadable = exc.room, exc.status, exc.rank, (), str(exc)
         self.note(f"encode {e} -> prefill {rank.rank}: room {room} {status.name}" + (" (again)" if duplicate else ""))
-        self.carry_prefill(rank, core.status(self.now, room, status, sender, sums, unreadable))
+        self.carry_prefill(rank, core.status(self.now, room, status, sender, sums, unreadable=unreadable))
 
     def lose_requests(self, key: tuple) -> None:
         """The connection drops what it queued; the prefill driver sees the drop and tells its core."""
@@ -534,6 +540,23 @@ class Pair:
         rank.lookups.clear()
         rank.verifies.clear()
         self.note(f"prefill {p}: dies")
+
+    def restart_prefill(self, p: int) -> None:
+        """Prefill rank `p` dies and a new process takes its place: a new session at the same status endpoint,
+        its memory at the same addresses, its rooms received afresh."""
+        self.kill_prefill(p)
+        old = self.prefills[p]
+        generation = old.generation + 1
+        core = pre.PrefillCore(p, self.prefill_tp, 1, host=old.core.host, status_port=old.core.status_port,
+                               session_id=f"{old.core.host}:{17000 + p + 100 * generation}",
+                               deadline_s=old.core.deadline_s, integrity=old.core.integrity)
+        self.prefills[p] = PrefillRank(p, core, bytearray(len(old.memory)), old.base, old.endpoint,
+                                       generation=generation)
+        self.note(f"prefill {p}: restarted as session {core.session_id}")
+
+    def live_session(self, session: str) -> bool:
+        """Whether a live prefill process holds `session`."""
+        return any(p.alive and p.session == session for p in self.prefills)
 
     def kill_encode(self, e: int) -> None:
         """Encode rank `e`'s process dies: writes it started may or may not have landed; nothing more comes."""
@@ -626,7 +649,7 @@ class Pair:
                 self.expect(len(send.concluded) == 1, f"encode {send.rank} room {send.room} concluded "
                                                       f"{len(send.concluded)} times")
         for rec in self.all_receives:
-            if self.prefills[rec.rank].alive and not (rec.cleared and not rec.concluded):
+            if self.live_session(rec.session) and not (rec.cleared and not rec.concluded):
                 self.expect(len(rec.concluded) == 1, f"prefill {rec.rank} room {rec.room} token {rec.token} "
                                                      f"concluded {len(rec.concluded)} times")
 

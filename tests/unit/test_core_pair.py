@@ -77,14 +77,16 @@ def run(pair: Pair, schedule, table, *, retries: bool = False, give_up_every: in
                                                                          "lookup", "verify")]
             if faults:
                 pair.do(faults[which % len(faults)])
-        elif kind == KILL and which % 4 == 0:  # one rank of each side at most
-            ranks = [("prefill", p.rank) for p in pair.prefills if all(q.alive for q in pair.prefills)] + \
-                    [("encode", e.rank) for e in pair.encodes if all(f.alive for f in pair.encodes)]
-            if not ranks:
-                continue
-            side, rank = ranks[(which // 4) % len(ranks)]
-            pair.do((side, (rank,), (lambda r=rank: pair.kill_prefill(r)) if side == "prefill"
-                     else (lambda r=rank: pair.kill_encode(r))))
+        elif kind == KILL and which % 4 == 0:  # a prefill rank restarts, or one rank of a side dies for good
+            options = [("restart", p.rank, pair.restart_prefill) for p in pair.prefills if p.alive]
+            if all(p.alive for p in pair.prefills):
+                options += [("die", p.rank, pair.kill_prefill) for p in pair.prefills]
+            if all(e.alive for e in pair.encodes):
+                options += [("die", e.rank, pair.kill_encode) for e in pair.encodes]
+            what, rank, act = options[(which // 4) % len(options)]
+            if act == pair.restart_prefill:
+                received -= {(rank, room) for room in ROOMS}  # the new process receives its rooms again
+            pair.do((what, (rank,), lambda act=act, rank=rank: act(rank)))
     pair.settle()
     pair.check_concluded()
 
@@ -200,6 +202,22 @@ def test_a_retry_under_the_same_room_number_is_not_served_by_the_given_up_send()
     pair.check_concluded()
     assert retry.landed == 0
     assert [send.concluded[0][0] for send in pair.all_sends] == [TransferPoll.Success, TransferPoll.Failed]
+
+
+def test_a_restarted_prefill_rank_retrying_its_room_is_served_and_its_predecessor_gets_nothing():
+    pair = Pair()
+    pair.receive(0, 1)
+    pair.drain("lookup", "request")  # the first process's ask is parked at the encode rank
+    pair.restart_prefill(0)
+    pair.receive(0, 1)
+    pair.drain("lookup", "request")  # its registration at the same status endpoint supersedes the first
+    pair.offer(0, 1)
+    pair.settle()
+    pair.check_concluded()
+    first, retry = pair.all_receives
+    assert retry.outcome() == "Success" and retry.landed == 1
+    assert first.outcome() == "open" and first.landed == 0
+    assert pair.all_sends[0].concluded[0][0] is TransferPoll.Success
 
 
 def test_an_ask_past_its_announced_region_fails_its_room_and_nothing_is_written():
