@@ -92,6 +92,7 @@ def run(pair: Pair, schedule, table, *, retries: bool = False, give_up_every: in
 
 
 def fanout(pair: Pair) -> int:
+    """Prefill ranks per encode rank."""
     return pair.prefill_tp // pair.encode_tp
 
 
