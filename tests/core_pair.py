@@ -4,7 +4,8 @@
 cancels) and what an encode core pushes (statuses, cancel answers) travels as the
 frames the wire would carry (`transfer.frames`' codecs, both ways), each on a FIFO
 channel of its own per connection, as ZMQ keeps them; a write copies the source rows
-into the prefill session's memory (bytearrays per registered region). Nothing moves
+into the prefill session's memory (bytearrays per registered region; odd rooms carry
+deepstack rows too, written to a region of their own). Nothing moves
 until the test says which pending step happens next (`moves()`, `do()`), so a test
 picks the interleaving: which message is delivered, which write lands or completes,
 which look-up answers, when the caller offers, receives or clears, how far the fake
@@ -48,9 +49,12 @@ HIDDEN = 4
 DTYPE = "torch.float16"
 ROW = HIDDEN * 2
 MAX_SPAN = 6
+DS_ROW = 2 * ROW  # a deepstack row: two layers of a row
 SLOT = MAX_SPAN * ROW  # one room's destination; every receive gets a fresh one, so no two rooms share bytes
+DS_SLOT = MAX_SPAN * DS_ROW
 SLOTS = 64
 SRC_BASE = 0x7000_0000
+DS_SRC_BASE = 0x7800_0000
 
 # status_frames' parameters beyond the SPEC's parts that a PushStatus also carries pass through by name,
 # so an extension of the status frame reaches the prefill side without this file changing.
@@ -65,6 +69,27 @@ class Violation(AssertionError):
 def item_bytes(room: int, span: int) -> bytes:
     """The rows every encode rank holds for `room` (the same on each: tp-replicated output)."""
     return bytes((room * 37 + i * 11 + 1) % 251 for i in range(span * ROW))
+
+
+def deepstack_bytes(room: int, span: int) -> bytes:
+    """The deepstack rows every encode rank holds for `room`, when it has them."""
+    return bytes((room * 53 + i * 7 + 3) % 241 for i in range(span * DS_ROW))
+
+
+def has_deepstack(room: int) -> bool:
+    """Odd rooms carry deepstack rows too."""
+    return room % 2 == 1
+
+
+def source(room: int, src: int, length: int) -> tuple[bytes, int, bool] | None:
+    """(the rows `src` points into, its offset there, whether deepstack) for a read of `length` bytes, or None
+    when the read is not inside that room's rows."""
+    span = span_of(room)
+    for data, base, deep in ((item_bytes(room, span), SRC_BASE + room * SLOT, False),
+                             (deepstack_bytes(room, span), DS_SRC_BASE + room * DS_SLOT, True)):
+        if base <= src and src + length <= base + len(data) and (not deep or has_deepstack(room)):
+            return data, src - base, deep
+    return None
 
 
 def span_of(room: int) -> int:
@@ -91,6 +116,7 @@ class Receive:
     ptr: int
     row_start: int
     rows: int
+    ds_ptr: int = 0  # its deepstack rows' destination, 0 without deepstack
     cleared: bool = False
     concluded: list = field(default_factory=list)  # the Failure (None: Success) of each Conclude
     safe_at: int | None = None  # the step its MemorySafe came
@@ -99,6 +125,15 @@ class Receive:
     @property
     def nbytes(self) -> int:
         return self.rows * ROW
+
+    @property
+    def ds_nbytes(self) -> int:
+        return self.rows * DS_ROW if self.ds_ptr else 0
+
+    def holds(self, dst: int, length: int) -> bool:
+        """Whether [dst, dst + length) is exactly the start of one of its destinations, and fits in it."""
+        return (dst == self.ptr and length <= self.nbytes) or (self.ds_ptr and dst == self.ds_ptr
+                                                               and length <= self.ds_nbytes)
 
     def outcome(self) -> str:
         if not self.concluded:
@@ -177,10 +212,11 @@ class Pair:
             base = 0x1000_0000 * (p + 1)
             core = pre.PrefillCore(p, prefill_tp, 1, host=f"10.0.2.{p}", status_port=5000 + p,
                                    session_id=f"10.0.2.{p}:{17000 + p}", deadline_s=deadline_s, integrity=integrity)
-            # The announced region sits inside a larger allocation, so a stray write has somewhere to land.
-            self.prefills.append(PrefillRank(p, core, bytearray(SLOTS * SLOT + 2 * SLOT), base - SLOT,
+            # The announced regions sit inside a larger allocation, so a stray write has somewhere to land.
+            self.prefills.append(PrefillRank(p, core, bytearray((SLOTS + 2) * (SLOT + DS_SLOT)), base - SLOT,
                                              (core.host, core.status_port)))
-        self.regions = [Regions(Region(p.base + SLOT, SLOTS * SLOT)) for p in self.prefills]
+        self.regions = [Regions(Region(p.base + SLOT, SLOTS * SLOT),
+                                Region(p.base + (SLOTS + 2) * SLOT + DS_SLOT, SLOTS * DS_SLOT)) for p in self.prefills]
         # (prefill, encode address, connection) -> frames in flight, and (encode, status endpoint) -> frames.
         self.requests: dict[tuple[int, tuple[str, int], int], deque] = {}
         self.statuses: dict[tuple[int, tuple[str, int]], deque] = {}
@@ -214,7 +250,9 @@ class Pair:
         rank.sends[room] = send
         self.all_sends.append(send)
         self.note(f"encode {e}: offer room {room} ({span} rows)")
-        offer = enc.Offer(room, send, SRC_BASE + room * SLOT, span, HIDDEN, DTYPE, ROW, sources=(room,))
+        deep = has_deepstack(room)
+        offer = enc.Offer(room, send, SRC_BASE + room * SLOT, span, HIDDEN, DTYPE, ROW,
+                          DS_SRC_BASE + room * DS_SLOT if deep else None, DS_ROW if deep else 0, sources=(room,))
         self.carry_encode(rank, rank.core.offer(offer, self.now))
 
     def clear_send(self, e: int, room: int) -> None:
@@ -232,12 +270,15 @@ class Pair:
             self.fail(f"prefill {p} has no fresh slot left; give the pair more SLOTS")
         span = span_of(room)
         row_start, rows = prefill_shard(span, p, self.prefill_tp, self.encode_tp)
-        ptr = rank.base + SLOT + rank.next_slot * SLOT
+        regions = self.regions[p]
+        ptr = regions.embedding.addr + rank.next_slot * SLOT
+        ds_ptr = regions.deepstack.addr + rank.next_slot * DS_SLOT if has_deepstack(room) else 0
         rank.next_slot += 1
         spec = pre.RoomSpec(room, BOOT, ptr, rows=rows, hidden=HIDDEN, dtype=DTYPE, row_bytes=ROW,
-                            row_start=row_start, span=span, regions=self.regions[p])
+                            row_start=row_start, span=span, regions=regions, deepstack_ptr=ds_ptr,
+                            deepstack_nbytes=rows * DS_ROW if ds_ptr else 0, has_deepstack=bool(ds_ptr))
         token, actions = rank.core.receive(self.now, spec)
-        rec = rank.receives[room] = Receive(p, rank.session, room, token, ptr, row_start, rows)
+        rec = rank.receives[room] = Receive(p, rank.session, room, token, ptr, row_start, rows, ds_ptr)
         self.all_receives.append(rec)
         self.note(f"prefill {p}: receive room {room} token {token} rows {row_start}+{rows} at {ptr:#x}")
         self.carry_prefill(rank, actions)
@@ -301,10 +342,16 @@ class Pair:
                   + (f": {action.failure.detail}" if action.failure else ""))
         self.expect(len(rec.concluded) == 1, f"prefill {rank.rank} concluded room {action.room} twice")
         if action.failure is None:
-            landed = bytes(self.read(rank, rec.ptr, rec.nbytes))
-            want = item_bytes(rec.room, span_of(rec.room))[rec.row_start * ROW:(rec.row_start + rec.rows) * ROW]
-            self.expect(landed == want, f"prefill {rank.rank} concluded room {rec.room} Success, but its "
-                                        f"destination holds {landed.hex()} instead of {want.hex()}")
+            span = span_of(rec.room)
+            rows = slice(rec.row_start, rec.row_start + rec.rows)
+            wanted = [("rows", rec.ptr, item_bytes(rec.room, span)[rows.start * ROW:rows.stop * ROW])]
+            if rec.ds_ptr:
+                wanted.append(("deepstack rows", rec.ds_ptr,
+                               deepstack_bytes(rec.room, span)[rows.start * DS_ROW:rows.stop * DS_ROW]))
+            for what, addr, want in wanted:
+                landed = bytes(self.read(rank, addr, len(want)))
+                self.expect(landed == want, f"prefill {rank.rank} concluded room {rec.room} Success, but its {what} "
+                                            f"hold {landed.hex()} instead of {want.hex()}")
 
     def memory_safe(self, rank: PrefillRank, rec: Receive) -> None:
         if rec.safe_at is None:
@@ -353,12 +400,12 @@ class Pair:
         if not rank.core.wants(write.wid):
             self.note(f"encode {rank.rank}: write {write.wid} (room {write.room}) skipped")
             return rank.core.write_skipped(write.wid, self.now)
-        data = item_bytes(write.room, span_of(write.room))
         sums = []
         for src, length in zip(write.srcs, write.lengths):
-            offset = src - (SRC_BASE + write.room * SLOT)
-            self.expect(0 <= offset and offset + length <= len(data),
-                        f"encode {rank.rank} reads [{src:#x}, +{length}) outside room {write.room}'s rows")
+            found = source(write.room, src, length)
+            self.expect(found is not None, f"encode {rank.rank} reads [{src:#x}, +{length}) outside room "
+                                           f"{write.room}'s rows")
+            data, offset, _ = found
             sums.append(layer_sum(data[offset:offset + length]))
         self.note(f"encode {rank.rank}: write {write.wid} room {write.room} to {write.session_id} "
                   f"{[(hex(d), n) for d, n in zip(write.dsts, write.lengths)]}")
@@ -373,7 +420,7 @@ class Pair:
         if target is None or not target.alive:
             self.note(f"encode {rank.rank}: write {write.wid} finds no one at {write.session_id}")
             return
-        data = item_bytes(write.room, span_of(write.room))
+        owner = None
         for src, dst, length in zip(write.srcs, write.dsts, write.lengths):
             if length == 0:
                 continue
@@ -381,20 +428,21 @@ class Pair:
             self.expect(any(base <= dst and dst + length <= base + n for base, n in announced),
                         f"encode {rank.rank} wrote [{dst:#x}, +{length}) into {write.session_id} outside every "
                         f"region it announced ({[(hex(b), n) for b, n in announced]})")
-            owners = [r for r in self.all_receives if r.session == target.session and r.ptr <= dst < r.ptr + SLOT]
-            self.expect(len(owners) == 1 and dst + length <= owners[0].ptr + owners[0].nbytes
-                        and dst == owners[0].ptr and owners[0].room == write.room,
+            owners = [r for r in self.all_receives if r.session == target.session and r.holds(dst, length)]
+            self.expect(len(owners) == 1 and owners[0].room == write.room,
                         f"encode {rank.rank} wrote room {write.room}'s [{dst:#x}, +{length}) outside that room's "
                         f"destination at {write.session_id}")
-            rec = owners[0]
-            self.expect(rec.safe_at is None, f"encode {rank.rank} wrote into room {rec.room} token {rec.token} at "
-                                             f"{write.session_id} after its memory was declared safe (step "
-                                             f"{rec.safe_at})")
-            offset = src - (SRC_BASE + write.room * SLOT)
+            owner = owners[0]
+            self.expect(owner.safe_at is None, f"encode {rank.rank} wrote into room {owner.room} token {owner.token} "
+                                               f"at {write.session_id} after its memory was declared safe (step "
+                                               f"{owner.safe_at})")
+            data, offset, deep = source(write.room, src, length)
             target.memory[dst - target.base:dst - target.base + length] = data[offset:offset + length]
-            rec.landed += 1
-            for row in range(offset // ROW, (offset + length) // ROW):
-                self.rows_written[(write.room, row)] = self.rows_written.get((write.room, row), 0) + 1
+            if not deep:
+                for row in range(offset // ROW, (offset + length) // ROW):
+                    self.rows_written[(write.room, row)] = self.rows_written.get((write.room, row), 0) + 1
+        if owner is not None:
+            owner.landed += 1
         self.note(f"encode {rank.rank}: write {write.wid} landed at {write.session_id}")
 
     def settle_write(self, flight: Flight, error: str | None = None) -> None:
@@ -429,7 +477,8 @@ class Pair:
         try:
             if is_registration(frames):
                 reg = parse_registration(frames)
-                rank.announced.setdefault(reg.session_id, []).append((reg.embedding_base, reg.embedding_len or 0))
+                rank.announced.setdefault(reg.session_id, []).extend(
+                    [(reg.embedding_base, reg.embedding_len or 0), (reg.deepstack_base, reg.deepstack_len or 0)])
                 self.carry_encode(rank, rank.core.registration(reg, self.now))
             elif is_cancel(frames):
                 cancel = parse_cancel(frames)
@@ -476,14 +525,15 @@ class Pair:
     def ask_outside(self, p: int, room: int) -> None:
         """Prefill rank `p`'s session asks for `room` with a destination that runs past its region's end."""
         rank = self.prefills[p]
-        if rank.next_slot == SLOTS:
-            self.fail(f"prefill {p} has no fresh slot left; give the pair more SLOTS")
         span = span_of(room)
         row_start, rows = prefill_shard(span, p, self.prefill_tp, self.encode_tp)
-        region = self.regions[p].embedding
+        regions = self.regions[p]
         e = p // (self.prefill_tp // self.encode_tp)
-        info = TransferInfo(room, rank.endpoint[0], rank.endpoint[1], rank.session, region.addr + region.nbytes - ROW,
-                            0, max(rows, 2), HIDDEN, DTYPE, False, self.prefill_tp // self.encode_tp, row_start, span)
+        deep = has_deepstack(room)
+        info = TransferInfo(room, rank.endpoint[0], rank.endpoint[1], rank.session,
+                            regions.embedding.addr + regions.embedding.nbytes - ROW,
+                            regions.deepstack.addr if deep else 0, max(rows, 2), HIDDEN, DTYPE, deep,
+                            self.prefill_tp // self.encode_tp, row_start, span)
         self.note(f"prefill {p}: asks for room {room} into {info.embedding_ptr:#x}, past its region")
         self.send_request(rank, self.encodes[e].addr, info.to_frames(), f"ask room {room} past the region")
 
