@@ -1,16 +1,16 @@
 """An in-memory encode<->prefill pair: EncodeCores and PrefillCores joined with no network.
 
 `Pair` plays both drivers. What a prefill core asks to send (registrations, asks,
-cancels) and what an encode core pushes (statuses, cancel answers) travels as the
-frames the wire would carry (`transfer.frames`' codecs, both ways), each on a FIFO
-channel of its own per connection, as ZMQ keeps them; a write copies the source rows
-into the prefill session's memory (bytearrays per registered region; odd rooms carry
-deepstack rows too, written to a region of their own). Nothing moves
-until the test says which pending step happens next (`moves()`, `do()`), so a test
-picks the interleaving: which message is delivered, which write lands or completes,
-which look-up answers, when the caller offers, receives or clears, how far the fake
-clock moves, and faults (a connection that loses what it queued, a message delivered
-twice, a failed write or look-up, a rank that dies or restarts as a new session).
+cancels) and what an encode core pushes (statuses, cancel answers) travels as the frames
+the wire would carry (`transfer.frames`' codecs, both ways), each on a FIFO channel of
+its own per connection, as ZMQ keeps them; a write copies the source rows into the
+prefill session's memory (bytearrays per registered region; odd rooms carry deepstack
+rows too, written to a region of their own). Nothing moves until the test says which
+pending step happens next (`moves()`, `do()`), so a test picks the interleaving: which
+message is delivered, which write lands or completes, which look-up answers, when the
+caller offers, receives or clears, how far the fake clock moves, and faults (a
+connection that loses what it queued, a message delivered twice, a failed write or
+look-up, a rank that dies or restarts as a new session).
 
 Each step is checked as it happens (`Violation` says which rule broke) and logged;
 `trace()` tells the whole run, one line a step, for a failing example.
