@@ -1,6 +1,9 @@
-"""Stand-ins the unit and live tests share: an engine that records registrations, a clock and copy-out events."""
+"""Stand-ins the unit and live tests share: an engine that records registrations, a clock, copy-out events and
+receive regions."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class RecordingEngine:
@@ -45,3 +48,19 @@ class FakeEvent:
     def query(self) -> bool:
         self.queries += 1
         return self.done
+
+
+@dataclass(frozen=True)
+class Region:
+    """A registered receive region: where it starts and how long it is."""
+
+    addr: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Regions:
+    """The region pair a room's rows land in (embedding, and deepstack when present), as a receive pool leases it."""
+
+    embedding: Region
+    deepstack: Region | None = None

@@ -76,9 +76,9 @@ def context() -> zmq.Context:
 
     Its I/O thread (which moves every ask and status) runs under SCHED_BATCH where the
     OS has it, unless EPD_ZMQ_SCHED_BATCH=0: it still gets its full share of a CPU, but
-    waking it (every send does) no longer preempts the thread that sent, which is the
-    engine's scheduler thread for an ask. On a busy 2-core host that halved the wall
-    time of a status push (118 to 55 us) and of an ask's send. The context is ours, not
+    waking it (every send does) does not preempt the thread that sent, which is the
+    engine's scheduler thread for an ask: on a busy host that thread keeps running
+    instead of being switched out at each send. The context is ours, not
     zmq.Context.instance(), so the engine's own sockets keep the policy they had. A
     process forked after first use makes its own (ZMQ contexts do not survive fork).
     """

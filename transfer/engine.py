@@ -57,8 +57,8 @@ INFINIBAND_SYSFS = "/sys/class/infiniband"
 
 PROTOCOLS = ("rdma", "tcp")
 
-# Mooncake's async API answers these batch ids when submission failed (0 in the
-# current wheels, -1 cast to u64 in older sources).
+# Mooncake's async API answers one of these batch ids when submission failed: 0, or
+# -1 cast to u64, depending on its version.
 _BAD_BATCH_IDS = (0, (1 << 64) - 1)
 
 #: wait()'s sleep between polls grows from POLL_MIN_S to POLL_MAX_S.
@@ -103,7 +103,7 @@ class _Pending:
         return any(src < addr + nbytes and addr < src + n for src, n in zip(self.srcs, self.lens))
 
 
-#: The name this module gave EngineError before transfer.errors existed; code that imports it keeps working.
+#: EngineError under the name code may import from this module.
 TransferError = EngineError
 
 

@@ -93,10 +93,8 @@ CHUNK_BYTES = 4 << 20
 IDLE_PER_SESSION = 8
 #: write_async() batches of a lone busy peer that run at once (more wait in its queue), shared
 #: among the peers with writes (at least one each), by default (WireEngine(writers_per_peer=)
-#: sets it per engine). On 2 cores over loopback, 4 per peer at fanout 4 (16 threads) ran
-#: 512 KiB items at 0.11-0.14 of raw and 1 per peer at 0.14-0.22 (four alternations); at
-#: fanout 1, 1, 2 and 4 measured alike within this VM's noise. More than one hides the wait for a transfer's
-#: reply behind the next transfer's bytes.
+#: sets it per engine). More than one hides the wait for a transfer's reply behind the next
+#: transfer's bytes; a few are enough for that, and each more is a thread competing for the cores.
 WRITERS_PER_PEER = 4
 #: Threads that carry write_async() batches in all, so that writes to different peers overlap.
 MAX_WRITERS = 64

@@ -61,6 +61,13 @@ def item_bytes(room: int, nbytes: int, seed: int = 0) -> np.ndarray:
     return rng.integers(0, 256, size=nbytes, dtype=np.uint8)
 
 
+#: The item the sender pool tests send: SPAN rows of HIDDEN bf16 values, ROW bytes a row, ITEM in all.
+SPAN = 4
+HIDDEN = 256
+ROW = HIDDEN * 2
+ITEM = SPAN * ROW
+
+
 def item_tensor(room: int, span: int, hidden: int, dtype: str = DTYPE, seed: int = 0):
     """Room's item as a torch tensor `[span, hidden]` (test process only)."""
     import torch
@@ -622,3 +629,27 @@ def peer_with_64_mib():
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     session, landing = peer.stdout.readline().split()
     return peer, session, int(landing)
+
+
+def stopped_peer(encode):
+    """peer_with_64_mib(), stopped (SIGSTOP) once `encode` has written to it, so the handshake is done first.
+
+    Returns (process, session, address); a write to it stays in flight until the process is
+    continued (SIGCONT). The caller kills it.
+    """
+    import torch
+
+    peer, session, landing = peer_with_64_mib()
+    try:
+        warm = torch.zeros(64, dtype=torch.uint8)
+        encode.register(warm)
+        try:
+            encode.write(session, [warm.data_ptr()], [landing], [64])
+        finally:
+            encode.unregister(warm.data_ptr())
+        os.kill(peer.pid, signal.SIGSTOP)
+    except BaseException:
+        peer.kill()
+        peer.wait(10)
+        raise
+    return peer, session, landing

@@ -17,31 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from sharded_rows import GARBAGE, HIDDEN, destination, original, same_bytes
 
 from transfer import reassemble as reassemble_module
-from transfer.frames import shard_rows
 from transfer.reassemble import ShardedItem, agree, reassemble
 
 
 WORLD_SIZES = (2, 4)
-HIDDEN = 6
-GARBAGE = 0xA5  # what a rank's destination holds outside its own shard before reassembly
-
-
-def original(room: int, span: int, dtype: torch.dtype, cols: int = HIDDEN) -> torch.Tensor:
-    """The item's true rows, reproducible from the room number."""
-    generator = torch.Generator().manual_seed(1000 + room * 7 + cols)
-    raw = torch.randint(0, 256, (span, cols * torch.empty((), dtype=dtype).element_size()),
-                        dtype=torch.uint8, generator=generator)
-    return raw.view(dtype).contiguous()
-
-
-def destination(rows: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """A full-size destination holding only this rank's shard of `rows`, garbage elsewhere."""
-    dst = torch.full_like(rows.view(torch.uint8), GARBAGE).view(rows.dtype).contiguous()
-    start, count = shard_rows(rows.shape[0], rank, size)
-    dst[start : start + count] = rows[start : start + count]
-    return dst
 
 
 def make_item(room: int, span: int, rank: int, size: int, *, dtype: torch.dtype = torch.float32,
@@ -52,11 +34,6 @@ def make_item(room: int, span: int, rank: int, size: int, *, dtype: torch.dtype 
     item = ShardedItem(room, destination(rows, rank, size), ok,
                        destination(ds_rows, rank, size) if ds_rows is not None else None)
     return item, rows, ds_rows
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-exact equality (NaN payloads included)."""
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 class CollectiveCounter:

@@ -19,8 +19,7 @@ import time
 
 import pytest
 import torch
-from live_helpers import DTYPE, HOST, LIVE, RawPrefill, item_tensor, wait_until
-from test_sender_rooms import _stopped_peer
+from live_helpers import DTYPE, HIDDEN, HOST, ITEM, LIVE, ROW, SPAN, RawPrefill, item_tensor, stopped_peer, wait_until
 
 from transfer import _io
 from transfer.core import parked
@@ -31,10 +30,6 @@ from transfer.status import TransferPoll
 
 pytestmark = LIVE
 
-SPAN = 4
-HIDDEN = 256
-ROW = HIDDEN * 2  # bf16
-ITEM = SPAN * ROW
 FAILED = b"0"
 SUCCESS = b"5"
 
@@ -213,7 +208,7 @@ def test_a_write_that_waited_past_the_fanout_timeout_for_a_slot_is_failed_not_st
     room fails with a reason that says so and its receiver is told Failed, untouched. The
     stuck write itself still completes and succeeds."""
     encode, prefill = engines
-    stuck, session, landing = _stopped_peer(encode)
+    stuck, session, landing = stopped_peer(encode)
     statuses, status_port = _io.pull_socket(HOST, 0)
     try:
         with SenderPool(encode, 0, 1, 1, server.address, depth=1, fanout_timeout_s=1.5) as pool, \

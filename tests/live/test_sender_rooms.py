@@ -20,28 +20,26 @@ import pytest
 import torch
 from live_helpers import (
     DTYPE,
+    HIDDEN,
     HOST,
+    ITEM,
     LIVE,
     SENTINEL,
+    SPAN,
     RawPrefill,
+    item_bytes,
     item_tensor,
-    peer_with_64_mib,
+    stopped_peer,
     wait_until,
 )
 
-from transfer.engine import Engine, TransferError
+from transfer.engine import TransferError
 from transfer.frames import TransferInfo, registration_frames
 from transfer.metrics import total
 from transfer.sender import SenderPool
 from transfer.status import TransferPoll
 
 pytestmark = LIVE
-
-SPAN = 4
-HIDDEN = 256
-ROW = HIDDEN * 2  # bf16
-ITEM = SPAN * ROW
-
 
 @pytest.fixture
 def peer(engines):
@@ -80,11 +78,6 @@ def _status(raw: RawPrefill, timeout: float = 5.0) -> list[bytes] | None:
     return got[0][:3] if got else None
 
 
-def _item_bytes(room: int, span: int = SPAN) -> bytes:
-    """Room's item rows as bytes (what item_tensor(room, span, HIDDEN) holds)."""
-    return bytes(item_tensor(room, span, HIDDEN).view(torch.uint8).reshape(-1).numpy())
-
-
 def _spy_statuses(pool: SenderPool) -> list[list[bytes]]:
     """Records every status the pool pushes from now on (they are still sent)."""
     pushed: list[list[bytes]] = []
@@ -118,7 +111,7 @@ def test_a_stale_clear_after_the_room_was_sent_again_tells_its_receiver_nothing(
         raw.ask(1, raw.base + ITEM, SPAN, HIDDEN, SPAN)
         assert _status(raw) == [b"1", b"5", b"0"]
         assert second.wait(5) == TransferPoll.Success
-        assert bytes(raw.buffer[ITEM:2 * ITEM].numpy()) == _item_bytes(2)
+        assert bytes(raw.buffer[ITEM:2 * ITEM].numpy()) == bytes(item_bytes(2, ITEM))
 
 
 def test_a_cleared_send_handle_never_reports_the_room_that_reused_its_number(engines, server, peer):
@@ -331,28 +324,10 @@ def test_a_source_inside_another_rooms_temporary_registration_keeps_it_until_don
         raw.ask(2, raw.base + 2 * ITEM, SPAN, HIDDEN, SPAN)
         assert _status(raw) == [b"2", b"5", b"0"]
         assert second.wait(5) == TransferPoll.Success, second.failure
-        assert bytes(raw.buffer[2 * ITEM:3 * ITEM].numpy()) == _item_bytes(1, 2 * SPAN)[ITEM:]
+        assert bytes(raw.buffer[2 * ITEM:3 * ITEM].numpy()) == bytes(item_bytes(1, 2 * ITEM))[ITEM:]
         second.clear()
         assert wait_until(lambda: whole.data_ptr() not in encode.registered(), 5.0)
         assert not pool._sources.counts.counts()
-
-
-def _stopped_peer(encode: Engine):
-    """A prefill engine in a process of its own with 64 MiB registered, stopped (SIGSTOP)
-    once `encode` has written to it (so the handshake is done before it stops).
-
-    Returns (process, session, address); a write of 64 MiB to it stays in flight until
-    the process is continued.
-    """
-    peer, session, landing = peer_with_64_mib()
-    warm = torch.zeros(64, dtype=torch.uint8)
-    encode.register(warm)
-    try:
-        encode.write(session, [warm.data_ptr()], [landing], [64])
-    finally:
-        encode.unregister(warm.data_ptr())
-    os.kill(peer.pid, signal.SIGSTOP)
-    return peer, session, landing
 
 
 def test_close_drops_the_registration_of_a_cleared_room_whose_write_never_started(engines, server, peer):
@@ -361,7 +336,7 @@ def test_close_drops_the_registration_of_a_cleared_room_whose_write_never_starte
     from transfer import _io
 
     encode, _ = engines
-    stuck, session, landing = _stopped_peer(encode)
+    stuck, session, landing = stopped_peer(encode)
     big = torch.ones(64 << 20, dtype=torch.uint8).view(torch.bfloat16).view(8192, 4096)
     rows = item_tensor(2, SPAN, HIDDEN)
     resume = threading.Timer(1.0, os.kill, (stuck.pid, signal.SIGCONT))

@@ -16,12 +16,17 @@ import pytest
 import torch
 from live_helpers import (
     DTYPE,
+    HIDDEN,
     HOST,
+    ITEM,
     LIVE,
+    ROW,
     SENTINEL,
+    SPAN,
     RawPrefill,
+    item_bytes,
     item_tensor,
-    peer_with_64_mib,
+    stopped_peer,
     wait_until,
 )
 
@@ -34,12 +39,6 @@ from transfer.wire import layer_sum
 
 pytestmark = LIVE
 
-SPAN = 4
-HIDDEN = 256
-ROW = HIDDEN * 2  # bf16
-ITEM = SPAN * ROW
-
-
 @pytest.fixture
 def stopped(engines):
     """A prefill engine in a process of its own, handshaken with the encode engine, then stopped.
@@ -47,24 +46,13 @@ def stopped(engines):
     Yields (session, landing address); the process is continued and killed afterwards.
     """
     encode, _ = engines
-    proc, session, landing = peer_with_64_mib()
+    proc, session, landing = stopped_peer(encode)
     try:
-        warm = torch.zeros(64, dtype=torch.uint8)
-        encode.register(warm)
-        try:
-            encode.write(session, [warm.data_ptr()], [landing], [64])
-        finally:
-            encode.unregister(warm.data_ptr())
-        os.kill(proc.pid, signal.SIGSTOP)
         yield proc, session, landing
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
         proc.wait(10)
-
-
-def _item_bytes(room: int, span: int = SPAN, hidden: int = HIDDEN, seed: int = 0) -> bytes:
-    return bytes(item_tensor(room, span, hidden, seed=seed).view(torch.uint8).reshape(-1).numpy())
 
 
 def _ask_stopped(push, status_port: int, room: int, session: str, landing: int) -> None:
@@ -95,7 +83,7 @@ def test_a_receiver_that_stopped_reading_does_not_hold_every_write_slot(engines,
         raw.ask(9, raw.base, SPAN, HIDDEN, SPAN)
         assert live.wait(3.0) == TransferPoll.Success, (live.poll(), live.failure)
         assert raw.statuses(1, 2.0)[0][:2] == [b"9", b"5"]
-        assert bytes(raw.buffer[:ITEM].numpy()) == _item_bytes(9)
+        assert bytes(raw.buffer[:ITEM].numpy()) == bytes(item_bytes(9, ITEM))
         assert bool((raw.buffer[ITEM:] == SENTINEL).all())
         assert all(h.poll() == TransferPoll.Transferring for h in stuck)  # still waiting for their peer
     finally:
@@ -118,7 +106,7 @@ def test_a_single_receiver_still_gets_every_write_slot_it_can_use(engines, serve
             raw.ask(room, raw.base + room * ITEM, SPAN, HIDDEN, SPAN)
         assert [h.wait(10.0) for h in handles] == [TransferPoll.Success] * rooms
         for room in range(rooms):
-            assert bytes(raw.buffer[room * ITEM:(room + 1) * ITEM].numpy()) == _item_bytes(room)
+            assert bytes(raw.buffer[room * ITEM:(room + 1) * ITEM].numpy()) == bytes(item_bytes(room, ITEM))
         assert not pool._core.waiting and pool._core.parked.nbytes == 0  # nothing left counted
 
 
@@ -192,7 +180,7 @@ def test_a_room_sent_again_while_the_old_write_is_in_flight(engines, server, sto
         assert new.wait(5.0) == TransferPoll.Success, new.failure
         got = raw.statuses(1, 2.0)[0]
         assert got[:3] == [b"5", b"5", b"0"] and int(got[3]) == layer_sum(rows.view(torch.uint8).numpy())
-        assert bytes(raw.buffer.numpy()) == _item_bytes(5)
+        assert bytes(raw.buffer.numpy()) == bytes(item_bytes(5, ITEM))
         new.clear()
         assert wait_until(lambda: rows.data_ptr() not in encode.registered(), 5.0)
     finally:

@@ -87,3 +87,33 @@ def test_the_readme_python_blocks_parse():
 def test_the_readme_keeps_the_two_commands():
     readme = _read(os.path.join(REPO, "README.md"))
     assert "make test" in readme and "make demo" in readme
+
+
+_GUARANTEES = os.path.join(REPO, "docs", "guarantees.md")
+
+
+def _cited_tests(text: str) -> list[tuple[str, str]]:
+    """(file, test name) of every `tests/...py::test_name` the text cites."""
+    return re.findall(r"`(tests/(?:unit|live)/[\w/]+\.py)::(\w+)`", text)
+
+
+def test_every_test_the_guarantees_cite_exists():
+    cited = _cited_tests(_read(_GUARANTEES))
+    assert len(cited) > 100
+    missing = []
+    for path, name in cited:
+        file = os.path.join(REPO, path)
+        if not os.path.exists(file) or not re.search(rf"^(?:async )?def {name}\(", _read(file), re.M):
+            missing.append(f"{path}::{name}")
+    assert not missing, f"docs/guarantees.md cites tests that do not exist: {missing}"
+
+
+def test_every_guarantee_names_the_tests_that_show_it():
+    text = _read(_GUARANTEES)
+    promises, _, mapping = text.partition("\n## Which tests show each guarantee\n")
+    titles = [title.rstrip(".") for title in re.findall(r"^- \*\*(.+?)\*\*", promises, re.M)]
+    assert len(titles) >= 11
+    sections = dict(re.findall(r"^### (.+)\n\n((?:- .*\n?)+)", mapping, re.M))
+    for title in titles:
+        assert title in sections, f"guarantee {title!r} has no section under 'Which tests show each guarantee'"
+        assert _cited_tests(sections[title]), f"guarantee {title!r} names no test"

@@ -138,6 +138,18 @@ def test_a_cancel_after_success_is_confirmed_and_the_room_stays_success():
     assert run.conclusions() == [(7, TransferPoll.Success, None)]
 
 
+def test_an_ask_after_a_cancel_of_a_room_served_in_full_waits_for_its_next_send():
+    """The served room keeps its receivers: a retry's ask under its number is not written from the old item."""
+    run = Run()
+    run(run.core.offer(_offer(7), run.now))
+    [write] = run.of(StartWrite, run(run.core.ask(_ask(7), run.now)))
+    run(run.core.write_done(write.wid, (7,), run.now))
+    run(run.core.cancel(_cancel(7), run.now))
+    out = run(run.core.ask(_ask(7), run.now))
+    assert run.of(StartWrite, out) == [] and run.core.parked.get(7) is not None
+    assert run.conclusions() == [(7, TransferPoll.Success, None)]
+
+
 def test_the_same_rank_asking_again_after_its_cancel_is_a_retry_and_is_served():
     run = Run()
     run(run.core.ask(_ask(8), run.now))

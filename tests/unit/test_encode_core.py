@@ -307,6 +307,27 @@ def test_a_clear_after_the_asks_tells_the_receivers_failed_and_releases_once_wri
     assert run.statuses(out) == [] and run.of(Release, out) == [Release(1, offer.token)]
 
 
+def test_a_room_served_in_full_is_told_nothing_more_when_cleared_or_closed():
+    run = Run()
+    offer = _offer(1)
+    run.offer(offer)
+    [write] = run.of(StartWrite, run.ask(_ask(1)))
+    run.complete(write)
+    out = run(run.core.clear(1, offer.token, run.now)) + run(run.core.close(run.now))
+    assert run.statuses(out) == [] and run.conclusions() == [(1, TransferPoll.Success, None)]
+
+
+def test_one_failed_write_tells_every_receiver_failed_even_one_already_told_success():
+    """SPEC.md 6: the room fails as a whole, so no rank of the group takes its shard for the item."""
+    run = Run()
+    run.offer(_offer(2, span=8))
+    writes = run.of(StartWrite, run.ask(_ask(2, 0, fanout=2, span=8)) + run.ask(_ask(2, 1, fanout=2, span=8)))
+    run.complete(writes[0])
+    out = run(run.core.write_failed(writes[1].wid, "peer gone", 0.01, run.now))
+    assert sorted(run.statuses(out)) == [(2, 6000, TransferPoll.Failed), (2, 6001, TransferPoll.Failed)]
+    assert run.conclusions() == [(2, TransferPoll.Failed, FailureKind.WRITE)]
+
+
 def test_a_clear_of_an_older_send_does_not_touch_the_room_sent_again():
     run = Run()
     old, new = _offer(1), _offer(1)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from prefill_rooms import BOOT, ENCODE, KEY0, spec
+from prefill_rooms import core as prefill_core
 
 from transfer.core.failure import FailureKind
 from transfer.core.prefill import (
@@ -12,40 +13,15 @@ from transfer.core.prefill import (
     LookUpRoute,
     MemorySafe,
     PrefillCore,
-    RoomSpec,
     SendAsk,
     SendCancel,
 )
 from transfer.frames import Cancel, parse_cancel
 from transfer.status import TransferPoll
 
-BOOT = "10.0.0.1:8998"
-ENCODE = ("10.0.0.2", 7000)
-KEY0 = (BOOT, 0, 0)
-
-
-@dataclass(frozen=True)
-class Region:
-    addr: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Regions:
-    embedding: Region
-    deepstack: Region | None = None
-
-
-MAIN = Regions(Region(0x10000, 1 << 20))
-
-
-def spec(room: int, slot: int = 0) -> RoomSpec:
-    return RoomSpec(room, BOOT, MAIN.embedding.addr + slot * 64, rows=4, hidden=8, dtype="torch.float16",
-                    row_bytes=16, row_start=0, span=4, regions=MAIN)
-
 
 def core() -> PrefillCore:
-    return PrefillCore(0, 1, 1, host="10.0.0.3", status_port=5555, session_id="10.0.0.3:1234", deadline_s=10.0)
+    return prefill_core(deadline_s=10.0)
 
 
 def asked(c: PrefillCore, room: int, now: float = 0.0) -> int:
@@ -127,6 +103,16 @@ def test_a_room_that_succeeded_sends_no_cancel():
     token = asked(c, 5)
     assert of(Conclude, c.status(1.0, 5, TransferPoll.Success, 0)) == [Conclude(5, token, None)]
     assert c.abandon(1.0, 5, token) == []
+
+
+def test_a_success_whose_bytes_do_not_verify_is_cancelled_when_cleared():
+    """It may be an earlier ask's Success under the same room number: this ask's write can still come."""
+    c = core()
+    token = asked(c, 7)
+    (verify,) = c.status(1.0, 7, TransferPoll.Success, 0, (11,))
+    failure = of(Conclude, c.checksum_mismatched(1.1, 7, token, "embedding", 11, 0))[0].failure
+    assert failure.kind is FailureKind.CHECKSUM and not c.safe(7, token)
+    assert [type(a) for a in c.abandon(1.2, 7, token)] == [SendCancel]
 
 
 def test_a_room_failed_by_its_encode_rank_is_cancelled_when_cleared():

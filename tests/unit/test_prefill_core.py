@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
+from fakes import Region, Regions
+from prefill_rooms import BOOT, ENCODE, KEY0, MAIN, core, spec
 
 from transfer.core.failure import FailureKind
 from transfer.core.prefill import (
@@ -16,46 +16,12 @@ from transfer.core.prefill import (
     LookUpParallel,
     LookUpRoute,
     PrefillCore,
-    RoomSpec,
     SendAsk,
     Verify,
     Warn,
 )
 from transfer.frames import TransferInfo, parse_registration
 from transfer.status import TransferPoll
-
-BOOT = "10.0.0.1:8998"
-ENCODE = ("10.0.0.2", 7000)
-KEY0 = (BOOT, 0, 0)
-
-
-@dataclass(frozen=True)
-class Region:
-    addr: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Regions:
-    embedding: Region
-    deepstack: Region | None = None
-
-
-MAIN = Regions(Region(0x10000, 1 << 20))
-
-
-def spec(room: int, *, regions: Regions = MAIN, slot: int = 0, deepstack: bool = False) -> RoomSpec:
-    ptr = regions.embedding.addr + slot * 64
-    ds_ptr = regions.deepstack.addr + slot * 32 if deepstack else 0
-    return RoomSpec(room, BOOT, ptr, rows=4, hidden=8, dtype="torch.float16", row_bytes=16, row_start=0, span=4,
-                    regions=regions, deepstack_ptr=ds_ptr, deepstack_nbytes=32 if deepstack else 0,
-                    has_deepstack=deepstack)
-
-
-def core(**kw) -> PrefillCore:
-    kw.setdefault("deadline_s", 60.0)
-    return PrefillCore(kw.pop("engine_rank", 0), kw.pop("tp_size", 1), kw.pop("dp_size", 1),
-                       host="10.0.0.3", status_port=5555, session_id="10.0.0.3:1234", **kw)
 
 
 def routed(c: PrefillCore, now: float = 0.0, tp: int = 1, dp: int = 1) -> None:

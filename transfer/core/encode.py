@@ -345,7 +345,8 @@ class EncodeCore:
             else:
                 self._fail(room, FailureKind.CANCELLED, detail + " before its whole fanout asked", now)
                 self._dispatch(room_number, now)  # tells the rest of its fanout Failed
-        elif room is not None and any(info.session_id == session for info in room.receivers):
+        elif room is not None and not room.succeeded and any(info.session_id == session for info in room.receivers):
+            # A room served in full keeps its receivers: a later ask under its number waits for its next send.
             self._spare(room, session)
             self._fail(room, FailureKind.CANCELLED, detail + " before its write started", now)
         self._answer_cancel(cancel, confirmed=True)

@@ -547,8 +547,9 @@ class PrefillCore:
         heapq.heappush(self._deadlines, (state.deadline, state.token, state))
 
     def _conclude(self, state: _Room, failure: Failure | None, unverified: bool = False) -> list:
-        if not state.asked or state.stage == VERIFYING:
-            # Never asked, or its Success came (the write is over): nothing will write there.
+        if not state.asked or (state.stage == VERIFYING and failure is None):
+            # Never asked, or its bytes verified (its write is over): nothing will write there. A Success
+            # whose bytes do not match may be an earlier ask's under the same room number, so it is not.
             state.cancelled = state.safe = True
         state.stage = CONCLUDED
         state.outcome = failure

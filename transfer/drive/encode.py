@@ -1,10 +1,10 @@
 """The encode side's driver: one thread that owns the request socket, the status sockets,
 the engine calls and the clock, feeds EncodeCore its events and carries out its actions.
 
-Measured on two cores, one such thread beats an I/O thread feeding writer threads:
-every hand-off between threads cost a wake-up on a busy core, and the Mooncake threads
-that move the bytes need those cores. The caller's thread only posts commands (an item
-offered, a room cleared, close) and reads the room book.
+One thread rather than an I/O thread feeding writer threads: every hand-off between
+threads costs a wake-up on a busy core, and the Mooncake threads that move the bytes
+need those cores. The caller's thread only posts commands (an item offered, a room
+cleared, close) and reads the room book.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from transfer.status import RoomTable, TransferPoll, is_terminal
 log = logging.getLogger("transfer.sender")
 
 #: Writes in flight are polled after a sleep growing from POLL_MIN_S to POLL_MAX_S, cut
-#: short by any request (250 us measured better than 50 us on loopback: fewer wake-ups
-#: competing for the cores).
+#: short by any request. Not shorter: each wake-up competes for the cores with the
+#: Mooncake threads that move the bytes.
 POLL_MIN_S = 250e-6
 POLL_MAX_S = 1e-3
 
@@ -61,7 +61,7 @@ MAX_REQUESTS_PER_ROUND = 256
 CLOSE_LINGER_MS = 1000
 
 #: How long closing waits for writes already submitted: past Mooncake's own transfer
-#: timeout (30 s by default, measured against a stopped peer).
+#: timeout (30 s by default), by which the engine has given up on a peer that stopped reading.
 CLOSE_WAIT_S = 60.0
 
 #: How often registrations the engine would not drop yet are tried again.

@@ -1,0 +1,29 @@
+"""What the PrefillCore tests share: one bootstrap server, one encode rank, a region and rooms in it."""
+
+from __future__ import annotations
+
+from fakes import Region, Regions
+
+from transfer.core.prefill import PrefillCore, RoomSpec
+
+BOOT = "10.0.0.1:8998"
+ENCODE = ("10.0.0.2", 7000)
+KEY0 = (BOOT, 0, 0)
+
+MAIN = Regions(Region(0x10000, 1 << 20))
+
+
+def spec(room: int, *, regions: Regions = MAIN, slot: int = 0, deepstack: bool = False) -> RoomSpec:
+    """Room `room`'s 4 rows of 16 bytes at slot `slot` of `regions` (and 32 deepstack bytes when asked)."""
+    ptr = regions.embedding.addr + slot * 64
+    ds_ptr = regions.deepstack.addr + slot * 32 if deepstack else 0
+    return RoomSpec(room, BOOT, ptr, rows=4, hidden=8, dtype="torch.float16", row_bytes=16, row_start=0, span=4,
+                    regions=regions, deepstack_ptr=ds_ptr, deepstack_nbytes=32 if deepstack else 0,
+                    has_deepstack=deepstack)
+
+
+def core(**kw) -> PrefillCore:
+    """Prefill rank 0 of tp 1 (unless told otherwise), deadline 60 s."""
+    kw.setdefault("deadline_s", 60.0)
+    return PrefillCore(kw.pop("engine_rank", 0), kw.pop("tp_size", 1), kw.pop("dp_size", 1),
+                       host="10.0.0.3", status_port=5555, session_id="10.0.0.3:1234", **kw)

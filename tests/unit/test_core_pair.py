@@ -1,0 +1,295 @@
+"""Whole rooms through EncodeCores and PrefillCores joined in memory (tests/core_pair.py), over random schedules.
+
+Every step is checked as it happens: a room concludes at most once on each side, a
+write lands only inside a region its session announced and inside its own room's
+destination, never after that room's memory was declared safe (its cancel confirmed),
+and a Success on the prefill side means its exact rows landed. After a run the pair
+settles (everything delivered, every deadline passed) and each test checks what must
+hold then. A failing example prints the run's trace, one line a step.
+"""
+
+from __future__ import annotations
+
+import pytest
+from core_pair import MAX_SPAN, SLOTS, Pair, Violation, span_of
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from transfer.core.failure import FailureKind
+from transfer.status import TransferPoll
+
+ROOMS = (1, 2, 3)
+TICKS = (0.05, 0.5, 2.0, 6.0)
+
+# What a step of a random schedule does, weighted by repetition: mostly the network and the writes.
+NET, OFFER, RECEIVE, CLEAR_SEND, CLEAR_RECEIVE, TICK, FAULT, KILL = range(8)
+RELIABLE = [NET] * 6 + [OFFER, OFFER, RECEIVE, RECEIVE, CLEAR_SEND, CLEAR_RECEIVE, TICK]
+HOSTILE = RELIABLE + [FAULT, FAULT, KILL]
+
+# A step: its low byte picks the kind of step, the rest which one of that kind.
+SCHEDULE = st.lists(st.integers(0, 1 << 16), min_size=30, max_size=120)
+FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def run(pair: Pair, schedule, table, *, retries: bool = False, give_up_every: int = 5) -> None:
+    """Plays `schedule` on `pair`: each step picks a kind of step from `table`, then which one of that kind.
+
+    A caller clears rooms that concluded; one clear in `give_up_every` may pick an open room (giving it up).
+    """
+    offered: set[tuple[int, int]] = set()
+    received: set[tuple[int, int]] = set()
+    for step in schedule:
+        kind, which = table[(step & 0xFF) % len(table)], step >> 8
+        if kind == NET:
+            moves = pair.moves()
+            if moves:
+                pair.do(moves[which % len(moves)])
+        elif kind == OFFER:
+            options = [(e.rank, room) for e in pair.encodes for room in ROOMS if e.alive and room not in e.sends
+                       and (retries or (e.rank, room) not in offered)]
+            if options:
+                e, room = options[which % len(options)]
+                offered.add((e, room))
+                pair.do(("offer", (e, room), lambda e=e, room=room: pair.offer(e, room)))
+        elif kind == RECEIVE:
+            options = [(p.rank, room) for p in pair.prefills for room in ROOMS if p.alive and room not in p.receives
+                       and (retries or (p.rank, room) not in received) and p.next_slot < SLOTS]
+            if options:
+                p, room = options[which % len(options)]
+                received.add((p, room))
+                pair.do(("receive", (p, room), lambda p=p, room=room: pair.receive(p, room)))
+        elif kind == CLEAR_SEND:
+            options = [(e.rank, room) for e in pair.encodes for room, send in sorted(e.sends.items())
+                       if send.concluded or which % give_up_every == 0]
+            if options:
+                e, room = options[which % len(options)]
+                pair.do(("clear", (e, room), lambda e=e, room=room: pair.clear_send(e, room)))
+        elif kind == CLEAR_RECEIVE:
+            options = [(p.rank, room) for p in pair.prefills if p.alive for room, rec in sorted(p.receives.items())
+                       if rec.concluded or which % give_up_every == 0]
+            if options:
+                p, room = options[which % len(options)]
+                pair.do(("clear", (p, room), lambda p=p, room=room: pair.clear_receive(p, room)))
+        elif kind == TICK:
+            pair.do(("tick", (), lambda dt=TICKS[which % len(TICKS)]: pair.tick(dt)))
+        elif kind == FAULT:
+            faults = [m for m in pair.moves(faults=True) if m[0] not in ("request", "status", "land", "complete",
+                                                                         "lookup", "verify")]
+            if faults:
+                pair.do(faults[which % len(faults)])
+        elif kind == KILL and which % 4 == 0:  # a prefill rank restarts, or one rank of a side dies for good
+            options = [("restart", p.rank, pair.restart_prefill) for p in pair.prefills if p.alive]
+            if all(p.alive for p in pair.prefills):
+                options += [("die", p.rank, pair.kill_prefill) for p in pair.prefills]
+            if all(e.alive for e in pair.encodes):
+                options += [("die", e.rank, pair.kill_encode) for e in pair.encodes]
+            what, rank, act = options[(which // 4) % len(options)]
+            if act == pair.restart_prefill:
+                received -= {(rank, room) for room in ROOMS}  # the new process receives its rooms again
+            pair.do((what, (rank,), lambda act=act, rank=rank: act(rank)))
+    pair.settle()
+    pair.check_concluded()
+
+
+def fanout(pair: Pair) -> int:
+    """Prefill ranks per encode rank."""
+    return pair.prefill_tp // pair.encode_tp
+
+
+def block(pair: Pair, encode_rank: int) -> range:
+    """The prefill ranks encode rank `encode_rank` serves."""
+    return range(encode_rank * fanout(pair), (encode_rank + 1) * fanout(pair))
+
+
+def check_agreement(pair: Pair) -> None:
+    """What both sides must agree on once a run on a reliable network settled (each room sent and received once).
+
+    A send that concluded Success served every receiver: each one concluded Success, unless it
+    gave up first (its deadline, or its caller cleared it). A cancel that reached the encode rank
+    before its send concluded leaves that send Failed, never Success.
+    """
+    for send in pair.all_sends:
+        status, failure, at = send.concluded[0]
+        receivers = [r for r in pair.all_receives if r.room == send.room and r.rank in block(pair, send.rank)]
+        if status is TransferPoll.Success:
+            for rec in receivers:
+                gave_up = rec.cleared and not rec.concluded or \
+                    rec.concluded and rec.concluded[0] is not None and rec.concluded[0].kind is FailureKind.DEADLINE
+                pair.expect(rec.outcome() == "Success" or gave_up,
+                            f"encode {send.rank} concluded room {send.room} Success, but prefill {rec.rank} "
+                            f"concluded it {rec.outcome()}")
+        cancelled_before = [step for e, room, _, step in pair.cancels_delivered
+                            if e == send.rank and room == send.room and step < at]
+        if cancelled_before:
+            pair.expect(status is TransferPoll.Failed,
+                        f"encode {send.rank} concluded room {send.room} {status.name} although a cancel for it "
+                        f"arrived at step {cancelled_before[0]}, before it concluded (step {at})")
+
+
+def check_rows_once(pair: Pair) -> None:
+    """Each row of an item is written once in all (each room sent once per encode rank, no duplicates)."""
+    for (room, row), times in pair.rows_written.items():
+        pair.expect(times == 1, f"room {room} row {row} was written {times} times")
+    for room in ROOMS:
+        receives = [r for r in pair.all_receives if r.room == room]
+        if len(receives) == pair.prefill_tp and all(r.outcome() == "Success" for r in receives):
+            written = sorted(row for (r, row) in pair.rows_written if r == room)
+            pair.expect(written == list(range(span_of(room))),
+                        f"room {room} succeeded on every prefill rank, but rows {written} of "
+                        f"{span_of(room)} were written")
+
+
+# ----------------------------------------------------------------- by hand
+
+
+def test_one_room_goes_end_to_end_and_its_rows_land():
+    pair = Pair()
+    pair.offer(0, 5)
+    pair.receive(0, 5)
+    pair.settle()
+    pair.check_concluded()
+    [send], [rec] = pair.all_sends, pair.all_receives
+    assert send.concluded[0][0] is TransferPoll.Success and rec.outcome() == "Success"
+    assert rec.landed == 1 and sorted(pair.rows_written) == [(5, row) for row in range(span_of(5))]
+
+
+def test_two_encode_ranks_serve_four_prefill_ranks_and_write_each_row_once():
+    pair = Pair(encode_tp=2, prefill_tp=4)
+    for room in ROOMS:
+        for p in range(4):
+            pair.receive(p, room)
+        for e in range(2):
+            pair.offer(e, room)
+    pair.settle()
+    pair.check_concluded()
+    assert {rec.outcome() for rec in pair.all_receives} == {"Success"}
+    check_rows_once(pair)
+    check_agreement(pair)
+
+
+def test_a_room_given_up_before_its_write_is_cancelled_and_nothing_lands_in_it():
+    pair = Pair()
+    pair.receive(0, 1)
+    pair.drain("lookup", "request")  # its registration and ask reach the encode rank
+    pair.clear_receive(0, 1)
+    pair.drain("request")  # the cancel reaches it before the item is offered
+    pair.offer(0, 1)
+    pair.settle()
+    [send], [rec] = pair.all_sends, pair.all_receives
+    assert send.concluded[0][1].kind is FailureKind.CANCELLED
+    assert rec.landed == 0 and rec.safe_at is not None
+
+
+def test_a_retry_under_the_same_room_number_is_not_served_by_the_given_up_send():
+    """The first ask's Success reaches the retry, whose bytes then do not verify: its memory is safe only
+    once its own cancel is confirmed, and nothing of the room's sends, the old one or the next, lands in it."""
+    pair = Pair()
+    pair.receive(0, 1)
+    pair.drain("lookup", "request")
+    pair.offer(0, 1)
+    pair.drain("land", "complete")  # served: its Success is on the way
+    pair.clear_receive(0, 1)  # given up before the Success came: a cancel follows the ask
+    pair.receive(0, 1)  # the retry's ask follows the cancel
+    pair.drain("status", "verify")
+    retry = pair.all_receives[1]
+    assert retry.outcome() == "Failed(checksum)"
+    pair.clear_receive(0, 1)
+    assert retry.safe_at is None, "a Success that did not verify says nothing of this ask's write"
+    pair.drain("request", "status")
+    assert retry.safe_at is not None and retry.landed == 0
+    pair.clear_send(0, 1)
+    pair.offer(0, 1)
+    pair.settle()
+    pair.check_concluded()
+    assert retry.landed == 0
+    assert [send.concluded[0][0] for send in pair.all_sends] == [TransferPoll.Success, TransferPoll.Failed]
+
+
+def test_a_restarted_prefill_rank_retrying_its_room_is_served_and_its_predecessor_gets_nothing():
+    pair = Pair()
+    pair.receive(0, 1)
+    pair.drain("lookup", "request")  # the first process's ask is parked at the encode rank
+    pair.restart_prefill(0)
+    pair.receive(0, 1)
+    pair.drain("lookup", "request")  # its registration at the same status endpoint supersedes the first
+    pair.offer(0, 1)
+    pair.settle()
+    pair.check_concluded()
+    first, retry = pair.all_receives
+    assert retry.outcome() == "Success" and retry.landed == 1
+    assert first.outcome() == "open" and first.landed == 0
+    assert pair.all_sends[0].concluded[0][0] is TransferPoll.Success
+
+
+def test_an_ask_past_its_announced_region_fails_its_room_and_nothing_is_written():
+    pair = Pair()
+    pair.receive(0, 1)
+    pair.drain("lookup", "request")  # the session announced its region
+    pair.ask_outside(0, 2)
+    pair.offer(0, 2)
+    pair.settle()
+    [send] = [send for send in pair.all_sends if send.room == 2]
+    assert send.concluded[0][1].kind is FailureKind.REGION
+    assert not any(room == 2 for room, _ in pair.rows_written)
+
+
+def test_the_pair_catches_a_write_outside_the_room_destination():
+    """The checks themselves can fail: a write the encode core never asked for is refused by the pair."""
+    from core_pair import Flight
+
+    from transfer.core.encode import StartWrite
+
+    pair = Pair()
+    pair.receive(0, 1)
+    pair.drain("lookup", "request")
+    rec = pair.all_receives[0]
+    stray = StartWrite(99, 1, pair.prefills[0].session, (0x7000_0000 + 1 * 6 * 8,), (rec.ptr + 8,), (8,))
+    with pytest.raises(Violation, match="outside that room's destination"):
+        pair.land(Flight(0, stray, ()))
+
+
+# ------------------------------------------------------ random schedules
+
+
+@FAST
+@given(SCHEDULE)
+def test_random_schedules_on_a_reliable_network_keep_every_rule_and_both_sides_agree(schedule):
+    pair = Pair(encode_tp=1, prefill_tp=2)
+    run(pair, schedule, RELIABLE)
+    check_agreement(pair)
+
+
+@FAST
+@given(SCHEDULE)
+def test_encode_tp_2_writes_each_row_once_and_both_sides_agree(schedule):
+    pair = Pair(encode_tp=2, prefill_tp=4)
+    run(pair, schedule, RELIABLE)
+    check_rows_once(pair)
+    check_agreement(pair)
+
+
+@FAST
+@given(SCHEDULE)
+def test_rooms_given_up_at_any_step_get_no_write_once_their_cancel_is_confirmed(schedule):
+    pair = Pair(deadline_s=3.0)
+    run(pair, schedule, RELIABLE + [CLEAR_RECEIVE] * 3, give_up_every=1)
+    check_agreement(pair)
+
+
+@FAST
+@given(SCHEDULE)
+def test_rooms_sent_and_received_again_under_their_number_keep_every_rule(schedule):
+    pair = Pair(encode_tp=1, prefill_tp=2)
+    run(pair, schedule, RELIABLE, retries=True)
+
+
+@FAST
+@given(SCHEDULE)
+def test_lost_and_repeated_messages_failed_writes_and_dying_ranks_break_no_rule(schedule):
+    pair = Pair(encode_tp=2, prefill_tp=4)
+    run(pair, schedule, HOSTILE)
+
+
+def test_spans_cover_empty_shards():
+    """Rooms span 1..MAX_SPAN rows, so with four prefill ranks some shards are empty."""
+    assert min(span_of(room) for room in ROOMS) < 4 <= MAX_SPAN
