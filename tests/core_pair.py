@@ -200,12 +200,12 @@ class Pair:
     """`encode_tp` EncodeCores serving `prefill_tp` PrefillCores, with a fake clock and a chosen schedule."""
 
     def __init__(self, *, encode_tp: int = 1, prefill_tp: int = 1, deadline_s: float = 10.0,
-                 bootstrap_timeout_s: float = 5.0, integrity: bool = True) -> None:
+                 fanout_timeout_s: float = 5.0, integrity: bool = True) -> None:
         self.now = 0.0
         self.step = 0
         self.log: list[str] = []
         self.encode_tp, self.prefill_tp = encode_tp, prefill_tp
-        self.encodes = [EncodeRank(e, enc.EncodeCore(e, bootstrap_timeout_s=bootstrap_timeout_s, now=self.now),
+        self.encodes = [EncodeRank(e, enc.EncodeCore(e, fanout_timeout_s=fanout_timeout_s, now=self.now),
                                    (f"10.0.1.{e}", 7000 + e)) for e in range(encode_tp)]
         self.prefills = []
         for p in range(prefill_tp):
@@ -678,7 +678,7 @@ class Pair:
     def settle(self, *, max_steps: int = 10_000) -> None:
         """Delivers everything pending in order and lets time pass until every deadline and sweep has run."""
         self.note("settle: everything pending is delivered, then time passes")
-        start, horizon = self.now, 4 * max(self.prefills[0].core.deadline_s, self.encodes[0].core.bootstrap_timeout_s)
+        start, horizon = self.now, 4 * max(self.prefills[0].core.deadline_s, self.encodes[0].core.fanout_timeout_s)
         for _ in range(max_steps):
             moves = self.moves()
             if moves:
