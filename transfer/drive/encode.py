@@ -351,7 +351,9 @@ class EncodeDriver:
             kind = type(action)
             if kind is PushStatus:
                 if action.cancel is None:
-                    frames = status_frames(action.room, action.status, self.engine_rank, action.checksums)
+                    failure = action.failure
+                    frames = status_frames(action.room, action.status, self.engine_rank, action.checksums,
+                                           None if failure is None else (failure.kind.value, failure.detail))
                 else:
                     frames = cancel_reply_frames(action.room, self.engine_rank, action.cancel)
                 self.statuses.send(action.endpoint, action.port, frames)
