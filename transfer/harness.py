@@ -120,8 +120,13 @@ def make_engine(sc: Scenario):
     return Engine(hostname=sc.host, protocol=sc.protocol, device_name=getattr(sc, "device", ""))
 
 
-def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finished) -> dict:
-    """Body of one encode rank: offers every room's item to its block of prefill ranks."""
+def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finished, abandoned=None) -> dict:
+    """Body of one encode rank: offers every room's item to its block of prefill ranks.
+
+    `abandoned()` turns true once no prefill rank will ask for anything any more (every
+    one finished): the rooms still open, and those not sent yet, are then reported
+    failed at once instead of waiting out the bootstrap timeout for asks that cannot come.
+    """
     from transfer.sender import SenderPool
 
     source = ItemSource(sc.max_span, sc.hidden, sc.dtype)
@@ -137,15 +142,20 @@ def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finishe
         ) as pool:
             ready()
             go()
+            given_up = _GiveUp(abandoned)
             window: deque = deque()
             for index, room in enumerate(sc.rooms):
+                if given_up.now():
+                    report["rooms"].append(room)
+                    report["failed"].append((room, f"not sent: {ABANDONED}"))
+                    continue
                 span = sc.span_of(index)
                 ds = deep.item(room, span) if deep is not None else None
                 window.append(pool.send(room, source.item(room, span), ds))
                 if len(window) >= sc.inflight:
-                    _settle_send(window.popleft(), sc, report)
+                    _settle_send(window.popleft(), sc, report, given_up)
             while window:
-                _settle_send(window.popleft(), sc, report)
+                _settle_send(window.popleft(), sc, report, given_up)
             report["stats"] = pool.stats()
             report["bytes_written"] = _counter(report["stats"], "bytes_written_total")
             finished()
@@ -157,13 +167,53 @@ def _counter(stats: dict, name: str) -> int:
     return int(sum(stats.get("counters", {}).get(name, {}).values()))
 
 
-def _settle_send(handle, sc: Scenario, report: dict) -> None:
+#: Why an encode rank of a run stops waiting for its rooms' asks.
+ABANDONED = "every prefill rank had finished without it"
+
+#: How long an encode rank still waits for its open rooms once every prefill rank
+#: finished: a room whose Success a prefill rank already read concludes here at the
+#: same moment, so this only covers the report's way back.
+ABANDON_GRACE_S = 1.0
+
+
+class _GiveUp:
+    """An encode rank's view of `abandoned()`: when it turned true, and its grace from then."""
+
+    def __init__(self, abandoned) -> None:
+        self._abandoned = abandoned
+        self.grace_end: float | None = None
+
+    def now(self) -> bool:
+        """Whether nothing will ask for the rank's rooms any more."""
+        if self.grace_end is None and self._abandoned is not None and self._abandoned():
+            self.grace_end = time.monotonic() + ABANDON_GRACE_S
+        return self.grace_end is not None
+
+    def wait(self, handle, bound_s: float):
+        """The handle's status after waiting for it up to `bound_s`, or to the grace's end once abandoned."""
+        from transfer.status import TransferPoll
+
+        end = time.monotonic() + bound_s
+        while True:
+            if self.now():
+                end = min(end, self.grace_end)
+            left = max(0.0, end - time.monotonic())
+            # In slices when it may be abandoned, so that is seen within one.
+            status = handle.wait(left if self._abandoned is None else min(left, 0.1))
+            if status in (TransferPoll.Success, TransferPoll.Failed) or time.monotonic() >= end:
+                return status
+
+
+def _settle_send(handle, sc: Scenario, report: dict, given_up: _GiveUp | None = None) -> None:
     from transfer.status import TransferPoll
 
-    status = handle.wait(sc.bootstrap_timeout_s + sc.deadline_s + 5)
+    status = (given_up or _GiveUp(None)).wait(handle, sc.bootstrap_timeout_s + sc.deadline_s + 5)
     report["rooms"].append(handle.room)
     if status != TransferPoll.Success:
-        report["failed"].append((handle.room, handle.failure or f"still {status.name}"))
+        why = handle.failure
+        if why is None:
+            why = ABANDONED if given_up is not None and given_up.now() else f"still {status.name}"
+        report["failed"].append((handle.room, why))
     handle.clear()
 
 
@@ -356,7 +406,10 @@ def _rank_process(role, sc, rank, bootstrap_addr, results, ready_q, go_evt, fini
             if role == "encode":
                 done_evt.wait(sc.timeout_s)
 
-        results.put(body(sc, rank, bootstrap_addr, ready, go, finished))
+        if role == "encode":
+            results.put(body(sc, rank, bootstrap_addr, ready, go, finished, abandoned=done_evt.is_set))
+        else:
+            results.put(body(sc, rank, bootstrap_addr, ready, go, finished))
     except BaseException:  # noqa: BLE001 - the parent must hear about it
         text = traceback.format_exc()
         sys.stderr.write(text)

@@ -201,3 +201,14 @@ def test_a_bare_failed_from_a_peer_keeps_the_specs_reason():
     c = _asked(1)
     [conclusion] = [a for a in c.status(1.1, 1, Failed, 0) if isinstance(a, PrefillConclude)]
     assert conclusion.failure.detail == f"{ENCODE_FAILED} (encode rank 0 at {ENCODE[0]}:{ENCODE[1]})"
+
+
+def test_a_deadline_before_the_route_answered_names_the_encode_rank_and_its_bootstrap():
+    c = PrefillCore(0, 1, 1, host="10.0.0.3", status_port=5555, session_id="10.0.0.3:1234", deadline_s=0.001)
+    c.receive(0.0, RoomSpec(1, BOOT, 0x10000, rows=4, hidden=8, dtype="torch.float16", row_bytes=16,
+                            row_start=0, span=4, regions=_Regions()))
+    c.parallel_resolved(0.0, BOOT, 1, 1)  # the sizes came, the route look-up has not answered
+    [conclusion] = [a for a in c.tick(0.01) if isinstance(a, PrefillConclude)]
+    assert conclusion.failure.kind is FailureKind.DEADLINE
+    assert conclusion.failure.detail == (f"no status from encode rank 0 (bootstrap {BOOT}) within 0.001s for room 1 "
+                                         f"(its bootstrap look-up had not answered)")

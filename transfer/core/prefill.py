@@ -233,7 +233,9 @@ class _Room:
         """The encode rank this room waits on, for failure reasons."""
         if self.encode_rank is None:
             return f"its encode rank (bootstrap {self.spec.bootstrap_addr})"
-        host, port = self.addr or ("?", 0)
+        if self.addr is None:  # its route look-up had not answered
+            return f"encode rank {self.encode_rank} (bootstrap {self.spec.bootstrap_addr})"
+        host, port = self.addr
         return f"encode rank {self.encode_rank} at {host}:{port}"
 
 
