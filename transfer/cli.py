@@ -240,12 +240,15 @@ def _int_at_least(text: str, low: int, what: str) -> int:
     return value
 
 
-def _port(text: str) -> int:
-    """A TCP port, 0 (ephemeral) to 65535."""
-    value = _int_at_least(text, 0, "a port (0-65535)")
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
-    return value
+def _ports(text: str) -> int | str:
+    """A TCP port (0: any free one), or a range FIRST-LAST whose first free port is taken."""
+    from transfer.ports import parse_ports
+
+    try:
+        first, last = parse_ports(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return first if first == last else f"{first}-{last}"
 
 
 def _seconds(text: str) -> float:
@@ -405,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     boot = _subparser(sub, "bootstrap", "run the HTTP bootstrap server until interrupted", common)
     boot.add_argument("--host", default="127.0.0.1", help="address to bind")
-    boot.add_argument("--port", type=_port, default=8998, help="port to bind (0: any free port)")
+    boot.add_argument("--port", type=_ports, default=8998,
+                      help="port to bind (0: any free port), or a range FIRST-LAST: its first free port")
     boot.add_argument("--token", type=_token, default=_token_default(),
                       help="require 'Authorization: Bearer TOKEN' on PUT /route (default: $EPD_TOKEN, else none)")
     boot.set_defaults(func=_bootstrap)

@@ -24,6 +24,7 @@ from transfer.drive.prefill import PrefillDriver, Room
 from transfer.errors import ConfigError
 from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype
 from transfer.metrics import Metrics, zero_room_counters
+from transfer.ports import PortSpec, parse_ports
 
 __all__ = ["ENCODE_FAILED", "UNREACHABLE_RETRY_S", "ReceiveHandle", "RegionSet", "SessionManager"]
 
@@ -100,13 +101,14 @@ class SessionManager:
         deepstack_buffer: Any = None,
         pool: Any = None,
         host: str | None = None,
-        status_port: int = 0,
+        status_port: PortSpec = 0,
         deadline_s: float = 60.0,
         bootstrap_timeout_s: float = 2.0,
         integrity: bool = True,
         metrics: Metrics | None = None,
     ) -> None:
         check_parallel(engine_rank, tp_size, dp_size)
+        parse_ports(status_port)  # a bad setting fails before any memory is registered
         with _managed_lock:
             _refuse_shared_engine(engine)
         self.engine = engine

@@ -43,6 +43,7 @@ from transfer.frames import (
     status_frames,
 )
 from transfer.metrics import Metrics
+from transfer.ports import PortSpec
 from transfer.status import RoomTable, TransferPoll, is_terminal
 
 log = logging.getLogger("transfer.sender")
@@ -216,7 +217,7 @@ class _Flight:
 class EncodeDriver:
     """The thread that serves one EncodeCore: requests in, writes out, statuses pushed."""
 
-    def __init__(self, core: EncodeCore, engine: Any, engine_rank: int, host: str, port: int, book: RoomBook,
+    def __init__(self, core: EncodeCore, engine: Any, engine_rank: int, host: str, port: PortSpec, book: RoomBook,
                  sources: SourceRegistry, metrics: Metrics, *, integrity: bool = True,
                  clock=time.monotonic) -> None:
         self.core = core
@@ -229,7 +230,7 @@ class EncodeDriver:
         self.clock = clock
         self.commands: deque[tuple] = deque()  # posted by the caller's thread, taken by the driver's
         self.waker = _io.Waker()
-        self.pull, self.port = _io.pull_socket(host, port)
+        self.pull, self.port = _io.pull_socket(host, port, f"encode rank {engine_rank}'s request socket")
         self.statuses = _io.Pushers()
         self._complaints = _io.ThrottledLog(log)  # about requests peers sent, and the core's warnings
         self._flights: list[_Flight] = []

@@ -42,6 +42,7 @@ from transfer.core.prefill import (
 )
 from transfer.frames import UnreadableChecksum, WireError, parse_cancel_reply, parse_failure_reason, parse_status
 from transfer.metrics import Metrics
+from transfer.ports import PortSpec
 from transfer.status import RoomTable, TransferPoll
 
 __all__ = ["DRAIN_BATCH", "LOOKUP_THREADS", "PrefillDriver", "Room"]
@@ -103,7 +104,7 @@ class PrefillDriver:
         dp_size: int,
         *,
         host: str,
-        status_port: int,
+        status_port: PortSpec,
         session_id: str,
         deadline_s: float,
         bootstrap_timeout_s: float,
@@ -122,7 +123,8 @@ class PrefillDriver:
         self.conclusions = _io.Conclusions()
         self.rooms: dict[int, Room] = {}  # changed under _lock
         self._awaiting_safe: dict[int, Room] = {}  # cleared rooms by token, until their cancel is confirmed
-        self._status_sock, self.status_port = _io.pull_socket(host, status_port)
+        self._status_sock, self.status_port = _io.pull_socket(host, status_port,
+                                                              f"prefill rank {engine_rank}'s status socket")
         try:
             self.core = PrefillCore(engine_rank, tp_size, dp_size, host=host, status_port=self.status_port,
                                     session_id=session_id, deadline_s=deadline_s, integrity=integrity)
