@@ -140,8 +140,12 @@ def _rank(args: argparse.Namespace) -> int:
         deepstack=args.deepstack,
         inflight=args.inflight, protocol=args.protocol, host=args.host, integrity=not args.no_integrity,
         deadline_s=args.deadline, bootstrap_timeout_s=args.bootstrap_timeout,
-        token=args.token, timeout_s=args.timeout, first_room=args.first_room,
+        token=args.token, timeout_s=args.timeout, first_room=args.first_room, ports=args.ports,
     )
+    if args.protocol == "wire" and isinstance(args.ports, int) and args.ports:
+        print(f"--ports {args.ports} is one port, and a wire rank listens twice (its ZMQ socket and its wire "
+              f"listener): give a range FIRST-LAST", file=sys.stderr)
+        return 2
     if args.device and args.protocol == "wire":
         print(f"--device {args.device} names a Mooncake RDMA device; the wire protocol uses none "
               f"(unset EPD_DEVICE or pick another --protocol)", file=sys.stderr)
@@ -427,6 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--bootstrap-bind", default=None,
                       help="address the served bootstrap binds (default: the host of --bootstrap)")
     rank.add_argument("--host", default="127.0.0.1", help="this node's address (engine and sockets)")
+    rank.add_argument("--ports", type=_ports, default=0,
+                      help="port, or range FIRST-LAST, of this rank's listeners (its ZMQ socket and, with "
+                           "--protocol wire, its wire listener: consecutive free ports of the range); 0: any "
+                           "free port. Mooncake's own: MC_MIN_RPC_PORT/MC_MAX_RPC_PORT")
     rank.add_argument("--protocol", default="auto", choices=["auto", "tcp", "rdma", "wire"],
                       help="data path: auto (rdma when a device exists, else tcp), tcp, rdma, or our framed wire")
     rank.add_argument("--items", type=_positive_int, default=64, help="items (rooms) to move")

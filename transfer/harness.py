@@ -52,6 +52,7 @@ class Scenario:
     token: str | None = None
     timeout_s: float = 300.0  # the whole run's bound
     device: str = ""  # Mooncake RDMA device(s), e.g. "mlx5_0"; "": every device found
+    ports: int | str | tuple[int, int] = 0  # each rank's listeners (transfer.ports): 0, a port or a range
 
     def span_of(self, index: int) -> int:
         """The span of the index-th item."""
@@ -114,7 +115,7 @@ def make_engine(sc: Scenario):
     if sc.protocol == "wire":
         from transfer.wire_engine import WireEngine
 
-        return WireEngine(hostname=sc.host)
+        return WireEngine(hostname=sc.host, port=sc.ports)
     from transfer.engine import Engine
 
     return Engine(hostname=sc.host, protocol=sc.protocol, device_name=getattr(sc, "device", ""))
@@ -137,7 +138,7 @@ def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finishe
         if deep is not None:
             engine.register(deep.pool)
         with SenderPool(
-            engine, rank, sc.encode_ranks, 1, bootstrap_addr, host=sc.host, token=sc.token,
+            engine, rank, sc.encode_ranks, 1, bootstrap_addr, host=sc.host, port=sc.ports, token=sc.token,
             bootstrap_timeout_s=sc.bootstrap_timeout_s, integrity=sc.integrity,
         ) as pool:
             ready()
@@ -233,7 +234,7 @@ def prefill_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finish
     }
     with make_engine(sc) as engine, SessionManager(
         engine, rank, sc.prefill_ranks, 1, buffer=slots, deepstack_buffer=ds_slots, host=sc.host,
-        deadline_s=sc.deadline_s, integrity=sc.integrity,
+        status_port=sc.ports, deadline_s=sc.deadline_s, integrity=sc.integrity,
     ) as manager:
         ready()
         go()

@@ -111,3 +111,25 @@ def test_the_cli_takes_a_port_or_a_range_and_refuses_anything_else():
     assert parser.parse_args(["bootstrap"]).port == 8998
     with pytest.raises(argparse.ArgumentTypeError, match="must run from"):
         cli._ports("30100-30000")
+
+
+def test_a_rank_passes_its_port_range_to_its_scenario(monkeypatch, capsys):
+    seen = {}
+
+    def encode_rank(sc, rank, *args):
+        seen["ports"] = sc.ports
+        return {"role": "encode", "rank": rank, "rooms": [], "failed": []}
+
+    from transfer import harness
+
+    monkeypatch.setattr(harness, "encode_rank", encode_rank)
+    argv = ["rank", "--role", "encode", "--rank", "0", "--bootstrap", "127.0.0.1:1", "--ports", "30000-30009"]
+    assert cli.main(argv) == 0
+    assert seen["ports"] == "30000-30009"
+
+
+def test_a_wire_rank_refuses_one_port_for_its_two_listeners(capsys):
+    argv = ["rank", "--role", "encode", "--rank", "0", "--bootstrap", "127.0.0.1:1", "--protocol", "wire",
+            "--ports", "30000"]
+    assert cli.main(argv) == 2
+    assert "give a range FIRST-LAST" in capsys.readouterr().err
