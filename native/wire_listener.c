@@ -1100,8 +1100,9 @@ static void *accept_main(void *arg)
     return NULL;
 }
 
-/* Binds and listens on host:port; fills l->lfd and l->port, or returns -1 with a reason. */
-static int bind_listener(wl_listener *l, const char *host, int port, char *why, size_t whylen)
+/* Binds and listens on host:port; fills l->lfd and l->port, or returns -1 with a reason and sets
+ * *sys_err to the bind's errno (0 when the host did not resolve). */
+static int bind_listener(wl_listener *l, const char *host, int port, char *why, size_t whylen, int *sys_err)
 {
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
     struct addrinfo *res = NULL;
@@ -1132,6 +1133,7 @@ static int bind_listener(wl_listener *l, const char *host, int port, char *why, 
     freeaddrinfo(res);
     if (l->lfd < 0) {
         snprintf(why, whylen, "wire listener: cannot listen on %s:%d: %s", host, port, strerror(err));
+        *sys_err = err;
         return -1;
     }
     struct sockaddr_storage ss;
@@ -1290,13 +1292,15 @@ PyObject *epd_py_wire_listen(PyObject *self, PyObject *args, PyObject *kwargs)
     pthread_rwlock_init(&l->regions_lock, &attr);
     pthread_rwlockattr_destroy(&attr);
     char why[REASON_MAX];
-    int rc;
+    int rc, sys_err = 0;
     Py_BEGIN_ALLOW_THREADS
-    rc = bind_listener(l, host, port, why, sizeof why);
+    rc = bind_listener(l, host, port, why, sizeof why, &sys_err);
     Py_END_ALLOW_THREADS
     if (rc < 0 || pipe2(l->wake, O_CLOEXEC) < 0) {
-        if (rc == 0)
-            snprintf(why, sizeof why, "wire listener: pipe: %s", strerror(errno));
+        if (rc == 0) {
+            sys_err = errno;
+            snprintf(why, sizeof why, "wire listener: pipe: %s", strerror(sys_err));
+        }
         l->closed = 1;
         if (l->lfd >= 0)
             close(l->lfd);
@@ -1304,7 +1308,12 @@ PyObject *epd_py_wire_listen(PyObject *self, PyObject *args, PyObject *kwargs)
         pthread_mutex_destroy(&l->lock);
         free(l->conns);
         free(l);
-        PyErr_SetString(PyExc_OSError, why);
+        /* OSError(errno, text): a caller binding the first free port of a range tells "in use" apart. */
+        PyObject *exc_args = sys_err ? Py_BuildValue("(is)", sys_err, why) : Py_BuildValue("(s)", why);
+        if (exc_args != NULL) {
+            PyErr_SetObject(PyExc_OSError, exc_args);
+            Py_DECREF(exc_args);
+        }
         return NULL;
     }
     if (pthread_create(&l->accept_thread, NULL, accept_main, l) != 0) {

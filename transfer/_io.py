@@ -18,6 +18,7 @@ from typing import Any
 import zmq
 
 from transfer import config
+from transfer.ports import PortSpec, bind_port
 
 log = logging.getLogger("transfer")
 
@@ -164,19 +165,26 @@ class ControlListener(zmq.Socket):
     message to MAX_CONTROL_MESSAGE bytes and MAX_CONTROL_PARTS parts."""
 
 
-def pull_socket(host: str, port: int) -> tuple[zmq.Socket, int]:
-    """A ControlListener bound to exactly `host` (port 0: ephemeral); returns it and its port."""
+def pull_socket(host: str, port: PortSpec, what: str = "control socket") -> tuple[zmq.Socket, int]:
+    """A ControlListener bound to exactly `host` on `port` (0: any free one; a range: its first free
+    one, see transfer.ports); returns it and its port. `what` names it in a range's error."""
     sock = context().socket(zmq.PULL, socket_class=ControlListener)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
     sock.setsockopt(zmq.RCVHWM, LISTENER_HWM)
-    address = f"tcp://{zmq_host(host)}:{port}"
-    if port == 0:
-        bound = sock.bind_to_random_port(f"tcp://{zmq_host(host)}")
-    else:
-        sock.bind(address)
-        bound = port
-    return sock, bound
+    base = f"tcp://{zmq_host(host)}"
+
+    def bind(number: int) -> int:
+        if number == 0:
+            return sock.bind_to_random_port(base)
+        sock.bind(f"{base}:{number}")
+        return number
+
+    try:
+        return sock, bind_port(port, bind, f"{what} on {host}")
+    except BaseException:
+        sock.close()
+        raise
 
 
 def push_socket(host: str, port: int, hwm: int = STATUS_HWM, immediate: bool = False,

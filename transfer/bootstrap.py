@@ -38,6 +38,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from transfer._http import BoundedHTTPServer, DeadlineReader, OneDeadlineHandler
 from transfer.errors import BootstrapError, BootstrapUnreachable, ConfigError
+from transfer.ports import PortSpec, bind_port
 
 log = logging.getLogger(__name__)
 
@@ -287,9 +288,16 @@ class _HTTPServer(BoundedHTTPServer):
 class BootstrapServer:
     """The bootstrap HTTP server, serving on its own thread from construction until close()."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 8998, token: str | None = None) -> None:
-        """Bind host:port (0: ephemeral) and start serving; ready on return. OSError when it cannot bind."""
-        self._server = _HTTPServer.for_host(host)((host, port), _Handler)
+    def __init__(self, host: str = "127.0.0.1", port: PortSpec = 8998, token: str | None = None) -> None:
+        """Bind host:port and start serving; ready on return.
+
+        `port`: a port, 0 (any free one), or a range, `(30000, 30100)` or `"30000-30100"`
+        (its first free port; `.port` says which). OSError when it cannot bind
+        (`PortsInUse` when no port of the range is free).
+        """
+        server_class = _HTTPServer.for_host(host)
+        self._server = bind_port(port, lambda number: server_class((host, number), _Handler),
+                                 f"bootstrap server on {host}")
         self._server.table = _RouteTable()
         self._server.token = token or None
         self.host = host

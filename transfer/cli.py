@@ -141,8 +141,12 @@ def _rank(args: argparse.Namespace) -> int:
         deepstack=args.deepstack,
         inflight=args.inflight, protocol=args.protocol, host=args.host, integrity=not args.no_integrity,
         deadline_s=args.deadline, fanout_timeout_s=args.bootstrap_timeout,
-        token=args.token, timeout_s=args.timeout, first_room=args.first_room,
+        token=args.token, timeout_s=args.timeout, first_room=args.first_room, ports=args.ports,
     )
+    if args.protocol == "wire" and isinstance(args.ports, int) and args.ports:
+        print(f"--ports {args.ports} is one port, and a wire rank listens twice (its ZMQ socket and its wire "
+              f"listener): give a range FIRST-LAST", file=sys.stderr)
+        return 2
     if args.device and args.protocol == "wire":
         print(f"--device {args.device} names a Mooncake RDMA device; the wire protocol uses none "
               f"(unset EPD_DEVICE or pick another --protocol)", file=sys.stderr)
@@ -241,12 +245,15 @@ def _int_at_least(text: str, low: int, what: str) -> int:
     return value
 
 
-def _port(text: str) -> int:
-    """A TCP port, 0 (ephemeral) to 65535."""
-    value = _int_at_least(text, 0, "a port (0-65535)")
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
-    return value
+def _ports(text: str) -> int | str:
+    """A TCP port (0: any free one), or a range FIRST-LAST whose first free port is taken."""
+    from transfer.ports import parse_ports
+
+    try:
+        first, last = parse_ports(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return first if first == last else f"{first}-{last}"
 
 
 def _seconds(text: str) -> float:
@@ -407,7 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     boot = _subparser(sub, "bootstrap", "run the HTTP bootstrap server until interrupted", common)
     boot.add_argument("--host", default="127.0.0.1", help="address to bind")
-    boot.add_argument("--port", type=_port, default=8998, help="port to bind (0: any free port)")
+    boot.add_argument("--port", type=_ports, default=8998,
+                      help="port to bind (0: any free port), or a range FIRST-LAST: its first free port")
     boot.add_argument("--token", type=_token, default=_token_default(),
                       help="require 'Authorization: Bearer TOKEN' on PUT /route (default: $EPD_TOKEN, else none)")
     boot.set_defaults(func=_bootstrap)
@@ -425,6 +433,10 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--bootstrap-bind", default=None,
                       help="address the served bootstrap binds (default: the host of --bootstrap)")
     rank.add_argument("--host", default="127.0.0.1", help="this node's address (engine and sockets)")
+    rank.add_argument("--ports", type=_ports, default=0,
+                      help="port, or range FIRST-LAST, of this rank's listeners (its ZMQ socket and, with "
+                           "--protocol wire, its wire listener: consecutive free ports of the range); 0: any "
+                           "free port. Mooncake's own: MC_MIN_RPC_PORT/MC_MAX_RPC_PORT")
     rank.add_argument("--protocol", default="auto", choices=["auto", "tcp", "rdma", "wire"],
                       help="data path: auto (rdma when a device exists, else tcp), tcp, rdma, or our framed wire")
     rank.add_argument("--items", type=_positive_int, default=64, help="items (rooms) to move")

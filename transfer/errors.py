@@ -18,6 +18,7 @@ __all__ = [
     "EngineError",
     "EngineUnavailable",
     "FallbackLimitError",
+    "PortsInUse",
     "SlotError",
     "TransferError",
     "WireError",
@@ -66,3 +67,7 @@ class FallbackLimitError(TransferError, RuntimeError):
     A RuntimeError, like the error a failed allocation of the buffer raises, so callers
     that already handle one handle both; catch this one to tell "over budget" apart.
     """
+
+
+class PortsInUse(TransferError, OSError):
+    """Every port of a listener's port range is in use (errno EADDRINUSE, as for one port)."""

@@ -28,6 +28,8 @@ __all__ = [
     "TRANSFER_INFO_PARTS",
     "Cancel",
     "CancelReply",
+    "FAILURE_MARKER",
+    "MAX_REASON_BYTES",
     "Registration",
     "TransferInfo",
     "UnreadableChecksum",
@@ -43,6 +45,7 @@ __all__ = [
     "normalize_dtype",
     "parse_cancel",
     "parse_cancel_reply",
+    "parse_failure_reason",
     "parse_registration",
     "parse_status",
     "registration_frames",
@@ -66,6 +69,14 @@ CANCEL_PARTS = 5
 #: Only a rank that sent a cancel is ever sent one.
 CANCEL_CONFIRMED = b"cancel-confirmed"  # nothing was or will be written into that receiver's memory now
 CANCEL_TOO_LATE = b"cancel-too-late"  # a write was in flight; a cancel-confirmed follows once it is over
+#: Why the encode side failed a room (docs/protocol.md 8): a Failed status whose part 3 is this
+#: marker carries the encode side's failure kind in part 4 and its detail in part 5. Six parts,
+#: so it is never taken for a cancel's answer (exactly four); a peer reads the first three.
+FAILURE_MARKER = b"failure"
+#: The reason's bounds, on both ends: a detail is cut to this many bytes (UTF-8) when sent and
+#: when read, and a kind is a short token, so no peer can make a receiver log more than that.
+MAX_REASON_BYTES = 512
+MAX_REASON_KIND = 32
 
 #: Regions our encode ranks remember per prefill session, newest announcement last (a
 #: main buffer plus per-item fallbacks). Our prefill side announces a region again before
@@ -494,8 +505,13 @@ def parse_registration(frames: Sequence[object]) -> Registration:
 # ---------------------------------------------------------------- Status (4.3, 8)
 
 
-def status_frames(room: int, status: TransferPoll | int, rank: int, checksums: Iterable[int] = ()) -> list[bytes]:
-    """Encode a status: 3 parts, plus one ASCII u64 per checksum (embedding, then deepstack)."""
+def status_frames(room: int, status: TransferPoll | int, rank: int, checksums: Iterable[int] = (),
+                  reason: tuple[str, str] | None = None) -> list[bytes]:
+    """Encode a status: 3 parts, plus one ASCII u64 per checksum (embedding, then deepstack).
+
+    `reason` (kind, detail), on a Failed status only, adds the failure-reason parts
+    instead: the marker, the kind and the detail cut to MAX_REASON_BYTES.
+    """
     checksums = tuple(checksums)
     if len(checksums) > MAX_CHECKSUMS:
         raise WireError(f"at most {MAX_CHECKSUMS} checksums, got {len(checksums)}")
@@ -504,6 +520,14 @@ def status_frames(room: int, status: TransferPoll | int, rank: int, checksums: I
         raise WireError("unknown status")
     parts = [_encode_room(room), encoded_status, _encode_int(rank, "rank")]
     parts.extend(_encode_int(c, "checksum", 0, _U64_MAX) for c in checksums)
+    if reason is not None:
+        if int(encoded_status) != TransferPoll.Failed or checksums:
+            raise WireError("only a Failed status without checksums carries a reason")
+        kind, detail = reason
+        if not _REASON_KIND.fullmatch(kind):
+            raise WireError(f"a reason's kind is a lower-case token of at most {MAX_REASON_KIND} characters, "
+                            f"got {kind[:MAX_REASON_KIND]!r}")
+        parts += [FAILURE_MARKER, kind.encode("ascii"), _cut_detail(detail)]
     return parts
 
 
@@ -528,11 +552,53 @@ def parse_status(frames: Sequence[object]) -> tuple[int, TransferPoll, int, tupl
     if code not in TransferPoll._value2member_map_:
         raise WireError("unknown status")
     rank = _decimal(parts[2], "rank")
+    if code == TransferPoll.Failed and len(parts) > STATUS_PARTS and parts[STATUS_PARTS] == FAILURE_MARKER:
+        return room, TransferPoll.Failed, rank, ()  # a reason, not checksums: parse_failure_reason reads it
     try:
         checksums = tuple(_decimal(p, "checksum", 0, _U64_MAX) for p in parts[STATUS_PARTS:])
     except WireError as exc:
         raise UnreadableChecksum(str(exc), room, TransferPoll(code), rank) from None
     return room, TransferPoll(code), rank, checksums
+
+
+def parse_failure_reason(frames: Sequence[object]) -> tuple[str, str] | None:
+    """The (kind, detail) a Failed status carries (ours, docs/protocol.md 8), or None when it carries none.
+
+    Never raises: the status itself already said Failed, and a reason that does not
+    parse must not cost the room that conclusion. What a peer sent is bounded (a kind
+    of at most MAX_REASON_KIND characters, a detail of at most MAX_REASON_BYTES bytes)
+    and made printable, since it goes into logs and failure texts.
+    """
+    try:
+        frames = list(frames)
+        if len(frames) <= STATUS_PARTS or _part(frames[STATUS_PARTS]) != FAILURE_MARKER:
+            return None
+        kind = _part(frames[STATUS_PARTS + 1]) if len(frames) > STATUS_PARTS + 1 else b""
+        detail = _part(frames[STATUS_PARTS + 2]) if len(frames) > STATUS_PARTS + 2 else b""
+    except TypeError:
+        return None
+    kind_text = _printable(kind[:MAX_REASON_KIND].decode("ascii", "replace"))
+    # A character the cut splits (or any invalid byte) reads as U+FFFD.
+    detail_text = _printable(detail[:MAX_REASON_BYTES].decode("utf-8", "replace"))
+    if len(detail) > MAX_REASON_BYTES:
+        detail_text += "..."
+    return kind_text or "other", detail_text
+
+
+_REASON_KIND = re.compile(rf"[a-z][a-z0-9_]{{0,{MAX_REASON_KIND - 1}}}")
+
+
+def _cut_detail(detail: str) -> bytes:
+    """A reason's detail as UTF-8, cut (marked `...`) to MAX_REASON_BYTES without splitting a character."""
+    data = detail.encode("utf-8", "replace")
+    if len(data) <= MAX_REASON_BYTES:
+        return data
+    return data[:MAX_REASON_BYTES - 3].decode("utf-8", "ignore").encode("utf-8") + b"..."
+
+
+def _printable(text: str) -> str:
+    """Text with every non-printable character (newlines, escapes, controls) shown as `?`."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
 
 
 # ---------------------------------------------------------------- Cancel (ours, docs/protocol.md 8)

@@ -52,6 +52,7 @@ class Scenario:
     token: str | None = None
     timeout_s: float = 300.0  # the whole run's bound
     device: str = ""  # Mooncake RDMA device(s), e.g. "mlx5_0"; "": every device found
+    ports: int | str | tuple[int, int] = 0  # each rank's listeners (transfer.ports): 0, a port or a range
 
     def span_of(self, index: int) -> int:
         """The span of the index-th item."""
@@ -114,14 +115,19 @@ def make_engine(sc: Scenario):
     if sc.protocol == "wire":
         from transfer.wire_engine import WireEngine
 
-        return WireEngine(hostname=sc.host)
+        return WireEngine(hostname=sc.host, port=sc.ports)
     from transfer.engine import Engine
 
     return Engine(hostname=sc.host, protocol=sc.protocol, device_name=getattr(sc, "device", ""))
 
 
-def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finished) -> dict:
-    """Body of one encode rank: offers every room's item to its block of prefill ranks."""
+def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finished, abandoned=None) -> dict:
+    """Body of one encode rank: offers every room's item to its block of prefill ranks.
+
+    `abandoned()` turns true once no prefill rank will ask for anything any more (every
+    one finished): the rooms still open, and those not sent yet, are then reported
+    failed at once instead of waiting out the fanout timeout for asks that cannot come.
+    """
     from transfer.metrics import total as metric_total
     from transfer.sender import SenderPool
 
@@ -133,33 +139,78 @@ def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finishe
         if deep is not None:
             engine.register(deep.pool)
         with SenderPool(
-            engine, rank, sc.encode_ranks, 1, bootstrap_addr, host=sc.host, token=sc.token,
+            engine, rank, sc.encode_ranks, 1, bootstrap_addr, host=sc.host, port=sc.ports, token=sc.token,
             fanout_timeout_s=sc.fanout_timeout_s, integrity=sc.integrity,
         ) as pool:
             ready()
             go()
+            given_up = _GiveUp(abandoned)
             window: deque = deque()
             for index, room in enumerate(sc.rooms):
+                if given_up.now():
+                    report["rooms"].append(room)
+                    report["failed"].append((room, f"not sent: {ABANDONED}"))
+                    continue
                 span = sc.span_of(index)
                 ds = deep.item(room, span) if deep is not None else None
                 window.append(pool.send(room, source.item(room, span), ds))
                 if len(window) >= sc.inflight:
-                    _settle_send(window.popleft(), sc, report)
+                    _settle_send(window.popleft(), sc, report, given_up)
             while window:
-                _settle_send(window.popleft(), sc, report)
+                _settle_send(window.popleft(), sc, report, given_up)
             report["stats"] = pool.stats()
             report["bytes_written"] = int(metric_total(report["stats"], pool.metrics.full_name("bytes_written_total")))
             finished()
     return report
 
 
-def _settle_send(handle, sc: Scenario, report: dict) -> None:
+#: Why an encode rank of a run stops waiting for its rooms' asks.
+ABANDONED = "every prefill rank had finished without it"
+
+#: How long an encode rank still waits for its open rooms once every prefill rank
+#: finished: a room whose Success a prefill rank already read concludes here at the
+#: same moment, so this only covers the report's way back.
+ABANDON_GRACE_S = 1.0
+
+
+class _GiveUp:
+    """An encode rank's view of `abandoned()`: when it turned true, and its grace from then."""
+
+    def __init__(self, abandoned) -> None:
+        self._abandoned = abandoned
+        self.grace_end: float | None = None
+
+    def now(self) -> bool:
+        """Whether nothing will ask for the rank's rooms any more."""
+        if self.grace_end is None and self._abandoned is not None and self._abandoned():
+            self.grace_end = time.monotonic() + ABANDON_GRACE_S
+        return self.grace_end is not None
+
+    def wait(self, handle, bound_s: float):
+        """The handle's status after waiting for it up to `bound_s`, or to the grace's end once abandoned."""
+        from transfer.status import TransferPoll
+
+        end = time.monotonic() + bound_s
+        while True:
+            if self.now():
+                end = min(end, self.grace_end)
+            left = max(0.0, end - time.monotonic())
+            # In slices when it may be abandoned, so that is seen within one.
+            status = handle.wait(left if self._abandoned is None else min(left, 0.1))
+            if status in (TransferPoll.Success, TransferPoll.Failed) or time.monotonic() >= end:
+                return status
+
+
+def _settle_send(handle, sc: Scenario, report: dict, given_up: _GiveUp | None = None) -> None:
     from transfer.status import TransferPoll
 
-    status = handle.wait(sc.fanout_timeout_s + sc.deadline_s + 5)
+    status = (given_up or _GiveUp(None)).wait(handle, sc.fanout_timeout_s + sc.deadline_s + 5)
     report["rooms"].append(handle.room)
     if status != TransferPoll.Success:
-        report["failed"].append((handle.room, handle.failure or f"still {status.name}"))
+        why = handle.failure
+        if why is None:
+            why = ABANDONED if given_up is not None and given_up.now() else f"still {status.name}"
+        report["failed"].append((handle.room, why))
     handle.clear()
 
 
@@ -179,7 +230,7 @@ def prefill_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finish
     }
     with make_engine(sc) as engine, SessionManager(
         engine, rank, sc.prefill_ranks, 1, buffer=slots, deepstack_buffer=ds_slots, host=sc.host,
-        deadline_s=sc.deadline_s, integrity=sc.integrity,
+        status_port=sc.ports, deadline_s=sc.deadline_s, integrity=sc.integrity,
     ) as manager:
         ready()
         go()
@@ -352,7 +403,10 @@ def _rank_process(role, sc, rank, bootstrap_addr, results, ready_q, go_evt, fini
             if role == "encode":
                 done_evt.wait(sc.timeout_s)
 
-        results.put(body(sc, rank, bootstrap_addr, ready, go, finished))
+        if role == "encode":
+            results.put(body(sc, rank, bootstrap_addr, ready, go, finished, abandoned=done_evt.is_set))
+        else:
+            results.put(body(sc, rank, bootstrap_addr, ready, go, finished))
     except BaseException:  # noqa: BLE001 - the parent must hear about it
         text = traceback.format_exc()
         sys.stderr.write(text)

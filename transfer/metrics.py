@@ -22,6 +22,7 @@ from http.server import BaseHTTPRequestHandler
 from transfer._http import BoundedHTTPServer, OneDeadlineHandler
 from transfer.core.failure import FailureKind
 from transfer.errors import ConfigError
+from transfer.ports import PortSpec, bind_port
 
 log = logging.getLogger(__name__)
 
@@ -414,7 +415,7 @@ class Metrics:
 
     # ---- exposing --------------------------------------------------------
 
-    def serve(self, host: str = "127.0.0.1", port: int = 0) -> MetricsServer:
+    def serve(self, host: str = "127.0.0.1", port: PortSpec = 0) -> MetricsServer:
         """Start a /metrics endpoint for this set in a daemon thread; close() stops it."""
         return MetricsServer([self], host=host, port=port)
 
@@ -483,9 +484,13 @@ class MetricsServer:
     most `max_connections` served at once (503 beyond, at once).
     """
 
-    def __init__(self, sources: list[Metrics], host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, sources: list[Metrics], host: str = "127.0.0.1", port: PortSpec = 0,
                  max_connections: int = 64, request_timeout_s: float = 10.0) -> None:
-        """Bind and start serving in a daemon thread."""
+        """Bind host:port and start serving in a daemon thread.
+
+        `port`: a port, 0 (any free one), or a range, `(9400, 9410)` or `"9400-9410"` (its
+        first free port; `.port` says which); `PortsInUse` when none of it is free.
+        """
         self.sources = list(sources)
         seen: set[str] = set()
         for source in self.sources:
@@ -498,7 +503,9 @@ class MetricsServer:
                                  f"give each its own (Metrics(namespace=...))")
             seen.add(source.namespace)
         handler = _make_handler(self, request_timeout_s)
-        self._httpd = _MetricsHTTPServer.for_host(host)((host, port), handler)
+        server_class = _MetricsHTTPServer.for_host(host)
+        self._httpd = bind_port(port, lambda number: server_class((host, number), handler),
+                                f"metrics endpoint on {host}")
         self._httpd.max_handlers = max_connections
         self.host, self.port = self._httpd.server_address[:2]
         self._thread = threading.Thread(
@@ -542,7 +549,7 @@ class _MetricsHTTPServer(BoundedHTTPServer):
     log = logging.getLogger(__name__)  # request errors go to this module's log
 
 
-def serve(*sources: Metrics, host: str = "127.0.0.1", port: int = 0) -> MetricsServer:
+def serve(*sources: Metrics, host: str = "127.0.0.1", port: PortSpec = 0) -> MetricsServer:
     """Serve several Metrics (e.g. session manager and sender pool) on one /metrics endpoint."""
     return MetricsServer(list(sources), host=host, port=port)
 

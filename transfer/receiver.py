@@ -25,6 +25,7 @@ from transfer.drive.prefill import PrefillDriver, Room
 from transfer.errors import ConfigError
 from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype
 from transfer.metrics import Metrics, declare_role
+from transfer.ports import PortSpec, parse_ports
 
 __all__ = ["ENCODE_FAILED", "UNREACHABLE_RETRY_S", "ReceiveHandle", "RegionSet", "SessionManager"]
 
@@ -101,7 +102,7 @@ class SessionManager:
         deepstack_buffer: Any = None,
         pool: Any = None,
         host: str | None = None,
-        status_port: int = 0,
+        status_port: PortSpec = 0,
         deadline_s: float | None = None,
         lookup_timeout_s: float | None = None,
         integrity: bool = True,
@@ -117,6 +118,7 @@ class SessionManager:
                                           "lookup_timeout_s", lookup_timeout_s)
         deadline_s = config.resolve("EPD_DEADLINE_S", deadline_s)
         lookup_timeout_s = config.resolve("EPD_LOOKUP_TIMEOUT_S", lookup_timeout_s)
+        parse_ports(status_port)  # a bad setting fails before any memory is registered
         with _managed_lock:
             _refuse_shared_engine(engine)
         self.engine = engine

@@ -29,6 +29,7 @@ from transfer.frames import (
     dtype_size,
 )
 from transfer.metrics import Metrics, declare_role
+from transfer.ports import PortSpec
 from transfer.status import TransferPoll
 
 __all__ = ["DEAD_AFTER_S", "DEAD_SESSION_MAX_S", "DEAD_SESSION_S", "DEAD_STALL_FACTOR", "MAX_REGIONS_PER_SESSION",
@@ -72,7 +73,7 @@ class SenderPool:
         bootstrap_addr: str,
         *,
         host: str | None = None,
-        port: int = 0,
+        port: PortSpec = 0,
         token: str | None = None,
         fanout_timeout_s: float | None = None,
         register_timeout_s: float | None = None,

@@ -84,6 +84,7 @@ from typing import Any
 from transfer import _io, _native, wire
 from transfer.engine import RegisteredMemory, _buffer_span
 from transfer.errors import ConfigError, EngineError
+from transfer.ports import PortSpec, bind_port
 
 log = logging.getLogger(__name__)
 
@@ -305,12 +306,13 @@ class WireEngine(RegisteredMemory):
     protocol = "wire"
     protocol_reason = "requested"
 
-    def __init__(self, hostname: str = "127.0.0.1", port: int = 0, *, recv_timeout_s: float = 30.0,
+    def __init__(self, hostname: str = "127.0.0.1", port: PortSpec = 0, *, recv_timeout_s: float = 30.0,
                  idle_timeout_s: float = 300.0, reply_timeout_s: float = 60.0,
                  connect_timeout_s: float = 10.0, chunk_bytes: int = CHUNK_BYTES,
                  max_connections: int = 64, first_byte_timeout_s: float | None = None,
                  writers_per_peer: int = WRITERS_PER_PEER, evict_after_s: float = 1.0) -> None:
-        """Starts the listener on hostname:port (0: ephemeral); chunk_bytes is both the LAYER
+        """Starts the listener on hostname:port (0: any free port; a range such as `(30000, 30100)`
+        or `"30000-30100"`: its first free one, `PortsInUse` when none is); chunk_bytes is both the LAYER
         size we send and the largest we accept, so peers must agree on it. A fresh connection
         that sends nothing for first_byte_timeout_s (None: the listener's 10 s; never more than
         idle_timeout_s) is closed; with every connection slot taken, one evict_after_s behind
@@ -324,11 +326,10 @@ class WireEngine(RegisteredMemory):
         self.chunk_bytes = int(chunk_bytes)
         self.reply_timeout_s = reply_timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self._listener = _native.wire_listen(hostname, int(port), float(recv_timeout_s),
-                                             float(idle_timeout_s), self.chunk_bytes, int(max_connections),
-                                             first_byte_timeout=-1.0 if first_byte_timeout_s is None
-                                             else float(first_byte_timeout_s),
-                                             evict_after=float(evict_after_s))
+        self._listener = bind_port(port, lambda number: _native.wire_listen(
+            hostname, number, float(recv_timeout_s), float(idle_timeout_s), self.chunk_bytes, int(max_connections),
+            first_byte_timeout=-1.0 if first_byte_timeout_s is None else float(first_byte_timeout_s),
+            evict_after=float(evict_after_s)), f"wire listener on {hostname}")
         self.port = _native.wire_listener_port(self._listener)
         self.rpc_port = self.port
         self.session_id = f"{hostname}:{self.port}"

@@ -446,7 +446,9 @@ def test_destination_outside_the_announced_region_is_refused(bootstrap, encoder)
         # Starts inside the announced region, ends past it (still in registered memory).
         raw.ask(outside, raw.base + announced - ROW, SPAN, HIDDEN, SPAN)
         encoder.call("send", [outside], SPAN, HIDDEN)
-        assert raw.statuses(1, 5.0) == [[str(outside).encode(), b"0", b"0"]]
+        [status] = raw.statuses(1, 5.0)
+        assert status[:5] == [str(outside).encode(), b"0", b"0", b"failure", b"region"], status
+        assert b"outside registered region" in status[5]
         sent = encoder.call("wait", [outside], 5.0)[outside]
         assert sent[0] == "Failed" and "outside registered region" in sent[1], sent
         assert raw.untouched(), "the refused room wrote bytes"
@@ -462,7 +464,9 @@ def test_destination_outside_the_announced_region_is_refused(bootstrap, encoder)
         raw.register(None)
         raw.ask(forged, raw.base + announced, SPAN, HIDDEN, SPAN)
         encoder.call("send", [forged], SPAN, HIDDEN)
-        assert raw.statuses(1, 5.0) == [[str(forged).encode(), b"0", b"0"]]
+        [status] = raw.statuses(1, 5.0)
+        assert status[:5] == [str(forged).encode(), b"0", b"0", b"failure", b"region"], status
+        assert b"outside registered region" in status[5]
         sent = encoder.call("wait", [forged], 5.0)[forged]
         assert sent[0] == "Failed" and "outside registered region" in sent[1], sent
         assert bool((raw.buffer[ITEM:] == SENTINEL).all()), "the refused room wrote bytes"

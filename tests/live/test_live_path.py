@@ -218,11 +218,12 @@ def test_encode_statuses_match_the_spec_layouts(engine, encoder):
         encoder.call("send", [52], span, hidden)
         statuses = sorted(raw.statuses(2, 5.0))
         emb, deep = item_bytes(51, item), item_bytes(51, item * k, seed=1)
-        assert statuses == [
-            # SPEC.md 4.3 + section 8: room, Success, encode rank, then both checksums.
-            [b"51", b"5", b"0", str(layer_sum(emb)).encode(), str(layer_sum(deep)).encode()],
-            [b"52", b"0", b"0"],  # Failed: exactly the peers' 3 parts
-        ]
+        assert statuses[0] == [  # SPEC.md 4.3 + section 8: room, Success, encode rank, then both checksums.
+            b"51", b"5", b"0", str(layer_sum(emb)).encode(), str(layer_sum(deep)).encode()]
+        # Failed: the peers' 3 parts, then why (section 8), which peers do not read.
+        assert statuses[1][:3] == [b"52", b"0", b"0"]
+        assert statuses[1][3:5] == [b"failure", b"geometry"]
+        assert f"hidden {hidden // 2} != item hidden {hidden}".encode() in statuses[1][5]
         landed = raw.buffer.numpy()
         assert bytes(landed[:item]) == bytes(emb) and bytes(landed[item:]) == bytes(deep)
         sent = encoder.call("wait", [51, 52], 5.0)

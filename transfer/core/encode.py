@@ -103,6 +103,7 @@ class PushStatus:
     status: TransferPoll
     checksums: tuple[int, ...] = ()
     cancel: bool | None = None  # a cancel's answer: True confirmed (memory safe), False a write was in flight
+    failure: Failure | None = None  # why, on a Failed status (sent in its reason parts, docs/protocol.md 8)
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,7 @@ class _Room:
     receivers: list[TransferInfo] = field(default_factory=list)
     pending: int = 0  # receivers whose write is queued or in flight
     failed: bool = False
+    failure: Failure | None = None  # why it failed, told to every receiver
     succeeded: bool = False  # every receiver was served: nothing may tell them Failed any more
     released: bool = False
     asked_at: float = 0.0  # the room's first ask: bounds how long its writes may wait
@@ -307,12 +309,15 @@ class EncodeCore:
         if admission.refused:
             self._warn("receivers", "room %d: more than %d receivers asked; telling %s Failed",
                        info.room, self.parked.max_receivers, info.session_id[:64])
-            self._tell_failed([info])
+            self._tell_failed([info], Failure(FailureKind.GEOMETRY, f"room {info.room}: more than "
+                                                                    f"{self.parked.max_receivers} receivers asked"))
             return self._flush(now)
         for asks in admission.evicted:
             self._warn("parked", "room %d: %d rooms (%d bytes of asks) were asked for and not served yet; "
                        "failing the oldest ask", asks.room, len(self.parked) + 1, self.parked.nbytes + asks.nbytes)
-            self._tell_failed(asks.infos.values())
+            self._tell_failed(asks.infos.values(), Failure(
+                FailureKind.OTHER, f"room {asks.room}: dropped unserved, the oldest of more than {len(self.parked)} "
+                                   f"rooms asked for and not served yet"))
         self._dispatch(info.room, now)
         return self._flush(now)
 
@@ -436,7 +441,7 @@ class EncodeCore:
         self._close_detail = detail
         self._clears_due.clear()
         for asks in self.parked.take_all():
-            self._tell_failed(asks.infos.values())
+            self._tell_failed(asks.infos.values(), Failure(FailureKind.CLOSED, f"room {asks.room}: {detail}"))
         for room in list(self._rooms.values()):
             self._fail(room, FailureKind.CLOSED, detail, now)
         for job in self.scheduler.take_all():  # every room is failed now: these only count out
@@ -546,7 +551,7 @@ class EncodeCore:
         self.parked.take(room_number)
         infos = sorted(asks.infos.values(), key=lambda i: (i.row_start, i.session_id))
         if room.failed:
-            self._tell_failed(infos)
+            self._tell_failed(infos, room.failure)
             return
         room.receivers = infos
         self._unserved.discard(room_number)
@@ -702,9 +707,10 @@ class EncodeCore:
         if room.failed or room.succeeded:
             return  # a Failed after their Success would undo it (Failed is sticky on the wire)
         room.failed = True
+        room.failure = Failure(kind, detail)
         self._unserved.discard(room.room)
-        self._tell_failed(room.receivers)
-        self._conclude(room, TransferPoll.Failed, Failure(kind, detail), now)
+        self._tell_failed(room.receivers, room.failure)
+        self._conclude(room, TransferPoll.Failed, room.failure, now)
 
     def _conclude(self, room: _Room, status: TransferPoll, failure: Failure | None, now: float) -> None:
         self._out.append(Conclude(room.room, room.offer.token, status, failure, now))
@@ -732,7 +738,9 @@ class EncodeCore:
                    "asked: %s); telling them Failed. Are the other ranks of the fanout running and routed to this "
                    "encode rank, or was the room cleared too early?", room_number, len(asks.infos), asks.fanout,
                    sessions)
-        self._tell_failed(asks.infos.values())
+        self._tell_failed(asks.infos.values(), Failure(
+            FailureKind.CLEARED, f"room {room_number}: the encode side cleared it before its whole fanout asked "
+                                 f"({_asked(asks)})"))
 
     def _sweep(self, now: float) -> None:
         """Fails items whose receivers never all asked, and asks whose item never came.
@@ -756,7 +764,8 @@ class EncodeCore:
             asks: Asks = self.parked.take(number)
             self._warn("unserved", "room %d: no item sent within %gs for %d receiver(s); telling them Failed",
                        number, limit, len(asks.infos))
-            self._tell_failed(asks.infos.values())
+            self._tell_failed(asks.infos.values(), Failure(
+                FailureKind.OTHER, f"room {number}: no item was sent for it within {limit:g}s of its first ask"))
         while self._cancelled:
             room_number, (_, at) = next(iter(self._cancelled.items()))
             if now - at <= limit:
@@ -766,8 +775,9 @@ class EncodeCore:
 
     # ------------------------------------------------------------ output
 
-    def _push(self, info: TransferInfo, status: TransferPoll, checksums: tuple[int, ...] = ()) -> None:
-        self._out.append(PushStatus(info.endpoint, info.port, info.room, status, tuple(checksums)))
+    def _push(self, info: TransferInfo, status: TransferPoll, checksums: tuple[int, ...] = (),
+              failure: Failure | None = None) -> None:
+        self._out.append(PushStatus(info.endpoint, info.port, info.room, status, tuple(checksums), None, failure))
 
     def _answer_cancel(self, cancel: Cancel, *, confirmed: bool) -> None:
         self._out.append(PushStatus(cancel.endpoint, cancel.port, cancel.room, TransferPoll.Failed, (), confirmed))
@@ -779,9 +789,9 @@ class EncodeCore:
             info = job.info
             self._answer_cancel(Cancel(info.room, info.endpoint, info.port, info.session_id), confirmed=True)
 
-    def _tell_failed(self, infos) -> None:
+    def _tell_failed(self, infos, failure: Failure | None) -> None:
         for info in infos:
-            self._push(info, TransferPoll.Failed)
+            self._push(info, TransferPoll.Failed, (), failure)
 
     def _warn(self, key: str, message: str, *args: object) -> None:
         self._out.append(Warn(key, message, args))

@@ -234,7 +234,9 @@ class _Room:
         """The encode rank this room waits on, for failure reasons."""
         if self.encode_rank is None:
             return f"its encode rank (bootstrap {self.spec.bootstrap_addr})"
-        host, port = self.addr or ("?", 0)
+        if self.addr is None:  # its route look-up had not answered
+            return f"encode rank {self.encode_rank} (bootstrap {self.spec.bootstrap_addr})"
+        host, port = self.addr
         return f"encode rank {self.encode_rank} at {host}:{port}"
 
 
@@ -453,8 +455,13 @@ class PrefillCore:
         return actions
 
     def status(self, now: float, room: int, status: TransferPoll, rank: int, sums: tuple[int, ...] = (),
-               unreadable: str | None = None) -> list:
-        """A status frame from an encode rank (parsed; `unreadable` when its checksum part is not)."""
+               unreadable: str | None = None, reason: tuple[str, str] | None = None) -> list:
+        """A status frame from an encode rank (parsed; `unreadable` when its checksum part is not).
+
+        `reason`: the encode side's (kind, detail) a Failed status carried (our extension),
+        bounded and printable already; it joins the failure's detail, whose kind stays
+        `peer_failed` (the room failed over there, whatever the cause).
+        """
         state = self._rooms.get(room)
         if state is None or state.stage in (VERIFYING, CONCLUDED):
             return []  # unknown, cleared, or over: stale
@@ -462,7 +469,10 @@ class PrefillCore:
             return [Warn(("status from the wrong encode rank", rank),
                          f"room {room}: status from encode rank {rank}, expected {state.encode_rank}; ignored")]
         if status is TransferPoll.Failed:
-            return self._conclude(state, Failure(FailureKind.PEER_FAILED, f"{ENCODE_FAILED} ({state.where()})"))
+            detail = f"{ENCODE_FAILED} ({state.where()})"
+            if reason is not None:
+                detail += f": {reason[0]}: {reason[1]}"
+            return self._conclude(state, Failure(FailureKind.PEER_FAILED, detail))
         if status is not TransferPoll.Success:
             return [Advance(room, state.token, status)]
         if not self.integrity:

@@ -43,6 +43,7 @@ from transfer.frames import (
     status_frames,
 )
 from transfer.metrics import Metrics
+from transfer.ports import PortSpec
 from transfer.status import RoomTable, TransferPoll, is_terminal
 
 log = logging.getLogger("transfer.sender")
@@ -216,7 +217,7 @@ class _Flight:
 class EncodeDriver:
     """The thread that serves one EncodeCore: requests in, writes out, statuses pushed."""
 
-    def __init__(self, core: EncodeCore, engine: Any, engine_rank: int, host: str, port: int, book: RoomBook,
+    def __init__(self, core: EncodeCore, engine: Any, engine_rank: int, host: str, port: PortSpec, book: RoomBook,
                  sources: SourceRegistry, metrics: Metrics, *, integrity: bool = True,
                  clock=time.monotonic) -> None:
         self.core = core
@@ -229,7 +230,7 @@ class EncodeDriver:
         self.clock = clock
         self.commands: deque[tuple] = deque()  # posted by the caller's thread, taken by the driver's
         self.waker = _io.Waker()
-        self.pull, self.port = _io.pull_socket(host, port)
+        self.pull, self.port = _io.pull_socket(host, port, f"encode rank {engine_rank}'s request socket")
         self.statuses = _io.Pushers()
         self._complaints = _io.ThrottledLog(log)  # about requests peers sent, and the core's warnings
         self._flights: list[_Flight] = []
@@ -351,7 +352,9 @@ class EncodeDriver:
             kind = type(action)
             if kind is PushStatus:
                 if action.cancel is None:
-                    frames = status_frames(action.room, action.status, self.engine_rank, action.checksums)
+                    failure = action.failure
+                    frames = status_frames(action.room, action.status, self.engine_rank, action.checksums,
+                                           None if failure is None else (failure.kind.value, failure.detail))
                 else:
                     frames = cancel_reply_frames(action.room, self.engine_rank, action.cancel)
                 self.statuses.send(action.endpoint, action.port, frames)

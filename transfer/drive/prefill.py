@@ -40,8 +40,9 @@ from transfer.core.prefill import (
     Verify,
     Warn,
 )
-from transfer.frames import UnreadableChecksum, WireError, parse_cancel_reply, parse_status
+from transfer.frames import UnreadableChecksum, WireError, parse_cancel_reply, parse_failure_reason, parse_status
 from transfer.metrics import Metrics
+from transfer.ports import PortSpec
 from transfer.status import RoomTable, TransferPoll
 
 __all__ = ["DRAIN_BATCH", "LOOKUP_THREADS", "PrefillDriver", "Room"]
@@ -103,7 +104,7 @@ class PrefillDriver:
         dp_size: int,
         *,
         host: str,
-        status_port: int,
+        status_port: PortSpec,
         session_id: str,
         deadline_s: float,
         lookup_timeout_s: float,
@@ -122,7 +123,8 @@ class PrefillDriver:
         self.conclusions = _io.Conclusions()
         self.rooms: dict[int, Room] = {}  # changed under _lock
         self._awaiting_safe: dict[int, Room] = {}  # cleared rooms by token, until their cancel is confirmed
-        self._status_sock, self.status_port = _io.pull_socket(host, status_port)
+        self._status_sock, self.status_port = _io.pull_socket(host, status_port,
+                                                              f"prefill rank {engine_rank}'s status socket")
         try:
             self.core = PrefillCore(engine_rank, tp_size, dp_size, host=host, status_port=self.status_port,
                                     session_id=session_id, deadline_s=deadline_s, integrity=integrity)
@@ -343,18 +345,21 @@ class PrefillDriver:
             if frames is None:
                 return
             unreadable = None  # a checksum part (ours, SPEC.md 8) that does not parse
+            reason = None  # why the encode side failed the room (ours, SPEC.md 8)
             try:
                 answer = parse_cancel_reply(frames)
                 if answer is not None:
                     self._step(lambda now, a=answer: self.core.cancel_answered(now, a.room, a.rank, a.confirmed))
                     continue
                 room, status, rank, sums = parse_status(frames)
+                if status is TransferPoll.Failed and len(frames) > 3:
+                    reason = parse_failure_reason(frames)
             except UnreadableChecksum as exc:
                 room, status, rank, sums, unreadable = exc.room, exc.status, exc.rank, (), str(exc)
             except WireError as exc:
                 self._complaints.warning(str(exc), "dropped a malformed status (%d parts): %s", len(frames), exc)
                 continue
-            self._step(lambda now: self.core.status(now, room, status, rank, sums, unreadable))
+            self._step(lambda now: self.core.status(now, room, status, rank, sums, unreadable, reason))
 
     def _verify(self, verify: Verify) -> None:
         """Compares the landed bytes with the sender's checksums, outside the lock."""

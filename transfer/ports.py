@@ -1,0 +1,82 @@
+"""Listening ports: a fixed port, any free one, or the first free one of a range.
+
+Every listener of the library takes its port through here: the bootstrap server, a
+sender pool's request socket, a session manager's status socket, a `WireEngine`'s
+listener and the metrics endpoint. A setting is an int (`0`: any free port), a
+`(first, last)` pair or a `"FIRST-LAST"` string (both ends included); `bind_port`
+tries the range in order and takes the first port that is not in use.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+from collections.abc import Callable
+from typing import TypeVar, Union
+
+from transfer.errors import ConfigError, ConfigTypeError, PortsInUse
+
+__all__ = ["PortSpec", "bind_port", "describe_ports", "parse_ports"]
+
+#: A listener's port setting: `8998`, `0` (any free port), `(30000, 30100)` or `"30000-30100"`.
+PortSpec = Union[int, str, tuple[int, int]]
+
+T = TypeVar("T")
+
+_RANGE = re.compile(r"\s*([0-9]{1,5})\s*(?:-\s*([0-9]{1,5})\s*)?")
+
+
+def parse_ports(spec: object) -> tuple[int, int]:
+    """(first, last) of a port setting; (0, 0) means any free port. ConfigError when it is not one."""
+    if isinstance(spec, bool):
+        raise ConfigTypeError(f"port must be an int, a (first, last) pair or 'FIRST-LAST', got {spec!r}")
+    if isinstance(spec, int):
+        first = last = spec
+    elif isinstance(spec, str):
+        match = _RANGE.fullmatch(spec)
+        if match is None:
+            raise ConfigError(f"port {spec!r} is neither a port (0-65535) nor a range FIRST-LAST (e.g. 30000-30100)")
+        first = int(match.group(1))
+        last = int(match.group(2)) if match.group(2) is not None else first
+    elif isinstance(spec, (tuple, list)) and len(spec) == 2 and all(
+            isinstance(p, int) and not isinstance(p, bool) for p in spec):
+        first, last = spec
+    else:
+        raise ConfigTypeError(f"port must be an int, a (first, last) pair or 'FIRST-LAST', got {spec!r}")
+    if not (0 <= first <= 0xFFFF and 0 <= last <= 0xFFFF):
+        raise ConfigError(f"port {_shown(spec)} is outside 0-65535")
+    if first != last and (first == 0 or first > last):
+        raise ConfigError(f"port range {_shown(spec)} must run from a first port of 1 or more up to a last one "
+                          f"no smaller")
+    return first, last
+
+
+def describe_ports(spec: object) -> str:
+    """A setting as operators write it: `8998`, `any free port` or `30000-30100`."""
+    first, last = parse_ports(spec)
+    if first == last:
+        return "any free port" if first == 0 else str(first)
+    return f"{first}-{last}"
+
+
+def bind_port(spec: object, bind: Callable[[int], T], what: str) -> T:
+    """Calls `bind(port)` for the setting's ports in order and returns the first success.
+
+    A port of a range that is in use (EADDRINUSE) is passed over; any other error is
+    raised at once. A single port (or 0) is bound as given, its error unchanged; a
+    range with no free port raises PortsInUse naming `what` and the range.
+    """
+    first, last = parse_ports(spec)
+    if first == last:
+        return bind(first)
+    for port in range(first, last + 1):
+        try:
+            return bind(port)
+        except Exception as exc:  # an OSError, or a zmq.ZMQError (not one), both with the errno
+            if getattr(exc, "errno", None) != errno.EADDRINUSE:
+                raise
+    raise PortsInUse(errno.EADDRINUSE, f"{what}: no free port in {first}-{last}: every one is in use")
+
+
+def _shown(spec: object) -> str:
+    return repr(spec) if isinstance(spec, str) else str(spec)
