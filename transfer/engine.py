@@ -275,6 +275,16 @@ class RegisteredMemory:
     #: Why an empty region is refused, for the error message.
     _EMPTY_REASON = "empty region"
 
+    # Set by the engine's __init__.
+    session_id: str
+    _lock: threading.Condition
+    _regions: dict[int, int]
+    _owners: dict[int, Any]
+
+    def _check_open(self) -> None:
+        """Raises EngineError once the engine is closed (lock held)."""
+        raise NotImplementedError
+
     def _region_span(self, buf: Any, length: int | None) -> tuple[int, int]:
         """(address, length) of what register() was given."""
         return _buffer_span(buf, length)

@@ -548,7 +548,7 @@ class WireEngine(RegisteredMemory):
         dead: list[_Conn] = []
         with self._lock:
             for session_id in list(self._idle):
-                alive = []
+                alive: list[_Conn] = []
                 for conn in self._idle[session_id]:
                     (dead if conn.stale() else alive).append(conn)
                 if alive:
