@@ -13,6 +13,7 @@ import re
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeGuard, cast
 
 from transfer.errors import ConfigError, ConfigTypeError, WireError
 from transfer.status import TransferPoll
@@ -243,6 +244,11 @@ def _plain_int(part: object, high: int = _I64_MAX) -> int | None:
     return value if value <= high else None
 
 
+def _all_ints(values: list[int | None]) -> TypeGuard[list[int]]:
+    """Whether every _plain_int() shortcut succeeded."""
+    return None not in values
+
+
 def _number(part: bytes, name: str) -> int:
     """A TransferInfo/registration number: ASCII first, then a signed 64-bit decimal."""
     if not part.isascii():
@@ -398,7 +404,7 @@ class TransferInfo:
         room, endpoint, port, session, emb, ds, rows, hidden, dtype, has_ds, fanout, row_start, span = frames
         numbers = [_plain_int(p) for p in (room, rows, hidden, fanout, row_start, span)]
         port_number = _plain_int(port, 0xFFFF)
-        if None in numbers or port_number is None:
+        if not _all_ints(numbers) or port_number is None:
             return None
         if not all(type(t) is bytes and t.isascii() for t in (endpoint, session, dtype)):
             return None
@@ -537,8 +543,9 @@ def parse_status(frames: Sequence[object]) -> tuple[int, TransferPoll, int, tupl
         # The common case: plain digits throughout (anything else is parsed strictly below).
         values = [_plain_int(p) for p in frames[:STATUS_PARTS]]
         values += [_plain_int(p, _U64_MAX) for p in frames[STATUS_PARTS:]]
-        status = TransferPoll._value2member_map_.get(values[1])  # the member itself: no enum call
-        if status is not None and None not in values:
+        # The member itself: no enum call.
+        status = cast("TransferPoll | None", TransferPoll._value2member_map_.get(values[1]))
+        if status is not None and _all_ints(values):
             return values[0], status, values[2], tuple(values[STATUS_PARTS:])
     frames = list(frames)
     if len(frames) < STATUS_PARTS:
@@ -746,8 +753,9 @@ def _tiling_gap(room: int, infos: list[TransferInfo]) -> str | None:
     shards = sorted((i for i in infos if i.rows > 0), key=lambda i: (i.row_start, i.rows))
     if not shards:
         return None
-    end, previous = shards[0].row_start, None
-    for info in shards:
+    previous = shards[0]
+    end = previous.row_start + previous.rows
+    for info in shards[1:]:
         if info.row_start < end:
             return (f"room {room}: receivers {previous.session_id} and {info.session_id} overlap on rows "
                     f"[{info.row_start}, {min(end, info.row_start + info.rows)})")
