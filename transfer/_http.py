@@ -16,7 +16,10 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing import Self  # 3.11+; the package runs on 3.10 too
 
 
 class DeadlineReader(io.RawIOBase):
@@ -98,7 +101,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         super().__init__(*args, **kwargs)
 
     @classmethod
-    def for_host(cls, host: str) -> type[BoundedHTTPServer]:
+    def for_host(cls, host: str) -> type[Self]:
         """This class, or its IPv6 variant for an IPv6 literal."""
         if ":" not in host:
             return cls

@@ -33,7 +33,7 @@ import re
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, TypeGuard, cast
 from urllib.parse import parse_qs, urlsplit
 
 from transfer._http import BoundedHTTPServer, DeadlineReader, OneDeadlineHandler
@@ -335,6 +335,11 @@ class BootstrapServer:
         self.close()
 
 
+def _positive_int(value: object) -> TypeGuard[int]:
+    """Whether a JSON value is an int (not a bool) above 0."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def _split_address(address: str) -> tuple[str, int]:
     """Split "host:port" (or "[v6]:port") into host and port."""
     if not isinstance(address, str):
@@ -375,7 +380,9 @@ class BootstrapClient:
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
-        conn.response_class = functools.partial(_BoundedResponse, deadline=deadline)
+        # http.client only ever calls response_class(sock, ...), which the partial accepts.
+        conn.response_class = cast("type[http.client.HTTPResponse]",
+                                   functools.partial(_BoundedResponse, deadline=deadline))
         try:
             conn.request(method, path, body=body, headers=headers or {})
             response = conn.getresponse()
@@ -439,10 +446,10 @@ class BootstrapClient:
                                  f"for parallel info: {value}")
         sizes = (value.get("prefill_tp_size"), value.get("prefill_dp_size")) \
             if isinstance(value, dict) else (None, None)
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
+        world_size, dp_size = sizes
+        if not (_positive_int(world_size) and _positive_int(dp_size)):
             raise BootstrapError(f"bootstrap server {self.address} has incomplete parallel info "
                                  f"(no encode rank registered yet?): {value}")
-        world_size, dp_size = sizes
         if world_size > MAX_WORLD_SIZE or world_size % dp_size:
             raise BootstrapError(f"bootstrap server {self.address} sent parallel sizes no deployment "
                                  f"has: encode tp size {world_size} (at most {MAX_WORLD_SIZE}), "
