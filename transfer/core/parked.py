@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from transfer.frames import TransferInfo
@@ -98,7 +99,9 @@ class ParkedAsks:
         return admission
 
     def _evict_oldest(self) -> Asks:
-        return self.take(next(iter(self._rooms)))
+        room, asks = next(iter(self._rooms.items()))
+        self.take(room)
+        return asks
 
     def take(self, room: int) -> Asks | None:
         """Removes and returns the room's asks (None when none are parked)."""
@@ -134,7 +137,7 @@ class ParkedAsks:
         """Removes one session's ask for one room (a room left with none goes too); returns it."""
         asks = self._rooms.get(room)
         info = None if asks is None else asks.infos.pop(session, None)
-        if info is None:
+        if asks is None or info is None:
             return None
         cost = ask_cost(info)
         asks.nbytes -= cost
@@ -179,7 +182,7 @@ class ParkedAsks:
     def __getitem__(self, room: int) -> Asks:
         return self._rooms[room]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         return iter(list(self._rooms))
 
     def __contains__(self, room: object) -> bool:
