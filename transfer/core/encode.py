@@ -644,10 +644,11 @@ class EncodeCore:
     def _job_done(self, job: _Job, now: float) -> None:
         """One receiver's write is over: its destinations are free, and its room may conclude."""
         dests = self._destinations.get(job.info.session_id)
-        for start, end, seq in job.ranges:
-            del dests.spans[bisect.bisect_left(dests.spans, (start, end, seq))]
-        if dests is not None and not dests.spans:
-            del self._destinations[job.info.session_id]
+        if dests is not None:  # a job's ranges are held in its session's entry, which outlives them
+            for start, end, seq in job.ranges:
+                del dests.spans[bisect.bisect_left(dests.spans, (start, end, seq))]
+            if not dests.spans:
+                del self._destinations[job.info.session_id]
         job.ranges = ()
         self._receiver_done(job.room, now)
 
@@ -761,10 +762,12 @@ class EncodeCore:
         for number in self.parked.older_than(now - limit):
             if number in self._rooms:
                 continue
-            asks: Asks = self.parked.take(number)
+            taken = self.parked.take(number)
+            if taken is None:
+                continue
             self._warn("unserved", "room %d: no item sent within %gs for %d receiver(s); telling them Failed",
-                       number, limit, len(asks.infos))
-            self._tell_failed(asks.infos.values(), Failure(
+                       number, limit, len(taken.infos))
+            self._tell_failed(taken.infos.values(), Failure(
                 FailureKind.OTHER, f"room {number}: no item was sent for it within {limit:g}s of its first ask"))
         while self._cancelled:
             room_number, (_, at) = next(iter(self._cancelled.items()))
