@@ -578,7 +578,8 @@ class PrefillCore:
         if not state.asked:
             state.safe = True
             return [MemorySafe(state.room, state.token)]
-        if state.addr is None or self._conns.get(state.addr) != state.conn:
+        # A route (addr) is found only after the encode rank is known.
+        if state.addr is None or state.encode_rank is None or self._conns.get(state.addr) != state.conn:
             return []
         self._cancels.setdefault((state.room, state.encode_rank), []).append(state.token)
         self._cancel_count += 1
@@ -649,6 +650,8 @@ class PrefillCore:
         """The room's registration (unless its encode rank holds the region) and its TransferInfo."""
         spec = state.spec
         addr, key = state.addr, state.route_key
+        if addr is None or key is None:
+            raise RuntimeError(f"room {spec.room}: asked for before its encode rank's route was known")
         actions: list = []
         regions = spec.regions
         emb, ds = regions.embedding, regions.deepstack
@@ -685,7 +688,7 @@ class PrefillCore:
         # it a while (one asked late says little, and tearing the socket down for each such
         # room would cost every later room a look-up and a connection). One replaced since
         # came with a fresh look-up; its rooms keep their deadlines.
-        if self._conns.get(addr) == state.conn and now - state.asked_at >= self.deadline_s / 2:
+        if addr is not None and self._conns.get(addr) == state.conn and now - state.asked_at >= self.deadline_s / 2:
             # The encode rank may have restarted elsewhere, its node with other sizes.
             self._parallel.pop(state.spec.bootstrap_addr, None)
             for key in [key for key, route in self._routes.items() if route == addr]:
