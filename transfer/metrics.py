@@ -507,7 +507,8 @@ class MetricsServer:
         self._httpd = bind_port(port, lambda number: server_class((host, number), handler),
                                 f"metrics endpoint on {host}")
         self._httpd.max_handlers = max_connections
-        self.host, self.port = self._httpd.server_address[:2]
+        address = self._httpd.server_address  # an IP socket's: (host text, port, ...)
+        self.host, self.port = str(address[0]), int(address[1])
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
             name=f"metrics-http-{self.port}", daemon=True,
