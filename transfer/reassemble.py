@@ -29,7 +29,6 @@ import logging
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,14 +62,14 @@ class ShardedItem:
             self.ok = self.ok == TransferPoll.Success
 
 
-def _default_device(group: Any) -> torch.device:
+def _default_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where a collective's tensors must live for the group's backend."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def agree(oks: Sequence[bool], group: Any = None, *, keys: Sequence[Sequence[int]] | None = None,
+def agree(oks: Sequence[bool], group: dist.ProcessGroup | None = None, *, keys: Sequence[Sequence[int]] | None = None,
           device: torch.device | str | None = None) -> list[bool]:
     """Per-item outcome agreed by all ranks (one MIN all-reduce): True only where every rank said True.
 
@@ -85,7 +84,7 @@ def agree(oks: Sequence[bool], group: Any = None, *, keys: Sequence[Sequence[int
     return _flags(reduced)
 
 
-def _check_member(group: Any, what: str) -> None:
+def _check_member(group: dist.ProcessGroup | None, what: str) -> None:
     """ValueError on a rank outside `group`: torch.distributed would skip its collectives silently."""
     if dist.get_rank(group) < 0:
         raise ValueError(f"{what}: this rank is not a member of the group")
@@ -98,10 +97,11 @@ def _table(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None) -> tuple[l
         return [], f"{len(keys)} keys for {len(oks)} items"
     flat: list[int] = []
     for i, ok in enumerate(oks):
+        key = keys[i] if keys is not None else ()
         try:
-            row = [int(k) for k in keys[i]] if width else []
+            row = [int(k) for k in key] if width else []
         except (TypeError, ValueError):
-            return [], f"item {i} has a key that is not an integer: {keys[i]!r}"
+            return [], f"item {i} has a key that is not an integer: {key!r}"
         if len(row) != width:
             return [], f"item {i} has {len(row)} keys, item 0 has {width}"
         if any(not -_I64_MAX <= k <= _I64_MAX for k in row):
@@ -111,7 +111,7 @@ def _table(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None) -> tuple[l
     return flat, None
 
 
-def _agreement(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None, group: Any,
+def _agreement(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None, group: dist.ProcessGroup | None,
                device: torch.device, what: str, refusal: str | None = None) -> torch.Tensor:
     """The MIN over the ranks of every item's [ok, k..., -k...] row, as a [count, 1 + 2 * width] tensor.
 
@@ -144,7 +144,7 @@ def _agreement(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None, group:
     return torch.cat([first, rest])[_HEADER : _HEADER + count * (1 + 2 * width)].view(count, 1 + 2 * width)
 
 
-def _min_all_reduce(tensor: torch.Tensor, group: Any, device: torch.device) -> torch.Tensor:
+def _min_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
     """The element-wise MIN of `tensor` over the group, back on the CPU."""
     reduced = tensor.to(device)
     dist.all_reduce(reduced, op=dist.ReduceOp.MIN, group=group)
@@ -244,7 +244,7 @@ def _shard_bytes(items: Sequence[ShardedItem], rank: int, size: int) -> int:
     return total
 
 
-def _gather(packed: torch.Tensor, size: int, group: Any) -> list[torch.Tensor]:
+def _gather(packed: torch.Tensor, size: int, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
     """Every rank's equal-size `packed` buffer, in group rank order, with one collective."""
     out = torch.empty(size * packed.numel(), dtype=torch.uint8, device=packed.device)
     single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
@@ -256,14 +256,14 @@ def _gather(packed: torch.Tensor, size: int, group: Any) -> list[torch.Tensor]:
     return parts
 
 
-def _gather_into_supported(group: Any) -> bool:
+def _gather_into_supported(group: dist.ProcessGroup | None) -> bool:
     """Whether the backend gathers into one tensor (NCCL always; gloo since torch 2.1)."""
     if dist.get_backend(group) == "nccl":
         return True
-    return torch.__version__ >= (2, 1)  # TorchVersion compares with tuples
+    return torch.__version__ >= "2.1"  # TorchVersion compares as a version, not as text
 
 
-def reassemble(items: Sequence[ShardedItem], group: Any = None, *, block_size: int | None = None,
+def reassemble(items: Sequence[ShardedItem], group: dist.ProcessGroup | None = None, *, block_size: int | None = None,
                rank_in_block: int | None = None) -> list[bool]:
     """Rebuild the full rows of every item that succeeded on all ranks; returns agreed success flags.
 
@@ -309,7 +309,7 @@ def _check_block(size: int, rank: int, block_size: int | None, rank_in_block: in
     return None
 
 
-def _batch_device(items: Sequence[ShardedItem], group: Any) -> torch.device:
+def _batch_device(items: Sequence[ShardedItem], group: dist.ProcessGroup | None) -> torch.device:
     """Where the batch's collectives run: NCCL's current CUDA device, else the first item's device."""
     first = items[0].full if items else None
     if dist.get_backend(group) != "nccl" and isinstance(first, torch.Tensor):
@@ -331,7 +331,7 @@ def _check_rooms(reduced: torch.Tensor) -> None:
                            f"in the same order")
 
 
-def _exchange(items: list[ShardedItem], rank: int, size: int, group: Any, device: torch.device) -> None:
+def _exchange(items: list[ShardedItem], rank: int, size: int, group: dist.ProcessGroup | None, device: torch.device) -> None:
     """One all-gather of every rank's packed shards, then unpack the others' rows into place."""
     padded = max(_shard_bytes(items, r, size) for r in range(size))
     if padded == 0:
