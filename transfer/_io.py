@@ -13,12 +13,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
 
 import zmq
 
 from transfer import config
 from transfer.ports import PortSpec, bind_port
+
+if TYPE_CHECKING:
+    from transfer.core.failure import FailureKind
+    from transfer.status import RoomTable, TransferPoll
 
 log = logging.getLogger("transfer")
 
@@ -244,7 +248,8 @@ def close_watched(sock: zmq.Socket, monitor: zmq.Socket | None, linger_ms: int =
 # small parts; the Cython methods underneath take the same arguments.
 _send = getattr(zmq.backend.Socket, "send", zmq.Socket.send)
 _recv = getattr(zmq.backend.Socket, "recv", zmq.Socket.recv)
-_get = getattr(zmq.backend.Socket, "get", zmq.Socket.get)
+# Only int options (EVENTS, RCVMORE) are read through _get.
+_get = cast("Callable[[zmq.Socket, int], int]", getattr(zmq.backend.Socket, "get", zmq.Socket.get))
 _MORE = zmq.SNDMORE | zmq.NOBLOCK
 
 
@@ -707,6 +712,22 @@ class Pushers:
         self._waker.close()
 
 
+class RoomRecord(Protocol):
+    """What a room handle reads of its room's record."""
+
+    @property
+    def room(self) -> int: ...
+
+    @property
+    def started_at(self) -> float: ...
+
+    @property
+    def concluded_at(self) -> float | None: ...
+
+
+_Record = TypeVar("_Record", bound=RoomRecord)
+
+
 class Conclusions:
     """Wakes the threads in RoomHandle.wait() when a room concludes.
 
@@ -726,7 +747,7 @@ class Conclusions:
             with self._cond:
                 self._cond.notify_all()
 
-    def wait(self, state: Any, timeout: float) -> None:
+    def wait(self, state: RoomRecord, timeout: float) -> None:
         """Blocks until state.concluded_at is set, at most `timeout` seconds."""
         with self._cond:
             self._waiters += 1
@@ -736,10 +757,11 @@ class Conclusions:
                 self._waiters -= 1
 
 
-class RoomHandle:
+class RoomHandle(Generic[_Record]):
     """One room's progress as its caller sees it; `state` carries room, started_at, concluded_at."""
 
-    def __init__(self, table: Any, state: Any, conclusions: Conclusions, held: Callable[[int], Any]) -> None:
+    def __init__(self, table: RoomTable, state: _Record, conclusions: Conclusions,
+                 held: Callable[[int], object]) -> None:
         """`held(room)` is the state its owner holds for the room now (None once forgotten)."""
         self._table = table
         self._state = state
@@ -751,7 +773,7 @@ class RoomHandle:
         """Whether this handle's room is still held: not cleared, and its number not reused since."""
         return self._held(self.room) is self._state
 
-    def poll(self):
+    def poll(self) -> TransferPoll:
         """The room's status right now (never blocks; Failed once cleared, whoever reuses its number)."""
         from transfer.status import TransferPoll
 
@@ -764,7 +786,7 @@ class RoomHandle:
         return self._table.reason(self.room) if self._current() else None
 
     @property
-    def failure_kind(self):
+    def failure_kind(self) -> FailureKind | None:
         """Why the room failed as a FailureKind from a closed set (for metrics and retries), or None."""
         failure = self._table.failure(self.room) if self._current() else None
         return None if failure is None else failure.kind
@@ -775,7 +797,7 @@ class RoomHandle:
         end = self._state.concluded_at
         return None if end is None else end - self._state.started_at
 
-    def wait(self, timeout: float):
+    def wait(self, timeout: float) -> TransferPoll:
         """Blocks up to `timeout` seconds for a terminal status (for tools and tests, not scheduler loops)."""
         if self._current():  # a cleared room will not conclude for this handle
             self._conclusions.wait(self._state, timeout)
@@ -793,6 +815,7 @@ class Region:
 
     @property
     def end(self) -> int:
+        """The address just past the region."""
         return self.addr + self.nbytes
 
     def contains(self, addr: int, nbytes: int) -> bool:
