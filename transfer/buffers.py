@@ -32,13 +32,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, TypeVar
 
 import torch
 
 from transfer import config
 from transfer._io import Region
 from transfer.errors import ConfigError, FallbackLimitError, SlotError
+from transfer.interfaces import EventLike, TransferEngineLike
 
 log = logging.getLogger(__name__)
 
@@ -74,19 +75,28 @@ _RELEASED = "released"
 _FAILED = "failed"
 
 
-class _Event(Protocol):
-    """What release() accepts as an event: a CUDA event or anything alike."""
-
-    def query(self) -> bool: ...
-
-
-def _query(event: _Event) -> bool | None:
+def _query(event: EventLike) -> bool | None:
     """event.query(), or None when the query itself failed (the copy's fate is unknown)."""
     try:
         return bool(event.query())
     except Exception as exc:  # e.g. a sticky CUDA error: quarantine rather than reuse or leak
         log.warning("querying copy-out event %r failed (%s); quarantining its buffer", event, exc)
         return None
+
+
+# A quarantine entry (deadline, seq, slot number) or a grace entry (deadline, seq, region, quarantined).
+_Entry = TypeVar("_Entry", tuple[float, int, int], tuple[float, int, Region, bool])
+
+
+def _remove_entry(heap: list[_Entry], seq: int) -> bool:
+    """Removes the heap's entry numbered `seq`; whether there was one."""
+    for i, entry in enumerate(heap):
+        if entry[1] == seq:
+            heap[i] = heap[-1]
+            heap.pop()
+            heapq.heapify(heap)
+            return True
+    return False
 
 
 class Slot:
@@ -129,7 +139,7 @@ class Slot:
         flat = self.region.tensor.reshape(-1).view(torch.uint8)
         return flat[self._offset : self._offset + need].view(dtype).view(shape)
 
-    def release(self, event: _Event | None = None) -> None:
+    def release(self, event: EventLike | None = None) -> None:
         """Returns the slot once its rows were copied out (after `event.query()` is True, if given)."""
         self._transition(_RELEASED, "release")
         self._pool._on_release(self, event)
@@ -169,7 +179,7 @@ class Slot:
 class ReceivePool:
     """One registered receive region cut into equal slots, leased per item."""
 
-    def __init__(self, engine: Any, nbytes: int, slot_bytes: int, *, device: str = "cpu",
+    def __init__(self, engine: TransferEngineLike, nbytes: int, slot_bytes: int, *, device: str = "cpu",
                  quarantine_s: float | None = None, grace_s: float | None = None,
                  max_fallback_bytes: int | None = _AUTO,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -211,7 +221,7 @@ class ReceivePool:
         self._free: deque[int] = deque(range(self.slots))
         self._leased = 0
         # Released with an event not yet completed: [(slot handle, event)].
-        self._pending: list[tuple[Slot, _Event]] = []
+        self._pending: list[tuple[Slot, EventLike]] = []
         # Quarantined slots and fallbacks in their grace: heaps of (deadline, seq, ...); a
         # fallback's entry ends with whether it was quarantined (for the cap's error text).
         self._quarantine: list[tuple[float, int, int]] = []
@@ -314,12 +324,15 @@ class ReceivePool:
 
     # -- returns (called by Slot) -----------------------------------------------
 
-    def _on_release(self, slot: Slot, event: _Event | None) -> None:
+    def _on_release(self, slot: Slot, event: EventLike | None) -> None:
         """A released handle: free now, or once its event completed."""
         with self._lock:
             if not slot.is_fallback:
                 self._leased -= 1
-            done = True if event is None else _query(event)
+            if event is None:
+                self._settle(slot, self._clock())
+                return
+            done = _query(event)
             if done is None:
                 self._quarantine_handle(slot, self._clock())
             elif done:
@@ -349,14 +362,9 @@ class ReceivePool:
             seq, slot._quarantine_seq = slot._quarantine_seq, None
             if seq is None or self._closed:
                 return
-            heap = self._graces if slot.is_fallback else self._quarantine
-            for i, entry in enumerate(heap):
-                if entry[1] == seq:
-                    heap[i] = heap[-1]
-                    heap.pop()
-                    heapq.heapify(heap)
-                    self._settle(slot, self._clock())
-                    return
+            removed = _remove_entry(self._graces, seq) if slot.is_fallback else _remove_entry(self._quarantine, seq)
+            if removed:
+                self._settle(slot, self._clock())
 
     def _settle(self, slot: Slot, now: float) -> None:
         """Copy-out done: a slot is free again, a fallback starts its grace (lock held)."""
