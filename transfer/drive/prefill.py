@@ -314,7 +314,8 @@ class PrefillDriver:
             self._wake_at = now + timeout_ms / 1000
         return timeout_ms
 
-    def _step(self, event: Callable[[float], list]) -> None:
+    # event(now): typed loosely because the lambdas bind loop values as defaults, which mypy cannot infer.
+    def _step(self, event: Callable[..., list]) -> None:
         """Feeds one event to the core under the lock, then runs the checksums it asked for."""
         with self._lock:
             now = self.clock()
@@ -453,7 +454,7 @@ class PrefillDriver:
                 dropped.clear()
         return verifies
 
-    def _push(self, now: float, action: Any, refused: dict, dropped: set, checked: set) -> list:
+    def _push(self, now: float, action: Announce | SendAsk, refused: dict, dropped: set, checked: set) -> list:
         """Sends a registration or a TransferInfo unless its socket cannot take it now."""
         addr = action.addr
         if addr in refused:
@@ -491,7 +492,7 @@ class PrefillDriver:
 
     def _send(self, sock: zmq.Socket, action: Announce | SendAsk) -> None:
         """Queues the action's frames on the socket without blocking (zmq.Again when it cannot take them)."""
-        _io.send_frames(sock, action.frames if type(action) is Announce else action.info.to_frames())
+        _io.send_frames(sock, action.frames if isinstance(action, Announce) else action.info.to_frames())
 
     def _disconnect(self, addr: tuple[str, int], linger_ms: int = 0) -> None:
         """Closes the socket to `addr` and what watches it (I/O thread or close())."""
