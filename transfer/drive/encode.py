@@ -42,6 +42,7 @@ from transfer.frames import (
     parse_registration,
     status_frames,
 )
+from transfer.interfaces import TransferEngineLike
 from transfer.metrics import Metrics
 from transfer.ports import PortSpec
 from transfer.status import RoomTable, TransferPoll, is_terminal
@@ -142,7 +143,7 @@ class SourceRegistry:
     says nothing reads them any more.
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: TransferEngineLike) -> None:
         self.engine = engine
         self.lock = threading.Lock()
         self.counts = SourceCounts()
@@ -217,8 +218,8 @@ class _Flight:
 class EncodeDriver:
     """The thread that serves one EncodeCore: requests in, writes out, statuses pushed."""
 
-    def __init__(self, core: EncodeCore, engine: Any, engine_rank: int, host: str, port: PortSpec, book: RoomBook,
-                 sources: SourceRegistry, metrics: Metrics, *, integrity: bool = True,
+    def __init__(self, core: EncodeCore, engine: TransferEngineLike, engine_rank: int, host: str, port: PortSpec,
+                 book: RoomBook, sources: SourceRegistry, metrics: Metrics, *, integrity: bool = True,
                  clock=time.monotonic) -> None:
         self.core = core
         self.engine = engine
@@ -257,7 +258,7 @@ class EncodeDriver:
     def _run(self) -> None:
         _io.name_this_thread(f"epd-enc{self.engine_rank}")
         poller = select.poll()
-        poller.register(self.pull.getsockopt(zmq.FD), select.POLLIN)
+        poller.register(self.pull.fileno(), select.POLLIN)  # the socket's FD option
         poller.register(self.waker.fileno(), select.POLLIN)
         delay = POLL_MIN_S
         more_requests = False  # the last round left requests queued (the socket's FD will not signal them)
