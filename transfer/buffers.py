@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import torch
 
@@ -43,7 +43,7 @@ from transfer.interfaces import EventLike, TransferEngineLike
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FALLBACK_FLOOR_BYTES", "SLOT_ALIGN", "FallbackLimitError", "ReceivePool", "Slot", "SlotError"]
+__all__ = ["FALLBACK_FLOOR_BYTES", "SLOT_ALIGN", "FallbackLimitError", "PoolStats", "ReceivePool", "Slot", "SlotError"]
 
 #: Slot sizes are multiples of this, so a view of any dtype starts aligned.
 SLOT_ALIGN = 16
@@ -82,6 +82,20 @@ def _query(event: EventLike) -> bool | None:
     except Exception as exc:  # e.g. a sticky CUDA error: quarantine rather than reuse or leak
         log.warning("querying copy-out event %r failed (%s); quarantining its buffer", event, exc)
         return None
+
+
+class PoolStats(TypedDict):
+    """ReceivePool.stats(): slot counts, and the fallback buffers' counts, bytes and cap."""
+
+    slots: int
+    free: int
+    leased: int
+    pending_events: int
+    quarantined: int
+    fallbacks_live: int
+    fallbacks_total: int
+    fallback_bytes: int
+    max_fallback_bytes: int | None
 
 
 # A quarantine entry (deadline, seq, slot number) or a grace entry (deadline, seq, region, quarantined).
@@ -403,7 +417,7 @@ class ReceivePool:
         for region in expired:
             self._unregister(region)
 
-    def stats(self) -> dict[str, int | None]:
+    def stats(self) -> PoolStats:
         """Counts after a poll(): free, leased, pending_events, quarantined slots; live and total
         fallbacks, the bytes they hold and their cap (max_fallback_bytes, None when unbounded)."""
         self.poll()
