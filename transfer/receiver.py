@@ -16,7 +16,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transfer import _io, config
 from transfer.core.prefill import ENCODE_FAILED, RoomSpec
@@ -24,8 +24,14 @@ from transfer.core.prefill_breaker import UNREACHABLE_RETRY_S
 from transfer.drive.prefill import PrefillDriver, Room
 from transfer.errors import ConfigError
 from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype
+from transfer.interfaces import EventLike, TransferEngineLike
 from transfer.metrics import Metrics, declare_role
 from transfer.ports import PortSpec, parse_ports
+
+if TYPE_CHECKING:
+    import torch
+
+    from transfer.buffers import ReceivePool, Slot
 
 __all__ = ["ENCODE_FAILED", "UNREACHABLE_RETRY_S", "ReceiveHandle", "RegionSet", "SessionManager"]
 
@@ -33,11 +39,12 @@ log = logging.getLogger("transfer.receiver")
 
 # Engines that have a session manager. An encode rank knows a prefill rank by its engine's
 # session: a second manager on the same engine would replace the first's regions there.
-_managed_engines: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()  # (rank, id)
+# Each maps to its manager's (engine rank, id).
+_managed_engines: weakref.WeakKeyDictionary[TransferEngineLike, tuple[int, int]] = weakref.WeakKeyDictionary()
 _managed_lock = threading.Lock()
 
 
-def _refuse_shared_engine(engine: Any) -> None:
+def _refuse_shared_engine(engine: TransferEngineLike) -> None:
     """ConfigError when `engine` already has an open session manager."""
     holder = _managed_engines.get(engine)
     if holder is not None:
@@ -47,10 +54,11 @@ def _refuse_shared_engine(engine: Any) -> None:
                           f"manager needs an engine of its own")
 
 
-class ReceiveHandle(_io.RoomHandle):
+class ReceiveHandle(_io.RoomHandle[Room]):
     """One room's progress as the scheduler loop sees it: poll(), failure, failure_kind, latency_s, wait(), clear()."""
 
-    def __init__(self, manager: SessionManager, room: Room, rows: Any = None, deepstack: Any = None) -> None:
+    def __init__(self, manager: SessionManager, room: Room, rows: torch.Tensor | None = None,
+                 deepstack: torch.Tensor | None = None) -> None:
         driver = manager._driver
         super().__init__(driver.table, room, driver.conclusions, driver.rooms.get)
         self._manager = manager
@@ -76,7 +84,7 @@ class ReceiveHandle(_io.RoomHandle):
             return False
         return self._manager._driver.clock() - record.concluded_at >= self._manager.quarantine_s
 
-    def clear(self, event: Any = None) -> None:
+    def clear(self, event: EventLike | None = None) -> None:
         """Forgets the room; a status that still arrives for it is ignored.
 
         A room given up on before a terminal status has its encode rank told (a cancel).
@@ -93,14 +101,14 @@ class SessionManager:
 
     def __init__(
         self,
-        engine: Any,
+        engine: TransferEngineLike,
         engine_rank: int,
         tp_size: int,
         dp_size: int = 1,
         *,
-        buffer: Any = None,
-        deepstack_buffer: Any = None,
-        pool: Any = None,
+        buffer: torch.Tensor | tuple[int, int] | None = None,
+        deepstack_buffer: torch.Tensor | tuple[int, int] | None = None,
+        pool: ReceivePool | None = None,
         host: str | None = None,
         status_port: PortSpec = 0,
         deadline_s: float | None = None,
@@ -138,10 +146,11 @@ class SessionManager:
             raise ValueError("give the session manager either a registered `buffer` or a `pool` of receive slots")
         self._owned: list[int] = []
         self.pool = pool
+        self.deepstack_buffer: _io.Region | None
         if pool is not None:
             # Slots hold embedding and deepstack rows alike: one region serves both.
             self.buffer = self.deepstack_buffer = pool.region
-        else:
+        elif buffer is not None:
             self.buffer = self._register(buffer)
             self.deepstack_buffer = self._register(deepstack_buffer) if deepstack_buffer is not None else None
         # Every destination lies in one of these announced (embedding, deepstack) region
@@ -182,13 +191,13 @@ class SessionManager:
         self,
         room: int,
         bootstrap_addr: str,
-        dst: Any = None,
+        dst: torch.Tensor | int | None = None,
         rows: int | None = None,
         hidden: int | None = None,
-        dtype: Any = None,
+        dtype: torch.dtype | str | None = None,
         row_start: int = 0,
         span: int | None = None,
-        deepstack_dst: Any = None,
+        deepstack_dst: torch.Tensor | tuple[int, int] | None = None,
         deepstack_hidden: int | None = None,
     ) -> ReceiveHandle:
         """Asks the encode rank behind `bootstrap_addr` for this rank's rows of `room`.
@@ -205,13 +214,10 @@ class SessionManager:
         if self._closed:
             raise RuntimeError("session manager is closed")
         check_room(room)
-        if dtype is not None:
-            dtype = normalize_dtype(dtype)
-        lease = full = full_ds = None
+        dtype_name = normalize_dtype(dtype) if dtype is not None else None
         if dst is None:
-            lease, full, full_ds = self._lease(room, rows, hidden, dtype, row_start, span, deepstack_hidden)
-            dst = full[row_start : row_start + rows]
-            deepstack_dst = full_ds[row_start : row_start + rows] if full_ds is not None else None
+            lease, full, full_ds, dst, deepstack_dst = self._lease(room, rows, hidden, dtype_name, row_start, span,
+                                                                   deepstack_hidden)
             try:
                 return self._receive(room, bootstrap_addr, dst, None, None, None, row_start, span, deepstack_dst,
                                      lease, full, full_ds)
@@ -221,10 +227,12 @@ class SessionManager:
                 lease.fail()
                 self._drop_lease_region(lease)
                 raise
-        return self._receive(room, bootstrap_addr, dst, rows, hidden, dtype, row_start, span, deepstack_dst)
+        return self._receive(room, bootstrap_addr, dst, rows, hidden, dtype_name, row_start, span, deepstack_dst)
 
-    def _receive(self, room, bootstrap_addr, dst, rows, hidden, dtype, row_start, span, deepstack_dst,
-                 lease=None, full=None, full_ds=None) -> ReceiveHandle:
+    def _receive(self, room: int, bootstrap_addr: str, dst: torch.Tensor | int, rows: int | None,
+                 hidden: int | None, dtype: str | None, row_start: int, span: int | None,
+                 deepstack_dst: torch.Tensor | tuple[int, int] | None, lease: Slot | None = None,
+                 full: torch.Tensor | None = None, full_ds: torch.Tensor | None = None) -> ReceiveHandle:
         """receive() once the destination is known."""
         ptr, rows, hidden, dtype = _destination(dst, rows, hidden, dtype)
         row_bytes = hidden * dtype_size(dtype)
@@ -243,8 +251,11 @@ class SessionManager:
         self.metrics.inc("rooms_started_total")
         return ReceiveHandle(self, record, full, full_ds)
 
-    def _lease(self, room, rows, hidden, dtype, row_start, span, deepstack_hidden):
-        """Leases a pool slot for the item's full span; returns (lease, rows view, deepstack view)."""
+    def _lease(self, room: int, rows: int | None, hidden: int | None, dtype: str | None, row_start: int,
+               span: int | None, deepstack_hidden: int | None,
+               ) -> tuple[Slot, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """Leases a pool slot for the item's full span; returns the lease, its rows and deepstack views, and
+        this rank's shard of each."""
         import torch
 
         if self.pool is None:
@@ -261,14 +272,16 @@ class SessionManager:
         full_ds = flat[nbytes:].view(torch_dtype).view(span, deepstack_hidden) if deepstack_hidden else None
         if lease.is_fallback:
             self.add_region(lease.region, lease.region)
-        return lease, full, full_ds
+        shard = slice(row_start, row_start + rows)
+        return lease, full, full_ds, full[shard], full_ds[shard] if full_ds is not None else None
 
-    def _drop_lease_region(self, lease: Any) -> None:
+    def _drop_lease_region(self, lease: Slot) -> None:
         if lease.is_fallback:
             with self._regions_lock:
                 self._region_sets = [r for r in self._region_sets if r.embedding is not lease.region]
 
-    def add_region(self, embedding: Any, deepstack: Any = None) -> RegionSet:
+    def add_region(self, embedding: torch.Tensor | tuple[int, int] | _io.Region,
+                   deepstack: torch.Tensor | tuple[int, int] | _io.Region | None = None) -> RegionSet:
         """Adds registered memory outside the main buffer as a destination (e.g. a per-item buffer).
 
         The region is announced to each encode rank, before the first room that lands in it,
@@ -338,7 +351,7 @@ class SessionManager:
 
     # ------------------------------------------------------------- internals
 
-    def _register(self, buf: Any) -> _io.Region:
+    def _register(self, buf: torch.Tensor | tuple[int, int]) -> _io.Region:
         """Registers `buf` with the engine unless it already lies in registered memory."""
         region = _io.as_region(buf)
         for addr, nbytes in self.engine.registered().items():
@@ -357,7 +370,7 @@ class SessionManager:
 
         return QUARANTINE_S
 
-    def _forget(self, record: Room, event: Any = None) -> None:
+    def _forget(self, record: Room, event: EventLike | None = None) -> None:
         """Drops the room; hands a pooled slot back (Success, or memory already safe) or to quarantine
         (anything else), which ends once the encode rank confirms the room's cancel."""
         succeeded = self._driver.clear(record)
@@ -381,7 +394,8 @@ class RegionSet:
 
 
 
-def _destination(dst: Any, rows: int | None, hidden: int | None, dtype: str | None) -> tuple[int, int, int, str]:
+def _destination(dst: torch.Tensor | int, rows: int | None, hidden: int | None,
+                 dtype: str | None) -> tuple[int, int, int, str]:
     """(pointer, rows, hidden, dtype) of a destination tensor or raw pointer."""
     if isinstance(dst, int):
         if rows is None or hidden is None or dtype is None:
