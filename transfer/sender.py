@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from transfer import _io, config
 from transfer.bootstrap import BootstrapClient
@@ -28,9 +29,13 @@ from transfer.frames import (
     check_room,
     dtype_size,
 )
+from transfer.interfaces import EventLike, TransferEngineLike
 from transfer.metrics import Metrics, declare_role
 from transfer.ports import PortSpec
 from transfer.status import TransferPoll
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DEAD_AFTER_S", "DEAD_SESSION_MAX_S", "DEAD_SESSION_S", "DEAD_STALL_FACTOR", "MAX_REGIONS_PER_SESSION",
            "MAX_SESSIONS", "SendHandle", "SenderPool"]
@@ -49,7 +54,7 @@ DEAD_SESSION_MAX_S = _breaker.MAX_PAUSE_S
 CLOSE_GRACE_S = 1.0
 
 
-class SendHandle(_io.RoomHandle):
+class SendHandle(_io.RoomHandle[RoomState]):
     """One room's progress on the encode side: poll(), failure, latency_s, wait(), clear()."""
 
     def __init__(self, pool: SenderPool, state: RoomState) -> None:
@@ -66,7 +71,7 @@ class SenderPool:
 
     def __init__(
         self,
-        engine: Any,
+        engine: TransferEngineLike,
         engine_rank: int,
         tp_size: int,
         dp_size: int,
@@ -144,14 +149,14 @@ class SenderPool:
     def send(
         self,
         room: int,
-        src: Any,
-        deepstack: Any = None,
+        src: torch.Tensor | int,
+        deepstack: torch.Tensor | int | None = None,
         *,
         span: int | None = None,
         hidden: int | None = None,
         dtype: str | None = None,
         deepstack_hidden: int | None = None,
-        ready_event: Any = None,
+        ready_event: EventLike | None = None,
     ) -> SendHandle:
         """Offers `room`'s rows to the prefill ranks that ask for it; never blocks on them.
 
@@ -195,7 +200,7 @@ class SenderPool:
         self.metrics.inc("rooms_started_total")
         return SendHandle(self, state)
 
-    def _hold_registered(self, *regions: _io.Region | None):
+    def _hold_registered(self, *regions: _io.Region | None) -> Callable[[], None] | None:
         """Registers source regions outside registered memory; returns their release (or None)."""
         return self._sources.hold(*regions)
 
@@ -255,7 +260,8 @@ class SenderPool:
         self.close()
 
 
-def _source(src: Any, span: int | None, hidden: int | None, dtype: str | None) -> tuple[_io.Region, int, int, str]:
+def _source(src: torch.Tensor | int, span: int | None, hidden: int | None,
+            dtype: str | None) -> tuple[_io.Region, int, int, str]:
     """(region, span, hidden, dtype) of a source tensor `[span, hidden]` or raw pointer."""
     if isinstance(src, int):
         if span is None or hidden is None or dtype is None:

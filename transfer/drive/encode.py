@@ -14,6 +14,7 @@ import select
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,7 +149,7 @@ class SourceRegistry:
         self.lock = threading.Lock()
         self.counts = SourceCounts()
 
-    def hold(self, *regions: _io.Region | None):
+    def hold(self, *regions: _io.Region | None) -> Callable[[], None] | None:
         """Holds each region's registration (registering it if needed); returns their release, or None.
 
         If one region cannot be registered, those already held are released before raising.
