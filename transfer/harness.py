@@ -19,9 +19,12 @@ import time
 import traceback
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transfer.frames import dtype_size, prefill_shard
+
+if TYPE_CHECKING:
+    import torch
 
 #: The byte every receive slot is filled with before an ask, so that writes outside
 #: the rank's shard show up.
@@ -318,10 +321,10 @@ def _libc():
     return libc
 
 
-_SENTINELS: dict[int, object] = {}
+_SENTINELS: dict[int, torch.Tensor] = {}
 
 
-def _sentinel(nbytes: int):
+def _sentinel(nbytes: int) -> torch.Tensor:
     """A host buffer of at least `nbytes` SENTINEL bytes, flattened to exactly nbytes."""
     import torch
 
