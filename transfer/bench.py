@@ -278,9 +278,9 @@ class _Worker:
     def engine(self, protocol: str):
         """The engine for protocol, started on first use with the arena registered."""
         if protocol not in self.engines:
-            from transfer.harness import make_engine
+            from transfer.harness import Scenario, make_engine
 
-            engine = make_engine(argparse.Namespace(protocol=protocol, host=self.setup["host"]))
+            engine = make_engine(Scenario(protocol=protocol, host=self.setup["host"]))
             self.engines[protocol] = engine
             if self.arena is not None:
                 engine.register(self.arena)
@@ -662,8 +662,12 @@ class RankSet:
         self.opts = opts
         self._ctx = mp.get_context("spawn")
         self.res_q = self._ctx.Queue()
-        self._tmp = None if opts.log_dir else tempfile.TemporaryDirectory(prefix="epd-bench-")
-        self.log_dir = opts.log_dir or self._tmp.name
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if opts.log_dir:
+            self.log_dir = opts.log_dir
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="epd-bench-")
+            self.log_dir = self._tmp.name
         os.makedirs(self.log_dir, exist_ok=True)
         self.procs: dict[tuple[str, int], Any] = {}
         self.cmd_qs: dict[tuple[str, int], Any] = {}
@@ -1115,11 +1119,11 @@ def median_row(runs: list[dict], raw: list[dict] | None = None) -> dict:
     turn = sorted(range(len(runs)), key=lambda i: runs[i]["gbps"])[(len(runs) - 1) // 2]
     row = dict(runs[turn])
     row["gbps_runs"] = [r["gbps"] for r in runs]
-    paired = raw is not None and len(raw) == len(runs)
-    if paired and all(r["gbps"] > 0 for r in raw):
-        row["ratio_runs"] = [r["gbps"] / ref["gbps"] for r, ref in zip(runs, raw)]
-    if paired and row["path"] in ("epd", "wire") and raw[turn].get("verified", True):
-        row["p50_added_ms"] = row["p50_ms"] - raw[turn]["p50_ms"]
+    paired = raw if raw is not None and len(raw) == len(runs) else None
+    if paired is not None and all(r["gbps"] > 0 for r in paired):
+        row["ratio_runs"] = [r["gbps"] / ref["gbps"] for r, ref in zip(runs, paired)]
+    if paired is not None and row["path"] in ("epd", "wire") and paired[turn].get("verified", True):
+        row["p50_added_ms"] = row["p50_ms"] - paired[turn]["p50_ms"]
     broken = [r for r in runs if not r["verified"]]
     if broken:
         row.update(verified=False, failed=max(r["failed"] for r in broken), problems=broken[0]["problems"])
