@@ -331,7 +331,8 @@ def _check_rooms(reduced: torch.Tensor) -> None:
                            f"in the same order")
 
 
-def _exchange(items: list[ShardedItem], rank: int, size: int, group: dist.ProcessGroup | None, device: torch.device) -> None:
+def _exchange(items: list[ShardedItem], rank: int, size: int, group: dist.ProcessGroup | None,
+              device: torch.device) -> None:
     """One all-gather of every rank's packed shards, then unpack the others' rows into place."""
     padded = max(_shard_bytes(items, r, size) for r in range(size))
     if padded == 0:
