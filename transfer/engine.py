@@ -447,9 +447,10 @@ class Engine(RegisteredMemory):
             if held:  # behind its probe, or behind the session's writes still held back
                 pending.waiting, pending.probe, pending.submitting = True, probe, False
                 self._held.setdefault(session_id, []).append(ticket)
-            if verdict is Verdict.PROBE:
-                self._start_probe(probe)
-                self._lock.wait_for(lambda: probe.done, FIRST_ANSWER_S)
+            starts = probe if verdict is Verdict.PROBE else None  # the probe this write starts, if any
+            if starts is not None:
+                self._start_probe(starts)
+                self._lock.wait_for(lambda: starts.done, FIRST_ANSWER_S)
         if held:
             self._release_waiting(session_id)
         else:
