@@ -18,6 +18,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -195,8 +196,9 @@ class _GiveUp:
 
         end = time.monotonic() + bound_s
         while True:
-            if self.now():
-                end = min(end, self.grace_end)
+            grace_end = self.grace_end if self.now() else None
+            if grace_end is not None:
+                end = min(end, grace_end)
             left = max(0.0, end - time.monotonic())
             # In slices when it may be abandoned, so that is seen within one.
             status = handle.wait(left if self._abandoned is None else min(left, 0.1))
@@ -344,7 +346,7 @@ STOP_GRACE_S = 5.0
 #: Lines of a failing rank's log quoted in the error.
 LOG_TAIL_LINES = 25
 
-_BODIES = {"encode": encode_rank, "prefill": prefill_rank}
+_BODIES: dict[str, Callable[..., dict]] = {"encode": encode_rank, "prefill": prefill_rank}
 
 
 class _Flag:
