@@ -465,7 +465,7 @@ class _PrometheusCollector:
         m = self.metrics
         family, current = None, None
         for name, kind, sample, key, value in m.samples():
-            if name != current:
+            if family is None or name != current:
                 if family is not None:
                     yield family
                 current, full = name, m.full_name(name)
