@@ -121,7 +121,7 @@ class Setting:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral if integral else numbers.Real):
             raise ConfigError(f"{self.argument}={value!r} is not {what}")
         try:
-            return parser(str(int(value) if integral else float(value)))
+            return parser(str(int(value) if integral and isinstance(value, numbers.Integral) else float(value)))
         except ValueError:
             raise ConfigError(f"{self.argument}={value!r} is not {what}") from None
 
