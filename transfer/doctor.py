@@ -128,17 +128,22 @@ def mooncake_distributions() -> list[dict]:
     return sorted(found, key=lambda d: d["name"])
 
 
+#: What the import probe says of a binding without TransferEngine.send_probe (wheels before mid-2026).
+IMPORTS_NO_PROBE = "imports, but its TransferEngine has no send_probe"
+
+
 def probe_mooncake_import(timeout_s: float | None = None) -> tuple[bool, str]:
     """Import mooncake.engine in a child process (a crash or hang cannot take the doctor down)."""
     timeout_s = IMPORT_TIMEOUT_S if timeout_s is None else timeout_s
-    code = "import mooncake.engine as e; e.TransferEngine; print('imports')"
+    code = ("import mooncake.engine as e; "
+            f"print('imports' if hasattr(e.TransferEngine, 'send_probe') else {IMPORTS_NO_PROBE!r})")
     try:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
         return False, f"import mooncake.engine hung for more than {timeout_s:g}s"
     if done.returncode == 0:
-        return True, "imports"
+        return True, done.stdout.strip() or "imports"
     if done.returncode < 0:
         return False, f"import mooncake.engine crashed (signal {-done.returncode})"
     lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()]
@@ -171,6 +176,12 @@ def check_mooncake(probe: Probe) -> tuple[list[Check], dict]:
     checks = []
     if imports:
         checks.append(Check("mooncake", "ok", f"{names}, {how}"))
+        if how == IMPORTS_NO_PROBE:
+            checks.append(Check(
+                "mooncake-probe", "warn",
+                "without send_probe, a peer stopped at its first contact holds every write of this "
+                "engine for up to 60 s (docs/guarantees.md)",
+                f"pip install --upgrade {dists[0]['name']}"))
     else:
         if "libibverbs" in how or "libnuma" in how:
             fix = "apt-get install libibverbs1 libnuma1"

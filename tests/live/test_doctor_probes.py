@@ -30,6 +30,10 @@ def test_library_checks():
 def test_real_mooncake_probe_and_wheel():
     ok, detail = doctor.probe_mooncake_import()
     assert ok, detail
+    import mooncake.engine
+
+    has_probe = hasattr(mooncake.engine.TransferEngine, "send_probe")
+    assert detail == ("imports" if has_probe else doctor.IMPORTS_NO_PROBE)
     names = [d["name"] for d in doctor.mooncake_distributions()]
     assert any(n.startswith("mooncake-transfer-engine") for n in names)
 

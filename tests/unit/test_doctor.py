@@ -199,6 +199,18 @@ def test_two_mooncake_wheels_warn(monkeypatch):
     assert info["imports"] is True
 
 
+def test_a_binding_without_send_probe_warns_of_the_frozen_peer_stall(monkeypatch):
+    monkeypatch.setattr(doctor, "mooncake_distributions", lambda: [
+        {"name": "mooncake-transfer-engine-non-cuda", "version": "0.3.6", "flavour": "CPU build"},
+    ])
+    checks, info = doctor.check_mooncake(lambda: (True, doctor.IMPORTS_NO_PROBE))
+    assert [c.name for c in checks] == ["mooncake", "mooncake-probe"]
+    assert checks[0].level == "ok" and checks[1].level == "warn"
+    assert "60 s" in checks[1].detail
+    assert checks[1].fix == "pip install --upgrade mooncake-transfer-engine-non-cuda"
+    assert [c.name for c in doctor.check_mooncake(ok_probe)[0]] == ["mooncake"]
+
+
 def test_missing_mooncake_fails_with_the_wheel_fix(monkeypatch):
     monkeypatch.setattr(doctor, "mooncake_distributions", list)
     checks, _ = doctor.check_mooncake(bad_probe)
