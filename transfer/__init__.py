@@ -2,6 +2,7 @@
 
 import logging
 
+from transfer import errors
 from transfer.errors import (
     BootstrapError,
     BootstrapUnreachable,
@@ -22,17 +23,5 @@ __version__ = "0.1.0"
 # last-resort handler would print our warnings to stderr on its own.
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-__all__ = [
-    "BootstrapError",
-    "BootstrapUnreachable",
-    "ConfigError",
-    "ConfigTypeError",
-    "EngineError",
-    "EngineUnavailable",
-    "FallbackLimitError",
-    "PortsInUse",
-    "SlotError",
-    "TransferError",
-    "WireError",
-    "__version__",
-]
+__all__ = ["__version__"]
+__all__ += errors.__all__
