@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fakes import Region, Regions
 
-from transfer.core.prefill import PrefillCore, RoomSpec
+from transfer.core.prefill import Announce, LookUpParallel, LookUpRoute, PrefillCore, RoomSpec, SendAsk
 
 BOOT = "10.0.0.1:8998"
 ENCODE = ("10.0.0.2", 7000)
@@ -27,3 +27,14 @@ def core(**kw) -> PrefillCore:
     kw.setdefault("deadline_s", 60.0)
     return PrefillCore(kw.pop("engine_rank", 0), kw.pop("tp_size", 1), kw.pop("dp_size", 1),
                        host="10.0.0.3", status_port=5555, session_id="10.0.0.3:1234", **kw)
+
+
+def routed(c: PrefillCore, now: float = 0.0, tp: int = 1, dp: int = 1) -> None:
+    """Resolves the sizes and rank 0's route, as a first room would."""
+    _, actions = c.receive(now, spec(999))
+    assert actions == [LookUpParallel(BOOT)]
+    actions = c.parallel_resolved(now, BOOT, tp, dp)
+    assert actions == [LookUpRoute(KEY0)]
+    actions = c.route_resolved(now, KEY0, ENCODE)
+    assert [type(a) for a in actions] == [Announce, SendAsk]
+    c.clear(now, 999)

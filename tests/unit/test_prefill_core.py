@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from fakes import Region, Regions
-from prefill_rooms import BOOT, ENCODE, KEY0, MAIN, core, spec
+from prefill_rooms import BOOT, ENCODE, KEY0, MAIN, core, routed, spec
 
 from transfer.core.failure import FailureKind
 from transfer.core.prefill import (
@@ -22,17 +22,6 @@ from transfer.core.prefill import (
 )
 from transfer.frames import TransferInfo, parse_registration
 from transfer.status import TransferPoll
-
-
-def routed(c: PrefillCore, now: float = 0.0, tp: int = 1, dp: int = 1) -> None:
-    """Resolves the sizes and rank 0's route, as a first room would."""
-    _, actions = c.receive(now, spec(999))
-    assert actions == [LookUpParallel(BOOT)]
-    actions = c.parallel_resolved(now, BOOT, tp, dp)
-    assert actions == [LookUpRoute(KEY0)]
-    actions = c.route_resolved(now, KEY0, ENCODE)
-    assert [type(a) for a in actions] == [Announce, SendAsk]
-    c.clear(now, 999)
 
 
 def kinds(actions) -> list[type]:

@@ -2,48 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from fakes import Region, Regions
+from prefill_rooms import MAIN, core, routed, spec
 
-from transfer.core.prefill import Announce, Conclude, LookUpParallel, LookUpRoute, PrefillCore, RoomSpec, SendAsk, Verify
+from transfer.core.prefill import Conclude, Verify
 from transfer.status import TransferPoll
-
-BOOT = "10.0.0.1:8998"
-
-
-@dataclass(frozen=True)
-class Region:
-    addr: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Regions:
-    embedding: Region
-    deepstack: Region | None = None
-
-
-MAIN = Regions(Region(0x10000, 1 << 20))
-
-
-def spec(room: int, *, regions: Regions = MAIN, slot: int = 0, deepstack: bool = False) -> RoomSpec:
-    ptr = regions.embedding.addr + slot * 64
-    ds_ptr = regions.deepstack.addr + slot * 32 if deepstack else 0
-    return RoomSpec(room, BOOT, ptr, rows=4, hidden=8, dtype="torch.float16", row_bytes=16, row_start=0, span=4,
-                    regions=regions, deepstack_ptr=ds_ptr, deepstack_nbytes=32 if deepstack else 0,
-                    has_deepstack=deepstack)
-
-
-def core(**kw) -> PrefillCore:
-    return PrefillCore(0, 1, 1, host="10.0.0.3", status_port=5555, session_id="10.0.0.3:1234", deadline_s=60.0, **kw)
-
-
-def routed(c: PrefillCore) -> None:
-    """Resolves the sizes and encode rank 0's route, as a first room would."""
-    _, actions = c.receive(0.0, spec(999))
-    assert actions == [LookUpParallel(BOOT)]
-    assert c.parallel_resolved(0.0, BOOT, 1, 1) == [LookUpRoute((BOOT, 0, 0))]
-    assert [type(a) for a in c.route_resolved(0.0, (BOOT, 0, 0), ("10.0.0.2", 7000))] == [Announce, SendAsk]
-    c.clear(0.0, 999)
 
 
 def _conclusion(actions) -> Conclude:
