@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from fakes import MooncakeStandIn
 
 from transfer import engine as engine_module
 from transfer.engine import Engine, choose_protocol, rdma_device_names
@@ -31,24 +32,12 @@ def test_choose_protocol_explicit_and_unknown(tmp_path):
         choose_protocol("nvlink")
 
 
-class _ScriptedTE:
+class _ScriptedTE(MooncakeStandIn):
     """A stand-in for mooncake's TransferEngine whose status answers follow a script (pure logic)."""
 
     def __init__(self) -> None:
         self.script = [-2, -2, 0, 1]
         self.freed = False
-
-    def initialize(self, *args) -> int:
-        return 0
-
-    def get_rpc_port(self) -> int:
-        return 4242
-
-    def register_memory(self, addr: int, nbytes: int) -> int:
-        return 0
-
-    def unregister_memory(self, addr: int) -> int:
-        return 0
 
     def batch_transfer_async_write(self, *args) -> int:
         return 77

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from fakes import MooncakeStandIn
 
 from transfer import engine as engine_module
 from transfer.engine import Engine, EngineError
@@ -10,25 +11,13 @@ from transfer.engine import Engine, EngineError
 SRC = 0x10000
 
 
-class _ProbingTE:
+class _ProbingTE(MooncakeStandIn):
     """A stand-in for mooncake's TransferEngine that records writes and answers probes as told."""
 
     def __init__(self) -> None:
         self.writes: list[tuple[str, int]] = []
         self.probe_rc = 0
         self.probed: list[str] = []
-
-    def initialize(self, *args) -> int:
-        return 0
-
-    def get_rpc_port(self) -> int:
-        return 4242
-
-    def register_memory(self, addr: int, nbytes: int) -> int:
-        return 0
-
-    def unregister_memory(self, addr: int) -> int:
-        return 0
 
     def send_probe(self, session: str) -> int:
         self.probed.append(session)
