@@ -261,13 +261,17 @@ class PrefillDriver:
         """
         if self.clock() - self._caller_at < PROGRESS_EVERY_S:
             return  # a loop polling many handles reads the socket once
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
+            return  # the I/O thread is stepping the core: it reads the socket on this turn
+        try:
             if self._stopping or self.failure is not None:
                 return
             self._caller_at = self.clock()
             verifies, more = self._take_statuses(STATUSES_PER_HOLD)
             self._verifies.extend(verifies)
             wake = more or bool(verifies) or self._must_wake()
+        finally:
+            self._lock.release()
         if wake:
             self._waker.wake()
 
@@ -300,12 +304,16 @@ class PrefillDriver:
     def _watch_step(self, record: Room, remaining: float) -> None:
         """One turn of a waiting caller: handle what is queued, then sleep on the socket (holds _watch)."""
         self._watch_waker.drain()  # before looking: a conclusion from now on wakes the sleep below
-        with self._lock:
+        if not self._lock.acquire(timeout=remaining):
+            return  # held past the wait's own bound (a stuck I/O thread): wait() returns
+        try:
             if self._stopping or self.failure is not None:
                 return
             self._caller_at = self.clock()
             verifies, more = self._take_statuses(STATUSES_PER_HOLD)
             wake = self._must_wake()
+        finally:
+            self._lock.release()
         if wake:
             self._waker.wake()
         for verify in verifies:
