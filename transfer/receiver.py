@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from transfer.buffers import ReceivePool, Slot
+    from transfer.status import TransferPoll
 
 __all__ = ["ENCODE_FAILED", "UNREACHABLE_RETRY_S", "ReceiveHandle", "RegionSet", "SessionManager"]
 
@@ -67,13 +68,13 @@ class ReceiveHandle(_io.RoomHandle[Room]):
         self.rows = rows
         self.deepstack = deepstack
 
-    def poll(self):
+    def poll(self) -> TransferPoll:
         """The room's status right now; never blocks (reads the statuses that came, on this thread)."""
         if self._state.concluded_at is None:
             self._manager._driver.progress()
         return super().poll()
 
-    def wait(self, timeout: float):
+    def wait(self, timeout: float) -> TransferPoll:
         """Blocks up to `timeout` seconds for a terminal status (for tools and tests, not scheduler loops)."""
         if self._current():  # a cleared room will not conclude for this handle
             self._manager._driver.wait(self._state, timeout)

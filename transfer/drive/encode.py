@@ -266,7 +266,7 @@ class EncodeDriver:
         poller = select.poll()
         poller.register(self.pull.fileno(), select.POLLIN)  # the socket's FD option
         poller.register(self.waker.fileno(), select.POLLIN)
-        fds = [self.pull.getsockopt(zmq.FD), self.waker.fileno()]
+        fds = [self.pull.fileno(), self.waker.fileno()]
         self._select_fds = fds if max(fds) < SELECT_FD_LIMIT else None
         delay = POLL_MIN_S
         more_requests = False  # the last round left requests queued (the socket's FD will not signal them)

@@ -155,7 +155,7 @@ class PrefillDriver:
         self._awaiting_safe: dict[int, Room] = {}  # cleared rooms by token, until their cancel is confirmed
         self._status_sock, self.status_port = _io.pull_socket(host, status_port,
                                                               f"prefill rank {engine_rank}'s status socket")
-        self._status_fd = self._status_sock.getsockopt(zmq.FD)
+        self._status_fd = self._status_sock.fileno()  # the socket's FD option
         try:
             self.core = PrefillCore(engine_rank, tp_size, dp_size, host=host, status_port=self.status_port,
                                     session_id=session_id, deadline_s=deadline_s, integrity=integrity)
