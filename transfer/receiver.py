@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from transfer.buffers import ReceivePool, Slot
+    from transfer.status import TransferPoll
 
 __all__ = ["ENCODE_FAILED", "UNREACHABLE_RETRY_S", "ReceiveHandle", "RegionSet", "SessionManager"]
 
@@ -66,6 +67,18 @@ class ReceiveHandle(_io.RoomHandle[Room]):
         #: rows; the others are for reassembly) and likewise the deepstack rows.
         self.rows = rows
         self.deepstack = deepstack
+
+    def poll(self) -> TransferPoll:
+        """The room's status right now; never blocks (reads the statuses that came, on this thread)."""
+        if self._state.concluded_at is None:
+            self._manager._driver.progress()
+        return super().poll()
+
+    def wait(self, timeout: float) -> TransferPoll:
+        """Blocks up to `timeout` seconds for a terminal status (for tools and tests, not scheduler loops)."""
+        if self._current():  # a cleared room will not conclude for this handle
+            self._manager._driver.wait(self._state, timeout)
+        return super().poll()
 
     @property
     def safe_to_reuse(self) -> bool:
@@ -321,6 +334,7 @@ class SessionManager:
         rooms' handles instead of polling every handle each step. A room cleared before
         it was handed out is left out.
         """
+        self._driver.progress()
         return self._driver.table.take_concluded()
 
     def stats(self) -> list[dict]:

@@ -10,6 +10,7 @@ cleared, close) and reads the room book.
 from __future__ import annotations
 
 import logging
+import math
 import select
 import threading
 import time
@@ -55,6 +56,9 @@ log = logging.getLogger("transfer.sender")
 #: Mooncake threads that move the bytes.
 POLL_MIN_S = 250e-6
 POLL_MAX_S = 1e-3
+
+#: Descriptors select() can watch (FD_SETSIZE).
+SELECT_FD_LIMIT = 1024
 
 #: Requests filed per round before the thread turns to its writes: a peer that sends
 #: without pause must not keep the thread (its writes, sweep and close()) waiting.
@@ -236,6 +240,7 @@ class EncodeDriver:
         self.statuses = _io.Pushers()
         self._complaints = _io.ThrottledLog(log)  # about requests peers sent, and the core's warnings
         self._flights: list[_Flight] = []
+        self._select_fds: list[int] | None = None  # what a sub-millisecond wait watches, when select() can
         self._stop = False
         self.thread = threading.Thread(target=self._run, name=f"epd-encode-{engine_rank}", daemon=True)
 
@@ -261,6 +266,8 @@ class EncodeDriver:
         poller = select.poll()
         poller.register(self.pull.fileno(), select.POLLIN)  # the socket's FD option
         poller.register(self.waker.fileno(), select.POLLIN)
+        fds = [self.pull.fileno(), self.waker.fileno()]
+        self._select_fds = fds if max(fds) < SELECT_FD_LIMIT else None
         delay = POLL_MIN_S
         more_requests = False  # the last round left requests queued (the socket's FD will not signal them)
         next_retry = self.clock() + RETRY_RELEASES_S
@@ -296,15 +303,24 @@ class EncodeDriver:
     def _sleep(self, poller: select.poll, timeout: float) -> bool:
         """Waits for a request, a wake-up or `timeout` seconds; True when the waker's pipe is readable.
 
-        poll() counts whole milliseconds: a shorter wait (writes in flight) checks once
-        and sleeps. ZMQ's FD only signals that the socket's state may have changed: the
-        loop sleeps only after a drain that found the socket empty, so a message queued
-        since then has signalled the FD.
+        poll() counts whole milliseconds, so a shorter wait (writes in flight) goes
+        through select(), which counts microseconds and still returns as soon as a
+        request or a wake-up comes: an ask that completes a room's fanout starts its
+        writes at once instead of after the sleep. Descriptors past select()'s range
+        check once and sleep. ZMQ's FD only signals that the socket's state may have
+        changed: the loop sleeps only after a drain that found the socket empty, so a
+        message queued since then has signalled the FD.
         """
-        events = poller.poll(timeout * 1e3 if timeout >= 1e-3 else 0)
-        if not events and 0 < timeout < 1e-3:
-            time.sleep(timeout)
         waker = self.waker.fileno()
+        if 0 < timeout < 1e-3:
+            if self._select_fds is not None:
+                readable, _, _ = select.select(self._select_fds, (), (), timeout)
+                return waker in readable
+            events = poller.poll(0)
+            if not events:
+                time.sleep(timeout)
+        else:
+            events = poller.poll(math.ceil(timeout * 1e3))
         return any(fd == waker for fd, _ in events)
 
     def _take_commands(self) -> None:

@@ -1,18 +1,28 @@
 """The prefill side's driver: the thread, sockets, clock and bootstrap look-ups around a PrefillCore.
 
 One I/O thread sleeps in zmq.Poller (poll(2) underneath, so any descriptor number
-works) on the status socket, a waker and the sockets to encode ranks that have asks
-waiting; it feeds statuses, look-up results and ticks to the core and carries out the
-actions. Bootstrap look-ups run on a few look-up threads of their own, so a slow
+works) on the status socket's descriptor, a waker and the sockets to encode ranks that
+have asks waiting; it feeds statuses, look-up results and ticks to the core and carries
+out the actions. Bootstrap look-ups run on a few look-up threads of their own, so a slow
 server delays only the rooms that wait on it. The caller's receive() steps the core
 too, under the same lock, and sends a room's ask itself when its route is cached:
 that saves a thread hand-off per room. Every step under the lock is non-blocking;
 checksums run outside it.
+
+The caller's poll(), concluded() and wait() read the status socket themselves (see
+`progress`): while the caller came by within CALLER_LEASE_S, or a wait() watches the
+socket, the I/O thread leaves the socket's descriptor alone, so a status wakes no
+thread but the caller's. ZMQ sockets are not thread-safe: every call on the status
+socket (a receive, which also takes the socket's pending commands) is made under the
+lock, and both threads only ever sleep on its descriptor, a plain pipe that signals
+"look again" once a receive found the socket empty.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import select
 import threading
 import time
 from collections import deque
@@ -72,6 +82,26 @@ CANCEL_FLUSH_MS = 1000
 #: forgotten first: their slots then wait out the pool's quarantine).
 MAX_AWAITING_SAFE = 65536
 
+#: How long after the caller last read the status socket (poll(), concluded()) it is
+#: still trusted to come back for it: the I/O thread leaves the socket to the caller
+#: meanwhile, waking only to look whether it did. A caller gone quiet delays a status
+#: by at most this much.
+CALLER_LEASE_S = 0.005
+
+#: How often the I/O thread looks whether a caller that sleeps on the status socket in
+#: wait() is still there: statuses that come after it left wait at most this much.
+WAITER_LOOK_S = 0.02
+
+#: The longest a waiting caller sleeps on the status socket before it looks again.
+WAIT_SLICE_S = 1.0
+
+#: Statuses handled per hold of the lock, by either thread.
+STATUSES_PER_HOLD = 64
+
+#: A caller's poll() reads the status socket at most this often: a scheduler loop that
+#: polls many handles in one step reads it once.
+PROGRESS_EVERY_S = 50e-6
+
 #: How often the sockets to encode ranks are checked for lost connections while idle,
 #: so their reports do not pile up in ZMQ (a send checks its socket's first anyway).
 MONITOR_PERIOD_S = 1.0
@@ -125,6 +155,7 @@ class PrefillDriver:
         self._awaiting_safe: dict[int, Room] = {}  # cleared rooms by token, until their cancel is confirmed
         self._status_sock, self.status_port = _io.pull_socket(host, status_port,
                                                               f"prefill rank {engine_rank}'s status socket")
+        self._status_fd = self._status_sock.fileno()  # the socket's FD option
         try:
             self.core = PrefillCore(engine_rank, tp_size, dp_size, host=host, status_port=self.status_port,
                                     session_id=session_id, deadline_s=deadline_s, integrity=integrity)
@@ -141,6 +172,15 @@ class PrefillDriver:
         self._wake_at = 0.0  # when the I/O thread next wakes by itself
         self._waker = _io.Waker()
         self._results: deque[tuple] = deque()  # look-up results for the I/O thread
+        self._verifies: deque[Verify] = deque()  # checksums a caller's poll handed to the I/O thread
+        self._caller_at = -CALLER_LEASE_S  # when the caller last read the status socket
+        self._watcher: int | None = None  # the thread whose wait() sleeps on the status socket
+        self._watch = threading.Lock()  # held by that thread
+        self._watch_waker = _io.Waker()  # wakes it when a room concludes elsewhere
+        self._statuses_left = False  # a drain stopped with statuses still queued
+        self._watch_poller = select.poll()  # used by the thread that holds _watch
+        self._watch_poller.register(self._status_fd, select.POLLIN)
+        self._watch_poller.register(self._watch_waker.fileno(), select.POLLIN)
         self._lookups = _LookUps(f"epd-pre{engine_rank}-boot", lookup_timeout_s, clock, self._deliver,
                                  lookup_threads)
         self._stopping = False
@@ -213,6 +253,82 @@ class PrefillDriver:
                 return
         on_safe()
 
+    def progress(self) -> None:
+        """Handles the statuses queued, on the caller's thread (poll(), concluded()); never blocks.
+
+        The checksums they call for go to the I/O thread: a scheduler's step does not
+        wait for them.
+        """
+        if self.clock() - self._caller_at < PROGRESS_EVERY_S:
+            return  # a loop polling many handles reads the socket once
+        if not self._lock.acquire(blocking=False):
+            return  # the I/O thread is stepping the core: it reads the socket on this turn
+        try:
+            if self._stopping or self.failure is not None:
+                return
+            self._caller_at = self.clock()
+            verifies, more = self._take_statuses(STATUSES_PER_HOLD)
+            self._verifies.extend(verifies)
+            wake = more or bool(verifies) or self._must_wake()
+        finally:
+            self._lock.release()
+        if wake:
+            self._waker.wake()
+
+    def wait(self, record: Room, timeout: float) -> None:
+        """Blocks until the room concludes, at most `timeout` seconds.
+
+        The first thread to wait sleeps on the status socket itself and handles what
+        comes (checksums included: it is waiting anyway), so a status wakes it directly
+        rather than the I/O thread and then it; other waiters wait for a conclusion.
+        """
+        deadline = self.clock() + timeout
+        while record.concluded_at is None:
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                return
+            if self._stopping or self.failure is not None:
+                self.conclusions.wait(record, remaining)
+                return
+            if not self._watch.acquire(blocking=False):
+                self.conclusions.wait(record, min(remaining, CALLER_LEASE_S))
+                continue
+            try:
+                self._watcher = threading.get_ident()
+                self._watch_step(record, remaining)
+            finally:
+                self._watcher = None
+                self._caller_at = self.clock()  # a scheduler's next poll usually follows at once
+                self._watch.release()
+
+    def _watch_step(self, record: Room, remaining: float) -> None:
+        """One turn of a waiting caller: handle what is queued, then sleep on the socket (holds _watch)."""
+        self._watch_waker.drain()  # before looking: a conclusion from now on wakes the sleep below
+        if not self._lock.acquire(timeout=remaining):
+            return  # held past the wait's own bound (a stuck I/O thread): wait() returns
+        try:
+            if self._stopping or self.failure is not None:
+                return
+            self._caller_at = self.clock()
+            verifies, more = self._take_statuses(STATUSES_PER_HOLD)
+            wake = self._must_wake()
+        finally:
+            self._lock.release()
+        if wake:
+            self._waker.wake()
+        for verify in verifies:
+            self._verify(verify)
+        if record.concluded_at is not None or more:
+            return
+        # The socket's descriptor signals only after a receive found it empty, as the one above
+        # did; a conclusion elsewhere (a deadline, a look-up, close()) signals the watch waker.
+        self._watch_poller.poll(math.ceil(min(remaining, WAIT_SLICE_S) * 1000))
+
+    def _must_wake(self) -> bool:
+        """Whether a step off the I/O thread left it work it would not wake for by itself (_lock held)."""
+        wakeup = self.core.next_wakeup()
+        return self._resync or (wakeup is not None and wakeup < self._wake_at)
+
     def _run_on_safe(self, record: Room) -> None:
         on_safe, record.on_safe = record.on_safe, None
         if on_safe is not None:
@@ -253,11 +369,13 @@ class PrefillDriver:
         self._lookups.close(timeout=self.lookup_timeout_s + 1.0)
 
     def _close_sockets(self) -> None:
-        """Closes every socket and the waker; only once the I/O thread stopped."""
-        with self._lock:
-            self._status_sock.close(0)
-            for addr in list(self._sockets):
-                self._disconnect(addr)
+        """Closes every socket and the wakers; only once the I/O thread stopped."""
+        with self._watch:  # a waiting caller sleeps on the status socket's descriptor
+            with self._lock:
+                self._status_sock.close(0)
+                for addr in list(self._sockets):
+                    self._disconnect(addr)
+            self._watch_waker.close()
         self._waker.close()
 
     def sockets(self) -> list[zmq.Socket]:
@@ -270,16 +388,27 @@ class PrefillDriver:
     def _run(self) -> None:
         _io.name_this_thread(f"epd-pre{self.engine_rank}-io")
         poller = self._poller
-        poller.register(self._status_sock, zmq.POLLIN)
         poller.register(self._waker.fileno(), zmq.POLLIN)
+        watching = False  # the status socket's descriptor is in the poller
         monitors_read_at = self.clock()
         try:
             while not self._stopping:
-                events = dict(poller.poll(self._sleep_ms()))
+                timeout_ms, watch = self._sleep_plan()
+                if watch != watching:
+                    if watch:
+                        poller.register(self._status_fd, zmq.POLLIN)
+                    else:
+                        poller.unregister(self._status_fd)
+                    watching = watch
+                events = dict(poller.poll(timeout_ms))
                 if self._waker.fileno() in events:
                     self._waker.drain()
                     self._take_results()
-                if self._status_sock in events:
+                while self._verifies:
+                    self._verify(self._verifies.popleft())
+                # Left to the caller, the socket is still read on every turn: a status
+                # that came just before a room's deadline counts before the deadline does.
+                if self._status_fd in events or not watching or self._statuses_left:
                     self._drain_statuses()
                 for sock, flags in events.items():
                     if flags & zmq.POLLOUT and sock in self._watching:
@@ -305,14 +434,23 @@ class PrefillDriver:
             if abandoned:
                 self._close_sockets()
 
-    def _sleep_ms(self) -> int:
-        """How long the I/O thread may sleep: until the core's next wakeup, at most 1 s."""
+    def _sleep_plan(self) -> tuple[int, bool]:
+        """How long the I/O thread may sleep (until the core's next wakeup, at most 1 s), and whether
+        it watches the status socket meanwhile (not while the caller reads it)."""
         with self._lock:
             wakeup = self.core.next_wakeup()
             now = self.clock()
             timeout_ms = 1000 if wakeup is None else max(0, min(1000, int((wakeup - now) * 1000) + 1))
+            waiter = self._watcher is not None
+            watch = not waiter and now - self._caller_at >= CALLER_LEASE_S
+            if waiter:  # look again a while later: it may have left
+                timeout_ms = min(timeout_ms, math.ceil(WAITER_LOOK_S * 1000))
+            elif not watch:  # look again when the caller's lease runs out
+                timeout_ms = min(timeout_ms, max(1, math.ceil((self._caller_at + CALLER_LEASE_S - now) * 1000)))
+            if self._statuses_left or self._verifies:
+                timeout_ms = 0
             self._wake_at = now + timeout_ms / 1000
-        return timeout_ms
+        return timeout_ms, watch
 
     # event(now): typed loosely because the lambdas bind loop values as defaults, which mypy cannot infer.
     def _step(self, event: Callable[..., list]) -> None:
@@ -340,17 +478,33 @@ class PrefillDriver:
                 self._step(lambda now, a=args: core.lookup_failed(now, *a))
 
     def _drain_statuses(self) -> None:
-        """Handles the statuses queued, at most DRAIN_BATCH of them (the poller calls again for the rest)."""
-        for _ in range(DRAIN_BATCH):
+        """Handles the statuses queued, at most DRAIN_BATCH of them (the loop comes back at once for the rest)."""
+        for _ in range(0, DRAIN_BATCH, STATUSES_PER_HOLD):
+            with self._lock:
+                if self._stopping:
+                    return
+                verifies, more = self._take_statuses(STATUSES_PER_HOLD)
+            for verify in verifies:
+                self._verify(verify)
+            if not more:
+                return
+
+    def _take_statuses(self, limit: int) -> tuple[list[Verify], bool]:
+        """Handles up to `limit` queued statuses (_lock held); the checksums to run, and whether more may wait."""
+        verifies: list[Verify] = []
+        for _ in range(limit):
             frames = _io.recv_frames(self._status_sock)
             if frames is None:
-                return
+                self._statuses_left = False
+                return verifies, False
+            now = self.clock()
             unreadable = None  # a checksum part (ours, SPEC.md 8) that does not parse
             reason = None  # why the encode side failed the room (ours, SPEC.md 8)
             try:
                 answer = parse_cancel_reply(frames)
                 if answer is not None:
-                    self._step(lambda now, a=answer: self.core.cancel_answered(now, a.room, a.rank, a.confirmed))
+                    verifies += self._carry(now, self.core.cancel_answered(now, answer.room, answer.rank,
+                                                                          answer.confirmed))
                     continue
                 room, status, rank, sums = parse_status(frames)
                 if status is TransferPoll.Failed and len(frames) > 3:
@@ -360,7 +514,9 @@ class PrefillDriver:
             except WireError as exc:
                 self._complaints.warning(str(exc), "dropped a malformed status (%d parts): %s", len(frames), exc)
                 continue
-            self._step(lambda now: self.core.status(now, room, status, rank, sums, unreadable, reason))
+            verifies += self._carry(now, self.core.status(now, room, status, rank, sums, unreadable, reason))
+        self._statuses_left = True
+        return verifies, True
 
     def _verify(self, verify: Verify) -> None:
         """Compares the landed bytes with the sender's checksums, outside the lock."""
@@ -551,6 +707,9 @@ class PrefillDriver:
         record.succeeded = failure is None
         record.memory_safe = record.memory_safe or self.core.safe(action.room, action.token)
         self.conclusions.notify()
+        watcher = self._watcher
+        if watcher is not None and watcher != threading.get_ident():
+            self._watch_waker.wake()
 
 
 class _LookUps:
