@@ -33,8 +33,9 @@ CPU per room (`--cpu`; always in --json): each rank reads its threads' CPU time 
 over its timed window, split into the control plane (the caller's thread, the sender pool,
 the session manager's I/O thread, ZMQ's I/O threads) and the transport (Mooncake's threads,
 or the wire path's writer and listener threads: everything else), summed over the ranks and
-divided by the rooms. A raw cell's prefill ranks cannot tell its warm-up shard from the
-timed ones, so theirs includes it.
+divided by the rooms. A raw cell has no control plane: its issuing threads count as
+transport. A raw cell's prefill ranks cannot tell its warm-up shard from the timed ones, so
+theirs includes it.
 """
 
 from __future__ import annotations
@@ -792,9 +793,7 @@ def row_of(cell: Cell, reports: dict) -> dict:
         ends = [r["t_end"] for r in prefill]
         nbytes = sum(r["bytes"] for r in prefill)
         failed = {room for r in prefill + encodes for room, _ in r["failed"]}
-    cpu = [r.get("cpu") for r in prefill + encodes]
-    split = {side: sum(c[side] for c in cpu) * 1e3 / cell.items for side in ("control", "transport")} \
-        if all(cpu) else {"control": None, "transport": None}
+    split = cpu_per_room(cell, [r.get("cpu") for r in prefill + encodes])
     reasons = [why for r in prefill + encodes for _, why in r.get("failed", [])]
     bad = [b for r in prefill for b in r.get("bad", [])]
     wall = max(ends) - min(starts)
@@ -809,6 +808,20 @@ def row_of(cell: Cell, reports: dict) -> dict:
         "encode_bytes": [r.get("bytes") for r in encodes],
         "prefill_bytes": [r.get("bytes") for r in prefill] if cell.path != "raw" else None,
     }
+
+
+def cpu_per_room(cell: Cell, readings: list[dict | None]) -> dict[str, float | None]:
+    """Each room's CPU ms per side, summed over the ranks' readings; None for both when one is missing.
+
+    A raw cell has no control plane: its main threads only submit and wait through
+    Mooncake's API (the harness standing in for a caller), so all its time is transport.
+    """
+    if not all(readings):
+        return {"control": None, "transport": None}
+    split = {side: sum(c[side] for c in readings) * 1e3 / cell.items for side in ("control", "transport")}
+    if cell.path == "raw":
+        split = {"control": 0.0, "transport": split["control"] + split["transport"]}
+    return split
 
 
 def _room_latencies(reports: list[dict]) -> list[float]:

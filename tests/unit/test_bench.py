@@ -142,6 +142,21 @@ def test_row_of_gives_each_rooms_cpu_summed_over_the_ranks():
     assert blind["cpu_control_ms"] is None and blind["cpu_transport_ms"] is None
 
 
+def test_row_of_counts_a_raw_cells_issuing_threads_as_transport():
+    """Raw has no control plane: the encode rank's 8 ms in its issuing thread and 40 ms in
+    Mooncake's, and the prefill ranks' 4 ms and 20 ms each, are (8 + 40 + 2 * 24) / 4 = 24 ms
+    of transport per room and none of control."""
+    cell = bench.Cell("raw", 4, 8, "torch.bfloat16", fanout=2, inflight=2, items=4, integrity=False)
+    encode = {"t_start": 10.0, "t_end": 12.0, "latencies": [0.1] * 4, "latency_rooms": [0, 1, 2, 3], "failed": [],
+              "bytes": 64, "cpu": {"control": 0.008, "transport": 0.040}}
+    prefill = {"bad": [], "cpu": {"control": 0.004, "transport": 0.020}}
+    row = bench.row_of(cell, {("encode", 0): encode, ("prefill", 0): prefill, ("prefill", 1): dict(prefill)})
+    assert row["cpu_control_ms"] == 0.0 and row["cpu_transport_ms"] == pytest.approx(24.0)
+    blind = bench.row_of(cell, {("encode", 0): dict(encode, cpu=None), ("prefill", 0): prefill,
+                                ("prefill", 1): dict(prefill)})
+    assert blind["cpu_control_ms"] is None and blind["cpu_transport_ms"] is None
+
+
 def test_table_lists_every_row():
     rows = [_row("raw", 2.0), _row("epd", 1.5, integrity=True)]
     bench.fill_ratios(rows)
