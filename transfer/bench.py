@@ -816,12 +816,13 @@ def cpu_per_room(cell: Cell, readings: list[dict | None]) -> dict[str, float | N
     A raw cell has no control plane: its main threads only submit and wait through
     Mooncake's API (the harness standing in for a caller), so all its time is transport.
     """
-    if not all(readings):
+    present = [c for c in readings if c is not None]
+    if len(present) < len(readings):
         return {"control": None, "transport": None}
-    split = {side: sum(c[side] for c in readings) * 1e3 / cell.items for side in ("control", "transport")}
+    control, transport = (sum(c[side] for c in present) * 1e3 / cell.items for side in ("control", "transport"))
     if cell.path == "raw":
-        split = {"control": 0.0, "transport": split["control"] + split["transport"]}
-    return split
+        return {"control": 0.0, "transport": control + transport}
+    return {"control": control, "transport": transport}
 
 
 def _room_latencies(reports: list[dict]) -> list[float]:
