@@ -10,8 +10,8 @@ from live_helpers import LIVE
 
 pytestmark = LIVE
 
-#: Well under the sender pool's 60 s bootstrap timeout, which the encode rank used to wait
-#: out for asks that could no longer come, and well over the ranks' start-up on a busy host.
+#: Under the demo's 60 s fanout timeout, which an encode rank waiting for asks that cannot
+#: come any more would run into, and well over the ranks' start-up on a busy host.
 BOUND_S = 50
 
 
