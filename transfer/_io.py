@@ -105,13 +105,19 @@ def zmq_host(host: str) -> str:
 
 
 class Waker:
-    """A self-pipe that any thread can set to wake a zmq.Poller loop."""
+    """A self-pipe that any thread can set to wake a zmq.Poller loop.
+
+    `_armed` is a plain attribute: the GIL makes its reads and writes atomic, and a
+    wake() that loses a race with drain() only ever leaves an extra byte in the pipe
+    (the next poll returns at once) or a wake-up whose work the drainer is about to
+    look at anyway.
+    """
 
     def __init__(self) -> None:
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
         os.set_blocking(self._w, False)
-        self._armed = threading.Event()
+        self._armed = False
         # A wake() racing close() must not write into whatever file reuses the descriptor.
         self._closing = threading.Lock()
         self._closed = False
@@ -122,8 +128,8 @@ class Waker:
 
     def wake(self) -> None:
         """Makes the read end readable (at most one byte pending at a time)."""
-        if not self._armed.is_set():
-            self._armed.set()
+        if not self._armed:
+            self._armed = True
             with self._closing:
                 if self._closed:
                     return
@@ -134,21 +140,26 @@ class Waker:
 
     def pending(self) -> bool:
         """Whether a wake-up is waiting to be drained (no system call)."""
-        return self._armed.is_set()
+        return self._armed
 
-    def drain(self) -> bool:
+    def drain(self, readable: bool = True) -> bool:
         """Consumes the pending wake-up (True if there was one); call before looking at the work queue.
 
-        The pipe is emptied before the flag is cleared: the other order lets a wake()
-        in between lose its byte while leaving the flag set, silencing every later wake().
+        With `readable=False` (the caller has not seen the pipe readable) it reads the
+        pipe only when a wake-up is pending: a byte left by a wake() that raced the last
+        drain makes the pipe readable, and the caller's poll then says so. The pipe is
+        emptied before the flag is cleared: the other order lets a wake() in between lose
+        its byte while leaving the flag set, silencing every later wake().
         """
+        if not readable and not self._armed:
+            return False
         woken = False
         try:
             while os.read(self._r, 512):
                 woken = True
         except BlockingIOError:
             pass
-        self._armed.clear()
+        self._armed = False
         return woken
 
     def close(self) -> None:

@@ -241,6 +241,7 @@ class EncodeDriver:
         self._complaints = _io.ThrottledLog(log)  # about requests peers sent, and the core's warnings
         self._flights: list[_Flight] = []
         self._select_fds: list[int] | None = None  # what a sub-millisecond wait watches, when select() can
+        self._fds = (-1, -1)  # the waker's and the request socket's descriptors, once the thread runs
         self._stop = False
         self.thread = threading.Thread(target=self._run, name=f"epd-encode-{engine_rank}", daemon=True)
 
@@ -267,6 +268,7 @@ class EncodeDriver:
         poller.register(self.pull.fileno(), select.POLLIN)  # the socket's FD option
         poller.register(self.waker.fileno(), select.POLLIN)
         fds = [self.pull.fileno(), self.waker.fileno()]
+        self._fds = (fds[1], fds[0])
         self._select_fds = fds if max(fds) < SELECT_FD_LIMIT else None
         delay = POLL_MIN_S
         more_requests = False  # the last round left requests queued (the socket's FD will not signal them)
@@ -278,15 +280,20 @@ class EncodeDriver:
                     timeout = 0.0
                 else:
                     timeout = delay if busy else max(0.0, self.core.next_wakeup() - self.clock())
-                woken = self._sleep(poller, timeout)
+                woken, asked = self._sleep(poller, timeout)
                 # The flag saves a system call per loop; the pipe's readability covers a
                 # wake() caught between setting the flag and writing its byte.
                 if woken or self.waker.pending():
                     self.waker.drain()
-                self._take_commands()
-                more_requests = self._drain_requests()
+                if self.commands:
+                    self._take_commands()
+                # A socket drained empty signals its descriptor for whatever comes next: one
+                # that stayed quiet has nothing new, and a turn that only polls writes skips it.
+                if asked or more_requests:
+                    more_requests = self._drain_requests()
                 now = self.clock()
-                self._carry(self.core.tick(now))
+                if self.core.busy or now >= self.core.next_wakeup():
+                    self._carry(self.core.tick(now))
                 if self._flights:
                     settled = self._settle()
                     delay = POLL_MIN_S if settled else min(2 * delay, POLL_MAX_S)
@@ -300,8 +307,9 @@ class EncodeDriver:
             self._failed(f"sender pool stopped: {type(exc).__name__}: {exc}")
         self._close()
 
-    def _sleep(self, poller: select.poll, timeout: float) -> bool:
-        """Waits for a request, a wake-up or `timeout` seconds; True when the waker's pipe is readable.
+    def _sleep(self, poller: select.poll, timeout: float) -> tuple[bool, bool]:
+        """Waits for a request, a wake-up or `timeout` seconds; whether the waker's pipe and the
+        request socket's descriptor are readable (the latter True when not known).
 
         poll() counts whole milliseconds, so a shorter wait (writes in flight) goes
         through select(), which counts microseconds and still returns as soon as a
@@ -311,17 +319,16 @@ class EncodeDriver:
         changed: the loop sleeps only after a drain that found the socket empty, so a
         message queued since then has signalled the FD.
         """
-        waker = self.waker.fileno()
+        waker, pull = self._fds
         if 0 < timeout < 1e-3:
             if self._select_fds is not None:
                 readable, _, _ = select.select(self._select_fds, (), (), timeout)
-                return waker in readable
-            events = poller.poll(0)
-            if not events:
+                return waker in readable, pull in readable
+            if not poller.poll(0):
                 time.sleep(timeout)
-        else:
-            events = poller.poll(math.ceil(timeout * 1e3))
-        return any(fd == waker for fd, _ in events)
+            return True, True
+        events = poller.poll(math.ceil(timeout * 1e3))
+        return any(fd == waker for fd, _ in events), any(fd == pull for fd, _ in events)
 
     def _take_commands(self) -> None:
         while self.commands:

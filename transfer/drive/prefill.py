@@ -177,6 +177,7 @@ class PrefillDriver:
         self._watcher: int | None = None  # the thread whose wait() sleeps on the status socket
         self._watch = threading.Lock()  # held by that thread
         self._watch_waker = _io.Waker()  # wakes it when a room concludes elsewhere
+        self._watch_woken = False  # its last sleep saw the watch waker readable (held under _watch)
         self._statuses_left = False  # a drain stopped with statuses still queued
         self._watch_poller = select.poll()  # used by the thread that holds _watch
         self._watch_poller.register(self._status_fd, select.POLLIN)
@@ -303,7 +304,9 @@ class PrefillDriver:
 
     def _watch_step(self, record: Room, remaining: float) -> None:
         """One turn of a waiting caller: handle what is queued, then sleep on the socket (holds _watch)."""
-        self._watch_waker.drain()  # before looking: a conclusion from now on wakes the sleep below
+        # Before looking: a conclusion from now on wakes the sleep below.
+        self._watch_waker.drain(self._watch_woken)
+        self._watch_woken = False
         if not self._lock.acquire(timeout=remaining):
             return  # held past the wait's own bound (a stuck I/O thread): wait() returns
         try:
@@ -322,7 +325,9 @@ class PrefillDriver:
             return
         # The socket's descriptor signals only after a receive found it empty, as the one above
         # did; a conclusion elsewhere (a deadline, a look-up, close()) signals the watch waker.
-        self._watch_poller.poll(math.ceil(min(remaining, WAIT_SLICE_S) * 1000))
+        waker = self._watch_waker.fileno()
+        events = self._watch_poller.poll(math.ceil(min(remaining, WAIT_SLICE_S) * 1000))
+        self._watch_woken = any(fd == waker for fd, _ in events)
 
     def _must_wake(self) -> bool:
         """Whether a step off the I/O thread left it work it would not wake for by itself (_lock held)."""

@@ -1,0 +1,47 @@
+"""The self-pipe that wakes a driver's loop: its flag and its pipe agree."""
+
+import os
+import select
+
+from transfer._io import Waker
+
+
+def _readable(waker: Waker) -> bool:
+    return bool(select.select([waker.fileno()], [], [], 0)[0])
+
+
+def test_a_wake_is_pending_until_drained():
+    waker = Waker()
+    try:
+        waker.wake()
+        waker.wake()  # at most one byte waits
+        assert waker.pending() and _readable(waker)
+        assert waker.drain(readable=False) is True
+        assert not waker.pending() and not _readable(waker)
+    finally:
+        waker.close()
+
+
+def test_a_drain_not_asked_by_the_pipe_skips_the_read_when_nothing_is_pending():
+    waker = Waker()
+    try:
+        assert waker.drain(readable=False) is False
+        assert not _readable(waker)
+    finally:
+        waker.close()
+
+
+def test_a_byte_left_by_a_racing_wake_is_read_once_the_pipe_says_so():
+    """A wake() that set its flag just before a drain cleared it writes its byte after: the
+    flag is down while the pipe is readable, and only a drain told so empties it."""
+    waker = Waker()
+    try:
+        os.write(waker._w, b"!")  # the racing wake's byte, its flag already cleared
+        assert waker.drain(readable=False) is False
+        assert _readable(waker)  # the caller's poll sees it ...
+        assert waker.drain(readable=True) is True  # ... and drains it
+        assert not _readable(waker)
+        waker.wake()  # the flag is down: the next wake writes again
+        assert _readable(waker)
+    finally:
+        waker.close()
