@@ -44,6 +44,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,8 +269,8 @@ def _buffer_span(buf: Any, length: int | None) -> tuple[int, int]:
 class RegisteredMemory:
     """register(), unregister() and registered() for an engine, over its own add/remove hooks.
 
-    The engine provides `_lock`, `_regions` (address -> length), `_owners` (the tensors
-    kept alive), `_check_open()`, `session_id`, and the hooks below.
+    The engine provides `_lock` (a lock or a condition), `_regions` (address -> length),
+    `_owners` (the tensors kept alive), `_check_open()`, `session_id`, and the hooks below.
     """
 
     #: Why an empty region is refused, for the error message.
@@ -277,7 +278,7 @@ class RegisteredMemory:
 
     # Set by the engine's __init__.
     session_id: str
-    _lock: threading.Condition
+    _lock: AbstractContextManager[Any]
     _regions: dict[int, int]
     _owners: dict[int, Any]
 
@@ -372,9 +373,15 @@ class Engine(RegisteredMemory):
         mooncake_engine = _import_engine()
         self.hostname = hostname
         self.transfer_timeout_s = _transfer_timeout_s() if transfer_timeout_s is None else float(transfer_timeout_s)
-        self._lock = threading.Condition()
+        # The lock itself, not the condition, is what the hot paths enter: a Condition's
+        # __enter__/__exit__ are Python calls around the same acquisition.
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)  # a submission settled, or a probe answered
         self._regions: dict[int, int] = {}
         self._owners: dict[int, Any] = {}  # keeps registered tensors alive
+        # The region the last write read from, (start, end): a sender's writes mostly come
+        # from one buffer. Reset whenever a region goes.
+        self._source_region = (0, 0)
         self._pending: dict[int, _Pending] = {}  # write_async tickets not yet settled
         self._overdue: list[_Pending] = []  # writes reported failed at their deadline, still in Mooncake's hands
         self._held: dict[str, list[int]] = {}  # session -> tickets held back until its probe answers, oldest first
@@ -411,6 +418,7 @@ class Engine(RegisteredMemory):
                                 f"a registered region)")
 
     def _remove_region(self, addr: int) -> str | None:
+        self._source_region = (0, 0)
         rc = self._te.unregister_memory(addr)
         return f"rc={rc}" if rc != 0 else None
 
@@ -436,31 +444,49 @@ class Engine(RegisteredMemory):
             return 0
         with self._lock:
             self._check_open()
-            for src, length in zip(pending.srcs, pending.lens):
-                self._check_source(src, length, session_id)
+            self._check_sources(pending)
             ticket = self._next_ticket = self._next_ticket + 1
-            verdict, probe, why = self._admit(session_id)
-            if verdict is Verdict.REFUSE:
-                raise EngineError(self._describe_failure("write", session_id, pending.dsts, pending.lens, why))
-            self._pending[ticket] = pending
-            held = verdict is not Verdict.GO or session_id in self._held
-            if held:  # behind its probe, or behind the session's writes still held back
-                pending.waiting, pending.probe, pending.submitting = True, probe, False
-                self._held.setdefault(session_id, []).append(ticket)
-            starts = probe if verdict is Verdict.PROBE else None  # the probe this write starts, if any
-            if starts is not None:
-                self._start_probe(starts)
-                self._lock.wait_for(lambda: starts.done, FIRST_ANSWER_S)
+            if session_id not in self._held and (not self._probing or self._openings.is_open(session_id)):
+                # What _admit() would say with nothing held for the session: GO, no probe.
+                self._pending[ticket] = pending
+                held = False
+            else:
+                held = self._file_behind_probe(ticket, pending)
         if held:
             self._release_waiting(session_id)
-        else:
-            self._submit(pending)
-        with self._lock:
-            if pending.waiting or pending.submitting or pending.batches or pending.error is None:
-                return ticket
-            self._pending.pop(ticket, None)  # refused with nothing in flight: fail at once
-            self._lock.notify_all()
-        raise EngineError(pending.error)
+            with self._lock:
+                if pending.waiting or pending.submitting or pending.batches or pending.error is None:
+                    return ticket
+                self._pending.pop(ticket, None)  # refused with nothing in flight: fail at once
+            raise EngineError(pending.error)
+        try:
+            self._hand_over(pending)
+        finally:
+            with self._lock:
+                self._submitted(pending)
+                refused = not pending.batches and pending.error is not None
+                if refused:
+                    self._pending.pop(ticket, None)  # refused with nothing in flight: fail at once
+        if refused:
+            raise EngineError(pending.error)
+        return ticket
+
+    def _file_behind_probe(self, ticket: int, pending: _Pending) -> bool:
+        """Files a write the openings must judge (lock held); True when it is held back, False for GO."""
+        session_id = pending.session_id
+        verdict, probe, why = self._admit(session_id)
+        if verdict is Verdict.REFUSE:
+            raise EngineError(self._describe_failure("write", session_id, pending.dsts, pending.lens, why))
+        self._pending[ticket] = pending
+        held = verdict is not Verdict.GO or session_id in self._held
+        if held:  # behind its probe, or behind the session's writes still held back
+            pending.waiting, pending.probe, pending.submitting = True, probe, False
+            self._held.setdefault(session_id, []).append(ticket)
+        starts = probe if verdict is Verdict.PROBE else None  # the probe this write starts, if any
+        if starts is not None:
+            self._start_probe(starts)
+            self._changed.wait_for(lambda: starts.done, FIRST_ANSWER_S)
+        return held
 
     def _admit(self, session_id: str) -> tuple[Verdict, Probe | None, str]:
         """The openings' verdict on a new write to the session (lock held); GO when probing is off."""
@@ -481,7 +507,7 @@ class Engine(RegisteredMemory):
             replied = False
         with self._lock:
             self._openings.answered(probe, replied, time.monotonic())
-            self._lock.notify_all()
+            self._changed.notify_all()
 
     def _release_waiting(self, session_id: str) -> None:
         """Submits the session's held-back writes that may go now, oldest first."""
@@ -510,6 +536,14 @@ class Engine(RegisteredMemory):
             self._submit(pending)
 
     def _submit(self, pending: _Pending) -> None:
+        """Hands a write's buffers to Mooncake and records that it is submitted."""
+        try:
+            self._hand_over(pending)
+        finally:
+            with self._lock:
+                self._submitted(pending)
+
+    def _hand_over(self, pending: _Pending) -> None:
         """Hands a write's buffers to Mooncake, one batch each; a failure is kept on the write."""
         session_id = pending.session_id
         try:
@@ -528,13 +562,16 @@ class Engine(RegisteredMemory):
         finally:
             # The clock starts once submitted: a handshake with a new peer may take a while.
             pending.deadline = time.monotonic() + self.transfer_timeout_s + sum(pending.lens) * 1e-9
-            with self._lock:
-                pending.submitting = False
-                if pending.batches:
-                    self._openings.opened(session_id)  # Mooncake holds its segment: no handshake ahead
-                elif pending.error is not None:
-                    self._openings.forget(session_id)  # probe again before Mooncake's next handshake
-                self._lock.notify_all()
+
+    def _submitted(self, pending: _Pending) -> None:
+        """The write is in Mooncake's hands, or refused (lock held): what its session's openings learn."""
+        pending.submitting = False
+        if pending.batches:
+            self._openings.opened(pending.session_id)  # Mooncake holds its segment: no handshake ahead
+        elif pending.error is not None:
+            self._openings.forget(pending.session_id)  # probe again before Mooncake's next handshake
+        if self._closed:
+            self._changed.notify_all()  # close() waits for submissions to settle; nothing else does
 
     def poll(self, ticket: int) -> bool:
         """Whether the write behind `ticket` is over, without blocking; EngineError if it failed.
@@ -546,8 +583,9 @@ class Engine(RegisteredMemory):
         """
         if ticket == 0:
             return True
-        with self._lock:
-            pending = self._pending.get(ticket)
+        # A lookup is one atomic dict operation: the lock guards what changes the filing
+        # (a ticket is filed before write_async returns it and leaves under the lock).
+        pending = self._pending.get(ticket)
         if pending is None:
             raise EngineError(f"unknown write ticket {ticket} on {self.session_id}")
         if pending.waiting:
@@ -560,7 +598,6 @@ class Engine(RegisteredMemory):
                     if verdict is not Verdict.REFUSE:
                         return False
                     self._pending.pop(ticket, None)
-                    self._lock.notify_all()
                     raise EngineError(self._describe_failure("write", pending.session_id, pending.dsts,
                                                              pending.lens, why))
         if not self._advance(pending):
@@ -569,14 +606,12 @@ class Engine(RegisteredMemory):
             with self._lock:
                 if self._pending.pop(ticket, None) is not None:
                     self._overdue.append(pending)
-                self._lock.notify_all()
             raise EngineError(self._describe_failure(
                 "write", pending.session_id, pending.dsts, pending.lens,
                 f"still in flight after the transfer timeout of {self.transfer_timeout_s:g}s "
                 f"(MC_TRANSFER_TIMEOUT) plus 1 ns per byte: a peer that stopped reading?"))
         with self._lock:
             self._pending.pop(ticket, None)
-            self._lock.notify_all()
         if pending.error is not None:
             raise EngineError(pending.error)
         return True
@@ -652,11 +687,19 @@ class Engine(RegisteredMemory):
             return None
         return _Pending(session_id, srcs, dsts, lens)
 
-    def _check_source(self, src: int, length: int, session_id: str) -> None:
-        """Refuse a source range outside our registered memory (RDMA would fail obscurely)."""
+    def _check_sources(self, pending: _Pending) -> None:
+        """Refuse a source range outside our registered memory (RDMA would fail obscurely); lock held."""
+        low, high = self._source_region
+        for src, length in zip(pending.srcs, pending.lens):
+            if not (low <= src and src + length <= high):
+                low, high = self._region_around(src, length, pending.session_id)
+        self._source_region = (low, high)
+
+    def _region_around(self, src: int, length: int, session_id: str) -> tuple[int, int]:
+        """(start, end) of the registered region holding [src, src + length); EngineError when none does."""
         for base, size in self._regions.items():
             if base <= src and src + length <= base + size:
-                return
+                return base, base + size
         raise EngineError(f"write to {session_id}: source 0x{src:x} length {length} is not "
                             f"inside memory registered on {self.session_id}")
 
@@ -697,7 +740,7 @@ class Engine(RegisteredMemory):
             # A submission in progress files batches close() must see (each is bounded by
             # Mooncake's handshake with a new peer).
             while any(p.submitting for p in self._pending.values()):
-                self._lock.wait()
+                self._changed.wait()
             writes = list(self._pending.values())
         # Let writes in flight finish before the memory goes, each until its deadline. Their
         # tickets stay filed: an owner polling one later still learns how its write ended.
@@ -715,6 +758,7 @@ class Engine(RegisteredMemory):
                 if rc != 0:
                     log.warning("unregistering 0x%x on %s failed (rc=%s)", addr, self.session_id, rc)
             self._regions.clear()
+            self._source_region = (0, 0)
             te, self._te = self._te, None
         del te  # the TransferEngine's destructor stops its threads and listener
         with self._lock:

@@ -305,6 +305,7 @@ class WireEngine(RegisteredMemory):
 
     protocol = "wire"
     protocol_reason = "requested"
+    _lock: threading.Condition  # also what its writes wait on
 
     def __init__(self, hostname: str = "127.0.0.1", port: PortSpec = 0, *, recv_timeout_s: float = 30.0,
                  idle_timeout_s: float = 300.0, reply_timeout_s: float = 60.0,

@@ -18,17 +18,21 @@ class _ProbingTE(MooncakeStandIn):
         self.writes: list[tuple[str, int]] = []
         self.probe_rc = 0
         self.probed: list[str] = []
+        self.refusing = False  # submissions answer batch id 0, as Mooncake does for an unreachable session
+        self.in_flight: set[int] = set()  # batches whose status reads "in flight"
 
     def send_probe(self, session: str) -> int:
         self.probed.append(session)
         return self.probe_rc
 
     def batch_transfer_async_write(self, session, srcs, dsts, lens) -> int:
+        if self.refusing:
+            return 0
         self.writes.append((session, dsts[0]))
         return 1000 + len(self.writes)
 
     def transfer_check_status(self, batch: int) -> int:
-        return 1  # completed
+        return 0 if batch in self.in_flight else 1  # in flight, or completed
 
 
 @pytest.fixture
@@ -143,3 +147,45 @@ def test_a_write_after_the_answer_goes_behind_the_writes_held_before_it(rig):
     later = engine.write_async("new:1", [SRC], [0x200], [64])
     assert fake.writes == [("new:1", 0x100), ("new:1", 0x200)]
     assert engine.poll(held) is True and engine.poll(later) is True
+
+
+def test_a_session_forgotten_while_its_write_is_in_flight_probes_again_and_holds_the_next(rig):
+    engine, fake, started = rig
+    opening = engine.write_async("peer:1", [SRC], [0x100], [64])
+    _answer(engine, fake, started[0])
+    assert engine.poll(opening) is True
+    fake.in_flight.add(1002)  # the next write's batch stays in flight
+    flying = engine.write_async("peer:1", [SRC], [0x200], [64])
+    assert fake.writes[-1] == ("peer:1", 0x200)
+    fake.refusing = True
+    with pytest.raises(EngineError, match=r"write to peer:1 failed \(Mooncake refused the batch"):
+        engine.write_async("peer:1", [SRC], [0x300], [64])
+    fake.refusing = False
+    # Refused: the session is probed again before Mooncake's next handshake with it.
+    later = engine.write_async("peer:1", [SRC], [0x400], [64])
+    assert len(started) == 2 and fake.writes[-1] == ("peer:1", 0x200)
+    assert engine.poll(flying) is False and engine.poll(later) is False
+    fake.in_flight.clear()
+    assert engine.poll(flying) is True
+    assert engine.poll(later) is False  # still behind its probe
+    _answer(engine, fake, started[1])
+    assert engine.poll(later) is True
+    assert fake.writes == [("peer:1", 0x100), ("peer:1", 0x200), ("peer:1", 0x400)]
+    engine.unregister(SRC)  # nothing reads the source any more
+    engine.register(SRC, 1 << 20)
+
+
+def test_a_write_reads_only_from_memory_still_registered(rig):
+    engine, fake, started = rig
+    engine._openings.opened("peer:1")
+    other = SRC + (2 << 20)
+    engine.register(other, 4096)
+    engine.write("peer:1", [other, SRC], [0x100, 0x200], [64, 64])  # one buffer in each region
+    engine.unregister(SRC)
+    with pytest.raises(EngineError, match=r"source 0x10040 length 64 is not inside memory registered"):
+        engine.write_async("peer:1", [SRC + 64], [0x100], [64])
+    with pytest.raises(EngineError, match="is not inside memory registered"):
+        engine.write_async("peer:1", [other + 4032], [0x100], [128])  # runs past the region's end
+    engine.register(SRC, 1 << 20)
+    engine.write("peer:1", [SRC + 64], [0x300], [64])
+    assert fake.writes == [("peer:1", 0x100), ("peer:1", 0x200), ("peer:1", 0x300)]
