@@ -62,7 +62,11 @@ class SendHandle(_io.RoomHandle[RoomState]):
         self._pool = pool
 
     def clear(self) -> None:
-        """Forgets a concluded room (an unconcluded one is failed first)."""
+        """Forgets a concluded room (an unconcluded one is failed first).
+
+        The pool's thread lets go of a served room's item on its next turn: at once on a
+        busy pool, within half a second on an idle one.
+        """
         self._pool._forget(self._state)
 
 
@@ -192,7 +196,7 @@ class SenderPool:
                 refused = None
                 self._book.held[room] = state
                 self._table.start(room, TransferPoll.WaitingForInput)
-                self._driver.post("offer", offer)
+                self._driver.offer(offer)
         if refused is not None:
             if state.release is not None:
                 state.release()
@@ -218,8 +222,11 @@ class SenderPool:
             if book.held.get(state.room) is not state:
                 return
             del book.held[state.room]
+            served = self._table.get(state.room) is TransferPoll.Success
             self._table.clear(state.room)
-            self._driver.post("clear", state.room, state)
+            # A room served in full leaves nothing to tell anyone: the driver drops it on its
+            # next turn, without a wake-up of its own.
+            self._driver.post("clear", state.room, state, wake=not served)
 
     def concluded(self) -> list[int]:
         """Rooms that reached Success or Failed since the last call, oldest first, each once.

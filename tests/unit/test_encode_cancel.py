@@ -179,3 +179,15 @@ def test_the_cancelling_receiver_gets_only_its_answer_and_the_others_are_told_fa
     out = run(run.core.cancel(_cancel(10, 0), run.now))
     pushes = [(a.port, a.status, a.cancel) for a in run.of(PushStatus, out)]
     assert sorted(pushes) == [(6000, TransferPoll.Failed, True), (6001, TransferPoll.Failed, None)]
+
+
+def test_an_item_cancelled_before_it_came_is_expected():
+    """Its send fails at once, so the driver must wake for it rather than take it on a later turn."""
+    run = Run()
+    run(run.core.ask(_ask(5), run.now))
+    assert run.core.expects(5)
+    run(run.core.cancel(_cancel(5), run.now))
+    assert run.core.expects(5)
+    run(run.core.offer(_offer(5), run.now))
+    assert not run.core.expects(5)
+    assert run.conclusions() == [(5, TransferPoll.Failed, FailureKind.CANCELLED)]

@@ -583,3 +583,21 @@ def test_an_overlap_with_a_long_write_behind_shorter_ones_is_found():
     run.offer(_offer(3, span=1))
     out = run.ask(_ask(3, span=1, ptr=0x10000 + 8 * ROW))
     assert run.of(StartWrite, out) == [] and "overlaps room 1" in run.of(Conclude, out)[0].failure.detail
+
+
+def test_an_item_is_expected_only_once_an_ask_for_it_is_parked():
+    run = Run()
+    assert not run.core.expects(7)  # an offer now would only wait: the driver may take it later
+    run.ask(_ask(7, rank=0, fanout=2))
+    assert run.core.expects(7)  # its fanout may be complete when the item comes: wake the driver
+    assert not run.core.expects(8)
+    run.offer(_offer(7))
+    run.ask(_ask(7, rank=1, fanout=2))
+    assert not run.core.expects(7)  # served: its asks left the parking
+    assert run.statuses() == []  # nothing concluded on the receivers' side before the writes settle
+
+
+def test_every_item_is_expected_once_the_core_closed():
+    run = Run()
+    run(run.core.close(run.now))
+    assert run.core.expects(3)  # it fails at once: its caller must hear it now

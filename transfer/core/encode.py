@@ -508,6 +508,15 @@ class EncodeCore:
             due = min(due, self._clears_due[0][1] + CLEARED_GRACE_S)
         return due
 
+    def expects(self, room: int) -> bool:
+        """Whether an item for `room` would do more now than wait for its asks: some are parked, a
+        cancel waits for it, or the core is closed (then it fails at once).
+
+        Only reads (a dict look-up each), so the caller's thread may ask it without the
+        driver's lock: see EncodeDriver.offer for why a stale answer loses nothing.
+        """
+        return self._closed or self.parked.get(room) is not None or room in self._cancelled
+
     @property
     def busy(self) -> bool:
         """Whether writes wait for a slot or a ready event (a tick may start them)."""

@@ -26,6 +26,7 @@ from transfer.core.encode import (
     Conclude,
     Count,
     EncodeCore,
+    Offer,
     Progress,
     PushStatus,
     Release,
@@ -250,10 +251,26 @@ class EncodeDriver:
     def start(self) -> None:
         self.thread.start()
 
-    def post(self, *command: object) -> None:
-        """Hands the driver a command (('offer', Offer), ('clear', room, state)) and wakes it."""
+    def offer(self, offer: Offer) -> None:
+        """Hands the driver an item; wakes it only when the item may start or conclude something now.
+
+        An item none of whose receivers asked yet only waits in the core, so it waits in
+        the queue instead, for the turn its first ask wakes the driver for (a turn takes
+        the queue before the requests), or the next one. Nothing is lost to a race: this
+        queues the item before looking at the core, and the driver parks an ask before it
+        looks at the queue, so either this sees the ask (and wakes the driver) or the
+        driver sees the item.
+        """
+        self.commands.append(("offer", offer))
+        if self.core.expects(offer.room):
+            self.waker.wake()
+
+    def post(self, *command: object, wake: bool = True) -> None:
+        """Hands the driver a command (('clear', room, state)) and wakes it, unless it may wait for
+        the driver's next turn (at most the core's next wake-up away when the pool is idle)."""
         self.commands.append(command)
-        self.waker.wake()
+        if wake:
+            self.waker.wake()
 
     def stop(self) -> None:
         """Asks the thread to settle its writes, fail what is left and close its sockets."""
