@@ -348,8 +348,8 @@ class TransferInfo:
         if (type(room) is type(port) is type(emb) is type(ds) is type(rows) is type(hidden) is type(fanout)
                 is type(row_start) is type(span) is int and type(endpoint) is type(session) is type(dtype) is str
                 and 0 <= room <= _I64_MAX and 0 <= port <= 0xFFFF and 0 <= emb <= _U64_MAX and 0 <= ds <= _U64_MAX
-                and _I64_MIN <= min(rows, hidden, fanout, row_start, span)
-                and max(rows, hidden, fanout, row_start, span) <= _I64_MAX
+                and _I64_MIN <= rows <= _I64_MAX and _I64_MIN <= hidden <= _I64_MAX and _I64_MIN <= fanout <= _I64_MAX
+                and _I64_MIN <= row_start <= _I64_MAX and _I64_MIN <= span <= _I64_MAX
                 and endpoint.isascii() and session.isascii() and dtype.isascii()):
             return [b"%d" % room, endpoint.encode("ascii"), b"%d" % port, session.encode("ascii"), _POINTER.pack(emb),
                     _POINTER.pack(ds), b"%d" % rows, b"%d" % hidden, dtype.encode("ascii"),
@@ -431,7 +431,8 @@ class TransferInfo:
             endpoint_s, session_s, dtype_s = endpoint.decode("ascii"), session.decode("ascii"), dtype.decode("ascii")
         except ValueError:
             return None
-        if port_n > 0xFFFF or max(room_n, rows_n, hidden_n, fanout_n, row_start_n, span_n) > _I64_MAX:
+        if not (port_n <= 0xFFFF and room_n <= _I64_MAX and rows_n <= _I64_MAX and hidden_n <= _I64_MAX
+                and fanout_n <= _I64_MAX and row_start_n <= _I64_MAX and span_n <= _I64_MAX):
             return None
         emb_n, ds_n = _POINTER_PAIR.unpack(emb + ds)
         fields = {"room": room_n, "endpoint": endpoint_s, "port": port_n, "session_id": session_s,
