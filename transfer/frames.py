@@ -92,7 +92,6 @@ _POINTER = struct.Struct("=Q")
 _POINTER_PAIR = struct.Struct("=QQ")
 #: The most digits the shortcuts hand to int() at once: every number of a message at its widest.
 _PLAIN_DIGITS = 20 * 7
-_new_object = object.__new__
 _set_attribute = object.__setattr__
 # bytes pattern: [0-9] matches ASCII digits only, and fullmatch rejects a trailing newline.
 _DECIMAL = re.compile(rb"[+-]?[0-9]+")
@@ -305,7 +304,7 @@ def _encode_port(port: object) -> bytes:
 # ---------------------------------------------------------------- TransferInfo (4.2)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class TransferInfo:
     """One prefill rank's request for one room's rows (SPEC.md 4.2, 13 parts)."""
 
@@ -322,6 +321,16 @@ class TransferInfo:
     fanout: int
     row_start: int
     span: int
+
+    def __init__(self, room: int, endpoint: str, port: int, session_id: str, embedding_ptr: int, deepstack_ptr: int,
+                 rows: int, hidden: int, dtype: str, has_deepstack: bool, fanout: int, row_start: int,
+                 span: int) -> None:
+        """The generated __init__'s signature and fields, set at once rather than one frozen __setattr__ each."""
+        # Built for every ask on both sides; the generated __init__ pays one object.__setattr__ per field.
+        _set_attribute(self, "__dict__", {
+            "room": room, "endpoint": endpoint, "port": port, "session_id": session_id, "embedding_ptr": embedding_ptr,
+            "deepstack_ptr": deepstack_ptr, "rows": rows, "hidden": hidden, "dtype": dtype,
+            "has_deepstack": has_deepstack, "fanout": fanout, "row_start": row_start, "span": span})
 
     @property
     def is_identity(self) -> bool:
@@ -435,16 +444,8 @@ class TransferInfo:
                 and fanout_n <= _I64_MAX and row_start_n <= _I64_MAX and span_n <= _I64_MAX):
             return None
         emb_n, ds_n = _POINTER_PAIR.unpack(emb + ds)
-        fields = {"room": room_n, "endpoint": endpoint_s, "port": port_n, "session_id": session_s,
-                  "embedding_ptr": emb_n, "deepstack_ptr": ds_n, "rows": rows_n, "hidden": hidden_n,
-                  "dtype": dtype_s, "has_deepstack": has_ds == b"1", "fanout": fanout_n, "row_start": row_start_n,
-                  "span": span_n}
-        if cls is not TransferInfo:
-            return cls(**fields)  # a subclass may add its own __init__ work
-        # The fields the generated __init__ would set one frozen __setattr__ at a time, set at once.
-        info = _new_object(cls)
-        _set_attribute(info, "__dict__", fields)
-        return info
+        return cls(room_n, endpoint_s, port_n, session_s, emb_n, ds_n, rows_n, hidden_n, dtype_s, has_ds == b"1",
+                   fanout_n, row_start_n, span_n)
 
 
 # ---------------------------------------------------------------- Registration (4.1, 8)

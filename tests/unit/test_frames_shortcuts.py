@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import inspect
 import pickle
 import sys
 
@@ -143,6 +144,20 @@ def test_a_parsed_transfer_info_is_an_ordinary_frozen_instance():
     assert {parsed: 1}[INFO] == 1
     assert parsed.is_identity is False and parsed.receiver == INFO.session_id
     assert parsed.row_bytes() == INFO.row_bytes() == 4096 * 2
+
+
+def test_init_takes_every_field_in_order():
+    names = [f.name for f in dataclasses.fields(TransferInfo)]
+    assert list(inspect.signature(TransferInfo).parameters) == names
+    values = list(range(len(names)))
+    built = TransferInfo(*values)
+    assert vars(built) == dict(zip(names, values)) == vars(TransferInfo(**dict(zip(names, values))))
+    with pytest.raises(TypeError):
+        TransferInfo(*values[:-1])  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        TransferInfo(*values, 13)  # type: ignore[call-arg]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        del built.room  # type: ignore[misc]
 
 
 def test_a_subclass_parses_to_its_own_type():
