@@ -21,6 +21,8 @@ from transfer.frames import (
     TransferInfo,
     WireError,
     _checked_status_frames,
+    _receiver_mismatch,
+    _tiling_gap,
     cancel_frames,
     cancel_reply_frames,
     is_cancel,
@@ -28,7 +30,9 @@ from transfer.frames import (
     parse_cancel_reply,
     parse_status,
     registration_frames,
+    shard_rows,
     status_frames,
+    validate_fanout,
 )
 from transfer.status import TransferPoll
 
@@ -315,3 +319,47 @@ def test_parse_cancel_reply_agrees_on_lists_and_tuples(frames):
 def test_request_kinds_agree_on_lists_and_tuples(frames):
     assert is_registration(frames) is is_registration(tuple(frames))
     assert is_cancel(frames) is is_cancel(tuple(frames))
+
+
+def rule_by_rule(span, hidden, dtype, has_deepstack, infos, fanout):
+    """SPEC.md 6 read one rule at a time: count, each receiver in order, duplicates, identity, tiling."""
+    room = infos[0].room
+    if len(infos) != fanout:
+        return f"room {room}: {len(infos)} receivers != fanout {fanout}"
+    for info in infos:
+        reason = _receiver_mismatch(info, room, fanout, span, hidden, dtype, has_deepstack)
+        if reason is not None:
+            return f"room {room}: receiver {info.session_id} {reason}"
+    sessions = [info.session_id for info in infos]
+    for index, session in enumerate(sessions):
+        if session in sessions[:index]:
+            return f"room {room}: receiver {session} asked twice"
+    if all(info.is_identity for info in infos):
+        return None
+    return _tiling_gap(room, infos)
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow], max_examples=300)
+@given(st.data())
+def test_validate_fanout_agrees_with_the_rules_read_one_at_a_time(data):
+    span = data.draw(st.integers(0, 12))
+    fanout = data.draw(st.integers(1, 4))
+    identity = data.draw(st.booleans())
+    infos = [TransferInfo(5, "h", 1, f"s{r}", 0, 0, span if identity else shard_rows(span, r, fanout)[1], 64,
+                          "torch.int8", False, fanout, 0 if identity else shard_rows(span, r, fanout)[0], span)
+             for r in range(fanout)]
+    for _ in range(data.draw(st.integers(0, 3))):
+        index = data.draw(st.integers(0, fanout - 1))
+        name = data.draw(st.sampled_from(["room", "fanout", "hidden", "dtype", "span", "has_deepstack", "rows",
+                                          "row_start", "session_id"]))
+        value = {"dtype": data.draw(st.sampled_from(["torch.int8", "torch.uint8"])),
+                 "session_id": data.draw(st.sampled_from(["s0", "s1", "s9"])),
+                 "has_deepstack": data.draw(st.sampled_from([False, True, 0, 1, None]))}.get(
+                     name, data.draw(st.integers(-2, 14)))
+        infos[index] = dataclasses.replace(infos[index], **{name: value})
+    if fanout > 1 and data.draw(st.booleans()):
+        infos[-1] = dataclasses.replace(infos[-1], session_id=infos[0].session_id)
+    infos = data.draw(st.permutations(infos))
+    deepstack = data.draw(st.sampled_from([False, True, 0, 1]))
+    assert (validate_fanout(span, 64, "torch.int8", deepstack, infos, fanout)
+            == rule_by_rule(span, 64, "torch.int8", deepstack, infos, fanout))
