@@ -13,7 +13,7 @@ import re
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeGuard, cast
+from typing import cast
 
 from transfer.errors import ConfigError, ConfigTypeError, WireError
 from transfer.status import TransferPoll
@@ -89,6 +89,10 @@ _I64_MAX = (1 << 63) - 1
 _U64_MAX = (1 << 64) - 1
 # Native byte order, standard 8-byte size: SPEC.md's struct.pack("Q", p) without alignment padding.
 _POINTER = struct.Struct("=Q")
+_POINTER_PAIR = struct.Struct("=QQ")
+#: The most digits the shortcuts hand to int() at once: every number of a message at its widest.
+_PLAIN_DIGITS = 20 * 7
+_set_attribute = object.__setattr__
 # bytes pattern: [0-9] matches ASCII digits only, and fullmatch rejects a trailing newline.
 _DECIMAL = re.compile(rb"[+-]?[0-9]+")
 
@@ -232,23 +236,6 @@ def _decimal(part: bytes, name: str, low: int = _I64_MIN, high: int = _I64_MAX) 
     return value
 
 
-def _plain_int(part: object, high: int = _I64_MAX) -> int | None:
-    """The value of a part that is plain ASCII digits within [0, high], else None (then parse strictly).
-
-    The hot paths' shortcut: every part it accepts, _decimal accepts with the same
-    value, and whatever it declines goes through the strict parser and its errors.
-    """
-    if type(part) is not bytes or not part.isdigit() or len(part) > 20:
-        return None
-    value = int(part)
-    return value if value <= high else None
-
-
-def _all_ints(values: list[int | None]) -> TypeGuard[list[int]]:
-    """Whether every _plain_int() shortcut succeeded."""
-    return None not in values
-
-
 def _number(part: bytes, name: str) -> int:
     """A TransferInfo/registration number: ASCII first, then a signed 64-bit decimal."""
     if not part.isascii():
@@ -317,7 +304,7 @@ def _encode_port(port: object) -> bytes:
 # ---------------------------------------------------------------- TransferInfo (4.2)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class TransferInfo:
     """One prefill rank's request for one room's rows (SPEC.md 4.2, 13 parts)."""
 
@@ -335,6 +322,16 @@ class TransferInfo:
     row_start: int
     span: int
 
+    def __init__(self, room: int, endpoint: str, port: int, session_id: str, embedding_ptr: int, deepstack_ptr: int,
+                 rows: int, hidden: int, dtype: str, has_deepstack: bool, fanout: int, row_start: int,
+                 span: int) -> None:
+        """The generated __init__'s signature and fields, set at once rather than one frozen __setattr__ each."""
+        # Built for every ask on both sides; the generated __init__ pays one object.__setattr__ per field.
+        _set_attribute(self, "__dict__", {
+            "room": room, "endpoint": endpoint, "port": port, "session_id": session_id, "embedding_ptr": embedding_ptr,
+            "deepstack_ptr": deepstack_ptr, "rows": rows, "hidden": hidden, "dtype": dtype,
+            "has_deepstack": has_deepstack, "fanout": fanout, "row_start": row_start, "span": span})
+
     @property
     def is_identity(self) -> bool:
         """True when this receiver gets the item's full span (no row sharding)."""
@@ -351,6 +348,25 @@ class TransferInfo:
 
     def to_frames(self) -> list[bytes]:
         """Encode as the 13 parts of SPEC.md 4.2; raises WireError for a value the parser would refuse."""
+        room, port, emb, ds = self.room, self.port, self.embedding_ptr, self.deepstack_ptr
+        rows, hidden, fanout, row_start, span = self.rows, self.hidden, self.fanout, self.row_start, self.span
+        endpoint, session, dtype = self.endpoint, self.session_id, self.dtype
+        # The common case: exact ints in range and ASCII strs, which encode as the strict encoders
+        # below would (b"%d" of an exact int is its str() in ASCII). Anything else, a bool or an
+        # IntEnum among them, takes the strict encoders and their errors.
+        if (type(room) is type(port) is type(emb) is type(ds) is type(rows) is type(hidden) is type(fanout)
+                is type(row_start) is type(span) is int and type(endpoint) is type(session) is type(dtype) is str
+                and 0 <= room <= _I64_MAX and 0 <= port <= 0xFFFF and 0 <= emb <= _U64_MAX and 0 <= ds <= _U64_MAX
+                and _I64_MIN <= rows <= _I64_MAX and _I64_MIN <= hidden <= _I64_MAX and _I64_MIN <= fanout <= _I64_MAX
+                and _I64_MIN <= row_start <= _I64_MAX and _I64_MIN <= span <= _I64_MAX
+                and endpoint.isascii() and session.isascii() and dtype.isascii()):
+            return [b"%d" % room, endpoint.encode("ascii"), b"%d" % port, session.encode("ascii"), _POINTER.pack(emb),
+                    _POINTER.pack(ds), b"%d" % rows, b"%d" % hidden, dtype.encode("ascii"),
+                    b"1" if self.has_deepstack else b"0", b"%d" % fanout, b"%d" % row_start, b"%d" % span]
+        return self._checked_frames()
+
+    def _checked_frames(self) -> list[bytes]:
+        """The 13 parts through the strict encoders, which refuse what the parser would refuse."""
         return [
             _encode_room(self.room),
             _encode_text(self.endpoint, "endpoint"),
@@ -398,24 +414,38 @@ class TransferInfo:
 
     @classmethod
     def _from_plain_frames(cls, frames: Sequence[object]) -> TransferInfo | None:
-        """The common case in a few steps: 13 well-formed bytes parts, or None (then parse strictly)."""
+        """The common case in a few steps: 13 well-formed bytes parts, or None (then parse strictly).
+
+        Accepts only what the strict parser accepts, with the same values: bytes parts
+        (a zmq.Frame would not compare equal to b"1"), numbers of plain ASCII digits in
+        range, ASCII texts and 8-byte pointers. Anything else returns None.
+        """
         if type(frames) is not list or len(frames) != TRANSFER_INFO_PARTS:
             return None
         room, endpoint, port, session, emb, ds, rows, hidden, dtype, has_ds, fanout, row_start, span = frames
-        numbers = [_plain_int(p) for p in (room, rows, hidden, fanout, row_start, span)]
-        port_number = _plain_int(port, 0xFFFF)
-        if not _all_ints(numbers) or port_number is None:
+        if not (type(room) is type(endpoint) is type(port) is type(session) is type(emb) is type(ds) is type(rows)
+                is type(hidden) is type(dtype) is type(has_ds) is type(fanout) is type(row_start) is type(span)
+                is bytes):
             return None
-        if not all(type(t) is bytes and t.isascii() for t in (endpoint, session, dtype)):
+        # One digit check for all seven numbers: bytes.isdigit() is ASCII digits only, so no sign, space
+        # or underscore reaches int(); an empty part is int()'s ValueError. The length bound keeps
+        # int()'s work small; the ranges below reject what is too large.
+        digits = b"".join((room, port, rows, hidden, fanout, row_start, span))
+        if not digits.isdigit() or len(digits) > _PLAIN_DIGITS or len(emb) != 8 or len(ds) != 8:
             return None
-        if type(emb) is not bytes or type(ds) is not bytes or len(emb) != 8 or len(ds) != 8:
+        try:
+            room_n, port_n, rows_n, hidden_n = int(room), int(port), int(rows), int(hidden)
+            fanout_n, row_start_n, span_n = int(fanout), int(row_start), int(span)
+            # UnicodeDecodeError is a ValueError: a non-ASCII text goes to the strict parser's message.
+            endpoint_s, session_s, dtype_s = endpoint.decode("ascii"), session.decode("ascii"), dtype.decode("ascii")
+        except ValueError:
             return None
-        if type(has_ds) is not bytes:
-            return None  # a zmq.Frame does not compare equal to bytes: the strict path reads its bytes
-        room_n, rows_n, hidden_n, fanout_n, row_start_n, span_n = numbers
-        return cls(room_n, endpoint.decode("ascii"), port_number, session.decode("ascii"), _POINTER.unpack(emb)[0],
-                   _POINTER.unpack(ds)[0], rows_n, hidden_n, dtype.decode("ascii"), has_ds == b"1", fanout_n,
-                   row_start_n, span_n)
+        if not (port_n <= 0xFFFF and room_n <= _I64_MAX and rows_n <= _I64_MAX and hidden_n <= _I64_MAX
+                and fanout_n <= _I64_MAX and row_start_n <= _I64_MAX and span_n <= _I64_MAX):
+            return None
+        emb_n, ds_n = _POINTER_PAIR.unpack(emb + ds)
+        return cls(room_n, endpoint_s, port_n, session_s, emb_n, ds_n, rows_n, hidden_n, dtype_s, has_ds == b"1",
+                   fanout_n, row_start_n, span_n)
 
 
 # ---------------------------------------------------------------- Registration (4.1, 8)
@@ -481,6 +511,8 @@ def _length(part: bytes, name: str) -> int:
 
 def is_registration(frames: Sequence[object]) -> bool:
     """True exactly when part 0 is the literal `None` (SPEC.md 4.1)."""
+    if type(frames) is list and frames and type(frames[0]) is bytes:
+        return frames[0] == REGISTRATION_MARKER  # what a receiver hands in: no copy, no conversion
     frames = list(frames)
     if not frames:
         return False
@@ -511,6 +543,12 @@ def parse_registration(frames: Sequence[object]) -> Registration:
 # ---------------------------------------------------------------- Status (4.3, 8)
 
 
+#: Each status's wire part, looked up by member or by its plain int (an IntEnum hashes as its value).
+_STATUS_CODES: dict[int, bytes] = {member: b"%d" % member.value for member in TransferPoll}
+#: Each status by its wire value: the member itself, without the enum's call.
+_STATUS_MEMBERS: dict[int, TransferPoll] = {member.value: member for member in TransferPoll}
+
+
 def status_frames(room: int, status: TransferPoll | int, rank: int, checksums: Iterable[int] = (),
                   reason: tuple[str, str] | None = None) -> list[bytes]:
     """Encode a status: 3 parts, plus one ASCII u64 per checksum (embedding, then deepstack).
@@ -518,6 +556,26 @@ def status_frames(room: int, status: TransferPoll | int, rank: int, checksums: I
     `reason` (kind, detail), on a Failed status only, adds the failure-reason parts
     instead: the marker, the kind and the detail cut to MAX_REASON_BYTES.
     """
+    # The common case: exact ints in range and a tuple of at most two checksums, encoded as the
+    # strict encoders would; anything else (a reason among them) takes them and their errors.
+    if (reason is None and type(room) is type(rank) is int and type(checksums) is tuple and len(checksums) <= 2
+            and 0 <= room <= _I64_MAX and _I64_MIN <= rank <= _I64_MAX
+            and (type(status) is TransferPoll or type(status) is int)):
+        code = _STATUS_CODES.get(status)
+        if code is not None:
+            parts = [b"%d" % room, code, b"%d" % rank]
+            for checksum in checksums:
+                if type(checksum) is not int or not 0 <= checksum <= _U64_MAX:
+                    break
+                parts.append(b"%d" % checksum)
+            else:
+                return parts
+    return _checked_status_frames(room, status, rank, checksums, reason)
+
+
+def _checked_status_frames(room: object, status: object, rank: object, checksums: Iterable[int],
+                           reason: tuple[str, str] | None) -> list[bytes]:
+    """status_frames through the strict encoders, which refuse what the parser would refuse."""
     checksums = tuple(checksums)
     if len(checksums) > MAX_CHECKSUMS:
         raise WireError(f"at most {MAX_CHECKSUMS} checksums, got {len(checksums)}")
@@ -540,13 +598,9 @@ def status_frames(room: int, status: TransferPoll | int, rank: int, checksums: I
 def parse_status(frames: Sequence[object]) -> tuple[int, TransferPoll, int, tuple[int, ...]]:
     """Parse a status into (room, status, rank, checksums); errors in SPEC.md 4.3's order."""
     if type(frames) is list and STATUS_PARTS <= len(frames) <= STATUS_PARTS + MAX_CHECKSUMS:
-        # The common case: plain digits throughout (anything else is parsed strictly below).
-        values = [_plain_int(p) for p in frames[:STATUS_PARTS]]
-        values += [_plain_int(p, _U64_MAX) for p in frames[STATUS_PARTS:]]
-        # The member itself: no enum call.
-        status = cast("TransferPoll | None", TransferPoll._value2member_map_.get(values[1]))
-        if status is not None and _all_ints(values):
-            return values[0], status, values[2], tuple(values[STATUS_PARTS:])
+        plain = _plain_status(frames)
+        if plain is not None:
+            return plain
     frames = list(frames)
     if len(frames) < STATUS_PARTS:
         raise WireError("an EPD status has 3 frames")
@@ -566,6 +620,25 @@ def parse_status(frames: Sequence[object]) -> tuple[int, TransferPoll, int, tupl
     except WireError as exc:
         raise UnreadableChecksum(str(exc), room, TransferPoll(code), rank) from None
     return room, TransferPoll(code), rank, checksums
+
+
+def _plain_status(frames: list[object]) -> tuple[int, TransferPoll, int, tuple[int, ...]] | None:
+    """parse_status's common case: 3 to 5 bytes parts of plain ASCII digits in range, or None (then parse strictly)."""
+    for part in frames:
+        if type(part) is not bytes:
+            return None
+    # As in TransferInfo's shortcut: one digit check, int() raising ValueError only for an empty part.
+    digits = b"".join(cast("list[bytes]", frames))
+    if not digits.isdigit() or len(digits) > _PLAIN_DIGITS:
+        return None
+    try:
+        room, code, rank, *checksums = map(int, cast("list[bytes]", frames))
+    except ValueError:
+        return None
+    status = _STATUS_MEMBERS.get(code)
+    if status is None or room > _I64_MAX or rank > _I64_MAX or (checksums and max(checksums) > _U64_MAX):
+        return None
+    return room, status, rank, tuple(checksums)
 
 
 def parse_failure_reason(frames: Sequence[object]) -> tuple[str, str] | None:
@@ -633,6 +706,8 @@ def cancel_frames(room: int, endpoint: str, port: int, session_id: str) -> list[
 
 def is_cancel(frames: Sequence[object]) -> bool:
     """True exactly when part 0 is the cancel marker."""
+    if type(frames) is list and frames and type(frames[0]) is bytes:
+        return frames[0] == CANCEL_MARKER  # what a receiver hands in: no copy, no conversion
     frames = list(frames)
     if not frames:
         return False
@@ -676,6 +751,9 @@ def cancel_reply_frames(room: int, rank: int, confirmed: bool) -> list[bytes]:
 
 def parse_cancel_reply(frames: Sequence[object]) -> CancelReply | None:
     """The cancel answer a status carries, or None when it is a plain status (parse it with parse_status)."""
+    if type(frames) is list and (len(frames) != STATUS_PARTS + 1 or type(frames[STATUS_PARTS]) is bytes
+                                 and frames[STATUS_PARTS] not in (CANCEL_CONFIRMED, CANCEL_TOO_LATE)):
+        return None  # every plain status, without a copy
     frames = list(frames)
     if len(frames) != STATUS_PARTS + 1:
         return None
@@ -714,16 +792,25 @@ def validate_fanout(span: int, hidden: int, dtype: str, has_deepstack: bool, inf
     want = len(infos) if fanout is None else fanout
     if len(infos) != want:
         return f"room {room}: {len(infos)} receivers != fanout {want}"
+    deepstack = bool(has_deepstack)
+    identity = True
     for info in infos:
-        reason = _receiver_mismatch(info, room, want, span, hidden, dtype, has_deepstack)
-        if reason is not None:
-            return f"room {room}: receiver {info.session_id} {reason}"
-    seen: set[str] = set()
-    for info in infos:
-        if info.session_id in seen:
-            return f"room {room}: receiver {info.session_id} asked twice"
-        seen.add(info.session_id)
-    if all(info.is_identity for info in infos):
+        # _receiver_mismatch's checks inline: it runs (and names the first mismatch) only when one fails.
+        row_start, rows = info.row_start, info.rows
+        if (info.room != room or info.fanout != want or info.hidden != hidden or info.dtype != dtype
+                or info.span != span or bool(info.has_deepstack) is not deepstack or rows < 0 or row_start < 0
+                or row_start + rows > span):
+            reason = _receiver_mismatch(info, room, want, span, hidden, dtype, has_deepstack)
+            if reason is not None:
+                return f"room {room}: receiver {info.session_id} {reason}"
+        identity = identity and row_start == 0 and rows == span
+    if len({info.session_id for info in infos}) != len(infos):
+        seen: set[str] = set()
+        for info in infos:
+            if info.session_id in seen:
+                return f"room {room}: receiver {info.session_id} asked twice"
+            seen.add(info.session_id)
+    if identity:
         return None
     return _tiling_gap(room, infos)
 
@@ -748,9 +835,12 @@ def _receiver_mismatch(info: TransferInfo, room: int, fanout: int, span: int, hi
     return None
 
 
+_SHARD_ORDER = operator.attrgetter("row_start", "rows")
+
+
 def _tiling_gap(room: int, infos: list[TransferInfo]) -> str | None:
     """Check the non-empty shards, sorted by row_start, tile one contiguous range with no gap or overlap."""
-    shards = sorted((i for i in infos if i.rows > 0), key=lambda i: (i.row_start, i.rows))
+    shards = sorted([i for i in infos if i.rows > 0], key=_SHARD_ORDER)
     if not shards:
         return None
     previous = shards[0]
