@@ -34,7 +34,9 @@ over its timed window, split into the control plane (the caller's thread, the se
 the session manager's I/O thread, ZMQ's I/O threads) and the transport (Mooncake's threads,
 or the wire path's writer and listener threads: everything else), summed over the ranks and
 divided by the rooms. A raw cell has no control plane: its issuing threads count as
-transport. A raw cell's prefill ranks cannot tell its warm-up shard from the timed ones, so
+transport. `--json` rows also split the control plane per role and thread group
+(`cpu_threads`: caller, driver, zmq, other; ms and voluntary context switches per room).
+A raw cell's prefill ranks cannot tell its warm-up shard from the timed ones, so
 theirs includes it.
 """
 
@@ -212,31 +214,55 @@ def wire_available() -> str | None:
 # ------------------------------------------------------------- worker side
 
 
-def thread_cpu() -> dict[str, float] | None:
-    """CPU seconds this process has used: {'control': ..., 'transport': ...}; None without /proc.
+def thread_group(name: str, main: bool) -> str | None:
+    """The control-plane group of a thread by its name (None: the transport's).
 
-    The control plane is the main thread and the threads we name epd-* (but epd-wire-*) or
-    ZMQ names ZMQbg/*; they live as long as their pool or manager. The transport is the rest:
-    the process's total (time.process_time(), which keeps the time of threads that have
-    ended) less the control plane. Per-thread times come from schedstat (nanoseconds), or
-    from stat's clock ticks where the kernel has no schedstat.
+    caller: the rank's main thread; driver: a sender pool's thread (epd-enc*) or a session
+    manager's I/O thread (epd-pre*-io); zmq: ZMQ's I/O threads; other: our other threads
+    (bootstrap look-ups, status pushers, probes). The wire path's epd-wire-* threads move
+    bytes: transport.
+    """
+    if main:
+        return "caller"
+    if name.startswith("ZMQbg"):
+        return "zmq"
+    if not name.startswith("epd-") or name.startswith("epd-wire"):
+        return None
+    if name.startswith("epd-enc") or name.endswith("-io"):
+        return "driver"
+    return "other"
+
+
+def thread_cpu() -> dict[str, Any] | None:
+    """CPU this process has used: {'control': s, 'transport': s, 'threads': {tid: (group, s, switches)}}.
+
+    None without /proc. The control plane is the threads thread_group() names; they live
+    as long as their pool or manager. The transport is the rest: the process's total
+    (time.process_time(), which keeps the time of threads that have ended) less the
+    control plane. Per-thread times come from schedstat (nanoseconds), or from stat's clock
+    ticks where the kernel has no schedstat; switches are the voluntary ones (each a sleep
+    the thread woke from).
     """
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
         return None
     control = 0.0
+    threads: dict[str, tuple[str, float, int]] = {}
     main = str(os.getpid())
     for tid in tids:
         try:
             with open(f"/proc/self/task/{tid}/comm") as fh:
-                comm = fh.read().rstrip("\n")
-            if tid == main or (comm.startswith(("epd-", "ZMQbg")) and not comm.startswith("epd-wire")):
-                control += _task_seconds(tid)
+                group = thread_group(fh.read().rstrip("\n"), tid == main)
+            if group is None:
+                continue
+            seconds = _task_seconds(tid)
+            control += seconds
+            threads[tid] = (group, seconds, _task_switches(tid))
         except (OSError, ValueError):
             continue  # it ended: its time is in the process's total, on the transport's side
     # Read last, so the total covers every thread's time read above.
-    return {"control": control, "transport": max(0.0, time.process_time() - control)}
+    return {"control": control, "transport": max(0.0, time.process_time() - control), "threads": threads}
 
 
 def _task_seconds(tid: str) -> float:
@@ -251,12 +277,29 @@ def _task_seconds(tid: str) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_since(before: dict[str, float] | None) -> dict[str, float] | None:
-    """CPU seconds per side since `before` (a thread_cpu() reading)."""
+def _task_switches(tid: str) -> int:
+    """A thread's voluntary context switches so far (0 where the kernel does not say)."""
+    with open(f"/proc/self/task/{tid}/status") as fh:
+        for line in fh:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _cpu_since(before: dict[str, Any] | None) -> dict[str, Any] | None:
+    """CPU seconds per side since `before` (a thread_cpu() reading), and per control-plane group
+    {group: [seconds, switches]} over the threads alive at the end (one started since counts whole)."""
     after = thread_cpu()
     if before is None or after is None:
         return None
-    return {side: after[side] - before[side] for side in before}
+    groups: dict[str, list[float]] = {}
+    for tid, (group, seconds, switches) in after["threads"].items():
+        _, seconds_then, switches_then = before["threads"].get(tid, (group, 0.0, 0))
+        entry = groups.setdefault(group, [0.0, 0])
+        entry[0] += seconds - seconds_then
+        entry[1] += switches - switches_then
+    return {"control": after["control"] - before["control"], "transport": after["transport"] - before["transport"],
+            "groups": groups}
 
 
 class _Worker:
@@ -794,6 +837,9 @@ def row_of(cell: Cell, reports: dict) -> dict:
         nbytes = sum(r["bytes"] for r in prefill)
         failed = {room for r in prefill + encodes for room, _ in r["failed"]}
     split = cpu_per_room(cell, [r.get("cpu") for r in prefill + encodes])
+    threads = None if cell.path == "raw" else {
+        "encode": thread_cpu_per_room(cell, [r.get("cpu") for r in encodes]),
+        "prefill": thread_cpu_per_room(cell, [r.get("cpu") for r in prefill])}
     reasons = [why for r in prefill + encodes for _, why in r.get("failed", [])]
     bad = [b for r in prefill for b in r.get("bad", [])]
     wall = max(ends) - min(starts)
@@ -804,7 +850,7 @@ def row_of(cell: Cell, reports: dict) -> dict:
         "p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3,
         "ratio_to_raw": None, "p50_added_ms": None, "items": cell.items, "failed": len(failed),
         "verified": not bad and not failed, "problems": (reasons + bad)[:5],
-        "cpu_control_ms": split["control"], "cpu_transport_ms": split["transport"],
+        "cpu_control_ms": split["control"], "cpu_transport_ms": split["transport"], "cpu_threads": threads,
         "encode_bytes": [r.get("bytes") for r in encodes],
         "prefill_bytes": [r.get("bytes") for r in prefill] if cell.path != "raw" else None,
     }
@@ -823,6 +869,21 @@ def cpu_per_room(cell: Cell, readings: list[dict | None]) -> dict[str, float | N
     if cell.path == "raw":
         return {"control": 0.0, "transport": control + transport}
     return {"control": control, "transport": transport}
+
+
+def thread_cpu_per_room(cell: Cell, readings: list[dict | None]) -> dict[str, dict[str, float]] | None:
+    """Each room's control-plane CPU ms and voluntary switches per thread group, summed over one role's
+    ranks: {group: {'ms': ..., 'switches': ...}}; None when a rank has no per-thread reading."""
+    if not readings or any(c is None or "groups" not in c for c in readings):
+        return None
+    out: dict[str, dict[str, float]] = {}
+    for reading in readings:
+        assert reading is not None  # narrowed above
+        for group, (seconds, switches) in reading["groups"].items():
+            entry = out.setdefault(group, {"ms": 0.0, "switches": 0.0})
+            entry["ms"] += seconds * 1e3 / cell.items
+            entry["switches"] += switches / cell.items
+    return out
 
 
 def _room_latencies(reports: list[dict]) -> list[float]:
@@ -883,7 +944,8 @@ def memcpy_row(span: int, hidden: int, dtype: str, items: int, passes: int = 3) 
         "integrity": False, "gbps": items * item_bytes / best / 1e9, "rooms_per_s": items / best,
         "p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3,
         "ratio_to_raw": None, "p50_added_ms": None, "items": items, "failed": 0, "verified": True, "problems": [],
-        "cpu_control_ms": None, "cpu_transport_ms": None, "encode_bytes": None, "prefill_bytes": None,
+        "cpu_control_ms": None, "cpu_transport_ms": None, "cpu_threads": None, "encode_bytes": None,
+        "prefill_bytes": None,
     }
 
 

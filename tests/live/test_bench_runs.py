@@ -72,6 +72,8 @@ def test_thread_cpu_splits_our_threads_from_the_transports():
         thread.join(30)
     assert 0.28 <= spent["control"] < 0.55, spent  # the pool thread's 0.3 s, plus this test's own bits
     assert spent["transport"] >= 0.38, spent  # the epd-wire thread's 0.2 s and the ended thread's 0.2 s
+    assert 0.28 <= spent["groups"]["other"][0] < 0.4, spent  # epd-test-pool started inside the window
+    assert spent["groups"]["caller"][1] >= 1, spent  # this thread slept in wait() and join()
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +111,11 @@ def test_tiny_bench_writes_sane_rows(tiny_run):
         if row["path"] != "memcpy":
             assert len(row["gbps_runs"]) == 2 and row["gbps"] in row["gbps_runs"], row
             assert row["cpu_control_ms"] >= 0 and row["cpu_transport_ms"] >= 0, row
+        if row["path"] == "epd":
+            for role in ("encode", "prefill"):
+                groups = row["cpu_threads"][role]
+                assert {"caller", "driver", "zmq"} <= set(groups), row
+                assert groups["caller"]["ms"] > 0 and groups["caller"]["switches"] >= 0, row
     cells = {(r["path"], r["fanout"], r["inflight"], r["integrity"]) for r in rows if r["path"] != "memcpy"}
     for fanout in (1, 2):
         for inflight in (1, 4):

@@ -211,3 +211,33 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path, caps
     assert rc == 2
     assert "pip install matplotlib" in capsys.readouterr().err
     assert not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize("name, main, group", [
+    ("python", True, "caller"), ("epd-enc0", False, "driver"), ("epd-pre3-io", False, "driver"),
+    ("ZMQbg/IO/0", False, "zmq"), ("ZMQbg/Reaper", False, "zmq"), ("epd-pre0-boot-1", False, "other"),
+    ("epd-status", False, "other"), ("epd-probe-10.0.", False, "other"), ("epd-wire-w0", False, None),
+    ("python", False, None),
+])
+def test_thread_group_names_the_control_planes_threads(name, main, group):
+    assert bench.thread_group(name, main) == group
+
+
+def test_row_of_splits_each_rooms_control_cpu_per_role_and_thread_group():
+    """Two rooms; the encode rank's driver spent 6 ms over 10 wake-ups, each prefill rank's caller
+    2 ms over 4: per room 3 ms and 5 switches on the encode side, 2 ms and 4 summed over the prefill ranks."""
+    cell = bench.Cell("epd", 4, 8, "torch.bfloat16", fanout=2, inflight=1, items=2, integrity=False)
+    encode = {"t_start": 10.0, "failed": [],
+              "cpu": {"control": 0.006, "transport": 0.01, "groups": {"driver": [0.006, 10]}}}
+    prefill = {"t_start": 10.0, "t_end": 12.0, "latencies": [0.1] * 2, "failed": [], "bytes": 32, "bad": [],
+               "cpu": {"control": 0.002, "transport": 0.0, "groups": {"caller": [0.002, 4]}}}
+    row = bench.row_of(cell, {("encode", 0): encode, ("prefill", 0): prefill, ("prefill", 1): dict(prefill)})
+    assert row["cpu_threads"]["encode"] == {"driver": {"ms": pytest.approx(3.0), "switches": pytest.approx(5.0)}}
+    assert row["cpu_threads"]["prefill"] == {"caller": {"ms": pytest.approx(2.0), "switches": pytest.approx(4.0)}}
+    older = dict(prefill, cpu={"control": 0.002, "transport": 0.0})  # a reading without groups
+    row = bench.row_of(cell, {("encode", 0): encode, ("prefill", 0): prefill, ("prefill", 1): older})
+    assert row["cpu_threads"]["prefill"] is None and row["cpu_threads"]["encode"] is not None
+    raw = bench.row_of(bench.Cell("raw", 4, 8, "torch.bfloat16", fanout=2, inflight=1, items=2, integrity=False),
+                       {("encode", 0): dict(encode, t_end=12.0, latencies=[0.1] * 2, bytes=64),
+                        ("prefill", 0): {"bad": [], "cpu": None}})
+    assert raw["cpu_threads"] is None  # raw has no control plane
