@@ -452,19 +452,16 @@ class Engine(RegisteredMemory):
                 held = False
             else:
                 held = self._file_behind_probe(ticket, pending)
-        if held:
-            self._release_waiting(session_id)
-            with self._lock:
-                if pending.waiting or pending.submitting or pending.batches or pending.error is None:
-                    return ticket
-                self._pending.pop(ticket, None)  # refused with nothing in flight: fail at once
-            raise EngineError(pending.error)
         try:
-            self._hand_over(pending)
+            if held:
+                self._release_waiting(session_id)
+            else:
+                self._hand_over(pending)
         finally:
             with self._lock:
-                self._submitted(pending)
-                refused = not pending.batches and pending.error is not None
+                if not held:
+                    self._submitted(pending)
+                refused = not (pending.waiting or pending.submitting or pending.batches or pending.error is None)
                 if refused:
                     self._pending.pop(ticket, None)  # refused with nothing in flight: fail at once
         if refused:

@@ -792,25 +792,16 @@ def validate_fanout(span: int, hidden: int, dtype: str, has_deepstack: bool, inf
     want = len(infos) if fanout is None else fanout
     if len(infos) != want:
         return f"room {room}: {len(infos)} receivers != fanout {want}"
-    deepstack = bool(has_deepstack)
-    identity = True
     for info in infos:
-        # _receiver_mismatch's checks inline: it runs (and names the first mismatch) only when one fails.
-        row_start, rows = info.row_start, info.rows
-        if (info.room != room or info.fanout != want or info.hidden != hidden or info.dtype != dtype
-                or info.span != span or bool(info.has_deepstack) is not deepstack or rows < 0 or row_start < 0
-                or row_start + rows > span):
-            reason = _receiver_mismatch(info, room, want, span, hidden, dtype, has_deepstack)
-            if reason is not None:
-                return f"room {room}: receiver {info.session_id} {reason}"
-        identity = identity and row_start == 0 and rows == span
-    if len({info.session_id for info in infos}) != len(infos):
-        seen: set[str] = set()
-        for info in infos:
-            if info.session_id in seen:
-                return f"room {room}: receiver {info.session_id} asked twice"
-            seen.add(info.session_id)
-    if identity:
+        reason = _receiver_mismatch(info, room, want, span, hidden, dtype, has_deepstack)
+        if reason is not None:
+            return f"room {room}: receiver {info.session_id} {reason}"
+    seen: set[str] = set()
+    for info in infos:
+        if info.session_id in seen:
+            return f"room {room}: receiver {info.session_id} asked twice"
+        seen.add(info.session_id)
+    if all(info.is_identity for info in infos):
         return None
     return _tiling_gap(room, infos)
 

@@ -284,9 +284,8 @@ class EncodeDriver:
         poller = select.poll()
         poller.register(self.pull.fileno(), select.POLLIN)  # the socket's FD option
         poller.register(self.waker.fileno(), select.POLLIN)
-        fds = [self.pull.fileno(), self.waker.fileno()]
-        self._fds = (fds[1], fds[0])
-        self._select_fds = fds if max(fds) < SELECT_FD_LIMIT else None
+        self._fds = (self.waker.fileno(), self.pull.fileno())
+        self._select_fds = list(self._fds) if max(self._fds) < SELECT_FD_LIMIT else None
         delay = POLL_MIN_S
         more_requests = False  # the last round left requests queued (the socket's FD will not signal them)
         next_retry = self.clock() + RETRY_RELEASES_S
