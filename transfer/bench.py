@@ -248,7 +248,7 @@ def thread_cpu() -> dict[str, Any] | None:
     except OSError:
         return None
     control = 0.0
-    threads: dict[str, tuple[str, float, int]] = {}
+    times: dict[str, tuple[str, float]] = {}
     main = str(os.getpid())
     for tid in tids:
         try:
@@ -258,11 +258,19 @@ def thread_cpu() -> dict[str, Any] | None:
                 continue
             seconds = _task_seconds(tid)
             control += seconds
-            threads[tid] = (group, seconds, _task_switches(tid))
+            times[tid] = (group, seconds)
         except (OSError, ValueError):
             continue  # it ended: its time is in the process's total, on the transport's side
-    # Read last, so the total covers every thread's time read above.
-    return {"control": control, "transport": max(0.0, time.process_time() - control), "threads": threads}
+    # Read right after the threads' times, so the total covers them and little else; the
+    # switch counts (not part of either side) are read after it.
+    transport = max(0.0, time.process_time() - control)
+    threads: dict[str, tuple[str, float, int]] = {}
+    for tid, (group, seconds) in times.items():
+        try:
+            threads[tid] = (group, seconds, _task_switches(tid))
+        except (OSError, ValueError):
+            continue
+    return {"control": control, "transport": transport, "threads": threads}
 
 
 def _task_seconds(tid: str) -> float:
@@ -298,8 +306,10 @@ def _cpu_since(before: dict[str, Any] | None) -> dict[str, Any] | None:
         entry = groups.setdefault(group, [0.0, 0])
         entry[0] += seconds - seconds_then
         entry[1] += switches - switches_then
-    return {"control": after["control"] - before["control"], "transport": after["transport"] - before["transport"],
-            "groups": groups}
+    # The process's total is read a moment after its threads' times: a difference below zero
+    # is that moment's jitter, not time spent.
+    return {"control": after["control"] - before["control"],
+            "transport": max(0.0, after["transport"] - before["transport"]), "groups": groups}
 
 
 class _Worker:
