@@ -10,6 +10,10 @@ so with E > 1 each encode rank moves only its block's share:
 
 - raw:    each encode process writes its block's shards of each item with Mooncake
           batch writes, no control plane, keeping `inflight` rooms outstanding;
+- floor:  the ZMQ and engine calls a room takes and nothing else: each prefill rank pushes
+          a bare ask, the encode rank writes the shard it names at once, polls it as the
+          sender pool does and pushes a bare status; no rules, checks or bookkeeping. What
+          a control plane over these parts costs at the least (its CPU and p50 added);
 - epd:    a fresh sender pool and session managers (a fresh bootstrap server) over the
           same engines: asks, statuses, checksums when integrity is on;
 - wire:   the same with protocol "wire" (transfer.wire_engine), skipped if it is absent;
@@ -23,8 +27,9 @@ the first write to a new peer (Mooncake's connection and handshake) is not timed
 
 Latency, per room: raw, from a room's submission to its last shard's completion (the
 slowest encode rank's); epd and wire, from a prefill rank's ask to its Success, the slowest
-rank's for each room (a room is served once every rank holds its shard). `p50_added_ms`
-is an epd or wire run's p50 less the p50 of the raw run of the same cell and turn.
+rank's for each room (a room is served once every rank holds its shard); floor, likewise.
+`p50_added_ms` is a floor, epd or wire run's p50 less the p50 of the raw run of the same
+cell and turn.
 Landed bytes are checked outside the timed window: every slot's last room is compared
 with the item, so a lost or misplaced write fails the cell without the check slowing the
 figure. Each row also lists the bytes every encode rank reports it wrote (`encode_bytes`).
@@ -50,7 +55,9 @@ import math
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import select
 import statistics
+import struct
 import sys
 import tempfile
 import threading
@@ -62,7 +69,7 @@ from typing import Any
 
 from transfer.frames import dtype_size, prefill_shard
 
-PATHS = ("raw", "epd", "wire", "memcpy")
+PATHS = ("raw", "floor", "epd", "wire", "memcpy")
 DEFAULT_SIZES = "64x4096,1024x4096,8192x4096"
 ROW_KEYS = ("path", "item_bytes", "encode_ranks", "fanout", "inflight", "integrity", "gbps", "rooms_per_s", "p50_ms",
             "p99_ms", "ratio_to_raw", "p50_added_ms", "encode_bytes")
@@ -425,7 +432,7 @@ def _worker_main(role: str, rank: int, setup: dict, cmd_q, res_q) -> None:
                 continue  # a leftover of a cell that failed elsewhere
             cell = msg[1]
             try:
-                body = _BODIES[(role, "raw" if cell.path == "raw" else "epd")]
+                body = _BODIES[(role, cell.path if cell.path in ("raw", "floor") else "epd")]
                 res_q.put(("report", role, rank, body(worker, cell, msg[2])))
             except _Stop:
                 break
@@ -658,6 +665,141 @@ def _epd_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
     return report
 
 
+#: A floor path's ask (room, prefill rank, destination address) and status (room).
+_FLOOR_ASK = struct.Struct("<qqQ")
+_FLOOR_STATUS = struct.Struct("<q")
+
+
+def _floor_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
+    """Floor encode body: writes the shard each bare ask names, polls it, pushes a bare status."""
+    import zmq
+
+    from transfer.drive.encode import POLL_MAX_S, POLL_MIN_S
+
+    protocol = _cell_protocol(cell, extra["protocol"])
+    engine = worker.engine(protocol)
+    source = worker.source(cell, protocol)
+    base = source.pool.data_ptr()
+    host = worker.setup["host"]
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pushes: dict[int, Any] = {}
+    try:
+        worker.ready({"port": pull.bind_to_random_port(f"tcp://{host}")})
+        receivers = {info["rank"]: info for info in worker.go() if info["rows"]}
+        for rank, info in receivers.items():
+            pushes[rank] = ctx.socket(zmq.PUSH)
+            pushes[rank].connect(f"tcp://{host}:{info['status_port']}")
+        report: dict[str, Any] = {"failed": [], "bytes": 0}
+        fd = pull.fileno()
+        flights: deque = deque()  # (batch, rank, room, nbytes), oldest first
+        delay = POLL_MIN_S
+        served, warm, expected = 0, len(receivers), (cell.items + 1) * len(receivers)  # + each warm-up ask
+        cpu = None
+        if not warm:
+            cpu, report["t_start"] = thread_cpu(), time.time()
+        progressed = time.monotonic()
+        while served < expected:
+            while True:  # every queued ask: a socket drained empty signals its descriptor again
+                try:
+                    room, rank, dst = _FLOOR_ASK.unpack(pull.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                info = receivers[rank]
+                nbytes = info["rows"] * cell.row_bytes
+                src = base + (source.offset(room, cell.span) + info["row_start"]) * cell.row_bytes
+                flights.append((engine.write_async(info["session"], [src], [dst], [nbytes]), rank, room, nbytes))
+                progressed = time.monotonic()
+            still: deque = deque()
+            for flight in flights:
+                batch, rank, room, nbytes = flight
+                if not engine.poll(batch):
+                    still.append(flight)
+                    continue
+                pushes[rank].send(_FLOOR_STATUS.pack(room))
+                served += 1
+                progressed = time.monotonic()
+                if cpu is not None:
+                    report["bytes"] += nbytes
+                elif served == warm:  # every receiver's warm-up shard went out
+                    cpu, report["t_start"] = thread_cpu(), time.time()
+            delay = POLL_MIN_S if len(still) < len(flights) else min(2 * delay, POLL_MAX_S)
+            flights = still
+            if served < expected:
+                if time.monotonic() - progressed > extra["deadline_s"]:
+                    raise TimeoutError(f"floor encode {worker.rank}: {expected - served} asks left, none came or "
+                                       f"completed for {extra['deadline_s']:g}s")
+                select.select([fd], [], [], delay if flights else 0.1)
+        report["t_end"], report["cpu"] = time.time(), _cpu_since(cpu)
+        worker.finished()
+        return report
+    finally:
+        for sock in (pull, *pushes.values()):
+            sock.close(linger=1000)
+        ctx.term()
+
+
+def _floor_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
+    """Floor prefill body: bare asks for `inflight` rooms at a time, each concluded by its bare status."""
+    import zmq
+
+    protocol = _cell_protocol(cell, extra["protocol"])
+    engine = worker.engine(protocol)
+    row_start, rows = cell.shard(worker.rank)
+    slots = worker.slots(cell, rows)
+    _fill_sentinel(slots)
+    host = worker.setup["host"]
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    report: dict[str, Any] = {"latencies": [], "latency_rooms": [], "failed": [], "bytes": 0}
+    try:
+        port = pull.bind_to_random_port(f"tcp://{host}")
+        worker.ready({"session": engine.session_id, "addr": slots.data_ptr(), "stride": slots[0].nbytes,
+                      "row_start": row_start, "rows": rows, "rank": worker.rank, "status_port": port})
+        push.connect(f"tcp://{host}:{worker.go()['port']}")
+        bound_ms = int(extra["deadline_s"] * 1000)
+
+        def ask(room: int) -> None:
+            push.send(_FLOOR_ASK.pack(room, worker.rank, slots[room % cell.slots].data_ptr()))
+
+        def status() -> int:
+            if not pull.poll(bound_ms):
+                raise TimeoutError(f"floor prefill {worker.rank}: no status within {extra['deadline_s']:g}s")
+            return int(_FLOOR_STATUS.unpack(pull.recv())[0])
+
+        last: dict[int, int] = {}
+        if rows:
+            ask(cell.items)  # untimed: the first write to this rank opens its connection
+            status()
+            cpu, report["t_start"] = thread_cpu(), time.time()
+            started: dict[int, float] = {}
+            asked = 0
+            while asked < cell.slots:
+                started[asked] = time.monotonic()
+                ask(asked)
+                asked += 1
+            for _ in range(cell.items):
+                room = status()
+                report["latencies"].append(time.monotonic() - started.pop(room))
+                report["latency_rooms"].append(room)
+                report["bytes"] += rows * cell.row_bytes
+                last[room % cell.slots] = room
+                if asked < cell.items:  # into the slot the room just freed (a session's writes land in order)
+                    started[asked] = time.monotonic()
+                    ask(asked)
+                    asked += 1
+        else:
+            cpu, report["t_start"] = thread_cpu(), time.time()
+        report["t_end"], report["cpu"] = time.time(), _cpu_since(cpu)
+        report["bad"] = _check_slots(worker, cell, slots, last, row_start, rows)
+        worker.finished()
+        return report
+    finally:
+        pull.close(linger=0)
+        push.close(linger=1000)
+        ctx.term()
+
+
 def _bytes_written(pool) -> int:
     """The bytes a sender pool has written so far."""
     from transfer.metrics import total
@@ -701,6 +843,8 @@ def _check_slots(worker: _Worker, cell: Cell, slots, last: dict[int, int], row_s
 _BODIES = {
     ("encode", "raw"): _raw_encode,
     ("prefill", "raw"): _raw_prefill,
+    ("encode", "floor"): _floor_encode,
+    ("prefill", "floor"): _floor_prefill,
     ("encode", "epd"): _epd_encode,
     ("prefill", "epd"): _epd_prefill,
 }
@@ -754,7 +898,7 @@ class RankSet:
         members += [("prefill", r) for r in range(cell.prefill_ranks)]
         extra = {"protocol": self.opts.protocol, "raw_issue": self.opts.raw_issue,
                  "raw_writers": self.opts.raw_writers, "deadline_s": self.opts.deadline_s, "depth": self.opts.depth}
-        server = BootstrapServer(self.opts.host, 0) if cell.path != "raw" else None
+        server = BootstrapServer(self.opts.host, 0) if cell.path not in ("raw", "floor") else None
         try:
             if server is not None:
                 extra["bootstrap"] = server.address
@@ -763,9 +907,13 @@ class RankSet:
             ready = self._gather("ready", members)
             receivers = sorted((info for key, info in ready.items() if key[0] == "prefill" and info), key=lambda i: i["rank"])
             for role, rank in members:
-                # A raw encode rank writes to its own block; the epd bodies ignore what go carries.
-                block = [info for info in receivers if info["rank"] // cell.fanout == rank]
-                self.cmd_qs[(role, rank)].put(("go", block if role == "encode" else None))
+                # A raw or floor encode rank writes to its own block, a floor prefill rank asks its
+                # encode rank; the epd bodies ignore what go carries.
+                if role == "encode":
+                    carried = [info for info in receivers if info["rank"] // cell.fanout == rank]
+                else:
+                    carried = ready[("encode", rank // cell.fanout)]
+                self.cmd_qs[(role, rank)].put(("go", carried))
             self._gather("finished", members)
             for key in members:
                 self.cmd_qs[key].put(("close", None))
@@ -1198,7 +1346,7 @@ def median_row(runs: list[dict], raw: list[dict] | None = None) -> dict:
 
     With `raw`, the raw runs of the same turns: `ratio_runs` pairs each run with the raw
     run of its own turn, and fill_ratios() reports their median, so a slow spell of the
-    host that hit both paths of a turn cancels out. An epd or wire row's `p50_added_ms` is
+    host that hit both paths of a turn cancels out. A floor, epd or wire row's `p50_added_ms` is
     its reported run's p50 less that of the raw run of the same turn (None where that raw
     run lost rooms: its p50 would leave them out).
     """
@@ -1208,7 +1356,7 @@ def median_row(runs: list[dict], raw: list[dict] | None = None) -> dict:
     paired = raw if raw is not None and len(raw) == len(runs) else None
     if paired is not None and all(r["gbps"] > 0 for r in paired):
         row["ratio_runs"] = [r["gbps"] / ref["gbps"] for r, ref in zip(runs, paired)]
-    if paired is not None and row["path"] in ("epd", "wire") and paired[turn].get("verified", True):
+    if paired is not None and row["path"] in ("floor", "epd", "wire") and paired[turn].get("verified", True):
         row["p50_added_ms"] = row["p50_ms"] - paired[turn]["p50_ms"]
     broken = [r for r in runs if not r["verified"]]
     if broken:

@@ -99,7 +99,7 @@ def test_tiny_bench_writes_sane_rows(tiny_run):
     with open(out / "rows.json") as fh:
         rows = json.load(fh)
     wire = bench.wire_available() is None
-    transfer_rows = 2 * 2 * (1 + 2 + (2 if wire else 0))
+    transfer_rows = 2 * 2 * (1 + 1 + 2 + (2 if wire else 0))
     assert len(rows) == transfer_rows + 1  # + one memcpy row
     for row in rows:
         assert set(bench.ROW_KEYS) <= set(row), row
@@ -111,6 +111,10 @@ def test_tiny_bench_writes_sane_rows(tiny_run):
         if row["path"] != "memcpy":
             assert len(row["gbps_runs"]) == 2 and row["gbps"] in row["gbps_runs"], row
             assert row["cpu_control_ms"] >= 0 and row["cpu_transport_ms"] >= 0, row
+        if row["path"] == "floor":
+            assert row["prefill_bytes"] == [12 * row["item_bytes"] // row["fanout"]] * row["fanout"], row
+            assert row["cpu_control_ms"] > 0 and row["p50_added_ms"] is not None, row
+            assert row["cpu_threads"]["encode"]["caller"]["ms"] > 0, row
         if row["path"] == "epd":
             for role in ("encode", "prefill"):
                 groups = row["cpu_threads"][role]
@@ -119,7 +123,7 @@ def test_tiny_bench_writes_sane_rows(tiny_run):
     cells = {(r["path"], r["fanout"], r["inflight"], r["integrity"]) for r in rows if r["path"] != "memcpy"}
     for fanout in (1, 2):
         for inflight in (1, 4):
-            assert ("raw", fanout, inflight, False) in cells
+            assert ("raw", fanout, inflight, False) in cells and ("floor", fanout, inflight, False) in cells
             assert ("epd", fanout, inflight, True) in cells and ("epd", fanout, inflight, False) in cells
             if wire:
                 assert ("wire", fanout, inflight, True) in cells

@@ -25,6 +25,7 @@ def test_parse_sizes_reads_rows_by_hidden():
 def test_parse_lists_refuse_nonsense():
     assert bench.parse_ints("1,2,4") == [1, 2, 4]
     assert bench.parse_paths("raw,memcpy") == ["raw", "memcpy"]
+    assert bench.parse_paths("floor,epd") == ["floor", "epd"]
     assert bench.parse_integrity("off,on") == [False, True]
     for parse, bad in ((bench.parse_ints, "1,0"), (bench.parse_ints, "a"), (bench.parse_paths, "raw,fast"),
                        (bench.parse_integrity, "maybe")):
@@ -38,18 +39,28 @@ def test_defaults_are_the_issues_matrix():
     assert opts.fanouts == [1, 2, 4] and opts.inflight == [1, 8, 32]
     assert opts.integrity == [True, False] and opts.protocol == "tcp"
     cells = bench.plan(opts, wire_ok=True)
-    # 3 sizes x 3 fanouts x 3 windows x (raw + epd on/off + wire on/off)
-    assert len(cells) == 27 * 5
+    # 3 sizes x 3 fanouts x 3 windows x (raw + floor + epd on/off + wire on/off)
+    assert len(cells) == 27 * 6
     assert {c.item_bytes for c in cells} == {512 * 1024, 8 * 2**20, 64 * 2**20}
-    assert len(bench.plan(opts, wire_ok=False)) == 27 * 3
+    assert len(bench.plan(opts, wire_ok=False)) == 27 * 4
+
+
+def test_the_floor_runs_once_a_cell_without_integrity():
+    opts = bench.options_from(_args("--paths", "raw,floor", "--sizes", "64x4096", "--fanouts", "1,4",
+                                    "--inflight", "8", "--integrity", "on,off"))
+    cells = bench.plan(opts, wire_ok=True)
+    floors = [c for c in cells if c.path == "floor"]
+    assert [(c.fanout, c.integrity) for c in floors] == [(1, False), (4, False)]
+    # Each floor cell follows the raw cell of its geometry, so both share a turn of the host.
+    assert [c.path for c in cells] == ["raw", "floor", "raw", "floor"]
 
 
 def test_quick_is_a_small_subset():
     opts = bench.options_from(_args("--quick"))
     assert opts.sizes == [(64, 4096), (1024, 4096)] and opts.fanouts == [1, 4] and opts.inflight == [8]
     cells = bench.plan(opts, wire_ok=True)
-    assert len(cells) == 2 * 2 * 5
-    assert sum(c.items * c.item_bytes for c in cells) <= 20 * 64 * 2**20
+    assert len(cells) == 2 * 2 * 6
+    assert sum(c.items * c.item_bytes for c in cells) <= 24 * 64 * 2**20
 
 
 def test_items_per_cell_scale_with_size_and_fill_the_window():

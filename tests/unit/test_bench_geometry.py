@@ -82,6 +82,7 @@ def test_added_latency_is_against_raw_of_the_same_turn():
     epd = [_run("epd", 1.0, 4.0), _run("epd", 3.0, 5.0), _run("epd", 2.0, 4.5)]
     assert bench.median_row(epd, raw)["p50_added_ms"] == pytest.approx(4.5 - 2.5)
     assert bench.median_row([dict(r, path="wire") for r in epd], raw)["p50_added_ms"] == pytest.approx(2.0)
+    assert bench.median_row([dict(r, path="floor") for r in epd], raw)["p50_added_ms"] == pytest.approx(2.0)
     assert bench.median_row(raw, raw)["p50_added_ms"] is None
     assert bench.median_row(epd)["p50_added_ms"] is None  # no raw in the cell
 
