@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 from core_pair import MAX_SPAN, SLOTS, Pair, Violation, span_of
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from transfer.core.failure import FailureKind
@@ -276,8 +276,15 @@ def test_rooms_given_up_at_any_step_get_no_write_once_their_cancel_is_confirmed(
     check_agreement(pair)
 
 
+#: A prefill rank clears a room it asked for again while a Success meant for the room's
+#: earlier ask is being verified; the encode rank then writes the new ask's shard.
+STALE_SUCCESS_WHILE_VERIFYING = [138, 16318, 0, 0, 0, 0, 0, 0, 0, 0, 741, 0, 21, 32, 0, 0, 0, 190, 0, 10, 128, 0,
+                                 136, 177, 0, 0, 0, 0, 0, 306, 60, 141]
+
+
 @FAST
 @given(SCHEDULE)
+@example(STALE_SUCCESS_WHILE_VERIFYING)
 def test_rooms_sent_and_received_again_under_their_number_keep_every_rule(schedule):
     pair = Pair(encode_tp=1, prefill_tp=2)
     run(pair, schedule, RELIABLE, retries=True)

@@ -115,6 +115,19 @@ def test_a_success_whose_bytes_do_not_verify_is_cancelled_when_cleared():
     assert [type(a) for a in c.abandon(1.2, 7, token)] == [SendCancel]
 
 
+def test_a_room_cleared_while_its_success_is_verified_is_cancelled():
+    """Until its bytes verify, its Success may be an earlier ask's under the same room number:
+    the memory is safe only once the encode rank confirms the cancel."""
+    c = core()
+    token = asked(c, 8)
+    c.status(1.0, 8, TransferPoll.Success, 0, (11,))
+    assert c.stage(8) == "verifying"
+    assert [type(a) for a in c.abandon(1.1, 8, token)] == [SendCancel]
+    assert not c.safe(8, token) and c.pending_cancels == 1
+    assert c.clear(1.1, 8, token)
+    assert c.cancel_answered(1.2, 8, 0, confirmed=True) == [MemorySafe(8, token)]
+
+
 def test_a_room_failed_by_its_encode_rank_is_cancelled_when_cleared():
     """A Failed from the encode rank may come while its write is still in flight."""
     c = core()
