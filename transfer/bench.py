@@ -719,10 +719,12 @@ def _floor_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
                 pushes[rank].send(_FLOOR_STATUS.pack(room))
                 served += 1
                 progressed = time.monotonic()
-                if cpu is not None:
+                if room != cell.items:
                     report["bytes"] += nbytes
-                elif served == warm:  # every receiver's warm-up shard went out
-                    cpu, report["t_start"] = thread_cpu(), time.time()
+                else:
+                    warm -= 1
+                    if not warm:  # every receiver's warm-up shard went out
+                        cpu, report["t_start"] = thread_cpu(), time.time()
             delay = POLL_MIN_S if len(still) < len(flights) else min(2 * delay, POLL_MAX_S)
             flights = still
             if served < expected:

@@ -21,10 +21,10 @@ ROW_BYTES = HIDDEN * dtype_size("torch.bfloat16")
 
 @pytest.fixture(scope="module")
 def e2_run(tmp_path_factory):
-    """One bench run: E = 2, fanout 1 (P = 2), 2 rooms in flight, raw, epd and wire."""
+    """One bench run: E = 2, fanout 1 (P = 2), 2 rooms in flight, raw, floor, epd and wire."""
     out = tmp_path_factory.mktemp("bench-e2")
     argv = ["bench", "--encode-ranks", "2", "--fanouts", "1", "--sizes", f"{SPAN}x{HIDDEN}", "--inflight", "2",
-            "--items", str(ITEMS), "--paths", "raw,epd,wire", "--integrity", "off", "--deadline", "30",
+            "--items", str(ITEMS), "--paths", "raw,floor,epd,wire", "--integrity", "off", "--deadline", "30",
             "--timeout", "120", "--json", str(out / "rows.json")]
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stdout):
@@ -37,7 +37,7 @@ def e2_run(tmp_path_factory):
 def test_every_path_runs_the_cell_and_lands_every_byte(e2_run):
     rc, output, rows = e2_run
     assert rc == 0, output
-    paths = {"raw", "epd"} | ({"wire"} if bench.wire_available() is None else set())
+    paths = {"raw", "floor", "epd"} | ({"wire"} if bench.wire_available() is None else set())
     assert set(rows) == paths, output
     for row in rows.values():
         assert row["encode_ranks"] == 2 and row["fanout"] == 1, row

@@ -113,6 +113,7 @@ def test_tiny_bench_writes_sane_rows(tiny_run):
             assert row["cpu_control_ms"] >= 0 and row["cpu_transport_ms"] >= 0, row
         if row["path"] == "floor":
             assert row["prefill_bytes"] == [12 * row["item_bytes"] // row["fanout"]] * row["fanout"], row
+            assert row["encode_bytes"] == [12 * row["item_bytes"]], row  # the warm-up shards left out
             assert row["cpu_control_ms"] > 0 and row["p50_added_ms"] is not None, row
             assert row["cpu_threads"]["encode"]["caller"]["ms"] > 0, row
         if row["path"] == "epd":
