@@ -555,15 +555,22 @@ def _raw_sync(engine, cell: Cell, batches, writers: int, report: dict) -> None:
         thread.join()
 
 
-def _raw_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
-    """Raw prefill body: offers its slots, waits out the writes, checks the last rooms' bytes."""
-    protocol = _cell_protocol(cell, extra["protocol"])
-    engine = worker.engine(protocol)
+def _offered_slots(worker: _Worker, cell: Cell, extra: dict) -> tuple[Any, int, int, dict]:
+    """This prefill rank's receive slots for a raw or floor cell, filled with the sentinel:
+    (slots, row_start, rows, what its encode rank needs to write into them)."""
+    engine = worker.engine(_cell_protocol(cell, extra["protocol"]))
     row_start, rows = cell.shard(worker.rank)
     slots = worker.slots(cell, rows)
     _fill_sentinel(slots)
-    worker.ready({"session": engine.session_id, "addr": slots.data_ptr(), "stride": slots[0].nbytes,
-                  "row_start": row_start, "rows": rows, "rank": worker.rank})
+    info = {"session": engine.session_id, "addr": slots.data_ptr(), "stride": slots[0].nbytes,
+            "row_start": row_start, "rows": rows, "rank": worker.rank}
+    return slots, row_start, rows, info
+
+
+def _raw_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
+    """Raw prefill body: offers its slots, waits out the writes, checks the last rooms' bytes."""
+    slots, row_start, rows, info = _offered_slots(worker, cell, extra)
+    worker.ready(info)
     worker.go()
     cpu = thread_cpu()
     worker.finished()
@@ -745,19 +752,13 @@ def _floor_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
     """Floor prefill body: bare asks for `inflight` rooms at a time, each concluded by its bare status."""
     import zmq
 
-    protocol = _cell_protocol(cell, extra["protocol"])
-    engine = worker.engine(protocol)
-    row_start, rows = cell.shard(worker.rank)
-    slots = worker.slots(cell, rows)
-    _fill_sentinel(slots)
+    slots, row_start, rows, info = _offered_slots(worker, cell, extra)
     host = worker.setup["host"]
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     report: dict[str, Any] = {"latencies": [], "latency_rooms": [], "failed": [], "bytes": 0}
     try:
-        port = pull.bind_to_random_port(f"tcp://{host}")
-        worker.ready({"session": engine.session_id, "addr": slots.data_ptr(), "stride": slots[0].nbytes,
-                      "row_start": row_start, "rows": rows, "rank": worker.rank, "status_port": port})
+        worker.ready({**info, "status_port": pull.bind_to_random_port(f"tcp://{host}")})
         push.connect(f"tcp://{host}:{worker.go()['port']}")
         bound_ms = int(extra["deadline_s"] * 1000)
 
