@@ -509,17 +509,22 @@ def _length(part: bytes, name: str) -> int:
     return value
 
 
-def is_registration(frames: Sequence[object]) -> bool:
-    """True exactly when part 0 is the literal `None` (SPEC.md 4.1)."""
+def _starts_with(frames: Sequence[object], marker: bytes) -> bool:
+    """True exactly when part 0 is `marker`."""
     if type(frames) is list and frames and type(frames[0]) is bytes:
-        return frames[0] == REGISTRATION_MARKER  # what a receiver hands in: no copy, no conversion
+        return frames[0] == marker  # what a receiver hands in: no copy, no conversion
     frames = list(frames)
     if not frames:
         return False
     try:
-        return _part(frames[0]) == REGISTRATION_MARKER
+        return _part(frames[0]) == marker
     except TypeError:
         return False
+
+
+def is_registration(frames: Sequence[object]) -> bool:
+    """True exactly when part 0 is the literal `None` (SPEC.md 4.1)."""
+    return _starts_with(frames, REGISTRATION_MARKER)
 
 
 def parse_registration(frames: Sequence[object]) -> Registration:
@@ -706,15 +711,7 @@ def cancel_frames(room: int, endpoint: str, port: int, session_id: str) -> list[
 
 def is_cancel(frames: Sequence[object]) -> bool:
     """True exactly when part 0 is the cancel marker."""
-    if type(frames) is list and frames and type(frames[0]) is bytes:
-        return frames[0] == CANCEL_MARKER  # what a receiver hands in: no copy, no conversion
-    frames = list(frames)
-    if not frames:
-        return False
-    try:
-        return _part(frames[0]) == CANCEL_MARKER
-    except TypeError:
-        return False
+    return _starts_with(frames, CANCEL_MARKER)
 
 
 def parse_cancel(frames: Sequence[object]) -> Cancel:
