@@ -681,8 +681,10 @@ def _floor_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
     """Floor encode body: writes the shard each bare ask names, polls it, pushes a bare status."""
     import zmq
 
-    from transfer.drive.encode import POLL_MAX_S, POLL_MIN_S
+    from transfer import config
 
+    # The sender pool's schedule, EPD_POLL_MIN_S and EPD_POLL_MAX_S included.
+    poll_min_s, poll_max_s = config.resolve("EPD_POLL_MIN_S"), config.resolve("EPD_POLL_MAX_S")
     protocol = _cell_protocol(cell, extra["protocol"])
     engine = worker.engine(protocol)
     source = worker.source(cell, protocol)
@@ -700,7 +702,7 @@ def _floor_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
         report: dict[str, Any] = {"failed": [], "bytes": 0}
         fd = pull.fileno()
         flights: deque = deque()  # (batch, rank, room, nbytes), oldest first
-        delay = POLL_MIN_S
+        delay = poll_min_s
         served, warm, expected = 0, len(receivers), (cell.items + 1) * len(receivers)  # + each warm-up ask
         cpu = None
         if not warm:
@@ -732,7 +734,7 @@ def _floor_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
                     warm -= 1
                     if not warm:  # every receiver's warm-up shard went out
                         cpu, report["t_start"] = thread_cpu(), time.time()
-            delay = POLL_MIN_S if len(still) < len(flights) else min(2 * delay, POLL_MAX_S)
+            delay = poll_min_s if len(still) < len(flights) else min(2 * delay, poll_max_s)
             flights = still
             if served < expected:
                 if time.monotonic() - progressed > extra["deadline_s"]:

@@ -101,6 +101,10 @@ class Setting:
         if value is None:
             return "unset"
         if self.kind in ("seconds", "seconds0"):
+            if 0 < value < 1e-3:
+                return f"{value * 1e6:g} us"
+            if 0 < value < 1:
+                return f"{value * 1e3:g} ms"
             return f"{value:g} s"
         if self.kind == "bytes" and value % (1 << 20) == 0:
             return f"{value >> 20} MiB"
@@ -141,6 +145,11 @@ SETTINGS: tuple[Setting, ...] = (
             "receiver shard writes in flight at once"),
     Setting("EPD_MAX_PARKED_BYTES", "max_parked_bytes", "SenderPool", MAX_PARKED_BYTES, "bytes",
             "asks held for items not sent yet (past it the oldest room's asks are told Failed)"),
+    Setting("EPD_POLL_MIN_S", "poll_min_s", "SenderPool", 250e-6, "seconds",
+            "the first wait before a write in flight is polled, doubling up to EPD_POLL_MAX_S (Mooncake "
+            "has no completion callback); on RDMA, about a small write's time"),
+    Setting("EPD_POLL_MAX_S", "poll_max_s", "SenderPool", 1e-3, "seconds",
+            "the longest wait between polls of writes in flight (at most 1 s)"),
     # Two fanout timeouts and a transfer timeout, 10 s spare (why: transfer.buffers.QUARANTINE_S).
     Setting("EPD_QUARANTINE_S", "quarantine_s", "ReceivePool", 2 * 120.0 + 30.0 + 10.0, "seconds0",
             "how long a failed room's slot is held back unless its cancel is confirmed"),

@@ -23,6 +23,7 @@ from transfer.core.parked import ParkedAsks
 from transfer.core.regions import MAX_SESSIONS
 from transfer.drive import encode as _drive
 from transfer.drive.encode import EncodeDriver, RoomBook, RoomState, SourceRegistry
+from transfer.errors import ConfigError
 from transfer.frames import (
     MAX_REGIONS_PER_SESSION,
     check_parallel,
@@ -52,6 +53,9 @@ DEAD_SESSION_MAX_S = _breaker.MAX_PAUSE_S
 
 #: What close() waits past the driver's own CLOSE_WAIT_S for it to fail its rooms and close.
 CLOSE_GRACE_S = 1.0
+
+#: The longest poll_max_s a pool takes: a finished write may wait that long to be noticed.
+MAX_POLL_S = 1.0
 
 
 class SendHandle(_io.RoomHandle[RoomState]):
@@ -91,14 +95,18 @@ class SenderPool:
         max_parked_bytes: int | None = None,
         metrics: Metrics | None = None,
         bootstrap_timeout_s: float | None = None,
+        poll_min_s: float | None = None,
+        poll_max_s: float | None = None,
     ) -> None:
         """Registers this rank with the bootstrap server, blocking up to `register_timeout_s`.
 
         Defaults come from the environment (README, Configuration): `fanout_timeout_s`
         EPD_FANOUT_TIMEOUT_S (120 s), `register_timeout_s` EPD_REGISTER_TIMEOUT_S (30 s), `depth`
-        EPD_SEND_DEPTH (32), `max_parked_bytes` EPD_MAX_PARKED_BYTES (64 MiB). `bootstrap_timeout_s`
-        is the deprecated name of `fanout_timeout_s`. Raises ConfigError for a bad argument or
-        variable, BootstrapError when the registration fails.
+        EPD_SEND_DEPTH (32), `max_parked_bytes` EPD_MAX_PARKED_BYTES (64 MiB), `poll_min_s` and
+        `poll_max_s` EPD_POLL_MIN_S and EPD_POLL_MAX_S (250 us and 1 ms: a write in flight is
+        polled first after poll_min_s, then at doubling intervals up to poll_max_s).
+        `bootstrap_timeout_s` is the deprecated name of `fanout_timeout_s`. Raises ConfigError
+        for a bad argument or variable, BootstrapError when the registration fails.
         """
         check_parallel(engine_rank, tp_size, dp_size)
         fanout_timeout_s = config.renamed("SenderPool", "bootstrap_timeout_s", bootstrap_timeout_s,
@@ -107,6 +115,14 @@ class SenderPool:
         register_timeout_s = config.resolve("EPD_REGISTER_TIMEOUT_S", register_timeout_s)
         depth = config.resolve("EPD_SEND_DEPTH", depth)
         max_parked_bytes = config.resolve("EPD_MAX_PARKED_BYTES", max_parked_bytes)
+        poll_min_s = config.resolve("EPD_POLL_MIN_S", poll_min_s)
+        poll_max_s = config.resolve("EPD_POLL_MAX_S", poll_max_s)
+        if poll_max_s > MAX_POLL_S:
+            raise ConfigError(f"SenderPool: poll_max_s (EPD_POLL_MAX_S) is {poll_max_s:g} s; at most "
+                              f"{MAX_POLL_S:g} s, or a finished write waits that long to be noticed")
+        if poll_min_s > poll_max_s:
+            raise ConfigError(f"SenderPool: poll_min_s (EPD_POLL_MIN_S) {poll_min_s:g} s is above poll_max_s "
+                              f"(EPD_POLL_MAX_S) {poll_max_s:g} s")
         self.engine = engine
         self.engine_rank = engine_rank
         self.tp_size = tp_size
@@ -117,6 +133,8 @@ class SenderPool:
         self.integrity = integrity
         self.depth = depth
         self.max_parked_bytes = max_parked_bytes
+        self.poll_min_s = poll_min_s
+        self.poll_max_s = poll_max_s
         self.metrics = metrics or Metrics("epd_encode")
         declare_role(self.metrics, "encode", engine_rank)
 
@@ -126,7 +144,8 @@ class SenderPool:
         self._core = EncodeCore(engine_rank, fanout_timeout_s=fanout_timeout_s, depth=depth,
                                 parked=ParkedAsks(max_bytes=max_parked_bytes), now=time.monotonic())
         self._driver = EncodeDriver(self._core, engine, engine_rank, self.host, port, self._book, self._sources,
-                                    self.metrics, integrity=integrity)
+                                    self.metrics, integrity=integrity, poll_min_s=poll_min_s,
+                                    poll_max_s=poll_max_s)
         self.port = self._driver.port
         self._thread = self._driver.thread
         self.metrics.gauge_fn("queue_depth", lambda: self._core.waiting)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -92,6 +93,43 @@ def test_a_receiver_that_stopped_reading_does_not_hold_every_write_slot(engines,
         raw.close()
         push.close(0)
         statuses.close(0)
+
+
+def test_a_write_in_flight_is_polled_on_the_pools_schedule(engines, server, stopped):
+    """poll_min_s and poll_max_s set how often the pool looks at a write in flight: a write
+    into a stopped receiver is polled first after poll_min_s, then at doubling intervals,
+    never more often than every poll_max_s once there."""
+    encode, _ = engines
+    _, session, landing = stopped
+    polls: list[float] = []
+    poll = encode.poll
+
+    def counted(ticket: int) -> bool:
+        polls.append(time.monotonic())
+        return poll(ticket)
+
+    encode.poll = counted  # the real poll still answers; the pool looks it up on every use
+    pool = SenderPool(encode, 0, 1, 1, server.address, poll_min_s=0.02, poll_max_s=0.08)
+    statuses, status_port = _io.pull_socket(HOST, 0)
+    push = _io.push_socket(pool.host, pool.port)
+    try:
+        handle = pool.send(1, item_tensor(1, SPAN, HIDDEN))
+        _ask_stopped(push, status_port, 1, session, landing)
+        assert wait_until(lambda: polls, 5.0)
+        time.sleep(1.0)
+        window = list(polls)
+        assert handle.poll() == TransferPoll.Transferring  # still in flight all along
+    finally:
+        del encode.poll
+        os.kill(stopped[0].pid, signal.SIGCONT)  # let the write finish before close()
+        pool.close()
+        push.close(0)
+        statuses.close(0)
+    gaps = [later - earlier for earlier, later in zip(window, window[1:])]
+    # 1 s at one poll per 80 ms once the backoff is there: about 14 (a busy host makes fewer).
+    assert 4 <= len(window) <= 1.0 / 0.08 + 4, gaps
+    assert min(gaps) >= 0.02 * 0.9, gaps
+    assert min(gaps[3:]) >= 0.08 * 0.9, gaps
 
 
 def test_a_single_receiver_still_gets_every_write_slot_it_can_use(engines, server):

@@ -150,13 +150,36 @@ def test_a_session_managers_old_keyword_warns_at_the_callers_line(monkeypatch):
 
 
 @pytest.mark.parametrize("env, text", [("EPD_FANOUT_TIMEOUT_S", "2m"), ("EPD_REGISTER_TIMEOUT_S", "0"),
-                                       ("EPD_SEND_DEPTH", "-3"), ("EPD_MAX_PARKED_BYTES", "lots")])
+                                       ("EPD_SEND_DEPTH", "-3"), ("EPD_MAX_PARKED_BYTES", "lots"),
+                                       ("EPD_POLL_MIN_S", "0"), ("EPD_POLL_MAX_S", "fast")])
 def test_a_sender_pool_refuses_a_bad_variable_before_it_starts_anything(monkeypatch, env, text):
     from transfer.sender import SenderPool
 
     monkeypatch.setenv(env, text)
     with pytest.raises(ConfigError, match=rf"^{env}={text!r} is not .*\(SenderPool "):
         SenderPool(Untouchable(), 0, 1, 1, "127.0.0.1:8998")
+
+
+@pytest.mark.parametrize("given, environ, message", [
+    ({"poll_min_s": 2e-3}, {}, r"^SenderPool: poll_min_s \(EPD_POLL_MIN_S\) 0.002 s is above poll_max_s "
+                               r"\(EPD_POLL_MAX_S\) 0.001 s$"),
+    ({}, {"EPD_POLL_MIN_S": "0.01", "EPD_POLL_MAX_S": "0.005"}, r"poll_min_s \(EPD_POLL_MIN_S\) 0.01 s is above"),
+    ({"poll_max_s": 5.0}, {}, r"^SenderPool: poll_max_s \(EPD_POLL_MAX_S\) is 5 s; at most 1 s, or a finished "
+                              r"write waits that long to be noticed$"),
+])
+def test_a_sender_pool_refuses_a_poll_schedule_that_cannot_hold(monkeypatch, given, environ, message):
+    from transfer.sender import SenderPool
+
+    for env, text in environ.items():
+        monkeypatch.setenv(env, text)
+    with pytest.raises(ConfigError, match=message):
+        SenderPool(Untouchable(), 0, 1, 1, "127.0.0.1:8998", **given)
+
+
+def test_sub_second_defaults_read_in_their_own_unit():
+    assert setting("EPD_POLL_MIN_S").default_text() == "250 us"
+    assert setting("EPD_POLL_MAX_S").default_text() == "1 ms"
+    assert setting("EPD_DEADLINE_S").default_text() == "60 s"
 
 
 def test_a_sender_pool_refuses_both_names_of_its_fanout_timeout():
@@ -227,6 +250,10 @@ def test_the_settings_defaults_are_the_components_own():
     from transfer import buffers
     from transfer.core import parked
 
+    from transfer.drive import encode
+
     assert setting("EPD_MAX_PARKED_BYTES").default == parked.MAX_PARKED_BYTES
+    assert (setting("EPD_POLL_MIN_S").default, setting("EPD_POLL_MAX_S").default) == (encode.POLL_MIN_S,
+                                                                                      encode.POLL_MAX_S)
     assert setting("EPD_QUARANTINE_S").default == buffers.QUARANTINE_S
     assert config.setting("EPD_QUARANTINE_S").default > setting("EPD_FANOUT_TIMEOUT_S").default

@@ -53,8 +53,10 @@ from transfer.status import RoomTable, TransferPoll, is_terminal
 log = logging.getLogger("transfer.sender")
 
 #: Writes in flight are polled after a sleep growing from POLL_MIN_S to POLL_MAX_S, cut
-#: short by any request. Not shorter: each wake-up competes for the cores with the
-#: Mooncake threads that move the bytes.
+#: short by any request (the defaults of SenderPool's poll_min_s and poll_max_s). Not
+#: shorter over tcp: each wake-up competes for the cores with the Mooncake threads that
+#: move the bytes. On RDMA a small write takes microseconds, and the first poll's delay
+#: is most of a room's latency.
 POLL_MIN_S = 250e-6
 POLL_MAX_S = 1e-3
 
@@ -226,7 +228,7 @@ class EncodeDriver:
 
     def __init__(self, core: EncodeCore, engine: TransferEngineLike, engine_rank: int, host: str, port: PortSpec,
                  book: RoomBook, sources: SourceRegistry, metrics: Metrics, *, integrity: bool = True,
-                 clock=time.monotonic) -> None:
+                 poll_min_s: float = POLL_MIN_S, poll_max_s: float = POLL_MAX_S, clock=time.monotonic) -> None:
         self.core = core
         self.engine = engine
         self.engine_rank = engine_rank
@@ -234,6 +236,8 @@ class EncodeDriver:
         self.sources = sources
         self.metrics = metrics
         self.integrity = integrity
+        self.poll_min_s = poll_min_s
+        self.poll_max_s = poll_max_s
         self.clock = clock
         self.commands: deque[tuple] = deque()  # posted by the caller's thread, taken by the driver's
         self.waker = _io.Waker()
@@ -286,7 +290,8 @@ class EncodeDriver:
         poller.register(self.waker.fileno(), select.POLLIN)
         self._fds = (self.waker.fileno(), self.pull.fileno())
         self._select_fds = list(self._fds) if max(self._fds) < SELECT_FD_LIMIT else None
-        delay = POLL_MIN_S
+        poll_min_s, poll_max_s = self.poll_min_s, self.poll_max_s
+        delay = poll_min_s
         more_requests = False  # the last round left requests queued (the socket's FD will not signal them)
         next_retry = self.clock() + RETRY_RELEASES_S
         try:
@@ -312,9 +317,9 @@ class EncodeDriver:
                     self._carry(self.core.tick(now))
                 if self._flights:
                     settled = self._settle()
-                    delay = POLL_MIN_S if settled else min(2 * delay, POLL_MAX_S)
+                    delay = poll_min_s if settled else min(2 * delay, poll_max_s)
                 elif self.core.busy:  # only writes held by their ready events: back off as for writes
-                    delay = min(2 * delay, POLL_MAX_S)
+                    delay = min(2 * delay, poll_max_s)
                 if now >= next_retry:
                     self.sources.retry()
                     next_retry = now + RETRY_RELEASES_S
@@ -505,7 +510,7 @@ class EncodeDriver:
             self._take_commands()
             while self._flights and self.clock() < deadline:
                 if not self._settle():
-                    time.sleep(POLL_MAX_S)
+                    time.sleep(self.poll_max_s)
             self._take_commands()
             if self._flights:
                 log.error("sender pool of encode rank %d: %d writes still in flight after %gs; failing their "
