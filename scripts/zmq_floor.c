@@ -49,9 +49,10 @@ int zmq_ctx_term(void *);
 const char *zmq_strerror(int);
 int zmq_errno(void);
 
-enum { ZMQ_PULL_ = 7, ZMQ_PUSH_ = 8, ZMQ_POLLIN_ = 1, ZMQ_DONTWAIT_ = 1, ZMQ_LINGER_ = 17 };
+enum { ZMQ_PULL_ = 7, ZMQ_PUSH_ = 8, ZMQ_POLLIN_ = 1, ZMQ_DONTWAIT_ = 1, ZMQ_LINGER_ = 17, ZMQ_RCVTIMEO_ = 27 };
 
-enum { WARM = 300, MAX_FANOUT = 64 };
+/* STALL_MS: how long a process waits for its peer's next message before it gives up. */
+enum { WARM = 300, MAX_FANOUT = 64, STALL_MS = 10000 };
 
 typedef struct {
     double cpu_s;  /* all threads, over the timed rooms */
@@ -86,7 +87,9 @@ static void *open_socket(void *ctx, int type, int bind, int port)
     void *sock = zmq_socket(ctx, type);
     if (sock == NULL)
         die("zmq_socket");
+    int stall = STALL_MS;
     zmq_setsockopt(sock, ZMQ_LINGER_, &zero, sizeof zero);
+    zmq_setsockopt(sock, ZMQ_RCVTIMEO_, &stall, sizeof stall);
     snprintf(addr, sizeof addr, "tcp://127.0.0.1:%d", port);
     if ((bind ? zmq_bind(sock, addr) : zmq_connect(sock, addr)) != 0)
         die(addr);
@@ -135,12 +138,13 @@ static report prefill(int rank, int inflight, int rooms, int port)
     return out;
 }
 
-/* Sleeps until `due` (or for good when due is 0), woken early by an ask. */
+/* Sleeps until `due` (or, when due is 0, until an ask comes), woken early by an ask. */
 static void sleep_until(void *asks, double due)
 {
     zmq_pollitem_t item = {asks, 0, ZMQ_POLLIN_, 0};
     if (due == 0) {
-        zmq_poll(&item, 1, -1);
+        if (zmq_poll(&item, 1, STALL_MS) == 0)
+            die("no ask came");
         return;
     }
     double wait = due - now();

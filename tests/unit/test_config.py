@@ -249,7 +249,6 @@ def test_the_readme_table_lists_every_variable_with_its_default_and_argument():
 def test_the_settings_defaults_are_the_components_own():
     from transfer import buffers
     from transfer.core import parked
-
     from transfer.drive import encode
 
     assert setting("EPD_MAX_PARKED_BYTES").default == parked.MAX_PARKED_BYTES
