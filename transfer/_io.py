@@ -735,6 +735,8 @@ class RoomRecord(Protocol):
     @property
     def concluded_at(self) -> float | None: ...
 
+    def stage_times(self) -> tuple[tuple[str, float | None], ...]: ...
+
 
 _Record = TypeVar("_Record", bound=RoomRecord)
 
@@ -807,6 +809,18 @@ class RoomHandle(Generic[_Record]):
         """Seconds from the room's start to its conclusion, once concluded."""
         end = self._state.concluded_at
         return None if end is None else end - self._state.started_at
+
+    @property
+    def started_at(self) -> float:
+        """When the room started (receive() or send()), on time.monotonic's clock."""
+        return self._state.started_at
+
+    @property
+    def stages(self) -> dict[str, float]:
+        """Seconds from the room's start to each stage it reached so far, in order (README,
+        "Where a room's time goes"); a stage before the start is negative."""
+        start = self._state.started_at
+        return {name: at - start for name, at in self._state.stage_times() if at is not None}
 
     def wait(self, timeout: float) -> TransferPoll:
         """Blocks up to `timeout` seconds for a terminal status (for tools and tests, not scheduler loops)."""

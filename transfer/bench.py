@@ -43,6 +43,15 @@ transport. `--json` rows also split the control plane per role and thread group
 (`cpu_threads`: caller, driver, zmq, other; ms and voluntary context switches per room).
 A raw cell's prefill ranks cannot tell its warm-up shard from the timed ones, so
 theirs includes it.
+
+Stages (`--stages`; always in --json as `stages_ms`): where an epd or wire room's time
+goes, from the handles' stages (README, "Where a room's time goes"). For each prefill rank
+and room that succeeded, in ms from that rank's receive(): its ask handed to ZMQ (asked),
+the item offered by send() (offered), the encode rank seeing the room's first ask (seen),
+its writes queued (writing), its last write over (written; at fanout > 1 a rank's status
+may come before it, once that rank's own write is over), the status read (status) and the
+room concluded (concluded); each the p50 over the cell's rooms and prefill ranks. All
+ranks run on this host, so their monotonic clocks agree.
 """
 
 from __future__ import annotations
@@ -72,7 +81,9 @@ from transfer.frames import dtype_size, prefill_shard
 PATHS = ("raw", "floor", "epd", "wire", "memcpy")
 DEFAULT_SIZES = "64x4096,1024x4096,8192x4096"
 ROW_KEYS = ("path", "item_bytes", "encode_ranks", "fanout", "inflight", "integrity", "gbps", "rooms_per_s", "p50_ms",
-            "p99_ms", "ratio_to_raw", "p50_added_ms", "encode_bytes")
+            "p99_ms", "ratio_to_raw", "p50_added_ms", "encode_bytes", "stages_ms")
+#: A room's stages as `--stages` lists them (module docstring): the prefill rank's and its encode rank's.
+STAGES = ("asked", "offered", "seen", "writing", "written", "status", "concluded")
 MiB = 2**20
 #: The untimed room every epd and wire cell moves first (outside the timed rooms' range).
 WARMUP_ROOM = 1 << 40
@@ -592,7 +603,7 @@ def _epd_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
     protocol = _cell_protocol(cell, extra["protocol"])
     engine = worker.engine(protocol)
     source = worker.source(cell, protocol)
-    report: dict[str, Any] = {"failed": []}
+    report: dict[str, Any] = {"failed": [], "stages": {}}
     knobs = {"depth": extra["depth"]} if extra.get("depth") is not None else {}
     who = f"encode {worker.rank}"
     with SenderPool(engine, worker.rank, cell.encode_ranks, 1, extra["bootstrap"], host=worker.setup["host"],
@@ -607,6 +618,8 @@ def _epd_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
         def settle(handle) -> None:
             if handle.wait(extra["deadline_s"] + 5) != TransferPoll.Success:
                 report["failed"].append((handle.room, handle.failure or "not concluded"))
+            else:
+                report["stages"][handle.room] = (handle.started_at, handle.stages)
             handle.clear()
 
         for room in range(cell.items):
@@ -633,7 +646,7 @@ def _epd_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
     row_start, rows = cell.shard(worker.rank)
     slots = worker.slots(cell, rows)
     _fill_sentinel(slots)
-    report: dict[str, Any] = {"latencies": [], "latency_rooms": [], "failed": [], "bytes": 0}
+    report: dict[str, Any] = {"latencies": [], "latency_rooms": [], "failed": [], "bytes": 0, "stages": {}}
     last: dict[int, int] = {}
     with SessionManager(engine, worker.rank, cell.prefill_ranks, 1, buffer=slots, host=worker.setup["host"],
                         deadline_s=extra["deadline_s"], integrity=cell.integrity) as manager:
@@ -650,6 +663,7 @@ def _epd_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
             if handle.wait(extra["deadline_s"] + 5) == TransferPoll.Success:
                 report["latencies"].append(handle.latency_s)
                 report["latency_rooms"].append(handle.room)
+                report["stages"][handle.room] = (handle.started_at, handle.stages)
                 report["bytes"] += rows * cell.row_bytes
                 last[slot] = handle.room
             else:
@@ -1014,6 +1028,7 @@ def row_of(cell: Cell, reports: dict) -> dict:
         "ratio_to_raw": None, "p50_added_ms": None, "items": cell.items, "failed": len(failed),
         "verified": not bad and not failed, "problems": (reasons + bad)[:5],
         "cpu_control_ms": split["control"], "cpu_transport_ms": split["transport"], "cpu_threads": threads,
+        "stages_ms": stage_p50s(cell, encodes, prefill),
         "encode_bytes": [r.get("bytes") for r in encodes],
         "prefill_bytes": [r.get("bytes") for r in prefill] if cell.path != "raw" else None,
     }
@@ -1047,6 +1062,45 @@ def thread_cpu_per_room(cell: Cell, readings: list[dict | None]) -> dict[str, di
             entry["ms"] += seconds * 1e3 / cell.items
             entry["switches"] += switches / cell.items
     return out
+
+
+def stage_p50s(cell: Cell, encodes: list[dict], prefill: list[dict]) -> dict[str, float] | None:
+    """Each of STAGES' p50 in ms from a prefill rank's receive(), over every prefill rank's rooms
+    that succeeded on both sides; None when a report has no stages (raw, floor) or no room has all.
+
+    Prefill rank p is served by encode rank p // fanout; the offered stage is that encode
+    rank's send(), the others are the handles' own stages (README, "Where a room's time goes").
+    """
+    if not prefill or any("stages" not in r for r in encodes + prefill):
+        return None
+    samples: dict[str, list[float]] = {name: [] for name in STAGES}
+    for rank, report in enumerate(prefill):
+        encode = encodes[rank // cell.fanout]["stages"]
+        for room, (started, stages) in report["stages"].items():
+            if room not in encode:
+                continue
+            offered, served = encode[room]
+            at = {"offered": offered, "asked": started + stages.get("asked", math.nan),
+                  "status": started + stages.get("status", math.nan),
+                  "concluded": started + stages.get("concluded", math.nan)}
+            at.update((mine, offered + served.get(theirs, math.nan))
+                      for mine, theirs in (("seen", "asked"), ("writing", "writing"), ("written", "concluded")))
+            if any(math.isnan(t) for t in at.values()):
+                continue
+            for name in STAGES:
+                samples[name].append(at[name] - started)
+    if not samples["asked"]:
+        return None
+    return {name: percentile(sorted(values), 50) * 1e3 for name, values in samples.items()}
+
+
+def format_stages(rows: list[dict]) -> str:
+    """The epd and wire rows' stages (ms from a prefill rank's receive(), p50) as an aligned table."""
+    head = ["path", "item", "fanout", "inflight", "integrity", *STAGES]
+    body = [[r["path"], human_bytes(r["item_bytes"]), str(r["fanout"]), str(r["inflight"]),
+             "on" if r["integrity"] else "off", *(f"{r['stages_ms'][name]:.3f}" for name in STAGES)]
+            for r in rows if r.get("stages_ms")]
+    return _aligned(head, body)
 
 
 def _room_latencies(reports: list[dict]) -> list[float]:
@@ -1107,7 +1161,7 @@ def memcpy_row(span: int, hidden: int, dtype: str, items: int, passes: int = 3) 
         "integrity": False, "gbps": items * item_bytes / best / 1e9, "rooms_per_s": items / best,
         "p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3,
         "ratio_to_raw": None, "p50_added_ms": None, "items": items, "failed": 0, "verified": True, "problems": [],
-        "cpu_control_ms": None, "cpu_transport_ms": None, "cpu_threads": None, "encode_bytes": None,
+        "cpu_control_ms": None, "cpu_transport_ms": None, "cpu_threads": None, "stages_ms": None, "encode_bytes": None,
         "prefill_bytes": None,
     }
 
@@ -1177,10 +1231,14 @@ def format_table(rows: list[dict], cpu: bool = False) -> str:
         if cpu:
             line += ["-" if r.get(key) is None else f"{r[key]:.3f}" for key in ("cpu_control_ms", "cpu_transport_ms")]
         body.append(line)
+    return _aligned(head, body)
+
+
+def _aligned(head: list[str], body: list[list[str]]) -> str:
+    """Columns padded to their widest cell: the first two to the left, the figures to the right."""
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    lines = ["  ".join(x.rjust(w) if i >= 2 else x.ljust(w) for i, (x, w) in enumerate(zip(line, widths)))
-             for line in [head] + body]
-    return "\n".join(lines)
+    return "\n".join("  ".join(x.rjust(w) if i >= 2 else x.ljust(w) for i, (x, w) in enumerate(zip(line, widths)))
+                     for line in [head] + body)
 
 
 class Progress:
@@ -1402,6 +1460,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a subset: 512 KiB and 8 MiB, fanout 1 and 4, 8 in flight, ~64 MiB per cell")
     parser.add_argument("--cpu", action="store_true",
                         help="add each room's CPU ms to the table: our control plane, and the transport's threads")
+    parser.add_argument("--stages", action="store_true",
+                        help="also print where each epd and wire room's time went: the p50 of each stage, ms from "
+                             "a prefill rank's receive()")
     parser.add_argument("--json", metavar="FILE", nargs="?", const="-", default=None,
                         help="print the rows as JSON instead of the table, or also write them to FILE and say where "
                              "(default: the table only)")
@@ -1453,6 +1514,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"epd-transfer bench: protocol {opts.protocol} on {opts.host}, sender pool "
               f"{pool or 'defaults'}, raw issue {opts.raw_issue}")
         print(format_table(rows, cpu=getattr(args, "cpu", False)))
+        if getattr(args, "stages", False) and any(r.get("stages_ms") for r in rows):
+            print("\nstages: ms from a prefill rank's receive(), p50 over its rooms")
+            print(format_stages(rows))
         for note in notes:
             print(f"note: {note}")
         for r in broken:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import json
 import os
 import threading
@@ -83,7 +84,7 @@ def tiny_run(tmp_path_factory):
         pytest.skip(_MOONCAKE_MISSING)
     out = tmp_path_factory.mktemp("bench")
     argv = ["--sizes", "64x256", "--fanouts", "1,2", "--inflight", "1,4", "--items", "12", "--repeat", "2",
-            "--deadline", "30", "--timeout", "120", "--json", str(out / "rows.json")]
+            "--deadline", "30", "--timeout", "120", "--stages", "--json", str(out / "rows.json")]
     if _MATPLOTLIB:
         argv += ["--plot", str(out / "plot.png")]
     stdout, stderr = io.StringIO(), io.StringIO()
@@ -116,6 +117,15 @@ def test_tiny_bench_writes_sane_rows(tiny_run):
             assert row["encode_bytes"] == [12 * row["item_bytes"]], row  # the warm-up shards left out
             assert row["cpu_control_ms"] > 0 and row["p50_added_ms"] is not None, row
             assert row["cpu_threads"]["encode"]["caller"]["ms"] > 0, row
+        if row["path"] in ("raw", "floor", "memcpy"):
+            assert row["stages_ms"] is None, row
+        else:
+            # Each of this rank's stages follows from the one before it. The item, and another
+            # rank's first ask, may come before its ask; its status, before the room's last write.
+            stages = [row["stages_ms"][name] for name in ("asked", "writing", "status", "concluded")]
+            assert 0 <= stages[0] and stages == sorted(stages), row
+            assert row["stages_ms"]["seen"] <= row["stages_ms"]["writing"] <= row["stages_ms"]["written"], row
+            assert row["stages_ms"]["concluded"] <= row["p99_ms"], row
         if row["path"] == "epd":
             for role in ("encode", "prefill"):
                 groups = row["cpu_threads"][role]
@@ -140,6 +150,10 @@ def test_tiny_bench_prints_the_table(tiny_run):
     assert "GB/s" in lines[header] and "ratio" in lines[header]
     paths = [line.split()[0] for line in lines[header + 1:] if line and not line.startswith(("note", "!"))]
     assert {"raw", "epd", "memcpy"} <= set(paths)
+    stages = next(i for i, line in enumerate(lines) if line.startswith("stages:"))
+    assert lines[stages + 1].split()[-7:] == list(bench.STAGES)
+    staged = itertools.takewhile(lambda line: line.startswith(("epd ", "wire ")), lines[stages + 2:])
+    assert {line.split()[0] for line in staged} >= {"epd"}
     if bench.wire_available() is not None:
         assert any(line.startswith("note: wire: skipped") for line in lines)
 

@@ -87,13 +87,14 @@ def test_an_ask_before_its_item_parks_until_the_item_comes_then_writes_its_shard
     run = Run()
     assert run.ask(_ask(1, ptr=0x20000)) == []
     offer = _offer(1)
-    out = run.offer(offer)
+    out = run.at(0.25).offer(offer)
     [write] = run.of(StartWrite, out)
     assert (write.srcs, write.dsts, write.lengths) == ((SRC,), (0x20000,), (4 * ROW,))
-    assert run.of(Progress, out) == [Progress(1, offer.token, TransferPoll.Transferring)]
-    out = run.complete(write, (0xABC,))
+    # Asked at 0, writing once the item came.
+    assert run.of(Progress, out) == [Progress(1, offer.token, TransferPoll.Transferring, 0.0, 0.25)]
+    out = run.at(0.5).complete(write, (0xABC,))
     assert run.of(PushStatus, out) == [PushStatus("10.0.0.7", 6000, 1, TransferPoll.Success, (0xABC,))]
-    assert run.of(Conclude, out) == [Conclude(1, offer.token, TransferPoll.Success, None, 0.0)]
+    assert run.of(Conclude, out) == [Conclude(1, offer.token, TransferPoll.Success, None, 0.5)]
     assert run.of(Release, out) == [Release(1, offer.token)]
 
 
@@ -104,8 +105,11 @@ def test_an_item_before_its_asks_waits_for_the_whole_fanout_and_writes_each_shar
     infos = [_ask(2, rank, fanout=3, span=10, ptr=0x40000 * (rank + 1)) for rank in range(3)]
     infos = [TransferInfo(*(getattr(i, f) for f in ("room", "endpoint", "port", "session_id", "embedding_ptr")),
                           0x80000, i.rows, i.hidden, i.dtype, True, i.fanout, i.row_start, i.span) for i in infos]
-    assert run.ask(infos[2]) == [] and run.ask(infos[0]) == []
-    writes = run.of(StartWrite, run.ask(infos[1]))
+    assert run.at(1.0).ask(infos[2]) == [] and run.at(1.5).ask(infos[0]) == []
+    out = run.at(2.0).ask(infos[1])
+    writes = run.of(StartWrite, out)
+    # Asked first at 1.0; writing once the last of the fanout asked.
+    assert [(p.asked_at, p.at) for p in run.of(Progress, out)] == [(1.0, 2.0)]
     assert run.core.parked_rooms == 0
     # Sorted by row_start; each shard's rows at its own offset, embedding then deepstack.
     assert [w.srcs for w in writes] == [(SRC + i.row_start * ROW, 0x9000_0000 + i.row_start * 2 * ROW) for i in infos]

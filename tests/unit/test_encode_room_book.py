@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from transfer._io import RoomHandle
 from transfer.core.failure import Failure, FailureKind
 from transfer.drive.encode import RoomBook, RoomState
 from transfer.metrics import Metrics, total
@@ -49,15 +50,26 @@ def test_an_older_send_of_the_room_concludes_nothing_of_the_room_sent_again():
     book, (state,) = _book_with(1)
     stale = RoomState(1, started_at=0.0)
     assert not book.conclude(stale, TransferPoll.Failed, Failure(FailureKind.WRITE, "late"), at=2.0)
-    book.progress(stale, TransferPoll.Transferring)
+    book.progress(stale, TransferPoll.Transferring, 0.5, 1.5)
     assert book.table.get(1) is TransferPoll.WaitingForInput and stale.concluded_at is None
-    book.progress(state, TransferPoll.Transferring)
+    assert stale.writing_at is None
+    book.progress(state, TransferPoll.Transferring, 0.5, 1.5)
     assert book.table.get(1) is TransferPoll.Transferring
+
+
+def test_a_rooms_stages_are_seconds_from_its_send_in_order():
+    book, (state,) = _book_with(1)
+    handle = RoomHandle(book.table, state, book.conclusions, book.held.get)
+    assert handle.stages == {} and handle.started_at == 1.0
+    book.progress(state, TransferPoll.Transferring, 0.75, 1.5)  # asked before the item was sent
+    assert handle.stages == {"asked": -0.25, "writing": 0.5}
+    book.conclude(state, TransferPoll.Success, None, at=2.25)
+    assert list(handle.stages.items()) == [("asked", -0.25), ("writing", 0.5), ("concluded", 1.25)]
 
 
 def test_parked_counts_rooms_still_waiting_for_their_receivers():
     book, states = _book_with(1, 2, 3)
-    book.progress(states[0], TransferPoll.Transferring)
+    book.progress(states[0], TransferPoll.Transferring, 1.0, 1.0)
     book.conclude(states[1], TransferPoll.Failed, Failure(FailureKind.GEOMETRY, "hidden"), at=2.0)
     assert book.parked() == 1
 

@@ -113,6 +113,8 @@ class Progress:
     room: int
     token: Any
     status: TransferPoll
+    asked_at: float  # its first ask
+    at: float  # its last ask, or the item when that came later
 
 
 @dataclass(frozen=True)
@@ -585,7 +587,7 @@ class EncodeCore:
         if reason is not None:
             self._fail(room, kind, reason, now)
             return
-        self._out.append(Progress(room_number, offer.token, TransferPoll.Transferring))
+        self._out.append(Progress(room_number, offer.token, TransferPoll.Transferring, asks.first_at, now))
         room.pending = len(infos)
         room.asked_at = asks.first_at
         for info in infos:

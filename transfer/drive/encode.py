@@ -81,13 +81,20 @@ RETRY_RELEASES_S = 0.5
 class RoomState:
     """One send of a room as its caller's handle sees it (the core's token for it)."""
 
-    __slots__ = ("concluded_at", "release", "room", "started_at")
+    __slots__ = ("asked_at", "concluded_at", "release", "room", "started_at", "writing_at")
 
     def __init__(self, room: int, started_at: float, release: Any = None) -> None:
         self.room = room
         self.started_at = started_at
+        self.asked_at: float | None = None
+        self.writing_at: float | None = None
         self.concluded_at: float | None = None
         self.release = release  # drops the temporary source registrations made for it
+
+    def stage_times(self) -> tuple[tuple[str, float | None], ...]:
+        """When the first prefill rank asked, when its writes were queued (the whole fanout
+        asked), and when it concluded (driver clock; None where not reached)."""
+        return ("asked", self.asked_at), ("writing", self.writing_at), ("concluded", self.concluded_at)
 
 
 class RoomBook:
@@ -123,11 +130,12 @@ class RoomBook:
         self.conclusions.notify()
         return True
 
-    def progress(self, state: RoomState, status: TransferPoll) -> None:
-        """Moves an open room on (Transferring), if `state` is still its current send."""
+    def progress(self, state: RoomState, status: TransferPoll, asked_at: float, at: float) -> None:
+        """Moves an open room on (Transferring, its writes queued at `at`), if `state` is still its current send."""
         with self.lock:
             if self.held.get(state.room) is state:
                 self.table.update(state.room, status)
+                state.asked_at, state.writing_at = asked_at, at
 
     def fail_open(self, failure: Failure, at: float) -> None:
         """Fails every open room (the driver is gone; nobody else will conclude them)."""
@@ -409,7 +417,7 @@ class EncodeDriver:
             elif kind is Conclude:
                 self.book.conclude(action.token, action.status, action.failure, action.at)
             elif kind is Progress:
-                self.book.progress(action.token, action.status)
+                self.book.progress(action.token, action.status, action.asked_at, action.at)
             elif kind is Release:
                 release, action.token.release = action.token.release, None
                 if release is not None:

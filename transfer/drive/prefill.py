@@ -122,6 +122,12 @@ class Room:
     #: it never asked one); `on_safe` runs when that becomes known after clear().
     memory_safe: bool = False
     on_safe: Any = None
+    asked_at: float | None = None  # its ask first left for the encode rank
+    status_at: float | None = None  # the encode rank's status for it was read
+
+    def stage_times(self) -> tuple[tuple[str, float | None], ...]:
+        """When its ask left, its status came and it concluded (driver clock; None where not reached)."""
+        return ("asked", self.asked_at), ("status", self.status_at), ("concluded", self.concluded_at)
 
 
 class PrefillDriver:
@@ -519,9 +525,19 @@ class PrefillDriver:
             except WireError as exc:
                 self._complaints.warning(str(exc), "dropped a malformed status (%d parts): %s", len(frames), exc)
                 continue
-            verifies += self._carry(now, self.core.status(now, room, status, rank, sums, unreadable, reason))
+            actions = self.core.status(now, room, status, rank, sums, unreadable, reason)
+            self._stamp_status(now, actions)
+            verifies += self._carry(now, actions)
         self._statuses_left = True
         return verifies, True
+
+    def _stamp_status(self, now: float, actions: list) -> None:
+        """Notes when the status that settles a room (concludes it, or has it verified) was read."""
+        for action in actions:
+            if type(action) is Conclude or type(action) is Verify:
+                record = self.rooms.get(action.room)
+                if record is not None and record.token == action.token and record.status_at is None:
+                    record.status_at = now
 
     def _verify(self, verify: Verify) -> None:
         """Compares the landed bytes with the sender's checksums, outside the lock."""
@@ -638,6 +654,7 @@ class PrefillDriver:
             refused[addr] = [action]
             return []
         checked.add(addr)
+        sent_at = self.clock()  # before: the encode rank cannot have it earlier
         try:
             self._send(sock, action)
         except zmq.Again:
@@ -649,6 +666,9 @@ class PrefillDriver:
                 FailureKind.OTHER, f"room {action.room}: asking for it failed: {type(exc).__name__}: {exc}"))
         if type(action) is SendAsk:
             self.table.update(action.room, TransferPoll.WaitingForInput)
+            record = self.rooms.get(action.room)
+            if record is not None and record.token == action.token and record.asked_at is None:
+                record.asked_at = sent_at
         return []
 
     def _send(self, sock: zmq.Socket, action: Announce | SendAsk) -> None:
