@@ -84,6 +84,8 @@ ROW_KEYS = ("path", "item_bytes", "encode_ranks", "fanout", "inflight", "integri
             "p99_ms", "ratio_to_raw", "p50_added_ms", "encode_bytes", "stages_ms")
 #: A room's stages as `--stages` lists them (module docstring): the prefill rank's and its encode rank's.
 STAGES = ("asked", "offered", "seen", "writing", "written", "status", "concluded")
+#: The stages taken from the encode rank's handle, by its names for them.
+_ENCODE_STAGES = (("seen", "asked"), ("writing", "writing"), ("written", "concluded"))
 MiB = 2**20
 #: The untimed room every epd and wire cell moves first (outside the timed rooms' range).
 WARMUP_ROOM = 1 << 40
@@ -1080,13 +1082,11 @@ def stage_p50s(cell: Cell, encodes: list[dict], prefill: list[dict]) -> dict[str
             if room not in encode:
                 continue
             offered, served = encode[room]
-            at = {"offered": offered, "asked": started + stages.get("asked", math.nan),
-                  "status": started + stages.get("status", math.nan),
-                  "concluded": started + stages.get("concluded", math.nan)}
-            at.update((mine, offered + served.get(theirs, math.nan))
-                      for mine, theirs in (("seen", "asked"), ("writing", "writing"), ("written", "concluded")))
-            if any(math.isnan(t) for t in at.values()):
-                continue
+            at = {"offered": offered}
+            at.update((name, started + stages[name]) for name in ("asked", "status", "concluded") if name in stages)
+            at.update((ours, offered + served[theirs]) for ours, theirs in _ENCODE_STAGES if theirs in served)
+            if len(at) < len(STAGES):
+                continue  # a stage it never reached
             for name in STAGES:
                 samples[name].append(at[name] - started)
     if not samples["asked"]:
