@@ -698,9 +698,10 @@ def _floor_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
     import zmq
 
     from transfer import config
+    from transfer.core.polls import PollSchedule
 
     # The sender pool's schedule, EPD_POLL_MIN_S and EPD_POLL_MAX_S included.
-    poll_min_s, poll_max_s = config.resolve("EPD_POLL_MIN_S"), config.resolve("EPD_POLL_MAX_S")
+    polls = PollSchedule(config.resolve("EPD_POLL_MIN_S"), config.resolve("EPD_POLL_MAX_S"))
     protocol = _cell_protocol(cell, extra["protocol"])
     engine = worker.engine(protocol)
     source = worker.source(cell, protocol)
@@ -718,7 +719,6 @@ def _floor_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
         report: dict[str, Any] = {"failed": [], "bytes": 0}
         fd = pull.fileno()
         flights: deque = deque()  # (batch, rank, room, nbytes), oldest first
-        delay = poll_min_s
         served, warm, expected = 0, len(receivers), (cell.items + 1) * len(receivers)  # + each warm-up ask
         cpu = None
         if not warm:
@@ -735,6 +735,7 @@ def _floor_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
                 src = base + (source.offset(room, cell.span) + info["row_start"]) * cell.row_bytes
                 flights.append((engine.write_async(info["session"], [src], [dst], [nbytes]), rank, room, nbytes))
                 progressed = time.monotonic()
+                polls.started(nbytes, progressed)
             still: deque = deque()
             for flight in flights:
                 batch, rank, room, nbytes = flight
@@ -750,13 +751,13 @@ def _floor_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
                     warm -= 1
                     if not warm:  # every receiver's warm-up shard went out
                         cpu, report["t_start"] = thread_cpu(), time.time()
-            delay = poll_min_s if len(still) < len(flights) else min(2 * delay, poll_max_s)
+            polls.polled(len(still) < len(flights), len({rank for _, rank, _, _ in still}))
             flights = still
             if served < expected:
                 if time.monotonic() - progressed > extra["deadline_s"]:
                     raise TimeoutError(f"floor encode {worker.rank}: {expected - served} asks left, none came or "
                                        f"completed for {extra['deadline_s']:g}s")
-                select.select([fd], [], [], delay if flights else 0.1)
+                select.select([fd], [], [], polls.sleep_s(time.monotonic()) if flights else 0.1)
         report["t_end"], report["cpu"] = time.time(), _cpu_since(cpu)
         worker.finished()
         return report

@@ -145,9 +145,10 @@ SETTINGS: tuple[Setting, ...] = (
             "receiver shard writes in flight at once"),
     Setting("EPD_MAX_PARKED_BYTES", "max_parked_bytes", "SenderPool", MAX_PARKED_BYTES, "bytes",
             "asks held for items not sent yet (past it the oldest room's asks are told Failed)"),
-    Setting("EPD_POLL_MIN_S", "poll_min_s", "SenderPool", 250e-6, "seconds",
-            "the first wait before a write in flight is polled, doubling up to EPD_POLL_MAX_S (Mooncake "
-            "has no completion callback); on RDMA, about a small write's time"),
+    Setting("EPD_POLL_MIN_S", "poll_min_s", "SenderPool", 100e-6, "seconds",
+            "the shortest wait between polls of writes in flight (Mooncake has no completion callback): "
+            "writes of at most 1 MiB are polled at it for their first 2 ms, others first after it, then "
+            "at doubling waits up to EPD_POLL_MAX_S; on RDMA, about a small write's time"),
     Setting("EPD_POLL_MAX_S", "poll_max_s", "SenderPool", 1e-3, "seconds",
             "the longest wait between polls of writes in flight (at most 1 s)"),
     # Two fanout timeouts and a transfer timeout, 10 s spare (why: transfer.buffers.QUARANTINE_S).

@@ -103,8 +103,9 @@ class SenderPool:
         Defaults come from the environment (README, Configuration): `fanout_timeout_s`
         EPD_FANOUT_TIMEOUT_S (120 s), `register_timeout_s` EPD_REGISTER_TIMEOUT_S (30 s), `depth`
         EPD_SEND_DEPTH (32), `max_parked_bytes` EPD_MAX_PARKED_BYTES (64 MiB), `poll_min_s` and
-        `poll_max_s` EPD_POLL_MIN_S and EPD_POLL_MAX_S (250 us and 1 ms: a write in flight is
-        polled first after poll_min_s, then at doubling intervals up to poll_max_s).
+        `poll_max_s` EPD_POLL_MIN_S and EPD_POLL_MAX_S (100 us and 1 ms: writes in flight are
+        polled at most every poll_min_s, at that gap while a write of at most 1 MiB is new,
+        otherwise at doubling waits up to poll_max_s; transfer.core.polls).
         `bootstrap_timeout_s` is the deprecated name of `fanout_timeout_s`. Raises ConfigError
         for a bad argument or variable, BootstrapError when the registration fails.
         """

@@ -177,7 +177,7 @@ def test_a_sender_pool_refuses_a_poll_schedule_that_cannot_hold(monkeypatch, giv
 
 
 def test_sub_second_defaults_read_in_their_own_unit():
-    assert setting("EPD_POLL_MIN_S").default_text() == "250 us"
+    assert setting("EPD_POLL_MIN_S").default_text() == "100 us"
     assert setting("EPD_POLL_MAX_S").default_text() == "1 ms"
     assert setting("EPD_DEADLINE_S").default_text() == "60 s"
 

@@ -34,6 +34,7 @@ from transfer.core.encode import (
     Warn,
 )
 from transfer.core.failure import Failure, FailureKind
+from transfer.core.polls import PollSchedule
 from transfer.core.sources import SourceCounts
 from transfer.frames import (
     TransferInfo,
@@ -52,12 +53,9 @@ from transfer.status import RoomTable, TransferPoll, is_terminal
 
 log = logging.getLogger("transfer.sender")
 
-#: Writes in flight are polled after a sleep growing from POLL_MIN_S to POLL_MAX_S, cut
-#: short by any request (the defaults of SenderPool's poll_min_s and poll_max_s). Not
-#: shorter over tcp: each wake-up competes for the cores with the Mooncake threads that
-#: move the bytes. On RDMA a small write takes microseconds, and the first poll's delay
-#: is most of a room's latency.
-POLL_MIN_S = 250e-6
+#: The defaults of SenderPool's poll_min_s and poll_max_s: writes in flight are polled on
+#: a PollSchedule between them, and at once when a request wakes the driver.
+POLL_MIN_S = 100e-6
 POLL_MAX_S = 1e-3
 
 #: Descriptors select() can watch (FD_SETSIZE).
@@ -244,8 +242,7 @@ class EncodeDriver:
         self.sources = sources
         self.metrics = metrics
         self.integrity = integrity
-        self.poll_min_s = poll_min_s
-        self.poll_max_s = poll_max_s
+        self.polls = PollSchedule(poll_min_s, poll_max_s)
         self.clock = clock
         self.commands: deque[tuple] = deque()  # posted by the caller's thread, taken by the driver's
         self.waker = _io.Waker()
@@ -298,8 +295,7 @@ class EncodeDriver:
         poller.register(self.waker.fileno(), select.POLLIN)
         self._fds = (self.waker.fileno(), self.pull.fileno())
         self._select_fds = list(self._fds) if max(self._fds) < SELECT_FD_LIMIT else None
-        poll_min_s, poll_max_s = self.poll_min_s, self.poll_max_s
-        delay = poll_min_s
+        polls = self.polls
         more_requests = False  # the last round left requests queued (the socket's FD will not signal them)
         next_retry = self.clock() + RETRY_RELEASES_S
         try:
@@ -308,7 +304,8 @@ class EncodeDriver:
                 if more_requests or self.commands:
                     timeout = 0.0
                 else:
-                    timeout = delay if busy else max(0.0, self.core.next_wakeup() - self.clock())
+                    now = self.clock()
+                    timeout = polls.sleep_s(now) if busy else max(0.0, self.core.next_wakeup() - now)
                 woken, asked = self._sleep(poller, timeout)
                 # The flag saves a system call per loop; the pipe's readability covers a
                 # wake() caught between setting the flag and writing its byte.
@@ -324,10 +321,9 @@ class EncodeDriver:
                 if self.core.busy or now >= self.core.next_wakeup():
                     self._carry(self.core.tick(now))
                 if self._flights:
-                    settled = self._settle()
-                    delay = poll_min_s if settled else min(2 * delay, poll_max_s)
+                    self._settle()
                 elif self.core.busy:  # only writes held by their ready events: back off as for writes
-                    delay = min(2 * delay, poll_max_s)
+                    polls.idle()
                 if now >= next_retry:
                     self.sources.retry()
                     next_retry = now + RETRY_RELEASES_S
@@ -449,8 +445,9 @@ class EncodeDriver:
                                   for region, addr, n in zip(write.sources, write.srcs, write.lengths))
             except Exception as exc:  # noqa: BLE001 - e.g. a device error: this room only
                 answer = self.core.checksum_failed(write.wid, str(exc), self.clock())
-        self._flights.append(_Flight(write.wid, batch, write.session_id, sum(write.lengths), checksums,
-                                     submitted_at))
+        nbytes = sum(write.lengths)
+        self.polls.started(nbytes, submitted_at)
+        self._flights.append(_Flight(write.wid, batch, write.session_id, nbytes, checksums, submitted_at))
         return answer
 
     def _submit(self, session_id: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
@@ -476,6 +473,7 @@ class EncodeDriver:
                 busy.add(flight.session)
                 remaining.append(flight)
         settled = len(remaining) < len(flights)
+        self.polls.polled(settled, len(busy))
         self._flights[:0] = remaining  # writes started meanwhile go after them
         return settled
 
@@ -518,7 +516,7 @@ class EncodeDriver:
             self._take_commands()
             while self._flights and self.clock() < deadline:
                 if not self._settle():
-                    time.sleep(self.poll_max_s)
+                    time.sleep(self.polls.max_s)
             self._take_commands()
             if self._flights:
                 log.error("sender pool of encode rank %d: %d writes still in flight after %gs; failing their "
