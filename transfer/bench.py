@@ -74,6 +74,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_for_sentinels
 from typing import Any
 
 from transfer.frames import dtype_size, prefill_shard
@@ -952,20 +953,36 @@ class RankSet:
             try:
                 kind, role, rank, payload = self.res_q.get(timeout=0.5)
             except queue_mod.Empty:
-                dead = [k for k in members if k not in got and not self.procs[k].is_alive()]
-                if dead:
-                    raise RuntimeError(f"{dead[0][0]} rank {dead[0][1]} exited "
-                                       f"({self.procs[dead[0]].exitcode}); log: {self._log_tail(dead[0])}")
+                dead = self._dead([k for k in members if k not in got], grace_s=0.0)
+                if dead is not None:
+                    raise RuntimeError(self._death(dead))
                 if time.monotonic() > deadline:
                     missing = [f"{r} {n}" for r, n in members if (r, n) not in got]
                     raise TimeoutError(f"no {what!r} from {', '.join(missing)} within {self.opts.timeout_s:g}s")
                 continue
             if kind == "error":
-                raise RuntimeError(f"{role} rank {rank} failed:\n{payload}\nlog: {self._log_tail((role, rank))}")
+                failed = f"{role} rank {rank} failed:\n{payload}\nlog: {self._log_tail((role, rank))}"
+                # A rank that dies takes its peers' rooms down with it, and they may report first:
+                # name the death as the cause and the peer's failure as what followed.
+                dead = self._dead([k for k in members if k != (role, rank)], grace_s=1.0)
+                if dead is not None:
+                    raise RuntimeError(f"{self._death(dead)}\nthen {failed}")
+                raise RuntimeError(failed)
             if kind != what:
                 raise RuntimeError(f"{role} rank {rank} sent {kind!r} while the bench waited for {what!r}")
             got[(role, rank)] = payload
         return got
+
+    def _dead(self, members: list[tuple[str, int]], grace_s: float) -> tuple[str, int] | None:
+        """The first of `members` whose process has exited, waiting up to `grace_s` for one to."""
+        procs = [self.procs[k] for k in members]
+        if grace_s > 0 and all(p.is_alive() for p in procs):
+            wait_for_sentinels([p.sentinel for p in procs], timeout=grace_s)
+        return next((k for k in members if not self.procs[k].is_alive()), None)
+
+    def _death(self, key: tuple[str, int]) -> str:
+        """What the bench says about a rank process that exited."""
+        return f"{key[0]} rank {key[1]} exited ({self.procs[key].exitcode}); log: {self._log_tail(key)}"
 
     def _log_tail(self, key: tuple[str, int], lines: int = 15) -> str:
         """The last lines of a rank's log, for error messages."""
