@@ -977,7 +977,10 @@ class RankSet:
         """The first of `members` whose process has exited, waiting up to `grace_s` for one to."""
         procs = [self.procs[k] for k in members]
         if grace_s > 0 and all(p.is_alive() for p in procs):
-            wait_for_sentinels([p.sentinel for p in procs], timeout=grace_s)
+            deadline = time.monotonic() + grace_s
+            # A process's sentinel signals as its descriptors close, a moment before it can be reaped.
+            for sentinel in wait_for_sentinels([p.sentinel for p in procs], timeout=grace_s):
+                next(p for p in procs if p.sentinel == sentinel).join(max(0.0, deadline - time.monotonic()))
         return next((k for k in members if not self.procs[k].is_alive()), None)
 
     def _death(self, key: tuple[str, int]) -> str:

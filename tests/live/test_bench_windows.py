@@ -3,6 +3,7 @@ mid-cell ends the run."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import threading
 import time
@@ -152,3 +153,60 @@ def test_a_rank_killed_mid_cell_ends_the_run_with_its_log():
         assert time.monotonic() - started < 20
     assert "prefill rank 1 exited (-9)" in str(err.value)
     assert "bench-prefill-1.log" in str(err.value)
+
+
+class _Sleepers:
+    """A RankSet's reporting side over plain sleeping processes: its queue, logs and processes, no engines."""
+
+    def __init__(self, log_dir) -> None:
+        ctx = mp.get_context("spawn")
+        self.ranks = object.__new__(bench.RankSet)
+        self.ranks.opts = _live_opts(timeout_s=30.0)
+        self.ranks.res_q = ctx.Queue()
+        self.ranks.log_dir = str(log_dir)
+        self.ranks.procs = {("prefill", r): ctx.Process(target=time.sleep, args=(60,), daemon=True) for r in (0, 1)}
+        for proc in self.ranks.procs.values():
+            proc.start()
+        (log_dir / "bench-prefill-1.log").write_text("prefill 1's last words\n")
+
+    def kill(self, rank: int) -> None:
+        os.kill(self.ranks.procs[("prefill", rank)].pid, 9)
+
+    def close(self) -> None:
+        for proc in self.ranks.procs.values():
+            proc.kill()
+            proc.join(5)
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("death_after_s", [None, 0.2])
+def test_a_peer_failure_that_outruns_a_rank_death_is_reported_after_it(tmp_path, death_after_s):
+    sleepers = _Sleepers(tmp_path)
+    try:
+        if death_after_s is None:
+            sleepers.kill(1)
+            sleepers.ranks.procs[("prefill", 1)].join(10)
+        else:
+            threading.Timer(death_after_s, sleepers.kill, (1,)).start()
+        sleepers.ranks.res_q.put(("error", "prefill", 0, "peer gone"))
+        with pytest.raises(RuntimeError) as err:
+            sleepers.ranks._gather("finished", list(sleepers.ranks.procs))
+    finally:
+        sleepers.close()
+    message = str(err.value)
+    assert message.startswith("prefill rank 1 exited (-9); log: "), message
+    assert "prefill 1's last words" in message
+    assert "\nthen prefill rank 0 failed:\npeer gone\n" in message
+
+
+@pytest.mark.live
+def test_a_rank_failure_with_every_peer_alive_is_reported_as_it_is(tmp_path):
+    sleepers = _Sleepers(tmp_path)
+    try:
+        sleepers.ranks.res_q.put(("error", "prefill", 0, "bad geometry"))
+        with pytest.raises(RuntimeError) as err:
+            sleepers.ranks._gather("finished", list(sleepers.ranks.procs))
+    finally:
+        sleepers.close()
+    assert str(err.value).startswith("prefill rank 0 failed:\nbad geometry\nlog: ")
+    assert "exited" not in str(err.value)
