@@ -63,3 +63,23 @@ def test_a_room_is_served_with_1100_descriptors_open(many_descriptors, thread_er
         assert torch.equal(raw.buffer, rows.contiguous().view(torch.uint8).reshape(-1))
         assert pool._thread.is_alive()
     assert thread_errors == []  # the status pushers' thread too waits with poll()
+
+
+def test_a_driver_that_cannot_bind_its_port_leaves_no_descriptor_open():
+    import zmq
+
+    from transfer import _io
+    from transfer.core.encode import EncodeCore
+    from transfer.drive.encode import EncodeDriver, RoomBook, SourceRegistry
+    from transfer.metrics import Metrics
+
+    blocker, port = _io.pull_socket(HOST, 0)
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(20):
+            with pytest.raises(zmq.ZMQError, match=str(port)):
+                EncodeDriver(EncodeCore(0), None, 0, HOST, port, RoomBook(Metrics("t")), SourceRegistry(None),
+                             Metrics("t"))
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        blocker.close(0)

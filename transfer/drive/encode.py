@@ -246,7 +246,11 @@ class EncodeDriver:
         self.clock = clock
         self.commands: deque[tuple] = deque()  # posted by the caller's thread, taken by the driver's
         self.waker = _io.Waker()
-        self.pull, self.port = _io.pull_socket(host, port, f"encode rank {engine_rank}'s request socket")
+        try:
+            self.pull, self.port = _io.pull_socket(host, port, f"encode rank {engine_rank}'s request socket")
+        except BaseException:
+            self.waker.close()
+            raise
         self.statuses = _io.Pushers()
         self._complaints = _io.ThrottledLog(log)  # about requests peers sent, and the core's warnings
         self._flights: list[_Flight] = []
