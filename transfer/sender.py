@@ -29,6 +29,7 @@ from transfer.frames import (
     check_parallel,
     check_room,
     dtype_size,
+    normalize_dtype,
 )
 from transfer.interfaces import EventLike, TransferEngineLike
 from transfer.metrics import Metrics, declare_role
@@ -293,6 +294,7 @@ def _source(src: torch.Tensor | int, span: int | None, hidden: int | None,
     if isinstance(src, int):
         if span is None or hidden is None or dtype is None:
             raise ValueError("a raw source pointer needs span, hidden and dtype")
+        dtype = normalize_dtype(dtype)  # the wire's spelling, which every ask carries
         return _io.Region(src, span * hidden * dtype_size(dtype)), span, hidden, dtype
     if not hasattr(src, "data_ptr"):
         raise TypeError(f"src must be a torch tensor or a pointer, got {type(src).__name__}")
