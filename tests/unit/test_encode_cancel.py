@@ -191,3 +191,38 @@ def test_an_item_cancelled_before_it_came_is_expected():
     run(run.core.offer(_offer(5), run.now))
     assert not run.core.expects(5)
     assert run.conclusions() == [(5, TransferPoll.Failed, FailureKind.CANCELLED)]
+
+
+def _ask_at(room: int, session: str, port: int, ptr: int) -> TransferInfo:
+    return TransferInfo(room, "10.0.0.7", port, session, ptr, 0, 4, HIDDEN, DTYPE, False, 1, 0, 4)
+
+
+def test_a_queued_write_cancelled_leaves_its_destination_free_for_the_next_room():
+    other, session = "10.0.0.8:17000", "10.0.0.7:17000"
+    core = EncodeCore(0, fanout_timeout_s=120.0, depth=1, now=0.0)
+    core.offer(Offer(1, object(), SRC, 4, HIDDEN, DTYPE, ROW), 0.0)
+    assert [a.room for a in core.ask(_ask_at(1, other, 6001, 0x50000), 0.0) if isinstance(a, StartWrite)] == [1]
+    core.offer(Offer(2, object(), SRC + 0x10000, 4, HIDDEN, DTYPE, ROW), 0.0)
+    assert not [a for a in core.ask(_ask_at(2, session, 6000, 0xA0000), 0.1) if isinstance(a, StartWrite)]
+
+    answered = core.cancel(Cancel(2, "10.0.0.7", 6000, session), 60.0)
+    assert [(a.room, a.cancel) for a in answered if isinstance(a, PushStatus)] == [(2, True)]
+
+    # Confirmed: the receiver reuses the memory for its next room at once, while the only slot is still busy.
+    core.offer(Offer(3, object(), SRC + 0x20000, 4, HIDDEN, DTYPE, ROW), 61.0)
+    assert [a for a in core.ask(_ask_at(3, session, 6000, 0xA0000), 61.0) if isinstance(a, Conclude)] == []
+    done = core.write_done(1, (), 62.0)
+    assert [(a.room, a.dsts) for a in done if isinstance(a, StartWrite)] == [(3, (0xA0000,))]
+
+
+def test_a_write_in_flight_when_its_room_fails_keeps_its_destination_until_it_is_over():
+    session = "10.0.0.7:17000"
+    core = EncodeCore(0, fanout_timeout_s=120.0, depth=4, now=0.0)
+    core.offer(Offer(1, object(), SRC, 4, HIDDEN, DTYPE, ROW), 0.0)
+    assert [a.room for a in core.ask(_ask_at(1, session, 6000, 0xA0000), 0.0) if isinstance(a, StartWrite)] == [1]
+    answered = core.cancel(Cancel(1, "10.0.0.7", 6000, session), 1.0)
+    assert [(a.room, a.cancel) for a in answered if isinstance(a, PushStatus)] == [(1, False)]
+    core.offer(Offer(2, object(), SRC + 0x10000, 4, HIDDEN, DTYPE, ROW), 2.0)
+    failed = [c for c in core.ask(_ask_at(2, session, 6000, 0xA0000), 2.0) if isinstance(c, Conclude)]
+    assert [(c.room, c.status) for c in failed] == [(2, TransferPoll.Failed)]
+    assert "overlaps room 1's" in str(failed[0].failure)

@@ -164,6 +164,7 @@ class _Room:
     offered_at: float
     receivers: list[TransferInfo] = field(default_factory=list)
     pending: int = 0  # receivers whose write is queued or in flight
+    queued: list[_Job] = field(default_factory=list)  # those whose write waits for a slot
     failed: bool = False
     failure: Failure | None = None  # why it failed, told to every receiver
     succeeded: bool = False  # every receiver was served: nothing may tell them Failed any more
@@ -593,6 +594,7 @@ class EncodeCore:
         for info in infos:
             job = _Job(room, info)
             self._hold_ranges(job, offer)
+            room.queued.append(job)
             self.scheduler.push(job, info.session_id, asks.first_at)
 
     def _pump(self, now: float) -> None:
@@ -632,6 +634,8 @@ class EncodeCore:
     def _start(self, job: _Job, now: float) -> None:
         """Emits one receiver's write, unless its session's breaker is open."""
         room, info = job.room, job.info
+        if job in room.queued:
+            room.queued.remove(job)
         since = self.breaker.open_since(info.session_id, now)
         if since is not None:
             self.scheduler.finished(info.session_id)
@@ -654,6 +658,13 @@ class EncodeCore:
 
     def _job_done(self, job: _Job, now: float) -> None:
         """One receiver's write is over: its destinations are free, and its room may conclude."""
+        if job in job.room.queued:
+            job.room.queued.remove(job)
+        self._free_ranges(job)
+        self._receiver_done(job.room, now)
+
+    def _free_ranges(self, job: _Job) -> None:
+        """Lets go of the job's destinations: it is over, or it will never start."""
         dests = self._destinations.get(job.info.session_id)
         if dests is not None:  # a job's ranges are held in its session's entry, which outlives them
             for start, end, seq in job.ranges:
@@ -661,7 +672,6 @@ class EncodeCore:
             if not dests.spans:
                 del self._destinations[job.info.session_id]
         job.ranges = ()
-        self._receiver_done(job.room, now)
 
     def _ranges(self, info: TransferInfo, offer: Offer) -> list[tuple[int, int]]:
         """The destination byte ranges a receiver's write covers (empty ones left out)."""
@@ -720,6 +730,10 @@ class EncodeCore:
             return  # a Failed after their Success would undo it (Failed is sticky on the wire)
         room.failed = True
         room.failure = Failure(kind, detail)
+        # Its writes still waiting for a slot will never start: their receivers may reuse that memory now
+        # (a cancel is confirmed at once), so the next room asking for it must not find it taken.
+        for job in room.queued:
+            self._free_ranges(job)
         self._unserved.discard(room.room)
         self._tell_failed(room.receivers, room.failure)
         self._conclude(room, TransferPoll.Failed, room.failure, now)
