@@ -134,12 +134,13 @@ static PyObject *py_layer_sum_addr(PyObject *self, PyObject *args)
 static PyObject *py_layer_header(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *layer_o, *rows_o;
-    unsigned long long checksum;
+    PyObject *layer_o, *rows_o, *checksum_o;
+    uint64_t checksum;
     uint32_t layer, rows;
-    if (!PyArg_ParseTuple(args, "OOK:layer_header", &layer_o, &rows_o, &checksum))
+    if (!PyArg_ParseTuple(args, "OOO:layer_header", &layer_o, &rows_o, &checksum_o))
         return NULL;
-    if (u32_arg(layer_o, "layer", &layer) < 0 || u32_arg(rows_o, "rows", &rows) < 0)
+    if (u32_arg(layer_o, "layer", &layer) < 0 || u32_arg(rows_o, "rows", &rows) < 0 ||
+        epd_u64_arg(checksum_o, "checksum", &checksum) < 0)
         return NULL;
     unsigned char h[EPD_LAYER_HEADER];
     epd_put_layer_header(h, layer, rows, checksum);
@@ -265,16 +266,22 @@ static PyObject *py_wire_transfer(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, text);
         goto done;
     }
-    seq = PySequence_Fast(layers_o, "wire_transfer needs a sequence of (address, length) pairs");
-    if (seq == NULL)
+    /* A tuple of our own: reading an address may run Python (__index__), which could change a list. */
+    seq = PySequence_Tuple(layers_o);
+    if (seq == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError, "wire_transfer needs a sequence of (address, length) pairs");
+        }
         goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     if (n < 1 || n > 16) {
         PyErr_Format(PyExc_ValueError, "wire_transfer: 1..16 layers, got %zd", n);
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *pair = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *pair = PyTuple_GET_ITEM(seq, i);
         uint64_t addr, len;
         if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
             PyErr_SetString(PyExc_TypeError, "wire_transfer: each layer is an (address, length) tuple");

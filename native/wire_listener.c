@@ -506,13 +506,17 @@ static int msg_u64(const char *msg, size_t hlen, const char *key, uint64_t *out,
 /* Parses and checks the announced shape (not yet the destinations); 0, or -1 with a reason. */
 static int parse_prefill(const char *msg, size_t n, wl_prefill *pf, char *why, size_t whylen)
 {
+    /* The header ends where msg_decode ends it: a leading newline (an empty header) or the
+       first blank line; with neither, the whole message is header. */
     size_t hlen = n;
-    if (n > 0 && msg[0] == '\n')
+    if (n > 0 && msg[0] == '\n') {
         hlen = 0;
-    for (size_t i = 0; i + 1 < n; i++) {
-        if (msg[i] == '\n' && msg[i + 1] == '\n') {
-            hlen = i + 1;
-            break;
+    } else {
+        for (size_t i = 0; i + 1 < n; i++) {
+            if (msg[i] == '\n' && msg[i + 1] == '\n') {
+                hlen = i + 1;
+                break;
+            }
         }
     }
     if (msg_u64(msg, hlen, "room", &pf->room, why, whylen) < 0)
@@ -1107,6 +1111,7 @@ static int bind_listener(wl_listener *l, const char *host, int port, char *why, 
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
     struct addrinfo *res = NULL;
     char service[16];
+    l->lfd = -1; /* nothing to close yet, whatever fails below */
     snprintf(service, sizeof service, "%d", port);
     int rc = getaddrinfo(host, service, &hints, &res);
     if (rc != 0) {

@@ -206,6 +206,15 @@ def test_malformed_prefill_fields(target, fields, pattern, room):
     assert target.unchanged()
 
 
+def test_a_prefill_with_an_empty_header_is_read_as_one_whose_fields_are_missing(target):
+    # Its body holds what would be a valid header, then a blank line: SPEC.md section 9 makes it body.
+    fields = prefill(target.base, 64)
+    with target.connect() as sock:
+        wire.write_frame(sock, wire.PREFILL, b"\n" + fields + b"\n")
+        expect_error(sock, r"^PREFILL: missing room$", room=None)
+    assert target.unchanged()
+
+
 def test_chunks_that_stop_short_then_first(target, sender):
     data = bytes(range(32))
     with target.connect() as sock:

@@ -188,6 +188,51 @@ def test_layer_header_full_ranges():
             wire.layer_frame(bad, 0, b"")
         with pytest.raises(ValueError, match=r"^rows must be an int in 0\.\.4294967295"):
             wire.layer_header(0, bad, 0)
+    for bad in (-1, 1 << 64, (1 << 64) + 5):
+        with pytest.raises(ValueError, match=r"^checksum must be an int in 0\.\.18446744073709551615"):
+            wire.layer_header(0, 1, bad)
+
+
+def test_a_layer_list_changed_while_its_addresses_are_read_is_sent_as_it_was_given():
+    import os
+
+    rows = [ctypes.create_string_buffer(bytes([65 + i]) * 64, 64) for i in range(2)]
+    layers: list = []
+
+    class ClearsTheList:
+        def __index__(self) -> int:
+            layers.clear()
+            return ctypes.addressof(rows[0])
+
+    layers.extend([(ClearsTheList(), 64), (ctypes.addressof(rows[1]), 64)])
+    r, w = os.pipe()
+    try:
+        with pytest.raises(wire.FrameError, match="read"):  # the answer is read from a pipe's write end
+            _native.wire_transfer(w, b"room=1", layers, 1, 4096, 1.0)
+        sent = os.read(r, 1 << 16)
+    finally:
+        os.close(r)
+        os.close(w)
+    assert sent.count(b"A" * 64) == 1 and sent.count(b"B" * 64) == 1  # both layers, each once, in order
+    assert sent.index(b"A" * 64) < sent.index(b"B" * 64)
+    with pytest.raises(TypeError, match=r"^wire_transfer needs a sequence of \(address, length\) pairs$"):
+        _native.wire_transfer(w, b"room=1", 5, 1, 4096, 1.0)
+
+
+def test_a_wire_listener_on_a_host_that_does_not_resolve_closes_no_descriptor_of_ours():
+    import os
+
+    r, w = os.pipe()
+    saved = os.dup(0)
+    os.dup2(r, 0)
+    try:
+        with pytest.raises(OSError, match="wire listener: cannot resolve"):
+            _native.wire_listen("", 0, 1.0, 1.0, 4096, 2)  # fails in getaddrinfo, before any socket
+        os.fstat(0)
+    finally:
+        os.dup2(saved, 0)
+        for fd in (saved, r, w):
+            os.close(fd)
 
 
 def test_parse_layer_short_header():
