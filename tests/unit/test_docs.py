@@ -117,3 +117,13 @@ def test_every_guarantee_names_the_tests_that_show_it():
     for title in titles:
         assert title in sections, f"guarantee {title!r} has no section under 'Which tests show each guarantee'"
         assert _cited_tests(sections[title]), f"guarantee {title!r} names no test"
+
+
+@pytest.mark.parametrize("path", ["README.md", os.path.join("docs", "architecture.md")])
+def test_the_failure_kinds_listed_are_the_ones_there_are(path):
+    from transfer.core.failure import FailureKind
+
+    text = " ".join(_read(os.path.join(REPO, path)).split())
+    listed = re.search(r"\((?:`transfer\.core\.failure\.FailureKind`: )?(deadline, [a-z_, ]+)\)", text)
+    assert listed is not None, f"{path} lists no failure kinds"
+    assert listed.group(1).split(", ") == [kind.value for kind in FailureKind]
