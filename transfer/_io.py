@@ -866,6 +866,28 @@ def as_region(buf: Any, nbytes: int | None = None) -> Region:
     raise TypeError(f"expected a torch tensor or an (address, length) pair, got {type(buf).__name__}")
 
 
+def host_readable(addr: int, nbytes: int) -> bool:
+    """Whether [addr, addr + nbytes) lies in readable mappings of this process (/proc/self/maps).
+
+    GPU memory in CUDA's unified address space is mapped, but not readable.
+    """
+    end, at = addr + nbytes, addr
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            for line in maps:
+                span, perms = line.split(b" ", 2)[:2]
+                low, high = (int(x, 16) for x in span.split(b"-"))
+                if low <= at < high:
+                    if not perms.startswith(b"r"):
+                        return False
+                    at = high
+                    if at >= end:
+                        return True
+    except OSError:
+        return False
+    return at >= end
+
+
 def checksum(region: Region, addr: int, nbytes: int) -> int:
     """The layer checksum of [addr, addr + nbytes) inside `region`, host or CUDA memory."""
     from transfer import wire

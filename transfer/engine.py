@@ -348,6 +348,14 @@ class RegisteredMemory:
         with self._lock:
             return dict(self._regions)
 
+    def owner_of(self, addr: int, nbytes: int) -> Any:
+        """The tensor registered around [addr, addr + nbytes), or None (registered as an address, or not at all)."""
+        with self._lock:
+            for base, size in self._regions.items():
+                if base <= addr and addr + nbytes <= base + size:
+                    return self._owners.get(base)
+        return None
+
 
 class Engine(RegisteredMemory):
     """A started Mooncake TransferEngine with its registered memory."""

@@ -140,6 +140,9 @@ class SenderPool:
         self.metrics = metrics or Metrics("epd_encode")
         declare_role(self.metrics, "encode", engine_rank)
 
+        self._cuda: bool | None = None  # whether this process can hold CUDA memory, once a raw source asks
+        self._readable: dict[tuple[int, int], bool] = {}  # registrations holding raw sources: host memory?
+
         self._book = RoomBook(self.metrics)
         self._table = self._book.table
         self._sources = SourceRegistry(engine)
@@ -194,10 +197,14 @@ class SenderPool:
             raise self._stopped_error()
         check_room(room)
         region, span, hidden, dtype = _source(src, span, hidden, dtype)
+        if isinstance(src, int):
+            region = self._raw_source(room, region)
         row_bytes = hidden * dtype_size(dtype)
         ds_region, ds_row_bytes = None, 0
         if deepstack is not None:
             ds_region, ds_span, ds_hidden, ds_dtype = _source(deepstack, span, deepstack_hidden, dtype)
+            if isinstance(deepstack, int):
+                ds_region = self._raw_source(room, ds_region)
             if ds_span != span or ds_dtype != dtype:
                 raise ValueError(f"room {room}: deepstack rows {ds_span} x {ds_dtype} != item rows {span} x {dtype}")
             ds_row_bytes = ds_hidden * dtype_size(ds_dtype)
@@ -224,6 +231,32 @@ class SenderPool:
             raise refused
         self.metrics.inc("rooms_started_total")
         return SendHandle(self, state)
+
+    def _raw_source(self, room: int, region: _io.Region) -> _io.Region:
+        """A raw source pointer's region, on the device of the registered tensor around it.
+
+        Its checksum is read from there; where that is unknown, only a host without CUDA
+        says it is host memory (a GPU address read as host memory kills the process).
+        """
+        if not self.integrity:
+            return region
+        owner_of = getattr(self.engine, "owner_of", None)
+        owner = owner_of(region.addr, region.nbytes) if owner_of is not None else None
+        if self._cuda is None:
+            self._cuda = _cuda_present()
+        return raw_source_region(room, region, owner, self._cuda and not self._host_readable(region))
+
+    def _host_readable(self, region: _io.Region) -> bool:
+        """Whether the region is readable host memory; looked up once per registration that holds it."""
+        span = next(((base, size) for base, size in self.engine.registered().items()
+                     if base <= region.addr and region.end <= base + size), None)
+        if span is None:
+            return _io.host_readable(region.addr, region.nbytes)
+        if span not in self._readable:
+            if len(self._readable) >= _READABLE_REGISTRATIONS:
+                self._readable.clear()
+            self._readable[span] = _io.host_readable(*span)
+        return self._readable[span]
 
     def _hold_registered(self, *regions: _io.Region | None) -> Callable[[], None] | None:
         """Registers source regions outside registered memory; returns their release (or None)."""
@@ -302,3 +335,38 @@ def _source(src: torch.Tensor | int, span: int | None, hidden: int | None,
         raise ValueError(f"source must be 2-D [span, hidden], got shape {tuple(src.shape)}")
     region = _io.as_region(src)
     return region, int(src.shape[0]), int(src.shape[1]), str(src.dtype)
+
+
+#: Registrations whose readability a pool remembers (raw sources on a CUDA host).
+_READABLE_REGISTRATIONS = 256
+
+
+def raw_source_region(room: int, region: _io.Region, owner: Any, maybe_gpu: bool) -> _io.Region:
+    """`region` (a raw source pointer's) on the device of `owner`, the registered tensor around it, if any.
+
+    Without an owner the pointer is taken for host memory unless it `maybe_gpu` (a CUDA
+    device exists and the range is not readable host memory): then ConfigError, as its
+    checksum could not be read.
+    """
+    if owner is not None and hasattr(owner, "data_ptr"):
+        import torch
+
+        offset = region.addr - owner.data_ptr()
+        flat = owner.reshape(-1).view(torch.uint8)[offset : offset + region.nbytes]
+        return _io.Region(region.addr, region.nbytes, str(owner.device), flat)
+    if maybe_gpu:
+        raise ConfigError(f"room {room}: raw source pointer {region.addr:#x} is not host memory this process can "
+                          f"read, nor inside a tensor registered with the engine, so its checksum cannot be read: "
+                          f"pass the tensor, register the tensor that holds it, or use integrity=False")
+    return region
+
+
+def _cuda_present() -> bool:
+    """Whether this process may hold CUDA memory (torch loaded, with a CUDA device)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    try:
+        return torch is not None and bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - a broken CUDA set-up: assume it may, and ask for the tensor
+        return True

@@ -24,3 +24,49 @@ def test_a_raw_source_in_any_dtype_spelling_is_served_by_an_ask(spelling):
     actions = core.ask(ask, 0.1)
     assert [a for a in actions if isinstance(a, Conclude)] == []
     assert [(a.srcs, a.lengths) for a in actions if isinstance(a, StartWrite)] == [((SRC,), (SPAN * HIDDEN * 2,))]
+
+
+def test_a_raw_source_inside_a_registered_tensor_takes_its_device_and_rows():
+    from transfer.sender import raw_source_region
+
+    owner = torch.arange(64, dtype=torch.uint8).view(4, 16)
+    addr = owner.data_ptr() + 20
+    region = raw_source_region(1, _source(addr, 1, 8, "torch.uint8")[0], owner, maybe_gpu=True)
+    assert (region.addr, region.nbytes, region.device) == (addr, 8, "cpu")
+    assert region.tensor.tolist() == list(range(20, 28))
+
+
+def test_a_raw_source_of_unknown_memory_is_refused_where_cuda_memory_may_be():
+    from transfer.errors import ConfigError
+    from transfer.sender import raw_source_region
+
+    region = _source(SRC, SPAN, HIDDEN, "bfloat16")[0]
+    assert raw_source_region(1, region, None, maybe_gpu=False) is region
+    with pytest.raises(ConfigError, match=r"^room 1: raw source pointer 0x70000000 is not host memory this process can read"):
+        raw_source_region(1, region, None, maybe_gpu=True)
+
+
+def test_host_memory_reads_readable_and_an_inaccessible_mapping_does_not():
+    import ctypes
+    import mmap
+
+    from transfer import _io
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    page = mmap.PAGESIZE
+    base = libc.mmap(None, 2 * page, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    assert base not in (None, ctypes.c_void_p(-1).value)
+    try:
+        assert _io.host_readable(base, 2 * page)
+        # How GPU memory in CUDA's unified address space looks from the host: mapped, not readable.
+        assert libc.mprotect(base + page, page, 0) == 0  # PROT_NONE
+        assert _io.host_readable(base, page)
+        assert not _io.host_readable(base + page - 8, 16)
+        assert not _io.host_readable(base + page, 8)
+    finally:
+        libc.munmap(base, 2 * page)
+    assert not _io.host_readable(8, 8)  # nothing is mapped at page 0
