@@ -14,6 +14,7 @@ from transfer.errors import (
     PortsInUse,
     SlotError,
     TransferError,
+    UsageError,
     WireError,
 )
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
 import zmq
 
 from transfer import config
+from transfer.errors import ConfigError, ConfigTypeError
 from transfer.ports import PortSpec, bind_port
 
 if TYPE_CHECKING:
@@ -460,7 +461,7 @@ class StatusEndpoints:
 
     def __init__(self, limit: int, idle_s: float = STATUS_IDLE_S, connect_s: float = STATUS_CONNECT_S) -> None:
         if limit < 1:
-            raise ValueError(f"at least one status connection is needed, got a limit of {limit}")
+            raise ConfigError(f"at least one status connection is needed, got a limit of {limit}")
         self.limit = limit
         self.idle_s = idle_s
         self.connect_s = connect_s
@@ -857,13 +858,13 @@ def as_region(buf: Any, nbytes: int | None = None) -> Region:
         return Region(int(addr), int(nbytes))
     if isinstance(buf, int):
         if nbytes is None:
-            raise ValueError("a raw address needs its length in bytes")
+            raise ConfigError("a raw address needs its length in bytes")
         return Region(buf, int(nbytes))
     if hasattr(buf, "data_ptr"):
         if not buf.is_contiguous():
-            raise ValueError(f"tensor of shape {tuple(buf.shape)} is not contiguous")
+            raise ConfigError(f"tensor of shape {tuple(buf.shape)} is not contiguous")
         return Region(buf.data_ptr(), buf.numel() * buf.element_size(), str(buf.device), buf)
-    raise TypeError(f"expected a torch tensor or an (address, length) pair, got {type(buf).__name__}")
+    raise ConfigTypeError(f"expected a torch tensor or an (address, length) pair, got {type(buf).__name__}")
 
 
 def host_readable(addr: int, nbytes: int) -> bool:

@@ -21,6 +21,7 @@ __all__ = [
     "PortsInUse",
     "SlotError",
     "TransferError",
+    "UsageError",
     "WireError",
 ]
 
@@ -55,6 +56,11 @@ class BootstrapError(TransferError, RuntimeError):
 
 class BootstrapUnreachable(BootstrapError):
     """No answer from the bootstrap server at all (refused, reset or timed out)."""
+
+
+class UsageError(TransferError, RuntimeError):
+    """A call the object's state does not allow: it is closed, its thread stopped, or the ranks of a group
+    are out of step with each other."""
 
 
 class SlotError(TransferError, RuntimeError):

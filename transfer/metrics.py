@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler
 
 from transfer._http import BoundedHTTPServer, OneDeadlineHandler
 from transfer.core.failure import FailureKind
-from transfer.errors import ConfigError
+from transfer.errors import ConfigError, ConfigTypeError
 from transfer.ports import PortSpec, bind_port
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def zero_room_counters(metrics: Metrics) -> None:
 def declare_role(metrics: Metrics, role: str, rank: int) -> None:
     """Labels `metrics` with the component's role and rank, and creates its counters and latency histogram."""
     if role not in ROLE_COUNTERS:
-        raise ValueError(f"role {role!r} is not one of {ROLES}")
+        raise ConfigError(f"role {role!r} is not one of {ROLES}")
     metrics.label(role=role, rank=rank)
     for name, reasons in ROLE_COUNTERS[role].items():
         if reasons:
@@ -149,14 +149,14 @@ def _labels_text(key: LabelKey, extra: Iterable[tuple[str, str]] = ()) -> str:
 def _check_name(name: str) -> None:
     """Refuse a metric name the text format cannot carry."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"metric name {name!r} is not a valid Prometheus name")
+        raise ConfigError(f"metric name {name!r} is not a valid Prometheus name")
 
 
 def _label_key(labels: dict[str, object], reserved: tuple[str, ...] = ()) -> LabelKey:
     """Normalise keyword labels into a sorted tuple of (name, str(value))."""
     for k in labels:
         if not _LABEL_RE.match(k) or k.startswith("__") or k in reserved:
-            raise ValueError(f"label name {k!r} is not allowed")
+            raise ConfigError(f"label name {k!r} is not allowed")
     return tuple(sorted((k, str(v)) for k, v in labels.items()))
 
 
@@ -209,7 +209,7 @@ class Metrics:
         self._const: LabelKey = _label_key(labels or {}, reserved=("le",))
         self.buckets = tuple(sorted(float(b) for b in buckets))
         if not self.buckets or any(math.isinf(b) or math.isnan(b) for b in self.buckets):
-            raise ValueError("buckets must be finite numbers, at least one")
+            raise ConfigError("buckets must be finite numbers, at least one")
         self._lock = threading.Lock()
         self._kinds: dict[str, str] = {}
         self._help: dict[str, str] = {}
@@ -228,7 +228,7 @@ class Metrics:
             _check_name(self.full_name(name))
             self._kinds[name] = kind
         elif have != kind:
-            raise ValueError(f"metric {name!r} is a {have}, not a {kind}")
+            raise ConfigError(f"metric {name!r} is a {have}, not a {kind}")
 
     @property
     def labels(self) -> dict[str, str]:
@@ -254,7 +254,7 @@ class Metrics:
             used = {name for labelled in keys for name, _ in labelled}
             taken = used & {k for k, _ in key}
             if taken:
-                raise ValueError(f"label {sorted(taken)[0]!r} is already a series label of {self.namespace!r}")
+                raise ConfigError(f"label {sorted(taken)[0]!r} is already a series label of {self.namespace!r}")
             have.update(key)
             self._const = tuple(sorted(have.items()))
 
@@ -272,7 +272,7 @@ class Metrics:
     def inc(self, name: str, amount: float = 1, **labels: object) -> None:
         """Add a non-negative amount to a counter."""
         if amount < 0:
-            raise ValueError(f"counter {name!r} cannot decrease (amount {amount})")
+            raise ConfigError(f"counter {name!r} cannot decrease (amount {amount})")
         key = self._series_key(labels)
         with self._lock:
             self._claim(name, "counter")
@@ -292,7 +292,7 @@ class Metrics:
         """Record one observation (seconds, for latencies) in a histogram."""
         value = float(value)
         if math.isnan(value):
-            raise ValueError(f"histogram {name!r} got NaN")
+            raise ConfigError(f"histogram {name!r} got NaN")
         key = self._series_key(labels, reserved=("le",))
         index = _bucket_index(self.buckets, value)
         with self._lock:
@@ -315,7 +315,7 @@ class Metrics:
     def gauge_fn(self, name: str, fn: Callable[[], float]) -> None:
         """Make a gauge whose value is `fn()` evaluated at read time (e.g. a queue's depth)."""
         if not callable(fn):
-            raise TypeError(f"gauge_fn {name!r}: fn is not callable")
+            raise ConfigTypeError(f"gauge_fn {name!r}: fn is not callable")
         with self._lock:
             self._claim(name, "gauge")
             self._gauge_fns[name] = fn
@@ -323,7 +323,7 @@ class Metrics:
     def counter_fn(self, name: str, fn: Callable[[], float]) -> None:
         """Make a counter whose value is `fn()` evaluated at read time; `fn` must only ever grow."""
         if not callable(fn):
-            raise TypeError(f"counter_fn {name!r}: fn is not callable")
+            raise ConfigTypeError(f"counter_fn {name!r}: fn is not callable")
         with self._lock:
             self._claim(name, "counter")
             self._counter_fns[name] = fn
@@ -495,11 +495,11 @@ class MetricsServer:
         seen: set[str] = set()
         for source in self.sources:
             if not isinstance(source, Metrics):
-                raise TypeError(f"metric source {source!r} is not a Metrics "
+                raise ConfigTypeError(f"metric source {source!r} is not a Metrics "
                                 f"(serve(*sources, host=..., port=...) takes host and port by name)")
             # Two families of one name in one exposition make Prometheus reject the scrape.
             if source.namespace in seen:
-                raise ValueError(f"two metric sources share the namespace {source.namespace!r}: "
+                raise ConfigError(f"two metric sources share the namespace {source.namespace!r}: "
                                  f"give each its own (Metrics(namespace=...))")
             seen.add(source.namespace)
         handler = _make_handler(self, request_timeout_s)

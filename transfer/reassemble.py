@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from transfer.errors import ConfigError, UsageError
 from transfer.frames import shard_rows
 from transfer.status import TransferPoll
 
@@ -87,7 +88,7 @@ def agree(oks: Sequence[bool], group: dist.ProcessGroup | None = None, *, keys: 
 def _check_member(group: dist.ProcessGroup | None, what: str) -> None:
     """ValueError on a rank outside `group`: torch.distributed would skip its collectives silently."""
     if dist.get_rank(group) < 0:
-        raise ValueError(f"{what}: this rank is not a member of the group")
+        raise ConfigError(f"{what}: this rank is not a member of the group")
 
 
 def _table(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None) -> tuple[list[int], str | None]:
@@ -130,12 +131,12 @@ def _agreement(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None, group:
     first[: min(message.numel(), _FIRST_ELEMENTS)] = message[:_FIRST_ELEMENTS]
     first = _min_all_reduce(first, group, device)
     if first[0] != 1:
-        raise ValueError(f"{what}: {problem or 'another rank of the group refused the batch (see its log)'}")
+        raise ConfigError(f"{what}: {problem or 'another rank of the group refused the batch (see its log)'}")
     if first[1] != -first[2]:
-        raise RuntimeError(f"{what}: the ranks of the group pass different numbers of items "
+        raise UsageError(f"{what}: the ranks of the group pass different numbers of items "
                            f"({int(first[1])} to {int(-first[2])}); they must pass the same items")
     if first[3] != -first[4]:
-        raise RuntimeError(f"{what}: the ranks of the group pass different numbers of keys per item "
+        raise UsageError(f"{what}: the ranks of the group pass different numbers of keys per item "
                            f"({int(first[3])} to {int(-first[4])})")
     # Every rank now knows the others hold the same count and width: the rest has one size.
     rest = message[_FIRST_ELEMENTS:]
@@ -326,7 +327,7 @@ def _check_rooms(reduced: torch.Tensor) -> None:
     differ = (low != high).nonzero()
     if differ.numel():
         i = int(differ[0, 0])
-        raise RuntimeError(f"reassemble: the ranks of the group hold different rooms at position {i} "
+        raise UsageError(f"reassemble: the ranks of the group hold different rooms at position {i} "
                            f"(rooms {int(low[i])} to {int(high[i])}); they must pass the same items "
                            f"in the same order")
 

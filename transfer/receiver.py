@@ -22,7 +22,7 @@ from transfer import _io, config
 from transfer.core.prefill import ENCODE_FAILED, RoomSpec
 from transfer.core.prefill_breaker import UNREACHABLE_RETRY_S
 from transfer.drive.prefill import PrefillDriver, Room
-from transfer.errors import ConfigError
+from transfer.errors import ConfigError, ConfigTypeError, UsageError
 from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype
 from transfer.interfaces import EventLike, TransferEngineLike
 from transfer.metrics import Metrics, declare_role
@@ -151,12 +151,12 @@ class SessionManager:
         self.integrity = integrity
         self.host = host or engine.hostname
         if not self.host.isascii():
-            raise ValueError(f"host {self.host!r} must be ASCII: it goes on the wire in every TransferInfo")
+            raise ConfigError(f"host {self.host!r} must be ASCII: it goes on the wire in every TransferInfo")
         self.metrics = metrics or Metrics("epd_prefill")
         declare_role(self.metrics, "prefill", engine_rank)
 
         if (buffer is None) == (pool is None):
-            raise ValueError("give the session manager either a registered `buffer` or a `pool` of receive slots")
+            raise ConfigError("give the session manager either a registered `buffer` or a `pool` of receive slots")
         self._owned: list[int] = []
         self.pool = pool
         self.deepstack_buffer: _io.Region | None
@@ -225,7 +225,7 @@ class SessionManager:
         `torch.dtype`, `"bfloat16"` or `"torch.bfloat16"`.
         """
         if self._closed:
-            raise RuntimeError("session manager is closed")
+            raise UsageError("session manager is closed")
         check_room(room)
         dtype_name = normalize_dtype(dtype) if dtype is not None else None
         if dst is None:
@@ -251,7 +251,7 @@ class SessionManager:
         row_bytes = hidden * dtype_size(dtype)
         span = rows if span is None else span
         if not (0 <= row_start and row_start + rows <= span):
-            raise ValueError(f"room {room}: shard [{row_start}, {row_start + rows}) outside the item's span {span}")
+            raise ConfigError(f"room {room}: shard [{row_start}, {row_start + rows}) outside the item's span {span}")
         ds_ptr, ds_nbytes = 0, 0
         if deepstack_dst is not None:
             ds = _io.as_region(deepstack_dst)
@@ -272,9 +272,9 @@ class SessionManager:
         import torch
 
         if self.pool is None:
-            raise ValueError(f"room {room}: no dst given and the manager has no pool")
+            raise ConfigError(f"room {room}: no dst given and the manager has no pool")
         if rows is None or hidden is None or dtype is None:
-            raise ValueError(f"room {room}: a pooled receive needs rows, hidden and dtype")
+            raise ConfigError(f"room {room}: a pooled receive needs rows, hidden and dtype")
         span = rows if span is None else span
         torch_dtype = getattr(torch, dtype.removeprefix("torch."))
         nbytes = span * hidden * dtype_size(dtype)
@@ -322,7 +322,7 @@ class SessionManager:
                 continue
             return regions
         ds = f" and deepstack [{ds_ptr:#x}, +{ds_nbytes})" if has_ds else ""
-        raise ValueError(
+        raise ConfigError(
             f"room {room}: destination [{ptr:#x}, +{nbytes}){ds} is outside every registered receive "
             f"buffer (main buffer [{self.buffer.addr:#x}, +{self.buffer.nbytes}))"
         )
@@ -413,20 +413,20 @@ def _destination(dst: torch.Tensor | int, rows: int | None, hidden: int | None,
     """(pointer, rows, hidden, dtype) of a destination tensor or raw pointer."""
     if isinstance(dst, int):
         if rows is None or hidden is None or dtype is None:
-            raise ValueError("a raw destination pointer needs rows, hidden and dtype")
+            raise ConfigError("a raw destination pointer needs rows, hidden and dtype")
         return dst, rows, hidden, dtype
     if not hasattr(dst, "data_ptr"):
-        raise TypeError(f"dst must be a torch tensor or a pointer, got {type(dst).__name__}")
+        raise ConfigTypeError(f"dst must be a torch tensor or a pointer, got {type(dst).__name__}")
     if not dst.is_contiguous():
-        raise ValueError(f"destination of shape {tuple(dst.shape)} is not contiguous")
+        raise ConfigError(f"destination of shape {tuple(dst.shape)} is not contiguous")
     if dst.dim() == 2:
         t_rows, t_hidden = dst.shape
     elif hidden:
         t_rows, t_hidden = dst.numel() // hidden, hidden
     else:
-        raise ValueError("a destination that is not 2-D needs `hidden`")
+        raise ConfigError("a destination that is not 2-D needs `hidden`")
     t_dtype = str(dst.dtype)
     for name, given, actual in (("rows", rows, t_rows), ("hidden", hidden, t_hidden), ("dtype", dtype, t_dtype)):
         if given is not None and given != actual:
-            raise ValueError(f"{name} {given} disagrees with the destination tensor's {actual}")
+            raise ConfigError(f"{name} {given} disagrees with the destination tensor's {actual}")
     return dst.data_ptr(), int(t_rows), int(t_hidden), t_dtype

@@ -23,7 +23,7 @@ from transfer.core.parked import ParkedAsks
 from transfer.core.regions import MAX_SESSIONS
 from transfer.drive import encode as _drive
 from transfer.drive.encode import EncodeDriver, RoomBook, RoomState, SourceRegistry
-from transfer.errors import ConfigError
+from transfer.errors import ConfigError, ConfigTypeError
 from transfer.frames import (
     MAX_REGIONS_PER_SESSION,
     check_parallel,
@@ -206,7 +206,7 @@ class SenderPool:
             if isinstance(deepstack, int):
                 ds_region = self._raw_source(room, ds_region)
             if ds_span != span or ds_dtype != dtype:
-                raise ValueError(f"room {room}: deepstack rows {ds_span} x {ds_dtype} != item rows {span} x {dtype}")
+                raise ConfigError(f"room {room}: deepstack rows {ds_span} x {ds_dtype} != item rows {span} x {dtype}")
             ds_row_bytes = ds_hidden * dtype_size(ds_dtype)
         state = RoomState(room, time.monotonic())
         # Registered before the item is published: a TransferInfo may dispatch it at once.
@@ -326,13 +326,13 @@ def _source(src: torch.Tensor | int, span: int | None, hidden: int | None,
     """(region, span, hidden, dtype) of a source tensor `[span, hidden]` or raw pointer."""
     if isinstance(src, int):
         if span is None or hidden is None or dtype is None:
-            raise ValueError("a raw source pointer needs span, hidden and dtype")
+            raise ConfigError("a raw source pointer needs span, hidden and dtype")
         dtype = normalize_dtype(dtype)  # the wire's spelling, which every ask carries
         return _io.Region(src, span * hidden * dtype_size(dtype)), span, hidden, dtype
     if not hasattr(src, "data_ptr"):
-        raise TypeError(f"src must be a torch tensor or a pointer, got {type(src).__name__}")
+        raise ConfigTypeError(f"src must be a torch tensor or a pointer, got {type(src).__name__}")
     if src.dim() != 2:
-        raise ValueError(f"source must be 2-D [span, hidden], got shape {tuple(src.shape)}")
+        raise ConfigError(f"source must be 2-D [span, hidden], got shape {tuple(src.shape)}")
     region = _io.as_region(src)
     return region, int(src.shape[0]), int(src.shape[1]), str(src.dtype)
 

@@ -83,7 +83,7 @@ from typing import Any
 
 from transfer import _io, _native, wire
 from transfer.engine import RegisteredMemory, _buffer_span
-from transfer.errors import ConfigError, EngineError
+from transfer.errors import ConfigError, EngineError, UsageError
 from transfer.ports import PortSpec, bind_port
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ class _WriterPool:
         future: Future = Future()
         with self._lock:
             if self._closed:
-                raise RuntimeError(f"{self.name} is shut down")
+                raise UsageError(f"{self.name} is shut down")
             queue = self._queues.setdefault(key, deque())
             queue.append((future, fn, args))
             try:

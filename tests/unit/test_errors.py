@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import transfer
-from transfer import errors, frames, wire
+from transfer import _io, errors, frames, wire
 from transfer.bootstrap import BootstrapClient
 from transfer.engine import effective_protocol, usable_rdma_devices
 
@@ -143,3 +143,30 @@ def test_a_named_device_must_exist_and_be_usable(tmp_path):
     with pytest.raises(errors.ConfigError, match=r"RDMA device mlx5_7 not under .*found: mlx5_0, mlx5_1"):
         effective_protocol("rdma", "mlx5_7", root=str(tmp_path))
     assert effective_protocol("tcp", "mlx5_7", root=str(tmp_path)) == ("tcp", "requested")
+
+
+def test_the_library_raises_its_own_kinds_and_no_bare_built_in():
+    import glob
+    import os
+    import re
+
+    root = os.path.dirname(transfer.__file__)
+    tools = {"bench.py", "cli.py", "doctor.py", "harness.py"}  # the CLI's commands, not the library's API
+    bare = re.compile(r"raise (ValueError|TypeError|RuntimeError|OSError|KeyError)\(")
+    found = []
+    for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True):
+        if os.path.basename(path) in tools:
+            continue
+        with open(path, encoding="utf-8") as fh:
+            found += [f"{os.path.relpath(path, root)}:{n}" for n, line in enumerate(fh, 1) if bare.search(line)]
+    assert found == []
+
+
+@pytest.mark.parametrize("call, kind", [
+    (lambda: _io.as_region(object()), errors.ConfigTypeError),
+    (lambda: _io.as_region(0x1000), errors.ConfigError),
+])
+def test_a_misused_call_raises_a_transfer_error_that_is_also_the_built_in(call, kind):
+    with pytest.raises(transfer.TransferError) as err:
+        call()
+    assert type(err.value) is kind

@@ -27,6 +27,7 @@ from transfer.core.announce import AnnounceBook
 from transfer.core.ask_queue import AskQueues
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.prefill_breaker import BootstrapBreaker
+from transfer.errors import ConfigError
 from transfer.frames import TransferInfo, cancel_frames, registration_frames
 from transfer.status import TransferPoll
 
@@ -330,7 +331,7 @@ class PrefillCore:
     def receive(self, now: float, spec: RoomSpec) -> tuple[int, list]:
         """A room the caller asks for; returns its token and the actions to start it."""
         if spec.room in self._rooms:
-            raise ValueError(f"room {spec.room} is already being received; clear() it first")
+            raise ConfigError(f"room {spec.room} is already being received; clear() it first")
         self._tokens += 1
         state = _Room(spec, self._tokens, now + self.deadline_s)
         self._rooms[spec.room] = state
@@ -651,7 +652,7 @@ class PrefillCore:
         spec = state.spec
         addr, key = state.addr, state.route_key
         if addr is None or key is None:
-            raise RuntimeError(f"room {spec.room}: asked for before its encode rank's route was known")
+            raise AssertionError(f"room {spec.room}: asked for before its encode rank's route was known")
         actions: list = []
         regions = spec.regions
         emb, ds = regions.embedding, regions.deepstack

@@ -50,6 +50,7 @@ from transfer.core.prefill import (
     Verify,
     Warn,
 )
+from transfer.errors import ConfigError, UsageError
 from transfer.frames import UnreadableChecksum, WireError, parse_cancel_reply, parse_failure_reason, parse_status
 from transfer.metrics import Metrics
 from transfer.ports import PortSpec
@@ -210,11 +211,11 @@ class PrefillDriver:
         room = spec.room
         with self._lock:
             if self._stopping:
-                raise RuntimeError("session manager is closed")
+                raise UsageError("session manager is closed")
             if self.failure is not None:
-                raise RuntimeError(f"session manager's I/O thread stopped after an error: {self.failure}")
+                raise UsageError(f"session manager's I/O thread stopped after an error: {self.failure}")
             if room in self.rooms:
-                raise ValueError(f"room {room} is already being received; clear() it first")
+                raise ConfigError(f"room {room} is already being received; clear() it first")
             self.rooms[room] = record
             self.table.start(room, TransferPoll.Bootstrapping)
             now = self.clock()
