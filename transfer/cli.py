@@ -11,6 +11,8 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 from transfer import config
 from transfer.errors import ConfigError
@@ -302,14 +304,45 @@ def _token(text: str) -> str:
     return text
 
 
-def _token_default() -> str | None:
+class _FromEnv:
+    """An option's default read from an EPD_* variable once its command runs (`parse_args`), so a bad
+    variable fails the commands that read it, not `doctor` or `--help`."""
+
+    def __init__(self, env: str, check: Callable[[str], Any] | None = None, absent: Any = None) -> None:
+        self.env, self.check, self.absent = env, check, absent
+
+    def __repr__(self) -> str:
+        return f"${self.env}"
+
+    def resolve(self) -> Any:
+        value = config.resolve(self.env)
+        if value is None:
+            return self.absent
+        if self.check is not None:
+            try:
+                return self.check(value)
+            except argparse.ArgumentTypeError as error:
+                raise ConfigError(f"{self.env}={value!r}: {error}") from None
+        return value
+
+
+def _token_default() -> _FromEnv:
     """EPD_TOKEN from the environment (the launch scripts keep the token off command lines)."""
-    return config.resolve("EPD_TOKEN")
+    return _FromEnv("EPD_TOKEN", _token)
 
 
-def _device_default() -> str:
+def _device_default() -> _FromEnv:
     """EPD_DEVICE from the environment, else "" (Mooncake uses every device it finds)."""
-    return config.resolve("EPD_DEVICE") or ""
+    return _FromEnv("EPD_DEVICE", absent="")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with the defaults that come from EPD_* variables read (ConfigError naming a bad one)."""
+    args = build_parser().parse_args(argv)
+    for key, value in vars(args).items():
+        if isinstance(value, _FromEnv):
+            setattr(args, key, value.resolve())
+    return args
 
 
 def _version() -> str:
@@ -393,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="data path: auto (rdma when a device exists, else tcp), tcp, rdma, or our framed wire")
     demo.add_argument("--host", default="127.0.0.1", help="address every rank binds")
     demo.add_argument("--no-integrity", action="store_true", help="skip the checksums of landed bytes")
-    demo.add_argument("--deadline", type=_seconds, default=config.resolve("EPD_DEADLINE_S"),
+    demo.add_argument("--deadline", type=_seconds, default=_FromEnv("EPD_DEADLINE_S"),
                       help="per-room receive deadline, seconds (default: $EPD_DEADLINE_S, else 60)")
     demo.add_argument("--timeout", type=_seconds, default=600.0, help="bound on the whole run, seconds")
     _add_json(demo)
@@ -456,9 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--no-integrity", action="store_true", help="skip the checksums of landed bytes")
     rank.add_argument("--token", type=_token, default=_token_default(),
                       help="bootstrap bearer token (default: $EPD_TOKEN, else none)")
-    rank.add_argument("--deadline", type=_seconds, default=config.resolve("EPD_DEADLINE_S"),
+    rank.add_argument("--deadline", type=_seconds, default=_FromEnv("EPD_DEADLINE_S"),
                       help="per-room deadline, seconds (default: $EPD_DEADLINE_S, else 60)")
-    rank.add_argument("--bootstrap-timeout", type=_seconds, default=config.resolve("EPD_FANOUT_TIMEOUT_S"),
+    rank.add_argument("--bootstrap-timeout", type=_seconds, default=_FromEnv("EPD_FANOUT_TIMEOUT_S"),
                       help="how long to wait for the bootstrap server and the peers, seconds "
                            "(default: $EPD_FANOUT_TIMEOUT_S, else 120)")
     rank.add_argument("--linger", type=_non_negative_seconds, default=2.0,
@@ -472,11 +505,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `epd-transfer` console script."""
     try:
-        parser = build_parser()
-    except ConfigError as error:  # an EPD_* variable a default comes from
+        args = parse_args(argv)
+    except ConfigError as error:  # an EPD_* variable a default of this command comes from
         print(f"epd-transfer: {error}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

@@ -413,6 +413,27 @@ def check_mc_env(mc_env: dict[str, str]) -> Check:
     return Check("mc-env", "ok", " ".join(f"{k}={v}" for k, v in mc_env.items()))
 
 
+def check_epd_env(environ: Mapping[str, str] | None = None) -> Check:
+    """The EPD_* variables set, each parsed as the component that reads it will: a bad one fails here first."""
+    from transfer import config
+    from transfer.errors import ConfigError
+
+    env = os.environ if environ is None else environ
+    names = [s.env for s in config.SETTINGS if env.get(s.env, "") != ""]
+    bad = []
+    for name in names:
+        try:
+            config.resolve(name, environ=env)
+        except ConfigError as error:
+            bad.append(str(error))
+    if bad:
+        return Check("epd-env", "fail", "; ".join(bad), "fix or unset the variable (README, Configuration)")
+    if not names:
+        return Check("epd-env", "info", "no EPD_* variables set (the documented defaults)")
+    return Check("epd-env", "ok", " ".join(f"{name}={env[name]}" for name in names if name != "EPD_TOKEN")
+                 + (" EPD_TOKEN=(set)" if "EPD_TOKEN" in names else ""))
+
+
 # ---- putting it together ----------------------------------------------------------
 
 
@@ -447,6 +468,7 @@ def collect_report(sysfs_root: str | None = None, environ: Mapping[str, str] | N
     report.checks.append(wire_check)
     report.mc_env = mc_environment(environ)
     report.checks.append(check_mc_env(report.mc_env))
+    report.checks.append(check_epd_env(environ))
     report.data_path_ok = mooncake_ok or wire_check.level == "ok"
     report.checks.append(_data_path_check(mooncake_ok, wire_check.level == "ok", report.protocol))
     return report

@@ -118,7 +118,7 @@ def test_rank_device_reaches_the_mooncake_engine(monkeypatch):
 
 def test_rank_device_defaults_to_epd_device(monkeypatch):
     monkeypatch.setenv("EPD_DEVICE", "mlx5_3")
-    args = cli.build_parser().parse_args(["rank", "--role", "encode", "--rank", "0", "--bootstrap", "h:1"])
+    args = cli.parse_args(["rank", "--role", "encode", "--rank", "0", "--bootstrap", "h:1"])
     assert args.device == "mlx5_3"
 
 

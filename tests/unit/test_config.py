@@ -214,19 +214,36 @@ def test_the_rank_commands_deadline_and_bootstrap_wait_default_from_the_environm
     monkeypatch.setenv("EPD_DEADLINE_S", "7")
     monkeypatch.setenv("EPD_FANOUT_TIMEOUT_S", "9")
     base = ["rank", "--role", "prefill", "--rank", "0", "--bootstrap", "h:1"]
-    args = cli.build_parser().parse_args(base)
+    args = cli.parse_args(base)
     assert (args.deadline, args.bootstrap_timeout) == (7.0, 9.0)
-    args = cli.build_parser().parse_args([*base, "--deadline", "2", "--bootstrap-timeout", "3"])
+    args = cli.parse_args([*base, "--deadline", "2", "--bootstrap-timeout", "3"])
     assert (args.deadline, args.bootstrap_timeout) == (2.0, 3.0)
-    assert cli.build_parser().parse_args(["demo"]).deadline == 7.0
+    assert cli.parse_args(["demo"]).deadline == 7.0
 
 
 def test_the_command_line_names_a_bad_variable_in_one_line(monkeypatch, capsys):
     monkeypatch.setenv("EPD_DEADLINE_S", "soon")
-    assert cli.main(["doctor"]) == 2
+    assert cli.main(["demo", "--items", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("epd-transfer: EPD_DEADLINE_S='soon' is not a positive number of seconds")
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv", [["bootstrap", "--help"], ["doctor", "--help"], ["--version"]])
+def test_a_bad_variable_leaves_the_commands_that_do_not_read_it_working(monkeypatch, capsys, argv):
+    monkeypatch.setenv("EPD_DEADLINE_S", "soon")
+    monkeypatch.setenv("EPD_FANOUT_TIMEOUT_S", "0")
+    with pytest.raises(SystemExit) as done:
+        cli.main(argv)
+    assert done.value.code == 0
+    assert "EPD_" not in capsys.readouterr().err
+
+
+def test_a_bad_token_in_the_environment_is_named_as_the_variable(monkeypatch, capsys):
+    monkeypatch.setenv("EPD_TOKEN", "bad\x01token")
+    assert cli.main(["bootstrap", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("epd-transfer: EPD_TOKEN='bad\\x01token': the token must be 1 to 4096 printable ASCII")
 
 
 # ------------------------------------------------------------------ one table in the README

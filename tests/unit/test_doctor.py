@@ -173,6 +173,17 @@ def test_mc_env_listing(tmp_path):
     assert "no MC_* variables set" in line_of(text, "mc-env")
 
 
+def test_epd_variables_are_parsed_as_their_components_will(tmp_path):
+    env = {"EPD_DEADLINE_S": "soon", "EPD_SEND_DEPTH": "8", "EPD_TOKEN": "s3cret", "PATH": "/bin"}
+    report, text = run_doctor(tmp_path, environ=env)
+    line = line_of(text, "epd-env")
+    assert line.startswith("FAIL  ") and "EPD_DEADLINE_S='soon' is not a positive number of seconds" in line
+    _, text = run_doctor(tmp_path, environ={"EPD_SEND_DEPTH": "8", "EPD_TOKEN": "s3cret"})
+    assert line_of(text, "epd-env").endswith("EPD_SEND_DEPTH=8 EPD_TOKEN=(set)")  # the token itself stays off
+    _, text = run_doctor(tmp_path, environ={"PATH": "/bin"})
+    assert "no EPD_* variables set" in line_of(text, "epd-env")
+
+
 def test_gpudirect_from_proc_modules(tmp_path):
     modules = tmp_path / "modules"
     modules.write_text("nvidia_peermem 16384 0 - Live 0x0\nnvidia 1 2 - Live 0x0\n")

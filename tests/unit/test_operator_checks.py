@@ -57,13 +57,12 @@ def test_bad_arguments_are_refused_in_one_line(argv, option, capsys):
 def test_the_token_can_come_from_the_environment(monkeypatch):
     # So the launch scripts need not put it on a command line, where `ps` shows it to everyone.
     monkeypatch.setenv("EPD_TOKEN", "-s3cret 'x'")
-    parser = cli.build_parser()
-    assert parser.parse_args(["bootstrap"]).token == "-s3cret 'x'"
-    rank = parser.parse_args(["rank", "--role", "encode", "--rank", "0", "--bootstrap", "h:1"])
+    assert cli.parse_args(["bootstrap"]).token == "-s3cret 'x'"
+    rank = cli.parse_args(["rank", "--role", "encode", "--rank", "0", "--bootstrap", "h:1"])
     assert rank.token == "-s3cret 'x'"
-    assert parser.parse_args(["bootstrap", "--token=other"]).token == "other"
+    assert cli.parse_args(["bootstrap", "--token=other"]).token == "other"
     monkeypatch.delenv("EPD_TOKEN")
-    assert cli.build_parser().parse_args(["bootstrap"]).token is None
+    assert cli.parse_args(["bootstrap"]).token is None
 
 
 def _metrics() -> Metrics:
