@@ -17,6 +17,7 @@ from transfer.core.prefill import (
     LookUpRoute,
     PrefillCore,
     SendAsk,
+    SendCancel,
     Verify,
     Warn,
 )
@@ -358,6 +359,18 @@ def test_rooms_never_asked_fail_as_no_connection_with_the_silent_rank():
     assert c.waiting(ENCODE) == 0 and c.tick(11.0) == []
 
 
+def test_rooms_whose_asks_the_socket_refused_are_safe_to_reuse_when_they_fail():
+    c = core(deadline_s=10.0)
+    routed(c)
+    first = c.receive(0.0, spec(1, slot=1))
+    c.refused(0.0, ENCODE, first[1])
+    second = c.receive(1.0, spec(2, slot=2))
+    failed = c.tick(10.0) + c.tick(11.0)
+    assert sorted(concluded(failed)) == [1, 2]
+    assert not [a for a in failed if isinstance(a, SendCancel)]  # nothing to cancel: nothing was asked
+    assert c.safe(1, first[0]) and c.safe(2, second[0])
+
+
 def test_writable_sends_at_most_a_batch():
     c = core(ask_batch=3)
     routed(c)
@@ -522,10 +535,13 @@ def test_random_interleavings_keep_the_room_invariants(events):
     assert c.next_wakeup() is None
 
 
-def test_a_room_a_status_moved_on_while_it_looked_up_is_not_asked_for_when_the_route_comes():
+def test_a_status_for_a_room_not_yet_asked_for_is_ignored_and_the_room_is_asked_for():
     c = core(deadline_s=10.0)
-    token, _ = c.receive(0.0, spec(0))
+    c.receive(0.0, spec(0))
+    (warn,) = c.status(0.0, 0, TransferPoll.Success, 0, (1,))
+    assert isinstance(warn, Warn) and "before this rank asked for the room; ignored" in warn.message
     c.parallel_resolved(0.0, BOOT, 1, 1)
-    (verify,) = c.status(0.0, 0, TransferPoll.Success, 0, (1,))
-    assert c.route_resolved(1.0, KEY0, ENCODE) == [] and c.stage(0) == "verifying"
-    assert concluded(c.checksum_verified(2.0, 0, token)) == {0: None}
+    (warn,) = c.status(0.5, 0, TransferPoll.Success, 0, ())  # unverified, from the rank it will pair with
+    assert isinstance(warn, Warn) and c.stage(0) == "lookup"
+    assert [type(a) for a in c.route_resolved(1.0, KEY0, ENCODE)] == [Announce, SendAsk]
+    assert c.stage(0) == "asked"

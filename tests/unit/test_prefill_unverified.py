@@ -33,6 +33,17 @@ def test_a_verified_success_is_not_unverified():
     assert conclude.failure is None and not conclude.unverified
 
 
+def test_a_deepstack_success_with_the_embeddings_checksum_only_is_checked_and_counted_unverified():
+    c = core()
+    routed(c)
+    token, _ = c.receive(0.0, spec(1, slot=1, regions=Regions(MAIN.embedding, Region(0x900000, 4096)),
+                                     deepstack=True))
+    (verify,) = c.status(0.1, 1, TransferPoll.Success, 0, (11,))
+    assert [check[0] for check in verify.checks] == ["embedding"]
+    conclude = _conclusion(c.checksum_verified(0.2, 1, token))
+    assert conclude.failure is None and conclude.unverified
+
+
 def test_a_success_with_integrity_off_here_is_not_counted_unverified():
     # Checking was switched off on purpose on this rank: nothing the peer left out.
     c = core(integrity=False)

@@ -224,6 +224,7 @@ class _Room:
     asked_at: float = 0.0
     outcome: Failure | None = None  # once concluded
     asked: bool = False  # its TransferInfo was handed to a socket at least once
+    partly_verified: bool = False  # its Success carried checksums for some of its regions only
     cancelled: bool = False  # a cancel went out, or the memory is known safe without one
     safe: bool = False  # no encode rank writes into its memory any more (known without a cancel)
 
@@ -420,6 +421,7 @@ class PrefillCore:
             if state is not None and state.token == action.token and state.stage == ASKED \
                     and (not rooms or rooms[-1] is not state):
                 state.stage = QUEUED
+                state.asked = False  # its ask never left: nothing will write for it yet
                 rooms.append(state)
         self.asks.put_back(addr, rooms)
         return []
@@ -466,6 +468,12 @@ class PrefillCore:
         state = self._rooms.get(room)
         if state is None or state.stage in (VERIFYING, CONCLUDED):
             return []  # unknown, cleared, or over: stale
+        if not state.asked:
+            # No encode rank has heard of this room from us yet: an earlier room's under the same number
+            # (its manager's predecessor at this endpoint, or a send of it cleared since), or forged.
+            return [Warn(("status for a room not asked for", rank),
+                         f"room {room}: {status.name} from encode rank {rank} before this rank asked for the "
+                         f"room; ignored")]
         if state.encode_rank is not None and rank != state.encode_rank:
             return [Warn(("status from the wrong encode rank", rank),
                          f"room {room}: status from encode rank {rank}, expected {state.encode_rank}; ignored")]
@@ -492,13 +500,14 @@ class PrefillCore:
         checks = tuple((*check, expected) for check, expected in zip(wanted, sums))
         if not checks:  # the encode rank sent none: taken unverified, and counted so
             return self._conclude(state, None, unverified=True)
+        state.partly_verified = len(checks) < len(wanted)  # the deepstack's is optional: counted unverified
         state.stage = VERIFYING
         return [Verify(room, state.token, checks)]
 
     def checksum_verified(self, now: float, room: int, token: int) -> list:
         """Every landed byte matched what the encode rank sent."""
         state = self._verifying(room, token)
-        return [] if state is None else self._conclude(state, None)
+        return [] if state is None else self._conclude(state, None, unverified=state.partly_verified)
 
     def checksum_mismatched(self, now: float, room: int, token: int, what: str, expected: int, landed: int) -> list:
         """The landed `what` (embedding or deepstack) differs from what the encode rank wrote."""
