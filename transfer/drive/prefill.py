@@ -180,6 +180,7 @@ class PrefillDriver:
         self._waker = _io.Waker()
         self._results: deque[tuple] = deque()  # look-up results for the I/O thread
         self._verifies: deque[Verify] = deque()  # checksums a caller's poll handed to the I/O thread
+        self._cancels_out: deque[SendCancel] = deque()  # cancels a caller's clear() handed to the I/O thread
         self._caller_at = -CALLER_LEASE_S  # when the caller last read the status socket
         self._watcher: int | None = None  # the thread whose wait() sleeps on the status socket
         self._watch = threading.Lock()  # held by that thread
@@ -251,6 +252,9 @@ class PrefillDriver:
                 self._awaiting_safe[record.token] = record
                 if len(self._awaiting_safe) > MAX_AWAITING_SAFE:
                     del self._awaiting_safe[next(iter(self._awaiting_safe))]
+            cancels = bool(self._cancels_out)
+        if cancels:
+            self._waker.wake()
         return succeeded
 
     def when_safe(self, record: Room, on_safe: Callable[[], None]) -> None:
@@ -416,6 +420,10 @@ class PrefillDriver:
                 if self._waker.fileno() in events:
                     self._waker.drain()
                     self._take_results()
+                    if self._cancels_out:
+                        with self._lock:
+                            while self._cancels_out:
+                                self._send_cancel(self._cancels_out.popleft())
                 while self._verifies:
                     self._verify(self._verifies.popleft())
                 # Left to the caller, the socket is still read on every turn: a status
@@ -612,7 +620,10 @@ class PrefillDriver:
             elif kind is LookUpParallel or kind is LookUpRoute:
                 self._lookups.submit(action)
             elif kind is SendCancel:
-                self._send_cancel(action)
+                if threading.current_thread() is self._thread:
+                    self._send_cancel(action)
+                else:  # the I/O thread may be polling that socket, which is not thread-safe
+                    self._cancels_out.append(action)
             elif kind is MemorySafe:
                 self._memory_safe(action)
             elif kind is Disconnect:
