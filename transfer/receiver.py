@@ -229,6 +229,8 @@ class SessionManager:
         check_room(room)
         dtype_name = normalize_dtype(dtype) if dtype is not None else None
         if dst is None:
+            if room in self._driver.rooms:  # refused before a slot is leased (the driver checks again, locked)
+                raise ConfigError(f"room {room} is already being received; clear() it first")
             lease, full, full_ds, dst, deepstack_dst = self._lease(room, rows, hidden, dtype_name, row_start, span,
                                                                    deepstack_hidden)
             try:
@@ -276,6 +278,8 @@ class SessionManager:
         if rows is None or hidden is None or dtype is None:
             raise ConfigError(f"room {room}: a pooled receive needs rows, hidden and dtype")
         span = rows if span is None else span
+        if not (0 <= row_start and row_start + rows <= span):
+            raise ConfigError(f"room {room}: shard [{row_start}, {row_start + rows}) outside the item's span {span}")
         torch_dtype = getattr(torch, dtype.removeprefix("torch."))
         nbytes = span * hidden * dtype_size(dtype)
         ds_nbytes = span * (deepstack_hidden or 0) * dtype_size(dtype)

@@ -235,3 +235,21 @@ def test_two_threads_releasing_one_slot_give_it_back_once():
             clock.advance(QUARANTINE_S)
             stats = pool.stats()
             assert (stats["free"], stats["leased"], stats["quarantined"]) == (1, 0, 0)
+
+
+@pytest.mark.live
+def test_a_pooled_receive_refused_before_any_ask_keeps_no_slot(engines):
+    from transfer.bootstrap import BootstrapServer
+    from transfer.errors import ConfigError
+    from transfer.receiver import SessionManager
+
+    _, engine = engines
+    with BootstrapServer(HOST, 0) as server, ReceivePool(engine, 4 * SLOT * 2, SLOT * 2) as pool, \
+            SessionManager(engine, 0, 1, 1, pool=pool, host=HOST, deadline_s=30.0) as manager:
+        manager.receive(1, server.address, rows=4, hidden=64, dtype=BF16)  # waits for an encode rank
+        with pytest.raises(ConfigError, match=r"^room 2: shard \[2, 6\) outside the item's span 4$"):
+            manager.receive(2, server.address, rows=4, hidden=64, dtype=BF16, row_start=2, span=4)
+        with pytest.raises(ConfigError, match=r"^room 1 is already being received"):
+            manager.receive(1, server.address, rows=4, hidden=64, dtype=BF16)
+        stats = pool.stats()
+        assert (stats["leased"], stats["quarantined"], stats["free"]) == (1, 0, 3)
