@@ -22,16 +22,21 @@ from transfer.errors import ConfigError
 __all__ = ["SETTINGS", "Setting", "renamed", "resolve", "setting"]
 
 
+#: The longest wait a setting may ask for: every wait goes down to poll()s and socket timeouts in
+#: milliseconds, whose C ints end at about 24 days.
+MAX_SECONDS = 1e6
+
+
 def _seconds(text: str) -> float:
     value = float(text)
-    if not (math.isfinite(value) and value > 0):
+    if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
         raise ValueError
     return value
 
 
 def _non_negative_seconds(text: str) -> float:
     value = float(text)
-    if not (math.isfinite(value) and value >= 0):
+    if not (math.isfinite(value) and 0 <= value <= MAX_SECONDS):
         raise ValueError
     return value
 
@@ -62,8 +67,8 @@ def _text(text: str) -> str:
 
 # What each kind of value must be: (parser of the environment's text, its description).
 _KINDS: dict[str, tuple[Callable[[str], Any], str]] = {
-    "seconds": (_seconds, "a positive number of seconds"),
-    "seconds0": (_non_negative_seconds, "a non-negative number of seconds"),
+    "seconds": (_seconds, f"a positive number of seconds up to {MAX_SECONDS:.0f}"),
+    "seconds0": (_non_negative_seconds, f"a non-negative number of seconds up to {MAX_SECONDS:.0f}"),
     "count": (_positive_int, "a positive integer"),
     "bytes": (_positive_int, "a positive number of bytes"),
     "flag": (_flag, "one of 1, 0, true, false, yes, no, on, off"),

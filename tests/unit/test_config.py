@@ -53,11 +53,13 @@ def test_an_argument_wins_even_over_a_variable_that_would_not_parse():
     ("EPD_LOOKUP_TIMEOUT_S", "-2", "a positive number of seconds"),
     ("EPD_FANOUT_TIMEOUT_S", "inf", "a positive number of seconds"),
     ("EPD_REGISTER_TIMEOUT_S", "nan", "a positive number of seconds"),
+    ("EPD_LOOKUP_TIMEOUT_S", "1e10", "a positive number of seconds up to 1000000"),
     ("EPD_SEND_DEPTH", "0", "a positive integer"),
     ("EPD_SEND_DEPTH", "2.5", "a positive integer"),
     ("EPD_MAX_PARKED_BYTES", "64MiB", "a positive number of bytes"),
     ("EPD_QUARANTINE_S", "-1", "a non-negative number of seconds"),
     ("EPD_FALLBACK_GRACE_S", "x", "a non-negative number of seconds"),
+    ("EPD_QUARANTINE_S", "2e6", "a non-negative number of seconds up to 1000000"),
     ("EPD_ZMQ_SCHED_BATCH", "maybe", "one of 1, 0, true, false"),
 ])
 def test_a_bad_value_is_refused_naming_the_variable_the_value_and_what_it_sets(env, text, what):
@@ -133,7 +135,7 @@ def test_a_session_manager_refuses_a_bad_variable_before_it_starts_anything(monk
 
     monkeypatch.setenv("EPD_LOOKUP_TIMEOUT_S", "two")
     with pytest.raises(ConfigError, match=r"^EPD_LOOKUP_TIMEOUT_S='two' is not a positive number of seconds "
-                                          r"\(SessionManager lookup_timeout_s"):
+                                          r"up to 1000000 \(SessionManager lookup_timeout_s"):
         SessionManager(Untouchable(), 0, 1, buffer=object())
 
 
