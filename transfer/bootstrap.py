@@ -139,8 +139,9 @@ def _parse_registration(raw: bytes) -> tuple[int, int, str, int, int]:
     if world_size % dp_size != 0:
         raise _RequestError(400, f"world_size {world_size} is not a multiple of dp_size {dp_size}")
     rank_ip = body.get("rank_ip")
-    if not isinstance(rank_ip, str) or not rank_ip or len(rank_ip) > MAX_HOST_CHARS:
-        raise _RequestError(400, f"rank_ip must be a non-empty string of at most {MAX_HOST_CHARS} characters")
+    if not isinstance(rank_ip, str) or not 0 < len(rank_ip) <= MAX_HOST_CHARS or not _HOST.fullmatch(rank_ip):
+        raise _RequestError(400, f"rank_ip must be an IP address or host name of at most {MAX_HOST_CHARS} "
+                                 f"characters (letters, digits, '.', '-', '_', ':', '%')")
     rank_port = _field_int(body, "rank_port", 1, 65535)
     engine_rank = _field_int(body, "engine_rank", 0, world_size - 1)
     return world_size, dp_size, rank_ip, rank_port, engine_rank
@@ -295,11 +296,12 @@ class BootstrapServer:
         (its first free port; `.port` says which). OSError when it cannot bind
         (`PortsInUse` when no port of the range is free).
         """
+        token = check_token(token)
         server_class = _HTTPServer.for_host(host)
         self._server = bind_port(port, lambda number: server_class((host, number), _Handler),
                                  f"bootstrap server on {host}")
         self._server.table = _RouteTable()
-        self._server.token = token or None
+        self._server.token = token
         self.host = host
         self.port = int(self._server.server_address[1])
         self.address = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
@@ -340,6 +342,21 @@ def _positive_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+#: What a rank's address may hold: a host name, an IPv4 or IPv6 address (with a zone). It goes into
+#: ZMQ endpoints and log lines, so nothing else (spaces, newlines, ';', '/') gets in.
+_HOST = re.compile(r"[A-Za-z0-9._:%-]+")
+
+
+def check_token(token: str | None) -> str | None:
+    """A bearer token as the server and clients take it: None or "" (none), else 1 to 4096 printable
+    ASCII characters, as an HTTP header carries them; ConfigError otherwise."""
+    if token is None or token == "":
+        return None
+    if not isinstance(token, str) or len(token) > 4096 or not all(" " <= c <= "~" for c in token):
+        raise ConfigError("the token must be 1 to 4096 printable ASCII characters (it travels in an HTTP header)")
+    return token
+
+
 def _split_address(address: str) -> tuple[str, int]:
     """Split "host:port" (or "[v6]:port") into host and port."""
     if not isinstance(address, str):
@@ -347,8 +364,8 @@ def _split_address(address: str) -> tuple[str, int]:
     if "://" in address:
         raise ConfigError(f"bootstrap address must be host:port without a scheme, got {address!r}")
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ConfigError(f"bootstrap address must be host:port, got {address!r}")
+    if not sep or not host or not (port.isascii() and port.isdigit() and 0 < int(port) <= 65535):
+        raise ConfigError(f"bootstrap address must be host:port (a port of 1-65535), got {address!r}")
     return host.strip("[]"), int(port)
 
 
@@ -371,7 +388,7 @@ class BootstrapClient:
         self.address = address
         self.host, self.port = _split_address(address)
         self.timeout = timeout
-        self.token = token
+        self.token = check_token(token)
 
     def _request(self, method: str, path: str, body: bytes | None = None,
                  headers: dict[str, str] | None = None,

@@ -298,10 +298,16 @@ def _host_port(text: str) -> str:
 
 def _token(text: str) -> str:
     """A bearer token: printable ASCII (it travels in an HTTP header), at most 4096 characters."""
-    if not text or len(text) > 4096 or not all(" " <= c <= "~" for c in text):
+    from transfer.bootstrap import check_token
+
+    try:
+        token = check_token(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if token is None:
         raise argparse.ArgumentTypeError("the token must be 1 to 4096 printable ASCII characters "
                                          "(it travels in an HTTP header)")
-    return text
+    return token
 
 
 class _FromEnv:

@@ -14,7 +14,9 @@ from transfer.bootstrap import (
     _parse_registration,
     _RequestError,
     _RouteTable,
+    check_token,
 )
+from transfer.errors import ConfigError
 
 
 def _body(**fields) -> bytes:
@@ -56,6 +58,31 @@ def test_an_overlong_rank_ip_is_a_400():
     with pytest.raises(_RequestError) as refused:
         _parse_registration(_body(rank_ip="a" * (MAX_HOST_CHARS + 1)))
     assert refused.value.status == 400 and "rank_ip" in refused.value.text
+
+
+@pytest.mark.parametrize("rank_ip", ["a b", "10.0.0.1\nforged log line", "x;tcp://y", "h/1", "\u00e9t\u00e9", ""])
+def test_a_rank_ip_that_is_no_address_is_a_400(rank_ip):
+    with pytest.raises(_RequestError) as refused:
+        _parse_registration(_body(rank_ip=rank_ip))
+    assert refused.value.status == 400 and refused.value.text.startswith("rank_ip must be an IP address or host name")
+
+
+@pytest.mark.parametrize("rank_ip", ["10.0.0.1", "fe80::1%eth0", "encode-0.cluster_a.local", "2001:db8::7"])
+def test_addresses_and_host_names_are_taken_as_rank_ips(rank_ip):
+    assert _parse_registration(_body(rank_ip=rank_ip))[2] == rank_ip
+
+
+@pytest.mark.parametrize("token", ["\u20acuro", "a\r\nX-Evil: 1", "t" * 4097, b"bytes"])
+def test_a_token_no_http_header_can_carry_is_refused_by_the_client(token):
+    with pytest.raises(ConfigError, match=r"^the token must be 1 to 4096 printable ASCII characters"):
+        BootstrapClient("127.0.0.1:8998", token=token)
+    assert check_token("") is None and check_token(None) is None and check_token("s3cret x") == "s3cret x"
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:\u00b2", "127.0.0.1:0", "127.0.0.1:65536"])
+def test_a_bootstrap_address_without_a_real_port_is_refused(address):
+    with pytest.raises(ConfigError, match=r"^bootstrap address must be host:port \(a port of 1-65535\)"):
+        BootstrapClient(address)
 
 
 def _client_answering(answer: dict) -> BootstrapClient:
