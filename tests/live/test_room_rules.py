@@ -347,6 +347,7 @@ def _stand_in_encode_rank(server):
 
 def test_a_status_whose_handling_fails_fails_its_room_only():
     import torch
+    from live_helpers import wait_until
 
     from transfer import _io
     from transfer.frames import status_frames
@@ -368,6 +369,8 @@ def test_a_status_whose_handling_fails_fails_its_room_only():
 
                 manager._driver._checksum = checksum_or_break
                 first, second = manager.receive(1, server.address, buf[0]), manager.receive(2, server.address, buf[1])
+                # A status answers an ask: both go out before the stand-in answers them.
+                assert wait_until(lambda: all(manager._driver.core.stage(r) == "asked" for r in (1, 2)), 5)
                 statuses = _io.push_socket("127.0.0.1", manager.status_port)
                 landed = checksum(_io.as_region(buf), buf[1].data_ptr(), buf[1].numel() * buf.element_size())
                 for room in (1, 2):
@@ -461,12 +464,12 @@ def test_a_route_that_cannot_be_connected_fails_its_room_only():
     from transfer.status import TransferPoll
 
     with Engine("127.0.0.1", "tcp") as engine, BootstrapServer("127.0.0.1", 0) as server:
-        BootstrapClient(server.address).register_rank(1, 1, "bad host", 5000, 0)
+        BootstrapClient(server.address).register_rank(1, 1, "-bad", 5000, 0)  # ZMQ refuses it at connect()
         buf = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
         with SessionManager(engine, 0, 1, 1, buffer=buf) as manager:
             first = manager.receive(1, server.address, buf[0])
             assert first.wait(5) == TransferPoll.Failed
-            assert "encode rank 0 at bad host:5000" in first.failure and "cannot connect" in first.failure
+            assert "encode rank 0 at -bad:5000" in first.failure and "cannot connect" in first.failure
             second = manager.receive(2, server.address, buf[1])  # looked up afresh, fails the same way
             assert second.wait(5) == TransferPoll.Failed and "cannot connect" in second.failure
             assert first.failure_kind is FailureKind.NO_CONNECTION

@@ -546,6 +546,44 @@ def test_a_successor_at_the_same_status_endpoint_supersedes_its_predecessors_par
     assert run.conclusions() == [(0, TransferPoll.Success, None), (1, TransferPoll.Success, None)]
 
 
+@pytest.mark.parametrize("old_write", ["fails", "lands"])
+def test_a_successors_retry_is_served_while_its_predecessors_write_tells_nobody_anything(old_write):
+    run = Run()
+    old, new = "10.0.0.7:17000", "10.0.0.7:18000"
+    run(run.core.registration(Registration("10.0.0.7", 6000, old, 0x10000, 0, 4 * ROW, 0), 0.0))
+    run.offer(_offer(7))
+    (first,) = run.of(StartWrite, run.ask(_ask(7, session=old)))
+    # The rank restarts at the same status endpoint under a new session and asks for room 7 again.
+    run(run.core.registration(Registration("10.0.0.7", 6000, new, 0x10000, 0, 4 * ROW, 0), 1.0))
+    (retry,) = run.of(StartWrite, run.at(1.0).ask(_ask(7, session=new)))
+    assert retry.session_id == new
+    if old_write == "fails":
+        over = run(run.core.write_failed(first.wid, "peer gone", 30.0, 31.0))
+    else:
+        over = run(run.core.write_done(first.wid, (5,), 31.0))
+    assert run.of(PushStatus, over) == [] and run.of(Conclude, over) == [] and run.of(Release, over) == []
+    done = run(run.core.write_done(retry.wid, (9,), 32.0))
+    assert [(p.port, p.status, p.checksums) for p in run.of(PushStatus, done)] == [(6000, TransferPoll.Success, (9,))]
+    assert [(c.room, c.status) for c in run.of(Conclude, done)] == [(7, TransferPoll.Success)]
+    assert [r.room for r in run.of(Release, done)] == [7]
+
+
+def test_a_room_is_released_only_once_its_predecessors_write_is_over_too():
+    run = Run()
+    old, new = "10.0.0.7:17000", "10.0.0.7:18000"
+    run(run.core.registration(Registration("10.0.0.7", 6000, old, 0x10000, 0, 4 * ROW, 0), 0.0))
+    run.offer(_offer(7))
+    (first,) = run.of(StartWrite, run.ask(_ask(7, session=old)))
+    run(run.core.registration(Registration("10.0.0.7", 6000, new, 0x10000, 0, 4 * ROW, 0), 1.0))
+    (retry,) = run.of(StartWrite, run.at(1.0).ask(_ask(7, session=new)))
+    done = run(run.core.write_done(retry.wid, (9,), 2.0))
+    assert [p.status for p in run.of(PushStatus, done)] == [TransferPoll.Success]
+    assert run.of(Release, done) == []  # the predecessor's write still reads the item
+    over = run(run.core.write_failed(first.wid, "peer gone", 30.0, 31.0))
+    assert [r.room for r in run.of(Release, over)] == [7] and run.of(PushStatus, over) == []
+    assert [(c.room, c.status) for c in run.of(Conclude)] == [(7, TransferPoll.Success)]
+
+
 def test_a_successor_asking_for_the_same_shard_of_a_full_fanout_supersedes_only_that_rank():
     run = Run()
     span, fanout = 8, 2

@@ -361,6 +361,11 @@ class EncodeCore:
         return self._flush(now)
 
     @staticmethod
+    def _serves(job: _Job) -> bool:
+        """Whether the job's receiver is still one its room answers (not spared: cancelled or superseded)."""
+        return any(info is job.info for info in job.room.receivers)
+
+    @staticmethod
     def _spare(room: _Room, session: str) -> None:
         """Leaves a cancelling receiver out of the room's Failed pushes: its answer says it all, and a plain
         Failed could reach the retry it may already have asked for under the same room number."""
@@ -385,7 +390,7 @@ class EncodeCore:
         job = self._writes.pop(wid, None)
         if job is not None:
             self.scheduler.finished(job.info.session_id)
-            if not job.room.failed:
+            if not job.room.failed and self._serves(job):
                 self._push(job.info, TransferPoll.Success, checksums)
             self._job_over(job)
             self._job_done(job, now)
@@ -407,7 +412,8 @@ class EncodeCore:
                        "for %.1fs before failing: a peer that accepts connections but never answers the engine's "
                        "handshake? Writes to it fail at once for the next %.0fs, or until it registers again",
                        session[:64], took, trip.until - now)
-        self._fail(job.room, FailureKind.WRITE, f"write to {session} (room {job.room.room}) failed: {error}", now)
+        if self._serves(job):  # a superseded session's failure is not its room's
+            self._fail(job.room, FailureKind.WRITE, f"write to {session} (room {job.room.room}) failed: {error}", now)
         self._job_over(job)
         self._job_done(job, now)
         return self._flush(now)
@@ -415,7 +421,7 @@ class EncodeCore:
     def checksum_failed(self, wid: int, error: str, now: float) -> list:
         """Checksumming a write's rows failed: its room fails (the write stays tracked until it is over)."""
         job = self._writes.get(wid)
-        if job is not None:
+        if job is not None and self._serves(job):
             self._fail(job.room, FailureKind.CHECKSUM,
                        f"room {job.room.room}: checksumming its rows for {job.info.session_id} failed: {error}", now)
         return self._flush(now)
@@ -492,9 +498,13 @@ class EncodeCore:
         """A restarted rank's new session replaces its old one: the old one's parked asks are dropped.
 
         They are not told Failed: the process that made them is gone, and its status
-        endpoint may be its successor's, which would take that Failed for its retry.
-        Writes already queued for the old session fail on their own.
+        endpoint may be its successor's, which would take that Failed for its retry. Writes
+        already queued or in flight for the old session go on, but tell it nothing either,
+        Success or Failed, for the same reason.
         """
+        for room in self._rooms.values():
+            if not room.succeeded and any(info.session_id == old for info in room.receivers):
+                self._spare(room, old)
         dropped = self.parked.drop_session(old)
         self.regions.forget(old)
         self.breaker.reset(old)
@@ -589,7 +599,7 @@ class EncodeCore:
             self._fail(room, kind, reason, now)
             return
         self._out.append(Progress(room_number, offer.token, TransferPoll.Transferring, asks.first_at, now))
-        room.pending = len(infos)
+        room.pending += len(infos)  # a superseded session's write may still be in flight
         room.asked_at = asks.first_at
         for info in infos:
             job = _Job(room, info)
