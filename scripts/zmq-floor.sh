@@ -34,8 +34,32 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cc -O2 -Wall -Wextra -o "$work/zmq_floor" "$here/zmq_floor.c" "$libzmq" -Wl,-rpath,"$(dirname "$libzmq")"
 
-# A free base port with FANOUT ports above it, found the way the kernel hands one out.
-free_port() { "$python" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+# A base port with its FANOUT ports above it all free, below the kernel's ephemeral range (whose
+# ports other processes' connections take at any moment).
+free_ports() {
+    "$python" - "$1" <<'PY'
+import random, socket, sys
+count = int(sys.argv[1]) + 1
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+for _ in range(200):
+    base = random.randrange(10000 if low > 12000 else 1024, max(low - count, 1025))
+    socks = []
+    try:
+        for port in range(base, base + count):
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", port))
+    except OSError:
+        continue
+    finally:
+        for s in socks:
+            s.close()
+    print(base)
+    break
+else:
+    sys.exit("zmq-floor: no free run of ports below the ephemeral range")
+PY
+}
 
 printf '%-7s %-9s %-9s %9s %8s %16s %10s %11s\n' fanout inflight write_us rooms/s "p50 ms" "control ms/room" "encode ms" "prefill ms"
 IFS=, read -r -a fanout_list <<< "$fanouts"
@@ -44,8 +68,7 @@ IFS=, read -r -a write_list <<< "$write_us"
 for write in "${write_list[@]}"; do
     for fanout in "${fanout_list[@]}"; do
         for depth in "${inflight_list[@]}"; do
-            port=$(free_port)
-            if [ $((port + fanout)) -gt 65535 ]; then port=$((port - fanout - 1)); fi
+            port=$(free_ports "$fanout")
             read -r f i w rate p50 control enc pre < <("$work/zmq_floor" "$fanout" "$depth" "$rooms" "$write" "$port")
             printf '%-7s %-9s %-9s %9s %8s %16s %10s %11s\n' "$f" "$i" "$w" "$rate" "$p50" "$control" "$enc" "$pre"
         done

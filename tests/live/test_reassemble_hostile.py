@@ -423,7 +423,7 @@ def test_agree_with_different_key_widths_raises_everywhere(tmp_path):
 
 def test_agree_with_an_invalid_key_on_one_rank_raises_everywhere_promptly(tmp_path):
     for rank, obs in enumerate(seen(run_ranks("agree_bad_key_on_one_rank", 2, tmp_path))):
-        assert obs["raised"] is not None and obs["raised"].startswith("ValueError: agree:"), (rank, obs)
+        assert obs["raised"] is not None and obs["raised"].startswith("ConfigError: agree:"), (rank, obs)
         assert obs["took"] < GROUP_TIMEOUT_S - 5, (rank, obs["took"])
 
 
@@ -446,7 +446,7 @@ def test_a_wrong_block_on_one_rank_raises_everywhere_promptly(tmp_path):
     for rank, obs in enumerate(observed):
         for name in ("block_size", "rank_in_block"):
             got = obs[name]
-            assert got["raised"] is not None and got["raised"].startswith("ValueError: reassemble:"), (rank, name, got)
+            assert got["raised"] is not None and got["raised"].startswith("ConfigError: reassemble:"), (rank, name, got)
             expected = name if rank == 1 else "another rank of the group refused the batch"
             assert expected in got["raised"], (rank, name, got["raised"])
             assert got["took"] < GROUP_TIMEOUT_S - 5, (rank, name, got["took"])
