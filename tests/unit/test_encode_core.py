@@ -546,17 +546,23 @@ def test_a_successor_at_the_same_status_endpoint_supersedes_its_predecessors_par
     assert run.conclusions() == [(0, TransferPoll.Success, None), (1, TransferPoll.Success, None)]
 
 
-@pytest.mark.parametrize("old_write", ["fails", "lands"])
-def test_a_successors_retry_is_served_while_its_predecessors_write_tells_nobody_anything(old_write):
-    run = Run()
+def _restarted_mid_write(run: Run) -> tuple[StartWrite, StartWrite]:
+    """Room 7's write to a rank in flight when the rank restarts at the same status endpoint under a
+    new session and asks for room 7 again: (the predecessor's write, the successor's)."""
     old, new = "10.0.0.7:17000", "10.0.0.7:18000"
     run(run.core.registration(Registration("10.0.0.7", 6000, old, 0x10000, 0, 4 * ROW, 0), 0.0))
     run.offer(_offer(7))
     (first,) = run.of(StartWrite, run.ask(_ask(7, session=old)))
-    # The rank restarts at the same status endpoint under a new session and asks for room 7 again.
     run(run.core.registration(Registration("10.0.0.7", 6000, new, 0x10000, 0, 4 * ROW, 0), 1.0))
     (retry,) = run.of(StartWrite, run.at(1.0).ask(_ask(7, session=new)))
     assert retry.session_id == new
+    return first, retry
+
+
+@pytest.mark.parametrize("old_write", ["fails", "lands"])
+def test_a_successors_retry_is_served_while_its_predecessors_write_tells_nobody_anything(old_write):
+    run = Run()
+    first, retry = _restarted_mid_write(run)
     if old_write == "fails":
         over = run(run.core.write_failed(first.wid, "peer gone", 30.0, 31.0))
     else:
@@ -570,12 +576,7 @@ def test_a_successors_retry_is_served_while_its_predecessors_write_tells_nobody_
 
 def test_a_room_is_released_only_once_its_predecessors_write_is_over_too():
     run = Run()
-    old, new = "10.0.0.7:17000", "10.0.0.7:18000"
-    run(run.core.registration(Registration("10.0.0.7", 6000, old, 0x10000, 0, 4 * ROW, 0), 0.0))
-    run.offer(_offer(7))
-    (first,) = run.of(StartWrite, run.ask(_ask(7, session=old)))
-    run(run.core.registration(Registration("10.0.0.7", 6000, new, 0x10000, 0, 4 * ROW, 0), 1.0))
-    (retry,) = run.of(StartWrite, run.at(1.0).ask(_ask(7, session=new)))
+    first, retry = _restarted_mid_write(run)
     done = run(run.core.write_done(retry.wid, (9,), 2.0))
     assert [p.status for p in run.of(PushStatus, done)] == [TransferPoll.Success]
     assert run.of(Release, done) == []  # the predecessor's write still reads the item
