@@ -413,6 +413,19 @@ def test_close_fails_open_rooms_and_parked_asks_but_keeps_sources_with_writes_in
     assert run.of(Release, out) == [Release(2, parked.token)]
 
 
+@pytest.mark.parametrize("give_up_writes", [True, False])
+def test_a_room_failed_by_close_is_released_after_its_write_only_when_the_driver_still_settles_it(give_up_writes):
+    run = Run()
+    flying = _offer(1)
+    run.offer(flying)
+    (write,) = run.of(StartWrite, run.ask(_ask(1, session="a")))
+    closed = run(run.core.close(1.0, "sender pool stopped: boom", give_up_writes=give_up_writes))
+    assert run.conclusions() == [(1, TransferPoll.Failed, FailureKind.CLOSED)] and run.of(Release, closed) == []
+    over = run(run.core.write_done(write.wid, (), 2.0))
+    assert run.of(Release, over) == ([] if give_up_writes else [Release(1, flying.token)])
+    assert run.statuses(over) == []  # the room failed: its receiver was told so at the close
+
+
 def test_next_wakeup_is_the_sweep_or_a_clears_grace():
     run = Run()
     assert run.core.next_wakeup() == pytest.approx(0.5)

@@ -440,11 +440,13 @@ class EncodeCore:
         """No write starts from now on (closing: those in flight settle first)."""
         self._writes_stopped = True
 
-    def close(self, now: float, detail: str = "sender pool closed") -> list:
+    def close(self, now: float, detail: str = "sender pool closed", *, give_up_writes: bool = True) -> list:
         """Fails every open room and parked ask; writes still in flight keep their rooms' sources.
 
         Writes waiting for a slot never start. A room whose write is still in flight
-        (the engine may read its rows) concludes Failed without a Release.
+        (the engine may read its rows) concludes Failed without a Release, unless
+        `give_up_writes` is False: the driver still settles them, and each room is then
+        released once its last write is over.
         """
         self._closed = True
         self._close_detail = detail
@@ -455,8 +457,9 @@ class EncodeCore:
             self._fail(room, FailureKind.CLOSED, detail, now)
         for job in self.scheduler.take_all():  # every room is failed now: these only count out
             self._job_done(job, now)
-        for job in self._writes.values():  # cleared rooms still in flight: release none of them
-            job.room.released = True
+        if give_up_writes:
+            for job in self._writes.values():  # cleared rooms still in flight: release none of them
+                job.room.released = True
         self._unserved.clear()
         return self._out_take()
 

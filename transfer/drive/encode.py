@@ -507,7 +507,8 @@ class EncodeDriver:
         now = self.clock()
         try:
             self.core.stop_writes()
-            self._carry(self.core.close(now, detail))
+            # _close() settles the writes in flight next: each room is released once its writes are over.
+            self._carry(self.core.close(now, detail, give_up_writes=False))
         except Exception:
             log.exception("the encode core could not fail its rooms; failing them in the room book")
         self.book.fail_open(Failure(FailureKind.CLOSED, detail), now)
