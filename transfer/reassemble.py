@@ -26,6 +26,7 @@ the group's timeout (`init_process_group`/`new_group` `timeout=`); this module s
 from __future__ import annotations
 
 import logging
+import operator
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -86,7 +87,7 @@ def agree(oks: Sequence[bool], group: dist.ProcessGroup | None = None, *, keys: 
 
 
 def _check_member(group: dist.ProcessGroup | None, what: str) -> None:
-    """ValueError on a rank outside `group`: torch.distributed would skip its collectives silently."""
+    """ConfigError on a rank outside `group`: torch.distributed would skip its collectives silently."""
     if dist.get_rank(group) < 0:
         raise ConfigError(f"{what}: this rank is not a member of the group")
 
@@ -206,7 +207,7 @@ def _dtype_code(tensor: torch.Tensor | None) -> int:
 
 def _room_key(room: int) -> int:
     """The room as an agreement key: itself for every room the wire carries (0 .. 2**63 - 1)."""
-    return int(room) % (_I64_MAX + 1)
+    return operator.index(room) % (_I64_MAX + 1)
 
 
 def _keys(item: ShardedItem) -> tuple[int, int, int, int, int]:
@@ -272,10 +273,11 @@ def reassemble(items: Sequence[ShardedItem], group: dist.ProcessGroup | None = N
     group, or one encode block with per-block shards) with the same items in the same
     order. One all-reduce agrees on the outcome, one all-gather rebuilds the rows.
     An item flagged False is left exactly as it was. Ranks that disagree on the
-    number of items or on the room at a position raise RuntimeError on every rank,
-    before any row is written; so does a rank whose `block_size` or `rank_in_block`
-    contradicts the group (ValueError, naming it on that rank). A rank outside `group`
-    raises ValueError.
+    number of items or on the room at a position raise UsageError (a RuntimeError) on
+    every rank, before any row is written; a rank whose `block_size` or `rank_in_block`
+    contradicts the group, or that holds an item without an integer room or a readable
+    outcome, makes every rank raise ConfigError (a ValueError, naming the reason on that
+    rank). A rank outside `group` raises ConfigError.
     """
     _check_member(group, "reassemble")
     size = dist.get_world_size(group)
@@ -284,13 +286,21 @@ def reassemble(items: Sequence[ShardedItem], group: dist.ProcessGroup | None = N
     # An empty batch still takes part in the agreement: a peer with items is waiting in it.
     device = _batch_device(items, group)
     oks, keys = [], []
-    for item in items:
-        problem = _check_item(item, device)
+    for i, item in enumerate(items):
+        try:
+            room, ok = _room_key(item.room), bool(item.ok)
+            problem = _check_item(item, device)
+        except Exception as exc:  # noqa: BLE001 - any bad value must still reach the collective
+            # Without a room the position cannot be agreed: refuse the batch on every rank.
+            refusal = refusal or f"item {i} is not a usable ShardedItem ({type(exc).__name__}: {exc})"
+            oks.append(False)
+            keys.append((-1,) * 6)
+            continue
         if problem is not None:
             # Not raising: the other ranks are already in the collective; fail the item everywhere.
-            log.warning("room %s on rank %d of the block: %s; failing it", item.room, rank, problem)
-        oks.append(bool(item.ok) and problem is None)
-        keys.append((_room_key(item.room), *(_keys(item) if problem is None else (-1,) * 5)))
+            log.warning("room %s on rank %d of the block: %s; failing it", room, rank, problem)
+        oks.append(ok and problem is None)
+        keys.append((room, *(_keys(item) if problem is None else (-1,) * 5)))
     reduced = _agreement(oks, keys, group, device, "reassemble", refusal)
     _check_rooms(reduced)
     agreed = _flags(reduced)
@@ -312,14 +322,14 @@ def _check_block(size: int, rank: int, block_size: int | None, rank_in_block: in
 
 def _batch_device(items: Sequence[ShardedItem], group: dist.ProcessGroup | None) -> torch.device:
     """Where the batch's collectives run: NCCL's current CUDA device, else the first item's device."""
-    first = items[0].full if items else None
+    first = getattr(items[0], "full", None) if items else None
     if dist.get_backend(group) != "nccl" and isinstance(first, torch.Tensor):
         return first.device
     return _default_device(group)
 
 
 def _check_rooms(reduced: torch.Tensor) -> None:
-    """RuntimeError (on every rank alike) where the ranks hold different rooms at one position."""
+    """UsageError (on every rank alike) where the ranks hold different rooms at one position."""
     if not reduced.numel():
         return
     width = (reduced.shape[1] - 1) // 2

@@ -82,6 +82,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from transfer import _io, _native, wire
+from transfer.config import MAX_SECONDS
 from transfer.engine import RegisteredMemory, _buffer_span
 from transfer.errors import ConfigError, EngineError, UsageError
 from transfer.ports import PortSpec, bind_port
@@ -90,6 +91,7 @@ log = logging.getLogger(__name__)
 
 #: Data bytes per LAYER frame, and the listener's bounce-buffer size by default.
 CHUNK_BYTES = 4 << 20
+MAX_CONNECTIONS = 4096  # the native listener's bound on its connection slots
 #: Idle connections kept per peer session; more are closed when they come back.
 IDLE_PER_SESSION = 8
 #: write_async() batches of a lone busy peer that run at once (more wait in its queue), shared
@@ -322,6 +324,15 @@ class WireEngine(RegisteredMemory):
         least one each)."""
         if int(writers_per_peer) < 1:
             raise ConfigError(f"writers_per_peer must be at least 1, got {writers_per_peer}")
+        largest = wire.MAX_PAYLOAD - wire.LAYER_HEADER
+        if not 1 <= int(chunk_bytes) <= largest:
+            raise ConfigError(f"chunk_bytes must be within 1..{largest} (a LAYER frame's payload), got {chunk_bytes}")
+        if not 1 <= int(max_connections) <= MAX_CONNECTIONS:
+            raise ConfigError(f"max_connections must be within 1..{MAX_CONNECTIONS}, got {max_connections}")
+        for name, value in (("recv_timeout_s", recv_timeout_s), ("idle_timeout_s", idle_timeout_s),
+                            ("reply_timeout_s", reply_timeout_s), ("connect_timeout_s", connect_timeout_s)):
+            if not 0 < float(value) <= MAX_SECONDS:
+                raise ConfigError(f"{name} must be a positive number of seconds up to {MAX_SECONDS:.0f}, got {value}")
         self.writers_per_peer = int(writers_per_peer)
         self.hostname = hostname
         self.chunk_bytes = int(chunk_bytes)

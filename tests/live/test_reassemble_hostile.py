@@ -387,6 +387,21 @@ def wrong_block_on_one_rank(rank: int, size: int) -> dict:
     return out
 
 
+def unusable_item_on_one_rank(rank: int, size: int) -> dict:
+    """The last rank holds an item whose room is text, then one whose outcome has no truth value;
+    afterwards a well-formed batch must still work."""
+    out = {}
+    for name, field, value in (("room", "room", "seven"), ("ok", "ok", torch.ones(2))):
+        cases = [Case(rank, size, 110, 6), Case(rank, size, 111, 4)]
+        if rank == size - 1:
+            setattr(cases[1].item, field, value)
+        started = time.monotonic()
+        out[name] = judge(cases, reassemble)
+        out[name]["took"] = time.monotonic() - started
+    out["after"] = judge([Case(rank, size, 112, 5)], reassemble)
+    return out
+
+
 def dead_peer(rank: int, size: int) -> dict:
     """Rank 1 exits without a word once the group is up; rank 0 must not wait the group timeout."""
     dist.barrier()
@@ -448,6 +463,19 @@ def test_a_wrong_block_on_one_rank_raises_everywhere_promptly(tmp_path):
             got = obs[name]
             assert got["raised"] is not None and got["raised"].startswith("ConfigError: reassemble:"), (rank, name, got)
             expected = name if rank == 1 else "another rank of the group refused the batch"
+            assert expected in got["raised"], (rank, name, got["raised"])
+            assert got["took"] < GROUP_TIMEOUT_S - 5, (rank, name, got["took"])
+            assert all(got["untouched"]), (rank, name)
+        assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
+
+
+def test_an_unusable_item_on_one_rank_raises_everywhere_promptly(tmp_path):
+    observed = seen(run_ranks("unusable_item_on_one_rank", 2, tmp_path))
+    for rank, obs in enumerate(observed):
+        for name in ("room", "ok"):
+            got = obs[name]
+            assert got["raised"] is not None and got["raised"].startswith("ConfigError: reassemble:"), (rank, name, got)
+            expected = "item 1 is not a usable ShardedItem" if rank == 1 else "another rank of the group refused"
             assert expected in got["raised"], (rank, name, got["raised"])
             assert got["took"] < GROUP_TIMEOUT_S - 5, (rank, name, got["took"])
             assert all(got["untouched"]), (rank, name)
