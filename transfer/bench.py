@@ -52,6 +52,11 @@ its writes queued (writing), its last write over (written; at fanout > 1 a rank'
 may come before it, once that rank's own write is over), the status read (status) and the
 room concluded (concluded); each the p50 over the cell's rooms and prefill ranks. All
 ranks run on this host, so their monotonic clocks agree.
+
+Targets (`--targets`): the epd rows checked against the control plane's budget per room
+(`TARGETS`: control CPU a room, p50 added over raw, ratio to raw, each in named cells),
+printed after the table as figure, target, measured and whether it held; a cell not
+measured, or whose room or bytes were lost, reads "not measured".
 """
 
 from __future__ import annotations
@@ -1255,6 +1260,76 @@ def format_table(rows: list[dict], cpu: bool = False) -> str:
     return _aligned(head, body)
 
 
+@dataclass(frozen=True)
+class Target:
+    """One bound on the epd path's figures in one cell: the control plane's budget per room."""
+
+    what: str  # the figure, as the table names it
+    key: str  # the row's key that holds it
+    item_bytes: int
+    fanout: int
+    inflight: int
+    integrity: bool
+    bound: float
+    at_least: bool  # True: the figure must reach the bound; False: stay at or under it
+
+    def cell(self) -> str:
+        """'8 MiB, fanout 4, 8 in flight, integrity off'."""
+        return (f"{human_bytes(self.item_bytes)}, fanout {self.fanout}, {self.inflight} in flight, "
+                f"integrity {'on' if self.integrity else 'off'}")
+
+
+#: The control plane's budget per room, from the hardware it is for: a 400 Gb/s NIC moves
+#: 512 KiB in about 10 us and 8 MiB in about 170 us, so the rules, messages and polls of a
+#: room must cost a fraction of a millisecond (docs/performance.md, "The control plane's cost
+#: per room"). `--targets` measures these cells and checks the epd path against them.
+TARGETS = (
+    Target("control CPU ms a room", "cpu_control_ms", 8 * MiB, 1, 8, False, 0.3, False),
+    Target("control CPU ms a room", "cpu_control_ms", 8 * MiB, 4, 8, False, 0.6, False),
+    Target("control CPU ms a room", "cpu_control_ms", MiB // 2, 4, 8, False, 0.3, False),
+    Target("p50 added over raw, ms", "p50_added_ms", MiB // 2, 1, 1, False, 0.3, False),
+    Target("p50 added over raw, ms", "p50_added_ms", MiB // 2, 4, 1, False, 0.5, False),
+    Target("ratio to raw", "ratio_to_raw", MiB // 2, 4, 8, False, 0.5, True),
+    Target("ratio to raw", "ratio_to_raw", 8 * MiB, 1, 8, False, 0.9, True),
+    Target("ratio to raw", "ratio_to_raw", 8 * MiB, 4, 8, False, 0.9, True),
+    Target("ratio to raw", "ratio_to_raw", 8 * MiB, 1, 8, True, 0.8, True),
+    Target("ratio to raw", "ratio_to_raw", 8 * MiB, 4, 8, True, 0.8, True),
+)
+#: What `--targets` measures when nothing else is given: every cell TARGETS names.
+TARGET_SIZES = "64x4096,1024x4096"
+
+
+def check_targets(rows: list[dict], targets: tuple[Target, ...] = TARGETS) -> list[dict]:
+    """Each target with the epd row's figure (`measured`) and whether it holds (`met`).
+
+    A target whose cell was not measured, whose figure is missing, or whose row lost rooms or
+    bytes reads `measured` None and `met` None: not a pass, not a failure.
+    """
+    epd = {(r["item_bytes"], r["fanout"], r["inflight"], r["integrity"]): r
+           for r in rows if r["path"] == "epd" and r.get("encode_ranks", 1) == 1}
+    results = []
+    for target in targets:
+        row = epd.get((target.item_bytes, target.fanout, target.inflight, target.integrity))
+        value = row.get(target.key) if row is not None and row.get("verified", True) else None
+        met = None if value is None else (value >= target.bound if target.at_least else value <= target.bound)
+        results.append({"target": target, "measured": value, "met": met})
+    return results
+
+
+def format_targets(results: list[dict]) -> str:
+    """The checked targets as a table, and how many of them held."""
+    body = []
+    for result in results:
+        target, value, met = result["target"], result["measured"], result["met"]
+        bound = f"{'at least' if target.at_least else 'at most'} {target.bound:g}"
+        body.append([target.what, target.cell(), bound, "-" if value is None else f"{value:.2f}",
+                     {True: "yes", False: "no", None: "not measured"}[met]])
+    table = _aligned(["figure", "cell", "target", "measured", "met"], body)
+    held = sum(1 for r in results if r["met"])
+    measured = sum(1 for r in results if r["met"] is not None)
+    return f"{table}\n{held} of {len(results)} targets met ({len(results) - measured} not measured)"
+
+
 def _aligned(head: list[str], body: list[list[str]]) -> str:
     """Columns padded to their widest cell: the first two to the left, the figures to the right."""
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
@@ -1479,6 +1554,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", default=None, help="keep the rank processes' logs here (default: a temporary folder, removed)")
     parser.add_argument("--quick", action="store_true",
                         help="a subset: 512 KiB and 8 MiB, fanout 1 and 4, 8 in flight, ~64 MiB per cell")
+    parser.add_argument("--targets", action="store_true",
+                        help="check the epd path against the control plane's budget per room (docs/performance.md); "
+                             "measures 512 KiB and 8 MiB, fanout 1 and 4, 1 and 8 in flight, raw and epd, "
+                             "integrity on and off, wherever those options are not given")
     parser.add_argument("--cpu", action="store_true",
                         help="add each room's CPU ms to the table: our control plane, and the transport's threads")
     parser.add_argument("--stages", action="store_true",
@@ -1494,12 +1573,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from(args: argparse.Namespace) -> Options:
     """Options from parsed arguments; --quick fills whatever was not given."""
     quick = getattr(args, "quick", False)
+    targets = getattr(args, "targets", False)
     opts = Options()
-    opts.sizes = args.sizes or (parse_sizes("64x4096,1024x4096") if quick else opts.sizes)
-    opts.fanouts = args.fanouts or ([1, 4] if quick else opts.fanouts)
+    opts.sizes = args.sizes or (parse_sizes(TARGET_SIZES) if quick or targets else opts.sizes)
+    opts.fanouts = args.fanouts or ([1, 4] if quick or targets else opts.fanouts)
     opts.encode_ranks = getattr(args, "encode_ranks", None) or opts.encode_ranks
-    opts.inflight = args.inflight or ([8] if quick else opts.inflight)
-    opts.paths = args.paths or opts.paths
+    opts.inflight = args.inflight or ([1, 8] if targets else [8] if quick else opts.inflight)
+    opts.paths = args.paths or (["raw", "epd"] if targets else opts.paths)
     opts.integrity = args.integrity if args.integrity is not None else opts.integrity
     opts.items = args.items
     opts.cell_bytes = (args.cell_mib or (64 if quick else 256)) * MiB
@@ -1538,6 +1618,9 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, "stages", False) and any(r.get("stages_ms") for r in rows):
             print("\nstages: ms from a prefill rank's receive(), p50 over its rooms")
             print(format_stages(rows))
+        if getattr(args, "targets", False):
+            print("\ntargets: the epd path against the control plane's budget per room")
+            print(format_targets(check_targets(rows)))
         for note in notes:
             print(f"note: {note}")
         for r in broken:
@@ -1546,6 +1629,8 @@ def main(args: argparse.Namespace) -> int:
                   f"{r['inflight']}: {r['failed']} failed room(s); {'; '.join(r['problems'])}")
     if as_json:
         print(json.dumps(rows, indent=1), flush=True)
+        if getattr(args, "targets", False):
+            print(format_targets(check_targets(rows)), file=sys.stderr)
     elif args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
@@ -1563,8 +1648,12 @@ __all__ = [
     "Cell",
     "Options",
     "RankSet",
+    "TARGETS",
+    "Target",
     "add_arguments",
+    "check_targets",
     "format_table",
+    "format_targets",
     "main",
     "measure",
     "memcpy_row",

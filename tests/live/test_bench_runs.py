@@ -84,7 +84,8 @@ def tiny_run(tmp_path_factory):
         pytest.skip(_MOONCAKE_MISSING)
     out = tmp_path_factory.mktemp("bench")
     argv = ["--sizes", "64x256", "--fanouts", "1,2", "--inflight", "1,4", "--items", "12", "--repeat", "2",
-            "--deadline", "30", "--timeout", "120", "--stages", "--json", str(out / "rows.json")]
+            "--deadline", "30", "--timeout", "120", "--stages", "--json", str(out / "rows.json"),
+            "--targets", "--paths", ",".join(bench.PATHS)]
     if _MATPLOTLIB:
         argv += ["--plot", str(out / "plot.png")]
     stdout, stderr = io.StringIO(), io.StringIO()
@@ -156,6 +157,18 @@ def test_tiny_bench_prints_the_table(tiny_run):
     assert {line.split()[0] for line in staged} >= {"epd"}
     if bench.wire_available() is not None:
         assert any(line.startswith("note: wire: skipped") for line in lines)
+
+
+@pytest.mark.live
+def test_tiny_bench_checks_the_targets_and_finds_none_of_their_cells(tiny_run):
+    rc, stdout, _ = tiny_run
+    lines = stdout.splitlines()
+    start = lines.index("targets: the epd path against the control plane's budget per room")
+    assert lines[start + 1].split() == ["figure", "cell", "target", "measured", "met"]
+    checked = lines[start + 2 : start + 2 + len(bench.TARGETS)]
+    assert all(line.split()[-2:] == ["not", "measured"] for line in checked), checked
+    assert lines[start + 2 + len(bench.TARGETS)] == (f"0 of {len(bench.TARGETS)} targets met "
+                                                     f"({len(bench.TARGETS)} not measured)")
 
 
 @pytest.mark.live
