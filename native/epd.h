@@ -51,9 +51,10 @@ PyObject *epd_read_frame(int fd, double timeout);
    (complete, (kind, payload, wire_us)); complete is False when the peer spoke mid-transfer and
    the rest was not sent. A failure raises FrameError with `stage` "prefill" (the PREFILL did not
    get out whole: nothing of the transfer reached the peer), "data" or "answer". Every layer is
-   non-empty and 1 <= nlayers <= 16 (the caller checks). */
+   non-empty and 1 <= nlayers <= 16 (the caller checks). With min_rate > 0 (bytes/s) the PREFILL and
+   chunks must be taken within timeout plus their bytes at min_rate, else FrameError (ETIMEDOUT). */
 PyObject *epd_wire_transfer(int fd, Py_buffer *prefill, const struct epd_span *layers, int nlayers, uint32_t rows,
-                            size_t chunk, double timeout);
+                            size_t chunk, double timeout, double min_rate);
 
 /* msg.c: the key=value message codec. */
 int epd_msg_check(PyObject *key, PyObject *value);

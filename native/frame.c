@@ -16,7 +16,7 @@
 #endif
 
 /* Outcomes of io_all; anything but IO_OK leaves *done at the bytes moved so far. */
-enum { IO_OK, IO_EOF, IO_ERRNO, IO_TIMEOUT, IO_SIGNAL };
+enum { IO_OK, IO_EOF, IO_ERRNO, IO_TIMEOUT, IO_SIGNAL, IO_SLOW };
 
 /* Microseconds on the monotonic clock. */
 static long long now_us(void)
@@ -95,9 +95,9 @@ static ssize_t gather_write(int fd, struct iovec *iov, int cnt, int *not_socket)
 /* Moves every byte of the iovec list (readv or writev); called with the GIL released, *ts being
    the saved thread state (signal handlers run with it). The timeout bounds each wait for
    progress, not the whole transfer, so big frames on a slow link still complete while a silent
-   peer is caught. */
-static int io_loop(int fd, struct iovec *iov, int cnt, int writing, double timeout, size_t *done, int *err,
-                   PyThreadState **ts)
+   peer is caught; a deadline (monotonic us, 0: none) bounds the whole call, IO_SLOW past it. */
+static int io_loop(int fd, struct iovec *iov, int cnt, int writing, double timeout, long long deadline_us,
+                   size_t *done, int *err, PyThreadState **ts)
 {
     *done = 0;
     *err = 0;
@@ -123,9 +123,22 @@ static int io_loop(int fd, struct iovec *iov, int cnt, int writing, double timeo
             continue;
         }
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            int rc = wait_ready(fd, writing, timeout, ts);
+            double wait = timeout;
+            int bounded = 0;
+            if (deadline_us > 0) {
+                long long left = deadline_us - now_us();
+                if (left <= 0)
+                    return IO_SLOW;
+                if (wait < 0 || (double)left / 1e6 < wait) {
+                    wait = (double)left / 1e6;
+                    bounded = 1;
+                }
+            }
+            int rc = wait_ready(fd, writing, wait, ts);
             if (rc == IO_OK)
                 continue;
+            if (rc == IO_TIMEOUT && bounded)
+                return IO_SLOW;
             if (rc == IO_ERRNO)
                 *err = errno;
             return rc;
@@ -140,7 +153,7 @@ static int io_loop(int fd, struct iovec *iov, int cnt, int writing, double timeo
 static int io_all(int fd, struct iovec *iov, int cnt, int writing, double timeout, size_t *done, int *err)
 {
     PyThreadState *ts = PyEval_SaveThread();
-    int rc = io_loop(fd, iov, cnt, writing, timeout, done, err, &ts);
+    int rc = io_loop(fd, iov, cnt, writing, timeout, 0, done, err, &ts);
     PyEval_RestoreThread(ts);
     return rc;
 }
@@ -245,7 +258,7 @@ static int read_length(int fd, double timeout, PyThreadState **ts, uint32_t *len
     struct iovec iov = {.iov_base = lenbuf, .iov_len = sizeof lenbuf};
     size_t done;
     int err;
-    int rc = io_loop(fd, &iov, 1, 0, timeout, &done, &err, ts);
+    int rc = io_loop(fd, &iov, 1, 0, timeout, 0, &done, &err, ts);
     if (rc == IO_OK) {
         *length = epd_get_le32(lenbuf);
         if (*length == 0)
@@ -287,7 +300,7 @@ static PyObject *read_frame_released(int fd, double timeout, PyThreadState *ts)
     if (payload_len <= SMALL_PAYLOAD) {
         unsigned char small[SMALL_PAYLOAD];
         struct iovec iov[2] = {{.iov_base = &kind, .iov_len = 1}, {.iov_base = small, .iov_len = payload_len}};
-        int rc = io_loop(fd, iov, 2, 0, timeout, &done, &err, &ts);
+        int rc = io_loop(fd, iov, 2, 0, timeout, 0, &done, &err, &ts);
         long long t1 = now_us();
         PyEval_RestoreThread(ts);
         if (rc != IO_OK) {
@@ -332,6 +345,16 @@ static void tag_stage(const char *stage)
     PyErr_Restore(type, value, tb);
 }
 
+/* Raises the FrameError of a transfer stopped for falling behind its least rate. */
+static void raise_slow(size_t sent, size_t total, long long elapsed_us, double min_rate)
+{
+    char secs[32], rate[32];
+    snprintf(secs, sizeof secs, "%.1f", (double)elapsed_us / 1e6);
+    snprintf(rate, sizeof rate, "%.0f", min_rate);
+    raise_frame_error(ETIMEDOUT, "write: the peer took %zu of %zu bytes in %s s, behind the least rate of %s "
+                      "bytes/s; transfer stopped", sent, total, secs, rate);
+}
+
 /* Whether the peer has something for us (an early answer, or a hang-up) right now. */
 static int peer_spoke(int fd)
 {
@@ -340,7 +363,7 @@ static int peer_spoke(int fd)
 }
 
 PyObject *epd_wire_transfer(int fd, Py_buffer *prefill, const struct epd_span *layers, int nlayers, uint32_t rows,
-                            size_t chunk, double timeout)
+                            size_t chunk, double timeout, double min_rate)
 {
     if ((size_t)prefill->len > EPD_MAX_PAYLOAD) {
         raise_frame_error(0, "write: payload of %zd bytes exceeds the limit of %zu bytes", prefill->len,
@@ -352,6 +375,16 @@ PyObject *epd_wire_transfer(int fd, Py_buffer *prefill, const struct epd_span *l
     epd_put_frame_header(prefill_header, (size_t)prefill->len, EPD_KIND_PREFILL);
     epd_put_frame_header(first_frame, 0, EPD_KIND_FIRST);
     size_t prefill_bytes = sizeof prefill_header + (size_t)prefill->len;
+    /* With a least rate, the whole write phase gets one timeout plus its bytes at that rate: a peer
+       that reads a byte just inside every timeout cannot hold this thread for ever. */
+    size_t total = prefill_bytes;
+    for (int layer = 0; layer < nlayers; layer++)
+        total += layers[layer].len;
+    long long started_us = now_us(), deadline_us = 0;
+    if (min_rate > 0) {
+        double budget_us = ((timeout > 0 ? timeout : 0) + (double)total / min_rate) * 1e6;
+        deadline_us = budget_us < 1e15 ? started_us + (long long)budget_us : 0;
+    }
 
     PyThreadState *ts = PyEval_SaveThread();
     struct iovec iov[5];
@@ -359,7 +392,7 @@ PyObject *epd_wire_transfer(int fd, Py_buffer *prefill, const struct epd_span *l
     iov[cnt++] = (struct iovec){.iov_base = prefill_header, .iov_len = sizeof prefill_header};
     iov[cnt++] = (struct iovec){.iov_base = prefill->buf, .iov_len = (size_t)prefill->len};
     int complete = 1, rc = IO_OK, err = 0, untouched = 1;
-    size_t done = 0;
+    size_t done = 0, sent = 0;
     for (int layer = 0; layer < nlayers && complete && rc == IO_OK; layer++) {
         const unsigned char *src = (const unsigned char *)(uintptr_t)layers[layer].addr;
         size_t n = layers[layer].len;
@@ -374,7 +407,8 @@ PyObject *epd_wire_transfer(int fd, Py_buffer *prefill, const struct epd_span *l
             int last = layer == nlayers - 1 && off + size == n;
             if (last)  /* FIRST rides with the last chunk: a small transfer is one system call */
                 iov[cnt++] = (struct iovec){.iov_base = first_frame, .iov_len = sizeof first_frame};
-            rc = io_loop(fd, iov, cnt, 1, timeout, &done, &err, &ts);
+            rc = io_loop(fd, iov, cnt, 1, timeout, deadline_us, &done, &err, &ts);
+            sent += done;
             if (untouched && (rc == IO_OK || done >= prefill_bytes))
                 untouched = 0;
             cnt = 0;
@@ -390,6 +424,8 @@ PyObject *epd_wire_transfer(int fd, Py_buffer *prefill, const struct epd_span *l
         PyEval_RestoreThread(ts);
         if (rc == IO_EOF)
             raise_frame_error(0, "write: the connection accepted no bytes after %zu", done);
+        else if (rc == IO_SLOW)
+            raise_slow(sent, total, now_us() - started_us, min_rate);
         else
             raise_io("write", rc, err, timeout);
         tag_stage(untouched ? "prefill" : "data");

@@ -249,8 +249,9 @@ static PyObject *py_wire_transfer(PyObject *self, PyObject *args)
     int fd;
     Py_buffer prefill;
     PyObject *layers_o, *rows_o, *chunk_o;
-    double timeout;
-    if (!PyArg_ParseTuple(args, "iy*OOOd:wire_transfer", &fd, &prefill, &layers_o, &rows_o, &chunk_o, &timeout))
+    double timeout, min_rate = 0.0;
+    if (!PyArg_ParseTuple(args, "iy*OOOd|d:wire_transfer", &fd, &prefill, &layers_o, &rows_o, &chunk_o, &timeout,
+                          &min_rate))
         return NULL;
     PyObject *out = NULL, *seq = NULL;
     struct epd_span spans[16];
@@ -259,6 +260,10 @@ static PyObject *py_wire_transfer(PyObject *self, PyObject *args)
     if (timeout_arg(timeout, "wire_transfer") < 0 || u32_arg(rows_o, "rows", &rows) < 0 ||
         epd_u64_arg(chunk_o, "chunk", &chunk) < 0)
         goto done;
+    if (!(min_rate >= 0) || isinf(min_rate)) {
+        PyErr_SetString(PyExc_ValueError, "wire_transfer: min_rate must be a finite number of bytes/s (0: none)");
+        goto done;
+    }
     if (chunk == 0 || chunk > EPD_MAX_PAYLOAD - EPD_LAYER_HEADER) {
         char text[96];
         snprintf(text, sizeof text, "wire_transfer: chunk must be in 1..%zu bytes, got %llu",
@@ -299,7 +304,7 @@ static PyObject *py_wire_transfer(PyObject *self, PyObject *args)
         }
         spans[i] = (struct epd_span){.addr = addr, .len = (size_t)len};
     }
-    out = epd_wire_transfer(fd, &prefill, spans, (int)n, rows, (size_t)chunk, timeout);
+    out = epd_wire_transfer(fd, &prefill, spans, (int)n, rows, (size_t)chunk, timeout, min_rate);
 done:
     Py_XDECREF(seq);
     PyBuffer_Release(&prefill);
@@ -361,8 +366,9 @@ static PyMethodDef methods[] = {
     {"write_frame", py_write_frame, METH_VARARGS, "write_frame(fd, kind, parts, timeout) -> None."},
     {"read_frame", py_read_frame, METH_VARARGS, "read_frame(fd, timeout) -> (kind, payload, wire_us)."},
     {"wire_transfer", py_wire_transfer, METH_VARARGS,
-     "wire_transfer(fd, prefill, layers, rows, chunk, timeout) -> (complete, (kind, payload, wire_us)): "
-     "PREFILL, each (address, length) layer in checksummed LAYER chunks, FIRST, then the answer."},
+     "wire_transfer(fd, prefill, layers, rows, chunk, timeout, min_rate=0) -> (complete, (kind, payload, wire_us)): "
+     "PREFILL, each (address, length) layer in checksummed LAYER chunks, FIRST, then the answer; with min_rate "
+     "(bytes/s), the peer must take them within timeout plus their bytes at that rate."},
     {"msg_check", py_msg_check, METH_VARARGS, "msg_check(key, value): raises if the field cannot be encoded."},
     {"msg_encode", py_msg_encode, METH_VARARGS, "msg_encode(fields, body) -> bytes."},
     {"msg_decode", py_msg_decode, METH_O, "msg_decode(data) -> (fields, body)."},

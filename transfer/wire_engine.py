@@ -64,13 +64,17 @@ write_async(): each peer session has its own FIFO queue. A lone busy peer runs a
 ``writers_per_peer`` (``WRITERS_PER_PEER``, 4, by default) of its writes at once; peers with
 writes queued or running share that many, at least one each (``MAX_WRITERS`` threads in
 all). So a peer that stops reading holds only its own writers, each for at most the reply
-timeout, while writes to other peers go on.
+timeout, while writes to other peers go on; one that reads, but slower than the least rate
+(``min_rate_bps``, 256 KiB/s by default, the listener's bound too), fails the write once the
+reply timeout plus the transfer's bytes at that rate have passed: ``write: the peer took S of
+T bytes in E s, behind the least rate of R bytes/s; transfer stopped``.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import select
 import socket
 import threading
@@ -92,6 +96,9 @@ log = logging.getLogger(__name__)
 #: Data bytes per LAYER frame, and the listener's bounce-buffer size by default.
 CHUNK_BYTES = 4 << 20
 MAX_CONNECTIONS = 4096  # the native listener's bound on its connection slots
+#: The least rate of a transfer, both ways (bytes/s): far below any real link, yet a peer that
+#: reads or sends slower than this cannot hold a connection or a writer thread for long.
+MIN_RATE_BPS = 256 * 1024
 #: Idle connections kept per peer session; more are closed when they come back.
 IDLE_PER_SESSION = 8
 #: write_async() batches of a lone busy peer that run at once (more wait in its queue), shared
@@ -313,13 +320,16 @@ class WireEngine(RegisteredMemory):
                  idle_timeout_s: float = 300.0, reply_timeout_s: float = 60.0,
                  connect_timeout_s: float = 10.0, chunk_bytes: int = CHUNK_BYTES,
                  max_connections: int = 64, first_byte_timeout_s: float | None = None,
-                 writers_per_peer: int = WRITERS_PER_PEER, evict_after_s: float = 1.0) -> None:
+                 writers_per_peer: int = WRITERS_PER_PEER, evict_after_s: float = 1.0,
+                 min_rate_bps: float = MIN_RATE_BPS) -> None:
         """Starts the listener on hostname:port (0: any free port; a range such as `(30000, 30100)`
         or `"30000-30100"`: its first free one, `PortsInUse` when none is); chunk_bytes is both the LAYER
         size we send and the largest we accept, so peers must agree on it. A fresh connection
         that sends nothing for first_byte_timeout_s (None: the listener's 10 s; never more than
         idle_timeout_s) is closed; with every connection slot taken, one evict_after_s behind
-        the least rate (negative: none) is closed for a new one. writers_per_peer: write_async() batches to a lone busy peer
+        the least rate (negative: none) is closed for a new one. min_rate_bps (0: none) is that least
+        rate both ways: a transfer in must keep it after a grace, and a transfer out must be taken
+        within reply_timeout_s plus its bytes at it, whatever pace the peer reads at. writers_per_peer: write_async() batches to a lone busy peer
         that run at once, each on a connection of its own; busy peers share that many (at
         least one each)."""
         if int(writers_per_peer) < 1:
@@ -329,6 +339,9 @@ class WireEngine(RegisteredMemory):
             raise ConfigError(f"chunk_bytes must be within 1..{largest} (a LAYER frame's payload), got {chunk_bytes}")
         if not 1 <= int(max_connections) <= MAX_CONNECTIONS:
             raise ConfigError(f"max_connections must be within 1..{MAX_CONNECTIONS}, got {max_connections}")
+        if not (math.isfinite(float(min_rate_bps)) and float(min_rate_bps) >= 0):
+            raise ConfigError(f"min_rate_bps must be a finite number of bytes/s (0: no bound), got {min_rate_bps}")
+        self.min_rate_bps = float(min_rate_bps)
         for name, value in (("recv_timeout_s", recv_timeout_s), ("idle_timeout_s", idle_timeout_s),
                             ("reply_timeout_s", reply_timeout_s), ("connect_timeout_s", connect_timeout_s)):
             if not 0 < float(value) <= MAX_SECONDS:
@@ -341,7 +354,7 @@ class WireEngine(RegisteredMemory):
         self._listener = bind_port(port, lambda number: _native.wire_listen(
             hostname, number, float(recv_timeout_s), float(idle_timeout_s), self.chunk_bytes, int(max_connections),
             first_byte_timeout=-1.0 if first_byte_timeout_s is None else float(first_byte_timeout_s),
-            evict_after=float(evict_after_s)), f"wire listener on {hostname}")
+            evict_after=float(evict_after_s), min_rate=self.min_rate_bps), f"wire listener on {hostname}")
         self.port = _native.wire_listener_port(self._listener)
         self.rpc_port = self.port
         self.session_id = f"{hostname}:{self.port}"
@@ -489,7 +502,7 @@ class WireEngine(RegisteredMemory):
         fd, timeout = wire.endpoint(conn.sock)
         try:
             complete, (kind, payload, _) = _native.wire_transfer(fd, msg.encode(), tuple(zip(srcs, lens)), rows,
-                                                                 self.chunk_bytes, timeout)
+                                                                 self.chunk_bytes, timeout, self.min_rate_bps)
         except OSError as exc:
             stage = getattr(exc, "stage", None)
             if stage == "prefill":

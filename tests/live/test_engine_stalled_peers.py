@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -472,6 +473,66 @@ def test_wire_peer_that_stops_reading_costs_one_reply_timeout(wire_peer):
         elapsed = time.monotonic() - started
     assert f"write to {wire_peer.session_id} failed: write: timed out after 2 s without progress" in str(caught.value)
     assert elapsed < 3.2, f"took {elapsed:.2f}s for a 2 s reply timeout"
+
+
+class DribblingPeer:
+    """A port that accepts and then reads 16 KiB every 5 ms (at most about 3 MB/s) through a 16 KiB
+    receive buffer: progress well within every reply timeout, never an answer."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4)
+        self.session_id = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.read = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(30)
+        conn, _ = self.sock.accept()
+        with conn:
+            conn.settimeout(1)
+            while not self.stop.is_set():
+                try:
+                    data = conn.recv(16384)
+                except OSError:
+                    return
+                if not data:
+                    return
+                self.read += len(data)
+                time.sleep(0.005)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close()
+
+
+def test_wire_peer_that_reads_slower_than_the_least_rate_is_given_up_at_its_bound():
+    """A peer that read a little just inside every reply timeout held a writer (and close()) for as
+    long as the transfer took at its pace; the write phase now has the reply timeout plus its bytes
+    at the least rate."""
+    peer = DribblingPeer()
+    nbytes, rate = 32 << 20, 32 << 20
+    try:
+        with WireEngine(reply_timeout_s=2.0, min_rate_bps=rate) as writer:
+            src = _filled(nbytes, 3)
+            writer.register(src)
+            started = time.monotonic()
+            with pytest.raises(TransferError) as caught:
+                writer.write(peer.session_id, [src.data_ptr()], [0x10000], [nbytes])
+            elapsed = time.monotonic() - started
+    finally:
+        peer.close()
+    message = str(caught.value)
+    assert re.search(r"write: the peer took \d+ of \d+ bytes in [\d.]+ s, behind the least rate of "
+                     rf"{rate} bytes/s; transfer stopped", message), message
+    assert peer.read < nbytes
+    # The bound is 2 s + 1 s of bytes at the least rate; the peer's own pace would take over 10 s.
+    assert elapsed < 8, f"took {elapsed:.1f} s for a bound of 3 s"
 
 
 def test_wire_refused_transfer_still_reports_the_peers_reason(wire_peer):

@@ -21,6 +21,8 @@ def test_chunk_size_default_is_four_mib():
     ({"idle_timeout_s": float("nan")}, "idle_timeout_s"),
     ({"reply_timeout_s": float("inf")}, "reply_timeout_s"),
     ({"connect_timeout_s": -1.0}, "connect_timeout_s"),
+    ({"min_rate_bps": -1.0}, "min_rate_bps"),
+    ({"min_rate_bps": float("nan")}, "min_rate_bps"),
 ])
 def test_settings_out_of_range_are_config_errors_before_any_socket(kwargs, named):
     with pytest.raises(ConfigError, match=named):
