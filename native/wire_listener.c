@@ -8,7 +8,8 @@
    answered by RESULT (Msg room, bytes) or ERROR (Msg room, body = the reason, then the connection
    is dropped). Every destination range is checked against the region table before the first byte
    lands, and again under the table's read lock for each chunk, so unregister() waits for a copy in
-   progress and no copy starts into a region that is gone.
+   progress and no copy starts into a region that is gone, or that was unregistered and registered
+   again (at the same address, perhaps other memory) since the PREFILL was checked.
 
    Time bounds: each wait for the peer's next bytes is bounded by the receive timeout; a whole
    transfer (first byte of PREFILL to the last of FIRST) must also keep an average of at least
@@ -85,6 +86,7 @@ enum { RD_OK, RD_EOF, RD_TIMEOUT, RD_ERR, RD_SLOW };
 
 typedef struct {
     uint64_t addr, len;
+    uint64_t id; /* unique per registration: one unregistered and made again at the same address differs */
 } wl_region;
 
 struct wl_listener;
@@ -126,6 +128,7 @@ typedef struct wl_listener {
     pthread_rwlock_t regions_lock;
     wl_region *regions;
     size_t nregions, cap;
+    uint64_t next_region_id; /* under the write lock */
     pthread_mutex_t lock; /* conns' fds and the counters below */
     unsigned long long accepted, refused, transfers, failures, bytes, too_slow;
     unsigned long long silent; /* fresh connections closed for sending nothing within first_byte_ms */
@@ -148,21 +151,21 @@ typedef struct {
     int room_known;
     unsigned layers;
     uint64_t lptr[EPD_WIRE_MAX_LAYERS], lbytes[EPD_WIRE_MAX_LAYERS];
+    uint64_t lregion[EPD_WIRE_MAX_LAYERS]; /* the registration each layer's destination lay in when checked */
 } wl_prefill;
 
 /* ------------------------------------------------------------------ region table */
 
-/* Whether [addr, addr + len) lies wholly inside one region; caller holds the read lock. */
-static int regions_cover(const wl_listener *l, uint64_t addr, uint64_t len)
+/* The id of the region [addr, addr + len) (len > 0) lies wholly inside, or 0 when none; caller holds
+   the read lock. */
+static uint64_t region_covering(const wl_listener *l, uint64_t addr, uint64_t len)
 {
-    if (len == 0)
-        return 1;
     if (addr + len < addr)
         return 0;
     for (size_t i = 0; i < l->nregions; i++) {
         const wl_region *r = &l->regions[i];
         if (addr >= r->addr && addr + len <= r->addr + r->len)
-            return 1;
+            return r->id;
     }
     return 0;
 }
@@ -194,7 +197,7 @@ static int regions_add(wl_listener *l, uint64_t addr, uint64_t len, char *why, s
         }
     }
     if (rc == 0)
-        l->regions[l->nregions++] = (wl_region){addr, len};
+        l->regions[l->nregions++] = (wl_region){addr, len, ++l->next_region_id};
     pthread_rwlock_unlock(&l->regions_lock);
     return rc;
 }
@@ -575,7 +578,7 @@ static int parse_prefill(const char *msg, size_t n, wl_prefill *pf, char *why, s
 }
 
 /* Checks every layer's destination against the region table; 0, or -1 with a reason naming the range. */
-static int check_destinations(wl_listener *l, const wl_prefill *pf, char *why, size_t whylen)
+static int check_destinations(wl_listener *l, wl_prefill *pf, char *why, size_t whylen)
 {
     int rc = 0;
     pthread_rwlock_rdlock(&l->regions_lock);
@@ -587,7 +590,7 @@ static int check_destinations(wl_listener *l, const wl_prefill *pf, char *why, s
             snprintf(why, whylen, "layer %u: destination 0x%llx + %llu bytes wraps around the address space", i,
                      (unsigned long long)p, (unsigned long long)n);
             rc = -1;
-        } else if (!regions_cover(l, p, n)) {
+        } else if ((pf->lregion[i] = region_covering(l, p, n)) == 0) {
             snprintf(why, whylen, "layer %u: destination [0x%llx, 0x%llx) (%llu bytes) is not inside registered memory",
                      i, (unsigned long long)p, (unsigned long long)(p + n), (unsigned long long)n);
             rc = -1;
@@ -707,9 +710,10 @@ static int land_chunk(wl_listener *l, wl_io *io, const wl_prefill *pf, unsigned 
         return -1;
     }
     uint64_t dst = pf->lptr[layer] + *done;
-    /* The read lock holds unregister() off for exactly the copy. */
+    /* The read lock holds unregister() off for exactly the copy, which lands only in the registration
+       checked at the PREFILL: memory unregistered meanwhile and registered again is someone else's. */
     pthread_rwlock_rdlock(&l->regions_lock);
-    int inside = regions_cover(l, dst, dlen);
+    int inside = dlen == 0 || region_covering(l, dst, dlen) == pf->lregion[layer];
     if (inside)
         memcpy((void *)(uintptr_t)dst, bounce, dlen);
     pthread_rwlock_unlock(&l->regions_lock);

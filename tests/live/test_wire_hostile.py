@@ -285,6 +285,27 @@ def test_bad_checksum_in_a_later_chunk_stops_there(target):
     assert target.unchanged()
 
 
+def test_a_chunk_after_its_region_was_registered_again_lands_nowhere(target):
+    """The region is unregistered and registered again between two chunks of one transfer (the
+    same address, which a new allocation may get): the registration the PREFILL was checked
+    against is gone, so the rest of the transfer is refused."""
+    first, second = b"\x11" * CHUNK, b"\x22" * CHUNK
+    with target.connect() as sock:
+        wire.write_frame(sock, wire.PREFILL, prefill(target.base, 2 * CHUNK))
+        wire.write_frame(sock, wire.LAYER, layer(0, first))
+        deadline = time.monotonic() + 30
+        while bytes(target.region[:CHUNK].numpy()) != first:
+            assert time.monotonic() < deadline, "the first chunk never landed"
+            time.sleep(0.01)
+        target.engine.unregister(target.base)
+        target.engine.register(target.region)
+        wire.write_frame(sock, wire.LAYER, layer(0, second))
+        wire.write_frame(sock, wire.FIRST, b"")
+        expect_error(sock, r"layer 0: destination \[0x[0-9a-f]+, 0x[0-9a-f]+\) was unregistered during the transfer")
+    assert bytes(target.region[CHUNK:2 * CHUNK].numpy()) == bytes([SENTINEL]) * CHUNK
+    assert target.guards_unchanged()
+
+
 @pytest.mark.parametrize("kind", [0, 1, wire.RESULT, 99, 255])
 def test_unknown_kind_instead_of_prefill(target, kind):
     with target.connect() as sock:
