@@ -456,30 +456,28 @@ def test_destination_without_a_byte_view_fails_the_item_everywhere(tmp_path):
         assert obs["untouched"][0] and obs["exact"][1]
 
 
-def test_a_wrong_block_on_one_rank_raises_everywhere_promptly(tmp_path):
-    observed = seen(run_ranks("wrong_block_on_one_rank", 2, tmp_path))
+def _refused_by_the_last_rank(observed: list[dict], names: tuple[str, ...], reason) -> None:
+    """Each named batch raised a ConfigError on every rank, promptly and writing nothing: the last
+    rank naming `reason(name)`, the others another rank's refusal; a good batch after it works."""
     for rank, obs in enumerate(observed):
-        for name in ("block_size", "rank_in_block"):
+        for name in names:
             got = obs[name]
             assert got["raised"] is not None and got["raised"].startswith("ConfigError: reassemble:"), (rank, name, got)
-            expected = name if rank == 1 else "another rank of the group refused the batch"
+            expected = reason(name) if rank == len(observed) - 1 else "another rank of the group refused the batch"
             assert expected in got["raised"], (rank, name, got["raised"])
             assert got["took"] < GROUP_TIMEOUT_S - 5, (rank, name, got["took"])
             assert all(got["untouched"]), (rank, name)
         assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
+
+
+def test_a_wrong_block_on_one_rank_raises_everywhere_promptly(tmp_path):
+    observed = seen(run_ranks("wrong_block_on_one_rank", 2, tmp_path))
+    _refused_by_the_last_rank(observed, ("block_size", "rank_in_block"), lambda name: name)
 
 
 def test_an_unusable_item_on_one_rank_raises_everywhere_promptly(tmp_path):
     observed = seen(run_ranks("unusable_item_on_one_rank", 2, tmp_path))
-    for rank, obs in enumerate(observed):
-        for name in ("room", "ok"):
-            got = obs[name]
-            assert got["raised"] is not None and got["raised"].startswith("ConfigError: reassemble:"), (rank, name, got)
-            expected = "item 1 is not a usable ShardedItem" if rank == 1 else "another rank of the group refused"
-            assert expected in got["raised"], (rank, name, got["raised"])
-            assert got["took"] < GROUP_TIMEOUT_S - 5, (rank, name, got["took"])
-            assert all(got["untouched"]), (rank, name)
-        assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
+    _refused_by_the_last_rank(observed, ("room", "ok"), lambda name: "item 1 is not a usable ShardedItem")
 
 
 def test_blocks_inside_a_larger_world(tmp_path):
