@@ -49,7 +49,10 @@ Connections: the sender keeps idle connections per peer session and reuses them;
 connection the peer closed is noticed before reuse, and those of every other session are
 dropped whenever a new connection is opened (a peer that restarted on another port never
 takes its old ones back); a write that fails on a reused connection before any byte of it
-was accepted is retried once on a fresh one. Readiness is asked with poll(), never
+was accepted, or because the peer closed that connection without a word (as a listener that
+evicts or times out an idle connection does, which can land just after the check before
+reuse), is sent again once on a fresh one: the copies go to the same destinations, so a
+second send lands the same bytes. Readiness is asked with poll(), never
 select(), which refuses descriptors past 1023 in a process with many sockets open.
 The listener closes a fresh connection that sends nothing for the first-byte bound
 (``first_byte_timeout_s``, 10 s by default, never more than the idle timeout) with an ERROR
@@ -145,6 +148,15 @@ class _Conn:
         poller = select.poll()  # select() fails outright on a descriptor past FD_SETSIZE (1024)
         poller.register(self.sock, select.POLLIN)
         return bool(poller.poll(0))
+
+    def hung_up(self) -> bool:
+        """True when the peer closed the connection without an answer: only its end is left to read."""
+        try:
+            if not self.peer_spoke():
+                return False
+            return self.sock.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True  # reset
 
     def close(self) -> None:
         """Closes the socket."""
@@ -467,12 +479,13 @@ class WireEngine(RegisteredMemory):
 
     def _write_with_retry(self, session_id: str, srcs: list[int], dsts: list[int], lens: list[int],
                           rows: int) -> None:
-        """One transfer; a reused connection that fails before the peer took any byte is retried once."""
+        """One transfer; on a reused connection that failed before the peer took any byte, or that the
+        peer closed without an answer, it is sent once more on a fresh connection."""
         room = next(self._rooms)
         conn = self._checkout(session_id)
         try:
             self._transfer(conn, room, srcs, dsts, lens, rows)
-        except _Untouched as exc:
+        except _SendAgain as exc:
             conn.close()
             if conn.fresh:
                 raise exc.cause from None
@@ -481,7 +494,7 @@ class WireEngine(RegisteredMemory):
             conn = self._open(session_id)
             try:
                 self._transfer(conn, room, srcs, dsts, lens, rows)
-            except _Untouched as again:
+            except _SendAgain as again:
                 conn.close()
                 raise again.cause from None
             except BaseException:
@@ -505,8 +518,8 @@ class WireEngine(RegisteredMemory):
                                                                  self.chunk_bytes, timeout, self.min_rate_bps)
         except OSError as exc:
             stage = getattr(exc, "stage", None)
-            if stage == "prefill":
-                raise _Untouched(exc) from None
+            if stage == "prefill" or (stage in ("data", "answer") and not conn.fresh and conn.hung_up()):
+                raise _SendAgain(exc) from None
             if stage == "data":
                 self._raise_answer(conn, room, exc)
             raise
@@ -690,8 +703,9 @@ class WireEngine(RegisteredMemory):
         self.close()
 
 
-class _Untouched(Exception):
-    """A transfer failed before the peer accepted any of its bytes (safe to retry elsewhere)."""
+class _SendAgain(Exception):
+    """A transfer failed before the peer accepted any of its bytes, or on a reused connection the
+    peer had closed: sending it again on a fresh connection lands the same bytes."""
 
     def __init__(self, cause: OSError) -> None:
         super().__init__(str(cause))

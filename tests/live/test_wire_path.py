@@ -130,6 +130,31 @@ def test_reconnects_after_the_listener_restarted():
             writer.write(f"127.0.0.1:{port}", [src.data_ptr()], [dst.data_ptr()], [10])
 
 
+@pytest.mark.parametrize("nbytes", [3000, 300_000], ids=["one chunk", "several chunks"])
+def test_a_pooled_connection_evicted_after_its_check_is_sent_again_on_a_fresh_one(monkeypatch, nbytes):
+    """The reader, with one connection slot, evicts the writer's idle pooled connection for a
+    newcomer. The pool's check before reuse is taken away, as when the eviction lands just after
+    it: the transfer fails on the closed connection, is sent again on a fresh one, and lands."""
+    with WireEngine("127.0.0.1", chunk_bytes=65536) as writer, \
+            WireEngine("127.0.0.1", max_connections=1, evict_after_s=0.05) as reader:
+        src, dst = _src_dst(writer, reader, nbytes, seed=5)
+        writer.write(reader.session_id, [src.data_ptr()], [dst.data_ptr()], [100])
+        time.sleep(0.2)  # the pooled connection is now past evict_after
+        with socket.create_connection(("127.0.0.1", reader.port), timeout=5) as newcomer:
+            deadline = time.monotonic() + 10
+            while reader.stats()["evicted"] < 1:
+                assert time.monotonic() < deadline, reader.stats()
+                time.sleep(0.01)
+        while reader.stats()["active"]:  # the newcomer's slot is free again for the fresh connection
+            assert time.monotonic() < deadline, reader.stats()
+            time.sleep(0.01)
+        monkeypatch.setattr("transfer.wire_engine._Conn.stale", lambda self: False)
+        dst.zero_()
+        writer.write(reader.session_id, [src.data_ptr()], [dst.data_ptr()], [nbytes])
+        assert torch.equal(dst, src)
+        assert writer.stats()["retries"] == 1 and writer.stats()["connections_opened"] == 2
+
+
 def test_four_threads_to_two_peers():
     n, per = 1 << 20, 1 << 18
     with WireEngine() as writer, WireEngine() as peer_a, WireEngine() as peer_b:
