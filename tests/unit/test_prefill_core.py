@@ -347,6 +347,26 @@ def test_a_full_queue_fails_new_rooms_at_once():
     assert failure.kind is FailureKind.NO_CONNECTION and "2 asks already wait" in failure.detail
 
 
+def test_asks_of_rooms_cleared_while_they_waited_do_not_fill_the_queue():
+    from transfer.core.ask_queue import AskQueues
+
+    c = core(asks=AskQueues(limit=2))
+    routed(c)
+    first, actions = c.receive(0.0, spec(1, slot=1))
+    c.refused(0.0, ENCODE, actions)
+    c.receive(0.0, spec(2, slot=2))
+    assert c.waiting(ENCODE) == 2
+    assert c.clear(0.5, 1, first)
+    assert c.receive(1.0, spec(3, slot=3))[1] == [] and c.stage(3) == "queued", "behind room 2, not failed"
+    assert [a.room for a in c.writable(1.1, ENCODE)] == [2, 3]
+    c.refused(1.2, ENCODE, c.receive(1.2, spec(4, slot=1))[1])
+    c.receive(1.2, spec(5, slot=4))
+    assert c.waiting(ENCODE) == 2
+    for room in (4, 5):
+        assert c.clear(1.5, room)
+    assert kinds(c.receive(2.0, spec(6, slot=5))[1]) == [SendAsk], "nobody left ahead of it"
+
+
 def test_rooms_never_asked_fail_as_no_connection_with_the_silent_rank():
     c = core(deadline_s=10.0)
     routed(c)
@@ -391,6 +411,16 @@ def test_a_socket_that_cannot_be_made_fails_its_rooms_and_the_route_is_looked_up
     assert failure.detail == (f"encode rank 0 at {ENCODE[0]}:{ENCODE[1]} (from bootstrap {BOOT}): "
                               f"cannot connect: Invalid argument")
     assert c.receive(0.1, spec(2, slot=1))[1] == [LookUpRoute(KEY0)]
+
+
+def test_rooms_whose_socket_could_not_be_made_are_safe_to_reuse_at_once():
+    c = core()
+    token, _ = c.receive(0.0, spec(1))
+    c.parallel_resolved(0.0, BOOT, 1, 1)
+    c.route_resolved(0.0, KEY0, ENCODE)
+    c.connect_failed(0.0, ENCODE, "Invalid argument")
+    assert c.safe(1, token), "no ask left: nothing can write into its memory"
+    assert c.abandon(0.1, 1, token) == []
 
 
 def test_a_room_number_in_flight_is_refused():

@@ -4,13 +4,13 @@ The sockets to encode ranks queue nothing while disconnected (ZMQ would hand suc
 queue to whoever listens at the address next, rooms cleared meanwhile included), so
 asks the socket could not take yet wait here. They go out in the order they were
 made, before any newer ask for the same rank; past `limit` waiting for one rank, new
-asks are refused.
+asks are refused (once the asks of rooms cleared while they waited are forgotten).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 __all__ = ["MAX_UNSENT_ASKS", "AskQueues"]
@@ -54,6 +54,18 @@ class AskQueues:
         if not queue:
             del self._queues[addr]
         return taken
+
+    def prune(self, addr: Hashable, keep: Callable[[Any], bool]) -> int:
+        """Forgets the asks waiting for `addr` that `keep` refuses (rooms cleared since); how many are left."""
+        queue = self._queues.get(addr)
+        if queue is None:
+            return 0
+        kept = deque(ask for ask in queue if keep(ask))
+        if kept:
+            self._queues[addr] = kept
+        else:
+            del self._queues[addr]
+        return len(kept)
 
     def drop(self, addr: Hashable) -> list[Any]:
         """Takes every ask waiting for `addr` (its connection is given up)."""

@@ -451,6 +451,7 @@ class PrefillCore:
         actions: list = []
         for state in list(self._rooms.values()):
             if state.addr == addr and state.conn == conn and state.stage in (QUEUED, ASKED):
+                state.asked = False  # no socket was ever made for this connection: its ask never left
                 actions += self._conclude(state, Failure(
                     FailureKind.NO_CONNECTION,
                     f"encode rank {state.encode_rank} at {addr[0]}:{addr[1]} (from bootstrap "
@@ -553,6 +554,10 @@ class PrefillCore:
         """Whether `state` is still held and not concluded."""
         return self._rooms.get(state.spec.room) is state and state.stage != CONCLUDED
 
+    def _queued(self, state: _Room) -> bool:
+        """Whether `state` is held and its ask still waits in a queue."""
+        return self._rooms.get(state.spec.room) is state and state.stage == QUEUED
+
     def _looking_up(self, state: _Room) -> bool:
         """Whether `state` is held and still waits for a look-up (a status may have moved it on)."""
         return self._rooms.get(state.spec.room) is state and state.stage == LOOKUP
@@ -646,6 +651,9 @@ class PrefillCore:
             conn = self._conns[addr] = self._conn_serial
         state.conn, state.asked_at = conn, now
         waiting = self.asks.waiting(addr)
+        if waiting and not defer and self.asks.full(addr):
+            # Rooms cleared while their asks waited leave them behind: only open ones hold a place.
+            waiting = self.asks.prune(addr, self._queued)
         if waiting or defer:
             if not defer and self.asks.full(addr):
                 return self._conclude(state, Failure(
