@@ -4,6 +4,7 @@ helpers that turn tensors or raw pointers into memory regions."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -214,6 +215,9 @@ def push_socket(host: str, port: int, hwm: int = STATUS_HWM, immediate: bool = F
     zmq.ZMQError when the address cannot be connected to (a malformed host); no
     socket is left behind then.
     """
+    address = f"tcp://{zmq_host(host)}:{port}"
+    if not address.isascii():  # ZMQ would fail to encode it, outside the ZMQError a caller handles
+        raise zmq.ZMQError(errno.EINVAL, f"host {host!r} is not an address ZMQ can connect to")
     sock = context().socket(zmq.PUSH)
     try:
         sock.setsockopt(zmq.LINGER, 0)
@@ -223,7 +227,7 @@ def push_socket(host: str, port: int, hwm: int = STATUS_HWM, immediate: bool = F
             sock.setsockopt(zmq.IMMEDIATE, 1)
         if reconnect_max_ms > 0:
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, reconnect_max_ms)
-        sock.connect(f"tcp://{zmq_host(host)}:{port}")
+        sock.connect(address)
     except zmq.ZMQError:
         sock.close(0)
         raise

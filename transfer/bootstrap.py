@@ -488,10 +488,11 @@ class BootstrapClient:
         if not isinstance(ip, str) or not isinstance(port, int) or isinstance(port, bool):
             raise BootstrapError(f"bootstrap server {self.address} sent an incomplete route "
                                  f"for encode rank {engine_rank}: {value}")
-        if not 0 < len(ip) <= MAX_HOST_CHARS or not 1 <= port <= 65535:
+        if not 0 < len(ip) <= MAX_HOST_CHARS or not _HOST.fullmatch(ip) or not 1 <= port <= 65535:
             raise BootstrapError(f"bootstrap server {self.address} sent a route no encode rank has "
-                                 f"for encode rank {engine_rank}: host of {len(ip)} characters "
-                                 f"(1 to {MAX_HOST_CHARS}), port {port} (1 to 65535)")
+                                 f"for encode rank {engine_rank}: host {ip[:MAX_HOST_CHARS]!r} (1 to "
+                                 f"{MAX_HOST_CHARS} letters, digits, '.', '-', '_', ':', '%'), port {port} "
+                                 f"(1 to 65535)")
         return ip, port
 
     def wait_ready(self, timeout: float, encode_rank: int | None = None, dp_group: int = 0) -> tuple[int, int]:

@@ -104,7 +104,8 @@ def test_the_client_accepts_plausible_parallel_sizes():
 
 @pytest.mark.parametrize("route", [{"rank_ip": "10.0.0.1", "rank_port": 10**30}, {"rank_ip": "10.0.0.1", "rank_port": 0},
                                    {"rank_ip": "h" * (MAX_HOST_CHARS + 1), "rank_port": 17000},
-                                   {"rank_ip": "", "rank_port": 17000}])
+                                   {"rank_ip": "", "rank_port": 17000}, {"rank_ip": "\ud800", "rank_port": 17000},
+                                   {"rank_ip": "encode 1", "rank_port": 17000}])
 def test_the_client_refuses_a_route_no_encode_rank_has(route):
     with pytest.raises(BootstrapError, match="a route no encode rank has"):
         _client_answering(route).route(0, 0)

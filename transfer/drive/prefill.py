@@ -657,8 +657,13 @@ class PrefillDriver:
                 sock = _io.push_socket(*addr, immediate=True)
             except zmq.ZMQError as exc:
                 return self.core.connect_failed(now, addr, str(exc))
+            try:
+                monitor = _io.watch_drops(sock)
+            except zmq.ZMQError as exc:  # out of sockets or descriptors: this rank's rooms fail, not the thread
+                sock.close(0)
+                return self.core.connect_failed(now, addr, f"cannot watch its connection: {exc}")
             self._sockets[addr] = sock
-            self._monitors[addr] = _io.watch_drops(sock)
+            self._monitors[addr] = monitor
         elif addr not in checked and _io.dropped(self._monitors[addr]):
             # A rank restarted there knows nothing of what was announced to its predecessor.
             self.core.connection_dropped(now, addr)
