@@ -160,23 +160,26 @@ class SessionManager:
         self._owned: list[int] = []
         self.pool = pool
         self.deepstack_buffer: _io.Region | None
-        if pool is not None:
-            # Slots hold embedding and deepstack rows alike: one region serves both.
-            self.buffer = self.deepstack_buffer = pool.region
-        elif buffer is not None:
-            self.buffer = self._register(buffer)
-            self.deepstack_buffer = self._register(deepstack_buffer) if deepstack_buffer is not None else None
+        try:
+            if pool is not None:
+                # Slots hold embedding and deepstack rows alike: one region serves both.
+                self.buffer = self.deepstack_buffer = pool.region
+            elif buffer is not None:
+                self.buffer = self._register(buffer)
+                self.deepstack_buffer = self._register(deepstack_buffer) if deepstack_buffer is not None else None
+            self._driver = PrefillDriver(
+                engine_rank, tp_size, dp_size, host=self.host, status_port=status_port,
+                session_id=engine.session_id, deadline_s=deadline_s, lookup_timeout_s=lookup_timeout_s,
+                integrity=integrity, metrics=self.metrics, pool=pool,
+            )
+        except BaseException:
+            self._unregister_owned()  # no manager is returned whose close() would
+            raise
         # Every destination lies in one of these announced (embedding, deepstack) region
         # pairs; the first is the main buffer, the rest are added for per-item buffers.
         self._region_sets: list[RegionSet] = [RegionSet(self.buffer, self.deepstack_buffer)]
         self._regions_lock = threading.Lock()
         self._closed = False
-
-        self._driver = PrefillDriver(
-            engine_rank, tp_size, dp_size, host=self.host, status_port=status_port,
-            session_id=engine.session_id, deadline_s=deadline_s, lookup_timeout_s=lookup_timeout_s,
-            integrity=integrity, metrics=self.metrics, pool=pool,
-        )
         self.status_port = self._driver.status_port
         rooms = self._driver.rooms
         self.metrics.gauge_fn("rooms_in_flight", lambda: len(rooms))
@@ -354,6 +357,10 @@ class SessionManager:
             if _managed_engines.get(self.engine) == (self.engine_rank, id(self)):
                 del _managed_engines[self.engine]
         self._driver.close()
+        self._unregister_owned()
+
+    def _unregister_owned(self) -> None:
+        """Unregisters the memory this manager registered."""
         for addr in self._owned:
             try:
                 self.engine.unregister(addr)

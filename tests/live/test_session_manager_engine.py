@@ -32,3 +32,25 @@ def test_managers_on_separate_engines_coexist():
             SessionManager(a, 0, 2, 1, buffer=torch.zeros(1024, dtype=torch.uint8)), \
             SessionManager(b, 1, 2, 1, buffer=torch.zeros(1024, dtype=torch.uint8)) as second:
         assert second.engine is b
+
+
+def test_a_manager_that_cannot_start_leaves_no_memory_registered():
+    """Its status port is taken: the constructor raises and unregisters what it registered, so a
+    manager started next owns (and on close unregisters) the same buffers."""
+    import zmq
+
+    from transfer import _io
+
+    buf, deepstack = torch.zeros(4096, dtype=torch.uint8), torch.zeros(2048, dtype=torch.uint8)
+    taken, port = _io.pull_socket(HOST, 0)
+    try:
+        with Engine(HOST, "tcp") as engine:
+            before = engine.registered()
+            with pytest.raises(zmq.ZMQError):
+                SessionManager(engine, 0, 1, 1, buffer=buf, deepstack_buffer=deepstack, status_port=port)
+            assert engine.registered() == before
+            with SessionManager(engine, 0, 1, 1, buffer=buf, deepstack_buffer=deepstack):
+                assert {buf.data_ptr(), deepstack.data_ptr()} <= set(engine.registered())
+            assert engine.registered() == before
+    finally:
+        taken.close(0)
