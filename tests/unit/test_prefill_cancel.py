@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefill_rooms import BOOT, ENCODE, KEY0, spec
 from prefill_rooms import core as prefill_core
 
+import transfer.core.prefill as prefill
 from transfer.core.failure import FailureKind
 from transfer.core.prefill import (
     Conclude,
@@ -15,6 +16,8 @@ from transfer.core.prefill import (
     PrefillCore,
     SendAsk,
     SendCancel,
+    Verify,
+    Warn,
 )
 from transfer.frames import Cancel, parse_cancel
 from transfer.status import TransferPoll
@@ -159,3 +162,76 @@ def test_cancels_awaiting_an_answer_are_bounded(monkeypatch):
     assert c.pending_cancels == 2
     assert c.cancel_answered(6.0, 1, 0, confirmed=True) == []  # the oldest was forgotten
     assert c.cancel_answered(6.0, 3, 0, confirmed=True) == [MemorySafe(3, tokens[2])]
+
+
+def _cleared_and_asked_again(c: PrefillCore, room: int, now: float) -> tuple[int, int, list]:
+    """Asks for `room`, gives it up before any status (a cancel goes out), clears it and asks again
+    on the same socket; (old token, new token, the new ask's actions)."""
+    old = asked(c, room, now)
+    assert [type(a) for a in c.abandon(now, room, old)] == [SendCancel]
+    assert c.clear(now, room, old)
+    token, actions = c.receive(now, spec(room, slot=room + 1))
+    return old, token, actions
+
+
+def _answering(c: PrefillCore) -> None:
+    """The encode rank has answered a cancel before (room 90's)."""
+    old = asked(c, 90)
+    c.abandon(0.0, 90, old)
+    assert c.cancel_answered(0.0, 90, 0, confirmed=True) == [MemorySafe(90, old)]
+
+
+def test_a_status_before_the_cancels_answer_is_the_cancelled_asks_and_concludes_nothing():
+    """An encode rank that answers cancels reads the cancel before the new ask (one socket, in
+    order) and answers it before anything about that ask: a status that comes before the answer
+    is the old ask's, and must not conclude (or verify) the new one."""
+    c = core()
+    _answering(c)
+    old, token, actions = _cleared_and_asked_again(c, 7, 1.0)
+    assert [type(a) for a in actions] == [SendAsk], "a rank known to answer cancels is asked at once"
+    for status in (TransferPoll.Success, TransferPoll.Failed, TransferPoll.Transferring):
+        actions = c.status(1.1, 7, status, 0, (11,) if status is TransferPoll.Success else ())
+        assert [type(a) for a in actions] == [Warn] and "before it answered the cancel" in actions[0].message
+    assert c.stage(7) == "asked"
+    assert c.cancel_answered(1.2, 7, 0, confirmed=True) == [MemorySafe(7, old)]
+    (verify,) = c.status(1.3, 7, TransferPoll.Success, 0, (11,))
+    assert isinstance(verify, Verify) and verify.token == token
+
+
+def test_a_too_late_answer_is_the_cancels_answer_and_the_new_asks_statuses_count_after_it():
+    c = core()
+    c.integrity = False
+    _answering(c)
+    old, token, _ = _cleared_and_asked_again(c, 7, 1.0)
+    assert c.cancel_answered(1.1, 7, 0, confirmed=False) == []
+    assert of(Conclude, c.status(1.2, 7, TransferPoll.Success, 0)) == [Conclude(7, token, None)]
+    assert c.cancel_answered(1.3, 7, 0, confirmed=True) == [MemorySafe(7, old)]
+
+
+def test_an_ask_again_waits_for_the_cancels_answer_from_a_rank_not_known_to_answer():
+    """The first cancel to a rank: the room's new ask waits for its answer, so the old ask's Success,
+    which comes first, finds the room not asked for; the answer lets the ask go."""
+    c = core()
+    c.integrity = False
+    old, token, actions = _cleared_and_asked_again(c, 7, 1.0)
+    assert actions == [] and c.stage(7) == "held"
+    assert c.next_wakeup() == 1.0 + prefill.CANCEL_ANSWER_WAIT_S
+    assert [type(a) for a in c.status(1.1, 7, TransferPoll.Success, 0)] == [Warn]
+    assert c.stage(7) == "held"
+    safe, ask = c.cancel_answered(1.2, 7, 0, confirmed=True)
+    assert safe == MemorySafe(7, old) and isinstance(ask, SendAsk) and ask.token == token
+    assert of(Conclude, c.status(1.3, 7, TransferPoll.Success, 0)) == [Conclude(7, token, None)]
+
+
+def test_an_ask_held_for_a_cancels_answer_goes_when_none_comes_in_time():
+    """A peer drops cancels unanswered: the ask goes once the wait is over, and its statuses count."""
+    c = core()
+    c.integrity = False
+    _, token, actions = _cleared_and_asked_again(c, 7, 1.0)
+    assert actions == []
+    assert c.tick(1.0 + prefill.CANCEL_ANSWER_WAIT_S - 0.01) == []
+    (ask,) = c.tick(1.0 + prefill.CANCEL_ANSWER_WAIT_S)
+    assert isinstance(ask, SendAsk) and ask.token == token and c.stage(7) == "asked"
+    assert of(Conclude, c.status(2.0, 7, TransferPoll.Success, 0)) == [Conclude(7, token, None)]
+    c.receive(2.0, spec(8, slot=9))
+    assert c.stage(8) == "asked", "a room with no cancel before it is asked at once"

@@ -6,7 +6,7 @@ import pytest
 from fakes import Region, Regions
 from prefill_rooms import BOOT, ENCODE, KEY0, MAIN, core, routed, spec
 
-from transfer.core.failure import FailureKind
+from transfer.core.failure import Failure, FailureKind
 from transfer.core.prefill import (
     ENCODE_FAILED,
     Advance,
@@ -421,6 +421,20 @@ def test_rooms_whose_socket_could_not_be_made_are_safe_to_reuse_at_once():
     c.connect_failed(0.0, ENCODE, "Invalid argument")
     assert c.safe(1, token), "no ask left: nothing can write into its memory"
     assert c.abandon(0.1, 1, token) == []
+
+
+def test_an_ask_or_registration_the_socket_raised_on_fails_its_room_only_and_safe():
+    c = core()
+    routed(c)
+    other = Regions(Region(0x800000, 4096))
+    token, (announce, ask) = c.receive(0.0, spec(1, regions=other))
+    failure = Failure(FailureKind.OTHER, "room 1: asking for it failed: RuntimeError: injected")
+    assert c.unsent(0.0, announce, failure) == [Conclude(1, token, failure)]
+    assert c.safe(1, token) and c.abandon(0.1, 1, token) == []
+    assert c.clear(0.1, 1, token)
+    assert kinds(c.receive(0.2, spec(2, regions=other))[1]) == [Announce, SendAsk], "announced again"
+    token3, actions = c.receive(0.3, spec(3, slot=3))
+    assert kinds(c.unsent(0.3, actions[-1], failure)) == [Conclude] and c.safe(3, token3)
 
 
 def test_a_room_number_in_flight_is_refused():

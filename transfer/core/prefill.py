@@ -14,7 +14,8 @@ A room given up on after its ask went out (its deadline, or clear() before Succe
 gets a cancel (our extension) on the socket it was asked on; the memory it offered
 is safe to reuse (`MemorySafe`) at once when no encode rank was ever asked, or once
 the encode rank confirms the cancel. Without either, only the caller's quarantine
-bound makes it safe.
+bound makes it safe. A room asked for again while such a cancel is unanswered must
+not take the earlier ask's status for its own (see `_ask`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ ASK_BATCH = 256
 #: Cancels awaiting their encode rank's confirmation (the oldest is forgotten past this:
 #: its memory then waits out the caller's quarantine bound).
 MAX_PENDING_CANCELS = 65536
+
+#: Encode addresses remembered as answering cancels (past this, new ones are not learned).
+MAX_ANSWERING = 65536
+
+#: How long a room asked for again may wait for the answer to the cancel of its earlier ask,
+#: from an encode rank not yet seen to answer cancels (a peer never answers: its ask then goes).
+CANCEL_ANSWER_WAIT_S = 0.5
 
 RouteKey = tuple[str, int, int]  # (bootstrap address, dp group, encode rank)
 Address = tuple[str, int]
@@ -206,8 +214,20 @@ class RoomSpec:
         return self.rows * self.row_bytes
 
 
-# A room's stages, in order; it may skip ahead to CONCLUDED from any of them.
-LOOKUP, QUEUED, ASKED, VERIFYING, CONCLUDED = "lookup", "queued", "asked", "verifying", "concluded"
+# A room's stages, in order; it may skip ahead to CONCLUDED from any of them. HELD: its ask waits
+# for the answer to the cancel of an earlier ask of the room.
+LOOKUP, HELD, QUEUED, ASKED, VERIFYING, CONCLUDED = "lookup", "held", "queued", "asked", "verifying", "concluded"
+
+
+@dataclass(slots=True, eq=False)
+class _Cancel:
+    """A cancel sent for one ask (its token), on connection `conn` to `addr`; `answered` once any answer came."""
+
+    token: int
+    addr: Address
+    conn: int
+    sent_at: float
+    answered: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -282,8 +302,10 @@ class PrefillCore:
         self._awaiting_route: dict[RouteKey, list[_Room]] = {}
         self._conns: dict[Address, int] = {}  # the connection in use per encode address
         self._conn_serial = 0
-        self._cancels: dict[tuple[int, int], list[int]] = {}  # (room, encode rank) -> tokens awaiting, oldest first
+        self._cancels: dict[tuple[int, int], list[_Cancel]] = {}  # (room, encode rank) -> awaiting, oldest first
         self._cancel_count = 0
+        self._answering: set[Address] = set()  # encode ranks seen to answer cancels
+        self._held: list[tuple[float, int, _Room]] = []  # (when its ask goes anyway, token, room), a heap
 
     # ------------------------------------------------------------ queries
 
@@ -317,11 +339,15 @@ class PrefillCore:
         return self._routes.get(key)
 
     def next_wakeup(self) -> float | None:
-        """When tick() next has something to do (the earliest open room's deadline), or None."""
+        """When tick() next has something to do (the earliest open room's deadline, or held ask), or None."""
         heap = self._deadlines
         while heap and not self._open(heap[0][2]):
             heapq.heappop(heap)
-        return heap[0][0] if heap else None
+        held = self._held
+        while held and not self._holding(held[0][2]):
+            heapq.heappop(held)
+        due = [h[0][0] for h in (heap, held) if h]
+        return min(due) if due else None
 
     def deadline_entries(self) -> int:
         """Entries in the deadline heap (bounded by the open rooms, plus slack)."""
@@ -349,7 +375,7 @@ class PrefillCore:
         # A Success whose bytes are not checked yet may be an earlier ask's under the same room
         # number (statuses name only the room), so the write this token asked for may still
         # come: such a room is cancelled like one still waiting.
-        return self._give_up(state)
+        return self._give_up(now, state)
 
     def safe(self, room: int, token: int) -> bool:
         """Whether no encode rank writes into the room's memory any more, known without a cancel's answer."""
@@ -362,17 +388,26 @@ class PrefillCore:
         return self._cancel_count
 
     def cancel_answered(self, now: float, room: int, rank: int, confirmed: bool) -> list:
-        """An encode rank answered a cancel: `confirmed` when nothing will be written any more."""
-        if not confirmed:
-            return []  # a write was in flight: its confirmation follows once it is over
-        tokens = self._cancels.get((room, rank))
-        if not tokens:
+        """An encode rank answered a cancel: `confirmed` when nothing will be written any more.
+
+        An encode rank answers its cancels for a room in the order they came, each with
+        `too late` (a write was in flight) then `confirmed`, or `confirmed` alone.
+        """
+        cancels = self._cancels.get((room, rank))
+        if not cancels:
             return []
-        token = tokens.pop(0)
-        if not tokens:
+        if not confirmed:  # its confirmation follows once the write is over
+            first = next((cancel for cancel in cancels if not cancel.answered), None)
+            if first is None:
+                return []
+            self._heard(first)
+            return self._release(now, room, rank)
+        cancel = cancels.pop(0)
+        if not cancels:
             del self._cancels[(room, rank)]
         self._cancel_count -= 1
-        return [MemorySafe(room, token)]
+        self._heard(cancel)
+        return [MemorySafe(room, cancel.token), *self._release(now, room, rank)]
 
     def clear(self, now: float, room: int, token: int | None = None) -> bool:
         """Forgets the room (its asks not yet sent never go out); False when it was not held."""
@@ -478,6 +513,12 @@ class PrefillCore:
         if state.encode_rank is not None and rank != state.encode_rank:
             return [Warn(("status from the wrong encode rank", rank),
                          f"room {room}: status from encode rank {rank}, expected {state.encode_rank}; ignored")]
+        if self._before_cancel_answered(room, rank, state):
+            # Our encode rank reads a cancel before any later ask on the same socket and answers it
+            # before anything about that ask: this status is the cancelled ask's.
+            return [Warn(("status before a cancel's answer", rank),
+                         f"room {room}: {status.name} from encode rank {rank} before it answered the cancel of "
+                         f"an earlier ask of the room; ignored (it is that ask's)")]
         if status is TransferPoll.Failed:
             detail = f"{ENCODE_FAILED} ({state.where()})"
             if reason is not None:
@@ -527,6 +568,17 @@ class PrefillCore:
             return []
         return self._conclude(state, failure)
 
+    def unsent(self, now: float, action: Announce | SendAsk, failure: Failure) -> list:
+        """The socket raised on `action` (it never left): its room fails with `failure`, its memory
+        safe at once, and a registration is announced again before the next ask that needs it."""
+        if isinstance(action, Announce):
+            self.announcements.withdraw(action.route_key, action.region_addr)
+        state = self._rooms.get(action.room)
+        if state is None or state.token != action.token or not self._open(state):
+            return []
+        state.asked = False
+        return self._conclude(state, failure)
+
     def fail_all(self, now: float, failure: Failure) -> list:
         """Concludes every open room with `failure` (closing, or the driver stopped)."""
         return [action for state in list(self._rooms.values()) if self._open(state)
@@ -546,6 +598,13 @@ class PrefillCore:
             if self._open(state) and state.stage != VERIFYING:
                 actions += self._expire(now, state)
                 expired += 1
+        held = self._held
+        while held and held[0][0] <= now and (limit is None or expired < limit):
+            state = heapq.heappop(held)[2]
+            if self._holding(state):  # no answer came: the rank does not answer cancels
+                state.stage = LOOKUP
+                actions += self._route(now, state)
+                expired += 1
         return actions
 
     # ---------------------------------------------------------- internals
@@ -553,6 +612,10 @@ class PrefillCore:
     def _open(self, state: _Room) -> bool:
         """Whether `state` is still held and not concluded."""
         return self._rooms.get(state.spec.room) is state and state.stage != CONCLUDED
+
+    def _holding(self, state: _Room) -> bool:
+        """Whether `state` is held and its ask waits for a cancel's answer."""
+        return self._rooms.get(state.spec.room) is state and state.stage == HELD
 
     def _queued(self, state: _Room) -> bool:
         """Whether `state` is held and its ask still waits in a queue."""
@@ -580,7 +643,7 @@ class PrefillCore:
         state.outcome = failure
         return [Conclude(state.room, state.token, failure, unverified)]
 
-    def _give_up(self, state: _Room) -> list:
+    def _give_up(self, now: float, state: _Room) -> list:
         """Tells the encode rank the room is given up, on the connection it was asked on.
 
         A room never asked has nothing to cancel. One whose connection was dropped
@@ -596,17 +659,50 @@ class PrefillCore:
         # A route (addr) is found only after the encode rank is known.
         if state.addr is None or state.encode_rank is None or self._conns.get(state.addr) != state.conn:
             return []
-        self._cancels.setdefault((state.room, state.encode_rank), []).append(state.token)
+        self._cancels.setdefault((state.room, state.encode_rank), []).append(_Cancel(state.token, state.addr, state.conn, now))
         self._cancel_count += 1
         if self._cancel_count > MAX_PENDING_CANCELS:
             oldest = next(iter(self._cancels))
-            tokens = self._cancels[oldest]
-            tokens.pop(0)
-            if not tokens:
+            cancels = self._cancels[oldest]
+            cancels.pop(0)
+            if not cancels:
                 del self._cancels[oldest]
             self._cancel_count -= 1
         frames = cancel_frames(state.room, self.host, self.status_port, self.session_id)
         return [SendCancel(state.addr, state.room, state.token, frames)]
+
+    def _release(self, now: float, room: int, rank: int) -> list:
+        """The held ask of `room` for encode rank `rank` goes, unless a cancel before it is still unanswered."""
+        state = self._rooms.get(room)
+        if state is None or state.stage != HELD or state.encode_rank != rank or self._unanswered(state) is not None:
+            return []
+        state.stage = LOOKUP
+        return self._route(now, state)
+
+    def _unanswered(self, state: _Room) -> _Cancel | None:
+        """The newest cancel for an earlier ask of the room that its encode rank, on the connection the
+        room would be asked on, has not answered at all yet."""
+        conn = self._conns.get(state.addr) if state.addr is not None else None
+        for cancel in reversed(self._cancels.get((state.room, state.encode_rank), ()) if
+                               state.encode_rank is not None else ()):
+            if not cancel.answered and cancel.conn == conn:
+                return cancel
+        return None
+
+    def _heard(self, cancel: _Cancel) -> None:
+        """A cancel got its first answer (or its last): its encode rank answers cancels."""
+        cancel.answered = True
+        if len(self._answering) < MAX_ANSWERING:
+            self._answering.add(cancel.addr)
+
+    def _before_cancel_answered(self, room: int, rank: int, state: _Room) -> bool:
+        """Whether the encode rank `state` was asked, known to answer cancels, has not answered one sent
+        for an earlier ask of the room on the same connection yet (the cancel went out ahead of this ask;
+        a rank that never answers cancels is not held to it)."""
+        cancels = self._cancels.get((room, rank))
+        if not cancels or state.addr not in self._answering:
+            return False
+        return any(not cancel.answered and cancel.conn == state.conn for cancel in cancels)
 
     def _route(self, now: float, state: _Room, defer: bool = False) -> list:
         """Finds the room's encode rank, from the caches or by a look-up."""
@@ -643,8 +739,21 @@ class PrefillCore:
 
     def _ask(self, now: float, state: _Room, addr: Address, defer: bool = False) -> list:
         """Asks for the room now, or files it behind the asks waiting for the same socket
-        (`defer`: files it anyway, past the queue's bound)."""
+        (`defer`: files it anyway, past the queue's bound).
+
+        An ask of a room whose earlier ask's cancel went out on the same connection and is not
+        answered yet waits for that answer (for at most CANCEL_ANSWER_WAIT_S, from an encode
+        rank not yet seen to answer cancels): a status that comes before it is the earlier
+        ask's, and with the room not asked yet it concludes nothing. An encode rank known to
+        answer cancels is asked at once; its statuses before the answer are dropped instead.
+        """
         state.addr = addr
+        if addr not in self._answering:
+            cancel = self._unanswered(state)
+            if cancel is not None and now < cancel.sent_at + CANCEL_ANSWER_WAIT_S:
+                state.stage = HELD
+                heapq.heappush(self._held, (cancel.sent_at + CANCEL_ANSWER_WAIT_S, state.token, state))
+                return []
         conn = self._conns.get(addr)
         if conn is None:
             self._conn_serial += 1
@@ -696,7 +805,7 @@ class PrefillCore:
         never_sent: list[_Room] = []
         addr = state.addr
         # On the socket it was asked on, ahead of anything that closes it.
-        actions: list = self._give_up(state) if state.asked else []
+        actions: list = self._give_up(now, state) if state.asked else []
         if state.stage == LOOKUP:
             failure = Failure(FailureKind.DEADLINE,
                               f"no status from {state.where()} within {self.deadline_s:g}s for room {state.room} "
@@ -718,7 +827,11 @@ class PrefillCore:
             # follows it: then the socket gets a moment to deliver the cancel.
             actions.append(Disconnect(addr, flush=bool(actions)))
             never_sent = self.asks.drop(addr)
-        if state.stage == QUEUED:
+        if state.stage == HELD:
+            failure = Failure(FailureKind.DEADLINE,
+                              f"no answer from {state.where()} within {self.deadline_s:g}s to the cancel of an "
+                              f"earlier ask of room {state.room}, which this one waited for: it was never asked for")
+        elif state.stage == QUEUED:
             failure = Failure(FailureKind.NO_CONNECTION,
                               f"no connection to {state.where()} within {self.deadline_s:g}s: room {state.room} "
                               f"was never asked for (is the encode rank running?)")

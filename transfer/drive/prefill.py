@@ -679,7 +679,7 @@ class PrefillDriver:
             return []
         except Exception as exc:  # one ask's failure must not stop the others
             log.exception("asking %s:%d for room %d failed", addr[0], addr[1], action.room)
-            return self.core.fail(now, action.room, action.token, Failure(
+            return self.core.unsent(now, action, Failure(
                 FailureKind.OTHER, f"room {action.room}: asking for it failed: {type(exc).__name__}: {exc}"))
         if type(action) is SendAsk:
             self.table.update(action.room, TransferPoll.WaitingForInput)
