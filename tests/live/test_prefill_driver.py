@@ -17,6 +17,7 @@ from live_helpers import HOST, LIVE, item_tensor, wait_until
 from transfer import _io
 from transfer.core.failure import FailureKind
 from transfer.drive import prefill as drive
+from transfer.metrics import Metrics
 from transfer.receiver import SessionManager
 from transfer.sender import SenderPool
 from transfer.status import TransferPoll, is_terminal
@@ -118,3 +119,37 @@ def test_close_with_a_stuck_io_thread_concludes_rooms_and_leaves_the_thread_its_
         finally:
             release.set()
             poke.close(0)
+
+
+def test_a_driver_that_runs_out_of_descriptors_while_starting_leaves_none_open(monkeypatch):
+    """Its second wake-up pipe cannot be made (EMFILE): the driver raises and closes its status
+    socket and first pipe, 20 times over, so the descriptors it took are back."""
+    import errno
+    import gc
+
+    made = []
+    real = _io.Waker
+
+    def waker():
+        if len(made) % 2:
+            made.append(None)
+            raise OSError(errno.EMFILE, "Too many open files")
+        made.append(real())
+        return made[-1]
+
+    def descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    monkeypatch.setattr(_io, "Waker", waker)
+    gc.collect()
+    before = descriptors()
+    for _ in range(20):
+        try:
+            drive.PrefillDriver(0, 1, 1, host=HOST, status_port=0, session_id=f"{HOST}:1", deadline_s=5.0,
+                                lookup_timeout_s=1.0, integrity=True, metrics=Metrics("t"))
+        except OSError as exc:
+            assert exc.errno == errno.EMFILE
+        else:
+            raise AssertionError("the driver started without its second pipe")
+    gc.collect()
+    assert descriptors() - before < 10, "each try left its status socket or pipe open"

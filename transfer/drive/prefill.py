@@ -166,7 +166,13 @@ class PrefillDriver:
         try:
             self.core = PrefillCore(engine_rank, tp_size, dp_size, host=host, status_port=self.status_port,
                                     session_id=session_id, deadline_s=deadline_s, integrity=integrity)
-        except BaseException:
+            self._waker = _io.Waker()
+            try:
+                self._watch_waker = _io.Waker()  # wakes the caller that sleeps on the status socket
+            except BaseException:
+                self._waker.close()
+                raise
+        except BaseException:  # out of descriptors: nothing is left open
             self._status_sock.close(0)
             raise
         # Guards the core, the rooms and every send on the sockets to encode ranks. Held
@@ -177,14 +183,12 @@ class PrefillDriver:
         self._watching: dict[zmq.Socket, tuple[str, int]] = {}  # registered for POLLOUT (I/O thread only)
         self._resync = False  # an ask was refused off the I/O thread: it must watch that socket
         self._wake_at = 0.0  # when the I/O thread next wakes by itself
-        self._waker = _io.Waker()
         self._results: deque[tuple] = deque()  # look-up results for the I/O thread
         self._verifies: deque[Verify] = deque()  # checksums a caller's poll handed to the I/O thread
         self._cancels_out: deque[SendCancel] = deque()  # cancels a caller's clear() handed to the I/O thread
         self._caller_at = -CALLER_LEASE_S  # when the caller last read the status socket
         self._watcher: int | None = None  # the thread whose wait() sleeps on the status socket
-        self._watch = threading.Lock()  # held by that thread
-        self._watch_waker = _io.Waker()  # wakes it when a room concludes elsewhere
+        self._watch = threading.Lock()  # held by that thread; its waker wakes it when a room concludes elsewhere
         self._watch_woken = False  # its last sleep saw the watch waker readable (held under _watch)
         self._statuses_left = False  # a drain stopped with statuses still queued
         self._watch_poller = select.poll()  # used by the thread that holds _watch
