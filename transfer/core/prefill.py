@@ -502,8 +502,8 @@ class PrefillCore:
         `peer_failed` (the room failed over there, whatever the cause).
         """
         state = self._rooms.get(room)
-        if state is None or state.stage in (VERIFYING, CONCLUDED):
-            return []  # unknown, cleared, or over: stale
+        if state is None or state.stage in (VERIFYING, CONCLUDED, HELD):
+            return []  # unknown, cleared, over, or its earlier ask's (held for the cancel's answer): stale
         if not state.asked:
             # No encode rank has heard of this room from us yet: an earlier room's under the same number
             # (its manager's predecessor at this endpoint, or a send of it cleared since), or forged.
@@ -515,10 +515,8 @@ class PrefillCore:
                          f"room {room}: status from encode rank {rank}, expected {state.encode_rank}; ignored")]
         if self._before_cancel_answered(room, rank, state):
             # Our encode rank reads a cancel before any later ask on the same socket and answers it
-            # before anything about that ask: this status is the cancelled ask's.
-            return [Warn(("status before a cancel's answer", rank),
-                         f"room {room}: {status.name} from encode rank {rank} before it answered the cancel of "
-                         f"an earlier ask of the room; ignored (it is that ask's)")]
+            # before anything about that ask: this status is the cancelled ask's, as expected.
+            return []
         if status is TransferPoll.Failed:
             detail = f"{ENCODE_FAILED} ({state.where()})"
             if reason is not None:
