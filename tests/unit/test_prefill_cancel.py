@@ -177,6 +177,7 @@ def _answering(c: PrefillCore) -> None:
     """The encode rank has answered a cancel before (room 90's)."""
     old = asked(c, 90)
     c.abandon(0.0, 90, old)
+    assert c.clear(0.0, 90, old)
     assert c.cancel_answered(0.0, 90, 0, confirmed=True) == [MemorySafe(90, old)]
 
 
@@ -232,3 +233,21 @@ def test_an_ask_held_for_a_cancels_answer_goes_when_none_comes_in_time():
     assert of(Conclude, c.status(2.0, 7, TransferPoll.Success, 0)) == [Conclude(7, token, None)]
     c.receive(2.0, spec(8, slot=9))
     assert c.stage(8) == "asked", "a room with no cancel before it is asked at once"
+
+
+def test_a_cancel_on_a_dropped_connection_holds_nothing_back_on_the_fresh_one():
+    """The cancel went out on a socket dropped since (its room's deadline): the new ask goes on a
+    fresh connection, which the cancel does not travel ahead of, so its statuses count as they come."""
+    c = core()
+    c.integrity = False
+    _answering(c)
+    old = asked(c, 7, now=0.0)
+    actions = c.tick(10.0)
+    assert of(SendCancel, actions) and of(Disconnect, actions)
+    c.clear(10.0, 7, old)
+    token, actions = c.receive(10.1, spec(7, slot=8))
+    if actions == [LookUpParallel(BOOT)]:
+        actions = c.parallel_resolved(10.1, BOOT, 1, 1)
+    assert actions == [LookUpRoute(KEY0)]
+    assert SendAsk in [type(a) for a in c.route_resolved(10.2, KEY0, ENCODE)]
+    assert of(Conclude, c.status(10.3, 7, TransferPoll.Success, 0)) == [Conclude(7, token, None)]
