@@ -251,3 +251,23 @@ def test_a_cancel_on_a_dropped_connection_holds_nothing_back_on_the_fresh_one():
     assert actions == [LookUpRoute(KEY0)]
     assert SendAsk in [type(a) for a in c.route_resolved(10.2, KEY0, ENCODE)]
     assert of(Conclude, c.status(10.3, 7, TransferPoll.Success, 0)) == [Conclude(7, token, None)]
+
+
+def test_a_room_given_up_at_another_node_while_a_cancel_waits_for_the_same_rank_gets_none():
+    """Answers name only the room and the encode rank number: with a cancel for room 7 waiting at
+    one node, room 7 given up at another node's rank 0 is not cancelled (its memory waits out the
+    quarantine), so the first node's answer can only make the first ask's memory safe."""
+    from dataclasses import replace
+
+    c = core()
+    first = asked(c, 7)
+    assert [type(a) for a in c.abandon(0.1, 7, first)] == [SendCancel]
+    assert c.clear(0.1, 7, first)
+    other_boot, other_encode = "10.0.0.9:8998", ("10.0.0.8", 7000)
+    second, actions = c.receive(0.2, replace(spec(7, slot=8), bootstrap_addr=other_boot))
+    assert actions == [LookUpParallel(other_boot)]
+    assert c.parallel_resolved(0.2, other_boot, 1, 1) == [LookUpRoute((other_boot, 0, 0))]
+    assert SendAsk in [type(a) for a in c.route_resolved(0.2, (other_boot, 0, 0), other_encode)]
+    assert c.abandon(0.3, 7, second) == [] and not c.safe(7, second)
+    assert c.cancel_answered(0.4, 7, 0, confirmed=True) == [MemorySafe(7, first)]
+    assert not c.safe(7, second) and c.pending_cancels == 0

@@ -646,7 +646,8 @@ class PrefillCore:
 
         A room never asked has nothing to cancel. One whose connection was dropped
         since gets no cancel: a fresh connection could overtake what the old one
-        delivered, so only the quarantine bound makes its memory safe.
+        delivered, so only the quarantine bound makes its memory safe. Nor does one while
+        a cancel for the same room and encode rank number waits at another address.
         """
         if state.cancelled:
             return []
@@ -656,6 +657,11 @@ class PrefillCore:
             return [MemorySafe(state.room, state.token)]
         # A route (addr) is found only after the encode rank is known.
         if state.addr is None or state.encode_rank is None or self._conns.get(state.addr) != state.conn:
+            return []
+        pending = self._cancels.get((state.room, state.encode_rank))
+        if pending and pending[0].addr != state.addr:
+            # Answers name only the room and the encode rank: another node's answer to its own cancel
+            # would be taken for this one's. Without a cancel only the quarantine makes it safe.
             return []
         self._cancels.setdefault((state.room, state.encode_rank), []).append(_Cancel(state.token, state.addr, state.conn, now))
         self._cancel_count += 1
