@@ -226,3 +226,45 @@ def test_a_write_in_flight_when_its_room_fails_keeps_its_destination_until_it_is
     failed = [c for c in core.ask(_ask_at(2, session, 6000, 0xA0000), 2.0) if isinstance(c, Conclude)]
     assert [(c.room, c.status) for c in failed] == [(2, TransferPoll.Failed)]
     assert "overlaps room 1's" in str(failed[0].failure)
+
+
+class Gate:
+    """A ready event the test completes."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_a_cancel_covers_the_room_sent_again_beside_an_earlier_sends_write_in_flight():
+    """Room 1's first send writes into the receiver; the room is sent again, the receiver asks again
+    and then cancels: the current send's queued write is dropped and the room fails, and the answer
+    is confirmed only once the earlier write is over, with nothing written after it."""
+    run = Run()
+    run(run.core.ask(_ask(1), run.now))
+    [first] = run.of(StartWrite, run(run.core.offer(_offer(1), run.now)))
+    gate = Gate()
+    run(run.core.offer(_offer(1, ready_event=gate), 0.01))  # sent again: the first send is cleared
+    run(run.core.ask(_ask(1), 0.02))  # the retry's write waits for its item
+    out = run(run.core.cancel(_cancel(1), 0.03))
+    assert run.answers(out) == [(1, 6000, False)]
+    assert run.conclusions()[-1] == (1, TransferPoll.Failed, FailureKind.CANCELLED)
+    assert run.answers(run(run.core.write_done(first.wid, (), 0.04))) == [(1, 6000, True)]
+    gate.done = True
+    run(run.core.tick(0.05))
+    assert run.of(StartWrite) == [first], "a write after the cancel was confirmed"
+
+
+def test_a_cancel_is_confirmed_only_once_every_write_it_found_in_flight_is_over():
+    run = Run()
+    run(run.core.ask(_ask(1), run.now))
+    [first] = run.of(StartWrite, run(run.core.offer(_offer(1), run.now)))
+    run(run.core.offer(_offer(1), 0.01))
+    [second] = run.of(StartWrite, run(run.core.ask(_ask(1), 0.02)))  # the same destination, the same room
+    assert run.answers(run(run.core.cancel(_cancel(1), 0.03))) == [(1, 6000, False)]
+    assert run.answers(run(run.core.write_done(first.wid, (), 0.04))) == []
+    assert not run.core.wants(second.wid)
+    assert run.answers(run(run.core.write_done(second.wid, (), 0.05))) == [(1, 6000, True)]
+    assert (1, TransferPoll.Success, None) not in run.conclusions()

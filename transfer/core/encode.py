@@ -189,13 +189,21 @@ class _Room:
 
 
 @dataclass(eq=False)
+class _CancelWait:
+    """A cancel answered too late: confirmed once the last of the writes it found in flight is over."""
+
+    cancel: Cancel
+    left: int
+
+
+@dataclass(eq=False)
 class _Job:
     """One receiver's write of one room, and the destination ranges it holds until it is over."""
 
     room: _Room
     info: TransferInfo
     ranges: tuple[tuple[int, int, int], ...] = ()  # (start, end, seq) in its session's destination list
-    cancelled: bool = False  # its receiver cancelled while it was in flight: confirm once it is over
+    waits: list[_CancelWait] = field(default_factory=list)  # cancels that came while it was in flight
 
 
 @dataclass(eq=False)
@@ -332,15 +340,14 @@ class EncodeCore:
         (the engine cannot take it back), too late now and confirmed once it is over.
         """
         room_number, session = cancel.room, cancel.session_id
-        flying = next((job for job in self._writes.values()
-                       if job.room.room == room_number and job.info.session_id == session), None)
+        # Every write into that receiver for the room number: an earlier send's may still fly
+        # beside the current one's.
+        flying = [job for job in self._writes.values()
+                  if job.room.room == room_number and job.info.session_id == session]
         detail = f"room {room_number}: receiver {session[:64]} cancelled it"
-        if flying is not None:
-            flying.cancelled = True
-            self._spare(flying.room, session)
-            self._fail(flying.room, FailureKind.CANCELLED, detail + " while its write was in flight", now)
-            self._answer_cancel(cancel, confirmed=False)
-            return self._flush(now)
+        for job in flying:
+            self._spare(job.room, session)
+            self._fail(job.room, FailureKind.CANCELLED, detail + " while its write was in flight", now)
         room = self._rooms.get(room_number)
         asks = self.parked.get(room_number)
         if asks is not None and session in asks.infos:
@@ -357,7 +364,11 @@ class EncodeCore:
             # A room served in full keeps its receivers: a later ask under its number waits for its next send.
             self._spare(room, session)
             self._fail(room, FailureKind.CANCELLED, detail + " before its write started", now)
-        self._answer_cancel(cancel, confirmed=True)
+        if flying:
+            wait = _CancelWait(cancel, len(flying))
+            for job in flying:
+                job.waits.append(wait)
+        self._answer_cancel(cancel, confirmed=not flying)
         return self._flush(now)
 
     @staticmethod
@@ -825,10 +836,12 @@ class EncodeCore:
         self._out.append(Count("cancels_total", "confirmed" if confirmed else "too_late"))
 
     def _job_over(self, job: _Job) -> None:
-        """A write is over: a receiver that cancelled while it flew is told its memory is safe now."""
-        if job.cancelled:
-            info = job.info
-            self._answer_cancel(Cancel(info.room, info.endpoint, info.port, info.session_id), confirmed=True)
+        """A write is over: a receiver that cancelled while it flew is told its memory is safe, once no
+        other write that cancel found in flight is left."""
+        for wait in job.waits:
+            wait.left -= 1
+            if not wait.left:
+                self._answer_cancel(wait.cancel, confirmed=True)
 
     def _tell_failed(self, infos, failure: Failure | None) -> None:
         for info in infos:
