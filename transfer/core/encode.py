@@ -417,7 +417,7 @@ class EncodeCore:
             return self._flush(now)
         session = job.info.session_id
         self.scheduler.finished(session)
-        trip = self.breaker.failed(session, took, now, blocking=blocking)
+        trip = self.breaker.failed(session, took, now, blocking=blocking, detail=error)
         if trip is not None and trip.stalled:
             self._warn("stall", "submitting a write to %s held the sender pool's thread (and every other write) "
                        "for %.1fs before failing: a peer that accepts connections but never answers the engine's "
@@ -663,8 +663,9 @@ class EncodeCore:
         since = self.breaker.open_since(info.session_id, now)
         if since is not None:
             self.scheduler.finished(info.session_id)
+            why = self.breaker.detail(info.session_id)
             self._fail(room, FailureKind.WRITE, f"write to {info.session_id} (room {room.room}) skipped: a write to "
-                                                f"it failed {now - since:.1f}s ago", now)
+                                                f"it failed {now - since:.1f}s ago" + (f" ({why})" if why else ""), now)
             self._job_done(job, now)
             return
         offer = room.offer
