@@ -599,6 +599,21 @@ def test_a_room_is_released_only_once_its_predecessors_write_is_over_too():
     assert [(c.room, c.status) for c in run.of(Conclude)] == [(7, TransferPoll.Success)]
 
 
+def test_a_session_that_registered_again_at_another_endpoint_is_not_superseded_at_its_old_one():
+    """A session manager made again on the same engine registers from a new status port; another rank
+    that binds the freed old port is not its successor: the live session keeps its asks and regions."""
+    run = Run()
+    live, other = "10.0.0.7:17000", "10.0.0.7:17001"
+    run(run.core.registration(Registration("10.0.0.7", 6000, live, 0x10000, 0, 4 * ROW, 0), run.now))
+    run(run.core.registration(Registration("10.0.0.7", 6001, live, 0x10000, 0, 4 * ROW, 0), run.now))
+    run.ask(_ask(1, session=live, port=6001))
+    out = run(run.core.registration(Registration("10.0.0.7", 6000, other, 0x80000, 0, 4 * ROW, 0), run.now))
+    assert run.of(Count, out) == [] and run.core.parked.rooms() == [1]
+    run.ask(_ask(2, session=live, port=6001, ptr=0xDEAD0000))  # outside what it announced
+    run.offer(_offer(2))
+    assert run.of(StartWrite) == [] and run.conclusions()[-1][2] is FailureKind.REGION
+
+
 def test_a_successor_asking_for_the_same_shard_of_a_full_fanout_supersedes_only_that_rank():
     run = Run()
     span, fanout = 8, 2

@@ -244,6 +244,7 @@ class EncodeCore:
         self._destinations: dict[str, _Destinations] = {}  # of writes queued or in flight, per session
         self._next_seq = 1
         self._endpoints: dict[tuple[str, int], str] = {}  # status endpoint -> its latest session
+        self._endpoint_of: dict[str, tuple[str, int]] = {}  # session -> the status endpoint it registered last
         self._next_wid = 1
         self._clears_due: deque[tuple[int, float]] = deque()  # (room, cleared at) with parked asks to fail
         self._cancelled: dict[int, tuple[str, float]] = {}  # room -> (session, at): cancelled before its item
@@ -482,10 +483,20 @@ class EncodeCore:
         Only one process at a time can bind a status endpoint.
         """
         key = (endpoint, port)
+        moved_from = self._endpoint_of.pop(session, None)
+        if moved_from is not None and moved_from != key and self._endpoints.get(moved_from) == session:
+            # Its manager was made again on another port: whoever binds the old one next is someone else.
+            del self._endpoints[moved_from]
         previous = self._endpoints.pop(key, None)
+        if previous is not None and self._endpoint_of.get(previous) == key:
+            del self._endpoint_of[previous]
         self._endpoints[key] = session
+        self._endpoint_of[session] = key
         if len(self._endpoints) > MAX_ENDPOINTS:
-            del self._endpoints[next(iter(self._endpoints))]
+            oldest = next(iter(self._endpoints))
+            forgotten = self._endpoints.pop(oldest)
+            if self._endpoint_of.get(forgotten) == oldest:
+                del self._endpoint_of[forgotten]
         if previous is not None and previous != session:
             self._supersede(previous, session, "status_endpoint", f"at the same status endpoint {endpoint}:{port}")
 
