@@ -574,6 +574,40 @@ def _restarted_mid_write(run: Run) -> tuple[StartWrite, StartWrite]:
 
 
 @pytest.mark.parametrize("old_write", ["fails", "lands"])
+def test_a_room_whose_only_receiver_restarted_mid_write_waits_for_the_successor_and_serves_it(old_write):
+    """The predecessor's write ends before the successor asks: nobody was served, so the room neither
+    concludes nor lets its sources go, and the successor's ask is written from them and told."""
+    run = Run()
+    old, new = "10.0.0.7:17000", "10.0.0.7:18000"
+    run(run.core.registration(Registration("10.0.0.7", 6000, old, 0x10000, 0, 4 * ROW, 0), 0.0))
+    run.offer(_offer(7))
+    (first,) = run.of(StartWrite, run.ask(_ask(7, session=old)))
+    run(run.core.registration(Registration("10.0.0.7", 6000, new, 0x10000, 0, 4 * ROW, 0), 1.0))
+    if old_write == "fails":
+        over = run(run.core.write_failed(first.wid, "peer gone", 0.5, 1.5))
+    else:
+        over = run(run.core.write_done(first.wid, (5,), 1.5))
+    assert run.of(Conclude, over) == [] and run.of(Release, over) == [] and run.of(PushStatus, over) == []
+    (retry,) = run.of(StartWrite, run.at(2.0).ask(_ask(7, session=new)))
+    assert retry.session_id == new and retry.srcs == first.srcs
+    done = run(run.core.write_done(retry.wid, (9,), 2.5))
+    assert [(s.room, s.status) for s in run.of(PushStatus, done)] == [(7, TransferPoll.Success)]
+    assert run.conclusions() == [(7, TransferPoll.Success, None)] and run.of(Release, done)
+
+
+def test_a_room_whose_only_receiver_restarted_fails_at_the_fanout_timeout_if_no_successor_asks():
+    run = Run()
+    old, new = "10.0.0.7:17000", "10.0.0.7:18000"
+    run(run.core.registration(Registration("10.0.0.7", 6000, old, 0x10000, 0, 4 * ROW, 0), 0.0))
+    run.offer(_offer(7))
+    (first,) = run.of(StartWrite, run.ask(_ask(7, session=old)))
+    run(run.core.registration(Registration("10.0.0.7", 6000, new, 0x10000, 0, 4 * ROW, 0), 1.0))
+    run(run.core.write_done(first.wid, (5,), 1.5))
+    run(run.core.tick(30.0))
+    assert run.conclusions() == [(7, TransferPoll.Failed, FailureKind.FANOUT_TIMEOUT)] and run.of(Release)
+
+
+@pytest.mark.parametrize("old_write", ["fails", "lands"])
 def test_a_successors_retry_is_served_while_its_predecessors_write_tells_nobody_anything(old_write):
     run = Run()
     first, retry = _restarted_mid_write(run)

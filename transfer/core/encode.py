@@ -590,8 +590,8 @@ class EncodeCore:
         if asks is None:
             return
         room = self._rooms.get(room_number)
-        if room is None or (room.receivers and not room.failed):
-            return
+        if room is None or room.succeeded or (room.receivers and not room.failed):
+            return  # a served room's sources may be released: later asks wait for its next send
         fanout = asks.fanout
         if len(asks.infos) < fanout and not room.failed:
             return
@@ -754,11 +754,15 @@ class EncodeCore:
         room.pending -= 1
         if room.pending:
             return
-        if not room.failed:
+        if room.failed:
+            self._release_when_idle(room)
+        elif not room.receivers:
+            # Every receiver it was written for restarted since (superseded): nobody was served, and
+            # its sources stay held for their successors' asks, within the fanout timeout.
+            self._unserved.add(room.room)
+        else:
             room.succeeded = True
             self._conclude(room, TransferPoll.Success, None, now)
-        else:
-            self._release_when_idle(room)
 
     def _fail(self, room: _Room, kind: FailureKind, detail: str, now: float) -> None:
         """Fails the room once and tells every receiver it has; a room already served is left alone."""
