@@ -104,3 +104,26 @@ def test_eviction_forgets_sessions_without_lengths_before_those_that_announced_t
         book.register(_reg(5000, 0x10000, length=None, session=f"peer{index}"))
     assert "announced" in book and len(book) == 2
     assert book.check([_ask(0x900000, session="announced")], 512, 0) is not None
+
+
+def test_a_session_that_announced_lengths_is_refused_once_superseded_until_it_registers_again():
+    book = RegionBook()
+    book.register(_reg(5000, 0x10000))
+    book.forget(SESSION, "session 10.0.0.7:18000 at the same status endpoint superseded it")
+    reason = _check(book, _ask(0xDEAD0000))
+    assert reason is not None and "superseded it" in reason and "no destination of it is accepted" in reason
+    assert _check(book, _ask(0x10000)) is not None
+    book.register(_reg(5000, 0x10000))
+    assert _check(book, _ask(0x10000)) is None
+
+
+def test_a_session_evicted_after_announcing_lengths_is_refused_not_written_unchecked():
+    book = RegionBook(max_sessions=2)
+    book.register(_reg(5000, 0x10000))
+    for index in range(2):
+        book.register(_reg(5000, 0x10000, session=f"other{index}"))
+    assert SESSION not in book
+    reason = _check(book, _ask(0xDEAD0000))
+    assert reason is not None and "forgotten for newer sessions (more than 2)" in reason
+    book.forget("never-registered")
+    assert _check(book, _ask(0xDEAD0000, session="never-registered")) is None, "never announced: as the peers do"

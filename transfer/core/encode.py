@@ -531,7 +531,7 @@ class EncodeCore:
             if not room.succeeded and any(info.session_id == old for info in room.receivers):
                 self._spare(room, old)
         dropped = self.parked.drop_session(old)
-        self.regions.forget(old)
+        self.regions.forget(old, f"session {new[:64]} {how} superseded it")
         self.breaker.reset(old)
         self._warn("successor", "session %s %s supersedes session %s (a restarted prefill rank): %d parked asks of "
                    "the predecessor dropped", new[:64], how, old[:64], len(dropped))

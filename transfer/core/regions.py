@@ -35,6 +35,9 @@ class RegionBook:
         self.max_sessions = MAX_SESSIONS if max_sessions is None else max_sessions
         self.per_session = per_session
         self._sessions: dict[str, _Session] = {}
+        # Sessions that announced lengths and were then superseded or evicted, oldest first: their
+        # asks are refused, never written unchecked as a session that never announced would be.
+        self._retired: dict[str, str] = {}  # session -> why its regions are gone
 
     def register(self, reg: Registration) -> str | None:
         """Remembers a session's announced region; returns why it was refused, or None.
@@ -47,6 +50,7 @@ class RegionBook:
         """
         session = self._sessions.pop(reg.session_id, None)
         if session is None:
+            self._retired.pop(reg.session_id, None)
             session = _Session()
             self._evict()
         self._sessions[reg.session_id] = session  # now the most recently used
@@ -71,17 +75,25 @@ class RegionBook:
         if len(self._sessions) < self.max_sessions:
             return
         victim = next((sid for sid, s in self._sessions.items() if not s.announced), None)
-        del self._sessions[victim if victim is not None else next(iter(self._sessions))]
+        if victim is None:
+            victim = next(iter(self._sessions))
+            self._retire(victim, f"its regions were forgotten for newer sessions (more than {self.max_sessions})")
+        del self._sessions[victim]
 
     def check(self, infos: Iterable[TransferInfo], row_bytes: int, deepstack_row_bytes: int) -> str | None:
         """Why a destination lies outside every region its session announced with lengths, or None.
 
         A session that never registered, or never announced lengths, is written as the
-        peers do; a session used here becomes the last to be forgotten.
+        peers do; one that announced lengths and was then retired is refused; a session
+        used here becomes the last to be forgotten.
         """
         for info in infos:
             session = self._sessions.pop(info.session_id, None)
             if session is None:
+                why = self._retired.get(info.session_id)
+                if why is not None:
+                    return (f"room {info.room}: receiver {info.session_id[:64]} announced its regions with lengths "
+                            f"before, but {why}: no destination of it is accepted until it registers again")
                 continue
             self._sessions[info.session_id] = session
             if not session.announced:
@@ -96,9 +108,17 @@ class RegionBook:
         session = self._sessions.get(session_id)
         return list(session.regs) if session is not None else []
 
-    def forget(self, session_id: str) -> None:
-        """Drops a session's regions."""
-        self._sessions.pop(session_id, None)
+    def forget(self, session_id: str, why: str = "it was superseded") -> None:
+        """Drops a session's regions; one that announced lengths is refused from now on (see check)."""
+        session = self._sessions.pop(session_id, None)
+        if session is not None and session.announced:
+            self._retire(session_id, why)
+
+    def _retire(self, session_id: str, why: str) -> None:
+        self._retired.pop(session_id, None)
+        self._retired[session_id] = why
+        if len(self._retired) > self.max_sessions:
+            del self._retired[next(iter(self._retired))]
 
     def sessions(self) -> list[str]:
         """Sessions remembered, least recently used first."""
