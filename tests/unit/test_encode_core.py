@@ -573,20 +573,31 @@ def _restarted_mid_write(run: Run) -> tuple[StartWrite, StartWrite]:
     return first, retry
 
 
-@pytest.mark.parametrize("old_write", ["fails", "lands"])
-def test_a_room_whose_only_receiver_restarted_mid_write_waits_for_the_successor_and_serves_it(old_write):
-    """The predecessor's write ends before the successor asks: nobody was served, so the room neither
-    concludes nor lets its sources go, and the successor's ask is written from them and told."""
-    run = Run()
+def _superseded_mid_write(run: Run) -> tuple[StartWrite, str]:
+    """Room 7's write to a rank in flight when the rank restarts at the same status endpoint under a
+    new session, which has not asked yet: (the predecessor's write, the successor's session)."""
     old, new = "10.0.0.7:17000", "10.0.0.7:18000"
     run(run.core.registration(Registration("10.0.0.7", 6000, old, 0x10000, 0, 4 * ROW, 0), 0.0))
     run.offer(_offer(7))
     (first,) = run.of(StartWrite, run.ask(_ask(7, session=old)))
     run(run.core.registration(Registration("10.0.0.7", 6000, new, 0x10000, 0, 4 * ROW, 0), 1.0))
-    if old_write == "fails":
-        over = run(run.core.write_failed(first.wid, "peer gone", 0.5, 1.5))
-    else:
-        over = run(run.core.write_done(first.wid, (5,), 1.5))
+    return first, new
+
+
+def _end_predecessors_write(run: Run, first: StartWrite, how: str, at: float) -> list:
+    """The predecessor's write fails or lands at `at`; what the core did."""
+    if how == "fails":
+        return run(run.core.write_failed(first.wid, "peer gone", at - 1.0, at))
+    return run(run.core.write_done(first.wid, (5,), at))
+
+
+@pytest.mark.parametrize("old_write", ["fails", "lands"])
+def test_a_room_whose_only_receiver_restarted_mid_write_waits_for_the_successor_and_serves_it(old_write):
+    """The predecessor's write ends before the successor asks: nobody was served, so the room neither
+    concludes nor lets its sources go, and the successor's ask is written from them and told."""
+    run = Run()
+    first, new = _superseded_mid_write(run)
+    over = _end_predecessors_write(run, first, old_write, 1.5)
     assert run.of(Conclude, over) == [] and run.of(Release, over) == [] and run.of(PushStatus, over) == []
     (retry,) = run.of(StartWrite, run.at(2.0).ask(_ask(7, session=new)))
     assert retry.session_id == new and retry.srcs == first.srcs
@@ -597,11 +608,7 @@ def test_a_room_whose_only_receiver_restarted_mid_write_waits_for_the_successor_
 
 def test_a_room_whose_only_receiver_restarted_fails_at_the_fanout_timeout_if_no_successor_asks():
     run = Run()
-    old, new = "10.0.0.7:17000", "10.0.0.7:18000"
-    run(run.core.registration(Registration("10.0.0.7", 6000, old, 0x10000, 0, 4 * ROW, 0), 0.0))
-    run.offer(_offer(7))
-    (first,) = run.of(StartWrite, run.ask(_ask(7, session=old)))
-    run(run.core.registration(Registration("10.0.0.7", 6000, new, 0x10000, 0, 4 * ROW, 0), 1.0))
+    first, new = _superseded_mid_write(run)
     run(run.core.write_done(first.wid, (5,), 1.5))
     run(run.core.tick(30.0))
     assert run.conclusions() == [(7, TransferPoll.Failed, FailureKind.FANOUT_TIMEOUT)] and run.of(Release)
@@ -611,10 +618,7 @@ def test_a_room_whose_only_receiver_restarted_fails_at_the_fanout_timeout_if_no_
 def test_a_successors_retry_is_served_while_its_predecessors_write_tells_nobody_anything(old_write):
     run = Run()
     first, retry = _restarted_mid_write(run)
-    if old_write == "fails":
-        over = run(run.core.write_failed(first.wid, "peer gone", 30.0, 31.0))
-    else:
-        over = run(run.core.write_done(first.wid, (5,), 31.0))
+    over = _end_predecessors_write(run, first, old_write, 31.0)
     assert run.of(PushStatus, over) == [] and run.of(Conclude, over) == [] and run.of(Release, over) == []
     done = run(run.core.write_done(retry.wid, (9,), 32.0))
     assert [(p.port, p.status, p.checksums) for p in run.of(PushStatus, done)] == [(6000, TransferPoll.Success, (9,))]
