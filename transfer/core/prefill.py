@@ -344,7 +344,7 @@ class PrefillCore:
         while heap and not self._open(heap[0][2]):
             heapq.heappop(heap)
         held = self._held
-        while held and not self._holding(held[0][2]):
+        while held and not self._in(held[0][2], HELD):
             heapq.heappop(held)
         due = [h[0][0] for h in (heap, held) if h]
         return min(due) if due else None
@@ -513,7 +513,7 @@ class PrefillCore:
         if state.encode_rank is not None and rank != state.encode_rank:
             return [Warn(("status from the wrong encode rank", rank),
                          f"room {room}: status from encode rank {rank}, expected {state.encode_rank}; ignored")]
-        if self._before_cancel_answered(room, rank, state):
+        if state.addr in self._answering and self._unanswered(room, rank, state.conn) is not None:
             # Our encode rank reads a cancel before any later ask on the same socket and answers it
             # before anything about that ask: this status is the cancelled ask's, as expected.
             return []
@@ -599,9 +599,8 @@ class PrefillCore:
         held = self._held
         while held and held[0][0] <= now and (limit is None or expired < limit):
             state = heapq.heappop(held)[2]
-            if self._holding(state):  # no answer came: the rank does not answer cancels
-                state.stage = LOOKUP
-                actions += self._route(now, state)
+            if self._in(state, HELD):  # no answer came: the rank does not answer cancels
+                actions += self._unhold(now, state)
                 expired += 1
         return actions
 
@@ -611,17 +610,13 @@ class PrefillCore:
         """Whether `state` is still held and not concluded."""
         return self._rooms.get(state.spec.room) is state and state.stage != CONCLUDED
 
-    def _holding(self, state: _Room) -> bool:
-        """Whether `state` is held and its ask waits for a cancel's answer."""
-        return self._rooms.get(state.spec.room) is state and state.stage == HELD
-
-    def _queued(self, state: _Room) -> bool:
-        """Whether `state` is held and its ask still waits in a queue."""
-        return self._rooms.get(state.spec.room) is state and state.stage == QUEUED
+    def _in(self, state: _Room, stage: str) -> bool:
+        """Whether `state` is still held and at `stage` (an event may have moved it on)."""
+        return self._rooms.get(state.spec.room) is state and state.stage == stage
 
     def _looking_up(self, state: _Room) -> bool:
         """Whether `state` is held and still waits for a look-up (a status may have moved it on)."""
-        return self._rooms.get(state.spec.room) is state and state.stage == LOOKUP
+        return self._in(state, LOOKUP)
 
     def _verifying(self, room: int, token: int) -> _Room | None:
         state = self._rooms.get(room)
@@ -658,12 +653,12 @@ class PrefillCore:
         # A route (addr) is found only after the encode rank is known.
         if state.addr is None or state.encode_rank is None or self._conns.get(state.addr) != state.conn:
             return []
-        pending = self._cancels.get((state.room, state.encode_rank))
+        pending = self._cancels.setdefault((state.room, state.encode_rank), [])
         if pending and pending[0].addr != state.addr:
             # Answers name only the room and the encode rank: another node's answer to its own cancel
             # would be taken for this one's. Without a cancel only the quarantine makes it safe.
             return []
-        self._cancels.setdefault((state.room, state.encode_rank), []).append(_Cancel(state.token, state.addr, state.conn, now))
+        pending.append(_Cancel(state.token, state.addr, state.conn, now))
         self._cancel_count += 1
         if self._cancel_count > MAX_PENDING_CANCELS:
             oldest = next(iter(self._cancels))
@@ -678,17 +673,20 @@ class PrefillCore:
     def _release(self, now: float, room: int, rank: int) -> list:
         """The held ask of `room` for encode rank `rank` goes, unless a cancel before it is still unanswered."""
         state = self._rooms.get(room)
-        if state is None or state.stage != HELD or state.encode_rank != rank or self._unanswered(state) is not None:
+        if state is None or state.stage != HELD or state.encode_rank != rank \
+                or self._unanswered(room, rank, self._conns.get(state.addr) if state.addr else None) is not None:
             return []
+        return self._unhold(now, state)
+
+    def _unhold(self, now: float, state: _Room) -> list:
+        """A held ask waits no more: the room is routed and asked for afresh."""
         state.stage = LOOKUP
         return self._route(now, state)
 
-    def _unanswered(self, state: _Room) -> _Cancel | None:
-        """The newest cancel for an earlier ask of the room that its encode rank, on the connection the
-        room would be asked on, has not answered at all yet."""
-        conn = self._conns.get(state.addr) if state.addr is not None else None
-        for cancel in reversed(self._cancels.get((state.room, state.encode_rank), ()) if
-                               state.encode_rank is not None else ()):
+    def _unanswered(self, room: int, rank: int, conn: int | None) -> _Cancel | None:
+        """The newest cancel sent on connection `conn` for an earlier ask of `room` that encode rank
+        `rank` has not answered at all yet."""
+        for cancel in reversed(self._cancels.get((room, rank), ())):
             if not cancel.answered and cancel.conn == conn:
                 return cancel
         return None
@@ -698,15 +696,6 @@ class PrefillCore:
         cancel.answered = True
         if len(self._answering) < MAX_ANSWERING:
             self._answering.add(cancel.addr)
-
-    def _before_cancel_answered(self, room: int, rank: int, state: _Room) -> bool:
-        """Whether the encode rank `state` was asked, known to answer cancels, has not answered one sent
-        for an earlier ask of the room on the same connection yet (the cancel went out ahead of this ask;
-        a rank that never answers cancels is not held to it)."""
-        cancels = self._cancels.get((room, rank))
-        if not cancels or state.addr not in self._answering:
-            return False
-        return any(not cancel.answered and cancel.conn == state.conn for cancel in cancels)
 
     def _route(self, now: float, state: _Room, defer: bool = False) -> list:
         """Finds the room's encode rank, from the caches or by a look-up."""
@@ -752,8 +741,8 @@ class PrefillCore:
         answer cancels is asked at once; its statuses before the answer are dropped instead.
         """
         state.addr = addr
-        if addr not in self._answering:
-            cancel = self._unanswered(state)
+        if addr not in self._answering and state.encode_rank is not None:
+            cancel = self._unanswered(state.room, state.encode_rank, self._conns.get(addr))
             if cancel is not None and now < cancel.sent_at + CANCEL_ANSWER_WAIT_S:
                 state.stage = HELD
                 heapq.heappush(self._held, (cancel.sent_at + CANCEL_ANSWER_WAIT_S, state.token, state))
@@ -766,7 +755,7 @@ class PrefillCore:
         waiting = self.asks.waiting(addr)
         if waiting and not defer and self.asks.full(addr):
             # Rooms cleared while their asks waited leave them behind: only open ones hold a place.
-            waiting = self.asks.prune(addr, self._queued)
+            waiting = self.asks.prune(addr, lambda queued: self._in(queued, QUEUED))
         if waiting or defer:
             if not defer and self.asks.full(addr):
                 return self._conclude(state, Failure(

@@ -163,18 +163,19 @@ class PrefillDriver:
         self._status_sock, self.status_port = _io.pull_socket(host, status_port,
                                                               f"prefill rank {engine_rank}'s status socket")
         self._status_fd = self._status_sock.fileno()  # the socket's FD option
+        wakers: list[_io.Waker] = []
         try:
             self.core = PrefillCore(engine_rank, tp_size, dp_size, host=host, status_port=self.status_port,
                                     session_id=session_id, deadline_s=deadline_s, integrity=integrity)
-            self._waker = _io.Waker()
-            try:
-                self._watch_waker = _io.Waker()  # wakes the caller that sleeps on the status socket
-            except BaseException:
-                self._waker.close()
-                raise
+            for _ in range(2):
+                wakers.append(_io.Waker())
         except BaseException:  # out of descriptors: nothing is left open
+            for waker in wakers:
+                waker.close()
             self._status_sock.close(0)
             raise
+        # The I/O thread's, and the one that wakes a caller sleeping on the status socket.
+        self._waker, self._watch_waker = wakers
         # Guards the core, the rooms and every send on the sockets to encode ranks. Held
         # only for non-blocking steps.
         self._lock = threading.Lock()
@@ -188,7 +189,7 @@ class PrefillDriver:
         self._cancels_out: deque[SendCancel] = deque()  # cancels a caller's clear() handed to the I/O thread
         self._caller_at = -CALLER_LEASE_S  # when the caller last read the status socket
         self._watcher: int | None = None  # the thread whose wait() sleeps on the status socket
-        self._watch = threading.Lock()  # held by that thread; its waker wakes it when a room concludes elsewhere
+        self._watch = threading.Lock()  # held by that thread; _watch_waker wakes it when a room concludes elsewhere
         self._watch_woken = False  # its last sleep saw the watch waker readable (held under _watch)
         self._statuses_left = False  # a drain stopped with statuses still queued
         self._watch_poller = select.poll()  # used by the thread that holds _watch
