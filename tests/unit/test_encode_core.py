@@ -212,6 +212,22 @@ def test_a_write_waits_for_its_ready_event_without_holding_up_others():
     assert [w.room for w in run.of(StartWrite, run.at(1.1).tick())] == [1]
 
 
+def test_a_ready_item_behind_many_whose_ready_events_have_not_completed_is_written_at_once():
+    class Pending:
+        def query(self) -> bool:
+            return False
+
+    run = Run()
+    for room in range(1, 21):
+        run.offer(_offer(room, ready_event=Pending()))
+        run.ask(_ask(room, session="a", ptr=0x10000 * room))
+    run.offer(_offer(21))
+    run.ask(_ask(21, session="a", ptr=0x10000 * 21))
+    # Written by the driver's next turn at the latest, long before the others' deadline.
+    [write] = run.of(StartWrite, run.at(0.01).tick())
+    assert write.room == 21 and run.of(StartWrite) == [write] and run.conclusions() == []
+
+
 def test_a_ready_event_that_never_completes_fails_its_room_and_tells_the_receiver():
     class Never:
         def query(self) -> bool:

@@ -149,3 +149,33 @@ def test_sessions_take_turns_so_one_with_a_long_queue_does_not_go_first_with_eve
         sched.push(Job(f"a{i}"), "a", asked_at=0.0)
     sched.push(Job("b0"), "b", asked_at=0.0)
     assert sorted(j.name for j in _pick(sched).start) == ["a0", "a1", "a2", "b0"]
+
+
+def test_jobs_whose_items_are_not_ready_do_not_hold_up_a_ready_one_behind_them():
+    sched = WriteScheduler(depth=4, bound_s=10.0)
+    waiting = [Job(f"w{i}", ready=False) for i in range(20)]
+    for job in waiting:
+        sched.push(job, "a", asked_at=0.0)
+    sched.push(Job("ready"), "a", asked_at=0.0)
+    picked, looked_at = _counting_pick(sched)
+    assert [j.name for j in picked.start] == ["ready"] and looked_at == 21
+    for job in waiting[:3]:
+        job.ready = True
+    sched.finished("a")
+    sched.new_turn()
+    # Their items ready now, the oldest start first, in the order they were queued.
+    assert [j.name for j in _pick(sched, now=1.0).start] == ["w0", "w1", "w2"]
+
+
+def test_a_pick_looks_at_each_job_whose_item_is_not_ready_at_most_once():
+    sched = WriteScheduler(depth=4, bound_s=10.0, turn_work=1000)
+    calls: list[str] = []
+    for i in range(30):
+        sched.push(Job(f"w{i}", ready=False), "a", asked_at=0.0)
+
+    def ready(job: Job) -> bool:
+        calls.append(job.name)
+        return job.ready
+
+    picked = sched.pick(0.0, cancelled=lambda j: j.cancelled, ready=ready, expired=lambda j, w: None)
+    assert picked.start == [] and sorted(calls) == sorted(f"w{i}" for i in range(30)) and len(sched) == 30

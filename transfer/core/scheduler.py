@@ -2,7 +2,9 @@
 
 At most `depth` writes are in flight; one session holds at most its share of them, so
 one that stopped reading leaves slots for every other receiver. Sessions take turns
-(one start per visit, oldest job of the session first), and the work spent on one
+(one start per visit, the session's oldest job whose item is ready first; one whose
+item is not ready yet goes to the back of its session's queue, so a run of them never
+holds up the ready jobs behind it), and the work spent on one
 session is bounded per pick and per turn of the driver: a dead receiver's backlog of
 thousands of writes is worked through a slice at a time while every other receiver's
 writes keep starting. A write waits for its item's ready event without holding up the
@@ -54,6 +56,7 @@ class _Pick:
     expired: Callable[[Any, float], None]
     picked: Picked = field(default_factory=Picked)
     started: list[tuple[int, Any]] = field(default_factory=list)
+    seen: set[int] = field(default_factory=set)  # jobs (by sequence number) looked at by this pick
     work: int = 0
 
 
@@ -123,7 +126,9 @@ class WriteScheduler:
         return pick.picked
 
     def _visit(self, session: Hashable, pick: _Pick) -> bool:
-        """Looks at the session's oldest jobs: drops cancelled ones, starts at most one; True on any change."""
+        """Looks at the session's oldest jobs: drops cancelled ones, starts at most one, sends
+        those whose item is not ready to the back; True on any change or when jobs this pick
+        has not looked at came to the front."""
         queue = self._queues[session]
         allowance = min(self.visit_work, self.turn_work - self._turn[session], self.pick_work - pick.work)
         opened = self._flying[session] < self.session_slots
@@ -132,9 +137,12 @@ class WriteScheduler:
         while queue and looked < allowance:
             entry = queue[0]
             seq, job, asked_at = entry
+            if seq in pick.seen:
+                break  # round the whole queue: every job of it was looked at in this pick
             if not pick.cancelled(job) and (not opened or started):
                 break  # its session has its share in flight, or had its start of this visit: others go next
             queue.popleft()
+            pick.seen.add(seq)
             looked += 1
             if pick.cancelled(job):
                 pick.picked.dropped.append(job)
@@ -155,7 +163,8 @@ class WriteScheduler:
             self.in_flight += 1
             self._flying[session] += 1
             started = True  # cancelled jobs right behind it still leave
-        queue.extendleft(reversed(held))
+        unseen = bool(held) and bool(queue) and queue[0][0] not in pick.seen
+        queue.extend(held)
         taken = looked - len(held)
         self._waiting -= taken
         self._turn[session] += looked
@@ -163,7 +172,7 @@ class WriteScheduler:
         if not queue:
             del self._queues[session]
             self._ring.pop()  # just rotated to the end
-        return moved
+        return moved or unseen
 
     def take_all(self) -> list[Any]:
         """Removes and returns every waiting job, in the order they were queued."""
