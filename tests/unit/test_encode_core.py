@@ -653,6 +653,61 @@ def test_a_room_is_released_only_once_its_predecessors_write_is_over_too():
     assert [(c.room, c.status) for c in run.of(Conclude)] == [(7, TransferPoll.Success)]
 
 
+def _one_of_two_restarted_mid_write(run: Run) -> tuple[list[StartWrite], TransferInfo]:
+    """Room 7 at fanout 2, both writes in flight, when rank 1 restarts at the same status endpoint
+    under a new session that has not asked yet: (the two writes, the successor's ask)."""
+    span = 8
+    for rank in range(2):
+        run(run.core.registration(Registration("10.0.0.7", 6000 + rank, f"10.0.0.7:{17000 + rank}",
+                                               0x10000 * (rank + 1), 0, span * ROW, 0), 0.0))
+    run.offer(_offer(7, span=span))
+    for rank in range(2):
+        run.ask(_ask(7, rank, fanout=2, span=span, ptr=0x10000 * (rank + 1)))
+    writes = run.of(StartWrite)
+    new = "10.0.0.7:18001"
+    run(run.core.registration(Registration("10.0.0.7", 6001, new, 0x90000, 0, span * ROW, 0), 1.0))
+    return writes, _ask(7, 1, fanout=2, span=span, session=new, ptr=0x90000)
+
+
+@pytest.mark.parametrize("old_write", ["fails", "lands"])
+def test_a_room_one_of_whose_receivers_restarted_mid_write_writes_that_shard_to_the_successor(old_write):
+    run = Run()
+    (served, orphaned), successor = _one_of_two_restarted_mid_write(run)
+    out = run(run.core.write_done(served.wid, (3,), 1.2))
+    out += _end_predecessors_write(run, orphaned, old_write, 1.5)
+    assert [(p.port, p.status) for p in run.of(PushStatus, out)] == [(6000, TransferPoll.Success)]
+    assert run.of(Conclude, out) == [] and run.of(Release, out) == []  # rank 1's rows reached nobody alive
+    (retry,) = run.of(StartWrite, run.at(2.0).ask(successor))
+    assert (retry.session_id, retry.srcs, retry.dsts) == (successor.session_id, orphaned.srcs, (0x90000,))
+    done = run(run.core.write_done(retry.wid, (9,), 2.5))
+    assert [(p.port, p.status, p.checksums) for p in run.of(PushStatus, done)] == [(6001, TransferPoll.Success, (9,))]
+    assert run.conclusions() == [(7, TransferPoll.Success, None)] and [r.room for r in run.of(Release, done)] == [7]
+
+
+def test_a_successor_asking_while_its_predecessors_write_flies_is_written_and_the_room_released_after_both():
+    run = Run()
+    (served, orphaned), successor = _one_of_two_restarted_mid_write(run)
+    (retry,) = run.of(StartWrite, run.at(1.1).ask(successor))
+    run(run.core.write_done(served.wid, (3,), 1.2))
+    done = run(run.core.write_done(retry.wid, (9,), 1.3))
+    assert [(p.port, p.status) for p in run.of(PushStatus, done)] == [(6001, TransferPoll.Success)]
+    assert run.of(Release) == []  # the predecessor's write still reads the item
+    over = run(run.core.write_done(orphaned.wid, (5,), 1.4))
+    assert run.of(PushStatus, over) == [] and [r.room for r in run.of(Release, over)] == [7]
+    assert run.conclusions() == [(7, TransferPoll.Success, None)]
+
+
+def test_a_room_one_of_whose_receivers_restarted_fails_everywhere_at_the_fanout_timeout_if_no_successor_asks():
+    run = Run()
+    (served, orphaned), _ = _one_of_two_restarted_mid_write(run)
+    run(run.core.write_done(served.wid, (3,), 1.2))
+    run(run.core.write_done(orphaned.wid, (5,), 1.3))
+    out = run(run.core.tick(30.0))
+    assert run.conclusions() == [(7, TransferPoll.Failed, FailureKind.FANOUT_TIMEOUT)] and run.of(Release, out)
+    # All or nothing: rank 0's rows are no use without rank 1's, so it hears the room failed too.
+    assert run.statuses(out) == [(7, 6000, TransferPoll.Failed)]
+
+
 def test_a_session_that_registered_again_at_another_endpoint_is_not_superseded_at_its_old_one():
     """A session manager made again on the same engine registers from a new status port; another rank
     that binds the freed old port is not its successor: the live session keeps its asks and regions."""

@@ -168,6 +168,7 @@ class _Room:
     failed: bool = False
     failure: Failure | None = None  # why it failed, told to every receiver
     succeeded: bool = False  # every receiver was served: nothing may tell them Failed any more
+    orphans: list[TransferInfo] = field(default_factory=list)  # shards whose receiver restarted before served
     released: bool = False
     asked_at: float = 0.0  # the room's first ask: bounds how long its writes may wait
 
@@ -529,6 +530,9 @@ class EncodeCore:
         """
         for room in self._rooms.values():
             if not room.succeeded and any(info.session_id == old for info in room.receivers):
+                if not room.failed:  # its shard waits for the successor's ask, within the fanout timeout
+                    room.orphans += [info for info in room.receivers if info.session_id == old]
+                    self._unserved.add(room.room)
                 self._spare(room, old)
         dropped = self.parked.drop_session(old)
         self.regions.forget(old, f"session {new[:64]} {how} superseded it")
@@ -584,23 +588,31 @@ class EncodeCore:
         """Starts the room's writes once the item is here and its whole fanout asked.
 
         Asks for a room that already failed are answered Failed at once: nothing will
-        serve them. A room already served keeps later asks parked for its next send.
+        serve them. A room already served keeps later asks parked for its next send. A
+        room some of whose receivers restarted before they were served (`orphans`) takes
+        their successors' asks once one came for each, and writes their shards only.
         """
         asks = self.parked.get(room_number)
         if asks is None:
             return
         room = self._rooms.get(room_number)
-        if room is None or room.succeeded or (room.receivers and not room.failed):
+        if room is None or room.succeeded or (room.receivers and not room.failed and not room.orphans):
             return  # a served room's sources may be released: later asks wait for its next send
         fanout = asks.fanout
-        if len(asks.infos) < fanout and not room.failed:
+        kept = [] if room.failed else room.receivers  # being served: their asks wait for the next send
+        sessions = {info.session_id for info in kept}
+        newcomers = sorted((info for info in asks.infos.values() if info.session_id not in sessions),
+                           key=lambda i: (i.row_start, i.session_id))
+        if len(kept) + len(newcomers) < fanout and not room.failed:
             return
-        self.parked.take(room_number)
-        infos = sorted(asks.infos.values(), key=lambda i: (i.row_start, i.session_id))
+        for info in newcomers:
+            self.parked.drop_ask(room_number, info.session_id)
+        infos = sorted(kept + newcomers, key=lambda i: (i.row_start, i.session_id))
         if room.failed:
-            self._tell_failed(infos, room.failure)
+            self._tell_failed(newcomers, room.failure)
             return
         room.receivers = infos
+        room.orphans = []
         self._unserved.discard(room_number)
         limit = self.fanout_timeout_s
         waited = now - asks.first_at
@@ -617,16 +629,17 @@ class EncodeCore:
         reason = validate_fanout(offer.span, offer.hidden, offer.dtype, offer.deepstack_addr is not None, infos, fanout)
         kind = FailureKind.GEOMETRY
         if reason is None:
-            reason, kind = self.regions.check(infos, offer.row_bytes, offer.deepstack_row_bytes), FailureKind.REGION
+            reason, kind = self.regions.check(newcomers, offer.row_bytes, offer.deepstack_row_bytes), FailureKind.REGION
         if reason is None:
-            reason = self._overlap(infos, offer)
+            reason = self._overlap(newcomers, offer)
         if reason is not None:
             self._fail(room, kind, reason, now)
             return
-        self._out.append(Progress(room_number, offer.token, TransferPoll.Transferring, asks.first_at, now))
-        room.pending += len(infos)  # a superseded session's write may still be in flight
-        room.asked_at = asks.first_at
-        for info in infos:
+        if not kept:
+            self._out.append(Progress(room_number, offer.token, TransferPoll.Transferring, asks.first_at, now))
+            room.asked_at = asks.first_at
+        room.pending += len(newcomers)  # a superseded session's write may still be in flight
+        for info in newcomers:
             job = _Job(room, info)
             self._hold_ranges(job, offer)
             room.queued.append(job)
@@ -756,10 +769,8 @@ class EncodeCore:
             return
         if room.failed:
             self._release_when_idle(room)
-        elif not room.receivers:
-            # Every receiver it was written for restarted since (superseded): nobody was served, and
-            # its sources stay held for their successors' asks, within the fanout timeout.
-            self._unserved.add(room.room)
+        elif room.orphans:
+            pass  # receivers restarted before served: the sources stay held for their successors' asks
         else:
             room.succeeded = True
             self._conclude(room, TransferPoll.Success, None, now)
@@ -821,7 +832,9 @@ class EncodeCore:
             since = room.offered_at if asks is None else min(room.offered_at, asks.first_at)
             if now - since > limit:
                 taken = self.parked.take(number)
-                room.receivers = list(taken.infos.values()) if taken else []
+                sessions = {info.session_id for info in room.receivers}
+                room.receivers += [info for info in taken.infos.values() if info.session_id not in sessions] \
+                    if taken else []
                 self._fail(room, FailureKind.FANOUT_TIMEOUT,
                            f"receiver never registered within {limit:g}s ({_asked(taken)})", now)
         for number in self.parked.older_than(now - limit):
