@@ -708,6 +708,35 @@ def test_a_room_one_of_whose_receivers_restarted_fails_everywhere_at_the_fanout_
     assert run.statuses(out) == [(7, 6000, TransferPoll.Failed)]
 
 
+def test_a_rank_restarted_at_another_status_port_mid_write_is_known_by_its_shard_and_served():
+    run = Run()
+    span = 8
+    run.offer(_offer(7, span=span))
+    for rank in range(2):
+        run.ask(_ask(7, rank, fanout=2, span=span, ptr=0x10000 * (rank + 1)))
+    served, orphaned = run.of(StartWrite)
+    successor = _reask(_ask(7, 1, fanout=2, span=span, ptr=0x90000), "10.0.0.7:18001", port=6101)
+    out = run.at(1.0).ask(successor)
+    assert run.of(Count, out) == [Count("sessions_superseded_total", "shard")]
+    (retry,) = run.of(StartWrite, out)
+    assert (retry.session_id, retry.srcs, retry.dsts) == ("10.0.0.7:18001", orphaned.srcs, (0x90000,))
+    for write, at in ((served, 1.1), (orphaned, 1.2), (retry, 1.3)):
+        run.at(at).complete(write)
+    assert run.statuses() == [(7, 6000, TransferPoll.Success), (7, 6101, TransferPoll.Success)]
+    assert run.conclusions() == [(7, TransferPoll.Success, None)]
+
+
+def test_a_new_session_asking_for_a_served_rooms_shard_waits_for_its_next_send():
+    run = Run()
+    run.offer(_offer(7, span=8))
+    for rank in range(2):
+        run.ask(_ask(7, rank, fanout=2, span=8, ptr=0x10000 * (rank + 1)))
+    for write in run.of(StartWrite):
+        run.complete(write)
+    out = run.at(1.0).ask(_reask(_ask(7, 1, fanout=2, span=8, ptr=0x90000), "10.0.0.7:18001", port=6101))
+    assert out == [] and run.core.parked.rooms() == [7]
+
+
 def test_a_session_that_registered_again_at_another_endpoint_is_not_superseded_at_its_old_one():
     """A session manager made again on the same engine registers from a new status port; another rank
     that binds the freed old port is not its successor: the live session keeps its asks and regions."""

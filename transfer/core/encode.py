@@ -502,19 +502,26 @@ class EncodeCore:
             self._supersede(previous, session, "status_endpoint", f"at the same status endpoint {endpoint}:{port}")
 
     def _predecessor_by_shard(self, info: TransferInfo) -> str | None:
-        """The parked session a new session's ask replaces, or None.
+        """The session a new session's ask replaces, or None.
 
-        The room's whole fanout already asked and one of them asked for this very shard:
-        only that rank, restarted, asks for it again. Ranks asking for the same shard (the
-        full span, or empty shards) are told apart by host; when that leaves more than
-        one, none is guessed (the room then fails on its receiver count, as before).
+        The room's whole fanout already asked (its asks are parked, or its writes are
+        being served) and one of them asked for this very shard: only that rank,
+        restarted, asks for it again. Ranks asking for the same shard (the full span, or
+        empty shards) are told apart by host; when that leaves more than one, none is
+        guessed (the room then fails on its receiver count, as before).
         """
         asks = self.parked.get(info.room)
-        if asks is None or info.session_id in asks.infos or info.fanout != asks.fanout \
-                or len(asks.infos) < asks.fanout:
+        if asks is not None and len(asks.infos) >= asks.fanout:
+            fanout, rivals = asks.fanout, list(asks.infos.values())
+        else:
+            room = self._rooms.get(info.room)
+            if room is None or room.failed or room.succeeded or not room.receivers:
+                return None
+            fanout, rivals = len(room.receivers) + len(room.orphans), room.receivers
+        if info.fanout != fanout or any(rival.session_id == info.session_id for rival in rivals):
             return None
         shard = (info.row_start, info.rows, info.fanout, info.span)
-        same = [s for s, i in asks.infos.items() if (i.row_start, i.rows, i.fanout, i.span) == shard]
+        same = [i.session_id for i in rivals if (i.row_start, i.rows, i.fanout, i.span) == shard]
         if len(same) > 1:
             host = _host(info.session_id)
             same = [s for s in same if _host(s) == host]
