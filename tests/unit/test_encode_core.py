@@ -726,6 +726,34 @@ def test_a_rank_restarted_at_another_status_port_mid_write_is_known_by_its_shard
     assert run.conclusions() == [(7, TransferPoll.Success, None)]
 
 
+def test_a_queued_write_to_a_rank_that_restarted_never_starts_and_its_successor_is_written_instead():
+    run = Run(depth=1)
+    run.offer(_offer(7, span=8))
+    for rank in range(2):
+        run.ask(_ask(7, rank, fanout=2, span=8, ptr=0x10000 * (rank + 1)))
+    (first,) = run.of(StartWrite)  # rank 1's write waits for the only slot
+    successor = _reask(_ask(7, 1, fanout=2, span=8, ptr=0x90000), "10.0.0.7:18001", port=6101)
+    run.at(1.0).ask(successor)
+    out = run.at(1.1).complete(first)
+    (retry,) = run.of(StartWrite, out)
+    assert retry.session_id == "10.0.0.7:18001" and run.core.waiting == 0  # nothing left for the dead rank
+    run.at(1.2).complete(retry)
+    assert run.statuses() == [(7, 6000, TransferPoll.Success), (7, 6101, TransferPoll.Success)]
+    assert run.conclusions() == [(7, TransferPoll.Success, None)] and [r.room for r in run.of(Release)] == [7]
+
+
+def test_a_started_write_not_yet_submitted_to_a_rank_that_restarted_is_skipped():
+    run = Run()
+    (served, orphaned), successor = _one_of_two_restarted_mid_write(run)
+    assert run.core.wants(served.wid) and not run.core.wants(orphaned.wid)
+    out = run(run.core.write_skipped(orphaned.wid, 1.1))
+    assert run.of(PushStatus, out) == [] and run.of(Conclude, out) == []
+    run.at(1.2).complete(served)
+    (retry,) = run.of(StartWrite, run.at(1.3).ask(successor))
+    run.at(1.4).complete(retry)
+    assert run.conclusions() == [(7, TransferPoll.Success, None)] and [r.room for r in run.of(Release)] == [7]
+
+
 def test_a_new_session_asking_for_a_served_rooms_shard_waits_for_its_next_send():
     run = Run()
     run.offer(_offer(7, span=8))

@@ -385,9 +385,15 @@ class EncodeCore:
         room.receivers = [info for info in room.receivers if info.session_id != session]
 
     def wants(self, wid: int) -> bool:
-        """Whether a started write should still be submitted (its room has not failed meanwhile)."""
+        """Whether a started write should still be submitted (its room has not failed meanwhile, and its
+        receiver was not superseded)."""
         job = self._writes.get(wid)
-        return job is not None and not job.room.failed
+        return job is not None and not self._unwanted(job)
+
+    def _unwanted(self, job: _Job) -> bool:
+        """Whether a write not submitted yet should never be: its room failed, or its receiver restarted
+        (a write into the dead process's memory would serve nobody)."""
+        return job.room.failed or not self._serves(job)
 
     def write_skipped(self, wid: int, now: float) -> list:
         """A write was not submitted after all (its room failed first)."""
@@ -531,9 +537,10 @@ class EncodeCore:
         """A restarted rank's new session replaces its old one: the old one's parked asks are dropped.
 
         They are not told Failed: the process that made them is gone, and its status
-        endpoint may be its successor's, which would take that Failed for its retry. Writes
-        already queued or in flight for the old session go on, but tell it nothing either,
-        Success or Failed, for the same reason.
+        endpoint may be its successor's, which would take that Failed for its retry. Its
+        writes still queued never start; those in flight go on, but tell it nothing either,
+        Success or Failed, for the same reason. A room not yet served waits for the
+        successor's ask for that shard (`orphans`).
         """
         for room in self._rooms.values():
             if not room.succeeded and any(info.session_id == old for info in room.receivers):
@@ -656,7 +663,7 @@ class EncodeCore:
         """Starts the waiting writes that may start now."""
         if self._closed or self._writes_stopped or not len(self.scheduler):
             return
-        picked = self.scheduler.pick(now, cancelled=lambda job: job.room.failed,
+        picked = self.scheduler.pick(now, cancelled=self._unwanted,
                                      ready=lambda job: self._ready(job, now), expired=lambda job, waited:
                                      self._expired(job, waited, now))
         for job in picked.dropped:
