@@ -220,6 +220,24 @@ def test_a_restarted_prefill_rank_retrying_its_room_is_served_and_its_predecesso
     assert pair.all_sends[0].concluded[0][0] is TransferPoll.Success
 
 
+def test_a_rank_restarted_while_its_rooms_write_flies_gets_its_shard_and_the_room_succeeds_everywhere():
+    pair = Pair(prefill_tp=2)
+    for p in range(2):
+        pair.receive(p, 3)
+    pair.drain("lookup", "request")
+    pair.offer(0, 3)  # both shards' writes start
+    assert sorted(pair.encodes[0].flights) == sorted(p.session for p in pair.prefills)
+    pair.restart_prefill(1)
+    pair.receive(1, 3)
+    pair.drain("lookup", "request")  # the successor registers and asks before the old write is over
+    pair.settle()
+    pair.check_concluded()
+    first0, first1, retry = pair.all_receives
+    assert (first0.outcome(), retry.outcome(), first1.outcome()) == ("Success", "Success", "open")
+    assert pair.all_sends[0].concluded[0][0] is TransferPoll.Success
+    assert retry.landed == 1
+
+
 def test_an_ask_past_its_announced_region_fails_its_room_and_nothing_is_written():
     pair = Pair()
     pair.receive(0, 1)
