@@ -240,7 +240,7 @@ class EncodeCore:
         self.breaker = Breaker() if breaker is None else breaker
         self.scheduler = WriteScheduler(depth, fanout_timeout_s)
         self._rooms: dict[int, _Room] = {}  # offered, not yet cleared
-        self._unserved: set[int] = set()  # offered rooms waiting for receivers' asks (all, or restarted ones'), not failed
+        self._unserved: set[int] = set()  # offered rooms waiting for asks (all, or restarted ranks'), not failed
         self._writes: dict[int, _Job] = {}  # started, not yet over
         self._destinations: dict[str, _Destinations] = {}  # of writes queued or in flight, per session
         self._next_seq = 1
