@@ -281,17 +281,26 @@ class SessionManager:
         if rows is None or hidden is None or dtype is None:
             raise ConfigError(f"room {room}: a pooled receive needs rows, hidden and dtype")
         span = rows if span is None else span
+        for name, value in (("rows", rows), ("hidden", hidden), ("span", span), ("row_start", row_start),
+                            ("deepstack_hidden", deepstack_hidden or 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"room {room}: {name} must be a non-negative integer, got {value!r}")
         if not (0 <= row_start and row_start + rows <= span):
             raise ConfigError(f"room {room}: shard [{row_start}, {row_start + rows}) outside the item's span {span}")
         torch_dtype = getattr(torch, dtype.removeprefix("torch."))
         nbytes = span * hidden * dtype_size(dtype)
         ds_nbytes = span * (deepstack_hidden or 0) * dtype_size(dtype)
         lease = self.pool.lease_or_fallback(nbytes + ds_nbytes)
-        flat = lease.view((nbytes + ds_nbytes,), torch.uint8)
-        full = flat[:nbytes].view(torch_dtype).view(span, hidden)
-        full_ds = flat[nbytes:].view(torch_dtype).view(span, deepstack_hidden) if deepstack_hidden else None
-        if lease.is_fallback:
-            self.add_region(lease.region, lease.region)
+        try:
+            flat = lease.view((nbytes + ds_nbytes,), torch.uint8)
+            full = flat[:nbytes].view(torch_dtype).view(span, hidden)
+            full_ds = flat[nbytes:].view(torch_dtype).view(span, deepstack_hidden) if deepstack_hidden else None
+            if lease.is_fallback:
+                self.add_region(lease.region, lease.region)
+        except BaseException:
+            lease.release()  # nothing was asked for it: free at once
+            self._drop_lease_region(lease)
+            raise
         shard = slice(row_start, row_start + rows)
         return lease, full, full_ds, full[shard], full_ds[shard] if full_ds is not None else None
 

@@ -251,5 +251,11 @@ def test_a_pooled_receive_refused_before_any_ask_keeps_no_slot(engines):
             manager.receive(2, server.address, rows=4, hidden=64, dtype=BF16, row_start=2, span=4)
         with pytest.raises(ConfigError, match=r"^room 1 is already being received"):
             manager.receive(1, server.address, rows=4, hidden=64, dtype=BF16)
+        for room, geometry in enumerate([dict(rows=4, hidden=64.0), dict(rows=4, hidden=64, deepstack_hidden=-4),
+                                         dict(rows=4, hidden=-64, deepstack_hidden=128),
+                                         dict(rows=4 * SLOT, hidden=64.0)], start=3):  # the last a fallback's size
+            with pytest.raises(ConfigError, match=rf"^room {room}: \w+ must be a non-negative integer"):
+                manager.receive(room, server.address, dtype=BF16, **geometry)
         stats = pool.stats()
         assert (stats["leased"], stats["quarantined"], stats["free"]) == (1, 0, 3)
+        assert (stats["fallbacks_live"], stats["fallback_bytes"]) == (0, 0)
