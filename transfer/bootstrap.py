@@ -190,8 +190,8 @@ class _Handler(OneDeadlineHandler):
 
     def do_GET(self) -> None:
         """GET /route (sync sizes or one route) and GET /health."""
-        url = urlsplit(self.path)
         try:
+            url = self._target()
             if url.path == "/health":
                 self._text(200, "OK")
             elif url.path == "/route":
@@ -200,6 +200,14 @@ class _Handler(OneDeadlineHandler):
                 raise _RequestError(404, f"no such path {url.path}")
         except _RequestError as error:
             self._text(error.status, error.text)
+
+    def _target(self) -> Any:
+        """The request target split into its parts, or a 400 when it does not parse (a bad IPv6 host)."""
+        try:
+            return urlsplit(self.path)
+        except ValueError:
+            self.close_connection = True  # a body stays unread
+            raise _RequestError(400, "bad request target") from None
 
     def _get_route(self, query: dict[str, list[str]]) -> None:
         """Answer the sync call (-1, -1) or one encode rank's endpoint."""
@@ -218,9 +226,10 @@ class _Handler(OneDeadlineHandler):
     def do_PUT(self) -> None:
         """PUT /route: one encode rank registers its endpoint."""
         try:
-            if urlsplit(self.path).path != "/route":
+            path = self._target().path
+            if path != "/route":
                 self.close_connection = True  # the body stays unread
-                raise _RequestError(404, f"no such path {urlsplit(self.path).path}")
+                raise _RequestError(404, f"no such path {path}")
             self._authorize()
             raw = self._read_body()
             world_size, dp_size, rank_ip, rank_port, engine_rank = _parse_registration(raw)
@@ -418,7 +427,7 @@ class BootstrapClient:
             return status, raw.decode("utf-8", "replace")
         try:
             return status, json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             raise BootstrapError(f"bootstrap server {self.address} sent a body that is not "
                                  f"JSON for {what}") from None
 

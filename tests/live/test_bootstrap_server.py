@@ -318,3 +318,36 @@ def test_silent_server_is_bounded_by_the_timeout():
         with pytest.raises(BootstrapError, match="unreachable"):
             client.parallel_info()
         assert time.monotonic() - start < 1.5
+
+
+@pytest.mark.parametrize("request_line", [b"GET http://[::1/route HTTP/1.0", b"PUT http://[x/route HTTP/1.0"])
+def test_a_request_target_that_does_not_parse_is_400_and_the_server_serves_on(server, request_line):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5.0) as conn:
+        conn.sendall(request_line + b"\r\nContent-Length: 2\r\n\r\n{}")
+        answer = b""
+        while chunk := conn.recv(4096):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.0 400 ") and answer.endswith(b"bad request target")
+    assert _get(server, "engine_rank=-1&target_dp_group=-1")[0] == 200
+
+
+def test_a_json_answer_nested_past_the_parser_is_a_bootstrap_error():
+    body = b"[" * 5000
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+
+        def answer() -> None:
+            for _ in range(2):
+                conn, _ = listener.accept()
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+        thread = threading.Thread(target=answer, daemon=True)
+        thread.start()
+        client = BootstrapClient(f"127.0.0.1:{listener.getsockname()[1]}", timeout=5.0)
+        for call in (client.parallel_info, lambda: client.route(0, 0)):
+            with pytest.raises(BootstrapError, match="not JSON"):
+                call()
+        thread.join(5.0)
