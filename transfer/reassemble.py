@@ -9,9 +9,10 @@ concluded, `reassemble` runs on every rank of the group, in the same order with 
 items, and:
 
 1. agrees on the outcome with one MIN all-reduce (two for batches of more than
-   about 300 items): an item that failed on any rank (or whose geometry differs
-   between ranks) fails on all of them; ranks that pass different numbers of items,
-   or different rooms at one position, raise on every rank;
+   314 items): an item that failed on any rank (or whose geometry differs between
+   ranks, which is logged) fails on all of them; ranks that pass different numbers
+   of items, or different rooms at one position, or whose shards are not the group's
+   split, raise on every rank;
 2. rebuilds the full rows of every agreed item with ONE all-gather for the whole
    batch: each rank packs its shard rows (embedding, then deepstack) of every
    item into one flat byte buffer padded to the largest rank's size, and unpacks
@@ -51,17 +52,28 @@ _HEADER = 5  # valid, count, -count, width, -width
 
 @dataclass
 class ShardedItem:
-    """One room on one rank: its full-size destination (own shard filled), outcome and deepstack."""
+    """One room on one rank: its full-size destination (own shard filled), outcome and deepstack.
+
+    `shard`, when given (a ReceiveHandle's `shard`), is the `(row_start, rows)` this rank
+    received; reassemble checks it is this rank's split over the group, so a group that is
+    not the one the rows were split over raises instead of rebuilding wrong rows.
+    """
 
     room: int
     full: torch.Tensor  # [span, hidden]
     ok: bool  # or the room's TransferPoll: only Success is ok
     deepstack: torch.Tensor | None = None  # [span, hidden * k]
+    shard: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        # A TransferPoll is an int: bool() would call Bootstrapping (1) ok.
-        if isinstance(self.ok, TransferPoll):
-            self.ok = self.ok == TransferPoll.Success
+        self.ok = _is_ok(self.ok)
+
+
+def _is_ok(ok: object) -> bool:
+    """An outcome as a bool: a TransferPoll is an int, and bool() would call Bootstrapping (1) ok."""
+    if isinstance(ok, TransferPoll):
+        return ok == TransferPoll.Success
+    return bool(ok)
 
 
 def _default_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -77,8 +89,9 @@ def agree(oks: Sequence[bool], group: dist.ProcessGroup | None = None, *, keys: 
 
     `keys`, when given, holds one tuple of integers per item that must be equal on
     every rank (e.g. the item's geometry); an item whose keys differ fails on all
-    ranks. Ranks that pass different numbers of items or of keys per item, or a
-    rank with invalid keys, make every rank raise.
+    ranks. An outcome may be a TransferPoll (only Success is True). Ranks that pass
+    different numbers of items or of keys per item, or a rank with invalid keys or an
+    outcome without a truth value, make every rank raise.
     """
     _check_member(group, "agree")
     target = torch.device(device) if device is not None else _default_device(group)
@@ -92,25 +105,32 @@ def _check_member(group: dist.ProcessGroup | None, what: str) -> None:
         raise ConfigError(f"{what}: this rank is not a member of the group")
 
 
-def _table(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None) -> tuple[list[int], str | None]:
-    """This rank's flat [ok, k..., -k...] rows and the reason they are invalid (None when valid)."""
-    width = len(keys[0]) if keys else 0
-    if keys is not None and len(keys) != len(oks):
-        return [], f"{len(keys)} keys for {len(oks)} items"
+def _table(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None) -> tuple[int, int, list[int], str | None]:
+    """This rank's item count, keys per item, flat [ok, k..., -k...] rows, and why they are
+    invalid (None when valid). Never raises: a rank that did would leave its peers in the collective."""
+    try:
+        count = len(oks)
+        width = len(keys[0]) if keys else 0
+    except Exception as exc:  # noqa: BLE001 - any bad value must still reach the collective
+        return 0, 0, [], f"the items or keys have no length ({type(exc).__name__}: {exc})"
+    if keys is not None and len(keys) != count:
+        return count, width, [], f"{len(keys)} keys for {count} items"
     flat: list[int] = []
     for i, ok in enumerate(oks):
         key = keys[i] if keys is not None else ()
         try:
             row = [int(k) for k in key] if width else []
-        except (TypeError, ValueError):
-            return [], f"item {i} has a key that is not an integer: {key!r}"
+            flag = _is_ok(ok)
+        except Exception as exc:  # noqa: BLE001 - as above
+            problem = f"item {i} has a key that is not an integer or an outcome that is not a truth value"
+            return count, width, [], f"{problem} ({type(exc).__name__}: {exc})"
         if len(row) != width:
-            return [], f"item {i} has {len(row)} keys, item 0 has {width}"
+            return count, width, [], f"item {i} has {len(row)} keys, item 0 has {width}"
         if any(not -_I64_MAX <= k <= _I64_MAX for k in row):
-            return [], f"item {i} has a key outside signed 64 bits: {row}"
+            return count, width, [], f"item {i} has a key outside signed 64 bits: {row}"
         # MIN of -k is -(MAX of k), so one MIN finds disagreement.
-        flat += [1 if ok else 0, *row, *(-k for k in row)]
-    return flat, None
+        flat += [1 if flag else 0, *row, *(-k for k in row)]
+    return count, width, flat, None
 
 
 def _agreement(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None, group: dist.ProcessGroup | None,
@@ -121,8 +141,7 @@ def _agreement(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None, group:
     the first all-reduce, so every rank raises instead of its peers waiting out the
     group's timeout in a collective it never joins.
     """
-    count, width = len(oks), len(keys[0]) if keys else 0
-    flat, problem = _table(oks, keys)
+    count, width, flat, problem = _table(oks, keys)
     problem = refusal or problem
     if problem is not None:
         log.error("%s on rank %d of the group: %s", what, dist.get_rank(group), problem)
@@ -206,8 +225,12 @@ def _dtype_code(tensor: torch.Tensor | None) -> int:
 
 
 def _room_key(room: int) -> int:
-    """The room as an agreement key: itself for every room the wire carries (0 .. 2**63 - 1)."""
-    return operator.index(room) % (_I64_MAX + 1)
+    """The room as an agreement key: itself for every room the wire carries, -1 outside 0 .. 2**63 - 1.
+
+    Such a room cannot have been received, and no two distinct rooms may share a key.
+    """
+    room = operator.index(room)
+    return room if 0 <= room <= _I64_MAX else -1
 
 
 def _keys(item: ShardedItem) -> tuple[int, int, int, int, int]:
@@ -288,8 +311,9 @@ def reassemble(items: Sequence[ShardedItem], group: dist.ProcessGroup | None = N
     oks, keys = [], []
     for i, item in enumerate(items):
         try:
-            room, ok = _room_key(item.room), bool(item.ok)
-            problem = _check_item(item, device)
+            room, ok = _room_key(item.room), _is_ok(item.ok)
+            problem = _check_item(item, device) or _check_room_number(item.room, room)
+            refusal = refusal or _check_shard(item, i, rank, size, problem)
         except Exception as exc:  # noqa: BLE001 - any bad value must still reach the collective
             # Without a room the position cannot be agreed: refuse the batch on every rank.
             refusal = refusal or f"item {i} is not a usable ShardedItem ({type(exc).__name__}: {exc})"
@@ -298,16 +322,61 @@ def reassemble(items: Sequence[ShardedItem], group: dist.ProcessGroup | None = N
             continue
         if problem is not None:
             # Not raising: the other ranks are already in the collective; fail the item everywhere.
-            log.warning("room %s on rank %d of the block: %s; failing it", room, rank, problem)
+            log.warning("room %s on rank %d of the group: %s; failing it", item.room, rank, problem)
         oks.append(ok and problem is None)
         keys.append((room, *(_keys(item) if problem is None else (-1,) * 5)))
     reduced = _agreement(oks, keys, group, device, "reassemble", refusal)
     _check_rooms(reduced)
     agreed = _flags(reduced)
+    _log_disagreements(items, oks, reduced, rank)
     chosen = [item for item, ok in zip(items, agreed) if ok]
     if size > 1 and chosen:
         _exchange(chosen, rank, size, group, device)
     return agreed
+
+
+def _check_room_number(room: int, key: int) -> str | None:
+    """Why the item's room cannot be one that was received (None when it can)."""
+    if key < 0:
+        return f"room {room} is outside the wire's 0 .. 2**63 - 1"
+    return None
+
+
+def _check_shard(item: ShardedItem, index: int, rank: int, size: int, problem: str | None) -> str | None:
+    """Why the item's received shard is not this rank's split of its span over the group (None when it is).
+
+    A wrong group would rebuild other rows into place on every rank with no other sign,
+    so this refuses the batch rather than failing the item.
+    """
+    if item.shard is None or problem is not None:
+        return None
+    row_start, rows = (operator.index(v) for v in item.shard)
+    expected = shard_rows(item.full.shape[0], rank, size)
+    if (row_start, rows) == expected:
+        return None
+    return (f"item {index} (room {item.room}) holds rows [{row_start}, {row_start + rows}) of {item.full.shape[0]}, "
+            f"but rank {rank} of a group of {size} holds rows [{expected[0]}, {expected[0] + expected[1]}): pass the "
+            f"group the rows were split over (with per-block shards, the encode rank's block)")
+
+
+_KEY_NAMES = ("span", "row bytes", "dtype", "deepstack row bytes", "deepstack dtype")
+
+
+def _log_disagreements(items: Sequence[ShardedItem], oks: list[bool], reduced: torch.Tensor, rank: int) -> None:
+    """Log why an item that was ok on this rank failed: another rank's outcome, or which geometry differs."""
+    width = (reduced.shape[1] - 1) // 2 if reduced.numel() else 0
+    for i, ok in enumerate(oks):
+        if not ok:
+            continue
+        row = reduced[i]
+        if row[0] != 1:
+            log.warning("room %s failed on another rank of the group; failing it on rank %d", items[i].room, rank)
+            continue
+        differ = [f"{name} {int(row[k])} .. {int(-row[width + k])}"
+                  for k, name in enumerate(_KEY_NAMES, start=2) if row[k] != -row[width + k]]
+        if differ:
+            log.warning("room %s has another geometry on another rank of the group (%s); failing it on rank %d",
+                        items[i].room, ", ".join(differ), rank)
 
 
 def _check_block(size: int, rank: int, block_size: int | None, rank_in_block: int | None) -> str | None:

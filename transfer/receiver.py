@@ -59,7 +59,7 @@ class ReceiveHandle(_io.RoomHandle[Room]):
     """One room's progress as the scheduler loop sees it: poll(), failure, failure_kind, latency_s, wait(), clear()."""
 
     def __init__(self, manager: SessionManager, room: Room, rows: torch.Tensor | None = None,
-                 deepstack: torch.Tensor | None = None) -> None:
+                 deepstack: torch.Tensor | None = None, shard: tuple[int, int] = (0, 0)) -> None:
         driver = manager._driver
         super().__init__(driver.table, room, driver.conclusions, driver.rooms.get)
         self._manager = manager
@@ -67,6 +67,8 @@ class ReceiveHandle(_io.RoomHandle[Room]):
         #: rows; the others are for reassembly) and likewise the deepstack rows.
         self.rows = rows
         self.deepstack = deepstack
+        #: `(row_start, rows)`: the rows of the item this rank asked for (for ShardedItem).
+        self.shard = shard
 
     def poll(self) -> TransferPoll:
         """The room's status right now; never blocks (reads the statuses that came, on this thread)."""
@@ -267,7 +269,7 @@ class SessionManager:
         record = Room(room, started_at=self._driver.clock(), nbytes=rows * row_bytes + ds_nbytes, lease=lease)
         self._driver.receive(record, spec)
         self.metrics.inc("rooms_started_total")
-        return ReceiveHandle(self, record, full, full_ds)
+        return ReceiveHandle(self, record, full, full_ds, (row_start, rows))
 
     def _lease(self, room: int, rows: int | None, hidden: int | None, dtype: str | None, row_start: int,
                span: int | None, deepstack_hidden: int | None,

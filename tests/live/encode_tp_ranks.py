@@ -80,7 +80,7 @@ def prefill_process(rank, prefill_tp, encode_tp, shards, dist_addr, bootstrap_ad
             if shards == "identity":
                 agreed = [local[h.room] for h in handles]
             else:
-                agreed = reassemble([ShardedItem(h.room, h.rows, local[h.room]) for h in handles], group)
+                agreed = reassemble([ShardedItem(h.room, h.rows, local[h.room], shard=h.shard) for h in handles], group)
             outcome = {}
             for handle, ok in zip(handles, agreed):
                 full = same_bytes(handle.rows, source.item(handle.room, spans[handle.room]))

@@ -68,7 +68,7 @@ def prefill_process(rank, world, dist_addr, bootstrap_addr, rooms, spans, deadli
                 handles.append(manager.receive(room, bootstrap_addr, rows=rows, hidden=HIDDEN, dtype=DTYPE,
                                                row_start=row_start, span=spans[room]))
             local = {h.room: h.wait(30) == TransferPoll.Success for h in handles}
-            items = [ShardedItem(h.room, h.rows, local[h.room]) for h in handles]
+            items = [ShardedItem(h.room, h.rows, local[h.room], shard=h.shard) for h in handles]
             agreed = reassemble(items)
             outcome = {}
             for handle, ok in zip(handles, agreed):

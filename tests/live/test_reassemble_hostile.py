@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import multiprocessing
 import os
 import socket
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from transfer.reassemble import ShardedItem, agree, reassemble
+from transfer.status import TransferPoll
 
 
 GARBAGE = 0xA5  # what a destination holds outside the rank's own shard
@@ -90,6 +92,25 @@ class Case:
         """The destination is exactly as it was before the call."""
         full = self.item.full if isinstance(self.item.full, torch.Tensor) else None
         return same(full, self.before[0]) and same(self.item.deepstack, self.before[1])
+
+
+class CapturedLog(logging.Handler):
+    """The messages one logger emits while in the `with` block."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.logger = logging.getLogger(name)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> CapturedLog:
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
 
 
 def judge(cases: list[Case], call) -> dict:
@@ -214,9 +235,36 @@ def batch_scenarios(rank: int, size: int) -> dict:
     cases = [Case(rank, size, room, 6) for room in rooms]
     out["room_order_differs"] = judge(cases, reassemble)
 
-    # A room outside the wire's signed 64 bits must not break the call.
+    # A room outside the wire's 0 .. 2**63 - 1 was never received: its item fails, the call goes on.
     cases = [Case(rank, size, 2**64 + 5, 6), Case(rank, size, 801, 4)]
     out["huge_room"] = judge(cases, reassemble)
+
+    # Room 5 on even ranks, 2**63 + 5 on odd ones: two rooms, not one item to merge.
+    cases = [Case(rank, size, 2**63 + 5 if rank % 2 else 5, 6), Case(rank, size, 802, 4)]
+    out["rooms_alike_mod_2_63"] = judge(cases, reassemble)
+
+    # The last rank's outcome was set to a TransferPoll after the item was made: only Success is ok.
+    cases = [Case(rank, size, 810, 6), Case(rank, size, 811, 5)]
+    if rank == size - 1:
+        cases[0].item.ok = TransferPoll.Transferring
+    out["poll_set_later"] = judge(cases, reassemble)
+
+    # Shards given as this rank's split over the group rebuild; a whole-span shard (a group of
+    # one's split) on every rank contradicts any larger group and refuses the batch everywhere.
+    cases = [Case(rank, size, 820 + i, span) for i, span in enumerate((1, 6, 11))]
+    for case in cases:
+        case.item.shard = spec_shard(case.rows.shape[0], rank, size)
+    out["shards_of_the_group"] = judge(cases, reassemble)
+    cases = [Case(rank, size, 830, 6), Case(rank, size, 831, 9)]
+    cases[0].item.shard = spec_shard(6, rank, size)
+    cases[1].item.shard = (0, 9)
+    out["shards_of_another_group"] = judge(cases, reassemble)
+
+    # The span differs on rank 0: the item fails everywhere and every other rank says why.
+    with CapturedLog("transfer.reassemble") as captured:
+        cases = [Case(rank, size, 840, 6 if rank == 0 else 7), Case(rank, size, 841, 4)]
+        out["geometry_differs"] = judge(cases, reassemble)
+    out["geometry_differs"]["log"] = captured.lines
 
     # More items than any small fixed agreement table holds.
     cases = [Case(rank, size, 1000 + i, i % (2 * size + 2), cols=2, dtype=torch.float16, ds_cols=i % 2)
@@ -284,10 +332,52 @@ def test_ranks_holding_rooms_in_another_order_raise_everywhere_and_write_nothing
         assert all(obs["untouched"]), "rows of one room were written into another"
 
 
-def test_huge_room_number_is_no_error(batch):
+def test_a_room_outside_the_wires_range_fails_its_item_only(batch):
     for obs in _each(batch, "huge_room"):
         assert obs["raised"] is None, obs["raised"]
-        assert obs["flags"] == [True, True] and all(obs["exact"])
+        assert obs["flags"] == [False, True] and obs["untouched"][0] and obs["exact"][1]
+
+
+def _raised_everywhere_untouched(batch, name: str, expected: str) -> None:
+    """Every rank raised naming `expected` and wrote nothing (a world of one rebuilt both items)."""
+    for rank, obs in enumerate(_each(batch, name)):
+        if batch[0] == 1:
+            assert obs["flags"] == [True, True] and all(obs["exact"])
+            continue
+        assert obs["raised"] is not None and expected in obs["raised"], (rank, obs)
+        assert all(obs["untouched"]), (rank, "rows were written although the batch was refused")
+
+
+def test_rooms_equal_modulo_2_63_are_different_rooms(batch):
+    _raised_everywhere_untouched(batch, "rooms_alike_mod_2_63", "different rooms at position 0")
+
+
+def test_an_outcome_set_to_an_unfinished_poll_after_construction_fails_the_item(batch):
+    for rank, obs in enumerate(_each(batch, "poll_set_later")):
+        assert obs["raised"] is None, (rank, obs["raised"])
+        assert obs["flags"] == [False, True], (rank, obs)
+        assert obs["untouched"][0] and obs["exact"][1]
+
+
+def test_shards_that_are_the_groups_split_rebuild(batch):
+    for rank, obs in enumerate(_each(batch, "shards_of_the_group")):
+        assert obs["raised"] is None and all(obs["flags"]) and all(obs["exact"]), (rank, obs)
+
+
+def test_shards_of_another_group_raise_everywhere_and_write_nothing(batch):
+    _raised_everywhere_untouched(batch, "shards_of_another_group",
+                                 "ConfigError: reassemble: item 1 (room 831) holds rows [0, 9) of 9")
+
+
+def test_a_geometry_that_differs_fails_the_item_and_says_which_part(batch):
+    size = batch[0]
+    for rank, obs in enumerate(_each(batch, "geometry_differs")):
+        assert obs["raised"] is None, (rank, obs["raised"])
+        if size == 1:
+            assert obs["flags"] == [True, True]
+            continue
+        assert obs["flags"] == [False, True] and obs["untouched"][0] and obs["exact"][1], (rank, obs)
+        assert any("room 840" in line and "span 6 .. 7" in line for line in obs["log"]), (rank, obs["log"])
 
 
 def test_empty_batch(batch):
@@ -332,6 +422,23 @@ def agree_bad_key_on_one_rank(rank: int, size: int) -> dict:
     except Exception as exc:  # noqa: BLE001
         out = {"flags": None, "raised": f"{type(exc).__name__}: {exc}"}
     out["took"] = time.monotonic() - started
+    return out
+
+
+def agree_unusable_argument_on_one_rank(rank: int, size: int) -> dict:
+    """agree() where the last rank passes a key that is not a tuple, then an outcome without a truth value;
+    afterwards a well-formed call must still work."""
+    out = {}
+    for name, oks, keys in (("key", [True], [5]), ("ok", [torch.ones(2)], [(1,)])):
+        if rank != size - 1:
+            oks, keys = [True], [(1,)]
+        started = time.monotonic()
+        try:
+            out[name] = {"flags": agree(oks, keys=keys), "raised": None}
+        except Exception as exc:  # noqa: BLE001
+            out[name] = {"flags": None, "raised": f"{type(exc).__name__}: {exc}"}
+        out[name]["took"] = time.monotonic() - started
+    out["after"] = agree([True, TransferPoll.Failed], keys=[(1,), (2,)])
     return out
 
 
@@ -440,6 +547,15 @@ def test_agree_with_an_invalid_key_on_one_rank_raises_everywhere_promptly(tmp_pa
     for rank, obs in enumerate(seen(run_ranks("agree_bad_key_on_one_rank", 2, tmp_path))):
         assert obs["raised"] is not None and obs["raised"].startswith("ConfigError: agree:"), (rank, obs)
         assert obs["took"] < GROUP_TIMEOUT_S - 5, (rank, obs["took"])
+
+
+def test_agree_with_an_unusable_argument_on_one_rank_raises_everywhere_promptly(tmp_path):
+    for rank, obs in enumerate(seen(run_ranks("agree_unusable_argument_on_one_rank", 2, tmp_path))):
+        for name in ("key", "ok"):
+            got = obs[name]
+            assert got["raised"] is not None and got["raised"].startswith("ConfigError: agree:"), (rank, name, got)
+            assert got["took"] < GROUP_TIMEOUT_S - 5, (rank, name, got["took"])
+        assert obs["after"] == [True, False], (rank, obs["after"])
 
 
 def test_missing_destination_on_one_rank_fails_the_item_everywhere(tmp_path):

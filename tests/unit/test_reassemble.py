@@ -39,3 +39,27 @@ def test_check_item_names_the_problem():
     short_ds = original(3, 3, torch.float32, HIDDEN)
     assert "deepstack of shape (3, 6)" in reassemble_module._check_item(
         ShardedItem(3, rows, True, short_ds), torch.device("cpu"))
+
+
+def test_agreement_rows_of_unusable_arguments_name_the_problem_without_raising():
+    table = reassemble_module._table
+    assert table([True, False], [(1, 2), (3, 4)]) == (2, 2, [1, 1, 2, -1, -2, 0, 3, 4, -3, -4], None)
+    assert "no length" in table([True], [5])[3]
+    assert "not a truth value" in table([torch.ones(2)], None)[3]
+    assert "not an integer" in table([True], [("x",)])[3]
+    assert table([True], [(2**64,)])[3] == "item 0 has a key outside signed 64 bits: [18446744073709551616]"
+
+
+def test_a_room_key_is_the_room_inside_the_wires_range_only():
+    key = reassemble_module._room_key
+    assert [key(0), key(5), key(2**63 - 1)] == [0, 5, 2**63 - 1]
+    assert [key(-1), key(2**63), key(2**63 + 5), key(2**64 + 5)] == [-1] * 4
+
+
+def test_a_shard_is_checked_against_the_ranks_split_of_the_span():
+    rows = original(4, 10, torch.float32)
+    check = reassemble_module._check_shard
+    assert check(ShardedItem(4, rows, True, shard=(4, 3)), 0, 1, 3, None) is None
+    assert check(ShardedItem(4, rows, True), 0, 1, 3, None) is None
+    wrong = check(ShardedItem(4, rows, True, shard=(0, 10)), 2, 1, 3, None)
+    assert wrong.startswith("item 2 (room 4) holds rows [0, 10) of 10, but rank 1 of a group of 3 holds rows [4, 7)")

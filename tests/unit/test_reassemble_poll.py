@@ -14,3 +14,11 @@ def test_a_sharded_item_given_a_transfer_poll_is_ok_only_on_success():
     for status in TransferPoll:
         assert ShardedItem(1, full, status).ok is (status == TransferPoll.Success), status
     assert ShardedItem(1, full, True).ok is True
+
+
+def test_an_outcome_is_a_bool_and_a_poll_is_ok_only_on_success():
+    from transfer.reassemble import _is_ok
+    from transfer.status import TransferPoll
+
+    assert [_is_ok(status) for status in TransferPoll] == [status == TransferPoll.Success for status in TransferPoll]
+    assert [_is_ok(True), _is_ok(0), _is_ok(1)] == [True, False, True]
