@@ -172,7 +172,7 @@ class SessionManager:
             self._driver = PrefillDriver(
                 engine_rank, tp_size, dp_size, host=self.host, status_port=status_port,
                 session_id=engine.session_id, deadline_s=deadline_s, lookup_timeout_s=lookup_timeout_s,
-                integrity=integrity, metrics=self.metrics, pool=pool,
+                integrity=integrity, metrics=self.metrics, pool=pool, quarantine_s=self.quarantine_s,
             )
         except BaseException:
             self._unregister_owned()  # no manager is returned whose close() would

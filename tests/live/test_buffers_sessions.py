@@ -259,3 +259,36 @@ def test_a_pooled_receive_refused_before_any_ask_keeps_no_slot(engines):
         stats = pool.stats()
         assert (stats["leased"], stats["quarantined"], stats["free"]) == (1, 0, 3)
         assert (stats["fallbacks_live"], stats["fallback_bytes"]) == (0, 0)
+
+
+@pytest.mark.live
+def test_a_fallback_whose_cancel_is_never_confirmed_is_freed_after_its_quarantine(engines):
+    """Room 1 asks into a fallback buffer, its encode rank goes away, and the room is cleared:
+    no cancel confirmation will ever come. Once the quarantine passed, the pool retires the
+    fallback and nothing of the manager's keeps its memory allocated."""
+    import gc
+    import weakref
+
+    from transfer.bootstrap import BootstrapServer
+    from transfer.receiver import SessionManager
+    from transfer.sender import SenderPool
+    from transfer.status import TransferPoll
+
+    encode_engine, prefill_engine = engines
+    rows, hidden = 8, 64  # 1 KiB: more than a slot, so a fallback
+    with BootstrapServer(HOST, 0) as server, \
+            ReceivePool(prefill_engine, SLOT, SLOT, quarantine_s=0.3, grace_s=0) as slots, \
+            SessionManager(prefill_engine, 0, 1, 1, pool=slots, host=HOST, deadline_s=30) as manager:
+        with SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST):
+            handle = manager.receive(1, server.address, rows=rows, hidden=hidden, dtype=BF16)
+            assert wait_until(lambda: handle.poll() == TransferPoll.WaitingForInput, 5.0)
+        fallback = handle.rows.data_ptr()
+        memory = weakref.ref(handle._state.lease.region.tensor)
+        handle.clear()
+        assert not handle.safe_to_reuse
+        del handle
+        assert wait_until(lambda: fallback not in prefill_engine.registered(), 5.0), \
+            "the fallback stayed registered 5 s past a 0.3 s quarantine"
+        assert wait_until(lambda: gc.collect() >= 0 and memory() is None, 5.0), \
+            "the retired fallback's memory is still referenced"
+        assert slots.stats()["fallback_bytes"] == 0

@@ -79,8 +79,9 @@ STOP_WAIT_S = 5.0
 #: How long a socket closed right after a cancel was queued on it may take to send it.
 CANCEL_FLUSH_MS = 1000
 
-#: Cleared rooms remembered until their encode rank confirms their cancel (oldest
-#: forgotten first: their slots then wait out the pool's quarantine).
+#: Cleared rooms remembered until their encode rank confirms their cancel, or their
+#: quarantine bound passes (oldest forgotten first: their slots then wait out the pool's
+#: quarantine).
 MAX_AWAITING_SAFE = 65536
 
 #: How long after the caller last read the status socket (poll(), concluded()) it is
@@ -148,6 +149,7 @@ class PrefillDriver:
         integrity: bool,
         metrics: Metrics,
         pool: Any = None,
+        quarantine_s: float = float("inf"),
         clock: Callable[[], float] = time.monotonic,
         lookup_threads: int = LOOKUP_THREADS,
     ) -> None:
@@ -159,7 +161,9 @@ class PrefillDriver:
         self.table = RoomTable()
         self.conclusions = _io.Conclusions()
         self.rooms: dict[int, Room] = {}  # changed under _lock
-        self._awaiting_safe: dict[int, Room] = {}  # cleared rooms by token, until their cancel is confirmed
+        self.quarantine_s = quarantine_s  # a cleared room's memory is safe this long after its clear, confirmed or not
+        # Cleared rooms (and when) by token, until their cancel is confirmed or the quarantine passed.
+        self._awaiting_safe: dict[int, tuple[float, Room]] = {}
         self._status_sock, self.status_port = _io.pull_socket(host, status_port,
                                                               f"prefill rank {engine_rank}'s status socket")
         self._status_fd = self._status_sock.fileno()  # the socket's FD option
@@ -254,13 +258,26 @@ class PrefillDriver:
             self.table.clear(record.room)
             self.core.clear(now, record.room, record.token)
             if not succeeded and not record.memory_safe:
-                self._awaiting_safe[record.token] = record
-                if len(self._awaiting_safe) > MAX_AWAITING_SAFE:
-                    del self._awaiting_safe[next(iter(self._awaiting_safe))]
+                self._awaiting_safe[record.token] = (now, record)
+            self._forget_unconfirmed(now)
             cancels = bool(self._cancels_out)
         if cancels:
             self._waker.wake()
         return succeeded
+
+    def _forget_unconfirmed(self, now: float) -> None:
+        """Forgets cleared rooms whose quarantine passed unconfirmed, and the oldest past the cap (lock held).
+
+        Their memory's own quarantine ends by itself; a confirmation coming later would change
+        nothing, and keeping the room would keep its `on_safe` (the pool's slot) alive.
+        """
+        awaiting = self._awaiting_safe
+        while awaiting:
+            token, (cleared_at, record) = next(iter(awaiting.items()))
+            if now - cleared_at < self.quarantine_s and len(awaiting) <= MAX_AWAITING_SAFE:
+                return
+            del awaiting[token]
+            record.on_safe = None
 
     def when_safe(self, record: Room, on_safe: Callable[[], None]) -> None:
         """Runs `on_safe` once the cleared room's memory is known safe (at once when it already is)."""
@@ -442,6 +459,8 @@ class PrefillDriver:
                 if self.clock() - monitors_read_at >= MONITOR_PERIOD_S:
                     monitors_read_at = self.clock()
                     self._read_monitors()
+                    with self._lock:
+                        self._forget_unconfirmed(self.clock())
                     if self.pool is not None:
                         self.pool.poll()  # graces and quarantines end while no room is received, too
                 self._watch_writable()
@@ -725,7 +744,7 @@ class PrefillDriver:
         """The encode rank confirmed the room's cancel: its memory is the caller's again."""
         record = self.rooms.get(action.room)
         if record is None or record.token != action.token:
-            record = self._awaiting_safe.pop(action.token, None)
+            _, record = self._awaiting_safe.pop(action.token, (0.0, None))
             if record is None:
                 return
         record.memory_safe = True
