@@ -2,9 +2,9 @@
 
 Both listen where anyone on the network may connect, so both bound what a client can
 hold: one request per connection, a short deadline for its request line and headers
-(a real client sends them in one write), one deadline for the whole request however
-slowly it drips in, and a cap on connections served at once (503 beyond, answered
-without blocking the accepting thread).
+(a real client sends them in one write) and a byte budget for them (431 beyond), one
+deadline for the whole request however slowly it drips in, and a cap on connections
+served at once (503 beyond, answered without blocking the accepting thread).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 import time
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
@@ -26,15 +27,18 @@ class DeadlineReader(io.RawIOBase):
     """A socket's reads, each bounded by what is left of one deadline for a whole exchange.
 
     The socket's own timeout bounds each read alone: a peer sending a byte now and
-    then would hold the reading thread for ever.
+    then would hold the reading thread for ever. `budget`, while not None, is how many
+    more bytes may be read: past it reads see the end of the stream, and `exhausted` says so.
     """
 
-    def __init__(self, sock: socket.socket, deadline: float, keep: Any = None) -> None:
+    def __init__(self, sock: socket.socket, deadline: float, keep: Any = None, budget: int | None = None) -> None:
         """Reads from `sock` until `deadline` (time.monotonic()); `keep` is closed along with it."""
         super().__init__()
         self._sock = sock
         self.deadline = deadline
         self._keep = keep
+        self.budget = budget
+        self.exhausted = False
 
     def close(self) -> None:
         """Closes the reader and what it keeps."""
@@ -52,36 +56,57 @@ class DeadlineReader(io.RawIOBase):
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("timed out: the exchange's deadline passed")
+        if self.budget is not None:
+            if self.budget <= 0:
+                self.exhausted = True
+                return 0
+            buffer = memoryview(buffer).cast("B")[: self.budget]
         self._sock.settimeout(left)
-        return self._sock.recv_into(buffer)
+        count = self._sock.recv_into(buffer)
+        if self.budget is not None:
+            self.budget -= count
+        return count
 
 
 class OneDeadlineHandler(BaseHTTPRequestHandler):
     """A request handler that reads its request line and headers within `header_timeout`
-    seconds and its one request (HTTP/1.0) within `timeout` seconds in all.
+    seconds and `header_bytes` bytes, and its one request (HTTP/1.0) within `timeout`
+    seconds in all.
 
     The handler's thread is one of the server's few slots: a client that connects and
     says nothing must give it back in about a second, not after the whole request's
     deadline. BaseHTTPRequestHandler answers a timeout by closing the connection; with
-    one request per connection no handler thread lingers on a keep-alive socket.
+    one request per connection no handler thread lingers on a keep-alive socket. The
+    byte budget bounds what each connection's headers hold in memory (the stdlib alone
+    allows 100 lines of 64 KiB); bytes of the body read along with the headers count too.
     """
 
     protocol_version = "HTTP/1.0"
     timeout = 10.0
     header_timeout = 1.0
+    header_bytes = 16 * 1024
 
     def setup(self) -> None:
         """Reads the request through deadlines that start now."""
         super().setup()
         self._connected_at = time.monotonic()
         self.rfile.close()
-        self._reader = DeadlineReader(self.connection,
-                                      self._connected_at + min(self.header_timeout, self.timeout))
+        self._reader = DeadlineReader(self.connection, self._connected_at + min(self.header_timeout, self.timeout),
+                                      budget=self.header_bytes)
         self.rfile = io.BufferedReader(self._reader)
 
     def parse_request(self) -> bool:
         """Parses the request line and headers; the body, if any, gets the rest of `timeout`."""
+        too_long = f"request line and headers over {self.header_bytes} bytes"
+        if self._reader.exhausted and not getattr(self, "raw_requestline", b"").endswith(b"\n"):
+            self.requestline, self.request_version, self.command = "", "", ""
+            self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG, too_long)
+            return False
         parsed = super().parse_request()
+        if parsed and self._reader.exhausted:
+            self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, too_long)
+            return False
+        self._reader.budget = None
         self._reader.deadline = self._connected_at + self.timeout
         return parsed
 

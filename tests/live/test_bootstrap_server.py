@@ -320,13 +320,51 @@ def test_silent_server_is_bounded_by_the_timeout():
         assert time.monotonic() - start < 1.5
 
 
+def _raw(server: BootstrapServer, request: bytes) -> bytes:
+    """Sends `request` in one write and reads the whole answer (the server closes after one)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5.0) as conn:
+        try:
+            conn.sendall(request)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server answered before it read everything
+        answer = b""
+        try:
+            while chunk := conn.recv(4096):
+                answer += chunk
+        except ConnectionResetError:
+            pass  # unread bytes at its close may reset the connection once its answer came
+    return answer
+
+
+def test_headers_over_the_byte_budget_are_431_and_the_server_serves_on(server):
+    headers = b"".join(b"X-Filler-%d: %s\r\n" % (i, b"a" * 1000) for i in range(20))
+    answer = _raw(server, b"GET /route?engine_rank=0&target_dp_group=0 HTTP/1.0\r\n" + headers + b"\r\n")
+    assert answer.startswith(b"HTTP/1.0 431 "), answer[:200]
+    assert b"request line and headers over 16384 bytes" in answer
+    assert _get(server, "engine_rank=-1&target_dp_group=-1")[0] == 200
+
+
+def test_a_request_line_over_the_byte_budget_is_414(server):
+    answer = _raw(server, b"GET /route?" + b"a" * 20000 + b" HTTP/1.0\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.0 414 "), answer[:200]
+    assert _get(server, "engine_rank=-1&target_dp_group=-1")[0] == 200
+
+
+def test_headers_under_the_budget_with_a_body_past_it_are_served(server):
+    """The budget counts what is read with the headers; a body read along with them is not cut short."""
+    body = json.dumps(_registration(0, port=3333)).encode()
+    head = b"PUT /route HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
+    filler = b"X-Filler: " + b"a" * (16384 - len(head) - 20) + b"\r\n"
+    request = head + filler + b"\r\n" + body
+    assert len(request) - len(body) < 16384 < len(request)
+    answer = _raw(server, request)
+    assert answer.startswith(b"HTTP/1.0 200 "), answer[:200]
+    assert json.loads(_get(server, "engine_rank=0&target_dp_group=0")[2])["rank_port"] == 3333
+
+
 @pytest.mark.parametrize("request_line", [b"GET http://[::1/route HTTP/1.0", b"PUT http://[x/route HTTP/1.0"])
 def test_a_request_target_that_does_not_parse_is_400_and_the_server_serves_on(server, request_line):
-    with socket.create_connection(("127.0.0.1", server.port), timeout=5.0) as conn:
-        conn.sendall(request_line + b"\r\nContent-Length: 2\r\n\r\n{}")
-        answer = b""
-        while chunk := conn.recv(4096):
-            answer += chunk
+    answer = _raw(server, request_line + b"\r\nContent-Length: 2\r\n\r\n{}")
     assert answer.startswith(b"HTTP/1.0 400 ") and answer.endswith(b"bad request target")
     assert _get(server, "engine_rank=-1&target_dp_group=-1")[0] == 200
 
