@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 from typing import Any, TypeGuard, cast
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import SplitResult, parse_qs, urlsplit
 
 from transfer._http import BoundedHTTPServer, DeadlineReader, OneDeadlineHandler
 from transfer.errors import BootstrapError, BootstrapUnreachable, ConfigError
@@ -201,7 +201,7 @@ class _Handler(OneDeadlineHandler):
         except _RequestError as error:
             self._text(error.status, error.text)
 
-    def _target(self) -> Any:
+    def _target(self) -> SplitResult:
         """The request target split into its parts, or a 400 when it does not parse (a bad IPv6 host)."""
         try:
             return urlsplit(self.path)
@@ -470,9 +470,9 @@ class BootstrapClient:
         if status != 200:
             raise BootstrapError(f"bootstrap server {self.address} answered HTTP {status} "
                                  f"for parallel info: {value}")
-        sizes = (value.get("prefill_tp_size"), value.get("prefill_dp_size")) \
-            if isinstance(value, dict) else (None, None)
-        world_size, dp_size = sizes
+        world_size, dp_size = None, None
+        if isinstance(value, dict):
+            world_size, dp_size = value.get("prefill_tp_size"), value.get("prefill_dp_size")
         if not (_positive_int(world_size) and _positive_int(dp_size)):
             raise BootstrapError(f"bootstrap server {self.address} has incomplete parallel info "
                                  f"(no encode rank registered yet?): {value}")

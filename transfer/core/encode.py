@@ -847,9 +847,9 @@ class EncodeCore:
             since = room.offered_at if asks is None else min(room.offered_at, asks.first_at)
             if now - since > limit:
                 taken = self.parked.take(number)
-                sessions = {info.session_id for info in room.receivers}
-                room.receivers += [info for info in taken.infos.values() if info.session_id not in sessions] \
-                    if taken else []
+                if taken is not None:  # named in the room's failure with the receivers it had
+                    sessions = {info.session_id for info in room.receivers}
+                    room.receivers += [info for info in taken.infos.values() if info.session_id not in sessions]
                 self._fail(room, FailureKind.FANOUT_TIMEOUT,
                            f"receiver never registered within {limit:g}s ({_asked(taken)})", now)
         for number in self.parked.older_than(now - limit):
