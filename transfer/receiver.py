@@ -238,22 +238,37 @@ class SessionManager:
                 raise ConfigError(f"room {room} is already being received; clear() it first")
             lease, full, full_ds, dst, deepstack_dst = self._lease(room, rows, hidden, dtype_name, row_start, span,
                                                                    deepstack_hidden)
-            try:
-                return self._receive(room, bootstrap_addr, dst, None, None, None, row_start, span, deepstack_dst,
-                                     lease, full, full_ds)
-            except BaseException:
-                # fail(), not release(): if its TransferInfo went out before the error, a write
-                # may still land in the slot, which quarantine keeps from the next room.
-                lease.fail()
-                self._drop_lease_region(lease)
-                raise
+            return self._receive(room, bootstrap_addr, dst, None, None, None, row_start, span, deepstack_dst,
+                                 lease, full, full_ds)
         return self._receive(room, bootstrap_addr, dst, rows, hidden, dtype_name, row_start, span, deepstack_dst)
 
     def _receive(self, room: int, bootstrap_addr: str, dst: torch.Tensor | int, rows: int | None,
                  hidden: int | None, dtype: str | None, row_start: int, span: int | None,
                  deepstack_dst: torch.Tensor | tuple[int, int] | None, lease: Slot | None = None,
                  full: torch.Tensor | None = None, full_ds: torch.Tensor | None = None) -> ReceiveHandle:
-        """receive() once the destination is known."""
+        """receive() once the destination is known; a lease is given back if it raises."""
+        record = None
+        try:
+            record, spec = self._room(room, bootstrap_addr, dst, rows, hidden, dtype, row_start, span,
+                                      deepstack_dst, lease)
+            self._driver.receive(record, spec)
+        except BaseException:
+            if lease is not None:
+                # Once the driver filed the room (its token), its ask may have left and a write
+                # may still land in the slot: quarantine keeps it from the next room.
+                if record is not None and record.token:
+                    lease.fail()
+                else:
+                    lease.release()
+                self._drop_lease_region(lease)
+            raise
+        self.metrics.inc("rooms_started_total")
+        return ReceiveHandle(self, record, full, full_ds, (row_start, spec.rows))
+
+    def _room(self, room: int, bootstrap_addr: str, dst: torch.Tensor | int, rows: int | None,
+              hidden: int | None, dtype: str | None, row_start: int, span: int | None,
+              deepstack_dst: torch.Tensor | tuple[int, int] | None, lease: Slot | None) -> tuple[Room, RoomSpec]:
+        """The room's record and spec, its destination checked."""
         ptr, rows, hidden, dtype = _destination(dst, rows, hidden, dtype)
         row_bytes = hidden * dtype_size(dtype)
         span = rows if span is None else span
@@ -267,9 +282,7 @@ class SessionManager:
         spec = RoomSpec(room, bootstrap_addr, ptr, rows, hidden, dtype, row_bytes, row_start, span, regions,
                         ds_ptr, ds_nbytes, deepstack_dst is not None)
         record = Room(room, started_at=self._driver.clock(), nbytes=rows * row_bytes + ds_nbytes, lease=lease)
-        self._driver.receive(record, spec)
-        self.metrics.inc("rooms_started_total")
-        return ReceiveHandle(self, record, full, full_ds, (row_start, rows))
+        return record, spec
 
     def _lease(self, room: int, rows: int | None, hidden: int | None, dtype: str | None, row_start: int,
                span: int | None, deepstack_hidden: int | None,

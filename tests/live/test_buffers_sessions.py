@@ -262,6 +262,30 @@ def test_a_pooled_receive_refused_before_any_ask_keeps_no_slot(engines):
 
 
 @pytest.mark.live
+def test_a_pooled_receive_its_dead_manager_refuses_gives_its_slot_back_at_once(engines):
+    """The manager's I/O thread stopped after an error: receive() raises before any ask can
+    leave, so its slot is free again, not quarantined."""
+    from transfer.bootstrap import BootstrapServer
+    from transfer.receiver import SessionManager
+    from transfer.status import TransferPoll
+
+    def broken(now, limit=None):
+        raise RuntimeError("injected")
+
+    _, engine = engines
+    with BootstrapServer(HOST, 0) as server, ReceivePool(engine, 2 * SLOT * 2, SLOT * 2) as pool, \
+            SessionManager(engine, 0, 1, 1, pool=pool, host=HOST, deadline_s=30.0) as manager:
+        first = manager.receive(1, server.address, rows=4, hidden=64, dtype=BF16)
+        manager._driver.core.tick = broken  # the I/O thread calls it on every turn
+        manager._driver._waker.wake()
+        assert first.wait(5) == TransferPoll.Failed
+        with pytest.raises(RuntimeError, match="I/O thread stopped after an error"):
+            manager.receive(2, server.address, rows=4, hidden=64, dtype=BF16)
+        stats = pool.stats()
+        assert (stats["leased"], stats["quarantined"], stats["free"]) == (1, 0, 1)
+
+
+@pytest.mark.live
 def test_a_fallback_whose_cancel_is_never_confirmed_is_freed_after_its_quarantine(engines):
     """Room 1 asks into a fallback buffer, its encode rank goes away, and the room is cleared:
     no cancel confirmation will ever come. Once the quarantine passed, the pool retires the
