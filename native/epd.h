@@ -9,6 +9,8 @@
 
 /* SPEC.md section 9: a payload (what follows the kind byte) is at most 64 MiB. */
 #define EPD_MAX_PAYLOAD ((size_t)64 << 20)
+/* The largest answer (RESULT or ERROR) a sender reads after a transfer. */
+#define EPD_MAX_ANSWER ((size_t)64 << 10)
 /* Bytes of a LAYER payload's header: u32 layer, u32 rows, u64 checksum. */
 #define EPD_LAYER_HEADER 16
 
@@ -45,14 +47,18 @@ struct epd_span {
 
 /* frame.c: whole-frame socket/fd I/O; the GIL must be held on entry. */
 int epd_write_frame(int fd, unsigned kind, Py_buffer *parts, Py_ssize_t nparts, double timeout);
-PyObject *epd_read_frame(int fd, double timeout);
+/* Reads one frame whose payload is at most `limit` bytes (refused before anything is allocated);
+   with `within` > 0 the whole read must end within that many seconds (FrameError, ETIMEDOUT). */
+PyObject *epd_read_frame(int fd, double timeout, size_t limit, double within);
 /* One whole transfer on a connection: the PREFILL payload, each layer in LAYER chunks of at most
    `chunk` bytes (checksummed), FIRST, then the answer frame, in one GIL release. Returns
    (complete, (kind, payload, wire_us)); complete is False when the peer spoke mid-transfer and
    the rest was not sent. A failure raises FrameError with `stage` "prefill" (the PREFILL did not
    get out whole: nothing of the transfer reached the peer), "data" or "answer". Every layer is
    non-empty and 1 <= nlayers <= 16 (the caller checks). With min_rate > 0 (bytes/s) the PREFILL and
-   chunks must be taken within timeout plus their bytes at min_rate, else FrameError (ETIMEDOUT). */
+   chunks must be taken within timeout plus their bytes at min_rate, and the answer (at most
+   EPD_MAX_ANSWER bytes) must come within timeout plus that many bytes at min_rate, else
+   FrameError (ETIMEDOUT). */
 PyObject *epd_wire_transfer(int fd, Py_buffer *prefill, const struct epd_span *layers, int nlayers, uint32_t rows,
                             size_t chunk, double timeout, double min_rate);
 

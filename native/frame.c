@@ -241,29 +241,50 @@ int epd_write_frame(int fd, unsigned kind, Py_buffer *parts, Py_ssize_t nparts, 
 /* Payloads up to this size are read with the header in one GIL release, into a stack buffer. */
 #define SMALL_PAYLOAD 4096
 
+/* What bounds the read of one frame: each wait for progress (timeout, seconds, < 0: none), the
+   whole read (deadline_us, monotonic, 0: none) and the payload's length. */
+struct read_bounds {
+    double timeout;
+    long long deadline_us;
+    size_t limit;
+    double within;  /* the whole read's seconds, for the error's text */
+};
+
+/* Raises the FrameError of a failed read (a timeout, past the whole read's deadline, an OS error). */
+static void raise_read(int rc, int err, const struct read_bounds *bounds)
+{
+    if (rc == IO_SLOW) {
+        char secs[32];
+        snprintf(secs, sizeof secs, "%g", bounds->within);
+        raise_frame_error(ETIMEDOUT, "read: the frame did not come whole within %s s; read stopped", secs);
+        return;
+    }
+    raise_io("read", rc, err, bounds->timeout);
+}
+
 /* Raises the FrameError for a failed read of a frame's kind and payload. */
-static void raise_payload_io(int rc, int err, size_t done, uint32_t length, double timeout)
+static void raise_payload_io(int rc, int err, size_t done, uint32_t length, const struct read_bounds *bounds)
 {
     if (rc == IO_EOF)
         raise_frame_error(0, "read: connection closed mid-payload after %zu of %u bytes", done, (unsigned)length);
     else
-        raise_io("read", rc, err, timeout);
+        raise_read(rc, err, bounds);
 }
 
 /* Reads the 4-byte length (GIL released, *ts saved); 0, or -1 with FrameError raised after
    restoring the thread state into *ts (the caller must not restore it again). */
-static int read_length(int fd, double timeout, PyThreadState **ts, uint32_t *length)
+static int read_length(int fd, const struct read_bounds *bounds, PyThreadState **ts, uint32_t *length)
 {
     unsigned char lenbuf[4];
     struct iovec iov = {.iov_base = lenbuf, .iov_len = sizeof lenbuf};
     size_t done;
     int err;
-    int rc = io_loop(fd, &iov, 1, 0, timeout, 0, &done, &err, ts);
+    int rc = io_loop(fd, &iov, 1, 0, bounds->timeout, bounds->deadline_us, &done, &err, ts);
     if (rc == IO_OK) {
         *length = epd_get_le32(lenbuf);
         if (*length == 0)
             rc = -2;
-        else if ((size_t)*length - 1 > EPD_MAX_PAYLOAD)
+        else if ((size_t)*length - 1 > bounds->limit)
             rc = -3;
         else
             return 0;
@@ -279,18 +300,18 @@ static int read_length(int fd, double timeout, PyThreadState **ts, uint32_t *len
     else if (rc == -3)
         /* Checked before anything is allocated: a hostile length must not cost memory. */
         raise_frame_error(0, "read: frame payload of %zu bytes exceeds the limit of %zu bytes",
-                          (size_t)*length - 1, EPD_MAX_PAYLOAD);
+                          (size_t)*length - 1, bounds->limit);
     else
-        raise_io("read", rc, err, timeout);
+        raise_read(rc, err, bounds);
     return -1;
 }
 
 /* Reads one frame; called with the GIL released (*ts saved) and returns with it held. A small
    payload (an answer, a control frame) comes in the same release as its header. */
-static PyObject *read_frame_released(int fd, double timeout, PyThreadState *ts)
+static PyObject *read_frame_released(int fd, const struct read_bounds *bounds, PyThreadState *ts)
 {
     uint32_t length;
-    if (read_length(fd, timeout, &ts, &length) < 0)
+    if (read_length(fd, bounds, &ts, &length) < 0)
         return NULL;
     long long t0 = now_us();
     size_t payload_len = (size_t)length - 1;
@@ -300,11 +321,11 @@ static PyObject *read_frame_released(int fd, double timeout, PyThreadState *ts)
     if (payload_len <= SMALL_PAYLOAD) {
         unsigned char small[SMALL_PAYLOAD];
         struct iovec iov[2] = {{.iov_base = &kind, .iov_len = 1}, {.iov_base = small, .iov_len = payload_len}};
-        int rc = io_loop(fd, iov, 2, 0, timeout, 0, &done, &err, &ts);
+        int rc = io_loop(fd, iov, 2, 0, bounds->timeout, bounds->deadline_us, &done, &err, &ts);
         long long t1 = now_us();
         PyEval_RestoreThread(ts);
         if (rc != IO_OK) {
-            raise_payload_io(rc, err, done, length, timeout);
+            raise_payload_io(rc, err, done, length, bounds);
             return NULL;
         }
         return Py_BuildValue("(iy#L)", (int)kind, (const char *)small, (Py_ssize_t)payload_len, t1 - t0);
@@ -315,19 +336,31 @@ static PyObject *read_frame_released(int fd, double timeout, PyThreadState *ts)
         return NULL;
     struct iovec iov[2] = {{.iov_base = &kind, .iov_len = 1},
                            {.iov_base = PyBytes_AS_STRING(payload), .iov_len = payload_len}};
-    int rc = io_all(fd, iov, 2, 0, timeout, &done, &err);
+    ts = PyEval_SaveThread();
+    int rc = io_loop(fd, iov, 2, 0, bounds->timeout, bounds->deadline_us, &done, &err, &ts);
+    PyEval_RestoreThread(ts);
     long long t1 = now_us();
     if (rc != IO_OK) {
         Py_DECREF(payload);
-        raise_payload_io(rc, err, done, length, timeout);
+        raise_payload_io(rc, err, done, length, bounds);
         return NULL;
     }
     return Py_BuildValue("(iNL)", (int)kind, payload, t1 - t0);
 }
 
-PyObject *epd_read_frame(int fd, double timeout)
+/* The bounds of a read that must end within `within` seconds (0: no such bound) from now. */
+static struct read_bounds bounds_within(double timeout, size_t limit, double within)
 {
-    return read_frame_released(fd, timeout, PyEval_SaveThread());
+    struct read_bounds bounds = {.timeout = timeout, .deadline_us = 0, .limit = limit, .within = within};
+    if (within > 0 && within < 1e9)
+        bounds.deadline_us = now_us() + (long long)(within * 1e6);
+    return bounds;
+}
+
+PyObject *epd_read_frame(int fd, double timeout, size_t limit, double within)
+{
+    struct read_bounds bounds = bounds_within(timeout, limit, within);
+    return read_frame_released(fd, &bounds, PyEval_SaveThread());
 }
 
 /* Sets `stage` on the FrameError being raised, telling the caller how far a transfer got. */
@@ -431,7 +464,11 @@ PyObject *epd_wire_transfer(int fd, Py_buffer *prefill, const struct epd_span *l
         tag_stage(untouched ? "prefill" : "data");
         return NULL;
     }
-    PyObject *answer = read_frame_released(fd, timeout, ts);
+    /* The answer is small: it gets one timeout plus its most bytes at the least rate in all, so a
+       peer dribbling it cannot hold this thread (and the engine's close()) either. */
+    double within = min_rate > 0 && timeout > 0 ? timeout + (double)EPD_MAX_ANSWER / min_rate : 0;
+    struct read_bounds bounds = bounds_within(timeout, EPD_MAX_ANSWER, within);
+    PyObject *answer = read_frame_released(fd, &bounds, ts);
     if (answer == NULL) {
         tag_stage("answer");
         return NULL;

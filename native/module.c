@@ -315,12 +315,24 @@ static PyObject *py_read_frame(PyObject *self, PyObject *args)
 {
     (void)self;
     int fd;
-    double timeout;
-    if (!PyArg_ParseTuple(args, "id:read_frame", &fd, &timeout))
+    double timeout, within = 0.0;
+    PyObject *limit_o = NULL;
+    uint64_t limit = EPD_MAX_PAYLOAD;
+    if (!PyArg_ParseTuple(args, "id|Od:read_frame", &fd, &timeout, &limit_o, &within))
         return NULL;
     if (timeout_arg(timeout, "read_frame") < 0)
         return NULL;
-    return epd_read_frame(fd, timeout);
+    if (limit_o != NULL && limit_o != Py_None && epd_u64_arg(limit_o, "limit", &limit) < 0)
+        return NULL;
+    if (limit > EPD_MAX_PAYLOAD) {
+        PyErr_Format(PyExc_ValueError, "read_frame: limit must be at most %zu bytes", EPD_MAX_PAYLOAD);
+        return NULL;
+    }
+    if (!(within >= 0) || isinf(within)) {
+        PyErr_SetString(PyExc_ValueError, "read_frame: within must be a finite number of seconds (0: none)");
+        return NULL;
+    }
+    return epd_read_frame(fd, timeout, (size_t)limit, within);
 }
 
 static PyObject *py_msg_check(PyObject *self, PyObject *args)
@@ -364,7 +376,8 @@ static PyMethodDef methods[] = {
     {"layer_frame", py_layer_frame, METH_VARARGS, "layer_frame(layer, rows, data) -> LAYER payload."},
     {"parse_layer", py_parse_layer, METH_O, "parse_layer(payload) -> (layer, rows); verifies the checksum."},
     {"write_frame", py_write_frame, METH_VARARGS, "write_frame(fd, kind, parts, timeout) -> None."},
-    {"read_frame", py_read_frame, METH_VARARGS, "read_frame(fd, timeout) -> (kind, payload, wire_us)."},
+    {"read_frame", py_read_frame, METH_VARARGS,
+     "read_frame(fd, timeout, limit=64 MiB, within=0) -> (kind, payload, wire_us): within > 0 bounds the whole read."},
     {"wire_transfer", py_wire_transfer, METH_VARARGS,
      "wire_transfer(fd, prefill, layers, rows, chunk, timeout, min_rate=0) -> (complete, (kind, payload, wire_us)): "
      "PREFILL, each (address, length) layer in checksummed LAYER chunks, FIRST, then the answer; with min_rate "
@@ -430,6 +443,7 @@ PyMODINIT_FUNC PyInit__native(void)
     Py_DECREF(library_base);
     if (epd_FrameError == NULL || epd_MsgError == NULL || epd_LayerError == NULL ||
         PyModule_AddIntConstant(m, "MAX_PAYLOAD", (long)EPD_MAX_PAYLOAD) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_ANSWER", (long)EPD_MAX_ANSWER) < 0 ||
         PyModule_AddIntConstant(m, "LAYER_HEADER", EPD_LAYER_HEADER) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -549,6 +549,12 @@ static int parse_prefill(const char *msg, size_t n, wl_prefill *pf, char *why, s
         snprintf(key, sizeof key, "bytes%u", i);
         if (msg_u64(msg, hlen, key, &pf->lbytes[i], why, whylen) < 0)
             return -1;
+        /* Our senders never send an empty layer; one would need no registered destination, so
+           repeating it would let any peer keep a slot busy for ever. */
+        if (pf->lbytes[i] == 0) {
+            snprintf(why, whylen, "PREFILL: layer %u announces 0 bytes; every layer must carry some", i);
+            return -1;
+        }
     }
     uint64_t want;
     if (__builtin_mul_overflow(pf->rows, pf->row_bytes, &want)) {
@@ -1021,7 +1027,9 @@ static int evict_furthest_behind(wl_listener *l)
     if (victim != NULL) {
         /* Under the lock: the connection's thread closes its fd only while holding it. */
         atomic_store(&victim->evicted, 1);
-        shutdown(victim->fd, SHUT_RDWR);
+        /* Reading only: its thread wakes to the end of the stream and can still tell a peer whose
+           transfer it was serving why (a send is bounded by SO_SNDTIMEO; nslots leaves room). */
+        shutdown(victim->fd, SHUT_RD);
         l->evicted++;
     }
     pthread_mutex_unlock(&l->lock);

@@ -26,8 +26,9 @@ One transfer (one ``write()`` call) on a connection
    A layer is one ``(src, dst, length)`` entry of the write: layer 0 the embedding rows,
    layer 1 the deepstack rows. Zero-length entries are left out before the message is built.
    The listener refuses the transfer before reading any data when a field is missing or
-   not a u64 (``PREFILL: missing <k>`` / ``PREFILL: <k>: not a number``), the geometry does
-   not add up, or a destination ``[ptr<i>, ptr<i> + bytes<i>)`` wraps or is not wholly
+   not a u64 (``PREFILL: missing <k>`` / ``PREFILL: <k>: not a number``), a layer announces
+   0 bytes (``PREFILL: layer <i> announces 0 bytes; every layer must carry some``: an empty
+   transfer would need no registered destination), the geometry does not add up, or a destination ``[ptr<i>, ptr<i> + bytes<i>)`` wraps or is not wholly
    inside one registered region (``layer <i>: destination [0x.., 0x..) (N bytes) is not
    inside registered memory``).
 2. LAYER frames (kind 10), in layer order, each carrying the next chunk of its layer:
@@ -42,7 +43,10 @@ One transfer (one ``write()`` call) on a connection
 Answer: RESULT (kind 20) Msg ``bytes=<total>``, ``room=<room>``, empty body; the
 connection stays open for the next transfer. Or ERROR (kind 21) Msg ``room=<room>`` (absent
 when the PREFILL could not be read) whose body is the reason as UTF-8 text; the listener
-then drops the connection. Bytes of earlier chunks of a failed transfer may have landed
+then drops the connection. The sender reads an answer of at most 64 KiB (``MAX_ANSWER``;
+a longer one is refused before it is read), within the reply timeout plus 64 KiB at the
+least rate in all (``read: the frame did not come whole within T s; read stopped``), and
+quotes at most 512 characters of an ERROR's reason. Bytes of earlier chunks of a failed transfer may have landed
 (inside registered memory only); the room fails as a whole.
 
 Connections: the sender keeps idle connections per peer session and reuses them; a
@@ -62,6 +66,8 @@ timeout. When all ``max_connections`` are taken, a new connection closes the one
 behind the listener's least rate (an idle one: idle longest) once it is ``evict_after_s``
 behind (1 s by default), counted in ``stats()["evicted"]``, so idle or dribbling connections
 never keep new senders out; only when none is that far behind is it answered "listener busy".
+A transfer closed that way is answered ERROR ``read: closed by the listener for a new
+connection: ...`` (an idle connection is just closed).
 
 write_async(): each peer session has its own FIFO queue. A lone busy peer runs at most
 ``writers_per_peer`` (``WRITERS_PER_PEER``, 4, by default) of its writes at once; peers with
@@ -113,11 +119,19 @@ WRITERS_PER_PEER = 4
 MAX_WRITERS = 64
 
 
+_U32_MAX = 2**32 - 1
+#: How much of a peer's ERROR reason is kept (the listener's own are at most 512 bytes).
+_REASON_MAX = 512
+
+
 def _split_session(session_id: str) -> tuple[str, int]:
-    """('host', port) from 'host:port' (an IPv6 host may be bracketed)."""
+    """('host', port) from 'host:port' (an IPv6 host may be bracketed; the port in 1..65535)."""
     host, sep, port = session_id.rpartition(":")
-    if not sep or not port.isdigit() or not host:
+    if not sep or not (port.isascii() and port.isdigit()) or not host:
         raise EngineError(f"session id {session_id!r} is not host:port")
+    if not 1 <= int(port) <= 65535:
+        # getaddrinfo would take it modulo 65536 and write to another listener.
+        raise EngineError(f"session id {session_id!r}: port {int(port)} is outside 1..65535")
     return host.strip("[]"), int(port)
 
 
@@ -418,7 +432,9 @@ class WireEngine(RegisteredMemory):
         if not lens:
             return
         rows = 1 if rows is None else int(rows)
-        if rows < 1 or any(n % rows for n in lens):
+        if not 1 <= rows <= _U32_MAX:
+            raise ConfigError(f"write to {session_id}: rows {rows} is outside the PREFILL's 1..{_U32_MAX}")
+        if any(n % rows for n in lens):
             raise ConfigError(f"write to {session_id}: lengths {lens} are not multiples of rows {rows}")
         token = self._enter(session_id, srcs, lens)
         try:
@@ -538,7 +554,7 @@ class WireEngine(RegisteredMemory):
             # stopped reading would keep us another reply timeout waiting for nothing.
             raise cause
         try:
-            kind, payload, _ = wire.read_frame(conn.sock)
+            kind, payload, _ = wire.read_frame(conn.sock, _native.MAX_ANSWER, self._answer_within(conn))
         except OSError:
             if cause is not None:
                 raise cause from None
@@ -546,12 +562,22 @@ class WireEngine(RegisteredMemory):
         self._judge(kind, payload, room, None)
         raise EngineError(f"the peer answered before the transfer was complete (kind {kind})")
 
+    def _answer_within(self, conn: _Conn) -> float:
+        """Seconds the peer's whole answer may take: one reply timeout plus its most bytes at the least rate."""
+        timeout = conn.sock.gettimeout()
+        if not self.min_rate_bps or not timeout:
+            return 0.0
+        return timeout + _native.MAX_ANSWER / self.min_rate_bps
+
     @staticmethod
     def _judge(kind: int, payload: bytes, room: int, total: int | None) -> None:
         """Raises unless the answer is a RESULT for this room (with total bytes when given)."""
         answer = wire.Msg.decode(payload)
         if kind == wire.ERROR:
-            raise _Refused(answer.body.decode("utf-8", "replace") or "no reason given")
+            reason = answer.body.decode("utf-8", "replace") or "no reason given"
+            if len(reason) > _REASON_MAX:  # it goes into the room's failure and the logs
+                reason = f"{reason[:_REASON_MAX]}... ({len(answer.body)} bytes)"
+            raise _Refused(reason)
         if kind != wire.RESULT:
             raise EngineError(f"the peer answered with frame kind {kind}, expected RESULT or ERROR (is it a "
                               f"Mooncake engine? both sides must use the same protocol)")

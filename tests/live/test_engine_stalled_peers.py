@@ -475,19 +475,35 @@ def test_wire_peer_that_stops_reading_costs_one_reply_timeout(wire_peer):
     assert elapsed < 3.2, f"took {elapsed:.2f}s for a 2 s reply timeout"
 
 
-class DribblingPeer:
+class PeerPort:
+    """A loopback port whose one connection a thread serves (`_serve`) until close()."""
+
+    def __init__(self, rcvbuf: int = 0) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if rcvbuf:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4)
+        self.session_id = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close()
+
+
+class DribblingPeer(PeerPort):
     """A port that accepts and then reads 16 KiB every 5 ms (at most about 3 MB/s) through a 16 KiB
     receive buffer: progress well within every reply timeout, never an answer."""
 
     def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(4)
-        self.session_id = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        super().__init__(rcvbuf=16384)
         self.read = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
@@ -504,11 +520,6 @@ class DribblingPeer:
                     return
                 self.read += len(data)
                 time.sleep(0.005)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        self.sock.close()
 
 
 def test_wire_peer_that_reads_slower_than_the_least_rate_is_given_up_at_its_bound():
@@ -533,6 +544,84 @@ def test_wire_peer_that_reads_slower_than_the_least_rate_is_given_up_at_its_boun
     assert peer.read < nbytes
     # The bound is 2 s + 1 s of bytes at the least rate; the peer's own pace would take over 10 s.
     assert elapsed < 8, f"took {elapsed:.1f} s for a bound of 3 s"
+
+
+class AnsweringPeer(PeerPort):
+    """A port that takes one transfer whole (frames up to FIRST) and then runs `answer(conn, stop)`."""
+
+    def __init__(self, answer) -> None:
+        from transfer import wire
+
+        super().__init__()
+        self._wire = wire
+        self.answer = answer
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(30)
+        conn, _ = self.sock.accept()
+        with conn:
+            conn.settimeout(5)
+            try:
+                while self._wire.read_frame(conn)[0] != self._wire.FIRST:
+                    pass
+                self.answer(conn, self.stop)
+            except OSError:
+                return
+
+
+def _write_to(peer: AnsweringPeer, **engine_args) -> tuple[str, float, float]:
+    """(what a 64-byte write to the peer raised, seconds it took, seconds close() took after it)."""
+    writer = WireEngine(**engine_args)
+    try:
+        src = _filled(64, 8)
+        writer.register(src)
+        started = time.monotonic()
+        with pytest.raises(TransferError) as caught:
+            writer.write(peer.session_id, [src.data_ptr()], [0x10000], [64])
+        elapsed = time.monotonic() - started
+    finally:
+        closing = time.monotonic()
+        writer.close()
+        closed = time.monotonic() - closing
+        peer.close()
+    return str(caught.value), elapsed, closed
+
+
+def test_wire_peer_that_dribbles_its_answer_is_given_up_at_its_bound():
+    """An answer announced as 4001 bytes, one byte every 0.3 s (within every reply timeout): the
+    answer gets the reply timeout plus its most bytes (64 KiB) at the least rate, 1.25 s here."""
+    def dribble(conn, stop):
+        conn.sendall((4002).to_bytes(4, "little"))
+        while not stop.wait(0.3):
+            conn.sendall(b"\x14")
+
+    message, elapsed, closed = _write_to(AnsweringPeer(dribble), reply_timeout_s=1.0, min_rate_bps=256 * 1024)
+    assert "read: the frame did not come whole within 1.25 s; read stopped" in message, message
+    assert elapsed < 6, f"took {elapsed:.1f} s for a bound of 1.25 s"
+    assert closed < 3, f"close() took {closed:.1f} s"
+
+
+def test_wire_peer_announcing_an_answer_over_64_kib_is_refused_before_it_is_read():
+    def huge(conn, stop):
+        conn.sendall((32 << 20).to_bytes(4, "little") + b"\x15")
+        stop.wait(10)
+
+    message, elapsed, _ = _write_to(AnsweringPeer(huge), reply_timeout_s=5.0)
+    assert "read: frame payload of 33554431 bytes exceeds the limit of 65536 bytes" in message, message
+    assert elapsed < 4, f"took {elapsed:.1f} s: the answer was waited for"
+
+
+def test_wire_peer_refusing_with_a_long_reason_is_quoted_in_part():
+    def refuse(conn, stop):
+        from transfer import wire
+
+        wire.write_frame(conn, wire.ERROR, wire.Msg({"room": 1}, b"why " * 5000).encode())
+        stop.wait(5)
+
+    message, _, _ = _write_to(AnsweringPeer(refuse), reply_timeout_s=5.0)
+    assert "refused by the peer: why why" in message and "... (20000 bytes)" in message, message[:300]
+    assert len(message) < 1000, len(message)
 
 
 def test_wire_refused_transfer_still_reports_the_peers_reason(wire_peer):

@@ -197,6 +197,8 @@ def test_ptr_disagreeing_with_ptr0(target):
     ({"layers": 0}, r"PREFILL announces 0 layers; 1..16 are allowed", 7),
     ({"layers": 17}, r"PREFILL announces 17 layers", 7),
     ({"rows": 1 << 32, "row_bytes": 0, "bytes0": 0}, r"rows 4294967296 does not fit the LAYER header", 7),
+    ({"rows": 0, "bytes0": 0}, r"^PREFILL: layer 0 announces 0 bytes; every layer must carry some$", 7),
+    ({"layers": 2, "ptr1": 0, "bytes1": 0}, r"^PREFILL: layer 1 announces 0 bytes", 7),
     ({"room": None}, r"^PREFILL: missing room$", None),
 ])
 def test_malformed_prefill_fields(target, fields, pattern, room):

@@ -148,3 +148,26 @@ def test_a_negative_evict_after_keeps_every_slot():
         assert _native.wire_listener_stats(handle)["evicted"] == 0
     finally:
         _native.wire_listener_close(handle)
+
+
+def test_a_transfer_closed_for_a_newcomer_is_told_why():
+    """The one slot holds a transfer that sent its PREFILL and stalled: the newcomer takes the slot,
+    and the stalled sender reads an ERROR for its room saying why, not a bare close."""
+    with WireEngine("127.0.0.1", max_connections=1, recv_timeout_s=30.0) as rx, WireEngine("127.0.0.1") as tx:
+        dst = torch.zeros(4096, dtype=torch.uint8)
+        src = torch.arange(4096, dtype=torch.int64).to(torch.uint8)
+        rx.register(dst)
+        tx.register(src)
+        msg = Msg({"room": 5, "layers": 1, "rows": 1, "row_bytes": 4096, "ptr": dst.data_ptr(),
+                   "ptr0": dst.data_ptr(), "bytes0": 4096}).encode()
+        with _connect(rx.port) as stalled:
+            stalled.sendall(struct.pack("<IB", 1 + len(msg), wire.PREFILL) + msg)
+            assert _wait_for(lambda: rx.stats()["active"] == 1, 10)
+            time.sleep(1.5)  # more than the default second behind
+            tx.write(rx.session_id, [src.data_ptr()], [dst.data_ptr()], [4096])
+            assert torch.equal(dst, src)
+            kind, payload, _ = wire.read_frame(stalled)
+        answer = Msg.decode(payload)
+        assert kind == wire.ERROR and answer.get("room") == "5", (kind, answer)
+        assert "closed by the listener for a new connection: every slot was taken" in answer.body.decode()
+        assert rx.stats()["evicted"] == 1

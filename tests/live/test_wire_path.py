@@ -83,6 +83,9 @@ def test_rows_are_announced_and_checked(pair):
     assert torch.equal(dst[:1024], src[:1024]) and not dst[1024:].any()
     with pytest.raises(ValueError, match="not multiples of rows 3"):
         writer.write(reader.session_id, [src.data_ptr()], [dst.data_ptr()], [1024], rows=3)
+    with pytest.raises(ValueError, match=r"rows 4294967296 is outside the PREFILL's 1\.\.4294967295"):
+        writer.write(reader.session_id, [src.data_ptr()], [dst.data_ptr()], [1024], rows=2**32)
+    assert writer.stats()["connections_opened"] == 1  # refused before a connection was taken
 
 
 def test_64_mib_item_streams_in_bounded_frames(pair):
@@ -262,6 +265,10 @@ def test_bad_arguments_and_host_only_memory(pair):
         writer.write(reader.session_id, [16], [dst.data_ptr()], [4])
     with pytest.raises(TransferError, match="is not host:port"):
         writer.write("nowhere", [src.data_ptr()], [dst.data_ptr()], [4])
+    # getaddrinfo would take the port modulo 65536: 70000 would reach whatever listens on 4464.
+    for bad in ("127.0.0.1:70000", "127.0.0.1:0", "127.0.0.1:\u0661\u0662"):
+        with pytest.raises(TransferError, match=r"outside 1\.\.65535|is not host:port"):
+            writer.write(bad, [src.data_ptr()], [dst.data_ptr()], [4])
     with pytest.raises(TransferError, match="is not registered"):
         reader.unregister(12345)
 
