@@ -9,6 +9,7 @@ and the clock, and feeds the room rules (transfer.core.encode) their events.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -196,6 +197,10 @@ class SenderPool:
         if self._book.stopping:
             raise self._stopped_error()
         check_room(room)
+        if ready_event is not None and not callable(getattr(ready_event, "query", None)):
+            # The pool's one thread polls it: an event it could only wait on would hold every room.
+            raise ConfigTypeError(f"room {room}: ready_event must have query() (e.g. a torch.cuda.Event); "
+                                  f"got {type(ready_event).__name__}")
         region, span, hidden, dtype = _source(src, span, hidden, dtype)
         if isinstance(src, int):
             region = self._raw_source(room, region)
@@ -302,13 +307,14 @@ class SenderPool:
         closes its own sockets and registrations if it ever returns.
         """
         with self._book.lock:  # send() publishes items under it: none slips in after this
-            if self._book.closed:
-                return
+            first = not self._book.closed
             self._book.closed = self._book.stopping = True
-        self._driver.stop()
-        if self._thread.ident is not None:
+        if first:
+            self._driver.stop()
+        # A later close() waits as long as the first: its caller may close the engine next.
+        if self._thread.ident is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=_drive.CLOSE_WAIT_S + CLOSE_GRACE_S)
-        if self._thread.is_alive():
+        if first and self._thread.is_alive():
             log.error("sender pool of encode rank %d: writes still in flight after %gs (its thread is inside an "
                       "engine call); failing their rooms, leaving its sockets and temporary source registrations "
                       "to it", self.engine_rank, _drive.CLOSE_WAIT_S)

@@ -230,6 +230,48 @@ def test_a_send_racing_close_is_refused_and_registers_nothing(engines, server):
         pool.close()
 
 
+def test_a_ready_event_the_pool_cannot_poll_is_refused_by_send_and_registers_nothing(engines, server):
+    """The pool's one thread polls a ready event with query(); one it could only wait on (a
+    threading.Event, or an object with synchronize() alone) would fail late or hold every room."""
+    from transfer.errors import ConfigTypeError
+
+    class WaitOnly:
+        def synchronize(self) -> None:
+            time.sleep(3)
+
+    encode, _ = engines
+    rows = item_tensor(1, SPAN, HIDDEN)
+    with SenderPool(encode, 0, 1, 1, server.address) as pool:
+        for event in (threading.Event(), WaitOnly()):
+            with pytest.raises(ConfigTypeError, match=rf"^room 1: ready_event must have query\(\) .*"
+                                                      rf"got {type(event).__name__}$"):
+                pool.send(1, rows, ready_event=event)
+        assert rows.data_ptr() not in encode.registered()
+        assert not pool._book.held
+
+
+def test_a_second_close_returns_only_once_the_pool_is_closed(engines, server, peer):
+    """The first close() lingers up to a second on a Failed owed to a receiver nobody listens
+    for; a close() from another thread meanwhile returns only once the pool's thread is gone,
+    since its caller may close the engine next."""
+    encode, _ = engines
+    pool = SenderPool(encode, 0, 1, 1, server.address)
+    raw = peer(pool)
+    pool.send(1, item_tensor(1, SPAN, HIDDEN))
+    parts = raw.ask(1, raw.base, SPAN // 2, HIDDEN, SPAN, fanout=2)
+    # The other half's ask names a status port nobody listens on.
+    raw.push.send_multipart([parts[0], parts[1], b"9", *parts[3:11], str(SPAN // 2).encode(), parts[12]])
+    time.sleep(0.2)  # both asks read
+    first = threading.Thread(target=pool.close)
+    first.start()
+    try:
+        time.sleep(0.05)
+        pool.close()
+        assert not pool._thread.is_alive(), "close() returned with the pool's thread still running"
+    finally:
+        first.join(10)
+
+
 def test_a_late_ask_for_a_failed_room_is_told_failed_at_once(engines, server, peer):
     """A receiver that asks after its room failed (here: nobody asked in time) hears Failed
     right away, not only once the caller cleared the room and a fanout timeout passed."""

@@ -61,7 +61,7 @@ class Offer:
 
     `token` is the caller's own object for this room (its identity tells a room sent
     again apart); `sources` are opaque to the core and come back with each write (for
-    checksums); `ready_event` is polled with query(), or waited for with synchronize().
+    checksums); `ready_event` is polled with query().
     """
 
     room: int
@@ -180,11 +180,8 @@ class _Room:
         """Whether the source may be read: no ready event, or it completed (polled with query())."""
         event = self.offer.ready_event
         if event is not None:
-            if hasattr(event, "query"):
-                if not event.query():
-                    return False
-            else:
-                event.synchronize()
+            if not event.query():
+                return False
             self.offer.ready_event = None
         return True
 
