@@ -5,10 +5,12 @@ helpers that turn tensors or raw pointers into memory regions."""
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import math
 import os
 import select
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -99,6 +101,31 @@ def context() -> zmq.Context:
                 ctx.set(zmq.THREAD_SCHED_POLICY, batch)
             _context, _context_pid = ctx, os.getpid()
         return _context
+
+
+def is_ip(host: str) -> bool:
+    """Whether `host` (an IPv6 one bracketed or not) is an IP address, not a name."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def peer_address(host: str, what: str) -> str:
+    """`host` as the IP address peers reach this process on: an IP as it is, a name looked up once
+    here (a `:port` suffix, as Mooncake takes, is dropped). Names never go on the wire: a peer's
+    ZMQ would look them up on its I/O thread, stalling every socket of its process."""
+    if host.count(":") == 1 and host.rpartition(":")[2].isdigit():
+        host = host.rpartition(":")[0]
+    bare = host.strip("[]")
+    if is_ip(bare):
+        return bare
+    try:
+        infos = socket.getaddrinfo(bare, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as error:
+        raise ConfigError(f"{what} {host!r} does not resolve ({error}): give this node's IP address") from None
+    return str(infos[0][4][0])
 
 
 def zmq_host(host: str) -> str:
@@ -212,12 +239,14 @@ def push_socket(host: str, port: int, hwm: int = STATUS_HWM, immediate: bool = F
     meanwhile raises zmq.Again), and what was queued dies with the connection: ZMQ
     otherwise keeps it and hands it to whoever listens at that address next.
     `reconnect_max_ms` > 0 lets the pause between reconnection attempts double up to it.
-    zmq.ZMQError when the address cannot be connected to (a malformed host); no
-    socket is left behind then.
+    zmq.ZMQError when the address cannot be connected to (a malformed host, or a name
+    rather than an IP address); no socket is left behind then.
     """
+    if not is_ip(host):
+        # ZMQ would look the name up on its one I/O thread, holding every socket of the process.
+        raise zmq.ZMQError(errno.EINVAL, f"host {host!r} is not an IP address (peers are reached by IP, "
+                                         f"SPEC.md 4.1)")
     address = f"tcp://{zmq_host(host)}:{port}"
-    if not address.isascii():  # ZMQ would fail to encode it, outside the ZMQError a caller handles
-        raise zmq.ZMQError(errno.EINVAL, f"host {host!r} is not an address ZMQ can connect to")
     sock = context().socket(zmq.PUSH)
     try:
         sock.setsockopt(zmq.LINGER, 0)

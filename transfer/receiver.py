@@ -154,6 +154,7 @@ class SessionManager:
         self.host = host or engine.hostname
         if not self.host.isascii():
             raise ConfigError(f"host {self.host!r} must be ASCII: it goes on the wire in every TransferInfo")
+        self.host = _io.peer_address(self.host, "host")
         self.metrics = metrics or Metrics("epd_prefill")
         declare_role(self.metrics, "prefill", engine_rank)
 

@@ -130,7 +130,7 @@ class SenderPool:
         self.engine_rank = engine_rank
         self.tp_size = tp_size
         self.dp_size = dp_size
-        self.host = host or engine.hostname
+        self.host = _io.peer_address(host or engine.hostname, "host")
         self.fanout_timeout_s = fanout_timeout_s
         self.register_timeout_s = register_timeout_s
         self.integrity = integrity

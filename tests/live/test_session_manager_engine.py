@@ -54,3 +54,16 @@ def test_a_manager_that_cannot_start_leaves_no_memory_registered():
             assert engine.registered() == before
     finally:
         taken.close(0)
+
+
+def test_both_sides_put_an_ip_address_on_the_wire_for_an_engine_started_by_name():
+    """Endpoints go on the wire as IP addresses (SPEC.md 4.1): the peer's ZMQ would otherwise look
+    a name up on its one I/O thread, holding every socket of its process meanwhile."""
+    from transfer.bootstrap import BootstrapClient, BootstrapServer
+    from transfer.sender import SenderPool
+
+    with Engine("localhost", "tcp") as engine, BootstrapServer(HOST, 0) as server, \
+            SenderPool(engine, 0, 1, 1, server.address) as sender, \
+            SessionManager(engine, 0, 1, 1, buffer=torch.zeros(1024, dtype=torch.uint8)) as manager:
+        assert manager.host == sender.host == "127.0.0.1"
+        assert BootstrapClient(server.address).route(0, 0) == ("127.0.0.1", sender.port)
