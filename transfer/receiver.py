@@ -183,6 +183,7 @@ class SessionManager:
         self._region_sets: list[RegionSet] = [RegionSet(self.buffer, self.deepstack_buffer)]
         self._regions_lock = threading.Lock()
         self._closed = False
+        self._closing = threading.RLock()  # a second close() returns once the first is done
         self.status_port = self._driver.status_port
         rooms = self._driver.rooms
         self.metrics.gauge_fn("rooms_in_flight", lambda: len(rooms))
@@ -375,14 +376,15 @@ class SessionManager:
 
     def close(self) -> None:
         """Fails rooms still in flight, stops the I/O thread, closes sockets, unregisters owned memory."""
-        if self._closed:
-            return
-        self._closed = True
-        with _managed_lock:
-            if _managed_engines.get(self.engine) == (self.engine_rank, id(self)):
-                del _managed_engines[self.engine]
-        self._driver.close()
-        self._unregister_owned()
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            with _managed_lock:
+                if _managed_engines.get(self.engine) == (self.engine_rank, id(self)):
+                    del _managed_engines[self.engine]
+            self._driver.close()
+            self._unregister_owned()
 
     def _unregister_owned(self) -> None:
         """Unregisters the memory this manager registered."""

@@ -67,3 +67,29 @@ def test_both_sides_put_an_ip_address_on_the_wire_for_an_engine_started_by_name(
             SessionManager(engine, 0, 1, 1, buffer=torch.zeros(1024, dtype=torch.uint8)) as manager:
         assert manager.host == sender.host == "127.0.0.1"
         assert BootstrapClient(server.address).route(0, 0) == ("127.0.0.1", sender.port)
+
+
+def test_a_second_close_returns_only_once_the_manager_is_closed():
+    """close() from another thread while the first is stopping the I/O thread waits for it: its
+    caller may close the engine next."""
+    import threading
+    import time
+
+    with Engine(HOST, "tcp") as engine:
+        manager = SessionManager(engine, 0, 1, 1, buffer=torch.zeros(1024, dtype=torch.uint8))
+        stop = manager._driver.close
+
+        def slow_stop() -> None:
+            time.sleep(0.5)  # the first close() is still stopping the driver
+            stop()
+
+        manager._driver.close = slow_stop
+        first = threading.Thread(target=manager.close)
+        first.start()
+        try:
+            time.sleep(0.1)
+            manager.close()
+            assert not manager._driver._thread.is_alive(), "close() returned with the I/O thread still running"
+            assert engine.registered() == {}, "close() returned with the manager's buffer still registered"
+        finally:
+            first.join(10)
