@@ -328,12 +328,39 @@ def test_a_refused_registration_is_announced_again():
     assert kinds(c.writable(0.1, ENCODE)) == [Announce, SendAsk]
 
 
-def test_a_dropped_connection_has_its_regions_announced_again():
+def test_a_dropped_connection_is_looked_up_again_and_has_its_regions_announced_again():
+    """The encode rank may have restarted at another port: the next room asks the bootstrap server
+    where it is now; rooms already asked keep waiting at the old address."""
     c = core()
     routed(c)
     assert kinds(c.receive(0.0, spec(1, slot=1))[1]) == [SendAsk]
     c.connection_dropped(0.1, ENCODE)
-    assert kinds(c.receive(0.2, spec(2, slot=2))[1]) == [Announce, SendAsk]
+    assert c.receive(0.2, spec(2, slot=2))[1] == [LookUpRoute(KEY0)]
+    moved = ("10.0.0.2", 7001)
+    actions = c.route_resolved(0.3, KEY0, moved)
+    assert kinds(actions) == [Announce, SendAsk] and {a.addr for a in actions} == {moved}
+    assert c.stage(1) == "asked" and not c.idle(ENCODE), "room 1 still waits at the old address"
+
+
+def test_an_address_is_idle_only_with_nothing_under_way_there():
+    c = core()
+    routed(c)
+    token, actions = c.receive(0.0, spec(1, slot=1))
+    assert kinds(actions) == [SendAsk] and not c.idle(ENCODE)
+    c.status(0.1, 1, TransferPoll.WaitingForInput, 0)
+    assert kinds(c.abandon(0.2, 1, token)) == [SendCancel]  # given up before its status
+    c.clear(0.2, 1, token)
+    assert not c.idle(ENCODE), "its cancel waits for an answer"
+    c.cancel_answered(0.3, 1, 0, True)
+    assert c.idle(ENCODE)
+
+
+def test_after_its_idle_socket_was_closed_a_room_announces_its_regions_again():
+    c = core()
+    routed(c)
+    assert c.idle(ENCODE)
+    c.connection_closed(1.0, ENCODE)
+    assert kinds(c.receive(2.0, spec(1, slot=1))[1]) == [Announce, SendAsk], "no look-up: the route is kept"
 
 
 def test_a_full_queue_fails_new_rooms_at_once():

@@ -470,10 +470,27 @@ class PrefillCore:
         return actions
 
     def connection_dropped(self, now: float, addr: Address) -> list:
-        """The connection to `addr` was lost: a rank restarted there must hear every region again."""
+        """The connection to `addr` was lost: the next room for its encode rank looks it up again
+        (it may have restarted at another port), and a rank restarted there hears every region again.
+        Rooms already queued or asked there keep waiting for it."""
+        for key in [key for key, route in self._routes.items() if route == addr]:
+            del self._routes[key]
+            self.announcements.forget(key)
+        return []
+
+    def idle(self, addr: Address) -> bool:
+        """Whether nothing is under way at `addr`: no room held for it, no ask waiting, no cancel unanswered."""
+        if self.asks.waiting(addr) or any(state.addr == addr for state in self._rooms.values()):
+            return False
+        return not any(cancel.addr == addr for cancels in self._cancels.values() for cancel in cancels)
+
+    def connection_closed(self, now: float, addr: Address) -> list:
+        """The driver closed its idle socket to `addr`: a room there later connects afresh and announces
+        every region again."""
         for key, route in self._routes.items():
             if route == addr:
                 self.announcements.forget(key)
+        self._conns.pop(addr, None)
         return []
 
     def connect_failed(self, now: float, addr: Address, detail: str) -> list:

@@ -84,6 +84,10 @@ CANCEL_FLUSH_MS = 1000
 #: quarantine).
 MAX_AWAITING_SAFE = 65536
 
+#: A socket to an encode address with nothing under way is closed once unused this long (a
+#: room there later connects afresh), so encode ranks that came and went hold no sockets.
+ASK_IDLE_S = 60.0
+
 #: How long after the caller last read the status socket (poll(), concluded()) it is
 #: still trusted to come back for it: the I/O thread leaves the socket to the caller
 #: meanwhile, waking only to look whether it did. A caller gone quiet delays a status
@@ -184,6 +188,7 @@ class PrefillDriver:
         # only for non-blocking steps.
         self._lock = threading.Lock()
         self._sockets: dict[tuple[str, int], zmq.Socket] = {}
+        self._used_at: dict[tuple[str, int], float] = {}  # when each socket last sent something
         self._monitors: dict[tuple[str, int], zmq.Socket] = {}
         self._watching: dict[zmq.Socket, tuple[str, int]] = {}  # registered for POLLOUT (I/O thread only)
         self._resync = False  # an ask was refused off the I/O thread: it must watch that socket
@@ -592,11 +597,16 @@ class PrefillDriver:
         return _io.checksum(region, addr, nbytes)
 
     def _read_monitors(self) -> None:
-        """Reads every encode socket's drop reports, so an idle one's do not pile up in ZMQ."""
+        """Reads every encode socket's drop reports, so an idle one's do not pile up in ZMQ, and
+        closes the sockets that sent nothing for ASK_IDLE_S with nothing under way there."""
         with self._lock:
+            now = self.clock()
             for addr, monitor in list(self._monitors.items()):
                 if _io.dropped(monitor):
-                    self.core.connection_dropped(self.clock(), addr)
+                    self.core.connection_dropped(now, addr)
+                if now - self._used_at.get(addr, now) >= ASK_IDLE_S and self.core.idle(addr):
+                    self.core.connection_closed(now, addr)
+                    self._disconnect(addr)
 
     def _watch_writable(self) -> None:
         """Polls for POLLOUT exactly the sockets that have asks waiting (I/O thread only)."""
@@ -678,7 +688,7 @@ class PrefillDriver:
         sock = self._sockets.get(addr)
         if sock is None:
             try:
-                sock = _io.push_socket(*addr, immediate=True)
+                sock = _io.push_socket(*addr, immediate=True, reconnect_max_ms=_io.STATUS_RECONNECT_MAX_MS)
             except zmq.ZMQError as exc:
                 return self.core.connect_failed(now, addr, str(exc))
             try:
@@ -688,6 +698,7 @@ class PrefillDriver:
                 return self.core.connect_failed(now, addr, f"cannot watch its connection: {exc}")
             self._sockets[addr] = sock
             self._monitors[addr] = monitor
+            self._used_at[addr] = now
         elif addr not in checked and _io.dropped(self._monitors[addr]):
             # A rank restarted there knows nothing of what was announced to its predecessor.
             self.core.connection_dropped(now, addr)
@@ -696,6 +707,7 @@ class PrefillDriver:
             return []
         checked.add(addr)
         sent_at = self.clock()  # before: the encode rank cannot have it earlier
+        self._used_at[addr] = sent_at
         try:
             self._send(sock, action)
         except zmq.Again:
@@ -718,6 +730,7 @@ class PrefillDriver:
 
     def _disconnect(self, addr: tuple[str, int], linger_ms: int = 0) -> None:
         """Closes the socket to `addr` and what watches it (I/O thread or close())."""
+        self._used_at.pop(addr, None)
         sock = self._sockets.pop(addr, None)
         if sock is None:
             return

@@ -1,0 +1,72 @@
+"""The prefill side's sockets to encode ranks: one with nothing under way is closed once idle, and
+an encode rank that restarted at another port is looked up again, not waited for at the old one.
+
+Real Mooncake engines (tcp on 127.0.0.1), real ZMQ, a real bootstrap server and sender pools."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from live_helpers import HOST, LIVE, wait_until
+
+from transfer.bootstrap import BootstrapServer
+from transfer.drive import prefill as drive_prefill
+from transfer.receiver import SessionManager
+from transfer.sender import SenderPool
+from transfer.status import TransferPoll
+
+pytestmark = LIVE
+
+ROWS, HIDDEN, BF16 = 4, 64, "torch.bfloat16"
+
+
+def _room(manager: SessionManager, sender: SenderPool, server: BootstrapServer, room: int,
+          buf: torch.Tensor) -> tuple[TransferPoll, str | None, float]:
+    """Sends and receives one room; (its outcome, its failure, seconds it took), its bytes checked."""
+    item = torch.randn(ROWS, HIDDEN).to(torch.bfloat16)
+    started = time.monotonic()
+    sent = sender.send(room, item)
+    handle = manager.receive(room, server.address, buf[room % 2])
+    outcome = handle.wait(30)
+    took = time.monotonic() - started
+    failure = handle.failure
+    if outcome == TransferPoll.Success:
+        assert torch.equal(buf[room % 2].view(torch.uint8), item.view(torch.uint8))
+    handle.clear()
+    sent.wait(5)
+    sent.clear()
+    return outcome, failure, took
+
+
+def test_a_socket_to_an_encode_rank_with_nothing_under_way_is_closed_once_idle(engines, monkeypatch):
+    monkeypatch.setattr(drive_prefill, "ASK_IDLE_S", 0.5)
+    encode, prefill = engines
+    buf = torch.zeros(2, ROWS, HIDDEN, dtype=torch.bfloat16)
+    with BootstrapServer(HOST, 0) as server, SenderPool(encode, 0, 1, 1, server.address) as sender, \
+            SessionManager(prefill, 0, 1, 1, buffer=buf, host=HOST, deadline_s=30) as manager:
+        assert _room(manager, sender, server, 1, buf)[0] == TransferPoll.Success
+        assert len(manager._driver._sockets) == 1
+        assert wait_until(lambda: not manager._driver._sockets and not manager._driver._monitors, 5), \
+            "the idle socket to the encode rank is still open"
+        # The next room connects afresh and announces its regions again.
+        outcome, failure, _ = _room(manager, sender, server, 2, buf)
+        assert outcome == TransferPoll.Success, failure
+
+
+def test_an_encode_rank_restarted_at_another_port_is_looked_up_again(engines):
+    """Its old socket dropped while no room was under way: the next room asks the bootstrap server
+    where it is now instead of waiting out its deadline at the old port."""
+    encode, prefill = engines
+    buf = torch.zeros(2, ROWS, HIDDEN, dtype=torch.bfloat16)
+    with BootstrapServer(HOST, 0) as server, \
+            SessionManager(prefill, 0, 1, 1, buffer=buf, host=HOST, deadline_s=10) as manager:
+        with SenderPool(encode, 0, 1, 1, server.address) as first:
+            assert _room(manager, first, server, 1, buf)[0] == TransferPoll.Success
+            old_port = first.port
+        time.sleep(2.5)  # the prefill rank's I/O thread reads its monitors once a second
+        with SenderPool(encode, 0, 1, 1, server.address) as second:
+            assert second.port != old_port
+            outcome, failure, took = _room(manager, second, server, 2, buf)
+        assert outcome == TransferPoll.Success, failure
+        assert took < 5, f"room 2 took {took:.1f} s"
