@@ -70,6 +70,16 @@ class ReceiveHandle(_io.RoomHandle[Room]):
         #: `(row_start, rows)`: the rows of the item this rank asked for (for ShardedItem).
         self.shard = shard
 
+    def __del__(self) -> None:
+        # Only clear() gives the room (and its pool slot) back: a handle dropped without it is a leak.
+        try:
+            if self._current():
+                what = "its pool slot" if self._state.lease is not None else "its room number"
+                warnings.warn(f"room {self.room}'s handle was dropped without clear(): the session manager "
+                              f"keeps the room and {what} until it closes", ResourceWarning, stacklevel=2)
+        except Exception:  # noqa: BLE001 - nothing may escape a finalizer
+            pass
+
     def poll(self) -> TransferPoll:
         """The room's status right now; never blocks (reads the statuses that came, on this thread)."""
         if self._state.concluded_at is None:

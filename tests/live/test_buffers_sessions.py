@@ -316,3 +316,27 @@ def test_a_fallback_whose_cancel_is_never_confirmed_is_freed_after_its_quarantin
         assert wait_until(lambda: gc.collect() >= 0 and memory() is None, 5.0), \
             "the retired fallback's memory is still referenced"
         assert slots.stats()["fallback_bytes"] == 0
+
+
+@pytest.mark.live
+def test_a_handle_dropped_without_clear_warns_that_its_slot_stays_held(engines):
+    import gc
+    import warnings
+
+    from transfer.bootstrap import BootstrapServer
+    from transfer.receiver import SessionManager
+
+    _, engine = engines
+    with BootstrapServer(HOST, 0) as server, ReceivePool(engine, 2 * SLOT * 2, SLOT * 2) as pool, \
+            SessionManager(engine, 0, 1, 1, pool=pool, host=HOST, deadline_s=30.0) as manager:
+        cleared = manager.receive(1, server.address, rows=4, hidden=64, dtype=BF16)
+        cleared.clear()
+        dropped = manager.receive(2, server.address, rows=4, hidden=64, dtype=BF16)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            del cleared, dropped
+            gc.collect()
+        messages = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+        assert messages == ["room 2's handle was dropped without clear(): the session manager keeps the room "
+                            "and its pool slot until it closes"], messages
+        assert pool.stats()["leased"] == 1
