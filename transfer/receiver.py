@@ -22,7 +22,7 @@ from transfer import _io, config
 from transfer.core.prefill import ENCODE_FAILED, RoomSpec
 from transfer.core.prefill_breaker import UNREACHABLE_RETRY_S
 from transfer.drive.prefill import PrefillDriver, Room
-from transfer.errors import ConfigError, ConfigTypeError, UsageError
+from transfer.errors import ConfigError, ConfigTypeError, FallbackLimitError, UsageError
 from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype
 from transfer.interfaces import EventLike, TransferEngineLike
 from transfer.metrics import Metrics, declare_role
@@ -317,7 +317,15 @@ class SessionManager:
         torch_dtype = getattr(torch, dtype.removeprefix("torch."))
         nbytes = span * hidden * dtype_size(dtype)
         ds_nbytes = span * (deepstack_hidden or 0) * dtype_size(dtype)
-        lease = self.pool.lease_or_fallback(nbytes + ds_nbytes)
+        try:
+            lease = self.pool.lease_or_fallback(nbytes + ds_nbytes)
+        except FallbackLimitError as exc:
+            uncleared = sum(1 for record in list(self._driver.rooms.values())
+                            if record.lease is not None and record.concluded_at is not None)
+            if uncleared:
+                raise FallbackLimitError(f"{exc}; {uncleared} of the leases belong to rooms that concluded and were "
+                                         f"never cleared: call clear() on their handles") from None
+            raise
         try:
             flat = lease.view((nbytes + ds_nbytes,), torch.uint8)
             full = flat[:nbytes].view(torch_dtype).view(span, hidden)

@@ -129,8 +129,11 @@ def test_receive_past_the_cap_raises_to_its_caller_and_starts_no_room(engines):
             started = total(manager.stats(), "epd_prefill_rooms_started_total")
             with pytest.raises(FallbackLimitError, match=f"a fallback buffer of {item_nbytes} bytes would take "
                                                          f"fallbacks past max_fallback_bytes={item_nbytes}: they "
-                                                         f"hold {item_nbytes} bytes in 1 buffers \\(1 live"):
+                                                         f"hold {item_nbytes} bytes in 1 buffers \\(1 live") as caught:
                 manager.receive(2, server.address, rows=rows, hidden=hidden, dtype=BF16)
+            # Room 1 concluded and is not cleared yet: its lease is what holds the budget.
+            assert str(caught.value).endswith("; 1 of the leases belong to rooms that concluded and were never "
+                                              "cleared: call clear() on their handles"), str(caught.value)
             assert set(prefill_engine.registered()) == held
             assert total(manager.stats(), "epd_prefill_rooms_started_total") == started
             first.clear()  # its fallback starts its grace
