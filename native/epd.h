@@ -48,8 +48,9 @@ struct epd_span {
 /* frame.c: whole-frame socket/fd I/O; the GIL must be held on entry. */
 int epd_write_frame(int fd, unsigned kind, Py_buffer *parts, Py_ssize_t nparts, double timeout);
 /* Reads one frame whose payload is at most `limit` bytes (refused before anything is allocated);
-   with `within` > 0 the whole read must end within that many seconds (FrameError, ETIMEDOUT). */
-PyObject *epd_read_frame(int fd, double timeout, size_t limit, double within);
+   with min_rate > 0 (bytes/s) the whole read must end within timeout plus `limit` bytes at that
+   rate (FrameError, ETIMEDOUT). */
+PyObject *epd_read_frame(int fd, double timeout, size_t limit, double min_rate);
 /* One whole transfer on a connection: the PREFILL payload, each layer in LAYER chunks of at most
    `chunk` bytes (checksummed), FIRST, then the answer frame, in one GIL release. Returns
    (complete, (kind, payload, wire_us)); complete is False when the peer spoke mid-transfer and

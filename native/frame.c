@@ -348,18 +348,23 @@ static PyObject *read_frame_released(int fd, const struct read_bounds *bounds, P
     return Py_BuildValue("(iNL)", (int)kind, payload, t1 - t0);
 }
 
-/* The bounds of a read that must end within `within` seconds (0: no such bound) from now. */
-static struct read_bounds bounds_within(double timeout, size_t limit, double within)
+/* The bounds of a read of at most `limit` bytes: with a least rate (and a timeout), the whole read
+   gets one timeout plus `limit` bytes at that rate from now, so a peer dribbling it cannot hold the
+   reading thread however it paces its bytes. */
+static struct read_bounds bounds_at_rate(double timeout, size_t limit, double min_rate)
 {
-    struct read_bounds bounds = {.timeout = timeout, .deadline_us = 0, .limit = limit, .within = within};
-    if (within > 0 && within < 1e9)
-        bounds.deadline_us = now_us() + (long long)(within * 1e6);
+    struct read_bounds bounds = {.timeout = timeout, .deadline_us = 0, .limit = limit, .within = 0};
+    if (min_rate > 0 && timeout > 0) {
+        bounds.within = timeout + (double)limit / min_rate;
+        if (bounds.within < 1e9)
+            bounds.deadline_us = now_us() + (long long)(bounds.within * 1e6);
+    }
     return bounds;
 }
 
-PyObject *epd_read_frame(int fd, double timeout, size_t limit, double within)
+PyObject *epd_read_frame(int fd, double timeout, size_t limit, double min_rate)
 {
-    struct read_bounds bounds = bounds_within(timeout, limit, within);
+    struct read_bounds bounds = bounds_at_rate(timeout, limit, min_rate);
     return read_frame_released(fd, &bounds, PyEval_SaveThread());
 }
 
@@ -464,10 +469,7 @@ PyObject *epd_wire_transfer(int fd, Py_buffer *prefill, const struct epd_span *l
         tag_stage(untouched ? "prefill" : "data");
         return NULL;
     }
-    /* The answer is small: it gets one timeout plus its most bytes at the least rate in all, so a
-       peer dribbling it cannot hold this thread (and the engine's close()) either. */
-    double within = min_rate > 0 && timeout > 0 ? timeout + (double)EPD_MAX_ANSWER / min_rate : 0;
-    struct read_bounds bounds = bounds_within(timeout, EPD_MAX_ANSWER, within);
+    struct read_bounds bounds = bounds_at_rate(timeout, EPD_MAX_ANSWER, min_rate);
     PyObject *answer = read_frame_released(fd, &bounds, ts);
     if (answer == NULL) {
         tag_stage("answer");

@@ -315,10 +315,10 @@ static PyObject *py_read_frame(PyObject *self, PyObject *args)
 {
     (void)self;
     int fd;
-    double timeout, within = 0.0;
+    double timeout, min_rate = 0.0;
     PyObject *limit_o = NULL;
     uint64_t limit = EPD_MAX_PAYLOAD;
-    if (!PyArg_ParseTuple(args, "id|Od:read_frame", &fd, &timeout, &limit_o, &within))
+    if (!PyArg_ParseTuple(args, "id|Od:read_frame", &fd, &timeout, &limit_o, &min_rate))
         return NULL;
     if (timeout_arg(timeout, "read_frame") < 0)
         return NULL;
@@ -328,11 +328,11 @@ static PyObject *py_read_frame(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "read_frame: limit must be at most %zu bytes", EPD_MAX_PAYLOAD);
         return NULL;
     }
-    if (!(within >= 0) || isinf(within)) {
-        PyErr_SetString(PyExc_ValueError, "read_frame: within must be a finite number of seconds (0: none)");
+    if (!(min_rate >= 0) || isinf(min_rate)) {
+        PyErr_SetString(PyExc_ValueError, "read_frame: min_rate must be a finite number of bytes/s (0: none)");
         return NULL;
     }
-    return epd_read_frame(fd, timeout, (size_t)limit, within);
+    return epd_read_frame(fd, timeout, (size_t)limit, min_rate);
 }
 
 static PyObject *py_msg_check(PyObject *self, PyObject *args)
@@ -377,7 +377,8 @@ static PyMethodDef methods[] = {
     {"parse_layer", py_parse_layer, METH_O, "parse_layer(payload) -> (layer, rows); verifies the checksum."},
     {"write_frame", py_write_frame, METH_VARARGS, "write_frame(fd, kind, parts, timeout) -> None."},
     {"read_frame", py_read_frame, METH_VARARGS,
-     "read_frame(fd, timeout, limit=64 MiB, within=0) -> (kind, payload, wire_us): within > 0 bounds the whole read."},
+     "read_frame(fd, timeout, limit=64 MiB, min_rate=0) -> (kind, payload, wire_us): min_rate > 0 bounds the "
+     "whole read to timeout plus limit bytes at that rate."},
     {"wire_transfer", py_wire_transfer, METH_VARARGS,
      "wire_transfer(fd, prefill, layers, rows, chunk, timeout, min_rate=0) -> (complete, (kind, payload, wire_us)): "
      "PREFILL, each (address, length) layer in checksummed LAYER chunks, FIRST, then the answer; with min_rate "

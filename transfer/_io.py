@@ -22,7 +22,7 @@ import zmq
 
 from transfer import config
 from transfer.errors import ConfigError, ConfigTypeError
-from transfer.ports import PortSpec, bind_port
+from transfer.ports import PortSpec, bare_host, bind_port
 
 if TYPE_CHECKING:
     from transfer.core.failure import FailureKind
@@ -116,9 +116,7 @@ def peer_address(host: str, what: str) -> str:
     """`host` as the IP address peers reach this process on: an IP as it is, a name looked up once
     here (a `:port` suffix, as Mooncake takes, is dropped). Names never go on the wire: a peer's
     ZMQ would look them up on its I/O thread, stalling every socket of its process."""
-    if host.count(":") == 1 and host.rpartition(":")[2].isdigit():
-        host = host.rpartition(":")[0]
-    bare = host.strip("[]")
+    bare = bare_host(host)
     if is_ip(bare):
         return bare
     try:

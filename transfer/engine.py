@@ -50,6 +50,7 @@ from typing import Any
 
 from transfer.core.openings import OPEN_TIMEOUT_S, Openings, Probe, Verdict
 from transfer.errors import ConfigError, ConfigTypeError, EngineError, EngineUnavailable
+from transfer.ports import bare_host
 
 log = logging.getLogger(__name__)
 
@@ -225,10 +226,7 @@ def check_hostname(hostname: str) -> None:
     """ConfigError unless `hostname` (optionally with :port) resolves to an address of this host."""
     if not isinstance(hostname, str):
         raise ConfigTypeError(f"hostname must be a str, not {type(hostname).__name__}")
-    host = hostname
-    if host.count(":") == 1 and host.rpartition(":")[2].isdigit():
-        host = host.rpartition(":")[0]  # Mooncake accepts host:port
-    host = host.strip("[]")
+    host = bare_host(hostname)
     if not host:
         raise ConfigError("hostname is empty: give this node's IP address (the one peers reach it on)")
     try:

@@ -80,3 +80,10 @@ def bind_port(spec: object, bind: Callable[[int], T], what: str) -> T:
 
 def _shown(spec: object) -> str:
     return repr(spec) if isinstance(spec, str) else str(spec)
+
+
+def bare_host(host: str) -> str:
+    """`host` without a `:port` suffix (as Mooncake takes one) and without IPv6 brackets."""
+    if host.count(":") == 1 and host.rpartition(":")[2].isdigit():
+        host = host.rpartition(":")[0]
+    return host.strip("[]")

@@ -133,14 +133,14 @@ def write_frame_parts(sock_or_fd: Any, kind: int, parts: Iterable[Any]) -> None:
     _native.write_frame(fd, _kind(kind), tuple(parts), timeout)
 
 
-def read_frame(sock_or_fd: Any, limit: int | None = None, within: float = 0.0) -> tuple[int, bytes, int]:
+def read_frame(sock_or_fd: Any, limit: int | None = None, min_rate: float = 0.0) -> tuple[int, bytes, int]:
     """Reads one whole frame: (kind, payload, microseconds the payload took after its header).
 
     `limit` caps the payload's length (default MAX_PAYLOAD), refused before anything is
-    allocated; `within` > 0 bounds the whole read in seconds (the socket's timeout bounds
-    each wait for progress)."""
+    allocated. The socket's timeout bounds each wait for progress; `min_rate` > 0 (bytes/s)
+    also bounds the whole read, to that timeout plus `limit` bytes at that rate."""
     fd, timeout = endpoint(sock_or_fd)
-    return _native.read_frame(fd, timeout, limit, within)
+    return _native.read_frame(fd, timeout, limit, min_rate)
 
 
 class Msg:

@@ -28,7 +28,8 @@ One transfer (one ``write()`` call) on a connection
    The listener refuses the transfer before reading any data when a field is missing or
    not a u64 (``PREFILL: missing <k>`` / ``PREFILL: <k>: not a number``), a layer announces
    0 bytes (``PREFILL: layer <i> announces 0 bytes; every layer must carry some``: an empty
-   transfer would need no registered destination), the geometry does not add up, or a destination ``[ptr<i>, ptr<i> + bytes<i>)`` wraps or is not wholly
+   transfer would need no registered destination), the geometry does not add up, or a
+   destination ``[ptr<i>, ptr<i> + bytes<i>)`` wraps or is not wholly
    inside one registered region (``layer <i>: destination [0x.., 0x..) (N bytes) is not
    inside registered memory``).
 2. LAYER frames (kind 10), in layer order, each carrying the next chunk of its layer:
@@ -46,8 +47,8 @@ when the PREFILL could not be read) whose body is the reason as UTF-8 text; the 
 then drops the connection. The sender reads an answer of at most 64 KiB (``MAX_ANSWER``;
 a longer one is refused before it is read), within the reply timeout plus 64 KiB at the
 least rate in all (``read: the frame did not come whole within T s; read stopped``), and
-quotes at most 512 characters of an ERROR's reason. Bytes of earlier chunks of a failed transfer may have landed
-(inside registered memory only); the room fails as a whole.
+quotes at most 512 characters of an ERROR's reason. Bytes of earlier chunks of a failed
+transfer may have landed (inside registered memory only); the room fails as a whole.
 
 Connections: the sender keeps idle connections per peer session and reuses them; a
 connection the peer closed is noticed before reuse, and those of every other session are
@@ -554,20 +555,13 @@ class WireEngine(RegisteredMemory):
             # stopped reading would keep us another reply timeout waiting for nothing.
             raise cause
         try:
-            kind, payload, _ = wire.read_frame(conn.sock, _native.MAX_ANSWER, self._answer_within(conn))
+            kind, payload, _ = wire.read_frame(conn.sock, _native.MAX_ANSWER, self.min_rate_bps)
         except OSError:
             if cause is not None:
                 raise cause from None
             raise
         self._judge(kind, payload, room, None)
         raise EngineError(f"the peer answered before the transfer was complete (kind {kind})")
-
-    def _answer_within(self, conn: _Conn) -> float:
-        """Seconds the peer's whole answer may take: one reply timeout plus its most bytes at the least rate."""
-        timeout = conn.sock.gettimeout()
-        if not self.min_rate_bps or not timeout:
-            return 0.0
-        return timeout + _native.MAX_ANSWER / self.min_rate_bps
 
     @staticmethod
     def _judge(kind: int, payload: bytes, room: int, total: int | None) -> None:

@@ -476,19 +476,31 @@ def test_wire_peer_that_stops_reading_costs_one_reply_timeout(wire_peer):
 
 
 class PeerPort:
-    """A loopback port whose one connection a thread serves (`_serve`) until close()."""
+    """A loopback port whose first connection a thread hands to `_handle` (each wait on it bounded
+    by `conn_timeout`) until close()."""
 
-    def __init__(self, rcvbuf: int = 0) -> None:
+    def __init__(self, rcvbuf: int = 0, conn_timeout: float = 5.0) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         if rcvbuf:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(4)
         self.session_id = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conn_timeout = conn_timeout
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
 
     def _serve(self) -> None:
+        self.sock.settimeout(30)
+        conn, _ = self.sock.accept()
+        with conn:
+            conn.settimeout(self.conn_timeout)
+            try:
+                self._handle(conn)
+            except OSError:
+                return
+
+    def _handle(self, conn: socket.socket) -> None:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -502,24 +514,17 @@ class DribblingPeer(PeerPort):
     receive buffer: progress well within every reply timeout, never an answer."""
 
     def __init__(self) -> None:
-        super().__init__(rcvbuf=16384)
+        super().__init__(rcvbuf=16384, conn_timeout=1.0)
         self.read = 0
         self.thread.start()
 
-    def _serve(self) -> None:
-        self.sock.settimeout(30)
-        conn, _ = self.sock.accept()
-        with conn:
-            conn.settimeout(1)
-            while not self.stop.is_set():
-                try:
-                    data = conn.recv(16384)
-                except OSError:
-                    return
-                if not data:
-                    return
-                self.read += len(data)
-                time.sleep(0.005)
+    def _handle(self, conn: socket.socket) -> None:
+        while not self.stop.is_set():
+            data = conn.recv(16384)
+            if not data:
+                return
+            self.read += len(data)
+            time.sleep(0.005)
 
 
 def test_wire_peer_that_reads_slower_than_the_least_rate_is_given_up_at_its_bound():
@@ -557,17 +562,10 @@ class AnsweringPeer(PeerPort):
         self.answer = answer
         self.thread.start()
 
-    def _serve(self) -> None:
-        self.sock.settimeout(30)
-        conn, _ = self.sock.accept()
-        with conn:
-            conn.settimeout(5)
-            try:
-                while self._wire.read_frame(conn)[0] != self._wire.FIRST:
-                    pass
-                self.answer(conn, self.stop)
-            except OSError:
-                return
+    def _handle(self, conn: socket.socket) -> None:
+        while self._wire.read_frame(conn)[0] != self._wire.FIRST:
+            pass
+        self.answer(conn, self.stop)
 
 
 def _write_to(peer: AnsweringPeer, **engine_args) -> tuple[str, float, float]:
