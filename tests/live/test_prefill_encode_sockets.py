@@ -1,5 +1,6 @@
 """The prefill side's sockets to encode ranks: one with nothing under way is closed once idle, and
-an encode rank that restarted at another port is looked up again, not waited for at the old one.
+an encode rank that restarted at another port is looked up again, not waited for at the old one
+(whether its drop was seen before a room or the room's ask waited for a socket at the old port).
 
 Real Mooncake engines (tcp on 127.0.0.1), real ZMQ, a real bootstrap server and sender pools."""
 
@@ -70,3 +71,32 @@ def test_an_encode_rank_restarted_at_another_port_is_looked_up_again(engines):
             outcome, failure, took = _room(manager, second, server, 2, buf)
         assert outcome == TransferPoll.Success, failure
         assert took < 5, f"room 2 took {took:.1f} s"
+
+
+def test_a_room_asked_while_its_encode_rank_is_down_reaches_it_back_at_another_port(engines):
+    """The bootstrap server still names the old port until the restarted rank registers: the room's
+    ask waits for a socket there, then is looked up again and goes to the new port, well within its
+    deadline."""
+    encode, prefill = engines
+    buf = torch.zeros(2, ROWS, HIDDEN, dtype=torch.bfloat16)
+    with BootstrapServer(HOST, 0) as server, \
+            SessionManager(prefill, 0, 1, 1, buffer=buf, host=HOST, deadline_s=30) as manager:
+        with SenderPool(encode, 0, 1, 1, server.address) as first:
+            assert _room(manager, first, server, 1, buf)[0] == TransferPoll.Success
+            old_port = first.port
+        time.sleep(2.5)  # the prefill rank's I/O thread reads its monitors once a second
+        item = torch.randn(ROWS, HIDDEN).to(torch.bfloat16)
+        started = time.monotonic()
+        handle = manager.receive(2, server.address, buf[0])
+        assert wait_until(lambda: manager._driver.core.stage(2) == "queued", 5), manager._driver.core.stage(2)
+        with SenderPool(encode, 0, 1, 1, server.address) as second:
+            assert second.port != old_port
+            sent = second.send(2, item)
+            outcome = handle.wait(30)
+            took = time.monotonic() - started
+            sent.wait(5)
+            sent.clear()
+        assert outcome == TransferPoll.Success, handle.failure
+        assert torch.equal(buf[0].view(torch.uint8), item.view(torch.uint8))
+        assert took < 15, f"room 2 took {took:.1f} s"
+        handle.clear()

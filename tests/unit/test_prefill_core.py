@@ -9,6 +9,7 @@ from prefill_rooms import BOOT, ENCODE, KEY0, MAIN, core, routed, spec
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.prefill import (
     ENCODE_FAILED,
+    QUEUED_LOOKUP_S,
     Advance,
     Announce,
     Conclude,
@@ -340,6 +341,58 @@ def test_a_dropped_connection_is_looked_up_again_and_has_its_regions_announced_a
     actions = c.route_resolved(0.3, KEY0, moved)
     assert kinds(actions) == [Announce, SendAsk] and {a.addr for a in actions} == {moved}
     assert c.stage(1) == "asked" and not c.idle(ENCODE), "room 1 still waits at the old address"
+
+
+def test_rooms_whose_asks_never_left_for_a_dropped_connection_are_looked_up_again():
+    """An encode rank restarted at another port: asks that waited for the old socket go to the new one,
+    in their order, before any room received later; the old address has nothing left under way."""
+    c = core()
+    routed(c)
+    c.refused(0.0, ENCODE, c.receive(0.0, spec(1, slot=1))[1])
+    c.receive(0.1, spec(2, slot=2))
+    assert c.stage(1) == c.stage(2) == "queued"
+    assert c.connection_dropped(0.2, ENCODE) == [LookUpRoute(KEY0)]
+    assert c.stage(1) == c.stage(2) == "lookup" and c.idle(ENCODE)
+    assert c.receive(0.3, spec(3, slot=3))[1] == [], "it joins the look-up under way"
+    moved = ("10.0.0.2", 7001)
+    actions = c.route_resolved(0.4, KEY0, moved)
+    assert kinds(actions) == [Announce, SendAsk, SendAsk, SendAsk] and {a.addr for a in actions} == {moved}
+    assert [a.room for a in actions if isinstance(a, SendAsk)] == [1, 2, 3]
+
+
+def test_asks_that_waited_for_a_socket_too_long_are_looked_up_again():
+    """No connection was ever made at the address the bootstrap server named (a stale one): after
+    QUEUED_LOOKUP_S its rooms are looked up again, and asked wherever the rank is now."""
+    c = core()
+    routed(c)
+    c.refused(0.0, ENCODE, c.receive(0.0, spec(1, slot=1))[1])
+    c.refused(0.5, ENCODE, c.receive(0.5, spec(2, slot=2))[1])
+    assert c.next_wakeup() == QUEUED_LOOKUP_S
+    assert c.tick(QUEUED_LOOKUP_S - 0.01) == [] and c.stage(1) == "queued"
+    assert c.tick(QUEUED_LOOKUP_S) == [LookUpRoute(KEY0)] and c.stage(1) == c.stage(2) == "lookup"
+    assert c.next_wakeup() == c.deadline_s, "only the deadlines are left to wake for"
+    moved = ("10.0.0.2", 7001)
+    actions = c.route_resolved(2.1, KEY0, moved)
+    assert [(type(a), a.addr) for a in actions] == [(Announce, moved), (SendAsk, moved), (SendAsk, moved)]
+
+
+def test_asks_looked_up_again_at_the_same_address_wait_there_anew():
+    c = core()
+    routed(c)
+    c.refused(0.0, ENCODE, c.receive(0.0, spec(1, slot=1))[1])
+    c.tick(QUEUED_LOOKUP_S)
+    c.refused(2.1, ENCODE, c.route_resolved(2.1, KEY0, ENCODE))
+    assert c.stage(1) == "queued" and c.next_wakeup() == 2.1 + QUEUED_LOOKUP_S
+    assert c.tick(4.0) == [], "not again before another QUEUED_LOOKUP_S"
+
+
+def test_a_queued_room_cleared_before_its_connection_dropped_is_not_looked_up_again():
+    c = core()
+    routed(c)
+    token, actions = c.receive(0.0, spec(1, slot=1))
+    c.refused(0.0, ENCODE, actions)
+    c.clear(0.1, 1, token)
+    assert c.connection_dropped(0.2, ENCODE) == [] and c.idle(ENCODE)
 
 
 def test_an_address_is_idle_only_with_nothing_under_way_there():

@@ -71,6 +71,10 @@ class AskQueues:
         """Takes every ask waiting for `addr` (its connection is given up)."""
         return list(self._queues.pop(addr, ()))
 
+    def heads(self) -> list[tuple[Any, Any]]:
+        """Each address with asks waiting and its oldest ask."""
+        return [(addr, queue[0]) for addr, queue in self._queues.items()]
+
     def addresses(self) -> list[Hashable]:
         """The addresses with asks waiting, in the order they first queued."""
         return list(self._queues)

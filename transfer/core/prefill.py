@@ -35,6 +35,7 @@ from transfer.status import TransferPoll
 __all__ = [
     "ASK_BATCH",
     "ENCODE_FAILED",
+    "QUEUED_LOOKUP_S",
     "Advance",
     "Announce",
     "Conclude",
@@ -66,6 +67,11 @@ MAX_ANSWERING = 65536
 #: How long a room asked for again may wait for the answer to the cancel of its earlier ask,
 #: from an encode rank not yet seen to answer cancels (a peer never answers: its ask then goes).
 CANCEL_ANSWER_WAIT_S = 0.5
+
+#: How long asks may wait for their encode rank's socket before its route is looked up again:
+#: a rank restarted at another port leaves its old address behind at the bootstrap server until
+#: it registers again, and no connection is ever made there.
+QUEUED_LOOKUP_S = 2.0
 
 RouteKey = tuple[str, int, int]  # (bootstrap address, dp group, encode rank)
 Address = tuple[str, int]
@@ -339,7 +345,8 @@ class PrefillCore:
         return self._routes.get(key)
 
     def next_wakeup(self) -> float | None:
-        """When tick() next has something to do (the earliest open room's deadline, or held ask), or None."""
+        """When tick() next has something to do (the earliest open room's deadline, held ask, or asks
+        waiting for a socket too long), or None."""
         heap = self._deadlines
         while heap and not self._open(heap[0][2]):
             heapq.heappop(heap)
@@ -347,6 +354,7 @@ class PrefillCore:
         while held and not self._in(held[0][2], HELD):
             heapq.heappop(held)
         due = [h[0][0] for h in (heap, held) if h]
+        due += [head.asked_at + QUEUED_LOOKUP_S for _, head in self.asks.heads()]
         return min(due) if due else None
 
     def deadline_entries(self) -> int:
@@ -470,13 +478,22 @@ class PrefillCore:
         return actions
 
     def connection_dropped(self, now: float, addr: Address) -> list:
-        """The connection to `addr` was lost: the next room for its encode rank looks it up again
-        (it may have restarted at another port), and a rank restarted there hears every region again.
-        Rooms already queued or asked there keep waiting for it."""
+        """The connection to `addr` was lost: its encode rank may have restarted, there or at another
+        port. The rooms whose asks never left for it are looked up again with the next rooms, and a
+        rank restarted there hears every region again. Rooms asked there keep waiting for it."""
+        return self._look_up_again(now, addr)
+
+    def _look_up_again(self, now: float, addr: Address) -> list:
+        """Forgets the routes to `addr` and what was announced there; its never-sent asks are routed afresh."""
         for key in [key for key, route in self._routes.items() if route == addr]:
             del self._routes[key]
             self.announcements.forget(key)
-        return []
+        actions: list = []
+        for state in self.asks.drop(addr):
+            if self._in(state, QUEUED):
+                state.stage, state.addr = LOOKUP, None
+                actions += self._route(now, state)
+        return actions
 
     def idle(self, addr: Address) -> bool:
         """Whether nothing is under way at `addr`: no room held for it, no ask waiting, no cancel unanswered."""
@@ -600,7 +617,8 @@ class PrefillCore:
                 for action in self._conclude(state, failure)]
 
     def tick(self, now: float, limit: int | None = None) -> list:
-        """Fails rooms past their deadline, at most `limit` of them (next_wakeup() says if more are due)."""
+        """Fails rooms past their deadline, at most `limit` of them (next_wakeup() says if more are due),
+        and looks up again the encode ranks whose sockets took no ask for QUEUED_LOOKUP_S."""
         heap = self._deadlines
         if len(heap) > 2 * len(self._rooms) + 1024:
             # Concluded rooms' entries would otherwise wait out their whole deadline here.
@@ -619,6 +637,9 @@ class PrefillCore:
             if self._in(state, HELD):  # no answer came: the rank does not answer cancels
                 actions += self._unhold(now, state)
                 expired += 1
+        for addr, head in self.asks.heads():
+            if head.asked_at + QUEUED_LOOKUP_S <= now:
+                actions += self._look_up_again(now, addr)
         return actions
 
     # ---------------------------------------------------------- internals

@@ -603,7 +603,7 @@ class PrefillDriver:
             now = self.clock()
             for addr, monitor in list(self._monitors.items()):
                 if _io.dropped(monitor):
-                    self.core.connection_dropped(now, addr)
+                    self._carry(now, self.core.connection_dropped(now, addr))  # look-ups only
                 if now - self._used_at.get(addr, now) >= ASK_IDLE_S and self.core.idle(addr):
                     self.core.connection_closed(now, addr)
                     self._disconnect(addr)
@@ -666,11 +666,11 @@ class PrefillDriver:
                 self._complaints.warning(action.key, "%s", action.message)
             if i == len(work) and refused:
                 # The asks a socket did not take wait in the core, in order; after a lost
-                # connection they go out again at once, behind a fresh registration.
+                # connection they are looked up again, and go out behind a fresh registration.
                 for addr, held in refused.items():
                     work += core.refused(now, addr, held)
                     if addr in dropped:
-                        work += core.writable(now, addr)
+                        work += core.connection_dropped(now, addr)
                     elif threading.current_thread() is not self._thread:
                         self._resync = True
                 refused.clear()
@@ -700,8 +700,7 @@ class PrefillDriver:
             self._monitors[addr] = monitor
             self._used_at[addr] = now
         elif addr not in checked and _io.dropped(self._monitors[addr]):
-            # A rank restarted there knows nothing of what was announced to its predecessor.
-            self.core.connection_dropped(now, addr)
+            # Its encode rank may have restarted, there or elsewhere: looked up again below.
             dropped.add(addr)
             refused[addr] = [action]
             return []
