@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from fakes import Region, Regions
 from prefill_rooms import BOOT, ENCODE, KEY0, MAIN, core, routed, spec
@@ -393,6 +395,22 @@ def test_a_queued_room_cleared_before_its_connection_dropped_is_not_looked_up_ag
     c.refused(0.0, ENCODE, actions)
     c.clear(0.1, 1, token)
     assert c.connection_dropped(0.2, ENCODE) == [] and c.idle(ENCODE)
+
+
+def test_the_oldest_route_and_sizes_are_forgotten_past_their_bounds(monkeypatch):
+    from transfer.core import prefill
+
+    monkeypatch.setattr(prefill, "MAX_ROUTES", 2)
+    monkeypatch.setattr(prefill, "MAX_SIZES", 2)
+    c = core()
+    for i, boot in enumerate(["10.0.1.1:8998", "10.0.1.2:8998", "10.0.1.3:8998"]):
+        c.parallel_resolved(0.0, boot, 1, 1)
+        c.route_resolved(0.0, (boot, 0, 0), ("10.0.1.9", 7000 + i))
+    assert c.route(("10.0.1.1:8998", 0, 0)) is None and c.route(("10.0.1.3:8998", 0, 0)) == ("10.0.1.9", 7002)
+    first = dataclasses.replace(spec(1, slot=1), bootstrap_addr="10.0.1.1:8998")
+    assert c.receive(1.0, first)[1] == [LookUpParallel("10.0.1.1:8998")]
+    last = dataclasses.replace(spec(2, slot=2), bootstrap_addr="10.0.1.3:8998")
+    assert kinds(c.receive(1.0, last)[1]) == [Announce, SendAsk]
 
 
 def test_an_address_is_idle_only_with_nothing_under_way_there():

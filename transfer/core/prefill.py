@@ -35,6 +35,8 @@ from transfer.status import TransferPoll
 __all__ = [
     "ASK_BATCH",
     "ENCODE_FAILED",
+    "MAX_ROUTES",
+    "MAX_SIZES",
     "QUEUED_LOOKUP_S",
     "Advance",
     "Announce",
@@ -72,6 +74,11 @@ CANCEL_ANSWER_WAIT_S = 0.5
 #: a rank restarted at another port leaves its old address behind at the bootstrap server until
 #: it registers again, and no connection is ever made there.
 QUEUED_LOOKUP_S = 2.0
+
+#: Bootstrap servers whose sizes, and encode ranks whose addresses, are remembered (past
+#: these the oldest is forgotten, and looked up again if a room needs it).
+MAX_SIZES = 1024
+MAX_ROUTES = 16384
 
 RouteKey = tuple[str, int, int]  # (bootstrap address, dp group, encode rank)
 Address = tuple[str, int]
@@ -268,6 +275,14 @@ class _Room:
         return f"encode rank {self.encode_rank} at {host}:{port}"
 
 
+def _remember(cache: dict, key: Any, value: Any, limit: int) -> None:
+    """Files `value` under `key` as the newest entry, forgetting the oldest past `limit`."""
+    cache.pop(key, None)
+    cache[key] = value
+    while len(cache) > limit:
+        del cache[next(iter(cache))]
+
+
 class PrefillCore:
     """One prefill rank's rooms: receive, clear, look-up results, statuses, checksums and ticks."""
 
@@ -427,7 +442,7 @@ class PrefillCore:
 
     def parallel_resolved(self, now: float, bootstrap_addr: str, encode_tp: int, encode_dp: int) -> list:
         """The bootstrap server told the encode side's sizes."""
-        self._parallel[bootstrap_addr] = (encode_tp, encode_dp)
+        _remember(self._parallel, bootstrap_addr, (encode_tp, encode_dp), MAX_SIZES)
         self.breaker.succeeded(bootstrap_addr)
         actions: list = []
         waiting = [state for state in self._awaiting_parallel.pop(bootstrap_addr, ()) if self._looking_up(state)]
@@ -437,7 +452,7 @@ class PrefillCore:
 
     def route_resolved(self, now: float, key: RouteKey, addr: Address) -> list:
         """The bootstrap server told where an encode rank listens."""
-        self._routes[key] = addr
+        _remember(self._routes, key, addr, MAX_ROUTES)
         self.breaker.succeeded(key[0])
         actions: list = []
         waiting = [state for state in self._awaiting_route.pop(key, ()) if self._looking_up(state)]
