@@ -708,6 +708,26 @@ def test_a_room_one_of_whose_receivers_restarted_fails_everywhere_at_the_fanout_
     assert run.statuses(out) == [(7, 6000, TransferPoll.Failed)]
 
 
+def test_a_receiver_that_restarts_after_it_was_served_leaves_its_room_to_succeed():
+    """Rank 1's rows landed and it was told Success before it restarted: its shard is done, so the room
+    concludes Success when rank 0's write lands, and nobody is told Failed."""
+    span = 8
+    run = Run()
+    for rank in range(2):
+        run(run.core.registration(Registration("10.0.0.7", 6000 + rank, f"10.0.0.7:{17000 + rank}",
+                                               0x10000 * (rank + 1), 0, span * ROW, 0), 0.0))
+    run.offer(_offer(7, span=span))
+    for rank in range(2):
+        run.ask(_ask(7, rank, fanout=2, span=span, ptr=0x10000 * (rank + 1)))
+    first, second = run.of(StartWrite)
+    run(run.core.write_done(second.wid, (5,), 1.0))
+    run(run.core.registration(Registration("10.0.0.7", 6001, "10.0.0.7:18001", 0x90000, 0, span * ROW, 0), 1.1))
+    done = run(run.core.write_done(first.wid, (3,), 1.2))
+    assert run.conclusions() == [(7, TransferPoll.Success, None)] and [r.room for r in run.of(Release, done)] == [7]
+    run(run.core.tick(30.0))
+    assert run.statuses() == [(7, 6001, TransferPoll.Success), (7, 6000, TransferPoll.Success)]
+
+
 def test_a_rank_restarted_at_another_status_port_mid_write_is_known_by_its_shard_and_served():
     run = Run()
     span = 8

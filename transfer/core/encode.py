@@ -169,6 +169,7 @@ class _Room:
     failure: Failure | None = None  # why it failed, told to every receiver
     succeeded: bool = False  # every receiver was served: nothing may tell them Failed any more
     orphans: list[TransferInfo] = field(default_factory=list)  # shards whose receiver restarted before served
+    served: set[str] = field(default_factory=set)  # sessions told Success (a restart after that orphans nothing)
     released: bool = False
     asked_at: float = 0.0  # the room's first ask: bounds how long its writes may wait
 
@@ -408,6 +409,7 @@ class EncodeCore:
             self.scheduler.finished(job.info.session_id)
             if not job.room.failed and self._serves(job):
                 self._push(job.info, TransferPoll.Success, checksums)
+                job.room.served.add(job.info.session_id)
             self._job_over(job)
             self._job_done(job, now)
         return self._flush(now)
@@ -537,11 +539,12 @@ class EncodeCore:
         endpoint may be its successor's, which would take that Failed for its retry. Its
         writes still queued never start; those in flight go on, but tell it nothing either,
         Success or Failed, for the same reason. A room not yet served waits for the
-        successor's ask for that shard (`orphans`).
+        successor's ask for that shard (`orphans`); one it was served in already is done.
         """
         for room in self._rooms.values():
             if not room.succeeded and any(info.session_id == old for info in room.receivers):
-                if not room.failed:  # its shard waits for the successor's ask, within the fanout timeout
+                if not room.failed and old not in room.served:
+                    # Its shard waits for the successor's ask, within the fanout timeout.
                     room.orphans += [info for info in room.receivers if info.session_id == old]
                     self._unserved.add(room.room)
                 self._spare(room, old)
