@@ -495,7 +495,14 @@ class PrefillCore:
     def connection_dropped(self, now: float, addr: Address) -> list:
         """The connection to `addr` was lost: its encode rank may have restarted, there or at another
         port. The rooms whose asks never left for it are looked up again with the next rooms, and a
-        rank restarted there hears every region again. Rooms asked there keep waiting for it."""
+        rank restarted there hears every region again. Rooms asked there keep waiting for it.
+
+        What follows goes on a fresh connection: a cancel sent before the drop may never be read,
+        so it holds back no later ask's statuses (`status`), and a later cancel of the same room
+        is not sent (`_give_up`)."""
+        if addr in self._conns:
+            self._conn_serial += 1
+            self._conns[addr] = self._conn_serial
         return self._look_up_again(now, addr)
 
     def _look_up_again(self, now: float, addr: Address) -> list:
@@ -695,7 +702,8 @@ class PrefillCore:
         A room never asked has nothing to cancel. One whose connection was dropped
         since gets no cancel: a fresh connection could overtake what the old one
         delivered, so only the quarantine bound makes its memory safe. Nor does one while
-        a cancel for the same room and encode rank number waits at another address.
+        a cancel for the same room and encode rank number waits at another address, or on
+        an earlier connection (a rank restarted there never answers that one).
         """
         if state.cancelled:
             return []
@@ -707,9 +715,9 @@ class PrefillCore:
         if state.addr is None or state.encode_rank is None or self._conns.get(state.addr) != state.conn:
             return []
         pending = self._cancels.setdefault((state.room, state.encode_rank), [])
-        if pending and pending[0].addr != state.addr:
-            # Answers name only the room and the encode rank: another node's answer to its own cancel
-            # would be taken for this one's. Without a cancel only the quarantine makes it safe.
+        if pending and (pending[0].addr != state.addr or pending[-1].conn != state.conn):
+            # Answers name only the room and the encode rank: another node's (or connection's) answer to
+            # its own cancel would be taken for this one's. Without a cancel only the quarantine makes it safe.
             return []
         pending.append(_Cancel(state.token, state.addr, state.conn, now))
         self._cancel_count += 1
