@@ -37,6 +37,7 @@ from typing import Any, TypeGuard, cast
 from urllib.parse import SplitResult, parse_qs, urlsplit
 
 from transfer._http import BoundedHTTPServer, DeadlineReader, OneDeadlineHandler
+from transfer.config import check_seconds
 from transfer.errors import BootstrapError, BootstrapUnreachable, ConfigError
 from transfer.ports import PortSpec, bind_port
 
@@ -396,7 +397,7 @@ class BootstrapClient:
         """address is "host:port" (ConfigError otherwise); timeout bounds each attempt."""
         self.address = address
         self.host, self.port = _split_address(address)
-        self.timeout = timeout
+        self.timeout = check_seconds("timeout", timeout)
         self.token = check_token(token)
 
     def _request(self, method: str, path: str, body: bytes | None = None,
@@ -512,7 +513,7 @@ class BootstrapClient:
         yet). With `encode_rank`, also waits for that rank's route in `dp_group`. Raises
         BootstrapError naming the last answer once the timeout passed.
         """
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + check_seconds("timeout", timeout, zero_ok=True)
         delay = 0.05
         while True:
             try:

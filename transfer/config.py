@@ -17,14 +17,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from transfer.core.parked import MAX_PARKED_BYTES
-from transfer.errors import ConfigError
+from transfer.errors import ConfigError, ConfigTypeError
 
-__all__ = ["SETTINGS", "Setting", "renamed", "resolve", "setting"]
+__all__ = ["MAX_POLL_S", "SETTINGS", "Setting", "check_flag", "check_polls", "check_seconds", "renamed", "resolve", "setting"]
 
 
 #: The longest wait a setting may ask for: every wait goes down to poll()s and socket timeouts in
 #: milliseconds, whose C ints end at about 24 days.
 MAX_SECONDS = 1e6
+
+#: The largest count and number of bytes a setting may ask for.
+MAX_COUNT = (1 << 31) - 1
+MAX_BYTES = (1 << 63) - 1
+
+#: The longest wait between polls of writes in flight: a finished write waits that long to be noticed.
+MAX_POLL_S = 1.0
 
 
 def _seconds(text: str) -> float:
@@ -38,12 +45,19 @@ def _non_negative_seconds(text: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and 0 <= value <= MAX_SECONDS):
         raise ValueError
+    return value + 0.0  # -0 is 0
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= MAX_COUNT:
+        raise ValueError
     return value
 
 
-def _positive_int(text: str) -> int:
+def _bytes(text: str) -> int:
     value = int(text)
-    if value < 1:
+    if not 1 <= value <= MAX_BYTES:
         raise ValueError
     return value
 
@@ -69,8 +83,8 @@ def _text(text: str) -> str:
 _KINDS: dict[str, tuple[Callable[[str], Any], str]] = {
     "seconds": (_seconds, f"a positive number of seconds up to {MAX_SECONDS:.0f}"),
     "seconds0": (_non_negative_seconds, f"a non-negative number of seconds up to {MAX_SECONDS:.0f}"),
-    "count": (_positive_int, "a positive integer"),
-    "bytes": (_positive_int, "a positive number of bytes"),
+    "count": (_count, f"a positive integer up to {MAX_COUNT}"),
+    "bytes": (_bytes, f"a positive number of bytes up to {MAX_BYTES}"),
     "flag": (_flag, "one of 1, 0, true, false, yes, no, on, off"),
     "text": (_text, "text"),
 }
@@ -131,7 +145,7 @@ class Setting:
             raise ConfigError(f"{self.argument}={value!r} is not {what}")
         try:
             return parser(str(int(value) if integral and isinstance(value, numbers.Integral) else float(value)))
-        except ValueError:
+        except (ValueError, OverflowError):
             raise ConfigError(f"{self.argument}={value!r} is not {what}") from None
 
 
@@ -187,6 +201,36 @@ def resolve(env: str, given: Any = None, environ: Mapping[str, str] | None = Non
     if text == "":
         return entry.default
     return entry.parse(text)
+
+
+def check_seconds(argument: str, value: Any, zero_ok: bool = False) -> float:
+    """`value` as seconds if it is a real number in (0, MAX_SECONDS] ([0, ...] with `zero_ok`):
+    ConfigTypeError for another type, ConfigError naming `argument` otherwise."""
+    kind = "seconds0" if zero_ok else "seconds"
+    parser, what = _KINDS[kind]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigTypeError(f"{argument}={value!r} is not {what}")
+    try:
+        return parser(str(float(value)))
+    except (ValueError, OverflowError):
+        raise ConfigError(f"{argument}={value!r} is not {what}") from None
+
+
+def check_flag(owner: str, argument: str, value: Any) -> bool:
+    """`value` if it is True or False, else ConfigTypeError (a string such as "no" would count as True)."""
+    if not isinstance(value, bool):
+        raise ConfigTypeError(f"{owner}: {argument}={value!r} must be True or False")
+    return value
+
+
+def check_polls(owner: str, poll_min_s: float, poll_max_s: float) -> None:
+    """ConfigError unless poll_min_s <= poll_max_s <= MAX_POLL_S (both checked as settings already)."""
+    if poll_max_s > MAX_POLL_S:
+        raise ConfigError(f"{owner}: poll_max_s (EPD_POLL_MAX_S) is {poll_max_s:g} s; at most "
+                          f"{MAX_POLL_S:g} s, or a finished write waits that long to be noticed")
+    if poll_min_s > poll_max_s:
+        raise ConfigError(f"{owner}: poll_min_s (EPD_POLL_MIN_S) {poll_min_s:g} s is above poll_max_s "
+                          f"(EPD_POLL_MAX_S) {poll_max_s:g} s")
 
 
 def renamed(owner: str, old: str, old_value: Any, new: str, new_value: Any, stacklevel: int = 3) -> Any:

@@ -48,6 +48,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+from transfer.config import check_seconds
 from transfer.core.openings import OPEN_TIMEOUT_S, Openings, Probe, Verdict
 from transfer.errors import ConfigError, ConfigTypeError, EngineError, EngineUnavailable
 from transfer.ports import bare_host
@@ -376,9 +377,12 @@ class Engine(RegisteredMemory):
         mooncake.engine cannot be imported."""
         check_hostname(hostname)
         self.protocol, self.protocol_reason = effective_protocol(protocol, device_name)
+        self.transfer_timeout_s = (_transfer_timeout_s() if transfer_timeout_s is None
+                                   else check_seconds("transfer_timeout_s", transfer_timeout_s))
+        self.open_timeout_s = (OPEN_TIMEOUT_S if open_timeout_s is None  # 0 turns probing off
+                               else check_seconds("open_timeout_s", open_timeout_s, zero_ok=True))
         mooncake_engine = _import_engine()
         self.hostname = hostname
-        self.transfer_timeout_s = _transfer_timeout_s() if transfer_timeout_s is None else float(transfer_timeout_s)
         # The lock itself, not the condition, is what the hot paths enter: a Condition's
         # __enter__/__exit__ are Python calls around the same acquisition.
         self._lock = threading.RLock()
@@ -393,9 +397,6 @@ class Engine(RegisteredMemory):
         self._held: dict[str, list[int]] = {}  # session -> tickets held back until its probe answers, oldest first
         self._next_ticket = 0
         self._closed = False
-        self.open_timeout_s = OPEN_TIMEOUT_S if open_timeout_s is None else float(open_timeout_s)
-        if self.open_timeout_s < 0:
-            raise ConfigError(f"open_timeout_s must be >= 0 (0 turns probing off), not {open_timeout_s!r}")
         self._openings = Openings(open_timeout_s=self.open_timeout_s)
         self._te = mooncake_engine.TransferEngine()
         rc = self._te.initialize(hostname, metadata, self.protocol, device_name)

@@ -151,6 +151,7 @@ class SessionManager:
                                           "lookup_timeout_s", lookup_timeout_s)
         deadline_s = config.resolve("EPD_DEADLINE_S", deadline_s)
         lookup_timeout_s = config.resolve("EPD_LOOKUP_TIMEOUT_S", lookup_timeout_s)
+        integrity = config.check_flag("SessionManager", "integrity", integrity)
         parse_ports(status_port)  # a bad setting fails before any memory is registered
         with _managed_lock:
             _refuse_shared_engine(engine)

@@ -24,7 +24,7 @@ from transfer.core.parked import ParkedAsks
 from transfer.core.regions import MAX_SESSIONS
 from transfer.drive import encode as _drive
 from transfer.drive.encode import EncodeDriver, RoomBook, RoomState, SourceRegistry
-from transfer.errors import ConfigError, ConfigTypeError
+from transfer.errors import ConfigError, ConfigTypeError, UsageError
 from transfer.frames import (
     MAX_REGIONS_PER_SESSION,
     check_parallel,
@@ -55,9 +55,6 @@ DEAD_SESSION_MAX_S = _breaker.MAX_PAUSE_S
 
 #: What close() waits past the driver's own CLOSE_WAIT_S for it to fail its rooms and close.
 CLOSE_GRACE_S = 1.0
-
-#: The longest poll_max_s a pool takes: a finished write may wait that long to be noticed.
-MAX_POLL_S = 1.0
 
 
 class SendHandle(_io.RoomHandle[RoomState]):
@@ -120,12 +117,8 @@ class SenderPool:
         max_parked_bytes = config.resolve("EPD_MAX_PARKED_BYTES", max_parked_bytes)
         poll_min_s = config.resolve("EPD_POLL_MIN_S", poll_min_s)
         poll_max_s = config.resolve("EPD_POLL_MAX_S", poll_max_s)
-        if poll_max_s > MAX_POLL_S:
-            raise ConfigError(f"SenderPool: poll_max_s (EPD_POLL_MAX_S) is {poll_max_s:g} s; at most "
-                              f"{MAX_POLL_S:g} s, or a finished write waits that long to be noticed")
-        if poll_min_s > poll_max_s:
-            raise ConfigError(f"SenderPool: poll_min_s (EPD_POLL_MIN_S) {poll_min_s:g} s is above poll_max_s "
-                              f"(EPD_POLL_MAX_S) {poll_max_s:g} s")
+        config.check_polls("SenderPool", poll_min_s, poll_max_s)
+        integrity = config.check_flag("SenderPool", "integrity", integrity)
         self.engine = engine
         self.engine_rank = engine_rank
         self.tp_size = tp_size
@@ -267,10 +260,10 @@ class SenderPool:
         """Registers source regions outside registered memory; returns their release (or None)."""
         return self._sources.hold(*regions)
 
-    def _stopped_error(self) -> RuntimeError:
+    def _stopped_error(self) -> UsageError:
         """Why send() is refused once the pool's thread stopped."""
-        return RuntimeError("sender pool is closed" if self._book.closed else
-                            "sender pool's thread stopped after an error (see the log)")
+        return UsageError("sender pool is closed" if self._book.closed else
+                          "sender pool's thread stopped after an error (see the log)")
 
     def _forget(self, state: RoomState) -> None:
         """Fails the room unless it concluded, then forgets it; the driver tells its receivers."""

@@ -96,7 +96,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from transfer import _io, _native, wire
-from transfer.config import MAX_SECONDS
+from transfer.config import check_seconds
 from transfer.engine import RegisteredMemory, _buffer_span
 from transfer.errors import ConfigError, EngineError, UsageError
 from transfer.ports import PortSpec, bind_port
@@ -371,8 +371,7 @@ class WireEngine(RegisteredMemory):
         self.min_rate_bps = float(min_rate_bps)
         for name, value in (("recv_timeout_s", recv_timeout_s), ("idle_timeout_s", idle_timeout_s),
                             ("reply_timeout_s", reply_timeout_s), ("connect_timeout_s", connect_timeout_s)):
-            if not 0 < float(value) <= MAX_SECONDS:
-                raise ConfigError(f"{name} must be a positive number of seconds up to {MAX_SECONDS:.0f}, got {value}")
+            check_seconds(name, value)
         self.writers_per_peer = int(writers_per_peer)
         self.hostname = hostname
         self.chunk_bytes = int(chunk_bytes)

@@ -34,6 +34,7 @@ from live_helpers import (
 )
 
 from transfer.engine import TransferError
+from transfer.errors import UsageError
 from transfer.frames import TransferInfo, registration_frames
 from transfer.metrics import total
 from transfer.sender import SenderPool
@@ -222,7 +223,7 @@ def test_a_send_racing_close_is_refused_and_registers_nothing(engines, server):
     pool._hold_registered = close_meanwhile
     rows = item_tensor(1, SPAN, HIDDEN)
     try:
-        with pytest.raises(RuntimeError, match="sender pool is closed"):
+        with pytest.raises(UsageError, match="sender pool is closed"):
             pool.send(1, rows)
         assert rows.data_ptr() not in encode.registered()
         assert not pool._book.held and not pool._sources.counts.counts()
@@ -495,3 +496,11 @@ def test_a_ready_event_that_never_completes_fails_its_room_within_the_fanout_tim
         assert event.queries / waited < 1600, (event.queries, waited)
     finally:
         pool.close()
+
+
+def test_send_after_close_raises_the_usage_error_every_closed_component_raises(engines, server):
+    encode, _ = engines
+    pool = SenderPool(encode, 0, 1, 1, server.address)
+    pool.close()
+    with pytest.raises(UsageError, match="^sender pool is closed$"):
+        pool.send(1, item_tensor(1, SPAN, HIDDEN))

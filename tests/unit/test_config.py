@@ -10,7 +10,7 @@ import pytest
 
 from transfer import cli, config
 from transfer.config import SETTINGS, renamed, resolve, setting
-from transfer.errors import ConfigError
+from transfer.errors import ConfigError, ConfigTypeError
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -176,6 +176,52 @@ def test_a_sender_pool_refuses_a_poll_schedule_that_cannot_hold(monkeypatch, giv
         monkeypatch.setenv(env, text)
     with pytest.raises(ConfigError, match=message):
         SenderPool(Untouchable(), 0, 1, 1, "127.0.0.1:8998", **given)
+
+
+@pytest.mark.parametrize("component", ["SenderPool", "SessionManager"])
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_integrity_must_be_true_or_false(component, value):
+    from transfer.receiver import SessionManager
+    from transfer.sender import SenderPool
+
+    make = {"SenderPool": lambda: SenderPool(Untouchable(), 0, 1, 1, "127.0.0.1:8998", integrity=value),
+            "SessionManager": lambda: SessionManager(Untouchable(), 0, 1, buffer=object(), integrity=value)}
+    with pytest.raises(ConfigTypeError, match=rf"^{component}: integrity={value!r} must be True or False$"):
+        make[component]()
+
+
+@pytest.mark.parametrize("value, zero_ok, error", [
+    (float("nan"), False, ConfigError), (float("inf"), True, ConfigError), (-1, True, ConfigError),
+    (0, False, ConfigError), (1e300, False, ConfigError), (10**400, False, ConfigError),
+    ("3", False, ConfigTypeError), (True, False, ConfigTypeError), (None, True, ConfigTypeError),
+])
+def test_check_seconds_refuses_what_would_bound_nothing(value, zero_ok, error):
+    with pytest.raises(error, match=rf"^timeout={re.escape(repr(value))} is not a "):
+        config.check_seconds("timeout", value, zero_ok)
+
+
+def test_check_seconds_takes_any_real_number_in_range():
+    import numpy as np
+
+    assert config.check_seconds("timeout", np.float32(0.5)) == 0.5
+    assert config.check_seconds("timeout", 0, zero_ok=True) == 0.0
+    assert config.check_seconds("timeout", 1e6) == 1e6
+
+
+@pytest.mark.parametrize("env, text", [("EPD_SEND_DEPTH", "99999999999999999999999"),
+                                       ("EPD_MAX_PARKED_BYTES", str(10**30))])
+def test_counts_and_bytes_past_any_machine_are_refused(env, text):
+    with pytest.raises(ConfigError, match=rf"^{env}='{text}' is not a positive .* up to "):
+        resolve(env, environ={env: text})
+
+
+def test_a_number_too_large_for_a_float_is_refused_as_a_bad_argument():
+    with pytest.raises(ConfigError, match=r"^deadline_s=1000.* is not a positive number of seconds"):
+        resolve("EPD_DEADLINE_S", 10**400)
+
+
+def test_negative_zero_seconds_read_as_zero():
+    assert str(resolve("EPD_QUARANTINE_S", environ={"EPD_QUARANTINE_S": "-0"})) == "0.0"
 
 
 def test_sub_second_defaults_read_in_their_own_unit():

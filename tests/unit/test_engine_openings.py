@@ -7,6 +7,7 @@ from fakes import MooncakeStandIn
 
 from transfer import engine as engine_module
 from transfer.engine import Engine, EngineError
+from transfer.errors import ConfigError, ConfigTypeError
 
 SRC = 0x10000
 
@@ -136,8 +137,22 @@ def test_probing_can_be_turned_off(monkeypatch):
         engine.register(SRC, 64)
         engine.write("peer:1", [SRC], [0x100], [64])
     assert fake.writes == [("peer:1", 0x100)] and fake.probed == []
-    with pytest.raises(ValueError, match="open_timeout_s must be >= 0"):
+    with pytest.raises(ValueError, match="open_timeout_s=-1 is not a non-negative number of seconds"):
         Engine("127.0.0.1", protocol="tcp", open_timeout_s=-1)
+
+
+@pytest.mark.parametrize("argument", ["open_timeout_s", "transfer_timeout_s"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1, 1e300, 10**400])
+def test_a_timeout_that_would_bound_nothing_is_refused_before_the_engine_starts(monkeypatch, argument, value):
+    monkeypatch.setattr(engine_module, "_import_engine", lambda: pytest.fail("the engine was started"))
+    with pytest.raises(ConfigError, match=f"{argument}=.* is not a .*number of seconds up to 1000000"):
+        Engine("127.0.0.1", protocol="tcp", **{argument: value})
+
+
+def test_a_timeout_of_another_type_is_a_type_error(monkeypatch):
+    monkeypatch.setattr(engine_module, "_import_engine", lambda: pytest.fail("the engine was started"))
+    with pytest.raises(ConfigTypeError, match="transfer_timeout_s='30'"):
+        Engine("127.0.0.1", protocol="tcp", transfer_timeout_s="30")
 
 
 def test_a_write_after_the_answer_goes_behind_the_writes_held_before_it(rig):
