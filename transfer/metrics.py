@@ -18,6 +18,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler
+from typing import Any
 
 from transfer._http import BoundedHTTPServer, OneDeadlineHandler
 from transfer.core.failure import FailureKind
@@ -271,8 +272,8 @@ class Metrics:
 
     def inc(self, name: str, amount: float = 1, **labels: object) -> None:
         """Add a non-negative amount to a counter."""
-        if amount < 0:
-            raise ConfigError(f"counter {name!r} cannot decrease (amount {amount})")
+        if not 0 <= amount < math.inf:  # NaN too: a counter stuck at NaN says nothing again
+            raise ConfigError(f"counter {name!r} takes a finite non-negative amount, not {amount}")
         key = self._series_key(labels)
         with self._lock:
             self._claim(name, "counter")
@@ -419,7 +420,7 @@ class Metrics:
         """Start a /metrics endpoint for this set in a daemon thread; close() stops it."""
         return MetricsServer([self], host=host, port=port)
 
-    def register_with_prometheus_client(self, registry=None):
+    def register_with_prometheus_client(self, registry: Any = None) -> _PrometheusCollector:
         """Register a Collector for these metrics in `registry` (default: the global one); returns it."""
         try:
             from prometheus_client import REGISTRY
@@ -497,10 +498,13 @@ class MetricsServer:
             if not isinstance(source, Metrics):
                 raise ConfigTypeError(f"metric source {source!r} is not a Metrics "
                                 f"(serve(*sources, host=..., port=...) takes host and port by name)")
-            # Two families of one name in one exposition make Prometheus reject the scrape.
-            if source.namespace in seen:
-                raise ConfigError(f"two metric sources share the namespace {source.namespace!r}: "
-                                 f"give each its own (Metrics(namespace=...))")
+            # Two families of one name in one exposition make Prometheus reject the scrape: a
+            # namespace that extends another (a, a_b) could give a_b_c_total from both.
+            for other in seen:
+                if _overlapping(source.namespace, other):
+                    raise ConfigError(f"metric sources with the namespaces {other!r} and {source.namespace!r} "
+                                      f"could name the same family: give each its own (Metrics(namespace=...)), "
+                                      f"neither a prefix of the other")
             seen.add(source.namespace)
         handler = _make_handler(self, request_timeout_s)
         server_class = _MetricsHTTPServer.for_host(host)
@@ -541,6 +545,11 @@ class MetricsServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _overlapping(one: str, other: str) -> bool:
+    """Whether two namespaces are equal or one extends the other (`a` and `a_b`)."""
+    return (one + "_").startswith(other + "_") or (other + "_").startswith(one + "_")
 
 
 class _MetricsHTTPServer(BoundedHTTPServer):

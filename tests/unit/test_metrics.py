@@ -140,8 +140,10 @@ def test_kind_conflicts_and_bad_names():
     m.inc("rooms_started_total")
     with pytest.raises(ValueError, match="is a counter, not a gauge"):
         m.set_gauge("rooms_started_total", 1)
-    with pytest.raises(ValueError, match="cannot decrease"):
-        m.inc("rooms_started_total", -1)
+    for amount in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"takes a finite non-negative amount, not {amount}"):
+            m.inc("rooms_started_total", amount)
+    assert m.snapshot()[0]["value"] == 1
     with pytest.raises(ValueError, match="not a valid Prometheus name"):
         m.inc("bad-name")
     with pytest.raises(ValueError, match="label name 'le'"):

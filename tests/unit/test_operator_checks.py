@@ -75,8 +75,22 @@ def _metrics() -> Metrics:
 
 def test_one_endpoint_refuses_two_sources_with_one_namespace():
     # Two families of the same name in one exposition: Prometheus rejects the whole scrape.
-    with pytest.raises(ValueError, match="two metric sources share the namespace 'epd_prefill'"):
+    with pytest.raises(ValueError, match="namespaces 'epd_prefill' and 'epd_prefill' could name the same family"):
         serve(_metrics(), _metrics())
+
+
+@pytest.mark.parametrize("first, second", [("a", "a_b"), ("a_b", "a")])
+def test_one_endpoint_refuses_a_namespace_that_extends_anothers(first, second):
+    # a's b_c_total and a_b's c_total would both be a_b_c_total.
+    with pytest.raises(ValueError, match=f"namespaces '{first}' and '{second}' could name the same family"):
+        serve(Metrics(first), Metrics(second))
+
+
+def test_namespaces_that_merely_start_alike_do_not_overlap():
+    from transfer.metrics import _overlapping
+
+    assert not _overlapping("epd_prefill", "epd_prefill2") and not _overlapping("epd_prefill", "epd_encode")
+    assert _overlapping("epd", "epd_prefill") and _overlapping("epd_prefill", "epd_prefill")
 
 
 def test_serve_names_a_source_that_is_not_metrics():
