@@ -82,6 +82,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for_sentinels
 from typing import Any
 
+from transfer.cli import _dtype, _positive_int, _seconds
 from transfer.frames import dtype_size, prefill_shard
 
 PATHS = ("raw", "floor", "epd", "wire", "memcpy")
@@ -1527,7 +1528,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench's options on its subcommand parser."""
     parser.add_argument("--sizes", type=parse_sizes, default=None,
                         help=f"item sizes as ROWSxHIDDEN, comma-separated (default {DEFAULT_SIZES})")
-    parser.add_argument("--dtype", default="torch.bfloat16", help="element type of the items")
+    parser.add_argument("--dtype", type=_dtype, default="torch.bfloat16", help="element type of the items")
     parser.add_argument("--fanouts", type=parse_ints, default=None, help="prefill ranks per encode rank (default 1,2,4)")
     parser.add_argument("--encode-ranks", type=parse_ints, default=None,
                         help="encode ranks E (default 1); a cell has E x fanout prefill ranks, each item's rows "
@@ -1536,20 +1537,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--paths", type=parse_paths, default=None, help=f"subset of {','.join(PATHS)} (default all)")
     parser.add_argument("--integrity", type=parse_integrity, default=None,
                         help="epd/wire checksums: on, off or on,off (default on,off)")
-    parser.add_argument("--items", type=int, default=None, help="rooms per cell (default: ~--cell-mib per cell)")
-    parser.add_argument("--cell-mib", type=int, default=None, help="MiB moved per cell when --items is not given (default 256)")
-    parser.add_argument("--min-items", type=int, default=None, help="fewest rooms per cell (default 16)")
+    parser.add_argument("--items", type=_positive_int, default=None, help="rooms per cell (default: ~--cell-mib per cell)")
+    parser.add_argument("--cell-mib", type=_positive_int, default=None, help="MiB moved per cell when --items is not given (default 256)")
+    parser.add_argument("--min-items", type=_positive_int, default=None, help="fewest rooms per cell (default 16)")
     parser.add_argument("--protocol", default="tcp", choices=["tcp", "rdma", "auto"],
                         help="Mooncake protocol of the raw and epd paths")
     parser.add_argument("--host", default="127.0.0.1", help="address every rank binds")
-    parser.add_argument("--depth", type=int, default=None,
+    parser.add_argument("--depth", type=_positive_int, default=None,
                         help="async batches the epd sender pool keeps in flight (default: the pool's own)")
     parser.add_argument("--raw-issue", choices=["async", "sync"], default="async",
                         help="raw writes: write_async + wait (async) or sync writes from --raw-writers threads")
-    parser.add_argument("--raw-writers", type=int, default=2, help="threads for --raw-issue sync")
-    parser.add_argument("--deadline", type=float, default=60.0, help="per-room deadline of the epd and wire paths, seconds")
-    parser.add_argument("--timeout", type=float, default=300.0, help="bound on each step of a cell, seconds")
-    parser.add_argument("--repeat", type=int, default=1,
+    parser.add_argument("--raw-writers", type=_positive_int, default=2, help="threads for --raw-issue sync")
+    parser.add_argument("--deadline", type=_seconds, default=60.0, help="per-room deadline of the epd and wire paths, seconds")
+    parser.add_argument("--timeout", type=_seconds, default=300.0, help="bound on each step of a cell, seconds")
+    parser.add_argument("--repeat", type=_positive_int, default=1,
                         help="runs per cell, the paths of a geometry taking turns; reports the median run")
     parser.add_argument("--log-dir", default=None, help="keep the rank processes' logs here (default: a temporary folder, removed)")
     parser.add_argument("--quick", action="store_true",

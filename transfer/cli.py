@@ -22,6 +22,8 @@ from transfer.frames import normalize_dtype
 def _demo(args: argparse.Namespace) -> int:
     from transfer.harness import Scenario, run
 
+    if not _output_folders_writable("demo", args, ("json",)):
+        return 2
     sc = Scenario(
         encode_ranks=args.encode_ranks, prefill_ranks=args.prefill_ranks, items=args.items,
         span=args.span, hidden=args.hidden, dtype=args.dtype, sharded=not args.identity,
@@ -86,27 +88,35 @@ def _verified_text(summary: dict) -> str:
 def _doctor(args: argparse.Namespace) -> int:
     from transfer import doctor
 
+    if not _output_folders_writable("doctor", args, ("json",)):
+        return 2
     if args.json in (None, "-"):
         return doctor.run(as_json=args.json == "-")
     report = doctor.collect_report()
     sys.stdout.write(doctor.format_checks(report.checks))
     _emit_json("doctor", report.as_dict(), args.json)
-    return 0 if report.data_path_ok else 1
+    return report.exit_status()
 
 
 def _bench(args: argparse.Namespace) -> int:
     from transfer import bench
 
-    # Refuse an output path that cannot be written now, not after minutes of measuring.
-    for option in ("json", "plot"):
+    if not _output_folders_writable("bench", args, ("json", "plot")):
+        return 2
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # unwinds like Ctrl-C: the bench stops its ranks
+    return bench.main(args)
+
+
+def _output_folders_writable(command: str, args: argparse.Namespace, options: tuple[str, ...]) -> bool:
+    """False, saying why in one line, when an output FILE's folder cannot be written now, not after the run."""
+    for option in options:
         path = getattr(args, option, None)
         folder = os.path.dirname(os.path.abspath(path)) if path and path != "-" else ""
         if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-            print(f"epd-transfer bench: --{option} {path}: folder {folder} does not exist or is not writable",
+            print(f"epd-transfer {command}: --{option} {path}: folder {folder} does not exist or is not writable",
                   file=sys.stderr)
-            return 2
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # unwinds like Ctrl-C: the bench stops its ranks
-    return bench.main(args)
+            return False
+    return True
 
 
 def _bootstrap(args: argparse.Namespace) -> int:
@@ -259,24 +269,24 @@ def _ports(text: str) -> int | str:
 
 
 def _seconds(text: str) -> float:
-    """A finite number of seconds > 0."""
+    """A number of seconds > 0 and at most config.MAX_SECONDS."""
     return _seconds_from(text, zero_ok=False)
 
 
 def _non_negative_seconds(text: str) -> float:
-    """A finite number of seconds >= 0."""
+    """A number of seconds >= 0 and at most config.MAX_SECONDS."""
     return _seconds_from(text, zero_ok=True)
 
 
 def _seconds_from(text: str, zero_ok: bool) -> float:
-    """A finite number of seconds, > 0 (or >= 0 when zero_ok); nan and inf are refused."""
+    """Seconds > 0 (>= 0 with zero_ok) up to config.MAX_SECONDS, as the EPD_* seconds settings; nan refused."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+    if not (math.isfinite(value) and 0 <= value <= config.MAX_SECONDS) or (value == 0 and not zero_ok):
         raise argparse.ArgumentTypeError(f"{text!r} is not a {'non-negative' if zero_ok else 'positive'} "
-                                         f"number of seconds")
+                                         f"number of seconds up to {config.MAX_SECONDS:.0f}")
     return value
 
 

@@ -2,15 +2,17 @@
 
 Each check is one line: a level (ok, WARN, FAIL, or -- for "absent, and that
 is fine"), a name, what was found, and the exact fix. The exit code is non-zero
-only when no data path can run (neither mooncake.engine nor transfer._native
-imports). Everything read from the host goes through SYSFS_ROOT, PROC_MODULES
-and the `environ` argument, so tests can fake a device tree.
+only when no data path can run: neither mooncake.engine nor transfer._native
+imports, or an EPD_* variable is set that the components reading it refuse.
+Everything read from the host goes through SYSFS_ROOT, PROC_MODULES and the
+`environ` argument, so tests can fake a device tree.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import difflib
 import importlib.metadata
 import json
 import os
@@ -36,6 +38,13 @@ MOONCAKE_FLAVOURS = {
 }
 
 LEVEL_TAGS = {"ok": "ok", "info": "--", "warn": "WARN", "fail": "FAIL"}
+
+#: The EPD_* variables the scripts read (scripts/launch.sh --help); the library's are transfer.config.SETTINGS.
+SCRIPT_VARIABLES = (
+    "EPD_BOOTSTRAP_BIND", "EPD_BOOTSTRAP_PORT", "EPD_ENCODE_HOST", "EPD_ENCODE_TP", "EPD_EXTRA_ARGS",
+    "EPD_HIDDEN", "EPD_INFLIGHT", "EPD_ITEMS", "EPD_LOG_DIR", "EPD_NO_BOOTSTRAP", "EPD_PREFILL_HOST",
+    "EPD_PREFILL_NODE", "EPD_PREFILL_NODES", "EPD_PREFILL_TP", "EPD_PROTOCOL", "EPD_PYTHON", "EPD_SPAN",
+)
 
 Probe = Callable[[], "tuple[bool, str]"]
 
@@ -70,6 +79,7 @@ class Report:
     rdma_devices: list[dict] = field(default_factory=list)
     mc_env: dict[str, str] = field(default_factory=dict)
     data_path_ok: bool = False
+    env_ok: bool = True
     mooncake: dict = field(default_factory=dict)
     cuda: dict = field(default_factory=dict)
 
@@ -78,6 +88,10 @@ class Report:
         out = asdict(self)
         out["checks"] = [c.as_dict() for c in self.checks]
         return out
+
+    def exit_status(self) -> int:
+        """0 when a data path can run and every EPD_* variable set passes its component's checks, else 1."""
+        return 0 if self.data_path_ok and self.env_ok else 1
 
 
 # ---- small readers ------------------------------------------------------------
@@ -414,24 +428,62 @@ def check_mc_env(mc_env: dict[str, str]) -> Check:
 
 
 def check_epd_env(environ: Mapping[str, str] | None = None) -> Check:
-    """The EPD_* variables set, each parsed as the component that reads it will: a bad one fails here first."""
+    """The EPD_* variables set, each checked as the component that reads it checks it (a bad one fails
+    here first), and a warning for an EPD_* name that nothing reads."""
     from transfer import config
-    from transfer.errors import ConfigError
 
     env = os.environ if environ is None else environ
-    names = [s.env for s in config.SETTINGS if env.get(s.env, "") != ""]
-    bad = []
-    for name in names:
-        try:
-            config.resolve(name, environ=env)
-        except ConfigError as error:
-            bad.append(str(error))
+    library = [s.env for s in config.SETTINGS]
+    names = [name for name in library if env.get(name, "") != ""]
+    unknown = [f"{name} is read by nothing here{_did_you_mean(name, library + list(SCRIPT_VARIABLES))}"
+               for name in sorted(env) if name.startswith("EPD_") and name not in library + list(SCRIPT_VARIABLES)]
+    bad = _epd_env_problems(env)
     if bad:
-        return Check("epd-env", "fail", "; ".join(bad), "fix or unset the variable (README, Configuration)")
+        return Check("epd-env", "fail", "; ".join(bad + unknown), "fix or unset the variable (README, Configuration)")
+    listed = [f"{name}={env[name]}" for name in names if name != "EPD_TOKEN"]
+    listed += ["EPD_TOKEN=(set)"] if "EPD_TOKEN" in names else []  # the token itself stays off
+    if unknown:
+        return Check("epd-env", "warn", "; ".join(([" ".join(listed)] if listed else []) + unknown),
+                     f"unset or rename it: the library reads {' '.join(library)} (README, Configuration), "
+                     f"the launch scripts {' '.join(SCRIPT_VARIABLES)} (scripts/launch.sh --help)")
     if not names:
         return Check("epd-env", "info", "no EPD_* variables set (the documented defaults)")
-    return Check("epd-env", "ok", " ".join(f"{name}={env[name]}" for name in names if name != "EPD_TOKEN")
-                 + (" EPD_TOKEN=(set)" if "EPD_TOKEN" in names else ""))
+    return Check("epd-env", "ok", " ".join(listed))
+
+
+def _epd_env_problems(env: Mapping[str, str]) -> list[str]:
+    """What the components reading the EPD_* variables set would refuse, one message each."""
+    from transfer import config
+    from transfer.bootstrap import check_token
+    from transfer.errors import ConfigError
+
+    values, bad, refused = {}, [], set()
+    for setting in config.SETTINGS:
+        if env.get(setting.env, "") != "":
+            try:
+                values[setting.env] = config.resolve(setting.env, environ=env)
+            except ConfigError as error:
+                bad.append(str(error))
+                refused.add(setting.env)
+    if "EPD_TOKEN" in values:
+        try:
+            check_token(values["EPD_TOKEN"])  # as `epd-transfer bootstrap` and `rank` take it
+        except ConfigError as error:
+            bad.append(f"EPD_TOKEN: {error}")  # never the token itself
+    polls = {"EPD_POLL_MIN_S", "EPD_POLL_MAX_S"}
+    if polls & values.keys() and not polls & refused:
+        try:  # as SenderPool checks the pair
+            config.check_polls("SenderPool", config.resolve("EPD_POLL_MIN_S", environ=env),
+                               config.resolve("EPD_POLL_MAX_S", environ=env))
+        except ConfigError as error:
+            bad.append(str(error))
+    return bad
+
+
+def _did_you_mean(name: str, known: list[str]) -> str:
+    """` (did you mean X?)` for the known name closest to a misspelled one, else ''."""
+    close = difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 # ---- putting it together ----------------------------------------------------------
@@ -468,7 +520,9 @@ def collect_report(sysfs_root: str | None = None, environ: Mapping[str, str] | N
     report.checks.append(wire_check)
     report.mc_env = mc_environment(environ)
     report.checks.append(check_mc_env(report.mc_env))
-    report.checks.append(check_epd_env(environ))
+    env_check = check_epd_env(environ)
+    report.checks.append(env_check)
+    report.env_ok = env_check.level != "fail"
     report.data_path_ok = mooncake_ok or wire_check.level == "ok"
     report.checks.append(_data_path_check(mooncake_ok, wire_check.level == "ok", report.protocol))
     return report
@@ -497,14 +551,14 @@ def format_checks(checks: list[Check]) -> str:
 
 
 def run(as_json: bool = False, out: TextIO | None = None, **collect_args) -> int:
-    """Print the report (text or one JSON object); return 0 when a data path can run, else 1."""
+    """Print the report (text or one JSON object); return its exit status (Report.exit_status)."""
     out = sys.stdout if out is None else out
     report = collect_report(**collect_args)
     if as_json:
         out.write(json.dumps(report.as_dict(), indent=2) + "\n")
     else:
         out.write(format_checks(report.checks))
-    return 0 if report.data_path_ok else 1
+    return report.exit_status()
 
 
 if __name__ == "__main__":

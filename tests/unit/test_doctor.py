@@ -234,3 +234,49 @@ def test_mtu_falls_back_to_the_parent_netdev(sysfs):
     device = doctor.describe_device("rxe0", str(sysfs))
     assert device["ports"][0]["mtu"] == "1500 (netdev eth0)"
     assert device["ports"][0]["gids"][0]["ndev"] is None
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"EPD_POLL_MAX_S": "2"}, "poll_max_s (EPD_POLL_MAX_S) is 2 s; at most 1 s"),
+    ({"EPD_POLL_MIN_S": "0.01", "EPD_POLL_MAX_S": "0.001"}, "poll_min_s (EPD_POLL_MIN_S) 0.01 s is above"),
+    ({"EPD_POLL_MIN_S": "0.002"}, "poll_min_s (EPD_POLL_MIN_S) 0.002 s is above poll_max_s"),
+    ({"EPD_TOKEN": "a\x01b"}, "EPD_TOKEN: the token must be 1 to 4096 printable ASCII characters"),
+])
+def test_epd_env_fails_what_the_components_refuse_and_doctor_exits_1(tmp_path, env, says):
+    code, text = run_doctor(tmp_path, environ=env)
+    line = line_of(text, "epd-env")
+    assert line.startswith("FAIL  ") and says in line
+    assert "\x01" not in line  # the token itself stays off
+    assert code == 1
+    code, js = run_doctor(tmp_path, as_json=True, environ=env)
+    report = json.loads(js)
+    assert code == 1 and report["env_ok"] is False and report["data_path_ok"] is True
+
+
+def test_epd_env_takes_what_the_components_take(tmp_path):
+    env = {"EPD_POLL_MIN_S": "0.0005", "EPD_POLL_MAX_S": "0.5", "EPD_TOKEN": "s3cret"}
+    code, text = run_doctor(tmp_path, environ=env)
+    assert line_of(text, "epd-env").startswith("ok    ") and code == 0
+
+
+def test_an_unknown_epd_name_warns_and_lists_the_known_ones(tmp_path):
+    code, text = run_doctor(tmp_path, environ={"EPD_DEADLNE_S": "5", "EPD_SEND_DEPTH": "8", "EPD_ENCODE_TP": "2"})
+    line = line_of(text, "epd-env")
+    assert line.startswith("WARN  ") and code == 0
+    assert "EPD_SEND_DEPTH=8; EPD_DEADLNE_S is read by nothing here (did you mean EPD_DEADLINE_S?)" in line
+    assert "EPD_ENCODE_TP" not in line.split(" -> fix: ")[0]  # the launch scripts read it
+    fix = line.split(" -> fix: ")[1]
+    assert all(name in fix for name in ["EPD_DEADLINE_S", "EPD_POLL_MAX_S", "EPD_TOKEN", *doctor.SCRIPT_VARIABLES])
+
+
+def test_the_script_variables_are_those_the_scripts_read():
+    import re
+
+    from transfer import config
+
+    scripts = Path(__file__).resolve().parents[2] / "scripts"
+    read = set()
+    for script in scripts.glob("*.sh"):
+        read |= set(re.findall(r"\bEPD_[A-Z0-9_]*[A-Z0-9]\b", script.read_text()))
+    assert read, f"no EPD_* variable in {scripts}"
+    assert set(doctor.SCRIPT_VARIABLES) == read - {s.env for s in config.SETTINGS}

@@ -1,0 +1,84 @@
+"""What the command line refuses before anything starts: seconds past the bound of the EPD_* seconds,
+bench options its ranks would die on, and an output folder that cannot be written."""
+
+from __future__ import annotations
+
+import pytest
+
+from transfer import cli, config, doctor, harness
+
+RANK = ["rank", "--role", "encode", "--rank", "0", "--bootstrap", "127.0.0.1:8998"]
+
+TOO_LONG = [
+    (["demo", "--deadline", "2e6"], "--deadline"),
+    (["demo", "--timeout", "1e300"], "--timeout"),
+    ([*RANK, "--deadline", "2e6"], "--deadline"),
+    ([*RANK, "--timeout", "1e300"], "--timeout"),
+    ([*RANK, "--bootstrap-timeout", "1e7"], "--bootstrap-timeout"),
+    ([*RANK, "--linger", "1e7"], "--linger"),
+    (["bench", "--deadline", "2e6"], "--deadline"),
+]
+
+BENCH_REFUSES = [
+    (["bench", "--items", "-5"], "--items"),
+    (["bench", "--items", "0"], "--items"),
+    (["bench", "--repeat", "-3"], "--repeat"),
+    (["bench", "--timeout", "-1"], "--timeout"),
+    (["bench", "--timeout", "0"], "--timeout"),
+    (["bench", "--raw-writers", "0"], "--raw-writers"),
+    (["bench", "--deadline", "nan"], "--deadline"),
+    (["bench", "--deadline", "-1"], "--deadline"),
+    (["bench", "--depth", "-1"], "--depth"),
+    (["bench", "--cell-mib", "0"], "--cell-mib"),
+    (["bench", "--min-items", "0"], "--min-items"),
+    (["bench", "--dtype", "garbage"], "--dtype"),
+]
+
+
+def _refused_in_one_line(argv: list[str], capsys) -> str:
+    """The one error line parsing argv prints (exit 2)."""
+    with pytest.raises(SystemExit) as done:
+        cli.build_parser().parse_args(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("argv, option", TOO_LONG, ids=[" ".join(a) for a, _ in TOO_LONG])
+def test_seconds_options_stop_at_the_bound_of_the_epd_seconds(argv, option, capsys):
+    err = _refused_in_one_line(argv, capsys)
+    assert f"argument {option}:" in err and f"up to {config.MAX_SECONDS:.0f}" in err
+
+
+def test_the_bound_itself_is_taken():
+    bound = f"{config.MAX_SECONDS:g}"
+    args = cli.build_parser().parse_args(["demo", "--deadline", bound, "--timeout", bound])
+    assert args.deadline == args.timeout == config.MAX_SECONDS
+
+
+@pytest.mark.parametrize("argv, option", BENCH_REFUSES, ids=[" ".join(a) for a, _ in BENCH_REFUSES])
+def test_bench_refuses_what_its_ranks_would_fail_on(argv, option, capsys):
+    assert f"argument {option}:" in _refused_in_one_line(argv, capsys)
+
+
+def test_bench_takes_what_it_took():
+    args = cli.build_parser().parse_args(["bench", "--items", "4", "--repeat", "3", "--depth", "8",
+                                          "--deadline", "2.5", "--timeout", "30", "--dtype", "bfloat16"])
+    assert (args.items, args.repeat, args.depth, args.deadline, args.timeout) == (4, 3, 8, 2.5, 30.0)
+    assert args.dtype == "torch.bfloat16"
+
+
+@pytest.mark.parametrize("command", ["demo", "doctor"])
+def test_an_unwritable_json_folder_is_refused_before_the_run(command, monkeypatch, tmp_path, capsys):
+    def ran(*_args, **_kwargs):
+        raise AssertionError(f"{command} ran before refusing its --json folder")
+
+    monkeypatch.setattr(harness, "run", ran)
+    monkeypatch.setattr(doctor, "collect_report", ran)
+    monkeypatch.setattr(doctor, "run", ran)
+    dest = tmp_path / "missing" / "x.json"
+    assert cli.main([command, "--json", str(dest)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"epd-transfer {command}: --json {dest}: folder {dest.parent} does not exist or is not "
+                   f"writable\n")
