@@ -22,7 +22,7 @@ from transfer.frames import normalize_dtype
 def _demo(args: argparse.Namespace) -> int:
     from transfer.harness import Scenario, run
 
-    if not _output_folders_writable("demo", args, ("json",)):
+    if not _output_folders_writable("demo", args, ("json",)) or _environment_refused("demo"):
         return 2
     sc = Scenario(
         encode_ranks=args.encode_ranks, prefill_ranks=args.prefill_ranks, items=args.items,
@@ -101,10 +101,20 @@ def _doctor(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from transfer import bench
 
-    if not _output_folders_writable("bench", args, ("json", "plot")):
+    if not _output_folders_writable("bench", args, ("json", "plot")) or _environment_refused("bench"):
         return 2
     signal.signal(signal.SIGTERM, _raise_interrupt)  # unwinds like Ctrl-C: the bench stops its ranks
     return bench.main(args)
+
+
+def _environment_refused(command: str) -> bool:
+    """True, saying why in one line, when an EPD_* variable set would make the ranks refuse to start."""
+    from transfer import doctor
+
+    problems = doctor.epd_env_problems(os.environ)
+    if problems:
+        print(f"epd-transfer {command}: {'; '.join(problems)}", file=sys.stderr)
+    return bool(problems)
 
 
 def _output_folders_writable(command: str, args: argparse.Namespace, options: tuple[str, ...]) -> bool:

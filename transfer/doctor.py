@@ -437,7 +437,7 @@ def check_epd_env(environ: Mapping[str, str] | None = None) -> Check:
     names = [name for name in library if env.get(name, "") != ""]
     unknown = [f"{name} is read by nothing here{_did_you_mean(name, library + list(SCRIPT_VARIABLES))}"
                for name in sorted(env) if name.startswith("EPD_") and name not in library + list(SCRIPT_VARIABLES)]
-    bad = _epd_env_problems(env)
+    bad = epd_env_problems(env)
     if bad:
         return Check("epd-env", "fail", "; ".join(bad + unknown), "fix or unset the variable (README, Configuration)")
     listed = [f"{name}={env[name]}" for name in names if name != "EPD_TOKEN"]
@@ -451,7 +451,7 @@ def check_epd_env(environ: Mapping[str, str] | None = None) -> Check:
     return Check("epd-env", "ok", " ".join(listed))
 
 
-def _epd_env_problems(env: Mapping[str, str]) -> list[str]:
+def epd_env_problems(env: Mapping[str, str]) -> list[str]:
     """What the components reading the EPD_* variables set would refuse, one message each."""
     from transfer import config
     from transfer.bootstrap import check_token

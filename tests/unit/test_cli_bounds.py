@@ -82,3 +82,25 @@ def test_an_unwritable_json_folder_is_refused_before_the_run(command, monkeypatc
     err = capsys.readouterr().err
     assert err == (f"epd-transfer {command}: --json {dest}: folder {dest.parent} does not exist or is not "
                    f"writable\n")
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+@pytest.mark.parametrize("environ, said", [
+    ({"EPD_POLL_MAX_S": "2"}, "poll_max_s (EPD_POLL_MAX_S) is 2 s; at most 1 s"),
+    ({"EPD_POLL_MIN_S": "0.005", "EPD_POLL_MAX_S": "0.002"}, "poll_min_s (EPD_POLL_MIN_S) 0.005 s is above"),
+    ({"EPD_TOKEN": "a\x01b"}, "EPD_TOKEN: "),
+])
+def test_a_variable_the_ranks_would_refuse_stops_the_run_before_any_rank_starts(command, environ, said, monkeypatch,
+                                                                                 capsys):
+    from transfer import bench
+
+    def ran(*_args, **_kwargs):
+        raise AssertionError(f"{command} started its ranks")
+
+    monkeypatch.setattr(harness, "run", ran)
+    monkeypatch.setattr(bench, "main", ran)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main([command]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"epd-transfer {command}: ") and said in err and err.count("\n") == 1, err
