@@ -476,7 +476,8 @@ static const char *msg_find(const char *msg, size_t hlen, const char *key, size_
     return found;
 }
 
-/* Reads field `key` as a u64 decimal (optional '+', ASCII digits); 0, or -1 with SPEC.md's words. */
+/* Reads field `key` as a u64 decimal (an optional sign, ASCII digits: Msg.number's grammar; a
+   negative number other than -0 is not a u64); 0, or -1 with SPEC.md's words. */
 static int msg_u64(const char *msg, size_t hlen, const char *key, uint64_t *out, char *why, size_t whylen)
 {
     size_t n;
@@ -485,7 +486,8 @@ static int msg_u64(const char *msg, size_t hlen, const char *key, uint64_t *out,
         snprintf(why, whylen, "PREFILL: missing %s", key);
         return -1;
     }
-    if (n > 0 && v[0] == '+') {
+    int negative = n > 0 && v[0] == '-';
+    if (n > 0 && (v[0] == '+' || v[0] == '-')) {
         v++;
         n--;
     }
@@ -498,11 +500,69 @@ static int msg_u64(const char *msg, size_t hlen, const char *key, uint64_t *out,
         else
             x = x * 10 + d;
     }
-    if (!ok) {
+    if (!ok || (negative && x != 0)) {
         snprintf(why, whylen, "PREFILL: %s: not a number", key);
         return -1;
     }
     *out = x;
+    return 0;
+}
+
+/* Whether s[0..n) is UTF-8 as CPython's strict decoder takes it (no overlong forms, surrogates
+   or code points past U+10FFFF). */
+static int utf8_valid(const unsigned char *s, size_t n)
+{
+    size_t i = 0;
+    while (i < n) {
+        unsigned c = s[i];
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        size_t len;
+        unsigned lo = 0x80, hi = 0xBF; /* the second byte's range */
+        if (c >= 0xC2 && c <= 0xDF) {
+            len = 2;
+        } else if (c >= 0xE0 && c <= 0xEF) {
+            len = 3;
+            lo = c == 0xE0 ? 0xA0 : 0x80;
+            hi = c == 0xED ? 0x9F : 0xBF;
+        } else if (c >= 0xF0 && c <= 0xF4) {
+            len = 4;
+            lo = c == 0xF0 ? 0x90 : 0x80;
+            hi = c == 0xF4 ? 0x8F : 0xBF;
+        } else {
+            return 0;
+        }
+        if (n - i < len || s[i + 1] < lo || s[i + 1] > hi)
+            return 0;
+        for (size_t k = 2; k < len; k++)
+            if (s[i + k] < 0x80 || s[i + k] > 0xBF)
+                return 0;
+        i += len;
+    }
+    return 1;
+}
+
+/* Checks the header as Msg.decode does (UTF-8, every line `key=value`); 0, or -1 with SPEC.md's words. */
+static int msg_header_valid(const char *msg, size_t hlen, char *why, size_t whylen)
+{
+    if (!utf8_valid((const unsigned char *)msg, hlen)) {
+        snprintf(why, whylen, "PREFILL: a message that is not UTF-8");
+        return -1;
+    }
+    size_t at = 0;
+    while (at < hlen) {
+        const char *nl = memchr(msg + at, '\n', hlen - at);
+        size_t end = nl ? (size_t)(nl - msg) : hlen;
+        if (memchr(msg + at, '=', end - at) == NULL) {
+            int shown = (int)(end - at < 64 ? end - at : 64);
+            snprintf(why, whylen, "PREFILL: a header line without '=': \"%.*s%s\"", shown, msg + at,
+                     end - at > 64 ? "..." : "");
+            return -1;
+        }
+        at = end + 1;
+    }
     return 0;
 }
 
@@ -522,7 +582,7 @@ static int parse_prefill(const char *msg, size_t n, wl_prefill *pf, char *why, s
             }
         }
     }
-    if (msg_u64(msg, hlen, "room", &pf->room, why, whylen) < 0)
+    if (msg_header_valid(msg, hlen, why, whylen) < 0 || msg_u64(msg, hlen, "room", &pf->room, why, whylen) < 0)
         return -1;
     pf->room_known = 1;
     uint64_t layers;

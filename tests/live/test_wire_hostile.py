@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from transfer import wire
-from transfer.wire import FrameError, Msg
+from transfer.wire import FrameError, Msg, MsgError
 from transfer.wire_engine import WireEngine
 
 PAGE = 4096
@@ -215,6 +215,33 @@ def test_a_prefill_with_an_empty_header_is_read_as_one_whose_fields_are_missing(
         wire.write_frame(sock, wire.PREFILL, b"\n" + fields + b"\n")
         expect_error(sock, r"^PREFILL: missing room$", room=None)
     assert target.unchanged()
+
+
+@pytest.mark.parametrize("header, pattern", [
+    (b"junk line\n", r"""^PREFILL: a header line without '=': "junk line"$"""),
+    (b"note=\xff\xfe\n", r"^PREFILL: a message that is not UTF-8$"),
+    (b"note=\xed\xa0\x80\n", r"^PREFILL: a message that is not UTF-8$"),  # a surrogate, as Msg.decode refuses
+])
+def test_a_prefill_whose_header_msg_decode_refuses_is_refused(target, header, pattern):
+    """Every other field is valid: the listener reads the header as Msg.decode would, not line by line."""
+    payload = header + prefill(target.base, 64)
+    with pytest.raises(MsgError):
+        Msg.decode(payload)
+    with target.connect() as sock:
+        wire.write_frame(sock, wire.PREFILL, payload)
+        expect_error(sock, pattern, room=None)
+    assert target.unchanged()
+
+
+def test_a_prefill_field_written_minus_zero_reads_as_zero_like_msg_number(target):
+    data = bytes(range(64))
+    with target.connect() as sock:
+        wire.write_frame(sock, wire.PREFILL, prefill(target.base, 64, room="-0"))
+        wire.write_frame(sock, wire.LAYER, layer(0, data))
+        wire.write_frame(sock, wire.FIRST, b"")
+        kind, payload, _ = wire.read_frame(sock)
+    assert kind == wire.RESULT and Msg.decode(payload) == Msg({"bytes": 64, "room": 0}), Msg.decode(payload)
+    assert bytes(target.region[:64].tolist()) == data and target.guards_unchanged()
 
 
 def test_chunks_that_stop_short_then_first(target, sender):
