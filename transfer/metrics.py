@@ -44,6 +44,8 @@ KNOWN_HELP: dict[str, str] = {
     "queue_depth": "Receiver shard writes ready to start, waiting for a free slot in flight or their ready event.",
     "rooms_in_flight": "Rooms asked for and not yet cleared.",
     "rooms_unverified_total": "Rooms concluded Success with no checksum to verify (the encode rank sent none).",
+    "rooms_failed_after_success_total": "Rooms concluded Success that their encode rank then told Failed "
+                                        "(another receiver's write failed): they are Failed now.",
     "statuses_dropped_total": "Status pushes dropped because a receiver stopped draining its queue.",
     "sessions_superseded_total": "Prefill sessions replaced by a restarted rank's new session, by how it was told.",
     "registrations_refused_total": "Registrations refused (a session that announced region lengths sent one without).",
@@ -82,6 +84,7 @@ ROLE_COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
         "rooms_succeeded_total": (),
         "rooms_failed_total": REASON_CATEGORIES,
         "rooms_unverified_total": (),
+        "rooms_failed_after_success_total": (),
         "bytes_received_total": (),
     },
 }

@@ -380,7 +380,8 @@ class SessionManager:
         )
 
     def concluded(self) -> list[int]:
-        """Rooms that reached Success or Failed since the last call, oldest first, each once.
+        """Rooms that reached Success or Failed since the last call, oldest first, each once (a room
+        told Failed after its Success, another receiver of it having failed, comes again as Failed).
 
         Never blocks. For scheduler loops with many rooms outstanding: look at these
         rooms' handles instead of polling every handle each step. A room cleared before

@@ -122,6 +122,17 @@ class RoomTable:
                     self._reason[room] = failure or Failure(FailureKind.OTHER, "failed")
             return is_terminal(now)
 
+    def overturn(self, room: int, failure: Failure) -> bool:
+        """Move a room concluded Success to Failed (Failed overrides any state, SPEC.md section 3); True
+        when it did. The room is reported by take_concluded() again."""
+        with self._lock:
+            if self._status.get(room) is not TransferPoll.Success:
+                return False
+            self._status[room] = TransferPoll.Failed
+            self._reason[room] = failure
+            self._concluded[room] = None
+            return True
+
     def clear(self, room: int) -> None:
         """Forget the room entirely (status and reason); a no-op for an unknown room."""
         with self._lock:

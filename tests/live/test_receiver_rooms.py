@@ -354,6 +354,37 @@ def test_a_cleared_handle_never_reports_the_room_that_reused_its_number(engines)
         new.clear()
 
 
+@pytest.mark.live
+def test_a_failed_after_success_turns_the_room_failed_and_reports_it_again(engines):
+    """SPEC.md section 3: Failed overrides any state. An encode rank tells every receiver Failed when
+    one write of the room failed, those it told Success already included (section 6)."""
+    import torch
+
+    from transfer.frames import status_frames
+    from transfer.metrics import total
+    from transfer.status import TransferPoll
+
+    _, prefill_engine = engines
+    buf = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+    with _stand_in_session(prefill_engine, buf, deadline_s=10) as (manager, bootstrap, encode, _, statuses):
+        handle = manager.receive(9, bootstrap, buf[0])
+        assert len(_messages(encode, 2.0, 2)) == 2  # its registration and its ask
+        statuses.send_multipart(status_frames(9, TransferPoll.Success, 0))
+        assert handle.wait(5) == TransferPoll.Success and manager.concluded() == [9]
+        statuses.send_multipart(status_frames(9, TransferPoll.Failed, 0))
+        deadline = time.monotonic() + 5
+        while handle.poll() != TransferPoll.Failed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert handle.poll() == TransferPoll.Failed
+        assert handle.failure.endswith("(after its Success)"), handle.failure
+        assert manager.concluded() == [9], "reported again, as Failed"
+        stats = manager.stats()
+        assert total(stats, "epd_prefill_rooms_failed_after_success_total") == 1
+        assert total(stats, "epd_prefill_rooms_succeeded_total") == 1
+        assert total(stats, "epd_prefill_rooms_failed_total") == 0
+        handle.clear()
+
+
 _FLOODER = """
 import sys, time, zmq
 sock = zmq.Context.instance().socket(zmq.PUSH)

@@ -18,6 +18,7 @@ from transfer.core.prefill import (
     Disconnect,
     LookUpParallel,
     LookUpRoute,
+    Overturn,
     PrefillCore,
     SendAsk,
     SendCancel,
@@ -235,11 +236,43 @@ def test_success_with_checksums_is_verified_before_it_counts():
     assert isinstance(verify, Verify) and verify.token == token
     assert [(what, addr, n, expected) for what, _, addr, n, expected in verify.checks] == [
         ("embedding", MAIN.embedding.addr + 64, 64, 11), ("deepstack", 0x900000 + 32, 32, 22)]
-    assert c.status(0.2, 1, TransferPoll.Failed, 0) == [], "a status during verification changes nothing"
+    assert c.status(0.2, 1, TransferPoll.Success, 0, (11, 22)) == [], "a Success during verification changes nothing"
     failure = concluded(c.checksum_mismatched(0.3, 1, token, "deepstack", 22, 23))[1]
     assert failure.kind is FailureKind.CHECKSUM
     assert failure.detail == (f"checksum mismatch: room 1, prefill rank 0, deepstack from encode rank 0 at "
                               f"{ENCODE[0]}:{ENCODE[1]}: sent 22, landed 23")
+
+
+def test_a_failed_during_verification_concludes_the_room_failed_and_its_checksum_then_changes_nothing():
+    c = core()
+    routed(c)
+    token, _ = c.receive(0.0, spec(1, slot=1))
+    c.status(0.1, 1, TransferPoll.Success, 0, (11,))
+    failure = concluded(c.status(0.2, 1, TransferPoll.Failed, 0, reason=("write", "write to rank 1 failed")))[1]
+    assert failure.kind is FailureKind.PEER_FAILED and failure.detail.endswith("write: write to rank 1 failed")
+    assert c.checksum_verified(0.3, 1, token) == []
+
+
+def test_a_failed_after_success_overturns_it_once_and_only_from_the_paired_encode_rank():
+    """SPEC.md section 3: Failed overrides any state. Another receiver's write failed after this
+    rank's landed (section 6 tells every receiver): this rank's rows are no use to the item."""
+    c = core(integrity=False)
+    routed(c)
+    token, _ = c.receive(0.0, spec(1, slot=1))
+    assert concluded(c.status(0.1, 1, TransferPoll.Success, 0)) == {1: None}
+    assert kinds(c.status(0.2, 1, TransferPoll.Failed, 3)) == [Warn], "another encode rank's is ignored"
+    (overturn,) = c.status(0.3, 1, TransferPoll.Failed, 0)
+    assert isinstance(overturn, Overturn) and (overturn.room, overturn.token) == (1, token)
+    assert overturn.failure.kind is FailureKind.PEER_FAILED and overturn.failure.detail.endswith("(after its Success)")
+    assert c.status(0.4, 1, TransferPoll.Failed, 0) == [], "once"
+
+
+def test_a_room_concluded_failed_is_not_moved_by_a_later_status():
+    c = core()
+    routed(c)
+    c.receive(0.0, spec(1, slot=1))
+    c.status(0.1, 1, TransferPoll.Failed, 0)
+    assert c.status(0.2, 1, TransferPoll.Success, 0, (11,)) == [] and c.status(0.3, 1, TransferPoll.Failed, 0) == []
 
 
 def test_success_without_checksums_or_integrity_concludes_at_once():

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from transfer.core.failure import Failure, FailureKind
 from transfer.status import RoomTable, TransferPoll, advance, is_terminal
 
 
@@ -122,3 +123,16 @@ def test_room_table_rooms_sorted():
         table.start(room)
     assert table.rooms() == [1, 7, 30]
     assert "3 rooms" in repr(table)
+
+
+def test_room_table_overturns_a_success_to_failed_once_and_reports_it_again():
+    table = RoomTable()
+    table.start(1)
+    table.conclude(1, TransferPoll.Success)
+    assert table.take_concluded() == [1]
+    failure = Failure(FailureKind.PEER_FAILED, "told Failed after its Success")
+    assert table.overturn(1, failure) and table.get(1) is TransferPoll.Failed and table.failure(1) == failure
+    assert table.take_concluded() == [1]
+    assert not table.overturn(1, failure) and not table.overturn(2, failure)
+    table.start(3)
+    assert not table.overturn(3, failure) and table.get(3) is not TransferPoll.Failed, "only a Success is overturned"

@@ -45,6 +45,7 @@ __all__ = [
     "LookUpParallel",
     "LookUpRoute",
     "MemorySafe",
+    "Overturn",
     "PrefillCore",
     "RoomSpec",
     "SendAsk",
@@ -175,6 +176,15 @@ class Conclude:
     token: int
     failure: Failure | None = None
     unverified: bool = False
+
+
+@dataclass(frozen=True)
+class Overturn:
+    """A room concluded Success was told Failed by its encode rank since: it is Failed now."""
+
+    room: int
+    token: int
+    failure: Failure
 
 
 @dataclass(frozen=True)
@@ -558,8 +568,10 @@ class PrefillCore:
         `peer_failed` (the room failed over there, whatever the cause).
         """
         state = self._rooms.get(room)
-        if state is None or state.stage in (VERIFYING, CONCLUDED, HELD):
-            return []  # unknown, cleared, over, or its earlier ask's (held for the cancel's answer): stale
+        if state is None or state.stage == HELD:
+            return []  # unknown, cleared, or its earlier ask's (held for the cancel's answer): stale
+        if state.stage in (VERIFYING, CONCLUDED) and (status is not TransferPoll.Failed or state.outcome is not None):
+            return []  # its conclusion stands: only a Failed overturns a Success (SPEC.md section 3)
         if not state.asked:
             # No encode rank has heard of this room from us yet: an earlier room's under the same number
             # (its manager's predecessor at this endpoint, or a send of it cleared since), or forged.
@@ -577,6 +589,11 @@ class PrefillCore:
             detail = f"{ENCODE_FAILED} ({state.where()})"
             if reason is not None:
                 detail += f": {reason[0]}: {reason[1]}"
+            if state.stage == CONCLUDED:
+                # Told Success, then Failed: another receiver of the room failed (section 6), so
+                # this rank's rows are no use to the item. Its memory is as safe as its Success left it.
+                state.outcome = Failure(FailureKind.PEER_FAILED, f"{detail} (after its Success)")
+                return [Overturn(room, state.token, state.outcome)]
             return self._conclude(state, Failure(FailureKind.PEER_FAILED, detail))
         if status is not TransferPoll.Success:
             return [Advance(room, state.token, status)]

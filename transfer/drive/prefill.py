@@ -43,6 +43,7 @@ from transfer.core.prefill import (
     LookUpParallel,
     LookUpRoute,
     MemorySafe,
+    Overturn,
     PrefillCore,
     RoomSpec,
     SendAsk,
@@ -645,6 +646,8 @@ class PrefillDriver:
                 work += self._push(now, action, refused, dropped, checked)
             elif kind is Conclude:
                 self._conclude(now, action)
+            elif kind is Overturn:
+                self._overturn(action)
             elif kind is Advance:
                 record = self.rooms.get(action.room)
                 if record is not None and record.token == action.token:
@@ -784,10 +787,26 @@ class PrefillDriver:
         record.concluded_at = now
         record.succeeded = failure is None
         record.memory_safe = record.memory_safe or self.core.safe(action.room, action.token)
+        self._tell_waiters()
+
+
+    def _tell_waiters(self) -> None:
+        """Wakes the callers waiting for conclusions (the watching one through its waker)."""
         self.conclusions.notify()
         watcher = self._watcher
         if watcher is not None and watcher != threading.get_ident():
             self._watch_waker.wake()
+
+    def _overturn(self, action: Overturn) -> None:
+        """A room concluded Success is Failed now (its encode rank said so since); counts and logs it."""
+        record = self.rooms.get(action.room)
+        if record is None or record.token != action.token or not self.table.overturn(action.room, action.failure):
+            return
+        self.metrics.inc("rooms_failed_after_success_total")
+        self._failures.warning(action.failure.kind, "room %d failed after its Success: %s", action.room,
+                               action.failure.detail)
+        record.succeeded = False
+        self._tell_waiters()
 
 
 class _LookUps:
