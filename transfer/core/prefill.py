@@ -8,7 +8,7 @@ the rooms that wait on them, a server that failed slowly is not asked again for 
 while, a region is announced before the first ask that lands in it, asks wait in
 order while their encode rank's socket cannot take them, statuses move rooms
 (Failed sticky, a wrong encode rank ignored), and a room concludes once, at the
-latest at its deadline.
+latest at its deadline (a Success its encode rank then says Failed is overturned).
 
 A room given up on after its ask went out (its deadline, or clear() before Success)
 gets a cancel (our extension) on the socket it was asked on; the memory it offered
