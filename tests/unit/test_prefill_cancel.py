@@ -300,3 +300,27 @@ def test_a_room_given_up_at_another_node_while_a_cancel_waits_for_the_same_rank_
     assert c.abandon(0.3, 7, second) == [] and not c.safe(7, second)
     assert c.cancel_answered(0.4, 7, 0, confirmed=True) == [MemorySafe(7, first)]
     assert not c.safe(7, second) and c.pending_cancels == 0
+
+
+def test_an_encode_rank_that_leaves_a_cancel_unanswered_is_sent_no_more_until_it_answers_one():
+    """A peer without the extension answers none and logs each cancel as a malformed frame: past
+    CANCEL_SILENCE_S without an answer, rooms given up there wait out the quarantine instead."""
+    c = core()
+    first = asked(c, 1, now=0.0)
+    assert of(SendCancel, c.abandon(0.0, 1, first))
+    second = asked(c, 2, now=1.0)
+    assert of(SendCancel, c.abandon(1.0, 2, second)), "still within CANCEL_SILENCE_S of the first"
+    third = asked(c, 3, now=prefill.CANCEL_SILENCE_S)
+    assert c.abandon(prefill.CANCEL_SILENCE_S, 3, third) == [] and not c.safe(3, third)
+    assert c.cancel_answered(6.0, 1, 0, confirmed=True) == [MemorySafe(1, first)]
+    fourth = asked(c, 4, now=7.0)
+    assert of(SendCancel, c.abandon(7.0, 4, fourth)), "it answered one: it is sent cancels again"
+
+
+def test_a_fresh_connection_is_sent_cancels_again():
+    c = core()
+    first = asked(c, 1, now=0.0)
+    c.abandon(0.0, 1, first)
+    c.connection_dropped(6.0, ENCODE)
+    second = asked(c, 2, now=6.5)
+    assert of(SendCancel, c.abandon(6.5, 2, second))

@@ -34,6 +34,7 @@ from transfer.status import TransferPoll
 
 __all__ = [
     "ASK_BATCH",
+    "CANCEL_SILENCE_S",
     "ENCODE_FAILED",
     "MAX_ROUTES",
     "MAX_SIZES",
@@ -70,6 +71,11 @@ MAX_ANSWERING = 65536
 #: How long a room asked for again may wait for the answer to the cancel of its earlier ask,
 #: from an encode rank not yet seen to answer cancels (a peer never answers: its ask then goes).
 CANCEL_ANSWER_WAIT_S = 0.5
+
+#: How long an encode rank may leave a cancel unanswered before it is sent no more, until it
+#: answers one or its connection is made afresh: a peer without the extension answers none and
+#: logs each as a malformed frame (our ranks answer within milliseconds).
+CANCEL_SILENCE_S = 5.0
 
 #: How long asks may wait for their encode rank's socket before its route is looked up again:
 #: a rank restarted at another port leaves its old address behind at the bootstrap server until
@@ -336,6 +342,7 @@ class PrefillCore:
         self._cancels: dict[tuple[int, int], list[_Cancel]] = {}  # (room, encode rank) -> awaiting, oldest first
         self._cancel_count = 0
         self._answering: set[Address] = set()  # encode ranks seen to answer cancels
+        self._unanswered_since: dict[Address, float] = {}  # when a cancel there last went unanswered
         self._held: list[tuple[float, int, _Room]] = []  # (when its ask goes anyway, token, room), a heap
 
     # ------------------------------------------------------------ queries
@@ -513,6 +520,7 @@ class PrefillCore:
         if addr in self._conns:
             self._conn_serial += 1
             self._conns[addr] = self._conn_serial
+        self._unanswered_since.pop(addr, None)
         return self._look_up_again(now, addr)
 
     def _look_up_again(self, now: float, addr: Address) -> list:
@@ -540,6 +548,7 @@ class PrefillCore:
             if route == addr:
                 self.announcements.forget(key)
         self._conns.pop(addr, None)
+        self._unanswered_since.pop(addr, None)
         return []
 
     def connect_failed(self, now: float, addr: Address, detail: str) -> list:
@@ -548,6 +557,7 @@ class PrefillCore:
             del self._routes[key]
             self.announcements.forget(key)
         conn = self._conns.pop(addr, None)
+        self._unanswered_since.pop(addr, None)
         self.asks.drop(addr)
         actions: list = []
         for state in list(self._rooms.values()):
@@ -731,12 +741,16 @@ class PrefillCore:
         # A route (addr) is found only after the encode rank is known.
         if state.addr is None or state.encode_rank is None or self._conns.get(state.addr) != state.conn:
             return []
+        since = self._unanswered_since.get(state.addr)
+        if since is not None and now - since >= CANCEL_SILENCE_S:
+            return []  # it answers none: the quarantine makes the memory safe, without a malformed frame there
         pending = self._cancels.setdefault((state.room, state.encode_rank), [])
         if pending and (pending[0].addr != state.addr or pending[-1].conn != state.conn):
             # Answers name only the room and the encode rank: another node's (or connection's) answer to
             # its own cancel would be taken for this one's. Without a cancel only the quarantine makes it safe.
             return []
         pending.append(_Cancel(state.token, state.addr, state.conn, now))
+        self._unanswered_since.setdefault(state.addr, now)
         self._cancel_count += 1
         if self._cancel_count > MAX_PENDING_CANCELS:
             oldest = next(iter(self._cancels))
@@ -772,6 +786,7 @@ class PrefillCore:
     def _heard(self, cancel: _Cancel) -> None:
         """A cancel got its first answer (or its last): its encode rank answers cancels."""
         cancel.answered = True
+        self._unanswered_since.pop(cancel.addr, None)
         if len(self._answering) < MAX_ANSWERING:
             self._answering.add(cancel.addr)
 
@@ -893,6 +908,7 @@ class PrefillCore:
                 del self._routes[key]
                 self.announcements.forget(key)
             del self._conns[addr]
+            self._unanswered_since.pop(addr, None)
             # Nothing of the old socket's queue (expired rooms' asks, whose memory may be
             # reused by then) may reach a rank restarted there, unless this room's cancel
             # follows it: then the socket gets a moment to deliver the cancel.
