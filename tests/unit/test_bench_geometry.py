@@ -106,3 +106,22 @@ def test_the_table_shows_encode_ranks_only_when_some_cell_has_several():
     lines = bench.format_table(both).splitlines()
     assert lines[0].split()[:4] == ["path", "item", "encode", "fanout"]
     assert [line.split()[3] for line in lines[1:]] == ["1", "1", "2"]
+
+
+def _shaped(path, gbps, span, hidden, verified=True):
+    """A 512 KiB row of span x hidden bf16 items."""
+    return dict(_run(path, gbps, 1.0, verified), item_bytes=512 * 1024, span=span, hidden=hidden,
+                dtype="torch.bfloat16")
+
+
+def test_two_items_of_one_size_keep_their_own_raw_rows_and_table_lines():
+    # --sizes 64x4096,128x2048: both 512 KiB. A's raw lost rooms, so A's epd has no ratio, not one to B's raw.
+    rows = [_shaped("raw", 1.0, 64, 4096, verified=False), _shaped("raw", 2.0, 128, 2048),
+            _shaped("epd", 0.9, 64, 4096), _shaped("epd", 1.0, 128, 2048),
+            _shaped("memcpy", 4.0, 64, 4096), _shaped("memcpy", 8.0, 128, 2048)]
+    bench.fill_ratios(rows)
+    assert [r["ratio_to_raw"] for r in rows] == [None, 1.0, None, 0.5, None, 4.0]
+    lines = bench.format_table(rows).splitlines()[1:]
+    assert [line.split("512 KiB ")[1].split()[0] for line in lines] == ["64x4096", "128x2048"] * 3
+    alone = bench.format_table(rows[1::2]).splitlines()[1:]
+    assert all(line.split("512 KiB ")[1].split()[0] == "1" for line in alone)  # the fanout: one item, no shape

@@ -13,8 +13,10 @@ def _args(*argv: str) -> argparse.Namespace:
     return cli.build_parser().parse_args(["bench", *argv])
 
 
-def _epd(size, fanout, inflight, integrity=False, **figures):
-    row = {"path": "epd", "item_bytes": size, "encode_ranks": 1, "fanout": fanout, "inflight": inflight,
+def _epd(size, fanout, inflight, integrity=False, span=None, hidden=4096, **figures):
+    """An epd row of `size` bytes: span x hidden bf16, span taken from size when not given."""
+    row = {"path": "epd", "item_bytes": size, "span": span or size // (hidden * 2), "hidden": hidden,
+           "dtype": "torch.bfloat16", "encode_ranks": 1, "fanout": fanout, "inflight": inflight,
            "integrity": integrity, "verified": True, "cpu_control_ms": None, "p50_added_ms": None,
            "ratio_to_raw": None}
     row.update(figures)
@@ -68,8 +70,33 @@ def test_the_targets_table_names_each_cell_bound_and_verdict():
     rows = [_epd(KIB512, 4, 8, cpu_control_ms=0.25, ratio_to_raw=0.31)]
     lines = bench.format_targets(bench.check_targets(rows)).splitlines()
     assert lines[0].split() == ["figure", "cell", "target", "measured", "met"]
-    cpu = next(line for line in lines if line.startswith("control CPU") and "512 KiB, fanout 4" in line)
-    assert "at most 0.3" in cpu and cpu.split()[-2:] == ["0.25", "yes"]
-    ratio = next(line for line in lines if line.startswith("ratio") and "512 KiB, fanout 4" in line)
-    assert "at least 0.5" in ratio and ratio.split()[-2:] == ["0.31", "no"]
+    cpu = next(line for line in lines if line.startswith("control CPU") and "512 KiB (64x4096), fanout 4" in line)
+    assert "at most 0.3" in cpu and cpu.split()[-2:] == ["0.250", "yes"]
+    ratio = next(line for line in lines if line.startswith("ratio") and "512 KiB (64x4096), fanout 4" in line)
+    assert "at least 0.5" in ratio and ratio.split()[-2:] == ["0.310", "no"]
     assert lines[-1] == f"1 of {len(bench.TARGETS)} targets met ({len(bench.TARGETS) - 2} not measured)"
+
+
+def test_a_measured_figure_never_reads_on_the_wrong_side_of_its_bound():
+    # 0.3049 over a bound of 0.3 failed while the table showed "0.30"; 0.3004 would show "0.300".
+    rows = [_epd(MIB8, 1, 8, cpu_control_ms=0.3049, ratio_to_raw=0.8951),
+            _epd(MIB8, 4, 8, cpu_control_ms=0.6004, ratio_to_raw=0.89996),
+            _epd(KIB512, 1, 1, p50_added_ms=0.2951), _epd(KIB512, 4, 1, p50_added_ms=0.5)]
+    lines = bench.format_targets(bench.check_targets(rows)).splitlines()[1:-1]
+    shown = [line.split()[-2:] for line in lines if not line.endswith("not measured")]
+    assert len(shown) == 6
+    for line, (measured, met) in zip((line for line in lines if not line.endswith("not measured")), shown):
+        bound = float(line.split("at least" if "at least" in line else "at most")[1].split()[0])
+        holds = float(measured) >= bound if "at least" in line else float(measured) <= bound
+        assert holds == (met == "yes"), line
+    assert ["0.305", "no"] in shown and ["0.6004", "no"] in shown and ["0.89996", "no"] in shown
+    assert ["0.500", "yes"] in shown
+
+
+def test_targets_tell_two_items_of_one_size_apart():
+    # 64x4096 and 128x2048 bf16 are both 512 KiB: the target names 64x4096, whichever row comes last.
+    ours = _epd(KIB512, 4, 8, cpu_control_ms=0.1)
+    other = _epd(KIB512, 4, 8, span=128, hidden=2048, cpu_control_ms=0.9)
+    for rows in ([ours, other], [other, ours]):
+        found = _by_cell(bench.check_targets(rows))
+        assert found[("cpu_control_ms", KIB512, 4, 8, False)] == (0.1, True)
