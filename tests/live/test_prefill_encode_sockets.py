@@ -40,6 +40,15 @@ def _room(manager: SessionManager, sender: SenderPool, server: BootstrapServer, 
     return outcome, failure, took
 
 
+def _served_then_gone(engine, manager: SessionManager, server: BootstrapServer, buf: torch.Tensor) -> int:
+    """Room 1 from an encode rank that then stops; its port, once the prefill rank saw it go."""
+    with SenderPool(engine, 0, 1, 1, server.address) as first:
+        assert _room(manager, first, server, 1, buf)[0] == TransferPoll.Success
+        port = first.port
+    time.sleep(2.5)  # the prefill rank's I/O thread reads its monitors once a second
+    return port
+
+
 def test_a_socket_to_an_encode_rank_with_nothing_under_way_is_closed_once_idle(engines, monkeypatch):
     monkeypatch.setattr(drive_prefill, "ASK_IDLE_S", 0.5)
     encode, prefill = engines
@@ -62,10 +71,7 @@ def test_an_encode_rank_restarted_at_another_port_is_looked_up_again(engines):
     buf = torch.zeros(2, ROWS, HIDDEN, dtype=torch.bfloat16)
     with BootstrapServer(HOST, 0) as server, \
             SessionManager(prefill, 0, 1, 1, buffer=buf, host=HOST, deadline_s=10) as manager:
-        with SenderPool(encode, 0, 1, 1, server.address) as first:
-            assert _room(manager, first, server, 1, buf)[0] == TransferPoll.Success
-            old_port = first.port
-        time.sleep(2.5)  # the prefill rank's I/O thread reads its monitors once a second
+        old_port = _served_then_gone(encode, manager, server, buf)
         with SenderPool(encode, 0, 1, 1, server.address) as second:
             assert second.port != old_port
             outcome, failure, took = _room(manager, second, server, 2, buf)
@@ -81,10 +87,7 @@ def test_a_room_asked_while_its_encode_rank_is_down_reaches_it_back_at_another_p
     buf = torch.zeros(2, ROWS, HIDDEN, dtype=torch.bfloat16)
     with BootstrapServer(HOST, 0) as server, \
             SessionManager(prefill, 0, 1, 1, buffer=buf, host=HOST, deadline_s=30) as manager:
-        with SenderPool(encode, 0, 1, 1, server.address) as first:
-            assert _room(manager, first, server, 1, buf)[0] == TransferPoll.Success
-            old_port = first.port
-        time.sleep(2.5)  # the prefill rank's I/O thread reads its monitors once a second
+        old_port = _served_then_gone(encode, manager, server, buf)
         item = torch.randn(ROWS, HIDDEN).to(torch.bfloat16)
         started = time.monotonic()
         handle = manager.receive(2, server.address, buf[0])

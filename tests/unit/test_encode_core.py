@@ -653,20 +653,29 @@ def test_a_room_is_released_only_once_its_predecessors_write_is_over_too():
     assert [(c.room, c.status) for c in run.of(Conclude)] == [(7, TransferPoll.Success)]
 
 
-def _one_of_two_restarted_mid_write(run: Run) -> tuple[list[StartWrite], TransferInfo]:
-    """Room 7 at fanout 2, both writes in flight, when rank 1 restarts at the same status endpoint
-    under a new session that has not asked yet: (the two writes, the successor's ask)."""
-    span = 8
+def _two_writes_in_flight(run: Run, span: int = 8) -> list[StartWrite]:
+    """Room 7 at fanout 2 from ranks 0 and 1 (status ports 6000, 6001), both writes in flight."""
     for rank in range(2):
         run(run.core.registration(Registration("10.0.0.7", 6000 + rank, f"10.0.0.7:{17000 + rank}",
                                                0x10000 * (rank + 1), 0, span * ROW, 0), 0.0))
     run.offer(_offer(7, span=span))
     for rank in range(2):
         run.ask(_ask(7, rank, fanout=2, span=span, ptr=0x10000 * (rank + 1)))
-    writes = run.of(StartWrite)
+    return run.of(StartWrite)
+
+
+def _rank_one_restarts(run: Run, at: float, span: int = 8) -> TransferInfo:
+    """Rank 1 restarts at the same status endpoint under a new session that has not asked yet: its ask."""
     new = "10.0.0.7:18001"
-    run(run.core.registration(Registration("10.0.0.7", 6001, new, 0x90000, 0, span * ROW, 0), 1.0))
-    return writes, _ask(7, 1, fanout=2, span=span, session=new, ptr=0x90000)
+    run(run.core.registration(Registration("10.0.0.7", 6001, new, 0x90000, 0, span * ROW, 0), at))
+    return _ask(7, 1, fanout=2, span=span, session=new, ptr=0x90000)
+
+
+def _one_of_two_restarted_mid_write(run: Run) -> tuple[list[StartWrite], TransferInfo]:
+    """Room 7 at fanout 2, both writes in flight, when rank 1 restarts at the same status endpoint
+    under a new session that has not asked yet: (the two writes, the successor's ask)."""
+    writes = _two_writes_in_flight(run)
+    return writes, _rank_one_restarts(run, 1.0)
 
 
 @pytest.mark.parametrize("old_write", ["fails", "lands"])
@@ -711,17 +720,10 @@ def test_a_room_one_of_whose_receivers_restarted_fails_everywhere_at_the_fanout_
 def test_a_receiver_that_restarts_after_it_was_served_leaves_its_room_to_succeed():
     """Rank 1's rows landed and it was told Success before it restarted: its shard is done, so the room
     concludes Success when rank 0's write lands, and nobody is told Failed."""
-    span = 8
     run = Run()
-    for rank in range(2):
-        run(run.core.registration(Registration("10.0.0.7", 6000 + rank, f"10.0.0.7:{17000 + rank}",
-                                               0x10000 * (rank + 1), 0, span * ROW, 0), 0.0))
-    run.offer(_offer(7, span=span))
-    for rank in range(2):
-        run.ask(_ask(7, rank, fanout=2, span=span, ptr=0x10000 * (rank + 1)))
-    first, second = run.of(StartWrite)
+    first, second = _two_writes_in_flight(run)
     run(run.core.write_done(second.wid, (5,), 1.0))
-    run(run.core.registration(Registration("10.0.0.7", 6001, "10.0.0.7:18001", 0x90000, 0, span * ROW, 0), 1.1))
+    _rank_one_restarts(run, 1.1)
     done = run(run.core.write_done(first.wid, (3,), 1.2))
     assert run.conclusions() == [(7, TransferPoll.Success, None)] and [r.room for r in run.of(Release, done)] == [7]
     run(run.core.tick(30.0))
