@@ -113,6 +113,10 @@ static int io_loop(int fd, struct iovec *iov, int cnt, int writing, double timeo
         if (n > 0) {
             *done += (size_t)n;
             iov_advance(&iov, &cnt, (size_t)n);
+            /* A signal that cut a call short after some bytes moved says so by a short count, not
+               EINTR: its handler runs before the next call blocks. */
+            if (cnt > 0 && check_signals(ts) < 0)
+                return IO_SIGNAL;
             continue;
         }
         if (n == 0)

@@ -14,7 +14,9 @@ PyObject *epd_LayerError;
 /* Reads an int argument that must fit in u32; `what` names it in the error. */
 static int u32_arg(PyObject *obj, const char *what, uint32_t *out)
 {
-    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    PyObject *index = PyNumber_Index(obj); /* numpy's and torch's integers too, as epd_u64_arg takes them */
+    unsigned long long v = index == NULL ? (unsigned long long)-1 : PyLong_AsUnsignedLongLong(index);
+    Py_XDECREF(index);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) {
         if (PyErr_ExceptionMatches(PyExc_OverflowError) || PyErr_ExceptionMatches(PyExc_TypeError)) {
             PyErr_Clear();

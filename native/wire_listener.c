@@ -110,6 +110,7 @@ typedef struct wl_listener {
     int port;
     int started; /* the accept thread runs */
     atomic_int closed;
+    pthread_mutex_t close_lock; /* held for a whole close: a second closer returns once it is done */
     atomic_int stopping;
     pthread_t accept_thread;
     int recv_timeout_ms, idle_timeout_ms;
@@ -925,8 +926,8 @@ static void *conn_main(void *arg)
             break;
         char first;
         ssize_t k = recv(fd, &first, 1, MSG_PEEK | MSG_DONTWAIT);
-        if (k == 0)
-            break; /* the peer closed an idle connection: not an error */
+        if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+            break; /* the peer closed or reset an idle connection: no transfer, so not a refused one */
         /* The transfer's clock starts with its first byte: the idle wait before it is not the peer's
            slowness. */
         io.start_ns = now_ns();
@@ -1221,12 +1222,9 @@ static int bind_listener(wl_listener *l, const char *host, int port, char *why, 
     return 0;
 }
 
-/* Stops accepting, wakes and joins every thread, closes every socket; idempotent. */
-static void listener_close(wl_listener *l)
+/* Stops accepting, wakes and joins every thread, closes every socket (listener_close's work, once). */
+static void stop_and_join(wl_listener *l)
 {
-    /* Two Python threads may close at once (the GIL is released here): only the first stops and joins. */
-    if (atomic_exchange(&l->closed, 1))
-        return;
     atomic_store(&l->stopping, 1);
     if (l->started) {
         ssize_t w = write(l->wake[1], "x", 1);
@@ -1252,10 +1250,22 @@ static void listener_close(wl_listener *l)
     close(l->wake[1]);
 }
 
+/* Stops and joins the listener's threads and closes its sockets; idempotent. */
+static void listener_close(wl_listener *l)
+{
+    /* Two Python threads may close at once (the GIL is released here): the first stops and joins,
+       the second waits for it, so neither returns while a thread may still copy into memory. */
+    pthread_mutex_lock(&l->close_lock);
+    if (!atomic_exchange(&l->closed, 1))
+        stop_and_join(l);
+    pthread_mutex_unlock(&l->close_lock);
+}
+
 /* Frees a closed listener. */
 static void listener_free(wl_listener *l)
 {
     listener_close(l);
+    pthread_mutex_destroy(&l->close_lock);
     pthread_rwlock_destroy(&l->regions_lock);
     pthread_mutex_destroy(&l->lock);
     free(l->regions);
@@ -1362,6 +1372,7 @@ PyObject *epd_py_wire_listen(PyObject *self, PyObject *args, PyObject *kwargs)
     l->chunk_limit = (size_t)chunk_limit;
     l->wake[0] = l->wake[1] = -1;
     pthread_mutex_init(&l->lock, NULL);
+    pthread_mutex_init(&l->close_lock, NULL);
     pthread_rwlockattr_t attr;
     pthread_rwlockattr_init(&attr);
     /* A waiting unregister() must not starve behind a stream of copies. */
@@ -1381,6 +1392,7 @@ PyObject *epd_py_wire_listen(PyObject *self, PyObject *args, PyObject *kwargs)
         l->closed = 1;
         if (l->lfd >= 0)
             close(l->lfd);
+        pthread_mutex_destroy(&l->close_lock);
         pthread_rwlock_destroy(&l->regions_lock);
         pthread_mutex_destroy(&l->lock);
         free(l->conns);

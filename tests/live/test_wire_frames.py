@@ -352,6 +352,35 @@ def test_gil_released_while_blocked_in_read(pair):
     assert time.monotonic() - start < 5 and count > 1000
 
 
+def test_a_signal_that_cuts_a_blocking_write_short_has_its_handler_run_at_once():
+    """sendmsg interrupted after some bytes moved returns a short count, not EINTR: the handler's
+    exception must still end the write then, not once the stalled peer reads again."""
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(*_):
+        raise Interrupted
+
+    a, b = socket.socketpair()  # blocking, and nobody reads b until the rescue below
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+    rescue = threading.Timer(5.0, lambda: b.shutdown(socket.SHUT_RDWR))  # bounds the test if the bug is back
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        rescue.start()
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        started = time.monotonic()
+        with pytest.raises(Interrupted):
+            _native.write_frame(a.fileno(), wire.GEN, [b"x" * (32 << 20)], -1.0)
+        assert time.monotonic() - started < 2.5, "the handler waited for the peer to read"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        rescue.cancel()
+        a.close()
+        b.close()
+
+
 def test_eintr_is_retried():
     a, b = socket.socketpair()
     calls = []

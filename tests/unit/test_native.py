@@ -193,6 +193,14 @@ def test_layer_header_full_ranges():
             wire.layer_header(0, 1, bad)
 
 
+def test_layer_and_rows_take_any_integer_type_as_the_checksum_does():
+    want = wire.layer_header(1, 2, 3)
+    assert wire.layer_header(np.uint32(1), np.int64(2), np.uint64(3)) == want
+    assert wire.layer_header(torch.tensor(1).item(), torch.tensor(2, dtype=torch.int32), 3) == want
+    with pytest.raises(ValueError, match=r"^rows must be an int in 0\.\.4294967295, got 2\.0"):
+        wire.layer_header(1, 2.0, 3)
+
+
 def test_a_layer_list_changed_while_its_addresses_are_read_is_sent_as_it_was_given():
     import os
 
