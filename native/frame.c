@@ -113,9 +113,11 @@ static int io_loop(int fd, struct iovec *iov, int cnt, int writing, double timeo
         if (n > 0) {
             *done += (size_t)n;
             iov_advance(&iov, &cnt, (size_t)n);
-            /* A signal that cut a call short after some bytes moved says so by a short count, not
-               EINTR: its handler runs before the next call blocks. */
-            if (cnt > 0 && check_signals(ts) < 0)
+            /* A blocking write returns short only when a signal cut it after some bytes moved (not
+               EINTR): its handler runs before the next call blocks. Short writes to a non-blocking
+               socket are its buffer filling, and short reads are normal: neither takes the GIL here
+               (the waits below see a signal as EINTR). */
+            if (cnt > 0 && writing && timeout < 0 && check_signals(ts) < 0)
                 return IO_SIGNAL;
             continue;
         }
