@@ -377,6 +377,7 @@ def test_a_failed_after_success_turns_the_room_failed_and_reports_it_again(engin
             time.sleep(0.01)
         assert handle.poll() == TransferPoll.Failed
         assert handle.failure.endswith("(after its Success)"), handle.failure
+        assert handle.safe_to_reuse, "its write was over when it was told Success"
         assert manager.concluded() == [9], "reported again, as Failed"
         stats = manager.stats()
         assert total(stats, "epd_prefill_rooms_failed_after_success_total") == 1

@@ -324,3 +324,26 @@ def test_a_fresh_connection_is_sent_cancels_again():
     c.connection_dropped(6.0, ENCODE)
     second = asked(c, 2, now=6.5)
     assert of(SendCancel, c.abandon(6.5, 2, second))
+
+
+def test_a_cancel_the_socket_did_not_take_starts_no_silence_and_holds_nothing_back():
+    """No answer can come for a cancel never sent: the rank is not taken for one that answers none,
+    and a room asked again does not wait for that answer."""
+    c = core()
+    _answering(c)
+    first = asked(c, 1, now=0.0)
+    (cancel,) = of(SendCancel, c.abandon(0.0, 1, first))
+    c.clear(0.0, 1, first)
+    assert c.cancel_unsent(0.0, 1, cancel.token) == [] and c.pending_cancels == 0
+    assert not c.safe(1, first)
+    second = asked(c, 1, now=0.1)  # not held for an answer
+    assert of(SendCancel, c.abandon(prefill.CANCEL_SILENCE_S + 1, 1, second))
+
+
+def test_a_rank_known_to_answer_cancels_is_sent_them_whatever_one_lost_cancel():
+    c = core()
+    _answering(c)
+    first = asked(c, 1, now=0.0)
+    c.abandon(0.0, 1, first)  # its cancel is lost on the way
+    second = asked(c, 2, now=prefill.CANCEL_SILENCE_S + 1)
+    assert of(SendCancel, c.abandon(prefill.CANCEL_SILENCE_S + 1, 2, second))

@@ -265,6 +265,7 @@ def test_a_failed_after_success_overturns_it_once_and_only_from_the_paired_encod
     assert isinstance(overturn, Overturn) and (overturn.room, overturn.token) == (1, token)
     assert overturn.failure.kind is FailureKind.PEER_FAILED and overturn.failure.detail.endswith("(after its Success)")
     assert c.status(0.4, 1, TransferPoll.Failed, 0) == [], "once"
+    assert c.abandon(0.5, 1, token) == [], "its write was over, as its Success said: nothing to cancel"
 
 
 def test_a_room_concluded_failed_is_not_moved_by_a_later_status():
@@ -380,45 +381,52 @@ def test_a_dropped_connection_is_looked_up_again_and_has_its_regions_announced_a
 
 def test_rooms_whose_asks_never_left_for_a_dropped_connection_are_looked_up_again():
     """An encode rank restarted at another port: asks that waited for the old socket go to the new one,
-    in their order, before any room received later; the old address has nothing left under way."""
+    in their order, before any room received later, behind one look-up."""
     c = core()
     routed(c)
     c.refused(0.0, ENCODE, c.receive(0.0, spec(1, slot=1))[1])
     c.receive(0.1, spec(2, slot=2))
     assert c.stage(1) == c.stage(2) == "queued"
     assert c.connection_dropped(0.2, ENCODE) == [LookUpRoute(KEY0)]
-    assert c.stage(1) == c.stage(2) == "lookup" and c.idle(ENCODE)
+    assert c.stage(1) == c.stage(2) == "queued", "they wait where they are until the look-up says otherwise"
     assert c.receive(0.3, spec(3, slot=3))[1] == [], "it joins the look-up under way"
     moved = ("10.0.0.2", 7001)
     actions = c.route_resolved(0.4, KEY0, moved)
     assert kinds(actions) == [Announce, SendAsk, SendAsk, SendAsk] and {a.addr for a in actions} == {moved}
     assert [a.room for a in actions if isinstance(a, SendAsk)] == [1, 2, 3]
+    assert c.idle(ENCODE)
 
 
 def test_asks_that_waited_for_a_socket_too_long_are_looked_up_again():
     """No connection was ever made at the address the bootstrap server named (a stale one): after
-    QUEUED_LOOKUP_S its rooms are looked up again, and asked wherever the rank is now."""
+    QUEUED_LOOKUP_S their route is looked up again, and they are asked wherever the rank is now."""
     c = core()
     routed(c)
     c.refused(0.0, ENCODE, c.receive(0.0, spec(1, slot=1))[1])
     c.refused(0.5, ENCODE, c.receive(0.5, spec(2, slot=2))[1])
     assert c.next_wakeup() == QUEUED_LOOKUP_S
     assert c.tick(QUEUED_LOOKUP_S - 0.01) == [] and c.stage(1) == "queued"
-    assert c.tick(QUEUED_LOOKUP_S) == [LookUpRoute(KEY0)] and c.stage(1) == c.stage(2) == "lookup"
-    assert c.next_wakeup() == c.deadline_s, "only the deadlines are left to wake for"
+    assert c.tick(QUEUED_LOOKUP_S) == [LookUpRoute(KEY0)] and c.stage(1) == c.stage(2) == "queued"
+    assert c.next_wakeup() == 2 * QUEUED_LOOKUP_S, "and again as long after, while they wait"
     moved = ("10.0.0.2", 7001)
     actions = c.route_resolved(2.1, KEY0, moved)
     assert [(type(a), a.addr) for a in actions] == [(Announce, moved), (SendAsk, moved), (SendAsk, moved)]
+    assert c.route(KEY0) == moved and c.next_wakeup() == c.deadline_s
 
 
-def test_asks_looked_up_again_at_the_same_address_wait_there_anew():
+def test_asks_whose_route_is_unchanged_or_cannot_be_looked_up_wait_where_they_are():
+    """A look-up that names the same address, fails, or is not made (its server's breaker is open)
+    costs the waiting asks nothing: they go out once the socket takes them."""
     c = core()
     routed(c)
     c.refused(0.0, ENCODE, c.receive(0.0, spec(1, slot=1))[1])
     c.tick(QUEUED_LOOKUP_S)
-    c.refused(2.1, ENCODE, c.route_resolved(2.1, KEY0, ENCODE))
-    assert c.stage(1) == "queued" and c.next_wakeup() == 2.1 + QUEUED_LOOKUP_S
-    assert c.tick(4.0) == [], "not again before another QUEUED_LOOKUP_S"
+    assert c.route_resolved(2.1, KEY0, ENCODE) == [] and c.stage(1) == "queued"
+    assert c.tick(2 * QUEUED_LOOKUP_S - 0.01) == [], "not again before another QUEUED_LOOKUP_S"
+    assert c.tick(2 * QUEUED_LOOKUP_S) == [LookUpRoute(KEY0)]
+    assert c.lookup_failed(5.9, BOOT, KEY0, "timed out", took_s=1.9) == [] and c.stage(1) == "queued"
+    assert c.tick(3 * QUEUED_LOOKUP_S) == [], "the breaker that slow failure opened: no look-up, the asks stay"
+    assert kinds(c.writable(6.1, ENCODE)) == [SendAsk] and c.stage(1) == "asked"
 
 
 def test_a_queued_room_cleared_before_its_connection_dropped_is_not_looked_up_again():
@@ -444,6 +452,22 @@ def test_the_oldest_route_and_sizes_are_forgotten_past_their_bounds(monkeypatch)
     assert c.receive(1.0, first)[1] == [LookUpParallel("10.0.1.1:8998")]
     last = dataclasses.replace(spec(2, slot=2), bootstrap_addr="10.0.1.3:8998")
     assert kinds(c.receive(1.0, last)[1]) == [Announce, SendAsk]
+
+
+def test_a_route_forgotten_past_the_bound_is_announced_to_again(monkeypatch):
+    """The encode rank may have restarted while its route was forgotten: nothing remembered of what
+    it was told may spare the next room its registration."""
+    from transfer.core import prefill
+
+    monkeypatch.setattr(prefill, "MAX_ROUTES", 1)
+    c = core()
+    routed(c)  # KEY0's encode rank was told of the region
+    assert kinds(c.receive(0.0, spec(1, slot=1))[1]) == [SendAsk]
+    other = ("10.0.1.1:8998", 0, 0)
+    c.parallel_resolved(0.1, other[0], 1, 1)
+    c.route_resolved(0.1, other, ("10.0.1.9", 7000))  # KEY0's route is forgotten
+    assert c.receive(0.2, spec(2, slot=2))[1] == [LookUpRoute(KEY0)]
+    assert kinds(c.route_resolved(0.3, KEY0, ENCODE)) == [Announce, SendAsk]
 
 
 def test_an_address_is_idle_only_with_nothing_under_way_there():

@@ -67,13 +67,36 @@ class AskQueues:
             del self._queues[addr]
         return len(kept)
 
+    def items(self, addr: Hashable) -> list[Any]:
+        """The asks waiting for `addr`, oldest first."""
+        return list(self._queues.get(addr, ()))
+
+    def remove(self, addr: Hashable, taken: Callable[[Any], bool]) -> list[Any]:
+        """Takes the asks waiting for `addr` that `taken` picks (they move elsewhere), oldest first."""
+        queue = self._queues.get(addr)
+        if queue is None:
+            return []
+        out = [ask for ask in queue if taken(ask)]
+        if out:
+            self.prune(addr, lambda ask: not taken(ask))
+        return out
+
     def drop(self, addr: Hashable) -> list[Any]:
         """Takes every ask waiting for `addr` (its connection is given up)."""
         return list(self._queues.pop(addr, ()))
 
-    def heads(self) -> list[tuple[Any, Any]]:
-        """Each address with asks waiting and its oldest ask."""
-        return [(addr, queue[0]) for addr, queue in self._queues.items()]
+    def heads(self, live: Callable[[Any], bool]) -> list[tuple[Any, Any]]:
+        """Each address with asks waiting and its oldest one that `live` keeps (older ones it refuses,
+        rooms cleared since, are forgotten)."""
+        out = []
+        for addr, queue in list(self._queues.items()):
+            while queue and not live(queue[0]):
+                queue.popleft()
+            if queue:
+                out.append((addr, queue[0]))
+            else:
+                del self._queues[addr]
+        return out
 
     def addresses(self) -> list[Hashable]:
         """The addresses with asks waiting, in the order they first queued."""

@@ -77,9 +77,9 @@ CANCEL_ANSWER_WAIT_S = 0.5
 #: logs each as a malformed frame (our ranks answer within milliseconds).
 CANCEL_SILENCE_S = 5.0
 
-#: How long asks may wait for their encode rank's socket before its route is looked up again:
-#: a rank restarted at another port leaves its old address behind at the bootstrap server until
-#: it registers again, and no connection is ever made there.
+#: How long asks may wait for their encode rank's socket before its route is looked up again
+#: (and again each time as long after): a rank restarted at another port leaves its old address
+#: behind at the bootstrap server until it registers again, and no connection is ever made there.
 QUEUED_LOOKUP_S = 2.0
 
 #: Bootstrap servers whose sizes, and encode ranks whose addresses, are remembered (past
@@ -291,12 +291,15 @@ class _Room:
         return f"encode rank {self.encode_rank} at {host}:{port}"
 
 
-def _remember(cache: dict, key: Any, value: Any, limit: int) -> None:
-    """Files `value` under `key` as the newest entry, forgetting the oldest past `limit`."""
+def _remember(cache: dict, key: Any, value: Any, limit: int) -> list:
+    """Files `value` under `key` as the newest entry, forgetting the oldest past `limit`; the keys forgotten."""
     cache.pop(key, None)
     cache[key] = value
+    forgotten = []
     while len(cache) > limit:
-        del cache[next(iter(cache))]
+        forgotten.append(next(iter(cache)))
+        del cache[forgotten[-1]]
+    return forgotten
 
 
 class PrefillCore:
@@ -335,6 +338,8 @@ class PrefillCore:
         self._deadlines: list[tuple[float, int, _Room]] = []
         self._parallel: dict[str, tuple[int, int]] = {}
         self._routes: dict[RouteKey, Address] = {}
+        self._probes: dict[RouteKey, Address] = {}  # routes looked up again: where their queued asks wait
+        self._probed_at: dict[Address, float] = {}  # when the routes of asks waiting there were looked up again
         self._awaiting_parallel: dict[str, list[_Room]] = {}
         self._awaiting_route: dict[RouteKey, list[_Room]] = {}
         self._conns: dict[Address, int] = {}  # the connection in use per encode address
@@ -386,7 +391,7 @@ class PrefillCore:
         while held and not self._in(held[0][2], HELD):
             heapq.heappop(held)
         due = [h[0][0] for h in (heap, held) if h]
-        due += [head.asked_at + QUEUED_LOOKUP_S for _, head in self.asks.heads()]
+        due += [self._recheck_due(addr, head) for addr, head in self.asks.heads(self._queued)]
         return min(due) if due else None
 
     def deadline_entries(self) -> int:
@@ -449,6 +454,20 @@ class PrefillCore:
         self._heard(cancel)
         return [MemorySafe(room, cancel.token), *self._release(now, room, rank)]
 
+    def cancel_unsent(self, now: float, room: int, token: int) -> list:
+        """The socket did not take the room's cancel: no answer will come for it (its memory waits out
+        the quarantine), so it holds nothing back and says nothing of its encode rank's silence."""
+        for (number, rank), cancels in list(self._cancels.items()):
+            for cancel in cancels:
+                if number == room and cancel.token == token and not cancel.answered:
+                    cancels.remove(cancel)
+                    if not cancels:
+                        del self._cancels[(number, rank)]
+                    self._cancel_count -= 1
+                    self._unanswered_since.pop(cancel.addr, None)
+                    return self._release(now, room, rank)
+        return []
+
     def clear(self, now: float, room: int, token: int | None = None) -> bool:
         """Forgets the room (its asks not yet sent never go out); False when it was not held."""
         state = self._rooms.get(room)
@@ -468,10 +487,19 @@ class PrefillCore:
         return actions
 
     def route_resolved(self, now: float, key: RouteKey, addr: Address) -> list:
-        """The bootstrap server told where an encode rank listens."""
-        _remember(self._routes, key, addr, MAX_ROUTES)
+        """The bootstrap server told where an encode rank listens: rooms waiting for that go, and asks
+        that waited at another address for it (`_recheck`) move there, in their order."""
+        for forgotten in _remember(self._routes, key, addr, MAX_ROUTES):
+            self.announcements.forget(forgotten)
         self.breaker.succeeded(key[0])
         actions: list = []
+        old = self._probes.pop(key, None)
+        if old is not None and old != addr:
+            self.announcements.forget(key)  # a rank elsewhere has heard nothing
+            moved = [state for state in self.asks.remove(old, lambda queued: queued.route_key == key)
+                     if self._queued(state)]
+            for i, state in enumerate(moved):
+                actions += self._ask(now, state, addr, defer=i >= self.ask_batch)
         waiting = [state for state in self._awaiting_route.pop(key, ()) if self._looking_up(state)]
         for i, state in enumerate(waiting):
             # Past a batch, the rest wait in the ask queue: the driver sends them a batch per turn.
@@ -480,8 +508,11 @@ class PrefillCore:
 
     def lookup_failed(self, now: float, bootstrap_addr: str, key: RouteKey | None, detail: str,
                       took_s: float) -> list:
-        """A look-up (of the sizes when `key` is None, else of a route) failed after `took_s`."""
+        """A look-up (of the sizes when `key` is None, else of a route) failed after `took_s`: the rooms
+        waiting for it fail; asks waiting at the route's last address keep waiting there."""
         self.breaker.failed(bootstrap_addr, now, took_s, detail)
+        if key is not None:
+            self._probes.pop(key, None)
         waiting = self._awaiting_parallel.pop(bootstrap_addr, ()) if key is None else self._awaiting_route.pop(key, ())
         failure = Failure(FailureKind.BOOTSTRAP, f"bootstrap {bootstrap_addr}: {detail}")
         return [action for state in waiting if self._looking_up(state) for action in self._conclude(state, failure)]
@@ -511,8 +542,10 @@ class PrefillCore:
 
     def connection_dropped(self, now: float, addr: Address) -> list:
         """The connection to `addr` was lost: its encode rank may have restarted, there or at another
-        port. The rooms whose asks never left for it are looked up again with the next rooms, and a
-        rank restarted there hears every region again. Rooms asked there keep waiting for it.
+        port. The next room for it looks it up again, a rank restarted there hears every region
+        again, and the asks that never left for it are looked up again too: they move if it moved,
+        and wait where they are otherwise (a failed look-up fails none of them). Rooms asked there
+        keep waiting for it.
 
         What follows goes on a fresh connection: a cancel sent before the drop may never be read,
         so it holds back no later ask's statuses (`status`), and a later cancel of the same room
@@ -521,19 +554,29 @@ class PrefillCore:
             self._conn_serial += 1
             self._conns[addr] = self._conn_serial
         self._unanswered_since.pop(addr, None)
-        return self._look_up_again(now, addr)
-
-    def _look_up_again(self, now: float, addr: Address) -> list:
-        """Forgets the routes to `addr` and what was announced there; its never-sent asks are routed afresh."""
+        self.asks.prune(addr, self._queued)
+        actions = self._recheck(now, addr)
         for key in [key for key, route in self._routes.items() if route == addr]:
             del self._routes[key]
             self.announcements.forget(key)
-        actions: list = []
-        for state in self.asks.drop(addr):
-            if self._in(state, QUEUED):
-                state.stage, state.addr = LOOKUP, None
-                actions += self._route(now, state)
         return actions
+
+    def _recheck(self, now: float, addr: Address) -> list:
+        """Looks up again the routes of the asks waiting at `addr` (route_resolved moves them if the
+        rank moved), unless their bootstrap server is not being asked now."""
+        self._probed_at[addr] = now
+        actions: list = []
+        for key in dict.fromkeys(state.route_key for state in self.asks.items(addr) if self._queued(state)):
+            if key is None or key in self._probes or self.breaker.refusal(key[0], now) is not None:
+                continue
+            self._probes[key] = addr
+            if not self._awaiting_route.get(key):  # else the look-up under way answers for both
+                actions.append(LookUpRoute(key))
+        return actions
+
+    def _recheck_due(self, addr: Address, head: _Room) -> float:
+        """When the asks waiting at `addr` (the oldest being `head`) have their routes looked up again."""
+        return max(head.asked_at, self._probed_at.get(addr, head.asked_at)) + QUEUED_LOOKUP_S
 
     def idle(self, addr: Address) -> bool:
         """Whether nothing is under way at `addr`: no room held for it, no ask waiting, no cancel unanswered."""
@@ -601,8 +644,10 @@ class PrefillCore:
                 detail += f": {reason[0]}: {reason[1]}"
             if state.stage == CONCLUDED:
                 # Told Success, then Failed: another receiver of the room failed (section 6), so
-                # this rank's rows are no use to the item. Its memory is as safe as its Success left it.
+                # this rank's rows are no use to the item. Its write is over, as its Success said:
+                # nothing to cancel, and its memory is as safe as that Success left it.
                 state.outcome = Failure(FailureKind.PEER_FAILED, f"{detail} (after its Success)")
+                state.cancelled = True
                 return [Overturn(room, state.token, state.outcome)]
             return self._conclude(state, Failure(FailureKind.PEER_FAILED, detail))
         if status is not TransferPoll.Success:
@@ -686,9 +731,11 @@ class PrefillCore:
             if self._in(state, HELD):  # no answer came: the rank does not answer cancels
                 actions += self._unhold(now, state)
                 expired += 1
-        for addr, head in self.asks.heads():
-            if head.asked_at + QUEUED_LOOKUP_S <= now:
-                actions += self._look_up_again(now, addr)
+        for addr in [addr for addr in self._probed_at if not self.asks.waiting(addr)]:
+            del self._probed_at[addr]
+        for addr, head in self.asks.heads(self._queued):
+            if self._recheck_due(addr, head) <= now:
+                actions += self._recheck(now, addr)
         return actions
 
     # ---------------------------------------------------------- internals
@@ -700,6 +747,10 @@ class PrefillCore:
     def _in(self, state: _Room, stage: str) -> bool:
         """Whether `state` is still held and at `stage` (an event may have moved it on)."""
         return self._rooms.get(state.spec.room) is state and state.stage == stage
+
+    def _queued(self, state: _Room) -> bool:
+        """Whether `state` is held and its ask still waits for a socket."""
+        return self._in(state, QUEUED)
 
     def _looking_up(self, state: _Room) -> bool:
         """Whether `state` is held and still waits for a look-up (a status may have moved it on)."""
@@ -742,7 +793,7 @@ class PrefillCore:
         if state.addr is None or state.encode_rank is None or self._conns.get(state.addr) != state.conn:
             return []
         since = self._unanswered_since.get(state.addr)
-        if since is not None and now - since >= CANCEL_SILENCE_S:
+        if since is not None and now - since >= CANCEL_SILENCE_S and state.addr not in self._answering:
             return []  # it answers none: the quarantine makes the memory safe, without a malformed frame there
         pending = self._cancels.setdefault((state.room, state.encode_rank), [])
         if pending and (pending[0].addr != state.addr or pending[-1].conn != state.conn):
@@ -821,7 +872,8 @@ class PrefillCore:
             waiting = self._awaiting_route.setdefault(key, [])
             action = LookUpRoute(key)
         waiting.append(state)
-        return [action] if len(waiting) == 1 else []
+        # One look-up a key: a route looked up again for asks waiting elsewhere answers these too.
+        return [action] if len(waiting) == 1 and key not in self._probes else []
 
     def _ask(self, now: float, state: _Room, addr: Address, defer: bool = False) -> list:
         """Asks for the room now, or files it behind the asks waiting for the same socket
@@ -848,7 +900,7 @@ class PrefillCore:
         waiting = self.asks.waiting(addr)
         if waiting and not defer and self.asks.full(addr):
             # Rooms cleared while their asks waited leave them behind: only open ones hold a place.
-            waiting = self.asks.prune(addr, lambda queued: self._in(queued, QUEUED))
+            waiting = self.asks.prune(addr, self._queued)
         if waiting or defer:
             if not defer and self.asks.full(addr):
                 return self._conclude(state, Failure(

@@ -451,7 +451,7 @@ class PrefillDriver:
                     if self._cancels_out:
                         with self._lock:
                             while self._cancels_out:
-                                self._send_cancel(self._cancels_out.popleft())
+                                self._carry(self.clock(), self._send_cancel(self._cancels_out.popleft()))
                 while self._verifies:
                     self._verify(self._verifies.popleft())
                 # Left to the caller, the socket is still read on every turn: a status
@@ -658,7 +658,7 @@ class PrefillDriver:
                 self._lookups.submit(action)
             elif kind is SendCancel:
                 if threading.current_thread() is self._thread:
-                    self._send_cancel(action)
+                    work += self._send_cancel(action)
                 else:  # the I/O thread may be polling that socket, which is not thread-safe
                     self._cancels_out.append(action)
             elif kind is MemorySafe:
@@ -740,20 +740,21 @@ class PrefillDriver:
             self._poller.unregister(sock)
         _io.close_watched(sock, self._monitors.pop(addr, None), linger_ms)
 
-    def _send_cancel(self, action: SendCancel) -> None:
+    def _send_cancel(self, action: SendCancel) -> list:
         """Queues a cancel on the socket the room was asked on; one it cannot take now is not sent
-        (the room's memory then waits out the quarantine bound)."""
+        (the room's memory then waits out the quarantine bound), and the core is told so."""
         sock = self._sockets.get(action.addr)
-        if sock is None:
-            return
-        try:
-            _io.send_frames(sock, action.frames)
-        except zmq.Again:
-            self._complaints.warning("cancel not sent", "room %d: the socket to %s:%d cannot take its cancel now; "
-                                     "its memory is safe only after the quarantine bound", action.room,
-                                     *action.addr)
-        except zmq.ZMQError as exc:
-            log.warning("room %d: sending its cancel failed: %s", action.room, exc)
+        if sock is not None:  # else closed since: the cancel would have no connection to go on
+            try:
+                _io.send_frames(sock, action.frames)
+                return []
+            except zmq.Again:
+                self._complaints.warning("cancel not sent", "room %d: the socket to %s:%d cannot take its cancel "
+                                         "now; its memory is safe only after the quarantine bound", action.room,
+                                         *action.addr)
+            except zmq.ZMQError as exc:
+                log.warning("room %d: sending its cancel failed: %s", action.room, exc)
+        return self.core.cancel_unsent(self.clock(), action.room, action.token)
 
     def _memory_safe(self, action: MemorySafe) -> None:
         """The encode rank confirmed the room's cancel: its memory is the caller's again."""
@@ -806,6 +807,7 @@ class PrefillDriver:
         self._failures.warning(action.failure.kind, "room %d failed after its Success: %s", action.room,
                                action.failure.detail)
         record.succeeded = False
+        record.memory_safe = True  # its write was over when it was told Success: the slot is released, not quarantined
         self._tell_waiters()
 
 
