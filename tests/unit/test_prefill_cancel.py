@@ -347,3 +347,34 @@ def test_a_rank_known_to_answer_cancels_is_sent_them_whatever_one_lost_cancel():
     c.abandon(0.0, 1, first)  # its cancel is lost on the way
     second = asked(c, 2, now=prefill.CANCEL_SILENCE_S + 1)
     assert of(SendCancel, c.abandon(prefill.CANCEL_SILENCE_S + 1, 2, second))
+
+
+def test_an_ask_that_waited_through_a_dropped_connection_goes_on_the_fresh_one():
+    """Room 5's earlier ask was cancelled, and that cancel was lost with the connection: the ask
+    made again waited for the socket meanwhile, so it leaves on the fresh connection and its
+    statuses count."""
+    c = core()
+    c.integrity = False
+    _answering(c)
+    old = asked(c, 5, now=0.0)
+    c.abandon(0.1, 5, old)
+    c.clear(0.1, 5, old)
+    token, actions = c.receive(0.2, spec(5, slot=6))
+    c.refused(0.2, ENCODE, actions)
+    assert c.stage(5) == "queued"
+    c.connection_dropped(0.3, ENCODE)
+    assert c.route_resolved(0.4, KEY0, ENCODE) == []  # the rank is back where it was
+    assert SendAsk in [type(a) for a in c.writable(0.5, ENCODE)]
+    assert of(Conclude, c.status(0.6, 5, TransferPoll.Success, 0)) == [Conclude(5, token, None)]
+
+
+def test_an_unsent_cancel_leaves_the_silence_of_those_before_it_counting():
+    c = core()
+    for room in range(1, 5):
+        token = asked(c, room, now=float(room - 1))
+        assert of(SendCancel, c.abandon(float(room - 1), room, token))
+    token = asked(c, 5, now=4.0)
+    (cancel,) = of(SendCancel, c.abandon(4.0, 5, token))
+    c.cancel_unsent(4.0, 5, cancel.token)
+    late = asked(c, 6, now=prefill.CANCEL_SILENCE_S)
+    assert c.abandon(prefill.CANCEL_SILENCE_S, 6, late) == [], "the first cancel, at 0 s, is still unanswered"

@@ -429,6 +429,22 @@ def test_asks_whose_route_is_unchanged_or_cannot_be_looked_up_wait_where_they_ar
     assert kinds(c.writable(6.1, ENCODE)) == [SendAsk] and c.stage(1) == "asked"
 
 
+def test_asks_waiting_at_an_old_address_move_with_their_key_whichever_look_up_finds_it():
+    """The look-up made for them failed; a later room's own look-up finds the rank elsewhere: the
+    older asks go there first, not to the old address when its socket takes asks again."""
+    c = core()
+    routed(c)
+    c.refused(0.0, ENCODE, c.receive(0.0, spec(1, slot=1))[1])
+    assert c.connection_dropped(0.1, ENCODE) == [LookUpRoute(KEY0)]
+    assert c.lookup_failed(0.2, BOOT, KEY0, "refused", took_s=0.0) == [] and c.stage(1) == "queued"
+    assert c.receive(0.3, spec(2, slot=2))[1] == [LookUpRoute(KEY0)]
+    moved = ("10.0.0.2", 7001)
+    actions = c.route_resolved(0.4, KEY0, moved)
+    assert [(type(a), a.addr, a.room) for a in actions] == [(Announce, moved, 1), (SendAsk, moved, 1),
+                                                            (SendAsk, moved, 2)]
+    assert c.writable(0.5, ENCODE) == []
+
+
 def test_a_queued_room_cleared_before_its_connection_dropped_is_not_looked_up_again():
     c = core()
     routed(c)
@@ -454,20 +470,29 @@ def test_the_oldest_route_and_sizes_are_forgotten_past_their_bounds(monkeypatch)
     assert kinds(c.receive(1.0, last)[1]) == [Announce, SendAsk]
 
 
-def test_a_route_forgotten_past_the_bound_is_announced_to_again(monkeypatch):
-    """The encode rank may have restarted while its route was forgotten: nothing remembered of what
-    it was told may spare the next room its registration."""
+def test_what_a_rank_was_told_is_kept_by_its_address_whatever_its_route(monkeypatch):
+    """The book of announcements follows the process at an address: a forgotten route costs no
+    registration at the same address, its restart (a dropped connection) costs one, and a route
+    that moved elsewhere announces there whatever was told at the old address."""
     from transfer.core import prefill
 
     monkeypatch.setattr(prefill, "MAX_ROUTES", 1)
     c = core()
-    routed(c)  # KEY0's encode rank was told of the region
-    assert kinds(c.receive(0.0, spec(1, slot=1))[1]) == [SendAsk]
+    routed(c)  # KEY0's encode rank at ENCODE was told of the region
     other = ("10.0.1.1:8998", 0, 0)
     c.parallel_resolved(0.1, other[0], 1, 1)
     c.route_resolved(0.1, other, ("10.0.1.9", 7000))  # KEY0's route is forgotten
     assert c.receive(0.2, spec(2, slot=2))[1] == [LookUpRoute(KEY0)]
-    assert kinds(c.route_resolved(0.3, KEY0, ENCODE)) == [Announce, SendAsk]
+    assert kinds(c.route_resolved(0.3, KEY0, ENCODE)) == [SendAsk], "the same process heard it"
+    c.connection_dropped(0.4, ENCODE)
+    c.receive(0.5, spec(3, slot=3))
+    assert kinds(c.route_resolved(0.6, KEY0, ENCODE)) == [Announce, SendAsk], "a restarted one did not"
+    c.receive(0.7, spec(4, slot=4))
+    assert kinds(c.receive(0.8, spec(5, slot=5))[1]) == [SendAsk]
+    moved = ("10.0.0.2", 7001)
+    c.connection_dropped(0.9, ENCODE)
+    c.receive(1.0, spec(6, slot=6))
+    assert [(type(a), a.addr) for a in c.route_resolved(1.1, KEY0, moved)] == [(Announce, moved), (SendAsk, moved)]
 
 
 def test_an_address_is_idle_only_with_nothing_under_way_there():

@@ -46,7 +46,8 @@ class Announcements:
 
 
 class AnnounceBook:
-    """Announcements per encode rank (a route key); one forgotten when its connection is lost."""
+    """Announcements per encode rank (its address: the process that heard them); forgotten when its
+    connection is lost, since a rank restarted there heard nothing."""
 
     def __init__(self, window: int = MAX_REGIONS_PER_SESSION, reannounce_after: int = REANNOUNCE_AFTER) -> None:
         self.window = window

@@ -291,15 +291,12 @@ class _Room:
         return f"encode rank {self.encode_rank} at {host}:{port}"
 
 
-def _remember(cache: dict, key: Any, value: Any, limit: int) -> list:
-    """Files `value` under `key` as the newest entry, forgetting the oldest past `limit`; the keys forgotten."""
+def _remember(cache: dict, key: Any, value: Any, limit: int) -> None:
+    """Files `value` under `key` as the newest entry, forgetting the oldest past `limit`."""
     cache.pop(key, None)
     cache[key] = value
-    forgotten = []
     while len(cache) > limit:
-        forgotten.append(next(iter(cache)))
-        del cache[forgotten[-1]]
-    return forgotten
+        del cache[next(iter(cache))]
 
 
 class PrefillCore:
@@ -464,9 +461,18 @@ class PrefillCore:
                     if not cancels:
                         del self._cancels[(number, rank)]
                     self._cancel_count -= 1
-                    self._unanswered_since.pop(cancel.addr, None)
+                    self._restart_silence(cancel.addr)
                     return self._release(now, room, rank)
         return []
+
+    def _restart_silence(self, addr: Address) -> None:
+        """The silence clock of `addr` from its oldest cancel still unanswered, if any."""
+        sent = [cancel.sent_at for cancels in self._cancels.values() for cancel in cancels
+                if cancel.addr == addr and not cancel.answered]
+        if sent:
+            self._unanswered_since[addr] = min(sent)
+        else:
+            self._unanswered_since.pop(addr, None)
 
     def clear(self, now: float, room: int, token: int | None = None) -> bool:
         """Forgets the room (its asks not yet sent never go out); False when it was not held."""
@@ -489,17 +495,15 @@ class PrefillCore:
     def route_resolved(self, now: float, key: RouteKey, addr: Address) -> list:
         """The bootstrap server told where an encode rank listens: rooms waiting for that go, and asks
         that waited at another address for it (`_recheck`) move there, in their order."""
-        for forgotten in _remember(self._routes, key, addr, MAX_ROUTES):
-            self.announcements.forget(forgotten)
+        _remember(self._routes, key, addr, MAX_ROUTES)
         self.breaker.succeeded(key[0])
+        self._probes.pop(key, None)
         actions: list = []
-        old = self._probes.pop(key, None)
-        if old is not None and old != addr:
-            self.announcements.forget(key)  # a rank elsewhere has heard nothing
-            moved = [state for state in self.asks.remove(old, lambda queued: queued.route_key == key)
-                     if self._queued(state)]
-            for i, state in enumerate(moved):
-                actions += self._ask(now, state, addr, defer=i >= self.ask_batch)
+        moved = [state for other in self.asks.addresses() if other != addr
+                 for state in self.asks.remove(other, lambda queued: queued.route_key == key) if self._queued(state)]
+        moved.sort(key=lambda state: (state.asked_at, state.token))  # oldest first, wherever each waited
+        for i, state in enumerate(moved):
+            actions += self._ask(now, state, addr, defer=i >= self.ask_batch)
         waiting = [state for state in self._awaiting_route.pop(key, ()) if self._looking_up(state)]
         for i, state in enumerate(waiting):
             # Past a batch, the rest wait in the ask queue: the driver sends them a batch per turn.
@@ -522,7 +526,7 @@ class PrefillCore:
         rooms: list[_Room] = []
         for action in actions:
             if isinstance(action, Announce):
-                self.announcements.withdraw(action.route_key, action.region_addr)
+                self.announcements.withdraw(action.addr, action.region_addr)
             state = self._rooms.get(action.room)
             if state is not None and state.token == action.token and state.stage == ASKED \
                     and (not rooms or rooms[-1] is not state):
@@ -554,11 +558,12 @@ class PrefillCore:
             self._conn_serial += 1
             self._conns[addr] = self._conn_serial
         self._unanswered_since.pop(addr, None)
+        self._answering.discard(addr)  # a rank restarted there shows afresh whether it answers cancels
+        self.announcements.forget(addr)
         self.asks.prune(addr, self._queued)
         actions = self._recheck(now, addr)
         for key in [key for key, route in self._routes.items() if route == addr]:
             del self._routes[key]
-            self.announcements.forget(key)
         return actions
 
     def _recheck(self, now: float, addr: Address) -> list:
@@ -587,9 +592,7 @@ class PrefillCore:
     def connection_closed(self, now: float, addr: Address) -> list:
         """The driver closed its idle socket to `addr`: a room there later connects afresh and announces
         every region again."""
-        for key, route in self._routes.items():
-            if route == addr:
-                self.announcements.forget(key)
+        self.announcements.forget(addr)
         self._conns.pop(addr, None)
         self._unanswered_since.pop(addr, None)
         return []
@@ -598,7 +601,7 @@ class PrefillCore:
         """No socket could be made for `addr`: its rooms fail, and the next room looks it up afresh."""
         for key in [key for key, route in self._routes.items() if route == addr]:
             del self._routes[key]
-            self.announcements.forget(key)
+        self.announcements.forget(addr)
         conn = self._conns.pop(addr, None)
         self._unanswered_since.pop(addr, None)
         self.asks.drop(addr)
@@ -698,7 +701,7 @@ class PrefillCore:
         """The socket raised on `action` (it never left): its room fails with `failure`, its memory
         safe at once, and a registration is announced again before the next ask that needs it."""
         if isinstance(action, Announce):
-            self.announcements.withdraw(action.route_key, action.region_addr)
+            self.announcements.withdraw(action.addr, action.region_addr)
         state = self._rooms.get(action.room)
         if state is None or state.token != action.token or not self._open(state):
             return []
@@ -892,11 +895,7 @@ class PrefillCore:
                 state.stage = HELD
                 heapq.heappush(self._held, (cancel.sent_at + CANCEL_ANSWER_WAIT_S, state.token, state))
                 return []
-        conn = self._conns.get(addr)
-        if conn is None:
-            self._conn_serial += 1
-            conn = self._conns[addr] = self._conn_serial
-        state.conn, state.asked_at = conn, now
+        state.conn, state.asked_at = self._conn_of(addr), now
         waiting = self.asks.waiting(addr)
         if waiting and not defer and self.asks.full(addr):
             # Rooms cleared while their asks waited leave them behind: only open ones hold a place.
@@ -911,6 +910,14 @@ class PrefillCore:
             return []
         return self._emit_ask(state)
 
+    def _conn_of(self, addr: Address) -> int:
+        """The connection in use to `addr` (a new one when there is none)."""
+        conn = self._conns.get(addr)
+        if conn is None:
+            self._conn_serial += 1
+            conn = self._conns[addr] = self._conn_serial
+        return conn
+
     def _emit_ask(self, state: _Room) -> list:
         """The room's registration (unless its encode rank holds the region) and its TransferInfo."""
         spec = state.spec
@@ -920,12 +927,13 @@ class PrefillCore:
         actions: list = []
         regions = spec.regions
         emb, ds = regions.embedding, regions.deepstack
-        if self.announcements.needs(key, emb.addr, emb.nbytes):
+        state.conn = self._conn_of(addr)  # it goes on the address's connection of now, not of when it queued
+        if self.announcements.needs(addr, emb.addr, emb.nbytes):
             frames = registration_frames(
                 self.host, self.status_port, self.session_id, emb.addr, ds.addr if ds else 0,
                 emb.nbytes, ds.nbytes if ds else 0,
             )
-            self.announcements.announced(key, emb.addr, emb.nbytes)
+            self.announcements.announced(addr, emb.addr, emb.nbytes)
             actions.append(Announce(addr, spec.room, state.token, key, emb.addr, frames))
         info = TransferInfo(
             room=spec.room, endpoint=self.host, port=self.status_port, session_id=self.session_id,
@@ -958,7 +966,7 @@ class PrefillCore:
             self._parallel.pop(state.spec.bootstrap_addr, None)
             for key in [key for key, route in self._routes.items() if route == addr]:
                 del self._routes[key]
-                self.announcements.forget(key)
+            self.announcements.forget(addr)
             del self._conns[addr]
             self._unanswered_since.pop(addr, None)
             # Nothing of the old socket's queue (expired rooms' asks, whose memory may be
