@@ -9,6 +9,8 @@ import struct
 import threading
 import time
 
+from live_helpers import wait_until
+
 from transfer import _native
 
 
@@ -24,25 +26,16 @@ def _wire_threads() -> int:
     return count
 
 
-def _wait_for(predicate, limit: float) -> bool:
-    deadline = time.monotonic() + limit
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_connections_reset_before_their_first_byte_count_as_no_refused_transfer():
     listener = _native.wire_listen("127.0.0.1", 0, 1.0, 5.0, 4096, 64)
     try:
         port = _native.wire_listener_port(listener)
         for _ in range(20):
             sock = socket.create_connection(("127.0.0.1", port))
-            assert _wait_for(lambda: _native.wire_listener_stats(listener)["active"] == 1, 5)
+            assert wait_until(lambda: _native.wire_listener_stats(listener)["active"] == 1, 5)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close sends RST
             sock.close()
-            assert _wait_for(lambda: _native.wire_listener_stats(listener)["active"] == 0, 5)
+            assert wait_until(lambda: _native.wire_listener_stats(listener)["active"] == 0, 5)
         stats = _native.wire_listener_stats(listener)
         assert (stats["failures"], stats["last_error"]) == (0, ""), stats
     finally:
@@ -57,7 +50,7 @@ def test_a_second_close_returns_only_once_every_listener_thread_is_joined():
     port = _native.wire_listener_port(listener)
     socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(400)]
     try:
-        assert _wait_for(lambda: _native.wire_listener_stats(listener)["active"] == len(socks), 10)
+        assert wait_until(lambda: _native.wire_listener_stats(listener)["active"] == len(socks), 10)
         go = threading.Event()
         seen: list[int] = []
 
