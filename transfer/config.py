@@ -19,7 +19,9 @@ from typing import Any
 from transfer.core.parked import MAX_PARKED_BYTES
 from transfer.errors import ConfigError, ConfigTypeError
 
-__all__ = ["MAX_POLL_S", "SETTINGS", "Setting", "check_flag", "check_polls", "check_seconds", "renamed", "resolve", "setting"]
+__all__ = [
+    "MAX_POLL_S", "SETTINGS", "Setting", "check_flag", "check_polls", "check_seconds", "renamed", "resolve", "setting",
+]
 
 
 #: The longest wait a setting may ask for: every wait goes down to poll()s and socket timeouts in

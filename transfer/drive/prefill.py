@@ -669,7 +669,8 @@ class PrefillDriver:
                 self._complaints.warning(action.key, "%s", action.message)
             if i == len(work) and refused:
                 # The asks a socket did not take wait in the core, in order; after a lost
-                # connection they are looked up again, and go out behind a fresh registration.
+                # connection their route is looked up again (they move if their rank did), and
+                # they go out behind a fresh registration.
                 for addr, held in refused.items():
                     work += core.refused(now, addr, held)
                     if addr in dropped:
@@ -790,7 +791,6 @@ class PrefillDriver:
         record.memory_safe = record.memory_safe or self.core.safe(action.room, action.token)
         self._tell_waiters()
 
-
     def _tell_waiters(self) -> None:
         """Wakes the callers waiting for conclusions (the watching one through its waker)."""
         self.conclusions.notify()
@@ -807,7 +807,7 @@ class PrefillDriver:
         self._failures.warning(action.failure.kind, "room %d failed after its Success: %s", action.room,
                                action.failure.detail)
         record.succeeded = False
-        record.memory_safe = True  # its write was over when it was told Success: the slot is released, not quarantined
+        record.memory_safe = True  # its write was over when it was told Success: no quarantine
         self._tell_waiters()
 
 
