@@ -394,7 +394,7 @@ class BootstrapClient:
     """Talks to one bootstrap server with bounded timeouts (http.client: no proxies, no pickles)."""
 
     def __init__(self, address: str, timeout: float = 2.0, token: str | None = None) -> None:
-        """address is "host:port" (ConfigError otherwise); timeout bounds each attempt."""
+        """address is "host:port" (ConfigError otherwise); timeout, in (0, 1e6] seconds, bounds each attempt."""
         self.address = address
         self.host, self.port = _split_address(address)
         self.timeout = check_seconds("timeout", timeout)
@@ -511,7 +511,8 @@ class BootstrapClient:
         For a prefill rank started before its encode ranks: call it before the first
         receive(), whose rooms would otherwise fail at once (no encode rank registered
         yet). With `encode_rank`, also waits for that rank's route in `dp_group`. Raises
-        BootstrapError naming the last answer once the timeout passed.
+        BootstrapError naming the last answer once the timeout passed; ConfigError for a
+        timeout outside [0, 1e6] seconds (ConfigTypeError for one that is not a number).
         """
         deadline = time.monotonic() + check_seconds("timeout", timeout, zero_ok=True)
         delay = 0.05

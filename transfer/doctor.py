@@ -2,8 +2,8 @@
 
 Each check is one line: a level (ok, WARN, FAIL, or -- for "absent, and that
 is fine"), a name, what was found, and the exact fix. The exit code is non-zero
-only when no data path can run: neither mooncake.engine nor transfer._native
-imports, or an EPD_* variable is set that the components reading it refuse.
+when no data path can run (neither mooncake.engine nor transfer._native imports)
+or when an EPD_* variable is set that the component reading it would refuse.
 Everything read from the host goes through SYSFS_ROOT, PROC_MODULES and the
 `environ` argument, so tests can fake a device tree.
 """

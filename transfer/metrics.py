@@ -274,7 +274,7 @@ class Metrics:
             self._help[name] = help_text
 
     def inc(self, name: str, amount: float = 1, **labels: object) -> None:
-        """Add a non-negative amount to a counter."""
+        """Add a finite non-negative amount to a counter (ConfigError otherwise)."""
         if not 0 <= amount < math.inf:  # NaN too: a counter stuck at NaN says nothing again
             raise ConfigError(f"counter {name!r} takes a finite non-negative amount, not {amount}")
         key = self._series_key(labels)

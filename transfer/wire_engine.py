@@ -25,8 +25,10 @@ One transfer (one ``write()`` call) on a connection
 
    A layer is one ``(src, dst, length)`` entry of the write: layer 0 the embedding rows,
    layer 1 the deepstack rows. Zero-length entries are left out before the message is built.
-   The listener refuses the transfer before reading any data when a field is missing or
-   not a u64 (``PREFILL: missing <k>`` / ``PREFILL: <k>: not a number``), a layer announces
+   The listener refuses the transfer before reading any data when the header is not one
+   ``Msg.decode`` takes (``PREFILL: a message that is not UTF-8`` / ``PREFILL: a header line
+   without '=': "<line>"``), a field is missing or not a u64 as ``Msg.number`` reads it
+   (``PREFILL: missing <k>`` / ``PREFILL: <k>: not a number``), a layer announces
    0 bytes (``PREFILL: layer <i> announces 0 bytes; every layer must carry some``: an empty
    transfer would need no registered destination), the geometry does not add up, or a
    destination ``[ptr<i>, ptr<i> + bytes<i>)`` wraps or is not wholly

@@ -11,7 +11,9 @@ order while their encode rank's socket cannot take them, statuses move rooms
 latest at its deadline (a Success its encode rank then says Failed is overturned).
 
 A room given up on after its ask went out (its deadline, or clear() before Success)
-gets a cancel (our extension) on the socket it was asked on; the memory it offered
+gets a cancel (our extension) on the connection it was asked on, unless that connection
+dropped since, its encode rank left a cancel unanswered CANCEL_SILENCE_S, or another
+cancel of the room number still waits (see `_give_up`); the memory it offered
 is safe to reuse (`MemorySafe`) at once when no encode rank was ever asked, or once
 the encode rank confirms the cancel. Without either, only the caller's quarantine
 bound makes it safe. A room asked for again while such a cancel is unanswered must
