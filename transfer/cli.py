@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -289,15 +288,11 @@ def _non_negative_seconds(text: str) -> float:
 
 
 def _seconds_from(text: str, zero_ok: bool) -> float:
-    """Seconds > 0 (>= 0 with zero_ok) up to config.MAX_SECONDS, as the EPD_* seconds settings; nan refused."""
+    """Seconds > 0 (>= 0 with zero_ok) up to config.MAX_SECONDS, as the EPD_* seconds settings take them."""
     try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and 0 <= value <= config.MAX_SECONDS) or (value == 0 and not zero_ok):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a {'non-negative' if zero_ok else 'positive'} "
-                                         f"number of seconds up to {config.MAX_SECONDS:.0f}")
-    return value
+        return config.parse_seconds(text, zero_ok)
+    except ValueError as what:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
 
 
 def _dtype(text: str) -> str:

@@ -20,7 +20,7 @@ from transfer.core.parked import MAX_PARKED_BYTES
 from transfer.errors import ConfigError, ConfigTypeError
 
 __all__ = [
-    "MAX_POLL_S", "SETTINGS", "Setting", "check_flag", "check_polls", "check_seconds", "renamed", "resolve", "setting",
+    "MAX_POLL_S", "SETTINGS", "Setting", "check_flag", "check_polls", "check_seconds", "parse_seconds", "renamed", "resolve", "setting",
 ]
 
 
@@ -205,16 +205,28 @@ def resolve(env: str, given: Any = None, environ: Mapping[str, str] | None = Non
     return entry.parse(text)
 
 
+def parse_seconds(text: str, zero_ok: bool = False) -> float:
+    """`text` as seconds in (0, MAX_SECONDS] ([0, MAX_SECONDS] with `zero_ok`), else ConfigError
+    whose text says what it must be."""
+    parser, what = _KINDS["seconds0" if zero_ok else "seconds"]
+    try:
+        return parser(text)
+    except ValueError:
+        raise ConfigError(what) from None
+
+
 def check_seconds(argument: str, value: Any, zero_ok: bool = False) -> float:
     """`value` as seconds if it is a real number in (0, MAX_SECONDS] ([0, ...] with `zero_ok`):
     ConfigTypeError for another type, ConfigError naming `argument` otherwise."""
-    kind = "seconds0" if zero_ok else "seconds"
-    parser, what = _KINDS[kind]
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ConfigTypeError(f"{argument}={value!r} is not {what}")
+        raise ConfigTypeError(f"{argument}={value!r} is not {_KINDS['seconds0' if zero_ok else 'seconds'][1]}")
     try:
-        return parser(str(float(value)))
-    except (ValueError, OverflowError):
+        text = str(float(value))
+    except OverflowError:
+        text = "inf"  # too large for a float: refused as infinity is
+    try:
+        return parse_seconds(text, zero_ok)
+    except ValueError as what:
         raise ConfigError(f"{argument}={value!r} is not {what}") from None
 
 

@@ -434,9 +434,10 @@ def check_epd_env(environ: Mapping[str, str] | None = None) -> Check:
 
     env = os.environ if environ is None else environ
     library = [s.env for s in config.SETTINGS]
+    known = library + list(SCRIPT_VARIABLES)
     names = [name for name in library if env.get(name, "") != ""]
-    unknown = [f"{name} is read by nothing here{_did_you_mean(name, library + list(SCRIPT_VARIABLES))}"
-               for name in sorted(env) if name.startswith("EPD_") and name not in library + list(SCRIPT_VARIABLES)]
+    unknown = [f"{name} is read by nothing here{_did_you_mean(name, known)}"
+               for name in sorted(env) if name.startswith("EPD_") and name not in known]
     bad = epd_env_problems(env)
     if bad:
         return Check("epd-env", "fail", "; ".join(bad + unknown), "fix or unset the variable (README, Configuration)")
