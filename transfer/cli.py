@@ -357,6 +357,19 @@ def _device_default() -> _FromEnv:
     return _FromEnv("EPD_DEVICE", absent="")
 
 
+def _add_item_shape(parser: argparse.ArgumentParser) -> None:
+    """The options demo and rank share: each item's shape and how its rows are sharded."""
+    parser.add_argument("--span", type=_positive_int, default=1024, help="rows per item")
+    parser.add_argument("--hidden", type=_positive_int, default=4096, help="elements per row")
+    parser.add_argument("--dtype", type=_dtype, default="torch.bfloat16",
+                        help="element type, e.g. torch.float16 or float32 (default: torch.bfloat16)")
+    parser.add_argument("--deepstack", type=_non_negative_int, default=0, help="deepstack width factor k (0: none)")
+    parser.add_argument("--identity", action="store_true", help="every prefill rank receives the full rows")
+    parser.add_argument("--per-block", action="store_true",
+                        help="shard each item over an encode rank's block of prefill ranks (default: over the "
+                             "whole prefill group, as the reference peer does; each encode rank then writes 1/E)")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, with the defaults that come from EPD_* variables read (ConfigError naming a bad one)."""
     args = build_parser().parse_args(argv)
@@ -434,14 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prefill-ranks", "-P", type=_positive_int, default=4,
                       help="prefill ranks, a multiple of the encode ranks")
     demo.add_argument("--items", type=_positive_int, default=64, help="items (rooms) to move")
-    demo.add_argument("--span", type=_positive_int, default=1024, help="rows per item")
-    demo.add_argument("--hidden", type=_positive_int, default=4096, help="elements per row")
-    demo.add_argument("--dtype", type=_dtype, default="torch.bfloat16", help="element type (bfloat16 works too)")
-    demo.add_argument("--deepstack", type=_non_negative_int, default=0, help="deepstack width factor k (0: none)")
-    demo.add_argument("--identity", action="store_true", help="every prefill rank receives the full rows")
-    demo.add_argument("--per-block", action="store_true",
-                        help="shard each item over an encode rank's block of prefill ranks (default: over the "
-                             "whole prefill group, as the reference peer does; each encode rank then writes 1/E)")
+    _add_item_shape(demo)
     demo.add_argument("--inflight", type=_positive_int, default=8, help="rooms in flight per rank")
     demo.add_argument("--protocol", default="auto", choices=["auto", "tcp", "rdma", "wire"],
                       help="data path: auto (rdma when a device exists, else tcp), tcp, rdma, or our framed wire")
@@ -498,14 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="rooms are first-room .. first-room + items - 1")
     rank.add_argument("--device", default=_device_default(),
                       help="Mooncake RDMA device(s), e.g. mlx5_0 (default: $EPD_DEVICE, else every device found)")
-    rank.add_argument("--span", type=_positive_int, default=1024, help="rows per item")
-    rank.add_argument("--hidden", type=_positive_int, default=4096, help="elements per row")
-    rank.add_argument("--dtype", type=_dtype, default="torch.bfloat16", help="element type (bfloat16 works too)")
-    rank.add_argument("--deepstack", type=_non_negative_int, default=0, help="deepstack width factor k (0: none)")
-    rank.add_argument("--identity", action="store_true", help="every prefill rank receives the full rows")
-    rank.add_argument("--per-block", action="store_true",
-                        help="shard each item over an encode rank's block of prefill ranks (default: over the "
-                             "whole prefill group, as the reference peer does; each encode rank then writes 1/E)")
+    _add_item_shape(rank)
     rank.add_argument("--inflight", type=_positive_int, default=8, help="rooms in flight")
     rank.add_argument("--no-integrity", action="store_true", help="skip the checksums of landed bytes")
     rank.add_argument("--token", type=_token, default=_token_default(),
