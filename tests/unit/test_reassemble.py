@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import torch
-from sharded_rows import HIDDEN, destination, original, same_bytes
+from sharded_rows import GARBAGE, HIDDEN, destination, original, same_bytes
 
 from transfer import reassemble as reassemble_module
-from transfer.frames import shard_rows
 from transfer.reassemble import ShardedItem
 
 
-def test_destinations_hold_exactly_their_shard():
+def test_the_destinations_these_tests_build_hold_the_spec_shard_and_garbage_elsewhere():
     rows = original(1, 10, torch.float32)
-    shards = [destination(rows, r, 3) for r in range(3)]
-    for r, dst in enumerate(shards):
-        start, count = shard_rows(10, r, 3)
-        assert same_bytes(dst[start : start + count], rows[start : start + count])
-        assert not same_bytes(dst, rows)
+    for rank, (start, stop) in enumerate([(0, 4), (4, 7), (7, 10)]):  # SPEC.md's 10 rows over 3 ranks
+        dst = destination(rows, rank, 3)
+        assert same_bytes(dst[start:stop], rows[start:stop])
+        outside = torch.cat([dst[:start], dst[stop:]]).view(torch.uint8)
+        assert outside.numel() > 0 and bool((outside == GARBAGE).all())
 
 
 def test_shard_views_tile_the_item_bytes():
