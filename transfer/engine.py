@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import math
 import os
 import socket
 import threading
@@ -93,7 +94,7 @@ class _Pending:
     srcs: list[int]
     dsts: list[int]
     lens: list[int]
-    deadline: float = 0.0  # monotonic, set once submitted: past it, poll() reports the write failed
+    deadline: float = math.inf  # monotonic, set once handed to Mooncake: past it, poll() reports the write failed
     batches: list[int] = field(default_factory=list)
     error: str | None = None
     submitting: bool = True  # batches are still being handed to Mooncake (set and cleared under the engine lock)

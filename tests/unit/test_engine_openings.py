@@ -204,3 +204,24 @@ def test_a_write_reads_only_from_memory_still_registered(rig):
     engine.register(SRC, 1 << 20)
     engine.write("peer:1", [SRC + 64], [0x300], [64])
     assert fake.writes == [("peer:1", 0x100), ("peer:1", 0x200), ("peer:1", 0x300)]
+
+
+def test_a_write_polled_while_its_session_s_writes_are_being_handed_over_is_not_overdue(rig):
+    engine, fake, started = rig
+    first = engine.write_async("new:1", [SRC], [0x100], [64])
+    second = engine.write_async("new:1", [SRC + 64], [0x200], [64])
+    _answer(engine, fake, started[0])
+    seen = []
+    submit = fake.batch_transfer_async_write
+
+    def submit_and_poll_the_other(session, srcs, dsts, lens):
+        # Another thread polls its ticket while this one hands the session's writes over.
+        if not seen:
+            seen.append(engine.poll(second))
+        return submit(session, srcs, dsts, lens)
+
+    fake.batch_transfer_async_write = submit_and_poll_the_other
+    assert engine.poll(first) is True
+    assert seen == [False]  # not yet handed over: in flight, not past a transfer timeout
+    assert engine.poll(second) is True
+    assert fake.writes == [("new:1", 0x100), ("new:1", 0x200)]
