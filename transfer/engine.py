@@ -86,6 +86,34 @@ def _transfer_timeout_s() -> float:
         return 30.0
 
 
+def check_batch(session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
+                lengths: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+    """A write's buffers as ints, zero-length ones dropped; ConfigError for a batch no peer could take.
+
+    Checked before any buffer goes out, not halfway through the batch (pybind's bare
+    TypeError, or a wire peer refusing the transfer after a round trip).
+    """
+    if not (len(src_addrs) == len(dst_addrs) == len(lengths)):
+        raise ConfigError(f"write to {session_id}: {len(src_addrs)} sources, "
+                          f"{len(dst_addrs)} destinations, {len(lengths)} lengths")
+    srcs: list[int] = []
+    dsts: list[int] = []
+    lens: list[int] = []
+    for src, dst, length in zip(src_addrs, dst_addrs, lengths):
+        if length < 0:
+            raise ConfigError(f"write to {session_id}: negative length {length}")
+        if length == 0:
+            continue
+        src, dst, length = int(src), int(dst), int(length)
+        if dst < 0 or dst + length > _ADDRESS_SPACE:
+            raise ConfigError(f"write to {session_id}: destination {dst:#x} length {length} "
+                              f"is not a range of the 64-bit address space")
+        srcs.append(src)
+        dsts.append(dst)
+        lens.append(length)
+    return srcs, dsts, lens
+
+
 @dataclass
 class _Pending:
     """An async write: its batches not yet settled, and what to say if it failed."""
@@ -670,26 +698,7 @@ class Engine(RegisteredMemory):
     def _batch(self, session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
                lengths: Sequence[int]) -> _Pending | None:
         """Validate a batch and drop zero-length entries; the write to file, or None when nothing is left."""
-        if not (len(src_addrs) == len(dst_addrs) == len(lengths)):
-            raise ConfigError(f"write to {session_id}: {len(src_addrs)} sources, "
-                             f"{len(dst_addrs)} destinations, {len(lengths)} lengths")
-        srcs: list[int] = []
-        dsts: list[int] = []
-        lens: list[int] = []
-        for src, dst, length in zip(src_addrs, dst_addrs, lengths):
-            if length < 0:
-                raise ConfigError(f"write to {session_id}: negative length {length}")
-            if length == 0:
-                continue
-            src, dst, length = int(src), int(dst), int(length)
-            if dst < 0 or dst + length > _ADDRESS_SPACE:
-                # Caught here, not by pybind halfway through the batches (a bare TypeError
-                # after the first buffer was already on its way).
-                raise ConfigError(f"write to {session_id}: destination {dst:#x} length {length} "
-                                 f"is not a range of the 64-bit address space")
-            srcs.append(src)
-            dsts.append(dst)
-            lens.append(length)
+        srcs, dsts, lens = check_batch(session_id, src_addrs, dst_addrs, lengths)
         if not lens:
             return None
         return _Pending(session_id, srcs, dsts, lens)

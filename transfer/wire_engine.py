@@ -99,7 +99,7 @@ from typing import Any
 
 from transfer import _io, _native, wire
 from transfer.config import check_seconds
-from transfer.engine import RegisteredMemory, _buffer_span
+from transfer.engine import RegisteredMemory, _buffer_span, check_batch
 from transfer.errors import ConfigError, EngineError, UsageError
 from transfer.ports import PortSpec, bind_port
 
@@ -629,19 +629,13 @@ class WireEngine(RegisteredMemory):
     def _batch(self, session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
                lengths: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
         """Validates a batch, drops zero-length entries, checks sources lie in registered memory."""
-        if not (len(src_addrs) == len(dst_addrs) == len(lengths)):
-            raise ConfigError(f"write to {session_id}: {len(src_addrs)} sources, "
-                             f"{len(dst_addrs)} destinations, {len(lengths)} lengths")
-        kept = [(int(s), int(d), int(n)) for s, d, n in zip(src_addrs, dst_addrs, lengths) if n != 0]
-        for _, _, n in kept:
-            if n < 0:
-                raise ConfigError(f"write to {session_id}: negative length {n}")
-        if len(kept) > 16:
-            raise ConfigError(f"write to {session_id}: {len(kept)} buffers; one transfer carries at most 16")
+        srcs, dsts, lens = check_batch(session_id, src_addrs, dst_addrs, lengths)
+        if len(lens) > 16:
+            raise ConfigError(f"write to {session_id}: {len(lens)} buffers; one transfer carries at most 16")
         with self._lock:
             self._check_open()
-            self._check_sources(session_id, [k[0] for k in kept], [k[2] for k in kept])
-        return [k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept]
+            self._check_sources(session_id, srcs, lens)
+        return srcs, dsts, lens
 
     def _check_sources(self, session_id: str, srcs: list[int], lens: list[int]) -> None:
         """Refuses a source outside registered memory (lock held): it would be read through a raw pointer."""

@@ -271,6 +271,12 @@ def test_bad_arguments_and_host_only_memory(pair):
             writer.write(bad, [src.data_ptr()], [dst.data_ptr()], [4])
     with pytest.raises(TransferError, match="is not registered"):
         reader.unregister(12345)
+    # A destination outside the address space is refused here, before a connection: no round trip.
+    opened = writer.stats()["connections_opened"]
+    for bad in (-4096, (1 << 64) - 2):
+        with pytest.raises(ValueError, match=f"destination {bad:#x} length 4 is not a range of the 64-bit"):
+            writer.write_async(reader.session_id, [src.data_ptr()], [bad], [4])
+    assert writer.stats()["connections_opened"] == opened and reader.stats()["transfers_refused"] == 0
 
 
 def test_close_joins_threads_and_frees_the_port():
