@@ -382,7 +382,7 @@ class Pair:
     def push_status(self, rank: EncodeRank, push: enc.PushStatus) -> None:
         endpoint = (push.endpoint, push.port)
         target = next((p for p in self.prefills if p.endpoint == endpoint), None)
-        what = "cancel answer " + ("confirmed" if push.cancel else "too late") if push.cancel is not None \
+        what = "cancel answer " + push.cancel.name if push.cancel is not None \
             else push.status.name
         send = rank.sends.get(push.room)
         if push.status is TransferPoll.Failed and push.cancel is None and send is not None and send.concluded:
@@ -503,8 +503,8 @@ class Pair:
         answer = parse_cancel_reply(frames)
         if answer is not None:
             self.note(f"encode {e} -> prefill {rank.rank}: cancel answer room {answer.room} "
-                      f"{'confirmed' if answer.confirmed else 'too late'}" + (" (again)" if duplicate else ""))
-            self.carry_prefill(rank, core.cancel_answered(self.now, answer.room, answer.rank, answer.confirmed))
+                      f"{answer.answer.name}" + (" (again)" if duplicate else ""))
+            self.carry_prefill(rank, core.cancel_answered(self.now, answer.room, answer.rank, answer.answer))
             return
         unreadable = None
         try:

@@ -614,7 +614,9 @@ class Engine(RegisteredMemory):
         A failed ticket raises once every buffer it submitted has settled, so the caller
         never reuses memory that Mooncake may still be reading; or once the transfer
         timeout passed, and then its source regions stay registered (and their tensors
-        alive) until Mooncake is done with them or the engine closes.
+        alive) until Mooncake is done with them or the engine closes. A failed write may
+        still have landed in part, and over tcp bytes it carried may land after it failed:
+        its destination is not safe to reuse on the strength of the failure.
         """
         if ticket == 0:
             return True

@@ -13,6 +13,7 @@ import re
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import cast
 
 from transfer.errors import ConfigError, ConfigTypeError, WireError
@@ -28,6 +29,7 @@ __all__ = [
     "STATUS_PARTS",
     "TRANSFER_INFO_PARTS",
     "Cancel",
+    "CancelAnswer",
     "CancelReply",
     "FAILURE_MARKER",
     "MAX_REASON_BYTES",
@@ -66,10 +68,21 @@ REGISTRATION_MARKER = b"None"
 #: (5 parts < 13), so it never reaches a peer's room rules.
 CANCEL_MARKER = b"Cancel"
 CANCEL_PARTS = 5
-#: A cancel's answer: a Failed status whose part 3 is one of these instead of a checksum.
-#: Only a rank that sent a cancel is ever sent one.
-CANCEL_CONFIRMED = b"cancel-confirmed"  # nothing was or will be written into that receiver's memory now
-CANCEL_TOO_LATE = b"cancel-too-late"  # a write was in flight; a cancel-confirmed follows once it is over
+
+
+class CancelAnswer(Enum):
+    """A cancel's answer: a Failed status whose part 3 is its value instead of a checksum.
+
+    Only a rank that sent a cancel is ever sent one.
+    """
+
+    CONFIRMED = b"cancel-confirmed"  # nothing was or will be written into that receiver's memory now
+    TOO_LATE = b"cancel-too-late"  # a write was in flight; CONFIRMED or WRITE_FAILED follows once it is over
+    WRITE_FAILED = b"cancel-write-failed"  # a write in flight failed: bytes it carried may still land later
+
+
+_CANCEL_ANSWERS = {answer.value: answer for answer in CancelAnswer}
+
 #: Why the encode side failed a room (docs/protocol.md 8): a Failed status whose part 3 is this
 #: marker carries the encode side's failure kind in part 4 and its detail in part 5. Six parts,
 #: so it is never taken for a cancel's answer (exactly four); a peer reads the first three.
@@ -733,23 +746,23 @@ def parse_cancel(frames: Sequence[object]) -> Cancel:
 
 @dataclass(frozen=True)
 class CancelReply:
-    """An encode rank's answer to a cancel: `confirmed` when nothing will be written any more."""
+    """An encode rank's answer to a cancel."""
 
     room: int
     rank: int
-    confirmed: bool
+    answer: CancelAnswer
 
 
-def cancel_reply_frames(room: int, rank: int, confirmed: bool) -> list[bytes]:
+def cancel_reply_frames(room: int, rank: int, answer: CancelAnswer) -> list[bytes]:
     """Encode a cancel's answer: a Failed status with the answer in part 3."""
     return [_encode_room(room), _encode_int(int(TransferPoll.Failed), "status"), _encode_int(rank, "rank"),
-            CANCEL_CONFIRMED if confirmed else CANCEL_TOO_LATE]
+            answer.value]
 
 
 def parse_cancel_reply(frames: Sequence[object]) -> CancelReply | None:
     """The cancel answer a status carries, or None when it is a plain status (parse it with parse_status)."""
     if type(frames) is list and (len(frames) != STATUS_PARTS + 1 or type(frames[STATUS_PARTS]) is bytes
-                                 and frames[STATUS_PARTS] not in (CANCEL_CONFIRMED, CANCEL_TOO_LATE)):
+                                 and frames[STATUS_PARTS] not in _CANCEL_ANSWERS):
         return None  # every plain status, without a copy
     frames = list(frames)
     if len(frames) != STATUS_PARTS + 1:
@@ -758,12 +771,13 @@ def parse_cancel_reply(frames: Sequence[object]) -> CancelReply | None:
         marker = _part(frames[STATUS_PARTS])
     except TypeError:
         return None
-    if marker not in (CANCEL_CONFIRMED, CANCEL_TOO_LATE):
+    answer = _CANCEL_ANSWERS.get(marker)
+    if answer is None:
         return None
     room, status, rank, _ = parse_status(frames[:STATUS_PARTS])
     if status is not TransferPoll.Failed:
         raise WireError("a cancel answer must be Failed")
-    return CancelReply(room, rank, marker == CANCEL_CONFIRMED)
+    return CancelReply(room, rank, answer)
 
 
 # ---------------------------------------------------------------- encode-side checks (6, 8)

@@ -40,7 +40,7 @@ def test_a_room_past_its_deadline_is_never_written_when_its_item_comes_later(eng
             assert wait_until(lambda: sender._core.parked.get(1) is not None, 5), "the ask never reached the rank"
             assert handle.wait(5) == TransferPoll.Failed and handle.failure_kind is FailureKind.DEADLINE
             assert wait_until(lambda: handle.safe_to_reuse, 5), "the encode rank never confirmed the cancel"
-            assert _counter(sender.metrics, "cancels_total") == {"confirmed": 1, "too_late": 0}
+            assert _counter(sender.metrics, "cancels_total") == {"confirmed": 1, "too_late": 0, "write_failed": 0}
             handle.clear()
             written = sender.send(1, item)
             assert written.wait(5) == TransferPoll.Failed

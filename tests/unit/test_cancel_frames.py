@@ -8,6 +8,7 @@ from transfer.frames import (
     CANCEL_PARTS,
     TRANSFER_INFO_PARTS,
     Cancel,
+    CancelAnswer,
     CancelReply,
     WireError,
     cancel_frames,
@@ -66,10 +67,12 @@ def test_is_cancel_on_odd_input():
     assert not is_cancel([b"cancel"])
 
 
-@pytest.mark.parametrize("confirmed", [True, False])
-def test_cancel_reply_round_trips_as_a_failed_status(confirmed):
-    frames = cancel_reply_frames(9, 2, confirmed)
-    assert parse_cancel_reply(frames) == CancelReply(9, 2, confirmed)
+@pytest.mark.parametrize("answer", list(CancelAnswer))
+def test_cancel_reply_round_trips_as_a_failed_status(answer):
+    frames = cancel_reply_frames(9, 2, answer)
+    assert frames[3] == {CancelAnswer.CONFIRMED: b"cancel-confirmed", CancelAnswer.TOO_LATE: b"cancel-too-late",
+                         CancelAnswer.WRITE_FAILED: b"cancel-write-failed"}[answer]
+    assert parse_cancel_reply(frames) == CancelReply(9, 2, answer)
     # Read as a plain status it is Failed: a receiver without the extension fails the room.
     assert parse_status(frames[:3])[:3] == (9, TransferPoll.Failed, 2)
 

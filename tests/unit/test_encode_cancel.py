@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from transfer.core.encode import Conclude, Count, EncodeCore, Offer, PushStatus, StartWrite
 from transfer.core.failure import FailureKind
-from transfer.frames import Cancel, TransferInfo, shard_rows
+from transfer.frames import Cancel, CancelAnswer, TransferInfo, shard_rows
+
+CONFIRMED, TOO_LATE, WRITE_FAILED = CancelAnswer.CONFIRMED, CancelAnswer.TOO_LATE, CancelAnswer.WRITE_FAILED
 from transfer.status import TransferPoll
 
 HIDDEN = 256
@@ -60,7 +62,7 @@ def test_a_cancelled_ask_is_never_written_when_its_item_comes_later():
     run = Run()
     run(run.core.ask(_ask(1), run.now))
     out = run(run.core.cancel(_cancel(1), run.now))
-    assert run.answers(out) == [(1, 6000, True)]
+    assert run.answers(out) == [(1, 6000, CONFIRMED)]
     assert run.of(Count, out) == [Count("cancels_total", "confirmed")]
     assert run.core.parked.get(1) is None
     run.now = 0.5
@@ -76,7 +78,7 @@ def test_a_cancel_before_the_whole_fanout_asked_fails_the_room_and_tells_the_oth
     run(run.core.offer(_offer(2, span=8), run.now))
     run(run.core.ask(_ask(2, 0, fanout=2, span=8), run.now))
     out = run(run.core.cancel(_cancel(2), run.now))
-    assert run.answers(out) == [(2, 6000, True)]
+    assert run.answers(out) == [(2, 6000, CONFIRMED)]
     assert run.conclusions() == [(2, TransferPoll.Failed, FailureKind.CANCELLED)]
     out = run(run.core.ask(_ask(2, 1, fanout=2, span=8), run.now))
     assert [(a.room, a.port, a.status) for a in run.of(PushStatus, out)] == [(2, 6001, TransferPoll.Failed)]
@@ -89,7 +91,7 @@ def test_a_cancel_for_a_queued_write_drops_it_and_the_room_never_succeeds():
     run(run.core.ask(_ask(3), run.now))
     assert run.core.waiting == 1 and run.of(StartWrite) == []
     out = run(run.core.cancel(_cancel(3), run.now))
-    assert run.answers(out) == [(3, 6000, True)]
+    assert run.answers(out) == [(3, 6000, CONFIRMED)]
     assert run.conclusions() == [(3, TransferPoll.Failed, FailureKind.CANCELLED)]
     run.now = 1.0
     run(run.core.tick(run.now))
@@ -101,30 +103,43 @@ def test_a_cancel_for_a_write_in_flight_says_too_late_then_confirms_once_it_is_o
     run(run.core.offer(_offer(4), run.now))
     [write] = run.of(StartWrite, run(run.core.ask(_ask(4), run.now)))
     out = run(run.core.cancel(_cancel(4), run.now))
-    assert run.answers(out) == [(4, 6000, False)]
+    assert run.answers(out) == [(4, 6000, TOO_LATE)]
     assert run.of(Count, out) == [Count("cancels_total", "too_late")]
     [conclusion] = run.of(Conclude, out)
     assert conclusion.status is TransferPoll.Failed and conclusion.failure.kind is FailureKind.CANCELLED
     assert "while its write was in flight" in conclusion.failure.detail
     out = run(run.core.write_done(write.wid, (7,), run.now))
-    assert run.answers(out) == [(4, 6000, True)]
+    assert run.answers(out) == [(4, 6000, CONFIRMED)]
     assert [a.status for a in run.of(PushStatus, out) if a.cancel is None] == []  # no Success for it
     assert run.conclusions() == [(4, TransferPoll.Failed, FailureKind.CANCELLED)]
 
 
-def test_a_write_in_flight_that_fails_after_a_cancel_still_confirms():
+def test_a_write_in_flight_that_fails_after_a_cancel_is_answered_write_failed_not_confirmed():
+    # The engine gave up on it: bytes it carried may still land in the receiver's memory.
     run = Run()
     run(run.core.offer(_offer(5), run.now))
     [write] = run.of(StartWrite, run(run.core.ask(_ask(5), run.now)))
-    run(run.core.cancel(_cancel(5), run.now))
-    out = run(run.core.write_failed(write.wid, "peer gone", 0.01, run.now))
-    assert run.answers(out) == [(5, 6000, True)]
+    assert run.answers(run(run.core.cancel(_cancel(5), run.now))) == [(5, 6000, TOO_LATE)]
+    out = run(run.core.write_failed(write.wid, "still in flight after the transfer timeout", 30.0, run.now))
+    assert run.answers(out) == [(5, 6000, WRITE_FAILED)]
+    assert run.of(Count, out) == [Count("cancels_total", "write_failed")]
+
+
+def test_a_cancel_is_not_confirmed_when_any_write_it_found_in_flight_failed():
+    run = Run()
+    run(run.core.offer(_offer(1), run.now))
+    [first] = run.of(StartWrite, run(run.core.ask(_ask(1), run.now)))
+    run(run.core.offer(_offer(1), run.now))  # the room sent again beside the first send's write
+    [second] = run.of(StartWrite, run(run.core.ask(_ask(1), run.now)))
+    assert run.answers(run(run.core.cancel(_cancel(1), run.now))) == [(1, 6000, TOO_LATE)]
+    assert run.answers(run(run.core.write_failed(first.wid, "peer gone", 0.01, run.now))) == []
+    assert run.answers(run(run.core.write_done(second.wid, (), run.now))) == [(1, 6000, WRITE_FAILED)]
 
 
 def test_a_cancel_the_core_knows_nothing_of_is_confirmed_and_changes_nothing():
     run = Run()
     out = run(run.core.cancel(_cancel(6), run.now))
-    assert run.answers(out) == [(6, 6000, True)]
+    assert run.answers(out) == [(6, 6000, CONFIRMED)]
     assert run.conclusions() == [] and len(run.core.parked) == 0
 
 
@@ -134,7 +149,7 @@ def test_a_cancel_after_success_is_confirmed_and_the_room_stays_success():
     [write] = run.of(StartWrite, run(run.core.ask(_ask(7), run.now)))
     run(run.core.write_done(write.wid, (7,), run.now))
     out = run(run.core.cancel(_cancel(7), run.now))
-    assert run.answers(out) == [(7, 6000, True)]
+    assert run.answers(out) == [(7, 6000, CONFIRMED)]
     assert run.conclusions() == [(7, TransferPoll.Success, None)]
 
 
@@ -178,7 +193,7 @@ def test_the_cancelling_receiver_gets_only_its_answer_and_the_others_are_told_fa
     run(run.core.ask(_ask(10, 1, fanout=2, span=8), run.now))
     out = run(run.core.cancel(_cancel(10, 0), run.now))
     pushes = [(a.port, a.status, a.cancel) for a in run.of(PushStatus, out)]
-    assert sorted(pushes) == [(6000, TransferPoll.Failed, True), (6001, TransferPoll.Failed, None)]
+    assert sorted(pushes) == [(6000, TransferPoll.Failed, CONFIRMED), (6001, TransferPoll.Failed, None)]
 
 
 def test_an_item_cancelled_before_it_came_is_expected():
@@ -206,7 +221,7 @@ def test_a_queued_write_cancelled_leaves_its_destination_free_for_the_next_room(
     assert not [a for a in core.ask(_ask_at(2, session, 6000, 0xA0000), 0.1) if isinstance(a, StartWrite)]
 
     answered = core.cancel(Cancel(2, "10.0.0.7", 6000, session), 60.0)
-    assert [(a.room, a.cancel) for a in answered if isinstance(a, PushStatus)] == [(2, True)]
+    assert [(a.room, a.cancel) for a in answered if isinstance(a, PushStatus)] == [(2, CONFIRMED)]
 
     # Confirmed: the receiver reuses the memory for its next room at once, while the only slot is still busy.
     core.offer(Offer(3, object(), SRC + 0x20000, 4, HIDDEN, DTYPE, ROW), 61.0)
@@ -221,7 +236,7 @@ def test_a_write_in_flight_when_its_room_fails_keeps_its_destination_until_it_is
     core.offer(Offer(1, object(), SRC, 4, HIDDEN, DTYPE, ROW), 0.0)
     assert [a.room for a in core.ask(_ask_at(1, session, 6000, 0xA0000), 0.0) if isinstance(a, StartWrite)] == [1]
     answered = core.cancel(Cancel(1, "10.0.0.7", 6000, session), 1.0)
-    assert [(a.room, a.cancel) for a in answered if isinstance(a, PushStatus)] == [(1, False)]
+    assert [(a.room, a.cancel) for a in answered if isinstance(a, PushStatus)] == [(1, TOO_LATE)]
     core.offer(Offer(2, object(), SRC + 0x10000, 4, HIDDEN, DTYPE, ROW), 2.0)
     failed = [c for c in core.ask(_ask_at(2, session, 6000, 0xA0000), 2.0) if isinstance(c, Conclude)]
     assert [(c.room, c.status) for c in failed] == [(2, TransferPoll.Failed)]
@@ -249,9 +264,9 @@ def test_a_cancel_covers_the_room_sent_again_beside_an_earlier_sends_write_in_fl
     run(run.core.offer(_offer(1, ready_event=gate), 0.01))  # sent again: the first send is cleared
     run(run.core.ask(_ask(1), 0.02))  # the retry's write waits for its item
     out = run(run.core.cancel(_cancel(1), 0.03))
-    assert run.answers(out) == [(1, 6000, False)]
+    assert run.answers(out) == [(1, 6000, TOO_LATE)]
     assert run.conclusions()[-1] == (1, TransferPoll.Failed, FailureKind.CANCELLED)
-    assert run.answers(run(run.core.write_done(first.wid, (), 0.04))) == [(1, 6000, True)]
+    assert run.answers(run(run.core.write_done(first.wid, (), 0.04))) == [(1, 6000, CONFIRMED)]
     gate.done = True
     run(run.core.tick(0.05))
     assert run.of(StartWrite) == [first], "a write after the cancel was confirmed"
@@ -263,8 +278,8 @@ def test_a_cancel_is_confirmed_only_once_every_write_it_found_in_flight_is_over(
     [first] = run.of(StartWrite, run(run.core.offer(_offer(1), run.now)))
     run(run.core.offer(_offer(1), 0.01))
     [second] = run.of(StartWrite, run(run.core.ask(_ask(1), 0.02)))  # the same destination, the same room
-    assert run.answers(run(run.core.cancel(_cancel(1), 0.03))) == [(1, 6000, False)]
+    assert run.answers(run(run.core.cancel(_cancel(1), 0.03))) == [(1, 6000, TOO_LATE)]
     assert run.answers(run(run.core.write_done(first.wid, (), 0.04))) == []
     assert not run.core.wants(second.wid)
-    assert run.answers(run(run.core.write_done(second.wid, (), 0.05))) == [(1, 6000, True)]
+    assert run.answers(run(run.core.write_done(second.wid, (), 0.05))) == [(1, 6000, CONFIRMED)]
     assert (1, TransferPoll.Success, None) not in run.conclusions()

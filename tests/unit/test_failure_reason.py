@@ -13,6 +13,7 @@ from transfer.core.prefill import Conclude as PrefillConclude
 from transfer.frames import (
     FAILURE_MARKER,
     MAX_REASON_BYTES,
+    CancelAnswer,
     TransferInfo,
     WireError,
     cancel_reply_frames,
@@ -46,7 +47,7 @@ def test_a_reason_rides_in_three_parts_after_the_specs_three():
 def test_a_reason_is_never_taken_for_a_cancel_answer_nor_a_cancel_answer_for_a_reason():
     frames = status_frames(7, Failed, 1, reason=("cleared", "x"))
     assert parse_cancel_reply(frames) is None
-    answer = cancel_reply_frames(7, 1, confirmed=True)
+    answer = cancel_reply_frames(7, 1, CancelAnswer.CONFIRMED)
     assert parse_failure_reason(answer) is None
     assert parse_failure_reason(status_frames(7, Failed, 1)) is None
     assert parse_failure_reason(status_frames(7, TransferPoll.Success, 1, (9,))) is None

@@ -15,8 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transfer.frames import (
-    CANCEL_CONFIRMED,
-    CANCEL_TOO_LATE,
+    CancelAnswer,
     FAILURE_MARKER,
     TransferInfo,
     WireError,
@@ -84,7 +83,7 @@ number_parts = st.one_of(
         b"09223372036854775807", b"9223372036854775808", b"-9223372036854775808", b"18446744073709551615",
         b"18446744073709551616", b"99999999999999999999", b"000000000000000000000001",
         b"0000000000000000000000000000009223372036854775807", b"1" * 4400, b"\xff", b"\xd9\xa3", b"1\n", b" 1",
-        b"1_0", b"", b"12345678", b"None", b"Cancel", b"failure", FAILURE_MARKER, CANCEL_CONFIRMED,
+        b"1_0", b"", b"12345678", b"None", b"Cancel", b"failure", FAILURE_MARKER, CancelAnswer.CONFIRMED.value,
     ]),
     st.binary(max_size=10),
 )
@@ -288,12 +287,12 @@ def test_parse_status_edges(frames):
 
 
 @pytest.mark.parametrize("frames", [
-    cancel_reply_frames(7, 1, True),
-    cancel_reply_frames(7, 1, False),
-    [b"7", b"5", b"1", CANCEL_CONFIRMED],
+    cancel_reply_frames(7, 1, CancelAnswer.CONFIRMED),
+    cancel_reply_frames(7, 1, CancelAnswer.TOO_LATE),
+    [b"7", b"5", b"1", CancelAnswer.CONFIRMED.value],
     [b"7", b"0", b"1", b"12"],
-    [b"7", b"0", b"1", zmq.Frame(CANCEL_TOO_LATE)],
-    [b"7", b"0", b"1", CANCEL_TOO_LATE, b"extra"],
+    [b"7", b"0", b"1", zmq.Frame(CancelAnswer.TOO_LATE.value)],
+    [b"7", b"0", b"1", CancelAnswer.TOO_LATE.value, b"extra"],
     [b"7", b"0", b"1"],
     [],
 ])

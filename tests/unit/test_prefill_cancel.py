@@ -18,7 +18,9 @@ from transfer.core.prefill import (
     SendCancel,
     Verify,
 )
-from transfer.frames import Cancel, parse_cancel
+from transfer.frames import Cancel, CancelAnswer, parse_cancel
+
+CONFIRMED, TOO_LATE, WRITE_FAILED = CancelAnswer.CONFIRMED, CancelAnswer.TOO_LATE, CancelAnswer.WRITE_FAILED
 from transfer.status import TransferPoll
 
 
@@ -60,11 +62,21 @@ def test_a_confirmed_cancel_makes_the_memory_safe_and_a_too_late_one_does_not():
     c = core()
     token = asked(c, 1)
     c.tick(10.0)
-    assert c.cancel_answered(10.1, 1, 0, confirmed=False) == []
-    assert c.cancel_answered(10.1, 1, 3, confirmed=True) == []  # another encode rank's answer
-    assert c.cancel_answered(10.2, 1, 0, confirmed=True) == [MemorySafe(1, token)]
+    assert c.cancel_answered(10.1, 1, 0, TOO_LATE) == []
+    assert c.cancel_answered(10.1, 1, 3, CONFIRMED) == []  # another encode rank's answer
+    assert c.cancel_answered(10.2, 1, 0, CONFIRMED) == [MemorySafe(1, token)]
     assert c.pending_cancels == 0
-    assert c.cancel_answered(10.3, 1, 0, confirmed=True) == []  # answered once
+    assert c.cancel_answered(10.3, 1, 0, CONFIRMED) == []  # answered once
+
+
+def test_a_cancel_whose_write_failed_is_answered_but_its_memory_waits_out_the_quarantine():
+    c = core()
+    token = asked(c, 1)
+    c.tick(10.0)
+    assert c.cancel_answered(10.1, 1, 0, TOO_LATE) == []
+    assert c.cancel_answered(10.2, 1, 0, WRITE_FAILED) == []  # its bytes may still land
+    assert not c.safe(1, token) and c.pending_cancels == 0
+    assert c.cancel_answered(10.3, 1, 0, CONFIRMED) == []  # nothing left to confirm
 
 
 def test_a_confirmation_after_the_room_was_cleared_still_counts():
@@ -72,7 +84,7 @@ def test_a_confirmation_after_the_room_was_cleared_still_counts():
     token = asked(c, 1)
     c.tick(10.0)
     c.clear(10.0, 1, token)
-    assert c.cancel_answered(10.5, 1, 0, confirmed=True) == [MemorySafe(1, token)]
+    assert c.cancel_answered(10.5, 1, 0, CONFIRMED) == [MemorySafe(1, token)]
 
 
 def test_clear_before_a_terminal_status_sends_a_cancel():
@@ -128,7 +140,7 @@ def test_a_room_cleared_while_its_success_is_verified_is_cancelled():
     assert [type(a) for a in c.abandon(1.1, 8, token)] == [SendCancel]
     assert not c.safe(8, token) and c.pending_cancels == 1
     assert c.clear(1.1, 8, token)
-    assert c.cancel_answered(1.2, 8, 0, confirmed=True) == [MemorySafe(8, token)]
+    assert c.cancel_answered(1.2, 8, 0, CONFIRMED) == [MemorySafe(8, token)]
 
 
 def test_a_room_failed_by_its_encode_rank_is_cancelled_when_cleared():
@@ -160,8 +172,8 @@ def test_cancels_awaiting_an_answer_are_bounded(monkeypatch):
     for room, token in zip((1, 2, 3), tokens):
         assert [type(a) for a in c.abandon(5.0, room, token)] == [SendCancel]
     assert c.pending_cancels == 2
-    assert c.cancel_answered(6.0, 1, 0, confirmed=True) == []  # the oldest was forgotten
-    assert c.cancel_answered(6.0, 3, 0, confirmed=True) == [MemorySafe(3, tokens[2])]
+    assert c.cancel_answered(6.0, 1, 0, CONFIRMED) == []  # the oldest was forgotten
+    assert c.cancel_answered(6.0, 3, 0, CONFIRMED) == [MemorySafe(3, tokens[2])]
 
 
 def _cleared_and_asked_again(c: PrefillCore, room: int, now: float) -> tuple[int, int, list]:
@@ -179,7 +191,7 @@ def _answering(c: PrefillCore) -> None:
     old = asked(c, 90)
     c.abandon(0.0, 90, old)
     assert c.clear(0.0, 90, old)
-    assert c.cancel_answered(0.0, 90, 0, confirmed=True) == [MemorySafe(90, old)]
+    assert c.cancel_answered(0.0, 90, 0, CONFIRMED) == [MemorySafe(90, old)]
 
 
 def test_a_status_before_the_cancels_answer_is_the_cancelled_asks_and_concludes_nothing():
@@ -193,7 +205,7 @@ def test_a_status_before_the_cancels_answer_is_the_cancelled_asks_and_concludes_
     for status in (TransferPoll.Success, TransferPoll.Failed, TransferPoll.Transferring):
         assert c.status(1.1, 7, status, 0, (11,) if status is TransferPoll.Success else ()) == []
     assert c.stage(7) == "asked"
-    assert c.cancel_answered(1.2, 7, 0, confirmed=True) == [MemorySafe(7, old)]
+    assert c.cancel_answered(1.2, 7, 0, CONFIRMED) == [MemorySafe(7, old)]
     (verify,) = c.status(1.3, 7, TransferPoll.Success, 0, (11,))
     assert isinstance(verify, Verify) and verify.token == token
 
@@ -203,9 +215,9 @@ def test_a_too_late_answer_is_the_cancels_answer_and_the_new_asks_statuses_count
     c.integrity = False
     _answering(c)
     old, token, _ = _cleared_and_asked_again(c, 7, 1.0)
-    assert c.cancel_answered(1.1, 7, 0, confirmed=False) == []
+    assert c.cancel_answered(1.1, 7, 0, TOO_LATE) == []
     assert of(Conclude, c.status(1.2, 7, TransferPoll.Success, 0)) == [Conclude(7, token, None)]
-    assert c.cancel_answered(1.3, 7, 0, confirmed=True) == [MemorySafe(7, old)]
+    assert c.cancel_answered(1.3, 7, 0, CONFIRMED) == [MemorySafe(7, old)]
 
 
 def test_an_ask_again_waits_for_the_cancels_answer_from_a_rank_not_known_to_answer():
@@ -217,7 +229,7 @@ def test_an_ask_again_waits_for_the_cancels_answer_from_a_rank_not_known_to_answ
     assert actions == [] and c.stage(7) == "held"
     assert c.next_wakeup() == 1.0 + prefill.CANCEL_ANSWER_WAIT_S
     assert c.status(1.1, 7, TransferPoll.Success, 0) == [] and c.stage(7) == "held"
-    safe, ask = c.cancel_answered(1.2, 7, 0, confirmed=True)
+    safe, ask = c.cancel_answered(1.2, 7, 0, CONFIRMED)
     assert safe == MemorySafe(7, old) and isinstance(ask, SendAsk) and ask.token == token
     assert of(Conclude, c.status(1.3, 7, TransferPoll.Success, 0)) == [Conclude(7, token, None)]
 
@@ -298,7 +310,7 @@ def test_a_room_given_up_at_another_node_while_a_cancel_waits_for_the_same_rank_
     assert c.parallel_resolved(0.2, other_boot, 1, 1) == [LookUpRoute((other_boot, 0, 0))]
     assert SendAsk in [type(a) for a in c.route_resolved(0.2, (other_boot, 0, 0), other_encode)]
     assert c.abandon(0.3, 7, second) == [] and not c.safe(7, second)
-    assert c.cancel_answered(0.4, 7, 0, confirmed=True) == [MemorySafe(7, first)]
+    assert c.cancel_answered(0.4, 7, 0, CONFIRMED) == [MemorySafe(7, first)]
     assert not c.safe(7, second) and c.pending_cancels == 0
 
 
@@ -312,7 +324,7 @@ def test_an_encode_rank_that_leaves_a_cancel_unanswered_is_sent_no_more_until_it
     assert of(SendCancel, c.abandon(1.0, 2, second)), "still within CANCEL_SILENCE_S of the first"
     third = asked(c, 3, now=prefill.CANCEL_SILENCE_S)
     assert c.abandon(prefill.CANCEL_SILENCE_S, 3, third) == [] and not c.safe(3, third)
-    assert c.cancel_answered(6.0, 1, 0, confirmed=True) == [MemorySafe(1, first)]
+    assert c.cancel_answered(6.0, 1, 0, CONFIRMED) == [MemorySafe(1, first)]
     fourth = asked(c, 4, now=7.0)
     assert of(SendCancel, c.abandon(7.0, 4, fourth)), "it answered one: it is sent cancels again"
 

@@ -25,7 +25,7 @@ from transfer.core.prefill import (
     Verify,
     Warn,
 )
-from transfer.frames import TransferInfo, parse_registration
+from transfer.frames import CancelAnswer, TransferInfo, parse_registration
 from transfer.status import TransferPoll
 
 
@@ -504,7 +504,7 @@ def test_an_address_is_idle_only_with_nothing_under_way_there():
     assert kinds(c.abandon(0.2, 1, token)) == [SendCancel]  # given up before its status
     c.clear(0.2, 1, token)
     assert not c.idle(ENCODE), "its cancel waits for an answer"
-    c.cancel_answered(0.3, 1, 0, True)
+    c.cancel_answered(0.3, 1, 0, CancelAnswer.CONFIRMED)
     assert c.idle(ENCODE)
 
 

@@ -32,7 +32,7 @@ from transfer.core.failure import Failure, FailureKind
 from transfer.core.parked import Asks, ParkedAsks
 from transfer.core.regions import RegionBook
 from transfer.core.scheduler import WriteScheduler
-from transfer.frames import Cancel, Registration, TransferInfo, validate_fanout
+from transfer.frames import Cancel, CancelAnswer, Registration, TransferInfo, validate_fanout
 from transfer.status import TransferPoll
 
 __all__ = ["CLEARED_GRACE_S", "SWEEP_S", "Conclude", "Count", "EncodeCore", "Offer", "Progress", "PushStatus",
@@ -102,7 +102,7 @@ class PushStatus:
     room: int
     status: TransferPoll
     checksums: tuple[int, ...] = ()
-    cancel: bool | None = None  # a cancel's answer: True confirmed (memory safe), False a write was in flight
+    cancel: CancelAnswer | None = None  # set on a cancel's answer (then the status is Failed)
     failure: Failure | None = None  # why, on a Failed status (sent in its reason parts, docs/protocol.md 8)
 
 
@@ -189,10 +189,12 @@ class _Room:
 
 @dataclass(eq=False)
 class _CancelWait:
-    """A cancel answered too late: confirmed once the last of the writes it found in flight is over."""
+    """A cancel answered too late: answered again once the last of the writes it found in flight is over,
+    confirmed only if none of them failed (a failed write's bytes may still land)."""
 
     cancel: Cancel
     left: int
+    failed: bool = False
 
 
 @dataclass(eq=False)
@@ -368,7 +370,7 @@ class EncodeCore:
             wait = _CancelWait(cancel, len(flying))
             for job in flying:
                 job.waits.append(wait)
-        self._answer_cancel(cancel, confirmed=not flying)
+        self._answer_cancel(cancel, CancelAnswer.TOO_LATE if flying else CancelAnswer.CONFIRMED)
         return self._flush(now)
 
     @staticmethod
@@ -432,7 +434,7 @@ class EncodeCore:
                        session[:64], took, trip.until - now)
         if self._serves(job):  # a superseded session's failure is not its room's
             self._fail(job.room, FailureKind.WRITE, f"write to {session} (room {job.room.room}) failed: {error}", now)
-        self._job_over(job)
+        self._job_over(job, failed=True)
         self._job_done(job, now)
         return self._flush(now)
 
@@ -875,17 +877,19 @@ class EncodeCore:
               failure: Failure | None = None) -> None:
         self._out.append(PushStatus(info.endpoint, info.port, info.room, status, tuple(checksums), None, failure))
 
-    def _answer_cancel(self, cancel: Cancel, *, confirmed: bool) -> None:
-        self._out.append(PushStatus(cancel.endpoint, cancel.port, cancel.room, TransferPoll.Failed, (), confirmed))
-        self._out.append(Count("cancels_total", "confirmed" if confirmed else "too_late"))
+    def _answer_cancel(self, cancel: Cancel, answer: CancelAnswer) -> None:
+        self._out.append(PushStatus(cancel.endpoint, cancel.port, cancel.room, TransferPoll.Failed, (), answer))
+        self._out.append(Count("cancels_total", answer.name.lower()))
 
-    def _job_over(self, job: _Job) -> None:
-        """A write is over: a receiver that cancelled while it flew is told its memory is safe, once no
-        other write that cancel found in flight is left."""
+    def _job_over(self, job: _Job, *, failed: bool = False) -> None:
+        """A write is over: a receiver that cancelled while it flew is answered once no other write that
+        cancel found in flight is left: its memory is safe, or, if one of them failed, it may not be (the
+        engine gave up on a write whose bytes may still land: the receiver waits out its quarantine)."""
         for wait in job.waits:
             wait.left -= 1
+            wait.failed = wait.failed or failed
             if not wait.left:
-                self._answer_cancel(wait.cancel, confirmed=True)
+                self._answer_cancel(wait.cancel, CancelAnswer.WRITE_FAILED if wait.failed else CancelAnswer.CONFIRMED)
 
     def _tell_failed(self, infos, failure: Failure | None) -> None:
         for info in infos:

@@ -31,7 +31,7 @@ from transfer.core.ask_queue import AskQueues
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.prefill_breaker import BootstrapBreaker
 from transfer.errors import ConfigError
-from transfer.frames import TransferInfo, cancel_frames, registration_frames
+from transfer.frames import CancelAnswer, TransferInfo, cancel_frames, registration_frames
 from transfer.status import TransferPoll
 
 __all__ = [
@@ -431,16 +431,17 @@ class PrefillCore:
         """Cancels sent and not yet confirmed."""
         return self._cancel_count
 
-    def cancel_answered(self, now: float, room: int, rank: int, confirmed: bool) -> list:
-        """An encode rank answered a cancel: `confirmed` when nothing will be written any more.
+    def cancel_answered(self, now: float, room: int, rank: int, answer: CancelAnswer) -> list:
+        """An encode rank answered a cancel: its memory is safe once the answer is CONFIRMED.
 
         An encode rank answers its cancels for a room in the order they came, each with
-        `too late` (a write was in flight) then `confirmed`, or `confirmed` alone.
+        TOO_LATE (a write was in flight) then CONFIRMED or WRITE_FAILED (that write failed:
+        its bytes may still land, so the memory waits out its quarantine), or CONFIRMED alone.
         """
         cancels = self._cancels.get((room, rank))
         if not cancels:
             return []
-        if not confirmed:  # its confirmation follows once the write is over
+        if answer is CancelAnswer.TOO_LATE:  # its last answer follows once the write is over
             first = next((cancel for cancel in cancels if not cancel.answered), None)
             if first is None:
                 return []
@@ -451,7 +452,8 @@ class PrefillCore:
             del self._cancels[(room, rank)]
         self._cancel_count -= 1
         self._heard(cancel)
-        return [MemorySafe(room, cancel.token), *self._release(now, room, rank)]
+        safe = [MemorySafe(room, cancel.token)] if answer is CancelAnswer.CONFIRMED else []
+        return [*safe, *self._release(now, room, rank)]
 
     def cancel_unsent(self, now: float, room: int, token: int) -> list:
         """The socket did not take the room's cancel: no answer will come for it (its memory waits out

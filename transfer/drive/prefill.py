@@ -554,7 +554,7 @@ class PrefillDriver:
                 answer = parse_cancel_reply(frames)
                 if answer is not None:
                     verifies += self._carry(now, self.core.cancel_answered(now, answer.room, answer.rank,
-                                                                          answer.confirmed))
+                                                                          answer.answer))
                     continue
                 room, status, rank, sums = parse_status(frames)
                 if status is TransferPoll.Failed and len(frames) > 3:
