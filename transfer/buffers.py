@@ -13,8 +13,9 @@ copied out:
   encode rank may still serve the room's ask (QUARANTINE_S), because a late one-sided
   write may still land in it; `end_quarantine()` ends that early once the encode rank
   confirmed that nothing more will be written (its cancel, docs/protocol.md 8).
-- an item too big for a slot, or an exhausted pool, gets a per-item fallback buffer
-  registered for that item and deregistered only `grace_s` after its release.
+- an item too big for a slot, or an exhausted pool, gets a fallback buffer: the smallest
+  idle one in its grace that holds it (registered already), else one registered for it;
+  a fallback is deregistered once it has been idle for `grace_s`.
   The bytes fallbacks hold at once (live, awaiting events, in grace or quarantined)
   are capped by `max_fallback_bytes`; past it `lease_or_fallback()` raises
   FallbackLimitError, leaving nothing allocated or registered.
@@ -92,7 +93,7 @@ class PoolStats(TypedDict):
     leased: int
     pending_events: int
     quarantined: int
-    fallbacks_live: int
+    fallbacks_live: int  # registered: in use, awaiting an event, quarantined or idle in their grace
     fallbacks_total: int
     fallback_bytes: int
     max_fallback_bytes: int | None
@@ -274,6 +275,9 @@ class ReceivePool:
             return slot
         # Mooncake refuses empty regions; a zero-byte item still gets a (1-byte) buffer.
         size = max(int(nbytes), 1)
+        region = self._idle_fallback(size)
+        if region is not None:
+            return Slot(self, region, 0, int(nbytes), -1, True)
         if not self._reserve(size):
             # lease() polled already, but events may have completed and graces ended since
             # (or another thread released): what that poll frees is tried before refusing.
@@ -296,6 +300,17 @@ class ReceivePool:
         log.debug("fallback buffer of %d bytes at %#x (pool slots %d bytes, %d free)",
                   nbytes, region.addr, self.slot_bytes, len(self._free))
         return Slot(self, region, 0, int(nbytes), -1, True)
+
+    def _idle_fallback(self, size: int) -> Region | None:
+        """Takes the smallest fallback in its grace (not quarantined) of at least `size` bytes, if any."""
+        with self._lock:
+            self._check_open()
+            idle = [entry for entry in self._graces if not entry[3] and entry[2].nbytes >= size]
+            if not idle:
+                return None
+            entry = min(idle, key=lambda e: e[2].nbytes)
+            _remove_entry(self._graces, entry[1])
+            return entry[2]
 
     def _reserve(self, size: int) -> bool:
         """Counts `size` more fallback bytes if the cap allows; False (nothing counted) if not."""

@@ -74,14 +74,15 @@ def test_a_zero_cap_allows_no_fallback_but_slots_still_lease():
 
 
 def _fill_every_state(pool: ReceivePool) -> tuple[FakeEvent, list]:
-    """Holds the pool's one slot and four SLOT fallbacks: live, awaiting an event, in grace,
-    quarantined. Returns (the pending copy-out's event, the live handles)."""
+    """Holds the pool's one slot and four fallbacks: three of SLOT bytes (live, awaiting an event,
+    quarantined) and one of 4 bytes in its grace, too small to be taken again for what the tests ask.
+    Returns (the pending copy-out's event, the live handles)."""
     slot = pool.lease(8)
     live = pool.lease_or_fallback(SLOT)
     pending = pool.lease_or_fallback(SLOT)
     event = FakeEvent()
     pending.release(event)
-    pool.lease_or_fallback(SLOT).release()  # grace: 10 s
+    pool.lease_or_fallback(4).release()  # grace: 10 s
     pool.lease_or_fallback(SLOT).fail()  # quarantine: 30 s
     return event, [slot, live]
 
@@ -89,7 +90,7 @@ def _fill_every_state(pool: ReceivePool) -> tuple[FakeEvent, list]:
 def test_the_error_names_the_ask_what_fallbacks_hold_the_cap_and_the_remedy():
     engine, clock = RecordingEngine(), FakeClock()
     with ReceivePool(engine, SLOT, SLOT, quarantine_s=30.0, grace_s=10.0,
-                     max_fallback_bytes=4 * SLOT, clock=clock) as pool:
+                     max_fallback_bytes=3 * SLOT + 4, clock=clock) as pool:
         event, live = _fill_every_state(pool)
         before, total = dict(engine.regions), pool.stats()["fallbacks_total"]
         clock.advance(2.5)
@@ -97,7 +98,7 @@ def test_the_error_names_the_ask_what_fallbacks_hold_the_cap_and_the_remedy():
             pool.lease_or_fallback(8)
         expected = (
             f"receive pool at {pool.region.addr:#x}: a fallback buffer of 8 bytes would take fallbacks "
-            f"past max_fallback_bytes=1024: they hold 1024 bytes in 4 buffers (1 live, 1 awaiting copy-out "
+            f"past max_fallback_bytes=772: they hold 772 bytes in 4 buffers (1 live, 1 awaiting copy-out "
             f"events, 1 in grace, 1 quarantined after failed rooms; the next retires in 7.5s), and all 1 "
             f"slots are taken (1 leased, 0 quarantined, 0 awaiting copy-out events); size the pool larger "
             f"(more than 1 slots of 256 bytes), or raise max_fallback_bytes (None: unbounded)"
@@ -105,15 +106,15 @@ def test_the_error_names_the_ask_what_fallbacks_hold_the_cap_and_the_remedy():
         assert str(exhausted.value) == expected
         with pytest.raises(FallbackLimitError) as too_big:
             pool.lease_or_fallback(3 * SLOT)
-        assert re.search(r"a fallback buffer of 768 bytes would take fallbacks past max_fallback_bytes=1024: "
-                         r"they hold 1024 bytes .*, and the item is bigger than a slot \(256 bytes\); "
+        assert re.search(r"a fallback buffer of 768 bytes would take fallbacks past max_fallback_bytes=772: "
+                         r"they hold 772 bytes .*, and the item is bigger than a slot \(256 bytes\); "
                          r"size the pool's slots to at least 768 bytes, or raise max_fallback_bytes",
                          str(too_big.value)), str(too_big.value)
         assert isinstance(too_big.value, RuntimeError)
         # Nothing allocated, registered or counted on the refused path.
         stats = pool.stats()
         assert engine.regions == before
-        assert (stats["fallback_bytes"], stats["fallbacks_live"], stats["fallbacks_total"]) == (4 * SLOT, 4, total)
+        assert (stats["fallback_bytes"], stats["fallbacks_live"], stats["fallbacks_total"]) == (3 * SLOT + 4, 4, total)
         event.done = True
         for slot in live:
             slot.release()
@@ -131,8 +132,10 @@ def test_retiring_graces_and_quarantines_makes_room_again_without_an_explicit_po
             pool.lease_or_fallback(2 * SLOT)
         clock.advance(20.0)  # the quarantine ended
         event.done = True  # and the copy-out finished: its grace starts at the next poll
-        assert pool.lease_or_fallback(SLOT).is_fallback
-        assert pool.stats()["fallback_bytes"] == 4 * SLOT == _fallback_bytes(engine, pool)
+        total = pool.stats()["fallbacks_total"]
+        assert pool.lease_or_fallback(SLOT).is_fallback  # the copied-out buffer, idle in its grace, again
+        assert pool.stats()["fallbacks_total"] == total
+        assert pool.stats()["fallback_bytes"] == 3 * SLOT == _fallback_bytes(engine, pool)
         for slot in live:
             slot.release()
 
@@ -210,3 +213,31 @@ def test_churn_keeps_the_fallback_byte_count_equal_to_what_is_registered():
         clock.advance(2.0)
         stats = pool.stats()
         assert (stats["fallback_bytes"], stats["fallbacks_live"], stats["free"]) == (0, 0, 2)
+
+
+def test_an_idle_fallback_in_its_grace_is_taken_again_instead_of_a_new_registration():
+    engine, clock = RecordingEngine(), FakeClock()
+    with ReceivePool(engine, SLOT, SLOT, quarantine_s=60.0, grace_s=30.0, max_fallback_bytes=3000,
+                     clock=clock) as pool:
+        first = pool.lease_or_fallback(1000)
+        first_addr = first.addr
+        first.release()
+        for _ in range(5):  # one 1000-byte outlier every 5 s, each released at once
+            clock.advance(5.0)
+            again = pool.lease_or_fallback(1000)
+            assert again.is_fallback and again.addr == first_addr and again.nbytes == 1000
+            again.release()
+        assert pool.stats()["fallbacks_total"] == 1 and _fallback_bytes(engine, pool) == 1000
+        # The smallest idle one that holds the item; a quarantined one is never taken.
+        hold_the_slot = pool.lease(8)
+        big, small, failed = (pool.lease_or_fallback(n) for n in (900, 600, 500))
+        assert big.addr == first_addr and pool.stats()["fallbacks_total"] == 3
+        for slot in (big, small):
+            slot.release()
+        failed.fail()
+        taken = pool.lease_or_fallback(450)
+        assert taken.addr == small.addr and taken.nbytes == 450
+        assert pool.lease_or_fallback(450).addr == first_addr
+        assert pool.lease_or_fallback(450).addr not in (first_addr, small.addr, failed.addr)
+        assert pool.stats()["fallbacks_total"] == 4 and _fallback_bytes(engine, pool) == 2550
+        hold_the_slot.release()
