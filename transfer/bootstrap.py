@@ -39,6 +39,7 @@ from urllib.parse import SplitResult, parse_qs, urlsplit
 from transfer._http import BoundedHTTPServer, DeadlineReader, OneDeadlineHandler
 from transfer.config import check_seconds
 from transfer.errors import BootstrapError, BootstrapUnreachable, ConfigError
+from transfer.frames import shown
 from transfer.ports import PortSpec, bind_port
 
 log = logging.getLogger(__name__)
@@ -423,9 +424,9 @@ class BootstrapClient:
             status, raw = self._request("GET", path)
         except (OSError, http.client.HTTPException) as error:
             raise BootstrapUnreachable(f"bootstrap server {self.address} unreachable for {what}: "
-                                       f"{error or type(error).__name__}") from error
+                                       f"{shown(str(error)) or type(error).__name__}") from error
         if status != 200:
-            return status, raw.decode("utf-8", "replace")
+            return status, shown(raw.decode("utf-8", "replace"))
         try:
             return status, json.loads(raw)
         except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
@@ -449,9 +450,9 @@ class BootstrapClient:
                 status, raw = self._request("PUT", "/route", body, headers,
                                             timeout=max(0.05, min(self.timeout, remaining)))
             except (OSError, http.client.HTTPException) as error:
-                last = f"{type(error).__name__}: {error}"
+                last = f"{type(error).__name__}: {shown(str(error))}"
             else:
-                text = raw.decode("utf-8", "replace")
+                text = shown(raw.decode("utf-8", "replace"))
                 if status == 200:
                     return
                 if 400 <= status < 500:
@@ -476,7 +477,7 @@ class BootstrapClient:
             world_size, dp_size = value.get("prefill_tp_size"), value.get("prefill_dp_size")
         if not (_positive_int(world_size) and _positive_int(dp_size)):
             raise BootstrapError(f"bootstrap server {self.address} has incomplete parallel info "
-                                 f"(no encode rank registered yet?): {value}")
+                                 f"(no encode rank registered yet?): {shown(repr(value))}")
         if world_size > MAX_WORLD_SIZE or world_size % dp_size:
             raise BootstrapError(f"bootstrap server {self.address} sent parallel sizes no deployment "
                                  f"has: encode tp size {world_size} (at most {MAX_WORLD_SIZE}), "
@@ -497,7 +498,7 @@ class BootstrapClient:
         port = value.get("rank_port") if isinstance(value, dict) else None
         if not isinstance(ip, str) or not isinstance(port, int) or isinstance(port, bool):
             raise BootstrapError(f"bootstrap server {self.address} sent an incomplete route "
-                                 f"for encode rank {engine_rank}: {value}")
+                                 f"for encode rank {engine_rank}: {shown(repr(value))}")
         if not 0 < len(ip) <= MAX_HOST_CHARS or not _HOST.fullmatch(ip) or not 1 <= port <= 65535:
             raise BootstrapError(f"bootstrap server {self.address} sent a route no encode rank has "
                                  f"for encode rank {engine_rank}: host {ip[:MAX_HOST_CHARS]!r} (1 to "

@@ -53,6 +53,7 @@ __all__ = [
     "parse_status",
     "registration_frames",
     "prefill_shard",
+    "shown",
     "shard_rows",
     "status_frames",
     "validate_fanout",
@@ -697,6 +698,14 @@ def _cut_detail(detail: str) -> bytes:
 def _printable(text: str) -> str:
     """Text with every non-printable character (newlines, escapes, controls) shown as `?`."""
     return text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
+
+
+def shown(text: str, limit: int = MAX_REASON_BYTES) -> str:
+    """A text a peer sent, fit for a log line or a failure text: printable, and at most `limit`
+    characters (a longer one is cut and marked `...`)."""
+    if len(text) > limit:
+        text = text[:limit - 3] + "..."
+    return _printable(text)
 
 
 # ---------------------------------------------------------------- Cancel (ours, docs/protocol.md 8)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 
 import pytest
@@ -17,6 +18,7 @@ from transfer.bootstrap import (
     check_token,
 )
 from transfer.errors import ConfigError
+from transfer.frames import MAX_REASON_BYTES
 
 
 def _body(**fields) -> bytes:
@@ -113,3 +115,59 @@ def test_the_client_refuses_a_route_no_encode_rank_has(route):
 
 def test_the_client_accepts_a_plausible_route():
     assert _client_answering({"rank_ip": "10.0.0.1", "rank_port": 17000}).route(0, 0) == ("10.0.0.1", 17000)
+
+
+#: What a hostile server might send: lines that would forge log entries, an escape that
+#: would clear a terminal, and far more text than any failure reason should carry.
+_HOSTILE_TEXT = "boom\n2026-12-04 INFO transfer: room 7 Success\n\x1b[2J" + "A" * 70_000
+
+
+def _client_replying(status: int, raw: bytes) -> BootstrapClient:
+    client = BootstrapClient("127.0.0.1:1")
+    client._request = lambda *args, **kwargs: (status, raw)
+    return client
+
+
+def _client_failing(error: Exception) -> BootstrapClient:
+    client = BootstrapClient("127.0.0.1:1")
+
+    def fail(*args, **kwargs):
+        raise error
+    client._request = fail
+    return client
+
+
+def _assert_fit_for_a_failure_reason(text: str) -> None:
+    assert len(text) < 2 * MAX_REASON_BYTES
+    assert text.isprintable()
+    assert "..." in text
+
+
+_CALLS = {
+    "parallel info": lambda client: client.parallel_info(),
+    "route": lambda client: client.route(0, 0),
+    "registration": lambda client: client.register_rank(2, 1, "10.0.0.1", 17000, 0, retry_for=0),
+}
+
+
+@pytest.mark.parametrize("status", [400, 500])
+@pytest.mark.parametrize("call", _CALLS.values(), ids=_CALLS.keys())
+def test_an_error_body_reaches_the_failure_printable_and_cut(call, status):
+    with pytest.raises(BootstrapError) as caught:
+        call(_client_replying(status, _HOSTILE_TEXT.encode()))
+    _assert_fit_for_a_failure_reason(str(caught.value))
+    assert "boom?2026-12-04 INFO" in str(caught.value)
+
+
+@pytest.mark.parametrize("call", _CALLS.values(), ids=_CALLS.keys())
+def test_a_transport_error_quoting_the_server_reaches_the_failure_printable_and_cut(call):
+    with pytest.raises(BootstrapError) as caught:
+        call(_client_failing(http.client.BadStatusLine(_HOSTILE_TEXT)))
+    _assert_fit_for_a_failure_reason(str(caught.value))
+
+
+@pytest.mark.parametrize("call", [_CALLS["parallel info"], _CALLS["route"]], ids=["parallel info", "route"])
+def test_an_incomplete_answer_is_quoted_printable_and_cut(call):
+    with pytest.raises(BootstrapError, match="incomplete") as caught:
+        call(_client_answering({"prefill_tp_size": None, "rank_ip": None, "pad": _HOSTILE_TEXT}))
+    _assert_fit_for_a_failure_reason(str(caught.value))
