@@ -348,6 +348,17 @@ class BootstrapServer:
         self.close()
 
 
+def _registered(raw: bytes) -> bool:
+    """Whether a 200's body is a bootstrap server's answer to PUT /route: our JSON, or a peer's `OK`."""
+    if raw.strip() == b"OK":
+        return True
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
+        return False
+    return isinstance(value, dict) and value.get("status") == "OK"
+
+
 def _positive_int(value: object) -> TypeGuard[int]:
     """Whether a JSON value is an int (not a bool) above 0."""
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
@@ -414,7 +425,10 @@ class BootstrapClient:
         try:
             conn.request(method, path, body=body, headers=headers or {})
             response = conn.getresponse()
-            return response.status, response.read(MAX_BODY)
+            raw = response.read(MAX_BODY)
+            if response.length and len(raw) < MAX_BODY:  # the server closed before its Content-Length
+                raise http.client.IncompleteRead(raw, response.length)
+            return response.status, raw
         finally:
             conn.close()
 
@@ -435,7 +449,11 @@ class BootstrapClient:
 
     def register_rank(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
                       engine_rank: int, retry_for: float = 30.0) -> None:
-        """PUT this encode rank's endpoint, retrying refusals and 5xx until retry_for elapses; BootstrapError after."""
+        """PUT this encode rank's endpoint, retrying refusals and 5xx until retry_for elapses; BootstrapError after.
+
+        Only a bootstrap server's answer registers: 200 with our server's JSON (`"status": "OK"`)
+        or a peer's plain `OK`. Any other 200, a redirect or a 4xx is a BootstrapError at once.
+        """
         body = json.dumps({"role": ROLE, "world_size": world_size, "dp_size": dp_size,
                            "rank_ip": rank_ip, "rank_port": rank_port,
                            "engine_rank": engine_rank}).encode()
@@ -453,9 +471,17 @@ class BootstrapClient:
                 last = f"{type(error).__name__}: {shown(str(error))}"
             else:
                 text = shown(raw.decode("utf-8", "replace"))
-                if status == 200:
+                if status == 200 and _registered(raw):
                     return
-                if 400 <= status < 500:
+                if status == 200:
+                    raise BootstrapError(f"{self.address} answered encode rank {engine_rank}'s registration with "
+                                         f"HTTP 200 and {text!r}, which no bootstrap server answers: is it the "
+                                         f"bootstrap server's address?")
+                if 300 <= status < 400:
+                    raise BootstrapError(f"{self.address} redirected encode rank {engine_rank}'s registration "
+                                         f"(HTTP {status}), which no bootstrap server does: give the bootstrap "
+                                         f"server's own address")
+                if status < 500:
                     raise BootstrapError(f"bootstrap server {self.address} refused encode rank "
                                          f"{engine_rank}: HTTP {status}: {text}")
                 last = f"HTTP {status}: {text}"

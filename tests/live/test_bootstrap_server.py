@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -9,6 +10,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
 
@@ -369,23 +371,55 @@ def test_a_request_target_that_does_not_parse_is_400_and_the_server_serves_on(se
     assert _get(server, "engine_rank=-1&target_dp_group=-1")[0] == 200
 
 
-def test_a_json_answer_nested_past_the_parser_is_a_bootstrap_error():
-    body = b"[" * 5000
+@contextlib.contextmanager
+def _answering(answer: bytes) -> Iterator[str]:
+    """A loopback server answering every connection with the bytes `answer`; yields its address."""
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(8)
+        listener.settimeout(0.1)
+        stop = threading.Event()
 
-        def answer() -> None:
-            for _ in range(2):
-                conn, _ = listener.accept()
+        def serve() -> None:
+            while not stop.is_set():
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
                 with conn:
+                    conn.settimeout(5.0)
                     conn.recv(65536)
-                    conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+                    conn.sendall(answer)
+                    conn.shutdown(socket.SHUT_WR)
+                    while conn.recv(65536):  # until the client closes: no unread bytes reset the answer
+                        pass
 
-        thread = threading.Thread(target=answer, daemon=True)
+        thread = threading.Thread(target=serve, daemon=True)
         thread.start()
-        client = BootstrapClient(f"127.0.0.1:{listener.getsockname()[1]}", timeout=5.0)
+        try:
+            yield f"127.0.0.1:{listener.getsockname()[1]}"
+        finally:
+            stop.set()
+            thread.join(10.0)
+
+
+def test_a_json_answer_nested_past_the_parser_is_a_bootstrap_error():
+    body = b"[" * 5000
+    with _answering(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body) as address:
+        client = BootstrapClient(address, timeout=5.0)
         for call in (client.parallel_info, lambda: client.route(0, 0)):
             with pytest.raises(BootstrapError, match="not JSON"):
                 call()
-        thread.join(5.0)
+
+
+def test_an_answer_shorter_than_its_content_length_is_a_transport_error():
+    body = b'{"prefill_tp_size": 4, "prefill_dp_size": 2}'
+    with _answering(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % (len(body) + 100) + body) as address:
+        with pytest.raises(BootstrapError, match="unreachable for parallel info: IncompleteRead"):
+            BootstrapClient(address, timeout=5.0).parallel_info()
+
+
+def test_a_registration_answer_cut_short_is_retried_until_retry_for():
+    with _answering(b"HTTP/1.0 200 OK\r\nContent-Length: 100\r\n\r\nOK") as address:
+        with pytest.raises(BootstrapError, match="within 1.0s: IncompleteRead"):
+            BootstrapClient(address, timeout=5.0).register_rank(1, 1, "10.0.0.1", 5555, 0, retry_for=1.0)

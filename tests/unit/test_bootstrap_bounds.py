@@ -8,6 +8,7 @@ import json
 import pytest
 
 from transfer.bootstrap import (
+    MAX_BODY,
     MAX_HOST_CHARS,
     MAX_WORLD_SIZE,
     BootstrapClient,
@@ -171,3 +172,26 @@ def test_an_incomplete_answer_is_quoted_printable_and_cut(call):
     with pytest.raises(BootstrapError, match="incomplete") as caught:
         call(_client_answering({"prefill_tp_size": None, "rank_ip": None, "pad": _HOSTILE_TEXT}))
     _assert_fit_for_a_failure_reason(str(caught.value))
+
+
+def _register(client: BootstrapClient) -> None:
+    client.register_rank(2, 1, "10.0.0.1", 17000, 0, retry_for=30)
+
+
+@pytest.mark.parametrize("raw", [b'{"status": "OK", "dp_group": 0, "tp_rank": 0}', b"OK", b"OK\n"])
+def test_a_registration_is_taken_from_our_servers_json_or_a_peers_plain_ok(raw):
+    _register(_client_replying(200, raw))
+
+
+@pytest.mark.parametrize("raw", [b"", b"<html><body>Welcome</body></html>", b'{"status": "fine"}', b'"OK"',
+                                 b"OKAY", b'{"status": "OK", "pad": "' + b"x" * MAX_BODY],
+                         ids=["empty", "html", "other json", "a json string", "another word", "json cut short"])
+def test_a_200_no_bootstrap_server_answers_is_refused_without_retrying(raw):
+    with pytest.raises(BootstrapError, match="which no bootstrap server answers"):
+        _register(_client_replying(200, raw[:MAX_BODY]))
+
+
+@pytest.mark.parametrize("status", [301, 302, 307, 308])
+def test_a_redirected_registration_is_refused_without_retrying(status):
+    with pytest.raises(BootstrapError, match=f"redirected encode rank 0's registration \\(HTTP {status}\\)"):
+        _register(_client_replying(status, b""))
