@@ -53,6 +53,7 @@ __all__ = [
     "parse_status",
     "registration_frames",
     "prefill_shard",
+    "receiver_text",
     "shown",
     "shard_rows",
     "status_frames",
@@ -700,6 +701,15 @@ def _printable(text: str) -> str:
     return text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
 
 
+#: How much of a receiver's session id a failure text quotes: real ones are an address and a port.
+MAX_SESSION_SHOWN = 128
+
+
+def receiver_text(session_id: str) -> str:
+    """A peer's session id as failure texts quote it: printable, at most MAX_SESSION_SHOWN characters."""
+    return shown(session_id, MAX_SESSION_SHOWN)
+
+
 def shown(text: str, limit: int = MAX_REASON_BYTES) -> str:
     """A text a peer sent, fit for a log line or a failure text: printable, and at most `limit`
     characters (a longer one is cut and marked `...`)."""
@@ -815,11 +825,11 @@ def validate_fanout(span: int, hidden: int, dtype: str, has_deepstack: bool, inf
     for info in infos:
         reason = _receiver_mismatch(info, room, want, span, hidden, dtype, has_deepstack)
         if reason is not None:
-            return f"room {room}: receiver {info.session_id} {reason}"
+            return f"room {room}: receiver {receiver_text(info.session_id)} {reason}"
     seen: set[str] = set()
     for info in infos:
         if info.session_id in seen:
-            return f"room {room}: receiver {info.session_id} asked twice"
+            return f"room {room}: receiver {receiver_text(info.session_id)} asked twice"
         seen.add(info.session_id)
     if all(info.is_identity for info in infos):
         return None
@@ -858,10 +868,12 @@ def _tiling_gap(room: int, infos: list[TransferInfo]) -> str | None:
     end = previous.row_start + previous.rows
     for info in shards[1:]:
         if info.row_start < end:
-            return (f"room {room}: receivers {previous.session_id} and {info.session_id} overlap on rows "
+            return (f"room {room}: receivers {receiver_text(previous.session_id)} and "
+                    f"{receiver_text(info.session_id)} overlap on rows "
                     f"[{info.row_start}, {min(end, info.row_start + info.rows)})")
         if info.row_start > end:
-            return f"room {room}: rows [{end}, {info.row_start}) have no receiver (gap before {info.session_id})"
+            return (f"room {room}: rows [{end}, {info.row_start}) have no receiver "
+                    f"(gap before {receiver_text(info.session_id)})")
         end, previous = info.row_start + info.rows, info
     return None
 
@@ -873,12 +885,12 @@ def check_region(info: TransferInfo, registration: Registration, row_bytes: int,
         reason = _outside("embedding", info.embedding_ptr, info.rows * row_bytes,
                           registration.embedding_base, registration.embedding_len)
         if reason is not None:
-            return f"room {info.room}: receiver {info.session_id} {reason}"
+            return f"room {info.room}: receiver {receiver_text(info.session_id)} {reason}"
     if info.has_deepstack and registration.deepstack_len is not None:
         reason = _outside("deepstack", info.deepstack_ptr, info.rows * deepstack_row_bytes,
                           registration.deepstack_base, registration.deepstack_len)
         if reason is not None:
-            return f"room {info.room}: receiver {info.session_id} {reason}"
+            return f"room {info.room}: receiver {receiver_text(info.session_id)} {reason}"
     return None
 
 

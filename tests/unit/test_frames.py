@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from transfer.frames import (
     DTYPE_BYTES,
+    MAX_REASON_BYTES,
     Registration,
     TransferInfo,
     WireError,
@@ -739,10 +740,10 @@ def test_empty_set():
 BASE, REGION = 0x7F00_0000_0000, 10 * 4096
 
 
-def region_info(ptr: int, rows: int, deepstack_ptr: int = 0, has_deepstack: bool = False) -> TransferInfo:
+def region_info(ptr: int, rows: int, deepstack_ptr: int = 0, has_deepstack: bool = False,
+                session_id: str = "10.0.0.5:17005") -> TransferInfo:
     """A TransferInfo of room 7 writing `rows` rows to `ptr`."""
-    return TransferInfo(7, "h", 1, "10.0.0.5:17005", ptr, deepstack_ptr, rows, 2048, DTYPE, has_deepstack, 1, 0,
-                        rows)
+    return TransferInfo(7, "h", 1, session_id, ptr, deepstack_ptr, rows, 2048, DTYPE, has_deepstack, 1, 0, rows)
 
 
 REG = Registration("h", 1, "10.0.0.5:17005", BASE, BASE + 0x100_0000, REGION, 3 * REGION)
@@ -788,6 +789,33 @@ def test_region_deepstack():
     # The embedding range is reported first.
     both = region_info(BASE + 1, 10, ds_base + 1, has_deepstack=True)
     assert "embedding range" in check_region(both, REG, 4096, 3 * 4096)
+
+
+#: A session id a hostile peer might send: lines that would forge log entries, an escape
+#: that would clear a terminal, and far more text than any failure reason should carry.
+HOSTILE_SESSION = "10.0.0.9:17009\n2026-12-04 INFO transfer: room 7 Success\x1b[2J" + "s" * 30_000
+
+
+def _hostile(i: int, row_start: int, rows: int, **change) -> TransferInfo:
+    return receiver(i, row_start, rows, session_id=f"{HOSTILE_SESSION}{i}", **change)
+
+
+_HOSTILE_REASONS = {
+    "a mismatch": lambda: reason_of([*sharded(SPAN, 3)[:2], _hostile(2, *shard_rows(SPAN, 2, 3), hidden=2048)]),
+    "asked twice": lambda: reason_of([receiver(0, 0, 4, session_id=HOSTILE_SESSION), receiver(1, 4, 3),
+                                      receiver(2, 7, 3, session_id=HOSTILE_SESSION)]),
+    "an overlap": lambda: reason_of([_hostile(0, 0, 5), _hostile(1, 4, 3), receiver(2, 7, 3)]),
+    "a gap": lambda: reason_of([receiver(0, 0, 3), _hostile(1, 5, 5), receiver(2, 3, 0)]),
+    "a region": lambda: check_region(region_info(BASE, 11, session_id=HOSTILE_SESSION), REG, 4096, 3 * 4096),
+}
+
+
+@pytest.mark.parametrize("reason", _HOSTILE_REASONS.values(), ids=_HOSTILE_REASONS.keys())
+def test_a_reason_quotes_a_receivers_session_id_printable_and_cut(reason):
+    text = reason()
+    assert "10.0.0.9:17009?2026-12-04 INFO" in text
+    assert text.isprintable()
+    assert len(text) < MAX_REASON_BYTES
 
 
 @pytest.mark.parametrize("rank, tp, dp, message", [
