@@ -110,6 +110,28 @@ class OneDeadlineHandler(BaseHTTPRequestHandler):
         self._reader.deadline = self._connected_at + self.timeout
         return parsed
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """Answers an error (the stdlib's own ones too: 400, 501, ...) as a short text/plain body naming
+        the problem, not the stdlib's HTML page, and closes the connection."""
+        self.log_error("code %d, message %s", code, message)
+        self.close_connection = True
+        self._text(code, message or self.responses.get(code, ("error",))[0])
+
+    def _send(self, status: int, body: bytes, content_type: str) -> None:
+        """Send one complete response (a HEAD request's without its body)."""
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _text(self, status: int, text: str) -> None:
+        """Send a text/plain response."""
+        self._send(status, text.encode(), "text/plain; charset=utf-8")
+
 
 class BoundedHTTPServer(ThreadingHTTPServer):
     """ThreadingHTTPServer serving at most `max_handlers` connections at once; the rest get 503."""

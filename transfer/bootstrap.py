@@ -172,23 +172,9 @@ class _Handler(OneDeadlineHandler):
         """Route access logs to logging at debug instead of stderr."""
         log.debug("bootstrap %s: " + format, self.address_string(), *args)
 
-    def _send(self, status: int, body: bytes, content_type: str) -> None:
-        """Send one complete response."""
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(body)
-
     def _json(self, status: int, value: Any) -> None:
         """Send a JSON response."""
         self._send(status, json.dumps(value).encode(), "application/json")
-
-    def _text(self, status: int, text: str) -> None:
-        """Send a text/plain response."""
-        self._send(status, text.encode(), "text/plain; charset=utf-8")
 
     def do_GET(self) -> None:
         """GET /route (sync sizes or one route) and GET /health."""

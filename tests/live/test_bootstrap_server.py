@@ -338,9 +338,11 @@ def _raw(server: BootstrapServer, request: bytes) -> bytes:
     return answer
 
 
+_FILLED_HEADERS = b"".join(b"X-Filler-%d: %s\r\n" % (i, b"a" * 1000) for i in range(20))
+
+
 def test_headers_over_the_byte_budget_are_431_and_the_server_serves_on(server):
-    headers = b"".join(b"X-Filler-%d: %s\r\n" % (i, b"a" * 1000) for i in range(20))
-    answer = _raw(server, b"GET /route?engine_rank=0&target_dp_group=0 HTTP/1.0\r\n" + headers + b"\r\n")
+    answer = _raw(server, b"GET /route?engine_rank=0&target_dp_group=0 HTTP/1.0\r\n" + _FILLED_HEADERS + b"\r\n")
     assert answer.startswith(b"HTTP/1.0 431 "), answer[:200]
     assert b"request line and headers over 16384 bytes" in answer
     assert _get(server, "engine_rank=-1&target_dp_group=-1")[0] == 200
@@ -362,6 +364,25 @@ def test_headers_under_the_budget_with_a_body_past_it_are_served(server):
     answer = _raw(server, request)
     assert answer.startswith(b"HTTP/1.0 200 "), answer[:200]
     assert json.loads(_get(server, "engine_rank=0&target_dp_group=0")[2])["rank_port"] == 3333
+
+
+@pytest.mark.parametrize("sent, status", [
+    (b"POST /route HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}", 501),
+    (b"GET /route extra HTTP/1.0\r\n\r\n", 400),
+    (b"GET /route?" + b"a" * 20000 + b" HTTP/1.0\r\n\r\n", 414),
+    (b"GET /health HTTP/1.0\r\n" + _FILLED_HEADERS + b"\r\n", 431),
+], ids=["unsupported method", "malformed request line", "request line too long", "headers too large"])
+def test_every_error_is_answered_as_short_text(server, sent, status):
+    head, _, body = _raw(server, sent).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 %d " % status), head
+    assert b"\r\nContent-Type: text/plain; charset=utf-8\r\n" in head
+    assert body and b"<" not in body and len(body) < 200, body
+
+
+def test_a_head_request_is_answered_501_as_text_without_a_body(server):
+    head, _, body = _raw(server, b"HEAD /health HTTP/1.0\r\n\r\n").partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 501 ") and b"\r\nContent-Type: text/plain; charset=utf-8\r\n" in head
+    assert body == b""
 
 
 @pytest.mark.parametrize("request_line", [b"GET http://[::1/route HTTP/1.0", b"PUT http://[x/route HTTP/1.0"])

@@ -40,6 +40,8 @@ def test_http_endpoint_serves_metrics():
         with pytest.raises(urllib.error.HTTPError) as err:
             get(f"http://127.0.0.1:{server.port}/nope")
         assert err.value.code == 404
+        assert err.value.headers["Content-Type"] == "text/plain; charset=utf-8"
+        assert err.value.read() == b"only /metrics and /stats are served"
     with pytest.raises(urllib.error.URLError):
         get(server.url)  # closed: the port no longer answers
 
