@@ -253,7 +253,8 @@ class _Handler(OneDeadlineHandler):
             raise _RequestError(401, "PUT /route needs Authorization: Bearer <token>")
 
     def _read_body(self) -> bytes:
-        """Read a Content-Length body of at most MAX_BODY bytes (413 beyond, before reading)."""
+        """Read a Content-Length body of at most MAX_BODY bytes (413 beyond, before reading; 400 when
+        the client ends its body short)."""
         length_text = self.headers.get("Content-Length")
         text = (length_text or "").strip()
         # ASCII digits only: str.isdigit() also takes '\xb2', which int() refuses.
@@ -265,7 +266,11 @@ class _Handler(OneDeadlineHandler):
         if len(text) > 18 or int(text) > MAX_BODY:
             self.close_connection = True
             raise _RequestError(413, f"body of {text[:18]}{'...' if len(text) > 18 else ''} bytes exceeds {MAX_BODY}")
-        return self.rfile.read(int(text))
+        body = self.rfile.read(int(text))
+        if len(body) < int(text):
+            self.close_connection = True
+            raise _RequestError(400, f"body shorter than Content-Length: {len(body)} of {int(text)} bytes")
+        return body
 
 
 class _HTTPServer(BoundedHTTPServer):

@@ -338,6 +338,16 @@ def _raw(server: BootstrapServer, request: bytes) -> bytes:
     return answer
 
 
+def test_a_body_shorter_than_its_content_length_is_a_400_saying_so(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5.0) as conn:
+        conn.sendall(b"PUT /route HTTP/1.0\r\nContent-Length: 100\r\n\r\n" + b'{"role": "Pr')
+        conn.shutdown(socket.SHUT_WR)
+        answer = conn.makefile("rb").read()
+    assert answer.startswith(b"HTTP/1.0 400 "), answer[:200]
+    assert answer.endswith(b"body shorter than Content-Length: 12 of 100 bytes")
+    assert server.registered_ranks == 0
+
+
 _FILLED_HEADERS = b"".join(b"X-Filler-%d: %s\r\n" % (i, b"a" * 1000) for i in range(20))
 
 
