@@ -340,8 +340,9 @@ class BootstrapServer:
 
 
 def _registered(raw: bytes) -> bool:
-    """Whether a 200's body is a bootstrap server's answer to PUT /route: our JSON, or a peer's `OK`."""
-    if raw.strip() == b"OK":
+    """Whether a 200's body is a bootstrap server's answer to PUT /route: our JSON, or a peer's `OK` (or
+    nothing: SPEC.md does not say what a PUT is answered with)."""
+    if raw.strip() in (b"OK", b""):
         return True
     try:
         value = json.loads(raw)
@@ -442,8 +443,8 @@ class BootstrapClient:
                       engine_rank: int, retry_for: float = 30.0) -> None:
         """PUT this encode rank's endpoint, retrying refusals and 5xx until retry_for elapses; BootstrapError after.
 
-        Only a bootstrap server's answer registers: 200 with our server's JSON (`"status": "OK"`)
-        or a peer's plain `OK`. Any other 200, a redirect or a 4xx is a BootstrapError at once.
+        Only a bootstrap server's answer registers: 200 with our server's JSON (`"status": "OK"`),
+        a peer's plain `OK`, or an empty body. Any other 200, a redirect or a 4xx is a BootstrapError at once.
         """
         body = json.dumps({"role": ROLE, "world_size": world_size, "dp_size": dp_size,
                            "rank_ip": rank_ip, "rank_port": rank_port,
