@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import cast
 
+from transfer.core.failure import printable
 from transfer.errors import ConfigError, ConfigTypeError, WireError
 from transfer.status import TransferPoll
 
@@ -677,9 +678,9 @@ def parse_failure_reason(frames: Sequence[object]) -> tuple[str, str] | None:
         detail = _part(frames[STATUS_PARTS + 2]) if len(frames) > STATUS_PARTS + 2 else b""
     except TypeError:
         return None
-    kind_text = _printable(kind[:MAX_REASON_KIND].decode("ascii", "replace"))
+    kind_text = printable(kind[:MAX_REASON_KIND].decode("ascii", "replace"))
     # A character the cut splits (or any invalid byte) reads as U+FFFD.
-    detail_text = _printable(detail[:MAX_REASON_BYTES].decode("utf-8", "replace"))
+    detail_text = printable(detail[:MAX_REASON_BYTES].decode("utf-8", "replace"))
     if len(detail) > MAX_REASON_BYTES:
         detail_text += "..."
     return kind_text or "other", detail_text
@@ -696,11 +697,6 @@ def _cut_detail(detail: str) -> bytes:
     return data[:MAX_REASON_BYTES - 3].decode("utf-8", "ignore").encode("utf-8") + b"..."
 
 
-def _printable(text: str) -> str:
-    """Text with every non-printable character (newlines, escapes, controls) shown as `?`."""
-    return text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
-
-
 #: How much of a receiver's session id a failure text quotes: real ones are an address and a port.
 MAX_SESSION_SHOWN = 128
 
@@ -715,7 +711,7 @@ def shown(text: str, limit: int = MAX_REASON_BYTES) -> str:
     characters (a longer one is cut and marked `...`)."""
     if len(text) > limit:
         text = text[:limit - 3] + "..."
-    return _printable(text)
+    return printable(text)
 
 
 # ---------------------------------------------------------------- Cancel (ours, docs/protocol.md 8)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from transfer.core.failure import Failure, FailureKind
+from transfer.core.failure import MAX_DETAIL, Failure, FailureKind
 from transfer.status import RoomTable, TransferPoll
 
 
@@ -12,6 +12,16 @@ def test_failure_takes_its_kind_by_name_and_prints_its_detail():
     failure = Failure("deadline", "no status from encode rank 0 within 60s")
     assert failure.kind is FailureKind.DEADLINE
     assert str(failure) == "no status from encode rank 0 within 60s"
+
+
+def test_a_detail_quoting_hostile_text_is_one_printable_line_of_bounded_length():
+    session = "evil\n2026-12-04 INFO room 7 Success\x1b[2J" + "A" * 30000
+    failure = Failure(FailureKind.WRITE, f"write to {session} (room 7) failed: peer gone")
+    assert failure.detail.startswith("write to evil?2026-12-04 INFO room 7 Success?[2JAAA")
+    assert len(failure.detail) == MAX_DETAIL and failure.detail.endswith("AAA...")
+    assert failure.detail.isprintable()
+    plain = "no status from encode rank 0 within 60s"
+    assert Failure(FailureKind.DEADLINE, plain).detail is plain
 
 
 def test_an_unknown_kind_is_refused():

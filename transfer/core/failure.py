@@ -5,7 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["Failure", "FailureKind"]
+__all__ = ["MAX_DETAIL", "Failure", "FailureKind", "printable"]
+
+#: A failure's detail is cut to this many characters: it may quote what a peer or a server sent
+#: (a session id, an answer), and it goes to logs, to callers and to peers.
+MAX_DETAIL = 2048
+
+
+def printable(text: str) -> str:
+    """Text with every non-printable character (newlines, escapes, controls) shown as `?`."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
 
 
 class FailureKind(str, Enum):
@@ -31,7 +40,8 @@ class FailureKind(str, Enum):
 
 @dataclass(frozen=True)
 class Failure:
-    """A room's failure: `kind` for programs (metrics, retries), `detail` for people."""
+    """A room's failure: `kind` for programs (metrics, retries), `detail` for people (one printable
+    line of at most MAX_DETAIL characters, whatever text it quotes)."""
 
     kind: FailureKind
     detail: str
@@ -39,6 +49,10 @@ class Failure:
     def __post_init__(self) -> None:
         if not isinstance(self.kind, FailureKind):
             object.__setattr__(self, "kind", FailureKind(self.kind))
+        detail = self.detail
+        if len(detail) > MAX_DETAIL:
+            detail = detail[:MAX_DETAIL - 3] + "..."
+        object.__setattr__(self, "detail", printable(detail))
 
     def __str__(self) -> str:
         return self.detail
