@@ -154,13 +154,17 @@ class SourceRegistry:
     """Registers source regions that lie outside registered memory, counted per registration.
 
     send() holds them on the caller's thread; the driver releases them once the core
-    says nothing reads them any more.
+    says nothing reads them any more. `lock` guards the counts and is never held across
+    a registration (slow for a large region over RDMA): the driver's releases do not
+    wait for one. Callers register one region at a time, under `_registering`.
     """
 
     def __init__(self, engine: TransferEngineLike) -> None:
         self.engine = engine
         self.lock = threading.Lock()
         self.counts = SourceCounts()
+        self._registering = threading.Lock()  # taken by callers only, never by the driver
+        self._pending: int | None = None  # the base being registered and not yet counted
 
     def hold(self, *regions: _io.Region | None) -> Callable[[], None] | None:
         """Holds each region's registration (registering it if needed); returns their release, or None.
@@ -179,20 +183,52 @@ class SourceRegistry:
             for region in regions:
                 if region is None or region.nbytes == 0:
                     continue
-                with self.lock:
-                    base = self.counts.base_for(region.addr, region.end, self.engine.registered())
-                    if base is None:
-                        self.engine.register(region.tensor if region.tensor is not None else region.addr,
-                                             region.nbytes)
-                        base = region.addr
-                    elif not self.counts.is_ours(base):
-                        continue  # inside the caller's own registration
-                    self.counts.hold(base)
+                found, base = self._hold_registered(region)
+                if not found:
+                    with self._registering:
+                        found, base = self._hold_registered(region)  # another caller may have registered it
+                        if not found:
+                            base = self._register(region)
+                if base is not None:
                     held.append(base)
         except BaseException:
             release()
             raise
         return release if held else None
+
+    def _hold_registered(self, region: _io.Region) -> tuple[bool, int | None]:
+        """Holds our registration around `region`: (True, its base); (True, None) inside the
+        caller's own; (False, None) when none is registered.
+
+        The registration another caller is making is left out until it is counted: it would
+        pass for the caller's own, which no room holds.
+        """
+        with self.lock:
+            registered = self.engine.registered()
+            if self._pending is not None:
+                registered.pop(self._pending, None)
+            base = self.counts.base_for(region.addr, region.end, registered)
+            if base is None:
+                return False, None
+            if not self.counts.is_ours(base):
+                return True, None
+            self.counts.hold(base)
+            return True, base
+
+    def _register(self, region: _io.Region) -> int:
+        """Registers `region` outside the lock and holds it (_registering held); returns its base."""
+        with self.lock:
+            self._pending = region.addr
+        try:
+            self.engine.register(region.tensor if region.tensor is not None else region.addr, region.nbytes)
+        except BaseException:
+            with self.lock:
+                self._pending = None
+            raise
+        with self.lock:
+            self._pending = None
+            self.counts.hold(region.addr)
+        return region.addr
 
     def _drop(self, base: int) -> None:
         """Unregisters one of ours no room holds any more (lock held).

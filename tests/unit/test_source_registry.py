@@ -1,0 +1,47 @@
+"""The encode driver's source registry: a caller's registration leaves the counts' lock free."""
+
+from __future__ import annotations
+
+from transfer import _io
+from transfer.drive.encode import SourceRegistry
+
+
+class FakeEngine:
+    """register() / unregister() / registered() over a dict; `during_register` runs inside register()."""
+
+    def __init__(self) -> None:
+        self.regions: dict[int, int] = {}
+        self.during_register = lambda: None
+
+    def registered(self) -> dict[int, int]:
+        return dict(self.regions)
+
+    def register(self, buf: int, nbytes: int) -> None:
+        self.during_register()
+        self.regions[buf] = nbytes
+
+    def unregister(self, addr: int) -> None:
+        del self.regions[addr]
+
+
+def test_a_registration_leaves_the_lock_to_the_drivers_release_of_another_room():
+    engine = FakeEngine()
+    sources = SourceRegistry(engine)
+    release_first = sources.hold(_io.Region(0x1000, 256))
+    seen = []
+
+    def release_meanwhile() -> None:
+        free = sources.lock.acquire(blocking=False)  # what the driver's retry and releases take
+        if free:
+            sources.lock.release()
+            release_first()
+        seen.append(free)
+
+    engine.during_register = release_meanwhile
+    release_second = sources.hold(_io.Region(0x9000, 256))
+    assert seen == [True]
+    assert engine.regions == {0x9000: 256}
+    assert sources.counts.counts() == {0x9000: 1}
+    release_second()
+    assert engine.regions == {} and len(sources.counts) == 0
+
