@@ -833,10 +833,11 @@ class _LookUps:
             if self._stopping:
                 return
             self._jobs.append(action)
-            if self._idle == 0 and len(self._threads) < self._max:
+            # An idle thread takes one job when it next runs: each job queued needs one of its own.
+            if len(self._jobs) > self._idle and len(self._threads) < self._max:
                 thread = threading.Thread(target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True)
-                self._threads.append(thread)
                 thread.start()
+                self._threads.append(thread)
             else:
                 self._cond.notify()
 

@@ -1,0 +1,37 @@
+"""The prefill driver's bootstrap look-ups: a stalled server holds up only its own look-ups."""
+
+from __future__ import annotations
+
+import queue
+import socket
+import time
+
+import pytest
+from live_helpers import HOST, wait_until
+
+from transfer.core.prefill import LookUpParallel
+from transfer.drive.prefill import _LookUps
+
+pytestmark = pytest.mark.live
+
+STALL_S = 60.0  # how long a look-up waits for the stalled server
+
+
+def test_a_look_up_submitted_behind_a_stalled_one_is_answered_while_a_thread_was_idle(server):
+    answers: queue.Queue = queue.Queue()
+    lookups = _LookUps("epd-test-boot", STALL_S, time.monotonic, answers.put, 4)
+    with socket.socket() as silent:  # accepts connections and never answers
+        silent.bind((HOST, 0))
+        silent.listen(16)
+        stalled = f"{HOST}:{silent.getsockname()[1]}"
+        try:
+            lookups.submit(LookUpParallel(server.address))
+            assert answers.get(timeout=10.0)[1] == server.address
+            assert wait_until(lambda: lookups._idle == 1, 10.0)  # one thread, waiting for work
+            lookups.submit(LookUpParallel(stalled))
+            lookups.submit(LookUpParallel(server.address))
+            answer = answers.get(timeout=10.0)
+            assert answer[1] == server.address, answer
+        finally:
+            silent.close()  # the stalled look-up's connection is reset: it ends now
+            lookups.close(10.0)
