@@ -153,3 +153,30 @@ def test_a_driver_that_runs_out_of_descriptors_while_starting_leaves_none_open(m
             raise AssertionError("the driver started without its second pipe")
     gc.collect()
     assert descriptors() - before < 10, "each try left its status socket or pipe open"
+
+
+def test_a_wait_that_close_overtakes_before_it_watches_the_socket_returns_without_error():
+    """close() runs between wait()'s look at the closing flag and its taking the watch: the
+    wait touches no descriptor close() closed, and returns by its timeout (the room was never filed)."""
+    driver = drive.PrefillDriver(0, 1, 1, host=HOST, status_port=0, session_id=f"{HOST}:1", deadline_s=60.0,
+                                 lookup_timeout_s=1.0, integrity=True, metrics=Metrics("t"))
+    record = drive.Room(1, started_at=0.0, nbytes=0)
+    watch = driver._watch
+
+    class CloseFirst:
+        """The watch lock, whose first try to take it runs close() before it."""
+
+        def acquire(self, blocking=True, timeout=-1):
+            driver._watch = watch
+            driver.close()
+            return watch.acquire(blocking, timeout)
+
+        def release(self):
+            watch.release()
+
+    driver._watch_woken = True  # a previous wait saw the watch waker readable: this one reads it
+    driver._watch = CloseFirst()
+    try:
+        driver.wait(record, 1.0)
+    finally:
+        driver.close()

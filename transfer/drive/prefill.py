@@ -334,6 +334,8 @@ class PrefillDriver:
                 self.conclusions.wait(record, min(remaining, CALLER_LEASE_S))
                 continue
             try:
+                if self._stopping:
+                    continue  # close() got here first: the watch waker may be closed
                 self._watcher = threading.get_ident()
                 self._watch_step(record, remaining)
             finally:
