@@ -12,7 +12,7 @@ import socket
 import threading
 
 import torch
-from live_helpers import HOST, LIVE, item_tensor, wait_until
+from live_helpers import HOST, LIVE, free_port, item_tensor, wait_until
 
 from transfer import _io
 from transfer.core.failure import FailureKind
@@ -180,3 +180,34 @@ def test_a_wait_that_close_overtakes_before_it_watches_the_socket_returns_withou
         driver.wait(record, 1.0)
     finally:
         driver.close()
+
+
+def test_an_ask_made_in_receive_leaves_the_socket_the_io_thread_watches_to_it(engines, server):
+    """The asks for an encode rank that takes no connection wait on a socket the I/O thread polls
+    until it can take them. With their rooms cleared, the full queue empties inside the next
+    receive(), whose ask still waits for the I/O thread: no other thread touches a socket it polls."""
+    from transfer.bootstrap import BootstrapClient
+
+    encode, prefill = engines
+    slots = torch.zeros(3, SPAN, HIDDEN, dtype=torch.bfloat16)
+    BootstrapClient(server.address).register_rank(1, 1, HOST, free_port(), 0)  # nobody listens there
+    with SessionManager(prefill, 0, 1, 1, buffer=slots, host=HOST, deadline_s=60.0) as manager:
+        driver = manager._driver
+        driver.core.asks.limit = 2
+        sends_elsewhere = []
+        send = driver._send
+
+        def send_noting_the_thread(sock, action):
+            if sock in driver._watching and threading.current_thread() is not driver._thread:
+                sends_elsewhere.append(action)
+            return send(sock, action)
+
+        driver._send = send_noting_the_thread
+        first = manager.receive(1, server.address, slots[0])
+        assert wait_until(lambda: len(driver._watching) == 1, 10.0), "room 1's ask never waited for its socket"
+        second = manager.receive(2, server.address, slots[1])  # the route is cached: queued behind room 1's
+        first.clear()
+        second.clear()
+        third = manager.receive(3, server.address, slots[2])
+        assert sends_elsewhere == []
+        assert not is_terminal(third.poll())

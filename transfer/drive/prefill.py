@@ -191,7 +191,9 @@ class PrefillDriver:
         self._sockets: dict[tuple[str, int], zmq.Socket] = {}
         self._used_at: dict[tuple[str, int], float] = {}  # when each socket last sent something
         self._monitors: dict[tuple[str, int], zmq.Socket] = {}
-        self._watching: dict[zmq.Socket, tuple[str, int]] = {}  # registered for POLLOUT (I/O thread only)
+        # Registered for POLLOUT: the I/O thread polls them outside the lock, so no other thread
+        # uses them (changed under the lock, by the I/O thread or once it stopped).
+        self._watching: dict[zmq.Socket, tuple[str, int]] = {}
         self._resync = False  # an ask was refused off the I/O thread: it must watch that socket
         self._wake_at = 0.0  # when the I/O thread next wakes by itself
         self._results: deque[tuple] = deque()  # look-up results for the I/O thread
@@ -621,13 +623,13 @@ class PrefillDriver:
             self._step(lambda now, addr=addr: self.core.writable(now, addr))
         with self._lock:
             wanted = {self._sockets[addr]: addr for addr in self.core.asks.addresses() if addr in self._sockets}
-        for sock in [s for s in self._watching if s not in wanted]:
-            self._poller.unregister(sock)
-            del self._watching[sock]
-        for sock, addr in wanted.items():
-            if sock not in self._watching:
-                self._poller.register(sock, zmq.POLLOUT)
-                self._watching[sock] = addr
+            for sock in [s for s in self._watching if s not in wanted]:
+                self._poller.unregister(sock)
+                del self._watching[sock]
+            for sock, addr in wanted.items():
+                if sock not in self._watching:
+                    self._poller.register(sock, zmq.POLLOUT)
+                    self._watching[sock] = addr
 
     # ---------------------------------------------------------------- actions
 
@@ -705,6 +707,10 @@ class PrefillDriver:
             self._sockets[addr] = sock
             self._monitors[addr] = monitor
             self._used_at[addr] = now
+        elif sock in self._watching and threading.current_thread() is not self._thread:
+            # The I/O thread may be polling it: the ask waits with those queued there, for it to send.
+            refused[addr] = [action]
+            return []
         elif addr not in checked and _io.dropped(self._monitors[addr]):
             # Its encode rank may have restarted, there or elsewhere: looked up again below.
             dropped.add(addr)
