@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import cast
 
-from transfer.core.failure import printable
+from transfer.core.failure import cut_printable, printable
 from transfer.errors import ConfigError, ConfigTypeError, WireError
 from transfer.status import TransferPoll
 
@@ -709,9 +709,7 @@ def receiver_text(session_id: str) -> str:
 def shown(text: str, limit: int = MAX_REASON_BYTES) -> str:
     """A text a peer sent, fit for a log line or a failure text: printable, and at most `limit`
     characters (a longer one is cut and marked `...`)."""
-    if len(text) > limit:
-        text = text[:limit - 3] + "..."
-    return printable(text)
+    return cut_printable(text, limit)
 
 
 # ---------------------------------------------------------------- Cancel (ours, docs/protocol.md 8)

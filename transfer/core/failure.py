@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["MAX_DETAIL", "Failure", "FailureKind", "printable"]
+__all__ = ["MAX_DETAIL", "Failure", "FailureKind", "cut_printable", "printable"]
 
 #: A failure's detail is cut to this many characters: it may quote what a peer or a server sent
 #: (a session id, an answer), and it goes to logs, to callers and to peers.
@@ -15,6 +15,13 @@ MAX_DETAIL = 2048
 def printable(text: str) -> str:
     """Text with every non-printable character (newlines, escapes, controls) shown as `?`."""
     return text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
+
+
+def cut_printable(text: str, limit: int) -> str:
+    """Printable, and at most `limit` characters (a longer text is cut and marked `...`)."""
+    if len(text) > limit:
+        text = text[:limit - 3] + "..."
+    return printable(text)
 
 
 class FailureKind(str, Enum):
@@ -49,10 +56,7 @@ class Failure:
     def __post_init__(self) -> None:
         if not isinstance(self.kind, FailureKind):
             object.__setattr__(self, "kind", FailureKind(self.kind))
-        detail = self.detail
-        if len(detail) > MAX_DETAIL:
-            detail = detail[:MAX_DETAIL - 3] + "..."
-        object.__setattr__(self, "detail", printable(detail))
+        object.__setattr__(self, "detail", cut_printable(self.detail, MAX_DETAIL))
 
     def __str__(self) -> str:
         return self.detail
