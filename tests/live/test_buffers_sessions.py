@@ -6,15 +6,18 @@ bootstrap server."""
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
 
 import pytest
 import torch
-from fakes import FakeClock, FakeEvent, RecordingEngine
+from fakes import FakeClock, FakeEvent
 from live_helpers import wait_until
 
-from transfer.buffers import QUARANTINE_S, ReceivePool, SlotError
+from lock_races import Race, WatchedLock, pause_on_read, run_racers
+
+from transfer.buffers import QUARANTINE_S, ReceivePool, Slot, SlotError
 
 
 HOST = "127.0.0.1"
@@ -160,8 +163,16 @@ def test_an_idle_session_manager_still_drops_a_fallback_after_its_grace(engines)
         encode_engine.unregister(item.data_ptr())
 
 
-def test_concurrent_lease_release_and_fail_never_double_lease():
-    engine, clock = RecordingEngine(), FakeClock()
+@pytest.mark.live
+def test_concurrent_lease_release_and_fail_never_double_lease(engines):
+    """Threads lease, release (at once, or after a copy-out event that completes on its second
+    query) and fail slots and fallbacks of one pool: no slot is leased twice at a time, no call
+    raises, and once the quarantines passed every slot is free and every fallback unregistered.
+    The interpreter switches threads every microsecond, and each event's query yields, so the
+    threads interleave inside the pool's critical sections unless its lock keeps them out."""
+    _, engine = engines
+    registered_before = set(engine.registered())
+    clock = FakeClock()
     slots, threads, rounds = 8, 4, 1500
     pool = ReceivePool(engine, slots * SLOT, SLOT, quarantine_s=0.5, grace_s=0.2, clock=clock)
     owners: dict[int, int] = {}
@@ -170,71 +181,89 @@ def test_concurrent_lease_release_and_fail_never_double_lease():
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
-        for _ in range(rounds):
-            slot = pool.lease_or_fallback(rng.choice((8, SLOT, SLOT * 2)))
-            if not slot.is_fallback:
-                with owners_lock:
-                    if slot.index in owners:
-                        errors.append(f"slot {slot.index} leased by {owners[slot.index]} and {seed}")
-                    owners[slot.index] = seed
-            slot.view((8,), torch.uint8).fill_(seed)
-            if not slot.is_fallback:
-                with owners_lock:
-                    owners.pop(slot.index, None)
-            rng.choice((slot.release, slot.fail, lambda s=slot: s.release(_Done())))()
-            if rng.random() < 0.3:
-                with owners_lock:  # one writer at a time: the fake clock only moves forward
-                    clock.advance(0.05)
+        try:
+            for _ in range(rounds):
+                slot = pool.lease_or_fallback(rng.choice((8, SLOT, SLOT * 2)))
+                if not slot.is_fallback:
+                    with owners_lock:
+                        if slot.index in owners:
+                            errors.append(f"slot {slot.index} leased by {owners[slot.index]} and {seed}")
+                        owners[slot.index] = seed
+                slot.view((8,), torch.uint8).fill_(seed)
+                if not slot.is_fallback:
+                    with owners_lock:
+                        owners.pop(slot.index, None)
+                rng.choice((slot.release, slot.fail, lambda s=slot: s.release(_DoneOnSecondQuery())))()
+                if rng.random() < 0.3:
+                    with owners_lock:  # one writer at a time: the fake clock only moves forward
+                        clock.advance(0.05)
+        except Exception as exc:  # reported by the main thread
+            errors.append(f"worker {seed}: {exc!r}")
 
-    workers = [threading.Thread(target=worker, args=(seed,)) for seed in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(60)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        workers = [threading.Thread(target=worker, args=(seed,), daemon=True) for seed in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(120)
+    finally:
+        sys.setswitchinterval(interval)
     assert not any(w.is_alive() for w in workers)
     assert errors == []
     clock.advance(10.0)
+    pool.poll()  # an event's second query
     stats = pool.stats()
-    assert (stats["free"], stats["leased"], stats["pending_events"], stats["quarantined"]) == (slots, 0, 0, 0)
-    assert stats["fallbacks_live"] == 0 and list(engine.regions) == [pool.region.addr]
+    assert (stats["free"], stats["leased"], stats["pending_events"], stats["quarantined"]) == (slots, 0, 0, 0), stats
+    assert (stats["fallbacks_live"], stats["fallback_bytes"]) == (0, 0), stats
+    assert set(engine.registered()) == registered_before | {pool.region.addr}
     pool.close()
+    assert set(engine.registered()) == registered_before
 
 
-class _Done:
-    """An event already completed."""
+class _DoneOnSecondQuery:
+    """A copy-out event still running when the slot is released, complete when asked again;
+    each query lets other threads run."""
+
+    def __init__(self) -> None:
+        self.queries = 0
 
     def query(self) -> bool:
-        return True
+        self.queries += 1
+        time.sleep(0)
+        return self.queries > 1
 
 
-def _give_back(slot, how: str, barrier: threading.Barrier, outcomes: list[str]) -> None:
-    """Calls slot.release() or slot.fail() with the other thread; notes what happened."""
-    barrier.wait()
-    try:
-        getattr(slot, how)()
-        outcomes.append(how)
-    except SlotError:
-        outcomes.append("refused")
-
-
-def test_two_threads_releasing_one_slot_give_it_back_once():
-    engine, clock = RecordingEngine(), FakeClock()
+@pytest.mark.live
+def test_two_threads_releasing_one_slot_give_it_back_once(engines, monkeypatch):
+    """release() and fail() on one handle from two threads: exactly one of them gives the slot
+    back, the other is refused. Each thread, once it read the handle's state, waits there until
+    the other is inside too (no lock: both saw it leased, and both give it back) or blocked on
+    the pool's lock."""
+    _, engine = engines
+    clock = FakeClock()
     with ReceivePool(engine, SLOT, SLOT, clock=clock) as pool:
-        for _ in range(200):
+        for _ in range(20):
             slot = pool.lease(8)
-            outcomes: list[str] = []
-            barrier = threading.Barrier(2)
+            race = Race()
+            monkeypatch.setattr(pool, "_lock", WatchedLock(pool._lock, race))
+            pause_on_read(monkeypatch, Slot, "_state", race)
 
-            pair = [threading.Thread(target=_give_back, args=(slot, how, barrier, outcomes))
-                    for how in ("release", "fail")]
-            for t in pair:
-                t.start()
-            for t in pair:
-                t.join(5)
-            assert sorted(outcomes) in (["fail", "refused"], ["refused", "release"])
+            def give_back(how: str, slot=slot) -> str:
+                try:
+                    getattr(slot, how)()
+                    return how
+                except SlotError:
+                    return "refused"
+
+            outcomes = run_racers(race, {how: lambda how=how: give_back(how) for how in ("release", "fail")})
+            monkeypatch.undo()
+            assert race.inside() == {"release", "fail"}  # both got to the check
+            assert sorted(outcomes.values()) in (["fail", "refused"], ["refused", "release"]), outcomes
             clock.advance(QUARANTINE_S)
             stats = pool.stats()
-            assert (stats["free"], stats["leased"], stats["quarantined"]) == (1, 0, 0)
+            assert (stats["free"], stats["leased"], stats["quarantined"]) == (1, 0, 0), stats
 
 
 @pytest.mark.live

@@ -4,13 +4,13 @@ Real Mooncake engines (tcp on 127.0.0.1), fed by a real SenderPool behind a real
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import torch
-from fakes import FakeClock, RecordingEngine
+from fakes import FakeClock
 from live_helpers import wait_until
+from lock_races import Race, WatchedLock, pause_on_read, run_racers
 
 from transfer.buffers import FallbackLimitError, ReceivePool
 from transfer.metrics import total
@@ -21,35 +21,30 @@ BF16 = "torch.bfloat16"
 SLOT = 256
 
 
-def _fallback_bytes(engine: RecordingEngine, pool: ReceivePool) -> int:
-    """Bytes the recording engine holds registered besides the pool's own region."""
-    return sum(n for addr, n in engine.regions.items() if addr != pool.region.addr)
-
-
-def test_concurrent_fallbacks_never_pass_the_cap():
-    engine, clock = RecordingEngine(), FakeClock()
+@pytest.mark.live
+def test_concurrent_fallbacks_never_pass_the_cap(engines, monkeypatch):
+    """Eight threads ask for a fallback at once and three fit under the cap: three get one,
+    five are refused, and the bytes registered are the cap's. Each thread, once it read the
+    fallback bytes held, waits there until every other one is inside too (no lock: all saw
+    room for theirs) or blocked on the pool's lock or done."""
+    _, engine = engines
+    registered_before = set(engine.registered())
     threads, fits = 8, 3
-    with ReceivePool(engine, SLOT, SLOT, max_fallback_bytes=fits * 2 * SLOT, clock=clock) as pool:
+    with ReceivePool(engine, SLOT, SLOT, max_fallback_bytes=fits * 2 * SLOT, clock=FakeClock()) as pool:
         pool.lease(8)  # the only slot: every ask below needs a fallback
-        barrier = threading.Barrier(threads)
-        got: list[object] = []
-        refused: list[str] = []
-
-        def ask() -> None:
-            barrier.wait(10)
-            try:
-                got.append(pool.lease_or_fallback(2 * SLOT))
-            except FallbackLimitError as exc:
-                refused.append(str(exc))
-
-        workers = [threading.Thread(target=ask) for _ in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join(30)
-        assert not any(w.is_alive() for w in workers)
-        assert (len(got), len(refused)) == (fits, threads - fits)
-        assert pool.stats()["fallback_bytes"] == fits * 2 * SLOT == _fallback_bytes(engine, pool)
+        race = Race()
+        monkeypatch.setattr(pool, "_lock", WatchedLock(pool._lock, race))
+        pause_on_read(monkeypatch, ReceivePool, "_fallback_bytes", race)
+        results = run_racers(race, {f"asker {n}": lambda: pool.lease_or_fallback(2 * SLOT) for n in range(threads)})
+        monkeypatch.undo()
+        assert len(race.inside()) == threads  # every one got to the check
+        got = [r for r in results.values() if not isinstance(r, BaseException)]
+        refused = [r for r in results.values() if isinstance(r, FallbackLimitError)]
+        assert (len(got), len(refused)) == (fits, threads - fits), results
+        fallbacks = set(engine.registered()) - registered_before - {pool.region.addr}
+        assert fallbacks == {slot.addr for slot in got}
+        assert pool.stats()["fallback_bytes"] == fits * 2 * SLOT == sum(engine.registered()[a] for a in fallbacks)
+    assert set(engine.registered()) == registered_before
 
 
 @pytest.mark.live
