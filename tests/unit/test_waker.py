@@ -45,3 +45,34 @@ def test_a_byte_left_by_a_racing_wake_is_read_once_the_pipe_says_so():
         assert _readable(waker)
     finally:
         waker.close()
+
+
+def test_waker_never_loses_a_wake_up_racing_with_drain(monkeypatch):
+    """A wake() that lands while drain() runs must not silence every later wake().
+
+    The race is forced deterministically: the first read inside drain() lets another
+    wake() in before it reads. With the flag cleared before the pipe is emptied, that
+    wake-up's byte is swallowed while the flag stays set, and the loop sleeps forever.
+    """
+    from transfer import _io
+
+    waker = Waker()
+    real_read = os.read
+    raced = []
+
+    def read_after_a_racing_wake(fd, n):
+        if not raced:
+            raced.append(True)
+            waker.wake()  # another thread queues work and wakes the loop right now
+        return real_read(fd, n)
+
+    try:
+        waker.wake()
+        monkeypatch.setattr(_io.os, "read", read_after_a_racing_wake)
+        waker.drain()
+        monkeypatch.setattr(_io.os, "read", real_read)
+        assert raced
+        waker.wake()  # the next piece of work must still wake the loop
+        assert _readable(waker)  # wake() wrote its byte before returning
+    finally:
+        waker.close()
