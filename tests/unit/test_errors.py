@@ -89,10 +89,21 @@ def test_every_spelling_of_a_dtype_names_the_same_wire_dtype(spelling):
     assert frames.dtype_size(spelling) == 2
 
 
+#: The dtypes the wire carries, as SPEC.md's dtype part spells them (`str(torch.dtype)`; it names
+#: torch.bfloat16), with their element sizes: written out here, not read from DTYPE_BYTES.
+WIRE_DTYPES = {
+    "torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4, "torch.float64": 8,
+    "torch.int8": 1, "torch.uint8": 1, "torch.int16": 2, "torch.int32": 4, "torch.int64": 8,
+    "torch.float8_e4m3fn": 1, "torch.float8_e5m2": 1, "torch.bool": 1,
+}
+
+
 def test_every_torch_dtype_the_wire_knows_normalizes_to_its_own_name():
-    for name, size in frames.DTYPE_BYTES.items():
+    assert frames.DTYPE_BYTES == WIRE_DTYPES
+    for name, size in WIRE_DTYPES.items():
         dtype = getattr(torch, name.removeprefix("torch."))
         assert frames.normalize_dtype(dtype) == name and frames.dtype_size(dtype) == size
+        assert frames.normalize_dtype(name) == name and frames.dtype_size(name) == size
 
 
 @pytest.mark.parametrize("bad", [torch.complex64, "complex64", "torch.nope", "", None, 2])

@@ -90,9 +90,19 @@ def test_dtype_size_known_and_unknown():
         dtype_size("complex64")
 
 
+#: The dtypes the wire carries, as SPEC.md's dtype part spells them (`str(torch.dtype)`; it names
+#: torch.bfloat16), with their element sizes: written out here, not read from DTYPE_BYTES.
+WIRE_DTYPES = {
+    "torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4, "torch.float64": 8,
+    "torch.int8": 1, "torch.uint8": 1, "torch.int16": 2, "torch.int32": 4, "torch.int64": 8,
+    "torch.float8_e4m3fn": 1, "torch.float8_e5m2": 1, "torch.bool": 1,
+}
+
+
 def test_dtype_table_matches_torch():
     torch = pytest.importorskip("torch")
-    for name, size in DTYPE_BYTES.items():
+    assert DTYPE_BYTES == WIRE_DTYPES
+    for name, size in WIRE_DTYPES.items():
         dtype = getattr(torch, name.split(".", 1)[1])
         assert str(dtype) == name
         assert torch.empty((), dtype=dtype).element_size() == size, name
