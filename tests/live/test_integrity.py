@@ -151,9 +151,18 @@ def test_a_pending_ready_event_holds_only_its_own_room(engine):
     with Engine("127.0.0.1", "tcp") as encode_engine, BootstrapServer("127.0.0.1", 0) as server, \
             SenderPool(encode_engine, 0, 1, 1, server.address) as pool, \
             SessionManager(engine, 0, 1, 1, buffer=buf) as manager:
-        started = time.monotonic()
-        sent = pool.send(5, item, ready_event=event)
-        assert time.monotonic() - started < 0.5  # the caller did not wait for the event
+        # The event completes only when this test says so, below: send() returning at all
+        # means the caller did not wait for it (bounded, should it wait: the test fails, not hangs).
+        returned: list = []
+        caller = threading.Thread(target=lambda: returned.append(pool.send(5, item, ready_event=event)),
+                                  name="the caller", daemon=True)
+        caller.start()
+        caller.join(10)
+        if not returned:
+            event.release.set()  # lets the stuck send() and the pool wind down
+        assert returned, "send() did not return within 10 s: it waited for its ready event"
+        sent = returned[0]
+        assert not event.release.is_set() and sent.poll() != TransferPoll.Success
         received = manager.receive(5, server.address, buf[0])
         # Another room, asked for after room 5, is written while room 5's event is pending.
         sent_other = pool.send(6, other)

@@ -10,7 +10,7 @@ from transfer.core.failure import FailureKind
 from transfer.engine import Engine
 from transfer.frames import TransferInfo
 from transfer.metrics import total
-from transfer.sender import DEAD_AFTER_S, SenderPool
+from transfer.sender import SenderPool
 
 pytestmark = LIVE
 
@@ -102,10 +102,10 @@ def test_a_quickly_refused_write_does_not_mark_the_session_dead():
             def ask(room: int, ptr: int):
                 return _send_and_hear(sender, asks, statuses, status_port, session, room, ptr, item)
 
-            started = time.monotonic()
             refused, status = ask(1, landing.data_ptr() + (1 << 30))  # far outside registered memory
             assert status == TransferPoll.Failed and refused.wait(5) == TransferPoll.Failed
-            assert time.monotonic() - started < DEAD_AFTER_S
+            # Refused, not slow (DEAD_AFTER_S or longer): the breaker holds nothing against the session.
+            assert sender._core.breaker.entry(session) is None, refused.failure
             served, status = ask(2, landing.data_ptr())
             assert status == TransferPoll.Success, served.failure
             assert torch.equal(landing.view(torch.uint8), item.view(torch.uint8))
@@ -130,22 +130,26 @@ def test_concluded_rooms_leave_the_receivers_deadline_heap(caplog):
         # No encode rank registered: each ask fails fast at the bootstrap, then is cleared.
         with SessionManager(engine, 0, 1, 1, buffer=buf, deadline_s=600) as manager, \
                 caplog.at_level(logging.WARNING, logger="transfer.receiver"):
-            started = time.monotonic()
-            for room in range(3000):
+            rooms = 3000
+            for room in range(rooms):
                 handle = manager.receive(room, server.address, buf[0])
                 assert handle.wait(5) == TransferPoll.Failed
                 handle.clear()
-            took = time.monotonic() - started
             assert manager._driver.core.deadline_entries() <= 1024 + 2
             assert not manager._driver.rooms and len(manager._driver.table) == 0
         lines = [m for m in caplog.messages if " failed: bootstrap" in m]
-        assert 1 <= len(lines) <= took + 2, (len(lines), took)  # one a second, not one a room
+        # One a second, not one a room: each room fails in milliseconds, so one line a room
+        # would be thousands; a tenth of that would take the loop 300 s (past pytest's timeout).
+        assert 1 <= len(lines) <= rooms // 10, len(lines)
+        told = [int(m.split("(and ")[1].split()[0]) for m in lines if "more like it" in m]
+        assert len(lines) + sum(told) <= rooms  # each failure is logged or counted once
         assert any("more like it" in m for m in lines) or len(lines) == 1
 
 
 def test_cached_route_asks_from_receive_and_keeps_deadlines():
     """Once its route is cached a room is asked for inside receive(), after its registration,
     and its deadline still wakes the I/O thread even when that thread was idle."""
+    import threading
     import time
 
     import torch
@@ -176,18 +180,29 @@ def test_cached_route_asks_from_receive_and_keeps_deadlines():
                 assert first.wait(5) == TransferPoll.Success
                 first.clear()
                 statuses.close(0)
-                time.sleep(0.4)  # room 1's deadline entry is gone: the I/O thread sleeps ~1 s now
+                driver = manager._driver
+                # Room 1's deadline entry is gone: the I/O thread's next sleep is a full idle one (1 s).
+                planned = driver._wake_at
+                assert wait_until(lambda: driver._wake_at > planned and driver._wake_at - time.monotonic() > 0.9, 10.0)
+                woken: list[str] = []
+                real_wake = driver._waker.wake
 
-                started = time.monotonic()
+                def wake() -> None:
+                    woken.append(threading.current_thread().name)
+                    real_wake()
+
+                driver._waker.wake = wake
                 second = manager.receive(2, server.address, buf[1])
+                # Room 2's deadline (0.25 s) comes before that idle sleep ends: receive() woke the thread.
+                assert woken == [threading.current_thread().name], woken
+                driver._waker.wake = real_wake
                 # Asked before receive() returned: no hand-off, and no second registration.
                 assert second.poll() == TransferPoll.WaitingForInput
                 assert asks.poll(5000)
                 info = TransferInfo.from_frames(asks.recv_multipart())
                 assert info.room == 2 and info.embedding_ptr == buf[1].data_ptr()
                 # Nobody answers: the room fails at its deadline, not at the I/O thread's next idle wake-up.
-                assert second.wait(0.75) == TransferPoll.Failed
-                assert time.monotonic() - started < 0.75
+                assert second.wait(10) == TransferPoll.Failed
                 assert "no status from encode rank 0 at 127.0.0.1" in second.failure
                 assert second.failure_kind is FailureKind.DEADLINE
         finally:
@@ -734,10 +749,11 @@ def test_a_submission_that_stalls_the_pool_pauses_its_session_for_longer(caplog)
                 assert until - failed_at == pytest.approx(DEAD_STALL_FACTOR * stall_s, abs=0.5)
                 said = [m for m in caplog.messages if "held the sender pool's thread" in m]
                 assert len(said) == 1 and bogus in said[0], caplog.messages
-                started = time.monotonic()
                 second, status = room_status(2)
-                assert status == TransferPoll.Failed and time.monotonic() - started < 1.0
+                assert status == TransferPoll.Failed
+                # Failed by the pause itself, not by a write that stalled again or timed out.
                 assert "skipped: a write to it failed" in second.failure, second.failure
+                assert sender._core.breaker.entry(bogus) == (failed_at, until)
                 assert engine.stalls == 1  # the second room was never submitted
             finally:
                 asks.close(0)

@@ -81,10 +81,9 @@ def test_clearing_a_room_before_its_whole_fanout_asked_tells_the_receiver_that_a
         handle = pool.send(1, item_tensor(1, SPAN, HIDDEN))
         raw.ask(1, raw.base, 2, HIDDEN, SPAN, fanout=2)  # the other half never asks
         assert wait_until(lambda: 1 in pool._core.parked, 5.0)
-        started = time.monotonic()
+        assert pool.fanout_timeout_s >= 60  # the 120 s default: the bound below ends long before it
         handle.clear()
-        assert _heads(raw, 1, 3.0) == [[b"1", FAILED, b"0"]]
-        assert time.monotonic() - started < 3.0
+        assert _heads(raw, 1, 30.0) == [[b"1", FAILED, b"0"]], "no Failed 30 s after clear()"
         assert handle.poll() == TransferPoll.Failed
         assert raw.untouched()
         assert wait_until(lambda: 1 not in pool._core.parked and pool._core.parked.nbytes == 0, 2.0)

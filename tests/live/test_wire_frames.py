@@ -243,7 +243,8 @@ def test_read_timeout_from_socket(pair):
         wire.read_frame(b)
     assert str(err.value) == "read: timed out after 0.2 s without progress"
     assert err.value.errno == errno.ETIMEDOUT
-    assert 0.15 < time.monotonic() - start < 5
+    # Not before its timeout (a lower bound no load can break); the upper one only says it did not hang.
+    assert 0.2 <= time.monotonic() - start < 20
 
 
 def test_read_bad_fd_reports_errno():
@@ -331,7 +332,12 @@ def test_write_argument_errors(pair):
 
 # --- GIL and signals --------------------------------------------------------------------------
 
+#: x86-64 system calls a blocked read sits in: read, poll, select, recvfrom, recvmsg, epoll_wait,
+#: pselect6, ppoll, epoll_pwait (a thread waiting for the GIL sits in futex, 202).
+_READ_SYSCALLS = {0, 7, 23, 45, 47, 232, 270, 271, 281}
 
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="reads x86-64 system call numbers")
 def test_gil_released_while_blocked_in_read(pair):
     a, b = pair
     result = {}
@@ -339,17 +345,28 @@ def test_gil_released_while_blocked_in_read(pair):
     def reader():
         result["frame"] = wire.read_frame(b)
 
+    def reader_in_read() -> bool:
+        """Whether the reader thread sits in a system call that reads the socket (not waiting for the GIL)."""
+        try:
+            with open(f"/proc/self/task/{result['tid']}/syscall") as f:
+                number = int(f.read().split()[0])
+        except (KeyError, OSError, ValueError, IndexError):
+            return False
+        return number in _READ_SYSCALLS
+
+    def reader():
+        result["tid"] = threading.get_native_id()
+        result["frame"] = wire.read_frame(b)
+
     t = threading.Thread(target=reader, daemon=True)
     t.start()
-    # If the read held the GIL, this thread could not run until the 20 s socket timeout.
-    start = time.monotonic()
-    count = 0
-    while time.monotonic() - start < 0.2:
-        count += 1
+    # This thread runs Python code until it sees the reader blocked in its read: if the read
+    # held the GIL, it could not, and the read would time out (20 s) before the frame is sent.
+    while not reader_in_read():
+        assert t.is_alive(), f"the read ended before anything was sent: {result}"
     wire.write_frame(a, wire.FIRST, b"late")
-    t.join(20)
-    assert result["frame"][:2] == (wire.FIRST, b"late")
-    assert time.monotonic() - start < 5 and count > 1000
+    t.join(30)
+    assert result.get("frame", (None, None))[:2] == (wire.FIRST, b"late"), result
 
 
 def test_a_signal_that_cuts_a_blocking_write_short_has_its_handler_run_at_once():
@@ -364,7 +381,13 @@ def test_a_signal_that_cuts_a_blocking_write_short_has_its_handler_run_at_once()
 
     a, b = socket.socketpair()  # blocking, and nobody reads b until the rescue below
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
-    rescue = threading.Timer(5.0, lambda: b.shutdown(socket.SHUT_RDWR))  # bounds the test if the bug is back
+    rescued = threading.Event()
+
+    def rescue_the_writer() -> None:  # bounds the test if the bug is back
+        rescued.set()
+        b.shutdown(socket.SHUT_RDWR)
+
+    rescue = threading.Timer(20.0, rescue_the_writer)
     old = signal.signal(signal.SIGALRM, interrupt)
     try:
         rescue.start()
@@ -372,7 +395,7 @@ def test_a_signal_that_cuts_a_blocking_write_short_has_its_handler_run_at_once()
         started = time.monotonic()
         with pytest.raises(Interrupted):
             _native.write_frame(a.fileno(), wire.GEN, [b"x" * (32 << 20)], -1.0)
-        assert time.monotonic() - started < 2.5, "the handler waited for the peer to read"
+        assert not rescued.is_set(), "the handler waited for the peer to read (the rescue ended the write)"
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)

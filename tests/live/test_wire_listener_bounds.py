@@ -190,18 +190,19 @@ def test_the_sender_reports_a_busy_listener_clearly():
 
 def test_refused_peers_that_stay_silent_do_not_stall_accepting():
     """Refused peers that neither read nor close are drained by the accept thread's poll, not waited
-    for (draining each for its second in turn would take two seconds to reach the third): all three
-    are answered at once, a slot that frees up is taken at once, and each still reads its answer."""
+    for (draining each for its second in turn would take 19 seconds to reach the twentieth): all
+    twenty are answered at once, a slot that frees up is taken at once, and each still reads its answer."""
+    peers = 20
     with Listener(conns=1) as lst:
         holder = lst.connect()
         lst.wait_active(1)
         started = time.monotonic()
-        silent = [lst.connect() for _ in range(3)]
-        deadline = started + 5
-        while lst.stats()["refused"] < 3 and time.monotonic() < deadline:
+        silent = [lst.connect() for _ in range(peers)]
+        deadline = started + 30
+        while lst.stats()["refused"] < peers and time.monotonic() < deadline:
             time.sleep(0.005)
-        assert lst.stats()["refused"] == 3
-        assert time.monotonic() - started < 0.9, "the accept thread waited on a refused connection"
+        assert lst.stats()["refused"] == peers
+        assert time.monotonic() - started < 10, "the accept thread waited on the refused connections in turn"
         holder.close()
         lst.wait_active(0)
         with lst.connect() as sock:
@@ -209,7 +210,7 @@ def test_refused_peers_that_stay_silent_do_not_stall_accepting():
         for sock in silent:
             with sock:
                 assert only_error(read_to_eof(sock)).body.decode() == BUSY_ONE
-        assert lst.stats()["refused"] == 3
+        assert lst.stats()["refused"] == peers
 
 
 # ------------------------------------------------------------------ slow peers
@@ -264,14 +265,13 @@ def test_the_bound_is_a_rate_not_a_cap_on_time():
         data = np.random.default_rng(5).integers(0, 256, memory.nbytes, dtype=np.uint8).tobytes()
         with lst.connect() as steady:
             steady.sendall(frame(wire.PREFILL, prefill(memory.ctypes.data, len(data))))
-            started = time.monotonic()
+            # 12 chunks, each followed by a 0.1 s pause: the transfer runs past the 0.3 s grace.
             for off in range(0, len(data), chunk):
                 steady.sendall(layer_frame(data[off:off + chunk]))
                 time.sleep(0.1)
             steady.sendall(frame(wire.FIRST, b""))
             kind, payload, _ = wire.read_frame(steady)
             assert kind == wire.RESULT, Msg.decode(payload)
-            assert time.monotonic() - started > 1.0  # well past the grace
         assert memory.tobytes() == data
         with lst.connect() as slow:
             slow.sendall(frame(wire.PREFILL, prefill(memory.ctypes.data, len(data))))
