@@ -194,6 +194,7 @@ class EncodeRank:
     sends: dict = field(default_factory=dict)  # room -> the Send held now
     announced: dict = field(default_factory=dict)  # session -> [(base, nbytes)] registrations delivered
     flights: dict = field(default_factory=dict)  # session -> deque of Flight (a session's writes settle in order)
+    late: list = field(default_factory=list)  # writes that failed before they landed: over tcp they still may
 
 
 class Pair:
@@ -459,6 +460,8 @@ class Pair:
             self.carry_encode(rank, rank.core.write_done(flight.write.wid, flight.checksums, self.now))
         else:
             self.note(f"encode {rank.rank}: write {flight.write.wid} failed: {error}")
+            if not flight.landed:
+                rank.late.append(flight)
             self.carry_encode(rank, rank.core.write_failed(flight.write.wid, error, 0.01, self.now))
 
     # ---------------------------------------------------------------- delivery
@@ -651,6 +654,9 @@ class Pair:
                     if queue:
                         moves.append(("fail write", (rank.rank, session),
                                       lambda f=queue[0]: self.settle_write(f, "transfer failed")))
+                for flight in rank.late:
+                    moves.append(("land late", (rank.rank, flight.write.wid),
+                                  lambda r=rank, f=flight: (r.late.remove(f), self.land(f))))
             for rank in self.prefills:
                 e = rank.rank // (self.prefill_tp // self.encode_tp)
                 if rank.alive and self.encodes[e].announced.get(rank.session):  # a peer's unannounced ask goes anywhere

@@ -180,6 +180,25 @@ def test_a_room_given_up_before_its_write_is_cancelled_and_nothing_lands_in_it()
     assert rec.landed == 0 and rec.safe_at is not None
 
 
+def test_a_room_given_up_while_its_write_flies_is_not_declared_safe_when_that_write_fails():
+    """The write fails after the cancel found it in flight; over tcp its bytes may still land
+    afterwards, so the cancel's last answer must not make the memory safe."""
+    pair = Pair()
+    pair.receive(0, 1)
+    pair.drain("lookup", "request")
+    pair.offer(0, 1)  # its write starts
+    pair.clear_receive(0, 1)
+    pair.drain("request")  # the cancel finds the write in flight: too late
+    [flight] = pair.encodes[0].flights[pair.prefills[0].session]
+    pair.settle_write(flight, "still in flight after the transfer timeout")
+    pair.drain("status")
+    [rec] = pair.all_receives
+    assert rec.safe_at is None, "a failed write's memory was declared safe"
+    pair.land(pair.encodes[0].late.pop())  # its bytes arrive after all: no rule is broken
+    pair.settle()
+    assert rec.landed == 1 and rec.safe_at is None
+
+
 def test_a_retry_under_the_same_room_number_is_not_served_by_the_given_up_send():
     """The retry's ask waits for the answer to the first ask's cancel: the first ask's Success, which
     comes before that answer, concludes nothing, and the room's next send serves the retry."""
