@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from bench_fakes import FakeWorker, check_each_peer_was_first_written_before_the_window, writes_before_the_window
 
 from transfer import bench
 
@@ -21,77 +22,12 @@ except ImportError as _error:  # pragma: no cover - depends on the host
     _MOONCAKE_MISSING = f"mooncake.engine cannot be imported: {_error}"
 
 
-class _HandshakeEngine:
-    """A fake engine whose first write to each session costs HANDSHAKE_S (a new peer's connection)."""
-
-    HANDSHAKE_S = 0.05
-
-    def __init__(self) -> None:
-        self.connected: set[str] = set()
-        self.writes: list[tuple[str, int, int, int]] = []
-
-    def _connect(self, session: str) -> None:
-        if session not in self.connected:
-            time.sleep(self.HANDSHAKE_S)
-            self.connected.add(session)
-
-    def write_async(self, session, srcs, dsts, lens) -> int:
-        self._connect(session)
-        self.writes.append((session, srcs[0], dsts[0], lens[0]))
-        return len(self.writes)
-
-    def wait(self, ticket, timeout_s=None) -> None:
-        return None
-
-    def write(self, session, srcs, dsts, lens) -> None:
-        self.wait(self.write_async(session, srcs, dsts, lens))
-
-
-class _FakeWorker:
-    """The hooks _raw_encode drives, with two receivers of 64 rows each."""
-
-    def __init__(self, cell: bench.Cell) -> None:
-        from transfer.harness import ItemSource
-
-        self.eng = _HandshakeEngine()
-        self.src = ItemSource(cell.span, cell.hidden, cell.dtype)
-        stride = 32 * cell.row_bytes
-        self.receivers = [{"session": f"peer{r}", "addr": 1 << 32 + r, "stride": stride,
-                           "row_start": 32 * r, "rows": 32, "rank": r} for r in range(cell.fanout)]
-
-    def engine(self, protocol):
-        return self.eng
-
-    def source(self, cell, protocol=None):
-        return self.src
-
-    def ready(self, info=None) -> None:
-        pass
-
-    def go(self):
-        return self.receivers
-
-    def finished(self) -> None:
-        pass
-
-
-@pytest.mark.parametrize("issue", ["async", "sync"])
-def test_raw_window_excludes_the_first_connection_to_each_peer(issue):
-    # The epd path moves an untimed room first; raw must not time its peers' handshakes either,
-    # or the first raw cell of each new prefill rank is slowed and every ratio to it inflated.
+def test_raw_window_opens_after_the_first_write_to_each_peer_with_writer_threads(monkeypatch):
+    # As the unit test of the async issue, with --raw-issue sync (writer threads).
     cell = bench.Cell("raw", 64, 256, "torch.bfloat16", fanout=2, inflight=2, items=6)
-    worker = _FakeWorker(cell)
-    report = bench._raw_encode(worker, cell, {"protocol": "tcp", "raw_issue": issue, "raw_writers": 2})
-    assert report["failed"] == [] and report["bytes"] == 6 * cell.item_bytes
-    wall = report["t_end"] - report["t_start"]
-    assert wall < _HandshakeEngine.HANDSHAKE_S / 2, f"the handshakes were timed: window {wall * 1e3:.1f} ms"
-    assert max(report["latencies"]) < _HandshakeEngine.HANDSHAKE_S / 2
-    # Every timed room still wrote each receiver's shard once, into slot room % slots.
-    timed = worker.eng.writes[-6 * 2:]
-    for room in range(6):
-        for r in worker.receivers:
-            dst = r["addr"] + (room % cell.slots) * r["stride"]
-            assert sum(1 for w in timed if w[0] == r["session"] and w[2] == dst) == 3
+    worker = FakeWorker(cell)
+    opened = writes_before_the_window(worker, cell, "sync", monkeypatch)
+    check_each_peer_was_first_written_before_the_window(worker, cell, opened)
 
 
 def _live_opts(**kw) -> bench.Options:

@@ -2,58 +2,15 @@
 
 from __future__ import annotations
 
+from bench_fakes import FakeWorker, check_each_peer_was_first_written_before_the_window, writes_before_the_window
+
 from transfer import bench
-
-
-class _RecordingEngine:
-    """The engine calls _raw_encode makes, each write recorded as (session, src, dst, length)."""
-
-    def __init__(self) -> None:
-        self.writes: list[tuple[str, int, int, int]] = []
-
-    def write_async(self, session, srcs, dsts, lens) -> int:
-        self.writes.append((session, srcs[0], dsts[0], lens[0]))
-        return len(self.writes)
-
-    def wait(self, ticket, timeout_s=None) -> None:
-        return None
-
-    def write(self, session, srcs, dsts, lens) -> None:
-        self.wait(self.write_async(session, srcs, dsts, lens))
-
-
-class _FakeWorker:
-    """The hooks _raw_encode drives, with `fanout` receivers of 32 rows each."""
-
-    def __init__(self, cell: bench.Cell) -> None:
-        from transfer.harness import ItemSource
-
-        self.eng = _RecordingEngine()
-        self.src = ItemSource(cell.span, cell.hidden, cell.dtype)
-        stride = 32 * cell.row_bytes
-        self.receivers = [{"session": f"peer{r}", "addr": 1 << 32 + r, "stride": stride,
-                           "row_start": 32 * r, "rows": 32, "rank": r} for r in range(cell.fanout)]
-
-    def engine(self, protocol):
-        return self.eng
-
-    def source(self, cell, protocol=None):
-        return self.src
-
-    def ready(self, info=None) -> None:
-        pass
-
-    def go(self):
-        return self.receivers
-
-    def finished(self) -> None:
-        pass
 
 
 def test_raw_warm_up_bytes_are_overwritten_by_a_timed_room_with_other_bytes():
     # The untimed warm-up write must not leave bytes that could stand in for a lost timed write.
     cell = bench.Cell("raw", 64, 256, "torch.bfloat16", fanout=2, inflight=4, items=10)
-    worker = _FakeWorker(cell)
+    worker = FakeWorker(cell)
     bench._raw_encode(worker, cell, {"protocol": "tcp", "raw_issue": "async", "raw_writers": 1})
     warm = worker.eng.writes[:2]
     timed = worker.eng.writes[2:]
@@ -64,3 +21,12 @@ def test_raw_warm_up_bytes_are_overwritten_by_a_timed_room_with_other_bytes():
         later = [w for w in timed if w[0] == session and w[2] == dst]
         assert later, "a slot written only by the warm-up would be checked against nothing timed"
         assert later[-1][1] != src
+
+
+def test_raw_window_opens_after_the_first_write_to_each_peer(monkeypatch):
+    # The epd path moves an untimed room first; raw must not time its peers' handshakes either,
+    # or the first raw cell of each new prefill rank is slowed and every ratio to it inflated.
+    cell = bench.Cell("raw", 64, 256, "torch.bfloat16", fanout=2, inflight=2, items=6)
+    worker = FakeWorker(cell)
+    opened = writes_before_the_window(worker, cell, "async", monkeypatch)
+    check_each_peer_was_first_written_before_the_window(worker, cell, opened)

@@ -1,0 +1,79 @@
+"""Stand-ins for what bench._raw_encode drives: an engine that records its writes, and the worker's hooks."""
+
+from __future__ import annotations
+
+from transfer import bench
+
+
+class RecordingEngine:
+    """The engine calls _raw_encode makes, each write recorded as (session, src, dst, length)."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, int, int, int]] = []
+
+    def write_async(self, session, srcs, dsts, lens) -> int:
+        self.writes.append((session, srcs[0], dsts[0], lens[0]))
+        return len(self.writes)
+
+    def wait(self, ticket, timeout_s=None) -> None:
+        return None
+
+    def write(self, session, srcs, dsts, lens) -> None:
+        self.wait(self.write_async(session, srcs, dsts, lens))
+
+
+class FakeWorker:
+    """The hooks _raw_encode drives, with `fanout` receivers of 32 rows each."""
+
+    def __init__(self, cell: bench.Cell) -> None:
+        from transfer.harness import ItemSource
+
+        self.eng = RecordingEngine()
+        self.src = ItemSource(cell.span, cell.hidden, cell.dtype)
+        stride = 32 * cell.row_bytes
+        self.receivers = [{"session": f"peer{r}", "addr": 1 << 32 + r, "stride": stride,
+                           "row_start": 32 * r, "rows": 32, "rank": r} for r in range(cell.fanout)]
+
+    def engine(self, protocol):
+        return self.eng
+
+    def source(self, cell, protocol=None):
+        return self.src
+
+    def ready(self, info=None) -> None:
+        pass
+
+    def go(self):
+        return self.receivers
+
+    def finished(self) -> None:
+        pass
+
+
+def writes_before_the_window(worker: FakeWorker, cell: bench.Cell, issue: str, monkeypatch) -> int:
+    """Runs _raw_encode; how many writes the engine had taken when its timed window opened."""
+    opened: list[int] = []
+    reading = bench.thread_cpu
+
+    def mark():
+        opened.append(len(worker.eng.writes))
+        return reading()
+
+    monkeypatch.setattr(bench, "thread_cpu", mark)
+    report = bench._raw_encode(worker, cell, {"protocol": "tcp", "raw_issue": issue, "raw_writers": 2})
+    assert report["failed"] == [] and report["bytes"] == cell.items * cell.item_bytes
+    return opened[0]
+
+
+def check_each_peer_was_first_written_before_the_window(worker: FakeWorker, cell: bench.Cell, opened: int) -> None:
+    """The first write to each peer (its connection) came before the window; each timed room
+    wrote each receiver's shard once, into slot room % slots."""
+    sessions = [r["session"] for r in worker.receivers]
+    assert sorted(w[0] for w in worker.eng.writes[:opened]) == sorted(sessions)
+    timed = worker.eng.writes[opened:]
+    assert len(timed) == cell.items * cell.fanout
+    for room in range(cell.items):
+        for r in worker.receivers:
+            dst = r["addr"] + (room % cell.slots) * r["stride"]
+            slot_rooms = len(range(room % cell.slots, cell.items, cell.slots))
+            assert sum(1 for w in timed if w[0] == r["session"] and w[2] == dst) == slot_rooms
