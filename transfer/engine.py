@@ -354,7 +354,8 @@ class RegisteredMemory:
         return addr, nbytes
 
     def unregister(self, addr: int) -> None:
-        """Unregister the region that starts at addr; EngineError if it is not registered or a write reads it."""
+        """Unregister the region that starts at addr; EngineError if it is not registered, a write reads it,
+        or the engine would not let it go (it then stays registered, its tensor kept alive)."""
         with self._lock:
             self._check_open()
             if addr not in self._regions:
@@ -365,11 +366,14 @@ class RegisteredMemory:
                 raise EngineError(f"address 0x{addr:x} length {self._regions[addr]} on {self.session_id} "
                                     f"is still being read by {reader}: unregister it once that write settled")
             problem = self._remove_region(addr)
-            nbytes = self._regions.pop(addr)
-            self._owners.pop(addr, None)
+            nbytes = self._regions[addr]
+            if problem is None:
+                del self._regions[addr]
+                self._owners.pop(addr, None)
         if problem:
+            # Peers may still write into it: it stays ours (and its tensor alive) until it is let go.
             raise EngineError(f"unregistering address 0x{addr:x} length {nbytes} on "
-                                f"{self.session_id} failed ({problem})")
+                              f"{self.session_id} failed ({problem}); it stays registered")
 
     def registered(self) -> dict[int, int]:
         """A snapshot of the registered regions, address -> length."""

@@ -6,7 +6,7 @@ import pytest
 from fakes import MooncakeStandIn
 
 from transfer import engine as engine_module
-from transfer.engine import Engine, choose_protocol, rdma_device_names
+from transfer.engine import Engine, EngineError, choose_protocol, rdma_device_names
 
 
 def test_choose_protocol_with_fake_sysfs(tmp_path, monkeypatch):
@@ -69,4 +69,32 @@ def test_mooncake_timeout_status_is_a_warning_not_an_outcome(monkeypatch):
     assert answers == [False, False, False]
     assert engine.poll(ticket) is True
     assert fake.script == []
+    engine.close()
+
+
+def test_a_region_mooncake_would_not_unregister_stays_registered_and_its_tensor_alive(monkeypatch):
+    import torch
+
+    class RefusingTE(MooncakeStandIn):
+        refuse = True
+
+        def unregister_memory(self, addr: int) -> int:
+            return -1 if self.refuse else 0
+
+    fake = RefusingTE()
+
+    class FakeModule:
+        TransferEngine = staticmethod(lambda: fake)
+
+    monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
+    engine = Engine("127.0.0.1", protocol="tcp")
+    tensor = torch.zeros(64, dtype=torch.uint8)
+    addr, _ = engine.register(tensor)
+    with pytest.raises(EngineError, match=r"unregistering address .* failed \(rc=-1\); it stays registered"):
+        engine.unregister(addr)
+    # Peers may still write there: the memory must outlive the registration.
+    assert engine.registered() == {addr: 64} and engine.owner_of(addr, 64) is tensor
+    fake.refuse = False
+    engine.unregister(addr)
+    assert engine.registered() == {} and engine.owner_of(addr, 64) is None
     engine.close()
