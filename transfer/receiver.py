@@ -270,11 +270,7 @@ class SessionManager:
             if lease is not None:
                 # Once the driver filed the room (its token), its ask may have left and a write
                 # may still land in the slot: quarantine keeps it from the next room.
-                if record is not None and record.token:
-                    lease.fail()
-                else:
-                    lease.release()
-                self._drop_lease_region(lease)
+                self._give_back(lease, safe=record is None or not record.token)
             raise
         self.metrics.inc("rooms_started_total")
         return ReceiveHandle(self, record, full, full_ds, (row_start, spec.rows))
@@ -335,16 +331,21 @@ class SessionManager:
             if lease.is_fallback:
                 self.add_region(lease.region, lease.region)
         except BaseException:
-            lease.release()  # nothing was asked for it: free at once
-            self._drop_lease_region(lease)
+            self._give_back(lease, safe=True)  # nothing was asked for it: free at once
             raise
         shard = slice(row_start, row_start + rows)
         return lease, full, full_ds, full[shard], full_ds[shard] if full_ds is not None else None
 
-    def _drop_lease_region(self, lease: Slot) -> None:
+    def _give_back(self, lease: Slot, *, safe: bool, event: EventLike | None = None) -> None:
+        """Releases a lease (`safe`: no write can land in it any more) or quarantines it. A fallback's
+        region record goes first: once released, the buffer may serve another room at once."""
         if lease.is_fallback:
             with self._regions_lock:
                 self._region_sets = [r for r in self._region_sets if r.embedding is not lease.region]
+        if safe:
+            lease.release(event)
+        else:
+            lease.fail()
 
     def add_region(self, embedding: torch.Tensor | tuple[int, int] | _io.Region,
                    deepstack: torch.Tensor | tuple[int, int] | _io.Region | None = None) -> RegionSet:
@@ -450,12 +451,10 @@ class SessionManager:
         if succeeded is None or record.lease is None:
             return
         lease, record.lease = record.lease, None
-        if succeeded or record.memory_safe:
-            lease.release(event)
-        else:
-            lease.fail()
+        safe = bool(succeeded or record.memory_safe)
+        self._give_back(lease, safe=safe, event=event)
+        if not safe:
             self._driver.when_safe(record, lease.end_quarantine)
-        self._drop_lease_region(lease)
 
 
 @dataclass(frozen=True, eq=False)

@@ -143,3 +143,34 @@ def test_receive_past_the_cap_raises_to_its_caller_and_starts_no_room(engines):
     finally:
         encode_engine.unregister(first_item.data_ptr())
         encode_engine.unregister(second_item.data_ptr())
+
+
+@pytest.mark.live
+def test_a_fallback_released_by_clear_and_taken_again_at_once_keeps_its_new_rooms_region(engines):
+    """clear() hands a fallback back; another receive() may take it before clear() returns. The
+    new room's region record must survive the first room's clear (its next receive is checked
+    against the records)."""
+    from transfer.receiver import SessionManager
+
+    _, engine = engines
+    boot = "127.0.0.1:9"  # nothing listens: the rooms' look-ups fail later, harmless here
+    rows, hidden = 64, 64
+    with ReceivePool(engine, SLOT, SLOT, grace_s=30.0) as pool, \
+            SessionManager(engine, 0, 1, 1, pool=pool, host=HOST, deadline_s=30.0) as manager:
+        first = manager.receive(1, boot, rows=rows, hidden=hidden, dtype=BF16)
+        region = first._state.lease.region
+        taken = []
+        release = pool._on_release
+
+        def release_then_receive_again(slot, event):
+            release(slot, event)
+            if not taken:  # another thread's receive(), between this release and the rest of clear()
+                taken.append(manager.receive(2, boot, rows=rows, hidden=hidden, dtype=BF16))
+
+        pool._on_release = release_then_receive_again
+        first.clear()
+        pool._on_release = release
+        [second] = taken
+        assert second._state.lease.region is region  # the idle fallback, taken again
+        assert any(r.embedding is region for r in manager._region_sets), "the second room's region record is gone"
+        second.clear()
