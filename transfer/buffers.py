@@ -93,8 +93,8 @@ class PoolStats(TypedDict):
     leased: int
     pending_events: int
     quarantined: int
-    fallbacks_live: int  # registered: in use, awaiting an event, quarantined or idle in their grace
-    fallbacks_total: int
+    fallbacks_live: int  # buffers registered: in use, awaiting an event, quarantined or idle in their grace
+    fallbacks_total: int  # items that fell back (to a buffer registered for them, or an idle one taken again)
     fallback_bytes: int
     max_fallback_bytes: int | None
 
@@ -268,7 +268,7 @@ class ReceivePool:
         """A slot, or a fallback buffer of `nbytes` registered for this item alone.
 
         Raises FallbackLimitError when that buffer would take the fallbacks past
-        max_fallback_bytes even after retiring what poll() can.
+        max_fallback_bytes even after retiring what poll() can and the idle fallbacks.
         """
         slot = self.lease(nbytes)
         if slot is not None:
@@ -284,7 +284,7 @@ class ReceivePool:
             slot = self.lease(nbytes)
             if slot is not None:
                 return slot
-            if not self._reserve(size):
+            if not (self._reserve(size) or self._retire_idle(size) and self._reserve(size)):
                 raise FallbackLimitError(self._over_cap(int(nbytes)))
         try:
             tensor = torch.empty(size, dtype=torch.uint8, device=self.device)
@@ -310,7 +310,33 @@ class ReceivePool:
                 return None
             entry = min(idle, key=lambda e: e[2].nbytes)
             _remove_entry(self._graces, entry[1])
+            self._fallbacks_total += 1
             return entry[2]
+
+    def _retire_idle(self, size: int) -> bool:
+        """Drops idle fallbacks (in their grace, not quarantined), largest first, if that makes `size`
+        more bytes fit under the cap; whether it did (nothing is dropped otherwise)."""
+        with self._lock:
+            self._check_open()
+            if self.max_fallback_bytes is None:
+                return True
+            excess = self._fallback_bytes + size - self.max_fallback_bytes
+            retired: list[tuple[int, Region]] = []
+            for _, seq, region, quarantined in sorted(self._graces, key=lambda e: -e[2].nbytes):
+                if excess <= 0:
+                    break
+                if not quarantined:
+                    retired.append((seq, region))
+                    excess -= region.nbytes
+            if excess > 0:
+                return False
+            for seq, region in retired:
+                _remove_entry(self._graces, seq)
+                del self._fallbacks[region.addr]
+                self._fallback_bytes -= region.nbytes
+        for _, region in retired:
+            self._unregister(region)
+        return True
 
     def _reserve(self, size: int) -> bool:
         """Counts `size` more fallback bytes if the cap allows; False (nothing counted) if not."""

@@ -132,9 +132,9 @@ def test_retiring_graces_and_quarantines_makes_room_again_without_an_explicit_po
             pool.lease_or_fallback(2 * SLOT)
         clock.advance(20.0)  # the quarantine ended
         event.done = True  # and the copy-out finished: its grace starts at the next poll
-        total = pool.stats()["fallbacks_total"]
+        registered = set(engine.regions)
         assert pool.lease_or_fallback(SLOT).is_fallback  # the copied-out buffer, idle in its grace, again
-        assert pool.stats()["fallbacks_total"] == total
+        assert set(engine.regions) < registered  # nothing new (the quarantined one retired meanwhile)
         assert pool.stats()["fallback_bytes"] == 3 * SLOT == _fallback_bytes(engine, pool)
         for slot in live:
             slot.release()
@@ -227,11 +227,11 @@ def test_an_idle_fallback_in_its_grace_is_taken_again_instead_of_a_new_registrat
             again = pool.lease_or_fallback(1000)
             assert again.is_fallback and again.addr == first_addr and again.nbytes == 1000
             again.release()
-        assert pool.stats()["fallbacks_total"] == 1 and _fallback_bytes(engine, pool) == 1000
+        assert pool.stats()["fallbacks_total"] == 6 and _fallback_bytes(engine, pool) == 1000  # 6 uses, 1 buffer
         # The smallest idle one that holds the item; a quarantined one is never taken.
         hold_the_slot = pool.lease(8)
         big, small, failed = (pool.lease_or_fallback(n) for n in (900, 600, 500))
-        assert big.addr == first_addr and pool.stats()["fallbacks_total"] == 3
+        assert big.addr == first_addr and len(engine.regions) == 1 + 3
         for slot in (big, small):
             slot.release()
         failed.fail()
@@ -239,5 +239,23 @@ def test_an_idle_fallback_in_its_grace_is_taken_again_instead_of_a_new_registrat
         assert taken.addr == small.addr and taken.nbytes == 450
         assert pool.lease_or_fallback(450).addr == first_addr
         assert pool.lease_or_fallback(450).addr not in (first_addr, small.addr, failed.addr)
-        assert pool.stats()["fallbacks_total"] == 4 and _fallback_bytes(engine, pool) == 2550
+        assert len(engine.regions) == 1 + 4 and _fallback_bytes(engine, pool) == 2550
         hold_the_slot.release()
+
+
+def test_idle_fallbacks_too_small_to_serve_an_item_are_dropped_to_make_room_for_it():
+    engine, clock = RecordingEngine(), FakeClock()
+    with ReceivePool(engine, SLOT, SLOT, quarantine_s=60.0, grace_s=30.0, max_fallback_bytes=3000,
+                     clock=clock) as pool:
+        small, other, failed = (pool.lease_or_fallback(n) for n in (1000, 600, 400))
+        small.release()
+        other.release()
+        failed.fail()  # quarantined: never dropped early
+        big = pool.lease_or_fallback(2500)  # 2000 held; the largest idle one, then the next, make room
+        assert big.is_fallback and sorted(engine.regions.values()) == sorted([SLOT, 400, 2500])
+        assert pool.stats()["fallback_bytes"] == 2900 == _fallback_bytes(engine, pool)
+        # Nothing is dropped when dropping every idle one would not make room.
+        big.release()
+        with pytest.raises(FallbackLimitError, match="1 in grace, 1 quarantined"):
+            pool.lease_or_fallback(2700)
+        assert sorted(engine.regions.values()) == sorted([SLOT, 400, 2500])
