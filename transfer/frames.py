@@ -23,6 +23,7 @@ from transfer.status import TransferPoll
 __all__ = [
     "CANCEL_MARKER",
     "CANCEL_PARTS",
+    "CANCEL_READS_WRITE_FAILED",
     "DTYPE_BYTES",
     "MAX_REGIONS_PER_SESSION",
     "REGISTRATION_MARKER",
@@ -66,11 +67,14 @@ REGISTRATION_PARTS = 6
 STATUS_PARTS = 3
 MAX_CHECKSUMS = 2
 REGISTRATION_MARKER = b"None"
-#: Our cancel (SPEC.md 8, docs/protocol.md 8): 5 parts, part 0 this marker. A peer reads
-#: any request whose part 0 is not `None` as a TransferInfo and drops it as malformed
-#: (5 parts < 13), so it never reaches a peer's room rules.
+#: Our cancel (SPEC.md 8, docs/protocol.md 8): 5 parts, part 0 this marker, and optionally
+#: CANCEL_READS_WRITE_FAILED as part 5. A peer reads any request whose part 0 is not `None`
+#: as a TransferInfo and drops it as malformed (5 or 6 parts < 13), so it never reaches a
+#: peer's room rules.
 CANCEL_MARKER = b"Cancel"
 CANCEL_PARTS = 5
+#: A cancel's part 5 when its sender reads CancelAnswer.WRITE_FAILED (earlier releases did not).
+CANCEL_READS_WRITE_FAILED = b"reads-write-failed"
 
 
 class CancelAnswer(Enum):
@@ -723,16 +727,22 @@ class Cancel:
     endpoint: str
     port: int
     session_id: str
+    reads_write_failed: bool = False  # its sender reads CancelAnswer.WRITE_FAILED
 
     def to_frames(self) -> list[bytes]:
         """Encode as cancel parts (see cancel_frames)."""
-        return cancel_frames(self.room, self.endpoint, self.port, self.session_id)
+        return cancel_frames(self.room, self.endpoint, self.port, self.session_id, self.reads_write_failed)
 
 
-def cancel_frames(room: int, endpoint: str, port: int, session_id: str) -> list[bytes]:
-    """Encode a cancel: the marker, room, status endpoint, port and session (the ask's)."""
-    return [CANCEL_MARKER, _encode_room(room), _encode_text(endpoint, "endpoint"), _encode_port(port),
-            _encode_text(session_id, "session")]
+def cancel_frames(room: int, endpoint: str, port: int, session_id: str, reads_write_failed: bool = False,
+                  ) -> list[bytes]:
+    """Encode a cancel: the marker, room, status endpoint, port and session (the ask's), and whether
+    its sender reads a WRITE_FAILED answer."""
+    frames = [CANCEL_MARKER, _encode_room(room), _encode_text(endpoint, "endpoint"), _encode_port(port),
+              _encode_text(session_id, "session")]
+    if reads_write_failed:
+        frames.append(CANCEL_READS_WRITE_FAILED)
+    return frames
 
 
 def is_cancel(frames: Sequence[object]) -> bool:
@@ -741,7 +751,7 @@ def is_cancel(frames: Sequence[object]) -> bool:
 
 
 def parse_cancel(frames: Sequence[object]) -> Cancel:
-    """Parse a cancel's parts in order; later parts are ignored."""
+    """Parse a cancel's parts in order; later parts than the optional part 5 are ignored."""
     frames = list(frames)
     if len(frames) < CANCEL_PARTS:
         raise WireError(f"malformed cancel frame: {len(frames)} parts < {CANCEL_PARTS}")
@@ -754,7 +764,8 @@ def parse_cancel(frames: Sequence[object]) -> Cancel:
     endpoint = _text(parts[2], "endpoint")
     port = _port(_number(parts[3], "port"))
     session_id = _text(parts[4], "session")
-    return Cancel(room, endpoint, port, session_id)
+    reads_write_failed = len(frames) > CANCEL_PARTS and _part(frames[CANCEL_PARTS]) == CANCEL_READS_WRITE_FAILED
+    return Cancel(room, endpoint, port, session_id, reads_write_failed)
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,19 @@ def test_cancel_round_trips():
     assert parse_cancel([memoryview(f) for f in frames] + [b"later parts ignored"]) == cancel
 
 
+def test_a_cancel_says_in_part_5_that_its_sender_reads_write_failed_answers():
+    cancel = Cancel(7, "127.0.0.1", 5555, "127.0.0.1:17000", reads_write_failed=True)
+    frames = cancel.to_frames()
+    assert frames == [b"Cancel", b"7", b"127.0.0.1", b"5555", b"127.0.0.1:17000", b"reads-write-failed"]
+    assert parse_cancel(frames) == cancel
+    assert parse_cancel([memoryview(f) for f in frames] + [b"later parts ignored"]) == cancel
+    assert parse_cancel(frames[:5] + [b"reads-something-else"]).reads_write_failed is False
+
+
 def test_cancel_is_a_shape_the_peers_drop():
     """A peer parses any request not marked None as a TransferInfo: a cancel is too short for one."""
     assert len(cancel_frames(1, "h", 1, "s")) == CANCEL_PARTS < TRANSFER_INFO_PARTS
+    assert len(cancel_frames(1, "h", 1, "s", reads_write_failed=True)) == CANCEL_PARTS + 1 < TRANSFER_INFO_PARTS
 
 
 @pytest.mark.parametrize(("frames", "message"), [

@@ -32,8 +32,8 @@ def _ask(room: int, rank: int = 0, fanout: int = 1, span: int = 4) -> TransferIn
                         HIDDEN, DTYPE, False, fanout, start, span)
 
 
-def _cancel(room: int, rank: int = 0) -> Cancel:
-    return Cancel(room, "10.0.0.7", 6000 + rank, f"10.0.0.7:{17000 + rank}")
+def _cancel(room: int, rank: int = 0, reads_write_failed: bool = True) -> Cancel:
+    return Cancel(room, "10.0.0.7", 6000 + rank, f"10.0.0.7:{17000 + rank}", reads_write_failed)
 
 
 class Run:
@@ -123,6 +123,16 @@ def test_a_write_in_flight_that_fails_after_a_cancel_is_answered_write_failed_no
     out = run(run.core.write_failed(write.wid, "still in flight after the transfer timeout", 30.0, run.now))
     assert run.answers(out) == [(5, 6000, WRITE_FAILED)]
     assert run.of(Count, out) == [Count("cancels_total", "write_failed")]
+
+
+def test_a_receiver_that_does_not_read_write_failed_answers_is_told_confirmed_as_before():
+    # An earlier release would take the unknown answer for a plain Failed of the room's next ask.
+    run = Run()
+    run(run.core.offer(_offer(5), run.now))
+    [write] = run.of(StartWrite, run(run.core.ask(_ask(5), run.now)))
+    run(run.core.cancel(_cancel(5, reads_write_failed=False), run.now))
+    out = run(run.core.write_failed(write.wid, "peer gone", 0.01, run.now))
+    assert run.answers(out) == [(5, 6000, CONFIRMED)]
 
 
 def test_a_cancel_is_not_confirmed_when_any_write_it_found_in_flight_failed():

@@ -49,7 +49,7 @@ def test_a_room_past_its_deadline_sends_its_cancel_before_the_socket_closes():
     actions = c.tick(10.0)
     [cancel] = of(SendCancel, actions)
     assert cancel.addr == ENCODE and cancel.token == token
-    assert parse_cancel(cancel.frames) == Cancel(1, "10.0.0.3", 5555, "10.0.0.3:1234")
+    assert parse_cancel(cancel.frames) == Cancel(1, "10.0.0.3", 5555, "10.0.0.3:1234", reads_write_failed=True)
     kinds = [type(a) for a in actions]
     assert kinds.index(SendCancel) < kinds.index(Disconnect)
     [disconnect] = of(Disconnect, actions)

@@ -884,12 +884,14 @@ class EncodeCore:
     def _job_over(self, job: _Job, *, failed: bool = False) -> None:
         """A write is over: a receiver that cancelled while it flew is answered once no other write that
         cancel found in flight is left: its memory is safe, or, if one of them failed, it may not be (the
-        engine gave up on a write whose bytes may still land: the receiver waits out its quarantine)."""
+        engine gave up on a write whose bytes may still land: the receiver waits out its quarantine).
+        A receiver that does not read that answer (an earlier release) is told confirmed, as it was."""
         for wait in job.waits:
             wait.left -= 1
             wait.failed = wait.failed or failed
             if not wait.left:
-                self._answer_cancel(wait.cancel, CancelAnswer.WRITE_FAILED if wait.failed else CancelAnswer.CONFIRMED)
+                unsafe = wait.failed and wait.cancel.reads_write_failed
+                self._answer_cancel(wait.cancel, CancelAnswer.WRITE_FAILED if unsafe else CancelAnswer.CONFIRMED)
 
     def _tell_failed(self, infos, failure: Failure | None) -> None:
         for info in infos:

@@ -817,7 +817,7 @@ class PrefillCore:
             if not cancels:
                 del self._cancels[oldest]
             self._cancel_count -= 1
-        frames = cancel_frames(state.room, self.host, self.status_port, self.session_id)
+        frames = cancel_frames(state.room, self.host, self.status_port, self.session_id, reads_write_failed=True)
         return [SendCancel(state.addr, state.room, state.token, frames)]
 
     def _release(self, now: float, room: int, rank: int) -> list:
