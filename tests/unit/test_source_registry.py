@@ -45,3 +45,24 @@ def test_a_registration_leaves_the_lock_to_the_drivers_release_of_another_room()
     release_second()
     assert engine.regions == {} and len(sources.counts) == 0
 
+
+
+def test_a_registration_not_yet_counted_is_not_taken_for_the_callers_own():
+    # Another caller's source inside a region the engine has just registered, before the registry
+    # counted it: were it taken for the caller's own registration, no room would hold it for that
+    # caller, and the first room's release would drop it under the second's source.
+    engine = FakeEngine()
+    sources = SourceRegistry(engine)
+    seen = []
+
+    def look_meanwhile() -> None:
+        engine.regions[0x9000] = 256  # the engine has it; the registry has not counted it yet
+        seen.append(sources._hold_registered(_io.Region(0x9040, 64)))
+
+    engine.during_register = look_meanwhile
+    release = sources.hold(_io.Region(0x9000, 256))
+    assert seen == [(False, None)]  # not registered as far as another caller can tell: it waits its turn
+    assert sources.hold(_io.Region(0x9040, 64)) is not None  # once counted, held a second time
+    assert sources.counts.counts() == {0x9000: 2}
+    release()
+    assert engine.regions == {0x9000: 256}
