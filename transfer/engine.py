@@ -298,7 +298,9 @@ class RegisteredMemory:
     """register(), unregister() and registered() for an engine, over its own add/remove hooks.
 
     The engine provides `_lock` (a lock or a condition), `_regions` (address -> length),
-    `_owners` (the tensors kept alive), `_check_open()`, `session_id`, and the hooks below.
+    `_adding` (address -> length, registrations under way), `_registrations` (a condition on
+    `_lock`, notified when one settles), `_owners` (the tensors kept alive), `_check_open()`,
+    `session_id`, and the hooks below.
     """
 
     #: Why an empty region is refused, for the error message.
@@ -308,6 +310,8 @@ class RegisteredMemory:
     session_id: str
     _lock: AbstractContextManager[Any]
     _regions: dict[int, int]
+    _adding: dict[int, int]
+    _registrations: threading.Condition
     _owners: dict[int, Any]
 
     def _check_open(self) -> None:
@@ -319,7 +323,7 @@ class RegisteredMemory:
         return _buffer_span(buf, length)
 
     def _add_region(self, addr: int, nbytes: int) -> None:
-        """Makes the region writable by peers (lock held); raises EngineError when refused."""
+        """Makes the region writable by peers (lock not held); raises EngineError when refused."""
         raise NotImplementedError
 
     def _remove_region(self, addr: int) -> str | None:
@@ -344,14 +348,29 @@ class RegisteredMemory:
                              f"not a range of the 64-bit address space")
         with self._lock:
             self._check_open()
-            if addr in self._regions:
+            if addr in self._regions or addr in self._adding:
                 raise EngineError(f"address 0x{addr:x} is already registered "
-                                    f"({self._regions[addr]} bytes) on {self.session_id}")
+                                  f"({self._regions.get(addr, self._adding.get(addr))} bytes) on {self.session_id}")
+            self._adding[addr] = nbytes
+        added = False
+        try:
+            # Outside the lock: pinning a large region (RDMA) takes a while, and writes go on meanwhile.
             self._add_region(addr, nbytes)
-            self._regions[addr] = nbytes
-            if not isinstance(buf, int):
-                self._owners[addr] = buf
+            added = True
+        finally:
+            with self._lock:
+                del self._adding[addr]
+                if added:
+                    self._regions[addr] = nbytes
+                    if not isinstance(buf, int):
+                        self._owners[addr] = buf
+                self._registrations.notify_all()  # close() waits for registrations under way
         return addr, nbytes
+
+    def _wait_for_registrations(self) -> None:
+        """Waits until no registration is under way (lock held; close() calls it once closed)."""
+        while self._adding:
+            self._registrations.wait()
 
     def unregister(self, addr: int) -> None:
         """Unregister the region that starts at addr; EngineError if it is not registered, a write reads it,
@@ -421,8 +440,10 @@ class Engine(RegisteredMemory):
         # The lock itself, not the condition, is what the hot paths enter: a Condition's
         # __enter__/__exit__ are Python calls around the same acquisition.
         self._lock = threading.RLock()
-        self._changed = threading.Condition(self._lock)  # a submission settled, or a probe answered
+        self._changed = threading.Condition(self._lock)  # a submission or registration settled, a probe answered
+        self._registrations = self._changed
         self._regions: dict[int, int] = {}
+        self._adding: dict[int, int] = {}
         self._owners: dict[int, Any] = {}  # keeps registered tensors alive
         # The region the last write read from, (start, end): a sender's writes mostly come
         # from one buffer. Reset whenever a region goes.
@@ -760,9 +781,10 @@ class Engine(RegisteredMemory):
                                                            pending.lens, "the engine closed before the peer "
                                                            "answered its probe")
             # A submission in progress files batches close() must see (each is bounded by
-            # Mooncake's handshake with a new peer).
+            # Mooncake's handshake with a new peer); a registration under way, a region to drop.
             while any(p.submitting for p in self._pending.values()):
                 self._changed.wait()
+            self._wait_for_registrations()
             writes = list(self._pending.values())
         # Let writes in flight finish before the memory goes, each until its deadline. Their
         # tickets stay filed: an owner polling one later still learns how its write ended.

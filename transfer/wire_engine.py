@@ -388,6 +388,8 @@ class WireEngine(RegisteredMemory):
         self.session_id = f"{hostname}:{self.port}"
         self._lock = threading.Condition()
         self._regions: dict[int, int] = {}
+        self._adding: dict[int, int] = {}
+        self._registrations = self._lock
         self._owners: dict[int, Any] = {}  # keeps registered tensors alive
         self._idle: dict[str, list[_Conn]] = {}
         self._rooms = itertools.count(1)
@@ -693,6 +695,7 @@ class WireEngine(RegisteredMemory):
             if self._closed:
                 return
             self._closed = True
+            self._wait_for_registrations()
             writers, self._writers = self._writers, None
         if writers is not None:
             writers.shutdown()  # queued batches fail fast: the engine is closed

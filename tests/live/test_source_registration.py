@@ -9,6 +9,7 @@ import torch
 from live_helpers import HOST, LIVE, item_tensor
 
 from transfer.drive.encode import RETRY_RELEASES_S
+from transfer.engine import Engine
 from transfer.receiver import SessionManager
 from transfer.sender import SenderPool
 from transfer.status import TransferPoll
@@ -53,3 +54,50 @@ def test_a_room_is_served_while_another_send_is_registering_its_source(engines, 
     finally:
         monkeypatch.undo()
         encode.unregister(rows.data_ptr())
+
+
+class _SlowRegistrations:
+    """Mooncake's TransferEngine, whose register_memory waits for `may_finish` (pinning a large region)."""
+
+    def __init__(self, te) -> None:
+        self._te = te
+        self.registering, self.may_finish = threading.Event(), threading.Event()
+
+    def register_memory(self, addr: int, nbytes: int) -> int:
+        self.registering.set()
+        self.may_finish.wait(30.0)
+        return self._te.register_memory(addr, nbytes)
+
+    def __getattr__(self, name: str):
+        return getattr(self._te, name)
+
+
+def test_an_engine_writes_while_it_registers_another_region_and_closes_once_that_is_done(engines):
+    _, prefill = engines
+    encode = Engine(HOST, "tcp")  # closed by the test
+    source = item_tensor(1, SPAN, HIDDEN)
+    landing = torch.zeros_like(source)
+    encode.register(source)
+    prefill.register(landing)
+    big = torch.zeros(1024, HIDDEN, dtype=torch.bfloat16)
+    slow = encode._te = _SlowRegistrations(encode._te)
+    registering = threading.Thread(target=encode.register, args=(big,), daemon=True)
+    closing = threading.Thread(target=encode.close, daemon=True)
+    registering.start()
+    try:
+        assert slow.registering.wait(10.0)
+        encode.write(prefill.session_id, [source.data_ptr()], [landing.data_ptr()], [source.nbytes])
+        assert torch.equal(landing.view(torch.uint8), source.view(torch.uint8))
+        assert big.data_ptr() not in encode.registered()  # not until Mooncake has it
+        closing.start()
+        closing.join(0.5)
+        assert closing.is_alive(), "close() did not wait for the registration under way"
+    finally:
+        slow.may_finish.set()
+        registering.join(10.0)
+        if closing.ident is None:  # failed before closing
+            encode.close()
+        closing.join(10.0)
+        prefill.unregister(landing.data_ptr())
+    assert not closing.is_alive() and not registering.is_alive()
+    assert encode.registered() == {}  # the region registered meanwhile went with the engine
