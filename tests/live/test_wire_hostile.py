@@ -6,6 +6,7 @@ served."""
 from __future__ import annotations
 
 import re
+import select
 import socket
 import struct
 import threading
@@ -28,8 +29,8 @@ U64 = (1 << 64) - 1
 class Target:
     """A listener with one registered region in the middle of a larger tensor, guard bytes around it."""
 
-    def __init__(self) -> None:
-        self.engine = WireEngine("127.0.0.1", recv_timeout_s=1.0, chunk_bytes=CHUNK, max_connections=4)
+    def __init__(self, recv_timeout_s: float = 1.0) -> None:
+        self.engine = WireEngine("127.0.0.1", recv_timeout_s=recv_timeout_s, chunk_bytes=CHUNK, max_connections=4)
         self.memory = torch.full((3 * PAGE,), GUARD, dtype=torch.uint8)
         self.region = self.memory[PAGE:2 * PAGE]
         self.region.fill_(SENTINEL)
@@ -363,24 +364,31 @@ def test_oversized_prefill_and_zero_length_frame(target):
 
 # ---------------------------------------------------------------- stalls and load
 
-def test_peer_that_stops_mid_frame_does_not_stall_others(target, sender):
-    stalled = target.connect()
-    with stalled:
+def test_peer_that_stops_mid_frame_does_not_stall_others(sender):
+    """The stalled peer is given up only at its receive timeout (10 s here); a listener that served
+    it before the next connection would answer it first. So the good write must land while the
+    stalled peer still has no answer, and its answer (the timeout) comes after."""
+    target = Target(recv_timeout_s=10.0)
+    with target.engine, target.connect() as stalled:
         wire.write_frame(stalled, wire.PREFILL, prefill(target.base, 512))
         # A LAYER frame that promises 512 data bytes and delivers 100, then silence.
         stalled.sendall(struct.pack("<IB", 1 + wire.LAYER_HEADER + 512, wire.LAYER)
                         + wire.layer_header(0, 1, 0) + b"\x33" * 100)
-        time.sleep(0.1)
-        started = time.monotonic()
+        deadline = time.monotonic() + 10
+        while target.engine.stats()["active"] < 1:  # the stalled connection holds its slot
+            assert time.monotonic() < deadline, "the stalled connection was never taken"
+            time.sleep(0.01)
         good_write(target, sender)  # another connection is served while the first hangs
-        assert time.monotonic() - started < 0.9, "the good write waited for the stalled peer"
+        answered, _, _ = select.select([stalled], [], [], 0)
+        assert not answered, "the good write waited for the stalled peer (its timeout had already fired)"
         landed = target.memory.clone()
+        stalled.settimeout(40)  # the answer comes only at the listener's 10 s receive timeout
         reason = expect_error(stalled, r"read: timed out waiting for the peer mid-frame in layer 0 "
                                        r"after 100 of 512 data bytes")
         assert reason
-    assert torch.equal(target.memory, landed)
-    stats = target.engine.stats()
-    assert stats["transfers_refused"] == 1 and "timed out" in stats["last_error"]
+        assert torch.equal(target.memory, landed)
+        stats = target.engine.stats()
+        assert stats["transfers_refused"] == 1 and "timed out" in stats["last_error"]
 
 
 def test_peer_that_goes_silent_inside_prefill(target):
