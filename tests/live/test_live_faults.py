@@ -181,7 +181,7 @@ def test_encode_killed_mid_stream_fails_rooms_by_their_deadline(engines):
                 encode.kill()
                 late = rooms(1)[0]
                 r.ask(late, server.address, SPAN)  # asked after the crash: same deadline
-                results = r.wait(cut + [late], 3.0 + 3.0)
+                results = r.wait(cut + [late], 15.0)
                 elapsed = time.monotonic() - asked
                 for room in done:
                     assert r.landed(room) is None
@@ -190,7 +190,8 @@ def test_encode_killed_mid_stream_fails_rooms_by_their_deadline(engines):
                     assert status == "Failed", (room, status)
                     assert f"encode rank 0 at {HOST}:{port}" in reason and "within 3s" in reason, reason
                     assert r.untouched(room)
-                assert 2.9 <= elapsed < 3.0 + 2.0, elapsed
+                # Not before the 3 s deadline; well within a did-not-hang bound (3 x 3 s + 3 s) after it.
+                assert 2.9 <= elapsed < 12.0, elapsed
         finally:
             encode.kill()
 
@@ -378,11 +379,10 @@ def test_bootstrap_failure_fails_the_room_fast_without_raising(engines, case):
             # Two encode ranks announced, only rank 0 registered: prefill rank 1 pairs with rank 1.
             BootstrapClient(server.address, token=TOKEN).register_rank(2, 1, HOST, free_port(), 0, retry_for=2.0)
             tp, rank, needle = 2, 1, "no route for encode rank 1"
-        with Receiver(engines[0], rank, tp, fanout=1) as r:
-            started = time.monotonic()
+        # Fast: the room fails on the bootstrap answer, not by its (60 s) deadline.
+        with Receiver(engines[0], rank, tp, fanout=1, deadline_s=60.0) as r:
             handle = r.ask(room, address, SPAN)  # must not raise
-            assert wait_until(lambda: is_terminal(handle.poll()), 3.0)
-            assert time.monotonic() - started < 3.0
+            assert wait_until(lambda: is_terminal(handle.poll()), 20.0), "the room waited for its deadline"
             assert handle.poll() == TransferPoll.Failed
             assert handle.failure.startswith("bootstrap"), handle.failure
             assert needle in handle.failure, handle.failure
@@ -402,11 +402,10 @@ def test_a_silent_bootstrap_server_costs_one_timeout_not_one_per_room(engines):
         silent.listen(16)  # the kernel accepts; nobody ever answers
         address = f"{HOST}:{silent.getsockname()[1]}"
         with Receiver(engines[0], 0, 1, fanout=1, lookup_timeout_s=0.5) as r:
-            started = time.monotonic()
             handles = [r.ask(room, address, SPAN) for room in silent_rooms]
-            assert wait_until(lambda: all(is_terminal(h.poll()) for h in handles), 5.0)
-            took = time.monotonic() - started
-            assert took < 0.5 * len(silent_rooms) / 2, f"{took:.2f}s: one timeout per room"
+            assert wait_until(lambda: all(is_terminal(h.poll()) for h in handles), 20.0)
+            # One look-up: the server's backlog holds one connection, not one per room.
+            assert _accepted(silent) == 1, "one look-up (and one timeout) per room"
             reasons = [h.failure for h in handles]
             assert all(reason.startswith(f"bootstrap {address}: ") and "unreachable" in reason for reason in reasons)
             assert all(h.failure_kind is FailureKind.BOOTSTRAP for h in handles)
@@ -418,6 +417,20 @@ def test_a_silent_bootstrap_server_costs_one_timeout_not_one_per_room(engines):
             again = r.ask(rooms(1)[0], address, SPAN)
             assert wait_until(lambda: is_terminal(again.poll()), 3.0)
             assert "unreachable" in again.failure and "not asked again" not in again.failure, again.failure
+
+
+def _accepted(listening) -> int:
+    """How many connections wait in a listening socket's backlog (taken and closed)."""
+    listening.setblocking(False)
+    count = 0
+    while True:
+        try:
+            conn, _ = listening.accept()
+        except BlockingIOError:
+            listening.setblocking(True)
+            return count
+        conn.close()
+        count += 1
 
 
 def test_a_refusing_bootstrap_server_is_still_asked_by_every_room(engines):
@@ -492,17 +505,19 @@ def _item(room: int):
 # ------------------------------------------------------------- bootstrap token
 
 
-def test_bootstrap_token_guards_registration(engines):
+def test_bootstrap_token_guards_registration(engines, caplog):
     room = rooms(1)[0]
+    caplog.set_level(logging.DEBUG, logger="transfer.bootstrap")  # the server logs each request
     with BootstrapServer(HOST, 0, token="s3cret") as server:
         from transfer.sender import SenderPool
 
         threads = epd_threads()
         for token in ("wrong", None):
-            started = time.monotonic()
+            caplog.clear()
             with pytest.raises(BootstrapError, match="refused encode rank 0: HTTP 401"):
-                SenderPool(engines[0], 0, 1, 1, server.address, host=HOST, token=token, register_timeout_s=2.0)
-            assert time.monotonic() - started < 3.0  # a refusal is not retried
+                SenderPool(engines[0], 0, 1, 1, server.address, host=HOST, token=token, register_timeout_s=10.0)
+            puts = [m for m in caplog.messages if "PUT /route" in m]
+            assert len(puts) == 1 and " 401 " in puts[0], puts  # a refusal is not retried
             assert epd_threads() == threads, "a refused pool left threads running"
         assert server.registered_ranks == 0
         with encode_process(server.address, token="s3cret") as encode, Receiver(engines[0], 0, 1, fanout=1) as r:
