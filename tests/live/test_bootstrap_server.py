@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -244,21 +245,29 @@ def test_client_round_trip_with_token():
             client.route(0, 0)
 
 
-def test_client_without_token_is_refused_at_once():
+def _puts(caplog) -> list[str]:
+    """The PUT requests the server logged (at debug, one line per request with its status)."""
+    return [r.getMessage() for r in caplog.records if r.name == "transfer.bootstrap" and "PUT /route" in r.getMessage()]
+
+
+def test_client_without_token_is_refused_at_once(caplog):
+    caplog.set_level(logging.DEBUG, logger="transfer.bootstrap")
     with BootstrapServer("127.0.0.1", 0, token="t") as srv:
-        start = time.monotonic()
         with pytest.raises(BootstrapError, match="HTTP 401"):
             BootstrapClient(srv.address).register_rank(1, 1, "10.0.0.1", 5555, 0, retry_for=10)
-        assert time.monotonic() - start < 2  # a 4xx is not retried
+        puts = _puts(caplog)
+        assert len(puts) == 1 and " 401 " in puts[0], puts  # a 4xx is not retried
 
 
-def test_client_conflict_is_not_retried(server):
+def test_client_conflict_is_not_retried(server, caplog):
+    caplog.set_level(logging.DEBUG, logger="transfer.bootstrap")
     client = BootstrapClient(server.address)
     client.register_rank(4, 2, "10.0.0.1", 5555, 0, retry_for=5)
-    start = time.monotonic()
+    caplog.clear()
     with pytest.raises(BootstrapError, match="HTTP 409"):
         client.register_rank(8, 2, "10.0.0.1", 5555, 1, retry_for=10)
-    assert time.monotonic() - start < 2
+    puts = _puts(caplog)
+    assert len(puts) == 1 and " 409 " in puts[0], puts
 
 
 def test_parallel_info_incomplete_before_registration(server):
@@ -295,18 +304,20 @@ def test_register_gives_up_after_retry_for():
         BootstrapClient(f"127.0.0.1:{port}", timeout=0.5).register_rank(
             1, 1, "10.0.0.1", 5555, 0, retry_for=1.0)
     elapsed = time.monotonic() - start
-    assert 0.9 <= elapsed < 2.0
+    assert elapsed >= 0.9, "gave up before retry_for"
+    assert elapsed < 10, "went on retrying long past retry_for"
     assert "Connection" in str(caught.value) or "refused" in str(caught.value)
 
 
 def test_dead_address_fails_fast():
+    """A refused connection is an answer: the call does not wait out its (60 s) timeout."""
     address = f"127.0.0.1:{_free_port()}"
-    client = BootstrapClient(address, timeout=1.0)
+    client = BootstrapClient(address, timeout=60.0)
     for call in (client.parallel_info, lambda: client.route(0, 0)):
         start = time.monotonic()
         with pytest.raises(BootstrapError, match=address):
             call()
-        assert time.monotonic() - start < 1.5
+        assert time.monotonic() - start < 15
     assert client.health() is False
 
 
@@ -315,11 +326,12 @@ def test_silent_server_is_bounded_by_the_timeout():
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
-        client = BootstrapClient(f"127.0.0.1:{silent.getsockname()[1]}", timeout=0.5)
+        client = BootstrapClient(f"127.0.0.1:{silent.getsockname()[1]}", timeout=1.0)
         start = time.monotonic()
         with pytest.raises(BootstrapError, match="unreachable"):
             client.parallel_info()
-        assert time.monotonic() - start < 1.5
+        elapsed = time.monotonic() - start
+        assert 0.9 <= elapsed < 10, elapsed  # its 1 s timeout, and a did-not-hang bound
 
 
 def _raw(server: BootstrapServer, request: bytes) -> bytes:
