@@ -435,7 +435,7 @@ def test_metrics_endpoint_drops_a_dripping_client_within_its_deadline():
         stop = threading.Event()
 
         def drip() -> None:
-            # One byte every 0.2 s: each read alone is quick, the request never ends.
+            # One byte every 0.2 s: each read alone is quick, the request never ends (not for 45 s).
             for byte in b"GET /metrics HTTP/1.1\r\nX-Slow: " + b"a" * 200:
                 if stop.wait(0.2):
                     return
@@ -448,8 +448,9 @@ def test_metrics_endpoint_drops_a_dripping_client_within_its_deadline():
         dripper.start()
         started = time.monotonic()
         try:
-            assert _closed_within(sock, 6)
-            assert time.monotonic() - started < 4
+            # Dropped at its 1 s request deadline; the bound only tells it from the drip's end.
+            assert _closed_within(sock, 15), "the dripping client was served for as long as it dripped"
+            assert time.monotonic() - started < 15
         finally:
             stop.set()
             dripper.join(5)

@@ -69,14 +69,15 @@ def test_an_encode_rank_restarted_at_another_port_is_looked_up_again(engines):
     where it is now instead of waiting out its deadline at the old port."""
     encode, prefill = engines
     buf = torch.zeros(2, ROWS, HIDDEN, dtype=torch.bfloat16)
+    # A deadline (60 s) far past the bound below: a room waiting it out at the old port shows.
     with BootstrapServer(HOST, 0) as server, \
-            SessionManager(prefill, 0, 1, 1, buffer=buf, host=HOST, deadline_s=10) as manager:
+            SessionManager(prefill, 0, 1, 1, buffer=buf, host=HOST, deadline_s=60) as manager:
         old_port = _served_then_gone(encode, manager, server, buf)
         with SenderPool(encode, 0, 1, 1, server.address) as second:
             assert second.port != old_port
             outcome, failure, took = _room(manager, second, server, 2, buf)
         assert outcome == TransferPoll.Success, failure
-        assert took < 5, f"room 2 took {took:.1f} s"
+        assert took < 20, f"room 2 took {took:.1f} s"
 
 
 def test_a_room_asked_while_its_encode_rank_is_down_reaches_it_back_at_another_port(engines):
