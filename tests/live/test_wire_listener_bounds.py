@@ -253,8 +253,8 @@ def test_one_byte_frames_just_inside_the_timeout_lose_the_slot():
             pieces = [layer_frame(bytes([i])) for i in range(1, 200)]
             # The whole dribble would take 20 s: the limit tells a slot held to its end.
             took = dribble_until_answered(slow, pieces, 0.1, 15.0)
-            reason = expect_error(slow, r"^read: the peer is too slow \(\d+ bytes of this transfer in \d+\.\d\d s; .*\) "
-                                        r"(inside a transfer|inside a LAYER header|mid-frame)", room=7)
+            reason = expect_error(slow, r"^read: the peer is too slow \(\d+ bytes of this transfer in \d+\.\d\d s; "
+                                        r".*\) (inside a transfer|inside a LAYER header|mid-frame)", room=7)
             assert took > 0.7 and _seconds_in(reason) >= 0.8, (took, reason)
         landed = int(np.count_nonzero(lst.memory != SENTINEL))
         # The frames before the cut landed in order; nothing after them was touched.
@@ -287,7 +287,8 @@ def test_the_bound_is_a_rate_not_a_cap_on_time():
             # 10 KiB/s; the whole dribble would take 19.2 s: the limit tells a slot held to its end.
             took = dribble_until_answered(slow, pieces, 0.1, 15.0)
             reason = expect_error(slow, r"^read: the peer is too slow \(\d+ bytes of this transfer in \d+\.\d\d s; "
-                                        r"a transfer must average at least 32768 bytes/s after its first 0\.30 s\)", room=7)
+                                        r"a transfer must average at least 32768 bytes/s after its first 0\.30 s\)",
+                                  room=7)
             assert took > 0.2 and _seconds_in(reason) >= 0.3, (took, reason)
         assert lst.stats()["too_slow"] == 1
 
