@@ -10,7 +10,7 @@
 # Logs: $EPD_LOG_DIR/<role>-<rank>.log (prefill ranks numbered node * EPD_PREFILL_TP + rank)
 # and bootstrap.log. Ctrl-C, SIGTERM or SIGHUP (a dropped ssh session) stops every process
 # this script started (each runs in its own process group, which is killed), waits for
-# them, and exits 130.
+# them, and exits 130. The first rank to fail stops the node's other ranks (bash >= 5.1).
 # Exit status: 0 when every rank exited 0, else 1 (2: bad settings, refused before anything
 # starts; 130: stopped by Ctrl-C, SIGTERM or SIGHUP). --help prints this header and exits.
 # Each rank's summary line is its JSON: role, node (prefill node index), rank within the node.
@@ -19,7 +19,7 @@
 #   EPD_ENCODE_HOST      IP address of the encode node; the bootstrap server listens there [127.0.0.1]
 #   EPD_BOOTSTRAP_PORT   bootstrap server port [8998]
 #   EPD_BOOTSTRAP_BIND   address the bootstrap server binds [EPD_ENCODE_HOST]
-#   EPD_NO_BOOTSTRAP=1   encode node: do not start a bootstrap server (one runs elsewhere)
+#   EPD_NO_BOOTSTRAP=1   encode node: do not start a bootstrap server (one runs elsewhere) [0]
 #   EPD_ENCODE_TP        encode ranks E [1]
 #   EPD_PREFILL_TP       prefill ranks P per prefill node, a multiple of E [1]
 #   EPD_PREFILL_NODES    prefill nodes the encode node serves [1]
@@ -37,9 +37,10 @@
 #   EPD_PYTHON           interpreter [<repo>/.venv/bin/python if present, else python3]
 #   EPD_EXTRA_ARGS       more `epd-transfer rank` options, split on spaces (e.g. --no-integrity)
 #
-# Plain ssh (encode node 10.0.0.1, prefill nodes 10.0.0.2 and 10.0.0.3, repo in ~/epd):
-#   ssh 10.0.0.1 'cd epd && EPD_ENCODE_HOST=10.0.0.1 EPD_PREFILL_TP=4 EPD_PREFILL_NODES=2 scripts/launch-encode.sh' &
-#   for i in 0 1; do ssh 10.0.0.$((i + 2)) "cd epd && EPD_ENCODE_HOST=10.0.0.1 EPD_PREFILL_TP=4 EPD_PREFILL_NODES=2 EPD_PREFILL_NODE=$i scripts/launch-prefill.sh" & done; wait
+# Plain ssh (encode node 10.0.0.1, prefill nodes 10.0.0.2 and 10.0.0.3, repo in ~/epd; -tt so that
+# a dropped connection sends SIGHUP):
+#   ssh -tt 10.0.0.1 'cd epd && EPD_ENCODE_HOST=10.0.0.1 EPD_PREFILL_TP=4 EPD_PREFILL_NODES=2 scripts/launch-encode.sh' &
+#   for i in 0 1; do ssh -tt 10.0.0.$((i + 2)) "cd epd && EPD_ENCODE_HOST=10.0.0.1 EPD_PREFILL_TP=4 EPD_PREFILL_NODES=2 EPD_PREFILL_NODE=$i scripts/launch-prefill.sh" & done; wait
 #
 # SLURM (inside an allocation of 3 nodes; one task per node, SLURM_PROCID numbers the prefill nodes):
 #   nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
@@ -134,6 +135,10 @@ case "$PROTOCOL" in
     auto | tcp | rdma | wire) ;;
     *) bad_setting "EPD_PROTOCOL must be auto, tcp, rdma or wire, got '$PROTOCOL'" ;;
 esac
+case "${EPD_NO_BOOTSTRAP:-0}" in
+    0 | 1) ;;
+    *) bad_setting "EPD_NO_BOOTSTRAP must be 0 or 1, got '$EPD_NO_BOOTSTRAP'" ;;
+esac
 check_host EPD_ENCODE_HOST "$ENCODE_HOST"
 [[ -z "${EPD_BOOTSTRAP_BIND:-}" ]] || check_host EPD_BOOTSTRAP_BIND "$EPD_BOOTSTRAP_BIND"
 command -v "$PYTHON" >/dev/null 2>&1 || bad_setting "no Python interpreter '$PYTHON' (set EPD_PYTHON)"
@@ -198,19 +203,32 @@ stop() {
     wait 2>/dev/null || true
 }
 
+say() {
+    # A line for whoever reads our output; a reader that went away (a dropped ssh session, `| head`)
+    # must not end this script before it stopped what it started.
+    echo "$@" 2>/dev/null || true
+}
+
 # shellcheck disable=SC2317,SC2329  # invoked by the trap below (0.9 says SC2317, 0.10+ SC2329)
 on_signal() {
     trap - INT TERM HUP
-    echo "launch.sh $ROLE: interrupted, stopping ${#pids[@]} rank(s)" >&2
+    local ranks=${#pids[@]}
     stop
+    say "launch.sh $ROLE: interrupted, stopped $ranks rank(s)" >&2
     exit 130
 }
 # HUP too: a dropped ssh session must not leave the ranks (in sessions of their own) running.
 trap on_signal INT TERM HUP
+# Writing to a reader that went away fails the write instead of killing this script, and
+# whatever way it exits, what it started is stopped.
+trap '' PIPE
+trap stop EXIT
 
 if [[ "$ROLE" == encode ]]; then
     if [[ "${EPD_NO_BOOTSTRAP:-0}" != 1 ]]; then
-        start bootstrap "$PYTHON" -m transfer.cli bootstrap --host "${EPD_BOOTSTRAP_BIND:-$ENCODE_HOST}" --port "$PORT"
+        # --exit-with-parent: were this script killed with SIGKILL, the server would hold its port forever.
+        start bootstrap "$PYTHON" -m transfer.cli bootstrap --host "${EPD_BOOTSTRAP_BIND:-$ENCODE_HOST}" \
+            --port "$PORT" --exit-with-parent
         helper_pids+=($!)
     fi
     # The encode ranks serve every prefill node's rooms: node n asks for n*ITEMS .. (n+1)*ITEMS-1.
@@ -232,30 +250,59 @@ else
         names+=("$name")
     done
 fi
-echo "launch.sh $ROLE: started ${names[*]} (logs in $LOG_DIR)" >&2
+say "launch.sh $ROLE: started ${names[*]} (logs in $LOG_DIR)" >&2
 
 status=0
-for i in "${!pids[@]}"; do
-    if wait "${pids[$i]}"; then
-        result=ok
-    else
-        result="FAILED (exit $?)"
-        status=1
-    fi
-    # The rank's last stdout line is its JSON summary; without one, its last line says why.
+report() {
+    # report INDEX CODE: the rank's line; its last stdout line is its JSON summary, or without one
+    # its last line says why.
+    local i=$1 code=$2 result=ok summary
+    ((code == 0)) || { result="FAILED (exit $code)"; status=1; }
     summary=$(grep '^{' "$LOG_DIR/${names[$i]}.log" | tail -n 1 || true)
     if [[ -z "$summary" && "$result" != ok ]]; then
         summary=$(grep -v '^[[:space:]]*$' "$LOG_DIR/${names[$i]}.log" | tail -n 1 || true)
     fi
-    echo "${names[$i]}: $result ${summary}"
-done
+    say "${names[$i]}: $result ${summary}"
+}
+
+if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 501)); then
+    # As the ranks end: the first to fail stops the others, which would only wait out their timeouts.
+    running=("${pids[@]}")
+    while ((${#running[@]})); do
+        code=0
+        ended=""
+        wait -n -p ended "${running[@]}" || code=$?
+        [[ -n "$ended" ]] || break
+        for i in "${!pids[@]}"; do
+            [[ "${pids[$i]}" == "$ended" ]] && break
+        done
+        report "$i" "$code"
+        kept=()
+        for pid in "${running[@]}"; do
+            [[ "$pid" == "$ended" ]] || kept+=("$pid")
+        done
+        running=("${kept[@]}")
+        if ((code != 0 && ${#running[@]})); then
+            say "launch.sh $ROLE: ${names[$i]} failed; stopping the other ranks" >&2
+            for pid in "${running[@]}"; do
+                kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+            done
+        fi
+    done
+else
+    for i in "${!pids[@]}"; do
+        code=0
+        wait "${pids[$i]}" || code=$?
+        report "$i" "$code"
+    done
+fi
 # A bootstrap server that could not start (its port taken, say) explains the ranks' failures.
 for pid in "${helper_pids[@]}"; do
     kill -0 "$pid" 2>/dev/null && continue
     code=0
     wait "$pid" || code=$?
     if ((code != 0)); then
-        echo "bootstrap: FAILED (exit $code) $(grep -v '^[[:space:]]*$' "$LOG_DIR/bootstrap.log" | tail -n 1 || true)"
+        say "bootstrap: FAILED (exit $code) $(grep -v '^[[:space:]]*$' "$LOG_DIR/bootstrap.log" | tail -n 1 || true)"
         status=1
     fi
 done

@@ -128,12 +128,27 @@ def _output_folders_writable(command: str, args: argparse.Namespace, options: tu
     return True
 
 
+def _exit_with_parent() -> None:
+    """Has the kernel send this process SIGTERM when the one that started it dies (Linux), so a
+    launcher killed with SIGKILL leaves no server holding its port."""
+    import ctypes
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM) != 0:
+        raise OSError(ctypes.get_errno(), "--exit-with-parent: prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # it died before the call
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _bootstrap(args: argparse.Namespace) -> int:
     from transfer.bootstrap import BootstrapServer
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    if args.exit_with_parent:
+        _exit_with_parent()
     try:
         server = BootstrapServer(args.host, args.port, token=args.token)
     except OSError as error:
@@ -478,6 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="port to bind (0: any free port), or a range FIRST-LAST: its first free port")
     boot.add_argument("--token", type=_token, default=_token_default(),
                       help="require 'Authorization: Bearer TOKEN' on PUT /route (default: $EPD_TOKEN, else none)")
+    boot.add_argument("--exit-with-parent", action="store_true",
+                      help="stop when the process that started this one dies (Linux; what launch scripts want)")
     boot.set_defaults(func=_bootstrap)
 
     rank = _subparser(sub, "rank", "run ONE rank of a real deployment (what the launch scripts start)", common)
