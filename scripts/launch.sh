@@ -157,8 +157,9 @@ default_prefill_host() {
     fi
 }
 
-# Options every rank shares (both ends must agree on the items' geometry).
-common=(--encode-ranks "$ENCODE_TP" --prefill-ranks "$PREFILL_TP" --bootstrap "$ENCODE_HOST:$PORT"
+# Options every rank shares (both ends must agree on the items' geometry). --exit-with: were this
+# script killed with SIGKILL, its ranks would wait for their --timeout, its bootstrap server forever.
+common=(--exit-with $$ --encode-ranks "$ENCODE_TP" --prefill-ranks "$PREFILL_TP" --bootstrap "$ENCODE_HOST:$PORT"
     --protocol "$PROTOCOL" --span "$SPAN" --hidden "$HIDDEN" --inflight "$INFLIGHT")
 [[ -n "${EPD_DEVICE:-}" ]] && common+=("--device=$EPD_DEVICE")
 if [[ -n "${EPD_EXTRA_ARGS:-}" ]]; then
@@ -226,9 +227,8 @@ trap stop EXIT
 
 if [[ "$ROLE" == encode ]]; then
     if [[ "${EPD_NO_BOOTSTRAP:-0}" != 1 ]]; then
-        # --exit-with-parent: were this script killed with SIGKILL, the server would hold its port forever.
         start bootstrap "$PYTHON" -m transfer.cli bootstrap --host "${EPD_BOOTSTRAP_BIND:-$ENCODE_HOST}" \
-            --port "$PORT" --exit-with-parent
+            --port "$PORT" --exit-with $$
         helper_pids+=($!)
     fi
     # The encode ranks serve every prefill node's rooms: node n asks for n*ITEMS .. (n+1)*ITEMS-1.

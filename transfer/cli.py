@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -128,17 +129,39 @@ def _output_folders_writable(command: str, args: argparse.Namespace, options: tu
     return True
 
 
-def _exit_with_parent() -> None:
-    """Has the kernel send this process SIGTERM when the one that started it dies (Linux), so a
-    launcher killed with SIGKILL leaves no server holding its port."""
-    import ctypes
+#: How often --exit-with looks whether its process is still there.
+EXIT_WITH_CHECK_S = 0.5
 
-    parent = os.getppid()
-    pr_set_pdeathsig = 1
-    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM) != 0:
-        raise OSError(ctypes.get_errno(), "--exit-with-parent: prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent:  # it died before the call
+
+def _exit_with(pid: int | None) -> None:
+    """--exit-with PID: this process stops (as on SIGTERM) once process PID ended, so a launcher
+    killed with SIGKILL leaves no server holding its port and no rank waiting for its timeout."""
+    if pid is None:
+        return
+    parent = os.getppid() == pid  # a parent's end shows at once, before anything reaps it
+
+    def alive() -> bool:
+        if parent:
+            return os.getppid() == pid
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+    def watch() -> None:
+        while alive():
+            time.sleep(EXIT_WITH_CHECK_S)
         os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="epd-exit-with", daemon=True).start()
+
+
+def _add_exit_with(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--exit-with", type=_positive_int, metavar="PID", default=None,
+                        help="stop once process PID ends, e.g. the launch script's $$ (default: never)")
 
 
 def _bootstrap(args: argparse.Namespace) -> int:
@@ -147,8 +170,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    if args.exit_with_parent:
-        _exit_with_parent()
+    _exit_with(args.exit_with)
     try:
         server = BootstrapServer(args.host, args.port, token=args.token)
     except OSError as error:
@@ -161,8 +183,6 @@ def _bootstrap(args: argparse.Namespace) -> int:
 
 def _rank(args: argparse.Namespace) -> int:
     """One rank of a real deployment (launch scripts): encode or prefill, no parent to sync with."""
-    import time
-
     from transfer import harness
     from transfer.bootstrap import BootstrapServer
 
@@ -190,6 +210,7 @@ def _rank(args: argparse.Namespace) -> int:
     sc.device = args.device
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    _exit_with(args.exit_with)
     # --timeout bounds the whole rank: the alarm unwinds it through its context managers
     # (engine, sockets, bootstrap server) wherever it waits.
     signal.signal(signal.SIGALRM, _raise_rank_timeout)
@@ -493,8 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="port to bind (0: any free port), or a range FIRST-LAST: its first free port")
     boot.add_argument("--token", type=_token, default=_token_default(),
                       help="require 'Authorization: Bearer TOKEN' on PUT /route (default: $EPD_TOKEN, else none)")
-    boot.add_argument("--exit-with-parent", action="store_true",
-                      help="stop when the process that started this one dies (Linux; what launch scripts want)")
+    _add_exit_with(boot)
     boot.set_defaults(func=_bootstrap)
 
     rank = _subparser(sub, "rank", "run ONE rank of a real deployment (what the launch scripts start)", common)
@@ -535,6 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="encode: seconds to stay up after the last room")
     rank.add_argument("--timeout", type=_seconds, default=600.0,
                       help="bound on the whole rank, seconds: past it the rank stops and exits 1")
+    _add_exit_with(rank)
     rank.set_defaults(func=_rank)
     return parser
 

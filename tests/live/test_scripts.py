@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -162,6 +163,71 @@ def test_launch_encode_stops_cleanly_on_ctrl_c(tmp_path):
     assert "interrupted" in out
     assert time.monotonic() - started < 20
     assert not _our_processes(port), "ranks outlived Ctrl-C"
+
+
+def _start(script: str, env: dict[str, str], processes: int, **popen) -> subprocess.Popen:
+    """Starts a launch script and waits until `processes` of its processes run."""
+    proc = subprocess.Popen([os.path.join(REPO, "scripts", script)], env=env, **popen)
+    port = env["EPD_BOOTSTRAP_PORT"]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(_our_processes(port)) < processes:
+        time.sleep(0.2)
+    assert len(_our_processes(port)) == processes, _our_processes(port)
+    return proc
+
+
+def _gone(port: str) -> bool:
+    """Whether every process of this run ended, waiting up to 30 s."""
+    deadline = time.monotonic() + 30
+    while _our_processes(port) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not _our_processes(port)
+
+
+@pytest.mark.live
+@needs_mooncake
+def test_a_launcher_whose_reader_went_away_still_stops_what_it_started(tmp_path):
+    env = _env(tmp_path)
+    proc = _start("launch-encode.sh", env, 2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc.stdout.close()  # a dropped ssh session, or `| head -n1` that has its line
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 130
+    assert _gone(env["EPD_BOOTSTRAP_PORT"]), _our_processes(env["EPD_BOOTSTRAP_PORT"])
+
+
+@pytest.mark.live
+@needs_mooncake
+def test_a_launcher_killed_outright_leaves_nothing_behind(tmp_path):
+    # Its bootstrap server would hold the port forever, its ranks wait for their --timeout (600 s).
+    env = _env(tmp_path)
+    proc = _start("launch-encode.sh", env, 2, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(2.0)  # the processes are past their start-up, serving and waiting
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    assert _gone(env["EPD_BOOTSTRAP_PORT"]), _our_processes(env["EPD_BOOTSTRAP_PORT"])
+
+
+@pytest.mark.live
+@needs_mooncake
+def test_the_first_rank_to_fail_stops_the_other_ranks_of_its_node(tmp_path):
+    # No encode node: both prefill ranks wait for the bootstrap server (60 s) until one is killed.
+    env = _env(tmp_path, EPD_PREFILL_TP="2")
+    port = env["EPD_BOOTSTRAP_PORT"]
+    proc = _start("launch-prefill.sh", env, 2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(2.0)  # both are past their start-up, waiting for the bootstrap server
+        [victim] = [int(pid) for pid in subprocess.run(["pgrep", "-f", f"rank --role prefill --rank 1 .*{port}"],
+                                                       capture_output=True, text=True).stdout.split()]
+        os.kill(victim, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=40)  # well before the survivor's own 60 s bound
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 1, out
+    assert "prefill-1: FAILED (exit 137)" in out and "prefill-1 failed; stopping the other ranks" in out, out
+    assert re.search(r"prefill-0: FAILED \(exit (130|143)\)", out), out  # stopped (TERM), not at its timeout
+    assert _gone(port), _our_processes(port)
 
 
 def _netns_unavailable() -> str:
