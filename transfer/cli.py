@@ -342,8 +342,10 @@ def _dtype(text: str) -> str:
 def _host_port(text: str) -> str:
     """HOST:PORT (or [V6]:PORT) with a port from 1 to 65535."""
     host, sep, port = text.rpartition(":")
-    if not sep or not host.strip("[]") or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    bracketed = host.startswith("[") and host.endswith("]") and len(host) > 2
+    plain = not ("[" in host or "]" in host or ":" in host)  # an IPv6 address needs its brackets
+    if not sep or not host or not (bracketed or plain) or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (an IPv6 address in brackets: [::1]:PORT)")
     return text
 
 

@@ -104,3 +104,15 @@ def test_a_variable_the_ranks_would_refuse_stops_the_run_before_any_rank_starts(
     assert cli.main([command]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"epd-transfer {command}: ") and said in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("address", ["[::1:18990", "::1:8998", "[]:1", "a]:1", "host:0", ":80"])
+def test_a_bootstrap_address_that_is_not_host_port_is_refused(address, capsys):
+    err = _refused_in_one_line(["rank", "--role", "encode", "--rank", "0", "--bootstrap", address], capsys)
+    assert f"'{address}' is not HOST:PORT" in err
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:8998", "[::1]:8998", "encode-node.example:1"])
+def test_a_bootstrap_address_in_host_port_form_is_taken(address):
+    args = cli.build_parser().parse_args(["rank", "--role", "encode", "--rank", "0", "--bootstrap", address])
+    assert args.bootstrap == address
