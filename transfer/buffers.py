@@ -265,7 +265,7 @@ class ReceivePool:
         return Slot(self, self.region, index * self.slot_bytes, self.slot_bytes, index, False)
 
     def lease_or_fallback(self, nbytes: int) -> Slot:
-        """A slot, or a fallback buffer of `nbytes` registered for this item alone.
+        """A slot, or a fallback buffer: an idle one that holds `nbytes`, or one registered for this item.
 
         Raises FallbackLimitError when that buffer would take the fallbacks past
         max_fallback_bytes even after retiring what poll() can and the idle fallbacks.
