@@ -284,7 +284,7 @@ class ReceivePool:
             slot = self.lease(nbytes)
             if slot is not None:
                 return slot
-            if not (self._reserve(size) or self._retire_idle(size) and self._reserve(size)):
+            if not (self._reserve(size) or self._reserve_retiring_idle(size)):
                 raise FallbackLimitError(self._over_cap(int(nbytes)))
         try:
             tensor = torch.empty(size, dtype=torch.uint8, device=self.device)
@@ -313,12 +313,14 @@ class ReceivePool:
             self._fallbacks_total += 1
             return entry[2]
 
-    def _retire_idle(self, size: int) -> bool:
-        """Drops idle fallbacks (in their grace, not quarantined), largest first, if that makes `size`
-        more bytes fit under the cap; whether it did (nothing is dropped otherwise)."""
+    def _reserve_retiring_idle(self, size: int) -> bool:
+        """Counts `size` more fallback bytes after dropping idle fallbacks (in their grace, not
+        quarantined), largest first, if that makes them fit under the cap; False (nothing dropped,
+        nothing counted) if it does not."""
         with self._lock:
             self._check_open()
             if self.max_fallback_bytes is None:
+                self._fallback_bytes += size
                 return True
             excess = self._fallback_bytes + size - self.max_fallback_bytes
             retired: list[tuple[int, Region]] = []
@@ -334,6 +336,7 @@ class ReceivePool:
                 _remove_entry(self._graces, seq)
                 del self._fallbacks[region.addr]
                 self._fallback_bytes -= region.nbytes
+            self._fallback_bytes += size
         for _, region in retired:
             self._unregister(region)
         return True

@@ -259,3 +259,27 @@ def test_idle_fallbacks_too_small_to_serve_an_item_are_dropped_to_make_room_for_
         with pytest.raises(FallbackLimitError, match="1 in grace, 1 quarantined"):
             pool.lease_or_fallback(2700)
         assert sorted(engine.regions.values()) == sorted([SLOT, 400, 2500])
+
+
+def test_the_room_idle_fallbacks_make_goes_to_the_item_they_were_dropped_for():
+    engine, clock = RecordingEngine(), FakeClock()
+    with ReceivePool(engine, SLOT, SLOT, max_fallback_bytes=1000, clock=clock) as pool:
+        pool.lease(8)  # the only slot
+        live = pool.lease_or_fallback(300)
+        pool.lease_or_fallback(600).release()  # idle, too small for what comes next
+        unregister, others = pool._unregister, []
+
+        def another_receive_meanwhile(region):
+            # Another thread's receive() while the dropped buffer is unregistered: the room is taken.
+            with pytest.raises(FallbackLimitError):
+                pool.lease_or_fallback(500)
+            others.append(region.nbytes)
+            unregister(region)
+
+        pool._unregister = another_receive_meanwhile
+        big = pool.lease_or_fallback(700)
+        pool._unregister = unregister
+        assert others == [600] and big.is_fallback
+        assert sorted(engine.regions.values()) == [SLOT, 300, 700] and pool.stats()["fallback_bytes"] == 1000
+        live.release()
+        big.release()
