@@ -171,6 +171,7 @@ mkdir -p "$LOG_DIR"
 pids=()
 names=()
 helper_pids=()
+running=() # the ranks not waited for yet: what stop() may signal (a reaped pid may be another's now)
 
 start() {
     # start NAME ARGS...: run ARGS in its own process group, output to $LOG_DIR/NAME.log.
@@ -184,24 +185,36 @@ start() {
 }
 
 stop() {
-    # TERM every process group we started, give them 10 s, then KILL what is left.
+    # TERM every process group we started and did not wait for yet, give them 10 s, then KILL
+    # what is left; then nothing is left to stop.
     local pid tries=0
-    for pid in "${pids[@]}" "${helper_pids[@]}"; do
+    for pid in "${running[@]}" "${helper_pids[@]}"; do
         kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
     done
     while ((tries < 100)); do
         local alive=0
-        for pid in "${pids[@]}" "${helper_pids[@]}"; do
+        for pid in "${running[@]}" "${helper_pids[@]}"; do
             kill -0 "$pid" 2>/dev/null && alive=1
         done
         ((alive)) || break
         sleep 0.1
         tries=$((tries + 1))
     done
-    for pid in "${pids[@]}" "${helper_pids[@]}"; do
+    for pid in "${running[@]}" "${helper_pids[@]}"; do
         kill -KILL -- "-$pid" 2>/dev/null || true
     done
     wait 2>/dev/null || true
+    running=()
+    helper_pids=()
+}
+
+forget() {
+    # forget PID: it was waited for; it is no longer ours to signal.
+    local pid kept=()
+    for pid in "${running[@]}"; do
+        [[ "$pid" == "$1" ]] || kept+=("$pid")
+    done
+    running=("${kept[@]}")
 }
 
 say() {
@@ -213,7 +226,7 @@ say() {
 # shellcheck disable=SC2317,SC2329  # invoked by the trap below (0.9 says SC2317, 0.10+ SC2329)
 on_signal() {
     trap - INT TERM HUP
-    local ranks=${#pids[@]}
+    local ranks=${#running[@]}
     stop
     say "launch.sh $ROLE: interrupted, stopped $ranks rank(s)" >&2
     exit 130
@@ -236,6 +249,7 @@ if [[ "$ROLE" == encode ]]; then
         start "encode-$rank" "$PYTHON" -m transfer.cli rank --role encode --rank "$rank" --host "$ENCODE_HOST" \
             --items $((ITEMS * PREFILL_NODES)) "${common[@]}"
         pids+=($!)
+        running+=($!)
         names+=("encode-$rank")
     done
 else
@@ -247,6 +261,7 @@ else
         start "$name" "$PYTHON" -m transfer.cli rank --role prefill --rank "$rank" --host "$host" \
             --node "$PREFILL_NODE" --items "$ITEMS" --first-room $((PREFILL_NODE * ITEMS)) "${common[@]}"
         pids+=($!)
+        running+=($!)
         names+=("$name")
     done
 fi
@@ -267,7 +282,7 @@ report() {
 
 if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 501)); then
     # As the ranks end: the first to fail stops the others, which would only wait out their timeouts.
-    running=("${pids[@]}")
+    stopping=0
     while ((${#running[@]})); do
         code=0
         ended=""
@@ -276,13 +291,10 @@ if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 501)); then
         for i in "${!pids[@]}"; do
             [[ "${pids[$i]}" == "$ended" ]] && break
         done
+        forget "$ended"
         report "$i" "$code"
-        kept=()
-        for pid in "${running[@]}"; do
-            [[ "$pid" == "$ended" ]] || kept+=("$pid")
-        done
-        running=("${kept[@]}")
-        if ((code != 0 && ${#running[@]})); then
+        if ((code != 0 && ${#running[@]} && !stopping)); then
+            stopping=1
             say "launch.sh $ROLE: ${names[$i]} failed; stopping the other ranks" >&2
             for pid in "${running[@]}"; do
                 kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
@@ -293,12 +305,17 @@ else
     for i in "${!pids[@]}"; do
         code=0
         wait "${pids[$i]}" || code=$?
+        forget "${pids[$i]}"
         report "$i" "$code"
     done
 fi
 # A bootstrap server that could not start (its port taken, say) explains the ranks' failures.
+serving=()
 for pid in "${helper_pids[@]}"; do
-    kill -0 "$pid" 2>/dev/null && continue
+    if kill -0 "$pid" 2>/dev/null; then
+        serving+=("$pid")
+        continue
+    fi
     code=0
     wait "$pid" || code=$?
     if ((code != 0)); then
@@ -306,8 +323,6 @@ for pid in "${helper_pids[@]}"; do
         status=1
     fi
 done
-if ((${#helper_pids[@]})); then
-    pids=()
-    stop
-fi
+helper_pids=("${serving[@]}")
+stop # the bootstrap server, if it still serves
 exit "$status"
