@@ -299,8 +299,8 @@ class RegisteredMemory:
 
     The engine provides `_lock` (a lock or a condition), `_regions` (address -> length),
     `_adding` (address -> length, registrations under way), `_registrations` (a condition on
-    `_lock`, notified when one settles), `_owners` (the tensors kept alive), `_check_open()`,
-    `session_id`, and the hooks below.
+    `_lock`, notified when one settles), `_owners` (the tensors kept alive), `_closed`,
+    `_check_open()`, `session_id`, and the hooks below.
     """
 
     #: Why an empty region is refused, for the error message.
@@ -313,6 +313,7 @@ class RegisteredMemory:
     _adding: dict[int, int]
     _registrations: threading.Condition
     _owners: dict[int, Any]
+    _closed: bool
 
     def _check_open(self) -> None:
         """Raises EngineError once the engine is closed (lock held)."""
@@ -365,6 +366,9 @@ class RegisteredMemory:
                     if not isinstance(buf, int):
                         self._owners[addr] = buf
                 self._registrations.notify_all()  # close() waits for registrations under way
+                closed = self._closed
+        if closed:  # close() came meanwhile and took the region with it
+            raise EngineError(f"cannot register address 0x{addr:x}: {self.session_id} closed meanwhile")
         return addr, nbytes
 
     def _wait_for_registrations(self) -> None:
@@ -473,8 +477,13 @@ class Engine(RegisteredMemory):
     # -- memory -----------------------------------------------------------
 
     def _add_region(self, addr: int, nbytes: int) -> None:
-        """Registers a tensor's memory (host or CUDA) or an address range with Mooncake."""
-        rc = self._te.register_memory(addr, nbytes)
+        """Registers a tensor's memory (host or CUDA) or an address range with Mooncake.
+
+        Through its batch call where there is one: Mooncake's register_memory keeps the GIL
+        while it pins the memory, its batch call lets the other threads run meanwhile.
+        """
+        batch = getattr(self._te, "batch_register_memory", None)
+        rc = self._te.register_memory(addr, nbytes) if batch is None else batch([addr], [nbytes])
         if rc != 0:
             raise EngineError(f"registering address 0x{addr:x} length {nbytes} on "
                                 f"{self.session_id} failed (rc={rc}; -7 means it overlaps "

@@ -9,7 +9,7 @@ import torch
 from live_helpers import HOST, LIVE, item_tensor
 
 from transfer.drive.encode import RETRY_RELEASES_S
-from transfer.engine import Engine
+from transfer.engine import Engine, EngineError
 from transfer.receiver import SessionManager
 from transfer.sender import SenderPool
 from transfer.status import TransferPoll
@@ -57,16 +57,16 @@ def test_a_room_is_served_while_another_send_is_registering_its_source(engines, 
 
 
 class _SlowRegistrations:
-    """Mooncake's TransferEngine, whose register_memory waits for `may_finish` (pinning a large region)."""
+    """Mooncake's TransferEngine, whose registrations wait for `may_finish` (pinning a large region)."""
 
     def __init__(self, te) -> None:
         self._te = te
         self.registering, self.may_finish = threading.Event(), threading.Event()
 
-    def register_memory(self, addr: int, nbytes: int) -> int:
+    def batch_register_memory(self, addrs: list[int], sizes: list[int]) -> int:
         self.registering.set()
         self.may_finish.wait(30.0)
-        return self._te.register_memory(addr, nbytes)
+        return self._te.batch_register_memory(addrs, sizes)
 
     def __getattr__(self, name: str):
         return getattr(self._te, name)
@@ -81,7 +81,15 @@ def test_an_engine_writes_while_it_registers_another_region_and_closes_once_that
     prefill.register(landing)
     big = torch.zeros(1024, HIDDEN, dtype=torch.bfloat16)
     slow = encode._te = _SlowRegistrations(encode._te)
-    registering = threading.Thread(target=encode.register, args=(big,), daemon=True)
+    refused: list[str] = []
+
+    def register_big() -> None:
+        try:
+            encode.register(big)
+        except EngineError as exc:
+            refused.append(str(exc))
+
+    registering = threading.Thread(target=register_big, daemon=True)
     closing = threading.Thread(target=encode.close, daemon=True)
     registering.start()
     try:
@@ -101,3 +109,4 @@ def test_an_engine_writes_while_it_registers_another_region_and_closes_once_that
         prefill.unregister(landing.data_ptr())
     assert not closing.is_alive() and not registering.is_alive()
     assert encode.registered() == {}  # the region registered meanwhile went with the engine
+    assert len(refused) == 1 and "closed meanwhile" in refused[0], refused
