@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -129,31 +130,42 @@ def _output_folders_writable(command: str, args: argparse.Namespace, options: tu
     return True
 
 
-#: How often --exit-with looks whether its process is still there.
+#: How often --exit-with looks whether its process is still there, where it cannot wait on it.
 EXIT_WITH_CHECK_S = 0.5
 
 
 def _exit_with(pid: int | None) -> None:
     """--exit-with PID: this process stops (as on SIGTERM) once process PID ended, so a launcher
-    killed with SIGKILL leaves no server holding its port and no rank waiting for its timeout."""
+    killed with SIGKILL leaves no server holding its port and no rank waiting for its timeout.
+
+    It waits on a pidfd (Linux), which names that very process whatever number is reused
+    later; elsewhere it looks every EXIT_WITH_CHECK_S.
+    """
     if pid is None:
         return
-    parent = os.getppid() == pid  # a parent's end shows at once, before anything reaps it
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    except (AttributeError, OSError):  # no pidfd here: look now and then
+        fd = -1
 
-    def alive() -> bool:
-        if parent:
-            return os.getppid() == pid
+    def ended() -> bool:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            return False
+            return True
         except PermissionError:
             pass
-        return True
+        return False
 
     def watch() -> None:
-        while alive():
-            time.sleep(EXIT_WITH_CHECK_S)
+        if fd >= 0:
+            select.select([fd], [], [])  # readable once the process ended
+        else:
+            while not ended():
+                time.sleep(EXIT_WITH_CHECK_S)
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="epd-exit-with", daemon=True).start()
