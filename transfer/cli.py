@@ -162,7 +162,9 @@ def _exit_with(pid: int | None) -> None:
 
     def watch() -> None:
         if fd >= 0:
-            select.select([fd], [], [])  # readable once the process ended
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)  # readable once the process ended
+            poller.poll()
         else:
             while not ended():
                 time.sleep(EXIT_WITH_CHECK_S)
