@@ -465,7 +465,7 @@ def test_wire_peer_that_stops_reading_costs_one_reply_timeout(wire_peer):
     peer which stopped reading never sends; now it reads an answer only when one is waiting."""
     wire_peer.stop()
     # A long reply timeout, so that one timeout plus any slowness (bounded at 11.5 s) stays
-    # apart from the two the old wait took (12 s at the least).
+    # apart from two timeouts (12 s at the least), what waiting again for the answer would take.
     with WireEngine(reply_timeout_s=6.0) as writer:
         src = _filled(STALL_BYTES, 4)
         writer.register(src)

@@ -885,7 +885,7 @@ class EncodeCore:
         """A write is over: a receiver that cancelled while it flew is answered once no other write that
         cancel found in flight is left: its memory is safe, or, if one of them failed, it may not be (the
         engine gave up on a write whose bytes may still land: the receiver waits out its quarantine).
-        A receiver that does not read that answer (an earlier release) is told confirmed, as it was."""
+        A receiver whose cancel did not say it reads that answer is told confirmed."""
         for wait in job.waits:
             wait.left -= 1
             wait.failed = wait.failed or failed
