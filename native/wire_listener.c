@@ -557,8 +557,10 @@ static int msg_header_valid(const char *msg, size_t hlen, char *why, size_t whyl
         const char *nl = memchr(msg + at, '\n', hlen - at);
         size_t end = nl ? (size_t)(nl - msg) : hlen;
         if (memchr(msg + at, '=', end - at) == NULL) {
-            int shown = (int)(end - at < 64 ? end - at : 64);
-            snprintf(why, whylen, "PREFILL: a header line without '=': \"%.*s%s\"", shown, msg + at,
+            size_t shown = end - at < 64 ? end - at : 64;
+            while (shown > 0 && shown < end - at && ((unsigned char)msg[at + shown] & 0xC0) == 0x80)
+                shown--; /* the quote ends on a whole UTF-8 character */
+            snprintf(why, whylen, "PREFILL: a header line without '=': \"%.*s%s\"", (int)shown, msg + at,
                      end - at > 64 ? "..." : "");
             return -1;
         }
@@ -1507,10 +1509,14 @@ PyObject *epd_py_wire_listener_stats(PyObject *self, PyObject *cap)
     pthread_rwlock_rdlock(&l->regions_lock);
     size_t nregions = l->nregions;
     pthread_rwlock_unlock(&l->regions_lock);
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsisnsiss}", "accepted", accepted, "refused", refused, "transfers",
+    /* A reason quotes what a peer sent, and REASON_MAX may cut it inside a character. */
+    PyObject *last_text = PyUnicode_DecodeUTF8(last, (Py_ssize_t)strnlen(last, sizeof last), "replace");
+    if (last_text == NULL)
+        return NULL;
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsisnsisN}", "accepted", accepted, "refused", refused, "transfers",
                          transfers, "failures", failures, "too_slow", too_slow, "silent", silent, "evicted",
                          evicted, "bytes", bytes,
-                         "active", active, "regions", (Py_ssize_t)nregions, "port", l->port, "last_error", last);
+                         "active", active, "regions", (Py_ssize_t)nregions, "port", l->port, "last_error", last_text);
 }
 
 PyObject *epd_py_wire_listener_close(PyObject *self, PyObject *cap)

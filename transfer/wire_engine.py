@@ -53,9 +53,9 @@ quotes at most 512 characters of an ERROR's reason. Bytes of earlier chunks of a
 transfer may have landed (inside registered memory only); the room fails as a whole.
 
 Connections: the sender keeps idle connections per peer session and reuses them; a
-connection the peer closed is noticed before reuse, and those of every other session are
-dropped whenever a new connection is opened (a peer that restarted on another port never
-takes its old ones back); a write that fails on a reused connection before any byte of it
+connection the peer closed is noticed before reuse, and whenever a new connection is opened
+the idle ones of every session whose peer hung up are closed (a peer that restarted on
+another port never takes its old ones back; live peers keep theirs); a write that fails on a reused connection before any byte of it
 was accepted, or because the peer closed that connection without a word (as a listener that
 evicts or times out an idle connection does, which can land just after the check before
 reuse), is sent again once on a fresh one: the copies go to the same destinations, so a
@@ -125,6 +125,10 @@ MAX_WRITERS = 64
 _U32_MAX = 2**32 - 1
 #: How much of a peer's ERROR reason is kept (the listener's own are at most 512 bytes).
 _REASON_MAX = 512
+
+#: What a peer that does not speak the wire (a Mooncake engine, an HTTP server) most likely is.
+_NOT_A_LISTENER = ("the peer does not answer as a wire listener: is it a Mooncake engine or another server? "
+                   "both sides must use the same protocol")
 
 
 def _split_session(session_id: str) -> tuple[str, int]:
@@ -542,6 +546,8 @@ class WireEngine(RegisteredMemory):
                 raise _SendAgain(exc) from None
             if stage == "data":
                 self._raise_answer(conn, room, exc)
+            if stage == "answer" and "exceeds the limit" in str(exc):
+                raise EngineError(f"{exc} ({_NOT_A_LISTENER})") from None
             raise
         self._judge(kind, payload, room, sum(lens) if complete else None)
         if not complete:
@@ -576,8 +582,8 @@ class WireEngine(RegisteredMemory):
                 reason = f"{reason[:_REASON_MAX]}... ({len(answer.body)} bytes)"
             raise _Refused(reason)
         if kind != wire.RESULT:
-            raise EngineError(f"the peer answered with frame kind {kind}, expected RESULT or ERROR (is it a "
-                              f"Mooncake engine? both sides must use the same protocol)")
+            raise EngineError(f"the peer answered with frame kind {kind}, expected RESULT or ERROR "
+                              f"({_NOT_A_LISTENER})")
         if answer.number("room") != room or (total is not None and answer.number("bytes") != total):
             raise EngineError(f"the peer's RESULT (room {answer.get('room')}, {answer.get('bytes')} bytes) "
                                 f"does not match room {room} with {total} bytes")

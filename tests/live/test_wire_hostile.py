@@ -234,6 +234,18 @@ def test_a_prefill_whose_header_msg_decode_refuses_is_refused(target, header, pa
     assert target.unchanged()
 
 
+def test_a_long_line_without_equals_is_quoted_whole_characters_only(target):
+    """The quote stops at 64 bytes, and backs off to the start of a character it would cut: the
+    reason a peer reads, and stats() after it, stay UTF-8."""
+    line = "a" * 63 + "\u00e9" + "b"  # the two bytes of the e-acute straddle the 64-byte cut
+    with target.connect() as sock:
+        wire.write_frame(sock, wire.PREFILL, line.encode() + b"\n" + prefill(target.base, 64))
+        reason = expect_error(sock, r"^PREFILL: a header line without '=': ", room=None)
+    assert reason == f"""PREFILL: a header line without '=': "{'a' * 63}..." """.rstrip()
+    assert target.engine.stats()["last_error"] == reason
+    assert target.unchanged()
+
+
 def test_a_prefill_field_written_minus_zero_reads_as_zero_like_msg_number(target):
     data = bytes(range(64))
     with target.connect() as sock:

@@ -6,6 +6,7 @@ import os
 import re
 import socket
 import subprocess
+import struct
 import sys
 import textwrap
 import threading
@@ -217,6 +218,34 @@ def test_unregister_then_write_names_the_range(pair):
     writer.write(reader.session_id, [src.data_ptr()], [start], [128])
     assert torch.equal(dst[64:192], src[:128])
     assert writer.stats()["connections_opened"] == 2
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.0 400 Bad Request\r\nContent-Length: 0\r\n\r\n",  # a first frame header too long to read
+    struct.pack("<IB", 1, wire.PREFILL),  # a frame, but no answer
+], ids=["http server", "wrong frame kind"])
+def test_a_peer_that_is_no_wire_listener_is_named_as_the_likely_cause(answer):
+    """The write fails at once and says what to check, whether the first bytes back are another
+    protocol's (read as a length past the answer limit) or a frame of the wrong kind."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer_once() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(1 << 16)
+            conn.sendall(answer)
+            time.sleep(0.5)  # keep the connection open while the sender reads
+
+    thread = threading.Thread(target=answer_once, daemon=True)
+    thread.start()
+    with server, WireEngine("127.0.0.1") as writer:
+        src = torch.ones(4096, dtype=torch.uint8)
+        writer.register(src)
+        session = f"127.0.0.1:{server.getsockname()[1]}"
+        with pytest.raises(TransferError, match=rf"write to {session} failed: .*the peer does not answer as a "
+                                                r"wire listener: is it a Mooncake engine or another server\?"):
+            writer.write(session, [src.data_ptr()], [0x1000], [4096])
+    thread.join(5)
 
 
 def test_unregister_waits_while_writes_stream():
