@@ -114,6 +114,38 @@ def test_a_cancel_for_a_write_in_flight_says_too_late_then_confirms_once_it_is_o
     assert run.conclusions() == [(4, TransferPoll.Failed, FailureKind.CANCELLED)]
 
 
+def test_a_cancel_from_a_receiver_already_told_success_fails_the_room_saying_so():
+    # A prefill rank cancels a room it cleared while its Success was on the way: the room still
+    # fails (a room given up on does not succeed), and its reason says the write had landed.
+    run = Run()
+    run(run.core.offer(_offer(1, span=8), run.now))
+    run(run.core.ask(_ask(1, 0, fanout=2, span=8), run.now))
+    first, second = run.of(StartWrite, run(run.core.ask(_ask(1, 1, fanout=2, span=8), run.now)))
+    run(run.core.write_done(first.wid, (7,), run.now))
+    out = run(run.core.cancel(_cancel(1, 0), run.now))
+    assert run.answers(out) == [(1, 6000, CONFIRMED)]
+    [conclusion] = run.of(Conclude, out)
+    assert conclusion.failure.kind is FailureKind.CANCELLED
+    assert conclusion.failure.detail == ("room 1: receiver 10.0.0.7:17000 cancelled it after its own write landed, "
+                                         "before the room's other writes were over")
+    assert [(a.port, a.status) for a in run.of(PushStatus, out) if a.cancel is None] == [(6001, TransferPoll.Failed)]
+
+
+def test_a_cancel_from_a_receiver_that_asked_twice_is_spared_a_plain_failed():
+    # Its repeated ask waits parked for the room's next send; the cancel still finds its queued write.
+    run = Run()
+    run(run.core.offer(_offer(2, ready_event=NotReady()), run.now))
+    run(run.core.ask(_ask(2), run.now))
+    run(run.core.ask(_ask(2), run.now))
+    assert 2 in run.core.parked
+    out = run(run.core.cancel(_cancel(2), run.now))
+    assert run.answers(out) == [(2, 6000, CONFIRMED)]
+    assert [a for a in run.of(PushStatus, out) if a.cancel is None] == []
+    [conclusion] = run.of(Conclude, out)
+    assert "cancelled it before its write started" in conclusion.failure.detail
+    assert 2 not in run.core.parked
+
+
 def test_a_write_in_flight_that_fails_after_a_cancel_is_answered_write_failed_not_confirmed():
     # The engine gave up on it: bytes it carried may still land in the receiver's memory.
     run = Run()

@@ -132,6 +132,22 @@ def test_geometry_that_disagrees_with_the_item_fails_the_room_and_tells_every_re
     assert run.statuses(out) == [(3, 6000, TransferPoll.Failed)]
 
 
+@pytest.mark.parametrize("first, second", [(4, 2), (2, 4)])
+def test_asks_that_disagree_on_the_fanout_fail_the_room_at_once_naming_both(first, second):
+    # Whichever comes first, the room would otherwise wait out the fanout timeout for ranks that do not exist.
+    run = Run()
+    run.offer(_offer(5, span=8))
+    run.ask(_ask(5, 0, fanout=first, span=8))
+    out = run.ask(_ask(5, 1, fanout=second, span=8))
+    assert run.of(StartWrite) == []
+    [conclusion] = run.of(Conclude, out)
+    assert conclusion.failure.kind is FailureKind.GEOMETRY
+    assert conclusion.failure.detail == (f"room 5: receiver 10.0.0.7:17001 asked with fanout {second}, "
+                                         f"receiver 10.0.0.7:17000 with fanout {first}")
+    assert sorted(run.statuses(out)) == [(5, 6000, TransferPoll.Failed), (5, 6001, TransferPoll.Failed)]
+    assert run.core.parked.get(5) is None
+
+
 def test_a_destination_outside_the_announced_region_is_refused_before_any_write():
     run = Run()
     run(run.core.registration(Registration("10.0.0.7", 6000, "10.0.0.7:17000", 0x10000, 0, 4 * ROW, 0), run.now))

@@ -65,6 +65,17 @@ def test_the_byte_bound_evicts_oldest_rooms_but_never_the_one_just_asked():
     assert not alone.add(_ask(1), now=0.0).evicted and 1 in alone
 
 
+def test_the_byte_bound_evicts_an_older_room_than_the_one_asked_even_when_that_one_came_first():
+    budget = 3 * ask_cost(_ask(0, "s" * 20))
+    parked = ParkedAsks(max_bytes=budget)
+    parked.add(_ask(1, "a" * 20), now=0.0)  # room 1 is the oldest
+    parked.add(_ask(2, "b" * 20), now=1.0)
+    parked.add(_ask(1, "c" * 20), now=2.0)
+    admission = parked.add(_ask(1, "d" * 20), now=3.0)  # over the bound: room 2 goes, not room 1
+    assert [a.room for a in admission.evicted] == [2]
+    assert sorted(parked.get(1).infos) == ["a" * 20, "c" * 20, "d" * 20] and 2 not in parked
+
+
 def test_rooms_older_than_a_cutoff_in_arrival_order():
     parked = ParkedAsks()
     for room, at in ((5, 1.0), (3, 2.0), (8, 9.0)):

@@ -32,7 +32,7 @@ from transfer.core.failure import Failure, FailureKind
 from transfer.core.parked import Asks, ParkedAsks
 from transfer.core.regions import RegionBook
 from transfer.core.scheduler import WriteScheduler
-from transfer.frames import Cancel, CancelAnswer, Registration, TransferInfo, validate_fanout
+from transfer.frames import Cancel, CancelAnswer, Registration, TransferInfo, receiver_text, validate_fanout
 from transfer.status import TransferPoll
 
 __all__ = ["CLEARED_GRACE_S", "SWEEP_S", "Conclude", "Count", "EncodeCore", "Offer", "Progress", "PushStatus",
@@ -352,20 +352,23 @@ class EncodeCore:
             self._fail(job.room, FailureKind.CANCELLED, detail + " while its write was in flight", now)
         room = self._rooms.get(room_number)
         asks = self.parked.get(room_number)
-        if asks is not None and session in asks.infos:
+        parked = asks is not None and session in asks.infos
+        if parked:  # its ask, or a repeat of an ask its room already took
             self.parked.drop_ask(room_number, session)
-            if room is None:  # the item may still come: it fails then
-                self._cancelled.pop(room_number, None)
-                self._cancelled[room_number] = (session, now)
-                if len(self._cancelled) > MAX_CANCELLED_ROOMS:
-                    del self._cancelled[next(iter(self._cancelled))]
-            else:
-                self._fail(room, FailureKind.CANCELLED, detail + " before its whole fanout asked", now)
-                self._dispatch(room_number, now)  # tells the rest of its fanout Failed
-        elif room is not None and not room.succeeded and any(info.session_id == session for info in room.receivers):
+        if room is not None and not room.succeeded and any(info.session_id == session for info in room.receivers):
             # A room served in full keeps its receivers: a later ask under its number waits for its next send.
             self._spare(room, session)
-            self._fail(room, FailureKind.CANCELLED, detail + " before its write started", now)
+            when = (" after its own write landed, before the room's other writes were over" if session in room.served
+                    else " before its write started")
+            self._fail(room, FailureKind.CANCELLED, detail + when, now)
+        elif parked and room is None:  # the item may still come: it fails then
+            self._cancelled.pop(room_number, None)
+            self._cancelled[room_number] = (session, now)
+            if len(self._cancelled) > MAX_CANCELLED_ROOMS:
+                del self._cancelled[next(iter(self._cancelled))]
+        elif parked and room is not None:
+            self._fail(room, FailureKind.CANCELLED, detail + " before its whole fanout asked", now)
+            self._dispatch(room_number, now)  # tells the rest of its fanout Failed
         if flying:
             wait = _CancelWait(cancel, len(flying))
             for job in flying:
@@ -620,6 +623,14 @@ class EncodeCore:
         sessions = {info.session_id for info in kept}
         newcomers = sorted((info for info in asks.infos.values() if info.session_id not in sessions),
                            key=lambda i: (i.row_start, i.session_id))
+        if not room.failed:
+            # Asks that disagree on the fanout would wait for ranks that do not exist: fail at once.
+            first = next(iter(asks.infos.values()))
+            odd = next((info for info in kept + newcomers if info.fanout != fanout), None)
+            if odd is not None:
+                self._fail(room, FailureKind.GEOMETRY, f"room {room_number}: receiver {receiver_text(odd.session_id)} "
+                                                       f"asked with fanout {odd.fanout}, receiver "
+                                                       f"{receiver_text(first.session_id)} with fanout {fanout}", now)
         if len(kept) + len(newcomers) < fanout and not room.failed:
             return
         for info in newcomers:

@@ -95,11 +95,13 @@ class ParkedAsks:
         asks.nbytes += cost
         self.nbytes += cost
         while self.nbytes > self.max_bytes and len(self._rooms) > 1:
-            admission.evicted.append(self._evict_oldest())
+            admission.evicted.append(self._evict_oldest(keep=info.room))
         return admission
 
-    def _evict_oldest(self) -> Asks:
-        room, asks = next(iter(self._rooms.items()))
+    def _evict_oldest(self, keep: int | None = None) -> Asks:
+        """Takes the oldest room but `keep` (the one an ask is being parked in)."""
+        room = next(number for number in self._rooms if number != keep)
+        asks = self._rooms[room]
         self.take(room)
         return asks
 
