@@ -113,3 +113,44 @@ def test_rooms_no_encode_rank_was_asked_for_give_their_slot_back_at_once(engines
             handle.clear()
             assert slots.stats()["quarantined"] == 0
         assert slots.stats()["fallbacks_total"] == 0
+
+
+def test_a_room_asked_again_right_after_its_clear_is_served_not_dropped_by_the_old_cancel(engines):
+    """The cancel of the cleared room goes out before the new ask for its number, so the encode
+    rank drops the old ask, not the new one; the item sent then lands in the new destination."""
+    import torch
+
+    from transfer.receiver import SessionManager
+    from transfer.sender import SenderPool
+    from transfer.status import TransferPoll
+
+    encode_engine, prefill_engine = engines
+    rows, hidden = 4, 64
+    buf = torch.zeros(3, rows, hidden, dtype=torch.bfloat16)
+    items = [torch.randn(rows, hidden).to(torch.bfloat16) for _ in range(3)]
+    for item in items:
+        encode_engine.register(item)
+    try:
+        with BootstrapServer(HOST, 0) as server, \
+                SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST, fanout_timeout_s=30) as sender, \
+                SessionManager(prefill_engine, 0, 1, 1, buffer=buf, host=HOST, deadline_s=10) as manager:
+            # A first cancel answered: this encode rank is known to answer them, so no ask is held for one.
+            first = manager.receive(99, server.address, buf[0])
+            assert wait_until(lambda: sender._core.parked.get(99) is not None, 5), "the ask never reached the rank"
+            first.clear()
+            assert wait_until(lambda: first.safe_to_reuse, 5), "the encode rank never confirmed the cancel"
+            for room, item in enumerate(items, start=1):
+                old = manager.receive(room, server.address, buf[1])
+                assert wait_until(lambda room=room: sender._core.parked.get(room) is not None, 5)
+                old.clear()
+                new = manager.receive(room, server.address, buf[2])  # at once, on the caller's thread
+                time.sleep(0.1)  # both reach the encode rank before the item is sent
+                sent = sender.send(room, item)
+                assert new.wait(8) == TransferPoll.Success, new.failure
+                assert sent.wait(5) == TransferPoll.Success, sent.failure
+                assert torch.equal(buf[2].view(torch.uint8), item.view(torch.uint8))
+                new.clear()
+                sent.clear()
+    finally:
+        for item in items:
+            encode_engine.unregister(item.data_ptr())

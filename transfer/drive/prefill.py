@@ -707,8 +707,10 @@ class PrefillDriver:
             self._sockets[addr] = sock
             self._monitors[addr] = monitor
             self._used_at[addr] = now
-        elif sock in self._watching and threading.current_thread() is not self._thread:
-            # The I/O thread may be polling it: the ask waits with those queued there, for it to send.
+        elif threading.current_thread() is not self._thread and (
+                sock in self._watching or any(cancel.addr == addr for cancel in self._cancels_out)):
+            # The I/O thread may be polling it, or has a cancel to send on it first (an ask for the
+            # room again must not overtake it): the ask waits with those queued there, for it to send.
             refused[addr] = [action]
             return []
         elif addr not in checked and _io.dropped(self._monitors[addr]):
