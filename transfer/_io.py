@@ -856,6 +856,7 @@ class RoomHandle(Generic[_Record]):
 
     def wait(self, timeout: float) -> TransferPoll:
         """Blocks up to `timeout` seconds for a terminal status (for tools and tests, not scheduler loops)."""
+        timeout = config.check_seconds("timeout", timeout, zero_ok=True)
         if self._current():  # a cleared room will not conclude for this handle
             self._conclusions.wait(self._state, timeout)
         return self.poll()

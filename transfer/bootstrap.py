@@ -371,7 +371,7 @@ def check_token(token: str | None) -> str | None:
     return token
 
 
-def _split_address(address: str) -> tuple[str, int]:
+def split_address(address: str) -> tuple[str, int]:
     """Split "host:port" (or "[v6]:port") into host and port."""
     if not isinstance(address, str):
         raise ConfigError(f"bootstrap address must be a 'host:port' str, got {type(address).__name__} {address!r}")
@@ -400,7 +400,7 @@ class BootstrapClient:
     def __init__(self, address: str, timeout: float = 2.0, token: str | None = None) -> None:
         """address is "host:port" (ConfigError otherwise); timeout, in (0, 1e6] seconds, bounds each attempt."""
         self.address = address
-        self.host, self.port = _split_address(address)
+        self.host, self.port = split_address(address)
         self.timeout = check_seconds("timeout", timeout)
         self.token = check_token(token)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from transfer import _io, config
+from transfer.bootstrap import split_address
 from transfer.core.prefill import ENCODE_FAILED, RoomSpec
 from transfer.core.prefill_breaker import UNREACHABLE_RETRY_S
 from transfer.drive.prefill import PrefillDriver, Room
@@ -88,6 +89,7 @@ class ReceiveHandle(_io.RoomHandle[Room]):
 
     def wait(self, timeout: float) -> TransferPoll:
         """Blocks up to `timeout` seconds for a terminal status (for tools and tests, not scheduler loops)."""
+        timeout = config.check_seconds("timeout", timeout, zero_ok=True)
         if self._current():  # a cleared room will not conclude for this handle
             self._manager._driver.wait(self._state, timeout)
         return super().poll()
@@ -118,6 +120,9 @@ class ReceiveHandle(_io.RoomHandle[Room]):
         safe (see `safe_to_reuse`); otherwise into quarantine, since a late one-sided write
         may still land in it, until the encode rank confirms the cancel.
         """
+        if event is not None and not callable(getattr(event, "query", None)):
+            raise ConfigTypeError(f"room {self._state.room}: event must have query() (e.g. a torch.cuda.Event); "
+                                  f"got {type(event).__name__}")
         self._manager._forget(self._state, event)
 
 
@@ -280,10 +285,10 @@ class SessionManager:
               deepstack_dst: torch.Tensor | tuple[int, int] | None, lease: Slot | None) -> tuple[Room, RoomSpec]:
         """The room's record and spec, its destination checked."""
         ptr, rows, hidden, dtype = _destination(dst, rows, hidden, dtype)
-        row_bytes = hidden * dtype_size(dtype)
         span = rows if span is None else span
-        if not (0 <= row_start and row_start + rows <= span):
-            raise ConfigError(f"room {room}: shard [{row_start}, {row_start + rows}) outside the item's span {span}")
+        _check_geometry(room, rows, hidden, span, row_start)
+        split_address(bootstrap_addr)  # a malformed address is the caller's error, not a room failed later
+        row_bytes = hidden * dtype_size(dtype)
         ds_ptr, ds_nbytes = 0, 0
         if deepstack_dst is not None:
             ds = _io.as_region(deepstack_dst)
@@ -306,12 +311,7 @@ class SessionManager:
         if rows is None or hidden is None or dtype is None:
             raise ConfigError(f"room {room}: a pooled receive needs rows, hidden and dtype")
         span = rows if span is None else span
-        for name, value in (("rows", rows), ("hidden", hidden), ("span", span), ("row_start", row_start),
-                            ("deepstack_hidden", deepstack_hidden or 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"room {room}: {name} must be a non-negative integer, got {value!r}")
-        if not (0 <= row_start and row_start + rows <= span):
-            raise ConfigError(f"room {room}: shard [{row_start}, {row_start + rows}) outside the item's span {span}")
+        _check_geometry(room, rows, hidden, span, row_start, deepstack_hidden or 0)
         torch_dtype = getattr(torch, dtype.removeprefix("torch."))
         nbytes = span * hidden * dtype_size(dtype)
         ds_nbytes = span * (deepstack_hidden or 0) * dtype_size(dtype)
@@ -466,6 +466,18 @@ class RegionSet:
 
 
 
+def _check_geometry(room: int, rows: int, hidden: int, span: int, row_start: int, deepstack_hidden: int = 0) -> None:
+    """ConfigError unless every size is a non-negative integer (hidden a positive one) and the shard
+    lies inside the item's span."""
+    for name, value in (("rows", rows), ("hidden", hidden), ("span", span), ("row_start", row_start),
+                        ("deepstack_hidden", deepstack_hidden)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (name == "hidden"):
+            what = "a positive" if name == "hidden" else "a non-negative"
+            raise ConfigError(f"room {room}: {name} must be {what} integer, got {value!r}")
+    if row_start + rows > span:
+        raise ConfigError(f"room {room}: shard [{row_start}, {row_start + rows}) outside the item's span {span}")
+
+
 def _destination(dst: torch.Tensor | int, rows: int | None, hidden: int | None,
                  dtype: str | None) -> tuple[int, int, int, str]:
     """(pointer, rows, hidden, dtype) of a destination tensor or raw pointer."""
@@ -480,6 +492,8 @@ def _destination(dst: torch.Tensor | int, rows: int | None, hidden: int | None,
     if dst.dim() == 2:
         t_rows, t_hidden = dst.shape
     elif hidden:
+        if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1 or dst.numel() % hidden:
+            raise ConfigError(f"a destination of {dst.numel()} elements is no whole number of rows of hidden {hidden!r}")
         t_rows, t_hidden = dst.numel() // hidden, hidden
     else:
         raise ConfigError("a destination that is not 2-D needs `hidden`")

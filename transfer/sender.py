@@ -218,7 +218,7 @@ class SenderPool:
             if self._book.stopping:
                 refused: Exception | None = self._stopped_error()
             elif room in self._book.held:
-                refused = ValueError(f"room {room} is already being sent; clear() it first")
+                refused = ConfigError(f"room {room} is already being sent; clear() it first")
             else:
                 refused = None
                 self._book.held[room] = state
@@ -327,6 +327,10 @@ def _source(src: torch.Tensor | int, span: int | None, hidden: int | None,
     if isinstance(src, int):
         if span is None or hidden is None or dtype is None:
             raise ConfigError("a raw source pointer needs span, hidden and dtype")
+        for name, value, least in (("span", span, 0), ("hidden", hidden, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                what = "a positive" if least else "a non-negative"
+                raise ConfigError(f"a raw source's {name} must be {what} integer, got {value!r}")
         dtype = normalize_dtype(dtype)  # the wire's spelling, which every ask carries
         return _io.Region(src, span * hidden * dtype_size(dtype)), span, hidden, dtype
     if not hasattr(src, "data_ptr"):

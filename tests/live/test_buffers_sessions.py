@@ -283,7 +283,7 @@ def test_a_pooled_receive_refused_before_any_ask_keeps_no_slot(engines):
         for room, geometry in enumerate([dict(rows=4, hidden=64.0), dict(rows=4, hidden=64, deepstack_hidden=-4),
                                          dict(rows=4, hidden=-64, deepstack_hidden=128),
                                          dict(rows=4 * SLOT, hidden=64.0)], start=3):  # the last a fallback's size
-            with pytest.raises(ConfigError, match=rf"^room {room}: \w+ must be a non-negative integer"):
+            with pytest.raises(ConfigError, match=rf"^room {room}: \w+ must be a (non-negative|positive) integer"):
                 manager.receive(room, server.address, dtype=BF16, **geometry)
         stats = pool.stats()
         assert (stats["leased"], stats["quarantined"], stats["free"]) == (1, 0, 3)

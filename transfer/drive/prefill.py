@@ -265,10 +265,16 @@ class PrefillDriver:
             del self.rooms[record.room]
             self.table.clear(record.room)
             self.core.clear(now, record.room, record.token)
+            unconcluded = record.concluded_at is None
+            if unconcluded:  # given up before it concluded: its quarantine bound runs from here
+                record.concluded_at = now
+                self.metrics.inc("rooms_failed_total", reason=FailureKind.CLEARED.value)
             if not succeeded and not record.memory_safe:
                 self._awaiting_safe[record.token] = (now, record)
             self._forget_unconfirmed(now)
             cancels = bool(self._cancels_out)
+        if unconcluded:
+            self._tell_waiters()  # a wait() on it from another thread returns
         if cancels:
             self._waker.wake()
         return succeeded

@@ -1,0 +1,120 @@
+"""A caller's mistakes on either side are refused at the call, with a ConfigError naming the value,
+and start no room (real Mooncake tcp, real ZMQ, the real bootstrap server)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from live_helpers import HOST
+
+from transfer.bootstrap import BootstrapServer
+from transfer.errors import ConfigError, ConfigTypeError, TransferError
+from transfer.metrics import total
+from transfer.receiver import SessionManager
+from transfer.sender import SenderPool
+from transfer.status import TransferPoll
+
+BF16 = "torch.bfloat16"
+
+
+@pytest.fixture
+def manager(engines):
+    _, prefill_engine = engines
+    buf = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with BootstrapServer(HOST, 0) as server, \
+            SessionManager(prefill_engine, 0, 1, 1, buffer=buf, host=HOST, deadline_s=30) as manager:
+        yield manager, server.address, buf
+
+
+@pytest.mark.parametrize("geometry, message", [
+    (dict(rows=-1, hidden=64), "rows must be a non-negative integer, got -1"),
+    (dict(rows=True, hidden=64), "rows must be a non-negative integer, got True"),
+    (dict(rows=2.0, hidden=64), "rows must be a non-negative integer, got 2.0"),
+    (dict(rows=2, hidden=0), "hidden must be a positive integer, got 0"),
+    (dict(rows=2, hidden=64, span=4.0), "span must be a non-negative integer, got 4.0"),
+    (dict(rows=2, hidden=64, row_start=-1, span=4), "row_start must be a non-negative integer, got -1"),
+])
+def test_a_raw_destination_with_bad_sizes_is_refused_at_the_call(manager, geometry, message):
+    manager, bootstrap, buf = manager
+    with pytest.raises(ConfigError, match=rf"^room 1: {message}$"):
+        manager.receive(1, bootstrap, buf.data_ptr(), dtype=BF16, **geometry)
+    assert total(manager.metrics.snapshot(), manager.metrics.full_name("rooms_started_total")) == 0
+
+
+@pytest.mark.parametrize("address", [8998, "not an address", "http://127.0.0.1:8998"])
+def test_a_malformed_bootstrap_address_is_refused_at_the_call(manager, address):
+    manager, _, buf = manager
+    with pytest.raises(ConfigError, match="bootstrap address must be"):
+        manager.receive(1, address, buf)
+    assert total(manager.metrics.snapshot(), manager.metrics.full_name("rooms_started_total")) == 0
+
+
+def test_a_flat_destination_must_hold_whole_rows(manager):
+    manager, bootstrap, buf = manager
+    flat = buf.view(-1)
+    with pytest.raises(ConfigError, match=r"^a destination of 100 elements is no whole number of rows of hidden 64$"):
+        manager.receive(1, bootstrap, flat[:100], hidden=64)
+    with pytest.raises(ConfigError, match=r"no whole number of rows of hidden 64$"):
+        manager.receive(1, bootstrap, flat[:50], hidden=64)
+    handle = manager.receive(1, bootstrap, flat[:128], hidden=64)  # two whole rows
+    assert handle.poll() is not TransferPoll.Failed
+    handle.clear()
+
+
+def test_clear_with_something_that_is_no_event_is_refused_and_keeps_the_room(manager):
+    manager, bootstrap, buf = manager
+    handle = manager.receive(1, bootstrap, buf)
+    with pytest.raises(ConfigTypeError, match=r"^room 1: event must have query\(\)"):
+        handle.clear("done")
+    assert handle.poll() is not TransferPoll.Failed  # still under way
+    handle.clear()
+
+
+def test_a_room_cleared_before_it_concluded_counts_as_failed_cleared_and_its_bound_runs(manager):
+    manager, bootstrap, buf = manager
+    handle = manager.receive(1, bootstrap, buf)
+    handle.clear()
+    counts = {row["labels"].get("reason"): row["value"] for row in manager.metrics.snapshot()
+              if row["name"] == manager.metrics.full_name("rooms_failed_total")}
+    assert counts.get("cleared") == 1, counts
+    assert handle.latency_s is not None  # the quarantine bound of safe_to_reuse runs from the clear
+
+
+@pytest.mark.parametrize("timeout", [None, float("nan"), -1])
+def test_wait_takes_a_number_of_seconds_on_both_sides(manager, engines, timeout):
+    manager, bootstrap, buf = manager
+    encode_engine, _ = engines
+    received = manager.receive(1, bootstrap, buf)
+    item = torch.zeros(4, 64, dtype=torch.bfloat16)
+    encode_engine.register(item)
+    try:
+        with SenderPool(encode_engine, 0, 1, 1, bootstrap, host=HOST) as pool:
+            sent = pool.send(7, item)
+            for handle in (received, sent):
+                with pytest.raises((ConfigError, ConfigTypeError), match=r"^timeout="):
+                    handle.wait(timeout)
+            sent.clear()
+    finally:
+        encode_engine.unregister(item.data_ptr())
+    received.clear()
+
+
+def test_send_refuses_bad_raw_sizes_and_a_room_already_sent_as_config_errors(engines):
+    encode_engine, _ = engines
+    item = torch.zeros(4, 64, dtype=torch.bfloat16)
+    encode_engine.register(item)
+    try:
+        with BootstrapServer(HOST, 0) as server, SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST) as pool:
+            for sizes, message in ((dict(span=-1, hidden=64), "span must be a non-negative integer, got -1"),
+                                   (dict(span=True, hidden=64), "span must be a non-negative integer, got True"),
+                                   (dict(span=2.0, hidden=64), "span must be a non-negative integer, got 2.0"),
+                                   (dict(span=4, hidden=-64), "hidden must be a positive integer, got -64")):
+                with pytest.raises(ConfigError, match=rf"^a raw source's {message}$"):
+                    pool.send(1, item.data_ptr(), dtype=BF16, **sizes)
+            first = pool.send(1, item)
+            with pytest.raises(ConfigError, match=r"^room 1 is already being sent; clear\(\) it first$") as caught:
+                pool.send(1, item)
+            assert isinstance(caught.value, TransferError)
+            first.clear()
+    finally:
+        encode_engine.unregister(item.data_ptr())
