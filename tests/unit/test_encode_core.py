@@ -402,6 +402,21 @@ def test_a_receiver_past_the_per_room_bound_is_told_failed():
     assert run.statuses(out) == [(1, 6002, TransferPoll.Failed)] and [w.key for w in run.of(Warn, out)] == ["receivers"]
 
 
+def test_a_copy_of_an_ask_whose_write_is_under_way_is_ignored_not_parked_for_a_next_send():
+    # Parked, it would be told Failed ("no item was sent") after the room was cleared, its Success overturned.
+    run = Run()
+    offer = _offer(1)
+    run.offer(offer)
+    [write] = run.of(StartWrite, run.ask(_ask(1)))
+    out = run.at(0.1).ask(_ask(1))
+    assert [w.key for w in run.of(Warn, out)] == ["repeated ask"] and 1 not in run.core.parked
+    run.at(0.2).complete(write)
+    run(run.core.clear(1, offer.token, 0.3))
+    for step in range(1, 60):
+        run.at(step * 0.5).tick()
+    assert run.statuses() == [(1, 6000, TransferPoll.Success)]
+
+
 def test_evicted_parked_asks_are_told_failed():
     run = Run(parked=ParkedAsks(max_rooms=2))
     for room in range(3):

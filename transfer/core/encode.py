@@ -50,6 +50,13 @@ SWEEP_S = 0.5
 #: item fails at once when it comes instead of waiting for the fanout timeout.
 MAX_CANCELLED_ROOMS = 4096
 
+#: Failed writes remembered by (room, receiver session) for a cancel that comes after the failure:
+#: their bytes may still land, so such a cancel is not confirmed. Kept this long (past the
+#: receive pool's default quarantine of 280 s, which bounds the late landing on the other side),
+#: and at most this many (oldest forgotten first).
+FAILED_WRITES_KEPT_S = 300.0
+MAX_FAILED_WRITES = 4096
+
 #: Status endpoints whose latest session is remembered (least recently seen forgotten
 #: first): a new session at a known endpoint is a restarted prefill rank.
 MAX_ENDPOINTS = 4096
@@ -249,6 +256,7 @@ class EncodeCore:
         self._next_wid = 1
         self._clears_due: deque[tuple[int, float]] = deque()  # (room, cleared at) with parked asks to fail
         self._cancelled: dict[int, tuple[str, float]] = {}  # room -> (session, at): cancelled before its item
+        self._failed_writes: dict[tuple[int, str], float] = {}  # (room, session) -> when a write to it failed
         self._next_sweep = now + SWEEP_S
         self._closed = False
         self._close_detail = ""
@@ -310,6 +318,13 @@ class EncodeCore:
         A new session asking for what a parked rank asked for is that rank restarted:
         it supersedes its predecessor (see `_supersede`).
         """
+        room = self._rooms.get(info.room)
+        if room is not None and not room.failed and info.session_id not in room.served and info in room.receivers:
+            # A copy of an ask its room is writing now (the message came twice): parked, it would wait
+            # for the room's next send and be told Failed when none came.
+            self._warn("repeated ask", "room %d: %s asked again for the write under way; ignoring the copy",
+                       info.room, info.session_id[:64])
+            return self._flush(now)
         cancelled = self._cancelled.get(info.room)
         if cancelled is not None and cancelled[0] == info.session_id:  # the rank asks again: a retry
             del self._cancelled[info.room]
@@ -355,7 +370,11 @@ class EncodeCore:
         parked = asks is not None and session in asks.infos
         if parked:  # its ask, or a repeat of an ask its room already took
             self.parked.drop_ask(room_number, session)
-        if room is not None and not room.succeeded and any(info.session_id == session for info in room.receivers):
+        if parked and room is not None and session in room.served:
+            # Told Success, it asked again for the room's next send: the cancel is that ask's (one for
+            # the served ask would have come before it, on the same connection).
+            pass
+        elif room is not None and not room.succeeded and any(info.session_id == session for info in room.receivers):
             # A room served in full keeps its receivers: a later ask under its number waits for its next send.
             self._spare(room, session)
             when = (" after its own write landed, before the room's other writes were over" if session in room.served
@@ -373,8 +392,21 @@ class EncodeCore:
             wait = _CancelWait(cancel, len(flying))
             for job in flying:
                 job.waits.append(wait)
-        self._answer_cancel(cancel, CancelAnswer.TOO_LATE if flying else CancelAnswer.CONFIRMED)
+            self._answer_cancel(cancel, CancelAnswer.TOO_LATE)
+        elif self._write_failed_for(room_number, session, now) and cancel.reads_write_failed:
+            self._answer_cancel(cancel, CancelAnswer.WRITE_FAILED)  # its bytes may still land
+        else:
+            self._answer_cancel(cancel, CancelAnswer.CONFIRMED)
         return self._flush(now)
+
+    def _write_failed_for(self, room: int, session: str, now: float) -> bool:
+        """Whether a write of the room to the session failed recently enough that its bytes may still land."""
+        while self._failed_writes:
+            oldest = next(iter(self._failed_writes.items()))
+            if now - oldest[1] <= FAILED_WRITES_KEPT_S:
+                break
+            del self._failed_writes[oldest[0]]
+        return (room, session) in self._failed_writes
 
     @staticmethod
     def _serves(job: _Job) -> bool:
@@ -435,6 +467,11 @@ class EncodeCore:
                        "for %.1fs before failing: a peer that accepts connections but never answers the engine's "
                        "handshake? Writes to it fail at once for the next %.0fs, or until it registers again",
                        session[:64], took, trip.until - now)
+        key = (job.room.room, session)
+        self._failed_writes.pop(key, None)
+        self._failed_writes[key] = now
+        if len(self._failed_writes) > MAX_FAILED_WRITES:
+            del self._failed_writes[next(iter(self._failed_writes))]
         if self._serves(job):  # a superseded session's failure is not its room's
             self._fail(job.room, FailureKind.WRITE, f"write to {session} (room {job.room.room}) failed: {error}", now)
         self._job_over(job, failed=True)
