@@ -23,9 +23,12 @@
 
    A new connection finding all max_conns slots taken closes the connection furthest behind the rate
    floor, counted from when that connection last began to wait or its transfer began (an idle
-   connection is as far behind as it has been idle), once it is evict_after behind (1 s by default):
-   idle or dribbling connections cannot keep new senders out, while a pooled connection between
-   back-to-back items and any transfer keeping the rate are never taken. The closed connection's
+   connection is as far behind as it has been idle), once it is evict_after behind (1 s by default);
+   a connection that has sent nothing since it was accepted holds nothing and may be closed at any
+   age (else a client opening silent connections faster than max_conns a second kept every slot
+   younger than evict_after and new senders out). Idle, silent or dribbling connections cannot keep
+   new senders out, while a pooled connection between back-to-back items, any transfer keeping the
+   rate and any connection whose bytes are already waiting are never taken. The closed connection's
    thread leaves at once (its socket is shut down); until it has, its slot counts towards none of
    max_conns, so the new connection is served in a spare slot (there are as many spares as slots).
    When no connection is that far behind, the new one is answered "listener busy" by the accept
@@ -97,6 +100,8 @@ typedef struct {
     int used;         /* a thread was started for this slot and not yet joined */
     atomic_int done;  /* the thread finished and may be joined */
     atomic_int evicted;        /* shut down to make room for a new connection */
+    atomic_int silent;         /* accepted and no byte received yet: it holds nothing, so a newcomer
+                                  may take its slot at any age */
     /* When the connection's progress is due at the rate floor: the start of its idle wait, or its
        transfer's start plus the time its bytes so far take at min_rate. Written by its thread,
        read by the accept thread to pick the connection furthest behind. */
@@ -926,6 +931,7 @@ static void *conn_main(void *arg)
             drop_silent(l, fd);
         if (waited != WAIT_BYTES)
             break;
+        atomic_store(&c->silent, 0); /* before its bytes are taken: see evict_furthest_behind */
         char first;
         ssize_t k = recv(fd, &first, 1, MSG_PEEK | MSG_DONTWAIT);
         if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
@@ -1063,8 +1069,10 @@ static int accept_wait_ms(const wl_listener *l)
     return (int)wait;
 }
 
-/* Shuts down the connection furthest behind the rate floor, if one is evict_after behind; 1 if one
-   was (its thread then leaves at once), 0 if none may be taken. Only the accept thread calls it. */
+/* Shuts down the connection furthest behind the rate floor among those that may be taken: any that
+   has sent nothing yet (at any age), others once evict_after behind; never one whose bytes are
+   waiting, and none at all when evict_after is negative. 1 if one was (its thread then leaves at
+   once), 0 if none may be taken. Only the accept thread calls it. */
 static int evict_furthest_behind(wl_listener *l)
 {
     if (l->evict_after_ns < 0)
@@ -1077,15 +1085,23 @@ static int evict_furthest_behind(wl_listener *l)
         if (!c->used || c->fd < 0 || atomic_load(&c->done) || atomic_load(&c->evicted))
             continue;
         int64_t due = atomic_load_explicit(&c->due_ns, memory_order_relaxed);
+        /* A connection that has sent nothing holds nothing: it may go at any age. */
+        int64_t need = atomic_load(&c->silent) ? 0 : l->evict_after_ns;
         char next;
-        if (now - due < l->evict_after_ns || (victim != NULL && due >= earliest))
+        if (now - due < need || (victim != NULL && due >= earliest))
             continue;
         if (recv(c->fd, &next, 1, MSG_PEEK | MSG_DONTWAIT) > 0)
             continue; /* its next bytes are here: its thread is about to take them */
-        {
-            victim = c;
-            earliest = due;
+        /* Its thread clears `silent` before it takes any byte, so if it is still set now, nothing
+           had arrived before the peek above. If it was cleared meanwhile, the first bytes came and
+           may already be taken: judge it as a connection that sent some. */
+        if (need == 0 && !atomic_load(&c->silent)) {
+            due = atomic_load_explicit(&c->due_ns, memory_order_relaxed);
+            if (now - due < l->evict_after_ns || (victim != NULL && due >= earliest))
+                continue;
         }
+        victim = c;
+        earliest = due;
     }
     if (victim != NULL) {
         /* Under the lock: the connection's thread closes its fd only while holding it. */
@@ -1124,6 +1140,7 @@ static void admit(wl_listener *l, int fd)
     slot->fd = fd;
     atomic_store(&slot->done, 0);
     atomic_store(&slot->evicted, 0);
+    atomic_store(&slot->silent, 1);
     atomic_store(&slot->due_ns, now_ns());
     pthread_mutex_lock(&l->lock);
     l->accepted++;

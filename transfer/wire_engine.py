@@ -66,9 +66,12 @@ The listener closes a fresh connection that sends nothing for the first-byte bou
 ``read: nothing received within T s of connecting (the first-byte bound); connection closed``
 and counts it in ``stats()["silent"]``; a connection that carried a transfer keeps the idle
 timeout. When all ``max_connections`` are taken, a new connection closes the one furthest
-behind the listener's least rate (an idle one: idle longest) once it is ``evict_after_s``
-behind (1 s by default), counted in ``stats()["evicted"]``, so idle or dribbling connections
-never keep new senders out; only when none is that far behind is it answered "listener busy".
+behind the listener's least rate (an idle one: idle longest) among those that may go: one
+that has sent nothing since it connected at any age (it holds nothing), any other once it is
+``evict_after_s`` behind (1 s by default), never one whose bytes are already waiting; counted
+in ``stats()["evicted"]``. So idle, silent or dribbling connections never keep new senders
+out, even silent ones opened faster than ``max_connections`` a second; only when none may go
+is it answered "listener busy" (always, with a negative ``evict_after_s``).
 A transfer closed that way is answered ERROR ``read: closed by the listener for a new
 connection: ...`` (an idle connection is just closed).
 
@@ -359,8 +362,9 @@ class WireEngine(RegisteredMemory):
         or `"30000-30100"`: its first free one, `PortsInUse` when none is); chunk_bytes is both the LAYER
         size we send and the largest we accept, so peers must agree on it. A fresh connection
         that sends nothing for first_byte_timeout_s (None: the listener's 10 s; never more than
-        idle_timeout_s) is closed; with every connection slot taken, one evict_after_s behind
-        the least rate (negative: none) is closed for a new one. min_rate_bps (0: none) is that least
+        idle_timeout_s) is closed; with every connection slot taken, one that has sent nothing
+        yet, or else one evict_after_s behind the least rate, is closed for a new one (negative
+        evict_after_s: none). min_rate_bps (0: none) is that least
         rate both ways: a transfer in must keep it after a grace, and a transfer out must be taken
         within reply_timeout_s plus its bytes at it, whatever pace the peer reads at. writers_per_peer: write_async() batches to a lone busy peer
         that run at once, each on a connection of its own; busy peers share that many (at

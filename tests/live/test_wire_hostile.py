@@ -412,8 +412,19 @@ def test_peer_that_goes_silent_inside_prefill(target):
 
 
 def test_connections_beyond_the_limit_are_refused(target, sender):
+    """Four pooled connections, each idle after one transfer and less than evict_after (1 s)
+    behind, hold every slot: a fifth is answered "listener busy". (Silent connections would not do:
+    one that has sent nothing may be closed for a newcomer at any age.)"""
+    same = bytes([SENTINEL]) * 64  # what the region holds: the holders change nothing
     idle = [target.connect() for _ in range(4)]
     try:
+        for sock in idle:
+            wire.write_frame(sock, wire.PREFILL, prefill(target.base, 64))
+            wire.write_frame(sock, wire.LAYER, layer(0, same))
+            wire.write_frame(sock, wire.FIRST, b"")
+            kind, payload, _ = wire.read_frame(sock)
+            assert kind == wire.RESULT and Msg.decode(payload) == Msg({"bytes": 64, "room": 7}), Msg.decode(payload)
+        assert target.unchanged()
         deadline = time.monotonic() + 5
         while target.engine.stats()["active"] < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -427,6 +438,7 @@ def test_connections_beyond_the_limit_are_refused(target, sender):
         time.sleep(0.01)
     good_write(target, sender)
     assert target.engine.stats()["refused"] == 1
+    assert target.engine.stats()["evicted"] == 0
 
 
 def test_many_hostile_peers_at_once(target, sender):

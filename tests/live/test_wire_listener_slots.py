@@ -116,8 +116,23 @@ def test_dribbling_transfers_holding_every_slot_do_not_lock_a_sender_out(pair):
             sock.close()
 
 
+def _frame(kind: int, payload: bytes) -> bytes:
+    return struct.pack("<IB", 1 + len(payload), kind) + payload
+
+
+def _transfer(dest: int, data: bytes) -> bytes:
+    """A whole well-formed transfer (room 7, one layer, rows 1) of data to dest."""
+    msg = Msg({"room": 7, "layers": 1, "rows": 1, "row_bytes": len(data), "ptr": dest, "ptr0": dest,
+               "bytes0": len(data)}).encode()
+    layer = wire.layer_header(0, 1, wire.layer_sum(data)) + data
+    return _frame(wire.PREFILL, msg) + _frame(wire.LAYER, layer) + _frame(wire.FIRST, b"")
+
+
 def test_connections_less_than_evict_after_behind_are_not_closed_for_a_newcomer():
-    """A full listener whose connections are all younger than evict_after answers "listener busy"."""
+    """A full listener whose connections are all less than evict_after behind answers "listener
+    busy": half the slots hold pooled connections idle after one transfer, half hold transfers that
+    sent part of a header. (Not silent ones: a connection that has sent nothing may be closed for a
+    newcomer at any age.)"""
     with WireEngine("127.0.0.1", max_connections=SLOTS, evict_after_s=60.0) as rx, WireEngine("127.0.0.1") as tx:
         dst = torch.zeros(NBYTES, dtype=torch.uint8)
         src = torch.ones(NBYTES, dtype=torch.uint8)
@@ -125,14 +140,76 @@ def test_connections_less_than_evict_after_behind_are_not_closed_for_a_newcomer(
         tx.register(src)
         holders = [_connect(rx.port) for _ in range(SLOTS)]
         try:
+            whole = _transfer(dst.data_ptr(), bytes(64))  # zeros: dst stays all zero
+            for sock in holders[:SLOTS // 2]:
+                sock.sendall(whole)
+                kind, payload, _ = wire.read_frame(sock)
+                assert kind == wire.RESULT and Msg.decode(payload) == Msg({"bytes": 64, "room": 7}), payload
+            for sock in holders[SLOTS // 2:]:
+                sock.sendall(whole[:3])  # part of the PREFILL frame's length
             assert _wait_for(lambda: rx.stats()["active"] == SLOTS, 10)
             with pytest.raises(TransferError, match=f"listener busy: all {SLOTS} connections in use"):
                 _write(tx, rx, dst, src)
             assert not bool(dst.any())
-            assert rx.stats()["evicted"] == 0
+            stats = rx.stats()
+            assert (stats["evicted"], stats["transfers_received"], stats["active"]) == (0, SLOTS // 2, SLOTS), stats
         finally:
             for sock in holders:
                 sock.close()
+
+
+def test_silent_connections_opened_faster_than_evict_after_do_not_keep_a_sender_out():
+    """A client opens connections at about 100 a second and never sends a byte, keeping each a few
+    seconds, so every one of the 4 slots always holds a connection far younger than evict_after
+    (1 s). A connection that has sent nothing holds nothing, so a newcomer may close it at any age:
+    each of 10 writes, every one on a fresh sender's new connection, lands. The old listener only
+    closed one once evict_after behind and answered nearly every write "listener busy"."""
+    with WireEngine("127.0.0.1", max_connections=4) as rx:
+        dst = torch.zeros(4096, dtype=torch.uint8)
+        rx.register(dst)
+        stop = threading.Event()
+        flooded = []
+
+        def flood() -> None:
+            held: list[tuple[float, socket.socket]] = []
+            while not stop.is_set():
+                try:
+                    held.append((time.monotonic(), socket.create_connection(("127.0.0.1", rx.port), timeout=2)))
+                    flooded.append(1)
+                except OSError:
+                    pass
+                while held and time.monotonic() - held[0][0] > 3.0:
+                    held.pop(0)[1].close()
+                stop.wait(0.01)
+            for _, sock in held:
+                sock.close()
+
+        flooding = threading.Thread(target=flood, daemon=True)
+        flooding.start()
+        try:
+            assert _wait_for(lambda: len(flooded) >= 40 and rx.stats()["accepted"] >= 40, 20), rx.stats()
+            before = len(flooded)
+            failures = []
+            for i in range(10):
+                src = torch.full((4096,), i + 1, dtype=torch.uint8)
+                with WireEngine("127.0.0.1") as tx:
+                    tx.register(src)
+                    try:
+                        tx.write(rx.session_id, [src.data_ptr()], [dst.data_ptr()], [4096])
+                    except TransferError as exc:
+                        failures.append(str(exc))
+                        continue
+                assert torch.equal(dst, src), i
+                time.sleep(0.05)
+            during = len(flooded)
+        finally:
+            stop.set()
+            flooding.join(10)
+        assert not failures, f"{len(failures)}/10 writes refused: {failures[0]}"
+        stats = rx.stats()
+        assert during - before >= 10, (before, during)  # the flood kept going through the writes
+        assert stats["evicted"] >= 10, stats  # the flood's connections were closed for newcomers
+        assert stats["transfers_received"] == 10, stats
 
 
 def test_a_negative_evict_after_keeps_every_slot():

@@ -92,9 +92,10 @@ def expect_silent_close(sock: socket.socket, bound: float) -> str:
 class Raw:
     """A raw native listener (loopback, ephemeral port) with one registered page."""
 
-    def __init__(self, recv: float, idle: float, conns: int, first_byte: float | None) -> None:
+    def __init__(self, recv: float, idle: float, conns: int, first_byte: float | None,
+                 evict_after: float = 1.0) -> None:
         extra = () if first_byte is None else (DEFAULT_RATE, -1.0, first_byte)
-        self.handle = _native.wire_listen("127.0.0.1", 0, recv, idle, PAGE, conns, *extra)
+        self.handle = _native.wire_listen("127.0.0.1", 0, recv, idle, PAGE, conns, *extra, evict_after=evict_after)
         self.port = _native.wire_listener_port(self.handle)
         self.memory = np.zeros(PAGE, dtype=np.uint8)
         self.base = self.memory.ctypes.data
@@ -123,8 +124,9 @@ class Raw:
 def test_silent_connections_lose_their_slots_at_the_first_byte_bound():
     """Two silent connections fill both slots (a third is busy); at the 0.5 s first-byte bound each
     reads a reason and a clean close, the slots free up, and a real transfer is served. The old
-    listener kept them until the idle timeout (60 s here)."""
-    with Raw(recv=5.0, idle=60.0, conns=2, first_byte=0.5) as lst:
+    listener kept them until the idle timeout (60 s here). Eviction is off (a negative evict_after),
+    else the third would close a silent one for itself: this is the first-byte bound alone."""
+    with Raw(recv=5.0, idle=60.0, conns=2, first_byte=0.5, evict_after=-1.0) as lst:
         started = time.monotonic()
         silent = [connect(lst.port) for _ in range(2)]
         try:
@@ -193,9 +195,12 @@ def test_the_first_byte_bound_is_checked_and_capped_by_the_idle_timeout():
 def test_the_engines_default_bound_frees_a_slot_long_before_the_idle_timeout():
     """WireEngine with its defaults (10 s first-byte bound) and a 60 s idle timeout: a silent
     connection holding the only slot makes writes fail "listener busy" until about 10 s, then the
-    slot is free and writes land. The old listener kept it the whole 60 s."""
+    slot is free and writes land. The old listener kept it the whole 60 s. Eviction is off
+    (evict_after_s negative), else the write would close the silent connection for itself: this is
+    the first-byte bound alone."""
     n = 64 << 10
-    with WireEngine("127.0.0.1", idle_timeout_s=60.0, max_connections=1) as rx, WireEngine("127.0.0.1") as tx:
+    with WireEngine("127.0.0.1", idle_timeout_s=60.0, max_connections=1, evict_after_s=-1.0) as rx, \
+            WireEngine("127.0.0.1") as tx:
         src = torch.arange(n, dtype=torch.int32).to(torch.uint8)
         dst = torch.zeros(n, dtype=torch.uint8)
         tx.register(src)
@@ -213,7 +218,7 @@ def test_the_engines_default_bound_frees_a_slot_long_before_the_idle_timeout():
         tx.write(rx.session_id, [src.data_ptr()], [dst.data_ptr()], [n])
         assert torch.equal(dst, src)
         stats = rx.stats()
-        assert (stats["silent"], stats["transfers_received"]) == (1, 1)
+        assert (stats["silent"], stats["transfers_received"], stats["evicted"]) == (1, 1, 0)
 
 
 def test_the_engine_passes_its_first_byte_bound_on():
