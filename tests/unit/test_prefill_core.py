@@ -10,6 +10,7 @@ from prefill_rooms import BOOT, ENCODE, KEY0, MAIN, core, routed, spec
 
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.prefill import (
+    CANCEL_SILENCE_S,
     ENCODE_FAILED,
     QUEUED_LOOKUP_S,
     Advance,
@@ -376,7 +377,7 @@ def test_a_dropped_connection_is_looked_up_again_and_has_its_regions_announced_a
     moved = ("10.0.0.2", 7001)
     actions = c.route_resolved(0.3, KEY0, moved)
     assert kinds(actions) == [Announce, SendAsk] and {a.addr for a in actions} == {moved}
-    assert c.stage(1) == "asked" and not c.idle(ENCODE), "room 1 still waits at the old address"
+    assert c.stage(1) == "asked" and not c.idle(ENCODE, 0.5), "room 1 still waits at the old address"
 
 
 def test_rooms_whose_asks_never_left_for_a_dropped_connection_are_looked_up_again():
@@ -394,7 +395,7 @@ def test_rooms_whose_asks_never_left_for_a_dropped_connection_are_looked_up_agai
     actions = c.route_resolved(0.4, KEY0, moved)
     assert kinds(actions) == [Announce, SendAsk, SendAsk, SendAsk] and {a.addr for a in actions} == {moved}
     assert [a.room for a in actions if isinstance(a, SendAsk)] == [1, 2, 3]
-    assert c.idle(ENCODE)
+    assert c.idle(ENCODE, 0.5)
 
 
 def test_asks_that_waited_for_a_socket_too_long_are_looked_up_again():
@@ -451,7 +452,7 @@ def test_a_queued_room_cleared_before_its_connection_dropped_is_not_looked_up_ag
     token, actions = c.receive(0.0, spec(1, slot=1))
     c.refused(0.0, ENCODE, actions)
     c.clear(0.1, 1, token)
-    assert c.connection_dropped(0.2, ENCODE) == [] and c.idle(ENCODE)
+    assert c.connection_dropped(0.2, ENCODE) == [] and c.idle(ENCODE, 0.5)
 
 
 def test_the_oldest_route_and_sizes_are_forgotten_past_their_bounds(monkeypatch):
@@ -499,19 +500,36 @@ def test_an_address_is_idle_only_with_nothing_under_way_there():
     c = core()
     routed(c)
     token, actions = c.receive(0.0, spec(1, slot=1))
-    assert kinds(actions) == [SendAsk] and not c.idle(ENCODE)
+    assert kinds(actions) == [SendAsk] and not c.idle(ENCODE, 0.5)
     c.status(0.1, 1, TransferPoll.WaitingForInput, 0)
     assert kinds(c.abandon(0.2, 1, token)) == [SendCancel]  # given up before its status
     c.clear(0.2, 1, token)
-    assert not c.idle(ENCODE), "its cancel waits for an answer"
+    assert not c.idle(ENCODE, 0.5), "its cancel waits for an answer"
     c.cancel_answered(0.3, 1, 0, CancelAnswer.CONFIRMED)
-    assert c.idle(ENCODE)
+    assert c.idle(ENCODE, 0.5)
+
+
+@pytest.mark.parametrize("lost", ["with its connection", "to a rank that never answers"])
+def test_a_cancel_that_will_not_be_answered_keeps_its_address_busy_no_longer(lost):
+    c = core()
+    routed(c)
+    token, _ = c.receive(1.0, spec(1, slot=1))
+    c.status(1.1, 1, TransferPoll.WaitingForInput, 0)
+    assert kinds(c.abandon(2.0, 1, token)) == [SendCancel]
+    c.clear(2.0, 1, token)
+    assert not c.idle(ENCODE, 2.1)
+    if lost == "with its connection":
+        c.connection_dropped(2.1, ENCODE)
+        assert c.idle(ENCODE, 2.2)
+    else:
+        assert not c.idle(ENCODE, 2.0 + CANCEL_SILENCE_S - 0.1)
+        assert c.idle(ENCODE, 2.0 + CANCEL_SILENCE_S)
 
 
 def test_after_its_idle_socket_was_closed_a_room_announces_its_regions_again():
     c = core()
     routed(c)
-    assert c.idle(ENCODE)
+    assert c.idle(ENCODE, 0.5)
     c.connection_closed(1.0, ENCODE)
     assert kinds(c.receive(2.0, spec(1, slot=1))[1]) == [Announce, SendAsk], "no look-up: the route is kept"
 

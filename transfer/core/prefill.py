@@ -587,11 +587,16 @@ class PrefillCore:
         """When the asks waiting at `addr` (the oldest being `head`) have their routes looked up again."""
         return max(head.asked_at, self._probed_at.get(addr, head.asked_at)) + QUEUED_LOOKUP_S
 
-    def idle(self, addr: Address) -> bool:
-        """Whether nothing is under way at `addr`: no room held for it, no ask waiting, no cancel unanswered."""
+    def idle(self, addr: Address, now: float) -> bool:
+        """Whether nothing is under way at `addr`: no room held for it, no ask waiting, no cancel sent on
+        its current connection within CANCEL_SILENCE_S still unanswered (one lost with an earlier
+        connection, or left unanswered longer, will not be answered there)."""
         if self.asks.waiting(addr) or any(state.addr == addr for state in self._rooms.values()):
             return False
-        return not any(cancel.addr == addr for cancels in self._cancels.values() for cancel in cancels)
+        conn = self._conns.get(addr)
+        return not any(cancel.addr == addr and cancel.conn == conn and not cancel.answered
+                       and now - cancel.sent_at < CANCEL_SILENCE_S
+                       for cancels in self._cancels.values() for cancel in cancels)
 
     def connection_closed(self, now: float, addr: Address) -> list:
         """The driver closed its idle socket to `addr`: a room there later connects afresh and announces

@@ -615,7 +615,7 @@ class PrefillDriver:
             for addr, monitor in list(self._monitors.items()):
                 if _io.dropped(monitor):
                     self._carry(now, self.core.connection_dropped(now, addr))  # look-ups only
-                if now - self._used_at.get(addr, now) >= ASK_IDLE_S and self.core.idle(addr):
+                if now - self._used_at.get(addr, now) >= ASK_IDLE_S and self.core.idle(addr, now):
                     self.core.connection_closed(now, addr)
                     self._disconnect(addr)
 
