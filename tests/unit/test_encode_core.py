@@ -746,6 +746,10 @@ def test_a_room_one_of_whose_receivers_restarted_fails_everywhere_at_the_fanout_
     assert run.conclusions() == [(7, TransferPoll.Failed, FailureKind.FANOUT_TIMEOUT)] and run.of(Release, out)
     # All or nothing: rank 0's rows are no use without rank 1's, so it hears the room failed too.
     assert run.statuses(out) == [(7, 6000, TransferPoll.Failed)]
+    [conclusion] = run.of(Conclude, out)
+    assert conclusion.failure.detail == ("receiver never registered within 10s (1 receiver(s) restarted before they "
+                                         "were served and no successor asked for their shards: rows "
+                                         "4+4 of 10.0.0.7:17001)")
 
 
 def test_a_receiver_that_restarts_after_it_was_served_leaves_its_room_to_succeed():

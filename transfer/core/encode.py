@@ -900,8 +900,14 @@ class EncodeCore:
                 if taken is not None:  # named in the room's failure with the receivers it had
                     sessions = {info.session_id for info in room.receivers}
                     room.receivers += [info for info in taken.infos.values() if info.session_id not in sessions]
-                self._fail(room, FailureKind.FANOUT_TIMEOUT,
-                           f"receiver never registered within {limit:g}s ({_asked(taken)})", now)
+                asked = _asked(taken)
+                if room.orphans:  # its receivers all asked; some restarted before they were served
+                    shards = ", ".join(f"rows {info.row_start}+{info.rows} of {receiver_text(info.session_id)}"
+                                       for info in room.orphans[:3])
+                    asked = (f"{len(room.orphans)} receiver(s) restarted before they were served and no successor "
+                             f"asked for their shards: {shards}")
+                self._fail(room, FailureKind.FANOUT_TIMEOUT, f"receiver never registered within {limit:g}s ({asked})",
+                           now)
         for number in self.parked.older_than(now - limit):
             if number in self._rooms:
                 continue
