@@ -39,7 +39,7 @@ import torch
 
 from transfer import config
 from transfer._io import Region
-from transfer.errors import ConfigError, FallbackLimitError, SlotError
+from transfer.errors import ConfigError, ConfigTypeError, FallbackLimitError, SlotError
 from transfer.interfaces import EventLike, TransferEngineLike
 
 log = logging.getLogger(__name__)
@@ -207,6 +207,10 @@ class ReceivePool:
         Raises ConfigError for a slot size that is not a positive multiple of SLOT_ALIGN or
         does not fit the pool, and whatever the engine's register() raises.
         """
+        for name, value in (("nbytes", nbytes), ("slot_bytes", slot_bytes),
+                            ("max_fallback_bytes", 0 if max_fallback_bytes in (None, _AUTO) else max_fallback_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
         if slot_bytes <= 0 or slot_bytes % SLOT_ALIGN:
             raise ConfigError(f"slot_bytes must be a positive multiple of {SLOT_ALIGN}, got {slot_bytes}")
         if nbytes < slot_bytes:
@@ -223,12 +227,15 @@ class ReceivePool:
         self.engine = engine
         self.slot_bytes = int(slot_bytes)
         self.slots = int(nbytes) // self.slot_bytes
-        self.device = str(torch.device(device))
+        try:
+            self.device = str(torch.device(device))
+            tensor = torch.empty(int(nbytes), dtype=torch.uint8, device=self.device)
+        except (RuntimeError, AssertionError) as exc:  # a device this torch cannot use (CUDA on a CPU build)
+            raise ConfigError(f"cannot allocate the pool's {nbytes} bytes on device {device!r}: {exc}") from None
         self.quarantine_s = float(quarantine_s)
         self.grace_s = float(grace_s)
         self._clock = clock
         self._lock = threading.Lock()
-        tensor = torch.empty(int(nbytes), dtype=torch.uint8, device=self.device)
         engine.register(tensor)
         self.region = Region(tensor.data_ptr(), int(nbytes), self.device, tensor)
         self._closed = False

@@ -177,22 +177,36 @@ def prefill_shard(span: int, tp_rank: int, tp_size: int, encode_tp: int = 1, *,
     return shard_rows(span, tp_rank % fanout, fanout)
 
 
-def check_parallel(engine_rank: int, tp_size: int, dp_size: int) -> None:
-    """ConfigError unless engine_rank is one of tp_size ranks split into dp_size groups."""
+def check_parallel(engine_rank: int, tp_size: int, dp_size: int) -> tuple[int, int, int]:
+    """(engine_rank, tp_size, dp_size) as ints; ConfigError unless engine_rank is one of tp_size ranks split
+    into dp_size groups (ConfigTypeError: one is not an integer)."""
+    engine_rank, tp_size, dp_size = (_integer(name, value) for name, value in
+                                     (("engine rank", engine_rank), ("tp size", tp_size), ("dp size", dp_size)))
     if dp_size <= 0 or tp_size % dp_size:
         raise ConfigError(f"tp size {tp_size} is not a multiple of dp size {dp_size}")
     if not 0 <= engine_rank < tp_size:
         raise ConfigError(f"engine rank {engine_rank} outside [0, tp size {tp_size})")
+    return engine_rank, tp_size, dp_size
 
 
-def check_room(room: int) -> None:
-    """ConfigError unless `room` fits the wire: a non-negative signed 64-bit integer (ConfigTypeError: not an int)."""
-    if type(room) is not int and (isinstance(room, bool) or not hasattr(type(room), "__index__")):
-        raise ConfigTypeError(f"room must be an int, got {type(room).__name__} {room!r}")
+def _integer(name: str, value: object) -> int:
+    """`value` as a plain int (a numpy or torch integer scalar is one); ConfigTypeError for a bool or a non-integer."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise ConfigTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return operator.index(value)  # type: ignore[arg-type]
+
+
+def check_room(room: int) -> int:
+    """`room` as a plain int (a tensor or numpy scalar would key the room's books by identity, not number);
+    ConfigError unless it fits the wire: a non-negative signed 64-bit integer (ConfigTypeError: not an int)."""
+    room = _integer("room", room)
     if room < 0:
         raise ConfigError(f"negative room {room}")
     if room > _I64_MAX:
         raise ConfigError(f"room {room} does not fit the wire's signed 64 bits")
+    return room
 
 
 def _dtype_name(dtype: object) -> str | None:

@@ -459,8 +459,10 @@ class _PrometheusCollector:
         self.metrics = metrics
 
     def describe(self):
-        """Nothing up front: names are only known once recorded (and avoids a collect at register)."""
-        return []
+        """The families recorded or declared so far, so that a registry refuses a second collector whose
+        names clash (two managers of one role, or one Metrics registered twice): a scrape with a
+        family twice is refused whole."""
+        return list(self.collect())
 
     def collect(self):
         """Yield one metric family per series name, from the same samples as the text format."""

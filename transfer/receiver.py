@@ -152,7 +152,7 @@ class SessionManager:
         the deprecated name of `lookup_timeout_s`. Raises ConfigError for a bad argument or variable
         (ConfigTypeError unless `integrity` is True or False).
         """
-        check_parallel(engine_rank, tp_size, dp_size)
+        engine_rank, tp_size, dp_size = check_parallel(engine_rank, tp_size, dp_size)
         lookup_timeout_s = config.renamed("SessionManager", "bootstrap_timeout_s", bootstrap_timeout_s,
                                           "lookup_timeout_s", lookup_timeout_s)
         deadline_s = config.resolve("EPD_DEADLINE_S", deadline_s)
@@ -177,6 +177,9 @@ class SessionManager:
 
         if (buffer is None) == (pool is None):
             raise ConfigError("give the session manager either a registered `buffer` or a `pool` of receive slots")
+        if pool is not None and pool.engine is not engine:
+            raise ConfigError("the pool's memory is registered with another engine than the manager's: "
+                              "encode ranks could not write into it")
         self._owned: list[int] = []
         self.pool = pool
         self.deepstack_buffer: _io.Region | None
@@ -250,7 +253,7 @@ class SessionManager:
         """
         if self._closed:
             raise UsageError("session manager is closed")
-        check_room(room)
+        room = check_room(room)
         dtype_name = normalize_dtype(dtype) if dtype is not None else None
         if dst is None:
             if room in self._driver.rooms:  # refused before a slot is leased (the driver checks again, locked)
@@ -259,6 +262,8 @@ class SessionManager:
                                                                    deepstack_hidden)
             return self._receive(room, bootstrap_addr, dst, None, None, None, row_start, span, deepstack_dst,
                                  lease, full, full_ds)
+        if deepstack_hidden and deepstack_dst is None:
+            raise ConfigError(f"room {room}: deepstack_hidden given with dst but no deepstack_dst to receive into")
         return self._receive(room, bootstrap_addr, dst, rows, hidden, dtype_name, row_start, span, deepstack_dst)
 
     def _receive(self, room: int, bootstrap_addr: str, dst: torch.Tensor | int, rows: int | None,

@@ -109,7 +109,7 @@ class SenderPool:
         for a bad argument or variable (ConfigTypeError unless `integrity` is True or False),
         BootstrapError when the registration fails.
         """
-        check_parallel(engine_rank, tp_size, dp_size)
+        engine_rank, tp_size, dp_size = check_parallel(engine_rank, tp_size, dp_size)
         fanout_timeout_s = config.renamed("SenderPool", "bootstrap_timeout_s", bootstrap_timeout_s,
                                           "fanout_timeout_s", fanout_timeout_s)
         fanout_timeout_s = config.resolve("EPD_FANOUT_TIMEOUT_S", fanout_timeout_s)
@@ -190,7 +190,7 @@ class SenderPool:
         """
         if self._book.stopping:
             raise self._stopped_error()
-        check_room(room)
+        room = check_room(room)
         if ready_event is not None and not callable(getattr(ready_event, "query", None)):
             # The pool's one thread polls it: an event it could only wait on would hold every room.
             raise ConfigTypeError(f"room {room}: ready_event must have query() (e.g. a torch.cuda.Event); "
@@ -337,8 +337,14 @@ def _source(src: torch.Tensor | int, span: int | None, hidden: int | None,
         raise ConfigTypeError(f"src must be a torch tensor or a pointer, got {type(src).__name__}")
     if src.dim() != 2:
         raise ConfigError(f"source must be 2-D [span, hidden], got shape {tuple(src.shape)}")
-    region = _io.as_region(src)
-    return region, int(src.shape[0]), int(src.shape[1]), str(src.dtype)
+    t_span, t_hidden, t_dtype = int(src.shape[0]), int(src.shape[1]), str(src.dtype)
+    if t_hidden < 1:
+        raise ConfigError(f"source of shape {tuple(src.shape)} has no columns: no receiver can ask for it")
+    for name, given, actual in (("span", span, t_span), ("hidden", hidden, t_hidden),
+                                ("dtype", None if dtype is None else normalize_dtype(dtype), t_dtype)):
+        if given is not None and given != actual:
+            raise ConfigError(f"{name} {given} disagrees with the source tensor's {actual}")
+    return _io.as_region(src), t_span, t_hidden, t_dtype
 
 
 #: Registrations whose readability a pool remembers (raw sources on a CUDA host).

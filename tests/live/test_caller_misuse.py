@@ -118,3 +118,54 @@ def test_send_refuses_bad_raw_sizes_and_a_room_already_sent_as_config_errors(eng
             first.clear()
     finally:
         encode_engine.unregister(item.data_ptr())
+
+
+def test_a_room_given_as_a_tensor_scalar_is_the_room_of_that_number_on_both_sides(manager, engines):
+    manager, bootstrap, buf = manager
+    encode_engine, _ = engines
+    item = torch.randn(4, 64).to(torch.bfloat16)
+    encode_engine.register(item)
+    try:
+        with SenderPool(encode_engine, 0, 1, 1, bootstrap, host=HOST) as pool:
+            received = manager.receive(torch.tensor(6), bootstrap, buf)
+            with pytest.raises(ConfigError, match=r"^room 6 is already being received"):
+                manager.receive(torch.tensor(6), bootstrap, buf)
+            sent = pool.send(torch.tensor(6), item)
+            assert received.wait(10) is TransferPoll.Success, received.failure
+            assert sent.wait(5) is TransferPoll.Success, sent.failure
+            assert torch.equal(buf.view(torch.uint8), item.view(torch.uint8))
+            assert [type(room) for room in manager.concluded()] == [int]
+            received.clear()
+            sent.clear()
+    finally:
+        encode_engine.unregister(item.data_ptr())
+
+
+def test_a_pool_on_another_engine_is_refused(engines):
+    from transfer.buffers import ReceivePool
+
+    encode_engine, prefill_engine = engines
+    with ReceivePool(encode_engine, 4096, 4096) as slots:
+        with pytest.raises(ConfigError, match="registered with another engine than the manager's"):
+            SessionManager(prefill_engine, 0, 1, 1, pool=slots, host=HOST)
+
+
+def test_sizes_given_with_a_tensor_must_agree_with_it(manager, engines):
+    manager, bootstrap, buf = manager
+    encode_engine, _ = engines
+    item = torch.zeros(4, 64, dtype=torch.bfloat16)
+    encode_engine.register(item)
+    try:
+        with SenderPool(encode_engine, 0, 1, 1, bootstrap, host=HOST) as pool:
+            for sizes, message in ((dict(span=8), "span 8 disagrees with the source tensor's 4"),
+                                   (dict(hidden=32), "hidden 32 disagrees with the source tensor's 64"),
+                                   (dict(dtype="float16"), "dtype torch.float16 disagrees with the source tensor's "
+                                                           "torch.bfloat16")):
+                with pytest.raises(ConfigError, match=rf"^{message}$"):
+                    pool.send(1, item, **sizes)
+            with pytest.raises(ConfigError, match="has no columns"):
+                pool.send(1, torch.zeros(4, 0, dtype=torch.bfloat16))
+    finally:
+        encode_engine.unregister(item.data_ptr())
+    with pytest.raises(ConfigError, match=r"^room 2: deepstack_hidden given with dst but no deepstack_dst"):
+        manager.receive(2, bootstrap, buf, deepstack_hidden=128)

@@ -133,3 +133,22 @@ def test_churn_keeps_the_pools_bookkeeping_bounded():
         clock.advance(2.0)
         stats = pool.stats()
         assert stats["free"] == slots and stats["fallbacks_live"] == 0
+
+
+@pytest.mark.parametrize("arguments, error, message", [
+    (dict(nbytes="65536"), "ConfigTypeError", "nbytes must be an int, got str '65536'"),
+    (dict(slot_bytes=4096.0), "ConfigTypeError", "slot_bytes must be an int, got float 4096.0"),
+    (dict(max_fallback_bytes=True), "ConfigTypeError", "max_fallback_bytes must be an int, got bool True"),
+    (dict(max_fallback_bytes=0.9), "ConfigTypeError", "max_fallback_bytes must be an int, got float 0.9"),
+    (dict(device="no-such-device"), "ConfigError", "cannot allocate the pool's 65536 bytes on device 'no-such-device'"),
+])
+def test_a_pool_argument_of_the_wrong_kind_is_refused_naming_it(arguments, error, message):
+    from transfer import errors
+
+    engine = RecordingEngine()
+    values = dict(nbytes=65536, slot_bytes=4096) | arguments
+    nbytes, slot_bytes = values.pop("nbytes"), values.pop("slot_bytes")
+    with pytest.raises(getattr(errors, error)) as caught:
+        ReceivePool(engine, nbytes, slot_bytes, clock=FakeClock(), **values)
+    assert str(caught.value).startswith(message)
+    assert engine.regions == {}

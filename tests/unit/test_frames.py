@@ -844,8 +844,27 @@ def test_check_parallel_refuses(rank, tp, dp, message):
 def test_check_parallel_and_check_room_accept_the_valid():
     from transfer.frames import check_parallel, check_room
 
-    check_parallel(3, 4, 2)
+    assert check_parallel(3, 4, 2) == (3, 4, 2)
     check_room(0)
     check_room(I64_MAX)
     with pytest.raises(ValueError, match="does not fit"):
         check_room(I64_MAX + 1)
+
+
+def test_integer_scalars_become_plain_ints_and_other_kinds_are_refused():
+    # A tensor or numpy scalar kept as given would key a room's books by identity, not by its number.
+    import numpy
+    import torch
+
+    from transfer.errors import ConfigTypeError
+    from transfer.frames import check_parallel, check_room
+
+    for scalar in (torch.tensor(6), numpy.int64(6)):
+        room = check_room(scalar)
+        assert type(room) is int and room == 6
+    assert [type(v) for v in check_parallel(torch.tensor(1), numpy.int32(4), 2)] == [int, int, int]
+    for args in ((0, 1.0, 1), (True, 2, 1), (0, 2, 1.0)):
+        with pytest.raises(ConfigTypeError, match=r"must be an int, got (float|bool)"):
+            check_parallel(*args)
+    with pytest.raises(ConfigTypeError, match="room must be an int, got float 2.0"):
+        check_room(2.0)

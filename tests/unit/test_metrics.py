@@ -207,3 +207,16 @@ def test_prometheus_client_collector():
     assert f"epd_rooms_started_total{{{labels}}} 3.0" in prometheus_client.generate_latest(registry).decode()
     registry.unregister(collector)
     assert "epd_" not in prometheus_client.generate_latest(registry).decode()
+
+
+def test_a_registry_refuses_a_second_collector_whose_families_clash():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    first = small_example()
+    first.register_with_prometheus_client(registry)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        first.register_with_prometheus_client(registry)  # the same set twice
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        small_example().register_with_prometheus_client(registry)  # another of the same names
+    text = prometheus_client.generate_latest(registry).decode()
+    assert text.count("# TYPE epd_rooms_started_total counter") == 1
