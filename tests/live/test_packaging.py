@@ -50,6 +50,10 @@ def test_the_sdist_carries_what_a_build_needs(dist):
     for needed in ("native/frame.c", "setup.py", "pyproject.toml", "README.md", "CHANGELOG.md", "docs/protocol.md",
                    "transfer/py.typed", "transfer/_native.pyi", "transfer/core/failure.py", "transfer/errors.py"):
         assert needed in names, f"the sdist lacks {needed}"
+    # Every script, and what one builds from (zmq-floor.sh compiles zmq_floor.c).
+    for script in os.listdir(os.path.join(REPO, "scripts")):
+        if os.path.isfile(os.path.join(REPO, "scripts", script)) and not script.endswith(".pyc"):
+            assert f"scripts/{script}" in names, f"the sdist lacks scripts/{script}"
 
 
 def test_the_wheel_installs_into_a_fresh_venv_and_imports(dist, tmp_path):
