@@ -209,7 +209,8 @@ class ControlListener(zmq.Socket):
 
 def pull_socket(host: str, port: PortSpec, what: str = "control socket") -> tuple[zmq.Socket, int]:
     """A ControlListener bound to exactly `host` on `port` (0: any free one; a range: its first free
-    one, see transfer.ports); returns it and its port. `what` names it in a range's error."""
+    one, see transfer.ports); returns it and its port. `what` names it in a bind's error (a ZMQError
+    with ZMQ's errno, so a range passes over a port in use)."""
     sock = context().socket(zmq.PULL, socket_class=ControlListener)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
@@ -217,9 +218,14 @@ def pull_socket(host: str, port: PortSpec, what: str = "control socket") -> tupl
     base = f"tcp://{zmq_host(host)}"
 
     def bind(number: int) -> int:
-        if number == 0:
-            return sock.bind_to_random_port(base)
-        sock.bind(f"{base}:{number}")
+        address = f"{base}:{number or '*'}"
+        try:
+            if number == 0:
+                return sock.bind_to_random_port(base)
+            sock.bind(address)
+        except zmq.ZMQError as error:  # ZMQ's own text names neither the listener nor, for a port, its address
+            why = zmq.strerror(error.errno) if error.errno else error.strerror  # without pyzmq's "(addr=...)"
+            raise zmq.ZMQError(error.errno, f"{what} cannot listen on {address}: {why}") from None
         return number
 
     try:

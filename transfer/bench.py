@@ -96,7 +96,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for_sentinels
 from typing import Any
 
-from transfer.cli import _dtype, _positive_int, _seconds
+from transfer.cli import _dtype, _positive_int, _rank_host, _seconds
 from transfer.frames import dtype_size, prefill_shard
 
 PATHS = ("raw", "floor", "epd", "wire", "memcpy")
@@ -1041,13 +1041,15 @@ class RankSet:
         return f"{key[0]} rank {key[1]} exited ({self.procs[key].exitcode}); log: {self._log_tail(key)}"
 
     def _log_tail(self, key: tuple[str, int], lines: int = 15) -> str:
-        """The last lines of a rank's log, for error messages."""
+        """The last lines of a rank's log, for error messages, under its path where --log-dir keeps it
+        (a temporary folder is gone by the time the message is read)."""
         path = os.path.join(self.log_dir, f"bench-{key[0]}-{key[1]}.log")
+        where = path if self._tmp is None else "its last lines (keep the whole log with --log-dir)"
         try:
             with open(path, errors="replace") as fh:
-                return path + "\n" + "".join(fh.readlines()[-lines:])
+                return where + "\n" + "".join(fh.readlines()[-lines:])
         except OSError:
-            return path
+            return path if self._tmp is None else "unreadable"
 
     def close(self) -> None:
         """Stop every rank process (bounded), then drop the temporary logs."""
@@ -1635,7 +1637,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-items", type=_positive_int, default=None, help="fewest rooms per cell (default 16)")
     parser.add_argument("--protocol", default="tcp", choices=["tcp", "rdma", "auto"],
                         help="Mooncake protocol of the raw and epd paths")
-    parser.add_argument("--host", default="127.0.0.1", help="address every rank binds")
+    parser.add_argument("--host", type=_rank_host, default="127.0.0.1", help="IPv4 address every rank binds")
     parser.add_argument("--depth", type=_positive_int, default=None,
                         help="async batches the epd sender pool keeps in flight (default: the pool's own)")
     parser.add_argument("--raw-issue", choices=["async", "sync"], default="async",

@@ -16,14 +16,15 @@ from collections.abc import Callable
 from typing import Any
 
 from transfer import config
-from transfer.errors import ConfigError
+from transfer.errors import ConfigError, PortsInUse
 from transfer.frames import normalize_dtype
 
 
 def _demo(args: argparse.Namespace) -> int:
     from transfer.harness import Scenario, run
 
-    if not _output_folders_writable("demo", args, ("json",)) or _environment_refused("demo"):
+    if (not _output_folders_writable("demo", args, ("json",)) or _environment_refused("demo")
+            or _protocol_refused("demo", args.protocol)):
         return 2
     sc = Scenario(
         encode_ranks=args.encode_ranks, prefill_ranks=args.prefill_ranks, items=args.items,
@@ -104,6 +105,9 @@ def _bench(args: argparse.Namespace) -> int:
 
     if not _output_folders_writable("bench", args, ("json", "plot")) or _environment_refused("bench"):
         return 2
+    # Only the wire and memcpy paths run without a Mooncake engine of --protocol.
+    if set(bench.options_from(args).paths) - {"wire", "memcpy"} and _protocol_refused("bench", args.protocol):
+        return 2
     signal.signal(signal.SIGTERM, _raise_interrupt)  # unwinds like Ctrl-C: the bench stops its ranks
     return bench.main(args)
 
@@ -118,14 +122,44 @@ def _environment_refused(command: str) -> bool:
     return bool(problems)
 
 
+def _protocol_refused(command: str, protocol: str, device: str = "") -> bool:
+    """True, saying why in one line, when a Mooncake engine of `protocol` cannot start here (rdma and no
+    usable device): every rank would otherwise fail with a traceback."""
+    from transfer.engine import effective_protocol
+    from transfer.errors import EngineError
+
+    if protocol == "wire":
+        return False
+    try:
+        effective_protocol(protocol, device)
+    except (ConfigError, EngineError) as error:
+        print(f"epd-transfer {command}: {error}", file=sys.stderr)
+        return True
+    return False
+
+
+#: What `bench --plot` can write without knowing the installed matplotlib's backends: its common formats.
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps", ".ps")
+
+
 def _output_folders_writable(command: str, args: argparse.Namespace, options: tuple[str, ...]) -> bool:
-    """False, saying why in one line, when an output FILE's folder cannot be written now, not after the run."""
+    """False, saying why in one line, when an output FILE cannot be written, now rather than after the run:
+    its folder is missing or read-only, it is a folder, or a --plot suffix names no format we know."""
     for option in options:
         path = getattr(args, option, None)
-        folder = os.path.dirname(os.path.abspath(path)) if path and path != "-" else ""
-        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        if not path or path == "-":
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
             print(f"epd-transfer {command}: --{option} {path}: folder {folder} does not exist or is not writable",
                   file=sys.stderr)
+            return False
+        if os.path.isdir(path):
+            print(f"epd-transfer {command}: --{option} {path} is a folder: name a file in it", file=sys.stderr)
+            return False
+        if option == "plot" and not path.lower().endswith(PLOT_SUFFIXES):
+            print(f"epd-transfer {command}: --plot {path}: name a file ending in "
+                  f"{', '.join(PLOT_SUFFIXES)} (the format is taken from the suffix)", file=sys.stderr)
             return False
     return True
 
@@ -187,6 +221,8 @@ def _bootstrap(args: argparse.Namespace) -> int:
     _exit_with(args.exit_with)
     try:
         server = BootstrapServer(args.host, args.port, token=args.token)
+    except PortsInUse as error:  # its message already names the server and the range
+        raise OSError(error.strerror) from None
     except OSError as error:
         raise OSError(f"cannot serve on {args.host}:{args.port}: {error}") from None
     with server:
@@ -200,6 +236,8 @@ def _rank(args: argparse.Namespace) -> int:
     from transfer import harness
     from transfer.bootstrap import BootstrapServer
 
+    if _environment_refused("rank"):
+        return 2
     limit = args.encode_ranks if args.role == "encode" else args.prefill_ranks
     if args.prefill_ranks % args.encode_ranks or not 0 <= args.rank < limit:
         print(f"rank {args.rank} of {args.role}: need 0 <= rank < {limit} and prefill ranks "
@@ -210,7 +248,7 @@ def _rank(args: argparse.Namespace) -> int:
         hidden=args.hidden, dtype=args.dtype, sharded=not args.identity, per_block=args.per_block,
         deepstack=args.deepstack,
         inflight=args.inflight, protocol=args.protocol, host=args.host, integrity=not args.no_integrity,
-        deadline_s=args.deadline, fanout_timeout_s=args.bootstrap_timeout,
+        deadline_s=args.deadline, fanout_timeout_s=args.bootstrap_timeout, register_timeout_s=args.bootstrap_timeout,
         token=args.token, timeout_s=args.timeout, first_room=args.first_room, ports=args.ports,
     )
     if args.protocol == "wire" and isinstance(args.ports, int) and args.ports:
@@ -236,6 +274,8 @@ def _rank(args: argparse.Namespace) -> int:
         port = int(args.bootstrap.rpartition(":")[2])
         try:
             server = BootstrapServer(bind, port, token=args.token)
+        except PortsInUse as error:  # its message already names the server and the range
+            raise OSError(error.strerror) from None
         except OSError as error:
             raise OSError(f"cannot serve the bootstrap on {bind}:{port}: {error}") from None
         print(f"bootstrap server on http://{server.address}", file=sys.stderr, flush=True)
@@ -289,6 +329,9 @@ def _wait_for_route(bootstrap: str, encode_rank: int, timeout_s: float) -> None:
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad argument is one line (the usage block buries it) and exit 2."""
+
+    #: The subcommands' parsers by name (build_parser fills it on the top-level parser).
+    commands: dict[str, argparse.ArgumentParser]
 
     def error(self, message: str) -> None:  # type: ignore[override]
         """Print `PROG: error: MESSAGE (see PROG --help)` and exit 2."""
@@ -363,6 +406,15 @@ def _host_port(text: str) -> str:
     return text
 
 
+def _rank_host(text: str) -> str:
+    """An address ranks bind: not an IPv6 literal (Mooncake's sessions and the ranks' ZMQ sockets take IPv4)."""
+    if ":" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is an IPv6 address, and the ranks run over IPv4 only "
+                                         f"(Mooncake cannot reach an IPv6 session): give an IPv4 address, "
+                                         f"e.g. 127.0.0.1")
+    return text
+
+
 def _token(text: str) -> str:
     """A bearer token: printable ASCII (it travels in an HTTP header), at most 4096 characters."""
     from transfer.bootstrap import check_token
@@ -422,9 +474,23 @@ def _add_item_shape(parser: argparse.ArgumentParser) -> None:
                              "whole prefill group, as the reference peer does; each encode rank then writes 1/E)")
 
 
+def _conflicting_options(args: argparse.Namespace) -> str | None:
+    """Why options given together make no sense (one would be silently ignored), or None."""
+    if getattr(args, "bootstrap_bind", None) is not None and not getattr(args, "serve_bootstrap", False):
+        return "--bootstrap-bind is the address of the bootstrap server this rank serves: it needs --serve-bootstrap"
+    if getattr(args, "identity", False) and getattr(args, "per_block", False):
+        return ("--identity (every prefill rank receives the full rows) and --per-block (how rows are sharded) "
+                "exclude each other")
+    return None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, with the defaults that come from EPD_* variables read (ConfigError naming a bad one)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    conflict = _conflicting_options(args)
+    if conflict:
+        parser.commands[args.command].error(conflict)
     for key, value in vars(args).items():
         if isinstance(value, _FromEnv):
             setattr(args, key, value.resolve())
@@ -483,7 +549,7 @@ def _subparser(sub: argparse._SubParsersAction, name: str, help: str, common: ar
                           formatter_class=_Help)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     """The command line."""
     parser = _Parser(prog="epd-transfer", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -503,7 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--inflight", type=_positive_int, default=8, help="rooms in flight per rank")
     demo.add_argument("--protocol", default="auto", choices=["auto", "tcp", "rdma", "wire"],
                       help="data path: auto (rdma when a device exists, else tcp), tcp, rdma, or our framed wire")
-    demo.add_argument("--host", default="127.0.0.1", help="address every rank binds")
+    demo.add_argument("--host", type=_rank_host, default="127.0.0.1", help="IPv4 address every rank binds")
     demo.add_argument("--no-integrity", action="store_true", help="skip the checksums of landed bytes")
     demo.add_argument("--deadline", type=_seconds, default=_FromEnv("EPD_DEADLINE_S"),
                       help="per-room receive deadline, seconds (default: $EPD_DEADLINE_S, else 60)")
@@ -545,7 +611,8 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--serve-bootstrap", action="store_true", help="also run the bootstrap server here")
     rank.add_argument("--bootstrap-bind", default=None,
                       help="address the served bootstrap binds (default: the host of --bootstrap)")
-    rank.add_argument("--host", default="127.0.0.1", help="this node's address (engine and sockets)")
+    rank.add_argument("--host", type=_rank_host, default="127.0.0.1",
+                      help="this node's IPv4 address (engine and sockets)")
     rank.add_argument("--ports", type=_ports, default=0,
                       help="port, or range FIRST-LAST, of this rank's listeners (its ZMQ socket and, with "
                            "--protocol wire, its wire listener: consecutive free ports of the range); 0: any "
@@ -565,7 +632,8 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--deadline", type=_seconds, default=_FromEnv("EPD_DEADLINE_S"),
                       help="per-room deadline, seconds (default: $EPD_DEADLINE_S, else 60)")
     rank.add_argument("--bootstrap-timeout", type=_seconds, default=_FromEnv("EPD_FANOUT_TIMEOUT_S"),
-                      help="how long to wait for the bootstrap server and the peers, seconds "
+                      help="how long to wait for the bootstrap server and the peers, seconds: an encode rank's "
+                           "registration and its rooms' fanout, a prefill rank's wait for its encode rank "
                            "(default: $EPD_FANOUT_TIMEOUT_S, else 120)")
     rank.add_argument("--linger", type=_non_negative_seconds, default=2.0,
                       help="encode: seconds to stay up after the last room")
@@ -573,6 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="bound on the whole rank, seconds: past it the rank stops and exits 1")
     _add_exit_with(rank)
     rank.set_defaults(func=_rank)
+    parser.commands = dict(sub.choices)
     return parser
 
 
@@ -595,7 +664,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # noqa: BLE001 - an operator gets one line; -v shows the traceback
         if args.verbose:
             traceback.print_exc()
-        expected = isinstance(error, (OSError, RuntimeError, ValueError))  # TimeoutError is an OSError
+        zmq = sys.modules.get("zmq")  # a listener that cannot bind raises zmq.ZMQError naming it and its address
+        expected = (isinstance(error, (OSError, RuntimeError, ValueError))  # TimeoutError is an OSError
+                    or (zmq is not None and isinstance(error, zmq.ZMQError)))
         what = str(error) if expected else f"{type(error).__name__}: {error} (run with -v for the traceback)"
         print(f"epd-transfer {args.command}: {what}", file=sys.stderr)
         return 1

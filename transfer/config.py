@@ -161,7 +161,8 @@ SETTINGS: tuple[Setting, ...] = (
             "waiting for a room's whole fanout to ask, and for a write to start after the first ask "
             "(also `rank --bootstrap-timeout`)"),
     Setting("EPD_REGISTER_TIMEOUT_S", "register_timeout_s", "SenderPool", 30.0, "seconds",
-            "registering with the bootstrap server at construction"),
+            "registering with the bootstrap server at construction (an encode `rank` registers for its "
+            "--bootstrap-timeout)"),
     Setting("EPD_SEND_DEPTH", "depth", "SenderPool", 32, "count",
             "receiver shard writes in flight at once"),
     Setting("EPD_MAX_PARKED_BYTES", "max_parked_bytes", "SenderPool", MAX_PARKED_BYTES, "bytes",

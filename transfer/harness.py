@@ -51,6 +51,7 @@ class Scenario:
     integrity: bool = True
     deadline_s: float = 60.0
     fanout_timeout_s: float = 60.0  # the sender pools' (SenderPool fanout_timeout_s)
+    register_timeout_s: float | None = None  # the sender pools' registration (None: $EPD_REGISTER_TIMEOUT_S, 30)
     first_room: int = 0
     spans: list[int] | None = None  # per-item spans (mixed sizes); default: `span` for all
     token: str | None = None
@@ -144,7 +145,7 @@ def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finishe
             engine.register(deep.pool)
         with SenderPool(
             engine, rank, sc.encode_ranks, 1, bootstrap_addr, host=sc.host, port=sc.ports, token=sc.token,
-            fanout_timeout_s=sc.fanout_timeout_s, integrity=sc.integrity,
+            fanout_timeout_s=sc.fanout_timeout_s, register_timeout_s=sc.register_timeout_s, integrity=sc.integrity,
         ) as pool:
             ready()
             go()
@@ -207,6 +208,7 @@ class _GiveUp:
 
 
 def _settle_send(handle, sc: Scenario, report: dict, given_up: _GiveUp | None = None) -> None:
+    from transfer.core.failure import without_room
     from transfer.status import TransferPoll
 
     status = (given_up or _GiveUp(None)).wait(handle, sc.fanout_timeout_s + sc.deadline_s + 5)
@@ -215,7 +217,7 @@ def _settle_send(handle, sc: Scenario, report: dict, given_up: _GiveUp | None = 
         why = handle.failure
         if why is None:
             why = ABANDONED if given_up is not None and given_up.now() else f"still {status.name}"
-        report["failed"].append((handle.room, why))
+        report["failed"].append((handle.room, without_room(handle.room, why)))  # its lines name the room
     handle.clear()
 
 

@@ -89,3 +89,29 @@ def test_rank_timeout_stops_an_encode_rank_that_no_prefill_rank_asks():
                     "--bootstrap-timeout", "300", "--timeout", "4"], timeout=90)
     assert result.returncode == 1, result.stderr
     assert "encode rank 0: stopped after --timeout 4s" in result.stderr
+
+
+@pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
+def test_a_rank_whose_port_is_taken_says_which_listener_in_one_line():
+    # ZMQ's bind error used to come out as an internal one: "ZMQError: ... (run with -v for the traceback)".
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _rank(["--role", "encode", "--rank", "0", "--serve-bootstrap", "--bootstrap",
+                        f"127.0.0.1:{_free_port()}", "--protocol", "tcp", "--ports", str(port), "--timeout", "30"],
+                       timeout=90)
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == (f"epd-transfer rank: encode rank 0's request socket cannot listen on tcp://127.0.0.1:{port}: "
+                    f"Address already in use"), result.stderr
+
+
+@pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
+def test_rank_bootstrap_timeout_bounds_an_encode_ranks_registration():
+    # It waited EPD_REGISTER_TIMEOUT_S (30 s) whatever --bootstrap-timeout said.
+    result = _rank(["--role", "encode", "--rank", "0", "--bootstrap", f"127.0.0.1:{_free_port()}",
+                    "--protocol", "tcp", "--bootstrap-timeout", "2", "--timeout", "25"], timeout=90)
+    assert result.returncode == 1, result.stderr
+    assert "could not register encode rank 0 with bootstrap server" in result.stderr
+    assert "within 2.0s" in result.stderr and "--timeout" not in result.stderr

@@ -293,3 +293,16 @@ def test_format_stages_lists_only_rows_with_stages():
     assert lines[1].split() == ["epd", "512", "KiB", "4", "8", "off", "0.030", "-0.300", "0.300", "0.750", "1.950",
                                 "2.400", "2.410"]
     assert len(lines) == 2
+
+
+def test_a_rank_log_in_a_removed_temporary_folder_is_quoted_not_named(tmp_path):
+    # The message is read after close() removed the folder: its path would name nothing.
+    (tmp_path / "bench-prefill-1.log").write_text("first\nlast words\n")
+    ranks = object.__new__(bench.RankSet)
+    ranks.log_dir = str(tmp_path)
+    ranks._tmp = object()  # type: ignore[assignment]  # the folder is a temporary one
+    tail = ranks._log_tail(("prefill", 1))
+    assert str(tmp_path) not in tail and tail.endswith("first\nlast words\n")
+    assert "--log-dir" in tail
+    ranks._tmp = None  # --log-dir: the log stays, and its path is worth giving
+    assert ranks._log_tail(("prefill", 1)).startswith(str(tmp_path / "bench-prefill-1.log") + "\n")

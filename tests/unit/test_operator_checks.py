@@ -39,6 +39,10 @@ BAD_ARGUMENTS = [
     (["rank", "--role", "encode", "--rank", "0", "-E", "0", "--bootstrap", "127.0.0.1:8998"], "--encode-ranks"),
     (["rank", "--role", "prefill", "--rank", "0", "--bootstrap", "127.0.0.1:8998", "--bootstrap-timeout", "0"],
      "--bootstrap-timeout"),
+    # IPv6: ZMQ failed with "No such device", and with ZMQ's IPV6 set Mooncake could not reach the sessions.
+    (["demo", "--host", "::1"], "--host"),
+    (["bench", "--host", "[::1]"], "--host"),
+    (["rank", "--role", "encode", "--rank", "0", "--bootstrap", "127.0.0.1:8998", "--host", "fe80::1"], "--host"),
 ]
 
 

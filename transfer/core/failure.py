@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["MAX_DETAIL", "Failure", "FailureKind", "cut_printable", "printable"]
+__all__ = ["MAX_DETAIL", "Failure", "FailureKind", "cut_printable", "printable", "without_room"]
 
 #: A failure's detail is cut to this many characters: it may quote what a peer or a server sent
 #: (a session id, an answer), and it goes to logs, to callers and to peers.
@@ -22,6 +22,11 @@ def cut_printable(text: str, limit: int) -> str:
     if len(text) > limit:
         text = text[:limit - 3] + "..."
     return printable(text)
+
+
+def without_room(room: int, detail: str) -> str:
+    """`detail` without its leading `room N: ` (most details name their room), for a line that names it already."""
+    return detail.removeprefix(f"room {room}: ")
 
 
 class FailureKind(str, Enum):

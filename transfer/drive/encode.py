@@ -33,7 +33,7 @@ from transfer.core.encode import (
     StartWrite,
     Warn,
 )
-from transfer.core.failure import Failure, FailureKind
+from transfer.core.failure import Failure, FailureKind, without_room
 from transfer.core.polls import PollSchedule
 from transfer.core.sources import SourceCounts
 from transfer.frames import (
@@ -124,7 +124,7 @@ class RoomBook:
         else:
             kind = failure.kind if failure is not None else FailureKind.OTHER
             self.metrics.inc("rooms_failed_total", reason=kind.value)
-            self.failures.warning(kind, "room %d failed: %s", state.room, failure)
+            self.failures.warning(kind, "room %d failed: %s", state.room, without_room(state.room, str(failure)))
         self.conclusions.notify()
         return True
 

@@ -1,0 +1,179 @@
+"""What the command line refuses, or reports in one line, before a run starts (or instead of a traceback):
+an rdma protocol with no device, a --json/--plot that cannot be written, options that exclude each other,
+library EPD_* values on `rank`, a listener that cannot bind, and a bootstrap range in use."""
+
+from __future__ import annotations
+
+import errno
+import json
+import signal
+
+import pytest
+
+from transfer import bench, cli, harness
+
+RANK = ["rank", "--role", "encode", "--rank", "0", "--bootstrap", "127.0.0.1:1"]
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("the run started")
+
+
+@pytest.fixture
+def no_rdma(monkeypatch, tmp_path):
+    """This host as one without an RDMA device, whatever it has."""
+    import transfer.engine
+
+    monkeypatch.setattr(transfer.engine, "INFINIBAND_SYSFS", str(tmp_path / "infiniband"))
+
+
+@pytest.mark.parametrize("argv", [["demo", "--protocol", "rdma"],
+                                  ["bench", "--protocol", "rdma", "--paths", "epd"]])
+def test_rdma_without_a_device_is_refused_before_any_rank_starts(argv, no_rdma, monkeypatch, capsys):
+    # Each rank used to fail starting its engine and the run printed a rank's traceback.
+    monkeypatch.setattr(harness, "run", _never)
+    monkeypatch.setattr(bench, "main", _never)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"epd-transfer {argv[0]}: protocol 'rdma' needs a usable RDMA device" in err
+
+
+def test_a_bench_of_paths_without_mooncake_does_not_need_its_protocol(no_rdma, monkeypatch):
+    monkeypatch.setattr(bench, "main", lambda args: 0)
+    assert cli.main(["bench", "--protocol", "rdma", "--paths", "wire,memcpy"]) == 0
+
+
+@pytest.mark.parametrize("argv", [["demo", "--json", "{dir}"], ["doctor", "--json", "{dir}"],
+                                  ["bench", "--json", "{dir}"], ["bench", "--plot", "{dir}"]])
+def test_an_output_file_that_is_a_folder_is_refused_before_the_run(argv, tmp_path, monkeypatch, capsys):
+    from transfer import doctor
+
+    monkeypatch.setattr(harness, "run", _never)
+    monkeypatch.setattr(bench, "main", _never)
+    monkeypatch.setattr(doctor, "collect_report", _never)
+    assert cli.main([a.format(dir=tmp_path) for a in argv]) == 2
+    assert f"{argv[1]} {tmp_path} is a folder" in capsys.readouterr().err
+
+
+def test_a_plot_format_matplotlib_cannot_write_is_refused_before_the_bench(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "main", _never)
+    assert cli.main(["bench", "--plot", str(tmp_path / "out.txt")]) == 2
+    assert "out.txt: name a file ending in .png" in capsys.readouterr().err
+    monkeypatch.setattr(bench, "main", lambda args: 0)
+    assert cli.main(["bench", "--plot", str(tmp_path / "out.PDF")]) == 0
+
+
+@pytest.mark.parametrize("argv, conflict", [
+    ([*RANK, "--bootstrap-bind", "10.9.9.9"], "--bootstrap-bind"),
+    (["demo", "--identity", "--per-block"], "--per-block"),
+    ([*RANK, "--identity", "--per-block"], "--per-block"),
+])
+def test_an_option_that_would_be_ignored_is_a_parser_error(argv, conflict, capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.parse_args(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"epd-transfer {argv[0]}: error: " in err and conflict in err
+
+
+def test_bootstrap_bind_with_serve_bootstrap_is_taken():
+    args = cli.parse_args([*RANK, "--serve-bootstrap", "--bootstrap-bind", "0.0.0.0"])
+    assert args.bootstrap_bind == "0.0.0.0"
+
+
+def test_rank_refuses_a_bad_library_variable_before_it_starts(monkeypatch, capsys):
+    # demo and bench did; rank started its engine and failed in the sender pool, exit 1.
+    monkeypatch.setenv("EPD_SEND_DEPTH", "0")
+    monkeypatch.setattr(harness, "encode_rank", _never)
+    assert cli.main(RANK) == 2
+    assert capsys.readouterr().err.startswith("epd-transfer rank: EPD_SEND_DEPTH='0'")
+
+
+def test_rank_bootstrap_timeout_bounds_the_encode_ranks_registration(monkeypatch):
+    seen = {}
+
+    def encode_rank(sc, *args):
+        seen["sc"] = sc
+        return {"failed": []}
+
+    monkeypatch.setattr(harness, "encode_rank", encode_rank)
+    assert cli.main([*RANK, "--bootstrap-timeout", "3", "--linger", "0"]) == 0
+    assert (seen["sc"].register_timeout_s, seen["sc"].fanout_timeout_s) == (3.0, 3.0)
+
+
+def test_the_harness_hands_the_register_timeout_to_the_sender_pool(monkeypatch):
+    import transfer.sender
+
+    class Engine:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def register(self, tensor):
+            pass
+
+    seen = {}
+
+    def pool(*args, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(harness, "make_engine", lambda sc: Engine())
+    monkeypatch.setattr(transfer.sender, "SenderPool", pool)
+    with pytest.raises(RuntimeError, match="stop here"):
+        harness.encode_rank(harness.Scenario(items=1, span=2, hidden=4, register_timeout_s=3.0), 0, "h:1",
+                            None, None, None)
+    assert seen["register_timeout_s"] == 3.0
+
+
+def test_a_listener_that_cannot_bind_is_one_line_without_a_traceback_hint(monkeypatch, capsys):
+    import zmq
+
+    def encode_rank(*args):
+        raise zmq.ZMQError(errno.EADDRINUSE, "encode rank 0's request socket cannot listen on "
+                                             "tcp://127.0.0.1:27987: Address already in use")
+
+    monkeypatch.setattr(harness, "encode_rank", encode_rank)
+    assert cli.main(RANK) == 1
+    err = capsys.readouterr().err
+    assert err == ("epd-transfer rank: encode rank 0's request socket cannot listen on tcp://127.0.0.1:27987: "
+                   "Address already in use\n")
+
+
+def test_a_bootstrap_range_in_use_is_said_once(monkeypatch, capsys):
+    import transfer.bootstrap
+    from transfer.errors import PortsInUse
+
+    def server(host, port, token=None):
+        raise PortsInUse(errno.EADDRINUSE, f"bootstrap server on {host}: no free port in {port}: every one is in use")
+
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # no handlers left in the test process
+    monkeypatch.setattr(transfer.bootstrap, "BootstrapServer", server)
+    assert cli.main(["bootstrap", "--port", "18998-18999"]) == 1
+    assert capsys.readouterr().err == ("epd-transfer bootstrap: bootstrap server on 127.0.0.1: no free port in "
+                                       "18998-18999: every one is in use\n")
+
+
+def test_a_rank_failure_reason_names_its_room_once(monkeypatch, capsys):
+    from transfer.status import TransferPoll
+
+    class Handle:
+        room = 7
+        failure = "room 7: receiver 127.0.0.1:15018 hidden 32 != item hidden 64"
+
+        def wait(self, timeout):
+            return TransferPoll.Failed
+
+        def clear(self):
+            pass
+
+    report: dict = {"rooms": [], "failed": []}
+    harness._settle_send(Handle(), harness.Scenario(), report)
+    assert report["failed"] == [(7, "receiver 127.0.0.1:15018 hidden 32 != item hidden 64")]
+    monkeypatch.setattr(harness, "encode_rank", lambda *args: report)
+    assert cli.main([*RANK, "--linger", "0"]) == 1
+    failures = json.loads(capsys.readouterr().out)["failures"]
+    assert failures == ["room 7: receiver 127.0.0.1:15018 hidden 32 != item hidden 64"]
