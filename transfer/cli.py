@@ -208,7 +208,7 @@ def _exit_with(pid: int | None) -> None:
 
 
 def _add_exit_with(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--exit-with", type=_positive_int, metavar="PID", default=None,
+    parser.add_argument("--exit-with", type=_running_pid, metavar="PID", default=None,
                         help="stop once process PID ends, e.g. the launch script's $$ (default: never)")
 
 
@@ -341,6 +341,18 @@ class _Parser(argparse.ArgumentParser):
 def _positive_int(text: str) -> int:
     """An integer >= 1."""
     return _int_at_least(text, 1, "a positive integer")
+
+
+def _running_pid(text: str) -> int:
+    """The number of a process that is running now (one already gone would stop the command at once)."""
+    pid = _positive_int(text)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        raise argparse.ArgumentTypeError(f"no process {pid} is running") from None
+    except PermissionError:
+        pass  # running, as another user
+    return pid
 
 
 def _non_negative_int(text: str) -> int:

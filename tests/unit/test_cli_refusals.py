@@ -177,3 +177,19 @@ def test_a_rank_failure_reason_names_its_room_once(monkeypatch, capsys):
     assert cli.main([*RANK, "--linger", "0"]) == 1
     failures = json.loads(capsys.readouterr().out)["failures"]
     assert failures == ["room 7: receiver 127.0.0.1:15018 hidden 32 != item hidden 64"]
+
+
+@pytest.mark.parametrize("argv", [["bootstrap", "--port", "0"], RANK])
+def test_exit_with_a_process_that_is_not_running_is_a_parser_error(argv, monkeypatch, capsys):
+    # It would stop the command at once: a bootstrap server that announced itself and exited 0.
+    def kill(pid, sig):
+        assert (pid, sig) == (999999, 0)
+        raise ProcessLookupError(pid)
+
+    monkeypatch.setattr(cli.os, "kill", kill)
+    monkeypatch.setattr(cli, "_bootstrap", _never)
+    monkeypatch.setattr(cli, "_rank", _never)
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*argv, "--exit-with", "999999"])
+    assert exited.value.code == 2
+    assert "--exit-with: no process 999999 is running" in capsys.readouterr().err
