@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from test_wire_hostile import expect_error
+from wire_bytes import frame
 
 from transfer import _native, wire
 from transfer.engine import TransferError
@@ -79,11 +80,6 @@ def prefill(dest: int, nbytes: int) -> bytes:
     """A PREFILL Msg (room 7) for one layer of nbytes at dest, rows 1."""
     return Msg({"room": 7, "layers": 1, "rows": 1, "row_bytes": nbytes, "ptr": dest, "ptr0": dest,
                 "bytes0": nbytes}).encode()
-
-
-def frame(kind: int, payload: bytes) -> bytes:
-    """One whole frame's bytes."""
-    return struct.pack("<IB", 1 + len(payload), kind) + payload
 
 
 def layer_frame(data: bytes) -> bytes:

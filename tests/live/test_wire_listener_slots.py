@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from wire_bytes import transfer_bytes
 
 from transfer import _native, wire
 from transfer.engine import TransferError
@@ -116,18 +117,6 @@ def test_dribbling_transfers_holding_every_slot_do_not_lock_a_sender_out(pair):
             sock.close()
 
 
-def _frame(kind: int, payload: bytes) -> bytes:
-    return struct.pack("<IB", 1 + len(payload), kind) + payload
-
-
-def _transfer(dest: int, data: bytes) -> bytes:
-    """A whole well-formed transfer (room 7, one layer, rows 1) of data to dest."""
-    msg = Msg({"room": 7, "layers": 1, "rows": 1, "row_bytes": len(data), "ptr": dest, "ptr0": dest,
-               "bytes0": len(data)}).encode()
-    layer = wire.layer_header(0, 1, wire.layer_sum(data)) + data
-    return _frame(wire.PREFILL, msg) + _frame(wire.LAYER, layer) + _frame(wire.FIRST, b"")
-
-
 def test_connections_less_than_evict_after_behind_are_not_closed_for_a_newcomer():
     """A full listener whose connections are all less than evict_after behind answers "listener
     busy": half the slots hold pooled connections idle after one transfer, half hold transfers that
@@ -140,7 +129,7 @@ def test_connections_less_than_evict_after_behind_are_not_closed_for_a_newcomer(
         tx.register(src)
         holders = [_connect(rx.port) for _ in range(SLOTS)]
         try:
-            whole = _transfer(dst.data_ptr(), bytes(64))  # zeros: dst stays all zero
+            whole = transfer_bytes(dst.data_ptr(), bytes(64))  # zeros: dst stays all zero
             for sock in holders[:SLOTS // 2]:
                 sock.sendall(whole)
                 kind, payload, _ = wire.read_frame(sock)

@@ -19,13 +19,14 @@ import math
 import os
 import re
 import socket
-import struct
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
+
+from wire_bytes import transfer_bytes
 
 from transfer import _native, wire
 from transfer.engine import TransferError
@@ -46,19 +47,6 @@ def wait_for(predicate, limit: float, step: float = 0.01) -> bool:
             return False
         time.sleep(step)
     return True
-
-
-def frame(kind: int, payload: bytes) -> bytes:
-    """One whole frame's bytes."""
-    return struct.pack("<IB", 1 + len(payload), kind) + payload
-
-
-def transfer_bytes(dest: int, data: bytes) -> bytes:
-    """A whole well-formed transfer (room 7, one layer, rows 1) of data to dest."""
-    msg = Msg({"room": 7, "layers": 1, "rows": 1, "row_bytes": len(data), "ptr": dest, "ptr0": dest,
-               "bytes0": len(data)}).encode()
-    layer = wire.layer_header(0, 1, wire.layer_sum(data)) + data
-    return frame(wire.PREFILL, msg) + frame(wire.LAYER, layer) + frame(wire.FIRST, b"")
 
 
 def good_transfer(sock: socket.socket, dest: int, data: bytes) -> None:

@@ -114,14 +114,20 @@ def test_a_cancel_for_a_write_in_flight_says_too_late_then_confirms_once_it_is_o
     assert run.conclusions() == [(4, TransferPoll.Failed, FailureKind.CANCELLED)]
 
 
+def _rank_zero_served_rank_one_writing(run: Run, room: int) -> StartWrite:
+    """`room` at fanout 2: rank 0's write landed and it was told Success; rank 1's write (returned) flies."""
+    run(run.core.offer(_offer(room, span=8), run.now))
+    run(run.core.ask(_ask(room, 0, fanout=2, span=8), run.now))
+    first, second = run.of(StartWrite, run(run.core.ask(_ask(room, 1, fanout=2, span=8), run.now)))
+    run(run.core.write_done(first.wid, (7,), run.now))
+    return second
+
+
 def test_a_cancel_from_a_receiver_already_told_success_fails_the_room_saying_so():
     # A prefill rank cancels a room it cleared while its Success was on the way: the room still
     # fails (a room given up on does not succeed), and its reason says the write had landed.
     run = Run()
-    run(run.core.offer(_offer(1, span=8), run.now))
-    run(run.core.ask(_ask(1, 0, fanout=2, span=8), run.now))
-    first, second = run.of(StartWrite, run(run.core.ask(_ask(1, 1, fanout=2, span=8), run.now)))
-    run(run.core.write_done(first.wid, (7,), run.now))
+    _rank_zero_served_rank_one_writing(run, 1)
     out = run(run.core.cancel(_cancel(1, 0), run.now))
     assert run.answers(out) == [(1, 6000, CONFIRMED)]
     [conclusion] = run.of(Conclude, out)
@@ -173,10 +179,7 @@ def test_a_cancel_that_comes_after_its_write_failed_is_answered_write_failed():
 def test_a_cancel_of_an_ask_for_the_rooms_next_send_leaves_the_send_under_way_alone():
     # Rank 0 was told Success, cleared and asked again (parked for the next send), then gave that up.
     run = Run()
-    run(run.core.offer(_offer(7, span=8), run.now))
-    run(run.core.ask(_ask(7, 0, fanout=2, span=8), run.now))
-    first, second = run.of(StartWrite, run(run.core.ask(_ask(7, 1, fanout=2, span=8), run.now)))
-    run(run.core.write_done(first.wid, (7,), run.now))
+    second = _rank_zero_served_rank_one_writing(run, 7)
     run(run.core.ask(_ask(7, 0, fanout=2, span=8), run.now))
     assert 7 in run.core.parked
     out = run(run.core.cancel(_cancel(7, 0), run.now))
