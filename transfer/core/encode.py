@@ -368,7 +368,7 @@ class EncodeCore:
         room = self._rooms.get(room_number)
         asks = self.parked.get(room_number)
         parked = asks is not None and session in asks.infos
-        if parked:  # its ask, or a repeat of an ask its room already took
+        if parked:  # its ask, for the room being sent or for its next send
             self.parked.drop_ask(room_number, session)
         if parked and room is not None and session in room.served:
             # Told Success, it asked again for the room's next send: the cancel is that ask's (one for
