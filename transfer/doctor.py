@@ -424,7 +424,13 @@ def check_mc_env(mc_env: dict[str, str]) -> Check:
     """One line listing the MC_* variables (they change Mooncake's behaviour silently)."""
     if not mc_env:
         return Check("mc-env", "info", "no MC_* variables set (Mooncake defaults)")
-    return Check("mc-env", "ok", " ".join(f"{k}={v}" for k, v in mc_env.items()))
+    listed = " ".join(f"{k}={v}" for k, v in mc_env.items())
+    timeout = mc_env.get("MC_TRANSFER_TIMEOUT", "").strip()
+    if timeout and not (timeout.isascii() and timeout.isdigit() and int(timeout) >= 5):
+        return Check("mc-env", "warn", f"{listed}: MC_TRANSFER_TIMEOUT={timeout!r} is not a whole number of "
+                                       f"seconds of at least 5; the engine uses 30 s (or 5 s, the least) instead",
+                     "set MC_TRANSFER_TIMEOUT to whole seconds, 5 or more")
+    return Check("mc-env", "ok", listed)
 
 
 def check_epd_env(environ: Mapping[str, str] | None = None) -> Check:

@@ -173,6 +173,13 @@ def test_mc_env_listing(tmp_path):
     assert "no MC_* variables set" in line_of(text, "mc-env")
 
 
+@pytest.mark.parametrize("value", ["abc", "1.5", "3", "-40"])
+def test_a_transfer_timeout_the_engine_would_not_take_is_a_warning(tmp_path, value):
+    _, text = run_doctor(tmp_path, environ={"MC_TRANSFER_TIMEOUT": value, "PATH": "/bin"})
+    line = line_of(text, "mc-env")
+    assert line.startswith("WARN") and f"MC_TRANSFER_TIMEOUT={value!r} is not a whole number of seconds" in line
+
+
 def test_epd_variables_are_parsed_as_their_components_will(tmp_path):
     env = {"EPD_DEADLINE_S": "soon", "EPD_SEND_DEPTH": "8", "EPD_TOKEN": "s3cret", "PATH": "/bin"}
     report, text = run_doctor(tmp_path, environ=env)
