@@ -87,6 +87,7 @@ T bytes in E s, behind the least rate of R bytes/s; transfer stopped``.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import math
@@ -455,8 +456,12 @@ class WireEngine(RegisteredMemory):
             with self._lock:
                 self._sent["write_failures"] += 1
             what = "refused by the peer" if isinstance(exc, _Refused) else "failed"
+            hint = ""
+            if isinstance(exc, OSError) and (exc.errno in (errno.ECONNRESET, errno.EPIPE)
+                                             or "connection closed" in str(exc)):
+                hint = "; the peer closed the connection mid-transfer: did its receiver stop or close?"
             raise EngineError(f"write to {session_id} {what}: {exc} ({len(lens)} buffer(s), "
-                                f"{sum(lens)} bytes, first destination 0x{dsts[0]:x}+{lens[0]})") from None
+                              f"{sum(lens)} bytes, first destination 0x{dsts[0]:x}+{lens[0]}){hint}") from None
         finally:
             self._leave(token)
 

@@ -248,6 +248,26 @@ def test_a_peer_that_is_no_wire_listener_is_named_as_the_likely_cause(answer):
     thread.join(5)
 
 
+def test_a_peer_that_closes_mid_transfer_is_named_as_the_likely_cause():
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def read_some_then_close() -> None:
+        conn, _ = server.accept()
+        conn.recv(1024)
+        conn.close()  # with unread bytes queued: a reset
+
+    thread = threading.Thread(target=read_some_then_close, daemon=True)
+    thread.start()
+    with server, WireEngine("127.0.0.1") as writer:
+        src = torch.ones(8 << 20, dtype=torch.uint8)
+        writer.register(src)
+        session = f"127.0.0.1:{server.getsockname()[1]}"
+        with pytest.raises(TransferError, match=r"the peer closed the connection mid-transfer: did its receiver "
+                                                r"stop or close\?$"):
+            writer.write(session, [src.data_ptr()], [0x1000], [8 << 20])
+    thread.join(5)
+
+
 def test_unregister_waits_while_writes_stream():
     """Regions come and go while a writer streams into another region of the same listener."""
     n = 16 << 20
