@@ -141,7 +141,16 @@ case "${EPD_NO_BOOTSTRAP:-0}" in
 esac
 check_host EPD_ENCODE_HOST "$ENCODE_HOST"
 [[ -z "${EPD_BOOTSTRAP_BIND:-}" ]] || check_host EPD_BOOTSTRAP_BIND "$EPD_BOOTSTRAP_BIND"
+if [[ "$PROTOCOL" == wire && -n "${EPD_DEVICE:-}" ]]; then
+    bad_setting "EPD_DEVICE ($EPD_DEVICE) names a Mooncake RDMA device; the wire protocol uses none"
+fi
 command -v "$PYTHON" >/dev/null 2>&1 || bad_setting "no Python interpreter '$PYTHON' (set EPD_PYTHON)"
+# The library's own EPD_* settings (deadlines, token, poll schedule...), checked as the ranks would.
+if ! problems=$("$PYTHON" -c 'import os, sys; from transfer.doctor import epd_env_problems
+print("; ".join(epd_env_problems(os.environ))); sys.exit(0)' 2>&1); then
+    bad_setting "cannot check the EPD_* settings with $PYTHON: $problems"
+fi
+[[ -z "$problems" ]] || bad_setting "$problems"
 # The ranks and the bootstrap server read the token from the environment: on a command
 # line every user of the host could read it (ps), and one starting with '-' reads as an option.
 if [[ -n "${EPD_TOKEN:-}" ]]; then

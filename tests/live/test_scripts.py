@@ -100,6 +100,19 @@ def test_launch_refuses_bad_settings(tmp_path):
     assert "EPD_PREFILL_TP (3) must be a positive multiple of EPD_ENCODE_TP (2)" in result.stderr
 
 
+@pytest.mark.parametrize("settings, message", [
+    (dict(EPD_DEADLINE_S="abc"), "EPD_DEADLINE_S='abc' is not a positive number of seconds"),
+    (dict(EPD_TOKEN="a\x01"), "EPD_TOKEN: the token must be 1 to 4096 printable ASCII characters"),
+    (dict(EPD_PROTOCOL="wire", EPD_DEVICE="mlx5_0"), "EPD_DEVICE (mlx5_0) names a Mooncake RDMA device"),
+])
+def test_launch_refuses_a_library_setting_before_it_starts_anything(tmp_path, settings, message):
+    result = subprocess.run([os.path.join(REPO, "scripts", "launch-encode.sh")], env=_env(tmp_path, **settings),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr
+    assert "started" not in result.stdout and not (tmp_path / "logs" / "bootstrap.log").exists()
+
+
 def test_launch_without_a_role_prints_usage():
     result = subprocess.run([os.path.join(REPO, "scripts", "launch.sh")], capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
