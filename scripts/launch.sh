@@ -145,12 +145,14 @@ if [[ "$PROTOCOL" == wire && -n "${EPD_DEVICE:-}" ]]; then
     bad_setting "EPD_DEVICE ($EPD_DEVICE) names a Mooncake RDMA device; the wire protocol uses none"
 fi
 command -v "$PYTHON" >/dev/null 2>&1 || bad_setting "no Python interpreter '$PYTHON' (set EPD_PYTHON)"
-# The library's own EPD_* settings (deadlines, token, poll schedule...), checked as the ranks would.
-if ! problems=$("$PYTHON" -c 'import os, sys; from transfer.doctor import epd_env_problems
-print("; ".join(epd_env_problems(os.environ))); sys.exit(0)' 2>&1); then
-    bad_setting "cannot check the EPD_* settings with $PYTHON: $problems"
-fi
-[[ -z "$problems" ]] || bad_setting "$problems"
+# The library's own EPD_* settings (deadlines, token, poll schedule...), checked as the ranks would
+# check them, by the repository's interpreter (the check needs only the standard library); where
+# none can run it, the ranks still refuse a bad one when they start.
+check_python=$REPO/.venv/bin/python
+[[ -x "$check_python" ]] || check_python=python3
+verdict=$("$check_python" -c 'import os; from transfer.doctor import epd_env_problems
+print("epd-env:", "; ".join(epd_env_problems(os.environ)))' 2>/dev/null || true)
+[[ "$verdict" != "epd-env: "?* ]] || bad_setting "${verdict#epd-env: }"
 # The ranks and the bootstrap server read the token from the environment: on a command
 # line every user of the host could read it (ps), and one starting with '-' reads as an option.
 if [[ -n "${EPD_TOKEN:-}" ]]; then
