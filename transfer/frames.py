@@ -189,6 +189,13 @@ def check_parallel(engine_rank: int, tp_size: int, dp_size: int) -> tuple[int, i
     return engine_rank, tp_size, dp_size
 
 
+def size_problem(name: str, value: object, least: int = 0) -> str | None:
+    """What is wrong with a size given as `value` (a bool or non-integer, or below `least`: 0 or 1), or None."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        return f"{name} must be {'a positive' if least else 'a non-negative'} integer, got {value!r}"
+    return None
+
+
 def _integer(name: str, value: object) -> int:
     """`value` as a plain int (a numpy or torch integer scalar is one); ConfigTypeError for a bool or a non-integer."""
     if type(value) is int:

@@ -24,7 +24,7 @@ from transfer.core.prefill import ENCODE_FAILED, RoomSpec
 from transfer.core.prefill_breaker import UNREACHABLE_RETRY_S
 from transfer.drive.prefill import PrefillDriver, Room
 from transfer.errors import ConfigError, ConfigTypeError, FallbackLimitError, UsageError
-from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype
+from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype, size_problem
 from transfer.interfaces import EventLike, TransferEngineLike
 from transfer.metrics import Metrics, declare_role
 from transfer.ports import PortSpec, parse_ports
@@ -474,11 +474,11 @@ class RegionSet:
 def _check_geometry(room: int, rows: int, hidden: int, span: int, row_start: int, deepstack_hidden: int = 0) -> None:
     """ConfigError unless every size is a non-negative integer (hidden a positive one) and the shard
     lies inside the item's span."""
-    for name, value in (("rows", rows), ("hidden", hidden), ("span", span), ("row_start", row_start),
-                        ("deepstack_hidden", deepstack_hidden)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < (name == "hidden"):
-            what = "a positive" if name == "hidden" else "a non-negative"
-            raise ConfigError(f"room {room}: {name} must be {what} integer, got {value!r}")
+    for name, value, least in (("rows", rows, 0), ("hidden", hidden, 1), ("span", span, 0),
+                               ("row_start", row_start, 0), ("deepstack_hidden", deepstack_hidden, 0)):
+        problem = size_problem(name, value, least)
+        if problem:
+            raise ConfigError(f"room {room}: {problem}")
     if row_start + rows > span:
         raise ConfigError(f"room {room}: shard [{row_start}, {row_start + rows}) outside the item's span {span}")
 

@@ -31,6 +31,7 @@ from transfer.frames import (
     check_room,
     dtype_size,
     normalize_dtype,
+    size_problem,
 )
 from transfer.interfaces import EventLike, TransferEngineLike
 from transfer.metrics import Metrics, declare_role
@@ -328,9 +329,9 @@ def _source(src: torch.Tensor | int, span: int | None, hidden: int | None,
         if span is None or hidden is None or dtype is None:
             raise ConfigError("a raw source pointer needs span, hidden and dtype")
         for name, value, least in (("span", span, 0), ("hidden", hidden, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                what = "a positive" if least else "a non-negative"
-                raise ConfigError(f"a raw source's {name} must be {what} integer, got {value!r}")
+            problem = size_problem(name, value, least)
+            if problem:
+                raise ConfigError(f"a raw source's {problem}")
         dtype = normalize_dtype(dtype)  # the wire's spelling, which every ask carries
         return _io.Region(src, span * hidden * dtype_size(dtype)), span, hidden, dtype
     if not hasattr(src, "data_ptr"):
