@@ -48,7 +48,7 @@ def test_the_sdist_carries_what_a_build_needs(dist):
     for header in glob.glob(os.path.join(REPO, "native", "*.h")):
         assert f"native/{os.path.basename(header)}" in names
     for needed in ("native/frame.c", "setup.py", "pyproject.toml", "README.md", "CHANGELOG.md", "docs/protocol.md",
-                   "transfer/py.typed", "transfer/_native.pyi", "transfer/core/failure.py", "transfer/errors.py"):
+                   "LICENSE", "transfer/py.typed", "transfer/_native.pyi", "transfer/core/failure.py", "transfer/errors.py"):
         assert needed in names, f"the sdist lacks {needed}"
     # Every script, and what one builds from (zmq-floor.sh compiles zmq_floor.c).
     for script in os.listdir(os.path.join(REPO, "scripts")):
@@ -61,6 +61,7 @@ def test_the_wheel_installs_into_a_fresh_venv_and_imports(dist, tmp_path):
     with zipfile.ZipFile(wheel) as whl:
         names = set(whl.namelist())
     assert "transfer/py.typed" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), sorted(names)  # the Apache-2.0 text
     assert "transfer/_native.pyi" in names  # the C core's types, for the package's type-checking users
     assert any(n.startswith("transfer/_native") and n.endswith(".so") for n in names), sorted(names)
     venv = tmp_path / "venv"
