@@ -1,7 +1,7 @@
 # One command runs the main job (`make demo`), one passes the tests (`make test`;
 # `make test-unit` and `make test-live` run its two halves).
-# Both set up what they need: Debian's libibverbs1/libnuma1, a .venv, the pinned
-# CPU torch, and this package with its C core.
+# Both set up what they need: Debian's libibverbs1/libnuma1 (and python3-venv, gcc and
+# python3-dev where missing), a .venv, the pinned CPU torch, and this package with its C core.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -14,7 +14,7 @@ TORCH  ?= torch==2.13.0
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py $(wildcard native/*.c native/*.h)
-	@scripts/ensure-debian-libs.sh
+	@PYTHON=$(PYTHON) VENV=$(VENV) scripts/ensure-debian-packages.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import stat
@@ -684,11 +685,48 @@ def test_ensure_debian_libs_finds_ldconfig_off_path(tmp_path):
     for tool in ("apt-get", "sudo"):
         (bin_dir / tool).write_text(f"#!/bin/sh\necho {tool} \"$@\" >>{calls}\n")
         (bin_dir / tool).chmod(0o755)
-    done = subprocess.run(["/bin/bash", os.path.join(SCRIPTS, "ensure-debian-libs.sh")], capture_output=True,
+    done = subprocess.run(["/bin/bash", os.path.join(SCRIPTS, "ensure-debian-packages.sh")], capture_output=True,
                           text=True, timeout=60, check=False,
-                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)})
+                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "VENV": os.path.join(REPO, ".venv"),
+                               "PYTHON": sys.executable})
     assert done.returncode == 0, done.stderr
     assert not calls.exists(), calls.read_text()
+
+
+@pytest.mark.parametrize("venv_exists", [False, True])
+def test_ensure_debian_packages_installs_what_the_build_lacks(tmp_path, venv_exists):
+    # A minimal Debian has no compiler, no Python headers and no ensurepip (python3-venv):
+    # `make setup` failed in the middle of building the venv or the C core.
+    ldconfig = next((p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig") if os.path.exists(p)), None)
+    if ldconfig is None:
+        pytest.skip("no ldconfig in /sbin or /usr/sbin")
+    listed = subprocess.run([ldconfig, "-p"], capture_output=True, text=True, timeout=30, check=False).stdout
+    if "libnuma.so.1" not in listed or "libibverbs.so.1" not in listed:
+        pytest.skip("the libraries really are missing here")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    for tool in ("apt-get", "sudo"):
+        (bin_dir / tool).write_text(f"#!/bin/sh\necho {tool} \"$@\" >>{calls}\n")
+        (bin_dir / tool).chmod(0o755)
+    for tool in ("grep", "id"):
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    # This interpreter, as a Debian python3 without python3-venv and python3-dev would answer.
+    (bin_dir / "python3").write_text(
+        f'#!/bin/sh\ncase "$*" in *ensurepip*|*Python.h*) exit 1 ;; esac\nexec {sys.executable} "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    venv = tmp_path / "venv"
+    if venv_exists:
+        (venv / "bin").mkdir(parents=True)
+        os.symlink(sys.executable, venv / "bin" / "python")
+    done = subprocess.run(["/bin/bash", os.path.join(SCRIPTS, "ensure-debian-packages.sh")], capture_output=True,
+                          text=True, timeout=60, check=False,
+                          env={"PATH": str(bin_dir), "HOME": str(tmp_path), "VENV": str(venv)})
+    assert done.returncode == 0, done.stderr
+    installs = [line.split() for line in calls.read_text().splitlines() if " install " in line]
+    assert len(installs) == 1, calls.read_text()
+    wanted = {"gcc", "python3-dev"} | (set() if venv_exists else {"python3-venv"})
+    assert set(installs[0][installs[0].index("-qq") + 1:]) == wanted, installs
 
 
 @pytest.mark.live
