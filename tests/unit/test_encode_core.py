@@ -148,6 +148,21 @@ def test_asks_that_disagree_on_the_fanout_fail_the_room_at_once_naming_both(firs
     assert run.core.parked.get(5) is None
 
 
+def test_an_ask_with_a_fanout_no_room_may_have_is_told_failed_at_once():
+    # It would park and wait out the fanout timeout for receivers the bound would refuse.
+    run = Run()
+    run.offer(_offer(5, span=8))
+    limit = run.core.parked.max_receivers
+    out = run.ask(_ask(5, 0, fanout=limit + 1, span=8))
+    [push] = run.of(PushStatus, out)
+    assert (push.room, push.port, push.status) == (5, 6000, TransferPoll.Failed)
+    assert push.failure.kind is FailureKind.GEOMETRY
+    assert push.failure.detail == f"room 5: asked with fanout {limit + 1}, more than the {limit} receivers a room may have"
+    assert run.of(Conclude, out) == [] and run.core.parked.get(5) is None
+    # The room itself still takes the receivers it may have.
+    assert len(run.of(StartWrite, run.ask(_ask(5, 0, fanout=1, span=8)))) == 1
+
+
 def test_a_destination_outside_the_announced_region_is_refused_before_any_write():
     run = Run()
     run(run.core.registration(Registration("10.0.0.7", 6000, "10.0.0.7:17000", 0x10000, 0, 4 * ROW, 0), run.now))

@@ -138,11 +138,12 @@ def test_asks_for_a_room_that_already_failed_are_told_its_reason():
 
 def test_every_failed_push_of_the_core_says_why():
     enc = EncodeCore(0, fanout_timeout_s=10.0, parked=ParkedAsks(max_receivers=1, max_rooms=2))
-    out = enc.ask(_ask(1, 0, fanout=2), 0.0)
-    out += enc.ask(_ask(1, 1, fanout=2), 0.0)  # past the per-room bound
-    out += enc.ask(_ask(2, 0, fanout=2), 0.0) + enc.ask(_ask(3, 0, fanout=2), 0.0)  # evicts room 1
+    out = enc.ask(_ask(1, 0, fanout=1), 0.0)
+    out += enc.ask(_ask(1, 1, fanout=1), 0.0)  # another shard: past the per-room bound
+    out += enc.ask(_ask(2, 0, fanout=1), 0.0) + enc.ask(_ask(3, 0, fanout=1), 0.0)  # evicts room 1
     out += enc.tick(10.6)  # room 2's and 3's items never came
-    enc.ask(_ask(5, 0, fanout=2), 11.0)
+    enc.ask(_ask(5, 0, fanout=1), 11.0)
+    out += enc.ask(_ask(6, 0, fanout=2), 11.0)  # no room takes two receivers
     out += enc.close(11.0, "sender pool closed")
     reasons = [(p.room, p.failure.kind, p.failure.detail) for p in _failed_pushes(out)]
     assert reasons == [
@@ -151,6 +152,7 @@ def test_every_failed_push_of_the_core_says_why():
                                "yet"),
         (2, FailureKind.OTHER, "room 2: no item was sent for it within 10s of its first ask"),
         (3, FailureKind.OTHER, "room 3: no item was sent for it within 10s of its first ask"),
+        (6, FailureKind.GEOMETRY, "room 6: asked with fanout 2, more than the 1 receivers a room may have"),
         (5, FailureKind.CLOSED, "room 5: sender pool closed"),
     ]
 

@@ -318,6 +318,15 @@ class EncodeCore:
         A new session asking for what a parked rank asked for is that rank restarted:
         it supersedes its predecessor (see `_supersede`).
         """
+        if info.fanout > self.parked.max_receivers:
+            # No room takes that many receivers: it would wait out the fanout timeout.
+            self._warn("receivers", "room %d: %s asked with fanout %d, more than the %d receivers a room may have",
+                       info.room, info.session_id[:64], info.fanout, self.parked.max_receivers)
+            self._tell_failed([info], Failure(FailureKind.GEOMETRY, f"room {info.room}: asked with fanout "
+                                                                    f"{info.fanout}, more than the "
+                                                                    f"{self.parked.max_receivers} receivers a room "
+                                                                    f"may have"))
+            return self._flush(now)
         room = self._rooms.get(info.room)
         if room is not None and not room.failed and info.session_id not in room.served and info in room.receivers:
             # A copy of an ask its room is writing now (the message came twice): parked, it would wait
