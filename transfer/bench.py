@@ -185,44 +185,52 @@ class Options:
         return max(self.min_items, inflight, math.ceil(self.cell_bytes / item_bytes))
 
 
+def _entries(text: str, what: str) -> list[str]:
+    """A comma-separated option's entries, stripped; an empty entry ('1,,2', '1,') is refused."""
+    entries = [p.strip() for p in text.split(",")]
+    if not any(entries):
+        raise argparse.ArgumentTypeError(f"no {what} given")
+    if not all(entries):
+        raise argparse.ArgumentTypeError(f"{what} {text!r} has an empty entry")
+    return entries
+
+
 def parse_sizes(text: str) -> list[tuple[int, int]]:
     """'64x4096,1024x4096' -> [(64, 4096), (1024, 4096)] (rows x hidden)."""
     sizes = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
+    for part in _entries(text, "item sizes"):
         rows, sep, hidden = part.lower().partition("x")
         if not sep or not rows.isdigit() or not hidden.isdigit() or int(rows) <= 0 or int(hidden) <= 0:
             raise argparse.ArgumentTypeError(f"item size {part!r} is not ROWSxHIDDEN (e.g. 1024x4096)")
         sizes.append((int(rows), int(hidden)))
-    if not sizes:
-        raise argparse.ArgumentTypeError("no item sizes given")
     return sizes
 
 
 def parse_ints(text: str) -> list[int]:
     """'1,2,4' -> [1, 2, 4], all positive."""
     try:
-        values = [int(p) for p in text.split(",") if p.strip()]
+        values = [int(p) for p in _entries(text, "integers")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if not values or any(v <= 0 for v in values):
+    if any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r} must list positive integers")
     return values
 
 
 def parse_paths(text: str) -> list[str]:
     """'raw,epd' -> ['raw', 'epd'], each one of PATHS."""
-    paths = [p.strip() for p in text.split(",") if p.strip()]
+    paths = _entries(text, "paths")
     unknown = [p for p in paths if p not in PATHS]
-    if unknown or not paths:
-        raise argparse.ArgumentTypeError(f"unknown path(s) {unknown or text!r}: choose from {', '.join(PATHS)}")
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown path(s) {unknown}: choose from {', '.join(PATHS)}")
     return paths
 
 
 def parse_integrity(text: str) -> list[bool]:
     """'on,off' -> [True, False]."""
     table = {"on": True, "off": False}
-    values = [p.strip().lower() for p in text.split(",") if p.strip()]
-    if not values or any(v not in table for v in values):
+    values = [p.lower() for p in _entries(text, "integrity")]
+    if any(v not in table for v in values):
         raise argparse.ArgumentTypeError(f"integrity {text!r}: expected on, off or on,off")
     return [table[v] for v in values]
 

@@ -17,7 +17,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_parse_sizes_reads_rows_by_hidden():
     assert bench.parse_sizes("64x4096, 1024X4096") == [(64, 4096), (1024, 4096)]
-    for bad in ("64", "64x", "x4096", "0x4096", "64x-1", ""):
+    for bad in ("64", "64x", "x4096", "0x4096", "64x-1", "", "64x4096,,8x8", "64x4096,"):
         with pytest.raises(argparse.ArgumentTypeError):
             bench.parse_sizes(bad)
 
@@ -31,6 +31,11 @@ def test_parse_lists_refuse_nonsense():
                        (bench.parse_integrity, "maybe")):
         with pytest.raises(argparse.ArgumentTypeError):
             parse(bad)
+    # An empty entry is a typo, not nothing: '1,,2' ran fanouts 1 and 2 only.
+    for parse, text in ((bench.parse_ints, "1,,2"), (bench.parse_ints, "1,"), (bench.parse_paths, "raw,,epd"),
+                        (bench.parse_integrity, "on,"), (bench.parse_ints, " , ")):
+        with pytest.raises(argparse.ArgumentTypeError, match="empty entry|no integers given"):
+            parse(text)
 
 
 def test_defaults_are_the_issues_matrix():
