@@ -695,8 +695,8 @@ def test_ensure_debian_libs_finds_ldconfig_off_path(tmp_path):
 
 @pytest.mark.parametrize("venv_exists", [False, True])
 def test_ensure_debian_packages_installs_what_the_build_lacks(tmp_path, venv_exists):
-    # A minimal Debian has no compiler, no Python headers and no ensurepip (python3-venv):
-    # `make setup` failed in the middle of building the venv or the C core.
+    # A minimal Debian has no compiler, no Python headers and no ensurepip (python3-venv),
+    # and building the venv and the C core needs all three.
     ldconfig = next((p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig") if os.path.exists(p)), None)
     if ldconfig is None:
         pytest.skip("no ldconfig in /sbin or /usr/sbin")

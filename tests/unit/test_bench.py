@@ -31,7 +31,7 @@ def test_parse_lists_refuse_nonsense():
                        (bench.parse_integrity, "maybe")):
         with pytest.raises(argparse.ArgumentTypeError):
             parse(bad)
-    # An empty entry is a typo, not nothing: '1,,2' ran fanouts 1 and 2 only.
+    # An empty entry is a typo: refused, not skipped.
     for parse, text in ((bench.parse_ints, "1,,2"), (bench.parse_ints, "1,"), (bench.parse_paths, "raw,,epd"),
                         (bench.parse_integrity, "on,"), (bench.parse_ints, " , ")):
         with pytest.raises(argparse.ArgumentTypeError, match="empty entry|no integers given"):

@@ -149,7 +149,7 @@ def test_asks_that_disagree_on_the_fanout_fail_the_room_at_once_naming_both(firs
 
 
 def test_an_ask_with_a_fanout_no_room_may_have_is_told_failed_at_once():
-    # It would park and wait out the fanout timeout for receivers the bound would refuse.
+    # Parked, it would wait out the fanout timeout for receivers the bound refuses.
     run = Run()
     run.offer(_offer(5, span=8))
     limit = run.core.parked.max_receivers
