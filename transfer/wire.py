@@ -250,7 +250,8 @@ def _torch_layer_sum(t: Any) -> int:
     if flat.numel() == 0:
         return 0  # an empty tensor has stride 0 and cannot be viewed as int64
     pad = (-flat.numel()) % 8
-    if pad:
+    if pad or flat.storage_offset() % 8:
+        # An int64 view needs whole words from a word-aligned offset: an aligned, zero-padded copy.
         flat = torch.cat([flat, flat.new_zeros(pad)])
     # int64 adds wrap in two's complement, the same bits as the unsigned sum mod 2**64.
     total = flat.view(torch.int64).sum(dtype=torch.int64)

@@ -161,6 +161,14 @@ def test_torch_path_equals_native_dtypes(dtype):
     assert wire._torch_layer_sum(t.t()) == wire.tensor_layer_sum(t.t())
 
 
+@pytest.mark.parametrize("offset, n", [(6, 48), (2, 16), (3, 8), (6, 13), (16, 24), (1, 0)])
+def test_torch_path_sums_a_slice_at_any_byte_offset(offset, n):
+    # A shard's rows (or a deepstack block) start wherever its row bytes put them in the slot.
+    whole = torch.from_numpy(np.frombuffer(random_bytes(offset + n + 5, seed=offset), np.uint8).copy())
+    part = whole[offset:offset + n]
+    assert wire._torch_layer_sum(part) == wire.layer_sum(part) == reference_sum(part.numpy().tobytes())
+
+
 def test_torch_path_extreme_int64_words():
     t = torch.tensor([-1, -(1 << 63), (1 << 63) - 1, -1, 12345], dtype=torch.int64)
     assert wire._torch_layer_sum(t) == wire.layer_sum(t) == reference_sum(t.numpy().tobytes())
