@@ -173,9 +173,9 @@ def _in_thread(target) -> tuple[threading.Thread, list]:
 @pytest.mark.live
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
 def test_mooncake_bad_destination_is_refused_before_any_buffer_goes_out():
-    """A second buffer's bad destination used to surface as pybind's bare TypeError after the
-    first buffer was already submitted (it landed; no ticket tracked it); a destination range
-    wrapping past 2**64 was submitted and failed only after the first buffer landed."""
+    """Every destination is checked before any buffer goes out: a bad one in the second buffer
+    (negative, past 2**64, or a range wrapping past it) is a ValueError naming the session, and
+    the first buffer never lands untracked."""
     with _mooncake() as writer, _mooncake() as reader:
         src = torch.arange(4096, dtype=torch.int64).to(torch.uint8) | 1  # no zero byte
         dst = torch.zeros(8192, dtype=torch.uint8)
@@ -197,7 +197,8 @@ def test_mooncake_bad_destination_is_refused_before_any_buffer_goes_out():
 @pytest.mark.live
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
 def test_mooncake_registration_refuses_ranges_outside_64_bits():
-    """Mooncake registered a range that wraps past 2**64; a negative address was pybind's TypeError."""
+    """A range that wraps past 2**64, or a negative address, is a ValueError naming it (Mooncake
+    itself would register the one and raise pybind's bare TypeError for the other)."""
     with _mooncake() as engine:
         for addr, length in (((1 << 64) - 8, 16), (-4096, 16), (1 << 64, 16), (0, 16)):
             with pytest.raises(ValueError, match=re.escape(f"cannot register address {addr:#x} with length")):
@@ -228,9 +229,8 @@ class _PausingTE:
 @pytest.mark.live
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
 def test_mooncake_close_waits_for_a_write_being_submitted():
-    """close() used to see no ticket while write_async was between its checks and filing the
-    ticket: it unregistered the sources, let their tensors go and dropped the engine while the
-    write went on (then failing on a None engine with an AttributeError)."""
+    """close() waits for a write that is between its checks and filing its ticket: it must not
+    unregister the sources, let their tensors go or drop the engine while that write goes on."""
     with _mooncake() as reader:
         dst = torch.zeros(1 << 20, dtype=torch.uint8)
         reader.register(dst)
@@ -257,8 +257,8 @@ def test_mooncake_close_waits_for_a_write_being_submitted():
 @pytest.mark.live
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
 def test_mooncake_ticket_settled_by_close_still_tells_its_owner():
-    """close() settled the tickets in flight by polling them itself, which dropped them: the
-    owner's next poll() read 'unknown write ticket' for a write that had landed."""
+    """close() settles the tickets in flight without dropping them: the owner's next poll() reads
+    the landed write's outcome (once), not 'unknown write ticket'."""
     with _mooncake() as reader:
         dst = torch.zeros(8 << 20, dtype=torch.uint8)
         reader.register(dst)
@@ -276,11 +276,11 @@ def test_mooncake_ticket_settled_by_close_still_tells_its_owner():
 @pytest.mark.live
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
 def test_mooncake_write_after_close_began_is_refused_cleanly():
-    """A write that passed its checks just before close() now re-checks when filing its ticket:
+    """A write that passed its checks just before close() checks again when filing its ticket:
     it is refused with the engine's name, nothing is written, and close() completes."""
 
     class Pausing(Engine):
-        """Waits after validating its first batch: the moment close() used to slip in."""
+        """Waits after validating its first batch: the moment close() may come in between."""
 
         def __init__(self) -> None:
             super().__init__("127.0.0.1", protocol="tcp")
@@ -318,9 +318,9 @@ def test_mooncake_write_after_close_began_is_refused_cleanly():
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
 def test_mooncake_write_to_a_stopped_peer_settles_at_the_transfer_timeout(stalled_mooncake, monkeypatch):
     """Mooncake's non-blocking status call has no deadline: wait() (and write()) to a peer that
-    stopped reading used to block for as long as the peer stayed stopped, although the module
-    promised MC_TRANSFER_TIMEOUT. Now the ticket fails at that timeout, naming the peer, and its
-    source stays registered (refused by unregister()) until Mooncake is done reading it."""
+    stopped reading would block for as long as the peer stays stopped. The ticket fails at
+    MC_TRANSFER_TIMEOUT, as the module promises, naming the peer, and its source stays registered
+    (refused by unregister()) until Mooncake is done reading it."""
     peer = stalled_mooncake
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")  # Mooncake's minimum
     with _mooncake() as writer:
@@ -359,9 +359,9 @@ def test_mooncake_write_to_a_stopped_peer_settles_at_the_transfer_timeout(stalle
 @pytest.mark.live
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
 def test_mooncake_close_is_bounded_with_a_stopped_peer(stalled_mooncake, monkeypatch):
-    """close() waited for every ticket without a bound: a peer that stopped reading kept it
-    forever. Now it gives up at the transfer timeout and destroys the transport before letting
-    the registered tensors go."""
+    """close() waits for the tickets in flight only up to the transfer timeout (a peer that stopped
+    reading would keep it forever), then destroys the transport before letting the registered
+    tensors go."""
     peer = stalled_mooncake
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
     writer = _mooncake()
@@ -408,8 +408,8 @@ def _unregister_during_a_stalled_write(writer, src, peer) -> None:
 @pytest.mark.live
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
 def test_mooncake_unregister_refuses_a_source_still_being_read(stalled_mooncake):
-    """unregister() dropped a source region (and the tensor kept alive for it) while a write
-    was still reading it: bytes the caller wrote afterwards reached the peer."""
+    """unregister() refuses a source region (and keeps the tensor alive for it) while a write
+    still reads it: bytes the caller writes afterwards never reach the peer."""
     peer = stalled_mooncake
     with _mooncake() as writer:
         src = _filled(STALL_BYTES, 7)
@@ -419,9 +419,8 @@ def test_mooncake_unregister_refuses_a_source_still_being_read(stalled_mooncake)
 
 
 def test_wire_writes_work_with_descriptors_past_1024():
-    """select() refuses a descriptor >= FD_SETSIZE: in a process with many sockets open every
-    write failed with a bare ValueError ('filedescriptor out of range in select()') and idle
-    connections were never reused."""
+    """In a process with many sockets open, descriptors >= FD_SETSIZE (which select() refuses with
+    a bare ValueError) still carry writes, and idle connections are reused."""
     with WireEngine() as writer, WireEngine() as reader:
         src = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
         dst = torch.zeros(1 << 16, dtype=torch.uint8)
@@ -439,8 +438,8 @@ def test_wire_writes_work_with_descriptors_past_1024():
 
 
 def test_wire_idle_connections_to_departed_peers_are_dropped():
-    """A peer that went away (restarted on another port) left its idle connection in the pool for
-    the engine's lifetime: one socket in CLOSE_WAIT per departed peer, never reclaimed."""
+    """A peer that went away (restarted on another port) does not keep its idle connection in the
+    pool for the engine's lifetime: no socket stays in CLOSE_WAIT per departed peer."""
     with WireEngine() as writer, WireEngine() as live:
         src = _filled(4096, 2)
         writer.register(src)
@@ -461,8 +460,8 @@ def test_wire_idle_connections_to_departed_peers_are_dropped():
 
 
 def test_wire_peer_that_stops_reading_costs_one_reply_timeout(wire_peer):
-    """After a send timed out, the sender waited a second full reply timeout for an answer that a
-    peer which stopped reading never sends; now it reads an answer only when one is waiting."""
+    """After a send timed out, the sender reads an answer only when one is waiting: it does not wait
+    a second full reply timeout for an answer a peer which stopped reading never sends."""
     wire_peer.stop()
     # A long reply timeout, so that one timeout plus any slowness (bounded at 11.5 s) stays
     # apart from two timeouts (12 s at the least), what waiting again for the answer would take.
@@ -530,9 +529,9 @@ class DribblingPeer(PeerPort):
 
 
 def test_wire_peer_that_reads_slower_than_the_least_rate_is_given_up_at_its_bound():
-    """A peer that read a little just inside every reply timeout held a writer (and close()) for as
-    long as the transfer took at its pace; the write phase now has the reply timeout plus its bytes
-    at the least rate."""
+    """A peer that reads a little just inside every reply timeout cannot hold a writer (and close())
+    for as long as the transfer takes at its pace: the write phase has the reply timeout plus its
+    bytes at the least rate."""
     peer = DribblingPeer()
     nbytes, rate = 32 << 20, 32 << 20
     try:
@@ -636,7 +635,8 @@ def test_wire_refused_transfer_still_reports_the_peers_reason(wire_peer):
 
 
 def test_wire_batch_finished_before_close_still_tells_its_owner():
-    """close() forgot every batch: an owner polling a write that had landed read 'batch N is unknown'."""
+    """close() keeps the batches it settled: an owner polling a write that landed reads its outcome
+    (once), not 'batch N is unknown'."""
     with WireEngine() as reader:
         dst = torch.zeros(1 << 20, dtype=torch.uint8)
         reader.register(dst)
@@ -654,8 +654,8 @@ def test_wire_batch_finished_before_close_still_tells_its_owner():
 
 
 def test_wire_unregister_refuses_a_source_still_being_read(wire_peer):
-    """unregister() let a source go while write_async was still streaming it: bytes the caller
-    wrote afterwards reached the peer."""
+    """unregister() refuses a source while write_async still streams it: bytes the caller writes
+    afterwards never reach the peer."""
     with WireEngine(reply_timeout_s=60) as writer:
         src = _filled(STALL_BYTES, 7)
         writer.register(src)
