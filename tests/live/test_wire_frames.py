@@ -383,7 +383,7 @@ def test_a_signal_that_cuts_a_blocking_write_short_has_its_handler_run_at_once()
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
     rescued = threading.Event()
 
-    def rescue_the_writer() -> None:  # bounds the test if the bug is back
+    def rescue_the_writer() -> None:  # bounds the test should the interrupted write not end
         rescued.set()
         b.shutdown(socket.SHUT_RDWR)
 

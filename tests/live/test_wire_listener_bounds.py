@@ -141,9 +141,9 @@ def _seconds_in(reason: str) -> float:
 
 
 def test_a_refused_peer_sends_its_whole_request_then_reads_the_answer_and_a_clean_close():
-    """The old listener closed a refused socket at once: whichever came first, its close or the peer's
-    bytes, the kernel then answered those bytes with a reset (a later send failed, or the answer was
-    followed by ECONNRESET instead of an orderly end)."""
+    """The listener does not close a refused socket at once: whichever came first, that close or the
+    peer's bytes, the kernel would answer those bytes with a reset (a later send failing, or the
+    answer followed by ECONNRESET instead of an orderly end)."""
     with Listener(conns=1) as lst, lst.connect():
         lst.wait_active(1)
         msg = frame(wire.PREFILL, prefill(lst.base, PAGE))
@@ -219,8 +219,8 @@ def test_refused_peers_that_stay_silent_do_not_stall_accepting():
 
 
 def test_a_dribbled_prefill_loses_its_slot_with_a_clear_reason():
-    """One byte every 50 ms (well inside the 0.4 s receive timeout) used to hold the only slot for as
-    long as the peer liked; now the transfer is refused once the grace (2 x 0.4 s) has passed."""
+    """One byte every 50 ms (well inside the 0.4 s receive timeout) does not hold the only slot for as
+    long as the peer likes: the transfer is refused once the grace (2 x 0.4 s) has passed."""
     with Listener(recv=0.4, conns=1) as lst:
         msg = frame(wire.PREFILL, prefill(lst.base, PAGE))
         with lst.connect() as slow:

@@ -151,8 +151,8 @@ def test_silent_connections_opened_faster_than_evict_after_do_not_keep_a_sender_
     """A client opens connections at about 100 a second and never sends a byte, keeping each a few
     seconds, so every one of the 4 slots always holds a connection far younger than evict_after
     (1 s). A connection that has sent nothing holds nothing, so a newcomer may close it at any age:
-    each of 10 writes, every one on a fresh sender's new connection, lands. The old listener only
-    closed one once evict_after behind and answered nearly every write "listener busy"."""
+    each of 10 writes, every one on a fresh sender's new connection, lands (none is answered
+    "listener busy" for want of a connection evict_after behind)."""
     with WireEngine("127.0.0.1", max_connections=4) as rx:
         dst = torch.zeros(4096, dtype=torch.uint8)
         rx.register(dst)

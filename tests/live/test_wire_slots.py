@@ -1,17 +1,15 @@
-"""Two ways one bad peer used to lock others out of the framed-wire data path.
+"""Two ways one bad peer must not lock others out of the framed-wire data path.
 
-- Listener slots: a fresh connection that sent nothing held one of the listener's max_conns slots
-  for the whole idle timeout (300 s by default), so a handful of silent connections answered every
-  real sender "listener busy" for five minutes. A fresh connection now has the first-byte bound
-  (10 s by default) to begin its first transfer; after that it is closed with a reason, counted
-  as `silent`, and its slot is free. A connection that already carried a transfer keeps the idle
-  timeout (a pooled sender connection sits idle between items).
-- Sender writers: WireEngine carried every write_async() batch on one pool of 4 threads, so four
-  writes to a peer that stopped reading held all of them and writes to healthy peers waited for
-  the stalled ones' reply timeouts. Each peer session now has its own queue and at most
-  WRITERS_PER_PEER of its writes running at once.
+- Listener slots: a fresh connection has the first-byte bound (10 s by default) to begin its first
+  transfer; after that it is closed with a reason, counted as `silent`, and its slot is free. Held
+  for the whole idle timeout (300 s by default), a handful of silent connections would answer every
+  real sender "listener busy" for five minutes. A connection that already carried a transfer keeps
+  the idle timeout (a pooled sender connection sits idle between items).
+- Sender writers: each peer session of WireEngine has its own queue and at most WRITERS_PER_PEER of
+  its writes running at once, so writes to a peer that stopped reading cannot hold every writer
+  and keep writes to healthy peers waiting for the stalled ones' reply timeouts.
 
-Every test here failed on the code before its fix; every wait is bounded."""
+Every wait here is bounded."""
 
 from __future__ import annotations
 
@@ -111,8 +109,8 @@ class Raw:
 
 def test_silent_connections_lose_their_slots_at_the_first_byte_bound():
     """Two silent connections fill both slots (a third is busy); at the 0.5 s first-byte bound each
-    reads a reason and a clean close, the slots free up, and a real transfer is served. The old
-    listener kept them until the idle timeout (60 s here). Eviction is off (a negative evict_after),
+    reads a reason and a clean close, the slots free up, and a real transfer is served, long before
+    the idle timeout (60 s here). Eviction is off (a negative evict_after),
     else the third would close a silent one for itself: this is the first-byte bound alone."""
     with Raw(recv=5.0, idle=60.0, conns=2, first_byte=0.5, evict_after=-1.0) as lst:
         started = time.monotonic()
@@ -183,7 +181,7 @@ def test_the_first_byte_bound_is_checked_and_capped_by_the_idle_timeout():
 def test_the_engines_default_bound_frees_a_slot_long_before_the_idle_timeout():
     """WireEngine with its defaults (10 s first-byte bound) and a 60 s idle timeout: a silent
     connection holding the only slot makes writes fail "listener busy" until about 10 s, then the
-    slot is free and writes land. The old listener kept it the whole 60 s. Eviction is off
+    slot is free and writes land, not only after the whole 60 s. Eviction is off
     (evict_after_s negative), else the write would close the silent connection for itself: this is
     the first-byte bound alone."""
     n = 64 << 10
@@ -273,8 +271,8 @@ def healthy_write_delay(stalled_writes: int, reply_timeout_s: float) -> tuple[fl
 
 def test_writes_to_a_healthy_peer_do_not_wait_for_a_stalled_one():
     """2 x WRITERS_PER_PEER 16 MiB writes to a peer that stopped reading, then one to a healthy
-    peer: the healthy one used to queue behind them (2 s reply timeout each); now it runs at once,
-    and the stalled ones still fail with the write timeout, at most WRITERS_PER_PEER at a time."""
+    peer: the healthy one runs at once, not queued behind them (2 s reply timeout each), and the
+    stalled ones still fail with the write timeout, at most WRITERS_PER_PEER at a time."""
     took, errors = healthy_write_delay(2 * WRITERS_PER_PEER, 2.0)
     assert took < 1.0, f"the healthy write waited {took:.2f} s behind the stalled peer's writes"
     assert len(errors) == 2 * WRITERS_PER_PEER
