@@ -1,6 +1,6 @@
-"""Regressions for the memory-safety and undefined-behaviour bugs that fuzzing the native core under
-AddressSanitizer and UndefinedBehaviorSanitizer found (SPEC.md section 9). They run against the normal
-build; a case that crashed the old code runs in a child interpreter so it fails one test, not the session."""
+"""The native core's memory safety and defined behaviour on the inputs that fuzzing it under
+AddressSanitizer and UndefinedBehaviorSanitizer exercises (SPEC.md section 9). They run against the
+normal build; a case that could crash runs in a child interpreter so it fails one test, not the session."""
 
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ def listener(max_conns: int = 4):
     return _native.wire_listen("127.0.0.1", 0, 1.0, 1.0, 4096, max_conns)
 
 
-# The old encoder counted the bytes in one pass of dict lookups and wrote them in a second: a str
-# subclass key's __hash__ runs between the passes, so a value could grow (heap overflow) or vanish
-# (NULL dereference). The encoder now works from one snapshot of the pairs.
+# The encoder works from one snapshot of the pairs: a str subclass key's __hash__ may run between
+# a pass that counts the bytes by dict lookups and one that writes them, and a value that grew
+# (heap overflow) or vanished (NULL dereference) meanwhile must not matter.
 MUTATING_KEY = """
     import sys
     from transfer import _native
@@ -157,7 +157,7 @@ def test_wire_regions_refuse_addresses_beyond_64_bits():
 
 
 def test_wire_region_errors_print_their_addresses():
-    # Python 3.11's PyErr_Format knows no %llx: the old messages read "region 0x%llx+%llu".
+    # Python 3.11's PyErr_Format knows no %llx: the message must show the numbers, not "0x%llx+%llu".
     lst = listener()
     try:
         with pytest.raises(ValueError) as err:

@@ -265,10 +265,10 @@ def _wait_on(flag) -> None:
 
 @pytest.mark.parametrize("raise_first", [False, True])
 def test_the_runs_go_and_done_flags_survive_a_rank_killed_while_waiting(raise_first):
-    """The run tells its ranks to go, and its encode ranks that it is done, through flags.
-    With multiprocessing.Event, set() waits for every process asleep in wait() to answer,
-    so a rank killed there (before it was told to go, as happens on a loaded host) left
-    the run hanging for ever in set() instead of reporting the dead rank."""
+    """The run tells its ranks to go, and its encode ranks that it is done, through flags that
+    a dead rank cannot hold up. A multiprocessing.Event's set() waits for every process asleep
+    in wait() to answer, so a rank killed there (before it was told to go, as happens on a
+    loaded host) would leave the run hanging for ever in set() instead of reporting the dead rank."""
     import multiprocessing
 
     from transfer.harness import _Flag
@@ -344,8 +344,8 @@ def test_a_rank_that_raises_shows_its_log_tail(demo, tmp_path):
 @needs_mooncake
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_bench_stops_its_ranks(tmp_path, sig):
-    # `kill <bench>` killed the bench's own process at once and orphaned its rank processes;
-    # `kill -9` (or the OOM killer) still did, until each rank watched its parent.
+    # `kill <bench>` stops its rank processes too; on `kill -9` (or the OOM killer) each rank,
+    # watching its parent, ends itself rather than live on as an orphan.
     proc = subprocess.Popen(
         [sys.executable, "-m", "transfer.cli", "bench", "--paths", "epd", "--sizes", "64x256", "--fanouts", "2",
          "--inflight", "1", "--integrity", "off", "--items", "1000000"],
@@ -544,8 +544,8 @@ def _launch(role: str, env: dict, timeout: float = 60) -> subprocess.CompletedPr
 
 def test_launch_reads_numbers_with_leading_zeros_as_decimal(tmp_path, stub):
     # bash arithmetic reads 010 as octal 8 (and 08 is an error): the encode node would serve
-    # 8 rooms per node while each prefill node asks for 10, and EPD_PREFILL_TP=08 started nothing
-    # and exited 0.
+    # 8 rooms per node while each prefill node asks for 10, and EPD_PREFILL_TP=08 would start
+    # nothing and exit 0.
     env = _launch_env(tmp_path, stub, EPD_PREFILL_TP="08", EPD_ITEMS="010", EPD_PREFILL_NODES="2",
                       EPD_PREFILL_NODE="01")
     done = _launch("prefill", env)
@@ -587,7 +587,8 @@ def test_launch_refuses_bad_settings_before_starting_anything(tmp_path, stub, se
 
 
 def test_launch_keeps_the_token_off_command_lines(tmp_path, stub):
-    # A token starting with '-' was taken for an option; on a command line, `ps` shows it to all.
+    # Through the environment, a token starting with '-' is never taken for an option, and `ps`
+    # does not show it to all as it would on a command line.
     token = "-t0k \"en\" $(x) 'q' \\ *"
     done = _launch("encode", _launch_env(tmp_path, stub, EPD_TOKEN=token))
     assert done.returncode == 0, done.stdout + done.stderr
@@ -605,8 +606,8 @@ def test_launch_names_the_last_line_of_a_failed_ranks_log(tmp_path, stub):
 
 
 def test_launch_reports_a_bootstrap_server_that_could_not_start(tmp_path, stub):
-    # Its port taken, say: every encode rank then fails to register, and the reason was only
-    # in bootstrap.log.
+    # Its port taken, say: every encode rank then fails to register, so the reason is reported
+    # here, not left in bootstrap.log alone.
     done = _launch("encode", _launch_env(tmp_path, stub, STUB_BOOTSTRAP="fail"))
     assert done.returncode == 1, done.stdout + done.stderr
     assert "bootstrap: FAILED (exit 1) stub: the bootstrap port is taken" in done.stdout
@@ -615,7 +616,7 @@ def test_launch_reports_a_bootstrap_server_that_could_not_start(tmp_path, stub):
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM], ids=["SIGHUP", "SIGTERM"])
 def test_launch_stops_its_ranks_when_its_session_goes(tmp_path, stub, sig):
     # SIGHUP is what an ssh session that drops sends: the bootstrap server and the ranks
-    # (each in a session of its own) used to outlive it, holding the bootstrap port.
+    # (each in a session of its own) must not outlive it, holding the bootstrap port.
     env = _launch_env(tmp_path, stub, STUB_MODE="sleep", EPD_ENCODE_TP="2", EPD_PREFILL_TP="2")
     proc = subprocess.Popen([os.path.join(SCRIPTS, "launch-encode.sh")], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -671,8 +672,8 @@ def test_netns_cluster_refuses_bad_options_before_building_anything(argv, option
 
 
 def test_ensure_debian_libs_finds_ldconfig_off_path(tmp_path):
-    # A non-root user's PATH on Debian has no /sbin: the script took the libraries for missing
-    # and ran apt-get (through sudo) on every `make demo`.
+    # A non-root user's PATH on Debian has no /sbin: ldconfig is found off PATH too, so present
+    # libraries are never taken for missing (and apt-get run through sudo on every `make demo`).
     ldconfig = next((p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig") if os.path.exists(p)), None)
     if ldconfig is None:
         pytest.skip("no ldconfig in /sbin or /usr/sbin")
@@ -738,7 +739,7 @@ def test_launch_scripts_run_with_an_odd_token(tmp_path):
     env.update(EPD_ENCODE_HOST="127.0.0.1", EPD_BOOTSTRAP_PORT=str(free_port()), EPD_PROTOCOL="tcp",
                EPD_ITEMS="4", EPD_SPAN="64", EPD_HIDDEN="256", EPD_INFLIGHT="4", EPD_LOG_DIR=str(tmp_path / "logs"),
                EPD_PYTHON=sys.executable, EPD_EXTRA_ARGS="--deadline 30 --bootstrap-timeout 60",
-               EPD_TOKEN="-t0k\"en\"$(x)'q'\\*")  # no space: argparse took '-t0k...' for an option
+               EPD_TOKEN="-t0k\"en\"$(x)'q'\\*")  # no space: argparse would take '-t0k...' for an option
     encode = subprocess.Popen([os.path.join(SCRIPTS, "launch-encode.sh")], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     try:
