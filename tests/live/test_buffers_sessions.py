@@ -50,8 +50,8 @@ def test_a_late_write_held_by_its_ready_event_does_not_land_in_the_next_rooms_sl
     """Defaults scaled down 40 times: room 1 is asked for and given up at once; its item comes
     just before the encode rank's parking ends, with a ready event that completes just before
     the bound counted from send(). Room 2, leased after the failed slot's quarantine would end
-    if it covered only the parking, must keep its bytes. Our encode rank no longer starts a
-    write for a room its receiver cancelled (room 1's clear() does), so room 1 fails unwritten
+    if it covered only the parking, must keep its bytes. Our encode rank starts no write for a
+    room its receiver cancelled (room 1's clear() does), so room 1 fails unwritten
     and its slot, the cancel confirmed, serves room 2 (the quarantine stays sized for encode
     ranks without the cancel that count from send())."""
     from transfer.bootstrap import BootstrapServer

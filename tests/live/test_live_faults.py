@@ -225,8 +225,8 @@ def test_prefill_killed_mid_stream_never_stalls_the_sender(engines):
             assert got == {room: ("Success", None) for room in survivors}
             for room in survivors:
                 assert r.landed(room) is None
-            # Each batch to the dead session costs Mooncake a reconnect (about 1 s); without
-            # failing the session's later writes fast, 200 of them held the live rooms ~7 s.
+            # Each batch to the dead session costs Mooncake a reconnect (about 1 s): the session's
+            # later writes fail fast, or 200 of them would hold the live rooms ~7 s.
             assert survivors_s < 4.0, f"live rooms stalled {survivors_s:.1f}s behind the dead endpoint"
             sent = encode.call("wait", mixed, 10.0, timeout=20.0)
             assert_all({room: sent[room] for room in survivors}, "Success")

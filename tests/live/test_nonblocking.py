@@ -66,7 +66,7 @@ class GcPauses:
 #: (start, end) of each garbage collection in the current test. A step's time is judged less
 #: the collections that ran during it when its worst is read, not when it ends: the thread
 #: that ran a long collection may lose the GIL inside this very callback, before the span is
-#: filed, and the step it stalled end first (a 176 ms hold once failed CI that way).
+#: filed, and the step it stalled end first.
 GC_SPANS: list[tuple[float, float]] = []
 
 

@@ -93,7 +93,7 @@ def test_rank_timeout_stops_an_encode_rank_that_no_prefill_rank_asks():
 
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
 def test_a_rank_whose_port_is_taken_says_which_listener_in_one_line():
-    # ZMQ's bind error used to come out as an internal one: "ZMQError: ... (run with -v for the traceback)".
+    # ZMQ's bind error is an expected one, said in one line, not "ZMQError: ... (run with -v for the traceback)".
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -109,7 +109,7 @@ def test_a_rank_whose_port_is_taken_says_which_listener_in_one_line():
 
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
 def test_rank_bootstrap_timeout_bounds_an_encode_ranks_registration():
-    # It waited EPD_REGISTER_TIMEOUT_S (30 s) whatever --bootstrap-timeout said.
+    # --bootstrap-timeout, not EPD_REGISTER_TIMEOUT_S (30 s), bounds the registration.
     result = _rank(["--role", "encode", "--rank", "0", "--bootstrap", f"127.0.0.1:{_free_port()}",
                     "--protocol", "tcp", "--bootstrap-timeout", "2", "--timeout", "25"], timeout=90)
     assert result.returncode == 1, result.stderr

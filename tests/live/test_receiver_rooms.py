@@ -616,9 +616,9 @@ def test_a_bootstrap_answer_that_comes_in_time_is_read_whole(server):
 @pytest.mark.live
 @pytest.mark.parametrize("integrity", [True, False])
 def test_a_success_with_an_unreadable_checksum_part_concludes_at_once(engines, integrity):
-    """Status part 3 is our checksum (SPEC.md 8). One that does not parse used to drop the
-    whole status, leaving the room to wait out its deadline as if the encode rank were
-    silent. With integrity on the room fails at once, saying why; with it off the
+    """Status part 3 is our checksum (SPEC.md 8). One that does not parse does not drop the
+    whole status, which would leave the room to wait out its deadline as if the encode rank
+    were silent. With integrity on the room fails at once, saying why; with it off the
     checksum is not read and the Success stands."""
     import torch
 
