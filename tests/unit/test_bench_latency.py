@@ -8,8 +8,8 @@ from transfer import bench
 
 
 def test_epd_latency_is_per_room_its_slowest_rank():
-    # Raw reports one latency per room (its last shard); epd pooled one per rank's shard, so at
-    # fanout 2 one slow shard in 50 rooms was 1 sample in 100 and vanished below p99.
+    # One latency per room (its last shard), as raw reports: pooled per rank's shard, one slow
+    # shard in 50 rooms at fanout 2 would be 1 sample in 100 and vanish below p99.
     cell = bench.Cell("epd", 64, 256, "torch.bfloat16", fanout=2, inflight=8, items=50)
     rooms = list(range(50))
     fast = [0.010] * 50

@@ -78,7 +78,7 @@ def test_the_targets_table_names_each_cell_bound_and_verdict():
 
 
 def test_a_measured_figure_never_reads_on_the_wrong_side_of_its_bound():
-    # 0.3049 over a bound of 0.3 failed while the table showed "0.30"; 0.3004 would show "0.300".
+    # The figure shown falls on its verdict's side: 0.3049 over a bound of 0.3 never reads "0.30", nor 0.3004 "0.300".
     rows = [_epd(MIB8, 1, 8, cpu_control_ms=0.3049, ratio_to_raw=0.8951),
             _epd(MIB8, 4, 8, cpu_control_ms=0.6004, ratio_to_raw=0.89996),
             _epd(KIB512, 1, 1, p50_added_ms=0.2951), _epd(KIB512, 4, 1, p50_added_ms=0.5)]

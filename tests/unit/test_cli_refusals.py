@@ -30,7 +30,7 @@ def no_rdma(monkeypatch, tmp_path):
 @pytest.mark.parametrize("argv", [["demo", "--protocol", "rdma"],
                                   ["bench", "--protocol", "rdma", "--paths", "epd"]])
 def test_rdma_without_a_device_is_refused_before_any_rank_starts(argv, no_rdma, monkeypatch, capsys):
-    # Each rank used to fail starting its engine and the run printed a rank's traceback.
+    # Refused in one line up front, not by each rank failing to start its engine with a traceback.
     monkeypatch.setattr(harness, "run", _never)
     monkeypatch.setattr(bench, "main", _never)
     assert cli.main(argv) == 2
@@ -83,7 +83,7 @@ def test_bootstrap_bind_with_serve_bootstrap_is_taken():
 
 
 def test_rank_refuses_a_bad_library_variable_before_it_starts(monkeypatch, capsys):
-    # demo and bench did; rank started its engine and failed in the sender pool, exit 1.
+    # As demo and bench do: refused up front (exit 2), not in the sender pool once its engine started.
     monkeypatch.setenv("EPD_SEND_DEPTH", "0")
     monkeypatch.setattr(harness, "encode_rank", _never)
     assert cli.main(RANK) == 2

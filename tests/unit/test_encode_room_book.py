@@ -86,10 +86,10 @@ def test_fail_open_fails_every_open_room_and_leaves_concluded_ones(caplog):
 
 
 def test_a_failure_that_names_its_room_is_logged_with_the_room_once(caplog):
-    # validate_fanout's reasons start with the room: the log said "room 0 failed: room 0: receiver ...".
+    # validate_fanout's reasons start with the room: the log names it once, never "room 0 failed: room 0: ...".
     book, (state,) = _book_with(0)
     failure = Failure(FailureKind.GEOMETRY, "room 0: receiver 127.0.0.1:15018 hidden 32 != item hidden 64")
     with caplog.at_level(logging.WARNING, logger="transfer.sender"):
         assert book.conclude(state, TransferPoll.Failed, failure, at=2.0)
     assert caplog.messages == ["room 0 failed: receiver 127.0.0.1:15018 hidden 32 != item hidden 64"]
-    assert book.table.reason(0) == failure.detail  # what callers and peers get is unchanged
+    assert book.table.reason(0) == failure.detail  # callers and peers get the reason whole

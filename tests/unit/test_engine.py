@@ -51,8 +51,8 @@ class _ScriptedTE(MooncakeStandIn):
 
 def test_mooncake_timeout_status_is_a_warning_not_an_outcome(monkeypatch):
     """transfer_check_status answers -2 (TIMEOUT, with MC_SLICE_TIMEOUT set) while the batch is
-    still in flight and does not free it; poll() used to drop the batch and report failure, so
-    the caller released memory Mooncake went on reading (Mooncake's own tests call TIMEOUT 'a
+    still in flight and does not free it: poll() keeps the batch and reports no failure, since the
+    caller would then release memory Mooncake goes on reading (Mooncake's own tests call TIMEOUT 'a
     per-poll signal ... not an outcome')."""
     fake = _ScriptedTE()
 

@@ -39,7 +39,7 @@ BAD_ARGUMENTS = [
     (["rank", "--role", "encode", "--rank", "0", "-E", "0", "--bootstrap", "127.0.0.1:8998"], "--encode-ranks"),
     (["rank", "--role", "prefill", "--rank", "0", "--bootstrap", "127.0.0.1:8998", "--bootstrap-timeout", "0"],
      "--bootstrap-timeout"),
-    # IPv6: ZMQ failed with "No such device", and with ZMQ's IPV6 set Mooncake could not reach the sessions.
+    # IPv6: ZMQ fails with "No such device", and with ZMQ's IPV6 set Mooncake cannot reach the sessions.
     (["demo", "--host", "::1"], "--host"),
     (["bench", "--host", "[::1]"], "--host"),
     (["rank", "--role", "encode", "--rank", "0", "--bootstrap", "127.0.0.1:8998", "--host", "fe80::1"], "--host"),
@@ -48,8 +48,8 @@ BAD_ARGUMENTS = [
 
 @pytest.mark.parametrize("argv, option", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
 def test_bad_arguments_are_refused_in_one_line(argv, option, capsys):
-    # Parsing alone: the old parser accepted these and went on to divide by zero, hang
-    # for the whole --timeout, or print a traceback from deep inside a rank.
+    # Parsing alone refuses these: let through, they would divide by zero, hang for the
+    # whole --timeout, or print a traceback from deep inside a rank.
     with pytest.raises(SystemExit) as exit_info:
         cli.build_parser().parse_args(argv)
     assert exit_info.value.code == 2
