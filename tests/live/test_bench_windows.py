@@ -23,7 +23,7 @@ except ImportError as _error:  # pragma: no cover - depends on the host
 
 
 def test_raw_window_opens_after_the_first_write_to_each_peer_with_writer_threads(monkeypatch):
-    # As the unit test of the async issue, with --raw-issue sync (writer threads).
+    # As the unit test does for --raw-issue async, here with --raw-issue sync (writer threads).
     cell = bench.Cell("raw", 64, 256, "torch.bfloat16", fanout=2, inflight=2, items=6)
     worker = FakeWorker(cell)
     opened = writes_before_the_window(worker, cell, "sync", monkeypatch)
