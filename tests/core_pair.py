@@ -303,7 +303,7 @@ class Pair:
             if kind in (pre.LookUpParallel, pre.LookUpRoute):
                 rank.lookups.append(action)
             elif kind is pre.Announce:
-                self.send_request(rank, action.addr, action.frames, f"registration {action.region_addr:#x}")
+                self.send_request(rank, action.addr, action.frames, f"registration {action.region[0]:#x}")
             elif kind is pre.SendAsk:
                 if rank.core.asking(action.room, action.token):
                     self.send_request(rank, action.addr, action.info.to_frames(), f"ask room {action.room}")

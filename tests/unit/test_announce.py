@@ -8,53 +8,62 @@ from transfer.frames import MAX_REGIONS_PER_SESSION
 
 def test_a_region_is_announced_once_then_held():
     book = AnnounceBook()
-    assert book.needs("rank0", 0x1000, 64)
-    book.announced("rank0", 0x1000, 64)
-    assert not book.needs("rank0", 0x1000, 64)
-    assert book.needs("rank1", 0x1000, 64), "each encode rank is told for itself"
+    assert book.needs("rank0", (0x1000, 0), (64, 0))
+    book.announced("rank0", (0x1000, 0), (64, 0))
+    assert not book.needs("rank0", (0x1000, 0), (64, 0))
+    assert book.needs("rank1", (0x1000, 0), (64, 0)), "each encode rank is told for itself"
+
+
+def test_a_region_pair_with_another_deepstack_region_is_announced_on_its_own():
+    # One embedding buffer with two deepstack buffers: the encode rank must hear of both.
+    book = AnnounceBook()
+    book.announced("rank0", (0x1000, 0x8000), (64, 128))
+    assert book.needs("rank0", (0x1000, 0x9000), (64, 128))
+    book.announced("rank0", (0x1000, 0x9000), (64, 128))
+    assert not book.needs("rank0", (0x1000, 0x8000), (64, 128))
 
 
 def test_a_region_of_another_length_at_the_same_address_is_announced_again():
     book = AnnounceBook()
-    book.announced("rank0", 0x1000, 64)
-    assert book.needs("rank0", 0x1000, 128)
+    book.announced("rank0", (0x1000, 0), (64, 0))
+    assert book.needs("rank0", (0x1000, 0), (128, 0))
 
 
 def test_a_region_is_announced_again_once_half_the_window_followed_it():
     known = Announcements()
-    known.add(0x1000, 64)
+    known.add((0x1000, 0), (64, 0))
     for i in range(REANNOUNCE_AFTER - 1):
-        known.add(0x10000 + i * 64, 64)
-    assert known.holds(0x1000, 64), "still well inside the encode rank's window"
-    known.add(0x90000, 64)
-    assert not known.holds(0x1000, 64), "the encode rank may drop it before a room lands"
+        known.add((0x10000 + i * 64, 0), (64, 0))
+    assert known.holds((0x1000, 0), (64, 0)), "still well inside the encode rank's window"
+    known.add((0x90000, 0), (64, 0))
+    assert not known.holds((0x1000, 0), (64, 0)), "the encode rank may drop it before a room lands"
     assert REANNOUNCE_AFTER == MAX_REGIONS_PER_SESSION // 2
 
 
 def test_the_book_keeps_no_more_regions_per_rank_than_the_encode_rank_does():
     known = Announcements(window=4, reannounce_after=4)
     for i in range(10):
-        known.add(i * 64, 64)
-    assert list(known.regions) == [6 * 64, 7 * 64, 8 * 64, 9 * 64]
+        known.add((i * 64, 0), (64, 0))
+    assert [base for base, _ in known.regions] == [6 * 64, 7 * 64, 8 * 64, 9 * 64]
 
 
 def test_announcing_a_region_again_moves_it_to_the_newest():
     known = Announcements(window=3, reannounce_after=3)
-    known.add(0, 64)
-    known.add(64, 64)
-    known.add(0, 64)
-    known.add(128, 64)
-    known.add(192, 64)
-    assert 0 in known.regions and 64 not in known.regions
+    known.add((0, 0), (64, 0))
+    known.add((64, 0), (64, 0))
+    known.add((0, 0), (64, 0))
+    known.add((128, 0), (64, 0))
+    known.add((192, 0), (64, 0))
+    assert (0, 0) in known.regions and (64, 0) not in known.regions
 
 
 def test_a_withdrawn_or_forgotten_announcement_is_made_again():
     book = AnnounceBook()
-    book.announced("rank0", 0x1000, 64)
-    book.withdraw("rank0", 0x1000)
-    assert book.needs("rank0", 0x1000, 64)
-    book.announced("rank0", 0x1000, 64)
-    book.announced("rank0", 0x2000, 64)
+    book.announced("rank0", (0x1000, 0), (64, 0))
+    book.withdraw("rank0", (0x1000, 0))
+    assert book.needs("rank0", (0x1000, 0), (64, 0))
+    book.announced("rank0", (0x1000, 0), (64, 0))
+    book.announced("rank0", (0x2000, 0), (64, 0))
     book.forget("rank0")
-    assert book.needs("rank0", 0x1000, 64) and book.needs("rank0", 0x2000, 64)
+    assert book.needs("rank0", (0x1000, 0), (64, 0)) and book.needs("rank0", (0x2000, 0), (64, 0))
     assert len(book) == 0

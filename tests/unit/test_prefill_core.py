@@ -635,6 +635,20 @@ def test_an_ask_or_registration_the_socket_raised_on_fails_its_room_only_and_saf
     assert kinds(c.unsent(0.3, actions[-1], failure)) == [Conclude] and c.safe(3, token3)
 
 
+def test_the_same_embedding_region_with_another_deepstack_region_is_announced_again():
+    c = core()
+    routed(c)
+    first = Regions(MAIN.embedding, Region(0x900000, 4096))
+    second = Regions(MAIN.embedding, Region(0xA00000, 4096))
+    _, actions = c.receive(0.1, spec(1, regions=first, deepstack=True))
+    assert kinds(actions) == [Announce, SendAsk]
+    _, actions = c.receive(0.2, spec(2, regions=second, deepstack=True, slot=1))
+    assert kinds(actions) == [Announce, SendAsk], "the encode rank must hear of the second deepstack region"
+    registration = parse_registration(actions[0].frames)
+    assert (registration.embedding_base, registration.deepstack_base) == (MAIN.embedding.addr, 0xA00000)
+    assert kinds(c.receive(0.3, spec(3, regions=first, deepstack=True, slot=2))[1]) == [SendAsk]
+
+
 def test_a_room_number_in_flight_is_refused():
     c = core()
     c.receive(0.0, spec(1))

@@ -41,6 +41,20 @@ def test_a_repeat_of_the_same_base_replaces_it():
     assert _check(book, _ask(0x10000 + 4096, rows=4)) is None
 
 
+def test_one_embedding_region_with_two_deepstack_regions_keeps_both():
+    book = RegionBook()
+    for ds_base in (0x80000, 0x90000):
+        book.register(Registration("10.0.0.7", 5000, SESSION, 0x10000, ds_base, 4096, 4096))
+
+    def ask(ds_ptr: int) -> TransferInfo:
+        return TransferInfo(1, "10.0.0.7", 5000, SESSION, 0x10000, ds_ptr, 4, 256, "torch.bfloat16", True, 1, 0, 4)
+
+    assert book.check([ask(0x80000)], 512, 1024) is None
+    assert book.check([ask(0x90000)], 512, 1024) is None
+    assert book.check([ask(0xA0000)], 512, 1024) is not None
+    assert len(book.regions(SESSION)) == 2
+
+
 def test_regions_per_session_are_bounded_newest_kept():
     book = RegionBook()
     for index in range(MAX_REGIONS_PER_SESSION + 10):

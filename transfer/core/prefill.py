@@ -26,7 +26,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
-from transfer.core.announce import AnnounceBook
+from transfer.core.announce import AnnounceBook, Region
 from transfer.core.ask_queue import AskQueues
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.prefill_breaker import BootstrapBreaker
@@ -126,7 +126,7 @@ class Announce:
     room: int
     token: int
     route_key: RouteKey
-    region_addr: int
+    region: Region
     frames: list[bytes] = field(repr=False, compare=False)
 
 
@@ -530,7 +530,7 @@ class PrefillCore:
         rooms: list[_Room] = []
         for action in actions:
             if isinstance(action, Announce):
-                self.announcements.withdraw(action.addr, action.region_addr)
+                self.announcements.withdraw(action.addr, action.region)
             state = self._rooms.get(action.room)
             if state is not None and state.token == action.token and state.stage == ASKED \
                     and (not rooms or rooms[-1] is not state):
@@ -710,7 +710,7 @@ class PrefillCore:
         """The socket raised on `action` (it never left): its room fails with `failure`, its memory
         safe at once, and a registration is announced again before the next ask that needs it."""
         if isinstance(action, Announce):
-            self.announcements.withdraw(action.addr, action.region_addr)
+            self.announcements.withdraw(action.addr, action.region)
         state = self._rooms.get(action.room)
         if state is None or state.token != action.token or not self._open(state):
             return []
@@ -937,13 +937,11 @@ class PrefillCore:
         regions = spec.regions
         emb, ds = regions.embedding, regions.deepstack
         state.conn = self._conn_of(addr)  # it goes on the address's connection of now, not of when it queued
-        if self.announcements.needs(addr, emb.addr, emb.nbytes):
-            frames = registration_frames(
-                self.host, self.status_port, self.session_id, emb.addr, ds.addr if ds else 0,
-                emb.nbytes, ds.nbytes if ds else 0,
-            )
-            self.announcements.announced(addr, emb.addr, emb.nbytes)
-            actions.append(Announce(addr, spec.room, state.token, key, emb.addr, frames))
+        region, lengths = (emb.addr, ds.addr if ds else 0), (emb.nbytes, ds.nbytes if ds else 0)
+        if self.announcements.needs(addr, region, lengths):
+            frames = registration_frames(self.host, self.status_port, self.session_id, *region, *lengths)
+            self.announcements.announced(addr, region, lengths)
+            actions.append(Announce(addr, spec.room, state.token, key, region, frames))
         info = TransferInfo(
             room=spec.room, endpoint=self.host, port=self.status_port, session_id=self.session_id,
             embedding_ptr=spec.embedding_ptr, deepstack_ptr=spec.deepstack_ptr, rows=spec.rows,

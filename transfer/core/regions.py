@@ -42,7 +42,7 @@ class RegionBook:
     def register(self, reg: Registration) -> str | None:
         """Remembers a session's announced region; returns why it was refused, or None.
 
-        A repeat of the same base replaces it. A registration from a new status
+        A repeat of the same pair of bases (embedding, deepstack) replaces it. A registration from a new status
         endpoint is a new session manager on that engine: the regions its predecessor
         announced are forgotten, so memory it freed is never again an accepted
         destination. Once a session announced lengths, one without lengths is refused:
@@ -63,7 +63,8 @@ class RegionBook:
         regs = session.regs
         regs[:] = [
             r for r in regs
-            if r.embedding_base != reg.embedding_base and (r.endpoint, r.port) == (reg.endpoint, reg.port)
+            if (r.embedding_base, r.deepstack_base) != (reg.embedding_base, reg.deepstack_base)
+            and (r.endpoint, r.port) == (reg.endpoint, reg.port)
             and (r.has_lengths or not session.announced)
         ]
         regs.append(reg)
