@@ -521,8 +521,8 @@ def test_parked_asks_are_bounded_oldest_told_failed(monkeypatch):
             assert failed == [(1, TransferPoll.Failed), (2, TransferPoll.Failed)]
             assert wait_until(lambda: sorted(sender._core.parked) == [3, 4, 5, 6], 2.0), sorted(sender._core.parked)
 
-            for index in range(3):  # a fourth-fanout room: the third receiver is one too many
-                ask(6, f"10.0.0.8:{index}", fanout=4)
+            for index in range(3):  # room 6 holds two receivers: the second and third of these are too many
+                ask(6, f"10.0.0.8:{index}", fanout=2)
             assert wait_until(lambda: len(sender._core.parked[6].infos) == 2, 2.0)
             assert sorted(sender._core.parked[6].infos) == sorted([SESSION, "10.0.0.8:0"])
             # The two too many are told Failed (a peer has no deadline of its own); nobody else hears a thing.

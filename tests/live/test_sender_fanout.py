@@ -182,8 +182,9 @@ def test_an_ask_past_the_receivers_per_room_bound_is_told_failed(engines, server
             push = _io.push_socket(pool.host, pool.port)
             try:
                 for index, (_, status_port) in enumerate(pulls):
+                    # Three shards of a fanout-2 room: the third receiver is one too many.
                     push.send_multipart(TransferInfo(4, HOST, status_port, f"session-{index}", 0x1000, 0, 1, HIDDEN,
-                                                     DTYPE, False, 3, index, 3).to_frames())
+                                                     DTYPE, False, 2, index, 3).to_frames())
                 extra = pulls[2][0]
                 assert extra.poll(3000), "the third receiver was never told"
                 assert extra.recv_multipart()[:3] == [b"4", FAILED, b"0"]
