@@ -314,6 +314,29 @@ class RegisteredMemory:
     _registrations: threading.Condition
     _owners: dict[int, Any]
     _closed: bool
+    _released: threading.Event  # set once _release() returned
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() was called (it may still be waiting for writes in flight)."""
+        return self._closed
+
+    def _close_once(self) -> None:
+        """Runs the engine's _release() once. A call while another is under way returns when that
+        one did, so no close() returns while a peer may still write into the engine's memory."""
+        with self._lock:
+            closing, self._closed = not self._closed, True
+        if not closing:
+            self._released.wait()
+            return
+        try:
+            self._release()
+        finally:
+            self._released.set()
+
+    def _release(self) -> None:
+        """close()'s work: settle the writes, drop the memory, stop the transport."""
+        raise NotImplementedError
 
     def _check_open(self) -> None:
         """Raises EngineError once the engine is closed (lock held)."""
@@ -457,12 +480,14 @@ class Engine(RegisteredMemory):
         self._held: dict[str, list[int]] = {}  # session -> tickets held back until its probe answers, oldest first
         self._next_ticket = 0
         self._closed = False
+        self._released = threading.Event()  # set once close() released the memory and the transport
         self._openings = Openings(open_timeout_s=self.open_timeout_s)
         self._te = mooncake_engine.TransferEngine()
         rc = self._te.initialize(hostname, metadata, self.protocol, device_name)
         if rc != 0:
             self._te = None
             self._closed = True
+            self._released.set()
             raise EngineError(
                 f"Mooncake engine failed to start on {hostname} with protocol {self.protocol} "
                 f"(device {device_name or 'auto'}, metadata {metadata}): rc={rc}")
@@ -776,12 +801,13 @@ class Engine(RegisteredMemory):
         destroyed before the tensors kept alive are let go, so an overdue write never
         reads freed memory. Writes still held back for a probe fail; a probe still out
         keeps Mooncake's engine (its threads and listener) alive until it returns, at
-        most Mooncake's 60 s.
+        most Mooncake's 60 s. A close() while another is under way returns when that one did.
         """
+        self._close_once()
+
+    def _release(self) -> None:
+        """close()'s work, once: settle the writes, unregister the memory, destroy the transport."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
             self._held.clear()
             for pending in self._pending.values():
                 if pending.waiting:

@@ -405,6 +405,7 @@ class WireEngine(RegisteredMemory):
         self._reading: dict[int, tuple[str, list[tuple[int, int]]]] = {}  # writes in flight: session, sources
         self._write_ids = itertools.count(1)
         self._closed = False
+        self._released = threading.Event()  # set once close() closed the connections and the listener
         self._sent = {"connections_opened": 0, "writes": 0, "bytes_sent": 0, "write_failures": 0, "retries": 0}
         self._batches: dict[int, Future] = {}
         self._batch_ids = itertools.count(1)
@@ -705,11 +706,13 @@ class WireEngine(RegisteredMemory):
 
     def close(self) -> None:
         """Waits for writes in flight (each bounded by the timeouts), closes every connection,
-        stops and joins the listener's threads and frees its port; idempotent."""
+        stops and joins the listener's threads and frees its port; idempotent. A close() while
+        another is under way returns when that one did."""
+        self._close_once()
+
+    def _release(self) -> None:
+        """close()'s work, once: settle the writes, close the connections and the listener."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
             self._wait_for_registrations()
             writers, self._writers = self._writers, None
         if writers is not None:

@@ -383,6 +383,44 @@ def test_mooncake_close_is_bounded_with_a_stopped_peer(stalled_mooncake, monkeyp
     assert kept() is None and writer.registered() == {}
 
 
+def _second_close_waits_for_the_first(writer, peer) -> None:
+    """close() from a second thread while the first waits for a write to the stopped `peer`: the
+    second returns only once the memory is released, never while a peer may still write into it."""
+    first, first_outcome = _in_thread(writer.close)
+    try:
+        assert wait_until(lambda: writer.closed, 10)
+        second, second_outcome = _in_thread(writer.close)
+        second.join(60)
+        assert second_outcome == [("ok", None)]
+        assert writer.registered() == {}, "a close() returned with the engine's memory still registered"
+    finally:
+        peer.resume()
+        first.join(60)
+    assert first_outcome == [("ok", None)]
+
+
+@pytest.mark.live
+@pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
+def test_mooncake_a_second_close_returns_once_the_first_released_the_memory(stalled_mooncake, monkeypatch):
+    peer = stalled_mooncake
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
+    writer = _mooncake()
+    src = _filled(STALL_BYTES, 9)
+    writer.register(src)
+    _handshake_then_stop(writer, src, peer)
+    writer.write_async(peer.session_id, [src.data_ptr()], [peer.addr], [STALL_BYTES])
+    _second_close_waits_for_the_first(writer, peer)
+
+
+def test_wire_a_second_close_returns_once_the_first_released_the_memory(wire_peer):
+    wire_peer.stop()
+    writer = WireEngine(reply_timeout_s=3.0)
+    src = _filled(STALL_BYTES, 4)
+    writer.register(src)
+    writer.write_async(wire_peer.session_id, [src.data_ptr()], [wire_peer.addr], [STALL_BYTES])
+    _second_close_waits_for_the_first(writer, wire_peer)
+
+
 def _unregister_during_a_stalled_write(writer, src, peer) -> None:
     """Writes `src` (filled with 7s) to the stopped `peer`, tries to unregister it mid-write and
     reuse it, resumes the peer: the engine must have refused, and only the 7s may have landed."""
