@@ -277,7 +277,8 @@ class Pair:
         rank.next_slot += 1
         spec = pre.RoomSpec(room, BOOT, ptr, rows=rows, hidden=HIDDEN, dtype=DTYPE, row_bytes=ROW,
                             row_start=row_start, span=span, regions=regions, deepstack_ptr=ds_ptr,
-                            deepstack_nbytes=rows * DS_ROW if ds_ptr else 0, has_deepstack=bool(ds_ptr))
+                            deepstack_nbytes=rows * DS_ROW if ds_ptr else 0, has_deepstack=bool(ds_ptr),
+                            deepstack_row_bytes=DS_ROW if ds_ptr else None)
         token, actions = rank.core.receive(self.now, spec)
         rec = rank.receives[room] = Receive(p, rank.session, room, token, ptr, row_start, rows, ds_ptr)
         self.all_receives.append(rec)

@@ -24,6 +24,7 @@ __all__ = [
     "CANCEL_MARKER",
     "CANCEL_PARTS",
     "CANCEL_READS_WRITE_FAILED",
+    "DEEPSTACK_ROW_BYTES_PART",
     "DTYPE_BYTES",
     "MAX_REGIONS_PER_SESSION",
     "REGISTRATION_MARKER",
@@ -63,6 +64,8 @@ __all__ = [
 ]
 
 TRANSFER_INFO_PARTS = 13
+#: Our TransferInfo part 13 (docs/protocol.md 8): the receiver's deepstack row bytes, optional.
+DEEPSTACK_ROW_BYTES_PART = TRANSFER_INFO_PARTS
 REGISTRATION_PARTS = 6
 STATUS_PARTS = 3
 MAX_CHECKSUMS = 2
@@ -111,7 +114,7 @@ _U64_MAX = (1 << 64) - 1
 _POINTER = struct.Struct("=Q")
 _POINTER_PAIR = struct.Struct("=QQ")
 #: The most digits the shortcuts hand to int() at once: every number of a message at its widest.
-_PLAIN_DIGITS = 20 * 7
+_PLAIN_DIGITS = 20 * 8
 _set_attribute = object.__setattr__
 # bytes pattern: [0-9] matches ASCII digits only, and fullmatch rejects a trailing newline.
 _DECIMAL = re.compile(rb"[+-]?[0-9]+")
@@ -347,7 +350,11 @@ def _encode_port(port: object) -> bytes:
 
 @dataclass(frozen=True, init=False)
 class TransferInfo:
-    """One prefill rank's request for one room's rows (SPEC.md 4.2, 13 parts)."""
+    """One prefill rank's request for one room's rows (SPEC.md 4.2, 13 parts).
+
+    `deepstack_row_bytes` is our optional part 13 (docs/protocol.md 8): the bytes of one
+    deepstack row of the receiver's layout, None when the part is absent (a peer's ask).
+    """
 
     room: int
     endpoint: str
@@ -362,16 +369,18 @@ class TransferInfo:
     fanout: int
     row_start: int
     span: int
+    deepstack_row_bytes: int | None = None
 
     def __init__(self, room: int, endpoint: str, port: int, session_id: str, embedding_ptr: int, deepstack_ptr: int,
                  rows: int, hidden: int, dtype: str, has_deepstack: bool, fanout: int, row_start: int,
-                 span: int) -> None:
+                 span: int, deepstack_row_bytes: int | None = None) -> None:
         """The generated __init__'s signature and fields, set at once rather than one frozen __setattr__ each."""
         # Built for every ask on both sides; the generated __init__ pays one object.__setattr__ per field.
         _set_attribute(self, "__dict__", {
             "room": room, "endpoint": endpoint, "port": port, "session_id": session_id, "embedding_ptr": embedding_ptr,
             "deepstack_ptr": deepstack_ptr, "rows": rows, "hidden": hidden, "dtype": dtype,
-            "has_deepstack": has_deepstack, "fanout": fanout, "row_start": row_start, "span": span})
+            "has_deepstack": has_deepstack, "fanout": fanout, "row_start": row_start, "span": span,
+            "deepstack_row_bytes": deepstack_row_bytes})
 
     @property
     def is_identity(self) -> bool:
@@ -388,7 +397,8 @@ class TransferInfo:
         return self.hidden * dtype_size(self.dtype)
 
     def to_frames(self) -> list[bytes]:
-        """Encode as the 13 parts of SPEC.md 4.2; raises WireError for a value the parser would refuse."""
+        """Encode as the 13 parts of SPEC.md 4.2, and part 13 when `deepstack_row_bytes` is set; raises
+        WireError for a value the parser would refuse."""
         room, port, emb, ds = self.room, self.port, self.embedding_ptr, self.deepstack_ptr
         rows, hidden, fanout, row_start, span = self.rows, self.hidden, self.fanout, self.row_start, self.span
         endpoint, session, dtype = self.endpoint, self.session_id, self.dtype
@@ -401,14 +411,20 @@ class TransferInfo:
                 and _I64_MIN <= rows <= _I64_MAX and _I64_MIN <= hidden <= _I64_MAX and _I64_MIN <= fanout <= _I64_MAX
                 and _I64_MIN <= row_start <= _I64_MAX and _I64_MIN <= span <= _I64_MAX
                 and endpoint.isascii() and session.isascii() and dtype.isascii()):
-            return [b"%d" % room, endpoint.encode("ascii"), b"%d" % port, session.encode("ascii"), _POINTER.pack(emb),
-                    _POINTER.pack(ds), b"%d" % rows, b"%d" % hidden, dtype.encode("ascii"),
-                    b"1" if self.has_deepstack else b"0", b"%d" % fanout, b"%d" % row_start, b"%d" % span]
+            parts = [b"%d" % room, endpoint.encode("ascii"), b"%d" % port, session.encode("ascii"),
+                     _POINTER.pack(emb), _POINTER.pack(ds), b"%d" % rows, b"%d" % hidden, dtype.encode("ascii"),
+                     b"1" if self.has_deepstack else b"0", b"%d" % fanout, b"%d" % row_start, b"%d" % span]
+            width = self.deepstack_row_bytes
+            if width is None:
+                return parts
+            if type(width) is int and 0 <= width <= _I64_MAX:
+                parts.append(b"%d" % width)
+                return parts
         return self._checked_frames()
 
     def _checked_frames(self) -> list[bytes]:
-        """The 13 parts through the strict encoders, which refuse what the parser would refuse."""
-        return [
+        """The parts through the strict encoders, which refuse what the parser would refuse."""
+        parts = [
             _encode_room(self.room),
             _encode_text(self.endpoint, "endpoint"),
             _encode_port(self.port),
@@ -423,17 +439,24 @@ class TransferInfo:
             _encode_int(self.row_start, "row_start"),
             _encode_int(self.span, "span"),
         ]
+        if self.deepstack_row_bytes is not None:
+            parts.append(_encode_length(self.deepstack_row_bytes, "deepstack row bytes"))
+        return parts
 
     @classmethod
     def from_frames(cls, frames: Sequence[object]) -> TransferInfo:
-        """Parse SPEC.md 4.2's parts in order; the first failure is the one raised."""
+        """Parse SPEC.md 4.2's parts in order, then our optional part 13; the first failure is the one raised.
+
+        Part 13 is a non-negative decimal (`deepstack row bytes is not an integer`,
+        `negative deepstack row bytes`); later parts are ignored.
+        """
         info = cls._from_plain_frames(frames)
         if info is not None:
             return info
         frames = list(frames)
         if len(frames) < TRANSFER_INFO_PARTS:
             raise WireError(f"malformed EmbeddingTransferInfo frame: {len(frames)} parts < {TRANSFER_INFO_PARTS}")
-        parts = [_part(f) for f in frames[:TRANSFER_INFO_PARTS]]
+        parts = [_part(f) for f in frames[:TRANSFER_INFO_PARTS + 1]]
         room = _number(parts[0], "room")
         if room < 0:
             raise WireError("negative room")
@@ -450,43 +473,54 @@ class TransferInfo:
         fanout = _number(parts[10], "fanout")
         row_start = _number(parts[11], "row_start")
         span = _number(parts[12], "span")
+        deepstack_row_bytes = (_length(parts[DEEPSTACK_ROW_BYTES_PART], "deepstack row bytes")
+                               if len(parts) > DEEPSTACK_ROW_BYTES_PART else None)
         return cls(room, endpoint, port, session_id, embedding_ptr, deepstack_ptr, rows, hidden, dtype,
-                   has_deepstack, fanout, row_start, span)
+                   has_deepstack, fanout, row_start, span, deepstack_row_bytes)
 
     @classmethod
     def _from_plain_frames(cls, frames: Sequence[object]) -> TransferInfo | None:
-        """The common case in a few steps: 13 well-formed bytes parts, or None (then parse strictly).
+        """The common case in a few steps: 13 well-formed bytes parts, or 14 with our part 13, or None
+        (then parse strictly).
 
         Accepts only what the strict parser accepts, with the same values: bytes parts
         (a zmq.Frame would not compare equal to b"1"), numbers of plain ASCII digits in
         range, ASCII texts and 8-byte pointers. Anything else returns None.
         """
-        if type(frames) is not list or len(frames) != TRANSFER_INFO_PARTS:
+        if type(frames) is not list:
             return None
-        room, endpoint, port, session, emb, ds, rows, hidden, dtype, has_ds, fanout, row_start, span = frames
+        count = len(frames)
+        if count == TRANSFER_INFO_PARTS:
+            room, endpoint, port, session, emb, ds, rows, hidden, dtype, has_ds, fanout, row_start, span = frames
+            width = b"0"  # stands in for the absent part 13 in the checks below; its value is not kept
+        elif count == TRANSFER_INFO_PARTS + 1:
+            room, endpoint, port, session, emb, ds, rows, hidden, dtype, has_ds, fanout, row_start, span, width = frames
+        else:
+            return None
         if not (type(room) is type(endpoint) is type(port) is type(session) is type(emb) is type(ds) is type(rows)
                 is type(hidden) is type(dtype) is type(has_ds) is type(fanout) is type(row_start) is type(span)
-                is bytes):
+                is type(width) is bytes):
             return None
-        # One digit check for all seven numbers: bytes.isdigit() is ASCII digits only, so no sign, space
+        # One digit check for all eight numbers: bytes.isdigit() is ASCII digits only, so no sign, space
         # or underscore reaches int(); an empty part is int()'s ValueError. The length bound keeps
         # int()'s work small; the ranges below reject what is too large.
-        digits = b"".join((room, port, rows, hidden, fanout, row_start, span))
+        digits = b"".join((room, port, rows, hidden, fanout, row_start, span, width))
         if not digits.isdigit() or len(digits) > _PLAIN_DIGITS or len(emb) != 8 or len(ds) != 8:
             return None
         try:
             room_n, port_n, rows_n, hidden_n = int(room), int(port), int(rows), int(hidden)
-            fanout_n, row_start_n, span_n = int(fanout), int(row_start), int(span)
+            fanout_n, row_start_n, span_n, width_n = int(fanout), int(row_start), int(span), int(width)
             # UnicodeDecodeError is a ValueError: a non-ASCII text goes to the strict parser's message.
             endpoint_s, session_s, dtype_s = endpoint.decode("ascii"), session.decode("ascii"), dtype.decode("ascii")
         except ValueError:
             return None
         if not (port_n <= 0xFFFF and room_n <= _I64_MAX and rows_n <= _I64_MAX and hidden_n <= _I64_MAX
-                and fanout_n <= _I64_MAX and row_start_n <= _I64_MAX and span_n <= _I64_MAX):
+                and fanout_n <= _I64_MAX and row_start_n <= _I64_MAX and span_n <= _I64_MAX
+                and width_n <= _I64_MAX):
             return None
         emb_n, ds_n = _POINTER_PAIR.unpack(emb + ds)
         return cls(room_n, endpoint_s, port_n, session_s, emb_n, ds_n, rows_n, hidden_n, dtype_s, has_ds == b"1",
-                   fanout_n, row_start_n, span_n)
+                   fanout_n, row_start_n, span_n, width_n if count > TRANSFER_INFO_PARTS else None)
 
 
 # ---------------------------------------------------------------- Registration (4.1, 8)
@@ -829,10 +863,13 @@ def parse_cancel_reply(frames: Sequence[object]) -> CancelReply | None:
 
 
 def validate_fanout(span: int, hidden: int, dtype: str, has_deepstack: bool, infos: Iterable[TransferInfo],
-                    fanout: int | None = None) -> str | None:
+                    fanout: int | None = None, deepstack_row_bytes: int | None = None) -> str | None:
     """Check a room's whole receiver set against its item (SPEC.md 6); return the first violation or None.
 
-    `fanout` defaults to the number of infos. A set is valid when every receiver
+    `fanout` defaults to the number of infos. `deepstack_row_bytes` is the item's deepstack
+    row bytes: with deepstack on the item, a receiver whose ask carries its own (our part 13)
+    must agree with it; an ask without the part (a peer's) is not checked for it. A set is
+    valid when every receiver
     agrees with the item and either all are identity, or the non-empty shards,
     sorted by row_start, tile one contiguous range inside [0, span) with no gap or
     overlap: the block's share of shards taken over the whole prefill group, or all
@@ -849,7 +886,7 @@ def validate_fanout(span: int, hidden: int, dtype: str, has_deepstack: bool, inf
     if len(infos) != want:
         return f"room {room}: {len(infos)} receivers != fanout {want}"
     for info in infos:
-        reason = _receiver_mismatch(info, room, want, span, hidden, dtype, has_deepstack)
+        reason = _receiver_mismatch(info, room, want, span, hidden, dtype, has_deepstack, deepstack_row_bytes)
         if reason is not None:
             return f"room {room}: receiver {receiver_text(info.session_id)} {reason}"
     seen: set[str] = set()
@@ -863,7 +900,7 @@ def validate_fanout(span: int, hidden: int, dtype: str, has_deepstack: bool, inf
 
 
 def _receiver_mismatch(info: TransferInfo, room: int, fanout: int, span: int, hidden: int, dtype: str,
-                       has_deepstack: bool) -> str | None:
+                       has_deepstack: bool, deepstack_row_bytes: int | None = None) -> str | None:
     """One receiver's disagreement with the item, or None."""
     if info.room != room:
         return f"is for room {info.room}"
@@ -877,6 +914,9 @@ def _receiver_mismatch(info: TransferInfo, room: int, fanout: int, span: int, hi
         return f"span {info.span} != item span {span}"
     if bool(info.has_deepstack) != bool(has_deepstack):
         return f"deepstack {bool(info.has_deepstack)} != item deepstack {bool(has_deepstack)}"
+    if (has_deepstack and deepstack_row_bytes is not None and info.deepstack_row_bytes is not None
+            and info.deepstack_row_bytes != deepstack_row_bytes):
+        return f"deepstack row bytes {info.deepstack_row_bytes} != item deepstack row bytes {deepstack_row_bytes}"
     if info.rows < 0 or info.row_start < 0 or info.row_start + info.rows > span:
         return f"shard rows [{info.row_start}, {info.row_start + info.rows}) outside [0, {span})"
     return None

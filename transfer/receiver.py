@@ -250,6 +250,12 @@ class SessionManager:
         (`rows`, `hidden`, `dtype` and, with deepstack, `deepstack_hidden` given) and
         this rank's shard lands in its rows `[row_start, row_start + rows)`. `dtype` is a
         `torch.dtype`, `"bfloat16"` or `"torch.bfloat16"`.
+
+        A `deepstack_dst` given with `dst` holds exactly `rows` deepstack rows: with
+        `deepstack_hidden`, `rows * deepstack_hidden` elements of `dtype`; without it, its
+        bytes are a whole number of rows of whole elements. Its row bytes go with the ask,
+        and an encode rank of ours refuses the room (nothing written) when its item's
+        deepstack rows are another width.
         """
         if self._closed:
             raise UsageError("session manager is closed")
@@ -261,20 +267,22 @@ class SessionManager:
             lease, full, full_ds, dst, deepstack_dst = self._lease(room, rows, hidden, dtype_name, row_start, span,
                                                                    deepstack_hidden)
             return self._receive(room, bootstrap_addr, dst, None, None, None, row_start, span, deepstack_dst,
-                                 lease, full, full_ds)
+                                 deepstack_hidden, lease, full, full_ds)
         if deepstack_hidden and deepstack_dst is None:
             raise ConfigError(f"room {room}: deepstack_hidden given with dst but no deepstack_dst to receive into")
-        return self._receive(room, bootstrap_addr, dst, rows, hidden, dtype_name, row_start, span, deepstack_dst)
+        return self._receive(room, bootstrap_addr, dst, rows, hidden, dtype_name, row_start, span, deepstack_dst,
+                             deepstack_hidden)
 
     def _receive(self, room: int, bootstrap_addr: str, dst: torch.Tensor | int, rows: int | None,
                  hidden: int | None, dtype: str | None, row_start: int, span: int | None,
-                 deepstack_dst: torch.Tensor | tuple[int, int] | None, lease: Slot | None = None,
-                 full: torch.Tensor | None = None, full_ds: torch.Tensor | None = None) -> ReceiveHandle:
+                 deepstack_dst: torch.Tensor | tuple[int, int] | None, deepstack_hidden: int | None = None,
+                 lease: Slot | None = None, full: torch.Tensor | None = None,
+                 full_ds: torch.Tensor | None = None) -> ReceiveHandle:
         """receive() once the destination is known; a lease is given back if it raises."""
         record = None
         try:
             record, spec = self._room(room, bootstrap_addr, dst, rows, hidden, dtype, row_start, span,
-                                      deepstack_dst, lease)
+                                      deepstack_dst, deepstack_hidden, lease)
             self._driver.receive(record, spec)
         except BaseException:
             if lease is not None:
@@ -287,20 +295,22 @@ class SessionManager:
 
     def _room(self, room: int, bootstrap_addr: str, dst: torch.Tensor | int, rows: int | None,
               hidden: int | None, dtype: str | None, row_start: int, span: int | None,
-              deepstack_dst: torch.Tensor | tuple[int, int] | None, lease: Slot | None) -> tuple[Room, RoomSpec]:
-        """The room's record and spec, its destination checked."""
+              deepstack_dst: torch.Tensor | tuple[int, int] | None, deepstack_hidden: int | None,
+              lease: Slot | None) -> tuple[Room, RoomSpec]:
+        """The room's record and spec, its destinations checked."""
         ptr, rows, hidden, dtype = _destination(dst, rows, hidden, dtype)
         span = rows if span is None else span
         _check_geometry(room, rows, hidden, span, row_start)
         split_address(bootstrap_addr)  # a malformed address is the caller's error, not a room failed later
         row_bytes = hidden * dtype_size(dtype)
-        ds_ptr, ds_nbytes = 0, 0
+        ds_ptr, ds_nbytes, ds_row_bytes = 0, 0, None
         if deepstack_dst is not None:
             ds = _io.as_region(deepstack_dst)
             ds_ptr, ds_nbytes = ds.addr, ds.nbytes
+            ds_row_bytes = _deepstack_row_bytes(room, deepstack_dst, ds_nbytes, rows, dtype, deepstack_hidden)
         regions = self._regions_for(room, ptr, rows * row_bytes, ds_ptr, ds_nbytes, deepstack_dst is not None)
         spec = RoomSpec(room, bootstrap_addr, ptr, rows, hidden, dtype, row_bytes, row_start, span, regions,
-                        ds_ptr, ds_nbytes, deepstack_dst is not None)
+                        ds_ptr, ds_nbytes, deepstack_dst is not None, ds_row_bytes)
         record = Room(room, started_at=self._driver.clock(), nbytes=rows * row_bytes + ds_nbytes, lease=lease)
         return record, spec
 
@@ -481,6 +491,33 @@ def _check_geometry(room: int, rows: int, hidden: int, span: int, row_start: int
             raise ConfigError(f"room {room}: {problem}")
     if row_start + rows > span:
         raise ConfigError(f"room {room}: shard [{row_start}, {row_start + rows}) outside the item's span {span}")
+
+
+def _deepstack_row_bytes(room: int, deepstack_dst: Any, nbytes: int, rows: int, dtype: str,
+                         deepstack_hidden: int | None) -> int | None:
+    """The bytes of one row of a deepstack destination of `nbytes` bytes that holds `rows` rows; ConfigError
+    unless it holds exactly that. None only for an empty shard whose width nothing tells (no
+    `deepstack_hidden`, not a 2-D tensor): nothing is written there."""
+    size = dtype_size(dtype)
+    if deepstack_hidden is not None:
+        problem = size_problem("deepstack_hidden", deepstack_hidden, 1)
+        if problem:
+            raise ConfigError(f"room {room}: {problem}")
+        row_bytes = deepstack_hidden * size
+        if nbytes != rows * row_bytes:
+            raise ConfigError(f"room {room}: deepstack destination of {nbytes} bytes does not hold {rows} rows of "
+                              f"deepstack_hidden {deepstack_hidden} x {dtype} ({rows * row_bytes} bytes)")
+        return row_bytes
+    if rows == 0:
+        shape = getattr(deepstack_dst, "shape", None)
+        if shape is not None and len(shape) == 2:
+            return int(shape[1]) * int(deepstack_dst.element_size())
+        return None
+    row_bytes, odd = divmod(nbytes, rows)
+    if odd or row_bytes % size or not row_bytes:
+        raise ConfigError(f"room {room}: deepstack destination of {nbytes} bytes is not {rows} rows of whole "
+                          f"{dtype} elements (give deepstack_hidden to say its width)")
+    return row_bytes
 
 
 def _destination(dst: torch.Tensor | int, rows: int | None, hidden: int | None,

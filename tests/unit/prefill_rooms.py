@@ -14,12 +14,12 @@ MAIN = Regions(Region(0x10000, 1 << 20))
 
 
 def spec(room: int, *, regions: Regions = MAIN, slot: int = 0, deepstack: bool = False) -> RoomSpec:
-    """Room `room`'s 4 rows of 16 bytes at slot `slot` of `regions` (and 32 deepstack bytes when asked)."""
+    """Room `room`'s 4 rows of 16 bytes at slot `slot` of `regions` (and 4 deepstack rows of 8 bytes when asked)."""
     ptr = regions.embedding.addr + slot * 64
     ds_ptr = regions.deepstack.addr + slot * 32 if deepstack else 0
     return RoomSpec(room, BOOT, ptr, rows=4, hidden=8, dtype="torch.float16", row_bytes=16, row_start=0, span=4,
                     regions=regions, deepstack_ptr=ds_ptr, deepstack_nbytes=32 if deepstack else 0,
-                    has_deepstack=deepstack)
+                    has_deepstack=deepstack, deepstack_row_bytes=8 if deepstack else None)
 
 
 def core(**kw) -> PrefillCore:

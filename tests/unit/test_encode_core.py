@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from transfer.core.breaker import Breaker
@@ -130,6 +132,59 @@ def test_geometry_that_disagrees_with_the_item_fails_the_room_and_tells_every_re
     [conclusion] = run.of(Conclude, out)
     assert conclusion.failure.kind is FailureKind.GEOMETRY and "hidden 512 != item hidden 256" in conclusion.failure.detail
     assert run.statuses(out) == [(3, 6000, TransferPoll.Failed)]
+
+
+DS_ROW = 2 * ROW  # _offer's deepstack: two layers of the item's rows
+
+
+def _deep_ask(room: int, rank: int = 0, fanout: int = 1, span: int = 4, width: int | None = DS_ROW) -> TransferInfo:
+    """An ask with deepstack whose part 13 says `width` deepstack row bytes (None: no part 13, a peer's ask)."""
+    start, rows = shard_rows(span, rank, fanout)
+    return TransferInfo(room, "10.0.0.7", 6000 + rank, f"10.0.0.7:{17000 + rank}", 0x10000 * (rank + 1),
+                        0x80000 * (rank + 1), rows, HIDDEN, DTYPE, True, fanout, start, span, width)
+
+
+@pytest.mark.parametrize("width", [3 * ROW, ROW, DS_ROW + 2, 0])
+@pytest.mark.parametrize("item_first", [True, False])
+def test_a_deepstack_width_that_disagrees_with_the_item_fails_the_room_before_any_write(width, item_first):
+    # Wider: the write would run past the receiver's rows into its neighbour's; narrower: it would
+    # land rows of another width that a checksum over the zeroed rest cannot tell apart.
+    run = Run()
+    asks = [_deep_ask(6, 0, fanout=2, span=8), _deep_ask(6, 1, fanout=2, span=8, width=width)]
+    if item_first:
+        run.offer(_offer(6, span=8, deepstack=True))
+    for info in asks:
+        run.ask(info)
+    if not item_first:
+        run.offer(_offer(6, span=8, deepstack=True))
+    assert run.of(StartWrite) == []  # not even the receiver that agrees is written
+    [conclusion] = run.of(Conclude)
+    assert conclusion.failure.kind is FailureKind.GEOMETRY
+    assert conclusion.failure.detail == (f"room 6: receiver 10.0.0.7:17001 deepstack row bytes {width} != item "
+                                         f"deepstack row bytes {DS_ROW}")
+    assert sorted(run.statuses()) == [(6, 6000, TransferPoll.Failed), (6, 6001, TransferPoll.Failed)]
+
+
+@pytest.mark.parametrize("width", [None, DS_ROW])
+def test_an_ask_without_the_deepstack_width_or_agreeing_with_it_is_served(width):
+    # None: a peer's ask, which carries no part 13, is written as the peers write.
+    run = Run()
+    run.offer(_offer(7, span=8, deepstack=True))
+    run.ask(_deep_ask(7, 0, fanout=2, span=8, width=width))
+    out = run.ask(_deep_ask(7, 1, fanout=2, span=8))
+    writes = run.of(StartWrite, out)
+    assert [w.lengths for w in writes] == [(4 * ROW, 4 * DS_ROW), (4 * ROW, 4 * DS_ROW)]
+    assert [w.dsts for w in writes] == [(0x10000, 0x80000), (0x20000, 0x100000)]
+    for write in writes:
+        run.complete(write, (1, 2))
+    assert run.conclusions() == [(7, TransferPoll.Success, None)]
+
+
+def test_an_item_without_deepstack_does_not_read_the_width():
+    run = Run()
+    run.offer(_offer(8))
+    out = run.ask(dataclasses.replace(_ask(8), deepstack_row_bytes=0))
+    assert len(run.of(StartWrite, out)) == 1
 
 
 @pytest.mark.parametrize("first, second", [(4, 2), (2, 4)])

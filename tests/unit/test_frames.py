@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 import sys
@@ -153,7 +154,7 @@ def test_transfer_info_golden_decode():
 def test_transfer_info_field_order():
     names = [f for f in TransferInfo.__dataclass_fields__]
     assert names == ["room", "endpoint", "port", "session_id", "embedding_ptr", "deepstack_ptr", "rows",
-                     "hidden", "dtype", "has_deepstack", "fanout", "row_start", "span"]
+                     "hidden", "dtype", "has_deepstack", "fanout", "row_start", "span", "deepstack_row_bytes"]
 
 
 def test_transfer_info_without_deepstack_golden():
@@ -172,8 +173,10 @@ def test_transfer_info_helpers():
 
 
 def test_transfer_info_extra_parts_ignored_and_buffer_types_accepted():
-    frames = [bytearray(p) for p in INFO_FRAMES[:6]] + [memoryview(p) for p in INFO_FRAMES[6:]] + [b"x", b"\xff"]
-    assert TransferInfo.from_frames(frames) == TransferInfo.from_frames(INFO_FRAMES)
+    # Part 13 is ours (the deepstack row bytes); every later part is ignored.
+    frames = [bytearray(p) for p in INFO_FRAMES[:6]] + [memoryview(p) for p in INFO_FRAMES[6:]] + [
+        bytearray(b"64"), b"x", b"\xff"]
+    assert TransferInfo.from_frames(frames) == TransferInfo.from_frames(INFO_FRAMES + [b"64"])
     assert TransferInfo.from_frames(tuple(INFO_FRAMES)) == TransferInfo.from_frames(INFO_FRAMES)
 
 
@@ -316,6 +319,65 @@ def test_to_frames_refuses_what_the_parser_would_refuse(change, message):
         TransferInfo(**fields).to_frames()
 
 
+# Our part 13 (docs/protocol.md 8): the receiver's deepstack row bytes, optional.
+WIDE = dataclasses.replace(INFO, deepstack_row_bytes=8192)
+
+
+@little_endian
+def test_deepstack_row_bytes_is_part_13_after_the_spec_parts_unchanged():
+    assert INFO.deepstack_row_bytes is None and INFO.to_frames() == INFO_FRAMES  # not set: the 13 parts alone
+    frames = WIDE.to_frames()
+    assert frames == INFO_FRAMES + [b"8192"]  # parts 0-12 byte for byte what a peer reads
+    assert TransferInfo.from_frames(frames) == WIDE
+    assert TransferInfo.from_frames(tuple(frames)) == WIDE  # the strict path
+    assert TransferInfo.from_frames(INFO_FRAMES).deepstack_row_bytes is None  # a peer's ask
+    assert TransferInfo.from_frames(frames + [b"junk", b"\xff"]) == WIDE
+    assert dataclasses.replace(INFO, deepstack_row_bytes=0).to_frames()[13:] == [b"0"]
+
+
+@pytest.mark.parametrize("value, expected", [(b"0", 0), (b"96", 96), (b"+96", 96), (b"-0", 0), (b"00096", 96),
+                                             (b"9223372036854775807", I64_MAX)])
+def test_deepstack_row_bytes_grammar_accepts(value, expected):
+    for frames in (INFO_FRAMES + [value], tuple(INFO_FRAMES + [value])):
+        assert TransferInfo.from_frames(frames).deepstack_row_bytes == expected
+
+
+@pytest.mark.parametrize("value", NOT_INTEGERS)
+def test_deepstack_row_bytes_not_an_integer(value):
+    for frames in (INFO_FRAMES + [value], tuple(INFO_FRAMES + [value])):
+        with wire_error("deepstack row bytes is not an integer"):
+            TransferInfo.from_frames(frames)
+
+
+@pytest.mark.parametrize("value", NON_ASCII)
+def test_deepstack_row_bytes_non_ascii(value):
+    with wire_error("deepstack row bytes must be ASCII"):
+        TransferInfo.from_frames(INFO_FRAMES + [value])
+
+
+@pytest.mark.parametrize("value", [b"-1", b"-96", b"-9223372036854775808"])
+def test_negative_deepstack_row_bytes(value):
+    for frames in (INFO_FRAMES + [value], tuple(INFO_FRAMES + [value])):
+        with wire_error("negative deepstack row bytes"):
+            TransferInfo.from_frames(frames)
+
+
+def test_deepstack_row_bytes_is_checked_after_the_spec_parts():
+    with wire_error("span is not an integer"):
+        TransferInfo.from_frames(with_part(12, b"x") + [b"x"])
+    with wire_error("span must be ASCII"):
+        TransferInfo.from_frames(tuple(with_part(12, b"\xff") + [b"-1"]))
+
+
+@pytest.mark.parametrize("value, message", [(-1, "negative deepstack row bytes"),
+                                            (2**63, "deepstack row bytes is not an integer"),
+                                            (1.5, "deepstack row bytes is not an integer"),
+                                            ("64", "deepstack row bytes is not an integer")])
+def test_to_frames_refuses_a_deepstack_row_bytes_the_parser_would_refuse(value, message):
+    with wire_error(message):
+        dataclasses.replace(INFO, deepstack_row_bytes=value).to_frames()
+
+
 ascii_text = st.text(st.characters(max_codepoint=127), max_size=40)
 i64 = st.integers(I64_MIN, I64_MAX)
 u64 = st.integers(0, U64_MAX)
@@ -334,14 +396,17 @@ infos = st.builds(
     fanout=i64,
     row_start=i64,
     span=i64,
+    deepstack_row_bytes=st.none() | st.integers(0, I64_MAX),
 )
 
 
 @given(infos)
 def test_transfer_info_round_trip(info):
     frames = info.to_frames()
-    assert len(frames) == 13 and all(type(f) is bytes for f in frames)
+    assert len(frames) == (13 if info.deepstack_row_bytes is None else 14) and all(type(f) is bytes for f in frames)
+    assert frames[:13] == dataclasses.replace(info, deepstack_row_bytes=None).to_frames()
     assert TransferInfo.from_frames(frames) == info
+    assert TransferInfo.from_frames(tuple(frames)) == info
 
 
 @pytest.mark.parametrize("ptr", [0, 1, 0x7FFF_FFFF_FFFF_FFFF, 0x8000_0000_0000_0000, HIGH_PTR, U64_MAX])
@@ -704,6 +769,35 @@ def test_deepstack_mismatch():
     infos = sharded(SPAN, 3)
     infos[1] = receiver(1, *shard_rows(SPAN, 1, 3), has_deepstack=True)
     assert "deepstack True != item deepstack False" in reason_of(infos)
+
+
+DS_ROW = 2 * HIDDEN * 2  # two deepstack layers of bfloat16
+
+
+@pytest.mark.parametrize("width", [DS_ROW // 2, DS_ROW + 2, 0])
+def test_deepstack_row_bytes_mismatch_names_both(width):
+    infos = sharded(SPAN, 3, has_deepstack=True, deepstack_ptr=0x9000, deepstack_row_bytes=DS_ROW)
+    infos[1] = dataclasses.replace(infos[1], deepstack_row_bytes=width)
+    reason = validate_fanout(SPAN, HIDDEN, DTYPE, True, infos, 3, DS_ROW)
+    assert reason == f"room 7: receiver 10.0.0.1:17001 deepstack row bytes {width} != item deepstack row bytes {DS_ROW}"
+
+
+def test_deepstack_row_bytes_agreeing_or_absent_is_valid():
+    agreeing = sharded(SPAN, 3, has_deepstack=True, deepstack_ptr=0x9000, deepstack_row_bytes=DS_ROW)
+    assert validate_fanout(SPAN, HIDDEN, DTYPE, True, agreeing, 3, DS_ROW) is None
+    # An ask without part 13 (a peer's) is not checked for the width, alone or among ours.
+    peers = sharded(SPAN, 3, has_deepstack=True, deepstack_ptr=0x9000)
+    assert validate_fanout(SPAN, HIDDEN, DTYPE, True, peers, 3, DS_ROW) is None
+    assert validate_fanout(SPAN, HIDDEN, DTYPE, True, [agreeing[0], peers[1], agreeing[2]], 3, DS_ROW) is None
+    # Nor without the item's width, or without deepstack on the item (the flag says the rest).
+    assert validate_fanout(SPAN, HIDDEN, DTYPE, True, sharded(SPAN, 3, has_deepstack=True,
+                                                             deepstack_row_bytes=1), 3) is None
+    assert validate_fanout(SPAN, HIDDEN, DTYPE, False, sharded(SPAN, 3, deepstack_row_bytes=0), 3, None) is None
+
+
+def test_a_deepstack_presence_mismatch_is_reported_before_the_width():
+    infos = sharded(SPAN, 3, has_deepstack=False, deepstack_row_bytes=0)
+    assert "deepstack False != item deepstack True" in reason_of(infos, has_deepstack=True)
 
 
 @pytest.mark.parametrize("row_start, rows", [(8, 3), (-1, 4), (0, -1), (10, 1), (11, 0)])

@@ -42,6 +42,7 @@ U64_MAX = 2**64 - 1
 INFO = TransferInfo(123456, "10.0.0.12", 17001, "10.0.0.12:15432", 0x7F00_1234_0000, 0xFFFF_FFFF_FFFF_F000,
                     512, 4096, "torch.bfloat16", True, 4, 1024, 2048)
 ASK = INFO.to_frames()
+WIDE_ASK = dataclasses.replace(INFO, deepstack_row_bytes=16384).to_frames()  # with our part 13
 NUMBER_INDEXES = (0, 2, 6, 7, 10, 11, 12)
 
 
@@ -99,24 +100,24 @@ buffer_types = st.sampled_from([bytes, bytearray, memoryview, zmq.Frame])
 @given(st.data())
 def test_transfer_info_shortcut_agrees_with_the_strict_parser(data):
     # A list of bytes may take the shortcut; the same parts as a tuple always parse strictly.
-    frames = list(ASK)
-    for index in data.draw(st.sets(st.integers(0, 12), max_size=4)):
-        if index in NUMBER_INDEXES:
+    frames = list(data.draw(st.sampled_from([ASK, WIDE_ASK])))
+    for index in data.draw(st.sets(st.integers(0, len(frames) - 1), max_size=4)):
+        if index in NUMBER_INDEXES or index == 13:
             frames[index] = data.draw(number_parts)
         elif index in (4, 5):
             frames[index] = data.draw(pointer_parts)
         else:
             frames[index] = data.draw(text_parts)
-    frames = frames[: data.draw(st.integers(10, 14))] + [b"7"] * data.draw(st.integers(0, 2))
+    frames = frames[: data.draw(st.integers(10, 15))] + [b"7"] * data.draw(st.integers(0, 2))
     assert outcome(TransferInfo.from_frames, frames) == outcome(TransferInfo.from_frames, tuple(frames))
 
 
-@given(st.lists(st.integers(0, 12), max_size=3), buffer_types)
+@given(st.lists(st.integers(0, 13), max_size=3), buffer_types)
 def test_transfer_info_from_other_buffer_types_parses_as_bytes(indexes, wrap):
-    frames = list(ASK)
+    frames = list(WIDE_ASK)
     for index in indexes:
         frames[index] = wrap(frames[index])
-    assert outcome(TransferInfo.from_frames, frames) == outcome(TransferInfo.from_frames, tuple(ASK))
+    assert outcome(TransferInfo.from_frames, frames) == outcome(TransferInfo.from_frames, tuple(WIDE_ASK))
 
 
 @pytest.mark.parametrize("deepstack", [b"1", b"0", b"", b"01", b"true"])
@@ -126,9 +127,16 @@ def test_deepstack_flag_is_true_only_for_1_on_both_paths(deepstack):
     assert outcome(TransferInfo.from_frames, frames) == outcome(TransferInfo.from_frames, tuple(frames))
 
 
-@pytest.mark.parametrize("count", [0, 3, 12, 14])
+@pytest.mark.parametrize("count", [0, 3, 12, 14, 15])
 def test_part_counts_other_than_13(count):
     frames = (ASK * 2)[:count]
+    assert outcome(TransferInfo.from_frames, frames) == outcome(TransferInfo.from_frames, tuple(frames))
+
+
+@pytest.mark.parametrize("width", [b"0", b"16384", b"9223372036854775807", b"9223372036854775808", b"-1", b"+1",
+                                   b"", b" 1", b"\xff", b"1" * 4400, b"0" * 30 + b"7"])
+def test_part_13_agrees_on_both_paths(width):
+    frames = ASK + [width]
     assert outcome(TransferInfo.from_frames, frames) == outcome(TransferInfo.from_frames, tuple(frames))
 
 
@@ -155,10 +163,11 @@ def test_init_takes_every_field_in_order():
     values = list(range(len(names)))
     built = TransferInfo(*values)
     assert vars(built) == dict(zip(names, values)) == vars(TransferInfo(**dict(zip(names, values))))
+    assert TransferInfo(*values[:-1]).deepstack_row_bytes is None  # the optional part 13 defaults to unsent
     with pytest.raises(TypeError):
-        TransferInfo(*values[:-1])  # type: ignore[call-arg]
+        TransferInfo(*values[:-2])  # type: ignore[call-arg]
     with pytest.raises(TypeError):
-        TransferInfo(*values, 13)  # type: ignore[call-arg]
+        TransferInfo(*values, 14)  # type: ignore[call-arg]
     with pytest.raises(dataclasses.FrozenInstanceError):
         del built.room  # type: ignore[misc]
 
@@ -183,7 +192,8 @@ str_values = st.one_of(
 )
 FIELD_VALUES = {"room": int_values, "port": int_values, "embedding_ptr": int_values, "deepstack_ptr": int_values,
                 "rows": int_values, "hidden": int_values, "fanout": int_values, "row_start": int_values,
-                "span": int_values, "endpoint": str_values, "session_id": str_values, "dtype": str_values,
+                "span": int_values, "deepstack_row_bytes": int_values, "endpoint": str_values,
+                "session_id": str_values, "dtype": str_values,
                 "has_deepstack": st.sampled_from([True, False, 0, 1, 2, "", "x", None])}
 
 
@@ -227,6 +237,7 @@ def test_to_frames_golden_on_the_shortcut():
     assert ASK[5] == (0xFFFF_FFFF_FFFF_F000).to_bytes(8, sys.byteorder)
     assert ASK[6:] == [b"512", b"4096", b"torch.bfloat16", b"1", b"4", b"1024", b"2048"]
     assert all(type(part) is bytes for part in ASK)
+    assert WIDE_ASK == ASK + [b"16384"]
 
 
 @settings(suppress_health_check=[HealthCheck.too_slow], max_examples=300)
@@ -320,13 +331,13 @@ def test_request_kinds_agree_on_lists_and_tuples(frames):
     assert is_cancel(frames) is is_cancel(tuple(frames))
 
 
-def rule_by_rule(span, hidden, dtype, has_deepstack, infos, fanout):
+def rule_by_rule(span, hidden, dtype, has_deepstack, infos, fanout, deepstack_row_bytes=None):
     """SPEC.md 6 read one rule at a time: count, each receiver in order, duplicates, identity, tiling."""
     room = infos[0].room
     if len(infos) != fanout:
         return f"room {room}: {len(infos)} receivers != fanout {fanout}"
     for info in infos:
-        reason = _receiver_mismatch(info, room, fanout, span, hidden, dtype, has_deepstack)
+        reason = _receiver_mismatch(info, room, fanout, span, hidden, dtype, has_deepstack, deepstack_row_bytes)
         if reason is not None:
             return f"room {room}: receiver {info.session_id} {reason}"
     sessions = [info.session_id for info in infos]
@@ -350,15 +361,17 @@ def test_validate_fanout_agrees_with_the_rules_read_one_at_a_time(data):
     for _ in range(data.draw(st.integers(0, 3))):
         index = data.draw(st.integers(0, fanout - 1))
         name = data.draw(st.sampled_from(["room", "fanout", "hidden", "dtype", "span", "has_deepstack", "rows",
-                                          "row_start", "session_id"]))
+                                          "row_start", "session_id", "deepstack_row_bytes"]))
         value = {"dtype": data.draw(st.sampled_from(["torch.int8", "torch.uint8"])),
                  "session_id": data.draw(st.sampled_from(["s0", "s1", "s9"])),
-                 "has_deepstack": data.draw(st.sampled_from([False, True, 0, 1, None]))}.get(
+                 "has_deepstack": data.draw(st.sampled_from([False, True, 0, 1, None])),
+                 "deepstack_row_bytes": data.draw(st.sampled_from([None, 0, 64, 128]))}.get(
                      name, data.draw(st.integers(-2, 14)))
         infos[index] = dataclasses.replace(infos[index], **{name: value})
     if fanout > 1 and data.draw(st.booleans()):
         infos[-1] = dataclasses.replace(infos[-1], session_id=infos[0].session_id)
     infos = data.draw(st.permutations(infos))
     deepstack = data.draw(st.sampled_from([False, True, 0, 1]))
-    assert (validate_fanout(span, 64, "torch.int8", deepstack, infos, fanout)
-            == rule_by_rule(span, 64, "torch.int8", deepstack, infos, fanout))
+    width = data.draw(st.sampled_from([None, 64, 128]))
+    assert (validate_fanout(span, 64, "torch.int8", deepstack, infos, fanout, width)
+            == rule_by_rule(span, 64, "torch.int8", deepstack, infos, fanout, width))

@@ -55,6 +55,25 @@ def test_a_first_room_looks_up_sizes_then_route_then_announces_and_asks():
     assert c.stage(1) == "asked"
 
 
+def test_an_ask_with_deepstack_carries_the_receivers_deepstack_row_bytes_as_part_13():
+    c = core()
+    routed(c)
+    deep = Regions(MAIN.embedding, Region(0x900000, 4096))
+    [ask] = c.receive(0.0, spec(1, slot=1, regions=deep, deepstack=True))[1]
+    assert isinstance(ask, SendAsk)
+    assert ask.info == TransferInfo(1, "10.0.0.3", 5555, "10.0.0.3:1234", MAIN.embedding.addr + 64, 0x900000 + 32,
+                                    4, 8, "torch.float16", True, 1, 0, 4, deepstack_row_bytes=8)
+    frames = ask.info.to_frames()
+    assert len(frames) == 14 and frames[13] == b"8" and frames[9] == b"1"
+    # Without deepstack the ask is the SPEC's 13 parts, whatever the spec says of a width.
+    [plain] = c.receive(0.0, dataclasses.replace(spec(2, slot=2), deepstack_row_bytes=8))[1]
+    assert plain.info.deepstack_row_bytes is None and len(plain.info.to_frames()) == 13
+    # A width nothing tells (an empty shard in raw memory) is not sent.
+    [unknown] = c.receive(0.0, dataclasses.replace(spec(3, slot=3, regions=deep, deepstack=True),
+                                                   deepstack_row_bytes=None))[1]
+    assert unknown.info.has_deepstack and unknown.info.deepstack_row_bytes is None
+
+
 def test_rooms_waiting_on_one_look_up_share_it():
     c = core()
     assert c.receive(0.0, spec(1))[1] == [LookUpParallel(BOOT)]

@@ -148,7 +148,12 @@ def test_has_deepstack_is_true_only_for_1(value, expected):
 
 @pytest.mark.parametrize("extra", [[b""], [b"junk"], [b"\xff\xfe"], [b"x"] * 7, [ptr(1), b"None", b"-1"]])
 def test_parts_beyond_13_are_ignored(extra):
-    assert fields(TransferInfo.from_frames(INFO + extra)) == INFO_VALUES
+    # Part 13 is ours (docs/protocol.md 8: the receiver's deepstack row bytes, a decimal);
+    # the peers send 13 parts, and every part after ours is ignored.
+    assert fields(TransferInfo.from_frames(INFO)) == INFO_VALUES
+    assert TransferInfo.from_frames(INFO).deepstack_row_bytes is None
+    parsed = TransferInfo.from_frames(INFO + [b"96"] + extra)
+    assert fields(parsed) == INFO_VALUES and parsed.deepstack_row_bytes == 96
 
 
 @pytest.mark.parametrize("count", range(13))

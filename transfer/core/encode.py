@@ -700,7 +700,9 @@ class EncodeCore:
                                                          f"{waited:.1f}s after the first)", now)
             return
         offer = room.offer
-        reason = validate_fanout(offer.span, offer.hidden, offer.dtype, offer.deepstack_addr is not None, infos, fanout)
+        has_deepstack = offer.deepstack_addr is not None
+        reason = validate_fanout(offer.span, offer.hidden, offer.dtype, has_deepstack, infos, fanout,
+                                 offer.deepstack_row_bytes if has_deepstack else None)
         kind = FailureKind.GEOMETRY
         if reason is None:
             reason, kind = self.regions.check(newcomers, offer.row_bytes, offer.deepstack_row_bytes), FailureKind.REGION

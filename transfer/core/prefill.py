@@ -223,7 +223,9 @@ class RoomSpec:
 
     `regions` is the announced region pair holding the destination (its `embedding` and
     `deepstack` have `addr` and `nbytes`); the core only reads those and hands it back in
-    Verify actions.
+    Verify actions. `deepstack_row_bytes` is the bytes of one deepstack row of the
+    destination's layout (None: not known, e.g. an empty shard given as raw memory); the
+    ask carries it as part 13 when the room has deepstack.
     """
 
     room: int
@@ -239,6 +241,7 @@ class RoomSpec:
     deepstack_ptr: int = 0
     deepstack_nbytes: int = 0
     has_deepstack: bool = False
+    deepstack_row_bytes: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -947,6 +950,7 @@ class PrefillCore:
             embedding_ptr=spec.embedding_ptr, deepstack_ptr=spec.deepstack_ptr, rows=spec.rows,
             hidden=spec.hidden, dtype=spec.dtype, has_deepstack=spec.has_deepstack,
             fanout=state.fanout, row_start=spec.row_start, span=spec.span,
+            deepstack_row_bytes=spec.deepstack_row_bytes if spec.has_deepstack else None,
         )
         actions.append(SendAsk(addr, spec.room, state.token, info))
         state.stage = ASKED

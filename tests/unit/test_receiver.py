@@ -1,0 +1,50 @@
+"""The prefill façade's own checks that need no engine: a deepstack destination's row width (transfer.receiver)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transfer.errors import ConfigError
+from transfer.receiver import _deepstack_row_bytes
+
+BF16 = "torch.bfloat16"
+
+
+def width(dst, rows: int, deepstack_hidden: int | None = None, dtype: str = BF16) -> int | None:
+    nbytes = dst[1] if isinstance(dst, tuple) else dst.numel() * dst.element_size()
+    return _deepstack_row_bytes(7, dst, nbytes, rows, dtype, deepstack_hidden)
+
+
+def test_the_width_is_the_destinations_bytes_per_row():
+    assert width(torch.empty(4, 96, dtype=torch.bfloat16), 4) == 192
+    assert width((0x10000, 4 * 192), 4) == 192
+    assert width(torch.empty(4 * 96, dtype=torch.bfloat16), 4) == 192  # flat: whole rows all the same
+    assert width(torch.empty(4, 96, dtype=torch.bfloat16), 4, deepstack_hidden=96) == 192
+
+
+def test_an_empty_shard_takes_its_width_from_a_2d_tensor_or_sends_none():
+    assert width(torch.empty(0, 96, dtype=torch.bfloat16), 0) == 192
+    assert width(torch.empty(0, 96, dtype=torch.bfloat16), 0, deepstack_hidden=96) == 192
+    assert width((0x10000, 0), 0, deepstack_hidden=48) == 96
+    assert width((0x10000, 0), 0) is None  # nothing tells it, and nothing is written there
+
+
+@pytest.mark.parametrize("dst, rows, deepstack_hidden, message", [
+    ((0x10000, 4 * 192), 4, 64, "room 7: deepstack destination of 768 bytes does not hold 4 rows of deepstack_hidden "
+                                "64 x torch.bfloat16 (512 bytes)"),
+    ((0x10000, 4 * 192), 4, 128, "room 7: deepstack destination of 768 bytes does not hold 4 rows of "
+                                 "deepstack_hidden 128 x torch.bfloat16 (1024 bytes)"),
+    ((0x10000, 4 * 192 + 2), 4, None, "room 7: deepstack destination of 770 bytes is not 4 rows of whole "
+                                      "torch.bfloat16 elements (give deepstack_hidden to say its width)"),
+    ((0x10000, 4 * 3), 4, None, "room 7: deepstack destination of 12 bytes is not 4 rows of whole torch.bfloat16 "
+                                "elements (give deepstack_hidden to say its width)"),
+    ((0x10000, 0), 4, None, "room 7: deepstack destination of 0 bytes is not 4 rows of whole torch.bfloat16 "
+                            "elements (give deepstack_hidden to say its width)"),
+    ((0x10000, 768), 4, 0, "room 7: deepstack_hidden must be a positive integer, got 0"),
+    ((0x10000, 768), 4, True, "room 7: deepstack_hidden must be a positive integer, got True"),
+])
+def test_a_destination_that_does_not_hold_exactly_its_rows_is_refused(dst, rows, deepstack_hidden, message):
+    with pytest.raises(ConfigError) as caught:
+        width(dst, rows, deepstack_hidden)
+    assert str(caught.value) == message
