@@ -61,6 +61,27 @@ def test_a_flat_destination_must_hold_whole_rows(manager):
     handle.clear()
 
 
+def test_a_deepstack_destination_must_hold_exactly_its_rows(engines):
+    _, prefill_engine = engines
+    buf = torch.zeros(4, 64, dtype=torch.bfloat16)
+    deep = torch.zeros(4, 128, dtype=torch.bfloat16)
+    with BootstrapServer(HOST, 0) as server, SessionManager(prefill_engine, 0, 1, 1, buffer=buf,
+                                                            deepstack_buffer=deep, host=HOST, deadline_s=30) as m:
+        bootstrap = server.address
+        with pytest.raises(ConfigError, match=r"^room 1: deepstack destination of 768 bytes does not hold 2 rows of "
+                                              r"deepstack_hidden 128 x torch.bfloat16 \(512 bytes\)$"):
+            m.receive(1, bootstrap, buf[:2], deepstack_dst=deep.view(-1)[:384], deepstack_hidden=128)
+        with pytest.raises(ConfigError, match=r"^room 1: deepstack destination of 2 bytes is not 2 rows of whole "
+                                              r"torch.bfloat16 elements"):
+            m.receive(1, bootstrap, buf[:2], deepstack_dst=deep.view(-1)[:1])
+        with pytest.raises(ConfigError, match=r"^room 1: deepstack_hidden must be a positive integer, got -1$"):
+            m.receive(1, bootstrap, buf[:2], deepstack_dst=deep[:2], deepstack_hidden=-1)
+        assert total(m.metrics.snapshot(), m.metrics.full_name("rooms_started_total")) == 0
+        handle = m.receive(1, bootstrap, buf[:2], deepstack_dst=deep[:2], deepstack_hidden=128)
+        assert handle.poll() is not TransferPoll.Failed
+        handle.clear()
+
+
 def test_clear_with_something_that_is_no_event_is_refused_and_keeps_the_room(manager):
     manager, bootstrap, buf = manager
     handle = manager.receive(1, bootstrap, buf)

@@ -216,6 +216,44 @@ def test_pooled_receives_lease_slots_fall_back_and_quarantine_failures(engine):
         assert len(manager._region_sets) == 1  # the fallback's region was dropped
 
 
+def test_a_wider_encode_deepstack_is_refused_and_the_next_slot_is_untouched(engine):
+    # The receiver lays out deepstack rows of 2 * hidden; the encode side's are 3 * hidden. Written
+    # anyway, the shard would run past its pool slot into the next one, over another room's rows.
+    from transfer.buffers import ReceivePool
+    from transfer.sender import SenderPool
+
+    span, hidden = 4, 8
+    slot = span * hidden * 4 + span * 2 * hidden * 4  # float32 rows + deepstack rows of 2 * hidden: 384 bytes
+    geometry = dict(rows=span, hidden=hidden, dtype="float32", span=span, deepstack_hidden=2 * hidden)
+    with Engine("127.0.0.1", "tcp") as encode_engine, BootstrapServer("127.0.0.1", 0) as server, \
+            ReceivePool(engine, 2 * slot, slot, quarantine_s=0.1) as slots, \
+            SenderPool(encode_engine, 0, 1, 1, server.address, fanout_timeout_s=5) as pool, \
+            SessionManager(engine, 0, 1, 1, pool=slots, deadline_s=10) as manager:
+        slots.region.tensor.zero_()
+        wide = manager.receive(11, server.address, **geometry)  # slot 0
+        neighbour = manager.receive(12, server.address, **geometry)  # slot 1, right after it
+        rows = torch.randn(span, hidden)
+        deep = torch.randn(span, 2 * hidden)
+        wide_rows = torch.randn(span, hidden)
+        wide_deep = torch.randn(span, 3 * hidden)
+        try:
+            sent = pool.send(12, rows, deep)
+            assert neighbour.wait(10) == TransferPoll.Success and sent.wait(10) == TransferPoll.Success
+            landed = slots.region.tensor[slot:].clone()
+            assert torch.equal(neighbour.rows, rows) and torch.equal(neighbour.deepstack, deep)
+
+            refused = pool.send(11, wide_rows, wide_deep)
+            assert wide.wait(10) == TransferPoll.Failed and refused.wait(10) == TransferPoll.Failed
+            assert "geometry" in wide.failure
+            assert "deepstack row bytes 64 != item deepstack row bytes 96" in wide.failure
+            assert torch.equal(slots.region.tensor[slot:], landed)  # the neighbour's bytes, every one
+            assert torch.equal(neighbour.rows, rows) and torch.equal(neighbour.deepstack, deep)
+            assert not slots.region.tensor[:slot].any()  # nothing of the refused room was written
+        finally:
+            for handle in (wide, neighbour):
+                handle.clear()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (and the CUDA Mooncake wheel)")
 def test_cuda_item_with_event_lands_and_verifies():

@@ -165,11 +165,11 @@ def test_prefill_frames_match_the_spec_layouts(engine):
                 ]
                 for slot, (room, info) in enumerate(zip((41, 42), infos)):
                     emb = buf[slot, row_start].data_ptr()
-                    assert info == [  # SPEC.md 4.2: 13 parts
+                    assert info == [  # SPEC.md 4.2: 13 parts, then ours: the deepstack row bytes
                         str(room).encode(), HOST.encode(), status_port, session,
                         struct.pack("Q", emb), struct.pack("Q", ds[slot, row_start].data_ptr()),
                         str(rows).encode(), str(hidden).encode(), b"torch.bfloat16", b"1",
-                        b"2", str(row_start).encode(), str(span).encode(),
+                        b"2", str(row_start).encode(), str(span).encode(), str(hidden * k * 2).encode(),
                     ]
                     assert info[4] == emb.to_bytes(8, sys.byteorder)  # native order
 
@@ -178,7 +178,7 @@ def test_prefill_frames_match_the_spec_layouts(engine):
                 empty = m.receive(43, server.address, buf[0, 1:1], row_start=1, span=1, deepstack_dst=ds[0, 1:1])
                 assert _recv(stand_in, 5.0) == [
                     b"43", HOST.encode(), status_port, session, struct.pack("Q", 0), struct.pack("Q", 0),
-                    b"0", str(hidden).encode(), b"torch.bfloat16", b"1", b"2", b"1", b"1",
+                    b"0", str(hidden).encode(), b"torch.bfloat16", b"1", b"2", b"1", b"1", str(hidden * k * 2).encode(),
                 ]
                 empty.clear()
 
