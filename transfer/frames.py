@@ -868,12 +868,12 @@ def validate_fanout(span: int, hidden: int, dtype: str, has_deepstack: bool, inf
 
     `fanout` defaults to the number of infos. `deepstack_row_bytes` is the item's deepstack
     row bytes: with deepstack on the item, a receiver whose ask carries its own (our part 13)
-    must agree with it; an ask without the part (a peer's) is not checked for it. A set is
-    valid when every receiver
-    agrees with the item and either all are identity, or the non-empty shards,
-    sorted by row_start, tile one contiguous range inside [0, span) with no gap or
-    overlap: the block's share of shards taken over the whole prefill group, or all
-    of [0, span) when a peer shards per block. A block whose shards are all empty
+    must agree with it; an ask without the part (a peer's) is not checked for it.
+
+    A set is valid when every receiver agrees with the item and either all are
+    identity, or the non-empty shards, sorted by row_start, tile one contiguous range
+    inside [0, span) with no gap or overlap: the block's share of shards taken over
+    the whole prefill group, or all of [0, span) when a peer shards per block. A block whose shards are all empty
     (span smaller than the group) is valid and writes nothing. Mixed sets are judged
     by the tiling rule, which is what makes span < fanout valid (shard 0 then holds
     all rows and looks like identity, the others are empty).
