@@ -447,8 +447,8 @@ class TransferInfo:
     def from_frames(cls, frames: Sequence[object]) -> TransferInfo:
         """Parse SPEC.md 4.2's parts in order, then our optional part 13; the first failure is the one raised.
 
-        Part 13 is a non-negative decimal (`deepstack row bytes is not an integer`,
-        `negative deepstack row bytes`); later parts are ignored.
+        Part 13 is ours when it is a non-negative decimal; anything else there reads as absent,
+        since SPEC.md 4.2 has a peer's parts beyond 13 ignored. Later parts are ignored.
         """
         info = cls._from_plain_frames(frames)
         if info is not None:
@@ -473,7 +473,7 @@ class TransferInfo:
         fanout = _number(parts[10], "fanout")
         row_start = _number(parts[11], "row_start")
         span = _number(parts[12], "span")
-        deepstack_row_bytes = (_length(parts[DEEPSTACK_ROW_BYTES_PART], "deepstack row bytes")
+        deepstack_row_bytes = (_optional_length(parts[DEEPSTACK_ROW_BYTES_PART])
                                if len(parts) > DEEPSTACK_ROW_BYTES_PART else None)
         return cls(room, endpoint, port, session_id, embedding_ptr, deepstack_ptr, rows, hidden, dtype,
                    has_deepstack, fanout, row_start, span, deepstack_row_bytes)
@@ -582,6 +582,14 @@ def _length(part: bytes, name: str) -> int:
     if value < 0:
         raise WireError(f"negative {name}")
     return value
+
+
+def _optional_length(part: bytes) -> int | None:
+    """A part of ours past the SPEC's: its length, or None where it is none (a peer's extra part)."""
+    try:
+        return _length(part, "length")
+    except WireError:
+        return None
 
 
 def _starts_with(frames: Sequence[object], marker: bytes) -> bool:

@@ -400,9 +400,7 @@ def test_peer_prefill_rank_is_served_by_our_sender_pool():
                         ])
 
                     ask(200, 0, b"8", b"0")
-                    # "yes" reads false. A peer sends the SPEC's 13 parts; our part 13 would say the
-                    # deepstack row bytes (docs/protocol.md 8), and only parts after it are ignored.
-                    ask(201, 1, b"8", b"yes")
+                    ask(201, 1, b"8", b"yes", [b"\xffextra part", b""])  # "yes" reads false; parts 13+ ignored
                     ask(202, 2, b"16", b"0")  # a hidden the item does not have: Failed, nothing written
                     sent = {}
                     for i, room in enumerate((200, 201, 202)):

@@ -59,8 +59,8 @@ def test_an_ask_with_deepstack_carries_the_receivers_deepstack_row_bytes_as_part
     c = core()
     routed(c)
     deep = Regions(MAIN.embedding, Region(0x900000, 4096))
-    [ask] = c.receive(0.0, spec(1, slot=1, regions=deep, deepstack=True))[1]
-    assert isinstance(ask, SendAsk)
+    announce, ask = c.receive(0.0, spec(1, slot=1, regions=deep, deepstack=True))[1]
+    assert isinstance(announce, Announce) and isinstance(ask, SendAsk)
     assert ask.info == TransferInfo(1, "10.0.0.3", 5555, "10.0.0.3:1234", MAIN.embedding.addr + 64, 0x900000 + 32,
                                     4, 8, "torch.float16", True, 1, 0, 4, deepstack_row_bytes=8)
     frames = ask.info.to_frames()
