@@ -33,6 +33,8 @@ import re
 import socket
 import threading
 import time
+import warnings
+import weakref
 from typing import Any, TypeGuard, cast
 from urllib.parse import SplitResult, parse_qs, urlsplit
 
@@ -313,6 +315,9 @@ class BootstrapServer:
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
                                         name=f"bootstrap-{self.address}", daemon=True)
         self._thread.start()
+        # Dropped without close(), the server stops anyway (its thread holds the HTTP server, not this).
+        self._dropped = weakref.finalize(self, _stop_dropped, self._server, self._thread, self.address)
+        self._dropped.atexit = False  # at exit the daemon thread goes with the process
         log.info("bootstrap server on %s (token %s)", self.address, "on" if token else "off")
 
     @property
@@ -326,9 +331,8 @@ class BootstrapServer:
             if self._closed:
                 return
             self._closed = True
-        self._server.shutdown()
-        self._thread.join()
-        self._server.server_close()
+        self._dropped.detach()
+        _stop(self._server, self._thread)
 
     def __enter__(self) -> BootstrapServer:
         """Context-manager entry."""
@@ -337,6 +341,20 @@ class BootstrapServer:
     def __exit__(self, *exc: object) -> None:
         """Close on exit."""
         self.close()
+
+
+def _stop(server: _HTTPServer, thread: threading.Thread) -> None:
+    """Stops serving, joins the serving thread and closes the listening socket."""
+    server.shutdown()
+    thread.join()
+    server.server_close()
+
+
+def _stop_dropped(server: _HTTPServer, thread: threading.Thread, address: str) -> None:
+    """A BootstrapServer was dropped without close(): says so, and stops it on a thread of its own
+    (the collection may run on any thread, the serving one too, which shutdown() would wait on)."""
+    warnings.warn(f"bootstrap server on {address} was dropped without close(): stopping it", ResourceWarning)
+    threading.Thread(target=_stop, args=(server, thread), name=f"bootstrap-stop-{address}", daemon=True).start()
 
 
 def _registered(raw: bytes) -> bool:

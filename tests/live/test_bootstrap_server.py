@@ -466,3 +466,28 @@ def test_a_registration_answer_cut_short_is_retried_until_retry_for():
     with _answering(b"HTTP/1.0 200 OK\r\nContent-Length: 100\r\n\r\nOK") as address:
         with pytest.raises(BootstrapError, match="within 1.0s: IncompleteRead"):
             BootstrapClient(address, timeout=5.0).register_rank(1, 1, "10.0.0.1", 5555, 0, retry_for=1.0)
+
+
+def test_a_server_dropped_without_close_stops_with_a_resource_warning():
+    import gc
+
+    from live_helpers import port_rebindable, wait_until
+
+    threads = len(threading.enumerate())
+    server = BootstrapServer("127.0.0.1", 0)
+    port = server.port
+    with pytest.warns(ResourceWarning, match=f"bootstrap server on 127.0.0.1:{port} was dropped without close"):
+        del server
+        gc.collect()
+    assert wait_until(lambda: len(threading.enumerate()) <= threads, 10), threading.enumerate()
+    assert port_rebindable("127.0.0.1", port)
+
+
+def test_a_closed_server_warns_of_nothing_when_dropped(recwarn):
+    import gc
+
+    server = BootstrapServer("127.0.0.1", 0)
+    server.close()
+    del server
+    gc.collect()
+    assert not [w for w in recwarn if issubclass(w.category, ResourceWarning)]
