@@ -206,7 +206,7 @@ class Pair:
         self.step = 0
         self.log: list[str] = []
         self.encode_tp, self.prefill_tp = encode_tp, prefill_tp
-        self.encodes = [EncodeRank(e, enc.EncodeCore(e, fanout_timeout_s=fanout_timeout_s, now=self.now),
+        self.encodes = [EncodeRank(e, enc.EncodeCore(fanout_timeout_s=fanout_timeout_s, now=self.now),
                                    (f"10.0.1.{e}", 7000 + e)) for e in range(encode_tp)]
         self.prefills = []
         for p in range(prefill_tp):

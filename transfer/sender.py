@@ -142,7 +142,7 @@ class SenderPool:
         self._book = RoomBook(self.metrics)
         self._table = self._book.table
         self._sources = SourceRegistry(engine)
-        self._core = EncodeCore(engine_rank, fanout_timeout_s=fanout_timeout_s, depth=depth,
+        self._core = EncodeCore(fanout_timeout_s=fanout_timeout_s, depth=depth,
                                 parked=ParkedAsks(max_bytes=max_parked_bytes), now=time.monotonic())
         self._driver = EncodeDriver(self._core, engine, engine_rank, self.host, port, self._book, self._sources,
                                     self.metrics, integrity=integrity, poll_min_s=poll_min_s,

@@ -89,7 +89,7 @@ def test_a_driver_that_cannot_bind_its_port_leaves_no_descriptor_open():
         before = pipes()
         for _ in range(50):
             with pytest.raises(zmq.ZMQError, match=str(port)):
-                EncodeDriver(EncodeCore(0), None, 0, HOST, port, RoomBook(Metrics("t")), SourceRegistry(None),
+                EncodeDriver(EncodeCore(), None, 0, HOST, port, RoomBook(Metrics("t")), SourceRegistry(None),
                              Metrics("t"))
         # Each leaked wake-up pipe is two; what the rest of the process opens meanwhile stays well under it.
         assert pipes() - before < 25

@@ -41,7 +41,7 @@ class Run:
 
     def __init__(self) -> None:
         self.now = 0.0
-        self.core = EncodeCore(0, fanout_timeout_s=10.0, now=self.now)
+        self.core = EncodeCore(fanout_timeout_s=10.0, now=self.now)
         self.actions: list = []
 
     def __call__(self, actions: list) -> list:
@@ -289,7 +289,7 @@ def _ask_at(room: int, session: str, port: int, ptr: int) -> TransferInfo:
 
 def test_a_queued_write_cancelled_leaves_its_destination_free_for_the_next_room():
     other, session = "10.0.0.8:17000", "10.0.0.7:17000"
-    core = EncodeCore(0, fanout_timeout_s=120.0, depth=1, now=0.0)
+    core = EncodeCore(fanout_timeout_s=120.0, depth=1, now=0.0)
     core.offer(Offer(1, object(), SRC, 4, HIDDEN, DTYPE, ROW), 0.0)
     assert [a.room for a in core.ask(_ask_at(1, other, 6001, 0x50000), 0.0) if isinstance(a, StartWrite)] == [1]
     core.offer(Offer(2, object(), SRC + 0x10000, 4, HIDDEN, DTYPE, ROW), 0.0)
@@ -307,7 +307,7 @@ def test_a_queued_write_cancelled_leaves_its_destination_free_for_the_next_room(
 
 def test_a_write_in_flight_when_its_room_fails_keeps_its_destination_until_it_is_over():
     session = "10.0.0.7:17000"
-    core = EncodeCore(0, fanout_timeout_s=120.0, depth=4, now=0.0)
+    core = EncodeCore(fanout_timeout_s=120.0, depth=4, now=0.0)
     core.offer(Offer(1, object(), SRC, 4, HIDDEN, DTYPE, ROW), 0.0)
     assert [a.room for a in core.ask(_ask_at(1, session, 6000, 0xA0000), 0.0) if isinstance(a, StartWrite)] == [1]
     answered = core.cancel(Cancel(1, "10.0.0.7", 6000, session), 1.0)

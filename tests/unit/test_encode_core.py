@@ -52,7 +52,7 @@ class Run:
     def __init__(self, **kwargs) -> None:
         kwargs.setdefault("fanout_timeout_s", 10.0)
         self.now = 0.0
-        self.core = EncodeCore(0, now=self.now, **kwargs)
+        self.core = EncodeCore(now=self.now, **kwargs)
         self.actions: list = []
 
     def __call__(self, actions: list) -> list:

@@ -113,7 +113,7 @@ def _failed_pushes(actions: list) -> list[PushStatus]:
 
 
 def test_a_geometry_refusal_tells_every_receiver_why():
-    enc = EncodeCore(0, fanout_timeout_s=10.0)
+    enc = EncodeCore(fanout_timeout_s=10.0)
     enc.offer(_offer(3), 0.0)
     enc.ask(_ask(3, 0, fanout=2, hidden=512), 0.0)
     out = enc.ask(_ask(3, 1, fanout=2), 0.0)
@@ -126,7 +126,7 @@ def test_a_geometry_refusal_tells_every_receiver_why():
 
 
 def test_asks_for_a_room_that_already_failed_are_told_its_reason():
-    enc = EncodeCore(0, fanout_timeout_s=10.0)
+    enc = EncodeCore(fanout_timeout_s=10.0)
     enc.offer(_offer(4), 0.0)
     enc.ask(_ask(4, 0, fanout=2), 0.0)
     enc.tick(10.6)  # the fanout never completed
@@ -137,7 +137,7 @@ def test_asks_for_a_room_that_already_failed_are_told_its_reason():
 
 
 def test_every_failed_push_of_the_core_says_why():
-    enc = EncodeCore(0, fanout_timeout_s=10.0, parked=ParkedAsks(max_receivers=1, max_rooms=2))
+    enc = EncodeCore(fanout_timeout_s=10.0, parked=ParkedAsks(max_receivers=1, max_rooms=2))
     out = enc.ask(_ask(1, 0, fanout=1), 0.0)
     out += enc.ask(_ask(1, 1, fanout=1), 0.0)  # another shard: past the per-room bound
     out += enc.ask(_ask(2, 0, fanout=1), 0.0) + enc.ask(_ask(3, 0, fanout=1), 0.0)  # evicts room 1
@@ -158,7 +158,7 @@ def test_every_failed_push_of_the_core_says_why():
 
 
 def test_a_success_and_a_cancel_answer_carry_no_reason():
-    enc = EncodeCore(0)
+    enc = EncodeCore()
     enc.offer(_offer(1), 0.0)
     [write] = [a for a in enc.ask(_ask(1), 0.0) if type(a).__name__ == "StartWrite"]
     [success] = [a for a in enc.write_done(write.wid, (7,), 0.0) if isinstance(a, PushStatus)]

@@ -16,7 +16,7 @@ SRC, SPAN, HIDDEN = 0x7000_0000, 4, 256
 def test_a_raw_source_in_any_dtype_spelling_is_served_by_an_ask(spelling):
     region, span, hidden, dtype = _source(SRC, SPAN, HIDDEN, spelling)
     assert (region.addr, region.nbytes, dtype) == (SRC, SPAN * HIDDEN * 2, "torch.bfloat16")
-    core = EncodeCore(0, now=0.0)
+    core = EncodeCore(now=0.0)
     core.offer(Offer(1, object(), region.addr, span, hidden, dtype, hidden * dtype_size(dtype)), 0.0)
     # What every prefill peer sends: str(torch.dtype).
     ask = TransferInfo(1, "10.0.0.7", 6000, "10.0.0.7:17000", 0x10000, 0, SPAN, HIDDEN, "torch.bfloat16", False, 1,

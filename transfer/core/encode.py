@@ -178,7 +178,6 @@ class _Room:
     orphans: list[TransferInfo] = field(default_factory=list)  # shards whose receiver restarted before served
     served: set[str] = field(default_factory=set)  # sessions told Success (a restart after that orphans nothing)
     released: bool = False
-    asked_at: float = 0.0  # the room's first ask: bounds how long its writes may wait
 
     @property
     def room(self) -> int:
@@ -237,10 +236,9 @@ def _asked(asks: Asks | None) -> str:
 class EncodeCore:
     """An encode rank's room rules: parked asks, fanout assembly, checks, scheduling, conclusions."""
 
-    def __init__(self, engine_rank: int, *, fanout_timeout_s: float = 120.0, depth: int = 32,
+    def __init__(self, *, fanout_timeout_s: float = 120.0, depth: int = 32,
                  parked: ParkedAsks | None = None, regions: RegionBook | None = None,
                  breaker: Breaker | None = None, now: float = 0.0) -> None:
-        self.engine_rank = engine_rank
         self.fanout_timeout_s = fanout_timeout_s
         self.parked = ParkedAsks() if parked is None else parked
         self.regions = RegionBook() if regions is None else regions
@@ -627,7 +625,7 @@ class EncodeCore:
     @property
     def busy(self) -> bool:
         """Whether writes wait for a slot or a ready event (a tick may start them)."""
-        return len(self.scheduler) > 0
+        return self.waiting > 0
 
     @property
     def waiting(self) -> int:
@@ -713,7 +711,6 @@ class EncodeCore:
             return
         if not kept:
             self._out.append(Progress(room_number, offer.token, TransferPoll.Transferring, asks.first_at, now))
-            room.asked_at = asks.first_at
         room.pending += len(newcomers)  # a superseded session's write may still be in flight
         for info in newcomers:
             job = _Job(room, info)
