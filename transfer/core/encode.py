@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from transfer.core.bounded import remember
 from transfer.core.breaker import Breaker
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.parked import Asks, ParkedAsks
@@ -388,10 +389,7 @@ class EncodeCore:
                     else " before its write started")
             self._fail(room, FailureKind.CANCELLED, detail + when, now)
         elif parked and room is None:  # the item may still come: it fails then
-            self._cancelled.pop(room_number, None)
-            self._cancelled[room_number] = (session, now)
-            if len(self._cancelled) > MAX_CANCELLED_ROOMS:
-                del self._cancelled[next(iter(self._cancelled))]
+            remember(self._cancelled, room_number, (session, now), MAX_CANCELLED_ROOMS)
         elif parked and room is not None:
             self._fail(room, FailureKind.CANCELLED, detail + " before its whole fanout asked", now)
             self._dispatch(room_number, now)  # tells the rest of its fanout Failed
@@ -474,11 +472,7 @@ class EncodeCore:
                        "for %.1fs before failing: a peer that accepts connections but never answers the engine's "
                        "handshake? Writes to it fail at once for the next %.0fs, or until it registers again",
                        session[:64], took, trip.until - now)
-        key = (job.room.room, session)
-        self._failed_writes.pop(key, None)
-        self._failed_writes[key] = now
-        if len(self._failed_writes) > MAX_FAILED_WRITES:
-            del self._failed_writes[next(iter(self._failed_writes))]
+        remember(self._failed_writes, (job.room.room, session), now, MAX_FAILED_WRITES)
         if self._serves(job):  # a superseded session's failure is not its room's
             self._fail(job.room, FailureKind.WRITE, f"write to {session} (room {job.room.room}) failed: {error}", now)
         self._job_over(job, failed=True)

@@ -28,6 +28,7 @@ from typing import Any
 
 from transfer.core.announce import AnnounceBook, Region
 from transfer.core.ask_queue import AskQueues
+from transfer.core.bounded import remember
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.prefill_breaker import BootstrapBreaker
 from transfer.errors import ConfigError
@@ -296,14 +297,6 @@ class _Room:
         return f"encode rank {self.encode_rank} at {host}:{port}"
 
 
-def _remember(cache: dict, key: Any, value: Any, limit: int) -> None:
-    """Files `value` under `key` as the newest entry, forgetting the oldest past `limit`."""
-    cache.pop(key, None)
-    cache[key] = value
-    while len(cache) > limit:
-        del cache[next(iter(cache))]
-
-
 class PrefillCore:
     """One prefill rank's rooms: receive, clear, look-up results, statuses, checksums and ticks."""
 
@@ -491,7 +484,7 @@ class PrefillCore:
 
     def parallel_resolved(self, now: float, bootstrap_addr: str, encode_tp: int, encode_dp: int) -> list:
         """The bootstrap server told the encode side's sizes."""
-        _remember(self._parallel, bootstrap_addr, (encode_tp, encode_dp), MAX_SIZES)
+        remember(self._parallel, bootstrap_addr, (encode_tp, encode_dp), MAX_SIZES)
         self.breaker.succeeded(bootstrap_addr)
         actions: list = []
         waiting = [state for state in self._awaiting_parallel.pop(bootstrap_addr, ()) if self._looking_up(state)]
@@ -502,7 +495,7 @@ class PrefillCore:
     def route_resolved(self, now: float, key: RouteKey, addr: Address) -> list:
         """The bootstrap server told where an encode rank listens: rooms waiting for that go, and asks
         that waited at another address for it (`_recheck`) move there, in their order."""
-        _remember(self._routes, key, addr, MAX_ROUTES)
+        remember(self._routes, key, addr, MAX_ROUTES)
         self.breaker.succeeded(key[0])
         self._probes.pop(key, None)
         actions: list = []
