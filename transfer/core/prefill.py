@@ -443,10 +443,8 @@ class PrefillCore:
                 return []
             self._heard(first)
             return self._release(now, room, rank)
-        cancel = cancels.pop(0)
-        if not cancels:
-            del self._cancels[(room, rank)]
-        self._cancel_count -= 1
+        cancel = cancels[0]
+        self._drop_cancel((room, rank), cancel)
         self._heard(cancel)
         safe = [MemorySafe(room, cancel.token)] if answer is CancelAnswer.CONFIRMED else []
         return [*safe, *self._release(now, room, rank)]
@@ -457,13 +455,18 @@ class PrefillCore:
         for (number, rank), cancels in list(self._cancels.items()):
             for cancel in cancels:
                 if number == room and cancel.token == token and not cancel.answered:
-                    cancels.remove(cancel)
-                    if not cancels:
-                        del self._cancels[(number, rank)]
-                    self._cancel_count -= 1
+                    self._drop_cancel((number, rank), cancel)
                     self._restart_silence(cancel.addr)
                     return self._release(now, room, rank)
         return []
+
+    def _drop_cancel(self, key: tuple[int, int], cancel: _Cancel) -> None:
+        """Forgets one cancel awaiting its answer under (room, encode rank) `key`."""
+        cancels = self._cancels[key]
+        cancels.remove(cancel)
+        if not cancels:
+            del self._cancels[key]
+        self._cancel_count -= 1
 
     def _restart_silence(self, addr: Address) -> None:
         """The silence clock of `addr` from its oldest cancel still unanswered, if any."""
@@ -562,8 +565,7 @@ class PrefillCore:
         self.announcements.forget(addr)
         self.asks.prune(addr, self._queued)
         actions = self._recheck(now, addr)
-        for key in [key for key, route in self._routes.items() if route == addr]:
-            del self._routes[key]
+        self._forget_routes_to(addr)
         return actions
 
     def _recheck(self, now: float, addr: Address) -> list:
@@ -597,18 +599,26 @@ class PrefillCore:
     def connection_closed(self, now: float, addr: Address) -> list:
         """The driver closed its idle socket to `addr`: a room there later connects afresh and announces
         every region again."""
-        self.announcements.forget(addr)
-        self._conns.pop(addr, None)
-        self._unanswered_since.pop(addr, None)
+        self._forget_connection(addr)
         return []
 
-    def connect_failed(self, now: float, addr: Address, detail: str) -> list:
-        """No socket could be made for `addr`: its rooms fail, and the next room looks it up afresh."""
-        for key in [key for key, route in self._routes.items() if route == addr]:
-            del self._routes[key]
+    def _forget_connection(self, addr: Address) -> int | None:
+        """Forgets the connection to `addr` (its announcements and its cancels' silence with it): the next
+        room there connects afresh. Returns the connection forgotten, None if there was none."""
         self.announcements.forget(addr)
         conn = self._conns.pop(addr, None)
         self._unanswered_since.pop(addr, None)
+        return conn
+
+    def _forget_routes_to(self, addr: Address) -> None:
+        """Forgets every route that leads to `addr`: the next room for those encode ranks looks them up again."""
+        for key in [key for key, route in self._routes.items() if route == addr]:
+            del self._routes[key]
+
+    def connect_failed(self, now: float, addr: Address, detail: str) -> list:
+        """No socket could be made for `addr`: its rooms fail, and the next room looks it up afresh."""
+        self._forget_routes_to(addr)
+        conn = self._forget_connection(addr)
         self.asks.drop(addr)
         actions: list = []
         for state in list(self._rooms.values()):
@@ -813,11 +823,7 @@ class PrefillCore:
         self._cancel_count += 1
         if self._cancel_count > MAX_PENDING_CANCELS:
             oldest = next(iter(self._cancels))
-            cancels = self._cancels[oldest]
-            cancels.pop(0)
-            if not cancels:
-                del self._cancels[oldest]
-            self._cancel_count -= 1
+            self._drop_cancel(oldest, self._cancels[oldest][0])
         frames = cancel_frames(state.room, self.host, self.status_port, self.session_id, reads_write_failed=True)
         return [SendCancel(state.addr, state.room, state.token, frames)]
 
@@ -968,11 +974,8 @@ class PrefillCore:
         if addr is not None and self._conns.get(addr) == state.conn and now - state.asked_at >= self.deadline_s / 2:
             # The encode rank may have restarted elsewhere, its node with other sizes.
             self._parallel.pop(state.spec.bootstrap_addr, None)
-            for key in [key for key, route in self._routes.items() if route == addr]:
-                del self._routes[key]
-            self.announcements.forget(addr)
-            del self._conns[addr]
-            self._unanswered_since.pop(addr, None)
+            self._forget_routes_to(addr)
+            self._forget_connection(addr)
             # Nothing of the old socket's queue (expired rooms' asks, whose memory may be
             # reused by then) may reach a rank restarted there, unless this room's cancel
             # follows it: then the socket gets a moment to deliver the cancel.
