@@ -280,7 +280,7 @@ class _Room:
     outcome: Failure | None = None  # once concluded
     asked: bool = False  # its TransferInfo was handed to a socket at least once
     partly_verified: bool = False  # its Success carried checksums for some of its regions only
-    cancelled: bool = False  # a cancel went out, or the memory is known safe without one
+    given_up: bool = False  # given up on already: abandon() and _expire() send it no (further) cancel
     safe: bool = False  # no encode rank writes into its memory any more (known without a cancel)
 
     @property
@@ -408,7 +408,7 @@ class PrefillCore:
     def abandon(self, now: float, room: int, token: int) -> list:
         """The caller is about to clear the room: unless it succeeded, its encode rank is told to write nothing more."""
         state = self._rooms.get(room)
-        if state is None or state.token != token or state.cancelled:
+        if state is None or state.token != token or state.given_up:
             return []
         if state.stage == CONCLUDED and state.outcome is None:
             return []  # Success: the write is over
@@ -665,7 +665,7 @@ class PrefillCore:
                 # this rank's rows are no use to the item. Its write is over, as its Success said:
                 # nothing to cancel, and its memory is as safe as that Success left it.
                 state.outcome = Failure(FailureKind.PEER_FAILED, f"{detail} (after its Success)")
-                state.cancelled = True
+                state.given_up = True
                 return [Overturn(room, state.token, state.outcome)]
             return self._conclude(state, Failure(FailureKind.PEER_FAILED, detail))
         if status is not TransferPoll.Success:
@@ -787,7 +787,7 @@ class PrefillCore:
         if not state.asked or (state.stage == VERIFYING and failure is None):
             # Never asked, or its bytes verified (its write is over): nothing will write there. A Success
             # whose bytes do not match may be an earlier ask's under the same room number, so it is not.
-            state.cancelled = state.safe = True
+            state.given_up = state.safe = True
         state.stage = CONCLUDED
         state.outcome = failure
         return [Conclude(state.room, state.token, failure, unverified)]
@@ -801,9 +801,9 @@ class PrefillCore:
         a cancel for the same room and encode rank number waits at another address, or on
         an earlier connection (a rank restarted there never answers that one).
         """
-        if state.cancelled:
+        if state.given_up:
             return []
-        state.cancelled = True
+        state.given_up = True
         if not state.asked:
             state.safe = True
             return [MemorySafe(state.room, state.token)]
