@@ -19,7 +19,7 @@ from transfer import _io, config
 from transfer.bootstrap import BootstrapClient
 from transfer.core import breaker as _breaker
 from transfer.core.encode import EncodeCore, Offer
-from transfer.core.failure import Failure, FailureKind
+from transfer.core.failure import CLEARED, Failure, FailureKind
 from transfer.core.parked import ParkedAsks
 from transfer.core.regions import MAX_SESSIONS
 from transfer.drive import encode as _drive
@@ -270,8 +270,9 @@ class SenderPool:
     def _forget(self, state: RoomState) -> None:
         """Fails the room unless it concluded, then forgets it; the driver tells its receivers."""
         book = self._book
-        book.conclude(state, TransferPoll.Failed, Failure(FailureKind.CLEARED, "cleared before it concluded"),
-                      time.monotonic())
+        # Concluded here, not by the core, so the handle reads Failed at once; the core's own
+        # conclusion of this room then finds it concluded (and no longer held) and does nothing.
+        book.conclude(state, TransferPoll.Failed, CLEARED, time.monotonic())
         with book.lock:
             if book.held.get(state.room) is not state:
                 return

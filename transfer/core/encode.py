@@ -29,7 +29,7 @@ from typing import Any
 
 from transfer.core.bounded import remember
 from transfer.core.breaker import Breaker
-from transfer.core.failure import Failure, FailureKind
+from transfer.core.failure import CLEARED, Failure, FailureKind
 from transfer.core.parked import Asks, ParkedAsks
 from transfer.core.regions import RegionBook
 from transfer.core.scheduler import WriteScheduler
@@ -268,7 +268,7 @@ class EncodeCore:
         """The caller sent an item: park it, or start its writes if its whole fanout asked."""
         old = self._rooms.get(offer.room)
         if old is not None:  # the caller clears before sending again; a stale one is failed, not kept
-            self._fail(old, FailureKind.CLEARED, "cleared before it concluded", now)
+            self._fail_with(old, CLEARED, now)
             self._unserved.discard(old.room)
         room = self._rooms[offer.room] = _Room(offer, now)
         if self._closed:  # sent while the driver was closing: nothing will serve it
@@ -291,7 +291,7 @@ class EncodeCore:
             return self._flush(now)
         del self._rooms[room]
         self._unserved.discard(room)
-        self._fail(held, FailureKind.CLEARED, "cleared before it concluded", now)
+        self._fail_with(held, CLEARED, now)
         if not held.receivers and not self._closed:
             self._clears_due.append((room, now))
         return self._flush(now)
@@ -844,10 +844,14 @@ class EncodeCore:
 
     def _fail(self, room: _Room, kind: FailureKind, detail: str, now: float) -> None:
         """Fails the room once and tells every receiver it has; a room already served is left alone."""
+        self._fail_with(room, Failure(kind, detail), now)
+
+    def _fail_with(self, room: _Room, failure: Failure, now: float) -> None:
+        """`_fail`, with the Failure made already."""
         if room.failed or room.succeeded:
             return  # a Failed after their Success would undo it (Failed is sticky on the wire)
         room.failed = True
-        room.failure = Failure(kind, detail)
+        room.failure = failure
         # Its writes still waiting for a slot will never start: their receivers may reuse that memory now
         # (a cancel is confirmed at once), so the next room asking for it must not find it taken.
         for job in room.queued:

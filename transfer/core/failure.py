@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["MAX_DETAIL", "Failure", "FailureKind", "cut_printable", "printable", "without_room"]
+__all__ = ["CLEARED", "MAX_DETAIL", "Failure", "FailureKind", "cut_printable", "printable", "without_room"]
 
 #: A failure's detail is cut to this many characters: it may quote what a peer or a server sent
 #: (a session id, an answer), and it goes to logs, to callers and to peers.
@@ -65,3 +65,7 @@ class Failure:
 
     def __str__(self) -> str:
         return self.detail
+
+
+#: The failure of a room its caller cleared before it concluded (a Failure is immutable: one serves all).
+CLEARED = Failure(FailureKind.CLEARED, "cleared before it concluded")
