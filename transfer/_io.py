@@ -21,11 +21,13 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
 import zmq
 
 from transfer import config
+from transfer.core.failure import FailureKind, without_room
 from transfer.errors import ConfigError, ConfigTypeError
 from transfer.ports import PortSpec, bare_host, bind_port
 
 if TYPE_CHECKING:
-    from transfer.core.failure import FailureKind
+    from transfer.core.failure import Failure
+    from transfer.metrics import Metrics
     from transfer.status import RoomTable, TransferPoll
 
 log = logging.getLogger("transfer")
@@ -466,6 +468,19 @@ class ThrottledLog:
             msg += " (and %d more like it in the last %gs, not logged)"
             args += (left_out, self._interval_s)
         self._logger.warning(msg, *args)
+
+
+def count_concluded(metrics: Metrics, failures: ThrottledLog, room: int, succeeded: bool, failure: Failure | None,
+                    latency_s: float) -> None:
+    """Counts a room that concluded: a Success and its latency, or a Failed by its kind, logged (throttled
+    per kind) as `room N failed: ...`, its detail's own leading `room N: ` left out."""
+    if succeeded:
+        metrics.inc("rooms_succeeded_total")
+        metrics.observe("room_latency_seconds", latency_s)
+    else:
+        kind = failure.kind if failure is not None else FailureKind.OTHER
+        metrics.inc("rooms_failed_total", reason=kind.value)
+        failures.warning(kind, "room %d failed: %s", room, without_room(room, str(failure)))
 
 
 #: Control messages recv_frames() discarded for their size, in this process.

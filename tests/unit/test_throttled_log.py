@@ -45,3 +45,21 @@ def test_kinds_are_bounded(clock, caplog):
         clock[0] += 61
         throttled.warning("later", "later")
     assert caplog.messages[-2:] == ["90 more warnings were not logged: at most 10 lines are logged per 60s", "later"]
+
+
+def test_count_concluded_counts_by_kind_and_names_the_room_once(clock, caplog):
+    # Both drivers count and log their conclusions through it: a detail that starts with its room
+    # is logged "room 5 failed: ...", never "room 5 failed: room 5: ...".
+    from transfer.core.failure import Failure, FailureKind
+    from transfer.metrics import Metrics
+
+    metrics = Metrics("t")
+    failures = _io.ThrottledLog(logging.getLogger("test.concluded"))
+    with caplog.at_level(logging.WARNING, logger="test.concluded"):
+        _io.count_concluded(metrics, failures, 5, False, Failure(FailureKind.OTHER, "room 5: asking for it failed"),
+                            1.0)
+        _io.count_concluded(metrics, failures, 6, True, None, 0.25)
+    assert caplog.messages == ["room 5 failed: asking for it failed"]
+    counted = {(row["name"], row["labels"].get("reason")): row["value"] for row in metrics.snapshot()
+               if row["name"] in ("t_rooms_failed_total", "t_rooms_succeeded_total")}
+    assert counted[("t_rooms_failed_total", "other")] == 1 and counted[("t_rooms_succeeded_total", None)] == 1

@@ -33,7 +33,7 @@ from transfer.core.encode import (
     StartWrite,
     Warn,
 )
-from transfer.core.failure import Failure, FailureKind, without_room
+from transfer.core.failure import Failure, FailureKind
 from transfer.core.polls import PollSchedule
 from transfer.core.sources import SourceCounts
 from transfer.frames import (
@@ -118,13 +118,8 @@ class RoomBook:
             if self.held.get(state.room) is not state or not self.table.conclude(state.room, status, failure):
                 return False
             state.concluded_at = at
-        if status is TransferPoll.Success:
-            self.metrics.inc("rooms_succeeded_total")
-            self.metrics.observe("room_latency_seconds", at - state.started_at)
-        else:
-            kind = failure.kind if failure is not None else FailureKind.OTHER
-            self.metrics.inc("rooms_failed_total", reason=kind.value)
-            self.failures.warning(kind, "room %d failed: %s", state.room, without_room(state.room, str(failure)))
+        _io.count_concluded(self.metrics, self.failures, state.room, status is TransferPoll.Success, failure,
+                            at - state.started_at)
         self.conclusions.notify()
         return True
 

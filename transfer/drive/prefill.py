@@ -793,15 +793,12 @@ class PrefillDriver:
         if not self.table.conclude(action.room, TransferPoll.Success if failure is None else TransferPoll.Failed,
                                    failure):
             return
+        _io.count_concluded(self.metrics, self._failures, action.room, failure is None, failure,
+                            now - record.started_at)
         if failure is None:
-            self.metrics.inc("rooms_succeeded_total")
             if action.unverified:
                 self.metrics.inc("rooms_unverified_total")
             self.metrics.inc("bytes_received_total", record.nbytes)
-            self.metrics.observe("room_latency_seconds", now - record.started_at)
-        else:
-            self.metrics.inc("rooms_failed_total", reason=failure.kind.value)
-            self._failures.warning(failure.kind, "room %d failed: %s", action.room, failure.detail)
         record.concluded_at = now
         record.succeeded = failure is None
         record.memory_safe = record.memory_safe or self.core.safe(action.room, action.token)
