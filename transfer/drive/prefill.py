@@ -245,8 +245,7 @@ class PrefillDriver:
                 del self.rooms[room]
                 self.table.clear(room)
                 raise
-            wakeup = self.core.next_wakeup()
-            wake = self._resync or (wakeup is not None and wakeup < self._wake_at)
+            wake = self._must_wake()
         for verify in verifies:  # none in practice: a Verify follows a status
             self._verify(verify)
         if wake:
@@ -312,10 +311,10 @@ class PrefillDriver:
         if not self._lock.acquire(blocking=False):
             return  # the I/O thread is stepping the core: it reads the socket on this turn
         try:
-            if self._stopping or self.failure is not None:
+            taken = self._take_as_caller()
+            if taken is None:
                 return
-            self._caller_at = self.clock()
-            verifies, more = self._take_statuses(STATUSES_PER_HOLD)
+            verifies, more = taken
             self._verifies.extend(verifies)
             wake = more or bool(verifies) or self._must_wake()
         finally:
@@ -359,10 +358,10 @@ class PrefillDriver:
         if not self._lock.acquire(timeout=remaining):
             return  # held past the wait's own bound (a stuck I/O thread): wait() returns
         try:
-            if self._stopping or self.failure is not None:
+            taken = self._take_as_caller()
+            if taken is None:
                 return
-            self._caller_at = self.clock()
-            verifies, more = self._take_statuses(STATUSES_PER_HOLD)
+            verifies, more = taken
             wake = self._must_wake()
         finally:
             self._lock.release()
@@ -377,6 +376,14 @@ class PrefillDriver:
         waker = self._watch_waker.fileno()
         events = self._watch_poller.poll(math.ceil(min(remaining, WAIT_SLICE_S) * 1000))
         self._watch_woken = any(fd == waker for fd, _ in events)
+
+    def _take_as_caller(self) -> tuple[list[Verify], bool] | None:
+        """The caller's thread handles the statuses queued, as progress() and wait() do (_lock held):
+        the checksums they call for and whether more are queued, or None once stopping or failed."""
+        if self._stopping or self.failure is not None:
+            return None
+        self._caller_at = self.clock()
+        return self._take_statuses(STATUSES_PER_HOLD)
 
     def _must_wake(self) -> bool:
         """Whether a step off the I/O thread left it work it would not wake for by itself (_lock held)."""
