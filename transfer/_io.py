@@ -624,17 +624,10 @@ class Pushers:
                 return self._drop(key, 1, "the status pushers are closed")
             sock = self._sockets.get(key)
             if sock is None:
-                for old in self._endpoints.use(key, time.monotonic()):
-                    self._close(old, "closed to make room for a new receiver")
-                try:
-                    sock = push_socket(endpoint, port, self._hwm, immediate=True,
-                                       reconnect_max_ms=STATUS_RECONNECT_MAX_MS)
-                except zmq.ZMQError as exc:
-                    self._endpoints.forget(key)
-                    return self._drop(key, 1, f"cannot connect to it ({exc})")
-                self._sockets[key] = sock
-                self._waiting[key] = []
-                self._start()
+                opened = self._open(key)
+                if isinstance(opened, str):
+                    return self._drop(key, 1, f"cannot connect to it ({opened})")
+                sock = opened
             else:
                 self._endpoints.use(key, time.monotonic())
             waiting = self._waiting.get(key)
@@ -669,17 +662,24 @@ class Pushers:
             if sock is not None:
                 self._close(key, "its receiver announced itself again")
                 self._endpoints.forget(key)
-            for old in self._endpoints.use(key, time.monotonic()):
-                self._close(old, "closed to make room for a new receiver")
-            try:
-                self._sockets[key] = push_socket(endpoint, port, self._hwm, immediate=True,
-                                                 reconnect_max_ms=STATUS_RECONNECT_MAX_MS)
-            except zmq.ZMQError as exc:
-                self._endpoints.forget(key)
-                self._warn.warning("expect", "cannot connect to receiver %s:%d: %s", endpoint, port, exc)
-                return
-            self._waiting[key] = []
-            self._start()
+            opened = self._open(key)
+            if isinstance(opened, str):
+                self._warn.warning("expect", "cannot connect to receiver %s:%d: %s", endpoint, port, opened)
+
+    def _open(self, key: tuple[str, int]) -> zmq.Socket | str:
+        """Opens a socket to a new endpoint (closing the least recently used past the limit) and has the
+        thread watch for its connection (lock held); the socket, or why it could not be made."""
+        for old in self._endpoints.use(key, time.monotonic()):
+            self._close(old, "closed to make room for a new receiver")
+        try:
+            sock = push_socket(key[0], key[1], self._hwm, immediate=True, reconnect_max_ms=STATUS_RECONNECT_MAX_MS)
+        except zmq.ZMQError as exc:
+            self._endpoints.forget(key)
+            return str(exc)
+        self._sockets[key] = sock
+        self._waiting[key] = []
+        self._start()
+        return sock
 
     def _came_up(self, key: tuple[str, int], sock: zmq.Socket) -> bool:
         """Whether a waiting endpoint's connection is up; if so, sends what waited (lock held)."""
