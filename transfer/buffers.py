@@ -396,13 +396,7 @@ class ReceivePool:
                 self._leased -= 1
             if event is None:
                 self._settle(slot, self._clock())
-                return
-            done = _query(event)
-            if done is None:
-                self._quarantine_handle(slot, self._clock())
-            elif done:
-                self._settle(slot, self._clock())
-            else:
+            elif not self._settle_if_done(slot, event, self._clock()):
                 self._pending.append((slot, event))
 
     def _on_fail(self, slot: Slot) -> None:
@@ -431,6 +425,16 @@ class ReceivePool:
             if removed:
                 self._settle(slot, self._clock())
 
+    def _settle_if_done(self, slot: Slot, event: EventLike, now: float) -> bool:
+        """Settles a released handle whose copy-out event completed, or quarantines it when querying the
+        event failed (lock held); False while the event is still pending."""
+        done = _query(event)
+        if done is None:
+            self._quarantine_handle(slot, now)
+        elif done:
+            self._settle(slot, now)
+        return done is not False
+
     def _settle(self, slot: Slot, now: float) -> None:
         """Copy-out done: a slot is free again, a fallback starts its grace (lock held)."""
         if slot.is_fallback:
@@ -450,12 +454,7 @@ class ReceivePool:
             if self._pending:
                 waiting = []
                 for slot, event in self._pending:
-                    done = _query(event)
-                    if done is None:
-                        self._quarantine_handle(slot, now)
-                    elif done:
-                        self._settle(slot, now)
-                    else:
+                    if not self._settle_if_done(slot, event, now):
                         waiting.append((slot, event))
                 self._pending = waiting
             while self._quarantine and self._quarantine[0][0] <= now:
