@@ -1,4 +1,4 @@
-"""Receive slots registered once for the engine's lifetime (issue 4).
+"""Receive slots registered once for the engine's lifetime.
 
 Registering memory per request is slow, and re-registering a recycled address
 while a sender still caches the old registration breaks RDMA connections. A

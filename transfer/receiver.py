@@ -367,7 +367,8 @@ class SessionManager:
         """Adds registered memory outside the main buffer as a destination (e.g. a per-item buffer).
 
         The region is announced to each encode rank, before the first room that lands in it,
-        with a registration of its own (our extension: peers keep writing as before).
+        with a registration of its own (our extension, docs/protocol.md section 8; a peer that does not
+        read it writes wherever the TransferInfo points).
         """
         regions = RegionSet(_io.as_region(embedding), _io.as_region(deepstack) if deepstack is not None else None)
         with self._regions_lock:
@@ -381,7 +382,7 @@ class SessionManager:
                 self._region_sets.remove(regions)
 
     def _regions_for(self, room: int, ptr: int, nbytes: int, ds_ptr: int, ds_nbytes: int, has_ds: bool) -> RegionSet:
-        """The announced region pair that holds the destination, or a ValueError naming it."""
+        """The announced region pair that holds the destination, or a ConfigError naming it."""
         with self._regions_lock:
             sets = list(self._region_sets)
         for regions in sets:

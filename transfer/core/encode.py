@@ -216,7 +216,8 @@ class _Job:
 
 @dataclass(eq=False)
 class _Destinations:
-    """One session's destination ranges of writes queued or in flight, sorted, and the longest one."""
+    """One session's destination ranges of writes queued or in flight, sorted, and an upper bound on their
+    lengths (the longest held since this entry was made: it never shrinks)."""
 
     spans: list[tuple[int, int, int, int]] = field(default_factory=list)  # (start, end, seq, room number)
     longest: int = 0
@@ -519,7 +520,8 @@ class EncodeCore:
         for job in self.scheduler.take_all():  # every room is failed now: these only count out
             self._job_done(job, now)
         if give_up_writes:
-            for job in self._writes.values():  # cleared rooms still in flight: release none of them
+            # Rooms whose writes are in flight: the engine may still read their sources, so none is released.
+            for job in self._writes.values():
                 job.room.released = True
         self._unserved.clear()
         return self._out_take()
@@ -556,7 +558,7 @@ class EncodeCore:
         being served) and one of them asked for this very shard: only that rank,
         restarted, asks for it again. Ranks asking for the same shard (the full span, or
         empty shards) are told apart by host; when that leaves more than one, none is
-        guessed (the room then fails on its receiver count, as before).
+        guessed (the room then fails on its receiver count).
         """
         asks = self.parked.get(info.room)
         if asks is not None and len(asks.infos) >= asks.fanout:

@@ -359,7 +359,7 @@ class PrefillCore:
         return None if state is None else state.token
 
     def stage(self, room: int) -> str | None:
-        """Where the room stands (lookup, queued, asked, verifying, concluded), or None."""
+        """Where the room stands (lookup, held, queued, asked, verifying, concluded), or None."""
         state = self._rooms.get(room)
         return None if state is None else state.stage
 
@@ -729,8 +729,9 @@ class PrefillCore:
                 for action in self._conclude(state, failure)]
 
     def tick(self, now: float, limit: int | None = None) -> list:
-        """Fails rooms past their deadline, at most `limit` of them (next_wakeup() says if more are due),
-        and looks up again the encode ranks whose sockets took no ask for QUEUED_LOOKUP_S."""
+        """Fails rooms past their deadline and lets held asks go whose earlier ask's cancel got no answer
+        within CANCEL_ANSWER_WAIT_S, at most `limit` of them together (next_wakeup() says if more are
+        due), and looks up again the encode ranks whose sockets took no ask for QUEUED_LOOKUP_S."""
         heap = self._deadlines
         if len(heap) > 2 * len(self._rooms) + 1024:
             # Concluded rooms' entries would otherwise wait out their whole deadline here.

@@ -1,10 +1,12 @@
-"""The encode side's driver: one thread that owns the request socket, the status sockets,
-the engine calls and the clock, feeds EncodeCore its events and carries out its actions.
+"""The encode side's driver: one thread that owns the request socket, the engine's writes
+and the clock, pushes the statuses, feeds EncodeCore its events and carries out its actions.
 
 One thread rather than an I/O thread feeding writer threads: every hand-off between
 threads costs a wake-up on a busy core, and the Mooncake threads that move the bytes
 need those cores. The caller's thread only posts commands (an item offered, a room
-cleared, close) and reads the room book.
+cleared, close), registers the sources send() finds outside registered memory, and reads
+the room book. The status sockets are _io.Pushers': their own thread ("epd-status") sends
+the statuses that waited for a connection to come up, and closes idle ones.
 """
 
 from __future__ import annotations
