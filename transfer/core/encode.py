@@ -277,8 +277,9 @@ class EncodeCore:
             return self._out_take()
         cancelled = self._cancelled.pop(offer.room, None)
         if cancelled is not None:
-            self._fail(room, FailureKind.CANCELLED, f"room {offer.room}: receiver {cancelled[0][:64]} cancelled it "
-                                                    f"{now - cancelled[1]:.1f}s before the item was sent", now)
+            self._fail(room, FailureKind.CANCELLED, f"room {offer.room}: receiver {receiver_text(cancelled[0])} "
+                                                    f"cancelled it {now - cancelled[1]:.1f}s before the item was sent",
+                       now)
             self._dispatch(room.room, now)  # tells the other receivers parked for it Failed
             return self._flush(now)
         self._unserved.add(offer.room)
@@ -321,7 +322,7 @@ class EncodeCore:
         if info.fanout > self.parked.max_receivers:
             # No room takes that many receivers: it would wait out the fanout timeout.
             self._warn("receivers", "room %d: %s asked with fanout %d, more than the %d receivers a room may have",
-                       info.room, info.session_id[:64], info.fanout, self.parked.max_receivers)
+                       info.room, receiver_text(info.session_id), info.fanout, self.parked.max_receivers)
             self._tell_failed([info], Failure(FailureKind.GEOMETRY, f"room {info.room}: asked with fanout "
                                                                     f"{info.fanout}, more than the "
                                                                     f"{self.parked.max_receivers} receivers a room "
@@ -332,7 +333,7 @@ class EncodeCore:
             # A copy of an ask its room is writing now (the message came twice): parked, it would wait
             # for the room's next send and be told Failed when none came.
             self._warn("repeated ask", "room %d: %s asked again for the write under way; ignoring the copy",
-                       info.room, info.session_id[:64])
+                       info.room, receiver_text(info.session_id))
             return self._flush(now)
         cancelled = self._cancelled.get(info.room)
         if cancelled is not None and cancelled[0] == info.session_id:  # the rank asks again: a retry
@@ -345,7 +346,7 @@ class EncodeCore:
         admission = self.parked.add(info, now)
         if admission.refused:
             self._warn("receivers", "room %d: more than %d receivers asked; telling %s Failed",
-                       info.room, self.parked.max_receivers, info.session_id[:64])
+                       info.room, self.parked.max_receivers, receiver_text(info.session_id))
             self._tell_failed([info], Failure(FailureKind.GEOMETRY, f"room {info.room}: more than "
                                                                     f"{self.parked.max_receivers} receivers asked"))
             return self._flush(now)
@@ -370,7 +371,7 @@ class EncodeCore:
         # beside the current one's.
         flying = [job for job in self._writes.values()
                   if job.room.room == room_number and job.info.session_id == session]
-        detail = f"room {room_number}: receiver {session[:64]} cancelled it"
+        detail = f"room {room_number}: receiver {receiver_text(session)} cancelled it"
         for job in flying:
             self._spare(job.room, session)
             self._fail(job.room, FailureKind.CANCELLED, detail + " while its write was in flight", now)
@@ -472,10 +473,11 @@ class EncodeCore:
             self._warn("stall", "submitting a write to %s held the sender pool's thread (and every other write) "
                        "for %.1fs before failing: a peer that accepts connections but never answers the engine's "
                        "handshake? Writes to it fail at once for the next %.0fs, or until it registers again",
-                       session[:64], took, trip.until - now)
+                       receiver_text(session), took, trip.until - now)
         remember(self._failed_writes, (job.room.room, session), now, MAX_FAILED_WRITES)
         if self._serves(job):  # a superseded session's failure is not its room's
-            self._fail(job.room, FailureKind.WRITE, f"write to {session} (room {job.room.room}) failed: {error}", now)
+            self._fail(job.room, FailureKind.WRITE,
+                       f"write to {receiver_text(session)} (room {job.room.room}) failed: {error}", now)
         self._job_over(job, failed=True)
         self._job_done(job, now)
         return self._flush(now)
@@ -485,7 +487,8 @@ class EncodeCore:
         job = self._writes.get(wid)
         if job is not None and self._serves(job):
             self._fail(job.room, FailureKind.CHECKSUM,
-                       f"room {job.room.room}: checksumming its rows for {job.info.session_id} failed: {error}", now)
+                       f"room {job.room.room}: checksumming its rows for {receiver_text(job.info.session_id)} "
+                       f"failed: {error}", now)
         return self._flush(now)
 
     def tick(self, now: float) -> list:
@@ -594,10 +597,10 @@ class EncodeCore:
                     self._unserved.add(room.room)
                 self._spare(room, old)
         dropped = self.parked.drop_session(old)
-        self.regions.forget(old, f"session {new[:64]} {how} superseded it")
+        self.regions.forget(old, f"session {receiver_text(new)} {how} superseded it")
         self.breaker.reset(old)
         self._warn("successor", "session %s %s supersedes session %s (a restarted prefill rank): %d parked asks of "
-                   "the predecessor dropped", new[:64], how, old[:64], len(dropped))
+                   "the predecessor dropped", receiver_text(new), how, receiver_text(old), len(dropped))
         self._out.append(Count("sessions_superseded_total", reason))
 
     # ------------------------------------------------------------ queries
@@ -744,8 +747,8 @@ class EncodeCore:
 
     def _expired(self, job: _Job, waited: float, now: float) -> None:
         self._fail(job.room, FailureKind.WRITE,
-                   f"room {job.room.room}: its write for {job.info.session_id[:64]} waited {waited:.1f}s since the "
-                   f"room's first ask for a free write slot or its ready event, past the fanout timeout "
+                   f"room {job.room.room}: its write for {receiver_text(job.info.session_id)} waited {waited:.1f}s "
+                   f"since the room's first ask for a free write slot or its ready event, past the fanout timeout "
                    f"{self.fanout_timeout_s:g}s; not started", now)
 
     def _start(self, job: _Job, now: float) -> None:
@@ -757,8 +760,9 @@ class EncodeCore:
         if since is not None:
             self.scheduler.finished(info.session_id)
             why = self.breaker.detail(info.session_id)
-            self._fail(room, FailureKind.WRITE, f"write to {info.session_id} (room {room.room}) skipped: a write to "
-                                                f"it failed {now - since:.1f}s ago" + (f" ({why})" if why else ""), now)
+            self._fail(room, FailureKind.WRITE, f"write to {receiver_text(info.session_id)} (room {room.room}) "
+                                                f"skipped: a write to it failed {now - since:.1f}s ago"
+                                                + (f" ({why})" if why else ""), now)
             self._job_done(job, now)
             return
         offer = room.offer
@@ -816,8 +820,9 @@ class EncodeCore:
                     if other_start <= start - dests.longest:
                         break
                     if other_end > start and other_room != info.room:
-                        return (f"room {info.room}: receiver {info.session_id} destination [{start:#x}, {end:#x}) "
-                                f"overlaps room {other_room}'s [{other_start:#x}, {other_end:#x}), still in flight")
+                        return (f"room {info.room}: receiver {receiver_text(info.session_id)} destination "
+                                f"[{start:#x}, {end:#x}) overlaps room {other_room}'s "
+                                f"[{other_start:#x}, {other_end:#x}), still in flight")
         return None
 
     def _hold_ranges(self, job: _Job, offer: Offer) -> None:
@@ -883,7 +888,8 @@ class EncodeCore:
         if asks is None or asks.first_at > cleared_at or room_number in self._rooms:
             return
         self.parked.take(room_number)
-        sessions = ", ".join(s[:64] for s in sorted(asks.infos)[:3]) + (", ..." if len(asks.infos) > 3 else "")
+        sessions = (", ".join(receiver_text(s) for s in sorted(asks.infos)[:3])
+                    + (", ..." if len(asks.infos) > 3 else ""))
         self._warn("cleared", "room %d: the caller cleared it before its whole fanout asked (%d of %d prefill ranks "
                    "asked: %s); telling them Failed. Are the other ranks of the fanout running and routed to this "
                    "encode rank, or was the room cleared too early?", room_number, len(asks.infos), asks.fanout,

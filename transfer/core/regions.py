@@ -10,6 +10,7 @@ from transfer.frames import (
     Registration,
     TransferInfo,
     check_region,
+    receiver_text,
 )
 
 __all__ = ["MAX_REGIONS_PER_SESSION", "MAX_SESSIONS", "RegionBook"]
@@ -55,7 +56,7 @@ class RegionBook:
             self._evict()
         self._sessions[reg.session_id] = session  # now the most recently used
         if session.announced and not reg.has_lengths:
-            return (f"a registration without region lengths from {reg.session_id} (status endpoint "
+            return (f"a registration without region lengths from {receiver_text(reg.session_id)} (status endpoint "
                     f"{reg.endpoint}:{reg.port}, base {reg.embedding_base:#x}) refused: that session announced "
                     f"lengths before")
         if reg.has_lengths:
@@ -93,8 +94,9 @@ class RegionBook:
             if session is None:
                 why = self._retired.get(info.session_id)
                 if why is not None:
-                    return (f"room {info.room}: receiver {info.session_id[:64]} announced its regions with lengths "
-                            f"before, but {why}: no destination of it is accepted until it registers again")
+                    return (f"room {info.room}: receiver {receiver_text(info.session_id)} announced its regions "
+                            f"with lengths before, but {why}: no destination of it is accepted until it registers "
+                            f"again")
                 continue
             self._sessions[info.session_id] = session
             if not session.announced:
