@@ -375,6 +375,14 @@ class EncodeCore:
         for job in flying:
             self._spare(job.room, session)
             self._fail(job.room, FailureKind.CANCELLED, detail + " while its write was in flight", now)
+        self._cancel_unstarted(room_number, session, detail, now)
+        self._first_cancel_answer(cancel, flying, now)
+        return self._flush(now)
+
+    def _cancel_unstarted(self, room_number: int, session: str, detail: str, now: float) -> None:
+        """Drops the cancelling receiver's parked ask and fails the room the cancel is for, unless nothing of
+        it is left to stop (a write in flight, which `cancel` failed already, or a room served in full); a
+        cancel before the room's item came is remembered, and the item fails when it comes."""
         room = self._rooms.get(room_number)
         asks = self.parked.get(room_number)
         parked = asks is not None and session in asks.infos
@@ -383,8 +391,8 @@ class EncodeCore:
         if parked and room is not None and session in room.served:
             # Told Success, it asked again for the room's next send: the cancel is that ask's (one for
             # the served ask would have come before it, on the same connection).
-            pass
-        elif room is not None and not room.succeeded and any(info.session_id == session for info in room.receivers):
+            return
+        if room is not None and not room.succeeded and any(info.session_id == session for info in room.receivers):
             # A room served in full keeps its receivers: a later ask under its number waits for its next send.
             self._spare(room, session)
             when = (" after its own write landed, before the room's other writes were over" if session in room.served
@@ -395,16 +403,19 @@ class EncodeCore:
         elif parked and room is not None:
             self._fail(room, FailureKind.CANCELLED, detail + " before its whole fanout asked", now)
             self._dispatch(room_number, now)  # tells the rest of its fanout Failed
+
+    def _first_cancel_answer(self, cancel: Cancel, flying: list[_Job], now: float) -> None:
+        """Answers a cancel: too late while writes it found are in flight (a second answer follows once
+        they are over), write failed when a recent write to it failed, else confirmed."""
         if flying:
             wait = _CancelWait(cancel, len(flying))
             for job in flying:
                 job.waits.append(wait)
             self._answer_cancel(cancel, CancelAnswer.TOO_LATE)
-        elif self._write_failed_for(room_number, session, now) and cancel.reads_write_failed:
+        elif self._write_failed_for(cancel.room, cancel.session_id, now) and cancel.reads_write_failed:
             self._answer_cancel(cancel, CancelAnswer.WRITE_FAILED)  # its bytes may still land
         else:
             self._answer_cancel(cancel, CancelAnswer.CONFIRMED)
-        return self._flush(now)
 
     def _write_failed_for(self, room: int, session: str, now: float) -> bool:
         """Whether a write of the room to the session failed recently enough that its bytes may still land."""
