@@ -205,6 +205,10 @@ class SessionManager:
         self._closed = False
         self._closing = threading.RLock()  # a second close() returns once the first is done
         self.status_port = self._driver.status_port
+        # Holds what closing needs, never the manager: a manager dropped without close() is closed by it.
+        self._dropped = weakref.finalize(self, _close_dropped, self._driver, engine, (engine_rank, id(self)),
+                                         self._owned, f"prefill rank {engine_rank} (status port {self.status_port})")
+        self._dropped.atexit = False  # at exit the daemon threads go with the process
         rooms = self._driver.rooms
         self.metrics.gauge_fn("rooms_in_flight", lambda: len(rooms))
         if pool is not None:
@@ -418,20 +422,12 @@ class SessionManager:
             if self._closed:
                 return
             self._closed = True
-            with _managed_lock:
-                if _managed_engines.get(self.engine) == (self.engine_rank, id(self)):
-                    del _managed_engines[self.engine]
-            self._driver.close()
-            self._unregister_owned()
+            self._dropped.detach()
+            _close(self._driver, self.engine, (self.engine_rank, id(self)), self._owned)
 
     def _unregister_owned(self) -> None:
         """Unregisters the memory this manager registered."""
-        for addr in self._owned:
-            try:
-                self.engine.unregister(addr)
-            except Exception as exc:  # noqa: BLE001 - closing must go on
-                log.warning("unregistering %#x failed: %s", addr, exc)
-        self._owned.clear()
+        _unregister(self.engine, self._owned)
 
     def __enter__(self) -> SessionManager:
         return self
@@ -471,6 +467,34 @@ class SessionManager:
         self._give_back(lease, safe=safe, event=event)
         if not safe:
             self._driver.when_safe(record, lease.end_quarantine)
+
+
+def _close(driver: PrefillDriver, engine: TransferEngineLike, claim: tuple[int, int], owned: list[int]) -> None:
+    """Closes a session manager's parts: its claim on the engine, the driver, the memory it registered."""
+    with _managed_lock:
+        if _managed_engines.get(engine) == claim:
+            del _managed_engines[engine]
+    driver.close()
+    _unregister(engine, owned)
+
+
+def _close_dropped(driver: PrefillDriver, engine: TransferEngineLike, claim: tuple[int, int], owned: list[int],
+                   name: str) -> None:
+    """A SessionManager was dropped without close(): says so, and closes it on a thread of its own
+    (the collection may run on any thread, the I/O thread too, which closing joins)."""
+    warnings.warn(f"session manager of {name} was dropped without close(): closing it", ResourceWarning)
+    threading.Thread(target=_close, args=(driver, engine, claim, owned), name=f"epd-prefill-{claim[0]}-close",
+                     daemon=True).start()
+
+
+def _unregister(engine: TransferEngineLike, owned: list[int]) -> None:
+    """Unregisters the memory a manager registered (`owned`, emptied)."""
+    for addr in owned:
+        try:
+            engine.unregister(addr)
+        except Exception as exc:  # noqa: BLE001 - closing must go on
+            log.warning("unregistering %#x failed: %s", addr, exc)
+    owned.clear()
 
 
 @dataclass(frozen=True, eq=False)

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -149,10 +150,15 @@ class SenderPool:
                                     poll_max_s=poll_max_s)
         self.port = self._driver.port
         self._thread = self._driver.thread
-        self.metrics.gauge_fn("queue_depth", lambda: self._core.waiting)
-        self.metrics.counter_fn("statuses_dropped_total", lambda: self._driver.statuses.dropped)
+        # The metrics (which the driver holds) read the parts, never the pool: a pool dropped
+        # without close() is collected, and its finalizer closes it.
+        core, driver = self._core, self._driver
+        self.metrics.gauge_fn("queue_depth", lambda: core.waiting)
+        self.metrics.counter_fn("statuses_dropped_total", lambda: driver.statuses.dropped)
         self.metrics.gauge_fn("parked_rooms", self._book.parked)
         self._driver.start()
+        self._dropped = weakref.finalize(self, _close_dropped, self._book, self._driver, engine_rank, self.port)
+        self._dropped.atexit = False  # at exit the daemon threads go with the process
         try:
             BootstrapClient(bootstrap_addr, token=token).register_rank(
                 tp_size, dp_size, self.host, self.port, engine_rank, retry_for=register_timeout_s
@@ -302,25 +308,41 @@ class SenderPool:
         (inside an engine call) is left to finish alone: its rooms fail here, and it
         closes its own sockets and registrations if it ever returns.
         """
-        with self._book.lock:  # send() publishes items under it: none slips in after this
-            first = not self._book.closed
-            self._book.closed = self._book.stopping = True
-        if first:
-            self._driver.stop()
-        # A later close() waits as long as the first: its caller may close the engine next.
-        if self._thread.ident is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=_drive.CLOSE_WAIT_S + CLOSE_GRACE_S)
-        if first and self._thread.is_alive():
-            log.error("sender pool of encode rank %d: writes still in flight after %gs (its thread is inside an "
-                      "engine call); failing their rooms, leaving its sockets and temporary source registrations "
-                      "to it", self.engine_rank, _drive.CLOSE_WAIT_S)
-            self._book.fail_open(Failure(FailureKind.CLOSED, "sender pool closed"), time.monotonic())
+        self._dropped.detach()
+        _close(self._book, self._driver, self.engine_rank)
 
     def __enter__(self) -> SenderPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close(book: RoomBook, driver: EncodeDriver, engine_rank: int) -> None:
+    """Closes a sender pool's driver (see SenderPool.close)."""
+    with book.lock:  # send() publishes items under it: none slips in after this
+        first = not book.closed
+        book.closed = book.stopping = True
+    if first:
+        driver.stop()
+    thread = driver.thread
+    # A later close() waits as long as the first: its caller may close the engine next.
+    if thread.ident is not None and thread is not threading.current_thread():
+        thread.join(timeout=_drive.CLOSE_WAIT_S + CLOSE_GRACE_S)
+    if first and thread.is_alive():
+        log.error("sender pool of encode rank %d: writes still in flight after %gs (its thread is inside an "
+                  "engine call); failing their rooms, leaving its sockets and temporary source registrations "
+                  "to it", engine_rank, _drive.CLOSE_WAIT_S)
+        book.fail_open(Failure(FailureKind.CLOSED, "sender pool closed"), time.monotonic())
+
+
+def _close_dropped(book: RoomBook, driver: EncodeDriver, engine_rank: int, port: int) -> None:
+    """A SenderPool was dropped without close(): says so, and closes it on a thread of its own
+    (the collection may run on any thread, the pool's own too, which closing joins)."""
+    warnings.warn(f"sender pool of encode rank {engine_rank} (port {port}) was dropped without close(): closing it",
+                  ResourceWarning)
+    threading.Thread(target=_close, args=(book, driver, engine_rank), name=f"epd-encode-{engine_rank}-close",
+                     daemon=True).start()
 
 
 def _source(src: torch.Tensor | int, span: int | None, hidden: int | None,

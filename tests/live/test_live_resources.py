@@ -17,11 +17,13 @@ import pytest
 from live_helpers import (
     HOST,
     LIVE,
+    TOKEN,
     Receiver,
     bootstrap_server,
     encode_process,
     epd_threads,
     port_rebindable,
+    wait_until,
 )
 
 from transfer.receiver import ENCODE_FAILED
@@ -128,6 +130,60 @@ def test_both_sides_close_cleanly(engines):
         assert buf.data_ptr() in engines[0].registered()
     finally:
         engines[0].unregister(buf.data_ptr())
+
+
+def test_a_manager_or_pool_dropped_without_close_warns_and_closes_itself(engines):
+    """Neither a session manager's nor a sender pool's thread refers to it: dropped without close(),
+    each is collected, says so, and lets go of its thread, port, memory and engine claim."""
+    import gc
+
+    import torch
+
+    from transfer.receiver import SessionManager
+    from transfer.sender import SenderPool
+
+    prefill, encode = engines
+    threads = epd_threads()
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    manager = SessionManager(prefill, 0, 1, buffer=buf, host=HOST)
+    port = manager.status_port
+    with pytest.warns(ResourceWarning, match=rf"session manager of prefill rank 0 \(status port {port}\) was "
+                                             r"dropped without close\(\): closing it"):
+        del manager
+        gc.collect()
+    assert wait_until(lambda: epd_threads() == threads, 10.0), epd_threads()
+    assert port_rebindable(HOST, port)
+    assert buf.data_ptr() not in prefill.registered()
+    with SessionManager(prefill, 0, 1, buffer=buf, host=HOST):  # the engine's claim was released
+        pass
+
+    with bootstrap_server() as server:
+        pool = SenderPool(encode, 0, 1, 1, server.address, token=TOKEN, host=HOST)
+        port = pool.port
+        with pytest.warns(ResourceWarning, match=rf"sender pool of encode rank 0 \(port {port}\) was dropped "
+                                                 r"without close\(\): closing it"):
+            del pool
+            gc.collect()
+        assert wait_until(lambda: epd_threads() == threads, 10.0), epd_threads()
+        assert port_rebindable(HOST, port)
+
+
+def test_a_closed_manager_or_pool_warns_of_nothing_when_dropped(engines, recwarn):
+    import gc
+
+    import torch
+
+    from transfer.receiver import SessionManager
+    from transfer.sender import SenderPool
+
+    prefill, encode = engines
+    with bootstrap_server() as server:
+        with SessionManager(prefill, 0, 1, buffer=torch.zeros(1024, dtype=torch.uint8), host=HOST) as manager, \
+                SenderPool(encode, 0, 1, 1, server.address, token=TOKEN, host=HOST) as pool:
+            pass
+        del manager, pool
+        gc.collect()
+    assert not [w for w in recwarn if issubclass(w.category, ResourceWarning)]
 
 
 def test_one_zmq_context_per_process(engines):
