@@ -44,6 +44,8 @@ log = logging.getLogger("transfer.receiver")
 # Each maps to its manager's (engine rank, id).
 _managed_engines: weakref.WeakKeyDictionary[TransferEngineLike, tuple[int, int]] = weakref.WeakKeyDictionary()
 _managed_lock = threading.Lock()
+# Guards each room's `lease` while it is taken back, by clear() or close().
+_leases_lock = threading.Lock()
 
 
 def _refuse_shared_engine(engine: TransferEngineLike) -> None:
@@ -72,9 +74,10 @@ class ReceiveHandle(_io.RoomHandle[Room]):
         self.shard = shard
 
     def __del__(self) -> None:
-        # Only clear() gives the room (and its pool slot) back: a handle dropped without it is a leak.
+        # Only clear() gives the room (and its pool slot) back before the manager closes: a handle
+        # dropped without it is a leak until then.
         try:
-            if self._current():
+            if self._current() and not self._manager._closed:
                 what = "its pool slot" if self._state.lease is not None else "its room number"
                 warnings.warn(f"room {self.room}'s handle was dropped without clear(): the session manager "
                               f"keeps the room and {what} until it closes", ResourceWarning, stacklevel=2)
@@ -361,10 +364,7 @@ class SessionManager:
         if lease.is_fallback:
             with self._regions_lock:
                 self._region_sets = [r for r in self._region_sets if r.embedding is not lease.region]
-        if safe:
-            lease.release(event)
-        else:
-            lease.fail()
+        _settle(lease, safe=safe, event=event)
 
     def add_region(self, embedding: torch.Tensor | tuple[int, int] | _io.Region,
                    deepstack: torch.Tensor | tuple[int, int] | _io.Region | None = None) -> RegionSet:
@@ -417,7 +417,12 @@ class SessionManager:
         return self.metrics.snapshot()
 
     def close(self) -> None:
-        """Fails rooms still in flight, stops the I/O thread, closes sockets, unregisters owned memory."""
+        """Fails rooms still in flight, stops the I/O thread, closes sockets, unregisters owned memory.
+
+        Every pool slot its rooms still lease goes back as clear() gives it: freed when no
+        write can land in it any more (see ReceiveHandle.safe_to_reuse), quarantined
+        otherwise; a handle's `rows` are the pool's again once this returned.
+        """
         with self._closing:
             if self._closed:
                 return
@@ -460,9 +465,9 @@ class SessionManager:
         """Drops the room; hands a pooled slot back (Success, or memory already safe) or to quarantine
         (anything else), which ends once the encode rank confirms the room's cancel."""
         succeeded = self._driver.clear(record)
-        if succeeded is None or record.lease is None:
+        lease = None if succeeded is None else _take_lease(record)
+        if lease is None:
             return
-        lease, record.lease = record.lease, None
         safe = bool(succeeded or record.memory_safe)
         self._give_back(lease, safe=safe, event=event)
         if not safe:
@@ -475,7 +480,26 @@ def _close(driver: PrefillDriver, engine: TransferEngineLike, claim: tuple[int, 
         if _managed_engines.get(engine) == claim:
             del _managed_engines[engine]
     driver.close()
+    for record in list(driver.rooms.values()):
+        lease = _take_lease(record)
+        if lease is not None:
+            _settle(lease, safe=record.succeeded or record.memory_safe)
     _unregister(engine, owned)
+
+
+def _take_lease(record: Room) -> Slot | None:
+    """The room's pool slot, taken from it once (clear() and close() may race for it), or None."""
+    with _leases_lock:
+        lease, record.lease = record.lease, None
+    return lease
+
+
+def _settle(lease: Slot, *, safe: bool, event: EventLike | None = None) -> None:
+    """Frees a slot no write can land in any more (`safe`; after `event`, if given), else quarantines it."""
+    if safe:
+        lease.release(event)
+    else:
+        lease.fail()
 
 
 def _close_dropped(driver: PrefillDriver, engine: TransferEngineLike, claim: tuple[int, int], owned: list[int],

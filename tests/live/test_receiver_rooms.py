@@ -639,3 +639,51 @@ def test_a_success_with_an_unreadable_checksum_part_concludes_at_once(engines, i
         else:
             assert status == TransferPoll.Success, room.failure
         room.clear()
+
+
+@pytest.mark.live
+def test_close_gives_back_the_slots_of_rooms_still_in_flight(engines):
+    """A pool outliving its session manager keeps working: close() gives back the slots its rooms
+    still lease (never cleared) as clear() would: a room no encode rank was asked for frees its slot
+    at once, one asked waits out the quarantine."""
+    import gc
+    import warnings
+
+    from transfer.buffers import ReceivePool
+    from transfer.receiver import SessionManager
+    from transfer.sender import SenderPool
+
+    encode_engine, prefill_engine = engines
+    rows, hidden = 4, 64
+    slot = rows * hidden * 2
+    nobody = socket.socket()
+    nobody.bind((HOST, 0))  # bound, never listening: look-ups there are refused
+    try:
+        with BootstrapServer(HOST, 0) as server, \
+                ReceivePool(prefill_engine, 4 * slot, slot, quarantine_s=0.5, max_fallback_bytes=0) as slots, \
+                SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST, fanout_timeout_s=60) as sender:
+            manager = SessionManager(prefill_engine, 0, 1, 1, pool=slots, host=HOST, deadline_s=60)
+            with manager:
+                asked = [manager.receive(room, server.address, rows=rows, hidden=hidden, dtype=BF16)
+                         for room in (1, 2)]
+                unasked = [manager.receive(room, f"{HOST}:{nobody.getsockname()[1]}", rows=rows, hidden=hidden,
+                                           dtype=BF16) for room in (3, 4)]
+                assert wait_until(lambda: sorted(sender._core.parked) == [1, 2], 10), "the asks never came"
+                assert slots.stats()["leased"] == 4
+            stats = slots.stats()
+            assert (stats["leased"], stats["quarantined"], stats["free"]) == (0, 2, 2), stats
+            asked[0].clear()  # a handle cleared after close gives back nothing twice
+            assert slots.stats()["leased"] == 0
+            assert wait_until(lambda: slots.poll() or slots.stats()["free"] == 4, 10), slots.stats()
+            with SessionManager(prefill_engine, 0, 1, 1, pool=slots, host=HOST) as again:
+                fresh = [again.receive(room, server.address, rows=rows, hidden=hidden, dtype=BF16)
+                         for room in (5, 6, 7, 8)]
+                for handle in fresh:
+                    handle.clear()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                del asked, unasked  # their manager closed: nothing is kept for them
+                gc.collect()
+            assert not [w for w in caught if issubclass(w.category, ResourceWarning)], caught
+    finally:
+        nobody.close()
