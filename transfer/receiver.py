@@ -419,9 +419,12 @@ class SessionManager:
     def close(self) -> None:
         """Fails rooms still in flight, stops the I/O thread, closes sockets, unregisters owned memory.
 
-        Every pool slot its rooms still lease goes back as clear() gives it: freed when no
-        write can land in it any more (see ReceiveHandle.safe_to_reuse), quarantined
-        otherwise; a handle's `rows` are the pool's again once this returned.
+        Its rooms are given up as clear() gives them up: each encode rank asked for one not
+        yet known safe is sent its cancel, which its socket gets a moment to send after it
+        is closed (close() waits for no answer). Every pool slot its rooms still lease goes
+        back as clear() gives it: freed when no write can land in it any more (see
+        ReceiveHandle.safe_to_reuse), quarantined otherwise; a handle's `rows` are the
+        pool's again once this returned.
         """
         with self._closing:
             if self._closed:

@@ -687,3 +687,36 @@ def test_close_gives_back_the_slots_of_rooms_still_in_flight(engines):
             assert not [w for w in caught if issubclass(w.category, ResourceWarning)], caught
     finally:
         nobody.close()
+
+
+@pytest.mark.live
+def test_close_cancels_the_rooms_it_still_holds_at_their_encode_rank(engines):
+    """close() gives up its rooms as clear() does: their encode rank drops the asks it parked (it
+    would keep them for its fanout timeout) and, when the items come, writes nothing into the
+    slots, which outlive the manager in the pool."""
+    import torch
+
+    from transfer.buffers import ReceivePool
+    from transfer.core.failure import FailureKind
+    from transfer.receiver import SessionManager
+    from transfer.sender import SenderPool
+    from transfer.status import TransferPoll
+
+    encode_engine, prefill_engine = engines
+    rows, hidden = 4, 64
+    slot = rows * hidden * 2
+    with BootstrapServer(HOST, 0) as server, ReceivePool(prefill_engine, 2 * slot, slot) as slots, \
+            SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST, fanout_timeout_s=60) as sender:
+        with SessionManager(prefill_engine, 0, 1, 1, pool=slots, host=HOST, deadline_s=60) as manager:
+            handles = [manager.receive(room, server.address, rows=rows, hidden=hidden, dtype=BF16)
+                       for room in (1, 2)]
+            for handle in handles:
+                handle.rows.zero_()
+            assert wait_until(lambda: sorted(sender._core.parked) == [1, 2], 10), "the asks never came"
+        assert wait_until(lambda: len(sender._core.parked) == 0, 10), "close() cancelled no parked ask"
+        for room, handle in zip((1, 2), handles):
+            sent = sender.send(room, torch.randn(rows, hidden).to(torch.bfloat16))
+            assert sent.wait(10) == TransferPoll.Failed
+            assert sent.failure_kind is FailureKind.CANCELLED, sent.failure
+            sent.clear()
+            assert bool((handle.rows.view(torch.uint8) == 0).all()), f"room {room} was written after close()"

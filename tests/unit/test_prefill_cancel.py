@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from prefill_rooms import BOOT, ENCODE, KEY0, spec
 from prefill_rooms import core as prefill_core
 
 import transfer.core.prefill as prefill
-from transfer.core.failure import FailureKind
+from transfer.core.failure import Failure, FailureKind
 from transfer.core.prefill import (
     Conclude,
     Disconnect,
@@ -150,6 +152,29 @@ def test_a_room_failed_by_its_encode_rank_is_cancelled_when_cleared():
     c.status(1.0, 6, TransferPoll.Failed, 0)
     assert not c.safe(6, token)
     assert [type(a) for a in c.abandon(1.0, 6, token)] == [SendCancel]
+
+
+def test_closing_concludes_open_rooms_and_cancels_every_room_not_known_safe():
+    """close() gives up each room held as clear() would: open ones fail, and those asked and not
+    known safe (open, or failed by the encode rank and not cleared) get their cancel; a Success and
+    a room never asked get none, and no room gets two."""
+    c = core()
+    c.integrity = False
+    closed = Failure(FailureKind.CLOSED, "session manager closed")
+    waiting = asked(c, 1)
+    failed = asked(c, 2)
+    c.status(0.5, 2, TransferPoll.Failed, 0)
+    asked(c, 3)
+    c.status(0.5, 3, TransferPoll.Success, 0)
+    elsewhere = dataclasses.replace(spec(5, slot=5), bootstrap_addr="10.0.0.9:8998")
+    unasked, _ = c.receive(5.0, elsewhere)  # waits for its look-up
+    actions = c.close(5.0, closed)
+    assert of(Conclude, actions) == [Conclude(1, waiting, closed), Conclude(5, unasked, closed)]
+    assert [(a.room, a.token) for a in of(SendCancel, actions)] == [(1, waiting), (2, failed)]
+    assert all(a.addr == ENCODE for a in of(SendCancel, actions))
+    assert c.safe(5, unasked) and c.stage(3) == "concluded"
+    assert not c.safe(1, waiting) and not c.safe(2, failed) and c.pending_cancels == 2
+    assert c.close(5.1, closed) == []
 
 
 def test_a_room_expired_on_a_socket_dropped_since_sends_no_cancel():

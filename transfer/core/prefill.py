@@ -10,7 +10,7 @@ order while their encode rank's socket cannot take them, statuses move rooms
 (Failed sticky, a wrong encode rank ignored), and a room concludes once, at the
 latest at its deadline (a Success its encode rank then says Failed is overturned).
 
-A room given up on after its ask went out (its deadline, or clear() before Success)
+A room given up on after its ask went out (its deadline, clear() before Success, or close())
 gets a cancel (our extension) on the connection it was asked on, unless that connection
 dropped since, its encode rank left a cancel unanswered CANCEL_SILENCE_S, or another
 cancel of the room number still waits (see `_give_up`); the memory it offered
@@ -727,6 +727,15 @@ class PrefillCore:
         """Concludes every open room with `failure` (closing, or the driver stopped)."""
         return [action for state in list(self._rooms.values()) if self._open(state)
                 for action in self._conclude(state, failure)]
+
+    def close(self, now: float, failure: Failure) -> list:
+        """Closing: every open room concludes with `failure`, and every room held, concluded or not, is
+        given up as clear() gives it up (`abandon`): a cancel to the encode rank of each one asked and
+        not known safe, so nothing is written into its memory after the close."""
+        actions = self.fail_all(now, failure)
+        for state in list(self._rooms.values()):
+            actions += self.abandon(now, state.room, state.token)
+        return actions
 
     def tick(self, now: float, limit: int | None = None) -> list:
         """Fails rooms past their deadline and lets held asks go whose earlier ask's cancel got no answer

@@ -26,7 +26,7 @@ import select
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -425,17 +425,31 @@ class PrefillDriver:
         else:
             with self._lock:
                 now = self.clock()
-                self._carry(now, self.core.fail_all(now, failure))
-            self._close_sockets()
+                self._carry(now, self.core.close(now, failure))
+                cancelled = self._send_cancels_left()
+            self._close_sockets(cancelled)
         self._lookups.close(timeout=self.lookup_timeout_s + 1.0)
 
-    def _close_sockets(self) -> None:
-        """Closes every socket and the wakers; only once the I/O thread stopped."""
+    def _send_cancels_left(self) -> set[tuple[str, int]]:
+        """Sends the cancels handed to the I/O thread and not sent yet (_lock held; only once it stopped,
+        so no other thread uses those sockets); returns the addresses of the sockets they were queued on."""
+        queued = set()
+        while self._cancels_out:
+            cancel = self._cancels_out.popleft()
+            if cancel.addr in self._sockets:
+                queued.add(cancel.addr)
+            self._carry(self.clock(), self._send_cancel(cancel))
+        return queued
+
+    def _close_sockets(self, cancelled: Collection[tuple[str, int]] = ()) -> None:
+        """Closes every socket and the wakers; only once the I/O thread stopped. The sockets to the encode
+        addresses in `cancelled` get CANCEL_FLUSH_MS to send the cancels queued on them (ZMQ's I/O thread
+        sends them: this does not wait)."""
         with self._watch:  # a waiting caller sleeps on the status socket's descriptor
             with self._lock:
                 self._status_sock.close(0)
                 for addr in list(self._sockets):
-                    self._disconnect(addr)
+                    self._disconnect(addr, CANCEL_FLUSH_MS if addr in cancelled else 0)
             self._watch_waker.close()
         self._waker.close()
 
