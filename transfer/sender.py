@@ -66,6 +66,15 @@ class SendHandle(_io.RoomHandle[RoomState]):
         super().__init__(pool._table, state, pool._book.conclusions, pool._book.held.get)
         self._pool = pool
 
+    def __del__(self) -> None:
+        # Only clear() lets the pool drop the room's item before it closes: a handle dropped without it is a leak.
+        try:
+            if self._current() and not self._pool._book.closed:
+                warnings.warn(f"room {self.room}'s handle was dropped without clear(): the sender pool keeps the "
+                              f"room and its source until it closes", ResourceWarning, stacklevel=2)
+        except Exception:  # noqa: BLE001 - nothing may escape a finalizer
+            pass
+
     def clear(self) -> None:
         """Forgets a concluded room (an unconcluded one is failed first).
 
@@ -304,7 +313,8 @@ class SenderPool:
         """Fails rooms still in flight and parked asks, joins the thread, closes sockets, drops temporary registrations.
 
         Writes already submitted are waited for first, at most CLOSE_WAIT_S, so no source
-        is released while the engine may still read it. A driver still stuck past that
+        is released while the engine may still read it; once the thread stopped, the pool
+        holds no item's source, its room cleared or not. A driver still stuck past that
         (inside an engine call) is left to finish alone: its rooms fail here, and it
         closes its own sockets and registrations if it ever returns.
         """

@@ -186,6 +186,51 @@ def test_a_closed_manager_or_pool_warns_of_nothing_when_dropped(engines, recwarn
     assert not [w for w in recwarn if issubclass(w.category, ResourceWarning)]
 
 
+def test_a_send_handle_dropped_uncleared_warns_and_close_lets_go_of_its_source(engines):
+    """The pool keeps an uncleared room's item, and with it its source tensor, until it closes:
+    dropping the room's handle says so, and once close() returned no source is held."""
+    import gc
+    import warnings
+    import weakref
+
+    import torch
+
+    from transfer.receiver import SessionManager
+    from transfer.sender import SenderPool
+
+    prefill, encode = engines
+    dst = torch.zeros((3, SPAN, HIDDEN), dtype=torch.bfloat16)
+    sources: list[weakref.ref] = []
+    with bootstrap_server() as server, SessionManager(prefill, 0, 1, buffer=dst, host=HOST) as manager:
+        pool = SenderPool(encode, 0, 1, 1, server.address, token=TOKEN, host=HOST)
+        try:
+            for slot, room in enumerate(rooms(3)):
+                received = manager.receive(room, server.address, dst[slot])
+                source = torch.randn(SPAN, HIDDEN).to(torch.bfloat16)
+                sources.append(weakref.ref(source))
+                sent = pool.send(room, source)
+                del source
+                assert received.wait(10.0) == TransferPoll.Success and sent.wait(10.0) == TransferPoll.Success
+                received.clear()
+                if slot < 2:
+                    with pytest.warns(ResourceWarning, match=rf"room {room}'s handle was dropped without clear\(\): "
+                                                             r"the sender pool keeps the room and its source until "
+                                                             r"it closes"):
+                        del sent
+                        gc.collect()
+            gc.collect()
+            assert all(ref() is not None for ref in sources), "a served room's source was let go uncleared"
+        finally:
+            pool.close()
+        gc.collect()
+        assert [ref() is None for ref in sources] == [True, True, True], "close() kept a source alive"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            del sent  # its pool closed: nothing is kept for it
+            gc.collect()
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)], caught
+
+
 def test_one_zmq_context_per_process(engines):
     """Every socket of ours shares the library's one context, which is not the engine's own
     zmq.Context.instance(); its I/O thread runs SCHED_BATCH, the engine's does not."""

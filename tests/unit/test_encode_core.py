@@ -544,6 +544,38 @@ def test_a_room_failed_by_close_is_released_after_its_write_only_when_the_driver
     assert run.statuses(over) == []  # the room failed: its receiver was told so at the close
 
 
+class _Source:
+    """Stands for a source tensor: the core must let go of it once nothing reads it."""
+
+
+@pytest.mark.parametrize("give_up_writes", [True, False])
+def test_close_lets_go_of_every_item_but_a_write_left_to_settle_keeps_its_own(give_up_writes):
+    """Once closed, the core holds no room's item (its sources), served, parked or failed, never
+    cleared; a write the driver still settles keeps its room's until it is over."""
+    import gc
+    import weakref
+
+    run = Run()
+    sources = [_Source() for _ in range(3)]
+    held = [weakref.ref(source) for source in sources]
+    served, flying, parked = (dataclasses.replace(_offer(room), sources=(source,))
+                              for room, source in zip((1, 2, 3), sources))
+    run.offer(served)
+    run.complete(*run.of(StartWrite, run.ask(_ask(1, session="a"))))
+    run.offer(flying)
+    (wid,) = [write.wid for write in run.of(StartWrite, run.ask(_ask(2, session="b")))]
+    run.offer(parked)
+    del sources, served, flying, parked
+    run.actions.clear()  # its StartWrites carry the sources
+    run(run.core.close(1.0, give_up_writes=give_up_writes))
+    gc.collect()
+    assert run.core.rooms() == []
+    assert [ref() is not None for ref in held] == [False, not give_up_writes, False]
+    run(run.core.write_done(wid, (), 2.0))
+    gc.collect()
+    assert held[1]() is None
+
+
 def test_next_wakeup_is_the_sweep_or_a_clears_grace():
     run = Run()
     assert run.core.next_wakeup() == pytest.approx(0.5)

@@ -517,7 +517,8 @@ class EncodeCore:
         self._writes_stopped = True
 
     def close(self, now: float, detail: str = "sender pool closed", *, give_up_writes: bool = True) -> list:
-        """Fails every open room and parked ask; writes still in flight keep their rooms' sources.
+        """Fails every open room and parked ask, and lets go of every item; writes still in flight keep
+        their rooms' source registrations.
 
         Writes waiting for a slot never start. A room whose write is still in flight
         (the engine may read its rows) concludes Failed without a Release, unless
@@ -534,10 +535,15 @@ class EncodeCore:
         for job in self.scheduler.take_all():  # every room is failed now: these only count out
             self._job_done(job, now)
         if give_up_writes:
-            # Rooms whose writes are in flight: the engine may still read their sources, so none is released.
+            # Rooms whose writes are in flight: the engine may still read their sources, so none is released
+            # (their registrations stay, and the engine keeps what it reads alive); nothing settles them now.
             for job in self._writes.values():
                 job.room.released = True
+            self._writes.clear()
         self._unserved.clear()
+        # Nothing serves a room any more: the items (and the sources they hold) are let go. Writes left to
+        # settle (not `give_up_writes`) keep their rooms through their jobs.
+        self._rooms.clear()
         return self._out_take()
 
     # ------------------------------------------------------------ successors
