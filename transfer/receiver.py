@@ -273,23 +273,26 @@ class SessionManager:
                 raise ConfigError(f"room {room} is already being received; clear() it first")
             lease, full, full_ds, dst, deepstack_dst = self._lease(room, rows, hidden, dtype_name, row_start, span,
                                                                    deepstack_hidden)
-            return self._receive(room, bootstrap_addr, dst, None, None, None, row_start, span, deepstack_dst,
-                                 deepstack_hidden, lease, full, full_ds)
+            return self._receive(room, bootstrap_addr, dst, row_start=row_start, span=span,
+                                 deepstack_dst=deepstack_dst, deepstack_hidden=deepstack_hidden, lease=lease,
+                                 full=full, full_ds=full_ds)
         if deepstack_hidden and deepstack_dst is None:
             raise ConfigError(f"room {room}: deepstack_hidden given with dst but no deepstack_dst to receive into")
-        return self._receive(room, bootstrap_addr, dst, rows, hidden, dtype_name, row_start, span, deepstack_dst,
-                             deepstack_hidden)
+        return self._receive(room, bootstrap_addr, dst, rows=rows, hidden=hidden, dtype=dtype_name,
+                             row_start=row_start, span=span, deepstack_dst=deepstack_dst,
+                             deepstack_hidden=deepstack_hidden)
 
-    def _receive(self, room: int, bootstrap_addr: str, dst: torch.Tensor | int, rows: int | None,
-                 hidden: int | None, dtype: str | None, row_start: int, span: int | None,
-                 deepstack_dst: torch.Tensor | tuple[int, int] | None, deepstack_hidden: int | None = None,
+    def _receive(self, room: int, bootstrap_addr: str, dst: torch.Tensor | int, *, rows: int | None = None,
+                 hidden: int | None = None, dtype: str | None = None, row_start: int, span: int | None,
+                 deepstack_dst: torch.Tensor | tuple[int, int] | None, deepstack_hidden: int | None,
                  lease: Slot | None = None, full: torch.Tensor | None = None,
                  full_ds: torch.Tensor | None = None) -> ReceiveHandle:
         """receive() once the destination is known; a lease is given back if it raises."""
         record = None
         try:
-            record, spec = self._room(room, bootstrap_addr, dst, rows, hidden, dtype, row_start, span,
-                                      deepstack_dst, deepstack_hidden, lease)
+            record, spec = self._room(room, bootstrap_addr, dst, rows=rows, hidden=hidden, dtype=dtype,
+                                      row_start=row_start, span=span, deepstack_dst=deepstack_dst,
+                                      deepstack_hidden=deepstack_hidden, lease=lease)
             self._driver.receive(record, spec)
         except BaseException:
             if lease is not None:
@@ -300,7 +303,7 @@ class SessionManager:
         self.metrics.inc("rooms_started_total")
         return ReceiveHandle(self, record, full, full_ds, (row_start, spec.rows))
 
-    def _room(self, room: int, bootstrap_addr: str, dst: torch.Tensor | int, rows: int | None,
+    def _room(self, room: int, bootstrap_addr: str, dst: torch.Tensor | int, *, rows: int | None,
               hidden: int | None, dtype: str | None, row_start: int, span: int | None,
               deepstack_dst: torch.Tensor | tuple[int, int] | None, deepstack_hidden: int | None,
               lease: Slot | None) -> tuple[Room, RoomSpec]:
