@@ -1,18 +1,24 @@
-"""The prefill side's sockets to encode ranks: one with nothing under way is closed once idle, and
-an encode rank that restarted at another port is looked up again, not waited for at the old one
-(whether its drop was seen before a room or the room's ask waited for a socket at the old port).
+"""The prefill side's sockets to encode ranks: one with nothing under way is closed once idle, an
+encode rank that restarted at another port is looked up again, not waited for at the old one
+(whether its drop was seen before a room or the room's ask waited for a socket at the old port),
+and one that keeps moving leaves no socket behind at the ports it left.
 
 Real Mooncake engines (tcp on 127.0.0.1), real ZMQ, a real bootstrap server and sender pools."""
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
+import zmq
 from live_helpers import HOST, LIVE, wait_until
 
-from transfer.bootstrap import BootstrapServer
+from transfer.bootstrap import BootstrapClient, BootstrapServer
 from transfer.drive import prefill as drive_prefill
+from transfer.frames import is_registration
 from transfer.receiver import SessionManager
 from transfer.sender import SenderPool
 from transfer.status import TransferPoll
@@ -104,3 +110,66 @@ def test_a_room_asked_while_its_encode_rank_is_down_reaches_it_back_at_another_p
         assert torch.equal(buf[0].view(torch.uint8), item.view(torch.uint8))
         assert took < 15, f"room 2 took {took:.1f} s"
         handle.clear()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _asked_at_a_new_port(ctx: zmq.Context, client: BootstrapClient, ask: Callable[[], Any],
+                         dropped: Callable[[], bool]) -> None:
+    """One turn of an encode rank that keeps moving: it listens at a new port, registers it, reads
+    the ask `ask()` makes, closes that socket, and waits until the prefill rank saw it go (`dropped`):
+    an ask sent before ZMQ noticed the close would be lost with it."""
+    pull = ctx.socket(zmq.PULL)
+    try:
+        port = pull.bind_to_random_port(f"tcp://{HOST}")
+        client.register_rank(1, 1, HOST, port, 0, retry_for=10)
+        ask()
+        while True:
+            assert pull.poll(15_000), f"no ask reached the encode rank at port {port}"
+            if not is_registration(pull.recv_multipart()):
+                break
+    finally:
+        pull.close(0)
+    assert wait_until(dropped, 10, interval=0.002), f"the prefill rank never saw port {port} go"
+
+
+def test_an_encode_rank_that_keeps_moving_leaves_no_sockets_behind_and_others_are_served(engines, monkeypatch):
+    """An encode rank reads one ask at each port, then closes it and registers at a new one, 40 times:
+    the prefill rank keeps a socket (and its descriptors) for where it is, not for every port it
+    left, and the rooms of a healthy deployment beside it, one first met at the end included,
+    succeed throughout."""
+    monkeypatch.setattr(drive_prefill, "MONITOR_PERIOD_S", 0.01)  # drops are seen sooner: a shorter test
+    encode, prefill = engines
+    moves = 40
+    buf = torch.zeros(moves + 2, ROWS, HIDDEN, dtype=torch.bfloat16)
+    ctx = zmq.Context()
+    handles: list = []
+    try:
+        with BootstrapServer(HOST, 0) as moving, BootstrapServer(HOST, 0) as healthy, \
+                SenderPool(encode, 0, 1, 1, healthy.address) as sender, \
+                SessionManager(prefill, 0, 1, 1, buffer=buf, host=HOST, deadline_s=120) as manager:
+            client, key = BootstrapClient(moving.address), (moving.address, 0, 0)
+            outcome, failure, _ = _room(manager, sender, healthy, 10_000, buf)
+            assert outcome == TransferPoll.Success, failure
+            fds_before = _fds()
+            for room in range(1, moves + 1):
+                _asked_at_a_new_port(
+                    ctx, client, lambda room=room: handles.append(manager.receive(room, moving.address,
+                                                                                  buf[2 + room % moves])),
+                    # A caller polling, as a scheduler does, and the route the drop forgets.
+                    lambda: handles[-1].poll() is not None and manager._driver.core.route(key) is None)
+                if room % 10 == 0:
+                    outcome, failure, _ = _room(manager, sender, healthy, 10_000 + room, buf)
+                    assert outcome == TransferPoll.Success, failure
+            encode_sockets = len(manager._driver.sockets()) - 1  # less the status socket
+            assert encode_sockets <= 4, f"{encode_sockets} sockets to encode ranks after {moves} moves"
+            assert _fds() <= fds_before + 40, f"{_fds() - fds_before} more descriptors after {moves} moves"
+            with BootstrapServer(HOST, 0) as other, SenderPool(encode, 0, 1, 1, other.address) as newcomer:
+                outcome, failure, _ = _room(manager, newcomer, other, 20_000, buf)
+                assert outcome == TransferPoll.Success, failure
+            for handle in handles:
+                handle.clear()
+    finally:
+        ctx.destroy(0)

@@ -387,16 +387,18 @@ def test_a_refused_registration_is_announced_again():
 
 def test_a_dropped_connection_is_looked_up_again_and_has_its_regions_announced_again():
     """The encode rank may have restarted at another port: the next room asks the bootstrap server
-    where it is now; rooms already asked keep waiting at the old address."""
+    where it is now; rooms already asked keep waiting for their statuses (on the status socket), and
+    the old address's socket, which nothing needs, is closed."""
     c = core()
     routed(c)
     assert kinds(c.receive(0.0, spec(1, slot=1))[1]) == [SendAsk]
     c.connection_dropped(0.1, ENCODE)
     assert c.receive(0.2, spec(2, slot=2))[1] == [LookUpRoute(KEY0)]
     moved = ("10.0.0.2", 7001)
-    actions = c.route_resolved(0.3, KEY0, moved)
+    disconnect, *actions = c.route_resolved(0.3, KEY0, moved)
+    assert disconnect == Disconnect(ENCODE)
     assert kinds(actions) == [Announce, SendAsk] and {a.addr for a in actions} == {moved}
-    assert c.stage(1) == "asked" and not c.idle(ENCODE, 0.5), "room 1 still waits at the old address"
+    assert c.stage(1) == "asked", "room 1 still waits for its status"
 
 
 def test_rooms_whose_asks_never_left_for_a_dropped_connection_are_looked_up_again():
@@ -411,7 +413,8 @@ def test_rooms_whose_asks_never_left_for_a_dropped_connection_are_looked_up_agai
     assert c.stage(1) == c.stage(2) == "queued", "they wait where they are until the look-up says otherwise"
     assert c.receive(0.3, spec(3, slot=3))[1] == [], "it joins the look-up under way"
     moved = ("10.0.0.2", 7001)
-    actions = c.route_resolved(0.4, KEY0, moved)
+    disconnect, *actions = c.route_resolved(0.4, KEY0, moved)
+    assert disconnect == Disconnect(ENCODE), "nothing needs the old address's socket any more"
     assert kinds(actions) == [Announce, SendAsk, SendAsk, SendAsk] and {a.addr for a in actions} == {moved}
     assert [a.room for a in actions if isinstance(a, SendAsk)] == [1, 2, 3]
     assert c.idle(ENCODE, 0.5)
@@ -430,7 +433,8 @@ def test_asks_that_waited_for_a_socket_too_long_are_looked_up_again():
     assert c.next_wakeup() == 2 * QUEUED_LOOKUP_S, "and again as long after, while they wait"
     moved = ("10.0.0.2", 7001)
     actions = c.route_resolved(2.1, KEY0, moved)
-    assert [(type(a), a.addr) for a in actions] == [(Announce, moved), (SendAsk, moved), (SendAsk, moved)]
+    assert [(type(a), a.addr) for a in actions] == [(Disconnect, ENCODE), (Announce, moved), (SendAsk, moved),
+                                                    (SendAsk, moved)]
     assert c.route(KEY0) == moved and c.next_wakeup() == c.deadline_s
 
 
@@ -459,7 +463,8 @@ def test_asks_waiting_at_an_old_address_move_with_their_key_whichever_look_up_fi
     assert c.lookup_failed(0.2, BOOT, KEY0, "refused", took_s=0.0) == [] and c.stage(1) == "queued"
     assert c.receive(0.3, spec(2, slot=2))[1] == [LookUpRoute(KEY0)]
     moved = ("10.0.0.2", 7001)
-    actions = c.route_resolved(0.4, KEY0, moved)
+    disconnect, *actions = c.route_resolved(0.4, KEY0, moved)
+    assert disconnect == Disconnect(ENCODE)
     assert [(type(a), a.addr, a.room) for a in actions] == [(Announce, moved, 1), (SendAsk, moved, 1),
                                                             (SendAsk, moved, 2)]
     assert c.writable(0.5, ENCODE) == []
@@ -512,7 +517,8 @@ def test_what_a_rank_was_told_is_kept_by_its_address_whatever_its_route(monkeypa
     moved = ("10.0.0.2", 7001)
     c.connection_dropped(0.9, ENCODE)
     c.receive(1.0, spec(6, slot=6))
-    assert [(type(a), a.addr) for a in c.route_resolved(1.1, KEY0, moved)] == [(Announce, moved), (SendAsk, moved)]
+    assert [(type(a), a.addr) for a in c.route_resolved(1.1, KEY0, moved)] == [(Disconnect, ENCODE), (Announce, moved),
+                                                                                (SendAsk, moved)]
 
 
 def test_an_address_is_idle_only_with_nothing_under_way_there():
@@ -707,6 +713,112 @@ def test_a_tick_fails_at_most_its_limit_and_says_more_are_due():
     assert len(concluded(c.tick(5.0, limit=4))) == 4
     assert c.next_wakeup() <= 5.0
     assert len(concluded(c.tick(5.0))) == 6 and c.next_wakeup() is None
+
+
+# ------------------------------------------------------ sockets to encode ranks
+
+B_ADDR, C_ADDR = ("10.0.0.4", 7000), ("10.0.0.5", 7000)
+
+
+def test_an_encode_rank_that_keeps_moving_holds_one_socket_not_one_per_address():
+    """Each time its connection drops and its route is found at a new port, the old address's socket is
+    closed at once: the rooms asked there wait for their statuses on the status socket, and a room asked
+    on a connection that dropped is sent no cancel on it."""
+    c = core()
+    routed(c)
+    old, tokens = ENCODE, {}
+    for i in range(1, 50):
+        tokens[i], actions = c.receive(float(i), spec(i, slot=i % 8))
+        assert [(type(a), a.addr) for a in actions][-1] == (SendAsk, old)
+        assert c.connection_dropped(i + 0.1, old) == [], "the rank may come back where it was last found"
+        assert c.receive(i + 0.2, spec(1000 + i, slot=8))[1] == [LookUpRoute(KEY0)]
+        new = ("10.0.0.2", 7000 + i)
+        actions = c.route_resolved(i + 0.3, KEY0, new)
+        assert [(type(a), a.addr) for a in actions] == [(Disconnect, old), (Announce, new), (SendAsk, new)]
+        assert c.connected(new) and not c.connected(old)
+        c.clear(i + 0.4, 1000 + i)
+        old = new
+    assert c.stage(1) == "asked", "room 1 still waits for its status"
+    assert c.abandon(60.0, 1, tokens[1]) == [], "no cancel for a room asked on a connection that dropped"
+
+
+def test_an_encode_rank_found_again_at_the_same_address_keeps_its_socket():
+    c = core()
+    routed(c)
+    c.receive(0.1, spec(1, slot=1))
+    assert c.connection_dropped(0.2, ENCODE) == [] and c.connected(ENCODE)
+    assert c.receive(0.3, spec(2, slot=2))[1] == [LookUpRoute(KEY0)]
+    assert kinds(c.route_resolved(0.4, KEY0, ENCODE)) == [Announce, SendAsk] and c.connected(ENCODE)
+
+
+@pytest.mark.parametrize("need", ["a room asked on its connection", "a cancel awaiting its answer"])
+def test_an_address_a_route_moved_from_is_kept_while_its_socket_is_needed_and_closed_when_it_drops(need):
+    """Found elsewhere while its connection is up: a room asked on it may yet be cancelled there, a
+    cancel sent on it may not have left. Once that connection drops, nothing can need it."""
+    c = core()
+    routed(c)
+    token, _ = c.receive(0.1, spec(1, slot=1))
+    if need == "a cancel awaiting its answer":
+        assert kinds(c.abandon(0.2, 1, token)) == [SendCancel]
+        c.clear(0.2, 1, token)
+    moved = ("10.0.0.2", 7001)
+    assert c.route_resolved(0.3, KEY0, moved) == [] and c.connected(ENCODE)
+    if need == "a room asked on its connection":
+        assert kinds(c.abandon(0.4, 1, token)) == [SendCancel], "its cancel goes on the connection it was asked on"
+        c.clear(0.4, 1, token)
+    assert c.connection_dropped(0.5, ENCODE) == [Disconnect(ENCODE)]
+    assert not c.connected(ENCODE)
+
+
+def test_an_address_another_encode_rank_was_found_at_keeps_its_socket_when_one_moves_away():
+    c = core()
+    routed(c, dp=3)  # dp group 0 at ENCODE
+    assert c.receive(0.1, spec(1, slot=1))[1] == [LookUpRoute((BOOT, 1, 0))]
+    assert kinds(c.route_resolved(0.2, (BOOT, 1, 0), ENCODE)) == [SendAsk]
+    assert c.route_resolved(0.3, KEY0, ("10.0.0.2", 7001)) == [] and c.connected(ENCODE)
+    assert c.connection_dropped(0.4, ENCODE) == [] and c.connected(ENCODE)
+
+
+def _routed_at(c: PrefillCore, now: float, room: int, group: int, addr) -> list:
+    """Room `room` of dp group `group` (of 3), its route looked up and found at `addr`: the actions."""
+    assert c.receive(now, spec(room, slot=room))[1] == [LookUpRoute((BOOT, group, 0))]
+    return c.route_resolved(now, (BOOT, group, 0), addr)
+
+
+def test_past_the_socket_cap_the_least_recently_used_connection_with_nothing_under_way_is_closed():
+    c = core(integrity=False, max_sockets=2)
+    routed(c, dp=3)  # dp group 0 at ENCODE, connected first
+    assert kinds(_routed_at(c, 0.1, 1, 1, B_ADDR)) == [Announce, SendAsk]
+    assert kinds(c.receive(0.2, spec(6, slot=6))[1]) == [SendAsk]  # dp group 0: ENCODE, used after B
+    for room in (1, 6):  # held, but their writes are over: nothing is under way at either address
+        assert kinds(c.status(0.3, room, TransferPoll.Success, 0)) == [Conclude]
+    actions = _routed_at(c, 0.4, 2, 2, C_ADDR)
+    assert [(type(a), a.addr) for a in actions] == [(Disconnect, B_ADDR), (Announce, C_ADDR), (SendAsk, C_ADDR)]
+    assert c.connected(ENCODE) and c.connected(C_ADDR) and not c.connected(B_ADDR)
+    # B's route is kept: a room there connects afresh, in place of the least recently used one.
+    actions = c.receive(0.5, spec(4, slot=4))[1]
+    assert [(type(a), a.addr) for a in actions] == [(Disconnect, ENCODE), (Announce, B_ADDR), (SendAsk, B_ADDR)]
+
+
+def test_past_the_socket_cap_with_something_under_way_on_every_connection_a_new_room_fails_at_once():
+    c = core(max_sockets=2)
+    routed(c, dp=3)
+    c.receive(0.0, spec(3, slot=3))  # asked at ENCODE, waiting for its status
+    token1, _ = c.receive(0.1, spec(1, slot=1))
+    c.refused(0.2, B_ADDR, c.route_resolved(0.2, (BOOT, 1, 0), B_ADDR))  # room 1's ask waits for B's socket
+    token2, actions = c.receive(0.3, spec(2, slot=2))
+    assert actions == [LookUpRoute((BOOT, 2, 0))]
+    [conclude] = c.route_resolved(0.4, (BOOT, 2, 0), C_ADDR)
+    assert conclude.room == 2 and conclude.failure.kind is FailureKind.NO_CONNECTION
+    assert conclude.failure.detail == ("room 2: not connecting to encode rank 0 at 10.0.0.5:7000: this prefill rank "
+                                       "already holds 2 sockets to encode ranks, its cap, each with rooms under way")
+    assert c.safe(2, token2), "it was never asked for"
+    assert c.connected(ENCODE) and c.connected(B_ADDR) and not c.connected(C_ADDR)
+    c.clear(0.5, 1, token1)  # the ask left waiting at B is a cleared room's: nothing is under way there now
+    c.clear(0.5, 2, token2)
+    [disconnect, *asks] = c.receive(0.6, spec(5, slot=5))[1]  # C's route is known
+    assert disconnect == Disconnect(B_ADDR) and kinds(asks) == [Announce, SendAsk]
+    assert c.writable(0.7, B_ADDR) == [], "what waited there is forgotten with it"
 
 
 # ------------------------------------------------------- random interleavings

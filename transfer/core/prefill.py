@@ -9,6 +9,9 @@ while, a region is announced before the first ask that lands in it, asks wait in
 order while their encode rank's socket cannot take them, statuses move rooms
 (Failed sticky, a wrong encode rank ignored), and a room concludes once, at the
 latest at its deadline (a Success its encode rank then says Failed is overturned).
+Connections to encode ranks are bounded: one to an address its encode rank left is closed
+when that is learnt, if nothing needs it (`_retire`), and at most `max_sockets` are kept
+(`_make_room`).
 
 A room given up on after its ask went out (its deadline, clear() before Success, or close())
 gets a cancel (our extension) on the connection it was asked on, unless that connection
@@ -39,6 +42,7 @@ __all__ = [
     "ASK_BATCH",
     "CANCEL_SILENCE_S",
     "ENCODE_FAILED",
+    "MAX_ENCODE_SOCKETS",
     "MAX_ROUTES",
     "MAX_SIZES",
     "QUEUED_LOOKUP_S",
@@ -89,6 +93,11 @@ QUEUED_LOOKUP_S = 2.0
 #: these the oldest is forgotten, and looked up again if a room needs it).
 MAX_SIZES = 1024
 MAX_ROUTES = 16384
+
+#: Connections (each a socket and its monitor in the driver) to encode ranks kept at most: past it the
+#: least recently used with nothing under way is closed before a new one opens, and when every one has
+#: something under way the room that needs another fails at once.
+MAX_ENCODE_SOCKETS = 256
 
 RouteKey = tuple[str, int, int]  # (bootstrap address, dp group, encode rank)
 Address = tuple[str, int]
@@ -315,6 +324,7 @@ class PrefillCore:
         announcements: AnnounceBook | None = None,
         asks: AskQueues | None = None,
         ask_batch: int = ASK_BATCH,
+        max_sockets: int = MAX_ENCODE_SOCKETS,
     ) -> None:
         self.engine_rank = engine_rank
         self.tp_size = tp_size
@@ -328,16 +338,18 @@ class PrefillCore:
         self.announcements = AnnounceBook() if announcements is None else announcements
         self.asks = AskQueues() if asks is None else asks
         self.ask_batch = ask_batch
+        self.max_sockets = max_sockets
         self._rooms: dict[int, _Room] = {}
         self._tokens = 0
         self._deadlines: list[tuple[float, int, _Room]] = []
         self._parallel: dict[str, tuple[int, int]] = {}
         self._routes: dict[RouteKey, Address] = {}
+        self._resolved: dict[RouteKey, Address] = {}  # where each route was last found, kept when forgotten
         self._probes: dict[RouteKey, Address] = {}  # routes looked up again: where their queued asks wait
         self._probed_at: dict[Address, float] = {}  # when the routes of asks waiting there were looked up again
         self._awaiting_parallel: dict[str, list[_Room]] = {}
         self._awaiting_route: dict[RouteKey, list[_Room]] = {}
-        self._conns: dict[Address, int] = {}  # the connection in use per encode address
+        self._conns: dict[Address, int] = {}  # the connection in use per encode address, least recently used first
         self._conn_serial = 0
         self._cancels: dict[tuple[int, int], list[_Cancel]] = {}  # (room, encode rank) -> awaiting, oldest first
         self._cancel_count = 0
@@ -497,14 +509,18 @@ class PrefillCore:
 
     def route_resolved(self, now: float, key: RouteKey, addr: Address) -> list:
         """The bootstrap server told where an encode rank listens: rooms waiting for that go, and asks
-        that waited at another address for it (`_recheck`) move there, in their order."""
+        that waited at another address for it (`_recheck`) move there, in their order. The connection
+        to the address it was found at before is closed at once if nothing needs it (`_retire`)."""
         remember(self._routes, key, addr, MAX_ROUTES)
+        before = self._resolved.get(key)
+        remember(self._resolved, key, addr, MAX_ROUTES)
         self.breaker.succeeded(key[0])
-        self._probes.pop(key, None)
-        actions: list = []
+        probed = self._probes.pop(key, None)
         moved = [state for other in self.asks.addresses() if other != addr
                  for state in self.asks.remove(other, lambda queued: queued.route_key == key) if self._queued(state)]
         moved.sort(key=lambda state: (state.asked_at, state.token))  # oldest first, wherever each waited
+        actions = [action for old in dict.fromkeys((before, probed)) if old is not None and old != addr
+                   for action in self._retire(now, old)]
         for i, state in enumerate(moved):
             actions += self._ask(now, state, addr, defer=i >= self.ask_batch)
         waiting = [state for state in self._awaiting_route.pop(key, ()) if self._looking_up(state)]
@@ -556,7 +572,7 @@ class PrefillCore:
 
         What follows goes on a fresh connection: a cancel sent before the drop may never be read,
         so it holds back no later ask's statuses (`status`), and a later cancel of the same room
-        is not sent (`_give_up`)."""
+        is not sent (`_give_up`). An address no route leads to any more is closed (`_retire`)."""
         if addr in self._conns:
             self._conn_serial += 1
             self._conns[addr] = self._conn_serial
@@ -566,7 +582,7 @@ class PrefillCore:
         self.asks.prune(addr, self._queued)
         actions = self._recheck(now, addr)
         self._forget_routes_to(addr)
-        return actions
+        return actions + self._retire(now, addr)
 
     def _recheck(self, now: float, addr: Address) -> list:
         """Looks up again the routes of the asks waiting at `addr` (route_resolved moves them if the
@@ -601,6 +617,48 @@ class PrefillCore:
         every region again."""
         self._forget_connection(addr)
         return []
+
+    def connected(self, addr: Address) -> bool:
+        """Whether a connection to `addr` is in use (the driver closes a socket to an address that has none)."""
+        return addr in self._conns
+
+    def _in_use(self, now: float) -> set[Address]:
+        """The encode addresses whose sockets something still needs: asks waiting for them, a room asked on
+        their current connection that may yet be cancelled there, or a cancel sent on it within
+        CANCEL_SILENCE_S unanswered. Statuses come on the status socket; a room asked on an earlier
+        connection is sent no cancel (`_give_up`)."""
+        conns = self._conns
+        busy = {addr for addr, _ in self.asks.heads(self._queued)}
+        busy.update(state.addr for state in self._rooms.values() if state.addr is not None and state.asked
+                    and not state.given_up and conns.get(state.addr) == state.conn
+                    and not (state.stage == CONCLUDED and state.outcome is None))  # a Success: abandon() sends none
+        busy.update(cancel.addr for cancels in self._cancels.values() for cancel in cancels
+                    if not cancel.answered and conns.get(cancel.addr) == cancel.conn
+                    and now - cancel.sent_at < CANCEL_SILENCE_S)
+        return busy
+
+    def _close(self, addr: Address) -> list:
+        """Closes the connection to `addr` (asks left in its queue are cleared rooms'): the next room there
+        connects afresh."""
+        self._forget_connection(addr)
+        self.asks.drop(addr)
+        return [Disconnect(addr)]
+
+    def _retire(self, now: float, addr: Address) -> list:
+        """Closes the connection to `addr` at once when no route leads there any more (each encode rank
+        found there was last found elsewhere) and nothing needs its socket."""
+        if addr not in self._conns or addr in self._resolved.values() or addr in self._in_use(now):
+            return []
+        return self._close(addr)
+
+    def _make_room(self, now: float) -> list | None:
+        """Room for one more connection under `max_sockets`: nothing to do, the least recently used one with
+        nothing under way closed, or None when every one has something under way."""
+        if len(self._conns) < self.max_sockets:
+            return []
+        busy = self._in_use(now)
+        lru = next((addr for addr in self._conns if addr not in busy), None)
+        return None if lru is None else self._close(lru)
 
     def _forget_connection(self, addr: Address) -> int | None:
         """Forgets the connection to `addr` (its announcements and its cancels' silence with it): the next
@@ -916,6 +974,15 @@ class PrefillCore:
                 state.stage = HELD
                 heapq.heappush(self._held, (cancel.sent_at + CANCEL_ANSWER_WAIT_S, state.token, state))
                 return []
+        actions: list = []
+        if addr not in self._conns:
+            made = self._make_room(now)
+            if made is None:
+                return self._conclude(state, Failure(
+                    FailureKind.NO_CONNECTION,
+                    f"room {state.room}: not connecting to {state.where()}: this prefill rank already holds "
+                    f"{self.max_sockets} sockets to encode ranks, its cap, each with rooms under way"))
+            actions = made
         state.conn, state.asked_at = self._conn_of(addr), now
         waiting = self.asks.waiting(addr)
         if waiting and not defer and self.asks.full(addr):
@@ -923,20 +990,21 @@ class PrefillCore:
             waiting = self.asks.prune(addr, self._queued)
         if waiting or defer:
             if not defer and self.asks.full(addr):
-                return self._conclude(state, Failure(
+                return actions + self._conclude(state, Failure(
                     FailureKind.NO_CONNECTION,
                     f"{state.where()} is not taking requests ({waiting} asks already wait for it)"))
             state.stage = QUEUED
             self.asks.push(addr, state)
-            return []
-        return self._emit_ask(state)
+            return actions
+        return actions + self._emit_ask(state)
 
     def _conn_of(self, addr: Address) -> int:
-        """The connection in use to `addr` (a new one when there is none)."""
-        conn = self._conns.get(addr)
+        """The connection in use to `addr` (a new one when there is none), now the most recently used."""
+        conn = self._conns.pop(addr, None)
         if conn is None:
             self._conn_serial += 1
-            conn = self._conns[addr] = self._conn_serial
+            conn = self._conn_serial
+        self._conns[addr] = conn
         return conn
 
     def _emit_ask(self, state: _Room) -> list:

@@ -36,6 +36,7 @@ from transfer import _io
 from transfer.bootstrap import BootstrapClient, BootstrapError
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.prefill import (
+    MAX_ENCODE_SOCKETS,
     Advance,
     Announce,
     Conclude,
@@ -113,6 +114,16 @@ PROGRESS_EVERY_S = 50e-6
 #: so their reports do not pile up in ZMQ (a send checks its socket's first anyway).
 MONITOR_PERIOD_S = 1.0
 
+#: ZMQ sockets, and about as many descriptors, one encode rank's connection costs: its PUSH
+#: socket, the monitor's pair and its connection.
+SOCKETS_PER_ENCODE_RANK = 3
+
+
+def encode_socket_limit(wanted: int = MAX_ENCODE_SOCKETS) -> int:
+    """`wanted` connections to encode ranks, cut to a quarter of the descriptors this process may open
+    and of the ZMQ context's sockets."""
+    return max(1, _io.status_connection_limit(wanted * SOCKETS_PER_ENCODE_RANK) // SOCKETS_PER_ENCODE_RANK)
+
 
 @dataclass(eq=False)
 class Room:
@@ -175,7 +186,8 @@ class PrefillDriver:
         wakers: list[_io.Waker] = []
         try:
             self.core = PrefillCore(engine_rank, tp_size, dp_size, host=host, status_port=self.status_port,
-                                    session_id=session_id, deadline_s=deadline_s, integrity=integrity)
+                                    session_id=session_id, deadline_s=deadline_s, integrity=integrity,
+                                    max_sockets=encode_socket_limit())
             for _ in range(2):
                 wakers.append(_io.Waker())
         except BaseException:  # out of descriptors: nothing is left open
@@ -630,12 +642,16 @@ class PrefillDriver:
 
     def _read_monitors(self) -> None:
         """Reads every encode socket's drop reports, so an idle one's do not pile up in ZMQ, and
-        closes the sockets that sent nothing for ASK_IDLE_S with nothing under way there."""
+        closes the sockets that sent nothing for ASK_IDLE_S with nothing under way there, and those
+        the core let go while this thread polled them (see `_carry`)."""
         with self._lock:
             now = self.clock()
             for addr, monitor in list(self._monitors.items()):
+                if not self.core.connected(addr):
+                    self._disconnect(addr)
+                    continue
                 if _io.dropped(monitor):
-                    self._carry(now, self.core.connection_dropped(now, addr))  # look-ups only
+                    self._carry(now, self.core.connection_dropped(now, addr))  # look-ups, or its own close
                 if now - self._used_at.get(addr, now) >= ASK_IDLE_S and self.core.idle(addr, now):
                     self.core.connection_closed(now, addr)
                     self._disconnect(addr)
@@ -695,7 +711,11 @@ class PrefillDriver:
             elif kind is MemorySafe:
                 self._memory_safe(action)
             elif kind is Disconnect:
-                self._disconnect(action.addr, CANCEL_FLUSH_MS if action.flush else 0)
+                sock = self._sockets.get(action.addr)
+                if threading.current_thread() is self._thread or sock is None or sock not in self._watching:
+                    self._disconnect(action.addr, CANCEL_FLUSH_MS if action.flush else 0)
+                # Else the I/O thread may be polling it: it closes it at its next look at the monitors,
+                # unless a room connected to the same address again meanwhile (then it serves that room).
             elif kind is Warn:
                 self._complaints.warning(action.key, "%s", action.message)
             if i == len(work) and refused:
