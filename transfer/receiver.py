@@ -44,12 +44,25 @@ log = logging.getLogger("transfer.receiver")
 # Each maps to its manager's (engine rank, id).
 _managed_engines: weakref.WeakKeyDictionary[TransferEngineLike, tuple[int, int]] = weakref.WeakKeyDictionary()
 _managed_lock = threading.Lock()
+# Engines whose session manager was dropped without close() and is being closed: set once it is.
+_closing_engines: weakref.WeakKeyDictionary[TransferEngineLike, threading.Event] = weakref.WeakKeyDictionary()
+#: Seconds a new session manager waits for the close of one dropped on its engine.
+DROPPED_CLOSE_WAIT_S = 30.0
 # Guards each room's `lease` while it is taken back, by clear() or close().
 _leases_lock = threading.Lock()
 
 
+def _await_dropped_manager(engine: TransferEngineLike) -> None:
+    """Waits (DROPPED_CLOSE_WAIT_S at most) for the close of a session manager dropped on `engine`, which
+    still holds the engine and the memory it registered there."""
+    with _managed_lock:
+        closing = _closing_engines.get(engine)
+    if closing is not None:
+        closing.wait(DROPPED_CLOSE_WAIT_S)
+
+
 def _refuse_shared_engine(engine: TransferEngineLike) -> None:
-    """ConfigError when `engine` already has an open session manager."""
+    """ConfigError when `engine` already has an open session manager (lock held)."""
     holder = _managed_engines.get(engine)
     if holder is not None:
         rank = holder[0]
@@ -162,6 +175,7 @@ class SessionManager:
         lookup_timeout_s = config.resolve("EPD_LOOKUP_TIMEOUT_S", lookup_timeout_s)
         integrity = config.check_flag("SessionManager", "integrity", integrity)
         parse_ports(status_port)  # a bad setting fails before any memory is registered
+        _await_dropped_manager(engine)
         with _managed_lock:
             _refuse_shared_engine(engine)
         self.engine = engine
@@ -481,16 +495,19 @@ class SessionManager:
 
 
 def _close(driver: PrefillDriver, engine: TransferEngineLike, claim: tuple[int, int], owned: list[int]) -> None:
-    """Closes a session manager's parts: its claim on the engine, the driver, the memory it registered."""
-    with _managed_lock:
-        if _managed_engines.get(engine) == claim:
-            del _managed_engines[engine]
-    driver.close()
-    for record in list(driver.rooms.values()):
-        lease = _take_lease(record)
-        if lease is not None:
-            _settle(lease, safe=record.succeeded or record.memory_safe)
-    _unregister(engine, owned)
+    """Closes a session manager's parts: the driver, the memory it registered, then its claim on the
+    engine (a new manager there finds no memory of this one still registered)."""
+    try:
+        driver.close()
+        for record in list(driver.rooms.values()):
+            lease = _take_lease(record)
+            if lease is not None:
+                _settle(lease, safe=record.succeeded or record.memory_safe)
+        _unregister(engine, owned)
+    finally:
+        with _managed_lock:
+            if _managed_engines.get(engine) == claim:
+                del _managed_engines[engine]
 
 
 def _take_lease(record: Room) -> Slot | None:
@@ -513,8 +530,20 @@ def _close_dropped(driver: PrefillDriver, engine: TransferEngineLike, claim: tup
     """A SessionManager was dropped without close(): says so, and closes it on a thread of its own
     (the collection may run on any thread, the I/O thread too, which closing joins)."""
     warnings.warn(f"session manager of {name} was dropped without close(): closing it", ResourceWarning)
-    threading.Thread(target=_close, args=(driver, engine, claim, owned), name=f"epd-prefill-{claim[0]}-close",
-                     daemon=True).start()
+    closed = threading.Event()
+    with _managed_lock:
+        _closing_engines[engine] = closed
+
+    def close() -> None:
+        try:
+            _close(driver, engine, claim, owned)
+        finally:
+            with _managed_lock:
+                if _closing_engines.get(engine) is closed:
+                    del _closing_engines[engine]
+            closed.set()
+
+    threading.Thread(target=close, name=f"epd-prefill-{claim[0]}-close", daemon=True).start()
 
 
 def _unregister(engine: TransferEngineLike, owned: list[int]) -> None:

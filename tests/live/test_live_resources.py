@@ -168,6 +168,29 @@ def test_a_manager_or_pool_dropped_without_close_warns_and_closes_itself(engines
         assert port_rebindable(HOST, port)
 
 
+def test_a_manager_made_at_once_on_the_engine_of_a_dropped_one_keeps_its_buffer(engines):
+    """The dropped manager's close runs on a thread of its own; a manager made meanwhile on the same
+    engine and buffer waits for it, and the buffer stays registered for the new one."""
+    import gc
+    import warnings
+
+    import torch
+
+    from transfer.receiver import SessionManager
+
+    prefill, _ = engines
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    for _ in range(5):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            manager = SessionManager(prefill, 0, 1, buffer=buf, host=HOST)
+            del manager
+            gc.collect()
+        with SessionManager(prefill, 0, 1, buffer=buf, host=HOST):
+            assert buf.data_ptr() in prefill.registered(), "the dropped manager's close unregistered it"
+        assert buf.data_ptr() not in prefill.registered()
+
+
 def test_a_closed_manager_or_pool_warns_of_nothing_when_dropped(engines, recwarn):
     import gc
 
