@@ -356,6 +356,17 @@ def test_mooncake_write_to_a_stopped_peer_settles_at_the_transfer_timeout(stalle
         assert peer.counts() == {7: STALL_BYTES}
 
 
+def _writer_of_a_stopped_peer(peer: StoppablePeer, monkeypatch) -> tuple[Engine, torch.Tensor]:
+    """A Mooncake engine with a 5 s transfer timeout and a registered source of 9s, that wrote to
+    `peer` before stopping it."""
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
+    writer = _mooncake()
+    src = _filled(STALL_BYTES, 9)
+    writer.register(src)
+    _handshake_then_stop(writer, src, peer)
+    return writer, src
+
+
 @pytest.mark.live
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
 def test_mooncake_close_is_bounded_with_a_stopped_peer(stalled_mooncake, monkeypatch):
@@ -363,11 +374,7 @@ def test_mooncake_close_is_bounded_with_a_stopped_peer(stalled_mooncake, monkeyp
     reading would keep it forever), then destroys the transport before letting the registered
     tensors go."""
     peer = stalled_mooncake
-    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
-    writer = _mooncake()
-    src = _filled(STALL_BYTES, 9)
-    writer.register(src)
-    _handshake_then_stop(writer, src, peer)
+    writer, src = _writer_of_a_stopped_peer(peer, monkeypatch)
     kept = weakref.ref(src)
     writer.write_async(peer.session_id, [src.data_ptr()], [peer.addr], [STALL_BYTES])
     del src  # only the engine keeps it alive now
@@ -403,11 +410,7 @@ def _second_close_waits_for_the_first(writer, peer) -> None:
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
 def test_mooncake_a_second_close_returns_once_the_first_released_the_memory(stalled_mooncake, monkeypatch):
     peer = stalled_mooncake
-    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
-    writer = _mooncake()
-    src = _filled(STALL_BYTES, 9)
-    writer.register(src)
-    _handshake_then_stop(writer, src, peer)
+    writer, src = _writer_of_a_stopped_peer(peer, monkeypatch)
     writer.write_async(peer.session_id, [src.data_ptr()], [peer.addr], [STALL_BYTES])
     _second_close_waits_for_the_first(writer, peer)
 

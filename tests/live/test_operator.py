@@ -671,9 +671,9 @@ def test_netns_cluster_refuses_bad_options_before_building_anything(argv, option
     assert time.monotonic() - started < 10
 
 
-def test_ensure_debian_libs_finds_ldconfig_off_path(tmp_path):
-    # A non-root user's PATH on Debian has no /sbin: ldconfig is found off PATH too, so present
-    # libraries are never taken for missing (and apt-get run through sudo on every `make demo`).
+def _apt_stand_in(tmp_path):
+    """(bin folder, calls file): apt-get and sudo stand-ins that log their calls; skips where the
+    libraries really are missing (the script would rightly install them)."""
     ldconfig = next((p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig") if os.path.exists(p)), None)
     if ldconfig is None:
         pytest.skip("no ldconfig in /sbin or /usr/sbin")
@@ -686,10 +686,17 @@ def test_ensure_debian_libs_finds_ldconfig_off_path(tmp_path):
     for tool in ("apt-get", "sudo"):
         (bin_dir / tool).write_text(f"#!/bin/sh\necho {tool} \"$@\" >>{calls}\n")
         (bin_dir / tool).chmod(0o755)
+    return bin_dir, calls
+
+
+def test_ensure_debian_packages_finds_ldconfig_off_path(tmp_path):
+    # A non-root user's PATH on Debian has no /sbin: ldconfig is found off PATH too, so present
+    # libraries are never taken for missing (and apt-get run through sudo on every `make demo`).
+    bin_dir, calls = _apt_stand_in(tmp_path)
     done = subprocess.run(["/bin/bash", os.path.join(SCRIPTS, "ensure-debian-packages.sh")], capture_output=True,
                           text=True, timeout=60, check=False,
-                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "VENV": os.path.join(REPO, ".venv"),
-                               "PYTHON": sys.executable})
+                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path),
+                               "VENV": os.path.join(REPO, ".venv"), "PYTHON": sys.executable})
     assert done.returncode == 0, done.stderr
     assert not calls.exists(), calls.read_text()
 
@@ -698,18 +705,7 @@ def test_ensure_debian_libs_finds_ldconfig_off_path(tmp_path):
 def test_ensure_debian_packages_installs_what_the_build_lacks(tmp_path, venv_exists):
     # A minimal Debian has no compiler, no Python headers and no ensurepip (python3-venv),
     # and building the venv and the C core needs all three.
-    ldconfig = next((p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig") if os.path.exists(p)), None)
-    if ldconfig is None:
-        pytest.skip("no ldconfig in /sbin or /usr/sbin")
-    listed = subprocess.run([ldconfig, "-p"], capture_output=True, text=True, timeout=30, check=False).stdout
-    if "libnuma.so.1" not in listed or "libibverbs.so.1" not in listed:
-        pytest.skip("the libraries really are missing here")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    calls = tmp_path / "calls"
-    for tool in ("apt-get", "sudo"):
-        (bin_dir / tool).write_text(f"#!/bin/sh\necho {tool} \"$@\" >>{calls}\n")
-        (bin_dir / tool).chmod(0o755)
+    bin_dir, calls = _apt_stand_in(tmp_path)
     for tool in ("grep", "id"):
         os.symlink(shutil.which(tool), bin_dir / tool)
     # This interpreter, as a Debian python3 without python3-venv and python3-dev would answer.
