@@ -678,41 +678,57 @@ class EncodeCore:
         room = self._rooms.get(room_number)
         if room is None or room.succeeded or (room.receivers and not room.failed and not room.orphans):
             return  # a served room's sources may be released: later asks wait for its next send
-        fanout = asks.fanout
+        fanout, first_at = asks.fanout, asks.first_at  # read before the newcomers' asks are dropped below
         kept = [] if room.failed else room.receivers  # being served: their asks wait for the next send
         sessions = {info.session_id for info in kept}
         newcomers = sorted((info for info in asks.infos.values() if info.session_id not in sessions),
                            key=lambda i: (i.row_start, i.session_id))
         if not room.failed:
-            # Asks that disagree on the fanout would wait for ranks that do not exist: fail at once.
-            first = next(iter(asks.infos.values()))
-            odd = next((info for info in kept + newcomers if info.fanout != fanout), None)
-            if odd is not None:
-                self._fail(room, FailureKind.GEOMETRY, f"room {room_number}: receiver {receiver_text(odd.session_id)} "
-                                                       f"asked with fanout {odd.fanout}, receiver "
-                                                       f"{receiver_text(first.session_id)} with fanout {fanout}", now)
+            self._check_fanouts_agree(room, asks, kept + newcomers, now)
         if len(kept) + len(newcomers) < fanout and not room.failed:
             return
         for info in newcomers:
             self.parked.drop_ask(room_number, info.session_id)
-        infos = sorted(kept + newcomers, key=lambda i: (i.row_start, i.session_id))
         if room.failed:
             self._tell_failed(newcomers, room.failure)
             return
+        infos = sorted(kept + newcomers, key=lambda i: (i.row_start, i.session_id))
         room.receivers = infos
         room.orphans = []
         self._unserved.discard(room_number)
-        limit = self.fanout_timeout_s
-        waited = now - asks.first_at
-        if waited > limit:
-            # No write may start this late after the first ask: said here, not later as a
-            # wait for a write slot that never happened.
-            self._warn("late fanout", "room %d: its whole fanout of %d asked only %.1fs after its first ask, past "
-                       "the fanout timeout %gs; failing it", room_number, fanout, waited, limit)
-            self._fail(room, FailureKind.FANOUT_TIMEOUT, f"receiver never registered within {limit:g}s "
-                                                         f"({len(infos)} of {fanout} prefill ranks asked, the last "
-                                                         f"{waited:.1f}s after the first)", now)
+        if (self._fanout_too_late(room, fanout, first_at, len(infos), now)
+                or self._refused(room, infos, newcomers, fanout, now)):
             return
+        if not kept:
+            self._out.append(Progress(room_number, room.offer.token, TransferPoll.Transferring, first_at, now))
+        self._queue_writes(room, newcomers, first_at)
+
+    def _check_fanouts_agree(self, room: _Room, asks: Asks, infos: list[TransferInfo], now: float) -> None:
+        """Asks that disagree on the fanout would wait for ranks that do not exist: fails the room at once."""
+        odd = next((info for info in infos if info.fanout != asks.fanout), None)
+        if odd is not None:
+            first = next(iter(asks.infos.values()))
+            self._fail(room, FailureKind.GEOMETRY, f"room {room.room}: receiver {receiver_text(odd.session_id)} "
+                                                   f"asked with fanout {odd.fanout}, receiver "
+                                                   f"{receiver_text(first.session_id)} with fanout {asks.fanout}", now)
+
+    def _fanout_too_late(self, room: _Room, fanout: int, first_at: float, asked: int, now: float) -> bool:
+        """Fails the room if its whole fanout asked only after the fanout timeout: no write may start
+        this late after the first ask (said here, not later as a wait for a write slot)."""
+        limit = self.fanout_timeout_s
+        waited = now - first_at
+        if waited <= limit:
+            return False
+        self._warn("late fanout", "room %d: its whole fanout of %d asked only %.1fs after its first ask, past "
+                   "the fanout timeout %gs; failing it", room.room, fanout, waited, limit)
+        self._fail(room, FailureKind.FANOUT_TIMEOUT, f"receiver never registered within {limit:g}s "
+                                                     f"({asked} of {fanout} prefill ranks asked, the last "
+                                                     f"{waited:.1f}s after the first)", now)
+        return True
+
+    def _refused(self, room: _Room, infos: list[TransferInfo], newcomers: list[TransferInfo], fanout: int,
+                 now: float) -> bool:
+        """Fails the room if its receivers' geometry, regions or destinations rule its writes out."""
         offer = room.offer
         has_deepstack = offer.deepstack_addr is not None
         reason = validate_fanout(offer.span, offer.hidden, offer.dtype, has_deepstack, infos, fanout,
@@ -722,17 +738,19 @@ class EncodeCore:
             reason, kind = self.regions.check(newcomers, offer.row_bytes, offer.deepstack_row_bytes), FailureKind.REGION
         if reason is None:
             reason = self._overlap(newcomers, offer)
-        if reason is not None:
-            self._fail(room, kind, reason, now)
-            return
-        if not kept:
-            self._out.append(Progress(room_number, offer.token, TransferPoll.Transferring, asks.first_at, now))
-        room.pending += len(newcomers)  # a superseded session's write may still be in flight
+        if reason is None:
+            return False
+        self._fail(room, kind, reason, now)
+        return True
+
+    def _queue_writes(self, room: _Room, newcomers: list[TransferInfo], first_at: float) -> None:
+        """Queues a write of each newcomer's shard (a superseded session's write may still be in flight)."""
+        room.pending += len(newcomers)
         for info in newcomers:
             job = _Job(room, info)
-            self._hold_ranges(job, offer)
+            self._hold_ranges(job, room.offer)
             room.queued.append(job)
-            self.scheduler.push(job, info.session_id, asks.first_at)
+            self.scheduler.push(job, info.session_id, first_at)
 
     def _pump(self, now: float) -> None:
         """Starts the waiting writes that may start now."""
