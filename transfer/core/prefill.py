@@ -697,8 +697,33 @@ class PrefillCore:
         `peer_failed` (the room failed over there, whatever the cause).
         """
         state = self._rooms.get(room)
-        if state is None or state.stage == HELD:
-            return []  # unknown, cleared, or its earlier ask's (held for the cancel's answer): stale
+        if state is None:
+            return []  # unknown or cleared: stale
+        ignored = self._ignored(state, status, rank)
+        if ignored is not None:
+            return ignored
+        if status is TransferPoll.Failed:
+            detail = f"{ENCODE_FAILED} ({state.where()})"
+            if reason is not None:
+                detail += f": {reason[0]}: {reason[1]}"
+            if state.stage == CONCLUDED:
+                # Told Success, then Failed: another receiver of the room failed (section 6), so
+                # this rank's rows are no use to the item. Its write is over, as its Success said:
+                # nothing to cancel, and its memory is as safe as that Success left it.
+                state.outcome = Failure(FailureKind.PEER_FAILED, f"{detail} (after its Success)")
+                state.given_up = True
+                return [Overturn(room, state.token, state.outcome)]
+            return self._conclude(state, Failure(FailureKind.PEER_FAILED, detail))
+        if status is not TransferPoll.Success:
+            return [Advance(room, state.token, status)]
+        return self._succeeded(state, sums, unreadable)
+
+    def _ignored(self, state: _Room, status: TransferPoll, rank: int) -> list | None:
+        """What to do instead of taking the status, when it is not the room's to take now: nothing,
+        or a warning; None takes it."""
+        room = state.room
+        if state.stage == HELD:
+            return []  # its earlier ask's (held for the cancel's answer): stale
         if state.stage in (VERIFYING, CONCLUDED) and (status is not TransferPoll.Failed or state.outcome is not None):
             return []  # its conclusion stands: only a Failed overturns a Success (SPEC.md section 3)
         if not state.asked:
@@ -714,20 +739,11 @@ class PrefillCore:
             # Our encode rank reads a cancel before any later ask on the same socket and answers it
             # before anything about that ask: this status is the cancelled ask's, as expected.
             return []
-        if status is TransferPoll.Failed:
-            detail = f"{ENCODE_FAILED} ({state.where()})"
-            if reason is not None:
-                detail += f": {reason[0]}: {reason[1]}"
-            if state.stage == CONCLUDED:
-                # Told Success, then Failed: another receiver of the room failed (section 6), so
-                # this rank's rows are no use to the item. Its write is over, as its Success said:
-                # nothing to cancel, and its memory is as safe as that Success left it.
-                state.outcome = Failure(FailureKind.PEER_FAILED, f"{detail} (after its Success)")
-                state.given_up = True
-                return [Overturn(room, state.token, state.outcome)]
-            return self._conclude(state, Failure(FailureKind.PEER_FAILED, detail))
-        if status is not TransferPoll.Success:
-            return [Advance(room, state.token, status)]
+        return None
+
+    def _succeeded(self, state: _Room, sums: tuple[int, ...], unreadable: str | None) -> list:
+        """A Success to take: concludes the room, or asks for the landed bytes' checksums first."""
+        room = state.room
         if not self.integrity:
             return self._conclude(state, None)
         if unreadable is not None:
