@@ -22,6 +22,7 @@ from transfer import _io, config
 from transfer.bootstrap import split_address
 from transfer.core.prefill import ENCODE_FAILED, RoomSpec
 from transfer.core.prefill_breaker import UNREACHABLE_RETRY_S
+from transfer.core.quarantine import Fate, fate_of, reusable
 from transfer.drive.prefill import PrefillDriver, Room
 from transfer.errors import ConfigError, ConfigTypeError, FallbackLimitError, UsageError
 from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype, size_problem
@@ -120,12 +121,9 @@ class ReceiveHandle(_io.RoomHandle[Room]):
         (the pool's `quarantine_s`, else buffers.QUARANTINE_S) from its conclusion. Poll it
         after clear() too: a confirmation may come later.
         """
-        record = self._state
-        if record.succeeded or record.memory_safe:
-            return True
-        if record.concluded_at is None:
-            return False
-        return self._manager._driver.clock() - record.concluded_at >= self._manager.quarantine_s
+        record, manager = self._state, self._manager
+        return reusable(succeeded=record.succeeded, memory_safe=record.memory_safe, concluded_at=record.concluded_at,
+                        now=manager._driver.clock(), quarantine_s=manager.quarantine_s)
 
     def clear(self, event: EventLike | None = None) -> None:
         """Forgets the room; a status that still arrives for it is ignored.
@@ -310,9 +308,10 @@ class SessionManager:
             self._driver.receive(record, spec)
         except BaseException:
             if lease is not None:
-                # Once the driver filed the room (its token), its ask may have left and a write
-                # may still land in the slot: quarantine keeps it from the next room.
-                self._give_back(lease, safe=record is None or not record.token)
+                # Once the driver filed the room (its token), its ask may have left and a write may
+                # still land in the slot. The driver forgot the room: no confirmation is heard for it.
+                never_asked = record is None or not record.token
+                self._give_back(lease, fate_of(succeeded=False, memory_safe=never_asked, confirmable=False))
             raise
         self.metrics.inc("rooms_started_total")
         return ReceiveHandle(self, record, full, full_ds, (row_start, spec.rows))
@@ -369,19 +368,19 @@ class SessionManager:
             full_ds = flat[nbytes:].view(torch_dtype).view(span, deepstack_hidden) if deepstack_hidden else None
             if lease.is_fallback:
                 self.add_region(lease.region, lease.region)
-        except BaseException:
-            self._give_back(lease, safe=True)  # nothing was asked for it: free at once
+        except BaseException:  # nothing was asked for it: its memory is safe
+            self._give_back(lease, fate_of(succeeded=False, memory_safe=True, confirmable=False))
             raise
         shard = slice(row_start, row_start + rows)
         return lease, full, full_ds, full[shard], full_ds[shard] if full_ds is not None else None
 
-    def _give_back(self, lease: Slot, *, safe: bool, event: EventLike | None = None) -> None:
-        """Releases a lease (`safe`: no write can land in it any more) or quarantines it. A fallback's
-        region record goes first: once released, the buffer may serve another room at once."""
+    def _give_back(self, lease: Slot, fate: Fate, event: EventLike | None = None) -> None:
+        """Gives a lease to its fate (see `_settle`). A fallback's region record goes first: once
+        released, the buffer may serve another room at once."""
         if lease.is_fallback:
             with self._regions_lock:
                 self._region_sets = [r for r in self._region_sets if r.embedding is not lease.region]
-        _settle(lease, safe=safe, event=event)
+        _settle(lease, fate, event)
 
     def add_region(self, embedding: torch.Tensor | tuple[int, int] | _io.Region,
                    deepstack: torch.Tensor | tuple[int, int] | _io.Region | None = None) -> RegionSet:
@@ -482,15 +481,19 @@ class SessionManager:
         return QUARANTINE_S
 
     def _forget(self, record: Room, event: EventLike | None = None) -> None:
-        """Drops the room; hands a pooled slot back (Success, or memory already safe) or to quarantine
-        (anything else), which ends once the encode rank confirms the room's cancel."""
+        """Drops the room and gives its pool slot, if any, to its fate (transfer.core.quarantine): freed
+        (after `event`), or quarantined until the encode rank confirms the room's cancel."""
         succeeded = self._driver.clear(record)
-        lease = None if succeeded is None else _take_lease(record)
+        if succeeded is None:  # cleared already
+            return
+        lease = _take_lease(record)
         if lease is None:
             return
-        safe = bool(succeeded or record.memory_safe)
-        self._give_back(lease, safe=safe, event=event)
-        if not safe:
+        # Read after clear(): a confirmation heard meanwhile makes the memory safe already.
+        fate = fate_of(succeeded=succeeded, memory_safe=record.memory_safe, confirmable=True,
+                       copy_out=event is not None)
+        self._give_back(lease, fate, event)
+        if fate is Fate.QUARANTINE_UNTIL_CONFIRMED:
             self._driver.when_safe(record, lease.end_quarantine)
 
 
@@ -501,8 +504,8 @@ def _close(driver: PrefillDriver, engine: TransferEngineLike, claim: tuple[int, 
         driver.close()
         for record in list(driver.rooms.values()):
             lease = _take_lease(record)
-            if lease is not None:
-                _settle(lease, safe=record.succeeded or record.memory_safe)
+            if lease is not None:  # the driver closed: no confirmation is heard any more
+                _settle(lease, fate_of(succeeded=record.succeeded, memory_safe=record.memory_safe, confirmable=False))
         _unregister(engine, owned)
     finally:
         with _managed_lock:
@@ -517,12 +520,12 @@ def _take_lease(record: Room) -> Slot | None:
     return lease
 
 
-def _settle(lease: Slot, *, safe: bool, event: EventLike | None = None) -> None:
-    """Frees a slot no write can land in any more (`safe`; after `event`, if given), else quarantines it."""
-    if safe:
-        lease.release(event)
-    else:
+def _settle(lease: Slot, fate: Fate, event: EventLike | None = None) -> None:
+    """Carries out a slot's fate: quarantines it, or frees it (after `event` for FREE_AFTER_COPY)."""
+    if fate.quarantined:
         lease.fail()
+    else:
+        lease.release(event if fate is Fate.FREE_AFTER_COPY else None)
 
 
 def _close_dropped(driver: PrefillDriver, engine: TransferEngineLike, claim: tuple[int, int], owned: list[int],

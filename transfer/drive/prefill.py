@@ -52,6 +52,7 @@ from transfer.core.prefill import (
     Verify,
     Warn,
 )
+from transfer.core.quarantine import Fate, fate_of
 from transfer.errors import ConfigError, UsageError
 from transfer.frames import UnreadableChecksum, WireError, parse_cancel_reply, parse_failure_reason, parse_status
 from transfer.metrics import Metrics
@@ -280,8 +281,9 @@ class PrefillDriver:
             if unconcluded:  # given up before it concluded: its quarantine bound runs from here
                 record.concluded_at = now
                 self.metrics.inc("rooms_failed_total", reason=FailureKind.CLEARED.value)
-            if not succeeded and not record.memory_safe:
-                self._awaiting_safe[record.token] = (now, record)
+            if fate_of(succeeded=succeeded, memory_safe=record.memory_safe,
+                       confirmable=True) is Fate.QUARANTINE_UNTIL_CONFIRMED:
+                self._awaiting_safe[record.token] = (now, record)  # until its cancel's confirmation
             self._forget_unconfirmed(now)
             cancels = bool(self._cancels_out)
         if unconcluded:
