@@ -281,8 +281,9 @@ class SessionManager:
         room = check_room(room)
         dtype_name = normalize_dtype(dtype) if dtype is not None else None
         if dst is None:
-            if room in self._driver.rooms:  # refused before a slot is leased (the driver checks again, locked)
-                raise ConfigError(f"room {room} is already being received; clear() it first")
+            # Before a slot is leased, so a room number in flight takes none (nor a fallback buffer); the
+            # core refuses it again, under the driver's lock, when it files the room.
+            self._driver.core.refuse_held(room)
             lease, full, full_ds, dst, deepstack_dst = self._lease(room, rows, hidden, dtype_name, row_start, span,
                                                                    deepstack_hidden)
             return self._receive(room, bootstrap_addr, dst, row_start=row_start, span=span,

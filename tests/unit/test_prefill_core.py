@@ -26,6 +26,7 @@ from transfer.core.prefill import (
     Verify,
     Warn,
 )
+from transfer.errors import ConfigError
 from transfer.frames import CancelAnswer, TransferInfo, parse_registration
 from transfer.status import TransferPoll
 
@@ -679,6 +680,30 @@ def test_a_room_number_in_flight_is_refused():
     c.receive(0.0, spec(1))
     with pytest.raises(ValueError, match="already being received"):
         c.receive(0.0, spec(1))
+
+
+def test_a_room_number_is_refused_while_held_and_taken_again_once_cleared():
+    c = core()
+    token, _ = c.receive(0.0, spec(1))
+    with pytest.raises(ConfigError, match=r"^room 1 is already being received; clear\(\) it first$"):
+        c.refuse_held(1)
+    c.refuse_held(2)
+    assert c.clear(0.1, 1, token)
+    c.refuse_held(1)
+    assert c.receive(0.2, spec(1))[0] == token + 1
+
+
+def test_a_room_that_raised_while_it_started_is_not_held(monkeypatch):
+    c = core()
+
+    def broken(now, state, defer=False):
+        raise RuntimeError("broken route")
+
+    monkeypatch.setattr(c, "_route", broken)
+    with pytest.raises(RuntimeError, match="broken route"):
+        c.receive(0.0, spec(1))
+    assert 1 not in c and len(c) == 0
+    c.refuse_held(1)
 
 
 def test_fail_all_concludes_only_open_rooms():

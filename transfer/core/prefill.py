@@ -407,15 +407,24 @@ class PrefillCore:
 
     # ------------------------------------------------------------- events
 
+    def refuse_held(self, room: int) -> None:
+        """ConfigError when a room of this number is held (received and not cleared yet)."""
+        if room in self._rooms:
+            raise ConfigError(f"room {room} is already being received; clear() it first")
+
     def receive(self, now: float, spec: RoomSpec) -> tuple[int, list]:
-        """A room the caller asks for; returns its token and the actions to start it."""
-        if spec.room in self._rooms:
-            raise ConfigError(f"room {spec.room} is already being received; clear() it first")
+        """A room the caller asks for; returns its token and the actions to start it. Refused (ConfigError)
+        while its number is held; a room that raises is not held."""
+        self.refuse_held(spec.room)
         self._tokens += 1
         state = _Room(spec, self._tokens, now + self.deadline_s)
         self._rooms[spec.room] = state
         self._push_deadline(state)
-        return state.token, self._route(now, state)
+        try:
+            return state.token, self._route(now, state)
+        except BaseException:
+            del self._rooms[spec.room]
+            raise
 
     def abandon(self, now: float, room: int, token: int) -> list:
         """The caller is about to clear the room: unless it succeeded, its encode rank is told to write nothing more."""

@@ -53,7 +53,7 @@ from transfer.core.prefill import (
     Warn,
 )
 from transfer.core.quarantine import Fate, fate_of
-from transfer.errors import ConfigError, UsageError
+from transfer.errors import UsageError
 from transfer.frames import UnreadableChecksum, WireError, parse_cancel_reply, parse_failure_reason, parse_status
 from transfer.metrics import Metrics
 from transfer.ports import PortSpec
@@ -245,16 +245,14 @@ class PrefillDriver:
                 raise UsageError("session manager is closed")
             if self.failure is not None:
                 raise UsageError(f"session manager's I/O thread stopped after an error: {self.failure}")
-            if room in self.rooms:
-                raise ConfigError(f"room {room} is already being received; clear() it first")
+            now = self.clock()
+            record.token, actions = self.core.receive(now, spec)  # refuses a room number held (nothing filed)
             self.rooms[room] = record
             self.table.start(room, TransferPoll.Bootstrapping)
-            now = self.clock()
             try:
-                record.token, actions = self.core.receive(now, spec)
                 verifies = self._carry(now, actions)
             except BaseException:  # the caller gets the error and no handle: leave nothing behind
-                self.core.clear(now, room)
+                self.core.clear(now, room, record.token)
                 del self.rooms[room]
                 self.table.clear(room)
                 raise
