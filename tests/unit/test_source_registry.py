@@ -66,3 +66,33 @@ def test_a_registration_not_yet_counted_is_not_taken_for_the_callers_own():
     assert sources.counts.counts() == {0x9000: 2}
     release()
     assert engine.regions == {0x9000: 256}
+
+
+def test_registries_on_one_engine_keep_a_shared_source_registered_until_the_last_lets_go():
+    # Two sender pools on one engine: the second finds the first's registration around its source.
+    # Taken for the caller's own, no room of the second would hold it, and the first's release would
+    # unregister it under the second's write.
+    engine = FakeEngine()
+    first, second = SourceRegistry(engine), SourceRegistry(engine)
+    release_first = first.hold(_io.Region(0x9000, 256))
+    release_second = second.hold(_io.Region(0x9040, 64))
+    assert release_second is not None and second.counts.counts() == {0x9000: 2}
+    release_first()
+    assert engine.regions == {0x9000: 256}
+    release_second()
+    assert engine.regions == {} and len(first.counts) == len(second.counts) == 0
+    other = SourceRegistry(FakeEngine())  # another engine's registrations are counted apart
+    assert other.counts is not first.counts
+
+
+def test_no_registry_on_the_engine_unregisters_memory_the_caller_registered():
+    engine = FakeEngine()
+    engine.regions[0x9000] = 256  # the caller's own registration
+    first, second = SourceRegistry(engine), SourceRegistry(engine)
+    assert first.hold(_io.Region(0x9000, 256)) is None and second.hold(_io.Region(0x9040, 64)) is None
+    release = first.hold(_io.Region(0x20000, 128))  # one of ours beside it
+    assert release is not None
+    release()
+    first.retry()
+    second.retry()
+    assert engine.regions == {0x9000: 256} and len(first.counts) == 0

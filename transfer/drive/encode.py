@@ -16,9 +16,10 @@ import math
 import select
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -147,21 +148,52 @@ class RoomBook:
         return sum(1 for room in rooms if self.table.get(room) is TransferPoll.WaitingForInput)
 
 
+@dataclass
+class _EngineSources:
+    """What every SourceRegistry on one engine shares: the counts, their lock, the registration under way."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    counts: SourceCounts = field(default_factory=SourceCounts)
+    registering: threading.Lock = field(default_factory=threading.Lock)  # taken by callers only, never by a driver
+    pending: int | None = None  # the base being registered and not yet counted
+
+
+# Engine -> the source registrations its sender pools share. Weakly keyed, and nothing in a
+# value refers to its engine, so an entry goes with its engine.
+_engine_sources: weakref.WeakKeyDictionary[Any, _EngineSources] = weakref.WeakKeyDictionary()
+_engine_sources_lock = threading.Lock()
+
+
+def _sources_of(engine: Any) -> _EngineSources:
+    """The counts every sender pool on `engine` shares; a set of its own for an engine that cannot be a weak key."""
+    with _engine_sources_lock:
+        try:
+            shared = _engine_sources.get(engine)
+            if shared is None:
+                shared = _engine_sources[engine] = _EngineSources()
+        except TypeError:  # not weakly referenceable or not hashable (None, in a test of the driver alone)
+            return _EngineSources()
+    return shared
+
+
 class SourceRegistry:
     """Registers source regions that lie outside registered memory, counted per registration.
 
     send() holds them on the caller's thread; the driver releases them once the core
-    says nothing reads them any more. `lock` guards the counts and is never held across
-    a registration (slow for a large region over RDMA): the driver's releases do not
-    wait for one. Callers register one region at a time, under `_registering`.
+    says nothing reads them any more. Every registry on one engine shares its counts:
+    a region registered for one pool's send stays registered while a room of any pool
+    on that engine reads it, and one the caller registered is never unregistered here.
+    `lock` guards the counts and is never held across a registration (slow for a large
+    region over RDMA): the drivers' releases do not wait for one. Callers register one
+    region at a time, under `_registering`.
     """
 
     def __init__(self, engine: TransferEngineLike) -> None:
         self.engine = engine
-        self.lock = threading.Lock()
-        self.counts = SourceCounts()
-        self._registering = threading.Lock()  # taken by callers only, never by the driver
-        self._pending: int | None = None  # the base being registered and not yet counted
+        self._shared = _sources_of(engine)
+        self.lock = self._shared.lock
+        self.counts = self._shared.counts
+        self._registering = self._shared.registering
 
     def hold(self, *regions: _io.Region | None) -> Callable[[], None] | None:
         """Holds each region's registration (registering it if needed); returns their release, or None.
@@ -202,8 +234,8 @@ class SourceRegistry:
         """
         with self.lock:
             registered = self.engine.registered()
-            if self._pending is not None:
-                registered.pop(self._pending, None)
+            if self._shared.pending is not None:
+                registered.pop(self._shared.pending, None)
             base = self.counts.base_for(region.addr, region.end, registered)
             if base is None:
                 return False, None
@@ -215,15 +247,15 @@ class SourceRegistry:
     def _register(self, region: _io.Region) -> int:
         """Registers `region` outside the lock and holds it (_registering held); returns its base."""
         with self.lock:
-            self._pending = region.addr
+            self._shared.pending = region.addr
         try:
             self.engine.register(region.tensor if region.tensor is not None else region.addr, region.nbytes)
         except BaseException:
             with self.lock:
-                self._pending = None
+                self._shared.pending = None
             raise
         with self.lock:
-            self._pending = None
+            self._shared.pending = None
             self.counts.hold(region.addr)
         return region.addr
 
