@@ -6,7 +6,7 @@ import threading
 import time
 
 import torch
-from live_helpers import HOST, LIVE, item_tensor
+from live_helpers import HOST, LIVE, bootstrap_server, item_tensor
 
 from transfer.drive.encode import RETRY_RELEASES_S
 from transfer.engine import Engine, EngineError
@@ -54,6 +54,32 @@ def test_a_room_is_served_while_another_send_is_registering_its_source(engines, 
     finally:
         monkeypatch.undo()
         encode.unregister(rows.data_ptr())
+
+
+def test_a_source_two_pools_on_one_engine_send_stays_registered_until_both_are_done(engines, server):
+    # The first pool registers the source; the second finds it registered. The first room's
+    # clear must not unregister it under the second room, whose receiver has not asked yet.
+    encode, prefill = engines
+    slots = torch.zeros(2, SPAN, HIDDEN, dtype=torch.bfloat16)
+    rows = item_tensor(1, SPAN, HIDDEN)  # not registered: the first send() registers it
+    with bootstrap_server(token=None) as other, \
+            SenderPool(encode, 0, 1, 1, server.address, host=HOST) as first, \
+            SenderPool(encode, 0, 1, 1, other.address, host=HOST) as second, \
+            SessionManager(prefill, 0, 1, 1, buffer=slots, host=HOST) as manager:
+        sent_first = first.send(1, rows)
+        sent_second = second.send(2, rows)
+        received = manager.receive(1, server.address, slots[0])
+        assert received.wait(10.0) == TransferPoll.Success, received.failure
+        received.clear()
+        sent_first.clear()
+        time.sleep(1.0)  # an idle pool's thread lets go of a cleared room's item within half a second
+        assert rows.data_ptr() in encode.registered(), "the first pool unregistered a source the second still sends"
+        received = manager.receive(2, other.address, slots[1])
+        assert received.wait(10.0) == TransferPoll.Success, received.failure
+        assert torch.equal(slots[1].view(torch.uint8), rows.view(torch.uint8))
+        received.clear()
+        sent_second.clear()
+    assert rows.data_ptr() not in encode.registered()  # both pools closed: nothing holds it
 
 
 class _SlowRegistrations:
