@@ -6,13 +6,16 @@ from __future__ import annotations
 import multiprocessing as mp
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
+import zmq
 from integrity_ranks import encode_process
 from live_helpers import LIVE
 
-from transfer.bootstrap import BootstrapServer
+from transfer.bootstrap import BootstrapClient, BootstrapServer
 from transfer.engine import Engine
 from transfer.harness import ItemSource
 from transfer.metrics import total
@@ -179,6 +182,19 @@ def test_a_pending_ready_event_holds_only_its_own_room(engine):
         assert _same(buf[0], item)
 
 
+@contextmanager
+def _silent_rank(bootstrap_addr: str) -> Iterator[None]:
+    """Encode rank 0 at `bootstrap_addr`: a ZMQ PULL that takes every ask and answers nothing."""
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    BootstrapClient(bootstrap_addr).register_rank(1, 1, "127.0.0.1", port, 0)
+    try:
+        yield
+    finally:
+        sock.close(0)
+
+
 def test_pooled_receives_lease_slots_fall_back_and_quarantine_failures(engine):
     from transfer.buffers import ReceivePool
     from transfer.sender import SenderPool
@@ -203,10 +219,12 @@ def test_pooled_receives_lease_slots_fall_back_and_quarantine_failures(engine):
         for handle in handles:
             handle.clear()
         assert slots.stats()["free"] == 2
-        # A room whose encode side never sends: Failed by the deadline, its slot quarantined.
-        lost = manager.receive(9, server.address, **geometry)
-        assert lost.wait(5) == TransferPoll.Failed and "within 1.5s" in lost.failure
-        lost.clear()
+        # A room whose encode rank takes its ask and never answers (nor the cancel that follows its
+        # deadline): Failed by the deadline, its slot quarantined.
+        with BootstrapServer("127.0.0.1", 0) as silent_server, _silent_rank(silent_server.address):
+            lost = manager.receive(9, silent_server.address, **geometry)
+            assert lost.wait(5) == TransferPoll.Failed and "within 1.5s" in lost.failure
+            lost.clear()
         assert slots.stats()["quarantined"] == 1
         assert total(manager.stats(), "epd_prefill_quarantined_slots") == 1
         assert total(manager.stats(), "epd_prefill_fallback_bytes") == 0
