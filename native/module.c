@@ -161,6 +161,12 @@ static PyObject *py_layer_frame(PyObject *self, PyObject *args)
     Py_buffer view;
     if (get_contiguous(data_o, &view, "layer_frame") < 0)
         return NULL;
+    if ((size_t)view.len > EPD_MAX_PAYLOAD - EPD_LAYER_HEADER) {
+        PyErr_Format(PyExc_ValueError, "layer_frame: %zd bytes of rows exceed a frame's %zu", view.len,
+                     EPD_MAX_PAYLOAD - EPD_LAYER_HEADER);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
     PyObject *out = PyBytes_FromStringAndSize(NULL, view.len + EPD_LAYER_HEADER);
     if (out != NULL) {
         unsigned char *w = (unsigned char *)PyBytes_AS_STRING(out);
@@ -206,21 +212,32 @@ static PyObject *py_write_frame(PyObject *self, PyObject *args)
 {
     (void)self;
     int fd;
-    unsigned int kind;
-    PyObject *parts_o;
+    PyObject *kind_o, *parts_o;
     double timeout;
-    if (!PyArg_ParseTuple(args, "iIOd:write_frame", &fd, &kind, &parts_o, &timeout))
+    if (!PyArg_ParseTuple(args, "iOOd:write_frame", &fd, &kind_o, &parts_o, &timeout))
         return NULL;
     if (timeout_arg(timeout, "write_frame") < 0)
         return NULL;
-    if (kind > 255) {
-        PyErr_Format(PyExc_ValueError, "frame kind must be in 0..255, got %u", kind);
+    PyObject *kind_index = PyNumber_Index(kind_o);
+    long kind = kind_index == NULL ? -1 : PyLong_AsLong(kind_index);
+    Py_XDECREF(kind_index);
+    if (kind < 0 || kind > 255) {
+        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_OverflowError) &&
+            !PyErr_ExceptionMatches(PyExc_TypeError))
+            return NULL;
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "frame kind must be an int in 0..255, got %R", kind_o);
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(parts_o, "write_frame needs a sequence of buffers");
+    if (!PySequence_Check(parts_o)) {
+        PyErr_SetString(PyExc_TypeError, "write_frame needs a sequence of buffers");
+        return NULL;
+    }
+    /* A tuple of its own: a part's buffer export may run Python code that changes a list given. */
+    PyObject *seq = PySequence_Tuple(parts_o);
     if (seq == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     Py_buffer *views = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof(Py_buffer));
     if (views == NULL) {
         Py_DECREF(seq);
@@ -229,13 +246,13 @@ static PyObject *py_write_frame(PyObject *self, PyObject *args)
     Py_ssize_t got = 0;
     int rc = 0;
     for (; got < n; got++) {
-        if (get_contiguous(PySequence_Fast_GET_ITEM(seq, got), &views[got], "write_frame") < 0) {
+        if (get_contiguous(PyTuple_GET_ITEM(seq, got), &views[got], "write_frame") < 0) {
             rc = -1;
             break;
         }
     }
     if (rc == 0)
-        rc = epd_write_frame(fd, kind, views, n, timeout);
+        rc = epd_write_frame(fd, (unsigned)kind, views, n, timeout);
     for (Py_ssize_t i = 0; i < got; i++)
         PyBuffer_Release(&views[i]);
     PyMem_Free(views);

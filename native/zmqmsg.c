@@ -43,6 +43,27 @@ static int bound(void)
     return 1;
 }
 
+/* Receives and drops what is left of a message whose parts so far were taken (libzmq queues a
+ * message's parts together, so they are all there): the next receive starts at the next message. */
+static void discard_rest(void *handle)
+{
+    for (;;) {
+        zmq_msg msg;
+        msg_init(&msg);
+        if (msg_recv(&msg, handle, ZMQ_DONTWAIT_) < 0) {
+            int err = zmq_errno_();
+            msg_close(&msg);
+            if (err == EINTR)
+                continue;
+            return;
+        }
+        int more = msg_more(&msg);
+        msg_close(&msg);
+        if (!more)
+            return;
+    }
+}
+
 PyObject *epd_zmq_bind(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -85,7 +106,7 @@ PyObject *epd_zmq_recv_parts(PyObject *self, PyObject *args)
         return NULL;
     PyObject *parts = NULL;
     unsigned long long total = 0, count = 0;
-    int over = 0;
+    int over = 0, more = 0;
     for (;;) {
         zmq_msg msg;
         msg_init(&msg);
@@ -100,7 +121,7 @@ PyObject *epd_zmq_recv_parts(PyObject *self, PyObject *args)
             return zmq_failed(err);
         }
         size_t size = msg_size(&msg);
-        int more = msg_more(&msg);
+        more = msg_more(&msg);
         total += size;
         count++;
         if ((max_bytes > 0 && total > (unsigned long long)max_bytes) ||
@@ -120,7 +141,7 @@ PyObject *epd_zmq_recv_parts(PyObject *self, PyObject *args)
             goto fail;
         if (parts == NULL && (parts = PyList_New(0)) == NULL) {
             Py_DECREF(part);
-            return NULL;
+            goto fail;
         }
         int appended = PyList_Append(parts, part);
         Py_DECREF(part);
@@ -129,8 +150,10 @@ PyObject *epd_zmq_recv_parts(PyObject *self, PyObject *args)
         if (!more)
             return parts;
     }
-fail:
+fail: /* out of memory: the error goes up, and the rest of the message with it */
     Py_XDECREF(parts);
+    if (more)
+        discard_rest(handle);
     return NULL;
 }
 

@@ -199,3 +199,62 @@ def test_concurrent_closes_stop_a_busy_listener_once():
                 pass  # one still in the backlog when the listening socket closed
             peer.close()
         assert _native.wire_listener_stats(lst)["active"] == 0
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="a Python class exports a buffer (__buffer__) from 3.12 on")
+@pytest.mark.parametrize("action", ["del parts[2:]", "parts.clear()"])
+def test_write_frame_writes_the_parts_it_was_given_when_a_buffer_export_changes_the_list(action):
+    done = run_isolated(f"""
+        import os
+        from transfer import _native
+
+        class Shrinking:
+            def __buffer__(self, flags):
+                {action}
+                return memoryview(b"evil")
+
+        parts = [b"a", Shrinking()] + [b"x" * 10] * 8
+        r, w = os.pipe()
+        _native.write_frame(w, 1, parts, 1.0)
+        os.close(w)
+        print(len(os.read(r, 1 << 16)))
+    """)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
+    assert done.stdout.split() == [str(5 + 1 + 4 + 80).encode()]  # header, b"a", the export, 8 x 10 bytes
+
+
+@pytest.mark.parametrize("kind", [-1, 256, (1 << 32) + 3, 1 << 70, 2.0, "3"])
+def test_write_frame_refuses_a_kind_outside_a_byte_and_writes_nothing(kind):
+    r, w = os.pipe()
+    try:
+        with pytest.raises(ValueError, match=r"^frame kind must be an int in 0\.\.255, got "):
+            _native.write_frame(w, kind, (b"hi",), 1.0)
+        os.set_blocking(r, False)
+        with pytest.raises(BlockingIOError):
+            os.read(r, 16)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_write_frame_takes_a_kind_given_as_any_integer():
+    import numpy as np
+
+    r, w = os.pipe()
+    try:
+        _native.write_frame(w, np.uint8(3), [b"hi"], 1.0)
+        assert os.read(r, 16) == b"\x03\x00\x00\x00\x03hi"  # kind, then the little-endian length
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_layer_frame_refuses_rows_beyond_a_frame_before_allocating():
+    base = ctypes.create_string_buffer(16)
+    huge = (ctypes.c_char * (1 << 40)).from_address(ctypes.addressof(base))  # a length, never read
+    with pytest.raises(ValueError, match=r"^layer_frame: 1099511627776 bytes of rows exceed a frame's "):
+        _native.layer_frame(0, 1, huge)
+    limit = _native.MAX_PAYLOAD - 16
+    over = (ctypes.c_char * (limit + 1)).from_address(ctypes.addressof(base))
+    with pytest.raises(ValueError, match=rf"^layer_frame: {limit + 1} bytes of rows exceed a frame's {limit}$"):
+        _native.layer_frame(0, 1, over)
