@@ -5,6 +5,7 @@ import logging
 from transfer import errors
 from transfer.errors import (
     BootstrapError,
+    BootstrapNoRoute,
     BootstrapUnreachable,
     ConfigError,
     ConfigTypeError,

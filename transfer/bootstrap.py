@@ -1,7 +1,9 @@
 """The HTTP bootstrap rendezvous on the encode node, and its client (SPEC.md sections 5 and 8).
 
 Encode ranks `PUT /route` their ZMQ endpoint; prefill ranks `GET /route` the
-encode side's parallel sizes and then one encode rank's endpoint.
+encode side's parallel sizes and then one encode rank's endpoint. Ours adds
+`DELETE /route` (docs/protocol.md section 8): an encode rank whose sender pool
+closes withdraws its endpoint, so prefill ranks stop being sent to it.
 
 Decisions the spec leaves open, documented here:
 - The first accepted PUT fixes world_size and dp_size; a later PUT with other
@@ -14,6 +16,9 @@ Decisions the spec leaves open, documented here:
 - A PUT for a (dp_group, tp_rank) already present replaces it, so a restarted
   encode rank can re-register; configure a token to keep strangers out. Every
   registration is logged at INFO, and one that replaces another endpoint at WARNING.
+- A DELETE takes the PUT's body, checks and token, and removes the entry only
+  while it still maps to the body's endpoint: a rank restarted at another one
+  keeps its route whenever its predecessor's pool closes. The sizes stay fixed.
 - The route lookup is `table[target_dp_group][engine_rank]`, i.e. engine_rank
   is read as the tp rank inside the group, as the peers' servers do.
 - Success bodies are JSON (application/json); errors and /health are short
@@ -40,7 +45,7 @@ from urllib.parse import SplitResult, parse_qs, urlsplit
 
 from transfer._http import BoundedHTTPServer, DeadlineReader, OneDeadlineHandler
 from transfer.config import check_seconds
-from transfer.errors import BootstrapError, BootstrapUnreachable, ConfigError
+from transfer.errors import BootstrapError, BootstrapNoRoute, BootstrapUnreachable, ConfigError
 from transfer.frames import shown
 from transfer.ports import PortSpec, bind_port
 
@@ -89,14 +94,37 @@ class _RouteTable:
         with self._lock:
             if self.world_size is None:
                 self.world_size, self.dp_size = world_size, dp_size
-            elif (self.world_size, self.dp_size) != (world_size, dp_size):
-                raise _RequestError(
-                    409, f"world_size/dp_size mismatch: this server has world_size="
-                         f"{self.world_size} dp_size={self.dp_size}, the PUT says "
-                         f"world_size={world_size} dp_size={dp_size}")
+            self._check_sizes("PUT", world_size, dp_size)
             previous = self._routes.get(key)
             self._routes[key] = (rank_ip, rank_port)
         return key, previous
+
+    def remove(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
+               engine_rank: int) -> tuple[tuple[int, int], tuple[str, int] | None, bool]:
+        """Forgets one rank's endpoint, only while its entry still maps to (rank_ip, rank_port).
+
+        Returns its (dp_group, tp_rank), the endpoint the entry holds afterwards (None for
+        none) and whether it was removed. The sizes stay as the first PUT fixed them: other
+        sizes are a 409, as for a PUT; before any PUT there is nothing to remove.
+        """
+        group_size = world_size // dp_size
+        key = (engine_rank // group_size, engine_rank % group_size)
+        with self._lock:
+            if self.world_size is not None:
+                self._check_sizes("DELETE", world_size, dp_size)
+            current = self._routes.get(key)
+            if current != (rank_ip, rank_port):
+                return key, current, False
+            del self._routes[key]
+        return key, None, True
+
+    def _check_sizes(self, method: str, world_size: int, dp_size: int) -> None:
+        """409 when a request's sizes are not the ones the first PUT fixed (lock held, sizes set)."""
+        if (self.world_size, self.dp_size) != (world_size, dp_size):
+            raise _RequestError(
+                409, f"world_size/dp_size mismatch: this server has world_size="
+                     f"{self.world_size} dp_size={self.dp_size}, the {method} says "
+                     f"world_size={world_size} dp_size={dp_size}")
 
     def sizes(self) -> tuple[int | None, int | None]:
         """(world_size, dp_size), None before any registration."""
@@ -128,7 +156,7 @@ def _field_int(body: dict, name: str, low: int, high: int | None = None) -> int:
 
 
 def _parse_registration(raw: bytes) -> tuple[int, int, str, int, int]:
-    """Validate a PUT /route body; returns (world_size, dp_size, ip, port, engine_rank)."""
+    """Validate a PUT (or DELETE) /route body; returns (world_size, dp_size, ip, port, engine_rank)."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError):  # deep nesting exhausts the parser's stack
@@ -216,18 +244,44 @@ class _Handler(OneDeadlineHandler):
     def do_PUT(self) -> None:
         """PUT /route: one encode rank registers its endpoint."""
         try:
-            path = self._target().path
-            if path != "/route":
-                self.close_connection = True  # the body stays unread
-                raise _RequestError(404, f"no such path {path}")
-            self._authorize()
-            raw = self._read_body()
-            world_size, dp_size, rank_ip, rank_port, engine_rank = _parse_registration(raw)
+            world_size, dp_size, rank_ip, rank_port, engine_rank = self._route_body()
             key, previous = self.server.table.claim(world_size, dp_size, rank_ip, rank_port, engine_rank)
             self._json(200, {"status": "OK", "dp_group": key[0], "tp_rank": key[1]})
             self._log_registration(engine_rank, key, (rank_ip, rank_port), previous)
         except _RequestError as error:
             self._text(error.status, error.text)
+
+    def do_DELETE(self) -> None:
+        """DELETE /route (ours): one encode rank withdraws its endpoint, if its route still leads there."""
+        try:
+            world_size, dp_size, rank_ip, rank_port, engine_rank = self._route_body()
+            key, current, removed = self.server.table.remove(world_size, dp_size, rank_ip, rank_port, engine_rank)
+            self._json(200, {"status": "OK", "removed": removed})
+            self._log_unregistration(engine_rank, key, (rank_ip, rank_port), current, removed)
+        except _RequestError as error:
+            self._text(error.status, error.text)
+
+    def _route_body(self) -> tuple[int, int, str, int, int]:
+        """A PUT's or DELETE's path, token and body checked; (world_size, dp_size, ip, port, engine_rank)."""
+        path = self._target().path
+        if path != "/route":
+            self.close_connection = True  # the body stays unread
+            raise _RequestError(404, f"no such path {path}")
+        self._authorize()
+        return _parse_registration(self._read_body())
+
+    def _log_unregistration(self, engine_rank: int, key: tuple[int, int], endpoint: tuple[str, int],
+                            current: tuple[str, int] | None, removed: bool) -> None:
+        """INFO for a route removed; DEBUG for one kept because it leads elsewhere (or nowhere) now."""
+        where = f"{endpoint[0]}:{endpoint[1]}"
+        rank = f"encode rank {engine_rank} (dp group {key[0]}, tp rank {key[1]})"
+        if removed:
+            log.info("bootstrap %s: %s unregistered from %s (%d rank(s) known)", self.server.address_text, rank,
+                     where, len(self.server.table))
+            return
+        now = "none" if current is None else f"{current[0]}:{current[1]}"
+        log.debug("bootstrap %s: %s asked to unregister %s, which is not its route (%s): kept",
+                  self.server.address_text, rank, where, now)
 
     def _log_registration(self, engine_rank: int, key: tuple[int, int], endpoint: tuple[str, int],
                           previous: tuple[str, int] | None) -> None:
@@ -252,7 +306,7 @@ class _Handler(OneDeadlineHandler):
         expected = f"Bearer {token}"
         if not hmac.compare_digest(given.encode(), expected.encode()):
             self.close_connection = True  # the body stays unread
-            raise _RequestError(401, "PUT /route needs Authorization: Bearer <token>")
+            raise _RequestError(401, f"{self.command} /route needs Authorization: Bearer <token>")
 
     def _read_body(self) -> bytes:
         """Read a Content-Length body of at most MAX_BODY bytes (413 beyond, before reading; 400 when
@@ -263,7 +317,7 @@ class _Handler(OneDeadlineHandler):
         if length_text is None or not _DIGITS.match(text):
             self.close_connection = True
             raise _RequestError(411 if length_text is None else 400,
-                                "PUT /route needs a Content-Length body")
+                                f"{self.command} /route needs a Content-Length body")
         # Its length first: int() refuses thousands of digits.
         if len(text) > 18 or int(text) > MAX_BODY:
             self.close_connection = True
@@ -369,6 +423,17 @@ def _registered(raw: bytes) -> bool:
     return isinstance(value, dict) and value.get("status") == "OK"
 
 
+def _unregistered(raw: bytes) -> bool | None:
+    """`removed` of our server's answer to DELETE /route, or None when the body is not that answer."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
+        return None
+    if not isinstance(value, dict) or value.get("status") != "OK" or not isinstance(value.get("removed"), bool):
+        return None
+    return value["removed"]
+
+
 def _positive_int(value: object) -> TypeGuard[int]:
     """Whether a JSON value is an int (not a bool) above 0."""
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
@@ -464,12 +529,7 @@ class BootstrapClient:
         Only a bootstrap server's answer registers: 200 with our server's JSON (`"status": "OK"`),
         a peer's plain `OK`, or an empty body. Any other 200, a redirect or a 4xx is a BootstrapError at once.
         """
-        body = json.dumps({"role": ROLE, "world_size": world_size, "dp_size": dp_size,
-                           "rank_ip": rank_ip, "rank_port": rank_port,
-                           "engine_rank": engine_rank}).encode()
-        headers = {"Content-Type": "application/json"}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
+        body, headers = self._route_request(world_size, dp_size, rank_ip, rank_port, engine_rank)
         deadline = time.monotonic() + retry_for
         delay = 0.05
         while True:
@@ -502,6 +562,44 @@ class BootstrapClient:
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 0.5)
 
+    def unregister_rank(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
+                        engine_rank: int, timeout: float = 1.0) -> bool:
+        """DELETE this encode rank's route (ours, docs/protocol.md section 8): one attempt within `timeout`
+        seconds (at most 1e6).
+
+        True when the server removed it; False when it kept it because the route leads to
+        another endpoint now (a rank restarted there) or to none. BootstrapUnreachable
+        without an answer; BootstrapError for any other answer (a peer's server, which has
+        no DELETE, answers 404, 405 or 501).
+        """
+        timeout = check_seconds("timeout", timeout)
+        body, headers = self._route_request(world_size, dp_size, rank_ip, rank_port, engine_rank)
+        try:
+            status, raw = self._request("DELETE", "/route", body, headers, timeout=timeout)
+        except (OSError, http.client.HTTPException) as error:
+            raise BootstrapUnreachable(f"bootstrap server {self.address} unreachable to unregister encode rank "
+                                       f"{engine_rank}: {shown(str(error)) or type(error).__name__}") from error
+        text = shown(raw.decode("utf-8", "replace"))
+        if status != 200:
+            raise BootstrapError(f"bootstrap server {self.address} did not unregister encode rank {engine_rank}: "
+                                 f"HTTP {status}: {text}")
+        removed = _unregistered(raw)
+        if removed is None:
+            raise BootstrapError(f"{self.address} answered encode rank {engine_rank}'s unregistration with HTTP 200 "
+                                 f"and {text!r}, which no bootstrap server of ours answers")
+        return removed
+
+    def _route_request(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
+                       engine_rank: int) -> tuple[bytes, dict[str, str]]:
+        """The body and headers of a PUT or DELETE /route for one encode rank (the token's header with a token)."""
+        body = json.dumps({"role": ROLE, "world_size": world_size, "dp_size": dp_size,
+                           "rank_ip": rank_ip, "rank_port": rank_port,
+                           "engine_rank": engine_rank}).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        return body, headers
+
     def parallel_info(self) -> tuple[int, int]:
         """(world_size, dp_size) of the encode side; one bounded attempt (BootstrapError if none)."""
         status, value = self._get_json("/route?engine_rank=-1&target_dp_group=-1", "parallel info")
@@ -521,12 +619,13 @@ class BootstrapClient:
         return world_size, dp_size
 
     def route(self, engine_rank: int, dp_group: int) -> tuple[str, int]:
-        """(ip, port) of encode rank engine_rank in dp_group; one bounded attempt (BootstrapError if none)."""
+        """(ip, port) of encode rank engine_rank in dp_group; one bounded attempt (BootstrapError if none,
+        BootstrapNoRoute when the server answered that it has none)."""
         path = f"/route?engine_rank={int(engine_rank)}&target_dp_group={int(dp_group)}"
         status, value = self._get_json(path, f"encode rank {engine_rank}")
         if status == 404:
-            raise BootstrapError(f"no route for encode rank {engine_rank} in dp group "
-                                 f"{dp_group} at {self.address}")
+            raise BootstrapNoRoute(f"no route for encode rank {engine_rank} in dp group "
+                                   f"{dp_group} at {self.address}")
         if status != 200:
             raise BootstrapError(f"bootstrap server {self.address} answered HTTP {status} "
                                  f"for encode rank {engine_rank}: {value}")

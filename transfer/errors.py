@@ -12,6 +12,7 @@ from __future__ import annotations
 
 __all__ = [
     "BootstrapError",
+    "BootstrapNoRoute",
     "BootstrapUnreachable",
     "ConfigError",
     "ConfigTypeError",
@@ -56,6 +57,10 @@ class BootstrapError(TransferError, RuntimeError):
 
 class BootstrapUnreachable(BootstrapError):
     """No answer from the bootstrap server at all (refused, reset or timed out)."""
+
+
+class BootstrapNoRoute(BootstrapError):
+    """The bootstrap server answered that no encode rank is registered under the route asked for (HTTP 404)."""
 
 
 class UsageError(TransferError, RuntimeError):

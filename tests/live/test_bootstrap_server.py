@@ -491,3 +491,76 @@ def test_a_closed_server_warns_of_nothing_when_dropped(recwarn):
     del server
     gc.collect()
     assert not [w for w in recwarn if issubclass(w.category, ResourceWarning)]
+
+
+# ------------------------------------------------------------------ DELETE /route (ours)
+
+
+def _delete(server: BootstrapServer, payload: dict | bytes, token: str | None = None) -> tuple[int, str]:
+    """DELETE /route with a PUT's JSON body."""
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    status, _, text = _http("DELETE", f"http://{server.address}/route", body, headers)
+    return status, text
+
+
+def test_delete_removes_a_route_that_still_leads_to_its_endpoint(server, caplog):
+    caplog.set_level(logging.INFO, logger="transfer.bootstrap")
+    _put(server, _registration(0, port=1111))
+    _put(server, _registration(1, port=1112))
+    status, text = _delete(server, _registration(0, port=1111))
+    assert (status, json.loads(text)) == (200, {"status": "OK", "removed": True})
+    assert _get(server, "engine_rank=0&target_dp_group=0")[0] == 404
+    assert json.loads(_get(server, "engine_rank=1&target_dp_group=0")[2])["rank_port"] == 1112
+    assert json.loads(_get(server, "engine_rank=-1&target_dp_group=-1")[2]) == {"prefill_tp_size": 4,
+                                                                              "prefill_dp_size": 2}
+    assert any("encode rank 0 (dp group 0, tp rank 0) unregistered from 10.0.0.1:1111" in r.getMessage()
+               and r.levelno == logging.INFO for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert json.loads(_delete(server, _registration(0, port=1111))[1]) == {"status": "OK", "removed": False}
+
+
+def test_delete_from_an_endpoint_the_route_no_longer_leads_to_keeps_it(server):
+    _put(server, _registration(0, port=1111))
+    _put(server, _registration(0, port=2222))  # its successor, at another port
+    status, text = _delete(server, _registration(0, port=1111))
+    assert (status, json.loads(text)) == (200, {"status": "OK", "removed": False})
+    assert json.loads(_get(server, "engine_rank=0&target_dp_group=0")[2])["rank_port"] == 2222
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    (b"{not json", 400, "not valid JSON"),
+    (json.dumps({**_registration(0), "role": "Decode"}).encode(), 400, "role"),
+    (json.dumps({**_registration(0), "rank_port": 70000}).encode(), 400, "rank_port out of range"),
+    (json.dumps(_registration(0, world_size=8, dp_size=2)).encode(), 409, "the DELETE says world_size=8"),
+])
+def test_a_bad_delete_is_refused_as_a_bad_put_is_and_removes_nothing(server, body, status, needle):
+    _put(server, _registration(0))
+    answer = _delete(server, body)
+    assert answer[0] == status and needle in answer[1], answer
+    assert _get(server, "engine_rank=0&target_dp_group=0")[0] == 200
+
+
+def test_the_token_guards_delete_as_it_guards_put():
+    with BootstrapServer("127.0.0.1", 0, token="s3cret") as srv:
+        assert _put(srv, _registration(0), token="s3cret")[0] == 200
+        status, text = _delete(srv, _registration(0))
+        assert status == 401 and text == "DELETE /route needs Authorization: Bearer <token>"
+        assert _delete(srv, _registration(0), token="wrong")[0] == 401
+        assert _get(srv, "engine_rank=0&target_dp_group=0")[0] == 200
+        assert json.loads(_delete(srv, _registration(0), token="s3cret")[1])["removed"] is True
+        assert _get(srv, "engine_rank=0&target_dp_group=0")[0] == 404
+
+
+def test_client_unregisters_and_a_server_without_delete_is_a_bootstrap_error(server):
+    client = BootstrapClient(server.address)
+    client.register_rank(2, 1, "10.0.0.9", 5555, 1, retry_for=5)
+    assert client.unregister_rank(2, 1, "10.0.0.9", 5555, 1) is True
+    assert client.unregister_rank(2, 1, "10.0.0.9", 5555, 1) is False
+    with pytest.raises(BootstrapError, match="no route for encode rank 1 in dp group 0"):
+        client.route(1, 0)
+    # A peer's server knows no DELETE: aiohttp's and FastAPI's answer 405.
+    with _answering(b"HTTP/1.0 405 Method Not Allowed\r\nContent-Length: 18\r\n\r\nMethod Not Allowed") as address:
+        with pytest.raises(BootstrapError, match="HTTP 405: Method Not Allowed"):
+            BootstrapClient(address).unregister_rank(2, 1, "10.0.0.9", 5555, 1)

@@ -1,11 +1,14 @@
-"""The bootstrap client refuses a malformed address or a timeout that bounds nothing before any I/O."""
+"""The bootstrap client refuses a malformed address or a timeout that bounds nothing before any I/O; the route
+table's DELETE rule and the client's DELETE and 404 (the HTTP round trip: tests/live/test_bootstrap_server.py)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from transfer.bootstrap import BootstrapClient
-from transfer.errors import ConfigError, ConfigTypeError
+from transfer.bootstrap import BootstrapClient, _RequestError, _RouteTable
+from transfer.errors import BootstrapError, BootstrapNoRoute, BootstrapUnreachable, ConfigError, ConfigTypeError
 
 
 def test_bad_address_is_rejected():
@@ -24,3 +27,101 @@ def test_a_client_timeout_that_bounds_nothing_is_refused(timeout):
 def test_wait_ready_refuses_a_timeout_that_bounds_nothing_before_asking(timeout, error):
     with pytest.raises(error, match=r"^timeout=.* is not a non-negative number of seconds"):
         BootstrapClient("127.0.0.1:8998").wait_ready(timeout)
+
+
+# ------------------------------------------------------------------ DELETE /route (ours)
+
+
+def _registered(table: _RouteTable, port: int, engine_rank: int = 0, world_size: int = 2) -> tuple[int, int]:
+    return table.put(world_size, 1, "10.0.0.1", port, engine_rank)
+
+
+def test_a_route_is_removed_only_while_it_still_leads_to_the_endpoint_that_withdraws_it():
+    table = _RouteTable()
+    _registered(table, 7000)
+    assert table.remove(2, 1, "10.0.0.1", 7000, 0) == ((0, 0), None, True)
+    assert table.get(0, 0) is None and len(table) == 0
+    assert table.remove(2, 1, "10.0.0.1", 7000, 0) == ((0, 0), None, False), "a second DELETE removes nothing"
+
+
+def test_a_dropped_pools_delete_after_its_successor_registered_leaves_the_successors_route():
+    table = _RouteTable()
+    _registered(table, 7000)
+    _registered(table, 7001)  # the rank restarted at another port
+    assert table.remove(2, 1, "10.0.0.1", 7000, 0) == ((0, 0), ("10.0.0.1", 7001), False)
+    assert table.remove(2, 1, "10.0.0.2", 7001, 0)[2] is False, "another host at the same port is another endpoint"
+    assert table.get(0, 0) == ("10.0.0.1", 7001)
+
+
+def test_a_delete_removes_its_own_rank_only():
+    table = _RouteTable()
+    _registered(table, 7000, engine_rank=0)
+    _registered(table, 7001, engine_rank=1)
+    assert table.remove(2, 1, "10.0.0.1", 7001, 1) == ((0, 1), None, True)
+    assert table.get(0, 0) == ("10.0.0.1", 7000) and table.get(1, 0) is None
+
+
+def test_the_sizes_stay_fixed_once_set_whatever_is_removed():
+    table = _RouteTable()
+    assert table.remove(2, 1, "10.0.0.1", 7000, 0) == ((0, 0), None, False)
+    assert table.sizes() == (None, None), "a DELETE before any PUT fixes nothing"
+    _registered(table, 7000)
+    with pytest.raises(_RequestError) as refused:
+        table.remove(4, 2, "10.0.0.1", 7000, 0)
+    assert refused.value.status == 409 and "the DELETE says world_size=4 dp_size=2" in refused.value.text
+    assert table.get(0, 0) == ("10.0.0.1", 7000), "a refused DELETE removes nothing"
+    assert table.remove(2, 1, "10.0.0.1", 7000, 0)[2] is True
+    assert table.sizes() == (2, 1), "the last route gone, the sizes stay"
+    with pytest.raises(_RequestError) as refused:
+        table.put(4, 2, "10.0.0.1", 7000, 0)
+    assert refused.value.status == 409
+
+
+def _replying(status: int, raw: bytes, sent: list | None = None) -> BootstrapClient:
+    client = BootstrapClient("127.0.0.1:1", token="t0k")
+
+    def request(method, path, body=None, headers=None, timeout=None):
+        if sent is not None:
+            sent.append((method, path, json.loads(body), headers, timeout))
+        return status, raw
+    client._request = request
+    return client
+
+
+def test_unregister_rank_sends_the_puts_body_with_the_token_once_within_its_timeout():
+    sent: list = []
+    assert _replying(200, b'{"status": "OK", "removed": true}', sent).unregister_rank(4, 2, "10.0.0.9", 7000, 3) is True
+    [(method, path, body, headers, timeout)] = sent
+    assert (method, path, timeout) == ("DELETE", "/route", 1.0)
+    assert body == {"role": "Prefill", "world_size": 4, "dp_size": 2, "rank_ip": "10.0.0.9", "rank_port": 7000,
+                    "engine_rank": 3}
+    assert headers["Authorization"] == "Bearer t0k"
+    assert _replying(200, b'{"status": "OK", "removed": false}').unregister_rank(4, 2, "10.0.0.9", 7000, 3,
+                                                                                 timeout=0.5) is False
+
+
+@pytest.mark.parametrize("status, raw", [(404, b"no such path"), (405, b"Method Not Allowed"),
+                                         (501, b"Unsupported method ('DELETE')"), (401, b"needs a token"),
+                                         (200, b"OK"), (200, b'{"status": "OK"}'), (200, b"<html>")])
+def test_unregister_rank_raises_bootstrap_error_for_any_other_answer(status, raw):
+    with pytest.raises(BootstrapError, match=f"HTTP {status}") as raised:
+        _replying(status, raw).unregister_rank(1, 1, "10.0.0.9", 7000, 0)
+    assert not isinstance(raised.value, BootstrapUnreachable)
+
+
+def test_unregister_rank_without_an_answer_is_unreachable():
+    client = BootstrapClient("127.0.0.1:1")
+
+    def refuse(*args, **kwargs):
+        raise ConnectionRefusedError(111, "Connection refused")
+    client._request = refuse
+    with pytest.raises(BootstrapUnreachable, match="unreachable to unregister encode rank 0"):
+        client.unregister_rank(1, 1, "10.0.0.9", 7000, 0)
+
+
+def test_a_404_for_a_route_is_bootstrap_no_route():
+    with pytest.raises(BootstrapNoRoute, match="no route for encode rank 1 in dp group 0 at 127.0.0.1:1"):
+        _replying(404, b"no route for encode rank 1 in dp group 0").route(1, 0)
+    with pytest.raises(BootstrapError) as other:
+        _replying(500, b"boom").route(1, 0)
+    assert not isinstance(other.value, BootstrapNoRoute)

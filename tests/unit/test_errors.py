@@ -19,6 +19,7 @@ KINDS = [
     (errors.EngineUnavailable, RuntimeError),
     (errors.BootstrapError, RuntimeError),
     (errors.BootstrapUnreachable, RuntimeError),
+    (errors.BootstrapNoRoute, RuntimeError),
     (errors.SlotError, RuntimeError),
     (errors.FallbackLimitError, RuntimeError),
     (wire.FrameError, OSError),
