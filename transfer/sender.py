@@ -14,6 +14,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from transfer import _io, config
@@ -57,6 +58,9 @@ DEAD_SESSION_MAX_S = _breaker.MAX_PAUSE_S
 
 #: What close() waits past the driver's own CLOSE_WAIT_S for it to fail its rooms and close.
 CLOSE_GRACE_S = 1.0
+
+#: How long close() gives the bootstrap server to drop this rank's route (one attempt).
+UNREGISTER_TIMEOUT_S = 1.0
 
 
 class SendHandle(_io.RoomHandle[RoomState]):
@@ -166,7 +170,8 @@ class SenderPool:
         self.metrics.counter_fn("statuses_dropped_total", lambda: driver.statuses.dropped)
         self.metrics.gauge_fn("parked_rooms", self._book.parked)
         self._driver.start()
-        self._dropped = weakref.finalize(self, _close_dropped, self._book, self._driver, engine_rank, self.port)
+        self._route = _Route(bootstrap_addr, token, tp_size, dp_size, self.host, self.port, engine_rank)
+        self._dropped = weakref.finalize(self, _close_dropped, self._book, self._driver, self._route)
         self._dropped.atexit = False  # at exit the daemon threads go with the process
         try:
             BootstrapClient(bootstrap_addr, token=token).register_rank(
@@ -310,16 +315,20 @@ class SenderPool:
         return self.metrics.snapshot()
 
     def close(self) -> None:
-        """Fails rooms still in flight and parked asks, joins the thread, closes sockets, drops temporary registrations.
+        """Withdraws this rank's route from the bootstrap server, fails rooms still in flight and parked asks,
+        joins the thread, closes sockets, drops temporary registrations.
 
-        Writes already submitted are waited for first, at most CLOSE_WAIT_S, so no source
-        is released while the engine may still read it; once the thread stopped, the pool
-        holds no item's source, its room cleared or not. A driver still stuck past that
-        (inside an engine call) is left to finish alone: its rooms fail here, and it
-        closes its own sockets and registrations if it ever returns.
+        The route goes first (at most UNREGISTER_TIMEOUT_S; a server that does not answer, or
+        a peer's that knows no DELETE, leaves it listed, which is logged), so prefill ranks
+        stop being sent here before the socket closes. Writes already submitted are waited
+        for first, at most CLOSE_WAIT_S, so no source is released while the engine may still
+        read it; once the thread stopped, the pool holds no item's source, its room cleared
+        or not. A driver still stuck past that (inside an engine call) is left to finish
+        alone: its rooms fail here, and it closes its own sockets and registrations if it
+        ever returns.
         """
         self._dropped.detach()
-        _close(self._book, self._driver, self.engine_rank)
+        _close(self._book, self._driver, self._route)
 
     def __enter__(self) -> SenderPool:
         return self
@@ -328,12 +337,42 @@ class SenderPool:
         self.close()
 
 
-def _close(book: RoomBook, driver: EncodeDriver, engine_rank: int) -> None:
-    """Closes a sender pool's driver (see SenderPool.close)."""
+@dataclass(frozen=True)
+class _Route:
+    """Where an encode rank registered, with what: what its close asks the bootstrap server to forget."""
+
+    bootstrap_addr: str
+    token: str | None
+    world_size: int
+    dp_size: int
+    host: str
+    port: int
+    engine_rank: int
+
+    def unregister(self) -> None:
+        """DELETE /route for this rank, once, within UNREGISTER_TIMEOUT_S; logs what came of it, never raises."""
+        try:
+            client = BootstrapClient(self.bootstrap_addr, timeout=UNREGISTER_TIMEOUT_S, token=self.token)
+            removed = client.unregister_rank(self.world_size, self.dp_size, self.host, self.port, self.engine_rank,
+                                             timeout=UNREGISTER_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - best effort: closing goes on whatever the server did
+            log.info("sender pool of encode rank %d: its route to %s:%d may stay listed at bootstrap %s (prefill "
+                     "ranks sent there wait out their deadlines): %s", self.engine_rank, self.host, self.port,
+                     self.bootstrap_addr, exc)
+            return
+        log.debug("sender pool of encode rank %d: bootstrap %s %s its route to %s:%d", self.engine_rank,
+                  self.bootstrap_addr, "dropped" if removed else "kept another endpoint (or none) as", self.host,
+                  self.port)
+
+
+def _close(book: RoomBook, driver: EncodeDriver, route: _Route) -> None:
+    """Closes a sender pool's driver, its route withdrawn first (see SenderPool.close)."""
+    engine_rank = route.engine_rank
     with book.lock:  # send() publishes items under it: none slips in after this
         first = not book.closed
         book.closed = book.stopping = True
     if first:
+        route.unregister()
         driver.stop()
     thread = driver.thread
     # A later close() waits as long as the first: its caller may close the engine next.
@@ -346,12 +385,13 @@ def _close(book: RoomBook, driver: EncodeDriver, engine_rank: int) -> None:
         book.fail_open(Failure(FailureKind.CLOSED, "sender pool closed"), time.monotonic())
 
 
-def _close_dropped(book: RoomBook, driver: EncodeDriver, engine_rank: int, port: int) -> None:
+def _close_dropped(book: RoomBook, driver: EncodeDriver, route: _Route) -> None:
     """A SenderPool was dropped without close(): says so, and closes it on a thread of its own
     (the collection may run on any thread, the pool's own too, which closing joins)."""
-    warnings.warn(f"sender pool of encode rank {engine_rank} (port {port}) was dropped without close(): closing it",
-                  ResourceWarning)
-    threading.Thread(target=_close, args=(book, driver, engine_rank), name=f"epd-encode-{engine_rank}-close",
+    engine_rank = route.engine_rank
+    warnings.warn(f"sender pool of encode rank {engine_rank} (port {route.port}) was dropped without close(): "
+                  f"closing it", ResourceWarning)
+    threading.Thread(target=_close, args=(book, driver, route), name=f"epd-encode-{engine_rank}-close",
                      daemon=True).start()
 
 
