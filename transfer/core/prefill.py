@@ -5,7 +5,9 @@ driver (transfer.drive.prefill) carries out the actions in the order they come:
 look a route up, announce a region, send an ask, verify a checksum, conclude a room,
 drop a connection. The rules kept here: bootstrap look-ups are cached and shared by
 the rooms that wait on them, a server that failed slowly is not asked again for a
-while, a region is announced before the first ask that lands in it, asks wait in
+while, a route the server no longer has fails the rooms that could only be served
+through it at once (`route_missing`; a dropped connection has the routes of the rooms
+asked on it looked up), a region is announced before the first ask that lands in it, asks wait in
 order while their encode rank's socket cannot take them, statuses move rooms
 (Failed sticky, a wrong encode rank ignored), and a room concludes once, at the
 latest at its deadline (a Success its encode rank then says Failed is overturned).
@@ -26,6 +28,7 @@ not take the earlier ask's status for its own (see `_ask`).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -345,6 +348,7 @@ class PrefillCore:
         self._parallel: dict[str, tuple[int, int]] = {}
         self._routes: dict[RouteKey, Address] = {}
         self._resolved: dict[RouteKey, Address] = {}  # where each route was last found, kept when forgotten
+        self._gone: dict[RouteKey, Address] = {}  # routes the server no longer has: where each was last found
         self._probes: dict[RouteKey, Address] = {}  # routes looked up again: where their queued asks wait
         self._probed_at: dict[Address, float] = {}  # when the routes of asks waiting there were looked up again
         self._awaiting_parallel: dict[str, list[_Room]] = {}
@@ -521,6 +525,7 @@ class PrefillCore:
         that waited at another address for it (`_recheck`) move there, in their order. The connection
         to the address it was found at before is closed at once if nothing needs it (`_retire`)."""
         remember(self._routes, key, addr, MAX_ROUTES)
+        self._gone.pop(key, None)
         before = self._resolved.get(key)
         remember(self._resolved, key, addr, MAX_ROUTES)
         self.breaker.succeeded(key[0])
@@ -541,13 +546,59 @@ class PrefillCore:
     def lookup_failed(self, now: float, bootstrap_addr: str, key: RouteKey | None, detail: str,
                       took_s: float) -> list:
         """A look-up (of the sizes when `key` is None, else of a route) failed after `took_s`: the rooms
-        waiting for it fail; asks waiting at the route's last address keep waiting there."""
+        waiting for it fail; asks waiting at the route's last address keep waiting there (the server
+        said nothing of the route: `route_missing` is its answer that it has none)."""
         self.breaker.failed(bootstrap_addr, now, took_s, detail)
         if key is not None:
             self._probes.pop(key, None)
         waiting = self._awaiting_parallel.pop(bootstrap_addr, ()) if key is None else self._awaiting_route.pop(key, ())
         failure = Failure(FailureKind.BOOTSTRAP, f"bootstrap {bootstrap_addr}: {detail}")
         return [action for state in waiting if self._looking_up(state) for action in self._conclude(state, failure)]
+
+    def route_missing(self, now: float, key: RouteKey, detail: str) -> list:
+        """The bootstrap server answered that no encode rank is registered under `key` (a 404; `detail`
+        says so). An answer, not an unreachable server: its breaker stays shut for its other routes.
+
+        Every room of that route that could only ever be served through a new registration fails
+        now: those waiting for the look-up, asks waiting for a socket at the route's last address
+        (never asked), held asks, and rooms asked on a connection that dropped since (nothing is
+        left to answer them). A room asked on a connection still up keeps waiting: its encode rank
+        may serve on with the server's table lost (a restarted server). Where the route was found
+        before, the reason says the encode rank is no longer registered and where it was, and the
+        address's socket is closed if nothing else needs it (`_retire`).
+        """
+        bootstrap, group, rank = key
+        self.breaker.succeeded(bootstrap)
+        probed = self._probes.pop(key, None)
+        self._routes.pop(key, None)
+        last = self._resolved.pop(key, None)
+        if last is not None:
+            remember(self._gone, key, last, MAX_ROUTES)
+        else:
+            last = self._gone.get(key)
+        failing = [state for state in self._awaiting_route.pop(key, ()) if self._looking_up(state)]
+        if last is not None or probed is not None:  # else no room can have an address for it
+            failing += [state for state in self._rooms.values() if state.route_key == key and (
+                state.stage in (QUEUED, HELD) or (state.stage == ASKED and state.addr is not None
+                                                   and self._conns.get(state.addr) != state.conn))]
+        queued_at = {state.addr for state in failing if state.stage == QUEUED}
+        actions: list = []
+        for state in sorted(failing, key=lambda state: state.token):
+            if last is None:
+                text = f"bootstrap {bootstrap}: {detail}"
+            else:
+                text = (f"encode rank {rank} (dp group {group}) is no longer registered at bootstrap {bootstrap} "
+                        f"(it was at {last[0]}:{last[1]}): its sender pool closed, or the bootstrap server "
+                        f"restarted; room {state.room} ")
+                text += ("was asked there and that connection dropped" if state.asked
+                         else "was never asked for")
+            actions += self._conclude(state, Failure(FailureKind.BOOTSTRAP, text))
+        for addr in queued_at:
+            self.asks.prune(addr, self._queued)
+        for old in dict.fromkeys((last, probed)):
+            if old is not None:
+                actions += self._retire(now, old)
+        return actions
 
     def refused(self, now: float, addr: Address, actions: list) -> list:
         """The socket to `addr` did not take these actions (in order): their asks wait for it."""
@@ -574,31 +625,37 @@ class PrefillCore:
 
     def connection_dropped(self, now: float, addr: Address) -> list:
         """The connection to `addr` was lost: its encode rank may have restarted, there or at another
-        port. The next room for it looks it up again, a rank restarted there hears every region
-        again, and the asks that never left for it are looked up again too: they move if it moved,
-        and wait where they are otherwise (a failed look-up fails none of them). Rooms asked there
-        keep waiting for it.
+        port, or be gone. The next room for it looks it up again, a rank restarted there hears every
+        region again, and the routes of the asks that never left for it and of the rooms asked on that
+        connection are looked up again too: asks move if the rank moved and wait where they are
+        otherwise (a failed look-up fails none of them), rooms asked keep waiting for their statuses,
+        and all of them fail at once if the server no longer has the route (`route_missing`).
 
         What follows goes on a fresh connection: a cancel sent before the drop may never be read,
         so it holds back no later ask's statuses (`status`), and a later cancel of the same room
         is not sent (`_give_up`). An address no route leads to any more is closed (`_retire`)."""
-        if addr in self._conns:
+        dropped = self._conns.get(addr)
+        if dropped is not None:
             self._conn_serial += 1
             self._conns[addr] = self._conn_serial
         self._unanswered_since.pop(addr, None)
         self._answering.discard(addr)  # a rank restarted there shows afresh whether it answers cancels
         self.announcements.forget(addr)
         self.asks.prune(addr, self._queued)
-        actions = self._recheck(now, addr)
+        asked = [] if dropped is None else [state.route_key for state in self._rooms.values() if state.stage == ASKED
+                                            and state.addr == addr and state.conn == dropped and not state.given_up]
+        actions = self._recheck(now, addr, asked)
         self._forget_routes_to(addr)
         return actions + self._retire(now, addr)
 
-    def _recheck(self, now: float, addr: Address) -> list:
+    def _recheck(self, now: float, addr: Address, asked: Collection[RouteKey | None] = ()) -> list:
         """Looks up again the routes of the asks waiting at `addr` (route_resolved moves them if the
-        rank moved), unless their bootstrap server is not being asked now."""
+        rank moved), and the routes `asked` (of rooms asked there), unless their bootstrap server is
+        not being asked now."""
         self._probed_at[addr] = now
         actions: list = []
-        for key in dict.fromkeys(state.route_key for state in self.asks.items(addr) if self._queued(state)):
+        waiting = [state.route_key for state in self.asks.items(addr) if self._queued(state)]
+        for key in dict.fromkeys([*waiting, *asked]):
             if key is None or key in self._probes or self.breaker.refusal(key[0], now) is not None:
                 continue
             self._probes[key] = addr

@@ -33,7 +33,7 @@ from typing import Any
 import zmq
 
 from transfer import _io
-from transfer.bootstrap import BootstrapClient, BootstrapError
+from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapNoRoute
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.prefill import (
     MAX_ENCODE_SOCKETS,
@@ -567,6 +567,8 @@ class PrefillDriver:
                 self._step(lambda now, a=args: core.parallel_resolved(now, *a))
             elif kind == "route":
                 self._step(lambda now, a=args: core.route_resolved(now, *a))
+            elif kind == "missing":
+                self._step(lambda now, a=args: core.route_missing(now, *a))
             else:
                 self._step(lambda now, a=args: core.lookup_failed(now, *a))
 
@@ -932,6 +934,8 @@ class _LookUps:
             if key is None:
                 return ("parallel", addr, *client.parallel_info())
             return ("route", key, client.route(key[2], key[1]))
+        except BootstrapNoRoute as exc:  # an answer: the server has no such route
+            return ("missing", key, str(exc))
         except BootstrapError as exc:
             detail = str(exc)
         except Exception as exc:  # a malformed address, say: this look-up's rooms only
