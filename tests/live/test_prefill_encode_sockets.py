@@ -87,14 +87,16 @@ def test_an_encode_rank_restarted_at_another_port_is_looked_up_again(engines):
 
 
 def test_a_room_asked_while_its_encode_rank_is_down_reaches_it_back_at_another_port(engines):
-    """The bootstrap server still names the old port until the restarted rank registers: the room's
-    ask waits for a socket there, then is looked up again and goes to the new port, well within its
+    """A rank that went away without withdrawing its route (killed: its pool never closed) is still
+    named at the old port by the bootstrap server until the restarted rank registers: the room's ask
+    waits for a socket there, then is looked up again and goes to the new port, well within its
     deadline."""
     encode, prefill = engines
     buf = torch.zeros(2, ROWS, HIDDEN, dtype=torch.bfloat16)
     with BootstrapServer(HOST, 0) as server, \
             SessionManager(prefill, 0, 1, 1, buffer=buf, host=HOST, deadline_s=30) as manager:
         old_port = _served_then_gone(encode, manager, server, buf)
+        BootstrapClient(server.address).register_rank(1, 1, HOST, old_port, 0, retry_for=5)  # as a killed rank leaves it
         item = torch.randn(ROWS, HIDDEN).to(torch.bfloat16)
         started = time.monotonic()
         handle = manager.receive(2, server.address, buf[0])

@@ -170,3 +170,20 @@ def test_a_rank_registered_again_after_its_route_was_gone_serves_the_next_rooms(
     c.connection_dropped(1.2, moved)
     failures = concluded(c.route_missing(1.3, KEY0, NO_ROUTE))
     assert "(it was at 10.0.0.2:7001)" in failures[2].detail and failures[2].detail.endswith(ASKED_THERE)
+
+
+def test_the_look_up_a_drop_made_for_its_asked_rooms_leaves_a_route_to_the_same_address_forgotten():
+    """The server still names the address that dropped (a rank restarting elsewhere has not registered
+    yet): the asked room keeps waiting, and the next room looks the route up again, finding it where it
+    registered meanwhile, rather than being asked where nothing listens."""
+    c = core()
+    routed(c)
+    c.receive(0.0, spec(1, slot=1))
+    assert c.connection_dropped(0.1, ENCODE) == [LookUpRoute(KEY0)]
+    assert c.route_resolved(0.2, KEY0, ENCODE) == [] and c.stage(1) == "asked"
+    assert c.route(KEY0) is None
+    assert c.receive(1.0, spec(2, slot=2))[1] == [LookUpRoute(KEY0)]
+    moved = ("10.0.0.2", 7001)
+    assert [(type(a), a.addr) for a in c.route_resolved(1.1, KEY0, moved)] == [(Disconnect, ENCODE),
+                                                                                (Announce, moved), (SendAsk, moved)]
+    assert c.route(KEY0) == moved

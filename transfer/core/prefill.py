@@ -523,13 +523,19 @@ class PrefillCore:
     def route_resolved(self, now: float, key: RouteKey, addr: Address) -> list:
         """The bootstrap server told where an encode rank listens: rooms waiting for that go, and asks
         that waited at another address for it (`_recheck`) move there, in their order. The connection
-        to the address it was found at before is closed at once if nothing needs it (`_retire`)."""
-        remember(self._routes, key, addr, MAX_ROUTES)
+        to the address it was found at before is closed at once if nothing needs it (`_retire`).
+
+        A look-up made only for the asks and rooms of an address whose connection dropped since, that
+        names that address again, tells nothing new (a rank restarting elsewhere has not registered
+        yet): the route stays forgotten, and the next room looks it up again."""
+        probed = self._probes.pop(key, None)
+        waiting = [state for state in self._awaiting_route.pop(key, ()) if self._looking_up(state)]
+        if probed != addr or key in self._routes or waiting:
+            remember(self._routes, key, addr, MAX_ROUTES)
         self._gone.pop(key, None)
         before = self._resolved.get(key)
         remember(self._resolved, key, addr, MAX_ROUTES)
         self.breaker.succeeded(key[0])
-        probed = self._probes.pop(key, None)
         moved = [state for other in self.asks.addresses() if other != addr
                  for state in self.asks.remove(other, lambda queued: queued.route_key == key) if self._queued(state)]
         moved.sort(key=lambda state: (state.asked_at, state.token))  # oldest first, wherever each waited
@@ -537,7 +543,6 @@ class PrefillCore:
                    for action in self._retire(now, old)]
         for i, state in enumerate(moved):
             actions += self._ask(now, state, addr, defer=i >= self.ask_batch)
-        waiting = [state for state in self._awaiting_route.pop(key, ()) if self._looking_up(state)]
         for i, state in enumerate(waiting):
             # Past a batch, the rest wait in the ask queue: the driver sends them a batch per turn.
             actions += self._ask(now, state, addr, defer=i >= self.ask_batch)
