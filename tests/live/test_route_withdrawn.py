@@ -1,0 +1,192 @@
+"""A sender pool that closes (or is dropped) withdraws its route from the bootstrap server (our DELETE
+/route): a prefill rank's rooms for it fail within seconds, saying the encode rank is no longer
+registered, instead of at their deadlines; a pool that closes after its successor registered at another
+port leaves the successor's route, and rooms succeed through it; a server that knows no DELETE (a peer's),
+or does not answer one, costs close() at most about a second and raises nothing.
+
+Real Mooncake engines (tcp on 127.0.0.1), real ZMQ, a real bootstrap server, ranks in this process."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from live_helpers import HOST, LIVE, wait_until
+
+from transfer.bootstrap import BootstrapClient, BootstrapServer
+from transfer.errors import BootstrapNoRoute
+from transfer.receiver import SessionManager
+from transfer.sender import SenderPool
+from transfer.status import TransferPoll
+
+pytestmark = LIVE
+
+ROWS, HIDDEN = 4, 64
+#: Far past the bound the tests wait: a room that waits out its deadline shows.
+DEADLINE_S = 120.0
+#: How long a room for a pool that went away may take to fail (it takes a second or two).
+FAIL_WITHIN_S = 20.0
+
+
+def _item() -> torch.Tensor:
+    return torch.randn(ROWS, HIDDEN).to(torch.bfloat16)
+
+
+def _served(manager: SessionManager, pool: SenderPool, server: BootstrapServer, room: int,
+            dst: torch.Tensor) -> None:
+    """One room from `pool`, its bytes checked, both handles cleared."""
+    item = _item()
+    sent = pool.send(room, item)
+    handle = manager.receive(room, server.address, dst)
+    assert handle.wait(30) == TransferPoll.Success, handle.failure
+    assert torch.equal(dst.view(torch.uint8), item.view(torch.uint8))
+    handle.clear()
+    sent.wait(5)
+    sent.clear()
+
+
+def _closed(pools: list[SenderPool], how: str) -> None:
+    """Closes the one pool of `pools`, or drops it (it holds the only reference) and waits for its
+    finalizer's close to finish."""
+    pool = pools.pop()
+    if how == "close":
+        pool.close()
+        return
+    name = f"epd-encode-{pool.engine_rank}-close"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del pool
+        gc.collect()
+    assert any("was dropped without close()" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert wait_until(lambda: not any(t.name == name for t in threading.enumerate()), 15), "its close never ended"
+
+
+def _failed_within(handle, bound: float) -> float:
+    """Seconds the room took to conclude Failed, at most `bound`."""
+    started = time.monotonic()
+    outcome = handle.wait(bound)
+    took = time.monotonic() - started
+    assert outcome == TransferPoll.Failed, (outcome, handle.failure, f"{took:.1f} s")
+    return took
+
+
+@pytest.mark.parametrize("how", ["close", "dropped"])
+def test_rooms_for_a_pool_that_went_away_fail_within_seconds_saying_its_rank_is_no_longer_registered(engines,
+                                                                                                     how):
+    encode, prefill = engines
+    buf = torch.zeros(3, ROWS, HIDDEN, dtype=torch.bfloat16)
+    with BootstrapServer(HOST, 0) as server, \
+            SessionManager(prefill, 0, 1, 1, buffer=buf, host=HOST, deadline_s=DEADLINE_S) as manager:
+        pools = [SenderPool(encode, 0, 1, 1, server.address)]
+        port = pools[0].port
+        _served(manager, pools[0], server, 1, buf[0])  # its route cached, its connection up
+        asked = manager.receive(2, server.address, buf[1])  # an ask the pool parks: nothing is sent for it
+        assert wait_until(lambda: asked.poll() == TransferPoll.WaitingForInput, 10), asked.poll()
+        _closed(pools, how)
+        with pytest.raises(BootstrapNoRoute):
+            BootstrapClient(server.address).route(0, 0)
+        # Asked at once: the prefill rank may not have seen the connection go yet.
+        late = manager.receive(3, server.address, buf[2])
+        took = _failed_within(late, FAIL_WITHIN_S)
+        assert late.failure == (f"encode rank 0 (dp group 0) is no longer registered at bootstrap {server.address} "
+                                f"(it was at {HOST}:{port}): its sender pool closed, or the bootstrap server "
+                                f"restarted; room 3 was never asked for"), late.failure
+        assert late.failure_kind.value == "bootstrap"
+        # The room the pool had parked was told so by the pool itself as it closed.
+        _failed_within(asked, FAIL_WITHIN_S)
+        assert "sender pool closed" in asked.failure or "no longer registered" in asked.failure, asked.failure
+        # And so is every room asked later, looked up afresh.
+        time.sleep(1.5)  # the prefill rank's I/O thread reads its connections' drops once a second
+        later = manager.receive(4, server.address, buf[0])
+        _failed_within(later, FAIL_WITHIN_S)
+        assert "no longer registered" in later.failure, later.failure
+        print(f"\nroom 3 failed {took:.2f} s after it was asked (deadline {DEADLINE_S:g} s)")
+        for handle in (asked, late, later):
+            handle.clear()
+
+
+@pytest.mark.parametrize("how", ["close", "dropped"])
+def test_a_pool_that_goes_away_after_its_successor_registered_leaves_the_successors_route(engines, how):
+    encode, prefill = engines
+    buf = torch.zeros(2, ROWS, HIDDEN, dtype=torch.bfloat16)
+    with BootstrapServer(HOST, 0) as server, \
+            SessionManager(prefill, 0, 1, 1, buffer=buf, host=HOST, deadline_s=DEADLINE_S) as manager:
+        pools = [SenderPool(encode, 0, 1, 1, server.address)]
+        _served(manager, pools[0], server, 1, buf[0])
+        with SenderPool(encode, 0, 1, 1, server.address) as successor:  # the same rank at a new port
+            assert successor.port != pools[0].port
+            _closed(pools, how)
+            assert BootstrapClient(server.address).route(0, 0) == (HOST, successor.port)
+            started = time.monotonic()
+            for room in (2, 3):
+                _served(manager, successor, server, room, buf[room % 2])
+            assert time.monotonic() - started < FAIL_WITHIN_S
+
+
+class _PeerHandler(BaseHTTPRequestHandler):
+    """A peer's bootstrap server as far as a sender pool sees it: PUT /route answered `OK`, no DELETE (501);
+    with `hang`, a DELETE is read and never answered."""
+
+    hang = threading.Event()
+    release = threading.Event()
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_PUT(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"OK")
+
+    def do_DELETE(self) -> None:
+        if not self.hang.is_set():
+            self.send_error(501, "Unsupported method ('DELETE')")
+            return
+        self.release.wait(30)
+
+
+@contextmanager
+def _peer_server(hang: bool) -> Iterator[ThreadingHTTPServer]:
+    handler = type("Handler", (_PeerHandler,), {"hang": threading.Event(), "release": threading.Event()})
+    if hang:
+        handler.hang.set()
+    httpd = ThreadingHTTPServer((HOST, 0), handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield httpd
+    finally:
+        handler.release.set()
+        httpd.shutdown()
+        thread.join(10)
+        httpd.server_close()
+
+
+@pytest.mark.parametrize("server", ["no DELETE (501)", "never answers a DELETE", "stopped"])
+def test_close_goes_on_within_about_a_second_whatever_the_bootstrap_server_does_with_the_delete(engines, caplog,
+                                                                                                 server):
+    encode, _ = engines
+    caplog.set_level(logging.INFO, logger="transfer.sender")
+    with _peer_server(hang=server == "never answers a DELETE") as httpd:
+        pool = SenderPool(encode, 0, 1, 1, f"{HOST}:{httpd.server_address[1]}")
+        if server == "stopped":
+            httpd.shutdown()
+            httpd.server_close()  # a refused connection
+        started = time.monotonic()
+        pool.close()
+        took = time.monotonic() - started
+    assert took < 3.0, f"close() took {took:.1f} s"
+    [line] = [r.getMessage() for r in caplog.records if "may stay listed" in r.getMessage()]
+    assert line.startswith("sender pool of encode rank 0: its route to ")
+    print(f"\nclose() with a bootstrap server that {server}: {took:.2f} s")
