@@ -96,7 +96,8 @@ def test_a_room_asked_while_its_encode_rank_is_down_reaches_it_back_at_another_p
     with BootstrapServer(HOST, 0) as server, \
             SessionManager(prefill, 0, 1, 1, buffer=buf, host=HOST, deadline_s=30) as manager:
         old_port = _served_then_gone(encode, manager, server, buf)
-        BootstrapClient(server.address).register_rank(1, 1, HOST, old_port, 0, retry_for=5)  # as a killed rank leaves it
+        # The route as a killed rank leaves it.
+        BootstrapClient(server.address).register_rank(1, 1, HOST, old_port, 0, retry_for=5)
         item = torch.randn(ROWS, HIDDEN).to(torch.bfloat16)
         started = time.monotonic()
         handle = manager.receive(2, server.address, buf[0])
