@@ -171,11 +171,15 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
-        """Serves one connection on its thread and counts it out."""
+        """Serves one connection on its thread, counts it out, then closes it: a client that saw its
+        connection close finds the place free."""
         try:
-            super().process_request_thread(request, client_address)
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
         finally:
             self._handler_done()
+            self.shutdown_request(request)
 
     def _handler_done(self) -> None:
         """One handler thread fewer."""
