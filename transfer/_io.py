@@ -792,6 +792,7 @@ class RoomRecord(Protocol):
 
 
 _Record = TypeVar("_Record", bound=RoomRecord)
+_Value = TypeVar("_Value")
 
 
 class Conclusions:
@@ -839,22 +840,30 @@ class RoomHandle(Generic[_Record]):
         """Whether this handle's room is still held: not cleared, and its number not reused since."""
         return self._held(self.room) is self._state
 
+    def _read(self, read: Callable[[int], _Value | None]) -> _Value | None:
+        """What `read` finds in the room table under this handle's room number, or None once the room
+        is cleared: looked at before and after, as a room reusing the number may come in between."""
+        if not self._current():
+            return None
+        value = read(self.room)
+        return value if self._current() else None
+
     def poll(self) -> TransferPoll:
         """The room's status right now (never blocks; Failed once cleared, whoever reuses its number)."""
         from transfer.status import TransferPoll
 
-        status = self._table.get(self.room) if self._current() else None
+        status = self._read(self._table.get)
         return TransferPoll.Failed if status is None else status
 
     @property
     def failure(self) -> str | None:
         """Why the room failed, or None (also once cleared)."""
-        return self._table.reason(self.room) if self._current() else None
+        return self._read(self._table.reason)
 
     @property
     def failure_kind(self) -> FailureKind | None:
         """Why the room failed as a FailureKind from a closed set (for metrics and retries), or None."""
-        failure = self._table.failure(self.room) if self._current() else None
+        failure = self._read(self._table.failure)
         return None if failure is None else failure.kind
 
     @property

@@ -1,0 +1,84 @@
+"""A room handle's reads (poll, failure, failure_kind) once its room is cleared and its number reused."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from transfer._io import Conclusions, RoomHandle
+from transfer.core.failure import Failure, FailureKind
+from transfer.status import RoomTable, TransferPoll
+
+
+@dataclass
+class State:
+    room: int
+    started_at: float = 0.0
+    concluded_at: float | None = None
+
+
+class ReusingTable(RoomTable):
+    """A room table in which room 7 is cleared and taken by a new room during the next read: the new
+    room succeeds, or with `failing`, fails."""
+
+    def __init__(self, held: dict[int, State]) -> None:
+        super().__init__()
+        self.held = held
+        self.armed = False
+        self.failing = False
+
+    def _reuse(self, room: int) -> None:
+        if self.armed:
+            self.armed = False
+            self.clear(room)
+            self.held[room] = State(room)
+            self.start(room)
+            if self.failing:
+                self.fail(room, Failure(FailureKind.DEADLINE, "the new room's deadline"))
+            else:
+                self.update(room, TransferPoll.Success)
+
+    def get(self, room: int) -> TransferPoll | None:
+        self._reuse(room)
+        return super().get(room)
+
+    def reason(self, room: int) -> str | None:
+        self._reuse(room)
+        return super().reason(room)
+
+    def failure(self, room: int) -> Failure | None:
+        self._reuse(room)
+        return super().failure(room)
+
+
+def _handle() -> tuple[RoomHandle, ReusingTable]:
+    held: dict[int, State] = {}
+    table = ReusingTable(held)
+    held[7] = State(7)
+    table.start(7, TransferPoll.Transferring)
+    return RoomHandle(table, held[7], Conclusions(), held.get), table
+
+
+def test_a_poll_that_a_reuse_of_the_room_number_overtakes_reports_the_room_cleared():
+    handle, table = _handle()
+    table.armed = True
+    assert handle.poll() is TransferPoll.Failed
+    assert table.get(7) is TransferPoll.Success  # the new room's, not this handle's
+
+
+@pytest.mark.parametrize("read", [lambda handle: handle.failure, lambda handle: handle.failure_kind],
+                         ids=["failure", "failure_kind"])
+def test_a_failure_read_that_a_reuse_of_the_room_number_overtakes_reports_none(read):
+    handle, table = _handle()
+    table.armed = table.failing = True
+    assert read(handle) is None
+    assert table.failure(7) == Failure(FailureKind.DEADLINE, "the new room's deadline")  # the new room's
+
+
+def test_a_read_of_a_room_still_held_reports_it():
+    handle, table = _handle()
+    assert handle.poll() is TransferPoll.Transferring
+    table.fail(7, Failure(FailureKind.CHECKSUM, "checksum mismatch"))
+    assert handle.poll() is TransferPoll.Failed
+    assert handle.failure == "checksum mismatch" and handle.failure_kind is FailureKind.CHECKSUM
