@@ -96,3 +96,42 @@ def test_no_registry_on_the_engine_unregisters_memory_the_caller_registered():
     first.retry()
     second.retry()
     assert engine.regions == {0x9000: 256} and len(first.counts) == 0
+
+
+class RefusingOverlaps(FakeEngine):
+    """Refuses a registration that overlaps another, as Mooncake does."""
+
+    def register(self, buf, nbytes: int) -> None:
+        addr = buf if isinstance(buf, int) else buf.data_ptr()
+        if any(base < addr + nbytes and addr < base + size for base, size in self.regions.items()):
+            raise RuntimeError(f"{addr:#x} overlaps a registered region")
+        self.regions[addr] = nbytes
+
+
+def test_overlapping_views_of_one_tensor_share_the_registration_of_its_storage():
+    import torch
+
+    engine = RefusingOverlaps()
+    sources = SourceRegistry(engine)
+    items = torch.zeros(8, 16)
+    whole = (items.data_ptr(), 8 * 16 * 4)
+    releases = [sources.hold(_io.as_region(items[:2])), sources.hold(_io.as_region(items[:4])),
+                sources.hold(_io.as_region(items[1:6]))]
+    assert engine.regions == dict([whole])
+    assert sources.counts.counts() == {whole[0]: 3}
+    for release in releases:
+        release()
+    assert engine.regions == {} and len(sources.counts) == 0
+
+
+def test_a_view_whose_storage_is_partly_registered_already_registers_alone():
+    import torch
+
+    engine = RefusingOverlaps()
+    sources = SourceRegistry(engine)
+    items = torch.zeros(8, 16)
+    engine.regions[items[6:].data_ptr()] = 2 * 16 * 4  # the caller's own registration of the last rows
+    release = sources.hold(_io.as_region(items[:2]))
+    assert engine.regions[items.data_ptr()] == 2 * 16 * 4
+    release()
+    assert items.data_ptr() not in engine.regions and len(engine.regions) == 1

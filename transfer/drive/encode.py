@@ -217,13 +217,33 @@ class SourceRegistry:
                     with self._registering:
                         found, base = self._hold_registered(region)  # another caller may have registered it
                         if not found:
-                            base = self._register(region)
+                            base = self._register(self._extent(region))
                 if base is not None:
                     held.append(base)
         except BaseException:
             release()
             raise
         return release if held else None
+
+    def _extent(self, region: _io.Region) -> _io.Region:
+        """What to register for `region`: the whole storage of its tensor, so that every view of it
+        sent meanwhile (overlapping ones too, which the engine would refuse to register apart)
+        shares the one registration; the region alone where some of that storage is registered
+        already, or it has no tensor."""
+        tensor = region.tensor
+        if tensor is None:
+            return region
+        storage = tensor.untyped_storage()
+        start, nbytes = storage.data_ptr(), storage.nbytes()
+        if (start, nbytes) == (region.addr, region.nbytes):
+            return region
+        end = start + nbytes
+        if any(addr < end and start < addr + size for addr, size in self.engine.registered().items()):
+            return region
+        import torch  # a region has a tensor only where torch is loaded
+
+        whole = tensor.new_empty(0, dtype=torch.uint8).set_(storage)
+        return _io.Region(start, nbytes, region.device, whole)
 
     def _hold_registered(self, region: _io.Region) -> tuple[bool, int | None]:
         """Holds our registration around `region`: (True, its base); (True, None) inside the
