@@ -41,14 +41,20 @@ def _http(method: str, url: str, body: bytes | None = None,
         return error.code, error.headers.get("Content-Type", ""), error.read().decode()
 
 
-def _put(server: BootstrapServer, payload: dict | bytes, token: str | None = None) -> tuple[int, str]:
-    """PUT /route with a JSON body, as a peer's encode rank does."""
+def _route_request(method: str, server: BootstrapServer, payload: dict | bytes,
+                   token: str | None = None) -> tuple[int, str]:
+    """PUT or DELETE /route with a JSON body (and the token, if given)."""
     body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
     headers = {"Content-Type": "application/json"}
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
-    status, _, text = _http("PUT", f"http://{server.address}/route", body, headers)
+    status, _, text = _http(method, f"http://{server.address}/route", body, headers)
     return status, text
+
+
+def _put(server: BootstrapServer, payload: dict | bytes, token: str | None = None) -> tuple[int, str]:
+    """PUT /route with a JSON body, as a peer's encode rank does."""
+    return _route_request("PUT", server, payload, token)
 
 
 def _get(server: BootstrapServer, query: str) -> tuple[int, str, str]:
@@ -498,12 +504,7 @@ def test_a_closed_server_warns_of_nothing_when_dropped(recwarn):
 
 def _delete(server: BootstrapServer, payload: dict | bytes, token: str | None = None) -> tuple[int, str]:
     """DELETE /route with a PUT's JSON body."""
-    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-    headers = {"Content-Type": "application/json"}
-    if token is not None:
-        headers["Authorization"] = f"Bearer {token}"
-    status, _, text = _http("DELETE", f"http://{server.address}/route", body, headers)
-    return status, text
+    return _route_request("DELETE", server, payload, token)
 
 
 def test_delete_removes_a_route_that_still_leads_to_its_endpoint(server, caplog):
