@@ -490,6 +490,9 @@ def _conflicting_options(args: argparse.Namespace) -> str | None:
     """Why options given together make no sense (one would be silently ignored), or None."""
     if getattr(args, "bootstrap_bind", None) is not None and not getattr(args, "serve_bootstrap", False):
         return "--bootstrap-bind is the address of the bootstrap server this rank serves: it needs --serve-bootstrap"
+    if getattr(args, "role", None) == "encode" and args.linger >= args.timeout:
+        return (f"--linger {args.linger:g} is not shorter than --timeout {args.timeout:g}: the rank would be "
+                f"stopped while it lingers after its last room and exit 1")
     if getattr(args, "identity", False) and getattr(args, "per_block", False):
         return ("--identity (every prefill rank receives the full rows) and --per-block (how rows are sharded) "
                 "exclude each other")

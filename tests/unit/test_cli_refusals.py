@@ -68,6 +68,8 @@ def test_a_plot_format_matplotlib_cannot_write_is_refused_before_the_bench(tmp_p
     ([*RANK, "--bootstrap-bind", "10.9.9.9"], "--bootstrap-bind"),
     (["demo", "--identity", "--per-block"], "--per-block"),
     ([*RANK, "--identity", "--per-block"], "--per-block"),
+    ([*RANK, "--timeout", "3", "--linger", "3"], "--linger 3 is not shorter than --timeout 3"),
+    ([*RANK, "--timeout", "1"], "--linger 2 is not shorter than --timeout 1"),
 ])
 def test_an_option_that_would_be_ignored_is_a_parser_error(argv, conflict, capsys):
     with pytest.raises(SystemExit) as done:
@@ -75,6 +77,12 @@ def test_an_option_that_would_be_ignored_is_a_parser_error(argv, conflict, capsy
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and f"epd-transfer {argv[0]}: error: " in err and conflict in err
+
+
+def test_a_prefill_rank_takes_a_timeout_shorter_than_the_linger_it_does_not_use():
+    args = cli.parse_args(["rank", "--role", "prefill", "--rank", "0", "--bootstrap", "127.0.0.1:1",
+                           "--timeout", "1"])
+    assert (args.timeout, args.linger) == (1.0, 2.0)
 
 
 def test_bootstrap_bind_with_serve_bootstrap_is_taken():
