@@ -43,25 +43,34 @@ static int bound(void)
     return 1;
 }
 
+/* Receives a message's next part into msg, which the caller then closes: 0, or -1 with
+ * libzmq's errno in *err (never EINTR: an interrupted receive is tried again). */
+static int next_part(void *handle, zmq_msg *msg, int *err)
+{
+    for (;;) {
+        msg_init(msg);
+        if (msg_recv(msg, handle, ZMQ_DONTWAIT_) >= 0)
+            return 0;
+        *err = zmq_errno_();
+        msg_close(msg);
+        if (*err != EINTR)
+            return -1;
+    }
+}
+
 /* Receives and drops what is left of a message whose parts so far were taken (libzmq queues a
  * message's parts together, so they are all there): the next receive starts at the next message. */
 static void discard_rest(void *handle)
 {
-    for (;;) {
+    int more;
+    do {
         zmq_msg msg;
-        msg_init(&msg);
-        if (msg_recv(&msg, handle, ZMQ_DONTWAIT_) < 0) {
-            int err = zmq_errno_();
-            msg_close(&msg);
-            if (err == EINTR)
-                continue;
+        int err;
+        if (next_part(handle, &msg, &err) < 0)
             return;
-        }
-        int more = msg_more(&msg);
+        more = msg_more(&msg);
         msg_close(&msg);
-        if (!more)
-            return;
-    }
+    } while (more);
 }
 
 PyObject *epd_zmq_bind(PyObject *self, PyObject *args)
@@ -109,12 +118,8 @@ PyObject *epd_zmq_recv_parts(PyObject *self, PyObject *args)
     int over = 0, more = 0;
     for (;;) {
         zmq_msg msg;
-        msg_init(&msg);
-        if (msg_recv(&msg, handle, ZMQ_DONTWAIT_) < 0) {
-            int err = zmq_errno_();
-            msg_close(&msg);
-            if (err == EINTR)
-                continue;
+        int err;
+        if (next_part(handle, &msg, &err) < 0) {
             if (err == EAGAIN && count == 0)
                 Py_RETURN_NONE;
             Py_XDECREF(parts); /* a later part always follows its first; anything else is an error */
