@@ -1,4 +1,5 @@
-"""The quarantine rule: what becomes of a let-go room's memory, and when it is safe to reuse."""
+"""The quarantine rule: what becomes of a let-go room's memory, when it is safe to reuse, and the book of
+rooms awaiting their cancel's confirmation."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import itertools
 
 import pytest
 
-from transfer.core.quarantine import Fate, fate_of, reusable
+from transfer.core.quarantine import AwaitingConfirmation, Fate, fate_of, reusable
 
 FREE, FREE_AFTER_COPY, QUARANTINE, UNTIL_CONFIRMED = (Fate.FREE, Fate.FREE_AFTER_COPY, Fate.QUARANTINE,
                                                       Fate.QUARANTINE_UNTIL_CONFIRMED)
@@ -59,3 +60,40 @@ def test_memory_not_known_safe_is_reusable_once_the_quarantine_passed_since_it_c
     facts = dict(succeeded=False, memory_safe=False, concluded_at=10.0, quarantine_s=280.0)
     assert not reusable(now=289.9, **facts)
     assert reusable(now=290.0, **facts)
+
+
+def test_a_confirmed_room_leaves_the_book_once():
+    book: AwaitingConfirmation[str] = AwaitingConfirmation(quarantine_s=5.0, limit=10)
+    book.add(7, 100.0, "room 7")
+    assert book.confirmed(7) == "room 7"
+    assert book.confirmed(7) is None and len(book) == 0
+
+
+def test_a_confirmation_for_a_token_never_filed_finds_nothing():
+    book: AwaitingConfirmation[str] = AwaitingConfirmation(quarantine_s=5.0, limit=10)
+    book.add(1, 100.0, "room 1")
+    assert book.confirmed(2) is None and len(book) == 1
+
+
+def test_rooms_expire_when_their_quarantine_passed_and_not_before():
+    book: AwaitingConfirmation[str] = AwaitingConfirmation(quarantine_s=5.0, limit=10)
+    book.add(1, 100.0, "first")
+    book.add(2, 102.0, "second")
+    assert book.expire(104.999) == []
+    assert book.expire(105.0) == ["first"]
+    assert book.confirmed(1) is None  # a confirmation after the quarantine changes nothing
+    assert book.expire(106.0) == [] and book.expire(107.0) == ["second"] and len(book) == 0
+
+
+def test_past_the_limit_the_oldest_go_first_whatever_their_age():
+    book: AwaitingConfirmation[int] = AwaitingConfirmation(quarantine_s=float("inf"), limit=2)
+    for token in range(4):
+        book.add(token, 100.0 + token, token)
+    assert book.expire(104.0) == [0, 1]
+    assert [book.confirmed(token) for token in range(4)] == [None, None, 2, 3]
+
+
+def test_an_infinite_quarantine_keeps_rooms_until_confirmed():
+    book: AwaitingConfirmation[int] = AwaitingConfirmation(quarantine_s=float("inf"), limit=10)
+    book.add(3, 0.0, 3)
+    assert book.expire(1e12) == [] and book.confirmed(3) == 3

@@ -12,8 +12,11 @@ its memory's fate out.
 from __future__ import annotations
 
 from enum import Enum
+from typing import Generic, TypeVar
 
-__all__ = ["Fate", "fate_of", "reusable"]
+__all__ = ["AwaitingConfirmation", "Fate", "fate_of", "reusable"]
+
+T = TypeVar("T")
 
 
 class Fate(Enum):
@@ -50,3 +53,42 @@ def reusable(*, succeeded: bool, memory_safe: bool, concluded_at: float | None, 
     if succeeded or memory_safe:
         return True
     return concluded_at is not None and now - concluded_at >= quarantine_s
+
+
+class AwaitingConfirmation(Generic[T]):
+    """Rooms let go in quarantine until their cancel is confirmed, by token, oldest first.
+
+    A room stays until its confirmation comes (`confirmed`) or `quarantine_s` passed since it
+    was let go, when its memory's quarantine ends by itself and a confirmation would change
+    nothing (`expire`); past `limit` rooms the oldest go first, so peers that never confirm
+    cannot grow it.
+    """
+
+    def __init__(self, quarantine_s: float, limit: int) -> None:
+        self.quarantine_s = quarantine_s
+        self.limit = limit
+        self._rooms: dict[int, tuple[float, T]] = {}
+
+    def __len__(self) -> int:
+        return len(self._rooms)
+
+    def add(self, token: int, now: float, room: T) -> None:
+        """Files a room let go at `now`, until its cancel is confirmed."""
+        self._rooms[token] = (now, room)
+
+    def confirmed(self, token: int) -> T | None:
+        """The room whose cancel was confirmed, no longer awaited; None when it is not here."""
+        entry = self._rooms.pop(token, None)
+        return None if entry is None else entry[1]
+
+    def expire(self, now: float) -> list[T]:
+        """Forgets and returns the rooms whose quarantine passed at `now`, and the oldest past the limit."""
+        rooms = self._rooms
+        gone: list[T] = []
+        while rooms:
+            token, (let_go_at, room) = next(iter(rooms.items()))
+            if now - let_go_at < self.quarantine_s and len(rooms) <= self.limit:
+                break
+            del rooms[token]
+            gone.append(room)
+        return gone

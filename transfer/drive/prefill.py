@@ -52,7 +52,7 @@ from transfer.core.prefill import (
     Verify,
     Warn,
 )
-from transfer.core.quarantine import Fate, fate_of
+from transfer.core.quarantine import AwaitingConfirmation, Fate, fate_of
 from transfer.errors import UsageError
 from transfer.frames import UnreadableChecksum, WireError, parse_cancel_reply, parse_failure_reason, parse_status
 from transfer.metrics import Metrics
@@ -178,9 +178,9 @@ class PrefillDriver:
         self.table = RoomTable()
         self.conclusions = _io.Conclusions()
         self.rooms: dict[int, Room] = {}  # changed under _lock
-        self.quarantine_s = quarantine_s  # a cleared room's memory is safe this long after its clear, confirmed or not
-        # Cleared rooms (and when) by token, until their cancel is confirmed or the quarantine passed.
-        self._awaiting_safe: dict[int, tuple[float, Room]] = {}
+        # Cleared rooms until their cancel is confirmed, or `quarantine_s` passed since the clear (their memory is
+        # safe then, confirmed or not).
+        self._awaiting_safe: AwaitingConfirmation[Room] = AwaitingConfirmation(quarantine_s, MAX_AWAITING_SAFE)
         self._status_sock, self.status_port = _io.pull_socket(host, status_port,
                                                               f"prefill rank {engine_rank}'s status socket")
         self._status_fd = self._status_sock.fileno()  # the socket's FD option
@@ -281,7 +281,7 @@ class PrefillDriver:
                 self.metrics.inc("rooms_failed_total", reason=FailureKind.CLEARED.value)
             if fate_of(succeeded=succeeded, memory_safe=record.memory_safe,
                        confirmable=True) is Fate.QUARANTINE_UNTIL_CONFIRMED:
-                self._awaiting_safe[record.token] = (now, record)  # until its cancel's confirmation
+                self._awaiting_safe.add(record.token, now, record)
             self._forget_unconfirmed(now)
             cancels = bool(self._cancels_out)
         if unconcluded:
@@ -291,17 +291,9 @@ class PrefillDriver:
         return succeeded
 
     def _forget_unconfirmed(self, now: float) -> None:
-        """Forgets cleared rooms whose quarantine passed unconfirmed, and the oldest past the cap (lock held).
-
-        Their memory's own quarantine ends by itself; a confirmation coming later would change
-        nothing, and keeping the room would keep its `on_safe` (the pool's slot) alive.
-        """
-        awaiting = self._awaiting_safe
-        while awaiting:
-            token, (cleared_at, record) = next(iter(awaiting.items()))
-            if now - cleared_at < self.quarantine_s and len(awaiting) <= MAX_AWAITING_SAFE:
-                return
-            del awaiting[token]
+        """Lets go of cleared rooms whose quarantine passed unconfirmed (lock held): their memory's own
+        quarantine ends by itself, and their `on_safe` would keep the pool's slot alive."""
+        for record in self._awaiting_safe.expire(now):
             record.on_safe = None
 
     def when_safe(self, record: Room, on_safe: Callable[[], None]) -> None:
@@ -820,7 +812,7 @@ class PrefillDriver:
         """The encode rank confirmed the room's cancel: its memory is the caller's again."""
         record = self.rooms.get(action.room)
         if record is None or record.token != action.token:
-            _, record = self._awaiting_safe.pop(action.token, (0.0, None))
+            record = self._awaiting_safe.confirmed(action.token)
             if record is None:
                 return
         record.memory_safe = True
