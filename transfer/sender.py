@@ -253,18 +253,19 @@ class SenderPool:
         return SendHandle(self, state)
 
     def _raw_source(self, room: int, region: _io.Region) -> _io.Region:
-        """A raw source pointer's region, on the device of the registered tensor around it.
+        """A raw source pointer's region: on the device of the registered tensor around it, else host memory.
 
-        Its checksum is read from there; where that is unknown, only a host without CUDA
-        says it is host memory (a GPU address read as host memory kills the process).
+        A pointer is refused where reading it would kill the process: memory it cannot read,
+        unless a CUDA device exists and integrity is off (GPU memory, which only Mooncake reads).
         """
-        if not self.integrity:
-            return region
-        owner_of = getattr(self.engine, "owner_of", None)
-        owner = owner_of(region.addr, region.nbytes) if owner_of is not None else None
         if self._cuda is None:
             self._cuda = _cuda_present()
-        return raw_source_region(room, region, owner, self._cuda and not self._host_readable(region))
+        owner = None
+        if self.integrity:
+            owner_of = getattr(self.engine, "owner_of", None)
+            owner = owner_of(region.addr, region.nbytes) if owner_of is not None else None
+        return raw_source_region(room, region, owner, readable=lambda: self._host_readable(region),
+                                 cuda=self._cuda, integrity=self.integrity)
 
     def _host_readable(self, region: _io.Region) -> bool:
         """Whether the region is readable host memory; looked up once per registration that holds it."""
@@ -425,12 +426,13 @@ def _source(src: torch.Tensor | int, span: int | None, hidden: int | None,
 _READABLE_REGISTRATIONS = 256
 
 
-def raw_source_region(room: int, region: _io.Region, owner: Any, maybe_gpu: bool) -> _io.Region:
+def raw_source_region(room: int, region: _io.Region, owner: Any, *, readable: Callable[[], bool], cuda: bool,
+                      integrity: bool) -> _io.Region:
     """`region` (a raw source pointer's) on the device of `owner`, the registered tensor around it, if any.
 
-    Without an owner the pointer is taken for host memory unless it `maybe_gpu` (a CUDA
-    device exists and the range is not readable host memory): then ConfigError, as its
-    checksum could not be read.
+    Without an owner the pointer must be host memory this process can read (`readable()`),
+    as its checksum and, over tcp, Mooncake's copy read it there; only where a CUDA device
+    exists and integrity is off may it be anything else (GPU memory). Else ConfigError.
     """
     if owner is not None and hasattr(owner, "data_ptr"):
         import torch
@@ -438,11 +440,15 @@ def raw_source_region(room: int, region: _io.Region, owner: Any, maybe_gpu: bool
         offset = region.addr - owner.data_ptr()
         flat = owner.reshape(-1).view(torch.uint8)[offset : offset + region.nbytes]
         return _io.Region(region.addr, region.nbytes, str(owner.device), flat)
-    if maybe_gpu:
-        raise ConfigError(f"room {room}: raw source pointer {region.addr:#x} is not host memory this process can "
-                          f"read, nor inside a tensor registered with the engine, so its checksum cannot be read: "
-                          f"pass the tensor, register the tensor that holds it, or use integrity=False")
-    return region
+    if (cuda and not integrity) or readable():
+        return region
+    where = f"room {room}: raw source pointer {region.addr:#x} ({region.nbytes} bytes)"
+    if cuda:
+        raise ConfigError(f"{where} is not host memory this process can read, nor inside a tensor registered with "
+                          f"the engine, so its checksum cannot be read: pass the tensor, register the tensor that "
+                          f"holds it, or use integrity=False")
+    raise ConfigError(f"{where} is not memory this process can read (this host has no CUDA device): pass the "
+                      f"tensor, or the address of memory this process holds")
 
 
 def _cuda_present() -> bool:

@@ -162,6 +162,22 @@ def test_a_room_given_as_a_tensor_scalar_is_the_room_of_that_number_on_both_side
         encode_engine.unregister(item.data_ptr())
 
 
+@pytest.mark.parametrize("integrity", [True, False])
+def test_a_raw_source_this_process_cannot_read_is_refused_and_the_room_is_not_held(engines, integrity):
+    """Mooncake's copy or the checksum would read 0x10 and kill the process once a rank asked."""
+    if torch.cuda.is_available() and not integrity:
+        pytest.skip("with a CUDA device and integrity off an unreadable pointer may be GPU memory")
+    encode_engine, _ = engines
+    item = torch.arange(4 * 16, dtype=torch.float32).view(4, 16)
+    with BootstrapServer(HOST, 0) as server, \
+            SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST, integrity=integrity) as pool:
+        with pytest.raises(ConfigError, match=r"^room 1: raw source pointer 0x10 \(256 bytes\) is not memory"):
+            pool.send(1, 0x10, span=4, hidden=16, dtype="float32")
+        assert encode_engine.registered().keys().isdisjoint({0x10})
+        handle = pool.send(1, item)  # the room was never held: sending it is not "already being sent"
+        handle.clear()
+
+
 def test_a_pool_on_another_engine_is_refused(engines):
     from transfer.buffers import ReceivePool
 

@@ -26,24 +26,57 @@ def test_a_raw_source_in_any_dtype_spelling_is_served_by_an_ask(spelling):
     assert [(a.srcs, a.lengths) for a in actions if isinstance(a, StartWrite)] == [((SRC,), (SPAN * HIDDEN * 2,))]
 
 
+def _never() -> bool:
+    raise AssertionError("readability looked up")
+
+
 def test_a_raw_source_inside_a_registered_tensor_takes_its_device_and_rows():
     from transfer.sender import raw_source_region
 
     owner = torch.arange(64, dtype=torch.uint8).view(4, 16)
     addr = owner.data_ptr() + 20
-    region = raw_source_region(1, _source(addr, 1, 8, "torch.uint8")[0], owner, maybe_gpu=True)
+    region = raw_source_region(1, _source(addr, 1, 8, "torch.uint8")[0], owner, readable=_never, cuda=True,
+                               integrity=True)
     assert (region.addr, region.nbytes, region.device) == (addr, 8, "cpu")
     assert region.tensor.tolist() == list(range(20, 28))
 
 
-def test_a_raw_source_of_unknown_memory_is_refused_where_cuda_memory_may_be():
+@pytest.mark.parametrize("cuda", [True, False])
+@pytest.mark.parametrize("integrity", [True, False])
+def test_a_raw_source_of_readable_memory_is_taken_for_host_memory(cuda, integrity):
+    from transfer.sender import raw_source_region
+
+    region = _source(SRC, SPAN, HIDDEN, "bfloat16")[0]
+    assert raw_source_region(1, region, None, readable=lambda: True, cuda=cuda, integrity=integrity) is region
+
+
+def test_an_unreadable_raw_source_may_be_gpu_memory_only_where_cuda_is_and_no_checksum_reads_it():
+    from transfer.sender import raw_source_region
+
+    region = _source(SRC, SPAN, HIDDEN, "bfloat16")[0]
+    assert raw_source_region(1, region, None, readable=_never, cuda=True, integrity=False) is region
+
+
+def test_an_unreadable_raw_source_is_refused_where_cuda_memory_may_be_and_its_checksum_is_read():
     from transfer.errors import ConfigError
     from transfer.sender import raw_source_region
 
     region = _source(SRC, SPAN, HIDDEN, "bfloat16")[0]
-    assert raw_source_region(1, region, None, maybe_gpu=False) is region
-    with pytest.raises(ConfigError, match=r"^room 1: raw source pointer 0x70000000 is not host memory this process can read"):
-        raw_source_region(1, region, None, maybe_gpu=True)
+    with pytest.raises(ConfigError, match=r"^room 1: raw source pointer 0x70000000 \(2048 bytes\) is not host memory "
+                                          r"this process can read, nor inside a tensor registered"):
+        raw_source_region(1, region, None, readable=lambda: False, cuda=True, integrity=True)
+
+
+@pytest.mark.parametrize("integrity", [True, False])
+def test_an_unreadable_raw_source_is_refused_on_a_host_without_cuda(integrity):
+    """Its checksum, or Mooncake's copy over tcp, would read it and kill the process."""
+    from transfer.errors import ConfigError
+    from transfer.sender import raw_source_region
+
+    region = _source(0x10, SPAN, HIDDEN, "bfloat16")[0]
+    with pytest.raises(ConfigError, match=r"^room 1: raw source pointer 0x10 \(2048 bytes\) is not memory this "
+                                          r"process can read \(this host has no CUDA device\)"):
+        raw_source_region(1, region, None, readable=lambda: False, cuda=False, integrity=integrity)
 
 
 def test_host_memory_reads_readable_and_an_inaccessible_mapping_does_not():
