@@ -1,9 +1,10 @@
-"""Stand-ins the unit and live tests share: an engine that records registrations, a clock, copy-out events and
-receive regions."""
+"""Stand-ins the unit and live tests share: an engine that records registrations (and one that plays a
+racing call during one), a clock, copy-out events and receive regions."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 class RecordingEngine:
@@ -23,6 +24,27 @@ class RecordingEngine:
     def unregister(self, addr):
         nbytes = self.regions.pop(addr)
         self.log.append(("unregister", addr, nbytes))
+
+
+class InterleavingEngine(RecordingEngine):
+    """Runs `during_register` inside register(), once, where the lock is free: there it plays the
+    racing thread's call. `lock_free` records whether the pool's lock was free each time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool: Any = None  # a ReceivePool
+        self.during_register = None
+        self.lock_free: list[bool] = []
+
+    def register(self, buf, length=None):
+        racing, self.during_register = self.during_register, None
+        if racing is not None:
+            free = self.pool._lock.acquire(blocking=False)
+            if free:
+                self.pool._lock.release()
+                racing()  # a held lock would deadlock the racing call: it only runs where the lock is free
+            self.lock_free.append(free)
+        return super().register(buf, length)
 
 
 class FakeClock:

@@ -21,7 +21,10 @@ copied out:
   FallbackLimitError, leaving nothing allocated or registered.
 
 Every state change goes through one lock, so release() may come from another
-thread than lease(). Time comes from an injectable `clock` (tests fake it).
+thread than lease(). The engine's register() and unregister() run outside it (a new
+fallback's bytes are reserved under it first, and counted live or given back after), so
+no release, lease or end_quarantine() waits on a registration. Time comes from an
+injectable `clock` (tests fake it).
 """
 
 from __future__ import annotations
@@ -293,20 +296,39 @@ class ReceivePool:
                 return slot
             if not (self._reserve(size) or self._reserve_retiring_idle(size)):
                 raise FallbackLimitError(self._over_cap(int(nbytes)))
-        try:
-            tensor = torch.empty(size, dtype=torch.uint8, device=self.device)
-            with self._lock:
-                self._check_open()
-                self.engine.register(tensor)
-                region = Region(tensor.data_ptr(), tensor.numel(), self.device, tensor)
-                self._fallbacks[region.addr] = region
-                self._fallbacks_total += 1
-        except BaseException:
-            self._unreserve(size)
-            raise
+        region = self._register_fallback(size)
         log.debug("fallback buffer of %d bytes at %#x (pool slots %d bytes, %d free)",
                   nbytes, region.addr, self.slot_bytes, len(self._free))
         return Slot(self, region, 0, int(nbytes), -1, True)
+
+    def _register_fallback(self, size: int) -> Region:
+        """Allocates and registers a fallback of `size` bytes, reserved already, and counts it live.
+
+        The registration (milliseconds over RDMA) runs outside the lock, so releases, other
+        leases and end_quarantine() go on meanwhile; the reservation keeps the cap. A failure
+        gives the reservation back; a close() meanwhile unregisters the buffer again and
+        raises SlotError, as for a pool closed before the call.
+        """
+        try:
+            with self._lock:
+                self._check_open()
+            tensor = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self.engine.register(tensor)
+        except BaseException:
+            self._unreserve(size)
+            raise
+        region = Region(tensor.data_ptr(), tensor.numel(), self.device, tensor)
+        with self._lock:
+            closed = self._closed
+            if closed:  # close() zeroed the count, this reservation included; the memory goes with the pool
+                self._retired.append(region)
+            else:
+                self._fallbacks[region.addr] = region
+                self._fallbacks_total += 1
+        if closed:
+            self._unregister(region)
+            raise self._closed_error()
+        return region
 
     def _idle_fallback(self, size: int) -> Region | None:
         """Takes the smallest fallback in its grace (not quarantined) of at least `size` bytes, if any."""
@@ -489,7 +511,10 @@ class ReceivePool:
     def _check_open(self) -> None:
         """Raise when the pool was closed (caller holds the lock)."""
         if self._closed:
-            raise SlotError(f"receive pool at {self.region.addr:#x} is closed")
+            raise self._closed_error()
+
+    def _closed_error(self) -> SlotError:
+        return SlotError(f"receive pool at {self.region.addr:#x} is closed")
 
     def _unregister(self, region: Region) -> None:
         """Deregister one region, logging (not raising) when the engine refuses."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fakes import FakeClock, RecordingEngine
+from fakes import FakeClock, InterleavingEngine, RecordingEngine
 
 from transfer.buffers import ReceivePool
 
@@ -54,3 +54,26 @@ def test_a_fallback_confirmed_safe_starts_its_grace():
         clock.advance(1.0)  # its grace ended, long before the 30 s quarantine would have
         assert pool.stats()["fallbacks_live"] == 0 and fallback.addr not in pool.engine.regions
         held.release()
+
+
+def test_a_fallbacks_registration_leaves_the_lock_to_end_quarantine_and_to_leases():
+    # Over RDMA a registration takes milliseconds: the prefill I/O thread's end_quarantine() and
+    # the other leases must not wait for it.
+    engine, clock = InterleavingEngine(), FakeClock()
+    with ReceivePool(engine, SLOT, SLOT, clock=clock, quarantine_s=30.0, grace_s=10.0) as pool:
+        engine.pool = pool
+        failed = pool.lease(SLOT)
+        failed.fail()
+        leased = []
+
+        def meanwhile() -> None:
+            failed.end_quarantine()
+            leased.append(pool.lease(SLOT))
+
+        engine.during_register = meanwhile
+        fallback = pool.lease_or_fallback(SLOT)
+        assert engine.lock_free == [True]
+        assert fallback.is_fallback and leased[0] is not None and leased[0].index == failed.index
+        assert pool.stats()["quarantined"] == 0
+        fallback.release()
+        leased[0].release()

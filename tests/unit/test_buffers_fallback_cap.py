@@ -6,9 +6,9 @@ import random
 import re
 
 import pytest
-from fakes import FakeClock, FakeEvent, RecordingEngine
+from fakes import FakeClock, FakeEvent, InterleavingEngine, RecordingEngine
 
-from transfer.buffers import FALLBACK_FLOOR_BYTES, FallbackLimitError, ReceivePool
+from transfer.buffers import FALLBACK_FLOOR_BYTES, FallbackLimitError, ReceivePool, SlotError
 
 
 SLOT = 256
@@ -283,3 +283,53 @@ def test_the_room_idle_fallbacks_make_goes_to_the_item_they_were_dropped_for():
         assert sorted(engine.regions.values()) == [SLOT, 300, 700] and pool.stats()["fallback_bytes"] == 1000
         live.release()
         big.release()
+
+
+def test_a_lease_during_a_fallbacks_registration_counts_its_reservation_against_the_cap():
+    engine, clock = InterleavingEngine(), FakeClock()
+    with ReceivePool(engine, SLOT, SLOT, max_fallback_bytes=3 * SLOT, clock=clock) as pool:
+        engine.pool = pool
+        slot = pool.lease(8)
+        meanwhile = []
+
+        def lease_meanwhile() -> None:
+            with pytest.raises(FallbackLimitError, match="they hold 512 bytes"):
+                pool.lease_or_fallback(2 * SLOT)  # 2 SLOT reserved + 2 SLOT > 3 SLOT
+            meanwhile.append(pool.lease_or_fallback(SLOT))  # fits beside the reservation
+
+        engine.during_register = lease_meanwhile
+        first = pool.lease_or_fallback(2 * SLOT)
+        assert engine.lock_free == [True]
+        assert first.is_fallback and [held.is_fallback for held in meanwhile] == [True]
+        stats = pool.stats()
+        assert (stats["fallback_bytes"], stats["fallbacks_live"], stats["fallbacks_total"]) == (3 * SLOT, 2, 2)
+        assert _fallback_bytes(engine, pool) == 3 * SLOT
+        for held in (slot, first, *meanwhile):
+            held.release()
+
+
+@pytest.mark.parametrize("registers", [True, False])
+def test_a_close_during_a_fallbacks_registration_leaves_nothing_registered_or_counted(registers):
+    class Engine(InterleavingEngine):
+        def register(self, buf, length=None):
+            addr_nbytes = super().register(buf, length)
+            if not registers and buf.numel() == 2 * SLOT:
+                self.regions.pop(buf.data_ptr())
+                raise RuntimeError("register failed: engine closed")
+            return addr_nbytes
+
+    engine, clock = Engine(), FakeClock()
+    pool = ReceivePool(engine, SLOT, SLOT, max_fallback_bytes=4 * SLOT, clock=clock)
+    engine.pool = pool
+    slot = pool.lease(8)
+    engine.during_register = pool.close
+    with pytest.raises(SlotError if registers else RuntimeError, match="is closed" if registers else "engine closed"):
+        pool.lease_or_fallback(2 * SLOT)
+    assert engine.lock_free == [True]
+    assert engine.regions == {}
+    stats = pool.stats()
+    assert (stats["fallback_bytes"], stats["fallbacks_live"], stats["fallbacks_total"]) == (0, 0, 0)
+    slot.release()
+    with pytest.raises(SlotError, match="is closed"):
+        pool.lease_or_fallback(2 * SLOT)
+    assert engine.regions == {}
