@@ -323,10 +323,10 @@ class SenderPool:
         a peer's that knows no DELETE, leaves it listed, which is logged), so prefill ranks
         stop being sent here before the socket closes. Writes already submitted are waited
         for first, at most CLOSE_WAIT_S, so no source is released while the engine may still
-        read it; once the thread stopped, the pool holds no item's source, its room cleared
-        or not. A driver still stuck past that (inside an engine call) is left to finish
-        alone: its rooms fail here, and it closes its own sockets and registrations if it
-        ever returns.
+        read it; once the thread stopped (closed, or stopped by an error before), the pool
+        holds no item's source, its room cleared or not. A driver still stuck past that
+        (inside an engine call) is left to finish alone: its rooms fail here, and it closes
+        its own sockets and registrations if it ever returns.
         """
         self._dropped.detach()
         _close(self._book, self._driver, self._route)
@@ -379,6 +379,8 @@ def _close(book: RoomBook, driver: EncodeDriver, route: _Route) -> None:
     # A later close() waits as long as the first: its caller may close the engine next.
     if thread.ident is not None and thread is not threading.current_thread():
         thread.join(timeout=_drive.CLOSE_WAIT_S + CLOSE_GRACE_S)
+    if thread.ident is not None and not thread.is_alive():
+        driver.release_sources()  # those of a thread that stopped before it let go of them (idempotent)
     if first and thread.is_alive():
         log.error("sender pool of encode rank %d: writes still in flight after %gs (its thread is inside an "
                   "engine call); failing their rooms, leaving its sockets and temporary source registrations "

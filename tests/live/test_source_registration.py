@@ -6,7 +6,7 @@ import threading
 import time
 
 import torch
-from live_helpers import HOST, LIVE, bootstrap_server, item_tensor
+from live_helpers import HOST, LIVE, bootstrap_server, item_tensor, wait_until
 
 from transfer.drive.encode import RETRY_RELEASES_S
 from transfer.engine import Engine, EngineError
@@ -80,6 +80,73 @@ def test_a_source_two_pools_on_one_engine_send_stays_registered_until_both_are_d
         received.clear()
         sent_second.clear()
     assert rows.data_ptr() not in encode.registered()  # both pools closed: nothing holds it
+
+
+def _in_mooncake(engine: Engine, tensor: torch.Tensor) -> bool:
+    """Whether Mooncake itself has memory of `tensor`'s storage registered: it refuses to register
+    it again (-7, an overlap) while it does."""
+    storage = tensor.untyped_storage()
+    if engine._te.register_memory(storage.data_ptr(), storage.nbytes()) != 0:
+        return True
+    assert engine._te.unregister_memory(storage.data_ptr()) == 0
+    return False
+
+
+def _break_the_thread(pool: SenderPool) -> None:
+    """The pool's thread fails on the next item it files."""
+
+    def broken(offer, now):
+        raise RuntimeError("injected")
+
+    pool._core.offer = broken
+
+
+def test_a_pool_whose_thread_fails_lets_go_of_the_sources_its_rooms_held(engines, server):
+    encode, _ = engines
+    filed, lost = item_tensor(1, SPAN, HIDDEN), item_tensor(2, SPAN, HIDDEN)  # each send() registers its own
+    pool = SenderPool(encode, 0, 1, 1, server.address, host=HOST)
+    try:
+        first = pool.send(1, filed)
+        assert wait_until(lambda: 1 in pool._core.rooms(), 5.0)  # the thread filed it: it waits for its asks
+        _break_the_thread(pool)
+        second = pool.send(2, lost)  # the thread fails on this one
+        assert second.wait(5.0) == TransferPoll.Failed and first.wait(5.0) == TransferPoll.Failed
+        assert wait_until(lambda: not pool._thread.is_alive(), 5.0)
+        for source in (filed, lost):
+            assert source.data_ptr() not in encode.registered()
+            assert not _in_mooncake(encode, source), "a failed pool's source stayed registered with Mooncake"
+        assert pool._sources.holding == 0 and pool._sources.counts.counts() == {}
+        first.clear()
+        second.clear()
+    finally:
+        pool.close()
+    assert not any(source.data_ptr() in encode.registered() or _in_mooncake(encode, source) for source in (filed, lost))
+
+
+def test_a_pool_whose_thread_fails_leaves_a_source_another_pool_sends_registered(engines, server):
+    encode, prefill = engines
+    slots = torch.zeros(1, SPAN, HIDDEN, dtype=torch.bfloat16)
+    rows = item_tensor(3, SPAN, HIDDEN)  # not registered: the first send() registers it
+    with bootstrap_server(token=None) as other, \
+            SenderPool(encode, 0, 1, 1, server.address, host=HOST) as failing, \
+            SenderPool(encode, 0, 1, 1, other.address, host=HOST) as serving, \
+            SessionManager(prefill, 0, 1, 1, buffer=slots, host=HOST) as manager:
+        _break_the_thread(failing)
+        lost = failing.send(1, rows)
+        sent = serving.send(2, rows)
+        assert lost.wait(5.0) == TransferPoll.Failed
+        assert wait_until(lambda: not failing._thread.is_alive(), 5.0)
+        assert serving._sources.counts.counts().get(rows.data_ptr()) == 1  # the failed pool's hold went, once
+        assert rows.data_ptr() in encode.registered() and _in_mooncake(encode, rows)
+        received = manager.receive(2, other.address, slots[0])
+        assert received.wait(10.0) == TransferPoll.Success, received.failure
+        assert torch.equal(slots[0].view(torch.uint8), rows.view(torch.uint8))
+        received.clear()
+        sent.clear()
+        lost.clear()
+        # An idle pool's thread lets go of a cleared room's item within half a second.
+        assert wait_until(lambda: rows.data_ptr() not in encode.registered(), 5.0)
+        assert not _in_mooncake(encode, rows)
 
 
 class _SlowRegistrations:

@@ -135,3 +135,32 @@ def test_a_view_whose_storage_is_partly_registered_already_registers_alone():
     assert engine.regions[items.data_ptr()] == 2 * 16 * 4
     release()
     assert items.data_ptr() not in engine.regions and len(engine.regions) == 1
+
+
+def test_a_stopped_drivers_registry_lets_go_of_every_hold_but_those_a_write_still_reads():
+    # A driver that failed never releases the rooms it lost on the way: the pool lets go of
+    # them all at once, keeping what a write still in flight reads (the engine may read it).
+    engine = FakeEngine()
+    sources = SourceRegistry(engine)
+    releases = [sources.hold(_io.Region(0x1000, 256)), sources.hold(_io.Region(0x9000, 256), _io.Region(0x1040, 64))]
+    sources.hold(_io.Region(0x20000, 128))
+    assert sources.release_all(reads=[(0x9080, 16)]) == 2
+    assert engine.regions == {0x9000: 256, 0x1000: 256} and sources.counts.counts() == {0x9000: 1, 0x1000: 1}
+    for release in releases:
+        release()  # a hold already let go of is not let go of again
+    assert engine.regions == {} and len(sources.counts) == 0 and sources.holding == 0
+    assert sources.release_all() == 0
+
+
+def test_letting_go_of_a_stopped_pools_holds_leaves_another_pools_hold_on_a_shared_source():
+    engine = FakeEngine()
+    stopped, running = SourceRegistry(engine), SourceRegistry(engine)
+    lost = stopped.hold(_io.Region(0x9000, 256))
+    kept = running.hold(_io.Region(0x9040, 64))
+    assert lost is not None and kept is not None
+    assert stopped.release_all() == 1
+    lost()  # the stopped pool's own release, late: the shared count must not drop twice
+    assert engine.regions == {0x9000: 256} and running.counts.counts() == {0x9000: 1}
+    assert running.holding == 1 and stopped.holding == 0
+    kept()
+    assert engine.regions == {} and len(running.counts) == 0

@@ -11,6 +11,8 @@ the statuses that waited for a connection to come up, and closes idle ones.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import math
 import select
@@ -18,7 +20,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,9 +182,10 @@ class SourceRegistry:
     """Registers source regions that lie outside registered memory, counted per registration.
 
     send() holds them on the caller's thread; the driver releases them once the core
-    says nothing reads them any more. Every registry on one engine shares its counts:
-    a region registered for one pool's send stays registered while a room of any pool
-    on that engine reads it, and one the caller registered is never unregistered here.
+    says nothing reads them any more, and once it stopped, whatever its rooms still hold
+    (release_all(): writes still in flight excepted). Every registry on one engine shares
+    its counts: a region registered for one pool's send stays registered while a room of
+    any pool on that engine reads it, and one the caller registered is never unregistered here.
     `lock` guards the counts and is never held across a registration (slow for a large
     region over RDMA): the drivers' releases do not wait for one. Callers register one
     region at a time, under `_registering`.
@@ -194,19 +197,21 @@ class SourceRegistry:
         self.lock = self._shared.lock
         self.counts = self._shared.counts
         self._registering = self._shared.registering
+        self._holds: dict[int, tuple[int, ...]] = {}  # this registry's holds not let go of yet: key -> bases
+        self._keys = itertools.count(1)
 
     def hold(self, *regions: _io.Region | None) -> Callable[[], None] | None:
         """Holds each region's registration (registering it if needed); returns their release, or None.
 
-        If one region cannot be registered, those already held are released before raising.
+        The release lets go once, however often it is called (release_all() may have let go
+        already). If one region cannot be registered, those already held are released before
+        raising.
         """
         held: list[int] = []
 
         def release() -> None:
             with self.lock:
-                for base in held:
-                    if self.counts.release(base):
-                        self._drop(base)
+                self._let_go(held)
 
         try:
             for region in regions:
@@ -223,7 +228,54 @@ class SourceRegistry:
         except BaseException:
             release()
             raise
-        return release if held else None
+        if not held:
+            return None
+        with self.lock:
+            key = next(self._keys)
+            self._holds[key] = tuple(held)
+        return functools.partial(self._release, key)
+
+    def _release(self, key: int) -> None:
+        """Lets go of one hold, unless it was let go of already."""
+        with self.lock:
+            bases = self._holds.pop(key, None)
+            if bases is not None:
+                self._let_go(bases)
+
+    def _let_go(self, bases: Iterable[int]) -> None:
+        """One hold fewer on each base; unregisters those no room holds any more (lock held)."""
+        for base in bases:
+            if self.counts.release(base):
+                self._drop(base)
+
+    def release_all(self, reads: Iterable[tuple[int, int]] = ()) -> int:
+        """Lets go of every hold this registry made that was not let go of yet, but those around
+        memory a write may still read (`reads`: (address, bytes) pairs); returns how many it let go.
+
+        For a driver that stopped: the rooms it will never release any more. Only this
+        registry's own holds go, so a source another pool on the engine still sends stays
+        registered; a hold let go of here is not let go of again by its own release.
+        """
+        with self.lock:
+            if not self._holds:
+                return 0
+            registered = self.engine.registered()
+            reads = list(reads)
+            let_go = 0
+            for key, bases in list(self._holds.items()):
+                if any(addr < base + registered.get(base, 0) and base < addr + nbytes
+                       for base in bases for addr, nbytes in reads):
+                    continue
+                del self._holds[key]
+                self._let_go(bases)
+                let_go += 1
+        return let_go
+
+    @property
+    def holding(self) -> int:
+        """Holds this registry made that were not let go of yet."""
+        with self.lock:
+            return len(self._holds)
 
     def _extent(self, region: _io.Region) -> _io.Region:
         """What to register for `region`: the whole storage of its tensor, so that every view of it
@@ -312,6 +364,7 @@ class _Flight:
     nbytes: int
     checksums: tuple[int, ...]
     submitted_at: float
+    reads: tuple[tuple[int, int], ...] = ()  # (address, bytes) of the sources it reads
 
 
 class EncodeDriver:
@@ -536,7 +589,8 @@ class EncodeDriver:
                 answer = self.core.checksum_failed(write.wid, str(exc), self.clock())
         nbytes = sum(write.lengths)
         self.polls.started(nbytes, submitted_at)
-        self._flights.append(_Flight(write.wid, batch, write.session_id, nbytes, checksums, submitted_at))
+        self._flights.append(_Flight(write.wid, batch, write.session_id, nbytes, checksums, submitted_at,
+                                     tuple(zip(write.srcs, write.lengths))))
         return answer
 
     def _submit(self, session_id: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
@@ -598,8 +652,27 @@ class EncodeDriver:
             log.exception("the encode core could not fail its rooms; failing them in the room book")
         self.book.fail_open(Failure(FailureKind.CLOSED, detail), now)
 
+    def release_sources(self) -> None:
+        """Lets go of the pool's source registrations that no room releases any more, but those
+        writes still in flight read (the thread stopped, or never settled them).
+
+        The core releases every room once nothing reads it; after the thread failed, the
+        rooms it lost on the way (an item it never filed, actions it never carried out)
+        would otherwise hold their registrations for the engine's life. Idempotent.
+        """
+        try:
+            let_go = self.sources.release_all(read for flight in self._flights for read in flight.reads)
+        except Exception:
+            log.exception("sender pool of encode rank %d: dropping its temporary source registrations failed",
+                          self.engine_rank)
+            return
+        if let_go:
+            log.info("sender pool of encode rank %d: let go of the temporary source registrations of %d rooms its "
+                     "stopped thread never released", self.engine_rank, let_go)
+
     def _close(self) -> None:
-        """Settles what was submitted (at most CLOSE_WAIT_S), fails the rest, closes the sockets."""
+        """Settles what was submitted (at most CLOSE_WAIT_S), fails the rest, lets go of every room's
+        sources but those writes still in flight read, closes the sockets."""
         self.core.stop_writes()
         deadline = self.clock() + CLOSE_WAIT_S
         try:
@@ -616,6 +689,7 @@ class EncodeDriver:
         except Exception:
             log.exception("closing the sender pool's driver failed")
         self.book.fail_open(Failure(FailureKind.CLOSED, "sender pool closed"), self.clock())
+        self.release_sources()
         if not self._flights:
             self.sources.retry()  # registrations an abandoned write held, if the engine let go since
         self.pull.close(0)
