@@ -925,8 +925,17 @@ def as_region(buf: Any, nbytes: int | None = None) -> Region:
     if hasattr(buf, "data_ptr"):
         if not buf.is_contiguous():
             raise ConfigError(f"tensor of shape {tuple(buf.shape)} is not contiguous")
+        refuse_lazy_view(buf)
         return Region(buf.data_ptr(), buf.numel() * buf.element_size(), str(buf.device), buf)
     raise ConfigTypeError(f"expected a torch tensor or an (address, length) pair, got {type(buf).__name__}")
+
+
+def refuse_lazy_view(tensor: Any) -> None:
+    """ConfigError for a tensor whose memory holds other values than it reads (torch's lazy negation or
+    conjugation): its bytes would be moved as they are, and read back with the other sign."""
+    if getattr(tensor, "is_neg", lambda: False)() or getattr(tensor, "is_conj", lambda: False)():
+        raise ConfigError(f"tensor of shape {tuple(tensor.shape)} is a lazily negated or conjugated view: its memory "
+                          f"holds other values than it reads; pass tensor.resolve_neg() or tensor.resolve_conj()")
 
 
 def host_readable(addr: int, nbytes: int) -> bool:

@@ -412,6 +412,9 @@ class SessionManager:
             if has_ds and (regions.deepstack is None or not regions.deepstack.contains(ds_ptr, ds_nbytes)):
                 continue
             return regions
+        if has_ds and all(regions.deepstack is None for regions in sets):
+            raise ConfigError(f"room {room}: a deepstack destination was given, but this session manager has no "
+                              f"deepstack receive buffer: pass deepstack_buffer= or add_region(embedding, deepstack)")
         ds = f" and deepstack [{ds_ptr:#x}, +{ds_nbytes})" if has_ds else ""
         raise ConfigError(
             f"room {room}: destination [{ptr:#x}, +{nbytes}){ds} is outside every registered receive "
@@ -587,10 +590,11 @@ def _deepstack_row_bytes(room: int, deepstack_dst: Any, nbytes: int, rows: int, 
     unless it holds exactly that. None only for an empty shard whose width nothing tells (no
     `deepstack_hidden`, not a 2-D tensor): nothing is written there."""
     size = dtype_size(dtype)
+    problem = None if deepstack_hidden is None else size_problem("deepstack_hidden", deepstack_hidden, 1)
+    if problem:
+        raise ConfigError(f"room {room}: {problem}")
+    _check_deepstack_tensor(room, deepstack_dst, rows, dtype, deepstack_hidden)
     if deepstack_hidden is not None:
-        problem = size_problem("deepstack_hidden", deepstack_hidden, 1)
-        if problem:
-            raise ConfigError(f"room {room}: {problem}")
         row_bytes = deepstack_hidden * size
         if nbytes != rows * row_bytes:
             raise ConfigError(f"room {room}: deepstack destination of {nbytes} bytes does not hold {rows} rows of "
@@ -608,6 +612,24 @@ def _deepstack_row_bytes(room: int, deepstack_dst: Any, nbytes: int, rows: int, 
     return row_bytes
 
 
+def _check_deepstack_tensor(room: int, deepstack_dst: Any, rows: int, dtype: str,
+                            deepstack_hidden: int | None) -> None:
+    """ConfigError for a deepstack destination tensor that is not `rows` rows of the item's `dtype` (deepstack
+    rows share the item's element type, which the wire does not carry for them)."""
+    t_dtype = getattr(deepstack_dst, "dtype", None)
+    if t_dtype is None:
+        return  # an (address, bytes) pair: its bytes are all there is to check
+    if normalize_dtype(t_dtype) != dtype:
+        raise ConfigError(f"room {room}: deepstack destination dtype {normalize_dtype(t_dtype)} != item dtype {dtype} "
+                          f"(deepstack rows are of the item's dtype)")
+    if deepstack_dst.dim() == 2:
+        t_rows, t_hidden = (int(n) for n in deepstack_dst.shape)
+        if t_rows != rows or (deepstack_hidden is not None and t_hidden != deepstack_hidden):
+            hidden = "" if deepstack_hidden is None else f" of deepstack_hidden {deepstack_hidden}"
+            raise ConfigError(f"room {room}: deepstack destination of shape {tuple(deepstack_dst.shape)} is not "
+                              f"{rows} rows{hidden}")
+
+
 def _destination(dst: torch.Tensor | int, rows: int | None, hidden: int | None,
                  dtype: str | None) -> tuple[int, int, int, str]:
     """(pointer, rows, hidden, dtype) of a destination tensor or raw pointer."""
@@ -619,6 +641,7 @@ def _destination(dst: torch.Tensor | int, rows: int | None, hidden: int | None,
         raise ConfigTypeError(f"dst must be a torch tensor or a pointer, got {type(dst).__name__}")
     if not dst.is_contiguous():
         raise ConfigError(f"destination of shape {tuple(dst.shape)} is not contiguous")
+    _io.refuse_lazy_view(dst)
     if dst.dim() == 2:
         t_rows, t_hidden = dst.shape
     elif hidden:
@@ -627,7 +650,7 @@ def _destination(dst: torch.Tensor | int, rows: int | None, hidden: int | None,
         t_rows, t_hidden = dst.numel() // hidden, hidden
     else:
         raise ConfigError("a destination that is not 2-D needs `hidden`")
-    t_dtype = str(dst.dtype)
+    t_dtype = normalize_dtype(dst.dtype)
     for name, given, actual in (("rows", rows, t_rows), ("hidden", hidden, t_hidden), ("dtype", dtype, t_dtype)):
         if given is not None and given != actual:
             raise ConfigError(f"{name} {given} disagrees with the destination tensor's {actual}")

@@ -414,7 +414,7 @@ def _source(src: torch.Tensor | int, span: int | None, hidden: int | None,
         raise ConfigTypeError(f"src must be a torch tensor or a pointer, got {type(src).__name__}")
     if src.dim() != 2:
         raise ConfigError(f"source must be 2-D [span, hidden], got shape {tuple(src.shape)}")
-    t_span, t_hidden, t_dtype = int(src.shape[0]), int(src.shape[1]), str(src.dtype)
+    t_span, t_hidden, t_dtype = int(src.shape[0]), int(src.shape[1]), normalize_dtype(src.dtype)
     if t_hidden < 1:
         raise ConfigError(f"source of shape {tuple(src.shape)} has no columns: no receiver can ask for it")
     for name, given, actual in (("span", span, t_span), ("hidden", hidden, t_hidden),

@@ -82,6 +82,13 @@ def test_a_deepstack_destination_must_hold_exactly_its_rows(engines):
         handle.clear()
 
 
+def test_a_deepstack_destination_for_a_manager_without_a_deepstack_buffer_says_so(manager):
+    manager, bootstrap, buf = manager
+    with pytest.raises(ConfigError, match=r"^room 1: a deepstack destination was given, but this session manager "
+                                          r"has no deepstack receive buffer: pass deepstack_buffer="):
+        manager.receive(1, bootstrap, buf[:2], deepstack_dst=buf[2:4])
+
+
 def test_clear_with_something_that_is_no_event_is_refused_and_keeps_the_room(manager):
     manager, bootstrap, buf = manager
     handle = manager.receive(1, bootstrap, buf)

@@ -1,4 +1,5 @@
-"""The prefill façade's own checks that need no engine: a deepstack destination's row width (transfer.receiver)."""
+"""The prefill façade's own checks that need no engine: a deepstack destination's row width and element type, and
+what a destination tensor may be (transfer.receiver)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from transfer.errors import ConfigError
-from transfer.receiver import _deepstack_row_bytes
+from transfer.receiver import _deepstack_row_bytes, _destination
 
 BF16 = "torch.bfloat16"
 
@@ -48,3 +49,34 @@ def test_a_destination_that_does_not_hold_exactly_its_rows_is_refused(dst, rows,
     with pytest.raises(ConfigError) as caught:
         width(dst, rows, deepstack_hidden)
     assert str(caught.value) == message
+
+
+@pytest.mark.parametrize("dst, rows, deepstack_hidden, message", [
+    (torch.empty(4, 48, dtype=torch.float32), 4, None,
+     "room 7: deepstack destination dtype torch.float32 != item dtype torch.bfloat16 (deepstack rows are of the "
+     "item's dtype)"),
+    (torch.empty(4 * 48, dtype=torch.float32), 4, 96,
+     "room 7: deepstack destination dtype torch.float32 != item dtype torch.bfloat16 (deepstack rows are of the "
+     "item's dtype)"),
+    (torch.empty(2, 192, dtype=torch.bfloat16), 4, None, "room 7: deepstack destination of shape (2, 192) is not 4 rows"),
+    (torch.empty(2, 32, dtype=torch.bfloat16), 4, 16,
+     "room 7: deepstack destination of shape (2, 32) is not 4 rows of deepstack_hidden 16"),
+])
+def test_a_deepstack_tensor_of_another_dtype_or_shape_is_refused_though_its_bytes_fit(dst, rows, deepstack_hidden,
+                                                                                      message):
+    """Its bytes would land as they are and be read as other values: a Success with wrong numbers."""
+    with pytest.raises(ConfigError) as caught:
+        width(dst, rows, deepstack_hidden)
+    assert str(caught.value) == message
+
+
+def test_a_destination_tensor_of_a_dtype_the_wire_has_no_name_for_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"^unknown dtype torch.complex64"):
+        _destination(torch.empty(2, 4, dtype=torch.complex64), None, None, None)
+
+
+def test_a_lazily_negated_destination_is_refused():
+    tensor = torch.zeros(1, 1, dtype=torch.complex64).conj().imag  # its memory holds the values' negation
+    assert tensor.is_neg() and tensor.is_contiguous()
+    with pytest.raises(ConfigError, match="lazily negated or conjugated view"):
+        _destination(tensor, None, None, None)

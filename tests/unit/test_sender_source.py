@@ -1,4 +1,5 @@
-"""What send() makes of its source: a raw pointer's geometry in the wire's spelling, served by an ask."""
+"""What send() makes of its source: a raw pointer's geometry in the wire's spelling, served by an ask; which
+tensors and pointers it refuses."""
 
 from __future__ import annotations
 
@@ -103,3 +104,19 @@ def test_host_memory_reads_readable_and_an_inaccessible_mapping_does_not():
     finally:
         libc.munmap(base, 2 * page)
     assert not _io.host_readable(8, 8)  # nothing is mapped at page 0
+
+
+def test_a_source_tensor_of_a_dtype_the_wire_has_no_name_for_is_a_config_error():
+    from transfer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^unknown dtype torch.complex64"):
+        _source(torch.zeros(2, 4, dtype=torch.complex64), None, None, None)
+
+
+def test_a_lazily_negated_source_is_refused():
+    from transfer.errors import ConfigError
+
+    source = torch.full((1, 1), 3.5 + 3.5j, dtype=torch.complex64).conj().imag  # reads -3.5, holds 3.5
+    assert source.is_neg() and source.is_contiguous()
+    with pytest.raises(ConfigError, match="lazily negated or conjugated view"):
+        _source(source, None, None, None)
