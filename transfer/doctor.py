@@ -425,10 +425,13 @@ def check_mc_env(mc_env: dict[str, str]) -> Check:
     if not mc_env:
         return Check("mc-env", "info", "no MC_* variables set (Mooncake defaults)")
     listed = " ".join(f"{k}={v}" for k, v in mc_env.items())
-    timeout = mc_env.get("MC_TRANSFER_TIMEOUT", "").strip()
-    if timeout and not (timeout.isascii() and timeout.isdigit() and int(timeout) >= 5):
+    timeout = mc_env.get("MC_TRANSFER_TIMEOUT")
+    if timeout is not None and not (timeout.isascii() and timeout.isdigit() and int(timeout) >= 5):
+        from transfer.engine import mooncake_transfer_timeout_s
+
+        taken = mooncake_transfer_timeout_s({"MC_TRANSFER_TIMEOUT": timeout})
         return Check("mc-env", "warn", f"{listed}: MC_TRANSFER_TIMEOUT={timeout!r} is not a whole number of "
-                                       f"seconds of at least 5; the engine uses 30 s (or 5 s, the least) instead",
+                                       f"seconds of at least 5; Mooncake takes it as {taken:g} s",
                      "set MC_TRANSFER_TIMEOUT to whole seconds, 5 or more")
     return Check("mc-env", "ok", listed)
 

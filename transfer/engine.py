@@ -41,10 +41,11 @@ import ipaddress
 import logging
 import math
 import os
+import re
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,13 +78,14 @@ FIRST_ANSWER_S = 0.05
 _ADDRESS_SPACE = 1 << 64
 
 
-def _transfer_timeout_s() -> float:
-    """Mooncake's transfer timeout: MC_TRANSFER_TIMEOUT seconds, default 30, at least 5."""
-    text = os.environ.get("MC_TRANSFER_TIMEOUT", "")
-    try:
-        return max(5.0, float(int(text))) if text.strip() else 30.0
-    except ValueError:
+def mooncake_transfer_timeout_s(environ: Mapping[str, str] | None = None) -> float:
+    """Mooncake's transfer timeout, read as Mooncake reads it: 30 s where MC_TRANSFER_TIMEOUT is unset,
+    else its leading whole number of seconds (C's atoi: "2.5" is 2, "abc" and "" are 0), at least 5."""
+    text = (os.environ if environ is None else environ).get("MC_TRANSFER_TIMEOUT")
+    if text is None:
         return 30.0
+    leading = re.match(r"\s*([+-]?\d+)", text)
+    return float(max(5, int(leading.group(1)) if leading else 0))
 
 
 def check_batch(session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
@@ -458,7 +460,7 @@ class Engine(RegisteredMemory):
         mooncake.engine cannot be imported."""
         check_hostname(hostname)
         self.protocol, self.protocol_reason = effective_protocol(protocol, device_name)
-        self.transfer_timeout_s = (_transfer_timeout_s() if transfer_timeout_s is None
+        self.transfer_timeout_s = (mooncake_transfer_timeout_s() if transfer_timeout_s is None
                                    else check_seconds("transfer_timeout_s", transfer_timeout_s))
         self.open_timeout_s = (OPEN_TIMEOUT_S if open_timeout_s is None  # 0 turns probing off
                                else check_seconds("open_timeout_s", open_timeout_s, zero_ok=True))

@@ -173,11 +173,13 @@ def test_mc_env_listing(tmp_path):
     assert "no MC_* variables set" in line_of(text, "mc-env")
 
 
-@pytest.mark.parametrize("value", ["abc", "1.5", "3", "-40"])
-def test_a_transfer_timeout_the_engine_would_not_take_is_a_warning(tmp_path, value):
+@pytest.mark.parametrize("value, taken", [("abc", 5), ("1.5", 5), ("3", 5), ("-40", 5), ("40.5", 40), (" 12s", 12),
+                                          ("", 5)])
+def test_a_transfer_timeout_the_engine_would_not_take_is_a_warning_naming_what_it_takes(tmp_path, value, taken):
     _, text = run_doctor(tmp_path, environ={"MC_TRANSFER_TIMEOUT": value, "PATH": "/bin"})
     line = line_of(text, "mc-env")
     assert line.startswith("WARN") and f"MC_TRANSFER_TIMEOUT={value!r} is not a whole number of seconds" in line
+    assert f"; Mooncake takes it as {taken} s -> fix" in line
 
 
 def test_epd_variables_are_parsed_as_their_components_will(tmp_path):

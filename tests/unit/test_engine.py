@@ -98,3 +98,15 @@ def test_a_region_mooncake_would_not_unregister_stays_registered_and_its_tensor_
     engine.unregister(addr)
     assert engine.registered() == {} and engine.owner_of(addr, 64) is None
     engine.close()
+
+
+@pytest.mark.parametrize("environ, seconds", [
+    ({}, 30.0), ({"MC_TRANSFER_TIMEOUT": "40"}, 40.0), ({"MC_TRANSFER_TIMEOUT": "2"}, 5.0),
+    ({"MC_TRANSFER_TIMEOUT": "40.5"}, 40.0), ({"MC_TRANSFER_TIMEOUT": " +12 s"}, 12.0),
+    ({"MC_TRANSFER_TIMEOUT": "abc"}, 5.0), ({"MC_TRANSFER_TIMEOUT": ""}, 5.0), ({"MC_TRANSFER_TIMEOUT": "-40"}, 5.0),
+])
+def test_the_transfer_timeout_is_read_as_mooncake_reads_it(environ, seconds):
+    """max(5, atoi(MC_TRANSFER_TIMEOUT)) where it is set: the bound our waits for a write keep must be Mooncake's."""
+    from transfer.engine import mooncake_transfer_timeout_s
+
+    assert mooncake_transfer_timeout_s(environ) == seconds
