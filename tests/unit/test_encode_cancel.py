@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from transfer.core.encode import FAILED_WRITES_KEPT_S, Conclude, Count, EncodeCore, Offer, PushStatus, StartWrite
+from transfer.core.encode import (
+    FAILED_WRITES_KEPT_S,
+    REASK_GRACE_S,
+    SERVED_REASK_WAIT_S,
+    Conclude,
+    Count,
+    EncodeCore,
+    Offer,
+    PushStatus,
+    StartWrite,
+)
 from transfer.core.failure import FailureKind
 from transfer.frames import Cancel, CancelAnswer, TransferInfo, shard_rows
 
@@ -278,6 +288,7 @@ def test_an_item_cancelled_before_it_came_is_expected():
     assert run.core.expects(5)
     run(run.core.cancel(_cancel(5), run.now))
     assert run.core.expects(5)
+    run.now = REASK_GRACE_S
     run(run.core.offer(_offer(5), run.now))
     assert not run.core.expects(5)
     assert run.conclusions() == [(5, TransferPoll.Failed, FailureKind.CANCELLED)]

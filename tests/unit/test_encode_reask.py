@@ -1,0 +1,171 @@
+"""EncodeCore and a receiver that cancels a room and asks for it again at once, while the room's item comes."""
+
+from __future__ import annotations
+
+import pytest
+
+from transfer.core.encode import (
+    REASK_GRACE_S,
+    SERVED_REASK_WAIT_S,
+    Conclude,
+    EncodeCore,
+    Offer,
+    PushStatus,
+    StartWrite,
+)
+from transfer.core.failure import FailureKind
+from transfer.frames import Cancel, CancelAnswer, TransferInfo
+from transfer.status import TransferPoll
+
+HIDDEN = 256
+DTYPE = "torch.bfloat16"
+ROW = HIDDEN * 2
+SRC = 0x7000_0000
+OLD, NEW = 0x10000, 0x90000  # the given-up ask's destination, and the new ask's
+
+
+def _offer(room: int) -> Offer:
+    return Offer(room, object(), SRC, 4, HIDDEN, DTYPE, ROW)
+
+
+def _ask(room: int, ptr: int) -> TransferInfo:
+    return TransferInfo(room, "10.0.0.7", 6000, "10.0.0.7:17000", ptr, 0, 4, HIDDEN, DTYPE, False, 1, 0, 4)
+
+
+def _cancel(room: int) -> Cancel:
+    return Cancel(room, "10.0.0.7", 6000, "10.0.0.7:17000", True)
+
+
+class Run:
+    """A core on a fake clock, and everything it asked for."""
+
+    def __init__(self) -> None:
+        self.core = EncodeCore(fanout_timeout_s=10.0, now=0.0)
+        self.actions: list = []
+
+    def __call__(self, actions: list) -> list:
+        self.actions.extend(actions)
+        return actions
+
+    def of(self, kind: type, actions: list | None = None) -> list:
+        return [a for a in (self.actions if actions is None else actions) if isinstance(a, kind)]
+
+    def statuses(self, actions: list | None = None) -> list[PushStatus]:
+        """Pushes that are not a cancel's answer."""
+        return [a for a in self.of(PushStatus, actions) if a.cancel is None]
+
+    def conclusions(self) -> list[tuple[int, TransferPoll, FailureKind | None]]:
+        return [(c.room, c.status, c.failure and c.failure.kind) for c in self.of(Conclude)]
+
+
+def test_an_item_sent_right_after_a_cancel_waits_for_the_receivers_new_ask_and_is_written_to_it():
+    run = Run()
+    run(run.core.ask(_ask(1, OLD), 0.0))
+    run(run.core.cancel(_cancel(1), 0.0))
+    run(run.core.offer(_offer(1), 0.01))  # between the cancel and the new ask
+    assert run.conclusions() == [] and run.of(StartWrite) == []
+    [write] = run.of(StartWrite, run(run.core.ask(_ask(1, NEW), 0.02)))
+    assert write.dsts == (NEW,), "written to the new ask's memory only"
+    out = run(run.core.write_done(write.wid, (7,), 0.03))
+    assert [(a.room, a.status) for a in run.statuses(out)] == [(1, TransferPoll.Success)]
+    assert run.conclusions() == [(1, TransferPoll.Success, None)]
+    run(run.core.tick(1.0))
+    assert run.conclusions() == [(1, TransferPoll.Success, None)] and len(run.of(StartWrite)) == 1
+
+
+def test_an_item_sent_right_after_a_cancel_fails_once_its_grace_passed_without_a_new_ask():
+    run = Run()
+    run(run.core.ask(_ask(2, OLD), 0.0))
+    run(run.core.cancel(_cancel(2), 0.0))
+    run(run.core.offer(_offer(2), 0.01))
+    assert run.conclusions() == []
+    assert run.core.next_wakeup() == pytest.approx(REASK_GRACE_S), "the wait is bounded and the driver wakes for it"
+    run(run.core.tick(REASK_GRACE_S / 2))
+    assert run.conclusions() == []
+    out = run(run.core.tick(REASK_GRACE_S))
+    assert run.conclusions() == [(2, TransferPoll.Failed, FailureKind.CANCELLED)]
+    [conclusion] = run.of(Conclude, out)
+    assert "receiver 10.0.0.7:17000 cancelled it 0.0s before the item was sent" in conclusion.failure.detail
+    # A new ask after that is told at once that its own cancel failed the item.
+    [told] = run.statuses(run(run.core.ask(_ask(2, NEW), 0.5)))
+    assert told.status is TransferPoll.Failed and "asked for it again 0.500s after its own cancel" in told.failure.detail
+    assert run.of(StartWrite) == []
+
+
+def test_a_new_ask_for_a_room_its_own_cancel_failed_in_flight_is_told_so_at_once():
+    run = Run()
+    run(run.core.offer(_offer(3), 0.0))
+    [write] = run.of(StartWrite, run(run.core.ask(_ask(3, OLD), 0.0)))
+    out = run(run.core.cancel(_cancel(3), 0.01))
+    assert [a.cancel for a in run.of(PushStatus, out)] == [CancelAnswer.TOO_LATE]
+    [told] = run.statuses(run(run.core.ask(_ask(3, NEW), 0.01)))
+    assert told.status is TransferPoll.Failed and told.failure.kind is FailureKind.CANCELLED
+    assert told.failure.detail.startswith("room 3: receiver 10.0.0.7:17000 asked for it again 0.000s after its own "
+                                          "cancel had failed the room's item (receiver 10.0.0.7:17000 cancelled it "
+                                          "while its write was in flight)")
+    assert "Send the room again" in told.failure.detail
+    run(run.core.write_done(write.wid, (7,), 0.02))
+    assert [a.status for a in run.statuses()] == [TransferPoll.Failed], "the landed write is nobody's Success"
+
+
+@pytest.mark.parametrize("cleared", [False, True], ids=["held", "cleared by its caller"])
+def test_a_new_ask_after_a_cancel_that_came_once_the_room_was_served_is_told_failed_after_a_bounded_wait(cleared):
+    """Its write landed in the given-up ask's memory: the new ask waits for a next send of the room, bounded."""
+    run = Run()
+    offer = _offer(4)
+    run(run.core.offer(offer, 0.0))
+    [write] = run.of(StartWrite, run(run.core.ask(_ask(4, OLD), 0.0)))
+    run(run.core.write_done(write.wid, (7,), 0.01))
+    assert run.conclusions() == [(4, TransferPoll.Success, None)]
+    if cleared:
+        run(run.core.clear(4, offer.token, 0.02))
+    out = run(run.core.cancel(_cancel(4), 0.03))
+    assert [a.cancel for a in run.of(PushStatus, out)] == [CancelAnswer.CONFIRMED]
+    assert run.statuses(run(run.core.ask(_ask(4, NEW), 0.03))) == []  # a next send of the room would serve it
+    assert run.core.next_wakeup() <= 0.03 + SERVED_REASK_WAIT_S
+    assert run.statuses(run(run.core.tick(0.03 + SERVED_REASK_WAIT_S / 2))) == []
+    [told] = run.statuses(run(run.core.tick(0.03 + SERVED_REASK_WAIT_S)))
+    assert told.status is TransferPoll.Failed and told.failure.kind is FailureKind.CANCELLED
+    assert "had landed before the cancel came" in told.failure.detail
+    assert f"no next send of the room came within {SERVED_REASK_WAIT_S:g}s" in told.failure.detail
+    assert 4 not in run.core.parked and len(run.of(StartWrite)) == 1
+    assert run.conclusions() == [(4, TransferPoll.Success, None)]
+
+
+def test_a_new_ask_after_a_served_rooms_cancel_is_served_by_its_next_send_and_told_nothing_else():
+    run = Run()
+    first = _offer(5)
+    run(run.core.offer(first, 0.0))
+    [write] = run.of(StartWrite, run(run.core.ask(_ask(5, OLD), 0.0)))
+    run(run.core.write_done(write.wid, (7,), 0.01))
+    run(run.core.cancel(_cancel(5), 0.02))
+    run(run.core.ask(_ask(5, NEW), 0.02))
+    run(run.core.clear(5, first.token, 0.5))
+    [again] = run.of(StartWrite, run(run.core.offer(_offer(5), 0.5)))  # the room sent again: a retry
+    assert again.dsts == (NEW,)
+    run(run.core.write_done(again.wid, (7,), 0.6))
+    run(run.core.tick(0.02 + SERVED_REASK_WAIT_S))
+    assert [a.status for a in run.statuses()] == [TransferPoll.Success, TransferPoll.Success]
+    # And without that next send, the same new ask would have been told Failed: see the test above.
+    run2 = Run()
+    run2(run2.core.offer(_offer(5), 0.0))
+    [write] = run2.of(StartWrite, run2(run2.core.ask(_ask(5, OLD), 0.0)))
+    run2(run2.core.write_done(write.wid, (7,), 0.01))
+    run2(run2.core.cancel(_cancel(5), 0.02))
+    run2(run2.core.ask(_ask(5, NEW), 0.02))
+    run2(run2.core.tick(0.02 + SERVED_REASK_WAIT_S))
+    assert [a.status for a in run2.statuses()] == [TransferPoll.Success, TransferPoll.Failed]
+
+
+def test_an_item_cleared_and_sent_again_while_it_waits_for_a_new_ask_leaves_the_new_send_to_its_asks():
+    run = Run()
+    run(run.core.ask(_ask(6, OLD), 0.0))
+    run(run.core.cancel(_cancel(6), 0.0))
+    first = _offer(6)
+    run(run.core.offer(first, 0.01))
+    run(run.core.clear(6, first.token, 0.02))  # its caller clears it and sends it again
+    run(run.core.offer(_offer(6), 0.03))
+    run(run.core.tick(REASK_GRACE_S))
+    assert run.conclusions() == [(6, TransferPoll.Failed, FailureKind.CLEARED)], "the send again waits for its asks"
+    [write] = run.of(StartWrite, run(run.core.ask(_ask(6, NEW), 0.2)))
+    assert write.dsts == (NEW,)
