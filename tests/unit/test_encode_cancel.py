@@ -5,7 +5,6 @@ from __future__ import annotations
 from transfer.core.encode import (
     FAILED_WRITES_KEPT_S,
     REASK_GRACE_S,
-    SERVED_REASK_WAIT_S,
     Conclude,
     Count,
     EncodeCore,

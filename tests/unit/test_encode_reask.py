@@ -6,7 +6,6 @@ import pytest
 
 from transfer.core.encode import (
     REASK_GRACE_S,
-    SERVED_REASK_WAIT_S,
     Conclude,
     EncodeCore,
     Offer,
@@ -106,55 +105,6 @@ def test_a_new_ask_for_a_room_its_own_cancel_failed_in_flight_is_told_so_at_once
     assert "Send the room again" in told.failure.detail
     run(run.core.write_done(write.wid, (7,), 0.02))
     assert [a.status for a in run.statuses()] == [TransferPoll.Failed], "the landed write is nobody's Success"
-
-
-@pytest.mark.parametrize("cleared", [False, True], ids=["held", "cleared by its caller"])
-def test_a_new_ask_after_a_cancel_that_came_once_the_room_was_served_is_told_failed_after_a_bounded_wait(cleared):
-    """Its write landed in the given-up ask's memory: the new ask waits for a next send of the room, bounded."""
-    run = Run()
-    offer = _offer(4)
-    run(run.core.offer(offer, 0.0))
-    [write] = run.of(StartWrite, run(run.core.ask(_ask(4, OLD), 0.0)))
-    run(run.core.write_done(write.wid, (7,), 0.01))
-    assert run.conclusions() == [(4, TransferPoll.Success, None)]
-    if cleared:
-        run(run.core.clear(4, offer.token, 0.02))
-    out = run(run.core.cancel(_cancel(4), 0.03))
-    assert [a.cancel for a in run.of(PushStatus, out)] == [CancelAnswer.CONFIRMED]
-    assert run.statuses(run(run.core.ask(_ask(4, NEW), 0.03))) == []  # a next send of the room would serve it
-    assert run.core.next_wakeup() <= 0.03 + SERVED_REASK_WAIT_S
-    assert run.statuses(run(run.core.tick(0.03 + SERVED_REASK_WAIT_S / 2))) == []
-    [told] = run.statuses(run(run.core.tick(0.03 + SERVED_REASK_WAIT_S)))
-    assert told.status is TransferPoll.Failed and told.failure.kind is FailureKind.CANCELLED
-    assert "had landed before the cancel came" in told.failure.detail
-    assert f"no next send of the room came within {SERVED_REASK_WAIT_S:g}s" in told.failure.detail
-    assert 4 not in run.core.parked and len(run.of(StartWrite)) == 1
-    assert run.conclusions() == [(4, TransferPoll.Success, None)]
-
-
-def test_a_new_ask_after_a_served_rooms_cancel_is_served_by_its_next_send_and_told_nothing_else():
-    run = Run()
-    first = _offer(5)
-    run(run.core.offer(first, 0.0))
-    [write] = run.of(StartWrite, run(run.core.ask(_ask(5, OLD), 0.0)))
-    run(run.core.write_done(write.wid, (7,), 0.01))
-    run(run.core.cancel(_cancel(5), 0.02))
-    run(run.core.ask(_ask(5, NEW), 0.02))
-    run(run.core.clear(5, first.token, 0.5))
-    [again] = run.of(StartWrite, run(run.core.offer(_offer(5), 0.5)))  # the room sent again: a retry
-    assert again.dsts == (NEW,)
-    run(run.core.write_done(again.wid, (7,), 0.6))
-    run(run.core.tick(0.02 + SERVED_REASK_WAIT_S))
-    assert [a.status for a in run.statuses()] == [TransferPoll.Success, TransferPoll.Success]
-    # And without that next send, the same new ask would have been told Failed: see the test above.
-    run2 = Run()
-    run2(run2.core.offer(_offer(5), 0.0))
-    [write] = run2.of(StartWrite, run2(run2.core.ask(_ask(5, OLD), 0.0)))
-    run2(run2.core.write_done(write.wid, (7,), 0.01))
-    run2(run2.core.cancel(_cancel(5), 0.02))
-    run2(run2.core.ask(_ask(5, NEW), 0.02))
-    run2(run2.core.tick(0.02 + SERVED_REASK_WAIT_S))
-    assert [a.status for a in run2.statuses()] == [TransferPoll.Success, TransferPoll.Failed]
 
 
 def test_an_item_cleared_and_sent_again_while_it_waits_for_a_new_ask_leaves_the_new_send_to_its_asks():

@@ -19,13 +19,12 @@ Success. Its answer says whether the receiver's memory is safe now (nothing was 
 will be written) or a write was already in flight; then a second answer follows
 once that write is over.
 
-A receiver may give a room up and ask for it again at once (cancel, then ask): an
-item that comes within REASK_GRACE_S of a cancel of a parked ask waits the rest of
-that grace for the receiver's new ask, and is written to it, before the cancel fails
-it. A new ask for a room that receiver's own cancel failed is told Failed at once,
-saying so; one whose write had landed (in the memory of the ask it cancelled) before
-the cancel came, the room served in full, waits SERVED_REASK_WAIT_S for the room's
-next send and is then told Failed, saying why.
+A receiver may give a room up and ask for it again at once (cancel, then ask). An
+item that comes within REASK_GRACE_S of the cancel of a parked ask waits the rest of
+that grace for the receiver's new ask and is written to it; without one, the cancel
+fails it then. A new ask for a room that the receiver's own cancel failed is told
+Failed at once, saying so. A served item is never written again: a new ask for a
+room served before its cancel came waits for the room's next send, like any ask.
 """
 
 from __future__ import annotations
@@ -44,28 +43,17 @@ from transfer.core.scheduler import WriteScheduler
 from transfer.frames import Cancel, CancelAnswer, Registration, TransferInfo, receiver_text, validate_fanout
 from transfer.status import TransferPoll
 
-__all__ = ["CLEARED_GRACE_S", "REASK_GRACE_S", "SERVED_REASK_S", "SERVED_REASK_WAIT_S", "SWEEP_S", "Conclude", "Count", "EncodeCore", "Offer", "Progress", "PushStatus",
-           "Release", "StartWrite", "Warn"]
+__all__ = ["CLEARED_GRACE_S", "REASK_GRACE_S", "SWEEP_S", "Conclude", "Count", "EncodeCore", "Offer", "Progress",
+           "PushStatus", "Release", "StartWrite", "Warn"]
 
 #: A room cleared before its whole fanout asked has its parked asks told Failed this long
 #: after the clear, so a caller that clears and sends the room again at once (a retry)
 #: keeps them for the new item.
 CLEARED_GRACE_S = 0.1
 
-#: An item sent within this long of a receiver's cancel of its parked ask waits for the rest of it for
-#: that receiver's new ask (it gave the room up and asks again at once) before the cancel fails it.
+#: An item sent within this long of a receiver's cancel of its parked ask waits the rest of it for that
+#: receiver's new ask (it gave the room up and asks again at once); the cancel fails the item only then.
 REASK_GRACE_S = 0.1
-
-#: A receiver that cancels a room whose write to it had landed (the room served in full) and asks for it
-#: again within this long of the cancel: the item it asks for was written already, into the memory of the
-#: ask it cancelled, and is not written again. Its new ask waits for the room's next send (a retry that
-#: sends the room again serves it) for at most SERVED_REASK_WAIT_S, then is told Failed, saying why,
-#: instead of waiting out its deadline for a send that may never come.
-SERVED_REASK_S = 1.0
-SERVED_REASK_WAIT_S = 2.0
-
-#: Cancels of served rooms remembered for SERVED_REASK_S (oldest forgotten first past this many).
-MAX_SERVED_CANCELS = 4096
 
 #: How often unserved items and asks are swept for the fanout timeout.
 SWEEP_S = 0.5
@@ -193,7 +181,6 @@ class _Room:
 
     offer: Offer
     offered_at: float
-    serial: int = 0  # tells sends of one room number apart
     receivers: list[TransferInfo] = field(default_factory=list)
     pending: int = 0  # receivers whose write is queued or in flight
     queued: list[_Job] = field(default_factory=list)  # those whose write waits for a slot
@@ -203,7 +190,7 @@ class _Room:
     orphans: list[TransferInfo] = field(default_factory=list)  # shards whose receiver restarted before served
     served: set[str] = field(default_factory=set)  # sessions told Success (a restart after that orphans nothing)
     released: bool = False
-    cancelled_by: dict[str, float] = field(default_factory=dict)  # sessions whose cancel failed it -> when
+    cancelled_by: dict[str, float] = field(default_factory=dict)  # session whose cancel failed it -> cancelled at
 
     @property
     def room(self) -> int:
@@ -281,15 +268,9 @@ class EncodeCore:
         self._next_wid = 1
         self._clears_due: deque[tuple[int, float]] = deque()  # (room, cleared at) with parked asks to fail
         self._cancelled: dict[int, tuple[str, float]] = {}  # room -> (session, at): cancelled before its item
-        self._held: dict[int, tuple[_Room, str, float]] = {}  # room -> (item, session, cancelled at): waits for
-        # that session's new ask until REASK_GRACE_S after its cancel
-        self._served_cancels: dict[tuple[int, str], tuple[int, float]] = {}  # (room, session) -> (item serial,
-        # at): cancelled after the room was served in full
-        self._served_cleared: dict[int, tuple[int, frozenset[str], float]] = {}  # room -> (item serial, sessions
-        # served, cleared at): cleared after it was served in full
-        self._reask_waits: dict[tuple[int, str], tuple[TransferInfo, int, float, float]] = {}  # (room, session)
-        # -> (its new ask, the served item's serial, cancelled at, due): see _after_served_cancel
-        self._next_serial = 1
+        # room -> (session, cancelled at, item): an item sent within REASK_GRACE_S of that session's cancel,
+        # waiting for its new ask
+        self._held: dict[int, tuple[str, float, _Room]] = {}
         self._failed_writes: dict[tuple[int, str], float] = {}  # (room, session) -> when a write to it failed
         self._next_sweep = now + SWEEP_S
         self._closed = False
@@ -305,8 +286,7 @@ class EncodeCore:
         if old is not None:  # the caller clears before sending again; a stale one is failed, not kept
             self._fail_with(old, CLEARED, now)
             self._unserved.discard(old.room)
-        room = self._rooms[offer.room] = _Room(offer, now, self._next_serial)
-        self._next_serial += 1
+        room = self._rooms[offer.room] = _Room(offer, now)
         if self._closed:  # sent while the driver was closing: nothing will serve it
             self._fail(room, FailureKind.CLOSED, self._close_detail, now)
             return self._out_take()
@@ -314,8 +294,8 @@ class EncodeCore:
         if cancelled is not None and now - cancelled[1] >= REASK_GRACE_S:
             self._fail_cancelled_item(room, *cancelled, now)
             return self._flush(now)
-        if cancelled is not None:  # its receiver may be asking for it again right now: the item waits for that
-            self._held[offer.room] = (room, *cancelled)
+        if cancelled is not None:  # its receiver may be asking for it again right now: the item waits for it
+            self._held[offer.room] = (*cancelled, room)
         self._unserved.add(offer.room)
         self._dispatch(room.room, now)
         return self._flush(now)
@@ -327,8 +307,6 @@ class EncodeCore:
             return self._flush(now)
         del self._rooms[room]
         self._unserved.discard(room)
-        if held.succeeded and held.served:  # a receiver's cancel may still be on its way
-            remember(self._served_cleared, room, (held.serial, frozenset(held.served), now), MAX_SERVED_CANCELS)
         self._fail_with(held, CLEARED, now)
         if not held.receivers and not self._closed:
             self._clears_due.append((room, now))
@@ -364,9 +342,6 @@ class EncodeCore:
                                                                     f"{self.parked.max_receivers} receivers a room "
                                                                     f"may have"))
             return self._flush(now)
-        held = self._held.get(info.room)
-        if held is not None and held[1] == info.session_id:  # its new ask: the item waits no more
-            del self._held[info.room]
         room = self._rooms.get(info.room)
         if room is not None and not room.failed and info.session_id not in room.served and info in room.receivers:
             # A copy of an ask its room is writing now (the message came twice): parked, it would wait
@@ -374,9 +349,7 @@ class EncodeCore:
             self._warn("repeated ask", "room %d: %s asked again for the write under way; ignoring the copy",
                        info.room, receiver_text(info.session_id))
             return self._flush(now)
-        cancelled = self._cancelled.get(info.room)
-        if cancelled is not None and cancelled[0] == info.session_id:  # the rank asks again: a retry
-            del self._cancelled[info.room]
+        self._forget_cancel(info)
         predecessor = self._predecessor_by_shard(info)
         if predecessor is not None:
             self._supersede(predecessor, info.session_id, "shard",
@@ -395,7 +368,6 @@ class EncodeCore:
             self._tell_failed(asks.infos.values(), Failure(
                 FailureKind.OTHER, f"room {asks.room}: dropped unserved, the oldest of more than {len(self.parked)} "
                                    f"rooms asked for and not served yet"))
-        self._after_served_cancel(info, now)
         self._dispatch(info.room, now)
         return self._flush(now)
 
@@ -432,15 +404,6 @@ class EncodeCore:
             # Told Success, it asked again for the room's next send: the cancel is that ask's (one for
             # the served ask would have come before it, on the same connection).
             return
-        if room is not None:
-            served = room.serial if room.succeeded and session in room.served else None
-        else:
-            serial, sessions, cleared_at = self._served_cleared.get(room_number, (None, frozenset(), 0.0))
-            served = serial if session in sessions and now - cleared_at <= SERVED_REASK_S else None
-        if not parked and served is not None:
-            # Its write landed before the cancel came: a new ask of this receiver for the room right after
-            # is told so at once, not parked for a next send that does not come.
-            remember(self._served_cancels, (room_number, session), (served, now), MAX_SERVED_CANCELS)
         if room is not None and not room.succeeded and any(info.session_id == session for info in room.receivers):
             # A room served in full keeps its receivers: a later ask under its number waits for its next send.
             self._spare(room, session)
@@ -453,60 +416,37 @@ class EncodeCore:
             self._fail_by_cancel(room, session, detail + " before its whole fanout asked", now)
             self._dispatch(room_number, now)  # tells the rest of its fanout Failed
 
+    def _forget_cancel(self, info: TransferInfo) -> None:
+        """The receiver asks again for a room it cancelled before its item came: the cancel fails the item no
+        more (the item to come, or the one waiting for this ask)."""
+        cancelled = self._cancelled.get(info.room)
+        if cancelled is not None and cancelled[0] == info.session_id:
+            del self._cancelled[info.room]
+        held = self._held.get(info.room)
+        if held is not None and held[0] == info.session_id:
+            del self._held[info.room]
+
     def _fail_by_cancel(self, room: _Room, session: str, detail: str, now: float, at: float | None = None) -> None:
-        """Fails the room for a receiver's cancel (that came `at`, else now), remembering whose (a new ask of
-        that receiver is told so)."""
+        """Fails the room for a receiver's cancel (that came `at`, else now); when that cancel is what fails
+        it, the room keeps whose it was, and a new ask of that receiver is told so (`_reask_failure`)."""
         if not room.failed and not room.succeeded:
             room.cancelled_by[session] = now if at is None else at
         self._fail(room, FailureKind.CANCELLED, detail, now)
 
     def _fail_cancelled_item(self, room: _Room, session: str, at: float, now: float) -> None:
-        """Fails an item whose receiver cancelled its ask before the item came and did not ask again."""
+        """Fails an item whose receiver cancelled its parked ask before the item came and did not ask again."""
         self._fail_by_cancel(room, session, f"room {room.room}: receiver {receiver_text(session)} cancelled it "
                                            f"{room.offered_at - at:.1f}s before the item was sent", now, at)
         self._dispatch(room.room, now)  # tells the other receivers parked for it Failed
 
-    def _after_served_cancel(self, info: TransferInfo, now: float) -> None:
-        """Bounds the wait of a new ask whose receiver cancelled the room only after the room's write to it had
-        landed (within SERVED_REASK_S, no new item for the room sent since): the item it asks for was written
-        already, into the memory of the ask it cancelled (which may be reused by now), and is not written
-        again; only a next send serves it, and the ask is told Failed if none came within SERVED_REASK_WAIT_S."""
-        served = self._served_cancels.pop((info.room, info.session_id), None)
-        if served is None:
-            return
-        serial, at = served
-        current = self._rooms.get(info.room)
-        if (current is not None and current.serial != serial) or now - at > SERVED_REASK_S:
-            return  # a new item came for it, or this is an ask for a later send
-        asks = self.parked.get(info.room)
-        if asks is not None and asks.infos.get(info.session_id) is info:
-            remember(self._reask_waits, (info.room, info.session_id), (info, serial, at, now + SERVED_REASK_WAIT_S),
-                     MAX_SERVED_CANCELS)
-
-    def _end_reask_waits(self, now: float) -> None:
-        """Tells the new asks of served-then-cancelled rooms Failed once they waited SERVED_REASK_WAIT_S for a
-        next send that did not come."""
-        for key, (info, serial, at, due) in list(self._reask_waits.items()):
-            if now < due:
+    def _fail_unclaimed_held(self, now: float) -> None:
+        """Fails the held items whose REASK_GRACE_S ran out with no new ask of their receiver."""
+        for number, (session, at, room) in list(self._held.items()):
+            if now < at + REASK_GRACE_S:
                 continue
-            del self._reask_waits[key]
-            asks = self.parked.get(info.room)
-            current = self._rooms.get(info.room)
-            if (asks is None or asks.infos.get(info.session_id) is not info
-                    or (current is not None and current.serial != serial)):
-                continue  # served by a next send, waiting for its fanout there, or cancelled since
-            self.parked.drop_ask(info.room, info.session_id)
-            self._warn("served before its cancel", "room %d: %s asked for it again after cancelling it, but its "
-                       "write had landed before the cancel came and no next send came within %gs; telling it Failed",
-                       info.room, receiver_text(info.session_id), SERVED_REASK_WAIT_S)
-            self._tell_failed([info], Failure(
-                FailureKind.CANCELLED,
-                f"room {info.room}: receiver {receiver_text(info.session_id)} asked for it again "
-                f"and waited {now - at:.1f}s since cancelling it, but the room's write to that receiver had landed "
-                f"before "
-                f"the cancel came (into the memory of the ask it cancelled) and the room was served in full: its "
-                f"item is not written again, and no next send of the room came within {SERVED_REASK_WAIT_S:g}s. "
-                f"Send the room again, or keep an ask until it concludes instead of clearing it and asking again"))
+            del self._held[number]
+            if self._rooms.get(number) is room and not room.failed and not room.receivers:  # still unserved
+                self._fail_cancelled_item(room, session, at, now)
 
     def _reask_failure(self, room: _Room, info: TransferInfo, now: float) -> Failure | None:
         """What a new ask for a failed room is told: why it failed, or, when that receiver's own cancel failed
@@ -625,13 +565,8 @@ class EncodeCore:
         self.scheduler.new_turn()
         while self._clears_due and now >= self._clears_due[0][1] + CLEARED_GRACE_S:
             self._fail_cleared_asks(*self._clears_due.popleft())
-        if self._reask_waits:
-            self._end_reask_waits(now)
-        for number, (room, session, at) in list(self._held.items()):
-            if now >= at + REASK_GRACE_S:
-                del self._held[number]
-                if self._rooms.get(number) is room and not room.failed and not room.receivers:
-                    self._fail_cancelled_item(room, session, at, now)
+        if self._held:
+            self._fail_unclaimed_held(now)
         if now >= self._next_sweep:
             self._sweep(now)
             self._next_sweep = now + SWEEP_S
@@ -654,7 +589,6 @@ class EncodeCore:
         self._close_detail = detail
         self._clears_due.clear()
         self._held.clear()
-        self._reask_waits.clear()
         for asks in self.parked.take_all():
             self._tell_failed(asks.infos.values(), Failure(FailureKind.CLOSED, f"room {asks.room}: {detail}"))
         for room in list(self._rooms.values()):
@@ -754,10 +688,8 @@ class EncodeCore:
         due = self._next_sweep
         if self._clears_due:
             due = min(due, self._clears_due[0][1] + CLEARED_GRACE_S)
-        for _, _, at in self._held.values():  # a few at most: items sent right after their receiver's cancel
+        for _, at, _ in self._held.values():  # a few at most: items sent right after their receiver's cancel
             due = min(due, at + REASK_GRACE_S)
-        for *_, wait_due in self._reask_waits.values():
-            due = min(due, wait_due)
         return due
 
     def expects(self, room: int) -> bool:
@@ -1104,10 +1036,6 @@ class EncodeCore:
             if now - at <= limit:
                 break
             del self._cancelled[room_number]
-        while self._served_cancels and now - next(iter(self._served_cancels.values()))[1] > SERVED_REASK_S:
-            del self._served_cancels[next(iter(self._served_cancels))]
-        while self._served_cleared and now - next(iter(self._served_cleared.values()))[2] > SERVED_REASK_S:
-            del self._served_cleared[next(iter(self._served_cleared))]
         self.breaker.sweep(now)
 
     # ------------------------------------------------------------ output
