@@ -230,6 +230,26 @@ def test_a_destination_outside_the_announced_region_is_refused_before_any_write(
     assert len(run.of(StartWrite, run.ask(_ask(5, ptr=0x10000)))) == 1  # inside: written
 
 
+def test_a_queued_write_whose_session_registered_elsewhere_meanwhile_is_refused_when_it_would_start():
+    """The manager was made again on the same engine with another buffer: the old one may be freed by now."""
+    session, old, new = "10.0.0.7:17000", 0x10000, 0x90_0000
+    run = Run(depth=1)
+    run(run.core.registration(Registration("10.0.0.7", 6000, session, old, 0, 1 << 16, 0), run.now))
+    run.offer(_offer(1))
+    [first] = run.of(StartWrite, run.ask(_ask(1, ptr=old)))
+    run.offer(_offer(2))
+    assert run.of(StartWrite, run.ask(_ask(2, ptr=old + 4 * ROW))) == []  # queued behind the first
+    run(run.core.registration(Registration("10.0.0.7", 6001, session, new, 0, 1 << 16, 0), run.at(0.1).now))
+    out = run.at(0.2).complete(first)
+    assert run.of(StartWrite, out) == []
+    conclusions = {c.room: c.failure for c in run.of(Conclude, out)}
+    assert conclusions[2].kind is FailureKind.REGION
+    assert conclusions[2].detail.endswith("outside registered region [0x900000, 0x910000) (found as its queued write "
+                                          "was to start)")
+    run.offer(_offer(3))
+    assert [w.dsts for w in run.of(StartWrite, run.ask(_ask(3, ptr=new, port=6001)))] == [(new,)]
+
+
 def test_an_item_nobody_asked_for_fails_at_the_fanout_timeout_with_specs_text():
     run = Run(fanout_timeout_s=10.0)
     run.offer(_offer(6, span=4))

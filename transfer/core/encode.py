@@ -851,20 +851,23 @@ class EncodeCore:
                    f"{self.fanout_timeout_s:g}s; not started", now)
 
     def _start(self, job: _Job, now: float) -> None:
-        """Emits one receiver's write, unless its session's breaker is open."""
+        """Emits one receiver's write, unless its session's breaker is open or its destination is no longer inside
+        the regions its session announces (it registered again, or was superseded, while the write was queued)."""
         room, info = job.room, job.info
         if job in room.queued:
             room.queued.remove(job)
+        offer = room.offer
         since = self.breaker.open_since(info.session_id, now)
         if since is not None:
-            self.scheduler.finished(info.session_id)
             why = self.breaker.detail(info.session_id)
-            self._fail(room, FailureKind.WRITE, f"write to {receiver_text(info.session_id)} (room {room.room}) "
-                                                f"skipped: a write to it failed {now - since:.1f}s ago"
-                                                + (f" ({why})" if why else ""), now)
-            self._job_done(job, now)
+            self._skip(job, FailureKind.WRITE, f"write to {receiver_text(info.session_id)} (room {room.room}) "
+                                               f"skipped: a write to it failed {now - since:.1f}s ago"
+                                               + (f" ({why})" if why else ""), now)
             return
-        offer = room.offer
+        outside = self.regions.check([info], offer.row_bytes, offer.deepstack_row_bytes)
+        if outside is not None:
+            self._skip(job, FailureKind.REGION, f"{outside} (found as its queued write was to start)", now)
+            return
         srcs = [offer.src_addr + info.row_start * offer.row_bytes]
         dsts = [info.embedding_ptr]
         lengths = [info.rows * offer.row_bytes]
@@ -876,6 +879,12 @@ class EncodeCore:
         self._writes[wid] = job
         self._out.append(StartWrite(wid, room.room, info.session_id, tuple(srcs), tuple(dsts), tuple(lengths),
                                     offer.sources))
+
+    def _skip(self, job: _Job, kind: FailureKind, detail: str, now: float) -> None:
+        """Fails the room of a write that will not start, and lets go of its turn and destinations."""
+        self.scheduler.finished(job.info.session_id)
+        self._fail(job.room, kind, detail, now)
+        self._job_done(job, now)
 
     def _job_done(self, job: _Job, now: float) -> None:
         """One receiver's write is over: its destinations are free, and its room may conclude."""
