@@ -11,6 +11,7 @@ import math
 import os
 import select
 import socket
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -936,6 +937,29 @@ def refuse_lazy_view(tensor: Any) -> None:
     if getattr(tensor, "is_neg", lambda: False)() or getattr(tensor, "is_conj", lambda: False)():
         raise ConfigError(f"tensor of shape {tuple(tensor.shape)} is a lazily negated or conjugated view: its memory "
                           f"holds other values than it reads; pass tensor.resolve_neg() or tensor.resolve_conj()")
+
+
+def cuda_present() -> bool:
+    """Whether this process may hold CUDA memory (torch loaded, with a CUDA device)."""
+    torch = sys.modules.get("torch")
+    try:
+        return torch is not None and bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - a broken CUDA set-up: assume it may, and ask for the tensor
+        return True
+
+
+def raw_memory_problem(readable: Callable[[], bool], *, cuda: bool, integrity: bool) -> str | None:
+    """Why memory given by address alone (no tensor to say its device) cannot be used, or None.
+
+    It must be host memory this process can read (`readable()`): checksums read it there and,
+    over tcp, so do Mooncake's copies; reading anything else kills the process. Only where a
+    CUDA device exists and integrity is off may it be GPU memory, which Mooncake alone touches.
+    """
+    if (cuda and not integrity) or readable():
+        return None
+    if cuda:
+        return "is not host memory this process can read, so its checksums cannot be read"
+    return "is not memory this process can read (this host has no CUDA device)"
 
 
 def host_readable(addr: int, nbytes: int) -> bool:

@@ -391,7 +391,8 @@ class SessionManager:
         with a registration of its own (our extension, docs/protocol.md section 8; a peer that does not
         read it writes wherever the TransferInfo points).
         """
-        regions = RegionSet(_io.as_region(embedding), _io.as_region(deepstack) if deepstack is not None else None)
+        regions = RegionSet(self._receive_region(embedding),
+                            self._receive_region(deepstack) if deepstack is not None else None)
         with self._regions_lock:
             self._region_sets.append(regions)
         return regions
@@ -467,12 +468,26 @@ class SessionManager:
 
     def _register(self, buf: torch.Tensor | tuple[int, int]) -> _io.Region:
         """Registers `buf` with the engine unless it already lies in registered memory."""
-        region = _io.as_region(buf)
+        region = self._receive_region(buf)
         for addr, nbytes in self.engine.registered().items():
             if addr <= region.addr and region.end <= addr + nbytes:
                 return region
         self.engine.register(region.tensor if region.tensor is not None else region.addr, region.nbytes)
         self._owned.append(region.addr)
+        return region
+
+    def _receive_region(self, buf: torch.Tensor | tuple[int, int] | _io.Region) -> _io.Region:
+        """The region of receive memory; ConfigError for memory given by address that this process could not
+        read the checksums of, or could not read at all (`_io.raw_memory_problem`)."""
+        region = _io.as_region(buf)
+        if region.tensor is None and region.nbytes:
+            cuda = _io.cuda_present()
+            problem = _io.raw_memory_problem(lambda: _io.host_readable(region.addr, region.nbytes), cuda=cuda,
+                                             integrity=self.integrity)
+            if problem is not None:
+                remedy = ("pass the tensor (its device says where to read it), or use integrity=False" if cuda
+                          else "pass the tensor, or the address of memory this process holds")
+                raise ConfigError(f"receive buffer [{region.addr:#x}, +{region.nbytes}) {problem}: {remedy}")
         return region
 
     @property

@@ -259,7 +259,7 @@ class SenderPool:
         unless a CUDA device exists and integrity is off (GPU memory, which only Mooncake reads).
         """
         if self._cuda is None:
-            self._cuda = _cuda_present()
+            self._cuda = _io.cuda_present()
         owner = None
         if self.integrity:
             owner_of = getattr(self.engine, "owner_of", None)
@@ -430,35 +430,17 @@ _READABLE_REGISTRATIONS = 256
 
 def raw_source_region(room: int, region: _io.Region, owner: Any, *, readable: Callable[[], bool], cuda: bool,
                       integrity: bool) -> _io.Region:
-    """`region` (a raw source pointer's) on the device of `owner`, the registered tensor around it, if any.
-
-    Without an owner the pointer must be host memory this process can read (`readable()`),
-    as its checksum and, over tcp, Mooncake's copy read it there; only where a CUDA device
-    exists and integrity is off may it be anything else (GPU memory). Else ConfigError.
-    """
+    """`region` (a raw source pointer's) on the device of `owner`, the registered tensor around it, if any;
+    else host memory, or ConfigError where it may not be that (`_io.raw_memory_problem`)."""
     if owner is not None and hasattr(owner, "data_ptr"):
         import torch
 
         offset = region.addr - owner.data_ptr()
         flat = owner.reshape(-1).view(torch.uint8)[offset : offset + region.nbytes]
         return _io.Region(region.addr, region.nbytes, str(owner.device), flat)
-    if (cuda and not integrity) or readable():
+    problem = _io.raw_memory_problem(readable, cuda=cuda, integrity=integrity)
+    if problem is None:
         return region
-    where = f"room {room}: raw source pointer {region.addr:#x} ({region.nbytes} bytes)"
-    if cuda:
-        raise ConfigError(f"{where} is not host memory this process can read, nor inside a tensor registered with "
-                          f"the engine, so its checksum cannot be read: pass the tensor, register the tensor that "
-                          f"holds it, or use integrity=False")
-    raise ConfigError(f"{where} is not memory this process can read (this host has no CUDA device): pass the "
-                      f"tensor, or the address of memory this process holds")
-
-
-def _cuda_present() -> bool:
-    """Whether this process may hold CUDA memory (torch loaded, with a CUDA device)."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    try:
-        return torch is not None and bool(torch.cuda.is_available())
-    except Exception:  # noqa: BLE001 - a broken CUDA set-up: assume it may, and ask for the tensor
-        return True
+    remedy = ("pass the tensor, register the tensor that holds it, or use integrity=False" if cuda
+              else "pass the tensor, or the address of memory this process holds")
+    raise ConfigError(f"room {room}: raw source pointer {region.addr:#x} ({region.nbytes} bytes) {problem}: {remedy}")

@@ -185,6 +185,35 @@ def test_a_raw_source_this_process_cannot_read_is_refused_and_the_room_is_not_he
         handle.clear()
 
 
+def test_a_receive_buffer_given_by_an_address_this_process_cannot_read_is_refused(engines):
+    """Its checksums, or Mooncake's copies over tcp, would read it and kill the process."""
+    if torch.cuda.is_available():
+        pytest.skip("with a CUDA device an unreadable address may be GPU memory")
+    _, prefill_engine = engines
+    with pytest.raises(ConfigError, match=r"^receive buffer \[0x10, \+4096\) is not memory this process can read "
+                                          r"\(this host has no CUDA device\): pass the tensor"):
+        SessionManager(prefill_engine, 0, 1, 1, buffer=(0x10, 4096), host=HOST, integrity=False)
+    assert prefill_engine.registered().keys().isdisjoint({0x10})
+    with SessionManager(prefill_engine, 0, 1, 1, buffer=torch.zeros(4, 64), host=HOST) as manager, \
+            pytest.raises(ConfigError, match=r"^receive buffer \[0x10, \+4096\) is not memory"):
+        manager.add_region((0x10, 4096))
+    memory = torch.zeros(1024, dtype=torch.uint8)
+    added = manager.add_region((memory.data_ptr(), 1024))  # host memory it can read: taken
+    assert (added.embedding.addr, added.embedding.nbytes) == (memory.data_ptr(), 1024)
+    manager.remove_region(added)
+
+
+def test_a_receive_region_that_may_be_gpu_memory_needs_its_tensor_for_its_checksums(manager, monkeypatch):
+    from transfer import _io
+
+    manager, _, _ = manager
+    monkeypatch.setattr(_io, "cuda_present", lambda: True)
+    with pytest.raises(ConfigError, match=r"^receive buffer \[0x10, \+4096\) is not host memory this process can "
+                                          r"read, so its checksums cannot be read: pass the tensor \(its device says "
+                                          r"where to read it\), or use integrity=False$"):
+        manager.add_region((0x10, 4096))
+
+
 def test_a_pool_on_another_engine_is_refused(engines):
     from transfer.buffers import ReceivePool
 

@@ -64,7 +64,8 @@ def test_an_unreadable_raw_source_is_refused_where_cuda_memory_may_be_and_its_ch
 
     region = _source(SRC, SPAN, HIDDEN, "bfloat16")[0]
     with pytest.raises(ConfigError, match=r"^room 1: raw source pointer 0x70000000 \(2048 bytes\) is not host memory "
-                                          r"this process can read, nor inside a tensor registered"):
+                                          r"this process can read, so its checksums cannot be read: pass the tensor, "
+                                          r"register the tensor that holds it, or use integrity=False$"):
         raw_source_region(1, region, None, readable=lambda: False, cuda=True, integrity=True)
 
 
@@ -120,3 +121,17 @@ def test_a_lazily_negated_source_is_refused():
     assert source.is_neg() and source.is_contiguous()
     with pytest.raises(ConfigError, match="lazily negated or conjugated view"):
         _source(source, None, None, None)
+
+
+@pytest.mark.parametrize("cuda, integrity, readable, problem", [
+    (False, True, True, None), (False, False, True, None), (True, True, True, None), (True, False, True, None),
+    (True, False, False, None),
+    (True, True, False, "is not host memory this process can read, so its checksums cannot be read"),
+    (False, True, False, "is not memory this process can read (this host has no CUDA device)"),
+    (False, False, False, "is not memory this process can read (this host has no CUDA device)"),
+])
+def test_memory_given_by_address_must_be_readable_unless_it_may_be_gpu_memory_no_checksum_reads(
+        cuda, integrity, readable, problem):
+    from transfer import _io
+
+    assert _io.raw_memory_problem(lambda: readable, cuda=cuda, integrity=integrity) == problem
