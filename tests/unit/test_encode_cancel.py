@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from encode_rooms import Run
+
 from transfer.core.encode import (
     FAILED_WRITES_KEPT_S,
     REASK_GRACE_S,
@@ -14,9 +16,9 @@ from transfer.core.encode import (
 )
 from transfer.core.failure import FailureKind
 from transfer.frames import Cancel, CancelAnswer, TransferInfo, shard_rows
+from transfer.status import TransferPoll
 
 CONFIRMED, TOO_LATE, WRITE_FAILED = CancelAnswer.CONFIRMED, CancelAnswer.TOO_LATE, CancelAnswer.WRITE_FAILED
-from transfer.status import TransferPoll
 
 HIDDEN = 256
 DTYPE = "torch.bfloat16"
@@ -43,28 +45,6 @@ def _ask(room: int, rank: int = 0, fanout: int = 1, span: int = 4) -> TransferIn
 
 def _cancel(room: int, rank: int = 0, reads_write_failed: bool = True) -> Cancel:
     return Cancel(room, "10.0.0.7", 6000 + rank, f"10.0.0.7:{17000 + rank}", reads_write_failed)
-
-
-class Run:
-    """A core on a fake clock, and everything it asked for."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.core = EncodeCore(fanout_timeout_s=10.0, now=self.now)
-        self.actions: list = []
-
-    def __call__(self, actions: list) -> list:
-        self.actions.extend(actions)
-        return actions
-
-    def of(self, kind: type, actions: list | None = None) -> list:
-        return [a for a in (self.actions if actions is None else actions) if isinstance(a, kind)]
-
-    def answers(self, actions: list | None = None) -> list[tuple[int, int, bool]]:
-        return [(a.room, a.port, a.cancel) for a in self.of(PushStatus, actions) if a.cancel is not None]
-
-    def conclusions(self) -> list[tuple[int, TransferPoll, FailureKind | None]]:
-        return [(c.room, c.status, c.failure and c.failure.kind) for c in self.of(Conclude)]
 
 
 def test_a_cancelled_ask_is_never_written_when_its_item_comes_later():

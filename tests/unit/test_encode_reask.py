@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from encode_rooms import Run
+
 from transfer.core.encode import (
     REASK_GRACE_S,
     Conclude,
@@ -33,28 +35,6 @@ def _ask(room: int, ptr: int) -> TransferInfo:
 
 def _cancel(room: int) -> Cancel:
     return Cancel(room, "10.0.0.7", 6000, "10.0.0.7:17000", True)
-
-
-class Run:
-    """A core on a fake clock, and everything it asked for."""
-
-    def __init__(self) -> None:
-        self.core = EncodeCore(fanout_timeout_s=10.0, now=0.0)
-        self.actions: list = []
-
-    def __call__(self, actions: list) -> list:
-        self.actions.extend(actions)
-        return actions
-
-    def of(self, kind: type, actions: list | None = None) -> list:
-        return [a for a in (self.actions if actions is None else actions) if isinstance(a, kind)]
-
-    def statuses(self, actions: list | None = None) -> list[PushStatus]:
-        """Pushes that are not a cancel's answer."""
-        return [a for a in self.of(PushStatus, actions) if a.cancel is None]
-
-    def conclusions(self) -> list[tuple[int, TransferPoll, FailureKind | None]]:
-        return [(c.room, c.status, c.failure and c.failure.kind) for c in self.of(Conclude)]
 
 
 def test_an_item_sent_right_after_a_cancel_waits_for_the_receivers_new_ask_and_is_written_to_it():
