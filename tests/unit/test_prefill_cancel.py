@@ -21,9 +21,9 @@ from transfer.core.prefill import (
     Verify,
 )
 from transfer.frames import Cancel, CancelAnswer, parse_cancel
+from transfer.status import TransferPoll
 
 CONFIRMED, TOO_LATE, WRITE_FAILED = CancelAnswer.CONFIRMED, CancelAnswer.TOO_LATE, CancelAnswer.WRITE_FAILED
-from transfer.status import TransferPoll
 
 
 def core() -> PrefillCore:
@@ -317,6 +317,38 @@ def test_a_room_asked_on_a_fresh_connection_sends_no_cancel_while_one_from_the_o
     token = asked(c, 7, now=0.3)
     assert c.abandon(0.4, 7, token) == [] and c.pending_cancels == 1
     assert not c.safe(7, token)
+
+
+def test_cancels_lost_with_their_encode_rank_are_forgotten_once_no_answer_can_come():
+    """The encode rank went away with three cancels unread: they are not kept for the manager's life."""
+    c = core()
+    _answering(c)
+    for room in (7, 8, 9):
+        c.abandon(0.1, room, asked(c, room, now=0.0))
+        c.clear(0.1, room)
+    c.connection_dropped(0.2, ENCODE)
+    assert c.pending_cancels == 3
+    c.tick(0.1 + prefill.STALE_CANCEL_S - 0.01)
+    assert c.pending_cancels == 3
+    c.tick(0.1 + prefill.STALE_CANCEL_S)
+    assert c.pending_cancels == 0 and c.idle(ENCODE, 0.1 + prefill.STALE_CANCEL_S)
+    token = asked(c, 7, now=400.0)  # the room asked again on a fresh connection is cancelled again when given up
+    assert of(SendCancel, c.abandon(400.1, 7, token)) and c.pending_cancels == 1
+
+
+def test_an_answered_cancel_leaves_nothing_behind_for_the_stale_sweep():
+    c = core()
+    _answering(c)
+    token = asked(c, 7, now=0.0)
+    c.abandon(0.1, 7, token)
+    assert of(MemorySafe, c.cancel_answered(0.2, 7, 0, CancelAnswer.CONFIRMED)) == [MemorySafe(7, token)]
+    c.clear(0.2, 7, token)
+    later = asked(c, 7, now=1.0)
+    c.abandon(1.1, 7, later)
+    c.tick(0.1 + prefill.STALE_CANCEL_S)
+    assert c.pending_cancels == 1  # the later one is not stale yet
+    c.tick(1.1 + prefill.STALE_CANCEL_S)
+    assert c.pending_cancels == 0
 
 
 def test_a_room_given_up_at_another_node_while_a_cancel_waits_for_the_same_rank_gets_none():

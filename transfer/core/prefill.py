@@ -28,6 +28,7 @@ not take the earlier ask's status for its own (see `_ask`).
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +75,13 @@ ASK_BATCH = 256
 #: Cancels awaiting their encode rank's confirmation (the oldest is forgotten past this:
 #: its memory then waits out the caller's quarantine bound).
 MAX_PENDING_CANCELS = 65536
+
+#: How long a cancel's answer is waited for at most: past it the cancel is forgotten (an encode
+#: rank that went away, or restarted, with it unanswered never answers it; the room's memory then
+#: waits out the caller's quarantine bound, as with no cancel). Answers name only the room and the
+#: encode rank, so one that came later still would be taken for a later cancel of the same room:
+#: this is far beyond any write's bound (Mooncake's transfer timeout, 30 s by default).
+STALE_CANCEL_S = 300.0
 
 #: Encode addresses remembered as answering cancels (past this, new ones are not learned).
 MAX_ANSWERING = 65536
@@ -357,6 +365,7 @@ class PrefillCore:
         self._conn_serial = 0
         self._cancels: dict[tuple[int, int], list[_Cancel]] = {}  # (room, encode rank) -> awaiting, oldest first
         self._cancel_count = 0
+        self._cancels_sent: deque[tuple[float, tuple[int, int], _Cancel]] = deque()  # (sent at, key, cancel), in order
         self._answering: set[Address] = set()  # encode ranks seen to answer cancels
         self._unanswered_since: dict[Address, float] = {}  # when a cancel there last went unanswered
         self._held: list[tuple[float, int, _Room]] = []  # (when its ask goes anyway, token, room), a heap
@@ -492,6 +501,19 @@ class PrefillCore:
         if not cancels:
             del self._cancels[key]
         self._cancel_count -= 1
+
+    def _forget_stale_cancels(self, now: float) -> list:
+        """Forgets the cancels unanswered STALE_CANCEL_S after they were sent (and, past twice
+        MAX_PENDING_CANCELS sent, the oldest): a held ask waiting for one goes."""
+        sent = self._cancels_sent
+        actions: list = []
+        while sent and (now - sent[0][0] >= STALE_CANCEL_S or len(sent) > 2 * MAX_PENDING_CANCELS):
+            _, key, cancel = sent.popleft()
+            if any(pending is cancel for pending in self._cancels.get(key, ())):
+                self._drop_cancel(key, cancel)
+                self._restart_silence(cancel.addr)
+                actions += self._release(now, *key)
+        return actions
 
     def _restart_silence(self, addr: Address) -> None:
         """The silence clock of `addr` from its oldest cancel still unanswered, if any."""
@@ -904,6 +926,8 @@ class PrefillCore:
             if self._in(state, HELD):  # no answer came: the rank does not answer cancels
                 actions += self._unhold(now, state)
                 expired += 1
+        if self._cancels_sent:
+            actions += self._forget_stale_cancels(now)
         for addr in [addr for addr in self._probed_at if not self.asks.waiting(addr)]:
             del self._probed_at[addr]
         for addr, head in self.asks.heads(self._queued):
@@ -973,7 +997,9 @@ class PrefillCore:
             # Answers name only the room and the encode rank: another node's (or connection's) answer to
             # its own cancel would be taken for this one's. Without a cancel only the quarantine makes it safe.
             return []
-        pending.append(_Cancel(state.token, state.addr, state.conn, now))
+        cancel = _Cancel(state.token, state.addr, state.conn, now)
+        pending.append(cancel)
+        self._cancels_sent.append((now, (state.room, state.encode_rank), cancel))
         self._unanswered_since.setdefault(state.addr, now)
         self._cancel_count += 1
         if self._cancel_count > MAX_PENDING_CANCELS:
