@@ -354,7 +354,7 @@ class SourceRegistry:
                 self._drop(base)
 
 
-@dataclass
+@dataclass(eq=False)  # one write, told apart from another by identity (the book removes it by that)
 class _Flight:
     """A write submitted to the engine and not yet settled."""
 
@@ -606,22 +606,26 @@ class EncodeDriver:
 
         A session's writes complete in the order they were submitted, so polling stops
         at each session's first unfinished write: one status call per busy receiver
-        per round, not one per write in flight.
+        per round, not one per write in flight. A write leaves the book of writes in
+        flight only once the engine is done with it: if telling the core about one
+        raises, the others are still listed, so closing waits for them and keeps the
+        sources they read.
         """
-        flights, self._flights = self._flights, []
         busy: set[str] = set()
-        remaining = []
-        for flight in flights:
-            if flight.session in busy or not self._settled(flight):
+        settled = False
+        for flight in list(self._flights):  # writes started meanwhile wait for the next round
+            if flight.session in busy:
+                continue
+            if self._settled(flight):
+                settled = True
+            else:
                 busy.add(flight.session)
-                remaining.append(flight)
-        settled = len(remaining) < len(flights)
         self.polls.polled(settled, len(busy))
-        self._flights[:0] = remaining  # writes started meanwhile go after them
         return settled
 
     def _settled(self, flight: _Flight) -> bool:
-        """Whether the write is over; if so, tells the core."""
+        """Whether the write is over; if so, takes it off the writes in flight and tells the core."""
+        failed: str | None = None
         try:
             if flight.batch:
                 poll = getattr(self.engine, "poll", None)
@@ -630,12 +634,37 @@ class EncodeDriver:
                 elif not poll(flight.batch):
                     return False
         except Exception as exc:  # noqa: BLE001 - any failure concludes the room
-            now = self.clock()
-            self._carry(self.core.write_failed(flight.wid, str(exc), now - flight.submitted_at, now))
-            return True
-        self.metrics.inc("bytes_written_total", flight.nbytes)
-        self._carry(self.core.write_done(flight.wid, flight.checksums, self.clock()))
+            failed = str(exc)
+        self._flights.remove(flight)  # the engine is done with it, whatever the core makes of it
+        now = self.clock()
+        if failed is not None:
+            self._carry(self.core.write_failed(flight.wid, failed, now - flight.submitted_at, now))
+        else:
+            self.metrics.inc("bytes_written_total", flight.nbytes)
+            self._carry(self.core.write_done(flight.wid, flight.checksums, now))
         return True
+
+    def _wait_for_writes(self, deadline: float) -> None:
+        """Settles the writes in flight until none is left or `deadline` passes (closing).
+
+        A failure while settling one (the core or the room book raising) is logged once
+        and the wait goes on: each such failure comes after its write left the book, so
+        the others are still waited for, and their sources kept until they are over.
+        """
+        logged = False
+        while self._flights and self.clock() < deadline:
+            before = len(self._flights)
+            try:
+                if self._settle():
+                    continue
+            except Exception:
+                if not logged:
+                    log.exception("sender pool of encode rank %d: settling a write failed while closing; waiting "
+                                  "for the others all the same", self.engine_rank)
+                    logged = True
+                if len(self._flights) < before:
+                    continue
+            time.sleep(self.polls.max_s)
 
     # --------------------------------------------------------------- closing
 
@@ -677,9 +706,10 @@ class EncodeDriver:
         deadline = self.clock() + CLOSE_WAIT_S
         try:
             self._take_commands()
-            while self._flights and self.clock() < deadline:
-                if not self._settle():
-                    time.sleep(self.polls.max_s)
+        except Exception:
+            log.exception("closing the sender pool's driver failed")
+        self._wait_for_writes(deadline)
+        try:
             self._take_commands()
             if self._flights:
                 log.error("sender pool of encode rank %d: %d writes still in flight after %gs; failing their "

@@ -1,0 +1,142 @@
+"""The encode driver's failure paths, run on the test's thread: its sockets, waker and status pushers
+are stand-ins, and the engine is a dict with a poll() the test answers.
+
+What the thread does with real sockets and Mooncake is in tests/live (test_room_rules.py,
+test_source_registration.py, test_encode_driver_fds.py)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+
+from transfer import _io
+from transfer.drive import encode as drive
+from transfer.drive.encode import EncodeDriver, RoomBook, SourceRegistry
+from transfer.metrics import Metrics
+
+
+class FakeEngine:
+    """registered()/register()/unregister() over a dict; poll(batch) says done once `polls_left[batch]` ran out."""
+
+    def __init__(self) -> None:
+        self.regions: dict[int, int] = {}
+        self.polls_left: dict[int, int] = {}  # batch -> polls that still answer "in flight"
+        self.events: list[tuple] = []
+
+    def registered(self) -> dict[int, int]:
+        return dict(self.regions)
+
+    def register(self, buf: int, nbytes: int) -> None:
+        self.regions[buf] = nbytes
+
+    def unregister(self, addr: int) -> None:
+        self.events.append(("unregister", addr))
+        del self.regions[addr]
+
+    def poll(self, batch: int) -> bool:
+        left = self.polls_left.get(batch, 0)
+        self.polls_left[batch] = left - 1
+        self.events.append(("poll", batch, left <= 0))
+        return left <= 0
+
+
+class FakeCore:
+    """What the driver asks of an EncodeCore when settling and closing; write_done raises for `broken` writes."""
+
+    busy = False
+
+    def __init__(self, broken: set[int] | None = None) -> None:
+        self.broken = broken if broken is not None else set()
+        self.done: list[int] = []
+
+    def write_done(self, wid: int, checksums: tuple, now: float) -> list:
+        if wid in self.broken:
+            raise RuntimeError(f"injected: write {wid}")
+        self.done.append(wid)
+        return []
+
+    def write_failed(self, wid: int, error: str, took: float, now: float, *, blocking: bool = False) -> list:
+        return self.write_done(wid, (), now)
+
+    def stop_writes(self) -> None:
+        pass
+
+    def close(self, now: float, detail: str = "", *, give_up_writes: bool = True) -> list:
+        return []
+
+    def next_wakeup(self) -> float:
+        return math.inf
+
+
+class Closable:
+    """A stand-in for the request socket, the waker and the status pushers: records its close."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.closed = False
+        self.dropped = 0
+
+    def fileno(self) -> int:
+        return 99
+
+    def close(self, *args, **kwargs) -> None:
+        self.closed = True
+
+    def pending(self) -> bool:
+        return False
+
+    def wake(self) -> None:
+        pass
+
+
+@pytest.fixture
+def make_driver(monkeypatch):
+    monkeypatch.setattr(_io, "Waker", Closable)
+    monkeypatch.setattr(_io, "Pushers", Closable)
+    monkeypatch.setattr(_io, "pull_socket", lambda host, port, what="": (Closable(), 7000))
+
+    def make(core, engine: FakeEngine, sources: SourceRegistry | None = None) -> EncodeDriver:
+        return EncodeDriver(core, engine, 0, "127.0.0.1", 0, RoomBook(Metrics("epd_test")),
+                            sources or SourceRegistry(engine), Metrics("epd_test"), clock=lambda: 0.0)
+    return make
+
+
+def _flight(wid: int, batch: int, session: str, *reads: tuple[int, int]) -> drive._Flight:
+    return drive._Flight(wid, batch, session, sum(n for _, n in reads), (), 0.0, reads)
+
+
+def test_a_failure_settling_one_write_leaves_the_others_in_flight_and_their_sources_held(make_driver):
+    engine = FakeEngine()
+    sources = SourceRegistry(engine)
+    sources.hold(_io.Region(0x9000, 256))  # what the write that completes read
+    sources.hold(_io.Region(0x1000, 256))  # what the write still in flight reads
+    driver = make_driver(FakeCore(broken={1}), engine, sources)
+    done, reading = _flight(1, 11, "s1", (0x9000, 256)), _flight(2, 12, "s2", (0x1000, 256))
+    driver._flights = [done, reading]
+    engine.polls_left[12] = 5
+    with pytest.raises(RuntimeError, match="injected"):
+        driver._settle()  # the core raises about the first write: the thread is failing
+    assert driver._flights == [reading]
+    driver.release_sources()  # what the failing thread's close does with the holds no room released
+    assert engine.regions == {0x1000: 256}, "a source was unregistered while a write still reads it"
+    assert sources.holding == 1
+
+
+def test_closing_waits_for_every_write_in_flight_though_settling_one_fails(make_driver, caplog):
+    engine = FakeEngine()
+    sources = SourceRegistry(engine)
+    for base in (0x9000, 0x1000, 0x5000):
+        sources.hold(_io.Region(base, 256))
+    core = FakeCore(broken={1, 3})
+    driver = make_driver(core, engine, sources)
+    driver._flights = [_flight(1, 11, "s1", (0x9000, 256)), _flight(2, 12, "s2", (0x1000, 256)),
+                       _flight(3, 13, "s3", (0x5000, 256))]
+    engine.polls_left[12] = 1  # still in flight on the first round, done on the second
+    with caplog.at_level(logging.ERROR, logger="transfer.sender"):
+        driver._close()
+    assert driver._flights == [] and core.done == [2]
+    assert engine.events.index(("poll", 12, True)) < engine.events.index(("unregister", 0x1000)), engine.events
+    assert engine.regions == {} and sources.holding == 0
+    assert driver.pull.closed and driver.waker.closed and driver.statuses.closed
+    assert sum("settling a write failed while closing" in m for m in caplog.messages) == 1
