@@ -12,9 +12,11 @@ import math
 import pytest
 
 from transfer import _io
+from transfer.core.encode import EncodeCore, Offer
 from transfer.drive import encode as drive
-from transfer.drive.encode import EncodeDriver, RoomBook, SourceRegistry
+from transfer.drive.encode import EncodeDriver, RoomBook, RoomState, SourceRegistry
 from transfer.metrics import Metrics
+from transfer.status import TransferPoll
 
 
 class FakeEngine:
@@ -140,3 +142,53 @@ def test_closing_waits_for_every_write_in_flight_though_settling_one_fails(make_
     assert engine.regions == {} and sources.holding == 0
     assert driver.pull.closed and driver.waker.closed and driver.statuses.closed
     assert sum("settling a write failed while closing" in m for m in caplog.messages) == 1
+
+
+def _sent(driver: EncodeDriver, room: int, sources: SourceRegistry, base: int) -> RoomState:
+    """A room send() published: held in the book, its source held, its item queued for the thread."""
+    region = _io.Region(base, 4 * 64 * 2)
+    state = RoomState(room, 0.0, sources.hold(region))
+    driver.book.held[room] = state
+    driver.book.table.start(room, TransferPoll.WaitingForInput)
+    driver.offer(Offer(room, state, base, 4, 64, "bfloat16", 128, sources=(region, None)))
+    return state
+
+
+class Broken(Exception):
+    pass
+
+
+@pytest.mark.parametrize("step", ["naming", "request socket"])
+def test_a_thread_that_fails_while_setting_up_fails_its_rooms_and_closes(make_driver, monkeypatch, step):
+    def broken(*args):
+        raise Broken("injected")
+
+    if step == "naming":
+        monkeypatch.setattr(_io, "name_this_thread", broken)
+    engine = FakeEngine()
+    sources = SourceRegistry(engine)
+    driver = make_driver(EncodeCore(now=0.0), engine, sources)
+    if step == "request socket":
+        monkeypatch.setattr(_io, "name_this_thread", lambda name: None)
+        monkeypatch.setattr(driver.pull, "fileno", broken)  # the socket's FD option
+    state = _sent(driver, 1, sources, 0x9000)
+    driver._run()  # what the thread runs, here on the test's
+    assert driver.book.stopping
+    assert driver.book.table.get(1) is TransferPoll.Failed
+    assert driver.book.table.failure(1).detail == "sender pool stopped: Broken: injected"
+    assert state.concluded_at is not None
+    assert driver.pull.closed and driver.waker.closed and driver.statuses.closed
+    assert engine.regions == {} and sources.holding == 0
+
+
+def test_closing_closes_the_sockets_though_failing_the_rooms_raises(make_driver, monkeypatch):
+    driver = make_driver(EncodeCore(now=0.0), FakeEngine())
+
+    def broken(*args):
+        raise Broken("injected")
+
+    monkeypatch.setattr(driver.core, "stop_writes", broken)
+    monkeypatch.setattr(driver.book, "fail_open", broken)
+    with pytest.raises(Broken):
+        driver._close()
+    assert driver.pull.closed and driver.waker.closed and driver.statuses.closed

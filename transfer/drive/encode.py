@@ -431,16 +431,17 @@ class EncodeDriver:
     # ------------------------------------------------------------ the thread
 
     def _run(self) -> None:
-        _io.name_this_thread(f"epd-enc{self.engine_rank}")
-        poller = select.poll()
-        poller.register(self.pull.fileno(), select.POLLIN)  # the socket's FD option
-        poller.register(self.waker.fileno(), select.POLLIN)
-        self._fds = (self.waker.fileno(), self.pull.fileno())
-        self._select_fds = list(self._fds) if max(self._fds) < SELECT_FD_LIMIT else None
-        polls = self.polls
-        more_requests = False  # the last round left requests queued (the socket's FD will not signal them)
-        next_retry = self.clock() + RETRY_RELEASES_S
+        """The thread: serves until stopped; however it ends (in setting up too), it closes."""
         try:
+            _io.name_this_thread(f"epd-enc{self.engine_rank}")
+            poller = select.poll()
+            poller.register(self.pull.fileno(), select.POLLIN)  # the socket's FD option
+            poller.register(self.waker.fileno(), select.POLLIN)
+            self._fds = (self.waker.fileno(), self.pull.fileno())
+            self._select_fds = list(self._fds) if max(self._fds) < SELECT_FD_LIMIT else None
+            polls = self.polls
+            more_requests = False  # the last round left requests queued (the socket's FD will not signal them)
+            next_retry = self.clock() + RETRY_RELEASES_S
             while not self._stop:
                 busy = bool(self._flights) or self.core.busy
                 if more_requests or self.commands:
@@ -469,10 +470,11 @@ class EncodeDriver:
                 if now >= next_retry:
                     self.sources.retry()
                     next_retry = now + RETRY_RELEASES_S
-        except Exception as exc:  # a bug here must not leave rooms hanging silently
+        except BaseException as exc:  # a bug here must not leave rooms hanging silently
             log.exception("the sender pool's thread failed; failing its rooms")
             self._failed(f"sender pool stopped: {type(exc).__name__}: {exc}")
-        self._close()
+        finally:
+            self._close()
 
     def _sleep(self, poller: select.poll, timeout: float) -> tuple[bool, bool]:
         """Waits for a request, a wake-up or `timeout` seconds; whether the waker's pipe and the
@@ -701,10 +703,23 @@ class EncodeDriver:
 
     def _close(self) -> None:
         """Settles what was submitted (at most CLOSE_WAIT_S), fails the rest, lets go of every room's
-        sources but those writes still in flight read, closes the sockets."""
-        self.core.stop_writes()
+        sources but those writes still in flight read, closes the sockets (whatever failed before)."""
+        try:
+            self._close_rooms()
+        finally:
+            for what, close in (("request socket", lambda: self.pull.close(0)),
+                                # the Failed statuses just pushed still go out
+                                ("status sockets", lambda: self.statuses.close(linger_ms=CLOSE_LINGER_MS)),
+                                ("waker", self.waker.close)):
+                try:
+                    close()
+                except Exception:
+                    log.exception("sender pool of encode rank %d: closing its %s failed", self.engine_rank, what)
+
+    def _close_rooms(self) -> None:
         deadline = self.clock() + CLOSE_WAIT_S
         try:
+            self.core.stop_writes()
             self._take_commands()
         except Exception:
             log.exception("closing the sender pool's driver failed")
@@ -722,6 +737,3 @@ class EncodeDriver:
         self.release_sources()
         if not self._flights:
             self.sources.retry()  # registrations an abandoned write held, if the engine let go since
-        self.pull.close(0)
-        self.statuses.close(linger_ms=CLOSE_LINGER_MS)  # the Failed statuses just pushed still go out
-        self.waker.close()
