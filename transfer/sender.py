@@ -289,7 +289,8 @@ class SenderPool:
                           "sender pool's thread stopped after an error (see the log)")
 
     def _forget(self, state: RoomState) -> None:
-        """Fails the room unless it concluded, then forgets it; the driver tells its receivers."""
+        """Fails the room unless it concluded, then forgets it; the driver tells its receivers (once its
+        thread stopped, it held on to nothing of the room and is posted nothing)."""
         book = self._book
         # Concluded here, not by the core, so the handle reads Failed at once; the core's own
         # conclusion of this room then finds it concluded (and no longer held) and does nothing.

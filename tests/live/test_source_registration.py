@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+import logging
 import threading
 import time
+import weakref
 
+import numpy
 import torch
 from live_helpers import HOST, LIVE, bootstrap_server, item_tensor, wait_until
 
@@ -121,6 +125,38 @@ def test_a_pool_whose_thread_fails_lets_go_of_the_sources_its_rooms_held(engines
     finally:
         pool.close()
     assert not any(source.data_ptr() in encode.registered() or _in_mooncake(encode, source) for source in (filed, lost))
+
+
+def test_a_pool_whose_thread_failed_keeps_nothing_of_rooms_cleared_after(engines, server, monkeypatch):
+    # Items the thread never filed (its room rules raising on each) and clears that come after it
+    # stopped: nothing may stay queued for a thread that is gone, holding an item's memory or source.
+    encode, _ = engines
+    # The test's log capture would keep the tracebacks logged, and the items their frames hold.
+    monkeypatch.setattr(logging.getLogger("transfer.sender"), "disabled", True)
+    arrays = [numpy.zeros((SPAN, HIDDEN), dtype=numpy.float32) for _ in range(4)]
+    memory = [weakref.ref(array) for array in arrays]  # the source tensors share it, and keep it alive
+    pool = SenderPool(encode, 0, 1, 1, server.address, host=HOST)
+    try:
+        every_item_sent = threading.Event()
+
+        def broken(offer, now):
+            every_item_sent.wait(5.0)  # the other items wait in the thread's queue meanwhile
+            raise RuntimeError("injected")
+
+        pool._core.offer = broken
+        handles = [pool.send(room, torch.from_numpy(array)) for room, array in enumerate(arrays, 1)]
+        every_item_sent.set()
+        assert all(handle.wait(5.0) == TransferPoll.Failed for handle in handles)
+        assert wait_until(lambda: not pool._thread.is_alive(), 5.0)
+        for handle in handles:
+            handle.clear()
+        assert not pool._driver.commands, "commands queued for a thread that is gone"
+        assert pool._sources.holding == 0 and pool._sources.counts.counts() == {}
+        del arrays, handles
+        gc.collect()
+        assert [ref() is None for ref in memory] == [True] * 4, "the pool still holds an item's memory"
+    finally:
+        pool.close()
 
 
 def test_a_pool_whose_thread_fails_leaves_a_source_another_pool_sends_registered(engines, server):

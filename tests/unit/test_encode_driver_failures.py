@@ -192,3 +192,25 @@ def test_closing_closes_the_sockets_though_failing_the_rooms_raises(make_driver,
     with pytest.raises(Broken):
         driver._close()
     assert driver.pull.closed and driver.waker.closed and driver.statuses.closed
+
+
+def test_a_stopped_driver_drops_the_items_it_never_filed_and_queues_no_later_command(make_driver, monkeypatch, caplog):
+    engine = FakeEngine()
+    sources = SourceRegistry(engine)
+    driver = make_driver(EncodeCore(now=0.0), engine, sources)
+
+    def broken(offer, now):
+        raise Broken("injected")
+
+    monkeypatch.setattr(driver.core, "offer", broken)  # each take of an item raises: some are never taken
+    states = [_sent(driver, room, sources, 0x1000 * room) for room in (1, 2, 3)]
+    with caplog.at_level(logging.WARNING, logger="transfer.sender"):
+        driver._close()
+    assert not driver.commands
+    assert "dropped 1 items its stopped thread never filed" in caplog.text
+    assert driver.book.stopping
+    assert all(driver.book.table.get(room) is TransferPoll.Failed for room in (1, 2, 3))
+    assert engine.regions == {} and sources.holding == 0
+    for state in states:
+        driver.post("clear", state.room, state)  # what clear() posts on a pool whose thread stopped
+    assert not driver.commands

@@ -383,6 +383,7 @@ class EncodeDriver:
         self.polls = PollSchedule(poll_min_s, poll_max_s)
         self.clock = clock
         self.commands: deque[tuple] = deque()  # posted by the caller's thread, taken by the driver's
+        self._taking = True  # whether the thread will still take commands (under the room book's lock)
         self.waker = _io.Waker()
         try:
             self.pull, self.port = _io.pull_socket(host, port, f"encode rank {engine_rank}'s request socket")
@@ -418,7 +419,14 @@ class EncodeDriver:
 
     def post(self, *command: object, wake: bool = True) -> None:
         """Hands the driver a command (('clear', room, state)) and wakes it, unless it may wait for
-        the driver's next turn (at most the core's next wake-up away when the pool is idle)."""
+        the driver's next turn (at most the core's next wake-up away when the pool is idle).
+
+        Called under the room book's lock. Once the thread takes no more commands (it
+        stopped: closed, or failed) nothing is queued: its close let go of every item and
+        of the sources no write in flight reads, so a clear has nothing left to do.
+        """
+        if not self._taking:
+            return
         self.commands.append(command)
         if wake:
             self.waker.wake()
@@ -733,6 +741,14 @@ class EncodeDriver:
             self._carry(self.core.close(self.clock()))
         except Exception:
             log.exception("closing the sender pool's driver failed")
+        with self.book.lock:  # send() and clear() post under it: nothing is queued after this
+            self.book.stopping = True
+            self._taking = False
+            dropped = sum(command[0] == "offer" for command in self.commands)
+            self.commands.clear()  # items never filed (the core raised) go, their memory with them
+        if dropped:
+            log.warning("sender pool of encode rank %d: dropped %d items its stopped thread never filed",
+                        self.engine_rank, dropped)
         self.book.fail_open(Failure(FailureKind.CLOSED, "sender pool closed"), self.clock())
         self.release_sources()
         if not self._flights:
