@@ -215,9 +215,10 @@ def _add_exit_with(parser: argparse.ArgumentParser) -> None:
 def _bootstrap(args: argparse.Namespace) -> int:
     from transfer.bootstrap import BootstrapServer
 
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    # Taken by sigwait() below, never by a handler: a handler runs only in the main thread, and
+    # one delivered to another thread would leave the main thread waiting forever.
+    stops = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # the server's threads, started later, block them too
     _exit_with(args.exit_with)
     try:
         server = BootstrapServer(args.host, args.port, token=args.token)
@@ -227,7 +228,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
         raise OSError(f"cannot serve on {args.host}:{args.port}: {error}") from None
     with server:
         print(f"bootstrap server on http://{server.address}", flush=True)
-        stop.wait()
+        signal.sigwait(stops)  # one that came meanwhile is pending, and taken at once
     return 0
 
 
