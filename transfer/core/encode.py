@@ -223,6 +223,7 @@ class _Job:
     room: _Room
     info: TransferInfo
     ranges: tuple[tuple[int, int, int], ...] = ()  # (start, end, seq) in its session's destination list
+    regions_checked: int = -1  # the region book's changes when its destination was checked
     waits: list[_CancelWait] = field(default_factory=list)  # cancels that came while it was in flight
 
 
@@ -811,7 +812,7 @@ class EncodeCore:
         """Queues a write of each newcomer's shard (a superseded session's write may still be in flight)."""
         room.pending += len(newcomers)
         for info in newcomers:
-            job = _Job(room, info)
+            job = _Job(room, info, regions_checked=self.regions.changes)
             self._hold_ranges(job, room.offer)
             room.queued.append(job)
             self.scheduler.push(job, info.session_id, first_at)
@@ -864,7 +865,8 @@ class EncodeCore:
                                                f"skipped: a write to it failed {now - since:.1f}s ago"
                                                + (f" ({why})" if why else ""), now)
             return
-        outside = self.regions.check([info], offer.row_bytes, offer.deepstack_row_bytes)
+        outside = (None if job.regions_checked == self.regions.changes
+                   else self.regions.check([info], offer.row_bytes, offer.deepstack_row_bytes))
         if outside is not None:
             self._skip(job, FailureKind.REGION, f"{outside} (found as its queued write was to start)", now)
             return
