@@ -36,10 +36,10 @@ def test_default_quarantine_outlasts_a_parked_ask_whose_item_then_waits_for_its_
     """The encode rank parks an ask up to its fanout timeout for the item; the item that
     comes at the end of it may then wait up to another fanout timeout for its ready event
     (counted from send()), and the write itself lasts up to Mooncake's transfer timeout."""
-    from transfer.engine import _transfer_timeout_s
+    from transfer.engine import mooncake_transfer_timeout_s
 
     parking = _default("EPD_FANOUT_TIMEOUT_S")
-    latest_write = 2 * parking + _transfer_timeout_s()
+    latest_write = 2 * parking + mooncake_transfer_timeout_s()
     assert QUARANTINE_S >= latest_write, (
         f"a failed room's slot is free again after {QUARANTINE_S:g}s, but its late write may land "
         f"up to {latest_write:g}s after the ask")
