@@ -218,17 +218,20 @@ def _bootstrap(args: argparse.Namespace) -> int:
     # Taken by sigwait() below, never by a handler: a handler runs only in the main thread, and
     # one delivered to another thread would leave the main thread waiting forever.
     stops = {signal.SIGINT, signal.SIGTERM}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # the server's threads, started later, block them too
-    _exit_with(args.exit_with)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # the server's threads, started later, too
     try:
-        server = BootstrapServer(args.host, args.port, token=args.token)
-    except PortsInUse as error:  # its message already names the server and the range
-        raise OSError(error.strerror) from None
-    except OSError as error:
-        raise OSError(f"cannot serve on {args.host}:{args.port}: {error}") from None
-    with server:
-        print(f"bootstrap server on http://{server.address}", flush=True)
-        signal.sigwait(stops)  # one that came meanwhile is pending, and taken at once
+        _exit_with(args.exit_with)
+        try:
+            server = BootstrapServer(args.host, args.port, token=args.token)
+        except PortsInUse as error:  # its message already names the server and the range
+            raise OSError(error.strerror) from None
+        except OSError as error:
+            raise OSError(f"cannot serve on {args.host}:{args.port}: {error}") from None
+        with server:
+            print(f"bootstrap server on http://{server.address}", flush=True)
+            signal.sigwait(stops)  # one that came meanwhile is pending, and taken at once
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     return 0
 
 

@@ -158,9 +158,10 @@ def test_a_bootstrap_range_in_use_is_said_once(monkeypatch, capsys):
     def server(host, port, token=None):
         raise PortsInUse(errno.EADDRINUSE, f"bootstrap server on {host}: no free port in {port}: every one is in use")
 
-    monkeypatch.setattr(signal, "signal", lambda *args: None)  # no handlers left in the test process
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
     monkeypatch.setattr(transfer.bootstrap, "BootstrapServer", server)
     assert cli.main(["bootstrap", "--port", "18998-18999"]) == 1
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before  # the test process's signals as they were
     assert capsys.readouterr().err == ("epd-transfer bootstrap: bootstrap server on 127.0.0.1: no free port in "
                                        "18998-18999: every one is in use\n")
 
