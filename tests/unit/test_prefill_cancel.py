@@ -336,18 +336,46 @@ def test_cancels_lost_with_their_encode_rank_are_forgotten_once_no_answer_can_co
     assert of(SendCancel, c.abandon(400.1, 7, token)) and c.pending_cancels == 1
 
 
-def test_an_answered_cancel_leaves_nothing_behind_for_the_stale_sweep():
+def test_a_cancel_answered_too_late_waits_for_its_last_answer_however_long_the_write_takes():
+    """A write may outlast STALE_CANCEL_S (MC_TRANSFER_TIMEOUT is the encode side's to raise): its CONFIRMED
+    is this cancel's, never a later one's."""
     c = core()
+    _answering(c)
+    old = asked(c, 7, now=0.0)
+    c.abandon(0.1, 7, old)
+    c.clear(0.1, 7, old)
+    c.cancel_answered(0.2, 7, 0, TOO_LATE)
+    c.connection_dropped(0.3, ENCODE)
+    c.tick(2 * prefill.STALE_CANCEL_S)
+    assert c.pending_cancels == 1
+    token = asked(c, 7, now=2 * prefill.STALE_CANCEL_S)
+    assert c.abandon(2 * prefill.STALE_CANCEL_S + 0.1, 7, token) == []  # no second cancel its answer could be taken for
+    assert c.cancel_answered(3 * prefill.STALE_CANCEL_S, 7, 0, CONFIRMED) == [MemorySafe(7, old)]
+    assert not c.safe(7, token)
+
+
+def test_an_unanswered_cancel_on_a_connection_still_in_use_is_kept():
+    c = prefill_core(deadline_s=10 * prefill.STALE_CANCEL_S)
     _answering(c)
     token = asked(c, 7, now=0.0)
     c.abandon(0.1, 7, token)
-    assert of(MemorySafe, c.cancel_answered(0.2, 7, 0, CancelAnswer.CONFIRMED)) == [MemorySafe(7, token)]
-    c.clear(0.2, 7, token)
-    later = asked(c, 7, now=1.0)
-    c.abandon(1.1, 7, later)
+    asked(c, 8, now=0.2)  # keeps the connection in use
     c.tick(0.1 + prefill.STALE_CANCEL_S)
-    assert c.pending_cancels == 1  # the later one is not stale yet
-    c.tick(1.1 + prefill.STALE_CANCEL_S)
+    assert c.pending_cancels == 1
+    assert c.cancel_answered(0.2 + prefill.STALE_CANCEL_S, 7, 0, CONFIRMED) == [MemorySafe(7, token)]
+
+
+def test_stale_cancels_are_forgotten_at_most_limit_a_tick():
+    c = core()
+    _answering(c)
+    for room in range(10, 15):
+        c.abandon(0.1, room, asked(c, room, now=0.0))
+        c.clear(0.1, room)
+    c.connection_dropped(0.2, ENCODE)
+    c.tick(0.1 + prefill.STALE_CANCEL_S, limit=2)
+    assert c.pending_cancels == 3
+    c.tick(0.2 + prefill.STALE_CANCEL_S, limit=2)
+    c.tick(0.3 + prefill.STALE_CANCEL_S, limit=2)
     assert c.pending_cancels == 0
 
 

@@ -76,11 +76,11 @@ ASK_BATCH = 256
 #: its memory then waits out the caller's quarantine bound).
 MAX_PENDING_CANCELS = 65536
 
-#: How long a cancel's answer is waited for at most: past it the cancel is forgotten (an encode
-#: rank that went away, or restarted, with it unanswered never answers it; the room's memory then
-#: waits out the caller's quarantine bound, as with no cancel). Answers name only the room and the
-#: encode rank, so one that came later still would be taken for a later cancel of the same room:
-#: this is far beyond any write's bound (Mooncake's transfer timeout, 30 s by default).
+#: How long a cancel sent on a connection since lost may wait for its first answer: past it, the
+#: cancel is forgotten (an encode rank that went away or restarted with it unread never answers;
+#: the room's memory then waits out the caller's quarantine bound, as with no cancel). One that
+#: had an answer, or whose connection is still in use, is kept until its last answer: answers
+#: name only the room and the encode rank, and a late one would be taken for a later cancel's.
 STALE_CANCEL_S = 300.0
 
 #: Encode addresses remembered as answering cancels (past this, new ones are not learned).
@@ -502,17 +502,32 @@ class PrefillCore:
             del self._cancels[key]
         self._cancel_count -= 1
 
-    def _forget_stale_cancels(self, now: float) -> list:
-        """Forgets the cancels unanswered STALE_CANCEL_S after they were sent (and, past twice
-        MAX_PENDING_CANCELS sent, the oldest): a held ask waiting for one goes."""
+    def _forget_stale_cancels(self, now: float, limit: int | None) -> list:
+        """Forgets the cancels sent STALE_CANCEL_S ago on a connection since lost that never had an answer, at
+        most `limit` of them (a held ask waiting for one goes); looks again later at one whose connection is
+        still in use. Past twice MAX_PENDING_CANCELS sent, the oldest is no longer looked at."""
         sent = self._cancels_sent
         actions: list = []
-        while sent and (now - sent[0][0] >= STALE_CANCEL_S or len(sent) > 2 * MAX_PENDING_CANCELS):
-            _, key, cancel = sent.popleft()
-            if any(pending is cancel for pending in self._cancels.get(key, ())):
-                self._drop_cancel(key, cancel)
-                self._restart_silence(cancel.addr)
-                actions += self._release(now, *key)
+        silent: set[Address] = set()
+        forgotten = 0
+        again = []
+        while sent and (limit is None or forgotten < limit):
+            sent_at, key, cancel = sent[0]
+            if now - sent_at < STALE_CANCEL_S and len(sent) <= 2 * MAX_PENDING_CANCELS:
+                break
+            sent.popleft()
+            if cancel.answered or not any(pending is cancel for pending in self._cancels.get(key, ())):
+                continue  # its last answer comes, or came
+            if self._conns.get(cancel.addr) == cancel.conn:
+                again.append((now, key, cancel))
+                continue
+            self._drop_cancel(key, cancel)
+            silent.add(cancel.addr)
+            forgotten += 1
+            actions += self._release(now, *key)
+        sent.extend(again)
+        for addr in silent:
+            self._restart_silence(addr)
         return actions
 
     def _restart_silence(self, addr: Address) -> None:
@@ -927,7 +942,7 @@ class PrefillCore:
                 actions += self._unhold(now, state)
                 expired += 1
         if self._cancels_sent:
-            actions += self._forget_stale_cancels(now)
+            actions += self._forget_stale_cancels(now, limit)
         for addr in [addr for addr in self._probed_at if not self.asks.waiting(addr)]:
             del self._probed_at[addr]
         for addr, head in self.asks.heads(self._queued):
