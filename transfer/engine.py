@@ -84,7 +84,7 @@ def mooncake_transfer_timeout_s(environ: Mapping[str, str] | None = None) -> flo
     text = (os.environ if environ is None else environ).get("MC_TRANSFER_TIMEOUT")
     if text is None:
         return 30.0
-    leading = re.match(r"\s*([+-]?\d+)", text)
+    leading = re.match(r"[ \t\n\v\f\r]*([+-]?[0-9]+)", text)  # C's isspace and digits, not Unicode's
     return float(max(5, int(leading.group(1)) if leading else 0))
 
 

@@ -74,6 +74,11 @@ MAX_FAILED_WRITES = 4096
 MAX_ENDPOINTS = 4096
 
 
+def _grace_over(cancelled_at: float, now: float) -> bool:
+    """Whether REASK_GRACE_S passed since a receiver's cancel: an item then waits no more for its new ask."""
+    return now - cancelled_at >= REASK_GRACE_S
+
+
 @dataclass
 class Offer:
     """An item the caller offers: where its rows are and how they are shaped.
@@ -223,7 +228,7 @@ class _Job:
     room: _Room
     info: TransferInfo
     ranges: tuple[tuple[int, int, int], ...] = ()  # (start, end, seq) in its session's destination list
-    regions_checked: int = -1  # the region book's changes when its destination was checked
+    regions_checked: int = -1  # the region book's version when its destination was checked
     waits: list[_CancelWait] = field(default_factory=list)  # cancels that came while it was in flight
 
 
@@ -292,7 +297,7 @@ class EncodeCore:
             self._fail(room, FailureKind.CLOSED, self._close_detail, now)
             return self._out_take()
         cancelled = self._cancelled.pop(offer.room, None)
-        if cancelled is not None and now - cancelled[1] >= REASK_GRACE_S:
+        if cancelled is not None and _grace_over(cancelled[1], now):
             self._fail_cancelled_item(room, *cancelled, now)
             return self._flush(now)
         if cancelled is not None:  # its receiver may be asking for it again right now: the item waits for it
@@ -350,7 +355,6 @@ class EncodeCore:
             self._warn("repeated ask", "room %d: %s asked again for the write under way; ignoring the copy",
                        info.room, receiver_text(info.session_id))
             return self._flush(now)
-        self._forget_cancel(info)
         predecessor = self._predecessor_by_shard(info)
         if predecessor is not None:
             self._supersede(predecessor, info.session_id, "shard",
@@ -363,6 +367,7 @@ class EncodeCore:
             self._tell_failed([info], Failure(FailureKind.GEOMETRY, f"room {info.room}: more than "
                                                                     f"{self.parked.max_receivers} receivers asked"))
             return self._flush(now)
+        self._forget_cancel(info)
         for asks in admission.evicted:
             self._warn("parked", "room %d: %d rooms (%d bytes of asks) were asked for and not served yet; "
                        "failing the oldest ask", asks.room, len(self.parked) + 1, self.parked.nbytes + asks.nbytes)
@@ -443,7 +448,7 @@ class EncodeCore:
     def _fail_unclaimed_held(self, now: float) -> None:
         """Fails the held items whose REASK_GRACE_S ran out with no new ask of their receiver."""
         for number, (session, at, room) in list(self._held.items()):
-            if now < at + REASK_GRACE_S:
+            if not _grace_over(at, now):
                 continue
             del self._held[number]
             if self._rooms.get(number) is room and not room.failed and not room.receivers:  # still unserved
@@ -689,7 +694,7 @@ class EncodeCore:
         due = self._next_sweep
         if self._clears_due:
             due = min(due, self._clears_due[0][1] + CLEARED_GRACE_S)
-        for _, at, _ in self._held.values():  # a few at most: items sent right after their receiver's cancel
+        for _, at, _ in self._held.values():  # items sent right after a cancel: MAX_CANCELLED_ROOMS at most
             due = min(due, at + REASK_GRACE_S)
         return due
 
@@ -812,7 +817,7 @@ class EncodeCore:
         """Queues a write of each newcomer's shard (a superseded session's write may still be in flight)."""
         room.pending += len(newcomers)
         for info in newcomers:
-            job = _Job(room, info, regions_checked=self.regions.changes)
+            job = _Job(room, info, regions_checked=self.regions.version)
             self._hold_ranges(job, room.offer)
             room.queued.append(job)
             self.scheduler.push(job, info.session_id, first_at)
@@ -865,7 +870,7 @@ class EncodeCore:
                                                f"skipped: a write to it failed {now - since:.1f}s ago"
                                                + (f" ({why})" if why else ""), now)
             return
-        outside = (None if job.regions_checked == self.regions.changes
+        outside = (None if job.regions_checked == self.regions.version
                    else self.regions.check([info], offer.row_bytes, offer.deepstack_row_bytes))
         if outside is not None:
             self._skip(job, FailureKind.REGION, f"{outside} (found as its queued write was to start)", now)

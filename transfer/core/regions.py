@@ -39,7 +39,7 @@ class RegionBook:
         # Sessions that announced lengths and were then superseded or evicted, oldest first: their
         # asks are refused, never written unchecked as a session that never announced would be.
         self._retired: dict[str, str] = {}  # session -> why its regions are gone
-        self.changes = 0  # how many times a session's regions changed: a check made since is still good
+        self.version = 0  # bumped whenever a check's answer may change: one made at the same version still holds
 
     def register(self, reg: Registration) -> str | None:
         """Remembers a session's announced region; returns why it was refused, or None.
@@ -50,7 +50,7 @@ class RegionBook:
         destination. Once a session announced lengths, one without lengths is refused:
         it would name memory nobody vouched for.
         """
-        self.changes += 1
+        self.version += 1
         session = self._sessions.pop(reg.session_id, None)
         if session is None:
             self._retired.pop(reg.session_id, None)
@@ -115,13 +115,13 @@ class RegionBook:
 
     def forget(self, session_id: str, why: str = "it was superseded") -> None:
         """Drops a session's regions; one that announced lengths is refused from now on (see check)."""
-        self.changes += 1
+        self.version += 1
         session = self._sessions.pop(session_id, None)
         if session is not None and session.announced:
             self._retire(session_id, why)
 
     def _retire(self, session_id: str, why: str) -> None:
-        self.changes += 1
+        self.version += 1
         self._retired.pop(session_id, None)
         self._retired[session_id] = why
         if len(self._retired) > self.max_sessions:

@@ -209,7 +209,7 @@ class SourceRegistry:
         """
         held: list[int] = []
 
-        def release() -> None:
+        def undo() -> None:
             with self.lock:
                 self._let_go(held)
 
@@ -226,7 +226,7 @@ class SourceRegistry:
                 if base is not None:
                     held.append(base)
         except BaseException:
-            release()
+            undo()
             raise
         if not held:
             return None
