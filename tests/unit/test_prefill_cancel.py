@@ -319,12 +319,15 @@ def test_a_room_asked_on_a_fresh_connection_sends_no_cancel_while_one_from_the_o
     assert not c.safe(7, token)
 
 
-def test_cancels_lost_with_their_encode_rank_are_forgotten_once_no_answer_can_come():
-    """The encode rank went away with three cancels unread: they are not kept for the manager's life."""
+def test_cancels_lost_with_their_encode_rank_are_set_aside_and_take_their_late_answers():
+    """The encode rank went away with three cancels unread: they stop counting as pending, and an answer that
+    still comes for one is never taken for a later cancel of the same room (answers name only room and rank)."""
     c = core()
     _answering(c)
+    old = {}
     for room in (7, 8, 9):
-        c.abandon(0.1, room, asked(c, room, now=0.0))
+        old[room] = asked(c, room, now=0.0)
+        c.abandon(0.1, room, old[room])
         c.clear(0.1, room)
     c.connection_dropped(0.2, ENCODE)
     assert c.pending_cancels == 3
@@ -332,13 +335,18 @@ def test_cancels_lost_with_their_encode_rank_are_forgotten_once_no_answer_can_co
     assert c.pending_cancels == 3
     c.tick(0.1 + prefill.STALE_CANCEL_S)
     assert c.pending_cancels == 0 and c.idle(ENCODE, 0.1 + prefill.STALE_CANCEL_S)
-    token = asked(c, 7, now=400.0)  # the room asked again on a fresh connection is cancelled again when given up
-    assert of(SendCancel, c.abandon(400.1, 7, token)) and c.pending_cancels == 1
+    token = asked(c, 7, now=400.0)
+    assert c.abandon(400.1, 7, token) == []  # no cancel a late answer could be taken for: the quarantine frees it
+    assert c.cancel_answered(400.2, 7, 0, TOO_LATE) == [] and c.cancel_answered(401.0, 7, 0, CONFIRMED) == []
+    assert not c.safe(7, token)
+    c.clear(401.0, 7, token)
+    again = asked(c, 7, now=402.0)  # the set-aside cancel's last answer came: room 7 is cancelled again
+    assert of(SendCancel, c.abandon(402.1, 7, again)) and c.pending_cancels == 1
 
 
-def test_a_cancel_answered_too_late_waits_for_its_last_answer_however_long_the_write_takes():
-    """A write may outlast STALE_CANCEL_S (MC_TRANSFER_TIMEOUT is the encode side's to raise): its CONFIRMED
-    is this cancel's, never a later one's."""
+def test_a_cancel_answered_too_late_on_a_lost_connection_is_set_aside_until_its_last_answer():
+    """Its write may outlast STALE_CANCEL_S (MC_TRANSFER_TIMEOUT is the encode side's to raise): its CONFIRMED
+    is taken by the set-aside cancel, never by a later one."""
     c = core()
     _answering(c)
     old = asked(c, 7, now=0.0)
@@ -347,11 +355,27 @@ def test_a_cancel_answered_too_late_waits_for_its_last_answer_however_long_the_w
     c.cancel_answered(0.2, 7, 0, TOO_LATE)
     c.connection_dropped(0.3, ENCODE)
     c.tick(2 * prefill.STALE_CANCEL_S)
-    assert c.pending_cancels == 1
+    assert c.pending_cancels == 0
     token = asked(c, 7, now=2 * prefill.STALE_CANCEL_S)
-    assert c.abandon(2 * prefill.STALE_CANCEL_S + 0.1, 7, token) == []  # no second cancel its answer could be taken for
-    assert c.cancel_answered(3 * prefill.STALE_CANCEL_S, 7, 0, CONFIRMED) == [MemorySafe(7, old)]
+    assert c.abandon(2 * prefill.STALE_CANCEL_S + 0.1, 7, token) == []
+    assert c.cancel_answered(3 * prefill.STALE_CANCEL_S, 7, 0, CONFIRMED) == []
     assert not c.safe(7, token)
+
+
+def test_past_the_pending_bound_the_oldest_cancels_are_set_aside_not_dropped(monkeypatch):
+    monkeypatch.setattr(prefill, "MAX_PENDING_CANCELS", 2)
+    c = prefill_core(deadline_s=10 * prefill.STALE_CANCEL_S)
+    _answering(c)
+    first = asked(c, 7, now=0.0)
+    c.abandon(0.1, 7, first)
+    c.cancel_answered(0.2, 7, 0, TOO_LATE)
+    for room in (8, 9):
+        c.abandon(0.3, room, asked(c, room, now=0.3))
+    assert c.pending_cancels == 2  # room 7's cancel set aside
+    c.clear(0.4, 7, first)
+    token = asked(c, 7, now=0.5)
+    assert c.abandon(0.6, 7, token) == []
+    assert c.cancel_answered(20.0, 7, 0, CONFIRMED) == [] and not c.safe(7, token)
 
 
 def test_an_unanswered_cancel_on_a_connection_still_in_use_is_kept():
@@ -365,7 +389,7 @@ def test_an_unanswered_cancel_on_a_connection_still_in_use_is_kept():
     assert c.cancel_answered(0.2 + prefill.STALE_CANCEL_S, 7, 0, CONFIRMED) == [MemorySafe(7, token)]
 
 
-def test_stale_cancels_are_forgotten_at_most_limit_a_tick():
+def test_stale_cancels_are_set_aside_at_most_limit_a_tick():
     c = core()
     _answering(c)
     for room in range(10, 15):

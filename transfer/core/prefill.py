@@ -72,15 +72,16 @@ ENCODE_FAILED = "encode failed to send embedding"
 #: and runs deadlines between batches.
 ASK_BATCH = 256
 
-#: Cancels awaiting their encode rank's confirmation (the oldest is forgotten past this:
-#: its memory then waits out the caller's quarantine bound).
+#: Cancels awaiting their encode rank's confirmation (past this the oldest is set aside as a
+#: ghost: its memory then waits out the caller's quarantine bound).
 MAX_PENDING_CANCELS = 65536
 
-#: How long a cancel sent on a connection since lost may wait for its first answer: past it, the
-#: cancel is forgotten (an encode rank that went away or restarted with it unread never answers;
-#: the room's memory then waits out the caller's quarantine bound, as with no cancel). One that
-#: had an answer, or whose connection is still in use, is kept until its last answer: answers
-#: name only the room and the encode rank, and a late one would be taken for a later cancel's.
+#: How long a cancel sent on a connection since lost is awaited as one: past it, its (room,
+#: encode rank) is set aside as a ghost (an encode rank that went away or restarted never
+#: answers; the room's memory waits out the caller's quarantine bound, as with no cancel). A
+#: ghost is not looked at when sockets are weighed; it takes whatever answers still come for its
+#: room and rank, and no cancel of that room goes to that rank while it is there: answers name
+#: only the room and the encode rank, and a late one would be taken for a later cancel's.
 STALE_CANCEL_S = 300.0
 
 #: Encode addresses remembered as answering cancels (past this, new ones are not learned).
@@ -366,6 +367,7 @@ class PrefillCore:
         self._cancels: dict[tuple[int, int], list[_Cancel]] = {}  # (room, encode rank) -> awaiting, oldest first
         self._cancel_count = 0
         self._cancels_sent: deque[tuple[float, tuple[int, int], _Cancel]] = deque()  # (sent at, key, cancel), in order
+        self._ghosts: dict[tuple[int, int], int] = {}  # (room, encode rank) set aside -> last answers still to come
         self._answering: set[Address] = set()  # encode ranks seen to answer cancels
         self._unanswered_since: dict[Address, float] = {}  # when a cancel there last went unanswered
         self._held: list[tuple[float, int, _Room]] = []  # (when its ask goes anyway, token, room), a heap
@@ -470,6 +472,7 @@ class PrefillCore:
         """
         cancels = self._cancels.get((room, rank))
         if not cancels:
+            self._ghost_answered((room, rank), answer)
             return []
         if answer is CancelAnswer.TOO_LATE:  # its last answer follows once the write is over
             first = next((cancel for cancel in cancels if not cancel.answered), None)
@@ -502,33 +505,51 @@ class PrefillCore:
             del self._cancels[key]
         self._cancel_count -= 1
 
-    def _forget_stale_cancels(self, now: float, limit: int | None) -> list:
-        """Forgets the cancels sent STALE_CANCEL_S ago on a connection since lost that never had an answer, at
-        most `limit` of them (a held ask waiting for one goes); looks again later at one whose connection is
-        still in use. Past twice MAX_PENDING_CANCELS sent, the oldest is no longer looked at."""
+    def _set_aside_stale_cancels(self, now: float, limit: int | None) -> list:
+        """Sets aside as ghosts the cancels sent STALE_CANCEL_S ago on a connection since lost, at most `limit`
+        of them (a held ask waiting for one goes); looks again later at one whose connection is still in
+        use. Past twice MAX_PENDING_CANCELS sent, the oldest is set aside whatever its age."""
         sent = self._cancels_sent
         actions: list = []
         silent: set[Address] = set()
-        forgotten = 0
         again = []
-        while sent and (limit is None or forgotten < limit):
+        set_aside = 0
+        while sent and (limit is None or set_aside < limit):
             sent_at, key, cancel = sent[0]
-            if now - sent_at < STALE_CANCEL_S and len(sent) <= 2 * MAX_PENDING_CANCELS:
+            crowded = len(sent) > 2 * MAX_PENDING_CANCELS
+            if now - sent_at < STALE_CANCEL_S and not crowded:
                 break
             sent.popleft()
-            if cancel.answered or not any(pending is cancel for pending in self._cancels.get(key, ())):
-                continue  # its last answer comes, or came
-            if self._conns.get(cancel.addr) == cancel.conn:
+            if not any(pending is cancel for pending in self._cancels.get(key, ())):
+                continue  # its last answer came
+            if self._conns.get(cancel.addr) == cancel.conn and not crowded:
                 again.append((now, key, cancel))
                 continue
-            self._drop_cancel(key, cancel)
             silent.add(cancel.addr)
-            forgotten += 1
-            actions += self._release(now, *key)
+            set_aside += 1
+            actions += self._set_aside(now, key)
         sent.extend(again)
         for addr in silent:
             self._restart_silence(addr)
         return actions
+
+    def _set_aside(self, now: float, key: tuple[int, int]) -> list:
+        """Sets every cancel of (room, encode rank) `key` aside as a ghost that takes their answers still to
+        come; a held ask waiting for them goes."""
+        cancels = self._cancels.pop(key)
+        self._cancel_count -= len(cancels)
+        remember(self._ghosts, key, self._ghosts.get(key, 0) + len(cancels), MAX_PENDING_CANCELS)
+        return self._release(now, *key)
+
+    def _ghost_answered(self, key: tuple[int, int], answer: CancelAnswer) -> None:
+        """An answer for a (room, encode rank) whose cancels were set aside: a last answer leaves one fewer."""
+        left = self._ghosts.get(key)
+        if left is None or answer is CancelAnswer.TOO_LATE:
+            return
+        if left > 1:
+            self._ghosts[key] = left - 1
+        else:
+            del self._ghosts[key]
 
     def _restart_silence(self, addr: Address) -> None:
         """The silence clock of `addr` from its oldest cancel still unanswered, if any."""
@@ -942,7 +963,7 @@ class PrefillCore:
                 actions += self._unhold(now, state)
                 expired += 1
         if self._cancels_sent:
-            actions += self._forget_stale_cancels(now, limit)
+            actions += self._set_aside_stale_cancels(now, limit)
         for addr in [addr for addr in self._probed_at if not self.asks.waiting(addr)]:
             del self._probed_at[addr]
         for addr, head in self.asks.heads(self._queued):
@@ -1007,21 +1028,22 @@ class PrefillCore:
         since = self._unanswered_since.get(state.addr)
         if since is not None and now - since >= CANCEL_SILENCE_S and state.addr not in self._answering:
             return []  # it answers none: the quarantine makes the memory safe, without a malformed frame there
-        pending = self._cancels.setdefault((state.room, state.encode_rank), [])
+        key = (state.room, state.encode_rank)
+        if key in self._ghosts:
+            return []  # the answers still to come for cancels set aside would be taken for this one's
+        pending = self._cancels.setdefault(key, [])
         if pending and (pending[0].addr != state.addr or pending[-1].conn != state.conn):
             # Answers name only the room and the encode rank: another node's (or connection's) answer to
             # its own cancel would be taken for this one's. Without a cancel only the quarantine makes it safe.
             return []
         cancel = _Cancel(state.token, state.addr, state.conn, now)
         pending.append(cancel)
-        self._cancels_sent.append((now, (state.room, state.encode_rank), cancel))
+        self._cancels_sent.append((now, key, cancel))
         self._unanswered_since.setdefault(state.addr, now)
         self._cancel_count += 1
-        if self._cancel_count > MAX_PENDING_CANCELS:
-            oldest = next(iter(self._cancels))
-            self._drop_cancel(oldest, self._cancels[oldest][0])
+        released = self._set_aside(now, next(iter(self._cancels))) if self._cancel_count > MAX_PENDING_CANCELS else []
         frames = cancel_frames(state.room, self.host, self.status_port, self.session_id, reads_write_failed=True)
-        return [SendCancel(state.addr, state.room, state.token, frames)]
+        return [SendCancel(state.addr, state.room, state.token, frames), *released]
 
     def _release(self, now: float, room: int, rank: int) -> list:
         """The held ask of `room` for encode rank `rank` goes, unless a cancel before it is still unanswered."""
