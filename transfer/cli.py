@@ -168,20 +168,22 @@ def _output_folders_writable(command: str, args: argparse.Namespace, options: tu
 EXIT_WITH_CHECK_S = 0.5
 
 
-def _exit_with(pid: int | None) -> None:
+def _exit_with(pid: int | None) -> threading.Event:
     """--exit-with PID: this process stops (as on SIGTERM) once process PID ended, so a launcher
     killed with SIGKILL leaves no server holding its port and no rank waiting for its timeout.
+    Returns the event that disarms it (a caller that returns instead of exiting sets it).
 
     It waits on a pidfd (Linux), which names that very process whatever number is reused
     later; elsewhere it looks every EXIT_WITH_CHECK_S.
     """
+    disarmed = threading.Event()
     if pid is None:
-        return
+        return disarmed
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
         os.kill(os.getpid(), signal.SIGTERM)
-        return
+        return disarmed
     except (AttributeError, OSError):  # no pidfd here: look now and then
         fd = -1
 
@@ -202,9 +204,11 @@ def _exit_with(pid: int | None) -> None:
         else:
             while not ended():
                 time.sleep(EXIT_WITH_CHECK_S)
-        os.kill(os.getpid(), signal.SIGTERM)
+        if not disarmed.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="epd-exit-with", daemon=True).start()
+    return disarmed
 
 
 def _add_exit_with(parser: argparse.ArgumentParser) -> None:
@@ -219,8 +223,9 @@ def _bootstrap(args: argparse.Namespace) -> int:
     # one delivered to another thread would leave the main thread waiting forever.
     stops = {signal.SIGINT, signal.SIGTERM}
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # the server's threads, started later, too
+    disarm = None
     try:
-        _exit_with(args.exit_with)
+        disarm = _exit_with(args.exit_with)
         try:
             server = BootstrapServer(args.host, args.port, token=args.token)
         except PortsInUse as error:  # its message already names the server and the range
@@ -231,6 +236,10 @@ def _bootstrap(args: argparse.Namespace) -> int:
             print(f"bootstrap server on http://{server.address}", flush=True)
             signal.sigwait(stops)  # one that came meanwhile is pending, and taken at once
     finally:
+        if disarm is not None:
+            disarm.set()
+        while pending := signal.sigpending() & stops:  # a second stop, taken here rather than by its default
+            signal.sigwait(pending)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     return 0
 
