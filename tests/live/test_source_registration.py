@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
@@ -60,16 +61,25 @@ def test_a_room_is_served_while_another_send_is_registering_its_source(engines, 
         encode.unregister(rows.data_ptr())
 
 
-def test_a_source_two_pools_on_one_engine_send_stays_registered_until_both_are_done(engines, server):
-    # The first pool registers the source; the second finds it registered. The first room's
-    # clear must not unregister it under the second room, whose receiver has not asked yet.
+@contextlib.contextmanager
+def _two_pools(engines, server, slots: torch.Tensor):
+    """Two sender pools on one encode engine (registered at `server` and at a second bootstrap server),
+    and a session manager receiving into `slots`: (first, second, its bootstrap address, manager)."""
     encode, prefill = engines
-    slots = torch.zeros(2, SPAN, HIDDEN, dtype=torch.bfloat16)
-    rows = item_tensor(1, SPAN, HIDDEN)  # not registered: the first send() registers it
     with bootstrap_server(token=None) as other, \
             SenderPool(encode, 0, 1, 1, server.address, host=HOST) as first, \
             SenderPool(encode, 0, 1, 1, other.address, host=HOST) as second, \
             SessionManager(prefill, 0, 1, 1, buffer=slots, host=HOST) as manager:
+        yield first, second, other.address, manager
+
+
+def test_a_source_two_pools_on_one_engine_send_stays_registered_until_both_are_done(engines, server):
+    # The first pool registers the source; the second finds it registered. The first room's
+    # clear must not unregister it under the second room, whose receiver has not asked yet.
+    encode, _ = engines
+    slots = torch.zeros(2, SPAN, HIDDEN, dtype=torch.bfloat16)
+    rows = item_tensor(1, SPAN, HIDDEN)  # not registered: the first send() registers it
+    with _two_pools(engines, server, slots) as (first, second, other, manager):
         sent_first = first.send(1, rows)
         sent_second = second.send(2, rows)
         received = manager.receive(1, server.address, slots[0])
@@ -78,7 +88,7 @@ def test_a_source_two_pools_on_one_engine_send_stays_registered_until_both_are_d
         sent_first.clear()
         time.sleep(1.0)  # an idle pool's thread lets go of a cleared room's item within half a second
         assert rows.data_ptr() in encode.registered(), "the first pool unregistered a source the second still sends"
-        received = manager.receive(2, other.address, slots[1])
+        received = manager.receive(2, other, slots[1])
         assert received.wait(10.0) == TransferPoll.Success, received.failure
         assert torch.equal(slots[1].view(torch.uint8), rows.view(torch.uint8))
         received.clear()
@@ -160,13 +170,10 @@ def test_a_pool_whose_thread_failed_keeps_nothing_of_rooms_cleared_after(engines
 
 
 def test_a_pool_whose_thread_fails_leaves_a_source_another_pool_sends_registered(engines, server):
-    encode, prefill = engines
+    encode, _ = engines
     slots = torch.zeros(1, SPAN, HIDDEN, dtype=torch.bfloat16)
     rows = item_tensor(3, SPAN, HIDDEN)  # not registered: the first send() registers it
-    with bootstrap_server(token=None) as other, \
-            SenderPool(encode, 0, 1, 1, server.address, host=HOST) as failing, \
-            SenderPool(encode, 0, 1, 1, other.address, host=HOST) as serving, \
-            SessionManager(prefill, 0, 1, 1, buffer=slots, host=HOST) as manager:
+    with _two_pools(engines, server, slots) as (failing, serving, other, manager):
         _break_the_thread(failing)
         lost = failing.send(1, rows)
         sent = serving.send(2, rows)
@@ -174,7 +181,7 @@ def test_a_pool_whose_thread_fails_leaves_a_source_another_pool_sends_registered
         assert wait_until(lambda: not failing._thread.is_alive(), 5.0)
         assert serving._sources.counts.counts().get(rows.data_ptr()) == 1  # the failed pool's hold went, once
         assert rows.data_ptr() in encode.registered() and _in_mooncake(encode, rows)
-        received = manager.receive(2, other.address, slots[0])
+        received = manager.receive(2, other, slots[0])
         assert received.wait(10.0) == TransferPoll.Success, received.failure
         assert torch.equal(slots[0].view(torch.uint8), rows.view(torch.uint8))
         received.clear()
