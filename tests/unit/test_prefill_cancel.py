@@ -19,6 +19,7 @@ from transfer.core.prefill import (
     SendAsk,
     SendCancel,
     Verify,
+    Warn,
 )
 from transfer.frames import Cancel, CancelAnswer, parse_cancel
 from transfer.status import TransferPoll
@@ -376,6 +377,26 @@ def test_past_the_pending_bound_the_oldest_cancels_are_set_aside_not_dropped(mon
     token = asked(c, 7, now=0.5)
     assert c.abandon(0.6, 7, token) == []
     assert c.cancel_answered(20.0, 7, 0, CONFIRMED) == [] and not c.safe(7, token)
+
+
+def test_at_the_ghost_bound_no_cancel_is_sent_and_no_ghost_is_dropped(monkeypatch):
+    """A dropped ghost would let its late CONFIRMED be taken for a later cancel of its room (a write in flight)."""
+    monkeypatch.setattr(prefill, "MAX_PENDING_CANCELS", 2)
+    monkeypatch.setattr(prefill, "MAX_GHOSTS", 2)
+    c = prefill_core(deadline_s=10 * prefill.STALE_CANCEL_S)
+    _answering(c)
+    first = asked(c, 1, now=0.0)
+    c.abandon(0.1, 1, first)
+    c.cancel_answered(0.2, 1, 0, TOO_LATE)
+    for room in (2, 3, 4):
+        c.abandon(0.3, room, asked(c, room, now=0.3))
+    assert c.pending_cancels == 2  # rooms 1 and 2 set aside as ghosts: the bound is reached
+    out = c.abandon(0.4, 5, asked(c, 5, now=0.4))
+    assert of(SendCancel, out) == [] and of(Warn, out)
+    c.clear(0.5, 1, first)
+    again = asked(c, 1, now=0.6)
+    assert c.abandon(0.7, 1, again) == []  # room 1's ghost is still there
+    assert c.cancel_answered(20.0, 1, 0, CONFIRMED) == [] and not c.safe(1, again)
 
 
 def test_an_unanswered_cancel_on_a_connection_still_in_use_is_kept():

@@ -84,6 +84,11 @@ MAX_PENDING_CANCELS = 65536
 #: only the room and the encode rank, and a late one would be taken for a later cancel's.
 STALE_CANCEL_S = 300.0
 
+#: Ghosts (set-aside cancels) kept at most before no cancel is sent at all: a ghost is never
+#: dropped (a later cancel of its room would take its late answer), so at this bound cleared
+#: rooms wait out the quarantine until ghosts get their last answers.
+MAX_GHOSTS = 65536
+
 #: Encode addresses remembered as answering cancels (past this, new ones are not learned).
 MAX_ANSWERING = 65536
 
@@ -538,7 +543,7 @@ class PrefillCore:
         come; a held ask waiting for them goes."""
         cancels = self._cancels.pop(key)
         self._cancel_count -= len(cancels)
-        remember(self._ghosts, key, self._ghosts.get(key, 0) + len(cancels), MAX_PENDING_CANCELS)
+        self._ghosts[key] = self._ghosts.get(key, 0) + len(cancels)
         return self._release(now, *key)
 
     def _ghost_answered(self, key: tuple[int, int], answer: CancelAnswer) -> None:
@@ -1031,6 +1036,10 @@ class PrefillCore:
         key = (state.room, state.encode_rank)
         if key in self._ghosts:
             return []  # the answers still to come for cancels set aside would be taken for this one's
+        if len(self._ghosts) >= MAX_GHOSTS:
+            return [Warn("ghosts", f"{len(self._ghosts)} cancels set aside still await answers (at most "
+                                   f"{MAX_GHOSTS}): room {state.room} is sent no cancel, its memory waits out the "
+                                   f"quarantine")]
         pending = self._cancels.setdefault(key, [])
         if pending and (pending[0].addr != state.addr or pending[-1].conn != state.conn):
             # Answers name only the room and the encode rank: another node's (or connection's) answer to
