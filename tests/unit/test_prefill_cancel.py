@@ -363,15 +363,22 @@ def test_a_cancel_answered_too_late_on_a_lost_connection_is_set_aside_until_its_
     assert not c.safe(7, token)
 
 
-def test_past_the_pending_bound_the_oldest_cancels_are_set_aside_not_dropped(monkeypatch):
-    monkeypatch.setattr(prefill, "MAX_PENDING_CANCELS", 2)
+def _past_the_pending_bound(first_room: int, others: tuple[int, ...]) -> tuple[PrefillCore, int]:
+    """A core whose `first_room` was cancelled and answered too late, then `others` cancelled past a pending
+    bound of 2 (monkeypatched by the caller); returns it and the first room's token."""
     c = prefill_core(deadline_s=10 * prefill.STALE_CANCEL_S)
     _answering(c)
-    first = asked(c, 7, now=0.0)
-    c.abandon(0.1, 7, first)
-    c.cancel_answered(0.2, 7, 0, TOO_LATE)
-    for room in (8, 9):
+    first = asked(c, first_room, now=0.0)
+    c.abandon(0.1, first_room, first)
+    c.cancel_answered(0.2, first_room, 0, TOO_LATE)
+    for room in others:
         c.abandon(0.3, room, asked(c, room, now=0.3))
+    return c, first
+
+
+def test_past_the_pending_bound_the_oldest_cancels_are_set_aside_not_dropped(monkeypatch):
+    monkeypatch.setattr(prefill, "MAX_PENDING_CANCELS", 2)
+    c, first = _past_the_pending_bound(7, (8, 9))
     assert c.pending_cancels == 2  # room 7's cancel set aside
     c.clear(0.4, 7, first)
     token = asked(c, 7, now=0.5)
@@ -383,13 +390,7 @@ def test_at_the_ghost_bound_no_cancel_is_sent_and_no_ghost_is_dropped(monkeypatc
     """A dropped ghost would let its late CONFIRMED be taken for a later cancel of its room (a write in flight)."""
     monkeypatch.setattr(prefill, "MAX_PENDING_CANCELS", 2)
     monkeypatch.setattr(prefill, "MAX_GHOSTS", 2)
-    c = prefill_core(deadline_s=10 * prefill.STALE_CANCEL_S)
-    _answering(c)
-    first = asked(c, 1, now=0.0)
-    c.abandon(0.1, 1, first)
-    c.cancel_answered(0.2, 1, 0, TOO_LATE)
-    for room in (2, 3, 4):
-        c.abandon(0.3, room, asked(c, room, now=0.3))
+    c, first = _past_the_pending_bound(1, (2, 3, 4))
     assert c.pending_cancels == 2  # rooms 1 and 2 set aside as ghosts: the bound is reached
     out = c.abandon(0.4, 5, asked(c, 5, now=0.4))
     assert of(SendCancel, out) == [] and of(Warn, out)
