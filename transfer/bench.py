@@ -559,7 +559,7 @@ def _raw_sync(engine, cell: Cell, batches, writers: int, report: dict) -> None:
     """Issue each shard as a synchronous write from `writers` threads, `inflight` rooms outstanding."""
     jobs: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
     window = threading.Semaphore(cell.inflight)
-    lock = threading.Lock()
+    lock = threading.Condition()
     pending: dict[int, list] = {}
 
     def write_loop() -> None:
@@ -581,6 +581,7 @@ def _raw_sync(engine, cell: Cell, batches, writers: int, report: dict) -> None:
                         report["latencies"].append(time.monotonic() - state[1])
                         report["latency_rooms"].append(room)
                     del pending[room]
+                    lock.notify_all()
                     window.release()
 
     threads = [threading.Thread(target=write_loop, daemon=True) for _ in range(max(1, writers))]
@@ -590,6 +591,8 @@ def _raw_sync(engine, cell: Cell, batches, writers: int, report: dict) -> None:
         window.acquire()
         shards = batches(index)
         with lock:
+            # Rooms complete out of order: the room before this one in its slot must be done.
+            lock.wait_for(lambda: index - cell.slots not in pending)
             pending[index] = [len(shards), time.monotonic(), None]
         for session, src, dst, length in shards:
             jobs.put((index, session, src, dst, length))
@@ -816,8 +819,11 @@ def _floor_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
         push.connect(f"tcp://{host}:{worker.go()['port']}")
         bound_ms = int(extra["deadline_s"] * 1000)
 
-        def ask(room: int) -> None:
-            push.send(_FLOOR_ASK.pack(room, worker.rank, slots[room % cell.slots].data_ptr()))
+        slot_of: dict[int, int] = {}  # room asked -> its slot
+
+        def ask(room: int, slot: int) -> None:
+            slot_of[room] = slot
+            push.send(_FLOOR_ASK.pack(room, worker.rank, slots[slot].data_ptr()))
 
         def status() -> int:
             if not pull.poll(bound_ms):
@@ -826,25 +832,27 @@ def _floor_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
 
         last: dict[int, int] = {}
         if rows:
-            ask(cell.items)  # untimed: the first write to this rank opens its connection
+            ask(cell.items, 0)  # untimed: the first write to this rank opens its connection
             status()
+            slot_of.clear()
             cpu, report["t_start"] = thread_cpu(), time.time()
             started: dict[int, float] = {}
             asked = 0
-            while asked < cell.slots:
+            while asked < min(cell.slots, cell.items):
                 started[asked] = time.monotonic()
-                ask(asked)
+                ask(asked, asked)
                 asked += 1
             for _ in range(cell.items):
                 room = status()
+                slot = slot_of.pop(room)
                 report["latencies"].append(time.monotonic() - started.pop(room))
                 report["latency_rooms"].append(room)
                 report["bytes"] += rows * cell.row_bytes
-                last[room % cell.slots] = room
-                landed.check(room, room % cell.slots, report["bad"])
-                if asked < cell.items:  # into the slot the room just freed (a session's writes land in order)
+                last[slot] = room
+                landed.check(room, slot, report["bad"])
+                if asked < cell.items:  # into the slot this room just freed: writes may complete out of order
                     started[asked] = time.monotonic()
-                    ask(asked)
+                    ask(asked, slot)
                     asked += 1
         else:
             cpu, report["t_start"] = thread_cpu(), time.time()
