@@ -614,9 +614,10 @@ class EncodeDriver:
     def _settle(self) -> bool:
         """Settles the writes that completed; True when any did.
 
-        A session's writes complete in the order they were submitted, so polling stops
-        at each session's first unfinished write: one status call per busy receiver
-        per round, not one per write in flight. A write leaves the book of writes in
+        A session's writes mostly complete in the order they were submitted, so polling
+        stops at each session's first unfinished write: one status call per busy receiver
+        per round, not one per write in flight; a later write that finished first is seen
+        once those before it are. A write leaves the book of writes in
         flight only once the engine is done with it: if telling the core about one
         raises, the others are still listed, so closing waits for them and keeps the
         sources they read.
