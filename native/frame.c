@@ -59,13 +59,20 @@ static int poll_ms(double timeout)
     return ms >= (double)INT_MAX ? INT_MAX : (int)ms;
 }
 
-/* Waits until fd is ready: a socket with a Python timeout is non-blocking at the OS level. */
+/* Waits until fd is ready: a socket with a Python timeout is non-blocking at the OS level. A signal
+   cuts the wait short; the wait then goes on for what is left of the timeout, not all of it again. */
 static int wait_ready(int fd, int writing, double timeout, PyThreadState **ts)
 {
+    int bounded = timeout >= 0 && timeout < 1e9; /* beyond that, poll_ms's cap bounds each wait */
+    long long end_us = bounded ? now_us() + (long long)ceil(timeout * 1e6) : 0;
     for (;;) {
         struct pollfd pfd = {.fd = fd, .events = writing ? POLLOUT : POLLIN};
-        int ms = poll_ms(timeout);
-        int r = poll(&pfd, 1, ms);
+        double wait = timeout;
+        if (bounded) {
+            long long left = end_us - now_us();
+            wait = left > 0 ? (double)left / 1e6 : 0.0;
+        }
+        int r = poll(&pfd, 1, poll_ms(wait));
         if (r > 0)
             return IO_OK;
         if (r == 0)

@@ -34,7 +34,13 @@
    When no connection is that far behind, the new one is answered "listener busy" by the accept
    thread, which never blocks on it: it discards what the peer already sent, answers, shuts its side
    down and keeps draining the socket (polled with the listening one) until the peer closes or
-   DRAIN_MS pass, so the peer reads the answer rather than a connection reset. */
+   DRAIN_MS pass, so the peer reads the answer rather than a connection reset.
+
+   The listener's threads run with asynchronous signals blocked: the host's signals go to its own
+   threads (Python runs its handlers on the main one), and no wait here is cut short by them. A
+   process forked from the host inherits the listener's memory and descriptors but not its threads;
+   closing the listener there only closes that process's descriptors, leaving the parent's
+   listener and connections as they are. */
 #include "wire_listener.h"
 
 #include <errno.h>
@@ -45,6 +51,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -118,6 +125,7 @@ typedef struct wl_listener {
     pthread_mutex_t close_lock; /* held for a whole close: a second closer returns once it is done */
     atomic_int stopping;
     pthread_t accept_thread;
+    pid_t pid; /* the process that started the threads; a forked child only closes its descriptors */
     int recv_timeout_ms, idle_timeout_ms;
     int first_byte_ms; /* how long a fresh connection may wait before its first byte */
     double min_rate;  /* least average bytes/s of a transfer after the grace; 0: no rate bound */
@@ -253,12 +261,22 @@ static void publish_due(const wl_listener *l, wl_io *io)
     atomic_store_explicit(&io->conn->due_ns, due, memory_order_relaxed);
 }
 
+/* Poll milliseconds until `end` (monotonic ns), rounded up so that a wait ends past it; 0 once
+   it is past. */
+static int ms_until(int64_t end)
+{
+    int64_t left = end - now_ns();
+    return left <= 0 ? 0 : (int)((left + 999999) / 1000000);
+}
+
 /* Waits until the socket is readable, then receives up to n bytes into *k. A wait is bounded by the
-   receive timeout (RD_TIMEOUT) and by the transfer's rate deadline (RD_SLOW). */
+   receive timeout (RD_TIMEOUT) and by the transfer's rate deadline (RD_SLOW); both are absolute, so
+   a signal that interrupts a wait does not start it over. */
 static int recv_some(wl_listener *l, wl_io *io, void *buf, size_t n, size_t *k)
 {
+    int64_t quiet_end = now_ns() + (int64_t)l->recv_timeout_ms * 1000000;
     for (;;) {
-        int wait_ms = l->recv_timeout_ms, by_rate = 0;
+        int wait_ms = ms_until(quiet_end), by_rate = 0;
         if (l->min_rate > 0) {
             int64_t left = io->start_ns + allowed_ns(l, io->got) - now_ns();
             if (left < (int64_t)wait_ms * 1000000) {
@@ -878,12 +896,14 @@ static int serve_transfer(wl_listener *l, wl_io *io, unsigned kind, size_t plen,
 /* Outcome of wait_for_transfer. */
 enum { WAIT_BYTES, WAIT_TIMEOUT, WAIT_STOP };
 
-/* Waits up to wait_ms for the next transfer's first byte (or the peer's hang-up). */
+/* Waits up to wait_ms for the next transfer's first byte (or the peer's hang-up); a signal that
+   interrupts the wait does not start it over. */
 static int wait_for_transfer(wl_listener *l, int fd, int wait_ms)
 {
     struct pollfd pfd = {.fd = fd, .events = POLLIN};
+    int64_t end = now_ns() + (int64_t)wait_ms * 1000000;
     for (;;) {
-        int r = poll(&pfd, 1, wait_ms);
+        int r = poll(&pfd, 1, ms_until(end));
         if (r > 0)
             return atomic_load(&l->stopping) ? WAIT_STOP : WAIT_BYTES;
         if (r == 0)
@@ -1172,11 +1192,18 @@ static void *accept_main(void *arg)
         int r = poll(pfd, (nfds_t)(2 + l->nlinger), accept_wait_ms(l));
         if (atomic_load(&l->stopping))
             break;
-        if (r < 0 && errno != EINTR)
-            break;
-        if (r < 0)
+        if (r < 0) {
+            if (errno != EINTR)
+                usleep(10000); /* out of memory for poll's table: back off and try again */
             for (int i = 0; i < l->nlinger; i++)
                 pfd[2 + i].revents = 0; /* poll failed: nothing it says is ready */
+        } else if (pfd[1].revents != 0) {
+            /* A wake without a stop (a forked child's close wrote our pipe): empty it, or every
+               poll returns at once. */
+            char sink[64];
+            ssize_t k = read(l->wake[0], sink, sizeof sink);
+            (void)k;
+        }
         serve_lingering(l, pfd + 2);
         if (r <= 0 || !(pfd[0].revents & POLLIN)) {
             reap(l);
@@ -1241,9 +1268,28 @@ static int bind_listener(wl_listener *l, const char *host, int port, char *why, 
     return 0;
 }
 
-/* Stops accepting, wakes and joins every thread, closes every socket (listener_close's work, once). */
+/* Stops accepting, wakes and joins every thread, closes every socket (listener_close's work, once).
+   In a forked child, which has the descriptors but none of the threads, it only closes the child's
+   copies: waking or shutting anything down there would act on the parent's listener. */
 static void stop_and_join(wl_listener *l)
 {
+    if (getpid() != l->pid) {
+        /* The lock may have been held by a thread of the parent at the fork, in the middle of closing
+           a connection: then the connections' descriptors are left for the child's exit to close. */
+        if (pthread_mutex_trylock(&l->lock) == 0) {
+            for (int i = 0; i < l->nslots; i++)
+                if (l->conns[i].used && l->conns[i].fd >= 0)
+                    close(l->conns[i].fd);
+            pthread_mutex_unlock(&l->lock);
+        }
+        for (int i = 0; i < l->nlinger; i++)
+            close(l->linger_fd[i]);
+        if (l->lfd >= 0)
+            close(l->lfd);
+        close(l->wake[0]);
+        close(l->wake[1]);
+        return;
+    }
     atomic_store(&l->stopping, 1);
     if (l->started) {
         ssize_t w = write(l->wake[1], "x", 1);
@@ -1424,7 +1470,18 @@ PyObject *epd_py_wire_listen(PyObject *self, PyObject *args, PyObject *kwargs)
         }
         return NULL;
     }
-    if (pthread_create(&l->accept_thread, NULL, accept_main, l) != 0) {
+    /* The accept thread starts with asynchronous signals blocked and its connection threads
+       inherit the mask. */
+    sigset_t all, old;
+    sigfillset(&all);
+    int sync_signals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, SIGTRAP, SIGSYS};
+    for (size_t i = 0; i < sizeof sync_signals / sizeof sync_signals[0]; i++)
+        sigdelset(&all, sync_signals[i]);
+    l->pid = getpid();
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    int started = pthread_create(&l->accept_thread, NULL, accept_main, l);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (started != 0) {
         listener_free(l);
         PyErr_SetString(PyExc_OSError, "wire listener: cannot start the accept thread");
         return NULL;

@@ -10,6 +10,7 @@ import threading
 import time
 
 from live_helpers import wait_until
+from test_wire_hostile import expect_error
 
 from transfer import _native
 
@@ -69,3 +70,50 @@ def test_a_second_close_returns_only_once_every_listener_thread_is_joined():
     finally:
         for sock in socks:
             sock.close()
+
+
+def _thread_cpu_ticks(name: str) -> int:
+    """User and system clock ticks this process's threads called `name` have used."""
+    total = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                if comm.read().strip() != name:
+                    continue
+            with open(f"/proc/self/task/{task}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except OSError:
+            pass  # the thread ended meanwhile
+    return total
+
+
+def test_a_forked_child_closing_the_listener_leaves_the_parents_listener_serving():
+    """A child forked from the host (multiprocessing's fork) that closes its copy of the listener, as
+    its exit does, must not stop, wake or cut anything of the parent's."""
+    listener = _native.wire_listen("127.0.0.1", 0, 0.5, 30.0, 4096, 4, first_byte_timeout=30.0)
+    try:
+        port = _native.wire_listener_port(listener)
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        with sock:
+            assert wait_until(lambda: _native.wire_listener_stats(listener)["active"] == 1, 5)
+            pid = os.fork()
+            if pid == 0:  # the child: close its copy, then leave without running the parent's cleanup
+                try:
+                    _native.wire_listener_close(listener)
+                finally:
+                    os._exit(0)
+            assert os.waitpid(pid, 0)[1] == 0
+            before = _thread_cpu_ticks("epd-wire-accept")
+            time.sleep(1.0)
+            spent = _thread_cpu_ticks("epd-wire-accept") - before
+            assert spent < os.sysconf("SC_CLK_TCK") // 2, f"the accept thread used {spent} ticks in 1 s"
+            # The parent's connection is still served: a stalled header gets its timeout answer.
+            sock.sendall(b"\x10\x00")
+            expect_error(sock, r"^read: timed out waiting for the peer at the start of a transfer "
+                         r"\(2 of 5 header bytes\)$", room=None)
+        # And new connections are still taken.
+        with socket.create_connection(("127.0.0.1", port), timeout=10):
+            assert wait_until(lambda: _native.wire_listener_stats(listener)["accepted"] == 2, 5)
+    finally:
+        _native.wire_listener_close(listener)
