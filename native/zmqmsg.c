@@ -163,8 +163,11 @@ fail: /* out of memory: the error goes up, and the rest of the message with it *
 }
 
 /* zmq_send_parts(handle, parts): queues one multipart message; OSError(EAGAIN) when the
- * queue is full, and then nothing was queued (libzmq takes a message's later parts once
- * it took its first). */
+ * queue is full, and then nothing was queued. A later part can still fail: libzmq refuses it
+ * when the peer's pipe goes away in the middle of the message, rolls back the parts before it
+ * and then drops every part up to the message's last. The rest of the message is handed over
+ * for that drop to end with it (else the next message would be dropped in its place while
+ * reported queued), and the failure is reported: nothing of the message was delivered. */
 PyObject *epd_zmq_send_parts(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -192,8 +195,16 @@ PyObject *epd_zmq_send_parts(PyObject *self, PyObject *args)
         int flags = ZMQ_DONTWAIT_ | (i + 1 < n ? ZMQ_SNDMORE_ : 0);
         while (sock_send(handle, PyBytes_AS_STRING(part), (size_t)PyBytes_GET_SIZE(part), flags) < 0) {
             int err = zmq_errno_();
-            if (err != EINTR)
-                return zmq_failed(err);
+            if (err == EINTR)
+                continue;
+            for (Py_ssize_t j = i + 1; i > 0 && j < n; j++) {
+                PyObject *rest = PyList_GET_ITEM(parts, j);
+                int rest_flags = ZMQ_DONTWAIT_ | (j + 1 < n ? ZMQ_SNDMORE_ : 0);
+                while (sock_send(handle, PyBytes_AS_STRING(rest), (size_t)PyBytes_GET_SIZE(rest), rest_flags) < 0 &&
+                       zmq_errno_() == EINTR)
+                    ;
+            }
+            return zmq_failed(err);
         }
     }
     Py_RETURN_NONE;

@@ -338,8 +338,10 @@ def _zmq_error(exc: OSError) -> zmq.ZMQError:
 def send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
     """Queues one multipart message without blocking (zmq.Again when the queue is full).
 
-    Only the first part can meet a full queue, and then nothing was queued; the later
-    parts of a started message always go in.
+    When it raises, nothing of the message was delivered: a full queue refuses the first
+    part, and a later part is refused only when the peer's pipe went away mid-message, which
+    makes libzmq drop the message's remaining parts; they are handed over for that drop to end
+    with this message rather than swallow the next one.
     """
     if _NATIVE is not None and type(frames) is list:
         try:
@@ -349,7 +351,15 @@ def send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
         return
     last = len(frames) - 1
     for i, frame in enumerate(frames):
-        _send(sock, frame, _MORE if i < last else zmq.NOBLOCK)
+        try:
+            _send(sock, frame, _MORE if i < last else zmq.NOBLOCK)
+        except zmq.ZMQError:
+            for j in range(i + 1 if i > 0 else len(frames), len(frames)):
+                try:
+                    _send(sock, frames[j], _MORE if j < last else zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # the drop under way: nothing to report beyond the first failure
+            raise
 
 
 def readable(sock: zmq.Socket) -> bool:
