@@ -22,12 +22,17 @@ so with E > 1 each encode rank moves only its block's share:
 
 Warm-up: each epd and wire cell first moves one untimed room, so the once-per-session
 set-up (the bootstrap look-up, the registration, the first connections) stays out of the
-timed window; each raw cell likewise first writes one untimed shard to every receiver, so
-the first write to a new peer (Mooncake's connection and handshake) is not timed either.
+timed window; each raw and floor cell likewise first writes one untimed shard to every
+receiver, so the first write to a new peer (Mooncake's connection and handshake) is not
+timed either. Then a barrier: every rank tells the parent it has warmed up, and opens its
+timed window (its start time and CPU reading) only once the parent has heard from every
+rank, so no timed room runs while some rank still warms up.
 
 Latency, per room: raw, from a room's submission to its last shard's completion (the
-slowest encode rank's); epd and wire, from a prefill rank's ask to its Success, the slowest
-rank's for each room (a room is served once every rank holds its shard); floor, likewise.
+slowest encode rank's; every room in flight is polled in each sweep, so a room is stamped
+when it completes, not after the older rooms); epd and wire, from a prefill rank's ask to
+its Success, the slowest rank's for each room (a room is served once every rank holds its
+shard); floor, likewise.
 `p50_added_ms` is a floor, epd or wire run's p50 less the p50 of the raw run of the same
 cell and turn.
 Landed bytes, per path. floor, epd and wire: as each room concludes Success on a prefill
@@ -48,8 +53,7 @@ or the wire path's writer and listener threads: everything else), summed over th
 divided by the rooms. A raw cell has no control plane: its issuing threads count as
 transport. `--json` rows also split the control plane per role and thread group
 (`cpu_threads`: caller, driver, zmq, other; ms and voluntary context switches per room).
-A raw cell's prefill ranks cannot tell its warm-up shard from the timed ones, so
-theirs includes it.
+A raw cell's prefill ranks read theirs from the barrier, after the warm-up shards.
 
 Stages (`--stages`; always in --json as `stages_ms`): where an epd or wire room's time
 goes, from the handles' stages (README, "Where a room's time goes"). For each prefill rank
@@ -110,6 +114,10 @@ _ENCODE_STAGES = (("seen", "asked"), ("writing", "writing"), ("written", "conclu
 MiB = 2**20
 #: The untimed room every epd and wire cell moves first (outside the timed rooms' range).
 WARMUP_ROOM = 1 << 40
+#: The item a floor, epd or wire cell's warm-up room carries into slot 0: ItemSource's items
+#: repeat only after more rooms than a cell has slots, so room -1's differs from every timed
+#: room's that is first in a slot (a lost first write there cannot pass for a landed one).
+WARMUP_ITEM = -1
 #: Bytes at each end of a landed shard that a floor, epd or wire prefill rank checks as each room concludes.
 FINGERPRINT_BYTES = 64
 
@@ -370,7 +378,7 @@ class _Worker:
         self.role, self.rank, self.setup = role, rank, setup
         self.cmd_q, self.res_q = cmd_q, res_q
         self.engines: dict[str, Any] = {}
-        self.sources: dict[tuple[int, int, str], Any] = {}
+        self.sources: dict[tuple[int, int, str, int], Any] = {}
         self.registered: set[tuple[str, int]] = set()
         self.arena = None
         if role == "prefill" and setup["arena_bytes"]:
@@ -392,12 +400,17 @@ class _Worker:
         return self.engines[protocol]
 
     def source(self, cell: Cell, protocol: str | None = None):
-        """The deterministic item pool for cell's geometry, registered with protocol's engine."""
+        """The deterministic item pool for cell's geometry, registered with protocol's engine.
+
+        Its items repeat only after more rooms than the cell has slots (see _distinct_rooms),
+        so a slot whose room's write was lost never holds that room's item.
+        """
         from transfer.harness import ItemSource
 
-        key = (cell.span, cell.hidden, cell.dtype)
+        distinct = _distinct_rooms(cell)
+        key = (cell.span, cell.hidden, cell.dtype, distinct)
         if key not in self.sources:
-            self.sources[key] = ItemSource(cell.span, cell.hidden, cell.dtype)
+            self.sources[key] = ItemSource(cell.span, cell.hidden, cell.dtype, distinct=distinct)
         src = self.sources[key]
         if protocol is not None and (protocol, src.pool.data_ptr()) not in self.registered:
             self.engine(protocol).register(src.pool)
@@ -418,11 +431,11 @@ class _Worker:
     # -- hooks the parent drives
 
     def ready(self, info: Any = None) -> None:
-        """Tell the parent this rank is set up for the cell."""
+        """Tell the parent this rank is set up for the cell (or, the second time, warmed up)."""
         self.res_q.put(("ready", self.role, self.rank, info))
 
     def go(self) -> Any:
-        """Block until the parent starts the cell; returns what it sent along."""
+        """Block until the parent starts the cell (or its timed part); returns what it sent along."""
         return self._expect("go")
 
     def finished(self) -> None:
@@ -451,6 +464,22 @@ class _Worker:
 
 class _Stop(Exception):
     """The bench told this rank process to stop."""
+
+
+def _distinct_rooms(cell: Cell) -> int:
+    """Consecutive rooms whose items must differ in cell: more than its slots (room r and room
+    r - slots share a slot), and at least ItemSource's default, so cells share pools."""
+    from transfer.harness import DISTINCT_ROOMS
+
+    return max(DISTINCT_ROOMS, cell.slots + 1)
+
+
+def _start_timed(worker: _Worker) -> None:
+    """The barrier after warm-up: tell the parent this rank has warmed up, then wait until every
+    rank of the cell has (the parent's second go). A rank opens its timed window (t_start, its
+    CPU reading) only after this, so no rank's timed rooms run while another still warms up."""
+    worker.ready()
+    worker.go()
 
 
 def _worker_main(role: str, rank: int, setup: dict, cmd_q, res_q) -> None:
@@ -516,6 +545,7 @@ def _raw_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
     # connection. Room `items` is never timed, and the timed room last in its slot overwrites it.
     for session, src, dst, length in batches(cell.items):
         engine.write(session, [src], [dst], [length])
+    _start_timed(worker)
     cpu, report["t_start"] = thread_cpu(), time.time()  # the reading stays out of the timed window
     if extra["raw_issue"] == "sync":
         _raw_sync(engine, cell, batches, extra["raw_writers"], report)
@@ -529,30 +559,61 @@ def _raw_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
 
 
 def _raw_async(engine, cell: Cell, batches, report: dict) -> None:
-    """Issue each shard with write_async; wait for the oldest room when the window is full."""
-    window: deque = deque()
+    """Issue each shard with write_async, `inflight` rooms outstanding, polling them all in sweeps.
 
-    def settle(entry) -> None:
-        room, ids, started = entry
-        try:
-            for batch_id in ids:
-                # No timeout of ours: Mooncake's transfer timeout bounds the wait, and a helper
-                # thread per wait (what a timeout costs) would tax the ceiling we measure.
-                engine.wait(batch_id)
-        except Exception as exc:  # noqa: BLE001 - recorded, the cell fails
-            report["failed"].append((room, str(exc)))
-            return
-        report["latencies"].append(time.monotonic() - started)
-        report["latency_rooms"].append(room)
+    Room i lands in slot i % slots, so it is issued once room i - slots settled (which keeps at
+    most `inflight` rooms out). Each sweep polls every room outstanding (poll() never blocks;
+    a room's tickets in order, up to its first still in flight), so a room is stamped when its
+    last shard is found over, not when a wait for an older room returns; between sweeps the
+    thread sleeps as engine.wait() does, from POLL_MIN_S doubling to POLL_MAX_S while nothing
+    completes. No timeout of ours: Mooncake's transfer timeout bounds each write (poll() then
+    fails it). A room settles only once every ticket of it is over, a failed one included, so
+    its slot is not written again, nor the room reported, while a shard of it may still land.
+    """
+    from transfer.engine import POLL_MAX_S, POLL_MIN_S
+
+    outstanding: dict[int, tuple[deque, float, list[str]]] = {}  # room -> (tickets, started, failures)
+
+    def sweep() -> bool:
+        """Polls every outstanding room once; whether any ticket was found over."""
+        progressed = False
+        for room in list(outstanding):
+            tickets, started, failures = outstanding[room]
+            while tickets:
+                try:
+                    if not engine.poll(tickets[0]):
+                        break
+                except Exception as exc:  # noqa: BLE001 - recorded, the cell fails
+                    failures.append(str(exc))  # poll() fails a ticket only once its batches settled
+                tickets.popleft()
+                progressed = True
+            if tickets:
+                continue
+            ended = time.monotonic()
+            del outstanding[room]
+            if failures:
+                report["failed"].append((room, failures[0]))
+            else:
+                report["latencies"].append(ended - started)
+                report["latency_rooms"].append(room)
+        return progressed
+
+    def settle_until(done: Callable[[], bool]) -> None:
+        delay = POLL_MIN_S
+        while True:
+            progressed = sweep()
+            if done():
+                return
+            delay = POLL_MIN_S if progressed else min(2 * delay, POLL_MAX_S)
+            time.sleep(delay)
 
     for index in range(cell.items):
+        before = index - cell.slots  # the room last in this room's slot
+        settle_until(lambda: before not in outstanding)
         started = time.monotonic()
         ids = [engine.write_async(session, [src], [dst], [length]) for session, src, dst, length in batches(index)]
-        window.append((index, ids, started))
-        if len(window) >= cell.inflight:
-            settle(window.popleft())
-    while window:
-        settle(window.popleft())
+        outstanding[index] = (deque(ids), started, [])
+    settle_until(lambda: not outstanding)
 
 
 def _raw_sync(engine, cell: Cell, batches, writers: int, report: dict) -> None:
@@ -619,9 +680,10 @@ def _raw_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
     slots, row_start, rows, info = _offered_slots(worker, cell, extra)
     worker.ready(info)
     worker.go()
+    _start_timed(worker)  # the encode ranks' warm-up shards are in
     cpu = thread_cpu()
     worker.finished()
-    cpu = _cpu_since(cpu)  # the encode's timed writes and its warm-up shard
+    cpu = _cpu_since(cpu)  # the encode's timed writes
     # Writes are over: slot s holds the last room written into it.
     last = {index % cell.slots: index for index in range(cell.items)}
     bad = _check_slots(worker, cell, slots, last, row_start, rows)
@@ -646,7 +708,8 @@ def _epd_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
                     integrity=cell.integrity, fanout_timeout_s=extra["deadline_s"], **knobs) as pool:
         worker.ready()
         worker.go()
-        _warm_up(pool.send(WARMUP_ROOM, source.item(0, cell.span)), extra["deadline_s"], who)
+        _warm_up(pool.send(WARMUP_ROOM, source.item(WARMUP_ITEM, cell.span)), extra["deadline_s"], who)
+        _start_timed(worker)
         written = _bytes_written(pool)
         cpu, report["t_start"] = thread_cpu(), time.time()  # the reading stays out of the timed window
         window: deque = deque()
@@ -692,11 +755,13 @@ def _epd_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
         worker.go()
         _warm_up(manager.receive(WARMUP_ROOM, extra["bootstrap"], slots[0, :rows], row_start=row_start,
                                  span=cell.span), extra["deadline_s"], f"prefill {worker.rank}")
+        _start_timed(worker)
         cpu, report["t_start"] = thread_cpu(), time.time()  # the reading stays out of the timed window
         window: deque = deque()
         free = list(range(cell.slots))
+        unsafe: list = []  # (handle, slot) of failed rooms, until no write of theirs can land any more
 
-        def settle() -> int:
+        def settle() -> None:
             handle, slot = window.popleft()
             if handle.wait(extra["deadline_s"] + 5) == TransferPoll.Success:
                 report["latencies"].append(handle.latency_s)
@@ -705,16 +770,36 @@ def _epd_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
                 report["bytes"] += rows * cell.row_bytes
                 last[slot] = handle.room
                 landed.check(handle.room, slot, report["bad"])
+                free.append(slot)
             else:
                 report["failed"].append((handle.room, handle.failure or "not concluded"))
                 last.pop(slot, None)
+                unsafe.append((handle, slot))  # its encode rank may still write into it
             handle.clear()
-            return slot
+
+        def take_slot() -> int:
+            """A slot no earlier room's write can land in: a free one, else the oldest room's once it
+            settles; a failed room's only once its handle says safe_to_reuse (the encode rank
+            confirmed the cancel clear() sent, or the quarantine bound passed)."""
+            waiting_since = None
+            while True:
+                for entry in [e for e in unsafe if e[0].safe_to_reuse]:
+                    unsafe.remove(entry)
+                    free.append(entry[1])
+                if free:
+                    return free.pop()
+                if window:
+                    settle()
+                    continue
+                now = time.monotonic()
+                waiting_since = now if waiting_since is None else waiting_since
+                if now - waiting_since > extra["deadline_s"] + 5:
+                    raise TimeoutError(f"prefill {worker.rank}: every slot is a failed room's, and none was safe "
+                                       f"to reuse within {extra['deadline_s'] + 5:g}s")
+                time.sleep(1e-3)
 
         for room in range(cell.items):
-            if not free:
-                free.append(settle())
-            slot = free.pop()
+            slot = take_slot()
             window.append((manager.receive(room, extra["bootstrap"], slots[slot, :rows], row_start=row_start,
                                            span=cell.span), slot))
         while window:
@@ -731,7 +816,11 @@ _FLOOR_STATUS = struct.Struct("<q")
 
 
 def _floor_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
-    """Floor encode body: writes the shard each bare ask names, polls it, pushes a bare status."""
+    """Floor encode body: writes the shard each bare ask names, polls it, pushes a bare status.
+
+    Each receiver's warm-up ask (room WARMUP_ITEM) is served before the barrier (_start_timed),
+    the timed rooms' after it.
+    """
     import zmq
 
     from transfer import config
@@ -745,9 +834,10 @@ def _floor_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
     base = source.pool.data_ptr()
     host = worker.setup["host"]
     ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
+    pull = None
     pushes: dict[int, Any] = {}
     try:
+        pull = ctx.socket(zmq.PULL)
         worker.ready({"port": pull.bind_to_random_port(f"tcp://{host}")})
         receivers = {info["rank"]: info for info in worker.go() if info["rows"]}
         for rank, info in receivers.items():
@@ -756,51 +846,55 @@ def _floor_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
         report: dict[str, Any] = {"failed": [], "bytes": 0}
         fd = pull.fileno()
         flights: deque = deque()  # (batch, rank, room, nbytes), oldest first
-        served, warm, expected = 0, len(receivers), (cell.items + 1) * len(receivers)  # + each warm-up ask
-        cpu = None
-        if not warm:
-            cpu, report["t_start"] = thread_cpu(), time.time()
+        served = 0
         progressed = time.monotonic()
-        while served < expected:
-            while True:  # every queued ask: a socket drained empty signals its descriptor again
-                try:
-                    room, rank, dst = _FLOOR_ASK.unpack(pull.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                info = receivers[rank]
-                nbytes = info["rows"] * cell.row_bytes
-                src = base + (source.offset(room, cell.span) + info["row_start"]) * cell.row_bytes
-                flights.append((engine.write_async(info["session"], [src], [dst], [nbytes]), rank, room, nbytes))
-                progressed = time.monotonic()
-                polls.started(nbytes, progressed)
-            still: deque = deque()
-            for flight in flights:
-                batch, rank, room, nbytes = flight
-                if not engine.poll(batch):
-                    still.append(flight)
-                    continue
-                pushes[rank].send(_FLOOR_STATUS.pack(room))
-                served += 1
-                progressed = time.monotonic()
-                if room != cell.items:
-                    report["bytes"] += nbytes
-                else:
-                    warm -= 1
-                    if not warm:  # every receiver's warm-up shard went out
-                        cpu, report["t_start"] = thread_cpu(), time.time()
-            polls.polled(len(still) < len(flights), len({rank for _, rank, _, _ in still}))
-            flights = still
-            if served < expected:
-                if time.monotonic() - progressed > extra["deadline_s"]:
-                    raise TimeoutError(f"floor encode {worker.rank}: {expected - served} asks left, none came or "
-                                       f"completed for {extra['deadline_s']:g}s")
-                select.select([fd], [], [], polls.sleep_s(time.monotonic()) if flights else 0.1)
+
+        def serve(until: int) -> None:
+            """Serves asks until `until` statuses went out in all."""
+            nonlocal served, flights, progressed
+            while served < until:
+                while True:  # every queued ask: a socket drained empty signals its descriptor again
+                    try:
+                        room, rank, dst = _FLOOR_ASK.unpack(pull.recv(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                    info = receivers[rank]
+                    nbytes = info["rows"] * cell.row_bytes
+                    src = base + (source.offset(room, cell.span) + info["row_start"]) * cell.row_bytes
+                    flights.append((engine.write_async(info["session"], [src], [dst], [nbytes]), rank, room, nbytes))
+                    progressed = time.monotonic()
+                    polls.started(nbytes, progressed)
+                still: deque = deque()
+                for flight in flights:
+                    batch, rank, room, nbytes = flight
+                    if not engine.poll(batch):
+                        still.append(flight)
+                        continue
+                    pushes[rank].send(_FLOOR_STATUS.pack(room))
+                    served += 1
+                    progressed = time.monotonic()
+                    if room != WARMUP_ITEM:
+                        report["bytes"] += nbytes
+                polls.polled(len(still) < len(flights), len({rank for _, rank, _, _ in still}))
+                flights = still
+                if served < until:
+                    if time.monotonic() - progressed > extra["deadline_s"]:
+                        raise TimeoutError(f"floor encode {worker.rank}: {until - served} asks left, none came or "
+                                           f"completed for {extra['deadline_s']:g}s")
+                    select.select([fd], [], [], polls.sleep_s(time.monotonic()) if flights else 0.1)
+
+        serve(len(receivers))  # each receiver's warm-up ask: its first write opens the connection
+        _start_timed(worker)
+        cpu, report["t_start"] = thread_cpu(), time.time()  # the reading stays out of the timed window
+        progressed = time.monotonic()
+        serve((cell.items + 1) * len(receivers))
         report["t_end"], report["cpu"] = time.time(), _cpu_since(cpu)
         worker.finished()
         return report
     finally:
         for sock in (pull, *pushes.values()):
-            sock.close(linger=1000)
+            if sock is not None:
+                sock.close(linger=1000)
         ctx.term()
 
 
@@ -810,11 +904,12 @@ def _floor_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
 
     slots, row_start, rows, info = _offered_slots(worker, cell, extra)
     host = worker.setup["host"]
-    ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     report: dict[str, Any] = {"latencies": [], "latency_rooms": [], "failed": [], "bytes": 0, "bad": []}
-    landed = _Fingerprints(worker, cell, slots, row_start, rows)
+    ctx = zmq.Context()
+    pull = push = None
     try:
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        landed = _Fingerprints(worker, cell, slots, row_start, rows)
         worker.ready({**info, "status_port": pull.bind_to_random_port(f"tcp://{host}")})
         push.connect(f"tcp://{host}:{worker.go()['port']}")
         bound_ms = int(extra["deadline_s"] * 1000)
@@ -832,10 +927,12 @@ def _floor_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
 
         last: dict[int, int] = {}
         if rows:
-            ask(cell.items, 0)  # untimed: the first write to this rank opens its connection
+            ask(WARMUP_ITEM, 0)  # untimed: the first write to this rank opens its connection
             status()
             slot_of.clear()
-            cpu, report["t_start"] = thread_cpu(), time.time()
+        _start_timed(worker)
+        cpu, report["t_start"] = thread_cpu(), time.time()  # the reading stays out of the timed window
+        if rows:
             started: dict[int, float] = {}
             asked = 0
             while asked < min(cell.slots, cell.items):
@@ -854,15 +951,15 @@ def _floor_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
                     started[asked] = time.monotonic()
                     ask(asked, slot)
                     asked += 1
-        else:
-            cpu, report["t_start"] = thread_cpu(), time.time()
         report["t_end"], report["cpu"] = time.time(), _cpu_since(cpu)
         worker.finished()
         report["bad"] += _check_slots(worker, cell, slots, last, row_start, rows)
         return report
     finally:
-        pull.close(linger=0)
-        push.close(linger=1000)
+        if pull is not None:
+            pull.close(linger=0)
+        if push is not None:
+            push.close(linger=1000)
         ctx.term()
 
 
@@ -1006,6 +1103,11 @@ class RankSet:
                 else:
                     carried = ready[("encode", rank // cell.fanout)]
                 self.cmd_qs[(role, rank)].put(("go", carried))
+            # Each rank warms up, says ready again, and opens its timed window only at this go
+            # (_start_timed): no timed room runs while some rank still warms up.
+            self._gather("ready", members)
+            for key in members:
+                self.cmd_qs[key].put(("go", None))
             self._gather("finished", members)
             for key in members:
                 self.cmd_qs[key].put(("close", None))

@@ -83,28 +83,39 @@ class Scenario:
 # ------------------------------------------------------------------ item data
 
 
+#: Consecutive rooms an ItemSource gives distinct items by default (its `distinct`).
+DISTINCT_ROOMS = 1024
+
+
 class ItemSource:
     """Deterministic items: room r's rows are a window of one seeded random pool.
 
     Both ends build the same pool from the seed, so a prefill rank can check every
     byte without the item being shipped twice; distinct rooms start at distinct rows,
-    so a row delivered to the wrong room is caught.
+    so a row delivered to the wrong room is caught. Items repeat only every `distinct`
+    rooms or more (the pool has at least `max_span + distinct - 1` rows): a receive slot
+    reused by fewer rooms in flight never holds the item its next room is checked
+    against unless that room landed.
     """
 
-    def __init__(self, max_span: int, hidden: int, dtype: str, seed: int = 1234, width_factor: int = 1) -> None:
+    def __init__(self, max_span: int, hidden: int, dtype: str, seed: int = 1234, width_factor: int = 1,
+                 distinct: int = DISTINCT_ROOMS) -> None:
         import torch
 
         self.hidden = hidden * width_factor
         self.dtype = getattr(torch, dtype.removeprefix("torch."))
-        self.rows = max(2 * max_span, max_span + 64)
+        self.rows = max(2 * max_span, max_span + max(1, distinct) - 1)
         gen = torch.Generator().manual_seed(seed)
         nbytes = self.rows * self.hidden * dtype_size(dtype)
         raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
         self.pool = raw.view(self.dtype).view(self.rows, self.hidden)
 
     def offset(self, room: int, span: int) -> int:
-        """The pool row where room's item starts."""
-        return (room * 131) % (self.rows - span + 1)
+        """The pool row where room's item starts: rooms step 131 rows apart (or another step prime
+        to the count of starts), so the starts repeat only after every one of them was used."""
+        starts = self.rows - span + 1
+        step = next((s for s in (131, 137, 139) if starts % s), 1)
+        return (room * step) % starts
 
     def item(self, room: int, span: int):
         """Room's rows `[span, hidden]`, a view of the pool (no copy)."""

@@ -102,6 +102,8 @@ def test_a_room_concluded_out_of_order_frees_its_own_slot_for_the_next_ask():
                 room, dst = encode.ask()  # the untimed warm-up room
                 encode.write(room, dst)
                 encode.status(room)
+                parent.expect("ready")  # warmed up: its timed rooms wait for every rank to be
+                parent.cmd_q.put(("go", None))
                 asks = dict(encode.ask() for _ in range(cell.inflight))
                 assert sorted(asks) == [0, 1]
                 # Room 1 completes first; room 0's write is still to come.
