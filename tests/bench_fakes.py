@@ -1,8 +1,45 @@
-"""Stand-ins for what bench._raw_encode drives: an engine that records its writes, and the worker's hooks."""
+"""Stand-ins for what the bench's bodies drive: an engine that records its writes, the worker's
+hooks, and the zmq module a floor prefill rank talks through."""
 
 from __future__ import annotations
 
+import collections
+import types
+from typing import Callable
+
 from transfer import bench
+
+
+def floor_zmq(on_ask: Callable[[int, int], None]) -> types.ModuleType:
+    """A zmq module whose PUSH socket hands each bare floor ask's room and destination to on_ask,
+    then queues the room's bare status for the PULL socket."""
+    statuses: collections.deque = collections.deque()
+
+    class _Socket:
+        def bind_to_random_port(self, addr) -> int:
+            return 1
+
+        def connect(self, addr) -> None:
+            pass
+
+        def send(self, ask: bytes) -> None:
+            room, _, dst = bench._FLOOR_ASK.unpack(ask)
+            on_ask(room, dst)
+            statuses.append(bench._FLOOR_STATUS.pack(room))
+
+        def poll(self, timeout_ms) -> int:
+            return len(statuses)
+
+        def recv(self) -> bytes:
+            return statuses.popleft()
+
+        def close(self, linger=None) -> None:
+            pass
+
+    zmq = types.ModuleType("zmq")
+    zmq.PULL, zmq.PUSH = 7, 8  # type: ignore[attr-defined]
+    zmq.Context = lambda: types.SimpleNamespace(socket=lambda kind: _Socket(), term=lambda: None)  # type: ignore[attr-defined]
+    return zmq
 
 
 class RecordingEngine:

@@ -6,12 +6,13 @@ The prefill bodies run in this process over fakes: a session manager, or ZMQ soc
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import sys
 import types
 
 import pytest
+
+from bench_fakes import floor_zmq
 
 from transfer import bench
 from transfer.harness import ItemSource
@@ -97,33 +98,7 @@ def _session_manager(worker: _Worker):
 
 def _zmq(worker: _Worker) -> types.ModuleType:
     """A zmq module whose PUSH socket lands each bare ask's shard and queues its bare status."""
-    statuses: collections.deque = collections.deque()
-
-    class _Socket:
-        def bind_to_random_port(self, addr) -> int:
-            return 1
-
-        def connect(self, addr) -> None:
-            pass
-
-        def send(self, ask: bytes) -> None:
-            room, _, dst = bench._FLOOR_ASK.unpack(ask)
-            worker.deliver(room, dst)
-            statuses.append(bench._FLOOR_STATUS.pack(room))
-
-        def poll(self, timeout_ms) -> int:
-            return len(statuses)
-
-        def recv(self) -> bytes:
-            return statuses.popleft()
-
-        def close(self, linger=None) -> None:
-            pass
-
-    zmq = types.ModuleType("zmq")
-    zmq.PULL, zmq.PUSH = 7, 8  # type: ignore[attr-defined]
-    zmq.Context = lambda: types.SimpleNamespace(socket=lambda kind: _Socket(), term=lambda: None)  # type: ignore[attr-defined]
-    return zmq
+    return floor_zmq(worker.deliver)
 
 
 def _run(monkeypatch, path: str, **faults) -> tuple[dict, _Worker]:

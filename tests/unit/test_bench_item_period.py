@@ -7,12 +7,13 @@ warm-up room carries an item no timed room first in its slot has.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import sys
 import types
 
 import torch
+
+from bench_fakes import floor_zmq
 
 from transfer import bench
 from transfer.harness import ItemSource
@@ -111,34 +112,12 @@ def test_a_lost_first_floor_write_into_the_warm_up_slot_is_caught(monkeypatch):
     worker.finished = lambda: None  # type: ignore[method-assign]
     source = worker.source(cell)
     row_start, rows = cell.shard(0)
-    statuses: collections.deque = collections.deque()
 
-    class _Socket:
-        def bind_to_random_port(self, addr) -> int:
-            return 1
+    def on_ask(room: int, dst: int) -> None:
+        if room != 0:  # room 0's write is lost; its status still comes
+            first = source.offset(room, cell.span) + row_start
+            ctypes.memmove(dst, source.pool.data_ptr() + first * cell.row_bytes, rows * cell.row_bytes)
 
-        def connect(self, addr) -> None:
-            pass
-
-        def send(self, ask: bytes) -> None:
-            room, _, dst = bench._FLOOR_ASK.unpack(ask)
-            if room != 0:  # room 0's write is lost; its status still comes
-                first = source.offset(room, cell.span) + row_start
-                ctypes.memmove(dst, source.pool.data_ptr() + first * cell.row_bytes, rows * cell.row_bytes)
-            statuses.append(bench._FLOOR_STATUS.pack(room))
-
-        def poll(self, timeout_ms) -> int:
-            return len(statuses)
-
-        def recv(self) -> bytes:
-            return statuses.popleft()
-
-        def close(self, linger=None) -> None:
-            pass
-
-    zmq = types.ModuleType("zmq")
-    zmq.PULL, zmq.PUSH = 7, 8  # type: ignore[attr-defined]
-    zmq.Context = lambda: types.SimpleNamespace(socket=lambda kind: _Socket(), term=lambda: None)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "zmq", zmq)
+    monkeypatch.setitem(sys.modules, "zmq", floor_zmq(on_ask))
     report = bench._floor_prefill(worker, cell, {"protocol": "tcp", "deadline_s": 5.0})
     assert report["bad"] == ["prefill 0 room 0: the first or last 64 landed bytes differ from the item"]

@@ -13,6 +13,8 @@ import types
 
 import pytest
 
+from bench_fakes import floor_zmq
+
 from transfer import bench
 from transfer.harness import ItemSource
 from transfer.status import TransferPoll
@@ -113,34 +115,12 @@ class _Endpoint:
 
 def _zmq(log: list) -> types.ModuleType:
     """A zmq module whose PUSH socket takes each bare ask (the first, the warm-up's, logged) and queues its status."""
-    statuses: collections.deque = collections.deque()
 
-    class _Socket:
-        def bind_to_random_port(self, addr) -> int:
-            return 1
+    def on_ask(room: int, dst: int) -> None:
+        if "warm" not in log:
+            log.append("warm")
 
-        def connect(self, addr) -> None:
-            pass
-
-        def send(self, ask: bytes) -> None:
-            room, _, _ = bench._FLOOR_ASK.unpack(ask)
-            if not statuses and "warm" not in log:
-                log.append("warm")
-            statuses.append(bench._FLOOR_STATUS.pack(room))
-
-        def poll(self, timeout_ms) -> int:
-            return len(statuses)
-
-        def recv(self) -> bytes:
-            return statuses.popleft()
-
-        def close(self, linger=None) -> None:
-            pass
-
-    zmq = types.ModuleType("zmq")
-    zmq.PULL, zmq.PUSH = 7, 8  # type: ignore[attr-defined]
-    zmq.Context = lambda: types.SimpleNamespace(socket=lambda kind: _Socket(), term=lambda: None)  # type: ignore[attr-defined]
-    return zmq
+    return floor_zmq(on_ask)
 
 
 def _run(monkeypatch, path: str, role: str) -> list:
