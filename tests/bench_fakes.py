@@ -4,6 +4,7 @@ hooks, and the zmq module a floor prefill rank talks through."""
 from __future__ import annotations
 
 import collections
+import time
 import types
 from typing import Callable
 
@@ -114,3 +115,22 @@ def check_each_peer_was_first_written_before_the_window(worker: FakeWorker, cell
             dst = r["addr"] + (room % cell.slots) * r["stride"]
             slot_rooms = len(range(room % cell.slots, cell.items, cell.slots))
             assert sum(1 for w in timed if w[0] == r["session"] and w[2] == dst) == slot_rooms
+
+
+class FakeTime:
+    """The bench's `time` module on a fake clock: sleep() moves it on; process_time stays real."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.process_time = time.process_time
+
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = monotonic
+
+    def time(self) -> float:
+        return 1000.0 + self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds

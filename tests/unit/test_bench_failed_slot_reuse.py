@@ -7,30 +7,16 @@ The body runs over a fake session manager and the bench's `time` on a fake clock
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
+
+from bench_fakes import FakeTime
 
 from transfer import bench
 from transfer.harness import ItemSource
 from transfer.status import TransferPoll
 
 CELL = dict(span=64, hidden=256, dtype="torch.bfloat16", fanout=1, inflight=1, items=4)
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.process_time = time.process_time
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def time(self) -> float:
-        return 1000.0 + self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class _Worker:
@@ -63,7 +49,7 @@ class _Worker:
 class _Handle:
     """A room that succeeds, or fails and is safe to reuse from `safe_at` on the fake clock."""
 
-    def __init__(self, clock: _Clock, room: int, fails: bool, safe_at: float) -> None:
+    def __init__(self, clock: FakeTime, room: int, fails: bool, safe_at: float) -> None:
         self.clock, self.room, self.fails, self.safe_at = clock, room, fails, safe_at
         self.latency_s, self.started_at, self.stages = 1e-4, 0.0, {}
         self.failure = "deadline" if fails else None
@@ -81,7 +67,7 @@ class _Handle:
 
 def _run(monkeypatch, safe_at: float) -> tuple[dict, list]:
     """Room 1 fails, its slot safe from `safe_at`; the report and each ask's (room, slot, unsafe rooms there)."""
-    clock = _Clock()
+    clock = FakeTime()
     monkeypatch.setattr(bench, "time", clock)
     cell = bench.Cell("epd", **CELL)
     worker = _Worker(cell)

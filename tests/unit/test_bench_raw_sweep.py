@@ -7,32 +7,14 @@ at set times on it.
 
 from __future__ import annotations
 
-import time
 
 import pytest
+
+from bench_fakes import FakeTime
 
 from transfer import bench
 from transfer.engine import POLL_MAX_S
 from transfer.errors import EngineError
-
-
-class _Clock:
-    """The bench's `time` module on a fake clock: sleep() moves it on."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.process_time = time.process_time
-
-    def monotonic(self) -> float:
-        return self.now
-
-    perf_counter = monotonic
-
-    def time(self) -> float:
-        return 1000.0 + self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class _Engine:
@@ -42,7 +24,7 @@ class _Engine:
     `unsettled`, the tickets no poll() or wait() has seen over yet.
     """
 
-    def __init__(self, clock: _Clock, after, fails=()) -> None:
+    def __init__(self, clock: FakeTime, after, fails=()) -> None:
         self.clock, self.after, self.fails = clock, after, set(fails)
         self.tickets: dict[int, tuple[int, str, int, float]] = {}  # ticket -> (room, session, dst, done at)
         self.unsettled: set[int] = set()
@@ -76,7 +58,7 @@ class _Engine:
 
 
 def _run(monkeypatch, fanout: int, inflight: int, items: int, after, fails=()) -> tuple[dict, _Engine]:
-    clock = _Clock()
+    clock = FakeTime()
     monkeypatch.setattr(bench, "time", clock)
     cell = bench.Cell("raw", 64, 256, "torch.bfloat16", fanout=fanout, inflight=inflight, items=items)
     engine = _Engine(clock, after, fails)
