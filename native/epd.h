@@ -73,4 +73,10 @@ PyObject *epd_zmq_bind(PyObject *self, PyObject *args);
 PyObject *epd_zmq_recv_parts(PyObject *self, PyObject *args);
 PyObject *epd_zmq_send_parts(PyObject *self, PyObject *args);
 
+/* mooncake.c: Mooncake's write and status calls on the binding's engine, once mooncake_bind found them. */
+PyObject *epd_mooncake_bind(PyObject *self, PyObject *args);
+PyObject *epd_mooncake_open(PyObject *self, PyObject *args);
+PyObject *epd_mooncake_write(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *epd_mooncake_check(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
 #endif

@@ -411,6 +411,13 @@ static PyMethodDef methods[] = {
      "zmq_recv_parts(handle, max_bytes=0, max_parts=0) -> list of bytes, None when none queued, or "
      "(bytes, parts) of a message over either bound (0: none), discarded."},
     {"zmq_send_parts", epd_zmq_send_parts, METH_VARARGS, "zmq_send_parts(handle, parts): one message, never blocking."},
+    {"mooncake_bind", epd_mooncake_bind, METH_VARARGS,
+     "mooncake_bind(path): finds TransferEngine's methods in the loaded library at path (OSError if not)."},
+    {"mooncake_open", epd_mooncake_open, METH_VARARGS, "mooncake_open(engine, segment) -> handle, -1 if not opened."},
+    {"mooncake_write", (PyCFunction)(void (*)(void))epd_mooncake_write, METH_FASTCALL,
+     "mooncake_write(engine, handle, src, dst, length) -> batch id, 0 when refused."},
+    {"mooncake_check", (PyCFunction)(void (*)(void))epd_mooncake_check, METH_FASTCALL,
+     "mooncake_check(engine, batch) -> 1 done, -1 failed, -2 timed out, 0 in flight, -1000-code unreadable."},
     EPD_WIRE_METHODS
     {NULL, NULL, 0, NULL},
 };

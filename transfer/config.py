@@ -180,6 +180,8 @@ SETTINGS: tuple[Setting, ...] = (
             "how long an idle fallback buffer is kept for reuse"),
     Setting("EPD_ZMQ_SCHED_BATCH", "", "the library's ZMQ I/O thread", True, "flag",
             "runs it under SCHED_BATCH, so waking it never preempts the engine's thread (0: the default policy)"),
+    Setting("EPD_MOONCAKE_DIRECT", "", "the Engine's Mooncake calls", True, "flag",
+            "submits writes and reads their status from C on the Mooncake wheels checked (0: through its binding)"),
     Setting("EPD_TOKEN", "--token", "epd-transfer bootstrap/rank", None, "text",
             "the bearer token the bootstrap server requires for registrations"),
     Setting("EPD_DEVICE", "--device", "epd-transfer rank", None, "text",

@@ -33,6 +33,14 @@ transfer_engine_py.cpp in kvcache-ai/Mooncake):
   fails later. So poll() applies the transfer timeout itself, and a batch that
   outlives it keeps its source memory pinned (unregister() refuses it) until
   Mooncake settles it or close() destroys the transport.
+
+Direct calls: on the Mooncake wheel versions native/mooncake.c was checked against
+(DIRECT_CALLS_CHECKED; `EPD_MOONCAKE_DIRECT=0` turns them off), a session's writes after
+the first are submitted, and every write's status read, from C on the engine the binding
+holds (`get_engine_ptr`), with the GIL held: the same TransferEngine methods the binding
+calls, at about half its CPU a call. The first write to a session still goes through the
+binding, whose handshake (`openSegment`) may block; its segment handle is then looked up
+from Mooncake's cache. `calls` says which way an engine's calls go, `calls_reason` why.
 """
 
 from __future__ import annotations
@@ -50,10 +58,15 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from transfer.config import check_seconds
+from transfer.config import check_seconds, resolve
 from transfer.core.openings import OPEN_TIMEOUT_S, Openings, Probe, Verdict
 from transfer.errors import ConfigError, ConfigTypeError, EngineError, EngineUnavailable
 from transfer.ports import bare_host
+
+try:  # the direct Mooncake calls; without the extension every call goes through the binding
+    from transfer import _native
+except ImportError:  # pragma: no cover - the package is built with it
+    _native = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +89,71 @@ FIRST_ANSWER_S = 0.05
 
 #: Highest address + 1: a region or a destination must end at or below it.
 _ADDRESS_SPACE = 1 << 64
+
+#: The Mooncake wheels, by version, whose TransferEngine native/mooncake.c was checked against
+#: (its request, status and string layouts, and the methods' mangled names).
+DIRECT_CALLS_CHECKED: dict[str, tuple[str, ...]] = {"mooncake-transfer-engine-non-cuda": ("0.3.13.post1",)}
+
+#: The most segments whose handles an engine keeps for its direct calls; past it they are
+#: forgotten and looked up again through the binding's next write.
+MAX_HANDLES = 65536
+
+#: Where the process stands with the direct calls once asked: (bound, why).
+_direct_bound: tuple[bool, str] | None = None
+_direct_lock = threading.Lock()
+
+
+def direct_calls_verdict(installed: Mapping[str, str], wanted: bool, has_pointer: bool) -> tuple[bool, str]:
+    """Whether an engine may call Mooncake from C, and why: `installed` maps each Mooncake
+    distribution found to its version, `wanted` is EPD_MOONCAKE_DIRECT, `has_pointer` whether
+    the binding offers get_engine_ptr."""
+    if not wanted:
+        return False, "EPD_MOONCAKE_DIRECT=0"
+    if not has_pointer:
+        return False, "this Mooncake binding has no get_engine_ptr"
+    if not installed:
+        return False, "none of the Mooncake wheels the direct calls were checked against is installed"
+    if len(installed) > 1:
+        found = ", ".join(f"{name} {version}" for name, version in sorted(installed.items()))
+        return False, f"two Mooncake wheels installed ({found})"
+    (name, version), = installed.items()
+    if version not in DIRECT_CALLS_CHECKED.get(name, ()):
+        checked = ", ".join(f"{n} {v}" for n, vs in DIRECT_CALLS_CHECKED.items() for v in vs)
+        return False, f"{name} {version} is not a version the direct calls were checked against ({checked})"
+    return True, f"{name} {version}"
+
+
+def _installed_mooncake() -> dict[str, str]:
+    """The Mooncake distributions installed, by version."""
+    from importlib import metadata
+    found = {}
+    for name in ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def _bind_direct(te: Any, mooncake_engine: Any) -> tuple[int, str]:
+    """The engine's pointer for the direct calls (0 when they are off) and why."""
+    global _direct_bound
+    wanted = bool(resolve("EPD_MOONCAKE_DIRECT"))
+    ok, why = direct_calls_verdict(_installed_mooncake(), wanted, callable(getattr(te, "get_engine_ptr", None)))
+    if not ok:
+        return 0, why
+    with _direct_lock:
+        if _direct_bound is None:
+            try:
+                if _native is None:
+                    raise ImportError("transfer._native does not import")
+                _native.mooncake_bind(mooncake_engine.__file__)
+                _direct_bound = True, why
+            except (ImportError, AttributeError, OSError) as exc:
+                _direct_bound = False, f"Mooncake's methods not found: {exc}"
+                log.warning("Mooncake's calls go through its Python binding: %s", _direct_bound[1])
+        bound, why = _direct_bound
+    return (int(te.get_engine_ptr()), why) if bound else (0, why)
 
 
 def mooncake_transfer_timeout_s(environ: Mapping[str, str] | None = None) -> float:
@@ -494,12 +572,18 @@ class Engine(RegisteredMemory):
                 f"Mooncake engine failed to start on {hostname} with protocol {self.protocol} "
                 f"(device {device_name or 'auto'}, metadata {metadata}): rc={rc}")
         self.rpc_port = int(self._te.get_rpc_port())
+        # Writes and status checks from C (native/mooncake.c) on the wheels checked; the
+        # binding still opens every session with its first write.
+        self._direct, self.calls_reason = _bind_direct(self._te, mooncake_engine)
+        self.calls = "direct" if self._direct else "binding"
+        self._handles: dict[str, int] = {}  # session -> Mooncake's segment handle, for the direct calls
         # Probing needs the binding's send_probe (wheels from mid-2026 on) and the P2P
         # handshake, whose openSegment is what blocks.
         self._probing = (self.open_timeout_s > 0 and metadata == "P2PHANDSHAKE"
                          and callable(getattr(self._te, "send_probe", None)))
         self.session_id = f"{hostname}:{self.rpc_port}"
-        log.debug("engine %s started (%s: %s)", self.session_id, self.protocol, self.protocol_reason)
+        log.debug("engine %s started (%s: %s; Mooncake's calls: %s, %s)", self.session_id, self.protocol,
+                  self.protocol_reason, self.calls, self.calls_reason)
 
     # -- memory -----------------------------------------------------------
 
@@ -642,9 +726,16 @@ class Engine(RegisteredMemory):
     def _hand_over(self, pending: _Pending) -> None:
         """Hands a write's buffers to Mooncake, one batch each; a failure is kept on the write."""
         session_id = pending.session_id
+        te, engine = self._te, self._direct  # `te` keeps the engine `engine` points to alive
+        handle = self._handles.get(session_id, -1) if engine else -1
         try:
             for src, dst, length in zip(pending.srcs, pending.dsts, pending.lens):
-                batch_id = int(self._te.batch_transfer_async_write(session_id, [src], [dst], [length]))
+                if handle >= 0:
+                    batch_id = _native.mooncake_write(engine, handle, src, dst, length)
+                else:
+                    batch_id = int(te.batch_transfer_async_write(session_id, [src], [dst], [length]))
+                    if engine and batch_id not in _BAD_BATCH_IDS:
+                        handle = self._open_handle(engine, session_id)
                 if batch_id in _BAD_BATCH_IDS:
                     pending.error = self._describe_failure(
                         "write", session_id, pending.dsts, pending.lens,
@@ -658,6 +749,16 @@ class Engine(RegisteredMemory):
         finally:
             # The clock starts once submitted: a handshake with a new peer may take a while.
             pending.deadline = time.monotonic() + self.transfer_timeout_s + sum(pending.lens) * 1e-9
+
+    def _open_handle(self, engine: int, session_id: str) -> int:
+        """The session's segment handle for the direct calls, once the binding's write opened it
+        (so Mooncake answers from its cache); -1 when it has none."""
+        handle = _native.mooncake_open(engine, session_id)
+        if handle >= 0:
+            if len(self._handles) >= MAX_HANDLES:
+                self._handles.clear()
+            self._handles[session_id] = handle
+        return handle
 
     def _submitted(self, pending: _Pending) -> None:
         """The write is in Mooncake's hands, or refused (lock held): what its session's openings learn."""
@@ -725,15 +826,18 @@ class Engine(RegisteredMemory):
                         pending.error = self._describe_failure("write", pending.session_id, pending.dsts,
                                                                pending.lens, "the engine closed first")
                     break
-                rc = int(te.transfer_check_status(pending.batches[0]))
+                engine = self._direct
+                rc = (_native.mooncake_check(engine, pending.batches[0]) if engine
+                      else int(te.transfer_check_status(pending.batches[0])))
                 # -2 (TIMEOUT, with MC_SLICE_TIMEOUT set) says a slice is old, not that it stopped:
                 # the batch completes or fails later and Mooncake frees it only then.
                 if rc in (0, -2):
                     return False
-                pending.batches.pop(0)  # Mooncake freed that batch
+                pending.batches.pop(0)  # Mooncake freed that batch (or cannot read it)
                 if rc < 0 and pending.error is None:
+                    why = f"rc={rc}" if rc > -1000 else f"Mooncake could not read its status (code {-1000 - rc})"
                     pending.error = self._describe_failure("write", pending.session_id, pending.dsts, pending.lens,
-                                                           f"rc={rc}")
+                                                           why)
             return not (pending.submitting or pending.waiting)  # a held-back write reads its sources later
 
     def _reader_of(self, addr: int, nbytes: int) -> str | None:

@@ -1,0 +1,102 @@
+"""An Engine's writes and status checks made from C (native/mooncake.c) against the same
+through Mooncake's binding: real engines over tcp on 127.0.0.1, the bytes that landed checked."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from live_helpers import HOST, MOONCAKE_MISSING
+
+from transfer import engine as engine_module
+from transfer.engine import Engine, EngineError
+
+pytestmark = [pytest.mark.live, pytest.mark.skipif(bool(MOONCAKE_MISSING), reason=MOONCAKE_MISSING or "n/a")]
+
+SPAN = (8 << 20) + 4096
+
+
+def _engine(direct: bool) -> Engine:
+    """An engine started with EPD_MOONCAKE_DIRECT set to `direct`."""
+    before = os.environ.get("EPD_MOONCAKE_DIRECT")
+    os.environ["EPD_MOONCAKE_DIRECT"] = "1" if direct else "0"
+    try:
+        return Engine(HOST, "tcp")
+    finally:
+        if before is None:
+            del os.environ["EPD_MOONCAKE_DIRECT"]
+        else:
+            os.environ["EPD_MOONCAKE_DIRECT"] = before
+
+
+@pytest.fixture(scope="module")
+def trio():
+    """{'direct': writer, 'binding': writer}, the reader, and their registered tensors."""
+    writers = {"direct": _engine(True), "binding": _engine(False)}
+    reader = Engine(HOST, "tcp")
+    src = torch.randint(0, 256, (SPAN,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    dst = torch.zeros(SPAN, dtype=torch.uint8)
+    srcs = {name: w.register(src)[0] for name, w in writers.items()}
+    yield writers, reader, src, dst, srcs, reader.register(dst)[0]
+    for e in (*writers.values(), reader):
+        e.close()
+
+
+def test_the_checked_wheel_gets_the_direct_calls(trio):
+    writers = trio[0]
+    ok, why = engine_module.direct_calls_verdict(engine_module._installed_mooncake(), True, True)
+    assert writers["direct"].calls == ("direct" if ok else "binding"), writers["direct"].calls_reason
+    assert writers["direct"].calls_reason == why
+    assert writers["binding"].calls == "binding"
+    assert writers["binding"].calls_reason == "EPD_MOONCAKE_DIRECT=0"
+
+
+@pytest.mark.parametrize("way", ["direct", "binding"])
+@pytest.mark.parametrize("src_at, dst_at, length", [(0, 0, 1), (5, 4099, 4096), (1, 3, 512 << 10),
+                                                    (4093, 7, 8 << 20)])
+def test_the_bytes_land_where_asked_and_nowhere_else(trio, way, src_at, dst_at, length):
+    writers, reader, src, dst, srcs, dst_addr = trio
+    dst.zero_()
+    writers[way].write(reader.session_id, [srcs[way] + src_at], [dst_addr + dst_at], [length])
+    assert torch.equal(dst[dst_at:dst_at + length], src[src_at:src_at + length])
+    assert not dst[:dst_at].any() and not dst[dst_at + length:].any()
+
+
+@pytest.mark.parametrize("way", ["direct", "binding"])
+def test_many_writes_in_flight_polled_newest_first_all_land(trio, way):
+    writers, reader, src, dst, srcs, dst_addr = trio
+    writer, piece = writers[way], 64 << 10
+    dst.zero_()
+    tickets = [writer.write_async(reader.session_id, [srcs[way] + i * piece], [dst_addr + i * piece], [piece])
+               for i in range(64)]
+    for ticket in reversed(tickets):
+        writer.wait(ticket, timeout_s=60)
+    assert torch.equal(dst[:64 * piece], src[:64 * piece])
+    if writer.calls == "direct":
+        assert reader.session_id in writer._handles  # the later writes went through the C calls
+
+
+@pytest.mark.parametrize("way", ["direct", "binding"])
+def test_a_destination_the_peer_never_registered_fails_the_write(trio, way):
+    writers, reader, src, dst, srcs, dst_addr = trio
+    writers[way].write(reader.session_id, [srcs[way]], [dst_addr], [4096])  # the segment is open
+    with pytest.raises(EngineError, match=r"write to .* failed \(rc=-1\)"):
+        writers[way].write(reader.session_id, [srcs[way]], [dst_addr + SPAN + (1 << 20)], [4096])
+    dst.zero_()
+    writers[way].write(reader.session_id, [srcs[way]], [dst_addr], [4096])  # and the next one lands
+    assert torch.equal(dst[:4096], src[:4096])
+
+
+@pytest.mark.parametrize("way", ["direct", "binding"])
+def test_a_write_to_a_peer_that_closed_fails(trio, way):
+    writers, _, src, _, srcs, _ = trio
+    peer = Engine(HOST, "tcp")
+    target = torch.zeros(4096, dtype=torch.uint8)
+    at = peer.register(target)[0]
+    writers[way].write(peer.session_id, [srcs[way]], [at], [4096])
+    assert torch.equal(target, src[:4096])
+    session = peer.session_id
+    peer.close()
+    with pytest.raises(EngineError, match=f"write to {session} failed"):
+        writers[way].write(session, [srcs[way]], [at], [4096])

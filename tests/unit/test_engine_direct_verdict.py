@@ -1,0 +1,51 @@
+"""When an Engine calls Mooncake from C (transfer.engine.direct_calls_verdict), and the native
+calls' refusals before any engine exists."""
+
+from __future__ import annotations
+
+import pytest
+
+from transfer import _native
+from transfer.engine import DIRECT_CALLS_CHECKED, direct_calls_verdict
+
+CHECKED_NAME, (CHECKED_VERSION, *_) = next(iter(DIRECT_CALLS_CHECKED.items()))
+
+
+def test_the_checked_wheel_alone_gets_the_direct_calls():
+    ok, why = direct_calls_verdict({CHECKED_NAME: CHECKED_VERSION}, wanted=True, has_pointer=True)
+    assert ok and why == f"{CHECKED_NAME} {CHECKED_VERSION}"
+
+
+@pytest.mark.parametrize("installed, wanted, has_pointer, reason", [
+    ({CHECKED_NAME: CHECKED_VERSION}, False, True, "EPD_MOONCAKE_DIRECT=0"),
+    ({CHECKED_NAME: CHECKED_VERSION}, True, False, "no get_engine_ptr"),
+    ({}, True, True, "none of the Mooncake wheels"),
+    ({CHECKED_NAME: "0.3.14"}, True, True, f"{CHECKED_NAME} 0.3.14 is not a version"),
+    ({CHECKED_NAME: CHECKED_VERSION + ".1"}, True, True, "is not a version"),
+    ({"mooncake-transfer-engine-cuda13": CHECKED_VERSION}, True, True, "is not a version"),
+    ({CHECKED_NAME: CHECKED_VERSION, "mooncake-transfer-engine": CHECKED_VERSION}, True, True,
+     "two Mooncake wheels installed"),
+])
+def test_anything_else_goes_through_the_binding_and_says_why(installed, wanted, has_pointer, reason):
+    ok, why = direct_calls_verdict(installed, wanted=wanted, has_pointer=has_pointer)
+    assert not ok
+    assert reason in why
+
+
+def test_binding_refuses_a_library_that_is_not_loaded():
+    with pytest.raises(OSError, match="is not loaded"):
+        _native.mooncake_bind("/nonexistent/engine.so")
+
+
+def test_binding_refuses_a_loaded_library_without_mooncakes_methods():
+    with pytest.raises(OSError, match="has no _ZN8mooncake14TransferEngine"):
+        _native.mooncake_bind(_native.__file__)
+
+
+@pytest.mark.parametrize("call, args", [
+    (_native.mooncake_write, (1, 2, 3, 4)),
+    (_native.mooncake_check, (1,)),
+])
+def test_the_hot_calls_count_their_arguments(call, args):
+    with pytest.raises(TypeError, match="takes"):
+        call(*args)
