@@ -100,3 +100,17 @@ def test_a_write_to_a_peer_that_closed_fails(trio, way):
     peer.close()
     with pytest.raises(EngineError, match=f"write to {session} failed"):
         writers[way].write(session, [srcs[way]], [at], [4096])
+
+
+def test_the_c_calls_refuse_an_unknown_segment_and_the_engine_goes_on(trio):
+    writers, reader, src, dst, srcs, dst_addr = trio
+    writer = writers["direct"]
+    if writer.calls != "direct":
+        pytest.skip(f"the direct calls are off here: {writer.calls_reason}")
+    from transfer import _native
+    # Mooncake answers a handle it never gave out with a Status whose message the call frees.
+    assert _native.mooncake_write(writer._direct, 1 << 40, srcs["direct"], dst_addr, 4096) == 0
+    assert _native.mooncake_open(writer._direct, f"{HOST}:1") == -1  # nothing listens there
+    dst.zero_()
+    writer.write(reader.session_id, [srcs["direct"]], [dst_addr], [4096])
+    assert torch.equal(dst[:4096], src[:4096])
