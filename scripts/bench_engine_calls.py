@@ -38,70 +38,53 @@ def engine_with(direct: bool) -> Engine:
         del os.environ["EPD_MOONCAKE_DIRECT"]
 
 
-def run_engine(engine: Engine, session: str, src: int, dst: int, length: int, writes: int, gap_s: float):
-    """CPU per write_async, per poll that found the write in flight, per poll that found it done."""
-    submit, busy, done = [], [], []
+def timed_writes(submit, check, writes: int, gap_s: float):
+    """CPU per submission, per check that found the write in flight, per check that found it done.
+
+    submit(i) starts write i and returns what check() takes; check() returns whether it is over."""
+    spent_on: dict[str, list[int]] = {"submit": [], "busy": [], "done": []}
     for i in range(writes):
         time.sleep(gap_s)
         t = cpu_ns()
-        ticket = engine.write_async(session, [src + i % 2], [dst], [length])
-        submit.append(cpu_ns() - t)
+        handle = submit(i)
+        spent_on["submit"].append(cpu_ns() - t)
         while True:
             time.sleep(gap_s)
             t = cpu_ns()
-            finished = engine.poll(ticket)
-            spent = cpu_ns() - t
+            finished = check(handle)
+            spent_on["done" if finished else "busy"].append(cpu_ns() - t)
             if finished:
-                done.append(spent)
                 break
-            busy.append(spent)
-    return submit, busy, done
+    return spent_on["submit"], spent_on["busy"], spent_on["done"]
+
+
+def finished(rc: int, way: str) -> bool:
+    """A bare status answer: 1 done, 0 (or -2, late) in flight; anything else failed the write."""
+    if rc in (0, -2):
+        return False
+    if rc != 1:
+        raise SystemExit(f"{way} write failed: rc={rc}")
+    return True
+
+
+def run_engine(engine: Engine, session: str, src: int, dst: int, length: int, writes: int, gap_s: float):
+    """Our Engine: write_async, poll."""
+    return timed_writes(lambda i: engine.write_async(session, [src + i % 2], [dst], [length]), engine.poll,
+                        writes, gap_s)
 
 
 def run_binding(te, session: str, src: int, dst: int, length: int, writes: int, gap_s: float):
-    """The same with Mooncake's binding called bare: batch_transfer_async_write, transfer_check_status."""
-    submit, busy, done = [], [], []
-    for i in range(writes):
-        time.sleep(gap_s)
-        t = cpu_ns()
-        batch = te.batch_transfer_async_write(session, [src + i % 2], [dst], [length])
-        submit.append(cpu_ns() - t)
-        while True:
-            time.sleep(gap_s)
-            t = cpu_ns()
-            rc = te.transfer_check_status(batch)
-            spent = cpu_ns() - t
-            if rc != 0:
-                if rc != 1:
-                    raise SystemExit(f"binding write failed: rc={rc}")
-                done.append(spent)
-                break
-            busy.append(spent)
-    return submit, busy, done
+    """Mooncake's binding called bare: batch_transfer_async_write, transfer_check_status."""
+    return timed_writes(lambda i: te.batch_transfer_async_write(session, [src + i % 2], [dst], [length]),
+                        lambda batch: finished(te.transfer_check_status(batch), "binding"), writes, gap_s)
 
 
 def run_direct(engine: Engine, session: str, src: int, dst: int, length: int, writes: int, gap_s: float):
-    """The same with the C calls made bare (native/mooncake.c): mooncake_write, mooncake_check."""
+    """The C calls made bare (native/mooncake.c): mooncake_write, mooncake_check."""
     from transfer import _native
     pointer, handle = engine._direct, engine._handles[session]
-    submit, busy, done = [], [], []
-    for i in range(writes):
-        time.sleep(gap_s)
-        t = cpu_ns()
-        batch = _native.mooncake_write(pointer, handle, src + i % 2, dst, length)
-        submit.append(cpu_ns() - t)
-        while True:
-            time.sleep(gap_s)
-            t = cpu_ns()
-            rc = _native.mooncake_check(pointer, batch)
-            spent = cpu_ns() - t
-            if rc != 0:
-                if rc != 1:
-                    raise SystemExit(f"direct write failed: rc={rc}")
-                done.append(spent)
-                break
-            busy.append(spent)
-    return submit, busy, done
+    return timed_writes(lambda i: _native.mooncake_write(pointer, handle, src + i % 2, dst, length),
+                        lambda batch: finished(_native.mooncake_check(pointer, batch), "direct"), writes, gap_s)
 
 
 def us(values: list[int]) -> float:

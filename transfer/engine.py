@@ -45,6 +45,7 @@ from Mooncake's cache. `calls` says which way an engine's calls go, `calls_reaso
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import math
@@ -123,8 +124,9 @@ def direct_calls_verdict(installed: Mapping[str, str], wanted: bool, has_pointer
     return True, f"{name} {version}"
 
 
+@functools.lru_cache(maxsize=1)
 def _installed_mooncake() -> dict[str, str]:
-    """The Mooncake distributions installed, by version."""
+    """The Mooncake distributions installed, by version (read once a process)."""
     from importlib import metadata
     found = {}
     for name in ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda"):
