@@ -729,7 +729,7 @@ class Engine(RegisteredMemory):
         """Hands a write's buffers to Mooncake, one batch each; a failure is kept on the write."""
         session_id = pending.session_id
         te, engine = self._te, self._direct  # `te` keeps the engine `engine` points to alive
-        handle = self._handles.get(session_id, -1) if engine else -1
+        handle = self._handles.get(session_id, -1) if engine and te is not None else -1
         try:
             for src, dst, length in zip(pending.srcs, pending.dsts, pending.lens):
                 if handle >= 0:
