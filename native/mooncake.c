@@ -1,8 +1,7 @@
 /* Mooncake's write and status calls made from C, on the engine the Python binding started.
  *
- * Through pybind a write's submission costs 19-33 us and a status check 4.5-7 us of CPU
- * (docs/performance.md, "Mooncake's calls from C through the engine's pointer"); the same
- * calls made from here cost about half and a third. We do not link Mooncake: its binding's
+ * The same calls the binding makes, without its Python layer (docs/performance.md, "Kept:
+ * Mooncake's calls from C"). We do not link Mooncake: its binding's
  * get_engine_ptr() gives the mooncake::TransferEngine it holds, and mooncake_bind() looks up
  * five of that class's methods by their mangled names in the engine.so the binding already
  * loaded. The declarations below are ours, read from that library's code for one wheel

@@ -38,7 +38,7 @@ Direct calls: on the Mooncake wheel versions native/mooncake.c was checked again
 (DIRECT_CALLS_CHECKED; `EPD_MOONCAKE_DIRECT=0` turns them off), a session's writes after
 the first are submitted, and every write's status read, from C on the engine the binding
 holds (`get_engine_ptr`), with the GIL held: the same TransferEngine methods the binding
-calls, at about half its CPU a call. The first write to a session still goes through the
+calls (docs/performance.md, "Kept: Mooncake's calls from C"). The first write to a session still goes through the
 binding, whose handshake (`openSegment`) may block; its segment handle is then looked up
 from Mooncake's cache. `calls` says which way an engine's calls go, `calls_reason` why.
 """
@@ -126,15 +126,9 @@ def direct_calls_verdict(installed: Mapping[str, str], wanted: bool, has_pointer
 
 @functools.lru_cache(maxsize=1)
 def _installed_mooncake() -> dict[str, str]:
-    """The Mooncake distributions installed, by version (read once a process)."""
-    from importlib import metadata
-    found = {}
-    for name in ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda"):
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return found
+    """The Mooncake transfer-engine distributions installed, by version (read once a process)."""
+    from transfer.doctor import mooncake_distributions
+    return {dist["name"]: dist["version"] for dist in mooncake_distributions()}
 
 
 def _bind_direct(te: Any, mooncake_engine: Any) -> tuple[int, str]:
