@@ -21,7 +21,7 @@ from transfer.core.encode import (
 )
 from transfer.core.failure import FailureKind
 from transfer.core.parked import ParkedAsks
-from transfer.frames import Registration, TransferInfo, shard_rows
+from transfer.frames import Cancel, Registration, TransferInfo, shard_rows
 from transfer.status import TransferPoll
 
 HIDDEN = 256
@@ -989,6 +989,80 @@ def test_a_new_receiver_that_matches_no_rank_is_not_taken_for_a_successor():
     for index in range(2):  # asks that disagree on the fanout are not a restarted rank's
         run.ask(_reask(_ask(2, 0, fanout=4, span=4), f"10.0.0.8:{index}", port=6100 + index))
     assert run.of(Count) == [] and len(run.core.parked[2].infos) == 3
+
+
+def test_a_session_on_another_host_asking_for_a_parked_shard_supersedes_nobody():
+    """A stray ask (another prefill instance's room under the same number, or a forged one) for a
+    shard a live session asked for: the contested room fails on its receiver count, loudly on both,
+    and the live session keeps its other rooms and its regions."""
+    run = Run()
+    live = "10.0.0.7:17000"
+    run(run.core.registration(Registration("10.0.0.7", 6000, live, 0x10000, 0, 64 * ROW, 0), run.now))
+    for room in (1, 2):
+        run.ask(_ask(room, ptr=0x10000 + room * 4 * ROW))
+    stray = dataclasses.replace(_ask(1, ptr=0x10000 + 4 * ROW), endpoint="10.0.0.9", session_id="10.0.0.9:17000")
+    assert run.at(0.1).ask(stray) == [] and run.core.parked[2].infos.keys() == {live}
+    (write,) = run.of(StartWrite, run.at(0.2).offer(_offer(2)))
+    assert write.session_id == live
+    run.at(0.3).offer(_offer(1))
+    assert sorted((endpoint, kind) for _, endpoint, kind in
+                  [(a.room, a.endpoint, a.failure.kind) for a in run.of(PushStatus) if a.room == 1]) == [
+        ("10.0.0.7", FailureKind.GEOMETRY), ("10.0.0.9", FailureKind.GEOMETRY)]
+    assert run.of(Count) == []
+
+
+def test_a_predecessors_cancel_does_not_fail_its_successors_retry():
+    run = Run()
+    old, new = "10.0.0.7:17000", "10.0.0.7:17999"
+    run(run.core.registration(Registration("10.0.0.7", 6000, old, 0x10000, 0, 64 * ROW, 0), run.now))
+    run.ask(_ask(1, session=old))
+    run(run.core.cancel(Cancel(1, "10.0.0.7", 6000, old), 0.1))  # it cancels, then restarts
+    run(run.core.registration(Registration("10.0.0.7", 6000, new, 0x10000, 0, 64 * ROW, 0), 1.0))
+    run.at(1.1).ask(_ask(1, session=new))
+    (write,) = run.of(StartWrite, run.at(2.0).offer(_offer(1)))
+    assert write.session_id == new
+    run.at(2.1).complete(write)
+    assert run.conclusions() == [(1, TransferPoll.Success, None)]
+
+
+def test_a_rank_restarted_late_in_its_rooms_life_leaves_its_successor_the_whole_fanout_timeout():
+    run = Run(fanout_timeout_s=10.0)
+    old, new = "10.0.0.7:17000", "10.0.0.7:17999"
+    run(run.core.registration(Registration("10.0.0.7", 6000, old, 0x10000, 0, 64 * ROW, 0), run.now))
+    run.offer(_offer(1))
+    run.at(9.0).ask(_ask(1, session=old))
+    run(run.core.registration(Registration("10.0.0.7", 6000, new, 0x10000, 0, 64 * ROW, 0), 10.2))
+    run.at(19.0).tick()
+    assert run.conclusions() == []  # 8.8 s after the restart: the successor may still ask
+    (retry,) = run.of(StartWrite, run.at(19.5).ask(_ask(1, session=new, ptr=0x14000)))
+    assert retry.session_id == new
+    run.at(20.6).tick()
+    assert run.conclusions() == []  # the successor is being written; the predecessor's write tells nobody
+
+
+def test_an_orphaned_shard_nobody_asks_for_fails_its_room_a_fanout_timeout_after_the_restart():
+    run = Run(fanout_timeout_s=10.0)
+    old, new = "10.0.0.7:17000", "10.0.0.7:17999"
+    run(run.core.registration(Registration("10.0.0.7", 6000, old, 0x10000, 0, 64 * ROW, 0), run.now))
+    run.offer(_offer(1))
+    run.at(9.0).ask(_ask(1, session=old))
+    run(run.core.registration(Registration("10.0.0.7", 6000, new, 0x10000, 0, 64 * ROW, 0), 10.2))
+    run.at(20.0).tick()
+    assert run.conclusions() == []
+    run.at(20.6).tick()
+    assert run.conclusions() == [(1, TransferPoll.Failed, FailureKind.FANOUT_TIMEOUT)]
+
+
+def test_a_sent_room_whose_parked_asks_are_evicted_fails_at_once():
+    run = Run(fanout_timeout_s=120.0, parked=ParkedAsks(max_rooms=1))
+    offer = _offer(1)
+    run.offer(offer)
+    run.at(0.1).ask(_ask(1, fanout=2))
+    out = run.at(0.2).ask(_ask(2, fanout=2, ptr=0x40000))  # pushes room 1's ask out
+    assert run.statuses(out) == [(1, 6000, TransferPoll.Failed)]
+    (conclusion,) = run.of(Conclude, out)
+    assert (conclusion.room, conclusion.failure.kind) == (1, FailureKind.OTHER)
+    assert "dropped unserved" in conclusion.failure.detail and run.of(Release, out) == [Release(1, offer.token)]
 
 
 def test_an_overlap_with_a_long_write_behind_shorter_ones_is_found():

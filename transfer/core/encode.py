@@ -193,6 +193,7 @@ class _Room:
     failure: Failure | None = None  # why it failed, told to every receiver
     succeeded: bool = False  # every receiver was served: nothing may tell them Failed any more
     orphans: list[TransferInfo] = field(default_factory=list)  # shards whose receiver restarted before served
+    orphaned_at: float | None = None  # when its last orphan's receiver restarted: its successor's wait starts there
     served: set[str] = field(default_factory=set)  # sessions told Success (a restart after that orphans nothing)
     released: bool = False
     cancelled_by: dict[str, float] = field(default_factory=dict)  # session whose cancel failed it -> cancelled at
@@ -330,7 +331,7 @@ class EncodeCore:
             self._out.append(Count("registrations_refused_total", "no_lengths"))
             return self._flush(now)
         self.breaker.reset(reg.session_id)
-        self._note_endpoint(reg.endpoint, reg.port, reg.session_id)
+        self._note_endpoint(reg.endpoint, reg.port, reg.session_id, now)
         return self._flush(now)
 
     def ask(self, info: TransferInfo, now: float) -> list:
@@ -359,7 +360,7 @@ class EncodeCore:
         if predecessor is not None:
             self._supersede(predecessor, info.session_id, "shard",
                             f"asking for room {info.room}'s shard (rows {info.row_start}+{info.rows} of fanout "
-                            f"{info.fanout}) it had asked for")
+                            f"{info.fanout}) it had asked for", now)
         admission = self.parked.add(info, now)
         if admission.refused:
             self._warn("receivers", "room %d: more than %d receivers asked; telling %s Failed",
@@ -371,9 +372,12 @@ class EncodeCore:
         for asks in admission.evicted:
             self._warn("parked", "room %d: %d rooms (%d bytes of asks) were asked for and not served yet; "
                        "failing the oldest ask", asks.room, len(self.parked) + 1, self.parked.nbytes + asks.nbytes)
-            self._tell_failed(asks.infos.values(), Failure(
-                FailureKind.OTHER, f"room {asks.room}: dropped unserved, the oldest of more than {len(self.parked)} "
-                                   f"rooms asked for and not served yet"))
+            failure = Failure(FailureKind.OTHER, f"room {asks.room}: dropped unserved, the oldest of more than "
+                                                 f"{len(self.parked)} rooms asked for and not served yet")
+            self._tell_failed(asks.infos.values(), failure)
+            evicted = self._rooms.get(asks.room)
+            if evicted is not None and asks.room in self._unserved:  # sent: told Failed, its ranks ask no more
+                self._fail_with(evicted, failure, now)
         self._dispatch(info.room, now)
         return self._flush(now)
 
@@ -615,7 +619,7 @@ class EncodeCore:
 
     # ------------------------------------------------------------ successors
 
-    def _note_endpoint(self, endpoint: str, port: int, session: str) -> None:
+    def _note_endpoint(self, endpoint: str, port: int, session: str, now: float) -> None:
         """Remembers the session registered at a status endpoint; a new one there supersedes the one before.
 
         Only one process at a time can bind a status endpoint.
@@ -636,16 +640,19 @@ class EncodeCore:
             if self._endpoint_of.get(forgotten) == oldest:
                 del self._endpoint_of[forgotten]
         if previous is not None and previous != session:
-            self._supersede(previous, session, "status_endpoint", f"at the same status endpoint {endpoint}:{port}")
+            self._supersede(previous, session, "status_endpoint", f"at the same status endpoint {endpoint}:{port}",
+                            now)
 
     def _predecessor_by_shard(self, info: TransferInfo) -> str | None:
         """The session a new session's ask replaces, or None.
 
         The room's whole fanout already asked (its asks are parked, or its writes are
         being served) and one of them asked for this very shard: only that rank,
-        restarted, asks for it again. Ranks asking for the same shard (the full span, or
-        empty shards) are told apart by host; when that leaves more than one, none is
-        guessed (the room then fails on its receiver count).
+        restarted, asks for it again, and it restarts on its own host: a session on
+        another host asking for that shard (a stray ask, another prefill instance's room
+        under the same number) supersedes nobody, and the room refuses it on its receiver
+        count. When several ranks of the host asked for the same shard (the full span, or
+        empty shards), none is guessed either.
         """
         asks = self.parked.get(info.room)
         if asks is not None and len(asks.infos) >= asks.fanout:
@@ -657,14 +664,12 @@ class EncodeCore:
             fanout, rivals = len(room.receivers) + len(room.orphans), room.receivers
         if info.fanout != fanout or any(rival.session_id == info.session_id for rival in rivals):
             return None
-        shard = (info.row_start, info.rows, info.fanout, info.span)
-        same = [i.session_id for i in rivals if (i.row_start, i.rows, i.fanout, i.span) == shard]
-        if len(same) > 1:
-            host = _host(info.session_id)
-            same = [s for s in same if _host(s) == host]
+        shard, host = (info.row_start, info.rows, info.fanout, info.span), _host(info.session_id)
+        same = [i.session_id for i in rivals
+                if (i.row_start, i.rows, i.fanout, i.span) == shard and _host(i.session_id) == host]
         return same[0] if len(same) == 1 else None
 
-    def _supersede(self, old: str, new: str, reason: str, how: str) -> None:
+    def _supersede(self, old: str, new: str, reason: str, how: str, now: float) -> None:
         """A restarted rank's new session replaces its old one: the old one's parked asks are dropped.
 
         They are not told Failed: the process that made them is gone, and its status
@@ -676,10 +681,14 @@ class EncodeCore:
         for room in self._rooms.values():
             if not room.succeeded and any(info.session_id == old for info in room.receivers):
                 if not room.failed and old not in room.served:
-                    # Its shard waits for the successor's ask, within the fanout timeout.
+                    # Its shard waits for the successor's ask, within the fanout timeout from now.
                     room.orphans += [info for info in room.receivers if info.session_id == old]
+                    room.orphaned_at = now
                     self._unserved.add(room.room)
                 self._spare(room, old)
+        for cancels in (self._cancelled, self._held):  # its cancels do not fail its successor's retries
+            for number in [number for number, entry in cancels.items() if entry[0] == old]:
+                del cancels[number]
         dropped = self.parked.drop_session(old)
         self.regions.forget(old, f"session {receiver_text(new)} {how} superseded it")
         self.breaker.reset(old)
@@ -1024,6 +1033,8 @@ class EncodeCore:
             room = self._rooms[number]
             asks = self.parked.get(number)
             since = room.offered_at if asks is None else min(room.offered_at, asks.first_at)
+            if room.orphaned_at is not None:
+                since = max(since, room.orphaned_at)
             if now - since > limit:
                 taken = self.parked.take(number)
                 if taken is not None:  # named in the room's failure with the receivers it had
