@@ -1025,13 +1025,20 @@ def test_a_predecessors_cancel_does_not_fail_its_successors_retry():
     assert run.conclusions() == [(1, TransferPoll.Success, None)]
 
 
-def test_a_rank_restarted_late_in_its_rooms_life_leaves_its_successor_the_whole_fanout_timeout():
+def _restarted_late(new: str) -> Run:
+    """Room 1 sent at 0, its only rank asking at 9 s of a 10 s fanout timeout, restarting at 10.2 s as `new`."""
     run = Run(fanout_timeout_s=10.0)
-    old, new = "10.0.0.7:17000", "10.0.0.7:17999"
+    old = "10.0.0.7:17000"
     run(run.core.registration(Registration("10.0.0.7", 6000, old, 0x10000, 0, 64 * ROW, 0), run.now))
     run.offer(_offer(1))
     run.at(9.0).ask(_ask(1, session=old))
     run(run.core.registration(Registration("10.0.0.7", 6000, new, 0x10000, 0, 64 * ROW, 0), 10.2))
+    return run
+
+
+def test_a_rank_restarted_late_in_its_rooms_life_leaves_its_successor_the_whole_fanout_timeout():
+    new = "10.0.0.7:17999"
+    run = _restarted_late(new)
     run.at(19.0).tick()
     assert run.conclusions() == []  # 8.8 s after the restart: the successor may still ask
     (retry,) = run.of(StartWrite, run.at(19.5).ask(_ask(1, session=new, ptr=0x14000)))
@@ -1041,12 +1048,7 @@ def test_a_rank_restarted_late_in_its_rooms_life_leaves_its_successor_the_whole_
 
 
 def test_an_orphaned_shard_nobody_asks_for_fails_its_room_a_fanout_timeout_after_the_restart():
-    run = Run(fanout_timeout_s=10.0)
-    old, new = "10.0.0.7:17000", "10.0.0.7:17999"
-    run(run.core.registration(Registration("10.0.0.7", 6000, old, 0x10000, 0, 64 * ROW, 0), run.now))
-    run.offer(_offer(1))
-    run.at(9.0).ask(_ask(1, session=old))
-    run(run.core.registration(Registration("10.0.0.7", 6000, new, 0x10000, 0, 64 * ROW, 0), 10.2))
+    run = _restarted_late("10.0.0.7:17999")
     run.at(20.0).tick()
     assert run.conclusions() == []
     run.at(20.6).tick()
