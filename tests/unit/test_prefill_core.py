@@ -100,6 +100,25 @@ def test_routes_are_keyed_by_dp_group_and_encode_rank():
     assert ask.info.fanout == 2
 
 
+def test_with_encode_dp_a_status_carries_the_encode_ranks_engine_rank_and_concludes_the_room():
+    # Encode world 4 in dp 2: the server files engine rank e under group e // 2, tp rank e % 2, and e is
+    # what its statuses (and cancel answers) carry. Prefill rank 1 of tp 4 pairs with tp rank 1; room 7
+    # goes to group 1, whose tp rank 1 is engine rank 3.
+    c = core(engine_rank=1, tp_size=4, dp_size=1)
+    c.receive(0.0, spec(7))
+    assert c.parallel_resolved(0.0, BOOT, 4, 2) == [LookUpRoute((BOOT, 1, 1))]
+    assert isinstance(c.route_resolved(0.0, (BOOT, 1, 1), ENCODE)[-1], SendAsk)
+    (warn,) = c.status(0.1, 7, TransferPoll.Success, 1)
+    assert warn.message == "room 7: status from encode rank 1, expected 3; ignored"
+    (conclude,) = c.status(0.2, 7, TransferPoll.Success, 3)
+    assert isinstance(conclude, Conclude) and conclude.room == 7 and conclude.failure is None
+    # Group 0's tp rank 1 is engine rank 1.
+    c.receive(0.3, spec(8, slot=1))
+    assert isinstance(c.route_resolved(0.3, (BOOT, 0, 1), ENCODE)[-1], SendAsk)
+    (conclude,) = c.status(0.4, 8, TransferPoll.Success, 1)
+    assert isinstance(conclude, Conclude) and conclude.room == 8
+
+
 def test_a_prefill_tp_that_is_not_a_multiple_of_the_encode_tp_fails_the_room():
     c = core(engine_rank=0, tp_size=3)
     c.receive(0.0, spec(1))

@@ -1094,8 +1094,11 @@ class PrefillCore:
             return self._conclude(state, Failure(
                 FailureKind.GEOMETRY, f"prefill local tp {local_tp} is not a multiple of encode tp {encode_tp}"))
         state.fanout = local_tp // encode_tp
-        state.encode_rank = (self.engine_rank % local_tp) // state.fanout
-        key = state.route_key = (bootstrap, state.room % encode_dp, state.encode_rank)
+        group, tp_rank = state.room % encode_dp, (self.engine_rank % local_tp) // state.fanout
+        # The server files engine rank e under (e // (E // D), e % (E // D)), and e is the rank its
+        # statuses and cancel answers carry (SPEC.md sections 4.3 and 5).
+        state.encode_rank = group * (encode_tp // encode_dp) + tp_rank
+        key = state.route_key = (bootstrap, group, tp_rank)
         addr = self._routes.get(key)
         if addr is None:
             return self._look_up(now, state, bootstrap, key)
