@@ -442,8 +442,9 @@ class RegisteredMemory:
         addr, nbytes = self._region_span(buf, length)
         if nbytes <= 0:
             raise ConfigError(f"cannot register address 0x{addr:x} with length {nbytes}: {self._EMPTY_REASON}")
-        if addr <= 0 or addr + nbytes > _ADDRESS_SPACE:
-            # Mooncake takes a range that wraps past 2**64 and pybind a negative one with a bare TypeError.
+        if addr <= 0 or addr + nbytes >= _ADDRESS_SPACE:
+            # Mooncake takes a range that wraps past 2**64 and pybind a negative one with a bare TypeError;
+            # the wire engine's C book keeps a region's end in 64 bits, which 2**64 itself does not fit.
             raise ConfigError(f"cannot register address {addr:#x} with length {nbytes}: "
                              f"not a range of the 64-bit address space")
         with self._lock:

@@ -7,6 +7,7 @@ from fakes import MooncakeStandIn
 
 from transfer import engine as engine_module
 from transfer.engine import Engine, EngineError, choose_protocol, rdma_device_names
+from transfer.errors import ConfigError
 
 
 def test_choose_protocol_with_fake_sysfs(tmp_path, monkeypatch):
@@ -110,3 +111,19 @@ def test_the_transfer_timeout_is_read_as_mooncake_reads_it(environ, seconds):
     from transfer.engine import mooncake_transfer_timeout_s
 
     assert mooncake_transfer_timeout_s(environ) == seconds
+
+
+def test_a_region_must_end_below_the_top_of_the_address_space(monkeypatch):
+    """A range ending at 2**64 or past it is refused as a ConfigError before Mooncake sees it (the
+    wire engine's C book stores a region's end in 64 bits, so 2**64 itself does not fit)."""
+
+    class FakeModule:
+        TransferEngine = staticmethod(_ScriptedTE)
+
+    monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
+    engine = Engine("127.0.0.1", protocol="tcp")
+    for addr, length in (((1 << 64) - 16, 16), ((1 << 64) - 8, 16)):
+        with pytest.raises(ConfigError, match=f"cannot register address {addr:#x} with length {length}: not a range"):
+            engine.register(addr, length)
+    assert engine.register((1 << 64) - 32, 16) == ((1 << 64) - 32, 16)
+    assert engine.registered() == {(1 << 64) - 32: 16}
