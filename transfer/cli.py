@@ -458,8 +458,9 @@ class _FromEnv:
     """An option's default read from an EPD_* variable once its command runs (`parse_args`), so a bad
     variable fails the commands that read it, not `doctor` or `--help`."""
 
-    def __init__(self, env: str, check: Callable[[str], Any] | None = None, absent: Any = None) -> None:
-        self.env, self.check, self.absent = env, check, absent
+    def __init__(self, env: str, check: Callable[[str], Any] | None = None, absent: Any = None,
+                 secret: bool = False) -> None:
+        self.env, self.check, self.absent, self.secret = env, check, absent, secret
 
     def __repr__(self) -> str:
         return f"${self.env}"
@@ -472,13 +473,14 @@ class _FromEnv:
             try:
                 return self.check(value)
             except argparse.ArgumentTypeError as error:
-                raise ConfigError(f"{self.env}={value!r}: {error}") from None
+                shown = self.env if self.secret else f"{self.env}={value!r}"  # a secret stays off terminals and logs
+                raise ConfigError(f"{shown}: {error}") from None
         return value
 
 
 def _token_default() -> _FromEnv:
     """EPD_TOKEN from the environment (the launch scripts keep the token off command lines)."""
-    return _FromEnv("EPD_TOKEN", _token)
+    return _FromEnv("EPD_TOKEN", _token, secret=True)
 
 
 def _device_default() -> _FromEnv:
@@ -623,7 +625,8 @@ def build_parser() -> _Parser:
     boot.add_argument("--port", type=_ports, default=8998,
                       help="port to bind (0: any free port), or a range FIRST-LAST: its first free port")
     boot.add_argument("--token", type=_token, default=_token_default(),
-                      help="require 'Authorization: Bearer TOKEN' on PUT /route (default: $EPD_TOKEN, else none)")
+                      help="require 'Authorization: Bearer TOKEN' on PUT and DELETE /route (default: $EPD_TOKEN, "
+                           "else none)")
     _add_exit_with(boot)
     boot.set_defaults(func=_bootstrap)
 

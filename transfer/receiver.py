@@ -163,8 +163,9 @@ class SessionManager:
     ) -> None:
         """`deadline_s` (default: EPD_DEADLINE_S, else 60 s) bounds each room; `lookup_timeout_s`
         (default: EPD_LOOKUP_TIMEOUT_S, else 2 s) each bootstrap look-up. `bootstrap_timeout_s` is
-        the deprecated name of `lookup_timeout_s`. Raises ConfigError for a bad argument or variable
-        (ConfigTypeError unless `integrity` is True or False).
+        the deprecated name of `lookup_timeout_s`. Raises ConfigError for a bad argument or variable,
+        ConfigTypeError for an argument of the wrong type (a rank or size that is not an int, a
+        port that is not an int, pair or string, an `integrity` that is not True or False).
         """
         engine_rank, tp_size, dp_size = check_parallel(engine_rank, tp_size, dp_size)
         lookup_timeout_s = config.renamed("SessionManager", "bootstrap_timeout_s", bootstrap_timeout_s,

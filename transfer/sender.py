@@ -121,8 +121,9 @@ class SenderPool:
         polled at most every poll_min_s, at that gap while a write of at most 1 MiB is new,
         otherwise at doubling waits up to poll_max_s; transfer.core.polls).
         `bootstrap_timeout_s` is the deprecated name of `fanout_timeout_s`. Raises ConfigError
-        for a bad argument or variable (ConfigTypeError unless `integrity` is True or False),
-        BootstrapError when the registration fails.
+        for a bad argument or variable, ConfigTypeError for an argument of the wrong type (a rank
+        or size that is not an int, a port that is not an int, pair or string, an `integrity`
+        that is not True or False), BootstrapError when the registration fails.
         """
         engine_rank, tp_size, dp_size = check_parallel(engine_rank, tp_size, dp_size)
         fanout_timeout_s = config.renamed("SenderPool", "bootstrap_timeout_s", bootstrap_timeout_s,
