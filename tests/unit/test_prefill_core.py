@@ -92,12 +92,23 @@ def test_a_cached_route_and_region_ask_at_once():
 
 
 def test_routes_are_keyed_by_dp_group_and_encode_rank():
-    c = core(engine_rank=3, tp_size=4, dp_size=1)
+    c = core(engine_rank=3, tp_size=8, dp_size=1)
     c.receive(0.0, spec(5))
-    # local tp 4 over encode tp 2: fanout 2, this rank's encode rank is 3 // 2 = 1; room 5 of dp 2 is group 1.
-    assert c.parallel_resolved(0.0, BOOT, 2, 2) == [LookUpRoute((BOOT, 1, 1))]
+    # local tp 8 over encode tp 4: fanout 2, this rank's encode rank is 3 // 2 = 1; room 5 of dp 2 is group 1.
+    assert c.parallel_resolved(0.0, BOOT, 4, 2) == [LookUpRoute((BOOT, 1, 1))]
     ask = c.route_resolved(0.0, (BOOT, 1, 1), ENCODE)[-1]
     assert ask.info.fanout == 2
+
+
+def test_a_rank_pairing_with_a_tp_rank_no_dp_group_has_fails_its_rooms_without_a_look_up():
+    # Encode world 2 in dp 2 has one rank a group; prefill rank 1 of tp 2 pairs with tp rank 1.
+    c = core(engine_rank=1, tp_size=2, dp_size=1)
+    c.receive(0.0, spec(5))
+    (conclude,) = c.parallel_resolved(0.0, BOOT, 2, 2)
+    assert conclude.failure == Failure(FailureKind.GEOMETRY, "prefill rank 1 pairs with encode tp rank 1 (local tp 2 "
+                                       "over encode tp 2), but each of the encode side's 2 dp groups has 1 rank(s)")
+    _, actions = c.receive(0.1, spec(6, slot=1))
+    assert [type(a) for a in actions] == [Conclude] and actions[0].failure.kind is FailureKind.GEOMETRY
 
 
 def test_with_encode_dp_a_status_carries_the_encode_ranks_engine_rank_and_concludes_the_room():
@@ -817,8 +828,8 @@ def test_an_address_a_route_moved_from_is_kept_while_its_socket_is_needed_and_cl
 
 
 def test_an_address_another_encode_rank_was_found_at_keeps_its_socket_when_one_moves_away():
-    c = core()
-    routed(c, dp=3)  # dp group 0 at ENCODE
+    c = core(tp_size=3)
+    routed(c, tp=3, dp=3)  # dp group 0 at ENCODE
     assert c.receive(0.1, spec(1, slot=1))[1] == [LookUpRoute((BOOT, 1, 0))]
     assert kinds(c.route_resolved(0.2, (BOOT, 1, 0), ENCODE)) == [SendAsk]
     assert c.route_resolved(0.3, KEY0, ("10.0.0.2", 7001)) == [] and c.connected(ENCODE)
@@ -826,18 +837,19 @@ def test_an_address_another_encode_rank_was_found_at_keeps_its_socket_when_one_m
 
 
 def _routed_at(c: PrefillCore, now: float, room: int, group: int, addr) -> list:
-    """Room `room` of dp group `group` (of 3), its route looked up and found at `addr`: the actions."""
+    """Room `room` of dp group `group` (of 3, one encode rank each), its route looked up and found at `addr`:
+    the actions."""
     assert c.receive(now, spec(room, slot=room))[1] == [LookUpRoute((BOOT, group, 0))]
     return c.route_resolved(now, (BOOT, group, 0), addr)
 
 
 def test_past_the_socket_cap_the_least_recently_used_connection_with_nothing_under_way_is_closed():
-    c = core(integrity=False, max_sockets=2)
-    routed(c, dp=3)  # dp group 0 at ENCODE, connected first
+    c = core(tp_size=3, integrity=False, max_sockets=2)
+    routed(c, tp=3, dp=3)  # dp group 0 at ENCODE, connected first
     assert kinds(_routed_at(c, 0.1, 1, 1, B_ADDR)) == [Announce, SendAsk]
     assert kinds(c.receive(0.2, spec(6, slot=6))[1]) == [SendAsk]  # dp group 0: ENCODE, used after B
-    for room in (1, 6):  # held, but their writes are over: nothing is under way at either address
-        assert kinds(c.status(0.3, room, TransferPoll.Success, 0)) == [Conclude]
+    for room, rank in ((1, 1), (6, 0)):  # held, but their writes are over: nothing is under way at either address
+        assert kinds(c.status(0.3, room, TransferPoll.Success, rank)) == [Conclude]
     actions = _routed_at(c, 0.4, 2, 2, C_ADDR)
     assert [(type(a), a.addr) for a in actions] == [(Disconnect, B_ADDR), (Announce, C_ADDR), (SendAsk, C_ADDR)]
     assert c.connected(ENCODE) and c.connected(C_ADDR) and not c.connected(B_ADDR)
@@ -847,8 +859,8 @@ def test_past_the_socket_cap_the_least_recently_used_connection_with_nothing_und
 
 
 def test_past_the_socket_cap_with_something_under_way_on_every_connection_a_new_room_fails_at_once():
-    c = core(max_sockets=2)
-    routed(c, dp=3)
+    c = core(tp_size=3, max_sockets=2)
+    routed(c, tp=3, dp=3)
     c.receive(0.0, spec(3, slot=3))  # asked at ENCODE, waiting for its status
     token1, _ = c.receive(0.1, spec(1, slot=1))
     c.refused(0.2, B_ADDR, c.route_resolved(0.2, (BOOT, 1, 0), B_ADDR))  # room 1's ask waits for B's socket
@@ -856,7 +868,7 @@ def test_past_the_socket_cap_with_something_under_way_on_every_connection_a_new_
     assert actions == [LookUpRoute((BOOT, 2, 0))]
     [conclude] = c.route_resolved(0.4, (BOOT, 2, 0), C_ADDR)
     assert conclude.room == 2 and conclude.failure.kind is FailureKind.NO_CONNECTION
-    assert conclude.failure.detail == ("room 2: not connecting to encode rank 0 at 10.0.0.5:7000: this prefill rank "
+    assert conclude.failure.detail == ("room 2: not connecting to encode rank 2 at 10.0.0.5:7000: this prefill rank "
                                        "already holds 2 sockets to encode ranks, its cap, each with rooms under way")
     assert c.safe(2, token2), "it was never asked for"
     assert c.connected(ENCODE) and c.connected(B_ADDR) and not c.connected(C_ADDR)

@@ -44,8 +44,8 @@ def test_a_room_looking_up_a_route_gone_fails_saying_its_rank_is_no_longer_regis
 
 
 def test_a_route_never_found_fails_its_rooms_with_the_servers_answer():
-    c = core()
-    routed(c, dp=3)  # dp group 0 found; group 1 (room 1's) never was
+    c = core(tp_size=3)
+    routed(c, tp=3, dp=3)  # dp group 0 found; group 1 (room 1's) never was
     assert c.receive(0.1, spec(1, slot=1))[1] == [LookUpRoute((BOOT, 1, 0))]
     [failure] = concluded(c.route_missing(0.2, (BOOT, 1, 0), "no route for encode rank 0 in dp group 1 at "
                                                               f"{BOOT}")).values()
@@ -130,8 +130,8 @@ def test_a_held_ask_for_a_route_gone_fails_with_the_others():
 def test_a_missing_route_is_an_answer_the_servers_other_routes_are_still_asked():
     """A 404 is the server answering, however slowly (a loaded host): it opens no breaker for the server's
     other routes, and it closes one a slow failure opened."""
-    c = core()
-    routed(c, dp=3)  # room r is of dp group r % 3; group 0's route is found
+    c = core(tp_size=3)
+    routed(c, tp=3, dp=3)  # room r is of dp group r % 3; group 0's route is found
     c.receive(0.1, spec(3, slot=3))  # asked of group 0's rank
     assert c.connection_dropped(0.5, ENCODE) == [LookUpRoute(KEY0)]
     assert c.receive(0.6, spec(1, slot=1))[1] == [LookUpRoute((BOOT, 1, 0))]

@@ -1095,9 +1095,15 @@ class PrefillCore:
                 FailureKind.GEOMETRY, f"prefill local tp {local_tp} is not a multiple of encode tp {encode_tp}"))
         state.fanout = local_tp // encode_tp
         group, tp_rank = state.room % encode_dp, (self.engine_rank % local_tp) // state.fanout
+        group_size = encode_tp // encode_dp
+        if tp_rank >= group_size:  # the server files no rank there: a look-up of each room would only 404
+            return self._conclude(state, Failure(
+                FailureKind.GEOMETRY, f"prefill rank {self.engine_rank} pairs with encode tp rank {tp_rank} (local tp "
+                                      f"{local_tp} over encode tp {encode_tp}), but each of the encode side's "
+                                      f"{encode_dp} dp groups has {group_size} rank(s)"))
         # The server files engine rank e under (e // (E // D), e % (E // D)), and e is the rank its
         # statuses and cancel answers carry (SPEC.md sections 4.3 and 5).
-        state.encode_rank = group * (encode_tp // encode_dp) + tp_rank
+        state.encode_rank = group * group_size + tp_rank
         key = state.route_key = (bootstrap, group, tp_rank)
         addr = self._routes.get(key)
         if addr is None:
