@@ -72,11 +72,28 @@ PyObject *epd_msg_decode(Py_buffer *data);
 PyObject *epd_zmq_bind(PyObject *self, PyObject *args);
 PyObject *epd_zmq_recv_parts(PyObject *self, PyObject *args);
 PyObject *epd_zmq_send_parts(PyObject *self, PyObject *args);
+/* The same functions for C callers, which may run without the GIL: whether zmq_bind was called;
+   one single-part message of at most cap bytes into buf, without blocking: its size, or -1 with
+   libzmq's errno in *err (EAGAIN: none queued; EMSGSIZE: a longer or multipart message, dropped
+   whole); one message of n bytes sent without blocking: 0, or -1 with libzmq's errno in *err. */
+int epd_zmq_ready(void);
+int epd_zmq_recv_into(void *handle, void *buf, size_t cap, int *err);
+int epd_zmq_send_bytes(void *handle, const void *buf, size_t n, int *err);
 
 /* mooncake.c: Mooncake's write and status calls on the binding's engine, once mooncake_bind found them. */
 PyObject *epd_mooncake_bind(PyObject *self, PyObject *args);
 PyObject *epd_mooncake_open(PyObject *self, PyObject *args);
 PyObject *epd_mooncake_write(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *epd_mooncake_check(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+/* The same calls for C callers (no Python, so callable without the GIL; the caller keeps the engine
+   alive): whether mooncake_bind found the methods; one WRITE as a batch of its own (0: refused);
+   a batch's first task's state as mooncake_check answers it. */
+int epd_mc_ready(void);
+uint64_t epd_mc_write(void *te, uint64_t handle, uint64_t src, uint64_t dst, uint64_t length);
+long epd_mc_check(void *te, uint64_t batch);
+
+/* floor.c: the bench's floor path with its loops in C (the cfloor path of transfer/bench.py). */
+PyObject *epd_floor_serve(PyObject *self, PyObject *args);
+PyObject *epd_floor_receive(PyObject *self, PyObject *args);
 
 #endif

@@ -411,6 +411,12 @@ static PyMethodDef methods[] = {
      "zmq_recv_parts(handle, max_bytes=0, max_parts=0) -> list of bytes, None when none queued, or "
      "(bytes, parts) of a message over either bound (0: none), discarded."},
     {"zmq_send_parts", epd_zmq_send_parts, METH_VARARGS, "zmq_send_parts(handle, parts): one message, never blocking."},
+    {"floor_serve", epd_floor_serve, METH_VARARGS,
+     "floor_serve(engine, pull, pull_fd, receivers, until, deadline_s, poll_min_s, poll_max_s, base, row_bytes, "
+     "starts, step, warmup) -> bytes: the bench floor's encode loop in C, the GIL released."},
+    {"floor_receive", epd_floor_receive, METH_VARARGS,
+     "floor_receive(push, pull, pull_fd, rank, slots, items, deadline_s, width, nbytes) -> (rooms, slots, "
+     "latencies, prints): the bench floor's prefill loop in C, the GIL released."},
     {"mooncake_bind", epd_mooncake_bind, METH_VARARGS,
      "mooncake_bind(path): finds TransferEngine's methods in the loaded library at path (OSError if not)."},
     {"mooncake_open", epd_mooncake_open, METH_VARARGS, "mooncake_open(engine, segment) -> handle, -1 if not opened."},

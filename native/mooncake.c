@@ -149,6 +149,44 @@ PyObject *epd_mooncake_open(PyObject *self, PyObject *args)
     return PyLong_FromLongLong(handle == UINT64_MAX ? -1 : (long long)handle);
 }
 
+int epd_mc_ready(void)
+{
+    return submit_transfer != NULL;
+}
+
+uint64_t epd_mc_write(void *te, uint64_t handle, uint64_t src, uint64_t dst, uint64_t length)
+{
+    struct mc_request request = {MC_WRITE, (void *)(uintptr_t)src, handle, dst, length, 0, 0, 0};
+    struct mc_request_vector requests = {&request, &request + 1, &request + 1};
+    uint64_t batch = allocate_batch(te, 1);
+    struct mc_status status = {0, NULL};
+    submit_transfer(&status, te, batch, &requests);
+    if (status_code(&status) != 0) {
+        struct mc_status freed = {0, NULL};
+        free_batch(&freed, te, batch);
+        status_code(&freed);
+        batch = 0;
+    }
+    return batch;
+}
+
+long epd_mc_check(void *te, uint64_t batch)
+{
+    struct mc_transfer_status state = {-1, 0};
+    struct mc_status status = {0, NULL};
+    transfer_status(&status, te, batch, 0, &state);
+    int code = status_code(&status);
+    if (code != 0)
+        return -1000 - code;
+    if (state.state == MC_COMPLETED || state.state == MC_FAILED) {
+        struct mc_status freed = {0, NULL};
+        free_batch(&freed, te, batch);
+        status_code(&freed);
+        return state.state == MC_COMPLETED ? 1 : -1;
+    }
+    return state.state == MC_TIMEOUT ? -2 : 0;
+}
+
 /* mooncake_write(engine, handle, src, dst, length) -> batch id: one WRITE as a batch of its own;
  * 0 when Mooncake refused it (the batch is freed). */
 PyObject *epd_mooncake_write(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -163,19 +201,7 @@ PyObject *epd_mooncake_write(PyObject *self, PyObject *const *args, Py_ssize_t n
         epd_u64_arg(args[2], "src", &src) < 0 || epd_u64_arg(args[3], "dst", &dst) < 0 ||
         epd_u64_arg(args[4], "length", &length) < 0)
         return NULL;
-    void *te = (void *)(uintptr_t)engine;
-    struct mc_request request = {MC_WRITE, (void *)(uintptr_t)src, handle, dst, length, 0, 0, 0};
-    struct mc_request_vector requests = {&request, &request + 1, &request + 1};
-    uint64_t batch = allocate_batch(te, 1);
-    struct mc_status status = {0, NULL};
-    submit_transfer(&status, te, batch, &requests);
-    if (status_code(&status) != 0) {
-        struct mc_status freed = {0, NULL};
-        free_batch(&freed, te, batch);
-        status_code(&freed);
-        batch = 0;
-    }
-    return PyLong_FromUnsignedLongLong(batch);
+    return PyLong_FromUnsignedLongLong(epd_mc_write((void *)(uintptr_t)engine, handle, src, dst, length));
 }
 
 /* mooncake_check(engine, batch) -> what the binding's transfer_check_status answers for a
@@ -191,20 +217,5 @@ PyObject *epd_mooncake_check(PyObject *self, PyObject *const *args, Py_ssize_t n
     }
     if (!is_bound() || epd_u64_arg(args[0], "engine", &engine) < 0 || epd_u64_arg(args[1], "batch", &batch) < 0)
         return NULL;
-    void *te = (void *)(uintptr_t)engine;
-    struct mc_transfer_status state = {-1, 0};
-    struct mc_status status = {0, NULL};
-    transfer_status(&status, te, batch, 0, &state);
-    int code = status_code(&status);
-    long answer;
-    if (code != 0)
-        answer = -1000 - code;
-    else if (state.state == MC_COMPLETED || state.state == MC_FAILED) {
-        struct mc_status freed = {0, NULL};
-        free_batch(&freed, te, batch);
-        status_code(&freed);
-        answer = state.state == MC_COMPLETED ? 1 : -1;
-    } else
-        answer = state.state == MC_TIMEOUT ? -2 : 0;
-    return PyLong_FromLong(answer);
+    return PyLong_FromLong(epd_mc_check((void *)(uintptr_t)engine, batch));
 }

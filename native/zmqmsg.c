@@ -9,6 +9,7 @@
 #include "epd.h"
 
 #include <errno.h>
+#include <string.h>
 
 #define ZMQ_DONTWAIT_ 1
 #define ZMQ_SNDMORE_ 2
@@ -94,6 +95,40 @@ PyObject *epd_zmq_bind(PyObject *self, PyObject *args)
     sock_send = (int (*)(void *, const void *, size_t, int))(uintptr_t)f[6];
     zmq_errno_ = (int (*)(void))(uintptr_t)f[7];
     Py_RETURN_NONE;
+}
+
+int epd_zmq_ready(void)
+{
+    return msg_init != NULL;
+}
+
+int epd_zmq_recv_into(void *handle, void *buf, size_t cap, int *err)
+{
+    zmq_msg msg;
+    if (next_part(handle, &msg, err) < 0)
+        return -1;
+    size_t size = msg_size(&msg);
+    int more = msg_more(&msg);
+    if (size <= cap)
+        memcpy(buf, msg_data(&msg), size);
+    msg_close(&msg);
+    if (more)
+        discard_rest(handle);
+    if (more || size > cap) {
+        *err = EMSGSIZE;
+        return -1;
+    }
+    return (int)size;
+}
+
+int epd_zmq_send_bytes(void *handle, const void *buf, size_t n, int *err)
+{
+    while (sock_send(handle, buf, n, ZMQ_DONTWAIT_) < 0) {
+        *err = zmq_errno_();
+        if (*err != EINTR)
+            return -1;
+    }
+    return 0;
 }
 
 /* zmq_recv_parts(handle, max_bytes=0, max_parts=0) -> list of bytes, None when no message is

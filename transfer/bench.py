@@ -14,6 +14,10 @@ so with E > 1 each encode rank moves only its block's share:
           a bare ask, the encode rank writes the shard it names at once, polls it as the
           sender pool does and pushes a bare status; no rules, checks or bookkeeping. What
           a control plane over these parts costs at the least (its CPU and p50 added);
+- cfloor: the floor with its timed loops in C (native/floor.c): the same messages, writes and
+          poll schedule, no Python on the way (Mooncake's calls from C, `Engine.calls`
+          'direct', required); what a native hot path would start from. Not in the default
+          paths: ask for it with `--paths`;
 - epd:    a fresh sender pool and session managers (a fresh bootstrap server) over the
           same engines: asks, statuses, checksums when integrity is on;
 - wire:   the same with protocol "wire" (transfer.wire_engine), skipped if it is absent;
@@ -32,11 +36,11 @@ Latency, per room: raw, from a room's submission to its last shard's completion 
 slowest encode rank's; every room in flight is polled in each sweep, so a room is stamped
 when it completes, not after the older rooms); epd and wire, from a prefill rank's ask to
 its Success, the slowest rank's for each room (a room is served once every rank holds its
-shard); floor, likewise.
-`p50_added_ms` is a floor, epd or wire run's p50 less the p50 of the raw run of the same
+shard); floor and cfloor, likewise.
+`p50_added_ms` is a floor, cfloor, epd or wire run's p50 less the p50 of the raw run of the same
 cell and turn.
-Landed bytes, per path. floor, epd and wire: as each room concludes Success on a prefill
-rank, the rank compares the first and last FINGERPRINT_BYTES of its landed shard (all of a
+Landed bytes, per path. floor, cfloor, epd and wire: as each room concludes Success on a
+prefill rank, the rank compares (cfloor: copies, and compares after its timed window) the first and last FINGERPRINT_BYTES of its landed shard (all of a
 shorter one) with the item's, read from the item pool before the timed window (about a
 microsecond a room, counted in the caller's control CPU), which catches a room's write
 lost, cut short or landed from another room; and after every rank's timed window, each
@@ -79,6 +83,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import importlib
 import itertools
 import json
@@ -103,7 +108,9 @@ from typing import Any
 from transfer.cli import _dtype, _positive_int, _rank_host, _seconds
 from transfer.frames import dtype_size, prefill_shard
 
-PATHS = ("raw", "floor", "epd", "wire", "memcpy")
+PATHS = ("raw", "floor", "cfloor", "epd", "wire", "memcpy")
+#: What runs without --paths: cfloor only when asked for.
+DEFAULT_PATHS = ("raw", "floor", "epd", "wire", "memcpy")
 DEFAULT_SIZES = "64x4096,1024x4096,8192x4096"
 ROW_KEYS = ("path", "item_bytes", "span", "hidden", "dtype", "encode_ranks", "fanout", "inflight", "integrity", "gbps",
             "rooms_per_s", "p50_ms", "p99_ms", "ratio_to_raw", "p50_added_ms", "encode_bytes", "stages_ms")
@@ -171,7 +178,7 @@ class Options:
     fanouts: list[int] = field(default_factory=lambda: [1, 2, 4])
     encode_ranks: list[int] = field(default_factory=lambda: [1])
     inflight: list[int] = field(default_factory=lambda: [1, 8, 32])
-    paths: list[str] = field(default_factory=lambda: list(PATHS))
+    paths: list[str] = field(default_factory=lambda: list(DEFAULT_PATHS))
     integrity: list[bool] = field(default_factory=lambda: [True, False])
     items: int | None = None  # fixed rooms per cell; None: scale by size
     cell_bytes: int = 256 * MiB
@@ -505,7 +512,7 @@ def _worker_main(role: str, rank: int, setup: dict, cmd_q, res_q) -> None:
                 continue  # a leftover of a cell that failed elsewhere
             cell = msg[1]
             try:
-                body = _BODIES[(role, cell.path if cell.path in ("raw", "floor") else "epd")]
+                body = _BODIES[(role, cell.path if cell.path in ("raw", "floor", "cfloor") else "epd")]
                 res_q.put(("report", role, rank, body(worker, cell, msg[2])))
             except _Stop:
                 break
@@ -815,11 +822,11 @@ _FLOOR_ASK = struct.Struct("<qqQ")
 _FLOOR_STATUS = struct.Struct("<q")
 
 
-def _floor_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
+def _floor_encode(worker: _Worker, cell: Cell, extra: dict, native: bool = False) -> dict:
     """Floor encode body: writes the shard each bare ask names, polls it, pushes a bare status.
 
     Each receiver's warm-up ask (room WARMUP_ITEM) is served before the barrier (_start_timed),
-    the timed rooms' after it.
+    the timed rooms' after it; `native` (the cfloor path) serves those in C (native/floor.c).
     """
     import zmq
 
@@ -884,10 +891,21 @@ def _floor_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
                     select.select([fd], [], [], polls.sleep_s(time.monotonic()) if flights else 0.1)
 
         serve(len(receivers))  # each receiver's warm-up ask: its first write opens the connection
+        # Checked before the barrier: a rank that cannot run the cell fails it before any other times it.
+        targets = _native_targets(engine, receivers) if native else None
+        if native:
+            _native_floor()
         _start_timed(worker)
         cpu, report["t_start"] = thread_cpu(), time.time()  # the reading stays out of the timed window
         progressed = time.monotonic()
-        serve((cell.items + 1) * len(receivers))
+        if targets is None:
+            serve((cell.items + 1) * len(receivers))
+        else:
+            report["bytes"] = _native_floor().floor_serve(
+                targets[0], pull.underlying, fd, [(rank, pushes[rank].underlying, targets[1][rank],
+                                                   info["row_start"], info["rows"]) for rank, info in receivers.items()],
+                cell.items * len(receivers), extra["deadline_s"], polls.min_s, polls.max_s, base, cell.row_bytes,
+                *source.offset_steps(cell.span), WARMUP_ITEM)
         report["t_end"], report["cpu"] = time.time(), _cpu_since(cpu)
         worker.finished()
         return report
@@ -898,8 +916,30 @@ def _floor_encode(worker: _Worker, cell: Cell, extra: dict) -> dict:
         ctx.term()
 
 
-def _floor_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
-    """Floor prefill body: bare asks for `inflight` rooms at a time, each concluded by its bare status."""
+def _native_floor() -> Any:
+    """transfer._native with libzmq's functions bound (transfer._io binds them on import)."""
+    from transfer import _io
+
+    if _io._NATIVE is None:
+        raise RuntimeError("the cfloor path needs transfer._native bound to pyzmq's libzmq 4")
+    return _io._NATIVE
+
+
+def _native_targets(engine, receivers: dict[int, dict]) -> tuple[int, dict[int, int]]:
+    """The engine pointer and each receiver's segment handle for native/floor.c, once the warm-up
+    writes opened the sessions; RuntimeError when this engine's writes go through the binding."""
+    targets = {rank: engine.native_target(info["session"]) for rank, info in receivers.items()}
+    missing = [rank for rank, target in targets.items() if target is None]
+    if missing:
+        raise RuntimeError(f"the cfloor path needs Mooncake's calls from C (Engine.calls 'direct', here "
+                           f"{engine.calls!r}: {engine.calls_reason}) and an open session to prefill rank(s) {missing}")
+    found = {rank: target for rank, target in targets.items() if target is not None}
+    return next(iter(found.values()))[0], {rank: target[1] for rank, target in found.items()}
+
+
+def _floor_prefill(worker: _Worker, cell: Cell, extra: dict, native: bool = False) -> dict:
+    """Floor prefill body: bare asks for `inflight` rooms at a time, each concluded by its bare status
+    (`native`, the cfloor path: the timed rooms' asks and statuses in C, native/floor.c)."""
     import zmq
 
     slots, row_start, rows, info = _offered_slots(worker, cell, extra)
@@ -932,7 +972,19 @@ def _floor_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
             slot_of.clear()
         _start_timed(worker)
         cpu, report["t_start"] = thread_cpu(), time.time()  # the reading stays out of the timed window
-        if rows:
+        if rows and native:
+            rooms, slots_of, latencies, prints = _native_floor().floor_receive(
+                push.underlying, pull.underlying, pull.fileno(), worker.rank, landed.slots[: cell.slots], cell.items,
+                extra["deadline_s"], landed.width, landed.nbytes)
+            report["t_end"], report["cpu"] = time.time(), _cpu_since(cpu)
+            width = 2 * landed.width
+            for i, (room, slot) in enumerate(zip(memoryview(rooms).cast("q"), memoryview(slots_of).cast("q"))):
+                report["latency_rooms"].append(room)
+                last[slot] = room
+                landed.compare(room, prints[i * width : (i + 1) * width], report["bad"])
+            report["latencies"] = list(memoryview(latencies).cast("d"))
+            report["bytes"] = cell.items * rows * cell.row_bytes
+        elif rows:
             started: dict[int, float] = {}
             asked = 0
             while asked < min(cell.slots, cell.items):
@@ -951,7 +1003,8 @@ def _floor_prefill(worker: _Worker, cell: Cell, extra: dict) -> dict:
                     started[asked] = time.monotonic()
                     ask(asked, slot)
                     asked += 1
-        report["t_end"], report["cpu"] = time.time(), _cpu_since(cpu)
+        if "t_end" not in report:
+            report["t_end"], report["cpu"] = time.time(), _cpu_since(cpu)
         worker.finished()
         report["bad"] += _check_slots(worker, cell, slots, last, row_start, rows)
         return report
@@ -1005,7 +1058,12 @@ class _Fingerprints:
 
     def check(self, room: int, slot: int, bad: list[str]) -> None:
         """Add to `bad` if room's shard, just landed in slot, does not begin and end as its item's does."""
-        if self._read(self.slots[slot]) != self.want[room]:
+        self.compare(room, self._read(self.slots[slot]), bad)
+
+    def compare(self, room: int, landed: bytes, bad: list[str]) -> None:
+        """Add to `bad` if `landed`, a shard's first and last bytes as read when its room concluded,
+        differ from room's item's."""
+        if landed != self.want[room]:
             bad.append(_differs(self.rank, room, f"the first or last {self.width} landed bytes"))
 
 
@@ -1029,11 +1087,13 @@ def _check_slots(worker: _Worker, cell: Cell, slots, last: dict[int, int], row_s
     return bad
 
 
-_BODIES = {
+_BODIES: dict[tuple[str, str], Callable[[_Worker, Cell, dict], dict]] = {
     ("encode", "raw"): _raw_encode,
     ("prefill", "raw"): _raw_prefill,
     ("encode", "floor"): _floor_encode,
     ("prefill", "floor"): _floor_prefill,
+    ("encode", "cfloor"): functools.partial(_floor_encode, native=True),
+    ("prefill", "cfloor"): functools.partial(_floor_prefill, native=True),
     ("encode", "epd"): _epd_encode,
     ("prefill", "epd"): _epd_prefill,
 }
@@ -1087,7 +1147,7 @@ class RankSet:
         members += [("prefill", r) for r in range(cell.prefill_ranks)]
         extra = {"protocol": self.opts.protocol, "raw_issue": self.opts.raw_issue,
                  "raw_writers": self.opts.raw_writers, "deadline_s": self.opts.deadline_s, "depth": self.opts.depth}
-        server = BootstrapServer(self.opts.host, 0) if cell.path not in ("raw", "floor") else None
+        server = BootstrapServer(self.opts.host, 0) if cell.path not in ("raw", "floor", "cfloor") else None
         try:
             if server is not None:
                 extra["bootstrap"] = server.address
@@ -1719,7 +1779,7 @@ def median_row(runs: list[dict], raw: list[dict] | None = None) -> dict:
 
     With `raw`, the raw runs of the same turns: `ratio_runs` pairs each run with the raw
     run of its own turn, and fill_ratios() reports their median, so a slow spell of the
-    host that hit both paths of a turn cancels out. A floor, epd or wire row's `p50_added_ms` is
+    host that hit both paths of a turn cancels out. A floor, cfloor, epd or wire row's `p50_added_ms` is
     its reported run's p50 less that of the raw run of the same turn (None where that raw
     run lost rooms: its p50 would leave them out).
     """
@@ -1729,7 +1789,7 @@ def median_row(runs: list[dict], raw: list[dict] | None = None) -> dict:
     paired = raw if raw is not None and len(raw) == len(runs) else None
     if paired is not None and all(r["gbps"] > 0 for r in paired):
         row["ratio_runs"] = [r["gbps"] / ref["gbps"] for r, ref in zip(runs, paired)]
-    if paired is not None and row["path"] in ("floor", "epd", "wire") and paired[turn].get("verified", True):
+    if paired is not None and row["path"] in ("floor", "cfloor", "epd", "wire") and paired[turn].get("verified", True):
         row["p50_added_ms"] = row["p50_ms"] - paired[turn]["p50_ms"]
     broken = [r for r in runs if not r["verified"]]
     if broken:
@@ -1747,7 +1807,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="encode ranks E (default 1); a cell has E x fanout prefill ranks, each item's rows "
                              "split over all of them, each encode rank writing its block's share")
     parser.add_argument("--inflight", type=parse_ints, default=None, help="rooms in flight (default 1,8,32)")
-    parser.add_argument("--paths", type=parse_paths, default=None, help=f"subset of {','.join(PATHS)} (default all)")
+    parser.add_argument("--paths", type=parse_paths, default=None, help=f"subset of {','.join(PATHS)} (default {','.join(DEFAULT_PATHS)})")
     parser.add_argument("--integrity", type=parse_integrity, default=None,
                         help="epd/wire checksums: on, off or on,off (default on,off)")
     parser.add_argument("--items", type=_positive_int, default=None, help="rooms per cell (default: ~--cell-mib per cell)")

@@ -604,6 +604,17 @@ class Engine(RegisteredMemory):
 
     # -- writes -----------------------------------------------------------
 
+    def native_target(self, session_id: str) -> tuple[int, int] | None:
+        """(Mooncake engine pointer, segment handle) through which C code writes to an open session
+        with `_native`'s Mooncake calls (the bench's `cfloor` path), or None: writes go through the
+        binding (`calls`), or no write to the session opened it yet. The engine must stay open while
+        the C code runs."""
+        with self._lock:
+            handle = self._handles.get(session_id, -1)
+            if self._closed or not self._direct or handle < 0:
+                return None
+            return self._direct, handle
+
     def write(self, session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
               lengths: Sequence[int]) -> None:
         """Write every (src, dst, length) to the peer session and wait for it, without spinning a core.

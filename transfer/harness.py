@@ -113,9 +113,13 @@ class ItemSource:
     def offset(self, room: int, span: int) -> int:
         """The pool row where room's item starts: rooms step 131 rows apart (or another step prime
         to the count of starts), so the starts repeat only after every one of them was used."""
-        starts = self.rows - span + 1
-        step = next((s for s in (131, 137, 139) if starts % s), 1)
+        starts, step = self.offset_steps(span)
         return (room * step) % starts
+
+    def offset_steps(self, span: int) -> tuple[int, int]:
+        """(starts, step) of offset(): room r's item starts at row (r * step) % starts."""
+        starts = self.rows - span + 1
+        return starts, next((s for s in (131, 137, 139) if starts % s), 1)
 
     def item(self, room: int, span: int):
         """Room's rows `[span, hidden]`, a view of the pool (no copy)."""

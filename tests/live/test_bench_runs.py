@@ -85,7 +85,7 @@ def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     argv = ["--sizes", "64x256", "--fanouts", "1,2", "--inflight", "1,4", "--items", "12", "--repeat", "2",
             "--deadline", "30", "--timeout", "120", "--stages", "--json", str(out / "rows.json"),
-            "--targets", "--paths", ",".join(bench.PATHS)]
+            "--targets", "--paths", ",".join(bench.DEFAULT_PATHS)]
     if _MATPLOTLIB:
         argv += ["--plot", str(out / "plot.png")]
     stdout, stderr = io.StringIO(), io.StringIO()

@@ -311,3 +311,11 @@ def test_a_rank_log_in_a_removed_temporary_folder_is_quoted_not_named(tmp_path):
     assert "--log-dir" in tail
     ranks._tmp = None  # --log-dir: the log stays, and its path is worth giving
     assert ranks._log_tail(("prefill", 1)).startswith(str(tmp_path / "bench-prefill-1.log") + "\n")
+
+
+def test_the_cfloor_path_runs_only_when_asked_for():
+    assert "cfloor" in bench.PATHS and "cfloor" not in bench.DEFAULT_PATHS
+    assert "cfloor" not in bench.options_from(_args()).paths
+    opts = bench.options_from(_args("--paths", "floor,cfloor", "--sizes", "64x4096", "--fanouts", "1",
+                                    "--inflight", "8", "--integrity", "on,off"))
+    assert [(c.path, c.integrity) for c in bench.plan(opts, wire_ok=True)] == [("floor", False), ("cfloor", False)]

@@ -1,0 +1,426 @@
+/* The bench's floor path with its loops in C: what a control plane over ZMQ and Mooncake costs
+ * with nothing but its calls, none of them made from Python.
+ *
+ * `epd-transfer bench --paths cfloor` runs these on its rank processes' main threads, the GIL
+ * released, on the sockets pyzmq opened (zmqmsg.c's libzmq functions) and the engine the
+ * Mooncake binding started (mooncake.c's calls): the very messages, writes and poll schedule
+ * of its Python `floor` path (transfer/bench.py), so the two side by side say what the Python
+ * around the same calls costs, and the `cfloor` rows what a native hot path would start from.
+ * A prefill rank keeps its asks out (24 bytes: i64 room, i64 prefill rank, u64 destination,
+ * little-endian); the encode rank writes the shard an ask names at once, polls the write as the
+ * sender pool's schedule says (transfer/core/polls.py) and pushes an 8-byte status (the room).
+ */
+#include "epd.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define ASK_BYTES 24
+#define STATUS_BYTES 8
+#define SHORT_WRITE_BYTES ((uint64_t)1 << 20)
+#define SHORT_WRITE_S 2e-3
+#define MAX_RECEIVERS 64
+#define MAX_FLIGHTS 4096
+#define DETAIL_BYTES 256
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Sleeps until fd is readable or `seconds` passed (a signal may end it early). */
+static void sleep_on(int fd, double seconds)
+{
+    struct pollfd p = {fd, POLLIN, 0};
+    if (seconds < 0)
+        seconds = 0;
+    struct timespec ts = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
+    ppoll(&p, 1, &ts, NULL);
+}
+
+/* One message sent, waiting out a full queue for at most `bound_s`: 0, or -1 with the errno in *err. */
+static int send_bounded(void *sock, const void *buf, size_t n, double bound_s, int *err)
+{
+    double until = now_s() + bound_s;
+    while (epd_zmq_send_bytes(sock, buf, n, err) < 0) {
+        if (*err != EAGAIN)
+            return -1;
+        if (now_s() > until) {
+            *err = ETIMEDOUT;
+            return -1;
+        }
+        struct timespec pause = {0, 100000};
+        nanosleep(&pause, NULL);
+    }
+    return 0;
+}
+
+/* transfer.core.polls.PollSchedule, the same rule. */
+struct schedule {
+    double min_s, max_s, backoff, short_until;
+    int waited_on;
+};
+
+static void schedule_started(struct schedule *s, uint64_t nbytes, double now)
+{
+    if (nbytes <= SHORT_WRITE_BYTES)
+        s->short_until = now + SHORT_WRITE_S;
+}
+
+static void schedule_polled(struct schedule *s, int found_done, int waited_on)
+{
+    double doubled = 2 * s->backoff;
+    s->backoff = found_done ? s->min_s : (doubled < s->max_s ? doubled : s->max_s);
+    s->waited_on = waited_on > 1 ? waited_on : 1;
+}
+
+static double schedule_sleep(const struct schedule *s, double now)
+{
+    if (now < s->short_until) {
+        double paced = s->min_s * s->waited_on;
+        return paced < s->backoff ? paced : s->backoff;
+    }
+    return s->backoff;
+}
+
+struct receiver {
+    int64_t rank;
+    void *push;
+    uint64_t segment; /* the Mooncake segment handle of its session */
+    uint64_t row_start, rows;
+};
+
+struct flight {
+    uint64_t batch, nbytes;
+    int64_t room;
+    int receiver;
+};
+
+struct serving {
+    void *engine, *pull;
+    int pull_fd, nrx;
+    struct receiver rx[MAX_RECEIVERS];
+    long long until;
+    double deadline_s;
+    struct schedule schedule;
+    uint64_t base, row_bytes;
+    int64_t starts, step, warmup;
+};
+
+/* Files the asks queued: each one's write submitted. NULL, or what went wrong (in detail). */
+static const char *take_asks(struct serving *s, struct flight *flights, int *nflights, double *progressed,
+                             char *detail)
+{
+    for (;;) {
+        unsigned char ask[ASK_BYTES];
+        int err;
+        int n = epd_zmq_recv_into(s->pull, ask, sizeof ask, &err);
+        if (n < 0 && err == EAGAIN)
+            return NULL;
+        if (n != ASK_BYTES) {
+            snprintf(detail, DETAIL_BYTES, "floor encode: an ask that is not %d bytes (errno %d)", ASK_BYTES,
+                     n < 0 ? err : 0);
+            return detail;
+        }
+        int64_t room = (int64_t)epd_get_le64(ask), rank = (int64_t)epd_get_le64(ask + 8);
+        uint64_t dst = epd_get_le64(ask + 16);
+        int r = 0;
+        while (r < s->nrx && s->rx[r].rank != rank)
+            r++;
+        if (r == s->nrx || *nflights == MAX_FLIGHTS) {
+            snprintf(detail, DETAIL_BYTES, "floor encode: room %lld's ask from prefill rank %lld: %s", (long long)room,
+                     (long long)rank, r == s->nrx ? "not a rank it serves" : "too many writes in flight");
+            return detail;
+        }
+        /* ItemSource.offset(): Python's modulo, never negative. */
+        int64_t start = ((room % s->starts) * (s->step % s->starts)) % s->starts;
+        start = start < 0 ? start + s->starts : start;
+        uint64_t nbytes = s->rx[r].rows * s->row_bytes;
+        uint64_t src = s->base + ((uint64_t)start + s->rx[r].row_start) * s->row_bytes;
+        uint64_t batch = epd_mc_write(s->engine, s->rx[r].segment, src, dst, nbytes);
+        if (batch == 0) {
+            snprintf(detail, DETAIL_BYTES, "floor encode: Mooncake refused room %lld's write to prefill rank %lld",
+                     (long long)room, (long long)rank);
+            return detail;
+        }
+        flights[(*nflights)++] = (struct flight){batch, nbytes, room, r};
+        *progressed = now_s();
+        schedule_started(&s->schedule, nbytes, *progressed);
+    }
+}
+
+/* Serves asks until s->until statuses went out; the bytes of the rooms but the warm-up's. */
+static const char *serve(struct serving *s, struct flight *flights, uint64_t *bytes, char *detail)
+{
+    int nflights = 0;
+    long long served = 0;
+    double progressed = now_s();
+    while (served < s->until) {
+        const char *failed = take_asks(s, flights, &nflights, &progressed, detail);
+        if (failed != NULL)
+            return failed;
+        int kept = 0, found = 0, nwaited = 0;
+        unsigned char waited[MAX_RECEIVERS] = {0};
+        for (int i = 0; i < nflights; i++) {
+            struct flight f = flights[i];
+            long state = epd_mc_check(s->engine, f.batch);
+            if (state == 0 || state == -2) {
+                flights[kept++] = f;
+                nwaited += !waited[f.receiver];
+                waited[f.receiver] = 1;
+                continue;
+            }
+            unsigned char status[STATUS_BYTES];
+            int err = 0;
+            epd_put_le64(status, (uint64_t)f.room);
+            if (state != 1 || send_bounded(s->rx[f.receiver].push, status, sizeof status, s->deadline_s, &err) < 0) {
+                snprintf(detail, DETAIL_BYTES, "floor encode: room %lld to prefill rank %lld: %s %ld (errno %d)",
+                         (long long)f.room, (long long)s->rx[f.receiver].rank,
+                         state != 1 ? "the write failed, Mooncake's state" : "its status was not sent, state", state,
+                         err);
+                return detail;
+            }
+            served++;
+            found = 1;
+            progressed = now_s();
+            if (f.room != s->warmup)
+                *bytes += f.nbytes;
+        }
+        nflights = kept;
+        schedule_polled(&s->schedule, found, nwaited);
+        if (served < s->until) {
+            double now = now_s();
+            if (now - progressed > s->deadline_s) {
+                snprintf(detail, DETAIL_BYTES, "floor encode: %lld asks left, none came or completed for %gs",
+                         s->until - served, s->deadline_s);
+                return detail;
+            }
+            sleep_on(s->pull_fd, nflights ? schedule_sleep(&s->schedule, now) : 0.1);
+        }
+    }
+    return NULL;
+}
+
+static int ready(void)
+{
+    if (!epd_zmq_ready() || !epd_mc_ready()) {
+        PyErr_SetString(PyExc_RuntimeError, "floor: zmq_bind() and mooncake_bind() must be called first");
+        return 0;
+    }
+    return 1;
+}
+
+static void *handle_of(PyObject *obj)
+{
+    void *handle = PyLong_AsVoidPtr(obj);
+    if (handle == NULL && !PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, "floor: a socket handle is 0");
+    return handle;
+}
+
+/* floor_serve(engine, pull, pull_fd, receivers, until, deadline_s, poll_min_s, poll_max_s, base,
+ *             row_bytes, starts, step, warmup) -> bytes written for rooms other than `warmup`. */
+PyObject *epd_floor_serve(PyObject *self, PyObject *args)
+{
+    (void)self;
+    struct serving s;
+    memset(&s, 0, sizeof s);
+    PyObject *engine_obj, *pull_obj, *receivers;
+    if (!PyArg_ParseTuple(args, "OOiO!LdddKKLLL:floor_serve", &engine_obj, &pull_obj, &s.pull_fd, &PyList_Type,
+                          &receivers, &s.until, &s.deadline_s, &s.schedule.min_s, &s.schedule.max_s, &s.base,
+                          &s.row_bytes, &s.starts, &s.step, &s.warmup))
+        return NULL;
+    uint64_t engine;
+    if (!ready() || epd_u64_arg(engine_obj, "engine", &engine) < 0 || (s.pull = handle_of(pull_obj)) == NULL)
+        return NULL;
+    s.engine = (void *)(uintptr_t)engine;
+    s.nrx = (int)PyList_GET_SIZE(receivers);
+    if (s.nrx < 1 || s.nrx > MAX_RECEIVERS || s.starts < 1 || s.until < 0) {
+        PyErr_Format(PyExc_ValueError, "floor_serve: 1 to %d receivers, starts >= 1 and until >= 0", MAX_RECEIVERS);
+        return NULL;
+    }
+    for (int i = 0; i < s.nrx; i++) {
+        struct receiver *r = &s.rx[i];
+        PyObject *push;
+        long long rank;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(receivers, i), "LOKKK:floor_serve receiver", &rank, &push,
+                              &r->segment, &r->row_start, &r->rows) ||
+            (r->push = handle_of(push)) == NULL)
+            return NULL;
+        r->rank = rank;
+    }
+    s.schedule.backoff = s.schedule.min_s;
+    s.schedule.short_until = -1e300;
+    s.schedule.waited_on = 1;
+    struct flight *flights = PyMem_RawMalloc(MAX_FLIGHTS * sizeof *flights);
+    if (flights == NULL)
+        return PyErr_NoMemory();
+    char detail[DETAIL_BYTES];
+    uint64_t bytes = 0;
+    const char *failed;
+    Py_BEGIN_ALLOW_THREADS
+    failed = serve(&s, flights, &bytes, detail);
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(flights);
+    if (failed != NULL)
+        return PyErr_Format(PyExc_RuntimeError, "%s", failed);
+    return PyLong_FromUnsignedLongLong(bytes);
+}
+
+struct asking {
+    void *push, *pull;
+    int pull_fd;
+    int64_t rank, items, nslots;
+    const uint64_t *slots;
+    double deadline_s;
+    uint64_t width, nbytes;
+};
+
+static const char *ask(const struct asking *a, int64_t room, int64_t slot, char *detail)
+{
+    unsigned char msg[ASK_BYTES];
+    int err;
+    epd_put_le64(msg, (uint64_t)room);
+    epd_put_le64(msg + 8, (uint64_t)a->rank);
+    epd_put_le64(msg + 16, a->slots[slot]);
+    if (send_bounded(a->push, msg, sizeof msg, a->deadline_s, &err) == 0)
+        return NULL;
+    snprintf(detail, DETAIL_BYTES, "floor prefill %lld: room %lld's ask was not sent (errno %d)", (long long)a->rank,
+             (long long)room, err);
+    return detail;
+}
+
+/* The next status's room, waiting at most the deadline: -1 (detail says why) when none came. */
+static int64_t next_status(const struct asking *a, char *detail)
+{
+    double until = now_s() + a->deadline_s;
+    for (;;) {
+        unsigned char msg[STATUS_BYTES];
+        int err;
+        int n = epd_zmq_recv_into(a->pull, msg, sizeof msg, &err);
+        if (n == STATUS_BYTES)
+            return (int64_t)epd_get_le64(msg);
+        double left = until - now_s();
+        if ((n < 0 && err != EAGAIN) || n >= 0 || left <= 0) {
+            snprintf(detail, DETAIL_BYTES, "floor prefill %lld: %s", (long long)a->rank,
+                     left <= 0 ? "no status within the deadline" : "a status that is not 8 bytes");
+            return -1;
+        }
+        sleep_on(a->pull_fd, left);
+    }
+}
+
+/* Asks for rooms 0..items-1, `nslots` at a time, each into the slot the room before it freed. */
+static const char *receive(const struct asking *a, int64_t *rooms, int64_t *slots_of, double *latencies,
+                           unsigned char *prints, double *started, int64_t *slot_of, char *detail)
+{
+    int64_t asked = 0, first = a->nslots < a->items ? a->nslots : a->items;
+    for (int64_t i = 0; i < a->items; i++)
+        slot_of[i] = -1;
+    const char *failed;
+    while (asked < first) {
+        started[asked] = now_s();
+        slot_of[asked] = asked;
+        if ((failed = ask(a, asked, asked, detail)) != NULL)
+            return failed;
+        asked++;
+    }
+    for (int64_t i = 0; i < a->items; i++) {
+        int64_t room = next_status(a, detail);
+        if (room < 0)
+            return detail;
+        if (room >= a->items || slot_of[room] < 0) {
+            snprintf(detail, DETAIL_BYTES, "floor prefill %lld: a status for room %lld, not asked for",
+                     (long long)a->rank, (long long)room);
+            return detail;
+        }
+        int64_t slot = slot_of[room];
+        slot_of[room] = -1;
+        latencies[i] = now_s() - started[room];
+        rooms[i] = room;
+        slots_of[i] = slot;
+        const unsigned char *landed = (const unsigned char *)(uintptr_t)a->slots[slot];
+        memcpy(prints + 2 * a->width * (size_t)i, landed, a->width);
+        memcpy(prints + 2 * a->width * (size_t)i + a->width, landed + a->nbytes - a->width, a->width);
+        if (asked < a->items) {
+            started[asked] = now_s();
+            slot_of[asked] = slot;
+            if ((failed = ask(a, asked, slot, detail)) != NULL)
+                return failed;
+            asked++;
+        }
+    }
+    return NULL;
+}
+
+/* floor_receive(push, pull, pull_fd, rank, slots, items, deadline_s, width, nbytes) -> (rooms,
+ * slots, latencies, prints): in the order the rooms concluded, each room (i64), the slot it
+ * landed in (i64), its latency in seconds (double), and the first and last `width` bytes of its
+ * shard as they were at its status (native byte order; prints: 2 * width bytes a room). */
+PyObject *epd_floor_receive(PyObject *self, PyObject *args)
+{
+    (void)self;
+    struct asking a;
+    memset(&a, 0, sizeof a);
+    PyObject *push_obj, *pull_obj, *slot_list;
+    long long rank, items;
+    if (!PyArg_ParseTuple(args, "OOiLO!LdKK:floor_receive", &push_obj, &pull_obj, &a.pull_fd, &rank, &PyList_Type,
+                          &slot_list, &items, &a.deadline_s, &a.width, &a.nbytes))
+        return NULL;
+    if (!epd_zmq_ready()) {
+        PyErr_SetString(PyExc_RuntimeError, "floor: zmq_bind() must be called first");
+        return NULL;
+    }
+    if ((a.push = handle_of(push_obj)) == NULL || (a.pull = handle_of(pull_obj)) == NULL)
+        return NULL;
+    a.rank = rank;
+    a.items = items;
+    a.nslots = PyList_GET_SIZE(slot_list);
+    if (items < 0 || a.nslots < 1 || a.width < 1 || a.width > a.nbytes || (uint64_t)items > ((uint64_t)1 << 32)) {
+        PyErr_SetString(PyExc_ValueError, "floor_receive: items >= 0, a slot at least, 1 <= width <= nbytes");
+        return NULL;
+    }
+    uint64_t *slots = PyMem_RawMalloc((size_t)a.nslots * sizeof *slots);
+    double *started = PyMem_RawMalloc(((size_t)items + 1) * sizeof *started);
+    int64_t *slot_of = PyMem_RawMalloc(((size_t)items + 1) * sizeof *slot_of);
+    PyObject *rooms = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(items * 8));
+    PyObject *slots_of = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(items * 8));
+    PyObject *latencies = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(items * 8));
+    PyObject *prints = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(items * 2 * (long long)a.width));
+    PyObject *result = NULL;
+    if (slots == NULL || started == NULL || slot_of == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (rooms == NULL || slots_of == NULL || latencies == NULL || prints == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < a.nslots; i++)
+        if (epd_u64_arg(PyList_GET_ITEM(slot_list, i), "slot", &slots[i]) < 0)
+            goto done;
+    a.slots = slots;
+    char detail[DETAIL_BYTES];
+    const char *failed;
+    Py_BEGIN_ALLOW_THREADS
+    failed = receive(&a, (int64_t *)PyBytes_AS_STRING(rooms), (int64_t *)PyBytes_AS_STRING(slots_of),
+                     (double *)PyBytes_AS_STRING(latencies), (unsigned char *)PyBytes_AS_STRING(prints), started,
+                     slot_of, detail);
+    Py_END_ALLOW_THREADS
+    if (failed != NULL)
+        PyErr_Format(strstr(failed, "deadline") ? PyExc_TimeoutError : PyExc_RuntimeError, "%s", failed);
+    else
+        result = PyTuple_Pack(4, rooms, slots_of, latencies, prints);
+done:
+    PyMem_RawFree(slots);
+    PyMem_RawFree(started);
+    PyMem_RawFree(slot_of);
+    Py_XDECREF(rooms);
+    Py_XDECREF(slots_of);
+    Py_XDECREF(latencies);
+    Py_XDECREF(prints);
+    return result;
+}
