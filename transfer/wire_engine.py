@@ -150,13 +150,25 @@ class _Refused(Exception):
     """The peer answered ERROR: the reason is its message."""
 
 
+def _reason(body: bytes) -> str:
+    """An ERROR's body as the reason a room's failure and the logs carry: text, cut to _REASON_MAX."""
+    reason = body.decode("utf-8", "replace") or "no reason given"
+    if len(reason) > _REASON_MAX:
+        reason = f"{reason[:_REASON_MAX]}... ({len(body)} bytes)"
+    return reason
+
+
 class _Conn:
     """One TCP connection to a peer's listener."""
 
     def __init__(self, session_id: str, timeout_s: float, connect_timeout_s: float) -> None:
-        """Connects to session_id's listener."""
+        """Connects to session_id's listener; OSError naming the connect when it fails."""
         host, port = _split_session(session_id)
-        self.sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+        try:
+            self.sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+        except OSError as exc:
+            said = f"connect to {host}:{port}: {exc.strerror or exc} (connect_timeout_s={connect_timeout_s:g})"
+            raise (type(exc)(said) if exc.errno is None else type(exc)(exc.errno, said)) from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.settimeout(timeout_s)  # the idle bound of every frame read and write
         self.fresh = True
@@ -584,19 +596,31 @@ class WireEngine(RegisteredMemory):
 
     @staticmethod
     def _judge(kind: int, payload: bytes, room: int, total: int | None) -> None:
-        """Raises unless the answer is a RESULT for this room (with total bytes when given)."""
-        answer = wire.Msg.decode(payload)
-        if kind == wire.ERROR:
-            reason = answer.body.decode("utf-8", "replace") or "no reason given"
-            if len(reason) > _REASON_MAX:  # it goes into the room's failure and the logs
-                reason = f"{reason[:_REASON_MAX]}... ({len(answer.body)} bytes)"
-            raise _Refused(reason)
-        if kind != wire.RESULT:
+        """Raises unless the answer is a RESULT for this room (with total bytes when given): _Refused
+        for this room's ERROR (or one naming no room: the peer could not read our PREFILL),
+        EngineError for anything else."""
+        if kind not in (wire.RESULT, wire.ERROR):
             raise EngineError(f"the peer answered with frame kind {kind}, expected RESULT or ERROR "
                               f"({_NOT_A_LISTENER})")
-        if answer.number("room") != room or (total is not None and answer.number("bytes") != total):
-            raise EngineError(f"the peer's RESULT (room {answer.get('room')}, {answer.get('bytes')} bytes) "
-                                f"does not match room {room} with {total} bytes")
+        name = "RESULT" if kind == wire.RESULT else "ERROR"
+        try:
+            answer = wire.Msg.decode(payload)
+        except wire.MsgError as exc:
+            if kind == wire.ERROR:  # its reason is still what the peer said
+                body = payload.partition(b"\n\n")[2]
+                raise _Refused(f"{_reason(body)} (its header unreadable: {exc})") from None
+            raise EngineError(f"the peer's RESULT ({len(payload)} bytes) is not a Msg: {exc}") from None
+        try:
+            named = answer.number("room") if kind == wire.RESULT or "room" in answer else room
+            if named != room:
+                raise EngineError(f"the peer's {name} names room {named}, not room {room}"
+                                  + (f": {_reason(answer.body)}" if kind == wire.ERROR else ""))
+            if kind == wire.ERROR:
+                raise _Refused(_reason(answer.body))
+            if total is not None and answer.number("bytes") != total:
+                raise EngineError(f"the peer's RESULT for room {room} says {answer.get('bytes')} bytes, not {total}")
+        except wire.MsgError as exc:
+            raise EngineError(f"the peer's {name} for room {room}: {exc}") from None
 
     # -- connections ------------------------------------------------------
 

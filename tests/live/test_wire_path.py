@@ -248,6 +248,18 @@ def test_a_peer_that_is_no_wire_listener_is_named_as_the_likely_cause(answer):
     thread.join(5)
 
 
+def test_a_peer_nobody_listens_for_fails_as_a_connect_naming_the_address():
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now: the connect is refused
+    with WireEngine("127.0.0.1", connect_timeout_s=2.0) as writer:
+        src = torch.ones(4096, dtype=torch.uint8)
+        writer.register(src)
+        with pytest.raises(TransferError, match=rf"write to 127.0.0.1:{port} failed: .*connect to 127.0.0.1:{port}: "
+                                                r".*\(connect_timeout_s=2\)"):
+            writer.write(f"127.0.0.1:{port}", [src.data_ptr()], [0x1000], [4096])
+
+
 def test_a_peer_that_closes_mid_transfer_is_named_as_the_likely_cause():
     server = socket.create_server(("127.0.0.1", 0))
 

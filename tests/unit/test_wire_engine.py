@@ -1,11 +1,13 @@
-"""transfer.wire_engine's constants and the settings it refuses before opening anything."""
+"""transfer.wire_engine's constants, the settings it refuses before opening anything, and how it reads a
+peer's answer."""
 
 from __future__ import annotations
 
 import pytest
 
-from transfer.errors import ConfigError
-from transfer.wire_engine import CHUNK_BYTES, WireEngine
+from transfer import wire
+from transfer.errors import ConfigError, EngineError
+from transfer.wire_engine import CHUNK_BYTES, WireEngine, _Refused
 
 
 def test_chunk_size_default_is_four_mib():
@@ -27,3 +29,44 @@ def test_chunk_size_default_is_four_mib():
 def test_settings_out_of_range_are_config_errors_before_any_socket(kwargs, named):
     with pytest.raises(ConfigError, match=named):
         WireEngine("127.0.0.1", **kwargs)
+
+
+def _answer(kind: int, payload: bytes, room: int = 7, total: int | None = 10) -> Exception | None:
+    """What WireEngine makes of a peer's answer to room `room`'s transfer of `total` bytes (None: accepted)."""
+    try:
+        WireEngine._judge(kind, payload, room, total)
+    except Exception as exc:  # noqa: BLE001 - the exception is what is checked
+        return exc
+    return None
+
+
+def test_a_result_for_the_room_with_its_bytes_is_accepted():
+    assert _answer(wire.RESULT, wire.Msg({"room": 7, "bytes": 10}).encode()) is None
+    assert _answer(wire.RESULT, wire.Msg({"room": 7}).encode(), total=None) is None
+
+
+@pytest.mark.parametrize("kind, payload, said", [
+    (99, b"hello", "the peer answered with frame kind 99, expected RESULT or ERROR (the peer does not answer as a wire"),
+    (wire.LAYER, b"\xff\xfe", "the peer answered with frame kind 10, expected RESULT or ERROR"),
+    (wire.RESULT, b"junk", "the peer's RESULT (4 bytes) is not a Msg: a header line without '=': \"junk\""),
+    (wire.RESULT, wire.Msg({"bytes": 10}).encode(), "the peer's RESULT for room 7: missing room"),
+    (wire.RESULT, wire.Msg({"room": "x"}).encode(), "the peer's RESULT for room 7: room: not a number"),
+    (wire.RESULT, wire.Msg({"room": 8, "bytes": 10}).encode(), "the peer's RESULT names room 8, not room 7"),
+    (wire.RESULT, wire.Msg({"room": 7, "bytes": 9}).encode(), "the peer's RESULT for room 7 says 9 bytes, not 10"),
+    (wire.ERROR, wire.Msg({"room": 8}, b"slot busy").encode(), "the peer's ERROR names room 8, not room 7: slot busy"),
+])
+def test_an_answer_that_is_not_this_rooms_is_an_engine_error_naming_what_it_was(kind, payload, said):
+    error = _answer(kind, payload)
+    assert type(error) is EngineError and str(error).startswith(said), error
+
+
+@pytest.mark.parametrize("payload, reason", [
+    (wire.Msg({"room": 7}, b"destination not registered").encode(), "destination not registered"),
+    (wire.Msg({}, b"unreadable PREFILL").encode(), "unreadable PREFILL"),  # no room: it could not read ours
+    (wire.Msg({"room": 7}).encode(), "no reason given"),
+    (b"room=\xff\n\ndestination not registered",
+     "destination not registered (its header unreadable: a message that is not UTF-8)"),
+])
+def test_this_rooms_error_refuses_the_transfer_with_the_peers_reason(payload, reason):
+    error = _answer(wire.ERROR, payload)
+    assert type(error) is _Refused and str(error) == reason
