@@ -246,8 +246,9 @@ class _Handler(OneDeadlineHandler):
         try:
             world_size, dp_size, rank_ip, rank_port, engine_rank = self._route_body()
             key, previous = self.server.table.claim(world_size, dp_size, rank_ip, rank_port, engine_rank)
-            self._json(200, {"status": "OK", "dp_group": key[0], "tp_rank": key[1]})
+            # Logged before the answer: the route changed whether or not the client reads it.
             self._log_registration(engine_rank, key, (rank_ip, rank_port), previous)
+            self._json(200, {"status": "OK", "dp_group": key[0], "tp_rank": key[1]})
         except _RequestError as error:
             self._text(error.status, error.text)
 
@@ -256,8 +257,8 @@ class _Handler(OneDeadlineHandler):
         try:
             world_size, dp_size, rank_ip, rank_port, engine_rank = self._route_body()
             key, current, removed = self.server.table.remove(world_size, dp_size, rank_ip, rank_port, engine_rank)
-            self._json(200, {"status": "OK", "removed": removed})
             self._log_unregistration(engine_rank, key, (rank_ip, rank_port), current, removed)
+            self._json(200, {"status": "OK", "removed": removed})
         except _RequestError as error:
             self._text(error.status, error.text)
 
@@ -507,10 +508,11 @@ class BootstrapClient:
         finally:
             conn.close()
 
-    def _get_json(self, path: str, what: str) -> tuple[int, Any]:
-        """One bounded GET; BootstrapError when unreachable or the body is not JSON on 200."""
+    def _get_json(self, path: str, what: str, timeout: float | None = None) -> tuple[int, Any]:
+        """One GET within `timeout` (the client's by default); BootstrapError when unreachable or the body is
+        not JSON on 200."""
         try:
-            status, raw = self._request("GET", path)
+            status, raw = self._request("GET", path, timeout=timeout)
         except (OSError, http.client.HTTPException) as error:
             raise BootstrapUnreachable(f"bootstrap server {self.address} unreachable for {what}: "
                                        f"{shown(str(error)) or type(error).__name__}") from error
@@ -528,7 +530,9 @@ class BootstrapClient:
 
         Only a bootstrap server's answer registers: 200 with our server's JSON (`"status": "OK"`),
         a peer's plain `OK`, or an empty body. Any other 200, a redirect or a 4xx is a BootstrapError at once.
+        ConfigError for a `retry_for` outside [0, 1e6] seconds (NaN included), before any request.
         """
+        retry_for = check_seconds("retry_for", retry_for, zero_ok=True)
         body, headers = self._route_request(world_size, dp_size, rank_ip, rank_port, engine_rank)
         deadline = time.monotonic() + retry_for
         delay = 0.05
@@ -600,9 +604,10 @@ class BootstrapClient:
             headers["Authorization"] = f"Bearer {self.token}"
         return body, headers
 
-    def parallel_info(self) -> tuple[int, int]:
-        """(world_size, dp_size) of the encode side; one bounded attempt (BootstrapError if none)."""
-        status, value = self._get_json("/route?engine_rank=-1&target_dp_group=-1", "parallel info")
+    def parallel_info(self, timeout: float | None = None) -> tuple[int, int]:
+        """(world_size, dp_size) of the encode side; one attempt within `timeout` (the client's by default),
+        BootstrapError if none."""
+        status, value = self._get_json("/route?engine_rank=-1&target_dp_group=-1", "parallel info", timeout)
         if status != 200:
             raise BootstrapError(f"bootstrap server {self.address} answered HTTP {status} "
                                  f"for parallel info: {value}")
@@ -618,11 +623,11 @@ class BootstrapClient:
                                  f"dp size {dp_size} (must divide it)")
         return world_size, dp_size
 
-    def route(self, engine_rank: int, dp_group: int) -> tuple[str, int]:
-        """(ip, port) of encode rank engine_rank in dp_group; one bounded attempt (BootstrapError if none,
-        BootstrapNoRoute when the server answered that it has none)."""
+    def route(self, engine_rank: int, dp_group: int, timeout: float | None = None) -> tuple[str, int]:
+        """(ip, port) of encode rank engine_rank in dp_group; one attempt within `timeout` (the client's by
+        default): BootstrapError if none, BootstrapNoRoute when the server answered that it has none."""
         path = f"/route?engine_rank={int(engine_rank)}&target_dp_group={int(dp_group)}"
-        status, value = self._get_json(path, f"encode rank {engine_rank}")
+        status, value = self._get_json(path, f"encode rank {engine_rank}", timeout)
         if status == 404:
             raise BootstrapNoRoute(f"no route for encode rank {engine_rank} in dp group "
                                    f"{dp_group} at {self.address}")
@@ -651,21 +656,25 @@ class BootstrapClient:
         timeout outside [0, 1e6] seconds (ConfigTypeError for one that is not a number).
         """
         deadline = time.monotonic() + check_seconds("timeout", timeout, zero_ok=True)
+
+        def left() -> float:  # each attempt within what is left of the wait (and the client's own bound)
+            return max(0.05, min(self.timeout, deadline - time.monotonic()))
+
         delay = 0.05
         while True:
             try:
-                sizes = self.parallel_info()
+                sizes = self.parallel_info(left())
                 if encode_rank is not None:
-                    self.route(encode_rank, dp_group)
+                    self.route(encode_rank, dp_group, left())
                 return sizes
             except BootstrapError as error:
                 last = str(error)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                what = "no encode rank" if encode_rank is None else f"encode rank {encode_rank}"
+                what = ("no encode rank registered" if encode_rank is None
+                        else f"encode rank {encode_rank} never registered")
                 group = "" if encode_rank is None else f"dp group {dp_group}; "
-                raise BootstrapError(f"{what} never registered at bootstrap {self.address} within {timeout:g}s "
-                                     f"({group}last: {last})")
+                raise BootstrapError(f"{what} at bootstrap {self.address} within {timeout:g}s ({group}last: {last})")
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 0.5)
 

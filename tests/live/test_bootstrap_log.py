@@ -38,6 +38,33 @@ def test_each_registration_is_logged_and_a_second_claim_warns(caplog):
     assert route == ("10.0.0.9", 7009)
 
 
+def test_a_claim_whose_answer_never_reaches_the_client_is_logged_all_the_same(caplog, monkeypatch):
+    """The route changes when the server files the PUT: a client gone before the answer (a reset, here the
+    answer's write failing) must not leave a takeover unlogged. The same for a DELETE."""
+    from transfer import bootstrap
+
+    caplog.set_level(logging.INFO, logger="transfer")
+    with BootstrapServer("127.0.0.1", 0) as server:
+        client = BootstrapClient(server.address, timeout=2.0)
+        client.register_rank(2, 1, "10.0.0.1", 7001, engine_rank=0)
+
+        def reset(*_args, **_kwargs):
+            raise ConnectionResetError("the client reset the connection")
+
+        monkeypatch.setattr(bootstrap._Handler, "_json", reset)
+        for call in (lambda: client.register_rank(2, 1, "10.0.0.9", 7009, engine_rank=0, retry_for=0),
+                     lambda: client.unregister_rank(2, 1, "10.0.0.9", 7009, engine_rank=0)):
+            with pytest.raises(BootstrapError):
+                call()
+        monkeypatch.undo()
+        with pytest.raises(BootstrapError, match="no route for encode rank 0 in dp group 0"):
+            client.route(0, 0)  # both reached the table
+    (warning,) = _records(caplog, logging.WARNING)
+    assert "is now claimed by 10.0.0.9:7009" in warning
+    assert any("encode rank 0 (dp group 0, tp rank 0) unregistered from 10.0.0.9:7009" in m
+               for m in _records(caplog, logging.INFO)), _records(caplog, logging.INFO)
+
+
 def test_wait_ready_returns_once_the_encode_rank_registered():
     import threading
 
@@ -53,3 +80,19 @@ def test_wait_ready_returns_once_the_encode_rank_registered():
         finally:
             later.join()
         assert client.route(1, 0) == ("10.0.0.2", 7002)
+
+
+@pytest.mark.parametrize("encode_rank, said", [(None, "no encode rank registered at bootstrap"),
+                                               (1, "encode rank 1 never registered at bootstrap")])
+def test_wait_ready_against_a_silent_server_ends_at_its_own_bound_not_the_clients(encode_rank, said):
+    """Each look-up gets what is left of the wait, not the client's whole timeout (5 s here)."""
+    import socket
+    import time
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (the kernel's backlog), never answers
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        client = BootstrapClient(address, timeout=5.0)
+        started = time.monotonic()
+        with pytest.raises(BootstrapError, match=rf"^{said} {address} within 0.3s \(.*last: .*timed out"):
+            client.wait_ready(0.3, encode_rank=encode_rank)
+        assert time.monotonic() - started < 2.5, "wait_ready(0.3) waited out the client's 5 s timeout"

@@ -195,3 +195,15 @@ def test_a_200_no_bootstrap_server_answers_is_refused_without_retrying(raw):
 def test_a_redirected_registration_is_refused_without_retrying(status):
     with pytest.raises(BootstrapError, match=f"redirected encode rank 0's registration \\(HTTP {status}\\)"):
         _register(_client_replying(status, b""))
+
+
+@pytest.mark.parametrize("retry_for", [float("nan"), float("inf"), -1.0])
+def test_register_rank_refuses_a_retry_bound_that_is_no_bound_before_any_request(retry_for):
+    client = BootstrapClient("127.0.0.1:1")
+
+    def request(*_args, **_kwargs):
+        raise AssertionError("register_rank sent a request")
+
+    client._request = request
+    with pytest.raises(ConfigError, match="retry_for"):
+        client.register_rank(2, 1, "10.0.0.1", 7001, engine_rank=0, retry_for=retry_for)
