@@ -4,7 +4,8 @@ Both listen where anyone on the network may connect, so both bound what a client
 hold: one request per connection, a short deadline for its request line and headers
 (a real client sends them in one write) and a byte budget for them (431 beyond), one
 deadline for the whole request however slowly it drips in, and a cap on connections
-served at once (503 beyond, answered without blocking the accepting thread).
+served at once, in all and from one address (503 beyond, answered without blocking the
+accepting thread), so one client cannot keep every other one out.
 """
 
 from __future__ import annotations
@@ -133,17 +134,26 @@ class OneDeadlineHandler(BaseHTTPRequestHandler):
         self._send(status, text.encode(), "text/plain; charset=utf-8")
 
 
+def _client_of(client_address: Any) -> str:
+    """The address a connection came from (its host, whatever its port)."""
+    return str(client_address[0]) if isinstance(client_address, tuple) and client_address else str(client_address)
+
+
 class BoundedHTTPServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer serving at most `max_handlers` connections at once; the rest get 503."""
+    """ThreadingHTTPServer serving at most `max_handlers` connections at once, and at most
+    `max_per_client` of them from one address (a quarter of max_handlers when None); the rest get 503."""
 
     daemon_threads = True
     max_handlers = 64
+    max_per_client: int | None = None
     busy_text = b"server busy: too many connections at once"
+    client_busy_text = b"server busy: too many connections from this address at once"
     log = logging.getLogger("transfer.http")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """The stdlib server, counting its handler threads."""
+        """The stdlib server, counting its handler threads, in all and per client address."""
         self._handlers = 0
+        self._per_client: dict[str, int] = {}
         self._handlers_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
@@ -155,19 +165,25 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         return type(f"{cls.__name__}6", (cls,), {"address_family": socket.AF_INET6})
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        """Hands the connection to a thread of its own, or turns it away when max_handlers are busy."""
+        """Hands the connection to a thread of its own, or turns it away when max_handlers are busy, or
+        max_per_client with its address."""
+        client = _client_of(client_address)
         with self._handlers_lock:
-            busy = self._handlers >= self.max_handlers
-            if not busy:
+            per_client = self.max_per_client or max(1, self.max_handlers // 4)
+            busy = self.busy_text if self._handlers >= self.max_handlers else None
+            if busy is None and self._per_client.get(client, 0) >= per_client:
+                busy = self.client_busy_text
+            if busy is None:
                 self._handlers += 1
-        if busy:
-            self._turn_away(request)
+                self._per_client[client] = self._per_client.get(client, 0) + 1
+        if busy is not None:
+            self._turn_away(request, busy)
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._handler_done()
+            self._handler_done(client)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
@@ -178,18 +194,21 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         except Exception:
             self.handle_error(request, client_address)
         finally:
-            self._handler_done()
+            self._handler_done(_client_of(client_address))
             self.shutdown_request(request)
 
-    def _handler_done(self) -> None:
-        """One handler thread fewer."""
+    def _handler_done(self, client: str) -> None:
+        """One handler thread fewer, one of `client`'s."""
         with self._handlers_lock:
             self._handlers -= 1
+            left = self._per_client.pop(client, 1) - 1
+            if left > 0:
+                self._per_client[client] = left
 
-    def _turn_away(self, request: socket.socket) -> None:
+    def _turn_away(self, request: socket.socket, text: bytes) -> None:
         """Answers 503 without blocking the accepting thread (the client may not read it)."""
         answer = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
-                  b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(self.busy_text), self.busy_text))
+                  b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(text), text))
         try:
             request.setblocking(False)
             try:

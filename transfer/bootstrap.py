@@ -339,6 +339,7 @@ class _HTTPServer(BoundedHTTPServer):
     #: a thread, so silent or slow clients cost at most this many threads.
     max_handlers = 256
     busy_text = b"bootstrap server busy: too many connections at once"
+    client_busy_text = b"bootstrap server busy: too many connections from this address at once"
     log = logging.getLogger(__name__)  # request errors go to this module's log
     table: _RouteTable
     token: str | None

@@ -487,7 +487,7 @@ class MetricsServer:
 
     Bounded for a network anyone may reach: one request per connection, each given
     `request_timeout_s` in all (a silent or dripping client is dropped then), and at
-    most `max_connections` served at once (503 beyond, at once).
+    most `max_connections` served at once, a quarter of them from one address (503 beyond, at once).
     """
 
     def __init__(self, sources: list[Metrics], host: str = "127.0.0.1", port: PortSpec = 0,
@@ -561,6 +561,7 @@ class _MetricsHTTPServer(BoundedHTTPServer):
     """The bounded HTTP server behind a MetricsServer."""
 
     busy_text = b"metrics endpoint busy: too many connections at once"
+    client_busy_text = b"metrics endpoint busy: too many connections from this address at once"
     log = logging.getLogger(__name__)  # request errors go to this module's log
 
 

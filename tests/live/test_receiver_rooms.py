@@ -97,6 +97,7 @@ def test_many_silent_connections_hold_a_bounded_number_of_server_threads(monkeyp
     """Each connection costs a handler thread: beyond the server's limit, more connections are
     turned away at once (503) instead of each getting a thread, and the server still serves."""
     monkeypatch.setattr(server._server, "max_handlers", 8, raising=False)
+    monkeypatch.setattr(server._server, "max_per_client", 8, raising=False)  # every connection comes from HOST
     before = threading.active_count()
     silent = []
     try:
@@ -113,6 +114,31 @@ def test_many_silent_connections_hold_a_bounded_number_of_server_threads(monkeyp
             sock.close()
     # Once the silent clients are gone their handlers end and the server answers again.
     assert wait_until(lambda: threading.active_count() - before <= 0, 15.0)
+    assert _exchange(server.port, b"GET /health HTTP/1.0\r\n\r\n").endswith(b"\r\n\r\nOK")
+
+
+def test_one_address_holding_its_share_of_connections_leaves_the_others_served(monkeypatch, server):
+    """Past its share of the handlers, one address's next connection is turned away (503) while
+    a client from another address is still served, and the first address is served again once
+    its connections are gone."""
+    monkeypatch.setattr(server._server, "max_handlers", 8, raising=False)
+    monkeypatch.setattr(server._server, "max_per_client", 2, raising=False)
+    silent = [socket.create_connection((HOST, server.port), timeout=5) for _ in range(2)]
+    try:
+        assert wait_until(lambda: server._server._per_client.get(HOST) == 2, 5.0)
+        answer = _exchange(server.port, b"GET /health HTTP/1.0\r\n\r\n")
+        assert _status_line(answer).split()[1:2] == [b"503"], answer
+        assert answer.endswith(b"too many connections from this address at once")
+        with socket.create_connection((HOST, server.port), timeout=5, source_address=("127.0.0.2", 0)) as other:
+            other.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+            got = b""
+            while chunk := other.recv(4096):
+                got += chunk
+        assert got.startswith(b"HTTP/1.0 200") and got.endswith(b"\r\n\r\nOK"), got
+    finally:
+        for sock in silent:
+            sock.close()
+    assert wait_until(lambda: not server._server._per_client, 15.0)
     assert _exchange(server.port, b"GET /health HTTP/1.0\r\n\r\n").endswith(b"\r\n\r\nOK")
 
 
