@@ -375,6 +375,7 @@ class PrefillCore:
         self._ghosts: dict[tuple[int, int], int] = {}  # (room, encode rank) set aside -> last answers still to come
         self._answering: set[Address] = set()  # encode ranks seen to answer cancels
         self._unanswered_since: dict[Address, float] = {}  # when a cancel there last went unanswered
+        self._answered_at: dict[Address, float] = {}  # when the current connection there last answered a room
         self._held: list[tuple[float, int, _Room]] = []  # (when its ask goes anyway, token, room), a heap
 
     # ------------------------------------------------------------ queries
@@ -484,10 +485,12 @@ class PrefillCore:
             if first is None:
                 return []
             self._heard(first)
+            self._answered(now, first.addr, first.conn)
             return self._release(now, room, rank)
         cancel = cancels[0]
         self._drop_cancel((room, rank), cancel)
         self._heard(cancel)
+        self._answered(now, cancel.addr, cancel.conn)
         safe = [MemorySafe(room, cancel.token)] if answer is CancelAnswer.CONFIRMED else []
         return [*safe, *self._release(now, room, rank)]
 
@@ -800,7 +803,14 @@ class PrefillCore:
         self.announcements.forget(addr)
         conn = self._conns.pop(addr, None)
         self._unanswered_since.pop(addr, None)
+        self._answered_at.pop(addr, None)
         return conn
+
+    def _answered(self, now: float, addr: Address | None, conn: int | None) -> None:
+        """The encode rank at `addr` answered on connection `conn` (a status, a cancel's answer): it is
+        alive there, whatever becomes of rooms it was never sent items for."""
+        if addr is not None and conn is not None and self._conns.get(addr) == conn:
+            self._answered_at[addr] = now
 
     def _forget_routes_to(self, addr: Address) -> None:
         """Forgets every route that leads to `addr`: the next room for those encode ranks looks them up again."""
@@ -836,6 +846,7 @@ class PrefillCore:
         ignored = self._ignored(state, status, rank)
         if ignored is not None:
             return ignored
+        self._answered(now, state.addr, state.conn)
         if status is TransferPoll.Failed:
             detail = f"{ENCODE_FAILED} ({state.where()})"
             if reason is not None:
@@ -1215,9 +1226,13 @@ class PrefillCore:
             return actions + self._conclude(state, failure)
         # Only the socket this room was asked on went silent, and only if the room waited on
         # it a while (one asked late says little, and tearing the socket down for each such
-        # room would cost every later room a look-up and a connection). One replaced since
-        # came with a fresh look-up; its rooms keep their deadlines.
-        if addr is not None and self._conns.get(addr) == state.conn and now - state.asked_at >= self.deadline_s / 2:
+        # room would cost every later room a look-up and a connection) while the encode rank
+        # answered nothing there (a rank serving other rooms is alive: this room's item was
+        # never sent, and the rooms asked there keep their socket and their cancels). One
+        # replaced since came with a fresh look-up; its rooms keep their deadlines.
+        half = self.deadline_s / 2
+        if (addr is not None and self._conns.get(addr) == state.conn and now - state.asked_at >= half
+                and now - self._answered_at.get(addr, now - half) >= half):
             # The encode rank may have restarted elsewhere, its node with other sizes.
             self._parallel.pop(state.spec.bootstrap_addr, None)
             self._forget_routes_to(addr)
