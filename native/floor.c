@@ -260,7 +260,7 @@ PyObject *epd_floor_serve(PyObject *self, PyObject *args)
     struct flight *flights = PyMem_RawMalloc(MAX_FLIGHTS * sizeof *flights);
     if (flights == NULL)
         return PyErr_NoMemory();
-    char detail[DETAIL_BYTES];
+    char detail[DETAIL_BYTES] = "";
     uint64_t bytes = 0;
     const char *failed;
     Py_BEGIN_ALLOW_THREADS
@@ -295,7 +295,8 @@ static const char *ask(const struct asking *a, int64_t room, int64_t slot, char 
     return detail;
 }
 
-/* The next status's room, waiting at most the deadline: -1 (detail says why) when none came. */
+/* The next status's room, waiting at most the deadline: negative (detail says why) when none came
+ * or it named a negative room. */
 static int64_t next_status(const struct asking *a, char *detail)
 {
     double until = now_s() + a->deadline_s;
@@ -303,8 +304,13 @@ static int64_t next_status(const struct asking *a, char *detail)
         unsigned char msg[STATUS_BYTES];
         int err;
         int n = epd_zmq_recv_into(a->pull, msg, sizeof msg, &err);
-        if (n == STATUS_BYTES)
-            return (int64_t)epd_get_le64(msg);
+        if (n == STATUS_BYTES) {
+            int64_t room = (int64_t)epd_get_le64(msg);
+            if (room < 0)
+                snprintf(detail, DETAIL_BYTES, "floor prefill %lld: a status for room %lld, not asked for",
+                         (long long)a->rank, (long long)room);
+            return room;
+        }
         double left = until - now_s();
         if ((n < 0 && err != EAGAIN) || n >= 0 || left <= 0) {
             snprintf(detail, DETAIL_BYTES, "floor prefill %lld: %s", (long long)a->rank,
@@ -403,7 +409,7 @@ PyObject *epd_floor_receive(PyObject *self, PyObject *args)
         if (epd_u64_arg(PyList_GET_ITEM(slot_list, i), "slot", &slots[i]) < 0)
             goto done;
     a.slots = slots;
-    char detail[DETAIL_BYTES];
+    char detail[DETAIL_BYTES] = "";
     const char *failed;
     Py_BEGIN_ALLOW_THREADS
     failed = receive(&a, (int64_t *)PyBytes_AS_STRING(rooms), (int64_t *)PyBytes_AS_STRING(slots_of),

@@ -4,6 +4,7 @@ processes over Mooncake tcp and ZMQ, checked row by row against the bytes that l
 from __future__ import annotations
 
 import argparse
+import ctypes
 import contextlib
 import io
 import json
@@ -60,3 +61,34 @@ def test_the_cfloor_path_moves_and_checks_every_room_as_the_floor_does(tmp_path)
     assert {(r["span"], r["fanout"], r["inflight"]) for r in cfloor} == {
         (span, fanout, inflight) for span in (64, 96) for fanout in (1, 2) for inflight in (1, 4)}
 
+
+
+@pytest.mark.parametrize("room, said", [(-2, "floor prefill 0: a status for room -2, not asked for"),
+                                        (5, "floor prefill 0: a status for room 5, not asked for")])
+def test_the_c_floors_prefill_loop_refuses_a_status_it_did_not_ask_for_naming_it(room, said):
+    """Real ZMQ sockets on loopback: the loop's asks go out, a status for a room it never asked for
+    comes back, and the loop stops with an error naming it."""
+    import zmq
+
+    from transfer import _io
+
+    if _io._NATIVE is None:
+        pytest.skip("transfer._native is not bound to pyzmq's libzmq")
+    slot = bytearray(64)
+    ctx = zmq.Context()
+    asks, statuses, pusher, puller = (ctx.socket(kind) for kind in (zmq.PULL, zmq.PULL, zmq.PUSH, zmq.PUSH))
+    try:
+        ask_port = asks.bind_to_random_port("tcp://127.0.0.1")
+        status_port = statuses.bind_to_random_port("tcp://127.0.0.1")
+        puller.connect(f"tcp://127.0.0.1:{ask_port}")  # the loop's asks
+        pusher.connect(f"tcp://127.0.0.1:{status_port}")  # this test's statuses
+        pusher.send(bench._FLOOR_STATUS.pack(room))
+        address = ctypes.addressof(ctypes.c_char.from_buffer(slot))
+        with pytest.raises(RuntimeError, match=f"^{said}$"):
+            _io._NATIVE.floor_receive(puller.underlying, statuses.underlying, statuses.fileno(), 0, [address], 2,
+                                      10.0, 8, 64)
+        assert bench._FLOOR_ASK.unpack(asks.recv())[:2] == (0, 0), "the loop asked for room 0 first"
+    finally:
+        for sock in (asks, statuses, pusher, puller):
+            sock.close(linger=0)
+        ctx.term()

@@ -231,6 +231,28 @@ def test_a_room_that_expires_on_a_rank_still_answering_others_leaves_its_socket_
     assert Disconnect(ENCODE) in c.tick(4.2)
 
 
+@pytest.mark.parametrize("deadline", [0.3, 0.7, 2.2, 9.9, 60.0])
+@pytest.mark.parametrize("t0", [0.0, 128279.44, 402137.54987701763])
+def test_a_rank_that_never_answered_loses_its_socket_at_a_rooms_deadline_whatever_the_clock(deadline, t0):
+    c = core(deadline_s=deadline)
+    routed(c, now=t0)
+    c.receive(t0, spec(1, slot=1))
+    assert Disconnect(ENCODE) in c.tick(t0 + deadline)
+
+
+def test_an_answer_on_a_lost_connection_does_not_vouch_for_the_fresh_one():
+    c = core(deadline_s=10.0)
+    routed(c, now=0.0)
+    c.receive(0.0, spec(2, slot=2))  # asked on the first connection
+    _, actions = c.receive(0.0, spec(1, slot=1))
+    c.refused(0.0, ENCODE, actions)  # the socket does not take room 1's ask: it waits
+    assert kinds(c.status(6.0, 2, TransferPoll.Success, 0)) == [Conclude]
+    c.connection_dropped(7.0, ENCODE)
+    c.route_resolved(7.1, KEY0, ENCODE)  # the rank is still filed there
+    assert SendAsk in kinds(c.writable(8.0, ENCODE))  # room 1 goes out on the fresh connection
+    assert Disconnect(ENCODE) in c.tick(10.0), "the fresh connection answered nothing"
+
+
 def test_a_room_whose_look_up_never_answered_fails_at_its_deadline():
     c = core(deadline_s=5.0)
     c.receive(0.0, spec(1))

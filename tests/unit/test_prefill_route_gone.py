@@ -187,3 +187,14 @@ def test_the_look_up_a_drop_made_for_its_asked_rooms_leaves_a_route_to_the_same_
     assert [(type(a), a.addr) for a in c.route_resolved(1.1, KEY0, moved)] == [(Disconnect, ENCODE),
                                                                                 (Announce, moved), (SendAsk, moved)]
     assert c.route(KEY0) == moved
+
+
+def test_with_encode_dp_a_route_gone_names_the_engine_rank_its_statuses_carry():
+    # Encode world 4 in dp 2: room 7 goes to group 1, whose tp rank 1 is engine rank 3.
+    c = core(engine_rank=1, tp_size=4)
+    c.receive(0.0, spec(7))
+    c.parallel_resolved(0.0, BOOT, 4, 2)
+    c.route_resolved(0.1, (BOOT, 1, 1), ENCODE)
+    c.connection_dropped(0.2, ENCODE)
+    [failure] = concluded(c.route_missing(0.3, (BOOT, 1, 1), "no route")).values()
+    assert failure.detail.startswith(f"encode rank 3 (dp group 1) is no longer registered at bootstrap {BOOT}")

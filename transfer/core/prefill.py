@@ -658,7 +658,8 @@ class PrefillCore:
             if last is None:
                 text = f"bootstrap {bootstrap}: {detail}"
             else:
-                text = (f"encode rank {rank} (dp group {group}) is no longer registered at bootstrap {bootstrap} "
+                engine_rank = rank if state.encode_rank is None else state.encode_rank
+                text = (f"encode rank {engine_rank} (dp group {group}) is no longer registered at bootstrap {bootstrap} "
                         f"(it was at {last[0]}:{last[1]}): its sender pool closed, or the bootstrap server "
                         f"restarted; room {state.room} ")
                 text += ("was asked there and that connection dropped" if state.asked
@@ -710,6 +711,7 @@ class PrefillCore:
             self._conn_serial += 1
             self._conns[addr] = self._conn_serial
         self._unanswered_since.pop(addr, None)
+        self._answered_at.pop(addr, None)  # what the lost connection answered says nothing of the fresh one
         self._answering.discard(addr)  # a rank restarted there shows afresh whether it answers cancels
         self.announcements.forget(addr)
         self.asks.prune(addr, self._queued)
@@ -1231,8 +1233,9 @@ class PrefillCore:
         # never sent, and the rooms asked there keep their socket and their cancels). One
         # replaced since came with a fresh look-up; its rooms keep their deadlines.
         half = self.deadline_s / 2
+        answered = self._answered_at.get(addr) if addr is not None else None
         if (addr is not None and self._conns.get(addr) == state.conn and now - state.asked_at >= half
-                and now - self._answered_at.get(addr, now - half) >= half):
+                and (answered is None or now - answered >= half)):
             # The encode rank may have restarted elsewhere, its node with other sizes.
             self._parallel.pop(state.spec.bootstrap_addr, None)
             self._forget_routes_to(addr)
