@@ -116,6 +116,10 @@ class OneDeadlineHandler(BaseHTTPRequestHandler):
         the problem, not the stdlib's HTML page, and closes the connection."""
         self.log_error("code %d, message %s", code, message)
         self.close_connection = True
+        if getattr(self, "request_version", "HTTP/0.9") == "HTTP/0.9":
+            # A request line the stdlib could not read leaves it at HTTP/0.9, which answers with a bare
+            # body: the client would see neither the status nor that it is an error.
+            self.request_version = self.protocol_version
         self._text(code, message or self.responses.get(code, ("error",))[0])
 
     def _send(self, status: int, body: bytes, content_type: str) -> None:

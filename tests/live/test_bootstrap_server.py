@@ -399,7 +399,10 @@ def test_headers_under_the_budget_with_a_body_past_it_are_served(server):
     (b"GET /route extra HTTP/1.0\r\n\r\n", 400),
     (b"GET /route?" + b"a" * 20000 + b" HTTP/1.0\r\n\r\n", 414),
     (b"GET /health HTTP/1.0\r\n" + _FILLED_HEADERS + b"\r\n", 431),
-], ids=["unsupported method", "malformed request line", "request line too long", "headers too large"])
+    (b"GARBAGE\r\n\r\n", 400),
+    (b"GET /health HTTP/9.9\r\n\r\n", 505),
+], ids=["unsupported method", "malformed request line", "request line too long", "headers too large",
+        "no version at all", "unknown version"])
 def test_every_error_is_answered_as_short_text(server, sent, status):
     head, _, body = _raw(server, sent).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.0 %d " % status), head
