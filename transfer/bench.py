@@ -40,8 +40,8 @@ shard); floor and cfloor, likewise.
 `p50_added_ms` is a floor, cfloor, epd or wire run's p50 less the p50 of the raw run of the same
 cell and turn.
 Landed bytes, per path. floor, cfloor, epd and wire: as each room concludes Success on a
-prefill rank, the rank compares (cfloor: copies, and compares after its timed window) the first and last FINGERPRINT_BYTES of its landed shard (all of a
-shorter one) with the item's, read from the item pool before the timed window (about a
+prefill rank, the rank compares (cfloor: copies, to compare after its timed window) the first
+and last FINGERPRINT_BYTES of its landed shard (all of a shorter one) with the item's, read from the item pool before the timed window (about a
 microsecond a room, counted in the caller's control CPU), which catches a room's write
 lost, cut short or landed from another room; and after every rank's timed window, each
 slot's last room is compared whole, which also catches bytes wrong only mid-shard. raw:
@@ -891,21 +891,21 @@ def _floor_encode(worker: _Worker, cell: Cell, extra: dict, native: bool = False
                     select.select([fd], [], [], polls.sleep_s(time.monotonic()) if flights else 0.1)
 
         serve(len(receivers))  # each receiver's warm-up ask: its first write opens the connection
-        # Checked before the barrier: a rank that cannot run the cell fails it before any other times it.
-        targets = _native_targets(engine, receivers) if native else None
-        if native:
-            _native_floor()
+        # Found before the barrier: a rank that cannot run the cell fails it before any other times it.
+        in_c = _native_floor() if native else None
+        if in_c is not None:
+            pointer, handles = _native_targets(engine, receivers)
+            targets = [(rank, pushes[rank].underlying, handles[rank], info["row_start"], info["rows"])
+                       for rank, info in receivers.items()]
         _start_timed(worker)
         cpu, report["t_start"] = thread_cpu(), time.time()  # the reading stays out of the timed window
         progressed = time.monotonic()
-        if targets is None:
+        if in_c is None:
             serve((cell.items + 1) * len(receivers))
         else:
-            report["bytes"] = _native_floor().floor_serve(
-                targets[0], pull.underlying, fd, [(rank, pushes[rank].underlying, targets[1][rank],
-                                                   info["row_start"], info["rows"]) for rank, info in receivers.items()],
-                cell.items * len(receivers), extra["deadline_s"], polls.min_s, polls.max_s, base, cell.row_bytes,
-                *source.offset_steps(cell.span), WARMUP_ITEM)
+            report["bytes"] = in_c.floor_serve(pointer, pull.underlying, fd, targets, cell.items * len(receivers),
+                                               extra["deadline_s"], polls.min_s, polls.max_s, base, cell.row_bytes,
+                                               *source.offset_steps(cell.span), WARMUP_ITEM)
         report["t_end"], report["cpu"] = time.time(), _cpu_since(cpu)
         worker.finished()
         return report
@@ -928,13 +928,17 @@ def _native_floor() -> Any:
 def _native_targets(engine, receivers: dict[int, dict]) -> tuple[int, dict[int, int]]:
     """The engine pointer and each receiver's segment handle for native/floor.c, once the warm-up
     writes opened the sessions; RuntimeError when this engine's writes go through the binding."""
-    targets = {rank: engine.native_target(info["session"]) for rank, info in receivers.items()}
-    missing = [rank for rank, target in targets.items() if target is None]
+    pointer, handles, missing = 0, {}, []
+    for rank, info in receivers.items():
+        target = engine.native_target(info["session"])
+        if target is None:
+            missing.append(rank)
+        else:
+            pointer, handles[rank] = target
     if missing:
         raise RuntimeError(f"the cfloor path needs Mooncake's calls from C (Engine.calls 'direct', here "
                            f"{engine.calls!r}: {engine.calls_reason}) and an open session to prefill rank(s) {missing}")
-    found = {rank: target for rank, target in targets.items() if target is not None}
-    return next(iter(found.values()))[0], {rank: target[1] for rank, target in found.items()}
+    return pointer, handles
 
 
 def _floor_prefill(worker: _Worker, cell: Cell, extra: dict, native: bool = False) -> dict:
@@ -972,18 +976,11 @@ def _floor_prefill(worker: _Worker, cell: Cell, extra: dict, native: bool = Fals
             slot_of.clear()
         _start_timed(worker)
         cpu, report["t_start"] = thread_cpu(), time.time()  # the reading stays out of the timed window
+        in_c = None  # what the loop in C brought back, looked at once its window closed
         if rows and native:
-            rooms, slots_of, latencies, prints = _native_floor().floor_receive(
-                push.underlying, pull.underlying, pull.fileno(), worker.rank, landed.slots[: cell.slots], cell.items,
-                extra["deadline_s"], landed.width, landed.nbytes)
-            report["t_end"], report["cpu"] = time.time(), _cpu_since(cpu)
-            width = 2 * landed.width
-            for i, (room, slot) in enumerate(zip(memoryview(rooms).cast("q"), memoryview(slots_of).cast("q"))):
-                report["latency_rooms"].append(room)
-                last[slot] = room
-                landed.compare(room, prints[i * width : (i + 1) * width], report["bad"])
-            report["latencies"] = list(memoryview(latencies).cast("d"))
-            report["bytes"] = cell.items * rows * cell.row_bytes
+            in_c = _native_floor().floor_receive(push.underlying, pull.underlying, pull.fileno(), worker.rank,
+                                                 landed.slots[: cell.slots], cell.items, extra["deadline_s"],
+                                                 landed.width, landed.nbytes)
         elif rows:
             started: dict[int, float] = {}
             asked = 0
@@ -1003,8 +1000,16 @@ def _floor_prefill(worker: _Worker, cell: Cell, extra: dict, native: bool = Fals
                     started[asked] = time.monotonic()
                     ask(asked, slot)
                     asked += 1
-        if "t_end" not in report:
-            report["t_end"], report["cpu"] = time.time(), _cpu_since(cpu)
+        report["t_end"], report["cpu"] = time.time(), _cpu_since(cpu)
+        if in_c is not None:
+            rooms, slots_of, latencies, prints = in_c
+            width = 2 * landed.width
+            for i, (room, slot) in enumerate(zip(memoryview(rooms).cast("q"), memoryview(slots_of).cast("q"))):
+                report["latency_rooms"].append(room)
+                last[slot] = room
+                landed.compare(room, prints[i * width : (i + 1) * width], report["bad"])
+            report["latencies"] = list(memoryview(latencies).cast("d"))
+            report["bytes"] = cell.items * rows * cell.row_bytes
         worker.finished()
         report["bad"] += _check_slots(worker, cell, slots, last, row_start, rows)
         return report
@@ -1779,9 +1784,9 @@ def median_row(runs: list[dict], raw: list[dict] | None = None) -> dict:
 
     With `raw`, the raw runs of the same turns: `ratio_runs` pairs each run with the raw
     run of its own turn, and fill_ratios() reports their median, so a slow spell of the
-    host that hit both paths of a turn cancels out. A floor, cfloor, epd or wire row's `p50_added_ms` is
-    its reported run's p50 less that of the raw run of the same turn (None where that raw
-    run lost rooms: its p50 would leave them out).
+    host that hit both paths of a turn cancels out. A floor, cfloor, epd or wire row's
+    `p50_added_ms` is its reported run's p50 less that of the raw run of the same turn (None
+    where that raw run lost rooms: its p50 would leave them out).
     """
     turn = sorted(range(len(runs)), key=lambda i: runs[i]["gbps"])[(len(runs) - 1) // 2]
     row = dict(runs[turn])
@@ -1807,7 +1812,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="encode ranks E (default 1); a cell has E x fanout prefill ranks, each item's rows "
                              "split over all of them, each encode rank writing its block's share")
     parser.add_argument("--inflight", type=parse_ints, default=None, help="rooms in flight (default 1,8,32)")
-    parser.add_argument("--paths", type=parse_paths, default=None, help=f"subset of {','.join(PATHS)} (default {','.join(DEFAULT_PATHS)})")
+    parser.add_argument("--paths", type=parse_paths, default=None,
+                        help=f"subset of {','.join(PATHS)} (default {','.join(DEFAULT_PATHS)})")
     parser.add_argument("--integrity", type=parse_integrity, default=None,
                         help="epd/wire checksums: on, off or on,off (default on,off)")
     parser.add_argument("--items", type=_positive_int, default=None, help="rooms per cell (default: ~--cell-mib per cell)")

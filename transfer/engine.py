@@ -528,9 +528,9 @@ class Engine(RegisteredMemory):
         writes wait for it to answer a probe of its handshake port before they fail.
 
         Raises ConfigError for a hostname that is empty, does not resolve or is not this
-        host's, an unknown protocol, a device not present when the protocol is rdma, or a timeout outside its bound (0 < transfer_timeout_s,
-        0 <= open_timeout_s, both at most 1e6 s; ConfigTypeError for one that is not a number), all
-        before Mooncake is imported; EngineError when rdma was asked for and
+        host's, an unknown protocol, a device not present when the protocol is rdma, or a
+        timeout outside its bound (0 < transfer_timeout_s, 0 <= open_timeout_s, both at most
+        1e6 s; ConfigTypeError for one that is not a number), all before Mooncake is imported; EngineError when rdma was asked for and
         no RDMA device is usable, or Mooncake refused to start; EngineUnavailable when
         mooncake.engine cannot be imported."""
         check_hostname(hostname)

@@ -46,7 +46,7 @@ def test_a_result_for_the_room_with_its_bytes_is_accepted():
 
 
 @pytest.mark.parametrize("kind, payload, said", [
-    (99, b"hello", "the peer answered with frame kind 99, expected RESULT or ERROR (the peer does not answer as a wire"),
+    (99, b"hello", "the peer answered with frame kind 99, expected RESULT or ERROR (the peer does not answer as a"),
     (wire.LAYER, b"\xff\xfe", "the peer answered with frame kind 10, expected RESULT or ERROR"),
     (wire.RESULT, b"junk", "the peer's RESULT (4 bytes) is not a Msg: a header line without '=': \"junk\""),
     (wire.RESULT, wire.Msg({"bytes": 10}).encode(), "the peer's RESULT for room 7: missing room"),

@@ -659,9 +659,9 @@ class PrefillCore:
                 text = f"bootstrap {bootstrap}: {detail}"
             else:
                 engine_rank = rank if state.encode_rank is None else state.encode_rank
-                text = (f"encode rank {engine_rank} (dp group {group}) is no longer registered at bootstrap {bootstrap} "
-                        f"(it was at {last[0]}:{last[1]}): its sender pool closed, or the bootstrap server "
-                        f"restarted; room {state.room} ")
+                text = (f"encode rank {engine_rank} (dp group {group}) is no longer registered at bootstrap "
+                        f"{bootstrap} (it was at {last[0]}:{last[1]}): its sender pool closed, or the bootstrap "
+                        f"server restarted; room {state.room} ")
                 text += ("was asked there and that connection dropped" if state.asked
                          else "was never asked for")
             actions += self._conclude(state, Failure(FailureKind.BOOTSTRAP, text))
