@@ -239,8 +239,14 @@ PyObject *epd_floor_serve(PyObject *self, PyObject *args)
     if (!ready() || epd_u64_arg(engine_obj, "engine", &engine) < 0 || (s.pull = handle_of(pull_obj)) == NULL)
         return NULL;
     s.engine = (void *)(uintptr_t)engine;
-    s.nrx = (int)PyList_GET_SIZE(receivers);
+    /* A tuple of our own: parsing a receiver may run Python (__index__), which could change the list;
+       it also keeps each receiver's socket alive while the loop runs. */
+    PyObject *rx = PySequence_Tuple(receivers);
+    if (rx == NULL)
+        return NULL;
+    s.nrx = (int)PyTuple_GET_SIZE(rx);
     if (s.nrx < 1 || s.nrx > MAX_RECEIVERS || s.starts < 1 || s.until < 0) {
+        Py_DECREF(rx);
         PyErr_Format(PyExc_ValueError, "floor_serve: 1 to %d receivers, starts >= 1 and until >= 0", MAX_RECEIVERS);
         return NULL;
     }
@@ -248,18 +254,22 @@ PyObject *epd_floor_serve(PyObject *self, PyObject *args)
         struct receiver *r = &s.rx[i];
         PyObject *push;
         long long rank;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(receivers, i), "LOKKK:floor_serve receiver", &rank, &push,
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(rx, i), "LOKKK:floor_serve receiver", &rank, &push,
                               &r->segment, &r->row_start, &r->rows) ||
-            (r->push = handle_of(push)) == NULL)
+            (r->push = handle_of(push)) == NULL) {
+            Py_DECREF(rx);
             return NULL;
+        }
         r->rank = rank;
     }
     s.schedule.backoff = s.schedule.min_s;
     s.schedule.short_until = -1e300;
     s.schedule.waited_on = 1;
     struct flight *flights = PyMem_RawMalloc(MAX_FLIGHTS * sizeof *flights);
-    if (flights == NULL)
+    if (flights == NULL) {
+        Py_DECREF(rx);
         return PyErr_NoMemory();
+    }
     char detail[DETAIL_BYTES] = "";
     uint64_t bytes = 0;
     const char *failed;
@@ -267,6 +277,7 @@ PyObject *epd_floor_serve(PyObject *self, PyObject *args)
     failed = serve(&s, flights, &bytes, detail);
     Py_END_ALLOW_THREADS
     PyMem_RawFree(flights);
+    Py_DECREF(rx);
     if (failed != NULL)
         return PyErr_Format(PyExc_RuntimeError, "%s", failed);
     return PyLong_FromUnsignedLongLong(bytes);
@@ -391,6 +402,11 @@ PyObject *epd_floor_receive(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "floor_receive: items >= 0, a slot at least, 1 <= width <= nbytes");
         return NULL;
     }
+    /* A tuple of our own: reading a slot's address may run Python (__index__), which could change the list. */
+    PyObject *slot_tuple = PySequence_Tuple(slot_list);
+    if (slot_tuple == NULL)
+        return NULL;
+    a.nslots = PyTuple_GET_SIZE(slot_tuple);
     uint64_t *slots = PyMem_RawMalloc((size_t)a.nslots * sizeof *slots);
     double *started = PyMem_RawMalloc(((size_t)items + 1) * sizeof *started);
     int64_t *slot_of = PyMem_RawMalloc(((size_t)items + 1) * sizeof *slot_of);
@@ -406,7 +422,7 @@ PyObject *epd_floor_receive(PyObject *self, PyObject *args)
     if (rooms == NULL || slots_of == NULL || latencies == NULL || prints == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < a.nslots; i++)
-        if (epd_u64_arg(PyList_GET_ITEM(slot_list, i), "slot", &slots[i]) < 0)
+        if (epd_u64_arg(PyTuple_GET_ITEM(slot_tuple, i), "slot", &slots[i]) < 0)
             goto done;
     a.slots = slots;
     char detail[DETAIL_BYTES] = "";
@@ -421,6 +437,7 @@ PyObject *epd_floor_receive(PyObject *self, PyObject *args)
     else
         result = PyTuple_Pack(4, rooms, slots_of, latencies, prints);
 done:
+    Py_DECREF(slot_tuple);
     PyMem_RawFree(slots);
     PyMem_RawFree(started);
     PyMem_RawFree(slot_of);

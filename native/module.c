@@ -63,6 +63,22 @@ static int timeout_arg(double timeout, const char *who)
     return 0;
 }
 
+/* Checks a least rate (bytes/s, 0: none): finite and not negative, and given only with a timeout (not
+   negative: a socket the OS lets the wait end on), since a blocking read or write cannot be stopped. */
+static int rate_arg(double min_rate, double timeout, const char *who)
+{
+    if (!(min_rate >= 0) || isinf(min_rate)) {
+        PyErr_Format(PyExc_ValueError, "%s: min_rate must be a finite number of bytes/s (0: none)", who);
+        return -1;
+    }
+    if (min_rate > 0 && timeout < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: min_rate needs a timeout: a blocking socket waits on its peer "
+                     "however slowly it goes", who);
+        return -1;
+    }
+    return 0;
+}
+
 /* Exports obj's bytes as one C-contiguous run, with an error that says what was wrong. */
 static int get_contiguous(PyObject *obj, Py_buffer *view, const char *who)
 {
@@ -279,10 +295,8 @@ static PyObject *py_wire_transfer(PyObject *self, PyObject *args)
     if (timeout_arg(timeout, "wire_transfer") < 0 || u32_arg(rows_o, "rows", &rows) < 0 ||
         epd_u64_arg(chunk_o, "chunk", &chunk) < 0)
         goto done;
-    if (!(min_rate >= 0) || isinf(min_rate)) {
-        PyErr_SetString(PyExc_ValueError, "wire_transfer: min_rate must be a finite number of bytes/s (0: none)");
+    if (rate_arg(min_rate, timeout, "wire_transfer") < 0)
         goto done;
-    }
     if (chunk == 0 || chunk > EPD_MAX_PAYLOAD - EPD_LAYER_HEADER) {
         char text[96];
         snprintf(text, sizeof text, "wire_transfer: chunk must be in 1..%zu bytes, got %llu",
@@ -347,10 +361,8 @@ static PyObject *py_read_frame(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "read_frame: limit must be at most %zu bytes", EPD_MAX_PAYLOAD);
         return NULL;
     }
-    if (!(min_rate >= 0) || isinf(min_rate)) {
-        PyErr_SetString(PyExc_ValueError, "read_frame: min_rate must be a finite number of bytes/s (0: none)");
+    if (rate_arg(min_rate, timeout, "read_frame") < 0)
         return NULL;
-    }
     return epd_read_frame(fd, timeout, (size_t)limit, min_rate);
 }
 

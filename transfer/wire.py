@@ -138,7 +138,8 @@ def read_frame(sock_or_fd: Any, limit: int | None = None, min_rate: float = 0.0)
 
     `limit` caps the payload's length (default MAX_PAYLOAD), refused before anything is
     allocated. The socket's timeout bounds each wait for progress; `min_rate` > 0 (bytes/s)
-    also bounds the whole read, to that timeout plus `limit` bytes at that rate."""
+    also bounds the whole read, to that timeout plus `limit` bytes at that rate (ValueError on
+    a blocking socket, whose wait nothing could cut short)."""
     fd, timeout = endpoint(sock_or_fd)
     return _native.read_frame(fd, timeout, limit, min_rate)
 

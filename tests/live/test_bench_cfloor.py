@@ -92,3 +92,72 @@ def test_the_c_floors_prefill_loop_refuses_a_status_it_did_not_ask_for_naming_it
         for sock in (asks, statuses, pusher, puller):
             sock.close(linger=0)
         ctx.term()
+
+
+
+class _ClearsTheList:
+    """An integer whose reading empties the list it stands in."""
+
+    def __init__(self, listed: list, value: int) -> None:
+        self.listed, self.value = listed, value
+
+    def __index__(self) -> int:
+        self.listed.clear()
+        return self.value
+
+
+def test_the_c_floors_prefill_loop_reads_its_slots_once_whatever_a_slot_runs():
+    """A slot's __index__ that empties the list mid-parse: the loop works from its own copy (both slots,
+    each read once) rather than reading freed memory."""
+    import zmq
+
+    from transfer import _io
+
+    if _io._NATIVE is None:
+        pytest.skip("transfer._native is not bound to pyzmq's libzmq")
+    slot_a, slot_b = bytearray(b"A" * 64), bytearray(b"B" * 64)
+    ctx = zmq.Context()
+    asks, statuses, pusher, puller = (ctx.socket(kind) for kind in (zmq.PULL, zmq.PULL, zmq.PUSH, zmq.PUSH))
+    try:
+        ask_port = asks.bind_to_random_port("tcp://127.0.0.1")
+        status_port = statuses.bind_to_random_port("tcp://127.0.0.1")
+        puller.connect(f"tcp://127.0.0.1:{ask_port}")
+        pusher.connect(f"tcp://127.0.0.1:{status_port}")
+        pusher.send(bench._FLOOR_STATUS.pack(0))
+        first = ctypes.addressof(ctypes.c_char.from_buffer(slot_a))
+        slots: list = []
+        slots.extend([_ClearsTheList(slots, first), ctypes.addressof(ctypes.c_char.from_buffer(slot_b))])
+        rooms, _, _, prints = _io._NATIVE.floor_receive(puller.underlying, statuses.underlying, statuses.fileno(),
+                                                        0, slots, 1, 10.0, 8, 64)
+        assert slots == [] and bench._FLOOR_STATUS.unpack(rooms) == (0,)
+        assert prints == b"A" * 16, "room 0 landed in the first slot given"
+        assert bench._FLOOR_ASK.unpack(asks.recv()) == (0, 0, first)
+    finally:
+        for sock in (asks, statuses, pusher, puller):
+            sock.close(linger=0)
+        ctx.term()
+
+
+@pytest.mark.skipif(bool(_direct_calls_missing()), reason=_direct_calls_missing() or "")
+def test_the_c_floors_encode_loop_reads_its_receivers_once_whatever_a_receiver_runs():
+    """A receiver's __index__ that empties the list mid-parse: the loop parses both from its own copy."""
+    import mooncake.engine
+    import zmq
+
+    from transfer import _io
+
+    if _io._NATIVE is None:
+        pytest.skip("transfer._native is not bound to pyzmq's libzmq")
+    _io._NATIVE.mooncake_bind(mooncake.engine.__file__)
+    ctx = zmq.Context()
+    asks, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        receivers: list = []
+        receivers.extend([(_ClearsTheList(receivers, 0), push.underlying, 0, 0, 1), (1, push.underlying, 0, 0, 1)])
+        assert _io._NATIVE.floor_serve(1, asks.underlying, asks.fileno(), receivers, 0, 1.0, 1e-3, 1e-2, 4096, 8, 1,
+                                       1, -1) == 0
+        assert receivers == []
+    finally:
+        asks.close(linger=0)
+        push.close(linger=0)
+        ctx.term()

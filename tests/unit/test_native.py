@@ -438,3 +438,18 @@ def test_layer_sum_refuses_addresses_beyond_64_bits_and_keeps_the_valid_ones():
     assert wire.layer_sum(U64, 0) == 0  # an empty range at the top does not wrap
     with pytest.raises(ValueError, match="null address"):
         wire.layer_sum(0, 8)
+
+
+_ROW = ctypes.create_string_buffer(64)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: _native.read_frame(-1, -1.0, None, 1.0),
+    lambda: _native.wire_transfer(-1, b"room=1", ((ctypes.addressof(_ROW), 64),), 1, 4096, -1.0, 1.0),
+], ids=["read_frame", "wire_transfer"])
+def test_a_least_rate_without_a_timeout_is_refused_before_any_io(call):
+    """A blocking socket (timeout -1) cannot be stopped mid-call, so a least rate there would bound nothing:
+    refused before the (bad) descriptor is touched."""
+    with pytest.raises(ValueError, match=r"^(read_frame|wire_transfer): min_rate needs a timeout: a blocking "
+                                         r"socket waits on its peer however slowly it goes$"):
+        call()
