@@ -211,3 +211,52 @@ def test_an_ask_made_in_receive_leaves_the_socket_the_io_thread_watches_to_it(en
         third = manager.receive(3, server.address, slots[2])
         assert sends_elsewhere == []
         assert not is_terminal(third.poll())
+
+
+def test_a_cancel_is_not_sent_on_a_connection_made_after_the_rooms_dropped(engines, server, monkeypatch):
+    """The encode rank's listener goes and another takes its port; ZMQ connects afresh before the I/O
+    thread's periodic look at the drop reports. The room's cancel could overtake its ask there, so it
+    is not sent: the new listener hears no cancel, the room's memory waits out the quarantine, and
+    the next room goes to the new listener behind a fresh registration."""
+    import zmq
+
+    from transfer.bootstrap import BootstrapClient
+    from transfer.frames import is_cancel, is_registration
+
+    monkeypatch.setattr(drive, "MONITOR_PERIOD_S", 3600.0)  # only a cancel or an ask reads the drop reports
+    _, prefill = engines
+    slots = torch.zeros(2, SPAN, HIDDEN, dtype=torch.bfloat16)
+    ctx = zmq.Context()
+    first = ctx.socket(zmq.PULL)
+    port = first.bind_to_random_port(f"tcp://{HOST}")
+    BootstrapClient(server.address).register_rank(1, 1, HOST, port, 0)
+    second = ctx.socket(zmq.PULL)
+    accepted = second.get_monitor_socket(zmq.EVENT_ACCEPTED)
+    try:
+        with SessionManager(prefill, 0, 1, 1, buffer=slots, host=HOST, deadline_s=60.0) as manager:
+            handle = manager.receive(1, server.address, slots[0])
+            got = [first.recv_multipart() for _ in range(2) if first.poll(10_000)]
+            assert [is_registration(frames) for frames in got] == [True, False], got
+            first.close(linger=0)  # ZMQ lets the port go on its own I/O thread, a moment later
+
+            def bound() -> bool:
+                try:
+                    second.bind(f"tcp://{HOST}:{port}")
+                except zmq.ZMQError:
+                    return False
+                return True
+
+            assert wait_until(bound, 10.0), f"port {port} never came free"
+            assert accepted.poll(10_000), "the prefill rank's socket never connected to the new listener"
+            handle.clear()
+            assert not second.poll(1_000), f"heard {second.recv_multipart()}"
+            assert not handle.safe_to_reuse, "no cancel was confirmed: the memory waits out the quarantine"
+            manager.receive(2, server.address, slots[1])
+            got = [second.recv_multipart() for _ in range(2) if second.poll(10_000)]
+            assert [(is_registration(frames), is_cancel(frames)) for frames in got] == [(True, False), (False, False)]
+            assert got[1][0] == b"2", got
+    finally:
+        second.disable_monitor()
+        for sock in (accepted, first, second):
+            sock.close(linger=0)
+        ctx.term()

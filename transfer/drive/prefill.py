@@ -794,8 +794,16 @@ class PrefillDriver:
 
     def _send_cancel(self, action: SendCancel) -> list:
         """Queues a cancel on the socket the room was asked on; one it cannot take now is not sent
-        (the room's memory then waits out the quarantine bound), and the core is told so."""
+        (the room's memory then waits out the quarantine bound), and the core is told so.
+
+        A socket whose connection dropped since its last ask (each ask reads the drop reports
+        first) may already be connected afresh, where the cancel could overtake the ask it
+        cancels: it is not sent there, and the core hears of the drop."""
         sock = self._sockets.get(action.addr)
+        if sock is not None and _io.dropped(self._monitors[action.addr]):
+            now = self.clock()
+            return [*self.core.cancel_unsent(now, action.room, action.token),
+                    *self.core.connection_dropped(now, action.addr)]
         if sock is not None:  # else closed since: the cancel would have no connection to go on
             try:
                 _io.send_frames(sock, action.frames)
