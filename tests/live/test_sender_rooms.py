@@ -506,3 +506,63 @@ def test_send_after_close_raises_the_usage_error_every_closed_component_raises(e
     pool.close()
     with pytest.raises(UsageError, match="^sender pool is closed$"):
         pool.send(1, item_tensor(1, SPAN, HIDDEN))
+
+
+class _HeldWrites:
+    """A real engine whose writes to receivers are held in flight (submitted, never done) until
+    released: write slots fill as they would behind receivers that stopped reading."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.submitted: list[str] = []
+        self.released = False
+
+    def write_async(self, session_id, srcs, dsts, lengths) -> int:
+        self.submitted.append(session_id)
+        return len(self.submitted)
+
+    def poll(self, ticket: int) -> bool:
+        return self.released
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+def test_a_burst_of_items_for_rooms_already_asked_starts_every_write(engines, server):
+    """Asks parked for 400 rooms across 8 receivers, then their items all posted before the pool's
+    thread takes the first: with write slots for all of them, every write starts and the thread
+    lives (taking each item while the last one's writes start must not nest)."""
+    import zmq
+
+    encode, _ = engines
+    rooms, receivers = 400, 8
+    source = item_tensor(1, rooms * SPAN, HIDDEN).view(rooms, SPAN, HIDDEN)
+    encode.register(source)
+    engine = _HeldWrites(encode)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        with SenderPool(engine, 0, 1, 1, server.address, host=HOST, depth=rooms) as pool:
+            push.connect(f"tcp://{HOST}:{pool.port}")
+            for room in range(rooms):
+                rank = room % receivers
+                push.send_multipart(TransferInfo(room, HOST, 20000 + rank, f"{HOST}:{7000 + rank}",
+                                                 0x100000 * (room + 1), 0, SPAN, HIDDEN, DTYPE, False, 1, 0,
+                                                 SPAN).to_frames())
+            assert wait_until(lambda: len(pool._core.parked) == rooms, 10), "the asks were not all parked"
+            driver = pool._driver
+            wake = driver.waker.wake
+            driver.waker.wake = lambda: None  # the items queue up until the thread's next turn
+            handles = [pool.send(room, source[room]) for room in range(rooms)]
+            driver.waker.wake = wake
+            wake()
+            assert wait_until(lambda: len(engine.submitted) == rooms or not pool._thread.is_alive(), 30)
+            assert pool._thread.is_alive(), [h.failure for h in handles[:1]]
+            assert sorted(engine.submitted) == sorted(f"{HOST}:{7000 + room % receivers}" for room in range(rooms))
+            assert all(h.poll() is TransferPoll.Transferring for h in handles)
+            engine.released = True
+            assert wait_until(lambda: all(h.poll() is TransferPoll.Success for h in handles), 30)
+            for handle in handles:
+                handle.clear()
+    finally:
+        push.close(linger=0)
+        encode.unregister(source.data_ptr())

@@ -508,14 +508,21 @@ class EncodeDriver:
         return any(fd == waker for fd, _ in events), any(fd == pull for fd, _ in events)
 
     def _take_commands(self) -> None:
+        """Files the commands posted (items sent, rooms cleared) with the core and carries its answers."""
+        self._carry(self._answer_commands())
+
+    def _answer_commands(self) -> list:
+        """Files the commands posted so far with the core, in order; its answers, not yet carried."""
+        actions: list = []
         while self.commands:
             command = self.commands.popleft()
             now = self.clock()
             if command[0] == "offer":
-                self._carry(self.core.offer(command[1], now))
+                actions += self.core.offer(command[1], now)
             else:
                 _, room, state = command
-                self._carry(self.core.clear(room, state, now))
+                actions += self.core.clear(room, state, now)
+        return actions
 
     def _drain_requests(self) -> bool:
         """Files up to MAX_REQUESTS_PER_ROUND queued requests; True when more may be queued."""
@@ -561,6 +568,12 @@ class EncodeDriver:
                     frames = cancel_reply_frames(action.room, self.engine_rank, action.cancel)
                 self.statuses.send(action.endpoint, action.port, frames)
             elif kind is StartWrite:
+                if self.commands:
+                    # A clear() posted meanwhile reaches the core before any byte is written: the
+                    # answers come first, then this write, in this loop (a burst of items does not nest).
+                    work.appendleft(action)
+                    work.extendleft(reversed(self._answer_commands()))
+                    continue
                 work.extend(self._start(action))
             elif kind is Conclude:
                 self.book.conclude(action.token, action.status, action.failure, action.at)
@@ -577,8 +590,6 @@ class EncodeDriver:
 
     def _start(self, write: StartWrite) -> list:
         """Submits one receiver's shard without waiting; returns the core's answer when it did not start."""
-        if self.commands:  # a clear() posted meanwhile reaches the core before any byte is written
-            self._take_commands()
         if not self.core.wants(write.wid):
             return self.core.write_skipped(write.wid, self.clock())
         submitted_at = self.clock()
