@@ -282,6 +282,10 @@ class SessionManager:
         room = check_room(room)
         dtype_name = normalize_dtype(dtype) if dtype is not None else None
         if dst is None:
+            if deepstack_dst is not None:
+                raise ConfigError(f"room {room}: deepstack_dst given with no dst: a pooled receive leases its "
+                                  f"deepstack rows with the item's (give deepstack_hidden), a receive into "
+                                  f"deepstack_dst needs dst too")
             # Before a slot is leased, so a room number in flight takes none (nor a fallback buffer); the
             # core refuses it again, under the driver's lock, when it files the room.
             self._driver.core.refuse_held(room)

@@ -8,6 +8,7 @@ import torch
 from live_helpers import HOST
 
 from transfer.bootstrap import BootstrapServer
+from transfer.buffers import ReceivePool
 from transfer.errors import ConfigError, ConfigTypeError, TransferError
 from transfer.metrics import total
 from transfer.receiver import SessionManager
@@ -215,8 +216,6 @@ def test_a_receive_region_that_may_be_gpu_memory_needs_its_tensor_for_its_checks
 
 
 def test_a_pool_on_another_engine_is_refused(engines):
-    from transfer.buffers import ReceivePool
-
     encode_engine, prefill_engine = engines
     with ReceivePool(encode_engine, 4096, 4096) as slots:
         with pytest.raises(ConfigError, match="registered with another engine than the manager's"):
@@ -242,3 +241,18 @@ def test_sizes_given_with_a_tensor_must_agree_with_it(manager, engines):
         encode_engine.unregister(item.data_ptr())
     with pytest.raises(ConfigError, match=r"^room 2: deepstack_hidden given with dst but no deepstack_dst"):
         manager.receive(2, bootstrap, buf, deepstack_hidden=128)
+
+
+def test_a_pooled_receive_refuses_what_only_a_receive_into_dst_takes_and_leases_nothing(engines):
+    """A pooled receive (no dst) leases its deepstack rows with the item's: a deepstack_dst given
+    there is refused, not dropped (the ask would have gone out without deepstack)."""
+    _, prefill_engine = engines
+    deepstack = torch.zeros(4, 32, dtype=torch.bfloat16)
+    with BootstrapServer(HOST, 0) as server, ReceivePool(prefill_engine, 8 * 4096, 4096) as slots, \
+            SessionManager(prefill_engine, 0, 1, 1, pool=slots, host=HOST, deadline_s=30) as manager:
+        with pytest.raises(ConfigError, match=r"^room 3: deepstack_dst given with no dst: a pooled receive leases "
+                                              r"its deepstack rows with the item's \(give deepstack_hidden\)"):
+            manager.receive(3, server.address, rows=4, hidden=64, dtype="bfloat16", deepstack_dst=deepstack)
+        with pytest.raises(ConfigError, match=r"^room 4: a pooled receive needs rows, hidden and dtype$"):
+            manager.receive(4, server.address, rows=4, hidden=64)
+        assert slots.stats()["free"] == 8 and slots.stats()["leased"] == 0
