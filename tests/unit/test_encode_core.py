@@ -665,6 +665,47 @@ def test_a_fanout_that_never_completed_says_how_many_of_it_asked():
                                                       "asked, the last 10.4s after the first)"
 
 
+def test_an_item_sent_past_the_fanout_timeout_after_asks_that_all_came_in_time_is_what_is_named_late():
+    """The whole fanout asked at once and the item came 10.6 s later, before the sweep told the asks
+    Failed: the room fails naming the item, not receivers that never registered."""
+    run = Run(fanout_timeout_s=10.0)
+    run.ask(_ask(1, rank=0, fanout=2))
+    run.at(0.5).ask(_ask(1, rank=1, fanout=2))
+    run.at(10.0).tick()
+    out = run.at(10.6).offer(_offer(1))
+    [conclusion] = run.of(Conclude, out)
+    assert (conclusion.failure.kind, conclusion.failure.detail) == (
+        FailureKind.OTHER, "room 1: its item was sent 10.6s after its first ask, past the fanout timeout 10s (its 2 "
+                           "prefill ranks asked in time)")
+    assert run.of(StartWrite, out) == [] and sorted(run.statuses(out)) == [(1, 6000, TransferPoll.Failed),
+                                                                           (1, 6001, TransferPoll.Failed)]
+
+
+def test_an_item_whose_asks_were_told_failed_for_want_of_it_fails_when_it_comes_unless_asked_again():
+    """Asks told Failed by the sweep (no item within the fanout timeout) leave the room remembered: its
+    late item fails at once, saying so, rather than waiting a whole timeout more for asks that concluded.
+    A receiver that asks again for the room is served by the item as usual."""
+    run = Run(fanout_timeout_s=10.0)
+    run.ask(_ask(1))
+    run.ask(_ask(2))
+    out = run.at(10.6).tick()
+    assert sorted(run.statuses(out)) == [(1, 6000, TransferPoll.Failed), (2, 6000, TransferPoll.Failed)]
+    out = run.at(12.0).offer(_offer(1))
+    [conclusion] = run.of(Conclude, out)
+    assert (conclusion.failure.kind, conclusion.failure.detail) == (
+        FailureKind.OTHER, "room 1: its item was sent 12.0s after its first ask, past the fanout timeout 10s (its 1 "
+                           "prefill ranks asked in time); they were told Failed 1.4s ago")
+    run.at(13.0).ask(_ask(2, ptr=0x20000))  # asked again: the next item is for that ask
+    out = run.at(13.5).offer(_offer(2))
+    assert [w.dsts for w in run.of(StartWrite, out)] == [(0x20000,)] and run.of(Conclude, out) == []
+    run.ask(_ask(3))
+    run.at(24.0).tick()
+    run.at(34.6).tick()  # a whole timeout after the asks were told Failed: the room is forgotten
+    run.at(34.7).offer(_offer(3))
+    assert run.of(Conclude, run.at(45.0).tick())[0].failure.detail == (
+        "receiver never registered within 10s (no prefill rank asked)")
+
+
 def test_a_dead_sessions_backlog_is_worked_through_in_bounded_turns_and_a_healthy_write_starts_in_the_first():
     run = Run(depth=32, fanout_timeout_s=120.0)
     for room in range(6000):

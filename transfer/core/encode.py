@@ -58,8 +58,9 @@ REASK_GRACE_S = 0.1
 #: How often unserved items and asks are swept for the fanout timeout.
 SWEEP_S = 0.5
 
-#: Rooms remembered as cancelled before their item came (oldest forgotten first), so the
-#: item fails at once when it comes instead of waiting for the fanout timeout.
+#: Rooms remembered as cancelled before their item came, and rooms whose asks were told Failed
+#: for want of their item (each at most this many, oldest forgotten first), so the item fails at
+#: once when it comes instead of waiting for the fanout timeout.
 MAX_CANCELLED_ROOMS = 4096
 
 #: Failed writes remembered by (room, receiver session) for a cancel that comes after the failure:
@@ -254,6 +255,13 @@ def _asked(asks: Asks | None) -> str:
     return f"{len(asks.infos)} of {asks.fanout} prefill ranks asked"
 
 
+def _late_item(room: int, late_s: float, limit: float, asked: int) -> str:
+    """Why an item sent past the fanout timeout after its room's first ask fails, its `asked` receivers
+    having asked in time."""
+    return (f"room {room}: its item was sent {late_s:.1f}s after its first ask, past the fanout timeout "
+            f"{limit:g}s (its {asked} prefill ranks asked in time)")
+
+
 class EncodeCore:
     """An encode rank's room rules: parked asks, fanout assembly, checks, scheduling, conclusions."""
 
@@ -275,6 +283,8 @@ class EncodeCore:
         self._next_wid = 1
         self._clears_due: deque[tuple[int, float]] = deque()  # (room, cleared at) with parked asks to fail
         self._cancelled: dict[int, tuple[str, float]] = {}  # room -> (session, at): cancelled before its item
+        # room -> (receivers, first ask at, told at): asks told Failed for want of an item; a late item fails
+        self._asks_timed_out: dict[int, tuple[int, float, float]] = {}
         # room -> (session, cancelled at, item): an item sent within REASK_GRACE_S of that session's cancel,
         # waiting for its new ask
         self._held: dict[int, tuple[str, float, _Room]] = {}
@@ -297,6 +307,12 @@ class EncodeCore:
         if self._closed:  # sent while the driver was closing: nothing will serve it
             self._fail(room, FailureKind.CLOSED, self._close_detail, now)
             return self._out_take()
+        timed_out = self._asks_timed_out.pop(offer.room, None)
+        if timed_out is not None and self.parked.get(offer.room) is None:
+            receivers, first_at, told_at = timed_out
+            late = _late_item(room.room, now - first_at, self.fanout_timeout_s, receivers)
+            self._fail(room, FailureKind.OTHER, f"{late}; they were told Failed {now - told_at:.1f}s ago", now)
+            return self._flush(now)
         cancelled = self._cancelled.pop(offer.room, None)
         if cancelled is not None and _grace_over(cancelled[1], now):
             self._fail_cancelled_item(room, *cancelled, now)
@@ -756,7 +772,8 @@ class EncodeCore:
         room = self._rooms.get(room_number)
         if room is None or room.succeeded or (room.receivers and not room.failed and not room.orphans):
             return  # a served room's sources may be released: later asks wait for its next send
-        fanout, first_at = asks.fanout, asks.first_at  # read before the newcomers' asks are dropped below
+        # Read before the newcomers' asks are dropped below.
+        fanout, first_at, last_at = asks.fanout, asks.first_at, asks.last_at
         kept = [] if room.failed else room.receivers  # being served: their asks wait for the next send
         sessions = {info.session_id for info in kept}
         newcomers = sorted((info for info in asks.infos.values() if info.session_id not in sessions),
@@ -775,7 +792,7 @@ class EncodeCore:
         room.receivers = infos
         room.orphans = []
         self._unserved.discard(room_number)
-        if (self._fanout_too_late(room, fanout, first_at, len(infos), now)
+        if (self._fanout_too_late(room, fanout, first_at, last_at, len(infos), now)
                 or self._refused(room, infos, newcomers, fanout, now)):
             return
         if not kept:
@@ -791,13 +808,20 @@ class EncodeCore:
                                                    f"asked with fanout {odd.fanout}, receiver "
                                                    f"{receiver_text(first.session_id)} with fanout {asks.fanout}", now)
 
-    def _fanout_too_late(self, room: _Room, fanout: int, first_at: float, asked: int, now: float) -> bool:
-        """Fails the room if its whole fanout asked only after the fanout timeout: no write may start
-        this late after the first ask (said here, not later as a wait for a write slot)."""
+    def _fanout_too_late(self, room: _Room, fanout: int, first_at: float, last_at: float, asked: int,
+                         now: float) -> bool:
+        """Fails the room if its whole fanout asked, or its item came, only after the fanout timeout: no
+        write may start this late after the first ask (said here, not later as a wait for a write slot)."""
         limit = self.fanout_timeout_s
         waited = now - first_at
         if waited <= limit:
             return False
+        if last_at - first_at <= limit:  # every rank asked in time: the item is what came late
+            self._warn("late item", "room %d: its item was sent %.1fs after its first ask, past the fanout "
+                       "timeout %gs; failing it", room.room, room.offered_at - first_at, limit)
+            self._fail(room, FailureKind.OTHER, _late_item(room.room, room.offered_at - first_at, limit, asked),
+                       now)
+            return True
         self._warn("late fanout", "room %d: its whole fanout of %d asked only %.1fs after its first ask, past "
                    "the fanout timeout %gs; failing it", room.room, fanout, waited, limit)
         self._fail(room, FailureKind.FANOUT_TIMEOUT, f"receiver never registered within {limit:g}s "
@@ -1058,6 +1082,12 @@ class EncodeCore:
                        number, limit, len(taken.infos))
             self._tell_failed(taken.infos.values(), Failure(
                 FailureKind.OTHER, f"room {number}: no item was sent for it within {limit:g}s of its first ask"))
+            remember(self._asks_timed_out, number, (len(taken.infos), taken.first_at, now), MAX_CANCELLED_ROOMS)
+        while self._asks_timed_out:
+            room_number, (_, _, told_at) = next(iter(self._asks_timed_out.items()))
+            if now - told_at <= limit:
+                break
+            del self._asks_timed_out[room_number]
         while self._cancelled:
             room_number, (_, at) = next(iter(self._cancelled.items()))
             if now - at <= limit:

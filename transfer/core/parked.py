@@ -38,12 +38,13 @@ def ask_cost(info: TransferInfo) -> int:
 
 @dataclass
 class Asks:
-    """One room's parked TransferInfos, by session id, and when the first came."""
+    """One room's parked TransferInfos, by session id, and when the first and the latest came."""
 
     room: int
     first_at: float
     infos: dict[str, TransferInfo] = field(default_factory=dict)
     nbytes: int = 0
+    last_at: float = 0.0
 
     @property
     def fanout(self) -> int:
@@ -90,6 +91,7 @@ class ParkedAsks:
             return admission
         replaced = asks.infos.get(info.session_id)
         asks.infos[info.session_id] = info
+        asks.last_at = now
         self._by_session.setdefault(info.session_id, set()).add(info.room)
         cost = ask_cost(info) - (ask_cost(replaced) if replaced is not None else 0)
         asks.nbytes += cost
