@@ -477,7 +477,7 @@ def test_a_cancel_the_socket_did_not_take_starts_no_silence_and_holds_nothing_ba
     first = asked(c, 1, now=0.0)
     (cancel,) = of(SendCancel, c.abandon(0.0, 1, first))
     c.clear(0.0, 1, first)
-    assert c.cancel_unsent(0.0, 1, cancel.token) == [] and c.pending_cancels == 0
+    assert c.cancel_unsent(0.0, 1, cancel.rank, cancel.token) == [] and c.pending_cancels == 0
     assert not c.safe(1, first)
     second = asked(c, 1, now=0.1)  # not held for an answer
     assert of(SendCancel, c.abandon(prefill.CANCEL_SILENCE_S + 1, 1, second))
@@ -518,6 +518,22 @@ def test_an_unsent_cancel_leaves_the_silence_of_those_before_it_counting():
         assert of(SendCancel, c.abandon(float(room - 1), room, token))
     token = asked(c, 5, now=4.0)
     (cancel,) = of(SendCancel, c.abandon(4.0, 5, token))
-    c.cancel_unsent(4.0, 5, cancel.token)
+    c.cancel_unsent(4.0, 5, cancel.rank, cancel.token)
     late = asked(c, 6, now=prefill.CANCEL_SILENCE_S)
     assert c.abandon(prefill.CANCEL_SILENCE_S, 6, late) == [], "the first cancel, at 0 s, is still unanswered"
+
+
+def test_an_unsent_oldest_cancel_moves_the_silence_clock_to_the_next_oldest_unanswered():
+    c = core()
+    cancels = []
+    for room in (1, 2, 3):
+        token = asked(c, room, now=float(room))
+        cancels += of(SendCancel, c.abandon(float(room), room, token))
+    assert [cancel.room for cancel in cancels] == [1, 2, 3]
+    c.cancel_unsent(3.0, 1, cancels[0].rank, cancels[0].token)  # the oldest was never sent
+    # The silence counts from room 2's cancel, sent at 2 s.
+    t = 2.0 + prefill.CANCEL_SILENCE_S
+    late = asked(c, 4, now=t - 0.01)
+    assert of(SendCancel, c.abandon(t - 0.01, 4, late))
+    later = asked(c, 5, now=t)
+    assert c.abandon(t, 5, later) == [], "room 2's cancel went unanswered 5 s"

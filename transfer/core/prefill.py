@@ -173,6 +173,7 @@ class SendCancel:
 
     addr: Address
     room: int
+    rank: int
     token: int
     frames: list[bytes] = field(repr=False, compare=False)
 
@@ -282,13 +283,15 @@ LOOKUP, HELD, QUEUED, ASKED, VERIFYING, CONCLUDED = "lookup", "held", "queued", 
 
 @dataclass(slots=True, eq=False)
 class _Cancel:
-    """A cancel sent for one ask (its token), on connection `conn` to `addr`; `answered` once any answer came."""
+    """A cancel sent for one ask (its token), on connection `conn` to `addr`; `answered` once any answer came,
+    `gone` once it awaits none (its last answer came, it was not sent after all, or it was set aside)."""
 
     token: int
     addr: Address
     conn: int
     sent_at: float
     answered: bool = False
+    gone: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -375,6 +378,8 @@ class PrefillCore:
         self._ghosts: dict[tuple[int, int], int] = {}  # (room, encode rank) set aside -> last answers still to come
         self._answering: set[Address] = set()  # encode ranks seen to answer cancels
         self._unanswered_since: dict[Address, float] = {}  # when a cancel there last went unanswered
+        # Each address's cancels in the order sent, those answered or gone let go of from the front.
+        self._sent_to: dict[Address, deque[_Cancel]] = {}
         self._answered_at: dict[Address, float] = {}  # when the current connection there last answered a room
         self._held: list[tuple[float, int, _Room]] = []  # (when its ask goes anyway, token, room), a heap
 
@@ -494,21 +499,22 @@ class PrefillCore:
         safe = [MemorySafe(room, cancel.token)] if answer is CancelAnswer.CONFIRMED else []
         return [*safe, *self._release(now, room, rank)]
 
-    def cancel_unsent(self, now: float, room: int, token: int) -> list:
-        """The socket did not take the room's cancel: no answer will come for it (its memory waits out
-        the quarantine), so it holds nothing back and says nothing of its encode rank's silence."""
-        for (number, rank), cancels in list(self._cancels.items()):
-            for cancel in cancels:
-                if number == room and cancel.token == token and not cancel.answered:
-                    self._drop_cancel((number, rank), cancel)
-                    self._restart_silence(cancel.addr)
-                    return self._release(now, room, rank)
+    def cancel_unsent(self, now: float, room: int, rank: int, token: int) -> list:
+        """The socket did not take the room's cancel to encode rank `rank`: no answer will come for it
+        (its memory waits out the quarantine), so it holds nothing back and says nothing of that
+        rank's silence."""
+        for cancel in self._cancels.get((room, rank), ()):
+            if cancel.token == token and not cancel.answered:
+                self._drop_cancel((room, rank), cancel)
+                self._restart_silence(cancel.addr)
+                return self._release(now, room, rank)
         return []
 
     def _drop_cancel(self, key: tuple[int, int], cancel: _Cancel) -> None:
         """Forgets one cancel awaiting its answer under (room, encode rank) `key`."""
         cancels = self._cancels[key]
         cancels.remove(cancel)
+        cancel.gone = True
         if not cancels:
             del self._cancels[key]
         self._cancel_count -= 1
@@ -545,6 +551,8 @@ class PrefillCore:
         """Sets every cancel of (room, encode rank) `key` aside as a ghost that takes their answers still to
         come; a held ask waiting for them goes."""
         cancels = self._cancels.pop(key)
+        for cancel in cancels:
+            cancel.gone = True
         self._cancel_count -= len(cancels)
         self._ghosts[key] = self._ghosts.get(key, 0) + len(cancels)
         return self._release(now, *key)
@@ -561,12 +569,21 @@ class PrefillCore:
 
     def _restart_silence(self, addr: Address) -> None:
         """The silence clock of `addr` from its oldest cancel still unanswered, if any."""
-        sent = [cancel.sent_at for cancels in self._cancels.values() for cancel in cancels
-                if cancel.addr == addr and not cancel.answered]
+        sent = self._oldest_unanswered(addr)
         if sent:
-            self._unanswered_since[addr] = min(sent)
+            self._unanswered_since[addr] = sent[0].sent_at
         else:
             self._unanswered_since.pop(addr, None)
+
+    def _oldest_unanswered(self, addr: Address) -> deque[_Cancel] | None:
+        """The cancels sent to `addr`, its oldest still unanswered first; None when it has none."""
+        sent = self._sent_to.get(addr)
+        while sent and (sent[0].answered or sent[0].gone):
+            sent.popleft()
+        if not sent:
+            self._sent_to.pop(addr, None)
+            return None
+        return sent
 
     def clear(self, now: float, room: int, token: int | None = None) -> bool:
         """Forgets the room (its asks not yet sent never go out); False when it was not held."""
@@ -1061,11 +1078,13 @@ class PrefillCore:
         cancel = _Cancel(state.token, state.addr, state.conn, now)
         pending.append(cancel)
         self._cancels_sent.append((now, key, cancel))
+        self._oldest_unanswered(state.addr)  # lets go of those answered since, so the queue stays short
+        self._sent_to.setdefault(state.addr, deque()).append(cancel)
         self._unanswered_since.setdefault(state.addr, now)
         self._cancel_count += 1
         released = self._set_aside(now, next(iter(self._cancels))) if self._cancel_count > MAX_PENDING_CANCELS else []
         frames = cancel_frames(state.room, self.host, self.status_port, self.session_id, reads_write_failed=True)
-        return [SendCancel(state.addr, state.room, state.token, frames), *released]
+        return [SendCancel(state.addr, state.room, state.encode_rank, state.token, frames), *released]
 
     def _release(self, now: float, room: int, rank: int) -> list:
         """The held ask of `room` for encode rank `rank` goes, unless a cancel before it is still unanswered."""

@@ -802,7 +802,7 @@ class PrefillDriver:
         sock = self._sockets.get(action.addr)
         if sock is not None and _io.dropped(self._monitors[action.addr]):
             now = self.clock()
-            return [*self.core.cancel_unsent(now, action.room, action.token),
+            return [*self.core.cancel_unsent(now, action.room, action.rank, action.token),
                     *self.core.connection_dropped(now, action.addr)]
         if sock is not None:  # else closed since: the cancel would have no connection to go on
             try:
@@ -814,7 +814,7 @@ class PrefillDriver:
                                          *action.addr)
             except zmq.ZMQError as exc:
                 log.warning("room %d: sending its cancel failed: %s", action.room, exc)
-        return self.core.cancel_unsent(self.clock(), action.room, action.token)
+        return self.core.cancel_unsent(self.clock(), action.room, action.rank, action.token)
 
     def _memory_safe(self, action: MemorySafe) -> None:
         """The encode rank confirmed the room's cancel: its memory is the caller's again."""
