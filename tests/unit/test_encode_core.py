@@ -675,8 +675,8 @@ def test_an_item_sent_past_the_fanout_timeout_after_asks_that_all_came_in_time_i
     out = run.at(10.6).offer(_offer(1))
     [conclusion] = run.of(Conclude, out)
     assert (conclusion.failure.kind, conclusion.failure.detail) == (
-        FailureKind.OTHER, "room 1: its item was sent 10.6s after its first ask, past the fanout timeout 10s (its 2 "
-                           "prefill ranks asked in time)")
+        FailureKind.OTHER, "room 1: its item was sent 10.6s after its first ask, past the fanout timeout 10s (its "
+                           "whole fanout of 2 asked in time)")
     assert run.of(StartWrite, out) == [] and sorted(run.statuses(out)) == [(1, 6000, TransferPoll.Failed),
                                                                            (1, 6001, TransferPoll.Failed)]
 
@@ -693,8 +693,8 @@ def test_an_item_whose_asks_were_told_failed_for_want_of_it_fails_when_it_comes_
     out = run.at(12.0).offer(_offer(1))
     [conclusion] = run.of(Conclude, out)
     assert (conclusion.failure.kind, conclusion.failure.detail) == (
-        FailureKind.OTHER, "room 1: its item was sent 12.0s after its first ask, past the fanout timeout 10s (its 1 "
-                           "prefill ranks asked in time); they were told Failed 1.4s ago")
+        FailureKind.OTHER, "room 1: its item was sent 12.0s after its first ask, past the fanout timeout 10s (1 of 1 "
+                           "prefill ranks asked, told Failed 1.4s ago)")
     run.at(13.0).ask(_ask(2, ptr=0x20000))  # asked again: the next item is for that ask
     out = run.at(13.5).offer(_offer(2))
     assert [w.dsts for w in run.of(StartWrite, out)] == [(0x20000,)] and run.of(Conclude, out) == []

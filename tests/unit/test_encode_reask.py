@@ -99,3 +99,49 @@ def test_an_item_cleared_and_sent_again_while_it_waits_for_a_new_ask_leaves_the_
     assert run.conclusions() == [(6, TransferPoll.Failed, FailureKind.CLEARED)], "the send again waits for its asks"
     [write] = run.of(StartWrite, run(run.core.ask(_ask(6, NEW), 0.2)))
     assert write.dsts == (NEW,)
+
+
+def test_a_new_ask_for_a_room_its_own_cancel_failed_is_told_so_at_once_after_the_caller_cleared_it():
+    """The caller clears the failed item as it concludes; the receiver's new ask is still told why at
+    once (not left to wait for an item nobody sends), until the fanout timeout or a new send."""
+    run = Run()
+    run(run.core.ask(_ask(7, OLD), 0.0))
+    run(run.core.cancel(_cancel(7), 0.0))
+    first = _offer(7)
+    run(run.core.offer(first, 0.5))  # past the grace: the cancel fails it at once
+    assert run.conclusions() == [(7, TransferPoll.Failed, FailureKind.CANCELLED)]
+    run(run.core.clear(7, first.token, 0.6))
+    [told] = run.statuses(run(run.core.ask(_ask(7, NEW), 0.7)))
+    assert told.status is TransferPoll.Failed and told.failure.kind is FailureKind.CANCELLED
+    assert told.failure.detail.startswith("room 7: receiver 10.0.0.7:17000 asked for it again 0.700s after its "
+                                          "own cancel had failed the room's item")
+    other = TransferInfo(7, "10.0.0.8", 6000, "10.0.0.8:17000", NEW, 0, 4, HIDDEN, DTYPE, False, 1, 0, 4)
+    assert run.statuses(run(run.core.ask(other, 0.8))) == [], "another receiver's ask waits for a send"
+    run(run.core.offer(_offer(7), 1.0))  # sent again: the asks from now on are that send's
+    run(run.core.ask(_ask(8, OLD), 1.0))
+    run(run.core.cancel(_cancel(8), 1.0))
+    second = _offer(8)
+    run(run.core.offer(second, 1.5))
+    run(run.core.clear(8, second.token, 1.6))
+    assert run.statuses(run(run.core.ask(_ask(8, NEW), 11.7))) == [], "remembered for the fanout timeout only"
+
+
+@pytest.mark.parametrize("what", ["cancel", "asks told failed"])
+def test_what_fails_a_late_item_is_remembered_for_the_fanout_timeout_whenever_the_sweep_runs(what):
+    """A cancel before the item, or asks told Failed for want of it, fail an item sent within the fanout
+    timeout of them; one sent later waits for its asks, though no sweep ran in between to forget them."""
+    run = Run()
+    run(run.core.ask(_ask(10, OLD), 0.0))
+    run(run.core.cancel(_cancel(10), 1.0))
+    run(run.core.offer(_offer(10), 10.9))
+    assert run.conclusions() == [(10, TransferPoll.Failed, FailureKind.CANCELLED)]
+    run(run.core.ask(_ask(9, OLD), 1.0))
+    if what == "cancel":
+        run(run.core.cancel(_cancel(9), 1.5))
+        since = 1.5
+    else:
+        run(run.core.tick(11.5))  # its ask is told Failed: no item within the fanout timeout
+        assert [(told.room, told.status) for told in run.statuses()][-1] == (9, TransferPoll.Failed)
+        since = 11.5
+    run(run.core.offer(_offer(9), since + 10.2))
+    assert run.conclusions() == [(10, TransferPoll.Failed, FailureKind.CANCELLED)], "room 9's item waits"

@@ -32,9 +32,9 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from transfer.core.bounded import remember
+from transfer.core.bounded import forget_before, remember
 from transfer.core.breaker import Breaker
 from transfer.core.failure import CLEARED, Failure, FailureKind, without_room
 from transfer.core.parked import Asks, ParkedAsks
@@ -45,6 +45,8 @@ from transfer.status import TransferPoll
 
 __all__ = ["CLEARED_GRACE_S", "REASK_GRACE_S", "SWEEP_S", "Conclude", "Count", "EncodeCore", "Offer", "Progress",
            "PushStatus", "Release", "StartWrite", "Warn"]
+
+_T = TypeVar("_T", bound=tuple)
 
 #: A room cleared before its whole fanout asked has its parked asks told Failed this long
 #: after the clear, so a caller that clears and sends the room again at once (a retry)
@@ -255,11 +257,10 @@ def _asked(asks: Asks | None) -> str:
     return f"{len(asks.infos)} of {asks.fanout} prefill ranks asked"
 
 
-def _late_item(room: int, late_s: float, limit: float, asked: int) -> str:
-    """Why an item sent past the fanout timeout after its room's first ask fails, its `asked` receivers
-    having asked in time."""
+def _late_item(room: int, late_s: float, limit: float, asked: str) -> str:
+    """Why an item sent past the fanout timeout after its room's first ask fails; `asked` says who asked."""
     return (f"room {room}: its item was sent {late_s:.1f}s after its first ask, past the fanout timeout "
-            f"{limit:g}s (its {asked} prefill ranks asked in time)")
+            f"{limit:g}s ({asked})")
 
 
 class EncodeCore:
@@ -283,8 +284,11 @@ class EncodeCore:
         self._next_wid = 1
         self._clears_due: deque[tuple[int, float]] = deque()  # (room, cleared at) with parked asks to fail
         self._cancelled: dict[int, tuple[str, float]] = {}  # room -> (session, at): cancelled before its item
-        # room -> (receivers, first ask at, told at): asks told Failed for want of an item; a late item fails
-        self._asks_timed_out: dict[int, tuple[int, float, float]] = {}
+        # room -> (who asked, first ask at, told at): asks told Failed for want of an item; a late item fails
+        self._asks_timed_out: dict[int, tuple[str, float, float]] = {}
+        # room -> (the room, cleared at): failed by a receiver's cancel, then cleared; that receiver's new ask
+        # is told why
+        self._cleared_cancelled: dict[int, tuple[_Room, float]] = {}
         # room -> (session, cancelled at, item): an item sent within REASK_GRACE_S of that session's cancel,
         # waiting for its new ask
         self._held: dict[int, tuple[str, float, _Room]] = {}
@@ -307,13 +311,14 @@ class EncodeCore:
         if self._closed:  # sent while the driver was closing: nothing will serve it
             self._fail(room, FailureKind.CLOSED, self._close_detail, now)
             return self._out_take()
-        timed_out = self._asks_timed_out.pop(offer.room, None)
+        self._cleared_cancelled.pop(offer.room, None)
+        timed_out = self._recent(self._asks_timed_out.pop(offer.room, None), 2, now)
         if timed_out is not None and self.parked.get(offer.room) is None:
-            receivers, first_at, told_at = timed_out
-            late = _late_item(room.room, now - first_at, self.fanout_timeout_s, receivers)
-            self._fail(room, FailureKind.OTHER, f"{late}; they were told Failed {now - told_at:.1f}s ago", now)
+            asked, first_at, told_at = timed_out
+            self._fail(room, FailureKind.OTHER, _late_item(room.room, now - first_at, self.fanout_timeout_s,
+                                                           f"{asked}, told Failed {now - told_at:.1f}s ago"), now)
             return self._flush(now)
-        cancelled = self._cancelled.pop(offer.room, None)
+        cancelled = self._recent(self._cancelled.pop(offer.room, None), 1, now)
         if cancelled is not None and _grace_over(cancelled[1], now):
             self._fail_cancelled_item(room, *cancelled, now)
             return self._flush(now)
@@ -331,6 +336,8 @@ class EncodeCore:
         del self._rooms[room]
         self._unserved.discard(room)
         self._fail_with(held, CLEARED, now)
+        if held.cancelled_by:
+            remember(self._cleared_cancelled, room, (held, now), MAX_CANCELLED_ROOMS)
         if not held.receivers and not self._closed:
             self._clears_due.append((room, now))
         return self._flush(now)
@@ -366,6 +373,11 @@ class EncodeCore:
                                                                     f"may have"))
             return self._flush(now)
         room = self._rooms.get(info.room)
+        cleared = self._recent(self._cleared_cancelled.get(info.room), 1, now) if room is None else None
+        if cleared is not None and info.session_id in cleared[0].cancelled_by:
+            # Its own cancel failed the room's item, which the caller has cleared since: told why at once.
+            self._tell_failed([info], self._reask_failure(cleared[0], info, now))
+            return self._flush(now)
         if room is not None and not room.failed and info.session_id not in room.served and info in room.receivers:
             # A copy of an ask its room is writing now (the message came twice): parked, it would wait
             # for the room's next send and be told Failed when none came.
@@ -451,6 +463,11 @@ class EncodeCore:
         held = self._held.get(info.room)
         if held is not None and held[0] == info.session_id:
             del self._held[info.room]
+
+    def _recent(self, entry: _T | None, at: int, now: float) -> _T | None:
+        """A remembered `entry` (filed at its item `at`) while within the fanout timeout, else None: the
+        sweep forgets it only at its next round."""
+        return entry if entry is not None and now - entry[at] <= self.fanout_timeout_s else None
 
     def _fail_by_cancel(self, room: _Room, session: str, detail: str, now: float, at: float | None = None) -> None:
         """Fails the room for a receiver's cancel (that came `at`, else now); when that cancel is what fails
@@ -725,12 +742,13 @@ class EncodeCore:
 
     def expects(self, room: int) -> bool:
         """Whether an item for `room` would do more now than wait for its asks: some are parked, a
-        cancel waits for it, or the core is closed (then it fails at once).
+        cancel or asks told Failed wait for it, or the core is closed (then it fails at once).
 
         Only reads (a dict look-up each), so the caller's thread may ask it without the
         driver's lock: see EncodeDriver.offer for why a stale answer loses nothing.
         """
-        return self._closed or self.parked.get(room) is not None or room in self._cancelled
+        return (self._closed or self.parked.get(room) is not None or room in self._cancelled
+                or room in self._asks_timed_out)
 
     @property
     def busy(self) -> bool:
@@ -819,8 +837,8 @@ class EncodeCore:
         if last_at - first_at <= limit:  # every rank asked in time: the item is what came late
             self._warn("late item", "room %d: its item was sent %.1fs after its first ask, past the fanout "
                        "timeout %gs; failing it", room.room, room.offered_at - first_at, limit)
-            self._fail(room, FailureKind.OTHER, _late_item(room.room, room.offered_at - first_at, limit, asked),
-                       now)
+            self._fail(room, FailureKind.OTHER, _late_item(room.room, room.offered_at - first_at, limit,
+                                                           f"its whole fanout of {fanout} asked in time"), now)
             return True
         self._warn("late fanout", "room %d: its whole fanout of %d asked only %.1fs after its first ask, past "
                    "the fanout timeout %gs; failing it", room.room, fanout, waited, limit)
@@ -1082,17 +1100,10 @@ class EncodeCore:
                        number, limit, len(taken.infos))
             self._tell_failed(taken.infos.values(), Failure(
                 FailureKind.OTHER, f"room {number}: no item was sent for it within {limit:g}s of its first ask"))
-            remember(self._asks_timed_out, number, (len(taken.infos), taken.first_at, now), MAX_CANCELLED_ROOMS)
-        while self._asks_timed_out:
-            room_number, (_, _, told_at) = next(iter(self._asks_timed_out.items()))
-            if now - told_at <= limit:
-                break
-            del self._asks_timed_out[room_number]
-        while self._cancelled:
-            room_number, (_, at) = next(iter(self._cancelled.items()))
-            if now - at <= limit:
-                break
-            del self._cancelled[room_number]
+            remember(self._asks_timed_out, number, (_asked(taken), taken.first_at, now), MAX_CANCELLED_ROOMS)
+        forget_before(self._asks_timed_out, now - limit, lambda entry: entry[2])
+        forget_before(self._cancelled, now - limit, lambda entry: entry[1])
+        forget_before(self._cleared_cancelled, now - limit, lambda entry: entry[1])
         self.breaker.sweep(now)
 
     # ------------------------------------------------------------ output
