@@ -236,6 +236,19 @@ def test_a_status_before_the_cancels_answer_is_the_cancelled_asks_and_concludes_
     assert isinstance(verify, Verify) and verify.token == token
 
 
+def test_the_cancelled_asks_status_while_the_new_ask_waits_for_its_socket_is_stale_not_suspect():
+    """The new ask has not left yet (its socket was full): the old ask's Success, which comes before the
+    cancel's answer, is dropped as stale, with no warning of a status for a room never asked for."""
+    c = core()
+    _answering(c)
+    old, token, actions = _cleared_and_asked_again(c, 7, 1.0)
+    c.refused(1.0, ENCODE, actions)
+    assert c.stage(7) == "queued"
+    assert c.status(1.1, 7, TransferPoll.Success, 0, (11,)) == []
+    assert c.cancel_answered(1.2, 7, 0, CONFIRMED) == [MemorySafe(7, old)]
+    [warning] = c.status(1.3, 7, TransferPoll.Success, 0, (11,))
+    assert isinstance(warning, Warn) and "before this rank asked for the room; ignored" in warning.message
+
 def test_a_too_late_answer_is_the_cancels_answer_and_the_new_asks_statuses_count_after_it():
     c = core()
     c.integrity = False

@@ -891,6 +891,8 @@ class PrefillCore:
         if state.stage in (VERIFYING, CONCLUDED) and (status is not TransferPoll.Failed or state.outcome is not None):
             return []  # its conclusion stands: only a Failed overturns a Success (SPEC.md section 3)
         if not state.asked:
+            if (room, rank) in self._cancels or (room, rank) in self._ghosts:
+                return []  # the cancelled earlier ask's, whose cancel's answers are still to come: stale
             # No encode rank has heard of this room from us yet: an earlier room's under the same number
             # (its manager's predecessor at this endpoint, or a send of it cleared since), or forged.
             return [Warn(("status for a room not asked for", rank),
