@@ -187,8 +187,10 @@ class SourceRegistry:
     its counts: a region registered for one pool's send stays registered while a room of
     any pool on that engine reads it, and one the caller registered is never unregistered here.
     `lock` guards the counts and is never held across a registration (slow for a large
-    region over RDMA): the drivers' releases do not wait for one. Callers register one
-    region at a time, under `_registering`.
+    region over RDMA): the drivers' releases do not wait for one. It is held across a
+    deregistration (the last hold of a temporary registration let go), so a send() that
+    holds a region meanwhile waits for that. Callers register one region at a time, under
+    `_registering`.
     """
 
     def __init__(self, engine: TransferEngineLike) -> None:
