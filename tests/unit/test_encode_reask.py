@@ -7,6 +7,7 @@ import pytest
 from encode_rooms import Run
 
 from transfer.core.encode import (
+    CLEARED_GRACE_S,
     REASK_GRACE_S,
     Conclude,
     EncodeCore,
@@ -101,9 +102,10 @@ def test_an_item_cleared_and_sent_again_while_it_waits_for_a_new_ask_leaves_the_
     assert write.dsts == (NEW,)
 
 
-def test_a_new_ask_for_a_room_its_own_cancel_failed_is_told_so_at_once_after_the_caller_cleared_it():
-    """The caller clears the failed item as it concludes; the receiver's new ask is still told why at
-    once (not left to wait for an item nobody sends), until the fanout timeout or a new send."""
+def test_a_new_ask_for_a_room_its_own_cancel_failed_is_told_why_after_the_caller_cleared_it():
+    """The caller clears the failed item as it concludes; the receiver's new ask is told why once the
+    clear's grace passed with no send again (not left to wait for an item nobody sends), within the
+    fanout timeout of the clear."""
     run = Run()
     run(run.core.ask(_ask(7, OLD), 0.0))
     run(run.core.cancel(_cancel(7), 0.0))
@@ -111,19 +113,37 @@ def test_a_new_ask_for_a_room_its_own_cancel_failed_is_told_so_at_once_after_the
     run(run.core.offer(first, 0.5))  # past the grace: the cancel fails it at once
     assert run.conclusions() == [(7, TransferPoll.Failed, FailureKind.CANCELLED)]
     run(run.core.clear(7, first.token, 0.6))
-    [told] = run.statuses(run(run.core.ask(_ask(7, NEW), 0.7)))
-    assert told.status is TransferPoll.Failed and told.failure.kind is FailureKind.CANCELLED
-    assert told.failure.detail.startswith("room 7: receiver 10.0.0.7:17000 asked for it again 0.700s after its "
-                                          "own cancel had failed the room's item")
+    assert run.statuses(run(run.core.ask(_ask(7, NEW), 0.7))) == []
     other = TransferInfo(7, "10.0.0.8", 6000, "10.0.0.8:17000", NEW, 0, 4, HIDDEN, DTYPE, False, 1, 0, 4)
-    assert run.statuses(run(run.core.ask(other, 0.8))) == [], "another receiver's ask waits for a send"
-    run(run.core.offer(_offer(7), 1.0))  # sent again: the asks from now on are that send's
+    run(run.core.ask(other, 0.75))
+    assert run.statuses(run(run.core.tick(0.75))) == []
+    assert run.core.next_wakeup() == pytest.approx(0.7 + CLEARED_GRACE_S), "the driver wakes for it"
+    [told] = run.statuses(run(run.core.tick(0.7 + CLEARED_GRACE_S)))
+    assert (told.port, told.status, told.failure.kind) == (6000, TransferPoll.Failed, FailureKind.CANCELLED)
+    assert told.failure.detail.startswith("room 7: receiver 10.0.0.7:17000 asked for it again 0.800s after its "
+                                          "own cancel had failed the room's item")
+    assert run.core.parked.get(7).infos.keys() == {"10.0.0.8:17000"}, "another receiver's ask waits for a send"
     run(run.core.ask(_ask(8, OLD), 1.0))
     run(run.core.cancel(_cancel(8), 1.0))
     second = _offer(8)
     run(run.core.offer(second, 1.5))
     run(run.core.clear(8, second.token, 1.6))
-    assert run.statuses(run(run.core.ask(_ask(8, NEW), 11.7))) == [], "remembered for the fanout timeout only"
+    run(run.core.ask(_ask(8, NEW), 11.7))
+    told = run.statuses(run(run.core.tick(11.9)))
+    assert [t.room for t in told] == [7], "room 8's clear is forgotten after the fanout timeout: its ask waits"
+
+
+def test_a_new_ask_between_the_clear_of_a_room_its_cancel_failed_and_the_rooms_send_again_is_served():
+    run = Run()
+    run(run.core.ask(_ask(11, OLD), 0.0))
+    run(run.core.cancel(_cancel(11), 0.0))
+    first = _offer(11)
+    run(run.core.offer(first, 0.5))
+    run(run.core.clear(11, first.token, 0.6))  # its caller clears it and sends it again (a retry)
+    run(run.core.ask(_ask(11, NEW), 0.62))
+    [write] = run.of(StartWrite, run(run.core.offer(_offer(11), 0.65)))
+    assert write.dsts == (NEW,)
+    assert run.statuses(run(run.core.tick(1.0))) == []
 
 
 @pytest.mark.parametrize("what", ["cancel", "asks told failed"])

@@ -550,3 +550,41 @@ def test_an_unsent_oldest_cancel_moves_the_silence_clock_to_the_next_oldest_unan
     assert of(SendCancel, c.abandon(t - 0.01, 4, late))
     later = asked(c, 5, now=t)
     assert c.abandon(t, 5, later) == [], "room 2's cancel went unanswered 5 s"
+
+
+def test_a_cancel_lost_with_its_connection_does_not_start_the_fresh_connections_silence():
+    """A cancel unanswered when its connection dropped may never have been read: when a cancel on the
+    fresh connection is not sent after all, the silence clock does not go back to the lost one's."""
+    c = core()
+    first = asked(c, 1, now=0.0)
+    of(SendCancel, c.abandon(0.0, 1, first))
+    c.clear(0.0, 1, first)
+    c.connection_dropped(0.1, ENCODE)
+    c.route_resolved(0.1, KEY0, ENCODE)
+    second = asked(c, 2, now=0.2)
+    (unsent,) = of(SendCancel, c.abandon(0.2, 2, second))
+    c.clear(0.2, 2, second)
+    c.cancel_unsent(0.2, 2, unsent.rank, unsent.token)
+    third = asked(c, 3, now=prefill.CANCEL_SILENCE_S + 1)
+    assert of(SendCancel, c.abandon(prefill.CANCEL_SILENCE_S + 1, 3, third)), "no cancel went unanswered here"
+
+
+def test_cancels_answered_behind_one_never_answered_are_not_kept_for_its_silence_clock():
+    """One cancel's answer is lost on a connection that stays up; thousands answered after it do not pile
+    up behind it in the address's queue (which only its oldest unanswered cancel matters to)."""
+    c = core()
+    lost = asked(c, 1, now=0.0)
+    c.abandon(0.0, 1, lost)
+    c.clear(0.0, 1, lost)
+    now = 0.0
+    for i in range(5000):
+        now += 0.05
+        room = 2 + i % 1000
+        token = asked(c, room, now)
+        assert of(SendCancel, c.abandon(now, room, token))
+        c.clear(now, room, token)
+        c.cancel_answered(now, room, 0, CONFIRMED)
+        if i % 20 == 0:
+            c.tick(now)
+    assert c.pending_cancels == 1
+    assert len(c._sent_to[ENCODE]._cancels) <= 2 * prefill._MIN_COMPACT

@@ -263,6 +263,21 @@ def _late_item(room: int, late_s: float, limit: float, asked: str) -> str:
             f"{limit:g}s ({asked})")
 
 
+def _reask_failure(room: int, failure: Failure, cancelled_by: dict[str, float], session: str,
+                   now: float) -> Failure:
+    """What a new ask of `session` for a room that failed with `failure` is told: that failure, or, when that
+    receiver's own cancel failed it (`cancelled_by`: session -> when), that the cancel came first."""
+    at = cancelled_by.get(session)
+    if at is None:
+        return failure
+    return Failure(FailureKind.CANCELLED,
+                   f"room {room}: receiver {receiver_text(session)} asked for it again {now - at:.3f}s after its "
+                   f"own cancel had failed the room's item ({without_room(room, failure.detail)}): the item is not "
+                   f"sent again by itself. Send the room again, or keep an ask until it concludes instead of "
+                   f"clearing it and asking again (a new ask within {REASK_GRACE_S:g}s of the cancel, before the "
+                   f"item comes, is served)")
+
+
 class EncodeCore:
     """An encode rank's room rules: parked asks, fanout assembly, checks, scheduling, conclusions."""
 
@@ -286,9 +301,10 @@ class EncodeCore:
         self._cancelled: dict[int, tuple[str, float]] = {}  # room -> (session, at): cancelled before its item
         # room -> (who asked, first ask at, told at): asks told Failed for want of an item; a late item fails
         self._asks_timed_out: dict[int, tuple[str, float, float]] = {}
-        # room -> (the room, cleared at): failed by a receiver's cancel, then cleared; that receiver's new ask
-        # is told why
-        self._cleared_cancelled: dict[int, tuple[_Room, float]] = {}
+        # room -> (its failure, the sessions whose cancel failed it -> when, cleared at): cleared after such a
+        # cancel failed it; such a receiver's new ask is told why unless the room is sent again meanwhile
+        self._cleared_cancelled: dict[int, tuple[Failure, dict[str, float], float]] = {}
+        self._reasks_due: deque[tuple[TransferInfo, float]] = deque()  # those asks, and when they came
         # room -> (session, cancelled at, item): an item sent within REASK_GRACE_S of that session's cancel,
         # waiting for its new ask
         self._held: dict[int, tuple[str, float, _Room]] = {}
@@ -313,14 +329,14 @@ class EncodeCore:
             return self._out_take()
         self._cleared_cancelled.pop(offer.room, None)
         timed_out = self._recent(self._asks_timed_out.pop(offer.room, None), 2, now)
-        if timed_out is not None and self.parked.get(offer.room) is None:
-            asked, first_at, told_at = timed_out
-            self._fail(room, FailureKind.OTHER, _late_item(room.room, now - first_at, self.fanout_timeout_s,
-                                                           f"{asked}, told Failed {now - told_at:.1f}s ago"), now)
-            return self._flush(now)
         cancelled = self._recent(self._cancelled.pop(offer.room, None), 1, now)
         if cancelled is not None and _grace_over(cancelled[1], now):
             self._fail_cancelled_item(room, *cancelled, now)
+            return self._flush(now)
+        if timed_out is not None and cancelled is None and self.parked.get(offer.room) is None:
+            asked, first_at, told_at = timed_out
+            self._fail(room, FailureKind.OTHER, _late_item(room.room, now - first_at, self.fanout_timeout_s,
+                                                           f"{asked}, told Failed {now - told_at:.1f}s ago"), now)
             return self._flush(now)
         if cancelled is not None:  # its receiver may be asking for it again right now: the item waits for it
             self._held[offer.room] = (*cancelled, room)
@@ -336,8 +352,8 @@ class EncodeCore:
         del self._rooms[room]
         self._unserved.discard(room)
         self._fail_with(held, CLEARED, now)
-        if held.cancelled_by:
-            remember(self._cleared_cancelled, room, (held, now), MAX_CANCELLED_ROOMS)
+        if held.cancelled_by and held.failure is not None:
+            remember(self._cleared_cancelled, room, (held.failure, held.cancelled_by, now), MAX_CANCELLED_ROOMS)
         if not held.receivers and not self._closed:
             self._clears_due.append((room, now))
         return self._flush(now)
@@ -373,11 +389,11 @@ class EncodeCore:
                                                                     f"may have"))
             return self._flush(now)
         room = self._rooms.get(info.room)
-        cleared = self._recent(self._cleared_cancelled.get(info.room), 1, now) if room is None else None
-        if cleared is not None and info.session_id in cleared[0].cancelled_by:
-            # Its own cancel failed the room's item, which the caller has cleared since: told why at once.
-            self._tell_failed([info], self._reask_failure(cleared[0], info, now))
-            return self._flush(now)
+        cleared = self._recent(self._cleared_cancelled.get(info.room), 2, now) if room is None else None
+        if cleared is not None and info.session_id in cleared[1]:
+            # Its own cancel failed the room's item, which the caller has cleared since: parked like any ask, it
+            # is told why after CLEARED_GRACE_S unless the caller sends the room again meanwhile (a retry).
+            self._reasks_due.append((info, now))
         if room is not None and not room.failed and info.session_id not in room.served and info in room.receivers:
             # A copy of an ask its room is writing now (the message came twice): parked, it would wait
             # for the room's next send and be told Failed when none came.
@@ -491,19 +507,23 @@ class EncodeCore:
             if self._rooms.get(number) is room and not room.failed and not room.receivers:  # still unserved
                 self._fail_cancelled_item(room, session, at, now)
 
+    def _tell_reask(self, info: TransferInfo, now: float) -> None:
+        """Tells a receiver whose cancel failed a room the caller cleared since why its new ask `info` is not
+        served, unless the room was sent again or that ask is no longer parked."""
+        cleared = self._cleared_cancelled.get(info.room)
+        asks = self.parked.get(info.room)
+        if cleared is None or info.room in self._rooms or asks is None or asks.infos.get(info.session_id) is not info:
+            return  # sent again, or the ask was taken or replaced (its own turn comes) meanwhile
+        self.parked.drop_ask(info.room, info.session_id)
+        failure, cancelled_by, _ = cleared
+        self._tell_failed([info], _reask_failure(info.room, failure, cancelled_by, info.session_id, now))
+
     def _reask_failure(self, room: _Room, info: TransferInfo, now: float) -> Failure | None:
         """What a new ask for a failed room is told: why it failed, or, when that receiver's own cancel failed
         it, that the cancel came first."""
-        at = room.cancelled_by.get(info.session_id)
-        if at is None or room.failure is None:
-            return room.failure
-        return Failure(FailureKind.CANCELLED,
-                       f"room {room.room}: receiver {receiver_text(info.session_id)} asked for it again "
-                       f"{now - at:.3f}s after its own cancel had failed the room's item "
-                       f"({without_room(room.room, room.failure.detail)}): the item is not sent again by itself. "
-                       f"Send the room again, or keep an ask until it concludes instead of clearing it and "
-                       f"asking again (a new ask within {REASK_GRACE_S:g}s of the cancel, before the item comes, "
-                       f"is served)")
+        if room.failure is None:
+            return None
+        return _reask_failure(room.room, room.failure, room.cancelled_by, info.session_id, now)
 
     def _first_cancel_answer(self, cancel: Cancel, flying: list[_Job], now: float) -> None:
         """Answers a cancel: too late while writes it found are in flight (a second answer follows once
@@ -608,6 +628,8 @@ class EncodeCore:
         self.scheduler.new_turn()
         while self._clears_due and now >= self._clears_due[0][1] + CLEARED_GRACE_S:
             self._fail_cleared_asks(*self._clears_due.popleft())
+        while self._reasks_due and now >= self._reasks_due[0][1] + CLEARED_GRACE_S:
+            self._tell_reask(self._reasks_due.popleft()[0], now)
         if self._held:
             self._fail_unclaimed_held(now)
         if now >= self._next_sweep:
@@ -631,6 +653,8 @@ class EncodeCore:
         self._closed = True
         self._close_detail = detail
         self._clears_due.clear()
+        self._reasks_due.clear()
+        self._cleared_cancelled.clear()
         self._held.clear()
         for asks in self.parked.take_all():
             self._tell_failed(asks.infos.values(), Failure(FailureKind.CLOSED, f"room {asks.room}: {detail}"))
@@ -736,6 +760,8 @@ class EncodeCore:
         due = self._next_sweep
         if self._clears_due:
             due = min(due, self._clears_due[0][1] + CLEARED_GRACE_S)
+        if self._reasks_due:
+            due = min(due, self._reasks_due[0][1] + CLEARED_GRACE_S)
         for _, at, _ in self._held.values():  # items sent right after a cancel: MAX_CANCELLED_ROOMS at most
             due = min(due, at + REASK_GRACE_S)
         return due
@@ -1103,7 +1129,7 @@ class EncodeCore:
             remember(self._asks_timed_out, number, (_asked(taken), taken.first_at, now), MAX_CANCELLED_ROOMS)
         forget_before(self._asks_timed_out, now - limit, lambda entry: entry[2])
         forget_before(self._cancelled, now - limit, lambda entry: entry[1])
-        forget_before(self._cleared_cancelled, now - limit, lambda entry: entry[1])
+        forget_before(self._cleared_cancelled, now - limit, lambda entry: entry[2])
         self.breaker.sweep(now)
 
     # ------------------------------------------------------------ output

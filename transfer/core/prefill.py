@@ -294,6 +294,35 @@ class _Cancel:
     gone: bool = False
 
 
+class _SentCancels:
+    """One address's cancels in the order sent. Those that await no answer on the current connection any
+    more are let go of from the front as they come up, and all at once whenever they make up most of the
+    queue (an unanswered one at the front would keep the rest), so it holds at most about twice those
+    still awaited."""
+
+    __slots__ = ("_cancels", "_compact_at")
+
+    def __init__(self) -> None:
+        self._cancels: deque[_Cancel] = deque()
+        self._compact_at = _MIN_COMPACT
+
+    def add(self, cancel: _Cancel) -> None:
+        self._cancels.append(cancel)
+        if len(self._cancels) > self._compact_at:
+            self._cancels = deque(c for c in self._cancels if not (c.answered or c.gone))
+            self._compact_at = max(_MIN_COMPACT, 2 * len(self._cancels))
+
+    def oldest(self, conn: int | None) -> _Cancel | None:
+        """The oldest cancel still unanswered on connection `conn`, if any."""
+        cancels = self._cancels
+        while cancels and (cancels[0].answered or cancels[0].gone or cancels[0].conn != conn):
+            cancels.popleft()  # connections are never reused: one sent on another is no longer awaited here
+        return cancels[0] if cancels else None
+
+
+_MIN_COMPACT = 64
+
+
 @dataclass(slots=True, eq=False)
 class _Room:
     spec: RoomSpec
@@ -378,8 +407,7 @@ class PrefillCore:
         self._ghosts: dict[tuple[int, int], int] = {}  # (room, encode rank) set aside -> last answers still to come
         self._answering: set[Address] = set()  # encode ranks seen to answer cancels
         self._unanswered_since: dict[Address, float] = {}  # when a cancel there last went unanswered
-        # Each address's cancels in the order sent, those answered or gone let go of from the front.
-        self._sent_to: dict[Address, deque[_Cancel]] = {}
+        self._sent_to: dict[Address, _SentCancels] = {}  # each address's cancels, for its silence clock
         self._answered_at: dict[Address, float] = {}  # when the current connection there last answered a room
         self._held: list[tuple[float, int, _Room]] = []  # (when its ask goes anyway, token, room), a heap
 
@@ -568,22 +596,15 @@ class PrefillCore:
             del self._ghosts[key]
 
     def _restart_silence(self, addr: Address) -> None:
-        """The silence clock of `addr` from its oldest cancel still unanswered, if any."""
-        sent = self._oldest_unanswered(addr)
-        if sent:
-            self._unanswered_since[addr] = sent[0].sent_at
+        """The silence clock of `addr` from its oldest cancel still unanswered on its current connection,
+        if any (one sent on a connection since lost may never have been read)."""
+        sent = self._sent_to.get(addr)
+        oldest = None if sent is None else sent.oldest(self._conns.get(addr))
+        if oldest is not None:
+            self._unanswered_since[addr] = oldest.sent_at
         else:
             self._unanswered_since.pop(addr, None)
-
-    def _oldest_unanswered(self, addr: Address) -> deque[_Cancel] | None:
-        """The cancels sent to `addr`, its oldest still unanswered first; None when it has none."""
-        sent = self._sent_to.get(addr)
-        while sent and (sent[0].answered or sent[0].gone):
-            sent.popleft()
-        if not sent:
             self._sent_to.pop(addr, None)
-            return None
-        return sent
 
     def clear(self, now: float, room: int, token: int | None = None) -> bool:
         """Forgets the room (its asks not yet sent never go out); False when it was not held."""
@@ -1080,8 +1101,7 @@ class PrefillCore:
         cancel = _Cancel(state.token, state.addr, state.conn, now)
         pending.append(cancel)
         self._cancels_sent.append((now, key, cancel))
-        self._oldest_unanswered(state.addr)  # lets go of those answered since, so the queue stays short
-        self._sent_to.setdefault(state.addr, deque()).append(cancel)
+        self._sent_to.setdefault(state.addr, _SentCancels()).add(cancel)
         self._unanswered_since.setdefault(state.addr, now)
         self._cancel_count += 1
         released = self._set_aside(now, next(iter(self._cancels))) if self._cancel_count > MAX_PENDING_CANCELS else []

@@ -801,9 +801,11 @@ class PrefillDriver:
         cancels: it is not sent there, and the core hears of the drop."""
         sock = self._sockets.get(action.addr)
         if sock is not None and _io.dropped(self._monitors[action.addr]):
+            # The drop first: an ask the unsent cancel lets go then goes on the fresh connection, behind a
+            # fresh registration.
             now = self.clock()
-            return [*self.core.cancel_unsent(now, action.room, action.rank, action.token),
-                    *self.core.connection_dropped(now, action.addr)]
+            return [*self.core.connection_dropped(now, action.addr),
+                    *self.core.cancel_unsent(now, action.room, action.rank, action.token)]
         if sock is not None:  # else closed since: the cancel would have no connection to go on
             try:
                 _io.send_frames(sock, action.frames)
