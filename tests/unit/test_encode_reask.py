@@ -120,7 +120,7 @@ def test_a_new_ask_for_a_room_its_own_cancel_failed_is_told_why_after_the_caller
     assert run.core.next_wakeup() == pytest.approx(0.7 + CLEARED_GRACE_S), "the driver wakes for it"
     [told] = run.statuses(run(run.core.tick(0.7 + CLEARED_GRACE_S)))
     assert (told.port, told.status, told.failure.kind) == (6000, TransferPoll.Failed, FailureKind.CANCELLED)
-    assert told.failure.detail.startswith("room 7: receiver 10.0.0.7:17000 asked for it again 0.800s after its "
+    assert told.failure.detail.startswith("room 7: receiver 10.0.0.7:17000 asked for it again 0.700s after its "
                                           "own cancel had failed the room's item")
     assert run.core.parked.get(7).infos.keys() == {"10.0.0.8:17000"}, "another receiver's ask waits for a send"
     run(run.core.ask(_ask(8, OLD), 1.0))
@@ -165,3 +165,19 @@ def test_what_fails_a_late_item_is_remembered_for_the_fanout_timeout_whenever_th
         since = 11.5
     run(run.core.offer(_offer(9), since + 10.2))
     assert run.conclusions() == [(10, TransferPoll.Failed, FailureKind.CANCELLED)], "room 9's item waits"
+
+
+def test_a_re_ask_let_in_at_the_end_of_the_clears_memory_is_still_told_why():
+    """The re-ask comes just inside the fanout timeout of the clear, and a sweep runs before its grace
+    passed: it is told why all the same, not left to wait for an item."""
+    run = Run()
+    run(run.core.ask(_ask(7, OLD), 0.0))
+    run(run.core.cancel(_cancel(7), 0.0))
+    first = _offer(7)
+    run(run.core.offer(first, 0.5))
+    run(run.core.clear(7, first.token, 0.6))
+    run(run.core.tick(10.11))
+    run(run.core.ask(_ask(7, NEW), 10.55))  # 9.95 s after the clear
+    assert run.statuses(run(run.core.tick(10.61))) == []  # a sweep, past the clear's fanout timeout
+    [told] = run.statuses(run(run.core.tick(10.65)))
+    assert told.failure.kind is FailureKind.CANCELLED and "asked for it again 10.550s after" in told.failure.detail

@@ -507,16 +507,16 @@ class EncodeCore:
             if self._rooms.get(number) is room and not room.failed and not room.receivers:  # still unserved
                 self._fail_cancelled_item(room, session, at, now)
 
-    def _tell_reask(self, info: TransferInfo, now: float) -> None:
-        """Tells a receiver whose cancel failed a room the caller cleared since why its new ask `info` is not
-        served, unless the room was sent again or that ask is no longer parked."""
+    def _tell_reask(self, info: TransferInfo, asked_at: float) -> None:
+        """Tells a receiver whose cancel failed a room the caller cleared since why its new ask `info` (that
+        came `asked_at`) is not served, unless the room was sent again or that ask is no longer parked."""
         cleared = self._cleared_cancelled.get(info.room)
         asks = self.parked.get(info.room)
         if cleared is None or info.room in self._rooms or asks is None or asks.infos.get(info.session_id) is not info:
             return  # sent again, or the ask was taken or replaced (its own turn comes) meanwhile
         self.parked.drop_ask(info.room, info.session_id)
         failure, cancelled_by, _ = cleared
-        self._tell_failed([info], _reask_failure(info.room, failure, cancelled_by, info.session_id, now))
+        self._tell_failed([info], _reask_failure(info.room, failure, cancelled_by, info.session_id, asked_at))
 
     def _reask_failure(self, room: _Room, info: TransferInfo, now: float) -> Failure | None:
         """What a new ask for a failed room is told: why it failed, or, when that receiver's own cancel failed
@@ -629,7 +629,7 @@ class EncodeCore:
         while self._clears_due and now >= self._clears_due[0][1] + CLEARED_GRACE_S:
             self._fail_cleared_asks(*self._clears_due.popleft())
         while self._reasks_due and now >= self._reasks_due[0][1] + CLEARED_GRACE_S:
-            self._tell_reask(self._reasks_due.popleft()[0], now)
+            self._tell_reask(*self._reasks_due.popleft())
         if self._held:
             self._fail_unclaimed_held(now)
         if now >= self._next_sweep:
@@ -1129,7 +1129,8 @@ class EncodeCore:
             remember(self._asks_timed_out, number, (_asked(taken), taken.first_at, now), MAX_CANCELLED_ROOMS)
         forget_before(self._asks_timed_out, now - limit, lambda entry: entry[2])
         forget_before(self._cancelled, now - limit, lambda entry: entry[1])
-        forget_before(self._cleared_cancelled, now - limit, lambda entry: entry[2])
+        # Kept a grace longer: a re-ask it let in near the end is told once that grace passed.
+        forget_before(self._cleared_cancelled, now - limit - CLEARED_GRACE_S, lambda entry: entry[2])
         self.breaker.sweep(now)
 
     # ------------------------------------------------------------ output
