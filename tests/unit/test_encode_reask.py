@@ -38,6 +38,16 @@ def _cancel(room: int) -> Cancel:
     return Cancel(room, "10.0.0.7", 6000, "10.0.0.7:17000", True)
 
 
+def _cancelled_then_cleared(run: Run, room: int, cleared_at: float) -> None:
+    """The receiver asks for `room` and cancels it at 0; the item, sent at 0.5 (past the grace), fails by
+    that cancel, and the caller clears it at `cleared_at`."""
+    run(run.core.ask(_ask(room, OLD), 0.0))
+    run(run.core.cancel(_cancel(room), 0.0))
+    item = _offer(room)
+    run(run.core.offer(item, 0.5))
+    run(run.core.clear(room, item.token, cleared_at))
+
+
 def test_an_item_sent_right_after_a_cancel_waits_for_the_receivers_new_ask_and_is_written_to_it():
     run = Run()
     run(run.core.ask(_ask(1, OLD), 0.0))
@@ -107,12 +117,8 @@ def test_a_new_ask_for_a_room_its_own_cancel_failed_is_told_why_after_the_caller
     clear's grace passed with no send again (not left to wait for an item nobody sends), within the
     fanout timeout of the clear."""
     run = Run()
-    run(run.core.ask(_ask(7, OLD), 0.0))
-    run(run.core.cancel(_cancel(7), 0.0))
-    first = _offer(7)
-    run(run.core.offer(first, 0.5))  # past the grace: the cancel fails it at once
+    _cancelled_then_cleared(run, 7, 0.6)
     assert run.conclusions() == [(7, TransferPoll.Failed, FailureKind.CANCELLED)]
-    run(run.core.clear(7, first.token, 0.6))
     assert run.statuses(run(run.core.ask(_ask(7, NEW), 0.7))) == []
     other = TransferInfo(7, "10.0.0.8", 6000, "10.0.0.8:17000", NEW, 0, 4, HIDDEN, DTYPE, False, 1, 0, 4)
     run(run.core.ask(other, 0.75))
@@ -123,11 +129,7 @@ def test_a_new_ask_for_a_room_its_own_cancel_failed_is_told_why_after_the_caller
     assert told.failure.detail.startswith("room 7: receiver 10.0.0.7:17000 asked for it again 0.700s after its "
                                           "own cancel had failed the room's item")
     assert run.core.parked.get(7).infos.keys() == {"10.0.0.8:17000"}, "another receiver's ask waits for a send"
-    run(run.core.ask(_ask(8, OLD), 1.0))
-    run(run.core.cancel(_cancel(8), 1.0))
-    second = _offer(8)
-    run(run.core.offer(second, 1.5))
-    run(run.core.clear(8, second.token, 1.6))
+    _cancelled_then_cleared(run, 8, 1.6)
     run(run.core.ask(_ask(8, NEW), 11.7))
     told = run.statuses(run(run.core.tick(11.9)))
     assert [t.room for t in told] == [7], "room 8's clear is forgotten after the fanout timeout: its ask waits"
@@ -135,11 +137,7 @@ def test_a_new_ask_for_a_room_its_own_cancel_failed_is_told_why_after_the_caller
 
 def test_a_new_ask_between_the_clear_of_a_room_its_cancel_failed_and_the_rooms_send_again_is_served():
     run = Run()
-    run(run.core.ask(_ask(11, OLD), 0.0))
-    run(run.core.cancel(_cancel(11), 0.0))
-    first = _offer(11)
-    run(run.core.offer(first, 0.5))
-    run(run.core.clear(11, first.token, 0.6))  # its caller clears it and sends it again (a retry)
+    _cancelled_then_cleared(run, 11, 0.6)  # its caller clears it and sends it again (a retry)
     run(run.core.ask(_ask(11, NEW), 0.62))
     [write] = run.of(StartWrite, run(run.core.offer(_offer(11), 0.65)))
     assert write.dsts == (NEW,)
@@ -171,11 +169,7 @@ def test_a_re_ask_let_in_at_the_end_of_the_clears_memory_is_still_told_why():
     """The re-ask comes just inside the fanout timeout of the clear, and a sweep runs before its grace
     passed: it is told why all the same, not left to wait for an item."""
     run = Run()
-    run(run.core.ask(_ask(7, OLD), 0.0))
-    run(run.core.cancel(_cancel(7), 0.0))
-    first = _offer(7)
-    run(run.core.offer(first, 0.5))
-    run(run.core.clear(7, first.token, 0.6))
+    _cancelled_then_cleared(run, 7, 0.6)
     run(run.core.tick(10.11))
     run(run.core.ask(_ask(7, NEW), 10.55))  # 9.95 s after the clear
     assert run.statuses(run(run.core.tick(10.61))) == []  # a sweep, past the clear's fanout timeout
