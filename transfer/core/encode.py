@@ -481,8 +481,8 @@ class EncodeCore:
             del self._held[info.room]
 
     def _recent(self, entry: _T | None, at: int, now: float) -> _T | None:
-        """A remembered `entry` (filed at its item `at`) while within the fanout timeout, else None: the
-        sweep forgets it only at its next round."""
+        """A remembered `entry` while within the fanout timeout of when it was filed (its item number `at`),
+        else None: the sweep forgets it only at its next round."""
         return entry if entry is not None and now - entry[at] <= self.fanout_timeout_s else None
 
     def _fail_by_cancel(self, room: _Room, session: str, detail: str, now: float, at: float | None = None) -> None:
