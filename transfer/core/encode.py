@@ -302,7 +302,7 @@ class EncodeCore:
         # room -> (who asked, first ask at, told at): asks told Failed for want of an item; a late item fails
         self._asks_timed_out: dict[int, tuple[str, float, float]] = {}
         # room -> (its failure, the sessions whose cancel failed it -> when, cleared at): cleared after such a
-        # cancel failed it; such a receiver's new ask is told why unless the room is sent again meanwhile
+        # cancel failed it; a new ask for it is told why unless the room is sent again meanwhile
         self._cleared_cancelled: dict[int, tuple[Failure, dict[str, float], float]] = {}
         self._reasks_due: deque[tuple[TransferInfo, float]] = deque()  # those asks, and when they came
         # room -> (session, cancelled at, item): an item sent within REASK_GRACE_S of that session's cancel,
@@ -389,10 +389,9 @@ class EncodeCore:
                                                                     f"may have"))
             return self._flush(now)
         room = self._rooms.get(info.room)
-        cleared = self._recent(self._cleared_cancelled.get(info.room), 2, now) if room is None else None
-        if cleared is not None and info.session_id in cleared[1]:
-            # Its own cancel failed the room's item, which the caller has cleared since: parked like any ask, it
-            # is told why after CLEARED_GRACE_S unless the caller sends the room again meanwhile (a retry).
+        if room is None and self._recent(self._cleared_cancelled.get(info.room), 2, now) is not None:
+            # A receiver's cancel failed the room's item, which the caller has cleared since: parked like any ask,
+            # this one is told why after CLEARED_GRACE_S unless the caller sends the room again meanwhile (a retry).
             self._reasks_due.append((info, now))
         if room is not None and not room.failed and info.session_id not in room.served and info in room.receivers:
             # A copy of an ask its room is writing now (the message came twice): parked, it would wait
@@ -508,8 +507,9 @@ class EncodeCore:
                 self._fail_cancelled_item(room, session, at, now)
 
     def _tell_reask(self, info: TransferInfo, asked_at: float) -> None:
-        """Tells a receiver whose cancel failed a room the caller cleared since why its new ask `info` (that
-        came `asked_at`) is not served, unless the room was sent again or that ask is no longer parked."""
+        """Tells the receiver of ask `info` (that came `asked_at`) for a room a receiver's cancel failed, and the
+        caller cleared since, why it is not served: its own cancel, or the room's failure; unless the room
+        was sent again or that ask is no longer parked."""
         cleared = self._cleared_cancelled.get(info.room)
         asks = self.parked.get(info.room)
         if cleared is None or info.room in self._rooms or asks is None or asks.infos.get(info.session_id) is not info:
