@@ -1066,6 +1066,25 @@ def test_a_predecessors_cancel_does_not_fail_its_successors_retry():
     assert run.conclusions() == [(1, TransferPoll.Success, None)]
 
 
+def test_a_predecessors_cancel_that_failed_a_room_cleared_since_does_not_fail_its_successors_retry():
+    """The old session's cancel failed room 1 with its write in flight, and the caller cleared the room;
+    the rank restarts and asks again: its ask waits for the room's send again, which serves it."""
+    run = Run()
+    old, new = "10.0.0.7:17000", "10.0.0.7:17999"
+    run(run.core.registration(Registration("10.0.0.7", 6000, old, 0x10000, 0, 64 * ROW, 0), run.now))
+    item = _offer(1)
+    run.offer(item)
+    (first,) = run.of(StartWrite, run.at(0.1).ask(_ask(1, session=old)))
+    run(run.core.cancel(Cancel(1, "10.0.0.7", 6000, old), 0.2))
+    run.at(0.25).complete(first)
+    run(run.core.clear(1, item.token, 0.3))
+    assert run.conclusions() == [(1, TransferPoll.Failed, FailureKind.CANCELLED)]
+    run(run.core.registration(Registration("10.0.0.7", 6000, new, 0x10000, 0, 64 * ROW, 0), 1.0))
+    run.at(1.1).ask(_ask(1, session=new))
+    assert run.statuses(run.at(1.25).tick()) == []
+    (write,) = run.of(StartWrite, run.at(1.4).offer(_offer(1)))
+    assert write.session_id == new
+
 def _restarted_late(new: str) -> Run:
     """Room 1 sent at 0, its only rank asking at 9 s of a 10 s fanout timeout, restarting at 10.2 s as `new`."""
     run = Run(fanout_timeout_s=10.0)

@@ -746,6 +746,8 @@ class EncodeCore:
         for cancels in (self._cancelled, self._held):  # its cancels do not fail its successor's retries
             for number in [number for number, entry in cancels.items() if entry[0] == old]:
                 del cancels[number]
+        for number in [number for number, entry in self._cleared_cancelled.items() if old in entry[1]]:
+            del self._cleared_cancelled[number]  # nor do those of rooms the caller cleared since
         dropped = self.parked.drop_session(old)
         self.regions.forget(old, f"session {receiver_text(new)} {how} superseded it")
         self.breaker.reset(old)
