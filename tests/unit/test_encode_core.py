@@ -706,6 +706,21 @@ def test_an_item_whose_asks_were_told_failed_for_want_of_it_fails_when_it_comes_
         "receiver never registered within 10s (no prefill rank asked)")
 
 
+def test_asks_for_a_late_item_the_caller_cleared_are_told_its_failure_unless_it_is_sent_again():
+    run = Run(fanout_timeout_s=10.0)
+    run.ask(_ask(1))
+    run.at(10.6).tick()  # its ask is told Failed: no item within the fanout timeout
+    item = _offer(1)
+    run.at(12.0).offer(item)  # the late item fails at once
+    run(run.core.clear(1, item.token, 12.1))
+    assert run.statuses(run.at(12.2).ask(_ask(1, ptr=0x20000))) == []
+    [told] = run.statuses(run.at(12.3).tick())
+    assert told[2] is TransferPoll.Failed
+    failure = run.of(PushStatus)[-1].failure
+    assert (failure.kind, failure.detail) == (FailureKind.OTHER, "room 1: its item was sent 12.0s after its first ask, "
+                                                                 "past the fanout timeout 10s (1 of 1 prefill ranks "
+                                                                 "asked, told Failed 1.4s ago)")
+
 def test_a_dead_sessions_backlog_is_worked_through_in_bounded_turns_and_a_healthy_write_starts_in_the_first():
     run = Run(depth=32, fanout_timeout_s=120.0)
     for room in range(6000):

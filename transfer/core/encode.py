@@ -200,6 +200,7 @@ class _Room:
     served: set[str] = field(default_factory=set)  # sessions told Success (a restart after that orphans nothing)
     released: bool = False
     cancelled_by: dict[str, float] = field(default_factory=dict)  # session whose cancel failed it -> cancelled at
+    late: bool = False  # failed as the late item of asks already told Failed for want of it
 
     @property
     def room(self) -> int:
@@ -302,7 +303,8 @@ class EncodeCore:
         # room -> (who asked, first ask at, told at): asks told Failed for want of an item; a late item fails
         self._asks_timed_out: dict[int, tuple[str, float, float]] = {}
         # room -> (its failure, the sessions whose cancel failed it -> when, cleared at): cleared after such a
-        # cancel failed it; a new ask for it is told why unless the room is sent again meanwhile
+        # cancel failed it, or after it failed as a late item; a new ask for it is told why unless the room
+        # is sent again meanwhile
         self._cleared_cancelled: dict[int, tuple[Failure, dict[str, float], float]] = {}
         self._reasks_due: deque[tuple[TransferInfo, float]] = deque()  # those asks, and when they came
         # room -> (session, cancelled at, item): an item sent within REASK_GRACE_S of that session's cancel,
@@ -335,6 +337,7 @@ class EncodeCore:
             return self._flush(now)
         if timed_out is not None and cancelled is None and self.parked.get(offer.room) is None:
             asked, first_at, told_at = timed_out
+            room.late = True
             self._fail(room, FailureKind.OTHER, _late_item(room.room, now - first_at, self.fanout_timeout_s,
                                                            f"{asked}, told Failed {now - told_at:.1f}s ago"), now)
             return self._flush(now)
@@ -352,7 +355,7 @@ class EncodeCore:
         del self._rooms[room]
         self._unserved.discard(room)
         self._fail_with(held, CLEARED, now)
-        if held.cancelled_by and held.failure is not None:
+        if (held.cancelled_by or held.late) and held.failure is not None:
             remember(self._cleared_cancelled, room, (held.failure, held.cancelled_by, now), MAX_CANCELLED_ROOMS)
         if not held.receivers and not self._closed:
             self._clears_due.append((room, now))
@@ -390,8 +393,9 @@ class EncodeCore:
             return self._flush(now)
         room = self._rooms.get(info.room)
         if room is None and self._recent(self._cleared_cancelled.get(info.room), 2, now) is not None:
-            # A receiver's cancel failed the room's item, which the caller has cleared since: parked like any ask,
-            # this one is told why after CLEARED_GRACE_S unless the caller sends the room again meanwhile (a retry).
+            # A receiver's cancel failed the room's item, or it came late, and the caller has cleared it since:
+            # parked like any ask, this one is told why after CLEARED_GRACE_S unless the caller sends the room
+            # again meanwhile (a retry).
             self._reasks_due.append((info, now))
         if room is not None and not room.failed and info.session_id not in room.served and info in room.receivers:
             # A copy of an ask its room is writing now (the message came twice): parked, it would wait
@@ -507,9 +511,9 @@ class EncodeCore:
                 self._fail_cancelled_item(room, session, at, now)
 
     def _tell_reask(self, info: TransferInfo, asked_at: float) -> None:
-        """Tells the receiver of ask `info` (that came `asked_at`) for a room a receiver's cancel failed, and the
-        caller cleared since, why it is not served: its own cancel, or the room's failure; unless the room
-        was sent again or that ask is no longer parked."""
+        """Tells the receiver of ask `info` (that came `asked_at`) for a room a receiver's cancel failed, or that
+        came late, and the caller cleared since, why it is not served: its own cancel, or the room's failure;
+        unless the room was sent again or that ask is no longer parked."""
         cleared = self._cleared_cancelled.get(info.room)
         asks = self.parked.get(info.room)
         if cleared is None or info.room in self._rooms or asks is None or asks.infos.get(info.session_id) is not info:
