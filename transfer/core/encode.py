@@ -554,7 +554,10 @@ class EncodeCore:
     @staticmethod
     def _serves(job: _Job) -> bool:
         """Whether the job's receiver is still one its room answers (not spared: cancelled or superseded)."""
-        return any(info is job.info for info in job.room.receivers)
+        for info in job.room.receivers:
+            if info is job.info:
+                return True
+        return False
 
     @staticmethod
     def _spare(room: _Room, session: str) -> None:
@@ -851,12 +854,13 @@ class EncodeCore:
 
     def _check_fanouts_agree(self, room: _Room, asks: Asks, infos: list[TransferInfo], now: float) -> None:
         """Asks that disagree on the fanout would wait for ranks that do not exist: fails the room at once."""
-        odd = next((info for info in infos if info.fanout != asks.fanout), None)
+        fanout = asks.fanout
+        odd = next((info for info in infos if info.fanout != fanout), None)
         if odd is not None:
             first = next(iter(asks.infos.values()))
             self._fail(room, FailureKind.GEOMETRY, f"room {room.room}: receiver {receiver_text(odd.session_id)} "
                                                    f"asked with fanout {odd.fanout}, receiver "
-                                                   f"{receiver_text(first.session_id)} with fanout {asks.fanout}", now)
+                                                   f"{receiver_text(first.session_id)} with fanout {fanout}", now)
 
     def _fanout_too_late(self, room: _Room, fanout: int, first_at: float, last_at: float, asked: int,
                          now: float) -> bool:

@@ -139,17 +139,18 @@ class WriteScheduler:
             seq, job, asked_at = entry
             if seq in pick.seen:
                 break  # round the whole queue: every job of it was looked at in this pick
-            if not pick.cancelled(job) and (not opened or started):
+            cancelled = pick.cancelled(job)
+            if not cancelled and (not opened or started):
                 break  # its session has its share in flight, or had its start of this visit: others go next
             queue.popleft()
             pick.seen.add(seq)
             looked += 1
-            if pick.cancelled(job):
+            if cancelled:
                 pick.picked.dropped.append(job)
                 moved = True
                 continue
             go = pick.ready(job)
-            if not pick.cancelled(job) and pick.now - asked_at > self.bound_s:
+            if pick.now - asked_at > self.bound_s and not pick.cancelled(job):
                 pick.expired(job, pick.now - asked_at)
                 go = True
             if not go:
