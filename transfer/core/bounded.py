@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, TypeVar
+
+
+class Filed(Protocol):
+    """An entry that says when it was filed."""
+
+    @property
+    def filed_at(self) -> float: ...
+
+
+_F = TypeVar("_F", bound=Filed)
 
 
 def remember(cache: dict, key: Any, value: Any, limit: int) -> None:
@@ -17,10 +26,10 @@ def remember(cache: dict, key: Any, value: Any, limit: int) -> None:
         del cache[next(iter(cache))]
 
 
-def forget_before(cache: dict, oldest: float, filed_at: Callable[[Any], float]) -> None:
-    """Forgets the entries filed before `oldest` (`filed_at(value)` says when one was), oldest first."""
+def forget_before(cache: dict[Any, _F], oldest: float) -> None:
+    """Forgets the entries filed before `oldest`, oldest first (each entry's `filed_at` says when)."""
     while cache:
         key, value = next(iter(cache.items()))
-        if filed_at(value) >= oldest:
+        if value.filed_at >= oldest:
             return
         del cache[key]

@@ -32,9 +32,9 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
-from transfer.core.bounded import forget_before, remember
+from transfer.core.bounded import Filed, forget_before, remember
 from transfer.core.breaker import Breaker
 from transfer.core.failure import CLEARED, Failure, FailureKind, without_room
 from transfer.core.parked import Asks, ParkedAsks
@@ -46,7 +46,7 @@ from transfer.status import TransferPoll
 __all__ = ["CLEARED_GRACE_S", "REASK_GRACE_S", "SWEEP_S", "Conclude", "Count", "EncodeCore", "Offer", "Progress",
            "PushStatus", "Release", "StartWrite", "Warn"]
 
-_T = TypeVar("_T", bound=tuple)
+_T = TypeVar("_T", bound=Filed)
 
 #: A room cleared before its whole fanout asked has its parked asks told Failed this long
 #: after the clear, so a caller that clears and sends the room again at once (a retry)
@@ -246,6 +246,50 @@ class _Destinations:
     longest: int = 0
 
 
+class _CancelledAsk(NamedTuple):
+    """A receiver's cancel of its parked ask before the room's item came: the item fails when it comes."""
+
+    session: str
+    cancelled_at: float
+
+    @property
+    def filed_at(self) -> float:
+        return self.cancelled_at
+
+
+class _TimedOutAsks(NamedTuple):
+    """A room's asks told Failed for want of its item: an item sent after that fails at once, as late."""
+
+    asked: str  # how much of its fanout asked, for the late item's failure
+    first_at: float
+    told_at: float
+
+    @property
+    def filed_at(self) -> float:
+        return self.told_at
+
+
+class _ClearedFailure(NamedTuple):
+    """A room a receiver's cancel failed, or that failed as a late item, and that the caller cleared since:
+    a new ask for it is told why, unless the room is sent again meanwhile."""
+
+    failure: Failure
+    cancelled_by: dict[str, float]  # the sessions whose cancel failed it -> when
+    cleared_at: float
+
+    @property
+    def filed_at(self) -> float:
+        return self.cleared_at
+
+
+class _HeldItem(NamedTuple):
+    """An item sent within REASK_GRACE_S of its receiver's cancel, waiting for that receiver's new ask."""
+
+    session: str
+    cancelled_at: float
+    room: _Room
+
+
 def _host(session: str) -> str:
     """The host part of a Mooncake session id (host:rpc_port)."""
     return session.rpartition(":")[0] or session
@@ -299,17 +343,11 @@ class EncodeCore:
         self._endpoint_of: dict[str, tuple[str, int]] = {}  # session -> the status endpoint it registered last
         self._next_wid = 1
         self._clears_due: deque[tuple[int, float]] = deque()  # (room, cleared at) with parked asks to fail
-        self._cancelled: dict[int, tuple[str, float]] = {}  # room -> (session, at): cancelled before its item
-        # room -> (who asked, first ask at, told at): asks told Failed for want of an item; a late item fails
-        self._asks_timed_out: dict[int, tuple[str, float, float]] = {}
-        # room -> (its failure, the sessions whose cancel failed it -> when, cleared at): cleared after such a
-        # cancel failed it, or after it failed as a late item; a new ask for it is told why unless the room
-        # is sent again meanwhile
-        self._cleared_cancelled: dict[int, tuple[Failure, dict[str, float], float]] = {}
-        self._reasks_due: deque[tuple[TransferInfo, float]] = deque()  # those asks, and when they came
-        # room -> (session, cancelled at, item): an item sent within REASK_GRACE_S of that session's cancel,
-        # waiting for its new ask
-        self._held: dict[int, tuple[str, float, _Room]] = {}
+        self._cancelled: dict[int, _CancelledAsk] = {}
+        self._asks_timed_out: dict[int, _TimedOutAsks] = {}
+        self._cleared_cancelled: dict[int, _ClearedFailure] = {}
+        self._reasks_due: deque[tuple[TransferInfo, float]] = deque()  # new asks for those, and when they came
+        self._held: dict[int, _HeldItem] = {}
         self._failed_writes: dict[tuple[int, str], float] = {}  # (room, session) -> when a write to it failed
         self._next_sweep = now + SWEEP_S
         self._closed = False
@@ -330,19 +368,19 @@ class EncodeCore:
             self._fail(room, FailureKind.CLOSED, self._close_detail, now)
             return self._out_take()
         self._cleared_cancelled.pop(offer.room, None)
-        timed_out = self._recent(self._asks_timed_out.pop(offer.room, None), 2, now)
-        cancelled = self._recent(self._cancelled.pop(offer.room, None), 1, now)
-        if cancelled is not None and _grace_over(cancelled[1], now):
-            self._fail_cancelled_item(room, *cancelled, now)
+        timed_out = self._recent(self._asks_timed_out.pop(offer.room, None), now)
+        cancelled = self._recent(self._cancelled.pop(offer.room, None), now)
+        if cancelled is not None and _grace_over(cancelled.cancelled_at, now):
+            self._fail_cancelled_item(room, cancelled.session, cancelled.cancelled_at, now)
             return self._flush(now)
         if timed_out is not None and cancelled is None and self.parked.get(offer.room) is None:
-            asked, first_at, told_at = timed_out
             room.late = True
-            self._fail(room, FailureKind.OTHER, _late_item(room.room, now - first_at, self.fanout_timeout_s,
-                                                           f"{asked}, told Failed {now - told_at:.1f}s ago"), now)
+            self._fail(room, FailureKind.OTHER, _late_item(room.room, now - timed_out.first_at, self.fanout_timeout_s,
+                                                           f"{timed_out.asked}, told Failed "
+                                                           f"{now - timed_out.told_at:.1f}s ago"), now)
             return self._flush(now)
         if cancelled is not None:  # its receiver may be asking for it again right now: the item waits for it
-            self._held[offer.room] = (*cancelled, room)
+            self._held[offer.room] = _HeldItem(cancelled.session, cancelled.cancelled_at, room)
         self._unserved.add(offer.room)
         self._dispatch(room.room, now)
         return self._flush(now)
@@ -356,7 +394,8 @@ class EncodeCore:
         self._unserved.discard(room)
         self._fail_with(held, CLEARED, now)
         if (held.cancelled_by or held.late) and held.failure is not None:
-            remember(self._cleared_cancelled, room, (held.failure, held.cancelled_by, now), MAX_CANCELLED_ROOMS)
+            remember(self._cleared_cancelled, room, _ClearedFailure(held.failure, held.cancelled_by, now),
+                     MAX_CANCELLED_ROOMS)
         if not held.receivers and not self._closed:
             self._clears_due.append((room, now))
         return self._flush(now)
@@ -392,7 +431,7 @@ class EncodeCore:
                                                                     f"may have"))
             return self._flush(now)
         room = self._rooms.get(info.room)
-        if room is None and self._recent(self._cleared_cancelled.get(info.room), 2, now) is not None:
+        if room is None and self._recent(self._cleared_cancelled.get(info.room), now) is not None:
             # A receiver's cancel failed the room's item, or it came late, and the caller has cleared it since:
             # parked like any ask, this one is told why after CLEARED_GRACE_S unless the caller sends the room
             # again meanwhile (a retry).
@@ -468,7 +507,7 @@ class EncodeCore:
                     else " before its write started")
             self._fail_by_cancel(room, session, detail + when, now)
         elif parked and room is None:  # the item may still come: it fails then, unless this receiver asks again
-            remember(self._cancelled, room_number, (session, now), MAX_CANCELLED_ROOMS)
+            remember(self._cancelled, room_number, _CancelledAsk(session, now), MAX_CANCELLED_ROOMS)
         elif parked and room is not None:
             self._fail_by_cancel(room, session, detail + " before its whole fanout asked", now)
             self._dispatch(room_number, now)  # tells the rest of its fanout Failed
@@ -477,16 +516,16 @@ class EncodeCore:
         """The receiver asks again for a room it cancelled before its item came: the cancel fails the item no
         more (the item to come, or the one waiting for this ask)."""
         cancelled = self._cancelled.get(info.room)
-        if cancelled is not None and cancelled[0] == info.session_id:
+        if cancelled is not None and cancelled.session == info.session_id:
             del self._cancelled[info.room]
         held = self._held.get(info.room)
-        if held is not None and held[0] == info.session_id:
+        if held is not None and held.session == info.session_id:
             del self._held[info.room]
 
-    def _recent(self, entry: _T | None, at: int, now: float) -> _T | None:
-        """A remembered `entry` while within the fanout timeout of when it was filed (its item number `at`),
-        else None: the sweep forgets it only at its next round."""
-        return entry if entry is not None and now - entry[at] <= self.fanout_timeout_s else None
+    def _recent(self, entry: _T | None, now: float) -> _T | None:
+        """A remembered `entry` while within the fanout timeout of when it was filed, else None: the sweep
+        forgets it only at its next round."""
+        return entry if entry is not None and now - entry.filed_at <= self.fanout_timeout_s else None
 
     def _fail_by_cancel(self, room: _Room, session: str, detail: str, now: float, at: float | None = None) -> None:
         """Fails the room for a receiver's cancel (that came `at`, else now); when that cancel is what fails
@@ -519,8 +558,8 @@ class EncodeCore:
         if cleared is None or info.room in self._rooms or asks is None or asks.infos.get(info.session_id) is not info:
             return  # sent again, or the ask was taken or replaced (its own turn comes) meanwhile
         self.parked.drop_ask(info.room, info.session_id)
-        failure, cancelled_by, _ = cleared
-        self._tell_failed([info], _reask_failure(info.room, failure, cancelled_by, info.session_id, asked_at))
+        self._tell_failed([info], _reask_failure(info.room, cleared.failure, cleared.cancelled_by, info.session_id,
+                                                 asked_at))
 
     def _reask_failure(self, room: _Room, info: TransferInfo, now: float) -> Failure | None:
         """What a new ask for a failed room is told: why it failed, or, when that receiver's own cancel failed
@@ -751,9 +790,9 @@ class EncodeCore:
                     self._unserved.add(room.room)
                 self._spare(room, old)
         for cancels in (self._cancelled, self._held):  # its cancels do not fail its successor's retries
-            for number in [number for number, entry in cancels.items() if entry[0] == old]:
+            for number in [number for number, entry in cancels.items() if entry.session == old]:
                 del cancels[number]
-        for number in [number for number, entry in self._cleared_cancelled.items() if old in entry[1]]:
+        for number in [number for number, entry in self._cleared_cancelled.items() if old in entry.cancelled_by]:
             del self._cleared_cancelled[number]  # nor do those of rooms the caller cleared since
         dropped = self.parked.drop_session(old)
         self.regions.forget(old, f"session {receiver_text(new)} {how} superseded it")
@@ -771,8 +810,8 @@ class EncodeCore:
             due = min(due, self._clears_due[0][1] + CLEARED_GRACE_S)
         if self._reasks_due:
             due = min(due, self._reasks_due[0][1] + CLEARED_GRACE_S)
-        for _, at, _ in self._held.values():  # items sent right after a cancel: MAX_CANCELLED_ROOMS at most
-            due = min(due, at + REASK_GRACE_S)
+        for held in self._held.values():  # items sent right after a cancel: MAX_CANCELLED_ROOMS at most
+            due = min(due, held.cancelled_at + REASK_GRACE_S)
         return due
 
     def expects(self, room: int) -> bool:
@@ -1136,11 +1175,12 @@ class EncodeCore:
                        number, limit, len(taken.infos))
             self._tell_failed(taken.infos.values(), Failure(
                 FailureKind.OTHER, f"room {number}: no item was sent for it within {limit:g}s of its first ask"))
-            remember(self._asks_timed_out, number, (_asked(taken), taken.first_at, now), MAX_CANCELLED_ROOMS)
-        forget_before(self._asks_timed_out, now - limit, lambda entry: entry[2])
-        forget_before(self._cancelled, now - limit, lambda entry: entry[1])
+            remember(self._asks_timed_out, number, _TimedOutAsks(_asked(taken), taken.first_at, now),
+                     MAX_CANCELLED_ROOMS)
+        forget_before(self._asks_timed_out, now - limit)
+        forget_before(self._cancelled, now - limit)
         # Kept a grace longer: a re-ask it let in near the end is told once that grace passed.
-        forget_before(self._cleared_cancelled, now - limit - CLEARED_GRACE_S, lambda entry: entry[2])
+        forget_before(self._cleared_cancelled, now - limit - CLEARED_GRACE_S)
         self.breaker.sweep(now)
 
     # ------------------------------------------------------------ output
