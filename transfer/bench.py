@@ -59,6 +59,13 @@ transport. `--json` rows also split the control plane per role and thread group
 (`cpu_threads`: caller, driver, zmq, other; ms and voluntary context switches per room).
 A raw cell's prefill ranks read theirs from the barrier, after the warm-up shards.
 
+Python calls per room (`--calls`): every Python thread of every rank runs under cProfile, and
+each control-plane group's calls over the timed window, divided by the rooms, are printed
+after the table and kept in --json as `cpu_threads[role][group]['calls']` (caller, driver,
+other; ZMQ's and Mooncake's threads run no Python). A count, exact and the same from run
+to run, that shows a change's cost in steps where CPU time moves by +-30 %; the profiler
+slows every call, so that run's times and ratios say nothing.
+
 Stages (`--stages`; always in --json as `stages_ms`): where an epd or wire room's time
 goes, from the handles' stages (README, "Where a room's time goes"). For each prefill rank
 and room that succeeded, in ms from that rank's receive(): its ask handed to ZMQ (asked),
@@ -82,8 +89,10 @@ the tables then name each by its rows x hidden beside its size.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import ctypes
 import functools
+import gc
 import importlib
 import itertools
 import json
@@ -192,6 +201,7 @@ class Options:
     deadline_s: float = 60.0
     log_dir: str | None = None
     repeat: int = 1  # runs of each cell, paths alternating; the run with the median GB/s is reported
+    calls: bool = False  # count each thread's Python calls (cProfile on every Python thread of every rank)
 
     def items_for(self, item_bytes: int, inflight: int) -> int:
         """Rooms per cell: about cell_bytes moved, at least min_items and one full window."""
@@ -299,8 +309,51 @@ def thread_group(name: str, main: bool) -> str | None:
     return "other"
 
 
+class CallCounts:
+    """Python calls made so far by each Python thread of this process, counted by a cProfile profiler
+    per thread: the thread that installs it, and every thread started after."""
+
+    def __init__(self) -> None:
+        self._profiles: dict[str, cProfile.Profile] = {}  # thread id (as /proc/self/task names it) -> profiler
+
+    def install(self) -> None:
+        threading.setprofile(self._hand_over)
+        self._profile_this_thread()
+
+    def _hand_over(self, frame: Any, event: str, arg: Any) -> None:
+        """A new thread's first profile event: its own profiler takes over from this hook."""
+        self._profile_this_thread()
+
+    def _profile_this_thread(self) -> None:
+        profile = cProfile.Profile()
+        self._profiles[str(threading.get_native_id())] = profile
+        profile.enable()
+
+    def snapshot(self) -> dict[str, int]:
+        """Calls so far per thread id.
+
+        The collector stays off while the profilers are read: a finalizer it ran would make calls on
+        this thread, which reorder this thread's profiler's table while it is being walked (counting
+        some entries twice and others not at all). Nothing else runs meanwhile: reading a profiler
+        keeps the GIL.
+        """
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return {tid: sum(entry.callcount for entry in profile.getstats())
+                    for tid, profile in list(self._profiles.items())}
+        finally:
+            if enabled:
+                gc.enable()
+
+
+#: This rank process's call counter, when the bench counts calls (`--calls`).
+_CALL_COUNTS: CallCounts | None = None
+
+
 def thread_cpu() -> dict[str, Any] | None:
-    """CPU this process has used: {'control': s, 'transport': s, 'threads': {tid: (group, s, switches)}}.
+    """CPU this process has used: {'control': s, 'transport': s, 'threads': {tid: (group, s, switches)}},
+    and with `--calls` each thread's Python calls so far ('calls': {tid: n}).
 
     None without /proc. The control plane is the threads thread_group() names; they live
     as long as their pool or manager. The transport is the rest: the process's total
@@ -336,7 +389,10 @@ def thread_cpu() -> dict[str, Any] | None:
             threads[tid] = (group, seconds, _task_switches(tid))
         except (OSError, ValueError):
             continue
-    return {"control": control, "transport": transport, "threads": threads}
+    reading = {"control": control, "transport": transport, "threads": threads}
+    if _CALL_COUNTS is not None:
+        reading["calls"] = _CALL_COUNTS.snapshot()
+    return reading
 
 
 def _task_seconds(tid: str) -> float:
@@ -362,16 +418,20 @@ def _task_switches(tid: str) -> int:
 
 def _cpu_since(before: dict[str, Any] | None) -> dict[str, Any] | None:
     """CPU seconds per side since `before` (a thread_cpu() reading), and per control-plane group
-    {group: [seconds, switches]} over the threads alive at the end (one started since counts whole)."""
+    {group: [seconds, switches, Python calls or None]} over the threads alive at the end (one
+    started since counts whole)."""
     after = thread_cpu()
     if before is None or after is None:
         return None
-    groups: dict[str, list[float]] = {}
+    groups: dict[str, list] = {}
+    calls_now, calls_then = after.get("calls"), before.get("calls", {})
     for tid, (group, seconds, switches) in after["threads"].items():
         _, seconds_then, switches_then = before["threads"].get(tid, (group, 0.0, 0))
-        entry = groups.setdefault(group, [0.0, 0])
+        entry = groups.setdefault(group, [0.0, 0, None if calls_now is None else 0])
         entry[0] += seconds - seconds_then
         entry[1] += switches - switches_then
+        if calls_now is not None:
+            entry[2] += calls_now.get(tid, 0) - calls_then.get(tid, 0)
     # The process's total is read a moment after its threads' times: a difference below zero
     # is that moment's jitter, not time spent.
     return {"control": after["control"] - before["control"],
@@ -494,6 +554,10 @@ def _worker_main(role: str, rank: int, setup: dict, cmd_q, res_q) -> None:
     from transfer.harness import exit_with_parent
 
     exit_with_parent()  # a bench killed outright must not leave its ranks holding engines and ports
+    if setup.get("calls"):
+        global _CALL_COUNTS
+        _CALL_COUNTS = CallCounts()
+        _CALL_COUNTS.install()
     if setup.get("log_path"):
         # Mooncake logs through glog straight to fd 2; keep it out of the bench's output.
         fd = os.open(setup["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -1134,7 +1198,7 @@ class RankSet:
         """Spawns the rank processes and waits until each has started."""
         ctx, opts = self._ctx, self.opts
         for role, rank, arena in ranks:
-            setup = {"host": opts.host, "arena_bytes": arena, "timeout_s": opts.timeout_s,
+            setup = {"host": opts.host, "arena_bytes": arena, "timeout_s": opts.timeout_s, "calls": opts.calls,
                      "log_path": os.path.join(self.log_dir, f"bench-{role}-{rank}.log")}
             cmd_q = ctx.Queue()
             proc = ctx.Process(target=_worker_main, args=(role, rank, setup, cmd_q, self.res_q),
@@ -1313,16 +1377,19 @@ def cpu_per_room(cell: Cell, readings: list[dict | None]) -> dict[str, float | N
 
 def thread_cpu_per_room(cell: Cell, readings: list[dict | None]) -> dict[str, dict[str, float]] | None:
     """Each room's control-plane CPU ms and voluntary switches per thread group, summed over one role's
-    ranks: {group: {'ms': ..., 'switches': ...}}; None when a rank has no per-thread reading."""
+    ranks: {group: {'ms': ..., 'switches': ...}}, with 'calls' (Python calls) when counted; None when a
+    rank has no per-thread reading."""
     if not readings or any(c is None or "groups" not in c for c in readings):
         return None
     out: dict[str, dict[str, float]] = {}
     for reading in readings:
         assert reading is not None  # narrowed above
-        for group, (seconds, switches) in reading["groups"].items():
+        for group, (seconds, switches, *calls) in reading["groups"].items():
             entry = out.setdefault(group, {"ms": 0.0, "switches": 0.0})
             entry["ms"] += seconds * 1e3 / cell.items
             entry["switches"] += switches / cell.items
+            if calls and calls[0] is not None:
+                entry["calls"] = entry.get("calls", 0.0) + calls[0] / cell.items
     return out
 
 
@@ -1361,6 +1428,26 @@ def format_stages(rows: list[dict]) -> str:
     body = [[r["path"], item(r), str(r["fanout"]), str(r["inflight"]),
              "on" if r["integrity"] else "off", *(f"{r['stages_ms'][name]:.3f}" for name in STAGES)]
             for r in rows if r.get("stages_ms")]
+    return _aligned(head, body)
+
+
+def format_calls(rows: list[dict]) -> str:
+    """The floor, epd and wire rows' Python calls a room per role and thread group (summed over the
+    role's ranks) as an aligned table."""
+    columns = [(role, group) for role in ("encode", "prefill") for group in ("caller", "driver", "other")]
+    counted = [r for r in rows if r.get("cpu_threads")
+               and any("calls" in g for t in r["cpu_threads"].values() if t for g in t.values())]
+    shown = [(role, group) for role, group in columns
+             if any((r["cpu_threads"].get(role) or {}).get(group, {}).get("calls") for r in counted)]
+    head = ["path", "item", "fanout", "inflight", "integrity", *(f"{role} {group}" for role, group in shown)]
+    item = _item_label(rows)
+
+    def calls(r: dict, role: str, group: str) -> str:
+        entry = (r["cpu_threads"].get(role) or {}).get(group, {})
+        return f"{entry['calls']:.0f}" if "calls" in entry else "-"
+
+    body = [[r["path"], item(r), str(r["fanout"]), str(r["inflight"]), "on" if r["integrity"] else "off",
+             *(calls(r, role, group) for role, group in shown)] for r in counted]
     return _aligned(head, body)
 
 
@@ -1840,6 +1927,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "integrity on and off, wherever those options are not given")
     parser.add_argument("--cpu", action="store_true",
                         help="add each room's CPU ms to the table: our control plane, and the transport's threads")
+    parser.add_argument("--calls", action="store_true",
+                        help="also count each thread's Python calls a room (cProfile on every rank's Python threads; "
+                             "that run's times and ratios are slowed by it)")
     parser.add_argument("--stages", action="store_true",
                         help="also print where each epd and wire room's time went: the p50 of each stage, ms from "
                              "a prefill rank's receive()")
@@ -1869,6 +1959,7 @@ def options_from(args: argparse.Namespace) -> Options:
     opts.timeout_s = args.timeout
     opts.repeat = max(1, getattr(args, "repeat", 1) or 1)
     opts.deadline_s = args.deadline
+    opts.calls = getattr(args, "calls", False)
     return opts
 
 
@@ -1895,6 +1986,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"epd-transfer bench: protocol {opts.protocol} on {opts.host}, sender pool "
               f"{pool or 'defaults'}, raw issue {opts.raw_issue}")
         print(format_table(rows, cpu=getattr(args, "cpu", False)))
+        if opts.calls:
+            print("\nPython calls a room, over each role's ranks (cProfile: this run's times are slowed by it)")
+            print(format_calls(rows))
         if getattr(args, "stages", False) and any(r.get("stages_ms") for r in rows):
             print("\nstages: ms from a prefill rank's receive(), p50 over its rooms")
             print(format_stages(rows))
