@@ -345,7 +345,7 @@ class EncodeCore:
         self._clears_due: deque[tuple[int, float]] = deque()  # (room, cleared at) with parked asks to fail
         self._cancelled: dict[int, _CancelledAsk] = {}
         self._asks_timed_out: dict[int, _TimedOutAsks] = {}
-        self._cleared_cancelled: dict[int, _ClearedFailure] = {}
+        self._cleared_failures: dict[int, _ClearedFailure] = {}
         self._reasks_due: deque[tuple[TransferInfo, float]] = deque()  # new asks for those, and when they came
         self._held: dict[int, _HeldItem] = {}
         self._failed_writes: dict[tuple[int, str], float] = {}  # (room, session) -> when a write to it failed
@@ -367,7 +367,7 @@ class EncodeCore:
         if self._closed:  # sent while the driver was closing: nothing will serve it
             self._fail(room, FailureKind.CLOSED, self._close_detail, now)
             return self._out_take()
-        self._cleared_cancelled.pop(offer.room, None)
+        self._cleared_failures.pop(offer.room, None)
         timed_out = self._recent(self._asks_timed_out.pop(offer.room, None), now)
         cancelled = self._recent(self._cancelled.pop(offer.room, None), now)
         if cancelled is not None and _grace_over(cancelled.cancelled_at, now):
@@ -394,7 +394,7 @@ class EncodeCore:
         self._unserved.discard(room)
         self._fail_with(held, CLEARED, now)
         if (held.cancelled_by or held.late) and held.failure is not None:
-            remember(self._cleared_cancelled, room, _ClearedFailure(held.failure, held.cancelled_by, now),
+            remember(self._cleared_failures, room, _ClearedFailure(held.failure, held.cancelled_by, now),
                      MAX_CANCELLED_ROOMS)
         if not held.receivers and not self._closed:
             self._clears_due.append((room, now))
@@ -431,7 +431,7 @@ class EncodeCore:
                                                                     f"may have"))
             return self._flush(now)
         room = self._rooms.get(info.room)
-        if room is None and self._recent(self._cleared_cancelled.get(info.room), now) is not None:
+        if room is None and self._recent(self._cleared_failures.get(info.room), now) is not None:
             # A receiver's cancel failed the room's item, or it came late, and the caller has cleared it since:
             # parked like any ask, this one is told why after CLEARED_GRACE_S unless the caller sends the room
             # again meanwhile (a retry).
@@ -553,7 +553,7 @@ class EncodeCore:
         """Tells the receiver of ask `info` (that came `asked_at`) for a room a receiver's cancel failed, or that
         came late, and the caller cleared since, why it is not served: its own cancel, or the room's failure;
         unless the room was sent again or that ask is no longer parked."""
-        cleared = self._cleared_cancelled.get(info.room)
+        cleared = self._cleared_failures.get(info.room)
         asks = self.parked.get(info.room)
         if cleared is None or info.room in self._rooms or asks is None or asks.infos.get(info.session_id) is not info:
             return  # sent again, or the ask was taken or replaced (its own turn comes) meanwhile
@@ -700,7 +700,7 @@ class EncodeCore:
         self._close_detail = detail
         self._clears_due.clear()
         self._reasks_due.clear()
-        self._cleared_cancelled.clear()
+        self._cleared_failures.clear()
         self._held.clear()
         for asks in self.parked.take_all():
             self._tell_failed(asks.infos.values(), Failure(FailureKind.CLOSED, f"room {asks.room}: {detail}"))
@@ -792,8 +792,8 @@ class EncodeCore:
         for cancels in (self._cancelled, self._held):  # its cancels do not fail its successor's retries
             for number in [number for number, entry in cancels.items() if entry.session == old]:
                 del cancels[number]
-        for number in [number for number, entry in self._cleared_cancelled.items() if old in entry.cancelled_by]:
-            del self._cleared_cancelled[number]  # nor do those of rooms the caller cleared since
+        for number in [number for number, entry in self._cleared_failures.items() if old in entry.cancelled_by]:
+            del self._cleared_failures[number]  # nor do those of rooms the caller cleared since
         dropped = self.parked.drop_session(old)
         self.regions.forget(old, f"session {receiver_text(new)} {how} superseded it")
         self.breaker.reset(old)
@@ -1180,7 +1180,7 @@ class EncodeCore:
         forget_before(self._asks_timed_out, now - limit)
         forget_before(self._cancelled, now - limit)
         # Kept a grace longer: a re-ask it let in near the end is told once that grace passed.
-        forget_before(self._cleared_cancelled, now - limit - CLEARED_GRACE_S)
+        forget_before(self._cleared_failures, now - limit - CLEARED_GRACE_S)
         self.breaker.sweep(now)
 
     # ------------------------------------------------------------ output
