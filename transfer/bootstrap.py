@@ -457,7 +457,8 @@ def check_token(token: str | None) -> str | None:
 
 
 def split_address(address: str) -> tuple[str, int]:
-    """Split "host:port" (or "[v6]:port") into host and port."""
+    """Split "host:port" (or "[v6]:port") into host and port; ConfigError for a port outside 1-65535 or a host
+    the resolver cannot encode (an empty label, or one over 63 characters)."""
     if not isinstance(address, str):
         raise ConfigError(f"bootstrap address must be a 'host:port' str, got {type(address).__name__} {address!r}")
     if "://" in address:
@@ -465,7 +466,13 @@ def split_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not (port.isascii() and port.isdigit() and 0 < int(port) <= 65535):
         raise ConfigError(f"bootstrap address must be host:port (a port of 1-65535), got {address!r}")
-    return host.strip("[]"), int(port)
+    host = host.strip("[]")
+    try:
+        host.encode("idna")  # as the resolver encodes it: else every request fails with a UnicodeError
+    except UnicodeError:
+        raise ConfigError(f"bootstrap address must be host:port with a host name the resolver takes (dot-separated "
+                          f"labels of 1 to 63 characters), got {address!r}") from None
+    return host, int(port)
 
 
 class _BoundedResponse(http.client.HTTPResponse):

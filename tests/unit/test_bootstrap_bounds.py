@@ -88,6 +88,20 @@ def test_a_bootstrap_address_without_a_real_port_is_refused(address):
         BootstrapClient(address)
 
 
+@pytest.mark.parametrize("address", ["10.0.0..1:8998", ".example:8998", "a" * 64 + ".example:8998"])
+def test_a_bootstrap_address_whose_host_no_resolver_takes_is_refused(address):
+    """An empty label or one over 63 characters fails in the resolver's encoding, not as a lookup."""
+    with pytest.raises(ConfigError, match=r"^bootstrap address must be host:port with a host name the resolver "
+                                          r"takes \(dot-separated labels of 1 to 63 characters\), got '"):
+        BootstrapClient(address)
+
+
+@pytest.mark.parametrize("address", ["[fe80::1%eth0]:8998", "::1:8998", "encode-0.cluster.local.:8998",
+                                     "b\u00fccher.example:8998"])
+def test_addresses_and_host_names_are_taken_as_bootstrap_addresses(address):
+    assert BootstrapClient(address).port == 8998
+
+
 def _client_answering(answer: dict) -> BootstrapClient:
     client = BootstrapClient("127.0.0.1:1")
     client._request = lambda *args, **kwargs: (200, json.dumps(answer).encode())
