@@ -145,7 +145,8 @@ def _client_of(client_address: Any) -> str:
 
 class BoundedHTTPServer(ThreadingHTTPServer):
     """ThreadingHTTPServer serving at most `max_handlers` connections at once, and at most
-    `max_per_client` of them from one address (a quarter of max_handlers when None); the rest get 503."""
+    `max_per_client` of them from one address (a quarter of max_handlers when None); the rest get 503.
+    server_close() ends the connections still being served and waits for their threads."""
 
     daemon_threads = True
     max_handlers = 64
@@ -153,11 +154,14 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     busy_text = b"server busy: too many connections at once"
     client_busy_text = b"server busy: too many connections from this address at once"
     log = logging.getLogger("transfer.http")
+    #: How long server_close() waits for each handler thread once its connection is shut down.
+    close_wait_s = 5.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """The stdlib server, counting its handler threads, in all and per client address."""
         self._handlers = 0
         self._per_client: dict[str, int] = {}
+        self._serving: dict[socket.socket, threading.Thread] = {}  # each connection served, and its thread
         self._handlers_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
@@ -172,6 +176,8 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         """Hands the connection to a thread of its own, or turns it away when max_handlers are busy, or
         max_per_client with its address."""
         client = _client_of(client_address)
+        thread = threading.Thread(target=self.process_request_thread, args=(request, client_address),
+                                  daemon=self.daemon_threads)
         with self._handlers_lock:
             per_client = self.max_per_client or max(1, self.max_handlers // 4)
             busy = self.busy_text if self._handlers >= self.max_handlers else None
@@ -180,14 +186,15 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             if busy is None:
                 self._handlers += 1
                 self._per_client[client] = self._per_client.get(client, 0) + 1
+                self._serving[request] = thread
         if busy is not None:
             self._turn_away(request, busy)
             self.shutdown_request(request)
             return
         try:
-            super().process_request(request, client_address)
+            thread.start()
         except BaseException:
-            self._handler_done(client)
+            self._handler_done(client, request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
@@ -198,16 +205,32 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         except Exception:
             self.handle_error(request, client_address)
         finally:
-            self._handler_done(_client_of(client_address))
+            self._handler_done(_client_of(client_address), request)
             self.shutdown_request(request)
 
-    def _handler_done(self, client: str) -> None:
-        """One handler thread fewer, one of `client`'s."""
+    def _handler_done(self, client: str, request: socket.socket) -> None:
+        """One handler thread fewer, one of `client`'s (its connection is closed next, not by server_close())."""
         with self._handlers_lock:
             self._handlers -= 1
+            self._serving.pop(request, None)
             left = self._per_client.pop(client, 1) - 1
             if left > 0:
                 self._per_client[client] = left
+
+    def server_close(self) -> None:
+        """Closes the listening socket, then shuts down the connections still being served and waits for
+        their threads: a closed server answers no request it had not answered yet."""
+        super().server_close()
+        with self._handlers_lock:  # held: a connection listed here is not closed under the shutdown
+            serving = list(self._serving.items())
+            for request, _ in serving:
+                try:
+                    request.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        for _, thread in serving:
+            if thread.ident is not None and thread is not threading.current_thread():  # started, not ours
+                thread.join(self.close_wait_s)
 
     def _turn_away(self, request: socket.socket, text: bytes) -> None:
         """Answers 503 without blocking the accepting thread (the client may not read it)."""

@@ -235,6 +235,32 @@ def test_close_releases_port_and_joins_thread():
     assert not BootstrapClient(f"127.0.0.1:{port}", timeout=0.5).health()
 
 
+def test_close_ends_the_requests_still_being_read_and_their_threads():
+    """A registration whose body was still coming in when the server closed is not answered 200: its
+    route went with the closed server, and the rank must learn it is not registered."""
+    body = json.dumps(_registration(0)).encode()
+    srv = BootstrapServer("127.0.0.1", 0)
+    before = set(threading.enumerate())
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5.0) as conn:
+        conn.sendall(b"PUT /route HTTP/1.0\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:10])
+        time.sleep(0.3)  # its handler is reading the body
+        started = time.monotonic()
+        srv.close()
+        took = time.monotonic() - started
+        left = [thread for thread in set(threading.enumerate()) - before if thread.is_alive()]
+        answer = b""
+        try:
+            conn.sendall(body[10:])
+            while chunk := conn.recv(4096):
+                answer += chunk
+        except OSError:
+            pass  # reset: the connection is gone
+    assert left == [], left
+    assert not answer.startswith(b"HTTP/1.0 200 "), answer
+    assert srv.registered_ranks == 0
+    assert took < 2.0, took
+
+
 def test_binds_only_the_given_host(server):
     assert BootstrapClient(server.address).health()
     # The whole 127/8 range is loopback, but the server listens on 127.0.0.1 only.
