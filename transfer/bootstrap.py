@@ -436,6 +436,11 @@ def _unregistered(raw: bytes) -> bool | None:
     return value["removed"]
 
 
+def _shown_int(value: int) -> str:
+    """An integer a server sent, for an error: JSON carries up to 4300 digits, far more than a reason holds."""
+    return shown(str(value), 24)
+
+
 def _positive_int(value: object) -> TypeGuard[int]:
     """Whether a JSON value is an int (not a bool) above 0."""
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
@@ -627,8 +632,8 @@ class BootstrapClient:
                                  f"(no encode rank registered yet?): {shown(repr(value))}")
         if world_size > MAX_WORLD_SIZE or world_size % dp_size:
             raise BootstrapError(f"bootstrap server {self.address} sent parallel sizes no deployment "
-                                 f"has: encode tp size {world_size} (at most {MAX_WORLD_SIZE}), "
-                                 f"dp size {dp_size} (must divide it)")
+                                 f"has: encode tp size {_shown_int(world_size)} (at most {MAX_WORLD_SIZE}), "
+                                 f"dp size {_shown_int(dp_size)} (must divide it)")
         return world_size, dp_size
 
     def route(self, engine_rank: int, dp_group: int, timeout: float | None = None) -> tuple[str, int]:
@@ -650,7 +655,7 @@ class BootstrapClient:
         if not 0 < len(ip) <= MAX_HOST_CHARS or not _HOST.fullmatch(ip) or not 1 <= port <= 65535:
             raise BootstrapError(f"bootstrap server {self.address} sent a route no encode rank has "
                                  f"for encode rank {engine_rank}: host {ip[:MAX_HOST_CHARS]!r} (1 to "
-                                 f"{MAX_HOST_CHARS} letters, digits, '.', '-', '_', ':', '%'), port {port} "
+                                 f"{MAX_HOST_CHARS} letters, digits, '.', '-', '_', ':', '%'), port {_shown_int(port)} "
                                  f"(1 to 65535)")
         return ip, port
 

@@ -188,6 +188,18 @@ def test_an_incomplete_answer_is_quoted_printable_and_cut(call):
     _assert_fit_for_a_failure_reason(str(caught.value))
 
 
+@pytest.mark.parametrize("call, answer", [
+    (_CALLS["parallel info"], {"prefill_tp_size": 10**4000, "prefill_dp_size": 1}),
+    (_CALLS["parallel info"], {"prefill_tp_size": 4, "prefill_dp_size": 10**4000}),
+    (_CALLS["route"], {"rank_ip": "10.0.0.1", "rank_port": 10**4000}),
+], ids=["tp size", "dp size", "port"])
+def test_a_number_no_deployment_has_is_quoted_cut(call, answer):
+    """JSON carries integers of up to 4300 digits: one quoted in full would make a 4 KiB error."""
+    with pytest.raises(BootstrapError, match="no deployment has|no encode rank has") as caught:
+        call(_client_answering(answer))
+    _assert_fit_for_a_failure_reason(str(caught.value))
+
+
 def _register(client: BootstrapClient) -> None:
     client.register_rank(2, 1, "10.0.0.1", 17000, 0, retry_for=30)
 
