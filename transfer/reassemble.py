@@ -22,6 +22,8 @@ A failed item's tensors are never touched, so no rank consumes half-received row
 Works on gloo (CPU tensors) and NCCL (CUDA tensors); the agreement tensor lives on
 the items' device (on NCCL: the current CUDA device). Every wait is bounded only by
 the group's timeout (`init_process_group`/`new_group` `timeout=`); this module sets none.
+A collective the backend fails (a rank that did not make the same call within that
+timeout, or that left) raises UsageError on the ranks that were in it, naming the step.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from __future__ import annotations
 import logging
 import operator
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -149,7 +151,7 @@ def _agreement(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None, group:
     message = torch.tensor(header + flat, dtype=torch.int64)
     first = torch.zeros(_FIRST_ELEMENTS, dtype=torch.int64)
     first[: min(message.numel(), _FIRST_ELEMENTS)] = message[:_FIRST_ELEMENTS]
-    first = _min_all_reduce(first, group, device)
+    first = _min_all_reduce(first, group, device, what, "the agreement's all-reduce")
     if first[0] != 1:
         raise ConfigError(f"{what}: {problem or 'another rank of the group refused the batch (see its log)'}")
     if first[1] != -first[2]:
@@ -161,15 +163,27 @@ def _agreement(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None, group:
     # Every rank now knows the others hold the same count and width: the rest has one size.
     rest = message[_FIRST_ELEMENTS:]
     if rest.numel():
-        rest = _min_all_reduce(rest, group, device)
+        rest = _min_all_reduce(rest, group, device, what, "the agreement's second all-reduce")
     return torch.cat([first, rest])[_HEADER : _HEADER + count * (1 + 2 * width)].view(count, 1 + 2 * width)
 
 
-def _min_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
+def _min_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device, what: str,
+                    step: str) -> torch.Tensor:
     """The element-wise MIN of `tensor` over the group, back on the CPU."""
     reduced = tensor.to(device)
-    dist.all_reduce(reduced, op=dist.ReduceOp.MIN, group=group)
+    _collective(what, step, group, lambda: dist.all_reduce(reduced, op=dist.ReduceOp.MIN, group=group))
     return reduced.cpu()
+
+
+def _collective(what: str, step: str, group: dist.ProcessGroup | None, call: Callable[[], object]) -> None:
+    """Runs one collective. The backend's error when a rank of the group never makes the same call
+    within the group's timeout, or leaves, names neither: the UsageError says which step it was."""
+    try:
+        call()
+    except RuntimeError as exc:
+        raise UsageError(f"{what}: {step} over the group's {dist.get_world_size(group)} ranks did not complete "
+                         f"({exc}); every rank of the group must make the same call: one that does not within "
+                         f"the group's timeout, or that exits, ends it this way") from exc
 
 
 def _flags(reduced: torch.Tensor) -> list[bool]:
@@ -273,11 +287,12 @@ def _gather(packed: torch.Tensor, size: int, group: dist.ProcessGroup | None) ->
     """Every rank's equal-size `packed` buffer, in group rank order, with one collective."""
     out = torch.empty(size * packed.numel(), dtype=torch.uint8, device=packed.device)
     single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+    step = "the all-gather of the shards"
     if single is not None and _gather_into_supported(group):
-        single(out, packed, group=group)
+        _collective("reassemble", step, group, lambda: single(out, packed, group=group))
         return list(out.view(size, packed.numel()).unbind(0))
     parts = list(out.view(size, packed.numel()).unbind(0))
-    dist.all_gather(parts, packed, group=group)
+    _collective("reassemble", step, group, lambda: dist.all_gather(parts, packed, group=group))
     return parts
 
 

@@ -230,22 +230,40 @@ def stall_child(rank: int, port: int, folder: str) -> None:
         os._exit(0)
     item, _, _ = make_item(1, 8, rank, 2)
     started = time.monotonic()
+    message = ""
     try:
         reassemble([item])
         outcome = "returned"
     except Exception as exc:  # noqa: BLE001 - what it raises is the observation
-        outcome = f"raised {type(exc).__name__}"
+        outcome, message = f"raised {type(exc).__name__}", str(exc)
     took = time.monotonic() - started
     untouched = bool((item.full.view(torch.uint8)[4:] == GARBAGE).all())  # rank 1's rows, never agreed
     with open(os.path.join(folder, "stall.json"), "w") as handle:
-        json.dump({"outcome": outcome, "took": took, "untouched": untouched}, handle)
+        json.dump({"outcome": outcome, "message": message, "took": took, "untouched": untouched}, handle)
     os._exit(0)  # the group cannot be torn down cleanly with its peer stuck
 
 
-def test_a_rank_that_never_reaches_reassembly_costs_the_groups_timeout_not_a_hang(tmp_path):
-    mp.spawn(stall_child, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    with open(tmp_path / "stall.json") as handle:
-        seen = json.load(handle)
+@pytest.fixture(scope="module")
+def stalled(tmp_path_factory):
+    """What rank 0 saw reassembling while rank 1 of its group never called reassemble."""
+    folder = tmp_path_factory.mktemp("stall")
+    mp.spawn(stall_child, args=(free_port(), str(folder)), nprocs=2, join=True)
+    with open(folder / "stall.json") as handle:
+        return json.load(handle)
+
+
+def test_a_rank_that_never_reaches_reassembly_costs_the_groups_timeout_not_a_hang(stalled):
+    seen = stalled
     assert seen["outcome"].startswith("raised"), seen
     assert STALL_TIMEOUT_S - 1 <= seen["took"] <= STALL_TIMEOUT_S + 10, seen
     assert seen["untouched"], "rows outside this rank's shard were written although nothing was agreed"
+
+
+def test_a_rank_that_never_reaches_reassembly_is_the_reason_given(stalled):
+    # The backend's own text (kept) says only that a receive timed out: the error says which of
+    # reassemble's collectives it was and what ends it so.
+    assert stalled["outcome"] == "raised UsageError", stalled
+    message = stalled["message"]
+    assert message.startswith("reassemble: the agreement's all-reduce over the group's 2 ranks did not complete"), message
+    assert "every rank of the group must make the same call" in message, message
+    assert "Timed out" in message, message
