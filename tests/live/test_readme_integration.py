@@ -167,3 +167,88 @@ def test_the_readme_integration_moves_and_rebuilds_every_row():
     assert outcome.get("encode") == sorted(ROOMS), outcome
     total = sum(ROOMS.values()) * HIDDEN * 2
     assert outcome.get("prefill-0") == total and outcome.get("prefill-1") == total, outcome
+
+
+def _rebuild_code() -> str:
+    """The README prefill block's imports and its `rebuild` function, nothing that needs an engine."""
+    import ast
+
+    tree = ast.parse(_block("Prefill side"))
+    kept = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+            or (isinstance(node, ast.FunctionDef) and node.name == "rebuild")]
+    return ast.unparse(ast.Module(body=kept, type_ignores=[]))
+
+
+class _Handle:
+    """What `rebuild` reads of a pooled receive's handle with deepstack rows: this rank's shard filled."""
+
+    def __init__(self, room: int, span: int, rank: int) -> None:
+        import torch
+
+        from transfer.frames import shard_rows
+        from transfer.status import TransferPoll
+
+        self.room, self.shard = room, shard_rows(span, rank, 2)
+        start, count = self.shard
+        self.rows = torch.zeros(span, HIDDEN, dtype=torch.bfloat16)
+        self.deepstack = torch.zeros(span, 3 * HIDDEN, dtype=torch.bfloat16)
+        self.rows[start : start + count] = _item(room, span)[start : start + count]
+        self.deepstack[start : start + count] = _deepstack(room, span)[start : start + count]
+        self._poll = TransferPoll.Success
+
+    def poll(self):
+        return self._poll
+
+
+def _deepstack(room: int, span: int):
+    """The deepstack rows (3 layers) the encode rank offers for `room`."""
+    import torch
+
+    gen = torch.Generator().manual_seed(2000 + room)
+    return torch.randn(span, 3 * HIDDEN, generator=gen).to(torch.bfloat16)
+
+
+def _rebuild_rank(code: str, rank: int, init_port: int, results) -> None:
+    """Runs the README's `rebuild` on handles holding this rank's shard of embedding and deepstack rows."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{init_port}", rank=rank, world_size=2)
+        scope: dict = {"__name__": "readme_rebuild"}
+        exec(compile(code, "README.md (prefill side, rebuild)", "exec"), scope)
+        handles = [_Handle(room, span, rank) for room, span in ROOMS.items()]
+        rebuilt = scope["rebuild"](handles)
+        outcome = {}
+        for handle, rows in zip(handles, rebuilt):
+            span = ROOMS[handle.room]
+            outcome[handle.room] = (rows is not None and torch.equal(rows.view(torch.int16),
+                                                                     _item(handle.room, span).view(torch.int16)),
+                                    torch.equal(handle.deepstack.view(torch.int16),
+                                                _deepstack(handle.room, span).view(torch.int16)))
+        dist.destroy_process_group()
+        results.put((rank, outcome))
+    except BaseException:  # noqa: BLE001 - the test process reports it
+        results.put((rank, traceback.format_exc()))
+
+
+def test_the_readme_rebuild_rebuilds_the_deepstack_rows_too():
+    # The README asks for deepstack rows with receive(..., deepstack_hidden=): its rebuild must
+    # gather the other ranks' deepstack rows as well, or they stay what the slot held before.
+    code = _rebuild_code()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_port = _free_port()
+    procs = [ctx.Process(target=_rebuild_rank, args=(code, r, init_port, results)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        outcome = dict(results.get(timeout=WAIT_S) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    for rank in range(2):
+        assert outcome[rank] == {room: (True, True) for room in ROOMS}, (rank, outcome[rank])
