@@ -231,10 +231,12 @@ class ReceivePool:
         self.slot_bytes = int(slot_bytes)
         self.slots = int(nbytes) // self.slot_bytes
         try:
-            self.device = str(torch.device(device))
-            tensor = torch.empty(int(nbytes), dtype=torch.uint8, device=self.device)
+            tensor = torch.empty(int(nbytes), dtype=torch.uint8, device=torch.device(device))
         except (RuntimeError, AssertionError) as exc:  # a device this torch cannot use (CUDA on a CPU build)
             raise ConfigError(f"cannot allocate the pool's {nbytes} bytes on device {device!r}: {exc}") from None
+        # "cuda" names the current device of the thread that made the pool: its fallbacks, made on whichever
+        # thread leases them, go where its memory went.
+        self.device = str(tensor.device)
         self.quarantine_s = float(quarantine_s)
         self.grace_s = float(grace_s)
         self._clock = clock

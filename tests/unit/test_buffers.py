@@ -57,6 +57,16 @@ def test_pool_registers_one_region_and_cuts_slots(engine, clock):
     assert engine.regions == {}
 
 
+def test_the_pool_and_its_fallbacks_name_the_device_its_memory_is_on(engine, clock):
+    """A device named without its index ("cuda") is taken as the one the pool's memory went to, so its
+    fallbacks go there too, whichever device the thread that leases them has current."""
+    with make_pool(engine, clock, device="cpu:0") as pool:
+        assert pool.device == str(pool.region.tensor.device) == pool.region.device == "cpu"
+        big = pool.lease_or_fallback(SLOT * 3)
+        assert big.is_fallback and big.region.device == "cpu"
+        assert big.region.tensor.device == pool.region.tensor.device
+
+
 def test_lease_refuses_too_big_and_negative(engine, clock):
     with make_pool(engine, clock) as pool:
         assert pool.lease(SLOT + 1) is None
