@@ -231,6 +231,22 @@ def test_a_room_that_expires_on_a_rank_still_answering_others_leaves_its_socket_
     assert Disconnect(ENCODE) in c.tick(4.2)
 
 
+def test_a_rank_that_answered_since_a_room_was_asked_keeps_the_socket_and_its_other_rooms_cancels():
+    """The soak's quiet tail: room 1's item never comes; the encode rank answered another room after
+    room 1 was asked, then nothing more for over half a deadline. It is alive, not silent: room 1's
+    deadline leaves the socket, so room 2, asked on it and given up later, is still cancelled there."""
+    c = core(deadline_s=2.0)
+    routed(c, now=0.0)
+    c.receive(0.0, spec(1, slot=1))  # its item never comes
+    token2, _ = c.receive(0.1, spec(2, slot=2))  # nor this one's, given up on below
+    c.receive(0.2, spec(3, slot=3))
+    assert kinds(c.status(0.5, 3, TransferPoll.Success, 0)) == [Conclude]
+    actions = c.tick(2.0)
+    assert concluded(actions)[1].kind is FailureKind.DEADLINE
+    assert Disconnect(ENCODE) not in actions and c.connected(ENCODE)
+    assert kinds(c.abandon(2.05, 2, token2)) == [SendCancel]
+
+
 @pytest.mark.parametrize("deadline", [0.3, 0.7, 2.2, 9.9, 60.0])
 @pytest.mark.parametrize("t0", [0.0, 128279.44, 402137.54987701763])
 def test_a_rank_that_never_answered_loses_its_socket_at_a_rooms_deadline_whatever_the_clock(deadline, t0):
