@@ -403,6 +403,21 @@ def test_a_clear_before_the_whole_fanout_asked_fails_the_parked_asks_after_the_g
     assert run.statuses(out) == [(1, 6000, TransferPoll.Failed)] and [w.key for w in run.of(Warn, out)] == ["cleared"]
 
 
+def test_the_failure_of_a_clear_before_the_whole_fanout_asked_counts_the_asks_made_by_the_clear():
+    run = Run()
+    offer = _offer(1, span=4)
+    run.offer(offer)
+    run.ask(_ask(1, rank=0, fanout=2))
+    run(run.core.clear(1, offer.token, run.now))
+    run.at(0.05).ask(_ask(1, rank=1, fanout=2))  # the rest of the fanout asks within the grace
+    out = run.at(CLEARED_GRACE_S).tick()
+    [detail] = {a.failure.detail for a in run.of(PushStatus, out)}
+    assert detail == ("room 1: the encode side cleared it before its whole fanout asked (1 of 2 prefill ranks "
+                      "asked; 1 more since)")
+    [warn] = run.of(Warn, out)
+    assert "(1 of 2 prefill ranks asked; 1 more since:" in warn.message % warn.args
+
+
 def test_a_clear_then_a_send_again_keeps_the_parked_asks_for_the_retry():
     run = Run()
     first = _offer(1)

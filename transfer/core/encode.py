@@ -342,7 +342,7 @@ class EncodeCore:
         self._endpoints: dict[tuple[str, int], str] = {}  # status endpoint -> its latest session
         self._endpoint_of: dict[str, tuple[str, int]] = {}  # session -> the status endpoint it registered last
         self._next_wid = 1
-        self._clears_due: deque[tuple[int, float]] = deque()  # (room, cleared at) with parked asks to fail
+        self._clears_due: deque[tuple[int, float, int]] = deque()  # (room, cleared at, asks parked then) to fail
         self._cancelled: dict[int, _CancelledAsk] = {}
         self._asks_timed_out: dict[int, _TimedOutAsks] = {}
         self._cleared_failures: dict[int, _ClearedFailure] = {}
@@ -397,7 +397,8 @@ class EncodeCore:
             remember(self._cleared_failures, room, _ClearedFailure(held.failure, held.cancelled_by, now),
                      MAX_CANCELLED_ROOMS)
         if not held.receivers and not self._closed:
-            self._clears_due.append((room, now))
+            asks = self.parked.get(room)
+            self._clears_due.append((room, now, 0 if asks is None else len(asks.infos)))
         return self._flush(now)
 
     def registration(self, reg: Registration, now: float) -> list:
@@ -1119,25 +1120,28 @@ class EncodeCore:
         room.released = True
         self._out.append(Release(room.room, room.offer.token))
 
-    def _fail_cleared_asks(self, room_number: int, cleared_at: float) -> None:
+    def _fail_cleared_asks(self, room_number: int, cleared_at: float, asked_then: int) -> None:
         """Tells the receivers parked for a room cleared unserved Failed, unless it was sent again.
 
         Only asks parked before the clear were the cleared item's: a room whose first
-        ask came later, or one sent again since (a retry), keeps its asks.
+        ask came later, or one sent again since (a retry), keeps its asks. The failure
+        counts the asks parked at the clear (`asked_then`); those that came within the grace are named apart.
         """
         asks = self.parked.get(room_number)
         if asks is None or asks.first_at > cleared_at or room_number in self._rooms:
             return
         self.parked.take(room_number)
+        asked = f"{asked_then} of {asks.fanout} prefill ranks asked"
+        if len(asks.infos) > asked_then:
+            asked += f"; {len(asks.infos) - asked_then} more since"
         sessions = (", ".join(receiver_text(s) for s in sorted(asks.infos)[:3])
                     + (", ..." if len(asks.infos) > 3 else ""))
-        self._warn("cleared", "room %d: the caller cleared it before its whole fanout asked (%d of %d prefill ranks "
-                   "asked: %s); telling them Failed. Are the other ranks of the fanout running and routed to this "
-                   "encode rank, or was the room cleared too early?", room_number, len(asks.infos), asks.fanout,
-                   sessions)
+        self._warn("cleared", "room %d: the caller cleared it before its whole fanout asked (%s: %s); telling them "
+                   "Failed. Are the other ranks of the fanout running and routed to this encode rank, or was the "
+                   "room cleared too early?", room_number, asked, sessions)
         self._tell_failed(asks.infos.values(), Failure(
             FailureKind.CLEARED, f"room {room_number}: the encode side cleared it before its whole fanout asked "
-                                 f"({_asked(asks)})"))
+                                 f"({asked})"))
 
     def _sweep(self, now: float) -> None:
         """Fails items whose receivers never all asked, and asks whose item never came.
