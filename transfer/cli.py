@@ -122,10 +122,17 @@ def _environment_refused(command: str) -> bool:
     return bool(problems)
 
 
+def _probe_mooncake() -> tuple[bool, str]:
+    """Whether mooncake.engine imports here, tried in a child process as `doctor` tries it, and how."""
+    from transfer import doctor
+
+    return doctor.probe_mooncake_import()
+
+
 def _protocol_refused(command: str, protocol: str, device: str = "") -> bool:
     """True, saying why in one line, when a Mooncake engine of `protocol` cannot start here (rdma and no
-    usable device): every rank would otherwise fail with a traceback."""
-    from transfer.engine import effective_protocol
+    usable device, or mooncake.engine does not import): every rank would otherwise fail with a traceback."""
+    from transfer.engine import _unavailable_message, effective_protocol
     from transfer.errors import EngineError
 
     if protocol == "wire":
@@ -134,6 +141,12 @@ def _protocol_refused(command: str, protocol: str, device: str = "") -> bool:
         effective_protocol(protocol, device)
     except (ConfigError, EngineError) as error:
         print(f"epd-transfer {command}: {error}", file=sys.stderr)
+        return True
+    imports, how = _probe_mooncake()
+    if not imports:
+        wire = "--paths wire,memcpy" if command == "bench" else "--protocol wire"
+        print(f"epd-transfer {command}: {_unavailable_message(ImportError(how))}; or run the framed wire, "
+              f"which needs no Mooncake: {wire}", file=sys.stderr)
         return True
     return False
 

@@ -1,4 +1,5 @@
-"""doctor's probes on this host (child interpreters, the real Mooncake wheel) and scripts/soft-roce.sh."""
+"""doctor's probes on this host (child interpreters, the real Mooncake wheel), demo and bench refusing a Mooncake
+path its probe fails, and scripts/soft-roce.sh."""
 
 from __future__ import annotations
 
@@ -41,6 +42,23 @@ def test_real_mooncake_probe_and_wheel():
 def test_probe_timeout_is_reported():
     ok, detail = doctor.probe_mooncake_import(timeout_s=0.001)
     assert not ok and "hung for more than" in detail
+
+
+@pytest.mark.parametrize("argv", [["demo", "--items", "1"], ["bench", "--quick"]])
+def test_a_mooncake_path_on_a_host_whose_mooncake_does_not_import_is_refused_in_one_line(argv, tmp_path):
+    import sys
+
+    shadow = tmp_path / "mooncake"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('libibverbs.so.1: cannot open shared object file')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    done = subprocess.run([sys.executable, "-m", "transfer.cli", *argv], capture_output=True, text=True, env=env,
+                          timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"epd-transfer {argv[0]}: cannot import mooncake.engine (a system library that "
+                                  f"mooncake needs is missing: "), done.stderr
+    assert "apt-get install libibverbs1 libnuma1" in done.stderr and "Traceback" not in done.stderr
+    assert done.stdout == ""
 
 
 def test_real_host_report_is_consistent():

@@ -88,6 +88,7 @@ def test_summarize_does_not_verify_a_run_where_nothing_landed():
 
 
 def test_a_demo_where_every_room_failed_says_verified_no(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_probe_mooncake", lambda: (True, "imports"))
     monkeypatch.setattr(harness, "run", lambda sc: _summary())
     assert cli.main(["demo", "--items", "4"]) == 1
     out = capsys.readouterr().out
@@ -96,6 +97,7 @@ def test_a_demo_where_every_room_failed_says_verified_no(monkeypatch, capsys):
 
 
 def test_a_demo_that_verified_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_probe_mooncake", lambda: (True, "imports"))
     monkeypatch.setattr(harness, "run", lambda sc: _summary(bytes=2 << 20, failed=0, verified=True, failures=[]))
     assert cli.main(["demo", "--items", "4"]) == 0
     out = capsys.readouterr().out

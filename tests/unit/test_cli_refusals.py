@@ -1,6 +1,7 @@
 """What the command line refuses, or reports in one line, before a run starts (or instead of a traceback):
-an rdma protocol with no device, a --json/--plot that cannot be written, options that exclude each other,
-library EPD_* values on `rank`, a listener that cannot bind, and a bootstrap range in use."""
+an rdma protocol with no device, a Mooncake path where mooncake.engine does not import, a --json/--plot
+that cannot be written, options that exclude each other, library EPD_* values on `rank`, a listener that
+cannot bind, and a bootstrap range in use."""
 
 from __future__ import annotations
 
@@ -44,6 +45,35 @@ def test_a_bench_of_paths_without_mooncake_does_not_need_its_protocol(no_rdma, m
     assert cli.main(["bench", "--protocol", "rdma", "--paths", "wire,memcpy"]) == 0
 
 
+
+@pytest.fixture
+def no_mooncake(monkeypatch):
+    """This host as one whose mooncake.engine does not import, whatever it has."""
+    monkeypatch.setattr(cli, "_probe_mooncake", lambda: (False, "import fails: ModuleNotFoundError: No module "
+                                                               "named 'mooncake'"))
+
+
+@pytest.mark.parametrize("argv", [["demo"], ["demo", "--protocol", "tcp"],
+                                  ["bench", "--paths", "epd"], ["bench", "--protocol", "auto"]])
+def test_a_mooncake_protocol_without_mooncake_is_refused_before_any_rank_starts(argv, no_rdma, no_mooncake,
+                                                                               monkeypatch, capsys):
+    monkeypatch.setattr(harness, "run", _never)
+    monkeypatch.setattr(bench, "main", _never)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"epd-transfer {argv[0]}: cannot import mooncake.engine (")
+    assert "No module named 'mooncake'" in err and "pip install mooncake-transfer-engine" in err
+    assert ("--paths wire,memcpy" if argv[0] == "bench" else "--protocol wire") in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["demo", "--protocol", "wire"], ["bench", "--paths", "wire,memcpy"]])
+def test_the_wire_path_runs_without_mooncake(argv, no_rdma, no_mooncake, monkeypatch):
+    monkeypatch.setattr(harness, "run", lambda sc: {"failed": 0, "verified": True})
+    monkeypatch.setattr(bench, "main", lambda args: 0)
+    monkeypatch.setattr(cli, "_emit_json", lambda *args: None)
+    assert cli.main([*argv, "--json"]) == 0
+
+
 @pytest.mark.parametrize("argv", [["demo", "--json", "{dir}"], ["doctor", "--json", "{dir}"],
                                   ["bench", "--json", "{dir}"], ["bench", "--plot", "{dir}"]])
 def test_an_output_file_that_is_a_folder_is_refused_before_the_run(argv, tmp_path, monkeypatch, capsys):
@@ -61,6 +91,7 @@ def test_a_plot_format_matplotlib_cannot_write_is_refused_before_the_bench(tmp_p
     assert cli.main(["bench", "--plot", str(tmp_path / "out.txt")]) == 2
     assert "out.txt: name a file ending in .png" in capsys.readouterr().err
     monkeypatch.setattr(bench, "main", lambda args: 0)
+    monkeypatch.setattr(cli, "_probe_mooncake", lambda: (True, "imports"))
     assert cli.main(["bench", "--plot", str(tmp_path / "out.PDF")]) == 0
 
 
