@@ -134,17 +134,18 @@ class Setting:
         return str(value)
 
     def check(self, value: Any) -> Any:
-        """An argument given in code, checked like the environment's text; ConfigError naming the argument."""
+        """An argument given in code, checked like the environment's text; ConfigError naming the argument
+        (ConfigTypeError for one that is not a number of the setting's kind, or not a bool for a flag)."""
         if self.kind == "text":
             return value
         if self.kind == "flag":
             if not isinstance(value, bool):
-                raise ConfigError(f"{self.argument}={value!r} must be True or False")
+                raise ConfigTypeError(f"{self.argument}={value!r} must be True or False")
             return value
         parser, what = _KINDS[self.kind]
         integral = self.kind in ("count", "bytes")
         if isinstance(value, bool) or not isinstance(value, numbers.Integral if integral else numbers.Real):
-            raise ConfigError(f"{self.argument}={value!r} is not {what}")
+            raise ConfigTypeError(f"{self.argument}={value!r} is not {what}")
         try:
             return parser(str(int(value) if integral and isinstance(value, numbers.Integral) else float(value)))
         except (ValueError, OverflowError):

@@ -92,12 +92,20 @@ def test_flags_read_the_usual_spellings(text, value):
 
 
 @pytest.mark.parametrize("env, value", [
-    ("EPD_DEADLINE_S", -1.0), ("EPD_DEADLINE_S", float("nan")), ("EPD_DEADLINE_S", "60"),
-    ("EPD_SEND_DEPTH", 0), ("EPD_SEND_DEPTH", 2.0), ("EPD_SEND_DEPTH", True), ("EPD_MAX_PARKED_BYTES", -5),
-    ("EPD_QUARANTINE_S", -0.5),
+    ("EPD_DEADLINE_S", -1.0), ("EPD_DEADLINE_S", float("nan")), ("EPD_SEND_DEPTH", 0),
+    ("EPD_MAX_PARKED_BYTES", -5), ("EPD_QUARANTINE_S", -0.5),
 ])
 def test_a_bad_argument_is_refused_naming_the_argument(env, value):
     with pytest.raises(ConfigError, match=rf"^{setting(env).argument}={re.escape(repr(value))} is not "):
+        resolve(env, value, environ={})
+
+
+@pytest.mark.parametrize("env, value", [
+    ("EPD_DEADLINE_S", "60"), ("EPD_DEADLINE_S", True), ("EPD_FALLBACK_GRACE_S", [1]),
+    ("EPD_SEND_DEPTH", 2.0), ("EPD_SEND_DEPTH", True), ("EPD_MAX_PARKED_BYTES", "1048576"),
+])
+def test_an_argument_of_the_wrong_type_is_a_config_type_error_as_everywhere_else(env, value):
+    with pytest.raises(ConfigTypeError, match=rf"^{setting(env).argument}={re.escape(repr(value))} is not "):
         resolve(env, value, environ={})
 
 
