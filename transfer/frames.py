@@ -234,8 +234,9 @@ def normalize_dtype(dtype: object) -> str:
     """The wire's dtype name for a `torch.dtype`, `"torch.bfloat16"` or `"bfloat16"`; ConfigError otherwise."""
     name = _dtype_name(dtype)
     if name is None:
-        raise ConfigError(f"unknown dtype {dtype!r}: expected a torch.dtype or one of "
-                          f"{', '.join(n.removeprefix('torch.') for n in DTYPE_BYTES)} (with or without 'torch.')")
+        raise ConfigError(f"unknown dtype {dtype!r}: the wire carries only "
+                          f"{', '.join(n.removeprefix('torch.') for n in DTYPE_BYTES)} (a torch.dtype, or its name "
+                          f"with or without 'torch.')")
     return name
 
 

@@ -115,6 +115,13 @@ def test_an_unknown_dtype_is_a_config_error_naming_the_choices(bad):
         frames.dtype_size(bad)
 
 
+def test_a_torch_dtype_the_wire_has_no_name_for_is_not_told_to_be_a_torch_dtype():
+    with pytest.raises(errors.ConfigError) as caught:
+        frames.normalize_dtype(torch.complex64)
+    assert str(caught.value).startswith("unknown dtype torch.complex64: the wire carries only bfloat16, float16, ")
+    assert str(caught.value).endswith(", bool (a torch.dtype, or its name with or without 'torch.')")
+
+
 def _device(root, name: str, *states: str) -> None:
     for port, state in enumerate(states, 1):
         folder = root / name / "ports" / str(port)
