@@ -136,6 +136,7 @@ class SenderPool:
         poll_max_s = config.resolve("EPD_POLL_MAX_S", poll_max_s)
         config.check_polls("SenderPool", poll_min_s, poll_max_s)
         integrity = config.check_flag("SenderPool", "integrity", integrity)
+        bootstrap = BootstrapClient(bootstrap_addr, token=token)  # the address and token, checked before any start
         self.engine = engine
         self.engine_rank = engine_rank
         self.tp_size = tp_size
@@ -175,9 +176,7 @@ class SenderPool:
         self._dropped = weakref.finalize(self, _close_dropped, self._book, self._driver, self._route)
         self._dropped.atexit = False  # at exit the daemon threads go with the process
         try:
-            BootstrapClient(bootstrap_addr, token=token).register_rank(
-                tp_size, dp_size, self.host, self.port, engine_rank, retry_for=register_timeout_s
-            )
+            bootstrap.register_rank(tp_size, dp_size, self.host, self.port, engine_rank, retry_for=register_timeout_s)
         except BaseException:
             self.close()
             raise

@@ -170,6 +170,19 @@ def test_a_sender_pool_refuses_a_bad_variable_before_it_starts_anything(monkeypa
         SenderPool(Untouchable(), 0, 1, 1, "127.0.0.1:8998")
 
 
+@pytest.mark.parametrize("given, message", [
+    ({"bootstrap_addr": "localhost"}, r"^bootstrap address must be host:port \(a port of 1-65535\), got 'localhost'$"),
+    ({"bootstrap_addr": 8998}, r"^bootstrap address must be a 'host:port' str, got int 8998$"),
+    ({"token": "two\nlines"}, r"^the token must be 1 to 4096 printable ASCII characters"),
+])
+def test_a_sender_pool_refuses_a_bad_bootstrap_address_or_token_before_it_starts_anything(given, message):
+    from transfer.sender import SenderPool
+
+    arguments = {"bootstrap_addr": "127.0.0.1:8998", **given}
+    with pytest.raises(ConfigError, match=message):
+        SenderPool(Untouchable(), 0, 1, 1, **arguments)
+
+
 @pytest.mark.parametrize("given, environ, message", [
     ({"poll_min_s": 2e-3}, {}, r"^SenderPool: poll_min_s \(EPD_POLL_MIN_S\) 0.002 s is above poll_max_s "
                                r"\(EPD_POLL_MAX_S\) 0.001 s$"),
