@@ -396,6 +396,8 @@ class SessionManager:
         with a registration of its own (our extension, docs/protocol.md section 8; a peer that does not
         read it writes wherever the TransferInfo points).
         """
+        if self._closed:
+            raise UsageError("session manager is closed")
         regions = RegionSet(self._receive_region(embedding),
                             self._receive_region(deepstack) if deepstack is not None else None)
         with self._regions_lock:

@@ -4,10 +4,12 @@ bootstrap server)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from live_helpers import HOST
 
 from transfer.bootstrap import BootstrapServer
+from transfer.errors import UsageError
 from transfer.receiver import SessionManager
 from transfer.sender import SenderPool
 from transfer.status import TransferPoll
@@ -39,3 +41,16 @@ def test_the_main_embedding_buffer_with_a_second_deepstack_buffer_takes_writes(e
         prefill_engine.unregister(second_ds.data_ptr())
         encode_engine.unregister(item.data_ptr())
         encode_engine.unregister(deepstack.data_ptr())
+
+
+def test_a_region_added_to_a_closed_manager_is_refused(engines):
+    _, prefill_engine = engines
+    embeddings, extra = torch.zeros(4, 8, dtype=torch.float32), torch.zeros(4, 8, dtype=torch.float32)
+    prefill_engine.register(extra)
+    try:
+        manager = SessionManager(prefill_engine, 0, 1, 1, buffer=embeddings, host=HOST, deadline_s=20)
+        manager.close()
+        with pytest.raises(UsageError, match="^session manager is closed$"):
+            manager.add_region(extra)
+    finally:
+        prefill_engine.unregister(extra.data_ptr())
