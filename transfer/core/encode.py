@@ -29,13 +29,13 @@ room served before its cancel came waits for the room's next send, like any ask.
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
 from transfer.core.bounded import Filed, forget_before, remember
 from transfer.core.breaker import Breaker
+from transfer.core.destinations import DestinationBook, Held
 from transfer.core.failure import CLEARED, Failure, FailureKind, without_room
 from transfer.core.parked import Asks, ParkedAsks
 from transfer.core.regions import RegionBook
@@ -232,18 +232,9 @@ class _Job:
 
     room: _Room
     info: TransferInfo
-    ranges: tuple[tuple[int, int, int], ...] = ()  # (start, end, seq) in its session's destination list
+    ranges: tuple[Held, ...] = ()  # its destinations, as the destination book holds them
     regions_checked: int = -1  # the region book's version when its destination was checked
     waits: list[_CancelWait] = field(default_factory=list)  # cancels that came while it was in flight
-
-
-@dataclass(eq=False)
-class _Destinations:
-    """One session's destination ranges of writes queued or in flight, sorted, and an upper bound on their
-    lengths (the longest held since this entry was made: it never shrinks)."""
-
-    spans: list[tuple[int, int, int, int]] = field(default_factory=list)  # (start, end, seq, room number)
-    longest: int = 0
 
 
 class _CancelledAsk(NamedTuple):
@@ -337,8 +328,7 @@ class EncodeCore:
         self._rooms: dict[int, _Room] = {}  # offered, not yet cleared
         self._unserved: set[int] = set()  # offered rooms waiting for asks (all, or restarted ranks'), not failed
         self._writes: dict[int, _Job] = {}  # started, not yet over
-        self._destinations: dict[str, _Destinations] = {}  # of writes queued or in flight, per session
-        self._next_seq = 1
+        self._destinations = DestinationBook()  # of writes queued or in flight
         self._endpoints: dict[tuple[str, int], str] = {}  # status endpoint -> its latest session
         self._endpoint_of: dict[str, tuple[str, int]] = {}  # session -> the status endpoint it registered last
         self._next_wid = 1
@@ -1029,12 +1019,7 @@ class EncodeCore:
 
     def _free_ranges(self, job: _Job) -> None:
         """Lets go of the job's destinations: it is over, or it will never start."""
-        dests = self._destinations.get(job.info.session_id)
-        if dests is not None:  # a job's ranges are held in its session's entry, which outlives them
-            for start, end, seq in job.ranges:
-                del dests.spans[bisect.bisect_left(dests.spans, (start, end, seq))]
-            if not dests.spans:
-                del self._destinations[job.info.session_id]
+        self._destinations.free(job.info.session_id, job.ranges)
         job.ranges = ()
 
     def _ranges(self, info: TransferInfo, offer: Offer) -> list[tuple[int, int]]:
@@ -1048,35 +1033,17 @@ class EncodeCore:
         """Why a receiver's destination overlaps another room's write of the same session still queued or
         in flight, or None: two rooms writing one range would leave either's rows torn."""
         for info in infos:
-            dests = self._destinations.get(info.session_id)
-            if dests is None:
-                continue
             for start, end in self._ranges(info, offer):
-                # Sorted by start: a range overlapping [start, end) starts before `end` and,
-                # being at most `longest` long, after start - longest. A write of another
-                # send of this same room (a retry) is not another room.
-                index = bisect.bisect_left(dests.spans, (end,))
-                while index > 0:
-                    index -= 1
-                    other_start, other_end, _, other_room = dests.spans[index]
-                    if other_start <= start - dests.longest:
-                        break
-                    if other_end > start and other_room != info.room:
-                        return (f"room {info.room}: receiver {receiver_text(info.session_id)} destination "
-                                f"[{start:#x}, {end:#x}) overlaps room {other_room}'s "
-                                f"[{other_start:#x}, {other_end:#x}), still in flight")
+                other = self._destinations.overlap(info.session_id, info.room, start, end)
+                if other is not None:
+                    return (f"room {info.room}: receiver {receiver_text(info.session_id)} destination "
+                            f"[{start:#x}, {end:#x}) overlaps room {other.room}'s "
+                            f"[{other.start:#x}, {other.end:#x}), still in flight")
         return None
 
     def _hold_ranges(self, job: _Job, offer: Offer) -> None:
         """Records the job's destinations until it is over."""
-        dests = self._destinations.setdefault(job.info.session_id, _Destinations())
-        held = []
-        for start, end in self._ranges(job.info, offer):
-            seq, self._next_seq = self._next_seq, self._next_seq + 1
-            bisect.insort(dests.spans, (start, end, seq, job.room.room))
-            dests.longest = max(dests.longest, end - start)
-            held.append((start, end, seq))
-        job.ranges = tuple(held)
+        job.ranges = self._destinations.hold(job.info.session_id, job.room.room, self._ranges(job.info, offer))
 
     def _receiver_done(self, room: _Room, now: float) -> None:
         """One receiver's write is over (settled, failed or skipped)."""

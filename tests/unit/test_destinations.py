@@ -1,0 +1,73 @@
+"""transfer.core.destinations: the ranges writes queued or in flight hold, per session, and overlaps."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transfer.core.destinations import DestinationBook, Overlap
+
+
+def test_another_rooms_overlapping_range_is_found_and_touching_ones_are_not():
+    book = DestinationBook()
+    book.hold("s", 1, [(100, 200)])
+    assert book.overlap("s", 2, 150, 250) == Overlap(1, 100, 200)
+    assert book.overlap("s", 2, 50, 101) == Overlap(1, 100, 200)
+    assert book.overlap("s", 2, 200, 300) is None and book.overlap("s", 2, 0, 100) is None
+
+
+def test_a_range_of_the_same_room_or_of_another_session_is_no_overlap():
+    book = DestinationBook()
+    book.hold("s", 1, [(100, 200)])
+    assert book.overlap("s", 1, 100, 200) is None  # another send of the same room (a retry)
+    assert book.overlap("t", 2, 100, 200) is None
+
+
+def test_a_long_range_held_before_many_short_ones_is_still_found():
+    book = DestinationBook()
+    book.hold("s", 1, [(0, 10_000)])
+    for start in range(20_000, 30_000, 100):
+        book.hold("s", 2, [(start, start + 10)])
+    assert book.overlap("s", 3, 9_990, 9_995) == Overlap(1, 0, 10_000)
+
+
+def test_freed_ranges_no_longer_overlap_and_a_session_holding_none_is_forgotten():
+    book = DestinationBook()
+    first = book.hold("s", 1, [(0, 10), (50, 60)])
+    second = book.hold("s", 2, [(20, 30)])
+    book.free("s", first)
+    assert book.overlap("s", 3, 0, 60) == Overlap(2, 20, 30) and len(book) == 1
+    book.free("s", second)
+    assert book.overlap("s", 3, 0, 60) is None and len(book) == 0
+    book.free("s", second)  # a session forgotten already: nothing to do
+
+
+_ranges = st.lists(st.tuples(st.integers(0, 60), st.integers(1, 25)).map(lambda r: (r[0], r[0] + r[1])),
+                   min_size=1, max_size=3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.tuples(st.just("hold"), st.sampled_from("ab"), st.integers(0, 4), _ranges),
+                          st.tuples(st.just("free"), st.integers(0, 30))), max_size=40),
+       st.sampled_from("ab"), st.integers(0, 4), st.integers(0, 80), st.integers(1, 30))
+def test_overlaps_are_exactly_another_rooms_held_ranges_that_intersect(steps, session, room, start, length):
+    book, model, held = DestinationBook(), [], []  # model: (session, room, start, end) held
+    for step in steps:
+        if step[0] == "hold":
+            _, who, number, ranges = step
+            entries = [(who, number, s, e) for s, e in ranges]
+            held.append((who, book.hold(who, number, ranges), entries))
+            model.extend(entries)
+        elif held:
+            who, handle, entries = held.pop(step[1] % len(held))
+            book.free(who, handle)
+            for entry in entries:
+                model.remove(entry)
+    end = start + length
+    found = book.overlap(session, room, start, end)
+    rivals = {(r, s, e) for who, r, s, e in model if who == session and r != room and s < end and e > start}
+    if rivals:
+        assert found is not None and (found.room, found.start, found.end) in rivals
+    else:
+        assert found is None
+    assert len(book) == len({who for who, *_ in model})
