@@ -199,8 +199,9 @@ class _Handler(OneDeadlineHandler):
     server: _HTTPServer
 
     def log_message(self, format: str, *args: Any) -> None:  # stdlib name
-        """Route access logs to logging at debug instead of stderr."""
-        log.debug("bootstrap %s: " + format, self.address_string(), *args)
+        """Route access logs to logging at debug instead of stderr, the client's text (its request line)
+        made printable."""
+        log.debug("bootstrap %s: %s", self.address_string(), shown(format % args))
 
     def _json(self, status: int, value: Any) -> None:
         """Send a JSON response."""

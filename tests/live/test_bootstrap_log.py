@@ -96,3 +96,20 @@ def test_wait_ready_against_a_silent_server_ends_at_its_own_bound_not_the_client
         with pytest.raises(BootstrapError, match=rf"^{said} {address} within 0.3s \(.*last: .*timed out"):
             client.wait_ready(0.3, encode_rank=encode_rank)
         assert time.monotonic() - started < 2.5, "wait_ready(0.3) waited out the client's 5 s timeout"
+
+
+def test_an_access_log_line_shows_the_control_characters_a_client_sent_as_question_marks(caplog):
+    """A request line is the client's text: written to the log as sent, an escape sequence or a newline
+    would forge log lines or drive the operator's terminal."""
+    import socket
+
+    caplog.set_level(logging.DEBUG, logger="transfer")
+    with BootstrapServer("127.0.0.1", 0) as server:
+        host, port = server.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(b"GET /health?\x1b[31mred\rforged HTTP/1.0\r\n\r\n")
+            while sock.recv(4096):
+                pass
+    lines = [m for m in _records(caplog, logging.DEBUG) if "red" in m]
+    assert lines and all(m.isprintable() for m in lines), lines
+    assert any("GET /health??[31mred?forged HTTP/1.0" in m for m in lines), lines
