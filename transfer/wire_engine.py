@@ -75,7 +75,9 @@ is it answered "listener busy" (always, with a negative ``evict_after_s``).
 A transfer closed that way is answered ERROR ``read: closed by the listener for a new
 connection: ...`` (an idle connection is just closed).
 
-write_async(): each peer session has its own FIFO queue. A lone busy peer runs at most
+write_async(): each peer session has its own FIFO queue, and a batch's sources count as read from
+the moment it is queued (unregister() refuses them until it is over, as for a write under way).
+A lone busy peer runs at most
 ``writers_per_peer`` (``WRITERS_PER_PEER``, 4, by default) of its writes at once; peers with
 writes queued or running share that many, at least one each (``MAX_WRITERS`` threads in
 all). So a peer that stops reading holds only its own writers, each for at most the reply
@@ -462,7 +464,11 @@ class WireEngine(RegisteredMemory):
             raise ConfigError(f"write to {session_id}: rows {rows} is outside the PREFILL's 1..{_U32_MAX}")
         if any(n % rows for n in lens):
             raise ConfigError(f"write to {session_id}: lengths {lens} are not multiples of rows {rows}")
-        token = self._enter(session_id, srcs, lens)
+        self._write_filed(self._enter(session_id, srcs, lens), session_id, srcs, dsts, lens, rows)
+
+    def _write_filed(self, token: int, session_id: str, srcs: list[int], dsts: list[int], lens: list[int],
+                     rows: int) -> None:
+        """write()'s transfer, its sources filed under `token` (let go of here, however it ends)."""
         try:
             self._write_with_retry(session_id, srcs, dsts, lens, rows)
         except (_Refused, OSError, wire.MsgError, EngineError) as exc:
@@ -481,7 +487,8 @@ class WireEngine(RegisteredMemory):
     def write_async(self, session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
                     lengths: Sequence[int]) -> int:
         """Start write() on the peer's writer queue (at most its share of writers_per_peer
-        run at once); returns a batch id for wait() (0: nothing to write)."""
+        run at once); returns a batch id for wait() (0: nothing to write). Its sources count as
+        read from here on, queued or not: unregister() refuses them until the batch is over."""
         srcs, dsts, lens = self._batch(session_id, src_addrs, dst_addrs, lengths)
         if not lens:
             return 0
@@ -489,9 +496,25 @@ class WireEngine(RegisteredMemory):
             self._check_open()
             if self._writers is None:
                 self._writers = _WriterPool(f"wire-write-{self.port}", self.writers_per_peer, MAX_WRITERS)
+            token = self._enter(session_id, srcs, lens)
+            try:
+                future = self._writers.submit(session_id, self._write_queued, token, session_id, srcs, dsts, lens)
+            except BaseException:
+                self._leave(token)
+                raise
             batch_id = next(self._batch_ids)
-            self._batches[batch_id] = self._writers.submit(session_id, self.write, session_id, srcs, dsts, lens)
+            self._batches[batch_id] = future
         return batch_id
+
+    def _write_queued(self, token: int, session_id: str, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
+        """A write_async() batch once a writer takes it: fails fast if the engine closed meanwhile."""
+        try:
+            with self._lock:
+                self._check_open()
+        except BaseException:
+            self._leave(token)
+            raise
+        self._write_filed(token, session_id, srcs, dsts, lens, 1)
 
     def poll(self, batch_id: int) -> bool:
         """Whether the batch from write_async is over, without blocking; EngineError if it failed."""

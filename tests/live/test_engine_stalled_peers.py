@@ -702,3 +702,34 @@ def test_wire_unregister_refuses_a_source_still_being_read(wire_peer):
         writer.register(src)
         wire_peer.stop()
         _unregister_during_a_stalled_write(writer, src, wire_peer)
+
+
+def test_wire_unregister_refuses_a_source_whose_write_is_still_queued(wire_peer):
+    """A write_async() queued behind another to the same peer reads its source once it runs:
+    unregister() refuses that source while it waits, so memory registered again at the same
+    address (the caller reusing it) is never what reaches the peer."""
+    ahead_bytes, queued_bytes = STALL_BYTES - (1 << 20), 1 << 20
+    with WireEngine(writers_per_peer=1, reply_timeout_s=60) as writer:
+        ahead, queued_src = _filled(ahead_bytes, 4), _filled(queued_bytes, 7)
+        writer.register(ahead)
+        writer.register(queued_src)
+        wire_peer.stop()
+        first = writer.write_async(wire_peer.session_id, [ahead.data_ptr()], [wire_peer.addr], [ahead_bytes])
+        queued = writer.write_async(wire_peer.session_id, [queued_src.data_ptr()], [wire_peer.addr + ahead_bytes],
+                                    [queued_bytes])
+        time.sleep(0.5)
+        assert not writer.poll(queued)
+        try:
+            writer.unregister(queued_src.data_ptr())
+            refused = None
+            queued_src.fill_(1)  # the memory is the caller's again: it reuses it, registered anew
+            writer.register(queued_src)
+        except TransferError as exc:
+            refused = str(exc)
+        wire_peer.resume()
+        writer.wait(first, timeout_s=60)
+        writer.wait(queued, timeout_s=60)
+        counts = wire_peer.counts()
+    assert refused is not None, f"unregister() returned while a write of that source was queued; the peer got {counts}"
+    assert f"is still being read by a write to {wire_peer.session_id} in flight" in refused
+    assert counts == {4: ahead_bytes, 7: queued_bytes}
