@@ -8,7 +8,9 @@ call (``_native.wire_transfer``) checksums and writes a whole transfer and reads
 answer in a single release of the GIL, a transfer of one chunk being one gather write.
 
 Session id: ``host:port`` of the receiver's listener (advertised in the registration
-and TransferInfo frames exactly like a Mooncake session id).
+and TransferInfo frames exactly like a Mooncake session id). Never a wildcard such as ``0.0.0.0``:
+there a peer on another host would connect to its own host, so an engine refuses to start on one
+(ConfigError) and a sender to connect to one (EngineError).
 
 One transfer (one ``write()`` call) on a connection
 ---------------------------------------------------
@@ -90,6 +92,7 @@ T bytes in E s, behind the least rate of R bytes/s; transfer stopped``.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import itertools
 import logging
 import math
@@ -145,7 +148,27 @@ def _split_session(session_id: str) -> tuple[str, int]:
     if not 1 <= int(port) <= 65535:
         # getaddrinfo would take it modulo 65536 and write to another listener.
         raise EngineError(f"session id {session_id!r}: port {int(port)} is outside 1..65535")
+    if _wildcard(host):
+        # Connecting there reaches a listener on this host, which may take bytes meant for the peer.
+        raise EngineError(f"session id {session_id!r} names a wildcard address, not the peer's: "
+                          f"its engine must be started with the IP address peers reach it on")
     return host.strip("[]"), int(port)
+
+
+def _wildcard(host: str) -> bool:
+    """Whether `host` (an IPv6 literal possibly bracketed) is an unspecified address such as 0.0.0.0 or ::."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False  # a name or not an address at all
+
+
+def _check_advertised(hostname: str) -> None:
+    """ConfigError for a wildcard hostname: the session id built from it is where peers connect."""
+    if isinstance(hostname, str) and _wildcard(hostname):
+        raise ConfigError(f"hostname {hostname!r} is a wildcard address: peers connect to the session id "
+                          f"(hostname:port), and there it would name their own host; give this node's IP address "
+                          f"(the one peers reach it on)")
 
 
 class _Refused(Exception):
@@ -384,6 +407,7 @@ class WireEngine(RegisteredMemory):
         within reply_timeout_s plus its bytes at it, whatever pace the peer reads at. writers_per_peer: write_async() batches to a lone busy peer
         that run at once, each on a connection of its own; busy peers share that many (at
         least one each)."""
+        _check_advertised(hostname)
         if int(writers_per_peer) < 1:
             raise ConfigError(f"writers_per_peer must be at least 1, got {writers_per_peer}")
         largest = wire.MAX_PAYLOAD - wire.LAYER_HEADER

@@ -3,11 +3,13 @@ peer's answer."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from transfer import wire
 from transfer.errors import ConfigError, EngineError
-from transfer.wire_engine import CHUNK_BYTES, WireEngine, _Refused
+from transfer.wire_engine import CHUNK_BYTES, WireEngine, _Refused, _split_session
 
 
 def test_chunk_size_default_is_four_mib():
@@ -70,3 +72,18 @@ def test_an_answer_that_is_not_this_rooms_is_an_engine_error_naming_what_it_was(
 def test_this_rooms_error_refuses_the_transfer_with_the_peers_reason(payload, reason):
     error = _answer(wire.ERROR, payload)
     assert type(error) is _Refused and str(error) == reason
+
+
+@pytest.mark.parametrize("hostname", ["0.0.0.0", "::", "[::]"])
+def test_a_wildcard_hostname_is_refused_before_any_socket(hostname):
+    """The session id is host:port for peers to connect to; a wildcard there would send a remote
+    peer's writes to a listener on its own host."""
+    with pytest.raises(ConfigError, match=f"hostname '{re.escape(hostname)}' is a wildcard address"):
+        WireEngine(hostname)
+
+
+@pytest.mark.parametrize("session_id", ["0.0.0.0:17000", "[::]:17000", ":::17000"])
+def test_a_peers_wildcard_session_id_is_refused_rather_than_connected_to(session_id):
+    """A peer that advertised a wildcard would have our writes connect to a listener on our own host."""
+    with pytest.raises(EngineError, match=f"session id '{re.escape(session_id)}' names a wildcard address"):
+        _split_session(session_id)
