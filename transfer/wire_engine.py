@@ -86,7 +86,11 @@ all). So a peer that stops reading holds only its own writers, each for at most 
 timeout, while writes to other peers go on; one that reads, but slower than the least rate
 (``min_rate_bps``, 256 KiB/s by default, the listener's bound too), fails the write once the
 reply timeout plus the transfer's bytes at that rate have passed: ``write: the peer took S of
-T bytes in E s, behind the least rate of R bytes/s; transfer stopped``.
+T bytes in E s, behind the least rate of R bytes/s; transfer stopped``. A batch waits for its turn
+in its peer's queue at most ``queue_timeout_s`` (the reply timeout by default): one still queued
+then fails without sending a byte (``write to <session> not started: it waited W s in the queue of
+that peer's writes ...``), so writes queued behind a peer that stopped reading neither wait a
+reply timeout for each write ahead of them nor start, and land, whenever that peer comes back.
 """
 
 from __future__ import annotations
@@ -395,7 +399,7 @@ class WireEngine(RegisteredMemory):
                  connect_timeout_s: float = 10.0, chunk_bytes: int = CHUNK_BYTES,
                  max_connections: int = 64, first_byte_timeout_s: float | None = None,
                  writers_per_peer: int = WRITERS_PER_PEER, evict_after_s: float = 1.0,
-                 min_rate_bps: float = MIN_RATE_BPS) -> None:
+                 min_rate_bps: float = MIN_RATE_BPS, queue_timeout_s: float | None = None) -> None:
         """Starts the listener on hostname:port (0: any free port; a range such as `(30000, 30100)`
         or `"30000-30100"`: its first free one, `PortsInUse` when none is); chunk_bytes is both the LAYER
         size we send and the largest we accept, so peers must agree on it. A fresh connection
@@ -406,7 +410,8 @@ class WireEngine(RegisteredMemory):
         rate both ways: a transfer in must keep it after a grace, and a transfer out must be taken
         within reply_timeout_s plus its bytes at it, whatever pace the peer reads at. writers_per_peer: write_async() batches to a lone busy peer
         that run at once, each on a connection of its own; busy peers share that many (at
-        least one each)."""
+        least one each); one that waited in its peer's queue for longer than queue_timeout_s (None:
+        reply_timeout_s) fails without sending anything."""
         _check_advertised(hostname)
         if int(writers_per_peer) < 1:
             raise ConfigError(f"writers_per_peer must be at least 1, got {writers_per_peer}")
@@ -421,6 +426,8 @@ class WireEngine(RegisteredMemory):
         for name, value in (("recv_timeout_s", recv_timeout_s), ("idle_timeout_s", idle_timeout_s),
                             ("reply_timeout_s", reply_timeout_s), ("connect_timeout_s", connect_timeout_s)):
             check_seconds(name, value)
+        self.queue_timeout_s = check_seconds("queue_timeout_s",
+                                             reply_timeout_s if queue_timeout_s is None else queue_timeout_s)
         self.writers_per_peer = int(writers_per_peer)
         self.hostname = hostname
         self.chunk_bytes = int(chunk_bytes)
@@ -522,7 +529,8 @@ class WireEngine(RegisteredMemory):
                 self._writers = _WriterPool(f"wire-write-{self.port}", self.writers_per_peer, MAX_WRITERS)
             token = self._enter(session_id, srcs, lens)
             try:
-                future = self._writers.submit(session_id, self._write_queued, token, session_id, srcs, dsts, lens)
+                future = self._writers.submit(session_id, self._write_queued, token, time.monotonic(), session_id,
+                                              srcs, dsts, lens)
             except BaseException:
                 self._leave(token)
                 raise
@@ -530,11 +538,23 @@ class WireEngine(RegisteredMemory):
             self._batches[batch_id] = future
         return batch_id
 
-    def _write_queued(self, token: int, session_id: str, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
-        """A write_async() batch once a writer takes it: fails fast if the engine closed meanwhile."""
+    def _write_queued(self, token: int, queued_at: float, session_id: str, srcs: list[int], dsts: list[int],
+                      lens: list[int]) -> None:
+        """A write_async() batch once a writer takes it: fails unsent if the engine closed meanwhile, or if it
+        waited past queue_timeout_s (behind writes to a peer that stopped reading, each taking a reply timeout:
+        it would start, and land, arbitrarily late)."""
         try:
             with self._lock:
                 self._check_open()
+            waited = time.monotonic() - queued_at
+            if waited > self.queue_timeout_s:
+                with self._lock:
+                    self._sent["write_failures"] += 1
+                raise EngineError(f"write to {session_id} not started: it waited {waited:.1f} s in the queue of that "
+                                  f"peer's writes (queue_timeout_s={self.queue_timeout_s:g}), behind writes to it "
+                                  f"still under way: is the peer reading? "
+                                  f"({len(lens)} buffer(s), {sum(lens)} bytes, first destination "
+                                  f"0x{dsts[0]:x}+{lens[0]})")
         except BaseException:
             self._leave(token)
             raise

@@ -733,3 +733,36 @@ def test_wire_unregister_refuses_a_source_whose_write_is_still_queued(wire_peer)
     assert refused is not None, f"unregister() returned while a write of that source was queued; the peer got {counts}"
     assert f"is still being read by a write to {wire_peer.session_id} in flight" in refused
     assert counts == {4: ahead_bytes, 7: queued_bytes}
+
+
+def test_wire_writes_queued_behind_a_stopped_peer_fail_unsent_at_their_bound(wire_peer):
+    """A write_async() batch that waited in its peer's queue past queue_timeout_s fails without sending a
+    byte: writes queued behind a peer that stopped reading neither wait a reply timeout each for their
+    turn nor land whenever the peer comes back, long after their rooms were given up."""
+    size = 16 << 20
+    wire_peer.stop()
+    # Small chunks, so that whatever a write left in the socket buffers is whole chunks that land on resume.
+    with WireEngine(writers_per_peer=1, reply_timeout_s=3.0, queue_timeout_s=1.0, chunk_bytes=1 << 16) as writer:
+        sources = [_filled(size, value) for value in (1, 2, 3)]
+        for source in sources:
+            writer.register(source)
+        started = time.monotonic()
+        batches = [writer.write_async(wire_peer.session_id, [source.data_ptr()], [wire_peer.addr + i * size], [size])
+                   for i, source in enumerate(sources)]
+        outcomes = []
+        for batch in batches:
+            try:
+                writer.wait(batch, timeout_s=60)
+                outcomes.append("landed")
+            except TransferError as exc:
+                outcomes.append(str(exc))
+        elapsed = time.monotonic() - started
+        wire_peer.resume()
+        time.sleep(1.0)  # the peer's listener copies what the stalled write left buffered
+        counts = wire_peer.counts()
+    assert "timed out after 3 s without progress" in outcomes[0]
+    for outcome in outcomes[1:]:
+        assert re.search(rf"write to {wire_peer.session_id} not started: it waited \d+\.\d s in the queue of "
+                         r"that peer's writes \(queue_timeout_s=1\)", outcome), outcome
+    assert set(counts) <= {0, 1}, f"bytes of writes that had waited past their bound landed: {counts}"
+    assert elapsed < 5.5, f"the queued writes took {elapsed:.1f}s to fail: each waited out the one ahead of it"

@@ -25,6 +25,7 @@ def test_chunk_size_default_is_four_mib():
     ({"idle_timeout_s": float("nan")}, "idle_timeout_s"),
     ({"reply_timeout_s": float("inf")}, "reply_timeout_s"),
     ({"connect_timeout_s": -1.0}, "connect_timeout_s"),
+    ({"queue_timeout_s": 0.0}, "queue_timeout_s"),
     ({"min_rate_bps": -1.0}, "min_rate_bps"),
     ({"min_rate_bps": float("nan")}, "min_rate_bps"),
 ])
