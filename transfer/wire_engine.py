@@ -426,6 +426,8 @@ class WireEngine(RegisteredMemory):
         for name, value in (("recv_timeout_s", recv_timeout_s), ("idle_timeout_s", idle_timeout_s),
                             ("reply_timeout_s", reply_timeout_s), ("connect_timeout_s", connect_timeout_s)):
             check_seconds(name, value)
+        if first_byte_timeout_s is not None:
+            check_seconds("first_byte_timeout_s", first_byte_timeout_s)
         self.queue_timeout_s = check_seconds("queue_timeout_s",
                                              reply_timeout_s if queue_timeout_s is None else queue_timeout_s)
         self.writers_per_peer = int(writers_per_peer)

@@ -26,6 +26,8 @@ def test_chunk_size_default_is_four_mib():
     ({"reply_timeout_s": float("inf")}, "reply_timeout_s"),
     ({"connect_timeout_s": -1.0}, "connect_timeout_s"),
     ({"queue_timeout_s": 0.0}, "queue_timeout_s"),
+    ({"first_byte_timeout_s": 0.0}, "first_byte_timeout_s"),
+    ({"first_byte_timeout_s": -1.0}, "first_byte_timeout_s"),
     ({"min_rate_bps": -1.0}, "min_rate_bps"),
     ({"min_rate_bps": float("nan")}, "min_rate_bps"),
 ])
