@@ -195,13 +195,13 @@ def test_a_receive_buffer_given_by_an_address_this_process_cannot_read_is_refuse
                                           r"\(this host has no CUDA device\): pass the tensor"):
         SessionManager(prefill_engine, 0, 1, 1, buffer=(0x10, 4096), host=HOST, integrity=False)
     assert prefill_engine.registered().keys().isdisjoint({0x10})
-    with SessionManager(prefill_engine, 0, 1, 1, buffer=torch.zeros(4, 64), host=HOST) as manager, \
-            pytest.raises(ConfigError, match=r"^receive buffer \[0x10, \+4096\) is not memory"):
-        manager.add_region((0x10, 4096))
-    memory = torch.zeros(1024, dtype=torch.uint8)
-    added = manager.add_region((memory.data_ptr(), 1024))  # host memory it can read: taken
-    assert (added.embedding.addr, added.embedding.nbytes) == (memory.data_ptr(), 1024)
-    manager.remove_region(added)
+    with SessionManager(prefill_engine, 0, 1, 1, buffer=torch.zeros(4, 64), host=HOST) as manager:
+        with pytest.raises(ConfigError, match=r"^receive buffer \[0x10, \+4096\) is not memory"):
+            manager.add_region((0x10, 4096))
+        memory = torch.zeros(1024, dtype=torch.uint8)
+        added = manager.add_region((memory.data_ptr(), 1024))  # host memory it can read: taken
+        assert (added.embedding.addr, added.embedding.nbytes) == (memory.data_ptr(), 1024)
+        manager.remove_region(added)
 
 
 def test_a_receive_region_that_may_be_gpu_memory_needs_its_tensor_for_its_checksums(manager, monkeypatch):
