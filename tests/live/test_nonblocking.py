@@ -374,8 +374,10 @@ class Prefill:
         self.lat.call("failure", lambda: handle.failure)
         return status
 
-    def turn(self, rooms: list[int] | None = None) -> int:
-        """One scheduler turn: poll the rooms (all by default), stats(), add and remove a region; terminal count."""
+    def turn(self, rooms: list[int] | None = None, *, closed: bool = False) -> int:
+        """One scheduler turn: poll the rooms (all by default), stats(), add and remove a region (on a
+        `closed` manager, add_region() raises); terminal count."""
+        from transfer.errors import UsageError
         from transfer.status import is_terminal
 
         self.lat.call("(control: an empty call)", lambda: None)
@@ -383,6 +385,10 @@ class Prefill:
         for room in self.handles if rooms is None else rooms:
             done += is_terminal(self.poll(self.handles[room]))
         self.lat.call("stats", self.manager.stats)
+        if closed:
+            with pytest.raises(UsageError, match="^session manager is closed$"):
+                self.lat.call("add_region", self.manager.add_region, self.extra)
+            return done
         regions = self.lat.call("add_region", self.manager.add_region, self.extra)
         self.lat.call("remove_region", self.manager.remove_region, regions)
         return done
@@ -995,7 +1001,7 @@ def test_close_while_everything_happens_is_bounded_and_concludes_every_room(engi
             pre.close()
         assert all(handle.poll() == TransferPoll.Failed for handle in pre.handles.values())
         assert {pre.handles[r].failure for r in range(1, 3001)} == {"session manager closed"}
-        pre.turn()
+        pre.turn(closed=True)
         with pytest.raises(RuntimeError, match="closed"):
             pre.lat.call("receive after close", pre.manager.receive, 99_999, address, pre.buffer.data_ptr(),
                          1, ROW, "torch.uint8")
