@@ -1929,7 +1929,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add each room's CPU ms to the table: our control plane, and the transport's threads")
     parser.add_argument("--calls", action="store_true",
                         help="also count each thread's Python calls a room (cProfile on every rank's Python threads; "
-                             "that run's times and ratios are slowed by it)")
+                             "that run's times and ratios are slowed by it; Python 3.10 and 3.11 only)")
     parser.add_argument("--stages", action="store_true",
                         help="also print where each epd and wire room's time went: the p50 of each stage, ms from "
                              "a prefill rank's receive()")

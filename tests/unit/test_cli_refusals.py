@@ -233,3 +233,18 @@ def test_exit_with_a_process_that_is_not_running_is_a_parser_error(argv, monkeyp
         cli.main([*argv, "--exit-with", "999999"])
     assert exited.value.code == 2
     assert "--exit-with: no process 999999 is running" in capsys.readouterr().err
+
+
+def test_bench_calls_on_a_python_whose_cprofile_is_one_per_process_is_refused_before_the_bench(monkeypatch,
+                                                                                                capsys):
+    # From Python 3.12 cProfile takes the process's one sys.monitoring profiler slot: the profiler of
+    # every rank thread after the first would raise at that thread's first call, ending the thread.
+    import sys
+
+    monkeypatch.setattr(bench, "main", _never)
+    monkeypatch.setattr(cli, "_probe_mooncake", _never)
+    monkeypatch.setattr(sys, "version_info", (3, 12, 1, "final", 0))
+    assert cli.main(["bench", "--calls", "--paths", "wire"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("epd-transfer bench: --calls needs Python 3.10 or 3.11 (this is 3.12)"), err
