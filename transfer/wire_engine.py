@@ -86,11 +86,13 @@ all). So a peer that stops reading holds only its own writers, each for at most 
 timeout, while writes to other peers go on; one that reads, but slower than the least rate
 (``min_rate_bps``, 256 KiB/s by default, the listener's bound too), fails the write once the
 reply timeout plus the transfer's bytes at that rate have passed: ``write: the peer took S of
-T bytes in E s, behind the least rate of R bytes/s; transfer stopped``. A batch waits for its turn
-in its peer's queue at most ``queue_timeout_s`` (the reply timeout by default): one still queued
-then fails without sending a byte (``write to <session> not started: it waited W s in the queue of
-that peer's writes ...``), so writes queued behind a peer that stopped reading neither wait a
-reply timeout for each write ahead of them nor start, and land, whenever that peer comes back.
+T bytes in E s, behind the least rate of R bytes/s; transfer stopped``. A batch whose turn in its
+peer's queue comes more than ``queue_timeout_s`` (the reply timeout by default) after it was
+queued fails then without sending a byte (``write to <session> not started: it waited W s in the
+queue of that peer's writes ...``), so writes queued behind a peer that stopped reading neither
+wait a reply timeout for each write ahead of them nor start, and land, whenever that peer comes
+back. Its turn comes when a write ahead of it ends, so it fails no sooner than that: behind a
+peer that stopped reading, after the reply timeout, whatever a shorter ``queue_timeout_s`` says.
 """
 
 from __future__ import annotations
