@@ -102,6 +102,25 @@ def test_addresses_and_host_names_are_taken_as_bootstrap_addresses(address):
     assert BootstrapClient(address).port == 8998
 
 
+def test_receive_splitting_an_address_it_split_before_does_not_encode_its_host_again():
+    """receive() splits its bootstrap address on every call: the host's IDNA encoding (a Python codec, 8
+    calls) is checked once per address, not each time."""
+    import cProfile
+
+    from transfer.bootstrap import split_address
+
+    address = "encode-0.cluster.local:8998"
+    assert split_address(address) == ("encode-0.cluster.local", 8998)
+    profile = cProfile.Profile()
+    profile.enable()
+    again = split_address(address)
+    profile.disable()
+    assert again == ("encode-0.cluster.local", 8998)
+    encoded = [entry.code for entry in profile.getstats()
+               if not isinstance(entry.code, str) and entry.code.co_filename.endswith(("idna.py", "codecs.py"))]
+    assert encoded == []
+
+
 def _client_answering(answer: dict) -> BootstrapClient:
     client = BootstrapClient("127.0.0.1:1")
     client._request = lambda *args, **kwargs: (200, json.dumps(answer).encode())
