@@ -201,7 +201,8 @@ class _Handler(OneDeadlineHandler):
     def log_message(self, format: str, *args: Any) -> None:  # stdlib name
         """Route access logs to logging at debug instead of stderr, the client's text (its request line)
         made printable."""
-        log.debug("bootstrap %s: %s", self.address_string(), shown(format % args))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("bootstrap %s: %s", self.address_string(), shown(format % args))
 
     def _json(self, status: int, value: Any) -> None:
         """Send a JSON response."""
