@@ -301,14 +301,13 @@ class _Handler(OneDeadlineHandler):
                     where)
 
     def _authorize(self) -> None:
-        """With a token configured, require `Authorization: Bearer <token>` (401 otherwise); the scheme is
-        taken in any case and after any spaces, as HTTP allows (a hand-typed `bearer` in curl)."""
+        """With a token configured, require `Authorization: Bearer <token>` (401 otherwise)."""
         token = self.server.token
         if token is None:
             return
-        scheme, _, credentials = self.headers.get("Authorization", "").partition(" ")
-        bearer = scheme.lower() == "bearer"
-        if not (hmac.compare_digest(credentials.lstrip(" ").encode(), token.encode()) and bearer):
+        given = self.headers.get("Authorization", "")
+        expected = f"Bearer {token}"
+        if not hmac.compare_digest(given.encode(), expected.encode()):
             self.close_connection = True  # the body stays unread
             raise _RequestError(401, f"{self.command} /route needs Authorization: Bearer <token>")
 
