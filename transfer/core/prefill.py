@@ -1270,10 +1270,10 @@ class PrefillCore:
         # Only the socket this room was asked on went silent, and only if the room waited on
         # it a while (one asked late says little, and tearing the socket down for each such
         # room would cost every later room a look-up and a connection) while the encode rank
-        # answered nothing there, neither for half the deadline nor since the room was asked
-        # (a rank serving other rooms is alive: this room's item was never sent, and the rooms
-        # asked there keep their socket and their cancels). One replaced since came with a
-        # fresh look-up; its rooms keep their deadlines.
+        # answered nothing there since the room was asked, at least half the deadline ago (a rank
+        # serving other rooms is alive: this room's item was never sent, and the rooms asked
+        # there keep their socket and their cancels). One replaced since came with a fresh
+        # look-up; its rooms keep their deadlines.
         half = self.deadline_s / 2
         answered = self._answered_at.get(addr) if addr is not None else None
         if (addr is not None and self._conns.get(addr) == state.conn and now - state.asked_at >= half
