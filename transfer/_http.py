@@ -154,7 +154,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     busy_text = b"server busy: too many connections at once"
     client_busy_text = b"server busy: too many connections from this address at once"
     log = logging.getLogger("transfer.http")
-    #: How long server_close() waits for each handler thread once its connection is shut down.
+    #: How long server_close() waits, in all, for the handler threads once their connections are shut down.
     close_wait_s = 5.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -219,8 +219,10 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
     def server_close(self) -> None:
         """Closes the listening socket, then shuts down the connections still being served and waits for
-        their threads: a closed server answers no request it had not answered yet."""
+        their threads, `close_wait_s` for all of them: a closed server answers no request it had not answered
+        yet."""
         super().server_close()
+        deadline = time.monotonic() + self.close_wait_s
         with self._handlers_lock:  # held: a connection listed here is not closed under the shutdown
             serving = list(self._serving.items())
             for request, _ in serving:
@@ -230,7 +232,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
                     pass
         for _, thread in serving:
             if thread.ident is not None and thread is not threading.current_thread():  # started, not ours
-                thread.join(self.close_wait_s)
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def _turn_away(self, request: socket.socket, text: bytes) -> None:
         """Answers 503 without blocking the accepting thread (the client may not read it)."""
