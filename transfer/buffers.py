@@ -63,6 +63,21 @@ SLOT_ALIGN = 16
 #: default stays sized for encode ranks that bound a ready event's wait from send() only.
 QUARANTINE_S: float = config.setting("EPD_QUARANTINE_S").default
 
+#: QUARANTINE_S less Mooncake's transfer timeout: how long after a room was given up a late write of it
+#: may still start (two fanout timeouts, 10 s spare).
+LATE_START_S: float = QUARANTINE_S - 30.0
+
+
+def default_quarantine_s(engine: TransferEngineLike, nbytes: int) -> float:
+    """The quarantine `nbytes` of `engine`'s memory need when none is set: QUARANTINE_S, or longer when the
+    engine bounds how long a write into its memory may go on landing once it started
+    (`engine.late_write_s(nbytes)`, the wire path's listener) and that bound is longer than Mooncake's
+    transfer timeout."""
+    late_write_s = getattr(engine, "late_write_s", None)
+    if late_write_s is None:
+        return QUARANTINE_S
+    return max(QUARANTINE_S, LATE_START_S + float(late_write_s(nbytes)))
+
 #: The default cap on fallback bytes is the pool's own size, but at least this. The pool is
 #: what the operator sized for the rank's load, so fallbacks (outliers and bursts) at most
 #: double the registered memory that was planned for; the floor lets a pool sized for typical
@@ -203,8 +218,8 @@ class ReceivePool:
                  clock: Callable[[], float] = time.monotonic) -> None:
         """Allocates `nbytes` on `device`, registers them once with `engine`, cuts `slot_bytes` slots.
 
-        `quarantine_s` (default: EPD_QUARANTINE_S, else QUARANTINE_S) holds a failed room's
-        slot back; `grace_s` (default: EPD_FALLBACK_GRACE_S, else 30 s) keeps an idle fallback.
+        `quarantine_s` (default: EPD_QUARANTINE_S, else `default_quarantine_s()` of the engine for a
+        slot, and for each fallback its own size) holds a failed room's slot back; `grace_s` (default: EPD_FALLBACK_GRACE_S, else 30 s) keeps an idle fallback.
         `max_fallback_bytes` caps the bytes fallback buffers hold at once (default: the
         larger of `nbytes` and FALLBACK_FLOOR_BYTES; None: unbounded; 0: no fallbacks).
         Raises ConfigError for a slot size that is not a positive multiple of SLOT_ALIGN or
@@ -218,6 +233,7 @@ class ReceivePool:
             raise ConfigError(f"slot_bytes must be a positive multiple of {SLOT_ALIGN}, got {slot_bytes}")
         if nbytes < slot_bytes:
             raise ConfigError(f"pool of {nbytes} bytes cannot hold one slot of {slot_bytes} bytes")
+        self._quarantine_set = quarantine_s is not None or config.is_set("EPD_QUARANTINE_S")
         quarantine_s = config.resolve("EPD_QUARANTINE_S", quarantine_s)
         grace_s = config.resolve("EPD_FALLBACK_GRACE_S", grace_s)
         if max_fallback_bytes is _AUTO:
@@ -237,7 +253,7 @@ class ReceivePool:
         # "cuda" names the current device of the thread that made the pool: its fallbacks, made on whichever
         # thread leases them, go where its memory went.
         self.device = str(tensor.device)
-        self.quarantine_s = float(quarantine_s)
+        self.quarantine_s = float(quarantine_s) if self._quarantine_set else default_quarantine_s(engine, slot_bytes)
         self.grace_s = float(grace_s)
         self._clock = clock
         self._lock = threading.Lock()
@@ -434,10 +450,17 @@ class ReceivePool:
         """Park a slot for quarantine_s, a fallback for the longer of grace and quarantine (lock held)."""
         seq = slot._quarantine_seq = next(self._seq)
         if slot.is_fallback:
-            delay = max(self.grace_s, self.quarantine_s)
+            delay = max(self.grace_s, self.quarantine_of(slot.nbytes))
             heapq.heappush(self._graces, (now + delay, seq, slot.region, True))
         else:
             heapq.heappush(self._quarantine, (now + self.quarantine_s, seq, slot.index))
+
+    def quarantine_of(self, nbytes: int) -> float:
+        """How long memory of `nbytes` leased from this pool is held back after a failed room: a slot's
+        `quarantine_s`; a larger fallback's by its own size when no quarantine was set."""
+        if self._quarantine_set or nbytes <= self.slot_bytes:
+            return self.quarantine_s
+        return default_quarantine_s(self.engine, nbytes)
 
     def _on_safe(self, slot: Slot) -> None:
         """Ends a quarantined handle's quarantine (its entry only: the slot may have been leased again since)."""

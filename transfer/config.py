@@ -209,6 +209,11 @@ def resolve(env: str, given: Any = None, environ: Mapping[str, str] | None = Non
     return entry.parse(text)
 
 
+def is_set(env: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the variable is set to something (an empty value means its default)."""
+    return (os.environ if environ is None else environ).get(env, "") != ""
+
+
 def parse_seconds(text: str, zero_ok: bool = False) -> float:
     """`text` as seconds in (0, MAX_SECONDS] ([0, MAX_SECONDS] with `zero_ok`), else ConfigError
     whose text says what it must be."""

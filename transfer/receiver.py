@@ -118,12 +118,12 @@ class ReceiveHandle(_io.RoomHandle[Room]):
         True once it succeeded; at once when no encode rank was ever asked; once the
         encode rank confirmed the cancel sent when the room was given up (its deadline,
         or clear() before a terminal status); otherwise only after the quarantine bound
-        (the pool's `quarantine_s`, else buffers.QUARANTINE_S) from its conclusion. Poll it
-        after clear() too: a confirmation may come later.
+        (the pool's, else buffers.default_quarantine_s() of the engine for the room's bytes) from
+        its conclusion. Poll it after clear() too: a confirmation may come later.
         """
         record, manager = self._state, self._manager
         return reusable(succeeded=record.succeeded, memory_safe=record.memory_safe, concluded_at=record.concluded_at,
-                        now=manager._driver.clock(), quarantine_s=manager.quarantine_s)
+                        now=manager._driver.clock(), quarantine_s=manager.quarantine_of(record.nbytes))
 
     def clear(self, event: EventLike | None = None) -> None:
         """Forgets the room; a status that still arrives for it is ignored.
@@ -499,12 +499,17 @@ class SessionManager:
 
     @property
     def quarantine_s(self) -> float:
-        """How long after a failed room a late write may still land in its memory."""
-        if self.pool is not None:
-            return self.pool.quarantine_s
-        from transfer.buffers import QUARANTINE_S
+        """How long after a failed room a late write may still land in its memory: in a pool's slot, or
+        without a pool in the least memory (`quarantine_of()` says it for a room's own bytes)."""
+        return self.quarantine_of(0)
 
-        return QUARANTINE_S
+    def quarantine_of(self, nbytes: int) -> float:
+        """How long after a failed room of `nbytes` a late write may still land in its memory."""
+        if self.pool is not None:
+            return self.pool.quarantine_of(nbytes)
+        from transfer.buffers import default_quarantine_s
+
+        return default_quarantine_s(self.engine, nbytes)
 
     def _forget(self, record: Room, event: EventLike | None = None) -> None:
         """Drops the room and gives its pool slot, if any, to its fate (transfer.core.quarantine): freed

@@ -126,6 +126,8 @@ MAX_CONNECTIONS = 4096  # the native listener's bound on its connection slots
 #: The least rate of a transfer, both ways (bytes/s): far below any real link, yet a peer that
 #: reads or sends slower than this cannot hold a connection or a writer thread for long.
 MIN_RATE_BPS = 256 * 1024
+#: How long a transfer in runs before the least rate applies, in receive timeouts.
+RATE_GRACE_TIMEOUTS = 2
 #: Idle connections kept per peer session; more are closed when they come back.
 IDLE_PER_SESSION = 8
 #: write_async() batches of a lone busy peer that run at once (more wait in its queue), shared
@@ -437,10 +439,12 @@ class WireEngine(RegisteredMemory):
         self.chunk_bytes = int(chunk_bytes)
         self.reply_timeout_s = reply_timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.rate_grace_s = RATE_GRACE_TIMEOUTS * float(recv_timeout_s)
         self._listener = bind_port(port, lambda number: _native.wire_listen(
             hostname, number, float(recv_timeout_s), float(idle_timeout_s), self.chunk_bytes, int(max_connections),
             first_byte_timeout=-1.0 if first_byte_timeout_s is None else float(first_byte_timeout_s),
-            evict_after=float(evict_after_s), min_rate=self.min_rate_bps), f"wire listener on {hostname}")
+            evict_after=float(evict_after_s), min_rate=self.min_rate_bps, rate_grace=self.rate_grace_s),
+            f"wire listener on {hostname}")
         self.port = _native.wire_listener_port(self._listener)
         self.rpc_port = self.port
         self.session_id = f"{hostname}:{self.port}"
@@ -482,6 +486,14 @@ class WireEngine(RegisteredMemory):
         """Stops accepting writes into the region; waits for a copy into it in progress."""
         _native.wire_remove_region(self._listener, addr)
         return None
+
+    def late_write_s(self, nbytes: int) -> float:
+        """The longest a transfer of `nbytes` into this engine's memory may go on landing once it started:
+        the listener's grace before its least rate applies, then the bytes at that rate (no bound without
+        one). What a receive pool's default quarantine adds to when a late write may start."""
+        if self.min_rate_bps <= 0:
+            return math.inf
+        return self.rate_grace_s + nbytes / self.min_rate_bps
 
     # -- writes -----------------------------------------------------------
 

@@ -338,3 +338,26 @@ def test_rate_arguments_are_optional_checked_and_zero_turns_the_rate_off():
         kind, payload, _ = wire.read_frame(sock)
         assert kind == wire.RESULT, Msg.decode(payload)
         assert lst.stats()["too_slow"] == 0
+
+
+def test_the_engines_late_write_bound_is_the_grace_and_rate_its_listener_cuts_at():
+    """WireEngine.late_write_s(), which a receive pool's default quarantine is sized by, names the grace
+    and the least rate its own listener holds a dribbling transfer to."""
+    engine = WireEngine("127.0.0.1", 0, recv_timeout_s=0.4)
+    memory = torch.full((PAGE,), SENTINEL, dtype=torch.uint8)
+    try:
+        engine.register(memory)
+        assert engine.late_write_s(PAGE) == pytest.approx(0.8 + PAGE / DEFAULT_RATE)
+        msg = frame(wire.PREFILL, prefill(memory.data_ptr(), PAGE))
+        with socket.create_connection(("127.0.0.1", engine.port), timeout=5.0) as slow:
+            dribble_until_answered(slow, [msg[i:i + 1] for i in range(len(msg))], 0.05, 15.0)
+            expect_error(slow, rf"a transfer must average at least {DEFAULT_RATE} bytes/s after its first 0\.80 s\)",
+                         room=None)
+    finally:
+        engine.close()
+    assert bool((memory == SENTINEL).all())
+    unbounded = WireEngine("127.0.0.1", 0, min_rate_bps=0)
+    try:
+        assert unbounded.late_write_s(PAGE) == math.inf
+    finally:
+        unbounded.close()

@@ -433,3 +433,22 @@ def test_write_async_overlaps_peers_and_reports_failures():
             writer.wait(bad, timeout_s=30)
         with pytest.raises(TransferError, match=f"batch {bad} is unknown"):
             writer.wait(bad)
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_a_managers_default_quarantine_covers_its_wire_listeners_slowest_transfer(pooled, monkeypatch):
+    """A failed room's memory is held back until a late write of it, started as late as a peer may start
+    one, is over at the listener's least rate: longer than Mooncake's transfer timeout allows for."""
+    from transfer.buffers import LATE_START_S, QUARANTINE_S, ReceivePool
+    from transfer.receiver import SessionManager
+
+    monkeypatch.delenv("EPD_QUARANTINE_S", raising=False)
+    item = 64 << 20
+    with WireEngine("127.0.0.1") as engine:
+        pool = ReceivePool(engine, 1 << 20, 1 << 20) if pooled else None
+        with SessionManager(engine, 0, 1, 1, pool=pool, buffer=None if pooled else torch.zeros(1 << 20),
+                            host="127.0.0.1") as manager:
+            assert manager.quarantine_of(item) == LATE_START_S + engine.late_write_s(item)
+            assert manager.quarantine_of(item) > QUARANTINE_S + 256  # 64 MiB at 256 KiB/s
+        if pool is not None:
+            pool.close()
