@@ -138,6 +138,28 @@ def test_a_prefill_tp_that_is_not_a_multiple_of_the_encode_tp_fails_the_room():
     assert conclude.failure.detail == "prefill local tp 3 is not a multiple of encode tp 2"
 
 
+@pytest.mark.parametrize("engine_rank, encode_rank", [(0, 0), (1, 0), (2, 1), (3, 1), (4, 0), (5, 0), (6, 1), (7, 1)])
+def test_with_prefill_dp_a_rank_pairs_within_its_own_dp_group(engine_rank, encode_rank):
+    # SPEC.md 5, prefill tp P=8 in Dp=2 groups, encode tp E=2 in D=1: local_tp = P // Dp = 4,
+    # fanout = local_tp // E = 2, encode_rank = (r % local_tp) // fanout, target_dp_group = room % D = 0.
+    c = core(engine_rank=engine_rank, tp_size=8, dp_size=2)
+    c.receive(0.0, spec(5))
+    assert c.parallel_resolved(0.0, BOOT, 2, 1) == [LookUpRoute((BOOT, 0, encode_rank))]
+    ask = c.route_resolved(0.0, (BOOT, 0, encode_rank), ENCODE)[-1]
+    assert isinstance(ask, SendAsk) and ask.info.fanout == 2
+    (conclude,) = c.status(0.1, 5, TransferPoll.Success, encode_rank)
+    assert isinstance(conclude, Conclude) and conclude.failure is None
+
+
+@pytest.mark.parametrize("engine_rank", [1, 5])
+@pytest.mark.parametrize("room", [4, 5])
+def test_with_prefill_dp_and_encode_dp_the_group_is_the_room_modulo_the_encode_dp(engine_rank, room):
+    # P=8 in Dp=2 (local_tp 4), E=2 in D=2: fanout 2, encode_rank (r % 4) // 2 = 0, target_dp_group = room % 2.
+    c = core(engine_rank=engine_rank, tp_size=8, dp_size=2)
+    c.receive(0.0, spec(room))
+    assert c.parallel_resolved(0.0, BOOT, 2, 2) == [LookUpRoute((BOOT, room % 2, 0))]
+
+
 def test_a_failed_look_up_fails_every_room_behind_it_as_bootstrap():
     c = core()
     c.receive(0.0, spec(1))
