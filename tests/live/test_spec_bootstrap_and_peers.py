@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import http.server
 import json
+import pickle
 import struct
 import threading
 import time
@@ -199,6 +200,39 @@ def test_our_client_speaks_the_spec_requests(recorder):
     recorder.answers[("GET", "/health")] = (200, b"OK")
     assert client.health()
 
+
+
+UNPICKLED: list[str] = []
+
+
+def _unpickled(marker: str) -> str:
+    UNPICKLED.append(marker)
+    return marker
+
+
+class _Pickled:
+    def __reduce__(self):
+        return _unpickled, ("unpickled",)
+
+
+def test_no_http_body_is_ever_unpickled(recorder, server):
+    # SPEC 8, never pickle: a live pickle as a PUT /route body, and as each answer our client reads.
+    payload = pickle.dumps(_Pickled())
+    UNPICKLED.clear()
+    assert pickle.loads(payload) == "unpickled" and UNPICKLED == ["unpickled"]  # the payload is live
+    UNPICKLED.clear()
+    status, _ = exchange(server, "PUT", "/route", payload, JSON)
+    assert status == 400
+    client = BootstrapClient(f"{HOST}:{recorder.server_address[1]}", timeout=2.0)
+    recorder.answers[("PUT", "/route")] = (200, payload)
+    with pytest.raises(BootstrapError):
+        client.register_rank(1, 1, HOST, 17000, 0, retry_for=0.0)
+    recorder.answers[("GET", "/route")] = (200, payload)
+    with pytest.raises(BootstrapError):
+        client.parallel_info()
+    with pytest.raises(BootstrapError):
+        client.route(0, 0)
+    assert UNPICKLED == []
 
 try:
     import mooncake.engine as _mooncake
