@@ -60,8 +60,8 @@ the idle ones of every session whose peer hung up are closed (a peer that restar
 another port never takes its old ones back; live peers keep theirs); a write that fails on a reused connection before any byte of it
 was accepted, or because the peer closed that connection without a word (as a listener that
 evicts or times out an idle connection does, which can land just after the check before
-reuse), is sent again once on a fresh one: the copies go to the same destinations, so a
-second send lands the same bytes. Readiness is asked with poll(), never
+reuse), is sent again once on a fresh one, within what the first send left of the reply timeout: the
+copies go to the same destinations, so a second send lands the same bytes. Readiness is asked with poll(), never
 select(), which refuses descriptors past 1023 in a process with many sockets open.
 The listener closes a fresh connection that sends nothing for the first-byte bound
 (``first_byte_timeout_s``, 10 s by default, never more than the idle timeout) with an ERROR
@@ -609,30 +609,49 @@ class WireEngine(RegisteredMemory):
     def _write_with_retry(self, session_id: str, srcs: list[int], dsts: list[int], lens: list[int],
                           rows: int) -> None:
         """One transfer; on a reused connection that failed before the peer took any byte, or that the
-        peer closed without an answer, it is sent once more on a fresh connection."""
+        peer closed without an answer, it is sent once more on a fresh connection (`_send_again`)."""
         room = next(self._rooms)
         conn = self._checkout(session_id)
+        started = time.monotonic()
         try:
             self._transfer(conn, room, srcs, dsts, lens, rows)
         except _SendAgain as exc:
             conn.close()
             if conn.fresh:
                 raise exc.cause from None
-            with self._lock:
-                self._sent["retries"] += 1
-            conn = self._open(session_id)
-            try:
-                self._transfer(conn, room, srcs, dsts, lens, rows)
-            except _SendAgain as again:
-                conn.close()
-                raise again.cause from None
-            except BaseException:
-                conn.close()
-                raise
+            conn = self._send_again(session_id, room, srcs, dsts, lens, rows, started, exc.cause)
         except BaseException:
             conn.close()
             raise
         self._checkin(session_id, conn)
+
+    def _send_again(self, session_id: str, room: int, srcs: list[int], dsts: list[int], lens: list[int],
+                    rows: int, started: float, cause: OSError) -> _Conn:
+        """The transfer once more, on a fresh connection, within what the first send (from `started`) left
+        of the reply timeout, so both together keep the one transfer's bound; with nothing left, the first
+        send's error (`cause`) stands. Returns the connection, for reuse."""
+        def left() -> float:
+            return self.reply_timeout_s - (time.monotonic() - started)
+
+        if left() <= 0:
+            raise cause from None
+        conn = self._open(session_id)
+        try:
+            remaining = left()
+            if remaining <= 0:
+                raise cause from None
+            with self._lock:
+                self._sent["retries"] += 1
+            conn.sock.settimeout(remaining)
+            self._transfer(conn, room, srcs, dsts, lens, rows)
+        except _SendAgain as again:
+            conn.close()
+            raise again.cause from None
+        except BaseException:
+            conn.close()
+            raise
+        conn.sock.settimeout(self.reply_timeout_s)
+        return conn
 
     def _transfer(self, conn: _Conn, room: int, srcs: list[int], dsts: list[int], lens: list[int],
                   rows: int) -> None:

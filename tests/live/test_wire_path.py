@@ -452,3 +452,71 @@ def test_a_managers_default_quarantine_covers_its_wire_listeners_slowest_transfe
             assert manager.quarantine_of(item) > QUARANTINE_S + 256  # 64 MiB at 256 KiB/s
         if pool is not None:
             pool.close()
+
+
+class _HangUpThenStall:
+    """A hand-rolled peer listener: answers the first transfer, takes the second on the same connection
+    and hangs up `hang_up_after` s later without an answer (the writer sends it again), and never
+    answers the transfer a fresh connection brings."""
+
+    def __init__(self, hang_up_after: float) -> None:
+        self.hang_up_after = hang_up_after
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.connections: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _read_transfer(conn: socket.socket) -> wire.Msg:
+        kind, payload, _ = wire.read_frame(conn)
+        assert kind == wire.PREFILL, kind
+        while wire.read_frame(conn)[0] != wire.FIRST:
+            pass
+        return wire.Msg.decode(payload)
+
+    def _serve(self) -> None:
+        try:
+            first, _ = self.server.accept()
+            self.connections.append(first)
+            prefill = self._read_transfer(first)
+            wire.write_frame(first, wire.RESULT, wire.Msg({"room": prefill.number("room"),
+                                                           "bytes": prefill.number("bytes0")}).encode())
+            self._read_transfer(first)
+            self._stop.wait(self.hang_up_after)
+            first.close()
+            fresh, _ = self.server.accept()
+            self.connections.append(fresh)
+            self._read_transfer(fresh)
+            self._stop.wait(60)  # no answer
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self.server.close()
+        for conn in self.connections:
+            conn.close()
+        self._thread.join(10)
+
+
+def test_a_transfer_sent_again_keeps_the_one_transfers_reply_bound():
+    """The peer took the transfer on a reused connection and hung up 3 s later without an answer: the
+    transfer goes again on a fresh connection, which the peer never answers. Both sends together wait
+    the 4 s reply timeout (and the bytes' time at the least rate), not 3 s more than it."""
+    peer = _HangUpThenStall(hang_up_after=3.0)
+    try:
+        with WireEngine("127.0.0.1", reply_timeout_s=4.0) as writer:
+            src = _random_bytes(4096, 3)
+            writer.register(src)
+            session = f"127.0.0.1:{peer.port}"
+            writer.write(session, [src.data_ptr()], [0x10000], [4096])
+            started = time.monotonic()
+            with pytest.raises(TransferError):
+                writer.write(session, [src.data_ptr()], [0x10000], [4096])
+            took = time.monotonic() - started
+            assert writer.stats()["retries"] == 1 and writer.stats()["connections_opened"] == 2
+    finally:
+        peer.close()
+    assert 3.0 <= took < 5.5, took
