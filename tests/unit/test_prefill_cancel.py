@@ -7,6 +7,7 @@ import dataclasses
 from prefill_rooms import BOOT, ENCODE, KEY0, spec
 from prefill_rooms import core as prefill_core
 
+import transfer.core.cancels as cancels
 import transfer.core.prefill as prefill
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.prefill import (
@@ -190,9 +191,8 @@ def test_a_room_expired_on_a_socket_dropped_since_sends_no_cancel():
 
 
 def test_cancels_awaiting_an_answer_are_bounded(monkeypatch):
-    import transfer.core.prefill as prefill
 
-    monkeypatch.setattr(prefill, "MAX_PENDING_CANCELS", 2)
+    monkeypatch.setattr(cancels, "MAX_PENDING_CANCELS", 2)
     c = core()
     tokens = [asked(c, room, now=float(room)) for room in (1, 2, 3)]
     for room, token in zip((1, 2, 3), tokens):
@@ -345,10 +345,10 @@ def test_cancels_lost_with_their_encode_rank_are_set_aside_and_take_their_late_a
         c.clear(0.1, room)
     c.connection_dropped(0.2, ENCODE)
     assert c.pending_cancels == 3
-    c.tick(0.1 + prefill.STALE_CANCEL_S - 0.01)
+    c.tick(0.1 + cancels.STALE_CANCEL_S - 0.01)
     assert c.pending_cancels == 3
-    c.tick(0.1 + prefill.STALE_CANCEL_S)
-    assert c.pending_cancels == 0 and c.idle(ENCODE, 0.1 + prefill.STALE_CANCEL_S)
+    c.tick(0.1 + cancels.STALE_CANCEL_S)
+    assert c.pending_cancels == 0 and c.idle(ENCODE, 0.1 + cancels.STALE_CANCEL_S)
     token = asked(c, 7, now=400.0)
     assert c.abandon(400.1, 7, token) == []  # no cancel a late answer could be taken for: the quarantine frees it
     assert c.cancel_answered(400.2, 7, 0, TOO_LATE) == [] and c.cancel_answered(401.0, 7, 0, CONFIRMED) == []
@@ -368,18 +368,18 @@ def test_a_cancel_answered_too_late_on_a_lost_connection_is_set_aside_until_its_
     c.clear(0.1, 7, old)
     c.cancel_answered(0.2, 7, 0, TOO_LATE)
     c.connection_dropped(0.3, ENCODE)
-    c.tick(2 * prefill.STALE_CANCEL_S)
+    c.tick(2 * cancels.STALE_CANCEL_S)
     assert c.pending_cancels == 0
-    token = asked(c, 7, now=2 * prefill.STALE_CANCEL_S)
-    assert c.abandon(2 * prefill.STALE_CANCEL_S + 0.1, 7, token) == []
-    assert c.cancel_answered(3 * prefill.STALE_CANCEL_S, 7, 0, CONFIRMED) == []
+    token = asked(c, 7, now=2 * cancels.STALE_CANCEL_S)
+    assert c.abandon(2 * cancels.STALE_CANCEL_S + 0.1, 7, token) == []
+    assert c.cancel_answered(3 * cancels.STALE_CANCEL_S, 7, 0, CONFIRMED) == []
     assert not c.safe(7, token)
 
 
 def _past_the_pending_bound(first_room: int, others: tuple[int, ...]) -> tuple[PrefillCore, int]:
     """A core whose `first_room` was cancelled and answered too late, then `others` cancelled past a pending
     bound of 2 (monkeypatched by the caller); returns it and the first room's token."""
-    c = prefill_core(deadline_s=10 * prefill.STALE_CANCEL_S)
+    c = prefill_core(deadline_s=10 * cancels.STALE_CANCEL_S)
     _answering(c)
     first = asked(c, first_room, now=0.0)
     c.abandon(0.1, first_room, first)
@@ -390,7 +390,7 @@ def _past_the_pending_bound(first_room: int, others: tuple[int, ...]) -> tuple[P
 
 
 def test_past_the_pending_bound_the_oldest_cancels_are_set_aside_not_dropped(monkeypatch):
-    monkeypatch.setattr(prefill, "MAX_PENDING_CANCELS", 2)
+    monkeypatch.setattr(cancels, "MAX_PENDING_CANCELS", 2)
     c, first = _past_the_pending_bound(7, (8, 9))
     assert c.pending_cancels == 2  # room 7's cancel set aside
     c.clear(0.4, 7, first)
@@ -401,8 +401,8 @@ def test_past_the_pending_bound_the_oldest_cancels_are_set_aside_not_dropped(mon
 
 def test_at_the_ghost_bound_no_cancel_is_sent_and_no_ghost_is_dropped(monkeypatch):
     """A dropped ghost would let its late CONFIRMED be taken for a later cancel of its room (a write in flight)."""
-    monkeypatch.setattr(prefill, "MAX_PENDING_CANCELS", 2)
-    monkeypatch.setattr(prefill, "MAX_GHOSTS", 2)
+    monkeypatch.setattr(cancels, "MAX_PENDING_CANCELS", 2)
+    monkeypatch.setattr(cancels, "MAX_GHOSTS", 2)
     c, first = _past_the_pending_bound(1, (2, 3, 4))
     assert c.pending_cancels == 2  # rooms 1 and 2 set aside as ghosts: the bound is reached
     out = c.abandon(0.4, 5, asked(c, 5, now=0.4))
@@ -414,14 +414,14 @@ def test_at_the_ghost_bound_no_cancel_is_sent_and_no_ghost_is_dropped(monkeypatc
 
 
 def test_an_unanswered_cancel_on_a_connection_still_in_use_is_kept():
-    c = prefill_core(deadline_s=10 * prefill.STALE_CANCEL_S)
+    c = prefill_core(deadline_s=10 * cancels.STALE_CANCEL_S)
     _answering(c)
     token = asked(c, 7, now=0.0)
     c.abandon(0.1, 7, token)
     asked(c, 8, now=0.2)  # keeps the connection in use
-    c.tick(0.1 + prefill.STALE_CANCEL_S)
+    c.tick(0.1 + cancels.STALE_CANCEL_S)
     assert c.pending_cancels == 1
-    assert c.cancel_answered(0.2 + prefill.STALE_CANCEL_S, 7, 0, CONFIRMED) == [MemorySafe(7, token)]
+    assert c.cancel_answered(0.2 + cancels.STALE_CANCEL_S, 7, 0, CONFIRMED) == [MemorySafe(7, token)]
 
 
 def test_stale_cancels_are_set_aside_at_most_limit_a_tick():
@@ -431,10 +431,10 @@ def test_stale_cancels_are_set_aside_at_most_limit_a_tick():
         c.abandon(0.1, room, asked(c, room, now=0.0))
         c.clear(0.1, room)
     c.connection_dropped(0.2, ENCODE)
-    c.tick(0.1 + prefill.STALE_CANCEL_S, limit=2)
+    c.tick(0.1 + cancels.STALE_CANCEL_S, limit=2)
     assert c.pending_cancels == 3
-    c.tick(0.2 + prefill.STALE_CANCEL_S, limit=2)
-    c.tick(0.3 + prefill.STALE_CANCEL_S, limit=2)
+    c.tick(0.2 + cancels.STALE_CANCEL_S, limit=2)
+    c.tick(0.3 + cancels.STALE_CANCEL_S, limit=2)
     assert c.pending_cancels == 0
 
 
@@ -587,4 +587,4 @@ def test_cancels_answered_behind_one_never_answered_are_not_kept_for_its_silence
         if i % 20 == 0:
             c.tick(now)
     assert c.pending_cancels == 1
-    assert len(c._sent_to[ENCODE]._cancels) <= 2 * prefill._MIN_COMPACT
+    assert len(c.cancels._sent_to[ENCODE]._cancels) <= 2 * cancels._MIN_COMPACT

@@ -28,7 +28,6 @@ not take the earlier ask's status for its own (see `_ask`).
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +35,7 @@ from typing import Any
 from transfer.core.announce import AnnounceBook, Region
 from transfer.core.ask_queue import AskQueues
 from transfer.core.bounded import remember
+from transfer.core.cancels import CANCEL_SILENCE_S, CancelBook
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.prefill_breaker import BootstrapBreaker
 from transfer.errors import ConfigError
@@ -72,34 +72,9 @@ ENCODE_FAILED = "encode failed to send embedding"
 #: and runs deadlines between batches.
 ASK_BATCH = 256
 
-#: Cancels awaiting their encode rank's confirmation (past this the oldest is set aside as a
-#: ghost: its memory then waits out the caller's quarantine bound).
-MAX_PENDING_CANCELS = 65536
-
-#: How long a cancel sent on a connection since lost is awaited as one: past it, its (room,
-#: encode rank) is set aside as a ghost (an encode rank that went away or restarted never
-#: answers; the room's memory waits out the caller's quarantine bound, as with no cancel). A
-#: ghost is not looked at when sockets are weighed; it takes whatever answers still come for its
-#: room and rank, and no cancel of that room goes to that rank while it is there: answers name
-#: only the room and the encode rank, and a late one would be taken for a later cancel's.
-STALE_CANCEL_S = 300.0
-
-#: Ghosts (set-aside cancels) kept at most before no cancel is sent at all: a ghost is never
-#: dropped (a later cancel of its room would take its late answer), so at this bound cleared
-#: rooms wait out the quarantine until ghosts get their last answers.
-MAX_GHOSTS = 65536
-
-#: Encode addresses remembered as answering cancels (past this, new ones are not learned).
-MAX_ANSWERING = 65536
-
 #: How long a room asked for again may wait for the answer to the cancel of its earlier ask,
 #: from an encode rank not yet seen to answer cancels (a peer never answers: its ask then goes).
 CANCEL_ANSWER_WAIT_S = 0.5
-
-#: How long an encode rank may leave a cancel unanswered before it is sent no more, until it
-#: answers one or its connection is made afresh: a peer without the extension answers none and
-#: logs each as a malformed frame (our ranks answer within milliseconds).
-CANCEL_SILENCE_S = 5.0
 
 #: How long asks may wait for their encode rank's socket before its route is looked up again
 #: (and again each time as long after): a rank restarted at another port leaves its old address
@@ -282,48 +257,6 @@ LOOKUP, HELD, QUEUED, ASKED, VERIFYING, CONCLUDED = "lookup", "held", "queued", 
 
 
 @dataclass(slots=True, eq=False)
-class _Cancel:
-    """A cancel sent for one ask (its token), on connection `conn` to `addr`; `answered` once any answer came,
-    `gone` once it awaits none (its last answer came, it was not sent after all, or it was set aside)."""
-
-    token: int
-    addr: Address
-    conn: int
-    sent_at: float
-    answered: bool = False
-    gone: bool = False
-
-
-class _SentCancels:
-    """One address's cancels in the order sent. Those that await no answer on the current connection any
-    more are let go of from the front as they come up, and all at once whenever they make up most of the
-    queue (an unanswered one at the front would keep the rest), so it holds at most about twice those
-    still awaited."""
-
-    __slots__ = ("_cancels", "_compact_at")
-
-    def __init__(self) -> None:
-        self._cancels: deque[_Cancel] = deque()
-        self._compact_at = _MIN_COMPACT
-
-    def add(self, cancel: _Cancel) -> None:
-        self._cancels.append(cancel)
-        if len(self._cancels) > self._compact_at:
-            self._cancels = deque(c for c in self._cancels if not (c.answered or c.gone))
-            self._compact_at = max(_MIN_COMPACT, 2 * len(self._cancels))
-
-    def oldest(self, conn: int | None) -> _Cancel | None:
-        """The oldest cancel still unanswered on connection `conn`, if any."""
-        cancels = self._cancels
-        while cancels and (cancels[0].answered or cancels[0].gone or cancels[0].conn != conn):
-            cancels.popleft()  # connections are never reused: one sent on another is no longer awaited here
-        return cancels[0] if cancels else None
-
-
-_MIN_COMPACT = 64
-
-
-@dataclass(slots=True, eq=False)
 class _Room:
     spec: RoomSpec
     token: int
@@ -401,13 +334,7 @@ class PrefillCore:
         self._awaiting_route: dict[RouteKey, list[_Room]] = {}
         self._conns: dict[Address, int] = {}  # the connection in use per encode address, least recently used first
         self._conn_serial = 0
-        self._cancels: dict[tuple[int, int], list[_Cancel]] = {}  # (room, encode rank) -> awaiting, oldest first
-        self._cancel_count = 0
-        self._cancels_sent: deque[tuple[float, tuple[int, int], _Cancel]] = deque()  # (sent at, key, cancel), in order
-        self._ghosts: dict[tuple[int, int], int] = {}  # (room, encode rank) set aside -> last answers still to come
-        self._answering: set[Address] = set()  # encode ranks seen to answer cancels
-        self._unanswered_since: dict[Address, float] = {}  # when a cancel there last went unanswered
-        self._sent_to: dict[Address, _SentCancels] = {}  # each address's cancels, for its silence clock
+        self.cancels = CancelBook(self._conns.get)  # awaiting answers, and what answers showed of each address
         self._answered_at: dict[Address, float] = {}  # when the current connection there last answered a room
         self._held: list[tuple[float, int, _Room]] = []  # (when its ask goes anyway, token, room), a heap
 
@@ -500,7 +427,7 @@ class PrefillCore:
     @property
     def pending_cancels(self) -> int:
         """Cancels sent and not yet confirmed."""
-        return self._cancel_count
+        return self.cancels.pending
 
     def cancel_answered(self, now: float, room: int, rank: int, answer: CancelAnswer) -> list:
         """An encode rank answered a cancel: its memory is safe once the answer is CONFIRMED.
@@ -509,20 +436,9 @@ class PrefillCore:
         TOO_LATE (a write was in flight) then CONFIRMED or WRITE_FAILED (that write failed:
         its bytes may still land, so the memory waits out its quarantine), or CONFIRMED alone.
         """
-        cancels = self._cancels.get((room, rank))
-        if not cancels:
-            self._ghost_answered((room, rank), answer)
+        cancel = self.cancels.answered((room, rank), answer)
+        if cancel is None:
             return []
-        if answer is CancelAnswer.TOO_LATE:  # its last answer follows once the write is over
-            first = next((cancel for cancel in cancels if not cancel.answered), None)
-            if first is None:
-                return []
-            self._heard(first)
-            self._answered(now, first.addr, first.conn)
-            return self._release(now, room, rank)
-        cancel = cancels[0]
-        self._drop_cancel((room, rank), cancel)
-        self._heard(cancel)
         self._answered(now, cancel.addr, cancel.conn)
         safe = [MemorySafe(room, cancel.token)] if answer is CancelAnswer.CONFIRMED else []
         return [*safe, *self._release(now, room, rank)]
@@ -531,80 +447,15 @@ class PrefillCore:
         """The socket did not take the room's cancel to encode rank `rank`: no answer will come for it
         (its memory waits out the quarantine), so it holds nothing back and says nothing of that
         rank's silence."""
-        for cancel in self._cancels.get((room, rank), ()):
-            if cancel.token == token and not cancel.answered:
-                self._drop_cancel((room, rank), cancel)
-                self._restart_silence(cancel.addr)
-                return self._release(now, room, rank)
-        return []
-
-    def _drop_cancel(self, key: tuple[int, int], cancel: _Cancel) -> None:
-        """Forgets one cancel awaiting its answer under (room, encode rank) `key`."""
-        cancels = self._cancels[key]
-        cancels.remove(cancel)
-        cancel.gone = True
-        if not cancels:
-            del self._cancels[key]
-        self._cancel_count -= 1
-
-    def _set_aside_stale_cancels(self, now: float, limit: int | None) -> list:
-        """Sets aside as ghosts the cancels sent STALE_CANCEL_S ago on a connection since lost, at most `limit`
-        of them (a held ask waiting for one goes); looks again later at one whose connection is still in
-        use. Past twice MAX_PENDING_CANCELS sent, the oldest is set aside whatever its age."""
-        sent = self._cancels_sent
-        actions: list = []
-        silent: set[Address] = set()
-        again = []
-        set_aside = 0
-        while sent and (limit is None or set_aside < limit):
-            sent_at, key, cancel = sent[0]
-            crowded = len(sent) > 2 * MAX_PENDING_CANCELS
-            if now - sent_at < STALE_CANCEL_S and not crowded:
-                break
-            sent.popleft()
-            if not any(pending is cancel for pending in self._cancels.get(key, ())):
-                continue  # its last answer came
-            if self._conns.get(cancel.addr) == cancel.conn and not crowded:
-                again.append((now, key, cancel))
-                continue
-            silent.add(cancel.addr)
-            set_aside += 1
-            actions += self._set_aside(now, key)
-        sent.extend(again)
-        for addr in silent:
-            self._restart_silence(addr)
-        return actions
+        if self.cancels.unsent((room, rank), token) is None:
+            return []
+        return self._release(now, room, rank)
 
     def _set_aside(self, now: float, key: tuple[int, int]) -> list:
         """Sets every cancel of (room, encode rank) `key` aside as a ghost that takes their answers still to
         come; a held ask waiting for them goes."""
-        cancels = self._cancels.pop(key)
-        for cancel in cancels:
-            cancel.gone = True
-        self._cancel_count -= len(cancels)
-        self._ghosts[key] = self._ghosts.get(key, 0) + len(cancels)
+        self.cancels.set_aside(key)
         return self._release(now, *key)
-
-    def _ghost_answered(self, key: tuple[int, int], answer: CancelAnswer) -> None:
-        """An answer for a (room, encode rank) whose cancels were set aside: a last answer leaves one fewer."""
-        left = self._ghosts.get(key)
-        if left is None or answer is CancelAnswer.TOO_LATE:
-            return
-        if left > 1:
-            self._ghosts[key] = left - 1
-        else:
-            del self._ghosts[key]
-
-    def _restart_silence(self, addr: Address) -> None:
-        """The silence clock of `addr` from its oldest cancel still unanswered on its current connection,
-        if any (one sent on a connection since lost may never have been read)."""
-        sent = self._sent_to.get(addr)
-        oldest = None if sent is None else sent.oldest(self._conns.get(addr))
-        if oldest is not None:
-            self._unanswered_since[addr] = oldest.sent_at
-        else:
-            self._unanswered_since.pop(addr, None)
-            self._sent_to.pop(addr, None)
 
     def clear(self, now: float, room: int, token: int | None = None) -> bool:
         """Forgets the room (its asks not yet sent never go out); False when it was not held."""
@@ -748,9 +599,8 @@ class PrefillCore:
         if dropped is not None:
             self._conn_serial += 1
             self._conns[addr] = self._conn_serial
-        self._unanswered_since.pop(addr, None)
         self._answered_at.pop(addr, None)  # what the lost connection answered says nothing of the fresh one
-        self._answering.discard(addr)  # a rank restarted there shows afresh whether it answers cancels
+        self.cancels.forget(addr, answering=True)  # a rank restarted there shows afresh whether it answers cancels
         self.announcements.forget(addr)
         self.asks.prune(addr, self._queued)
         asked = [] if dropped is None else [state.route_key for state in self._rooms.values() if state.stage == ASKED
@@ -784,10 +634,7 @@ class PrefillCore:
         connection, or left unanswered longer, will not be answered there)."""
         if self.asks.waiting(addr) or any(state.addr == addr for state in self._rooms.values()):
             return False
-        conn = self._conns.get(addr)
-        return not any(cancel.addr == addr and cancel.conn == conn and not cancel.answered
-                       and now - cancel.sent_at < CANCEL_SILENCE_S
-                       for cancels in self._cancels.values() for cancel in cancels)
+        return not self.cancels.awaited_at(addr, now)
 
     def connection_closed(self, now: float, addr: Address) -> list:
         """The driver closed its idle socket to `addr`: a room there later connects afresh and announces
@@ -809,9 +656,7 @@ class PrefillCore:
         busy.update(state.addr for state in self._rooms.values() if state.addr is not None and state.asked
                     and not state.given_up and conns.get(state.addr) == state.conn
                     and not (state.stage == CONCLUDED and state.outcome is None))  # a Success: abandon() sends none
-        busy.update(cancel.addr for cancels in self._cancels.values() for cancel in cancels
-                    if not cancel.answered and conns.get(cancel.addr) == cancel.conn
-                    and now - cancel.sent_at < CANCEL_SILENCE_S)
+        busy.update(self.cancels.awaited_addresses(now))
         return busy
 
     def _close(self, addr: Address) -> list:
@@ -842,7 +687,7 @@ class PrefillCore:
         room there connects afresh. Returns the connection forgotten, None if there was none."""
         self.announcements.forget(addr)
         conn = self._conns.pop(addr, None)
-        self._unanswered_since.pop(addr, None)
+        self.cancels.forget(addr)
         self._answered_at.pop(addr, None)
         return conn
 
@@ -912,7 +757,7 @@ class PrefillCore:
         if state.stage in (VERIFYING, CONCLUDED) and (status is not TransferPoll.Failed or state.outcome is not None):
             return []  # its conclusion stands: only a Failed overturns a Success (SPEC.md section 3)
         if not state.asked:
-            if (room, rank) in self._cancels or (room, rank) in self._ghosts:
+            if self.cancels.holds((room, rank)):
                 return []  # the cancelled earlier ask's, whose cancel's answers are still to come: stale
             # No encode rank has heard of this room from us yet: an earlier room's under the same number
             # (its manager's predecessor at this endpoint, or a send of it cleared since), or forged.
@@ -922,7 +767,8 @@ class PrefillCore:
         if state.encode_rank is not None and rank != state.encode_rank:
             return [Warn(("status from the wrong encode rank", rank),
                          f"room {room}: status from encode rank {rank}, expected {state.encode_rank}; ignored")]
-        if state.addr in self._answering and self._unanswered(room, rank, state.conn) is not None:
+        if state.addr is not None and self.cancels.answers(state.addr) \
+                and self.cancels.unanswered((room, rank), state.conn) is not None:
             # Our encode rank reads a cancel before any later ask on the same socket and answers it
             # before anything about that ask: this status is the cancelled ask's, as expected.
             return []
@@ -1020,8 +866,7 @@ class PrefillCore:
             if self._in(state, HELD):  # no answer came: the rank does not answer cancels
                 actions += self._unhold(now, state)
                 expired += 1
-        if self._cancels_sent:
-            actions += self._set_aside_stale_cancels(now, limit)
+        actions += self.cancels.set_aside_stale(now, limit, lambda key: self._release(now, *key))
         for addr in [addr for addr in self._probed_at if not self.asks.waiting(addr)]:
             del self._probed_at[addr]
         for addr, head in self.asks.heads(self._queued):
@@ -1083,28 +928,20 @@ class PrefillCore:
         # A route (addr) is found only after the encode rank is known.
         if state.addr is None or state.encode_rank is None or self._conns.get(state.addr) != state.conn:
             return []
-        since = self._unanswered_since.get(state.addr)
-        if since is not None and now - since >= CANCEL_SILENCE_S and state.addr not in self._answering:
+        if self.cancels.silent(state.addr, now):
             return []  # it answers none: the quarantine makes the memory safe, without a malformed frame there
         key = (state.room, state.encode_rank)
-        if key in self._ghosts:
+        if self.cancels.ghost(key):
             return []  # the answers still to come for cancels set aside would be taken for this one's
-        if len(self._ghosts) >= MAX_GHOSTS:
-            return [Warn("ghosts", f"{len(self._ghosts)} cancels set aside still await answers (at most "
-                                   f"{MAX_GHOSTS}): room {state.room} is sent no cancel, its memory waits out the "
-                                   f"quarantine")]
-        pending = self._cancels.setdefault(key, [])
-        if pending and (pending[0].addr != state.addr or pending[-1].conn != state.conn):
+        full = self.cancels.full()
+        if full is not None:
+            return [Warn("ghosts", f"{full}: room {state.room} is sent no cancel, its memory waits out the quarantine")]
+        if self.cancels.stranger(key, state.addr, state.conn):
             # Answers name only the room and the encode rank: another node's (or connection's) answer to
             # its own cancel would be taken for this one's. Without a cancel only the quarantine makes it safe.
             return []
-        cancel = _Cancel(state.token, state.addr, state.conn, now)
-        pending.append(cancel)
-        self._cancels_sent.append((now, key, cancel))
-        self._sent_to.setdefault(state.addr, _SentCancels()).add(cancel)
-        self._unanswered_since.setdefault(state.addr, now)
-        self._cancel_count += 1
-        released = self._set_aside(now, next(iter(self._cancels))) if self._cancel_count > MAX_PENDING_CANCELS else []
+        oldest = self.cancels.add(now, key, state.token, state.addr, state.conn)
+        released = [] if oldest is None else self._set_aside(now, oldest)
         frames = cancel_frames(state.room, self.host, self.status_port, self.session_id, reads_write_failed=True)
         return [SendCancel(state.addr, state.room, state.encode_rank, state.token, frames), *released]
 
@@ -1112,7 +949,7 @@ class PrefillCore:
         """The held ask of `room` for encode rank `rank` goes, unless a cancel before it is still unanswered."""
         state = self._rooms.get(room)
         if state is None or state.stage != HELD or state.encode_rank != rank \
-                or self._unanswered(room, rank, self._conns.get(state.addr) if state.addr else None) is not None:
+                or self.cancels.unanswered((room, rank), self._conns.get(state.addr) if state.addr else None) is not None:
             return []
         return self._unhold(now, state)
 
@@ -1120,21 +957,6 @@ class PrefillCore:
         """A held ask waits no more: the room is routed and asked for afresh."""
         state.stage = LOOKUP
         return self._route(now, state)
-
-    def _unanswered(self, room: int, rank: int, conn: int | None) -> _Cancel | None:
-        """The newest cancel sent on connection `conn` for an earlier ask of `room` that encode rank
-        `rank` has not answered at all yet."""
-        for cancel in reversed(self._cancels.get((room, rank), ())):
-            if not cancel.answered and cancel.conn == conn:
-                return cancel
-        return None
-
-    def _heard(self, cancel: _Cancel) -> None:
-        """A cancel got its first answer (or its last): its encode rank answers cancels."""
-        cancel.answered = True
-        self._unanswered_since.pop(cancel.addr, None)
-        if len(self._answering) < MAX_ANSWERING:
-            self._answering.add(cancel.addr)
 
     def _route(self, now: float, state: _Room, defer: bool = False) -> list:
         """Finds the room's encode rank, from the caches or by a look-up."""
@@ -1190,8 +1012,8 @@ class PrefillCore:
         answer cancels is asked at once; its statuses before the answer are dropped instead.
         """
         state.addr = addr
-        if addr not in self._answering and state.encode_rank is not None:
-            cancel = self._unanswered(state.room, state.encode_rank, self._conns.get(addr))
+        if not self.cancels.answers(addr) and state.encode_rank is not None:
+            cancel = self.cancels.unanswered((state.room, state.encode_rank), self._conns.get(addr))
             if cancel is not None and now < cancel.sent_at + CANCEL_ANSWER_WAIT_S:
                 state.stage = HELD
                 heapq.heappush(self._held, (cancel.sent_at + CANCEL_ANSWER_WAIT_S, state.token, state))
