@@ -219,7 +219,8 @@ class ReceivePool:
         """Allocates `nbytes` on `device`, registers them once with `engine`, cuts `slot_bytes` slots.
 
         `quarantine_s` (default: EPD_QUARANTINE_S, else `default_quarantine_s()` of the engine for a
-        slot, and for each fallback its own size) holds a failed room's slot back; `grace_s` (default: EPD_FALLBACK_GRACE_S, else 30 s) keeps an idle fallback.
+        slot, and for each fallback its own size) holds a failed room's slot back; `grace_s`
+        (default: EPD_FALLBACK_GRACE_S, else 30 s) keeps an idle fallback.
         `max_fallback_bytes` caps the bytes fallback buffers hold at once (default: the
         larger of `nbytes` and FALLBACK_FLOOR_BYTES; None: unbounded; 0: no fallbacks).
         Raises ConfigError for a slot size that is not a positive multiple of SLOT_ALIGN or

@@ -166,7 +166,8 @@ class CancelBook:
         """The addresses `awaited_at()` holds for."""
         current = self._current_conn
         return {cancel.addr for cancels in self._awaiting.values() for cancel in cancels
-                if not cancel.answered and current(cancel.addr) == cancel.conn and now - cancel.sent_at < CANCEL_SILENCE_S}
+                if not cancel.answered and current(cancel.addr) == cancel.conn
+                and now - cancel.sent_at < CANCEL_SILENCE_S}
 
     # ------------------------------------------------------------- events
 

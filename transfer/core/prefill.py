@@ -948,8 +948,9 @@ class PrefillCore:
     def _release(self, now: float, room: int, rank: int) -> list:
         """The held ask of `room` for encode rank `rank` goes, unless a cancel before it is still unanswered."""
         state = self._rooms.get(room)
-        if state is None or state.stage != HELD or state.encode_rank != rank \
-                or self.cancels.unanswered((room, rank), self._conns.get(state.addr) if state.addr else None) is not None:
+        if state is None or state.stage != HELD or state.encode_rank != rank:
+            return []
+        if self.cancels.unanswered((room, rank), self._conns.get(state.addr) if state.addr else None) is not None:
             return []
         return self._unhold(now, state)
 
