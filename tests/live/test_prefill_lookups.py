@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import socket
+import threading
 import time
 
 import pytest
@@ -35,3 +36,32 @@ def test_a_look_up_submitted_behind_a_stalled_one_is_answered_while_a_thread_was
         finally:
             silent.close()  # the stalled look-up's connection is reset: it ends now
             lookups.close(10.0)
+
+
+def test_a_host_name_the_resolver_never_answers_holds_a_look_up_thread_only_for_the_look_up_timeout(server,
+                                                                                                    monkeypatch):
+    """getaddrinfo() takes no timeout: a name whose resolver does not answer fails its look-up at the
+    look-up timeout, and the one look-up thread goes on to the next server's."""
+    answers: queue.Queue = queue.Queue()
+    unanswered = threading.Event()
+    resolve = socket.getaddrinfo
+
+    def stalling_resolver(host, *args, **kwargs):
+        if host == "resolver-stalls.example":
+            unanswered.wait(STALL_S)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return resolve(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", stalling_resolver)
+    lookups = _LookUps("epd-test-boot", 0.5, time.monotonic, answers.put, 1)
+    try:
+        lookups.submit(LookUpParallel("resolver-stalls.example:8998"))
+        lookups.submit(LookUpParallel(server.address))
+        kind, address, _, detail, _ = answers.get(timeout=10.0)
+        assert (kind, address) == ("failed", "resolver-stalls.example:8998")
+        assert "looking up the host name 'resolver-stalls.example' did not answer within 0.5s" in detail, detail
+        answer = answers.get(timeout=10.0)  # the server's answer (no encode rank registered there)
+        assert answer[1] == server.address and "incomplete parallel info" in answer[3], answer
+    finally:
+        unanswered.set()
+        lookups.close(10.0)
