@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import select
 import threading
 import time
@@ -120,6 +121,20 @@ MONITOR_PERIOD_S = 1.0
 SOCKETS_PER_ENCODE_RANK = 3
 
 
+# Forks of this process so far, counted in each child: a driver made before its process was forked
+# has its I/O thread and sockets in the parent only.
+_forks = 0
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_count_fork)
+
+
 def encode_socket_limit(wanted: int = MAX_ENCODE_SOCKETS) -> int:
     """`wanted` connections to encode ranks, cut to a quarter of the descriptors this process may open
     and of the ZMQ context's sockets."""
@@ -171,6 +186,7 @@ class PrefillDriver:
         lookup_threads: int = LOOKUP_THREADS,
     ) -> None:
         self.engine_rank = engine_rank
+        self._forks = _forks  # see _check_process
         self.clock = clock
         self.metrics = metrics
         self.pool = pool
@@ -240,6 +256,7 @@ class PrefillDriver:
     def receive(self, record: Room, spec: RoomSpec) -> None:
         """Files the room and starts it; the caller's thread sends its ask when the route is cached."""
         room = spec.room
+        self._check_process()
         with self._lock:
             if self._stopping:
                 raise UsageError("session manager is closed")
@@ -312,6 +329,7 @@ class PrefillDriver:
         """
         if self.clock() - self._caller_at < PROGRESS_EVERY_S:
             return  # a loop polling many handles reads the socket once
+        self._check_process()
         if not self._lock.acquire(blocking=False):
             return  # the I/O thread is stepping the core: it reads the socket on this turn
         try:
@@ -333,6 +351,7 @@ class PrefillDriver:
         comes (checksums included: it is waiting anyway), so a status wakes it directly
         rather than the I/O thread and then it; other waiters wait for a conclusion.
         """
+        self._check_process()
         deadline = self.clock() + timeout
         while record.concluded_at is None:
             remaining = deadline - self.clock()
@@ -380,6 +399,14 @@ class PrefillDriver:
         waker = self._watch_waker.fileno()
         events = self._watch_poller.poll(math.ceil(min(remaining, WAIT_SLICE_S) * 1000))
         self._watch_woken = any(fd == waker for fd, _ in events)
+
+    def _check_process(self) -> None:
+        """UsageError in a process forked from the one that made this driver: its sockets are the parent's
+        (ZMQ's calls on them fail there, for ever, as interrupted) and its I/O thread did not come along."""
+        if self._forks != _forks:
+            raise UsageError(f"prefill rank {self.engine_rank}'s session manager was made before this process "
+                             f"(pid {os.getpid()}) was forked from its parent: its sockets and I/O thread are the "
+                             f"parent's; make a SessionManager in this process")
 
     def _take_as_caller(self) -> tuple[list[Verify], bool] | None:
         """The caller's thread handles the statuses queued, as progress() and wait() do (_lock held):

@@ -1,0 +1,91 @@
+"""A session manager in a process forked from the one that made it: its sockets and I/O thread stayed
+in the parent, so the child's calls that would use them are refused at once, and the parent's rooms
+go on as before."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+
+import pytest
+import torch
+import zmq
+from live_helpers import HOST, LIVE, wait_until
+
+from transfer.bootstrap import BootstrapClient, BootstrapServer
+from transfer.engine import Engine
+from transfer.frames import status_frames
+from transfer.receiver import SessionManager
+from transfer.status import TransferPoll
+
+pytestmark = LIVE
+
+#: How long the test waits for the forked child's report.
+CHILD_WAIT_S = 10.0
+
+
+def _in_child(manager, handle, bootstrap: str, buf: torch.Tensor) -> dict[str, str]:
+    """What each call on the inherited manager did in the forked child: 'ok', or its error."""
+    outcomes = {}
+    for name, call in (("poll", handle.poll), ("concluded", manager.concluded),
+                       ("receive", lambda: manager.receive(2, bootstrap, buf[1:2]))):
+        try:
+            call()
+            outcomes[name] = "ok"
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            outcomes[name] = f"{type(exc).__name__}: {exc}"
+    return outcomes
+
+
+def _child_report(read_fd: int, pid: int) -> dict[str, str] | None:
+    """The child's report, or None when it sent none within CHILD_WAIT_S (the child is killed then)."""
+    try:
+        ready, _, _ = select.select([read_fd], [], [], CHILD_WAIT_S)
+        raw = os.read(read_fd, 1 << 16) if ready else b""
+    finally:
+        if not raw:
+            os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        os.close(read_fd)
+    return json.loads(raw) if raw else None
+
+
+def test_a_forked_child_is_refused_the_parents_manager_and_the_parents_rooms_go_on():
+    peer = zmq.Context.instance().socket(zmq.PULL)  # an encode rank that queues every ask
+    peer.setsockopt(zmq.LINGER, 0)
+    port = peer.bind_to_random_port(f"tcp://{HOST}")
+    buf = torch.zeros(2, 64, dtype=torch.uint8)
+    try:
+        with Engine(HOST, "tcp") as engine, BootstrapServer(HOST, 0) as server, \
+                SessionManager(engine, 0, 1, 1, buffer=buf, host=HOST, deadline_s=30) as manager:
+            BootstrapClient(server.address, timeout=2.0).register_rank(1, 1, HOST, port, 0)
+            handle = manager.receive(1, server.address, buf[:1])
+            assert wait_until(lambda: handle.poll() == TransferPoll.WaitingForInput, 10.0), handle.poll()
+            read_fd, write_fd = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: reports, and leaves without running anything of the parent's
+                try:
+                    os.close(read_fd)
+                    os.write(write_fd, json.dumps(_in_child(manager, handle, server.address, buf)).encode())
+                finally:
+                    os._exit(0)
+            os.close(write_fd)
+            report = _child_report(read_fd, pid)
+            assert report is not None, "the child's calls on the inherited manager did not return"
+            for name, outcome in report.items():
+                assert outcome.startswith("UsageError: prefill rank 0's session manager was made before this "
+                                          "process"), (name, outcome)
+                assert "make a SessionManager in this process" in outcome, (name, outcome)
+            # The parent's manager is untouched: its room concludes on its status.
+            pusher = zmq.Context.instance().socket(zmq.PUSH)
+            pusher.setsockopt(zmq.LINGER, 0)
+            pusher.connect(f"tcp://{HOST}:{manager.status_port}")
+            try:
+                pusher.send_multipart(status_frames(1, TransferPoll.Success, 0))
+                assert wait_until(lambda: handle.poll() == TransferPoll.Success, 10.0), handle.failure
+            finally:
+                pusher.close(0)
+            handle.clear()
+    finally:
+        peer.close(0)
