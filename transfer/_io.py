@@ -917,6 +917,10 @@ class Region:
         """The address just past the region."""
         return self.addr + self.nbytes
 
+    def overlaps(self, addr: int, nbytes: int) -> bool:
+        """Whether [addr, addr + nbytes) shares a byte with the region."""
+        return nbytes > 0 and addr < self.end and self.addr < addr + nbytes
+
     def contains(self, addr: int, nbytes: int) -> bool:
         """Whether [addr, addr + nbytes) lies wholly inside this region."""
         return nbytes == 0 or (self.addr <= addr and addr + nbytes <= self.end)

@@ -216,7 +216,7 @@ class SessionManager:
             raise
         # Every destination lies in one of these announced (embedding, deepstack) region
         # pairs; the first is the main buffer, the rest are added for per-item buffers.
-        self._region_sets: list[RegionSet] = [RegionSet(self.buffer, self.deepstack_buffer)]
+        self._region_sets: list[RegionSet] = [RegionSet(self.buffer, self.deepstack_buffer, leased=pool is not None)]
         self._regions_lock = threading.Lock()
         self._closed = False
         self._closing = threading.RLock()  # a second close() returns once the first is done
@@ -337,7 +337,8 @@ class SessionManager:
             ds = _io.as_region(deepstack_dst)
             ds_ptr, ds_nbytes = ds.addr, ds.nbytes
             ds_row_bytes = _deepstack_row_bytes(room, deepstack_dst, ds_nbytes, rows, dtype, deepstack_hidden)
-        regions = self._regions_for(room, ptr, rows * row_bytes, ds_ptr, ds_nbytes, deepstack_dst is not None)
+        regions = self._regions_for(room, ptr, rows * row_bytes, ds_ptr, ds_nbytes, deepstack_dst is not None,
+                                    leased=lease is not None)
         spec = RoomSpec(room, bootstrap_addr, ptr, rows, hidden, dtype, row_bytes, row_start, span, regions,
                         ds_ptr, ds_nbytes, deepstack_dst is not None, ds_row_bytes)
         record = Room(room, started_at=self._driver.clock(), nbytes=rows * row_bytes + ds_nbytes, lease=lease)
@@ -373,7 +374,8 @@ class SessionManager:
             full = flat[:nbytes].view(torch_dtype).view(span, hidden)
             full_ds = flat[nbytes:].view(torch_dtype).view(span, deepstack_hidden) if deepstack_hidden else None
             if lease.is_fallback:
-                self.add_region(lease.region, lease.region)
+                with self._regions_lock:
+                    self._region_sets.append(RegionSet(lease.region, lease.region, leased=True))
         except BaseException:  # nothing was asked for it: its memory is safe
             self._give_back(lease, fate_of(succeeded=False, memory_safe=True, confirmable=False))
             raise
@@ -410,10 +412,21 @@ class SessionManager:
             if regions in self._region_sets[1:]:
                 self._region_sets.remove(regions)
 
-    def _regions_for(self, room: int, ptr: int, nbytes: int, ds_ptr: int, ds_nbytes: int, has_ds: bool) -> RegionSet:
-        """The announced region pair that holds the destination, or a ConfigError naming it."""
+    def _regions_for(self, room: int, ptr: int, nbytes: int, ds_ptr: int, ds_nbytes: int, has_ds: bool,
+                     leased: bool = False) -> RegionSet:
+        """The announced region pair that holds the destination, or a ConfigError naming it. A destination
+        not `leased` from the pool must not touch the pool's memory, which the pool leases to other rooms."""
         with self._regions_lock:
             sets = list(self._region_sets)
+        if not leased:
+            for regions in sets:
+                pool_memory = regions.embedding
+                if regions.leased and (pool_memory.overlaps(ptr, nbytes) or
+                                       (has_ds and pool_memory.overlaps(ds_ptr, ds_nbytes))):
+                    raise ConfigError(
+                        f"room {room}: destination [{ptr:#x}, +{nbytes}) lies in the receive pool's memory "
+                        f"[{pool_memory.addr:#x}, +{pool_memory.nbytes}), which the pool leases to one room at a "
+                        f"time: give rows, hidden and dtype without dst and the manager leases a slot")
         for regions in sets:
             if not regions.embedding.contains(ptr, nbytes):
                 continue
@@ -596,6 +609,8 @@ class RegionSet:
 
     embedding: _io.Region
     deepstack: _io.Region | None = None
+    #: The pool's memory (its slots, or a fallback buffer): only a pooled receive() writes there.
+    leased: bool = False
 
 
 

@@ -256,3 +256,24 @@ def test_a_pooled_receive_refuses_what_only_a_receive_into_dst_takes_and_leases_
         with pytest.raises(ConfigError, match=r"^room 4: a pooled receive needs rows, hidden and dtype$"):
             manager.receive(4, server.address, rows=4, hidden=64)
         assert slots.stats()["free"] == 8 and slots.stats()["leased"] == 0
+
+
+def test_a_destination_in_the_pools_memory_is_refused_and_the_pooled_rooms_keep_their_slots(engines):
+    """The pool leases its slots and fallback buffers to one room at a time: a dst given there (a
+    pooled handle's rows, say, or a slot's raw address) would have a second room's write land in a
+    slot another room holds, or one the pool quarantined or leases next."""
+    _, prefill_engine = engines
+    with BootstrapServer(HOST, 0) as server, ReceivePool(prefill_engine, 4 * 1024, 1024) as slots, \
+            SessionManager(prefill_engine, 0, 1, 1, pool=slots, host=HOST, deadline_s=30) as manager:
+        held = manager.receive(1, server.address, rows=4, hidden=128, dtype="bfloat16")
+        big = manager.receive(2, server.address, rows=8, hidden=128, dtype="bfloat16")  # a fallback buffer
+        free_slot = slots.region.addr + 3 * 1024
+        for room, dst, geometry in ((3, held.rows, {}), (4, held.rows[1:3], {}), (5, big.rows, {}),
+                                    (6, free_slot, dict(rows=4, hidden=128, dtype="bfloat16"))):
+            with pytest.raises(ConfigError, match=rf"^room {room}: destination \[0x[0-9a-f]+, \+\d+\) lies in the "
+                                                  r"receive pool's memory .* give rows, hidden and dtype without dst"):
+                manager.receive(room, server.address, dst, **geometry)
+        assert total(manager.metrics.snapshot(), manager.metrics.full_name("rooms_started_total")) == 2
+        assert slots.stats()["leased"] == 1 and slots.stats()["fallbacks_live"] == 1
+        held.clear()
+        big.clear()
