@@ -465,13 +465,16 @@ class SessionManager:
         is closed (close() waits for no answer). Every pool slot its rooms still lease goes
         back as clear() gives it: freed when no write can land in it any more (see
         ReceiveHandle.safe_to_reuse), quarantined otherwise; a handle's `rows` are the
-        pool's again once this returned.
+        pool's again once this returned. In a process forked from the one that made the
+        manager, it only marks the manager closed: what it would close is the parent's.
         """
         with self._closing:
             if self._closed:
                 return
             self._closed = True
             self._dropped.detach()
+            if self._driver.forked:  # its thread, sockets and registrations are the parent's, not this child's
+                return
             _close(self._driver, self.engine, (self.engine_rank, id(self)), self._owned)
 
     def _unregister_owned(self) -> None:

@@ -1,17 +1,18 @@
 """A session manager in a process forked from the one that made it: its sockets and I/O thread stayed
-in the parent, so the child's calls that would use them are refused at once, and the parent's rooms
-go on as before."""
+in the parent, so the child's calls that would use them are refused at once, its close() closes
+nothing of the parent's, and the parent's rooms go on as before."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 
 import pytest
 import torch
 import zmq
-from live_helpers import HOST, LIVE, wait_until
+from live_helpers import HOST, LIVE, LogCapture, wait_until
 
 from transfer.bootstrap import BootstrapClient, BootstrapServer
 from transfer.engine import Engine
@@ -25,9 +26,10 @@ pytestmark = LIVE
 CHILD_WAIT_S = 10.0
 
 
-def _in_child(manager, handle, bootstrap: str, buf: torch.Tensor) -> dict[str, str]:
-    """What each call on the inherited manager did in the forked child: 'ok', or its error."""
-    outcomes = {}
+def _in_child(manager, handle, bootstrap: str, buf: torch.Tensor) -> dict[str, object]:
+    """What each call on the inherited manager did in the forked child: 'ok', or its error; then what
+    close() logged there and whether it left the parent's registration alone in the child's engine."""
+    outcomes: dict[str, object] = {}
     for name, call in (("poll", handle.poll), ("concluded", manager.concluded),
                        ("receive", lambda: manager.receive(2, bootstrap, buf[1:2]))):
         try:
@@ -35,6 +37,11 @@ def _in_child(manager, handle, bootstrap: str, buf: torch.Tensor) -> dict[str, s
             outcomes[name] = "ok"
         except Exception as exc:  # noqa: BLE001 - reported to the parent
             outcomes[name] = f"{type(exc).__name__}: {exc}"
+    capture = LogCapture()
+    logging.getLogger("transfer").addHandler(capture)
+    manager.close()
+    outcomes["close logged"] = capture.take()
+    outcomes["close unregistered"] = buf.data_ptr() not in manager.engine.registered()
     return outcomes
 
 
@@ -73,6 +80,7 @@ def test_a_forked_child_is_refused_the_parents_manager_and_the_parents_rooms_go_
             os.close(write_fd)
             report = _child_report(read_fd, pid)
             assert report is not None, "the child's calls on the inherited manager did not return"
+            assert report.pop("close logged") == [] and report.pop("close unregistered") is False, report
             for name, outcome in report.items():
                 assert outcome.startswith("UsageError: prefill rank 0's session manager was made before this "
                                           "process"), (name, outcome)

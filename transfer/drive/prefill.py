@@ -400,10 +400,16 @@ class PrefillDriver:
         events = self._watch_poller.poll(math.ceil(min(remaining, WAIT_SLICE_S) * 1000))
         self._watch_woken = any(fd == waker for fd, _ in events)
 
+    @property
+    def forked(self) -> bool:
+        """Whether this process was forked from the one that made this driver (which holds its sockets and
+        its I/O thread)."""
+        return self._forks != _forks
+
     def _check_process(self) -> None:
         """UsageError in a process forked from the one that made this driver: its sockets are the parent's
         (ZMQ's calls on them fail there, for ever, as interrupted) and its I/O thread did not come along."""
-        if self._forks != _forks:
+        if self.forked:
             raise UsageError(f"prefill rank {self.engine_rank}'s session manager was made before this process "
                              f"(pid {os.getpid()}) was forked from its parent: its sockets and I/O thread are the "
                              f"parent's; make a SessionManager in this process")
