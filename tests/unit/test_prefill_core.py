@@ -687,6 +687,30 @@ def test_asks_of_rooms_cleared_while_they_waited_do_not_fill_the_queue():
     assert kinds(c.receive(2.0, spec(6, slot=5))[1]) == [SendAsk], "nobody left ahead of it"
 
 
+def test_a_full_queue_is_looked_through_again_only_after_one_of_its_rooms_was_let_go():
+    """An encode rank that stopped reading keeps its queue full: a room refused there does not look
+    through the whole queue again, only the first one after a queued room was cleared or concluded."""
+    from transfer.core.ask_queue import AskQueues
+
+    c = core(asks=AskQueues(limit=2))
+    routed(c)
+    c.refused(0.0, ENCODE, c.receive(0.0, spec(1, slot=1))[1])
+    second, _ = c.receive(0.0, spec(2, slot=2))
+    looked_at: list[int] = []
+    queued = c._queued
+    c._queued = lambda state: looked_at.append(state.room) or queued(state)
+    for room in (3, 4, 5):
+        assert concluded(c.receive(0.1, spec(room, slot=room))[1])[room].kind is FailureKind.NO_CONNECTION
+    assert looked_at == [1, 2], "looked through once, for the first room refused"
+    assert c.clear(0.2, 2, second)
+    assert c.receive(0.3, spec(6, slot=6))[1] == [] and c.stage(6) == "queued", "room 2's place is room 6's"
+    assert looked_at == [1, 2, 1, 2]
+    assert concluded(c.receive(0.4, spec(7, slot=7))[1])[7].kind is FailureKind.NO_CONNECTION
+    assert looked_at == [1, 2, 1, 2]
+    assert set(concluded(c.tick(60.0))) == {1, 6}  # at their deadline: their places are free again
+    assert 8 not in concluded(c.receive(60.1, spec(8, slot=8))[1])
+
+
 def test_rooms_never_asked_fail_as_no_connection_with_the_silent_rank():
     c = core(deadline_s=10.0)
     routed(c)

@@ -322,6 +322,10 @@ class PrefillCore:
         self.ask_batch = ask_batch
         self.max_sockets = max_sockets
         self._rooms: dict[int, _Room] = {}
+        # Counts the rooms cleared or concluded while their asks were queued: only that leaves an ask in a
+        # queue whose room no longer waits there, so a full queue is pruned once after each, not per ask.
+        self._let_go = 0
+        self._pruned_at: dict[Address, int] = {}  # _let_go at each full queue's last prune
         self._tokens = 0
         self._deadlines: list[tuple[float, int, _Room]] = []
         self._parallel: dict[str, tuple[int, int]] = {}
@@ -463,6 +467,8 @@ class PrefillCore:
         if state is None or (token is not None and state.token != token):
             return False
         del self._rooms[room]
+        if state.stage == QUEUED:
+            self._let_go += 1
         return True
 
     def parallel_resolved(self, now: float, bootstrap_addr: str, encode_tp: int, encode_dp: int) -> list:
@@ -906,6 +912,8 @@ class PrefillCore:
             # Never asked, or its bytes verified (its write is over): nothing will write there. A Success
             # whose bytes do not match may be an earlier ask's under the same room number, so it is not.
             state.given_up = state.safe = True
+        if state.stage == QUEUED:
+            self._let_go += 1
         state.stage = CONCLUDED
         state.outcome = failure
         return [Conclude(state.room, state.token, failure, unverified)]
@@ -1030,8 +1038,9 @@ class PrefillCore:
             actions = made
         state.conn, state.asked_at = self._conn_of(addr), now
         waiting = self.asks.waiting(addr)
-        if waiting and not defer and self.asks.full(addr):
+        if waiting and not defer and self.asks.full(addr) and self._pruned_at.get(addr) != self._let_go:
             # Rooms cleared while their asks waited leave them behind: only open ones hold a place.
+            remember(self._pruned_at, addr, self._let_go, MAX_ENCODE_SOCKETS)
             waiting = self.asks.prune(addr, self._queued)
         if waiting or defer:
             if not defer and self.asks.full(addr):
