@@ -97,3 +97,28 @@ def test_a_forked_child_is_refused_the_parents_manager_and_the_parents_rooms_go_
             handle.clear()
     finally:
         peer.close(0)
+
+
+def test_a_forked_childs_clear_and_close_return_at_once_though_the_parent_held_the_managers_lock():
+    """A thread of the parent (its I/O thread, say) may hold the manager's lock at the fork: it stays
+    held in the child for ever, so the child's clear() and close() must not take it."""
+    buf = torch.zeros(2, 64, dtype=torch.uint8)
+    with Engine(HOST, "tcp") as engine, BootstrapServer(HOST, 0) as server, \
+            SessionManager(engine, 0, 1, 1, buffer=buf, host=HOST, deadline_s=30) as manager:
+        handle = manager.receive(1, server.address, buf[:1])
+        read_fd, write_fd = os.pipe()
+        manager._driver._lock.acquire()
+        pid = os.fork()
+        if pid:
+            manager._driver._lock.release()  # the parent's; the child's copy stays held
+        else:
+            try:
+                os.close(read_fd)
+                handle.clear()
+                manager.close()
+                os.write(write_fd, json.dumps({"cleared and closed": True}).encode())
+            finally:
+                os._exit(0)
+        os.close(write_fd)
+        assert _child_report(read_fd, pid) == {"cleared and closed": True}, "the child waited on the parent's lock"
+        handle.clear()

@@ -280,7 +280,10 @@ class PrefillDriver:
             self._waker.wake()
 
     def clear(self, record: Room) -> bool | None:
-        """Forgets the room; whether it had succeeded, or None when it was not held."""
+        """Forgets the room; whether it had succeeded, or None when it was not held (nor is it in a
+        forked child: the room, its lock and its encode rank's socket are the parent's)."""
+        if self.forked:
+            return None
         with self._lock:
             if self.rooms.get(record.room) is not record:
                 return None
