@@ -279,6 +279,7 @@ class SessionManager:
         """
         if self._closed:
             raise UsageError("session manager is closed")
+        self._driver.check_process()  # in a forked child, before a pool slot is leased: a lock held at the fork stays held
         room = check_room(room)
         dtype_name = normalize_dtype(dtype) if dtype is not None else None
         if dst is None:

@@ -15,6 +15,7 @@ import zmq
 from live_helpers import HOST, LIVE, LogCapture, wait_until
 
 from transfer.bootstrap import BootstrapClient, BootstrapServer
+from transfer.buffers import ReceivePool
 from transfer.engine import Engine
 from transfer.frames import status_frames
 from transfer.receiver import SessionManager
@@ -99,26 +100,38 @@ def test_a_forked_child_is_refused_the_parents_manager_and_the_parents_rooms_go_
         peer.close(0)
 
 
-def test_a_forked_childs_clear_and_close_return_at_once_though_the_parent_held_the_managers_lock():
-    """A thread of the parent (its I/O thread, say) may hold the manager's lock at the fork: it stays
-    held in the child for ever, so the child's clear() and close() must not take it."""
-    buf = torch.zeros(2, 64, dtype=torch.uint8)
+def test_a_forked_childs_calls_return_at_once_though_the_parent_held_the_managers_and_pools_locks():
+    """Threads of the parent (its I/O thread, the scheduler) may hold the manager's or the pool's lock at
+    the fork: those stay held in the child for ever, so the child's receive(), clear() and close() must
+    take neither."""
     with Engine(HOST, "tcp") as engine, BootstrapServer(HOST, 0) as server, \
-            SessionManager(engine, 0, 1, 1, buffer=buf, host=HOST, deadline_s=30) as manager:
-        handle = manager.receive(1, server.address, buf[:1])
+            ReceivePool(engine, 4 * 1024, 1024) as slots, \
+            SessionManager(engine, 0, 1, 1, pool=slots, host=HOST, deadline_s=30) as manager:
+        handle = manager.receive(1, server.address, rows=4, hidden=128, dtype="bfloat16")
         read_fd, write_fd = os.pipe()
-        manager._driver._lock.acquire()
+        locks = (manager._driver._lock, slots._lock)
+        for lock in locks:
+            lock.acquire()
         pid = os.fork()
         if pid:
-            manager._driver._lock.release()  # the parent's; the child's copy stays held
+            for lock in locks:  # the parent's; the child's copies stay held
+                lock.release()
         else:
             try:
                 os.close(read_fd)
+                outcome: dict[str, str] = {}
+                try:
+                    manager.receive(2, server.address, rows=4, hidden=128, dtype="bfloat16")
+                    outcome["receive"] = "ok"
+                except Exception as exc:  # noqa: BLE001 - reported to the parent
+                    outcome["receive"] = type(exc).__name__
                 handle.clear()
                 manager.close()
-                os.write(write_fd, json.dumps({"cleared and closed": True}).encode())
+                outcome["cleared and closed"] = "yes"
+                os.write(write_fd, json.dumps(outcome).encode())
             finally:
                 os._exit(0)
         os.close(write_fd)
-        assert _child_report(read_fd, pid) == {"cleared and closed": True}, "the child waited on the parent's lock"
+        report = _child_report(read_fd, pid)
+        assert report == {"receive": "UsageError", "cleared and closed": "yes"}, "the child waited on a parent's lock"
         handle.clear()

@@ -186,7 +186,7 @@ class PrefillDriver:
         lookup_threads: int = LOOKUP_THREADS,
     ) -> None:
         self.engine_rank = engine_rank
-        self._forks = _forks  # see _check_process
+        self._forks = _forks  # see check_process
         self.clock = clock
         self.metrics = metrics
         self.pool = pool
@@ -256,7 +256,7 @@ class PrefillDriver:
     def receive(self, record: Room, spec: RoomSpec) -> None:
         """Files the room and starts it; the caller's thread sends its ask when the route is cached."""
         room = spec.room
-        self._check_process()
+        self.check_process()
         with self._lock:
             if self._stopping:
                 raise UsageError("session manager is closed")
@@ -332,7 +332,7 @@ class PrefillDriver:
         """
         if self.clock() - self._caller_at < PROGRESS_EVERY_S:
             return  # a loop polling many handles reads the socket once
-        self._check_process()
+        self.check_process()
         if not self._lock.acquire(blocking=False):
             return  # the I/O thread is stepping the core: it reads the socket on this turn
         try:
@@ -354,7 +354,7 @@ class PrefillDriver:
         comes (checksums included: it is waiting anyway), so a status wakes it directly
         rather than the I/O thread and then it; other waiters wait for a conclusion.
         """
-        self._check_process()
+        self.check_process()
         deadline = self.clock() + timeout
         while record.concluded_at is None:
             remaining = deadline - self.clock()
@@ -409,7 +409,7 @@ class PrefillDriver:
         its I/O thread)."""
         return self._forks != _forks
 
-    def _check_process(self) -> None:
+    def check_process(self) -> None:
         """UsageError in a process forked from the one that made this driver: its sockets are the parent's
         (ZMQ's calls on them fail there, for ever, as interrupted) and its I/O thread did not come along."""
         if self.forked:
