@@ -222,11 +222,15 @@ class SenderPool:
         row_bytes = hidden * dtype_size(dtype)
         ds_region, ds_row_bytes = None, 0
         if deepstack is not None:
-            ds_region, ds_span, ds_hidden, ds_dtype = _source(deepstack, span, deepstack_hidden, dtype)
-            if isinstance(deepstack, int):
+            # A raw deepstack pointer takes the item's rows and dtype; a tensor has its own, compared below.
+            raw = isinstance(deepstack, int)
+            ds_region, ds_span, ds_hidden, ds_dtype = _source(deepstack, span if raw else None, deepstack_hidden,
+                                                              dtype if raw else None, name="deepstack")
+            if raw:
                 ds_region = self._raw_source(room, ds_region)
             if ds_span != span or ds_dtype != dtype:
-                raise ConfigError(f"room {room}: deepstack rows {ds_span} x {ds_dtype} != item rows {span} x {dtype}")
+                raise ConfigError(f"room {room}: deepstack rows {ds_span} x {ds_dtype} != item rows {span} x {dtype}: "
+                                  f"give deepstack one row per item row, in the item's dtype")
             ds_row_bytes = ds_hidden * dtype_size(ds_dtype)
         state = RoomState(room, time.monotonic())
         # Registered before the item is published: a TransferInfo may dispatch it at once.
@@ -399,29 +403,35 @@ def _close_dropped(book: RoomBook, driver: EncodeDriver, route: _Route) -> None:
                      daemon=True).start()
 
 
-def _source(src: torch.Tensor | int, span: int | None, hidden: int | None,
-            dtype: str | None) -> tuple[_io.Region, int, int, str]:
-    """(region, span, hidden, dtype) of a source tensor `[span, hidden]` or raw pointer."""
+def _source(src: torch.Tensor | int, span: int | None, hidden: int | None, dtype: str | None, *,
+            name: str = "src") -> tuple[_io.Region, int, int, str]:
+    """(region, span, hidden, dtype) of a source tensor `[span, hidden]` or raw pointer; `name` is the
+    argument it was given as ("src", or "deepstack", whose `hidden` is `deepstack_hidden`)."""
+    noun, hidden_name = ("source", "hidden") if name == "src" else (name, f"{name}_hidden")
     if isinstance(src, int):
         if span is None or hidden is None or dtype is None:
-            raise ConfigError("a raw source pointer needs span, hidden and dtype")
-        for name, value, least in (("span", span, 0), ("hidden", hidden, 1)):
-            problem = size_problem(name, value, least)
+            needs = "span, hidden and dtype" if name == "src" else hidden_name
+            raise ConfigError(f"a raw {noun} pointer needs {needs}")
+        for arg, value, least in (("span", span, 0), (hidden_name, hidden, 1)):
+            problem = size_problem(arg, value, least)
             if problem:
-                raise ConfigError(f"a raw source's {problem}")
+                raise ConfigError(f"a raw {noun}'s {problem}")
         dtype = normalize_dtype(dtype)  # the wire's spelling, which every ask carries
         return _io.Region(src, span * hidden * dtype_size(dtype)), span, hidden, dtype
     if not hasattr(src, "data_ptr"):
-        raise ConfigTypeError(f"src must be a torch tensor or a pointer, got {type(src).__name__}")
+        raise ConfigTypeError(f"{name} must be a torch tensor or a pointer, got {type(src).__name__}")
     if src.dim() != 2:
-        raise ConfigError(f"source must be 2-D [span, hidden], got shape {tuple(src.shape)}")
+        raise ConfigError(f"{noun} must be 2-D [span, {hidden_name}], got shape {tuple(src.shape)}")
     t_span, t_hidden, t_dtype = int(src.shape[0]), int(src.shape[1]), normalize_dtype(src.dtype)
     if t_hidden < 1:
-        raise ConfigError(f"source of shape {tuple(src.shape)} has no columns: no receiver can ask for it")
-    for name, given, actual in (("span", span, t_span), ("hidden", hidden, t_hidden),
-                                ("dtype", None if dtype is None else normalize_dtype(dtype), t_dtype)):
+        raise ConfigError(f"{noun} of shape {tuple(src.shape)} has no columns: no receiver can ask for it")
+    for arg, given, actual in (("span", span, t_span), (hidden_name, hidden, t_hidden),
+                               ("dtype", None if dtype is None else normalize_dtype(dtype), t_dtype)):
         if given is not None and given != actual:
-            raise ConfigError(f"{name} {given} disagrees with the source tensor's {actual}")
+            raise ConfigError(f"{arg} {given} disagrees with the {noun} tensor's {actual}")
+    if not src.is_contiguous():
+        raise ConfigError(f"{noun} of shape {tuple(src.shape)} and strides {tuple(src.stride())} is not contiguous: "
+                          f"its rows are not one span of memory; pass {name}.contiguous()")
     return _io.as_region(src), t_span, t_hidden, t_dtype
 
 

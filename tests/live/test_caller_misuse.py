@@ -243,6 +243,30 @@ def test_sizes_given_with_a_tensor_must_agree_with_it(manager, engines):
         manager.receive(2, bootstrap, buf, deepstack_hidden=128)
 
 
+def test_a_deepstack_that_disagrees_with_its_item_is_refused_naming_deepstack_and_what_to_give(engines):
+    encode_engine, _ = engines
+    item = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with BootstrapServer(HOST, 0) as server, SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST) as pool:
+        for deepstack, sizes, message in (
+                (torch.zeros(5, 128, dtype=torch.bfloat16), {},
+                 r"room 1: deepstack rows 5 x torch.bfloat16 != item rows 4 x torch.bfloat16: give deepstack one row "
+                 r"per item row, in the item's dtype"),
+                (torch.zeros(4, 128, dtype=torch.float32), {},
+                 r"room 1: deepstack rows 4 x torch.float32 != item rows 4 x torch.bfloat16: .*"),
+                (torch.zeros(4, 128, dtype=torch.bfloat16), dict(deepstack_hidden=64),
+                 r"deepstack_hidden 64 disagrees with the deepstack tensor's 128"),
+                (torch.zeros(128, 4, dtype=torch.bfloat16).t(), {},
+                 r"deepstack of shape \(4, 128\) and strides \(1, 4\) is not contiguous: .*; pass "
+                 r"deepstack\.contiguous\(\)"),
+                (item.data_ptr(), {}, r"a raw deepstack pointer needs deepstack_hidden")):
+            with pytest.raises(ConfigError, match=rf"^{message}$"):
+                pool.send(1, item, deepstack, **sizes)
+        with pytest.raises(ConfigError, match=r"^source of shape \(64, 4\) .* not contiguous: .*; pass "
+                                              r"src\.contiguous"):
+            pool.send(1, item.t())
+        assert pool._book.held == {} and len(encode_engine.registered()) == 0
+
+
 def test_a_pooled_receive_refuses_what_only_a_receive_into_dst_takes_and_leases_nothing(engines):
     """A pooled receive (no dst) leases its deepstack rows with the item's: a deepstack_dst given
     there is refused, not dropped (the ask would have gone out without deepstack)."""

@@ -135,3 +135,28 @@ def test_memory_given_by_address_must_be_readable_unless_it_may_be_gpu_memory_no
     from transfer import _io
 
     assert _io.raw_memory_problem(lambda: readable, cuda=cuda, integrity=integrity) == problem
+
+
+def test_a_source_that_is_not_contiguous_is_refused_with_what_to_pass_instead():
+    from transfer.errors import ConfigError
+
+    items = torch.zeros(8, 4, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match=r"^source of shape \(4, 8\) and strides \(1, 4\) is not contiguous: .*; "
+                                          r"pass src\.contiguous\(\)$"):
+        _source(items.t(), None, None, None)
+    with pytest.raises(ConfigError, match=r"^deepstack of shape \(8, 2\) .* pass deepstack\.contiguous\(\)$"):
+        _source(items[:, :2], None, None, None, name="deepstack")
+
+
+def test_a_deepstack_tensor_that_disagrees_with_its_item_is_refused_naming_deepstack():
+    # What send() passes for a deepstack tensor: no sizes of its own but deepstack_hidden.
+    from transfer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^deepstack_hidden 256 disagrees with the deepstack tensor's 512$"):
+        _source(torch.zeros(4, 512), None, 256, None, name="deepstack")
+    with pytest.raises(ConfigError, match=r"^deepstack must be 2-D \[span, deepstack_hidden\], got shape \(512,\)$"):
+        _source(torch.zeros(512), None, None, None, name="deepstack")
+    with pytest.raises(ConfigError, match=r"^a raw deepstack pointer needs deepstack_hidden$"):
+        _source(SRC, SPAN, None, "bfloat16", name="deepstack")
+    with pytest.raises(ConfigError, match=r"^a raw deepstack's deepstack_hidden must be a positive integer, got 0$"):
+        _source(SRC, SPAN, 0, "bfloat16", name="deepstack")
