@@ -34,7 +34,7 @@ from live_helpers import (
 )
 
 from transfer.engine import TransferError
-from transfer.errors import UsageError
+from transfer.errors import EngineError, UsageError
 from transfer.frames import TransferInfo, registration_frames
 from transfer.metrics import total
 from transfer.sender import SenderPool
@@ -351,6 +351,24 @@ def test_a_source_that_fails_to_register_leaves_no_other_registration_behind(eng
             assert rows.data_ptr() not in pool._sources.counts.counts() and not pool._book.held
     finally:
         encode.unregister(arena.data_ptr())
+
+
+def test_a_source_overlapping_another_rooms_temporary_registration_is_refused_with_the_way_out(engines, server):
+    """Rows 2..5 of a buffer given by address while room 1 sends rows 0..3 of it: the pool
+    registered room 1's rows alone, and the engine registers no byte twice. The send is
+    refused naming the registration in the way and what to do instead; room 1 keeps it."""
+    encode, _ = engines
+    rows = item_tensor(1, 2 * SPAN, HIDDEN)
+    with SenderPool(encode, 0, 1, 1, server.address) as pool:
+        first = pool.send(1, rows.data_ptr(), span=SPAN, hidden=HIDDEN, dtype=DTYPE)
+        with pytest.raises(EngineError, match=rf"^source {rows.data_ptr() + ITEM // 2:#x} \({ITEM} bytes\) overlaps "
+                                              rf"memory already registered at {rows.data_ptr():#x} \({ITEM} bytes, a "
+                                              rf"temporary registration held for another room's source\) .*"
+                                              rf"register one region that holds the whole source"):
+            pool.send(2, rows.data_ptr() + ITEM // 2, span=SPAN, hidden=HIDDEN, dtype=DTYPE)
+        assert encode.registered() == {rows.data_ptr(): ITEM} and 2 not in pool._book.held
+        first.clear()
+        assert wait_until(lambda: encode.registered() == {}, 5.0)
 
 
 def test_a_source_inside_another_rooms_temporary_registration_keeps_it_until_done(engines, server, peer):

@@ -137,6 +137,27 @@ def test_a_view_whose_storage_is_partly_registered_already_registers_alone():
     assert items.data_ptr() not in engine.regions and len(engine.regions) == 1
 
 
+def test_a_source_overlapping_a_registration_it_does_not_lie_inside_is_refused_naming_it_and_the_way_out():
+    import pytest
+
+    from transfer.errors import EngineError
+
+    engine = RefusingOverlaps()
+    sources = SourceRegistry(engine)
+    release = sources.hold(_io.Region(0x9000, 256))  # another room's rows, given by address
+    with pytest.raises(EngineError, match=r"^source 0x9080 \(256 bytes\) overlaps memory already registered at 0x9000 "
+                                          r"\(256 bytes, a temporary registration held for another room's source\) "
+                                          r"without lying inside it, .*: register one region that holds the whole "
+                                          r"source before sending it \(engine.register\), or send a copy of it"):
+        sources.hold(_io.Region(0x9080, 256))
+    assert engine.regions == {0x9000: 256} and sources.counts.counts() == {0x9000: 1}
+    release()
+    engine.regions[0x20000] = 128  # the caller's own
+    with pytest.raises(EngineError, match=r"at 0x20000 \(128 bytes, the caller's own\)"):
+        sources.hold(_io.Region(0x1ff80, 256))
+    assert engine.regions == {0x20000: 128} and len(sources.counts) == 0
+
+
 def test_a_stopped_drivers_registry_lets_go_of_every_hold_but_those_a_write_still_reads():
     # A driver that failed never releases the rooms it lost on the way: the pool lets go of
     # them all at once, keeping what a write still in flight reads (the engine may read it).

@@ -41,6 +41,7 @@ from transfer.core.encode import (
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.polls import PollSchedule
 from transfer.core.sources import SourceCounts
+from transfer.errors import EngineError
 from transfer.frames import (
     TransferInfo,
     WireError,
@@ -224,7 +225,9 @@ class SourceRegistry:
                     with self._registering:
                         found, base = self._hold_registered(region)  # another caller may have registered it
                         if not found:
-                            base = self._register(self._extent(region))
+                            extent = self._extent(region)
+                            self._refuse_overlap(extent)
+                            base = self._register(extent)
                 if base is not None:
                     held.append(base)
         except BaseException:
@@ -298,6 +301,21 @@ class SourceRegistry:
 
         whole = tensor.new_empty(0, dtype=torch.uint8).set_(storage)
         return _io.Region(start, nbytes, region.device, whole)
+
+    def _refuse_overlap(self, region: _io.Region) -> None:
+        """EngineError when `region` overlaps a registration without lying inside it: the engine would
+        refuse to register it (no byte is registered twice), naming neither that registration nor a way out."""
+        with self.lock:
+            registered = self.engine.registered()
+            base = next((a for a, n in registered.items() if a < region.end and region.addr < a + n), None)
+            if base is None:
+                return
+            whose = ("a temporary registration held for another room's source" if self.counts.is_ours(base)
+                     else "the caller's own")
+        raise EngineError(f"source {region.addr:#x} ({region.nbytes} bytes) overlaps memory already registered at "
+                          f"{base:#x} ({registered[base]} bytes, {whose}) without lying inside it, and no byte can be "
+                          f"registered twice: register one region that holds the whole source before sending it "
+                          f"(engine.register), or send a copy of it (.clone())")
 
     def _hold_registered(self, region: _io.Region) -> tuple[bool, int | None]:
         """Holds our registration around `region`: (True, its base); (True, None) inside the
