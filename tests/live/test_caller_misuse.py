@@ -222,6 +222,24 @@ def test_a_pool_on_another_engine_is_refused(engines):
             SessionManager(prefill_engine, 0, 1, 1, pool=slots, host=HOST)
 
 
+def test_a_pool_on_a_closed_engine_is_refused_before_it_registers_a_route():
+    """None of its writes could start: its route would only send prefill ranks' asks to be failed."""
+    import threading
+
+    from transfer.engine import Engine
+    from transfer.errors import EngineError
+
+    engine = Engine(HOST, "tcp")
+    engine.close()
+    threads = threading.active_count()
+    with BootstrapServer(HOST, 0) as server:
+        with pytest.raises(EngineError, match=rf"^engine {engine.session_id} is closed: give the sender pool an "
+                                              rf"open engine$"):
+            SenderPool(engine, 0, 1, 1, server.address, host=HOST)
+        assert server.registered_ranks == 0
+    assert threading.active_count() == threads
+
+
 def test_sizes_given_with_a_tensor_must_agree_with_it(manager, engines):
     manager, bootstrap, buf = manager
     encode_engine, _ = engines
