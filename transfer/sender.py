@@ -424,6 +424,11 @@ def _source(src: torch.Tensor | int, span: int | None, hidden: int | None, dtype
         return _io.Region(src, span * hidden * dtype_size(dtype)), span, hidden, dtype
     if not hasattr(src, "data_ptr"):
         raise ConfigTypeError(f"{name} must be a torch tensor or a pointer, got {type(src).__name__}")
+    if str(src.layout) != "torch.strided":
+        raise ConfigError(f"{noun} is a {src.layout} tensor, whose values are not rows in memory: "
+                          f"pass {name}.to_dense()")
+    if src.device.type == "meta":
+        raise ConfigError(f"{noun} is on device meta, which holds no memory: pass a tensor on the cpu or a cuda device")
     if src.dim() != 2:
         raise ConfigError(f"{noun} must be 2-D [span, {hidden_name}], got shape {tuple(src.shape)}")
     t_span, t_hidden, t_dtype = int(src.shape[0]), int(src.shape[1]), normalize_dtype(src.dtype)

@@ -160,3 +160,16 @@ def test_a_deepstack_tensor_that_disagrees_with_its_item_is_refused_naming_deeps
         _source(SRC, SPAN, None, "bfloat16", name="deepstack")
     with pytest.raises(ConfigError, match=r"^a raw deepstack's deepstack_hidden must be a positive integer, got 0$"):
         _source(SRC, SPAN, 0, "bfloat16", name="deepstack")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: torch.zeros(4, 8).to_sparse(), r"^source is a torch\.sparse_coo tensor, .*: pass src\.to_dense\(\)$"),
+    (lambda: torch.zeros(4, 8).to_sparse_csr(), r"^source is a torch\.sparse_csr tensor, .*: pass src\.to_dense\(\)$"),
+    (lambda: torch.empty(4, 8, device="meta"), r"^source is on device meta, which holds no memory: pass a tensor on "),
+])
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+def test_a_source_tensor_without_rows_in_memory_is_refused_with_what_to_pass_instead(make, message):
+    from transfer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        _source(make(), None, None, None)
