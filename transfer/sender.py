@@ -293,8 +293,10 @@ class SenderPool:
 
     def _stopped_error(self) -> UsageError:
         """Why send() is refused once the pool's thread stopped."""
-        return UsageError("sender pool is closed" if self._book.closed else
-                          "sender pool's thread stopped after an error (see the log)")
+        if self._book.closed:
+            return UsageError("sender pool is closed")
+        return UsageError(f"sender pool's thread stopped after an error ({self._book.failure}; its traceback is "
+                          f"logged): close() the pool and start a new one")
 
     def _forget(self, state: RoomState) -> None:
         """Fails the room unless it concluded, then forgets it; the driver tells its receivers (once its

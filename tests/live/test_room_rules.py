@@ -324,6 +324,26 @@ def test_a_write_the_engine_gave_up_on_keeps_its_source_registered_until_mooncak
         peer.wait(10)
 
 
+def test_a_send_to_a_pool_whose_thread_failed_says_why_and_what_to_do():
+    import torch
+
+    from transfer.errors import UsageError
+    from transfer.status import TransferPoll
+
+    with Engine("127.0.0.1", "tcp") as engine, BootstrapServer("127.0.0.1", 0) as server, \
+            SenderPool(engine, 0, 1, 1, server.address) as pool:
+
+        def broken(offer, now):
+            raise RuntimeError("injected")
+
+        pool._core.offer = broken
+        assert pool.send(1, torch.zeros(4, 256, dtype=torch.bfloat16)).wait(5) == TransferPoll.Failed
+        with pytest.raises(UsageError, match=r"^sender pool's thread stopped after an error \(sender pool stopped: "
+                                             r"RuntimeError: injected; its traceback is logged\): close\(\) the pool "
+                                             r"and start a new one$"):
+            pool.send(2, torch.zeros(4, 256, dtype=torch.bfloat16))
+
+
 def test_a_failure_inside_the_pools_thread_fails_its_rooms_and_close_still_cleans_up(caplog):
     import logging
 

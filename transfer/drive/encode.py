@@ -117,6 +117,7 @@ class RoomBook:
         self.failures = _io.ThrottledLog(log)  # rooms that failed, per kind
         self.stopping = False  # no send() is accepted (closing, or the driver failed)
         self.closed = False
+        self.failure: str | None = None  # why the driver failed, if it did
 
     def conclude(self, state: RoomState, status: TransferPoll, failure: Failure | None, at: float) -> bool:
         """Concludes the room if `state` is still its current send and open; True only for the call that did."""
@@ -714,6 +715,7 @@ class EncodeDriver:
         """The loop failed: no send is accepted, and every open room fails with `detail`."""
         with self.book.lock:
             self.book.stopping = True
+            self.book.failure = detail
         now = self.clock()
         try:
             self.core.stop_writes()
