@@ -9,6 +9,7 @@ and the clock, and feeds the room rules (transfer.core.encode) their events.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 import warnings
@@ -209,8 +210,8 @@ class SenderPool:
         """Offers `room`'s rows to the prefill ranks that ask for it; never blocks on them.
 
         `src` is a tensor `[span, hidden]` on any device, or a raw address with `span`,
-        `hidden` and `dtype`; `deepstack` likewise `[span, hidden * k]` (raw: give
-        `deepstack_hidden`). `ready_event` (e.g. a CUDA event) must complete before the
+        `hidden` and `dtype` (ints, or numpy or torch integer scalars); `deepstack` likewise
+        `[span, hidden * k]` (raw: give `deepstack_hidden`). `ready_event` (e.g. a CUDA event) must complete before the
         first byte is read; the pool polls it (query()), never blocking the caller.
         """
         if self._book.stopping:
@@ -220,6 +221,7 @@ class SenderPool:
             # The pool's one thread polls it: an event it could only wait on would hold every room.
             raise ConfigTypeError(f"room {room}: ready_event must have query() (e.g. a torch.cuda.Event); "
                                   f"got {type(ready_event).__name__}")
+        src, deepstack = _scalar_int(src), _scalar_int(deepstack)
         region, span, hidden, dtype = _source(src, span, hidden, dtype)
         if isinstance(src, int):
             region = self._raw_source(room, region)
@@ -414,6 +416,7 @@ def _source(src: torch.Tensor | int, span: int | None, hidden: int | None, dtype
     """(region, span, hidden, dtype) of a source tensor `[span, hidden]` or raw pointer; `name` is the
     argument it was given as ("src", or "deepstack", whose `hidden` is `deepstack_hidden`)."""
     noun, hidden_name = ("source", "hidden") if name == "src" else (name, f"{name}_hidden")
+    src, span, hidden = _scalar_int(src), _scalar_int(span), _scalar_int(hidden)
     if isinstance(src, int):
         if span is None or hidden is None or dtype is None:
             needs = "span, hidden and dtype" if name == "src" else hidden_name
@@ -444,6 +447,19 @@ def _source(src: torch.Tensor | int, span: int | None, hidden: int | None, dtype
         raise ConfigError(f"{noun} of shape {tuple(src.shape)} and strides {tuple(src.stride())} is not contiguous: "
                           f"its rows are not one span of memory; pass {name}.contiguous()")
     return _io.as_region(src), t_span, t_hidden, t_dtype
+
+
+def _scalar_int(value: Any) -> Any:
+    """`value` as a plain int when it is a numpy or torch integer scalar (as a pointer or size computed
+    with numpy is), else unchanged: a bool, a float or a tensor of rows is left for the checks to refuse."""
+    if type(value) is int or isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        return value
+    if hasattr(value, "data_ptr") and (value.dim() != 0 or str(value.dtype) == "torch.bool"):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:  # a tensor that is no integer scalar, say
+        return value
 
 
 #: Registrations whose readability a pool remembers (raw sources on a CUDA host).

@@ -149,6 +149,29 @@ def test_send_refuses_bad_raw_sizes_and_a_room_already_sent_as_config_errors(eng
         encode_engine.unregister(item.data_ptr())
 
 
+def test_a_raw_source_computed_with_numpy_is_sent_like_one_given_as_ints(manager, engines):
+    """A pointer and span computed with numpy (base + offsets[i]) are numpy integer scalars, as a
+    room may be: the room is served from exactly those rows."""
+    import numpy as np
+
+    manager, bootstrap, buf = manager
+    encode_engine, _ = engines
+    items = torch.arange(8 * 64, dtype=torch.int16).view(torch.bfloat16).view(8, 64)
+    encode_engine.register(items)
+    try:
+        with SenderPool(encode_engine, 0, 1, 1, bootstrap, host=HOST) as pool:
+            offsets = np.arange(2) * (4 * 64 * 2)
+            sent = pool.send(np.int64(5), items.data_ptr() + offsets[1], span=np.int64(4), hidden=np.int32(64),
+                             dtype=BF16)
+            received = manager.receive(5, bootstrap, buf)
+            assert received.wait(10) == TransferPoll.Success, received.failure
+            assert sent.wait(10) == TransferPoll.Success and torch.equal(buf, items[4:])
+            sent.clear()
+            received.clear()
+    finally:
+        encode_engine.unregister(items.data_ptr())
+
+
 def test_a_room_given_as_a_tensor_scalar_is_the_room_of_that_number_on_both_sides(manager, engines):
     manager, bootstrap, buf = manager
     encode_engine, _ = engines

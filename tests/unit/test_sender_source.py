@@ -173,3 +173,23 @@ def test_a_source_tensor_without_rows_in_memory_is_refused_with_what_to_pass_ins
 
     with pytest.raises(ConfigError, match=message):
         _source(make(), None, None, None)
+
+
+def test_a_raw_source_given_by_numpy_or_torch_integer_scalars_is_taken_as_plain_ints():
+    # A pointer or size computed with numpy (base + offsets[i]) is an integer scalar, not an int.
+    import numpy as np
+
+    region, span, hidden, dtype = _source(np.uint64(SRC), np.int64(SPAN), torch.tensor(HIDDEN), "bfloat16")
+    assert (region.addr, region.nbytes, span, hidden, dtype) == (SRC, SPAN * HIDDEN * 2, SPAN, HIDDEN,
+                                                                  "torch.bfloat16")
+    assert all(type(value) is int for value in (region.addr, region.nbytes, span, hidden))
+    _, span, hidden, _ = _source(torch.zeros(SPAN, HIDDEN), np.int64(SPAN), np.int32(HIDDEN), None)
+    assert (span, hidden) == (SPAN, HIDDEN)
+
+
+@pytest.mark.parametrize("span", [True, 2.0, torch.tensor(True), torch.tensor([4])])
+def test_a_raw_sources_span_that_is_no_integer_is_still_refused(span):
+    from transfer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^a raw source's span must be a non-negative integer"):
+        _source(SRC, span, HIDDEN, "bfloat16")
