@@ -179,6 +179,23 @@ def test_closing_concludes_open_rooms_and_cancels_every_room_not_known_safe():
     assert c.close(5.1, closed) == []
 
 
+def test_rooms_past_their_deadline_together_all_send_their_cancels_before_the_silent_socket_closes():
+    """The first room to expire finds the rank silent and closes the socket; the rooms asked on it whose
+    deadlines passed at the same time cancel on it first, so each one's memory is safe once confirmed."""
+    c = core()
+    token1 = asked(c, 1, now=0.0)
+    token2 = asked(c, 2, now=0.0)
+    actions = c.tick(10.0)
+    cancels = of(SendCancel, actions)
+    assert sorted(cancel.token for cancel in cancels) == [token1, token2]
+    kinds = [type(a) for a in actions]
+    assert max(i for i, kind in enumerate(kinds) if kind is SendCancel) < kinds.index(Disconnect)
+    [disconnect] = of(Disconnect, actions)
+    assert disconnect.flush
+    assert sorted(conclude.room for conclude in of(Conclude, actions)) == [1, 2]
+    assert of(MemorySafe, c.cancel_answered(10.1, 2, 0, CONFIRMED)) == [MemorySafe(2, token2)]
+
+
 def test_a_room_expired_on_a_socket_dropped_since_sends_no_cancel():
     """A fresh connection could overtake the old one's ask: only the quarantine bound helps then."""
     c = core()

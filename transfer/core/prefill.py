@@ -1110,6 +1110,12 @@ class PrefillCore:
         answered = self._answered_at.get(addr) if addr is not None else None
         if (addr is not None and self._conns.get(addr) == state.conn and now - state.asked_at >= half
                 and (answered is None or answered <= state.asked_at)):
+            # The rooms asked on it whose deadlines passed too (this tick expires them next) are
+            # given up first: their cancels go out ahead of the close, as this room's does.
+            for other in self._rooms.values():
+                if (other is not state and other.asked and other.addr == addr and other.conn == state.conn
+                        and other.deadline <= now and self._open(other) and other.stage != VERIFYING):
+                    actions += self._give_up(now, other)
             # The encode rank may have restarted elsewhere, its node with other sizes.
             self._parallel.pop(state.spec.bootstrap_addr, None)
             self._forget_routes_to(addr)
