@@ -32,7 +32,6 @@ import functools
 import hmac
 import http.client
 import io
-import ipaddress
 import json
 import logging
 import re
@@ -45,6 +44,7 @@ from typing import Any, TypeGuard, cast
 from urllib.parse import SplitResult, parse_qs, urlsplit
 
 from transfer._http import BoundedHTTPServer, DeadlineReader, OneDeadlineHandler
+from transfer._resolve import connect_within
 from transfer.config import check_seconds
 from transfer.errors import BootstrapError, BootstrapNoRoute, BootstrapUnreachable, ConfigError
 from transfer.frames import shown
@@ -503,60 +503,6 @@ class _BoundedResponse(http.client.HTTPResponse):
         self.fp = io.BufferedReader(DeadlineReader(sock, deadline, keep=self.fp))
 
 
-class _NameLookUp:
-    """One host name's getaddrinfo() on a thread of its own, for every request that waits on it."""
-
-    def __init__(self, key: tuple[str, int]) -> None:
-        self.done = threading.Event()
-        self.infos: list[Any] = []
-        self.error: OSError | None = None
-        threading.Thread(target=self._run, args=(key,), name="epd-name-lookup", daemon=True).start()
-
-    def _run(self, key: tuple[str, int]) -> None:
-        try:
-            self.infos = socket.getaddrinfo(*key, type=socket.SOCK_STREAM)
-        except OSError as error:
-            self.error = error
-        except Exception as error:  # noqa: BLE001 - e.g. a UnicodeError: the requests waiting get it as an OSError
-            self.error = OSError(f"{type(error).__name__}: {error}")
-        finally:
-            with _name_lookups_lock:
-                if _name_lookups.get(key) is self:
-                    del _name_lookups[key]
-            self.done.set()
-
-
-# Host name look-ups under way, one per (host, port): a resolver that does not answer holds one
-# thread per name, however many requests wait for it.
-_name_lookups: dict[tuple[str, int], _NameLookUp] = {}
-_name_lookups_lock = threading.Lock()
-
-
-def _resolve(host: str, port: int, timeout: float) -> list[Any]:
-    """getaddrinfo(host, port) for TCP within `timeout` seconds; TimeoutError past it.
-
-    The system resolver takes no timeout: one that does not answer holds its caller through its
-    own retries, many seconds. A name is looked up on a thread of its own, which the caller waits
-    for at most `timeout`; an IP address needs no look-up.
-    """
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        pass
-    else:
-        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    key = (host, port)
-    with _name_lookups_lock:
-        lookup = _name_lookups.get(key)
-        if lookup is None:
-            lookup = _name_lookups[key] = _NameLookUp(key)
-    if not lookup.done.wait(max(0.0, timeout)):
-        raise TimeoutError(f"looking up the host name {host!r} did not answer within {timeout:.3g}s")
-    if lookup.error is not None:
-        raise type(lookup.error)(*lookup.error.args)  # each waiter its own: a raised error keeps its traceback
-    return lookup.infos
-
-
 class _BoundedConnection(http.client.HTTPConnection):
     """An HTTP connection whose host name is looked up, and connected to, within its request's deadline
     (its Host header is the name, as given)."""
@@ -567,21 +513,8 @@ class _BoundedConnection(http.client.HTTPConnection):
 
     def connect(self) -> None:
         """Connects to the host's addresses in turn, as socket.create_connection does."""
-        error: OSError | None = None
-        for family, kind, proto, _, sockaddr in _resolve(self.host, self.port, self._deadline - time.monotonic()):
-            sock = socket.socket(family, kind, proto)
-            try:
-                sock.settimeout(max(0.0, self._deadline - time.monotonic()) or 1e-6)
-                sock.connect(sockaddr)
-            except OSError as exc:
-                sock.close()
-                error = exc
-                continue
-            sock.settimeout(self.timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as http.client does: no Nagle delay
-            self.sock = sock
-            return
-        raise error or OSError(f"host name {self.host!r} has no address")
+        self.sock = connect_within(self.host, self.port, self._deadline)
+        self.sock.settimeout(self.timeout)
 
 
 class BootstrapClient:

@@ -113,6 +113,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from transfer import _io, _native, wire
+from transfer._resolve import connect_within
 from transfer.config import check_seconds
 from transfer.engine import RegisteredMemory, _buffer_span, check_batch
 from transfer.errors import ConfigError, EngineError, UsageError
@@ -198,11 +199,10 @@ class _Conn:
         """Connects to session_id's listener; OSError naming the connect when it fails."""
         host, port = _split_session(session_id)
         try:
-            self.sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+            self.sock = connect_within(host, port, time.monotonic() + connect_timeout_s)
         except OSError as exc:
             said = f"connect to {host}:{port}: {exc.strerror or exc} (connect_timeout_s={connect_timeout_s:g})"
             raise (type(exc)(said) if exc.errno is None else type(exc)(exc.errno, said)) from None
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.settimeout(timeout_s)  # the idle bound of every frame read and write
         self.fresh = True
 

@@ -520,3 +520,30 @@ def test_a_transfer_sent_again_keeps_the_one_transfers_reply_bound():
     finally:
         peer.close()
     assert 3.0 <= took < 5.5, took
+
+
+def test_a_peer_host_name_the_resolver_never_answers_fails_the_write_at_the_connect_timeout(monkeypatch):
+    """getaddrinfo() takes no timeout: a session id's host name whose resolver does not answer fails the
+    write at connect_timeout_s, naming the look-up, not after the resolver's own retries."""
+    unanswered = threading.Event()
+    resolve = socket.getaddrinfo
+
+    def stalling_resolver(host, *args, **kwargs):
+        if host == "resolver-stalls.example":
+            unanswered.wait(30.0)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return resolve(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", stalling_resolver)
+    try:
+        with WireEngine("127.0.0.1", connect_timeout_s=0.5) as writer:
+            src = _random_bytes(64, 4)
+            writer.register(src)
+            started = time.monotonic()
+            with pytest.raises(TransferError, match=r"looking up the host name 'resolver-stalls\.example' did not "
+                                                    r"answer within 0\.5s \(connect_timeout_s=0\.5\)"):
+                writer.write("resolver-stalls.example:17000", [src.data_ptr()], [0x10000], [64])
+            took = time.monotonic() - started
+    finally:
+        unanswered.set()
+    assert took < 10.0, took
