@@ -24,6 +24,7 @@ import zmq
 from transfer import config
 from transfer.core.failure import FailureKind, without_room
 from transfer.errors import ConfigError, ConfigTypeError
+from transfer.frames import host_text
 from transfer.ports import PortSpec, bare_host, bind_port
 
 if TYPE_CHECKING:
@@ -251,7 +252,7 @@ def push_socket(host: str, port: int, hwm: int = STATUS_HWM, immediate: bool = F
     """
     if not is_ip(host):
         # ZMQ would look the name up on its one I/O thread, holding every socket of the process.
-        raise zmq.ZMQError(errno.EINVAL, f"host {host!r} is not an IP address (peers are reached by IP, "
+        raise zmq.ZMQError(errno.EINVAL, f"host {host_text(host)!r} is not an IP address (peers are reached by IP, "
                                          f"SPEC.md 4.1)")
     address = f"tcp://{zmq_host(host)}:{port}"
     sock = context().socket(zmq.PUSH)
@@ -675,7 +676,8 @@ class Pushers:
                 self._endpoints.forget(key)
             opened = self._open(key)
             if isinstance(opened, str):
-                self._warn.warning("expect", "cannot connect to receiver %s:%d: %s", endpoint, port, opened)
+                self._warn.warning("expect", "cannot connect to receiver %s:%d: %s", host_text(endpoint), port,
+                                   opened)
 
     def _open(self, key: tuple[str, int]) -> zmq.Socket | str:
         """Opens a socket to a new endpoint (closing the least recently used past the limit) and has the
@@ -709,7 +711,7 @@ class Pushers:
     def _drop(self, key: tuple[str, int], count: int, why: str) -> bool:
         """Counts dropped statuses and warns, throttled (lock held)."""
         self.dropped += count
-        self._warn.warning(why, "dropping statuses to %s:%d: %s", key[0], key[1], why)
+        self._warn.warning(why, "dropping statuses to %s:%d: %s", host_text(key[0]), key[1], why)
         return False
 
     def _close(self, key: tuple[str, int], why: str) -> None:

@@ -774,6 +774,16 @@ def receiver_text(session_id: str) -> str:
     return shown(session_id, MAX_SESSION_SHOWN)
 
 
+#: How much of a host a peer announced a log line quotes: real ones are an IP address.
+MAX_HOST_SHOWN = 64
+
+
+def host_text(host: str) -> str:
+    """A host a peer announced (its status endpoint) as log lines quote it: printable, at most
+    MAX_HOST_SHOWN characters."""
+    return shown(host, MAX_HOST_SHOWN)
+
+
 def shown(text: str, limit: int = MAX_REASON_BYTES) -> str:
     """A text a peer sent, fit for a log line or a failure text: printable, and at most `limit`
     characters (a longer one is cut and marked `...`)."""

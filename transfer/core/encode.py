@@ -40,7 +40,8 @@ from transfer.core.failure import CLEARED, Failure, FailureKind, without_room
 from transfer.core.parked import Asks, ParkedAsks
 from transfer.core.regions import RegionBook
 from transfer.core.scheduler import WriteScheduler
-from transfer.frames import Cancel, CancelAnswer, Registration, TransferInfo, receiver_text, validate_fanout
+from transfer.frames import (Cancel, CancelAnswer, Registration, TransferInfo, host_text, receiver_text,
+                             validate_fanout)
 from transfer.status import TransferPoll
 
 __all__ = ["CLEARED_GRACE_S", "REASK_GRACE_S", "SWEEP_S", "Conclude", "Count", "EncodeCore", "Offer", "Progress",
@@ -734,8 +735,8 @@ class EncodeCore:
             if self._endpoint_of.get(forgotten) == oldest:
                 del self._endpoint_of[forgotten]
         if previous is not None and previous != session:
-            self._supersede(previous, session, "status_endpoint", f"at the same status endpoint {endpoint}:{port}",
-                            now)
+            self._supersede(previous, session, "status_endpoint",
+                            f"at the same status endpoint {host_text(endpoint)}:{port}", now)
 
     def _predecessor_by_shard(self, info: TransferInfo) -> str | None:
         """The session a new session's ask replaces, or None.
