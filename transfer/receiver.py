@@ -320,7 +320,6 @@ class SessionManager:
                 never_asked = record is None or not record.token
                 self._give_back(lease, fate_of(succeeded=False, memory_safe=never_asked, confirmable=False))
             raise
-        self.metrics.inc("rooms_started_total")
         return ReceiveHandle(self, record, full, full_ds, (row_start, spec.rows))
 
     def _room(self, room: int, bootstrap_addr: str, dst: torch.Tensor | int, *, rows: int | None,

@@ -255,11 +255,12 @@ class SenderPool:
                 self._book.held[room] = state
                 self._table.start(room, TransferPoll.WaitingForInput)
                 self._driver.offer(offer)
+                # Counted under the lock the driver concludes it under: no scrape sees it concluded, not started.
+                self.metrics.inc("rooms_started_total")
         if refused is not None:
             if state.release is not None:
                 state.release()
             raise refused
-        self.metrics.inc("rooms_started_total")
         return SendHandle(self, state)
 
     def _raw_source(self, room: int, region: _io.Region) -> _io.Region:

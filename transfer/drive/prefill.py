@@ -266,12 +266,16 @@ class PrefillDriver:
             record.token, actions = self.core.receive(now, spec)  # refuses a room number held (nothing filed)
             self.rooms[room] = record
             self.table.start(room, TransferPoll.Bootstrapping)
+            # Counted before anything concludes it (the actions may): no scrape sees it concluded, not started.
+            self.metrics.inc("rooms_started_total")
             try:
                 verifies = self._carry(now, actions)
             except BaseException:  # the caller gets the error and no handle: leave nothing behind
                 self.core.clear(now, room, record.token)
                 del self.rooms[room]
                 self.table.clear(room)
+                if record.concluded_at is None:  # counted started, so counted concluded too
+                    self.metrics.inc("rooms_failed_total", reason=FailureKind.OTHER.value)
                 raise
             wake = self._must_wake()
         for verify in verifies:  # none in practice: a Verify follows a status
