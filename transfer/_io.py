@@ -446,6 +446,7 @@ class ThrottledLog:
         """Logs `msg % args` unless its kind or the line budget says to count it instead."""
         now = time.monotonic()
         told = None
+        since = 0.0
         with self._lock:
             if now >= self._window_ends:
                 told, self._untold = self._untold, 0
@@ -465,11 +466,13 @@ class ThrottledLog:
                 left_out = None
             else:
                 self._lines += 1
-                left_out = entry[1] if entry is not None else 0
                 if entry is None:
+                    left_out = 0
                     if len(self._kinds) >= self._max_kinds:
                         self._untold += self._kinds.popitem(last=False)[1][1]
                     entry = self._kinds[kind] = [0.0, 0]
+                else:  # its repeats came since its last line, however long ago that was
+                    left_out, since = entry[1], now - (entry[0] - self._interval_s)
                 entry[0], entry[1] = now + self._interval_s, 0
         if told:
             self._logger.warning("%d more warnings were not logged: at most %d lines are logged per %gs",
@@ -477,8 +480,8 @@ class ThrottledLog:
         if left_out is None:
             return
         if left_out:
-            msg += " (and %d more like it in the last %gs, not logged)"
-            args += (left_out, self._interval_s)
+            msg += " (and %d more like it in the last %.1fs, not logged)"
+            args += (left_out, since)
         self._logger.warning(msg, *args)
 
 

@@ -29,10 +29,24 @@ def test_each_kind_logs_once_per_interval_then_counts_what_it_left_out(clock, ca
         assert len(caplog.messages) == 2
         clock[0] += 0.6
         throttled.warning("bad room", "dropped: %s", "bad room")
-        assert caplog.messages[-1] == "dropped: bad room (and 1000 more like it in the last 1s, not logged)"
+        assert caplog.messages[-1] == "dropped: bad room (and 1000 more like it in the last 1.1s, not logged)"
         clock[0] += 5
         throttled.warning("bad room", "dropped: %s", "bad room")
         assert caplog.messages[-1] == "dropped: bad room"  # nothing was left out since
+
+
+def test_repeats_told_long_after_their_kind_last_logged_say_how_long(clock, caplog):
+    # The repeats came just after the kind's line; its next line, an hour later, tells them as the hour's.
+    throttled = _io.ThrottledLog(logging.getLogger("test.throttled"), interval_s=1.0)
+    with caplog.at_level(logging.WARNING, logger="test.throttled"):
+        throttled.warning("bad room", "dropped: %s", "bad room")
+        clock[0] += 0.5
+        for _ in range(3):
+            throttled.warning("bad room", "dropped: %s", "bad room")
+        clock[0] += 3599.5
+        throttled.warning("bad room", "dropped: %s", "bad room")
+    assert caplog.messages == ["dropped: bad room",
+                               "dropped: bad room (and 3 more like it in the last 3600.0s, not logged)"]
 
 
 def test_kinds_are_bounded(clock, caplog):
