@@ -149,6 +149,9 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     server_close() ends the connections still being served and waits for their threads."""
 
     daemon_threads = True
+    # Connections wait here while the accepting thread is held up (a busy process's GIL): the stdlib's
+    # backlog of 5 drops the handshakes of a burst beyond it, which clients retry only after 1 s, 3 s, ...
+    request_queue_size = 128
     max_handlers = 64
     max_per_client: int | None = None
     busy_text = b"server busy: too many connections at once"

@@ -336,8 +336,6 @@ class _Handler(OneDeadlineHandler):
 class _HTTPServer(BoundedHTTPServer):
     """The bounded HTTP server holding the route table and the token."""
 
-    # The stdlib default backlog of 5 resets connections when many ranks start at once.
-    request_queue_size = 128
     #: Connections served at once; more are answered 503 at once instead of each getting
     #: a thread, so silent or slow clients cost at most this many threads.
     max_handlers = 256

@@ -79,3 +79,34 @@ def test_thread_safety_smoke():
     assert total(snap, "epd_rooms_started_total") == threads * per_thread
     assert total(snap, "epd_bytes_written_total") == 3 * threads * per_thread
     assert total(snap, "epd_room_latency_seconds_count") == threads * per_thread
+
+
+def test_a_burst_of_connections_waits_to_be_answered_while_the_accepting_thread_is_held_up():
+    """Connections that come while the accepting thread is held up (by the GIL, say, in a busy process;
+    here by the lock its hand-off takes) wait in the listen queue for their answer, a 503 beyond the
+    caps; a queue shorter than the caps drops their handshakes, which clients retry after 1 s, 3 s, ...
+    so a scrape among them times out."""
+    import select
+    import socket
+
+    from live_helpers import wait_until
+
+    m = Metrics("epd")
+    clients: list[socket.socket] = []
+
+    def connected() -> int:
+        _, writable, _ = select.select([], clients, [], 0)
+        return sum(1 for c in writable if c.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0)
+
+    with m.serve() as server:
+        try:
+            with server._httpd._handlers_lock:  # the accepting thread stops at its first connection's hand-off
+                for _ in range(64):  # the connections it serves at once, by default
+                    client = socket.socket()
+                    client.setblocking(False)
+                    client.connect_ex((server.host, server.port))
+                    clients.append(client)
+                assert wait_until(lambda: connected() == len(clients), 10), f"{connected()} of {len(clients)}"
+        finally:
+            for client in clients:
+                client.close()
