@@ -610,7 +610,8 @@ class Pushers:
     """
 
     def __init__(self, hwm: int = STATUS_HWM, limit: int | None = None, idle_s: float = STATUS_IDLE_S,
-                 connect_s: float = STATUS_CONNECT_S) -> None:
+                 connect_s: float = STATUS_CONNECT_S, on_dropped: Callable[[int], None] | None = None) -> None:
+        """`on_dropped(count)` hears of each drop as it is counted (under the pushers' lock)."""
         self._hwm = hwm
         self._endpoints = StatusEndpoints(status_connection_limit() if limit is None else limit, idle_s, connect_s)
         self._sockets: dict[tuple[str, int], zmq.Socket] = {}
@@ -621,6 +622,7 @@ class Pushers:
         self._closed = False
         self._warn = ThrottledLog(log)
         self.dropped = 0
+        self._on_dropped = on_dropped
 
     @property
     def limit(self) -> int:
@@ -714,6 +716,8 @@ class Pushers:
     def _drop(self, key: tuple[str, int], count: int, why: str) -> bool:
         """Counts dropped statuses and warns, throttled (lock held)."""
         self.dropped += count
+        if self._on_dropped is not None:
+            self._on_dropped(count)
         self._warn.warning(why, "dropping statuses to %s:%d: %s", host_text(key[0]), key[1], why)
         return False
 

@@ -78,6 +78,7 @@ ROLE_COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
         "cancels_total": ("confirmed", "too_late", "write_failed"),
         "sessions_superseded_total": ("shard", "status_endpoint"),
         "registrations_refused_total": ("no_lengths",),
+        "statuses_dropped_total": (),
     },
     "prefill": {
         "rooms_started_total": (),

@@ -172,9 +172,8 @@ class SenderPool:
         self._thread = self._driver.thread
         # The metrics (which the driver holds) read the parts, never the pool: a pool dropped
         # without close() is collected, and its finalizer closes it.
-        core, driver = self._core, self._driver
+        core = self._core
         self.metrics.gauge_fn("queue_depth", lambda: core.waiting)
-        self.metrics.counter_fn("statuses_dropped_total", lambda: driver.statuses.dropped)
         self.metrics.gauge_fn("parked_rooms", self._book.parked)
         self._driver.start()
         self._route = _Route(bootstrap_addr, token, tp_size, dp_size, self.host, self.port, engine_rank)

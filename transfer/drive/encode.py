@@ -411,7 +411,7 @@ class EncodeDriver:
         except BaseException:
             self.waker.close()
             raise
-        self.statuses = _io.Pushers()
+        self.statuses = _io.Pushers(on_dropped=lambda count: metrics.inc("statuses_dropped_total", count))
         self._complaints = _io.ThrottledLog(log)  # about requests peers sent, and the core's warnings
         self._flights: list[_Flight] = []
         self._select_fds: list[int] | None = None  # what a sub-millisecond wait watches, when select() can
