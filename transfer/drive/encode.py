@@ -412,7 +412,9 @@ class EncodeDriver:
             self.waker.close()
             raise
         self.statuses = _io.Pushers(on_dropped=lambda count: metrics.inc("statuses_dropped_total", count))
-        self._complaints = _io.ThrottledLog(log)  # about requests peers sent, and the core's warnings
+        # Each with a line budget of its own: a peer flooding malformed requests silences none of the core's.
+        self._complaints = _io.ThrottledLog(log)  # about requests peers sent
+        self._warnings = _io.ThrottledLog(log)  # the core's
         self._flights: list[_Flight] = []
         self._select_fds: list[int] | None = None  # what a sub-millisecond wait watches, when select() can
         self._fds = (-1, -1)  # the waker's and the request socket's descriptors, once the thread runs
@@ -605,7 +607,7 @@ class EncodeDriver:
                 if release is not None:
                     release()
             elif kind is Warn:
-                self._complaints.warning(action.key, action.message, *action.args)
+                self._warnings.warning(action.key, action.message, *action.args)
             elif kind is Count:
                 self.metrics.inc(action.metric, reason=action.reason)
 
