@@ -578,7 +578,10 @@ def _settle(lease: Slot, fate: Fate, event: EventLike | None = None) -> None:
 def _close_dropped(driver: PrefillDriver, engine: TransferEngineLike, claim: tuple[int, int], owned: list[int],
                    name: str) -> None:
     """A SessionManager was dropped without close(): says so, and closes it on a thread of its own
-    (the collection may run on any thread, the I/O thread too, which closing joins)."""
+    (the collection may run on any thread, the I/O thread too, which closing joins). A forked child's
+    copy is the parent's manager: nothing of it is this process's to close."""
+    if driver.forked:
+        return
     warnings.warn(f"session manager of {name} was dropped without close(): closing it", ResourceWarning)
     closed = threading.Event()
     with _managed_lock:

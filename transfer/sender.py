@@ -213,6 +213,7 @@ class SenderPool:
         `[span, hidden * k]` (raw: give `deepstack_hidden`). `ready_event` (e.g. a CUDA event) must complete before the
         first byte is read; the pool polls it (query()), never blocking the caller.
         """
+        self._driver.check_process()
         if self._book.stopping:
             raise self._stopped_error()
         room = check_room(room)
@@ -339,10 +340,12 @@ class SenderPool:
         read it; once the thread stopped (closed, or stopped by an error before), the pool
         holds no item's source, its room cleared or not. A driver still stuck past that
         (inside an engine call) is left to finish alone: its rooms fail here, and it closes
-        its own sockets and registrations if it ever returns.
+        its own sockets and registrations if it ever returns. In a process forked from the one that
+        made the pool, it closes nothing: the route, thread and sockets are the parent's.
         """
         self._dropped.detach()
-        _close(self._book, self._driver, self._route)
+        if not self._driver.forked:
+            _close(self._book, self._driver, self._route)
 
     def __enter__(self) -> SenderPool:
         return self
@@ -403,7 +406,10 @@ def _close(book: RoomBook, driver: EncodeDriver, route: _Route) -> None:
 
 def _close_dropped(book: RoomBook, driver: EncodeDriver, route: _Route) -> None:
     """A SenderPool was dropped without close(): says so, and closes it on a thread of its own
-    (the collection may run on any thread, the pool's own too, which closing joins)."""
+    (the collection may run on any thread, the pool's own too, which closing joins). A forked child's
+    copy is the parent's pool: nothing of it is this process's to close."""
+    if driver.forked:
+        return
     engine_rank = route.engine_rank
     warnings.warn(f"sender pool of encode rank {engine_rank} (port {route.port}) was dropped without close(): "
                   f"closing it", ResourceWarning)

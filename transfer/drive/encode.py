@@ -15,6 +15,7 @@ import functools
 import itertools
 import logging
 import math
+import os
 import select
 import threading
 import time
@@ -41,7 +42,7 @@ from transfer.core.encode import (
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.polls import PollSchedule
 from transfer.core.sources import SourceCounts
-from transfer.errors import EngineError
+from transfer.errors import EngineError, UsageError
 from transfer.frames import (
     TransferInfo,
     WireError,
@@ -397,6 +398,7 @@ class EncodeDriver:
         self.core = core
         self.engine = engine
         self.engine_rank = engine_rank
+        self._forks = _io.forks()  # see check_process
         self.book = book
         self.sources = sources
         self.metrics = metrics
@@ -422,6 +424,20 @@ class EncodeDriver:
         self.thread = threading.Thread(target=self._run, name=f"epd-encode-{engine_rank}", daemon=True)
 
     # ------------------------------------------------------ the caller's side
+
+    @property
+    def forked(self) -> bool:
+        """Whether this process was forked from the one that made this driver (which holds its thread, its
+        sockets and the pool's bootstrap route)."""
+        return self._forks != _io.forks()
+
+    def check_process(self) -> None:
+        """UsageError in a process forked from the one that made this driver: no thread here would serve
+        what it is given, and the prefill ranks ask the parent."""
+        if self.forked:
+            raise UsageError(f"encode rank {self.engine_rank}'s sender pool was made before this process "
+                             f"(pid {os.getpid()}) was forked from its parent: its thread, sockets and bootstrap "
+                             f"route are the parent's; make a SenderPool in this process")
 
     def start(self) -> None:
         self.thread.start()

@@ -121,20 +121,6 @@ MONITOR_PERIOD_S = 1.0
 SOCKETS_PER_ENCODE_RANK = 3
 
 
-# Forks of this process so far, counted in each child: a driver made before its process was forked
-# has its I/O thread and sockets in the parent only.
-_forks = 0
-
-
-def _count_fork() -> None:
-    global _forks
-    _forks += 1
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_count_fork)
-
-
 def encode_socket_limit(wanted: int = MAX_ENCODE_SOCKETS) -> int:
     """`wanted` connections to encode ranks, cut to a quarter of the descriptors this process may open
     and of the ZMQ context's sockets."""
@@ -186,7 +172,7 @@ class PrefillDriver:
         lookup_threads: int = LOOKUP_THREADS,
     ) -> None:
         self.engine_rank = engine_rank
-        self._forks = _forks  # see check_process
+        self._forks = _io.forks()  # see check_process
         self.clock = clock
         self.metrics = metrics
         self.pool = pool
@@ -411,7 +397,7 @@ class PrefillDriver:
     def forked(self) -> bool:
         """Whether this process was forked from the one that made this driver (which holds its sockets and
         its I/O thread)."""
-        return self._forks != _forks
+        return self._forks != _io.forks()
 
     def check_process(self) -> None:
         """UsageError in a process forked from the one that made this driver: its sockets are the parent's

@@ -1,0 +1,96 @@
+"""A sender pool in a process forked from the one that made it: its thread, sockets and bootstrap route
+stayed in the parent, so the child's send() is refused at once, and neither its close() nor the
+collection of its copy withdraws the parent's route; the parent's rooms go on as before."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import select
+
+import torch
+from live_helpers import HOST, LIVE
+
+from transfer.bootstrap import BootstrapServer
+from transfer.engine import Engine
+from transfer.receiver import SessionManager
+from transfer.sender import SenderPool
+from transfer.status import TransferPoll
+
+pytestmark = LIVE
+
+#: How long the test waits for the forked child's report.
+CHILD_WAIT_S = 10.0
+
+
+def _child_report(read_fd: int, pid: int) -> dict | None:
+    """The child's report, or None when it sent none within CHILD_WAIT_S (the child is killed then)."""
+    raw = b""
+    try:
+        ready, _, _ = select.select([read_fd], [], [], CHILD_WAIT_S)
+        raw = os.read(read_fd, 1 << 16) if ready else b""
+    finally:
+        if not raw:
+            os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        os.close(read_fd)
+    return json.loads(raw) if raw else None
+
+
+def test_a_forked_child_is_refused_the_parents_pool_and_leaves_its_route_listed():
+    item = torch.arange(4 * 64, dtype=torch.float32).view(4, 64).to(torch.bfloat16)
+    buf = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with Engine(HOST, "tcp") as encode_engine, Engine(HOST, "tcp") as prefill_engine, \
+            BootstrapServer(HOST, 0) as server:
+        pool = SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST)
+        try:
+            assert server.registered_ranks == 1
+            read_fd, write_fd = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: reports, and leaves without running anything of the parent's
+                try:
+                    os.close(read_fd)
+                    report: dict[str, str] = {}
+                    try:
+                        pool.send(1, item)
+                        report["send"] = "ok"
+                    except Exception as exc:  # noqa: BLE001 - reported to the parent
+                        report["send"] = f"{type(exc).__name__}: {exc}"
+                    pool.close()
+                    os.write(write_fd, json.dumps(report).encode())
+                finally:
+                    os._exit(0)
+            os.close(write_fd)
+            report = _child_report(read_fd, pid)
+            assert report is not None, "the child's calls on the inherited pool did not return"
+            assert report["send"].startswith("UsageError: encode rank 0's sender pool was made before this "
+                                             "process"), report
+            assert "make a SenderPool in this process" in report["send"], report
+            assert server.registered_ranks == 1, "the child's close() withdrew the parent's route"
+
+            read_fd, write_fd = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child lets its copy go unclosed, to the collector
+                try:
+                    os.close(read_fd)
+                    del pool
+                    gc.collect()
+                    os.write(write_fd, json.dumps({"collected": "yes"}).encode())
+                finally:
+                    os._exit(0)
+            os.close(write_fd)
+            assert _child_report(read_fd, pid) == {"collected": "yes"}
+            assert server.registered_ranks == 1, "the collection of the child's copy withdrew the parent's route"
+
+            # The parent's pool is untouched: it serves a room end to end.
+            with SessionManager(prefill_engine, 0, 1, 1, buffer=buf, host=HOST, deadline_s=30) as manager:
+                handle = manager.receive(1, server.address, buf)
+                sent = pool.send(1, item)
+                assert handle.wait(20.0) == TransferPoll.Success, handle.failure
+                assert torch.equal(buf, item)
+                handle.clear()
+                sent.wait(10.0)
+                sent.clear()
+        finally:
+            pool.close()
