@@ -49,7 +49,7 @@ KNOWN_HELP: dict[str, str] = {
     "statuses_dropped_total": "Status pushes dropped because a receiver stopped draining its queue.",
     "sessions_superseded_total": "Prefill sessions replaced by a restarted rank's new session, by how it was told.",
     "registrations_refused_total": "Registrations refused (a session that announced region lengths sent one without).",
-    "cancels_total": "Cancels from receivers that gave up on a room, by answer (confirmed, too_late, write_failed).",
+    "cancels_total": "Answers to receivers' cancels, by answer (too_late, then confirmed or write_failed; or one of these).",
     "parked_rooms": "Items sent whose receivers have not all asked for them yet.",
     "quarantined_slots": "Receive slots held back after a failed or late write.",
     "fallback_bytes": "Bytes held by fallback receive buffers (items bigger than a slot, or no free slot).",
