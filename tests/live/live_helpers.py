@@ -113,6 +113,24 @@ def port_rebindable(host: str, port: int, timeout: float = 2.0) -> bool:
             sock.close(0)
 
 
+def child_report(read_fd: int, pid: int, wait_s: float = 10.0) -> dict | None:
+    """A forked child's JSON report read from `read_fd`, or None when it sent none within `wait_s` (the child
+    is killed then); the child is reaped and the descriptor closed either way."""
+    import json
+    import select
+
+    raw = b""
+    try:
+        ready, _, _ = select.select([read_fd], [], [], wait_s)
+        raw = os.read(read_fd, 1 << 16) if ready else b""
+    finally:
+        if not raw:
+            os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        os.close(read_fd)
+    return json.loads(raw) if raw else None
+
+
 def thread_stacks() -> str:
     """Every thread's current stack, for diagnosing a stall."""
     import sys

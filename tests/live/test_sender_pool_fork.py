@@ -7,10 +7,9 @@ from __future__ import annotations
 import gc
 import json
 import os
-import select
 
 import torch
-from live_helpers import HOST, LIVE
+from live_helpers import HOST, LIVE, child_report
 
 from transfer.bootstrap import BootstrapServer
 from transfer.engine import Engine
@@ -19,24 +18,6 @@ from transfer.sender import SenderPool
 from transfer.status import TransferPoll
 
 pytestmark = LIVE
-
-#: How long the test waits for the forked child's report.
-CHILD_WAIT_S = 10.0
-
-
-def _child_report(read_fd: int, pid: int) -> dict | None:
-    """The child's report, or None when it sent none within CHILD_WAIT_S (the child is killed then)."""
-    raw = b""
-    try:
-        ready, _, _ = select.select([read_fd], [], [], CHILD_WAIT_S)
-        raw = os.read(read_fd, 1 << 16) if ready else b""
-    finally:
-        if not raw:
-            os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        os.close(read_fd)
-    return json.loads(raw) if raw else None
-
 
 def test_a_forked_child_is_refused_the_parents_pool_and_leaves_its_route_listed():
     item = torch.arange(4 * 64, dtype=torch.float32).view(4, 64).to(torch.bfloat16)
@@ -62,7 +43,7 @@ def test_a_forked_child_is_refused_the_parents_pool_and_leaves_its_route_listed(
                 finally:
                     os._exit(0)
             os.close(write_fd)
-            report = _child_report(read_fd, pid)
+            report = child_report(read_fd, pid)
             assert report is not None, "the child's calls on the inherited pool did not return"
             assert report["send"].startswith("UsageError: encode rank 0's sender pool was made before this "
                                              "process"), report
@@ -80,7 +61,7 @@ def test_a_forked_child_is_refused_the_parents_pool_and_leaves_its_route_listed(
                 finally:
                     os._exit(0)
             os.close(write_fd)
-            assert _child_report(read_fd, pid) == {"collected": "yes"}
+            assert child_report(read_fd, pid) == {"collected": "yes"}
             assert server.registered_ranks == 1, "the collection of the child's copy withdrew the parent's route"
 
             # The parent's pool is untouched: it serves a room end to end.

@@ -7,12 +7,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
 
-import pytest
 import torch
 import zmq
-from live_helpers import HOST, LIVE, LogCapture, wait_until
+from live_helpers import HOST, LIVE, LogCapture, child_report, wait_until
 
 from transfer.bootstrap import BootstrapClient, BootstrapServer
 from transfer.buffers import ReceivePool
@@ -22,10 +20,6 @@ from transfer.receiver import SessionManager
 from transfer.status import TransferPoll
 
 pytestmark = LIVE
-
-#: How long the test waits for the forked child's report.
-CHILD_WAIT_S = 10.0
-
 
 def _in_child(manager, handle, bootstrap: str, buf: torch.Tensor) -> dict[str, object]:
     """What each call on the inherited manager did in the forked child: 'ok', or its error; then what
@@ -44,19 +38,6 @@ def _in_child(manager, handle, bootstrap: str, buf: torch.Tensor) -> dict[str, o
     outcomes["close logged"] = capture.take()
     outcomes["close unregistered"] = buf.data_ptr() not in manager.engine.registered()
     return outcomes
-
-
-def _child_report(read_fd: int, pid: int) -> dict[str, str] | None:
-    """The child's report, or None when it sent none within CHILD_WAIT_S (the child is killed then)."""
-    try:
-        ready, _, _ = select.select([read_fd], [], [], CHILD_WAIT_S)
-        raw = os.read(read_fd, 1 << 16) if ready else b""
-    finally:
-        if not raw:
-            os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        os.close(read_fd)
-    return json.loads(raw) if raw else None
 
 
 def test_a_forked_child_is_refused_the_parents_manager_and_the_parents_rooms_go_on():
@@ -79,7 +60,7 @@ def test_a_forked_child_is_refused_the_parents_manager_and_the_parents_rooms_go_
                 finally:
                     os._exit(0)
             os.close(write_fd)
-            report = _child_report(read_fd, pid)
+            report = child_report(read_fd, pid)
             assert report is not None, "the child's calls on the inherited manager did not return"
             assert report.pop("close logged") == [] and report.pop("close unregistered") is False, report
             for name, outcome in report.items():
@@ -132,6 +113,6 @@ def test_a_forked_childs_calls_return_at_once_though_the_parent_held_the_manager
             finally:
                 os._exit(0)
         os.close(write_fd)
-        report = _child_report(read_fd, pid)
+        report = child_report(read_fd, pid)
         assert report == {"receive": "UsageError", "cleared and closed": "yes"}, "the child waited on a parent's lock"
         handle.clear()
