@@ -14,7 +14,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import cast
+from typing import Any, cast
 
 from transfer.core.failure import cut_printable, printable
 from transfer.errors import ConfigError, ConfigTypeError, WireError
@@ -57,6 +57,7 @@ __all__ = [
     "registration_frames",
     "prefill_shard",
     "receiver_text",
+    "scalar_int",
     "shown",
     "shard_rows",
     "status_frames",
@@ -206,6 +207,19 @@ def _integer(name: str, value: object) -> int:
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         raise ConfigTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     return operator.index(value)  # type: ignore[arg-type]
+
+
+def scalar_int(value: Any) -> Any:
+    """`value` as a plain int when it is a numpy or torch integer scalar (as a pointer or size computed
+    with numpy is), else unchanged: a bool, a float or a tensor of rows is left for the checks to refuse."""
+    if type(value) is int or isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        return value
+    if hasattr(value, "data_ptr") and (value.dim() != 0 or str(value.dtype) == "torch.bool"):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:  # a tensor that is no integer scalar, say
+        return value
 
 
 def check_room(room: int) -> int:

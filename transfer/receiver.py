@@ -25,7 +25,7 @@ from transfer.core.prefill_breaker import UNREACHABLE_RETRY_S
 from transfer.core.quarantine import Fate, fate_of, reusable
 from transfer.drive.prefill import PrefillDriver, Room
 from transfer.errors import ConfigError, ConfigTypeError, FallbackLimitError, UsageError
-from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype, size_problem
+from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype, scalar_int, size_problem
 from transfer.interfaces import EventLike, TransferEngineLike
 from transfer.metrics import Metrics, declare_role
 from transfer.ports import PortSpec, parse_ports
@@ -263,7 +263,8 @@ class SessionManager:
         """Asks the encode rank behind `bootstrap_addr` for this rank's rows of `room`.
 
         `dst` is a tensor `[rows, hidden]` (geometry taken from it) or a raw address with
-        `rows`, `hidden` and `dtype`; it must lie inside the registered `buffer`. `span` is
+        `rows`, `hidden` and `dtype` (ints, or numpy or torch integer scalars, as the sizes may
+        be); it must lie inside the registered `buffer`. `span` is
         the item's full row count (default: `rows`, an identity receive). Never blocks.
 
         With a `pool` and no `dst`, the manager leases a slot for the item's full span
@@ -279,8 +280,11 @@ class SessionManager:
         """
         if self._closed:
             raise UsageError("session manager is closed")
-        self._driver.check_process()  # in a forked child, before a pool slot is leased: a lock held at the fork stays held
+        # In a forked child, before a pool slot is leased: a lock held at the fork stays held there.
+        self._driver.check_process()
         room = check_room(room)
+        dst, rows, hidden, row_start, span, deepstack_hidden = (
+            scalar_int(value) for value in (dst, rows, hidden, row_start, span, deepstack_hidden))
         dtype_name = normalize_dtype(dtype) if dtype is not None else None
         if dst is None:
             if deepstack_dst is not None:

@@ -9,7 +9,6 @@ and the clock, and feeds the room rules (transfer.core.encode) their events.
 from __future__ import annotations
 
 import logging
-import operator
 import threading
 import time
 import warnings
@@ -34,6 +33,7 @@ from transfer.frames import (
     check_room,
     dtype_size,
     normalize_dtype,
+    scalar_int,
     size_problem,
 )
 from transfer.interfaces import EventLike, TransferEngineLike
@@ -221,7 +221,7 @@ class SenderPool:
             # The pool's one thread polls it: an event it could only wait on would hold every room.
             raise ConfigTypeError(f"room {room}: ready_event must have query() (e.g. a torch.cuda.Event); "
                                   f"got {type(ready_event).__name__}")
-        src, deepstack = _scalar_int(src), _scalar_int(deepstack)
+        src, deepstack = scalar_int(src), scalar_int(deepstack)
         region, span, hidden, dtype = _source(src, span, hidden, dtype)
         if isinstance(src, int):
             region = self._raw_source(room, region)
@@ -422,7 +422,7 @@ def _source(src: torch.Tensor | int, span: int | None, hidden: int | None, dtype
     """(region, span, hidden, dtype) of a source tensor `[span, hidden]` or raw pointer; `name` is the
     argument it was given as ("src", or "deepstack", whose `hidden` is `deepstack_hidden`)."""
     noun, hidden_name = ("source", "hidden") if name == "src" else (name, f"{name}_hidden")
-    src, span, hidden = _scalar_int(src), _scalar_int(span), _scalar_int(hidden)
+    src, span, hidden = scalar_int(src), scalar_int(span), scalar_int(hidden)
     if isinstance(src, int):
         if span is None or hidden is None or dtype is None:
             needs = "span, hidden and dtype" if name == "src" else hidden_name
@@ -453,19 +453,6 @@ def _source(src: torch.Tensor | int, span: int | None, hidden: int | None, dtype
         raise ConfigError(f"{noun} of shape {tuple(src.shape)} and strides {tuple(src.stride())} is not contiguous: "
                           f"its rows are not one span of memory; pass {name}.contiguous()")
     return _io.as_region(src), t_span, t_hidden, t_dtype
-
-
-def _scalar_int(value: Any) -> Any:
-    """`value` as a plain int when it is a numpy or torch integer scalar (as a pointer or size computed
-    with numpy is), else unchanged: a bool, a float or a tensor of rows is left for the checks to refuse."""
-    if type(value) is int or isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        return value
-    if hasattr(value, "data_ptr") and (value.dim() != 0 or str(value.dtype) == "torch.bool"):
-        return value
-    try:
-        return operator.index(value)
-    except TypeError:  # a tensor that is no integer scalar, say
-        return value
 
 
 #: Registrations whose readability a pool remembers (raw sources on a CUDA host).

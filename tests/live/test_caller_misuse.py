@@ -342,3 +342,29 @@ def test_a_destination_in_the_pools_memory_is_refused_and_the_pooled_rooms_keep_
         assert slots.stats()["leased"] == 1 and slots.stats()["fallbacks_live"] == 1
         held.clear()
         big.clear()
+
+
+def test_a_raw_destination_computed_with_numpy_is_received_like_one_given_as_ints(manager, engines):
+    """A receive buffer's address and sizes computed with numpy are numpy integer scalars, as the sender's
+    may be: the room lands in exactly those rows."""
+    import numpy as np
+
+    manager, bootstrap, buf = manager
+    encode_engine, _ = engines
+    item = torch.arange(2 * 64, dtype=torch.int16).view(torch.bfloat16).view(2, 64)
+    encode_engine.register(item)
+    try:
+        with SenderPool(encode_engine, 0, 1, 1, bootstrap, host=HOST) as pool:
+            buf.zero_()
+            row = buf.element_size() * buf.shape[1]
+            offsets = np.arange(2) * (2 * row)
+            received = manager.receive(np.int64(7), bootstrap, buf.data_ptr() + offsets[1], rows=np.int64(2),
+                                       hidden=np.int32(64), dtype=BF16, span=np.int64(2))
+            sent = pool.send(7, item)
+            assert received.wait(10) == TransferPoll.Success, received.failure
+            assert torch.equal(buf[2:4], item) and not buf[:2].any()
+            assert sent.wait(10) == TransferPoll.Success
+            sent.clear()
+            received.clear()
+    finally:
+        encode_engine.unregister(item.data_ptr())
