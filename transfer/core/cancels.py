@@ -157,10 +157,7 @@ class CancelBook:
 
     def awaited_at(self, addr: Address, now: float) -> bool:
         """Whether a cancel sent on the current connection to `addr` within CANCEL_SILENCE_S is unanswered."""
-        conn = self._current_conn(addr)
-        return any(cancel.addr == addr and cancel.conn == conn and not cancel.answered
-                   and now - cancel.sent_at < CANCEL_SILENCE_S
-                   for cancels in self._awaiting.values() for cancel in cancels)
+        return addr in self.awaited_addresses(now)
 
     def awaited_addresses(self, now: float) -> set[Address]:
         """The addresses `awaited_at()` holds for."""
