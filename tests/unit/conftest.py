@@ -10,6 +10,12 @@ import time
 
 import pytest
 import pytest_socket
+from hypothesis import HealthCheck, settings
+
+# Speed is the benchmarks' to measure, never a unit test's: Hypothesis's per-example deadline (200 ms)
+# and its too-slow health check would fail a correct test on a loaded host.
+settings.register_profile("unit", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("unit")
 
 
 def _refuse(what: str):
