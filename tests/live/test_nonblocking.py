@@ -9,10 +9,11 @@ loop would, and records the worst wall time of every call in that thread, less a
 garbage collection that ran meanwhile (it stops every thread; its worst is reported), the
 time the thread spent preempted, and any stall of the whole host that a separate meter
 process saw (a VM paused by its hypervisor stops everything; its longest is reported). The bound
-(CALL_BOUND_S) is generous: it catches a call that waits on the network, a checksum or
-a look-up (seconds), not a slow machine. The manager's two locks are wrapped in probes
-that record the longest any thread held them, since a lock the I/O thread holds across
-a slow step is how a caller's call would come to block.
+(CALL_BOUND_S) is generous: it catches a call that waits on the network, a queue of
+checksums or a look-up (the tests' look-ups time out after a second or more), not a
+loaded host. The manager's two locks are wrapped in probes that record the longest any
+thread held them, since a lock the I/O thread holds across a slow step is how a caller's
+call would come to block.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from live_helpers import LIVE, MOONCAKE_MISSING, junk_pusher, wait_until
 pytestmark = LIVE
 
 HOST = "127.0.0.1"
-#: The worst any one call in the caller's thread may take (a blocking bug shows seconds).
-CALL_BOUND_S = 0.2
+#: The worst any one call in the caller's thread may take (a blocking bug shows a second or more).
+CALL_BOUND_S = 0.5
 #: The longest the I/O thread may hold a lock the caller's thread also takes.
 HOLD_BOUND_S = 0.1
 #: A small destination: one row of 64 bytes at the buffer's start (rooms may share it).
