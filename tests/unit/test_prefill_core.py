@@ -203,7 +203,9 @@ def test_a_room_without_a_status_fails_at_its_deadline_and_not_before():
     actions = c.tick(11.0)
     failure = concluded(actions)[1]
     assert failure.kind is FailureKind.DEADLINE
-    assert failure.detail == f"no status from encode rank 0 at {ENCODE[0]}:{ENCODE[1]} within 10s for room 1"
+    assert failure.detail.startswith(f"no status from encode rank 0 at {ENCODE[0]}:{ENCODE[1]} within 10s for room 1: "
+                                     f"nothing came from that rank since the room was asked: is it alive and serving, "
+                                     f"and did the encode side call send() for room 1?"), failure.detail
     assert Disconnect(ENCODE) in actions, "the rank went silent on it: a fresh look-up and socket next time"
     assert c.next_wakeup() is None
 
@@ -248,6 +250,9 @@ def test_a_room_that_expires_on_a_rank_still_answering_others_leaves_its_socket_
     actions = c.tick(2.0)
     assert concluded(actions)[1].kind is FailureKind.DEADLINE
     assert not any(isinstance(a, Disconnect) for a in actions) and c.connected(ENCODE)
+    if answered_at > 0.0:  # answered after room 1 was asked: the rank runs, room 1's item never came
+        assert "so it runs but was not given room 1's item: did the encode side call send() for room 1" \
+            in concluded(actions)[1].detail
     assert kinds(c.abandon(2.1, 3, token3)) == [SendCancel]
     # Silent since: the next room to expire, asked after the last answer, tears it down.
     c.clear(2.1, 3, token3)
@@ -275,6 +280,15 @@ def test_an_answer_on_a_lost_connection_does_not_vouch_for_the_fresh_one():
     c.route_resolved(7.1, KEY0, ENCODE)  # the rank is still filed there
     assert SendAsk in kinds(c.writable(8.0, ENCODE))  # room 1 goes out on the fresh connection
     assert Disconnect(ENCODE) in c.tick(10.0), "the fresh connection answered nothing"
+
+
+def test_a_room_of_a_fanout_says_its_encode_rank_holds_the_item_until_every_rank_asked():
+    c = core(tp_size=2, deadline_s=10.0)
+    c.receive(0.0, spec(1))
+    c.parallel_resolved(0.0, BOOT, 1, 1)
+    c.route_resolved(0.0, KEY0, ENCODE)
+    detail = concluded(c.tick(10.0))[1].detail
+    assert "holds the item until all 2 prefill ranks of its fanout asked for it" in detail, detail
 
 
 def test_a_room_whose_look_up_never_answered_fails_at_its_deadline():

@@ -288,6 +288,21 @@ class _Room:
         return f"encode rank {self.encode_rank} at {host}:{port}"
 
 
+def silent_room_detail(where: str, room: int, deadline_s: float, *, alive: bool, fanout: int) -> str:
+    """Why an asked room had no status by its deadline, and what to check: `alive` when its encode rank
+    answered other rooms after this one was asked (so it runs, and was not given this room's item)."""
+    head = f"no status from {where} within {deadline_s:g}s for room {room}"
+    fanned = (f" Its encode rank also holds the item until all {fanout} prefill ranks of its fanout asked for it: "
+              f"do they all run and ask?") if fanout > 1 else ""
+    if alive:
+        return (f"{head}: that rank answered other rooms since, so it runs but was not given room {room}'s item: "
+                f"did the encode side call send() for room {room}, on that rank, under that number?{fanned} "
+                f"An item slower to encode than {deadline_s:g}s needs a larger deadline_s")
+    return (f"{head}: nothing came from that rank since the room was asked: is it alive and serving, and did the "
+            f"encode side call send() for room {room}?{fanned} A slow first contact or encode needs a larger "
+            f"deadline_s")
+
+
 class PrefillCore:
     """One prefill rank's rooms: receive, clear, look-up results, statuses, checksums and ticks."""
 
@@ -1134,8 +1149,9 @@ class PrefillCore:
                               f"no connection to {state.where()} within {self.deadline_s:g}s: room {state.room} "
                               f"was never asked for (is the encode rank running?)")
         else:
-            failure = Failure(FailureKind.DEADLINE,
-                              f"no status from {state.where()} within {self.deadline_s:g}s for room {state.room}")
+            alive = answered is not None and answered > state.asked_at
+            failure = Failure(FailureKind.DEADLINE, silent_room_detail(state.where(), state.room, self.deadline_s,
+                                                                       alive=alive, fanout=state.fanout))
         actions += self._conclude(state, failure)
         # The rooms queued behind it wait on the same silent rank: they fail now, unasked.
         for other in never_sent:
