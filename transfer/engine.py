@@ -845,7 +845,7 @@ class Engine(RegisteredMemory):
                 if rc < 0 and pending.error is None:
                     why = f"rc={rc}" if rc > -1000 else f"Mooncake could not read its status (code {-1000 - rc})"
                     pending.error = self._describe_failure("write", pending.session_id, pending.dsts, pending.lens,
-                                                           why)
+                                                           why, remedy=_failed_write_remedy(pending.session_id))
             return not (pending.submitting or pending.waiting)  # a held-back write reads its sources later
 
     def _reader_of(self, addr: int, nbytes: int) -> str | None:
@@ -895,11 +895,13 @@ class Engine(RegisteredMemory):
                             f"inside memory registered on {self.session_id}")
 
     def _describe_failure(self, what: str, session_id: str, dsts: list[int],
-                          lens: list[int], why: str) -> str:
-        """Name the session (a peer's, so shortened when long), the destination range(s), the sizes and why."""
-        name = session_id if len(session_id) <= 120 else f"{session_id[:100]}... ({len(session_id)} characters)"
+                          lens: list[int], why: str, remedy: str = "") -> str:
+        """Name the session (a peer's, so shortened when long), the destination range(s), the sizes, why, and
+        what to check (`remedy`, when given)."""
         first = f"first destination 0x{dsts[0]:x}+{lens[0]}"
-        return f"{what} to {name} failed ({why}): {len(lens)} buffer(s), {sum(lens)} bytes, {first}"
+        text = (f"{what} to {_session_name(session_id)} failed ({why}): {len(lens)} buffer(s), {sum(lens)} bytes, "
+                f"{first}")
+        return f"{text}; {remedy}" if remedy else text
 
     # -- lifecycle --------------------------------------------------------
 
@@ -970,3 +972,15 @@ class Engine(RegisteredMemory):
         """Session and protocol, for logs."""
         state = "closed" if self._closed else "open"
         return f"Engine({getattr(self, 'session_id', self.hostname)}, {self.protocol}, {state})"
+
+
+def _session_name(session_id: str) -> str:
+    """A peer's session id as failure texts quote it (shortened when long)."""
+    return session_id if len(session_id) <= 120 else f"{session_id[:100]}... ({len(session_id)} characters)"
+
+
+def _failed_write_remedy(session_id: str) -> str:
+    """What to check when Mooncake reports a write failed (a negative status: a peer gone, or a bad destination)."""
+    return (f"is the peer engine {_session_name(session_id)} still running, and its host and port reachable from "
+            f"this node, and does the destination lie in memory it registered? (a peer restarted at the same "
+            f"host:port keeps failing here until this process restarts: docs/operations.md, troubleshooting)")

@@ -372,8 +372,11 @@ def test_a_slow_write_failure_opens_the_breaker_until_the_session_registers_agai
     run.at(2.0).offer(_offer(2))
     out = run.ask(_ask(2))
     assert run.of(StartWrite, out) == []
-    assert run.of(Conclude, out)[0].failure.detail.endswith(
-        "skipped: a write to it failed 1.0s ago (connection reset)"), "the cause is kept"
+    detail = run.of(Conclude, out)[0].failure.detail
+    assert "skipped: a write to it failed 1.0s ago (connection reset)" in detail, "the cause is kept"
+    assert detail.endswith("; writes to it fail at once for 4.0s more, or until its prefill rank registers again: "
+                           "is the prefill rank whose engine is 10.0.0.7:17000 still running, and that session's "
+                           "host and port reachable from this encode node?"), "how long, what ends it, what to check"
     run(run.core.registration(Registration("10.0.0.7", 6000, "10.0.0.7:17000", 0x10000, 0), run.now))
     run.offer(_offer(3))
     assert len(run.of(StartWrite, run.ask(_ask(3)))) == 1

@@ -73,6 +73,29 @@ def test_mooncake_timeout_status_is_a_warning_not_an_outcome(monkeypatch):
     engine.close()
 
 
+def test_a_write_mooncake_reports_failed_says_what_to_check(monkeypatch):
+    """A negative status (a peer gone, or a destination it never registered) names the peer and what to check."""
+    fake = _ScriptedTE()
+    fake.script = [-1]
+
+    class FakeModule:
+        TransferEngine = staticmethod(lambda: fake)
+
+    monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
+    engine = Engine("127.0.0.1", protocol="tcp")
+    buf = bytearray(64)
+    engine.register(id(buf), 64)
+    ticket = engine.write_async("127.0.0.1:1", [id(buf)], [0x1000], [64])
+    with pytest.raises(EngineError) as caught:
+        engine.poll(ticket)
+    assert str(caught.value) == (
+        "write to 127.0.0.1:1 failed (rc=-1): 1 buffer(s), 64 bytes, first destination 0x1000+64; is the peer engine "
+        "127.0.0.1:1 still running, and its host and port reachable from this node, and does the destination lie in "
+        "memory it registered? (a peer restarted at the same host:port keeps failing here until this process "
+        "restarts: docs/operations.md, troubleshooting)")
+    engine.close()
+
+
 def test_a_region_mooncake_would_not_unregister_stays_registered_and_its_tensor_alive(monkeypatch):
     import torch
 

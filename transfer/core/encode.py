@@ -974,6 +974,19 @@ class EncodeCore:
                    f"since the room's first ask for a free write slot or its ready event, past the fanout timeout "
                    f"{self.fanout_timeout_s:g}s; not started", now)
 
+    def _paused_detail(self, session: str, room: int, since: float, now: float) -> str:
+        """Why a write to `session`, paused by its breaker, was skipped: the failure, how long the pause
+        lasts, what ends it and what to check."""
+        why = self.breaker.detail(session)
+        entry = self.breaker.entry(session)
+        left = max(0.0, entry[1] - now) if entry is not None else 0.0
+        peer = receiver_text(session)
+        return (f"write to {peer} (room {room}) skipped: a write to it failed {now - since:.1f}s ago"
+                + (f" ({why})" if why else "")
+                + f"; writes to it fail at once for {left:.1f}s more, or until its prefill rank registers again: "
+                  f"is the prefill rank whose engine is {peer} still running, and that session's host and port "
+                  f"reachable from this encode node?")
+
     def _start(self, job: _Job, now: float) -> None:
         """Emits one receiver's write, unless its session's breaker is open or its destination is no longer inside
         the regions its session announces (it registered again, or was superseded, while the write was queued)."""
@@ -983,10 +996,7 @@ class EncodeCore:
         offer = room.offer
         since = self.breaker.open_since(info.session_id, now)
         if since is not None:
-            why = self.breaker.detail(info.session_id)
-            self._skip(job, FailureKind.WRITE, f"write to {receiver_text(info.session_id)} (room {room.room}) "
-                                               f"skipped: a write to it failed {now - since:.1f}s ago"
-                                               + (f" ({why})" if why else ""), now)
+            self._skip(job, FailureKind.WRITE, self._paused_detail(info.session_id, room.room, since, now), now)
             return
         outside = (None if job.regions_checked == self.regions.version
                    else self.regions.check([info], offer.row_bytes, offer.deepstack_row_bytes))
