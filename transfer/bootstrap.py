@@ -524,6 +524,10 @@ class BootstrapClient:
         self.host, self.port = split_address(address)
         self.timeout = check_seconds("timeout", timeout)
         self.token = check_token(token)
+        #: Whether the last register_rank() may have left its route listed: it returned, or one of its
+        #: attempts was sent and went unanswered (the server may have taken it). False when every attempt
+        #: was refused a connection or answered with a refusal: there is no route to withdraw.
+        self.may_have_registered = False
 
     def _request(self, method: str, path: str, body: bytes | None = None,
                  headers: dict[str, str] | None = None,
@@ -568,11 +572,13 @@ class BootstrapClient:
         Only a bootstrap server's answer registers: 200 with our server's JSON (`"status": "OK"`),
         a peer's plain `OK`, or an empty body. Any other 200, a redirect or a 4xx is a BootstrapError at once.
         ConfigError for a `retry_for` outside [0, 1e6] seconds (NaN included), before any request.
+        `may_have_registered` says afterwards whether the server may list the route (see there).
         """
         retry_for = check_seconds("retry_for", retry_for, zero_ok=True)
         body, headers = self._route_request(world_size, dp_size, rank_ip, rank_port, engine_rank)
         deadline = time.monotonic() + retry_for
         delay = 0.05
+        self.may_have_registered = False
         while True:
             remaining = deadline - time.monotonic()
             try:
@@ -580,9 +586,13 @@ class BootstrapClient:
                                             timeout=max(0.05, min(self.timeout, remaining)))
             except (OSError, http.client.HTTPException) as error:
                 last = f"{type(error).__name__}: {shown(str(error))}"
+                # Only a refused connection (or a name that does not resolve) surely sent nothing.
+                if not isinstance(error, (ConnectionRefusedError, socket.gaierror)):
+                    self.may_have_registered = True
             else:
                 text = shown(raw.decode("utf-8", "replace"))
                 if status == 200 and _registered(raw):
+                    self.may_have_registered = True
                     return
                 if status == 200:
                     raise BootstrapError(f"{self.address} answered encode rank {engine_rank}'s registration with "

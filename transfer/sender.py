@@ -182,8 +182,11 @@ class SenderPool:
         try:
             bootstrap.register_rank(tp_size, dp_size, self.host, self.port, engine_rank, retry_for=register_timeout_s)
         except BaseException:
+            # A server that refused every attempt lists no route of this pool's: close() withdraws none.
+            self._route.listed = bootstrap.may_have_registered
             self.close()
             raise
+        self._route.listed = True
 
     @property
     def bootstrap_timeout_s(self) -> float:
@@ -334,7 +337,8 @@ class SenderPool:
         joins the thread, closes sockets, drops temporary registrations.
 
         The route goes first (at most UNREGISTER_TIMEOUT_S; a server that does not answer, or
-        a peer's that knows no DELETE, leaves it listed, which is logged), so prefill ranks
+        a peer's that knows no DELETE, leaves it listed, which is logged; a pool whose registration
+        the server refused, or never reached, withdraws nothing), so prefill ranks
         stop being sent here before the socket closes. Writes already submitted are waited
         for first, at most CLOSE_WAIT_S, so no source is released while the engine may still
         read it; once the thread stopped (closed, or stopped by an error before), the pool
@@ -354,7 +358,7 @@ class SenderPool:
         self.close()
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Route:
     """Where an encode rank registered, with what: what its close asks the bootstrap server to forget."""
 
@@ -365,6 +369,9 @@ class _Route:
     host: str
     port: int
     engine_rank: int
+    #: Whether the server may list the route: it took the registration, or may have (an attempt went
+    #: unanswered); set once the registration is over. Only a listed route is withdrawn.
+    listed: bool = False
 
     def unregister(self) -> None:
         """DELETE /route for this rank, once, within UNREGISTER_TIMEOUT_S; logs what came of it, never raises."""
@@ -389,7 +396,8 @@ def _close(book: RoomBook, driver: EncodeDriver, route: _Route) -> None:
         first = not book.closed
         book.closed = book.stopping = True
     if first:
-        route.unregister()
+        if route.listed:
+            route.unregister()
         driver.stop()
     thread = driver.thread
     # A later close() waits as long as the first: its caller may close the engine next.

@@ -22,7 +22,7 @@ import torch
 from live_helpers import HOST, LIVE, wait_until
 
 from transfer.bootstrap import BootstrapClient, BootstrapServer
-from transfer.errors import BootstrapNoRoute
+from transfer.errors import BootstrapError, BootstrapNoRoute
 from transfer.receiver import SessionManager
 from transfer.sender import SenderPool
 from transfer.status import TransferPoll
@@ -190,3 +190,22 @@ def test_close_goes_on_within_about_a_second_whatever_the_bootstrap_server_does_
     [line] = [r.getMessage() for r in caplog.records if "may stay listed" in r.getMessage()]
     assert line.startswith("sender pool of encode rank 0: its route to ")
     print(f"\nclose() with a bootstrap server that {server}: {took:.2f} s")
+
+
+@pytest.mark.parametrize("refusal", ["wrong token (401)", "no server (connection refused)"])
+def test_a_pool_whose_registration_was_refused_withdraws_no_route(engines, caplog, refusal):
+    """No attempt of the registration was taken (each was answered with a refusal, or refused a
+    connection): closing the pool sends no DELETE /route, and logs no route that may stay listed."""
+    encode, _ = engines
+    caplog.set_level(logging.INFO, logger="transfer.sender")
+    caplog.set_level(logging.DEBUG, logger="transfer.bootstrap")  # last: the capture's own level is the last one set
+    with BootstrapServer(HOST, 0, token="right") as server:
+        address = server.address
+        if refusal.startswith("no server"):
+            server.close()
+        with pytest.raises(BootstrapError, match="HTTP 401" if "401" in refusal else "within 0.3s"):
+            SenderPool(encode, 0, 1, 1, address, token="wrong", register_timeout_s=0.3)
+    requests = [r.getMessage() for r in caplog.records if r.name == "transfer.bootstrap"]
+    assert any("PUT" in line for line in requests) or "401" not in refusal, requests
+    assert not any("DELETE" in line for line in requests), requests
+    assert not any("may stay listed" in r.getMessage() for r in caplog.records), caplog.text

@@ -17,7 +17,7 @@ from transfer.drive.encode import RoomBook
 from transfer.errors import BootstrapError, BootstrapUnreachable
 from transfer.metrics import Metrics
 
-ROUTE = sender._Route("10.0.0.1:8998", "t0k", 4, 2, "10.0.0.7", 7000, 3)
+ROUTE = sender._Route("10.0.0.1:8998", "t0k", 4, 2, "10.0.0.7", 7000, 3, listed=True)
 
 
 class _Driver:
@@ -51,6 +51,14 @@ def test_close_withdraws_the_route_it_registered_before_the_driver_stops_and_onl
     assert calls == [("unregister", ROUTE), "stop"]
     sender._close(book, driver, ROUTE)
     assert calls == [("unregister", ROUTE), "stop"], "a second close asks nothing again"
+
+
+def test_close_withdraws_no_route_the_server_never_listed(deletes, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(sender._Route, "unregister", lambda route: calls.append(("unregister", route)))
+    unlisted = sender._Route("10.0.0.1:8998", "t0k", 4, 2, "10.0.0.7", 7000, 3)  # its registration was refused
+    sender._close(RoomBook(Metrics("epd_test")), _Driver(calls), unlisted)
+    assert calls == ["stop"]
 
 
 def test_the_delete_names_this_ranks_endpoint_with_its_token_within_a_second(deletes):
