@@ -230,6 +230,7 @@ class ReceivePool:
                             ("max_fallback_bytes", 0 if max_fallback_bytes in (None, _AUTO) else max_fallback_bytes)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        config.check_engine("ReceivePool", engine, ("register", "unregister"))
         if slot_bytes <= 0 or slot_bytes % SLOT_ALIGN:
             raise ConfigError(f"slot_bytes must be a positive multiple of {SLOT_ALIGN}, got {slot_bytes}")
         if nbytes < slot_bytes:

@@ -246,6 +246,21 @@ def check_flag(owner: str, argument: str, value: Any) -> bool:
     return value
 
 
+#: What a sender pool or session manager uses of its engine first: an object without them is no engine.
+ENGINE_MEMBERS = ("session_id", "register", "registered")
+
+
+def check_engine(owner: str, engine: Any, members: tuple[str, ...] = ENGINE_MEMBERS) -> None:
+    """ConfigTypeError unless `engine` has `members`, as a transfer engine does (transfer.engine.Engine,
+    transfer.wire_engine.WireEngine, or one like them: transfer.interfaces.TransferEngineLike)."""
+    missing = [name for name in members if not hasattr(engine, name)]
+    if missing:
+        has = ", ".join(f"{name}()" if name != "session_id" else name for name in members)
+        raise ConfigTypeError(f"{owner}: engine must be a transfer engine (transfer.engine.Engine, "
+                              f"transfer.wire_engine.WireEngine, or one with {has}), got {type(engine).__name__}"
+                              + ("" if engine is None else f" without {', '.join(missing)}"))
+
+
 def check_polls(owner: str, poll_min_s: float, poll_max_s: float) -> None:
     """ConfigError unless poll_min_s <= poll_max_s <= MAX_POLL_S (both checked as settings already)."""
     if poll_max_s > MAX_POLL_S:

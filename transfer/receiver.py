@@ -165,7 +165,8 @@ class SessionManager:
         (default: EPD_LOOKUP_TIMEOUT_S, else 2 s) each bootstrap look-up. `bootstrap_timeout_s` is
         the deprecated name of `lookup_timeout_s`. Raises ConfigError for a bad argument or variable,
         ConfigTypeError for an argument of the wrong type (a rank or size that is not an int, a
-        port that is not an int, pair or string, an `integrity` that is not True or False).
+        port that is not an int, pair or string, an `integrity` that is not True or False, an `engine`
+        that is not one).
         """
         engine_rank, tp_size, dp_size = check_parallel(engine_rank, tp_size, dp_size)
         lookup_timeout_s = config.renamed("SessionManager", "bootstrap_timeout_s", bootstrap_timeout_s,
@@ -174,6 +175,7 @@ class SessionManager:
         lookup_timeout_s = config.resolve("EPD_LOOKUP_TIMEOUT_S", lookup_timeout_s)
         integrity = config.check_flag("SessionManager", "integrity", integrity)
         parse_ports(status_port)  # a bad setting fails before any memory is registered
+        config.check_engine("SessionManager", engine)
         _await_dropped_manager(engine)
         with _managed_lock:
             _refuse_shared_engine(engine)

@@ -124,8 +124,8 @@ class SenderPool:
         `bootstrap_timeout_s` is the deprecated name of `fanout_timeout_s`. Raises ConfigError
         for a bad argument or variable, ConfigTypeError for an argument of the wrong type (a rank
         or size that is not an int, a port that is not an int, pair or string, an `integrity`
-        that is not True or False), EngineError for an engine already closed, BootstrapError when the
-        registration fails.
+        that is not True or False, an `engine` that is not one), EngineError for an engine already closed,
+        BootstrapError when the registration fails.
         """
         engine_rank, tp_size, dp_size = check_parallel(engine_rank, tp_size, dp_size)
         fanout_timeout_s = config.renamed("SenderPool", "bootstrap_timeout_s", bootstrap_timeout_s,
@@ -139,6 +139,7 @@ class SenderPool:
         config.check_polls("SenderPool", poll_min_s, poll_max_s)
         integrity = config.check_flag("SenderPool", "integrity", integrity)
         bootstrap = BootstrapClient(bootstrap_addr, token=token)  # the address and token, checked before any start
+        config.check_engine("SenderPool", engine)
         if getattr(engine, "closed", False):
             # Its route would send prefill ranks to a pool none of whose writes can start.
             raise EngineError(f"engine {engine.session_id} is closed: give the sender pool an open engine")

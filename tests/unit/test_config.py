@@ -343,3 +343,22 @@ def test_the_settings_defaults_are_the_components_own():
                                                                                       encode.POLL_MAX_S)
     assert setting("EPD_QUARANTINE_S").default == buffers.QUARANTINE_S
     assert config.setting("EPD_QUARANTINE_S").default > setting("EPD_FANOUT_TIMEOUT_S").default
+
+
+# ------------------------------------------------------------------ the engine argument
+
+
+@pytest.mark.parametrize("component", ["SenderPool", "SessionManager", "ReceivePool"])
+@pytest.mark.parametrize("engine, got", [(None, "got NoneType$"), ("127.0.0.1", "got str without ")])
+def test_a_component_given_no_engine_says_which_argument_it_needs(component, engine, got):
+    from transfer.buffers import ReceivePool
+    from transfer.receiver import SessionManager
+    from transfer.sender import SenderPool
+
+    make = {"SenderPool": lambda: SenderPool(engine, 0, 1, 1, "127.0.0.1:8998"),
+            "SessionManager": lambda: SessionManager(engine, 0, 1, buffer=object()),
+            "ReceivePool": lambda: ReceivePool(engine, 1024, 256)}[component]
+    with pytest.raises(ConfigTypeError, match=rf"^{component}: engine must be a transfer engine "
+                                              rf"\(transfer.engine.Engine, transfer.wire_engine.WireEngine, or one "
+                                              rf"with .*\), {got}"):
+        make()
