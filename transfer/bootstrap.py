@@ -222,6 +222,11 @@ class _Handler(OneDeadlineHandler):
         except _RequestError as error:
             self._text(error.status, error.text)
 
+    def do_HEAD(self) -> None:
+        """HEAD /route and /health: answered as GET, headers only (a load balancer's or a probe's check;
+        SPEC.md section 5 names only GET, and a HEAD changes nothing)."""
+        self.do_GET()
+
     def _target(self) -> SplitResult:
         """The request target split into its parts, or a 400 when it does not parse (a bad IPv6 host)."""
         try:

@@ -484,7 +484,8 @@ class _PrometheusCollector:
 
 
 class MetricsServer:
-    """A tiny HTTP server: GET /metrics (text format) and /stats (JSON snapshot).
+    """A tiny HTTP server: GET /metrics (text format) and /stats (JSON snapshot); HEAD answers as GET does,
+    headers only.
 
     Bounded for a network anyone may reach: one request per connection, each given
     `request_timeout_s` in all (a silent or dripping client is dropped then), and at
@@ -590,11 +591,11 @@ def _make_handler(server: MetricsServer, request_timeout_s: float) -> type[BaseH
             else:
                 self.send_error(404, "only /metrics and /stats are served")
                 return
-            self.send_response(200)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self._send(200, body, ctype)  # a HEAD request's without its body
+
+        def do_HEAD(self) -> None:  # http.server's naming
+            """Answer as GET does, headers only (a probe's or a load balancer's check)."""
+            self.do_GET()
 
         def log_message(self, format: str, *args) -> None:
             """Stay quiet: a scraper every few seconds would flood stderr."""

@@ -436,10 +436,22 @@ def test_every_error_is_answered_as_short_text(server, sent, status):
     assert body and b"<" not in body and len(body) < 200, body
 
 
-def test_a_head_request_is_answered_501_as_text_without_a_body(server):
-    head, _, body = _raw(server, b"HEAD /health HTTP/1.0\r\n\r\n").partition(b"\r\n\r\n")
+@pytest.mark.parametrize("target", [b"/health", b"/route?engine_rank=-1&target_dp_group=-1", b"/route?engine_rank=0",
+                                    b"/nowhere"])
+def test_a_head_request_is_answered_as_get_without_a_body(server, target):
+    head, _, body = _raw(server, b"HEAD " + target + b" HTTP/1.0\r\n\r\n").partition(b"\r\n\r\n")
+    got_head, _, got_body = _raw(server, b"GET " + target + b" HTTP/1.0\r\n\r\n").partition(b"\r\n\r\n")
+    assert body == b"" and got_body
+    assert head.split(b"\r\n")[0] == got_head.split(b"\r\n")[0], (head, got_head)
+    headers = [line for line in head.split(b"\r\n")[1:] if not line.startswith((b"Server:", b"Date:"))]
+    assert headers == [line for line in got_head.split(b"\r\n")[1:] if not line.startswith((b"Server:", b"Date:"))]
+    assert b"\r\nContent-Length: %d\r\n" % len(got_body) in head + b"\r\n"
+
+
+def test_a_method_the_server_does_not_serve_is_answered_501_as_text(server):
+    head, _, body = _raw(server, b"OPTIONS /health HTTP/1.0\r\n\r\n").partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.0 501 ") and b"\r\nContent-Type: text/plain; charset=utf-8\r\n" in head
-    assert body == b""
+    assert body == b"Unsupported method ('OPTIONS')", body
 
 
 @pytest.mark.parametrize("request_line", [b"GET http://[::1/route HTTP/1.0", b"PUT http://[x/route HTTP/1.0"])

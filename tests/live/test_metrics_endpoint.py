@@ -46,6 +46,27 @@ def test_http_endpoint_serves_metrics():
         get(server.url)  # closed: the port no longer answers
 
 
+@pytest.mark.parametrize("path", ["/metrics", "/stats", "/nowhere"])
+def test_a_head_request_is_answered_as_get_without_a_body(path):
+    m = small_example()
+    with m.serve() as server:
+        url = f"http://127.0.0.1:{server.port}{path}"
+        request = urllib.request.Request(url, method="HEAD")
+        try:
+            with urllib.request.urlopen(request, timeout=5) as resp:
+                status, headers, body = resp.status, resp.headers, resp.read()
+        except urllib.error.HTTPError as error:
+            status, headers, body = error.code, error.headers, error.read()
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                got = resp.status, resp.headers, resp.read()
+        except urllib.error.HTTPError as error:
+            got = error.code, error.headers, error.read()
+    assert (status, headers["Content-Type"], headers["Content-Length"]) == (got[0], got[1]["Content-Type"],
+                                                                            str(len(got[2])))
+    assert body == b"" and len(got[2]) > 0
+
+
 def test_one_endpoint_for_several_sources():
     a, b = Metrics("epd_recv"), Metrics("epd_send")
     a.inc("bytes_received_total", 10)
