@@ -516,10 +516,16 @@ class ReceivePool:
         for region in expired:
             self._unregister(region)
 
-    def stats(self) -> PoolStats:
+    def stats(self, *, poll: bool = True) -> PoolStats:
         """Counts after a poll(): free, leased, pending_events, quarantined slots; live and total
-        fallbacks, the bytes they hold and their cap (max_fallback_bytes, None when unbounded)."""
-        self.poll()
+        fallbacks, the bytes they hold and their cap (max_fallback_bytes, None when unbounded).
+
+        `poll=False` reads the counts as they stand, doing none of poll()'s work (querying
+        copy-out events, unregistering fallbacks past their grace): what a metrics scrape, on
+        a thread of its own, reads; the owner's next poll() or lease brings them up to date.
+        """
+        if poll:
+            self.poll()
         with self._lock:
             return {
                 "slots": self.slots,

@@ -72,6 +72,13 @@ def _refuse_shared_engine(engine: TransferEngineLike) -> None:
                           f"manager needs an engine of its own")
 
 
+def pool_gauges(metrics: Metrics, pool: ReceivePool) -> None:
+    """The receive pool's gauges: read-only, so a scrape (on its thread) queries no event and unregisters no
+    fallback; the manager's thread and receive() poll the pool."""
+    metrics.gauge_fn("quarantined_slots", lambda: pool.stats(poll=False)["quarantined"])
+    metrics.gauge_fn("fallback_bytes", lambda: pool.stats(poll=False)["fallback_bytes"])
+
+
 class ReceiveHandle(_io.RoomHandle[Room]):
     """One room's progress as the scheduler loop sees it: poll(), failure, failure_kind, latency_s, wait(), clear()."""
 
@@ -230,8 +237,7 @@ class SessionManager:
         rooms = self._driver.rooms
         self.metrics.gauge_fn("rooms_in_flight", lambda: len(rooms))
         if pool is not None:
-            self.metrics.gauge_fn("quarantined_slots", lambda: pool.stats()["quarantined"])
-            self.metrics.gauge_fn("fallback_bytes", lambda: pool.stats()["fallback_bytes"])
+            pool_gauges(self.metrics, pool)
         with _managed_lock:
             try:
                 _refuse_shared_engine(engine)  # another thread's manager may have claimed it meanwhile

@@ -370,3 +370,36 @@ def test_a_handle_dropped_without_clear_warns_that_its_slot_stays_held(engines):
         assert messages == ["room 2's handle was dropped without clear(): the session manager keeps the room "
                             "and its pool slot until it closes"], messages
         assert pool.stats()["leased"] == 1
+
+
+@pytest.mark.live
+def test_a_metrics_scrape_leaves_unregistering_a_fallback_to_the_managers_thread():
+    """A scrape (the manager's stats(), on a thread of its own) reads the pool's gauges without doing its
+    work: the fallback past its grace is unregistered by the manager's thread, not the scraper."""
+    from transfer.engine import Engine
+    from transfer.receiver import SessionManager
+
+    class RecordingThreads(Engine):
+        """A real engine that notes which thread unregistered each region."""
+
+        unregistered: list[tuple[int, str]] = []
+
+        def unregister(self, addr: int) -> None:
+            self.unregistered.append((addr, threading.current_thread().name))
+            super().unregister(addr)
+
+    clock = FakeClock()
+    with RecordingThreads(HOST, "tcp") as engine, \
+            ReceivePool(engine, SLOT, SLOT, grace_s=1.0, clock=clock) as pool, \
+            SessionManager(engine, 0, 1, 1, pool=pool, host=HOST, deadline_s=30.0) as manager:
+        big = pool.lease_or_fallback(SLOT * 2)
+        big.release()
+        clock.advance(1.0)  # past its grace: the next poll unregisters it
+        rows: list = []
+        scraper = threading.Thread(target=lambda: rows.extend(manager.stats()), name="scraper")
+        scraper.start()
+        scraper.join(10)
+        assert [r["value"] for r in rows if r["name"] == "epd_prefill_fallback_bytes"] in ([SLOT * 2], [0])
+        assert wait_until(lambda: big.addr not in engine.registered(), 10)
+        threads = [name for addr, name in engine.unregistered if addr == big.addr]
+    assert threads and "scraper" not in threads, threads

@@ -368,3 +368,27 @@ def test_a_slot_freed_by_the_poll_after_the_cap_refused_a_fallback_is_leased_not
     slot.release()
     assert pool.stats()["free"] == 1
     pool.close()
+
+
+def test_a_metrics_scrape_of_the_pool_does_none_of_polls_work(engine, clock):
+    """The gauges read the pool as it stands: a fallback past its grace stays registered, and an event is not
+    queried, until the owner polls."""
+    from transfer.metrics import Metrics, total
+    from transfer.receiver import pool_gauges
+
+    metrics = Metrics("epd_test")
+    with make_pool(engine, clock, slots=2) as pool:
+        pool_gauges(metrics, pool)
+        big = pool.lease_or_fallback(SLOT * 3)
+        big.release()
+        slot = pool.lease(SLOT)
+        event = FakeEvent()
+        slot.release(event)
+        clock.advance(GRACE)
+        event.done = True
+        queried = event.queries
+        assert total(metrics.snapshot(), "epd_test_fallback_bytes") == SLOT * 3
+        assert big.addr in engine.regions and event.queries == queried, "the scrape did the owner's work"
+        pool.poll()
+        assert big.addr not in engine.regions
+        assert total(metrics.snapshot(), "epd_test_fallback_bytes") == 0
