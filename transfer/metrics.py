@@ -223,6 +223,7 @@ class Metrics:
         self._gauge_fns: dict[str, Callable[[], float]] = {}
         self._counter_fns: dict[str, Callable[[], float]] = {}
         self._histograms: dict[str, dict[LabelKey, _Histogram]] = {}
+        self._component: tuple[object, str] | None = None  # (its claim, its name) while a component holds it
 
     # ---- recording -------------------------------------------------------
 
@@ -262,6 +263,30 @@ class Metrics:
                 raise ConfigError(f"label {sorted(taken)[0]!r} is already a series label of {self.namespace!r}")
             have.update(key)
             self._const = tuple(sorted(have.items()))
+
+    def claim(self, component: str) -> Callable[[], None]:
+        """Marks this set as the one `component` (a sender pool, a session manager) records into, until the
+        returned release is called (its close); ConfigError while another component holds it.
+
+        Two open components of one role and rank on one set would write the same series: their
+        counters would add up unseen and the second's gauges (queue_depth, ...) would hide the
+        first's. So each open component needs a set of its own; a set its component let go of
+        (closed) may serve the next one, whose counters go on from where the first's stopped.
+        """
+        token = object()
+        with self._lock:
+            if self._component is not None:
+                raise ConfigError(f"metrics {self.namespace!r} already record {self._component[1]}, which is not "
+                                  f"closed: {component} would write the same series (its gauges hiding the first's, "
+                                  f"its counters merging with them): give each a Metrics of its own, or close the "
+                                  f"first before reusing its Metrics")
+            self._component = (token, component)
+
+        def release() -> None:
+            with self._lock:
+                if self._component is not None and self._component[0] is token:
+                    self._component = None
+        return release
 
     def _series_key(self, labels: dict[str, object], reserved: tuple[str, ...] = ()) -> LabelKey:
         """A series' own label key; the set's labels and `reserved` may not be among them."""

@@ -15,6 +15,7 @@ import logging
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -205,6 +206,9 @@ class SessionManager:
         if pool is not None and pool.engine is not engine:
             raise ConfigError("the pool's memory is registered with another engine than the manager's: "
                               "encode ranks could not write into it")
+        # Its close lets go of the metrics; a manager that never starts, at once.
+        release_metrics = self.metrics.claim(f"the session manager of prefill rank {engine_rank}")
+        self._release_metrics = release_metrics
         self._owned: list[int] = []
         self.pool = pool
         self.deepstack_buffer: _io.Region | None
@@ -222,6 +226,7 @@ class SessionManager:
             )
         except BaseException:
             self._unregister_owned()  # no manager is returned whose close() would
+            release_metrics()
             raise
         # Every destination lies in one of these announced (embedding, deepstack) region
         # pairs; the first is the main buffer, the rest are added for per-item buffers.
@@ -232,7 +237,8 @@ class SessionManager:
         self.status_port = self._driver.status_port
         # Holds what closing needs, never the manager: a manager dropped without close() is closed by it.
         self._dropped = weakref.finalize(self, _close_dropped, self._driver, engine, (engine_rank, id(self)),
-                                         self._owned, f"prefill rank {engine_rank} (status port {self.status_port})")
+                                         self._owned, f"prefill rank {engine_rank} (status port {self.status_port})",
+                                         release_metrics)
         self._dropped.atexit = False  # at exit the daemon threads go with the process
         rooms = self._driver.rooms
         self.metrics.gauge_fn("rooms_in_flight", lambda: len(rooms))
@@ -487,7 +493,7 @@ class SessionManager:
             self._dropped.detach()
             if self._driver.forked:  # its thread, sockets and registrations are the parent's, not this child's
                 return
-            _close(self._driver, self.engine, (self.engine_rank, id(self)), self._owned)
+            _close(self._driver, self.engine, (self.engine_rank, id(self)), self._owned, self._release_metrics)
 
     def _unregister_owned(self) -> None:
         """Unregisters the memory this manager registered."""
@@ -556,9 +562,12 @@ class SessionManager:
             self._driver.when_safe(record, lease.end_quarantine)
 
 
-def _close(driver: PrefillDriver, engine: TransferEngineLike, claim: tuple[int, int], owned: list[int]) -> None:
+def _close(driver: PrefillDriver, engine: TransferEngineLike, claim: tuple[int, int], owned: list[int],
+           release_metrics: Callable[[], None] | None = None) -> None:
     """Closes a session manager's parts: the driver, the memory it registered, then its claim on the
-    engine (a new manager there finds no memory of this one still registered)."""
+    engine (a new manager there finds no memory of this one still registered); lets go of its metrics."""
+    if release_metrics is not None:
+        release_metrics()
     try:
         driver.close()
         for record in list(driver.rooms.values()):
@@ -588,7 +597,7 @@ def _settle(lease: Slot, fate: Fate, event: EventLike | None = None) -> None:
 
 
 def _close_dropped(driver: PrefillDriver, engine: TransferEngineLike, claim: tuple[int, int], owned: list[int],
-                   name: str) -> None:
+                   name: str, release_metrics: Callable[[], None] | None = None) -> None:
     """A SessionManager was dropped without close(): says so, and closes it on a thread of its own
     (the collection may run on any thread, the I/O thread too, which closing joins). A forked child's
     copy is the parent's manager: nothing of it is this process's to close."""
@@ -601,7 +610,7 @@ def _close_dropped(driver: PrefillDriver, engine: TransferEngineLike, claim: tup
 
     def close() -> None:
         try:
-            _close(driver, engine, claim, owned)
+            _close(driver, engine, claim, owned, release_metrics)
         finally:
             with _managed_lock:
                 if _closing_engines.get(engine) is closed:

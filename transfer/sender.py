@@ -161,24 +161,32 @@ class SenderPool:
         self._cuda: bool | None = None  # whether this process can hold CUDA memory, once a raw source asks
         self._readable: dict[tuple[int, int], bool] = {}  # registrations holding raw sources: host memory?
 
-        self._book = RoomBook(self.metrics)
-        self._table = self._book.table
-        self._sources = SourceRegistry(engine)
-        self._core = EncodeCore(fanout_timeout_s=fanout_timeout_s, depth=depth,
-                                parked=ParkedAsks(max_bytes=max_parked_bytes), now=time.monotonic())
-        self._driver = EncodeDriver(self._core, engine, engine_rank, self.host, port, self._book, self._sources,
-                                    self.metrics, integrity=integrity, poll_min_s=poll_min_s,
-                                    poll_max_s=poll_max_s)
-        self.port = self._driver.port
-        self._thread = self._driver.thread
-        # The metrics (which the driver holds) read the parts, never the pool: a pool dropped
-        # without close() is collected, and its finalizer closes it.
-        core = self._core
-        self.metrics.gauge_fn("queue_depth", lambda: core.waiting)
-        self.metrics.gauge_fn("parked_rooms", self._book.parked)
-        self._driver.start()
-        self._route = _Route(bootstrap_addr, token, tp_size, dp_size, self.host, self.port, engine_rank)
-        self._dropped = weakref.finalize(self, _close_dropped, self._book, self._driver, self._route)
+        # Its close lets go of the metrics; a pool that never starts, at once.
+        release_metrics = self.metrics.claim(f"the sender pool of encode rank {engine_rank}")
+        try:
+            self._book = RoomBook(self.metrics)
+            self._table = self._book.table
+            self._sources = SourceRegistry(engine)
+            self._core = EncodeCore(fanout_timeout_s=fanout_timeout_s, depth=depth,
+                                    parked=ParkedAsks(max_bytes=max_parked_bytes), now=time.monotonic())
+            self._driver = EncodeDriver(self._core, engine, engine_rank, self.host, port, self._book, self._sources,
+                                        self.metrics, integrity=integrity, poll_min_s=poll_min_s,
+                                        poll_max_s=poll_max_s)
+            self.port = self._driver.port
+            self._thread = self._driver.thread
+            # The metrics (which the driver holds) read the parts, never the pool: a pool dropped
+            # without close() is collected, and its finalizer closes it.
+            core = self._core
+            self.metrics.gauge_fn("queue_depth", lambda: core.waiting)
+            self.metrics.gauge_fn("parked_rooms", self._book.parked)
+            self._driver.start()
+            self._route = _Route(bootstrap_addr, token, tp_size, dp_size, self.host, self.port, engine_rank)
+            self._dropped = weakref.finalize(self, _close_dropped, self._book, self._driver, self._route,
+                                             release_metrics)
+        except BaseException:
+            release_metrics()
+            raise
+        self._release_metrics = release_metrics
         self._dropped.atexit = False  # at exit the daemon threads go with the process
         try:
             bootstrap.register_rank(tp_size, dp_size, self.host, self.port, engine_rank, retry_for=register_timeout_s)
@@ -350,7 +358,7 @@ class SenderPool:
         """
         self._dropped.detach()
         if not self._driver.forked:
-            _close(self._book, self._driver, self._route)
+            _close(self._book, self._driver, self._route, self._release_metrics)
 
     def __enter__(self) -> SenderPool:
         return self
@@ -390,12 +398,16 @@ class _Route:
                   self.port)
 
 
-def _close(book: RoomBook, driver: EncodeDriver, route: _Route) -> None:
-    """Closes a sender pool's driver, its route withdrawn first (see SenderPool.close)."""
+def _close(book: RoomBook, driver: EncodeDriver, route: _Route,
+           release_metrics: Callable[[], None] | None = None) -> None:
+    """Closes a sender pool's driver, its route withdrawn first (see SenderPool.close), and lets go of its
+    metrics (another pool may record into them)."""
     engine_rank = route.engine_rank
     with book.lock:  # send() publishes items under it: none slips in after this
         first = not book.closed
         book.closed = book.stopping = True
+    if release_metrics is not None:
+        release_metrics()
     if first:
         if route.listed:
             route.unregister()
@@ -413,7 +425,8 @@ def _close(book: RoomBook, driver: EncodeDriver, route: _Route) -> None:
         book.fail_open(Failure(FailureKind.CLOSED, "sender pool closed"), time.monotonic())
 
 
-def _close_dropped(book: RoomBook, driver: EncodeDriver, route: _Route) -> None:
+def _close_dropped(book: RoomBook, driver: EncodeDriver, route: _Route,
+                   release_metrics: Callable[[], None] | None = None) -> None:
     """A SenderPool was dropped without close(): says so, and closes it on a thread of its own
     (the collection may run on any thread, the pool's own too, which closing joins). A forked child's
     copy is the parent's pool: nothing of it is this process's to close."""
@@ -422,8 +435,8 @@ def _close_dropped(book: RoomBook, driver: EncodeDriver, route: _Route) -> None:
     engine_rank = route.engine_rank
     warnings.warn(f"sender pool of encode rank {engine_rank} (port {route.port}) was dropped without close(): "
                   f"closing it", ResourceWarning)
-    threading.Thread(target=_close, args=(book, driver, route), name=f"epd-encode-{engine_rank}-close",
-                     daemon=True).start()
+    threading.Thread(target=_close, args=(book, driver, route, release_metrics),
+                     name=f"epd-encode-{engine_rank}-close", daemon=True).start()
 
 
 def _source(src: torch.Tensor | int, span: int | None, hidden: int | None, dtype: str | None, *,

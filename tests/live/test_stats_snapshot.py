@@ -76,3 +76,39 @@ def test_both_sides_stats_are_flat_labelled_rows_and_an_unchecked_success_counts
     finally:
         for item in items:
             encode_engine.unregister(item.data_ptr())
+
+
+def test_a_metrics_set_records_one_open_component_at_a_time(engines, server):
+    """Two open sender pools of one rank on one Metrics would write the same series, the second's gauges
+    hiding the first's: the second is refused, saying so; once the first closed, the set serves the next
+    pool, whose counters go on from the first's. Likewise for session managers."""
+    import pytest
+    import torch
+
+    from transfer.errors import ConfigError
+    from transfer.engine import Engine
+    from transfer.metrics import Metrics
+    from transfer.receiver import SessionManager
+    from transfer.sender import SenderPool
+
+    encode_engine, prefill_engine = engines
+    shared = Metrics("epd_shared")
+    with SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST, metrics=shared) as first:
+        with pytest.raises(ConfigError, match=r"^metrics 'epd_shared' already record the sender pool of encode rank "
+                                              r"0, which is not closed: the sender pool of encode rank 0 would write "
+                                              r"the same series \(its gauges hiding the first's"):
+            SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST, metrics=shared)
+        handle = first.send(1, torch.zeros(2, 8))
+        assert total(shared.snapshot(), "epd_shared_parked_rooms") == 1, "the first pool's gauge is still read"
+        handle.clear()
+    with SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST, metrics=shared) as second:
+        assert total(second.stats(), "epd_shared_rooms_started_total") == 1
+        assert total(second.stats(), "epd_shared_parked_rooms") == 0, "the gauges read the open pool"
+    prefill_metrics = Metrics("epd_shared_prefill")
+    buf = torch.zeros(64, dtype=torch.uint8)
+    with Engine(HOST, "tcp") as other_engine, \
+            SessionManager(prefill_engine, 0, 1, 1, buffer=buf, host=HOST, metrics=prefill_metrics):
+        with pytest.raises(ConfigError, match=r"already record the session manager of prefill rank 0, which is not"):
+            SessionManager(other_engine, 0, 1, 1, buffer=torch.zeros(64, dtype=torch.uint8), host=HOST,
+                           metrics=prefill_metrics)
+        assert other_engine.registered() == {}, "the refused manager registered nothing"

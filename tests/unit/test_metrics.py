@@ -220,3 +220,20 @@ def test_a_registry_refuses_a_second_collector_whose_families_clash():
         small_example().register_with_prometheus_client(registry)  # another of the same names
     text = prometheus_client.generate_latest(registry).decode()
     assert text.count("# TYPE epd_rooms_started_total counter") == 1
+
+
+def test_a_set_records_one_component_at_a_time_and_serves_the_next_once_released():
+    m = Metrics("epd_x")
+    release = m.claim("the sender pool of encode rank 0")
+    with pytest.raises(ConfigError, match=r"^metrics 'epd_x' already record the sender pool of encode rank 0, which "
+                                          r"is not closed: the sender pool of encode rank 1 would write the same "
+                                          r"series .*give each a Metrics of its own, or close the first"):
+        m.claim("the sender pool of encode rank 1")
+    release()
+    release()  # a second release (a close after a failed start) lets go of nothing else
+    again = m.claim("the sender pool of encode rank 1")
+    release()
+    with pytest.raises(ConfigError):  # an old release does not free the set its successor holds
+        m.claim("a third")
+    again()
+    m.claim("a third")
