@@ -267,6 +267,7 @@ class _EncodeRank:
         arenas = {addr for _, addr in self.arenas}
         return {
             "items": len(pool._book.held), "asks": len(pool._core.parked), "table": len(pool._table),
+            "waiting_for_asks": pool._core.parked_rooms,
             "temp_sources": len(pool._sources.counts), "pending_handles": len(self.handles),
             "extra_registrations": sorted(set(self.engine.registered()) - set(self.registered_before) - arenas),
             "dropped_statuses": pool._driver.statuses.dropped,

@@ -44,8 +44,8 @@ from transfer.frames import (Cancel, CancelAnswer, Registration, TransferInfo, h
                              validate_fanout)
 from transfer.status import TransferPoll
 
-__all__ = ["CLEARED_GRACE_S", "REASK_GRACE_S", "SWEEP_S", "Conclude", "Count", "EncodeCore", "Offer", "Progress",
-           "PushStatus", "Release", "StartWrite", "Warn"]
+__all__ = ["CLEARED_GRACE_S", "REASK_GRACE_S", "SWEEP_S", "UNREAD_GRACE_S", "Conclude", "Count", "EncodeCore",
+           "Offer", "Progress", "PushStatus", "Release", "StartWrite", "Warn"]
 
 _T = TypeVar("_T", bound=Filed)
 
@@ -60,6 +60,13 @@ REASK_GRACE_S = 0.1
 
 #: How often unserved items and asks are swept for the fanout timeout.
 SWEEP_S = 0.5
+
+#: How long a tick whose driver may have asks still unread (it was held up past the tick's
+#: time, or its bounded drain left requests queued) holds back the rules that conclude rooms
+#: for want of an ask (the fanout timeout, the graces of clears and cancels): the driver reads
+#: those asks first. Once in a row: the tick at its end applies them whatever is still unread,
+#: so a flood of requests delays them by this much at most.
+UNREAD_GRACE_S = 0.1
 
 #: Rooms remembered as cancelled before their item came, and rooms whose asks were told Failed
 #: for want of their item (each at most this many, oldest forgotten first), so the item fails at
@@ -341,6 +348,7 @@ class EncodeCore:
         self._held: dict[int, _HeldItem] = {}
         self._failed_writes: dict[tuple[int, str], float] = {}  # (room, session) -> when a write to it failed
         self._next_sweep = now + SWEEP_S
+        self._rules_held_until: float | None = None  # a tick with asks maybe unread held the rules back till then
         self._closed = False
         self._close_detail = ""
         self._writes_stopped = False
@@ -661,9 +669,21 @@ class EncodeCore:
                        f"failed: {error}", now)
         return self._flush(now)
 
-    def tick(self, now: float) -> list:
-        """Time passed: cleared rooms' grace, writes waiting for a slot or a ready event, the sweep."""
+    def tick(self, now: float, unread: bool = False) -> list:
+        """Time passed: cleared rooms' grace, writes waiting for a slot or a ready event, the sweep.
+
+        `unread`: asks may wait unread in the driver's socket (it was held up past this
+        tick's time, or left requests queued). Asks that came before a room's time-out
+        count: the rules that conclude rooms for want of an ask wait UNREAD_GRACE_S for
+        the driver to read them, once in a row (writes waiting still start meanwhile).
+        """
         self.scheduler.new_turn()
+        if unread and self._rules_held_until is None:
+            self._rules_held_until = now + UNREAD_GRACE_S
+        if self._rules_held_until is not None:
+            if now < self._rules_held_until:
+                return self._flush(now)
+            self._rules_held_until = None
         while self._clears_due and now >= self._clears_due[0][1] + CLEARED_GRACE_S:
             self._fail_cleared_asks(*self._clears_due.popleft())
         while self._reasks_due and now >= self._reasks_due[0][1] + CLEARED_GRACE_S:
@@ -804,6 +824,8 @@ class EncodeCore:
             due = min(due, self._reasks_due[0][1] + CLEARED_GRACE_S)
         for held in self._held.values():  # items sent right after a cancel: MAX_CANCELLED_ROOMS at most
             due = min(due, held.cancelled_at + REASK_GRACE_S)
+        if self._rules_held_until is not None:  # held back by a tick with asks maybe unread
+            due = max(due, self._rules_held_until)
         return due
 
     def expects(self, room: int) -> bool:

@@ -1,0 +1,85 @@
+"""An encode rank held up past its fanout timeout while its receivers asked in time still serves their asks.
+
+The encode rank runs in its own process, stopped (SIGSTOP) once its item was filed and
+resumed when the fanout timeout and the sweep that enforces it are past: the asks came
+while it was stopped and wait, unread, in its request socket. On resuming, whether its
+driver thread ticks first or ZMQ's I/O thread hands the asks over first is a race, so the
+test settles it the hard way: the process on one CPU, ZMQ's I/O thread at SCHED_IDLE (until
+a moment after the resume), so the driver's tick always comes first. Real Mooncake `tcp` on
+127.0.0.1, a real SenderPool and SessionManager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import random
+import signal
+import time
+
+from live_helpers import HOST, LIVE, Receiver, bootstrap_server, encode_process, wait_until
+
+from transfer.core.encode import SWEEP_S
+from transfer.engine import Engine
+from transfer.status import TransferPoll
+
+pytestmark = LIVE
+
+SPAN, HIDDEN = 4, 64
+FANOUT_TIMEOUT_S = 0.5
+STOPS = 2
+#: How long after the resume ZMQ's I/O thread stays at SCHED_IDLE: the driver's tick comes long before.
+IDLE_AFTER_RESUME_S = 0.01
+
+_rooms = itertools.count(random.randrange(1 << 20, 1 << 40))
+
+
+def _zmq_io_threads(pid: int) -> list[int]:
+    tids = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/comm") as comm:
+            if comm.read().startswith("ZMQbg/IO"):
+                tids.append(int(tid))
+    return tids
+
+
+def test_asks_that_came_while_the_encode_rank_was_stopped_are_served_after_it_resumes():
+    warmup, rooms = next(_rooms), [next(_rooms) for _ in range(STOPS)]
+    with bootstrap_server() as server, Engine(HOST, protocol="tcp") as engine, \
+            encode_process(server.address, fanout_timeout_s=FANOUT_TIMEOUT_S) as encode, \
+            Receiver(engine, 0, 1, fanout=1, slots=1 + STOPS) as prefill:
+        # A served room first: the route is cached and the request connection is up.
+        prefill.ask(warmup, server.address, SPAN)
+        encode.call("send", [warmup], SPAN, HIDDEN)
+        assert prefill.wait([warmup], 10.0) == {warmup: ("Success", None)}
+        pid = encode.proc.pid
+        cpu = min(os.sched_getaffinity(0))
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(tid), {cpu})
+        io_threads = _zmq_io_threads(pid)
+        assert io_threads, "no ZMQ I/O thread found in the encode rank's process"
+
+        outcomes = {}
+        for room in rooms:
+            encode.call("send", [room], SPAN, HIDDEN)
+            assert wait_until(lambda: encode.call("state")["waiting_for_asks"] == 1, 5.0), "the item was never filed"
+            filed = time.monotonic()
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                for tid in io_threads:
+                    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                handle = prefill.ask(room, server.address, SPAN)  # in time: long before the fanout timeout
+                assert wait_until(lambda: handle.poll() != TransferPoll.Bootstrapping, 5.0), "the ask never went out"
+                # Stopped until the fanout timeout and the sweep that enforces it are past.
+                time.sleep(max(0.0, filed + FANOUT_TIMEOUT_S + 2 * SWEEP_S - time.monotonic()))
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            time.sleep(IDLE_AFTER_RESUME_S)
+            for tid in io_threads:
+                with contextlib.suppress(PermissionError):  # an unprivileged thread may not leave SCHED_IDLE
+                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            outcomes.update(prefill.wait([room], 10.0))
+            encode.call("wait", [room], 5.0)
+        assert outcomes == {room: ("Success", None) for room in rooms}
+        assert [prefill.landed(room) for room in rooms] == [None] * STOPS
