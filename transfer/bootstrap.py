@@ -19,6 +19,12 @@ Decisions the spec leaves open, documented here:
 - A DELETE takes the PUT's body, checks and token, and removes the entry only
   while it still maps to the body's endpoint: a rank restarted at another one
   keeps its route whenever its predecessor's pool closes. The sizes stay fixed.
+- Our encode ranks send an instance nonce (INSTANCE_HEADER) on their PUT and
+  DELETE: the entry remembers the one its PUT carried, and a DELETE that names
+  one removes the entry only when it is that one, so a rank restarted at the very
+  same endpoint keeps its route however late its predecessor's DELETE arrives. A
+  DELETE without it (an older peer of ours) removes by endpoint as above. Peers
+  send no such header, and their bodies and answers are unchanged.
 - The route lookup is `table[target_dp_group][engine_rank]`, i.e. engine_rank
   is read as the tp rank inside the group, as the peers' servers do.
 - Success bodies are JSON (application/json); errors and /health are short
@@ -59,6 +65,10 @@ MAX_WORLD_SIZE = 1 << 16
 #: A DNS name's longest spelling; an address is shorter.
 MAX_HOST_CHARS = 253
 ROLE = "Prefill"
+#: The header that names which process (one sender pool) a PUT or DELETE /route comes from.
+INSTANCE_HEADER = "X-EPD-Instance"
+#: What an instance may be: 1 to 64 letters, digits, '-' or '_' (ours are 32 hex digits).
+_INSTANCE = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 _INTEGER = re.compile(r"[+-]?[0-9]+\Z")
 _DIGITS = re.compile(r"[0-9]+\Z")
 
@@ -82,14 +92,17 @@ class _RouteTable:
         self.world_size: int | None = None
         self.dp_size: int | None = None
         self._routes: dict[tuple[int, int], tuple[str, int]] = {}
+        self._instances: dict[tuple[int, int], str | None] = {}  # which registration made each route
 
-    def put(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int, engine_rank: int) -> tuple[int, int]:
+    def put(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int, engine_rank: int,
+            instance: str | None = None) -> tuple[int, int]:
         """Store one rank's endpoint; returns its (dp_group, tp_rank)."""
-        return self.claim(world_size, dp_size, rank_ip, rank_port, engine_rank)[0]
+        return self.claim(world_size, dp_size, rank_ip, rank_port, engine_rank, instance)[0]
 
     def claim(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
-              engine_rank: int) -> tuple[tuple[int, int], tuple[str, int] | None]:
-        """put(), also returning the endpoint this one replaced, if any (for the log)."""
+              engine_rank: int, instance: str | None = None) -> tuple[tuple[int, int], tuple[str, int] | None]:
+        """put(), also returning the endpoint this one replaced, if any (for the log); `instance` is the
+        registering process's nonce (None: a peer's, or an older one of ours)."""
         group_size = world_size // dp_size
         key = (engine_rank // group_size, engine_rank % group_size)
         with self._lock:
@@ -98,11 +111,13 @@ class _RouteTable:
             self._check_sizes("PUT", world_size, dp_size)
             previous = self._routes.get(key)
             self._routes[key] = (rank_ip, rank_port)
+            self._instances[key] = instance
         return key, previous
 
     def remove(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
-               engine_rank: int) -> tuple[tuple[int, int], tuple[str, int] | None, bool]:
-        """Forgets one rank's endpoint, only while its entry still maps to (rank_ip, rank_port).
+               engine_rank: int, instance: str | None = None) -> tuple[tuple[int, int], tuple[str, int] | None, bool]:
+        """Forgets one rank's endpoint, only while its entry still maps to (rank_ip, rank_port) and, when
+        `instance` is given, was registered by that instance (a successor at the same endpoint is another).
 
         Returns its (dp_group, tp_rank), the endpoint the entry holds afterwards (None for
         none) and whether it was removed. The sizes stay as the first PUT fixed them: other
@@ -114,9 +129,10 @@ class _RouteTable:
             if self.world_size is not None:
                 self._check_sizes("DELETE", world_size, dp_size)
             current = self._routes.get(key)
-            if current != (rank_ip, rank_port):
+            if current != (rank_ip, rank_port) or (instance is not None and self._instances.get(key) != instance):
                 return key, current, False
             del self._routes[key]
+            self._instances.pop(key, None)
         return key, None, True
 
     def _check_sizes(self, method: str, world_size: int, dp_size: int) -> None:
@@ -253,7 +269,8 @@ class _Handler(OneDeadlineHandler):
         """PUT /route: one encode rank registers its endpoint."""
         try:
             world_size, dp_size, rank_ip, rank_port, engine_rank = self._route_body()
-            key, previous = self.server.table.claim(world_size, dp_size, rank_ip, rank_port, engine_rank)
+            key, previous = self.server.table.claim(world_size, dp_size, rank_ip, rank_port, engine_rank,
+                                                    self._instance())
             # Logged before the answer: the route changed whether or not the client reads it.
             self._log_registration(engine_rank, key, (rank_ip, rank_port), previous)
             self._json(200, {"status": "OK", "dp_group": key[0], "tp_rank": key[1]})
@@ -264,7 +281,8 @@ class _Handler(OneDeadlineHandler):
         """DELETE /route (ours): one encode rank withdraws its endpoint, if its route still leads there."""
         try:
             world_size, dp_size, rank_ip, rank_port, engine_rank = self._route_body()
-            key, current, removed = self.server.table.remove(world_size, dp_size, rank_ip, rank_port, engine_rank)
+            key, current, removed = self.server.table.remove(world_size, dp_size, rank_ip, rank_port, engine_rank,
+                                                             self._instance())
             self._log_unregistration(engine_rank, key, (rank_ip, rank_port), current, removed)
             self._json(200, {"status": "OK", "removed": removed})
         except _RequestError as error:
@@ -277,7 +295,20 @@ class _Handler(OneDeadlineHandler):
             self.close_connection = True  # the body stays unread
             raise _RequestError(404, f"no such path {path}")
         self._authorize()
-        return _parse_registration(self._read_body())
+        registration = _parse_registration(self._read_body())
+        self._instance()  # a malformed one is a 400 before anything changes
+        return registration
+
+    def _instance(self) -> str | None:
+        """The request's INSTANCE_HEADER (ours: which sender pool sent it), None without one; 400 when it
+        is there but no instance."""
+        value = self.headers.get(INSTANCE_HEADER)
+        if value is None:
+            return None
+        if not _INSTANCE.match(value):
+            raise _RequestError(400, f"{INSTANCE_HEADER} must be 1 to 64 letters, digits, '-' or '_', "
+                                     f"got {shown(value, 80)!r}")
+        return value
 
     def _log_unregistration(self, engine_rank: int, key: tuple[int, int], endpoint: tuple[str, int],
                             current: tuple[str, int] | None, removed: bool) -> None:
@@ -287,6 +318,10 @@ class _Handler(OneDeadlineHandler):
         if removed:
             log.info("bootstrap %s: %s unregistered from %s (%d rank(s) known)", self.server.address_text, rank,
                      where, len(self.server.table))
+            return
+        if current == endpoint:
+            log.debug("bootstrap %s: %s asked to unregister %s by another instance than the one registered there (a "
+                      "successor at the same endpoint): kept", self.server.address_text, rank, where)
             return
         now = "none" if current is None else f"{current[0]}:{current[1]}"
         log.debug("bootstrap %s: %s asked to unregister %s, which is not its route (%s): kept",
@@ -571,8 +606,12 @@ class BootstrapClient:
                                  f"JSON for {what}") from None
 
     def register_rank(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
-                      engine_rank: int, retry_for: float = 30.0) -> None:
+                      engine_rank: int, retry_for: float = 30.0, instance: str | None = None) -> None:
         """PUT this encode rank's endpoint, retrying refusals and 5xx until retry_for elapses; BootstrapError after.
+
+        `instance` (ours, docs/protocol.md section 8): the registering process's nonce, sent in the
+        INSTANCE_HEADER header; its unregister_rank() names it, so that withdrawal leaves a successor
+        registered at the same endpoint alone. The body is the SPEC's either way.
 
         Only a bootstrap server's answer registers: 200 with our server's JSON (`"status": "OK"`),
         a peer's plain `OK`, or an empty body. Any other 200, a redirect or a 4xx is a BootstrapError at once.
@@ -580,7 +619,7 @@ class BootstrapClient:
         `may_have_registered` says afterwards whether the server may list the route (see there).
         """
         retry_for = check_seconds("retry_for", retry_for, zero_ok=True)
-        body, headers = self._route_request(world_size, dp_size, rank_ip, rank_port, engine_rank)
+        body, headers = self._route_request(world_size, dp_size, rank_ip, rank_port, engine_rank, instance)
         deadline = time.monotonic() + retry_for
         delay = 0.05
         self.may_have_registered = False
@@ -619,17 +658,19 @@ class BootstrapClient:
             delay = min(delay * 2, 0.5)
 
     def unregister_rank(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
-                        engine_rank: int, timeout: float = 1.0) -> bool:
+                        engine_rank: int, timeout: float = 1.0, instance: str | None = None) -> bool:
         """DELETE this encode rank's route (ours, docs/protocol.md section 8): one attempt within `timeout`
-        seconds (at most 1e6).
+        seconds (at most 1e6). With `instance` (the one its register_rank() sent), only the route that
+        registration made is removed.
 
         True when the server removed it; False when it kept it because the route leads to
-        another endpoint now (a rank restarted there) or to none. BootstrapUnreachable
+        another endpoint now (a rank restarted there), was registered by another instance
+        (a rank restarted at the same endpoint), or leads to none. BootstrapUnreachable
         without an answer; BootstrapError for any other answer (a peer's server, which has
         no DELETE, answers 404, 405 or 501).
         """
         timeout = check_seconds("timeout", timeout)
-        body, headers = self._route_request(world_size, dp_size, rank_ip, rank_port, engine_rank)
+        body, headers = self._route_request(world_size, dp_size, rank_ip, rank_port, engine_rank, instance)
         try:
             status, raw = self._request("DELETE", "/route", body, headers, timeout=timeout)
         except (OSError, http.client.HTTPException) as error:
@@ -646,14 +687,19 @@ class BootstrapClient:
         return removed
 
     def _route_request(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
-                       engine_rank: int) -> tuple[bytes, dict[str, str]]:
-        """The body and headers of a PUT or DELETE /route for one encode rank (the token's header with a token)."""
+                       engine_rank: int, instance: str | None = None) -> tuple[bytes, dict[str, str]]:
+        """The body and headers of a PUT or DELETE /route for one encode rank (the token's header with a token,
+        the instance's with an instance); ConfigError for an instance the server would refuse."""
         body = json.dumps({"role": ROLE, "world_size": world_size, "dp_size": dp_size,
                            "rank_ip": rank_ip, "rank_port": rank_port,
                            "engine_rank": engine_rank}).encode()
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
+        if instance is not None:
+            if not isinstance(instance, str) or not _INSTANCE.match(instance):
+                raise ConfigError(f"an instance must be 1 to 64 letters, digits, '-' or '_', got {instance!r}")
+            headers[INSTANCE_HEADER] = instance
         return body, headers
 
     def parallel_info(self, timeout: float | None = None) -> tuple[int, int]:

@@ -9,6 +9,7 @@ and the clock, and feeds the room rules (transfer.core.encode) their events.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 import warnings
@@ -180,7 +181,9 @@ class SenderPool:
             self.metrics.gauge_fn("queue_depth", lambda: core.waiting)
             self.metrics.gauge_fn("parked_rooms", self._book.parked)
             self._driver.start()
-            self._route = _Route(bootstrap_addr, token, tp_size, dp_size, self.host, self.port, engine_rank)
+            # The instance names this pool's registration: its withdrawal leaves a successor's at the same port alone.
+            self._route = _Route(bootstrap_addr, token, tp_size, dp_size, self.host, self.port, engine_rank,
+                                 secrets.token_hex(16))
             self._dropped = weakref.finalize(self, _close_dropped, self._book, self._driver, self._route,
                                              release_metrics)
         except BaseException:
@@ -189,7 +192,8 @@ class SenderPool:
         self._release_metrics = release_metrics
         self._dropped.atexit = False  # at exit the daemon threads go with the process
         try:
-            bootstrap.register_rank(tp_size, dp_size, self.host, self.port, engine_rank, retry_for=register_timeout_s)
+            bootstrap.register_rank(tp_size, dp_size, self.host, self.port, engine_rank, retry_for=register_timeout_s,
+                                    instance=self._route.instance)
         except BaseException:
             # A server that refused every attempt lists no route of this pool's: close() withdraws none.
             self._route.listed = bootstrap.may_have_registered
@@ -378,6 +382,7 @@ class _Route:
     host: str
     port: int
     engine_rank: int
+    instance: str | None = None  # the nonce its PUT carried: its DELETE removes only that registration
     #: Whether the server may list the route: it took the registration, or may have (an attempt went
     #: unanswered); set once the registration is over. Only a listed route is withdrawn.
     listed: bool = False
@@ -387,14 +392,14 @@ class _Route:
         try:
             client = BootstrapClient(self.bootstrap_addr, timeout=UNREGISTER_TIMEOUT_S, token=self.token)
             removed = client.unregister_rank(self.world_size, self.dp_size, self.host, self.port, self.engine_rank,
-                                             timeout=UNREGISTER_TIMEOUT_S)
+                                             timeout=UNREGISTER_TIMEOUT_S, instance=self.instance)
         except Exception as exc:  # noqa: BLE001 - best effort: closing goes on whatever the server did
             log.info("sender pool of encode rank %d: its route to %s:%d may stay listed at bootstrap %s (prefill "
                      "ranks sent there wait out their deadlines): %s", self.engine_rank, self.host, self.port,
                      self.bootstrap_addr, exc)
             return
         log.debug("sender pool of encode rank %d: bootstrap %s %s its route to %s:%d", self.engine_rank,
-                  self.bootstrap_addr, "dropped" if removed else "kept another endpoint (or none) as", self.host,
+                  self.bootstrap_addr, "dropped" if removed else "kept another registration (or none) as", self.host,
                   self.port)
 
 

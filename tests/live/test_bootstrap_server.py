@@ -42,12 +42,14 @@ def _http(method: str, url: str, body: bytes | None = None,
 
 
 def _route_request(method: str, server: BootstrapServer, payload: dict | bytes,
-                   token: str | None = None) -> tuple[int, str]:
-    """PUT or DELETE /route with a JSON body (and the token, if given)."""
+                   token: str | None = None, instance: str | None = None) -> tuple[int, str]:
+    """PUT or DELETE /route with a JSON body (and the token and the instance header, if given)."""
     body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
     headers = {"Content-Type": "application/json"}
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
+    if instance is not None:
+        headers["X-EPD-Instance"] = instance
     status, _, text = _http(method, f"http://{server.address}/route", body, headers)
     return status, text
 
@@ -543,9 +545,10 @@ def test_a_closed_server_warns_of_nothing_when_dropped(recwarn):
 # ------------------------------------------------------------------ DELETE /route (ours)
 
 
-def _delete(server: BootstrapServer, payload: dict | bytes, token: str | None = None) -> tuple[int, str]:
+def _delete(server: BootstrapServer, payload: dict | bytes, token: str | None = None,
+            instance: str | None = None) -> tuple[int, str]:
     """DELETE /route with a PUT's JSON body."""
-    return _route_request("DELETE", server, payload, token)
+    return _route_request("DELETE", server, payload, token, instance)
 
 
 def test_delete_removes_a_route_that_still_leads_to_its_endpoint(server, caplog):
@@ -569,6 +572,37 @@ def test_delete_from_an_endpoint_the_route_no_longer_leads_to_keeps_it(server):
     status, text = _delete(server, _registration(0, port=1111))
     assert (status, json.loads(text)) == (200, {"status": "OK", "removed": False})
     assert json.loads(_get(server, "engine_rank=0&target_dp_group=0")[2])["rank_port"] == 2222
+
+
+def test_a_late_delete_of_a_predecessor_at_the_same_endpoint_leaves_its_successors_route(server):
+    """A rank restarted at the very same ip:port registers under a new instance; the old instance's DELETE,
+    arriving after that, removes nothing. Only the registering instance's own DELETE does."""
+    registration = _registration(0, port=1111)
+    assert _route_request("PUT", server, registration, instance="a" * 32)[0] == 200
+    assert _route_request("PUT", server, registration, instance="b" * 32)[0] == 200  # its successor
+    status, text = _delete(server, registration, instance="a" * 32)
+    assert (status, json.loads(text)) == (200, {"status": "OK", "removed": False})
+    assert json.loads(_get(server, "engine_rank=0&target_dp_group=0")[2])["rank_port"] == 1111
+    assert json.loads(_delete(server, registration, instance="b" * 32)[1]) == {"status": "OK", "removed": True}
+    assert _get(server, "engine_rank=0&target_dp_group=0")[0] == 404
+
+
+def test_instances_and_their_absence_on_either_side(server):
+    """A DELETE without the instance header (an older peer of ours) removes by endpoint, as before; one
+    with it removes nothing that a registration without it (a peer's, or an older one of ours) made."""
+    registration = _registration(0, port=1111)
+    _put(server, registration)
+    assert json.loads(_delete(server, registration, instance="a" * 32)[1])["removed"] is False
+    assert json.loads(_delete(server, registration)[1])["removed"] is True
+    _route_request("PUT", server, registration, instance="a" * 32)
+    assert json.loads(_delete(server, registration)[1])["removed"] is True
+
+
+@pytest.mark.parametrize("instance", ["", "x" * 65, "a b", "a\u00e9"])
+def test_an_instance_header_that_is_no_instance_is_a_400_and_registers_nothing(server, instance):
+    status, text = _route_request("PUT", server, _registration(0), instance=instance)
+    assert status == 400 and "X-EPD-Instance" in text, (status, text)
+    assert _get(server, "engine_rank=0&target_dp_group=0")[0] == 404
 
 
 @pytest.mark.parametrize("body, status, needle", [

@@ -131,6 +131,26 @@ def test_a_pool_that_goes_away_after_its_successor_registered_leaves_the_success
             assert time.monotonic() - started < FAIL_WITHIN_S
 
 
+def test_a_late_withdrawal_by_a_pool_whose_successor_registered_at_the_same_endpoint_leaves_the_successors_route(
+        engines):
+    """A pool's DELETE that reaches the server only after its successor registered at the very same host
+    and port (delayed in flight, or sent late by the old pool's close) names the old pool, not the
+    endpoint: the successor stays listed and serves."""
+    encode, prefill = engines
+    buf = torch.zeros(2, ROWS, HIDDEN, dtype=torch.bfloat16)
+    with BootstrapServer(HOST, 0) as server, \
+            SessionManager(prefill, 0, 1, 1, buffer=buf, host=HOST, deadline_s=DEADLINE_S) as manager:
+        first = SenderPool(encode, 0, 1, 1, server.address)
+        port, withdrawal = first.port, first._route  # what the first pool's DELETE says
+        _served(manager, first, server, 1, buf[0])
+        first.close()
+        with SenderPool(encode, 0, 1, 1, server.address, port=port) as successor:
+            assert successor.port == port
+            withdrawal.unregister()  # the first pool's DELETE, arriving now
+            assert BootstrapClient(server.address).route(0, 0) == (HOST, port)
+            _served(manager, successor, server, 2, buf[1])
+
+
 class _PeerHandler(BaseHTTPRequestHandler):
     """A peer's bootstrap server as far as a sender pool sees it: PUT /route answered `OK`, no DELETE (501);
     with `hang`, a DELETE is read and never answered."""

@@ -53,6 +53,23 @@ def test_a_dropped_pools_delete_after_its_successor_registered_leaves_the_succes
     assert table.get(0, 0) == ("10.0.0.1", 7001)
 
 
+def test_a_late_delete_of_an_instance_leaves_its_successors_registration_at_the_same_endpoint():
+    table = _RouteTable()
+    table.put(2, 1, "10.0.0.1", 7000, 0, "a" * 32)
+    table.put(2, 1, "10.0.0.1", 7000, 0, "b" * 32)  # the rank restarted at the same host and port
+    assert table.remove(2, 1, "10.0.0.1", 7000, 0, "a" * 32) == ((0, 0), ("10.0.0.1", 7000), False)
+    assert table.get(0, 0) == ("10.0.0.1", 7000)
+    assert table.remove(2, 1, "10.0.0.1", 7000, 0, "b" * 32) == ((0, 0), None, True)
+
+
+def test_a_delete_without_an_instance_removes_by_endpoint_and_one_with_it_leaves_a_registration_without_one():
+    table = _RouteTable()
+    _registered(table, 7000)  # a peer's registration, or an older one of ours: no instance
+    assert table.remove(2, 1, "10.0.0.1", 7000, 0, "a" * 32)[2] is False
+    table.put(2, 1, "10.0.0.1", 7000, 0, "a" * 32)
+    assert table.remove(2, 1, "10.0.0.1", 7000, 0)[2] is True, "an older peer of ours names no instance"
+
+
 def test_a_delete_removes_its_own_rank_only():
     table = _RouteTable()
     _registered(table, 7000, engine_rank=0)
@@ -98,6 +115,27 @@ def test_unregister_rank_sends_the_puts_body_with_the_token_once_within_its_time
     assert headers["Authorization"] == "Bearer t0k"
     assert _replying(200, b'{"status": "OK", "removed": false}').unregister_rank(4, 2, "10.0.0.9", 7000, 3,
                                                                                  timeout=0.5) is False
+
+
+def test_register_and_unregister_send_the_instance_in_a_header_and_the_body_unchanged():
+    sent: list = []
+    _replying(200, b'{"status": "OK", "dp_group": 0, "tp_rank": 3}', sent).register_rank(
+        4, 2, "10.0.0.9", 7000, 3, retry_for=0, instance="c" * 32)
+    _replying(200, b'{"status": "OK", "removed": true}', sent).unregister_rank(4, 2, "10.0.0.9", 7000, 3,
+                                                                             instance="c" * 32)
+    _replying(200, b'{"status": "OK", "removed": true}', sent).unregister_rank(4, 2, "10.0.0.9", 7000, 3)
+    body = {"role": "Prefill", "world_size": 4, "dp_size": 2, "rank_ip": "10.0.0.9", "rank_port": 7000,
+            "engine_rank": 3}
+    assert [(method, b) for method, _, b, _, _ in sent] == [("PUT", body), ("DELETE", body), ("DELETE", body)]
+    assert [headers.get("X-EPD-Instance") for *_, headers, _ in sent] == ["c" * 32, "c" * 32, None]
+
+
+@pytest.mark.parametrize("instance", ["", "a b", "x" * 65, 7])
+def test_an_instance_the_server_would_refuse_is_a_config_error_before_any_request(instance):
+    sent: list = []
+    with pytest.raises(ConfigError, match="an instance must be 1 to 64 letters"):
+        _replying(200, b"", sent).unregister_rank(1, 1, "10.0.0.9", 7000, 0, instance=instance)
+    assert sent == []
 
 
 @pytest.mark.parametrize("status, raw", [(404, b"no such path"), (405, b"Method Not Allowed"),

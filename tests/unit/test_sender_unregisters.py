@@ -17,7 +17,7 @@ from transfer.drive.encode import RoomBook
 from transfer.errors import BootstrapError, BootstrapUnreachable
 from transfer.metrics import Metrics
 
-ROUTE = sender._Route("10.0.0.1:8998", "t0k", 4, 2, "10.0.0.7", 7000, 3, listed=True)
+ROUTE = sender._Route("10.0.0.1:8998", "t0k", 4, 2, "10.0.0.7", 7000, 3, "ab" * 16, listed=True)
 
 
 class _Driver:
@@ -33,11 +33,11 @@ class _Driver:
 
 @pytest.fixture
 def deletes(monkeypatch) -> list:
-    """The DELETEs the close path makes: (client's address, token, timeout, arguments, call timeout)."""
+    """The DELETEs the close path makes: (client's address, token, timeout, arguments, call timeout, instance)."""
     made: list = []
 
-    def unregister_rank(client, *args, timeout):
-        made.append((client.address, client.token, client.timeout, args, timeout))
+    def unregister_rank(client, *args, timeout, instance=None):
+        made.append((client.address, client.token, client.timeout, args, timeout, instance))
         return True
     monkeypatch.setattr(BootstrapClient, "unregister_rank", unregister_rank)
     return made
@@ -61,10 +61,10 @@ def test_close_withdraws_no_route_the_server_never_listed(deletes, monkeypatch):
     assert calls == ["stop"]
 
 
-def test_the_delete_names_this_ranks_endpoint_with_its_token_within_a_second(deletes):
+def test_the_delete_names_this_ranks_endpoint_and_instance_with_its_token_within_a_second(deletes):
     ROUTE.unregister()
     assert deletes == [("10.0.0.1:8998", "t0k", sender.UNREGISTER_TIMEOUT_S, (4, 2, "10.0.0.7", 7000, 3),
-                        sender.UNREGISTER_TIMEOUT_S)]
+                        sender.UNREGISTER_TIMEOUT_S, "ab" * 16)]
     assert sender.UNREGISTER_TIMEOUT_S <= 1.0
 
 
@@ -75,7 +75,7 @@ def test_the_delete_names_this_ranks_endpoint_with_its_token_within_a_second(del
     RuntimeError("anything else"),
 ], ids=["unreachable", "405", "501", "other"])
 def test_whatever_the_server_answers_close_goes_on_and_says_so_at_info(monkeypatch, caplog, error):
-    def unregister_rank(client, *args, timeout):
+    def unregister_rank(client, *args, timeout, instance=None):
         raise error
     monkeypatch.setattr(BootstrapClient, "unregister_rank", unregister_rank)
     caplog.set_level(logging.DEBUG, logger="transfer.sender")
