@@ -761,8 +761,8 @@ def test_a_submission_that_stalls_the_pool_pauses_its_session_for_longer(caplog)
             try:
                 item = torch.randn(4, 256).to(torch.bfloat16)
 
-                def room_status(room: int):
-                    return _send_and_hear(sender, asks, statuses, status_port, bogus, room, 0x10000, item)
+                def room_status(room: int):  # each room its own destination: a failed write's is held
+                    return _send_and_hear(sender, asks, statuses, status_port, bogus, room, 0x10000 * room, item)
 
                 first, status = room_status(1)
                 assert status == TransferPoll.Failed and first.wait(5) == TransferPoll.Failed

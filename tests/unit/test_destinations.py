@@ -71,3 +71,32 @@ def test_overlaps_are_exactly_another_rooms_held_ranges_that_intersect(steps, se
     else:
         assert found is None
     assert len(book) == len({who for who, *_ in model})
+
+
+def test_quarantined_ranges_stay_held_until_their_time_and_then_go():
+    book = DestinationBook()
+    held = book.hold("s", 1, [(100, 200), (300, 400)])
+    book.quarantine("s", held, until=50.0)
+    assert book.overlap("s", 2, 150, 160) == Overlap(1, 100, 200, 50.0)
+    book.expire(49.9)
+    assert book.overlap("s", 2, 350, 360) == Overlap(1, 300, 400, 50.0)
+    book.expire(50.0)
+    assert book.overlap("s", 2, 0, 1_000) is None and len(book) == 0
+
+
+def test_a_range_in_flight_has_no_quarantine_end_and_expiring_leaves_it():
+    book = DestinationBook()
+    book.hold("s", 1, [(100, 200)])
+    book.quarantine("s", book.hold("s", 3, [(500, 600)]), until=10.0)
+    book.expire(1e9)
+    assert book.overlap("s", 2, 150, 160) == Overlap(1, 100, 200, None)
+
+
+def test_past_the_quarantine_limit_the_oldest_quarantined_ranges_go_first():
+    book = DestinationBook(quarantine_limit=2)
+    for room in range(3):
+        book.quarantine("s", book.hold("s", room, [(room * 10, room * 10 + 10)]), until=100.0 + room)
+    assert book.overlap("s", 9, 0, 10) is None
+    assert book.overlap("s", 9, 10, 20) == Overlap(1, 10, 20, 101.0)
+    assert book.overlap("s", 9, 20, 30) == Overlap(2, 20, 30, 102.0)
+    assert book.quarantined == 2

@@ -7,8 +7,10 @@ import dataclasses
 import pytest
 
 from transfer.core.breaker import Breaker
+from transfer import config
 from transfer.core.encode import (
     CLEARED_GRACE_S,
+    FAILED_WRITE_QUARANTINE_S,
     Conclude,
     Count,
     EncodeCore,
@@ -370,7 +372,7 @@ def test_a_slow_write_failure_opens_the_breaker_until_the_session_registers_agai
     assert failed.failure.kind is FailureKind.WRITE
     assert failed.failure.detail == "write to 10.0.0.7:17000 (room 1) failed: connection reset"
     run.at(2.0).offer(_offer(2))
-    out = run.ask(_ask(2))
+    out = run.ask(_ask(2, ptr=0x20000))  # room 1's destination is held in its quarantine: another one
     assert run.of(StartWrite, out) == []
     detail = run.of(Conclude, out)[0].failure.detail
     assert "skipped: a write to it failed 1.0s ago (connection reset)" in detail, "the cause is kept"
@@ -379,7 +381,7 @@ def test_a_slow_write_failure_opens_the_breaker_until_the_session_registers_agai
                            "host and port reachable from this encode node?"), "how long, what ends it, what to check"
     run(run.core.registration(Registration("10.0.0.7", 6000, "10.0.0.7:17000", 0x10000, 0), run.now))
     run.offer(_offer(3))
-    assert len(run.of(StartWrite, run.ask(_ask(3)))) == 1
+    assert len(run.of(StartWrite, run.ask(_ask(3, ptr=0x20000)))) == 1
 
 
 def test_a_quick_write_failure_leaves_the_session_usable_and_a_stall_is_logged():
@@ -388,7 +390,7 @@ def test_a_quick_write_failure_leaves_the_session_usable_and_a_stall_is_logged()
     [write] = run.of(StartWrite, run.ask(_ask(1)))
     run(run.core.write_failed(write.wid, "bad destination", took=0.001, now=0.0))
     run.offer(_offer(2))
-    [write] = run.of(StartWrite, run.ask(_ask(2)))
+    [write] = run.of(StartWrite, run.ask(_ask(2, ptr=0x20000)))  # room 1's destination is in its quarantine
     out = run(run.core.write_failed(write.wid, "handshake timed out", took=60.0, now=60.0, blocking=True))
     assert [w.key for w in run.of(Warn, out)] == ["stall"]
     assert run.core.breaker.open_since("10.0.0.7:17000", 60.0 + 239.0) == 60.0
@@ -665,6 +667,49 @@ def test_a_destination_overlapping_another_room_in_flight_for_the_session_is_ref
     run.complete(first)
     run.offer(_offer(5))
     assert len(run.of(StartWrite, run.ask(_ask(5, ptr=0x10000)))) == 1  # room 1 is over
+
+
+@pytest.mark.parametrize("took, blocking", [(0.01, False), (30.0, False), (0.01, True)],
+                         ids=["reported failed", "timed out", "submission failed"])
+def test_a_failed_writes_destination_is_held_from_other_rooms_for_its_quarantine(took, blocking):
+    """A write reported failed may still land (over tcp Mooncake reports a write over once its bytes are
+    with the kernel; a write our own timeout gave up on is still in Mooncake's hands): no other room
+    writes into its destination until FAILED_WRITE_QUARANTINE_S after the failure, the session's
+    breaker closed or not."""
+    run = Run()
+    run.offer(_offer(1))
+    [first] = run.of(StartWrite, run.ask(_ask(1, ptr=0x10000)))
+    run.at(40.0)(run.core.write_failed(first.wid, "it failed", took, run.now, blocking=blocking))
+    # The session registers again (a new region): a slow failure's breaker closes, the quarantine stays.
+    run(run.core.registration(Registration("10.0.0.7", 6000, "10.0.0.7:17000", 0x10000, 0), run.now))
+    run.at(41.0).offer(_offer(2))
+    out = run.ask(_ask(2, ptr=0x10000 + 3 * ROW))  # its first row is room 1's last
+    assert run.of(StartWrite, out) == []
+    [conclusion] = run.of(Conclude, out)
+    assert conclusion.failure.kind is FailureKind.REGION
+    assert conclusion.failure.detail == (
+        f"room 2: receiver 10.0.0.7:17000 destination [{0x10000 + 3 * ROW:#x}, {0x10000 + 7 * ROW:#x}) overlaps "
+        f"room 1's [{0x10000:#x}, {0x10000 + 4 * ROW:#x}), whose write there failed 1.0s ago: its bytes may still "
+        f"land for {FAILED_WRITE_QUARANTINE_S - 1.0:.1f}s more; give the room another destination, or ask again "
+        f"then")
+    assert run.statuses(out) == [(2, 6000, TransferPoll.Failed)]
+    run.offer(_offer(3))
+    assert len(run.of(StartWrite, run.ask(_ask(3, ptr=0x10000 + 4 * ROW)))) == 1  # adjacent: written
+    run.offer(_offer(4))
+    assert len(run.of(StartWrite, run.ask(_ask(4, ptr=0x10000, session="other")))) == 1  # another session
+    run.offer(_offer(1))  # room 1 sent again: its retry may reuse its own rows
+    [retry] = run.of(StartWrite, run.ask(_ask(1, ptr=0x10000)))
+    run.complete(retry)
+    run.at(40.0 + FAILED_WRITE_QUARANTINE_S - 0.1).offer(_offer(5))
+    assert run.of(StartWrite, run.ask(_ask(5, ptr=0x10000))) == [], "held until the quarantine's end"
+    run.at(40.0 + FAILED_WRITE_QUARANTINE_S).offer(_offer(6))
+    assert len(run.of(StartWrite, run.ask(_ask(6, ptr=0x10000)))) == 1
+
+
+def test_a_failed_writes_quarantine_is_the_receive_pools_default():
+    """Our prefill ranks hold a failed room's slot that long from when they hear of the failure: the
+    encode side's hold ends no later, so it never refuses a slot one of ours hands out again."""
+    assert FAILED_WRITE_QUARANTINE_S == config.setting("EPD_QUARANTINE_S").default
 
 
 def test_a_fanout_that_never_completed_says_how_many_of_it_asked():

@@ -4,6 +4,8 @@ Two rooms whose writes into one session's memory overlap would leave either's ro
 torn, so a room's write is refused while another room's write still holds part of its
 range. A write holds its ranges from the moment it is queued until it is over (or will
 never start); a write of another send of the same room (a retry) is not another room.
+A write that failed may still land (quarantine()): its ranges stay held until a time
+the caller gives, and expire() lets go of them once it came.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Overlap(NamedTuple):
     room: int
     start: int
     end: int
+    until: float | None = None  # a failed write's range: held until then (None: a write queued or in flight)
 
 
 @dataclass(eq=False)
@@ -41,11 +44,18 @@ class _Session:
 
 
 class DestinationBook:
-    """Each session's held ranges; a session holding none is forgotten."""
+    """Each session's held ranges; a session holding none is forgotten.
 
-    def __init__(self) -> None:
+    At most `quarantine_limit` ranges are quarantined at once: past it the oldest are let go
+    first, so a flood of failing writes cannot grow the book without bound.
+    """
+
+    def __init__(self, quarantine_limit: int = 8192) -> None:
         self._sessions: dict[str, _Session] = {}
         self._next_seq = 1
+        self.quarantine_limit = quarantine_limit
+        # Quarantined ranges by seq, in the order they were quarantined: (session, range, until).
+        self._quarantined: dict[int, tuple[str, Held, float]] = {}
 
     def hold(self, session: str, room: int, ranges: list[tuple[int, int]]) -> tuple[Held, ...]:
         """Files `room`'s [start, end) ranges for `session`; returns what free() lets go of later."""
@@ -60,16 +70,53 @@ class DestinationBook:
 
     def free(self, session: str, held: tuple[Held, ...]) -> None:
         """Lets go of ranges hold() filed for `session`."""
+        for one in held:
+            self._quarantined.pop(one.seq, None)
+            self._free_one(session, one)
+
+    def _free_one(self, session: str, held: Held) -> None:
+        """Lets go of one range hold() filed for `session`, if the book still has it."""
         entry = self._sessions.get(session)
         if entry is None:
             return
-        for start, end, seq in held:
-            del entry.spans[bisect.bisect_left(entry.spans, (start, end, seq))]
+        index = bisect.bisect_left(entry.spans, (held.start, held.end, held.seq))
+        if index < len(entry.spans) and entry.spans[index][2] == held.seq:
+            del entry.spans[index]
         if not entry.spans:
             del self._sessions[session]
 
+    def quarantine(self, session: str, held: tuple[Held, ...], until: float) -> None:
+        """Keeps ranges hold() filed for `session` held until `until` instead of letting go of them now (a failed
+        write whose bytes may still land there); expire() lets go of them then.
+
+        Ranges are let go in the order they were quarantined, so `until` should not decrease from one call to
+        the next (a fixed bound from a monotonic `now`): one that does is let go late, never early.
+        """
+        for one in held:
+            self._quarantined[one.seq] = (session, one, until)
+        while len(self._quarantined) > self.quarantine_limit:
+            seq = next(iter(self._quarantined))
+            oldest, one, _ = self._quarantined.pop(seq)
+            self._free_one(oldest, one)
+
+    def expire(self, now: float) -> None:
+        """Lets go of the quarantined ranges whose `until` came by `now`."""
+        quarantined = self._quarantined
+        while quarantined:
+            seq, (session, one, until) = next(iter(quarantined.items()))
+            if until > now:
+                break
+            del quarantined[seq]
+            self._free_one(session, one)
+
+    @property
+    def quarantined(self) -> int:
+        """Ranges held in quarantine."""
+        return len(self._quarantined)
+
     def overlap(self, session: str, room: int, start: int, end: int) -> Overlap | None:
-        """Another room's range held for `session` that [start, end) overlaps, or None."""
+        """Another room's range held for `session` that [start, end) overlaps, or None (quarantined ranges
+        whose time came count until expire() let go of them)."""
         entry = self._sessions.get(session)
         if entry is None:
             return None
@@ -78,11 +125,12 @@ class DestinationBook:
         index = bisect.bisect_left(entry.spans, (end,))
         while index > 0:
             index -= 1
-            other_start, other_end, _, other_room = entry.spans[index]
+            other_start, other_end, seq, other_room = entry.spans[index]
             if other_start <= start - entry.longest:
                 break
             if other_end > start and other_room != room:
-                return Overlap(other_room, other_start, other_end)
+                quarantined = self._quarantined.get(seq)
+                return Overlap(other_room, other_start, other_end, None if quarantined is None else quarantined[2])
         return None
 
     def __len__(self) -> int:

@@ -80,6 +80,18 @@ MAX_CANCELLED_ROOMS = 4096
 FAILED_WRITES_KEPT_S = 300.0
 MAX_FAILED_WRITES = 4096
 
+#: How long a failed write's destination stays held from other rooms of its session after the failure,
+#: since its bytes may still land there: over tcp Mooncake reports a write over (done or failed) once
+#: its bytes are with the kernel, not once they landed, and a write our own transfer timeout gave up
+#: on is still in Mooncake's hands. The receive pool's default quarantine (EPD_QUARANTINE_S, 280 s),
+#: which bounds the late landing our prefill ranks wait out: they hold a failed room's slot that long
+#: from when they hear of the failure, so this hold refuses no slot of theirs handed out again (unless
+#: their own deadline failed the room before the write failed), and a receiver without a quarantine of
+#: its own (a peer's) gets the same bound. At most MAX_QUARANTINED_RANGES ranges are held so (the
+#: oldest let go first past it).
+FAILED_WRITE_QUARANTINE_S = 280.0
+MAX_QUARANTINED_RANGES = 2 * MAX_FAILED_WRITES
+
 #: Status endpoints whose latest session is remembered (least recently seen forgotten
 #: first): a new session at a known endpoint is a restarted prefill rank.
 MAX_ENDPOINTS = 4096
@@ -336,7 +348,8 @@ class EncodeCore:
         self._rooms: dict[int, _Room] = {}  # offered, not yet cleared
         self._unserved: set[int] = set()  # offered rooms waiting for asks (all, or restarted ranks'), not failed
         self._writes: dict[int, _Job] = {}  # started, not yet over
-        self._destinations = DestinationBook()  # of writes queued or in flight
+        # Of writes queued or in flight, and of failed writes in their quarantine.
+        self._destinations = DestinationBook(quarantine_limit=MAX_QUARANTINED_RANGES)
         self._endpoints: dict[tuple[str, int], str] = {}  # status endpoint -> its latest session
         self._endpoint_of: dict[str, tuple[str, int]] = {}  # session -> the status endpoint it registered last
         self._next_wid = 1
@@ -653,6 +666,9 @@ class EncodeCore:
                        "handshake? Writes to it fail at once for the next %.0fs, or until it registers again",
                        receiver_text(session), took, trip.until - now)
         remember(self._failed_writes, (job.room.room, session), now, MAX_FAILED_WRITES)
+        # Its bytes may still land: no other room writes there until the quarantine passed.
+        self._destinations.quarantine(session, job.ranges, now + FAILED_WRITE_QUARANTINE_S)
+        job.ranges = ()
         if self._serves(job):  # a superseded session's failure is not its room's
             self._fail(job.room, FailureKind.WRITE,
                        f"write to {receiver_text(session)} (room {job.room.room}) failed: {error}", now)
@@ -690,6 +706,7 @@ class EncodeCore:
             self._tell_reask(*self._reasks_due.popleft())
         if self._held:
             self._fail_unclaimed_held(now)
+        self._destinations.expire(now)
         if now >= self._next_sweep:
             self._sweep(now)
             self._next_sweep = now + SWEEP_S
@@ -947,7 +964,7 @@ class EncodeCore:
         if reason is None:
             reason, kind = self.regions.check(newcomers, offer.row_bytes, offer.deepstack_row_bytes), FailureKind.REGION
         if reason is None:
-            reason = self._overlap(newcomers, offer)
+            reason = self._overlap(newcomers, offer, now)
         if reason is None:
             return False
         self._fail(room, kind, reason, now)
@@ -1062,16 +1079,23 @@ class EncodeCore:
             ranges.append((info.deepstack_ptr, info.rows * offer.deepstack_row_bytes))
         return [(ptr, ptr + length) for ptr, length in ranges if length > 0]
 
-    def _overlap(self, infos: list[TransferInfo], offer: Offer) -> str | None:
+    def _overlap(self, infos: list[TransferInfo], offer: Offer, now: float) -> str | None:
         """Why a receiver's destination overlaps another room's write of the same session still queued or
-        in flight, or None: two rooms writing one range would leave either's rows torn."""
+        in flight, or failed within its quarantine, or None: two rooms writing one range would leave
+        either's rows torn."""
+        self._destinations.expire(now)
         for info in infos:
             for start, end in self._ranges(info, offer):
                 other = self._destinations.overlap(info.session_id, info.room, start, end)
-                if other is not None:
-                    return (f"room {info.room}: receiver {receiver_text(info.session_id)} destination "
-                            f"[{start:#x}, {end:#x}) overlaps room {other.room}'s "
-                            f"[{other.start:#x}, {other.end:#x}), still in flight")
+                if other is None:
+                    continue
+                what = (f"room {info.room}: receiver {receiver_text(info.session_id)} destination "
+                        f"[{start:#x}, {end:#x}) overlaps room {other.room}'s [{other.start:#x}, {other.end:#x})")
+                if other.until is None:
+                    return f"{what}, still in flight"
+                failed_at = other.until - FAILED_WRITE_QUARANTINE_S
+                return (f"{what}, whose write there failed {now - failed_at:.1f}s ago: its bytes may still land "
+                        f"for {other.until - now:.1f}s more; give the room another destination, or ask again then")
         return None
 
     def _hold_ranges(self, job: _Job, offer: Offer) -> None:
