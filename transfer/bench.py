@@ -102,6 +102,7 @@ import os
 import queue as queue_mod
 import select
 import statistics
+import signal
 import struct
 import sys
 import tempfile
@@ -564,6 +565,12 @@ def _worker_main(role: str, rank: int, setup: dict, cmd_q, res_q) -> None:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+    # SIGINT was held back while this process started (harness.ctrl_c_held): drop one that came
+    # meanwhile (the bench's process took it too, and stops this rank), then take the next as
+    # Ctrl-C, which ends the cell it interrupts.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     worker = None
     try:
         worker = _Worker(role, rank, setup, cmd_q, res_q)
@@ -1196,16 +1203,19 @@ class RankSet:
 
     def _start(self, ranks: list[tuple[str, int, int]]) -> None:
         """Spawns the rank processes and waits until each has started."""
+        from transfer.harness import ctrl_c_held
+
         ctx, opts = self._ctx, self.opts
-        for role, rank, arena in ranks:
-            setup = {"host": opts.host, "arena_bytes": arena, "timeout_s": opts.timeout_s, "calls": opts.calls,
-                     "log_path": os.path.join(self.log_dir, f"bench-{role}-{rank}.log")}
-            cmd_q = ctx.Queue()
-            proc = ctx.Process(target=_worker_main, args=(role, rank, setup, cmd_q, self.res_q),
-                               name=f"bench-{role}-{rank}", daemon=True)
-            proc.start()
-            self.procs[(role, rank)] = proc
-            self.cmd_qs[(role, rank)] = cmd_q
+        with ctrl_c_held():  # a Ctrl-C now reaches each rank once it can take it (_worker_main)
+            for role, rank, arena in ranks:
+                setup = {"host": opts.host, "arena_bytes": arena, "timeout_s": opts.timeout_s, "calls": opts.calls,
+                         "log_path": os.path.join(self.log_dir, f"bench-{role}-{rank}.log")}
+                cmd_q = ctx.Queue()
+                proc = ctx.Process(target=_worker_main, args=(role, rank, setup, cmd_q, self.res_q),
+                                   name=f"bench-{role}-{rank}", daemon=True)
+                proc.start()
+                self.procs[(role, rank)] = proc
+                self.cmd_qs[(role, rank)] = cmd_q
         self._gather("started", list(self.procs))
 
     def run_cell(self, cell: Cell) -> dict:

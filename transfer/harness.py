@@ -5,6 +5,7 @@ byte. The demo, the benchmark, the launch scripts and the live tests all run on 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import functools
@@ -18,7 +19,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -400,7 +401,9 @@ def _rank_process(role, sc, rank, bootstrap_addr, results, ready_q, go_evt, fini
     """Runs one rank's body in its own process, its output in log_path; reports its result or its traceback."""
     _log_to(log_path)
     # The run's process decides when ranks stop: Ctrl-C reaches it, and it stops them with SIGTERM.
+    # Ignoring SIGINT drops one that came while this process started (held back: ctrl_c_held).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     signal.signal(signal.SIGTERM, _raise_interrupt)
     faulthandler.enable()  # a crash in C code leaves the Python stacks in the log
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the run asks a rank that hangs where it is
@@ -434,6 +437,24 @@ def _rank_process(role, sc, rank, bootstrap_addr, results, ready_q, go_evt, fini
         sys.stderr.write(text)
         sys.stderr.flush()
         results.put({"role": role, "rank": rank, "error": text})
+
+
+@contextlib.contextmanager
+def ctrl_c_held() -> Iterator[None]:
+    """Holds SIGINT back from this thread while it starts rank processes.
+
+    A spawned process starts with the signal mask of the thread that started it, so a Ctrl-C
+    (which reaches every process of the terminal's group) stays pending in a rank until it
+    has set up how it takes one, instead of ending it in the middle of its start with a
+    traceback on the terminal. The run's own process takes that Ctrl-C once the block ends,
+    and stops its ranks. Start every rank inside the block and record it there too, so a
+    Ctrl-C taken at the block's end finds every started rank recorded.
+    """
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _log_to(path: str) -> None:
@@ -505,16 +526,18 @@ def run(sc: Scenario) -> dict:
         raise OSError(f"cannot serve the run's bootstrap on {sc.host}: {error}") from None
     with server, tempfile.TemporaryDirectory(prefix="epd-run-") as log_dir:
         try:
-            for role, count in (("encode", sc.encode_ranks), ("prefill", sc.prefill_ranks)):
-                for rank in range(count):
-                    log = os.path.join(log_dir, f"{role}-{rank}.log")
-                    proc = ctx.Process(
-                        target=_rank_process,
-                        args=(role, sc, rank, server.address, results, ready_q, go_evt, finished_q, done_evt, log),
-                        name=f"{role}-{rank}", daemon=True,
-                    )
-                    proc.start()
-                    ranks.append(_Rank(role, rank, proc, log))
+            with ctrl_c_held():
+                for role, count in (("encode", sc.encode_ranks), ("prefill", sc.prefill_ranks)):
+                    for rank in range(count):
+                        log = os.path.join(log_dir, f"{role}-{rank}.log")
+                        proc = ctx.Process(
+                            target=_rank_process,
+                            args=(role, sc, rank, server.address, results, ready_q, go_evt, finished_q, done_evt,
+                                  log),
+                            name=f"{role}-{rank}", daemon=True,
+                        )
+                        proc.start()
+                        ranks.append(_Rank(role, rank, proc, log))
             watch = _Watch(ranks, results, deadline, sc.timeout_s)
             watch.until(ready_q, ranks, "to be ready")
             go_evt.set()

@@ -377,6 +377,62 @@ def test_bench_stops_its_ranks(tmp_path, sig):
             proc.wait(10)
 
 
+#: A sitecustomize for the rank processes only (multiprocessing's spawned children): it says it
+#: started, then takes a while, as a rank's start does on a loaded host or a slow file system.
+SLOW_RANK_START = """
+import os, time
+with open("/proc/self/cmdline", "rb") as fh:
+    if b"spawn_main" in fh.read():
+        open(os.path.join({folder!r}, f"rank-{{os.getpid()}}"), "w").close()
+        time.sleep(3)
+"""
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("command", [
+    ["demo", "--protocol", "wire", "-P", "2", "--span", "16", "--hidden", "128", "--items", "1000000"],
+    ["bench", "--paths", "wire", "--sizes", "64x256", "--fanouts", "2", "--inflight", "1", "--integrity", "off",
+     "--items", "1000000"],
+], ids=["demo", "bench"])
+def test_ctrl_c_while_the_ranks_start_is_one_line(tmp_path, command):
+    # Ctrl-C reaches the rank processes too, while they are still starting and have not set up
+    # how they take it. The run's process alone answers it, in one line: no rank prints a
+    # traceback of its half-done start, nor dies of it.
+    site, started = tmp_path / "site", tmp_path / "started"
+    site.mkdir()
+    started.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_RANK_START.format(folder=str(started)))
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=os.pathsep.join([str(site), REPO]))
+    proc = subprocess.Popen([sys.executable, "-m", "transfer.cli", *command], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not os.listdir(started):
+            assert time.monotonic() < deadline and proc.poll() is None, "no rank started"
+            time.sleep(0.01)
+        # Ctrl-C reaches every process of the terminal's group, in no set order: here a starting
+        # rank first, then, a moment later, the whole group.
+        os.kill(int(os.listdir(started)[0].removeprefix("rank-")), signal.SIGINT)
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err[-3000:]
+        assert err.strip().splitlines() == [f"epd-transfer {command[0]}: interrupted"], err[-3000:]
+        deadline = time.monotonic() + 10
+        while _session(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [_cmdline(pid) for pid in _session(proc.pid)] == []
+    finally:
+        for pid in _session(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 def _metrics() -> Metrics:
     """A small set: one counter, one histogram."""
     m = Metrics("epd_prefill", buckets=(0.01, 0.1))
