@@ -164,7 +164,8 @@ PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps", ".ps")
 
 def _output_folders_writable(command: str, args: argparse.Namespace, options: tuple[str, ...]) -> bool:
     """False, saying why in one line, when an output FILE cannot be written, now rather than after the run:
-    its folder is missing or read-only, it is a folder, or a --plot suffix names no format we know."""
+    its folder is missing or read-only, it is a folder, opening it for writing fails, or a --plot suffix
+    names no format we know."""
     for option in options:
         path = getattr(args, option, None)
         if not path or path == "-":
@@ -177,11 +178,37 @@ def _output_folders_writable(command: str, args: argparse.Namespace, options: tu
         if os.path.isdir(path):
             print(f"epd-transfer {command}: --{option} {path} is a folder: name a file in it", file=sys.stderr)
             return False
+        why = _cannot_write(path)
+        if why:
+            print(f"epd-transfer {command}: --{option} {path} cannot be written ({why}): name a file you may "
+                  f"write", file=sys.stderr)
+            return False
         if option == "plot" and not path.lower().endswith(PLOT_SUFFIXES):
             print(f"epd-transfer {command}: --plot {path}: name a file ending in "
                   f"{', '.join(PLOT_SUFFIXES)} (the format is taken from the suffix)", file=sys.stderr)
             return False
     return True
+
+
+def _cannot_write(path: str) -> str | None:
+    """Why the file at path cannot be written, found by opening it for appending (and removing it
+    again when it was not there), or None. os.access() alone says yes to root for a folder no file
+    can be made in (/proc), and asks nothing about an existing file that is read-only. A path
+    that is there and not a plain file (a pipe, a device) is not opened: that could block."""
+    existed = os.path.lexists(path)
+    if existed and not os.path.isfile(path):
+        return None if os.access(path, os.W_OK) else "not writable"
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as error:
+        return error.strerror or str(error)
+    if not existed:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return None
 
 
 #: How often --exit-with looks whether its process is still there, where it cannot wait on it.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import signal
 
 import pytest
@@ -84,6 +85,58 @@ def test_an_output_file_that_is_a_folder_is_refused_before_the_run(argv, tmp_pat
     monkeypatch.setattr(doctor, "collect_report", _never)
     assert cli.main([a.format(dir=tmp_path) for a in argv]) == 2
     assert f"{argv[1]} {tmp_path} is a folder" in capsys.readouterr().err
+
+
+UNWRITABLE = [["demo", "--json", "{file}"], ["doctor", "--json", "{file}"], ["bench", "--json", "{file}"],
+              ["bench", "--plot", "{file}.png"]]
+
+
+@pytest.mark.parametrize("argv", UNWRITABLE, ids=[" ".join(a[:2]) for a in UNWRITABLE])
+def test_an_output_file_no_file_can_be_made_at_is_refused_before_the_run(argv, monkeypatch, capsys):
+    # /proc takes no new file, though os.access() says root may write there.
+    from transfer import doctor
+
+    monkeypatch.setattr(harness, "run", _never)
+    monkeypatch.setattr(bench, "main", _never)
+    monkeypatch.setattr(doctor, "collect_report", _never)
+    monkeypatch.setattr(doctor, "run", _never)
+    path = argv[2].format(file="/proc/epd-out")
+    assert cli.main([*argv[:2], path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"epd-transfer {argv[0]}: {argv[1]} {path}") and err.count("\n") == 1, err
+    assert not os.path.exists(path)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes a read-only file")
+@pytest.mark.parametrize("argv", UNWRITABLE, ids=[" ".join(a[:2]) for a in UNWRITABLE])
+def test_a_read_only_output_file_is_refused_before_the_run(argv, tmp_path, monkeypatch, capsys):
+    from transfer import doctor
+
+    monkeypatch.setattr(harness, "run", _never)
+    monkeypatch.setattr(bench, "main", _never)
+    monkeypatch.setattr(doctor, "collect_report", _never)
+    monkeypatch.setattr(doctor, "run", _never)
+    path = argv[2].format(file=str(tmp_path / "out"))
+    with open(path, "w") as fh:
+        fh.write("kept")
+    os.chmod(path, 0o444)
+    assert cli.main([*argv[:2], path]) == 2
+    assert f"{argv[1]} {path} cannot be written (Permission denied)" in capsys.readouterr().err
+    with open(path) as fh:
+        assert fh.read() == "kept"
+
+
+def test_a_writable_output_file_is_left_as_it_was(tmp_path, monkeypatch):
+    from transfer import doctor
+
+    monkeypatch.setattr(doctor, "run", lambda **kw: 0)
+    kept, new = tmp_path / "kept.json", tmp_path / "new.json"
+    kept.write_text("kept")
+    args = cli.parse_args(["doctor", "--json", str(kept)])
+    assert cli._output_folders_writable("doctor", args, ("json",))
+    args = cli.parse_args(["doctor", "--json", str(new)])
+    assert cli._output_folders_writable("doctor", args, ("json",))
+    assert kept.read_text() == "kept" and not new.exists()
 
 
 def test_a_plot_format_matplotlib_cannot_write_is_refused_before_the_bench(tmp_path, monkeypatch, capsys):
