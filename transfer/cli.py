@@ -103,7 +103,8 @@ def _doctor(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from transfer import bench
 
-    if not _output_folders_writable("bench", args, ("json", "plot")) or _environment_refused("bench"):
+    if (not _output_folders_writable("bench", args, ("json", "plot")) or not _log_dir_usable(getattr(args, "log_dir", None))
+            or _environment_refused("bench")):
         return 2
     if getattr(args, "calls", False) and sys.version_info[:2] >= (3, 12):
         # There cProfile takes the process's one sys.monitoring profiler slot: a profiler per thread
@@ -117,6 +118,26 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     signal.signal(signal.SIGTERM, _raise_interrupt)  # unwinds like Ctrl-C: the bench stops its ranks
     return bench.main(args)
+
+
+def _log_dir_usable(folder: str | None) -> bool:
+    """True when `bench --log-dir` names a folder the ranks can write their logs in, made here if
+    missing; else False, saying why in one line, before any rank starts."""
+    import tempfile
+
+    if not folder:
+        return True
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        why = "it is not a folder" if os.path.lexists(folder) and not os.path.isdir(folder) else (
+            error.strerror or str(error))
+        print(f"epd-transfer bench: --log-dir {folder} cannot hold the ranks' logs ({why}): name a folder you "
+              f"may write (it is made if missing)", file=sys.stderr)
+        return False
+    return True
 
 
 def _environment_refused(command: str) -> bool:

@@ -139,6 +139,26 @@ def test_a_writable_output_file_is_left_as_it_was(tmp_path, monkeypatch):
     assert kept.read_text() == "kept" and not new.exists()
 
 
+@pytest.mark.parametrize("where, why", [("a-file", "it is not a folder"), ("/proc/epd-logs", "No such file or directory")])
+def test_a_log_dir_that_cannot_hold_the_logs_is_refused_before_the_bench(where, why, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "main", _never)
+    monkeypatch.setattr(cli, "_probe_mooncake", lambda: (True, "imports"))
+    (tmp_path / "a-file").write_text("")
+    folder = where if where.startswith("/") else str(tmp_path / where)
+    assert cli.main(["bench", "--log-dir", folder]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"epd-transfer bench: --log-dir {folder} cannot hold the ranks' logs ({why}): name a folder "
+                   f"you may write (it is made if missing)\n")
+
+
+def test_a_log_dir_is_made_before_the_bench(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "main", lambda args: 0)
+    monkeypatch.setattr(cli, "_probe_mooncake", lambda: (True, "imports"))
+    folder = tmp_path / "logs" / "today"
+    assert cli.main(["bench", "--log-dir", str(folder)]) == 0
+    assert folder.is_dir() and list(folder.iterdir()) == []
+
+
 def test_a_plot_format_matplotlib_cannot_write_is_refused_before_the_bench(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench, "main", _never)
     assert cli.main(["bench", "--plot", str(tmp_path / "out.txt")]) == 2
