@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import select
 import signal
 import sys
@@ -499,6 +500,21 @@ def _host_port(text: str) -> str:
     return text
 
 
+def _bind_host(text: str) -> str:
+    """The address a bootstrap server binds: a host alone (IPv4, IPv6 without brackets, or a name), not
+    HOST:PORT, which would be looked up as a host name and fail with 'Name or service not known'."""
+    bracketed = re.fullmatch(r"\[([^\[\]]+)\](?::(\d+))?", text)
+    if bracketed and bracketed.group(2) is None:
+        raise argparse.ArgumentTypeError(f"{text!r} has brackets: give the address without them "
+                                         f"({bracketed.group(1)})")
+    host, sep, port = text.rpartition(":")
+    if bracketed or (sep and ":" not in host and port.isdigit()):
+        alone = bracketed.group(1) if bracketed else host
+        raise argparse.ArgumentTypeError(f"{text!r} is HOST:PORT: give the address alone ({alone}), and the port "
+                                         f"with --port")
+    return text
+
+
 def _rank_host(text: str) -> str:
     """An address ranks bind: not an IPv6 literal (Mooncake's sessions and the ranks' ZMQ sockets take IPv4)."""
     if ":" in text:
@@ -689,7 +705,7 @@ def build_parser() -> _Parser:
     bench.set_defaults(func=_bench)
 
     boot = _subparser(sub, "bootstrap", "run the HTTP bootstrap server until interrupted", common)
-    boot.add_argument("--host", default="127.0.0.1", help="address to bind")
+    boot.add_argument("--host", type=_bind_host, default="127.0.0.1", help="address to bind (the port: --port)")
     boot.add_argument("--port", type=_ports, default=8998,
                       help="port to bind (0: any free port), or a range FIRST-LAST: its first free port")
     boot.add_argument("--token", type=_token, default=_token_default(),
@@ -708,7 +724,7 @@ def build_parser() -> _Parser:
                       help="prefill ranks per prefill node, a multiple of the encode ranks")
     rank.add_argument("--bootstrap", type=_host_port, required=True, help="HOST:PORT of the bootstrap server")
     rank.add_argument("--serve-bootstrap", action="store_true", help="also run the bootstrap server here")
-    rank.add_argument("--bootstrap-bind", default=None,
+    rank.add_argument("--bootstrap-bind", type=_bind_host, default=None,
                       help="address the served bootstrap binds (default: the host of --bootstrap)")
     rank.add_argument("--host", type=_rank_host, default="127.0.0.1",
                       help="this node's IPv4 address (engine and sockets)")

@@ -321,3 +321,26 @@ def test_bench_calls_on_a_python_whose_cprofile_is_one_per_process_is_refused_be
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
     assert err.startswith("epd-transfer bench: --calls needs Python 3.10 or 3.11 (this is 3.12)"), err
+
+
+@pytest.mark.parametrize("argv", [["bootstrap", "--host", "{host}"],
+                                  [*RANK, "--serve-bootstrap", "--bootstrap-bind", "{host}"]],
+                         ids=["bootstrap --host", "rank --bootstrap-bind"])
+@pytest.mark.parametrize("host, said", [
+    ("10.0.0.1:8998", "'10.0.0.1:8998' is HOST:PORT: give the address alone (10.0.0.1), and the port with --port"),
+    ("[::1]:8998", "'[::1]:8998' is HOST:PORT: give the address alone (::1), and the port with --port"),
+    ("[::1]", "'[::1]' has brackets: give the address without them (::1)"),
+])
+def test_a_bind_address_with_a_port_or_brackets_is_a_parser_error(argv, host, said, capsys):
+    # It would be looked up as a host name, and fail with 'Name or service not known'.
+    with pytest.raises(SystemExit) as done:
+        cli.parse_args([a.format(host=host) for a in argv])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "0.0.0.0", "encode-node.example", "fe80::1%eth0"])
+def test_a_bind_address_alone_is_taken(host):
+    assert cli.parse_args(["bootstrap", "--host", host]).host == host
+    assert cli.parse_args([*RANK, "--serve-bootstrap", "--bootstrap-bind", host]).bootstrap_bind == host
