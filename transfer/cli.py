@@ -34,9 +34,6 @@ def _demo(args: argparse.Namespace) -> int:
         integrity=not args.no_integrity, deadline_s=args.deadline,
         timeout_s=args.timeout,
     )
-    if sc.prefill_ranks % sc.encode_ranks:
-        print(f"prefill ranks {sc.prefill_ranks} must be a multiple of encode ranks {sc.encode_ranks}", file=sys.stderr)
-        return 2
     # SIGTERM unwinds like Ctrl-C, so the harness stops its ranks instead of orphaning them.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     summary = run(sc)
@@ -592,6 +589,12 @@ def _conflicting_options(args: argparse.Namespace) -> str | None:
     if getattr(args, "role", None) == "encode" and args.linger >= args.timeout:
         return (f"--linger {args.linger:g} is not shorter than --timeout {args.timeout:g}: the rank would be "
                 f"stopped while it lingers after its last room and exit 1")
+    encode, prefill = getattr(args, "encode_ranks", None), getattr(args, "prefill_ranks", None)
+    if isinstance(encode, int) and isinstance(prefill, int) and prefill % encode:  # demo, rank
+        lower = prefill // encode * encode
+        fits = f"{lower} or {lower + encode}" if lower else f"{encode}"
+        return (f"--prefill-ranks {prefill} is not a multiple of --encode-ranks {encode}: each encode rank serves "
+                f"an equal block of prefill ranks (-P {fits}, say)")
     if getattr(args, "identity", False) and getattr(args, "per_block", False):
         return ("--identity (every prefill rank receives the full rows) and --per-block (how rows are sharded) "
                 "exclude each other")

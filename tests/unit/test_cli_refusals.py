@@ -344,3 +344,22 @@ def test_a_bind_address_with_a_port_or_brackets_is_a_parser_error(argv, host, sa
 def test_a_bind_address_alone_is_taken(host):
     assert cli.parse_args(["bootstrap", "--host", host]).host == host
     assert cli.parse_args([*RANK, "--serve-bootstrap", "--bootstrap-bind", host]).bootstrap_bind == host
+
+
+@pytest.mark.parametrize("argv", [["demo", "-E", "3", "-P", "4"], [*RANK, "-E", "2", "-P", "3"],
+                                  ["demo", "--encode-ranks", "2"]])
+def test_prefill_ranks_that_are_not_a_multiple_of_the_encode_ranks_are_a_parser_error(argv, monkeypatch, capsys):
+    # Before anything is probed or started; demo's -P is 4 by default, so -E 2 alone is fine and -E 3 is not.
+    monkeypatch.setattr(harness, "run", _never)
+    monkeypatch.setattr(cli, "_probe_mooncake", _never)
+    if argv == ["demo", "--encode-ranks", "2"]:
+        assert cli.parse_args(argv).encode_ranks == 2
+        return
+    with pytest.raises(SystemExit) as done:
+        cli.main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    p, e = argv[argv.index("-P") + 1], argv[argv.index("-E") + 1]
+    assert (f"error: --prefill-ranks {p} is not a multiple of --encode-ranks {e}: each encode rank serves "
+            f"an equal block of prefill ranks" in err), err
+    assert err.startswith(f"epd-transfer {argv[0]}: ") and err.count("\n") == 1, err
