@@ -498,18 +498,23 @@ def test_a_refused_registration_is_announced_again():
 
 def test_a_dropped_connection_is_looked_up_again_and_has_its_regions_announced_again():
     """The encode rank may have restarted at another port: the route of the room asked there is looked
-    up at once, and the next room joins that look-up; rooms already asked keep waiting for their statuses
-    (on the status socket), and the old address's socket, which nothing needs, is closed."""
+    up at once, and the next room joins that look-up; found elsewhere, the room asked on the dropped
+    connection fails at once (the process it was asked of is gone, nothing will answer it), and the
+    old address's socket, which nothing needs, is closed."""
     c = core()
     routed(c)
-    assert kinds(c.receive(0.0, spec(1, slot=1))[1]) == [SendAsk]
+    token, actions = c.receive(0.0, spec(1, slot=1))
+    assert kinds(actions) == [SendAsk]
     assert c.connection_dropped(0.1, ENCODE) == [LookUpRoute(KEY0)]
     assert c.receive(0.2, spec(2, slot=2))[1] == []
     moved = ("10.0.0.2", 7001)
-    disconnect, *actions = c.route_resolved(0.3, KEY0, moved)
+    failed, disconnect, *actions = c.route_resolved(0.3, KEY0, moved)
+    assert isinstance(failed, Conclude) and (failed.room, failed.token) == (1, token)
+    assert failed.failure.kind is FailureKind.NO_CONNECTION
+    assert "now at 10.0.0.2:7001" in failed.failure.detail and "ask again" in failed.failure.detail
     assert disconnect == Disconnect(ENCODE)
     assert kinds(actions) == [Announce, SendAsk] and {a.addr for a in actions} == {moved}
-    assert c.stage(1) == "asked", "room 1 still waits for its status"
+    assert c.stage(2) == "asked"
 
 
 def test_rooms_whose_asks_never_left_for_a_dropped_connection_are_looked_up_again():
@@ -628,8 +633,10 @@ def test_what_a_rank_was_told_is_kept_by_its_address_whatever_its_route(monkeypa
     moved = ("10.0.0.2", 7001)
     c.connection_dropped(0.9, ENCODE)
     c.receive(1.0, spec(6, slot=6))
-    assert [(type(a), a.addr) for a in c.route_resolved(1.1, KEY0, moved)] == [(Disconnect, ENCODE), (Announce, moved),
-                                                                                (SendAsk, moved)]
+    actions = c.route_resolved(1.1, KEY0, moved)
+    assert [a.room for a in actions if isinstance(a, Conclude)] == [2, 3, 4, 5], "asked on dropped connections"
+    assert [(type(a), a.addr) for a in actions if not isinstance(a, Conclude)] == [
+        (Disconnect, ENCODE), (Announce, moved), (SendAsk, moved)]
 
 
 def test_an_address_is_idle_only_with_nothing_under_way_there():
@@ -881,25 +888,23 @@ B_ADDR, C_ADDR = ("10.0.0.4", 7000), ("10.0.0.5", 7000)
 
 def test_an_encode_rank_that_keeps_moving_holds_one_socket_not_one_per_address():
     """Each time its connection drops and its route is found at a new port, the old address's socket is
-    closed at once: the rooms asked there wait for their statuses on the status socket, and a room asked
-    on a connection that dropped is sent no cancel on it."""
+    closed at once, and the room asked on the dropped connection fails (no cancel is sent on it)."""
     c = core()
     routed(c)
-    old, tokens = ENCODE, {}
+    old = ENCODE
     for i in range(1, 50):
-        tokens[i], actions = c.receive(float(i), spec(i, slot=i % 8))
+        _, actions = c.receive(float(i), spec(i, slot=i % 8))
         assert [(type(a), a.addr) for a in actions][-1] == (SendAsk, old)
         # The rank may come back where it was last found, elsewhere, or not at all: room i's route is looked up.
         assert c.connection_dropped(i + 0.1, old) == [LookUpRoute(KEY0)]
         assert c.receive(i + 0.2, spec(1000 + i, slot=8))[1] == []
         new = ("10.0.0.2", 7000 + i)
-        actions = c.route_resolved(i + 0.3, KEY0, new)
+        failed, *actions = c.route_resolved(i + 0.3, KEY0, new)
+        assert isinstance(failed, Conclude) and failed.room == i, "asked of the process that went away"
         assert [(type(a), a.addr) for a in actions] == [(Disconnect, old), (Announce, new), (SendAsk, new)]
         assert c.connected(new) and not c.connected(old)
         c.clear(i + 0.4, 1000 + i)
         old = new
-    assert c.stage(1) == "asked", "room 1 still waits for its status"
-    assert c.abandon(60.0, 1, tokens[1]) == [], "no cancel for a room asked on a connection that dropped"
 
 
 def test_an_encode_rank_found_again_at_the_same_address_keeps_its_socket():

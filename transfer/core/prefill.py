@@ -503,7 +503,8 @@ class PrefillCore:
 
         A look-up made only for the asks and rooms of an address whose connection dropped since, that
         names that address again, tells nothing new (a rank restarting elsewhere has not registered
-        yet): the route stays forgotten, and the next room looks it up again."""
+        yet): the route stays forgotten, and the next room looks it up again. One that names another
+        address fails the rooms asked on the dropped connection (`_orphaned`)."""
         probed = self._probes.pop(key, None)
         waiting = [state for state in self._awaiting_route.pop(key, ()) if self._looking_up(state)]
         if probed != addr or key in self._routes or waiting:
@@ -515,13 +516,32 @@ class PrefillCore:
         moved = [state for other in self.asks.addresses() if other != addr
                  for state in self.asks.remove(other, lambda queued: queued.route_key == key) if self._queued(state)]
         moved.sort(key=lambda state: (state.asked_at, state.token))  # oldest first, wherever each waited
-        actions = [action for old in dict.fromkeys((before, probed)) if old is not None and old != addr
-                   for action in self._retire(now, old)]
+        actions = [] if probed is None or probed == addr else self._orphaned(key, probed, addr)
+        actions += [action for old in dict.fromkeys((before, probed)) if old is not None and old != addr
+                    for action in self._retire(now, old)]
         for i, state in enumerate(moved):
             actions += self._ask(now, state, addr, defer=i >= self.ask_batch)
         for i, state in enumerate(waiting):
             # Past a batch, the rest wait in the ask queue: the driver sends them a batch per turn.
             actions += self._ask(now, state, addr, defer=i >= self.ask_batch)
+        return actions
+
+    def _orphaned(self, key: RouteKey, old: Address, new: Address) -> list:
+        """Fails the rooms of `key` asked at `old` on a connection that dropped since, now that the bootstrap
+        server names `new` for their encode rank: a process listens at one port, so the one they were asked
+        of is gone (its sender pool closed, or it restarted) and no status will come for them. Their memory
+        waits out the quarantine, as a room given up with no cancel does."""
+        bootstrap, group, rank = key
+        actions: list = []
+        for state in sorted(self._rooms.values(), key=lambda state: state.token):
+            if state.route_key != key or state.stage != ASKED or state.addr != old \
+                    or self._conns.get(old) == state.conn:
+                continue
+            engine_rank = rank if state.encode_rank is None else state.encode_rank
+            actions += self._conclude(state, Failure(FailureKind.NO_CONNECTION, (
+                f"encode rank {engine_rank} (dp group {group}) registered again at bootstrap {bootstrap}, now at "
+                f"{new[0]}:{new[1]}: room {state.room} was asked at {old[0]}:{old[1]} and that connection dropped, "
+                f"so no status will come for it; ask again (send the item to the new rank)")))
         return actions
 
     def lookup_failed(self, now: float, bootstrap_addr: str, key: RouteKey | None, detail: str,
