@@ -7,6 +7,7 @@ from transfer.errors import (
     BootstrapError,
     BootstrapNoRoute,
     BootstrapUnreachable,
+    CollectiveError,
     ConfigError,
     ConfigTypeError,
     EngineError,

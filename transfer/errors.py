@@ -14,6 +14,7 @@ __all__ = [
     "BootstrapError",
     "BootstrapNoRoute",
     "BootstrapUnreachable",
+    "CollectiveError",
     "ConfigError",
     "ConfigTypeError",
     "EngineError",
@@ -66,6 +67,21 @@ class BootstrapNoRoute(BootstrapError):
 class UsageError(TransferError, RuntimeError):
     """A call the object's state does not allow: it is closed, its thread stopped, or the ranks of a group
     are out of step with each other."""
+
+
+class CollectiveError(UsageError):
+    """A collective over a torch.distributed process group did not complete (`transfer.reassemble`):
+    a rank of the group exited, or did not make the same call within the group's timeout, or the
+    backend failed. Not this rank's misuse (ranks that pass different items raise UsageError or
+    ConfigError instead): no row was written, and the group is to be treated as broken.
+
+    `step` names the collective, `rank` and `size` this rank's place in the group, `rooms` the
+    rooms of the batch (empty for `agree`)."""
+
+    def __init__(self, message: str, *, step: str = "", rank: int = -1, size: int = 0,
+                 rooms: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.step, self.rank, self.size, self.rooms = step, rank, size, rooms
 
 
 class SlotError(TransferError, RuntimeError):

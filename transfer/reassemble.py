@@ -23,7 +23,8 @@ Works on gloo (CPU tensors) and NCCL (CUDA tensors); the agreement tensor lives 
 the items' device (on NCCL: the current CUDA device). Every wait is bounded only by
 the group's timeout (`init_process_group`/`new_group` `timeout=`); this module sets none.
 A collective the backend fails (a rank that did not make the same call within that
-timeout, or that left) raises UsageError on the ranks that were in it, naming the step.
+timeout, or that left) raises CollectiveError (a UsageError) on the ranks that were in it,
+naming the step, this rank and the batch's rooms; misuse raises UsageError or ConfigError.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from transfer.errors import ConfigError, UsageError
+from transfer.errors import CollectiveError, ConfigError, UsageError
 from transfer.frames import shard_rows
 from transfer.status import TransferPoll
 
@@ -97,7 +98,7 @@ def agree(oks: Sequence[bool], group: dist.ProcessGroup | None = None, *, keys: 
     """
     _check_member(group, "agree")
     target = torch.device(device) if device is not None else _default_device(group)
-    reduced = _agreement(oks, keys, group, target, "agree")
+    reduced = _agreement(oks, keys, group, target, "agree", rooms=None)
     return _flags(reduced)
 
 
@@ -136,7 +137,8 @@ def _table(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None) -> tuple[i
 
 
 def _agreement(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None, group: dist.ProcessGroup | None,
-               device: torch.device, what: str, refusal: str | None = None) -> torch.Tensor:
+               device: torch.device, what: str, refusal: str | None = None, *,
+               rooms: tuple[int, ...] | None) -> torch.Tensor:
     """The MIN over the ranks of every item's [ok, k..., -k...] row, as a [count, 1 + 2 * width] tensor.
 
     A rank that must refuse the batch (`refusal`, or invalid keys) still takes part in
@@ -151,7 +153,8 @@ def _agreement(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None, group:
     message = torch.tensor(header + flat, dtype=torch.int64)
     first = torch.zeros(_FIRST_ELEMENTS, dtype=torch.int64)
     first[: min(message.numel(), _FIRST_ELEMENTS)] = message[:_FIRST_ELEMENTS]
-    first = _min_all_reduce(first, group, device, what, "the agreement's all-reduce")
+    batch = _Batch(what, rooms, count)
+    first = _min_all_reduce(first, group, device, batch, "the agreement's all-reduce")
     if first[0] != 1:
         raise ConfigError(f"{what}: {problem or 'another rank of the group refused the batch (see its log)'}")
     if first[1] != -first[2]:
@@ -163,27 +166,51 @@ def _agreement(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None, group:
     # Every rank now knows the others hold the same count and width: the rest has one size.
     rest = message[_FIRST_ELEMENTS:]
     if rest.numel():
-        rest = _min_all_reduce(rest, group, device, what, "the agreement's second all-reduce")
+        rest = _min_all_reduce(rest, group, device, batch, "the agreement's second all-reduce")
     return torch.cat([first, rest])[_HEADER : _HEADER + count * (1 + 2 * width)].view(count, 1 + 2 * width)
 
 
-def _min_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device, what: str,
+def _min_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device, batch: _Batch,
                     step: str) -> torch.Tensor:
     """The element-wise MIN of `tensor` over the group, back on the CPU."""
     reduced = tensor.to(device)
-    _collective(what, step, group, lambda: dist.all_reduce(reduced, op=dist.ReduceOp.MIN, group=group))
+    _collective(batch, step, group, lambda: dist.all_reduce(reduced, op=dist.ReduceOp.MIN, group=group))
     return reduced.cpu()
 
 
-def _collective(what: str, step: str, group: dist.ProcessGroup | None, call: Callable[[], object]) -> None:
+@dataclass(frozen=True)
+class _Batch:
+    """What a failed collective's error names: the call, the batch's rooms (None for agree) and item count."""
+
+    what: str
+    rooms: tuple[int, ...] | None
+    count: int
+
+    def text(self) -> str:
+        """`rooms 1, 2 (2 items)`, at most eight rooms named; `3 items` without rooms."""
+        items = f"{self.count} item{'' if self.count == 1 else 's'}"
+        if self.rooms is None:
+            return items
+        named = ", ".join(str(room) for room in self.rooms[:8])
+        more = f" and {len(self.rooms) - 8} more" if len(self.rooms) > 8 else ""
+        return f"rooms {named}{more} ({items})" if self.rooms else "an empty batch"
+
+
+def _collective(batch: _Batch, step: str, group: dist.ProcessGroup | None, call: Callable[[], object]) -> None:
     """Runs one collective. The backend's error when a rank of the group never makes the same call
-    within the group's timeout, or leaves, names neither: the UsageError says which step it was."""
+    within the group's timeout, or leaves, names neither: the CollectiveError says which step it
+    was, on which rank, for which rooms."""
     try:
         call()
     except RuntimeError as exc:
-        raise UsageError(f"{what}: {step} over the group's {dist.get_world_size(group)} ranks did not complete "
-                         f"({exc}); every rank of the group must make the same call: one that does not within "
-                         f"the group's timeout, or that exits, ends it this way") from exc
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        raise CollectiveError(
+            f"{batch.what}: {step} over the group's {size} ranks did not complete on rank {rank} of the group "
+            f"(global rank {dist.get_rank()}) for {batch.text()} ({exc}); every rank of the group must make the "
+            f"same call: one that does not within the group's timeout, or that exits, ends it this way. No row "
+            f"was written: look in the other ranks' logs for the one that exited or was late, and treat the "
+            f"group as broken (a failed collective cannot be resumed)",
+            step=step, rank=rank, size=size, rooms=batch.rooms or ()) from exc
 
 
 def _flags(reduced: torch.Tensor) -> list[bool]:
@@ -283,16 +310,16 @@ def _shard_bytes(items: Sequence[ShardedItem], rank: int, size: int) -> int:
     return total
 
 
-def _gather(packed: torch.Tensor, size: int, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+def _gather(packed: torch.Tensor, size: int, group: dist.ProcessGroup | None, batch: _Batch) -> list[torch.Tensor]:
     """Every rank's equal-size `packed` buffer, in group rank order, with one collective."""
     out = torch.empty(size * packed.numel(), dtype=torch.uint8, device=packed.device)
     single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
     step = "the all-gather of the shards"
     if single is not None and _gather_into_supported(group):
-        _collective("reassemble", step, group, lambda: single(out, packed, group=group))
+        _collective(batch, step, group, lambda: single(out, packed, group=group))
         return list(out.view(size, packed.numel()).unbind(0))
     parts = list(out.view(size, packed.numel()).unbind(0))
-    _collective("reassemble", step, group, lambda: dist.all_gather(parts, packed, group=group))
+    _collective(batch, step, group, lambda: dist.all_gather(parts, packed, group=group))
     return parts
 
 
@@ -340,7 +367,7 @@ def reassemble(items: Sequence[ShardedItem], group: dist.ProcessGroup | None = N
             log.warning("room %s on rank %d of the group: %s; failing it", item.room, rank, problem)
         oks.append(ok and problem is None)
         keys.append((room, *(_keys(item) if problem is None else (-1,) * 5)))
-    reduced = _agreement(oks, keys, group, device, "reassemble", refusal)
+    reduced = _agreement(oks, keys, group, device, "reassemble", refusal, rooms=tuple(key[0] for key in keys))
     _check_rooms(reduced)
     agreed = _flags(reduced)
     _log_disagreements(items, oks, reduced, rank)
@@ -438,7 +465,7 @@ def _exchange(items: list[ShardedItem], rank: int, size: int, group: dist.Proces
         for view in _shard_views(item, rank, size):
             packed[offset : offset + view.numel()].copy_(view)
             offset += view.numel()
-    gathered = _gather(packed, size, group)
+    gathered = _gather(packed, size, group, _Batch("reassemble", tuple(item.room for item in items), len(items)))
     for other in range(size):
         if other == rank:
             continue

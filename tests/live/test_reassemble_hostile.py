@@ -525,6 +525,7 @@ def test_ranks_with_different_item_counts_raise_everywhere_promptly(tmp_path):
     for rank, obs in enumerate(seen(run_ranks("count_mismatch", 2, tmp_path))):
         first = obs["mismatch"]
         assert first["raised"] is not None and "items" in first["raised"], (rank, first)
+        assert first["raised"].startswith("UsageError: reassemble:"), (rank, first)  # misuse, no CollectiveError
         assert first["took"] < GROUP_TIMEOUT_S - 5, (rank, first["took"])
         assert all(first["untouched"])
         assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
@@ -610,5 +611,47 @@ def test_blocks_inside_a_larger_world(tmp_path):
 def test_a_dead_peer_makes_reassembly_raise_not_hang(tmp_path):
     obs = seen(run_ranks("dead_peer", 2, tmp_path)[:1])[0]
     assert obs["raised"] is not None, obs
+    # Not this rank's misuse: a CollectiveError (still a UsageError) naming this rank and the rooms.
+    assert obs["raised"].startswith("CollectiveError: reassemble:"), obs["raised"]
+    assert "rank 0 of the group" in obs["raised"] and "rooms 95 (1 item)" in obs["raised"], obs["raised"]
     assert obs["took"] < GROUP_TIMEOUT_S - 5, obs["took"]
     assert all(obs["untouched"])
+
+
+STALL_GROUP_TIMEOUT_S = 3
+
+
+def late_peer(rank: int, size: int) -> dict:
+    """On a group with a short timeout, rank 1 reaches neither reassemble nor agree in time; rank 0
+    calls both (the group is broken after the first, so each on a group of its own)."""
+    groups = [dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=STALL_GROUP_TIMEOUT_S))
+              for _ in range(2)]
+    if rank == 1:
+        time.sleep(2 * STALL_GROUP_TIMEOUT_S + 3)  # busy elsewhere past both timeouts
+        return {}
+    out = {}
+    for name, group in zip(("reassemble", "agree"), groups):
+        cases = [Case(rank, size, 960, 8), Case(rank, size, 961, 3)]
+        call = ((lambda items, g=group: reassemble(items, g)) if name == "reassemble"
+                else (lambda items, g=group: agree([True] * len(items), g)))
+        started = time.monotonic()
+        out[name] = judge(cases, call)
+        out[name]["took"] = time.monotonic() - started
+    return out
+
+
+def test_a_late_peer_raises_a_collective_error_naming_this_rank_and_the_rooms(tmp_path):
+    from transfer.errors import CollectiveError, UsageError
+
+    assert issubclass(CollectiveError, UsageError)  # callers catching UsageError still catch it
+    obs = seen(run_ranks("late_peer", 2, tmp_path)[:1])[0]
+    got = obs["reassemble"]
+    assert got["raised"] is not None and got["raised"].startswith("CollectiveError: reassemble:"), got
+    assert "rank 0 of the group" in got["raised"] and "rooms 960, 961" in got["raised"], got["raised"]
+    assert "Timed out" in got["raised"], got["raised"]
+    assert got["took"] < STALL_GROUP_TIMEOUT_S + 5, got["took"]
+    assert all(got["untouched"])
+    got = obs["agree"]
+    assert got["raised"] is not None and got["raised"].startswith("CollectiveError: agree:"), got
+    assert "rank 0 of the group" in got["raised"] and "2 items" in got["raised"], got["raised"]
+

@@ -262,7 +262,7 @@ def test_a_rank_that_never_reaches_reassembly_costs_the_groups_timeout_not_a_han
 def test_a_rank_that_never_reaches_reassembly_is_the_reason_given(stalled):
     # The backend's own text (kept) says only that a receive timed out: the error says which of
     # reassemble's collectives it was and what ends it so.
-    assert stalled["outcome"] == "raised UsageError", stalled
+    assert stalled["outcome"] == "raised CollectiveError", stalled
     message = stalled["message"]
     assert message.startswith("reassemble: the agreement's all-reduce over the group's 2 ranks did not complete"), message
     assert "every rank of the group must make the same call" in message, message

@@ -21,6 +21,7 @@ KINDS = [
     (errors.BootstrapUnreachable, RuntimeError),
     (errors.BootstrapNoRoute, RuntimeError),
     (errors.SlotError, RuntimeError),
+    (errors.CollectiveError, errors.UsageError),
     (errors.FallbackLimitError, RuntimeError),
     (wire.FrameError, OSError),
     (wire.MsgError, ValueError),
