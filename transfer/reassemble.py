@@ -18,7 +18,10 @@ items, and:
    item into one flat byte buffer padded to the largest rank's size, and unpacks
    the other ranks' shards into place.
 
-A failed item's tensors are never touched, so no rank consumes half-received rows.
+A failed item's tensors are never touched, so no rank consumes half-received rows. The
+exchange's buffers are allocated before the agreement: a rank that cannot allocate them
+fails every item of the batch on every rank (and logs why) instead of leaving its peers
+in an all-gather it never joins.
 Works on gloo (CPU tensors) and NCCL (CUDA tensors); the agreement tensor lives on
 the items' device (on NCCL: the current CUDA device). Every wait is bounded only by
 the group's timeout (`init_process_group`/`new_group` `timeout=`); this module sets none.
@@ -310,9 +313,10 @@ def _shard_bytes(items: Sequence[ShardedItem], rank: int, size: int) -> int:
     return total
 
 
-def _gather(packed: torch.Tensor, size: int, group: dist.ProcessGroup | None, batch: _Batch) -> list[torch.Tensor]:
-    """Every rank's equal-size `packed` buffer, in group rank order, with one collective."""
-    out = torch.empty(size * packed.numel(), dtype=torch.uint8, device=packed.device)
+def _gather(packed: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup | None,
+            batch: _Batch) -> list[torch.Tensor]:
+    """Every rank's equal-size `packed` buffer, in group rank order, gathered into `out` with one collective."""
+    size = out.numel() // packed.numel()
     single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
     step = "the all-gather of the shards"
     if single is not None and _gather_into_supported(group):
@@ -367,13 +371,23 @@ def reassemble(items: Sequence[ShardedItem], group: dist.ProcessGroup | None = N
             log.warning("room %s on rank %d of the group: %s; failing it", item.room, rank, problem)
         oks.append(ok and problem is None)
         keys.append((room, *(_keys(item) if problem is None else (-1,) * 5)))
+    # Allocated before the agreement, for every item that may be agreed: a rank that cannot
+    # allocate once agreed would leave its peers in an all-gather it never joins.
+    buffers = None
+    if refusal is None and size > 1:
+        allocated = _exchange_buffers([item for item, ok in zip(items, oks) if ok], rank, size, device)
+        if isinstance(allocated, str):
+            log.error("reassemble on rank %d of the group: %s; failing every item of the batch", rank, allocated)
+            oks = [False] * len(oks)
+        else:
+            buffers = allocated
     reduced = _agreement(oks, keys, group, device, "reassemble", refusal, rooms=tuple(key[0] for key in keys))
     _check_rooms(reduced)
     agreed = _flags(reduced)
     _log_disagreements(items, oks, reduced, rank)
     chosen = [item for item, ok in zip(items, agreed) if ok]
-    if size > 1 and chosen:
-        _exchange(chosen, rank, size, group, device)
+    if buffers is not None and chosen:
+        _exchange(chosen, rank, size, group, buffers)
     return agreed
 
 
@@ -453,19 +467,36 @@ def _check_rooms(reduced: torch.Tensor) -> None:
                            f"in the same order")
 
 
+def _exchange_buffers(items: list[ShardedItem], rank: int, size: int,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | str | None:
+    """The exchange's (packed, gathered) byte buffers, big enough for any of `items` agreed; None when
+    there is nothing to exchange, or why they could not be allocated."""
+    padded = max(_shard_bytes(items, r, size) for r in range(size))
+    if padded == 0:
+        return None
+    try:
+        return (torch.empty(padded, dtype=torch.uint8, device=device),
+                torch.empty(size * padded, dtype=torch.uint8, device=device))
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        return (f"could not allocate the exchange's {(size + 1) * padded} bytes on {device} for {len(items)} "
+                f"items ({type(exc).__name__}: {exc}); free memory or pass smaller batches")
+
+
 def _exchange(items: list[ShardedItem], rank: int, size: int, group: dist.ProcessGroup | None,
-              device: torch.device) -> None:
+              buffers: tuple[torch.Tensor, torch.Tensor]) -> None:
     """One all-gather of every rank's packed shards, then unpack the others' rows into place."""
     padded = max(_shard_bytes(items, r, size) for r in range(size))
     if padded == 0:
         return  # nothing but empty shards (every span is 0)
-    packed = torch.zeros(padded, dtype=torch.uint8, device=device)
+    packed = buffers[0][:padded]
     offset = 0
     for item in items:
         for view in _shard_views(item, rank, size):
             packed[offset : offset + view.numel()].copy_(view)
             offset += view.numel()
-    gathered = _gather(packed, size, group, _Batch("reassemble", tuple(item.room for item in items), len(items)))
+    packed[offset:].zero_()  # the padding: no stale memory leaves this rank
+    batch = _Batch("reassemble", tuple(item.room for item in items), len(items))
+    gathered = _gather(packed, buffers[1][: size * padded], group, batch)
     for other in range(size):
         if other == rank:
             continue

@@ -655,3 +655,43 @@ def test_a_late_peer_raises_a_collective_error_naming_this_rank_and_the_rooms(tm
     assert got["raised"] is not None and got["raised"].startswith("CollectiveError: agree:"), got
     assert "rank 0 of the group" in got["raised"] and "2 items" in got["raised"], got["raised"]
 
+
+
+def exchange_memory_short_on_one_rank(rank: int, size: int) -> dict:
+    """The last rank's address space is capped just above what it holds, so it cannot allocate the
+    exchange's buffers (32 MiB of rows over 2 ranks: 16 MiB packed, 32 MiB gathered) although the
+    ranks agree; afterwards, the cap lifted, a well-formed batch must still work."""
+    import resource
+
+    judge([Case(rank, size, 970, 5)], reassemble)  # warm up the group's threads and allocator
+    cases = [Case(rank, size, 971 + i, 64, cols=32 * 1024) for i in range(4)]  # 8 MiB each
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if rank == size - 1:
+        with open("/proc/self/status") as handle:
+            vm = next(int(line.split()[1]) * 1024 for line in handle if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (8 << 20), hard))
+    started = time.monotonic()
+    flags, raised = None, None
+    try:
+        with CapturedLog("transfer.reassemble") as captured:
+            flags = reassemble([c.item for c in cases])
+    except Exception as exc:  # noqa: BLE001 - what it raises is the observation
+        raised = f"{type(exc).__name__}: {exc}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))  # judged below: the comparisons allocate too
+    out = {"short": {"flags": flags, "raised": raised, "took": time.monotonic() - started, "log": captured.lines,
+                     "untouched": [c.untouched() for c in cases]}}
+    del cases
+    out["after"] = judge([Case(rank, size, 980, 7, ds_cols=1)], reassemble)
+    return out
+
+
+def test_a_rank_that_cannot_allocate_the_exchange_fails_the_batch_everywhere_promptly(tmp_path):
+    observed = seen(run_ranks("exchange_memory_short_on_one_rank", 2, tmp_path))
+    for rank, obs in enumerate(observed):
+        short = obs["short"]
+        assert short["raised"] is None, (rank, short["raised"])
+        assert short["flags"] == [False] * 4 and all(short["untouched"]), (rank, short)
+        assert short["took"] < GROUP_TIMEOUT_S - 5, (rank, short["took"])
+        assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
+    assert any("could not allocate" in line for line in observed[-1]["short"]["log"]), observed[-1]["short"]["log"]
