@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import operator
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -334,24 +334,30 @@ def _gather_into_supported(group: dist.ProcessGroup | None) -> bool:
     return torch.__version__ >= "2.1"  # TorchVersion compares as a version, not as text
 
 
-def reassemble(items: Sequence[ShardedItem], group: dist.ProcessGroup | None = None, *, block_size: int | None = None,
+def reassemble(items: Iterable[ShardedItem], group: dist.ProcessGroup | None = None, *, block_size: int | None = None,
                rank_in_block: int | None = None) -> list[bool]:
     """Rebuild the full rows of every item that succeeded on all ranks; returns agreed success flags.
 
     Call on every rank of the group that shares the items' rows (the whole prefill
     group, or one encode block with per-block shards) with the same items in the same
-    order. One all-reduce agrees on the outcome, one all-gather rebuilds the rows.
+    order (a list, or any iterable of them). One all-reduce agrees on the outcome, one
+    all-gather rebuilds the rows.
     An item flagged False is left exactly as it was. Ranks that disagree on the
     number of items or on the room at a position raise UsageError (a RuntimeError) on
     every rank, before any row is written; a rank whose `block_size` or `rank_in_block`
-    contradicts the group, or that holds an item without an integer room or a readable
-    outcome, makes every rank raise ConfigError (a ValueError, naming the reason on that
+    contradicts the group, whose items are not iterable, or that holds an item without an
+    integer room or a readable outcome, makes every rank raise ConfigError (a ValueError, naming the reason on that
     rank). A rank outside `group` raises ConfigError.
     """
     _check_member(group, "reassemble")
     size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     refusal = _check_block(size, rank, block_size, rank_in_block)
+    try:  # any iterable of items; what is none must still reach the collective
+        items = list(items)
+    except Exception as exc:  # noqa: BLE001 - as above
+        refusal = refusal or f"the items are not a sequence of ShardedItem ({type(exc).__name__}: {exc})"
+        items = []
     # An empty batch still takes part in the agreement: a peer with items is waiting in it.
     device = _batch_device(items, group)
     oks, keys = [], []

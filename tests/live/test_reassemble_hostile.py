@@ -695,3 +695,33 @@ def test_a_rank_that_cannot_allocate_the_exchange_fails_the_batch_everywhere_pro
         assert short["took"] < GROUP_TIMEOUT_S - 5, (rank, short["took"])
         assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
     assert any("could not allocate" in line for line in observed[-1]["short"]["log"]), observed[-1]["short"]["log"]
+
+
+def items_not_a_list_on_one_rank(rank: int, size: int) -> dict:
+    """The last rank passes its items as a generator, then passes None instead of a list; afterwards a
+    well-formed batch must still work."""
+    out = {}
+    for name in ("generator", "none"):
+        cases = [Case(rank, size, 990, 6), Case(rank, size, 991, 3, ds_cols=1)]
+        call = reassemble
+        if rank == size - 1:
+            call = ((lambda items: reassemble(item for item in items)) if name == "generator"
+                    else (lambda items: reassemble(None)))  # type: ignore[arg-type]
+        started = time.monotonic()
+        out[name] = judge(cases, call)
+        out[name]["took"] = time.monotonic() - started
+    out["after"] = judge([Case(rank, size, 992, 5)], reassemble)
+    return out
+
+
+def test_items_given_as_an_iterable_rebuild_and_no_items_raise_everywhere_promptly(tmp_path):
+    observed = seen(run_ranks("items_not_a_list_on_one_rank", 2, tmp_path))
+    for rank, obs in enumerate(observed):
+        got = obs["generator"]
+        assert got["raised"] is None and got["flags"] == [True, True] and all(got["exact"]), (rank, got)
+        got = obs["none"]
+        assert got["raised"] is not None and got["raised"].startswith("ConfigError: reassemble:"), (rank, got)
+        assert got["took"] < GROUP_TIMEOUT_S - 5, (rank, got["took"])
+        assert all(got["untouched"]), rank
+        assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
+    assert "the items are not a sequence" in observed[-1]["none"]["raised"], observed[-1]["none"]["raised"]
