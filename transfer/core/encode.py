@@ -81,9 +81,10 @@ FAILED_WRITES_KEPT_S = 300.0
 MAX_FAILED_WRITES = 4096
 
 #: How long a failed write's destination stays held from other rooms of its session after the failure,
-#: since its bytes may still land there: over tcp Mooncake reports a write over (done or failed) once
-#: its bytes are with the kernel, not once they landed, and a write our own transfer timeout gave up
-#: on is still in Mooncake's hands. The receive pool's default quarantine (EPD_QUARANTINE_S, 280 s),
+#: since its bytes may still land there: a failed write's peer goes on applying the bytes it had
+#: received (over tcp, those in its socket when the initiator gave up; Mooncake's acknowledged framing,
+#: 0.3.12 on, makes only a Success mean "applied"), and a write our own transfer timeout gave up on is
+#: still in Mooncake's hands. The receive pool's default quarantine (EPD_QUARANTINE_S, 280 s),
 #: which bounds the late landing our prefill ranks wait out: they hold a failed room's slot that long
 #: from when they hear of the failure, so this hold refuses no slot of theirs handed out again (unless
 #: their own deadline failed the room before the write failed), and a receiver without a quarantine of
