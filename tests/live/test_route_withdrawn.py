@@ -8,6 +8,7 @@ Real Mooncake engines (tcp on 127.0.0.1), real ZMQ, a real bootstrap server, ran
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import threading
@@ -19,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+import zmq
 from live_helpers import HOST, LIVE, wait_until
 
 from transfer.bootstrap import BootstrapClient, BootstrapServer
@@ -151,11 +153,24 @@ def test_a_late_withdrawal_by_a_pool_whose_successor_registered_at_the_same_endp
         port, withdrawal = first.port, first._route  # what the first pool's DELETE says
         _served(manager, first, server, 1, buf[0])
         first.close()
-        with SenderPool(encode, 0, 1, 1, server.address, port=port) as successor:
+        with _pool_at(encode, server, port) as successor:
             assert successor.port == port
             withdrawal.unregister()  # the first pool's DELETE, arriving now
             assert BootstrapClient(server.address).route(0, 0) == (HOST, port)
             _served(manager, successor, server, 2, buf[1])
+
+
+def _pool_at(engine, server: BootstrapServer, port: int, within_s: float = 10.0) -> SenderPool:
+    """A pool listening at `port`, which a pool closed just now let go of: ZMQ closes a listener on its
+    I/O thread, after close() returned, so the port may be busy for a moment."""
+    end = time.monotonic() + within_s
+    while True:
+        try:
+            return SenderPool(engine, 0, 1, 1, server.address, port=port)
+        except zmq.ZMQError as error:
+            if error.errno != errno.EADDRINUSE or time.monotonic() > end:
+                raise
+            time.sleep(0.05)
 
 
 class _PeerHandler(BaseHTTPRequestHandler):
