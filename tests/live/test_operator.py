@@ -155,6 +155,26 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _assert_nothing_left(proc: subprocess.Popen) -> None:
+    """No process of the run's session is left running 10 s after it exited."""
+    deadline = time.monotonic() + 10
+    while _session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [_cmdline(pid) for pid in _session(proc.pid)] == []
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """Whatever a failed test left of the run's session, killed."""
+    for pid in _session(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
 def _ranks_of(parent: int) -> list[int]:
     """The parent's rank processes (multiprocessing's spawned children, not its resource
     tracker nor anything else the run may start), oldest first."""
@@ -362,19 +382,9 @@ def test_bench_stops_its_ranks(tmp_path, sig):
         if sig == signal.SIGTERM:
             assert proc.returncode == 130, err[-3000:]
             assert err.strip().splitlines()[-1] == "epd-transfer bench: interrupted"
-        deadline = time.monotonic() + 10
-        while _session(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert [_cmdline(pid) for pid in _session(proc.pid)] == []
+        _assert_nothing_left(proc)
     finally:
-        for pid in _session(proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        _kill_session(proc)
 
 
 #: A sitecustomize for the rank processes only (multiprocessing's spawned children): it says it
@@ -418,19 +428,9 @@ def test_ctrl_c_while_the_ranks_start_is_one_line(tmp_path, command):
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 130, err[-3000:]
         assert err.strip().splitlines() == [f"epd-transfer {command[0]}: interrupted"], err[-3000:]
-        deadline = time.monotonic() + 10
-        while _session(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert [_cmdline(pid) for pid in _session(proc.pid)] == []
+        _assert_nothing_left(proc)
     finally:
-        for pid in _session(proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        _kill_session(proc)
 
 
 def _metrics() -> Metrics:
