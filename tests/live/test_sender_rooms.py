@@ -188,11 +188,11 @@ def _clear_as_the_sweep_runs(pool: SenderPool, handle) -> None:
     tick = pool._core.tick
     due = time.monotonic() + pool.fanout_timeout_s
 
-    def hooked(now):
+    def hooked(now, unread=False):
         if hooked.armed and now >= due:
             hooked.armed = False
             handle.clear()
-        return tick(now)
+        return tick(now, unread)
 
     hooked.armed = True
     pool._core.tick = hooked
