@@ -330,7 +330,8 @@ class _PrefillRank:
         self.next_slot = 0
 
     def hello(self) -> dict:
-        return {"status_port": self.manager.status_port, "session": self.engine.session_id, "pid": os.getpid()}
+        return {"status_port": self.manager.status_port, "session": self.engine.session_id, "pid": os.getpid(),
+                "arena": self.arena.ctypes.data, "slot_bytes": self.slot_bytes}
 
     def do_ask(self, rooms: list[int]) -> None:
         """Asks for each room's full span (identity) into its own slot."""

@@ -299,7 +299,7 @@ def test_a_pooled_receive_its_dead_manager_refuses_gives_its_slot_back_at_once(e
     from transfer.receiver import SessionManager
     from transfer.status import TransferPoll
 
-    def broken(now, limit=None):
+    def broken(now, limit=None, unread=False):
         raise RuntimeError("injected")
 
     _, engine = engines

@@ -437,7 +437,7 @@ def test_a_failure_inside_the_managers_io_thread_fails_its_rooms_and_close_still
             handle = manager.receive(1, server.address, buf[0])
             assert asks.poll(5000), "the manager never asked"
 
-            def broken(now, limit=None):
+            def broken(now, limit=None, unread=False):
                 raise RuntimeError("injected")
 
             manager._driver.core.tick = broken  # the thread calls it on every turn

@@ -40,6 +40,7 @@ from transfer.core.failure import CLEARED, Failure, FailureKind, without_room
 from transfer.core.parked import Asks, ParkedAsks
 from transfer.core.regions import RegionBook
 from transfer.core.scheduler import WriteScheduler
+from transfer.core.unread import UNREAD_GRACE_S, UnreadGrace
 from transfer.frames import (Cancel, CancelAnswer, Registration, TransferInfo, host_text, receiver_text,
                              validate_fanout)
 from transfer.status import TransferPoll
@@ -60,13 +61,6 @@ REASK_GRACE_S = 0.1
 
 #: How often unserved items and asks are swept for the fanout timeout.
 SWEEP_S = 0.5
-
-#: How long a tick whose driver may have asks still unread (it was held up past the tick's
-#: time, or its bounded drain left requests queued) holds back the rules that conclude rooms
-#: for want of an ask (the fanout timeout, the graces of clears and cancels): the driver reads
-#: those asks first. Once in a row: the tick at its end applies them whatever is still unread,
-#: so a flood of requests delays them by this much at most.
-UNREAD_GRACE_S = 0.1
 
 #: Rooms remembered as cancelled before their item came, and rooms whose asks were told Failed
 #: for want of their item (each at most this many, oldest forgotten first), so the item fails at
@@ -362,7 +356,7 @@ class EncodeCore:
         self._held: dict[int, _HeldItem] = {}
         self._failed_writes: dict[tuple[int, str], float] = {}  # (room, session) -> when a write to it failed
         self._next_sweep = now + SWEEP_S
-        self._rules_held_until: float | None = None  # a tick with asks maybe unread held the rules back till then
+        self._unread = UnreadGrace()  # holds the rules for want of an ask while asks may be unread
         self._closed = False
         self._close_detail = ""
         self._writes_stopped = False
@@ -695,12 +689,8 @@ class EncodeCore:
         the driver to read them, once in a row (writes waiting still start meanwhile).
         """
         self.scheduler.new_turn()
-        if unread and self._rules_held_until is None:
-            self._rules_held_until = now + UNREAD_GRACE_S
-        if self._rules_held_until is not None:
-            if now < self._rules_held_until:
-                return self._flush(now)
-            self._rules_held_until = None
+        if self._unread.holds(now, unread, self._rules_due()):
+            return self._flush(now)
         while self._clears_due and now >= self._clears_due[0][1] + CLEARED_GRACE_S:
             self._fail_cleared_asks(*self._clears_due.popleft())
         while self._reasks_due and now >= self._reasks_due[0][1] + CLEARED_GRACE_S:
@@ -835,6 +825,11 @@ class EncodeCore:
 
     def next_wakeup(self) -> float:
         """When the core next needs a tick (writes waiting are the driver's to poll: see `busy`)."""
+        return self._unread.defer(self._rules_due())  # held back by a tick with asks maybe unread
+
+    def _rules_due(self) -> float:
+        """When the earliest of the rules that conclude rooms for want of an ask comes due: the sweep, a
+        cleared room's grace, a cancel's."""
         due = self._next_sweep
         if self._clears_due:
             due = min(due, self._clears_due[0][1] + CLEARED_GRACE_S)
@@ -842,8 +837,6 @@ class EncodeCore:
             due = min(due, self._reasks_due[0][1] + CLEARED_GRACE_S)
         for held in self._held.values():  # items sent right after a cancel: MAX_CANCELLED_ROOMS at most
             due = min(due, held.cancelled_at + REASK_GRACE_S)
-        if self._rules_held_until is not None:  # held back by a tick with asks maybe unread
-            due = max(due, self._rules_held_until)
         return due
 
     def expects(self, room: int) -> bool:

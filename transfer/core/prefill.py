@@ -38,6 +38,7 @@ from transfer.core.bounded import remember
 from transfer.core.cancels import CANCEL_SILENCE_S, CancelBook
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.prefill_breaker import BootstrapBreaker
+from transfer.core.unread import UNREAD_GRACE_S, UnreadGrace
 from transfer.errors import ConfigError
 from transfer.frames import CancelAnswer, TransferInfo, cancel_frames, registration_frames
 from transfer.status import TransferPoll
@@ -62,6 +63,7 @@ __all__ = [
     "RoomSpec",
     "SendAsk",
     "SendCancel",
+    "UNREAD_GRACE_S",
     "Verify",
     "Warn",
 ]
@@ -356,6 +358,7 @@ class PrefillCore:
         self.cancels = CancelBook(self._conns.get)  # awaiting answers, and what answers showed of each address
         self._answered_at: dict[Address, float] = {}  # when the current connection there last answered a room
         self._held: list[tuple[float, int, _Room]] = []  # (when its ask goes anyway, token, room), a heap
+        self._unread = UnreadGrace()  # holds the rules for want of a status while statuses may be unread
 
     # ------------------------------------------------------------ queries
 
@@ -391,6 +394,15 @@ class PrefillCore:
     def next_wakeup(self) -> float | None:
         """When tick() next has something to do (the earliest open room's deadline, held ask, or asks
         waiting for a socket too long), or None."""
+        rules = self._unread.defer(self._rules_due())  # held back by a tick with statuses maybe unread
+        due = [self._recheck_due(addr, head) for addr, head in self.asks.heads(self._queued)]
+        if rules is not None:
+            due.append(rules)
+        return min(due) if due else None
+
+    def _rules_due(self) -> float | None:
+        """When the earliest of the rules that act for want of a status comes due (an open room's
+        deadline, a held ask's wait for its cancel's answer), or None."""
         heap = self._deadlines
         while heap and not self._open(heap[0][2]):
             heapq.heappop(heap)
@@ -398,7 +410,6 @@ class PrefillCore:
         while held and not self._in(held[0][2], HELD):
             heapq.heappop(held)
         due = [h[0][0] for h in (heap, held) if h]
-        due += [self._recheck_due(addr, head) for addr, head in self.asks.heads(self._queued)]
         return min(due) if due else None
 
     def deadline_entries(self) -> int:
@@ -885,10 +896,29 @@ class PrefillCore:
             actions += self.abandon(now, state.room, state.token)
         return actions
 
-    def tick(self, now: float, limit: int | None = None) -> list:
+    def tick(self, now: float, limit: int | None = None, unread: bool = False) -> list:
         """Fails rooms past their deadline and lets held asks go whose earlier ask's cancel got no answer
         within CANCEL_ANSWER_WAIT_S, at most `limit` of them together (next_wakeup() says if more are
-        due), and looks up again the encode ranks whose sockets took no ask for QUEUED_LOOKUP_S."""
+        due), and looks up again the encode ranks whose sockets took no ask for QUEUED_LOOKUP_S.
+
+        `unread`: statuses may wait unread in the driver's status socket (it was held up past this
+        tick's time, or left statuses queued). Statuses, and answers to cancels, that came before a
+        room's deadline count: the rules that act for want of one (deadlines, held asks, cancels set
+        aside) wait UNREAD_GRACE_S for the driver to read them, once in a row (asks waiting for a
+        socket are still looked up again meanwhile).
+        """
+        actions: list = []
+        if not self._unread.holds(now, unread, self._rules_due()):
+            actions += self._expire_due(now, limit)
+        for addr in [addr for addr in self._probed_at if not self.asks.waiting(addr)]:
+            del self._probed_at[addr]
+        for addr, head in self.asks.heads(self._queued):
+            if self._recheck_due(addr, head) <= now:
+                actions += self._recheck(now, addr)
+        return actions
+
+    def _expire_due(self, now: float, limit: int | None) -> list:
+        """tick()'s rules for want of a status: deadlines, held asks, stale cancels (at most `limit`)."""
         heap = self._deadlines
         if len(heap) > 2 * len(self._rooms) + 1024:
             # Concluded rooms' entries would otherwise wait out their whole deadline here.
@@ -908,11 +938,6 @@ class PrefillCore:
                 actions += self._unhold(now, state)
                 expired += 1
         actions += self.cancels.set_aside_stale(now, limit, lambda key: self._release(now, *key))
-        for addr in [addr for addr in self._probed_at if not self.asks.waiting(addr)]:
-            del self._probed_at[addr]
-        for addr, head in self.asks.heads(self._queued):
-            if self._recheck_due(addr, head) <= now:
-                actions += self._recheck(now, addr)
         return actions
 
     # ---------------------------------------------------------- internals

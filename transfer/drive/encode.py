@@ -42,6 +42,7 @@ from transfer.core.encode import (
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.polls import PollSchedule
 from transfer.core.sources import SourceCounts
+from transfer.core.unread import unread
 from transfer.errors import EngineError, UsageError
 from transfer.frames import (
     TransferInfo,
@@ -71,11 +72,6 @@ SELECT_FD_LIMIT = 1024
 #: Requests filed per round before the thread turns to its writes: a peer that sends
 #: without pause must not keep the thread (its writes, sweep and close()) waiting.
 MAX_REQUESTS_PER_ROUND = 256
-
-#: A tick due this long ago or more found the thread held up (a stopped process, a slow engine
-#: call): asks may have come meanwhile that it has not read yet, so the core holds back the
-#: rules that conclude rooms for want of one for a moment (see EncodeCore.tick's `unread`).
-LATE_TICK_S = 0.05
 
 #: How long the statuses pushed while closing may take to leave once the pool is closed.
 CLOSE_LINGER_MS = 1000
@@ -517,7 +513,7 @@ class EncodeDriver:
                 if self.core.busy or now >= due:
                     # Asks that came before a room's time-out count: when some may still be unread,
                     # the core gives the next rounds a moment to read them.
-                    self._carry(self.core.tick(now, unread=now >= due and (more_requests or now - due >= LATE_TICK_S)))
+                    self._carry(self.core.tick(now, unread=unread(now, due, more_requests)))
                 if self._flights:
                     self._settle()
                 elif self.core.busy:  # only writes held by their ready events: back off as for writes

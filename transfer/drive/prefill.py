@@ -54,6 +54,7 @@ from transfer.core.prefill import (
     Warn,
 )
 from transfer.core.quarantine import AwaitingConfirmation, Fate, fate_of
+from transfer.core.unread import unread
 from transfer.errors import UsageError
 from transfer.frames import UnreadableChecksum, WireError, parse_cancel_reply, parse_failure_reason, parse_status
 from transfer.metrics import Metrics
@@ -219,6 +220,7 @@ class PrefillDriver:
         self._watch = threading.Lock()  # held by that thread; _watch_waker wakes it when a room concludes elsewhere
         self._watch_woken = False  # its last sleep saw the watch waker readable (held under _watch)
         self._statuses_left = False  # a drain stopped with statuses still queued
+        self._ticked_at = clock()  # when the I/O thread last ticked the core
         self._watch_poller = select.poll()  # used by the thread that holds _watch
         self._watch_poller.register(self._status_fd, select.POLLIN)
         self._watch_poller.register(self._watch_waker.fileno(), select.POLLIN)
@@ -522,7 +524,7 @@ class PrefillDriver:
                 for sock, flags in events.items():
                     if flags & zmq.POLLOUT and sock in self._watching:
                         self._step(lambda now, addr=self._watching[sock]: self.core.writable(now, addr))
-                self._step(lambda now: self.core.tick(now, EXPIRE_BATCH))
+                self._step(self._tick)
                 if self.clock() - monitors_read_at >= MONITOR_PERIOD_S:
                     monitors_read_at = self.clock()
                     self._read_monitors()
@@ -562,6 +564,15 @@ class PrefillDriver:
                 timeout_ms = 0
             self._wake_at = now + timeout_ms / 1000
         return timeout_ms, watch
+
+    def _tick(self, now: float) -> list:
+        """The core's tick (_lock held). Statuses that came before a room's deadline count: when some
+        may still be unread (this thread was held up past the tick's time, its process stopped, or the
+        last drain left some queued; ZMQ's own I/O thread may not even have handed them over yet), the
+        core gives the next turns a moment to read them."""
+        late = unread(now, self.core.next_wakeup(), self._statuses_left, self._ticked_at)
+        self._ticked_at = now
+        return self.core.tick(now, EXPIRE_BATCH, unread=late)
 
     # event(now): typed loosely because the lambdas bind loop values as defaults, which mypy cannot infer.
     def _step(self, event: Callable[..., list]) -> None:
