@@ -122,11 +122,13 @@ class OneDeadlineHandler(BaseHTTPRequestHandler):
             self.request_version = self.protocol_version
         self._text(code, message or self.responses.get(code, ("error",))[0])
 
-    def _send(self, status: int, body: bytes, content_type: str) -> None:
-        """Send one complete response (a HEAD request's without its body)."""
+    def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+        """Send one complete response (a HEAD request's without its body), with `headers` besides its own."""
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()

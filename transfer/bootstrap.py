@@ -23,8 +23,10 @@ Decisions the spec leaves open, documented here:
   DELETE: the entry remembers the one its PUT carried, and a DELETE that names
   one removes the entry only when it is that one, so a rank restarted at the very
   same endpoint keeps its route however late its predecessor's DELETE arrives. A
-  DELETE without it (an older peer of ours) removes by endpoint as above. Peers
-  send no such header, and their bodies and answers are unchanged.
+  DELETE without it (an older peer of ours) removes by endpoint as above. A GET of
+  a route so registered answers with the same header, naming the registration: a
+  prefill rank of ours tells a rank restarted at the same endpoint from the one it
+  asked. Peers send no such header, and their bodies and answers are unchanged.
 - The route lookup is `table[target_dp_group][engine_rank]`, i.e. engine_rank
   is read as the tp rank inside the group, as the peers' servers do.
 - Success bodies are JSON (application/json); errors and /health are short
@@ -153,6 +155,14 @@ class _RouteTable:
         with self._lock:
             return self._routes.get((dp_group, engine_rank))
 
+    def registration(self, engine_rank: int, dp_group: int) -> tuple[tuple[str, int], str | None] | None:
+        """The endpoint for tp rank engine_rank of dp_group and the instance that registered it (None: a
+        peer's registration, or an older one of ours), or None."""
+        key = (dp_group, engine_rank)
+        with self._lock:
+            route = self._routes.get(key)
+            return None if route is None else (route, self._instances.get(key))
+
     def __len__(self) -> int:
         """How many ranks are registered."""
         with self._lock:
@@ -221,9 +231,9 @@ class _Handler(OneDeadlineHandler):
         if log.isEnabledFor(logging.DEBUG):
             log.debug("bootstrap %s: %s", self.address_string(), shown(format % args))
 
-    def _json(self, status: int, value: Any) -> None:
+    def _json(self, status: int, value: Any, headers: dict[str, str] | None = None) -> None:
         """Send a JSON response."""
-        self._send(status, json.dumps(value).encode(), "application/json")
+        self._send(status, json.dumps(value).encode(), "application/json", headers)
 
     def do_GET(self) -> None:
         """GET /route (sync sizes or one route) and GET /health."""
@@ -260,10 +270,11 @@ class _Handler(OneDeadlineHandler):
             world_size, dp_size = table.sizes()
             self._json(200, {"prefill_tp_size": world_size, "prefill_dp_size": dp_size})
             return
-        route = table.get(engine_rank, dp_group)
-        if route is None:
+        found = table.registration(engine_rank, dp_group)
+        if found is None:
             raise _RequestError(404, f"no route for encode rank {engine_rank} in dp group {dp_group}")
-        self._json(200, {"rank_ip": route[0], "rank_port": route[1]})
+        (ip, port), instance = found
+        self._json(200, {"rank_ip": ip, "rank_port": port}, None if instance is None else {INSTANCE_HEADER: instance})
 
     def do_PUT(self) -> None:
         """PUT /route: one encode rank registers its endpoint."""
@@ -571,8 +582,9 @@ class BootstrapClient:
 
     def _request(self, method: str, path: str, body: bytes | None = None,
                  headers: dict[str, str] | None = None,
-                 timeout: float | None = None) -> tuple[int, bytes]:
-        """One HTTP exchange within `timeout`; returns (status, body); OSError/HTTPException on transport failure."""
+                 timeout: float | None = None, answered: dict[str, str] | None = None) -> tuple[int, bytes]:
+        """One HTTP exchange within `timeout`; returns (status, body), and puts the answer's INSTANCE_HEADER, if
+        any, in `answered`; OSError/HTTPException on transport failure."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         conn = _BoundedConnection(self.host, self.port, timeout=timeout, deadline=deadline)
@@ -582,6 +594,9 @@ class BootstrapClient:
         try:
             conn.request(method, path, body=body, headers=headers or {})
             response = conn.getresponse()
+            instance = response.getheader(INSTANCE_HEADER)
+            if answered is not None and instance is not None:
+                answered[INSTANCE_HEADER] = instance
             raw = response.read(MAX_BODY)
             if response.length and len(raw) < MAX_BODY:  # the server closed before its Content-Length
                 raise http.client.IncompleteRead(raw, response.length)
@@ -589,11 +604,12 @@ class BootstrapClient:
         finally:
             conn.close()
 
-    def _get_json(self, path: str, what: str, timeout: float | None = None) -> tuple[int, Any]:
+    def _get_json(self, path: str, what: str, timeout: float | None = None,
+                  answered: dict[str, str] | None = None) -> tuple[int, Any]:
         """One GET within `timeout` (the client's by default); BootstrapError when unreachable or the body is
-        not JSON on 200."""
+        not JSON on 200. `answered`: see _request()."""
         try:
-            status, raw = self._request("GET", path, timeout=timeout)
+            status, raw = self._request("GET", path, timeout=timeout, answered=answered)
         except (OSError, http.client.HTTPException) as error:
             raise BootstrapUnreachable(f"bootstrap server {self.address} unreachable for {what}: "
                                        f"{shown(str(error)) or type(error).__name__}") from error
@@ -724,8 +740,15 @@ class BootstrapClient:
     def route(self, engine_rank: int, dp_group: int, timeout: float | None = None) -> tuple[str, int]:
         """(ip, port) of encode rank engine_rank in dp_group; one attempt within `timeout` (the client's by
         default): BootstrapError if none, BootstrapNoRoute when the server answered that it has none."""
+        return self.registration(engine_rank, dp_group, timeout)[:2]
+
+    def registration(self, engine_rank: int, dp_group: int,
+                     timeout: float | None = None) -> tuple[str, int, str | None]:
+        """route(), with the instance that registered it where the server names it (ours, docs/protocol.md
+        section 8; None from a peer's server, or for a registration that named none)."""
         path = f"/route?engine_rank={int(engine_rank)}&target_dp_group={int(dp_group)}"
-        status, value = self._get_json(path, f"encode rank {engine_rank}", timeout)
+        answered: dict[str, str] = {}
+        status, value = self._get_json(path, f"encode rank {engine_rank}", timeout, answered)
         if status == 404:
             raise BootstrapNoRoute(f"no route for encode rank {engine_rank} in dp group "
                                    f"{dp_group} at {self.address}")
@@ -742,7 +765,8 @@ class BootstrapClient:
                                  f"for encode rank {engine_rank}: host {ip[:MAX_HOST_CHARS]!r} (1 to "
                                  f"{MAX_HOST_CHARS} letters, digits, '.', '-', '_', ':', '%'), port {_shown_int(port)} "
                                  f"(1 to 65535)")
-        return ip, port
+        instance = answered.get(INSTANCE_HEADER)
+        return ip, port, instance if instance is not None and _INSTANCE.match(instance) else None
 
     def wait_ready(self, timeout: float, encode_rank: int | None = None, dp_group: int = 0) -> tuple[int, int]:
         """Blocks until the encode side registered, at most `timeout` seconds; returns (world_size, dp_size).

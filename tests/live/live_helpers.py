@@ -209,7 +209,7 @@ class _EncodeRank:
         self.pool = SenderPool(
             self.engine, cfg.get("rank", 0), cfg.get("tp", 1), cfg.get("dp", 1), cfg["bootstrap"],
             host=HOST, token=cfg.get("token"), fanout_timeout_s=cfg.get("fanout_timeout_s", 60.0),
-            register_timeout_s=cfg.get("register_timeout_s", 10.0),
+            register_timeout_s=cfg.get("register_timeout_s", 10.0), port=cfg.get("port", 0),
         )
         self.handles: dict[int, Any] = {}
         self.arenas: list[tuple[np.ndarray, int]] = []
@@ -435,7 +435,7 @@ def bootstrap_server(token: str | None = TOKEN):
 
 
 def encode_process(bootstrap: str, **cfg: Any) -> RankProcess:
-    """An encode rank process registered with `bootstrap` (cfg: rank, tp, dp, token, fanout_timeout_s, ...)."""
+    """An encode rank process registered with `bootstrap` (cfg: rank, tp, dp, token, fanout_timeout_s, port, ...)."""
     return RankProcess(_encode_main, {"bootstrap": bootstrap, "token": TOKEN, **cfg})
 
 

@@ -640,3 +640,24 @@ def test_client_unregisters_and_a_server_without_delete_is_a_bootstrap_error(ser
     with _answering(b"HTTP/1.0 405 Method Not Allowed\r\nContent-Length: 18\r\n\r\nMethod Not Allowed") as address:
         with pytest.raises(BootstrapError, match="HTTP 405: Method Not Allowed"):
             BootstrapClient(address).unregister_rank(2, 1, "10.0.0.9", 5555, 1)
+
+
+def test_a_route_look_up_names_the_registration_that_made_it_in_a_header_the_body_leaves_alone(server):
+    """Our GET /route answer for one rank carries the instance its registration named (a prefill rank of ours
+    tells a rank restarted at the same endpoint by it), and none for a registration that named none; the body
+    is section 5's either way."""
+    registration = _registration(0, port=1111)
+
+    def look_up() -> tuple[str | None, dict]:
+        request = urllib.request.Request(f"http://{server.address}/route?engine_rank=0&target_dp_group=0")
+        with _OPENER.open(request, timeout=5) as response:
+            return response.headers.get("X-EPD-Instance"), json.loads(response.read())
+
+    _route_request("PUT", server, registration, instance="a" * 32)
+    assert look_up() == ("a" * 32, {"rank_ip": "10.0.0.1", "rank_port": 1111})
+    assert BootstrapClient(server.address).registration(0, 0) == ("10.0.0.1", 1111, "a" * 32)
+    _route_request("PUT", server, registration, instance="b" * 32)
+    assert look_up()[0] == "b" * 32
+    _put(server, registration)  # a peer's rank, or an older one of ours
+    assert look_up() == (None, {"rank_ip": "10.0.0.1", "rank_port": 1111})
+    assert BootstrapClient(server.address).registration(0, 0) == ("10.0.0.1", 1111, None)

@@ -196,6 +196,38 @@ def test_encode_killed_mid_stream_fails_rooms_by_their_deadline(engines):
             encode.kill()
 
 
+def test_rooms_asked_of_an_encode_rank_that_restarted_at_its_port_fail_at_once(engines):
+    """An encode rank killed with rooms asked of it and started again at the same port registers anew:
+    once the prefill rank looks its route up and finds the new registration, the rooms asked of the
+    process before fail at once, saying so, instead of waiting out their 60 s deadlines; rooms asked of
+    the new process succeed."""
+    cut, after = rooms(3), rooms(2)
+    with bootstrap_server() as server:
+        encode = encode_process(server.address)
+        try:
+            port = encode.info["port"]
+            with Receiver(engines[0], 0, 1, fanout=1, slots=16, deadline_s=60.0) as r:
+                for room in cut:
+                    r.ask(room, server.address, SPAN)
+                assert wait_until(lambda: encode.call("state")["asks"] == len(cut), 10.0), "the asks never came"
+                encode.kill()
+                killed = time.monotonic()
+                encode = encode_process(server.address, port=port)
+                assert encode.info["port"] == port
+                for room in after:  # the first room after the restart looks the route up again
+                    r.ask(room, server.address, SPAN)
+                results = r.wait(cut, 20.0)
+                for room in cut:
+                    status, reason = results[room]
+                    assert status == "Failed", (room, status, reason)
+                    assert f"a new process at {HOST}:{port}" in reason and "ask again" in reason, reason
+                assert time.monotonic() - killed < 30.0, "the rooms waited for their deadlines"
+                encode.call("send", after, SPAN, HIDDEN)
+                assert r.wait(after, 20.0) == {room: ("Success", None) for room in after}
+        finally:
+            encode.kill()
+
+
 def test_prefill_killed_mid_stream_never_stalls_the_sender(engines):
     warmup, doomed, survivors = rooms(4), rooms(200), rooms(60)
     with bootstrap_server() as server, encode_process(server.address) as encode:

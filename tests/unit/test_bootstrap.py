@@ -97,7 +97,7 @@ def test_the_sizes_stay_fixed_once_set_whatever_is_removed():
 def _replying(status: int, raw: bytes, sent: list | None = None) -> BootstrapClient:
     client = BootstrapClient("127.0.0.1:1", token="t0k")
 
-    def request(method, path, body=None, headers=None, timeout=None):
+    def request(method, path, body=None, headers=None, timeout=None, answered=None):
         if sent is not None:
             sent.append((method, path, json.loads(body), headers, timeout))
         return status, raw
@@ -163,3 +163,31 @@ def test_a_404_for_a_route_is_bootstrap_no_route():
     with pytest.raises(BootstrapError) as other:
         _replying(500, b"boom").route(1, 0)
     assert not isinstance(other.value, BootstrapNoRoute)
+
+
+@pytest.mark.parametrize("header, instance", [
+    ("ab" * 16, "ab" * 16),  # ours: the registration's nonce
+    (None, None),  # a peer's server names none
+    ("not an instance!", None),  # nor is a malformed one taken
+])
+def test_a_route_names_the_registration_its_server_named(header, instance):
+    client = BootstrapClient("127.0.0.1:1")
+
+    def request(method, path, body=None, headers=None, timeout=None, answered=None):
+        if header is not None:
+            answered["X-EPD-Instance"] = header
+        return 200, b'{"rank_ip": "10.0.0.7", "rank_port": 7000}'
+    client._request = request
+    assert client.registration(0, 0) == ("10.0.0.7", 7000, instance)
+    assert client.route(0, 0) == ("10.0.0.7", 7000)
+
+
+def test_the_route_table_remembers_which_registration_made_each_route():
+    table = _RouteTable()
+    table.put(2, 1, "10.0.0.7", 7000, 0, "first")
+    table.put(2, 1, "10.0.0.8", 7000, 1)
+    assert table.registration(0, 0) == (("10.0.0.7", 7000), "first")
+    assert table.registration(1, 0) == (("10.0.0.8", 7000), None)
+    table.put(2, 1, "10.0.0.7", 7000, 0, "second")
+    assert table.registration(0, 0) == (("10.0.0.7", 7000), "second")
+    assert table.registration(0, 1) is None

@@ -517,6 +517,38 @@ def test_a_dropped_connection_is_looked_up_again_and_has_its_regions_announced_a
     assert c.stage(2) == "asked"
 
 
+def test_a_room_asked_of_a_process_that_restarted_at_the_same_address_fails_once_the_server_names_the_new_one():
+    """Our bootstrap servers name each registration (its instance): a dropped connection whose rank is found
+    at the same address under another registration is a restart in place, and the room asked of the process
+    before it fails at once; under the same registration (a dropped connection only) it waits."""
+    c = core()
+    c.parallel_resolved(0.0, BOOT, 1, 1)
+    c.route_resolved(0.0, KEY0, ENCODE, "first")
+    token, _ = c.receive(0.0, spec(1, slot=1))
+    assert c.connection_dropped(0.1, ENCODE) == [LookUpRoute(KEY0)]
+    assert not any(isinstance(a, Conclude) for a in c.route_resolved(0.2, KEY0, ENCODE, "first"))
+    assert c.stage(1) == "asked", "the same registration: its process may still answer"
+    c.receive(0.3, spec(2, slot=2))  # looks the route up again
+    failed = [a for a in c.route_resolved(0.4, KEY0, ENCODE, "second") if isinstance(a, Conclude)]
+    assert [(a.room, a.token) for a in failed] == [(1, token)]
+    assert failed[0].failure.kind is FailureKind.NO_CONNECTION
+    assert f"a new process at {ENCODE[0]}:{ENCODE[1]}" in failed[0].failure.detail
+    assert c.stage(2) == "asked", "asked of the new process"
+
+
+def test_a_room_asked_where_the_server_names_no_registration_waits_when_its_rank_is_found_there_again():
+    """A peer's bootstrap server names no registration: a rank found at the same address after a dropped
+    connection may be the same process, and the room asked of it keeps waiting for its status."""
+    c = core()
+    routed(c)
+    c.receive(0.0, spec(1, slot=1))
+    c.connection_dropped(0.1, ENCODE)
+    c.route_resolved(0.2, KEY0, ENCODE)
+    c.receive(0.3, spec(2, slot=2))
+    assert not any(isinstance(a, Conclude) for a in c.route_resolved(0.4, KEY0, ENCODE, "second"))
+    assert c.stage(1) == "asked"
+
+
 def test_rooms_whose_asks_never_left_for_a_dropped_connection_are_looked_up_again():
     """An encode rank restarted at another port: asks that waited for the old socket go to the new one,
     in their order, before any room received later, behind one look-up."""

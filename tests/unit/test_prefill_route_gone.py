@@ -150,9 +150,9 @@ def test_the_look_up_threads_deliver_a_404_as_a_missing_route_however_long_it_to
 
     clock = iter([10.0, 12.5])
 
-    def route(client, engine_rank, dp_group):
+    def registration(client, engine_rank, dp_group):
         raise BootstrapNoRoute(f"no route for encode rank {engine_rank} in dp group {dp_group} at {client.address}")
-    monkeypatch.setattr(BootstrapClient, "route", route)
+    monkeypatch.setattr(BootstrapClient, "registration", registration)
     lookups = _LookUps("test", 5.0, lambda: next(clock), lambda result: None, 1)
     assert lookups._look_up(LookUpRoute(KEY0)) == ("missing", KEY0, NO_ROUTE)
 
@@ -175,7 +175,8 @@ def test_a_rank_registered_again_after_its_route_was_gone_serves_the_next_rooms(
 def test_the_look_up_a_drop_made_for_its_asked_rooms_leaves_a_route_to_the_same_address_forgotten():
     """The server still names the address that dropped (a rank restarting elsewhere has not registered
     yet): the asked room keeps waiting, and the next room looks the route up again, finding it where it
-    registered meanwhile, rather than being asked where nothing listens."""
+    registered meanwhile, rather than being asked where nothing listens; the room asked of the process
+    that went away fails then."""
     c = core()
     routed(c)
     c.receive(0.0, spec(1, slot=1))
@@ -184,8 +185,9 @@ def test_the_look_up_a_drop_made_for_its_asked_rooms_leaves_a_route_to_the_same_
     assert c.route(KEY0) is None
     assert c.receive(1.0, spec(2, slot=2))[1] == [LookUpRoute(KEY0)]
     moved = ("10.0.0.2", 7001)
-    assert [(type(a), a.addr) for a in c.route_resolved(1.1, KEY0, moved)] == [(Disconnect, ENCODE),
-                                                                                (Announce, moved), (SendAsk, moved)]
+    failed, *actions = c.route_resolved(1.1, KEY0, moved)
+    assert isinstance(failed, Conclude) and failed.room == 1
+    assert [(type(a), a.addr) for a in actions] == [(Disconnect, ENCODE), (Announce, moved), (SendAsk, moved)]
     assert c.route(KEY0) == moved
 
 

@@ -269,6 +269,7 @@ class _Room:
     route_key: RouteKey | None = None
     addr: Address | None = None
     conn: int = 0  # the connection it was asked on (or waits for)
+    instance: str | None = None  # the registration of its encode rank it was asked of, where the server names it
     asked_at: float = 0.0
     outcome: Failure | None = None  # once concluded
     asked: bool = False  # its TransferInfo was handed to a socket at least once
@@ -348,6 +349,7 @@ class PrefillCore:
         self._parallel: dict[str, tuple[int, int]] = {}
         self._routes: dict[RouteKey, Address] = {}
         self._resolved: dict[RouteKey, Address] = {}  # where each route was last found, kept when forgotten
+        self._instances: dict[RouteKey, str] = {}  # the registration each route was last found of (our servers say)
         self._gone: dict[RouteKey, Address] = {}  # routes the server no longer has: where each was last found
         self._probes: dict[RouteKey, Address] = {}  # routes looked up again: where their queued asks wait
         self._probed_at: dict[Address, float] = {}  # when the routes of asks waiting there were looked up again
@@ -507,15 +509,16 @@ class PrefillCore:
             actions += self._route(now, state, defer=i >= self.ask_batch)
         return actions
 
-    def route_resolved(self, now: float, key: RouteKey, addr: Address) -> list:
-        """The bootstrap server told where an encode rank listens: rooms waiting for that go, and asks
-        that waited at another address for it (`_recheck`) move there, in their order. The connection
-        to the address it was found at before is closed at once if nothing needs it (`_retire`).
+    def route_resolved(self, now: float, key: RouteKey, addr: Address, instance: str | None = None) -> list:
+        """The bootstrap server told where an encode rank listens (and, ours, which registration of it:
+        `instance`): rooms waiting for that go, and asks that waited at another address for it
+        (`_recheck`) move there, in their order. The connection to the address it was found at before is
+        closed at once if nothing needs it (`_retire`). Rooms asked on a connection that dropped since
+        of a registration that is not this one fail (`_orphaned`).
 
         A look-up made only for the asks and rooms of an address whose connection dropped since, that
-        names that address again, tells nothing new (a rank restarting elsewhere has not registered
-        yet): the route stays forgotten, and the next room looks it up again. One that names another
-        address fails the rooms asked on the dropped connection (`_orphaned`)."""
+        names that address again, tells nothing new of where the rank is (a rank restarting elsewhere
+        has not registered yet): the route stays forgotten, and the next room looks it up again."""
         probed = self._probes.pop(key, None)
         waiting = [state for state in self._awaiting_route.pop(key, ()) if self._looking_up(state)]
         if probed != addr or key in self._routes or waiting:
@@ -523,11 +526,15 @@ class PrefillCore:
         self._gone.pop(key, None)
         before = self._resolved.get(key)
         remember(self._resolved, key, addr, MAX_ROUTES)
+        if instance is not None:
+            remember(self._instances, key, instance, MAX_ROUTES)
+        else:
+            self._instances.pop(key, None)
         self.breaker.succeeded(key[0])
         moved = [state for other in self.asks.addresses() if other != addr
                  for state in self.asks.remove(other, lambda queued: queued.route_key == key) if self._queued(state)]
         moved.sort(key=lambda state: (state.asked_at, state.token))  # oldest first, wherever each waited
-        actions = [] if probed is None or probed == addr else self._orphaned(key, probed, addr)
+        actions = self._orphaned(key, addr, instance)
         actions += [action for old in dict.fromkeys((before, probed)) if old is not None and old != addr
                     for action in self._retire(now, old)]
         for i, state in enumerate(moved):
@@ -537,22 +544,27 @@ class PrefillCore:
             actions += self._ask(now, state, addr, defer=i >= self.ask_batch)
         return actions
 
-    def _orphaned(self, key: RouteKey, old: Address, new: Address) -> list:
-        """Fails the rooms of `key` asked at `old` on a connection that dropped since, now that the bootstrap
-        server names `new` for their encode rank: a process listens at one port, so the one they were asked
-        of is gone (its sender pool closed, or it restarted) and no status will come for them. Their memory
-        waits out the quarantine, as a room given up with no cancel does."""
+    def _orphaned(self, key: RouteKey, addr: Address, instance: str | None) -> list:
+        """Fails the rooms of `key` asked on a connection that dropped since, of an encode rank process the
+        bootstrap server no longer names: it names `addr` now, and they were asked at another address (a
+        process listens at one port), or of another registration (`instance`, where the server names it:
+        a process restarted at the same address). No status will come for them. Their memory waits out
+        the quarantine, as a room given up with no cancel does."""
         bootstrap, group, rank = key
         actions: list = []
         for state in sorted(self._rooms.values(), key=lambda state: state.token):
-            if state.route_key != key or state.stage != ASKED or state.addr != old \
-                    or self._conns.get(old) == state.conn:
+            if state.route_key != key or state.stage != ASKED or state.addr is None \
+                    or self._conns.get(state.addr) == state.conn:
+                continue
+            moved = state.addr != addr
+            if not moved and (instance is None or state.instance is None or state.instance == instance):
                 continue
             engine_rank = rank if state.encode_rank is None else state.encode_rank
+            now_at = f"now at {addr[0]}:{addr[1]}" if moved else f"a new process at {addr[0]}:{addr[1]}"
             actions += self._conclude(state, Failure(FailureKind.NO_CONNECTION, (
-                f"encode rank {engine_rank} (dp group {group}) registered again at bootstrap {bootstrap}, now at "
-                f"{new[0]}:{new[1]}: room {state.room} was asked at {old[0]}:{old[1]} and that connection dropped, "
-                f"so no status will come for it; ask again (send the item to the new rank)")))
+                f"encode rank {engine_rank} (dp group {group}) registered again at bootstrap {bootstrap}, {now_at}: "
+                f"room {state.room} was asked of the one before at {state.addr[0]}:{state.addr[1]} and that "
+                f"connection dropped, so no status will come for it; ask again (send the item to the new rank)")))
         return actions
 
     def lookup_failed(self, now: float, bootstrap_addr: str, key: RouteKey | None, detail: str,
@@ -1131,6 +1143,7 @@ class PrefillCore:
         regions = spec.regions
         emb, ds = regions.embedding, regions.deepstack
         state.conn = self._conn_of(addr)  # it goes on the address's connection of now, not of when it queued
+        state.instance = self._instances.get(key)
         region, lengths = (emb.addr, ds.addr if ds else 0), (emb.nbytes, ds.nbytes if ds else 0)
         if self.announcements.needs(addr, region, lengths):
             frames = registration_frames(self.host, self.status_port, self.session_id, *region, *lengths)

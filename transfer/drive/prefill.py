@@ -972,7 +972,8 @@ class _LookUps:
             client = BootstrapClient(addr, timeout=self._timeout_s)
             if key is None:
                 return ("parallel", addr, *client.parallel_info())
-            return ("route", key, client.route(key[2], key[1]))
+            ip, port, instance = client.registration(key[2], key[1])
+            return ("route", key, (ip, port), instance)
         except BootstrapNoRoute as exc:  # an answer: the server has no such route
             return ("missing", key, str(exc))
         except BootstrapError as exc:
