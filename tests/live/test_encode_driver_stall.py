@@ -83,3 +83,40 @@ def test_asks_that_came_while_the_encode_rank_was_stopped_are_served_after_it_re
             encode.call("wait", [room], 5.0)
         assert outcomes == {room: ("Success", None) for room in rooms}
         assert [prefill.landed(room) for room in rooms] == [None] * STOPS
+
+
+def test_the_ask_completing_a_fanout_while_the_encode_rank_was_stopped_is_served_after_it_resumes():
+    """Fanout 2: one prefill rank's ask is read before the stop, the other's comes, in time, while the
+    encode rank is stopped past the fanout timeout; read after the resume, it completes the fanout."""
+    warmup, rooms = next(_rooms), [next(_rooms) for _ in range(STOPS)]
+    with bootstrap_server() as server, Engine(HOST, protocol="tcp") as engine0, \
+            Engine(HOST, protocol="tcp") as engine1, \
+            encode_process(server.address, fanout_timeout_s=FANOUT_TIMEOUT_S) as encode, \
+            Receiver(engine0, 0, 2, fanout=2, slots=1 + STOPS) as first, \
+            Receiver(engine1, 1, 2, fanout=2, slots=1 + STOPS) as second:
+        first.ask(warmup, server.address, SPAN)
+        second.ask(warmup, server.address, SPAN)
+        encode.call("send", [warmup], SPAN, HIDDEN)
+        assert first.wait([warmup], 10.0) == second.wait([warmup], 10.0) == {warmup: ("Success", None)}
+        pid = encode.proc.pid
+        outcomes = {}
+        for room in rooms:
+            encode.call("send", [room], SPAN, HIDDEN)
+            assert wait_until(lambda: encode.call("state")["waiting_for_asks"] == 1, 5.0), "the item was never filed"
+            handle = first.ask(room, server.address, SPAN)
+            asked = time.monotonic()
+            assert wait_until(lambda: handle.poll() != TransferPoll.Bootstrapping, 5.0), "the ask never went out"
+            time.sleep(0.1)  # the encode rank reads it in time
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                other = second.ask(room, server.address, SPAN)  # in time: well within the fanout timeout
+                assert wait_until(lambda: other.poll() != TransferPoll.Bootstrapping, 5.0), "the ask never went out"
+                assert time.monotonic() - asked < FANOUT_TIMEOUT_S
+                # Stopped until the fanout timeout and the sweep that enforces it are past.
+                time.sleep(max(0.0, asked + FANOUT_TIMEOUT_S + 2 * SWEEP_S - time.monotonic()))
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            outcomes.update({room: (first.wait([room], 10.0)[room], second.wait([room], 10.0)[room])})
+            encode.call("wait", [room], 5.0)
+        assert outcomes == {room: (("Success", None), ("Success", None)) for room in rooms}
+        assert [(first.landed(room), second.landed(room)) for room in rooms] == [(None, None)] * STOPS

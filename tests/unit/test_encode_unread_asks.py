@@ -109,3 +109,29 @@ def test_writes_waiting_for_their_ready_event_still_start_while_the_rules_are_he
     assert _of(StartWrite, core.ask(_ask(1), 0.1)) == []
     event.done = True
     assert len(_of(StartWrite, core.tick(3.0, unread=True))) == 1
+
+
+def _half(room: int, rank: int) -> TransferInfo:
+    """Rank `rank`'s ask for half of an 8-row item, its fanout 2."""
+    return TransferInfo(room, "10.0.0.7", 6000 + rank, f"10.0.0.7:{17000 + rank}", 0x10000, 0, 4, HIDDEN, DTYPE,
+                        False, 2, 4 * rank, 8)
+
+
+def test_the_ask_completing_a_fanout_read_after_a_late_tick_is_served_though_the_first_was_read_in_time():
+    core = EncodeCore(fanout_timeout_s=LIMIT)
+    core.offer(Offer(1, Token(), 0x7000_0000, 8, HIDDEN, DTYPE, ROW, None, 0, None), 0.0)
+    assert core.ask(_half(1, 0), 0.5) == []  # the first half's ask, read in time
+    # The driver was held up past the fanout timeout; the other half's ask waited in its socket.
+    late = LIMIT + 5.0
+    assert core.tick(late, unread=True) == []
+    served = core.ask(_half(1, 1), late + 0.01)
+    assert _failed(served) == []
+    assert len(_of(StartWrite, served)) == 2
+
+
+def test_a_fanout_completed_past_its_timeout_with_nothing_unread_still_fails():
+    core = EncodeCore(fanout_timeout_s=LIMIT)
+    core.offer(Offer(1, Token(), 0x7000_0000, 8, HIDDEN, DTYPE, ROW, None, 0, None), 0.0)
+    core.ask(_half(1, 0), 0.5)
+    out = core.ask(_half(1, 1), LIMIT + 1.0)  # no sweep ran between: the ask itself is judged late
+    assert _failed(out) == [(1, FailureKind.FANOUT_TIMEOUT)]

@@ -914,7 +914,8 @@ class EncodeCore:
             return
         if not kept:
             self._out.append(Progress(room_number, room.offer.token, TransferPoll.Transferring, first_at, now))
-        self._queue_writes(room, newcomers, first_at)
+        # A fanout let in past its time-out while the rules were held back: its writes' wait starts now.
+        self._queue_writes(room, newcomers, first_at if now - first_at <= self.fanout_timeout_s else now)
 
     def _check_fanouts_agree(self, room: _Room, asks: Asks, infos: list[TransferInfo], now: float) -> None:
         """Asks that disagree on the fanout would wait for ranks that do not exist: fails the room at once."""
@@ -929,17 +930,24 @@ class EncodeCore:
     def _fanout_too_late(self, room: _Room, fanout: int, first_at: float, last_at: float, asked: int,
                          now: float) -> bool:
         """Fails the room if its whole fanout asked, or its item came, only after the fanout timeout: no
-        write may start this late after the first ask (said here, not later as a wait for a write slot)."""
+        write may start this late after the first ask (said here, not later as a wait for a write slot).
+
+        While a late tick holds the rules back (see tick's `unread`), an ask read is one that may have
+        waited unread since before the time-out: the fanout it completes counts as in time, as an ask
+        the held-back sweep lets in does."""
         limit = self.fanout_timeout_s
         waited = now - first_at
         if waited <= limit:
             return False
+        held = self._rules_held_until is not None and now < self._rules_held_until
         if last_at - first_at <= limit:  # every rank asked in time: the item is what came late
             self._warn("late item", "room %d: its item was sent %.1fs after its first ask, past the fanout "
                        "timeout %gs; failing it", room.room, room.offered_at - first_at, limit)
             self._fail(room, FailureKind.OTHER, _late_item(room.room, room.offered_at - first_at, limit,
                                                            f"its whole fanout of {fanout} asked in time"), now)
             return True
+        if held:
+            return False
         self._warn("late fanout", "room %d: its whole fanout of %d asked only %.1fs after its first ask, past "
                    "the fanout timeout %gs; failing it", room.room, fanout, waited, limit)
         self._fail(room, FailureKind.FANOUT_TIMEOUT, f"receiver never registered within {limit:g}s "

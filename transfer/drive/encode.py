@@ -502,6 +502,11 @@ class EncodeDriver:
                 # wake() caught between setting the flag and writing its byte.
                 if woken or self.waker.pending():
                     self.waker.drain()
+                now = self.clock()
+                if now - self.core.next_wakeup() >= LATE_TICK_S:
+                    # Held up past the tick's time: the asks that came meanwhile are read below, and
+                    # the core judges them with its rules held back, as asks that may have come in time.
+                    self._carry(self.core.tick(now, unread=True))
                 if self.commands:
                     self._take_commands()
                 # A socket drained empty signals its descriptor for whatever comes next: one
