@@ -29,3 +29,11 @@ def test_a_hold_lasts_the_grace_and_its_end_is_when_the_next_tick_is_needed():
     assert not grace.holds(15.0 + UNREAD_GRACE_S, True, due=11.0), "once in a row"
     assert grace.defer(11.0) == 11.0
     assert grace.holds(15.5, True, due=11.0), "a later late tick may hold them again"
+
+
+def test_a_hold_is_on_from_the_late_tick_until_its_grace_ends():
+    grace = UnreadGrace()
+    assert not grace.holding(5.0)
+    assert grace.holds(5.0, True, 4.0)
+    assert grace.holding(5.0) and grace.holding(5.0 + UNREAD_GRACE_S / 2)
+    assert not grace.holding(5.0 + UNREAD_GRACE_S)

@@ -939,7 +939,7 @@ class EncodeCore:
         waited = now - first_at
         if waited <= limit:
             return False
-        held = self._rules_held_until is not None and now < self._rules_held_until
+        held = self._unread.holding(now)
         if last_at - first_at <= limit:  # every rank asked in time: the item is what came late
             self._warn("late item", "room %d: its item was sent %.1fs after its first ask, past the fanout "
                        "timeout %gs; failing it", room.room, room.offered_at - first_at, limit)

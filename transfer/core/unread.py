@@ -55,6 +55,10 @@ class UnreadGrace:
             self._until = now + UNREAD_GRACE_S
         return self._until is not None
 
+    def holding(self, now: float) -> bool:
+        """Whether a hold is on at `now`: a message read now may have waited unread since before its rule's time."""
+        return self._until is not None and now < self._until
+
     @overload
     def defer(self, due: float) -> float: ...
 

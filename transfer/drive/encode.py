@@ -42,7 +42,7 @@ from transfer.core.encode import (
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.polls import PollSchedule
 from transfer.core.sources import SourceCounts
-from transfer.core.unread import unread
+from transfer.core.unread import LATE_TICK_S, unread
 from transfer.errors import EngineError, UsageError
 from transfer.frames import (
     TransferInfo,
