@@ -2,8 +2,26 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from live_helpers import HOST, MOONCAKE_MISSING
+
+#: What a driver logs when its thread dies (it fails every room it had, then serves none).
+DRIVER_DEATHS = ("the sender pool's thread failed", "the I/O thread failed")
+
+
+@pytest.fixture(autouse=True)
+def _drivers_stay_up(request, caplog):
+    """Fails a test during which a driver thread of this process died, unless it is marked
+    `driver_dies` (it kills one on purpose): the rooms a dead driver fails would pass a test
+    that waits for Failed without the behaviour it meant to check ever running."""
+    yield
+    if request.node.get_closest_marker("driver_dies") is not None:
+        return
+    deaths = [record.getMessage() for record in caplog.get_records("call")
+              if record.levelno >= logging.ERROR and any(death in record.getMessage() for death in DRIVER_DEATHS)]
+    assert not deaths, f"a driver thread died during the test: {deaths}"
 
 
 @pytest.fixture(scope="module")

@@ -292,6 +292,7 @@ def test_a_pooled_receive_refused_before_any_ask_keeps_no_slot(engines):
 
 
 @pytest.mark.live
+@pytest.mark.driver_dies
 def test_a_pooled_receive_its_dead_manager_refuses_gives_its_slot_back_at_once(engines):
     """The manager's I/O thread stopped after an error: receive() raises before any ask can
     leave, so its slot is free again, not quarantined."""

@@ -324,6 +324,7 @@ def test_a_write_the_engine_gave_up_on_keeps_its_source_registered_until_mooncak
         peer.wait(10)
 
 
+@pytest.mark.driver_dies
 def test_a_send_to_a_pool_whose_thread_failed_says_why_and_what_to_do():
     import torch
 
@@ -344,6 +345,7 @@ def test_a_send_to_a_pool_whose_thread_failed_says_why_and_what_to_do():
             pool.send(2, torch.zeros(4, 256, dtype=torch.bfloat16))
 
 
+@pytest.mark.driver_dies
 def test_a_failure_inside_the_pools_thread_fails_its_rooms_and_close_still_cleans_up(caplog):
     import logging
 
@@ -420,6 +422,7 @@ def test_a_status_whose_handling_fails_fails_its_room_only():
                 statuses.close(0)
 
 
+@pytest.mark.driver_dies
 def test_a_failure_inside_the_managers_io_thread_fails_its_rooms_and_close_still_cleans_up(caplog):
     import logging
 

@@ -135,7 +135,7 @@ def test_a_cleared_send_handle_never_reports_the_room_that_reused_its_number(eng
         assert first.poll() == TransferPoll.Failed
 
 
-@pytest.mark.parametrize("stop", ["thread fails", "close"])
+@pytest.mark.parametrize("stop", [pytest.param("thread fails", marks=pytest.mark.driver_dies), "close"])
 def test_rooms_that_succeeded_are_not_told_failed_when_the_pool_stops(engines, server, peer, stop):
     """A room concluded Success (not cleared yet) keeps its receivers' Success when the pool's
     thread fails or the pool closes: neither pushes Failed for it."""

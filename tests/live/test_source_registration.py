@@ -10,6 +10,7 @@ import time
 import weakref
 
 import numpy
+import pytest
 import torch
 from live_helpers import HOST, LIVE, bootstrap_server, item_tensor, wait_until
 
@@ -115,6 +116,7 @@ def _break_the_thread(pool: SenderPool) -> None:
     pool._core.offer = broken
 
 
+@pytest.mark.driver_dies
 def test_a_pool_whose_thread_fails_lets_go_of_the_sources_its_rooms_held(engines, server):
     encode, _ = engines
     filed, lost = item_tensor(1, SPAN, HIDDEN), item_tensor(2, SPAN, HIDDEN)  # each send() registers its own
@@ -169,6 +171,7 @@ def test_a_pool_whose_thread_failed_keeps_nothing_of_rooms_cleared_after(engines
         pool.close()
 
 
+@pytest.mark.driver_dies
 def test_a_pool_whose_thread_fails_leaves_a_source_another_pool_sends_registered(engines, server):
     encode, _ = engines
     slots = torch.zeros(1, SPAN, HIDDEN, dtype=torch.bfloat16)
