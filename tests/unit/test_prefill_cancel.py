@@ -291,7 +291,8 @@ def test_an_ask_again_waits_for_the_cancels_answer_from_a_rank_not_known_to_answ
 
 
 def test_an_ask_held_for_a_cancels_answer_goes_when_none_comes_in_time():
-    """A peer drops cancels unanswered: the ask goes once the wait is over, and its statuses count."""
+    """A peer drops cancels unanswered: the ask goes once the wait is over, and its statuses count; a Success,
+    which may be the cancelled ask's, only with checksums that show the bytes landed in this ask's memory."""
     c = core()
     c.integrity = False
     _, token, actions = _cleared_and_asked_again(c, 7, 1.0)
@@ -299,14 +300,17 @@ def test_an_ask_held_for_a_cancels_answer_goes_when_none_comes_in_time():
     assert c.tick(1.0 + prefill.CANCEL_ANSWER_WAIT_S - 0.01) == []
     (ask,) = c.tick(1.0 + prefill.CANCEL_ANSWER_WAIT_S)
     assert isinstance(ask, SendAsk) and ask.token == token and c.stage(7) == "asked"
-    assert of(Conclude, c.status(2.0, 7, TransferPoll.Success, 0)) == [Conclude(7, token, None)]
+    (concluded,) = of(Conclude, c.status(2.0, 7, TransferPoll.Success, 0))
+    assert concluded.failure is not None and concluded.failure.kind is FailureKind.OTHER
+    assert "earlier ask of room 7" in concluded.failure.detail
     c.receive(2.0, spec(8, slot=9))
     assert c.stage(8) == "asked", "a room with no cancel before it is asked at once"
 
 
 def test_a_cancel_on_a_dropped_connection_holds_nothing_back_on_the_fresh_one():
     """The cancel went out on a socket dropped since (its room's deadline): the new ask goes on a
-    fresh connection, which the cancel does not travel ahead of, so its statuses count as they come."""
+    fresh connection, which the cancel does not travel ahead of, so its statuses count as they come
+    (a Success only once verified: tests/unit/test_prefill_reask_statuses.py)."""
     c = core()
     c.integrity = False
     _answering(c)
@@ -319,7 +323,7 @@ def test_a_cancel_on_a_dropped_connection_holds_nothing_back_on_the_fresh_one():
         actions = c.parallel_resolved(10.1, BOOT, 1, 1)
     assert actions == [LookUpRoute(KEY0)]
     assert SendAsk in [type(a) for a in c.route_resolved(10.2, KEY0, ENCODE)]
-    assert of(Conclude, c.status(10.3, 7, TransferPoll.Success, 0)) == [Conclude(7, token, None)]
+    assert of(Conclude, c.status(10.3, 7, TransferPoll.Failed, 0))[0].failure.kind is FailureKind.PEER_FAILED
 
 
 def test_a_cancel_lost_with_a_dropped_connection_holds_back_no_later_ask_of_its_room():
@@ -333,7 +337,10 @@ def test_a_cancel_lost_with_a_dropped_connection_holds_back_no_later_ask_of_its_
     c.clear(0.1, 7, old)
     assert c.connection_dropped(0.2, ENCODE) == []
     token = asked(c, 7, now=0.3)
-    assert of(Conclude, c.status(0.4, 7, TransferPoll.Success, 0)) == [Conclude(7, token, None)]
+    # The earlier ask may have been read and served before its cancel was lost: with integrity off a Success
+    # cannot be told from this ask's, so it fails rather than being taken (a Failed counts as it comes).
+    (concluded,) = of(Conclude, c.status(0.4, 7, TransferPoll.Success, 0))
+    assert concluded.token == token and concluded.failure.kind is FailureKind.OTHER
 
 
 def test_a_room_asked_on_a_fresh_connection_sends_no_cancel_while_one_from_the_old_waits():
@@ -538,7 +545,10 @@ def test_an_ask_that_waited_through_a_dropped_connection_goes_on_the_fresh_one()
     c.connection_dropped(0.3, ENCODE)
     assert c.route_resolved(0.4, KEY0, ENCODE) == []  # the rank is back where it was
     assert SendAsk in [type(a) for a in c.writable(0.5, ENCODE)]
-    assert of(Conclude, c.status(0.6, 5, TransferPoll.Success, 0)) == [Conclude(5, token, None)]
+    # The earlier ask may have been read and served before its cancel was lost: with integrity off a Success
+    # cannot be told from this ask's, so it fails rather than being taken (a Failed counts as it comes).
+    (concluded,) = of(Conclude, c.status(0.6, 5, TransferPoll.Success, 0))
+    assert concluded.token == token and concluded.failure.kind is FailureKind.OTHER
 
 
 def test_an_unsent_cancel_leaves_the_silence_of_those_before_it_counting():

@@ -155,6 +155,10 @@ class CancelBook:
                 return cancel
         return None
 
+    def unanswered_anywhere(self, key: Key) -> bool:
+        """Whether a cancel of `key` got no answer at all yet, on whatever connection it was sent."""
+        return any(not cancel.answered for cancel in self._awaiting.get(key, ()))
+
     def awaited_at(self, addr: Address, now: float) -> bool:
         """Whether a cancel sent on the current connection to `addr` within CANCEL_SILENCE_S is unanswered."""
         return addr in self.awaited_addresses(now)

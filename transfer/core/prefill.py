@@ -35,7 +35,7 @@ from typing import Any
 from transfer.core.announce import AnnounceBook, Region
 from transfer.core.ask_queue import AskQueues
 from transfer.core.bounded import remember
-from transfer.core.cancels import CANCEL_SILENCE_S, CancelBook
+from transfer.core.cancels import CANCEL_SILENCE_S, STALE_CANCEL_S, CancelBook
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.prefill_breaker import BootstrapBreaker
 from transfer.core.unread import UNREAD_GRACE_S, UnreadGrace
@@ -359,6 +359,9 @@ class PrefillCore:
         self._conn_serial = 0
         self.cancels = CancelBook(self._conns.get)  # awaiting answers, and what answers showed of each address
         self._answered_at: dict[Address, float] = {}  # when the current connection there last answered a room
+        # (room, encode rank) -> (when, token) of an asked room given up with no cancel that holds back its
+        # statuses: that ask may still be served, and its statuses look like a later ask's (`_unfenced`).
+        self._unfenced_asks: dict[tuple[int, int], tuple[float, int]] = {}
         self._held: list[tuple[float, int, _Room]] = []  # (when its ask goes anyway, token, room), a heap
         self._unread = UnreadGrace()  # holds the rules for want of a status while statuses may be unread
 
@@ -810,7 +813,7 @@ class PrefillCore:
             return self._conclude(state, Failure(FailureKind.PEER_FAILED, detail))
         if status is not TransferPoll.Success:
             return [Advance(room, state.token, status)]
-        return self._succeeded(state, sums, unreadable)
+        return self._succeeded(now, state, sums, unreadable)
 
     def _ignored(self, state: _Room, status: TransferPoll, rank: int) -> list | None:
         """What to do instead of taking the status, when it is not the room's to take now: nothing,
@@ -838,9 +841,36 @@ class PrefillCore:
             return []
         return None
 
-    def _succeeded(self, state: _Room, sums: tuple[int, ...], unreadable: str | None) -> list:
-        """A Success to take: concludes the room, or asks for the landed bytes' checksums first."""
+    def _unfenced(self, now: float, state: _Room) -> str | None:
+        """Why a status for the room may be an earlier ask's of the same room number to the same encode rank
+        (one its rank may still serve, into that ask's memory), or None: that ask was given up with no cancel,
+        or its cancel is unanswered where it holds nothing back (on a connection dropped since, or from a rank
+        not seen to answer cancels, which the room stopped waiting for), or was set aside."""
+        if state.encode_rank is None:
+            return None
+        key = (state.room, state.encode_rank)
+        earlier = self._unfenced_asks.get(key)
+        if earlier is not None and earlier[1] != state.token and now - earlier[0] < STALE_CANCEL_S:
+            return "was given up with no cancel (its connection had been dropped)"
+        if self.cancels.ghost(key) or self.cancels.unanswered_anywhere(key):
+            return "was cancelled and the encode rank has not answered that cancel"
+        return None
+
+    def _succeeded(self, now: float, state: _Room, sums: tuple[int, ...], unreadable: str | None) -> list:
+        """A Success to take: concludes the room, or asks for the landed bytes' checksums first.
+
+        A Success that may be an earlier ask's (`_unfenced`) is taken only once the checksums show its bytes
+        landed in this ask's memory; without checksums to verify it, the room fails instead."""
         room = state.room
+        unfenced = self._unfenced(now, state)
+        if unfenced is not None and (not self.integrity or unreadable is not None or not sums):
+            why = "integrity checks are off" if not self.integrity else "it carried no checksum to verify"
+            return self._conclude(state, Failure(
+                FailureKind.OTHER,
+                f"room {room}: a Success from {state.where()} may be for an earlier ask of room {room}, which "
+                f"{unfenced}, and {why}, so it cannot be told from one for this ask: failed rather than taken "
+                f"over bytes that may not have landed. Ask for a room again under a new room number, or once "
+                f"the earlier ask's cancel is answered"))
         if not self.integrity:
             return self._conclude(state, None)
         if unreadable is not None:
@@ -1005,6 +1035,14 @@ class PrefillCore:
         if not state.asked:
             state.safe = True
             return [MemorySafe(state.room, state.token)]
+        actions = self._cancel(now, state)
+        if not any(isinstance(action, SendCancel) for action in actions) and state.encode_rank is not None:
+            # Nothing holds back what its encode rank may still tell of it: a later ask of the room takes care.
+            remember(self._unfenced_asks, (state.room, state.encode_rank), (now, state.token), MAX_ROUTES)
+        return actions
+
+    def _cancel(self, now: float, state: _Room) -> list:
+        """The cancel of an asked room given up, when one may go (see `_give_up`)."""
         # A route (addr) is found only after the encode rank is known.
         if state.addr is None or state.encode_rank is None or self._conns.get(state.addr) != state.conn:
             return []
