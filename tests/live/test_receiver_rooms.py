@@ -483,14 +483,14 @@ def test_a_room_cleared_while_its_encode_rank_is_looked_up_is_never_asked_for(en
     _, prefill_engine = engines
     buf = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
     looking_up = threading.Event()
-    real_get = bootstrap._RouteTable.get
+    real_registration = bootstrap._RouteTable.registration
 
-    def slow_get(table, engine_rank, dp_group):
+    def slow_registration(table, engine_rank, dp_group):
         looking_up.set()
         time.sleep(0.5)
-        return real_get(table, engine_rank, dp_group)
+        return real_registration(table, engine_rank, dp_group)
 
-    monkeypatch.setattr(bootstrap._RouteTable, "get", slow_get)
+    monkeypatch.setattr(bootstrap._RouteTable, "registration", slow_registration)
     with BootstrapServer(HOST, 0) as server:
         encode, port = _encode_stand_in()
         BootstrapClient(server.address).register_rank(1, 1, HOST, port, 0)
