@@ -8,6 +8,7 @@ torch for `transfer.harness.check_landed`. Every wait here is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -19,7 +20,7 @@ import struct
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -74,6 +75,44 @@ def item_tensor(room: int, span: int, hidden: int, dtype: str = DTYPE, seed: int
 
     raw = torch.from_numpy(item_bytes(room, span * hidden * element_size(dtype), seed))
     return raw.view(getattr(torch, dtype.removeprefix("torch."))).view(span, hidden)
+
+
+def on_one_cpu(pid: int) -> list[int]:
+    """Pins every thread of process `pid` to one CPU; returns its ZMQ I/O threads' ids (asserted found), which
+    `stopped()` holds back across a resume."""
+    cpu = min(os.sched_getaffinity(0))
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), {cpu})
+    io_threads = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/comm") as comm:
+            if comm.read().startswith("ZMQbg/IO"):
+                io_threads.append(int(tid))
+    assert io_threads, f"no ZMQ I/O thread found in process {pid}"
+    return io_threads
+
+
+#: How long after a resume `stopped()` keeps ZMQ's I/O threads at SCHED_IDLE: the process's own threads
+#: tick long before.
+IDLE_AFTER_RESUME_S = 0.01
+
+
+@contextlib.contextmanager
+def stopped(pid: int, io_threads: list[int]) -> Iterator[None]:
+    """Process `pid` stopped (SIGSTOP) for the block, its ZMQ I/O threads (`on_one_cpu()`) at SCHED_IDLE until
+    IDLE_AFTER_RESUME_S after it resumes: what came meanwhile is handed over last, the worst order for the
+    process's own threads."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for tid in io_threads:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    time.sleep(IDLE_AFTER_RESUME_S)
+    for tid in io_threads:
+        with contextlib.suppress(PermissionError):  # an unprivileged thread may not leave SCHED_IDLE
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.01) -> bool:

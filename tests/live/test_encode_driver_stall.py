@@ -11,14 +11,13 @@ a moment after the resume), so the driver's tick always comes first. Real Moonca
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import random
 import signal
 import time
 
-from live_helpers import HOST, LIVE, Receiver, bootstrap_server, encode_process, wait_until
+from live_helpers import HOST, LIVE, Receiver, bootstrap_server, encode_process, on_one_cpu, stopped, wait_until
 
 from transfer.core.encode import SWEEP_S
 from transfer.engine import Engine
@@ -29,19 +28,8 @@ pytestmark = LIVE
 SPAN, HIDDEN = 4, 64
 FANOUT_TIMEOUT_S = 0.5
 STOPS = 2
-#: How long after the resume ZMQ's I/O thread stays at SCHED_IDLE: the driver's tick comes long before.
-IDLE_AFTER_RESUME_S = 0.01
 
 _rooms = itertools.count(random.randrange(1 << 20, 1 << 40))
-
-
-def _zmq_io_threads(pid: int) -> list[int]:
-    tids = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/comm") as comm:
-            if comm.read().startswith("ZMQbg/IO"):
-                tids.append(int(tid))
-    return tids
 
 
 def test_asks_that_came_while_the_encode_rank_was_stopped_are_served_after_it_resumes():
@@ -54,31 +42,18 @@ def test_asks_that_came_while_the_encode_rank_was_stopped_are_served_after_it_re
         encode.call("send", [warmup], SPAN, HIDDEN)
         assert prefill.wait([warmup], 10.0) == {warmup: ("Success", None)}
         pid = encode.proc.pid
-        cpu = min(os.sched_getaffinity(0))
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            os.sched_setaffinity(int(tid), {cpu})
-        io_threads = _zmq_io_threads(pid)
-        assert io_threads, "no ZMQ I/O thread found in the encode rank's process"
+        io_threads = on_one_cpu(pid)
 
         outcomes = {}
         for room in rooms:
             encode.call("send", [room], SPAN, HIDDEN)
             assert wait_until(lambda: encode.call("state")["waiting_for_asks"] == 1, 5.0), "the item was never filed"
             filed = time.monotonic()
-            os.kill(pid, signal.SIGSTOP)
-            try:
-                for tid in io_threads:
-                    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            with stopped(pid, io_threads):
                 handle = prefill.ask(room, server.address, SPAN)  # in time: long before the fanout timeout
                 assert wait_until(lambda: handle.poll() != TransferPoll.Bootstrapping, 5.0), "the ask never went out"
                 # Stopped until the fanout timeout and the sweep that enforces it are past.
                 time.sleep(max(0.0, filed + FANOUT_TIMEOUT_S + 2 * SWEEP_S - time.monotonic()))
-            finally:
-                os.kill(pid, signal.SIGCONT)
-            time.sleep(IDLE_AFTER_RESUME_S)
-            for tid in io_threads:
-                with contextlib.suppress(PermissionError):  # an unprivileged thread may not leave SCHED_IDLE
-                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
             outcomes.update(prefill.wait([room], 10.0))
             encode.call("wait", [room], 5.0)
         assert outcomes == {room: ("Success", None) for room in rooms}

@@ -12,14 +12,23 @@ Mooncake `tcp` on 127.0.0.1, a real SenderPool in this process and a real Sessio
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import random
-import signal
 import time
 
-from live_helpers import HOST, LIVE, TOKEN, bootstrap_server, item_bytes, item_tensor, prefill_process, wait_until
+from live_helpers import (
+    HOST,
+    LIVE,
+    TOKEN,
+    bootstrap_server,
+    item_bytes,
+    item_tensor,
+    on_one_cpu,
+    prefill_process,
+    stopped,
+    wait_until,
+)
 
 from transfer.engine import Engine
 from transfer.sender import SenderPool
@@ -32,19 +41,8 @@ DEADLINE_S = 1.0
 STOPS = 4
 #: How long the prefill rank stays stopped past the room's deadline.
 PAST_DEADLINE_S = 0.3
-#: How long after the resume ZMQ's I/O thread stays at SCHED_IDLE: the I/O thread's tick comes long before.
-IDLE_AFTER_RESUME_S = 0.01
 
 _rooms = itertools.count(random.randrange(1 << 20, 1 << 40))
-
-
-def _zmq_io_threads(pid: int) -> list[int]:
-    tids = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/comm") as comm:
-            if comm.read().startswith("ZMQbg/IO"):
-                tids.append(int(tid))
-    return tids
 
 
 def test_a_status_pushed_while_the_prefill_rank_was_stopped_counts_after_it_resumes():
@@ -60,11 +58,7 @@ def test_a_status_pushed_while_the_prefill_rank_was_stopped_counts_after_it_resu
         assert prefill.call("wait", [warmup], 10.0)[warmup][0] == "Success"
         assert sent.wait(5.0) == TransferPoll.Success
         sent.clear()
-        cpu = min(os.sched_getaffinity(0))
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            os.sched_setaffinity(int(tid), {cpu})
-        io_threads = _zmq_io_threads(pid)
-        assert io_threads, "no ZMQ I/O thread found in the prefill rank's process"
+        io_threads = on_one_cpu(pid)
 
         told, outcomes = {}, {}
         with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
@@ -78,19 +72,10 @@ def test_a_status_pushed_while_the_prefill_rank_was_stopped_counts_after_it_resu
                 ends = time.monotonic() + 5.0
                 while os.pread(mem.fileno(), slot_bytes, landing) != item:
                     assert time.monotonic() < ends, "the room's bytes never landed"
-                os.kill(pid, signal.SIGSTOP)
-                try:
-                    for tid in io_threads:
-                        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                with stopped(pid, io_threads):
                     # The encode rank pushes its Success now, long before the deadline.
                     told[room] = (handle.wait(DEADLINE_S).name, time.monotonic() - asked < DEADLINE_S)
                     time.sleep(max(0.0, asked + DEADLINE_S + PAST_DEADLINE_S - time.monotonic()))
-                finally:
-                    os.kill(pid, signal.SIGCONT)
-                time.sleep(IDLE_AFTER_RESUME_S)
-                for tid in io_threads:
-                    with contextlib.suppress(PermissionError):  # an unprivileged thread may not leave SCHED_IDLE
-                        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
                 handle.clear()
                 outcomes.update(prefill.call("wait", [room], 10.0))
         assert told == {room: ("Success", True) for room in rooms}
