@@ -69,9 +69,9 @@ def test_the_earlier_asks_success_does_not_conclude_the_new_ask_success(earlier,
     pair.drain("status", "verify")  # the pair raises Violation on a Success over bytes that did not land
     assert retry.outcome() != "Success"
     failure = retry.concluded[0] if retry.concluded else None
-    if failure is not None and not integrity:
-        assert failure.kind is FailureKind.OTHER
-        assert "earlier ask" in failure.detail and f"room {ROOM}" in failure.detail
+    assert failure is not None
+    assert failure.kind is (FailureKind.CHECKSUM if integrity else FailureKind.OTHER)
+    assert "earlier ask" in failure.detail and f"room {ROOM}" in failure.detail
     pair.settle()
     assert retry.outcome() != "Success" and retry.landed == 0
 

@@ -901,10 +901,14 @@ class PrefillCore:
         state = self._verifying(room, token)
         if state is None:
             return []
+        unfenced = self._unfenced(now, state)
+        earlier = "" if unfenced is None else (
+            f"; the Success may have been for an earlier ask of room {room}, which {unfenced}: that ask's "
+            f"bytes land in its own memory, not this ask's (ask again under a new room number)")
         return self._conclude(state, Failure(
             FailureKind.CHECKSUM,
             f"checksum mismatch: room {room}, prefill rank {self.engine_rank}, {what} from {state.where()}: "
-            f"sent {expected}, landed {landed}"))
+            f"sent {expected}, landed {landed}{earlier}"))
 
     def fail(self, now: float, room: int, token: int, failure: Failure) -> list:
         """Concludes one open room with `failure` (the driver could not carry out one of its actions)."""
