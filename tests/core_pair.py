@@ -10,7 +10,9 @@ pending step happens next (`moves()`, `do()`), so a test picks the interleaving:
 message is delivered, which write lands or completes, which look-up answers, when the
 caller offers, receives or clears, how far the fake clock moves, and faults (a
 connection that loses what it queued, a message delivered twice, a failed write or
-look-up, a rank that dies or restarts as a new session).
+look-up, a rank that dies or restarts as a new session, a prefill rank's connection to
+an encode rank that drops while what it carried may still arrive late, an encode rank
+stopped a while: it reads, writes, pushes and ticks nothing until resumed).
 
 Each step is checked as it happens (`Violation` says which rule broke) and logged;
 `trace()` tells the whole run, one line a step, for a failing example.
@@ -201,8 +203,12 @@ class Pair:
     """`encode_tp` EncodeCores serving `prefill_tp` PrefillCores, with a fake clock and a chosen schedule."""
 
     def __init__(self, *, encode_tp: int = 1, prefill_tp: int = 1, deadline_s: float = 10.0,
-                 fanout_timeout_s: float = 5.0, integrity: bool = True) -> None:
+                 fanout_timeout_s: float = 5.0, integrity: bool = True, late_requests: bool = False) -> None:
+        """`late_requests`: what a connection the prefill core lets go (Disconnect) had queued may still be
+        delivered, late, or lost (a fault), as bytes already on their way over tcp may; else it is dropped."""
         self.now = 0.0
+        self.late_requests = late_requests
+        self.stopped: set[int] = set()  # encode ranks stopped now (SIGSTOP): nothing of theirs moves
         self.step = 0
         self.log: list[str] = []
         self.encode_tp, self.prefill_tp = encode_tp, prefill_tp
@@ -315,6 +321,9 @@ class Pair:
                 conn = rank.conns.pop(action.addr, None)
                 if conn is not None and action.flush:
                     self.note(f"prefill {rank.rank}: disconnect {action.addr} once its cancel went out")
+                elif conn is not None and self.late_requests:
+                    queued = len(self.requests.get((rank.rank, action.addr, conn), ()))
+                    self.note(f"prefill {rank.rank}: disconnect {action.addr}, {queued} unsent may arrive late")
                 elif conn is not None:
                     dropped = self.requests.pop((rank.rank, action.addr, conn), ())
                     self.note(f"prefill {rank.rank}: disconnect {action.addr}, {len(dropped)} unsent dropped")
@@ -344,6 +353,11 @@ class Pair:
                   + (f": {action.failure.detail}" if action.failure else ""))
         self.expect(len(rec.concluded) == 1, f"prefill {rank.rank} concluded room {action.room} twice")
         if action.failure is None:
+            # A Success is this ask's only when a write of this ask landed in this ask's memory (integrity
+            # on or off): one for an earlier ask of the same room number wrote the earlier ask's memory.
+            self.expect(rec.landed > 0 or rec.rows == 0,
+                        f"prefill {rank.rank} concluded room {rec.room} token {rec.token} Success, but no write "
+                        f"landed in its memory")
             span = span_of(rec.room)
             rows = slice(rec.row_start, rec.row_start + rec.rows)
             wanted = [("rows", rec.ptr, item_bytes(rec.room, span)[rows.start * ROW:rows.stop * ROW])]
@@ -519,12 +533,35 @@ class Pair:
         self.carry_prefill(rank, core.status(self.now, room, status, sender, sums, unreadable=unreadable))
 
     def lose_requests(self, key: tuple) -> None:
-        """The connection drops what it queued; the prefill driver sees the drop and tells its core."""
+        """The connection drops what it queued; the prefill driver sees the drop and tells its core (unless
+        that connection was let go or dropped before: then only what it still carried is lost)."""
         p, addr, conn = key
         lost = self.requests.pop(key)
-        self.note(f"prefill {p} -> encode {addr} (conn {conn}): connection lost, {len(lost)} requests with it")
         rank = self.prefills[p]
+        if rank.conns.get(addr) != conn:
+            self.note(f"prefill {p} -> encode {addr} (old conn {conn}): {len(lost)} late requests lost")
+            return
+        self.note(f"prefill {p} -> encode {addr} (conn {conn}): connection lost, {len(lost)} requests with it")
+        rank.conns.pop(addr)
         self.carry_prefill(rank, rank.core.connection_dropped(self.now, addr))
+
+    def drop_connection(self, p: int, addr: tuple[str, int]) -> None:
+        """Prefill rank `p`'s connection to `addr` drops (its driver sees the drop and tells its core); what it
+        had queued is not lost: it may still reach the encode rank, late, after what goes on the fresh one."""
+        rank = self.prefills[p]
+        conn = rank.conns.pop(addr)
+        queued = len(self.requests.get((p, addr, conn), ()))
+        self.note(f"prefill {p} -> encode {addr} (conn {conn}): connection dropped, {queued} requests may arrive late")
+        self.carry_prefill(rank, rank.core.connection_dropped(self.now, addr))
+
+    def stop_encode(self, e: int) -> None:
+        """Encode rank `e`'s process is stopped: what reaches it waits unread, its writes and pushes wait."""
+        self.stopped.add(e)
+        self.note(f"encode {e}: stopped")
+
+    def resume_encode(self, e: int) -> None:
+        self.stopped.discard(e)
+        self.note(f"encode {e}: resumed")
 
     def ask_outside(self, p: int, room: int) -> None:
         """Prefill rank `p`'s session asks for `room` with a destination that runs past its region's end."""
@@ -577,7 +614,7 @@ class Pair:
         self.now += seconds
         self.note(f"tick +{seconds:g}s")
         for rank in self.encodes:
-            if rank.alive:
+            if rank.alive and rank.rank not in self.stopped:
                 self.carry_encode(rank, rank.core.tick(self.now))
         for rank in self.prefills:
             if rank.alive:
@@ -625,6 +662,10 @@ class Pair:
 
     def moves(self, *, faults: bool = False) -> list[tuple[str, tuple, Any]]:
         """Every step that could happen next, in a stable order: (kind, description, action)."""
+        moves = self._moves(faults=faults)
+        return [move for move in moves if not self._involves_stopped(move)] if self.stopped else moves
+
+    def _moves(self, *, faults: bool = False) -> list[tuple[str, tuple, Any]]:
         moves: list[tuple[str, tuple, Any]] = []
         for key in sorted(self.requests, key=repr):
             moves.append(("request", key, lambda k=key: self.deliver_request(k)))
@@ -669,6 +710,17 @@ class Pair:
                                   lambda r=rank: self.answer_lookup(r, "connection refused")))
         return moves
 
+    def _involves_stopped(self, move: tuple[str, tuple, Any]) -> bool:
+        """Whether the move needs an encode rank that is stopped now."""
+        if not self.stopped:
+            return False
+        kind, key = move[0], move[1]
+        if kind in ("request", "lose requests", "duplicate request"):
+            return any(e.addr == key[1] and e.rank in self.stopped for e in self.encodes)
+        if kind in ("status", "land", "complete", "lose statuses", "duplicate status", "fail write", "land late"):
+            return key[0] in self.stopped
+        return False
+
     def do(self, move: tuple[str, tuple, Any]) -> None:
         self.step += 1
         move[2]()
@@ -685,6 +737,8 @@ class Pair:
     def settle(self, *, max_steps: int = 10_000) -> None:
         """Delivers everything pending in order and lets time pass until every deadline and sweep has run."""
         self.note("settle: everything pending is delivered, then time passes")
+        for e in sorted(self.stopped):
+            self.resume_encode(e)
         start, horizon = self.now, 4 * max(self.prefills[0].core.deadline_s, self.encodes[0].core.fanout_timeout_s)
         for _ in range(max_steps):
             moves = self.moves()
