@@ -328,7 +328,7 @@ def test_a_status_from_the_wrong_encode_rank_is_ignored_with_a_warning():
     c.receive(0.0, spec(1, slot=1))
     (warn,) = c.status(0.1, 1, TransferPoll.Success, 3)
     assert isinstance(warn, Warn) and warn.message == "room 1: status from encode rank 3, expected 0; ignored"
-    assert c.status(0.1, 1, TransferPoll.Failed, 4)[0].key == ("status from the wrong encode rank", 4)
+    assert c.status(0.1, 1, TransferPoll.Failed, 4)[0].key == "status from the wrong encode rank"
     assert c.stage(1) == "asked"
 
 

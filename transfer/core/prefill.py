@@ -213,9 +213,10 @@ class Disconnect:
 
 @dataclass(frozen=True)
 class Warn:
-    """A complaint about what a peer sent, throttled by `key`."""
+    """A complaint about what a peer sent, throttled by `key`: the complaint's kind, never a value the
+    peer chose (a peer varying it would get a throttled line, and a kind remembered, per message)."""
 
-    key: object
+    key: str
     message: str
 
 
@@ -828,11 +829,13 @@ class PrefillCore:
                 return []  # the cancelled earlier ask's, whose cancel's answers are still to come: stale
             # No encode rank has heard of this room from us yet: an earlier room's under the same number
             # (its manager's predecessor at this endpoint, or a send of it cleared since), or forged.
-            return [Warn(("status for a room not asked for", rank),
+            # Keyed by the complaint alone: the rank is the peer's to choose, and a key per rank would let
+            # a peer varying it take a throttled line (and a kind in memory) per status.
+            return [Warn("status for a room not asked for",
                          f"room {room}: {status.name} from encode rank {rank} before this rank asked for the "
                          f"room; ignored")]
         if state.encode_rank is not None and rank != state.encode_rank:
-            return [Warn(("status from the wrong encode rank", rank),
+            return [Warn("status from the wrong encode rank",
                          f"room {room}: status from encode rank {rank}, expected {state.encode_rank}; ignored")]
         if state.addr is not None and self.cancels.answers(state.addr) \
                 and self.cancels.unanswered((room, rank), state.conn) is not None:
