@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from transfer.core.regions import MAX_REGIONS_PER_SESSION, RegionBook
-from transfer.frames import Registration, TransferInfo
+from transfer.frames import Registration, TransferInfo, parse_registration, registration_frames
 
 SESSION = "10.0.0.7:17000"
 
@@ -141,3 +141,17 @@ def test_a_session_evicted_after_announcing_lengths_is_refused_not_written_unche
     assert reason is not None and "forgotten for newer sessions (more than 2)" in reason
     book.forget("never-registered")
     assert _check(book, _ask(0xDEAD0000, session="never-registered")) is None, "never announced: as the peers do"
+
+
+def test_a_refusal_quotes_the_peers_endpoint_as_one_printable_bounded_line():
+    # The refusal is logged: a status endpoint a peer made up must not forge log lines (a newline, a
+    # carriage return, a terminal escape) nor make a 10 KiB one.
+    hostile = ("10.0.0.7\nWARNING transfer: forged\r\x1b[31m" + "x" * (10 << 10)).encode("ascii")
+    frames = registration_frames("10.0.0.7", 5000, SESSION, 0x10000, 0, 4096, 0)
+    book = RegionBook()
+    assert book.register(parse_registration(frames)) is None
+    frames = registration_frames("10.0.0.7", 5000, SESSION, 0x80000, 0)
+    frames[1] = hostile
+    reason = book.register(parse_registration(frames))
+    assert reason is not None and "without region lengths" in reason
+    assert reason.isprintable() and "\x1b" not in reason and len(reason) < 512, (len(reason), reason[:200])

@@ -10,6 +10,7 @@ from transfer.frames import (
     Registration,
     TransferInfo,
     check_region,
+    host_text,
     receiver_text,
 )
 
@@ -59,8 +60,8 @@ class RegionBook:
         self._sessions[reg.session_id] = session  # now the most recently used
         if session.announced and not reg.has_lengths:
             return (f"a registration without region lengths from {receiver_text(reg.session_id)} (status endpoint "
-                    f"{reg.endpoint}:{reg.port}, base {reg.embedding_base:#x}) refused: that session announced "
-                    f"lengths before")
+                    f"{host_text(reg.endpoint)}:{reg.port}, base {reg.embedding_base:#x}) refused: that session "
+                    f"announced lengths before")
         if reg.has_lengths:
             session.announced = True
         regs = session.regs
