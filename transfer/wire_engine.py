@@ -115,6 +115,7 @@ from typing import Any
 from transfer import _io, _native, wire
 from transfer._resolve import connect_within
 from transfer.config import check_seconds
+from transfer.core.failure import printable
 from transfer.engine import RegisteredMemory, _buffer_span, check_batch
 from transfer.errors import ConfigError, EngineError, UsageError
 from transfer.ports import PortSpec, bind_port
@@ -185,11 +186,12 @@ class _Refused(Exception):
 
 
 def _reason(body: bytes) -> str:
-    """An ERROR's body as the reason a room's failure and the logs carry: text, cut to _REASON_MAX."""
+    """An ERROR's body as the reason a room's failure and the logs carry: printable text (a peer's
+    newline or terminal escape must not forge a log line), cut to _REASON_MAX."""
     reason = body.decode("utf-8", "replace") or "no reason given"
     if len(reason) > _REASON_MAX:
         reason = f"{reason[:_REASON_MAX]}... ({len(body)} bytes)"
-    return reason
+    return printable(reason)
 
 
 class _Conn:
@@ -708,10 +710,11 @@ class WireEngine(RegisteredMemory):
         try:
             answer = wire.Msg.decode(payload)
         except wire.MsgError as exc:
+            said = printable(str(exc))  # the decoder's words quote the peer's line (64 bytes), controls and all
             if kind == wire.ERROR:  # its reason is still what the peer said
                 body = payload.partition(b"\n\n")[2]
-                raise _Refused(f"{_reason(body)} (its header unreadable: {exc})") from None
-            raise EngineError(f"the peer's RESULT ({len(payload)} bytes) is not a Msg: {exc}") from None
+                raise _Refused(f"{_reason(body)} (its header unreadable: {said})") from None
+            raise EngineError(f"the peer's RESULT ({len(payload)} bytes) is not a Msg: {said}") from None
         try:
             named = answer.number("room") if kind == wire.RESULT or "room" in answer else room
             if named != room:
@@ -794,6 +797,7 @@ class WireEngine(RegisteredMemory):
         """The listener's counters (accepted, refused, active, transfers_received,
         transfers_refused, too_slow, silent, evicted, bytes_received, regions, port, last_error) and the sender's
         (connections_opened, writes, bytes_sent, write_failures, retries, idle_connections)."""
+        out: dict[str, Any]
         with self._lock:
             out = dict(self._sent)
             out["idle_connections"] = sum(len(v) for v in self._idle.values())
@@ -801,6 +805,9 @@ class WireEngine(RegisteredMemory):
         # The listener's names, made unambiguous next to the sender's.
         renames = {"bytes": "bytes_received", "transfers": "transfers_received", "failures": "transfers_refused"}
         out.update({renames.get(k, k): v for k, v in listener.items()})
+        # A refusal's reason may quote a peer's PREFILL header line (at most 64 bytes, controls and all):
+        # the peer was answered with it as it is; whoever reads or logs the figures gets it printable.
+        out["last_error"] = printable(out["last_error"])
         return out
 
     def _check_open(self) -> None:

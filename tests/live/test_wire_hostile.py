@@ -246,6 +246,19 @@ def test_a_long_line_without_equals_is_quoted_whole_characters_only(target):
     assert target.unchanged()
 
 
+def test_a_line_without_equals_quoting_controls_reaches_stats_printable(target):
+    """The peer is answered with its line as it sent it (the wire is unchanged); stats(), which
+    people read and log, quote it printable: a carriage return or terminal escape forges nothing."""
+    line = "a\rWARNING forged\x1b[31m\x07" + "x" * 40
+    with target.connect() as sock:
+        wire.write_frame(sock, wire.PREFILL, line.encode() + b"\n" + prefill(target.base, 64))
+        reason = expect_error(sock, r"^PREFILL: a header line without '=': ", room=None)
+    assert reason == f'PREFILL: a header line without \'=\': "{line}"'
+    last = target.engine.stats()["last_error"]
+    assert last.isprintable() and last == reason.replace("\r", "?").replace("\x1b", "?").replace("\x07", "?")
+    assert target.unchanged()
+
+
 def test_a_prefill_field_written_minus_zero_reads_as_zero_like_msg_number(target):
     data = bytes(range(64))
     with target.connect() as sock:

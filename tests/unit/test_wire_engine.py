@@ -90,3 +90,19 @@ def test_a_peers_wildcard_session_id_is_refused_rather_than_connected_to(session
     """A peer that advertised a wildcard would have our writes connect to a listener on our own host."""
     with pytest.raises(EngineError, match=f"session id '{re.escape(session_id)}' names a wildcard address"):
         _split_session(session_id)
+
+
+_HOSTILE = b"a\nWARNING transfer: forged\r\x1b[31m" + b"x" * (10 << 10)
+
+
+@pytest.mark.parametrize("kind, payload", [
+    (wire.ERROR, wire.Msg({"room": 7}, _HOSTILE).encode()),  # the reason the peer gave
+    (wire.ERROR, b"junk\r\x1b[2J\n\n" + _HOSTILE),  # its header unreadable too
+    (wire.RESULT, b"junk\r\x1b[2J" * 8 + b"\n\n"),  # the decoder's words quote the line
+])
+def test_a_peers_answer_is_quoted_as_one_printable_bounded_line(kind, payload):
+    # The texts go into failures and logs: a peer's newline, carriage return or terminal escape must
+    # not forge a log line, nor its 10 KiB make a long one.
+    error = _answer(kind, payload)
+    assert isinstance(error, (EngineError, _Refused)) and str(error).isprintable(), error
+    assert len(str(error)) < 700, len(str(error))
