@@ -447,7 +447,9 @@ class ThrottledLog:
     `max_lines` lines are logged per interval in all: what the budget leaves out is
     counted, and the first warning of a later interval says how many. Only the
     `max_kinds` kinds seen most recently are remembered, by hash, so neither many keys
-    nor long ones grow memory; a forgotten kind's repeats go into that count too.
+    nor long ones grow memory; a forgotten kind's repeats go into that count too. So do
+    the repeats of a kind that has not come back since its interval passed: a later
+    interval's first warning, of any kind, or flush() (at close) tells them.
     """
 
     def __init__(self, logger: logging.Logger, interval_s: float = 1.0, max_kinds: int = 256,
@@ -466,12 +468,14 @@ class ThrottledLog:
         """Logs `msg % args` unless its kind or the line budget says to count it instead."""
         now = time.monotonic()
         told = None
+        repeats = 0
         since = 0.0
         with self._lock:
+            kind = hash(key)
             if now >= self._window_ends:
                 told, self._untold = self._untold, 0
                 self._window_ends, self._lines = now + self._interval_s, 0
-            kind = hash(key)
+                repeats = self._take_repeats(now, kind)  # this kind's own line tells its own
             entry = self._kinds.get(kind)
             if entry is not None:
                 self._kinds.move_to_end(kind)
@@ -494,15 +498,40 @@ class ThrottledLog:
                 else:  # its repeats came since its last line, however long ago that was
                     left_out, since = entry[1], now - (entry[0] - self._interval_s)
                 entry[0], entry[1] = now + self._interval_s, 0
-        if told:
-            self._logger.warning("%d more warnings were not logged: at most %d lines are logged per %gs",
-                                 told, self._max_lines, self._interval_s)
+        self._tell(told, repeats)
         if left_out is None:
             return
         if left_out:
             msg += " (and %d more like it in the last %.1fs, not logged)"
             args += (left_out, since)
         self._logger.warning(msg, *args)
+
+    def flush(self) -> None:
+        """Logs the count of every warning left out and not told yet (at most two lines): for a close,
+        after which no later warning would tell them."""
+        with self._lock:
+            told, self._untold = self._untold, 0
+            repeats = self._take_repeats(math.inf)
+        self._tell(told, repeats)
+
+    def _take_repeats(self, now: float, but: int | None = None) -> int:
+        """The repeats left out of the kinds whose interval passed by `now` (but kind `but`), now told
+        here rather than by their kind's next line (lock held)."""
+        taken = 0
+        for kind, entry in self._kinds.items():
+            if entry[1] and now >= entry[0] and kind != but:
+                taken += entry[1]
+                entry[1] = 0
+        return taken
+
+    def _tell(self, told: int | None, repeats: int) -> None:
+        """Logs the counts of warnings left out: by the line budget (or forgotten), and repeats."""
+        if told:
+            self._logger.warning("%d more warnings were not logged: at most %d lines are logged per %gs",
+                                 told, self._max_lines, self._interval_s)
+        if repeats:
+            self._logger.warning("%d more warnings were not logged: repeats of kinds logged at most once per %gs "
+                                 "that did not come back since", repeats, self._interval_s)
 
 
 def count_concluded(metrics: Metrics, failures: ThrottledLog, room: int, succeeded: bool, failure: Failure | None,
@@ -814,6 +843,7 @@ class Pushers:
                 self._sockets.pop(key).close(linger_ms)
                 self._endpoints.forget(key)
         self._waker.close()
+        self._warn.flush()  # the counts of warnings left out that no later one will tell
 
 
 class RoomRecord(Protocol):

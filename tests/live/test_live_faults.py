@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import re
 import time
 
 import pytest
@@ -346,6 +347,12 @@ def test_a_flood_of_bad_statuses_costs_a_log_line_a_second_and_the_room_still_su
         assert r.landed(room) is None
     lines = [m for m in caplog.messages if "dropped a malformed status" in m]
     assert 1 <= len(lines) <= 1 + 10, len(lines)  # one per second at most, however long the flood took
+    # Every status is accounted for: its line, the repeats a later line tells, and what the close told.
+    told = [m for m in caplog.messages if "more warnings were not logged" in m]
+    counted = sum(1 + int(re.search(r"\(and (\d+) more like it", m).group(1)) if "more like it" in m else 1
+                  for m in lines)
+    counted += sum(int(m.split()[0]) for m in told)
+    assert counted == 2000, (lines, told)
 
 
 def test_garbage_to_the_status_listener_is_logged_and_ignored(bootstrap, encoder, engines, caplog):

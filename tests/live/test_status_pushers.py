@@ -3,6 +3,7 @@ receiver at the same address, and a new receiver that must always be served."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -172,3 +173,17 @@ def test_expect_leaves_a_live_connection_as_it_is():
     finally:
         pushers.close()
         pull.close(0)
+
+
+def test_close_tells_every_status_it_dropped_in_a_bounded_number_of_lines(caplog):
+    # Each endpoint whose statuses close() drops is a repeat of one warning: one line, and the
+    # count of the others (no later warning would tell it).
+    pushers = _io.Pushers(connect_s=10.0)
+    with caplog.at_level(logging.WARNING, logger=_io.log.name):
+        for i in range(3):
+            pushers.send(*_dead_endpoint(i), status_frames(i, 0, 0))
+        pushers.close()
+    said = [m for m in caplog.messages if "its connection did not come up before close()" in m]
+    told = [m for m in caplog.messages if "more warnings were not logged" in m]
+    assert len(said) == 1 and told == ["2 more warnings were not logged: repeats of kinds logged at most once per "
+                                       "1s that did not come back since"], caplog.messages

@@ -214,3 +214,15 @@ def test_a_stopped_driver_drops_the_items_it_never_filed_and_queues_no_later_com
     for state in states:
         driver.post("clear", state.room, state)  # what clear() posts on a pool whose thread stopped
     assert not driver.commands
+
+
+def test_closing_tells_how_many_warnings_were_left_out(make_driver, caplog):
+    # A peer's flood of one complaint logs one line and counts its repeats; with no later warning
+    # to tell them, the close does.
+    driver = make_driver(FakeCore(), FakeEngine())
+    with caplog.at_level(logging.WARNING, logger="transfer.sender"):
+        for _ in range(100):
+            driver._complaints.warning("bad ask", "dropped a malformed request")
+        driver._close()
+    assert caplog.messages.count("dropped a malformed request") == 1
+    assert any(m.startswith("99 more warnings were not logged") for m in caplog.messages), caplog.messages

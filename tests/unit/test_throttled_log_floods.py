@@ -79,3 +79,37 @@ def test_a_kind_logs_again_once_its_interval_passed_within_the_budget(clock, cap
         "1 more warnings were not logged: at most 2 lines are logged per 1s", "a", "b",
         "1 more warnings were not logged: at most 2 lines are logged per 1s", "a", "b",
     ]
+
+
+def test_repeats_of_a_kind_that_never_comes_back_are_told_by_a_later_warning_of_any_kind(clock, caplog):
+    throttled = _io.ThrottledLog(logging.getLogger("test.flood"), interval_s=1.0)
+    with caplog.at_level(logging.WARNING, logger="test.flood"):
+        for _ in range(1000):
+            throttled.warning("bad room", "bad room")  # one line, 999 repeats; the peer then stops
+        clock[0] += 0.5
+        throttled.warning("other", "other")  # the interval has not passed: nothing to tell yet
+        clock[0] += 1.0
+        throttled.warning("other", "other")
+        clock[0] += 1.0
+        throttled.warning("bad room", "bad room")  # its repeats were told: its line counts none
+    assert caplog.messages == [
+        "bad room", "other",
+        "999 more warnings were not logged: repeats of kinds logged at most once per 1s that did not come back "
+        "since",
+        "other", "bad room",
+    ]
+
+
+def test_flush_tells_what_was_left_out_in_a_bounded_number_of_lines(clock, caplog):
+    # At close no later warning comes: flush() tells the repeats and what the line budget left out.
+    throttled = _io.ThrottledLog(logging.getLogger("test.flood"), interval_s=1.0, max_kinds=64)
+    with caplog.at_level(logging.WARNING, logger="test.flood"):
+        for i in range(FLOOD):
+            throttled.warning(("rank", i % 100), "rank %d", i % 100)  # 100 kinds the peer cycles through
+        logged = len(caplog.messages)
+        throttled.flush()
+        assert len(caplog.messages) == logged + 2
+        assert _counted(caplog.messages) == FLOOD
+        throttled.flush()  # nothing left to tell
+    assert len(caplog.messages) == logged + 2
+    assert len(throttled._kinds) <= 64

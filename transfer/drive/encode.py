@@ -784,6 +784,8 @@ class EncodeDriver:
                     close()
                 except Exception:
                     log.exception("sender pool of encode rank %d: closing its %s failed", self.engine_rank, what)
+            for throttled in (self._complaints, self._warnings, self.book.failures):
+                throttled.flush()  # the counts of warnings left out that no later one will tell
 
     def _close_rooms(self) -> None:
         deadline = self.clock() + CLOSE_WAIT_S

@@ -461,6 +461,8 @@ class PrefillDriver:
                 cancelled = self._send_cancels_left()
             self._close_sockets(cancelled)
         self._lookups.close(timeout=self.lookup_timeout_s + 1.0)
+        for throttled in (self._complaints, self._failures):
+            throttled.flush()  # the counts of warnings left out that no later one will tell
 
     def _send_cancels_left(self) -> set[tuple[str, int]]:
         """Sends the cancels handed to the I/O thread and not sent yet (_lock held; only once it stopped,
