@@ -229,6 +229,43 @@ def test_rooms_asked_of_an_encode_rank_that_restarted_at_its_port_fail_at_once(e
             encode.kill()
 
 
+@pytest.mark.parametrize("same_port", [True, False], ids=["same-port", "other-port"])
+def test_rooms_asked_of_a_killed_encode_rank_fail_soon_after_its_successor_registers_with_no_new_room(engines,
+                                                                                                   same_port):
+    """An encode rank killed with rooms asked of it, its successor registering only after the look-up the
+    dropped connection made (which still found the killed one listed), and no room received since: the
+    prefill rank keeps looking the route up while those rooms wait, and they fail within seconds of the
+    successor registering (at the same port under a new registration, or at another port), not at their
+    60 s deadlines."""
+    cut = rooms(3)
+    with bootstrap_server() as server:
+        encode = encode_process(server.address)
+        try:
+            port = encode.info["port"]
+            with Receiver(engines[0], 0, 1, fanout=1, slots=16, deadline_s=60.0) as r:
+                for room in cut:
+                    r.ask(room, server.address, SPAN)
+                assert wait_until(lambda: encode.call("state")["asks"] == len(cut), 10.0), "the asks never came"
+                encode.kill()
+                # The drop is seen within a second (the monitors are read once a second while idle) and its
+                # look-up answers at once, naming the killed rank: its successor registers only after that.
+                time.sleep(3.0)
+                encode = encode_process(server.address, **({"port": port} if same_port else {}))
+                registered = time.monotonic()
+                assert (encode.info["port"] == port) == same_port
+                results = r.wait(cut, 20.0)
+                took = time.monotonic() - registered
+                now_at = f"a new process at {HOST}:{port}" if same_port else f"now at {HOST}:{encode.info['port']}"
+                for room in cut:
+                    status, reason = results[room]
+                    assert status == "Failed", (room, status, reason, f"{took:.1f}s after the successor registered")
+                    assert now_at in reason and "ask again" in reason, reason
+                    assert r.untouched(room)
+                assert took < 20.0, f"the rooms failed {took:.1f}s after the successor registered"
+        finally:
+            encode.kill()
+
+
 def test_prefill_killed_mid_stream_never_stalls_the_sender(engines):
     warmup, doomed, survivors = rooms(4), rooms(200), rooms(60)
     with bootstrap_server() as server, encode_process(server.address) as encode:

@@ -7,7 +7,8 @@ drop a connection. The rules kept here: bootstrap look-ups are cached and shared
 the rooms that wait on them, a server that failed slowly is not asked again for a
 while, a route the server no longer has fails the rooms that could only be served
 through it at once (`route_missing`; a dropped connection has the routes of the rooms
-asked on it looked up), a region is announced before the first ask that lands in it, asks wait in
+asked on it looked up, and again while they wait, so they fail once a successor registered:
+`_orphaned`), a region is announced before the first ask that lands in it, asks wait in
 order while their encode rank's socket cannot take them, statuses move rooms
 (Failed sticky, a wrong encode rank ignored), and a room concludes once, at the
 latest at its deadline (a Success its encode rank then says Failed is overturned).
@@ -51,6 +52,8 @@ __all__ = [
     "MAX_ROUTES",
     "MAX_SIZES",
     "QUEUED_LOOKUP_S",
+    "STRANDED_LOOKUP_MAX_S",
+    "STRANDED_LOOKUP_S",
     "Advance",
     "Announce",
     "Conclude",
@@ -82,6 +85,14 @@ CANCEL_ANSWER_WAIT_S = 0.5
 #: (and again each time as long after): a rank restarted at another port leaves its old address
 #: behind at the bootstrap server until it registers again, and no connection is ever made there.
 QUEUED_LOOKUP_S = 2.0
+
+#: How soon after the look-up a dropped connection made for the rooms asked on it their encode rank's
+#: route is looked up again, and on while any of them is open (the wait doubles after each look-up, up
+#: to STRANDED_LOOKUP_MAX_S: 1, 2, 4, 4, ... s): that look-up may have come before a successor
+#: registered, and rooms asked of a process that went away fail only once the server names another
+#: (`_orphaned`), not at their deadlines.
+STRANDED_LOOKUP_S = 1.0
+STRANDED_LOOKUP_MAX_S = 4.0
 
 #: Bootstrap servers whose sizes, and encode ranks whose addresses, are remembered (past
 #: these the oldest is forgotten, and looked up again if a room needs it).
@@ -292,6 +303,16 @@ class _Room:
         return f"encode rank {self.encode_rank} at {host}:{port}"
 
 
+@dataclass(slots=True, eq=False)
+class _Stranded:
+    """Rooms of one route asked on connections that dropped since, and when their route is next looked up."""
+
+    addr: Address  # the address of the latest of those connections
+    rooms: list[_Room]
+    due: float
+    every: float = STRANDED_LOOKUP_S  # the wait before the last look-up (it doubles after each)
+
+
 def silent_room_detail(where: str, room: int, deadline_s: float, *, alive: bool, fanout: int) -> str:
     """Why an asked room had no status by its deadline, and what to check: `alive` when its encode rank
     answered other rooms after this one was asked (so it runs, and was not given this room's item)."""
@@ -354,6 +375,8 @@ class PrefillCore:
         self._gone: dict[RouteKey, Address] = {}  # routes the server no longer has: where each was last found
         self._probes: dict[RouteKey, Address] = {}  # routes looked up again: where their queued asks wait
         self._probed_at: dict[Address, float] = {}  # when the routes of asks waiting there were looked up again
+        self._stranded: dict[RouteKey, _Stranded] = {}  # rooms asked on a dropped connection, per route
+        self._stranded_next = float("inf")  # at most the earliest of their look-ups' due times
         self._awaiting_parallel: dict[str, list[_Room]] = {}
         self._awaiting_route: dict[RouteKey, list[_Room]] = {}
         self._conns: dict[Address, int] = {}  # the connection in use per encode address, least recently used first
@@ -398,10 +421,12 @@ class PrefillCore:
         return self._routes.get(key)
 
     def next_wakeup(self) -> float | None:
-        """When tick() next has something to do (the earliest open room's deadline, held ask, or asks
-        waiting for a socket too long), or None."""
+        """When tick() next has something to do (the earliest open room's deadline, held ask, asks
+        waiting for a socket too long, or look-up for rooms asked on a dropped connection), or None."""
         rules = self._unread.defer(self._rules_due())  # held back by a tick with statuses maybe unread
         due = [self._recheck_due(addr, head) for addr, head in self.asks.heads(self._queued)]
+        if self._stranded:
+            due.append(self._stranded_next)
         if rules is not None:
             due.append(rules)
         return min(due) if due else None
@@ -522,7 +547,8 @@ class PrefillCore:
 
         A look-up made only for the asks and rooms of an address whose connection dropped since, that
         names that address again, tells nothing new of where the rank is (a rank restarting elsewhere
-        has not registered yet): the route stays forgotten, and the next room looks it up again."""
+        has not registered yet): the route stays forgotten, and the next room looks it up again (as do
+        the rooms asked there, while they wait: `_stranded_look_ups`)."""
         probed = self._probes.pop(key, None)
         waiting = [state for state in self._awaiting_route.pop(key, ()) if self._looking_up(state)]
         if probed != addr or key in self._routes or waiting:
@@ -539,6 +565,8 @@ class PrefillCore:
                  for state in self.asks.remove(other, lambda queued: queued.route_key == key) if self._queued(state)]
         moved.sort(key=lambda state: (state.asked_at, state.token))  # oldest first, wherever each waited
         actions = self._orphaned(key, addr, instance)
+        if key in self._stranded:
+            self._still_stranded(key)  # a look-up for them, if any is left, comes when due
         actions += [action for old in dict.fromkeys((before, probed)) if old is not None and old != addr
                     for action in self._retire(now, old)]
         for i, state in enumerate(moved):
@@ -624,6 +652,8 @@ class PrefillCore:
             actions += self._conclude(state, Failure(FailureKind.BOOTSTRAP, text))
         for addr in queued_at:
             self.asks.prune(addr, self._queued)
+        if key in self._stranded:
+            self._still_stranded(key)
         for old in dict.fromkeys((last, probed)):
             if old is not None:
                 actions += self._retire(now, old)
@@ -658,7 +688,9 @@ class PrefillCore:
         region again, and the routes of the asks that never left for it and of the rooms asked on that
         connection are looked up again too: asks move if the rank moved and wait where they are
         otherwise (a failed look-up fails none of them), rooms asked keep waiting for their statuses,
-        and all of them fail at once if the server no longer has the route (`route_missing`).
+        and all of them fail at once if the server no longer has the route (`route_missing`). The rooms
+        asked there have their routes looked up again while they wait (`_stranded_look_ups`): they fail
+        once the server names a successor, at another address or under another registration (`_orphaned`).
 
         What follows goes on a fresh connection: a cancel sent before the drop may never be read,
         so it holds back no later ask's statuses (`status`), and a later cancel of the same room
@@ -671,11 +703,65 @@ class PrefillCore:
         self.cancels.forget(addr, answering=True)  # a rank restarted there shows afresh whether it answers cancels
         self.announcements.forget(addr)
         self.asks.prune(addr, self._queued)
-        asked = [] if dropped is None else [state.route_key for state in self._rooms.values() if state.stage == ASKED
+        asked = [] if dropped is None else [state for state in self._rooms.values() if state.stage == ASKED
                                             and state.addr == addr and state.conn == dropped and not state.given_up]
-        actions = self._recheck(now, addr, asked)
+        actions = self._recheck(now, addr, [state.route_key for state in asked])
+        self._strand(now, addr, asked)
         self._forget_routes_to(addr)
         return actions + self._retire(now, addr)
+
+    def _strand(self, now: float, addr: Address, asked: list[_Room]) -> None:
+        """Files the rooms asked on the connection to `addr` that just dropped: their routes are looked up
+        again STRANDED_LOOKUP_S after the look-up the drop made, and on (`_stranded_look_ups`)."""
+        fresh: set[RouteKey] = set()
+        for state in asked:
+            key = state.route_key
+            if key is None:
+                continue
+            if key not in fresh:  # this drop looked the route up afresh: its waits start over
+                fresh.add(key)
+                earlier = self._stranded.get(key)
+                self._stranded[key] = _Stranded(addr, [] if earlier is None else earlier.rooms,
+                                                now + STRANDED_LOOKUP_S)
+            self._stranded[key].rooms.append(state)
+        if fresh:
+            self._next_stranded_look_up()
+
+    def _stranded_look_ups(self, now: float) -> list:
+        """Looks up again the routes of rooms asked on a connection that dropped since, once due, while any
+        of them is open: the look-up their drop made may have come before a successor registered, and they
+        fail once the server names one at another address or under another registration (`_orphaned`,
+        `route_missing`). One look-up of a route at a time; the wait doubles after each, up to
+        STRANDED_LOOKUP_MAX_S, and a server not being asked now (`breaker`) is asked later."""
+        actions: list = []
+        for key, stranded in list(self._stranded.items()):
+            if stranded.due > now or not self._still_stranded(key):
+                continue
+            if key in self._probes or self._awaiting_route.get(key) or self.breaker.refusal(key[0], now) is not None:
+                stranded.due = now + stranded.every
+                continue  # the look-up under way answers for them too, or their server is not asked now
+            stranded.every = min(2 * stranded.every, STRANDED_LOOKUP_MAX_S)
+            stranded.due = now + stranded.every
+            self._probes[key] = stranded.addr
+            actions.append(LookUpRoute(key))
+        self._next_stranded_look_up()
+        return actions
+
+    def _next_stranded_look_up(self) -> None:
+        """Notes when the next of `_stranded_look_ups` comes due (one forgotten since may make it early)."""
+        self._stranded_next = min((stranded.due for stranded in self._stranded.values()), default=float("inf"))
+
+    def _still_stranded(self, key: RouteKey) -> _Stranded | None:
+        """The rooms of `key` asked on a dropped connection that are still open, or None (forgotten then)."""
+        stranded = self._stranded.get(key)
+        if stranded is None:
+            return None
+        stranded.rooms = [state for state in stranded.rooms if self._in(state, ASKED) and state.addr is not None
+                          and self._conns.get(state.addr) != state.conn]
+        if not stranded.rooms:
+            del self._stranded[key]
+            return None
+        return stranded
 
     def _recheck(self, now: float, addr: Address, asked: Collection[RouteKey | None] = ()) -> list:
         """Looks up again the routes of the asks waiting at `addr` (route_resolved moves them if the
@@ -948,13 +1034,14 @@ class PrefillCore:
     def tick(self, now: float, limit: int | None = None, unread: bool = False) -> list:
         """Fails rooms past their deadline and lets held asks go whose earlier ask's cancel got no answer
         within CANCEL_ANSWER_WAIT_S, at most `limit` of them together (next_wakeup() says if more are
-        due), and looks up again the encode ranks whose sockets took no ask for QUEUED_LOOKUP_S.
+        due), and looks up again the encode ranks whose sockets took no ask for QUEUED_LOOKUP_S, and
+        those with rooms asked on a connection that dropped (`_stranded_look_ups`).
 
         `unread`: statuses may wait unread in the driver's status socket (it was held up past this
         tick's time, or left statuses queued). Statuses, and answers to cancels, that came before a
         room's deadline count: the rules that act for want of one (deadlines, held asks, cancels set
         aside) wait UNREAD_GRACE_S for the driver to read them, once in a row (asks waiting for a
-        socket are still looked up again meanwhile).
+        socket, and rooms asked on a dropped connection, are still looked up again meanwhile).
         """
         actions: list = []
         if not self._unread.holds(now, unread, self._rules_due()):
@@ -964,6 +1051,8 @@ class PrefillCore:
         for addr, head in self.asks.heads(self._queued):
             if self._recheck_due(addr, head) <= now:
                 actions += self._recheck(now, addr)
+        if self._stranded and self._stranded_next <= now:
+            actions += self._stranded_look_ups(now)
         return actions
 
     def _expire_due(self, now: float, limit: int | None) -> list:
