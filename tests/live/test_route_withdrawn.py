@@ -105,9 +105,12 @@ def test_rooms_for_a_pool_that_went_away_fail_within_seconds_saying_its_rank_is_
         # Asked at once: the prefill rank may not have seen the connection go yet.
         late = manager.receive(3, server.address, buf[2])
         took = _failed_within(late, FAIL_WITHIN_S)
-        assert late.failure == (f"encode rank 0 (dp group 0) is no longer registered at bootstrap {server.address} "
+        # Its ask goes out on the dead connection when the rank has not noticed the drop yet (a loaded host).
+        assert late.failure in (f"encode rank 0 (dp group 0) is no longer registered at bootstrap {server.address} "
                                 f"(it was at {HOST}:{port}): its sender pool closed, or the bootstrap server "
-                                f"restarted; room 3 was never asked for"), late.failure
+                                f"restarted; room 3 {how_far}"
+                                for how_far in ("was never asked for", "was asked there and that connection dropped")
+                                ), late.failure
         assert late.failure_kind.value == "bootstrap"
         # The room the pool had parked was told so by the pool itself as it closed.
         _failed_within(asked, FAIL_WITHIN_S)
