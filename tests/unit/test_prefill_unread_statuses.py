@@ -108,3 +108,44 @@ def test_asks_waiting_for_a_socket_are_still_looked_up_again_while_the_rules_are
     late = 1.0 + QUEUED_LOOKUP_S + 1.0
     assert c.tick(late, unread=True) == [LookUpRoute(KEY0)]
     assert c.stage(1) == "queued"
+
+
+def test_rooms_a_hold_held_past_a_ticks_limit_are_not_held_again_under_a_flood_of_statuses():
+    c = core(deadline_s=DEADLINE_S, integrity=False)
+    routed(c)
+    limit, rooms = 4, 10
+    for room in range(1, rooms + 1):
+        c.receive(1.0, spec(room, slot=room))
+    late = 1.0 + DEADLINE_S + 5.0
+    assert c.tick(late, limit, unread=True) == []
+    # The grace's end: a batch of the rooms it held fails; statuses still flood in.
+    end = late + UNREAD_GRACE_S
+    failed = _failed(c.tick(end, limit, unread=True))
+    assert len(failed) == limit
+    # The rest were due before the grace ended as well: the next turns go on failing them, a batch a turn,
+    # rather than holding them back for a grace more each batch.
+    assert c.next_wakeup() <= end
+    for turn in range(1, 3):
+        failed += _failed(c.tick(end + turn * 0.001, limit, unread=True))
+    assert sorted(room for room, _ in failed) == list(range(1, rooms + 1))
+    assert {kind for _, kind in failed} == {FailureKind.DEADLINE}
+
+
+def test_a_room_due_while_the_rank_was_held_up_again_is_held_back_while_an_earlier_holds_rest_fails():
+    c = core(deadline_s=DEADLINE_S, integrity=False)
+    routed(c)
+    limit, rooms = 4, 6
+    for room in range(1, rooms + 1):
+        c.receive(1.0, spec(room, slot=room))
+    late = 1.0 + DEADLINE_S + 5.0
+    later, actions = c.receive(late - DEADLINE_S + 1.0, spec(20, slot=20))  # due a second after the hold ends
+    assert [type(a) for a in actions] == [SendAsk]
+    assert c.tick(late, limit, unread=True) == []
+    end = late + UNREAD_GRACE_S
+    failed = _failed(c.tick(end, limit, unread=True))
+    # Held up again past room 20's deadline, whose Success came in time and waits unread.
+    again = end + 2.0
+    failed += _failed(c.tick(again, limit, unread=True))
+    assert c.status(again + 0.01, 20, TransferPoll.Success, 0) == [Conclude(20, later, None)]
+    failed += _failed(c.tick(again + 0.02, limit, unread=True))
+    assert sorted(room for room, _ in failed) == list(range(1, rooms + 1))

@@ -27,6 +27,7 @@ def test_a_hold_lasts_the_grace_and_its_end_is_when_the_next_tick_is_needed():
     assert grace.defer(11.0) == 15.0 + UNREAD_GRACE_S and grace.defer(None) == 15.0 + UNREAD_GRACE_S
     assert grace.holds(15.0 + UNREAD_GRACE_S / 2, False, due=11.0)
     assert not grace.holds(15.0 + UNREAD_GRACE_S, True, due=11.0), "once in a row"
+    assert grace.ended == 15.0 + UNREAD_GRACE_S, "rules due by then were held once already"
     assert grace.defer(11.0) == 11.0
     assert grace.holds(15.5, True, due=11.0), "a later late tick may hold them again"
 

@@ -1044,8 +1044,12 @@ class PrefillCore:
         socket, and rooms asked on a dropped connection, are still looked up again meanwhile).
         """
         actions: list = []
-        if not self._unread.holds(now, unread, self._rules_due()):
+        due = self._rules_due()
+        if not self._unread.holds(now, unread, due):
             actions += self._expire_due(now, limit)
+        elif due is not None and due <= self._unread.ended:
+            # Rules an earlier hold held, more than one tick's limit of them: not held again.
+            actions += self._expire_due(now, limit, self._unread.ended)
         for addr in [addr for addr in self._probed_at if not self.asks.waiting(addr)]:
             del self._probed_at[addr]
         for addr, head in self.asks.heads(self._queued):
@@ -1055,8 +1059,10 @@ class PrefillCore:
             actions += self._stranded_look_ups(now)
         return actions
 
-    def _expire_due(self, now: float, limit: int | None) -> list:
-        """tick()'s rules for want of a status: deadlines, held asks, stale cancels (at most `limit`)."""
+    def _expire_due(self, now: float, limit: int | None, until: float | None = None) -> list:
+        """tick()'s rules for want of a status: deadlines, held asks, stale cancels (at most `limit`);
+        with `until`, only the deadlines and held asks due by then."""
+        cutoff = now if until is None else until
         heap = self._deadlines
         if len(heap) > 2 * len(self._rooms) + 1024:
             # Concluded rooms' entries would otherwise wait out their whole deadline here.
@@ -1064,18 +1070,19 @@ class PrefillCore:
             heapq.heapify(heap)
         actions: list = []
         expired = 0
-        while heap and heap[0][0] <= now and (limit is None or expired < limit):
+        while heap and heap[0][0] <= cutoff and (limit is None or expired < limit):
             state = heapq.heappop(heap)[2]
             if self._open(state) and state.stage != VERIFYING:
                 actions += self._expire(now, state)
                 expired += 1
         held = self._held
-        while held and held[0][0] <= now and (limit is None or expired < limit):
+        while held and held[0][0] <= cutoff and (limit is None or expired < limit):
             state = heapq.heappop(held)[2]
             if self._in(state, HELD):  # no answer came: the rank does not answer cancels
                 actions += self._unhold(now, state)
                 expired += 1
-        actions += self.cancels.set_aside_stale(now, limit, lambda key: self._release(now, *key))
+        if until is None:
+            actions += self.cancels.set_aside_stale(now, limit, lambda key: self._release(now, *key))
         return actions
 
     # ---------------------------------------------------------- internals

@@ -40,15 +40,19 @@ class UnreadGrace:
 
     def __init__(self) -> None:
         self._until: float | None = None  # a tick with messages maybe unread held the rules back till then
+        #: When the last hold ended: rules due by then were held once already, and are not held again.
+        self.ended = float("-inf")
 
     def holds(self, now: float, unread: bool, due: float | None) -> bool:
         """Whether the rules wait at this tick; `due`: when the earliest of them came due (None: none).
 
         `unread` starts a hold of UNREAD_GRACE_S. The first tick at its end or later applies the
         rules it held, whatever is still unread (once in a row); only rules that came due after it
-        ended may be held again (its driver was held up again before that tick came)."""
+        ended may be held again (its driver was held up again before that tick came). A core whose
+        tick applies a limited number goes on applying those due by `ended` while a later hold is on."""
         if self._until is not None and now >= self._until:
             ended, self._until = self._until, None
+            self.ended = ended
             if due is None or due <= ended:
                 return False
         if unread and self._until is None:
