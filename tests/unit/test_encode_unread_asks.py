@@ -135,3 +135,14 @@ def test_a_fanout_completed_past_its_timeout_with_nothing_unread_still_fails():
     core.ask(_half(1, 0), 0.5)
     out = core.ask(_half(1, 1), LIMIT + 1.0)  # no sweep ran between: the ask itself is judged late
     assert _failed(out) == [(1, FailureKind.FANOUT_TIMEOUT)]
+
+
+def test_an_item_taken_after_a_late_tick_past_the_fanout_timeout_is_served():
+    core = EncodeCore(fanout_timeout_s=LIMIT)
+    assert core.ask(_ask(1), 0.0) == []
+    # The driver was held up past the fanout timeout; the caller's send() of the item, made meanwhile,
+    # waited in the driver's queue of commands and is taken within the grace, as a waiting ask is.
+    late = LIMIT + 5.0
+    assert core.tick(late, unread=True) == []
+    served = core.offer(_offer(1), late + 0.01)
+    assert len(_of(StartWrite, served)) == 1 and _failed(served) == []

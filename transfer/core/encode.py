@@ -933,21 +933,19 @@ class EncodeCore:
         write may start this late after the first ask (said here, not later as a wait for a write slot).
 
         While a late tick holds the rules back (see tick's `unread`), an ask read is one that may have
-        waited unread since before the time-out: the fanout it completes counts as in time, as an ask
-        the held-back sweep lets in does."""
+        waited unread since before the time-out, and an item taken one the caller may have sent before
+        it (waiting in the driver's queue meanwhile): the fanout it completes counts as in time, as an
+        ask the held-back sweep lets in does."""
         limit = self.fanout_timeout_s
         waited = now - first_at
-        if waited <= limit:
+        if waited <= limit or self._unread.holding(now):
             return False
-        held = self._unread.holding(now)
         if last_at - first_at <= limit:  # every rank asked in time: the item is what came late
             self._warn("late item", "room %d: its item was sent %.1fs after its first ask, past the fanout "
                        "timeout %gs; failing it", room.room, room.offered_at - first_at, limit)
             self._fail(room, FailureKind.OTHER, _late_item(room.room, room.offered_at - first_at, limit,
                                                            f"its whole fanout of {fanout} asked in time"), now)
             return True
-        if held:
-            return False
         self._warn("late fanout", "room %d: its whole fanout of %d asked only %.1fs after its first ask, past "
                    "the fanout timeout %gs; failing it", room.room, fanout, waited, limit)
         self._fail(room, FailureKind.FANOUT_TIMEOUT, f"receiver never registered within {limit:g}s "
