@@ -88,6 +88,11 @@ POLL_MAX_S = 1e-3
 #: a live peer answers within it, so a refusal is still raised at once.
 FIRST_ANSWER_S = 0.05
 
+#: A gap this long between two polls that found a write in flight says this process may have been held
+#: up meanwhile (stopped, swapped out, starved of CPU), Mooncake's threads with it: a write found past
+#: its deadline then is given that long again (at most its whole bound, in all) before it fails.
+HELD_UP_S = 0.25
+
 #: Highest address + 1: a region or a destination must end at or below it.
 _ADDRESS_SPACE = 1 << 64
 
@@ -199,6 +204,7 @@ class _Pending:
     dsts: list[int]
     lens: list[int]
     deadline: float = math.inf  # monotonic, set once handed to Mooncake: past it, poll() reports the write failed
+    given_back: float = 0.0  # seconds added to the deadline for this process being held up (see HELD_UP_S)
     batches: list[int] = field(default_factory=list)
     error: str | None = None
     submitting: bool = True  # batches are still being handed to Mooncake (set and cleared under the engine lock)
@@ -554,6 +560,7 @@ class Engine(RegisteredMemory):
         self._source_region = (0, 0)
         self._pending: dict[int, _Pending] = {}  # write_async tickets not yet settled
         self._overdue: list[_Pending] = []  # writes reported failed at their deadline, still in Mooncake's hands
+        self._in_flight_at = time.monotonic()  # when poll() last found a write in flight
         self._held: dict[str, list[int]] = {}  # session -> tickets held back until its probe answers, oldest first
         self._next_ticket = 0
         self._closed = False
@@ -808,7 +815,9 @@ class Engine(RegisteredMemory):
                     raise EngineError(self._describe_failure("write", pending.session_id, pending.dsts,
                                                              pending.lens, why))
         if not self._advance(pending):
-            if time.monotonic() <= pending.deadline:
+            now = time.monotonic()
+            held, self._in_flight_at = now - self._in_flight_at, now
+            if now <= pending.deadline or (held >= HELD_UP_S and self._give_back(pending, held, now)):
                 return False
             with self._lock:
                 if self._pending.pop(ticket, None) is not None:
@@ -821,6 +830,20 @@ class Engine(RegisteredMemory):
             self._pending.pop(ticket, None)
         if pending.error is not None:
             raise EngineError(pending.error)
+        return True
+
+    def _give_back(self, pending: _Pending, held: float, now: float) -> bool:
+        """Gives a write found past its deadline `held` seconds more from now, `held` being the time since
+        the previous poll found a write in flight: this process (Mooncake's threads with it) may have been
+        held up all that while, which is not the peer's doing, and its threads need a moment to run again.
+        At most the write's own bound is given in all, so a caller that polls rarely delays a dead peer's
+        failure by no more than that. Whether any time was given."""
+        bound = self.transfer_timeout_s + sum(pending.lens) * 1e-9
+        back = min(held, bound - pending.given_back)
+        if back <= 0:
+            return False
+        pending.given_back += back
+        pending.deadline = now + back
         return True
 
     def _advance(self, pending: _Pending) -> bool:
