@@ -25,7 +25,7 @@ from transfer import config
 from transfer.core.failure import FailureKind, without_room
 from transfer.errors import ConfigError, ConfigTypeError
 from transfer.frames import host_text
-from transfer.ports import PortSpec, bare_host, bind_port
+from transfer.ports import PortSpec, bare_host, bind_port, is_wildcard
 
 if TYPE_CHECKING:
     from transfer.core.failure import Failure
@@ -142,12 +142,18 @@ def peer_address(host: str, what: str) -> str:
     ZMQ would look them up on its I/O thread, stalling every socket of its process."""
     bare = bare_host(host)
     if is_ip(bare):
-        return bare
-    try:
-        infos = socket.getaddrinfo(bare, None, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as error:
-        raise ConfigError(f"{what} {host!r} does not resolve ({error}): give this node's IP address") from None
-    return str(infos[0][4][0])
+        address = bare
+    else:
+        try:
+            infos = socket.getaddrinfo(bare, None, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as error:
+            raise ConfigError(f"{what} {host!r} does not resolve ({error}): give this node's IP address") from None
+        address = str(infos[0][4][0])
+    if is_wildcard(address):
+        raise ConfigError(f"{what} {host!r} is a wildcard address: peers are given it to connect to, and "
+                          f"there it would name their own host; give this node's IP address (the one peers "
+                          f"reach it on)")
+    return address
 
 
 def zmq_host(host: str) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 from transfer import config
 from transfer.errors import ConfigError, PortsInUse
 from transfer.frames import normalize_dtype
+from transfer.ports import is_wildcard
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -518,6 +519,10 @@ def _rank_host(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is an IPv6 address, and the ranks run over IPv4 only "
                                          f"(Mooncake cannot reach an IPv6 session): give an IPv4 address, "
                                          f"e.g. 127.0.0.1")
+    if is_wildcard(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a wildcard address: the rank sends it to its peers to "
+                                         f"connect to, and there it would name their own host; give this "
+                                         f"node's IPv4 address (the one peers reach it on)")
     return text
 
 

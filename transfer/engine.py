@@ -62,7 +62,7 @@ from typing import Any
 from transfer.config import check_seconds, resolve
 from transfer.core.openings import OPEN_TIMEOUT_S, Openings, Probe, Verdict
 from transfer.errors import ConfigError, ConfigTypeError, EngineError, EngineUnavailable
-from transfer.ports import bare_host
+from transfer.ports import bare_host, is_wildcard
 
 try:  # the direct Mooncake calls; without the extension every call goes through the binding
     from transfer import _native
@@ -341,6 +341,10 @@ def check_hostname(hostname: str) -> None:
     host = bare_host(hostname)
     if not host:
         raise ConfigError("hostname is empty: give this node's IP address (the one peers reach it on)")
+    if is_wildcard(host):
+        raise ConfigError(f"hostname {hostname!r} is a wildcard address: peers write to the session id "
+                          f"(hostname:port), and there it would name their own host; give this node's IP "
+                          f"address (the one peers reach it on)")
     try:
         if ipaddress.ip_address(host).is_loopback:
             return  # always an address of this host
@@ -533,7 +537,7 @@ class Engine(RegisteredMemory):
         open_timeout_s (default 5; 0 turns probing off) bounds how long a new peer's
         writes wait for it to answer a probe of its handshake port before they fail.
 
-        Raises ConfigError for a hostname that is empty, does not resolve or is not this
+        Raises ConfigError for a hostname that is empty, a wildcard, does not resolve or is not this
         host's, an unknown protocol, a device not present when the protocol is rdma, or a
         timeout outside its bound (0 < transfer_timeout_s, 0 <= open_timeout_s, both at most
         1e6 s; ConfigTypeError for one that is not a number), all before Mooncake is imported; EngineError when rdma was asked for and

@@ -10,13 +10,14 @@ tries the range in order and takes the first port that is not in use.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import re
 from collections.abc import Callable
 from typing import TypeVar, Union
 
 from transfer.errors import ConfigError, ConfigTypeError, PortsInUse
 
-__all__ = ["PortSpec", "bind_port", "describe_ports", "parse_ports"]
+__all__ = ["PortSpec", "bind_port", "describe_ports", "is_wildcard", "parse_ports"]
 
 #: A listener's port setting: `8998`, `0` (any free port), `(30000, 30100)` or `"30000-30100"`.
 PortSpec = Union[int, str, tuple[int, int]]
@@ -87,3 +88,12 @@ def bare_host(host: str) -> str:
     if host.count(":") == 1 and host.rpartition(":")[2].isdigit():
         host = host.rpartition(":")[0]
     return host.strip("[]")
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether `host` (optionally with a `:port` suffix, an IPv6 one bracketed or not) is an unspecified
+    address such as 0.0.0.0 or ::, which binds every interface but names no host a peer can reach."""
+    try:
+        return ipaddress.ip_address(bare_host(host)).is_unspecified
+    except ValueError:
+        return False  # a name or not an address at all

@@ -4,6 +4,7 @@ handle, before any socket is made; peer_address puts an IP on the wire."""
 from __future__ import annotations
 
 import errno
+import re
 
 import pytest
 import zmq
@@ -47,3 +48,12 @@ def test_a_name_is_looked_up_once_and_one_that_does_not_resolve_is_a_config_erro
     with pytest.raises(ConfigError, match=r"^host 'nowhere' does not resolve \(\[Errno -2\] Name or service not known\)"):
         _io.peer_address("nowhere", "host")
     assert looked_up == ["node5", "nowhere"]
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]", "0.0.0.0:17000", "anywhere"])
+def test_a_wildcard_address_is_no_peer_address(host, monkeypatch):
+    # A sender pool registers it with the bootstrap server, a session manager sends it in every ask:
+    # a peer on another host that connects there reaches its own host.
+    monkeypatch.setattr(_io.socket, "getaddrinfo", lambda *a, **k: [(2, 1, 6, "", ("0.0.0.0", 0))])
+    with pytest.raises(ConfigError, match=rf"^host '{re.escape(host)}' is a wildcard address: .*give this node's IP"):
+        _io.peer_address(host, "host")
