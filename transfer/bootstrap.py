@@ -629,6 +629,7 @@ class BootstrapClient:
         INSTANCE_HEADER header; its unregister_rank() names it, so that withdrawal leaves a successor
         registered at the same endpoint alone. The body is the SPEC's either way.
 
+        BootstrapUnreachable when no attempt got an answer at all (refused, reset or timed out).
         Only a bootstrap server's answer registers: 200 with our server's JSON (`"status": "OK"`),
         a peer's plain `OK`, or an empty body. Any other 200, a redirect or a 4xx is a BootstrapError at once.
         ConfigError for a `retry_for` outside [0, 1e6] seconds (NaN included), before any request.
@@ -639,6 +640,7 @@ class BootstrapClient:
         deadline = time.monotonic() + retry_for
         delay = 0.05
         self.may_have_registered = False
+        answered = False  # whether any attempt got an HTTP answer
         while True:
             remaining = deadline - time.monotonic()
             try:
@@ -650,6 +652,7 @@ class BootstrapClient:
                 if not isinstance(error, (ConnectionRefusedError, socket.gaierror)):
                     self.may_have_registered = True
             else:
+                answered = True
                 text = shown(raw.decode("utf-8", "replace"))
                 if status == 200 and _registered(raw):
                     self.may_have_registered = True
@@ -668,8 +671,13 @@ class BootstrapClient:
                 last = f"HTTP {status}: {text}"
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise BootstrapError(f"could not register encode rank {engine_rank} with bootstrap "
-                                     f"server {self.address} within {retry_for}s: {last}")
+                said = (f"could not register encode rank {engine_rank} with bootstrap "
+                        f"server {self.address} within {retry_for}s: {last}")
+                if answered:
+                    raise BootstrapError(said)
+                raise BootstrapUnreachable(f"{said}; nothing answered there: start the bootstrap server "
+                                           f"(`epd-transfer bootstrap`, or a BootstrapServer) first, or check "
+                                           f"the address and the firewall")
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 0.5)
 
