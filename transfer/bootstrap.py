@@ -36,6 +36,7 @@ Decisions the spec leaves open, documented here:
 
 from __future__ import annotations
 
+import errno
 import functools
 import hmac
 import http.client
@@ -54,7 +55,7 @@ from urllib.parse import SplitResult, parse_qs, urlsplit
 from transfer._http import BoundedHTTPServer, DeadlineReader, OneDeadlineHandler
 from transfer._resolve import connect_within
 from transfer.config import check_seconds
-from transfer.errors import BootstrapError, BootstrapNoRoute, BootstrapUnreachable, ConfigError
+from transfer.errors import BootstrapError, BootstrapNoRoute, BootstrapUnreachable, ConfigError, PortsInUse
 from transfer.frames import shown
 from transfer.ports import PortSpec, bind_port
 
@@ -398,6 +399,20 @@ class _HTTPServer(BoundedHTTPServer):
     address_text: str  # host:port, for log lines
 
 
+def _refuse_bind(host: str, port: int, error: OSError) -> None:
+    """For a bind that failed: PortsInUse (errno EADDRINUSE kept, so a range passes it over) for a port in
+    use, ConfigError for a host that is not this one's; each names the server, its address and what to do.
+    Returns for any other error, which is raised as it is."""
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    said = f"bootstrap server cannot listen on {address}: {error.strerror or error}"
+    if error.errno == errno.EADDRINUSE:
+        raise PortsInUse(error.errno, f"{said}: another process holds it (a bootstrap server running already?); "
+                                      f"give another port, 0 (any free one) or a range FIRST-LAST, or find what "
+                                      f"holds it (ss -ltnp 'sport = :{port}')") from None
+    if error.errno == errno.EADDRNOTAVAIL or isinstance(error, socket.gaierror):
+        raise ConfigError(f"{said}: give an address of this host (the one peers reach the server on)") from None
+
+
 class BootstrapServer:
     """The bootstrap HTTP server, serving on its own thread from construction until close()."""
 
@@ -405,13 +420,21 @@ class BootstrapServer:
         """Bind host:port and start serving; ready on return.
 
         `port`: a port, 0 (any free one), or a range, `(30000, 30100)` or `"30000-30100"`
-        (its first free port; `.port` says which). OSError when it cannot bind
-        (`PortsInUse` when no port of the range is free).
+        (its first free port; `.port` says which). `PortsInUse` (an OSError) when its port, or
+        every port of the range, is in use; ConfigError for a host that is not this one's;
+        OSError for any other failure to bind.
         """
         token = check_token(token)
         server_class = _HTTPServer.for_host(host)
-        self._server = bind_port(port, lambda number: server_class((host, number), _Handler),
-                                 f"bootstrap server on {host}")
+
+        def bind(number: int) -> _HTTPServer:
+            try:
+                return server_class((host, number), _Handler)
+            except OSError as error:  # its own text names neither the server nor the address
+                _refuse_bind(host, number, error)
+                raise
+
+        self._server = bind_port(port, bind, f"bootstrap server on {host}")
         self._server.table = _RouteTable()
         self._server.token = token
         self.host = host

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from transfer import config
-from transfer.errors import ConfigError, PortsInUse
+from transfer.errors import ConfigError
 from transfer.frames import normalize_dtype
 from transfer.ports import is_wildcard
 
@@ -295,10 +295,8 @@ def _bootstrap(args: argparse.Namespace) -> int:
         disarm = _exit_with(args.exit_with)
         try:
             server = BootstrapServer(args.host, args.port, token=args.token)
-        except PortsInUse as error:  # its message already names the server and the range
-            raise OSError(error.strerror) from None
-        except OSError as error:
-            raise OSError(f"cannot serve on {args.host}:{args.port}: {error}") from None
+        except OSError as error:  # its message already names the server and the address (or the range)
+            raise OSError(error.strerror or str(error)) from None
         with server:
             print(f"bootstrap server on http://{server.address}", flush=True)
             signal.sigwait(stops)  # one that came meanwhile is pending, and taken at once
@@ -354,10 +352,8 @@ def _rank(args: argparse.Namespace) -> int:
         port = int(args.bootstrap.rpartition(":")[2])
         try:
             server = BootstrapServer(bind, port, token=args.token)
-        except PortsInUse as error:  # its message already names the server and the range
-            raise OSError(error.strerror) from None
-        except OSError as error:
-            raise OSError(f"cannot serve the bootstrap on {bind}:{port}: {error}") from None
+        except OSError as error:  # its message already names the server and the address (or the range)
+            raise OSError(error.strerror or str(error)) from None
         print(f"bootstrap server on http://{server.address}", file=sys.stderr, flush=True)
     try:
         if args.role == "encode":

@@ -68,8 +68,10 @@ def test_a_bootstrap_port_in_use_is_one_line():
         done = _cli("bootstrap", "--port", str(port))
     assert done.returncode == 1
     assert "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.strip() == (f"epd-transfer bootstrap: cannot serve on 127.0.0.1:{port}: "
-                                   "[Errno 98] Address already in use")
+    assert done.stderr.strip() == (f"epd-transfer bootstrap: bootstrap server cannot listen on 127.0.0.1:{port}: "
+                                   f"Address already in use: another process holds it (a bootstrap server running "
+                                   f"already?); give another port, 0 (any free one) or a range FIRST-LAST, or find "
+                                   f"what holds it (ss -ltnp 'sport = :{port}')")
 
 
 def test_bench_refuses_an_output_path_it_cannot_write_before_measuring(tmp_path):

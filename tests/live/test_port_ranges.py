@@ -11,7 +11,7 @@ import pytest
 from live_helpers import HOST, LIVE
 
 from transfer.bootstrap import BootstrapClient, BootstrapServer
-from transfer.errors import PortsInUse
+from transfer.errors import ConfigError, PortsInUse
 from transfer.metrics import Metrics
 from transfer.receiver import SessionManager
 from transfer.sender import SenderPool
@@ -60,6 +60,24 @@ def test_a_wire_listener_passes_over_a_port_in_use():
         with pytest.raises(OSError, match="Address already in use") as caught:
             WireEngine(HOST, first)
         assert caught.value.errno == errno.EADDRINUSE
+
+
+def test_a_bootstrap_servers_one_port_in_use_is_named_with_what_to_do():
+    # The errno stays (what lets a range pass it over); the text names the server, its address, and the way out.
+    with occupied() as first:
+        with pytest.raises(PortsInUse) as caught:
+            BootstrapServer(HOST, first)
+    assert caught.value.errno == errno.EADDRINUSE
+    assert caught.value.strerror == (
+        f"bootstrap server cannot listen on {HOST}:{first}: Address already in use: another process holds it "
+        f"(a bootstrap server running already?); give another port, 0 (any free one) or a range FIRST-LAST, or "
+        f"find what holds it (ss -ltnp 'sport = :{first}')")
+
+
+def test_a_bootstrap_server_on_an_address_not_of_this_host_says_so():
+    with pytest.raises(ConfigError, match=r"^bootstrap server cannot listen on 192\.0\.2\.1:0: Cannot assign requested "
+                                          r"address: give an address of this host"):
+        BootstrapServer("192.0.2.1", 0)  # TEST-NET-1: no host's own
 
 
 def test_a_range_whose_every_port_is_in_use_fails_naming_it():
