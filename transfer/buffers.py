@@ -547,7 +547,8 @@ class ReceivePool:
             raise self._closed_error()
 
     def _closed_error(self) -> SlotError:
-        return SlotError(f"receive pool at {self.region.addr:#x} is closed")
+        return SlotError(f"receive pool at {self.region.addr:#x} is closed: its slots are gone; close a pool only "
+                         f"after the session manager that leases from it, or make a new one")
 
     def _unregister(self, region: Region) -> None:
         """Deregister one region, logging (not raising) when the engine refuses."""
@@ -555,6 +556,11 @@ class ReceivePool:
             self.engine.unregister(region.addr)
         except Exception as exc:  # the engine may already be closed; nothing left to undo
             log.warning("unregistering %#x (%d bytes) failed: %s", region.addr, region.nbytes, exc)
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() was called: its slots are gone and its memory unregistered."""
+        return self._closed
 
     def close(self) -> None:
         """Unregisters the pool region and every live fallback buffer (their memory lives as

@@ -25,7 +25,7 @@ from transfer.core.prefill import ENCODE_FAILED, RoomSpec
 from transfer.core.prefill_breaker import UNREACHABLE_RETRY_S
 from transfer.core.quarantine import Fate, fate_of, reusable
 from transfer.drive.prefill import PrefillDriver, Room
-from transfer.errors import ConfigError, ConfigTypeError, FallbackLimitError, UsageError
+from transfer.errors import ConfigError, ConfigTypeError, EngineError, FallbackLimitError, UsageError
 from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype, scalar_int, size_problem
 from transfer.interfaces import EventLike, TransferEngineLike
 from transfer.metrics import Metrics, declare_role
@@ -184,6 +184,9 @@ class SessionManager:
         integrity = config.check_flag("SessionManager", "integrity", integrity)
         parse_ports(status_port)  # a bad setting fails before any memory is registered
         config.check_engine("SessionManager", engine)
+        if getattr(engine, "closed", False):
+            # No write could land in its memory: every room would fail only at its deadline.
+            raise EngineError(f"engine {engine.session_id} is closed: give the session manager an open engine")
         _await_dropped_manager(engine)
         with _managed_lock:
             _refuse_shared_engine(engine)
@@ -206,6 +209,9 @@ class SessionManager:
         if pool is not None and pool.engine is not engine:
             raise ConfigError("the pool's memory is registered with another engine than the manager's: "
                               "encode ranks could not write into it")
+        if pool is not None and pool.closed:
+            raise ConfigError(f"the receive pool at {pool.region.addr:#x} is closed: its slots are gone; give the "
+                              f"session manager an open ReceivePool (close a pool only after its manager)")
         # Its close lets go of the metrics; a manager that never starts, at once.
         release_metrics = self.metrics.claim(f"the session manager of prefill rank {engine_rank}")
         self._release_metrics = release_metrics

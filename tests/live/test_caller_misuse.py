@@ -263,6 +263,29 @@ def test_a_pool_on_a_closed_engine_is_refused_before_it_registers_a_route():
     assert threading.active_count() == threads
 
 
+def test_a_session_manager_refuses_a_closed_engine_and_a_closed_pool_before_it_listens():
+    """Rooms asked of either would fail only at their deadlines: no write could land."""
+    import threading
+
+    from transfer.engine import Engine
+    from transfer.errors import EngineError
+
+    threads = threading.active_count()
+    with Engine(HOST, "tcp") as engine:
+        pool = ReceivePool(engine, 4096, 4096)
+        pool.close()
+        assert pool.closed
+        with pytest.raises(ConfigError, match=r"^the receive pool at 0x[0-9a-f]+ is closed: its slots are gone; give "
+                                              r"the session manager an open ReceivePool"):
+            SessionManager(engine, 0, 1, 1, pool=pool, host=HOST)
+        with ReceivePool(engine, 4096, 4096) as open_pool:
+            engine.close()
+            with pytest.raises(EngineError, match=rf"^engine {engine.session_id} is closed: give the session manager "
+                                                  rf"an open engine$"):
+                SessionManager(engine, 0, 1, 1, pool=open_pool, host=HOST)
+    assert threading.active_count() == threads
+
+
 def test_sizes_given_with_a_tensor_must_agree_with_it(manager, engines):
     manager, bootstrap, buf = manager
     encode_engine, _ = engines
