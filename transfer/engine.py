@@ -49,6 +49,7 @@ import functools
 import ipaddress
 import logging
 import math
+import operator
 import os
 import re
 import socket
@@ -174,18 +175,26 @@ def check_batch(session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[i
     Checked before any buffer goes out, not halfway through the batch (pybind's bare
     TypeError, or a wire peer refusing the transfer after a round trip).
     """
+    for name, given in (("src_addrs", src_addrs), ("dst_addrs", dst_addrs), ("lengths", lengths)):
+        if isinstance(given, (str, bytes)) or not hasattr(given, "__len__"):
+            raise ConfigTypeError(f"write to {session_id}: {name} must be a sequence of ints, one per buffer, got "
+                                  f"{type(given).__name__} {given!r:.40}: for one buffer pass [src], [dst], [length]")
     if not (len(src_addrs) == len(dst_addrs) == len(lengths)):
         raise ConfigError(f"write to {session_id}: {len(src_addrs)} sources, "
                           f"{len(dst_addrs)} destinations, {len(lengths)} lengths")
     srcs: list[int] = []
     dsts: list[int] = []
     lens: list[int] = []
-    for src, dst, length in zip(src_addrs, dst_addrs, lengths):
+    for index, given in enumerate(zip(src_addrs, dst_addrs, lengths)):
+        try:
+            src, dst, length = (operator.index(value) for value in given)
+        except TypeError:
+            raise ConfigTypeError(f"write to {session_id}: buffer {index} is (source, destination, length) "
+                                  f"{tuple(given)!r:.120}; each must be an int (an address or a byte count)") from None
         if length < 0:
             raise ConfigError(f"write to {session_id}: negative length {length}")
         if length == 0:
             continue
-        src, dst, length = int(src), int(dst), int(length)
         if dst < 0 or dst + length > _ADDRESS_SPACE:
             raise ConfigError(f"write to {session_id}: destination {dst:#x} length {length} "
                               f"is not a range of the 64-bit address space")

@@ -159,3 +159,25 @@ def test_a_wildcard_hostname_is_refused_before_mooncake_starts(hostname, monkeyp
     with pytest.raises(ConfigError, match=r"is a wildcard address: peers write to the session id .*give this "
                                           r"node's IP address"):
         Engine(hostname)
+
+
+@pytest.mark.parametrize("src, dst, length, said", [
+    (0x1000, [0x2000], [64], r"src_addrs must be a sequence of ints, one per buffer, got int 4096: for one buffer "
+                              r"pass \[src\], \[dst\], \[length\]"),
+    ([0x1000], 0x2000, [64], r"dst_addrs must be a sequence of ints, one per buffer, got int 8192"),
+    ([0x1000], [0x2000], "64", r"lengths must be a sequence of ints, one per buffer, got str '64'"),
+    ([0x1000], [0x2000], [64.0], r"buffer 0 is \(source, destination, length\) \(4096, 8192, 64.0\); each must be an "
+                                  r"int"),
+    ([0x1000, "0x1100"], [0x2000, 0x2100], [64, 64], r"buffer 1 is .*'0x1100'.*; each must be an int"),
+])
+def test_a_write_given_what_is_no_batch_of_ints_is_refused_naming_it(src, dst, length, said):
+    # Mooncake's own calls take one address and one length; a bare len() TypeError said nothing of that.
+    with pytest.raises(engine_module.ConfigTypeError, match=rf"^write to 10\.0\.0\.2:17000: {said}"):
+        engine_module.check_batch("10.0.0.2:17000", src, dst, length)
+
+
+def test_a_batch_of_index_like_ints_is_taken_and_zero_lengths_dropped():
+    import numpy as np
+
+    assert engine_module.check_batch("p:1", [np.int64(16), 32], (48, np.uint64(64)), [np.int32(8), 0]) == (
+        [16], [48], [8])
