@@ -318,8 +318,14 @@ def _rank(args: argparse.Namespace) -> int:
         return 2
     limit = args.encode_ranks if args.role == "encode" else args.prefill_ranks
     if args.prefill_ranks % args.encode_ranks or not 0 <= args.rank < limit:
-        print(f"rank {args.rank} of {args.role}: need 0 <= rank < {limit} and prefill ranks "
-              f"{args.prefill_ranks} a multiple of encode ranks {args.encode_ranks}", file=sys.stderr)
+        if args.prefill_ranks % args.encode_ranks:
+            print(f"epd-transfer rank: prefill ranks {args.prefill_ranks} (-P) must be a multiple of encode ranks "
+                  f"{args.encode_ranks} (-E)", file=sys.stderr)
+        else:
+            flag = "-E/--encode-ranks" if args.role == "encode" else "-P/--prefill-ranks"
+            print(f"epd-transfer rank: --rank {args.rank} is no {args.role} rank: with {flag} {limit} they are 0 to "
+                  f"{limit - 1}{' on each prefill node' if args.role == 'prefill' else ''}; give a --rank below "
+                  f"{limit}, or the deployment's {flag}", file=sys.stderr)
         return 2
     sc = harness.Scenario(
         encode_ranks=args.encode_ranks, prefill_ranks=args.prefill_ranks, items=args.items, span=args.span,

@@ -144,4 +144,9 @@ def test_rank_refuses_a_rank_outside_its_role(capsys):
     from transfer import cli
 
     assert cli.main(["rank", "--role", "prefill", "--rank", "2", "-P", "2", "--bootstrap", "127.0.0.1:1"]) == 2
-    assert "need 0 <= rank < 2" in capsys.readouterr().err
+    assert capsys.readouterr().err == ("epd-transfer rank: --rank 2 is no prefill rank: with -P/--prefill-ranks 2 they "
+                                       "are 0 to 1 on each prefill node; give a --rank below 2, or the deployment's "
+                                       "-P/--prefill-ranks\n")
+    assert cli.main(["rank", "--role", "encode", "--rank", "1", "--bootstrap", "127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err == ("epd-transfer rank: --rank 1 is no encode rank: with -E/--encode-ranks 1 they are "
+                                       "0 to 0; give a --rank below 1, or the deployment's -E/--encode-ranks\n")
