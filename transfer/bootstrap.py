@@ -688,6 +688,11 @@ class BootstrapClient:
                     raise BootstrapError(f"{self.address} redirected encode rank {engine_rank}'s registration "
                                          f"(HTTP {status}), which no bootstrap server does: give the bootstrap "
                                          f"server's own address")
+                if status == 401:
+                    sent = "the token sent is not the server's" if self.token else "no token was sent"
+                    raise BootstrapError(f"bootstrap server {self.address} refused encode rank {engine_rank}: "
+                                         f"HTTP 401: {text} ({sent}): give the sender pool the server's token "
+                                         f"(token=; `epd-transfer rank`: --token or EPD_TOKEN)")
                 if status < 500:
                     raise BootstrapError(f"bootstrap server {self.address} refused encode rank "
                                          f"{engine_rank}: HTTP {status}: {text}")

@@ -210,3 +210,14 @@ def test_register_rank_answered_only_with_errors_is_a_bootstrap_error_not_unreac
     with pytest.raises(BootstrapError, match=r"within 0\.0s: HTTP 503: busy$") as raised:
         _replying(503, b"busy").register_rank(1, 1, "10.0.0.9", 7000, 0, retry_for=0)
     assert not isinstance(raised.value, BootstrapUnreachable)
+
+
+@pytest.mark.parametrize("token, sent", [(None, "no token was sent"), ("t0k", "the token sent is not the server's")])
+def test_a_registration_refused_for_its_token_says_which_and_where_to_give_it(token, sent):
+    client = BootstrapClient("127.0.0.1:1", token=token)
+    client._request = lambda *args, **kwargs: (401, b"PUT /route needs Authorization: Bearer <token>")
+    with pytest.raises(BootstrapError, match=rf"^bootstrap server 127\.0\.0\.1:1 refused encode rank 0: HTTP 401: PUT "
+                                             rf"/route needs Authorization: Bearer <token> \({sent}\): give the sender "
+                                             rf"pool the server's token \(token=; `epd-transfer rank`: --token or "
+                                             rf"EPD_TOKEN\)$"):
+        client.register_rank(1, 1, "10.0.0.9", 7000, 0, retry_for=0)
