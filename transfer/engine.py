@@ -45,6 +45,7 @@ segment handle is then looked up from Mooncake's cache. `calls` says which way a
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import ipaddress
 import logging
@@ -55,6 +56,7 @@ import re
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -62,7 +64,7 @@ from typing import Any
 
 from transfer.config import check_seconds, resolve
 from transfer.core.openings import OPEN_TIMEOUT_S, Openings, Probe, Verdict
-from transfer.errors import ConfigError, ConfigTypeError, EngineError, EngineUnavailable
+from transfer.errors import ConfigError, ConfigTypeError, EngineError, EngineUnavailable, UsageError
 from transfer.ports import bare_host, is_wildcard
 
 try:  # the direct Mooncake calls; without the extension every call goes through the binding
@@ -437,6 +439,9 @@ class RegisteredMemory:
         """Raises EngineError once the engine is closed (lock held)."""
         raise NotImplementedError
 
+    def _check_process(self) -> None:
+        """Raises UsageError where this process cannot use the engine (before any lock is taken)."""
+
     def _region_span(self, buf: Any, length: int | None) -> tuple[int, int]:
         """(address, length) of what register() was given."""
         return _buffer_span(buf, length)
@@ -466,6 +471,7 @@ class RegisteredMemory:
             # the wire engine's C book keeps a region's end in 64 bits, which 2**64 itself does not fit.
             raise ConfigError(f"cannot register address {addr:#x} with length {nbytes}: "
                              f"not a range of the 64-bit address space")
+        self._check_process()
         with self._lock:
             self._check_open()
             if addr in self._regions or addr in self._adding:
@@ -498,6 +504,7 @@ class RegisteredMemory:
     def unregister(self, addr: int) -> None:
         """Unregister the region that starts at addr; EngineError if it is not registered, a write reads it,
         or the engine would not let it go (it then stays registered, its tensor kept alive)."""
+        self._check_process()
         with self._lock:
             self._check_open()
             if addr not in self._regions:
@@ -529,6 +536,30 @@ class RegisteredMemory:
                 if base <= addr and addr + nbytes <= base + size:
                     return self._owners.get(base)
         return None
+
+
+#: Engines started and not closed: a process forked from theirs keeps their Mooncake engines (see below).
+_live: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+#: Forks of this process so far, counted in each child: an engine made before its process was forked
+#: has its Mooncake threads, listener and connections in the parent only.
+_forks = 0
+
+
+def _keep_in_child() -> None:
+    """After a fork, in the child: counts the fork, and keeps each inherited Mooncake engine alive for good
+    (one reference leaked). The child has an engine's memory but none of its threads, and the engine's
+    destructor joins them: the child's exit, or a close() there, would wait forever."""
+    global _forks
+    _forks += 1
+    for engine in list(_live):
+        te = engine.__dict__.get("_te")
+        if te is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(te))
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_keep_in_child)
 
 
 class Engine(RegisteredMemory):
@@ -599,6 +630,8 @@ class Engine(RegisteredMemory):
         self._probing = (self.open_timeout_s > 0 and metadata == "P2PHANDSHAKE"
                          and callable(getattr(self._te, "send_probe", None)))
         self.session_id = f"{hostname}:{self.rpc_port}"
+        self._forks = _forks
+        _live.add(self)
         log.debug("engine %s started (%s: %s; Mooncake's calls: %s, %s)", self.session_id, self.protocol,
                   self.protocol_reason, self.calls, self.calls_reason)
 
@@ -649,7 +682,9 @@ class Engine(RegisteredMemory):
         Each buffer becomes a batch of its own, because Mooncake's non-blocking status
         call looks at a batch's first task only. The ticket is filed before the first
         batch goes out, so close() and unregister() see the write while it is submitted.
+        UsageError in a process forked from the one that started the engine.
         """
+        self._check_process()
         pending = self._batch(session_id, src_addrs, dst_addrs, lengths)
         if pending is None:
             return 0
@@ -896,8 +931,10 @@ class Engine(RegisteredMemory):
         """Blocks until the write behind `ticket` is over, sleeping between polls (no spinning).
 
         Bounded by `timeout_s` when given, and always by the transfer timeout, after
-        which poll() reports the write failed.
+        which poll() reports the write failed. UsageError in a process forked from the one that
+        started the engine.
         """
+        self._check_process()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         delay = POLL_MIN_S
         while not self.poll(ticket):
@@ -955,7 +992,17 @@ class Engine(RegisteredMemory):
         keeps Mooncake's engine (its threads and listener) alive until it returns, at
         most Mooncake's 60 s. A close() while another is under way returns when that one did.
         """
+        if self._forks != _forks:
+            return  # a forked child's copy: Mooncake's engine, its memory and its threads are the parent's
         self._close_once()
+
+    def _check_process(self) -> None:
+        """UsageError in a process forked from the one that started the engine: nothing here would carry
+        its writes (a write would wait out its transfer timeout)."""
+        if self._forks != _forks:
+            raise UsageError(f"engine {self.session_id} was made before this process (pid {os.getpid()}) was "
+                             f"forked from its parent: Mooncake's threads and connections are the parent's, so "
+                             f"nothing here would carry its writes; make an Engine in this process")
 
     def _release(self) -> None:
         """close()'s work, once: settle the writes, unregister the memory, destroy the transport."""
