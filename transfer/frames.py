@@ -186,7 +186,11 @@ def check_parallel(engine_rank: int, tp_size: int, dp_size: int) -> tuple[int, i
     into dp_size groups (ConfigTypeError: one is not an integer)."""
     engine_rank, tp_size, dp_size = (_integer(name, value) for name, value in
                                      (("engine rank", engine_rank), ("tp size", tp_size), ("dp size", dp_size)))
-    if dp_size <= 0 or tp_size % dp_size:
+    for name, size in (("tp size", tp_size), ("dp size", dp_size)):
+        if size <= 0:
+            raise ConfigError(f"{name} must be at least 1, not {size} (tp size: the ranks of the role's tensor "
+                              f"parallel group; dp size: the data parallel groups they are split into)")
+    if tp_size % dp_size:
         raise ConfigError(f"tp size {tp_size} is not a multiple of dp size {dp_size}")
     if not 0 <= engine_rank < tp_size:
         raise ConfigError(f"engine rank {engine_rank} outside [0, tp size {tp_size})")

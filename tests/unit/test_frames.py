@@ -913,7 +913,9 @@ def test_a_reason_quotes_a_receivers_session_id_printable_and_cut(reason):
 
 @pytest.mark.parametrize("rank, tp, dp, message", [
     (0, 4, 3, "tp size 4 is not a multiple of dp size 3"),
-    (0, 4, 0, "tp size 4 is not a multiple of dp size 0"),
+    (0, 4, 0, r"dp size must be at least 1, not 0 \(tp size: "),
+    (0, 0, 1, "tp size must be at least 1, not 0"),
+    (0, -4, 2, "tp size must be at least 1, not -4"),
     (4, 4, 1, r"engine rank 4 outside \[0, tp size 4\)"),
     (-1, 4, 2, r"engine rank -1 outside \[0, tp size 4\)"),
 ])
