@@ -177,7 +177,8 @@ def check_batch(session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[i
     Checked before any buffer goes out, not halfway through the batch (pybind's bare
     TypeError, or a wire peer refusing the transfer after a round trip).
     """
-    for name, given in (("src_addrs", src_addrs), ("dst_addrs", dst_addrs), ("lengths", lengths)):
+    plain = type(src_addrs) is list and type(dst_addrs) is list and type(lengths) is list  # as the drivers pass
+    for name, given in () if plain else (("src_addrs", src_addrs), ("dst_addrs", dst_addrs), ("lengths", lengths)):
         if isinstance(given, (str, bytes)) or not hasattr(given, "__len__"):
             raise ConfigTypeError(f"write to {session_id}: {name} must be a sequence of ints, one per buffer, got "
                                   f"{type(given).__name__} {given!r:.40}: for one buffer pass [src], [dst], [length]")
@@ -188,11 +189,14 @@ def check_batch(session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[i
     dsts: list[int] = []
     lens: list[int] = []
     for index, given in enumerate(zip(src_addrs, dst_addrs, lengths)):
-        try:
-            src, dst, length = (operator.index(value) for value in given)
-        except TypeError:
-            raise ConfigTypeError(f"write to {session_id}: buffer {index} is (source, destination, length) "
-                                  f"{tuple(given)!r:.120}; each must be an int (an address or a byte count)") from None
+        src, dst, length = given
+        if not (type(src) is int and type(dst) is int and type(length) is int):  # the drivers' are
+            try:
+                src, dst, length = (operator.index(value) for value in given)
+            except TypeError:
+                raise ConfigTypeError(f"write to {session_id}: buffer {index} is (source, destination, length) "
+                                      f"{tuple(given)!r:.120}; each must be an int (an address or a byte count)"
+                                      ) from None
         if length < 0:
             raise ConfigError(f"write to {session_id}: negative length {length}")
         if length == 0:
