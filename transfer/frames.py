@@ -199,6 +199,8 @@ def check_parallel(engine_rank: int, tp_size: int, dp_size: int) -> tuple[int, i
 
 def size_problem(name: str, value: object, least: int = 0) -> str | None:
     """What is wrong with a size given as `value` (a bool or non-integer, or below `least`: 0 or 1), or None."""
+    if type(value) is int and value >= least:  # the common case, without a call
+        return None
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         return f"{name} must be {'a positive' if least else 'a non-negative'} integer, got {value!r}"
     return None
@@ -216,7 +218,7 @@ def _integer(name: str, value: object) -> int:
 def scalar_int(value: Any) -> Any:
     """`value` as a plain int when it is a numpy or torch integer scalar (as a pointer or size computed
     with numpy is), else unchanged: a bool, a float or a tensor of rows is left for the checks to refuse."""
-    if type(value) is int or isinstance(value, bool) or not hasattr(type(value), "__index__"):
+    if value is None or type(value) is int or isinstance(value, bool) or not hasattr(type(value), "__index__"):
         return value
     if hasattr(value, "data_ptr") and (value.dim() != 0 or str(value.dtype) == "torch.bool"):
         return value
