@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Prints the Python calls each caller call makes a room: a prefill rank's receive(), wait() and
+clear(), and the encode caller's send(), wait() and clear().
+
+One process: a bootstrap server, a sender pool and a session manager with a receive pool, each
+side on its own Mooncake engine over tcp on 127.0.0.1, fanout 1, integrity off. `--inflight`
+rooms are kept in flight; every call of the timed rooms runs under `sys.setprofile`, which counts
+the Python functions and built-ins it enters (the threads behind the calls are not counted:
+`bench --calls` counts those). Every room must succeed and its first and last rows must have
+landed. `--detail CALL` also lists the functions that call enters most, a room.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:
+    from transfer.bootstrap import BootstrapServer
+except ImportError:  # run from a checkout that is not installed: use the in-place build
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from transfer.bootstrap import BootstrapServer
+from transfer.buffers import ReceivePool
+from transfer.engine import Engine
+from transfer.receiver import SessionManager
+from transfer.sender import SenderPool
+from transfer.status import TransferPoll
+
+CALLS = ("prefill receive", "prefill wait", "prefill clear", "encode send", "encode wait", "encode clear")
+
+
+class Counter:
+    """Counts the calls made inside `run(name, ...)`, per name, and for one name per function."""
+
+    def __init__(self, detail: str | None) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.functions: collections.Counter[str] = collections.Counter()
+        self._detail = detail
+        self._name: str | None = None
+
+    def hook(self, frame: Any, event: str, arg: Any) -> None:
+        if self._name is None or event not in ("call", "c_call"):
+            return
+        self.counts[self._name] += 1
+        if self._name == self._detail:
+            code = frame.f_code
+            self.functions[getattr(arg, "__qualname__", repr(arg)) if event == "c_call"
+                           else f"{Path(code.co_filename).name}:{code.co_name}"] += 1
+
+    def run(self, name: str, call: Any, *args: Any) -> Any:
+        self._name = name
+        try:
+            return call(*args)
+        finally:
+            self._name = None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=64, help="rows of an item (default 64)")
+    parser.add_argument("--hidden", type=int, default=4096, help="bfloat16 elements a row (default 4096: 512 KiB)")
+    parser.add_argument("--rooms", type=int, default=400, help="timed rooms (default 400)")
+    parser.add_argument("--inflight", type=int, default=8, help="rooms in flight (default 8)")
+    parser.add_argument("--detail", choices=CALLS, help="also list the functions this call enters most")
+    args = parser.parse_args()
+    rows, hidden, inflight = args.rows, args.hidden, args.inflight
+    counter = Counter(args.detail)
+    item_bytes = rows * hidden * 2
+    with Engine("127.0.0.1", "tcp") as encode_engine, Engine("127.0.0.1", "tcp") as prefill_engine, \
+            BootstrapServer("127.0.0.1", 0) as server:
+        items = torch.randn(inflight, rows, hidden).to(torch.bfloat16)
+        encode_engine.register(items)
+        with ReceivePool(prefill_engine, item_bytes * inflight * 2, item_bytes) as pool, \
+                SenderPool(encode_engine, 0, 1, 1, server.address, integrity=False) as sender, \
+                SessionManager(prefill_engine, 0, 1, 1, pool=pool, integrity=False) as manager:
+
+            def start(room: int) -> tuple[int, Any, Any]:
+                sent = counter.run("encode send", sender.send, room, items[room % inflight])
+                asked = counter.run("prefill receive", manager.receive, room, server.address, None, rows, hidden,
+                                    torch.bfloat16)
+                return room, sent, asked
+
+            def finish(room: int, sent: Any, asked: Any) -> None:
+                status = counter.run("prefill wait", asked.wait, 30.0)
+                if status != TransferPoll.Success:
+                    raise SystemExit(f"room {room}: {status.name}: {asked.failure}")
+                landed = asked.rows
+                if not (torch.equal(landed[0], items[room % inflight][0])
+                        and torch.equal(landed[-1], items[room % inflight][-1])):
+                    raise SystemExit(f"room {room}: the rows that landed are not the item's")
+                counter.run("prefill clear", asked.clear)
+                counter.run("encode wait", sent.wait, 30.0)
+                counter.run("encode clear", sent.clear)
+
+            for room in range(inflight):  # warm-up, not counted: sockets, sessions, first look-ups
+                finish(*start(room))
+            counter.counts.clear()
+            counter.functions.clear()
+            open_rooms: collections.deque = collections.deque()
+            started = time.monotonic()
+            sys.setprofile(counter.hook)
+            try:
+                for room in range(inflight, inflight + args.rooms):
+                    open_rooms.append(start(room))
+                    if len(open_rooms) >= inflight:
+                        finish(*open_rooms.popleft())
+                while open_rooms:
+                    finish(*open_rooms.popleft())
+            finally:
+                sys.setprofile(None)
+            took = time.monotonic() - started
+    print(f"{args.rooms} rooms of {item_bytes // 1024} KiB, {inflight} in flight, fanout 1, integrity off, "
+          f"in {took:.2f} s (profiled)")
+    print(f"{'call':16} calls a room")
+    for name in CALLS:
+        print(f"{name:16} {counter.counts[name] / args.rooms:.1f}")
+    if args.detail:
+        print(f"\n{args.detail}: the functions it enters most, calls a room")
+        for function, count in counter.functions.most_common(25):
+            print(f"{count / args.rooms:7.2f} {function}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
