@@ -32,6 +32,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -115,6 +116,42 @@ class PoolStats(TypedDict):
     fallbacks_total: int  # items that fell back (to a buffer registered for them, or an idle one taken again)
     fallback_bytes: int
     max_fallback_bytes: int | None
+
+
+# Memory of closed pools that a failed room's late write may still land in: (clock, deadline, region).
+# Unregistered, but kept allocated until its quarantine ends, so no new pool or fallback registered with
+# the engine gets its address meanwhile (a late write would land in memory leased to a new room).
+_held: list[tuple[Callable[[], float], float, Region]] = []
+_held_lock = threading.Lock()
+
+
+def _new_held_lock() -> None:
+    """In a forked child: a fresh lock (another thread may have held the parent's at the fork)."""
+    global _held_lock
+    _held_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_held_lock)
+
+
+def _hold(clock: Callable[[], float], deadline: float, region: Region) -> None:
+    """Keeps `region` allocated until `clock()` reaches `deadline`."""
+    with _held_lock:
+        _held.append((clock, deadline, region))
+
+
+def _let_go_of_held() -> None:
+    """Frees the memory of closed pools whose quarantine ended."""
+    if not _held:  # the usual case, read without the lock: every lease() polls
+        return
+    gone: list[tuple[Callable[[], float], float, Region]] = []
+    with _held_lock:
+        kept: list[tuple[Callable[[], float], float, Region]] = []
+        for entry in _held:
+            (gone if entry[0]() >= entry[1] else kept).append(entry)
+        _held[:] = kept
+    gone.clear()  # the memory goes here, outside the lock
 
 
 # A quarantine entry (deadline, seq, slot number) or a grace entry (deadline, seq, region, quarantined).
@@ -226,6 +263,7 @@ class ReceivePool:
         Raises ConfigError for a slot size that is not a positive multiple of SLOT_ALIGN or
         does not fit the pool, and whatever the engine's register() raises.
         """
+        _let_go_of_held()  # before allocating: a closed pool's memory whose quarantine ended goes first
         for name, value in (("nbytes", nbytes), ("slot_bytes", slot_bytes),
                             ("max_fallback_bytes", 0 if max_fallback_bytes in (None, _AUTO) else max_fallback_bytes)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -452,10 +490,13 @@ class ReceivePool:
         """Park a slot for quarantine_s, a fallback for the longer of grace and quarantine (lock held)."""
         seq = slot._quarantine_seq = next(self._seq)
         if slot.is_fallback:
-            delay = max(self.grace_s, self.quarantine_of(slot.nbytes))
-            heapq.heappush(self._graces, (now + delay, seq, slot.region, True))
+            deadline = now + max(self.grace_s, self.quarantine_of(slot.nbytes))
+            heapq.heappush(self._graces, (deadline, seq, slot.region, True))
         else:
-            heapq.heappush(self._quarantine, (now + self.quarantine_s, seq, slot.index))
+            deadline = now + self.quarantine_s
+            heapq.heappush(self._quarantine, (deadline, seq, slot.index))
+        if self._closed:  # a lease given back after close(): its memory outlives the pool until then
+            _hold(self._clock, deadline, slot.region)
 
     def quarantine_of(self, nbytes: int) -> float:
         """How long memory of `nbytes` leased from this pool is held back after a failed room: a slot's
@@ -495,6 +536,7 @@ class ReceivePool:
 
     def poll(self) -> None:
         """Frees slots whose event completed or quarantine ended, drops fallbacks past their grace."""
+        _let_go_of_held()
         expired: list[Region] = []
         with self._lock:
             if self._closed:
@@ -564,11 +606,24 @@ class ReceivePool:
 
     def close(self) -> None:
         """Unregisters the pool region and every live fallback buffer (their memory lives as
-        long as the pool object); idempotent."""
+        long as the pool object, and memory quarantined after a failed room, or given back
+        failed after close(), until its quarantine ends: no later registration with the engine
+        gets its address while a late write may land there; the first pool made or polled after
+        that frees it); idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            held = [(deadline, region) for deadline, _, region, quarantined in self._graces if quarantined]
+            if self._quarantine:
+                held.append((max(deadline for deadline, _, _ in self._quarantine), self.region))
+            for deadline, region in held:
+                _hold(self._clock, deadline, region)
+            if held:
+                log.info("receive pool at %#x closed with memory quarantined after failed rooms: it stays "
+                         "allocated (unregistered) for up to %.1fs more, until a late write can no longer land "
+                         "there (freed by the next pool made or polled after that)", self.region.addr,
+                         max(deadline for deadline, _ in held) - self._clock())
             regions = [self.region, *self._fallbacks.values()]
             # Unregistered, but freed only with the pool, like its own region: a copy-out
             # whose event is pending may still read a fallback.

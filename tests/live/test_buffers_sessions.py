@@ -132,6 +132,45 @@ def test_a_write_into_a_fallback_past_its_quarantine_is_refused_and_lands_nowher
 
 
 @pytest.mark.live
+def test_a_late_write_for_a_closed_pools_failed_room_never_lands_in_the_next_pools_slots(engines):
+    """A pool is closed while a failed room's slot is in quarantine, and a new pool of the same size is
+    made on the same engine (a manager restarted, say). The late write for the failed room, to the old
+    slot's address, must not land in a slot the new pool leases: it is refused, as for any memory
+    unregistered."""
+    import gc
+
+    from transfer.engine import TransferError
+
+    encode_engine, prefill_engine = engines
+    clock = FakeClock()
+    size, slot_bytes = 64 << 20, 1 << 20  # large enough to be mapped afresh, as a real pool is
+    late = torch.full((SLOT,), 0x5A, dtype=torch.uint8)
+    encode_engine.register(late)
+    try:
+        old = ReceivePool(prefill_engine, size, slot_bytes, quarantine_s=300.0, clock=clock)
+        failed = old.lease(SLOT)
+        old_slot = failed.addr
+        failed.fail()
+        del failed
+        old.close()
+        del old
+        gc.collect()
+        clock.advance(1.0)
+        with ReceivePool(prefill_engine, size, slot_bytes, quarantine_s=300.0, clock=clock) as new:
+            leased = [new.lease(SLOT) for _ in range(new.slots)]
+            for slot in leased:
+                slot.view((slot_bytes,), torch.uint8).zero_()
+            try:
+                encode_engine.write(prefill_engine.session_id, [late.data_ptr()], [old_slot], [SLOT])
+            except TransferError:
+                pass  # refused: the address is registered no more
+            written = [slot.index for slot in leased if int(slot.view((slot_bytes,), torch.uint8).count_nonzero())]
+            assert written == [], f"the late write landed in the new pool's slots {written}, leased to new rooms"
+    finally:
+        encode_engine.unregister(late.data_ptr())
+
+
+@pytest.mark.live
 def test_an_idle_session_manager_still_drops_a_fallback_after_its_grace(engines):
     """Graces and quarantines are checked lazily, by lease() and stats(): a prefill rank that
     stops receiving after a burst of big items keeps their fallback buffers registered (and

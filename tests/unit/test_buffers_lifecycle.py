@@ -152,3 +152,50 @@ def test_a_pool_argument_of_the_wrong_kind_is_refused_naming_it(arguments, error
         ReceivePool(engine, nbytes, slot_bytes, clock=FakeClock(), **values)
     assert str(caught.value).startswith(message)
     assert engine.regions == {}
+
+
+def _alive_after_drop(make_failed_lease):
+    """Closes a pool whose memory a failed room left quarantined, drops it, and returns the pool's
+    engine, clock and weak references to the quarantined memory."""
+    engine, clock = RecordingEngine(), FakeClock()
+    pool = ReceivePool(engine, 4 * SLOT, SLOT, clock=clock, quarantine_s=30.0, grace_s=5.0)
+    lease = make_failed_lease(pool)
+    alive = weakref.ref(lease.region.tensor)
+    del lease
+    pool.close()
+    del pool
+    gc.collect()
+    return engine, clock, alive
+
+
+@pytest.mark.parametrize("how", ["slot failed before close", "slot failed after close", "fallback failed"])
+def test_a_closed_pools_quarantined_memory_stays_allocated_until_its_quarantine_ends(how):
+    """close() unregisters the pool, but a late write for a failed room may still come within the
+    quarantine: were its memory freed with the pool, the next pool (or fallback) registered with the
+    engine would get the same address, and the late write would land in a slot leased to a new room."""
+
+    def make_failed_lease(pool):
+        if how == "fallback failed":
+            lease = pool.lease_or_fallback(SLOT * 4)
+            lease.fail()
+            return lease
+        lease = pool.lease(8)
+        if how == "slot failed before close":
+            lease.fail()
+            return lease
+        # A manager closed after its pool gives its rooms' slots back then.
+        pool.close()
+        lease.fail()
+        return lease
+
+    engine, clock, alive = _alive_after_drop(make_failed_lease)
+    assert engine.regions == {}
+    clock.advance(29.0)
+    successor = ReceivePool(engine, 4 * SLOT, SLOT, clock=clock)
+    gc.collect()
+    assert alive() is not None, "a closed pool's memory was freed while a late write may still land in it"
+    clock.advance(1.0)
+    successor.poll()  # the quarantine is over: the memory goes
+    gc.collect()
+    assert alive() is None
+    successor.close()
