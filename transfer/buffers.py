@@ -118,10 +118,13 @@ class PoolStats(TypedDict):
     max_fallback_bytes: int | None
 
 
-# Memory of closed pools that a failed room's late write may still land in: (clock, deadline, region).
-# Unregistered, but kept allocated until its quarantine ends, so no new pool or fallback registered with
-# the engine gets its address meanwhile (a late write would land in memory leased to a new room).
-_held: list[tuple[Callable[[], float], float, Region]] = []
+# Memory of closed pools that a failed room's late write may still land in, or a copy-out still read:
+# (clock, deadline, region, the copy-out's event or None). Unregistered, but kept allocated until its
+# quarantine ends or its copy-out completed, so no new pool or fallback registered with the engine (nor any
+# other allocation) gets its address meanwhile: a late write would land in memory leased to a new room, a
+# copy-out would read another tensor's bytes.
+_Held = tuple[Callable[[], float], float, Region, EventLike | None]
+_held: list[_Held] = []
 _held_lock = threading.Lock()
 
 
@@ -135,21 +138,31 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_held_lock)
 
 
-def _hold(clock: Callable[[], float], deadline: float, region: Region) -> None:
-    """Keeps `region` allocated until `clock()` reaches `deadline`."""
+def _hold(clock: Callable[[], float], deadline: float, region: Region, event: EventLike | None = None) -> None:
+    """Keeps `region` allocated until `clock()` reaches `deadline`, or `event` (a copy-out's) completed."""
     with _held_lock:
-        _held.append((clock, deadline, region))
+        _held.append((clock, deadline, region, event))
+
+
+def _copied(event: EventLike | None) -> bool:
+    """Whether a copy-out's event completed (False when none is given, or its query fails)."""
+    if event is None:
+        return False
+    try:
+        return bool(event.query())
+    except Exception:  # noqa: BLE001 - a copy whose fate is unknown keeps its memory until the deadline
+        return False
 
 
 def _let_go_of_held() -> None:
-    """Frees the memory of closed pools whose quarantine ended."""
+    """Frees the memory of closed pools whose quarantine ended or whose copy-out completed."""
     if not _held:  # the usual case, read without the lock: every lease() polls
         return
-    gone: list[tuple[Callable[[], float], float, Region]] = []
+    gone: list[_Held] = []
     with _held_lock:
-        kept: list[tuple[Callable[[], float], float, Region]] = []
+        kept: list[_Held] = []
         for entry in _held:
-            (gone if entry[0]() >= entry[1] else kept).append(entry)
+            (gone if entry[0]() >= entry[1] or _copied(entry[3]) else kept).append(entry)
         _held[:] = kept
     gone.clear()  # the memory goes here, outside the lock
 
@@ -608,8 +621,9 @@ class ReceivePool:
         """Unregisters the pool region and every live fallback buffer (their memory lives as
         long as the pool object, and memory quarantined after a failed room, or given back
         failed after close(), until its quarantine ends: no later registration with the engine
-        gets its address while a late write may land there; the first pool made or polled after
-        that frees it); idempotent."""
+        gets its address while a late write may land there; and memory a copy-out whose event is
+        still pending reads, until the event completed or the quarantine bound passed; the first
+        pool made or polled after that frees it); idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -624,6 +638,9 @@ class ReceivePool:
                          "allocated (unregistered) for up to %.1fs more, until a late write can no longer land "
                          "there (freed by the next pool made or polled after that)", self.region.addr,
                          max(deadline for deadline, _ in held) - self._clock())
+            now = self._clock()
+            for slot, event in self._pending:  # copy-outs still reading: their memory stays until they are done
+                _hold(self._clock, now + self.quarantine_of(slot.nbytes), slot.region, event)
             regions = [self.region, *self._fallbacks.values()]
             # Unregistered, but freed only with the pool, like its own region: a copy-out
             # whose event is pending may still read a fallback.

@@ -199,3 +199,48 @@ def test_a_closed_pools_quarantined_memory_stays_allocated_until_its_quarantine_
     gc.collect()
     assert alive() is None
     successor.close()
+
+
+@pytest.mark.parametrize("what", ["slot", "fallback"])
+def test_a_closed_pools_memory_a_copy_out_still_reads_stays_allocated_until_the_copy_completed(what):
+    """A room cleared with a copy-out event still pending, its pool closed and dropped: the copy may still
+    read the slot (or fallback), so its memory outlives the pool until the event says the copy is done."""
+    engine, clock = RecordingEngine(), FakeClock()
+    pool = ReceivePool(engine, 4 * SLOT, SLOT, clock=clock, quarantine_s=30.0, grace_s=5.0)
+    lease = pool.lease_or_fallback(SLOT * 4) if what == "fallback" else pool.lease(8)
+    event = FakeEvent()
+    lease.release(event)
+    alive = weakref.ref(lease.region.tensor)
+    del lease
+    pool.close()
+    del pool
+    gc.collect()
+    successor = ReceivePool(engine, 4 * SLOT, SLOT, clock=clock)
+    successor.poll()
+    gc.collect()
+    assert alive() is not None, "a closed pool's memory was freed while a copy-out may still read it"
+    event.done = True
+    successor.poll()  # the copy completed: the memory goes, long before any quarantine would end
+    gc.collect()
+    assert alive() is None
+    successor.close()
+
+
+def test_a_closed_pools_memory_whose_copy_out_never_reports_goes_at_its_quarantine_bound():
+    engine, clock = RecordingEngine(), FakeClock()
+    pool = ReceivePool(engine, 4 * SLOT, SLOT, clock=clock, quarantine_s=30.0, grace_s=5.0)
+    lease = pool.lease(8)
+    lease.release(FakeEvent())  # never done
+    alive = weakref.ref(lease.region.tensor)
+    del lease
+    pool.close()
+    del pool
+    clock.advance(29.0)
+    successor = ReceivePool(engine, 4 * SLOT, SLOT, clock=clock)
+    gc.collect()
+    assert alive() is not None
+    clock.advance(1.0)
+    successor.poll()
+    gc.collect()
+    assert alive() is None
+    successor.close()
