@@ -721,7 +721,9 @@ class Engine(RegisteredMemory):
     def _file_behind_probe(self, ticket: int, pending: _Pending) -> bool:
         """Files a write the openings must judge (lock held); True when it is held back, False for GO."""
         session_id = pending.session_id
-        verdict, probe, why = self._admit(session_id)
+        # Writes already held back for its probe are polled: a gap since the last poll may be a hold-up.
+        verdict, probe, why = self._admit(session_id,
+                                          self._held_up(time.monotonic()) if session_id in self._held else 0.0)
         if verdict is Verdict.REFUSE:
             raise EngineError(self._describe_failure("write", session_id, pending.dsts, pending.lens, why))
         self._pending[ticket] = pending
@@ -735,11 +737,17 @@ class Engine(RegisteredMemory):
             self._changed.wait_for(lambda: starts.done, FIRST_ANSWER_S)
         return held
 
-    def _admit(self, session_id: str) -> tuple[Verdict, Probe | None, str]:
+    def _admit(self, session_id: str, held_up: float = 0.0) -> tuple[Verdict, Probe | None, str]:
         """The openings' verdict on a new write to the session (lock held); GO when probing is off."""
         if not self._probing:
             return Verdict.GO, None, ""
-        return self._openings.admit(session_id, time.monotonic())
+        return self._openings.admit(session_id, time.monotonic(), held_up)
+
+    def _held_up(self, now: float) -> float:
+        """How long this process may have been held up before `now`: the time since the last poll that
+        found a write in flight, when that is HELD_UP_S or more (else 0)."""
+        held = now - self._in_flight_at
+        return held if held >= HELD_UP_S else 0.0
 
     def _start_probe(self, probe: Probe) -> None:
         """Probes the peer's handshake port on a thread of its own (lock held)."""
@@ -756,8 +764,8 @@ class Engine(RegisteredMemory):
             self._openings.answered(probe, replied, time.monotonic())
             self._changed.notify_all()
 
-    def _release_waiting(self, session_id: str) -> None:
-        """Submits the session's held-back writes that may go now, oldest first."""
+    def _release_waiting(self, session_id: str, held_up: float = 0.0) -> None:
+        """Submits the session's held-back writes that may go now, oldest first (`held_up`: see Openings.verdict)."""
         with self._lock:
             if self._closed:
                 return
@@ -768,7 +776,8 @@ class Engine(RegisteredMemory):
                 pending = self._pending.get(ticket)
                 if pending is None or not pending.waiting:
                     continue  # failed and collected meanwhile
-                verdict = Verdict.GO if pending.probe is None else self._openings.verdict(pending.probe, now)[0]
+                verdict = (Verdict.GO if pending.probe is None
+                           else self._openings.verdict(pending.probe, now, held_up)[0])
                 if verdict is Verdict.WAIT:
                     kept.extend(tickets[i:])  # later writes keep their order behind it
                     break
@@ -855,12 +864,16 @@ class Engine(RegisteredMemory):
         if pending is None:
             raise EngineError(f"unknown write ticket {ticket} on {self.session_id}")
         if pending.waiting:
-            self._release_waiting(pending.session_id)
+            # A write held back for its probe is in flight too: a gap since the last such poll may be a
+            # hold-up of this process, which the probe's bound does not count against the peer.
+            now = time.monotonic()
+            held_up, self._in_flight_at = self._held_up(now), now
+            self._release_waiting(pending.session_id, held_up)
             with self._lock:
                 if pending.waiting:
                     if pending.probe is None:
                         return False  # behind the session's older writes, whose probe is still out
-                    verdict, why = self._openings.verdict(pending.probe, time.monotonic())
+                    verdict, why = self._openings.verdict(pending.probe, time.monotonic(), held_up)
                     if verdict is not Verdict.REFUSE:
                         return False
                     self._pending.pop(ticket, None)

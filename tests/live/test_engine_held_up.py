@@ -5,6 +5,7 @@ and that is not the peer's doing. Once the process runs again the write complete
 failing on the first poll as "a peer that stopped reading" (which a sender pool takes for a
 dead peer: its room fails, its session's writes fail at once for a while, its memory is
 quarantined). A peer that does stop reading still fails the write, within twice the bound.
+The same holds for a write to a new peer held back for its probe: the open bound is the peer's time.
 """
 
 from __future__ import annotations
@@ -112,3 +113,61 @@ def test_a_write_to_a_stopped_peer_still_fails_after_its_own_process_was_held_up
     assert outcome.startswith("failed ") and "a peer that stopped reading?" in outcome, outcome
     # Given at most its bound again (1 s plus 1 ns per byte) from the resume, then failed.
     assert TIMEOUT_S <= took < 2 * TIMEOUT_S + 1.0, outcome
+
+
+# The writer of a new peer's first write, held back for its probe (the peer is stopped when it is made,
+# so the probe is not answered at once), the writer's process stopping itself at once; it prints how it ended.
+_PROBING_WRITER = r"""
+import os, signal, sys, time, torch
+sys.path.insert(0, sys.argv[1])
+from transfer.engine import Engine
+from transfer.errors import EngineError
+session, landing = sys.argv[2], int(sys.argv[3])
+engine = Engine("127.0.0.1", "tcp")
+src = torch.full((64,), 7, dtype=torch.uint8)
+engine.register(src)
+print("ready", engine.open_timeout_s, flush=True)
+sys.stdin.readline()  # the peer is stopped
+ticket = engine.write_async(session, [src.data_ptr()], [landing], [64])
+os.kill(os.getpid(), signal.SIGSTOP)
+resumed = time.monotonic()
+try:
+    while not engine.poll(ticket):
+        time.sleep(0.0005)
+    print("ok", round(time.monotonic() - resumed, 3), flush=True)
+except EngineError as exc:
+    print("failed", round(time.monotonic() - resumed, 3), exc, flush=True)
+engine.close()
+"""
+
+
+@pytest.mark.live
+@needs_mooncake
+def test_a_write_held_back_for_a_new_peers_probe_while_its_own_process_is_held_up_goes_after_the_resume():
+    """The peer answers the probe a moment after it went out (it was stopped, and is continued at once);
+    the writer's own process is held up past the open bound meanwhile, so it reads that answer only then."""
+    peer, session, landing = peer_with_64_mib()
+    writer = subprocess.Popen([sys.executable, "-c", _PROBING_WRITER, REPO, session, str(landing)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        ready, open_timeout_s = writer.stdout.readline().split()
+        assert ready == "ready"
+        os.kill(peer.pid, signal.SIGSTOP)
+        writer.stdin.write("go\n")
+        writer.stdin.flush()
+        deadline = time.monotonic() + 30
+        while _state(writer.pid) != "T":
+            assert time.monotonic() < deadline, "the writer never stopped itself"
+            time.sleep(0.01)
+        os.kill(peer.pid, signal.SIGCONT)
+        time.sleep(float(open_timeout_s) + 2.0)
+        os.kill(writer.pid, signal.SIGCONT)
+        out, _ = writer.communicate(timeout=60)
+    finally:
+        for proc in (writer, peer):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    assert out.startswith("ok "), (
+        f"a write held back for a new peer's probe, its own process held up {float(open_timeout_s) + 2.0}s "
+        f"(past the open bound), did not go once it ran again: {out.strip()}")

@@ -225,3 +225,57 @@ def test_a_write_polled_while_its_session_s_writes_are_being_handed_over_is_not_
     assert seen == [False]  # not yet handed over: in flight, not past a transfer timeout
     assert engine.poll(second) is True
     assert fake.writes == [("new:1", 0x100), ("new:1", 0x200)]
+
+
+class _Clock:
+    """The engine's monotonic clock, moved by the test."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.mark.parametrize("probe_thread_first", [False, True])
+def test_a_write_held_back_while_its_own_process_was_held_up_is_not_refused_for_it(rig, monkeypatch,
+                                                                                   probe_thread_first):
+    """The probe goes out, the writer's process is stopped 8 s (past the 5 s open bound), then runs again:
+    whether its poll or the probe's thread comes first, the peer's answer lets the write go."""
+    engine, fake, started = rig
+    clock = _Clock(100.0)
+    monkeypatch.setattr(engine_module, "time", clock)
+    ticket = engine.write_async("new:1", [SRC], [0x100], [64])
+    clock.now = 100.001
+    assert engine.poll(ticket) is False
+    clock.now = 108.0  # the process ran again
+    if probe_thread_first:
+        _answer(engine, fake, started[0])
+    assert engine.poll(ticket) is (True if probe_thread_first else False)
+    if not probe_thread_first:
+        clock.now = 108.001
+        _answer(engine, fake, started[0])
+        assert engine.poll(ticket) is True
+    assert fake.writes == [("new:1", 0x100)]
+
+
+def test_a_silent_peer_still_fails_its_writes_a_bound_after_its_prober_was_held_up(rig, monkeypatch):
+    engine, fake, started = rig
+    clock = _Clock(100.0)
+    monkeypatch.setattr(engine_module, "time", clock)
+    ticket = engine.write_async("silent:1", [SRC], [0x100], [64])
+    clock.now = 100.001
+    assert engine.poll(ticket) is False
+    clock.now = 108.0
+    assert engine.poll(ticket) is False  # held up 8 s: not the peer's
+    while clock.now < 112.99:  # 5 s of its own: 100 to 100.001, and 108.0 on
+        clock.now += 0.001
+        assert engine.poll(ticket) is False
+    clock.now = 113.01
+    with pytest.raises(EngineError, match=r"did not answer within 5s \(probed 13.0s ago, 8.0s of which this "
+                                          r"process was held up\)"):
+        engine.poll(ticket)
+    assert fake.writes == []

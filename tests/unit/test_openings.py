@@ -95,3 +95,37 @@ def test_open_sessions_are_bounded_oldest_first_and_a_forgotten_one_is_probed_ag
     assert [openings.is_open(n) for n in ("b", "c", "d")] == [True, False, True]
     openings.forget("d")
     assert openings.admit("d", 0.0)[0] is Verdict.PROBE
+
+
+def test_a_wait_that_spans_a_hold_up_of_the_probers_own_process_gets_its_bound_again_once():
+    """The probe went out at 100, the prober's process was stopped from 100.01 to 108 (its first poll since then
+    says so): the peer is not refused for that; it answers once the process runs again and its writes go."""
+    openings = Openings(open_timeout_s=5.0)
+    _, probe, _ = openings.admit("peer", 100.0)
+    assert openings.verdict(probe, 100.01) == (Verdict.WAIT, "")
+    assert openings.verdict(probe, 108.0)[0] is Verdict.REFUSE  # what the same wait is without a hold-up
+    assert openings.verdict(probe, 108.0, held_up=7.99) == (Verdict.WAIT, "")
+    assert openings.verdict(probe, 108.001) == (Verdict.WAIT, "")  # the polls after it keep that discount
+    openings.answered(probe, True, 108.002)
+    assert openings.verdict(probe, 108.003) == (Verdict.GO, "") and openings.is_open("peer")
+
+
+def test_a_reply_read_late_for_a_hold_up_of_the_probers_own_process_lets_the_writes_go():
+    """The probe's own thread ran first after the resume: the reply it read counts as in time once a poll
+    says the process was held up meanwhile."""
+    openings = Openings(open_timeout_s=5.0)
+    _, probe, _ = openings.admit("peer", 100.0)
+    openings.answered(probe, True, 108.0)
+    assert openings.verdict(probe, 108.001, held_up=7.99) == (Verdict.GO, "")
+
+
+def test_a_silent_peer_is_refused_within_a_bound_of_the_hold_up_s_end_and_a_second_hold_up_gets_nothing():
+    openings = Openings(open_timeout_s=5.0)
+    _, probe, _ = openings.admit("peer", 100.0)
+    assert openings.verdict(probe, 130.0, held_up=29.0)[0] is Verdict.WAIT  # 1 s of its wait counts
+    assert openings.verdict(probe, 134.0)[0] is Verdict.WAIT
+    verdict, why = openings.verdict(probe, 134.5, held_up=0.3)  # held up again: not given more
+    assert verdict is Verdict.REFUSE and "probed 34.5s ago, 29.0s of which this process was held up" in why
+    # A hold-up that came before the probe went out is none of its wait's.
+    _, other, _ = openings.admit("other", 100.0)
+    assert openings.verdict(other, 106.0, held_up=0.5)[0] is Verdict.REFUSE

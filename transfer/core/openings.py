@@ -7,6 +7,11 @@ stall every write to every peer. So a session's writes go to Mooncake only once 
 segment is open or a probe of its handshake port answered; until then they wait, for at
 most the open bound, and then fail. The probe runs on a thread of its own and holds no
 lock the writes need.
+
+The bound is the peer's time, not the prober's: when the prober's own process was held up
+(stopped, swapped out, starved of CPU) the probe's thread and the peer's answer were held up
+with it. The engine says so (`held_up`: how long it saw no poll before this one), and the
+part of the probe's wait that hold-up covers is not counted, once per probe.
 """
 
 from __future__ import annotations
@@ -42,8 +47,9 @@ class Probe:
     session: str
     started: float
     done: bool = False
-    answered: bool = False  # it returned within the bound (a reply, or a quick refusal)
     took: float = 0.0
+    #: Seconds of its wait the prober's own process was held up, not counted against the bound (set once).
+    held_up: float = 0.0
 
 
 class Openings:
@@ -57,13 +63,13 @@ class Openings:
         self._open: dict[str, None] = {}  # oldest first
         self._probing: dict[str, Probe] = {}
 
-    def admit(self, session: str, now: float) -> tuple[Verdict, Probe | None, str]:
-        """A new write to `session`: (verdict, the probe it waits on, why it is refused)."""
+    def admit(self, session: str, now: float, held_up: float = 0.0) -> tuple[Verdict, Probe | None, str]:
+        """A new write to `session`: (verdict, the probe it waits on, why it is refused); `held_up` as for verdict()."""
         if session in self._open:
             return Verdict.GO, None, ""
         probe = self._probing.get(session)
         if probe is not None:
-            verdict, why = self.verdict(probe, now)
+            verdict, why = self.verdict(probe, now, held_up)
             return verdict, probe, why
         if len(self._probing) >= self.max_probing:
             return Verdict.REFUSE, None, (
@@ -73,15 +79,33 @@ class Openings:
         self._probing[session] = probe
         return Verdict.PROBE, probe, ""
 
-    def verdict(self, probe: Probe, now: float) -> tuple[Verdict, str]:
-        """What a write waiting on `probe` may do now: GO, WAIT, or REFUSE with why."""
-        if probe.done and probe.answered:
-            return Verdict.GO, ""
-        if not probe.done and now - probe.started <= self.open_timeout_s:
-            return Verdict.WAIT, ""
+    def verdict(self, probe: Probe, now: float, held_up: float = 0.0) -> tuple[Verdict, str]:
+        """What a write waiting on `probe` may do now: GO, WAIT, or REFUSE with why.
+
+        `held_up`: the prober's own process may have been held up for the last `held_up` seconds
+        (its caller saw no poll meanwhile; 0: it was not). A wait that would be refused does not
+        count the part of it that hold-up covers, once per probe: a peer that answers once the
+        process runs again is not refused for time that was not its own, and a silent one is
+        refused within one bound of the hold-up's end, however long it was.
+        """
+        verdict, why = self._judge(probe, now)
+        if verdict is Verdict.REFUSE and held_up > 0 and probe.held_up == 0:
+            end = probe.started + probe.took if probe.done else now
+            covered = min(end, now) - max(probe.started, now - held_up)
+            probe.held_up = max(0.0, covered)
+            verdict, why = self._judge(probe, now)
+        return verdict, why
+
+    def _judge(self, probe: Probe, now: float) -> tuple[Verdict, str]:
+        """The verdict on `probe` at `now`, its prober's hold-up discounted."""
+        waited = (probe.took if probe.done else now - probe.started) - probe.held_up
+        if waited <= self.open_timeout_s:
+            # Returned within the bound: a reply, or a refusal as quick as Mooncake's own handshake would get.
+            return (Verdict.GO if probe.done else Verdict.WAIT), ""
+        held = f", {probe.held_up:.1f}s of which this process was held up" if probe.held_up else ""
         return Verdict.REFUSE, (
             f"its Mooncake handshake port did not answer within {self.open_timeout_s:g}s "
-            f"(probed {now - probe.started:.1f}s ago): a stopped, wedged or unreachable process? "
+            f"(probed {now - probe.started:.1f}s ago{held}): a stopped, wedged or unreachable process? "
             f"Its writes are held back, as Mooncake's own handshake with it would block every write "
             f"of this engine for up to 60 s")
 
@@ -93,9 +117,7 @@ class Openings:
         Mooncake's handshake quickly too. A reply marks the session open, also after the
         bound (the peer came back); a failure leaves it to the next write to probe again.
         """
-        probe.done = True
-        probe.took = now - probe.started
-        probe.answered = probe.took <= self.open_timeout_s
+        probe.done, probe.took = True, now - probe.started
         if self._probing.get(probe.session) is probe:
             del self._probing[probe.session]
         if replied:
