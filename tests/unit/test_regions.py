@@ -131,16 +131,29 @@ def test_a_session_that_announced_lengths_is_refused_once_superseded_until_it_re
     assert _check(book, _ask(0x10000)) is None
 
 
-def test_a_session_evicted_after_announcing_lengths_is_refused_not_written_unchecked():
+def test_a_served_session_evicted_after_announcing_lengths_is_refused_not_written_unchecked():
     book = RegionBook(max_sessions=2)
-    book.register(_reg(5000, 0x10000))
-    for index in range(2):
-        book.register(_reg(5000, 0x10000, session=f"other{index}"))
+    for session in (SESSION, "other0"):
+        book.register(_reg(5000, 0x10000, session=session))
+        book.served(session)
+    book.register(_reg(5000, 0x10000, session="other1"))
     assert SESSION not in book
     reason = _check(book, _ask(0xDEAD0000))
     assert reason is not None and "forgotten for newer sessions (more than 2)" in reason
     book.forget("never-registered")
     assert _check(book, _ask(0xDEAD0000, session="never-registered")) is None, "never announced: as the peers do"
+
+
+def test_eviction_reaches_sessions_served_a_write_only_after_those_never_served():
+    book = RegionBook(max_sessions=3)
+    book.register(_reg(5000, 0x10000))
+    book.served(SESSION)
+    for index in range(10):  # sessions of a peer that registers and is never served
+        book.register(_reg(5000, 0x10000, session=f"flood{index}"))
+    assert SESSION in book and len(book) == 3
+    assert _check(book, _ask(0xDEAD0000)) is not None, "its regions are still checked"
+    # Those pushed out are forgotten, not retired: asks naming them are written as a peer's are.
+    assert "flood0" not in book and _check(book, _ask(0xDEAD0000, session="flood0")) is None
 
 
 def test_a_refusal_quotes_the_peers_endpoint_as_one_printable_bounded_line():

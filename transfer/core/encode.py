@@ -640,6 +640,7 @@ class EncodeCore:
             if not job.room.failed and self._serves(job):
                 self._push(job.info, TransferPoll.Success, checksums)
                 job.room.served.add(job.info.session_id)
+            self.regions.served(job.info.session_id)  # its engine took a write: evicted after those never served
             self._job_over(job)
             self._job_done(job, now)
         return self._flush(now)

@@ -17,9 +17,14 @@ from transfer.frames import (
 __all__ = ["MAX_REGIONS_PER_SESSION", "MAX_SESSIONS", "RegionBook"]
 
 #: Prefill sessions whose regions are remembered (MAX_REGIONS_PER_SESSION each); the one
-#: least recently registered or written to is forgotten first, sessions that never
-#: announced lengths before those that did.
+#: least recently registered or written to is forgotten first: sessions that never
+#: announced lengths, then those that announced them and were never served a write, then
+#: those that were (a peer registering sessions of its own by the thousand reaches those
+#: last; see RegionBook._evict).
 MAX_SESSIONS = 4096
+
+# What a session is to eviction, the first forgotten first.
+_NO_LENGTHS, _UNSERVED, _SERVED = range(3)
 
 
 @dataclass
@@ -28,6 +33,14 @@ class _Session:
 
     regs: list[Registration] = field(default_factory=list)
     announced: bool = False
+    served: bool = False  # a write to it landed
+    filed: int = _NO_LENGTHS  # its kind as _order files it
+
+    @property
+    def kind(self) -> int:
+        if not self.announced:
+            return _NO_LENGTHS
+        return _SERVED if self.served else _UNSERVED
 
 
 class RegionBook:
@@ -37,6 +50,8 @@ class RegionBook:
         self.max_sessions = MAX_SESSIONS if max_sessions is None else max_sessions
         self.per_session = per_session
         self._sessions: dict[str, _Session] = {}
+        # The sessions of each kind, least recently used first (what _evict picks from).
+        self._order: tuple[dict[str, None], ...] = ({}, {}, {})
         # Sessions that announced lengths and were then superseded or evicted, oldest first: their
         # asks are refused, never written unchecked as a session that never announced would be.
         self._retired: dict[str, str] = {}  # session -> why its regions are gone
@@ -59,11 +74,13 @@ class RegionBook:
             self._evict()
         self._sessions[reg.session_id] = session  # now the most recently used
         if session.announced and not reg.has_lengths:
+            self._use(reg.session_id, session)
             return (f"a registration without region lengths from {receiver_text(reg.session_id)} (status endpoint "
                     f"{host_text(reg.endpoint)}:{reg.port}, base {reg.embedding_base:#x}) refused: that session "
                     f"announced lengths before")
         if reg.has_lengths:
             session.announced = True
+        self._use(reg.session_id, session)
         regs = session.regs
         regs[:] = [
             r for r in regs
@@ -75,15 +92,40 @@ class RegionBook:
         del regs[:-self.per_session]
         return None
 
+    def _use(self, session_id: str, session: _Session) -> None:
+        """Files the session as the most recently used of its kind."""
+        self._order[session.filed].pop(session_id, None)
+        session.filed = session.kind
+        self._order[session.filed][session_id] = None
+
     def _evict(self) -> None:
-        """Makes room for one more session: the least recently used one without lengths, else the oldest."""
+        """Makes room for one more session: the least recently used one without lengths, else of those never
+        served a write, else of those served.
+
+        Only a served session is retired (refused until it registers again, see check): the
+        others are forgotten, so their asks are written as a peer's are. Registrations are
+        not authenticated, and a peer registers sessions of its own by the thousand in a
+        moment: retiring the sessions it pushed out would fail every later room of theirs
+        (a prefill rank registers once per encode rank), where forgetting them costs only
+        the check of their own destinations; and it reaches a served session only once it
+        got thousands of its own served.
+        """
         if len(self._sessions) < self.max_sessions:
             return
-        victim = next((sid for sid, s in self._sessions.items() if not s.announced), None)
-        if victim is None:
-            victim = next(iter(self._sessions))
-            self._retire(victim, f"its regions were forgotten for newer sessions (more than {self.max_sessions})")
+        self.version += 1
+        kind, order = next((kind, order) for kind, order in enumerate(self._order) if order)
+        victim = next(iter(order))
+        del order[victim]
         del self._sessions[victim]
+        if kind == _SERVED:
+            self._retire(victim, f"its regions were forgotten for newer sessions (more than {self.max_sessions})")
+
+    def served(self, session_id: str) -> None:
+        """A write to the session landed: it is forgotten after every session never served one."""
+        session = self._sessions.get(session_id)
+        if session is not None and not session.served:
+            session.served = True
+            self._use(session_id, session)
 
     def check(self, infos: Iterable[TransferInfo], row_bytes: int, deepstack_row_bytes: int) -> str | None:
         """Why a destination lies outside every region its session announced with lengths, or None.
@@ -102,6 +144,7 @@ class RegionBook:
                             f"again")
                 continue
             self._sessions[info.session_id] = session
+            self._use(info.session_id, session)
             if not session.announced:
                 continue
             reasons = [check_region(info, reg, row_bytes, deepstack_row_bytes) for reg in session.regs]
@@ -118,6 +161,8 @@ class RegionBook:
         """Drops a session's regions; one that announced lengths is refused from now on (see check)."""
         self.version += 1
         session = self._sessions.pop(session_id, None)
+        if session is not None:
+            del self._order[session.filed][session_id]
         if session is not None and session.announced:
             self._retire(session_id, why)
 
