@@ -535,8 +535,8 @@ def test_parked_asks_are_bounded_oldest_told_failed(monkeypatch):
                                     False, fanout, 0, 4)
                 asks.send_multipart(info.to_frames())
 
-            for room in range(1, 7):
-                ask(room)
+            for room in range(1, 7):  # each of another receiver: one holds at most a quarter of the bound
+                ask(room, SESSION if room == 6 else f"10.0.0.9:{room}")
             failed = []
             while len(failed) < 2 and statuses.poll(5000):
                 room, status, _, _ = parse_status(statuses.recv_multipart())

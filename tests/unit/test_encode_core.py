@@ -529,8 +529,8 @@ def test_a_copy_of_an_ask_whose_write_is_under_way_is_ignored_not_parked_for_a_n
 
 def test_evicted_parked_asks_are_told_failed():
     run = Run(parked=ParkedAsks(max_rooms=2))
-    for room in range(3):
-        out = run.ask(_ask(room, fanout=2, span=4))
+    for room in range(3):  # each of another receiver: one receiver's share is a quarter
+        out = run.ask(_ask(room, fanout=2, span=4, session=f"10.0.0.7:{17100 + room}"))
     assert run.statuses(out) == [(0, 6000, TransferPoll.Failed)] and run.core.parked.rooms() == [1, 2]
 
 

@@ -140,10 +140,11 @@ def test_every_failed_push_of_the_core_says_why():
     enc = EncodeCore(fanout_timeout_s=10.0, parked=ParkedAsks(max_receivers=1, max_rooms=2))
     out = enc.ask(_ask(1, 0, fanout=1), 0.0)
     out += enc.ask(_ask(1, 1, fanout=1), 0.0)  # another shard: past the per-room bound
-    out += enc.ask(_ask(2, 0, fanout=1), 0.0) + enc.ask(_ask(3, 0, fanout=1), 0.0)  # evicts room 1
+    out += enc.ask(_ask(2, 1, fanout=1), 0.0) + enc.ask(_ask(3, 2, fanout=1), 0.0)  # evicts room 1
     out += enc.tick(10.6)  # room 2's and 3's items never came
     enc.ask(_ask(5, 0, fanout=1), 11.0)
     out += enc.ask(_ask(6, 0, fanout=2), 11.0)  # no room takes two receivers
+    out += enc.ask(_ask(7, 1), 11.0) + enc.ask(_ask(8, 1), 11.0)  # past one receiver's share: its room 7 goes
     out += enc.close(11.0, "sender pool closed")
     reasons = [(p.room, p.failure.kind, p.failure.detail) for p in _failed_pushes(out)]
     assert reasons == [
@@ -153,7 +154,10 @@ def test_every_failed_push_of_the_core_says_why():
         (2, FailureKind.OTHER, "room 2: no item was sent for it within 10s of its first ask"),
         (3, FailureKind.OTHER, "room 3: no item was sent for it within 10s of its first ask"),
         (6, FailureKind.GEOMETRY, "room 6: asked with fanout 2, more than the 1 receivers a room may have"),
+        (7, FailureKind.OTHER, "room 7: dropped unserved, the oldest of more than 1 rooms (or 16777216 bytes of "
+                               "asks) receiver 10.0.0.7:17001 asked for and that were not served yet"),
         (5, FailureKind.CLOSED, "room 5: sender pool closed"),
+        (8, FailureKind.CLOSED, "room 8: sender pool closed"),
     ]
 
 

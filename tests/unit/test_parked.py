@@ -37,9 +37,9 @@ def test_take_removes_the_room_and_its_bytes():
 
 def test_a_new_room_past_the_room_bound_evicts_the_oldest():
     parked = ParkedAsks(max_rooms=3)
-    for room in range(3):
-        parked.add(_ask(room), now=float(room))
-    admission = parked.add(_ask(3), now=3.0)
+    for room in range(3):  # each of another session: one session's share is a quarter
+        parked.add(_ask(room, f"s{room}"), now=float(room))
+    admission = parked.add(_ask(3, "s3"), now=3.0)
     assert [a.room for a in admission.evicted] == [0] and parked.rooms() == [1, 2, 3]
     assert parked.nbytes == 3 * ask_cost(_ask(0))
 
@@ -57,8 +57,8 @@ def test_the_byte_bound_evicts_oldest_rooms_but_never_the_one_just_asked():
     budget = 3 * ask_cost(_ask(0, "s" * 20))
     parked = ParkedAsks(max_bytes=budget)
     for room in range(3):
-        parked.add(_ask(room, "s" * 20), now=float(room))
-    admission = parked.add(_ask(9, "s" * 20), now=9.0)
+        parked.add(_ask(room, f"s{room:019}"), now=float(room))
+    admission = parked.add(_ask(9, f"s{9:019}"), now=9.0)
     assert [a.room for a in admission.evicted] == [0] and parked.nbytes <= budget
     # One room alone over the bound is kept: it is the one being served.
     alone = ParkedAsks(max_bytes=10)
@@ -95,3 +95,31 @@ def test_dropping_a_session_removes_its_asks_from_every_room_and_their_bytes():
     assert parked.rooms() == [1] and list(parked[1].infos) == ["alive"]
     assert parked.nbytes == parked[1].nbytes == ask_cost(_ask(1, "alive", fanout=2))
     assert not parked.has_session("dead") and parked.drop_session("dead") == []
+
+
+def test_a_session_past_its_share_of_the_rooms_drops_its_own_oldest_ask_not_another_sessions():
+    parked = ParkedAsks(max_rooms=8)  # a session's share: 2 rooms
+    parked.add(_ask(100, "good", fanout=2), now=0.0)
+    parked.add(_ask(0, "flood"), now=1.0)
+    parked.add(_ask(1, "flood"), now=2.0)
+    admission = parked.add(_ask(2, "flood"), now=3.0)
+    assert [(i.room, i.session_id) for i in admission.dropped] == [(0, "flood")] and not admission.evicted
+    assert not parked.add(_ask(2, "flood"), now=4.0).dropped, "a repeat takes no new room"
+    admission = parked.add(_ask(100, "flood", fanout=2), now=5.0)  # a room of another's: its ask stays
+    assert [(i.room, i.session_id) for i in admission.dropped] == [(1, "flood")]
+    assert parked.rooms() == [100, 2] and list(parked[100].infos) == ["good", "flood"]
+    assert parked.nbytes == sum(asks.nbytes for asks in parked.values())
+
+
+def test_a_session_past_its_share_of_the_bytes_drops_its_own_oldest_asks_but_never_the_one_just_asked():
+    cost = ask_cost(_ask(0, "flood"))
+    parked = ParkedAsks(max_bytes=4 * 3 * cost)  # a session's share: 3 asks
+    parked.add(_ask(100, "good"), now=0.0)
+    for room in range(3):
+        assert not parked.add(_ask(room, "flood"), now=1.0).dropped
+    admission = parked.add(_ask(3, "flood"), now=2.0)
+    assert [i.room for i in admission.dropped] == [0] and not admission.evicted
+    big = _ask(4, "flood", endpoint="h" * (4 * cost))
+    admission = parked.add(big, now=3.0)
+    assert [i.room for i in admission.dropped] == [1, 2, 3] and parked.rooms() == [100, 4]
+    assert parked.nbytes == ask_cost(_ask(100, "good")) + ask_cost(big)

@@ -472,8 +472,28 @@ class EncodeCore:
             evicted = self._rooms.get(asks.room)
             if evicted is not None and asks.room in self._unserved:  # sent: told Failed, its ranks ask no more
                 self._fail_with(evicted, failure, now)
+        for dropped in admission.dropped:
+            self._drop_over_share(dropped, now)
         self._dispatch(info.room, now)
         return self._flush(now)
+
+    def _drop_over_share(self, dropped: TransferInfo, now: float) -> None:
+        """Tells a receiver whose oldest parked ask made room for its newest (past its share of the parked asks)
+        Failed; a room sent and waiting for that ask fails with it, since that rank asks no more."""
+        share = self.parked.session_rooms
+        self._warn("parked share", "room %d: %s has more than %d rooms (or %d bytes of asks) asked for and not "
+                   "served yet, its share of this encode rank's; failing its oldest ask. Is that prefill rank "
+                   "routed to the right encode rank, and are the rooms it asks for sent here?", dropped.room,
+                   receiver_text(dropped.session_id), share, self.parked.session_bytes)
+        failure = Failure(FailureKind.OTHER, f"room {dropped.room}: dropped unserved, the oldest of more than "
+                                             f"{share} rooms (or {self.parked.session_bytes} bytes of asks) receiver "
+                                             f"{receiver_text(dropped.session_id)} asked for and that were not "
+                                             f"served yet")
+        self._tell_failed([dropped], failure)
+        room = self._rooms.get(dropped.room)
+        if room is not None and dropped.room in self._unserved:
+            self._fail_with(room, failure, now)
+            self._dispatch(dropped.room, now)  # tells the rest of its fanout parked for it Failed
 
     def cancel(self, cancel: Cancel, now: float) -> list:
         """A receiver gave up on a room: nothing more is written into its memory for it, if that can still hold.

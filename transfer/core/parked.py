@@ -16,6 +16,7 @@ __all__ = [
     "Asks",
     "ParkedAsks",
     "ask_cost",
+    "session_share",
 ]
 
 #: Rooms asked for whose item (or rest of the fanout) has not come yet, and receivers per
@@ -29,6 +30,16 @@ MAX_RECEIVERS_PER_ROOM = 1024
 #: control message each would otherwise be a terabyte a peer could make us hold.
 MAX_PARKED_BYTES = 64 << 20
 ASK_OVERHEAD_BYTES = 512  # a parked TransferInfo with short text parts takes about this much
+
+
+def session_share(bound: int) -> int:
+    """What one receiver session may hold of a bound on parked asks (rooms or bytes): a quarter, at least 1.
+
+    Past it its own oldest ask is dropped, never another's: one receiver asking for rooms
+    this encode rank never sends (a misrouted prefill instance) fills the bound alone otherwise,
+    and pushes out every other receiver's asks, failing their rooms.
+    """
+    return max(1, bound // 4)
 
 
 def ask_cost(info: TransferInfo) -> int:
@@ -54,14 +65,25 @@ class Asks:
 
 @dataclass
 class Admission:
-    """What parking one ask did: whether it was refused, and whole rooms evicted to make room."""
+    """What parking one ask did: whether it was refused, whole rooms evicted to make room, and the asking
+    session's own oldest asks dropped to keep it within its share."""
 
     refused: bool = False
     evicted: list[Asks] = field(default_factory=list)
+    dropped: list[TransferInfo] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Mine:
+    """One session's parked asks: their rooms, in the order it asked, and their bytes."""
+
+    rooms: dict[int, None] = field(default_factory=dict)
+    nbytes: int = 0
 
 
 class ParkedAsks:
-    """Rooms' asks, oldest room first, bounded in rooms, receivers per room and bytes."""
+    """Rooms' asks, oldest room first, bounded in rooms, receivers per room and bytes, and each session to its
+    share of the rooms and bytes (session_share)."""
 
     def __init__(self, *, max_rooms: int | None = None, max_receivers: int | None = None,
                  max_bytes: int | None = None) -> None:
@@ -69,36 +91,56 @@ class ParkedAsks:
         self.max_rooms = MAX_PARKED_ASKS if max_rooms is None else max_rooms
         self.max_receivers = MAX_RECEIVERS_PER_ROOM if max_receivers is None else max_receivers
         self.max_bytes = MAX_PARKED_BYTES if max_bytes is None else max_bytes
+        self.session_rooms = session_share(self.max_rooms)
+        self.session_bytes = session_share(self.max_bytes)
         self._rooms: dict[int, Asks] = {}
-        self._by_session: dict[str, set[int]] = {}  # rooms each session has an ask parked in
+        self._by_session: dict[str, _Mine] = {}  # the rooms each session has an ask parked in
         self.nbytes = 0
 
     def add(self, info: TransferInfo, now: float) -> Admission:
         """Parks `info` for its room (a session's repeat replaces its earlier ask).
 
-        A new room past max_rooms evicts the oldest room first; a new receiver past
-        max_receivers for its room is refused; past max_bytes the oldest rooms go until
-        the bound holds or only this room is left.
+        A new receiver past max_receivers for its room is refused. A session past its
+        share of the rooms or bytes drops its own oldest asks first (`dropped`); then a
+        new room past max_rooms evicts the oldest room, and past max_bytes the oldest
+        rooms go until the bound holds or only this room is left (`evicted`).
         """
         admission = Admission()
+        session = info.session_id
         asks = self._rooms.get(info.room)
+        if asks is not None and len(asks.infos) >= self.max_receivers and session not in asks.infos:
+            admission.refused = True
+            return admission
+        mine = self._by_session.get(session)
+        if mine is not None and info.room not in mine.rooms and len(mine.rooms) >= self.session_rooms:
+            admission.dropped.append(self._drop_oldest_of(session, mine))
+            asks = self._rooms.get(info.room)  # an ask dropped may have been its room's last
         if asks is None:
             if len(self._rooms) >= self.max_rooms:
                 admission.evicted.append(self._evict_oldest())
             asks = self._rooms[info.room] = Asks(info.room, now)
-        elif len(asks.infos) >= self.max_receivers and info.session_id not in asks.infos:
-            admission.refused = True
-            return admission
-        replaced = asks.infos.get(info.session_id)
-        asks.infos[info.session_id] = info
+        replaced = asks.infos.get(session)
+        asks.infos[session] = info
         asks.last_at = now
-        self._by_session.setdefault(info.session_id, set()).add(info.room)
+        mine = self._by_session.setdefault(session, _Mine())
+        mine.rooms[info.room] = None
         cost = ask_cost(info) - (ask_cost(replaced) if replaced is not None else 0)
         asks.nbytes += cost
+        mine.nbytes += cost
         self.nbytes += cost
+        while mine.nbytes > self.session_bytes and len(mine.rooms) > 1:
+            admission.dropped.append(self._drop_oldest_of(session, mine, keep=info.room))
         while self.nbytes > self.max_bytes and len(self._rooms) > 1:
             admission.evicted.append(self._evict_oldest(keep=info.room))
         return admission
+
+    def _drop_oldest_of(self, session: str, mine: _Mine, keep: int | None = None) -> TransferInfo:
+        """Drops the session's oldest ask but the one in room `keep` (the one being parked)."""
+        room = next(number for number in mine.rooms if number != keep)
+        dropped = self.drop_ask(room, session)
+        if dropped is None:
+            raise AssertionError(f"room {room}: indexed for session {session!r} but not parked")
+        return dropped
 
     def _evict_oldest(self, keep: int | None = None) -> Asks:
         """Takes the oldest room but `keep` (the one an ask is being parked in)."""
@@ -112,21 +154,23 @@ class ParkedAsks:
         asks = self._rooms.pop(room, None)
         if asks is not None:
             self.nbytes -= asks.nbytes
-            for session in asks.infos:
-                self._unindex(session, room)
+            for session, info in asks.infos.items():
+                self._unindex(session, room, ask_cost(info))
         return asks
 
-    def _unindex(self, session: str, room: int) -> None:
-        rooms = self._by_session.get(session)
-        if rooms is not None:
-            rooms.discard(room)
-            if not rooms:
+    def _unindex(self, session: str, room: int, cost: int) -> None:
+        mine = self._by_session.get(session)
+        if mine is not None:
+            mine.rooms.pop(room, None)
+            mine.nbytes -= cost
+            if not mine.rooms:
                 del self._by_session[session]
 
     def drop_session(self, session: str) -> list[TransferInfo]:
         """Removes every ask `session` has parked (a room left with none goes too); returns them."""
         dropped = []
-        for room in sorted(self._by_session.pop(session, ())):
+        mine = self._by_session.pop(session, None)
+        for room in sorted(() if mine is None else mine.rooms):
             asks = self._rooms[room]
             info = asks.infos.pop(session)
             cost = ask_cost(info)
@@ -146,7 +190,7 @@ class ParkedAsks:
         cost = ask_cost(info)
         asks.nbytes -= cost
         self.nbytes -= cost
-        self._unindex(session, room)
+        self._unindex(session, room, cost)
         if not asks.infos:
             del self._rooms[room]
         return info
