@@ -578,7 +578,10 @@ class StatusEndpoints:
 
     An endpoint is `connecting` from its first use until connected(); it is closed when
     it has not connected within `connect_s` (unreachable), when unused for `idle_s`, or,
-    least recently used first, to make room for a new one beyond `limit`.
+    least recently used first, to make room for a new one beyond `limit`: one still
+    connecting before any that connected, so a peer naming endpoints nobody listens at
+    (in asks told Failed at once, in cancels) closes those, not other receivers' live
+    connections and the statuses queued on them.
     """
 
     def __init__(self, limit: int, idle_s: float = STATUS_IDLE_S, connect_s: float = STATUS_CONNECT_S) -> None:
@@ -612,8 +615,11 @@ class StatusEndpoints:
             return []
         evicted = []
         while len(self._used) >= self.limit:
-            old, _ = self._used.popitem(last=False)
-            self._connecting.pop(old, None)
+            # The least recently used still connecting, else the least recently used (limit entries at most).
+            old = next((used for used in self._used if used in self._connecting), None)
+            if old is None:
+                old = next(iter(self._used))
+            self.forget(old)
             evicted.append(old)
         self._used[key] = now
         self._connecting[key] = now

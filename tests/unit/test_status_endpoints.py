@@ -25,6 +25,22 @@ def test_beyond_the_limit_the_least_recently_used_is_closed_for_a_new_one():
     assert len(table) == 3 and {"a", "d", "e"} == {k for k in "abcde" if k in table}
 
 
+def test_endpoints_that_never_connected_make_room_before_a_connected_one():
+    # A peer naming a new endpoint nobody listens at in each ask told Failed at once would otherwise
+    # close every receiver's live connection (dropping the statuses queued on it) within `limit` asks.
+    table = StatusEndpoints(limit=4)
+    table.use("receiver", now=0.0)
+    table.connected("receiver")
+    closed = []
+    for i in range(100):
+        closed += table.use(("dead", i), now=1.0 + i)
+    assert "receiver" in table and "receiver" not in closed and len(table) == 4
+    for key in "abcd":  # every one connected: the least recently used goes
+        table.use(key, now=200.0)
+        table.connected(key)
+    assert "receiver" not in table
+
+
 def test_a_new_endpoint_is_always_admitted_even_among_thousands():
     table = StatusEndpoints(limit=8)
     closed = []
