@@ -748,6 +748,8 @@ class Pushers:
     def _open(self, key: tuple[str, int]) -> zmq.Socket | str:
         """Opens a socket to a new endpoint (closing the least recently used past the limit) and has the
         thread watch for its connection (lock held); the socket, or why it could not be made."""
+        if not is_ip(key[0]):  # refused by push_socket below: it must close no other endpoint's first
+            return f"host {host_text(key[0])!r} is not an IP address (peers are reached by IP, SPEC.md 4.1)"
         for old in self._endpoints.use(key, time.monotonic()):
             self._close(old, "closed to make room for a new receiver")
         try:

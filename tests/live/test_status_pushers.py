@@ -187,3 +187,34 @@ def test_close_tells_every_status_it_dropped_in_a_bounded_number_of_lines(caplog
     told = [m for m in caplog.messages if "more warnings were not logged" in m]
     assert len(said) == 1 and told == ["2 more warnings were not logged: repeats of kinds logged at most once per "
                                        "1s that did not come back since"], caplog.messages
+
+
+def test_endpoints_that_cannot_be_connected_to_or_never_come_up_leave_a_live_connection_open():
+    # A peer naming a host that is no IP address, or an address nobody listens at, in each of its
+    # messages must not close the connection of a receiver that is up (and the statuses on it).
+    pull, port = _io.pull_socket("127.0.0.1", 0)
+    pushers = _io.Pushers(limit=4)
+    try:
+        pushers.send("127.0.0.1", port, status_frames(0, 4, 0))
+        assert len(_collect(pull, lambda got: len(got) == 1)) == 1
+        live = pushers._sockets[("127.0.0.1", port)]
+        for i in range(50):
+            assert not pushers.send(f"name{i}.invalid", 9, status_frames(i, 0, 0))
+            pushers.send(*_dead_endpoint(i), status_frames(i, 0, 0))
+        assert pushers._sockets.get(("127.0.0.1", port)) is live
+        pushers.send("127.0.0.1", port, status_frames(1, 4, 0))
+        assert [parse_status(f)[0] for f in _collect(pull, lambda got: len(got) == 1)] == [1]
+    finally:
+        pushers.close()
+        pull.close(0)
+
+
+def test_a_host_that_is_no_ip_address_closes_no_other_endpoint():
+    pushers = _io.Pushers(limit=1)
+    try:
+        pushers.send(*_dead_endpoint(0), status_frames(0, 0, 0))  # still connecting: first to go otherwise
+        for i in range(10):
+            assert not pushers.send(f"name{i}.invalid", 9, status_frames(i, 0, 0))
+        assert list(pushers._sockets) == [_dead_endpoint(0)]
+    finally:
+        pushers.close()
