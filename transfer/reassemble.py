@@ -106,7 +106,12 @@ def agree(oks: Sequence[bool], group: dist.ProcessGroup | None = None, *, keys: 
 
 
 def _check_member(group: dist.ProcessGroup | None, what: str) -> None:
-    """ConfigError on a rank outside `group`: torch.distributed would skip its collectives silently."""
+    """UsageError where torch.distributed has no process group (torch's own ValueError names neither the call
+    nor the way out); ConfigError on a rank outside `group`: torch.distributed would skip its collectives silently."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise UsageError(f"{what}: torch.distributed has no process group in this process: call "
+                         f"torch.distributed.init_process_group() on every rank of the group first (with a "
+                         f"timeout=, which bounds how long a rank waits for a dead or late peer here)")
     if dist.get_rank(group) < 0:
         raise ConfigError(f"{what}: this rank is not a member of the group")
 

@@ -62,3 +62,18 @@ def test_a_shard_is_checked_against_the_ranks_split_of_the_span():
     assert check(ShardedItem(4, rows, True), 0, 1, 3, None) is None
     wrong = check(ShardedItem(4, rows, True, shard=(0, 10)), 2, 1, 3, None)
     assert wrong.startswith("item 2 (room 4) holds rows [0, 10) of 10, but rank 1 of a group of 3 holds rows [4, 7)")
+
+
+def test_reassembly_without_a_process_group_says_how_to_make_one():
+    import pytest
+    import torch.distributed as dist
+
+    from transfer.errors import UsageError
+
+    assert not dist.is_initialized()
+    item = ShardedItem(1, original(1, 4, torch.float32), True)
+    for call, what in ((lambda: reassemble_module.reassemble([item]), "reassemble"),
+                       (lambda: reassemble_module.agree([True]), "agree")):
+        with pytest.raises(UsageError, match=rf"^{what}: torch.distributed has no process group in this process: "
+                                             r"call torch.distributed.init_process_group\(\)"):
+            call()
