@@ -1,10 +1,11 @@
-"""remember() and forget_before(): a bounded dict of recent entries, newest last, the oldest forgotten first."""
+"""remember() and forget_before(): a bounded dict of recent entries, newest last, the oldest forgotten first;
+BySession: such a dict whose entries are also found by the sessions they name."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from transfer.core.bounded import forget_before, remember
+from transfer.core.bounded import BySession, forget_before, remember
 
 
 class _Entry(NamedTuple):
@@ -54,3 +55,43 @@ def test_forgetting_stops_at_the_first_entry_filed_in_time():
     cache = {"late": _Entry(5.0), "early": _Entry(1.0)}  # filed out of time order
     forget_before(cache, 3.0)
     assert list(cache) == ["late", "early"]
+
+
+class _Cancel(NamedTuple):
+    sessions: tuple[str, ...]
+    filed_at: float = 0.0
+
+
+def _by_session() -> BySession[int, _Cancel]:
+    return BySession(lambda entry: entry.sessions)
+
+
+def test_entries_are_found_by_each_session_they_name():
+    cache = _by_session()
+    cache[1] = _Cancel(("a",))
+    cache[2] = _Cancel(("a", "b"))
+    cache[3] = _Cancel(("c",))
+    assert (cache.of("a"), cache.of("b"), cache.of("c"), cache.of("d")) == ([1, 2], [2], [3], [])
+
+
+def test_an_entry_replaced_or_deleted_is_found_by_its_sessions_no_more():
+    cache = _by_session()
+    cache[1] = _Cancel(("a",))
+    cache[2] = _Cancel(("a",))
+    cache[1] = _Cancel(("b",))
+    del cache[2]
+    assert (cache.of("a"), cache.of("b")) == ([], [1])
+    assert list(cache.items()) == [(1, _Cancel(("b",)))]  # kept its place, as a dict does
+    cache.clear()
+    assert (cache.of("b"), len(cache)) == ([], 0)
+
+
+def test_a_bounded_memory_by_session_forgets_like_a_dict():
+    cache, plain = _by_session(), {}
+    for number in range(6):
+        for memory in (cache, plain):
+            remember(memory, number % 4, _Cancel((f"s{number % 2}",), float(number)), limit=3)
+    forget_before(cache, 4.0)
+    forget_before(plain, 4.0)
+    assert list(cache.items()) == list(plain.items()) and 99 not in cache and cache.get(99) is None
+    assert (cache.of("s0"), cache.of("s1")) == ([0], [1])

@@ -1,7 +1,8 @@
-"""A bounded memory of recent entries: newest last, the oldest forgotten first."""
+"""Bounded memories of recent entries: newest last, the oldest forgotten first."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from typing import Any, Protocol, TypeVar
 
 
@@ -15,7 +16,7 @@ class Filed(Protocol):
 _F = TypeVar("_F", bound=Filed)
 
 
-def remember(cache: dict, key: Any, value: Any, limit: int) -> None:
+def remember(cache: MutableMapping, key: Any, value: Any, limit: int) -> None:
     """Files `value` under `key` as the newest entry, forgetting the oldest past `limit`.
 
     A key filed again moves to the newest place (a dict keeps insertion order).
@@ -26,10 +27,68 @@ def remember(cache: dict, key: Any, value: Any, limit: int) -> None:
         del cache[next(iter(cache))]
 
 
-def forget_before(cache: dict[Any, _F], oldest: float) -> None:
+def forget_before(cache: MutableMapping[Any, _F], oldest: float) -> None:
     """Forgets the entries filed before `oldest`, oldest first (each entry's `filed_at` says when)."""
     while cache:
         key, value = next(iter(cache.items()))
         if value.filed_at >= oldest:
             return
         del cache[key]
+
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+class BySession(MutableMapping[_K, _V]):
+    """A dict whose entries are also found by the sessions each names, without a scan of the others.
+
+    `sessions` says which sessions an entry names; it must not change while the entry is
+    filed. Insertion order is the dict's, so `remember` and `forget_before` work on it.
+    """
+
+    def __init__(self, sessions: Callable[[_V], Iterable[str]]) -> None:
+        self._sessions = sessions
+        self._entries: dict[_K, _V] = {}
+        self._by_session: dict[str, dict[_K, None]] = {}  # session -> keys of the entries naming it
+
+    def of(self, session: str) -> list[_K]:
+        """The keys of the entries that name `session`, oldest filed first."""
+        return list(self._by_session.get(session, ()))
+
+    def __getitem__(self, key: _K) -> _V:
+        return self._entries[key]
+
+    def __setitem__(self, key: _K, value: _V) -> None:
+        if key in self._entries:
+            self._unindex(key, self._entries[key])
+        self._entries[key] = value
+        for session in self._sessions(value):
+            self._by_session.setdefault(session, {})[key] = None
+
+    def __delitem__(self, key: _K) -> None:
+        self._unindex(key, self._entries.pop(key))
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries  # one dict look-up: safe to ask from another thread
+
+    def get(self, key: _K, default: Any = None) -> Any:
+        return self._entries.get(key, default)
+
+    def __iter__(self) -> Iterator[_K]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._by_session.clear()
+
+    def _unindex(self, key: _K, value: _V) -> None:
+        for session in self._sessions(value):
+            keys = self._by_session.get(session)
+            if keys is not None:
+                keys.pop(key, None)
+                if not keys:
+                    del self._by_session[session]

@@ -30,10 +30,11 @@ room served before its cancel came waits for the room's next send, like any ask.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
-from transfer.core.bounded import Filed, forget_before, remember
+from transfer.core.bounded import BySession, Filed, forget_before, remember
 from transfer.core.breaker import Breaker
 from transfer.core.destinations import DestinationBook, Held
 from transfer.core.failure import CLEARED, Failure, FailureKind, without_room
@@ -296,6 +297,16 @@ class _HeldItem(NamedTuple):
     room: _Room
 
 
+def _one_session(entry: _CancelledAsk | _HeldItem) -> tuple[str]:
+    """The receiver whose cancel an entry remembers."""
+    return (entry.session,)
+
+
+def _cancelling_sessions(entry: _ClearedFailure) -> Iterable[str]:
+    """The receivers whose cancels failed a cleared room."""
+    return entry.cancelled_by
+
+
 def _host(session: str) -> str:
     """The host part of a Mooncake session id (host:rpc_port)."""
     return session.rpartition(":")[0] or session
@@ -349,11 +360,12 @@ class EncodeCore:
         self._endpoint_of: dict[str, tuple[str, int]] = {}  # session -> the status endpoint it registered last
         self._next_wid = 1
         self._clears_due: deque[tuple[int, float, int]] = deque()  # (room, cleared at, asks parked then) to fail
-        self._cancelled: dict[int, _CancelledAsk] = {}
+        # These three are found by session too: a superseded session's entries go without a scan of the rest.
+        self._cancelled: BySession[int, _CancelledAsk] = BySession(_one_session)
         self._asks_timed_out: dict[int, _TimedOutAsks] = {}
-        self._cleared_failures: dict[int, _ClearedFailure] = {}
+        self._cleared_failures: BySession[int, _ClearedFailure] = BySession(_cancelling_sessions)
         self._reasks_due: deque[tuple[TransferInfo, float]] = deque()  # new asks for those, and when they came
-        self._held: dict[int, _HeldItem] = {}
+        self._held: BySession[int, _HeldItem] = BySession(_one_session)
         self._failed_writes: dict[tuple[int, str], float] = {}  # (room, session) -> when a write to it failed
         self._next_sweep = now + SWEEP_S
         self._unread = UnreadGrace()  # holds the rules for want of an ask while asks may be unread
@@ -401,7 +413,7 @@ class EncodeCore:
         self._unserved.discard(room)
         self._fail_with(held, CLEARED, now)
         if (held.cancelled_by or held.late) and held.failure is not None:
-            remember(self._cleared_failures, room, _ClearedFailure(held.failure, held.cancelled_by, now),
+            remember(self._cleared_failures, room, _ClearedFailure(held.failure, dict(held.cancelled_by), now),
                      MAX_CANCELLED_ROOMS)
         if not held.receivers and not self._closed:
             asks = self.parked.get(room)
@@ -831,9 +843,9 @@ class EncodeCore:
                     self._unserved.add(room.room)
                 self._spare(room, old)
         for cancels in (self._cancelled, self._held):  # its cancels do not fail its successor's retries
-            for number in [number for number, entry in cancels.items() if entry.session == old]:
+            for number in cancels.of(old):
                 del cancels[number]
-        for number in [number for number, entry in self._cleared_failures.items() if old in entry.cancelled_by]:
+        for number in self._cleared_failures.of(old):
             del self._cleared_failures[number]  # nor do those of rooms the caller cleared since
         dropped = self.parked.drop_session(old)
         self.regions.forget(old, f"session {receiver_text(new)} {how} superseded it")
