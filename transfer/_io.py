@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
 import zmq
 
 from transfer import config
+from transfer._forks import forks
 from transfer.core.failure import FailureKind, without_room
 from transfer.errors import ConfigError, ConfigTypeError
 from transfer.frames import host_text
@@ -84,24 +85,6 @@ _context_pid = 0
 _context_lock = threading.Lock()
 
 
-# Forks of this process so far, counted in each child: a driver made before its process was forked has
-# its thread, sockets and bootstrap route in the parent only.
-_forks = 0
-
-
-def _count_fork() -> None:
-    global _forks
-    _forks += 1
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_count_fork)
-
-
-def forks() -> int:
-    """How many forks this process is from the one the interpreter started in (0 there): a driver that
-    remembers the count it was made at knows a forked child by a plain comparison."""
-    return _forks
 
 
 def context() -> zmq.Context:

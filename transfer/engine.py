@@ -62,6 +62,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+from transfer._forks import forks
 from transfer.config import check_seconds, resolve
 from transfer.core.openings import OPEN_TIMEOUT_S, Openings, Probe, Verdict
 from transfer.errors import ConfigError, ConfigTypeError, EngineError, EngineUnavailable, UsageError
@@ -545,17 +546,10 @@ class RegisteredMemory:
 #: Engines started and not closed: a process forked from theirs keeps their Mooncake engines (see below).
 _live: weakref.WeakSet[Engine] = weakref.WeakSet()
 
-#: Forks of this process so far, counted in each child: an engine made before its process was forked
-#: has its Mooncake threads, listener and connections in the parent only.
-_forks = 0
-
-
 def _keep_in_child() -> None:
-    """After a fork, in the child: counts the fork, and keeps each inherited Mooncake engine alive for good
-    (one reference leaked). The child has an engine's memory but none of its threads, and the engine's
-    destructor joins them: the child's exit, or a close() there, would wait forever."""
-    global _forks
-    _forks += 1
+    """After a fork, in the child: keeps each inherited Mooncake engine alive for good (one reference
+    leaked). The child has an engine's memory but none of its threads, and the engine's destructor joins
+    them: the child's exit, or a close() there, would wait forever."""
     for engine in list(_live):
         te = engine.__dict__.get("_te")
         if te is not None:
@@ -634,7 +628,7 @@ class Engine(RegisteredMemory):
         self._probing = (self.open_timeout_s > 0 and metadata == "P2PHANDSHAKE"
                          and callable(getattr(self._te, "send_probe", None)))
         self.session_id = f"{hostname}:{self.rpc_port}"
-        self._forks = _forks
+        self._forks = forks()
         _live.add(self)
         log.debug("engine %s started (%s: %s; Mooncake's calls: %s, %s)", self.session_id, self.protocol,
                   self.protocol_reason, self.calls, self.calls_reason)
@@ -881,8 +875,8 @@ class Engine(RegisteredMemory):
                                                              pending.lens, why))
         if not self._advance(pending):
             now = time.monotonic()
-            held, self._in_flight_at = now - self._in_flight_at, now
-            if now <= pending.deadline or (held >= HELD_UP_S and self._give_back(pending, held, now)):
+            held_up, self._in_flight_at = self._held_up(now), now
+            if now <= pending.deadline or (held_up > 0 and self._give_back(pending, held_up, now)):
                 return False
             with self._lock:
                 if self._pending.pop(ticket, None) is not None:
@@ -1009,14 +1003,14 @@ class Engine(RegisteredMemory):
         keeps Mooncake's engine (its threads and listener) alive until it returns, at
         most Mooncake's 60 s. A close() while another is under way returns when that one did.
         """
-        if self._forks != _forks:
+        if self._forks != forks():
             return  # a forked child's copy: Mooncake's engine, its memory and its threads are the parent's
         self._close_once()
 
     def _check_process(self) -> None:
         """UsageError in a process forked from the one that started the engine: nothing here would carry
         its writes (a write would wait out its transfer timeout)."""
-        if self._forks != _forks:
+        if self._forks != forks():
             raise UsageError(f"engine {self.session_id} was made before this process (pid {os.getpid()}) was "
                              f"forked from its parent: Mooncake's threads and connections are the parent's, so "
                              f"nothing here would carry its writes; make an Engine in this process")

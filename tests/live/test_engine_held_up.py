@@ -27,6 +27,20 @@ needs_mooncake = pytest.mark.skipif(bool(MOONCAKE_MISSING), reason=MOONCAKE_MISS
 TIMEOUT_S = 1.0
 HELD_S = 3.0
 
+# Both writers' end: the process stops itself at once, its write in flight (or held back); once the test
+# continues it, it polls the write as a sender pool does and prints how it ended.
+_STOP_AND_REPORT = r"""
+os.kill(os.getpid(), signal.SIGSTOP)
+resumed = time.monotonic()
+try:
+    while not engine.poll(ticket):
+        time.sleep(0.0005)
+    print("ok", round(time.monotonic() - resumed, 3), flush=True)
+except EngineError as exc:
+    print("failed", round(time.monotonic() - resumed, 3), exc, flush=True)
+engine.close()
+"""
+
 # The writer, in its own process: the handshake first, then a 64 MiB write, and the process
 # stops itself at once, the write in flight; the test continues it. It polls the write as a
 # sender pool does and prints how it ended.
@@ -43,16 +57,7 @@ engine.write(session, [src.data_ptr()], [landing], [64])
 print("ready", flush=True)
 sys.stdin.readline()  # the peer is as the test wants it
 ticket = engine.write_async(session, [src.data_ptr()], [landing], [64 << 20])
-os.kill(os.getpid(), signal.SIGSTOP)
-resumed = time.monotonic()
-try:
-    while not engine.poll(ticket):
-        time.sleep(0.0005)
-    print("ok", round(time.monotonic() - resumed, 3), flush=True)
-except EngineError as exc:
-    print("failed", round(time.monotonic() - resumed, 3), exc, flush=True)
-engine.close()
-"""
+""" + _STOP_AND_REPORT
 
 
 def _held_up_writer(session: str, landing: int, stop_peer=None) -> tuple[str, float]:
@@ -66,10 +71,7 @@ def _held_up_writer(session: str, landing: int, stop_peer=None) -> tuple[str, fl
             stop_peer()
         writer.stdin.write("go\n")
         writer.stdin.flush()
-        deadline = time.monotonic() + 30
-        while _state(writer.pid) != "T":
-            assert time.monotonic() < deadline, "the writer never stopped itself"
-            time.sleep(0.01)
+        _wait_stopped(writer)
         time.sleep(HELD_S)
         os.kill(writer.pid, signal.SIGCONT)
         out, _ = writer.communicate(timeout=60)
@@ -79,6 +81,14 @@ def _held_up_writer(session: str, landing: int, stop_peer=None) -> tuple[str, fl
             writer.wait(10)
     outcome, took, *_ = out.split(" ", 2) + ["", ""]
     return out.strip(), float(took) if outcome in ("ok", "failed") else float("nan")
+
+
+def _wait_stopped(writer: subprocess.Popen) -> None:
+    """Waits (30 s at most) until the writer stopped itself."""
+    deadline = time.monotonic() + 30
+    while _state(writer.pid) != "T":
+        assert time.monotonic() < deadline, "the writer never stopped itself"
+        time.sleep(0.01)
 
 
 def _state(pid: int) -> str:
@@ -129,16 +139,7 @@ engine.register(src)
 print("ready", engine.open_timeout_s, flush=True)
 sys.stdin.readline()  # the peer is stopped
 ticket = engine.write_async(session, [src.data_ptr()], [landing], [64])
-os.kill(os.getpid(), signal.SIGSTOP)
-resumed = time.monotonic()
-try:
-    while not engine.poll(ticket):
-        time.sleep(0.0005)
-    print("ok", round(time.monotonic() - resumed, 3), flush=True)
-except EngineError as exc:
-    print("failed", round(time.monotonic() - resumed, 3), exc, flush=True)
-engine.close()
-"""
+""" + _STOP_AND_REPORT
 
 
 @pytest.mark.live
@@ -155,10 +156,7 @@ def test_a_write_held_back_for_a_new_peers_probe_while_its_own_process_is_held_u
         os.kill(peer.pid, signal.SIGSTOP)
         writer.stdin.write("go\n")
         writer.stdin.flush()
-        deadline = time.monotonic() + 30
-        while _state(writer.pid) != "T":
-            assert time.monotonic() < deadline, "the writer never stopped itself"
-            time.sleep(0.01)
+        _wait_stopped(writer)
         os.kill(peer.pid, signal.SIGCONT)
         time.sleep(float(open_timeout_s) + 2.0)
         os.kill(writer.pid, signal.SIGCONT)

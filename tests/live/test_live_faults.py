@@ -197,6 +197,14 @@ def test_encode_killed_mid_stream_fails_rooms_by_their_deadline(engines):
             encode.kill()
 
 
+def _ask_then_kill(r, server, encode, cut) -> None:
+    """Asks the encode rank for the rooms `cut` and SIGKILLs it once it filed every ask (10 s at most)."""
+    for room in cut:
+        r.ask(room, server.address, SPAN)
+    assert wait_until(lambda: encode.call("state")["asks"] == len(cut), 10.0), "the asks never came"
+    encode.kill()
+
+
 def test_rooms_asked_of_an_encode_rank_that_restarted_at_its_port_fail_at_once(engines):
     """An encode rank killed with rooms asked of it and started again at the same port registers anew:
     once the prefill rank looks its route up and finds the new registration, the rooms asked of the
@@ -208,10 +216,7 @@ def test_rooms_asked_of_an_encode_rank_that_restarted_at_its_port_fail_at_once(e
         try:
             port = encode.info["port"]
             with Receiver(engines[0], 0, 1, fanout=1, slots=16, deadline_s=60.0) as r:
-                for room in cut:
-                    r.ask(room, server.address, SPAN)
-                assert wait_until(lambda: encode.call("state")["asks"] == len(cut), 10.0), "the asks never came"
-                encode.kill()
+                _ask_then_kill(r, server, encode, cut)
                 killed = time.monotonic()
                 encode = encode_process(server.address, port=port)
                 assert encode.info["port"] == port
@@ -243,10 +248,7 @@ def test_rooms_asked_of_a_killed_encode_rank_fail_soon_after_its_successor_regis
         try:
             port = encode.info["port"]
             with Receiver(engines[0], 0, 1, fanout=1, slots=16, deadline_s=60.0) as r:
-                for room in cut:
-                    r.ask(room, server.address, SPAN)
-                assert wait_until(lambda: encode.call("state")["asks"] == len(cut), 10.0), "the asks never came"
-                encode.kill()
+                _ask_then_kill(r, server, encode, cut)
                 # The drop is seen within a second (the monitors are read once a second while idle) and its
                 # look-up answers at once, naming the killed rank: its successor registers only after that.
                 time.sleep(3.0)
