@@ -303,6 +303,12 @@ class Metrics:
         """Add a finite non-negative amount to a counter (ConfigError otherwise)."""
         if not 0 <= amount < math.inf:  # NaN too: a counter stuck at NaN says nothing again
             raise ConfigError(f"counter {name!r} takes a finite non-negative amount, not {amount}")
+        if not labels:
+            with self._lock:
+                series = self._counters.get(name)  # there once claimed as a counter
+                if series is not None:
+                    series[()] = series.get((), 0) + amount
+                    return
         key = self._series_key(labels)
         with self._lock:
             self._claim(name, "counter")

@@ -95,3 +95,14 @@ def test_a_bounded_memory_by_session_forgets_like_a_dict():
     forget_before(plain, 4.0)
     assert list(cache.items()) == list(plain.items()) and 99 not in cache and cache.get(99) is None
     assert (cache.of("s0"), cache.of("s1")) == ([0], [1])
+
+
+def test_views_by_session_are_the_entries_own():
+    cache = _by_session()
+    cache[1] = _Cancel(("a",))
+    cache[2] = _Cancel(("b",), 2.0)
+    del cache[1]
+    cache[3] = _Cancel(("a",), 3.0)
+    assert list(cache.keys()) == [2, 3]
+    assert [entry.filed_at for entry in cache.values()] == [2.0, 3.0]
+    assert dict(cache.items()) == {2: _Cancel(("b",), 2.0), 3: _Cancel(("a",), 3.0)}

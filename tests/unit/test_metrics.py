@@ -237,3 +237,18 @@ def test_a_set_records_one_component_at_a_time_and_serves_the_next_once_released
         m.claim("a third")
     again()
     m.claim("a third")
+
+
+def test_a_counter_counted_with_and_without_labels_keeps_each_series_and_its_kind():
+    m = Metrics("epd")
+    m.inc("rooms_failed_total", reason="timeout")
+    m.inc("rooms_failed_total")
+    m.inc("rooms_failed_total", 2)
+    m.set_gauge("parked_rooms", 1)
+    snap = m.snapshot()
+    assert [(row["labels"], row["value"]) for row in snap if row["name"] == "epd_rooms_failed_total"] == [
+        ({}, 3), ({"reason": "timeout"}, 1)]
+    with pytest.raises(ConfigError, match="is a gauge"):
+        m.inc("parked_rooms")
+    with pytest.raises(ConfigError, match="finite non-negative"):
+        m.inc("rooms_failed_total", -1)

@@ -88,6 +88,8 @@ class AskQueues:
     def heads(self, live: Callable[[Any], bool]) -> list[tuple[Any, Any]]:
         """Each address with asks waiting and its oldest one that `live` keeps (older ones it refuses,
         rooms cleared since, are forgotten)."""
+        if not self._queues:
+            return []
         out = []
         for addr, queue in list(self._queues.items()):
             while queue and not live(queue[0]):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from collections.abc import Callable, ItemsView, Iterable, Iterator, KeysView, MutableMapping, ValuesView
 from typing import Any, Protocol, TypeVar
 
 
@@ -80,6 +80,16 @@ class BySession(MutableMapping[_K, _V]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    # The dict's own views: Mapping's would cost four Python calls an iteration (the rules' hot paths walk these).
+    def keys(self) -> KeysView[_K]:
+        return self._entries.keys()
+
+    def values(self) -> ValuesView[_V]:
+        return self._entries.values()
+
+    def items(self) -> ItemsView[_K, _V]:
+        return self._entries.items()
 
     def clear(self) -> None:
         self._entries.clear()

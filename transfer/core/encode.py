@@ -885,12 +885,12 @@ class EncodeCore:
     @property
     def busy(self) -> bool:
         """Whether writes wait for a slot or a ready event (a tick may start them)."""
-        return self.waiting > 0
+        return self.scheduler.waiting > 0
 
     @property
     def waiting(self) -> int:
         """Writes waiting to start."""
-        return len(self.scheduler)
+        return self.scheduler.waiting
 
     @property
     def parked_rooms(self) -> int:
@@ -1014,7 +1014,7 @@ class EncodeCore:
 
     def _pump(self, now: float) -> None:
         """Starts the waiting writes that may start now."""
-        if self._closed or self._writes_stopped or not len(self.scheduler):
+        if self._closed or self._writes_stopped or not self.scheduler.waiting:
             return
         picked = self.scheduler.pick(now, cancelled=self._unwanted,
                                      ready=lambda job: self._ready(job, now), expired=lambda job, waited:
@@ -1275,7 +1275,8 @@ class EncodeCore:
 
     def _flush(self, now: float) -> list:
         self._pump(now)
-        return self._out_take()
+        out, self._out = self._out, []
+        return out
 
     def _out_take(self) -> list:
         out, self._out = self._out, []

@@ -424,7 +424,10 @@ class PrefillCore:
         """When tick() next has something to do (the earliest open room's deadline, held ask, asks
         waiting for a socket too long, or look-up for rooms asked on a dropped connection), or None."""
         rules = self._unread.defer(self._rules_due())  # held back by a tick with statuses maybe unread
-        due = [self._recheck_due(addr, head) for addr, head in self.asks.heads(self._queued)]
+        heads = self.asks.heads(self._queued)
+        if not heads and not self._stranded:
+            return rules  # the plain case: no ask waits for a socket, no room for a route
+        due = [self._recheck_due(addr, head) for addr, head in heads]
         if self._stranded:
             due.append(self._stranded_next)
         if rules is not None:
@@ -440,8 +443,9 @@ class PrefillCore:
         held = self._held
         while held and not self._in(held[0][2], HELD):
             heapq.heappop(held)
-        due = [h[0][0] for h in (heap, held) if h]
-        return min(due) if due else None
+        if not held:
+            return heap[0][0] if heap else None
+        return min(heap[0][0], held[0][0]) if heap else held[0][0]
 
     def deadline_entries(self) -> int:
         """Entries in the deadline heap (bounded by the open rooms, plus slack)."""

@@ -74,7 +74,7 @@ class WriteScheduler:
         self._ring: deque[Hashable] = deque()  # sessions with waiting jobs, the next to visit first
         self._flying: Counter[Hashable] = Counter()  # jobs in flight per session
         self._turn: Counter[Hashable] = Counter()  # jobs looked at this turn per session
-        self._waiting = 0
+        self.waiting = 0  # jobs waiting (read it; the scheduler keeps it)
         self._seq = 0
         self.in_flight = 0
 
@@ -86,7 +86,7 @@ class WriteScheduler:
             self._ring.append(session)
         queue.append((self._seq, job, asked_at))
         self._seq += 1
-        self._waiting += 1
+        self.waiting += 1
 
     def finished(self, session: Hashable) -> None:
         """A started job is over (settled or failed): its slot is free."""
@@ -110,7 +110,7 @@ class WriteScheduler:
         there, so its siblings leave cancelled.
         """
         pick = _Pick(now, cancelled, ready, expired)
-        if not self._waiting or self.in_flight >= self.depth:
+        if not self.waiting or self.in_flight >= self.depth:
             return pick.picked
         progress = True
         while progress and pick.work < self.pick_work and self.in_flight < self.depth and self._ring:
@@ -167,7 +167,7 @@ class WriteScheduler:
         unseen = bool(held) and bool(queue) and queue[0][0] not in pick.seen
         queue.extend(held)
         taken = looked - len(held)
-        self._waiting -= taken
+        self.waiting -= taken
         self._turn[session] += looked
         pick.work += looked
         if not queue:
@@ -180,7 +180,7 @@ class WriteScheduler:
         entries = sorted((entry for queue in self._queues.values() for entry in queue), key=lambda e: e[0])
         self._queues.clear()
         self._ring.clear()
-        self._waiting = 0
+        self.waiting = 0
         return [job for _, job, _ in entries]
 
     def queued(self, session: Hashable) -> int:
@@ -194,4 +194,4 @@ class WriteScheduler:
 
     def __len__(self) -> int:
         """Jobs waiting."""
-        return self._waiting
+        return self.waiting
