@@ -58,6 +58,7 @@ __all__ = [
     "prefill_shard",
     "receiver_text",
     "scalar_int",
+    "scalar_ints",
     "shown",
     "shard_rows",
     "status_frames",
@@ -226,6 +227,14 @@ def scalar_int(value: Any) -> Any:
         return operator.index(value)
     except TypeError:  # a tensor that is no integer scalar, say
         return value
+
+
+def scalar_ints(*values: Any) -> tuple:
+    """`scalar_int` of each value; plain ints and Nones (the common case) pass without a call each."""
+    for value in values:
+        if value is not None and type(value) is not int:
+            return tuple(scalar_int(value) for value in values)
+    return values
 
 
 def check_room(room: int) -> int:

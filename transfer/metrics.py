@@ -303,16 +303,12 @@ class Metrics:
         """Add a finite non-negative amount to a counter (ConfigError otherwise)."""
         if not 0 <= amount < math.inf:  # NaN too: a counter stuck at NaN says nothing again
             raise ConfigError(f"counter {name!r} takes a finite non-negative amount, not {amount}")
-        if not labels:
-            with self._lock:
-                series = self._counters.get(name)  # there once claimed as a counter
-                if series is not None:
-                    series[()] = series.get((), 0) + amount
-                    return
-        key = self._series_key(labels)
+        key = self._series_key(labels) if labels else ()
         with self._lock:
-            self._claim(name, "counter")
-            series = self._counters.setdefault(name, {})
+            series = self._counters.get(name)  # there once claimed as a counter
+            if series is None:
+                self._claim(name, "counter")
+                series = self._counters.setdefault(name, {})
             series[key] = series.get(key, 0) + amount
 
     def histogram(self, name: str, **labels: object) -> None:
@@ -329,11 +325,13 @@ class Metrics:
         value = float(value)
         if math.isnan(value):
             raise ConfigError(f"histogram {name!r} got NaN")
-        key = self._series_key(labels, reserved=("le",))
+        key = self._series_key(labels, reserved=("le",)) if labels else ()
         index = _bucket_index(self.buckets, value)
         with self._lock:
-            self._claim(name, "histogram")
-            series = self._histograms.setdefault(name, {})
+            series = self._histograms.get(name)  # there once claimed as a histogram
+            if series is None:
+                self._claim(name, "histogram")
+                series = self._histograms.setdefault(name, {})
             hist = series.get(key)
             if hist is None:
                 hist = series[key] = _Histogram(len(self.buckets))

@@ -26,7 +26,7 @@ from transfer.core.prefill_breaker import UNREACHABLE_RETRY_S
 from transfer.core.quarantine import Fate, fate_of, reusable
 from transfer.drive.prefill import PrefillDriver, Room
 from transfer.errors import ConfigError, ConfigTypeError, EngineError, FallbackLimitError, UsageError
-from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype, scalar_int, size_problem
+from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype, scalar_ints, size_problem
 from transfer.interfaces import EventLike, TransferEngineLike
 from transfer.metrics import Metrics, declare_role
 from transfer.ports import PortSpec, parse_ports
@@ -303,8 +303,8 @@ class SessionManager:
         # In a forked child, before a pool slot is leased: a lock held at the fork stays held there.
         self._driver.check_process()
         room = check_room(room)
-        dst, rows, hidden, row_start, span, deepstack_hidden = (
-            scalar_int(value) for value in (dst, rows, hidden, row_start, span, deepstack_hidden))
+        dst, rows, hidden, row_start, span, deepstack_hidden = scalar_ints(dst, rows, hidden, row_start, span,
+                                                                          deepstack_hidden)
         dtype_name = normalize_dtype(dtype) if dtype is not None else None
         if dst is None:
             if deepstack_dst is not None:
@@ -316,9 +316,10 @@ class SessionManager:
             self._driver.core.refuse_held(room)
             lease, full, full_ds, dst, deepstack_dst = self._lease(room, rows, hidden, dtype_name, row_start, span,
                                                                    deepstack_hidden)
-            return self._receive(room, bootstrap_addr, dst, row_start=row_start, span=span,
-                                 deepstack_dst=deepstack_dst, deepstack_hidden=deepstack_hidden, lease=lease,
-                                 full=full, full_ds=full_ds)
+            # The slot's shard as a pointer: its geometry is the one just checked and leased for.
+            return self._receive(room, bootstrap_addr, dst.data_ptr(), rows=rows, hidden=hidden, dtype=dtype_name,
+                                 row_start=row_start, span=span, deepstack_dst=deepstack_dst,
+                                 deepstack_hidden=deepstack_hidden, lease=lease, full=full, full_ds=full_ds)
         if deepstack_hidden and deepstack_dst is None:
             raise ConfigError(f"room {room}: deepstack_hidden given with dst but no deepstack_dst to receive into")
         return self._receive(room, bootstrap_addr, dst, rows=rows, hidden=hidden, dtype=dtype_name,
@@ -353,7 +354,8 @@ class SessionManager:
         """The room's record and spec, its destinations checked."""
         ptr, rows, hidden, dtype = _destination(dst, rows, hidden, dtype)
         span = rows if span is None else span
-        _check_geometry(room, rows, hidden, span, row_start)
+        if lease is None:  # a leased slot's was checked before it was leased
+            _check_geometry(room, rows, hidden, span, row_start)
         split_address(bootstrap_addr)  # a malformed address is the caller's error, not a room failed later
         row_bytes = hidden * dtype_size(dtype)
         ds_ptr, ds_nbytes, ds_row_bytes = 0, 0, None

@@ -953,3 +953,17 @@ def test_integer_scalars_become_plain_ints_and_other_kinds_are_refused():
             check_parallel(*args)
     with pytest.raises(ConfigTypeError, match="room must be an int, got float 2.0"):
         check_room(2.0)
+
+
+def test_scalar_ints_turns_each_integer_scalar_into_a_plain_int_and_leaves_the_rest():
+    import numpy
+    import torch
+
+    from transfer.frames import scalar_ints
+
+    rows = torch.zeros(2, 3)
+    plain = scalar_ints(4, None, 0)
+    assert plain == (4, None, 0)
+    mixed = scalar_ints(numpy.int64(5), 7, None, torch.tensor(3), rows, True, 2.5)
+    assert [type(v) for v in mixed[:4]] == [int, int, type(None), int] and mixed[:4] == (5, 7, None, 3)
+    assert mixed[4] is rows and mixed[5] is True and mixed[6] == 2.5

@@ -252,3 +252,16 @@ def test_a_counter_counted_with_and_without_labels_keeps_each_series_and_its_kin
         m.inc("parked_rooms")
     with pytest.raises(ConfigError, match="finite non-negative"):
         m.inc("rooms_failed_total", -1)
+
+
+def test_a_histogram_observed_with_and_without_labels_keeps_each_series_and_its_kind():
+    m = Metrics("epd")
+    m.observe("room_latency_seconds", 0.5, path="epd")
+    m.observe("room_latency_seconds", 0.25)
+    m.observe("room_latency_seconds", 0.75)
+    m.inc("rooms_started_total")
+    counts = {tuple(sorted(row["labels"].items())): row["value"] for row in m.snapshot()
+              if row["name"] == "epd_room_latency_seconds_count"}
+    assert counts == {(): 2, (("path", "epd"),): 1}
+    with pytest.raises(ConfigError, match="is a counter, not a histogram"):
+        m.observe("rooms_started_total", 1.0)
