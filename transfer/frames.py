@@ -233,7 +233,7 @@ def scalar_ints(*values: Any) -> tuple:
     """`scalar_int` of each value; plain ints and Nones (the common case) pass without a call each."""
     for value in values:
         if value is not None and type(value) is not int:
-            return tuple(scalar_int(value) for value in values)
+            return tuple([v if v is None or type(v) is int else scalar_int(v) for v in values])
     return values
 
 

@@ -34,7 +34,7 @@ from transfer.frames import (
     check_room,
     dtype_size,
     normalize_dtype,
-    scalar_ints,
+    scalar_int,
     size_problem,
 )
 from transfer.interfaces import EventLike, TransferEngineLike
@@ -237,7 +237,7 @@ class SenderPool:
             # The pool's one thread polls it: an event it could only wait on would hold every room.
             raise ConfigTypeError(f"room {room}: ready_event must have query() (e.g. a torch.cuda.Event); "
                                   f"got {type(ready_event).__name__}")
-        src, deepstack = scalar_ints(src, deepstack)
+        src, deepstack = scalar_int(src), scalar_int(deepstack)
         region, span, hidden, dtype = _source(src, span, hidden, dtype)
         if isinstance(src, int):
             region = self._raw_source(room, region)
@@ -449,7 +449,7 @@ def _source(src: torch.Tensor | int, span: int | None, hidden: int | None, dtype
     """(region, span, hidden, dtype) of a source tensor `[span, hidden]` or raw pointer; `name` is the
     argument it was given as ("src", or "deepstack", whose `hidden` is `deepstack_hidden`)."""
     noun, hidden_name = ("source", "hidden") if name == "src" else (name, f"{name}_hidden")
-    src, span, hidden = scalar_ints(src, span, hidden)
+    src, span, hidden = scalar_int(src), scalar_int(span), scalar_int(hidden)
     if isinstance(src, int):
         if span is None or hidden is None or dtype is None:
             needs = "span, hidden and dtype" if name == "src" else hidden_name
