@@ -301,10 +301,14 @@ def _decimal(part: bytes, name: str, low: int = _I64_MIN, high: int = _I64_MAX) 
     """Parse an optional sign and ASCII digits within [low, high]; anything else is not an integer."""
     if _DECIMAL.fullmatch(part) is None:
         raise WireError(f"{name} is not an integer")
-    # Bound the digit count before int() so a huge part costs nothing (leading zeros are legal).
-    if len(part.lstrip(b"+-").lstrip(b"0")) > 20:
+    # Leading zeros are legal, however many: int() is given only the significant digits, so a huge
+    # part costs nothing and never meets int()'s own digit limit (a ValueError past 4300 digits).
+    significant = part.lstrip(b"+-").lstrip(b"0")
+    if len(significant) > 20:
         raise WireError(f"{name} is not an integer")
-    value = int(part)
+    value = int(significant or b"0")
+    if part[:1] == b"-":
+        value = -value
     if not low <= value <= high:
         raise WireError(f"{name} is not an integer")
     return value

@@ -330,6 +330,8 @@ ENCODE_JUNK = [
     (_transfer_info(endpoint="h\u00f6st".encode()), "endpoint must be ASCII"),
     (_transfer_info(b"9" * 40), "room is not an integer"),
     (_transfer_info(rows=b"99999999999999999999999"), "rows is not an integer"),
+    # Past int()'s own limit of 4300 digits, leading zeros and all: a WireError, not a ValueError.
+    (_transfer_info(rows=b"0" * 5000 + b"9" * 20), "rows is not an integer"),
     (_transfer_info(port=b"70000"), "invalid port"),
     (_transfer_info(b"-3"), "negative room"),
     (_transfer_info(embedding=b"\x00" * 7), "embedding pointer must be 8 bytes"),
@@ -408,6 +410,7 @@ def test_garbage_to_the_status_listener_is_logged_and_ignored(bootstrap, encoder
             [b"1"], [b"1", b"5"],
             [b"x", b"5", b"0"], [b"\xff\xfe", b"5", b"0"], [b"-1", b"5", b"0"],
             [p, b"x", b"0"], [p, b"9", b"0"], [p, b"5", b"r"], [p, b"99999999999999999999999", b"0"],
+            [b"0" * 5000 + b"9" * 20, b"5", b"0"],  # past int()'s own 4300-digit limit: not an integer either
             [u, b"5", b"0"], [u, b"0", b"0"],  # unknown room: ignored
             [p, b"5", b"7"], [p, b"0", b"3"],  # wrong encode rank: ignored
             [f, b"5", b"0", b"123"],  # a forged Success whose checksum the landed bytes do not match

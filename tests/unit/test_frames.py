@@ -530,6 +530,43 @@ def test_status_golden():
     assert status_frames(12, TransferPoll.Success, 3, [42]) == [b"12", b"5", b"3", b"42"]
 
 
+# Past 4300 digits int() itself refuses a string (sys.get_int_max_str_digits()) with a ValueError, which
+# no caller of these parsers catches: the parts below must read as the grammar says, whatever their length.
+ZEROS = b"0" * 5000
+
+
+@pytest.mark.parametrize(
+    "parse, expected",
+    [
+        (lambda: TransferInfo.from_frames(with_part(0, ZEROS + b"7")).room, 7),
+        (lambda: TransferInfo.from_frames(with_part(6, b"-" + ZEROS + b"3")).rows, -3),
+        (lambda: TransferInfo.from_frames(with_part(12, b"+" + ZEROS)).span, 0),
+        (lambda: parse_status([ZEROS + b"9", b"5", b"1", ZEROS + b"18446744073709551615"]),
+         (9, TransferPoll.Success, 1, (U64_MAX,))),
+        (lambda: parse_registration(REG_FRAMES[:2] + [ZEROS + b"5555"] + REG_FRAMES[3:]).port, 5555),
+    ],
+)
+def test_leading_zeros_past_ints_digit_limit_read_as_the_number(parse, expected):
+    assert parse() == expected
+
+
+@pytest.mark.parametrize(
+    "parse, message",
+    [
+        (lambda: TransferInfo.from_frames(with_part(0, ZEROS + b"9223372036854775808")), "room is not an integer"),
+        (lambda: TransferInfo.from_frames(with_part(7, b"-" + ZEROS + b"9223372036854775809")),
+         "hidden is not an integer"),
+        (lambda: parse_status([ZEROS + b"99999999999999999999", b"5", b"1"]), "room is not an integer"),
+        (lambda: parse_status([b"1", b"5", b"1", ZEROS + b"18446744073709551616"]), "checksum is not an integer"),
+        (lambda: parse_registration(REG_FRAMES + [ZEROS + b"99999999999999999999"]),
+         "embedding length is not an integer"),
+    ],
+)
+def test_leading_zeros_past_ints_digit_limit_out_of_range_are_not_integers(parse, message):
+    with wire_error(message):
+        parse()
+
+
 def test_parse_status_golden():
     assert parse_status([b"7", b"5", b"1"]) == (7, TransferPoll.Success, 1, ())
     room, status, rank, sums = parse_status([b"9", b"0", b"2", b"18446744073709551615", b"0", b"extra", b"\xff"])
