@@ -177,7 +177,14 @@ class Msg:
         digits = text[1:] if text[:1] in ("+", "-") else text
         if not digits or not digits.isascii() or not digits.isdigit():
             raise MsgError(f"{key}: not a number")
-        value = int(text)
+        # Leading zeros are legal, however many (the listener reads them so): int() gets only the
+        # significant digits, which also keeps it clear of its own 4300-digit limit (a ValueError).
+        significant = digits.lstrip("0")
+        if len(significant) > 20:
+            raise MsgError(f"{key}: not a number")
+        value = int(significant or "0")
+        if text[0] == "-":
+            value = -value
         if not -(1 << 63) <= value <= _U64:
             raise MsgError(f"{key}: not a number")
         return value

@@ -155,14 +155,17 @@ def _split_session(session_id: str) -> tuple[str, int]:
     host, sep, port = session_id.rpartition(":")
     if not sep or not (port.isascii() and port.isdigit()) or not host:
         raise EngineError(f"session id {session_id!r} is not host:port")
-    if not 1 <= int(port) <= 65535:
+    # A peer's session id: int() gets only the significant digits, so leading zeros read as the port and
+    # a part of more than 4300 digits never meets int()'s own limit (a ValueError).
+    digits = port.lstrip("0")
+    if len(digits) > 5 or not 1 <= int(digits or "0") <= 65535:
         # getaddrinfo would take it modulo 65536 and write to another listener.
-        raise EngineError(f"session id {session_id!r}: port {int(port)} is outside 1..65535")
+        raise EngineError(f"session id {session_id!r}: port {port} is outside 1..65535")
     if _wildcard(host):
         # Connecting there reaches a listener on this host, which may take bytes meant for the peer.
         raise EngineError(f"session id {session_id!r} names a wildcard address, not the peer's: "
                           f"its engine must be started with the IP address peers reach it on")
-    return host.strip("[]"), int(port)
+    return host.strip("[]"), int(digits)
 
 
 def _wildcard(host: str) -> bool:

@@ -248,6 +248,42 @@ def test_a_peer_that_is_no_wire_listener_is_named_as_the_likely_cause(answer):
     thread.join(5)
 
 
+def test_a_result_whose_numbers_run_past_ints_digit_limit_fails_the_write_as_an_engine_error():
+    """A RESULT naming the room with 5000 leading zeros is the right answer; one whose byte count
+    has 5000 digits is a peer's malformed answer, an EngineError saying so (not int()'s ValueError)."""
+    zeros = b"0" * 5000
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer(conn: socket.socket, count: bytes) -> None:
+        kind, payload, _ = wire.read_frame(conn)
+        room = wire.Msg.decode(payload).number("room")
+        while kind != wire.FIRST:
+            kind, _, _ = wire.read_frame(conn)
+        wire.write_frame(conn, wire.RESULT, wire.Msg({"bytes": count.decode(), "room": f"{zeros.decode()}{room}"})
+                         .encode())
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(5)
+            answer(conn, zeros + b"4096")
+            answer(conn, b"9" * 5000)
+            time.sleep(0.5)  # keep the connection open while the sender reads
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    with server, WireEngine("127.0.0.1") as writer:
+        src = torch.ones(4096, dtype=torch.uint8)
+        writer.register(src)
+        session = f"127.0.0.1:{server.getsockname()[1]}"
+        writer.write(session, [src.data_ptr()], [0x1000], [4096])
+        with pytest.raises(TransferError, match=rf"write to {session} failed: the peer's RESULT for room \d+: "
+                                                r"bytes: not a number"):
+            writer.write(session, [src.data_ptr()], [0x1000], [4096])
+        assert writer.stats()["write_failures"] == 1
+    thread.join(5)
+
+
 def test_a_peer_nobody_listens_for_fails_as_a_connect_naming_the_address():
     closed = socket.create_server(("127.0.0.1", 0))
     port = closed.getsockname()[1]

@@ -343,6 +343,19 @@ def test_msg_number():
         assert str(err.value) == f"{key}: not a number"
 
 
+def test_msg_number_past_ints_digit_limit():
+    """Past 4300 digits int() refuses a string with a ValueError of its own: leading zeros, which the
+    grammar allows however many, still give the number, and anything too large is not a number."""
+    zeros = "0" * 5000
+    m = Msg({"z": zeros + "7", "neg": "-" + zeros + "7", "zero": "+" + zeros, "big": zeros + str(U64),
+             "over": zeros + str(U64 + 1), "low": "-" + zeros + str(2**63 + 1), "long": "9" * 5000})
+    assert (m.number("z"), m.number("neg"), m.number("zero"), m.number("big")) == (7, -7, 0, U64)
+    for key in ("over", "low", "long"):
+        with pytest.raises(MsgError) as err:
+            m.number(key)
+        assert str(err.value) == f"{key}: not a number"
+
+
 def test_msg_decode_cases():
     m = Msg.decode(b"a=1\nb=2\n\nxy")
     assert (m.fields(), m.body) == ({"a": "1", "b": "2"}, b"xy")

@@ -92,6 +92,15 @@ def test_a_peers_wildcard_session_id_is_refused_rather_than_connected_to(session
         _split_session(session_id)
 
 
+def test_a_peers_session_id_port_past_ints_digit_limit_reads_or_is_refused_as_engine_error():
+    """The session id comes from a peer's TransferInfo: a port of 5000 digits is no ValueError of int()'s."""
+    zeros = "0" * 5000
+    assert _split_session(f"127.0.0.1:{zeros}17000") == ("127.0.0.1", 17000)
+    for port in (zeros, "9" * 5000, zeros + "65536"):
+        with pytest.raises(EngineError, match="is outside 1..65535"):
+            _split_session(f"127.0.0.1:{port}")
+
+
 _HOSTILE = b"a\nWARNING transfer: forged\r\x1b[31m" + b"x" * (10 << 10)
 
 
