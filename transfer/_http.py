@@ -5,7 +5,11 @@ hold: one request per connection, a short deadline for its request line and head
 (a real client sends them in one write) and a byte budget for them (431 beyond), one
 deadline for the whole request however slowly it drips in, and a cap on connections
 served at once, in all and from one address (503 beyond, answered without blocking the
-accepting thread), so one client cannot keep every other one out.
+accepting thread), so one client cannot keep every other one out. Clients from several
+addresses that each stay under their own cap can still fill every place with requests they
+never finish: a new connection then takes the place of the oldest one still being read,
+which is read no further (what it already sent is still served), so requests that are sent
+whole are answered however many unfinished ones are held open.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class DeadlineReader(io.RawIOBase):
         self._keep = keep
         self.budget = budget
         self.exhausted = False
+        self.eof = False  # a read found the stream ended (the peer, or a shutdown of our side, ended it)
 
     def close(self) -> None:
         """Closes the reader and what it keeps."""
@@ -64,6 +69,8 @@ class DeadlineReader(io.RawIOBase):
             buffer = memoryview(buffer).cast("B")[: self.budget]
         self._sock.settimeout(left)
         count = self._sock.recv_into(buffer)
+        if count == 0 and len(buffer):
+            self.eof = True
         if self.budget is not None:
             self.budget -= count
         return count
@@ -123,7 +130,16 @@ class OneDeadlineHandler(BaseHTTPRequestHandler):
         self._text(code, message or self.responses.get(code, ("error",))[0])
 
     def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
-        """Send one complete response (a HEAD request's without its body), with `headers` besides its own."""
+        """Send one complete response (a HEAD request's without its body), with `headers` besides its own.
+
+        A request whose reading was ended to make room for a newer connection, and found its end there, is
+        answered 503 instead: whatever it got to was about a request cut short, not the one its client sent."""
+        server = self.server
+        if isinstance(server, BoundedHTTPServer) and server.answering(self.connection) and self._reader.eof:
+            status, content_type, headers = 503, "text/plain; charset=utf-8", None
+            body = (f"{server.busy_text.decode()}: this request was still incomplete when a newer connection "
+                    f"needed its place").encode()
+            self.close_connection = True
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -148,7 +164,11 @@ def _client_of(client_address: Any) -> str:
 class BoundedHTTPServer(ThreadingHTTPServer):
     """ThreadingHTTPServer serving at most `max_handlers` connections at once, and at most
     `max_per_client` of them from one address (a quarter of max_handlers when None); the rest get 503.
-    server_close() ends the connections still being served and waits for their threads."""
+    With every place taken, a connection from an address under its cap takes the place of the oldest
+    connection whose request is still being read: that one's reading side is shut down, so its thread
+    serves what was already received and ends (at most max_handlers such threads at once, or the new
+    connection gets 503 too). server_close() ends the connections still being served and waits for their
+    threads."""
 
     daemon_threads = True
     # Connections wait here while the accepting thread is held up (a busy process's GIL): the stdlib's
@@ -167,6 +187,8 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         self._handlers = 0
         self._per_client: dict[str, int] = {}
         self._serving: dict[socket.socket, threading.Thread] = {}  # each connection served, and its thread
+        self._reading: dict[socket.socket, None] = {}  # those whose request is still being read, oldest first
+        self._evicted: set[socket.socket] = set()  # those whose place a newer connection took, still served
         self._handlers_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
@@ -185,13 +207,18 @@ class BoundedHTTPServer(ThreadingHTTPServer):
                                   daemon=self.daemon_threads)
         with self._handlers_lock:
             per_client = self.max_per_client or max(1, self.max_handlers // 4)
-            busy = self.busy_text if self._handlers >= self.max_handlers else None
-            if busy is None and self._per_client.get(client, 0) >= per_client:
+            under_cap = self._per_client.get(client, 0) < per_client
+            busy = None
+            if self._handlers - len(self._evicted) >= self.max_handlers:
+                if not (under_cap and self._evict_oldest_reader()):
+                    busy = self.busy_text
+            elif not under_cap:
                 busy = self.client_busy_text
             if busy is None:
                 self._handlers += 1
                 self._per_client[client] = self._per_client.get(client, 0) + 1
                 self._serving[request] = thread
+                self._reading[request] = None
         if busy is not None:
             self._turn_away(request, busy)
             self.shutdown_request(request)
@@ -201,6 +228,28 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         except BaseException:
             self._handler_done(client, request)
             raise
+
+    def _evict_oldest_reader(self) -> bool:
+        """Shuts down the reading side of the oldest connection whose request is still being read, if any and
+        while fewer than max_handlers such connections are still served; whether it did (lock held: a listed
+        connection is not closed under the shutdown)."""
+        if not self._reading or len(self._evicted) >= self.max_handlers:
+            return False
+        victim = next(iter(self._reading))
+        del self._reading[victim]
+        self._evicted.add(victim)
+        try:
+            victim.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
+        return True
+
+    def answering(self, request: socket.socket) -> bool:
+        """Notes that `request`'s handler read what it will and answers now (no newer connection takes its place
+        from here on); whether a newer one took it before."""
+        with self._handlers_lock:
+            self._reading.pop(request, None)
+            return request in self._evicted
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         """Serves one connection on its thread, counts it out, then closes it: a client that saw its
@@ -218,6 +267,8 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         with self._handlers_lock:
             self._handlers -= 1
             self._serving.pop(request, None)
+            self._reading.pop(request, None)
+            self._evicted.discard(request)
             left = self._per_client.pop(client, 1) - 1
             if left > 0:
                 self._per_client[client] = left

@@ -7,6 +7,7 @@ import socket
 import time
 
 import pytest
+from live_helpers import wait_until
 
 from transfer import bootstrap
 from transfer.bootstrap import BootstrapClient, BootstrapServer
@@ -71,3 +72,43 @@ def test_a_body_may_take_longer_than_the_header_deadline(patient_server):
             answer += chunk
     assert answer.split(b"\r\n", 1)[0].split()[1] == b"200", answer
     assert patient_server.registered_ranks == 1
+
+
+def _stalled_puts(port: int, sources: list[str], each: int) -> list[socket.socket]:
+    """`each` connections from every source address that send a PUT's headers and never its body: each
+    holds its handler until the request's deadline, one address under its own cap."""
+    socks = []
+    for source in sources:
+        for _ in range(each):
+            sock = socket.create_connection((HOST, port), timeout=5, source_address=(source, 0))
+            sock.sendall(b"PUT /route HTTP/1.0\r\nContent-Length: 200\r\n\r\n")
+            socks.append(sock)
+    return socks
+
+
+def test_a_look_up_is_answered_while_stalled_requests_from_several_addresses_hold_every_slot(monkeypatch):
+    """Clients that never finish their requests, spread over enough addresses that none reaches its own
+    cap, hold every handler: the oldest of them gives way to a new connection, which is answered."""
+    monkeypatch.setattr(bootstrap._HTTPServer, "max_handlers", 16)  # a quarter of them per address
+    with BootstrapServer(HOST, 0) as server:
+        client = BootstrapClient(server.address, timeout=2.0)
+        client.register_rank(2, 1, "10.0.0.7", 17001, 1, retry_for=5.0)
+        stalled = _stalled_puts(server.port, [f"127.0.0.{i}" for i in range(2, 6)], 4)
+        try:
+            assert wait_until(lambda: server._server._handlers == len(stalled), 5.0)
+            started = time.monotonic()
+            assert client.parallel_info() == (2, 1)
+            assert client.route(1, 0) == ("10.0.0.7", 17001)
+            took = time.monotonic() - started
+            # The oldest stalled request gave way: it is told so, and its body is read no further.
+            stalled[0].settimeout(2.0)
+            answer = b""
+            while chunk := stalled[0].recv(4096):
+                answer += chunk
+        finally:
+            for sock in stalled:
+                sock.close()
+    assert took < 1.0, took
+    assert answer.startswith(b"HTTP/1.0 503 "), answer
+    assert answer.endswith(b"bootstrap server busy: too many connections at once: this request was still "
+                           b"incomplete when a newer connection needed its place"), answer
