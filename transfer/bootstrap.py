@@ -536,9 +536,14 @@ def check_token(token: str | None) -> str | None:
     return token
 
 
+#: What no host holds and HTTP refuses to send one with (http.client's InvalidURL): spaces and control characters.
+_SPACE_OR_CONTROL = re.compile(r"[\x00-\x20\x7f]")
+
+
 def split_address(address: str) -> tuple[str, int]:
-    """Split "host:port" (or "[v6]:port") into host and port; ConfigError for a port outside 1-65535 or a host
-    the resolver cannot encode (an empty label, or one over 63 characters)."""
+    """Split "host:port" (or "[v6]:port") into host and port; ConfigError for a port outside 1-65535, a host
+    with a space or control character, or one the resolver cannot encode (an empty label, or one over 63
+    characters)."""
     if not isinstance(address, str):
         raise ConfigError(f"bootstrap address must be a 'host:port' str, got {type(address).__name__} {address!r}")
     if "://" in address:
@@ -547,6 +552,9 @@ def split_address(address: str) -> tuple[str, int]:
     if not sep or not host or not (port.isascii() and port.isdigit() and 0 < int(port) <= 65535):
         raise ConfigError(f"bootstrap address must be host:port (a port of 1-65535), got {address!r}")
     host = host.strip("[]")
+    if _SPACE_OR_CONTROL.search(host):  # else every request fails unsent: HTTP refuses such a host
+        raise ConfigError(f"bootstrap address must be host:port with no space or control character in its host "
+                          f"(a stray space or newline?), got {address!r}")
     if not _resolver_takes(host):  # else every request fails with a UnicodeError
         raise ConfigError(f"bootstrap address must be host:port with a host name the resolver takes (dot-separated "
                           f"labels of 1 to 63 characters), got {address!r}")

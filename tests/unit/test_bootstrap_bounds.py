@@ -96,6 +96,16 @@ def test_a_bootstrap_address_whose_host_no_resolver_takes_is_refused(address):
         BootstrapClient(address)
 
 
+@pytest.mark.parametrize("address", [" 10.0.0.1:8998", "10.0.0.1 :8998", "10.0.0.1\n:8998", "encode 0:8998",
+                                     "[::1\t]:8998", "10.0.0.1\x7f:8998"])
+def test_a_bootstrap_address_whose_host_holds_a_space_or_control_character_is_refused(address):
+    """No host has one, and HTTP refuses to send it: every request would fail without being sent (a
+    registration retried for its whole bound, then said to have found no server), not at the call."""
+    with pytest.raises(ConfigError, match=r"^bootstrap address must be host:port with no space or control "
+                                          r"character in its host \(a stray space or newline\?\), got '"):
+        BootstrapClient(address)
+
+
 @pytest.mark.parametrize("address", ["[fe80::1%eth0]:8998", "::1:8998", "encode-0.cluster.local.:8998",
                                      "b\u00fccher.example:8998"])
 def test_addresses_and_host_names_are_taken_as_bootstrap_addresses(address):
