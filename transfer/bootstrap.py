@@ -549,7 +549,9 @@ def split_address(address: str) -> tuple[str, int]:
     if "://" in address:
         raise ConfigError(f"bootstrap address must be host:port without a scheme, got {address!r}")
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit() and 0 < int(port) <= 65535):
+    number = port.lstrip("0")  # int() raises its own ValueError for a string of over 4300 digits, zeros too
+    if not sep or not host or not (port.isascii() and port.isdigit() and len(number) <= 5
+                                   and 0 < int(number or "0") <= 65535):
         raise ConfigError(f"bootstrap address must be host:port (a port of 1-65535), got {address!r}")
     host = host.strip("[]")
     if _SPACE_OR_CONTROL.search(host):  # else every request fails unsent: HTTP refuses such a host
@@ -558,7 +560,7 @@ def split_address(address: str) -> tuple[str, int]:
     if not _resolver_takes(host):  # else every request fails with a UnicodeError
         raise ConfigError(f"bootstrap address must be host:port with a host name the resolver takes (dot-separated "
                           f"labels of 1 to 63 characters), got {address!r}")
-    return host, int(port)
+    return host, int(number)
 
 
 @functools.lru_cache(maxsize=256)

@@ -432,6 +432,9 @@ class WireEngine(RegisteredMemory):
         if not (math.isfinite(float(min_rate_bps)) and float(min_rate_bps) >= 0):
             raise ConfigError(f"min_rate_bps must be a finite number of bytes/s (0: no bound), got {min_rate_bps}")
         self.min_rate_bps = float(min_rate_bps)
+        if not math.isfinite(float(evict_after_s)):
+            raise ConfigError(f"evict_after_s must be a finite number of seconds (negative: no eviction for "
+                              f"slowness), got {evict_after_s}")
         for name, value in (("recv_timeout_s", recv_timeout_s), ("idle_timeout_s", idle_timeout_s),
                             ("reply_timeout_s", reply_timeout_s), ("connect_timeout_s", connect_timeout_s)):
             check_seconds(name, value)

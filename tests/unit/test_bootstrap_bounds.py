@@ -17,6 +17,7 @@ from transfer.bootstrap import (
     _RequestError,
     _RouteTable,
     check_token,
+    split_address,
 )
 from transfer.errors import ConfigError
 from transfer.frames import MAX_REASON_BYTES
@@ -82,10 +83,14 @@ def test_a_token_no_http_header_can_carry_is_refused_by_the_client(token):
     assert check_token("") is None and check_token(None) is None and check_token("s3cret x") == "s3cret x"
 
 
-@pytest.mark.parametrize("address", ["127.0.0.1:\u00b2", "127.0.0.1:0", "127.0.0.1:65536"])
+@pytest.mark.parametrize("address", ["127.0.0.1:\u00b2", "127.0.0.1:0", "127.0.0.1:65536", "127.0.0.1:" + "9" * 5000])
 def test_a_bootstrap_address_without_a_real_port_is_refused(address):
     with pytest.raises(ConfigError, match=r"^bootstrap address must be host:port \(a port of 1-65535\)"):
         BootstrapClient(address)
+
+
+def test_a_port_written_with_leading_zeros_is_its_number():
+    assert split_address("127.0.0.1:" + "0" * 5000 + "8998") == ("127.0.0.1", 8998)
 
 
 @pytest.mark.parametrize("address", ["10.0.0..1:8998", ".example:8998", "a" * 64 + ".example:8998"])

@@ -30,6 +30,8 @@ def test_chunk_size_default_is_four_mib():
     ({"first_byte_timeout_s": -1.0}, "first_byte_timeout_s"),
     ({"min_rate_bps": -1.0}, "min_rate_bps"),
     ({"min_rate_bps": float("nan")}, "min_rate_bps"),
+    ({"evict_after_s": float("nan")}, "evict_after_s"),
+    ({"evict_after_s": float("inf")}, "evict_after_s"),
 ])
 def test_settings_out_of_range_are_config_errors_before_any_socket(kwargs, named):
     with pytest.raises(ConfigError, match=named):
