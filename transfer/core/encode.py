@@ -134,6 +134,7 @@ class StartWrite:
     dsts: tuple[int, ...]
     lengths: tuple[int, ...]
     sources: tuple = ()
+    token: Any = None  # the send's, as Progress and Conclude carry it: its stages are stamped on it
 
 
 @dataclass(frozen=True)
@@ -1085,7 +1086,7 @@ class EncodeCore:
         wid, self._next_wid = self._next_wid, self._next_wid + 1
         self._writes[wid] = job
         self._out.append(StartWrite(wid, room.room, info.session_id, tuple(srcs), tuple(dsts), tuple(lengths),
-                                    offer.sources))
+                                    offer.sources, offer.token))
 
     def _skip(self, job: _Job, kind: FailureKind, detail: str, now: float) -> None:
         """Fails the room of a write that will not start, and lets go of its turn and destinations."""

@@ -87,20 +87,24 @@ RETRY_RELEASES_S = 0.5
 class RoomState:
     """One send of a room as its caller's handle sees it (the core's token for it)."""
 
-    __slots__ = ("asked_at", "concluded_at", "release", "room", "started_at", "writing_at")
+    __slots__ = ("asked_at", "concluded_at", "landed_at", "release", "room", "started_at", "submitted_at", "writing_at")
 
     def __init__(self, room: int, started_at: float, release: Any = None) -> None:
         self.room = room
         self.started_at = started_at
         self.asked_at: float | None = None
         self.writing_at: float | None = None
+        self.submitted_at: float | None = None  # the engine took its last write so far
+        self.landed_at: float | None = None  # the engine said its last write so far was over
         self.concluded_at: float | None = None
         self.release = release  # drops the temporary source registrations made for it
 
     def stage_times(self) -> tuple[tuple[str, float | None], ...]:
         """When the first prefill rank asked, when its writes were queued (the whole fanout
-        asked), and when it concluded (driver clock; None where not reached)."""
-        return ("asked", self.asked_at), ("writing", self.writing_at), ("concluded", self.concluded_at)
+        asked), when the engine took its last write and said it was over, and when it concluded
+        (driver clock; None where not reached)."""
+        return (("asked", self.asked_at), ("writing", self.writing_at), ("submitted", self.submitted_at),
+                ("landed", self.landed_at), ("concluded", self.concluded_at))
 
 
 class RoomBook:
@@ -388,6 +392,7 @@ class _Flight:
     checksums: tuple[int, ...]
     submitted_at: float
     reads: tuple[tuple[int, int], ...] = ()  # (address, bytes) of the sources it reads
+    token: RoomState | None = None  # its send's, stamped when the write is over
 
 
 class EncodeDriver:
@@ -646,6 +651,8 @@ class EncodeDriver:
         except Exception as exc:  # noqa: BLE001 - any failure concludes the room
             now = self.clock()
             return self.core.write_failed(write.wid, str(exc), now - submitted_at, now, blocking=True)
+        if write.token is not None:
+            write.token.submitted_at = self.clock()
         # The checksums are computed while the batch is on the wire. If that fails the
         # room fails, and the write is still tracked until the engine is done with it.
         checksums: tuple[int, ...] = ()
@@ -659,7 +666,7 @@ class EncodeDriver:
         nbytes = sum(write.lengths)
         self.polls.started(nbytes, submitted_at)
         self._flights.append(_Flight(write.wid, batch, write.session_id, nbytes, checksums, submitted_at,
-                                     tuple(zip(write.srcs, write.lengths))))
+                                     tuple(zip(write.srcs, write.lengths)), write.token))
         return answer
 
     def _submit(self, session_id: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
@@ -710,7 +717,9 @@ class EncodeDriver:
         if failed is not None:
             self._carry(self.core.write_failed(flight.wid, failed, now - flight.submitted_at, now))
         else:
-            self.metrics.inc("bytes_written_total", flight.nbytes)
+            if flight.token is not None:
+                flight.token.landed_at = now
+            self.metrics.inc("bytes_written_total", flight.nbytes)  # counted before its room concludes
             self._carry(self.core.write_done(flight.wid, flight.checksums, now))
         return True
 
