@@ -70,9 +70,9 @@ Stages (`--stages`; always in --json as `stages_ms`): where an epd or wire room'
 goes, from the handles' stages (README, "Where a room's time goes"). For each prefill rank
 and room that succeeded, in ms from that rank's receive(): its ask handed to ZMQ (asked),
 the item offered by send() (offered), the encode rank seeing the room's first ask (seen),
-its writes queued (writing), the engine taking its last write (submitted) and saying that
-write was over (landed), the room concluded there, its statuses pushed (written; at fanout
-> 1 a rank's status may come before it, once that rank's own write is over), the status read
+its writes queued (writing), the engine's submission call for its last write returning
+(submitted), its last write seen over and the room concluded there (written; at fanout > 1 a
+rank's status may come before it, once that rank's own write is over), the status read
 (status) and the room concluded (concluded); each the p50 over the cell's rooms and prefill
 ranks. All ranks run on this host, so their monotonic clocks agree.
 
@@ -126,10 +126,9 @@ DEFAULT_SIZES = "64x4096,1024x4096,8192x4096"
 ROW_KEYS = ("path", "item_bytes", "span", "hidden", "dtype", "encode_ranks", "fanout", "inflight", "integrity", "gbps",
             "rooms_per_s", "p50_ms", "p99_ms", "ratio_to_raw", "p50_added_ms", "encode_bytes", "stages_ms")
 #: A room's stages as `--stages` lists them (module docstring): the prefill rank's and its encode rank's.
-STAGES = ("asked", "offered", "seen", "writing", "submitted", "landed", "written", "status", "concluded")
+STAGES = ("asked", "offered", "seen", "writing", "submitted", "written", "status", "concluded")
 #: The stages taken from the encode rank's handle, by its names for them.
-_ENCODE_STAGES = (("seen", "asked"), ("writing", "writing"), ("submitted", "submitted"), ("landed", "landed"),
-                  ("written", "concluded"))
+_ENCODE_STAGES = (("seen", "asked"), ("writing", "writing"), ("submitted", "submitted"), ("written", "concluded"))
 MiB = 2**20
 #: The untimed room every epd and wire cell moves first (outside the timed rooms' range).
 WARMUP_ROOM = 1 << 40

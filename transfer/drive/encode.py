@@ -87,24 +87,23 @@ RETRY_RELEASES_S = 0.5
 class RoomState:
     """One send of a room as its caller's handle sees it (the core's token for it)."""
 
-    __slots__ = ("asked_at", "concluded_at", "landed_at", "release", "room", "started_at", "submitted_at", "writing_at")
+    __slots__ = ("asked_at", "concluded_at", "release", "room", "started_at", "submitted_at", "writing_at")
 
     def __init__(self, room: int, started_at: float, release: Any = None) -> None:
         self.room = room
         self.started_at = started_at
         self.asked_at: float | None = None
         self.writing_at: float | None = None
-        self.submitted_at: float | None = None  # the engine took its last write so far
-        self.landed_at: float | None = None  # the engine said its last write so far was over
+        self.submitted_at: float | None = None  # the engine's submission call for its last write so far returned
         self.concluded_at: float | None = None
         self.release = release  # drops the temporary source registrations made for it
 
     def stage_times(self) -> tuple[tuple[str, float | None], ...]:
         """When the first prefill rank asked, when its writes were queued (the whole fanout
-        asked), when the engine took its last write and said it was over, and when it concluded
-        (driver clock; None where not reached)."""
+        asked), when the engine's submission call for its last write returned, and when it
+        concluded (driver clock; None where not reached)."""
         return (("asked", self.asked_at), ("writing", self.writing_at), ("submitted", self.submitted_at),
-                ("landed", self.landed_at), ("concluded", self.concluded_at))
+                ("concluded", self.concluded_at))
 
 
 class RoomBook:
@@ -392,7 +391,6 @@ class _Flight:
     checksums: tuple[int, ...]
     submitted_at: float
     reads: tuple[tuple[int, int], ...] = ()  # (address, bytes) of the sources it reads
-    token: RoomState | None = None  # its send's, stamped when the write is over
 
 
 class EncodeDriver:
@@ -666,7 +664,7 @@ class EncodeDriver:
         nbytes = sum(write.lengths)
         self.polls.started(nbytes, submitted_at)
         self._flights.append(_Flight(write.wid, batch, write.session_id, nbytes, checksums, submitted_at,
-                                     tuple(zip(write.srcs, write.lengths)), write.token))
+                                     tuple(zip(write.srcs, write.lengths))))
         return answer
 
     def _submit(self, session_id: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
@@ -717,9 +715,7 @@ class EncodeDriver:
         if failed is not None:
             self._carry(self.core.write_failed(flight.wid, failed, now - flight.submitted_at, now))
         else:
-            if flight.token is not None:
-                flight.token.landed_at = now
-            self.metrics.inc("bytes_written_total", flight.nbytes)  # counted before its room concludes
+            self.metrics.inc("bytes_written_total", flight.nbytes)
             self._carry(self.core.write_done(flight.wid, flight.checksums, now))
         return True
 
