@@ -201,7 +201,13 @@ PyObject *epd_mooncake_write(PyObject *self, PyObject *const *args, Py_ssize_t n
         epd_u64_arg(args[2], "src", &src) < 0 || epd_u64_arg(args[3], "dst", &dst) < 0 ||
         epd_u64_arg(args[4], "length", &length) < 0)
         return NULL;
-    return PyLong_FromUnsignedLongLong(epd_mc_write((void *)(uintptr_t)engine, handle, src, dst, length));
+    /* Over tcp Mooncake moves much of the bytes inside this call (about 0.17 ms for 512 KiB, 4 ms
+     * for 8 MiB here): other Python threads, the model's among them, run meanwhile. */
+    uint64_t batch;
+    Py_BEGIN_ALLOW_THREADS
+    batch = epd_mc_write((void *)(uintptr_t)engine, handle, src, dst, length);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLongLong(batch);
 }
 
 /* mooncake_check(engine, batch) -> what the binding's transfer_check_status answers for a

@@ -4,6 +4,8 @@ through Mooncake's binding: real engines over tcp on 127.0.0.1, the bytes that l
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -114,3 +116,43 @@ def test_the_c_calls_refuse_an_unknown_segment_and_the_engine_goes_on(trio):
     dst.zero_()
     writer.write(reader.session_id, [srcs["direct"]], [dst_addr], [4096])
     assert torch.equal(dst[:4096], src[:4096])
+
+
+@pytest.mark.parametrize("way", ["direct", "binding"])
+def test_other_python_threads_run_while_a_write_is_handed_to_mooncake(trio, way):
+    """Over tcp Mooncake copies much of a write inside its submission call (milliseconds for 8 MiB):
+    the encode process's other Python threads, the model's among them, must not wait for it. A thread
+    stamping the clock in a loop shows in the first half of write_async()'s call only if the call let
+    go of the interpreter: holding it, nothing else runs until the C call returned."""
+    writers, reader, src, dst, srcs, dst_addr = trio
+    writer = writers[way]
+    writer.write(reader.session_id, [srcs[way]], [dst_addr], [4096])  # the segment is open: no handshake below
+    ran_meanwhile, long_calls = 0, 0
+    for _ in range(12):
+        stamps: list[float] = []
+        stop = threading.Event()
+
+        def stamp() -> None:
+            while not stop.is_set():
+                stamps.append(time.monotonic())
+                time.sleep(0)  # lets go of the interpreter every turn
+
+        thread = threading.Thread(target=stamp)
+        thread.start()
+        try:
+            time.sleep(0.005)
+            started = time.monotonic()
+            ticket = writer.write_async(reader.session_id, [srcs[way]], [dst_addr], [8 << 20])
+            returned = time.monotonic()
+        finally:
+            stop.set()
+            thread.join(10)
+        writer.wait(ticket, timeout_s=60)
+        if returned - started < 0.0005:
+            continue  # too short a call to tell
+        long_calls += 1
+        halfway = started + (returned - started) / 2
+        ran_meanwhile += any(started < at < halfway for at in stamps)
+    if long_calls < 3:
+        pytest.skip(f"only {long_calls} of 12 submissions of 8 MiB took 0.5 ms or more: too short to tell")
+    assert ran_meanwhile > 0, f"no other thread ran in the first half of any of {long_calls} submissions of 8 MiB"
