@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -9,6 +10,7 @@ import subprocess
 import struct
 import sys
 import textwrap
+from collections.abc import Callable
 import threading
 import time
 
@@ -227,24 +229,35 @@ def test_unregister_then_write_names_the_range(pair):
 def test_a_peer_that_is_no_wire_listener_is_named_as_the_likely_cause(answer):
     """The write fails at once and says what to check, whether the first bytes back are another
     protocol's (read as a length past the answer limit) or a frame of the wrong kind."""
+    def answer_once(conn: socket.socket) -> None:
+        conn.recv(1 << 16)
+        conn.sendall(answer)
+
+    with _writer_against(answer_once) as (writer, session, src):
+        with pytest.raises(TransferError, match=rf"write to {session} failed: .*the peer does not answer as a "
+                                                r"wire listener: is it a Mooncake engine or another server\?"):
+            writer.write(session, [src.data_ptr()], [0x1000], [4096])
+
+
+@contextlib.contextmanager
+def _writer_against(serve: Callable[[socket.socket], None]):
+    """A WireEngine with 4 KiB of ones registered, and the session of a fake peer that serves its
+    first connection with `serve` (then keeps it open while the writer reads)."""
     server = socket.create_server(("127.0.0.1", 0))
 
-    def answer_once() -> None:
+    def serve_once() -> None:
         conn, _ = server.accept()
         with conn:
-            conn.recv(1 << 16)
-            conn.sendall(answer)
+            conn.settimeout(5)
+            serve(conn)
             time.sleep(0.5)  # keep the connection open while the sender reads
 
-    thread = threading.Thread(target=answer_once, daemon=True)
+    thread = threading.Thread(target=serve_once, daemon=True)
     thread.start()
     with server, WireEngine("127.0.0.1") as writer:
         src = torch.ones(4096, dtype=torch.uint8)
         writer.register(src)
-        session = f"127.0.0.1:{server.getsockname()[1]}"
-        with pytest.raises(TransferError, match=rf"write to {session} failed: .*the peer does not answer as a "
-                                                r"wire listener: is it a Mooncake engine or another server\?"):
-            writer.write(session, [src.data_ptr()], [0x1000], [4096])
+        yield writer, f"127.0.0.1:{server.getsockname()[1]}", src
     thread.join(5)
 
 
@@ -252,7 +265,6 @@ def test_a_result_whose_numbers_run_past_ints_digit_limit_fails_the_write_as_an_
     """A RESULT naming the room with 5000 leading zeros is the right answer; one whose byte count
     has 5000 digits is a peer's malformed answer, an EngineError saying so (not int()'s ValueError)."""
     zeros = b"0" * 5000
-    server = socket.create_server(("127.0.0.1", 0))
 
     def answer(conn: socket.socket, count: bytes) -> None:
         kind, payload, _ = wire.read_frame(conn)
@@ -262,26 +274,16 @@ def test_a_result_whose_numbers_run_past_ints_digit_limit_fails_the_write_as_an_
         wire.write_frame(conn, wire.RESULT, wire.Msg({"bytes": count.decode(), "room": f"{zeros.decode()}{room}"})
                          .encode())
 
-    def serve() -> None:
-        conn, _ = server.accept()
-        with conn:
-            conn.settimeout(5)
-            answer(conn, zeros + b"4096")
-            answer(conn, b"9" * 5000)
-            time.sleep(0.5)  # keep the connection open while the sender reads
+    def serve(conn: socket.socket) -> None:
+        answer(conn, zeros + b"4096")
+        answer(conn, b"9" * 5000)
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    with server, WireEngine("127.0.0.1") as writer:
-        src = torch.ones(4096, dtype=torch.uint8)
-        writer.register(src)
-        session = f"127.0.0.1:{server.getsockname()[1]}"
+    with _writer_against(serve) as (writer, session, src):
         writer.write(session, [src.data_ptr()], [0x1000], [4096])
         with pytest.raises(TransferError, match=rf"write to {session} failed: the peer's RESULT for room \d+: "
                                                 r"bytes: not a number"):
             writer.write(session, [src.data_ptr()], [0x1000], [4096])
         assert writer.stats()["write_failures"] == 1
-    thread.join(5)
 
 
 def test_a_peer_nobody_listens_for_fails_as_a_connect_naming_the_address():
