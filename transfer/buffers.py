@@ -487,10 +487,14 @@ class ReceivePool:
         with self._lock:
             if not slot.is_fallback:
                 self._leased -= 1
+            now = self._clock()
             if event is None:
-                self._settle(slot, self._clock())
-            elif not self._settle_if_done(slot, event, self._clock()):
-                self._pending.append((slot, event))
+                self._settle(slot, now)
+            elif not self._settle_if_done(slot, event, now):
+                if self._closed:  # given back after close(): its memory outlives the pool until the copy is done
+                    _hold(self._clock, now + self.quarantine_of(slot.nbytes), slot.region, event)
+                else:
+                    self._pending.append((slot, event))
 
     def _on_fail(self, slot: Slot) -> None:
         """A failed handle: quarantine (slot) or the longer of grace and quarantine (fallback)."""
@@ -622,7 +626,7 @@ class ReceivePool:
         long as the pool object, and memory quarantined after a failed room, or given back
         failed after close(), until its quarantine ends: no later registration with the engine
         gets its address while a late write may land there; and memory a copy-out whose event is
-        still pending reads, until the event completed or the quarantine bound passed; the first
+        still pending reads, given back before or after close(), until the event completed or the quarantine bound passed; the first
         pool made or polled after that frees it); idempotent."""
         with self._lock:
             if self._closed:

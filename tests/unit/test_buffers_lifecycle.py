@@ -201,14 +201,18 @@ def test_a_closed_pools_quarantined_memory_stays_allocated_until_its_quarantine_
     successor.close()
 
 
+@pytest.mark.parametrize("when", ["cleared before close", "cleared after close"])
 @pytest.mark.parametrize("what", ["slot", "fallback"])
-def test_a_closed_pools_memory_a_copy_out_still_reads_stays_allocated_until_the_copy_completed(what):
-    """A room cleared with a copy-out event still pending, its pool closed and dropped: the copy may still
-    read the slot (or fallback), so its memory outlives the pool until the event says the copy is done."""
+def test_a_closed_pools_memory_a_copy_out_still_reads_stays_allocated_until_the_copy_completed(what, when):
+    """A room cleared with a copy-out event still pending, its pool closed (before or after the clear) and
+    dropped: the copy may still read the slot (or fallback), so its memory outlives the pool until the
+    event says the copy is done."""
     engine, clock = RecordingEngine(), FakeClock()
     pool = ReceivePool(engine, 4 * SLOT, SLOT, clock=clock, quarantine_s=30.0, grace_s=5.0)
     lease = pool.lease_or_fallback(SLOT * 4) if what == "fallback" else pool.lease(8)
     event = FakeEvent()
+    if when == "cleared after close":  # a manager still open clears its room after its pool was closed
+        pool.close()
     lease.release(event)
     alive = weakref.ref(lease.region.tensor)
     del lease
