@@ -113,7 +113,10 @@ def _check_member(group: dist.ProcessGroup | None, what: str) -> None:
                          f"torch.distributed.init_process_group() on every rank of the group first (with a "
                          f"timeout=, which bounds how long a rank waits for a dead or late peer here)")
     if dist.get_rank(group) < 0:
-        raise ConfigError(f"{what}: this rank is not a member of the group")
+        raise ConfigError(f"{what}: this rank (global rank {dist.get_rank()}) is not a member of the group: "
+                          f"torch.distributed would skip the group's collectives here, agreeing and rebuilding "
+                          f"nothing; call it only on the ranks of the group the rows were split over, or pass "
+                          f"the group this rank belongs to")
 
 
 def _table(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None) -> tuple[int, int, list[int], str | None]:

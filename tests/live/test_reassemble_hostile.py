@@ -601,6 +601,9 @@ def test_blocks_inside_a_larger_world(tmp_path):
     observed = seen(run_ranks("sub_groups", 4, tmp_path))
     non_member = observed[0]["non_member"]
     assert non_member["raised"] is not None and "not a member" in non_member["raised"], non_member
+    # What to do, not only what is wrong: torch.distributed skips a non-member's collectives silently.
+    assert "call it only on the ranks of the group" in non_member["raised"], non_member
+    assert "global rank 0" in non_member["raised"], non_member
     assert all(non_member["untouched"]), "a rank outside the group reported or wrote rows"
     for rank, obs in enumerate(observed):
         for name in ("block", "world"):
