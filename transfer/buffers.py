@@ -626,8 +626,8 @@ class ReceivePool:
         long as the pool object, and memory quarantined after a failed room, or given back
         failed after close(), until its quarantine ends: no later registration with the engine
         gets its address while a late write may land there; and memory a copy-out whose event is
-        still pending reads, given back before or after close(), until the event completed or the quarantine bound passed; the first
-        pool made or polled after that frees it); idempotent."""
+        still pending reads, given back before or after close(), until the event completed or the
+        quarantine bound passed; the first pool made or polled after that frees it); idempotent."""
         with self._lock:
             if self._closed:
                 return
