@@ -96,14 +96,21 @@ PyObject *epd_msg_encode(PyObject *fields, Py_buffer *body)
     return out;
 }
 
+/* Bytes of a line an error quotes, as the wire listener quotes a PREFILL's: a peer's long line
+   must not make a long error. */
+#define QUOTED_BYTES 64
+
 /* Adds one header line to the dict; a later line with the same key replaces an earlier one. */
 static int decode_line(PyObject *fields, const char *line, size_t len)
 {
     const char *eq = memchr(line, '=', len);
     if (eq == NULL) {
-        PyObject *text = PyUnicode_DecodeUTF8(line, (Py_ssize_t)len, "strict");
+        size_t shown = len < QUOTED_BYTES ? len : QUOTED_BYTES;
+        while (shown > 0 && shown < len && ((unsigned char)line[shown] & 0xC0) == 0x80)
+            shown--; /* the quote ends on a whole UTF-8 character (the header is UTF-8) */
+        PyObject *text = PyUnicode_DecodeUTF8(line, (Py_ssize_t)shown, "strict");
         if (text != NULL) {
-            PyErr_Format(epd_MsgError, "a header line without '=': \"%U\"", text);
+            PyErr_Format(epd_MsgError, "a header line without '=': \"%U%s\"", text, len > QUOTED_BYTES ? "..." : "");
             Py_DECREF(text);
         }
         return -1;

@@ -25,7 +25,8 @@ which equals UTF-8 byte order), one per key; then an empty line; then the body a
 bytes. Decoding: the header ends at the first empty line (a message without one is all
 header, with an empty body); the whole header is checked as UTF-8 first
 (``a message that is not UTF-8``), then each line is split at its first ``=`` (values may
-contain ``=``; a line without one is ``a header line without '=': "<line>"``); a repeated
+contain ``=``; a line without one is ``a header line without '=': "<line>"``, the line's
+first 64 bytes at most, cut back to a whole character and marked ``...``); a repeated
 key keeps its last value; no CR stripping. Keys must not contain ``=`` or a newline and
 values no newline (``ValueError`` on ``set``). ``number`` accepts an optional sign and
 ASCII digits only, in ``-2**63 .. 2**64-1`` (so u64 checksums fit).

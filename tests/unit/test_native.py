@@ -389,6 +389,21 @@ def test_msg_decode_errors():
         assert str(err.value) == message, data
 
 
+def test_msg_decode_quotes_a_long_line_without_equals_as_the_listener_does():
+    """At most 64 bytes of the line, cut back to the start of a character it would split, then
+    `...`: a peer's 64 KiB answer does not become a 64 KiB error (the listener quotes the same)."""
+    line = "a" * 63 + "\u00e9" + "b"  # the two bytes of the e-acute straddle the 64-byte cut
+    with pytest.raises(MsgError) as err:
+        Msg.decode(line.encode() + b"\n\n")
+    assert str(err.value) == f"a header line without '=': \"{'a' * 63}...\""
+    with pytest.raises(MsgError) as err:
+        Msg.decode(b"x" * 65536)
+    assert str(err.value) == f"a header line without '=': \"{'x' * 64}...\""
+    with pytest.raises(MsgError) as err:  # exactly 64 bytes: quoted whole
+        Msg.decode(b"y" * 64 + b"\n\n")
+    assert str(err.value) == f"a header line without '=': \"{'y' * 64}\""
+
+
 def test_msg_utf8_checked_before_lines():
     # both faults present: the whole header's UTF-8 check comes first
     with pytest.raises(MsgError) as err:

@@ -67,6 +67,12 @@ def test_an_answer_that_is_not_this_rooms_is_an_engine_error_naming_what_it_was(
     assert type(error) is EngineError and str(error).startswith(said), error
 
 
+def test_a_result_of_one_long_line_is_an_engine_error_quoting_a_short_part_of_it():
+    error = _answer(wire.RESULT, b"junk" * 16384)  # 64 KiB, the most an answer may be
+    assert type(error) is EngineError
+    assert str(error) == f"the peer's RESULT (65536 bytes) is not a Msg: a header line without '=': \"{'junk' * 16}...\""
+
+
 @pytest.mark.parametrize("payload, reason", [
     (wire.Msg({"room": 7}, b"destination not registered").encode(), "destination not registered"),
     (wire.Msg({}, b"unreadable PREFILL").encode(), "unreadable PREFILL"),  # no room: it could not read ours
