@@ -38,8 +38,14 @@ int epd_u64_arg(PyObject *obj, const char *what, uint64_t *out)
     /* Not the "K" format: it silently keeps the low 64 bits, so -1 or 2**64 + a would read or
        register an address nobody asked for. */
     PyObject *index = PyNumber_Index(obj);
-    if (index == NULL)
+    if (index == NULL) {
+        /* Not an integer at all (a float, a str): still a TypeError, but one that names the argument. */
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "%s must be an int in 0..18446744073709551615, got %R", what, obj);
+        }
         return -1;
+    }
     unsigned long long v = PyLong_AsUnsignedLongLong(index);
     Py_DECREF(index);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) {

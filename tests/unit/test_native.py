@@ -209,6 +209,21 @@ def test_layer_and_rows_take_any_integer_type_as_the_checksum_does():
         wire.layer_header(1, 2.0, 3)
 
 
+@pytest.mark.parametrize("call, named", [
+    (lambda: wire.layer_header(1, 2, 3.0), "checksum"),
+    (lambda: wire.layer_sum(4096, 8.0), "layer_sum: the length"),
+    (lambda: wire.layer_sum("4096", 8), "layer_sum: the address"),
+    (lambda: _native.read_frame(-1, 1.0, 1.5), "limit"),
+    (lambda: _native.wire_transfer(-1, b"", [(4096.0, 8)], 1, 8, 1.0), "a layer's address"),
+    (lambda: _native.wire_transfer(-1, b"", [(4096, 8)], 1, "8", 1.0), "chunk"),
+])
+def test_a_64_bit_argument_that_is_no_integer_is_a_type_error_naming_it(call, named):
+    """Not Python's bare "'float' object cannot be interpreted as an integer", which says neither
+    which argument nor what it must be."""
+    with pytest.raises(TypeError, match=rf"^{named} must be an int in 0\.\.18446744073709551615, got "):
+        call()
+
+
 def test_a_layer_list_changed_while_its_addresses_are_read_is_sent_as_it_was_given():
     import os
 
