@@ -348,8 +348,9 @@ def _zmq_error(exc: OSError) -> zmq.ZMQError:
 def send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
     """Queues one multipart message without blocking (zmq.Again when the queue is full).
 
-    When it raises, nothing of the message was delivered: a full queue refuses the first
-    part, and a later part is refused only when the peer's pipe went away mid-message, which
+    A part that is not bytes (TypeError) or a message of no part (ValueError) is refused before
+    anything is queued. When it raises, nothing of the message was delivered: a full queue refuses
+    the first part, and a later part is refused only when the peer's pipe went away mid-message, which
     makes libzmq drop the message's remaining parts; they are handed over for that drop to end
     with this message rather than swallow the next one.
     """
@@ -359,6 +360,13 @@ def send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
         except OSError as exc:
             raise _zmq_error(exc) from None
         return
+    # Checked before the first part goes, as the native call does: a part queued with more to come
+    # would otherwise be the head of the next message sent on this socket.
+    if not frames:
+        raise ConfigError("a message has at least one part")
+    for i, frame in enumerate(frames):
+        if not isinstance(frame, bytes):
+            raise ConfigTypeError(f"part {i} is {type(frame).__name__}, not bytes")
     last = len(frames) - 1
     for i, frame in enumerate(frames):
         try:

@@ -106,6 +106,23 @@ def test_a_full_queue_raises_again_and_queues_no_part(path):
         assert _io.recv_frames(pull) is None
 
 
+@pytest.mark.parametrize("refused, error", [
+    ([b"head", "a str", b"tail"], TypeError),
+    ((b"head", 7), TypeError),  # a tuple: never the native call, whichever path
+    ([], ValueError),
+])
+def test_a_message_refused_for_its_parts_queues_nothing_on_either_path(path, pair, refused, error):
+    """A part that is not bytes is refused before any part is queued: a part queued with more to
+    come would be the head of the next message sent on the socket."""
+    push, pull = pair
+    with pytest.raises(error, match="not bytes|at least one part"):
+        _io.send_frames(push, refused)
+    _io.send_frames(push, [b"next"])
+    assert drain(pull, 1) == [[b"next"]]
+    time.sleep(0.05)
+    assert _io.recv_frames(pull) is None
+
+
 def test_a_closed_socket_raises_zmq_error(path):
     sock = _io.context().socket(zmq.PULL)
     sock.close(0)
