@@ -391,3 +391,40 @@ def test_a_raw_destination_computed_with_numpy_is_received_like_one_given_as_int
             received.clear()
     finally:
         encode_engine.unregister(item.data_ptr())
+
+
+@pytest.mark.driver_dies
+def test_a_receive_after_the_managers_io_thread_stopped_says_to_start_a_new_manager_which_then_receives(engines):
+    """The manager's I/O thread stopped after an error: receive() says so, where the traceback went,
+    and what to do; doing that (close it, make a new one on the same engine) receives again."""
+    encode_engine, prefill_engine = engines
+    buf = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+    item = torch.randn(4, 64).to(torch.bfloat16)
+    encode_engine.register(item)
+    try:
+        with BootstrapServer(HOST, 0) as server, SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST) as pool:
+            manager = SessionManager(prefill_engine, 0, 1, 1, buffer=buf, host=HOST, deadline_s=30)
+            first = manager.receive(1, server.address, buf[0])
+
+            def broken(now, limit=None, unread=False):
+                raise RuntimeError("injected")
+
+            manager._driver.core.tick = broken  # the I/O thread calls it on every turn
+            manager._driver._waker.wake()
+            assert first.wait(5) == TransferPoll.Failed
+            with pytest.raises(TransferError, match=r"^session manager's I/O thread stopped after an error "
+                                                    r"\(RuntimeError: injected; its traceback is logged\): "
+                                                    r"close\(\) the manager and start a new one$"):
+                manager.receive(2, server.address, buf[1])
+            first.clear()
+            manager.close()
+            with SessionManager(prefill_engine, 0, 1, 1, buffer=buf, host=HOST, deadline_s=30) as again:
+                handle = again.receive(2, server.address, buf[1])
+                sent = pool.send(2, item)
+                assert handle.wait(10) == TransferPoll.Success, handle.failure
+                assert torch.equal(buf[1], item)
+                handle.clear()
+                assert sent.wait(10) == TransferPoll.Success
+                sent.clear()
+    finally:
+        encode_engine.unregister(item.data_ptr())

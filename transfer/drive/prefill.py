@@ -249,7 +249,8 @@ class PrefillDriver:
             if self._stopping:
                 raise UsageError("session manager is closed")
             if self.failure is not None:
-                raise UsageError(f"session manager's I/O thread stopped after an error: {self.failure}")
+                raise UsageError(f"session manager's I/O thread stopped after an error ({self.failure}; its traceback "
+                                 f"is logged): close() the manager and start a new one")
             now = self.clock()
             record.token, actions = self.core.receive(now, spec)  # refuses a room number held (nothing filed)
             self.rooms[room] = record
