@@ -85,7 +85,8 @@ class SendHandle(_io.RoomHandle[RoomState]):
         """Forgets a concluded room (an unconcluded one is failed first).
 
         The pool's thread lets go of a served room's item on its next turn: at once on a
-        busy pool, within half a second on an idle one.
+        busy pool, within half a second on an idle one. In a process forked from the one that
+        made the pool it does nothing: the room is the parent's.
         """
         self._pool._forget(self._state)
 
@@ -319,7 +320,10 @@ class SenderPool:
 
     def _forget(self, state: RoomState) -> None:
         """Fails the room unless it concluded, then forgets it; the driver tells its receivers (once its
-        thread stopped, it held on to nothing of the room and is posted nothing)."""
+        thread stopped, it held on to nothing of the room and is posted nothing). Not in a forked child: the
+        room and the book's lock are the parent's (a lock held at the fork stays held there)."""
+        if self._driver.forked:
+            return
         book = self._book
         # Concluded here, not by the core, so the handle reads Failed at once; the core's own
         # conclusion of this room then finds it concluded (and no longer held) and does nothing.
@@ -337,8 +341,10 @@ class SenderPool:
     def concluded(self) -> list[int]:
         """Rooms that reached Success or Failed since the last call, oldest first, each once.
 
-        Never blocks; a room cleared before it was handed out is left out.
+        Never blocks; a room cleared before it was handed out is left out. UsageError in a process
+        forked from the one that made the pool (its rooms are the parent's).
         """
+        self._driver.check_process()
         return self._table.take_concluded()
 
     def stats(self) -> list[dict]:

@@ -75,3 +75,43 @@ def test_a_forked_child_is_refused_the_parents_pool_and_leaves_its_route_listed(
                 sent.clear()
         finally:
             pool.close()
+
+
+def test_a_forked_childs_calls_return_at_once_though_the_parent_held_the_pools_locks():
+    """The pool's thread concludes rooms under the room book's lock and the room table's: held at the fork,
+    they stay held in the child for ever, so the child's send(), clear(), concluded() and close() must take
+    neither (send() and concluded() are refused, clear() and close() leave the parent's rooms alone)."""
+    item = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with Engine(HOST, "tcp") as engine, BootstrapServer(HOST, 0) as server, \
+            SenderPool(engine, 0, 1, 1, server.address, host=HOST) as pool:
+        handle = pool.send(1, item)
+        read_fd, write_fd = os.pipe()
+        locks = (pool._book.lock, pool._book.table._lock)
+        for lock in locks:
+            lock.acquire()
+        pid = os.fork()
+        if pid:
+            for lock in locks:  # the parent's; the child's copies stay held
+                lock.release()
+        else:
+            try:
+                os.close(read_fd)
+                outcome: dict[str, str] = {}
+                for name, call in (("send", lambda: pool.send(2, item)), ("concluded", pool.concluded)):
+                    try:
+                        call()
+                        outcome[name] = "ok"
+                    except Exception as exc:  # noqa: BLE001 - reported to the parent
+                        outcome[name] = type(exc).__name__
+                handle.clear()
+                pool.close()
+                outcome["cleared and closed"] = "yes"
+                os.write(write_fd, json.dumps(outcome).encode())
+            finally:
+                os._exit(0)
+        os.close(write_fd)
+        report = child_report(read_fd, pid)
+        assert report == {"send": "UsageError", "concluded": "UsageError", "cleared and closed": "yes"}, \
+            f"the child waited on a parent's lock: {report}"
+        assert handle.poll() == TransferPoll.WaitingForInput  # the parent's room is untouched
+        handle.clear()
