@@ -301,11 +301,12 @@ class SenderPool:
                      if base <= region.addr and region.end <= base + size), None)
         if span is None:
             return _io.host_readable(region.addr, region.nbytes)
-        if span not in self._readable:
+        readable = self._readable.get(span)
+        if readable is None:  # another send() may clear the cache meanwhile: the answer is kept here
             if len(self._readable) >= _READABLE_REGISTRATIONS:
                 self._readable.clear()
-            self._readable[span] = _io.host_readable(*span)
-        return self._readable[span]
+            readable = self._readable[span] = _io.host_readable(*span)
+        return readable
 
     def _hold_registered(self, *regions: _io.Region | None) -> Callable[[], None] | None:
         """Registers source regions outside registered memory; returns their release (or None)."""
