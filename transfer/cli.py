@@ -344,6 +344,9 @@ def _rank(args: argparse.Namespace) -> int:
               f"(unset EPD_DEVICE or pick another --protocol)", file=sys.stderr)
         return 2
     sc.device = args.device
+    # As demo and bench: said now, not after a prefill rank waited out --bootstrap-timeout for its encode rank.
+    if _protocol_refused("rank", args.protocol, args.device):
+        return 2
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
     _exit_with(args.exit_with)

@@ -44,7 +44,9 @@ def test_probe_timeout_is_reported():
     assert not ok and "hung for more than" in detail
 
 
-@pytest.mark.parametrize("argv", [["demo", "--items", "1"], ["bench", "--quick"]])
+@pytest.mark.parametrize("argv", [["demo", "--items", "1"], ["bench", "--quick"],
+                                  ["rank", "--role", "prefill", "--rank", "0", "--bootstrap", "127.0.0.1:1",
+                                   "--bootstrap-timeout", "30"]], ids=["demo", "bench", "rank"])
 def test_a_mooncake_path_on_a_host_whose_mooncake_does_not_import_is_refused_in_one_line(argv, tmp_path):
     import sys
 

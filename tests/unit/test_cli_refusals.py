@@ -41,6 +41,31 @@ def test_rdma_without_a_device_is_refused_before_any_rank_starts(argv, no_rdma, 
     assert f"epd-transfer {argv[0]}: protocol 'rdma' needs a usable RDMA device" in err
 
 
+PREFILL_RANK = ["rank", "--role", "prefill", "--rank", "0", "--bootstrap", "127.0.0.1:1"]
+
+
+def _no_rank_starts(monkeypatch):
+    monkeypatch.setattr(harness, "encode_rank", _never)
+    monkeypatch.setattr(harness, "prefill_rank", _never)
+    monkeypatch.setattr(cli, "_wait_for_route", _never)  # a prefill rank would wait out --bootstrap-timeout
+
+
+@pytest.mark.parametrize("argv", [RANK, PREFILL_RANK], ids=["encode", "prefill"])
+def test_a_rank_whose_rdma_cannot_run_is_refused_before_it_waits_for_anyone(argv, no_rdma, monkeypatch, capsys):
+    # As demo and bench: not a prefill rank that waits for its encode rank first and then says only that
+    # it never registered, while the reason (no device) waits behind it.
+    _no_rank_starts(monkeypatch)
+    assert cli.main([*argv, "--protocol", "rdma"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("epd-transfer rank: protocol 'rdma' needs a usable RDMA device") and err.count("\n") == 1
+
+
+def test_a_rank_naming_a_device_this_host_lacks_is_refused_before_it_starts(no_rdma, monkeypatch, capsys):
+    _no_rank_starts(monkeypatch)
+    assert cli.main([*PREFILL_RANK, "--protocol", "rdma", "--device", "mlx5_9"]) == 2
+    assert capsys.readouterr().err.startswith("epd-transfer rank: RDMA device mlx5_9 not under")
+
+
 def test_a_bench_of_paths_without_mooncake_does_not_need_its_protocol(no_rdma, monkeypatch):
     monkeypatch.setattr(bench, "main", lambda args: 0)
     assert cli.main(["bench", "--protocol", "rdma", "--paths", "wire,memcpy"]) == 0
@@ -65,6 +90,19 @@ def test_a_mooncake_protocol_without_mooncake_is_refused_before_any_rank_starts(
     assert err.startswith(f"epd-transfer {argv[0]}: cannot import mooncake.engine (")
     assert "No module named 'mooncake'" in err and "pip install mooncake-transfer-engine" in err
     assert ("--paths wire,memcpy" if argv[0] == "bench" else "--protocol wire") in err and "Traceback" not in err
+
+
+def test_a_rank_on_a_mooncake_path_where_mooncake_does_not_import_is_refused_before_it_starts(no_rdma, no_mooncake,
+                                                                                            monkeypatch, capsys):
+    _no_rank_starts(monkeypatch)
+    assert cli.main([*PREFILL_RANK, "--protocol", "tcp"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("epd-transfer rank: cannot import mooncake.engine (") and "--protocol wire" in err
+
+
+def test_a_wire_rank_does_not_need_mooncake(no_rdma, no_mooncake, monkeypatch):
+    monkeypatch.setattr(harness, "encode_rank", lambda *args: {"failed": []})
+    assert cli.main([*RANK, "--protocol", "wire", "--linger", "0"]) == 0
 
 
 @pytest.mark.parametrize("argv", [["demo", "--protocol", "wire"], ["bench", "--paths", "wire,memcpy"]])
@@ -209,6 +247,7 @@ def test_rank_bootstrap_timeout_bounds_the_encode_ranks_registration(monkeypatch
         seen["sc"] = sc
         return {"failed": []}
 
+    monkeypatch.setattr(cli, "_probe_mooncake", lambda: (True, "imports"))  # a Mooncake path: rank checks it first
     monkeypatch.setattr(harness, "encode_rank", encode_rank)
     assert cli.main([*RANK, "--bootstrap-timeout", "3", "--linger", "0"]) == 0
     assert (seen["sc"].register_timeout_s, seen["sc"].fanout_timeout_s) == (3.0, 3.0)
@@ -248,6 +287,7 @@ def test_a_listener_that_cannot_bind_is_one_line_without_a_traceback_hint(monkey
         raise zmq.ZMQError(errno.EADDRINUSE, "encode rank 0's request socket cannot listen on "
                                              "tcp://127.0.0.1:27987: Address already in use")
 
+    monkeypatch.setattr(cli, "_probe_mooncake", lambda: (True, "imports"))  # a Mooncake path: rank checks it first
     monkeypatch.setattr(harness, "encode_rank", encode_rank)
     assert cli.main(RANK) == 1
     err = capsys.readouterr().err
@@ -286,6 +326,7 @@ def test_a_rank_failure_reason_names_its_room_once(monkeypatch, capsys):
     report: dict = {"rooms": [], "failed": []}
     harness._settle_send(Handle(), harness.Scenario(), report)
     assert report["failed"] == [(7, "receiver 127.0.0.1:15018 hidden 32 != item hidden 64")]
+    monkeypatch.setattr(cli, "_probe_mooncake", lambda: (True, "imports"))  # a Mooncake path: rank checks it first
     monkeypatch.setattr(harness, "encode_rank", lambda *args: report)
     assert cli.main([*RANK, "--linger", "0"]) == 1
     failures = json.loads(capsys.readouterr().out)["failures"]
