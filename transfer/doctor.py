@@ -30,6 +30,9 @@ PROC_MODULES = "/proc/modules"
 # How long the mooncake import may take in its subprocess before we call it hung.
 IMPORT_TIMEOUT_S = 60.0
 
+# How long torch's import and CUDA query may take in their subprocess before we call them hung.
+CUDA_TIMEOUT_S = 60.0
+
 # Mooncake distributions and the build each one is (they all install `mooncake`).
 MOONCAKE_FLAVOURS = {
     "mooncake-transfer-engine": "CUDA build",
@@ -353,27 +356,65 @@ def check_rdma(sysfs_root: str | None = None) -> tuple[list[Check], list[dict]]:
 # ---- CUDA and GPUDirect ---------------------------------------------------------
 
 
-def check_cuda() -> tuple[Check, dict]:
-    """torch's view of CUDA: available, device count and names."""
+#: What the CUDA probe's child prints: torch's view of CUDA as one JSON object.
+_CUDA_QUERY = """import json
+try:
+    import torch
+except Exception as error:  # a broken torch install raises more than ImportError
+    print(json.dumps({"import_error": str(error)}))
+    raise SystemExit
+info = {"torch": torch.__version__, "torch_cuda": torch.version.cuda}
+try:
+    available = bool(torch.cuda.is_available())
+    info["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if available else []
+    info["available"] = available
+except Exception as error:
+    info["error"] = str(error)
+print(json.dumps(info))
+"""
+
+
+def probe_cuda(timeout_s: float | None = None) -> dict:
+    """torch's view of CUDA, asked in a child process, as the Mooncake import is: a driver that hangs or
+    crashes in cuInit (a GPU fallen off the bus) cannot take the doctor down. torch, torch_cuda, available and
+    devices; import_error when torch does not import, error when the query failed, hung or crashed."""
+    timeout_s = CUDA_TIMEOUT_S if timeout_s is None else timeout_s
     try:
-        import torch
-    except Exception as error:  # a broken torch install raises more than ImportError
-        return Check("cuda", "warn", f"torch does not import: {error}",
+        done = subprocess.run([sys.executable, "-c", _CUDA_QUERY], capture_output=True, text=True,
+                              timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"the CUDA query (torch.cuda.is_available()) hung for more than {timeout_s:g}s"}
+    lines = done.stdout.strip().splitlines()
+    try:
+        info = json.loads(lines[-1]) if done.returncode == 0 and lines else None
+    except ValueError:
+        info = None
+    if isinstance(info, dict):
+        return info
+    if done.returncode < 0:
+        return {"error": f"the CUDA query crashed (signal {-done.returncode})"}
+    errors = [ln for ln in done.stderr.strip().splitlines() if ln.strip()]
+    return {"error": f"the CUDA query failed: {errors[-1] if errors else f'exit {done.returncode}'}"}
+
+
+def check_cuda(probe: Callable[[], dict] | None = None) -> tuple[Check, dict]:
+    """torch's view of CUDA: available, device count and names (from probe_cuda unless `probe` is given)."""
+    found = (probe or probe_cuda)()
+    if "import_error" in found:
+        return Check("cuda", "warn", f"torch does not import: {found['import_error']}",
                      "pip install torch (the build matching this host)"), {"available": False}
-    try:
-        available = bool(torch.cuda.is_available())
-        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
-            if available else []
-    except Exception as error:
-        return Check("cuda", "warn", f"torch {torch.__version__}: CUDA query failed: {error}"), \
-            {"available": False}
-    info = {"available": available, "torch": torch.__version__,
-            "torch_cuda": torch.version.cuda, "devices": names}
+    if "error" in found:
+        torch = f"torch {found['torch']}: " if "torch" in found else ""
+        query = found["error"] if "torch" not in found else f"CUDA query failed: {found['error']}"
+        return Check("cuda", "warn", f"{torch}{query}",
+                     "check the NVIDIA driver (nvidia-smi; dmesg for Xid errors)"), {"available": False}
+    available, names = bool(found["available"]), list(found["devices"])
+    info = {"available": available, "torch": found["torch"], "torch_cuda": found["torch_cuda"], "devices": names}
     if not available:
-        build = "CPU build" if torch.version.cuda is None else f"CUDA {torch.version.cuda} build"
-        return Check("cuda", "info", f"torch {torch.__version__} ({build}): no CUDA device; "
+        build = "CPU build" if found["torch_cuda"] is None else f"CUDA {found['torch_cuda']} build"
+        return Check("cuda", "info", f"torch {found['torch']} ({build}): no CUDA device; "
                                      "host buffers only"), info
-    return Check("cuda", "ok", f"torch {torch.__version__}: {len(names)} device(s): "
+    return Check("cuda", "ok", f"torch {found['torch']}: {len(names)} device(s): "
                                + ", ".join(names)), info
 
 
@@ -501,14 +542,14 @@ def _did_you_mean(name: str, known: list[str]) -> str:
 
 def collect(sysfs_root: str | None = None, environ: Mapping[str, str] | None = None,
             mooncake_probe: Probe | None = None, native_probe: Probe | None = None,
-            proc_modules: str | None = None) -> dict:
+            proc_modules: str | None = None, cuda_probe: Callable[[], dict] | None = None) -> dict:
     """Run every check and return the --json object (see Report.as_dict)."""
-    return collect_report(sysfs_root, environ, mooncake_probe, native_probe, proc_modules).as_dict()
+    return collect_report(sysfs_root, environ, mooncake_probe, native_probe, proc_modules, cuda_probe).as_dict()
 
 
 def collect_report(sysfs_root: str | None = None, environ: Mapping[str, str] | None = None,
                    mooncake_probe: Probe | None = None, native_probe: Probe | None = None,
-                   proc_modules: str | None = None) -> Report:
+                   proc_modules: str | None = None, cuda_probe: Callable[[], dict] | None = None) -> Report:
     """Run every check; probes default to the real imports."""
     report = Report()
     report.checks.append(Check("python", "info", f"{platform.python_version()} on "
@@ -519,7 +560,7 @@ def collect_report(sysfs_root: str | None = None, environ: Mapping[str, str] | N
     report.checks.append(check_library("libnuma.so.1", "libnuma", "libnuma1"))
     rdma_checks, report.rdma_devices = check_rdma(sysfs_root)
     report.checks.extend(rdma_checks)
-    cuda_check, report.cuda = check_cuda()
+    cuda_check, report.cuda = check_cuda(cuda_probe)
     report.checks.append(cuda_check)
     report.checks.append(check_gpudirect(report.cuda.get("available", False), sysfs_root,
                                          proc_modules))

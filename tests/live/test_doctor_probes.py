@@ -1,5 +1,5 @@
-"""doctor's probes on this host (child interpreters, the real Mooncake wheel), demo and bench refusing a Mooncake
-path its probe fails, and scripts/soft-roce.sh."""
+"""doctor's probes on this host (child interpreters, the real Mooncake wheel, a CUDA query that hangs), demo, bench
+and rank refusing a Mooncake path its probe fails, and scripts/soft-roce.sh."""
 
 from __future__ import annotations
 
@@ -61,6 +61,38 @@ def test_a_mooncake_path_on_a_host_whose_mooncake_does_not_import_is_refused_in_
                                   f"mooncake needs is missing: "), done.stderr
     assert "apt-get install libibverbs1 libnuma1" in done.stderr and "Traceback" not in done.stderr
     assert done.stdout == ""
+
+
+# torch whose CUDA query never returns, as on a host whose driver hangs in cuInit (a GPU fallen off the bus).
+_HUNG_CUDA_TORCH = """import os, sys, time
+_shadow = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or '.') != _shadow]
+del sys.modules['torch']
+import torch as _torch
+def _hang():
+    time.sleep(3600)
+_torch.cuda.is_available = _hang
+sys.modules['torch'] = _torch
+"""
+
+
+def test_a_cuda_query_that_hangs_leaves_the_doctor_a_warning_line(tmp_path):
+    import sys
+
+    shadow = tmp_path / "torch"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text(_HUNG_CUDA_TORCH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    code = "import sys; from transfer import doctor; doctor.CUDA_TIMEOUT_S = 3; sys.exit(doctor.run())"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail("doctor hung with the CUDA query")
+    assert done.returncode == 0, done.stderr
+    cuda = [line for line in done.stdout.splitlines() if line[6:].startswith("cuda ")]
+    assert len(cuda) == 1 and cuda[0].startswith("WARN") and "hung for more than 3s" in cuda[0], done.stdout
+    assert "data-path" in done.stdout
 
 
 def test_real_host_report_is_consistent():

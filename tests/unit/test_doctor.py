@@ -55,13 +55,18 @@ def bad_probe():
     return False, "import fails: ModuleNotFoundError: No module named 'x'"
 
 
+def cpu_torch():
+    """What the CUDA probe finds on a host with torch's CPU build."""
+    return {"torch": "2.5.0+cpu", "torch_cuda": None, "available": False, "devices": []}
+
+
 def run_doctor(sysfs_root, as_json=False, mooncake=ok_probe, native=ok_probe, environ=None,
-               proc_modules="/nonexistent/modules"):
+               proc_modules="/nonexistent/modules", cuda=cpu_torch):
     """Run the doctor with injected probes; return (exit code, output)."""
     out = io.StringIO()
     code = doctor.run(as_json=as_json, out=out, sysfs_root=str(sysfs_root),
                       environ=environ if environ is not None else {},
-                      mooncake_probe=mooncake, native_probe=native, proc_modules=proc_modules)
+                      mooncake_probe=mooncake, native_probe=native, proc_modules=proc_modules, cuda_probe=cuda)
     return code, out.getvalue()
 
 
@@ -135,7 +140,7 @@ def test_no_rdma_devices_means_tcp(tmp_path):
     assert "scripts/soft-roce.sh up" in line_of(text, "rdma")
     assert "auto -> tcp" in line_of(text, "protocol")
     report = doctor.collect(sysfs_root=str(tmp_path), environ={}, mooncake_probe=ok_probe,
-                            native_probe=ok_probe)
+                            native_probe=ok_probe, cuda_probe=cpu_torch)
     assert report["protocol"] == "tcp" and report["rdma_devices"] == []
 
 
@@ -289,3 +294,22 @@ def test_the_script_variables_are_those_the_scripts_read():
         read |= set(re.findall(r"\bEPD_[A-Z0-9_]*[A-Z0-9]\b", script.read_text()))
     assert read, f"no EPD_* variable in {scripts}"
     assert set(doctor.SCRIPT_VARIABLES) == read - {s.env for s in config.SETTINGS}
+
+
+@pytest.mark.parametrize("found, level, says", [
+    (cpu_torch(), "info", "torch 2.5.0+cpu (CPU build): no CUDA device; host buffers only"),
+    ({"torch": "2.5.0", "torch_cuda": "12.4", "available": True, "devices": ["NVIDIA H100"]}, "ok",
+     "torch 2.5.0: 1 device(s): NVIDIA H100"),
+    ({"import_error": "No module named 'torch'"}, "warn", "torch does not import: No module named 'torch'"),
+    ({"torch": "2.5.0", "torch_cuda": "12.4", "error": "CUDA driver initialization failed"}, "warn",
+     "torch 2.5.0: CUDA query failed: CUDA driver initialization failed"),
+    ({"error": "the CUDA query (torch.cuda.is_available()) hung for more than 60s"}, "warn",
+     "the CUDA query (torch.cuda.is_available()) hung for more than 60s"),
+])
+def test_the_cuda_line_says_what_the_probe_found(tmp_path, found, level, says):
+    _, text = run_doctor(tmp_path, cuda=lambda: found)
+    line = line_of(text, "cuda")
+    assert line.startswith(doctor.LEVEL_TAGS[level]) and says in line, line
+    report = doctor.collect(sysfs_root=str(tmp_path), environ={}, mooncake_probe=ok_probe, native_probe=ok_probe,
+                            cuda_probe=lambda: found)
+    assert report["cuda"]["available"] == found.get("available", False)
