@@ -170,6 +170,39 @@ def child_report(read_fd: int, pid: int, wait_s: float = 10.0) -> dict | None:
     return json.loads(raw) if raw else None
 
 
+def forked_holding(locks: tuple, child: Callable[[], dict], wait_s: float = 10.0) -> dict | None:
+    """Forks with `locks` held, as a lock another thread holds at a fork is, for ever, in the child; runs
+    `child()` there and returns the report it made (None when none came within `wait_s`: it hung)."""
+    import json
+
+    read_fd, write_fd = os.pipe()
+    for lock in locks:
+        lock.acquire()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_fd)
+            os.write(write_fd, json.dumps(child()).encode())
+        finally:
+            os._exit(0)
+    for lock in locks:  # the parent's; the child's copies stay held
+        lock.release()
+    os.close(write_fd)
+    return child_report(read_fd, pid, wait_s)
+
+
+def outcomes(calls: dict[str, Callable[[], Any]]) -> dict[str, str]:
+    """Each call's outcome by name: "ok", or the name of the exception it raised."""
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "ok"
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            out[name] = type(exc).__name__
+    return out
+
+
 def thread_stacks() -> str:
     """Every thread's current stack, for diagnosing a stall."""
     import sys

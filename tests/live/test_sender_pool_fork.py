@@ -9,7 +9,7 @@ import json
 import os
 
 import torch
-from live_helpers import HOST, LIVE, child_report
+from live_helpers import HOST, LIVE, child_report, forked_holding, outcomes
 
 from transfer.bootstrap import BootstrapServer
 from transfer.engine import Engine
@@ -85,32 +85,14 @@ def test_a_forked_childs_calls_return_at_once_though_the_parent_held_the_pools_l
     with Engine(HOST, "tcp") as engine, BootstrapServer(HOST, 0) as server, \
             SenderPool(engine, 0, 1, 1, server.address, host=HOST) as pool:
         handle = pool.send(1, item)
-        read_fd, write_fd = os.pipe()
-        locks = (pool._book.lock, pool._book.table._lock)
-        for lock in locks:
-            lock.acquire()
-        pid = os.fork()
-        if pid:
-            for lock in locks:  # the parent's; the child's copies stay held
-                lock.release()
-        else:
-            try:
-                os.close(read_fd)
-                outcome: dict[str, str] = {}
-                for name, call in (("send", lambda: pool.send(2, item)), ("concluded", pool.concluded)):
-                    try:
-                        call()
-                        outcome[name] = "ok"
-                    except Exception as exc:  # noqa: BLE001 - reported to the parent
-                        outcome[name] = type(exc).__name__
-                handle.clear()
-                pool.close()
-                outcome["cleared and closed"] = "yes"
-                os.write(write_fd, json.dumps(outcome).encode())
-            finally:
-                os._exit(0)
-        os.close(write_fd)
-        report = child_report(read_fd, pid)
+
+        def child() -> dict:
+            outcome = outcomes({"send": lambda: pool.send(2, item), "concluded": pool.concluded})
+            handle.clear()
+            pool.close()
+            return {**outcome, "cleared and closed": "yes"}
+
+        report = forked_holding((pool._book.lock, pool._book.table._lock), child)
         assert report == {"send": "UsageError", "concluded": "UsageError", "cleared and closed": "yes"}, \
             f"the child waited on a parent's lock: {report}"
         assert handle.poll() == TransferPoll.WaitingForInput  # the parent's room is untouched

@@ -10,7 +10,7 @@ import os
 
 import torch
 import zmq
-from live_helpers import HOST, LIVE, LogCapture, child_report, wait_until
+from live_helpers import HOST, LIVE, LogCapture, child_report, forked_holding, outcomes, wait_until
 
 from transfer.bootstrap import BootstrapClient, BootstrapServer
 from transfer.buffers import ReceivePool
@@ -89,30 +89,14 @@ def test_a_forked_childs_calls_return_at_once_though_the_parent_held_the_manager
             ReceivePool(engine, 4 * 1024, 1024) as slots, \
             SessionManager(engine, 0, 1, 1, pool=slots, host=HOST, deadline_s=30) as manager:
         handle = manager.receive(1, server.address, rows=4, hidden=128, dtype="bfloat16")
-        read_fd, write_fd = os.pipe()
-        locks = (manager._driver._lock, slots._lock)
-        for lock in locks:
-            lock.acquire()
-        pid = os.fork()
-        if pid:
-            for lock in locks:  # the parent's; the child's copies stay held
-                lock.release()
-        else:
-            try:
-                os.close(read_fd)
-                outcome: dict[str, str] = {}
-                try:
-                    manager.receive(2, server.address, rows=4, hidden=128, dtype="bfloat16")
-                    outcome["receive"] = "ok"
-                except Exception as exc:  # noqa: BLE001 - reported to the parent
-                    outcome["receive"] = type(exc).__name__
-                handle.clear()
-                manager.close()
-                outcome["cleared and closed"] = "yes"
-                os.write(write_fd, json.dumps(outcome).encode())
-            finally:
-                os._exit(0)
-        os.close(write_fd)
-        report = child_report(read_fd, pid)
+
+        def child() -> dict:
+            outcome = outcomes({"receive": lambda: manager.receive(2, server.address, rows=4, hidden=128,
+                                                                   dtype="bfloat16")})
+            handle.clear()
+            manager.close()
+            return {**outcome, "cleared and closed": "yes"}
+
+        report = forked_holding((manager._driver._lock, slots._lock), child)
         assert report == {"receive": "UsageError", "cleared and closed": "yes"}, "the child waited on a parent's lock"
         handle.clear()
