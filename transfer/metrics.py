@@ -224,6 +224,7 @@ class Metrics:
         self._counter_fns: dict[str, Callable[[], float]] = {}
         self._histograms: dict[str, dict[LabelKey, _Histogram]] = {}
         self._component: tuple[object, str] | None = None  # (its claim, its name) while a component holds it
+        self._fn_owners: dict[str, object] = {}  # gauge name -> the claim whose gauge_fn it is
 
     # ---- recording -------------------------------------------------------
 
@@ -264,14 +265,16 @@ class Metrics:
             have.update(key)
             self._const = tuple(sorted(have.items()))
 
-    def claim(self, component: str) -> Callable[[], None]:
+    def claim(self, component: str) -> MetricsClaim:
         """Marks this set as the one `component` (a sender pool, a session manager) records into, until the
-        returned release is called (its close); ConfigError while another component holds it.
+        returned claim is called (its close); ConfigError while another component holds it.
 
         Two open components of one role and rank on one set would write the same series: their
         counters would add up unseen and the second's gauges (queue_depth, ...) would hide the
         first's. So each open component needs a set of its own; a set its component let go of
         (closed) may serve the next one, whose counters go on from where the first's stopped.
+        The gauges the component registered through its claim (`claim.gauge_fn`) leave the set
+        when it lets go: a set that outlives it neither reads its closed parts nor keeps them alive.
         """
         token = object()
         with self._lock:
@@ -281,12 +284,27 @@ class Metrics:
                                   f"its counters merging with them): give each a Metrics of its own, or close the "
                                   f"first before reusing its Metrics")
             self._component = (token, component)
+        return MetricsClaim(self, token)
 
-        def release() -> None:
-            with self._lock:
-                if self._component is not None and self._component[0] is token:
-                    self._component = None
-        return release
+    def _release(self, token: object) -> None:
+        """Lets go of the set if `token` holds it, dropping the gauges registered under it."""
+        with self._lock:
+            if self._component is not None and self._component[0] is token:
+                self._component = None
+            for name in [name for name, owner in self._fn_owners.items() if owner is token]:
+                del self._fn_owners[name]
+                self._gauge_fns.pop(name, None)
+
+    def _owned_gauge_fn(self, token: object, name: str, fn: Callable[[], float]) -> None:
+        """gauge_fn() for the component holding the set under `token`; nothing once it let go."""
+        if not callable(fn):
+            raise ConfigTypeError(f"gauge_fn {name!r}: fn is not callable")
+        with self._lock:
+            if self._component is None or self._component[0] is not token:
+                return
+            self._claim(name, "gauge")
+            self._gauge_fns[name] = fn
+            self._fn_owners[name] = token
 
     def _series_key(self, labels: dict[str, object], reserved: tuple[str, ...] = ()) -> LabelKey:
         """A series' own label key; the set's labels and `reserved` may not be among them."""
@@ -353,6 +371,7 @@ class Metrics:
         with self._lock:
             self._claim(name, "gauge")
             self._gauge_fns[name] = fn
+            self._fn_owners.pop(name, None)  # the caller's now: it stays when a component lets go
 
     def counter_fn(self, name: str, fn: Callable[[], float]) -> None:
         """Make a counter whose value is `fn()` evaluated at read time; `fn` must only ever grow."""
@@ -465,6 +484,25 @@ class Metrics:
         collector = _PrometheusCollector(self)
         (registry if registry is not None else REGISTRY).register(collector)
         return collector
+
+
+class MetricsClaim:
+    """A component's hold on a Metrics (Metrics.claim): call it to let go (idempotent; an old claim
+    frees nothing its successor holds), taking the gauges registered through it along."""
+
+    __slots__ = ("_metrics", "_token")
+
+    def __init__(self, metrics: Metrics, token: object) -> None:
+        self._metrics = metrics
+        self._token = token
+
+    def gauge_fn(self, name: str, fn: Callable[[], float]) -> None:
+        """Metrics.gauge_fn for the component: the gauge is read while it holds the set, and gone after."""
+        self._metrics._owned_gauge_fn(self._token, name, fn)
+
+    def __call__(self) -> None:
+        """Lets go of the set."""
+        self._metrics._release(self._token)
 
 
 def _bucket_index(bounds: tuple[float, ...], value: float) -> int:

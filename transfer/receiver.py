@@ -28,7 +28,7 @@ from transfer.drive.prefill import PrefillDriver, Room
 from transfer.errors import ConfigError, ConfigTypeError, EngineError, FallbackLimitError, UsageError
 from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype, scalar_ints, size_problem
 from transfer.interfaces import EventLike, TransferEngineLike
-from transfer.metrics import Metrics, declare_role
+from transfer.metrics import Metrics, MetricsClaim, declare_role
 from transfer.ports import PortSpec, parse_ports
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def _refuse_shared_engine(engine: TransferEngineLike) -> None:
                           f"manager needs an engine of its own")
 
 
-def pool_gauges(metrics: Metrics, pool: ReceivePool) -> None:
+def pool_gauges(metrics: Metrics | MetricsClaim, pool: ReceivePool) -> None:
     """The receive pool's gauges: read-only, so a scrape (on its thread) queries no event and unregisters no
     fallback; the manager's thread and receive() poll the pool."""
     metrics.gauge_fn("quarantined_slots", lambda: pool.stats(poll=False)["quarantined"])
@@ -247,9 +247,11 @@ class SessionManager:
                                          release_metrics)
         self._dropped.atexit = False  # at exit the daemon threads go with the process
         rooms = self._driver.rooms
-        self.metrics.gauge_fn("rooms_in_flight", lambda: len(rooms))
+        # Through the claim: they leave the metrics with it, at close (a set that outlives the
+        # manager neither reads its closed parts nor keeps its pool's memory).
+        release_metrics.gauge_fn("rooms_in_flight", lambda: len(rooms))
         if pool is not None:
-            pool_gauges(self.metrics, pool)
+            pool_gauges(release_metrics, pool)
         with _managed_lock:
             try:
                 _refuse_shared_engine(engine)  # another thread's manager may have claimed it meanwhile

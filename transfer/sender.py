@@ -179,8 +179,9 @@ class SenderPool:
             # The metrics (which the driver holds) read the parts, never the pool: a pool dropped
             # without close() is collected, and its finalizer closes it.
             core = self._core
-            self.metrics.gauge_fn("queue_depth", lambda: core.waiting)
-            self.metrics.gauge_fn("parked_rooms", self._book.parked)
+            # Through the claim: they leave the metrics with it, at close.
+            release_metrics.gauge_fn("queue_depth", lambda: core.waiting)
+            release_metrics.gauge_fn("parked_rooms", self._book.parked)
             self._driver.start()
             # The instance names this pool's registration: its withdrawal leaves a successor's at the same port alone.
             self._route = _Route(bootstrap_addr, token, tp_size, dp_size, self.host, self.port, engine_rank,

@@ -265,3 +265,20 @@ def test_a_histogram_observed_with_and_without_labels_keeps_each_series_and_its_
     assert counts == {(): 2, (("path", "epd"),): 1}
     with pytest.raises(ConfigError, match="is a counter, not a histogram"):
         m.observe("rooms_started_total", 1.0)
+
+
+def test_a_components_gauges_leave_the_set_when_it_lets_go_and_the_callers_own_stay():
+    m = Metrics("epd_x")
+    m.gauge_fn("own_gauge", lambda: 7)
+    claim = m.claim("the session manager of prefill rank 0")
+    claim.gauge_fn("rooms_in_flight", lambda: 3)
+    assert {row["name"]: row["value"] for row in m.snapshot()} == {"epd_x_own_gauge": 7, "epd_x_rooms_in_flight": 3}
+    claim()
+    assert {row["name"] for row in m.snapshot()} == {"epd_x_own_gauge"}
+    assert "rooms_in_flight" not in m.prometheus_text()
+    claim.gauge_fn("rooms_in_flight", lambda: 3)  # a claim let go of registers nothing
+    assert {row["name"] for row in m.snapshot()} == {"epd_x_own_gauge"}
+    again = m.claim("the session manager of prefill rank 0")
+    again.gauge_fn("rooms_in_flight", lambda: 1)
+    claim()  # an old claim takes nothing of its successor's
+    assert total(m.snapshot(), "epd_x_rooms_in_flight") == 1
