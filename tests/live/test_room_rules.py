@@ -413,7 +413,14 @@ def test_a_status_whose_handling_fails_fails_its_room_only():
                 for room in (1, 2):
                     statuses.send_multipart(status_frames(room, TransferPoll.Success, 0, (landed,)))
                 assert first.wait(5) == TransferPoll.Failed
-                assert first.failure == "room 1: handling its status failed: RuntimeError: injected"
+                # It says what failed (checksumming which landed bytes), the error, and what to check.
+                nbytes = buf[0].numel() * buf.element_size()
+                head, tail = first.failure.split(" at 127.0.0.1:")
+                assert head == (f"room 1: checksumming its landed embedding ({nbytes} bytes at {buf[0].data_ptr():#x}) "
+                                f"to verify the Success from encode rank 0")
+                assert tail.split(" ", 1)[1] == (
+                    "failed: RuntimeError: injected; the room is failed rather than taken unverified: is its "
+                    "receive memory still allocated, and its device usable?")
                 assert second.wait(5) == TransferPoll.Success  # the I/O thread lives on
                 assert manager._driver._thread.is_alive()
         finally:

@@ -69,6 +69,7 @@ __all__ = [
     "UNREAD_GRACE_S",
     "Verify",
     "Warn",
+    "checksum_failed_detail",
 ]
 
 ENCODE_FAILED = "encode failed to send embedding"
@@ -176,11 +177,13 @@ class MemorySafe:
 
 @dataclass(frozen=True)
 class Verify:
-    """Checksum the landed bytes: `checks` are (what, region, addr, nbytes, expected)."""
+    """Checksum the landed bytes: `checks` are (what, region, addr, nbytes, expected); `where` names the
+    encode rank whose Success it checks, for failure reasons."""
 
     room: int
     token: int
     checks: tuple[tuple[str, Any, int, int, int], ...]
+    where: str = "its encode rank"
 
 
 @dataclass(slots=True)
@@ -311,6 +314,13 @@ class _Stranded:
     rooms: list[_Room]
     due: float
     every: float = STRANDED_LOOKUP_S  # the wait before the last look-up (it doubles after each)
+
+
+def checksum_failed_detail(room: int, what: str, addr: int, nbytes: int, where: str, exc: BaseException) -> str:
+    """Why a room failed when checksumming its landed `what` (embedding or deepstack) raised, and what to check."""
+    return (f"room {room}: checksumming its landed {what} ({nbytes} bytes at {addr:#x}) to verify the Success from "
+            f"{where} failed: {type(exc).__name__}: {exc}; the room is failed rather than taken unverified: is its "
+            f"receive memory still allocated, and its device usable?")
 
 
 def silent_room_detail(where: str, room: int, deadline_s: float, *, alive: bool, fanout: int) -> str:
@@ -982,7 +992,7 @@ class PrefillCore:
             return self._conclude(state, None, unverified=True)
         state.partly_verified = len(checks) < len(wanted)  # the deepstack's is optional: counted unverified
         state.stage = VERIFYING
-        return [Verify(room, state.token, checks)]
+        return [Verify(room, state.token, checks, state.where())]
 
     def checksum_verified(self, now: float, room: int, token: int) -> list:
         """Every landed byte matched what the encode rank sent."""

@@ -52,6 +52,7 @@ from transfer.core.prefill import (
     SendCancel,
     Verify,
     Warn,
+    checksum_failed_detail,
 )
 from transfer.core.quarantine import AwaitingConfirmation, Fate, fate_of
 from transfer.core.unread import unread
@@ -658,17 +659,18 @@ class PrefillDriver:
     def _verify(self, verify: Verify) -> None:
         """Compares the landed bytes with the sender's checksums, outside the lock."""
         core, room, token = self.core, verify.room, verify.token
-        try:
-            for what, region, addr, nbytes, expected in verify.checks:
+        for what, region, addr, nbytes, expected in verify.checks:
+            try:
                 landed = self._checksum(region, addr, nbytes)
-                if landed != expected:
-                    self._step(lambda now: core.checksum_mismatched(now, room, token, what, expected, landed))
-                    return
-        except Exception as exc:  # e.g. a device error while checking: this room only
-            log.exception("room %d: handling its status failed", room)
-            failure = Failure(FailureKind.OTHER, f"room {room}: handling its status failed: {type(exc).__name__}: {exc}")
-            self._step(lambda now: core.fail(now, room, token, failure))
-            return
+            except Exception as exc:  # e.g. a device error while checking: this room only
+                log.exception("room %d: checksumming its landed %s failed", room, what)
+                failure = Failure(FailureKind.OTHER, checksum_failed_detail(room, what, addr, nbytes, verify.where,
+                                                                            exc))
+                self._step(lambda now: core.fail(now, room, token, failure))
+                return
+            if landed != expected:
+                self._step(lambda now: core.checksum_mismatched(now, room, token, what, expected, landed))
+                return
         self._step(lambda now: core.checksum_verified(now, room, token))
 
     def _checksum(self, region: Any, addr: int, nbytes: int) -> int:
