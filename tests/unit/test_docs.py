@@ -127,3 +127,18 @@ def test_the_failure_kinds_listed_are_the_ones_there_are(path):
     listed = re.search(r"\((?:`transfer\.core\.failure\.FailureKind`: )?(deadline, [a-z_, ]+)\)", text)
     assert listed is not None, f"{path} lists no failure kinds"
     assert listed.group(1).split(", ") == [kind.value for kind in FailureKind]
+
+
+def test_the_readme_layout_names_every_core_module():
+    # The Layout block's `core/` entry: the cores, failure.py, bounded.py and "one module per policy (...)".
+    layout = _read(os.path.join(REPO, "README.md")).partition("\n## Layout\n")[2].partition("\n## ")[0]
+    entry = layout.partition("  core/")[2].partition("\n  drive/")[0]
+    named = set(re.findall(r"\b(\w+)\.py\b", entry))
+    named |= set(re.search(r"one module per policy \(([^)]*)\)", entry, re.S).group(1).replace(",", " ").split())
+    modules = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "transfer", "core", "*.py"))} - {"__init__"}
+    assert modules - named == set(), f"README's Layout leaves out transfer/core modules: {sorted(modules - named)}"
+    assert named - modules == set(), f"README's Layout names core modules that do not exist: {sorted(named - modules)}"
+    public = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "transfer", "[!_]*.py"))}
+    listed = set(re.findall(r"\b(\w+)\.py\b", layout.partition("\ntransfer/\n")[2].partition("\n  core/")[0]))
+    listed |= set(re.findall(r"\b(\w+)\.py\b", layout.partition("\n  drive/")[2].partition("\ntests/")[0]))
+    assert public - listed == set(), f"README's Layout leaves out transfer/ modules: {sorted(public - listed)}"
