@@ -1,6 +1,7 @@
 """The docs hold together: every protocol section the code cites exists in docs/protocol.md, every
-relative link in the README and docs/ points at a file (and heading) that exists, and the README's
-Python blocks parse."""
+relative link in the README and docs/ points at a file (and heading) that exists, the README's
+Python blocks parse, and what the README and docs/ name (constructor arguments and defaults,
+epd-transfer options, make targets, exceptions, metric series, pool counts, modules) exists."""
 
 from __future__ import annotations
 
@@ -142,3 +143,177 @@ def test_the_readme_layout_names_every_core_module():
     listed = set(re.findall(r"\b(\w+)\.py\b", layout.partition("\ntransfer/\n")[2].partition("\n  core/")[0]))
     listed |= set(re.findall(r"\b(\w+)\.py\b", layout.partition("\n  drive/")[2].partition("\ntests/")[0]))
     assert public - listed == set(), f"README's Layout leaves out transfer/ modules: {sorted(public - listed)}"
+
+
+def _configuration_rows() -> list[tuple[str, list[str], str]]:
+    """(where, arguments, default) of each row of the README's constructor-argument table."""
+    text = _read(os.path.join(REPO, "README.md")).partition("\n## Configuration\n")[2].partition("\n## ")[0]
+    table = text.partition("| where | argument |")[2].partition("\n\n")[0]
+    rows = []
+    for line in table.splitlines()[2:]:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        rows.append((cells[0], re.findall(r"`(\w+)`", cells[1]), cells[2]))
+    return rows
+
+
+def test_every_argument_in_the_readme_configuration_table_is_one_the_component_takes():
+    import inspect
+
+    from transfer.bootstrap import BootstrapClient, BootstrapServer
+    from transfer.buffers import ReceivePool
+    from transfer.engine import Engine
+    from transfer.receiver import SessionManager
+    from transfer.sender import SenderPool
+    from transfer.wire_engine import WireEngine
+
+    callables = {"Engine": Engine, "WireEngine": WireEngine, "SessionManager": SessionManager,
+                 "SenderPool": SenderPool, "ReceivePool": ReceivePool, "BootstrapServer": BootstrapServer,
+                 "BootstrapClient": BootstrapClient, "BootstrapClient.register_rank": BootstrapClient.register_rank}
+    rows = _configuration_rows()
+    assert len(rows) >= 20
+    for where, arguments, _ in rows:
+        names = ["SessionManager", "SenderPool"] if where == "both" else re.findall(r"`([\w.]+)`", where)
+        assert names and arguments, f"README Configuration row {where!r} names no component or argument"
+        for name in names:
+            assert name in callables, f"README Configuration row names {name!r}, not a component this test knows"
+            taken = inspect.signature(callables[name]).parameters
+            for argument in arguments:
+                assert argument in taken, f"README Configuration: {name} takes no argument {argument!r}"
+
+
+def test_the_readme_configuration_defaults_that_are_plain_values_are_the_signatures():
+    import inspect
+
+    from transfer.bootstrap import BootstrapClient, BootstrapServer
+    from transfer.engine import Engine
+    from transfer.wire_engine import WireEngine
+
+    def shown(value: object) -> str:
+        if isinstance(value, float) and value.is_integer():
+            return f"{int(value)} s"
+        return str(value)
+
+    callables = {"Engine": Engine, "WireEngine": WireEngine, "BootstrapServer": BootstrapServer,
+                 "BootstrapClient": BootstrapClient}
+    checked = 0
+    for where, arguments, default in _configuration_rows():
+        name = where.strip("`")
+        if name not in callables:
+            continue
+        parameters = inspect.signature(callables[name]).parameters
+        # "`127.0.0.1`, `auto`, every device, ..." or "30 s, 300 s, 10 s (...)": one default per argument.
+        defaults = [d.strip().strip("`") for d in re.sub(r"\([^()]*\)", "", default).split(",")]
+        for argument, documented in zip(arguments, defaults):
+            if argument not in parameters:  # the test above names it
+                continue
+            value = parameters[argument].default
+            if isinstance(value, (str, float)) and value != "" or type(value) is int and 0 < value < 1 << 16:
+                assert documented == shown(value), (name, argument, documented, value)
+                checked += 1
+    assert checked >= 10
+
+
+def _options() -> dict[str, set[str]]:
+    """Each epd-transfer subcommand's options ("" for the top level's)."""
+    import argparse
+
+    from transfer.cli import build_parser
+
+    parser = build_parser()
+    options = {"": {o for action in parser._actions for o in action.option_strings}}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                options[name] = {o for act in sub._actions for o in act.option_strings}
+    return options
+
+
+def test_every_epd_transfer_option_the_docs_show_exists():
+    # "`epd-transfer bench --stages`", "`rank --deadline`", "`demo --protocol wire`", "`bootstrap|rank --exit-with`"
+    options = _options()
+    every = set().union(*options.values())
+    wrong = []
+    for path in [p for p in DOCS if not p.endswith("CHANGELOG.md")]:  # the changelog keeps past options
+        text = _read(path)
+        for span in re.findall(r"`([^`\n]+)`", text):
+            shown = re.match(r"(?:\.venv/bin/)?(?:epd-transfer )?((?:demo|doctor|bench|bootstrap|rank)(?:\|\w+)*)((?: .*)?)$",
+                             span)
+            if shown and (span.startswith(("epd-transfer", ".venv")) or shown.group(2).lstrip().startswith("-")):
+                subs = shown.group(1).split("|")
+                for flag in re.findall(r"(?<![\w-])(--?[a-zA-Z][-\w]*)", shown.group(2)):
+                    if not all(flag in options[sub] | options[""] for sub in subs):
+                        wrong.append(f"{os.path.relpath(path, REPO)}: {span}")
+        for flag in re.findall(r"`(--[a-z][-a-z0-9]*)[ `=]", text):
+            if flag not in every and flag not in _read(os.path.join(REPO, "scripts", "zmq-floor.sh")):
+                wrong.append(f"{os.path.relpath(path, REPO)}: {flag}")
+        for sub in re.findall(r"epd-transfer (\w[-\w]*)", text):
+            if sub not in options:
+                wrong.append(f"{os.path.relpath(path, REPO)}: epd-transfer {sub}")
+    assert not wrong, f"the docs show epd-transfer options that do not exist: {wrong}"
+
+
+def test_every_make_target_the_docs_show_exists():
+    targets = set(re.search(r"^\.PHONY: (.*)$", _read(os.path.join(REPO, "Makefile")), re.M).group(1).split())
+    for path in DOCS:
+        for target in re.findall(r"`make ([a-z][-a-z]*)", _read(path)):
+            assert target in targets, f"{os.path.relpath(path, REPO)} shows `make {target}`, which the Makefile lacks"
+
+
+def test_the_readme_errors_section_names_every_exception_with_its_bases():
+    import transfer.errors
+    import transfer.wire
+
+    text = " ".join(_read(os.path.join(REPO, "README.md")).partition("\n## Errors\n")[2].partition("\n## ")[0].split())
+    exceptions = {name: getattr(transfer.errors, name) for name in dir(transfer.errors)
+                  if isinstance(getattr(transfer.errors, name), type) and issubclass(getattr(transfer.errors, name),
+                                                                                    BaseException)}
+    exceptions.update({f"transfer.wire.{name}": getattr(transfer.wire, name)
+                       for name in ("FrameError", "MsgError", "LayerError")})
+    for name, cls in exceptions.items():
+        short = name.rpartition(".")[2]
+        assert {f"`{name}`", f"`{short}`", f"`transfer.{short}`"} & set(re.findall(r"`[\w.]+`", text)), \
+            f"README's Errors section does not name {name}"
+        assert issubclass(cls, transfer.errors.TransferError), name
+    # "`ConfigError` (a `ValueError`: ...", "`PortsInUse` (an `OSError`: ...", "its `CollectiveError`"
+    claims = re.findall(r"`([\w.]+)` \(an? `(\w+)`", text)
+    assert len(claims) >= 6
+    builtins = __import__("builtins")
+    for name, base in claims:
+        cls = exceptions.get(name) or exceptions[name.rpartition(".")[2]]
+        assert issubclass(cls, getattr(builtins, base)), f"README says {name} is a {base}; it is not"
+    assert issubclass(exceptions["CollectiveError"], exceptions["UsageError"])
+    for kind, parent in (("BootstrapUnreachable", "BootstrapError"), ("BootstrapNoRoute", "BootstrapError"),
+                         ("EngineUnavailable", "EngineError")):
+        assert issubclass(exceptions[kind], exceptions[parent]), (kind, parent)
+
+
+def _table_after(path: str, heading: str) -> list[list[str]]:
+    """The cells of the first table after `heading` in `path`."""
+    text = _read(os.path.join(REPO, path)).partition(heading)[2]
+    table = re.search(r"^\|.*\|\n\|[-| ]+\|\n((?:\|.*\|\n?)+)", text, re.M).group(1)
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()]
+
+
+def test_the_operations_metrics_table_lists_the_series_there_are():
+    from transfer.metrics import KNOWN_HELP, ROLE_COUNTERS
+
+    documented = {}
+    for names, kind, side, _ in _table_after("docs/operations.md", "and `_count`."):
+        listed = re.findall(r"`(\w+?)(?:\{\w+\})?`", names)
+        sides = [s.strip() for s in side.split("/")]
+        for index, name in enumerate(listed):
+            documented[name] = (kind, sides[index] if len(sides) == len(listed) else side)
+    assert set(documented) == set(KNOWN_HELP), "docs/operations.md's series table and transfer.metrics.KNOWN_HELP differ"
+    for name, (kind, side) in documented.items():
+        roles = [role for role in ("encode", "prefill") if name in ROLE_COUNTERS[role]]
+        if kind == "counter":
+            assert roles == ({"both": ["encode", "prefill"]}.get(side) or [side]), (name, side, roles)
+        else:
+            assert not roles, (name, kind)
+
+
+def test_the_operations_pool_counts_table_lists_the_fields_there_are():
+    from transfer.buffers import PoolStats
+
+    fields = {re.search(r"`(\w+)`", row[0]).group(1) for row in _table_after("docs/operations.md", "### Receive pool counts")}
+    assert fields == set(PoolStats.__annotations__)
