@@ -11,10 +11,12 @@ registry). `serve()` starts a tiny /metrics endpoint for processes that have non
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import re
+import socket
 import threading
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler
@@ -22,7 +24,7 @@ from typing import Any
 
 from transfer._http import BoundedHTTPServer, OneDeadlineHandler
 from transfer.core.failure import FailureKind
-from transfer.errors import ConfigError, ConfigTypeError
+from transfer.errors import ConfigError, ConfigTypeError, PortsInUse
 from transfer.ports import PortSpec, bind_port
 
 log = logging.getLogger(__name__)
@@ -550,6 +552,19 @@ class _PrometheusCollector:
             yield family
 
 
+def _bind_error(host: str, port: int, error: OSError) -> OSError:
+    """A failed bind of the endpoint, naming it, its address and what to do; the errno kept (a range passes
+    a port in use over)."""
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    said = f"metrics endpoint cannot listen on {address}: {error.strerror or error}"
+    if error.errno == errno.EADDRINUSE:
+        return PortsInUse(error.errno, f"{said}: another process holds it; give another port, 0 (any free one) or "
+                                       f"a range FIRST-LAST, or find what holds it (ss -ltnp 'sport = :{port}')")
+    if error.errno == errno.EADDRNOTAVAIL or isinstance(error, socket.gaierror):
+        return OSError(error.errno, f"{said}: give an address of this host")
+    return OSError(error.errno, said)
+
+
 class MetricsServer:
     """A tiny HTTP server: GET /metrics (text format) and /stats (JSON snapshot); HEAD answers as GET does,
     headers only.
@@ -582,8 +597,14 @@ class MetricsServer:
             seen.add(source.namespace)
         handler = _make_handler(self, request_timeout_s)
         server_class = _MetricsHTTPServer.for_host(host)
-        self._httpd = bind_port(port, lambda number: server_class((host, number), handler),
-                                f"metrics endpoint on {host}")
+
+        def bind(number: int) -> BoundedHTTPServer:
+            try:
+                return server_class((host, number), handler)
+            except OSError as error:
+                raise _bind_error(host, number, error) from None
+
+        self._httpd = bind_port(port, bind, f"metrics endpoint on {host}")
         self._httpd.max_handlers = max_connections
         address = self._httpd.server_address  # an IP socket's: (host text, port, ...)
         self.host, self.port = str(address[0]), int(address[1])

@@ -80,6 +80,25 @@ def test_a_bootstrap_server_on_an_address_not_of_this_host_says_so():
         BootstrapServer("192.0.2.1", 0)  # TEST-NET-1: no host's own
 
 
+def test_a_metrics_endpoints_one_port_in_use_is_named_with_what_to_do():
+    # As the bootstrap server's: the errno stays, the text names the endpoint, its address and the way out.
+    with occupied() as first:
+        with pytest.raises(PortsInUse) as caught:
+            Metrics("epd_ports_test").serve(HOST, first)
+    assert caught.value.errno == errno.EADDRINUSE
+    assert caught.value.strerror == (
+        f"metrics endpoint cannot listen on {HOST}:{first}: Address already in use: another process holds it; "
+        f"give another port, 0 (any free one) or a range FIRST-LAST, or find what holds it "
+        f"(ss -ltnp 'sport = :{first}')")
+
+
+def test_a_metrics_endpoint_on_an_address_not_of_this_host_says_so():
+    with pytest.raises(OSError, match=r"^\[Errno \d+\] metrics endpoint cannot listen on 192\.0\.2\.1:0: Cannot assign "
+                                      r"requested address: give an address of this host") as caught:
+        Metrics("epd_ports_test").serve("192.0.2.1", 0)  # TEST-NET-1: no host's own
+    assert caught.value.errno == errno.EADDRNOTAVAIL
+
+
 def test_a_range_whose_every_port_is_in_use_fails_naming_it():
     with occupied() as first, socket.socket() as second:
         try:
