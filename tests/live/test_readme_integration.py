@@ -1,6 +1,7 @@
 """The README's two integration blocks, run as written: one encode rank and two prefill ranks in
 their own processes over Mooncake tcp on loopback, with a ReceivePool and reassembly over gloo.
-Only the settings lines are replaced (addresses, sizes, device); every rebuilt row is checked."""
+Only the settings lines are replaced (addresses, sizes, device); every rebuilt row is checked, and
+each handle's `stages` are the ones the README's "Where a room's time goes" names, in its order."""
 
 from __future__ import annotations
 
@@ -54,6 +55,15 @@ def _with_settings(code: str, settings: dict[str, str]) -> str:
     return code
 
 
+def _stages(side: str) -> list[str]:
+    """The stages the README's "Where a room's time goes" names for `side` ("prefill" or "encode"), in order."""
+    with open(os.path.join(REPO, "README.md")) as fh:
+        text = " ".join(fh.read().partition("### Where a room's time goes")[2].partition("\n## ")[0].split())
+    said = re.split(rf"[Oo]n the {side} side, ", text, maxsplit=1)[1]
+    said = re.sub(r"\([^()]*(?:\([^()]*\)[^()]*)*\)", "", said)  # drop each stage's explanation
+    return re.findall(r"`(\w+)`", said.partition(";")[0].partition(". ")[0])
+
+
 def _item(room: int, span: int):
     """The rows the encode rank offers for `room`, rebuilt the same way on the prefill side."""
     import torch
@@ -72,6 +82,7 @@ def _encode(code: str, done, results) -> None:
         for slot, (room, span) in enumerate(ROOMS.items()):
             out[slot, :span] = _item(room, span)
             handles[room] = scope["offer"](room, slot, span)
+        offered = dict(handles)
         finished: list[int] = []
         deadline = time.monotonic() + WAIT_S
         while len(finished) < len(ROOMS) and time.monotonic() < deadline:
@@ -81,6 +92,10 @@ def _encode(code: str, done, results) -> None:
                 results.put(("encode", f"rooms failed: {failed}"))
                 return
             time.sleep(0.01)
+        stages = {tuple(handle.stages) for handle in offered.values()}
+        if stages != {tuple(_stages("encode"))}:
+            results.put(("encode", f"send handles' stages {stages}, the README says {_stages('encode')}"))
+            return
         results.put(("encode", sorted(finished)))
         done.wait(WAIT_S)  # the bootstrap server lives here: keep it up until the prefill ranks are through
         scope["pool"].close()
@@ -108,6 +123,8 @@ def _prefill(code: str, rank: int, init_port: int, results) -> None:
                 raise TimeoutError(f"rooms still open: {[h.room for h in handles if not scope['concluded'](h)]}")
             time.sleep(0.01)
         failures = {h.room: h.failure for h in handles if h.failure}
+        stages = {tuple(h.stages) for h in handles}
+        assert stages == {tuple(_stages("prefill"))}, (stages, _stages("prefill"))
         rebuilt = scope["rebuild"](handles)
         checked = 0
         for (room, span), rows in zip(ROOMS.items(), rebuilt):
@@ -123,6 +140,11 @@ def _prefill(code: str, rank: int, init_port: int, results) -> None:
         results.put((f"prefill-{rank}", checked))
     except BaseException:  # noqa: BLE001 - the test process reports it
         results.put((f"prefill-{rank}", traceback.format_exc()))
+
+
+def test_the_readme_names_each_sides_stages():
+    assert _stages("prefill") == ["asked", "status", "concluded"]
+    assert _stages("encode") == ["asked", "writing", "submitted", "concluded"]
 
 
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
