@@ -969,7 +969,7 @@ class RoomHandle(Generic[_Record]):
 
 @dataclass(frozen=True)
 class Region:
-    """A span of memory: its address, length in bytes, and device ('cpu' or 'cuda:N')."""
+    """A span of memory: its address, length in bytes, and device ('cpu', 'cuda:N', or another torch device's name)."""
 
     addr: int
     nbytes: int
@@ -1063,10 +1063,12 @@ def host_readable(addr: int, nbytes: int) -> bool:
 
 
 def checksum(region: Region, addr: int, nbytes: int) -> int:
-    """The layer checksum of [addr, addr + nbytes) inside `region`, host or CUDA memory."""
+    """The layer checksum of [addr, addr + nbytes) inside `region`: host memory read by address, memory on
+    any other device (CUDA, or another accelerator's) through the region's tensor, by torch on that device."""
     from transfer import wire
 
-    if region.device.startswith("cuda"):
+    # An address on a device is no host address: reading it as one kills the process.
+    if region.device.partition(":")[0] != "cpu":
         import torch
 
         flat = region.tensor.reshape(-1).view(torch.uint8)
