@@ -62,34 +62,25 @@ def test_a_wire_listener_passes_over_a_port_in_use():
         assert caught.value.errno == errno.EADDRINUSE
 
 
-def test_a_bootstrap_servers_one_port_in_use_is_named_with_what_to_do():
+@pytest.mark.parametrize("listen, what, hint", [
+    (lambda port: BootstrapServer(HOST, port), "bootstrap server", " (a bootstrap server running already?)"),
+    (lambda port: Metrics("epd_ports_test").serve(HOST, port), "metrics endpoint", ""),
+], ids=["bootstrap server", "metrics endpoint"])
+def test_a_servers_one_port_in_use_is_named_with_what_to_do(listen, what, hint):
     # The errno stays (what lets a range pass it over); the text names the server, its address, and the way out.
     with occupied() as first:
         with pytest.raises(PortsInUse) as caught:
-            BootstrapServer(HOST, first)
+            listen(first)
     assert caught.value.errno == errno.EADDRINUSE
     assert caught.value.strerror == (
-        f"bootstrap server cannot listen on {HOST}:{first}: Address already in use: another process holds it "
-        f"(a bootstrap server running already?); give another port, 0 (any free one) or a range FIRST-LAST, or "
-        f"find what holds it (ss -ltnp 'sport = :{first}')")
+        f"{what} cannot listen on {HOST}:{first}: Address already in use: another process holds it{hint}; give "
+        f"another port, 0 (any free one) or a range FIRST-LAST, or find what holds it (ss -ltnp 'sport = :{first}')")
 
 
 def test_a_bootstrap_server_on_an_address_not_of_this_host_says_so():
     with pytest.raises(ConfigError, match=r"^bootstrap server cannot listen on 192\.0\.2\.1:0: Cannot assign requested "
                                           r"address: give an address of this host"):
         BootstrapServer("192.0.2.1", 0)  # TEST-NET-1: no host's own
-
-
-def test_a_metrics_endpoints_one_port_in_use_is_named_with_what_to_do():
-    # As the bootstrap server's: the errno stays, the text names the endpoint, its address and the way out.
-    with occupied() as first:
-        with pytest.raises(PortsInUse) as caught:
-            Metrics("epd_ports_test").serve(HOST, first)
-    assert caught.value.errno == errno.EADDRINUSE
-    assert caught.value.strerror == (
-        f"metrics endpoint cannot listen on {HOST}:{first}: Address already in use: another process holds it; "
-        f"give another port, 0 (any free one) or a range FIRST-LAST, or find what holds it "
-        f"(ss -ltnp 'sport = :{first}')")
 
 
 def test_a_metrics_endpoint_on_an_address_not_of_this_host_says_so():
