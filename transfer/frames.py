@@ -172,10 +172,15 @@ def prefill_shard(span: int, tp_rank: int, tp_size: int, encode_tp: int = 1, *,
     does, so each encode rank writes only its block's share and the whole group
     rebuilds the rows. `per_block=True` splits it over the `tp_size // encode_tp`
     ranks of the rank's encode block instead (every encode rank then writes the whole
-    item, and each block rebuilds it on its own).
+    item, and each block rebuilds it on its own). With prefill dp groups, `tp_rank` and
+    `tp_size` are the rank within its dp group and that group's size (SPEC.md section 5's
+    `r % local_tp` and `local_tp`). ConfigError for a rank outside [0, tp_size), by either split.
     """
     if encode_tp <= 0 or tp_size % encode_tp:
         raise ConfigError(f"prefill tp {tp_size} is not a multiple of encode tp {encode_tp}")
+    if not 0 <= tp_rank < tp_size:
+        raise ConfigError(f"prefill tp rank {tp_rank} outside [0, tp size {tp_size}): pass the rank within its "
+                          f"dp group and that group's tp size")
     if not per_block:
         return shard_rows(span, tp_rank, tp_size)
     fanout = tp_size // encode_tp

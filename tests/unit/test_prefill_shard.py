@@ -25,3 +25,11 @@ def test_with_one_encode_rank_both_splits_agree(span):
 def test_a_group_that_is_not_a_multiple_of_the_encode_ranks_is_refused():
     with pytest.raises(ValueError, match="prefill tp 3 is not a multiple of encode tp 2"):
         prefill_shard(10, 0, 3, 2)
+
+
+@pytest.mark.parametrize("per_block", [False, True])
+@pytest.mark.parametrize("rank", [-1, 4, 5])
+def test_a_rank_outside_the_group_is_refused_by_either_split(rank, per_block):
+    # Per block, rank % (P // E) would otherwise hand a rank no group has another rank's rows.
+    with pytest.raises(ValueError, match=rf"prefill tp rank {rank} outside \[0, tp size 4\)"):
+        prefill_shard(64, rank, 4, 2, per_block=per_block)
