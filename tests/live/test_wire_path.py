@@ -585,3 +585,27 @@ def test_a_peer_host_name_the_resolver_never_answers_fails_the_write_at_the_conn
     finally:
         unanswered.set()
     assert took < 10.0, took
+
+
+def test_batches_still_queued_when_the_engine_closes_fail_unsent_and_count_as_write_failures():
+    """close() fails the write_async() batches still waiting in a peer's queue without sending them: their
+    owners hear why, and stats() counts them with the write that timed out ahead of them."""
+    nbytes = 32 << 20  # far past what the socket buffers take: the first write stalls on the silent peer
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never reads
+        peer = f"127.0.0.1:{silent.getsockname()[1]}"
+        writer = WireEngine(reply_timeout_s=2, writers_per_peer=1)
+        src = torch.zeros(nbytes, dtype=torch.uint8)
+        writer.register(src)
+        batches = [writer.write_async(peer, [src.data_ptr()], [4096], [nbytes]) for _ in range(3)]
+        time.sleep(0.3)  # the first one is on the wire, the others wait behind it
+        writer.close()
+        reasons = []
+        for batch in batches:
+            with pytest.raises(TransferError) as caught:
+                writer.wait(batch, timeout_s=10)
+            reasons.append(str(caught.value))
+    assert "timed out" in reasons[0]
+    for reason in reasons[1:]:
+        assert reason.startswith(f"write to {peer} not started: wire engine {writer.session_id} was closed "
+                                 f"while it waited in the queue"), reason
+    assert writer.stats()["write_failures"] == 3
