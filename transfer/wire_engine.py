@@ -567,7 +567,9 @@ class WireEngine(RegisteredMemory):
         """A write_async() batch once a writer takes it: fails unsent if the engine closed meanwhile, or if it
         waited past queue_timeout_s (behind writes to a peer that stopped reading, each taking a reply timeout:
         it would start, and land, arbitrarily late)."""
-        what = f"({len(lens)} buffer(s), {sum(lens)} bytes, first destination 0x{dsts[0]:x}+{lens[0]})"
+        def what() -> str:
+            return f"({len(lens)} buffer(s), {sum(lens)} bytes, first destination 0x{dsts[0]:x}+{lens[0]})"
+
         try:
             waited = time.monotonic() - queued_at
             with self._lock:
@@ -575,13 +577,13 @@ class WireEngine(RegisteredMemory):
                     self._sent["write_failures"] += 1
                     raise EngineError(f"write to {session_id} not started: wire engine {self.session_id} was "
                                       f"closed while it waited in the queue of that peer's writes ({waited:.1f} s); "
-                                      f"nothing of it was sent: send it again on an open engine {what}")
+                                      f"nothing of it was sent: send it again on an open engine {what()}")
             if waited > self.queue_timeout_s:
                 with self._lock:
                     self._sent["write_failures"] += 1
                 raise EngineError(f"write to {session_id} not started: it waited {waited:.1f} s in the queue of that "
                                   f"peer's writes (queue_timeout_s={self.queue_timeout_s:g}), behind writes to it "
-                                  f"still under way: is the peer reading? {what}")
+                                  f"still under way: is the peer reading? {what()}")
         except BaseException:
             self._leave(token)
             raise
