@@ -170,9 +170,10 @@ def child_report(read_fd: int, pid: int, wait_s: float = 10.0) -> dict | None:
     return json.loads(raw) if raw else None
 
 
-def forked_holding(locks: tuple, child: Callable[[], dict], wait_s: float = 10.0) -> dict | None:
-    """Forks with `locks` held, as a lock another thread holds at a fork is, for ever, in the child; runs
-    `child()` there and returns the report it made (None when none came within `wait_s`: it hung)."""
+def in_forked_child(child: Callable[[], dict], locks: tuple = (), wait_s: float = 10.0) -> dict | None:
+    """Forks, runs `child()` in the child and returns the JSON report it made (None when none came within
+    `wait_s`: it hung); the child leaves without running anything of the parent's. `locks` are held across
+    the fork, as a lock another thread holds at a fork is, for ever, in the child."""
     import json
 
     read_fd, write_fd = os.pipe()
@@ -191,15 +192,15 @@ def forked_holding(locks: tuple, child: Callable[[], dict], wait_s: float = 10.0
     return child_report(read_fd, pid, wait_s)
 
 
-def outcomes(calls: dict[str, Callable[[], Any]]) -> dict[str, str]:
-    """Each call's outcome by name: "ok", or the name of the exception it raised."""
+def outcomes(calls: dict[str, Callable[[], Any]], messages: bool = False) -> dict[str, str]:
+    """Each call's outcome by name: "ok", or the name of the exception it raised (with its message)."""
     out = {}
     for name, call in calls.items():
         try:
             call()
             out[name] = "ok"
         except Exception as exc:  # noqa: BLE001 - reported, not raised
-            out[name] = type(exc).__name__
+            out[name] = f"{type(exc).__name__}: {exc}" if messages else type(exc).__name__
     return out
 
 

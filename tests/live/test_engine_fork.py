@@ -5,14 +5,13 @@ writes on as before."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
 
 import torch
-from live_helpers import HOST, LIVE, child_report
+from live_helpers import HOST, LIVE, in_forked_child, outcomes
 
 from transfer.engine import Engine
 
@@ -26,31 +25,19 @@ def test_a_forked_childs_calls_on_the_parents_engine_are_refused_and_its_close_r
         encode.register(src)
         prefill.register(dst)
         encode.write(prefill.session_id, [src.data_ptr()], [dst.data_ptr()], [1024])  # a session to the peer
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: reports, and leaves without running anything of the parent's
-            try:
-                os.close(read_fd)
-                report: dict[str, str] = {}
-                calls = {"write": lambda: encode.write(prefill.session_id, [src.data_ptr()], [dst.data_ptr()], [1024]),
-                         "register": lambda: encode.register(torch.zeros(64, dtype=torch.uint8))}
-                for name, call in calls.items():
-                    try:
-                        call()
-                        report[name] = "ok"
-                    except Exception as exc:  # noqa: BLE001 - reported to the parent
-                        report[name] = f"{type(exc).__name__}: {exc}"
-                started = time.monotonic()
-                encode.close()
-                report["close_s"] = f"{time.monotonic() - started:.3f}"
-                os.write(write_fd, json.dumps(report).encode())
-            finally:
-                os._exit(0)
-        os.close(write_fd)
-        report = child_report(read_fd, pid, wait_s=20.0)
+
+        def child() -> dict:
+            report = outcomes({
+                "write": lambda: encode.write(prefill.session_id, [src.data_ptr()], [dst.data_ptr()], [1024]),
+                "register": lambda: encode.register(torch.zeros(64, dtype=torch.uint8))}, messages=True)
+            started = time.monotonic()
+            encode.close()
+            return {**report, "close_s": f"{time.monotonic() - started:.3f}", "pid": os.getpid()}
+
+        report = in_forked_child(child, wait_s=20.0)
         assert report is not None, "the child's calls on the inherited engine did not return"
         for name in ("write", "register"):
-            assert report[name] == (f"UsageError: engine {encode.session_id} was made before this process (pid {pid}) "
+            assert report[name] == (f"UsageError: engine {encode.session_id} was made before this process (pid {report['pid']}) "
                                     f"was forked from its parent: Mooncake's threads and connections are the "
                                     f"parent's, so nothing here would carry its writes; make an Engine in this "
                                     f"process"), report

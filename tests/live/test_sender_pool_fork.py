@@ -5,11 +5,9 @@ collection of its copy withdraws the parent's route; the parent's rooms go on as
 from __future__ import annotations
 
 import gc
-import json
-import os
 
 import torch
-from live_helpers import HOST, LIVE, child_report, forked_holding, outcomes
+from live_helpers import HOST, LIVE, in_forked_child, outcomes
 
 from transfer.bootstrap import BootstrapServer
 from transfer.engine import Engine
@@ -27,41 +25,27 @@ def test_a_forked_child_is_refused_the_parents_pool_and_leaves_its_route_listed(
         pool = SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST)
         try:
             assert server.registered_ranks == 1
-            read_fd, write_fd = os.pipe()
-            pid = os.fork()
-            if pid == 0:  # the child: reports, and leaves without running anything of the parent's
-                try:
-                    os.close(read_fd)
-                    report: dict[str, str] = {}
-                    try:
-                        pool.send(1, item)
-                        report["send"] = "ok"
-                    except Exception as exc:  # noqa: BLE001 - reported to the parent
-                        report["send"] = f"{type(exc).__name__}: {exc}"
-                    pool.close()
-                    os.write(write_fd, json.dumps(report).encode())
-                finally:
-                    os._exit(0)
-            os.close(write_fd)
-            report = child_report(read_fd, pid)
+
+            def child() -> dict:
+                report = outcomes({"send": lambda: pool.send(1, item)}, messages=True)
+                pool.close()
+                return report
+
+            report = in_forked_child(child)
             assert report is not None, "the child's calls on the inherited pool did not return"
             assert report["send"].startswith("UsageError: encode rank 0's sender pool was made before this "
                                              "process"), report
             assert "make a SenderPool in this process" in report["send"], report
             assert server.registered_ranks == 1, "the child's close() withdrew the parent's route"
 
-            read_fd, write_fd = os.pipe()
-            pid = os.fork()
-            if pid == 0:  # the child lets its copy go unclosed, to the collector
-                try:
-                    os.close(read_fd)
-                    del pool
-                    gc.collect()
-                    os.write(write_fd, json.dumps({"collected": "yes"}).encode())
-                finally:
-                    os._exit(0)
-            os.close(write_fd)
-            assert child_report(read_fd, pid) == {"collected": "yes"}
+
+            def let_go() -> dict:  # the child lets its copy go unclosed, to the collector
+                nonlocal pool
+                del pool
+                gc.collect()
+                return {"collected": "yes"}
+
+            assert in_forked_child(let_go) == {"collected": "yes"}
             assert server.registered_ranks == 1, "the collection of the child's copy withdrew the parent's route"
 
             # The parent's pool is untouched: it serves a room end to end.
@@ -92,7 +76,7 @@ def test_a_forked_childs_calls_return_at_once_though_the_parent_held_the_pools_l
             pool.close()
             return {**outcome, "cleared and closed": "yes"}
 
-        report = forked_holding((pool._book.lock, pool._book.table._lock), child)
+        report = in_forked_child(child, (pool._book.lock, pool._book.table._lock))
         assert report == {"send": "UsageError", "concluded": "UsageError", "cleared and closed": "yes"}, \
             f"the child waited on a parent's lock: {report}"
         assert handle.poll() == TransferPoll.WaitingForInput  # the parent's room is untouched

@@ -4,13 +4,11 @@ nothing of the parent's, and the parent's rooms go on as before."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 
 import torch
 import zmq
-from live_helpers import HOST, LIVE, LogCapture, child_report, forked_holding, outcomes, wait_until
+from live_helpers import HOST, LIVE, LogCapture, in_forked_child, outcomes, wait_until
 
 from transfer.bootstrap import BootstrapClient, BootstrapServer
 from transfer.buffers import ReceivePool
@@ -24,20 +22,15 @@ pytestmark = LIVE
 def _in_child(manager, handle, bootstrap: str, buf: torch.Tensor) -> dict[str, object]:
     """What each call on the inherited manager did in the forked child: 'ok', or its error; then what
     close() logged there and whether it left the parent's registration alone in the child's engine."""
-    outcomes: dict[str, object] = {}
-    for name, call in (("poll", handle.poll), ("concluded", manager.concluded),
-                       ("receive", lambda: manager.receive(2, bootstrap, buf[1:2]))):
-        try:
-            call()
-            outcomes[name] = "ok"
-        except Exception as exc:  # noqa: BLE001 - reported to the parent
-            outcomes[name] = f"{type(exc).__name__}: {exc}"
+    report: dict[str, object] = dict(outcomes({"poll": handle.poll, "concluded": manager.concluded,
+                                               "receive": lambda: manager.receive(2, bootstrap, buf[1:2])},
+                                              messages=True))
     capture = LogCapture()
     logging.getLogger("transfer").addHandler(capture)
     manager.close()
-    outcomes["close logged"] = capture.take()
-    outcomes["close unregistered"] = buf.data_ptr() not in manager.engine.registered()
-    return outcomes
+    report["close logged"] = capture.take()
+    report["close unregistered"] = buf.data_ptr() not in manager.engine.registered()
+    return report
 
 
 def test_a_forked_child_is_refused_the_parents_manager_and_the_parents_rooms_go_on():
@@ -51,16 +44,7 @@ def test_a_forked_child_is_refused_the_parents_manager_and_the_parents_rooms_go_
             BootstrapClient(server.address, timeout=2.0).register_rank(1, 1, HOST, port, 0)
             handle = manager.receive(1, server.address, buf[:1])
             assert wait_until(lambda: handle.poll() == TransferPoll.WaitingForInput, 10.0), handle.poll()
-            read_fd, write_fd = os.pipe()
-            pid = os.fork()
-            if pid == 0:  # the child: reports, and leaves without running anything of the parent's
-                try:
-                    os.close(read_fd)
-                    os.write(write_fd, json.dumps(_in_child(manager, handle, server.address, buf)).encode())
-                finally:
-                    os._exit(0)
-            os.close(write_fd)
-            report = child_report(read_fd, pid)
+            report = in_forked_child(lambda: _in_child(manager, handle, server.address, buf))
             assert report is not None, "the child's calls on the inherited manager did not return"
             assert report.pop("close logged") == [] and report.pop("close unregistered") is False, report
             for name, outcome in report.items():
@@ -97,6 +81,6 @@ def test_a_forked_childs_calls_return_at_once_though_the_parent_held_the_manager
             manager.close()
             return {**outcome, "cleared and closed": "yes"}
 
-        report = forked_holding((manager._driver._lock, slots._lock), child)
+        report = in_forked_child(child, (manager._driver._lock, slots._lock))
         assert report == {"receive": "UsageError", "cleared and closed": "yes"}, "the child waited on a parent's lock"
         handle.clear()
