@@ -240,17 +240,23 @@ class _Clock:
         self.now += seconds
 
 
+def _write_held_for_its_probe(engine, monkeypatch, session: str) -> tuple[_Clock, int]:
+    """A fake clock at 100 s, and a write to a new `session` polled once, 1 ms on: held for its probe."""
+    clock = _Clock(100.0)
+    monkeypatch.setattr(engine_module, "time", clock)
+    ticket = engine.write_async(session, [SRC], [0x100], [64])
+    clock.now = 100.001
+    assert engine.poll(ticket) is False
+    return clock, ticket
+
+
 @pytest.mark.parametrize("probe_thread_first", [False, True])
 def test_a_write_held_back_while_its_own_process_was_held_up_is_not_refused_for_it(rig, monkeypatch,
                                                                                    probe_thread_first):
     """The probe goes out, the writer's process is stopped 8 s (past the 5 s open bound), then runs again:
     whether its poll or the probe's thread comes first, the peer's answer lets the write go."""
     engine, fake, started = rig
-    clock = _Clock(100.0)
-    monkeypatch.setattr(engine_module, "time", clock)
-    ticket = engine.write_async("new:1", [SRC], [0x100], [64])
-    clock.now = 100.001
-    assert engine.poll(ticket) is False
+    clock, ticket = _write_held_for_its_probe(engine, monkeypatch, "new:1")
     clock.now = 108.0  # the process ran again
     if probe_thread_first:
         _answer(engine, fake, started[0])
@@ -264,11 +270,7 @@ def test_a_write_held_back_while_its_own_process_was_held_up_is_not_refused_for_
 
 def test_a_silent_peer_still_fails_its_writes_a_bound_after_its_prober_was_held_up(rig, monkeypatch):
     engine, fake, started = rig
-    clock = _Clock(100.0)
-    monkeypatch.setattr(engine_module, "time", clock)
-    ticket = engine.write_async("silent:1", [SRC], [0x100], [64])
-    clock.now = 100.001
-    assert engine.poll(ticket) is False
+    clock, ticket = _write_held_for_its_probe(engine, monkeypatch, "silent:1")
     clock.now = 108.0
     assert engine.poll(ticket) is False  # held up 8 s: not the peer's
     while clock.now < 112.99:  # 5 s of its own: 100 to 100.001, and 108.0 on

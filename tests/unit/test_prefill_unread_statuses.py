@@ -110,13 +110,18 @@ def test_asks_waiting_for_a_socket_are_still_looked_up_again_while_the_rules_are
     assert c.stage(1) == "queued"
 
 
-def test_rooms_a_hold_held_past_a_ticks_limit_are_not_held_again_under_a_flood_of_statuses():
+def _rooms_asked_then_held_up(rooms: int):
+    """A core with rooms 1..`rooms` asked at 1.0, and the time 5 s past their deadline (a held-up rank's)."""
     c = core(deadline_s=DEADLINE_S, integrity=False)
     routed(c)
-    limit, rooms = 4, 10
     for room in range(1, rooms + 1):
         c.receive(1.0, spec(room, slot=room))
-    late = 1.0 + DEADLINE_S + 5.0
+    return c, 1.0 + DEADLINE_S + 5.0
+
+
+def test_rooms_a_hold_held_past_a_ticks_limit_are_not_held_again_under_a_flood_of_statuses():
+    limit, rooms = 4, 10
+    c, late = _rooms_asked_then_held_up(rooms)
     assert c.tick(late, limit, unread=True) == []
     # The grace's end: a batch of the rooms it held fails; statuses still flood in.
     end = late + UNREAD_GRACE_S
@@ -132,12 +137,8 @@ def test_rooms_a_hold_held_past_a_ticks_limit_are_not_held_again_under_a_flood_o
 
 
 def test_a_room_due_while_the_rank_was_held_up_again_is_held_back_while_an_earlier_holds_rest_fails():
-    c = core(deadline_s=DEADLINE_S, integrity=False)
-    routed(c)
     limit, rooms = 4, 6
-    for room in range(1, rooms + 1):
-        c.receive(1.0, spec(room, slot=room))
-    late = 1.0 + DEADLINE_S + 5.0
+    c, late = _rooms_asked_then_held_up(rooms)
     later, actions = c.receive(late - DEADLINE_S + 1.0, spec(20, slot=20))  # due a second after the hold ends
     assert [type(a) for a in actions] == [SendAsk]
     assert c.tick(late, limit, unread=True) == []
