@@ -201,8 +201,8 @@ PyObject *epd_mooncake_write(PyObject *self, PyObject *const *args, Py_ssize_t n
         epd_u64_arg(args[2], "src", &src) < 0 || epd_u64_arg(args[3], "dst", &dst) < 0 ||
         epd_u64_arg(args[4], "length", &length) < 0)
         return NULL;
-    /* Over tcp Mooncake moves much of the bytes inside this call (about 0.17 ms for 512 KiB, 4 ms
-     * for 8 MiB here): other Python threads, the model's among them, run meanwhile. */
+    /* Over tcp Mooncake moves much of the write inside this call (milliseconds for megabytes): other
+     * Python threads, the model's among them, run meanwhile. */
     uint64_t batch;
     Py_BEGIN_ALLOW_THREADS
     batch = epd_mc_write((void *)(uintptr_t)engine, handle, src, dst, length);

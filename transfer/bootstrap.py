@@ -55,9 +55,9 @@ from urllib.parse import SplitResult, parse_qs, urlsplit
 from transfer._http import BoundedHTTPServer, DeadlineReader, OneDeadlineHandler
 from transfer._resolve import connect_within
 from transfer.config import check_seconds
-from transfer.errors import BootstrapError, BootstrapNoRoute, BootstrapUnreachable, ConfigError, PortsInUse
+from transfer.errors import BootstrapError, BootstrapNoRoute, BootstrapUnreachable, ConfigError
 from transfer.frames import shown
-from transfer.ports import PortSpec, bind_port
+from transfer.ports import PortSpec, bind_port, cannot_listen, not_this_host, port_in_use
 
 log = logging.getLogger(__name__)
 
@@ -403,13 +403,10 @@ def _refuse_bind(host: str, port: int, error: OSError) -> None:
     """For a bind that failed: PortsInUse (errno EADDRINUSE kept, so a range passes it over) for a port in
     use, ConfigError for a host that is not this one's; each names the server, its address and what to do.
     Returns for any other error, which is raised as it is."""
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    said = f"bootstrap server cannot listen on {address}: {error.strerror or error}"
+    said = cannot_listen("bootstrap server", host, port, error)
     if error.errno == errno.EADDRINUSE:
-        raise PortsInUse(error.errno, f"{said}: another process holds it (a bootstrap server running already?); "
-                                      f"give another port, 0 (any free one) or a range FIRST-LAST, or find what "
-                                      f"holds it (ss -ltnp 'sport = :{port}')") from None
-    if error.errno == errno.EADDRNOTAVAIL or isinstance(error, socket.gaierror):
+        raise port_in_use(said, port, " (a bootstrap server running already?)") from None
+    if not_this_host(error):
         raise ConfigError(f"{said}: give an address of this host (the one peers reach the server on)") from None
 
 

@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import re
-import socket
 import threading
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler
@@ -24,8 +23,8 @@ from typing import Any
 
 from transfer._http import BoundedHTTPServer, OneDeadlineHandler
 from transfer.core.failure import FailureKind
-from transfer.errors import ConfigError, ConfigTypeError, PortsInUse
-from transfer.ports import PortSpec, bind_port
+from transfer.errors import ConfigError, ConfigTypeError
+from transfer.ports import PortSpec, bind_port, cannot_listen, not_this_host, port_in_use
 
 log = logging.getLogger(__name__)
 
@@ -555,12 +554,10 @@ class _PrometheusCollector:
 def _bind_error(host: str, port: int, error: OSError) -> OSError:
     """A failed bind of the endpoint, naming it, its address and what to do; the errno kept (a range passes
     a port in use over)."""
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    said = f"metrics endpoint cannot listen on {address}: {error.strerror or error}"
+    said = cannot_listen("metrics endpoint", host, port, error)
     if error.errno == errno.EADDRINUSE:
-        return PortsInUse(error.errno, f"{said}: another process holds it; give another port, 0 (any free one) or "
-                                       f"a range FIRST-LAST, or find what holds it (ss -ltnp 'sport = :{port}')")
-    if error.errno == errno.EADDRNOTAVAIL or isinstance(error, socket.gaierror):
+        return port_in_use(said, port)
+    if not_this_host(error):
         return OSError(error.errno, f"{said}: give an address of this host")
     return OSError(error.errno, said)
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 import errno
 import ipaddress
 import re
+import socket
 from collections.abc import Callable
 from typing import TypeVar, Union
 
 from transfer.errors import ConfigError, ConfigTypeError, PortsInUse
 
-__all__ = ["PortSpec", "bind_port", "describe_ports", "is_wildcard", "parse_ports"]
+__all__ = ["PortSpec", "bind_port", "cannot_listen", "describe_ports", "is_wildcard", "not_this_host", "parse_ports",
+           "port_in_use"]
 
 #: A listener's port setting: `8998`, `0` (any free port), `(30000, 30100)` or `"30000-30100"`.
 PortSpec = Union[int, str, tuple[int, int]]
@@ -77,6 +79,25 @@ def bind_port(spec: object, bind: Callable[[int], T], what: str) -> T:
             if getattr(exc, "errno", None) != errno.EADDRINUSE:
                 raise
     raise PortsInUse(errno.EADDRINUSE, f"{what}: no free port in {first}-{last}: every one is in use")
+
+
+def cannot_listen(what: str, host: str, port: int, error: OSError) -> str:
+    """What a failed bind of `what` (a server, an endpoint) on host:port said, naming both."""
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"{what} cannot listen on {address}: {error.strerror or error}"
+
+
+def port_in_use(said: str, port: int, hint: str = "") -> PortsInUse:
+    """PortsInUse (errno EADDRINUSE kept, so a range passes the port over) saying what to do; `hint` names
+    a likely holder."""
+    return PortsInUse(errno.EADDRINUSE, f"{said}: another process holds it{hint}; give another port, 0 (any free "
+                                        f"one) or a range FIRST-LAST, or find what holds it "
+                                        f"(ss -ltnp 'sport = :{port}')")
+
+
+def not_this_host(error: OSError) -> bool:
+    """Whether a bind failed for an address that is not this host's (or a name that does not resolve)."""
+    return error.errno == errno.EADDRNOTAVAIL or isinstance(error, socket.gaierror)
 
 
 def _shown(spec: object) -> str:
