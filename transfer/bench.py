@@ -311,6 +311,16 @@ def thread_group(name: str, main: bool) -> str | None:
     return "other"
 
 
+def calls_refusal() -> str | None:
+    """Why `--calls` cannot count on this Python, or None where it can."""
+    if sys.version_info[:2] < (3, 12):
+        return None
+    # There cProfile takes the process's one sys.monitoring profiler slot: a profiler per thread
+    # cannot be enabled, and every rank thread after the first would end at its first call.
+    return (f"--calls needs Python 3.10 or 3.11 (this is {sys.version_info[0]}.{sys.version_info[1]}): "
+            f"from 3.12 cProfile profiles one thread per process at most, and --calls counts each thread's calls")
+
+
 class CallCounts:
     """Python calls made so far by each Python thread of this process, counted by a cProfile profiler
     per thread: the thread that installs it, and every thread started after."""
@@ -319,6 +329,10 @@ class CallCounts:
         self._profiles: dict[str, cProfile.Profile] = {}  # thread id (as /proc/self/task names it) -> profiler
 
     def install(self) -> None:
+        """Starts counting; raises RuntimeError where this Python cannot (`calls_refusal()`)."""
+        refusal = calls_refusal()
+        if refusal is not None:
+            raise RuntimeError(refusal)
         threading.setprofile(self._hand_over)
         self._profile_this_thread()
 

@@ -105,12 +105,9 @@ def _bench(args: argparse.Namespace) -> int:
     if (not _output_folders_writable("bench", args, ("json", "plot")) or not _log_dir_usable(getattr(args, "log_dir", None))
             or _environment_refused("bench")):
         return 2
-    if getattr(args, "calls", False) and sys.version_info[:2] >= (3, 12):
-        # There cProfile takes the process's one sys.monitoring profiler slot: a profiler per thread
-        # cannot be enabled, and every rank thread after the first would end at its first call.
-        print(f"epd-transfer bench: --calls needs Python 3.10 or 3.11 (this is "
-              f"{sys.version_info[0]}.{sys.version_info[1]}): from 3.12 cProfile profiles one thread "
-              f"per process at most, and --calls counts each thread's calls", file=sys.stderr)
+    refusal = bench.calls_refusal() if getattr(args, "calls", False) else None
+    if refusal is not None:
+        print(f"epd-transfer bench: {refusal}", file=sys.stderr)
         return 2
     # Only the wire and memcpy paths run without a Mooncake engine of --protocol.
     if set(bench.options_from(args).paths) - {"wire", "memcpy"} and _protocol_refused("bench", args.protocol):

@@ -1,7 +1,8 @@
 """The README's two integration blocks, run as written: one encode rank and two prefill ranks in
 their own processes over Mooncake tcp on loopback, with a ReceivePool and reassembly over gloo.
-Only the settings lines are replaced (addresses, sizes, device); every rebuilt row is checked, and
-each handle's `stages` are the ones the README's "Where a room's time goes" names, in its order."""
+Only the settings lines are replaced (addresses, sizes, device: the host's memory, and a CUDA
+device's where there is one); every rebuilt row is checked, and each handle's `stages` are the ones
+the README's "Where a room's time goes" names, in its order."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 import traceback
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -66,7 +68,6 @@ def _stages(side: str) -> list[str]:
 
 def _item(room: int, span: int):
     """The rows the encode rank offers for `room`, rebuilt the same way on the prefill side."""
-    import torch
 
     gen = torch.Generator().manual_seed(1000 + room)
     return torch.randn(span, HIDDEN, generator=gen).to(torch.bfloat16)
@@ -109,7 +110,6 @@ def _encode(code: str, done, results) -> None:
 def _prefill(code: str, rank: int, init_port: int, results) -> None:
     """Joins a gloo group of two, runs the README's prefill block, asks, rebuilds and checks every row."""
     try:
-        import torch
         import torch.distributed as dist
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{init_port}", rank=rank, world_size=2)
@@ -129,7 +129,7 @@ def _prefill(code: str, rank: int, init_port: int, results) -> None:
         checked = 0
         for (room, span), rows in zip(ROOMS.items(), rebuilt):
             assert rows is not None, f"room {room} failed: {failures}"
-            assert torch.equal(rows.view(torch.int16), _item(room, span).view(torch.int16)), f"room {room} differs"
+            assert torch.equal(rows.cpu().view(torch.int16), _item(room, span).view(torch.int16)), f"room {room} differs"
             checked += rows.numel() * rows.element_size()
         for handle in handles:
             handle.clear()
@@ -148,15 +148,18 @@ def test_the_readme_names_each_sides_stages():
 
 
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
-def test_the_readme_integration_moves_and_rebuilds_every_row():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (and the CUDA Mooncake wheel)")])])
+def test_the_readme_integration_moves_and_rebuilds_every_row(device):
     port = _free_port()
     encode_code = _with_settings(_block("Encode side"), {
         "HOST": '"127.0.0.1"', "BOOTSTRAP_PORT": str(port), "E": "1",
-        "HIDDEN, MAX_ROWS, SLOTS": f"{HIDDEN}, 128, {len(ROOMS)}", "DEVICE": '"cpu"', "e": "0",
+        "HIDDEN, MAX_ROWS, SLOTS": f"{HIDDEN}, 128, {len(ROOMS)}", "DEVICE": repr(device), "e": "0",
     })
     prefill_code = _with_settings(_block("Prefill side"), {
         "BOOTSTRAP": f'"127.0.0.1:{port}"', "HOST": '"127.0.0.1"', "P, E": "2, 1",
-        "HIDDEN, DTYPE": f'{HIDDEN}, "torch.bfloat16"', "DEVICE": '"cpu"', "POOL_BYTES, SLOT_BYTES": "1 << 20, 64 << 10",
+        "HIDDEN, DTYPE": f'{HIDDEN}, "torch.bfloat16"', "DEVICE": repr(device), "POOL_BYTES, SLOT_BYTES": "1 << 20, 64 << 10",
     })
     ctx = mp.get_context("spawn")
     done, results = ctx.Event(), ctx.Queue()
@@ -205,7 +208,6 @@ class _Handle:
     """What `rebuild` reads of a pooled receive's handle with deepstack rows: this rank's shard filled."""
 
     def __init__(self, room: int, span: int, rank: int) -> None:
-        import torch
 
         from transfer.frames import shard_rows
         from transfer.status import TransferPoll
@@ -224,7 +226,6 @@ class _Handle:
 
 def _deepstack(room: int, span: int):
     """The deepstack rows (3 layers) the encode rank offers for `room`."""
-    import torch
 
     gen = torch.Generator().manual_seed(2000 + room)
     return torch.randn(span, 3 * HIDDEN, generator=gen).to(torch.bfloat16)
@@ -233,7 +234,6 @@ def _deepstack(room: int, span: int):
 def _rebuild_rank(code: str, rank: int, init_port: int, results) -> None:
     """Runs the README's `rebuild` on handles holding this rank's shard of embedding and deepstack rows."""
     try:
-        import torch
         import torch.distributed as dist
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{init_port}", rank=rank, world_size=2)

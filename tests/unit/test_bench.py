@@ -319,3 +319,16 @@ def test_the_cfloor_path_runs_only_when_asked_for():
     opts = bench.options_from(_args("--paths", "floor,cfloor", "--sizes", "64x4096", "--fanouts", "1",
                                     "--inflight", "8", "--integrity", "on,off"))
     assert [(c.path, c.integrity) for c in bench.plan(opts, wire_ok=True)] == [("floor", False), ("cfloor", False)]
+
+
+def test_counting_calls_on_a_python_whose_cprofile_is_one_per_process_raises_before_any_profiler(monkeypatch):
+    # A rank process told to count (bench.main called without the command line's refusal) says why,
+    # where otherwise its threads would end at their first call and the bench would wait for them.
+    import sys
+    import threading
+
+    monkeypatch.setattr(sys, "version_info", (3, 13, 0, "final", 0))
+    counts = bench.CallCounts()
+    with pytest.raises(RuntimeError, match=r"^--calls needs Python 3\.10 or 3\.11 \(this is 3\.13\)"):
+        counts.install()
+    assert threading.getprofile() is None and counts.snapshot() == {}
