@@ -102,7 +102,8 @@ _ADDRESS_SPACE = 1 << 64
 
 #: The Mooncake wheels, by version, whose TransferEngine native/mooncake.c was checked against
 #: (its request, status and string layouts, and the methods' mangled names).
-DIRECT_CALLS_CHECKED: dict[str, tuple[str, ...]] = {"mooncake-transfer-engine-non-cuda": ("0.3.13.post1",)}
+DIRECT_CALLS_CHECKED: dict[str, tuple[str, ...]] = {"mooncake-transfer-engine-non-cuda": ("0.3.13.post1",),
+                                                   "mooncake-transfer-engine": ("0.3.13.post1",)}
 
 #: The most segments whose handles an engine keeps for its direct calls; past it they are
 #: forgotten and looked up again through the binding's next write.
