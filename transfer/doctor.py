@@ -216,6 +216,11 @@ def check_mooncake(probe: Probe) -> tuple[list[Check], dict]:
         checks.append(Check(
             "mooncake-wheels", "warn", "a CUDA build of Mooncake on a host without an NVIDIA driver",
             f"pip uninstall {dists[0]['name']} && pip install mooncake-transfer-engine-non-cuda"))
+    elif dists[0]["name"] == "mooncake-transfer-engine-non-cuda" and _cuda_host():
+        checks.append(Check(
+            "mooncake-wheels", "warn", "a Mooncake build without CUDA on a host with an NVIDIA driver: "
+            "GPU memory cannot be registered with it over tcp (host memory works)",
+            f"pip uninstall {dists[0]['name']} && pip install mooncake-transfer-engine"))
     return checks, info
 
 

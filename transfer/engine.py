@@ -134,6 +134,25 @@ def direct_calls_verdict(installed: Mapping[str, str], wanted: bool, has_pointer
     return True, f"{name} {version}"
 
 
+#: The Mooncake wheels built without CUDA: their tcp transport reads and writes every address as host memory.
+HOST_ONLY_WHEELS = ("mooncake-transfer-engine-non-cuda",)
+
+
+def device_memory_refusal(installed: Mapping[str, str], protocol: str, device: str) -> str | None:
+    """Why memory on `device` (a torch device's name, not the CPU) cannot be registered with an engine of
+    `protocol` given the Mooncake wheels `installed` (name -> version), or None where it can.
+
+    Over tcp, a build without CUDA copies the bytes itself, from and into the address as host
+    memory: device memory there kills the process at the first write."""
+    if protocol != "tcp" or not installed or any(name not in HOST_ONLY_WHEELS for name in installed):
+        return None
+    name, version = sorted(installed.items())[0]
+    return (f"cannot register memory on {device} over tcp with {name} {version}, a Mooncake build without "
+            f"CUDA: its copies would read and write the device address as host memory and kill the process; "
+            f"install the CUDA build (pip uninstall {name} && pip install mooncake-transfer-engine), "
+            f"or register host memory")
+
+
 @functools.lru_cache(maxsize=1)
 def _installed_mooncake() -> dict[str, str]:
     """The Mooncake transfer-engine distributions installed, by version (read once a process)."""
@@ -635,6 +654,16 @@ class Engine(RegisteredMemory):
                   self.protocol_reason, self.calls, self.calls_reason)
 
     # -- memory -----------------------------------------------------------
+
+    def _region_span(self, buf: Any, length: int | None) -> tuple[int, int]:
+        """(address, length) of what register() was given; EngineError for device memory this
+        engine's Mooncake build cannot move (`device_memory_refusal`)."""
+        device = getattr(buf, "device", None)
+        if device is not None and getattr(device, "type", "cpu") != "cpu":
+            problem = device_memory_refusal(_installed_mooncake(), self.protocol, str(device))
+            if problem is not None:
+                raise EngineError(problem)
+        return _buffer_span(buf, length)
 
     def _add_region(self, addr: int, nbytes: int) -> None:
         """Registers a tensor's memory (host or CUDA) or an address range with Mooncake.

@@ -746,3 +746,17 @@ def stopped_peer(encode):
         peer.wait(10)
         raise
     return peer, session, landing
+
+
+def cuda_mooncake_missing() -> str:
+    """Why the CUDA tests cannot run here ("" where they can): they need a CUDA device and the CUDA
+    build of Mooncake, whose tcp copies move device memory (the build without CUDA refuses it)."""
+    import torch
+
+    from transfer.doctor import mooncake_distributions
+
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    if not any(dist["flavour"].startswith("CUDA") for dist in mooncake_distributions()):
+        return "needs the CUDA build of Mooncake (pip install mooncake-transfer-engine)"
+    return ""

@@ -14,6 +14,7 @@ import torch
 
 from transfer import engine as engine_module
 from transfer.engine import Engine, TransferError, rdma_device_names
+from transfer.errors import EngineError
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -357,3 +358,19 @@ def test_rdma_write_lands_exact_bytes():
         for s, d, n in pieces:
             expected[d:d + n] = src[s:s + n]
         assert torch.equal(dst, expected)
+
+
+@_live
+def test_device_memory_over_tcp_with_a_build_without_cuda_is_refused_before_mooncake_sees_it(pair):
+    refusal = engine_module.device_memory_refusal(engine_module._installed_mooncake(), "tcp", "lazy:0")
+    if refusal is None:
+        pytest.skip("this host's Mooncake build moves device memory over tcp")
+    lazy = pytest.importorskip("torch._lazy.ts_backend")
+    lazy.init()
+    writer, _ = pair
+    rows = torch.ones(4, 16).to("lazy")  # a device that is not the CPU, which a CPU-only torch has
+    before = writer.registered()
+    with pytest.raises(EngineError, match=r"^cannot register memory on lazy:0 over tcp with .*, a Mooncake build "
+                                          r"without CUDA: .* install the CUDA build"):
+        writer.register(rows)
+    assert writer.registered() == before

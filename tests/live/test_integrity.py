@@ -13,7 +13,7 @@ import pytest
 import torch
 import zmq
 from integrity_ranks import encode_process
-from live_helpers import LIVE
+from live_helpers import LIVE, cuda_mooncake_missing
 
 from transfer.bootstrap import BootstrapClient, BootstrapServer
 from transfer.engine import Engine
@@ -273,7 +273,7 @@ def test_a_wider_encode_deepstack_is_refused_and_the_next_slot_is_untouched(engi
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (and the CUDA Mooncake wheel)")
+@pytest.mark.skipif(bool(cuda_mooncake_missing()), reason=cuda_mooncake_missing() or "-")
 def test_cuda_item_with_event_lands_and_verifies():
     from transfer.sender import SenderPool
 

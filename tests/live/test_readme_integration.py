@@ -16,6 +16,7 @@ import traceback
 
 import pytest
 import torch
+from live_helpers import cuda_mooncake_missing
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -150,7 +151,7 @@ def test_the_readme_names_each_sides_stages():
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (and the CUDA Mooncake wheel)")])])
+    pytest.mark.skipif(bool(cuda_mooncake_missing()), reason=cuda_mooncake_missing() or "-")])])
 def test_the_readme_integration_moves_and_rebuilds_every_row(device):
     port = _free_port()
     encode_code = _with_settings(_block("Encode side"), {

@@ -313,3 +313,21 @@ def test_the_cuda_line_says_what_the_probe_found(tmp_path, found, level, says):
     report = doctor.collect(sysfs_root=str(tmp_path), environ={}, mooncake_probe=ok_probe, native_probe=ok_probe,
                             cuda_probe=lambda: found)
     assert report["cuda"]["available"] == found.get("available", False)
+
+
+@pytest.mark.parametrize("name, flavour, nvidia, said, fix", [
+    ("mooncake-transfer-engine", "CUDA build", False, "a CUDA build of Mooncake on a host without an NVIDIA driver",
+     "pip uninstall mooncake-transfer-engine && pip install mooncake-transfer-engine-non-cuda"),
+    ("mooncake-transfer-engine-non-cuda", "CPU build", True,
+     "a Mooncake build without CUDA on a host with an NVIDIA driver: GPU memory cannot be registered with it "
+     "over tcp (host memory works)",
+     "pip uninstall mooncake-transfer-engine-non-cuda && pip install mooncake-transfer-engine"),
+])
+def test_a_wheel_that_does_not_match_the_host_warns(monkeypatch, name, flavour, nvidia, said, fix):
+    monkeypatch.setattr(doctor, "mooncake_distributions", lambda: [
+        {"name": name, "version": "0.3.13.post1", "flavour": flavour}])
+    monkeypatch.setattr(doctor, "_cuda_host", lambda: nvidia)
+    checks, _ = doctor.check_mooncake(ok_probe)
+    assert [(c.name, c.level, c.detail, c.fix) for c in checks[1:]] == [("mooncake-wheels", "warn", said, fix)]
+    monkeypatch.setattr(doctor, "_cuda_host", lambda: not nvidia)
+    assert [c.name for c in doctor.check_mooncake(ok_probe)[0]] == ["mooncake"]

@@ -1,0 +1,38 @@
+"""`make setup` (which `make demo` and `make test` run first) installs the Mooncake wheel for the host."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytestmark = [pytest.mark.live, pytest.mark.skipif(shutil.which("make") is None, reason="needs make")]
+
+
+def _setup_commands(*args: str) -> list[str]:
+    """The pip commands `make setup` would run (make -n: printed, not run)."""
+    out = subprocess.run(["make", "-n", "-B", "setup", *args], cwd=REPO, capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    return [line for line in out.splitlines() if " pip " in line]
+
+
+@pytest.mark.parametrize("marker, wanted, other", [
+    (True, "cuda", "mooncake-transfer-engine-non-cuda"),
+    (False, "cpu", "mooncake-transfer-engine"),
+])
+def test_the_wheel_follows_the_nvidia_driver_and_the_other_goes_first(tmp_path, marker, wanted, other):
+    version = tmp_path / "version"  # stands for /proc/driver/nvidia/version
+    if marker:
+        version.write_text("NVRM version: test\n")
+    commands = _setup_commands(f"NVIDIA_MARKERS={version}")
+    assert commands[-2:] == [f'.venv/bin/python -m pip uninstall -q -y {other} 2>/dev/null || true',
+                             f'.venv/bin/python -m pip install -q -e ".[{wanted},test]"'], commands
+
+
+def test_the_wheel_can_be_named():
+    commands = _setup_commands("NVIDIA_MARKERS=/nonexistent", "MOONCAKE=cuda")
+    assert commands[-1] == '.venv/bin/python -m pip install -q -e ".[cuda,test]"', commands
