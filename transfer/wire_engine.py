@@ -102,6 +102,7 @@ import ipaddress
 import itertools
 import logging
 import math
+import os
 import select
 import socket
 import threading
@@ -118,7 +119,7 @@ from transfer.config import check_seconds
 from transfer.core.failure import printable
 from transfer.engine import RegisteredMemory, _buffer_span, check_batch
 from transfer.errors import ConfigError, EngineError, UsageError
-from transfer.ports import PortSpec, bind_port
+from transfer.ports import PortSpec, bind_port, cannot_listen, port_in_use
 
 log = logging.getLogger(__name__)
 
@@ -396,6 +397,19 @@ class _WriterPool:
                 self._left.wait()
 
 
+def _listen_error(host: str, port: int, error: OSError) -> Exception:
+    """A failed bind of the wire listener, naming its address and what to do: PortsInUse (errno kept, so
+    a range passes the port over) for a port in use, ConfigError for an address not of this host."""
+    if not error.errno:
+        return error  # the host did not resolve: the listener's own text says so
+    said = cannot_listen("wire listener", host, port, OSError(error.errno, os.strerror(error.errno)))
+    if error.errno == errno.EADDRINUSE:
+        return port_in_use(said, port)
+    if error.errno == errno.EADDRNOTAVAIL:
+        return ConfigError(f"{said}: give an address of this host (the one peers reach it on)")
+    return error
+
+
 class WireEngine(RegisteredMemory):
     """The Engine interface over the framed wire: a native listener plus pooled sender connections."""
 
@@ -448,11 +462,17 @@ class WireEngine(RegisteredMemory):
         self.reply_timeout_s = reply_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.rate_grace_s = RATE_GRACE_TIMEOUTS * float(recv_timeout_s)
-        self._listener = bind_port(port, lambda number: _native.wire_listen(
-            hostname, number, float(recv_timeout_s), float(idle_timeout_s), self.chunk_bytes, int(max_connections),
-            first_byte_timeout=-1.0 if first_byte_timeout_s is None else float(first_byte_timeout_s),
-            evict_after=float(evict_after_s), min_rate=self.min_rate_bps, rate_grace=self.rate_grace_s),
-            f"wire listener on {hostname}")
+        def listen(number: int) -> Any:
+            try:
+                return _native.wire_listen(
+                    hostname, number, float(recv_timeout_s), float(idle_timeout_s), self.chunk_bytes,
+                    int(max_connections),
+                    first_byte_timeout=-1.0 if first_byte_timeout_s is None else float(first_byte_timeout_s),
+                    evict_after=float(evict_after_s), min_rate=self.min_rate_bps, rate_grace=self.rate_grace_s)
+            except OSError as error:
+                raise _listen_error(hostname, number, error) from None
+
+        self._listener = bind_port(port, listen, f"wire listener on {hostname}")
         self.port = _native.wire_listener_port(self._listener)
         self.rpc_port = self.port
         self.session_id = f"{hostname}:{self.port}"
