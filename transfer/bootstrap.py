@@ -27,6 +27,11 @@ Decisions the spec leaves open, documented here:
   a route so registered answers with the same header, naming the registration: a
   prefill rank of ours tells a rank restarted at the same endpoint from the one it
   asked. Peers send no such header, and their bodies and answers are unchanged.
+- The server remembers the instances that withdrew their route (DELETE with the header),
+  the latest MAX_WITHDRAWN of them, and refuses a PUT from one with 410 (Gone), listing
+  nothing: a registration of a closed pool that arrives after its DELETE (held up in flight,
+  or an attempt its client had already given up on) would list a rank that is gone. An
+  instance is one pool's, which registers once: a restarted rank comes with a new one.
 - The route lookup is `table[target_dp_group][engine_rank]`, i.e. engine_rank
   is read as the tp rank inside the group, as the peers' servers do.
 - Success bodies are JSON (application/json); errors and /health are short
@@ -68,6 +73,8 @@ MAX_WORLD_SIZE = 1 << 16
 #: A DNS name's longest spelling; an address is shorter.
 MAX_HOST_CHARS = 253
 ROLE = "Prefill"
+#: Instances whose withdrawal (DELETE /route) the server remembers, to refuse their late registrations.
+MAX_WITHDRAWN = 4096
 #: The header that names which process (one sender pool) a PUT or DELETE /route comes from.
 INSTANCE_HEADER = "X-EPD-Instance"
 #: What an instance may be: 1 to 64 letters, digits, '-' or '_' (ours are 32 hex digits).
@@ -96,6 +103,9 @@ class _RouteTable:
         self.dp_size: int | None = None
         self._routes: dict[tuple[int, int], tuple[str, int]] = {}
         self._instances: dict[tuple[int, int], str | None] = {}  # which registration made each route
+        # Instances that withdrew their route, oldest first: a PUT from one is refused (410).
+        self._withdrawn: dict[str, None] = {}
+        self.max_withdrawn = MAX_WITHDRAWN
 
     def put(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int, engine_rank: int,
             instance: str | None = None) -> tuple[int, int]:
@@ -105,10 +115,16 @@ class _RouteTable:
     def claim(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
               engine_rank: int, instance: str | None = None) -> tuple[tuple[int, int], tuple[str, int] | None]:
         """put(), also returning the endpoint this one replaced, if any (for the log); `instance` is the
-        registering process's nonce (None: a peer's, or an older one of ours)."""
+        registering process's nonce (None: a peer's, or an older one of ours). 410, listing nothing and fixing
+        no sizes, for an instance that withdrew its route already: this PUT came late, its pool is closed."""
         group_size = world_size // dp_size
         key = (engine_rank // group_size, engine_rank % group_size)
         with self._lock:
+            if instance is not None and instance in self._withdrawn:
+                raise _RequestError(
+                    410, f"encode rank {engine_rank}'s registration comes from instance {instance}, which withdrew "
+                         f"its route (DELETE /route) already: a registration it sent before, arriving late, is not "
+                         f"listed again; a restarted encode rank registers as a new instance (a new sender pool)")
             if self.world_size is None:
                 self.world_size, self.dp_size = world_size, dp_size
             self._check_sizes("PUT", world_size, dp_size)
@@ -124,13 +140,20 @@ class _RouteTable:
 
         Returns its (dp_group, tp_rank), the endpoint the entry holds afterwards (None for
         none) and whether it was removed. The sizes stay as the first PUT fixed them: other
-        sizes are a 409, as for a PUT; before any PUT there is nothing to remove.
+        sizes are a 409, as for a PUT; before any PUT there is nothing to remove. Whatever it
+        removed, an `instance` is remembered as withdrawn (the latest max_withdrawn): its own
+        PUT arriving after this DELETE is refused.
         """
         group_size = world_size // dp_size
         key = (engine_rank // group_size, engine_rank % group_size)
         with self._lock:
             if self.world_size is not None:
                 self._check_sizes("DELETE", world_size, dp_size)
+            if instance is not None:
+                self._withdrawn.pop(instance, None)
+                self._withdrawn[instance] = None
+                while len(self._withdrawn) > self.max_withdrawn:
+                    del self._withdrawn[next(iter(self._withdrawn))]
             current = self._routes.get(key)
             if current != (rank_ip, rank_port) or (instance is not None and self._instances.get(key) != instance):
                 return key, current, False
@@ -287,6 +310,8 @@ class _Handler(OneDeadlineHandler):
             self._log_registration(engine_rank, key, (rank_ip, rank_port), previous)
             self._json(200, {"status": "OK", "dp_group": key[0], "tp_rank": key[1]})
         except _RequestError as error:
+            if error.status == 410:  # a closed pool's late registration: its rank stays unlisted
+                log.info("bootstrap %s: %s", self.server.address_text, error.text)
             self._text(error.status, error.text)
 
     def do_DELETE(self) -> None:

@@ -594,8 +594,31 @@ def test_instances_and_their_absence_on_either_side(server):
     _put(server, registration)
     assert json.loads(_delete(server, registration, instance="a" * 32)[1])["removed"] is False
     assert json.loads(_delete(server, registration)[1])["removed"] is True
-    _route_request("PUT", server, registration, instance="a" * 32)
+    _route_request("PUT", server, registration, instance="b" * 32)
     assert json.loads(_delete(server, registration)[1])["removed"] is True
+
+
+def test_a_registration_that_arrives_after_its_own_instances_delete_lists_nothing(server):
+    """A closed pool's PUT held up in flight (here: its body's last byte) until after that pool's DELETE was
+    served must not list the rank again: prefill ranks would look up and ask a rank that is gone."""
+    body = json.dumps(_registration(0, port=1111)).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as late:
+        late.sendall(b"PUT /route HTTP/1.0\r\nContent-Type: application/json\r\nX-EPD-Instance: " + b"a" * 32
+                     + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:-1])
+        status, text = _delete(server, _registration(0, port=1111), instance="a" * 32)
+        assert (status, json.loads(text)) == (200, {"status": "OK", "removed": False}), "nothing listed yet"
+        late.sendall(body[-1:])
+        answer = b""
+        while chunk := late.recv(4096):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.0 410 "), answer
+    assert b"withdrew its route (DELETE /route) already" in answer and b"a new sender pool" in answer, answer
+    assert _get(server, "engine_rank=0&target_dp_group=0")[0] == 404
+    assert json.loads(_get(server, "engine_rank=-1&target_dp_group=-1")[2])["prefill_tp_size"] is None, \
+        "the refused registration fixed the sizes"
+    assert _route_request("PUT", server, _registration(0, port=1111), instance="b" * 32)[0] == 200, \
+        "a new instance (the rank restarted) registers"
+    assert _route_request("PUT", server, _registration(1, port=1112))[0] == 200, "a peer's (no instance) registers"
 
 
 @pytest.mark.parametrize("instance", ["", "x" * 65, "a b", "a\u00e9"])

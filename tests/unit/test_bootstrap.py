@@ -66,8 +66,34 @@ def test_a_delete_without_an_instance_removes_by_endpoint_and_one_with_it_leaves
     table = _RouteTable()
     _registered(table, 7000)  # a peer's registration, or an older one of ours: no instance
     assert table.remove(2, 1, "10.0.0.1", 7000, 0, "a" * 32)[2] is False
-    table.put(2, 1, "10.0.0.1", 7000, 0, "a" * 32)
+    table.put(2, 1, "10.0.0.1", 7000, 0, "b" * 32)
     assert table.remove(2, 1, "10.0.0.1", 7000, 0)[2] is True, "an older peer of ours names no instance"
+
+
+def test_an_instances_registration_after_its_own_delete_is_refused_and_lists_nothing():
+    table = _RouteTable()
+    assert table.remove(2, 1, "10.0.0.1", 7000, 0, "a" * 32) == ((0, 0), None, False)  # before its late PUT
+    with pytest.raises(_RequestError) as refused:
+        table.put(2, 1, "10.0.0.1", 7000, 0, "a" * 32)
+    assert refused.value.status == 410 and "withdrew its route (DELETE /route) already" in refused.value.text
+    assert table.get(0, 0) is None and table.sizes() == (None, None), "a late PUT lists nothing, fixes nothing"
+    table.put(2, 1, "10.0.0.1", 7000, 0, "b" * 32)  # a restarted rank: a new instance
+    assert table.remove(2, 1, "10.0.0.1", 7000, 0, "b" * 32)[2] is True
+    with pytest.raises(_RequestError, match="withdrew its route"):
+        table.put(2, 1, "10.0.0.1", 7000, 0, "b" * 32)  # a retried PUT of it, come after its DELETE removed it
+    table.put(2, 1, "10.0.0.1", 7000, 0)  # a peer's: no instance
+    assert table.get(0, 0) == ("10.0.0.1", 7000)
+
+
+def test_the_withdrawn_instances_remembered_are_bounded_oldest_first():
+    table = _RouteTable()
+    table.max_withdrawn = 2
+    for instance in ("a", "b", "c"):
+        table.remove(2, 1, "10.0.0.1", 7000, 0, instance * 32)
+    table.put(2, 1, "10.0.0.1", 7000, 0, "a" * 32)  # forgotten: the oldest of three
+    for instance in ("b", "c"):
+        with pytest.raises(_RequestError, match="withdrew its route"):
+            table.put(2, 1, "10.0.0.1", 7000, 0, instance * 32)
 
 
 def test_a_delete_removes_its_own_rank_only():
