@@ -6,8 +6,9 @@ encode side's parallel sizes and then one encode rank's endpoint. Ours adds
 closes withdraws its endpoint, so prefill ranks stop being sent to it.
 
 Decisions the spec leaves open, documented here:
-- The first accepted PUT fixes world_size and dp_size; a later PUT with other
-  sizes is refused with 409 (a rank of a different deployment must not join).
+- The first accepted PUT fixes world_size and dp_size until the server restarts; a later
+  PUT with other sizes is refused with 409 (a rank of a different deployment must not
+  join), whose text says to give the rank the server's sizes or to restart the server.
   world_size is at most MAX_WORLD_SIZE (400 beyond), and the client refuses a
   server's sizes beyond it: a size no deployment has must neither be fixed by a
   stray first PUT nor be computed with by a prefill rank. Without a token, any
@@ -81,6 +82,12 @@ INSTANCE_HEADER = "X-EPD-Instance"
 _INSTANCE = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 _INTEGER = re.compile(r"[+-]?[0-9]+\Z")
 _DIGITS = re.compile(r"[0-9]+\Z")
+
+
+#: What a 409 for other sizes says to do (the server's text, and the client's error where a server's text does not).
+_SIZES_STAY = ("the bootstrap server keeps the sizes of its first registration until it restarts: give this "
+               "encode rank the sizes it has, or restart the bootstrap server (`epd-transfer bootstrap`, or a new "
+               "BootstrapServer) to serve a deployment of other sizes")
 
 
 class _RequestError(Exception):
@@ -167,7 +174,7 @@ class _RouteTable:
             raise _RequestError(
                 409, f"world_size/dp_size mismatch: this server has world_size="
                      f"{self.world_size} dp_size={self.dp_size}, the {method} says "
-                     f"world_size={world_size} dp_size={dp_size}")
+                     f"world_size={world_size} dp_size={dp_size}: {_SIZES_STAY}")
 
     def sizes(self) -> tuple[int | None, int | None]:
         """(world_size, dp_size), None before any registration."""
@@ -725,6 +732,10 @@ class BootstrapClient:
                     raise BootstrapError(f"bootstrap server {self.address} refused encode rank {engine_rank}: "
                                          f"HTTP 401: {text} ({sent}): give the sender pool the server's token "
                                          f"(token=; `epd-transfer rank`: --token or EPD_TOKEN)")
+                if status == 409 and "restart" not in text:  # a server that does not say what to do
+                    raise BootstrapError(f"bootstrap server {self.address} refused encode rank {engine_rank}: "
+                                         f"HTTP 409: {text}: sizes other than its first registration's? "
+                                         f"{_SIZES_STAY}")
                 if status < 500:
                     raise BootstrapError(f"bootstrap server {self.address} refused encode rank "
                                          f"{engine_rank}: HTTP {status}: {text}")

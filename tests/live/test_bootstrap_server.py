@@ -152,6 +152,8 @@ def test_put_with_other_sizes_is_409(server):
     assert _put(server, _registration(0))[0] == 200
     status, text = _put(server, _registration(1, world_size=8, dp_size=2))
     assert status == 409 and "world_size=4" in text and "world_size=8" in text
+    assert "keeps the sizes of its first registration until it restarts" in text, text
+    assert "or restart the bootstrap server" in text, text
     assert json.loads(_get(server, "engine_rank=-1&target_dp_group=-1")[2]) == {
         "prefill_tp_size": 4, "prefill_dp_size": 2}
 

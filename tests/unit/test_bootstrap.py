@@ -120,6 +120,40 @@ def test_the_sizes_stay_fixed_once_set_whatever_is_removed():
     assert refused.value.status == 409
 
 
+def test_a_conflict_for_other_sizes_says_the_sizes_stay_until_a_restart_and_what_to_do():
+    table = _RouteTable()
+    _registered(table, 7000)
+    table.remove(2, 1, "10.0.0.1", 7000, 0)  # every route withdrawn: the sizes stay all the same
+    with pytest.raises(_RequestError) as refused:
+        table.put(4, 2, "10.0.0.1", 7000, 0)
+    assert refused.value.status == 409
+    assert refused.value.text == (
+        "world_size/dp_size mismatch: this server has world_size=2 dp_size=1, the PUT says world_size=4 dp_size=2: "
+        "the bootstrap server keeps the sizes of its first registration until it restarts: give this encode rank "
+        "the sizes it has, or restart the bootstrap server (`epd-transfer bootstrap`, or a new BootstrapServer) to "
+        "serve a deployment of other sizes")
+
+
+@pytest.mark.parametrize("text", [b"world_size/dp_size mismatch", b"Conflict"])
+def test_a_registration_refused_with_a_conflict_says_what_to_do_whatever_the_server_said(text):
+    with pytest.raises(BootstrapError) as refused:
+        _replying(409, text).register_rank(4, 2, "10.0.0.9", 7000, 3, retry_for=0)
+    said = str(refused.value)
+    assert said.startswith(f"bootstrap server 127.0.0.1:1 refused encode rank 3: HTTP 409: {text.decode()}")
+    assert said.count("restart the bootstrap server") == 1 and "give this encode rank the sizes it has" in said
+
+
+def test_a_conflict_our_server_explains_is_passed_on_once():
+    table = _RouteTable()
+    _registered(table, 7000)
+    with pytest.raises(_RequestError) as refused:
+        table.put(4, 2, "10.0.0.1", 7000, 0)
+    with pytest.raises(BootstrapError) as error:
+        _replying(409, refused.value.text.encode()).register_rank(4, 2, "10.0.0.9", 7000, 3, retry_for=0)
+    assert str(error.value) == f"bootstrap server 127.0.0.1:1 refused encode rank 3: HTTP 409: {refused.value.text}"
+    assert str(error.value).count("restart the bootstrap server") == 1
+
+
 def _replying(status: int, raw: bytes, sent: list | None = None) -> BootstrapClient:
     client = BootstrapClient("127.0.0.1:1", token="t0k")
 
