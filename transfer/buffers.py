@@ -12,7 +12,8 @@ copied out:
 - `fail()` (the room failed) quarantines the slot for `quarantine_s`, as long as an
   encode rank may still serve the room's ask (QUARANTINE_S), because a late one-sided
   write may still land in it; `end_quarantine()` ends that early once the encode rank
-  confirmed that nothing more will be written (its cancel, docs/protocol.md 8).
+  confirmed that nothing more will be written (its cancel, docs/protocol.md 8), after the
+  pool's close() too, where it lets the memory held back for that room go with the pool.
 - an item too big for a slot, or an exhausted pool, gets a fallback buffer: the smallest
   idle one in its grace that holds it (registered already), else one registered for it;
   a fallback is deregistered once it has been idle for `grace_s`.
@@ -119,13 +120,16 @@ class PoolStats(TypedDict):
 
 
 # Memory of closed pools that a failed room's late write may still land in, or a copy-out still read:
-# (clock, deadline, region, the copy-out's event or None). Unregistered, but kept allocated until its
-# quarantine ends or its copy-out completed, so no new pool or fallback registered with the engine (nor any
-# other allocation) gets its address meanwhile: a late write would land in memory leased to a new room, a
-# copy-out would read another tensor's bytes.
-_Held = tuple[Callable[[], float], float, Region, EventLike | None]
+# (clock, deadline, region, the copy-out's event or None, the quarantines it waits for or None). Unregistered,
+# but kept allocated until its quarantine ends (its bound passed, or end_quarantine() ended every quarantine it
+# waits for) or its copy-out completed, so no new pool or fallback registered with the engine (nor any other
+# allocation) gets its address meanwhile: a late write would land in memory leased to a new room, a copy-out
+# would read another tensor's bytes.
+_Held = tuple[Callable[[], float], float, Region, EventLike | None, set[int] | None]
 _held: list[_Held] = []
 _held_lock = threading.Lock()
+#: Quarantine and grace entry numbers, unique over every pool: a closed pool's hold names the quarantines it waits for.
+_entry_numbers = itertools.count()
 
 
 def _new_held_lock() -> None:
@@ -138,10 +142,29 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_held_lock)
 
 
-def _hold(clock: Callable[[], float], deadline: float, region: Region, event: EventLike | None = None) -> None:
-    """Keeps `region` allocated until `clock()` reaches `deadline`, or `event` (a copy-out's) completed."""
+def _hold(clock: Callable[[], float], deadline: float, region: Region, event: EventLike | None = None,
+          quarantines: set[int] | None = None) -> None:
+    """Keeps `region` allocated until `clock()` reaches `deadline`, or `event` (a copy-out's) completed, or every
+    quarantine numbered in `quarantines` ended early (_end_held)."""
     with _held_lock:
-        _held.append((clock, deadline, region, event))
+        _held.append((clock, deadline, region, event, quarantines))
+
+
+def _end_held(seq: int) -> None:
+    """A closed pool's quarantine `seq` ended early: memory held only for quarantines that all ended goes."""
+    gone: list[_Held] = []
+    with _held_lock:
+        kept: list[_Held] = []
+        for entry in _held:
+            quarantines = entry[4]
+            if quarantines is not None and seq in quarantines:
+                quarantines.discard(seq)
+                if not quarantines:
+                    gone.append(entry)
+                    continue
+            kept.append(entry)
+        _held[:] = kept
+    gone.clear()  # the memory goes here, outside the lock
 
 
 def _copied(event: EventLike | None) -> bool:
@@ -233,7 +256,11 @@ class Slot:
         self._pool._on_fail(self)
 
     def end_quarantine(self) -> None:
-        """No late write can land in this failed slot any more: it is free (a fallback starts its grace) now."""
+        """No late write can land in this failed slot any more: it is free (a fallback starts its grace) now.
+
+        After the pool's close() it is accepted, as release() and fail() are then: the memory is no longer held
+        back for this room (a closed pool's region once every quarantined slot of it ended) and goes with the
+        pool. A handle not quarantined (never failed, or its quarantine over) changes nothing."""
         self._pool._on_safe(self)
 
     def _transition(self, state: str, what: str) -> None:
@@ -328,7 +355,7 @@ class ReceivePool:
         # so two threads cannot both pass the cap).
         self._fallback_bytes = 0
         self._retired: list[Region] = []  # fallbacks close() unregistered; freed with the pool
-        self._seq = itertools.count()
+        self._seq = _entry_numbers
 
     # -- leasing ------------------------------------------------------------
 
@@ -513,7 +540,7 @@ class ReceivePool:
             deadline = now + self.quarantine_s
             heapq.heappush(self._quarantine, (deadline, seq, slot.index))
         if self._closed:  # a lease given back after close(): its memory outlives the pool until then
-            _hold(self._clock, deadline, slot.region)
+            _hold(self._clock, deadline, slot.region, quarantines={seq})
 
     def quarantine_of(self, nbytes: int) -> float:
         """How long memory of `nbytes` leased from this pool is held back after a failed room: a slot's
@@ -526,11 +553,15 @@ class ReceivePool:
         """Ends a quarantined handle's quarantine (its entry only: the slot may have been leased again since)."""
         with self._lock:
             seq, slot._quarantine_seq = slot._quarantine_seq, None
-            if seq is None or self._closed:
+            if seq is None:
                 return
-            removed = _remove_entry(self._graces, seq) if slot.is_fallback else _remove_entry(self._quarantine, seq)
-            if removed:
-                self._settle(slot, self._clock())
+            closed = self._closed
+            if not closed:
+                removed = _remove_entry(self._graces, seq) if slot.is_fallback else _remove_entry(self._quarantine, seq)
+                if removed:
+                    self._settle(slot, self._clock())
+        if closed:  # its memory outlives the pool for this quarantine no longer
+            _end_held(seq)
 
     def _settle_if_done(self, slot: Slot, event: EventLike, now: float) -> bool:
         """Settles a released handle whose copy-out event completed, or quarantines it when querying the
@@ -625,23 +656,26 @@ class ReceivePool:
         """Unregisters the pool region and every live fallback buffer (their memory lives as
         long as the pool object, and memory quarantined after a failed room, or given back
         failed after close(), until its quarantine ends: no later registration with the engine
-        gets its address while a late write may land there; and memory a copy-out whose event is
-        still pending reads, given back before or after close(), until the event completed or the
-        quarantine bound passed; the first pool made or polled after that frees it); idempotent."""
+        gets its address while a late write may land there, or end_quarantine() ended the quarantines
+        of all the failed rooms it held; and memory a copy-out whose event is still pending reads,
+        given back before or after close(), until the event completed or the quarantine bound passed;
+        the first pool made or polled after that frees it); idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            held = [(deadline, region) for deadline, _, region, quarantined in self._graces if quarantined]
+            held = [(deadline, region, {seq}) for deadline, seq, region, quarantined in self._graces if quarantined]
             if self._quarantine:
-                held.append((max(deadline for deadline, _, _ in self._quarantine), self.region))
-            for deadline, region in held:
-                _hold(self._clock, deadline, region)
+                held.append((max(deadline for deadline, _, _ in self._quarantine), self.region,
+                             {seq for _, seq, _ in self._quarantine}))
+            for deadline, region, quarantines in held:
+                _hold(self._clock, deadline, region, quarantines=quarantines)
             if held:
                 log.info("receive pool at %#x closed with memory quarantined after failed rooms: it stays "
                          "allocated (unregistered) for up to %.1fs more, until a late write can no longer land "
-                         "there (freed by the next pool made or polled after that)", self.region.addr,
-                         max(deadline for deadline, _ in held) - self._clock())
+                         "there (freed by the next pool made or polled after that) or end_quarantine() ended "
+                         "those rooms' quarantines", self.region.addr,
+                         max(deadline for deadline, _, _ in held) - self._clock())
             now = self._clock()
             for slot, event in self._pending:  # copy-outs still reading: their memory stays until they are done
                 _hold(self._clock, now + self.quarantine_of(slot.nbytes), slot.region, event)

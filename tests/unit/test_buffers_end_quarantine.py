@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
+import pytest
 from fakes import FakeClock, InterleavingEngine, RecordingEngine
 
 from transfer.buffers import ReceivePool
@@ -77,3 +81,49 @@ def test_a_fallbacks_registration_leaves_the_lock_to_end_quarantine_and_to_lease
         assert pool.stats()["quarantined"] == 0
         fallback.release()
         leased[0].release()
+
+
+def _closed_with_quarantine_ended(how: str):
+    """A pool whose failed lease is quarantined, closed, then confirmed safe; dropped with its handles. Returns
+    a weak reference to the lease's memory (the fake clock never moves)."""
+    pool, _ = make_pool(slots=2)
+    if how == "fallback failed":
+        lease = pool.lease_or_fallback(SLOT * 4)
+    else:
+        lease = pool.lease(SLOT)
+    if how == "slot failed after close":  # a session manager still open gives its room's slot back then
+        pool.close()
+    lease.fail()
+    pool.close()
+    lease.end_quarantine()
+    alive = weakref.ref(lease.region.tensor)
+    del lease, pool
+    gc.collect()
+    return alive
+
+
+@pytest.mark.parametrize("how", ["slot failed before close", "slot failed after close", "fallback failed"])
+def test_a_quarantine_ended_after_close_lets_the_closed_pools_memory_go_with_the_pool(how):
+    """end_quarantine() after close() is accepted, as release() and fail() are then, and does what it does on an
+    open pool: the memory is no longer held back for a late write (it goes with the pool), not only once the
+    quarantine bound passed."""
+    alive = _closed_with_quarantine_ended(how)
+    assert alive() is None, "a closed pool's memory stayed held for a quarantine that was ended"
+
+
+def test_a_closed_pools_region_stays_held_until_every_quarantined_slot_of_it_ended():
+    pool, _ = make_pool(slots=2)
+    first, second = pool.lease(SLOT), pool.lease(SLOT)
+    first.fail()
+    second.fail()
+    pool.close()
+    first.end_quarantine()
+    alive = weakref.ref(pool.region.tensor)
+    del first, pool
+    gc.collect()
+    assert alive() is not None, "a late write for the other failed room may still land in the region"
+    second.end_quarantine()
+    second.end_quarantine()  # a second call changes nothing, as on an open pool
+    del second
+    gc.collect()
+    assert alive() is None
