@@ -32,7 +32,8 @@ Decisions the spec leaves open, documented here:
   the latest MAX_WITHDRAWN of them, and refuses a PUT from one with 410 (Gone), listing
   nothing: a registration of a closed pool that arrives after its DELETE (held up in flight,
   or an attempt its client had already given up on) would list a rank that is gone. An
-  instance is one pool's, which registers once: a restarted rank comes with a new one.
+  instance is one pool's, which withdraws it only when it closes (it may register again
+  before, where a restarted server lost its route): a restarted rank comes with a new one.
 - The route lookup is `table[target_dp_group][engine_rank]`, i.e. engine_rank
   is read as the tp rank inside the group, as the peers' servers do.
 - Success bodies are JSON (application/json); errors and /health are short

@@ -15,7 +15,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from transfer import _io, config
@@ -27,7 +27,7 @@ from transfer.core.parked import ParkedAsks
 from transfer.core.regions import MAX_SESSIONS
 from transfer.drive import encode as _drive
 from transfer.drive.encode import EncodeDriver, RoomBook, RoomState, SourceRegistry
-from transfer.errors import ConfigError, ConfigTypeError, EngineError, UsageError
+from transfer.errors import BootstrapNoRoute, ConfigError, ConfigTypeError, EngineError, UsageError
 from transfer.frames import (
     MAX_REGIONS_PER_SESSION,
     check_parallel,
@@ -63,6 +63,13 @@ CLOSE_GRACE_S = 1.0
 
 #: How long close() gives the bootstrap server to drop this rank's route (one attempt).
 UNREGISTER_TIMEOUT_S = 1.0
+
+#: How often a registered pool asks the bootstrap server whether it still lists the pool's route, and
+#: registers again where the server has none for this rank (it restarted and lost its routes).
+ROUTE_CHECK_S = 5.0
+
+#: How long one such check (a look-up, and a registration where one is due) may take.
+ROUTE_CHECK_TIMEOUT_S = 2.0
 
 
 class SendHandle(_io.RoomHandle[RoomState]):
@@ -202,6 +209,7 @@ class SenderPool:
             self.close()
             raise
         self._route.listed = True
+        self._route.keep()
 
     @property
     def bootstrap_timeout_s(self) -> float:
@@ -394,6 +402,54 @@ class _Route:
     #: Whether the server may list the route: it took the registration, or may have (an attempt went
     #: unanswered); set once the registration is over. Only a listed route is withdrawn.
     listed: bool = False
+    #: Set when the pool closes: the keeper stops (before the route is withdrawn).
+    closing: threading.Event = field(default_factory=threading.Event)
+    keeper: threading.Thread | None = None
+
+    def keep(self) -> None:
+        """Starts the thread that registers the route again wherever the bootstrap server lost it."""
+        self.keeper = threading.Thread(target=self._keep, name=f"epd-encode-{self.engine_rank}-route", daemon=True)
+        self.keeper.start()
+
+    def _keep(self) -> None:
+        while not self.closing.wait(ROUTE_CHECK_S):
+            self.check()
+
+    def check(self) -> bool:
+        """Registers this rank again if the server answers that it has no route for it; whether it did.
+
+        A server that lists another endpoint or instance for the rank is left alone (never fought
+        over), and one that does not answer is asked again at the next check."""
+        group = self.world_size // self.dp_size
+        client = BootstrapClient(self.bootstrap_addr, timeout=ROUTE_CHECK_TIMEOUT_S, token=self.token)
+        try:
+            client.registration(self.engine_rank % group, self.engine_rank // group)
+            return False
+        except BootstrapNoRoute:
+            pass
+        except Exception as exc:  # noqa: BLE001 - unreachable or odd: asked again at the next check
+            log.debug("sender pool of encode rank %d: checking its route at bootstrap %s: %s", self.engine_rank,
+                      self.bootstrap_addr, exc)
+            return False
+        if self.closing.is_set():
+            return False
+        try:
+            client.register_rank(self.world_size, self.dp_size, self.host, self.port, self.engine_rank, retry_for=0,
+                                 instance=self.instance)
+        except Exception as exc:  # noqa: BLE001 - tried again at the next check
+            log.warning("sender pool of encode rank %d: bootstrap %s lists no route for it (restarted?), and "
+                        "registering again failed: %s", self.engine_rank, self.bootstrap_addr, exc)
+            return False
+        log.warning("sender pool of encode rank %d: bootstrap %s listed no route for it (restarted?): registered "
+                    "%s:%d again", self.engine_rank, self.bootstrap_addr, self.host, self.port)
+        return True
+
+    def stop_keeping(self) -> None:
+        """Stops the keeper, waiting for a check under way (bounded), so no registration follows the withdrawal."""
+        self.closing.set()
+        keeper = self.keeper
+        if keeper is not None and keeper is not threading.current_thread():
+            keeper.join(timeout=2 * ROUTE_CHECK_TIMEOUT_S + 1.0)
 
     def unregister(self) -> None:
         """DELETE /route for this rank, once, within UNREGISTER_TIMEOUT_S; logs what came of it, never raises."""
@@ -422,6 +478,7 @@ def _close(book: RoomBook, driver: EncodeDriver, route: _Route,
     if release_metrics is not None:
         release_metrics()
     if first:
+        route.stop_keeping()
         if route.listed:
             route.unregister()
         driver.stop()
