@@ -518,7 +518,8 @@ class RegisteredMemory:
                 self._registrations.notify_all()  # close() waits for registrations under way
                 closed = self._closed
         if closed:  # close() came meanwhile and took the region with it
-            raise EngineError(f"cannot register address 0x{addr:x}: {self.session_id} closed meanwhile")
+            raise EngineError(f"cannot register address 0x{addr:x}: {self.session_id} closed meanwhile (its close() "
+                              f"ran during the registration); register with an open engine")
         return addr, nbytes
 
     def _wait_for_registrations(self) -> None:
@@ -1022,7 +1023,9 @@ class Engine(RegisteredMemory):
     def _check_open(self) -> None:
         """Raise when the engine was closed (caller holds the lock)."""
         if self._closed:
-            raise EngineError(f"engine {getattr(self, 'session_id', self.hostname)} is closed")
+            name = getattr(self, "session_id", self.hostname)
+            raise EngineError(f"engine {name} is closed: its close() ran; start a new engine (and new pools and "
+                              f"managers on it) to register or write more")
 
     def close(self) -> None:
         """Wait for writes in flight, unregister all memory and release the engine; idempotent.

@@ -24,7 +24,7 @@ from transfer.bootstrap import split_address
 from transfer.core.prefill import ENCODE_FAILED, RoomSpec
 from transfer.core.prefill_breaker import UNREACHABLE_RETRY_S
 from transfer.core.quarantine import Fate, fate_of, reusable
-from transfer.drive.prefill import PrefillDriver, Room
+from transfer.drive.prefill import MANAGER_CLOSED, PrefillDriver, Room
 from transfer.errors import ConfigError, ConfigTypeError, EngineError, FallbackLimitError, UsageError
 from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype, scalar_ints, size_problem
 from transfer.interfaces import EventLike, TransferEngineLike
@@ -301,7 +301,7 @@ class SessionManager:
         deepstack rows are another width.
         """
         if self._closed:
-            raise UsageError("session manager is closed")
+            raise UsageError(MANAGER_CLOSED)
         # In a forked child, before a pool slot is leased: a lock held at the fork stays held there.
         self._driver.check_process()
         room = check_room(room)
@@ -427,7 +427,7 @@ class SessionManager:
         read it writes wherever the TransferInfo points).
         """
         if self._closed:
-            raise UsageError("session manager is closed")
+            raise UsageError(MANAGER_CLOSED)
         regions = RegionSet(self._receive_region(embedding),
                             self._receive_region(deepstack) if deepstack is not None else None)
         with self._regions_lock:

@@ -324,7 +324,8 @@ class SenderPool:
     def _stopped_error(self) -> UsageError:
         """Why send() is refused once the pool's thread stopped."""
         if self._book.closed:
-            return UsageError("sender pool is closed")
+            return UsageError("sender pool is closed: its close() ran (called, or its with block ended); "
+                              "start a new SenderPool to send more")
         return UsageError(f"sender pool's thread stopped after an error ({self._book.failure}; its traceback is "
                           f"logged): close() the pool and start a new one")
 

@@ -844,7 +844,8 @@ class WireEngine(RegisteredMemory):
     def _check_open(self) -> None:
         """Raise when the engine was closed (caller holds the lock)."""
         if self._closed:
-            raise EngineError(f"wire engine {self.session_id} is closed")
+            raise EngineError(f"wire engine {self.session_id} is closed: its close() ran; start a new engine (and new "
+                              f"pools and managers on it) to register or write more")
 
     def _enter(self, session_id: str, srcs: list[int], lens: list[int]) -> int:
         """Files a write in flight with its sources: close() waits for it, unregister() refuses them."""

@@ -50,7 +50,8 @@ def test_a_region_added_to_a_closed_manager_is_refused(engines):
     try:
         manager = SessionManager(prefill_engine, 0, 1, 1, buffer=embeddings, host=HOST, deadline_s=20)
         manager.close()
-        with pytest.raises(UsageError, match="^session manager is closed$"):
+        with pytest.raises(UsageError, match=r"^session manager is closed: its close\(\) ran \(called, or its "
+                                               r"with block ended\); start a new SessionManager to receive more$"):
             manager.add_region(extra)
     finally:
         prefill_engine.unregister(extra.data_ptr())

@@ -387,7 +387,8 @@ class Prefill:
             done += is_terminal(self.poll(self.handles[room]))
         self.lat.call("stats", self.manager.stats)
         if closed:
-            with pytest.raises(UsageError, match="^session manager is closed$"):
+            with pytest.raises(UsageError, match=r"^session manager is closed: its close\(\) ran \(called, or its with "
+                                                   r"block ended\); start a new SessionManager to receive more$"):
                 self.lat.call("add_region", self.manager.add_region, self.extra)
             return done
         regions = self.lat.call("add_region", self.manager.add_region, self.extra)

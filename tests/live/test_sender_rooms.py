@@ -522,7 +522,8 @@ def test_send_after_close_raises_the_usage_error_every_closed_component_raises(e
     encode, _ = engines
     pool = SenderPool(encode, 0, 1, 1, server.address)
     pool.close()
-    with pytest.raises(UsageError, match="^sender pool is closed$"):
+    with pytest.raises(UsageError, match=r"^sender pool is closed: its close\(\) ran \(called, or its with "
+                                          r"block ended\); start a new SenderPool to send more$"):
         pool.send(1, item_tensor(1, SPAN, HIDDEN))
 
 

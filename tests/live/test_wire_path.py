@@ -400,7 +400,8 @@ def test_close_joins_threads_and_frees_the_port():
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
     with WireEngine("127.0.0.1", port=port) as again:
         assert again.port == port
-    with pytest.raises(TransferError, match="is closed"):
+    with pytest.raises(TransferError, match=r"is closed: its close\(\) ran; start a new engine \(and new pools and "
+                                            r"managers on it\) to register or write more$"):
         engine.register(buf)
 
 

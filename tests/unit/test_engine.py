@@ -124,6 +124,19 @@ def test_a_region_mooncake_would_not_unregister_stays_registered_and_its_tensor_
     engine.close()
 
 
+def test_a_call_on_a_closed_engine_says_what_closed_it_and_what_to_do(monkeypatch):
+    class FakeModule:
+        TransferEngine = staticmethod(MooncakeStandIn)
+
+    monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
+    engine = Engine("127.0.0.1", protocol="tcp")
+    engine.close()
+    with pytest.raises(EngineError) as caught:
+        engine.register(0x10000, 64)
+    assert str(caught.value) == (f"engine {engine.session_id} is closed: its close() ran; start a new engine (and new "
+                                 f"pools and managers on it) to register or write more")
+
+
 @pytest.mark.parametrize("environ, seconds", [
     ({}, 30.0), ({"MC_TRANSFER_TIMEOUT": "40"}, 40.0), ({"MC_TRANSFER_TIMEOUT": "2"}, 5.0),
     ({"MC_TRANSFER_TIMEOUT": "40.5"}, 40.0), ({"MC_TRANSFER_TIMEOUT": " +12 s"}, 12.0),

@@ -66,6 +66,10 @@ __all__ = ["DRAIN_BATCH", "LOOKUP_THREADS", "PrefillDriver", "Room"]
 
 log = logging.getLogger("transfer.receiver")
 
+#: What a call on a closed session manager raises (only its close() closes one a caller still holds).
+MANAGER_CLOSED = ("session manager is closed: its close() ran (called, or its with block ended); start a new "
+                  "SessionManager to receive more")
+
 #: Statuses handled per turn of the I/O thread: a peer pushing faster than we drain must
 #: not keep the thread from asks, deadlines and close().
 DRAIN_BATCH = 1024
@@ -248,7 +252,7 @@ class PrefillDriver:
         self.check_process()
         with self._lock:
             if self._stopping:
-                raise UsageError("session manager is closed")
+                raise UsageError(MANAGER_CLOSED)
             if self.failure is not None:
                 raise UsageError(f"session manager's I/O thread stopped after an error ({self.failure}; its traceback "
                                  f"is logged): close() the manager and start a new one")
