@@ -231,6 +231,9 @@ def _cannot_write(path: str) -> str | None:
 #: How often --exit-with looks whether its process is still there, where it cannot wait on it.
 EXIT_WITH_CHECK_S = 0.5
 
+#: The wire's last room number (a room is a non-negative signed 64-bit integer: transfer.frames.check_room).
+LAST_ROOM = (1 << 63) - 1
+
 
 def _exit_with(pid: int | None) -> threading.Event:
     """--exit-with PID: this process stops (as on SIGTERM) once process PID ended, so a launcher
@@ -442,6 +445,15 @@ def _non_negative_int(text: str) -> int:
     return _int_at_least(text, 0, "a non-negative integer")
 
 
+def _room(text: str) -> int:
+    """A room number the wire carries: 0 to LAST_ROOM."""
+    what = f"a room number (0 to {LAST_ROOM}, the wire's last room)"
+    value = _int_at_least(text, 0, what)
+    if value > LAST_ROOM:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return value
+
+
 def _int_at_least(text: str, low: int, what: str) -> int:
     """An integer >= low, or an argparse error saying it is not `what`."""
     try:
@@ -590,7 +602,8 @@ def _add_item_shape(parser: argparse.ArgumentParser) -> None:
 
 
 def _conflicting_options(args: argparse.Namespace) -> str | None:
-    """Why options given together make no sense (one would be silently ignored), or None."""
+    """Why options given together make no sense (one would be silently ignored, or their rooms would not fit the
+    wire), or None."""
     if getattr(args, "bootstrap_bind", None) is not None and not getattr(args, "serve_bootstrap", False):
         return "--bootstrap-bind is the address of the bootstrap server this rank serves: it needs --serve-bootstrap"
     if getattr(args, "role", None) == "encode" and args.linger >= args.timeout:
@@ -602,6 +615,12 @@ def _conflicting_options(args: argparse.Namespace) -> str | None:
         fits = f"{lower} or {lower + encode}" if lower else f"{encode}"
         return (f"--prefill-ranks {prefill} is not a multiple of --encode-ranks {encode}: each encode rank serves "
                 f"an equal block of prefill ranks (-P {fits}, say)")
+    first, items = getattr(args, "first_room", None), getattr(args, "items", None)
+    if isinstance(first, int) and isinstance(items, int) and first + items - 1 > LAST_ROOM:  # rank
+        highest = LAST_ROOM - items + 1
+        fix = f"give a --first-room of at most {highest}" if highest >= 0 else "give fewer --items"
+        return (f"--first-room {first} with --items {items} runs to room {first + items - 1}, past the wire's last "
+                f"room {LAST_ROOM} (2**63 - 1): {fix}")
     if getattr(args, "identity", False) and getattr(args, "per_block", False):
         return ("--identity (every prefill rank receives the full rows) and --per-block (how rows are sharded) "
                 "exclude each other")
@@ -745,7 +764,7 @@ def build_parser() -> _Parser:
     rank.add_argument("--protocol", default="auto", choices=["auto", "tcp", "rdma", "wire"],
                       help="data path: auto (rdma when a device exists, else tcp), tcp, rdma, or our framed wire")
     rank.add_argument("--items", type=_positive_int, default=64, help="items (rooms) to move")
-    rank.add_argument("--first-room", type=_non_negative_int, default=0,
+    rank.add_argument("--first-room", type=_room, default=0,
                       help="rooms are first-room .. first-room + items - 1")
     rank.add_argument("--device", default=_device_default(),
                       help="Mooncake RDMA device(s), e.g. mlx5_0 (default: $EPD_DEVICE, else every device found)")

@@ -1,7 +1,7 @@
 """What the command line refuses, or reports in one line, before a run starts (or instead of a traceback):
 an rdma protocol with no device, a Mooncake path where mooncake.engine does not import, a --json/--plot
 that cannot be written, options that exclude each other, library EPD_* values on `rank`, a listener that
-cannot bind, and a bootstrap range in use."""
+cannot bind, a bootstrap range in use, and rooms past the wire's last room."""
 
 from __future__ import annotations
 
@@ -414,3 +414,28 @@ def test_a_wildcard_rank_host_is_a_parser_error(argv, capsys):
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert "'0.0.0.0' is a wildcard address" in err and "give this node's IPv4 address" in err, err
+
+
+@pytest.mark.parametrize("first, items, said", [
+    ("9223372036854775808", "1", "argument --first-room: '9223372036854775808' is not a room number (0 to "
+                                 "9223372036854775807, the wire's last room)"),
+    ("99999999999999999999", "64", "argument --first-room: '99999999999999999999' is not a room number (0 to "
+                                   "9223372036854775807, the wire's last room)"),
+    ("9223372036854775807", "2", "--first-room 9223372036854775807 with --items 2 runs to room 9223372036854775808, "
+                                 "past the wire's last room 9223372036854775807 (2**63 - 1): give a --first-room of "
+                                 "at most 9223372036854775806"),
+])
+def test_rooms_past_the_wires_last_room_are_a_parser_error(first, items, said, monkeypatch, capsys):
+    # Refused before the rank starts, not by the first room past it failing once the rank is up (exit 1).
+    _no_rank_starts(monkeypatch)
+    monkeypatch.setattr(cli, "_probe_mooncake", _never)
+    with pytest.raises(SystemExit) as done:
+        cli.main([*RANK, "--first-room", first, "--items", items])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"epd-transfer rank: error: {said} (see epd-transfer rank --help)\n", err
+
+
+def test_the_last_room_of_the_wire_is_a_first_room():
+    args = cli.parse_args([*RANK, "--first-room", "9223372036854775807", "--items", "1"])
+    assert args.first_room == 2**63 - 1
