@@ -118,6 +118,7 @@ from typing import Any
 
 from transfer.cli import _dtype, _positive_int, _rank_host, _seconds
 from transfer.frames import dtype_size, prefill_shard
+from transfer.harness import NoMemory, allocate
 
 PATHS = ("raw", "floor", "cfloor", "epd", "wire", "memcpy")
 #: What runs without --paths: cfloor only when asked for.
@@ -469,7 +470,8 @@ class _Worker:
 
             # One receive arena for the whole run, registered once per engine: every cell's
             # slots are a view of it, so peers never see a region change between cells.
-            self.arena = torch.empty(setup["arena_bytes"], dtype=torch.uint8)
+            nbytes = setup["arena_bytes"]
+            self.arena = allocate(lambda: torch.empty(nbytes, dtype=torch.uint8), nbytes, "its receive arena")
 
     def engine(self, protocol: str):
         """The engine for protocol, started on first use with the arena registered."""
@@ -602,8 +604,12 @@ def _worker_main(role: str, rank: int, setup: dict, cmd_q, res_q) -> None:
                 res_q.put(("report", role, rank, body(worker, cell, msg[2])))
             except _Stop:
                 break
+            except NoMemory as error:  # one line: it names the buffer and its size
+                res_q.put(("no_memory", role, rank, str(error)))
             except BaseException:  # noqa: BLE001 - the parent must hear about it
                 res_q.put(("error", role, rank, traceback.format_exc()))
+    except NoMemory as error:
+        res_q.put(("no_memory", role, rank, str(error)))
     except BaseException:  # noqa: BLE001
         res_q.put(("error", role, rank, traceback.format_exc()))
     finally:
@@ -1285,6 +1291,8 @@ class RankSet:
                     missing = [f"{r} {n}" for r, n in members if (r, n) not in got]
                     raise TimeoutError(f"no {what!r} from {', '.join(missing)} within {self.opts.timeout_s:g}s")
                 continue
+            if kind == "no_memory":
+                raise RuntimeError(f"{role} rank {rank}: {payload}: {SMALLER_CELLS}")
             if kind == "error":
                 failed = f"{role} rank {rank} failed:\n{payload}\nlog: {self._log_tail((role, rank))}"
                 # A rank that dies takes its peers' rooms down with it, and they may report first:
@@ -1511,8 +1519,9 @@ def memcpy_row(span: int, hidden: int, dtype: str, items: int, passes: int = 3) 
     import torch
 
     item_bytes = span * hidden * dtype_size(dtype)
-    src = torch.randint(0, 256, (item_bytes,), dtype=torch.uint8)
-    dsts = [torch.empty_like(src) for _ in range(2)]
+    what = f"a memcpy item of {span}x{hidden} {dtype}"
+    src = allocate(lambda: torch.randint(0, 256, (item_bytes,), dtype=torch.uint8), item_bytes, what)
+    dsts = [allocate(lambda: torch.empty_like(src), item_bytes, f"a copy of {what}") for _ in range(2)]
     for dst in dsts:  # fault the pages in first: a ceiling, not a page-fault test
         dst.copy_(src)
     src_addr = src.data_ptr()
@@ -1577,6 +1586,35 @@ def _item_label(rows: list[dict]) -> Callable[[dict], str]:
         return f"{size} {row['span']}x{row['hidden']}" if len(shapes[row["item_bytes"]]) > 1 else size
 
     return label
+
+
+#: What to do when the bench's buffers do not fit this host.
+SMALLER_CELLS = "give smaller --sizes, or a lower --inflight, --fanouts or --encode-ranks"
+
+
+def memory_need(opts: Options) -> int:
+    """Bytes the bench holds at once, at least: its ranks' receive arenas and the item pools of the cell that
+    needs most (its encode ranks send from one, its prefill ranks check against it), or the memcpy path's item
+    and its two copies (in this process, before the ranks start)."""
+    from transfer.harness import ItemSource
+
+    cells = plan(opts, "wire" in opts.paths and wire_available() is None)
+    need = 0
+    if "memcpy" in opts.paths:
+        need = 3 * max(span * hidden * dtype_size(opts.dtype) for span, hidden in opts.sizes)
+    if cells:
+        pools = max(ItemSource.pool_bytes(c.span, c.hidden, c.dtype, distinct=_distinct_rooms(c))
+                    * (c.encode_ranks + sum(1 for r in range(c.prefill_ranks) if c.shard(r)[1])) for c in cells)
+        need = max(need, sum(arena_sizes(opts, cells)) + pools)
+    return need
+
+
+def memory_refusal(opts: Options) -> str | None:
+    """Why the bench's buffers (memory_need) cannot be held on this host, or None."""
+    from transfer.harness import memory_refusal as refusal
+
+    span, hidden = max(opts.sizes, key=lambda size: size[0] * size[1])
+    return refusal(memory_need(opts), f"items up to {span}x{hidden} {opts.dtype}")
 
 
 def arena_sizes(opts: Options, cells: list[Cell]) -> list[int]:
@@ -1991,6 +2029,10 @@ def options_from(args: argparse.Namespace) -> Options:
 def main(args: argparse.Namespace) -> int:
     """Run the bench; 0 when every cell moved every byte correctly."""
     opts = options_from(args)
+    refusal = memory_refusal(opts)  # said now, not by a rank's traceback once it fails to allocate
+    if refusal is not None:
+        print(f"epd-transfer bench: {refusal}: {SMALLER_CELLS}", file=sys.stderr)
+        return 2
     if args.plot:
         try:
             importlib.import_module("matplotlib")
@@ -2003,6 +2045,9 @@ def main(args: argparse.Namespace) -> int:
         rows = measure(opts, notes=notes)
     except (RuntimeError, TimeoutError) as exc:
         print(f"epd-transfer bench: {exc}", file=sys.stderr)
+        return 1
+    except NoMemory as exc:  # the memcpy path's, in this process
+        print(f"epd-transfer bench: {exc}: {SMALLER_CELLS}", file=sys.stderr)
         return 1
     broken = [r for r in rows if not r["verified"]]
     as_json = args.json == "-"  # the rows on stdout instead of the table

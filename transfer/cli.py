@@ -35,6 +35,9 @@ def _demo(args: argparse.Namespace) -> int:
         integrity=not args.no_integrity, deadline_s=args.deadline,
         timeout_s=args.timeout,
     )
+    # Said now, not by a rank's traceback once it fails to allocate its items or slots.
+    if _memory_refused("demo", sc, {"encode": sc.encode_ranks, "prefill": sc.prefill_ranks}):
+        return 2
     # SIGTERM unwinds like Ctrl-C, so the harness stops its ranks instead of orphaning them.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     summary = run(sc)
@@ -64,6 +67,19 @@ def _demo(args: argparse.Namespace) -> int:
     if args.json:
         _emit_json("demo", summary, args.json)
     return 0 if ok else 1
+
+
+def _memory_refused(command: str, sc: Any, ranks: dict[str, int]) -> bool:
+    """True, saying why in one line, when the ranks (`ranks[role]` of each role, on this host) of scenario
+    `sc` would allocate more memory than this host has."""
+    from transfer import harness
+
+    need = sum(count * harness.rank_memory(sc, role) for role, count in ranks.items())
+    whose = " and ".join(f"{count} {role} rank{'s' if count > 1 else ''}" for role, count in ranks.items() if count)
+    refusal = harness.memory_refusal(need, f"{whose} of items {sc.max_span} x {sc.hidden} {sc.dtype}")
+    if refusal is not None:
+        print(f"epd-transfer {command}: {refusal}: {harness.SMALLER_ITEMS}", file=sys.stderr)
+    return refusal is not None
 
 
 def _shard_mode(sc) -> str:
@@ -344,6 +360,8 @@ def _rank(args: argparse.Namespace) -> int:
               f"(unset EPD_DEVICE or pick another --protocol)", file=sys.stderr)
         return 2
     sc.device = args.device
+    if _memory_refused("rank", sc, {args.role: 1}):
+        return 2
     # As demo and bench: said now, not after a prefill rank waited out --bootstrap-timeout for its encode rank.
     if _protocol_refused("rank", args.protocol, args.device):
         return 2
@@ -382,6 +400,9 @@ def _rank(args: argparse.Namespace) -> int:
         return 130
     except _RankTimeout:
         print(f"{args.role} rank {args.rank}: stopped after --timeout {args.timeout:g}s", file=sys.stderr)
+        return 1
+    except harness.NoMemory as error:
+        print(f"epd-transfer rank: {args.role} rank {args.rank}: {error}: {harness.SMALLER_ITEMS}", file=sys.stderr)
         return 1
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)

@@ -105,11 +105,23 @@ class ItemSource:
 
         self.hidden = hidden * width_factor
         self.dtype = getattr(torch, dtype.removeprefix("torch."))
-        self.rows = max(2 * max_span, max_span + max(1, distinct) - 1)
+        self.rows = self.pool_rows(max_span, distinct)
         gen = torch.Generator().manual_seed(seed)
         nbytes = self.rows * self.hidden * dtype_size(dtype)
-        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        raw = allocate(lambda: torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen), nbytes,
+                       f"an item pool of {self.rows} x {self.hidden} {dtype}")
         self.pool = raw.view(self.dtype).view(self.rows, self.hidden)
+
+    @staticmethod
+    def pool_rows(max_span: int, distinct: int = DISTINCT_ROOMS) -> int:
+        """Rows of the pool of items of up to `max_span` rows, `distinct` rooms apart."""
+        return max(2 * max_span, max_span + max(1, distinct) - 1)
+
+    @classmethod
+    def pool_bytes(cls, max_span: int, hidden: int, dtype: str, width_factor: int = 1,
+                   distinct: int = DISTINCT_ROOMS) -> int:
+        """Bytes of the pool an ItemSource of these arguments allocates."""
+        return cls.pool_rows(max_span, distinct) * hidden * width_factor * dtype_size(dtype)
 
     def offset(self, room: int, span: int) -> int:
         """The pool row where room's item starts: rooms step 131 rows apart (or another step prime
@@ -126,6 +138,68 @@ class ItemSource:
         """Room's rows `[span, hidden]`, a view of the pool (no copy)."""
         start = self.offset(room, span)
         return self.pool[start : start + span]
+
+
+# ------------------------------------------------------------------- memory
+
+
+#: What to do when the ranks' buffers do not fit this host.
+SMALLER_ITEMS = "give a smaller --span, --hidden, --inflight or --deepstack, or run fewer ranks on this host"
+
+
+class NoMemory(MemoryError):
+    """A rank's buffer that could not be allocated; the message names it and its size, on one line."""
+
+
+def allocate(make: Callable[[], Any], nbytes: int, what: str) -> Any:
+    """make(), which allocates `what` (`nbytes`); NoMemory naming it when the allocation fails (torch
+    raises RuntimeError for memory it cannot get, or a size past its range)."""
+    try:
+        return make()
+    except (MemoryError, RuntimeError):
+        raise NoMemory(f"cannot allocate {what}, {size_text(nbytes)}") from None
+
+
+def size_text(nbytes: int) -> str:
+    """`1.5 GiB (1610612736 bytes)`."""
+    return f"{nbytes / 2**30:,.1f} GiB ({nbytes} bytes)"
+
+
+def host_memory() -> int | None:
+    """Bytes the processes of this host can hold at most between them: its RAM and swap, less where its
+    cgroup's memory.max is lower; None where this system does not say."""
+    try:
+        with open("/proc/meminfo") as fh:
+            fields = dict(line.split(":", 1) for line in fh if ":" in line)
+        ram, swap = (int(fields[key].split()[0]) * 1024 for key in ("MemTotal", "SwapTotal"))
+    except (OSError, KeyError, ValueError):
+        try:
+            ram, swap = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), 0
+        except (OSError, ValueError, AttributeError):
+            return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as fh:
+            ram = min(ram, int(fh.read().strip()))  # "max": no limit
+    except (OSError, ValueError):
+        pass
+    return ram + swap
+
+
+def rank_memory(sc: Scenario, role: str) -> int:
+    """Bytes one rank of `role` allocates and fills: the item pools (its items, or the items it checks against),
+    and a prefill rank's receive slots (those its rooms use)."""
+    pools = ItemSource.pool_bytes(sc.max_span, sc.hidden, sc.dtype) * (1 + sc.deepstack)
+    if role == "encode":
+        return pools
+    return pools + min(sc.inflight, sc.items) * sc.max_span * sc.row_bytes * (1 + sc.deepstack)
+
+
+def memory_refusal(need: int, whose: str, limit: int | None = None) -> str | None:
+    """Why `need` bytes (`whose`) cannot be held on this host, or None (also where its memory is unknown)."""
+    limit = host_memory() if limit is None else limit
+    if limit is None or need <= limit:
+        return None
+    return f"{whose} need {size_text(need)} of memory, more than this host's RAM and swap, {size_text(limit)}"
 
 
 # --------------------------------------------------------------- rank bodies
@@ -245,8 +319,14 @@ def prefill_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finish
 
     source = ItemSource(sc.max_span, sc.hidden, sc.dtype)
     deep = ItemSource(sc.max_span, sc.hidden, sc.dtype, seed=99, width_factor=sc.deepstack) if sc.deepstack else None
-    slots = torch.empty((sc.inflight, sc.max_span, sc.hidden), dtype=source.dtype)
-    ds_slots = torch.empty((sc.inflight, sc.max_span, deep.hidden), dtype=source.dtype) if deep else None
+    nbytes = sc.inflight * sc.max_span * sc.row_bytes
+    slots = allocate(lambda: torch.empty((sc.inflight, sc.max_span, sc.hidden), dtype=source.dtype), nbytes,
+                     f"{sc.inflight} receive slots of {sc.max_span} x {sc.hidden} {sc.dtype}")
+    ds_slots = None
+    if deep is not None:
+        ds_slots = allocate(lambda: torch.empty((sc.inflight, sc.max_span, deep.hidden), dtype=source.dtype),
+                            nbytes * sc.deepstack,
+                            f"{sc.inflight} deepstack receive slots of {sc.max_span} x {deep.hidden} {sc.dtype}")
     report: dict[str, Any] = {
         "role": "prefill", "rank": rank, "rooms": [], "failed": [], "latencies": [],
         "bytes": 0, "verified_bytes": 0, "bad": [],
@@ -432,6 +512,10 @@ def _rank_process(role, sc, rank, bootstrap_addr, results, ready_q, go_evt, fini
             results.put(body(sc, rank, bootstrap_addr, ready, go, finished, abandoned=done_evt.is_set))
         else:
             results.put(body(sc, rank, bootstrap_addr, ready, go, finished))
+    except NoMemory as error:  # one line, no traceback: it names what and how much
+        sys.stderr.write(f"{error}\n")
+        sys.stderr.flush()
+        results.put({"role": role, "rank": rank, "error": str(error), "no_memory": str(error)})
     except BaseException:  # noqa: BLE001 - the parent must hear about it
         text = traceback.format_exc()
         sys.stderr.write(text)
@@ -594,6 +678,8 @@ class _Watch:
         self.reports.append(report)
         if "error" in report:
             rank = next(r for r in self.ranks if r.key == (report["role"], report["rank"]))
+            if "no_memory" in report:
+                raise RuntimeError(f"{rank.name}: {report['no_memory']}: {SMALLER_ITEMS}")
             raise RuntimeError(f"{rank.name} crashed; {_log_tail(rank)}")
 
     def _check(self, pending: list[_Rank], what: str) -> None:

@@ -439,3 +439,35 @@ def test_rooms_past_the_wires_last_room_are_a_parser_error(first, items, said, m
 def test_the_last_room_of_the_wire_is_a_first_room():
     args = cli.parse_args([*RANK, "--first-room", "9223372036854775807", "--items", "1"])
     assert args.first_room == 2**63 - 1
+
+
+HUGE = ["--span", "100000000", "--hidden", "100000"]  # 20 TB an item: more memory than any host has
+
+
+@pytest.mark.parametrize("argv, whose", [
+    (["demo", "--protocol", "wire", "-E", "1", "-P", "2", *HUGE], "1 encode rank and 2 prefill ranks"),
+    ([*RANK, "--protocol", "wire", *HUGE], "1 encode rank"),
+    ([*PREFILL_RANK, "--protocol", "wire", *HUGE], "1 prefill rank"),
+], ids=["demo", "encode rank", "prefill rank"])
+def test_items_no_host_can_hold_are_refused_before_any_rank_starts(argv, whose, monkeypatch, capsys):
+    # Not a rank's traceback from torch's allocator once the ranks are up.
+    monkeypatch.setattr(harness, "run", _never)
+    _no_rank_starts(monkeypatch)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"epd-transfer {argv[0]}: {whose} of items 100000000 x 100000 torch.bfloat16 need "), err
+    assert "of memory, more than this host's RAM and swap, " in err, err
+    assert err.endswith(": give a smaller --span, --hidden, --inflight or --deepstack, or run fewer ranks on this "
+                        "host\n"), err
+
+
+@pytest.mark.parametrize("paths", ["wire", "memcpy"])
+def test_bench_sizes_no_host_can_hold_are_refused_before_any_rank_starts(paths, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "measure", _never)
+    monkeypatch.setattr(bench, "RankSet", _never)
+    assert cli.main(["bench", "--paths", paths, "--sizes", "100000000x100000,64x4096"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("epd-transfer bench: items up to 100000000x100000 torch.bfloat16 need "), err
+    assert err.endswith(": give smaller --sizes, or a lower --inflight, --fanouts or --encode-ranks\n"), err
