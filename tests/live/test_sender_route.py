@@ -38,6 +38,17 @@ def _restarted(server: BootstrapServer):
         yield again
 
 
+@contextmanager
+def _pool_then_restart(engine):
+    """(an open sender pool, a restarted bootstrap server on the port it registered with)."""
+    first = BootstrapServer(HOST, 0)
+    try:
+        with SenderPool(engine, 0, 1, 1, first.address, host=HOST) as pool, _restarted(first) as server:
+            yield pool, server
+    finally:
+        first.close()
+
+
 def _route(server: BootstrapServer) -> tuple[str, int] | None:
     try:
         return BootstrapClient(server.address, timeout=2.0).route(0, 0)
@@ -48,37 +59,26 @@ def _route(server: BootstrapServer) -> tuple[str, int] | None:
 def test_a_restarted_bootstrap_server_lists_the_pool_again_and_a_new_prefill_rank_gets_its_room(engines):
     encode_engine, prefill_engine = engines
     item = torch.arange(8 * 64, dtype=torch.float32).view(8, 64).to(torch.bfloat16)
-    first = BootstrapServer(HOST, 0)
-    try:
-        with SenderPool(encode_engine, 0, 1, 1, first.address, host=HOST) as pool:
-            with _restarted(first) as server:
-                assert wait_until(lambda: _route(server) == (HOST, pool.port), SETTLE_S), _route(server)
-                buf = torch.zeros(8, 64, dtype=torch.bfloat16)
-                with SessionManager(prefill_engine, 0, 1, 1, buffer=buf, host=HOST) as manager:
-                    sent = pool.send(5, item)
-                    handle = manager.receive(5, server.address, buf)
-                    assert handle.wait(30) is TransferPoll.Success, handle.failure
-                    assert sent.wait(10) is TransferPoll.Success, sent.failure
-                    assert torch.equal(buf.view(torch.int16), item.view(torch.int16))
-                    handle.clear()
-                    sent.clear()
-    finally:
-        first.close()
+    with _pool_then_restart(encode_engine) as (pool, server):
+        assert wait_until(lambda: _route(server) == (HOST, pool.port), SETTLE_S), _route(server)
+        buf = torch.zeros(8, 64, dtype=torch.bfloat16)
+        with SessionManager(prefill_engine, 0, 1, 1, buffer=buf, host=HOST) as manager:
+            sent = pool.send(5, item)
+            handle = manager.receive(5, server.address, buf)
+            assert handle.wait(30) is TransferPoll.Success, handle.failure
+            assert sent.wait(10) is TransferPoll.Success, sent.failure
+            assert torch.equal(buf.view(torch.int16), item.view(torch.int16))
+            handle.clear()
+            sent.clear()
 
 
 def test_a_route_another_instance_registered_is_left_alone(engines):
     encode_engine, _ = engines
-    first = BootstrapServer(HOST, 0)
-    try:
-        with SenderPool(encode_engine, 0, 1, 1, first.address, host=HOST) as pool:
-            with _restarted(first) as server:
-                other_port = pool.port + 1 if pool.port < 65535 else pool.port - 1
-                BootstrapClient(server.address).register_rank(1, 1, HOST, other_port, 0, retry_for=0,
-                                                              instance="another-pool")
-                time.sleep(5 * CHECK_S)  # several checks: each finds a route, not this pool's
-                assert _route(server) == (HOST, other_port)
-    finally:
-        first.close()
+    with _pool_then_restart(encode_engine) as (pool, server):
+        other_port = pool.port + 1 if pool.port < 65535 else pool.port - 1
+        BootstrapClient(server.address).register_rank(1, 1, HOST, other_port, 0, retry_for=0, instance="another-pool")
+        time.sleep(5 * CHECK_S)  # several checks: each finds a route, not this pool's
+        assert _route(server) == (HOST, other_port)
 
 
 def test_a_closed_pool_registers_nothing_again(engines):
