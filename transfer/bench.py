@@ -312,6 +312,15 @@ def thread_group(name: str, main: bool) -> str | None:
     return "other"
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity; the host's count where that is not known): the
+    figures depend on it, since a room's processes and threads share them."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def calls_refusal() -> str | None:
     """Why `--calls` cannot count on this Python, or None where it can."""
     if sys.version_info[:2] < (3, 12):
@@ -2054,7 +2063,7 @@ def main(args: argparse.Namespace) -> int:
     if not as_json:
         pool = f"depth {opts.depth}" if opts.depth is not None else ""
         print(f"epd-transfer bench: protocol {opts.protocol} on {opts.host}, sender pool "
-              f"{pool or 'defaults'}, raw issue {opts.raw_issue}")
+              f"{pool or 'defaults'}, raw issue {opts.raw_issue}, {usable_cpus()} CPUs")
         print(format_table(rows, cpu=getattr(args, "cpu", False)))
         if opts.calls:
             print("\nPython calls a room, over each role's ranks (cProfile: this run's times are slowed by it)")

@@ -147,6 +147,8 @@ def test_tiny_bench_writes_sane_rows(tiny_run):
 def test_tiny_bench_prints_the_table(tiny_run):
     rc, stdout, _ = tiny_run
     lines = stdout.splitlines()
+    said = next(line for line in lines if line.startswith("epd-transfer bench: protocol"))
+    assert said.endswith(f", {len(os.sched_getaffinity(0))} CPUs"), said  # the figures depend on them
     header = next(i for i, line in enumerate(lines) if line.startswith("path"))
     assert "GB/s" in lines[header] and "ratio" in lines[header]
     paths = [line.split()[0] for line in lines[header + 1:] if line and not line.startswith(("note", "!"))]
