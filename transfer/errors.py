@@ -97,4 +97,5 @@ class FallbackLimitError(TransferError, RuntimeError):
 
 
 class PortsInUse(TransferError, OSError):
-    """Every port of a listener's port range is in use (errno EADDRINUSE, as for one port)."""
+    """A listener's port is in use: every port of its range, or the one port given to a bootstrap server,
+    metrics endpoint or wire listener (errno EADDRINUSE)."""
