@@ -120,6 +120,15 @@ def test_every_guarantee_names_the_tests_that_show_it():
         assert _cited_tests(sections[title]), f"guarantee {title!r} names no test"
 
 
+def test_no_guarantee_lists_the_same_part_twice():
+    # "- A prefill room's deadline, naming its encode rank: `tests/...`": one line per part of a guarantee.
+    mapping = _read(_GUARANTEES).partition("\n## Which tests show each guarantee\n")[2]
+    for title, lines in re.findall(r"^### (.+)\n\n((?:- .*\n?)+)", mapping, re.M):
+        parts = [line.partition(": `")[0] for line in lines.splitlines()]
+        repeated = sorted({part for part in parts if parts.count(part) > 1})
+        assert not repeated, f"docs/guarantees.md lists these parts of {title!r} twice: {repeated}"
+
+
 @pytest.mark.parametrize("path", ["README.md", os.path.join("docs", "architecture.md")])
 def test_the_failure_kinds_listed_are_the_ones_there_are(path):
     from transfer.core.failure import FailureKind
