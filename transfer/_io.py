@@ -24,9 +24,9 @@ import zmq
 from transfer import config
 from transfer._forks import forks
 from transfer.core.failure import FailureKind, without_room
-from transfer.errors import ConfigError, ConfigTypeError
+from transfer.errors import ConfigError, ConfigTypeError, PortsInUse
 from transfer.frames import host_text
-from transfer.ports import PortSpec, bare_host, bind_port, is_wildcard
+from transfer.ports import PortSpec, bare_host, bind_port, cannot_listen, is_wildcard, port_in_use
 
 if TYPE_CHECKING:
     from transfer.core.failure import Failure
@@ -220,10 +220,16 @@ class ControlListener(zmq.Socket):
     message to MAX_CONTROL_MESSAGE bytes and MAX_CONTROL_PARTS parts."""
 
 
+class _SocketPortInUse(PortsInUse, zmq.ZMQError):  # type: ignore[misc]  # strerror: OSError sets it to the text
+    """PortsInUse from a ZMQ socket's one port: also the zmq.ZMQError such a bind raised before, so a caller
+    that catches that still does (catch PortsInUse, as for the other listeners)."""
+
+
 def pull_socket(host: str, port: PortSpec, what: str = "control socket") -> tuple[zmq.Socket, int]:
     """A ControlListener bound to exactly `host` on `port` (0: any free one; a range: its first free
-    one, see transfer.ports); returns it and its port. `what` names it in a bind's error (a ZMQError
-    with ZMQ's errno, so a range passes over a port in use)."""
+    one, see transfer.ports); returns it and its port. A bind's error names `what`, its address and
+    what to do, as the other listeners' do: PortsInUse (errno kept, so a range passes the port over)
+    for a port in use, ConfigError for an address not of this host, else a ZMQError with ZMQ's errno."""
     sock = context().socket(zmq.PULL, socket_class=ControlListener)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
@@ -238,7 +244,13 @@ def pull_socket(host: str, port: PortSpec, what: str = "control socket") -> tupl
             sock.bind(address)
         except zmq.ZMQError as error:  # ZMQ's own text names neither the listener nor, for a port, its address
             why = zmq.strerror(error.errno) if error.errno else error.strerror  # without pyzmq's "(addr=...)"
-            raise zmq.ZMQError(error.errno, f"{what} cannot listen on {address}: {why}") from None
+            said = cannot_listen(what, host, number, OSError(error.errno, why))
+            if error.errno == errno.EADDRINUSE:
+                in_use = port_in_use(said, number)
+                raise _SocketPortInUse(in_use.errno, in_use.strerror) from None
+            if error.errno == errno.EADDRNOTAVAIL:
+                raise ConfigError(f"{said}: give an address of this host (the one peers reach it on)") from None
+            raise zmq.ZMQError(error.errno, said) from None
         return number
 
     try:

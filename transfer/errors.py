@@ -97,5 +97,4 @@ class FallbackLimitError(TransferError, RuntimeError):
 
 
 class PortsInUse(TransferError, OSError):
-    """A listener's port is in use: every port of its range, or the one port given to a bootstrap server,
-    metrics endpoint or wire listener (errno EADDRINUSE)."""
+    """A listener's port is in use: every port of its range, or the one port it was given (errno EADDRINUSE)."""

@@ -295,6 +295,22 @@ def test_a_listener_that_cannot_bind_is_one_line_without_a_traceback_hint(monkey
                    "Address already in use\n")
 
 
+def test_a_listener_port_in_use_is_one_line_without_its_errno(monkeypatch, capsys):
+    from transfer.ports import port_in_use
+
+    def encode_rank(*args):  # as a rank's request socket or wire listener says it
+        raise port_in_use("encode rank 0's request socket cannot listen on 127.0.0.1:27987: Address already in use",
+                          27987)
+
+    monkeypatch.setattr(cli, "_probe_mooncake", lambda: (True, "imports"))
+    monkeypatch.setattr(harness, "encode_rank", encode_rank)
+    assert cli.main(RANK) == 1
+    assert capsys.readouterr().err == (
+        "epd-transfer rank: encode rank 0's request socket cannot listen on 127.0.0.1:27987: Address already in "
+        "use: another process holds it; give another port, 0 (any free one) or a range FIRST-LAST, or find what "
+        "holds it (ss -ltnp 'sport = :27987')\n")
+
+
 def test_a_bootstrap_range_in_use_is_said_once(monkeypatch, capsys):
     import transfer.bootstrap
     from transfer.errors import PortsInUse
