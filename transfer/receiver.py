@@ -252,13 +252,17 @@ class SessionManager:
         release_metrics.gauge_fn("rooms_in_flight", lambda: len(rooms))
         if pool is not None:
             pool_gauges(release_metrics, pool)
+        refused: ConfigError | None = None
         with _managed_lock:
             try:
                 _refuse_shared_engine(engine)  # another thread's manager may have claimed it meanwhile
-            except ConfigError:
-                self.close()
-                raise
-            _managed_engines[engine] = (engine_rank, id(self))
+            except ConfigError as exc:
+                refused = exc
+            else:
+                _managed_engines[engine] = (engine_rank, id(self))
+        if refused is not None:
+            self.close()  # outside the lock, which closing takes
+            raise refused
 
     @property
     def bootstrap_timeout_s(self) -> float:

@@ -91,3 +91,36 @@ def test_a_second_close_returns_only_once_the_manager_is_closed():
             assert engine.registered() == {}, "close() returned with the manager's buffer still registered"
         finally:
             first.join(10)
+
+
+def test_managers_made_on_one_engine_by_two_threads_at_once_leave_one_and_refuse_the_other():
+    """Both threads pass the first look at the engine before either claims it: the one that claims it
+    second is refused with ConfigError, and closes what it started (its I/O thread, its memory)."""
+    import threading
+
+    attempts, bound_s = 5, 10.0
+    with Engine(HOST, "tcp") as engine:
+        for _ in range(attempts):
+            start = threading.Barrier(2)
+            made: list[SessionManager] = []
+            refused: list[BaseException] = []
+
+            def make(rank: int) -> None:
+                buf = torch.zeros(4096, dtype=torch.uint8)
+                start.wait(bound_s)
+                try:
+                    made.append(SessionManager(engine, rank, 2, 1, buffer=buf))
+                except ConfigError as exc:
+                    refused.append(exc)
+
+            threads = [threading.Thread(target=make, args=(rank,), daemon=True) for rank in (0, 1)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(bound_s)
+            assert not any(thread.is_alive() for thread in threads), (
+                f"a SessionManager constructor still runs after {bound_s:g}s (a lock it holds waits for itself)")
+            assert len(made) == 1 and len(refused) == 1, (made, refused)
+            assert "already has a session manager" in str(refused[0])
+            made[0].close()
+            assert engine.registered() == {}, "the refused manager left its buffer registered"
