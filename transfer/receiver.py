@@ -45,7 +45,9 @@ log = logging.getLogger("transfer.receiver")
 # session: a second manager on the same engine would replace the first's regions there.
 # Each maps to its manager's (engine rank, id).
 _managed_engines: weakref.WeakKeyDictionary[TransferEngineLike, tuple[int, int]] = weakref.WeakKeyDictionary()
-_managed_lock = threading.Lock()
+# Reentrant: a collection inside a hold of it (on whichever thread allocates) may run the finalizer of a
+# manager dropped in a reference cycle, which takes it too.
+_managed_lock = threading.RLock()
 # Engines whose session manager was dropped without close() and is being closed: set once it is.
 _closing_engines: weakref.WeakKeyDictionary[TransferEngineLike, threading.Event] = weakref.WeakKeyDictionary()
 #: Seconds a new session manager waits for the close of one dropped on its engine.

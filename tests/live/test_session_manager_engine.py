@@ -124,3 +124,33 @@ def test_managers_made_on_one_engine_by_two_threads_at_once_leave_one_and_refuse
             assert "already has a session manager" in str(refused[0])
             made[0].close()
             assert engine.registered() == {}, "the refused manager left its buffer registered"
+
+
+def test_a_dropped_manager_collected_while_its_thread_holds_the_claims_lock_is_closed_without_a_deadlock():
+    # A collection runs on whichever thread allocates: one inside a constructor's or close()'s hold of the
+    # claims lock may finalize a manager dropped in a reference cycle, whose finalizer takes that lock too.
+    import gc
+    import threading
+    import warnings
+
+    from transfer import receiver
+
+    with Engine(HOST, "tcp") as engine:
+        cycle: list = [SessionManager(engine, 0, 1, 1, buffer=torch.zeros(4, 64), host=HOST)]
+        cycle.append(cycle)  # the cycle collector alone frees it
+        del cycle
+        collected = threading.Event()
+
+        def collect() -> None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ResourceWarning)  # "dropped without close()": expected here
+                with receiver._managed_lock:
+                    gc.collect()
+            collected.set()
+
+        threading.Thread(target=collect, daemon=True).start()
+        if not collected.wait(10):
+            receiver._managed_lock.release()  # let the rest of the suite go on
+            pytest.fail("collecting a dropped session manager deadlocked on the claims lock")
+        with SessionManager(engine, 0, 1, 1, buffer=torch.zeros(4, 64), host=HOST) as again:  # it was closed
+            assert again.engine is engine
