@@ -615,7 +615,8 @@ def _add_item_shape(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=_positive_int, default=4096, help="elements per row")
     parser.add_argument("--dtype", type=_dtype, default="torch.bfloat16",
                         help="element type, e.g. torch.float16 or float32 (default: torch.bfloat16)")
-    parser.add_argument("--deepstack", type=_non_negative_int, default=0, help="deepstack width factor k (0: none)")
+    parser.add_argument("--deepstack", type=_non_negative_int, default=0, metavar="K",
+                        help="deepstack width factor k (0: none)")
     parser.add_argument("--identity", action="store_true", help="every prefill rank receives the full rows")
     parser.add_argument("--per-block", action="store_true",
                         help="shard each item over an encode rank's block of prefill ranks (default: over the "

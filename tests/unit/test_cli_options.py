@@ -49,6 +49,12 @@ def test_every_option_has_help_and_shows_its_default():
         assert "==SUPPRESS==" not in text
 
 
+def test_the_demo_usage_spells_its_options_as_the_readme_does():
+    usage = _subcommands(cli.build_parser())["demo"].format_usage()
+    for shown in ("[--deepstack K]", "[--json [FILE]]", "[--identity]", "[--per-block]"):
+        assert shown in usage, (shown, usage)
+
+
 @pytest.mark.parametrize("command", ["demo", "doctor", "bench"])
 def test_json_alone_prints_and_json_file_writes(command):
     parser = cli.build_parser()
