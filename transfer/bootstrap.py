@@ -695,7 +695,9 @@ class BootstrapClient:
         BootstrapUnreachable when no attempt got an answer at all (refused, reset or timed out).
         Only a bootstrap server's answer registers: 200 with our server's JSON (`"status": "OK"`),
         a peer's plain `OK`, or an empty body. Any other 200, a redirect or a 4xx is a BootstrapError at once.
-        ConfigError for a `retry_for` outside [0, 1e6] seconds (NaN included), before any request.
+        ConfigError for a `retry_for` outside [0, 1e6] seconds (NaN included), before any request. Each
+        attempt takes at most the client's timeout, cut to what is left of `retry_for`; `retry_for=0`
+        makes one attempt, within the client's timeout.
         `may_have_registered` says afterwards whether the server may list the route (see there).
         """
         retry_for = check_seconds("retry_for", retry_for, zero_ok=True)
@@ -706,9 +708,10 @@ class BootstrapClient:
         answered = False  # whether any attempt got an HTTP answer
         while True:
             remaining = deadline - time.monotonic()
+            # One attempt (retry_for 0) takes the client's timeout: cut to what is left, it would get 50 ms.
+            attempt_s = self.timeout if not retry_for else max(0.05, min(self.timeout, remaining))
             try:
-                status, raw = self._request("PUT", "/route", body, headers,
-                                            timeout=max(0.05, min(self.timeout, remaining)))
+                status, raw = self._request("PUT", "/route", body, headers, timeout=attempt_s)
             except (OSError, http.client.HTTPException) as error:
                 last = f"{type(error).__name__}: {shown(str(error))}"
                 # Only a refused connection (or a name that does not resolve) surely sent nothing.

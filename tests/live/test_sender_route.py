@@ -3,6 +3,9 @@ it), never over another instance's, and never after the pool closed."""
 
 from __future__ import annotations
 
+import logging
+import socket
+import threading
 import time
 from contextlib import contextmanager
 
@@ -49,6 +52,60 @@ def _pool_then_restart(engine):
         first.close()
 
 
+@contextmanager
+def _relay(port: int, *, delay_s: float = 0.0, puts_wait_for: threading.Event | None = None,
+           put_waiting: threading.Event | None = None):
+    """The address of a relay on loopback to the bootstrap server at `port`: each connection's bytes go on
+    after `delay_s` (a server far away, or busy), and a PUT's only once `puts_wait_for` is set
+    (`put_waiting` is set meanwhile)."""
+    listener = socket.create_server((HOST, 0))
+    links: list[socket.socket] = []
+
+    def pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        try:
+            sink.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def relay(client: socket.socket) -> None:
+        links.append(client)
+        time.sleep(delay_s)
+        try:
+            if puts_wait_for is not None and client.recv(4, socket.MSG_PEEK) == b"PUT ":
+                if put_waiting is not None:
+                    put_waiting.set()
+                puts_wait_for.wait(SETTLE_S)
+            upstream = socket.create_connection((HOST, port), timeout=SETTLE_S)
+        except OSError:
+            client.close()
+            return
+        upstream.settimeout(None)
+        links.append(upstream)
+        threading.Thread(target=pipe, args=(upstream, client), daemon=True).start()
+        pipe(client, upstream)
+
+    def accept() -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=relay, args=(client,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"{HOST}:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+        for link in links:
+            link.close()
+
+
 def _route(server: BootstrapServer) -> tuple[str, int] | None:
     try:
         return BootstrapClient(server.address, timeout=2.0).route(0, 0)
@@ -90,5 +147,21 @@ def test_a_closed_pool_registers_nothing_again(engines):
         with _restarted(first) as server:
             time.sleep(5 * CHECK_S)  # a keeper left running would have listed it again by now
             assert _route(server) is None
+    finally:
+        first.close()
+
+
+def test_a_bootstrap_server_that_answers_slowly_is_registered_with_again(engines, caplog):
+    # Its answers take 0.3 s, well within ROUTE_CHECK_TIMEOUT_S (2 s): the registration again waits
+    # for its answer, as the look-up does, rather than give up after 50 ms and say that it failed.
+    encode_engine, _ = engines
+    first = BootstrapServer(HOST, 0)
+    try:
+        with _relay(first.port, delay_s=0.3) as address, SenderPool(encode_engine, 0, 1, 1, address, host=HOST) as pool:
+            with caplog.at_level(logging.WARNING, "transfer.sender"), _restarted(first) as server:
+                again = f"registered {HOST}:{pool.port} again"
+                assert wait_until(lambda: again in caplog.text, SETTLE_S), caplog.text
+                assert _route(server) == (HOST, pool.port)
+                assert "registering again failed" not in caplog.text
     finally:
         first.close()
