@@ -121,10 +121,13 @@ class _RouteTable:
         return self.claim(world_size, dp_size, rank_ip, rank_port, engine_rank, instance)[0]
 
     def claim(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
-              engine_rank: int, instance: str | None = None) -> tuple[tuple[int, int], tuple[str, int] | None]:
+              engine_rank: int, instance: str | None = None,
+              only_if_absent: bool = False) -> tuple[tuple[int, int], tuple[str, int] | None]:
         """put(), also returning the endpoint this one replaced, if any (for the log); `instance` is the
         registering process's nonce (None: a peer's, or an older one of ours). 410, listing nothing and fixing
-        no sizes, for an instance that withdrew its route already: this PUT came late, its pool is closed."""
+        no sizes, for an instance that withdrew its route already: this PUT came late, its pool is closed.
+        `only_if_absent` (a PUT with `If-None-Match: *`): 412, changing nothing, where the key holds another
+        registration than this one."""
         group_size = world_size // dp_size
         key = (engine_rank // group_size, engine_rank % group_size)
         with self._lock:
@@ -137,6 +140,12 @@ class _RouteTable:
                 self.world_size, self.dp_size = world_size, dp_size
             self._check_sizes("PUT", world_size, dp_size)
             previous = self._routes.get(key)
+            if only_if_absent and previous is not None and (previous, self._instances.get(key)) != (
+                    (rank_ip, rank_port), instance):
+                raise _RequestError(
+                    412, f"encode rank {engine_rank} (dp group {key[0]}, tp rank {key[1]}) is registered at "
+                         f"{previous[0]}:{previous[1]} by another registration; this one (If-None-Match: *) "
+                         f"replaces none")
             self._routes[key] = (rank_ip, rank_port)
             self._instances[key] = instance
         return key, previous
@@ -313,7 +322,7 @@ class _Handler(OneDeadlineHandler):
         try:
             world_size, dp_size, rank_ip, rank_port, engine_rank = self._route_body()
             key, previous = self.server.table.claim(world_size, dp_size, rank_ip, rank_port, engine_rank,
-                                                    self._instance())
+                                                    self._instance(), self.headers.get("If-None-Match") == "*")
             # Logged before the answer: the route changed whether or not the client reads it.
             self._log_registration(engine_rank, key, (rank_ip, rank_port), previous)
             self._json(200, {"status": "OK", "dp_group": key[0], "tp_rank": key[1]})
@@ -685,7 +694,8 @@ class BootstrapClient:
                                  f"JSON for {what}") from None
 
     def register_rank(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
-                      engine_rank: int, retry_for: float = 30.0, instance: str | None = None) -> None:
+                      engine_rank: int, retry_for: float = 30.0, instance: str | None = None,
+                      only_if_absent: bool = False) -> bool:
         """PUT this encode rank's endpoint, retrying refusals and 5xx until retry_for elapses; BootstrapError after.
 
         `instance` (ours, docs/protocol.md section 8): the registering process's nonce, sent in the
@@ -699,9 +709,15 @@ class BootstrapClient:
         attempt takes at most the client's timeout, cut to what is left of `retry_for`; `retry_for=0`
         makes one attempt, within the client's timeout.
         `may_have_registered` says afterwards whether the server may list the route (see there).
+
+        `only_if_absent` sends `If-None-Match: *` (ours, docs/protocol.md section 8): our server then
+        replaces no other registration of the rank (412), and this returns False; True when it
+        registered. A peer's server ignores the header and registers.
         """
         retry_for = check_seconds("retry_for", retry_for, zero_ok=True)
         body, headers = self._route_request(world_size, dp_size, rank_ip, rank_port, engine_rank, instance)
+        if only_if_absent:
+            headers["If-None-Match"] = "*"
         deadline = time.monotonic() + retry_for
         delay = 0.05
         self.may_have_registered = False
@@ -722,7 +738,9 @@ class BootstrapClient:
                 text = shown(raw.decode("utf-8", "replace"))
                 if status == 200 and _registered(raw):
                     self.may_have_registered = True
-                    return
+                    return True
+                if status == 412 and only_if_absent:  # another registration holds the rank: left alone
+                    return False
                 if status == 200:
                     raise BootstrapError(f"{self.address} answered encode rank {engine_rank}'s registration with "
                                          f"HTTP 200 and {text!r}, which no bootstrap server answers: is it the "

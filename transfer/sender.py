@@ -435,8 +435,10 @@ class _Route:
         if self.closing.is_set():
             return False
         try:
-            client.register_rank(self.world_size, self.dp_size, self.host, self.port, self.engine_rank, retry_for=0,
-                                 instance=self.instance)
+            # Only where the rank is still unlisted: another instance may have registered since the look-up.
+            if not client.register_rank(self.world_size, self.dp_size, self.host, self.port, self.engine_rank,
+                                        retry_for=0, instance=self.instance, only_if_absent=True):
+                return False
         except Exception as exc:  # noqa: BLE001 - tried again at the next check
             log.warning("sender pool of encode rank %d: bootstrap %s lists no route for it (restarted?), and "
                         "registering again failed: %s", self.engine_rank, self.bootstrap_addr, exc)

@@ -138,6 +138,30 @@ def test_a_route_another_instance_registered_is_left_alone(engines):
         assert _route(server) == (HOST, other_port)
 
 
+def test_a_route_another_instance_registers_while_a_check_is_under_way_is_left_alone(engines):
+    # The check found no route, and another instance registered before its registration again reached
+    # the server: that one must not replace the other's route.
+    encode_engine, _ = engines
+    puts_go, put_waiting = threading.Event(), threading.Event()
+    puts_go.set()
+    first = BootstrapServer(HOST, 0)
+    try:
+        with _relay(first.port, puts_wait_for=puts_go, put_waiting=put_waiting) as address, \
+                SenderPool(encode_engine, 0, 1, 1, address, host=HOST) as pool:
+            puts_go.clear()
+            put_waiting.clear()  # set by its first registration
+            with _restarted(first) as server:
+                assert put_waiting.wait(SETTLE_S), "the pool never registered again"
+                other_port = pool.port + 1 if pool.port < 65535 else pool.port - 1
+                BootstrapClient(server.address).register_rank(1, 1, HOST, other_port, 0, retry_for=1.0,
+                                                              instance="another-pool")
+                puts_go.set()
+                time.sleep(5 * CHECK_S)  # the held registration arrived, and several checks followed
+                assert _route(server) == (HOST, other_port)
+    finally:
+        first.close()
+
+
 def test_a_closed_pool_registers_nothing_again(engines):
     encode_engine, _ = engines
     first = BootstrapServer(HOST, 0)

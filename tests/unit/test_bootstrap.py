@@ -85,6 +85,19 @@ def test_an_instances_registration_after_its_own_delete_is_refused_and_lists_not
     assert table.get(0, 0) == ("10.0.0.1", 7000)
 
 
+def test_a_registration_only_where_absent_replaces_no_other_and_changes_nothing():
+    table = _RouteTable()
+    assert table.claim(2, 1, "10.0.0.1", 7000, 0, "a" * 32, only_if_absent=True) == ((0, 0), None)  # none there
+    assert table.claim(2, 1, "10.0.0.1", 7000, 0, "a" * 32, only_if_absent=True)[0] == (0, 0), "its own: kept"
+    for port, instance in ((7000, "b" * 32), (7001, "a" * 32), (7000, None)):
+        with pytest.raises(_RequestError) as refused:
+            table.claim(2, 1, "10.0.0.1", port, 0, instance, only_if_absent=True)
+        assert refused.value.status == 412 and "registered at 10.0.0.1:7000" in refused.value.text
+    assert table.registration(0, 0) == (("10.0.0.1", 7000), "a" * 32)
+    table.put(2, 1, "10.0.0.1", 7001, 0, "b" * 32)  # without the condition: replaced, as the SPEC says
+    assert table.registration(0, 0) == (("10.0.0.1", 7001), "b" * 32)
+
+
 def test_the_withdrawn_instances_remembered_are_bounded_oldest_first():
     table = _RouteTable()
     table.max_withdrawn = 2
