@@ -71,6 +71,10 @@ ROUTE_CHECK_S = 5.0
 #: How long one such check (a look-up, and a registration where one is due) may take.
 ROUTE_CHECK_TIMEOUT_S = 2.0
 
+#: A registration again that keeps failing the same way (a server restarted with another token answers
+#: 401 at every check) is logged once per this many seconds, with a count of the checks left out.
+ROUTE_REFUSED_LOG_S = 300.0
+
 
 class SendHandle(_io.RoomHandle[RoomState]):
     """One room's progress on the encode side: poll(), failure, latency_s, wait(), clear()."""
@@ -406,6 +410,8 @@ class _Route:
     #: Set when the pool closes: the keeper stops (before the route is withdrawn).
     closing: threading.Event = field(default_factory=threading.Event)
     keeper: threading.Thread | None = None
+    #: Its failed registrations again, by kind of error: not one line per check.
+    refusals: _io.ThrottledLog = field(default_factory=lambda: _io.ThrottledLog(log, ROUTE_REFUSED_LOG_S))
 
     def keep(self) -> None:
         """Starts the thread that registers the route again wherever the bootstrap server lost it."""
@@ -440,8 +446,9 @@ class _Route:
                                         retry_for=0, instance=self.instance, only_if_absent=True):
                 return False
         except Exception as exc:  # noqa: BLE001 - tried again at the next check
-            log.warning("sender pool of encode rank %d: bootstrap %s lists no route for it (restarted?), and "
-                        "registering again failed: %s", self.engine_rank, self.bootstrap_addr, exc)
+            self.refusals.warning(type(exc), "sender pool of encode rank %d: bootstrap %s lists no route for it "
+                                  "(restarted?), and registering again failed: %s", self.engine_rank,
+                                  self.bootstrap_addr, exc)
             return False
         log.warning("sender pool of encode rank %d: bootstrap %s listed no route for it (restarted?): registered "
                     "%s:%d again", self.engine_rank, self.bootstrap_addr, self.host, self.port)
@@ -453,6 +460,7 @@ class _Route:
         keeper = self.keeper
         if keeper is not None and keeper is not threading.current_thread():
             keeper.join(timeout=2 * ROUTE_CHECK_TIMEOUT_S + 1.0)
+        self.refusals.flush()  # how many failed registrations again went unlogged
 
     def unregister(self) -> None:
         """DELETE /route for this rank, once, within UNREGISTER_TIMEOUT_S; logs what came of it, never raises."""

@@ -189,3 +189,24 @@ def test_a_bootstrap_server_that_answers_slowly_is_registered_with_again(engines
                 assert "registering again failed" not in caplog.text
     finally:
         first.close()
+
+
+def test_a_registration_again_that_keeps_failing_is_logged_once_not_at_every_check(engines, caplog):
+    # A server restarted with another token answers every registration again 401: one warning saying what
+    # to do, then the repeats counted, not a line per check (every 5 s, for as long as the pool runs).
+    encode_engine, _ = engines
+    first = BootstrapServer(HOST, 0, token="before")
+    try:
+        with SenderPool(encode_engine, 0, 1, 1, first.address, host=HOST, token="before") as pool:
+            port = first.port
+            first.close()
+            with caplog.at_level(logging.WARNING, "transfer.sender"), BootstrapServer(HOST, port, token="after"):
+                time.sleep(20 * CHECK_S)  # some 20 checks, each refused
+                refused = [r.getMessage() for r in caplog.records if "registering again failed" in r.getMessage()]
+                assert len(refused) == 1, refused
+                assert "HTTP 401" in refused[0] and "give the sender pool the server's token" in refused[0]
+                pool.close()
+            told = [r.getMessage() for r in caplog.records if "more warnings were not logged" in r.getMessage()]
+            assert told, "its close tells how many it left out"
+    finally:
+        first.close()
