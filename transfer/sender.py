@@ -370,7 +370,8 @@ class SenderPool:
         """Withdraws this rank's route from the bootstrap server, fails rooms still in flight and parked asks,
         joins the thread, closes sockets, drops temporary registrations.
 
-        The route goes first (at most UNREGISTER_TIMEOUT_S; a server that does not answer, or
+        The route goes first (at most UNREGISTER_TIMEOUT_S, after a registration again of the route
+        under way, at most ROUTE_CHECK_TIMEOUT_S; a server that does not answer, or
         a peer's that knows no DELETE, leaves it listed, which is logged; a pool whose registration
         the server refused, or never reached, withdraws nothing), so prefill ranks
         stop being sent here before the socket closes. Writes already submitted are waited
@@ -410,6 +411,9 @@ class _Route:
     #: Set when the pool closes: the keeper stops (before the route is withdrawn).
     closing: threading.Event = field(default_factory=threading.Event)
     keeper: threading.Thread | None = None
+    #: Held by the keeper from its look at `closing` to the end of its registration again: what a
+    #: closing pool waits for (a look-up under way it does not wait for).
+    registering: threading.Lock = field(default_factory=threading.Lock)
     #: Its failed registrations again, by kind of error: not one line per check.
     refusals: _io.ThrottledLog = field(default_factory=lambda: _io.ThrottledLog(log, ROUTE_REFUSED_LOG_S))
 
@@ -438,28 +442,31 @@ class _Route:
             log.debug("sender pool of encode rank %d: checking its route at bootstrap %s: %s", self.engine_rank,
                       self.bootstrap_addr, exc)
             return False
-        if self.closing.is_set():
-            return False
-        try:
-            # Only where the rank is still unlisted: another instance may have registered since the look-up.
-            if not client.register_rank(self.world_size, self.dp_size, self.host, self.port, self.engine_rank,
-                                        retry_for=0, instance=self.instance, only_if_absent=True):
+        with self.registering:
+            if self.closing.is_set():
                 return False
-        except Exception as exc:  # noqa: BLE001 - tried again at the next check
-            self.refusals.warning(type(exc), "sender pool of encode rank %d: bootstrap %s lists no route for it "
-                                  "(restarted?), and registering again failed: %s", self.engine_rank,
-                                  self.bootstrap_addr, exc)
-            return False
+            try:
+                # Only where the rank is still unlisted: another instance may have registered since the look-up.
+                if not client.register_rank(self.world_size, self.dp_size, self.host, self.port, self.engine_rank,
+                                            retry_for=0, instance=self.instance, only_if_absent=True):
+                    return False
+            except Exception as exc:  # noqa: BLE001 - tried again at the next check
+                self.refusals.warning(type(exc), "sender pool of encode rank %d: bootstrap %s lists no route for "
+                                      "it (restarted?), and registering again failed: %s", self.engine_rank,
+                                      self.bootstrap_addr, exc)
+                return False
         log.warning("sender pool of encode rank %d: bootstrap %s listed no route for it (restarted?): registered "
                     "%s:%d again", self.engine_rank, self.bootstrap_addr, self.host, self.port)
         return True
 
     def stop_keeping(self) -> None:
-        """Stops the keeper, waiting for a check under way (bounded), so no registration follows the withdrawal."""
+        """Stops the keeper, waiting for a registration again under way (bounded), so none follows the
+        withdrawal. A look-up under way is not waited for: its thread ends once it is answered or times
+        out (ROUTE_CHECK_TIMEOUT_S), registering nothing."""
         self.closing.set()
-        keeper = self.keeper
-        if keeper is not None and keeper is not threading.current_thread():
-            keeper.join(timeout=2 * ROUTE_CHECK_TIMEOUT_S + 1.0)
+        if self.keeper is not None and self.keeper is not threading.current_thread():
+            if self.registering.acquire(timeout=ROUTE_CHECK_TIMEOUT_S + 1.0):
+                self.registering.release()
         self.refusals.flush()  # how many failed registrations again went unlogged
 
     def unregister(self) -> None:

@@ -17,7 +17,7 @@ from transfer import sender as sender_module
 from transfer.bootstrap import BootstrapClient, BootstrapServer
 from transfer.errors import BootstrapNoRoute
 from transfer.receiver import SessionManager
-from transfer.sender import SenderPool
+from transfer.sender import UNREGISTER_TIMEOUT_S, SenderPool
 from transfer.status import TransferPoll
 
 pytestmark = pytest.mark.live
@@ -208,5 +208,24 @@ def test_a_registration_again_that_keeps_failing_is_logged_once_not_at_every_che
                 pool.close()
             told = [r.getMessage() for r in caplog.records if "more warnings were not logged" in r.getMessage()]
             assert told, "its close tells how many it left out"
+    finally:
+        first.close()
+
+
+def test_close_does_not_wait_for_a_look_up_a_silent_server_leaves_unanswered(engines):
+    # The server's port accepts connections and answers nothing (a hung server): close() gives its
+    # withdrawal UNREGISTER_TIMEOUT_S, and waits for no look-up of the route in flight (up to 2 s more).
+    encode_engine, _ = engines
+    first = BootstrapServer(HOST, 0)
+    try:
+        pool = SenderPool(encode_engine, 0, 1, 1, first.address, host=HOST)
+        port = first.port
+        first.close()
+        with socket.create_server((HOST, port)):  # never accepts: the kernel does, and nothing answers
+            time.sleep(3 * CHECK_S)  # a look-up is under way, which waits its ROUTE_CHECK_TIMEOUT_S
+            started = time.monotonic()
+            pool.close()
+            took = time.monotonic() - started
+        assert took < UNREGISTER_TIMEOUT_S + 0.7, f"close() took {took:.2f}s"
     finally:
         first.close()
