@@ -195,8 +195,9 @@ class SenderPool:
             release_metrics.gauge_fn("parked_rooms", self._book.parked)
             self._driver.start()
             # The instance names this pool's registration: its withdrawal leaves a successor's at the same port alone.
+            book = self._book  # the route reads the book, never the pool (its finalizer needs it collected)
             self._route = _Route(bootstrap_addr, token, tp_size, dp_size, self.host, self.port, engine_rank,
-                                 secrets.token_hex(16))
+                                 secrets.token_hex(16), serving=lambda: not book.stopping)
             self._dropped = weakref.finalize(self, _close_dropped, self._book, self._driver, self._route,
                                              release_metrics)
         except BaseException:
@@ -408,6 +409,8 @@ class _Route:
     #: Whether the server may list the route: it took the registration, or may have (an attempt went
     #: unanswered); set once the registration is over. Only a listed route is withdrawn.
     listed: bool = False
+    #: Whether the pool still serves (its thread did not stop after an error): only then is the route kept.
+    serving: Callable[[], bool] = lambda: True
     #: Set when the pool closes: the keeper stops (before the route is withdrawn).
     closing: threading.Event = field(default_factory=threading.Event)
     keeper: threading.Thread | None = None
@@ -430,7 +433,10 @@ class _Route:
         """Registers this rank again if the server answers that it has no route for it; whether it did.
 
         A server that lists another endpoint or instance for the rank is left alone (never fought
-        over), and one that does not answer is asked again at the next check."""
+        over), and one that does not answer is asked again at the next check. A pool whose thread
+        stopped (its sends refused, its request socket closed) is not registered again."""
+        if not self.serving():
+            return False
         group = self.world_size // self.dp_size
         client = BootstrapClient(self.bootstrap_addr, timeout=ROUTE_CHECK_TIMEOUT_S, token=self.token)
         try:

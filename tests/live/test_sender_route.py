@@ -229,3 +229,22 @@ def test_close_does_not_wait_for_a_look_up_a_silent_server_leaves_unanswered(eng
         assert took < UNREGISTER_TIMEOUT_S + 0.7, f"close() took {took:.2f}s"
     finally:
         first.close()
+
+
+@pytest.mark.driver_dies
+def test_a_pool_whose_thread_stopped_after_an_error_is_not_registered_again(engines):
+    # Its sends are refused and its request socket is closed: a restarted server must not send prefill
+    # ranks there (they would wait out their deadlines).
+    encode_engine, _ = engines
+    with _pool_then_restart(encode_engine) as (pool, server):
+        assert wait_until(lambda: _route(server) == (HOST, pool.port), SETTLE_S), "the keeper never ran"
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected")
+
+        pool._core.offer = broken  # the pool's thread calls it for the item sent next, and fails
+        pool.send(3, torch.zeros(2, 64, dtype=torch.bfloat16))
+        assert wait_until(lambda: pool._book.failure is not None, SETTLE_S)
+        with _restarted(server) as again:
+            time.sleep(5 * CHECK_S)  # several checks, each finding no route
+            assert _route(again) is None
