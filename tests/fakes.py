@@ -102,3 +102,19 @@ class MooncakeStandIn:
 
     def unregister_memory(self, addr: int) -> int:
         return 0
+
+
+_lazy_ready = False
+
+
+def on_lazy_device(tensor: Any) -> Any:
+    """`tensor` on torch's lazy device: a device other than cpu and cuda that a CPU-only torch has. Its
+    backend is initialised once a process (a second init raises)."""
+    global _lazy_ready
+    import pytest
+
+    lazy = pytest.importorskip("torch._lazy.ts_backend")
+    if not _lazy_ready:
+        lazy.init()
+        _lazy_ready = True
+    return tensor.to("lazy")

@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from fakes import on_lazy_device
 
 from transfer import engine as engine_module
 from transfer.engine import Engine, TransferError, rdma_device_names
@@ -365,10 +366,8 @@ def test_device_memory_over_tcp_with_a_build_without_cuda_is_refused_before_moon
     refusal = engine_module.device_memory_refusal(engine_module._installed_mooncake(), "tcp", "lazy:0")
     if refusal is None:
         pytest.skip("this host's Mooncake build moves device memory over tcp")
-    lazy = pytest.importorskip("torch._lazy.ts_backend")
-    lazy.init()
     writer, _ = pair
-    rows = torch.ones(4, 16).to("lazy")  # a device that is not the CPU, which a CPU-only torch has
+    rows = on_lazy_device(torch.ones(4, 16))  # a device that is not the CPU, which a CPU-only torch has
     before = writer.registered()
     with pytest.raises(EngineError, match=r"^cannot register memory on lazy:0 over tcp with .*, a Mooncake build "
                                           r"without CUDA: .* install the CUDA build"):

@@ -3,22 +3,15 @@ its tensor, on that device (an address there is no host address)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
+from fakes import on_lazy_device
 
 from transfer import _io, wire
 
 
-def _lazy(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` on torch's lazy device: a device other than cpu and cuda that a CPU-only torch has."""
-    lazy = pytest.importorskip("torch._lazy.ts_backend")
-    lazy.init()
-    return tensor.to("lazy")
-
-
 def test_the_checksum_of_rows_on_a_device_other_than_cpu_and_cuda_is_read_on_that_device():
     rows = torch.arange(4 * 8, dtype=torch.int16).view(4, 8)
-    on_device = _lazy(rows)
+    on_device = on_lazy_device(rows)
     region = _io.as_region(on_device)
     assert region.device == "lazy:0"
     row = 8 * 2
