@@ -195,6 +195,56 @@ def _closed_error(exc: BaseException) -> bool:
     return isinstance(exc, UsageError) and "closed" in str(exc)
 
 
+def _act_on_one(mine: list, rng: random.Random, concluded) -> None:
+    """One call on one of this thread's handles: a short wait, a poll, the component's concluded(), or its clear()."""
+    handle = rng.choice(mine)
+    pick = rng.random()
+    if pick < 0.3:
+        handle.wait(0.02)
+    elif pick < 0.5:
+        handle.poll()
+    elif pick < 0.7:
+        concluded()
+    else:
+        handle.clear()
+        mine.remove(handle)
+
+
+def _noted(exc: BaseException, unexpected: list[str]) -> None:
+    if not _closed_error(exc):
+        unexpected.append(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+
+
+def _settle_after_close(mine: list, unexpected: list[str]) -> None:
+    """Each of this thread's handles concludes once its component closed; cleared then."""
+    for handle in mine:
+        status = handle.wait(5.0)
+        if not is_terminal(status):
+            unexpected.append(f"room {handle.room}: still {status.name} 5s after close()")
+        handle.clear()
+
+
+def _close_while_hammered(threads: Threads, hammer, close, handles: list, unexpected: list[str]) -> None:
+    """Three threads run `hammer` while two call `close` at once; every call ends, each either worked or
+    said the component is closed, and every room concluded."""
+    for i in range(3):
+        threads.start(f"hammer-{i}", hammer)
+    time.sleep(1.5)
+    closers = Threads()
+    for i in range(2):
+        closers.start(f"close-{i}", close)
+    threads.stop.set()
+    assert not closers.join(), "close() hung"
+    assert not closers.errors, closers.errors
+    hung = threads.join()
+    assert not hung, f"threads {hung} still running after {JOIN_S:g}s"
+    assert not threads.errors, threads.errors
+    assert not unexpected, unexpected[:5]
+    assert len(handles) > 20, f"only {len(handles)} rooms"
+    for handle in handles:
+        assert is_terminal(handle.poll()), f"room {handle.room}: {handle.poll().name} after close()"
+
+
 def test_a_session_manager_closed_while_threads_receive_wait_and_clear_leaves_nothing_held(engines, server):
     encode, prefill = engines
     encode_before, prefill_before = encode.registered(), prefill.registered()
@@ -224,44 +274,14 @@ def test_a_session_manager_closed_while_threads_receive_wait_and_clear_leaves_no
                             if rng.random() < 0.7:
                                 sender.send(room, arena[room % ITEMS]).wait(0)
                             continue
-                        handle = rng.choice(mine)
-                        pick = rng.random()
-                        if pick < 0.3:
-                            handle.wait(0.02)
-                        elif pick < 0.5:
-                            handle.poll()
-                        elif pick < 0.7:
-                            manager.concluded()
-                        else:
-                            handle.clear()
-                            mine.remove(handle)
+                        _act_on_one(mine, rng, manager.concluded)
                     except Exception as exc:  # noqa: BLE001 - sorted below
-                        if not _closed_error(exc):
-                            unexpected.append(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+                        _noted(exc, unexpected)
                         if threads.stop.is_set():
                             break
-                for handle in mine:
-                    status = handle.wait(5.0)
-                    if not is_terminal(status):
-                        unexpected.append(f"room {handle.room}: still {status.name} 5s after close()")
-                    handle.clear()
+                _settle_after_close(mine, unexpected)
 
-            for i in range(3):
-                threads.start(f"hammer-{i}", hammer)
-            time.sleep(1.5)
-            closers = Threads()
-            for i in range(2):
-                closers.start(f"close-{i}", manager.close)
-            threads.stop.set()
-            assert not closers.join(), "close() hung"
-            assert not closers.errors, closers.errors
-            hung = threads.join()
-            assert not hung, f"threads {hung} still running after {JOIN_S:g}s"
-            assert not threads.errors, threads.errors
-            assert not unexpected, unexpected[:5]
-            assert len(handles) > 20, f"only {len(handles)} rooms received"
-            for handle in handles:
-                assert is_terminal(handle.poll()), f"room {handle.room}: {handle.poll().name} after close()"
+            _close_while_hammered(threads, hammer, manager.close, handles, unexpected)
             stats = slots.stats()
             assert stats["leased"] == 0 and stats["free"] + stats["quarantined"] == SLOTS, stats
             assert not [name for name in epd_threads() if name.startswith("epd-pre")], epd_threads()
@@ -300,49 +320,19 @@ def test_a_sender_pool_closed_while_threads_send_wait_and_clear_leaves_nothing_r
                             if rng.random() < 0.5 and slot not in asked:
                                 asked[slot] = manager.receive(room, server.address, buffer[slot])
                         continue
-                    handle = rng.choice(mine)
-                    pick = rng.random()
-                    if pick < 0.3:
-                        handle.wait(0.02)
-                    elif pick < 0.5:
-                        handle.poll()
-                    elif pick < 0.7:
-                        sender.concluded()
-                    else:
-                        handle.clear()
-                        mine.remove(handle)
+                    _act_on_one(mine, rng, sender.concluded)
                     with lock:
                         for slot, received in list(asked.items()):
                             if is_terminal(received.poll()):
                                 received.clear()
                                 del asked[slot]
                 except Exception as exc:  # noqa: BLE001 - sorted below
-                    if not _closed_error(exc):
-                        unexpected.append(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+                    _noted(exc, unexpected)
                     if threads.stop.is_set():
                         break
-            for handle in mine:
-                status = handle.wait(5.0)
-                if not is_terminal(status):
-                    unexpected.append(f"room {handle.room}: still {status.name} 5s after close()")
-                handle.clear()
+            _settle_after_close(mine, unexpected)
 
-        for i in range(3):
-            threads.start(f"hammer-{i}", hammer)
-        time.sleep(1.5)
-        closers = Threads()
-        for i in range(2):
-            closers.start(f"close-{i}", sender.close)
-        threads.stop.set()
-        assert not closers.join(), "close() hung"
-        assert not closers.errors, closers.errors
-        hung = threads.join()
-        assert not hung, f"threads {hung} still running after {JOIN_S:g}s"
-        assert not threads.errors, threads.errors
-        assert not unexpected, unexpected[:5]
-        assert len(handles) > 20, f"only {len(handles)} rooms sent"
-        for handle in handles:
-            assert is_terminal(handle.poll()), f"room {handle.room}: {handle.poll().name} after close()"
+        _close_while_hammered(threads, hammer, sender.close, handles, unexpected)
         assert sender._sources.holding == 0
         assert not [name for name in epd_threads() if name.startswith("epd-enc")], epd_threads()
         for received in asked.values():
