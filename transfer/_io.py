@@ -26,7 +26,7 @@ from transfer._forks import forks
 from transfer.core.failure import FailureKind, without_room
 from transfer.errors import ConfigError, ConfigTypeError, PortsInUse
 from transfer.frames import host_text
-from transfer.ports import PortSpec, bare_host, bind_port, cannot_listen, is_wildcard, port_in_use
+from transfer.ports import PortSpec, bare_host, bind_port, cannot_listen, is_wildcard, listen_error
 
 if TYPE_CHECKING:
     from transfer.core.failure import Failure
@@ -244,13 +244,13 @@ def pull_socket(host: str, port: PortSpec, what: str = "control socket") -> tupl
             sock.bind(address)
         except zmq.ZMQError as error:  # ZMQ's own text names neither the listener nor, for a port, its address
             why = zmq.strerror(error.errno) if error.errno else error.strerror  # without pyzmq's "(addr=...)"
-            said = cannot_listen(what, host, number, OSError(error.errno, why))
-            if error.errno == errno.EADDRINUSE:
-                in_use = port_in_use(said, number)
-                raise _SocketPortInUse(in_use.errno, in_use.strerror) from None
-            if error.errno == errno.EADDRNOTAVAIL:
-                raise ConfigError(f"{said}: give an address of this host (the one peers reach it on)") from None
-            raise zmq.ZMQError(error.errno, said) from None
+            bound = OSError(error.errno, why)
+            problem = listen_error(what, host, number, bound)
+            if isinstance(problem, PortsInUse):
+                raise _SocketPortInUse(problem.errno, problem.strerror) from None
+            if problem is not None:
+                raise problem from None
+            raise zmq.ZMQError(error.errno, cannot_listen(what, host, number, bound)) from None
         return number
 
     try:

@@ -64,7 +64,7 @@ from transfer._resolve import connect_within
 from transfer.config import check_seconds
 from transfer.errors import BootstrapError, BootstrapNoRoute, BootstrapUnreachable, ConfigError
 from transfer.frames import shown
-from transfer.ports import PortSpec, bind_port, cannot_listen, not_this_host, port_in_use
+from transfer.ports import PortSpec, bind_port, listen_error
 
 log = logging.getLogger(__name__)
 
@@ -445,11 +445,10 @@ def _refuse_bind(host: str, port: int, error: OSError) -> None:
     """For a bind that failed: PortsInUse (errno EADDRINUSE kept, so a range passes it over) for a port in
     use, ConfigError for a host that is not this one's; each names the server, its address and what to do.
     Returns for any other error, which is raised as it is."""
-    said = cannot_listen("bootstrap server", host, port, error)
-    if error.errno == errno.EADDRINUSE:
-        raise port_in_use(said, port, " (a bootstrap server running already?)") from None
-    if not_this_host(error):
-        raise ConfigError(f"{said}: give an address of this host (the one peers reach the server on)") from None
+    problem = listen_error("bootstrap server", host, port, error, " (a bootstrap server running already?)",
+                           reached="the server")
+    if problem is not None:
+        raise problem from None
 
 
 class BootstrapServer:
@@ -724,7 +723,7 @@ class BootstrapClient:
         answered = False  # whether any attempt got an HTTP answer
         while True:
             remaining = deadline - time.monotonic()
-            # One attempt (retry_for 0) takes the client's timeout: cut to what is left, it would get 50 ms.
+            # One attempt (retry_for 0) takes the client's whole timeout; retries share what is left of retry_for.
             attempt_s = self.timeout if not retry_for else max(0.05, min(self.timeout, remaining))
             try:
                 status, raw = self._request("PUT", "/route", body, headers, timeout=attempt_s)

@@ -87,6 +87,19 @@ def cannot_listen(what: str, host: str, port: int, error: OSError) -> str:
     return f"{what} cannot listen on {address}: {error.strerror or error}"
 
 
+def listen_error(what: str, host: str, port: int, error: OSError, hint: str = "",
+                 reached: str = "it") -> Exception | None:
+    """What a failed bind of `what` on host:port raises, saying what to do: PortsInUse (errno EADDRINUSE kept,
+    so a range passes the port over; `hint` names a likely holder) for a port in use, ConfigError for an
+    address not of this host (the one peers reach `reached` on); None for any other error."""
+    said = cannot_listen(what, host, port, error)
+    if error.errno == errno.EADDRINUSE:
+        return port_in_use(said, port, hint)
+    if not_this_host(error):
+        return ConfigError(f"{said}: give an address of this host (the one peers reach {reached} on)")
+    return None
+
+
 def port_in_use(said: str, port: int, hint: str = "") -> PortsInUse:
     """PortsInUse (errno EADDRINUSE kept, so a range passes the port over) saying what to do; `hint` names
     a likely holder."""

@@ -119,7 +119,7 @@ from transfer.config import check_seconds
 from transfer.core.failure import printable
 from transfer.engine import RegisteredMemory, _buffer_span, check_batch
 from transfer.errors import ConfigError, EngineError, UsageError
-from transfer.ports import PortSpec, bind_port, cannot_listen, port_in_use
+from transfer.ports import PortSpec, bind_port, listen_error
 
 log = logging.getLogger(__name__)
 
@@ -402,12 +402,8 @@ def _listen_error(host: str, port: int, error: OSError) -> Exception:
     a range passes the port over) for a port in use, ConfigError for an address not of this host."""
     if not error.errno:
         return error  # the host did not resolve: the listener's own text says so
-    said = cannot_listen("wire listener", host, port, OSError(error.errno, os.strerror(error.errno)))
-    if error.errno == errno.EADDRINUSE:
-        return port_in_use(said, port)
-    if error.errno == errno.EADDRNOTAVAIL:
-        return ConfigError(f"{said}: give an address of this host (the one peers reach it on)")
-    return error
+    problem = listen_error("wire listener", host, port, OSError(error.errno, os.strerror(error.errno)))
+    return error if problem is None else problem
 
 
 class WireEngine(RegisteredMemory):

@@ -125,40 +125,41 @@ def test_rooms_received_waited_on_and_concluded_from_several_threads_each_conclu
                         handle.poll()
                         sent.poll()
 
+            def take(now_concluded: list[int], early: list[int], side: int, settle) -> None:
+                """Settles each room of one side that concluded; a room concluded before its producer filed
+                its handles waits in `early` for them."""
+                rooms, early[:] = early + now_concluded, []
+                for room in rooms:
+                    with lock:
+                        pair = outstanding.get(room)
+                    if pair is None:
+                        early.append(room)
+                    else:
+                        settle(room, pair[side])
+
+            def received(room: int, handle) -> None:
+                with lock:
+                    concluded.append(room)
+                status = handle.poll()
+                if status != TransferPoll.Success:
+                    bad.append(f"room {room}: {status.name} {handle.failure}")
+                elif not torch.equal(handle.rows.view(torch.uint8), arena[room % ITEMS].view(torch.uint8)):
+                    bad.append(f"room {room}: landed bytes differ")
+                handle.clear()
+
+            def sent_over(room: int, sent) -> None:
+                with lock:
+                    sent_concluded.append(room)
+                if sent.poll() != TransferPoll.Success:
+                    bad.append(f"sent room {room}: {sent.poll().name} {sent.failure}")
+                sent.clear()
+
             def collect() -> None:
-                # A room may conclude before its producer filed its handles: it waits here for them.
                 received_early: list[int] = []
                 sent_early: list[int] = []
                 while True:
-                    rooms, received_early[:] = received_early + manager.concluded(), []
-                    for room in rooms:
-                        with lock:
-                            pair = outstanding.get(room)
-                        if pair is None:
-                            received_early.append(room)
-                            continue
-                        handle = pair[0]
-                        with lock:
-                            concluded.append(room)
-                        status = handle.poll()
-                        if status != TransferPoll.Success:
-                            bad.append(f"room {room}: {status.name} {handle.failure}")
-                        elif not torch.equal(handle.rows.view(torch.uint8), arena[room % ITEMS].view(torch.uint8)):
-                            bad.append(f"room {room}: landed bytes differ")
-                        handle.clear()
-                    rooms, sent_early[:] = sent_early + sender.concluded(), []
-                    for room in rooms:
-                        with lock:
-                            pair = outstanding.get(room)
-                        if pair is None:
-                            sent_early.append(room)
-                            continue
-                        sent = pair[1]
-                        with lock:
-                            sent_concluded.append(room)
-                        if sent.poll() != TransferPoll.Success:
-                            bad.append(f"sent room {room}: {sent.poll().name} {sent.failure}")
-                        sent.clear()
+                    take(manager.concluded(), received_early, 0, received)
+                    take(sender.concluded(), sent_early, 1, sent_over)
                     with lock:
                         for room in set(concluded) & set(sent_concluded):
                             if room in outstanding:
