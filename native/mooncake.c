@@ -9,7 +9,8 @@
  * returning Status by value takes a hidden result pointer first and `this` second, and a
  * `const std::vector<T>&` is a pointer to libstdc++'s {begin, end, end of storage}.
  *
- * Every call keeps the GIL: none waits on the network (openSegment does, which is why the
+ * The write lets go of the GIL (over tcp Mooncake moves much of the bytes inside it); the
+ * other calls keep it, since none waits on the network (openSegment would, which is why the
  * caller opens a segment only once the binding's own write opened it, so the call answers
  * from Mooncake's cache).
  */
