@@ -13,6 +13,7 @@ from transfer.errors import (
     EngineError,
     EngineUnavailable,
     FallbackLimitError,
+    ListenError,
     PortsInUse,
     SlotError,
     TransferError,

@@ -24,7 +24,7 @@ import zmq
 from transfer import config
 from transfer._forks import forks
 from transfer.core.failure import FailureKind, without_room
-from transfer.errors import ConfigError, ConfigTypeError, PortsInUse
+from transfer.errors import ConfigError, ConfigTypeError, ListenError, PortsInUse
 from transfer.frames import host_text
 from transfer.ports import PortSpec, bare_host, bind_port, cannot_listen, is_wildcard, listen_error
 
@@ -225,11 +225,18 @@ class _SocketPortInUse(PortsInUse, zmq.ZMQError):  # type: ignore[misc]  # strer
     that catches that still does (catch PortsInUse, as for the other listeners)."""
 
 
+class _SocketListenError(ListenError, zmq.ZMQError):  # type: ignore[misc]  # strerror: OSError sets it to the text
+    """ListenError from a ZMQ socket: also the zmq.ZMQError such a bind raised before, so a caller that
+    catches that still does (catch ListenError, as for the other listeners)."""
+
+
 def pull_socket(host: str, port: PortSpec, what: str = "control socket") -> tuple[zmq.Socket, int]:
     """A ControlListener bound to exactly `host` on `port` (0: any free one; a range: its first free
     one, see transfer.ports); returns it and its port. A bind's error names `what`, its address and
     what to do, as the other listeners' do: PortsInUse (errno kept, so a range passes the port over)
-    for a port in use, ConfigError for an address not of this host, else a ZMQError with ZMQ's errno."""
+    for a port in use, ConfigError for an address these sockets cannot listen on (not of this host, or
+    IPv6: they listen on IPv4 only), else ListenError with ZMQ's errno (both PortsInUse and ListenError
+    also zmq.ZMQError)."""
     sock = context().socket(zmq.PULL, socket_class=ControlListener)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
@@ -245,12 +252,15 @@ def pull_socket(host: str, port: PortSpec, what: str = "control socket") -> tupl
         except zmq.ZMQError as error:  # ZMQ's own text names neither the listener nor, for a port, its address
             why = zmq.strerror(error.errno) if error.errno else error.strerror  # without pyzmq's "(addr=...)"
             bound = OSError(error.errno, why)
+            if error.errno == errno.ENODEV:  # ZMQ took the host for an interface name: not an IPv4 address
+                raise ConfigError(f"{cannot_listen(what, host, number, bound)}: give an IPv4 address of this host "
+                                  f"(the one peers reach it on; these sockets do not listen on IPv6)") from None
             problem = listen_error(what, host, number, bound)
             if isinstance(problem, PortsInUse):
                 raise _SocketPortInUse(problem.errno, problem.strerror) from None
-            if problem is not None:
-                raise problem from None
-            raise zmq.ZMQError(error.errno, cannot_listen(what, host, number, bound)) from None
+            if isinstance(problem, ListenError):
+                raise _SocketListenError(problem.errno, problem.strerror) from None
+            raise problem from None
         return number
 
     try:

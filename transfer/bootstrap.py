@@ -441,14 +441,12 @@ class _HTTPServer(BoundedHTTPServer):
     address_text: str  # host:port, for log lines
 
 
-def _refuse_bind(host: str, port: int, error: OSError) -> None:
-    """For a bind that failed: PortsInUse (errno EADDRINUSE kept, so a range passes it over) for a port in
-    use, ConfigError for a host that is not this one's; each names the server, its address and what to do.
-    Returns for any other error, which is raised as it is."""
-    problem = listen_error("bootstrap server", host, port, error, " (a bootstrap server running already?)",
-                           reached="the server")
-    if problem is not None:
-        raise problem from None
+def _refuse_bind(host: str, port: int, error: OSError) -> Exception:
+    """What a failed bind raises, naming the server, its address and what to do: PortsInUse (errno EADDRINUSE
+    kept, so a range passes it over) for a port in use, ConfigError for a host that is not this one's,
+    ListenError (errno kept) for any other error."""
+    return listen_error("bootstrap server", host, port, error, " (a bootstrap server running already?)",
+                        reached="the server")
 
 
 class BootstrapServer:
@@ -460,7 +458,7 @@ class BootstrapServer:
         `port`: a port, 0 (any free one), or a range, `(30000, 30100)` or `"30000-30100"`
         (its first free port; `.port` says which). `PortsInUse` (an OSError) when its port, or
         every port of the range, is in use; ConfigError for a host that is not this one's;
-        OSError for any other failure to bind.
+        `ListenError` (an OSError, the bind's errno kept) for any other failure to bind.
         """
         token = check_token(token)
         server_class = _HTTPServer.for_host(host)
@@ -469,8 +467,7 @@ class BootstrapServer:
             try:
                 return server_class((host, number), _Handler)
             except OSError as error:  # its own text names neither the server nor the address
-                _refuse_bind(host, number, error)
-                raise
+                raise _refuse_bind(host, number, error) from None
 
         self._server = bind_port(port, bind, f"bootstrap server on {host}")
         self._server.table = _RouteTable()

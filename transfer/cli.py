@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from transfer import config
-from transfer.errors import ConfigError, PortsInUse
+from transfer.errors import ConfigError, ListenError
 from transfer.frames import normalize_dtype
 from transfer.ports import is_wildcard
 
@@ -833,7 +833,7 @@ def main(argv: list[str] | None = None) -> int:
         zmq = sys.modules.get("zmq")  # a listener that cannot bind raises zmq.ZMQError naming it and its address
         expected = (isinstance(error, (OSError, RuntimeError, ValueError))  # TimeoutError is an OSError
                     or (zmq is not None and isinstance(error, zmq.ZMQError)))
-        if isinstance(error, PortsInUse):  # its text names the listener and what to do; "[Errno 98]" adds nothing
+        if isinstance(error, ListenError):  # its text names the listener and what to do; "[Errno 98]" adds nothing
             what = error.strerror or str(error)
         else:
             what = str(error) if expected else f"{type(error).__name__}: {error} (run with -v for the traceback)"

@@ -20,6 +20,7 @@ __all__ = [
     "EngineError",
     "EngineUnavailable",
     "FallbackLimitError",
+    "ListenError",
     "PortsInUse",
     "SlotError",
     "TransferError",
@@ -96,5 +97,11 @@ class FallbackLimitError(TransferError, RuntimeError):
     """
 
 
-class PortsInUse(TransferError, OSError):
+class ListenError(TransferError, OSError):
+    """A listener (the bootstrap server, a wire listener, a rank's request or status socket) could not bind
+    its address; the message names the listener, the address and what to do, and `errno` is the bind's.
+    An address not of this host is a ConfigError instead."""
+
+
+class PortsInUse(ListenError):
     """A listener's port is in use: every port of its range, or the one port it was given (errno EADDRINUSE)."""

@@ -16,7 +16,7 @@ import socket
 from collections.abc import Callable
 from typing import TypeVar, Union
 
-from transfer.errors import ConfigError, ConfigTypeError, PortsInUse
+from transfer.errors import ConfigError, ConfigTypeError, ListenError, PortsInUse
 
 __all__ = ["PortSpec", "bind_port", "cannot_listen", "describe_ports", "is_wildcard", "not_this_host", "parse_ports",
            "port_in_use"]
@@ -88,16 +88,26 @@ def cannot_listen(what: str, host: str, port: int, error: OSError) -> str:
 
 
 def listen_error(what: str, host: str, port: int, error: OSError, hint: str = "",
-                 reached: str = "it") -> Exception | None:
-    """What a failed bind of `what` on host:port raises, saying what to do: PortsInUse (errno EADDRINUSE kept,
-    so a range passes the port over; `hint` names a likely holder) for a port in use, ConfigError for an
-    address not of this host (the one peers reach `reached` on); None for any other error."""
+                 reached: str = "it") -> Exception:
+    """What a failed bind of `what` on host:port raises, naming both and saying what to do: PortsInUse (errno
+    EADDRINUSE kept, so a range passes the port over; `hint` names a likely holder) for a port in use,
+    ConfigError for an address not of this host (the one peers reach `reached` on), ListenError (the bind's
+    errno kept) for any other error."""
     said = cannot_listen(what, host, port, error)
     if error.errno == errno.EADDRINUSE:
         return port_in_use(said, port, hint)
     if not_this_host(error):
         return ConfigError(f"{said}: give an address of this host (the one peers reach {reached} on)")
-    return None
+    if error.errno == errno.EACCES:
+        return ListenError(errno.EACCES, f"{said}: this process may not listen on port {port} (a port below 1024 "
+                                         f"needs root or the CAP_NET_BIND_SERVICE capability); give a port of 1024 "
+                                         f"or more, 0 (any free one) or a range FIRST-LAST")
+    if error.errno in (errno.EMFILE, errno.ENFILE):
+        return ListenError(error.errno, f"{said}: no file descriptor left; raise the limit on open files (ulimit -n) "
+                                        f"or close what this process holds open")
+    return ListenError(error.errno or 0, f"{said}: give an IP address of this host that it can listen on (the one "
+                                         f"peers reach {reached} on) and a port of 1024 or more, 0 (any free one) "
+                                         f"or a range FIRST-LAST")
 
 
 def port_in_use(said: str, port: int, hint: str = "") -> PortsInUse:

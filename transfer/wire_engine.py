@@ -399,11 +399,15 @@ class _WriterPool:
 
 def _listen_error(host: str, port: int, error: OSError) -> Exception:
     """A failed bind of the wire listener, naming its address and what to do: PortsInUse (errno kept, so
-    a range passes the port over) for a port in use, ConfigError for an address not of this host."""
+    a range passes the port over) for a port in use, ConfigError for an address not of this host or a
+    name that does not resolve, ListenError (errno kept) for any other error."""
+    unresolved = f"wire listener: cannot resolve {host}: "
+    if not error.errno and str(error).startswith(unresolved):  # the rest is the resolver's reason
+        return listen_error("wire listener", host, port,
+                            socket.gaierror(socket.EAI_NONAME, str(error).removeprefix(unresolved)))
     if not error.errno:
-        return error  # the host did not resolve: the listener's own text says so
-    problem = listen_error("wire listener", host, port, OSError(error.errno, os.strerror(error.errno)))
-    return error if problem is None else problem
+        return error  # not the bind's: the accept thread did not start
+    return listen_error("wire listener", host, port, OSError(error.errno, os.strerror(error.errno)))
 
 
 class WireEngine(RegisteredMemory):

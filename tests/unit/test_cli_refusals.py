@@ -326,6 +326,21 @@ def test_a_bootstrap_range_in_use_is_said_once(monkeypatch, capsys):
                                        "18998-18999: every one is in use\n")
 
 
+def test_a_bootstrap_port_it_may_not_take_is_said_without_its_errno(monkeypatch, capsys):
+    import transfer.bootstrap
+    from transfer.ports import listen_error
+
+    def server(host, port, token=None):
+        raise listen_error("bootstrap server", host, port, OSError(errno.EACCES, "Permission denied"))
+
+    monkeypatch.setattr(transfer.bootstrap, "BootstrapServer", server)
+    assert cli.main(["bootstrap", "--port", "80"]) == 1
+    assert capsys.readouterr().err == (
+        "epd-transfer bootstrap: bootstrap server cannot listen on 127.0.0.1:80: Permission denied: this process "
+        "may not listen on port 80 (a port below 1024 needs root or the CAP_NET_BIND_SERVICE capability); give a "
+        "port of 1024 or more, 0 (any free one) or a range FIRST-LAST\n")
+
+
 def test_a_rank_failure_reason_names_its_room_once(monkeypatch, capsys):
     from transfer.status import TransferPoll
 

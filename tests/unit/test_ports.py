@@ -8,8 +8,8 @@ import errno
 import pytest
 
 from transfer import cli
-from transfer.errors import ConfigError, ConfigTypeError, PortsInUse
-from transfer.ports import bind_port, describe_ports, parse_ports
+from transfer.errors import ConfigError, ConfigTypeError, ListenError, PortsInUse
+from transfer.ports import bind_port, describe_ports, listen_error, parse_ports
 
 
 @pytest.mark.parametrize("spec, expected", [
@@ -102,6 +102,36 @@ def test_one_port_is_bound_as_given_and_its_error_is_unchanged(spec):
     else:
         assert bind_port(spec, bind, "x") == "bound 0"
     assert tried == [spec]
+
+
+def test_a_bind_refused_a_port_it_may_not_take_says_which_ports_it_may():
+    refused = listen_error("wire listener", "10.0.0.1", 80, OSError(errno.EACCES, "Permission denied"))
+    assert type(refused) is ListenError and refused.errno == errno.EACCES
+    assert refused.strerror == (
+        "wire listener cannot listen on 10.0.0.1:80: Permission denied: this process may not listen on port 80 (a "
+        "port below 1024 needs root or the CAP_NET_BIND_SERVICE capability); give a port of 1024 or more, 0 (any "
+        "free one) or a range FIRST-LAST")
+
+
+def test_a_bind_short_of_file_descriptors_says_to_raise_the_limit():
+    refused = listen_error("bootstrap server", "::1", 8998, OSError(errno.EMFILE, "Too many open files"))
+    assert type(refused) is ListenError and refused.errno == errno.EMFILE
+    assert refused.strerror == ("bootstrap server cannot listen on [::1]:8998: Too many open files: no file descriptor "
+                                "left; raise the limit on open files (ulimit -n) or close what this process holds open")
+
+
+@pytest.mark.parametrize("number", [errno.EINVAL, errno.EAFNOSUPPORT, errno.ENODEV])
+def test_any_other_bind_error_is_a_listen_error_with_its_errno_saying_what_to_do(number):
+    refused = listen_error("bootstrap server", "fe80::1", 8998, OSError(number, "refused"), reached="the server")
+    assert type(refused) is ListenError and refused.errno == number
+    assert refused.strerror == ("bootstrap server cannot listen on [fe80::1]:8998: refused: give an IP address of "
+                                "this host that it can listen on (the one peers reach the server on) and a port of "
+                                "1024 or more, 0 (any free one) or a range FIRST-LAST")
+
+
+def test_a_port_in_use_is_a_listen_error_too():
+    in_use = listen_error("wire listener", "10.0.0.1", 8998, OSError(errno.EADDRINUSE, "Address already in use"))
+    assert isinstance(in_use, PortsInUse) and isinstance(in_use, ListenError) and in_use.errno == errno.EADDRINUSE
 
 
 def test_the_cli_takes_a_port_or_a_range_and_refuses_anything_else():
