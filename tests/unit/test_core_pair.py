@@ -10,6 +10,8 @@ hold then. A failing example prints the run's trace, one line a step.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from core_pair import MAX_SPAN, SLOTS, Pair, Violation, span_of
 from hypothesis import HealthCheck, example, given, settings
@@ -87,10 +89,11 @@ def run(pair: Pair, schedule, table, *, retries: bool = False, give_up_every: in
                 options += [("die", p.rank, pair.kill_prefill) for p in pair.prefills]
             if all(e.alive for e in pair.encodes):
                 options += [("die", e.rank, pair.kill_encode) for e in pair.encodes]
-            what, rank, act = options[(which // 4) % len(options)]
-            if act == pair.restart_prefill:
-                received -= {(rank, room) for room in ROOMS}  # the new process receives its rooms again
-            pair.do((what, (rank,), lambda act=act, rank=rank: act(rank)))
+            if options:  # none once a side's one rank died for good and the other side already lost one
+                what, rank, act = options[(which // 4) % len(options)]
+                if act == pair.restart_prefill:
+                    received -= {(rank, room) for room in ROOMS}  # the new process receives its rooms again
+                pair.do((what, (rank,), lambda act=act, rank=rank: act(rank)))
         elif kind == DROP:
             options = [(p.rank, addr) for p in pair.prefills if p.alive for addr in sorted(p.conns)]
             if options:
@@ -374,6 +377,21 @@ def test_dropped_connections_stopped_encode_ranks_and_rooms_asked_again_keep_eve
     number: no Success is taken over bytes that did not land in that ask's memory, integrity on or off."""
     pair = Pair(deadline_s=2.0, integrity=integrity, late_requests=True)
     run(pair, schedule, CHURN, retries=True)
+
+
+#: At tp 1x1: both sides offer and ask for room 1, the prefill rank dies for good, then the encode rank, then a
+#: third KILL step finds no rank to kill or restart; the schedule goes on offering, asking, ticking.
+EVERY_RANK_KILLED = [6, 8, 0, 0, 4 << 8 | 15, 15, 15, 6, 8, 0, 12, 0]
+
+
+def test_a_kill_step_with_no_rank_left_to_kill_does_nothing_and_the_schedule_goes_on():
+    pair = Pair()
+    run(pair, EVERY_RANK_KILLED, HOSTILE)
+    said = [re.sub(r"^\s*\d+ t=\s*[\d.]+  ", "", line) for line in pair.log]
+    assert said[:said.index("settle: everything pending is delivered, then time passes")] == [
+        "encode 0: offer room 1 (2 rows)", "prefill 0: receive room 1 token 1 rows 0+2 at 0x10000000",
+        "prefill 0: look-up: encode tp 1, dp 1", "prefill 0: look-up: encode rank 0 at ('10.0.1.0', 7000)",
+        "prefill 0: dies", "encode 0: dies", "tick +0.05s"]
 
 
 def test_spans_cover_empty_shards():
