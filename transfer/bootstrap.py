@@ -34,6 +34,8 @@ Decisions the spec leaves open, documented here:
   or an attempt its client had already given up on) would list a rank that is gone. An
   instance is one pool's, which withdraws it only when it closes (it may register again
   before, where a restarted server lost its route): a restarted rank comes with a new one.
+  A PUT without the header is listed whatever DELETE came before it: nothing tells a late
+  one from a rank (a peer's, an older one of ours) started since at the same endpoint.
 - The route lookup is `table[target_dp_group][engine_rank]`, i.e. engine_rank
   is read as the tp rank inside the group, as the peers' servers do.
 - Success bodies are JSON (application/json); errors and /health are short
