@@ -9,6 +9,7 @@ and the clock, and feeds the room rules (transfer.core.encode) their events.
 from __future__ import annotations
 
 import logging
+import random
 import secrets
 import threading
 import time
@@ -64,9 +65,15 @@ CLOSE_GRACE_S = 1.0
 #: How long close() gives the bootstrap server to drop this rank's route (one attempt).
 UNREGISTER_TIMEOUT_S = 1.0
 
-#: How often a registered pool asks the bootstrap server whether it still lists the pool's route, and
-#: registers again where the server has none for this rank (it restarted and lost its routes).
+#: How often, on average, a registered pool asks the bootstrap server whether it still lists the pool's
+#: route, and registers again where the server has none for this rank (it restarted and lost its routes).
+#: Each wait is drawn from [0.5, 1.5] x this (route_check_wait), so pools started together ask apart.
 ROUTE_CHECK_S = 5.0
+
+#: After a check that failed (no answer, an HTTP error such as 503 for too many connections from one
+#: address, a registration again refused), the next comes after about this long, doubled for each failed
+#: check in a row up to ROUTE_CHECK_S (route_check_wait).
+ROUTE_RETRY_S = 0.5
 
 #: How long one such check (a look-up, and a registration where one is due) may take.
 ROUTE_CHECK_TIMEOUT_S = 2.0
@@ -74,6 +81,16 @@ ROUTE_CHECK_TIMEOUT_S = 2.0
 #: A registration again that keeps failing the same way (a server restarted with another token answers
 #: 401 at every check) is logged once per this many seconds, with a count of the checks left out.
 ROUTE_REFUSED_LOG_S = 300.0
+
+
+def route_check_wait(failures: int, rng: random.Random) -> float:
+    """Seconds a pool's route keeper waits before its next check, after `failures` checks in a row that
+    failed (0: the last one settled, or none ran yet): uniformly in [0.5, 1.5] x ROUTE_CHECK_S, or, after
+    failed checks, x ROUTE_RETRY_S * 2 ** (failures - 1) up to ROUTE_CHECK_S. The draw keeps pools started
+    together (the ranks of one host) from asking the server at the same moments; the shorter waits ask a
+    server that was busy (503) or restarting again within a second or so, not a whole period later."""
+    base = ROUTE_CHECK_S if failures <= 0 else min(ROUTE_RETRY_S * 2.0 ** min(failures - 1, 32), ROUTE_CHECK_S)
+    return base * rng.uniform(0.5, 1.5)
 
 
 class SendHandle(_io.RoomHandle[RoomState]):
@@ -419,6 +436,8 @@ class _Route:
     registering: threading.Lock = field(default_factory=threading.Lock)
     #: Its failed registrations again, by kind of error: not one line per check.
     refusals: _io.ThrottledLog = field(default_factory=lambda: _io.ThrottledLog(log, ROUTE_REFUSED_LOG_S))
+    #: Draws the keeper's waits (route_check_wait); seeded from the OS, so each pool's differ.
+    rng: random.Random = field(default_factory=random.Random)
 
     def keep(self) -> None:
         """Starts the thread that registers the route again wherever the bootstrap server lost it."""
@@ -426,37 +445,40 @@ class _Route:
         self.keeper.start()
 
     def _keep(self) -> None:
-        while not self.closing.wait(ROUTE_CHECK_S):
-            self.check()
+        failures = 0
+        while not self.closing.wait(route_check_wait(failures, self.rng)):
+            failures = 0 if self.check() else failures + 1
 
     def check(self) -> bool:
-        """Registers this rank again if the server answers that it has no route for it; whether it did.
+        """Registers this rank again if the server answers that it has no route for it; whether the check
+        settled (False: no answer, an answer other than a route or 404, or the registration again failed;
+        the next check comes sooner, see route_check_wait).
 
         A server that lists another endpoint or instance for the rank is left alone (never fought
-        over), and one that does not answer is asked again at the next check. A pool whose thread
-        stopped (its sends refused, its request socket closed) is not registered again."""
+        over). A pool whose thread stopped (its sends refused, its request socket closed) is not
+        registered again."""
         if not self.serving():
-            return False
+            return True
         group = self.world_size // self.dp_size
         client = BootstrapClient(self.bootstrap_addr, timeout=ROUTE_CHECK_TIMEOUT_S, token=self.token)
         try:
             client.registration(self.engine_rank % group, self.engine_rank // group)
-            return False
+            return True
         except BootstrapNoRoute:
             pass
-        except Exception as exc:  # noqa: BLE001 - unreachable or odd: asked again at the next check
+        except Exception as exc:  # noqa: BLE001 - unreachable, busy or odd: asked again soon
             log.debug("sender pool of encode rank %d: checking its route at bootstrap %s: %s", self.engine_rank,
                       self.bootstrap_addr, exc)
             return False
         with self.registering:
             if self.closing.is_set():
-                return False
+                return True
             try:
                 # Only where the rank is still unlisted: another instance may have registered since the look-up.
                 if not client.register_rank(self.world_size, self.dp_size, self.host, self.port, self.engine_rank,
                                             retry_for=0, instance=self.instance, only_if_absent=True):
-                    return False
-            except Exception as exc:  # noqa: BLE001 - tried again at the next check
+                    return True
+            except Exception as exc:  # noqa: BLE001 - tried again soon
                 self.refusals.warning(type(exc), "sender pool of encode rank %d: bootstrap %s lists no route for "
                                       "it (restarted?), and registering again failed: %s", self.engine_rank,
                                       self.bootstrap_addr, exc)
