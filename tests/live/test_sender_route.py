@@ -17,7 +17,7 @@ from transfer import sender as sender_module
 from transfer.bootstrap import BootstrapClient, BootstrapServer
 from transfer.errors import BootstrapNoRoute
 from transfer.receiver import SessionManager
-from transfer.sender import UNREGISTER_TIMEOUT_S, SenderPool
+from transfer.sender import SenderPool
 from transfer.status import TransferPoll
 
 pytestmark = pytest.mark.live
@@ -197,20 +197,72 @@ def test_a_registration_again_that_keeps_failing_is_logged_once_not_at_every_che
             assert told, "its close tells how many it left out"
 
 
-def test_close_does_not_wait_for_a_look_up_a_silent_server_leaves_unanswered(engines):
-    # The server's port accepts connections and answers nothing (a hung server): close() gives its
-    # withdrawal UNREGISTER_TIMEOUT_S, and waits for no look-up of the route in flight (up to 2 s more).
+@contextmanager
+def _silent_server(port: int):
+    """A listener on `port` that takes each connection, reads its request and never answers: yields the
+    (request line, connection) of each request read so far."""
+    listener = socket.create_server((HOST, port))
+    requests: list[tuple[str, socket.socket]] = []
+
+    def read(conn: socket.socket) -> None:
+        data = b""
+        try:
+            while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
+                data += chunk
+        except OSError:
+            return
+        requests.append((data.split(b"\r\n", 1)[0].decode("ascii", "replace"), conn))
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=read, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield requests
+    finally:
+        listener.close()
+        for _, conn in requests:
+            conn.close()
+
+
+def _closed_by_its_client(conn: socket.socket) -> bool:
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_close_does_not_wait_for_a_look_up_a_silent_server_leaves_unanswered(engines, monkeypatch):
+    # The server takes the look-up and answers nothing (a hung server): close() withdraws the route
+    # (UNREGISTER_TIMEOUT_S) and returns with the look-up still waiting for its answer. The look-up is
+    # given far longer than the close is (ROUTE_CHECK_TIMEOUT_S), and so is the check period once the
+    # look-up is under way: a close() that waited for either would not return within the bound.
     encode_engine, _ = engines
+    monkeypatch.setattr(sender_module, "ROUTE_CHECK_TIMEOUT_S", 20 * SETTLE_S)
     with BootstrapServer(HOST, 0) as first:
         pool = SenderPool(encode_engine, 0, 1, 1, first.address, host=HOST)
         port = first.port
         first.close()
-        with socket.create_server((HOST, port)):  # never accepts: the kernel does, and nothing answers
-            time.sleep(3 * CHECK_S)  # a look-up is under way, which waits its ROUTE_CHECK_TIMEOUT_S
-            started = time.monotonic()
-            pool.close()
-            took = time.monotonic() - started
-        assert took < UNREGISTER_TIMEOUT_S + 0.7, f"close() took {took:.2f}s"
+        with _silent_server(port) as requests:
+            assert wait_until(lambda: any(line.startswith("GET /route") for line, _ in requests), SETTLE_S), \
+                requests
+            look_up = next(conn for line, conn in requests if line.startswith("GET /route"))
+            monkeypatch.setattr(sender_module, "ROUTE_CHECK_S", 20 * SETTLE_S)
+            closer = threading.Thread(target=pool.close, daemon=True)
+            closer.start()
+            closer.join(3 * SETTLE_S)
+            assert not closer.is_alive(), "close() waited for the look-up under way, or for a check period"
+            assert not _closed_by_its_client(look_up), "close() returned only once the look-up had given up"
+            assert pool._route.keeper is not None and pool._route.keeper.is_alive(), "the look-up still waits"
+            assert wait_until(lambda: any(line.startswith("DELETE /route") for line, _ in requests), SETTLE_S), \
+                f"close() withdrew no route: {requests}"
 
 
 @pytest.mark.driver_dies
