@@ -455,8 +455,10 @@ class _Route:
         the next check comes sooner, see route_check_wait).
 
         A server that lists another endpoint or instance for the rank is left alone (never fought
-        over). A pool whose thread stopped (its sends refused, its request socket closed) is not
-        registered again."""
+        over). Once the rank has no route (that instance withdrew, or the server restarted), this pool
+        registers again: it still serves its rank's requests, and a route to it beats none; only its
+        close() takes it off the server. A pool whose thread stopped (its sends refused, its request
+        socket closed) is not registered again."""
         if not self.serving():
             return True
         group = self.world_size // self.dp_size

@@ -265,6 +265,21 @@ def test_close_does_not_wait_for_a_look_up_a_silent_server_leaves_unanswered(eng
                 f"close() withdrew no route: {requests}"
 
 
+def test_a_pool_another_instance_replaced_registers_again_once_that_one_withdraws(engines):
+    # It leaves the other's route alone while it is listed; once the rank has none, the pool, which still
+    # serves its rank's requests, lists its own again (docs/protocol.md section 8, "Keeping a route listed").
+    encode_engine, _ = engines
+    with BootstrapServer(HOST, 0) as server, \
+            SenderPool(encode_engine, 0, 1, 1, server.address, host=HOST) as pool:
+        other_port = pool.port + 1 if pool.port < 65535 else pool.port - 1
+        other = BootstrapClient(server.address)
+        other.register_rank(1, 1, HOST, other_port, 0, retry_for=0, instance="another-pool")
+        time.sleep(5 * CHECK_S)  # several checks: each finds a route, not this pool's
+        assert _route(server) == (HOST, other_port)
+        assert other.unregister_rank(1, 1, HOST, other_port, 0, instance="another-pool")
+        assert wait_until(lambda: _route(server) == (HOST, pool.port), SETTLE_S), _route(server)
+
+
 @pytest.mark.driver_dies
 def test_a_pool_whose_thread_stopped_after_an_error_is_not_registered_again(engines):
     # Its sends are refused and its request socket is closed: a restarted server must not send prefill
