@@ -11,7 +11,6 @@ registry). `serve()` starts a tiny /metrics endpoint for processes that have non
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import math
@@ -24,7 +23,7 @@ from typing import Any
 from transfer._http import BoundedHTTPServer, OneDeadlineHandler
 from transfer.core.failure import FailureKind
 from transfer.errors import ConfigError, ConfigTypeError
-from transfer.ports import PortSpec, bind_port, cannot_listen, not_this_host, port_in_use
+from transfer.ports import PortSpec, bind_port, listen_error
 
 log = logging.getLogger(__name__)
 
@@ -551,17 +550,6 @@ class _PrometheusCollector:
             yield family
 
 
-def _bind_error(host: str, port: int, error: OSError) -> OSError:
-    """A failed bind of the endpoint, naming it, its address and what to do; the errno kept (a range passes
-    a port in use over)."""
-    said = cannot_listen("metrics endpoint", host, port, error)
-    if error.errno == errno.EADDRINUSE:
-        return port_in_use(said, port)
-    if not_this_host(error):
-        return OSError(error.errno, f"{said}: give an address of this host")
-    return OSError(error.errno, said)
-
-
 class MetricsServer:
     """A tiny HTTP server: GET /metrics (text format) and /stats (JSON snapshot); HEAD answers as GET does,
     headers only.
@@ -599,7 +587,7 @@ class MetricsServer:
             try:
                 return server_class((host, number), handler)
             except OSError as error:
-                raise _bind_error(host, number, error) from None
+                raise listen_error("metrics endpoint", host, number, error, reached="the endpoint") from None
 
         self._httpd = bind_port(port, bind, f"metrics endpoint on {host}")
         self._httpd.max_handlers = max_connections

@@ -1,5 +1,5 @@
-"""Every bind failure of the bootstrap server, a wire listener, a prefill rank's status socket and an encode
-rank's request socket raises a TransferError naming the listener and its address and saying what to do."""
+"""Every bind failure of the bootstrap server, a wire listener, a prefill rank's status socket, an encode
+rank's request socket and a metrics endpoint raises a TransferError naming the listener and its address and saying what to do."""
 
 from __future__ import annotations
 
@@ -70,7 +70,8 @@ def test_a_port_this_process_may_not_listen_on_says_what_to_do():
     if all(outcome is None for outcome in raised.values()):
         pytest.skip(f"this host lets unprivileged processes listen on port {port}")
     what = {"bootstrap server": "bootstrap server", "wire listener": "wire listener",
-            "status socket": "prefill rank 0's status socket", "request socket": "encode rank 0's request socket"}
+            "status socket": "prefill rank 0's status socket", "request socket": "encode rank 0's request socket",
+            "metrics endpoint": "metrics endpoint"}
     for name, outcome in raised.items():
         assert outcome is not None, f"{name} bound port {port}"
         kind, bases, number, text = outcome

@@ -12,6 +12,7 @@ import sys
 import torch
 
 from transfer.bootstrap import BootstrapServer
+from transfer.metrics import Metrics
 from transfer.receiver import SessionManager
 from transfer.sender import SenderPool
 from transfer.wire_engine import WireEngine
@@ -29,6 +30,7 @@ def main(port: int) -> None:
             "status socket": lambda: SessionManager(engine, 0, 1, buffer=buffer, host=HOST, status_port=port),
             "request socket": lambda: SenderPool(engine, 0, 1, 1, f"{HOST}:1", host=HOST, port=port,
                                                  register_timeout_s=1),
+            "metrics endpoint": lambda: Metrics("epd_unprivileged").serve(HOST, port),
         }
         if os.geteuid() == 0:
             os.setgid(NOBODY)
