@@ -1,7 +1,8 @@
 """The docs hold together: every protocol section the code cites exists in docs/protocol.md, every
 relative link in the README and docs/ points at a file (and heading) that exists, the README's
 Python blocks parse, and what the README and docs/ name (constructor arguments and defaults,
-epd-transfer options, make targets, exceptions, metric series, pool counts, modules) exists."""
+epd-transfer options, make targets, exceptions, metric series, metrics calls, pool counts, modules)
+exists."""
 
 from __future__ import annotations
 
@@ -326,3 +327,21 @@ def test_the_operations_pool_counts_table_lists_the_fields_there_are():
 
     fields = {re.search(r"`(\w+)`", row[0]).group(1) for row in _table_after("docs/operations.md", "### Receive pool counts")}
     assert fields == set(PoolStats.__annotations__)
+
+
+def test_every_metrics_call_the_docs_show_exists():
+    # "`transfer.metrics.serve(...)`" and a bare "`metrics.total(...)`" name the module;
+    # "`manager.metrics.serve(host, port)`", "`pool.metrics.prometheus_text()`" a component's Metrics.
+    import transfer.metrics
+    from transfer.metrics import Metrics
+
+    wrong, checked = [], 0
+    for path in [p for p in DOCS if not p.endswith("CHANGELOG.md")]:  # the changelog keeps past names
+        for owner, name in re.findall(r"`(transfer\.|\w+\.)?metrics\.(\w+)\(", _read(path)):
+            where = transfer.metrics if owner in ("", "transfer.") else Metrics
+            checked += 1
+            if not hasattr(where, name):
+                wrong.append(f"{os.path.relpath(path, REPO)}: {owner}metrics.{name}() "
+                             f"({'transfer.metrics has' if where is transfer.metrics else 'Metrics has'} no {name})")
+    assert checked >= 6
+    assert not wrong, f"the docs call metrics functions that do not exist: {wrong}"
