@@ -1,8 +1,8 @@
 """The docs hold together: every protocol section the code cites exists in docs/protocol.md, every
 relative link in the README and docs/ points at a file (and heading) that exists, the README's
 Python blocks parse, and what the README and docs/ name (constructor arguments and defaults,
-epd-transfer options, make targets, exceptions, metric series, metrics calls, pool counts, modules)
-exists."""
+epd-transfer options, make targets, exceptions, metric series and metrics calls, pool counts, modules,
+`EPD_*` variables) exists."""
 
 from __future__ import annotations
 
@@ -345,3 +345,38 @@ def test_every_metrics_call_the_docs_show_exists():
                              f"({'transfer.metrics has' if where is transfer.metrics else 'Metrics has'} no {name})")
     assert checked >= 6
     assert not wrong, f"the docs call metrics functions that do not exist: {wrong}"
+
+
+def test_every_metric_series_the_docs_name_exists():
+    # "`epd_prefill_rooms_failed_total`", "`rooms_unverified_total`", "`cancels_total{reason}`",
+    # "`epd_prefill_room_latency_seconds_bucket`": a series of transfer.metrics, namespaced or not.
+    from transfer.buffers import PoolStats
+    from transfer.metrics import KNOWN_HELP
+
+    examples = {"a_b_c_total"}  # operations.md's example of two namespaces that overlap
+    wrong, checked = [], 0
+    for path in [p for p in DOCS if not p.endswith("CHANGELOG.md")]:
+        text = _read(path)
+        names = re.findall(r"`(epd_(?:prefill|encode)_\w+?|\w+_total|\w+_seconds)(?:\{\w+\})?`", text)
+        names += re.findall(r'"name": "(epd_(?:prefill|encode)_\w+)"', text)
+        for name in names:
+            series = re.sub(r"^epd_(?:prefill|encode)_", "", name)
+            series = re.sub(r"(_seconds)_(?:bucket|sum|count)$", r"\1", series)
+            checked += 1
+            if series not in KNOWN_HELP and series not in PoolStats.__annotations__ and name not in examples:
+                wrong.append(f"{os.path.relpath(path, REPO)}: {name}")
+    assert checked >= 20
+    assert not wrong, f"the docs name metric series that transfer.metrics.KNOWN_HELP lacks: {wrong}"
+
+
+def test_every_epd_variable_the_docs_name_is_read():
+    # The library's (transfer.config.SETTINGS, the README's table) and the launch scripts' (launch.sh --help).
+    from transfer import config, doctor
+
+    read = {s.env for s in config.SETTINGS} | set(doctor.SCRIPT_VARIABLES)
+    wrong = []
+    for path in [p for p in DOCS if not p.endswith("CHANGELOG.md")]:
+        for name in re.findall(r"\b(EPD_[A-Z][A-Z0-9_]*[A-Z0-9])\b", _read(path)):
+            if name not in read:
+                wrong.append(f"{os.path.relpath(path, REPO)}: {name}")
+    assert not wrong, f"the docs name EPD_* variables that nothing reads: {wrong}"
