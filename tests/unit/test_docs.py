@@ -2,7 +2,7 @@
 relative link in the README and docs/ points at a file (and heading) that exists, the README's
 Python blocks parse, and what the README and docs/ name (constructor arguments and defaults,
 epd-transfer options, make targets, exceptions, metric series and metrics calls, pool counts, modules,
-`EPD_*` variables) exists."""
+`EPD_*` variables, keywords passed to the public API) exists."""
 
 from __future__ import annotations
 
@@ -380,3 +380,39 @@ def test_every_epd_variable_the_docs_name_is_read():
             if name not in read:
                 wrong.append(f"{os.path.relpath(path, REPO)}: {name}")
     assert not wrong, f"the docs name EPD_* variables that nothing reads: {wrong}"
+
+
+def test_every_keyword_the_docs_pass_to_the_public_api_is_one_it_takes():
+    # "`Engine(open_timeout_s=)`", "`ReceivePool(..., max_fallback_bytes=N)`", "`receive(..., deepstack_hidden=)`",
+    # "`BootstrapClient(addr).wait_ready(timeout, encode_rank=)`": each keyword names a parameter.
+    import inspect
+
+    from transfer.bootstrap import BootstrapClient, BootstrapServer
+    from transfer.buffers import ReceivePool
+    from transfer.engine import Engine
+    from transfer.frames import prefill_shard
+    from transfer.metrics import Metrics, serve
+    from transfer.reassemble import ShardedItem, agree, reassemble
+    from transfer.receiver import ReceiveHandle, SessionManager
+    from transfer.sender import SenderPool
+    from transfer.wire_engine import WireEngine
+
+    callables = {"Engine": Engine, "WireEngine": WireEngine, "SessionManager": SessionManager, "SenderPool": SenderPool,
+                 "ReceivePool": ReceivePool, "BootstrapServer": BootstrapServer, "BootstrapClient": BootstrapClient,
+                 "ShardedItem": ShardedItem, "reassemble": reassemble, "agree": agree, "Metrics": Metrics,
+                 "serve": serve, "receive": SessionManager.receive, "send": SenderPool.send,
+                 "register_rank": BootstrapClient.register_rank, "wait_ready": BootstrapClient.wait_ready,
+                 "prefill_shard": prefill_shard, "clear": ReceiveHandle.clear}
+    wrong, checked = [], 0
+    for path in [p for p in DOCS if not p.endswith("CHANGELOG.md")]:  # the changelog keeps past names
+        for span in re.findall(r"`([^`]+)`", " ".join(_read(path).split())):
+            for name, arguments in re.findall(r"(\w+)\(([^()]*)\)", span):
+                if name not in callables:
+                    continue
+                taken = inspect.signature(callables[name]).parameters
+                for keyword in re.findall(r"(?:^|,)\s*(\w+)=", arguments):
+                    checked += 1
+                    if keyword not in taken:
+                        wrong.append(f"{os.path.relpath(path, REPO)}: {span} ({name} takes no {keyword}=)")
+    assert checked >= 20
+    assert not wrong, f"the docs pass keywords the API does not take: {wrong}"
