@@ -97,6 +97,12 @@ FIRST_ANSWER_S = 0.05
 #: its deadline then is given that long again (at most its whole bound, in all) before it fails.
 HELD_UP_S = 0.25
 
+#: Overdue writes (reported failed at their deadline, still in Mooncake's hands) are read again once this many
+#: are filed, and again whenever their number doubles since: those Mooncake settled meanwhile leave, their batches
+#: freed. At most twice the overdue writes Mooncake still holds, plus this many, are kept, whether or not a
+#: region is ever unregistered, at a bounded number of status reads per overdue write on average.
+OVERDUE_CHECK_AT = 16
+
 #: Highest address + 1: a region or a destination must end at or below it.
 _ADDRESS_SPACE = 1 << 64
 
@@ -623,6 +629,7 @@ class Engine(RegisteredMemory):
         self._source_region = (0, 0)
         self._pending: dict[int, _Pending] = {}  # write_async tickets not yet settled
         self._overdue: list[_Pending] = []  # writes reported failed at their deadline, still in Mooncake's hands
+        self._overdue_check_at = OVERDUE_CHECK_AT  # how many overdue writes are filed before they are read again
         self._in_flight_at = time.monotonic()  # when poll() last found a write in flight
         self._held: dict[str, list[int]] = {}  # session -> tickets held back until its probe answers, oldest first
         self._next_ticket = 0
@@ -911,6 +918,8 @@ class Engine(RegisteredMemory):
                 return False
             with self._lock:
                 if self._pending.pop(ticket, None) is not None:
+                    if len(self._overdue) >= self._overdue_check_at:
+                        self._collect_overdue()
                     self._overdue.append(pending)
             raise EngineError(self._describe_failure(
                 "write", pending.session_id, pending.dsts, pending.lens,
@@ -961,9 +970,15 @@ class Engine(RegisteredMemory):
                                                            why, remedy=_failed_write_remedy(pending.session_id))
             return not (pending.submitting or pending.waiting)  # a held-back write reads its sources later
 
+    def _collect_overdue(self) -> None:
+        """Lets go of the overdue writes Mooncake settled, reading their batches' statuses (which frees them);
+        the next collection comes once twice as many as are left are filed (lock held)."""
+        self._overdue = [p for p in self._overdue if not self._advance(p)]
+        self._overdue_check_at = max(OVERDUE_CHECK_AT, 2 * len(self._overdue))
+
     def _reader_of(self, addr: int, nbytes: int) -> str | None:
         """A write in flight (or overdue) whose sources overlap the region, described (lock held)."""
-        self._overdue = [p for p in self._overdue if not self._advance(p)]
+        self._collect_overdue()
         for pending in (*self._pending.values(), *self._overdue):
             if pending.reads(addr, nbytes) and not self._advance(pending):
                 return f"a write to {pending.session_id} in flight"
@@ -1063,6 +1078,7 @@ class Engine(RegisteredMemory):
             while any(p.submitting for p in self._pending.values()):
                 self._changed.wait()
             self._wait_for_registrations()
+            self._collect_overdue()  # frees the batches of those Mooncake settled; the transport goes below
             writes = list(self._pending.values())
         # Let writes in flight finish before the memory goes, each until its deadline. Their
         # tickets stay filed: an owner polling one later still learns how its write ended.
