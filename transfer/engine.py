@@ -823,6 +823,15 @@ class Engine(RegisteredMemory):
         for pending in ready:
             self._submit(pending)
 
+    def _unhold(self, session_id: str, ticket: int) -> None:
+        """Takes a failed ticket off its session's held-back writes, and the session off the book once none is
+        left (lock held): a peer whose writes all failed leaves nothing behind."""
+        tickets = self._held.get(session_id)
+        if tickets is not None and ticket in tickets:
+            tickets.remove(ticket)
+            if not tickets:
+                del self._held[session_id]
+
     def _submit(self, pending: _Pending) -> None:
         """Hands a write's buffers to Mooncake and records that it is submitted."""
         try:
@@ -909,6 +918,7 @@ class Engine(RegisteredMemory):
                     if verdict is not Verdict.REFUSE:
                         return False
                     self._pending.pop(ticket, None)
+                    self._unhold(pending.session_id, ticket)
                     raise EngineError(self._describe_failure("write", pending.session_id, pending.dsts,
                                                              pending.lens, why))
         if not self._advance(pending):

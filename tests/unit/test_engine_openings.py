@@ -104,6 +104,21 @@ def test_a_peer_that_does_not_answer_in_time_fails_its_writes_naming_why(rig, mo
     engine.register(SRC, 1 << 20)
 
 
+def test_silent_peers_whose_writes_failed_leave_nothing_held_for_them(rig):
+    """Prefill ranks that stop at first contact and never come back (each restart a new session): once their
+    held-back writes failed, the engine keeps no entry for them, however many there were."""
+    engine, fake, started = rig
+    engine._openings.open_timeout_s = 1e-9
+    for n in range(100):
+        session = f"silent:{n}"
+        ticket = engine.write_async(session, [SRC], [0x100], [64])
+        with pytest.raises(EngineError, match="did not answer"):
+            engine.poll(ticket)
+        _answer(engine, fake, started[-1])  # its probe returns at last, unanswered: the peer is gone
+    assert engine._held == {} and engine._pending == {}
+    assert fake.writes == []
+
+
 def test_a_probe_refused_at_once_leaves_the_verdict_to_mooncake(rig):
     engine, fake, started = rig
     fake.probe_rc = -102
