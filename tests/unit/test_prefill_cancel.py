@@ -615,3 +615,25 @@ def test_cancels_answered_behind_one_never_answered_are_not_kept_for_its_silence
             c.tick(now)
     assert c.pending_cancels == 1
     assert len(c.cancels._sent_to[ENCODE]._cancels) <= 2 * cancels._MIN_COMPACT
+
+
+def test_an_encode_rank_restarting_at_new_ports_leaves_no_cancels_behind_at_the_old_ones():
+    """Each restart of the encode rank at another port: a room given up there and its cancel confirmed,
+    then the connection drops and the rank is found at the next port. What the book kept of each old
+    address's cancels (for its silence clock) goes with its connection."""
+    c = core()
+    c.parallel_resolved(0.0, BOOT, 1, 1)
+    now = 0.0
+    for port in range(7000, 7200):
+        now += 1.0
+        addr = (ENCODE[0], port)
+        c.route_resolved(now, KEY0, addr)
+        token, actions = c.receive(now, spec(1))
+        assert of(SendAsk, actions)[0].addr == addr
+        assert of(SendCancel, c.abandon(now, 1, token))
+        c.clear(now, 1, token)
+        assert of(MemorySafe, c.cancel_answered(now, 1, 0, CONFIRMED))
+        c.connection_dropped(now, addr)
+        c.tick(now)
+    assert c.pending_cancels == 0
+    assert len(c.cancels._sent_to) <= 1

@@ -259,9 +259,12 @@ class CancelBook:
             self._sent_to.pop(addr, None)
 
     def forget(self, addr: Address, *, answering: bool = False) -> None:
-        """The connection to `addr` is gone: its silence clock stops, and with `answering` what it showed of
-        answering cancels goes too (a rank restarted there shows it afresh)."""
+        """The connection to `addr` is gone: its silence clock stops, with the cancels sent there that kept it
+        (each was sent on that connection or an earlier one, and a silence clock counts on a later one only),
+        and with `answering` what it showed of answering cancels goes too (a rank restarted there shows it
+        afresh). Cancels still awaiting answers stay awaited, by (room, encode rank)."""
         self._unanswered_since.pop(addr, None)
+        self._sent_to.pop(addr, None)
         if answering:
             self._answering.discard(addr)
 
