@@ -146,3 +146,22 @@ def test_past_the_ghost_bound_no_cancel_may_be_sent(book, monkeypatch):
     assert book.full() == "2 cancels set aside still await answers (at most 2)"
     book.answered((7, 0), CONFIRMED)
     assert book.full() is None
+
+
+def test_past_its_bound_the_book_forgets_the_address_heard_from_longest_ago_and_keeps_learning(monkeypatch):
+    monkeypatch.setattr(cancels, "MAX_ANSWERING", 3)
+    addrs = [("10.0.1.%d" % i, 17000) for i in range(5)]
+    conns = dict.fromkeys(addrs, 1)
+    book = CancelBook(conns.get)
+
+    def heard(room: int, addr: tuple[str, int]) -> None:
+        book.add(float(room), (room, 0), token=room, addr=addr, conn=1)
+        assert book.answered((room, 0), CONFIRMED).token == room
+
+    for room, addr in enumerate(addrs[:3]):
+        heard(room, addr)
+    heard(3, addrs[0])  # heard again: the most recent now, addrs[1] the oldest
+    heard(4, addrs[3])
+    assert [book.answers(addr) for addr in addrs] == [True, False, True, True, False]
+    heard(5, addrs[4])
+    assert [book.answers(addr) for addr in addrs] == [True, False, False, True, True]

@@ -42,7 +42,7 @@ STALE_CANCEL_S = 300.0
 #: rooms wait out the quarantine until ghosts get their last answers.
 MAX_GHOSTS = 65536
 
-#: Encode addresses remembered as answering cancels (past this, new ones are not learned).
+#: Encode addresses remembered as answering cancels (past this, the one heard from longest ago is forgotten).
 MAX_ANSWERING = 65536
 
 #: How long an encode rank may leave a cancel unanswered before it is sent no more, until it
@@ -106,7 +106,7 @@ class CancelBook:
         self._count = 0
         self._sent: deque[tuple[float, Key, Cancel]] = deque()  # (sent at, key, cancel), in the order sent
         self._ghosts: dict[Key, int] = {}  # key set aside -> last answers still to come
-        self._answering: set[Address] = set()  # encode ranks seen to answer cancels
+        self._answering: dict[Address, None] = {}  # encode ranks seen to answer cancels, least recently heard first
         self._unanswered_since: dict[Address, float] = {}  # when a cancel there last went unanswered
         self._sent_to: dict[Address, _SentCancels] = {}  # each address's cancels, for its silence clock
 
@@ -266,7 +266,7 @@ class CancelBook:
         self._unanswered_since.pop(addr, None)
         self._sent_to.pop(addr, None)
         if answering:
-            self._answering.discard(addr)
+            self._answering.pop(addr, None)
 
     # ---------------------------------------------------------- internals
 
@@ -293,5 +293,9 @@ class CancelBook:
         """A cancel got its first answer (or its last): its encode rank answers cancels."""
         cancel.answered = True
         self._unanswered_since.pop(cancel.addr, None)
-        if len(self._answering) < MAX_ANSWERING:
-            self._answering.add(cancel.addr)
+        answering = self._answering
+        if cancel.addr in answering:
+            del answering[cancel.addr]  # moved to the end: heard from most recently
+        elif len(answering) >= MAX_ANSWERING:
+            del answering[next(iter(answering))]  # the one heard from longest ago
+        answering[cancel.addr] = None
