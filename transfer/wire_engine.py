@@ -57,7 +57,9 @@ transfer may have landed (inside registered memory only); the room fails as a wh
 Connections: the sender keeps idle connections per peer session and reuses them; a
 connection the peer closed is noticed before reuse, and whenever a new connection is opened
 the idle ones of every session whose peer hung up are closed (a peer that restarted on
-another port never takes its old ones back; live peers keep theirs); a write that fails on a reused connection before any byte of it
+another port never takes its old ones back; live peers keep theirs), and so are those whose
+last transfer began more than ``idle_timeout_s`` ago (a peer whose host went away, or that froze,
+never hangs up; a live listener with the same bound has closed its end of them by then); a write that fails on a reused connection before any byte of it
 was accepted, or because the peer closed that connection without a word (as a listener that
 evicts or times out an idle connection does, which can land just after the check before
 reuse), is sent again once on a fresh one, within what the first send left of the reply timeout: the
@@ -211,6 +213,7 @@ class _Conn:
             raise (type(exc)(said) if exc.errno is None else type(exc)(exc.errno, said)) from None
         self.sock.settimeout(timeout_s)  # the idle bound of every frame read and write
         self.fresh = True
+        self.used_at = 0.0  # when its last transfer started (monotonic), set as it goes back to the pool
 
     def stale(self) -> bool:
         """True when the peer spoke or hung up while the connection sat idle."""
@@ -461,6 +464,7 @@ class WireEngine(RegisteredMemory):
         self.chunk_bytes = int(chunk_bytes)
         self.reply_timeout_s = reply_timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.idle_timeout_s = float(idle_timeout_s)
         self.rate_grace_s = RATE_GRACE_TIMEOUTS * float(recv_timeout_s)
         def listen(number: int) -> Any:
             try:
@@ -656,7 +660,7 @@ class WireEngine(RegisteredMemory):
         except BaseException:
             conn.close()
             raise
-        self._checkin(session_id, conn)
+        self._checkin(session_id, conn, started)
 
     def _send_again(self, session_id: str, room: int, srcs: list[int], dsts: list[int], lens: list[int],
                     rows: int, started: float, cause: OSError) -> _Conn:
@@ -761,7 +765,8 @@ class WireEngine(RegisteredMemory):
     # -- connections ------------------------------------------------------
 
     def _open(self, session_id: str) -> _Conn:
-        """A fresh connection to the peer (first dropping idle ones whose peers hung up)."""
+        """A fresh connection to the peer (first dropping idle ones whose peers hung up or that sat idle
+        past idle_timeout_s)."""
         self._prune_idle()
         conn = _Conn(session_id, self.reply_timeout_s, self.connect_timeout_s)
         with self._lock:
@@ -781,13 +786,16 @@ class WireEngine(RegisteredMemory):
             conn.close()  # the peer restarted or timed the connection out
 
     def _prune_idle(self) -> None:
-        """Closes idle connections of any session whose peer hung up; forgets sessions left with none."""
+        """Closes idle connections of any session whose peer hung up, and those idle past idle_timeout_s
+        (a peer whose host went away, or that froze, never hangs up: its connections would stay for the
+        engine's lifetime); forgets sessions left with none."""
         dead: list[_Conn] = []
+        oldest = time.monotonic() - self.idle_timeout_s
         with self._lock:
             for session_id in list(self._idle):
                 alive: list[_Conn] = []
                 for conn in self._idle[session_id]:
-                    (dead if conn.stale() else alive).append(conn)
+                    (dead if conn.used_at < oldest or conn.stale() else alive).append(conn)
                 if alive:
                     self._idle[session_id] = alive
                 else:
@@ -795,8 +803,9 @@ class WireEngine(RegisteredMemory):
         for conn in dead:
             conn.close()
 
-    def _checkin(self, session_id: str, conn: _Conn) -> None:
-        """Returns a healthy connection for reuse."""
+    def _checkin(self, session_id: str, conn: _Conn, started: float) -> None:
+        """Returns a healthy connection for reuse; `started`: when the transfer it carried began."""
+        conn.used_at = started
         with self._lock:
             idle = self._idle.setdefault(session_id, [])
             if self._closed or len(idle) >= IDLE_PER_SESSION:

@@ -500,6 +500,33 @@ def test_wire_idle_connections_to_departed_peers_are_dropped():
         assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
 
 
+def test_wire_idle_connections_to_peers_that_never_hung_up_go_after_the_idle_bound():
+    """A peer that went away without closing its connections (its host gone, or the process frozen: no
+    FIN ever comes, so the connection never looks hung up) does not keep its idle connection for the
+    engine's lifetime: one idle past idle_timeout_s is closed when the next connection is opened."""
+    peers = [StoppablePeer("wire", 4096) for _ in range(2)]
+    try:
+        with WireEngine(idle_timeout_s=1.0) as writer, WireEngine() as live:
+            src = _filled(4096, 3)
+            writer.register(src)
+            dst = torch.zeros(4096, dtype=torch.uint8)
+            live.register(dst)
+            fds_before = len(os.listdir("/proc/self/fd"))
+            for peer in peers:
+                writer.write(peer.session_id, [src.data_ptr()], [peer.addr], [4096])
+                peer.stop()
+            assert writer.stats()["idle_connections"] == 2
+            time.sleep(1.1)  # past the idle bound, counted from each transfer's start
+            writer.write(live.session_id, [src.data_ptr()], [dst.data_ptr()], [4096])
+            assert torch.equal(dst, src)
+            assert writer.stats()["idle_connections"] == 1
+            # Only the connection to the live peer is left: our end and the listener's.
+            assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
+    finally:
+        for peer in peers:
+            peer.close()
+
+
 def test_wire_peer_that_stops_reading_costs_one_reply_timeout(wire_peer):
     """After a send timed out, the sender reads an answer only when one is waiting: it does not wait
     a second full reply timeout for an answer a peer which stopped reading never sends."""
