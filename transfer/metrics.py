@@ -38,14 +38,16 @@ KNOWN_HELP: dict[str, str] = {
     "rooms_started_total": "Rooms started (ask sent or item accepted).",
     "rooms_succeeded_total": "Rooms concluded Success.",
     "rooms_failed_total": "Rooms concluded Failed, by failure kind.",
-    "bytes_written_total": "Embedding and deepstack bytes written to receivers.",
-    "bytes_received_total": "Embedding and deepstack bytes landed in receive slots.",
+    "bytes_written_total": "Embedding and deepstack bytes of the writes to receivers that completed, "
+                           "whatever their room's fate.",
+    "bytes_received_total": "Embedding and deepstack bytes of the rooms concluded Success, counted at the Success.",
     "room_latency_seconds": "Seconds from a room's start to its Success.",
     "queue_depth": "Receiver shard writes ready to start, waiting for a free slot in flight or their ready event.",
-    "rooms_in_flight": "Rooms asked for and not yet cleared.",
+    "rooms_in_flight": "Rooms asked for and not yet cleared, concluded or not.",
     "rooms_unverified_total": "Rooms concluded Success with no checksum to verify (the encode rank sent none).",
     "rooms_failed_after_success_total": "Rooms concluded Success that their encode rank then told Failed "
-                                        "(another receiver's write failed): they are Failed now.",
+                                        "before they were cleared (another receiver's write failed): they are "
+                                        "Failed now, and still counted in rooms_succeeded_total.",
     "statuses_dropped_total": "Status pushes dropped because a receiver stopped draining its queue.",
     "sessions_superseded_total": "Prefill sessions replaced by a restarted rank's new session, by how it was told.",
     "registrations_refused_total": "Registrations refused (a session that announced region lengths sent one without).",
