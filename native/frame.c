@@ -211,9 +211,20 @@ static void raise_io(const char *what, int rc, int err, double timeout)
 
 int epd_write_frame(int fd, unsigned kind, Py_buffer *parts, Py_ssize_t nparts, double timeout)
 {
+    /* The sum stops short of wrapping: lengths adding up past SIZE_MAX must not pass the limit. */
     size_t total = 0;
-    for (Py_ssize_t i = 0; i < nparts; i++)
-        total += (size_t)parts[i].len;
+    int past_size_max = 0;
+    for (Py_ssize_t i = 0; i < nparts; i++) {
+        if ((size_t)parts[i].len > SIZE_MAX - total)
+            past_size_max = 1;
+        else
+            total += (size_t)parts[i].len;
+    }
+    if (past_size_max) {
+        raise_frame_error(0, "write: payload of more than %zu bytes exceeds the limit of %zu bytes", (size_t)SIZE_MAX,
+                          EPD_MAX_PAYLOAD);
+        return -1;
+    }
     if (total > EPD_MAX_PAYLOAD) {
         raise_frame_error(0, "write: payload of %zu bytes exceeds the limit of %zu bytes", total,
                           EPD_MAX_PAYLOAD);

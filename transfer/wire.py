@@ -18,7 +18,8 @@ Errors (``FrameError``, an ``OSError`` and a ``TransferError``; ``errno`` is set
   payload, i.e. M is the length field)
 - ``read: <strerror>`` / ``write: <strerror>`` (e.g. ``write: Broken pipe``)
 - ``read: timed out after T s without progress`` / ``write: ...`` (errno ETIMEDOUT)
-- ``write: payload of N bytes exceeds the limit of 67108864 bytes`` (nothing is sent)
+- ``write: payload of N bytes exceeds the limit of 67108864 bytes`` (nothing is sent; ``of more than
+  18446744073709551615 bytes`` when the parts' lengths add up past 64 bits)
 
 Msg: the header is UTF-8 text of ``key=value`` lines, sorted by key (code point order,
 which equals UTF-8 byte order), one per key; then an empty line; then the body as raw

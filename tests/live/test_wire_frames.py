@@ -3,6 +3,7 @@ and a whole sender-side transfer in one native call, checked frame by frame agai
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import signal
@@ -268,6 +269,19 @@ def test_write_oversize_payload_sends_nothing(pair):
     with pytest.raises(FrameError) as err:
         wire.write_frame_parts(a, wire.GEN, [big[:MAX], b"x"])
     assert str(err.value) == "write: payload of 67108865 bytes exceeds the limit of 67108864 bytes"
+    assert pending(b) == b""
+
+
+def test_write_parts_whose_lengths_add_up_past_64_bits_send_nothing(pair):
+    """Four 2**62-byte parts sum to 2**64, which a wrapping size_t counts as 0 bytes: the length
+    check must still refuse them before the first byte goes out."""
+    a, b = pair
+    backing = ctypes.create_string_buffer(64)
+    huge = memoryview((ctypes.c_char * (1 << 62)).from_address(ctypes.addressof(backing)))
+    with pytest.raises(FrameError) as err:
+        wire.write_frame_parts(a, wire.GEN, [huge, huge, huge, huge, b"tail"])
+    assert str(err.value) == ("write: payload of more than 18446744073709551615 bytes exceeds the limit of "
+                              "67108864 bytes")
     assert pending(b) == b""
 
 
