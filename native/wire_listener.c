@@ -1524,6 +1524,14 @@ PyObject *epd_py_wire_add_region(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, text);
         return NULL;
     }
+    /* wire_remove_region answers the length as a signed 64-bit int. */
+    if (len > (uint64_t)INT64_MAX) {
+        char text[112];
+        snprintf(text, sizeof text, "cannot register region 0x%llx+%llu: longer than %lld bytes",
+                 (unsigned long long)addr, (unsigned long long)len, (long long)INT64_MAX);
+        PyErr_SetString(PyExc_ValueError, text);
+        return NULL;
+    }
     char why[REASON_MAX];
     int rc;
     Py_BEGIN_ALLOW_THREADS

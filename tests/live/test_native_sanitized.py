@@ -173,6 +173,23 @@ def test_wire_region_errors_print_their_addresses():
         _native.wire_listener_close(lst)
 
 
+def test_wire_region_lengths_stop_where_remove_can_answer_them():
+    """wire_remove_region answers a region's length as a signed 64-bit int: a longer region, once
+    registered, would be removed and reported as never registered (KeyError)."""
+    lst = listener()
+    try:
+        with pytest.raises(ValueError) as err:
+            _native.wire_add_region(lst, 0x1000, 1 << 63)
+        assert str(err.value) == ("cannot register region 0x1000+9223372036854775808: longer than "
+                                  "9223372036854775807 bytes")
+        assert _native.wire_listener_stats(lst)["regions"] == 0
+        _native.wire_add_region(lst, 0x1000, (1 << 63) - 1)  # the longest: never copied into here
+        assert _native.wire_remove_region(lst, 0x1000) == (1 << 63) - 1
+        assert _native.wire_listener_stats(lst)["regions"] == 0
+    finally:
+        _native.wire_listener_close(lst)
+
+
 def test_concurrent_closes_stop_a_busy_listener_once():
     for _ in range(20):
         lst = listener(max_conns=8)
