@@ -82,6 +82,19 @@ def _memory_refused(command: str, sc: Any, ranks: dict[str, int]) -> bool:
     return refusal is not None
 
 
+def _host_refused(command: str, host: str) -> bool:
+    """True, saying why in one line, when `host` is not an address of this host that an engine can
+    listen on (it does not resolve, or it is another host's)."""
+    from transfer.engine import check_hostname
+
+    try:
+        check_hostname(host)
+    except ConfigError as error:
+        print(f"epd-transfer {command}: --host {host}: {error}", file=sys.stderr)
+        return True
+    return False
+
+
 def _shard_mode(sc) -> str:
     """How the demo splits each item's rows over the prefill ranks, in words."""
     if not sc.sharded:
@@ -360,6 +373,9 @@ def _rank(args: argparse.Namespace) -> int:
               f"(unset EPD_DEVICE or pick another --protocol)", file=sys.stderr)
         return 2
     sc.device = args.device
+    # Said now, not after a prefill rank waited out --bootstrap-timeout for its encode rank.
+    if _host_refused("rank", args.host):
+        return 2
     if _memory_refused("rank", sc, {args.role: 1}):
         return 2
     # As demo and bench: said now, not after a prefill rank waited out --bootstrap-timeout for its encode rank.
@@ -830,6 +846,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # noqa: BLE001 - an operator gets one line; -v shows the traceback
         if args.verbose:
             traceback.print_exc()
+        if isinstance(error, ConfigError):  # a setting given is wrong (a --host not of this host): 2, as argparse
+            print(f"epd-transfer {args.command}: {error}", file=sys.stderr)
+            return 2
         zmq = sys.modules.get("zmq")  # a listener that cannot bind raises zmq.ZMQError naming it and its address
         expected = (isinstance(error, (OSError, RuntimeError, ValueError))  # TimeoutError is an OSError
                     or (zmq is not None and isinstance(error, zmq.ZMQError)))

@@ -111,6 +111,14 @@ def test_the_bootstrap_command_enforces_a_token_from_the_environment():
     assert proc.returncode == 0
 
 
+def test_a_bootstrap_host_not_of_this_node_is_a_setting_refused_with_exit_2():
+    done = _cli("bootstrap", "--host", "192.0.2.1", "--port", "0")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == ("epd-transfer bootstrap: bootstrap server cannot listen on 192.0.2.1:0: Cannot "
+                                   "assign requested address: give an address of this host (the one peers reach "
+                                   "the server on)")
+
+
 def test_doctor_json_matches_its_text_and_exit_code():
     text = _cli("doctor", timeout=120)
     as_json = _cli("doctor", "--json", timeout=120)

@@ -116,3 +116,14 @@ def test_rank_bootstrap_timeout_bounds_an_encode_ranks_registration():
     assert result.returncode == 1, result.stderr
     assert "could not register encode rank 0 with bootstrap server" in result.stderr
     assert "within 2.0s" in result.stderr and "--timeout" not in result.stderr
+
+
+def test_a_prefill_rank_given_a_host_not_of_this_node_is_refused_before_it_waits():
+    # Refused with exit 2 at once, not after --bootstrap-timeout spent waiting for its encode rank.
+    result = _rank(["--role", "prefill", "--rank", "0", "--bootstrap", f"127.0.0.1:{_free_port()}",
+                    "--host", "192.0.2.1", "--bootstrap-timeout", "30", "--timeout", "60"], timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        "epd-transfer rank: --host 192.0.2.1: hostname '192.0.2.1' (192.0.2.1) is not an address of this host "
+        "([Errno 99] Cannot assign requested address): the engine listens there, so give one of this node's own IP "
+        "addresses"), result.stderr
