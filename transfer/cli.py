@@ -316,8 +316,11 @@ def _bootstrap(args: argparse.Namespace) -> int:
     from transfer.bootstrap import BootstrapServer
 
     # Taken by sigwait() below, never by a handler: a handler runs only in the main thread, and
-    # one delivered to another thread would leave the main thread waiting forever.
+    # one delivered to another thread would leave the main thread waiting forever. SIGHUP (a dropped
+    # terminal or ssh session) stops it as SIGTERM does, unless it was ignored when it started (nohup).
     stops = {signal.SIGINT, signal.SIGTERM}
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        stops.add(signal.SIGHUP)
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # the server's threads, started later, too
     disarm = None
     try:
@@ -328,7 +331,8 @@ def _bootstrap(args: argparse.Namespace) -> int:
             raise OSError(error.strerror or str(error)) from None
         with server:
             print(f"bootstrap server on http://{server.address}", flush=True)
-            signal.sigwait(stops)  # one that came meanwhile is pending, and taken at once
+            stopped = signal.sigwait(stops)  # one that came meanwhile is pending, and taken at once
+        print(f"epd-transfer bootstrap: stopped by {signal.Signals(stopped).name}", file=sys.stderr, flush=True)
     finally:
         if disarm is not None:
             disarm.set()
@@ -382,7 +386,13 @@ def _rank(args: argparse.Namespace) -> int:
     if _protocol_refused("rank", args.protocol, args.device):
         return 2
 
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    # SIGTERM (what Kubernetes, Slurm and the launch scripts send), SIGHUP (a dropped terminal or ssh
+    # session) and SIGINT unwind the rank through its context managers: its route is withdrawn, its rooms
+    # fail with a reason, its engine and sockets close; it exits 128 + the signal's number. A signal
+    # ignored when the rank started (nohup, a background job's SIGINT) stays ignored.
+    for stop in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        if stop == signal.SIGTERM or signal.getsignal(stop) is not signal.SIG_IGN:
+            signal.signal(stop, _raise_stopped)
     _exit_with(args.exit_with)
     # --timeout bounds the whole rank: the alarm unwinds it through its context managers
     # (engine, sockets, bootstrap server) wherever it waits.
@@ -411,9 +421,11 @@ def _rank(args: argparse.Namespace) -> int:
             report = harness.prefill_rank(sc, args.rank, args.bootstrap, noop, noop, noop)
             summary = {"role": "prefill", "node": args.node, "rank": args.rank, **harness.summarize(sc, [report])}
             ok = summary["failed"] == 0 and summary["verified"]
-    except KeyboardInterrupt:
-        print(f"{args.role} rank {args.rank}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stopped:
+        code = _stop_code(stopped)
+        print(f"{args.role} rank {args.rank}: stopped by {_stop_name(stopped)} (exit {code})", file=sys.stderr,
+              flush=True)
+        return code
     except _RankTimeout:
         print(f"{args.role} rank {args.rank}: stopped after --timeout {args.timeout:g}s", file=sys.stderr)
         return 1
@@ -431,6 +443,30 @@ def _rank(args: argparse.Namespace) -> int:
 def _raise_interrupt(*_: object) -> None:
     """A SIGTERM handler: unwinds through the context managers like Ctrl-C (engines, sockets, ranks close)."""
     raise KeyboardInterrupt
+
+
+class _Stopped(KeyboardInterrupt):
+    """A stop signal taken by `_raise_stopped`: unwinds like Ctrl-C, and says which signal it was."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, _frame: object) -> None:
+    """A stop signal's handler (rank): unwinds through the context managers, naming the signal."""
+    raise _Stopped(signum)
+
+
+def _stop_code(stopped: KeyboardInterrupt) -> int:
+    """The exit status of a process stopped by a signal, as a shell reports one killed by it: 128 + its
+    number (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP)."""
+    return 128 + getattr(stopped, "signum", signal.SIGINT)
+
+
+def _stop_name(stopped: KeyboardInterrupt) -> str:
+    """`SIGTERM`, or `SIGINT` for a plain Ctrl-C."""
+    return signal.Signals(getattr(stopped, "signum", signal.SIGINT)).name
 
 
 class _RankTimeout(BaseException):
@@ -840,9 +876,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except KeyboardInterrupt:
-        print(f"epd-transfer {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stopped:
+        if isinstance(stopped, _Stopped):
+            print(f"epd-transfer {args.command}: stopped by {_stop_name(stopped)}", file=sys.stderr)
+        else:
+            print(f"epd-transfer {args.command}: interrupted", file=sys.stderr)
+        return _stop_code(stopped)
     except Exception as error:  # noqa: BLE001 - an operator gets one line; -v shows the traceback
         if args.verbose:
             traceback.print_exc()

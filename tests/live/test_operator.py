@@ -111,6 +111,44 @@ def test_the_bootstrap_command_enforces_a_token_from_the_environment():
     assert proc.returncode == 0
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+def test_the_bootstrap_command_stops_on_a_stop_signal_and_says_which(sig):
+    # SIGHUP (a dropped terminal or ssh session) stops it as SIGTERM does: a clean stop, exit 0, said.
+    proc = subprocess.Popen([sys.executable, "-m", "transfer.cli", "bootstrap", "--port", "0"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("bootstrap server on http://127.0.0.1:")
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert err.strip() == f"epd-transfer bootstrap: stopped by {sig.name}"
+
+
+def test_the_bootstrap_command_keeps_ignoring_a_sighup_ignored_when_it_started():
+    # nohup ignores SIGHUP for the command it starts: the server keeps serving through a dropped session.
+    def ignore_hup() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    proc = subprocess.Popen([sys.executable, "-m", "transfer.cli", "bootstrap", "--port", "0"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ignore_hup)
+    try:
+        port = int(proc.stdout.readline().strip().rpartition(":")[2])
+        proc.send_signal(signal.SIGHUP)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as answer:
+            assert answer.status == 200
+        proc.send_signal(signal.SIGTERM)  # what stops it: the SIGHUP before it was dropped, not left pending
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and err.strip() == "epd-transfer bootstrap: stopped by SIGTERM", err
+
+
 def test_a_bootstrap_host_not_of_this_node_is_a_setting_refused_with_exit_2():
     done = _cli("bootstrap", "--host", "192.0.2.1", "--port", "0")
     assert done.returncode == 2, done.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -116,6 +117,36 @@ def test_rank_bootstrap_timeout_bounds_an_encode_ranks_registration():
     assert result.returncode == 1, result.stderr
     assert "could not register encode rank 0 with bootstrap server" in result.stderr
     assert "within 2.0s" in result.stderr and "--timeout" not in result.stderr
+
+
+@pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: s.name)
+def test_a_rank_stopped_by_a_signal_withdraws_its_route_and_exits_128_plus_its_number(sig):
+    # SIGTERM is what Kubernetes, Slurm and the launch scripts send; SIGHUP what a dropped session sends.
+    # Either way the rank unwinds: its route leaves the bootstrap server, so prefill ranks sent to it fail
+    # at once instead of at their deadlines, and the supervisor reads the signal in its exit status.
+    from live_helpers import wait_until
+
+    from transfer.bootstrap import BootstrapServer
+
+    with BootstrapServer("127.0.0.1", 0) as server:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "transfer.cli", "rank", "--role", "encode", "--rank", "0", "--bootstrap",
+             server.address, "--protocol", "tcp", "--items", "4", "--span", "8", "--hidden", "64",
+             "--bootstrap-timeout", "300", "--timeout", "300"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert wait_until(lambda: server.registered_ranks == 1 or proc.poll() is not None, 120)
+            proc.send_signal(sig)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        assert proc.returncode == 128 + sig, err
+        assert err.strip().splitlines()[-1] == f"encode rank 0: stopped by {sig.name} (exit {128 + sig})", err
+        assert server.registered_ranks == 0, err
+        assert not out.strip()
 
 
 def test_a_prefill_rank_given_a_host_not_of_this_node_is_refused_before_it_waits():
