@@ -60,6 +60,19 @@ class FakeClock:
         self.now += seconds
 
 
+class FakeTime:
+    """Stands in for the `time` module where a module reads its monotonic clock and sleeps: moved by the test."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
 class FakeEvent:
     """A copy-out event: query() is False until done is set; counts the queries."""
 

@@ -760,3 +760,23 @@ def cuda_mooncake_missing() -> str:
     if not any(dist["flavour"].startswith("CUDA") for dist in mooncake_distributions()):
         return "needs the CUDA build of Mooncake (pip install mooncake-transfer-engine)"
     return ""
+
+
+def status_socket(host: str, port: int) -> None:
+    """A session manager whose status socket binds host:port (over the wire engine: no Mooncake needed)."""
+    import torch
+
+    from transfer.receiver import SessionManager
+    from transfer.wire_engine import WireEngine
+
+    with WireEngine(HOST) as engine:
+        SessionManager(engine, 0, 1, buffer=torch.zeros(1024, dtype=torch.uint8), host=host, status_port=port).close()
+
+
+def request_socket(host: str, port: int) -> None:
+    """A sender pool whose request socket binds host:port (it binds before it registers anywhere)."""
+    from transfer.sender import SenderPool
+    from transfer.wire_engine import WireEngine
+
+    with WireEngine(HOST) as engine:
+        SenderPool(engine, 0, 1, 1, f"{HOST}:1", host=host, port=port, register_timeout_s=1).close()

@@ -1,5 +1,6 @@
 """Every bind failure of the bootstrap server, a wire listener, a prefill rank's status socket, an encode
-rank's request socket and a metrics endpoint raises a TransferError naming the listener and its address and saying what to do."""
+rank's request socket and a metrics endpoint raises a TransferError naming the listener and its address and
+saying what to do."""
 
 from __future__ import annotations
 
@@ -10,14 +11,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 import zmq
-from live_helpers import HOST, LIVE
+from live_helpers import HOST, LIVE, request_socket, status_socket
 
 from transfer.bootstrap import BootstrapServer
 from transfer.errors import ConfigError, ListenError, TransferError
-from transfer.receiver import SessionManager
-from transfer.sender import SenderPool
 from transfer.wire_engine import WireEngine
 
 pytestmark = LIVE
@@ -27,18 +25,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 #: host without IPv6, no IPv6 socket opens at all.
 LINK_LOCAL = "fe80::1"
 WHAT_TO_DO = "give an IP address of this host that it can listen on"
-
-
-def _status_socket(host: str, port: int) -> None:
-    """A session manager whose status socket binds host:port (over the wire engine: no Mooncake needed)."""
-    with WireEngine(HOST) as engine:
-        SessionManager(engine, 0, 1, buffer=torch.zeros(1024, dtype=torch.uint8), host=host, status_port=port).close()
-
-
-def _request_socket(host: str, port: int) -> None:
-    """A sender pool whose request socket binds host:port (it binds before it registers anywhere)."""
-    with WireEngine(HOST) as engine:
-        SenderPool(engine, 0, 1, 1, f"{HOST}:1", host=host, port=port, register_timeout_s=1).close()
 
 
 @pytest.mark.parametrize("listen, what", [(BootstrapServer, "bootstrap server"), (WireEngine, "wire listener")],
@@ -52,7 +38,7 @@ def test_a_listener_on_an_address_it_cannot_bind_says_what_to_do(listen, what):
 
 
 @pytest.mark.parametrize("listen, what", [
-    (_status_socket, "prefill rank 0's status socket"), (_request_socket, "encode rank 0's request socket"),
+    (status_socket, "prefill rank 0's status socket"), (request_socket, "encode rank 0's request socket"),
 ], ids=["status socket", "request socket"])
 def test_a_zmq_socket_on_an_ipv6_address_says_it_takes_ipv4(listen, what):
     with pytest.raises(ConfigError, match=rf"^{what} cannot listen on \[::1\]:0: No such device: give an IPv4 "

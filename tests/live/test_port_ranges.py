@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 import torch
-from live_helpers import HOST, LIVE
+from live_helpers import HOST, LIVE, request_socket, status_socket
 
 from transfer.bootstrap import BootstrapClient, BootstrapServer
 from transfer.errors import ConfigError, PortsInUse
@@ -59,24 +59,12 @@ def test_a_wire_listener_passes_over_a_port_in_use():
             assert engine.session_id == f"{HOST}:{engine.port}"
 
 
-def _status_socket(host: str, port: int) -> None:
-    """A session manager whose status socket binds host:port (over the wire engine: no Mooncake needed)."""
-    with WireEngine(HOST) as engine:
-        SessionManager(engine, 0, 1, buffer=torch.zeros(1024, dtype=torch.uint8), host=host, status_port=port).close()
-
-
-def _request_socket(host: str, port: int) -> None:
-    """A sender pool whose request socket binds host:port (it binds before it registers anywhere)."""
-    with WireEngine(HOST) as engine:
-        SenderPool(engine, 0, 1, 1, f"{HOST}:1", host=host, port=port, register_timeout_s=1).close()
-
-
 @pytest.mark.parametrize("listen, what, hint", [
     (lambda port: BootstrapServer(HOST, port), "bootstrap server", " (a bootstrap server running already?)"),
     (lambda port: Metrics("epd_ports_test").serve(HOST, port), "metrics endpoint", ""),
     (lambda port: WireEngine(HOST, port), "wire listener", ""),
-    (lambda port: _status_socket(HOST, port), "prefill rank 0's status socket", ""),
-    (lambda port: _request_socket(HOST, port), "encode rank 0's request socket", ""),
+    (lambda port: status_socket(HOST, port), "prefill rank 0's status socket", ""),
+    (lambda port: request_socket(HOST, port), "encode rank 0's request socket", ""),
 ], ids=["bootstrap server", "metrics endpoint", "wire listener", "status socket", "request socket"])
 def test_a_servers_one_port_in_use_is_named_with_what_to_do(listen, what, hint):
     # The errno stays (what lets a range pass it over); the text names the server, its address, and the way out.
@@ -89,7 +77,7 @@ def test_a_servers_one_port_in_use_is_named_with_what_to_do(listen, what, hint):
         f"another port, 0 (any free one) or a range FIRST-LAST, or find what holds it (ss -ltnp 'sport = :{first}')")
 
 
-@pytest.mark.parametrize("listen", [_status_socket, _request_socket], ids=["status socket", "request socket"])
+@pytest.mark.parametrize("listen", [status_socket, request_socket], ids=["status socket", "request socket"])
 def test_a_zmq_sockets_one_port_in_use_is_still_the_zmq_error_it_raised_before(listen):
     import zmq
 
@@ -101,7 +89,7 @@ def test_a_zmq_sockets_one_port_in_use_is_still_the_zmq_error_it_raised_before(l
 
 @pytest.mark.parametrize("listen, what", [
     (BootstrapServer, "bootstrap server"), (WireEngine, "wire listener"),
-    (_status_socket, "prefill rank 0's status socket"), (_request_socket, "encode rank 0's request socket"),
+    (status_socket, "prefill rank 0's status socket"), (request_socket, "encode rank 0's request socket"),
 ], ids=["bootstrap server", "wire listener", "status socket", "request socket"])
 def test_a_server_on_an_address_not_of_this_host_says_so(listen, what):
     with pytest.raises(ConfigError, match=rf"^{what} cannot listen on 192\.0\.2\.1:0: Cannot assign requested "

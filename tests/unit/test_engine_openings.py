@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from fakes import MooncakeStandIn
+from fakes import FakeTime, MooncakeStandIn
 
 from transfer import engine as engine_module
 from transfer.engine import Engine, EngineError
@@ -242,22 +242,9 @@ def test_a_write_polled_while_its_session_s_writes_are_being_handed_over_is_not_
     assert fake.writes == [("new:1", 0x100), ("new:1", 0x200)]
 
 
-class _Clock:
-    """The engine's monotonic clock, moved by the test."""
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def _write_held_for_its_probe(engine, monkeypatch, session: str) -> tuple[_Clock, int]:
+def _write_held_for_its_probe(engine, monkeypatch, session: str) -> tuple[FakeTime, int]:
     """A fake clock at 100 s, and a write to a new `session` polled once, 1 ms on: held for its probe."""
-    clock = _Clock(100.0)
+    clock = FakeTime(100.0)
     monkeypatch.setattr(engine_module, "time", clock)
     ticket = engine.write_async(session, [SRC], [0x100], [64])
     clock.now = 100.001

@@ -4,7 +4,7 @@ against a scripted transfer engine that counts the batches it allocated and free
 from __future__ import annotations
 
 import pytest
-from fakes import MooncakeStandIn
+from fakes import FakeTime, MooncakeStandIn
 
 from transfer import engine as engine_module
 from transfer.engine import OVERDUE_CHECK_AT, Engine, EngineError
@@ -38,19 +38,6 @@ class _BatchCountingTE(MooncakeStandIn):
         self.settled |= self.live
 
 
-class _Clock:
-    """The engine's monotonic clock, moved by the test."""
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-
 @pytest.fixture
 def rig(monkeypatch):
     """(engine, fake, clock): an engine with a 5 s transfer timeout on the scripted transfer engine, its source
@@ -60,7 +47,7 @@ def rig(monkeypatch):
     class FakeModule:
         TransferEngine = staticmethod(lambda: fake)
 
-    clock = _Clock(100.0)
+    clock = FakeTime(100.0)
     monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
     monkeypatch.setattr(engine_module, "time", clock)
     engine = Engine("127.0.0.1", protocol="tcp", transfer_timeout_s=5.0, open_timeout_s=0)
@@ -69,7 +56,7 @@ def rig(monkeypatch):
     engine.close()
 
 
-def _overdue_write(engine: Engine, clock: _Clock) -> None:
+def _overdue_write(engine: Engine, clock: FakeTime) -> None:
     """A write polled while in flight, then past its transfer timeout: reported failed."""
     ticket = engine.write_async("peer:1", [SRC], [0x100], [64])
     clock.now += 0.1  # polled often: no gap reads as a hold-up of this process
