@@ -780,3 +780,14 @@ def request_socket(host: str, port: int) -> None:
 
     with WireEngine(HOST) as engine:
         SenderPool(engine, 0, 1, 1, f"{HOST}:1", host=host, port=port, register_timeout_s=1).close()
+
+
+@contextlib.contextmanager
+def reaped(proc: Any) -> Iterator[Any]:
+    """A child process (subprocess.Popen) killed and waited for on the way out, if it is still running then."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from live_helpers import MOONCAKE_MISSING, free_port
+from live_helpers import MOONCAKE_MISSING, free_port, reaped
 
 from transfer.metrics import Metrics, MetricsServer, serve
 
@@ -114,16 +114,11 @@ def test_the_bootstrap_command_enforces_a_token_from_the_environment():
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
 def test_the_bootstrap_command_stops_on_a_stop_signal_and_says_which(sig):
     # SIGHUP (a dropped terminal or ssh session) stops it as SIGTERM does: a clean stop, exit 0, said.
-    proc = subprocess.Popen([sys.executable, "-m", "transfer.cli", "bootstrap", "--port", "0"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with reaped(subprocess.Popen([sys.executable, "-m", "transfer.cli", "bootstrap", "--port", "0"], cwd=REPO,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)) as proc:
         assert proc.stdout.readline().startswith("bootstrap server on http://127.0.0.1:")
         proc.send_signal(sig)
-        out, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert err.strip() == f"epd-transfer bootstrap: stopped by {sig.name}"
 
@@ -133,19 +128,15 @@ def test_the_bootstrap_command_keeps_ignoring_a_sighup_ignored_when_it_started()
     def ignore_hup() -> None:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
-    proc = subprocess.Popen([sys.executable, "-m", "transfer.cli", "bootstrap", "--port", "0"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ignore_hup)
-    try:
+    with reaped(subprocess.Popen([sys.executable, "-m", "transfer.cli", "bootstrap", "--port", "0"], cwd=REPO,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 preexec_fn=ignore_hup)) as proc:
         port = int(proc.stdout.readline().strip().rpartition(":")[2])
         proc.send_signal(signal.SIGHUP)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as answer:
             assert answer.status == 200
         proc.send_signal(signal.SIGTERM)  # what stops it: the SIGHUP before it was dropped, not left pending
         _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0 and err.strip() == "epd-transfer bootstrap: stopped by SIGTERM", err
 
 

@@ -125,24 +125,19 @@ def test_a_rank_stopped_by_a_signal_withdraws_its_route_and_exits_128_plus_its_n
     # SIGTERM is what Kubernetes, Slurm and the launch scripts send; SIGHUP what a dropped session sends.
     # Either way the rank unwinds: its route leaves the bootstrap server, so prefill ranks sent to it fail
     # at once instead of at their deadlines, and the supervisor reads the signal in its exit status.
-    from live_helpers import wait_until
+    from live_helpers import reaped, wait_until
 
     from transfer.bootstrap import BootstrapServer
 
     with BootstrapServer("127.0.0.1", 0) as server:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "transfer.cli", "rank", "--role", "encode", "--rank", "0", "--bootstrap",
-             server.address, "--protocol", "tcp", "--items", "4", "--span", "8", "--hidden", "64",
-             "--bootstrap-timeout", "300", "--timeout", "300"],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
+        with reaped(subprocess.Popen(
+                [sys.executable, "-m", "transfer.cli", "rank", "--role", "encode", "--rank", "0", "--bootstrap",
+                 server.address, "--protocol", "tcp", "--items", "4", "--span", "8", "--hidden", "64",
+                 "--bootstrap-timeout", "300", "--timeout", "300"],
+                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)) as proc:
             assert wait_until(lambda: server.registered_ranks == 1 or proc.poll() is not None, 120)
             proc.send_signal(sig)
             out, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
         assert proc.returncode == 128 + sig, err
         assert err.strip().splitlines()[-1] == f"encode rank 0: stopped by {sig.name} (exit {128 + sig})", err
         assert server.registered_ranks == 0, err
