@@ -11,38 +11,17 @@ PyObject *epd_LayerError;
 /* Below this size the checksum is cheaper than a GIL round trip. */
 #define GIL_RELEASE_BYTES ((Py_ssize_t)1 << 16)
 
-/* Reads an int argument that must fit in u32; `what` names it in the error. */
-static int u32_arg(PyObject *obj, const char *what, uint32_t *out)
+/* Reads an int argument (any integer type: numpy's and torch's too) in 0..max; `what` names it in the
+   error: a TypeError when obj is no integer, a ValueError when it is one out of range. ValueError rather
+   than the OverflowError of Python's own unsigned conversion: a negative value is out of range, not an
+   overflow, and every int argument of the module answers a range error with the one type. */
+static int uint_arg(PyObject *obj, const char *what, unsigned long long max, unsigned long long *out)
 {
-    PyObject *index = PyNumber_Index(obj); /* numpy's and torch's integers too, as epd_u64_arg takes them */
-    unsigned long long v = index == NULL ? (unsigned long long)-1 : PyLong_AsUnsignedLongLong(index);
-    Py_XDECREF(index);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-        if (PyErr_ExceptionMatches(PyExc_OverflowError) || PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "%s must be an int in 0..4294967295, got %R", what, obj);
-        }
-        return -1;
-    }
-    if (v > UINT32_MAX) {
-        PyErr_Format(PyExc_ValueError, "%s must be an int in 0..4294967295, got %R", what, obj);
-        return -1;
-    }
-    *out = (uint32_t)v;
-    return 0;
-}
-
-/* Reads an int argument that must fit in u64; `what` names it in the error. */
-int epd_u64_arg(PyObject *obj, const char *what, uint64_t *out)
-{
-    /* Not the "K" format: it silently keeps the low 64 bits, so -1 or 2**64 + a would read or
-       register an address nobody asked for. */
     PyObject *index = PyNumber_Index(obj);
     if (index == NULL) {
-        /* Not an integer at all (a float, a str): still a TypeError, but one that names the argument. */
         if (PyErr_ExceptionMatches(PyExc_TypeError)) {
             PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, "%s must be an int in 0..18446744073709551615, got %R", what, obj);
+            PyErr_Format(PyExc_TypeError, "%s must be an int in 0..%llu, got %R", what, max, obj);
         }
         return -1;
     }
@@ -52,9 +31,34 @@ int epd_u64_arg(PyObject *obj, const char *what, uint64_t *out)
         if (!PyErr_ExceptionMatches(PyExc_OverflowError))
             return -1;
         PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "%s must be an int in 0..18446744073709551615, got %R", what, obj);
+        PyErr_Format(PyExc_ValueError, "%s must be an int in 0..%llu, got %R", what, max, obj);
         return -1;
     }
+    if (v > max) {
+        PyErr_Format(PyExc_ValueError, "%s must be an int in 0..%llu, got %R", what, max, obj);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* Reads an int argument that must fit in u32; `what` names it in the error. */
+static int u32_arg(PyObject *obj, const char *what, uint32_t *out)
+{
+    unsigned long long v;
+    if (uint_arg(obj, what, UINT32_MAX, &v) < 0)
+        return -1;
+    *out = (uint32_t)v;
+    return 0;
+}
+
+/* Reads an int argument that must fit in u64; `what` names it in the error. Not the "K" format: it
+   silently keeps the low 64 bits, so -1 or 2**64 + a would read or register an address nobody asked for. */
+int epd_u64_arg(PyObject *obj, const char *what, uint64_t *out)
+{
+    unsigned long long v;
+    if (uint_arg(obj, what, UINT64_MAX, &v) < 0)
+        return -1;
     *out = (uint64_t)v;
     return 0;
 }
@@ -240,17 +244,9 @@ static PyObject *py_write_frame(PyObject *self, PyObject *args)
         return NULL;
     if (timeout_arg(timeout, "write_frame") < 0)
         return NULL;
-    PyObject *kind_index = PyNumber_Index(kind_o);
-    long kind = kind_index == NULL ? -1 : PyLong_AsLong(kind_index);
-    Py_XDECREF(kind_index);
-    if (kind < 0 || kind > 255) {
-        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_OverflowError) &&
-            !PyErr_ExceptionMatches(PyExc_TypeError))
-            return NULL;
-        PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "frame kind must be an int in 0..255, got %R", kind_o);
+    unsigned long long kind;
+    if (uint_arg(kind_o, "frame kind", 255, &kind) < 0)
         return NULL;
-    }
     if (!PySequence_Check(parts_o)) {
         PyErr_SetString(PyExc_TypeError, "write_frame needs a sequence of buffers");
         return NULL;

@@ -117,8 +117,11 @@ def endpoint(sock_or_fd: Any) -> tuple[int, float]:
 
 
 def _kind(kind: int) -> int:
-    """Checks that a kind fits the u8 on the wire."""
-    if isinstance(kind, bool) or not isinstance(kind, int) or not 0 <= kind <= 255:
+    """Checks that a kind fits the u8 on the wire: ConfigTypeError when it is no int (a bool neither),
+    ConfigError when it is one outside 0..255."""
+    if isinstance(kind, bool) or not isinstance(kind, int):
+        raise ConfigTypeError(f"frame kind must be an int in 0..255, got {type(kind).__name__} {kind!r}")
+    if not 0 <= kind <= 255:
         raise ConfigError(f"frame kind must be an int in 0..255, got {kind!r}")
     return int(kind)
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from transfer import _native, wire
+from transfer.errors import ConfigError, ConfigTypeError
 from transfer.wire import FrameError, Msg
 
 MAX = wire.MAX_PAYLOAD
@@ -335,8 +336,11 @@ def test_write_timeout_when_peer_does_not_read(pair):
 
 def test_write_argument_errors(pair):
     a, _ = pair
-    for kind in (-1, 256, True, 1.0):
-        with pytest.raises(ValueError, match="frame kind must be an int in 0..255"):
+    for kind in (-1, 256):
+        with pytest.raises(ConfigError, match=r"^frame kind must be an int in 0\.\.255, got -?\d+$"):
+            wire.write_frame(a, kind, b"")
+    for kind, named in ((True, "bool True"), (1.0, "float 1.0")):
+        with pytest.raises(ConfigTypeError, match=rf"^frame kind must be an int in 0\.\.255, got {named}$"):
             wire.write_frame(a, kind, b"")
     with pytest.raises(BufferError, match="C-contiguous"):
         wire.write_frame(a, 1, memoryview(bytes(10))[::2])

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transfer import _native, wire
+from transfer.errors import ConfigError, ConfigTypeError
 from transfer.wire import LayerError, Msg, MsgError
 
 
@@ -205,8 +206,39 @@ def test_layer_and_rows_take_any_integer_type_as_the_checksum_does():
     want = wire.layer_header(1, 2, 3)
     assert wire.layer_header(np.uint32(1), np.int64(2), np.uint64(3)) == want
     assert wire.layer_header(torch.tensor(1).item(), torch.tensor(2, dtype=torch.int32), 3) == want
-    with pytest.raises(ValueError, match=r"^rows must be an int in 0\.\.4294967295, got 2\.0"):
+    with pytest.raises(TypeError, match=r"^rows must be an int in 0\.\.4294967295, got 2\.0"):
         wire.layer_header(1, 2.0, 3)
+
+
+@pytest.mark.parametrize("call, named, bound", [
+    (lambda bad: wire.layer_header(bad, 2, 3), "layer", 4294967295),
+    (lambda bad: wire.layer_header(1, bad, 3), "rows", 4294967295),
+    (lambda bad: wire.layer_frame(bad, 2, b"x"), "layer", 4294967295),
+    (lambda bad: wire.layer_frame(1, bad, b"x"), "rows", 4294967295),
+    (lambda bad: _native.wire_transfer(-1, b"", [(4096, 8)], bad, 8, 1.0), "rows", 4294967295),
+    (lambda bad: _native.write_frame(-1, bad, (b"x",), 1.0), "frame kind", 255),
+])
+def test_a_32_bit_or_byte_argument_that_is_no_integer_is_a_type_error_and_one_out_of_range_a_value_error(
+        call, named, bound):
+    """As the 64-bit arguments answer: a str or float given for an int is the caller's type mistake
+    (TypeError), an int outside the field's range a ValueError; both name the argument and its range."""
+    for bad in ("3", 2.0, None, b"\x01"):
+        with pytest.raises(TypeError, match=rf"^{named} must be an int in 0\.\.{bound}, got "):
+            call(bad)
+    for bad in (-1, bound + 1, 1 << 64, np.int64(-2)):
+        with pytest.raises(ValueError, match=rf"^{named} must be an int in 0\.\.{bound}, got "):
+            call(bad)
+
+
+def test_wire_write_frame_refuses_a_kind_of_another_type_as_a_config_type_error():
+    """Checked in Python before the descriptor is touched (here -1, which any I/O would fail on)."""
+    for call in (lambda kind: wire.write_frame(-1, kind, b""), lambda kind: wire.write_frame_parts(-1, kind, [b""])):
+        for kind, named in ((True, "bool True"), (1.0, "float 1.0"), ("1", "str '1'")):
+            with pytest.raises(ConfigTypeError, match=rf"^frame kind must be an int in 0\.\.255, got {named}$"):
+                call(kind)
+        for kind in (-1, 256):
+            with pytest.raises(ConfigError, match=rf"^frame kind must be an int in 0\.\.255, got {kind}$"):
+                call(kind)
 
 
 @pytest.mark.parametrize("call, named", [
