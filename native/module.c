@@ -89,6 +89,51 @@ static int rate_arg(double min_rate, double timeout, const char *who)
     return 0;
 }
 
+/* Raises the error of obj's failed C-contiguous export, whose exception is set. When obj does export
+   strided bytes that are not one C-contiguous run, the BufferError says so; any other failure of the
+   export is a BufferError that names the caller and carries the exporter's own error as its cause.
+   MemoryError and exceptions that are no Exception (KeyboardInterrupt) go up as they were raised. */
+static int export_failed(PyObject *obj, const char *who)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError))
+        return -1;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    Py_buffer probe;
+    if (PyObject_GetBuffer(obj, &probe, PyBUF_FULL_RO) == 0) {
+        int contiguous = PyBuffer_IsContiguous(&probe, 'C');
+        PyBuffer_Release(&probe);
+        if (!contiguous) {
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            PyErr_Format(PyExc_BufferError, "%s needs a C-contiguous buffer; this %.100s is not contiguous", who,
+                         Py_TYPE(obj)->tp_name);
+            return -1;
+        }
+    } else {
+        PyErr_Clear();
+    }
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL)
+        PyException_SetTraceback(value, tb);
+    Py_XDECREF(tb);
+    Py_DECREF(type);
+    PyErr_Format(PyExc_BufferError, "%s could not export the buffer of this %.100s: %S", who, Py_TYPE(obj)->tp_name,
+                 value);
+    PyObject *new_type, *new_value, *new_tb;
+    PyErr_Fetch(&new_type, &new_value, &new_tb);
+    PyErr_NormalizeException(&new_type, &new_value, &new_tb);
+    if (new_value != NULL) {
+        PyException_SetContext(new_value, Py_NewRef(value));
+        PyException_SetCause(new_value, value); /* steals the reference to value */
+    } else {
+        Py_DECREF(value);
+    }
+    PyErr_Restore(new_type, new_value, new_tb);
+    return -1;
+}
+
 /* Exports obj's bytes as one C-contiguous run, with an error that says what was wrong. */
 static int get_contiguous(PyObject *obj, Py_buffer *view, const char *who)
 {
@@ -97,12 +142,8 @@ static int get_contiguous(PyObject *obj, Py_buffer *view, const char *who)
                      Py_TYPE(obj)->tp_name);
         return -1;
     }
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS) < 0) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_BufferError, "%s needs a C-contiguous buffer; this %.100s is not contiguous",
-                     who, Py_TYPE(obj)->tp_name);
-        return -1;
-    }
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS) < 0)
+        return export_failed(obj, who);
     return 0;
 }
 

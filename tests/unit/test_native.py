@@ -124,6 +124,28 @@ def test_layer_sum_rejects_non_contiguous():
         wire.layer_sum("text")
 
 
+@pytest.mark.parametrize("call", [
+    _native.layer_sum,
+    _native.parse_layer,
+    _native.msg_decode,
+    lambda buf: _native.layer_frame(1, 2, buf),
+    lambda buf: _native.write_frame(-1, 1, (b"x", buf), 1.0),
+])
+def test_a_buffer_whose_export_fails_is_refused_with_the_exporters_own_error_not_as_not_contiguous(call):
+    """A released memoryview exports nothing (ValueError): the BufferError says that export failed, with
+    the exporter's words and its exception as the cause, rather than blaming a contiguity it does not lack."""
+    released = memoryview(b"0123456789abcdef")
+    released.release()
+    with pytest.raises(BufferError, match=r" could not export the buffer of this memoryview: operation forbidden "
+                                          r"on released memoryview object$") as caught:
+        call(released)
+    assert "contiguous" not in str(caught.value)
+    assert isinstance(caught.value.__cause__, ValueError)
+    strided = np.arange(64, dtype=np.uint8)[::2]
+    with pytest.raises(BufferError, match=r" needs a C-contiguous buffer; this numpy.ndarray is not contiguous$"):
+        call(strided)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int8])
 def test_layer_sum_torch_cpu_tensors(dtype):
     t = (torch.randn(37, 29, generator=torch.Generator().manual_seed(5)) * 100).to(dtype)
