@@ -517,24 +517,30 @@ PyMODINIT_FUNC PyInit__native(void)
     Py_DECREF(errors);
     if (library_base == NULL)
         return NULL;
-    PyObject *m = PyModule_Create(&moduledef);
-    if (m == NULL) {
-        Py_DECREF(library_base);
-        return NULL;
-    }
-    epd_FrameError = add_error(m, "transfer.wire.FrameError", "FrameError", PyExc_OSError, library_base,
-                               "A framed-wire read or write failed; the message starts with 'read: ' or 'write: '.");
-    epd_MsgError = add_error(m, "transfer.wire.MsgError", "MsgError", PyExc_ValueError, library_base,
-                             "A Msg could not be decoded or a field could not be read.");
-    epd_LayerError = add_error(m, "transfer.wire.LayerError", "LayerError", PyExc_ValueError, library_base,
-                               "A LAYER payload is short or fails its checksum.");
-    Py_DECREF(library_base);
-    if (epd_FrameError == NULL || epd_MsgError == NULL || epd_LayerError == NULL ||
+    PyObject *m = PyModule_Create(&moduledef), *frame_error = NULL, *msg_error = NULL, *layer_error = NULL;
+    if (m == NULL ||
+        (frame_error = add_error(m, "transfer.wire.FrameError", "FrameError", PyExc_OSError, library_base,
+                                 "A framed-wire read or write failed; the message starts with 'read: ' or "
+                                 "'write: '.")) == NULL ||
+        (msg_error = add_error(m, "transfer.wire.MsgError", "MsgError", PyExc_ValueError, library_base,
+                               "A Msg could not be decoded or a field could not be read.")) == NULL ||
+        (layer_error = add_error(m, "transfer.wire.LayerError", "LayerError", PyExc_ValueError, library_base,
+                                 "A LAYER payload is short or fails its checksum.")) == NULL ||
         PyModule_AddIntConstant(m, "MAX_PAYLOAD", (long)EPD_MAX_PAYLOAD) < 0 ||
         PyModule_AddIntConstant(m, "MAX_ANSWER", (long)EPD_MAX_ANSWER) < 0 ||
         PyModule_AddIntConstant(m, "LAYER_HEADER", EPD_LAYER_HEADER) < 0) {
-        Py_DECREF(m);
+        /* Everything this init made goes with it; the globals below still hold what an earlier init of
+           the same library (a module already loaded) set, which that module's functions raise. */
+        Py_XDECREF(frame_error);
+        Py_XDECREF(msg_error);
+        Py_XDECREF(layer_error);
+        Py_XDECREF(m);
+        Py_DECREF(library_base);
         return NULL;
     }
+    Py_DECREF(library_base);
+    Py_XSETREF(epd_FrameError, frame_error);
+    Py_XSETREF(epd_MsgError, msg_error);
+    Py_XSETREF(epd_LayerError, layer_error);
     return m;
 }
