@@ -25,6 +25,8 @@
 #define MAX_RECEIVERS 64
 #define MAX_FLIGHTS 4096
 #define DETAIL_BYTES 256
+/* The most item starts: room % starts times step % starts must fit an int64. */
+#define MAX_STARTS ((int64_t)1 << 31)
 
 static double now_s(void)
 {
@@ -223,6 +225,43 @@ static void *handle_of(PyObject *obj)
     return handle;
 }
 
+/* The longest deadline or poll interval, in seconds (about 31 years). */
+#define MAX_SECONDS 1e9
+
+/* Refuses a deadline or poll interval outside 0..MAX_SECONDS: the loops wait on it, and NaN or an
+ * infinity is no bound, nor is it (or a longer time) a time a timespec can be converted to. */
+static int seconds_arg(const char *who, const char *what, double seconds)
+{
+    if (seconds >= 0 && seconds <= MAX_SECONDS)
+        return 0;
+    char text[128];
+    snprintf(text, sizeof text, "%s: %s must be a number of seconds in 0..%g, got %g", who, what, MAX_SECONDS,
+             seconds);
+    PyErr_SetString(PyExc_ValueError, text);
+    return -1;
+}
+
+/* Refuses a receiver whose writes' arithmetic would wrap: every source range the loop computes,
+ * base + (start + row_start) * row_bytes for start in 0..starts-1 and rows * row_bytes bytes long,
+ * must end inside the 64-bit address space. */
+static int rows_fit(const struct serving *s, const struct receiver *r, int i)
+{
+    uint64_t end_row, end_offset, end;
+    if (__builtin_add_overflow((uint64_t)(s->starts - 1), r->row_start, &end_row) ||
+        __builtin_add_overflow(end_row, r->rows, &end_row) ||
+        __builtin_mul_overflow(end_row, s->row_bytes, &end_offset) ||
+        __builtin_add_overflow(s->base, end_offset, &end)) {
+        char text[240];
+        snprintf(text, sizeof text, "floor_serve: receiver %d's writes (%llu rows of %llu bytes from row %llu, %lld "
+                 "starts, base 0x%llx) run past the 64-bit address space", i, (unsigned long long)r->rows,
+                 (unsigned long long)s->row_bytes, (unsigned long long)r->row_start, (long long)s->starts,
+                 (unsigned long long)s->base);
+        PyErr_SetString(PyExc_ValueError, text);
+        return -1;
+    }
+    return 0;
+}
+
 /* floor_serve(engine, pull, pull_fd, receivers, until, deadline_s, poll_min_s, poll_max_s, base,
  *             row_bytes, starts, step, warmup) -> bytes written for rooms other than `warmup`. */
 PyObject *epd_floor_serve(PyObject *self, PyObject *args)
@@ -236,7 +275,10 @@ PyObject *epd_floor_serve(PyObject *self, PyObject *args)
                           &s.row_bytes, &s.starts, &s.step, &s.warmup))
         return NULL;
     uint64_t engine;
-    if (!ready() || epd_u64_arg(engine_obj, "engine", &engine) < 0 || (s.pull = handle_of(pull_obj)) == NULL)
+    if (epd_u64_arg(engine_obj, "engine", &engine) < 0 || (s.pull = handle_of(pull_obj)) == NULL ||
+        seconds_arg("floor_serve", "deadline_s", s.deadline_s) < 0 ||
+        seconds_arg("floor_serve", "poll_min_s", s.schedule.min_s) < 0 ||
+        seconds_arg("floor_serve", "poll_max_s", s.schedule.max_s) < 0)
         return NULL;
     s.engine = (void *)(uintptr_t)engine;
     /* A tuple of our own: parsing a receiver may run Python (__index__), which could change the list;
@@ -245,9 +287,10 @@ PyObject *epd_floor_serve(PyObject *self, PyObject *args)
     if (rx == NULL)
         return NULL;
     s.nrx = (int)PyTuple_GET_SIZE(rx);
-    if (s.nrx < 1 || s.nrx > MAX_RECEIVERS || s.starts < 1 || s.until < 0) {
+    if (s.nrx < 1 || s.nrx > MAX_RECEIVERS || s.starts < 1 || s.starts > MAX_STARTS || s.until < 0) {
         Py_DECREF(rx);
-        PyErr_Format(PyExc_ValueError, "floor_serve: 1 to %d receivers, starts >= 1 and until >= 0", MAX_RECEIVERS);
+        PyErr_Format(PyExc_ValueError, "floor_serve: 1 to %d receivers, starts in 1..%lld and until >= 0",
+                     MAX_RECEIVERS, (long long)MAX_STARTS);
         return NULL;
     }
     for (int i = 0; i < s.nrx; i++) {
@@ -256,11 +299,15 @@ PyObject *epd_floor_serve(PyObject *self, PyObject *args)
         long long rank;
         if (!PyArg_ParseTuple(PyTuple_GET_ITEM(rx, i), "LOKKK:floor_serve receiver", &rank, &push,
                               &r->segment, &r->row_start, &r->rows) ||
-            (r->push = handle_of(push)) == NULL) {
+            (r->push = handle_of(push)) == NULL || rows_fit(&s, r, i) < 0) {
             Py_DECREF(rx);
             return NULL;
         }
         r->rank = rank;
+    }
+    if (!ready()) {
+        Py_DECREF(rx);
+        return NULL;
     }
     s.schedule.backoff = s.schedule.min_s;
     s.schedule.short_until = -1e300;
@@ -389,17 +436,22 @@ PyObject *epd_floor_receive(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OOiLO!LdKK:floor_receive", &push_obj, &pull_obj, &a.pull_fd, &rank, &PyList_Type,
                           &slot_list, &items, &a.deadline_s, &a.width, &a.nbytes))
         return NULL;
-    if (!epd_zmq_ready()) {
-        PyErr_SetString(PyExc_RuntimeError, "floor: zmq_bind() must be called first");
-        return NULL;
-    }
-    if ((a.push = handle_of(push_obj)) == NULL || (a.pull = handle_of(pull_obj)) == NULL)
+    if ((a.push = handle_of(push_obj)) == NULL || (a.pull = handle_of(pull_obj)) == NULL ||
+        seconds_arg("floor_receive", "deadline_s", a.deadline_s) < 0)
         return NULL;
     a.rank = rank;
     a.items = items;
     a.nslots = PyList_GET_SIZE(slot_list);
     if (items < 0 || a.nslots < 1 || a.width < 1 || a.width > a.nbytes || (uint64_t)items > ((uint64_t)1 << 32)) {
         PyErr_SetString(PyExc_ValueError, "floor_receive: items >= 0, a slot at least, 1 <= width <= nbytes");
+        return NULL;
+    }
+    /* The prints come back in one bytes object of 2 * width bytes a room. */
+    if (items > 0 && a.width > (uint64_t)(PY_SSIZE_T_MAX / 2) / (uint64_t)items) {
+        char text[160];
+        snprintf(text, sizeof text, "floor_receive: %lld rooms' prints of 2 x %llu bytes each exceed the largest "
+                 "bytes object (%zd bytes)", items, (unsigned long long)a.width, PY_SSIZE_T_MAX);
+        PyErr_SetString(PyExc_ValueError, text);
         return NULL;
     }
     /* A tuple of our own: reading a slot's address may run Python (__index__), which could change the list. */
@@ -413,7 +465,7 @@ PyObject *epd_floor_receive(PyObject *self, PyObject *args)
     PyObject *rooms = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(items * 8));
     PyObject *slots_of = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(items * 8));
     PyObject *latencies = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(items * 8));
-    PyObject *prints = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(items * 2 * (long long)a.width));
+    PyObject *prints = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((uint64_t)items * 2 * a.width));
     PyObject *result = NULL;
     if (slots == NULL || started == NULL || slot_of == NULL) {
         PyErr_NoMemory();
@@ -421,9 +473,22 @@ PyObject *epd_floor_receive(PyObject *self, PyObject *args)
     }
     if (rooms == NULL || slots_of == NULL || latencies == NULL || prints == NULL)
         goto done;
-    for (Py_ssize_t i = 0; i < a.nslots; i++)
+    for (Py_ssize_t i = 0; i < a.nslots; i++) {
         if (epd_u64_arg(PyTuple_GET_ITEM(slot_tuple, i), "slot", &slots[i]) < 0)
             goto done;
+        /* The loop reads a room's prints from slot .. slot + nbytes. */
+        if (slots[i] == 0 || slots[i] + a.nbytes < slots[i]) {
+            char text[128];
+            snprintf(text, sizeof text, "floor_receive: slot %zd (0x%llx+%llu) is not a range of the address space",
+                     i, (unsigned long long)slots[i], (unsigned long long)a.nbytes);
+            PyErr_SetString(PyExc_ValueError, text);
+            goto done;
+        }
+    }
+    if (!epd_zmq_ready()) {
+        PyErr_SetString(PyExc_RuntimeError, "floor: zmq_bind() must be called first");
+        goto done;
+    }
     a.slots = slots;
     char detail[DETAIL_BYTES] = "";
     const char *failed;
