@@ -1342,9 +1342,14 @@ static void listener_free(wl_listener *l)
 
 #define CAPSULE_NAME "transfer._native.WireListener"
 
-/* The listener behind a capsule, or NULL with TypeError. */
+/* The listener behind a capsule, or NULL with TypeError when cap is not one wire_listen made. */
 static wl_listener *get_listener(PyObject *cap)
 {
+    if (!PyCapsule_IsValid(cap, CAPSULE_NAME)) {
+        PyErr_Format(PyExc_TypeError, "a wire listener (made by wire_listen) is needed, not %.100s",
+                     Py_TYPE(cap)->tp_name);
+        return NULL;
+    }
     return PyCapsule_GetPointer(cap, CAPSULE_NAME);
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import datetime
 
 import numpy as np
 import pytest
@@ -550,3 +551,18 @@ def test_a_least_rate_without_a_timeout_is_refused_before_any_io(call):
     with pytest.raises(ValueError, match=r"^(read_frame|wire_transfer): min_rate needs a timeout: a blocking "
                                          r"socket waits on its peer however slowly it goes$"):
         call()
+
+
+@pytest.mark.parametrize("call", [
+    _native.wire_listener_port,
+    _native.wire_listener_stats,
+    _native.wire_listener_close,
+    lambda obj: _native.wire_add_region(obj, 4096, 8),
+    lambda obj: _native.wire_remove_region(obj, 4096),
+])
+@pytest.mark.parametrize("obj", [5, None, datetime.datetime_CAPI], ids=["int", "None", "another capsule"])
+def test_a_wire_listener_call_given_something_else_is_a_type_error(call, obj):
+    """Not the ValueError of PyCapsule_GetPointer ("called with invalid PyCapsule object"), which says
+    nothing of what the call needs."""
+    with pytest.raises(TypeError, match=r"^a wire listener \(made by wire_listen\) is needed, not "):
+        call(obj)
