@@ -634,6 +634,7 @@ class Engine(RegisteredMemory):
         self._held: dict[str, list[int]] = {}  # session -> tickets held back until its probe answers, oldest first
         self._next_ticket = 0
         self._closed = False
+        self._close_by = math.inf  # when close() stops waiting for writes in flight (its timeout_s)
         self._released = threading.Event()  # set once close() released the memory and the transport
         self._openings = Openings(open_timeout_s=self.open_timeout_s)
         self._te = mooncake_engine.TransferEngine()
@@ -1052,17 +1053,26 @@ class Engine(RegisteredMemory):
             raise EngineError(f"engine {name} is closed: its close() ran; start a new engine (and new pools and "
                               f"managers on it) to register or write more")
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         """Wait for writes in flight, unregister all memory and release the engine; idempotent.
 
-        Each write is waited for at most until its transfer timeout; the transport is
-        destroyed before the tensors kept alive are let go, so an overdue write never
-        reads freed memory. Writes still held back for a probe fail; a probe still out
-        keeps Mooncake's engine (its threads and listener) alive until it returns, at
-        most Mooncake's 60 s. A close() while another is under way returns when that one did.
+        Each write is waited for at most until its transfer timeout, and all of them at most
+        `timeout_s` when given (a caller with a stop of its own to keep, e.g. a supervisor's
+        grace); the transport is destroyed before the tensors kept alive are let go, so a
+        write still in flight then (overdue, or past `timeout_s`) never reads freed memory.
+        Writes still held back for a probe fail; a probe still out keeps Mooncake's engine
+        (its threads and listener) alive until it returns, at most Mooncake's 60 s, as does a
+        write being handed to Mooncake (a handshake with a new peer), which close() waits for.
+        A close() while another is under way returns when that one did. ConfigError for a
+        `timeout_s` below 0 or above 1e6 (ConfigTypeError for one that is not a number).
         """
         if self._forks != forks():
             return  # a forked child's copy: Mooncake's engine, its memory and its threads are the parent's
+        if timeout_s is not None:
+            close_by = time.monotonic() + check_seconds("timeout_s", timeout_s, zero_ok=True)
+            with self._lock:
+                if not self._closed:
+                    self._close_by = close_by
         self._close_once()
 
     def _check_process(self) -> None:
@@ -1090,11 +1100,11 @@ class Engine(RegisteredMemory):
             self._wait_for_registrations()
             self._collect_overdue()  # frees the batches of those Mooncake settled; the transport goes below
             writes = list(self._pending.values())
-        # Let writes in flight finish before the memory goes, each until its deadline. Their
-        # tickets stay filed: an owner polling one later still learns how its write ended.
+        # Let writes in flight finish before the memory goes, each until its deadline (or close()'s
+        # timeout_s). Their tickets stay filed: an owner polling one later still learns how its write ended.
         for pending in writes:
             delay = POLL_MIN_S
-            while not self._advance(pending) and time.monotonic() <= pending.deadline:
+            while not self._advance(pending) and time.monotonic() <= min(pending.deadline, self._close_by):
                 time.sleep(delay)
                 delay = min(delay * 2, POLL_MAX_S)
             if pending.batches:

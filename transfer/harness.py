@@ -233,10 +233,11 @@ def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finishe
         engine.register(source.pool)
         if deep is not None:
             engine.register(deep.pool)
-        with SenderPool(
+        pool = SenderPool(
             engine, rank, sc.encode_ranks, 1, bootstrap_addr, host=sc.host, port=sc.ports, token=sc.token,
             fanout_timeout_s=sc.fanout_timeout_s, register_timeout_s=sc.register_timeout_s, integrity=sc.integrity,
-        ) as pool:
+        )
+        try:
             ready()
             go()
             given_up = _GiveUp(abandoned)
@@ -256,6 +257,13 @@ def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finishe
             report["stats"] = pool.stats()
             report["bytes_written"] = int(metric_total(report["stats"], pool.metrics.full_name("bytes_written_total")))
             finished()
+        finally:
+            close_by = time.monotonic() + pool.close_timeout_s
+            pool.close()
+            if sc.protocol != "wire":
+                # Within what is left of the pool's close_timeout_s: a write the pool abandoned is not waited
+                # for until its transfer timeout (Mooncake's engine takes a timeout; the wire's bounds its own).
+                engine.close(timeout_s=max(0.0, close_by - time.monotonic()))
     return report
 
 

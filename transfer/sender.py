@@ -9,6 +9,7 @@ and the clock, and feeds the room rules (transfer.core.encode) their events.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import secrets
 import threading
@@ -26,7 +27,6 @@ from transfer.core.encode import EncodeCore, Offer
 from transfer.core.failure import CLEARED, Failure, FailureKind
 from transfer.core.parked import ParkedAsks
 from transfer.core.regions import MAX_SESSIONS
-from transfer.drive import encode as _drive
 from transfer.drive.encode import EncodeDriver, RoomBook, RoomState, SourceRegistry
 from transfer.errors import BootstrapNoRoute, ConfigError, ConfigTypeError, EngineError, UsageError
 from transfer.frames import (
@@ -58,9 +58,6 @@ DEAD_SESSION_S = _breaker.PAUSE_S
 DEAD_AFTER_S = _breaker.SLOW_AFTER_S
 DEAD_STALL_FACTOR = _breaker.STALL_FACTOR
 DEAD_SESSION_MAX_S = _breaker.MAX_PAUSE_S
-
-#: What close() waits past the driver's own CLOSE_WAIT_S for it to fail its rooms and close.
-CLOSE_GRACE_S = 1.0
 
 #: How long close() gives the bootstrap server to drop this rank's route (one attempt).
 UNREGISTER_TIMEOUT_S = 1.0
@@ -142,6 +139,7 @@ class SenderPool:
         bootstrap_timeout_s: float | None = None,
         poll_min_s: float | None = None,
         poll_max_s: float | None = None,
+        close_timeout_s: float | None = None,
     ) -> None:
         """Registers this rank with the bootstrap server, blocking up to `register_timeout_s`.
 
@@ -150,7 +148,8 @@ class SenderPool:
         EPD_SEND_DEPTH (32), `max_parked_bytes` EPD_MAX_PARKED_BYTES (64 MiB), `poll_min_s` and
         `poll_max_s` EPD_POLL_MIN_S and EPD_POLL_MAX_S (100 us and 1 ms: writes in flight are
         polled at most every poll_min_s, at that gap while a write of at most 1 MiB is new,
-        otherwise at doubling waits up to poll_max_s; transfer.core.polls).
+        otherwise at doubling waits up to poll_max_s; transfer.core.polls), `close_timeout_s`
+        EPD_CLOSE_TIMEOUT_S (10 s: what close() takes at most, see there).
         `bootstrap_timeout_s` is the deprecated name of `fanout_timeout_s`. Raises ConfigError
         for a bad argument or variable, ConfigTypeError for an argument of the wrong type (a rank
         or size that is not an int, a port that is not an int, pair or string, an `integrity`
@@ -166,6 +165,7 @@ class SenderPool:
         max_parked_bytes = config.resolve("EPD_MAX_PARKED_BYTES", max_parked_bytes)
         poll_min_s = config.resolve("EPD_POLL_MIN_S", poll_min_s)
         poll_max_s = config.resolve("EPD_POLL_MAX_S", poll_max_s)
+        close_timeout_s = config.resolve("EPD_CLOSE_TIMEOUT_S", close_timeout_s)
         config.check_polls("SenderPool", poll_min_s, poll_max_s)
         integrity = config.check_flag("SenderPool", "integrity", integrity)
         bootstrap = BootstrapClient(bootstrap_addr, token=token)  # the address and token, checked before any start
@@ -185,6 +185,7 @@ class SenderPool:
         self.max_parked_bytes = max_parked_bytes
         self.poll_min_s = poll_min_s
         self.poll_max_s = poll_max_s
+        self.close_timeout_s = close_timeout_s
         self.metrics = metrics or Metrics("epd_encode")
         declare_role(self.metrics, "encode", engine_rank)
 
@@ -216,7 +217,7 @@ class SenderPool:
             self._route = _Route(bootstrap_addr, token, tp_size, dp_size, self.host, self.port, engine_rank,
                                  secrets.token_hex(16), serving=lambda: not book.stopping)
             self._dropped = weakref.finalize(self, _close_dropped, self._book, self._driver, self._route,
-                                             release_metrics)
+                                             release_metrics, close_timeout_s)
         except BaseException:
             release_metrics()
             raise
@@ -386,23 +387,26 @@ class SenderPool:
 
     def close(self) -> None:
         """Withdraws this rank's route from the bootstrap server, fails rooms still in flight and parked asks,
-        joins the thread, closes sockets, drops temporary registrations.
+        joins the thread, closes sockets, drops temporary registrations; returns within `close_timeout_s`.
 
         The route goes first (at most UNREGISTER_TIMEOUT_S, after a registration again of the route
         under way, at most ROUTE_CHECK_TIMEOUT_S; a server that does not answer, or
         a peer's that knows no DELETE, leaves it listed, which is logged; a pool whose registration
         the server refused, or never reached, withdraws nothing), so prefill ranks
         stop being sent here before the socket closes. Writes already submitted are waited
-        for first, at most CLOSE_WAIT_S, so no source is released while the engine may still
-        read it; once the thread stopped (closed, or stopped by an error before), the pool
-        holds no item's source, its room cleared or not. A driver still stuck past that
-        (inside an engine call) is left to finish alone: its rooms fail here, and it closes
-        its own sockets and registrations if it ever returns. In a process forked from the one that
-        made the pool, it closes nothing: the route, thread and sockets are the parent's.
+        for next, until CLOSE_AFTER_WRITES_S before `close_timeout_s` runs out; those still in
+        flight then (a receiver that stopped reading) are abandoned: their rooms fail saying so,
+        the log names them, and the sources they read stay registered (the engine keeps what it
+        reads alive until it settles them or closes). Once the thread stopped (closed, or stopped
+        by an error before), the pool holds no item's source, its room cleared or not. A thread
+        still stuck at `close_timeout_s` (inside an engine call) is left to finish alone: its rooms
+        fail here, and it closes its own sockets and registrations if it ever returns. In a process
+        forked from the one that made the pool, it closes nothing: the route, thread and sockets are
+        the parent's.
         """
         self._dropped.detach()
         if not self._driver.forked:
-            _close(self._book, self._driver, self._route, self._release_metrics)
+            _close(self._book, self._driver, self._route, self._release_metrics, self.close_timeout_s)
 
     def __enter__(self) -> SenderPool:
         return self
@@ -489,22 +493,24 @@ class _Route:
                     "%s:%d again", self.engine_rank, self.bootstrap_addr, self.host, self.port)
         return True
 
-    def stop_keeping(self) -> None:
-        """Stops the keeper, waiting for a registration again under way (bounded), so none follows the
-        withdrawal. A look-up under way is not waited for: its thread ends once it is answered or times
-        out (ROUTE_CHECK_TIMEOUT_S), registering nothing."""
+    def stop_keeping(self, deadline: float = math.inf) -> None:
+        """Stops the keeper, waiting for a registration again under way (bounded, and by `deadline`), so none
+        follows the withdrawal. A look-up under way is not waited for: its thread ends once it is answered or
+        times out (ROUTE_CHECK_TIMEOUT_S), registering nothing."""
         self.closing.set()
         if self.keeper is not None and self.keeper is not threading.current_thread():
-            if self.registering.acquire(timeout=ROUTE_CHECK_TIMEOUT_S + 1.0):
+            if self.registering.acquire(timeout=_left(deadline, ROUTE_CHECK_TIMEOUT_S + 1.0)):
                 self.registering.release()
         self.refusals.flush()  # how many failed registrations again went unlogged
 
-    def unregister(self) -> None:
-        """DELETE /route for this rank, once, within UNREGISTER_TIMEOUT_S; logs what came of it, never raises."""
+    def unregister(self, deadline: float = math.inf) -> None:
+        """DELETE /route for this rank, once, within UNREGISTER_TIMEOUT_S (and by `deadline`, though never in
+        less than a millisecond); logs what came of it, never raises."""
+        timeout = max(1e-3, _left(deadline, UNREGISTER_TIMEOUT_S))
         try:
-            client = BootstrapClient(self.bootstrap_addr, timeout=UNREGISTER_TIMEOUT_S, token=self.token)
+            client = BootstrapClient(self.bootstrap_addr, timeout=timeout, token=self.token)
             removed = client.unregister_rank(self.world_size, self.dp_size, self.host, self.port, self.engine_rank,
-                                             timeout=UNREGISTER_TIMEOUT_S, instance=self.instance)
+                                             timeout=timeout, instance=self.instance)
         except Exception as exc:  # noqa: BLE001 - best effort: closing goes on whatever the server did
             log.info("sender pool of encode rank %d: its route to %s:%d may stay listed at bootstrap %s (prefill "
                      "ranks sent there wait out their deadlines): %s", self.engine_rank, self.host, self.port,
@@ -515,36 +521,47 @@ class _Route:
                   self.port)
 
 
+def _left(deadline: float, most: float) -> float:
+    """Seconds from now to `deadline`, at most `most`, at least 0."""
+    return max(0.0, min(most, deadline - time.monotonic()))
+
+
 def _close(book: RoomBook, driver: EncodeDriver, route: _Route,
-           release_metrics: Callable[[], None] | None = None) -> None:
+           release_metrics: Callable[[], None] | None = None,
+           close_timeout_s: float = config.setting("EPD_CLOSE_TIMEOUT_S").default) -> None:
     """Closes a sender pool's driver, its route withdrawn first (see SenderPool.close), and lets go of its
-    metrics (another pool may record into them)."""
+    metrics (another pool may record into them); returns within `close_timeout_s`."""
     engine_rank = route.engine_rank
+    deadline = time.monotonic() + close_timeout_s
     with book.lock:  # send() publishes items under it: none slips in after this
         first = not book.closed
         book.closed = book.stopping = True
     if release_metrics is not None:
         release_metrics()
     if first:
-        route.stop_keeping()
+        route.stop_keeping(deadline)
         if route.listed:
-            route.unregister()
-        driver.stop()
+            route.unregister(deadline)
+        driver.stop(deadline)  # on the driver's clock, which a pool's driver shares (time.monotonic)
     thread = driver.thread
-    # A later close() waits as long as the first: its caller may close the engine next.
+    # A later close() waits as long as the first may: its caller may close the engine next.
     if thread.ident is not None and thread is not threading.current_thread():
-        thread.join(timeout=_drive.CLOSE_WAIT_S + CLOSE_GRACE_S)
+        thread.join(timeout=_left(deadline, close_timeout_s))
     if thread.ident is not None and not thread.is_alive():
         driver.release_sources()  # those of a thread that stopped before it let go of them (idempotent)
     if first and thread.is_alive():
-        log.error("sender pool of encode rank %d: writes still in flight after %gs (its thread is inside an "
-                  "engine call); failing their rooms, leaving its sockets and temporary source registrations "
-                  "to it", engine_rank, _drive.CLOSE_WAIT_S)
-        book.fail_open(Failure(FailureKind.CLOSED, "sender pool closed"), time.monotonic())
+        log.error("sender pool of encode rank %d: its thread was still inside an engine call at close_timeout_s "
+                  "%gs (EPD_CLOSE_TIMEOUT_S); failing its rooms, leaving its sockets and temporary source "
+                  "registrations to it", engine_rank, close_timeout_s)
+        book.fail_open(Failure(FailureKind.CLOSED, f"sender pool closed with its thread stuck inside an engine "
+                                                   f"call for close_timeout_s {close_timeout_s:g}s "
+                                                   f"(EPD_CLOSE_TIMEOUT_S): a prefill rank stopped or "
+                                                   f"unreachable?"), time.monotonic())
 
 
 def _close_dropped(book: RoomBook, driver: EncodeDriver, route: _Route,
-                   release_metrics: Callable[[], None] | None = None) -> None:
+                   release_metrics: Callable[[], None] | None = None,
+                   close_timeout_s: float = config.setting("EPD_CLOSE_TIMEOUT_S").default) -> None:
     """A SenderPool was dropped without close(): says so, and closes it on a thread of its own
     (the collection may run on any thread, the pool's own too, which closing joins). A forked child's
     copy is the parent's pool: nothing of it is this process's to close."""
@@ -553,7 +570,7 @@ def _close_dropped(book: RoomBook, driver: EncodeDriver, route: _Route,
     engine_rank = route.engine_rank
     warnings.warn(f"sender pool of encode rank {engine_rank} (port {route.port}) was dropped without close(): "
                   f"closing it", ResourceWarning)
-    threading.Thread(target=_close, args=(book, driver, route, release_metrics),
+    threading.Thread(target=_close, args=(book, driver, route, release_metrics, close_timeout_s),
                      name=f"epd-encode-{engine_rank}-close", daemon=True).start()
 
 

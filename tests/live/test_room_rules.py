@@ -236,49 +236,56 @@ def _stuck_write(pool, peer, asks, status_port: int, session: str, landing: int,
     return handle
 
 
-def test_close_with_a_write_stuck_on_a_stopped_peer_is_bounded_and_frees_nothing(monkeypatch, caplog):
-    """A peer that stops reading (SIGSTOP) leaves a write in flight: close() still returns within
-    its bound, fails the room, and keeps the source registered since Mooncake may still read it."""
+def test_close_with_a_write_stuck_on_a_stopped_peer_returns_within_close_timeout_s_and_frees_nothing(caplog):
+    """A peer that stops reading (SIGSTOP, after its handshake) leaves a write in flight inside Mooncake:
+    close() gives up on it once close_timeout_s runs out, well before Mooncake's transfer timeout (30 s): it
+    returns with its thread stopped while the write is still in flight, fails the room saying so, names the
+    write in the log, and keeps the source registered since Mooncake may still read it."""
     import logging
     import os
     import signal
+    import threading
     import time
 
     import torch
+    from live_helpers import stopped_peer
 
     from transfer import _io
-    from transfer.drive import encode as drive
+    from transfer.errors import EngineError
     from transfer.status import TransferPoll
 
-    monkeypatch.setattr(drive, "CLOSE_WAIT_S", 1.0)
-    peer, session, landing = peer_with_64_mib()
-    try:
-        item = torch.ones(64 << 20, dtype=torch.uint8).view(torch.bfloat16).view(8192, 4096)
-        with Engine("127.0.0.1", "tcp") as encode_engine, BootstrapServer("127.0.0.1", 0) as server:
-            pool = SenderPool(encode_engine, 0, 1, 1, server.address)
-            statuses, status_port = _io.pull_socket("127.0.0.1", 0)
-            asks = _io.push_socket(pool.host, pool.port)
-            try:
-                handle = _stuck_write(pool, peer, asks, status_port, session, landing, item)
-                with caplog.at_level(logging.ERROR, logger="transfer.sender"):
-                    started = time.monotonic()
-                    pool.close()
-                    assert time.monotonic() - started < 5
-                assert handle.poll() == TransferPoll.Failed and handle.failure == "sender pool closed"
-                assert handle.failure_kind is FailureKind.CLOSED
-                assert any("writes still in flight" in m for m in caplog.messages)
-                assert item.data_ptr() in encode_engine.registered()  # kept: Mooncake may still read it
-            finally:
-                asks.close(0)
-                statuses.close(0)
-                os.kill(peer.pid, signal.SIGCONT)
-                peer.kill()
-                peer.wait(10)
-                pool._thread.join(60)  # the write fails once the peer is gone
-                assert not pool._thread.is_alive()
-    finally:
-        if peer.poll() is None:
+    item = torch.ones(64 << 20, dtype=torch.uint8).view(torch.bfloat16).view(8192, 4096)
+    with Engine("127.0.0.1", "tcp") as encode_engine, BootstrapServer("127.0.0.1", 0) as server:
+        peer, session, landing = stopped_peer(encode_engine)
+        pool = SenderPool(encode_engine, 0, 1, 1, server.address, close_timeout_s=3.0)
+        statuses, status_port = _io.pull_socket("127.0.0.1", 0)
+        asks = _io.push_socket(pool.host, pool.port)
+        try:
+            _ask_for_64_mib(asks, status_port, session, landing)
+            handle = pool.send(1, item)  # not in registered memory: the pool registers it for the write
+            assert wait_until(lambda: handle.poll() == TransferPoll.Transferring, 10.0)
+            time.sleep(0.2)  # the 64 MiB cannot fit in the stopped peer's socket buffers
+            with caplog.at_level(logging.ERROR, logger="transfer.sender"):
+                closing = threading.Thread(target=pool.close, daemon=True)
+                closing.start()
+                closing.join(25.0)  # generous; the transfer timeout (30 s) is what it must not wait for
+                assert not closing.is_alive(), "close() waited for the stuck write"
+            assert not pool._thread.is_alive()  # it gave up on the write rather than stopping inside a call
+            with pytest.raises(EngineError, match="still being read by a write to"):
+                encode_engine.unregister(item.data_ptr())  # the write is still in flight: kept registered
+            assert handle.poll() == TransferPoll.Failed and handle.failure_kind is FailureKind.CLOSED
+            assert "write still in flight" in handle.failure and "abandoned" in handle.failure
+            assert "EPD_CLOSE_TIMEOUT_S" in handle.failure
+            [line] = [m for m in caplog.messages if "abandoned" in m]
+            assert f"abandoned 1 writes ({64 << 20} bytes)" in line and session in line and "rooms 1;" in line
+        finally:
+            asks.close(0)
+            statuses.close(0)
+            os.kill(peer.pid, signal.SIGCONT)
             peer.kill()
+            peer.wait(10)
+            pool._thread.join(60)
+            assert not pool._thread.is_alive()
 
 
 def test_a_write_the_engine_gave_up_on_keeps_its_source_registered_until_mooncake_lets_go():

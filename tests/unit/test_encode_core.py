@@ -571,6 +571,23 @@ def test_close_fails_open_rooms_and_parked_asks_but_keeps_sources_with_writes_in
     assert run.of(Release, out) == [Release(2, parked.token)]
 
 
+def test_close_fails_a_room_whose_write_it_abandons_with_its_own_reason_and_tells_its_receiver():
+    """A close that gives up on writes in flight says so for their rooms, to the caller and to the
+    receivers; a room only parked fails with the plain detail."""
+    run = Run()
+    flying, parked = _offer(1), _offer(2)
+    run.offer(flying)
+    run.of(StartWrite, run.ask(_ask(1, session="a")))
+    run.offer(parked)
+    assert run.core.writing() == [(1, "a")]
+    out = run(run.core.close(1.0, stuck="write abandoned"))
+    details = {c.room: c.failure.detail for c in run.of(Conclude)}
+    assert details == {1: "write abandoned", 2: "sender pool closed"}
+    assert [(a.room, a.failure.detail) for a in run.of(PushStatus, out)] == [(1, "write abandoned")]
+    assert run.of(Release, out) == [Release(2, parked.token)]  # the abandoned write still reads room 1's source
+    assert run.core.writing() == []
+
+
 @pytest.mark.parametrize("give_up_writes", [True, False])
 def test_a_room_failed_by_close_is_released_after_its_write_only_when_the_driver_still_settles_it(give_up_writes):
     run = Run()

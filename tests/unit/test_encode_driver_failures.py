@@ -65,8 +65,12 @@ class FakeCore:
     def stop_writes(self) -> None:
         pass
 
-    def close(self, now: float, detail: str = "", *, give_up_writes: bool = True) -> list:
+    def close(self, now: float, detail: str = "", *, give_up_writes: bool = True, stuck: str | None = None) -> list:
+        self.stuck = stuck
         return []
+
+    def writing(self) -> list[tuple[int, str]]:
+        return [(7, "s2")]
 
     def next_wakeup(self) -> float:
         return math.inf
@@ -98,9 +102,11 @@ def make_driver(monkeypatch):
     monkeypatch.setattr(_io, "Pushers", Closable)
     monkeypatch.setattr(_io, "pull_socket", lambda host, port, what="": (Closable(), 7000))
 
-    def make(core, engine: FakeEngine, sources: SourceRegistry | None = None) -> EncodeDriver:
+    def make(core, engine: FakeEngine, sources: SourceRegistry | None = None, clock=lambda: 0.0,
+             sleep=None) -> EncodeDriver:
         return EncodeDriver(core, engine, 0, "127.0.0.1", 0, RoomBook(Metrics("epd_test")),
-                            sources or SourceRegistry(engine), Metrics("epd_test"), clock=lambda: 0.0)
+                            sources or SourceRegistry(engine), Metrics("epd_test"), clock=clock,
+                            **({} if sleep is None else {"sleep": sleep}))
     return make
 
 
@@ -142,6 +148,44 @@ def test_closing_waits_for_every_write_in_flight_though_settling_one_fails(make_
     assert engine.regions == {} and sources.holding == 0
     assert driver.pull.closed and driver.waker.closed and driver.statuses.closed
     assert sum("settling a write failed while closing" in m for m in caplog.messages) == 1
+
+
+class Clock:
+    """A fake clock that only a sleep moves on."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_closing_gives_up_on_a_stuck_write_at_close_by_and_keeps_what_it_reads(make_driver, caplog):
+    """A write that never settles is waited for until CLOSE_AFTER_WRITES_S before the close's deadline (long
+    before CLOSE_WAIT_S), then abandoned: the log names it, its room's failure says so, and its source stays
+    registered while the done write's is dropped."""
+    engine = FakeEngine()
+    sources = SourceRegistry(engine)
+    sources.hold(_io.Region(0x9000, 256))  # what the write that completes read
+    sources.hold(_io.Region(0x1000, 256))  # what the stuck write reads
+    core = FakeCore()
+    clock = Clock()
+    driver = make_driver(core, engine, sources, clock=clock, sleep=clock.sleep)
+    driver._flights = [_flight(1, 11, "s1", (0x9000, 256)), _flight(2, 12, "s2", (0x1000, 256))]
+    engine.polls_left[12] = 10**9  # never settles
+    driver.stop(close_by=5.0)
+    with caplog.at_level(logging.ERROR, logger="transfer.sender"):
+        driver._close()
+    assert 5.0 - drive.CLOSE_AFTER_WRITES_S <= clock.now < drive.CLOSE_WAIT_S
+    assert core.done == [1] and [f.wid for f in driver._flights] == [2]
+    assert "write still in flight" in core.stuck and "EPD_CLOSE_TIMEOUT_S" in core.stuck
+    assert engine.regions == {0x1000: 256} and sources.holding == 1
+    [line] = [m for m in caplog.messages if "abandoned" in m]
+    assert "abandoned 1 writes (256 bytes)" in line and "to s2, of rooms 7" in line
+    assert driver.pull.closed and driver.waker.closed and driver.statuses.closed
 
 
 def _sent(driver: EncodeDriver, room: int, sources: SourceRegistry, base: int) -> RoomState:

@@ -8,6 +8,7 @@ from fakes import FakeTime, MooncakeStandIn
 
 from transfer import engine as engine_module
 from transfer.engine import OVERDUE_CHECK_AT, Engine, EngineError
+from transfer.errors import ConfigError, ConfigTypeError
 
 SRC = 0x10000
 
@@ -115,3 +116,25 @@ def test_close_frees_the_overdue_writes_mooncake_settled(rig):
     fake.settle_all()
     engine.close()
     assert fake.live == set()
+
+
+@pytest.mark.parametrize("timeout_s", [None, 2.0])
+def test_close_waits_for_a_write_in_flight_until_its_transfer_timeout_or_its_own_timeout_s(rig, caplog, timeout_s):
+    """close() waits for a write still in flight until its deadline; close(timeout_s=) at most that long (a
+    rank's stop within its supervisor's grace), then stops the transport with the write still in Mooncake."""
+    engine, fake, clock = rig
+    engine.write_async("peer:1", [SRC], [0x100], [64])
+    started = clock.now
+    engine.close(timeout_s=timeout_s)
+    waited = clock.now - started
+    assert (2.0 <= waited < 2.1) if timeout_s is not None else (5.0 <= waited < 5.1), waited
+    assert engine._te is None and fake.live  # the transport went with the write still in it
+    assert any("still in flight at close" in m for m in caplog.messages)
+
+
+@pytest.mark.parametrize("timeout_s", [-1.0, "soon"])
+def test_close_refuses_a_timeout_s_that_is_no_time(rig, timeout_s):
+    engine, _, _ = rig
+    with pytest.raises((ConfigError, ConfigTypeError), match="timeout_s"):
+        engine.close(timeout_s=timeout_s)
+    assert not engine.closed

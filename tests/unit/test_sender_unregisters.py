@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 
@@ -27,8 +28,9 @@ class _Driver:
         self.calls = calls
         self.thread = threading.Thread(target=lambda: None)
 
-    def stop(self) -> None:
+    def stop(self, close_by: float | None = None) -> None:
         self.calls.append("stop")
+        self.close_by = close_by
 
 
 @pytest.fixture
@@ -45,7 +47,7 @@ def deletes(monkeypatch) -> list:
 
 def test_close_withdraws_the_route_it_registered_before_the_driver_stops_and_only_once(deletes, monkeypatch):
     calls: list = []
-    monkeypatch.setattr(sender._Route, "unregister", lambda route: calls.append(("unregister", route)))
+    monkeypatch.setattr(sender._Route, "unregister", lambda route, deadline: calls.append(("unregister", route)))
     book, driver = RoomBook(Metrics("epd_test")), _Driver(calls)
     sender._close(book, driver, ROUTE)
     assert calls == [("unregister", ROUTE), "stop"]
@@ -55,7 +57,7 @@ def test_close_withdraws_the_route_it_registered_before_the_driver_stops_and_onl
 
 def test_close_withdraws_no_route_the_server_never_listed(deletes, monkeypatch):
     calls: list = []
-    monkeypatch.setattr(sender._Route, "unregister", lambda route: calls.append(("unregister", route)))
+    monkeypatch.setattr(sender._Route, "unregister", lambda route, deadline: calls.append(("unregister", route)))
     unlisted = sender._Route("10.0.0.1:8998", "t0k", 4, 2, "10.0.0.7", 7000, 3)  # its registration was refused
     sender._close(RoomBook(Metrics("epd_test")), _Driver(calls), unlisted)
     assert calls == ["stop"]
@@ -66,6 +68,18 @@ def test_the_delete_names_this_ranks_endpoint_and_instance_with_its_token_within
     assert deletes == [("10.0.0.1:8998", "t0k", sender.UNREGISTER_TIMEOUT_S, (4, 2, "10.0.0.7", 7000, 3),
                         sender.UNREGISTER_TIMEOUT_S, "ab" * 16)]
     assert sender.UNREGISTER_TIMEOUT_S <= 1.0
+
+
+def test_close_cuts_the_delete_to_close_timeout_s_and_hands_the_driver_the_same_deadline(deletes):
+    """The DELETE takes at most what is left of close_timeout_s, and the driver is told to be done by the
+    close's deadline: no step of close() waits past it."""
+    calls: list = []
+    driver = _Driver(calls)
+    before = time.monotonic()
+    sender._close(RoomBook(Metrics("epd_test")), driver, ROUTE, close_timeout_s=0.25)
+    [(_, _, client_timeout, _, call_timeout, _)] = deletes
+    assert 0 < call_timeout <= 0.25 and client_timeout == call_timeout
+    assert before + 0.25 <= driver.close_by <= time.monotonic() + 0.25
 
 
 @pytest.mark.parametrize("error", [

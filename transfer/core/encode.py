@@ -737,19 +737,27 @@ class EncodeCore:
             self._next_sweep = now + SWEEP_S
         return self._flush(now)
 
+    def writing(self) -> list[tuple[int, str]]:
+        """(room, receiver's session) of each write in flight, oldest first."""
+        return [(job.room.room, job.info.session_id) for job in self._writes.values()]
+
     def stop_writes(self) -> None:
         """No write starts from now on (closing: those in flight settle first)."""
         self._writes_stopped = True
 
-    def close(self, now: float, detail: str = "sender pool closed", *, give_up_writes: bool = True) -> list:
+    def close(self, now: float, detail: str = "sender pool closed", *, give_up_writes: bool = True,
+              stuck: str | None = None) -> list:
         """Fails every open room and parked ask, and lets go of every item; writes still in flight keep
         their rooms' source registrations.
 
         Writes waiting for a slot never start. A room whose write is still in flight
-        (the engine may read its rows) concludes Failed without a Release, unless
-        `give_up_writes` is False: the driver still settles them, and each room is then
-        released once its last write is over.
+        (the engine may read its rows) concludes Failed without a Release, with `stuck` as its
+        failure's detail when given; unless `give_up_writes` is False: the driver still settles
+        them, and each room is then released once its last write is over.
         """
+        if stuck is not None:
+            for job in self._writes.values():
+                self._fail(job.room, FailureKind.CLOSED, stuck, now)
         self._closed = True
         self._close_detail = detail
         self._clears_due.clear()

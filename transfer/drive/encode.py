@@ -76,12 +76,23 @@ MAX_REQUESTS_PER_ROUND = 256
 #: How long the statuses pushed while closing may take to leave once the pool is closed.
 CLOSE_LINGER_MS = 1000
 
-#: How long closing waits for writes already submitted: past Mooncake's own transfer
-#: timeout (30 s by default), by which the engine has given up on a peer that stopped reading.
+#: How long a thread that stopped after an error waits for writes already submitted, when no close()
+#: bounds it (close_by): past Mooncake's own transfer timeout (30 s by default), by which the engine
+#: has given up on a peer that stopped reading.
 CLOSE_WAIT_S = 60.0
+
+#: What closing keeps of its close_by for itself once it stops waiting for writes: failing the rooms,
+#: pushing their Failed statuses (CLOSE_LINGER_MS) and closing the sockets.
+CLOSE_AFTER_WRITES_S = CLOSE_LINGER_MS / 1000 + 0.5
 
 #: How often registrations the engine would not drop yet are tried again.
 RETRY_RELEASES_S = 0.5
+
+
+def _some(items: list, most: int) -> str:
+    """The first `most` items, comma-separated, and how many more there are."""
+    text = ", ".join(map(str, items[:most])) or "none"
+    return text + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
 class RoomState:
@@ -398,7 +409,8 @@ class EncodeDriver:
 
     def __init__(self, core: EncodeCore, engine: TransferEngineLike, engine_rank: int, host: str, port: PortSpec,
                  book: RoomBook, sources: SourceRegistry, metrics: Metrics, *, integrity: bool = True,
-                 poll_min_s: float = POLL_MIN_S, poll_max_s: float = POLL_MAX_S, clock=time.monotonic) -> None:
+                 poll_min_s: float = POLL_MIN_S, poll_max_s: float = POLL_MAX_S, clock=time.monotonic,
+                 sleep=time.sleep) -> None:
         self.core = core
         self.engine = engine
         self.engine_rank = engine_rank
@@ -409,6 +421,7 @@ class EncodeDriver:
         self.integrity = integrity
         self.polls = PollSchedule(poll_min_s, poll_max_s)
         self.clock = clock
+        self._pause = sleep  # between the polls of the writes closing waits for
         self.commands: deque[tuple] = deque()  # posted by the caller's thread, taken by the driver's
         self._taking = True  # whether the thread will still take commands (under the room book's lock)
         self.waker = _io.Waker()
@@ -425,6 +438,7 @@ class EncodeDriver:
         self._select_fds: list[int] | None = None  # what a sub-millisecond wait watches, when select() can
         self._fds = (-1, -1)  # the waker's and the request socket's descriptors, once the thread runs
         self._stop = False
+        self.close_by: float | None = None  # when close() stops waiting for the thread (driver clock)
         self.thread = threading.Thread(target=self._run, name=f"epd-encode-{engine_rank}", daemon=True)
 
     # ------------------------------------------------------ the caller's side
@@ -474,8 +488,11 @@ class EncodeDriver:
         if wake:
             self.waker.wake()
 
-    def stop(self) -> None:
-        """Asks the thread to settle its writes, fail what is left and close its sockets."""
+    def stop(self, close_by: float | None = None) -> None:
+        """Asks the thread to settle its writes, fail what is left and close its sockets, by `close_by`
+        (driver clock) when given: writes still in flight CLOSE_AFTER_WRITES_S before it are abandoned."""
+        if close_by is not None:
+            self.close_by = close_by
         self._stop = True
         self.waker.wake()
 
@@ -719,15 +736,20 @@ class EncodeDriver:
             self._carry(self.core.write_done(flight.wid, flight.checksums, now))
         return True
 
+    def _writes_deadline(self, deadline: float) -> float:
+        """`deadline`, or earlier where a close() bounds the thread (close_by, which it may set meanwhile)."""
+        close_by = self.close_by
+        return deadline if close_by is None else min(deadline, close_by - CLOSE_AFTER_WRITES_S)
+
     def _wait_for_writes(self, deadline: float) -> None:
-        """Settles the writes in flight until none is left or `deadline` passes (closing).
+        """Settles the writes in flight until none is left or `deadline` passes (closing; see _writes_deadline).
 
         A failure while settling one (the core or the room book raising) is logged once
         and the wait goes on: each such failure comes after its write left the book, so
         the others are still waited for, and their sources kept until they are over.
         """
         logged = False
-        while self._flights and self.clock() < deadline:
+        while self._flights and self.clock() < self._writes_deadline(deadline):
             before = len(self._flights)
             try:
                 if self._settle():
@@ -739,7 +761,7 @@ class EncodeDriver:
                     logged = True
                 if len(self._flights) < before:
                     continue
-            time.sleep(self.polls.max_s)
+            self._pause(self.polls.max_s)
 
     # --------------------------------------------------------------- closing
 
@@ -756,6 +778,23 @@ class EncodeDriver:
         except Exception:
             log.exception("the encode core could not fail its rooms; failing them in the room book")
         self.book.fail_open(Failure(FailureKind.CLOSED, detail), now)
+
+    def _abandon(self, waited: float) -> str:
+        """Logs the writes still in flight that closing gives up on after `waited` seconds; the failure
+        detail of their rooms."""
+        writing = self.core.writing()
+        rooms = sorted({room for room, _ in writing})
+        sessions = sorted({flight.session for flight in self._flights})
+        log.error("sender pool of encode rank %d: closing abandoned %d writes (%d bytes) still in flight after "
+                  "%.1fs to %s, of rooms %s; their rooms fail, and the sources they read stay registered until "
+                  "the engine lets go of them (its transfer timeout, or its close)", self.engine_rank,
+                  len(self._flights), sum(flight.nbytes for flight in self._flights), waited, _some(sessions, 8),
+                  _some(rooms, 20))
+        remedy = ("check that prefill rank, or raise close_timeout_s (EPD_CLOSE_TIMEOUT_S) to wait longer"
+                  if self.close_by is not None else "check that prefill rank")
+        return (f"sender pool closed with this room's write still in flight after {waited:.1f}s (its receiver "
+                f"stopped reading: a prefill rank stopped, wedged or unreachable?); the write was abandoned, and "
+                f"its bytes may still land; {remedy}")
 
     def release_sources(self) -> None:
         """Lets go of the pool's source registrations that no room releases any more, but those
@@ -776,14 +815,15 @@ class EncodeDriver:
                      "stopped thread never released", self.engine_rank, let_go)
 
     def _close(self) -> None:
-        """Settles what was submitted (at most CLOSE_WAIT_S), fails the rest, lets go of every room's
+        """Settles what was submitted (until close_by less CLOSE_AFTER_WRITES_S, at most CLOSE_WAIT_S), fails
+        the rest (naming the writes abandoned), lets go of every room's
         sources but those writes still in flight read, closes the sockets (whatever failed before)."""
         try:
             self._close_rooms()
         finally:
             for what, close in (("request socket", lambda: self.pull.close(0)),
                                 # the Failed statuses just pushed still go out
-                                ("status sockets", lambda: self.statuses.close(linger_ms=CLOSE_LINGER_MS)),
+                                ("status sockets", lambda: self.statuses.close(linger_ms=self._linger_ms())),
                                 ("waker", self.waker.close)):
                 try:
                     close()
@@ -792,8 +832,16 @@ class EncodeDriver:
             for throttled in (self._complaints, self._warnings, self.book.failures):
                 throttled.flush()  # the counts of warnings left out that no later one will tell
 
+    def _linger_ms(self) -> int:
+        """How long the statuses pushed while closing may take to leave: CLOSE_LINGER_MS, cut to what is
+        left before close_by."""
+        if self.close_by is None:
+            return CLOSE_LINGER_MS
+        return max(0, min(CLOSE_LINGER_MS, int((self.close_by - self.clock()) * 1000)))
+
     def _close_rooms(self) -> None:
-        deadline = self.clock() + CLOSE_WAIT_S
+        started = self.clock()
+        deadline = started + CLOSE_WAIT_S
         try:
             self.core.stop_writes()
             self._take_commands()
@@ -802,11 +850,8 @@ class EncodeDriver:
         self._wait_for_writes(deadline)
         try:
             self._take_commands()
-            if self._flights:
-                log.error("sender pool of encode rank %d: %d writes still in flight after %gs; failing their "
-                          "rooms, keeping their temporary source registrations", self.engine_rank,
-                          len(self._flights), CLOSE_WAIT_S)
-            self._carry(self.core.close(self.clock()))
+            stuck = self._abandon(self.clock() - started) if self._flights else None
+            self._carry(self.core.close(self.clock(), stuck=stuck))
         except Exception:
             log.exception("closing the sender pool's driver failed")
         with self.book.lock:  # send() and clear() post under it: nothing is queued after this
