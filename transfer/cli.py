@@ -454,8 +454,33 @@ class _Stopped(KeyboardInterrupt):
 
 
 def _raise_stopped(signum: int, _frame: object) -> None:
-    """A stop signal's handler (rank): unwinds through the context managers, naming the signal."""
+    """A stop signal's handler (rank): unwinds through the context managers, naming the signal. The rank
+    is stopping from then on (_stopping)."""
+    _stopping()
     raise _Stopped(signum)
+
+
+#: The signals that stop a rank, and so are only noted once it is stopping (`_stopping`).
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGALRM)
+
+
+def _stopping() -> None:
+    """The rank unwinds from now on: its --timeout alarm is off, and a stop signal that comes meanwhile (a
+    supervisor's second SIGTERM, a second Ctrl-C) is noted instead of raised, so it cannot cut the closing
+    short halfway (a route left listed, rooms never failed); the closing is bounded by itself
+    (EPD_CLOSE_TIMEOUT_S on the encode side). SIGKILL still ends the rank at once. A signal ignored when
+    the rank started stays ignored."""
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    for stop in _STOP_SIGNALS:
+        if signal.getsignal(stop) in (_raise_stopped, _raise_rank_timeout):
+            signal.signal(stop, _noted_while_stopping)
+
+
+def _noted_while_stopping(signum: int, _frame: object) -> None:
+    """A stop signal's handler once the rank is stopping: says it is already stopping (written in one call:
+    the handler may run in the middle of a print to stderr)."""
+    os.write(2, f"{signal.Signals(signum).name} ignored: the rank is already stopping (SIGKILL ends it at "
+                f"once)\n".encode())
 
 
 def _stop_code(stopped: KeyboardInterrupt) -> int:
@@ -474,7 +499,8 @@ class _RankTimeout(BaseException):
 
 
 def _raise_rank_timeout(*_: object) -> None:
-    """The SIGALRM handler of `rank --timeout`."""
+    """The SIGALRM handler of `rank --timeout`; the rank is stopping from then on (_stopping)."""
+    _stopping()
     raise _RankTimeout
 
 

@@ -153,3 +153,58 @@ def test_a_prefill_rank_given_a_host_not_of_this_node_is_refused_before_it_waits
         "epd-transfer rank: --host 192.0.2.1: hostname '192.0.2.1' (192.0.2.1) is not an address of this host "
         "([Errno 99] Cannot assign requested address): the engine listens there, so give one of this node's own IP "
         "addresses"), result.stderr
+
+
+@pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
+def test_an_encode_rank_stopped_with_a_write_stuck_stops_within_its_close_timeout_whatever_a_second_sigterm():
+    # A prefill rank stopped (SIGSTOP) mid-write keeps the encode rank's close waiting until
+    # EPD_CLOSE_TIMEOUT_S gives up on the write, and its engine's close with it, not Mooncake's transfer
+    # timeout (30 s). A supervisor's second SIGTERM meanwhile is noted: the close still abandons the write
+    # (its line in the log), the route is withdrawn, and the first signal's status is the exit's.
+    import time
+
+    from live_helpers import peer_with_64_mib, reaped, wait_until
+
+    from transfer import _io
+    from transfer.bootstrap import BootstrapClient, BootstrapServer
+    from transfer.frames import TransferInfo, registration_frames
+
+    def ask(room: int) -> None:
+        asks.send_multipart(TransferInfo(room, "127.0.0.1", status_port, session, landing, 0, 8192, 4096,
+                                         "torch.bfloat16", False, 1, 0, 8192).to_frames())
+
+    peer, session, landing = peer_with_64_mib()
+    env = dict(os.environ, EPD_CLOSE_TIMEOUT_S="4")
+    with reaped(peer), BootstrapServer("127.0.0.1", 0) as server:
+        with reaped(subprocess.Popen(
+                [sys.executable, "-m", "transfer.cli", "rank", "--role", "encode", "--rank", "0", "--bootstrap",
+                 server.address, "--protocol", "tcp", "--items", "2", "--span", "8192", "--hidden", "4096",
+                 "--bootstrap-timeout", "300", "--timeout", "300"],
+                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)) as proc:
+            assert wait_until(lambda: server.registered_ranks == 1 or proc.poll() is not None, 120)
+            host, port = BootstrapClient(server.address).route(0, 0)
+            statuses, status_port = _io.pull_socket("127.0.0.1", 0)
+            asks = _io.push_socket(host, port)
+            try:
+                asks.send_multipart(registration_frames("127.0.0.1", status_port, session, landing, 0, 64 << 20, 0))
+                ask(0)  # written in full: the engines' handshake is done before the peer stops
+                assert statuses.poll(60_000), "room 0 got no status"
+                assert statuses.recv_multipart()[0] == b"0"
+                os.kill(peer.pid, signal.SIGSTOP)
+                ask(1)
+                time.sleep(2.0)  # room 1's 64 MiB write starts, and stays in flight: the peer reads nothing
+                proc.send_signal(signal.SIGTERM)
+                time.sleep(1.0)  # inside the close, which waits for the write until 2.5 s in
+                proc.send_signal(signal.SIGTERM)
+                out, err = proc.communicate(timeout=25)  # generous; Mooncake's 30 s is what it must not wait for
+            finally:
+                asks.close(0)
+                statuses.close(0)
+                os.kill(peer.pid, signal.SIGCONT)
+        assert server.registered_ranks == 0, err
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "SIGTERM ignored: the rank is already stopping" in err, err
+    assert "closing abandoned 1 writes" in err, err
+    assert "(still in flight at close)" in err, err  # the engine's close gave up on it too
+    assert err.strip().splitlines()[-1] == "encode rank 0: stopped by SIGTERM (exit 143)", err
+    assert not out.strip()
