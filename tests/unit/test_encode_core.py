@@ -126,6 +126,15 @@ def test_an_item_before_its_asks_waits_for_the_whole_fanout_and_writes_each_shar
     assert sorted(p for _, p, s in run.statuses() if s == TransferPoll.Success) == [6000, 6001, 6002]
 
 
+def test_a_success_carries_the_embedding_then_the_deepstack_checksum():
+    run = Run()
+    run.offer(_offer(3, deepstack=True))
+    info = dataclasses.replace(_ask(3), deepstack_ptr=0x80000, has_deepstack=True)
+    [write] = run.of(StartWrite, run.ask(info))
+    out = run.complete(write, (0xE, 0xD))
+    assert run.of(PushStatus, out) == [PushStatus("10.0.0.7", 6000, 3, TransferPoll.Success, (0xE, 0xD))]
+
+
 def test_geometry_that_disagrees_with_the_item_fails_the_room_and_tells_every_receiver():
     run = Run()
     run.offer(_offer(3))

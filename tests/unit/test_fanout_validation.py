@@ -62,6 +62,18 @@ def test_a_gap_inside_the_block_is_refused_with_its_rows():
     assert check(infos, 64) == "room 9: rows [15, 20) have no receiver (gap before 127.0.0.1:17001)"
 
 
+def test_a_gap_of_one_row_is_refused():
+    infos = [ask(0, 10, 5, 64, 2), ask(1, 16, 5, 64, 2)]
+    assert check(infos, 64) == "room 9: rows [15, 16) have no receiver (gap before 127.0.0.1:17001)"
+
+
+def test_shards_that_start_at_row_0_without_the_whole_span_are_no_identity_set():
+    # Identity is row_start == 0 and rows == span: two asks for rows [0, 3) of 8 overlap.
+    reason = check([ask(0, 0, 3, 8, 2), ask(1, 0, 3, 8, 2)], 8)
+    assert reason == "room 9: receivers 127.0.0.1:17000 and 127.0.0.1:17001 overlap on rows [0, 3)"
+    assert check([ask(0, 0, 8, 8, 2), ask(1, 0, 8, 8, 2)], 8) is None
+
+
 def test_an_overlap_inside_the_block_is_refused():
     reason = check([ask(0, 32, 10, 64, 2), ask(1, 40, 24, 64, 2)], 64)
     assert reason == ("room 9: receivers 127.0.0.1:17000 and 127.0.0.1:17001 overlap on rows [40, 42)")

@@ -11,7 +11,9 @@ import sys
 
 import pytest
 import zmq
+from prefill_rooms import core, routed, spec
 
+from transfer.core.prefill import Conclude
 from transfer.frames import (
     Registration,
     TransferInfo,
@@ -418,3 +420,14 @@ def test_unknown_status(value):
 def test_status_errors_come_in_spec_order(frames, expected):
     assert status_error(frames) == expected
     assert status_error(frames + [b"junk", b"more"]) == expected
+
+
+def test_a_peers_failed_concludes_with_the_specs_reason():
+    """SPEC 7: Failed from the paired encode rank concludes the room Failed with reason
+    `encode failed to send embedding`; ours adds the encode rank and its address, in parentheses."""
+    prefill = core()
+    routed(prefill)
+    prefill.receive(0.0, spec(1, slot=1))
+    room, status, rank, _ = parse_status([b"1", b"0", b"0"])  # a peer's bare Failed for room 1
+    [conclusion] = [a for a in prefill.status(0.1, room, status, rank) if isinstance(a, Conclude)]
+    assert conclusion.failure.detail == "encode failed to send embedding (encode rank 0 at 10.0.0.2:7000)"
