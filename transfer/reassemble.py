@@ -18,7 +18,8 @@ items, and:
    item into one flat byte buffer padded to the largest rank's size, and unpacks
    the other ranks' shards into place.
 
-A failed item's tensors are never touched, so no rank consumes half-received rows. The
+A failed item's tensors are never touched, so no rank consumes half-received rows; items whose
+tensors share memory (with another item's, or full with deepstack) fail on every rank. The
 exchange's buffers are allocated before the agreement: a rank that cannot allocate them
 fails every item of the batch on every rank (and logs why) instead of leaving its peers
 in an all-gather it never joins.
@@ -350,7 +351,9 @@ def reassemble(items: Iterable[ShardedItem], group: dist.ProcessGroup | None = N
     group, or one encode block with per-block shards) with the same items in the same
     order (a list, or any iterable of them). One all-reduce agrees on the outcome, one
     all-gather rebuilds the rows.
-    An item flagged False is left exactly as it was. Ranks that disagree on the
+    An item flagged False is left exactly as it was; so is an item whose tensors share memory
+    with another item's (or whose deepstack shares memory with its full tensor), which fails
+    on every rank, as does the other. Ranks that disagree on the
     number of items or on the room at a position raise UsageError (a RuntimeError) on
     every rank, before any row is written; a rank whose `block_size` or `rank_in_block`
     contradicts the group, whose items are not iterable, or that holds an item without an
@@ -368,7 +371,7 @@ def reassemble(items: Iterable[ShardedItem], group: dist.ProcessGroup | None = N
         items = []
     # An empty batch still takes part in the agreement: a peer with items is waiting in it.
     device = _batch_device(items, group)
-    oks, keys = [], []
+    oks, keys, usable = [], [], []
     for i, item in enumerate(items):
         try:
             room, ok = _room_key(item.room), _is_ok(item.ok)
@@ -385,6 +388,16 @@ def reassemble(items: Iterable[ShardedItem], group: dist.ProcessGroup | None = N
             log.warning("room %s on rank %d of the group: %s; failing it", item.room, rank, problem)
         oks.append(ok and problem is None)
         keys.append((room, *(_keys(item) if problem is None else (-1,) * 5)))
+        if problem is None:
+            usable.append(i)
+    try:
+        shared = _shared_memory(items, usable)
+    except Exception as exc:  # noqa: BLE001 - as above
+        refusal = refusal or f"the items' memory could not be compared ({type(exc).__name__}: {exc})"
+        shared = {}
+    for i, problem in shared.items():
+        log.warning("room %s on rank %d of the group: %s; failing it", items[i].room, rank, problem)
+        oks[i] = False
     # Allocated before the agreement, for every item that may be agreed: a rank that cannot
     # allocate once agreed would leave its peers in an all-gather it never joins.
     buffers = None
@@ -403,6 +416,32 @@ def reassemble(items: Iterable[ShardedItem], group: dist.ProcessGroup | None = N
     if buffers is not None and chosen:
         _exchange(chosen, rank, size, group, buffers)
     return agreed
+
+
+def _shared_memory(items: Sequence[ShardedItem], usable: Sequence[int]) -> dict[int, str]:
+    """Why each of the `usable` items (positions) fails: its tensors share memory with another's, or
+    with each other (deepstack and full). The exchange writes every row another rank holds into place,
+    so one item's rows would land on the other's; both fail, whatever their outcome.
+    """
+    spans = []  # (device, first byte, end, position, which tensor)
+    for i in usable:
+        for name, tensor in (("full tensor", items[i].full), ("deepstack", items[i].deepstack)):
+            if tensor is not None and tensor.numel():
+                start = tensor.data_ptr()
+                spans.append((str(tensor.device), start, start + tensor.numel() * tensor.element_size(), i, name))
+    spans.sort(key=operator.itemgetter(0, 1))
+    problems: dict[int, str] = {}
+    reach = None  # the span reaching furthest so far on the current device
+    for span in spans:
+        if reach is not None and reach[0] == span[0] and span[1] < reach[2]:
+            for (i, name), (j, other) in ((span[3:], reach[3:]), (reach[3:], span[3:])):
+                problems.setdefault(i, "its full tensor and its deepstack share memory: give each its own" if i == j
+                                    else f"its {name} shares memory with room {items[j].room}'s {other}, so the "
+                                         f"rows rebuilt for one would land on the other's: give each item a "
+                                         f"destination of its own")
+        if reach is None or reach[0] != span[0] or span[2] > reach[2]:
+            reach = span
+    return problems
 
 
 def _check_room_number(room: int, key: int) -> str | None:

@@ -728,3 +728,36 @@ def test_items_given_as_an_iterable_rebuild_and_no_items_raise_everywhere_prompt
         assert all(got["untouched"]), rank
         assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
     assert "the items are not a sequence" in observed[-1]["none"]["raised"], observed[-1]["none"]["raised"]
+
+
+def overlapping_destinations(rank: int, size: int) -> dict:
+    """Rooms 1000 and 1001 of 10 rows each are given destinations that share 5 rows of one buffer
+    (rows 0-9 and 5-14), then room 1002 a deepstack that is its own destination; room 1003 is whole."""
+    buf = torch.full((15, 3), 0, dtype=torch.float32)
+    cases = [Case(rank, size, 1000 + i, 10) for i in range(2)]
+    for case, start in zip(cases, (0, 5)):
+        case.item.full = buf[start : start + 10]
+    for case in cases:  # what each rank's receive left there: its own shard of each room, the second last
+        start, count = spec_shard(10, rank, size)
+        case.item.full[start : start + count] = case.rows[start : start + count]
+    aliased = Case(rank, size, 1002, 6)
+    aliased.item.deepstack = aliased.item.full
+    whole = Case(rank, size, 1003, 7)
+    cases += [aliased, whole]
+    for case in cases:
+        case.snapshot()
+    with CapturedLog("transfer.reassemble") as captured:
+        out = judge(cases, reassemble)
+    out["log"] = captured.lines
+    return out
+
+
+def test_destinations_sharing_memory_fail_their_items_everywhere_untouched(tmp_path):
+    for rank, obs in enumerate(seen(run_ranks("overlapping_destinations", 2, tmp_path))):
+        assert obs["raised"] is None, (rank, obs["raised"])
+        assert obs["flags"] == [False, False, False, True], (rank, obs)
+        assert obs["untouched"][:3] == [True] * 3 and obs["exact"][3], (rank, obs)
+        assert any(line.startswith("room 1000 on rank") and "shares memory with room 1001's full tensor" in line
+                   for line in obs["log"]), (rank, obs["log"])
+        assert any(line.startswith("room 1002 on rank") and "its full tensor and its deepstack share memory" in line
+                   for line in obs["log"]), (rank, obs["log"])

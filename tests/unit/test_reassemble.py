@@ -77,3 +77,15 @@ def test_reassembly_without_a_process_group_says_how_to_make_one():
         with pytest.raises(UsageError, match=rf"^{what}: torch.distributed has no process group in this process: "
                                              r"call torch.distributed.init_process_group\(\)"):
             call()
+
+
+def test_items_sharing_memory_are_named_and_adjacent_ones_are_not():
+    buf = torch.zeros(20, 3)
+    items = [ShardedItem(1, buf[0:10], True), ShardedItem(2, buf[10:15], True), ShardedItem(3, buf[14:20], True),
+             ShardedItem(4, original(4, 3, torch.float32), True), ShardedItem(5, buf[:0], True)]
+    items[3].deepstack = items[3].full[1:]  # [2, hidden] rows inside its own full tensor
+    problems = reassemble_module._shared_memory(items, range(len(items)))
+    assert sorted(problems) == [1, 2, 3]  # 0 ends where 1 starts; an empty tensor holds no memory
+    assert problems[1].startswith("its full tensor shares memory with room 3's full tensor")
+    assert problems[3] == "its full tensor and its deepstack share memory: give each its own"
+    assert reassemble_module._shared_memory(items, [0, 2, 4]) == {}  # only the usable items are compared
