@@ -602,12 +602,21 @@ def _dtype(text: str) -> str:
 
 
 def _host_port(text: str) -> str:
-    """HOST:PORT (or [V6]:PORT) with a port from 1 to 65535."""
+    """HOST:PORT (or [V6]:PORT) with a port of ASCII digits from 1 to 65535, and a host the bootstrap client
+    takes (transfer.bootstrap.split_address)."""
+    from transfer.bootstrap import split_address
+
     host, sep, port = text.rpartition(":")
     bracketed = host.startswith("[") and host.endswith("]") and len(host) > 2
     plain = not ("[" in host or "]" in host or ":" in host)  # an IPv6 address needs its brackets
-    if not sep or not host or not (bracketed or plain) or not port.isdigit() or not 1 <= int(port) <= 65535:
+    # str.isdigit() takes any script's digits and int() some of them ("٣" is 3, "²" raises): ASCII only.
+    digits = port.isascii() and port.isdigit() and len(port.lstrip("0")) <= 5
+    if not sep or not host or not (bracketed or plain) or not digits or not 1 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (an IPv6 address in brackets: [::1]:PORT)")
+    try:
+        split_address(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
     return text
 
 

@@ -106,7 +106,9 @@ def test_a_variable_the_ranks_would_refuse_stops_the_run_before_any_rank_starts(
     assert err.startswith(f"epd-transfer {command}: ") and said in err and err.count("\n") == 1, err
 
 
-@pytest.mark.parametrize("address", ["[::1:18990", "::1:8998", "[]:1", "a]:1", "host:0", ":80"])
+@pytest.mark.parametrize("address", ["[::1:18990", "::1:8998", "[]:1", "a]:1", "host:0", ":80", "host:\uff18\uff19\uff19\uff18",
+                                     "host:\u0663", "host:\u00b2", "host:" + "9" * 5000, "host:00000065536"],
+                         ids=lambda address: address if len(address) < 20 else f"{address[:12]}...")
 def test_a_bootstrap_address_that_is_not_host_port_is_refused(address, capsys):
     err = _refused_in_one_line(["rank", "--role", "encode", "--rank", "0", "--bootstrap", address], capsys)
     assert f"'{address}' is not HOST:PORT" in err
@@ -116,3 +118,12 @@ def test_a_bootstrap_address_that_is_not_host_port_is_refused(address, capsys):
 def test_a_bootstrap_address_in_host_port_form_is_taken(address):
     args = cli.build_parser().parse_args(["rank", "--role", "encode", "--rank", "0", "--bootstrap", address])
     assert args.bootstrap == address
+
+
+@pytest.mark.parametrize("address, said", [
+    ("bad host:8998", "with no space or control character in its host"),
+    ("a..b:8998", "with a host name the resolver takes"),
+])
+def test_a_bootstrap_address_the_bootstrap_client_would_refuse_is_refused_before_anything_starts(address, said, capsys):
+    err = _refused_in_one_line(["rank", "--role", "encode", "--rank", "0", "--bootstrap", address], capsys)
+    assert f"argument --bootstrap: bootstrap address must be host:port {said}" in err and repr(address) in err
