@@ -228,7 +228,8 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
     sizes = []
     for part in _entries(text, "item sizes"):
         rows, sep, hidden = part.lower().partition("x")
-        if not sep or not rows.isdigit() or not hidden.isdigit() or int(rows) <= 0 or int(hidden) <= 0:
+        digits = rows.isascii() and rows.isdigit() and hidden.isascii() and hidden.isdigit()  # "²" is a digit too
+        if not sep or not digits or int(rows) <= 0 or int(hidden) <= 0:
             raise argparse.ArgumentTypeError(f"item size {part!r} is not ROWSxHIDDEN (e.g. 1024x4096)")
         sizes.append((int(rows), int(hidden)))
     return sizes
@@ -237,7 +238,10 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
 def parse_ints(text: str) -> list[int]:
     """'1,2,4' -> [1, 2, 4], all positive."""
     try:
-        values = [int(p) for p in _entries(text, "integers")]
+        entries = _entries(text, "integers")
+        if not text.isascii():  # int() takes any script's digits ("１" is 1)
+            raise ValueError
+        values = [int(p) for p in entries]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
     if any(v <= 0 for v in values):

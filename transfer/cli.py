@@ -556,7 +556,7 @@ def _room(text: str) -> int:
 def _int_at_least(text: str, low: int, what: str) -> int:
     """An integer >= low, or an argparse error saying it is not `what`."""
     try:
-        value = int(text)
+        value = int(text) if text.isascii() else low - 1  # int() takes any script's digits ("٣" is 3)
     except ValueError:
         value = low - 1
     if value < low:

@@ -3,7 +3,8 @@
 An environment variable only supplies a default: an argument given to the constructor
 (or an option given on the command line) always wins. A value that does not parse, or
 is out of range, raises `ConfigError` naming the variable and the value when the
-component that reads it is constructed. An empty value counts as unset.
+component that reads it is constructed (a number takes ASCII digits only). An empty
+value counts as unset.
 """
 
 from __future__ import annotations
@@ -36,29 +37,36 @@ MAX_BYTES = (1 << 63) - 1
 MAX_POLL_S = 1.0
 
 
+def _number(text: str, kind: Callable[[str], Any]) -> Any:
+    """`text` as an int or float of ASCII digits: int() and float() take any script's digits ("٣" is 3)."""
+    if not text.isascii():
+        raise ValueError
+    return kind(text)
+
+
 def _seconds(text: str) -> float:
-    value = float(text)
+    value = _number(text, float)
     if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
         raise ValueError
     return value
 
 
 def _non_negative_seconds(text: str) -> float:
-    value = float(text)
+    value = _number(text, float)
     if not (math.isfinite(value) and 0 <= value <= MAX_SECONDS):
         raise ValueError
     return value + 0.0  # -0 is 0
 
 
 def _count(text: str) -> int:
-    value = int(text)
+    value = _number(text, int)
     if not 1 <= value <= MAX_COUNT:
         raise ValueError
     return value
 
 
 def _bytes(text: str) -> int:
-    value = int(text)
+    value = _number(text, int)
     if not 1 <= value <= MAX_BYTES:
         raise ValueError
     return value

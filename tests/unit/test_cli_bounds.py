@@ -51,6 +51,17 @@ def test_seconds_options_stop_at_the_bound_of_the_epd_seconds(argv, option, caps
     assert f"argument {option}:" in err and f"up to {config.MAX_SECONDS:.0f}" in err
 
 
+@pytest.mark.parametrize("argv, option", [
+    (["demo", "--deadline", "\uff15"], "--deadline"), ([*RANK, "--linger", "\u0663"], "--linger"),
+    (["demo", "--items", "\uff11\uff16"], "--items"), ([*RANK, "--first-room", "\u0667"], "--first-room"),
+    (["bench", "--repeat", "\u0663"], "--repeat"), (["bench", "--fanouts", "\uff11,\uff12"], "--fanouts"),
+    (["bench", "--sizes", "\uff11x\uff14"], "--sizes"), (["bench", "--sizes", "\u00b2x4"], "--sizes"),
+])
+def test_numbers_in_other_scripts_digits_are_refused_as_the_epd_variables_refuse_them(argv, option, capsys):
+    err = _refused_in_one_line(argv, capsys)
+    assert f"argument {option}: {'item size ' if option == '--sizes' else ''}{argv[-1]!r} is not " in err, err
+
+
 def test_the_bound_itself_is_taken():
     bound = f"{config.MAX_SECONDS:g}"
     args = cli.build_parser().parse_args(["demo", "--deadline", bound, "--timeout", bound])

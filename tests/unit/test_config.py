@@ -61,6 +61,10 @@ def test_an_argument_wins_even_over_a_variable_that_would_not_parse():
     ("EPD_FALLBACK_GRACE_S", "x", "a non-negative number of seconds"),
     ("EPD_QUARANTINE_S", "2e6", "a non-negative number of seconds up to 1000000"),
     ("EPD_ZMQ_SCHED_BATCH", "maybe", "one of 1, 0, true, false"),
+    ("EPD_DEADLINE_S", "\u0663", "a positive number of seconds"),
+    ("EPD_FALLBACK_GRACE_S", "\uff15", "a non-negative number of seconds"),
+    ("EPD_SEND_DEPTH", "\uff11\uff16", "a positive integer"),
+    ("EPD_MAX_PARKED_BYTES", "1\u0660\u0660", "a positive number of bytes"),
 ])
 def test_a_bad_value_is_refused_naming_the_variable_the_value_and_what_it_sets(env, text, what):
     entry = setting(env)
