@@ -730,6 +730,9 @@ def _conflicting_options(args: argparse.Namespace) -> str | None:
         fix = f"give a --first-room of at most {highest}" if highest >= 0 else "give fewer --items"
         return (f"--first-room {first} with --items {items} runs to room {first + items - 1}, past the wire's last "
                 f"room {LAST_ROOM} (2**63 - 1): {fix}")
+    if getattr(args, "command", None) == "demo" and isinstance(items, int) and items - 1 > LAST_ROOM:
+        return (f"--items {items} runs to room {items - 1}, past the wire's last room {LAST_ROOM} (2**63 - 1): "
+                f"give at most {LAST_ROOM + 1}")
     if getattr(args, "identity", False) and getattr(args, "per_block", False):
         return ("--identity (every prefill rank receives the full rows) and --per-block (how rows are sharded) "
                 "exclude each other")

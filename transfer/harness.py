@@ -65,8 +65,10 @@ class Scenario:
         return self.spans[index % len(self.spans)] if self.spans else self.span
 
     @property
-    def rooms(self) -> list[int]:
-        return [self.first_room + i for i in range(self.items)]
+    def rooms(self) -> range:
+        """The run's rooms in order, made as they are reached (a count of items from the command line may
+        be any size)."""
+        return range(self.first_room, self.first_room + self.items)
 
     @property
     def max_span(self) -> int:

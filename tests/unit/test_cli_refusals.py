@@ -467,6 +467,32 @@ def test_rooms_past_the_wires_last_room_are_a_parser_error(first, items, said, m
     assert err == f"epd-transfer rank: error: {said} (see epd-transfer rank --help)\n", err
 
 
+def test_a_demo_of_more_items_than_the_wire_has_rooms_is_a_parser_error(monkeypatch, capsys):
+    _no_rank_starts(monkeypatch)
+    with pytest.raises(SystemExit) as done:
+        cli.main(["demo", "--items", str(2**63 + 1)])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (f"epd-transfer demo: error: --items {2**63 + 1} runs to room {2**63}, past the wire's last room "
+                   f"{2**63 - 1} (2**63 - 1): give at most {2**63} (see epd-transfer demo --help)\n"), err
+
+
+def test_a_runs_rooms_are_made_as_they_are_reached_whatever_the_count_of_items():
+    # Every rank walks sc.rooms: a list of them made up front for --items 10**20 got the ranks OOM-killed.
+    import tracemalloc
+
+    sc = harness.Scenario(items=10**6, first_room=7)
+    tracemalloc.start()
+    try:
+        rooms = sc.rooms
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024, peak
+    assert (rooms[0], rooms[-1], len(rooms)) == (7, 10**6 + 6, 10**6)
+    assert list(harness.Scenario(items=3, first_room=2**63 - 3).rooms) == [2**63 - 3, 2**63 - 2, 2**63 - 1]
+
+
 def test_the_last_room_of_the_wire_is_a_first_room():
     args = cli.parse_args([*RANK, "--first-room", "9223372036854775807", "--items", "1"])
     assert args.first_room == 2**63 - 1
