@@ -489,10 +489,8 @@ def check_epd_env(environ: Mapping[str, str] | None = None) -> Check:
 
     env = os.environ if environ is None else environ
     library = [s.env for s in config.SETTINGS]
-    known = library + list(SCRIPT_VARIABLES)
     names = [name for name in library if env.get(name, "") != ""]
-    unknown = [f"{name} is read by nothing here{_did_you_mean(name, known)}"
-               for name in sorted(env) if name.startswith("EPD_") and name not in known]
+    unknown = unread_epd_names(env)
     bad = epd_env_problems(env)
     if bad:
         return Check("epd-env", "fail", "; ".join(bad + unknown), "fix or unset the variable (README, Configuration)")
@@ -505,6 +503,16 @@ def check_epd_env(environ: Mapping[str, str] | None = None) -> Check:
     if not names:
         return Check("epd-env", "info", "no EPD_* variables set (the documented defaults)")
     return Check("epd-env", "ok", " ".join(listed))
+
+
+def unread_epd_names(env: Mapping[str, str]) -> list[str]:
+    """`EPD_X is read by nothing here (did you mean EPD_Y?)` for each EPD_* name set that neither the library
+    nor the launch scripts read, in name order."""
+    from transfer import config
+
+    known = [s.env for s in config.SETTINGS] + list(SCRIPT_VARIABLES)
+    return [f"{name} is read by nothing here{_did_you_mean(name, known)}"
+            for name in sorted(env) if name.startswith("EPD_") and name not in known]
 
 
 def epd_env_problems(env: Mapping[str, str]) -> list[str]:

@@ -117,6 +117,24 @@ def test_a_variable_the_ranks_would_refuse_stops_the_run_before_any_rank_starts(
     assert err.startswith(f"epd-transfer {command}: ") and said in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("command", ["demo", "bench", "rank"])
+def test_a_misspelt_variable_is_named_with_the_one_meant_and_refuses_nothing(command, monkeypatch, capsys):
+    import os
+
+    for name in [name for name in os.environ if name.startswith("EPD_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("EPD_DEADLINE", "5")
+    monkeypatch.setenv("EPD_ENCODE_TP", "2")  # the launch scripts read it
+    monkeypatch.setenv("EPD_SEND_DEPTH", "8")
+    assert cli._environment_refused(command) is False
+    assert capsys.readouterr().err == (f"epd-transfer {command}: warning: EPD_DEADLINE is read by nothing here (did "
+                                       f"you mean EPD_DEADLINE_S?): unset or rename it (`epd-transfer doctor` lists "
+                                       f"what is read)\n")
+    monkeypatch.delenv("EPD_DEADLINE")
+    assert cli._environment_refused(command) is False
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("address", ["[::1:18990", "::1:8998", "[]:1", "a]:1", "host:0", ":80", "host:\uff18\uff19\uff19\uff18",
                                      "host:\u0663", "host:\u00b2", "host:" + "9" * 5000, "host:00000065536"],
                          ids=lambda address: address if len(address) < 20 else f"{address[:12]}...")
