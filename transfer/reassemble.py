@@ -24,7 +24,9 @@ exchange's buffers are allocated before the agreement: a rank that cannot alloca
 fails every item of the batch on every rank (and logs why) instead of leaving its peers
 in an all-gather it never joins.
 Works on gloo (CPU tensors) and NCCL (CUDA tensors); the agreement tensor lives on
-the items' device (on NCCL: the current CUDA device). Every wait is bounded only by
+the first item's device (on NCCL: the current CUDA device), unless the group's backend runs
+no collective there (the meta device, where a collective does nothing): then on the CPU,
+and items on that device fail. Every wait is bounded only by
 the group's timeout (`init_process_group`/`new_group` `timeout=`); this module sets none.
 A collective the backend fails (a rank that did not make the same call within that
 timeout, or that left) raises CollectiveError (a UsageError) on the ranks that were in it,
@@ -97,13 +99,32 @@ def agree(oks: Sequence[bool], group: dist.ProcessGroup | None = None, *, keys: 
     `keys`, when given, holds one tuple of integers per item that must be equal on
     every rank (e.g. the item's geometry); an item whose keys differ fails on all
     ranks. An outcome may be a TransferPoll (only Success is True). Ranks that pass
-    different numbers of items or of keys per item, or a rank with invalid keys or an
-    outcome without a truth value, make every rank raise.
+    different numbers of items or of keys per item, or a rank with invalid keys, an
+    outcome without a truth value or a `device` the group runs no collective on (meta),
+    make every rank raise.
     """
     _check_member(group, "agree")
-    target = torch.device(device) if device is not None else _default_device(group)
-    reduced = _agreement(oks, keys, group, target, "agree", rooms=None)
+    target, refusal = _default_device(group), None
+    if device is not None:
+        try:  # a device the group cannot use must still reach the collective (on one it can), as a refusal
+            target = _usable_device(group, torch.device(device))
+        except (RuntimeError, TypeError, ValueError) as exc:
+            refusal = f"device {device!r}: {exc}"
+    reduced = _agreement(oks, keys, group, target, "agree", refusal, rooms=None)
     return _flags(reduced)
+
+
+def _usable_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
+    """`device`, or ConfigError (a ValueError) where the group's backend runs no collective on it: on the
+    meta device a collective does nothing at all, leaving the peers' call to pair with this rank's next one."""
+    backend = str(dist.get_backend(group))
+    if ":" in backend:  # one backend per device type, e.g. "cpu:gloo,cuda:nccl"
+        types: set[str] | None = {part.split(":")[0] for part in backend.split(",")}
+    else:
+        types = {"gloo": {"cpu", "cuda"}, "nccl": {"cuda"}}.get(backend)
+    if device.type == "meta" or (types is not None and device.type not in types):
+        raise ConfigError(f"the group's {backend} backend runs no collective on {device.type} tensors")
+    return device
 
 
 def _check_member(group: dist.ProcessGroup | None, what: str) -> None:
@@ -499,10 +520,14 @@ def _check_block(size: int, rank: int, block_size: int | None, rank_in_block: in
 
 
 def _batch_device(items: Sequence[ShardedItem], group: dist.ProcessGroup | None) -> torch.device:
-    """Where the batch's collectives run: NCCL's current CUDA device, else the first item's device."""
+    """Where the batch's collectives run: NCCL's current CUDA device, else the first item's device where
+    the group runs collectives on it (else the CPU, and that item fails as on another device)."""
     first = getattr(items[0], "full", None) if items else None
     if dist.get_backend(group) != "nccl" and isinstance(first, torch.Tensor):
-        return first.device
+        try:
+            return _usable_device(group, first.device)
+        except ValueError:
+            pass
     return _default_device(group)
 
 

@@ -761,3 +761,35 @@ def test_destinations_sharing_memory_fail_their_items_everywhere_untouched(tmp_p
                    for line in obs["log"]), (rank, obs["log"])
         assert any(line.startswith("room 1002 on rank") and "its full tensor and its deepstack share memory" in line
                    for line in obs["log"]), (rank, obs["log"])
+
+
+def first_item_on_a_device_the_group_cannot_use(rank: int, size: int) -> dict:
+    """The last rank's first item is on the meta device (a destination never made real); the batch's
+    collectives must still run where the group can run them, and the group stay usable."""
+    whole = Case(rank, size, 1101, 4)
+    first = Case(rank, size, 1100, 6).item
+    if rank == size - 1:
+        first = ShardedItem(1100, torch.empty(6, 3, device="meta"), True)
+    started = time.monotonic()
+    out = {"meta": judge([whole], lambda items: reassemble([first, *items]))}
+    out["meta"]["took"] = time.monotonic() - started
+    out["after"] = judge([Case(rank, size, 1102, 5)], reassemble)
+    device = "meta" if rank == size - 1 else None
+    try:
+        out["agree"] = {"flags": agree([True], device=device), "raised": None}
+    except Exception as exc:  # noqa: BLE001 - what it raises is the observation
+        out["agree"] = {"flags": None, "raised": f"{type(exc).__name__}: {exc}"}
+    out["agree_after"] = agree([True, False])
+    return out
+
+
+def test_a_first_item_on_a_device_the_group_cannot_use_fails_only_that_item_everywhere(tmp_path):
+    for rank, obs in enumerate(seen(run_ranks("first_item_on_a_device_the_group_cannot_use", 2, tmp_path))):
+        got = obs["meta"]
+        assert got["raised"] is None, (rank, got["raised"])
+        assert got["flags"] == [False, True] and got["exact"] == [True], (rank, got)
+        assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
+        expected = ("device 'meta': the group's gloo backend runs no collective on meta tensors" if rank == 1
+                    else "another rank of the group refused the batch (see its log)")
+        assert obs["agree"]["raised"] == f"ConfigError: agree: {expected}", (rank, obs["agree"])
+        assert obs["agree_after"] == [True, False], (rank, obs["agree_after"])
