@@ -167,13 +167,12 @@ def _log_dir_usable(folder: str | None) -> bool:
 
 def _environment_refused(command: str) -> bool:
     """True, saying why in one line, when an EPD_* variable set would make the ranks refuse to start; a
-    warning line for EPD_* names set that nothing reads (a misspelt one would be ignored without a word)."""
+    warning line for EPD_* names set that nothing reads (a misspelt one would be ignored without a word), and
+    one for a quarantine too short for the fanout timeout (doctor.epd_env_warnings)."""
     from transfer import doctor
 
-    unread = doctor.unread_epd_names(os.environ)
-    if unread:
-        print(f"epd-transfer {command}: warning: {'; '.join(unread)}: unset or rename it (`epd-transfer doctor` "
-              f"lists what is read)", file=sys.stderr)
+    for warning in doctor.epd_env_warnings(os.environ):
+        print(f"epd-transfer {command}: warning: {warning}", file=sys.stderr)
     problems = doctor.epd_env_problems(os.environ)
     if problems:
         print(f"epd-transfer {command}: {'; '.join(problems)}", file=sys.stderr)

@@ -491,15 +491,18 @@ def check_epd_env(environ: Mapping[str, str] | None = None) -> Check:
     library = [s.env for s in config.SETTINGS]
     names = [name for name in library if env.get(name, "") != ""]
     unknown = unread_epd_names(env)
+    short = quarantine_shortfall(env)
     bad = epd_env_problems(env)
     if bad:
         return Check("epd-env", "fail", "; ".join(bad + unknown), "fix or unset the variable (README, Configuration)")
     listed = [f"{name}={env[name]}" for name in names if name != "EPD_TOKEN"]
     listed += ["EPD_TOKEN=(set)"] if "EPD_TOKEN" in names else []  # the token itself stays off
-    if unknown:
-        return Check("epd-env", "warn", "; ".join(([" ".join(listed)] if listed else []) + unknown),
-                     f"unset or rename it: the library reads {' '.join(library)} (README, Configuration), "
-                     f"the launch scripts {' '.join(SCRIPT_VARIABLES)} (scripts/launch.sh --help)")
+    if unknown or short:
+        fixes = [f"unset or rename it: the library reads {' '.join(library)} (README, Configuration), "
+                 f"the launch scripts {' '.join(SCRIPT_VARIABLES)} (scripts/launch.sh --help)"] if unknown else []
+        fixes += [short[1]] if short else []
+        return Check("epd-env", "warn", "; ".join(([" ".join(listed)] if listed else []) + unknown
+                                                  + ([short[0]] if short else [])), "; ".join(fixes))
     if not names:
         return Check("epd-env", "info", "no EPD_* variables set (the documented defaults)")
     return Check("epd-env", "ok", " ".join(listed))
@@ -513,6 +516,41 @@ def unread_epd_names(env: Mapping[str, str]) -> list[str]:
     known = [s.env for s in config.SETTINGS] + list(SCRIPT_VARIABLES)
     return [f"{name} is read by nothing here{_did_you_mean(name, known)}"
             for name in sorted(env) if name.startswith("EPD_") and name not in known]
+
+
+def quarantine_shortfall(env: Mapping[str, str]) -> tuple[str, str] | None:
+    """(what, fix) where the receive pools' quarantine (EPD_QUARANTINE_S, else its default) is shorter than
+    two fanout timeouts (EPD_FANOUT_TIMEOUT_S) and Mooncake's transfer timeout (MC_TRANSFER_TIMEOUT):
+    an encode rank may then start a room's write after its prefill rank gave the room up and handed its slot
+    to another room (transfer.buffers.QUARANTINE_S). None when it is long enough, or a value is refused."""
+    from transfer import config
+    from transfer.engine import mooncake_transfer_timeout_s
+    from transfer.errors import ConfigError
+
+    try:
+        quarantine = config.resolve("EPD_QUARANTINE_S", environ=env)
+        fanout = config.resolve("EPD_FANOUT_TIMEOUT_S", environ=env)
+    except ConfigError:
+        return None  # epd_env_problems says why
+    transfer = mooncake_transfer_timeout_s(env)
+    need = 2 * fanout + transfer
+    if quarantine >= need:
+        return None
+    whose = "EPD_QUARANTINE_S" if config.is_set("EPD_QUARANTINE_S", env) else "the receive pools' default quarantine"
+    what = (f"{whose}, {quarantine:g} s, is shorter than two fanout timeouts (EPD_FANOUT_TIMEOUT_S {fanout:g} s) and "
+            f"Mooncake's transfer timeout ({transfer:g} s), {need:g} s: a prefill rank may hand a failed room's slot "
+            f"to another room while an encode rank's late write of it can still land there")
+    return what, (f"set EPD_QUARANTINE_S to at least {need:g} on the prefill ranks, or a shorter "
+                  f"EPD_FANOUT_TIMEOUT_S on the encode ranks")
+
+
+def epd_env_warnings(env: Mapping[str, str]) -> list[str]:
+    """The warnings `epd-transfer demo`, `bench` and `rank` print before they start: EPD_* names nothing reads,
+    and a quarantine too short for the fanout timeout (each with what to do)."""
+    short = quarantine_shortfall(env)
+    unread = unread_epd_names(env)
+    return ([f"{'; '.join(unread)}: unset or rename it (`epd-transfer doctor` lists what is read)"] if unread else []
+            ) + ([f"{short[0]}: {short[1]}"] if short else [])
 
 
 def epd_env_problems(env: Mapping[str, str]) -> list[str]:

@@ -135,6 +135,18 @@ def test_a_misspelt_variable_is_named_with_the_one_meant_and_refuses_nothing(com
     assert capsys.readouterr().err == ""
 
 
+def test_a_fanout_timeout_longer_than_the_quarantine_allows_is_a_warning_that_refuses_nothing(monkeypatch, capsys):
+    import os
+
+    for name in [name for name in os.environ if name.startswith(("EPD_", "MC_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("EPD_FANOUT_TIMEOUT_S", "600")
+    assert cli._environment_refused("rank") is False
+    err = capsys.readouterr().err
+    assert err.startswith("epd-transfer rank: warning: the receive pools' default quarantine, 280 s, is shorter "
+                          "than two fanout timeouts (EPD_FANOUT_TIMEOUT_S 600 s)") and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("address", ["[::1:18990", "::1:8998", "[]:1", "a]:1", "host:0", ":80", "host:\uff18\uff19\uff19\uff18",
                                      "host:\u0663", "host:\u00b2", "host:" + "9" * 5000, "host:00000065536"],
                          ids=lambda address: address if len(address) < 20 else f"{address[:12]}...")

@@ -273,6 +273,33 @@ def test_epd_env_takes_what_the_components_take(tmp_path):
     assert line_of(text, "epd-env").startswith("ok    ") and code == 0
 
 
+@pytest.mark.parametrize("env, said, fix", [
+    ({"EPD_FANOUT_TIMEOUT_S": "600"}, "the receive pools' default quarantine, 280 s, is shorter than two fanout "
+     "timeouts (EPD_FANOUT_TIMEOUT_S 600 s) and Mooncake's transfer timeout (30 s), 1230 s", "at least 1230"),
+    ({"MC_TRANSFER_TIMEOUT": "300"}, "default quarantine, 280 s, is shorter than two fanout timeouts "
+     "(EPD_FANOUT_TIMEOUT_S 120 s) and Mooncake's transfer timeout (300 s), 540 s", "at least 540"),
+    ({"EPD_QUARANTINE_S": "100"}, "EPD_QUARANTINE_S, 100 s, is shorter than", "at least 270"),
+])
+def test_a_quarantine_shorter_than_a_late_write_can_come_warns_with_the_length_needed(tmp_path, env, said, fix):
+    code, text = run_doctor(tmp_path, environ=env)
+    line = line_of(text, "epd-env")
+    assert line.startswith("WARN  ") and code == 0, line
+    assert said in line and "a prefill rank may hand a failed room's slot to another room while an encode rank's " \
+                            "late write of it can still land there" in line, line
+    assert f"-> fix: set EPD_QUARANTINE_S to {fix} on the prefill ranks" in line, line
+    warnings = doctor.epd_env_warnings(env)  # what demo, bench and rank print
+    assert len(warnings) == 1 and said in warnings[0], warnings
+    assert warnings[0].endswith(f"set EPD_QUARANTINE_S to {fix} on the prefill ranks, or a shorter "
+                                f"EPD_FANOUT_TIMEOUT_S on the encode ranks"), warnings
+
+
+@pytest.mark.parametrize("env", [{}, {"EPD_FANOUT_TIMEOUT_S": "600", "EPD_QUARANTINE_S": "1230"},
+                                 {"MC_TRANSFER_TIMEOUT": "40"}, {"EPD_FANOUT_TIMEOUT_S": "0"}])
+def test_a_quarantine_long_enough_or_a_refused_value_adds_no_quarantine_warning(tmp_path, env):
+    assert doctor.quarantine_shortfall(env) is None
+    assert "quarantine" not in line_of(run_doctor(tmp_path, environ=env)[1], "epd-env")
+
+
 def test_an_unknown_epd_name_warns_and_lists_the_known_ones(tmp_path):
     code, text = run_doctor(tmp_path, environ={"EPD_DEADLNE_S": "5", "EPD_SEND_DEPTH": "8", "EPD_ENCODE_TP": "2"})
     line = line_of(text, "epd-env")
