@@ -613,10 +613,28 @@ class ReceivePool:
         `poll=False` reads the counts as they stand, doing none of poll()'s work (querying
         copy-out events, unregistering fallbacks past their grace): what a metrics scrape, on
         a thread of its own, reads; the owner's next poll() or lease brings them up to date.
+
+        Open or closed, free + leased + pending_events + quarantined == slots. Once closed the pool
+        holds nothing back: `leased` counts the slot leases not given back yet and every other slot
+        counts free; pending_events, quarantined, fallbacks_live and fallback_bytes read 0 (the
+        memory a copy-out or a failed room's late write may still touch is kept apart from the
+        pool, until the copy completed or the quarantine ended).
         """
         if poll:
             self.poll()
         with self._lock:
+            if self._closed:
+                return {
+                    "slots": self.slots,
+                    "free": self.slots - self._leased,
+                    "leased": self._leased,
+                    "pending_events": 0,
+                    "quarantined": 0,
+                    "fallbacks_live": 0,
+                    "fallbacks_total": self._fallbacks_total,
+                    "fallback_bytes": 0,
+                    "max_fallback_bytes": self.max_fallback_bytes,
+                }
             return {
                 "slots": self.slots,
                 "free": len(self._free),

@@ -248,3 +248,34 @@ def test_a_closed_pools_memory_whose_copy_out_never_reports_goes_at_its_quaranti
     gc.collect()
     assert alive() is None
     successor.close()
+
+
+def _counts(pool: ReceivePool) -> tuple[int, ...]:
+    stats = pool.stats()
+    assert stats["free"] + stats["leased"] + stats["pending_events"] + stats["quarantined"] == stats["slots"], stats
+    return (stats["free"], stats["leased"], stats["pending_events"], stats["quarantined"], stats["fallbacks_live"],
+            stats["fallback_bytes"])
+
+
+def test_a_closed_pools_stats_add_up_to_its_slots_and_hold_nothing_back():
+    """stats() of a closed pool: the slot leases not given back yet, every other slot free, nothing pending,
+    quarantined or registered, however its leases were given back, before or after close(), and however the
+    quarantines of those that failed end."""
+    engine, clock = RecordingEngine(), FakeClock()
+    pool = ReceivePool(engine, 6 * SLOT, SLOT, clock=clock, quarantine_s=30.0, grace_s=5.0)
+    failed, pending, held, released_after, failed_after = (pool.lease(8) for _ in range(5))
+    big = pool.lease_or_fallback(4 * SLOT)
+    failed.fail()
+    pending.release(FakeEvent())
+    assert _counts(pool) == (1, 3, 1, 1, 1, 4 * SLOT)
+    pool.close()
+    assert _counts(pool) == (3, 3, 0, 0, 0, 0)
+    released_after.release()
+    failed_after.fail()
+    big.fail()
+    assert _counts(pool) == (5, 1, 0, 0, 0, 0)
+    failed_after.end_quarantine()
+    clock.advance(60.0)
+    assert _counts(pool) == (5, 1, 0, 0, 0, 0)
+    held.release(FakeEvent())
+    assert _counts(pool) == (6, 0, 0, 0, 0, 0)

@@ -9,8 +9,10 @@ after it) with a fake clock, and checks after every step what a prefill engine r
   confirmed nor past its bound) or a copy-out may still read it;
 - stats() count what the model holds (leased, awaiting events, quarantined, free; fallbacks live and bytes);
 - fallback bytes never exceed max_fallback_bytes, and a refusal registers nothing;
-- after close(), memory a failed room may still be written into stays held; once every lease was given back,
-  every copy done and every quarantine confirmed or past, every slot is free (or, closed, nothing is held).
+- after close(), memory a failed room may still be written into stays held, and stats() still add up to the
+  slots: the leases not given back yet, every other slot free, nothing pending, quarantined or registered;
+- once every lease was given back, every copy done and every quarantine confirmed or past, every slot is free
+  (or, closed, nothing is held).
 """
 
 from __future__ import annotations
@@ -192,6 +194,7 @@ class PoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.closed)
     @rule()
     def close(self) -> None:
+        self.fallbacks_at_close = self.pool.stats(poll=False)["fallbacks_total"]
         self.pool.close()
         self.closed = True
         self.closed_at = self.clock.now
@@ -212,6 +215,7 @@ class PoolMachine(RuleBasedStateMachine):
     def counts_match(self) -> None:
         if self.closed:
             self._closed_memory_is_held()
+            self._closed_counts_match()
             return
         stats = self.pool.stats()
         now = self.clock.now
@@ -229,6 +233,15 @@ class PoolMachine(RuleBasedStateMachine):
             if past.slot.is_fallback and past.unsafe(now):
                 assert past.slot.addr in self.engine.regions, (
                     f"{past}: a fallback a late write or copy-out may still touch was let go by the open pool")
+
+    def _closed_counts_match(self) -> None:
+        """A closed pool holds nothing back: its slots are the leases not given back yet, and free."""
+        stats = self.pool.stats()
+        leased = sum(1 for s in self.live if not s.is_fallback)
+        assert (stats["free"], stats["leased"], stats["pending_events"], stats["quarantined"]) == (
+            self.slots - leased, leased, 0, 0), stats
+        assert (stats["fallbacks_live"], stats["fallback_bytes"]) == (0, 0), stats
+        assert stats["fallbacks_total"] == self.fallbacks_at_close, stats
 
     def _closed_memory_is_held(self) -> None:
         """A closed pool's memory that a failed room may still write into, or a copy-out still read, is held."""
@@ -260,6 +273,10 @@ class PoolMachine(RuleBasedStateMachine):
                 self.slots, 0, 0, 0), f"slots lost: {stats}"
             assert stats["fallbacks_live"] == 0 and list(self.engine.regions) == [self.pool.region.addr]
             self.pool.close()
+        else:
+            stats = self.pool.stats()
+            assert (stats["free"], stats["leased"], stats["pending_events"], stats["quarantined"]) == (
+                self.slots, 0, 0, 0), f"a closed pool's slots do not add up once every lease was given back: {stats}"
         assert self.engine.regions == {}
         regions = {id(s.region) for s in (*self.live, *self.stale, *(r.slot for r in self.returned))}
         regions.add(id(self.pool.region))
