@@ -303,9 +303,10 @@ class SenderPool:
                 refused = None
                 self._book.held[room] = state
                 self._table.start(room, TransferPoll.WaitingForInput)
-                self._driver.offer(offer)
-                # Counted under the lock the driver concludes it under: no scrape sees it concluded, not started.
+                # Counted before the driver has the item: no scrape sees the room concluded, or its writes
+                # queued or written, before it counts the room started.
                 self.metrics.inc("rooms_started_total")
+                self._driver.offer(offer)
         if refused is not None:
             if state.release is not None:
                 state.release()
