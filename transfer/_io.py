@@ -554,12 +554,15 @@ class ThrottledLog:
 
 
 def count_concluded(metrics: Metrics, failures: ThrottledLog, room: int, succeeded: bool, failure: Failure | None,
-                    latency_s: float) -> None:
-    """Counts a room that concluded: a Success and its latency, or a Failed by its kind, logged (throttled
-    per kind) as `room N failed: ...`, its detail's own leading `room N: ` left out."""
+                    latency_s: float, success_counts: dict[str, float] | None = None) -> None:
+    """Counts a room that concluded: a Success with its latency and `success_counts` (its bytes, ...) in one
+    update of `metrics`, which no read sees in part; or a Failed by its kind, logged (throttled per kind) as
+    `room N failed: ...`, its detail's own leading `room N: ` left out."""
     if succeeded:
-        metrics.inc("rooms_succeeded_total")
-        metrics.observe("room_latency_seconds", latency_s)
+        counts: dict[str, float] = {"rooms_succeeded_total": 1}
+        if success_counts:
+            counts.update(success_counts)
+        metrics.inc_all(counts, {"room_latency_seconds": latency_s})
     else:
         kind = failure.kind if failure is not None else FailureKind.OTHER
         metrics.inc("rooms_failed_total", reason=kind.value)

@@ -331,6 +331,38 @@ class Metrics:
                 series = self._counters.setdefault(name, {})
             series[key] = series.get(key, 0) + amount
 
+    def inc_all(self, amounts: dict[str, float], observations: dict[str, float] | None = None) -> None:
+        """Adds to unlabelled counters and records one observation in each of unlabelled histograms, all
+        under one hold of the lock: no read sees some of them and not the others (a room's Success with
+        its latency and bytes). ConfigError for an amount inc() refuses or a NaN, recording nothing."""
+        for name, amount in amounts.items():
+            if not 0 <= amount < math.inf:
+                raise ConfigError(f"counter {name!r} takes a finite non-negative amount, not {amount}")
+        observed = []
+        for name, value in (observations or {}).items():
+            value = float(value)
+            if math.isnan(value):
+                raise ConfigError(f"histogram {name!r} got NaN")
+            observed.append((name, value, _bucket_index(self.buckets, value)))
+        with self._lock:
+            for name in amounts:
+                if name not in self._counters:
+                    self._claim(name, "counter")
+            for name, _, _ in observed:
+                if name not in self._histograms:
+                    self._claim(name, "histogram")
+            for name, amount in amounts.items():
+                series = self._counters.setdefault(name, {})
+                series[()] = series.get((), 0) + amount
+            for name, value, index in observed:
+                hists = self._histograms.setdefault(name, {})
+                hist = hists.get(())
+                if hist is None:
+                    hist = hists[()] = _Histogram(len(self.buckets))
+                hist.counts[index] += 1
+                hist.total += value
+                hist.count += 1
+
     def histogram(self, name: str, **labels: object) -> None:
         """Creates a histogram series with no observations yet (so it is exposed before the first)."""
         key = self._series_key(labels, reserved=("le",))

@@ -3,8 +3,8 @@ SenderPool and SessionManager over Mooncake tcp, through a mix of Successes, dea
 clears before conclusion on either side, closes with rooms in flight, an encode rank killed mid-room and a
 receive() that raised after filing its room:
 
-- every scrape of /stats shows no more rooms concluded than started on each side, and no counter lower
-  than the scrape before;
+- every scrape of /stats shows no more rooms concluded than started on each side, each Success with its
+  latency, and no counter lower than the scrape before;
 - whenever no room is between steps, started = succeeded + failed (by reason) + rooms not concluded, and
   each figure is what the handles themselves say (a room cleared before it concluded: `cleared`);
 - `room_latency_seconds` is observed once per Success, the byte counters count each Success's bytes once;
@@ -69,6 +69,10 @@ class Scraper:
             concluded = total(rows, f"{prefix}_rooms_succeeded_total") + total(rows, f"{prefix}_rooms_failed_total")
             if concluded > started:
                 self.problems.append(f"{prefix}: {concluded} rooms concluded, {started} started")
+            succeeded = total(rows, f"{prefix}_rooms_succeeded_total")
+            observed = total(rows, f"{prefix}_room_latency_seconds_count")
+            if observed != succeeded:
+                self.problems.append(f"{prefix}: {succeeded} Successes, {observed} latencies observed")
         for row in rows:
             if row["type"] != "counter":
                 continue

@@ -25,12 +25,20 @@ class CheckedMetrics(Metrics):
 
     def inc(self, name: str, amount: float = 1, **labels: object) -> None:
         super().inc(name, amount, **labels)
-        if amount and name in self.counts:
-            with self._counts_lock:
-                self.counts[name] += 1
-                if self.counts["rooms_succeeded_total"] + self.counts["rooms_failed_total"] > \
-                        self.counts["rooms_started_total"]:
-                    self.inconsistent.append(dict(self.counts))
+        self._count({name: amount})
+
+    def inc_all(self, amounts: dict[str, float], observations: dict[str, float] | None = None) -> None:
+        super().inc_all(amounts, observations)
+        self._count(amounts)
+
+    def _count(self, amounts: dict[str, float]) -> None:
+        with self._counts_lock:
+            for name, amount in amounts.items():
+                if amount and name in self.counts:
+                    self.counts[name] += 1
+            if self.counts["rooms_succeeded_total"] + self.counts["rooms_failed_total"] > \
+                    self.counts["rooms_started_total"]:
+                self.inconsistent.append(dict(self.counts))
 
 
 def test_a_room_that_fails_within_receive_was_counted_started_first(engines, server):

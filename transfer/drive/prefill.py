@@ -884,12 +884,13 @@ class PrefillDriver:
         if not self.table.conclude(action.room, TransferPoll.Success if failure is None else TransferPoll.Failed,
                                    failure):
             return
-        _io.count_concluded(self.metrics, self._failures, action.room, failure is None, failure,
-                            now - record.started_at)
+        success_counts: dict[str, float] | None = None
         if failure is None:
+            success_counts = {"bytes_received_total": record.nbytes}
             if action.unverified:
-                self.metrics.inc("rooms_unverified_total")
-            self.metrics.inc("bytes_received_total", record.nbytes)
+                success_counts["rooms_unverified_total"] = 1
+        _io.count_concluded(self.metrics, self._failures, action.room, failure is None, failure,
+                            now - record.started_at, success_counts)
         record.concluded_at = now
         record.succeeded = failure is None
         record.memory_safe = record.memory_safe or self.core.safe(action.room, action.token)
