@@ -38,8 +38,8 @@ def _demo(args: argparse.Namespace) -> int:
     # Said now, not by a rank's traceback once it fails to allocate its items or slots.
     if _memory_refused("demo", sc, {"encode": sc.encode_ranks, "prefill": sc.prefill_ranks}):
         return 2
-    # SIGTERM unwinds like Ctrl-C, so the harness stops its ranks instead of orphaning them.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    # SIGTERM unwinds like Ctrl-C, so the harness stops its ranks instead of orphaning them; it exits 143.
+    signal.signal(signal.SIGTERM, _raise_stopped)
     summary = run(sc)
     ok = summary["failed"] == 0 and summary["verified"]
     if args.json == "-":
@@ -141,7 +141,7 @@ def _bench(args: argparse.Namespace) -> int:
     # Only the wire and memcpy paths run without a Mooncake engine of --protocol.
     if set(bench.options_from(args).paths) - {"wire", "memcpy"} and _protocol_refused("bench", args.protocol):
         return 2
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # unwinds like Ctrl-C: the bench stops its ranks
+    signal.signal(signal.SIGTERM, _raise_stopped)  # unwinds like Ctrl-C (the bench stops its ranks); exits 143
     return bench.main(args)
 
 
@@ -444,11 +444,6 @@ def _rank(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _raise_interrupt(*_: object) -> None:
-    """A SIGTERM handler: unwinds through the context managers like Ctrl-C (engines, sockets, ranks close)."""
-    raise KeyboardInterrupt
-
-
 class _Stopped(KeyboardInterrupt):
     """A stop signal taken by `_raise_stopped`: unwinds like Ctrl-C, and says which signal it was."""
 
@@ -458,8 +453,8 @@ class _Stopped(KeyboardInterrupt):
 
 
 def _raise_stopped(signum: int, _frame: object) -> None:
-    """A stop signal's handler (rank): unwinds through the context managers, naming the signal. The rank
-    is stopping from then on (_stopping)."""
+    """A stop signal's handler (rank, demo, bench): unwinds through the context managers, naming the signal.
+    The process is stopping from then on (_stopping)."""
     _stopping()
     raise _Stopped(signum)
 
