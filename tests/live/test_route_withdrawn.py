@@ -2,7 +2,7 @@
 /route): a prefill rank's rooms for it fail within seconds, saying the encode rank is no longer
 registered, instead of at their deadlines; a pool that closes after its successor registered at another
 port leaves the successor's route, and rooms succeed through it; a server that knows no DELETE (a peer's),
-or does not answer one, costs close() at most about a second and raises nothing.
+or does not answer one, costs close() one DELETE given about a second, and raises nothing.
 
 Real Mooncake engines (tcp on 127.0.0.1), real ZMQ, a real bootstrap server, ranks in this process."""
 
@@ -137,10 +137,9 @@ def test_a_pool_that_goes_away_after_its_successor_registered_leaves_the_success
             assert successor.port != pools[0].port
             _closed(pools, how)
             assert BootstrapClient(server.address).route(0, 0) == (HOST, successor.port)
-            started = time.monotonic()
+            # Each room waits at most 30 s, far inside DEADLINE_S: one sent to the closed pool fails there.
             for room in (2, 3):
                 _served(manager, successor, server, room, buf[room % 2], ask_again=True)
-            assert time.monotonic() - started < FAIL_WITHIN_S
 
 
 def test_a_late_withdrawal_by_a_pool_whose_successor_registered_at_the_same_endpoint_leaves_the_successors_route(
@@ -178,10 +177,13 @@ def _pool_at(engine, server: BootstrapServer, port: int, within_s: float = 10.0)
 
 class _PeerHandler(BaseHTTPRequestHandler):
     """A peer's bootstrap server as far as a sender pool sees it: PUT /route answered `OK`, no DELETE (501);
-    with `hang`, a DELETE is read and never answered."""
+    with `hang`, a DELETE is read and not answered until `release` (the test's end). `deletes` counts the
+    DELETEs that arrived, `answered` those whose handling ended (a 501 may be read before it is counted)."""
 
     hang = threading.Event()
     release = threading.Event()
+    deletes: list[str] = []
+    answered: list[str] = []
 
     def log_message(self, *args) -> None:
         pass
@@ -194,15 +196,20 @@ class _PeerHandler(BaseHTTPRequestHandler):
         self.wfile.write(b"OK")
 
     def do_DELETE(self) -> None:
-        if not self.hang.is_set():
-            self.send_error(501, "Unsupported method ('DELETE')")
-            return
-        self.release.wait(30)
+        self.deletes.append(self.path)
+        try:
+            if not self.hang.is_set():
+                self.send_error(501, "Unsupported method ('DELETE')")
+                return
+            self.release.wait(60)
+        finally:
+            self.answered.append(self.path)
 
 
 @contextmanager
 def _peer_server(hang: bool) -> Iterator[ThreadingHTTPServer]:
-    handler = type("Handler", (_PeerHandler,), {"hang": threading.Event(), "release": threading.Event()})
+    handler = type("Handler", (_PeerHandler,), {"hang": threading.Event(), "release": threading.Event(),
+                                                "deletes": [], "answered": []})
     if hang:
         handler.hang.set()
     httpd = ThreadingHTTPServer((HOST, 0), handler)
@@ -218,23 +225,39 @@ def _peer_server(hang: bool) -> Iterator[ThreadingHTTPServer]:
         httpd.server_close()
 
 
+#: What close() logs of the DELETE, by what the server does with it.
+_UNREGISTER_SAID = {"no DELETE (501)": "HTTP 501", "never answers a DELETE": "timed out",
+                    "stopped": "Connection refused"}
+
+
 @pytest.mark.parametrize("server", ["no DELETE (501)", "never answers a DELETE", "stopped"])
-def test_close_goes_on_within_about_a_second_whatever_the_bootstrap_server_does_with_the_delete(engines, caplog,
-                                                                                                 server):
+def test_close_goes_on_after_one_delete_within_its_bound_whatever_the_bootstrap_server_does_with_it(engines, caplog,
+                                                                                                   server):
+    """close() sends one DELETE and gives it UNREGISTER_TIMEOUT_S: it returns, raising nothing, with a
+    DELETE the server holds unanswered still held (it never waits for the server's answer past its
+    bound), one DELETE sent to a server that has none (no retries), and a line saying the route may
+    stay listed and why."""
     encode, _ = engines
     caplog.set_level(logging.INFO, logger="transfer.sender")
     with _peer_server(hang=server == "never answers a DELETE") as httpd:
+        handler = httpd.RequestHandlerClass
         pool = SenderPool(encode, 0, 1, 1, f"{HOST}:{httpd.server_address[1]}")
         if server == "stopped":
             httpd.shutdown()
             httpd.server_close()  # a refused connection
-        started = time.monotonic()
         pool.close()
-        took = time.monotonic() - started
-    assert took < 3.0, f"close() took {took:.1f} s"
+        deletes, answered = list(handler.deletes), list(handler.answered)  # as close() returned
+        if server == "never answers a DELETE":
+            # The server holds the DELETE until the test ends: close() returned without its answer.
+            assert answered == [], "close() returned only once the server let go of its DELETE"
+            assert wait_until(lambda: handler.deletes == ["/route"], 10), handler.deletes
+    if server == "stopped":
+        assert deletes == []
+    elif server == "no DELETE (501)":
+        assert deletes == ["/route"], "close() sent the DELETE again"
     [line] = [r.getMessage() for r in caplog.records if "may stay listed" in r.getMessage()]
     assert line.startswith("sender pool of encode rank 0: its route to ")
-    print(f"\nclose() with a bootstrap server that {server}: {took:.2f} s")
+    assert _UNREGISTER_SAID[server] in line, line
 
 
 @pytest.mark.parametrize("refusal", ["wrong token (401)", "no server (connection refused)"])
