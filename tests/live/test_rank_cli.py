@@ -10,6 +10,8 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -109,14 +111,69 @@ def test_a_rank_whose_port_is_taken_says_which_listener_in_one_line():
                     f"range FIRST-LAST, or find what holds it (ss -ltnp 'sport = :{port}')"), result.stderr
 
 
-@pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
+class _Busy(BaseHTTPRequestHandler):
+    """A bootstrap server that answers every request with 503 (busy)."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _busy(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(503)
+        self.send_header("Content-Length", "4")
+        self.end_headers()
+        self.wfile.write(b"busy")
+
+    do_GET = do_PUT = do_DELETE = _busy
+
+
 def test_rank_bootstrap_timeout_bounds_an_encode_ranks_registration():
-    # --bootstrap-timeout, not EPD_REGISTER_TIMEOUT_S (30 s), bounds the registration.
-    result = _rank(["--role", "encode", "--rank", "0", "--bootstrap", f"127.0.0.1:{_free_port()}",
-                    "--protocol", "tcp", "--bootstrap-timeout", "2", "--timeout", "25"], timeout=90)
+    # --bootstrap-timeout, not EPD_REGISTER_TIMEOUT_S (30 s) nor --timeout, bounds the registration.
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Busy)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        result = _rank(["--role", "encode", "--rank", "0", "--bootstrap", f"127.0.0.1:{httpd.server_address[1]}",
+                        "--protocol", "wire", "--bootstrap-timeout", "2", "--timeout", "50"], timeout=90)
+    finally:
+        httpd.shutdown()
+        thread.join(10)
+        httpd.server_close()
     assert result.returncode == 1, result.stderr
-    assert "could not register encode rank 0 with bootstrap server" in result.stderr
-    assert "within 2.0s" in result.stderr and "--timeout" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("epd-transfer rank: could not register encode rank 0 with bootstrap server "), last
+    assert "within 2.0s: HTTP 503: busy" in last and "--timeout" not in result.stderr, result.stderr
+    assert "waiting" not in result.stderr, "a server that answers was waited for"
+
+
+def _lines(result: subprocess.CompletedProcess, starting: str) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith(starting)]
+
+
+@pytest.mark.parametrize("role, waits_for, never", [
+    ("prefill", "encode rank 0 to register at bootstrap {address}", "encode rank 0 never registered at bootstrap "
+                                                                    "{address}"),
+    ("encode", "the bootstrap server at {address} to answer", "nothing answered at bootstrap {address}"),
+])
+def test_a_rank_waiting_at_its_start_says_what_for_how_it_goes_and_why_it_gave_up(role, waits_for, never):
+    # Nothing listens at the address: the rank says once what it waits for and until when, then how it
+    # goes (a quarter of a wait under 40 s apart, else 10 s), then why it gave up, and exits 1.
+    address = f"127.0.0.1:{_free_port()}"
+    waits_for, never = waits_for.format(address=address), never.format(address=address)
+    result = _rank(["--role", role, "--rank", "0", "--bootstrap", address, "--protocol", "wire",
+                    "--bootstrap-timeout", "6", "--timeout", "60"], timeout=90)
+    assert result.returncode == 1, result.stderr
+    refused = "connection refused (nothing listens there)"
+    [first] = _lines(result, f"{role} rank 0: waiting up to 6s (--bootstrap-timeout, until ")
+    assert first.endswith(f") for {waits_for}; not yet: {refused}"), first
+    still = _lines(result, f"{role} rank 0: still waiting for {waits_for}: ")
+    assert still and all(line.endswith(f" tries; last: {refused}") for line in still), result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"epd-transfer rank: {never} within 6s ("), last
+    assert f"), the last: {refused}: start " in last, last
+    assert result.stderr.strip().splitlines() == [first, *still, last], result.stderr
+    assert not result.stdout.strip()
 
 
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")

@@ -44,6 +44,12 @@ def test_rdma_without_a_device_is_refused_before_any_rank_starts(argv, no_rdma, 
 PREFILL_RANK = ["rank", "--role", "prefill", "--rank", "0", "--bootstrap", "127.0.0.1:1"]
 
 
+@pytest.fixture(autouse=True)
+def bootstrap_answers(monkeypatch):
+    """An encode rank here finds its bootstrap server answering at once: it waits for nothing (no socket)."""
+    monkeypatch.setattr(cli, "_wait_for_bootstrap", lambda who, address, timeout_s: timeout_s)
+
+
 def _no_rank_starts(monkeypatch):
     monkeypatch.setattr(harness, "encode_rank", _never)
     monkeypatch.setattr(harness, "prefill_rank", _never)

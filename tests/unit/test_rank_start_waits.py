@@ -1,0 +1,126 @@
+"""A rank's wait at its start (`epd-transfer rank`: a prefill rank for its encode rank's route, an encode rank
+for the bootstrap server to answer) says what it waits for, then how it goes, and why it gave up: the lines
+cli._waited writes, on a fake clock, with tries that fail as a real client's do."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from transfer import cli
+from transfer.errors import BootstrapError, BootstrapNoRoute, BootstrapUnreachable
+
+WHO, WHAT = "prefill rank 0", "encode rank 0 to register at bootstrap 10.0.0.1:8998"
+NEVER, FIX = "encode rank 0 never registered at bootstrap 10.0.0.1:8998", "start encode rank 0"
+
+
+class Clock:
+    """time.monotonic() and time.sleep() as the wait sees them; each try takes `try_s`."""
+
+    def __init__(self, try_s: float = 0.0) -> None:
+        self.now = 1000.0
+        self.try_s = try_s
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.now += seconds
+
+
+def _unreachable(cause: OSError) -> BootstrapUnreachable:
+    """What BootstrapClient raises when a try got no answer: the OSError is its cause."""
+    try:
+        raise BootstrapUnreachable(f"bootstrap server 10.0.0.1:8998 unreachable for parallel info: {cause}") from cause
+    except BootstrapUnreachable as error:
+        return error
+
+
+def _tries(clock: Clock, failures: list[BaseException], then_ready: bool = True):
+    """An attempt that raises each of `failures` in turn (the last again once they run out, unless
+    `then_ready`), each try taking clock.try_s; records the bound each try was given."""
+    bounds: list[float] = []
+
+    def attempt(bound_s: float) -> None:
+        bounds.append(bound_s)
+        clock.now += clock.try_s
+        if len(bounds) <= len(failures):
+            raise failures[len(bounds) - 1]
+        if not then_ready:
+            raise failures[-1]
+
+    return attempt, bounds
+
+
+def _wait(clock: Clock, attempt, timeout_s: float = 120.0) -> tuple[float, list[str]]:
+    lines: list[str] = []
+    left = cli._waited(WHO, WHAT, timeout_s, attempt, NEVER, FIX, say=lines.append, clock=clock, sleep=clock.sleep)
+    return left, lines
+
+
+def test_a_wait_met_at_the_first_try_says_nothing():
+    clock = Clock()
+    attempt, bounds = _tries(clock, [])
+    left, lines = _wait(clock, attempt)
+    assert lines == [] and left == 120.0 and len(bounds) == 1
+
+
+def test_a_wait_says_what_it_waits_for_then_every_ten_seconds_how_it_goes_then_that_it_ended():
+    clock = Clock()
+    refused = _unreachable(ConnectionRefusedError(111, "Connection refused"))
+    attempt, _ = _tries(clock, [refused] * 80)  # 0.05, 0.1, 0.2, 0.4 s apart, then 0.5 s: 38.75 s of refusals
+    _, lines = _wait(clock, attempt)
+    first, *still, last = lines
+    assert first.startswith(f"{WHO}: waiting up to 120s (--bootstrap-timeout, until ")
+    assert first.endswith(f") for {WHAT}; not yet: connection refused (nothing listens there)")
+    assert [line.split(": ", 2)[2].split(",")[0] for line in still] == ["10s of 120s", "20s of 120s", "30s of 120s"]
+    assert all(line.startswith(f"{WHO}: still waiting for {WHAT}: ") for line in still)
+    assert all(line.endswith("tries; last: connection refused (nothing listens there)") for line in still)
+    assert last.startswith(f"{WHO}: done waiting for {WHAT}, after 39s (81 tries)"), last
+
+
+def test_a_short_wait_says_how_it_goes_every_quarter_of_it():
+    clock = Clock()
+    attempt, _ = _tries(clock, [_unreachable(ConnectionRefusedError(111, "Connection refused"))], then_ready=False)
+    lines: list[str] = []
+    with pytest.raises(BootstrapError):
+        cli._waited(WHO, WHAT, 4.0, attempt, NEVER, FIX, say=lines.append, clock=clock, sleep=clock.sleep)
+    # Said at 0 s, then at least a second apart (tries end 0.5 s apart): at 1, 2 and 3 s.
+    assert [line.split(": ", 2)[2].split(",")[0] for line in lines[1:]] == ["1s of 4s", "2s of 4s", "3s of 4s"]
+
+
+@pytest.mark.parametrize("failure, said", [
+    (_unreachable(ConnectionRefusedError(111, "Connection refused")), "connection refused (nothing listens there)"),
+    (_unreachable(socket.gaierror(-2, "Name or service not known")),
+     "the host name does not resolve (Name or service not known)"),
+    (_unreachable(TimeoutError("timed out")), "no answer (timed out)"),
+    (BootstrapError("bootstrap server 10.0.0.1:8998 answered HTTP 503 for parallel info: busy"),
+     "bootstrap server 10.0.0.1:8998 answered HTTP 503 for parallel info: busy"),
+    (BootstrapNoRoute("no route for encode rank 0 in dp group 0 at 10.0.0.1:8998"),
+     "no route for encode rank 0 in dp group 0 at 10.0.0.1:8998"),
+], ids=["refused", "unresolvable", "no answer", "HTTP status", "no route yet"])
+def test_a_wait_that_times_out_names_what_never_happened_the_last_reason_and_what_to_do(failure, said):
+    clock = Clock(try_s=2.0)  # each try waits out its bound
+    attempt, bounds = _tries(clock, [failure], then_ready=False)
+    with pytest.raises(BootstrapError) as raised:
+        _wait(clock, attempt, timeout_s=30.0)
+    assert str(raised.value) == f"{NEVER} within 30s ({len(bounds)} tries), the last: {said}: {FIX}"
+    assert all(0.05 <= bound <= 2.0 for bound in bounds), bounds  # each try within what is left, at most 2 s
+
+
+def test_each_try_is_given_what_is_left_of_the_wait_at_most_two_seconds():
+    clock = Clock(try_s=0.7)
+    starts: list[float] = []
+    failure = _unreachable(TimeoutError("timed out"))
+
+    def attempt(bound_s: float) -> None:
+        starts.append(bound_s)
+        assert bound_s == max(0.05, min(2.0, 1003.0 - clock.now)), (bound_s, clock.now)
+        clock.now += 0.7
+        raise failure
+
+    with pytest.raises(BootstrapError):
+        _wait(clock, attempt, timeout_s=3.0)
+    assert starts[0] == 2.0 and min(starts) < 2.0
