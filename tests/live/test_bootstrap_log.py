@@ -85,17 +85,16 @@ def test_wait_ready_returns_once_the_encode_rank_registered():
 @pytest.mark.parametrize("encode_rank, said", [(None, "no encode rank registered at bootstrap"),
                                                (1, "encode rank 1 never registered at bootstrap")])
 def test_wait_ready_against_a_silent_server_ends_at_its_own_bound_not_the_clients(encode_rank, said):
-    """Each look-up gets what is left of the wait, not the client's whole timeout (5 s here)."""
+    """Each look-up gets what is left of the wait, not the client's whole timeout (5 s here): over a real
+    socket, the look-up times out and the wait ends saying so (the bounds each look-up is given:
+    tests/unit/test_bootstrap.py::test_wait_ready_gives_each_look_up_what_is_left_of_its_wait_not_the_clients_timeout)."""
     import socket
-    import time
 
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (the kernel's backlog), never answers
         address = f"127.0.0.1:{silent.getsockname()[1]}"
         client = BootstrapClient(address, timeout=5.0)
-        started = time.monotonic()
         with pytest.raises(BootstrapError, match=rf"^{said} {address} within 0.3s \(.*last: .*timed out"):
             client.wait_ready(0.3, encode_rank=encode_rank)
-        assert time.monotonic() - started < 2.5, "wait_ready(0.3) waited out the client's 5 s timeout"
 
 
 def test_an_access_log_line_shows_the_control_characters_a_client_sent_as_question_marks(caplog):

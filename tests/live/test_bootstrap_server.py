@@ -350,10 +350,9 @@ def test_dead_address_fails_fast():
     address = f"127.0.0.1:{_free_port()}"
     client = BootstrapClient(address, timeout=60.0)
     for call in (client.parallel_info, lambda: client.route(0, 0)):
-        start = time.monotonic()
-        with pytest.raises(BootstrapError, match=address):
+        with pytest.raises(BootstrapError, match=address) as raised:
             call()
-        assert time.monotonic() - start < 15
+        assert "Connection refused" in str(raised.value), raised.value  # the refusal, not a timeout
     assert client.health() is False
 
 

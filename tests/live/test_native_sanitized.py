@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 
@@ -98,12 +97,10 @@ def test_a_huge_frame_timeout_waits_like_a_long_one(timeout):
         feeder = threading.Timer(0.2, lambda: wire.write_frame(b, wire.LAYER, b"late"))
         feeder.start()
         try:
-            start = time.monotonic()
-            kind, payload, _ = _native.read_frame(a.fileno(), timeout)
+            kind, payload, _ = _native.read_frame(a.fileno(), timeout)  # one read as 0 gives up before the frame
         finally:
             feeder.join()
         assert (kind, payload) == (wire.LAYER, b"late")
-        assert time.monotonic() - start < 10
 
 
 @pytest.mark.parametrize("timeouts", [(math.nan, 1.0), (1.0, math.nan), (-math.nan, 1.0)])

@@ -358,9 +358,8 @@ def test_a_rank_that_dies_ends_the_run_at_once(demo):
     *_, prefill1 = run.ranks()
     time.sleep(2)
     os.kill(prefill1, signal.SIGKILL)  # the OOM killer's way
-    code, _, err, waited = run.finish(within=60)
+    code, _, err, _ = run.finish(within=60)  # far inside its --timeout 300: it noticed the dead rank
     assert code == 1
-    assert waited < 30, "the run waited for its timeout instead of noticing the dead rank"
     assert "prefill rank 1 died (killed by SIGKILL)" in err, err[-3000:]
     assert "Traceback" not in err.split("prefill rank 1 died")[0]  # no traceback of our own before it
     assert run.leftovers() == []
@@ -543,11 +542,9 @@ def test_metrics_endpoint_drops_a_dripping_client_within_its_deadline():
 
         dripper = threading.Thread(target=drip, daemon=True)
         dripper.start()
-        started = time.monotonic()
         try:
             # Dropped at its 1 s request deadline; the bound only tells it from the drip's end.
             assert _closed_within(sock, 15), "the dripping client was served for as long as it dripped"
-            assert time.monotonic() - started < 15
         finally:
             stop.set()
             dripper.join(5)
@@ -753,7 +750,6 @@ NETNS_BAD = [
 
 @pytest.mark.parametrize("argv, option", NETNS_BAD, ids=[" ".join(a) for a, _ in NETNS_BAD])
 def test_netns_cluster_refuses_bad_options_before_building_anything(argv, option):
-    started = time.monotonic()
     proc = subprocess.Popen(["bash", os.path.join(SCRIPTS, "netns-cluster.sh"), *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -764,7 +760,6 @@ def test_netns_cluster_refuses_bad_options_before_building_anything(argv, option
     assert proc.returncode == 2, out + err
     assert option in err and len(err.strip().splitlines()) == 1, err
     assert "netns-cluster: encode node" not in err  # no namespace was built
-    assert time.monotonic() - started < 10
 
 
 def _apt_stand_in(tmp_path):

@@ -29,21 +29,19 @@ ROWS, HIDDEN, BF16 = 4, 64, "torch.bfloat16"
 
 
 def _room(manager: SessionManager, sender: SenderPool, server: BootstrapServer, room: int,
-          buf: torch.Tensor) -> tuple[TransferPoll, str | None, float]:
-    """Sends and receives one room; (its outcome, its failure, seconds it took), its bytes checked."""
+          buf: torch.Tensor) -> tuple[TransferPoll, str | None]:
+    """Sends and receives one room; (its outcome, its failure), its bytes checked."""
     item = torch.randn(ROWS, HIDDEN).to(torch.bfloat16)
-    started = time.monotonic()
     sent = sender.send(room, item)
     handle = manager.receive(room, server.address, buf[room % 2])
     outcome = handle.wait(30)
-    took = time.monotonic() - started
     failure = handle.failure
     if outcome == TransferPoll.Success:
         assert torch.equal(buf[room % 2].view(torch.uint8), item.view(torch.uint8))
     handle.clear()
     sent.wait(5)
     sent.clear()
-    return outcome, failure, took
+    return outcome, failure
 
 
 def _served_then_gone(engine, manager: SessionManager, server: BootstrapServer, buf: torch.Tensor) -> int:
@@ -66,7 +64,7 @@ def test_a_socket_to_an_encode_rank_with_nothing_under_way_is_closed_once_idle(e
         assert wait_until(lambda: not manager._driver._sockets and not manager._driver._monitors, 5), \
             "the idle socket to the encode rank is still open"
         # The next room connects afresh and announces its regions again.
-        outcome, failure, _ = _room(manager, sender, server, 2, buf)
+        outcome, failure = _room(manager, sender, server, 2, buf)
         assert outcome == TransferPoll.Success, failure
 
 
@@ -75,15 +73,14 @@ def test_an_encode_rank_restarted_at_another_port_is_looked_up_again(engines):
     where it is now instead of waiting out its deadline at the old port."""
     encode, prefill = engines
     buf = torch.zeros(2, ROWS, HIDDEN, dtype=torch.bfloat16)
-    # A deadline (60 s) far past the bound below: a room waiting it out at the old port shows.
+    # A deadline (60 s) far past the room's wait (30 s): a room waiting it out at the old port is not Success.
     with BootstrapServer(HOST, 0) as server, \
             SessionManager(prefill, 0, 1, 1, buffer=buf, host=HOST, deadline_s=60) as manager:
         old_port = _served_then_gone(encode, manager, server, buf)
         with SenderPool(encode, 0, 1, 1, server.address) as second:
             assert second.port != old_port
-            outcome, failure, took = _room(manager, second, server, 2, buf)
+            outcome, failure = _room(manager, second, server, 2, buf)
         assert outcome == TransferPoll.Success, failure
-        assert took < 20, f"room 2 took {took:.1f} s"
 
 
 def test_a_room_asked_while_its_encode_rank_is_down_reaches_it_back_at_another_port(engines):
@@ -99,19 +96,16 @@ def test_a_room_asked_while_its_encode_rank_is_down_reaches_it_back_at_another_p
         # The route as a killed rank leaves it.
         BootstrapClient(server.address).register_rank(1, 1, HOST, old_port, 0, retry_for=5)
         item = torch.randn(ROWS, HIDDEN).to(torch.bfloat16)
-        started = time.monotonic()
         handle = manager.receive(2, server.address, buf[0])
         assert wait_until(lambda: manager._driver.core.stage(2) == "queued", 5), manager._driver.core.stage(2)
         with SenderPool(encode, 0, 1, 1, server.address) as second:
             assert second.port != old_port
             sent = second.send(2, item)
-            outcome = handle.wait(30)
-            took = time.monotonic() - started
+            outcome = handle.wait(30)  # its deadline is 30 s too: one that waited it out at the old port failed
             sent.wait(5)
             sent.clear()
         assert outcome == TransferPoll.Success, handle.failure
         assert torch.equal(buf[0].view(torch.uint8), item.view(torch.uint8))
-        assert took < 15, f"room 2 took {took:.1f} s"
         handle.clear()
 
 
@@ -154,7 +148,7 @@ def test_an_encode_rank_that_keeps_moving_leaves_no_sockets_behind_and_others_ar
                 SenderPool(encode, 0, 1, 1, healthy.address) as sender, \
                 SessionManager(prefill, 0, 1, 1, buffer=buf, host=HOST, deadline_s=120) as manager:
             client, key = BootstrapClient(moving.address), (moving.address, 0, 0)
-            outcome, failure, _ = _room(manager, sender, healthy, 10_000, buf)
+            outcome, failure = _room(manager, sender, healthy, 10_000, buf)
             assert outcome == TransferPoll.Success, failure
             fds_before = _fds()
             for room in range(1, moves + 1):
@@ -164,13 +158,13 @@ def test_an_encode_rank_that_keeps_moving_leaves_no_sockets_behind_and_others_ar
                     # A caller polling, as a scheduler does, and the route the drop forgets.
                     lambda: handles[-1].poll() is not None and manager._driver.core.route(key) is None)
                 if room % 10 == 0:
-                    outcome, failure, _ = _room(manager, sender, healthy, 10_000 + room, buf)
+                    outcome, failure = _room(manager, sender, healthy, 10_000 + room, buf)
                     assert outcome == TransferPoll.Success, failure
             encode_sockets = len(manager._driver.sockets()) - 1  # less the status socket
             assert encode_sockets <= 4, f"{encode_sockets} sockets to encode ranks after {moves} moves"
             assert _fds() <= fds_before + 40, f"{_fds() - fds_before} more descriptors after {moves} moves"
             with BootstrapServer(HOST, 0) as other, SenderPool(encode, 0, 1, 1, other.address) as newcomer:
-                outcome, failure, _ = _room(manager, newcomer, other, 20_000, buf)
+                outcome, failure = _room(manager, newcomer, other, 20_000, buf)
                 assert outcome == TransferPoll.Success, failure
             for handle in handles:
                 handle.clear()

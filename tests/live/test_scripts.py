@@ -165,7 +165,6 @@ def test_launch_encode_stops_cleanly_on_ctrl_c(tmp_path):
         while time.monotonic() < deadline and len(_our_processes(port)) < 3:
             time.sleep(0.2)
         assert len(_our_processes(port)) == 3, _our_processes(port)
-        started = time.monotonic()
         proc.send_signal(signal.SIGINT)
         try:
             out, _ = proc.communicate(timeout=60)
@@ -179,7 +178,6 @@ def test_launch_encode_stops_cleanly_on_ctrl_c(tmp_path):
             proc.wait(10)
     assert proc.returncode == 130, out
     assert "interrupted" in out
-    assert time.monotonic() - started < 40
     assert not _our_processes(port), "ranks outlived Ctrl-C"
 
 

@@ -173,9 +173,7 @@ def test_the_first_byte_bound_is_checked_and_capped_by_the_idle_timeout():
     with pytest.raises(ValueError, match=r"^wire listener: a timeout is NaN$"):
         _native.wire_listen("127.0.0.1", 0, 1.0, 1.0, PAGE, 2, DEFAULT_RATE, -1.0, math.nan)
     with Raw(recv=5.0, idle=0.3, conns=1, first_byte=30.0) as lst, connect(lst.port) as sock:
-        started = time.monotonic()
-        expect_silent_close(sock, 0.3)
-        assert time.monotonic() - started < 3.0
+        expect_silent_close(sock, 0.3)  # its reason names the bound it was closed at: 0.3 s, not 30
 
 
 def test_the_engines_default_bound_frees_a_slot_long_before_the_idle_timeout():
@@ -210,9 +208,7 @@ def test_the_engines_default_bound_frees_a_slot_long_before_the_idle_timeout():
 def test_the_engine_passes_its_first_byte_bound_on():
     """WireEngine(first_byte_timeout_s=...) reaches the listener."""
     with WireEngine("127.0.0.1", first_byte_timeout_s=0.3) as rx, connect(rx.port) as sock:
-        started = time.monotonic()
-        expect_silent_close(sock, 0.3)
-        assert time.monotonic() - started < 3.0
+        expect_silent_close(sock, 0.3)  # its reason names the bound it was closed at: 0.3 s, not the default 10
         assert rx.stats()["silent"] == 1
 
 
@@ -243,9 +239,10 @@ class StalledPeer:
         self.close()
 
 
-def healthy_write_delay(stalled_writes: int, reply_timeout_s: float) -> tuple[float, list[str]]:
-    """Seconds a 1 MiB write_async to a healthy peer takes while `stalled_writes` 16 MiB writes to a
-    stalled peer are pending (all submitted first), and the stalled writes' errors."""
+def healthy_write_ahead(stalled_writes: int, reply_timeout_s: float) -> tuple[list[bool], list[str]]:
+    """A 1 MiB write_async to a healthy peer while `stalled_writes` 16 MiB writes to a stalled peer are
+    pending (all submitted first): which of the stalled writes were still pending once it landed, and
+    their errors."""
     big, small = 16 << 20, 1 << 20
     with StalledPeer() as stalled, WireEngine("127.0.0.1") as healthy, \
             WireEngine("127.0.0.1", reply_timeout_s=reply_timeout_s) as writer:
@@ -256,17 +253,25 @@ def healthy_write_delay(stalled_writes: int, reply_timeout_s: float) -> tuple[fl
         stuck = [writer.write_async(stalled.session_id, [src.data_ptr()], [0x10000], [big])
                  for _ in range(stalled_writes)]
         time.sleep(0.3)  # the stalled writes have filled their sockets and block
-        started = time.monotonic()
         batch = writer.write_async(healthy.session_id, [src.data_ptr()], [dst.data_ptr()], [small])
         writer.wait(batch, timeout_s=60)
-        took = time.monotonic() - started
+        pending, failed = [], {}
+        for ticket in stuck:
+            try:
+                pending.append(not writer.poll(ticket))
+            except TransferError as error:  # over already: it failed
+                pending.append(False)
+                failed[ticket] = str(error)
         assert torch.equal(dst, src[:small])
         errors = []
         for ticket in stuck:
+            if ticket in failed:
+                errors.append(failed[ticket])
+                continue
             with pytest.raises(TransferError) as caught:
                 writer.wait(ticket, timeout_s=60)
             errors.append(str(caught.value))
-    return took, errors
+    return pending, errors
 
 
 def test_writes_to_a_healthy_peer_do_not_wait_for_a_stalled_one():
@@ -274,8 +279,8 @@ def test_writes_to_a_healthy_peer_do_not_wait_for_a_stalled_one():
     peer: the healthy one runs at once, not queued behind them (2 s reply timeout each), and the
     stalled ones still fail: with the write timeout, at most WRITERS_PER_PEER at a time, or unsent
     once they waited for their turn as long as that (the queue's bound)."""
-    took, errors = healthy_write_delay(2 * WRITERS_PER_PEER, 2.0)
-    assert took < 1.0, f"the healthy write waited {took:.2f} s behind the stalled peer's writes"
+    pending, errors = healthy_write_ahead(2 * WRITERS_PER_PEER, 2.0)
+    assert pending == [True] * 2 * WRITERS_PER_PEER, "the healthy write waited for stalled writes to end"
     assert len(errors) == 2 * WRITERS_PER_PEER
     for error in errors[:WRITERS_PER_PEER]:
         assert "failed: write: timed out after 2 s without progress" in error, error

@@ -294,3 +294,29 @@ def test_a_registration_refused_for_its_token_says_which_and_where_to_give_it(to
                                              rf"pool the server's token \(token=; `epd-transfer rank`: --token or "
                                              rf"EPD_TOKEN\)$"):
         client.register_rank(1, 1, "10.0.0.9", 7000, 0, retry_for=0)
+
+
+@pytest.mark.parametrize("encode_rank, said", [(None, "no encode rank registered at bootstrap"),
+                                               (1, "encode rank 1 never registered at bootstrap")])
+def test_wait_ready_gives_each_look_up_what_is_left_of_its_wait_not_the_clients_timeout(monkeypatch, encode_rank,
+                                                                                         said):
+    """Against a server that never answers, each look-up waits out the bound it is given: wait_ready(0.3) on
+    a client of 5 s gives none more than the 0.3 s it has left (at least 0.05 s), and ends once they are spent."""
+    import transfer.bootstrap
+    from fakes import FakeTime
+
+    clock = FakeTime(100.0)
+    monkeypatch.setattr(transfer.bootstrap, "time", clock)
+    client = BootstrapClient("10.0.0.1:8998", timeout=5.0)
+    bounds: list[tuple[float, float]] = []
+
+    def silent(method, path, body=None, headers=None, timeout=None, answered=None):
+        bounds.append((clock.now, timeout))
+        clock.now += timeout  # a silent server: the read waits out its bound
+        raise TimeoutError("timed out")
+
+    client._request = silent
+    with pytest.raises(BootstrapError, match=rf"^{said} 10.0.0.1:8998 within 0.3s \(.*last: .*timed out"):
+        client.wait_ready(0.3, encode_rank=encode_rank)
+    assert bounds and all(bound == max(0.05, min(5.0, 100.3 - at)) for at, bound in bounds), bounds
+    assert clock.now <= 100.3 + 0.05 + 0.5, clock.now  # the last look-up and sleep started before the end
