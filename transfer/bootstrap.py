@@ -646,8 +646,9 @@ class BootstrapClient:
         self.timeout = check_seconds("timeout", timeout)
         self.token = check_token(token)
         #: Whether the last register_rank() may have left its route listed: it returned, or one of its
-        #: attempts was sent and went unanswered (the server may have taken it). False when every attempt
-        #: was refused a connection or answered with a refusal: there is no route to withdraw.
+        #: attempts was sent and went unanswered (the server may have taken it), or was cut short by an
+        #: exception such as KeyboardInterrupt. False when every attempt was refused a connection or
+        #: answered with a refusal: there is no route to withdraw.
         self.may_have_registered = False
 
     def _request(self, method: str, path: str, body: bytes | None = None,
@@ -731,6 +732,9 @@ class BootstrapClient:
                 # Only a refused connection (or a name that does not resolve) surely sent nothing.
                 if not isinstance(error, (ConnectionRefusedError, socket.gaierror)):
                     self.may_have_registered = True
+            except BaseException:  # a stop signal's exception mid-attempt: the server may have taken the PUT
+                self.may_have_registered = True
+                raise
             else:
                 answered = True
                 text = shown(raw.decode("utf-8", "replace"))

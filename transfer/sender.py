@@ -226,13 +226,13 @@ class SenderPool:
         try:
             bootstrap.register_rank(tp_size, dp_size, self.host, self.port, engine_rank, retry_for=register_timeout_s,
                                     instance=self._route.instance)
-        except BaseException:
+            self._route.listed = True
+            self._route.keep()
+        except BaseException:  # a refusal, or a stop signal's exception (KeyboardInterrupt) anywhere in here
             # A server that refused every attempt lists no route of this pool's: close() withdraws none.
             self._route.listed = bootstrap.may_have_registered
             self.close()
             raise
-        self._route.listed = True
-        self._route.keep()
 
     @property
     def bootstrap_timeout_s(self) -> float:

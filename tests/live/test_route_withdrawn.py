@@ -277,3 +277,39 @@ def test_a_pool_whose_registration_was_refused_withdraws_no_route(engines, caplo
     assert any("PUT" in line for line in requests) or "401" not in refusal, requests
     assert not any("DELETE" in line for line in requests), requests
     assert not any("may stay listed" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def _answered_then_stopped(request):
+    """BootstrapClient._request that takes the server's answer to a PUT, then meets a stop signal's exception
+    (a rank's SIGTERM handler raises KeyboardInterrupt wherever the main thread is)."""
+
+    def answered_then_stopped(client, method, *args, **kwargs):
+        answer = request(client, method, *args, **kwargs)
+        if method == "PUT":
+            raise KeyboardInterrupt
+        return answer
+    return answered_then_stopped
+
+
+def _keeper_stopped(route) -> None:
+    raise KeyboardInterrupt  # as the signal's handler raises it while the route keeper's thread starts
+
+
+@pytest.mark.parametrize("where", ["as its registration's answer is read", "as its route keeper starts"])
+def test_a_pool_stopped_by_a_signal_after_the_server_took_its_registration_withdraws_its_route(engines, monkeypatch,
+                                                                                               where):
+    """A rank stopped (SIGTERM) while its sender pool starts, once the server listed its route: the pool's
+    construction raises the signal's KeyboardInterrupt, and the route is withdrawn by then, so no prefill
+    rank is sent to a rank that is gone."""
+    import transfer.sender
+
+    encode, _ = engines
+    if where.startswith("as its registration"):
+        monkeypatch.setattr(BootstrapClient, "_request", _answered_then_stopped(BootstrapClient._request))
+    else:
+        monkeypatch.setattr(transfer.sender._Route, "keep", _keeper_stopped)
+    with BootstrapServer(HOST, 0) as server:
+        with pytest.raises(KeyboardInterrupt):
+            SenderPool(encode, 0, 1, 1, server.address)
+        monkeypatch.undo()
+        assert server.registered_ranks == 0, "the stopped pool's route stayed listed"

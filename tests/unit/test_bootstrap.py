@@ -320,3 +320,18 @@ def test_wait_ready_gives_each_look_up_what_is_left_of_its_wait_not_the_clients_
         client.wait_ready(0.3, encode_rank=encode_rank)
     assert bounds and all(bound == max(0.05, min(5.0, 100.3 - at)) for at, bound in bounds), bounds
     assert clock.now <= 100.3 + 0.05 + 0.5, clock.now  # the last look-up and sleep started before the end
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit], ids=["KeyboardInterrupt", "SystemExit"])
+def test_a_registration_interrupted_in_flight_may_have_registered(stop):
+    """A stop signal's exception (a rank's SIGTERM handler raises KeyboardInterrupt) taken while an attempt
+    waits for its answer: the server may have taken the PUT, so the pool's close must withdraw the route."""
+    client = BootstrapClient("127.0.0.1:1")
+
+    def interrupted(method, path, body=None, headers=None, timeout=None, answered=None):
+        raise stop()
+
+    client._request = interrupted
+    with pytest.raises(stop):
+        client.register_rank(1, 1, "10.0.0.1", 7000, 0, retry_for=5.0)
+    assert client.may_have_registered is True
