@@ -31,15 +31,28 @@ the group's timeout (`init_process_group`/`new_group` `timeout=`); this module s
 A collective the backend fails (a rank that did not make the same call within that
 timeout, or that left) raises CollectiveError (a UsageError) on the ranks that were in it,
 naming the step, this rank and the batch's rooms; misuse raises UsageError or ConfigError.
+
+Calls on one group run one at a time in a process: `reassemble` and `agree` from several
+threads on the same group take turns (a lock per group), so one call's collectives never
+pair with another's on a peer. A call waits for its turn at most the group's timeout, then
+raises UsageError without entering a collective. The turns are per process: the ranks must
+still make their calls on a group in the same order, so threads that share a group must be
+ordered by the caller (one thread per group does it); calls taken in another order on
+another rank raise UsageError on every rank (other rooms or another number of items at
+the agreement) with no row written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
+import threading
+import weakref
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -85,6 +98,45 @@ def _is_ok(ok: object) -> bool:
     return bool(ok)
 
 
+_turns_lock = threading.Lock()
+# One lock per process group; a destroyed group's lock goes with it.
+_turns: weakref.WeakKeyDictionary[dist.ProcessGroup, threading.Lock] = weakref.WeakKeyDictionary()
+
+
+def _group_timeout(group: dist.ProcessGroup) -> timedelta:
+    """The timeout the group's collectives wait under (torch's default for the backend where it cannot be read)."""
+    try:
+        timeout = group._get_backend(_default_device(group)).options._timeout
+    except Exception:  # noqa: BLE001 - a private attribute of torch's; the default bounds the wait as well
+        timeout = None
+    if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+        timeout = dist.default_pg_timeout
+    return timeout
+
+
+@contextlib.contextmanager
+def _one_call_at_a_time(group: dist.ProcessGroup | None, what: str) -> Iterator[None]:
+    """Holds the group's turn for one call: another thread's reassemble/agree on the same group waits for it
+    (at most the group's timeout, then UsageError), so two calls' collectives never interleave."""
+    key = group if group is not None else dist.distributed_c10d._get_default_group()
+    with _turns_lock:
+        lock = _turns.get(key)
+        if lock is None:
+            lock = _turns[key] = threading.Lock()
+    timeout = _group_timeout(key)
+    if not lock.acquire(timeout=timeout.total_seconds()):
+        raise UsageError(
+            f"{what}: another thread of this process was in reassemble() or agree() on the same group for the "
+            f"group's whole timeout ({timeout.total_seconds():g} s), so this call did not start: calls on one "
+            f"group run one at a time in a process, and every rank must make them in the same order. Make the "
+            f"calls on a group from one thread (or order the threads), and look for the call that is stuck; "
+            f"the peers waiting for this call end with CollectiveError")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def _default_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where a collective's tensors must live for the group's backend."""
     if dist.get_backend(group) == "nccl":
@@ -104,6 +156,13 @@ def agree(oks: Sequence[bool], group: dist.ProcessGroup | None = None, *, keys: 
     make every rank raise.
     """
     _check_member(group, "agree")
+    with _one_call_at_a_time(group, "agree"):
+        return _agree(oks, group, keys, device)
+
+
+def _agree(oks: Sequence[bool], group: dist.ProcessGroup | None, keys: Sequence[Sequence[int]] | None,
+           device: torch.device | str | None) -> list[bool]:
+    """agree(), with the group's turn held."""
     target, refusal = _default_device(group), None
     if device is not None:
         try:  # a device the group cannot use must still reach the collective (on one it can), as a refusal
@@ -380,8 +439,16 @@ def reassemble(items: Iterable[ShardedItem], group: dist.ProcessGroup | None = N
     contradicts the group, whose items are not iterable, or that holds an item without an
     integer room or a readable outcome, makes every rank raise ConfigError (a ValueError, naming the reason on that
     rank). A rank outside `group` raises ConfigError.
+    Calls on one group from several threads of a process run one at a time (see the module's text).
     """
     _check_member(group, "reassemble")
+    with _one_call_at_a_time(group, "reassemble"):
+        return _reassemble(items, group, block_size, rank_in_block)
+
+
+def _reassemble(items: Iterable[ShardedItem], group: dist.ProcessGroup | None, block_size: int | None,
+                rank_in_block: int | None) -> list[bool]:
+    """reassemble(), with the group's turn held."""
     size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     refusal = _check_block(size, rank, block_size, rank_in_block)
