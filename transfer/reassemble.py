@@ -560,20 +560,44 @@ _KEY_NAMES = ("span", "row bytes", "dtype", "deepstack row bytes", "deepstack dt
 
 
 def _log_disagreements(items: Sequence[ShardedItem], oks: list[bool], reduced: torch.Tensor, rank: int) -> None:
-    """Log why an item that was ok on this rank failed: another rank's outcome, or which geometry differs."""
+    """Log why items that were ok on this rank failed, in at most two lines per batch: those another rank
+    failed (how many, the first rooms), and those whose geometry differs (how many, the first rooms' parts)."""
     width = (reduced.shape[1] - 1) // 2 if reduced.numel() else 0
+    failed: list[object] = []
+    differ: list[tuple[object, str]] = []
     for i, ok in enumerate(oks):
         if not ok:
             continue
         row = reduced[i]
         if row[0] != 1:
-            log.warning("room %s failed on another rank of the group; failing it on rank %d", items[i].room, rank)
+            failed.append(items[i].room)
             continue
-        differ = [f"{name} {int(row[k])} .. {int(-row[width + k])}"
-                  for k, name in enumerate(_KEY_NAMES, start=2) if row[k] != -row[width + k]]
-        if differ:
-            log.warning("room %s has another geometry on another rank of the group (%s); failing it on rank %d",
-                        items[i].room, ", ".join(differ), rank)
+        parts = [f"{name} {int(row[k])} .. {int(-row[width + k])}"
+                 for k, name in enumerate(_KEY_NAMES, start=2) if row[k] != -row[width + k]]
+        if parts:
+            differ.append((items[i].room, ", ".join(parts)))
+    if len(failed) == 1:
+        log.warning("room %s failed on another rank of the group; failing it on rank %d", failed[0], rank)
+    elif failed:
+        log.warning("%d rooms failed on another rank of the group (rooms %s); failing them on rank %d",
+                    len(failed), _first(failed, _NAMED_ROOMS), rank)
+    if len(differ) == 1:
+        log.warning("room %s has another geometry on another rank of the group (%s); failing it on rank %d",
+                    differ[0][0], differ[0][1], rank)
+    elif differ:
+        log.warning("%d rooms have another geometry on another rank of the group (%s); failing them on rank %d",
+                    len(differ), _first([f"room {room}: {parts}" for room, parts in differ], _NAMED_GEOMETRIES,
+                                        "; "), rank)
+
+
+_NAMED_ROOMS = 8  # rooms one line names
+_NAMED_GEOMETRIES = 3  # rooms whose differing geometry one line spells out
+
+
+def _first(things: Sequence[object], count: int, sep: str = ", ") -> str:
+    """The first `count` of `things`, joined, and how many more: `1, 2, 3 and 5 more`."""
+    more = f" and {len(things) - count} more" if len(things) > count else ""
+    return sep.join(str(thing) for thing in things[:count]) + more
 
 
 def _check_block(size: int, rank: int, block_size: int | None, rank_in_block: int | None) -> str | None:

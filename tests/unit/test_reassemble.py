@@ -89,3 +89,39 @@ def test_items_sharing_memory_are_named_and_adjacent_ones_are_not():
     assert problems[1].startswith("its full tensor shares memory with room 3's full tensor")
     assert problems[3] == "its full tensor and its deepstack share memory: give each its own"
     assert reassemble_module._shared_memory(items, [0, 2, 4]) == {}  # only the usable items are compared
+
+
+def _disagreement_lines(caplog, here: list[tuple[bool, tuple[int, ...]]],
+                        there: list[tuple[bool, tuple[int, ...]]]) -> list[str]:
+    """What this rank logs about the items another rank failed or saw otherwise: the agreement's MIN of both
+    ranks' rows, built as the all-reduce would, given to the logging step."""
+    rows = [reassemble_module._table([ok for ok, _ in side], [key for _, key in side])[2] for side in (here, there)]
+    width = 1 + 2 * len(here[0][1])
+    reduced = torch.minimum(torch.tensor(rows[0]), torch.tensor(rows[1])).view(len(here), width)
+    items = [ShardedItem(key[0], torch.zeros(1, 1), ok) for ok, key in here]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="transfer.reassemble"):
+        reassemble_module._log_disagreements(items, [ok for ok, _ in here], reduced, 1)
+    return [record.getMessage() for record in caplog.records]
+
+
+def test_a_batch_another_rank_failed_is_one_line_naming_the_count_and_the_first_rooms(caplog):
+    geometry = (8, 24, 1, -1, -1)
+    here = [(True, (100 + i, *geometry)) for i in range(20)]
+    there = [(False, key) for _, key in here]
+    assert _disagreement_lines(caplog, here, there) == [
+        "20 rooms failed on another rank of the group (rooms 100, 101, 102, 103, 104, 105, 106, 107 and 12 more); "
+        "failing them on rank 1"]
+    one = [(True, (7, *geometry)), (True, (8, *geometry))]
+    assert _disagreement_lines(caplog, one, [(True, one[0][1]), (False, one[1][1])]) == [
+        "room 8 failed on another rank of the group; failing it on rank 1"]
+
+
+def test_a_batch_whose_geometry_differs_is_one_line_spelling_out_the_first_rooms(caplog):
+    here = [(True, (100 + i, 8, 24, 1, -1, -1)) for i in range(5)]
+    there = [(True, (100 + i, 9 if i else 8, 24, 1 if i else 2, -1, -1)) for i in range(5)]
+    assert _disagreement_lines(caplog, here, there) == [
+        "5 rooms have another geometry on another rank of the group (room 100: dtype 1 .. 2; room 101: span 8 .. 9; "
+        "room 102: span 8 .. 9 and 2 more); failing them on rank 1"]
+    assert _disagreement_lines(caplog, here[:2], there[:1] + here[1:2]) == [
+        "room 100 has another geometry on another rank of the group (dtype 1 .. 2); failing it on rank 1"]
