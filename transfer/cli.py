@@ -470,7 +470,7 @@ def _stopping() -> None:
     """The rank unwinds from now on: its --timeout alarm is off, and a stop signal that comes meanwhile (a
     supervisor's second SIGTERM, a second Ctrl-C) is noted instead of raised, so it cannot cut the closing
     short halfway (a route left listed, rooms never failed); the closing is bounded by itself
-    (EPD_CLOSE_TIMEOUT_S on the encode side). SIGKILL still ends the rank at once. A signal ignored when
+    (EPD_CLOSE_TIMEOUT_S). SIGKILL still ends the rank at once. A signal ignored when
     the rank started stays ignored."""
     signal.setitimer(signal.ITIMER_REAL, 0)
     for stop in _STOP_SIGNALS:

@@ -182,10 +182,11 @@ SETTINGS: tuple[Setting, ...] = (
             "at doubling waits up to EPD_POLL_MAX_S; on RDMA, about a small write's time"),
     Setting("EPD_POLL_MAX_S", "poll_max_s", "SenderPool", 1e-3, "seconds",
             "the longest wait between polls of writes in flight (at most 1 s)"),
-    Setting("EPD_CLOSE_TIMEOUT_S", "close_timeout_s", "SenderPool", 10.0, "seconds",
+    Setting("EPD_CLOSE_TIMEOUT_S", "close_timeout_s", "SenderPool and SessionManager", 10.0, "seconds",
             "the whole close(): withdrawing the route, waiting for writes in flight, stopping the thread; "
-            "writes still in flight then are abandoned, their rooms failed (keep it under a supervisor's "
-            "stop grace, 30 s in Kubernetes)"),
+            "writes still in flight then are abandoned, their rooms failed; on the prefill side, look-ups "
+            "still under way are left to end alone (keep it under a supervisor's stop grace, 30 s in "
+            "Kubernetes)"),
     # Two fanout timeouts and a transfer timeout, 10 s spare (why: transfer.buffers.QUARANTINE_S).
     Setting("EPD_QUARANTINE_S", "quarantine_s", "ReceivePool", 2 * 120.0 + 30.0 + 10.0, "seconds0",
             "how long a failed room's slot is held back unless its cancel is confirmed"),

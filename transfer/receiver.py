@@ -12,7 +12,9 @@ pushes the room's TransferInfo itself with a non-blocking send.
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -170,9 +172,11 @@ class SessionManager:
         integrity: bool = True,
         metrics: Metrics | None = None,
         bootstrap_timeout_s: float | None = None,
+        close_timeout_s: float | None = None,
     ) -> None:
         """`deadline_s` (default: EPD_DEADLINE_S, else 60 s) bounds each room; `lookup_timeout_s`
-        (default: EPD_LOOKUP_TIMEOUT_S, else 2 s) each bootstrap look-up. `bootstrap_timeout_s` is
+        (default: EPD_LOOKUP_TIMEOUT_S, else 2 s) each bootstrap look-up; `close_timeout_s` (default:
+        EPD_CLOSE_TIMEOUT_S, else 10 s) the whole close(), see there. `bootstrap_timeout_s` is
         the deprecated name of `lookup_timeout_s`. Raises ConfigError for a bad argument or variable,
         ConfigTypeError for an argument of the wrong type (a rank or size that is not an int, a
         port that is not an int, pair or string, an `integrity` that is not True or False, an `engine`
@@ -183,6 +187,7 @@ class SessionManager:
                                           "lookup_timeout_s", lookup_timeout_s)
         deadline_s = config.resolve("EPD_DEADLINE_S", deadline_s)
         lookup_timeout_s = config.resolve("EPD_LOOKUP_TIMEOUT_S", lookup_timeout_s)
+        close_timeout_s = config.resolve("EPD_CLOSE_TIMEOUT_S", close_timeout_s)
         integrity = config.check_flag("SessionManager", "integrity", integrity)
         parse_ports(status_port)  # a bad setting fails before any memory is registered
         config.check_engine("SessionManager", engine)
@@ -198,6 +203,7 @@ class SessionManager:
         self.dp_size = dp_size
         self.deadline_s = deadline_s
         self.lookup_timeout_s = lookup_timeout_s
+        self.close_timeout_s = close_timeout_s
         self.integrity = integrity
         self.host = host or engine.hostname
         if not self.host.isascii():
@@ -246,7 +252,7 @@ class SessionManager:
         # Holds what closing needs, never the manager: a manager dropped without close() is closed by it.
         self._dropped = weakref.finalize(self, _close_dropped, self._driver, engine, (engine_rank, id(self)),
                                          self._owned, f"prefill rank {engine_rank} (status port {self.status_port})",
-                                         release_metrics)
+                                         release_metrics, close_timeout_s)
         self._dropped.atexit = False  # at exit the daemon threads go with the process
         rooms = self._driver.rooms
         # Through the claim: they leave the metrics with it, at close (a set that outlives the
@@ -492,16 +498,22 @@ class SessionManager:
         return self.metrics.snapshot()
 
     def close(self) -> None:
-        """Fails rooms still in flight, stops the I/O thread, closes sockets, unregisters owned memory.
+        """Fails rooms still in flight, stops the I/O thread, closes sockets, unregisters owned memory;
+        returns within `close_timeout_s`.
 
         Its rooms are given up as clear() gives them up: each encode rank asked for one not
         yet known safe is sent its cancel, which its socket gets a moment to send after it
         is closed (close() waits for no answer). Every pool slot its rooms still lease goes
         back as clear() gives it: freed when no write can land in it any more (see
         ReceiveHandle.safe_to_reuse), quarantined otherwise; a handle's `rows` are the
-        pool's again once this returned. In a process forked from the one that made the
-        manager, it only marks the manager closed: what it would close is the parent's.
+        pool's again once this returned. What is still busy at `close_timeout_s` is left to
+        end alone, and one error line names it: bootstrap look-ups still waiting for their
+        server (each ends at `lookup_timeout_s`, delivering nothing), an I/O thread stuck
+        inside a step (its rooms fail here; it closes its sockets if it ever returns). In a
+        process forked from the one that made the manager, it only marks the manager closed:
+        what it would close is the parent's.
         """
+        close_by = time.monotonic() + self.close_timeout_s
         with self._closing:
             if self._closed:
                 return
@@ -509,7 +521,8 @@ class SessionManager:
             self._dropped.detach()
             if self._driver.forked:  # its thread, sockets and registrations are the parent's, not this child's
                 return
-            _close(self._driver, self.engine, (self.engine_rank, id(self)), self._owned, self._release_metrics)
+            _close(self._driver, self.engine, (self.engine_rank, id(self)), self._owned, self._release_metrics,
+                   close_by)
 
     def _unregister_owned(self) -> None:
         """Unregisters the memory this manager registered."""
@@ -579,13 +592,14 @@ class SessionManager:
 
 
 def _close(driver: PrefillDriver, engine: TransferEngineLike, claim: tuple[int, int], owned: list[int],
-           release_metrics: Callable[[], None] | None = None) -> None:
-    """Closes a session manager's parts: the driver, the memory it registered, then its claim on the
-    engine (a new manager there finds no memory of this one still registered); lets go of its metrics."""
+           release_metrics: Callable[[], None] | None = None, close_by: float = math.inf) -> None:
+    """Closes a session manager's parts: the driver (by `close_by`, time.monotonic()), the memory it
+    registered, then its claim on the engine (a new manager there finds no memory of this one still
+    registered); lets go of its metrics."""
     if release_metrics is not None:
         release_metrics()
     try:
-        driver.close()
+        driver.close(close_by=close_by)
         for record in list(driver.rooms.values()):
             lease = _take_lease(record)
             if lease is not None:  # the driver closed: no confirmation is heard any more
@@ -613,7 +627,8 @@ def _settle(lease: Slot, fate: Fate, event: EventLike | None = None) -> None:
 
 
 def _close_dropped(driver: PrefillDriver, engine: TransferEngineLike, claim: tuple[int, int], owned: list[int],
-                   name: str, release_metrics: Callable[[], None] | None = None) -> None:
+                   name: str, release_metrics: Callable[[], None] | None = None,
+                   close_timeout_s: float = math.inf) -> None:
     """A SessionManager was dropped without close(): says so, and closes it on a thread of its own
     (the collection may run on any thread, the I/O thread too, which closing joins). A forked child's
     copy is the parent's manager: nothing of it is this process's to close."""
@@ -626,7 +641,7 @@ def _close_dropped(driver: PrefillDriver, engine: TransferEngineLike, claim: tup
 
     def close() -> None:
         try:
-            _close(driver, engine, claim, owned, release_metrics)
+            _close(driver, engine, claim, owned, release_metrics, time.monotonic() + close_timeout_s)
         finally:
             with _managed_lock:
                 if _closing_engines.get(engine) is closed:

@@ -77,9 +77,9 @@ def test_a_second_close_returns_only_once_the_manager_is_closed():
         manager = SessionManager(engine, 0, 1, 1, buffer=torch.zeros(1024, dtype=torch.uint8))
         stop = manager._driver.close
 
-        def slow_stop() -> None:
+        def slow_stop(**kwargs) -> None:
             time.sleep(0.5)  # the first close() is still stopping the driver
-            stop()
+            stop(**kwargs)
 
         manager._driver.close = slow_stop
         first = threading.Thread(target=manager.close)

@@ -436,11 +436,17 @@ class PrefillDriver:
             except Exception:  # noqa: BLE001 - the pool's bookkeeping must not stop the I/O thread
                 log.exception("room %d: freeing its memory after its cancel was confirmed failed", record.room)
 
-    def close(self, reason: str = "session manager closed") -> None:
-        """Fails rooms still open, stops the threads and closes the sockets, unless the I/O thread is stuck."""
+    def close(self, reason: str = "session manager closed", close_by: float = math.inf) -> None:
+        """Fails rooms still open, stops the threads and closes the sockets, unless the I/O thread is stuck.
+
+        Returns by `close_by` (time.monotonic()) whatever happens: a thread still busy then (the I/O
+        thread, a caller's wait() inside a checksum, a look-up thread waiting for its server) is left
+        to end alone, its sockets with it, and one error line names it."""
+        started = time.monotonic()
+        self._lookups.stop()  # a look-up answered from now on delivers nothing
         # receive() files rooms under the lock: none is filed after this. A thread stuck while
         # holding it keeps receive() out anyway, so close() goes on without it.
-        locked = self._lock.acquire(timeout=STOP_WAIT_S)
+        locked = self._lock.acquire(timeout=_left(close_by, STOP_WAIT_S))
         try:
             if self._stopping:
                 return
@@ -449,24 +455,37 @@ class PrefillDriver:
             if locked:
                 self._lock.release()
         self._waker.wake()
-        self._thread.join(timeout=STOP_WAIT_S)
+        self._thread.join(timeout=_left(close_by, STOP_WAIT_S))
         with self._exit_lock:
             stuck = self._abandoned = not self._exited
+        # Held by no thread once the I/O thread stopped, unless one is stuck inside a step.
+        held = not stuck and self._lock.acquire(timeout=-1 if math.isinf(close_by) else _left(close_by, math.inf))
         failure = Failure(FailureKind.CLOSED, reason)
-        if stuck:
-            # It may be inside the core, the lock or a socket: leave all three to it (it closes
-            # the sockets when it stops) and conclude the rooms through the thread-safe table.
-            log.error("prefill rank %d: the I/O thread did not stop; it keeps its sockets until it does",
-                      self.engine_rank)
+        if not held:
+            # It may be inside the core, the lock or a socket: leave all three to it (the I/O thread
+            # closes the sockets when it stops) and conclude the rooms through the thread-safe table.
+            what = ("the I/O thread did not stop within %.1fs of close(); it keeps its sockets until it does"
+                    if stuck else "a thread held the session manager's lock for %.1fs of close(); its sockets stay "
+                    "open")
+            log.error("prefill rank %d: " + what + ", and its rooms fail now", self.engine_rank,
+                      time.monotonic() - started)
             for record in list(self.rooms.values()):
                 self._conclude(self.clock(), Conclude(record.room, record.token, failure))
         else:
-            with self._lock:
+            try:
                 now = self.clock()
                 self._carry(now, self.core.close(now, failure))
                 cancelled = self._send_cancels_left()
-            self._close_sockets(cancelled)
-        self._lookups.close(timeout=self.lookup_timeout_s + 1.0)
+            finally:
+                self._lock.release()
+            self._close_sockets(cancelled, close_by)
+        still = self._lookups.join(_left(close_by, self.lookup_timeout_s + 1.0))
+        if still:
+            log.error("prefill rank %d: closing left %d bootstrap look-ups still under way after %.1fs (%s); "
+                      "their threads end at their look-up timeout (%gs), delivering nothing%s", self.engine_rank,
+                      len(still), time.monotonic() - started, ", ".join(map(_lookup_text, still[:8])) +
+                      (f" and {len(still) - 8} more" if len(still) > 8 else ""), self.lookup_timeout_s,
+                      "" if math.isinf(close_by) else "; raise close_timeout_s (EPD_CLOSE_TIMEOUT_S) to wait for them")
         for throttled in (self._complaints, self._failures):
             throttled.flush()  # the counts of warnings left out that no later one will tell
 
@@ -481,16 +500,27 @@ class PrefillDriver:
             self._carry(self.clock(), self._send_cancel(cancel))
         return queued
 
-    def _close_sockets(self, cancelled: Collection[tuple[str, int]] = ()) -> None:
+    def _close_sockets(self, cancelled: Collection[tuple[str, int]] = (), close_by: float = math.inf) -> None:
         """Closes every socket and the wakers; only once the I/O thread stopped. The sockets to the encode
         addresses in `cancelled` get CANCEL_FLUSH_MS to send the cancels queued on them (ZMQ's I/O thread
-        sends them: this does not wait)."""
-        with self._watch:  # a waiting caller sleeps on the status socket's descriptor
+        sends them: this does not wait). A caller's wait() still inside a turn at `close_by` (a checksum
+        that does not return) keeps the status socket and its waker: it sleeps on their descriptors."""
+        # A waiting caller sleeps on the status socket's descriptor; the rooms' conclusions woke it.
+        watched = self._watch.acquire(timeout=-1 if math.isinf(close_by) else _left(close_by, math.inf))
+        try:
             with self._lock:
-                self._status_sock.close(0)
+                if watched:
+                    self._status_sock.close(0)
                 for addr in list(self._sockets):
                     self._disconnect(addr, CANCEL_FLUSH_MS if addr in cancelled else 0)
-            self._watch_waker.close()
+            if watched:
+                self._watch_waker.close()
+            else:
+                log.error("prefill rank %d: a wait() on a room did not return by close's bound; its status "
+                          "socket stays open", self.engine_rank)
+        finally:
+            if watched:
+                self._watch.release()
         self._waker.close()
 
     def sockets(self) -> list[zmq.Socket]:
@@ -916,6 +946,18 @@ class PrefillDriver:
         self._tell_waiters()
 
 
+def _left(deadline: float, most: float) -> float:
+    """Seconds from now (time.monotonic()) to `deadline`, at most `most`, at least 0."""
+    return max(0.0, min(most, deadline - time.monotonic()))
+
+
+def _lookup_text(action: LookUpParallel | LookUpRoute) -> str:
+    """A look-up as a log line names it."""
+    if type(action) is LookUpRoute:
+        return f"encode rank {action.key[2]} (dp group {action.key[1]}) at bootstrap {action.bootstrap_addr}"
+    return f"the parallel sizes at bootstrap {action.bootstrap_addr}"
+
+
 class _LookUps:
     """Bootstrap look-ups on up to `threads` threads, started as needed; results go to `deliver`."""
 
@@ -931,6 +973,7 @@ class _LookUps:
         self._threads: list[threading.Thread] = []
         self._idle = 0
         self._stopping = False
+        self._busy: dict[int, Any] = {}  # the look-up each thread is inside, by thread id
 
     def submit(self, action: LookUpParallel | LookUpRoute) -> None:
         """Queues a look-up; never blocks."""
@@ -946,19 +989,33 @@ class _LookUps:
             else:
                 self._cond.notify()
 
-    def close(self, timeout: float) -> None:
-        """Stops the threads; one inside a look-up gets until `timeout` (its own is bounded too)."""
+    def stop(self) -> None:
+        """No look-up starts, and none is delivered, once this returned."""
         with self._cond:
             self._stopping = True
             self._jobs.clear()
             self._cond.notify_all()
+
+    def join(self, timeout: float) -> list[LookUpParallel | LookUpRoute]:
+        """Waits up to `timeout` for the threads to end (stop() first); the look-ups still under way then
+        (each bounded by its own timeout, after which its thread ends)."""
+        with self._cond:
             threads = list(self._threads)
         ends = time.monotonic() + timeout
         for thread in threads:
             thread.join(max(0.0, ends - time.monotonic()))
+        with self._cond:
+            return list(self._busy.values())
+
+    def close(self, timeout: float) -> list[LookUpParallel | LookUpRoute]:
+        """Stops the threads; one inside a look-up gets until `timeout` (its own is bounded too). Returns the
+        look-ups still under way then."""
+        self.stop()
+        return self.join(timeout)
 
     def _work(self) -> None:
         _io.name_this_thread(self._name)
+        me = threading.get_ident()
         while True:
             with self._cond:
                 self._idle += 1
@@ -967,11 +1024,13 @@ class _LookUps:
                 if self._stopping:
                     return
                 action = self._jobs.popleft()
+                self._busy[me] = action
             result = self._look_up(action)
-            with self._cond:
+            with self._cond:  # held while delivering: nothing is delivered once stop() returned
+                del self._busy[me]
                 if self._stopping:
                     return
-            self._deliver(result)
+                self._deliver(result)
 
     def _look_up(self, action: LookUpParallel | LookUpRoute) -> tuple:
         """One look-up, as the event tuple the I/O thread feeds to the core."""
