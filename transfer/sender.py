@@ -290,28 +290,57 @@ class SenderPool:
         state = RoomState(room, time.monotonic())
         # Registered before the item is published: a TransferInfo may dispatch it at once.
         state.release = self._hold_registered(region, ds_region)
-        offer = Offer(room, state, region.addr, span, hidden, dtype, row_bytes,
-                      None if ds_region is None else ds_region.addr, ds_row_bytes, ready_event, (region, ds_region))
-        with self._book.lock:
-            # Looked at under the lock close() sets it under: an item published here is
-            # one the driver will serve or fail.
-            if self._book.stopping:
-                refused: Exception | None = self._stopped_error()
-            elif room in self._book.held:
-                refused = ConfigError(f"room {room} is already being sent; clear() it first")
-            else:
-                refused = None
-                self._book.held[room] = state
-                self._table.start(room, TransferPoll.WaitingForInput)
-                # Counted before the driver has the item: no scrape sees the room concluded, or its writes
-                # queued or written, before it counts the room started.
-                self.metrics.inc("rooms_started_total")
-                self._driver.offer(offer)
-        if refused is not None:
-            if state.release is not None:
+        counted = False
+        try:
+            offer = Offer(room, state, region.addr, span, hidden, dtype, row_bytes,
+                          None if ds_region is None else ds_region.addr, ds_row_bytes, ready_event, (region, ds_region))
+            with self._book.lock:
+                # Looked at under the lock close() sets it under: an item published here is
+                # one the driver will serve or fail.
+                if self._book.stopping:
+                    refused: Exception | None = self._stopped_error()
+                elif room in self._book.held:
+                    refused = ConfigError(f"room {room} is already being sent; clear() it first")
+                else:
+                    refused = None
+                    self._book.held[room] = state
+                    self._table.start(room, TransferPoll.WaitingForInput)
+                    # Counted before the driver has the item: no scrape sees the room concluded, or its writes
+                    # queued or written, before it counts the room started.
+                    self.metrics.inc("rooms_started_total")
+                    counted = True
+                    self._driver.offer(offer)
+            if refused is None:
+                return SendHandle(self, state)
+        except BaseException as exc:
+            self._withdraw(state, counted, exc)
+            raise
+        if state.release is not None:
+            state.release()
+        raise refused
+
+    def _withdraw(self, state: RoomState, counted: bool, exc: BaseException) -> None:
+        """Undoes a send() that raised before its caller had the handle: the room number is free again and
+        the item's sources are let go of (by the driver, once no write reads them, if it may have the item);
+        a room counted started concludes Failed, naming the error."""
+        book = self._book
+        try:
+            if counted:
+                book.conclude(state, TransferPoll.Failed,
+                              Failure(FailureKind.OTHER, f"send() raised {exc!r} before returning the room's "
+                                                         f"handle; the room was withdrawn"), time.monotonic())
+        finally:
+            with book.lock:
+                published = book.held.get(state.room) is state
+                if published:
+                    del book.held[state.room]
+                    self._table.clear(state.room)
+                    # After the item, if offer() queued it: the core fails it, and releases its sources once
+                    # nothing reads them; one it never filed it releases at once (EncodeCore.clear). A thread
+                    # that takes no more commands let go of every hold at its close.
+                    self._driver.post("clear", state.room, state)
+            if not published and state.release is not None:  # nothing but this call holds its sources
                 state.release()
-            raise refused
-        return SendHandle(self, state)
 
     def _raw_source(self, room: int, region: _io.Region) -> _io.Region:
         """A raw source pointer's region: on the device of the registered tensor around it, else host memory.
@@ -362,16 +391,17 @@ class SenderPool:
         book = self._book
         # Concluded here, not by the core, so the handle reads Failed at once; the core's own
         # conclusion of this room then finds it concluded (and no longer held) and does nothing.
-        book.conclude(state, TransferPoll.Failed, CLEARED, time.monotonic())
-        with book.lock:
-            if book.held.get(state.room) is not state:
-                return
-            del book.held[state.room]
-            served = self._table.get(state.room) is TransferPoll.Success
-            self._table.clear(state.room)
-            # A room served in full leaves nothing to tell anyone: the driver drops it on its
-            # next turn, without a wake-up of its own.
-            self._driver.post("clear", state.room, state, wake=not served)
+        try:
+            book.conclude(state, TransferPoll.Failed, CLEARED, time.monotonic())
+        finally:  # forgotten however the conclusion's count went: its number is free again
+            with book.lock:
+                if book.held.get(state.room) is state:
+                    del book.held[state.room]
+                    served = self._table.get(state.room) is TransferPoll.Success
+                    self._table.clear(state.room)
+                    # A room served in full leaves nothing to tell anyone: the driver drops it on its
+                    # next turn, without a wake-up of its own.
+                    self._driver.post("clear", state.room, state, wake=not served)
 
     def concluded(self) -> list[int]:
         """Rooms that reached Success or Failed since the last call, oldest first, each once.

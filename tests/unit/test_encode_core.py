@@ -1258,3 +1258,17 @@ def test_every_item_is_expected_once_the_core_closed():
     run = Run()
     run(run.core.close(run.now))
     assert run.core.expects(3)  # it fails at once: its caller must hear it now
+
+
+def test_a_clear_of_a_send_never_filed_releases_its_sources_at_once():
+    """send() that raised after queueing its clear, its item never queued: no write reads its sources."""
+    run = Run()
+    token = Token()
+    out = run(run.core.clear(1, token, run.now))
+    assert run.of(Release, out) == [Release(1, token)] and run.conclusions() == [] and run.core.rooms() == []
+
+
+def test_a_clear_of_a_send_never_filed_releases_nothing_once_closed():
+    run = Run()
+    run(run.core.close(run.now))
+    assert run.of(Release, run(run.core.clear(1, Token(), run.now))) == []

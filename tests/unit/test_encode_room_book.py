@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from transfer._io import RoomHandle
 from transfer.core.failure import Failure, FailureKind
 from transfer.drive.encode import RoomBook, RoomState
@@ -95,3 +97,27 @@ def test_a_failure_that_names_its_room_is_logged_with_the_room_once(caplog):
         assert book.conclude(state, TransferPoll.Failed, failure, at=2.0)
     assert caplog.messages == ["room 0 failed: receiver 127.0.0.1:15018 hidden 32 != item hidden 64"]
     assert book.table.reason(0) == failure.detail  # callers and peers get the reason whole
+
+
+class _RefusingMetrics(Metrics):
+    def inc(self, name: str, amount: float = 1, **labels: object) -> None:
+        raise RuntimeError("exporter down")
+
+
+class _Notified:
+    def __init__(self) -> None:
+        self.times = 0
+
+    def notify(self) -> None:
+        self.times += 1
+
+
+def test_a_conclusion_whose_count_raises_still_wakes_the_waiters():
+    book = RoomBook(_RefusingMetrics("test"))
+    state = RoomState(1, started_at=1.0)
+    book.held[1] = state
+    book.table.start(1, TransferPoll.WaitingForInput)
+    book.conclusions = notified = _Notified()  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="exporter down"):
+        book.conclude(state, TransferPoll.Failed, Failure(FailureKind.CLEARED, "cleared"), at=2.0)
+    assert notified.times == 1 and state.concluded_at == 2.0 and book.table.get(1) is TransferPoll.Failed

@@ -406,9 +406,15 @@ class EncodeCore:
         return self._flush(now)
 
     def clear(self, room: int, token: Any, now: float) -> list:
-        """The caller forgot a room: fail it unless it concluded; its unserved asks fail after a grace."""
+        """The caller forgot a room: fail it unless it concluded; its unserved asks fail after a grace.
+
+        A token the core never filed (a send() that raised after queueing its clear, before or
+        without its item) has its sources released at once: no write of this core reads them.
+        """
         held = self._rooms.get(room)
         if held is None or held.offer.token is not token:
+            if held is None and not self._closed:
+                self._out.append(Release(room, token))
             return self._flush(now)
         del self._rooms[room]
         self._unserved.discard(room)

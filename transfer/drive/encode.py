@@ -141,9 +141,11 @@ class RoomBook:
             if self.held.get(state.room) is not state or not self.table.conclude(state.room, status, failure):
                 return False
             state.concluded_at = at
-        _io.count_concluded(self.metrics, self.failures, state.room, status is TransferPoll.Success, failure,
-                            at - state.started_at)
-        self.conclusions.notify()
+        try:
+            _io.count_concluded(self.metrics, self.failures, state.room, status is TransferPoll.Success, failure,
+                                at - state.started_at)
+        finally:
+            self.conclusions.notify()  # the room concluded, however the count went: its waiters return
         return True
 
     def progress(self, state: RoomState, status: TransferPoll, asked_at: float, at: float) -> None:
