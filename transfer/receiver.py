@@ -352,14 +352,17 @@ class SessionManager:
                                       row_start=row_start, span=span, deepstack_dst=deepstack_dst,
                                       deepstack_hidden=deepstack_hidden, lease=lease)
             self._driver.receive(record, spec)
+            return ReceiveHandle(self, record, full, full_ds, (row_start, spec.rows))
         except BaseException:
-            if lease is not None:
+            if record is not None and self._driver.rooms.get(room) is record:
+                # Filed and kept (what raised came later): cleared as clear() would, its slot to its fate.
+                self._forget(record)
+            elif lease is not None:
                 # Once the driver filed the room (its token), its ask may have left and a write may
                 # still land in the slot. The driver forgot the room: no confirmation is heard for it.
                 never_asked = record is None or not record.token
                 self._give_back(lease, fate_of(succeeded=False, memory_safe=never_asked, confirmable=False))
             raise
-        return ReceiveHandle(self, record, full, full_ds, (row_start, spec.rows))
 
     def _room(self, room: int, bootstrap_addr: str, dst: torch.Tensor | int, *, rows: int | None,
               hidden: int | None, dtype: str | None, row_start: int, span: int | None,
@@ -577,18 +580,25 @@ class SessionManager:
     def _forget(self, record: Room, event: EventLike | None = None) -> None:
         """Drops the room and gives its pool slot, if any, to its fate (transfer.core.quarantine): freed
         (after `event`), or quarantined until the encode rank confirms the room's cancel."""
-        succeeded = self._driver.clear(record)
+        error: BaseException | None = None
+        try:
+            succeeded = self._driver.clear(record)
+        except BaseException as exc:
+            if self._driver.forked or self._driver.rooms.get(record.room) is record:
+                raise  # nothing forgotten: a clear() again forgets it
+            succeeded, error = record.succeeded, exc  # forgotten before the error: the slot still goes to its fate
         if succeeded is None:  # cleared already
             return
         lease = _take_lease(record)
-        if lease is None:
-            return
-        # Read after clear(): a confirmation heard meanwhile makes the memory safe already.
-        fate = fate_of(succeeded=succeeded, memory_safe=record.memory_safe, confirmable=True,
-                       copy_out=event is not None)
-        self._give_back(lease, fate, event)
-        if fate is Fate.QUARANTINE_UNTIL_CONFIRMED:
-            self._driver.when_safe(record, lease.end_quarantine)
+        if lease is not None:
+            # Read after clear(): a confirmation heard meanwhile makes the memory safe already.
+            fate = fate_of(succeeded=succeeded, memory_safe=record.memory_safe, confirmable=True,
+                           copy_out=event is not None)
+            self._give_back(lease, fate, event)
+            if fate is Fate.QUARANTINE_UNTIL_CONFIRMED:
+                self._driver.when_safe(record, lease.end_quarantine)
+        if error is not None:
+            raise error
 
 
 def _close(driver: PrefillDriver, engine: TransferEngineLike, claim: tuple[int, int], owned: list[int],

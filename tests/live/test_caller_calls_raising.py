@@ -1,6 +1,6 @@
 """A caller-facing call that raises after it changed state leaves nothing held for the caller to lose:
-a send() that raises leaves the room number free and the item's sources let go of, and a clear() that
-raises still forgets the room.
+send() and receive() that raise leave the room number free and the item's sources or pool slot let go
+of, and a clear() that raises still forgets the room and gives its slot back.
 
 Real Mooncake engines (tcp on loopback), a real bootstrap server and real ZMQ sockets. The errors come
 from the caller's own Metrics, whose inc() of one counter raises; the one after send() queued its item
@@ -14,7 +14,9 @@ import pytest
 import torch
 from live_helpers import HOST, LIVE, item_tensor, wait_until
 
+from transfer.buffers import ReceivePool
 from transfer.metrics import Metrics, total
+from transfer import receiver
 from transfer.receiver import SessionManager
 from transfer.sender import SenderPool
 from transfer.status import TransferPoll
@@ -111,3 +113,55 @@ def test_an_encode_clear_whose_count_raises_still_frees_the_room(engines, server
         assert again.poll() == TransferPoll.WaitingForInput
         with pytest.raises(ExporterDown):
             again.clear()
+
+
+def test_a_receive_whose_count_raises_leaves_the_room_free_and_gives_its_slot_back(engines, server):
+    _, prefill = engines
+    metrics = Refusing("epd_prefill", "rooms_started_total")
+    with ReceivePool(prefill, 2 * SLOT, SLOT) as slots, \
+            SessionManager(prefill, 0, 1, 1, pool=slots, host=HOST, deadline_s=30, metrics=metrics) as manager:
+        metrics.armed = True
+        for _ in range(2):  # the second call meets the same error, not a room number still held
+            with pytest.raises(ExporterDown):
+                manager.receive(1, server.address, rows=SPAN, hidden=HIDDEN, dtype="bfloat16")
+            assert slots.stats()["leased"] == 0
+        assert manager._driver.rooms == {} and manager.concluded() == []
+
+
+def test_a_prefill_clear_whose_count_raises_still_forgets_the_room_and_gives_its_slot_back(engines, server):
+    _, prefill = engines
+    metrics = Refusing("epd_prefill", "rooms_failed_total")
+    with ReceivePool(prefill, 2 * SLOT, SLOT) as slots, \
+            SessionManager(prefill, 0, 1, 1, pool=slots, host=HOST, deadline_s=30, metrics=metrics) as manager:
+        metrics.armed = True
+        handle = manager.receive(1, server.address, rows=SPAN, hidden=HIDDEN, dtype="bfloat16")
+        assert slots.stats()["leased"] == 1
+        with pytest.raises(ExporterDown):
+            handle.clear()  # unconcluded: counted failed (cleared)
+        assert manager._driver.rooms == {}
+        assert slots.stats()["leased"] == 0  # freed, or quarantined until its cancel is confirmed
+        again = manager.receive(1, server.address, rows=SPAN, hidden=HIDDEN, dtype="bfloat16")
+        assert slots.stats()["leased"] == 1
+        with pytest.raises(ExporterDown):
+            again.clear()
+
+
+def test_a_receive_interrupted_after_filing_its_room_forgets_it_and_gives_its_slot_back(engines, server, monkeypatch):
+    _, prefill = engines
+    with ReceivePool(prefill, 2 * SLOT, SLOT) as slots, \
+            SessionManager(prefill, 0, 1, 1, pool=slots, host=HOST, deadline_s=30) as manager:
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(receiver, "ReceiveHandle", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            manager.receive(1, server.address, rows=SPAN, hidden=HIDDEN, dtype="bfloat16")
+        monkeypatch.undo()
+        assert manager._driver.rooms == {} and slots.stats()["leased"] == 0
+        snapshot = manager.stats()
+        assert total(snapshot, "epd_prefill_rooms_started_total") == 1
+        assert total(snapshot, "epd_prefill_rooms_failed_total", reason="cleared") == 1
+        again = manager.receive(1, server.address, rows=SPAN, hidden=HIDDEN, dtype="bfloat16")
+        assert slots.stats()["leased"] == 1
+        again.clear()
+    assert slots.stats()["leased"] == 0

@@ -258,17 +258,20 @@ class PrefillDriver:
                                  f"is logged): close() the manager and start a new one")
             now = self.clock()
             record.token, actions = self.core.receive(now, spec)  # refuses a room number held (nothing filed)
-            self.rooms[room] = record
-            self.table.start(room, TransferPoll.Bootstrapping)
-            # Counted before anything concludes it (the actions may): no scrape sees it concluded, not started.
-            self.metrics.inc("rooms_started_total")
+            counted = False
             try:
+                self.rooms[room] = record
+                self.table.start(room, TransferPoll.Bootstrapping)
+                # Counted before anything concludes it (the actions may): no scrape sees it concluded, not started.
+                self.metrics.inc("rooms_started_total")
+                counted = True
                 verifies = self._carry(now, actions)
             except BaseException:  # the caller gets the error and no handle: leave nothing behind
                 self.core.clear(now, room, record.token)
-                del self.rooms[room]
+                if self.rooms.get(room) is record:
+                    del self.rooms[room]
                 self.table.clear(room)
-                if record.concluded_at is None:  # counted started, so counted concluded too
+                if counted and record.concluded_at is None:  # counted started, so counted concluded too
                     self.metrics.inc("rooms_failed_total", reason=FailureKind.OTHER.value)
                 raise
             wake = self._must_wake()
@@ -296,12 +299,13 @@ class PrefillDriver:
             unconcluded = record.concluded_at is None
             if unconcluded:  # given up before it concluded: its quarantine bound runs from here
                 record.concluded_at = now
-                self.metrics.inc("rooms_failed_total", reason=FailureKind.CLEARED.value)
             if fate_of(succeeded=succeeded, memory_safe=record.memory_safe,
                        confirmable=True) is Fate.QUARANTINE_UNTIL_CONFIRMED:
                 self._awaiting_safe.add(record.token, now, record)
             self._forget_unconfirmed(now)
             cancels = bool(self._cancels_out)
+            if unconcluded:  # last: a count that raises leaves the room forgotten in full
+                self.metrics.inc("rooms_failed_total", reason=FailureKind.CLEARED.value)
         if unconcluded:
             self._tell_waiters()  # a wait() on it from another thread returns
         if cancels:
