@@ -58,6 +58,8 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable
+from datetime import datetime, timedelta
 from typing import Any, TypeGuard, cast
 from urllib.parse import SplitResult, parse_qs, urlsplit
 
@@ -636,6 +638,99 @@ class _BoundedConnection(http.client.HTTPConnection):
         self.sock.settimeout(self.timeout)
 
 
+#: How often a wait for the bootstrap server says it still waits (a quarter of the wait, where that is shorter).
+WAIT_SAY_S = 10.0
+
+
+def reason(error: BaseException) -> str:
+    """What a try to reach the bootstrap server met, in words: a refused connection, a host name that does
+    not resolve, no answer in time, or the server's answer (its HTTP status, no route yet). `error` is the
+    OSError itself, or the BootstrapError a client raised (its cause the OSError, if any)."""
+    cause = error if isinstance(error, OSError) else error.__cause__
+    if isinstance(cause, ConnectionRefusedError):
+        return "connection refused (nothing listens there)"
+    if isinstance(cause, socket.gaierror):
+        return f"the host name does not resolve ({cause.strerror})"
+    if isinstance(cause, TimeoutError):
+        return f"no answer ({str(cause) or 'timed out'})"
+    if isinstance(error, OSError):
+        return f"{type(error).__name__}: {shown(str(error))}"
+    return str(error)
+
+
+class WaitLines:
+    """What a wait for the bootstrap server says through `say(level, line)`: nothing where its first try
+    succeeds; else, at INFO, what it waits for, how long (`bound`, the setting that bounds it) and until
+    when, and why not yet; then, at WARNING, at most every WAIT_SAY_S (a quarter of the wait where that is
+    shorter) how long it has waited, the tries and the last reason; once it is over, at INFO, that it is.
+    `who`, where given, begins each line."""
+
+    def __init__(self, what: str, timeout_s: float, bound: str, say: Callable[[int, str], None], start: float,
+                 who: str = "") -> None:
+        self.what, self.timeout_s, self.bound, self._say, self.start = what, timeout_s, bound, say, start
+        self._who = f"{who}: " if who else ""
+        self._every = min(WAIT_SAY_S, timeout_s / 4)
+        self._said_at: float | None = None
+
+    def failed(self, now: float, tries: int, why: str) -> None:
+        """A try failed and another follows: says so where it is due."""
+        if self._said_at is None:
+            until = (datetime.now() + timedelta(seconds=max(0.0, self.start + self.timeout_s - now))).strftime(
+                "%H:%M:%S")
+            self._say(logging.INFO, f"{self._who}waiting up to {self.timeout_s:g}s ({self.bound}, until {until}) "
+                                    f"for {self.what}; not yet: {why}")
+        elif now - self._said_at >= self._every:
+            self._say(logging.WARNING, f"{self._who}still waiting for {self.what}: {now - self.start:.0f}s of "
+                                       f"{self.timeout_s:g}s, {tries} tries; last: {why}")
+        else:
+            return
+        self._said_at = now
+
+    def done(self, now: float, tries: int) -> None:
+        """The wait is over: says so where it said it waits."""
+        if self._said_at is not None:
+            self._say(logging.INFO, f"{self._who}done waiting for {self.what}, after {now - self.start:.0f}s "
+                                    f"({tries} tries)")
+
+
+def waited(what: str, timeout_s: float, attempt: Callable[[float], None], never: str, fix: str,
+           say: Callable[[int, str], None], *, who: str = "", bound: str = "timeout", ends_s: float | None = None,
+           try_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
+           sleep: Callable[[float], None] = time.sleep) -> float:
+    """Tries `attempt(bound_s)` until it returns, for at most `timeout_s` seconds; returns the seconds left.
+
+    `attempt` raises BootstrapError while `what` has not happened, each try given what is left (at least
+    0.05 s, at most `try_s`); tries come 0.05 s apart, doubling to 0.5 s. What it says: WaitLines, naming
+    `bound` as what ends the wait, after `ends_s` (timeout_s by default; less where the caller ends it
+    sooner by other means). Past timeout_s: BootstrapError `NEVER within Ts (N tries), the last: WHY: FIX`.
+    """
+    start = clock()
+    deadline = start + timeout_s
+    lines = WaitLines(what, timeout_s if ends_s is None else min(ends_s, timeout_s), bound, say, start, who)
+    tries = 0
+    delay = 0.05
+    while True:
+        tries += 1
+        try:
+            attempt(max(0.05, min(try_s, deadline - clock())))
+        except BootstrapError as error:
+            why = reason(error)
+        else:
+            lines.done(clock(), tries)
+            return deadline - clock()
+        now = clock()
+        if now >= deadline:
+            raise BootstrapError(f"{never} within {timeout_s:g}s ({tries} tries), the last: {why}: {fix}")
+        lines.failed(now, tries, why)
+        sleep(min(delay, deadline - now))
+        delay = min(delay * 2, 0.5)
+
+
+def _logged(level: int, line: str) -> None:
+    """A wait's line (WaitLines) in this module's log."""
+    log.log(level, "%s", line)
+
+
 class BootstrapClient:
     """Talks to one bootstrap server with bounded timeouts (http.client: no proxies, no pickles)."""
 
@@ -717,11 +812,16 @@ class BootstrapClient:
         body, headers = self._route_request(world_size, dp_size, rank_ip, rank_port, engine_rank, instance)
         if only_if_absent:
             headers["If-None-Match"] = "*"
-        deadline = time.monotonic() + retry_for
+        start = time.monotonic()
+        deadline = start + retry_for
+        lines = WaitLines(f"encode rank {engine_rank} to be registered at bootstrap {self.address}", retry_for,
+                          "retry_for", _logged, start, who="BootstrapClient.register_rank")
+        tries = 0
         delay = 0.05
         self.may_have_registered = False
         answered = False  # whether any attempt got an HTTP answer
         while True:
+            tries += 1
             remaining = deadline - time.monotonic()
             # One attempt (retry_for 0) takes the client's whole timeout; retries share what is left of retry_for.
             attempt_s = self.timeout if not retry_for else max(0.05, min(self.timeout, remaining))
@@ -729,6 +829,7 @@ class BootstrapClient:
                 status, raw = self._request("PUT", "/route", body, headers, timeout=attempt_s)
             except (OSError, http.client.HTTPException) as error:
                 last = f"{type(error).__name__}: {shown(str(error))}"
+                why = reason(error) if isinstance(error, OSError) else last
                 # Only a refused connection (or a name that does not resolve) surely sent nothing.
                 if not isinstance(error, (ConnectionRefusedError, socket.gaierror)):
                     self.may_have_registered = True
@@ -740,6 +841,7 @@ class BootstrapClient:
                 text = shown(raw.decode("utf-8", "replace"))
                 if status == 200 and _registered(raw):
                     self.may_have_registered = True
+                    lines.done(time.monotonic(), tries)
                     return True
                 if status == 412 and only_if_absent:  # another registration holds the rank: left alone
                     return False
@@ -763,7 +865,7 @@ class BootstrapClient:
                 if status < 500:
                     raise BootstrapError(f"bootstrap server {self.address} refused encode rank "
                                          f"{engine_rank}: HTTP {status}: {text}")
-                last = f"HTTP {status}: {text}"
+                last = why = f"HTTP {status}: {text}"
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 said = (f"could not register encode rank {engine_rank} with bootstrap "
@@ -773,6 +875,7 @@ class BootstrapClient:
                 raise BootstrapUnreachable(f"{said}; nothing answered there: start the bootstrap server "
                                            f"(`epd-transfer bootstrap`, or a BootstrapServer) first, or check "
                                            f"the address and the firewall")
+            lines.failed(time.monotonic(), tries, why)
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 0.5)
 
@@ -877,31 +980,36 @@ class BootstrapClient:
         For a prefill rank started before its encode ranks: call it before the first
         receive(), whose rooms would otherwise fail at once (no encode rank registered
         yet). With `encode_rank`, also waits for that rank's route in `dp_group`. Raises
-        BootstrapError naming the last answer once the timeout passed; ConfigError for a
-        timeout outside [0, 1e6] seconds (ConfigTypeError for one that is not a number).
+        BootstrapError naming the address, the tries and the last answer once the timeout
+        passed; ConfigError for a timeout outside [0, 1e6] seconds (ConfigTypeError for one
+        that is not a number). Logged (this module's logger): where the first try fails, at
+        INFO, what it waits for, the address and until when; at WARNING, at most every 10 s,
+        how long it has waited and the last reason; at INFO, that it is over.
         """
-        deadline = time.monotonic() + check_seconds("timeout", timeout, zero_ok=True)
+        timeout = check_seconds("timeout", timeout, zero_ok=True)
+        deadline = time.monotonic() + timeout
 
-        def left() -> float:  # each attempt within what is left of the wait (and the client's own bound)
+        def left() -> float:  # each look-up within what is left of the wait (and the client's own bound)
             return max(0.05, min(self.timeout, deadline - time.monotonic()))
 
-        delay = 0.05
-        while True:
-            try:
-                sizes = self.parallel_info(left())
-                if encode_rank is not None:
-                    self.route(encode_rank, dp_group, left())
-                return sizes
-            except BootstrapError as error:
-                last = str(error)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                what = ("no encode rank registered" if encode_rank is None
-                        else f"encode rank {encode_rank} never registered")
-                group = "" if encode_rank is None else f"dp group {dp_group}; "
-                raise BootstrapError(f"{what} at bootstrap {self.address} within {timeout:g}s ({group}last: {last})")
-            time.sleep(min(delay, remaining))
-            delay = min(delay * 2, 0.5)
+        sizes: list[tuple[int, int]] = []
+
+        def ready(_bound_s: float) -> None:
+            found = self.parallel_info(left())
+            if encode_rank is not None:
+                self.route(encode_rank, dp_group, left())
+            sizes.append(found)
+
+        if encode_rank is None:
+            what, never = f"an encode rank to register at bootstrap {self.address}", "no encode rank registered"
+        else:
+            what = f"encode rank {encode_rank} (dp group {dp_group}) to register at bootstrap {self.address}"
+            never = f"encode rank {encode_rank} (dp group {dp_group}) never registered"
+        waited(what, timeout, ready, f"{never} at bootstrap {self.address}",
+               "start the encode ranks (and the bootstrap server), or give the address they register at",
+               _logged, who="BootstrapClient.wait_ready", bound="timeout", try_s=self.timeout,
+               clock=time.monotonic, sleep=time.sleep)
+        return sizes[-1]
 
     def health(self) -> bool:
         """True when the server answers /health with 200 OK."""

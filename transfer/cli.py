@@ -402,6 +402,10 @@ def _rank(args: argparse.Namespace) -> int:
     # (engine, sockets, bootstrap server) wherever it waits.
     signal.signal(signal.SIGALRM, _raise_rank_timeout)
     signal.setitimer(signal.ITIMER_REAL, args.timeout)
+
+    def start_bound() -> tuple[float, str]:  # what ends a wait at the start (what is left of --timeout: its alarm)
+        return _start_bound(args.bootstrap_timeout, signal.getitimer(signal.ITIMER_REAL)[0])
+
     noop = lambda: None  # nobody to sync with in a real deployment
     server = None
     if args.serve_bootstrap:
@@ -415,16 +419,19 @@ def _rank(args: argparse.Namespace) -> int:
     try:
         if args.role == "encode":
             if server is None:  # its registration then goes on within what is left (2 s at least: a try's bound)
-                left = _wait_for_bootstrap(f"encode rank {args.rank}", args.bootstrap, args.bootstrap_timeout)
+                left = _wait_for_bootstrap(f"encode rank {args.rank}", args.bootstrap, args.bootstrap_timeout,
+                                           start_bound())
                 sc.register_timeout_s = max(round(left, 1), 2.0)
             # After its rooms concluded, linger so the last statuses reach the prefill ranks.
-            report = harness.encode_rank(sc, args.rank, args.bootstrap, noop, noop, lambda: time.sleep(args.linger))
+            report = harness.encode_rank(sc, args.rank, args.bootstrap, noop, noop, lambda: time.sleep(args.linger),
+                                         say=_say)
             summary = {"role": "encode", "node": 0, "rank": args.rank, "items": sc.items,
                        "failed": len(report["failed"]),
                        "failures": [f"room {room}: {why}" for room, why in report["failed"]][:20]}
             ok = not report["failed"]
         else:
-            _wait_for_route(f"prefill rank {args.rank}", args.bootstrap, args.rank // sc.fanout, args.bootstrap_timeout)
+            _wait_for_route(f"prefill rank {args.rank}", args.bootstrap, args.rank // sc.fanout, args.bootstrap_timeout,
+                            start_bound())
             report = harness.prefill_rank(sc, args.rank, args.bootstrap, noop, noop, noop)
             summary = {"role": "prefill", "node": args.node, "rank": args.rank, **harness.summarize(sc, [report])}
             ok = summary["failed"] == 0 and summary["verified"]
@@ -506,11 +513,16 @@ def _raise_rank_timeout(*_: object) -> None:
     raise _RankTimeout
 
 
-#: How often a rank waiting at its start says it still waits (a quarter of its wait, where that is shorter).
-WAIT_SAY_S = 10.0
+def _start_bound(bootstrap_timeout_s: float, rank_left_s: float) -> tuple[float, str]:
+    """How long a rank's wait at its start may last, and the option that ends it: --bootstrap-timeout, or
+    --timeout where what is left of it (`rank_left_s`) ends the rank first."""
+    if rank_left_s < bootstrap_timeout_s:
+        return round(rank_left_s, 1), "--timeout"
+    return bootstrap_timeout_s, "--bootstrap-timeout"
 
 
-def _wait_for_route(who: str, bootstrap: str, encode_rank: int, timeout_s: float) -> None:
+def _wait_for_route(who: str, bootstrap: str, encode_rank: int, timeout_s: float,
+                    ends: tuple[float, str] | None = None) -> None:
     """Blocks until the bootstrap server lists encode_rank (prefill ranks may start first), saying so
     (_waited); BootstrapError naming the bootstrap address and the last reason past timeout_s."""
     from transfer.bootstrap import BootstrapClient
@@ -524,10 +536,10 @@ def _wait_for_route(who: str, bootstrap: str, encode_rank: int, timeout_s: float
     _waited(who, f"encode rank {encode_rank} to register at bootstrap {bootstrap}", timeout_s, listed,
             f"encode rank {encode_rank} never registered at bootstrap {bootstrap}",
             f"start encode rank {encode_rank} (and the bootstrap server, `epd-transfer bootstrap` or its "
-            f"--serve-bootstrap), or give this rank the address they use (--bootstrap)")
+            f"--serve-bootstrap), or give this rank the address they use (--bootstrap)", ends=ends)
 
 
-def _wait_for_bootstrap(who: str, bootstrap: str, timeout_s: float) -> float:
+def _wait_for_bootstrap(who: str, bootstrap: str, timeout_s: float, ends: tuple[float, str] | None = None) -> float:
     """Blocks until the bootstrap server answers at all (encode ranks may start first), saying so
     (_waited); returns the seconds left of timeout_s, BootstrapError past it."""
     from transfer.bootstrap import BootstrapClient
@@ -546,73 +558,27 @@ def _wait_for_bootstrap(who: str, bootstrap: str, timeout_s: float) -> float:
     return _waited(who, f"the bootstrap server at {bootstrap} to answer", timeout_s, answers,
                    f"nothing answered at bootstrap {bootstrap}",
                    "start the bootstrap server (`epd-transfer bootstrap`, or --serve-bootstrap on one encode "
-                   "rank) first, or check --bootstrap and the firewall")
+                   "rank) first, or check --bootstrap and the firewall", ends=ends)
 
 
 def _waited(who: str, what: str, timeout_s: float, attempt: Callable[[float], None], never: str, fix: str,
             say: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic,
-            sleep: Callable[[float], None] = time.sleep) -> float:
-    """Tries `attempt(bound_s)` until it returns, for at most `timeout_s` seconds; returns the seconds left.
+            sleep: Callable[[float], None] = time.sleep, ends: tuple[float, str] | None = None) -> float:
+    """bootstrap.waited() for a rank's operator: its lines begin with `who` and go to `say` (else stderr),
+    naming what ends the wait: `ends` (seconds, option), --bootstrap-timeout (timeout_s) by default.
+    Returns the seconds left of timeout_s, BootstrapError past it (`NEVER within Ts (N tries), the last:
+    WHY: FIX`); a wait that `ends` cuts shorter is ended by that option (the rank's --timeout alarm)."""
+    from transfer.bootstrap import waited
 
-    `attempt` raises BootstrapError while `what` has not happened, each try bounded by what is left (at
-    most the client's 2 s). Where the first try fails, `who` says (`say`, else on stderr) what it waits
-    for, how long and until when, and why not yet; then every WAIT_SAY_S (a quarter of timeout_s where
-    that is shorter) how long it has waited, the tries, and the last reason; once it happens, that it
-    did. Past timeout_s: BootstrapError `NEVER within Ts (N tries), the last: WHY: FIX`.
-    """
-    from transfer.errors import BootstrapError
-
-    if say is None:
-        say = _say
-    start = clock()
-    deadline = start + timeout_s
-    every = min(WAIT_SAY_S, timeout_s / 4)
-    said_at: float | None = None
-    tries = 0
-    delay = 0.05
-    while True:
-        tries += 1
-        try:
-            attempt(max(0.05, min(2.0, deadline - clock())))
-        except BootstrapError as error:
-            why = _why(error)
-        else:
-            if said_at is not None:
-                say(f"{who}: done waiting for {what}, after {clock() - start:.0f}s ({tries} tries)")
-            return deadline - clock()
-        now = clock()
-        if now >= deadline:
-            raise BootstrapError(f"{never} within {timeout_s:g}s ({tries} tries), the last: {why}: {fix}")
-        if said_at is None:
-            until = time.strftime("%H:%M:%S", time.localtime(time.time() + deadline - now))
-            say(f"{who}: waiting up to {timeout_s:g}s (--bootstrap-timeout, until {until}) for {what}; "
-                f"not yet: {why}")
-            said_at = now
-        elif now - said_at >= every:
-            say(f"{who}: still waiting for {what}: {now - start:.0f}s of {timeout_s:g}s, {tries} tries; last: {why}")
-            said_at = now
-        sleep(min(delay, deadline - now))
-        delay = min(delay * 2, 0.5)
+    told = _say if say is None else say
+    ends_s, bound = (timeout_s, "--bootstrap-timeout") if ends is None else ends
+    return waited(what, timeout_s, attempt, never, fix, lambda _level, line: told(line), who=who, bound=bound,
+                  ends_s=ends_s, clock=clock, sleep=sleep)
 
 
 def _say(line: str) -> None:
     """A rank's line for its operator: stderr, at once."""
     print(line, file=sys.stderr, flush=True)
-
-
-def _why(error: Exception) -> str:
-    """What a try to reach the bootstrap server met, in words: a refused connection, a host name that does
-    not resolve, no answer in time, or the server's answer (its HTTP status, no route yet)."""
-    import socket
-
-    cause = error.__cause__
-    if isinstance(cause, ConnectionRefusedError):
-        return "connection refused (nothing listens there)"
-    if isinstance(cause, socket.gaierror):
-        return f"the host name does not resolve ({cause.strerror})"
-    if isinstance(cause, TimeoutError):
-        return f"no answer ({str(cause) or 'timed out'})"
-    return str(error)
 
 
 class _Parser(argparse.ArgumentParser):

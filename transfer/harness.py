@@ -218,12 +218,15 @@ def make_engine(sc: Scenario):
     return Engine(hostname=sc.host, protocol=sc.protocol, device_name=getattr(sc, "device", ""))
 
 
-def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finished, abandoned=None) -> dict:
+def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finished, abandoned=None,
+                say=None) -> dict:
     """Body of one encode rank: offers every room's item to its block of prefill ranks.
 
     `abandoned()` turns true once no prefill rank will ask for anything any more (every
     one finished): the rooms still open, and those not sent yet, are then reported
     failed at once instead of waiting out the fanout timeout for asks that cannot come.
+    `say(line)`, where given, is told every WAIT_SAY_S that a room it waits for has not
+    concluded yet, and what it waits for.
     """
     from transfer.metrics import total as metric_total
     from transfer.sender import SenderPool
@@ -242,7 +245,7 @@ def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finishe
         try:
             ready()
             go()
-            given_up = _GiveUp(abandoned)
+            given_up = _GiveUp(abandoned, None if say is None else _waiting_line(sc, rank, say))
             window: deque = deque()
             for index, room in enumerate(sc.rooms):
                 if given_up.now():
@@ -278,11 +281,36 @@ ABANDONED = "every prefill rank had finished without it"
 ABANDON_GRACE_S = 1.0
 
 
-class _GiveUp:
-    """An encode rank's view of `abandoned()`: when it turned true, and its grace from then."""
+#: How often an encode rank told to (encode_rank's `say`) says a room it waits for has not concluded yet.
+WAIT_SAY_S = 10.0
 
-    def __init__(self, abandoned) -> None:
+
+def _waiting_line(sc: Scenario, rank: int, say):
+    """`waiting(handle, waited_s)` for _GiveUp: says what a room not concluded after waited_s waits for."""
+    from transfer.status import TransferPoll
+
+    first = rank * sc.fanout
+    ranks = f"prefill rank {first}" if sc.fanout == 1 else f"prefill ranks {first}-{first + sc.fanout - 1}"
+
+    def waiting(handle, waited_s: float) -> None:
+        status = handle.poll()
+        if status < TransferPoll.Transferring:
+            what = (f"waits for {ranks} to ask for it (each room at most the fanout timeout, "
+                    f"{sc.fanout_timeout_s:g}s, --bootstrap-timeout)")
+        else:
+            what = f"its writes to {ranks} go on (each at most --deadline {sc.deadline_s:g}s)"
+        say(f"encode rank {rank}: room {handle.room} not concluded after {waited_s:.0f}s ({status.name}): {what}")
+
+    return waiting
+
+
+class _GiveUp:
+    """An encode rank's view of `abandoned()`: when it turned true, and its grace from then; `waiting(handle,
+    waited_s)`, where given, is called every WAIT_SAY_S a wait for a handle goes on."""
+
+    def __init__(self, abandoned, waiting=None) -> None:
         self._abandoned = abandoned
+        self._waiting = waiting
         self.grace_end: float | None = None
 
     def now(self) -> bool:
@@ -295,16 +323,24 @@ class _GiveUp:
         """The handle's status after waiting for it up to `bound_s`, or to the grace's end once abandoned."""
         from transfer.status import TransferPoll
 
-        end = time.monotonic() + bound_s
+        start = time.monotonic()
+        end = start + bound_s
+        say_at = start + WAIT_SAY_S
         while True:
             grace_end = self.grace_end if self.now() else None
             if grace_end is not None:
                 end = min(end, grace_end)
-            left = max(0.0, end - time.monotonic())
+            now = time.monotonic()
+            left = max(0.0, end - now)
+            if self._waiting is not None:  # in slices up to the next line
+                left = min(left, max(0.0, say_at - now))
             # In slices when it may be abandoned, so that is seen within one.
             status = handle.wait(left if self._abandoned is None else min(left, 0.1))
             if status in (TransferPoll.Success, TransferPoll.Failed) or time.monotonic() >= end:
                 return status
+            if self._waiting is not None and time.monotonic() >= say_at:
+                self._waiting(handle, time.monotonic() - start)
+                say_at += WAIT_SAY_S
 
 
 def _settle_send(handle, sc: Scenario, report: dict, given_up: _GiveUp | None = None) -> None:

@@ -80,8 +80,20 @@ def test_rank_timeout_stops_a_prefill_rank_whose_encode_rank_never_registers():
     result = _rank(["--role", "prefill", "--rank", "0", "--bootstrap", f"127.0.0.1:{_free_port()}",
                     "--bootstrap-timeout", "300", "--timeout", "2"], timeout=60)
     assert result.returncode == 1, result.stderr
+    # Its wait says what ends it: --timeout, the shorter, not --bootstrap-timeout.
+    assert result.stderr.startswith("prefill rank 0: waiting up to 2s (--timeout, until "), result.stderr
     assert "prefill rank 0: stopped after --timeout 2s" in result.stderr
     assert not result.stdout.strip()
+
+
+def test_an_encode_rank_whose_prefill_rank_does_not_ask_says_so_every_ten_seconds():
+    result = _rank(["--role", "encode", "--rank", "0", "--serve-bootstrap", "--bootstrap",
+                    f"127.0.0.1:{_free_port()}", "--protocol", "wire", "--items", "2", "--span", "8", "--hidden", "64",
+                    "--bootstrap-timeout", "300", "--timeout", "12"], timeout=90)
+    assert result.returncode == 1, result.stderr
+    assert ("encode rank 0: room 0 not concluded after 10s (WaitingForInput): waits for prefill rank 0 to ask for "
+            "it (each room at most the fanout timeout, 300s, --bootstrap-timeout)") in result.stderr.splitlines()
+    assert "encode rank 0: stopped after --timeout 12s" in result.stderr
 
 
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
@@ -144,7 +156,11 @@ def test_rank_bootstrap_timeout_bounds_an_encode_ranks_registration():
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("epd-transfer rank: could not register encode rank 0 with bootstrap server "), last
     assert "within 2.0s: HTTP 503: busy" in last and "--timeout" not in result.stderr, result.stderr
-    assert "waiting" not in result.stderr, "a server that answers was waited for"
+    assert "encode rank 0: waiting" not in result.stderr, "a server that answers was waited for"
+    # The registration's retries are said meanwhile (the library's log, at WARNING).
+    assert "BootstrapClient.register_rank: still waiting for encode rank 0 to be registered at bootstrap " in (
+        result.stderr), result.stderr
+    assert "; last: HTTP 503: busy" in result.stderr, result.stderr
 
 
 def _lines(result: subprocess.CompletedProcess, starting: str) -> list[str]:

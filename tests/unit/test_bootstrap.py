@@ -297,7 +297,7 @@ def test_a_registration_refused_for_its_token_says_which_and_where_to_give_it(to
 
 
 @pytest.mark.parametrize("encode_rank, said", [(None, "no encode rank registered at bootstrap"),
-                                               (1, "encode rank 1 never registered at bootstrap")])
+                                               (1, "encode rank 1 \\(dp group 0\\) never registered at bootstrap")])
 def test_wait_ready_gives_each_look_up_what_is_left_of_its_wait_not_the_clients_timeout(monkeypatch, encode_rank,
                                                                                          said):
     """Against a server that never answers, each look-up waits out the bound it is given: wait_ready(0.3) on

@@ -47,7 +47,7 @@ PREFILL_RANK = ["rank", "--role", "prefill", "--rank", "0", "--bootstrap", "127.
 @pytest.fixture(autouse=True)
 def bootstrap_answers(monkeypatch):
     """An encode rank here finds its bootstrap server answering at once: it waits for nothing (no socket)."""
-    monkeypatch.setattr(cli, "_wait_for_bootstrap", lambda who, address, timeout_s: timeout_s)
+    monkeypatch.setattr(cli, "_wait_for_bootstrap", lambda who, address, timeout_s, ends=None: timeout_s)
 
 
 def _no_rank_starts(monkeypatch):
@@ -107,7 +107,7 @@ def test_a_rank_on_a_mooncake_path_where_mooncake_does_not_import_is_refused_bef
 
 
 def test_a_wire_rank_does_not_need_mooncake(no_rdma, no_mooncake, monkeypatch):
-    monkeypatch.setattr(harness, "encode_rank", lambda *args: {"failed": []})
+    monkeypatch.setattr(harness, "encode_rank", lambda *args, **kwargs: {"failed": []})
     assert cli.main([*RANK, "--protocol", "wire", "--linger", "0"]) == 0
 
 
@@ -249,7 +249,7 @@ def test_rank_refuses_a_bad_library_variable_before_it_starts(monkeypatch, capsy
 def test_rank_bootstrap_timeout_bounds_the_encode_ranks_registration(monkeypatch):
     seen = {}
 
-    def encode_rank(sc, *args):
+    def encode_rank(sc, *args, **kwargs):
         seen["sc"] = sc
         return {"failed": []}
 
@@ -289,7 +289,7 @@ def test_the_harness_hands_the_register_timeout_to_the_sender_pool(monkeypatch):
 def test_a_listener_that_cannot_bind_is_one_line_without_a_traceback_hint(monkeypatch, capsys):
     import zmq
 
-    def encode_rank(*args):
+    def encode_rank(*args, **kwargs):
         raise zmq.ZMQError(errno.EADDRINUSE, "encode rank 0's request socket cannot listen on "
                                              "tcp://127.0.0.1:27987: Address already in use")
 
@@ -304,7 +304,7 @@ def test_a_listener_that_cannot_bind_is_one_line_without_a_traceback_hint(monkey
 def test_a_listener_port_in_use_is_one_line_without_its_errno(monkeypatch, capsys):
     from transfer.ports import port_in_use
 
-    def encode_rank(*args):  # as a rank's request socket or wire listener says it
+    def encode_rank(*args, **kwargs):  # as a rank's request socket or wire listener says it
         raise port_in_use("encode rank 0's request socket cannot listen on 127.0.0.1:27987: Address already in use",
                           27987)
 
@@ -364,7 +364,7 @@ def test_a_rank_failure_reason_names_its_room_once(monkeypatch, capsys):
     harness._settle_send(Handle(), harness.Scenario(), report)
     assert report["failed"] == [(7, "receiver 127.0.0.1:15018 hidden 32 != item hidden 64")]
     monkeypatch.setattr(cli, "_probe_mooncake", lambda: (True, "imports"))  # a Mooncake path: rank checks it first
-    monkeypatch.setattr(harness, "encode_rank", lambda *args: report)
+    monkeypatch.setattr(harness, "encode_rank", lambda *args, **kwargs: report)
     assert cli.main([*RANK, "--linger", "0"]) == 1
     failures = json.loads(capsys.readouterr().out)["failures"]
     assert failures == ["room 7: receiver 127.0.0.1:15018 hidden 32 != item hidden 64"]

@@ -146,7 +146,7 @@ def test_the_cli_takes_a_port_or_a_range_and_refuses_anything_else():
 def test_a_rank_passes_its_port_range_to_its_scenario(monkeypatch, capsys):
     seen = {}
 
-    def encode_rank(sc, rank, *args):
+    def encode_rank(sc, rank, *args, **kwargs):
         seen["ports"] = sc.ports
         return {"role": "encode", "rank": rank, "rooms": [], "failed": []}
 
@@ -154,7 +154,7 @@ def test_a_rank_passes_its_port_range_to_its_scenario(monkeypatch, capsys):
 
     monkeypatch.setattr(harness, "encode_rank", encode_rank)
     monkeypatch.setattr(cli, "_probe_mooncake", lambda: (True, "imports"))  # a Mooncake path: rank checks it first
-    monkeypatch.setattr(cli, "_wait_for_bootstrap", lambda who, address, timeout_s: timeout_s)  # it answers
+    monkeypatch.setattr(cli, "_wait_for_bootstrap", lambda who, address, timeout_s, ends=None: timeout_s)  # it answers
     argv = ["rank", "--role", "encode", "--rank", "0", "--bootstrap", "127.0.0.1:1", "--ports", "30000-30009"]
     assert cli.main(argv) == 0
     assert seen["ports"] == "30000-30009"

@@ -124,3 +124,24 @@ def test_each_try_is_given_what_is_left_of_the_wait_at_most_two_seconds():
     with pytest.raises(BootstrapError):
         _wait(clock, attempt, timeout_s=3.0)
     assert starts[0] == 2.0 and min(starts) < 2.0
+
+
+@pytest.mark.parametrize("bootstrap_timeout, rank_left, bound", [
+    (120.0, 599.97, (120.0, "--bootstrap-timeout")),
+    (120.0, 29.96, (30.0, "--timeout")),  # the rank's alarm comes first
+])
+def test_a_rank_waits_at_its_start_within_the_bound_that_ends_it_first(bootstrap_timeout, rank_left, bound):
+    assert cli._start_bound(bootstrap_timeout, rank_left) == bound
+
+
+def test_a_wait_the_ranks_timeout_ends_first_names_that_option_and_is_left_to_its_alarm():
+    clock = Clock()
+    attempt, _ = _tries(clock, [_unreachable(ConnectionRefusedError(111, "Connection refused"))] * 60)
+    lines: list[str] = []
+    cli._waited(WHO, WHAT, 120.0, attempt, NEVER, FIX, say=lines.append, clock=clock, sleep=clock.sleep,
+                ends=(30.0, "--timeout"))
+    assert lines[0].startswith(f"{WHO}: waiting up to 30s (--timeout, until "), lines
+    # Every quarter of those 30 s; the wait itself goes on (--timeout's alarm, not the wait, ends the rank).
+    assert [line.split(": ", 2)[2].split(",")[0] for line in lines[1:-1]] == ["8s of 30s", "15s of 30s",
+                                                                             "23s of 30s"]
+    assert lines[-1].startswith(f"{WHO}: done waiting for {WHAT}, after 29s (61 tries)"), lines[-1]
