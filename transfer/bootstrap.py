@@ -825,24 +825,24 @@ class BootstrapClient:
             remaining = deadline - time.monotonic()
             # One attempt (retry_for 0) takes the client's whole timeout; retries share what is left of retry_for.
             attempt_s = self.timeout if not retry_for else max(0.05, min(self.timeout, remaining))
+            # From the request on, the server may list the route until this attempt is known to have registered
+            # nothing: a stop signal's exception (KeyboardInterrupt) anywhere in between leaves it True.
+            before, self.may_have_registered = self.may_have_registered, True
             try:
                 status, raw = self._request("PUT", "/route", body, headers, timeout=attempt_s)
             except (OSError, http.client.HTTPException) as error:
                 last = f"{type(error).__name__}: {shown(str(error))}"
                 why = reason(error) if isinstance(error, OSError) else last
                 # Only a refused connection (or a name that does not resolve) surely sent nothing.
-                if not isinstance(error, (ConnectionRefusedError, socket.gaierror)):
-                    self.may_have_registered = True
-            except BaseException:  # a stop signal's exception mid-attempt: the server may have taken the PUT
-                self.may_have_registered = True
-                raise
+                if isinstance(error, (ConnectionRefusedError, socket.gaierror)):
+                    self.may_have_registered = before
             else:
                 answered = True
-                text = shown(raw.decode("utf-8", "replace"))
                 if status == 200 and _registered(raw):
-                    self.may_have_registered = True
                     lines.done(time.monotonic(), tries)
                     return True
+                self.may_have_registered = before  # an answer that registered nothing (raised below, or retried)
+                text = shown(raw.decode("utf-8", "replace"))
                 if status == 412 and only_if_absent:  # another registration holds the rank: left alone
                     return False
                 if status == 200:

@@ -335,3 +335,20 @@ def test_a_registration_interrupted_in_flight_may_have_registered(stop):
     with pytest.raises(stop):
         client.register_rank(1, 1, "10.0.0.1", 7000, 0, retry_for=5.0)
     assert client.may_have_registered is True
+
+
+def test_a_registration_interrupted_while_its_answer_is_read_may_have_registered(monkeypatch):
+    """The stop signal lands after the server's 200 came back, while the answer is read: the server lists
+    the route, so the pool's close must withdraw it."""
+    from transfer import bootstrap
+
+    def interrupted(raw):
+        raise KeyboardInterrupt
+
+    client = BootstrapClient("127.0.0.1:1")
+    client._request = lambda *args, **kwargs: (200, b'{"status": "OK"}')
+    monkeypatch.setattr(bootstrap, "_registered", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        client.register_rank(1, 1, "10.0.0.1", 7000, 0, retry_for=5.0)
+    assert client.may_have_registered is True
+
