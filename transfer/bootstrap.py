@@ -642,6 +642,11 @@ class _BoundedConnection(http.client.HTTPConnection):
 WAIT_SAY_S = 10.0
 
 
+def _tries_text(tries: int) -> str:
+    """`1 try`, `2 tries`: a count of tries as a wait's lines and errors say it."""
+    return f"{tries} try" if tries == 1 else f"{tries} tries"
+
+
 def reason(error: BaseException) -> str:
     """What a try to reach the bootstrap server met, in words: a refused connection, a host name that does
     not resolve, no answer in time, or the server's answer (its HTTP status, no route yet). `error` is the
@@ -681,7 +686,7 @@ class WaitLines:
                                     f"for {self.what}; not yet: {why}")
         elif now - self._said_at >= self._every:
             self._say(logging.WARNING, f"{self._who}still waiting for {self.what}: {now - self.start:.0f}s of "
-                                       f"{self.timeout_s:g}s, {tries} tries; last: {why}")
+                                       f"{self.timeout_s:g}s, {_tries_text(tries)}; last: {why}")
         else:
             return
         self._said_at = now
@@ -690,7 +695,7 @@ class WaitLines:
         """The wait is over: says so where it said it waits."""
         if self._said_at is not None:
             self._say(logging.INFO, f"{self._who}done waiting for {self.what}, after {now - self.start:.0f}s "
-                                    f"({tries} tries)")
+                                    f"({_tries_text(tries)})")
 
 
 def waited(what: str, timeout_s: float, attempt: Callable[[float], None], never: str, fix: str,
@@ -720,7 +725,7 @@ def waited(what: str, timeout_s: float, attempt: Callable[[float], None], never:
             return deadline - clock()
         now = clock()
         if now >= deadline:
-            raise BootstrapError(f"{never} within {timeout_s:g}s ({tries} tries), the last: {why}: {fix}")
+            raise BootstrapError(f"{never} within {timeout_s:g}s ({_tries_text(tries)}), the last: {why}: {fix}")
         lines.failed(now, tries, why)
         sleep(min(delay, deadline - now))
         delay = min(delay * 2, 0.5)

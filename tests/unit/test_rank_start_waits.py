@@ -110,6 +110,15 @@ def test_a_wait_that_times_out_names_what_never_happened_the_last_reason_and_wha
     assert all(0.05 <= bound <= 2.0 for bound in bounds), bounds  # each try within what is left, at most 2 s
 
 
+def test_a_wait_whose_one_try_took_it_all_says_one_try():
+    clock = Clock(try_s=30.0)  # the one try waits out the whole wait
+    attempt, bounds = _tries(clock, [_unreachable(TimeoutError("timed out"))], then_ready=False)
+    with pytest.raises(BootstrapError) as raised:
+        _wait(clock, attempt, timeout_s=30.0)
+    assert len(bounds) == 1
+    assert str(raised.value) == f"{NEVER} within 30s (1 try), the last: no answer (timed out): {FIX}"
+
+
 def test_each_try_is_given_what_is_left_of_the_wait_at_most_two_seconds():
     clock = Clock(try_s=0.7)
     starts: list[float] = []
