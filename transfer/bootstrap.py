@@ -873,8 +873,8 @@ class BootstrapClient:
                 last = why = f"HTTP {status}: {text}"
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                said = (f"could not register encode rank {engine_rank} with bootstrap "
-                        f"server {self.address} within {retry_for}s: {last}")
+                said = (f"could not register encode rank {engine_rank} with bootstrap server {self.address} "
+                        f"within {retry_for:g}s ({_tries_text(tries)}), the last: {last}")
                 if answered:
                     raise BootstrapError(said)
                 raise BootstrapUnreachable(f"{said}; nothing answered there: start the bootstrap server "

@@ -112,7 +112,7 @@ def test_register_rank_refused_in_words_while_it_retries(clock, caplog):
     caplog.set_level(logging.DEBUG, logger="transfer.bootstrap")
     client = BootstrapClient(ADDRESS)
     client._request, _ = _server(clock, [ConnectionRefusedError(111, "Connection refused")])
-    with pytest.raises(BootstrapUnreachable, match=r"within 30.0s: ConnectionRefusedError: "):
+    with pytest.raises(BootstrapUnreachable, match=r"within 30s \(\d+ tries\), the last: ConnectionRefusedError: "):
         client.register_rank(2, 1, "10.0.0.2", 7002, 1, retry_for=30)
     lines = _lines(caplog)
     assert lines and all(line.endswith("connection refused (nothing listens there)") for _, line in lines), lines
@@ -126,3 +126,15 @@ def test_a_single_registration_try_logs_nothing_of_a_wait(clock, caplog):
     with pytest.raises(BootstrapError, match="HTTP 503: busy"):
         client.register_rank(2, 1, "10.0.0.2", 7002, 1, retry_for=0)
     assert _lines(caplog) == []
+
+
+def test_register_rank_that_gives_up_names_its_tries_as_wait_ready_does(clock):
+    client = BootstrapClient(ADDRESS)
+    client._request, seen = _server(clock, [(503, b"busy")], try_s=0.5)
+    with pytest.raises(BootstrapError) as raised:
+        client.register_rank(2, 1, "10.0.0.2", 7002, 1, retry_for=30)
+    assert str(raised.value) == (f"could not register encode rank 1 with bootstrap server {ADDRESS} within 30s "
+                                 f"({len(seen)} tries), the last: HTTP 503: busy")
+    client._request, seen = _server(clock, [(503, b"busy")])
+    with pytest.raises(BootstrapError, match=r"within 0s \(1 try\), the last: HTTP 503: busy$"):
+        client.register_rank(2, 1, "10.0.0.2", 7002, 1, retry_for=0)
