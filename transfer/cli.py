@@ -424,7 +424,7 @@ def _rank(args: argparse.Namespace) -> int:
                 sc.register_timeout_s = max(round(left, 1), 2.0)
             # After its rooms concluded, linger so the last statuses reach the prefill ranks.
             report = harness.encode_rank(sc, args.rank, args.bootstrap, noop, noop, lambda: time.sleep(args.linger),
-                                         say=_say)
+                                         say=_say, rank_left=lambda: signal.getitimer(signal.ITIMER_REAL)[0])
             summary = {"role": "encode", "node": 0, "rank": args.rank, "items": sc.items,
                        "failed": len(report["failed"]),
                        "failures": [f"room {room}: {why}" for room, why in report["failed"]][:20]}

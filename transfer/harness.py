@@ -219,14 +219,15 @@ def make_engine(sc: Scenario):
 
 
 def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finished, abandoned=None,
-                say=None) -> dict:
+                say=None, rank_left=None) -> dict:
     """Body of one encode rank: offers every room's item to its block of prefill ranks.
 
     `abandoned()` turns true once no prefill rank will ask for anything any more (every
     one finished): the rooms still open, and those not sent yet, are then reported
     failed at once instead of waiting out the fanout timeout for asks that cannot come.
     `say(line)`, where given, is told every WAIT_SAY_S that a room it waits for has not
-    concluded yet, and what it waits for.
+    concluded yet, and what it waits for; `rank_left()`, where given, the seconds left before the rank's
+    --timeout ends it (0: none), which the line names where that comes before the fanout timeout.
     """
     from transfer.metrics import total as metric_total
     from transfer.sender import SenderPool
@@ -245,7 +246,7 @@ def encode_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finishe
         try:
             ready()
             go()
-            given_up = _GiveUp(abandoned, None if say is None else _waiting_line(sc, rank, say))
+            given_up = _GiveUp(abandoned, None if say is None else _waiting_line(sc, rank, say, rank_left))
             window: deque = deque()
             for index, room in enumerate(sc.rooms):
                 if given_up.now():
@@ -285,8 +286,10 @@ ABANDON_GRACE_S = 1.0
 WAIT_SAY_S = 10.0
 
 
-def _waiting_line(sc: Scenario, rank: int, say):
-    """`waiting(handle, waited_s)` for _GiveUp: says what a room not concluded after waited_s waits for."""
+def _waiting_line(sc: Scenario, rank: int, say, rank_left=None):
+    """`waiting(handle, waited_s)` for _GiveUp: says what a room not concluded after waited_s waits for, and
+    what ends that wait: the fanout timeout (--bootstrap-timeout), or --timeout where `rank_left()` (the
+    seconds left of it; 0: none) ends the rank before the room's fanout timeout can."""
     from transfer.status import TransferPoll
 
     first = rank * sc.fanout
@@ -294,7 +297,11 @@ def _waiting_line(sc: Scenario, rank: int, say):
 
     def waiting(handle, waited_s: float) -> None:
         status = handle.poll()
-        if status < TransferPoll.Transferring:
+        left = rank_left() if rank_left is not None else 0.0
+        if status < TransferPoll.Transferring and 0 < left < sc.fanout_timeout_s - waited_s:
+            what = (f"waits for {ranks} to ask for it (at most {left:.0f}s more: --timeout ends the rank before "
+                    f"the fanout timeout, {sc.fanout_timeout_s:g}s, --bootstrap-timeout)")
+        elif status < TransferPoll.Transferring:
             what = (f"waits for {ranks} to ask for it (each room at most the fanout timeout, "
                     f"{sc.fanout_timeout_s:g}s, --bootstrap-timeout)")
         else:

@@ -48,6 +48,26 @@ def test_a_room_waiting_for_its_asks_is_said_every_ten_seconds_until_it_conclude
     assert lines == [said.format(10), said.format(20), said.format(30)]
 
 
+def test_a_room_wait_the_ranks_timeout_ends_first_names_that_option(clock):
+    sc = Scenario(encode_ranks=1, prefill_ranks=1, fanout_timeout_s=300.0, deadline_s=60.0)
+    lines: list[str] = []
+    ends = 50.0 + 22.0  # the rank's --timeout alarm, long before the 300 s fanout timeout
+    handle = Handle(clock, 0, TransferPoll.WaitingForInput, concludes_at=ends)
+    harness._GiveUp(None, harness._waiting_line(sc, 0, lines.append, lambda: ends - clock.now)).wait(handle, 365.0)
+    said = ("encode rank 0: room 0 not concluded after {}s (WaitingForInput): waits for prefill rank 0 to ask for "
+            "it (at most {}s more: --timeout ends the rank before the fanout timeout, 300s, --bootstrap-timeout)")
+    assert lines == [said.format(10, 12), said.format(20, 2)]
+
+
+def test_a_room_wait_the_fanout_timeout_ends_first_names_bootstrap_timeout(clock):
+    sc = Scenario(encode_ranks=1, prefill_ranks=1, fanout_timeout_s=30.0, deadline_s=60.0)
+    lines: list[str] = []
+    handle = Handle(clock, 0, TransferPoll.WaitingForInput, concludes_at=50.0 + 12.0)
+    harness._GiveUp(None, harness._waiting_line(sc, 0, lines.append, lambda: 500.0)).wait(handle, 95.0)
+    assert lines == ["encode rank 0: room 0 not concluded after 10s (WaitingForInput): waits for prefill rank 0 to "
+                     "ask for it (each room at most the fanout timeout, 30s, --bootstrap-timeout)"]
+
+
 def test_a_room_whose_writes_go_on_says_so(clock):
     sc = Scenario(encode_ranks=1, prefill_ranks=1, fanout_timeout_s=120.0, deadline_s=60.0)
     lines: list[str] = []
