@@ -761,9 +761,20 @@ def _token_default() -> _FromEnv:
     return _FromEnv("EPD_TOKEN", _token, secret=True)
 
 
+def _device(text: str) -> str:
+    """RDMA device names separated by commas, as Mooncake is to get them (engine.device_names: each stripped,
+    empty ones dropped; a name no device has refused)."""
+    from transfer.engine import device_names
+
+    try:
+        return device_names(text, what="")
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _device_default() -> _FromEnv:
-    """EPD_DEVICE from the environment, else "" (Mooncake uses every device it finds)."""
-    return _FromEnv("EPD_DEVICE", absent="")
+    """EPD_DEVICE from the environment (read as --device is), else "" (Mooncake uses every device it finds)."""
+    return _FromEnv("EPD_DEVICE", _device, absent="")
 
 
 def _add_item_shape(parser: argparse.ArgumentParser) -> None:
@@ -948,8 +959,9 @@ def build_parser() -> _Parser:
     rank.add_argument("--items", type=_positive_int, default=64, help="items (rooms) to move")
     rank.add_argument("--first-room", type=_room, default=0,
                       help="rooms are first-room .. first-room + items - 1")
-    rank.add_argument("--device", default=_device_default(),
-                      help="Mooncake RDMA device(s), e.g. mlx5_0 (default: $EPD_DEVICE, else every device found)")
+    rank.add_argument("--device", type=_device, default=_device_default(),
+                      help="Mooncake RDMA device(s), comma-separated, e.g. mlx5_0,mlx5_1 (default: $EPD_DEVICE, "
+                           "else every device found)")
     _add_item_shape(rank)
     rank.add_argument("--inflight", type=_positive_int, default=8, help="rooms in flight")
     rank.add_argument("--no-integrity", action="store_true", help="skip the checksums of landed bytes")

@@ -199,7 +199,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("EPD_TOKEN", "--token", "epd-transfer bootstrap/rank", None, "text",
             "the bearer token the bootstrap server requires for registrations"),
     Setting("EPD_DEVICE", "--device", "epd-transfer rank", None, "text",
-            "Mooncake's RDMA device(s), e.g. mlx5_0 (unset: every device found)"),
+            "Mooncake's RDMA device(s), comma-separated, e.g. mlx5_0,mlx5_1 (unset: every device found)"),
 )
 
 _BY_ENV: dict[str, Setting] = {s.env: s for s in SETTINGS}

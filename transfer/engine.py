@@ -308,6 +308,35 @@ def rdma_device_names(root: str | None = None) -> list[str]:
         return []
 
 
+#: The longest name the kernel gives an RDMA device (IB_DEVICE_NAME_MAX, 64, less its NUL).
+MAX_DEVICE_NAME_CHARS = 63
+
+#: A character no RDMA device's name holds: whitespace, '/' (each name is a sysfs folder), and the '"' and '\\'
+#: that Mooncake builds before 0.3 put inside a JSON string unescaped.
+_NOT_IN_DEVICE_NAME = re.compile(r'[\s/"\\]')
+
+
+def device_names(value: str, what: str = "device_name") -> str:
+    """`value`, RDMA device names separated by commas, as Mooncake's initialize() is to get it: each name
+    stripped of the whitespace around it, empty ones dropped, joined by ',' ("" for none: Mooncake then uses
+    every device it finds). Mooncake splits the string at each ',' and uses a device only where its name
+    equals a piece exactly, so " mlx5_1" as given would match no device.
+
+    ConfigError, naming `what` where given, for a name no RDMA device has: one with whitespace inside, a
+    control character, '/', '"' or '\\', or more than MAX_DEVICE_NAME_CHARS characters. ConfigTypeError
+    for a value that is not a str."""
+    if not isinstance(value, str):
+        raise ConfigTypeError(f"{what or 'a device list'} must be a str, not {type(value).__name__}")
+    names = [name.strip() for name in value.split(",")]
+    for name in names:
+        if name and (len(name) > MAX_DEVICE_NAME_CHARS or not name.isprintable() or _NOT_IN_DEVICE_NAME.search(name)):
+            said = f"{what}: " if what else ""
+            raise ConfigError(f"{said}{value!r} names {name!r}, which no RDMA device is called: give the names "
+                              f"under {INFINIBAND_SYSFS} separated by commas (e.g. mlx5_0,mlx5_1), each 1 to "
+                              f"{MAX_DEVICE_NAME_CHARS} printable characters without spaces, '/', '\"' or '\\'")
+    return ",".join(name for name in names if name)
+
+
 def choose_protocol(protocol: str = "auto", root: str | None = None) -> tuple[str, str]:
     """Resolve "auto" to rdma when an RDMA device exists, else tcp; returns (protocol, why)."""
     if protocol in PROTOCOLS:
@@ -350,13 +379,14 @@ def effective_protocol(protocol: str = "auto", device_name: str = "", root: str 
 
     `auto` falls back to tcp when the devices it found have no ACTIVE port. An explicit
     `rdma` with no usable device raises EngineError: Mooncake would otherwise start,
-    find no HCA and carry the writes over TCP while the engine said rdma.
+    find no HCA and carry the writes over TCP while the engine said rdma. `device_name` is
+    read as device_names() reads it (ConfigError for a name no device has).
     """
+    wanted = [d for d in device_names(device_name).split(",") if d]
     chosen, why = choose_protocol(protocol, root)
     if chosen != "rdma":
         return chosen, why
     where = INFINIBAND_SYSFS if root is None else root
-    wanted = [d.strip() for d in device_name.split(",") if d.strip()]
     present = rdma_device_names(root)
     usable = usable_rdma_devices(root)
     if wanted:
@@ -603,12 +633,14 @@ class Engine(RegisteredMemory):
         writes wait for it to answer a probe of its handshake port before they fail.
 
         Raises ConfigError for a hostname that is empty, a wildcard, does not resolve or is not this
-        host's, an unknown protocol, a device not present when the protocol is rdma, or a
+        host's, an unknown protocol, a device_name no RDMA device has (device_names(): comma-separated
+        names, each stripped; Mooncake gets them so), a device not present when the protocol is rdma, or a
         timeout outside its bound (0 < transfer_timeout_s, 0 <= open_timeout_s, both at most
         1e6 s; ConfigTypeError for one that is not a number), all before Mooncake is imported; EngineError when rdma was asked for and
         no RDMA device is usable, or Mooncake refused to start; EngineUnavailable when
         mooncake.engine cannot be imported."""
         check_hostname(hostname)
+        device_name = device_names(device_name)
         self.protocol, self.protocol_reason = effective_protocol(protocol, device_name)
         self.transfer_timeout_s = (mooncake_transfer_timeout_s() if transfer_timeout_s is None
                                    else check_seconds("transfer_timeout_s", transfer_timeout_s))
