@@ -96,10 +96,9 @@ def test_a_look_up_is_answered_while_stalled_requests_from_several_addresses_hol
         stalled = _stalled_puts(server.port, [f"127.0.0.{i}" for i in range(2, 6)], 4)
         try:
             assert wait_until(lambda: server._server._handlers == len(stalled), 5.0)
-            started = time.monotonic()
+            # Answered within the client's 2 s timeout, although each stalled request may hold its handler 10 s.
             assert client.parallel_info() == (2, 1)
             assert client.route(1, 0) == ("10.0.0.7", 17001)
-            took = time.monotonic() - started
             # The oldest stalled request gave way: it is told so, and its body is read no further.
             stalled[0].settimeout(2.0)
             answer = b""
@@ -108,7 +107,6 @@ def test_a_look_up_is_answered_while_stalled_requests_from_several_addresses_hol
         finally:
             for sock in stalled:
                 sock.close()
-    assert took < 1.0, took
     assert answer.startswith(b"HTTP/1.0 503 "), answer
     assert answer.endswith(b"bootstrap server busy: too many connections at once: this request was still "
                            b"incomplete when a newer connection needed its place"), answer
