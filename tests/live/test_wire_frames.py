@@ -245,8 +245,7 @@ def test_read_timeout_from_socket(pair):
         wire.read_frame(b)
     assert str(err.value) == "read: timed out after 0.2 s without progress"
     assert err.value.errno == errno.ETIMEDOUT
-    # Not before its timeout (a lower bound no load can break); the upper one only says it did not hang.
-    assert 0.2 <= time.monotonic() - start < 20
+    assert time.monotonic() - start >= 0.2  # not before its timeout
 
 
 def test_read_bad_fd_reports_errno():

@@ -192,19 +192,18 @@ def test_the_sender_reports_a_busy_listener_clearly():
 
 def test_refused_peers_that_stay_silent_do_not_stall_accepting():
     """Refused peers that neither read nor close are drained by the accept thread's poll, not waited
-    for (draining each for its second in turn would take 19 seconds to reach the twentieth): all
-    twenty are answered at once, a slot that frees up is taken at once, and each still reads its answer."""
-    peers = 20
+    for: all sixty are refused within the 30 s wait (draining each for its second in turn would take
+    59 seconds to reach the sixtieth), a slot that frees up is taken at once, and each still reads its
+    answer. Sixty stay within the 64 refused connections the accept thread drains at once."""
+    peers = 60
     with Listener(conns=1) as lst:
         holder = lst.connect()
         lst.wait_active(1)
-        started = time.monotonic()
         silent = [lst.connect() for _ in range(peers)]
-        deadline = started + 30
+        deadline = time.monotonic() + 30
         while lst.stats()["refused"] < peers and time.monotonic() < deadline:
             time.sleep(0.005)
-        assert lst.stats()["refused"] == peers
-        assert time.monotonic() - started < 10, "the accept thread waited on the refused connections in turn"
+        assert lst.stats()["refused"] == peers, "the accept thread waited on the refused connections in turn"
         holder.close()
         lst.wait_active(0)
         with lst.connect() as sock:

@@ -552,13 +552,16 @@ def test_a_transfer_sent_again_keeps_the_one_transfers_reply_bound():
             session = f"127.0.0.1:{peer.port}"
             writer.write(session, [src.data_ptr()], [0x10000], [4096])
             started = time.monotonic()
-            with pytest.raises(TransferError):
+            with pytest.raises(TransferError) as caught:
                 writer.write(session, [src.data_ptr()], [0x10000], [4096])
             took = time.monotonic() - started
             assert writer.stats()["retries"] == 1 and writer.stats()["connections_opened"] == 2
     finally:
         peer.close()
-    assert 3.0 <= took < 5.5, took
+    assert took >= 3.0, took  # the peer's hang-up came 3 s in
+    # The send again waited what was left of the 4 s (1 s at most, as the hang-up took 3), not 4 s anew.
+    left = re.search(r"read: timed out after ([\d.]+) s without progress", str(caught.value))
+    assert left and float(left.group(1)) <= 1.0, str(caught.value)
 
 
 def test_a_peer_host_name_the_resolver_never_answers_fails_the_write_at_the_connect_timeout(monkeypatch):
@@ -578,14 +581,13 @@ def test_a_peer_host_name_the_resolver_never_answers_fails_the_write_at_the_conn
         with WireEngine("127.0.0.1", connect_timeout_s=0.5) as writer:
             src = _random_bytes(64, 4)
             writer.register(src)
-            started = time.monotonic()
+            # Failed naming the connect timeout: a write that waited on the resolver would fail with its
+            # EAI_AGAIN, 30 s on.
             with pytest.raises(TransferError, match=r"looking up the host name 'resolver-stalls\.example' did not "
                                                     r"answer within 0\.5s \(connect_timeout_s=0\.5\)"):
                 writer.write("resolver-stalls.example:17000", [src.data_ptr()], [0x10000], [64])
-            took = time.monotonic() - started
     finally:
         unanswered.set()
-    assert took < 10.0, took
 
 
 def test_batches_still_queued_when_the_engine_closes_fail_unsent_and_count_as_write_failures():

@@ -125,7 +125,7 @@ def test_silent_connections_lose_their_slots_at_the_first_byte_bound():
         finally:
             for sock in silent:
                 sock.close()
-        assert 0.45 < took < 3.0, took
+        assert took > 0.45, took  # not before the first-byte bound, which each reason names
         assert wait_for(lambda: lst.stats()["active"] == 0, 3), lst.stats()
         with connect(lst.port) as sock:
             good_transfer(sock, lst.base, b"\x5c" * 300)
@@ -163,7 +163,7 @@ def test_a_peer_that_began_is_judged_by_the_receive_timeout_not_the_first_byte_b
         assert kind == wire.ERROR
         assert Msg.decode(payload).body.decode() == (
             "read: timed out waiting for the peer at the start of a transfer (1 of 5 header bytes)")
-        assert 0.9 < took < 3.0, took
+        assert took > 0.9, took  # not before the receive timeout, which the reason names
         assert lst.stats()["silent"] == 0
 
 
@@ -197,7 +197,7 @@ def test_the_engines_default_bound_frees_a_slot_long_before_the_idle_timeout():
             silent.settimeout(20)
             expect_silent_close(silent, 10.0)
             took = time.monotonic() - started
-        assert 9.5 < took < 14.0, took
+        assert took > 9.5, took  # not before the first-byte bound, which the reason names
         assert wait_for(lambda: rx.stats()["active"] == 0, 3)
         tx.write(rx.session_id, [src.data_ptr()], [dst.data_ptr()], [n])
         assert torch.equal(dst, src)
@@ -290,22 +290,42 @@ def test_writes_to_a_healthy_peer_do_not_wait_for_a_stalled_one():
                              error)), error
 
 
+def _under_way(writer: WireEngine, ticket: int) -> bool:
+    """Whether the write_async batch is still in flight (False once it ended, in failure too)."""
+    try:
+        return not writer.poll(ticket)
+    except TransferError:
+        return False
+
+
 def test_writers_per_peer_sets_how_many_writes_to_one_peer_run_at_once():
     """Two 16 MiB writes to a stalled peer with a 2 s reply timeout: with writers_per_peer=2 both
-    time out together (about 2 s); one writer would take them in turn (about 4 s). Zero is refused."""
+    are under way at once, each on its own connection, and both time out; one writer would open the
+    second connection only once the first write had timed out. Zero is refused."""
     with pytest.raises(ValueError, match="writers_per_peer must be at least 1"):
         WireEngine("127.0.0.1", writers_per_peer=0)
     big = 16 << 20
     with StalledPeer() as stalled, WireEngine("127.0.0.1", reply_timeout_s=2.0, writers_per_peer=2) as writer:
         src = torch.zeros(big, dtype=torch.uint8)
         writer.register(src)
-        started = time.monotonic()
         stuck = [writer.write_async(stalled.session_id, [src.data_ptr()], [0x10000], [big]) for _ in range(2)]
+        stalled.sock.settimeout(30)
+        taken = []  # kept open, never read
+        while len(taken) < len(stuck):
+            try:
+                taken.append(stalled.sock.accept()[0])
+            except TimeoutError:
+                break
+        # The second write's connection came while the first write was still under way: one writer would
+        # have opened it (if at all) only once the first had timed out.
+        in_flight = [_under_way(writer, ticket) for ticket in stuck]
+        assert len(taken) == 2 and in_flight == [True, True], (
+            f"the two writes to one peer ran one after the other: {len(taken)} connection(s), in flight {in_flight}")
         for ticket in stuck:
             with pytest.raises(TransferError, match="timed out after 2 s without progress"):
                 writer.wait(ticket, timeout_s=60)
-        took = time.monotonic() - started
-    assert took < 3.5, f"two writes to one peer took {took:.1f} s: they ran one after the other"
+        for sock in taken:
+            sock.close()
 
 
 def test_writer_pool_caps_each_peer():
