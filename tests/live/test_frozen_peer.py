@@ -28,6 +28,9 @@ pytestmark = LIVE
 SPAN, HIDDEN = 8, 64
 #: A healthy room waiting for the stopped peer's handshake would take Mooncake's 60 s.
 HEALTHY_BOUND_S = 10.0
+# How long the write to a port that never answers waits for its handshake: the healthy writes beside it
+# (milliseconds each) all end well inside it.
+SILENT_OPEN_S = 10.0
 
 #: How long after its writes failed the encode rank skips the stopped peer, with a margin.
 PAUSE_S = DEAD_SESSION_S + 2.0
@@ -116,7 +119,7 @@ def test_engine_writes_flow_while_a_port_that_accepts_never_answers():
     completes the connection and nothing ever answers. Writes to a live peer meanwhile land."""
     silent = socket.create_server((HOST, 0), backlog=8)
     session = f"{HOST}:{silent.getsockname()[1]}"
-    with silent, Engine(HOST, protocol="tcp", open_timeout_s=3.0) as writer, \
+    with silent, Engine(HOST, protocol="tcp", open_timeout_s=SILENT_OPEN_S) as writer, \
             Engine(HOST, protocol="tcp") as reader:
         src = torch.arange(4096, dtype=torch.int32).to(torch.uint8)
         dst = torch.zeros(4096, dtype=torch.uint8)
@@ -137,15 +140,16 @@ def test_engine_writes_flow_while_a_port_that_accepts_never_answers():
         try:
             for i in range(20):
                 dst.zero_()
-                started = time.monotonic()
                 writer.write(reader.session_id, [src.data_ptr()], [dst.data_ptr()], [4096])
-                took = time.monotonic() - started
-                assert took < HEALTHY_BOUND_S, f"write {i} waited {took:.1f}s for the silent port"
+                # Done while the write to the silent port still waits for its handshake: not behind it.
+                assert thread.is_alive() and outcome == [], (
+                    f"write {i} returned only after the silent port's: {outcome}")
                 assert torch.equal(dst, src), f"write {i}: bytes differ"
         finally:
             thread.join(90)
         assert len(outcome) == 1 and isinstance(outcome[0], EngineError), outcome
-        assert f"write to {session} failed (its Mooncake handshake port did not answer within 3s" in str(outcome[0])
+        assert (f"write to {session} failed (its Mooncake handshake port did not answer within {SILENT_OPEN_S:g}s"
+                in str(outcome[0])), outcome
 
 
 def test_engine_a_port_that_refuses_at_once_gets_mooncakes_own_answer_at_once():
