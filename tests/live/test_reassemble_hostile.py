@@ -526,7 +526,7 @@ def test_ranks_with_different_item_counts_raise_everywhere_promptly(tmp_path):
         first = obs["mismatch"]
         assert first["raised"] is not None and "items" in first["raised"], (rank, first)
         assert first["raised"].startswith("UsageError: reassemble:"), (rank, first)  # misuse, no CollectiveError
-        assert first["took"] < GROUP_TIMEOUT_S - 5, (rank, first["took"])
+        assert "Timed out" not in first["raised"], (rank, first)  # told, not left to the group's timeout
         assert all(first["untouched"])
         assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
 
@@ -535,7 +535,7 @@ def test_empty_list_on_one_rank_raises_everywhere_promptly(tmp_path):
     for rank, obs in enumerate(seen(run_ranks("empty_vs_items", 2, tmp_path))):
         first = obs["mismatch"]
         assert first["raised"] is not None and "items" in first["raised"], (rank, first)
-        assert first["took"] < GROUP_TIMEOUT_S - 5, (rank, first["took"])
+        assert "Timed out" not in first["raised"], (rank, first)  # told, not left to the group's timeout
         assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
 
 
@@ -547,7 +547,7 @@ def test_agree_with_different_key_widths_raises_everywhere(tmp_path):
 def test_agree_with_an_invalid_key_on_one_rank_raises_everywhere_promptly(tmp_path):
     for rank, obs in enumerate(seen(run_ranks("agree_bad_key_on_one_rank", 2, tmp_path))):
         assert obs["raised"] is not None and obs["raised"].startswith("ConfigError: agree:"), (rank, obs)
-        assert obs["took"] < GROUP_TIMEOUT_S - 5, (rank, obs["took"])
+        assert "Timed out" not in obs["raised"], (rank, obs)  # told, not left to the group's timeout
 
 
 def test_agree_with_an_unusable_argument_on_one_rank_raises_everywhere_promptly(tmp_path):
@@ -555,7 +555,7 @@ def test_agree_with_an_unusable_argument_on_one_rank_raises_everywhere_promptly(
         for name in ("key", "ok"):
             got = obs[name]
             assert got["raised"] is not None and got["raised"].startswith("ConfigError: agree:"), (rank, name, got)
-            assert got["took"] < GROUP_TIMEOUT_S - 5, (rank, name, got["took"])
+            assert "Timed out" not in got["raised"], (rank, name, got)  # told, not left to the group's timeout
         assert obs["after"] == [True, False], (rank, obs["after"])
 
 
@@ -582,7 +582,7 @@ def _refused_by_the_last_rank(observed: list[dict], names: tuple[str, ...], reas
             assert got["raised"] is not None and got["raised"].startswith("ConfigError: reassemble:"), (rank, name, got)
             expected = reason(name) if rank == len(observed) - 1 else "another rank of the group refused the batch"
             assert expected in got["raised"], (rank, name, got["raised"])
-            assert got["took"] < GROUP_TIMEOUT_S - 5, (rank, name, got["took"])
+            assert "Timed out" not in got["raised"], (rank, name, got)  # told, not left to the group's timeout
             assert all(got["untouched"]), (rank, name)
         assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
 
@@ -617,7 +617,7 @@ def test_a_dead_peer_makes_reassembly_raise_not_hang(tmp_path):
     # Not this rank's misuse: a CollectiveError (still a UsageError) naming this rank and the rooms.
     assert obs["raised"].startswith("CollectiveError: reassemble:"), obs["raised"]
     assert "rank 0 of the group" in obs["raised"] and "rooms 95 (1 item)" in obs["raised"], obs["raised"]
-    assert obs["took"] < GROUP_TIMEOUT_S - 5, obs["took"]
+    assert "Timed out" not in obs["raised"], obs["raised"]  # the peer's end was seen, not the group's timeout
     assert all(obs["untouched"])
 
 
@@ -652,7 +652,6 @@ def test_a_late_peer_raises_a_collective_error_naming_this_rank_and_the_rooms(tm
     assert got["raised"] is not None and got["raised"].startswith("CollectiveError: reassemble:"), got
     assert "rank 0 of the group" in got["raised"] and "rooms 960, 961" in got["raised"], got["raised"]
     assert "Timed out" in got["raised"], got["raised"]
-    assert got["took"] < STALL_GROUP_TIMEOUT_S + 5, got["took"]
     assert all(got["untouched"])
     got = obs["agree"]
     assert got["raised"] is not None and got["raised"].startswith("CollectiveError: agree:"), got
@@ -695,7 +694,7 @@ def test_a_rank_that_cannot_allocate_the_exchange_fails_the_batch_everywhere_pro
         short = obs["short"]
         assert short["raised"] is None, (rank, short["raised"])
         assert short["flags"] == [False] * 4 and all(short["untouched"]), (rank, short)
-        assert short["took"] < GROUP_TIMEOUT_S - 5, (rank, short["took"])
+        assert not any("Timed out" in line for line in short["log"]), (rank, short["log"])
         assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
     assert any("could not allocate" in line for line in observed[-1]["short"]["log"]), observed[-1]["short"]["log"]
 
@@ -724,7 +723,7 @@ def test_items_given_as_an_iterable_rebuild_and_no_items_raise_everywhere_prompt
         assert got["raised"] is None and got["flags"] == [True, True] and all(got["exact"]), (rank, got)
         got = obs["none"]
         assert got["raised"] is not None and got["raised"].startswith("ConfigError: reassemble:"), (rank, got)
-        assert got["took"] < GROUP_TIMEOUT_S - 5, (rank, got["took"])
+        assert "Timed out" not in got["raised"], (rank, got)  # told, not left to the group's timeout
         assert all(got["untouched"]), rank
         assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
     assert "the items are not a sequence" in observed[-1]["none"]["raised"], observed[-1]["none"]["raised"]

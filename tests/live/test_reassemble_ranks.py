@@ -255,7 +255,8 @@ def stalled(tmp_path_factory):
 def test_a_rank_that_never_reaches_reassembly_costs_the_groups_timeout_not_a_hang(stalled):
     seen = stalled
     assert seen["outcome"].startswith("raised"), seen
-    assert STALL_TIMEOUT_S - 1 <= seen["took"] <= STALL_TIMEOUT_S + 10, seen
+    assert "Timed out" in seen["message"], seen  # ended by the group's timeout
+    assert seen["took"] >= STALL_TIMEOUT_S - 1, seen  # and not before it
     assert seen["untouched"], "rows outside this rank's shard were written although nothing was agreed"
 
 
