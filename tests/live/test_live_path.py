@@ -13,7 +13,6 @@ import json
 import random
 import struct
 import sys
-import time
 import urllib.request
 
 import pytest
@@ -47,18 +46,16 @@ def expected_bytes(sc: Scenario) -> int:
     return rows * sc.row_bytes * (1 + sc.deepstack)
 
 
-def run_checked(sc: Scenario, bound_s: float) -> dict:
-    """Runs the scenario and asserts it passed: nothing failed, every byte verified, in time."""
-    started = time.monotonic()
+def run_checked(sc: Scenario) -> dict:
+    """Runs the scenario and asserts it passed: nothing failed, every byte verified (how fast is the
+    benchmarks' to say)."""
     summary = run(sc)
-    elapsed = time.monotonic() - started
     assert summary["failures"] == [] and summary["mismatches"] == [], summary
     assert summary["failed"] == 0
     assert summary["verified"] is True
     assert summary["items"] == sc.items
     assert summary["bytes"] == expected_bytes(sc)
     assert summary["encode_ranks"] == sc.encode_ranks and summary["prefill_ranks"] == sc.prefill_ranks
-    assert elapsed < bound_s, f"took {elapsed:.1f}s"
     return summary
 
 
@@ -90,7 +87,7 @@ HAPPY = {
 
 @pytest.mark.parametrize("shape", list(HAPPY), ids=list(HAPPY))
 def test_happy_path(shape):
-    summary = run_checked(scenario(**HAPPY[shape]), bound_s=90.0)
+    summary = run_checked(scenario(**HAPPY[shape]))
     assert summary["protocol"] == "tcp"
 
 
@@ -98,7 +95,7 @@ def test_happy_path(shape):
 @pytest.mark.skipif(not rdma_device_names(), reason=NO_RDMA)
 @pytest.mark.parametrize("shape", ["fanout4-sharded-empty-shards", "p4-e2-sharded-deepstack-empty-shards"])
 def test_happy_path_over_rdma(shape):
-    summary = run_checked(scenario(protocol="rdma", **HAPPY[shape]), bound_s=90.0)
+    summary = run_checked(scenario(protocol="rdma", **HAPPY[shape]))
     assert summary["protocol"] == "rdma"
 
 
@@ -106,7 +103,7 @@ def test_more_than_100_rooms_in_flight():
     # Both ends keep every room open at once: the prefill ranks ask for all 120 before
     # settling any, the encode rank offers all 120 before waiting for any.
     sc = scenario(encode_ranks=1, prefill_ranks=2, items=120, inflight=120, span=8, hidden=64, spans=None)
-    summary = run_checked(sc, bound_s=90.0)
+    summary = run_checked(sc)
     assert summary["p99_ms"] < 20_000
 
 
