@@ -9,18 +9,16 @@ on joining the rank processes, and a bounded wait for the peers' result files.""
 from __future__ import annotations
 
 import datetime
-import json
 import logging
-import multiprocessing
 import os
-import socket
 import time
-import traceback
 import zlib
 
 import pytest
+import gloo_ranks
 import torch
 import torch.distributed as dist
+from gloo_ranks import seen
 
 from transfer.reassemble import ShardedItem, agree, reassemble
 from transfer.status import TransferPoll
@@ -123,69 +121,9 @@ def judge(cases: list[Case], call) -> dict:
             "untouched": [c.untouched() for c in cases]}
 
 
-def free_port() -> int:
-    """An ephemeral port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def rank_main(scenario: str, rank: int, size: int, port: int, folder: str) -> None:
-    """Join the gloo group, run the scenario, write what it saw, wait (bounded) for the peers, exit."""
-    torch.set_num_threads(1)
-    started = time.monotonic()
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-        result = {"seen": globals()[scenario](rank, size)}
-    except BaseException:  # noqa: BLE001 - the test must hear about it
-        result = {"crashed": traceback.format_exc()}
-    result["took"] = time.monotonic() - started
-    with open(os.path.join(folder, f"rank{rank}.json.tmp"), "w") as handle:
-        json.dump(result, handle)
-    os.rename(os.path.join(folder, f"rank{rank}.json.tmp"), os.path.join(folder, f"rank{rank}.json"))
-    # A rank that leaves early would break a peer still in a collective; wait for the peers' files.
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not all(
-            os.path.exists(os.path.join(folder, f"rank{r}.json")) for r in range(size)):
-        time.sleep(0.05)
-    os._exit(0)  # no teardown: a scenario may have left the group broken on purpose
-
-
 def run_ranks(scenario: str, size: int, folder) -> list[dict]:
     """Each rank's result for `scenario` ({'missing': True, ...} for a rank that wrote none in time)."""
-    ctx = multiprocessing.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(scenario, r, size, port, str(folder)), daemon=True)
-             for r in range(size)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + JOIN_S
-    for proc in procs:
-        proc.join(max(0.1, deadline - time.monotonic()))
-    hung = [proc.is_alive() for proc in procs]
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
-    results = []
-    for r in range(size):
-        path = os.path.join(str(folder), f"rank{r}.json")
-        if os.path.exists(path):
-            with open(path) as handle:
-                results.append(json.load(handle))
-        else:
-            results.append({"missing": True, "hung": hung[r], "exitcode": procs[r].exitcode})
-    return results
-
-
-def seen(results: list[dict]) -> list:
-    """Every rank's observation; fails naming a rank that crashed or never reported."""
-    out = []
-    for rank, result in enumerate(results):
-        assert "seen" in result, f"rank {rank}: {result}"
-        out.append(result["seen"])
-    return out
+    return gloo_ranks.run_ranks(__name__, scenario, size, folder, group_timeout_s=GROUP_TIMEOUT_S, join_s=JOIN_S)
 
 
 DTYPES = ["bfloat16", "float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",

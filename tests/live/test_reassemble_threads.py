@@ -13,16 +13,12 @@ rank processes.
 from __future__ import annotations
 
 import datetime
-import json
-import multiprocessing
-import os
-import socket
 import threading
-import time
-import traceback
 
+import gloo_ranks
 import torch
 import torch.distributed as dist
+from gloo_ranks import seen
 from sharded_rows import destination, original, same_bytes
 
 from transfer.reassemble import ShardedItem, agree, reassemble
@@ -150,55 +146,9 @@ def turn_held_past_the_timeout(rank: int, size: int) -> dict:
     return found
 
 
-def rank_main(scenario: str, rank: int, size: int, port: int, folder: str) -> None:
-    """Join the gloo group, run the scenario, write what it saw, wait (bounded) for the peers, exit."""
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-        result = {"seen": globals()[scenario](rank, size)}
-    except BaseException:  # noqa: BLE001 - the test must hear about it
-        result = {"crashed": traceback.format_exc()}
-    with open(os.path.join(folder, f"rank{rank}.json.tmp"), "w") as handle:
-        json.dump(result, handle)
-    os.rename(os.path.join(folder, f"rank{rank}.json.tmp"), os.path.join(folder, f"rank{rank}.json"))
-    deadline = time.monotonic() + 30  # a rank that left early would break a peer still in a collective
-    while time.monotonic() < deadline and not all(
-            os.path.exists(os.path.join(folder, f"rank{r}.json")) for r in range(size)):
-        time.sleep(0.05)
-    os._exit(0)  # no teardown: a failing run may leave the group broken
-
-
-def free_port() -> int:
-    """An ephemeral port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_ranks(scenario: str, folder) -> list[dict]:
     """Each of two ranks' observations; fails naming a rank that crashed or never reported."""
-    ctx = multiprocessing.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(scenario, r, 2, port, str(folder)), daemon=True) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + JOIN_S
-    for proc in procs:
-        proc.join(max(0.1, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
-    out = []
-    for r in range(2):
-        path = os.path.join(str(folder), f"rank{r}.json")
-        assert os.path.exists(path), f"rank {r} wrote nothing (exit code {procs[r].exitcode})"
-        with open(path) as handle:
-            result = json.load(handle)
-        assert "seen" in result, f"rank {r}: {result}"
-        out.append(result["seen"])
-    return out
+    return seen(gloo_ranks.run_ranks(__name__, scenario, 2, folder, group_timeout_s=GROUP_TIMEOUT_S, join_s=JOIN_S))
 
 
 def test_two_threads_of_each_rank_reassembling_on_one_group_take_turns_and_rebuild_every_row(tmp_path):
