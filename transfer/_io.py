@@ -575,6 +575,12 @@ _oversized_lock = threading.Lock()
 _complaints = ThrottledLog(log)
 
 
+def seconds_left(deadline: float, most: float) -> float:
+    """Seconds from now (time.monotonic()) to `deadline`, at most `most`, at least 0: one wait's share of
+    a bound that several waits take turns at (a close()'s)."""
+    return max(0.0, min(most, deadline - time.monotonic()))
+
+
 def status_connection_limit(wanted: int = MAX_STATUS_CONNECTIONS) -> int:
     """`wanted`, cut to a quarter of the descriptors this process may open and of the context's sockets."""
     sockets = CONTEXT_MAX_SOCKETS

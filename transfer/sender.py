@@ -530,14 +530,14 @@ class _Route:
         times out (ROUTE_CHECK_TIMEOUT_S), registering nothing."""
         self.closing.set()
         if self.keeper is not None and self.keeper is not threading.current_thread():
-            if self.registering.acquire(timeout=_left(deadline, ROUTE_CHECK_TIMEOUT_S + 1.0)):
+            if self.registering.acquire(timeout=_io.seconds_left(deadline, ROUTE_CHECK_TIMEOUT_S + 1.0)):
                 self.registering.release()
         self.refusals.flush()  # how many failed registrations again went unlogged
 
     def unregister(self, deadline: float = math.inf) -> None:
         """DELETE /route for this rank, once, within UNREGISTER_TIMEOUT_S (and by `deadline`, though never in
         less than a millisecond); logs what came of it, never raises."""
-        timeout = max(1e-3, _left(deadline, UNREGISTER_TIMEOUT_S))
+        timeout = max(1e-3, _io.seconds_left(deadline, UNREGISTER_TIMEOUT_S))
         try:
             client = BootstrapClient(self.bootstrap_addr, timeout=timeout, token=self.token)
             removed = client.unregister_rank(self.world_size, self.dp_size, self.host, self.port, self.engine_rank,
@@ -550,11 +550,6 @@ class _Route:
         log.debug("sender pool of encode rank %d: bootstrap %s %s its route to %s:%d", self.engine_rank,
                   self.bootstrap_addr, "dropped" if removed else "kept another registration (or none) as", self.host,
                   self.port)
-
-
-def _left(deadline: float, most: float) -> float:
-    """Seconds from now to `deadline`, at most `most`, at least 0."""
-    return max(0.0, min(most, deadline - time.monotonic()))
 
 
 def _close(book: RoomBook, driver: EncodeDriver, route: _Route,
@@ -577,7 +572,7 @@ def _close(book: RoomBook, driver: EncodeDriver, route: _Route,
     thread = driver.thread
     # A later close() waits as long as the first may: its caller may close the engine next.
     if thread.ident is not None and thread is not threading.current_thread():
-        thread.join(timeout=_left(deadline, close_timeout_s))
+        thread.join(timeout=_io.seconds_left(deadline, close_timeout_s))
     if thread.ident is not None and not thread.is_alive():
         driver.release_sources()  # those of a thread that stopped before it let go of them (idempotent)
     if first and thread.is_alive():

@@ -450,7 +450,7 @@ class PrefillDriver:
         self._lookups.stop()  # a look-up answered from now on delivers nothing
         # receive() files rooms under the lock: none is filed after this. A thread stuck while
         # holding it keeps receive() out anyway, so close() goes on without it.
-        locked = self._lock.acquire(timeout=_left(close_by, STOP_WAIT_S))
+        locked = self._lock.acquire(timeout=_io.seconds_left(close_by, STOP_WAIT_S))
         try:
             if self._stopping:
                 return
@@ -459,11 +459,12 @@ class PrefillDriver:
             if locked:
                 self._lock.release()
         self._waker.wake()
-        self._thread.join(timeout=_left(close_by, STOP_WAIT_S))
+        self._thread.join(timeout=_io.seconds_left(close_by, STOP_WAIT_S))
         with self._exit_lock:
             stuck = self._abandoned = not self._exited
         # Held by no thread once the I/O thread stopped, unless one is stuck inside a step.
-        held = not stuck and self._lock.acquire(timeout=-1 if math.isinf(close_by) else _left(close_by, math.inf))
+        held = not stuck and self._lock.acquire(
+            timeout=-1 if math.isinf(close_by) else _io.seconds_left(close_by, math.inf))
         failure = Failure(FailureKind.CLOSED, reason)
         if not held:
             # It may be inside the core, the lock or a socket: leave all three to it (the I/O thread
@@ -483,7 +484,7 @@ class PrefillDriver:
             finally:
                 self._lock.release()
             self._close_sockets(cancelled, close_by)
-        still = self._lookups.join(_left(close_by, self.lookup_timeout_s + 1.0))
+        still = self._lookups.join(_io.seconds_left(close_by, self.lookup_timeout_s + 1.0))
         if still:
             log.error("prefill rank %d: closing left %d bootstrap look-ups still under way after %.1fs (%s); "
                       "their threads end at their look-up timeout (%gs), delivering nothing%s", self.engine_rank,
@@ -510,7 +511,7 @@ class PrefillDriver:
         sends them: this does not wait). A caller's wait() still inside a turn at `close_by` (a checksum
         that does not return) keeps the status socket and its waker: it sleeps on their descriptors."""
         # A waiting caller sleeps on the status socket's descriptor; the rooms' conclusions woke it.
-        watched = self._watch.acquire(timeout=-1 if math.isinf(close_by) else _left(close_by, math.inf))
+        watched = self._watch.acquire(timeout=-1 if math.isinf(close_by) else _io.seconds_left(close_by, math.inf))
         try:
             with self._lock:
                 if watched:
@@ -948,11 +949,6 @@ class PrefillDriver:
         record.succeeded = False
         record.memory_safe = True  # its write was over when it was told Success: no quarantine
         self._tell_waiters()
-
-
-def _left(deadline: float, most: float) -> float:
-    """Seconds from now (time.monotonic()) to `deadline`, at most `most`, at least 0."""
-    return max(0.0, min(most, deadline - time.monotonic()))
 
 
 def _lookup_text(action: LookUpParallel | LookUpRoute) -> str:
