@@ -270,3 +270,23 @@ def test_closing_tells_how_many_warnings_were_left_out(make_driver, caplog):
         driver._close()
     assert caplog.messages.count("dropped a malformed request") == 1
     assert any(m.startswith("99 more warnings were not logged") for m in caplog.messages), caplog.messages
+
+
+def test_a_close_shorter_than_its_reserve_still_waits_half_its_time_for_the_writes(make_driver, caplog):
+    """close_timeout_s below CLOSE_AFTER_WRITES_S: the writes get half of what is left rather than nothing,
+    so one that settles a few polls later is done, not abandoned."""
+    engine = FakeEngine()
+    sources = SourceRegistry(engine)
+    sources.hold(_io.Region(0x1000, 256))
+    core = FakeCore()
+    clock = Clock()
+    driver = make_driver(core, engine, sources, clock=clock, sleep=clock.sleep)
+    driver._flights = [_flight(2, 12, "s2", (0x1000, 256))]
+    engine.polls_left[12] = 3  # settles on the fourth poll, a few poll gaps from now
+    driver.stop(close_by=1.0)
+    with caplog.at_level(logging.ERROR, logger="transfer.sender"):
+        driver._close()
+    assert core.done == [2] and driver._flights == [] and core.stuck is None
+    assert engine.regions == {} and sources.holding == 0
+    assert not [m for m in caplog.messages if "abandoned" in m]
+    assert clock.now <= 0.5

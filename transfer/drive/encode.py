@@ -441,6 +441,7 @@ class EncodeDriver:
         self._fds = (-1, -1)  # the waker's and the request socket's descriptors, once the thread runs
         self._stop = False
         self.close_by: float | None = None  # when close() stops waiting for the thread (driver clock)
+        self._close_reserve = CLOSE_AFTER_WRITES_S  # what of the close's time the writes leave to the rest
         self.thread = threading.Thread(target=self._run, name=f"epd-encode-{engine_rank}", daemon=True)
 
     # ------------------------------------------------------ the caller's side
@@ -492,8 +493,10 @@ class EncodeDriver:
 
     def stop(self, close_by: float | None = None) -> None:
         """Asks the thread to settle its writes, fail what is left and close its sockets, by `close_by`
-        (driver clock) when given: writes still in flight CLOSE_AFTER_WRITES_S before it are abandoned."""
+        (driver clock) when given: writes still in flight CLOSE_AFTER_WRITES_S before it (half the time
+        left, where that is less) are abandoned."""
         if close_by is not None:
+            self._close_reserve = min(CLOSE_AFTER_WRITES_S, max(0.0, close_by - self.clock()) / 2)
             self.close_by = close_by
         self._stop = True
         self.waker.wake()
@@ -741,7 +744,7 @@ class EncodeDriver:
     def _writes_deadline(self, deadline: float) -> float:
         """`deadline`, or earlier where a close() bounds the thread (close_by, which it may set meanwhile)."""
         close_by = self.close_by
-        return deadline if close_by is None else min(deadline, close_by - CLOSE_AFTER_WRITES_S)
+        return deadline if close_by is None else min(deadline, close_by - self._close_reserve)
 
     def _wait_for_writes(self, deadline: float) -> None:
         """Settles the writes in flight until none is left or `deadline` passes (closing; see _writes_deadline).
@@ -817,7 +820,7 @@ class EncodeDriver:
                      "stopped thread never released", self.engine_rank, let_go)
 
     def _close(self) -> None:
-        """Settles what was submitted (until close_by less CLOSE_AFTER_WRITES_S, at most CLOSE_WAIT_S), fails
+        """Settles what was submitted (until close_by less its reserve (stop()), at most CLOSE_WAIT_S), fails
         the rest (naming the writes abandoned), lets go of every room's
         sources but those writes still in flight read, closes the sockets (whatever failed before)."""
         try:
