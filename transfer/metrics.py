@@ -321,14 +321,10 @@ class Metrics:
 
     def inc(self, name: str, amount: float = 1, **labels: object) -> None:
         """Add a finite non-negative amount to a counter (ConfigError otherwise)."""
-        if not 0 <= amount < math.inf:  # NaN too: a counter stuck at NaN says nothing again
-            raise ConfigError(f"counter {name!r} takes a finite non-negative amount, not {amount}")
+        _check_amount(name, amount)
         key = self._series_key(labels) if labels else ()
         with self._lock:
-            series = self._counters.get(name)  # there once claimed as a counter
-            if series is None:
-                self._claim(name, "counter")
-                series = self._counters.setdefault(name, {})
+            series = self._counter(name)
             series[key] = series.get(key, 0) + amount
 
     def inc_all(self, amounts: dict[str, float], observations: dict[str, float] | None = None) -> None:
@@ -336,32 +332,44 @@ class Metrics:
         under one hold of the lock: no read sees some of them and not the others (a room's Success with
         its latency and bytes). ConfigError for an amount inc() refuses or a NaN, recording nothing."""
         for name, amount in amounts.items():
-            if not 0 <= amount < math.inf:
-                raise ConfigError(f"counter {name!r} takes a finite non-negative amount, not {amount}")
+            _check_amount(name, amount)
         observed = []
         for name, value in (observations or {}).items():
-            value = float(value)
-            if math.isnan(value):
-                raise ConfigError(f"histogram {name!r} got NaN")
+            value = _checked_value(name, value)
             observed.append((name, value, _bucket_index(self.buckets, value)))
         with self._lock:
-            for name in amounts:
-                if name not in self._counters:
-                    self._claim(name, "counter")
-            for name, _, _ in observed:
-                if name not in self._histograms:
-                    self._claim(name, "histogram")
-            for name, amount in amounts.items():
-                series = self._counters.setdefault(name, {})
+            # Every name claimed before any series moves: a name claimed as another kind records nothing.
+            counters = [(self._counter(name), amount) for name, amount in amounts.items()]
+            histograms = [(self._histogram_series(name), value, index) for name, value, index in observed]
+            for series, amount in counters:
                 series[()] = series.get((), 0) + amount
-            for name, value, index in observed:
-                hists = self._histograms.setdefault(name, {})
-                hist = hists.get(())
-                if hist is None:
-                    hist = hists[()] = _Histogram(len(self.buckets))
-                hist.counts[index] += 1
-                hist.total += value
-                hist.count += 1
+            for hists, value, index in histograms:
+                self._record(hists, (), value, index)
+
+    def _counter(self, name: str) -> dict:
+        """A counter's series by label key, the name claimed as a counter the first time (_lock held)."""
+        series = self._counters.get(name)  # there once claimed as a counter
+        if series is None:
+            self._claim(name, "counter")
+            series = self._counters.setdefault(name, {})
+        return series
+
+    def _histogram_series(self, name: str) -> dict:
+        """A histogram's series by label key, the name claimed as a histogram the first time (_lock held)."""
+        series = self._histograms.get(name)  # there once claimed as a histogram
+        if series is None:
+            self._claim(name, "histogram")
+            series = self._histograms.setdefault(name, {})
+        return series
+
+    def _record(self, series: dict, key: tuple, value: float, index: int) -> None:
+        """One observation in bucket `index` of the histogram at `key` of `series` (_lock held)."""
+        hist = series.get(key)
+        if hist is None:
+            hist = series[key] = _Histogram(len(self.buckets))
+        hist.counts[index] += 1
+        hist.total += value
+        hist.count += 1
 
     def histogram(self, name: str, **labels: object) -> None:
         """Creates a histogram series with no observations yet (so it is exposed before the first)."""
@@ -374,22 +382,11 @@ class Metrics:
 
     def observe(self, name: str, value: float, **labels: object) -> None:
         """Record one observation (seconds, for latencies) in a histogram."""
-        value = float(value)
-        if math.isnan(value):
-            raise ConfigError(f"histogram {name!r} got NaN")
+        value = _checked_value(name, value)
         key = self._series_key(labels, reserved=("le",)) if labels else ()
         index = _bucket_index(self.buckets, value)
         with self._lock:
-            series = self._histograms.get(name)  # there once claimed as a histogram
-            if series is None:
-                self._claim(name, "histogram")
-                series = self._histograms.setdefault(name, {})
-            hist = series.get(key)
-            if hist is None:
-                hist = series[key] = _Histogram(len(self.buckets))
-            hist.counts[index] += 1
-            hist.total += value
-            hist.count += 1
+            self._record(self._histogram_series(name), key, value, index)
 
     def set_gauge(self, name: str, value: float, **labels: object) -> None:
         """Set a gauge to a value."""
@@ -537,6 +534,21 @@ class MetricsClaim:
     def __call__(self) -> None:
         """Lets go of the set."""
         self._metrics._release(self._token)
+
+
+def _check_amount(name: str, amount: float) -> None:
+    """ConfigError for a counter amount that is not finite and non-negative (NaN too: a counter stuck at NaN
+    says nothing again)."""
+    if not 0 <= amount < math.inf:
+        raise ConfigError(f"counter {name!r} takes a finite non-negative amount, not {amount}")
+
+
+def _checked_value(name: str, value: float) -> float:
+    """A histogram observation as a float; ConfigError for NaN."""
+    value = float(value)
+    if math.isnan(value):
+        raise ConfigError(f"histogram {name!r} got NaN")
+    return value
 
 
 def _bucket_index(bounds: tuple[float, ...], value: float) -> int:
