@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""Prints the Python calls the encode driver's thread makes a room, split by the step of a room they
+serve: what each step of the native hot path (docs/performance.md, "Next: the native hot path, as
+planned") would take off the encode side.
+
+One process: a bootstrap server, a sender pool and `--fanout` session managers, each on its own
+Mooncake engine over tcp on 127.0.0.1, integrity off; the prefill ranks share the item's rows.
+`--inflight` rooms are kept in flight. The driver's thread runs under `sys.setprofile`, which counts
+the Python functions and built-ins it enters; each call is counted for the innermost step whose
+function is running (`STEPS`), the rest as `other` (the loop, its sleeps and ticks). Every room
+must succeed and its first and last rows must have landed on every rank. `--detail STEP` also lists
+the functions that step enters most, a room.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:
+    from transfer.bootstrap import BootstrapServer
+except ImportError:  # run from a checkout that is not installed: use the in-place build
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from transfer.bootstrap import BootstrapServer
+from transfer.engine import Engine
+from transfer.frames import shard_rows
+from transfer.receiver import SessionManager
+from transfer.sender import SenderPool
+from transfer.status import TransferPoll
+
+#: (module, function) -> the step its calls serve, innermost first: a step's function called from
+#: within another step counts for itself.
+STEPS = {
+    ("transfer/drive/encode.py", "_take_commands"): "items and clears filed",
+    ("transfer/_io.py", "recv_frames"): "ask: received",
+    ("transfer/frames.py", "from_frames"): "ask: parsed",
+    ("transfer/core/encode.py", "ask"): "ask: rules, to its room's dispatch",
+    ("transfer/core/encode.py", "_pump"): "writes picked",
+    ("transfer/drive/encode.py", "_start"): "write: submitted",
+    ("transfer/drive/encode.py", "_settle"): "write: completion polls",
+    ("transfer/core/encode.py", "write_done"): "write: done, rules",
+    ("transfer/frames.py", "status_frames"): "status: encoded",
+    ("transfer/_io.py", "send"): "status: sent",
+    ("transfer/drive/encode.py", "conclude"): "room concluded: books, metrics",
+}
+OTHER = "other"
+
+
+class StepCounter:
+    """Counts a thread's calls per step (see STEPS); installed on the driver's thread by `hand_over`."""
+
+    def __init__(self, detail: str | None) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.functions: collections.Counter[str] = collections.Counter()
+        self.counting = False
+        self._detail = detail
+        self._stack: list[tuple[Any, str]] = []  # (frame, step) of each Python frame entered while installed
+
+    def hand_over(self, frame: Any, event: str, arg: Any) -> None:
+        """threading.setprofile's hook: the sender pool's thread keeps counting, every other thread stops."""
+        name = threading.current_thread().name
+        sys.setprofile(self.hook if name.startswith("epd-enc") and not name.endswith("-route") else None)
+
+    def hook(self, frame: Any, event: str, arg: Any) -> None:
+        stack = self._stack
+        if event == "call":
+            step = stack[-1][1] if stack else OTHER
+            self._count(step, frame, event, arg)
+            code = frame.f_code
+            stack.append((frame, STEPS.get((_module(code.co_filename), code.co_name), step)))
+        elif event == "return":
+            if stack and stack[-1][0] is frame:
+                stack.pop()
+        elif event == "c_call":
+            self._count(stack[-1][1] if stack else OTHER, frame, event, arg)
+
+    def _count(self, step: str, frame: Any, event: str, arg: Any) -> None:
+        if not self.counting:
+            return
+        self.counts[step] += 1
+        if step == self._detail:
+            code = frame.f_code
+            self.functions[getattr(arg, "__qualname__", repr(arg)) if event == "c_call"
+                           else f"{_module(code.co_filename)}:{code.co_name}"] += 1
+
+
+def _module(filename: str) -> str:
+    """'transfer/core/encode.py' for a file of this package, else the file's name."""
+    parts = Path(filename).parts
+    return "/".join(parts[len(parts) - 1 - parts[::-1].index("transfer"):]) if "transfer" in parts else parts[-1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=64, help="rows of an item (default 64)")
+    parser.add_argument("--hidden", type=int, default=4096, help="bfloat16 elements a row (default 4096: 512 KiB)")
+    parser.add_argument("--fanout", type=int, default=1, help="prefill ranks sharing each item (default 1)")
+    parser.add_argument("--rooms", type=int, default=400, help="timed rooms (default 400)")
+    parser.add_argument("--inflight", type=int, default=8, help="rooms in flight (default 8)")
+    parser.add_argument("--detail", choices=sorted({*STEPS.values(), OTHER}),
+                        help="also list the functions this step enters most")
+    args = parser.parse_args()
+    rows, hidden, fanout, inflight = args.rows, args.hidden, args.fanout, args.inflight
+    if fanout < 1 or rows < fanout:
+        parser.error(f"--fanout must be between 1 and --rows ({rows})")
+    counter = StepCounter(args.detail)
+    item_bytes = rows * hidden * 2
+    shards = [shard_rows(rows, rank, fanout) for rank in range(fanout)]
+    threading.setprofile(counter.hand_over)  # before the sender pool starts its thread
+    try:
+        with Engine("127.0.0.1", "tcp") as encode_engine, BootstrapServer("127.0.0.1", 0) as server:
+            engines = [Engine("127.0.0.1", "tcp") for _ in range(fanout)]
+            try:
+                items = torch.randn(inflight, rows, hidden).to(torch.bfloat16)
+                encode_engine.register(items)
+                buffers = [torch.empty(2 * inflight, count, hidden, dtype=torch.bfloat16) for _, count in shards]
+                for engine, buffer in zip(engines, buffers):
+                    engine.register(buffer)
+                took = _run(args.rooms, inflight, counter, server.address, encode_engine, engines, buffers, items,
+                            shards)
+            finally:
+                for engine in engines:
+                    engine.close()
+    finally:
+        threading.setprofile(None)
+    total = sum(counter.counts.values())
+    print(f"{args.rooms} rooms of {item_bytes // 1024} KiB, fanout {fanout}, {inflight} in flight, integrity off, "
+          f"in {took:.2f} s (profiled): the encode driver made {total / args.rooms:.1f} calls a room")
+    print(f"{'step':34} calls a room")
+    for step in [*dict.fromkeys(STEPS.values()), OTHER]:
+        print(f"{step:34} {counter.counts[step] / args.rooms:.1f}")
+    if args.detail:
+        print(f"\n{args.detail}: the functions it enters most, calls a room")
+        for function, count in counter.functions.most_common(25):
+            print(f"{count / args.rooms:7.2f} {function}")
+    return 0
+
+
+def _run(rooms: int, inflight: int, counter: StepCounter, bootstrap: str, encode_engine: Engine,
+         engines: list[Engine], buffers: list[torch.Tensor], items: torch.Tensor,
+         shards: list[tuple[int, int]]) -> float:
+    """Runs `inflight` untimed rooms, then `rooms` counted ones; the seconds the counted ones took."""
+    fanout, span = len(engines), items.shape[1]
+    with SenderPool(encode_engine, 0, 1, 1, bootstrap, integrity=False) as sender:
+        managers = [SessionManager(engine, rank, fanout, 1, buffer=buffer, integrity=False)
+                    for rank, (engine, buffer) in enumerate(zip(engines, buffers))]
+        try:
+            def start(room: int) -> tuple[int, Any, list]:
+                slot = room % (2 * inflight)
+                sent = sender.send(room, items[room % inflight])
+                asked = [manager.receive(room, bootstrap, buffers[rank][slot], row_start=shards[rank][0], span=span)
+                         for rank, manager in enumerate(managers)]
+                return room, sent, asked
+
+            def finish(room: int, sent: Any, asked: list) -> None:
+                item = items[room % inflight]
+                for rank, handle in enumerate(asked):
+                    status = handle.wait(30.0)
+                    if status != TransferPoll.Success:
+                        raise SystemExit(f"room {room}, prefill rank {rank}: {status.name}: {handle.failure}")
+                    first, count = shards[rank]
+                    landed = buffers[rank][room % (2 * inflight)]
+                    if not (torch.equal(landed[0], item[first]) and torch.equal(landed[-1], item[first + count - 1])):
+                        raise SystemExit(f"room {room}, prefill rank {rank}: the rows that landed are not the item's")
+                    handle.clear()
+                sent.wait(30.0)
+                sent.clear()
+
+            for room in range(inflight):  # warm-up, not counted: sockets, sessions, first look-ups
+                finish(*start(room))
+            open_rooms: collections.deque = collections.deque()
+            started = time.monotonic()
+            counter.counting = True
+            try:
+                for room in range(inflight, inflight + rooms):
+                    open_rooms.append(start(room))
+                    if len(open_rooms) >= inflight:
+                        finish(*open_rooms.popleft())
+                while open_rooms:
+                    finish(*open_rooms.popleft())
+            finally:
+                counter.counting = False
+            return time.monotonic() - started
+        finally:
+            for manager in managers:
+                manager.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
