@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 
@@ -212,6 +213,51 @@ def test_asks_that_disagree_on_the_fanout_fail_the_room_at_once_naming_both(firs
                                          f"receiver 10.0.0.7:17000 with fanout {first}")
     assert sorted(run.statuses(out)) == [(5, 6000, TransferPoll.Failed), (5, 6001, TransferPoll.Failed)]
     assert run.core.parked.get(5) is None
+
+
+def test_the_first_ask_repeated_with_another_fanout_fails_the_room_naming_the_one_it_disagrees_with():
+    run = Run()
+    run.offer(_offer(5, span=8))
+    run.ask(_ask(5, 0, fanout=4, span=8))
+    run.ask(_ask(5, 1, fanout=4, span=8))
+    out = run.ask(_ask(5, 0, fanout=2, span=8))  # the first session again, now with fanout 2
+    assert run.of(StartWrite) == []
+    [conclusion] = run.of(Conclude, out)
+    assert conclusion.failure.kind is FailureKind.GEOMETRY
+    assert conclusion.failure.detail == ("room 5: receiver 10.0.0.7:17000 asked with fanout 2, "
+                                         "receiver 10.0.0.7:17001 with fanout 4")
+
+
+def test_an_ask_that_does_not_complete_its_fanout_costs_the_same_however_many_asked_before_it():
+    # Counted in Python calls (deterministic): a cost per ask that grew with the asks before it would
+    # make a room of fanout F cost F squared on the encode driver.
+    fanout = 256
+    run = Run()
+    run.offer(_offer(5, span=fanout))
+    calls = []
+
+    def ask_counted(rank: int) -> None:
+        count = 0
+
+        def hook(frame, event, arg):
+            nonlocal count
+            if event in ("call", "c_call"):
+                count += 1
+
+        info = _ask(5, rank, fanout=fanout, span=fanout)
+        sys.setprofile(hook)
+        try:
+            run.core.ask(info, run.now)
+        finally:
+            sys.setprofile(None)
+        calls.append(count)
+
+    for rank in range(fanout - 1):
+        ask_counted(rank)
+    assert run.of(StartWrite) == []
+    assert calls[10] == calls[100] == calls[-1], calls
+    out = run.ask(_ask(5, fanout - 1, fanout=fanout, span=fanout))
+    assert run.of(StartWrite, out) != []  # the last ask completed the fanout: its writes start
 
 
 def test_an_ask_with_a_fanout_no_room_may_have_is_told_failed_at_once():

@@ -493,7 +493,7 @@ class EncodeCore:
                 self._fail_with(evicted, failure, now)
         for dropped in admission.dropped:
             self._drop_over_share(dropped, now)
-        self._dispatch(info.room, now)
+        self._dispatch(info.room, now, asked=info)
         return self._flush(now)
 
     def _drop_over_share(self, dropped: TransferInfo, now: float) -> None:
@@ -923,13 +923,18 @@ class EncodeCore:
 
     # ------------------------------------------------------------ rules
 
-    def _dispatch(self, room_number: int, now: float) -> None:
+    def _dispatch(self, room_number: int, now: float, asked: TransferInfo | None = None) -> None:
         """Starts the room's writes once the item is here and its whole fanout asked.
 
         Asks for a room that already failed are answered Failed at once: nothing will
         serve them. A room already served keeps later asks parked for its next send. A
         room some of whose receivers restarted before they were served (`orphans`) takes
         their successors' asks once one came for each, and writes their shards only.
+
+        `asked`: the ask just parked, when that is what called. The asks parked before it
+        agreed on the fanout (each was held to the others when it came, or when the item
+        did), so it alone is held to one of them: an ask costs the same however many of
+        its room's receivers asked before it, and the fanout is sorted once, when complete.
         """
         asks = self.parked.get(room_number)
         if asks is None:
@@ -941,12 +946,17 @@ class EncodeCore:
         fanout, first_at, last_at = asks.fanout, asks.first_at, asks.last_at
         kept = [] if room.failed else room.receivers  # being served: their asks wait for the next send
         sessions = {info.session_id for info in kept}
+        if not room.failed:
+            if asked is not None and not kept:
+                self._check_fanouts_agree(room, asks, [asked], now)
+            else:
+                self._check_fanouts_agree(room, asks, [*kept, *asks.infos.values()], now)
+        if not room.failed:
+            asked_now = len(asks.infos) if not sessions else sum(1 for s in asks.infos if s not in sessions)
+            if len(kept) + asked_now < fanout:
+                return
         newcomers = sorted((info for info in asks.infos.values() if info.session_id not in sessions),
                            key=lambda i: (i.row_start, i.session_id))
-        if not room.failed:
-            self._check_fanouts_agree(room, asks, kept + newcomers, now)
-        if len(kept) + len(newcomers) < fanout and not room.failed:
-            return
         for info in newcomers:
             self.parked.drop_ask(room_number, info.session_id)
         if room.failed:
@@ -967,10 +977,13 @@ class EncodeCore:
 
     def _check_fanouts_agree(self, room: _Room, asks: Asks, infos: list[TransferInfo], now: float) -> None:
         """Asks that disagree on the fanout would wait for ranks that do not exist: fails the room at once."""
-        fanout = asks.fanout
+        parked = iter(asks.infos.values())
+        first = next(parked)
+        if len(infos) == 1 and infos[0] is first:  # the first ask, asked again: held to the next one
+            first = next(parked, first)
+        fanout = first.fanout
         odd = next((info for info in infos if info.fanout != fanout), None)
         if odd is not None:
-            first = next(iter(asks.infos.values()))
             self._fail(room, FailureKind.GEOMETRY, f"room {room.room}: receiver {receiver_text(odd.session_id)} "
                                                    f"asked with fanout {odd.fanout}, receiver "
                                                    f"{receiver_text(first.session_id)} with fanout {fanout}", now)
