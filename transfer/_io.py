@@ -111,9 +111,14 @@ def context() -> zmq.Context:
 
 
 def is_ip(host: str) -> bool:
-    """Whether `host` (an IPv6 one bracketed or not) is an IP address, not a name."""
+    """Whether `host` is an IP address, not a name: an address as it is, or inside one pair of brackets.
+
+    ZMQ removes one enclosing pair and looks up whatever else it is given as a name, so a
+    stray or doubled bracket (`10.0.0.1]`, `[[::1]]`) is not an address."""
+    if host[:1] == "[" and host[-1:] == "]":
+        host = host[1:-1]
     try:
-        ipaddress.ip_address(host.strip("[]"))
+        ipaddress.ip_address(host)
     except ValueError:
         return False
     return True

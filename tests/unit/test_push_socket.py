@@ -13,7 +13,9 @@ from transfer import _io
 from transfer.errors import ConfigError
 
 
-@pytest.mark.parametrize("host", ["\ud800", "h\u00f6st", "victim.slow", "localhost", "10.0.0.1:5", ""])
+@pytest.mark.parametrize("host", ["\ud800", "h\u00f6st", "victim.slow", "localhost", "10.0.0.1:5", "",
+                                  # ZMQ strips one enclosing pair of brackets and looks up the rest as a name
+                                  "10.0.0.1]", "[10.0.0.1", "]10.0.0.1[", "[[::1]]", "::1]", "[::1", "[]", "[", "]"])
 def test_a_host_that_is_not_an_ip_address_is_a_zmq_error_and_no_socket(host, monkeypatch):
     """A name would be looked up on ZMQ's one I/O thread, holding every socket of the process."""
     monkeypatch.setattr(_io, "context", lambda: pytest.fail("a socket was made for a host that cannot be used"))
@@ -22,7 +24,7 @@ def test_a_host_that_is_not_an_ip_address_is_a_zmq_error_and_no_socket(host, mon
     assert caught.value.errno == errno.EINVAL
 
 
-@pytest.mark.parametrize("host", ["10.0.0.1", "::1", "[::1]", "fe80::1%2"])
+@pytest.mark.parametrize("host", ["10.0.0.1", "::1", "[::1]", "fe80::1%2", "[fe80::1%2]", "[10.0.0.1]"])
 def test_ip_addresses_are_ip_addresses(host):
     assert _io.is_ip(host)
 
