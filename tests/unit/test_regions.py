@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 from transfer.core.regions import MAX_REGIONS_PER_SESSION, RegionBook
 from transfer.frames import Registration, TransferInfo, parse_registration, registration_frames
 
@@ -168,3 +170,23 @@ def test_a_refusal_quotes_the_peers_endpoint_as_one_printable_bounded_line():
     reason = book.register(parse_registration(frames))
     assert reason is not None and "without region lengths" in reason
     assert reason.isprintable() and "\x1b" not in reason and len(reason) < 512, (len(reason), reason[:200])
+
+
+def test_a_sessions_regions_hold_its_long_session_id_and_endpoint_once():
+    """Each registration a peer sends brings its own copies of its texts; kept per region, a peer's
+    64 KiB messages would hold per_session times what it sent for each of its sessions."""
+    text = 16 << 10
+    session, endpoint = "s" * text, "e" * text
+    book = RegionBook()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(MAX_REGIONS_PER_SESSION):
+            book.register(parse_registration(registration_frames(endpoint, 5000, session, 0x10000 * (i + 1), 0,
+                                                                 4096, 0)))
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(book.regions(session)) == MAX_REGIONS_PER_SESSION
+    assert held < 4 * 2 * text, f"{held} bytes held for {MAX_REGIONS_PER_SESSION} regions of one session"
+    assert _check(book, _ask(0x10000 * MAX_REGIONS_PER_SESSION, session=session)) is None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from transfer.frames import (
     MAX_REGIONS_PER_SESSION,
@@ -43,6 +43,16 @@ class _Session:
         return _SERVED if self.served else _UNSERVED
 
 
+def _sharing(reg: Registration, kept: Registration) -> Registration:
+    """`reg` holding `kept`'s session id, and its endpoint where they are the same.
+
+    Each registration arrives with its own copies of them: shared, a session's regions and its
+    keys here hold a peer's long texts once, not once per region (per_session times what it sent).
+    """
+    endpoint = kept.endpoint if kept.endpoint == reg.endpoint else reg.endpoint
+    return replace(reg, session_id=kept.session_id, endpoint=endpoint)
+
+
 class RegionBook:
     """Per-session registered regions, newest last, bounded per session and in sessions (LRU)."""
 
@@ -68,6 +78,8 @@ class RegionBook:
         """
         self.version += 1
         session = self._sessions.pop(reg.session_id, None)
+        if session is not None and session.regs:
+            reg = _sharing(reg, session.regs[0])
         if session is None:
             self._retired.pop(reg.session_id, None)
             session = _Session()
