@@ -557,6 +557,7 @@ def epd_env_problems(env: Mapping[str, str]) -> list[str]:
     """What the components reading the EPD_* variables set would refuse, one message each."""
     from transfer import config
     from transfer.bootstrap import check_token
+    from transfer.engine import device_names
     from transfer.errors import ConfigError
 
     values, bad, refused = {}, [], set()
@@ -572,6 +573,11 @@ def epd_env_problems(env: Mapping[str, str]) -> list[str]:
             check_token(values["EPD_TOKEN"])  # as `epd-transfer bootstrap` and `rank` take it
         except ConfigError as error:
             bad.append(f"EPD_TOKEN: {error}")  # never the token itself
+    if "EPD_DEVICE" in values:
+        try:
+            device_names(values["EPD_DEVICE"], what="")  # as `epd-transfer rank` takes it
+        except ConfigError as error:
+            bad.append(f"EPD_DEVICE={values['EPD_DEVICE']!r}: {error}")
     polls = {"EPD_POLL_MIN_S", "EPD_POLL_MAX_S"}
     if polls & values.keys() and not polls & refused:
         try:  # as SenderPool checks the pair

@@ -100,6 +100,7 @@ def test_an_unwritable_json_folder_is_refused_before_the_run(command, monkeypatc
     ({"EPD_POLL_MAX_S": "2"}, "poll_max_s (EPD_POLL_MAX_S) is 2 s; at most 1 s"),
     ({"EPD_POLL_MIN_S": "0.005", "EPD_POLL_MAX_S": "0.002"}, "poll_min_s (EPD_POLL_MIN_S) 0.005 s is above"),
     ({"EPD_TOKEN": "a\x01b"}, "EPD_TOKEN: "),
+    ({"EPD_DEVICE": "mlx5_0,a/b"}, "EPD_DEVICE='mlx5_0,a/b': "),
 ])
 def test_a_variable_the_ranks_would_refuse_stops_the_run_before_any_rank_starts(command, environ, said, monkeypatch,
                                                                                  capsys):

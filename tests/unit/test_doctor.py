@@ -255,6 +255,7 @@ def test_mtu_falls_back_to_the_parent_netdev(sysfs):
     ({"EPD_POLL_MIN_S": "0.01", "EPD_POLL_MAX_S": "0.001"}, "poll_min_s (EPD_POLL_MIN_S) 0.01 s is above"),
     ({"EPD_POLL_MIN_S": "0.002"}, "poll_min_s (EPD_POLL_MIN_S) 0.002 s is above poll_max_s"),
     ({"EPD_TOKEN": "a\x01b"}, "EPD_TOKEN: the token must be 1 to 4096 printable ASCII characters"),
+    ({"EPD_DEVICE": "mlx5 0"}, "EPD_DEVICE='mlx5 0': 'mlx5 0' names 'mlx5 0', which no RDMA device is called"),
 ])
 def test_epd_env_fails_what_the_components_refuse_and_doctor_exits_1(tmp_path, env, says):
     code, text = run_doctor(tmp_path, environ=env)
