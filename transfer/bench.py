@@ -1996,7 +1996,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="runs per cell, the paths of a geometry taking turns; reports the median run")
     parser.add_argument("--log-dir", default=None, help="keep the rank processes' logs here (default: a temporary folder, removed)")
     parser.add_argument("--quick", action="store_true",
-                        help="a subset: 512 KiB and 8 MiB, fanout 1 and 4, 8 in flight, ~64 MiB per cell")
+                        help="a subset: 512 KiB and 8 MiB, fanout 1 and 4, 8 in flight, ~64 MiB (at least 8 rooms) "
+                             "per cell")
     parser.add_argument("--targets", action="store_true",
                         help="check the epd path against the control plane's budget per room (docs/performance.md); "
                              "measures 512 KiB and 8 MiB, fanout 1 and 4, 1 and 8 in flight, raw and epd, "

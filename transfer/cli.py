@@ -904,7 +904,7 @@ def build_parser() -> _Parser:
     _add_item_shape(demo)
     demo.add_argument("--inflight", type=_positive_int, default=8, help="rooms in flight per rank")
     demo.add_argument("--protocol", default="auto", choices=["auto", "tcp", "rdma", "wire"],
-                      help="data path: auto (rdma when a device exists, else tcp), tcp, rdma, or our framed wire")
+                      help="data path: auto (rdma when an RDMA device has an ACTIVE port, else tcp), tcp, rdma, or our framed wire")
     demo.add_argument("--host", type=_rank_host, default="127.0.0.1", help="IPv4 address every rank binds")
     demo.add_argument("--no-integrity", action="store_true", help="skip the checksums of landed bytes")
     demo.add_argument("--deadline", type=_seconds, default=_FromEnv("EPD_DEADLINE_S"),
@@ -955,7 +955,7 @@ def build_parser() -> _Parser:
                            "--protocol wire, its wire listener: consecutive free ports of the range); 0: any "
                            "free port. Mooncake's own: MC_MIN_RPC_PORT/MC_MAX_RPC_PORT")
     rank.add_argument("--protocol", default="auto", choices=["auto", "tcp", "rdma", "wire"],
-                      help="data path: auto (rdma when a device exists, else tcp), tcp, rdma, or our framed wire")
+                      help="data path: auto (rdma when an RDMA device has an ACTIVE port, else tcp), tcp, rdma, or our framed wire")
     rank.add_argument("--items", type=_positive_int, default=64, help="items (rooms) to move")
     rank.add_argument("--first-room", type=_room, default=0,
                       help="rooms are first-room .. first-room + items - 1")

@@ -98,9 +98,9 @@ class FallbackLimitError(TransferError, RuntimeError):
 
 
 class ListenError(TransferError, OSError):
-    """A listener (the bootstrap server, a wire listener, a rank's request or status socket) could not bind
-    its address; the message names the listener, the address and what to do, and `errno` is the bind's.
-    An address not of this host is a ConfigError instead."""
+    """A listener (the bootstrap server, a wire listener, a rank's request or status socket, a metrics endpoint)
+    could not bind its address; the message names the listener, the address and what to do, and `errno` is
+    the bind's. An address not of this host is a ConfigError instead."""
 
 
 class PortsInUse(ListenError):
