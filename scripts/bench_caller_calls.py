@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import sys
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ try:
 except ImportError:  # run from a checkout that is not installed: use the in-place build
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from transfer.bootstrap import BootstrapServer
+from room_loop import print_counts, room_options, run_rooms  # scripts/room_loop.py, beside this script
 from transfer.buffers import ReceivePool
 from transfer.engine import Engine
 from transfer.receiver import SessionManager
@@ -53,6 +55,15 @@ class Counter:
             self.functions[getattr(arg, "__qualname__", repr(arg)) if event == "c_call"
                            else f"{Path(code.co_filename).name}:{code.co_name}"] += 1
 
+    @contextlib.contextmanager
+    def profiled(self) -> Iterator[None]:
+        """Counts the calls made inside `run()` meanwhile."""
+        sys.setprofile(self.hook)
+        try:
+            yield
+        finally:
+            sys.setprofile(None)
+
     def run(self, name: str, call: Any, *args: Any) -> Any:
         self._name = name
         try:
@@ -63,10 +74,7 @@ class Counter:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=64, help="rows of an item (default 64)")
-    parser.add_argument("--hidden", type=int, default=4096, help="bfloat16 elements a row (default 4096: 512 KiB)")
-    parser.add_argument("--rooms", type=int, default=400, help="timed rooms (default 400)")
-    parser.add_argument("--inflight", type=int, default=8, help="rooms in flight (default 8)")
+    room_options(parser)
     parser.add_argument("--detail", choices=CALLS, help="also list the functions this call enters most")
     args = parser.parse_args()
     rows, hidden, inflight = args.rows, args.hidden, args.inflight
@@ -98,32 +106,10 @@ def main() -> int:
                 counter.run("encode wait", sent.wait, 30.0)
                 counter.run("encode clear", sent.clear)
 
-            for room in range(inflight):  # warm-up, not counted: sockets, sessions, first look-ups
-                finish(*start(room))
-            counter.counts.clear()
-            counter.functions.clear()
-            open_rooms: collections.deque = collections.deque()
-            started = time.monotonic()
-            sys.setprofile(counter.hook)
-            try:
-                for room in range(inflight, inflight + args.rooms):
-                    open_rooms.append(start(room))
-                    if len(open_rooms) >= inflight:
-                        finish(*open_rooms.popleft())
-                while open_rooms:
-                    finish(*open_rooms.popleft())
-            finally:
-                sys.setprofile(None)
-            took = time.monotonic() - started
+            took = run_rooms(start, finish, args.rooms, inflight, counter.profiled)
     print(f"{args.rooms} rooms of {item_bytes // 1024} KiB, {inflight} in flight, fanout 1, integrity off, "
           f"in {took:.2f} s (profiled)")
-    print(f"{'call':16} calls a room")
-    for name in CALLS:
-        print(f"{name:16} {counter.counts[name] / args.rooms:.1f}")
-    if args.detail:
-        print(f"\n{args.detail}: the functions it enters most, calls a room")
-        for function, count in counter.functions.most_common(25):
-            print(f"{count / args.rooms:7.2f} {function}")
+    print_counts("call", list(CALLS), counter.counts, counter.functions, args.rooms, args.detail)
     return 0
 
 

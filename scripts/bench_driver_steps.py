@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import sys
 import threading
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ try:
 except ImportError:  # run from a checkout that is not installed: use the in-place build
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from transfer.bootstrap import BootstrapServer
+from room_loop import print_counts, room_options, run_rooms  # scripts/room_loop.py, beside this script
 from transfer.engine import Engine
 from transfer.frames import shard_rows
 from transfer.receiver import SessionManager
@@ -62,6 +64,15 @@ class StepCounter:
         self.counting = False
         self._detail = detail
         self._stack: list[tuple[Any, str]] = []  # (frame, step) of each Python frame entered while installed
+
+    @contextlib.contextmanager
+    def counted(self) -> Iterator[None]:
+        """Counts the driver's calls meanwhile."""
+        self.counting = True
+        try:
+            yield
+        finally:
+            self.counting = False
 
     def hand_over(self, frame: Any, event: str, arg: Any) -> None:
         """threading.setprofile's hook: the sender pool's thread keeps counting, every other thread stops."""
@@ -99,11 +110,8 @@ def _module(filename: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=64, help="rows of an item (default 64)")
-    parser.add_argument("--hidden", type=int, default=4096, help="bfloat16 elements a row (default 4096: 512 KiB)")
+    room_options(parser)
     parser.add_argument("--fanout", type=int, default=1, help="prefill ranks sharing each item (default 1)")
-    parser.add_argument("--rooms", type=int, default=400, help="timed rooms (default 400)")
-    parser.add_argument("--inflight", type=int, default=8, help="rooms in flight (default 8)")
     parser.add_argument("--detail", choices=sorted({*STEPS.values(), OTHER}),
                         help="also list the functions this step enters most")
     args = parser.parse_args()
@@ -133,13 +141,8 @@ def main() -> int:
     total = sum(counter.counts.values())
     print(f"{args.rooms} rooms of {item_bytes // 1024} KiB, fanout {fanout}, {inflight} in flight, integrity off, "
           f"in {took:.2f} s (profiled): the encode driver made {total / args.rooms:.1f} calls a room")
-    print(f"{'step':34} calls a room")
-    for step in [*dict.fromkeys(STEPS.values()), OTHER]:
-        print(f"{step:34} {counter.counts[step] / args.rooms:.1f}")
-    if args.detail:
-        print(f"\n{args.detail}: the functions it enters most, calls a room")
-        for function, count in counter.functions.most_common(25):
-            print(f"{count / args.rooms:7.2f} {function}")
+    print_counts("step", [*dict.fromkeys(STEPS.values()), OTHER], counter.counts, counter.functions, args.rooms,
+                 args.detail)
     return 0
 
 
@@ -173,21 +176,7 @@ def _run(rooms: int, inflight: int, counter: StepCounter, bootstrap: str, encode
                 sent.wait(30.0)
                 sent.clear()
 
-            for room in range(inflight):  # warm-up, not counted: sockets, sessions, first look-ups
-                finish(*start(room))
-            open_rooms: collections.deque = collections.deque()
-            started = time.monotonic()
-            counter.counting = True
-            try:
-                for room in range(inflight, inflight + rooms):
-                    open_rooms.append(start(room))
-                    if len(open_rooms) >= inflight:
-                        finish(*open_rooms.popleft())
-                while open_rooms:
-                    finish(*open_rooms.popleft())
-            finally:
-                counter.counting = False
-            return time.monotonic() - started
+            return run_rooms(start, finish, rooms, inflight, counter.counted)
         finally:
             for manager in managers:
                 manager.close()
