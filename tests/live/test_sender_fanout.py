@@ -6,7 +6,7 @@ some far-off timeout (a prefill rank has no deadline of its own on the encode si
 
 Real Mooncake engines (protocol tcp on loopback), real ZMQ and the real bootstrap server
 throughout; prefill ranks are hand-rolled (RawPrefill, or raw PUSH/PULL sockets) so each
-status they get can be checked as bytes. Where the order in which the caller's thread and
+status they get can be checked as bytes, or a real SessionManager where what its room concludes is the point. Where the order in which the caller's thread and
 the pool's thread act matters, the pool's waker is held back so the order is fixed.
 """
 
@@ -23,6 +23,7 @@ from live_helpers import DTYPE, HIDDEN, HOST, ITEM, LIVE, ROW, SPAN, RawPrefill,
 
 from transfer import _io
 from transfer.core import parked
+from transfer.core.failure import FailureKind
 from transfer.engine import Engine
 from transfer.frames import TransferInfo
 from transfer.sender import SenderPool
@@ -91,6 +92,29 @@ def test_clearing_a_room_before_its_whole_fanout_asked_tells_the_receiver_that_a
         said = [m for m in caplog.messages if "cleared it before its whole fanout asked" in m]
         assert len(said) == 1 and "room 1:" in said[0] and "(1 of 2 prefill ranks asked: " in said[0], said
         assert prefill.session_id in said[0]
+
+
+def test_a_prefill_rank_asking_after_the_item_waited_out_its_fanout_and_was_cleared_is_told_why(engines, server):
+    """The item is sent, no prefill rank asks within the fanout timeout, and the encode caller clears the
+    failed room as it concludes (as the README's reap() does). A session manager asking for it afterwards
+    (its scheduler ran behind) concludes Failed naming the fanout timeout, not at its own deadline."""
+    from transfer.receiver import SessionManager
+
+    encode, prefill = engines
+    deadline_s = 60.0
+    buf = torch.zeros(SPAN, HIDDEN, dtype=torch.bfloat16)
+    with SenderPool(encode, 0, 1, 1, server.address, fanout_timeout_s=1.0) as pool, \
+            SessionManager(prefill, 0, 1, 1, buffer=buf, deadline_s=deadline_s) as manager:
+        sent = pool.send(1, item_tensor(1, SPAN, HIDDEN))
+        assert sent.wait(20.0) == TransferPoll.Failed and "never registered" in sent.failure, sent.failure
+        sent.clear()
+        handle = manager.receive(1, server.address, buf)
+        assert handle.wait(deadline_s / 2) == TransferPoll.Failed, "left waiting for its deadline"
+        assert handle.failure_kind is FailureKind.PEER_FAILED, handle.failure
+        assert "fanout_timeout: room 1: its item was sent but failed, and was cleared, before this ask came" in \
+            handle.failure, handle.failure
+        assert not buf.any(), "nothing written"
+        handle.clear()
 
 
 def _held_waker_retry(pool, old, rows):

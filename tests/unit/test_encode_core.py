@@ -856,6 +856,45 @@ def test_asks_for_a_late_item_the_caller_cleared_are_told_its_failure_unless_it_
                                                                  "past the fanout timeout 10s (1 of 1 prefill ranks "
                                                                  "asked, told Failed 1.4s ago)")
 
+def test_a_late_ask_for_an_item_that_waited_out_its_fanout_and_was_cleared_is_told_why_unless_it_is_sent_again():
+    """The item came first and no receiver asked within the fanout timeout; the caller cleared the failed
+    room as it concluded. A receiver asking after that (its scheduler ran behind) is told the room's failure
+    once the clear's grace passed, not left parked until its own deadline; an ask followed by the room sent
+    again (a retry) is served, and a whole timeout after the clear the room is forgotten."""
+    run = Run(fanout_timeout_s=10.0)
+    item = _offer(1)
+    run.offer(item)
+    [conclusion] = run.of(Conclude, run.at(10.5).tick())
+    assert conclusion.failure.kind is FailureKind.FANOUT_TIMEOUT
+    run(run.core.clear(1, item.token, 10.6))
+    assert run.statuses(run.at(11.0).ask(_ask(1))) == []
+    assert run.statuses(run.at(11.0 + CLEARED_GRACE_S / 2).tick()) == []
+    assert run.core.next_wakeup() == pytest.approx(11.0 + CLEARED_GRACE_S), "the driver wakes for it"
+    out = run.at(11.0 + CLEARED_GRACE_S).tick()
+    assert run.statuses(out) == [(1, 6000, TransferPoll.Failed)]
+    [told] = [push for push in run.of(PushStatus, out) if push.cancel is None]
+    assert told.failure.kind is FailureKind.FANOUT_TIMEOUT
+    assert told.failure.detail == ("room 1: its item was sent but failed, and was cleared, before this ask came "
+                                   "(receiver never registered within 10s (no prefill rank asked)): a prefill rank "
+                                   "must ask within the encode side's fanout_timeout_s of the item's send")
+    assert run.core.parked.get(1) is None
+    retried = _offer(2)
+    run.at(20.0).offer(retried)
+    run.at(30.5).tick()
+    run(run.core.clear(2, retried.token, 30.6))
+    run.at(30.7).ask(_ask(2))
+    out = run.at(30.72).offer(_offer(2))  # sent again: the ask waits for it, and is served
+    assert [w.dsts for w in run.of(StartWrite, out)] == [(0x10000,)]
+    assert run.statuses(run.at(31.0).tick()) == []
+    item = _offer(3)
+    run.at(40.0).offer(item)
+    run.at(50.5).tick()
+    run(run.core.clear(3, item.token, 50.6))
+    run.at(60.7).tick()
+    run.at(60.8).ask(_ask(3))  # past the fanout timeout of the clear: parked as any ask
+    assert run.statuses(run.at(61.0).tick()) == []
+
+
 def test_a_dead_sessions_backlog_is_worked_through_in_bounded_turns_and_a_healthy_write_starts_in_the_first():
     run = Run(depth=32, fanout_timeout_s=120.0)
     for room in range(6000):

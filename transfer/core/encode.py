@@ -278,8 +278,8 @@ class _TimedOutAsks(NamedTuple):
 
 
 class _ClearedFailure(NamedTuple):
-    """A room a receiver's cancel failed, or that failed as a late item, and that the caller cleared since:
-    a new ask for it is told why, unless the room is sent again meanwhile."""
+    """A room a receiver's cancel failed, or that failed as a late item or for want of its fanout, and that the
+    caller cleared since: a new ask for it is told why, unless the room is sent again meanwhile."""
 
     failure: Failure
     cancelled_by: dict[str, float]  # the sessions whose cancel failed it -> when
@@ -324,6 +324,14 @@ def _late_item(room: int, late_s: float, limit: float, asked: str) -> str:
     """Why an item sent past the fanout timeout after its room's first ask fails; `asked` says who asked."""
     return (f"room {room}: its item was sent {late_s:.1f}s after its first ask, past the fanout timeout "
             f"{limit:g}s ({asked})")
+
+
+def _late_ask(room: int, failure: Failure) -> Failure:
+    """What an ask is told that came after its room's item waited out its fanout and was cleared."""
+    return Failure(FailureKind.FANOUT_TIMEOUT,
+                   f"room {room}: its item was sent but failed, and was cleared, before this ask came "
+                   f"({without_room(room, failure.detail)}): a prefill rank must ask within the encode side's "
+                   f"fanout_timeout_s of the item's send")
 
 
 def _reask_failure(room: int, failure: Failure, cancelled_by: dict[str, float], session: str,
@@ -421,6 +429,10 @@ class EncodeCore:
         self._fail_with(held, CLEARED, now)
         if (held.cancelled_by or held.late) and held.failure is not None:
             remember(self._cleared_failures, room, _ClearedFailure(held.failure, dict(held.cancelled_by), now),
+                     MAX_CANCELLED_ROOMS)
+        elif held.failure is not None and held.failure.kind is FailureKind.FANOUT_TIMEOUT:
+            # A receiver that asks from now on came too late for the item: told so, not parked to its deadline.
+            remember(self._cleared_failures, room, _ClearedFailure(_late_ask(room, held.failure), {}, now),
                      MAX_CANCELLED_ROOMS)
         if not held.receivers and not self._closed:
             asks = self.parked.get(room)
