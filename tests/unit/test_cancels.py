@@ -165,3 +165,16 @@ def test_past_its_bound_the_book_forgets_the_address_heard_from_longest_ago_and_
     assert [book.answers(addr) for addr in addrs] == [True, False, True, True, False]
     heard(5, addrs[4])
     assert [book.answers(addr) for addr in addrs] == [True, False, False, True, True]
+
+
+def test_answered_cancels_are_let_go_of_so_the_book_keeps_about_twice_those_awaited(book, conns):
+    for room in range(10_000):
+        book.add(room * 1e-3, (room, 0), token=room + 1, addr=A, conn=1)
+        if room % 10:  # nine in ten answered at once
+            assert book.answered((room, 0), CONFIRMED).token == room + 1
+    assert book.pending == 1000
+    assert book.kept <= 2 * book.pending + 64, "answered cancels kept for STALE_CANCEL_S grow with those sent"
+    conns[A] = 2  # the connection was lost: those still awaited go stale and are set aside, oldest first
+    released: list = []
+    book.set_aside_stale(10.0 + STALE_CANCEL_S, None, lambda key: released.append(key) or [])
+    assert released == [(room, 0) for room in range(0, 10_000, 10)] and book.pending == 0

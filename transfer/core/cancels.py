@@ -104,7 +104,10 @@ class CancelBook:
         self._current_conn = current_conn
         self._awaiting: dict[Key, list[Cancel]] = {}  # oldest first; keys in the order first sent
         self._count = 0
-        self._sent: deque[tuple[float, Key, Cancel]] = deque()  # (sent at, key, cancel), in the order sent
+        # (sent at, key, cancel), in the order sent; those awaiting no answer any more are let go of all at once
+        # whenever they make up most of it, so it holds at most about twice the cancels still awaited
+        self._sent: deque[tuple[float, Key, Cancel]] = deque()
+        self._sent_compact_at = _MIN_COMPACT
         self._ghosts: dict[Key, int] = {}  # key set aside -> last answers still to come
         self._answering: dict[Address, None] = {}  # encode ranks seen to answer cancels, least recently heard first
         self._unanswered_since: dict[Address, float] = {}  # when a cancel there last went unanswered
@@ -116,6 +119,12 @@ class CancelBook:
     def pending(self) -> int:
         """Cancels sent and awaiting their last answer."""
         return self._count
+
+    @property
+    def kept(self) -> int:
+        """Cancels the book keeps in the order sent, for setting aside those gone stale: those answered are let
+        go of, so it holds at most about twice the most awaited at once (at least 64), whatever the count sent."""
+        return len(self._sent)
 
     def full(self) -> str | None:
         """Why no cancel may be sent now (MAX_GHOSTS keys set aside await last answers), or None."""
@@ -178,6 +187,11 @@ class CancelBook:
         cancel = Cancel(token, addr, conn, now)
         self._awaiting.setdefault(key, []).append(cancel)
         self._sent.append((now, key, cancel))
+        if len(self._sent) > self._sent_compact_at:
+            kept = [entry for entry in self._sent if not entry[2].gone]
+            self._sent.clear()  # in place: set_aside_stale() may be going through it
+            self._sent.extend(kept)
+            self._sent_compact_at = max(_MIN_COMPACT, 2 * len(self._sent))
         self._sent_to.setdefault(addr, _SentCancels()).add(cancel)
         self._unanswered_since.setdefault(addr, now)
         self._count += 1
