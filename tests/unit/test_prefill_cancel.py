@@ -637,3 +637,26 @@ def test_an_encode_rank_restarting_at_new_ports_leaves_no_cancels_behind_at_the_
         c.tick(now)
     assert c.pending_cancels == 0
     assert len(c.cancels._sent_to) <= 1
+
+
+def test_rooms_given_up_without_a_cancel_are_remembered_only_while_an_earlier_asks_status_may_count():
+    """A rank that answers no cancel (a peer without the extension) is sent none: each room given up there is
+    remembered, so a Success for the room asked again under its number is not taken for the new ask's
+    unverified; past STALE_CANCEL_S that no longer counts, and the room is forgotten as later ones come."""
+    c = core()
+    c.integrity = False
+    first = asked(c, 1, now=0.0)
+    assert of(SendCancel, c.abandon(0.0, 1, first))
+    c.clear(0.0, 1)
+    last = 2 + int(3 * cancels.STALE_CANCEL_S)
+    for room in range(2, last + 1):
+        now = prefill.CANCEL_SILENCE_S + room
+        token = asked(c, room, now=now)
+        assert c.abandon(now, room, token) == [], "a silent rank is sent no cancel"
+        c.clear(now, room)
+    assert len(c._unfenced_asks) <= cancels.STALE_CANCEL_S + 1, "rooms given up long ago are kept until MAX_ROUTES"
+    now = prefill.CANCEL_SILENCE_S + last + 1.0
+    again = asked(c, last, now=now)
+    (concluded,) = of(Conclude, c.status(now, last, TransferPoll.Success, 0))
+    assert concluded.token == again and concluded.failure.kind is FailureKind.OTHER
+    assert "given up with no cancel" in concluded.failure.detail

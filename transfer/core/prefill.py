@@ -394,7 +394,8 @@ class PrefillCore:
         self.cancels = CancelBook(self._conns.get)  # awaiting answers, and what answers showed of each address
         self._answered_at: dict[Address, float] = {}  # when the current connection there last answered a room
         # (room, encode rank) -> (when, token) of an asked room given up with no cancel that holds back its
-        # statuses: that ask may still be served, and its statuses look like a later ask's (`_unfenced`).
+        # statuses: that ask may still be served, and its statuses look like a later ask's (`_unfenced`). Oldest
+        # first, and only those given up within STALE_CANCEL_S, past which one no longer counts.
         self._unfenced_asks: dict[tuple[int, int], tuple[float, int]] = {}
         self._held: list[tuple[float, int, _Room]] = []  # (when its ask goes anyway, token, room), a heap
         self._unread = UnreadGrace()  # holds the rules for want of a status while statuses may be unread
@@ -1155,7 +1156,13 @@ class PrefillCore:
         actions = self._cancel(now, state)
         if not any(isinstance(action, SendCancel) for action in actions) and state.encode_rank is not None:
             # Nothing holds back what its encode rank may still tell of it: a later ask of the room takes care.
-            remember(self._unfenced_asks, (state.room, state.encode_rank), (now, state.token), MAX_ROUTES)
+            unfenced = self._unfenced_asks
+            while unfenced:  # filed oldest first; past STALE_CANCEL_S one no longer counts (_unfenced)
+                oldest, (given_up_at, _) = next(iter(unfenced.items()))
+                if now - given_up_at < STALE_CANCEL_S:
+                    break
+                del unfenced[oldest]
+            remember(unfenced, (state.room, state.encode_rank), (now, state.token), MAX_ROUTES)
         return actions
 
     def _cancel(self, now: float, state: _Room) -> list:
