@@ -116,6 +116,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from transfer import _io, _native, wire
+from transfer._forks import forks
 from transfer._resolve import connect_within
 from transfer.config import check_seconds
 from transfer.core.failure import printable
@@ -495,6 +496,7 @@ class WireEngine(RegisteredMemory):
         self._batches: dict[int, Future] = {}
         self._batch_ids = itertools.count(1)
         self._writers: _WriterPool | None = None
+        self._forks = forks()
         log.debug("wire engine %s listening", self.session_id)
 
     # -- memory -----------------------------------------------------------
@@ -534,7 +536,9 @@ class WireEngine(RegisteredMemory):
         """Write every (src, dst, length) to the peer as one transfer; blocks until it answers.
 
         rows (default 1) is the row count the PREFILL announces: every length must be a
-        multiple of it. Raises EngineError naming the session and the sizes."""
+        multiple of it. Raises EngineError naming the session and the sizes; UsageError in a process
+        forked from the one that started the engine."""
+        self._check_process()
         srcs, dsts, lens = self._batch(session_id, src_addrs, dst_addrs, lengths)
         if not lens:
             return
@@ -567,7 +571,9 @@ class WireEngine(RegisteredMemory):
                     lengths: Sequence[int]) -> int:
         """Start write() on the peer's writer queue (at most its share of writers_per_peer
         run at once); returns a batch id for wait() (0: nothing to write). Its sources count as
-        read from here on, queued or not: unregister() refuses them until the batch is over."""
+        read from here on, queued or not: unregister() refuses them until the batch is over.
+        UsageError in a process forked from the one that started the engine."""
+        self._check_process()
         srcs, dsts, lens = self._batch(session_id, src_addrs, dst_addrs, lengths)
         if not lens:
             return 0
@@ -627,7 +633,9 @@ class WireEngine(RegisteredMemory):
         return True
 
     def wait(self, batch_id: int, timeout_s: float | None = None) -> None:
-        """Block until the batch from write_async completes; EngineError if it failed or is unknown."""
+        """Block until the batch from write_async completes; EngineError if it failed or is unknown,
+        UsageError in a process forked from the one that started the engine (nothing there would end it)."""
+        self._check_process()
         if batch_id == 0:
             return
         with self._lock:
@@ -850,6 +858,16 @@ class WireEngine(RegisteredMemory):
         out["last_error"] = printable(out["last_error"])
         return out
 
+    def _check_process(self) -> None:
+        """UsageError in a process forked from the one that started the engine: its listener's threads and
+        its writers are the parent's, and its pooled connections are shared with the parent, whose
+        transfers on them a write here would interleave with."""
+        if self._forks != forks():
+            raise UsageError(f"wire engine {self.session_id} was made before this process (pid {os.getpid()}) was "
+                             f"forked from its parent: its listener, writer threads and connections are the "
+                             f"parent's, so nothing here would carry its writes or land its peers' bytes; make a "
+                             f"WireEngine in this process")
+
     def _check_open(self) -> None:
         """Raise when the engine was closed (caller holds the lock)."""
         if self._closed:
@@ -881,8 +899,22 @@ class WireEngine(RegisteredMemory):
     def close(self) -> None:
         """Waits for writes in flight (each bounded by the timeouts), closes every connection,
         stops and joins the listener's threads and frees its port; idempotent. A close() while
-        another is under way returns when that one did."""
+        another is under way returns when that one did. In a process forked from the one that started
+        the engine it only closes that process's copies of the engine's descriptors, at once: the writes,
+        threads and connections are the parent's, which go on."""
+        if self._forks != forks():
+            self._close_copies()
+            return
         self._close_once()
+
+    def _close_copies(self) -> None:
+        """close() in a forked child: closes the child's copies of the pooled connections and of the
+        listener's descriptors (the parent's stay open), taking no lock a parent's thread may have held
+        at the fork and waiting for none of the parent's threads."""
+        for conns in list(self._idle.values()):
+            for conn in list(conns):
+                conn.close()
+        _native.wire_listener_close(self._listener)
 
     def _release(self) -> None:
         """close()'s work, once: settle the writes, close the connections and the listener."""
