@@ -62,8 +62,8 @@ last transfer began more than ``idle_timeout_s`` ago (a peer whose host went awa
 never hangs up; a live listener with the same bound has closed its end of them by then); a write that fails on a reused connection before any byte of it
 was accepted, or because the peer closed that connection without a word (as a listener that
 evicts or times out an idle connection does, which can land just after the check before
-reuse), is sent again once on a fresh one, within what the first send left of the reply timeout: the
-copies go to the same destinations, so a second send lands the same bytes. Readiness is asked with poll(), never
+reuse), is sent again once on a fresh one, within what the first send left of the reply timeout (its connect
+included): the copies go to the same destinations, so a second send lands the same bytes. Readiness is asked with poll(), never
 select(), which refuses descriptors past 1023 in a process with many sockets open.
 The listener closes a fresh connection that sends nothing for the first-byte bound
 (``first_byte_timeout_s``, 10 s by default, never more than the idle timeout) with an ERROR
@@ -678,9 +678,21 @@ class WireEngine(RegisteredMemory):
         def left() -> float:
             return self.reply_timeout_s - (time.monotonic() - started)
 
-        if left() <= 0:
+        budget = left()
+        if budget <= 0:
             raise cause from None
-        conn = self._open(session_id)
+        # The connect, too, gets no more than what is left: a peer whose accept queue is full (frozen, or
+        # not accepting) leaves it hanging for all of connect_timeout_s.
+        try:
+            conn = self._open(session_id, min(self.connect_timeout_s, budget))
+        except TimeoutError:
+            if budget >= self.connect_timeout_s:
+                raise
+            said = (f"{cause}; sent again on a fresh connection, which did not connect within the {budget:.2f} s "
+                    f"left of reply_timeout_s={self.reply_timeout_s:g}")
+            error = OSError(said)
+            error.errno = cause.errno  # what the first send met (a reset, a broken pipe) still tells the story
+            raise error from None
         try:
             remaining = left()
             if remaining <= 0:
@@ -772,11 +784,12 @@ class WireEngine(RegisteredMemory):
 
     # -- connections ------------------------------------------------------
 
-    def _open(self, session_id: str) -> _Conn:
-        """A fresh connection to the peer (first dropping idle ones whose peers hung up or that sat idle
-        past idle_timeout_s)."""
+    def _open(self, session_id: str, connect_timeout_s: float | None = None) -> _Conn:
+        """A fresh connection to the peer, connected within connect_timeout_s (None: the engine's), first
+        dropping idle ones whose peers hung up or that sat idle past idle_timeout_s."""
         self._prune_idle()
-        conn = _Conn(session_id, self.reply_timeout_s, self.connect_timeout_s)
+        conn = _Conn(session_id, self.reply_timeout_s,
+                     self.connect_timeout_s if connect_timeout_s is None else connect_timeout_s)
         with self._lock:
             self._sent["connections_opened"] += 1
         return conn

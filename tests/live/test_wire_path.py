@@ -161,6 +161,64 @@ def test_a_pooled_connection_evicted_after_its_check_is_sent_again_on_a_fresh_on
         assert writer.stats()["retries"] == 1 and writer.stats()["connections_opened"] == 2
 
 
+def _serve_one_transfer(conn: socket.socket) -> None:
+    """Plays a listener for one transfer on conn: reads it through FIRST and answers RESULT."""
+    _, prefill, _ = wire.read_frame(conn)
+    msg = wire.Msg.decode(prefill)
+    while wire.read_frame(conn)[0] != wire.FIRST:
+        pass
+    answer = wire.Msg({"bytes": msg.number("bytes0"), "room": msg.number("room")}).encode()
+    conn.sendall(struct.pack("<IB", 1 + len(answer), wire.RESULT) + answer)
+
+
+def test_a_transfer_sent_again_connects_within_what_is_left_of_the_reply_timeout():
+    """A peer that resets a pooled connection after reading a whole transfer, and whose accept queue is
+    full (it stopped accepting): the transfer is sent again on a fresh connection, whose connect never
+    completes. The connect gets only what the first send left of the reply timeout, not all of
+    connect_timeout_s, and the error says both what failed first and why the send again did not go."""
+    server = socket.create_server(("127.0.0.1", 0), backlog=0)
+    port = server.getsockname()[1]
+    queued: list[socket.socket] = []
+    failures: list[BaseException] = []
+
+    def peer() -> None:
+        try:
+            conn, _ = server.accept()
+            with conn:
+                conn.settimeout(30)
+                _serve_one_transfer(conn)
+                _, _, _ = wire.read_frame(conn)  # the second transfer, read whole and never answered
+                while wire.read_frame(conn)[0] != wire.FIRST:
+                    pass
+                # One connection nobody accepts fills the queue of a backlog-0 listener: the next SYN is dropped.
+                queued.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    thread = threading.Thread(target=peer, daemon=True)
+    thread.start()
+    try:
+        with WireEngine("127.0.0.1", reply_timeout_s=3.0, connect_timeout_s=30.0) as writer:
+            src = _random_bytes(1000, 9)
+            writer.register(src)
+            session = f"127.0.0.1:{port}"
+            writer.write(session, [src.data_ptr()], [0x10000], [1000])
+            with pytest.raises(TransferError) as failed:
+                writer.write(session, [src.data_ptr()], [0x10000], [1000])
+            thread.join(30)
+            assert not failures, failures
+            said = str(failed.value)
+            assert said.startswith(f"write to {session} failed: read: "), said
+            assert re.search(r"; sent again on a fresh connection, which did not connect within the [0-9.]+ s left "
+                             r"of reply_timeout_s=3 \(1 buffer\(s\), 1000 bytes", said), said
+            assert writer.stats()["connections_opened"] == 1 and writer.stats()["retries"] == 0  # the connect failed
+    finally:
+        server.close()
+        for sock in queued:
+            sock.close()
+
+
 def test_four_threads_to_two_peers():
     n, per = 1 << 20, 1 << 18
     with WireEngine() as writer, WireEngine() as peer_a, WireEngine() as peer_b:
