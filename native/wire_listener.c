@@ -1018,15 +1018,13 @@ static void close_drained(int fd)
     close(fd);
 }
 
-/* Answers a connection beyond max_conns "listener busy" without blocking this (the accept) thread:
-   discards what the peer already sent, sends the answer in one segment, shuts our side down, then
-   leaves the socket to accept_main's poll to drain until the peer closes or DRAIN_MS pass. */
-static void refuse_busy(wl_listener *l, int fd)
+/* Turns a connection away (counted in `refused`) with an ERROR saying why, without blocking this (the
+   accept) thread: discards what the peer already sent, sends the answer in one segment, shuts our side
+   down, then leaves the socket to accept_main's poll to drain until the peer closes or DRAIN_MS pass. */
+static void refuse_connection(wl_listener *l, int fd, const char *why)
 {
     wl_prefill none = {0};
-    char why[128];
     unsigned char frame[REPLY_MAX];
-    snprintf(why, sizeof why, "listener busy: all %d connections in use", l->max_conns);
     pthread_mutex_lock(&l->lock);
     l->refused++;
     pthread_mutex_unlock(&l->lock);
@@ -1054,6 +1052,14 @@ static void refuse_busy(wl_listener *l, int fd)
     l->linger_fd[l->nlinger] = fd;
     l->linger_until[l->nlinger] = now_ns() + (int64_t)DRAIN_MS * 1000000;
     l->nlinger++;
+}
+
+/* Answers a connection beyond max_conns "listener busy" (refuse_connection). */
+static void refuse_busy(wl_listener *l, int fd)
+{
+    char why[128];
+    snprintf(why, sizeof why, "listener busy: all %d connections in use", l->max_conns);
+    refuse_connection(l, fd, why);
 }
 
 /* Drains the refused connections whose poll entries (in linger order) are ready; closes those whose
@@ -1166,13 +1172,20 @@ static void admit(wl_listener *l, int fd)
     l->accepted++;
     l->active++;
     pthread_mutex_unlock(&l->lock);
-    if (pthread_create(&slot->thread, NULL, conn_main, slot) != 0) {
+    int err = pthread_create(&slot->thread, NULL, conn_main, slot);
+    if (err != 0) {
+        /* Turned away, not admitted: counted in `refused` only, and told why. */
         pthread_mutex_lock(&l->lock);
         l->active--;
-        l->refused++;
+        l->accepted--;
         slot->fd = -1;
         pthread_mutex_unlock(&l->lock);
-        close(fd);
+        char why[192];
+        snprintf(why, sizeof why,
+                 "listener cannot serve this connection: starting its thread failed (%s); the receiving process is "
+                 "out of threads or memory",
+                 strerror(err));
+        refuse_connection(l, fd, why);
         return;
     }
     slot->used = 1;
