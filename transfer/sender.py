@@ -260,7 +260,9 @@ class SenderPool:
         `src` is a tensor `[span, hidden]` on any device, or a raw address with `span`,
         `hidden` and `dtype` (ints, or numpy or torch integer scalars); `deepstack` likewise
         `[span, hidden * k]` (raw: give `deepstack_hidden`). `ready_event` (e.g. a CUDA event) must complete before the
-        first byte is read; the pool polls it (query()), never blocking the caller.
+        first byte is read; the pool polls it (query()), never blocking the caller. One that has not completed
+        within `fanout_timeout_s` of the send fails the room, as one whose query() raises does at once (the
+        failure names the error).
         """
         self._driver.check_process()
         if self._book.stopping:

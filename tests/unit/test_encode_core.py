@@ -405,6 +405,28 @@ def test_a_ready_event_that_never_completes_fails_its_room_and_tells_the_receive
     assert run.statuses(out) == [(1, 6000, TransferPoll.Failed)] and run.of(Release, out)
 
 
+def test_a_ready_event_whose_query_raises_fails_its_room_only_naming_the_error_and_is_not_asked_again():
+    class Broken:
+        queries = 0
+
+        def query(self) -> bool:
+            self.queries += 1
+            raise RuntimeError()  # no text of its own, as some errors have
+
+    broken = Broken()
+    run = Run(fanout_timeout_s=10.0)
+    run.offer(_offer(1, ready_event=broken))
+    run.offer(_offer(2))
+    out = run.at(1.0).ask(_ask(1))
+    [write] = run.of(StartWrite, run.at(1.0).ask(_ask(2, ptr=0x20000)))
+    assert write.room == 2, "the other room is written"
+    assert run.conclusions() == [(1, TransferPoll.Failed, FailureKind.WRITE)]
+    assert run.of(Conclude)[0].failure.detail == "room 1: its ready event's query() raised RuntimeError()"
+    assert run.statuses(out) == [(1, 6000, TransferPoll.Failed)] and run.of(Release, out)
+    run.at(2.0).tick()
+    assert broken.queries == 1 and run.of(StartWrite) == [write]
+
+
 def test_a_write_waiting_past_the_bound_since_the_first_ask_is_never_started():
     run = Run(depth=1, fanout_timeout_s=10.0)
     run.offer(_offer(1))

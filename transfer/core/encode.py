@@ -1072,7 +1072,7 @@ class EncodeCore:
             if room.ready():
                 return True
         except Exception as exc:  # noqa: BLE001 - a broken event fails its room only
-            self._fail(room, FailureKind.WRITE, f"room {room.room}: waiting for its ready event failed: {exc}", now)
+            self._fail(room, FailureKind.WRITE, f"room {room.room}: its ready event's query() raised {exc!r}", now)
             return True
         if now - room.offered_at > limit:
             self._fail(room, FailureKind.WRITE, f"room {room.room}: its ready event did not complete within "
