@@ -429,8 +429,9 @@ class SenderPool:
         stop being sent here before the socket closes. Writes already submitted are waited
         for next, until CLOSE_AFTER_WRITES_S before `close_timeout_s` runs out; those still in
         flight then (a receiver that stopped reading) are abandoned: their rooms fail saying so,
-        the log names them, and the sources they read stay registered (the engine keeps what it
-        reads alive until it settles them or closes). Once the thread stopped (closed, or stopped
+        the log names them, and the sources they read stay registered until the engine is done
+        with those writes (then a sender pool on the engine, made before or after, drops the
+        temporary registrations among them) or closes. Once the thread stopped (closed, or stopped
         by an error before), the pool holds no item's source, its room cleared or not. A thread
         still stuck at `close_timeout_s` (inside an engine call) is left to finish alone: its rooms
         fail here, and it closes its own sockets and registrations if it ever returns. In a process

@@ -116,6 +116,37 @@ def _break_the_thread(pool: SenderPool) -> None:
     pool._core.offer = broken
 
 
+def test_the_source_of_a_write_a_closing_pool_abandoned_is_dropped_by_a_later_pool_once_the_write_is_over(
+        engines, server, monkeypatch):
+    """A close that gives up on a write still in flight keeps its source registered (the engine may still read
+    it). Nothing polls that write again: a later pool on the engine drops the registration once the engine says
+    the write is over, where it stayed for the engine's life."""
+    encode, prefill = engines
+    slots = torch.zeros(1, SPAN, HIDDEN, dtype=torch.bfloat16)
+    rows = item_tensor(1, SPAN, HIDDEN)  # not registered: its send() registers it
+    poll, slow = encode.poll, threading.Event()
+    slow.set()
+    # The write is slower than the close: the closing pool sees it in flight throughout.
+    monkeypatch.setattr(encode, "poll", lambda ticket: False if slow.is_set() else poll(ticket))
+    with SessionManager(prefill, 0, 1, 1, buffer=slots, host=HOST) as manager:
+        pool = SenderPool(encode, 0, 1, 1, server.address, host=HOST, close_timeout_s=1.0)
+        try:
+            handle = pool.send(1, rows)
+            received = manager.receive(1, server.address, slots[0])
+            assert wait_until(lambda: "submitted" in handle.stages, 10.0)
+        finally:
+            pool.close()
+        assert handle.poll() == TransferPoll.Failed and "write still in flight" in handle.failure
+        assert rows.data_ptr() in encode.registered(), "unregistered while the engine may still read it"
+        received.wait(10.0)
+        received.clear()
+        slow.clear()
+        with SenderPool(encode, 0, 1, 1, server.address, host=HOST):
+            assert wait_until(lambda: rows.data_ptr() not in encode.registered(), 10.0), \
+                "the abandoned write's source stayed registered once the write was over"
+            assert not _in_mooncake(encode, rows)
+
+
 @pytest.mark.driver_dies
 def test_a_pool_whose_thread_fails_lets_go_of_the_sources_its_rooms_held(engines, server):
     encode, _ = engines

@@ -128,7 +128,8 @@ def test_a_failure_settling_one_write_leaves_the_others_in_flight_and_their_sour
     assert driver._flights == [reading]
     driver.release_sources()  # what the failing thread's close does with the holds no room released
     assert engine.regions == {0x1000: 256}, "a source was unregistered while a write still reads it"
-    assert sources.holding == 1
+    sources.retry()  # nothing polls that write now: the hold waits in the engine's book for it to be over
+    assert engine.regions == {0x1000: 256}, "a source was unregistered while a write still reads it"
 
 
 def test_closing_waits_for_every_write_in_flight_though_settling_one_fails(make_driver, caplog):
@@ -182,10 +183,47 @@ def test_closing_gives_up_on_a_stuck_write_at_close_by_and_keeps_what_it_reads(m
     assert 5.0 - drive.CLOSE_AFTER_WRITES_S <= clock.now < drive.CLOSE_WAIT_S
     assert core.done == [1] and [f.wid for f in driver._flights] == [2]
     assert "write still in flight" in core.stuck and "EPD_CLOSE_TIMEOUT_S" in core.stuck
-    assert engine.regions == {0x1000: 256} and sources.holding == 1
+    assert engine.regions == {0x1000: 256}
+    sources.retry()
+    assert engine.regions == {0x1000: 256}, "a source was unregistered while a write still reads it"
     [line] = [m for m in caplog.messages if "abandoned" in m]
     assert "abandoned 1 writes (256 bytes)" in line and "to s2, of rooms 7" in line
     assert driver.pull.closed and driver.waker.closed and driver.statuses.closed
+
+
+def test_what_an_abandoned_write_reads_is_let_go_of_by_a_pool_on_the_engine_once_the_engine_is_done_with_it(
+        make_driver):
+    """Nothing polls a write the close abandoned: its source's temporary registration was kept for the engine's
+    life, though the write ended. The next pool on the engine lets go of it once the engine says the write is
+    over (or failed), not before; a hold on memory no abandoned write reads is not handed over."""
+    engine = FakeEngine()
+    sources = SourceRegistry(engine)
+    sources.hold(_io.Region(0x1000, 256))  # what the abandoned write reads
+    sources.hold(_io.Region(0x5000, 128))  # what the failed one reads
+    sources.hold(_io.Region(0x9000, 64))  # what no write reads
+    clock = Clock()
+    driver = make_driver(FakeCore(), engine, sources, clock=clock, sleep=clock.sleep)
+    driver._flights = [_flight(2, 12, "s2", (0x1040, 64)), _flight(3, 13, "s2", (0x5000, 128))]
+    engine.polls_left[12] = engine.polls_left[13] = 10**9  # neither settles while the pool closes
+    driver.stop(close_by=5.0)
+    driver._close()
+    assert engine.regions == {0x1000: 256, 0x5000: 128}, "kept while the writes may read them, the rest dropped"
+    later = SourceRegistry(engine)  # the next pool's, on the same engine
+    later.retry()
+    assert engine.regions == {0x1000: 256, 0x5000: 128}
+    engine.polls_left[12] = 0  # that write is over
+
+    def failed(batch: int) -> bool:
+        if batch == 13:
+            raise RuntimeError("write failed")  # the engine refuses to unregister what it may still read
+        return FakeEngine.poll(engine, batch)
+
+    engine.poll = failed
+    later.retry()
+    assert engine.regions == {} and len(later.counts) == 0 and sources.holding == 0
+    later.retry()
+    assert [e for e in engine.events if e[0] == "unregister"] == [("unregister", 0x9000), ("unregister", 0x1000),
+                                                                  ("unregister", 0x5000)]
 
 
 def _sent(driver: EncodeDriver, room: int, sources: SourceRegistry, base: int) -> RoomState:

@@ -172,12 +172,16 @@ class RoomBook:
 
 @dataclass
 class _EngineSources:
-    """What every SourceRegistry on one engine shares: the counts, their lock, the registration under way."""
+    """What every SourceRegistry on one engine shares: the counts, their lock, the registration under way, and
+    the holds of closed pools that writes they abandoned still read."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     counts: SourceCounts = field(default_factory=SourceCounts)
     registering: threading.Lock = field(default_factory=threading.Lock)  # taken by callers only, never by a driver
     pending: int | None = None  # the base being registered and not yet counted
+    #: [batches still read from, bases held]: let go of by any registry's retry() once the engine is done with
+    #: every one of those writes (see SourceRegistry.leave_to_engine).
+    abandoned: list[tuple[set[int], tuple[int, ...]]] = field(default_factory=list)
 
 
 # Engine -> the source registrations its sender pools share. Weakly keyed, and nothing in a
@@ -386,11 +390,61 @@ class SourceRegistry:
             log.warning("dropping the temporary registration of %#x failed: %s", base, exc)  # e.g. engine closed
         self.counts.dropped(base)
 
-    def retry(self) -> None:
-        """Tries again to drop the registrations the engine would not let go of."""
+    def leave_to_engine(self, writes: Iterable[tuple[int, Iterable[tuple[int, int]]]]) -> int:
+        """For a driver that stopped with writes still in flight that nothing polls any more (`writes`: their
+        engine batches and the (address, bytes) each reads): hands this registry's holds around memory they
+        read to the book every registry on the engine shares; returns how many it handed over.
+
+        The next retry() of any registry on the engine (another pool's driver, every RETRY_RELEASES_S) lets
+        go of each once the engine answered poll() for every write that reads it (over, or failed: the
+        engine's unregister() refuses memory a failed write may still read); the engine's close takes the rest.
+        """
+        writes = [(batch, tuple(reads)) for batch, reads in writes if batch]
+        if not writes or getattr(self.engine, "poll", None) is None:
+            return 0
         with self.lock:
+            registered = self.engine.registered()
+            handed = 0
+            for key, bases in list(self._holds.items()):
+                batches = {batch for batch, reads in writes for addr, nbytes in reads for base in bases
+                           if addr < base + registered.get(base, 0) and base < addr + nbytes}
+                if batches:
+                    del self._holds[key]
+                    self._shared.abandoned.append((batches, bases))
+                    handed += 1
+        return handed
+
+    def retry(self) -> None:
+        """Tries again to drop the registrations the engine would not let go of, and lets go of the holds
+        closed pools left to writes they abandoned, once the engine is done with those (leave_to_engine)."""
+        over = self._abandoned_over() if self._shared.abandoned else []
+        with self.lock:
+            for bases in over:
+                self._let_go(bases)
             for base in self.counts.retry():
                 self._drop(base)
+
+    def _abandoned_over(self) -> list[tuple[int, ...]]:
+        """Takes the abandoned holds whose writes the engine is done with off the shared book; their bases.
+
+        The engine is asked outside the lock (send() takes it); an entry leaves the book under it, so
+        registries retrying at once never let go of one twice.
+        """
+        poll = self.engine.poll  # type: ignore[attr-defined]  # only such engines' holds are handed over
+        with self.lock:
+            entries = list(self._shared.abandoned)
+        for batches, _ in entries:
+            for batch in list(batches):
+                try:
+                    over = poll(batch)
+                except Exception:  # noqa: BLE001 - failed (or forgotten once over): unregister() judges the rest
+                    over = True
+                if over:
+                    batches.discard(batch)
+        with self.lock:
+            done = [entry for entry in self._shared.abandoned if not entry[0]]
+            self._shared.abandoned[:] = [entry for entry in self._shared.abandoned if entry[0]]
+        return [bases for _, bases in done]
 
 
 @dataclass(eq=False)  # one write, told apart from another by identity (the book removes it by that)
@@ -791,8 +845,9 @@ class EncodeDriver:
         rooms = sorted({room for room, _ in writing})
         sessions = sorted({flight.session for flight in self._flights})
         log.error("sender pool of encode rank %d: closing abandoned %d writes (%d bytes) still in flight after "
-                  "%.1fs to %s, of rooms %s; their rooms fail, and the sources they read stay registered until "
-                  "the engine lets go of them (its transfer timeout, or its close)", self.engine_rank,
+                  "%.1fs to %s, of rooms %s; their rooms fail, and the temporary registrations of the sources they "
+                  "read stay until the engine is done with those writes (then the next sender pool on it drops "
+                  "them) or closes", self.engine_rank,
                   len(self._flights), sum(flight.nbytes for flight in self._flights), waited, _some(sessions, 8),
                   _some(rooms, 20))
         remedy = ("check that prefill rank, or raise close_timeout_s (EPD_CLOSE_TIMEOUT_S) to wait longer"
@@ -803,7 +858,9 @@ class EncodeDriver:
 
     def release_sources(self) -> None:
         """Lets go of the pool's source registrations that no room releases any more, but those
-        writes still in flight read (the thread stopped, or never settled them).
+        writes still in flight read (the thread stopped, or never settled them): those go to the
+        engine's shared book, let go of once the engine is done with the writes
+        (SourceRegistry.leave_to_engine).
 
         The core releases every room once nothing reads it; after the thread failed, the
         rooms it lost on the way (an item it never filed, actions it never carried out)
@@ -811,6 +868,8 @@ class EncodeDriver:
         """
         try:
             let_go = self.sources.release_all(read for flight in self._flights for read in flight.reads)
+            # Nothing polls the writes left in flight any more: what they read goes once the engine is done.
+            self.sources.leave_to_engine((flight.batch, flight.reads) for flight in self._flights)
         except Exception:
             log.exception("sender pool of encode rank %d: dropping its temporary source registrations failed",
                           self.engine_rank)
