@@ -197,6 +197,107 @@ def mooncake_transfer_timeout_s(environ: Mapping[str, str] | None = None) -> flo
     return float(max(5, int(leading.group(1)) if leading else 0))
 
 
+#: The range Mooncake takes its RPC and TCP-transport ports from where MC_MIN_RPC_PORT/MC_MAX_RPC_PORT give none
+#: it takes.
+MOONCAKE_PORTS = (15000, 17000)
+
+#: The kernel's ephemeral port range where /proc does not say (Linux's default).
+EPHEMERAL_PORTS = (32768, 60999)
+
+#: The largest Mooncake port range whose ports a failed start counts, one bind each.
+COUNTED_PORTS_MAX = 4096
+
+
+def _c_int(text: str | None) -> int | None:
+    """C's atoi() of an environment value ("2.5" is 2, "abc" is 0); None where it is unset."""
+    if text is None:
+        return None
+    leading = re.match(r"[ \t\n\v\f\r]*([+-]?[0-9]+)", text)  # C's isspace and digits, not Unicode's
+    return int(leading.group(1)) if leading else 0
+
+
+def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The kernel's ephemeral port range (EPHEMERAL_PORTS where it cannot be read)."""
+    try:
+        first, last = (int(word) for word in _read_text(path).split())
+    except ValueError:
+        return EPHEMERAL_PORTS
+    return first, last
+
+
+def mooncake_port_range(environ: Mapping[str, str] | None = None,
+                        ephemeral: tuple[int, int] = EPHEMERAL_PORTS) -> tuple[int, int, str]:
+    """The range Mooncake's engine takes its listeners' ports from, read as Mooncake 0.3.13 reads it, and how
+    it came to be that range, in words: each end from MC_MIN_RPC_PORT / MC_MAX_RPC_PORT (else the older
+    MC_MIN_PRC_PORT / MC_MAX_PRC_PORT, else MOONCAKE_PORTS), as C's atoi(); a range not within 1024-65535,
+    ending below its start, or overlapping the kernel's `ephemeral` ports, is MOONCAKE_PORTS instead."""
+    env = os.environ if environ is None else environ
+    ends = []
+    for end, default in (("MIN", MOONCAKE_PORTS[0]), ("MAX", MOONCAKE_PORTS[1])):
+        named = next((name for name in (f"MC_{end}_RPC_PORT", f"MC_{end}_PRC_PORT") if name in env), None)
+        value = _c_int(env.get(named)) if named is not None else None
+        ends.append((default if value is None else value, named))
+    (first, first_name), (last, last_name) = ends
+    if first_name is None and last_name is None:
+        return first, last, "Mooncake's default, MC_MIN_RPC_PORT/MC_MAX_RPC_PORT being unset"
+    given = f"{first_name or 'the default'} {first} to {last_name or 'the default'} {last}"
+    if not 1024 <= first <= last <= 65535 or (first <= ephemeral[1] and ephemeral[0] <= last):
+        return (*MOONCAKE_PORTS, f"Mooncake's default, as {given} is no range it takes (it must lie within "
+                                 f"1024-65535, outside the kernel's ephemeral ports {ephemeral[0]}-{ephemeral[1]})")
+    return first, last, given
+
+
+def ports_in_use(first: int, last: int) -> int:
+    """How many ports of first..last something listens on or holds, on any interface (as Mooncake binds
+    them): one bind each, with SO_REUSEADDR as a listener's."""
+    taken = 0
+    for port in range(first, last + 1):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("0.0.0.0", port))
+            except OSError:
+                taken += 1
+    return taken
+
+
+def start_failure_hint(protocol: str, first: int, last: int, how: str, in_use: int | None) -> str:
+    """What to check after Mooncake refused to start an engine of `protocol` whose ports come from first..last
+    (`how`: where that range comes from) with `in_use` of them taken (None: not counted)."""
+    need = 2 if protocol == "tcp" else 1  # its RPC listener, and on tcp its TCP-transport listener
+    ports = last - first + 1
+    free = None if in_use is None else ports - in_use
+    if free is not None and free < need:
+        listeners = "its RPC and TCP-transport listeners need two free ports" if need == 2 else \
+            "its RPC listener needs a free port"
+        what = f"the range has only {ports} port" if ports < need else f"{in_use} of its {ports} ports are in use"
+        return (f"{listeners} of {first}-{last} ({how}), and {what}: set MC_MIN_RPC_PORT/MC_MAX_RPC_PORT to a "
+                f"range with {need} or more free ports (no single fixed port), or free its ports (ss -ltn 'sport "
+                f">= :{first} and sport <= :{last}'); Mooncake's log lines above say more")
+    return f"Mooncake's log lines above say why (its ports come from {first}-{last}, {how})"
+
+
+#: The range Mooncake took its ports from in this process (mooncake_port_range()): it reads the environment once,
+#: when the process's first engine starts.
+_mooncake_ports: tuple[int, int, str] | None = None
+
+
+def _started_port_range() -> tuple[int, int, str]:
+    """mooncake_port_range() as it was when this process's first engine started (called before each start)."""
+    global _mooncake_ports
+    if _mooncake_ports is None:
+        _mooncake_ports = mooncake_port_range(ephemeral=ephemeral_ports())
+    return _mooncake_ports
+
+
+def _start_failure_hint(protocol: str) -> str:
+    """start_failure_hint() for the range this process's engines take their ports from, counting its ports where
+    it is not too long."""
+    first, last, how = _started_port_range()
+    in_use = ports_in_use(first, last) if last - first + 1 <= COUNTED_PORTS_MAX else None
+    return start_failure_hint(protocol, first, last, how, in_use)
+
+
 def check_batch(session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
                 lengths: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
     """A write's buffers as ints, zero-length ones dropped; ConfigError for a batch no peer could take.
@@ -670,6 +771,7 @@ class Engine(RegisteredMemory):
         self._released = threading.Event()  # set once close() released the memory and the transport
         self._openings = Openings(open_timeout_s=self.open_timeout_s)
         self._te = mooncake_engine.TransferEngine()
+        _started_port_range()
         rc = self._te.initialize(hostname, metadata, self.protocol, device_name)
         if rc != 0:
             self._te = None
@@ -677,7 +779,7 @@ class Engine(RegisteredMemory):
             self._released.set()
             raise EngineError(
                 f"Mooncake engine failed to start on {hostname} with protocol {self.protocol} "
-                f"(device {device_name or 'auto'}, metadata {metadata}): rc={rc}")
+                f"(device {device_name or 'auto'}, metadata {metadata}): rc={rc}; {_start_failure_hint(self.protocol)}")
         self.rpc_port = int(self._te.get_rpc_port())
         # Writes and status checks from C (native/mooncake.c) on the wheels checked; the
         # binding still opens every session with its first write.

@@ -3,6 +3,11 @@ does not resolve or is not this host's, and rdma where no RDMA device is usable;
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 
 from transfer import engine as engine_mod
@@ -51,3 +56,60 @@ def test_a_host_name_and_the_host_port_form_are_accepted(tmp_path, monkeypatch):
     with engine_mod.Engine("localhost", "auto") as engine:
         assert engine.protocol == "tcp" and engine.session_id.startswith("localhost:")
     engine_mod.check_hostname("127.0.0.1:17000")  # Mooncake's host:port form passes the check
+
+
+def _held_range(count: int, held: int) -> tuple[int, list[socket.socket]]:
+    """The first port of `count` consecutive ports free on every interface (below the kernel's ephemeral ports,
+    where Mooncake takes a range), with the first `held` of them bound and listening."""
+    for first in range(20000, 30000, count):
+        socks: list[socket.socket] = []
+        try:
+            for port in range(first, first + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("0.0.0.0", port))
+        except OSError:
+            for s in socks:
+                s.close()
+            continue
+        for s in socks[held:]:
+            s.close()
+        for s in socks[:held]:
+            s.listen()
+        return first, socks[:held]
+    pytest.skip("no free run of ports in 20000-30000")
+
+
+#: Starts one engine in a process of its own: Mooncake reads MC_MIN_RPC_PORT/MC_MAX_RPC_PORT once a process.
+_START_ONE = """
+from transfer import engine
+try:
+    engine.Engine("127.0.0.1", "tcp").close()
+except engine.EngineError as error:
+    print(error)
+"""
+
+
+@pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
+@pytest.mark.parametrize("count, held, said", [
+    (3, 2, "2 of its 3 ports are in use"),
+    (1, 0, "the range has only 1 port"),
+])
+def test_a_mooncake_port_range_without_two_free_ports_is_named_when_the_engine_cannot_start(count, held, said):
+    """Mooncake answers only rc=-1 (its log: `unable to find available tcp port`): the error names the range, what
+    is short and what to do."""
+    first, socks = _held_range(count, held)
+    last = first + count - 1
+    env = {**os.environ, "MC_MIN_RPC_PORT": str(first), "MC_MAX_RPC_PORT": str(last)}
+    env.pop("MC_MIN_PRC_PORT", None)
+    env.pop("MC_MAX_PRC_PORT", None)
+    try:
+        done = subprocess.run([sys.executable, "-c", _START_ONE], env=env, capture_output=True, text=True,
+                              timeout=120, check=False)
+    finally:
+        for s in socks:
+            s.close()
+    text = done.stdout
+    assert text.startswith("Mooncake engine failed to start on 127.0.0.1 with protocol tcp"), done.stderr[-2000:]
+    assert (f"its RPC and TCP-transport listeners need two free ports of {first}-{last} (MC_MIN_RPC_PORT {first} "
+            f"to MC_MAX_RPC_PORT {last}), and {said}: set MC_MIN_RPC_PORT/MC_MAX_RPC_PORT") in text

@@ -194,3 +194,64 @@ def test_a_batch_of_index_like_ints_is_taken_and_zero_lengths_dropped():
 
     assert engine_module.check_batch("p:1", [np.int64(16), 32], (48, np.uint64(64)), [np.int32(8), 0]) == (
         [16], [48], [8])
+
+
+@pytest.mark.parametrize("environ, first, last, how", [
+    ({}, 15000, 17000, "Mooncake's default, MC_MIN_RPC_PORT/MC_MAX_RPC_PORT being unset"),
+    ({"MC_MIN_RPC_PORT": "20000", "MC_MAX_RPC_PORT": "20003"}, 20000, 20003,
+     "MC_MIN_RPC_PORT 20000 to MC_MAX_RPC_PORT 20003"),
+    ({"MC_MIN_RPC_PORT": "20000", "MC_MAX_RPC_PORT": "20003", "MC_MIN_PRC_PORT": "21000",
+      "MC_MAX_PRC_PORT": "21003"}, 20000, 20003, "MC_MIN_RPC_PORT 20000 to MC_MAX_RPC_PORT 20003"),
+    ({"MC_MIN_PRC_PORT": "21000", "MC_MAX_PRC_PORT": "21003"}, 21000, 21003,
+     "MC_MIN_PRC_PORT 21000 to MC_MAX_PRC_PORT 21003"),
+    ({"MC_MIN_RPC_PORT": "20000", "MC_MAX_PRC_PORT": "20003"}, 20000, 20003,
+     "MC_MIN_RPC_PORT 20000 to MC_MAX_PRC_PORT 20003"),
+    ({"MC_MAX_RPC_PORT": "15002"}, 15000, 15002, "the default 15000 to MC_MAX_RPC_PORT 15002"),
+    ({"MC_MIN_RPC_PORT": "20005", "MC_MAX_RPC_PORT": "20005"}, 20005, 20005,
+     "MC_MIN_RPC_PORT 20005 to MC_MAX_RPC_PORT 20005"),
+])
+def test_mooncakes_port_range_is_read_as_mooncake_reads_it(environ, first, last, how):
+    """Each end from MC_*_RPC_PORT, else MC_*_PRC_PORT, else 15000 / 17000 (as Mooncake 0.3.13 started engines
+    on loopback showed)."""
+    from transfer.engine import mooncake_port_range
+
+    assert mooncake_port_range(environ, (32768, 60999)) == (first, last, how)
+
+
+@pytest.mark.parametrize("environ", [
+    {"MC_MIN_RPC_PORT": "40000", "MC_MAX_RPC_PORT": "40001"},  # in the ephemeral ports
+    {"MC_MIN_RPC_PORT": "32000", "MC_MAX_RPC_PORT": "32768"},  # reaching into them
+    {"MC_MIN_RPC_PORT": "60999", "MC_MAX_RPC_PORT": "61001"},
+    {"MC_MIN_RPC_PORT": "1023", "MC_MAX_RPC_PORT": "1024"},
+    {"MC_MIN_RPC_PORT": "20020", "MC_MAX_RPC_PORT": "20010"},
+    {"MC_MIN_RPC_PORT": "abc", "MC_MAX_RPC_PORT": "20010"},
+    {"MC_MIN_RPC_PORT": "20000"},  # up to the default 17000: below its start
+])
+def test_a_port_range_mooncake_refuses_is_its_default_instead(environ):
+    from transfer.engine import mooncake_port_range
+
+    first, last, how = mooncake_port_range(environ, (32768, 60999))
+    assert (first, last) == (15000, 17000)
+    assert how.startswith("Mooncake's default, as ") and "no range it takes" in how and "32768-60999" in how
+
+
+def test_a_failed_start_with_too_few_free_ports_says_which_range_and_what_to_do():
+    from transfer.engine import start_failure_hint
+
+    taken = start_failure_hint("tcp", 20000, 20002, "MC_MIN_RPC_PORT 20000 to MC_MAX_RPC_PORT 20002", 2)
+    assert taken.startswith("its RPC and TCP-transport listeners need two free ports of 20000-20002 "
+                            "(MC_MIN_RPC_PORT 20000 to MC_MAX_RPC_PORT 20002), and 2 of its 3 ports are in use: ")
+    assert "2 or more free ports" in taken and "ss -ltn 'sport >= :20000 and sport <= :20002'" in taken
+    single = start_failure_hint("tcp", 20005, 20005, "MC_MIN_RPC_PORT 20005 to MC_MAX_RPC_PORT 20005", 0)
+    assert "and the range has only 1 port: " in single and "no single fixed port" in single
+    rdma = start_failure_hint("rdma", 20005, 20005, "given", 1)
+    assert rdma.startswith("its RPC listener needs a free port of 20005-20005 (given), and 1 of its 1 ports")
+
+
+@pytest.mark.parametrize("protocol, in_use", [("tcp", 1), ("tcp", None), ("rdma", 2)])
+def test_a_failed_start_with_free_ports_left_points_at_mooncakes_log(protocol, in_use):
+    """Enough free ports (or a range too long to count): the cause is elsewhere, and Mooncake's log names it."""
+    from transfer.engine import start_failure_hint
+
+    hint = start_failure_hint(protocol, 20000, 20002, "given", in_use)
+    assert hint == "Mooncake's log lines above say why (its ports come from 20000-20002, given)"
