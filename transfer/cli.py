@@ -415,6 +415,14 @@ def _rank(args: argparse.Namespace) -> int:
             server = BootstrapServer(bind, port, token=args.token)
         except OSError as error:  # its message already names the server and the address (or the range)
             raise OSError(error.strerror or str(error)) from None
+        except ConfigError as error:  # an address not of this host
+            if args.bootstrap_bind:
+                raise
+            raise ConfigError(f"--serve-bootstrap binds the host of --bootstrap {args.bootstrap} unless "
+                              f"--bootstrap-bind gives another, and {error}; where peers reach the server at an "
+                              f"address this host does not hold (a load balancer's, a Kubernetes service's), keep "
+                              f"it in --bootstrap and give this host's as --bootstrap-bind (0.0.0.0: every "
+                              f"interface)") from None
         print(f"bootstrap server on http://{server.address}", file=sys.stderr, flush=True)
     try:
         if args.role == "encode":

@@ -232,6 +232,22 @@ def test_a_prefill_rank_given_a_host_not_of_this_node_is_refused_before_it_waits
         "addresses"), result.stderr
 
 
+def test_a_served_bootstrap_that_cannot_bind_the_host_of_bootstrap_points_at_bootstrap_bind():
+    # Peers may reach the server at an address this host does not hold (a Kubernetes service's): --bootstrap keeps
+    # it, and the server binds --bootstrap-bind, which the refusal names rather than asking for another --bootstrap.
+    port = _free_port()
+    result = _rank(["--role", "encode", "--rank", "0", "--protocol", "wire", "--serve-bootstrap",
+                    "--bootstrap", f"192.0.2.1:{port}", "--bootstrap-timeout", "30", "--timeout", "60"], timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        f"epd-transfer rank: --serve-bootstrap binds the host of --bootstrap 192.0.2.1:{port} unless --bootstrap-bind "
+        f"gives another, and bootstrap server cannot listen on 192.0.2.1:{port}: Cannot assign requested address: "
+        f"give an address of this host (the one peers reach the server on); where peers reach the server at an "
+        f"address this host does not hold (a load balancer's, a Kubernetes service's), keep it in --bootstrap and "
+        f"give this host's as --bootstrap-bind (0.0.0.0: every interface)"), result.stderr
+    assert not result.stdout.strip()
+
+
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
 def test_an_encode_rank_stopped_with_a_write_stuck_stops_within_its_close_timeout_whatever_a_second_sigterm():
     # A prefill rank stopped (SIGSTOP) mid-write keeps the encode rank's close waiting until
