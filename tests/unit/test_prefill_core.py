@@ -250,14 +250,35 @@ def test_a_room_that_expires_on_a_rank_still_answering_others_leaves_its_socket_
     actions = c.tick(2.0)
     assert concluded(actions)[1].kind is FailureKind.DEADLINE
     assert not any(isinstance(a, Disconnect) for a in actions) and c.connected(ENCODE)
-    if answered_at > 0.0:  # answered after room 1 was asked: the rank runs, room 1's item never came
-        assert "so it runs but was not given room 1's item: did the encode side call send() for room 1" \
-            in concluded(actions)[1].detail
+    detail = concluded(actions)[1].detail
+    if answered_at >= 1.0:  # answered within the last half of room 1's deadline: the rank runs, its item never came
+        assert "so it runs but was not given room 1's item: did the encode side call send() for room 1" in detail
+    else:  # answered after room 1 was asked, and nothing for half a deadline since: it may have stopped
+        assert "that rank answered other rooms after this one was asked, and nothing in the 1.5s since its last " \
+               "answer: it may have stopped or wedged since" in detail, detail
     assert kinds(c.abandon(2.1, 3, token3)) == [SendCancel]
     # Silent since: the next room to expire, asked after the last answer, tears it down.
     c.clear(2.1, 3, token3)
     c.receive(2.2, spec(4, slot=4))
     assert Disconnect(ENCODE) in c.tick(4.2)
+
+
+def test_a_rank_that_answered_just_after_a_room_was_asked_and_then_stopped_is_not_said_to_run():
+    """An encode rank stopped (SIGSTOP, wedged) mid-run: the statuses of rooms already written reach this rank just
+    after the next room was asked, then nothing. That room's deadline names the quiet since the last answer and a
+    stopped rank first, not `it runs but was not given the item`, which sends the operator to the router."""
+    c = core(deadline_s=25.0)
+    routed(c, now=0.0)
+    c.receive(10.0, spec(1, slot=1))
+    c.receive(10.0, spec(2, slot=2))
+    c.status(10.004, 1, TransferPoll.Success, 0)  # written before the stop; room 2 is never answered
+    failure = concluded(c.tick(35.0))[2]
+    assert failure.kind is FailureKind.DEADLINE
+    assert failure.detail == (
+        f"no status from encode rank 0 at {ENCODE[0]}:{ENCODE[1]} within 25s for room 2: that rank answered other "
+        f"rooms after this one was asked, and nothing in the 25s since its last answer: it may have stopped or "
+        f"wedged since (a stopped process, a debugger, a hung device), or runs and was not given room 2's item: is "
+        f"it alive and serving, and did the encode side call send() for room 2, on that rank, under that number?")
 
 
 @pytest.mark.parametrize("deadline", [0.3, 0.7, 2.2, 9.9, 60.0])

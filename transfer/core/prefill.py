@@ -323,12 +323,20 @@ def checksum_failed_detail(room: int, what: str, addr: int, nbytes: int, where: 
             f"receive memory still allocated, and its device usable?")
 
 
-def silent_room_detail(where: str, room: int, deadline_s: float, *, alive: bool, fanout: int) -> str:
+def silent_room_detail(where: str, room: int, deadline_s: float, *, alive: bool, fanout: int,
+                       quiet_s: float | None = None) -> str:
     """Why an asked room had no status by its deadline, and what to check: `alive` when its encode rank
-    answered other rooms after this one was asked (so it runs, and was not given this room's item)."""
+    answered other rooms after this one was asked (so it ran then, and was not given this room's item);
+    `quiet_s`, where given, the seconds since that rank's last answer, when they are half the deadline or more
+    (it may have stopped since)."""
     head = f"no status from {where} within {deadline_s:g}s for room {room}"
     fanned = (f" Its encode rank also holds the item until all {fanout} prefill ranks of its fanout asked for it: "
               f"do they all run and ask?") if fanout > 1 else ""
+    if alive and quiet_s is not None:
+        return (f"{head}: that rank answered other rooms after this one was asked, and nothing in the {quiet_s:.3g}s "
+                f"since its last answer: it may have stopped or wedged since (a stopped process, a debugger, a hung "
+                f"device), or runs and was not given room {room}'s item: is it alive and serving, and did the encode "
+                f"side call send() for room {room}, on that rank, under that number?{fanned}")
     if alive:
         return (f"{head}: that rank answered other rooms since, so it runs but was not given room {room}'s item: "
                 f"did the encode side call send() for room {room}, on that rank, under that number?{fanned} "
@@ -1370,8 +1378,10 @@ class PrefillCore:
                               f"was never asked for (is the encode rank running?)")
         else:
             alive = answered is not None and answered > state.asked_at
+            quiet_s = now - answered if answered is not None and now - answered >= half else None
             failure = Failure(FailureKind.DEADLINE, silent_room_detail(state.where(), state.room, self.deadline_s,
-                                                                       alive=alive, fanout=state.fanout))
+                                                                       alive=alive, fanout=state.fanout,
+                                                                       quiet_s=quiet_s))
         actions += self._conclude(state, failure)
         # The rooms queued behind it wait on the same silent rank: they fail now, unasked.
         for other in never_sent:
