@@ -10,7 +10,8 @@
 # Logs: $EPD_LOG_DIR/<role>-<rank>.log (prefill ranks numbered node * EPD_PREFILL_TP + rank)
 # and bootstrap.log. Ctrl-C, SIGTERM or SIGHUP (a dropped ssh session) stops every process
 # this script started (each runs in its own process group, which is killed), waits for
-# them, and exits 130. The first rank to fail stops the node's other ranks (bash >= 5.1).
+# them, and exits 130. The first rank to fail stops the node's other ranks (bash >= 5.1), as does a
+# bootstrap server that fails (its port taken), reported at once.
 # Exit status: 0 when every rank exited 0, else 1 (2: bad settings, refused before anything
 # starts; 130: stopped by Ctrl-C, SIGTERM or SIGHUP). --help prints this header and exits.
 # Each rank's summary line is its JSON: role, node (prefill node index), rank within the node.
@@ -291,14 +292,40 @@ report() {
     say "${names[$i]}: $result ${summary}"
 }
 
+report_bootstrap() {
+    # report_bootstrap CODE: the bootstrap server's line, where it ended with an error (its port taken, say),
+    # which explains the ranks' failures; its log's last line says why.
+    ((${1} != 0)) || return 0
+    say "bootstrap: FAILED (exit $1) $(grep -v '^[[:space:]]*$' "$LOG_DIR/bootstrap.log" | tail -n 1 || true)"
+    status=1
+}
+
 if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 501)); then
-    # As the ranks end: the first to fail stops the others, which would only wait out their timeouts.
+    # As the ranks end: the first to fail stops the others, which would only wait out their timeouts; so does
+    # the bootstrap server failing (its port taken), which the encode ranks would wait for until
+    # --bootstrap-timeout.
     stopping=0
     while ((${#running[@]})); do
         code=0
         ended=""
-        wait -n -p ended "${running[@]}" || code=$?
+        wait -n -p ended "${running[@]}" "${helper_pids[@]}" || code=$?
         [[ -n "$ended" ]] || break
+        if [[ " ${helper_pids[*]} " == *" $ended "* ]]; then
+            kept=()
+            for pid in "${helper_pids[@]}"; do
+                [[ "$pid" == "$ended" ]] || kept+=("$pid")
+            done
+            helper_pids=("${kept[@]}")
+            report_bootstrap "$code"
+            if ((code != 0 && !stopping)); then
+                stopping=1
+                say "launch.sh $ROLE: the bootstrap server failed; stopping the ranks" >&2
+                for pid in "${running[@]}"; do
+                    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+                done
+            fi
+            continue
+        fi
         for i in "${!pids[@]}"; do
             [[ "${pids[$i]}" == "$ended" ]] && break
         done
@@ -329,10 +356,7 @@ for pid in "${helper_pids[@]}"; do
     fi
     code=0
     wait "$pid" || code=$?
-    if ((code != 0)); then
-        say "bootstrap: FAILED (exit $code) $(grep -v '^[[:space:]]*$' "$LOG_DIR/bootstrap.log" | tail -n 1 || true)"
-        status=1
-    fi
+    report_bootstrap "$code"
 done
 helper_pids=("${serving[@]}")
 stop # the bootstrap server, if it still serves

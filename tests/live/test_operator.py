@@ -706,6 +706,27 @@ def test_launch_reports_a_bootstrap_server_that_could_not_start(tmp_path, stub):
     assert "bootstrap: FAILED (exit 1) stub: the bootstrap port is taken" in done.stdout
 
 
+def _bash_version() -> tuple[int, int]:
+    """The (major, minor) version of the bash that runs the launch scripts."""
+    words = subprocess.run(["bash", "-c", 'echo "${BASH_VERSINFO[0]} ${BASH_VERSINFO[1]}"'], capture_output=True,
+                           text=True, check=True).stdout.split()
+    return int(words[0]), int(words[1])
+
+
+def test_launch_encode_stops_its_ranks_at_once_when_its_bootstrap_server_fails(tmp_path, stub):
+    # Its port taken: the encode ranks would wait for the server until --bootstrap-timeout (120 s) while the
+    # script said nothing; the failure is said as it happens and the ranks (here, ones that would sleep 120 s)
+    # are stopped.
+    if _bash_version() < (5, 1):
+        pytest.skip("bash before 5.1 waits for each rank in turn")
+    done = _launch("encode", _launch_env(tmp_path, stub, STUB_BOOTSTRAP="fail", STUB_MODE="sleep"), timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "bootstrap: FAILED (exit 1) stub: the bootstrap port is taken", done.stdout
+    assert lines[1].startswith("encode-0: FAILED (exit 143)"), done.stdout
+    assert "launch.sh encode: the bootstrap server failed; stopping the ranks" in done.stderr
+
+
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM], ids=["SIGHUP", "SIGTERM"])
 def test_launch_stops_its_ranks_when_its_session_goes(tmp_path, stub, sig):
     # SIGHUP is what an ssh session that drops sends: the bootstrap server and the ranks
