@@ -803,7 +803,8 @@ class BootstrapClient:
 
         BootstrapUnreachable when no attempt got an answer at all (refused, reset or timed out).
         Only a bootstrap server's answer registers: 200 with our server's JSON (`"status": "OK"`),
-        a peer's plain `OK`, or an empty body. Any other 200, a redirect or a 4xx is a BootstrapError at once.
+        a peer's plain `OK`, or an empty body. Any other 200, a redirect, a 4xx or a 501 (a server that takes no
+        PUT: not a bootstrap server) is a BootstrapError at once.
         ConfigError for a `retry_for` outside [0, 1e6] seconds (NaN included), before any request. Each
         attempt takes at most the client's timeout, cut to what is left of `retry_for`; `retry_for=0`
         makes one attempt, within the client's timeout.
@@ -867,6 +868,11 @@ class BootstrapClient:
                     raise BootstrapError(f"bootstrap server {self.address} refused encode rank {engine_rank}: "
                                          f"HTTP 409: {text}: sizes other than its first registration's? "
                                          f"{_SIZES_STAY}")
+                if status == 501:  # Not Implemented: a server that takes no PUT, which retrying does not change
+                    raise BootstrapError(f"{self.address} answered encode rank {engine_rank}'s registration with "
+                                         f"HTTP 501 (PUT not implemented), which no bootstrap server answers: is "
+                                         f"it the bootstrap server's address (not a metrics endpoint's, say)? It "
+                                         f"said: {text}")
                 if status < 500:
                     raise BootstrapError(f"bootstrap server {self.address} refused encode rank "
                                          f"{engine_rank}: HTTP {status}: {text}")

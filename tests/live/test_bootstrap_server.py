@@ -294,6 +294,20 @@ def test_client_without_token_is_refused_at_once(caplog):
         assert len(puts) == 1 and " 401 " in puts[0], puts  # a 4xx is not retried
 
 
+def test_a_registration_sent_to_a_server_that_takes_no_put_is_refused_at_once_not_retried():
+    # A --bootstrap that names another HTTP service of the node (a metrics endpoint answers PUT with 501): no
+    # bootstrap server answers 501, so the rank is told at once, not after retrying for its whole wait.
+    from transfer.metrics import Metrics, serve
+
+    with serve(Metrics("epd_encode")) as endpoint:
+        address = f"127.0.0.1:{endpoint.port}"
+        with pytest.raises(BootstrapError) as raised:
+            BootstrapClient(address).register_rank(1, 1, "10.0.0.1", 5555, 0, retry_for=5)
+    assert str(raised.value).startswith(
+        f"{address} answered encode rank 0's registration with HTTP 501 (PUT not implemented), which no bootstrap "
+        f"server answers: is it the bootstrap server's address (not a metrics endpoint's, say)? It said: "), raised.value
+
+
 def test_client_conflict_is_not_retried(server, caplog):
     caplog.set_level(logging.DEBUG, logger="transfer.bootstrap")
     client = BootstrapClient(server.address)
