@@ -587,6 +587,7 @@ case "${STUB_MODE:-ok}" in
     ok) echo '{"stub": true}' ;;
     fail) echo "stub: the rank broke" >&2; exit 3 ;;
     sleep) exec sleep 120 ;;
+    slowstop) trap 'sleep 12; : >"$STUB_DIR/$$.stopped"; exit 143' TERM; sleep 120 & wait ;;
 esac
 """
 
@@ -747,6 +748,34 @@ def test_launch_stops_its_ranks_when_its_session_goes(tmp_path, stub, sig):
         time.sleep(0.5)
         alive = [pid for pid in pids if _proc_stat(pid) and _proc_stat(pid)[0] != "Z"]
         assert alive == [], "ranks outlived the launch script"
+    finally:
+        for start in _starts(stub[1]):
+            try:
+                os.kill(start["pid"], signal.SIGKILL)
+            except OSError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_launch_gives_a_stopping_rank_its_close_timeout_before_killing_it(tmp_path, stub):
+    # A rank stops within EPD_CLOSE_TIMEOUT_S (10 s) and a moment to stop Mooncake's engine: an encode rank with
+    # a stopped prefill peer mid-write exited 11.3 s after SIGTERM. The script killed what was left after 10 s;
+    # this rank takes 12 s to stop.
+    env = _launch_env(tmp_path, stub, STUB_MODE="slowstop")
+    proc = subprocess.Popen([os.path.join(SCRIPTS, "launch-prefill.sh")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not _starts(stub[1]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        [rank] = [s["pid"] for s in _starts(stub[1])]
+        time.sleep(0.5)  # its TERM trap is set
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        assert (stub[1] / f"{rank}.stopped").exists(), "the rank was killed before it stopped"
     finally:
         for start in _starts(stub[1]):
             try:
