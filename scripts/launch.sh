@@ -228,6 +228,14 @@ stop() {
     helper_pids=()
 }
 
+term_ranks() {
+    # TERM the process group of every rank still running (a rank or the bootstrap server failed).
+    local pid
+    for pid in "${running[@]}"; do
+        kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+    done
+}
+
 forget() {
     # forget PID: it was waited for; it is no longer ours to signal.
     local pid kept=()
@@ -328,9 +336,7 @@ if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 501)); then
             if ((code != 0 && !stopping)); then
                 stopping=1
                 say "launch.sh $ROLE: the bootstrap server failed; stopping the ranks" >&2
-                for pid in "${running[@]}"; do
-                    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
-                done
+                term_ranks
             fi
             continue
         fi
@@ -342,9 +348,7 @@ if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 501)); then
         if ((code != 0 && ${#running[@]} && !stopping)); then
             stopping=1
             say "launch.sh $ROLE: ${names[$i]} failed; stopping the other ranks" >&2
-            for pid in "${running[@]}"; do
-                kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
-            done
+            term_ranks
         fi
     done
 else

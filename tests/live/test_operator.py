@@ -613,6 +613,18 @@ def _launch_env(tmp_path, stub, **extra: str) -> dict[str, str]:
     return env
 
 
+def _kill_all(stub, proc: subprocess.Popen) -> None:
+    """Kills every rank the stub recorded, and the launch script if it still runs."""
+    for start in _starts(stub[1]):
+        try:
+            os.kill(start["pid"], signal.SIGKILL)
+        except OSError:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
 def _starts(record) -> list[dict]:
     """Every recorded start: its argv (after `-m transfer.cli`) and the EPD_TOKEN it saw."""
     starts = []
@@ -749,14 +761,7 @@ def test_launch_stops_its_ranks_when_its_session_goes(tmp_path, stub, sig):
         alive = [pid for pid in pids if _proc_stat(pid) and _proc_stat(pid)[0] != "Z"]
         assert alive == [], "ranks outlived the launch script"
     finally:
-        for start in _starts(stub[1]):
-            try:
-                os.kill(start["pid"], signal.SIGKILL)
-            except OSError:
-                pass
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        _kill_all(stub, proc)
 
 
 def test_launch_gives_a_stopping_rank_its_close_timeout_before_killing_it(tmp_path, stub):
@@ -777,14 +782,7 @@ def test_launch_gives_a_stopping_rank_its_close_timeout_before_killing_it(tmp_pa
         assert proc.returncode == 130, err
         assert (stub[1] / f"{rank}.stopped").exists(), "the rank was killed before it stopped"
     finally:
-        for start in _starts(stub[1]):
-            try:
-                os.kill(start["pid"], signal.SIGKILL)
-            except OSError:
-                pass
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        _kill_all(stub, proc)
 
 
 NETNS_BAD = [
