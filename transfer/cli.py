@@ -494,10 +494,9 @@ def _stopping() -> None:
 
 
 def _noted_while_stopping(signum: int, _frame: object) -> None:
-    """A stop signal's handler once the rank is stopping: says it is already stopping (written in one call:
-    the handler may run in the middle of a print to stderr)."""
-    os.write(2, f"{signal.Signals(signum).name} ignored: the rank is already stopping (SIGKILL ends it at "
-                f"once)\n".encode())
+    """A stop signal's handler once the command (a rank, demo, bench) is stopping: says it is already stopping
+    (written in one call: the handler may run in the middle of a print to stderr)."""
+    os.write(2, f"{signal.Signals(signum).name} ignored: already stopping (SIGKILL ends it at once)\n".encode())
 
 
 def _stop_code(stopped: KeyboardInterrupt) -> int:

@@ -41,7 +41,7 @@ def test_a_stop_signal_while_the_rank_unwinds_is_noted_not_raised(rank_handlers,
         assert handler is cli._noted_while_stopping, (stop, handler)
         handler(stop, None)  # raises nothing: the unwinding goes on
     err = capfd.readouterr().err
-    assert "SIGTERM ignored: the rank is already stopping (SIGKILL ends it at once)" in err
+    assert "SIGTERM ignored: already stopping (SIGKILL ends it at once)" in err
 
 
 def test_a_stop_signal_ignored_when_the_rank_started_stays_ignored_while_it_unwinds(rank_handlers):
