@@ -440,7 +440,8 @@ def _rank(args: argparse.Namespace) -> int:
         else:
             _wait_for_route(f"prefill rank {args.rank}", args.bootstrap, args.rank // sc.fanout, args.bootstrap_timeout,
                             start_bound())
-            report = harness.prefill_rank(sc, args.rank, args.bootstrap, noop, noop, noop)
+            report = harness.prefill_rank(sc, args.rank, args.bootstrap, noop, noop, noop, say=_say,
+                                          rank_left=lambda: signal.getitimer(signal.ITIMER_REAL)[0])
             summary = {"role": "prefill", "node": args.node, "rank": args.rank, **harness.summarize(sc, [report])}
             ok = summary["failed"] == 0 and summary["verified"]
     except KeyboardInterrupt as stopped:

@@ -311,6 +311,25 @@ def _waiting_line(sc: Scenario, rank: int, say, rank_left=None):
     return waiting
 
 
+def _receiving_line(sc: Scenario, rank: int, say, rank_left=None):
+    """`waiting(handle, waited_s)` for _GiveUp, for a prefill rank: says what a room not concluded after
+    waited_s waits for, and what ends that wait: the room's deadline (--deadline), or --timeout where
+    `rank_left()` (the seconds left of it; 0: none) ends the rank first."""
+    encode = rank // sc.fanout
+
+    def waiting(handle, waited_s: float) -> None:
+        left = rank_left() if rank_left is not None else 0.0
+        if 0 < left < sc.deadline_s - waited_s:
+            bound = (f"at most {left:.0f}s more: --timeout ends the rank before the room's deadline, "
+                     f"{sc.deadline_s:g}s, --deadline")
+        else:
+            bound = f"each room at most its deadline, {sc.deadline_s:g}s, --deadline"
+        say(f"prefill rank {rank}: room {handle.room} not concluded after {waited_s:.0f}s ({handle.poll().name}): "
+            f"waits for encode rank {encode} to be sent the item and write it ({bound})")
+
+    return waiting
+
+
 class _GiveUp:
     """An encode rank's view of `abandoned()`: when it turned true, and its grace from then; `waiting(handle,
     waited_s)`, where given, is called every WAIT_SAY_S a wait for a handle goes on."""
@@ -364,8 +383,14 @@ def _settle_send(handle, sc: Scenario, report: dict, given_up: _GiveUp | None = 
     handle.clear()
 
 
-def prefill_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finished) -> dict:
-    """Body of one prefill rank: asks for every room, then checks every landed byte."""
+def prefill_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finished, say=None,
+                 rank_left=None) -> dict:
+    """Body of one prefill rank: asks for every room, then checks every landed byte.
+
+    `say(line)`, where given, is told every WAIT_SAY_S that a room it waits for has not concluded yet;
+    `rank_left()`, where given, the seconds left before the rank's --timeout ends it (0: none), which the
+    line names where that comes before the room's deadline.
+    """
     import torch
 
     from transfer.receiver import SessionManager
@@ -390,12 +415,13 @@ def prefill_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finish
     ) as manager:
         ready()
         go()
+        waits = _GiveUp(None, None if say is None else _receiving_line(sc, rank, say, rank_left))
         window: deque = deque()
         free = list(range(sc.inflight))
         report["t_start"] = time.time()
         for index, room in enumerate(sc.rooms):
             if not free:
-                free.append(_settle_receive(window.popleft(), sc, source, deep, slots, ds_slots, report))
+                free.append(_settle_receive(window.popleft(), sc, source, deep, slots, ds_slots, report, waits))
             slot = free.pop()
             span = sc.span_of(index)
             row_start, rows = (prefill_shard(span, rank, sc.prefill_ranks, sc.encode_ranks, per_block=sc.per_block)
@@ -411,19 +437,21 @@ def prefill_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finish
             )
             window.append((handle, slot, span, row_start, rows))
         while window:
-            _settle_receive(window.popleft(), sc, source, deep, slots, ds_slots, report)
+            _settle_receive(window.popleft(), sc, source, deep, slots, ds_slots, report, waits)
         report["t_end"] = time.time()
         report["stats"] = manager.stats()
         finished()
     return report
 
 
-def _settle_receive(entry, sc: Scenario, source, deep, slots, ds_slots, report: dict) -> int:
-    """Waits for one room, checks its bytes, frees its slot; returns the slot."""
+def _settle_receive(entry, sc: Scenario, source, deep, slots, ds_slots, report: dict,
+                    waits: _GiveUp | None = None) -> int:
+    """Waits for one room (through `waits`, which may say how the wait goes), checks its bytes, frees its slot;
+    returns the slot."""
     from transfer.status import TransferPoll
 
     handle, slot, span, row_start, rows = entry
-    status = handle.wait(sc.deadline_s + 5)
+    status = (waits or _GiveUp(None)).wait(handle, sc.deadline_s + 5)
     report["rooms"].append(handle.room)
     if status != TransferPoll.Success:
         report["failed"].append((handle.room, handle.failure or f"still {status.name}"))

@@ -99,6 +99,28 @@ def test_an_encode_rank_whose_prefill_rank_does_not_ask_says_so_every_ten_second
     assert "encode rank 0: stopped after --timeout 12s" in result.stderr
 
 
+def test_a_prefill_rank_whose_encode_rank_never_writes_says_so_every_ten_seconds():
+    # Its encode rank is registered and reads its asks (a socket that takes them), and never writes: the room
+    # waits for its deadline, and --timeout ends the rank first, which the line names.
+    from transfer import _io
+    from transfer.bootstrap import BootstrapClient, BootstrapServer
+
+    with BootstrapServer("127.0.0.1", 0) as server:
+        asks, port = _io.pull_socket("127.0.0.1", 0)
+        try:
+            BootstrapClient(server.address).register_rank(1, 1, "127.0.0.1", port, 0)
+            result = _rank(["--role", "prefill", "--rank", "0", "--bootstrap", server.address, "--protocol", "wire",
+                            "--items", "2", "--span", "8", "--hidden", "64", "--deadline", "300", "--timeout", "12"],
+                           timeout=90)
+        finally:
+            asks.close(0)
+    assert result.returncode == 1, result.stderr
+    assert re.search(r"^prefill rank 0: room 0 not concluded after 10s \(\w+\): waits for encode rank 0 to be sent "
+                     r"the item and write it \(at most \d+s more: --timeout ends the rank before the room's "
+                     r"deadline, 300s, --deadline\)$", result.stderr, re.MULTILINE), result.stderr
+    assert "prefill rank 0: stopped after --timeout 12s" in result.stderr
+
+
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
 def test_rank_timeout_stops_an_encode_rank_that_no_prefill_rank_asks():
     # Without the bound this rank waits 300 s for receivers, then lingers.

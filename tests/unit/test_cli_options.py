@@ -142,7 +142,7 @@ def test_a_prefill_ranks_summary_names_its_node_and_rank(monkeypatch, capsys):
               "verified_bytes": 64, "bad": [], "t_start": 1.0, "t_end": 2.0}
     monkeypatch.setattr(cli, "_wait_for_route", lambda *a: None)
     monkeypatch.setattr(cli, "_probe_mooncake", lambda: (True, "imports"))
-    monkeypatch.setattr(harness, "prefill_rank", lambda sc, rank, *a: dict(report, rank=rank))
+    monkeypatch.setattr(harness, "prefill_rank", lambda sc, rank, *a, **kw: dict(report, rank=rank))
     argv = ["rank", "--role", "prefill", "--rank", "1", "-P", "2", "--node", "3", "--items", "1",
             "--first-room", "5", "--bootstrap", "127.0.0.1:1"]
     assert cli.main(argv) == 0
