@@ -180,8 +180,7 @@ if [[ -n "${EPD_EXTRA_ARGS:-}" ]]; then
 fi
 
 # How long a stopping rank may take before it is killed: its close (EPD_CLOSE_TIMEOUT_S, 10 s, checked above),
-# then stopping Mooncake's engine and exiting (1.3 s measured with a stopped prefill peer mid-write), with room
-# to spare.
+# then stopping Mooncake's engine and exiting (docs/operations.md), with room to spare.
 close_s=${EPD_CLOSE_TIMEOUT_S:-10}
 close_s=${close_s%%.*}
 [[ "$close_s" =~ ^[0-9]{1,7}$ ]] || close_s=10

@@ -324,7 +324,7 @@ class Metrics:
         _check_amount(name, amount)
         key = self._series_key(labels) if labels else ()
         with self._lock:
-            series = self._counter(name)
+            series = self._series(self._counters, name, "counter")
             series[key] = series.get(key, 0) + amount
 
     def inc_all(self, amounts: dict[str, float], observations: dict[str, float] | None = None) -> None:
@@ -339,27 +339,20 @@ class Metrics:
             observed.append((name, value, _bucket_index(self.buckets, value)))
         with self._lock:
             # Every name claimed before any series moves: a name claimed as another kind records nothing.
-            counters = [(self._counter(name), amount) for name, amount in amounts.items()]
-            histograms = [(self._histogram_series(name), value, index) for name, value, index in observed]
+            counters = [(self._series(self._counters, name, "counter"), amount) for name, amount in amounts.items()]
+            histograms = [(self._series(self._histograms, name, "histogram"), value, index) for name, value, index in observed]
             for series, amount in counters:
                 series[()] = series.get((), 0) + amount
             for hists, value, index in histograms:
                 self._record(hists, (), value, index)
 
-    def _counter(self, name: str) -> dict:
-        """A counter's series by label key, the name claimed as a counter the first time (_lock held)."""
-        series = self._counters.get(name)  # there once claimed as a counter
+    def _series(self, store: dict, name: str, kind: str) -> dict:
+        """`name`'s series by label key in `store` (self._counters or self._histograms, as `kind` says), the name
+        claimed as that kind the first time (_lock held)."""
+        series = store.get(name)  # there once claimed as that kind
         if series is None:
-            self._claim(name, "counter")
-            series = self._counters.setdefault(name, {})
-        return series
-
-    def _histogram_series(self, name: str) -> dict:
-        """A histogram's series by label key, the name claimed as a histogram the first time (_lock held)."""
-        series = self._histograms.get(name)  # there once claimed as a histogram
-        if series is None:
-            self._claim(name, "histogram")
-            series = self._histograms.setdefault(name, {})
+            self._claim(name, kind)
+            series = store.setdefault(name, {})
         return series
 
     def _record(self, series: dict, key: tuple, value: float, index: int) -> None:
@@ -386,7 +379,7 @@ class Metrics:
         key = self._series_key(labels, reserved=("le",)) if labels else ()
         index = _bucket_index(self.buckets, value)
         with self._lock:
-            self._record(self._histogram_series(name), key, value, index)
+            self._record(self._series(self._histograms, name, "histogram"), key, value, index)
 
     def set_gauge(self, name: str, value: float, **labels: object) -> None:
         """Set a gauge to a value."""
