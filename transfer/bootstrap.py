@@ -223,7 +223,7 @@ def _field_int(body: dict, name: str, low: int, high: int | None = None) -> int:
         raise _RequestError(400, f"{name} is not an integer")
     if value < low or (high is not None and value > high):
         bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise _RequestError(400, f"{name} out of range: {value} not in {bound}")
+        raise _RequestError(400, f"{name} out of range: {_shown_int(value)} not in {bound}")
     return value
 
 
@@ -237,7 +237,7 @@ def _parse_registration(raw: bytes) -> tuple[int, int, str, int, int]:
         raise _RequestError(400, "body must be a JSON object")
     role = body.get("role")
     if role != ROLE:
-        raise _RequestError(400, f"role must be \"{ROLE}\" (the encode side), got {role!r}")
+        raise _RequestError(400, f"role must be \"{ROLE}\" (the encode side), got {shown(repr(role), 64)}")
     world_size = _field_int(body, "world_size", 1, MAX_WORLD_SIZE)
     dp_size = _field_int(body, "dp_size", 1, world_size)
     if world_size % dp_size != 0:
@@ -317,7 +317,8 @@ class _Handler(OneDeadlineHandler):
             return
         found = table.registration(engine_rank, dp_group)
         if found is None:
-            raise _RequestError(404, f"no route for encode rank {engine_rank} in dp group {dp_group}")
+            raise _RequestError(404, f"no route for encode rank {_shown_int(engine_rank)} in dp group "
+                                     f"{_shown_int(dp_group)}")
         (ip, port), instance = found
         self._json(200, {"rank_ip": ip, "rank_port": port}, None if instance is None else {INSTANCE_HEADER: instance})
 
@@ -551,7 +552,8 @@ def _unregistered(raw: bytes) -> bool | None:
 
 
 def _shown_int(value: int) -> str:
-    """An integer a server sent, for an error: JSON carries up to 4300 digits, far more than a reason holds."""
+    """An integer a peer sent (a server its answer, a client its body), for an error: JSON carries up to 4300
+    digits, far more than a reason or an answer's text holds."""
     return shown(str(value), 24)
 
 

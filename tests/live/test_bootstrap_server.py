@@ -114,6 +114,12 @@ def test_unknown_route_is_404(server):
     assert "no route for encode rank 1 in dp group 1" in text
 
 
+def test_a_look_up_of_a_rank_numbered_past_any_deployment_is_answered_with_a_short_text(server):
+    status, _, text = _get(server, f"engine_rank={'9' * 4000}&target_dp_group=-{'8' * 4000}")
+    assert status == 404 and len(text) <= 160, (status, len(text))
+    assert text == f"no route for encode rank {'9' * 21}... in dp group -{'8' * 20}..."
+
+
 @pytest.mark.parametrize("query, needle", [
     ("", "missing query parameter engine_rank"),
     ("engine_rank=0", "missing query parameter target_dp_group"),

@@ -52,6 +52,21 @@ def test_the_largest_world_size_is_accepted():
     assert parsed[0] == MAX_WORLD_SIZE and parsed[4] == MAX_WORLD_SIZE - 1
 
 
+@pytest.mark.parametrize("fields, starts", [
+    ({"role": "P" * (MAX_BODY - 200)}, 'role must be "Prefill" (the encode side), got \'PPP'),
+    ({"role": ["\u2028"] * 5000}, 'role must be "Prefill" (the encode side), got [\''),
+    ({"world_size": 10**4000}, "world_size out of range: 1000"),
+    ({"rank_port": -(10**4000)}, "rank_port out of range: -1000"),
+    ({"engine_rank": 10**300}, "engine_rank out of range: 1000"),
+])
+def test_a_400_quotes_what_the_body_sent_cut_short_and_printable(fields, starts):
+    # A peer logs the answer's text as it is: a body of up to MAX_BODY bytes must not make a text as long.
+    with pytest.raises(_RequestError) as refused:
+        _parse_registration(_body(**fields))
+    text = refused.value.text
+    assert refused.value.status == 400 and text.startswith(starts) and len(text) <= 160 and text.isprintable(), text
+
+
 def test_a_dp_size_above_world_size_is_a_400():
     with pytest.raises(_RequestError) as refused:
         _parse_registration(_body(world_size=2, dp_size=4))
