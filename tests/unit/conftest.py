@@ -15,6 +15,10 @@ from hypothesis import HealthCheck, settings
 # Speed is the benchmarks' to measure, never a unit test's: Hypothesis's per-example deadline (200 ms)
 # and its too-slow health check would fail a correct test on a loaded host.
 settings.register_profile("unit", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# `pytest --hypothesis-profile=fuzz`: the property tests with a hundred times their examples (minutes, not seconds).
+settings.register_profile("fuzz", settings.get_profile("unit"), max_examples=10_000,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                                 HealthCheck.data_too_large])
 settings.load_profile("unit")
 
 
