@@ -13,6 +13,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import random
 import secrets
 import signal
 import socket
@@ -791,3 +792,58 @@ def reaped(proc: Any) -> Iterator[Any]:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+# ------------------------------------------------ a hostile peer's mutations of valid input
+
+
+#: Parts a hostile peer tries in place of a number or a text.
+ODD_PARTS = [b"", b"NaN", b"inf", b"-inf", b"-1", b"+5", b" 1", b"1_0", b"\x00", b"\xff", b"\xc3", b"\xed\xa0\x80",
+             b"9223372036854775808", b"18446744073709551616", b"-9223372036854775809", b"0" * 4000 + b"7",
+             b"9" * 4400]
+
+
+def mutate_bytes(data: bytes, rng: random.Random) -> bytes:
+    """`data` with up to four edits: a bit flipped, bytes inserted, deleted or duplicated, a cut, or an odd part."""
+    b = bytearray(data)
+    for _ in range(rng.randint(0, 4)):
+        op = rng.choice(["flip", "insert", "delete", "cut", "duplicate", "odd"])
+        if op == "flip" and b:
+            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+        elif op == "insert":
+            at = rng.randint(0, len(b))
+            b[at:at] = rng.choice([rng.randbytes(rng.randint(1, 4)), b"\n", b"\r\n", b"=", b"\xff", b"{", b'"'])
+        elif op == "delete" and b:
+            at = rng.randrange(len(b))
+            del b[at:at + rng.randint(1, 4)]
+        elif op == "cut":
+            del b[rng.randint(0, len(b)):]
+        elif op == "duplicate" and b:
+            start = rng.randrange(len(b))
+            end = rng.randint(start, len(b))
+            b[end:end] = b[start:end]
+        elif op == "odd":
+            b = bytearray(rng.choice(ODD_PARTS))
+    return bytes(b)
+
+
+def mutate_parts(parts: list[bytes], rng: random.Random) -> list[bytes]:
+    """`parts` with at least one edit: a part mutated, dropped, duplicated or added, the list cut or grown."""
+    parts = list(parts)
+    for _ in range(rng.randint(1, 4)):
+        op = rng.choice(["part", "part", "drop", "duplicate", "add", "cut", "many"])
+        if op == "part" and parts:
+            at = rng.randrange(len(parts))
+            parts[at] = mutate_bytes(parts[at], rng)
+        elif op == "drop" and parts:
+            del parts[rng.randrange(len(parts))]
+        elif op == "duplicate" and parts:
+            at = rng.randrange(len(parts))
+            parts.insert(at, parts[at])
+        elif op == "add":
+            parts.insert(rng.randint(0, len(parts)), rng.choice(ODD_PARTS))
+        elif op == "cut":
+            parts = parts[:rng.randint(0, len(parts))]
+        elif op == "many":
+            parts += [b"1"] * rng.randint(1, 100)
+    return parts or [b""]  # ZMQ sends no message of no parts

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import random
+import socket
 import threading
 import urllib.error
 import urllib.request
 
 import pytest
+from live_helpers import mutate_bytes
 from metrics_golden import GOLDEN, GOLDEN_SNAPSHOT, small_example
 
 from transfer.metrics import Metrics, serve, total
@@ -131,3 +134,23 @@ def test_a_burst_of_connections_waits_to_be_answered_while_the_accepting_thread_
         finally:
             for client in clients:
                 client.close()
+
+
+def test_mutated_requests_are_answered_or_dropped_and_the_endpoint_serves_on():
+    # Valid requests with bytes flipped, inserted, deleted, duplicated or cut, one connection each.
+    rng = random.Random(3)
+    requests = [f"{method} {path}?x=1 HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n".encode()
+                for method in ("GET", "HEAD") for path in ("/metrics", "/stats")]
+    m = small_example()
+    with m.serve() as server:
+        for _ in range(200):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+                try:
+                    sock.sendall(mutate_bytes(rng.choice(requests), rng))
+                    sock.shutdown(socket.SHUT_WR)
+                    while sock.recv(65536):
+                        pass
+                except ConnectionResetError:
+                    pass  # refused before all was sent or read
+            status, _, body = get(server.url)
+            assert status == 200 and body == GOLDEN

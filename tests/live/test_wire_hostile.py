@@ -5,6 +5,7 @@ served."""
 
 from __future__ import annotations
 
+import random
 import re
 import select
 import socket
@@ -14,6 +15,7 @@ import time
 
 import pytest
 import torch
+from live_helpers import mutate_bytes
 
 from transfer import wire
 from transfer.wire import FrameError, Msg, MsgError
@@ -506,3 +508,59 @@ def test_a_chunk_dribbled_in_odd_pieces_still_verifies(target):
     assert bytes(target.region[5:5 + len(data)].tolist()) == data
     assert bool((target.region[:5] == SENTINEL).all()) and bool((target.region[5 + len(data):] == SENTINEL).all())
     assert target.guards_unchanged()
+
+
+def stream(*frames: tuple[int, bytes]) -> bytes:
+    """Frames as they go on the wire: u32 LE length of kind and payload, the kind, the payload."""
+    return b"".join(struct.pack("<IB", 1 + len(payload), kind) + payload for kind, payload in frames)
+
+
+def answers(sock: socket.socket) -> list[int]:
+    """The kinds of the frames read until the listener closes the connection."""
+    kinds = []
+    while True:
+        try:
+            kinds.append(wire.read_frame(sock)[0])
+        except FrameError as exc:
+            assert "connection closed" in str(exc) or "reset" in str(exc), exc
+            return kinds
+
+
+def test_mutated_transfers_are_refused_or_land_inside_the_region_while_a_transfer_beside_them_lands(target, sender):
+    """Streams of valid transfers with bytes flipped, inserted, deleted, duplicated or cut, one connection each,
+    while a well-behaved sender writes into another region of the same listener the whole time."""
+    engine, src = sender
+    beside = torch.full((PAGE,), SENTINEL, dtype=torch.uint8)
+    target.engine.register(beside)
+    rng = random.Random(9)
+    data = bytes(rng.randrange(256) for _ in range(64))
+    valid = stream((wire.PREFILL, prefill(target.base + 64, 64)), (wire.LAYER, layer(0, data)), (wire.FIRST, b""))
+    stop = threading.Event()
+    landed: list[bool] = []
+
+    def write_beside() -> None:
+        while not stop.is_set():
+            beside.fill_(SENTINEL)
+            engine.write(target.engine.session_id, [src.data_ptr()], [beside.data_ptr()], [PAGE])
+            landed.append(torch.equal(beside, src))
+
+    writer = threading.Thread(target=write_beside)
+    writer.start()
+    told: dict[int, int] = {}
+    try:
+        for _ in range(300):
+            with target.connect() as sock:
+                try:
+                    sock.sendall(mutate_bytes(valid, rng))
+                    sock.shutdown(socket.SHUT_WR)  # what did not come never will: no wait for the read timeout
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # refused before all was sent
+                for kind in answers(sock) or [0]:
+                    told[kind] = told.get(kind, 0) + 1
+            assert target.guards_unchanged()
+    finally:
+        stop.set()
+        writer.join(60)
+    assert not writer.is_alive() and landed and all(landed), landed
+    assert told.get(wire.ERROR, 0) > 100 and set(told) <= {0, wire.ERROR, wire.RESULT}, told
+    good_write(target, sender)
