@@ -27,7 +27,7 @@ from transfer.core.prefill import ENCODE_FAILED, RoomSpec
 from transfer.core.prefill_breaker import UNREACHABLE_RETRY_S
 from transfer.core.quarantine import Fate, fate_of, reusable
 from transfer.drive.prefill import MANAGER_CLOSED, PrefillDriver, Room
-from transfer.errors import ConfigError, ConfigTypeError, EngineError, FallbackLimitError, UsageError
+from transfer.errors import ConfigError, ConfigTypeError, EngineError, FallbackLimitError, SlotError, UsageError
 from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype, scalar_ints, size_problem
 from transfer.interfaces import EventLike, TransferEngineLike
 from transfer.metrics import Metrics, MetricsClaim, declare_role
@@ -405,6 +405,10 @@ class SessionManager:
         ds_nbytes = span * (deepstack_hidden or 0) * dtype_size(dtype)
         try:
             lease = self.pool.lease_or_fallback(nbytes + ds_nbytes)
+        except SlotError:
+            if self._closed:  # close() came after receive() looked, and the pool's close after it
+                raise UsageError(MANAGER_CLOSED) from None
+            raise
         except FallbackLimitError as exc:
             uncleared = sum(1 for record in list(self._driver.rooms.values())
                             if record.lease is not None and record.concluded_at is not None)
