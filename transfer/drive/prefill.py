@@ -696,9 +696,13 @@ class PrefillDriver:
                     record.status_at = now
 
     def _verify(self, verify: Verify) -> None:
-        """Compares the landed bytes with the sender's checksums, outside the lock."""
+        """Compares the landed bytes with the sender's checksums, outside the lock. Once closing, nothing
+        more is checked: close() fails the room, and the thread that checks (the I/O thread, a waiting
+        caller) gets on to stopping instead of working through the checksums taken before."""
         core, room, token = self.core, verify.room, verify.token
         for what, region, addr, nbytes, expected in verify.checks:
+            if self._stopping:
+                return
             try:
                 landed = self._checksum(region, addr, nbytes)
             except Exception as exc:  # e.g. a device error while checking: this room only
