@@ -61,3 +61,78 @@ def test_waits_on_a_handle_from_two_threads_return_when_a_third_lets_the_room_go
             assert stats["leased"] == 0 and stats["free"] + stats["quarantined"] == 2, stats
         finally:
             manager.close()
+
+
+def test_a_wait_that_took_other_rooms_successes_hands_their_checksums_on_at_its_timeout(engines, server):
+    """A thread's wait() on a room never sent sleeps on the status socket and takes the Successes of sixteen
+    other rooms there in one hold (the I/O thread is busy meanwhile, checksumming another room's bytes
+    until the test lets it go). Their checksums are slow (as on a slow device): the waiting thread checks
+    them until its timeout passes (the first one ends past it), then returns, leaving the rest to the I/O
+    thread, which checks every one once free. Working through all sixteen first would hold wait(timeout)
+    0.5 s per room past it."""
+    import time
+
+    import torch
+    from live_helpers import item_tensor
+
+    from transfer.sender import SenderPool
+
+    rooms, check_s, timeout_s = 16, 0.5, 5.0
+    encode, prefill = engines
+    arena = torch.stack([item_tensor(room, SPAN, HIDDEN) for room in range(rooms + 1)])
+    encode.register(arena)
+    try:
+        with SenderPool(encode, 0, 1, 1, server.address, host=HOST) as sender, \
+                ReceivePool(prefill, (rooms + 2) * SLOT, SLOT) as pool, \
+                SessionManager(prefill, 0, 1, 1, pool=pool, host=HOST, deadline_s=WAIT_S) as manager:
+            driver = manager._driver
+            checksum = driver._checksum
+            io_free = threading.Event()
+            waiter_ends: list[float] = []
+
+            def slow_checksum(region, addr, nbytes):
+                if threading.current_thread() is driver._thread:
+                    io_free.wait(WAIT_S)
+                else:  # the waiting thread: its first check ends past its timeout, the others take check_s
+                    while waiter_ends and time.monotonic() < waiter_ends[0]:
+                        time.sleep(0.01)
+                    time.sleep(check_s)
+                return checksum(region, addr, nbytes)
+
+            driver._checksum = slow_checksum
+            busy = manager.receive(rooms, server.address, rows=SPAN, hidden=HIDDEN, dtype="bfloat16")
+            never = manager.receive(rooms + 1, server.address, rows=SPAN, hidden=HIDDEN, dtype="bfloat16")
+            handles = [manager.receive(room, server.address, rows=SPAN, hidden=HIDDEN, dtype="bfloat16")
+                       for room in range(rooms)]
+            assert wait_until(lambda: all(h.poll() == TransferPoll.WaitingForInput
+                                          for h in [busy, never, *handles]), 10.0)
+            sender.send(rooms, arena[rooms])  # the I/O thread takes its Success and checks it, until io_free
+            assert wait_until(lambda: busy.stages.get("status") is not None, 10.0), busy.stages
+            returned: list[tuple[TransferPoll, int]] = []
+
+            def wait_on_never() -> None:
+                waiter_ends.append(time.monotonic() + timeout_s)
+                status = never.wait(timeout_s)
+                returned.append((status, sum(h.poll() == TransferPoll.Success for h in handles)))
+
+            waiter = threading.Thread(target=wait_on_never, name="test-wait", daemon=True)
+            waiter.start()
+            assert wait_until(lambda: driver._watcher is not None, 10.0), "the wait() does not watch the socket"
+            with driver._lock:  # the Successes queue meanwhile, to be taken in one hold
+                sent = [sender.send(room, arena[room]) for room in range(rooms)]
+                assert wait_until(lambda: all(s.poll() == TransferPoll.Success for s in sent), 10.0)
+                assert wait_until(lambda: driver._status_sock.poll(0), 10.0)
+            try:
+                waiter.join(RETURN_S)
+                assert not waiter.is_alive(), "the wait() did not return"
+                (status, checked), = returned
+                assert status == TransferPoll.WaitingForInput
+                assert checked == 1, f"the wait() checked {checked} rooms, not only the one under way at its timeout"
+            finally:
+                io_free.set()
+            assert wait_until(lambda: all(h.poll() == TransferPoll.Success for h in [busy, *handles]), RETURN_S), \
+                [(h.room, h.poll().name, h.failure) for h in handles]
+            for handle in [busy, never, *handles, *sent]:
+                handle.clear()
+    finally:
+        encode.unregister(arena.data_ptr())

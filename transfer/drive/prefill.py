@@ -353,8 +353,9 @@ class PrefillDriver:
         """Blocks until the room concludes, at most `timeout` seconds.
 
         The first thread to wait sleeps on the status socket itself and handles what
-        comes (checksums included: it is waiting anyway), so a status wakes it directly
-        rather than the I/O thread and then it; other waiters wait for a conclusion.
+        comes (checksums included: it is waiting anyway; those its timeout leaves go to the
+        I/O thread), so a status wakes it directly rather than the I/O thread and then it;
+        other waiters wait for a conclusion.
         """
         self.check_process()
         deadline = self.clock() + timeout
@@ -380,6 +381,7 @@ class PrefillDriver:
 
     def _watch_step(self, record: Room, remaining: float) -> None:
         """One turn of a waiting caller: handle what is queued, then sleep on the socket (holds _watch)."""
+        ends = self.clock() + remaining
         # Before looking: a conclusion from now on wakes the sleep below.
         self._watch_waker.drain(self._watch_woken)
         self._watch_woken = False
@@ -395,7 +397,11 @@ class PrefillDriver:
             self._lock.release()
         if wake:
             self._waker.wake()
-        for verify in verifies:
+        for i, verify in enumerate(verifies):
+            if self.clock() >= ends:  # the wait is over: the I/O thread checks the rest
+                self._verifies.extend(verifies[i:])
+                self._waker.wake()
+                break
             self._verify(verify)
         if record.concluded_at is not None or more:
             return
