@@ -408,7 +408,7 @@ class PrefillDriver:
         # The socket's descriptor signals only after a receive found it empty, as the one above
         # did; a conclusion elsewhere (a deadline, a look-up, close()) signals the watch waker.
         waker = self._watch_waker.fileno()
-        events = self._watch_poller.poll(math.ceil(min(remaining, WAIT_SLICE_S) * 1000))
+        events = self._watch_poller.poll(math.ceil(max(0.0, min(ends - self.clock(), WAIT_SLICE_S)) * 1000))
         self._watch_woken = any(fd == waker for fd, _ in events)
 
     @property
