@@ -65,6 +65,7 @@ from typing import Any
 from transfer._forks import forks
 from transfer.config import check_seconds, resolve
 from transfer.core.openings import OPEN_TIMEOUT_S, Openings, Probe, Verdict
+from transfer.core.registrations import Registrations
 from transfer.errors import ConfigError, ConfigTypeError, EngineError, EngineUnavailable, UsageError
 from transfer.ports import bare_host, is_wildcard
 
@@ -568,7 +569,7 @@ class RegisteredMemory:
     # Set by the engine's __init__.
     session_id: str
     _lock: AbstractContextManager[Any]
-    _regions: dict[int, int]
+    _regions: Registrations
     _adding: dict[int, int]
     _registrations: threading.Condition
     _owners: dict[int, Any]
@@ -692,13 +693,23 @@ class RegisteredMemory:
         with self._lock:
             return dict(self._regions)
 
+    def registration_holding(self, addr: int, nbytes: int) -> tuple[int, int] | None:
+        """(address, length) of the registered region that holds [addr, addr + nbytes) whole, or None; one
+        look-up however many regions are registered."""
+        with self._lock:
+            return self._regions.holding(addr, nbytes)
+
+    def registration_overlapping(self, addr: int, nbytes: int) -> tuple[int, int] | None:
+        """(address, length) of a registered region sharing a byte with [addr, addr + nbytes), or None; one
+        look-up however many regions are registered."""
+        with self._lock:
+            return self._regions.overlapping(addr, nbytes)
+
     def owner_of(self, addr: int, nbytes: int) -> Any:
         """The tensor registered around [addr, addr + nbytes), or None (registered as an address, or not at all)."""
         with self._lock:
-            for base, size in self._regions.items():
-                if base <= addr and addr + nbytes <= base + size:
-                    return self._owners.get(base)
-        return None
+            held = self._regions.holding(addr, nbytes)
+            return None if held is None else self._owners.get(held[0])
 
 
 #: Engines started and not closed: a process forked from theirs keeps their Mooncake engines (see below).
@@ -754,7 +765,7 @@ class Engine(RegisteredMemory):
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)  # a submission or registration settled, a probe answered
         self._registrations = self._changed
-        self._regions: dict[int, int] = {}
+        self._regions = Registrations()
         self._adding: dict[int, int] = {}
         self._owners: dict[int, Any] = {}  # keeps registered tensors alive
         # The region the last write read from, (start, end): a sender's writes mostly come
@@ -1163,9 +1174,9 @@ class Engine(RegisteredMemory):
 
     def _region_around(self, src: int, length: int, session_id: str) -> tuple[int, int]:
         """(start, end) of the registered region holding [src, src + length); EngineError when none does."""
-        for base, size in self._regions.items():
-            if base <= src and src + length <= base + size:
-                return base, base + size
+        held = self._regions.holding(src, length)
+        if held is not None:
+            return held[0], held[0] + held[1]
         raise EngineError(f"write to {session_id}: source 0x{src:x} length {length} is not "
                             f"inside memory registered on {self.session_id}")
 

@@ -361,8 +361,10 @@ class SenderPool:
 
     def _host_readable(self, region: _io.Region) -> bool:
         """Whether the region is readable host memory; looked up once per registration that holds it."""
-        span = next(((base, size) for base, size in self.engine.registered().items()
-                     if base <= region.addr and region.end <= base + size), None)
+        holding = getattr(self.engine, "registration_holding", None)
+        span = (holding(region.addr, region.nbytes) if holding is not None
+                else next(((base, size) for base, size in self.engine.registered().items()
+                           if base <= region.addr and region.end <= base + size), None))
         if span is None:
             return _io.host_readable(region.addr, region.nbytes)
         readable = self._readable.get(span)

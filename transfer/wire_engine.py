@@ -120,6 +120,7 @@ from transfer._forks import forks
 from transfer._resolve import connect_within
 from transfer.config import check_seconds
 from transfer.core.failure import printable
+from transfer.core.registrations import Registrations
 from transfer.engine import RegisteredMemory, _buffer_span, check_batch
 from transfer.errors import ConfigError, EngineError, UsageError
 from transfer.ports import PortSpec, bind_port, listen_error
@@ -482,7 +483,7 @@ class WireEngine(RegisteredMemory):
         self.rpc_port = self.port
         self.session_id = f"{hostname}:{self.port}"
         self._lock = threading.Condition()
-        self._regions: dict[int, int] = {}
+        self._regions = Registrations()
         self._adding: dict[int, int] = {}
         self._registrations = self._lock
         self._owners: dict[int, Any] = {}  # keeps registered tensors alive
@@ -848,7 +849,7 @@ class WireEngine(RegisteredMemory):
     def _check_sources(self, session_id: str, srcs: list[int], lens: list[int]) -> None:
         """Refuses a source outside registered memory (lock held): it would be read through a raw pointer."""
         for src, n in zip(srcs, lens):
-            if not any(a <= src and src + n <= a + size for a, size in self._regions.items()):
+            if self._regions.holding(src, n) is None:
                 raise EngineError(f"write to {session_id}: source 0x{src:x} length {n} is not "
                                     f"inside memory registered on {self.session_id}")
 

@@ -280,3 +280,32 @@ def test_an_engine_writes_while_it_registers_another_region_and_closes_once_that
     assert not closing.is_alive() and not registering.is_alive()
     assert encode.registered() == {}  # the region registered meanwhile went with the engine
     assert len(refused) == 1 and "closed meanwhile" in refused[0], refused
+
+
+def test_items_waiting_for_their_receivers_each_in_a_temporary_registration_land_exactly(engines, server):
+    """Hundreds of items sent from unregistered tensors before any receiver asks (each in a registration of its
+    own): the engine finds each source, and each item's rows land, by address; every temporary registration goes
+    once its room is over."""
+    encode, prefill = engines
+    rooms = 300
+    items = [item_tensor(room, SPAN, HIDDEN) for room in range(1, rooms + 1)]
+    before = encode.registered()
+    found = [encode.registration_holding(item.data_ptr() + 16, 32) for item in items[:3]]
+    assert found == [None, None, None]
+    slots = torch.zeros(rooms, SPAN, HIDDEN, dtype=torch.bfloat16)
+    with SenderPool(encode, 0, 1, 1, server.address, host=HOST) as pool, \
+            SessionManager(prefill, 0, 1, 1, buffer=slots, host=HOST) as manager:
+        sends = [pool.send(room, item) for room, item in enumerate(items, 1)]
+        nbytes = SPAN * HIDDEN * 2
+        for item in items:
+            assert encode.registration_holding(item.data_ptr() + 16, 32) == (item.data_ptr(), nbytes)
+            assert encode.registration_overlapping(item.data_ptr() - 8, 16) == (item.data_ptr(), nbytes)
+        asks = [manager.receive(room, server.address, slots[room - 1]) for room in range(1, rooms + 1)]
+        for room, (send, ask) in enumerate(zip(sends, asks), 1):
+            assert ask.wait(30.0) == TransferPoll.Success, ask.failure
+            assert send.wait(30.0) == TransferPoll.Success, send.failure
+            assert torch.equal(slots[room - 1].view(torch.uint8), items[room - 1].view(torch.uint8)), room
+            ask.clear()
+            send.clear()
+        assert wait_until(lambda: encode.registered() == before, 10.0)
+        assert all(encode.registration_holding(item.data_ptr(), 1) is None for item in items)

@@ -185,3 +185,53 @@ def test_letting_go_of_a_stopped_pools_holds_leaves_another_pools_hold_on_a_shar
     assert running.holding == 1 and stopped.holding == 0
     kept()
     assert engine.regions == {} and len(running.counts) == 0
+
+
+class IndexedEngine(RefusingOverlaps):
+    """An engine that finds a registration by address (as Engine and WireEngine do) and counts the snapshots of
+    all of them that registered() hands out, region by region."""
+
+    def __init__(self) -> None:
+        from transfer.core.registrations import Registrations
+
+        super().__init__()
+        self.regions = Registrations()
+        self.copied = 0
+
+    def registered(self) -> dict[int, int]:
+        self.copied += len(self.regions)
+        return dict(self.regions)
+
+    def registration_holding(self, addr: int, nbytes: int):
+        return self.regions.holding(addr, nbytes)
+
+    def registration_overlapping(self, addr: int, nbytes: int):
+        return self.regions.overlapping(addr, nbytes)
+
+
+def test_a_sources_look_up_reads_no_snapshot_of_the_registrations_other_rooms_hold():
+    # Rooms waiting for their receivers each hold a temporary registration: a send that copied and scanned all
+    # of them would cost more with each item waiting, on the caller's thread.
+    import torch
+
+    engine = IndexedEngine()
+    sources = SourceRegistry(engine)
+    held = [sources.hold(_io.Region(0x100000 + i * 0x1000, 256)) for i in range(2000)]
+    engine.regions[0x9000000] = 4096  # the caller's own
+    items = torch.zeros(8, 16)
+    engine.copied = 0
+    inside = sources.hold(_io.Region(0x100000 + 7 * 0x1000 + 64, 64))  # another room's rows
+    assert inside is not None and sources.counts.counts()[0x100000 + 7 * 0x1000] == 2
+    assert sources.hold(_io.Region(0x9000010, 64)) is None
+    view = sources.hold(_io.as_region(items[2:4]))  # a view: its whole storage is registered
+    assert engine.regions[items.data_ptr()] == 8 * 16 * 4
+    import pytest
+
+    from transfer.errors import EngineError
+
+    with pytest.raises(EngineError, match="overlaps memory already registered at 0x9000000"):
+        sources.hold(_io.Region(0x8ffff00, 512))
+    assert engine.copied == 0
+    for release in [*held, inside, view]:
+        release()
+    assert dict(engine.regions) == {0x9000000: 4096} and len(sources.counts) == 0

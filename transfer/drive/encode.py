@@ -225,6 +225,12 @@ class SourceRegistry:
         self._registering = self._shared.registering
         self._holds: dict[int, tuple[int, ...]] = {}  # this registry's holds not let go of yet: key -> bases
         self._keys = itertools.count(1)
+        # The engine's own look-ups (transfer.core.registrations), where it has them: one each, where a snapshot
+        # of every registration grows with the temporary ones held for the rooms waiting for their receivers.
+        self._holding: Callable[[int, int], tuple[int, int] | None] | None = getattr(
+            engine, "registration_holding", None)
+        self._overlapping: Callable[[int, int], tuple[int, int] | None] | None = getattr(
+            engine, "registration_overlapping", None)
 
     def hold(self, *regions: _io.Region | None) -> Callable[[], None] | None:
         """Holds each region's registration (registering it if needed); returns their release, or None.
@@ -317,8 +323,7 @@ class SourceRegistry:
         start, nbytes = storage.data_ptr(), storage.nbytes()
         if (start, nbytes) == (region.addr, region.nbytes):
             return region
-        end = start + nbytes
-        if any(addr < end and start < addr + size for addr, size in self.engine.registered().items()):
+        if self._registered_across(start, nbytes) is not None:
             return region
         import torch  # a region has a tensor only where torch is loaded
 
@@ -329,14 +334,14 @@ class SourceRegistry:
         """EngineError when `region` overlaps a registration without lying inside it: the engine would
         refuse to register it (no byte is registered twice), naming neither that registration nor a way out."""
         with self.lock:
-            registered = self.engine.registered()
-            base = next((a for a, n in registered.items() if a < region.end and region.addr < a + n), None)
-            if base is None:
+            found = self._registered_across(region.addr, region.nbytes)
+            if found is None:
                 return
+            base, size = found
             whose = ("a temporary registration held for another room's source" if self.counts.is_ours(base)
                      else "the caller's own")
         raise EngineError(f"source {region.addr:#x} ({region.nbytes} bytes) overlaps memory already registered at "
-                          f"{base:#x} ({registered[base]} bytes, {whose}) without lying inside it, and no byte can be "
+                          f"{base:#x} ({size} bytes, {whose}) without lying inside it, and no byte can be "
                           f"registered twice: register one region that holds the whole source before sending it "
                           f"(engine.register), or send a copy of it (.clone())")
 
@@ -348,16 +353,28 @@ class SourceRegistry:
         pass for the caller's own, which no room holds.
         """
         with self.lock:
-            registered = self.engine.registered()
-            if self._shared.pending is not None:
-                registered.pop(self._shared.pending, None)
-            base = self.counts.base_for(region.addr, region.end, registered)
+            if self._holding is not None:
+                found = self._holding(region.addr, region.nbytes)
+                # Registered regions are disjoint: none but the one registered under way holds the region then.
+                base = None if found is None or found[0] == self._shared.pending else found[0]
+            else:
+                registered = self.engine.registered()
+                if self._shared.pending is not None:
+                    registered.pop(self._shared.pending, None)
+                base = self.counts.base_for(region.addr, region.end, registered)
             if base is None:
                 return False, None
             if not self.counts.is_ours(base):
                 return True, None
             self.counts.hold(base)
             return True, base
+
+    def _registered_across(self, addr: int, nbytes: int) -> tuple[int, int] | None:
+        """(base, length) of a registration sharing a byte with [addr, addr + nbytes), or None."""
+        if self._overlapping is not None:
+            return self._overlapping(addr, nbytes)
+        end = addr + nbytes
+        return next(((a, n) for a, n in self.engine.registered().items() if a < end and addr < a + n), None)
 
     def _register(self, region: _io.Region) -> int:
         """Registers `region` outside the lock and holds it (_registering held); returns its base."""
