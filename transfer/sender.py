@@ -260,9 +260,14 @@ class SenderPool:
         `src` is a tensor `[span, hidden]` on any device, or a raw address with `span`,
         `hidden` and `dtype` (ints, or numpy or torch integer scalars); `deepstack` likewise
         `[span, hidden * k]` (raw: give `deepstack_hidden`). `ready_event` (e.g. a CUDA event) must complete before the
-        first byte is read; the pool polls it (query()), never blocking the caller. One that has not completed
-        within `fanout_timeout_s` of the send fails the room, as one whose query() raises does at once (the
-        failure names the error).
+        first byte is read; the pool polls it (query()) once the room's whole fanout asked, never blocking the
+        caller. One that has not completed within `fanout_timeout_s` of the send fails the room, as one whose
+        query() raises does at that first poll (the failure names the error).
+
+        Nothing is copied: the rows are read where they are once every receiver asked, which may be long
+        after this returns, so leave them unchanged until the room concluded. The pool keeps the tensors
+        given alive until the room is cleared or the pool closed: the caller may drop its own references
+        at once (memory given by raw address is the caller's to keep).
         """
         self._driver.check_process()
         if self._book.stopping:

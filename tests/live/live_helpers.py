@@ -49,7 +49,7 @@ except ImportError as _error:  # pragma: no cover - depends on the host
 #: Marks for every live test module: `pytestmark = LIVE`.
 LIVE = [pytest.mark.live, pytest.mark.skipif(bool(MOONCAKE_MISSING), reason=MOONCAKE_MISSING or "n/a")]
 
-_ELEMENT = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4, "torch.uint8": 1}
+_ELEMENT = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4, "torch.uint8": 1, "torch.int8": 1}
 
 
 def element_size(dtype: str) -> int:

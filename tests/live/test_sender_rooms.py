@@ -588,3 +588,35 @@ def test_a_burst_of_items_for_rooms_already_asked_starts_every_write(engines, se
     finally:
         push.close(linger=0)
         encode.unregister(source.data_ptr())
+
+
+def test_a_source_the_caller_drops_right_after_send_lands_exactly_and_goes_at_clear(engines, server):
+    """send() copies nothing and the caller may drop its tensor at once: the pool keeps it alive, reads it once
+    the receiver asks (well after the caller let go, another tensor allocated meanwhile), and lets go of it
+    once the room is cleared."""
+    import gc
+    import weakref
+
+    from transfer.receiver import SessionManager
+
+    encode, prefill = engines
+    for dtype in ("torch.float16", "torch.bfloat16", "torch.float32", "torch.int8"):
+        want = item_tensor(1, SPAN, HIDDEN, dtype)
+        src = want.clone()
+        slot = torch.zeros_like(want)
+        with SenderPool(encode, 0, 1, 1, server.address, host=HOST) as pool, \
+                SessionManager(prefill, 0, 1, 1, buffer=slot, host=HOST) as manager:
+            handle = pool.send(1, src)
+            kept = weakref.ref(src)
+            del src
+            gc.collect()
+            assert kept() is not None
+            scratch = [torch.full_like(want, 7) for _ in range(8)]  # what the freed memory would hold
+            ask = manager.receive(1, server.address, slot)
+            assert ask.wait(10.0) == TransferPoll.Success, ask.failure
+            assert handle.wait(10.0) == TransferPoll.Success, handle.failure
+            assert torch.equal(slot.view(torch.uint8), want.view(torch.uint8)), dtype
+            ask.clear()
+            handle.clear()
+            assert wait_until(lambda: gc.collect() >= 0 and kept() is None, 5.0), dtype
+            del scratch
