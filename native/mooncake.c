@@ -78,15 +78,22 @@ static void (*delete_array)(void *);
 static const struct {
     const char *name;
     void **slot;
+    int bound_as_mooncake; /* looked up where the library's own references bind, not in the library */
 } symbols[] = {
-    {"_ZN8mooncake14TransferEngine15allocateBatchIDEm", (void **)&allocate_batch},
+    {"_ZN8mooncake14TransferEngine15allocateBatchIDEm", (void **)&allocate_batch, 0},
     {"_ZN8mooncake14TransferEngine14submitTransferEmRKSt6vectorINS_9Transport15TransferRequestESaIS3_EE",
-     (void **)&submit_transfer},
-    {"_ZN8mooncake14TransferEngine17getTransferStatusEmmRNS_9Transport14TransferStatusE", (void **)&transfer_status},
-    {"_ZN8mooncake14TransferEngine11freeBatchIDEm", (void **)&free_batch},
+     (void **)&submit_transfer, 0},
+    {"_ZN8mooncake14TransferEngine17getTransferStatusEmmRNS_9Transport14TransferStatusE", (void **)&transfer_status,
+     0},
+    {"_ZN8mooncake14TransferEngine11freeBatchIDEm", (void **)&free_batch, 0},
     {"_ZN8mooncake14TransferEngine11openSegmentERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE",
-     (void **)&open_segment},
-    {"_ZdaPv", (void **)&delete_array}, /* operator delete[], for a Status' message */
+     (void **)&open_segment, 0},
+    /* operator delete[], for a Status' message: the one Mooncake's own delete[] calls, partner of the
+       new[] that allocated it. A library Python loaded (RTLD_LOCAL) binds its references in the global
+       scope first, where a preloaded allocator or sanitizer may replace the C++ operators, and only then
+       among its own dependencies, where libstdc++'s delete[] forwards to the global scalar delete: a
+       mismatch for such a replacement (AddressSanitizer aborts on it). */
+    {"_ZdaPv", (void **)&delete_array, 1},
 };
 #define NSYMBOLS (sizeof(symbols) / sizeof(symbols[0]))
 
@@ -120,7 +127,9 @@ PyObject *epd_mooncake_bind(PyObject *self, PyObject *args)
         return PyErr_Format(PyExc_OSError, "mooncake_bind: %s is not loaded", path);
     void *found[NSYMBOLS];
     for (size_t i = 0; i < NSYMBOLS; i++) {
-        found[i] = dlsym(lib, symbols[i].name);
+        found[i] = symbols[i].bound_as_mooncake ? dlsym(RTLD_DEFAULT, symbols[i].name) : NULL;
+        if (found[i] == NULL)
+            found[i] = dlsym(lib, symbols[i].name);
         if (found[i] == NULL) {
             dlclose(lib);
             return PyErr_Format(PyExc_OSError, "mooncake_bind: %s has no %s", path, symbols[i].name);

@@ -3,7 +3,11 @@ through Mooncake's binding: real engines over tcp on 127.0.0.1, the bytes that l
 
 from __future__ import annotations
 
+import ctypes.util
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -116,6 +120,44 @@ def test_the_c_calls_refuse_an_unknown_segment_and_the_engine_goes_on(trio):
     dst.zero_()
     writer.write(reader.session_id, [srcs["direct"]], [dst_addr], [4096])
     assert torch.equal(dst[:4096], src[:4096])
+
+
+# A refused write in a process whose C++ operators AddressSanitizer replaces (preloaded, as a sanitized
+# build of the native core runs): the Status' message comes from its new[] and must go back to its delete[].
+REFUSED_UNDER_ASAN = f"""
+    import os, sys
+    os.environ["EPD_MOONCAKE_DIRECT"] = "1"
+    import torch
+    from transfer import _native
+    from transfer.engine import Engine
+
+    engine = Engine({HOST!r}, "tcp")
+    if engine.calls != "direct":
+        print("direct calls off:", engine.calls_reason)
+        sys.exit(3)
+    src = torch.zeros(4096, dtype=torch.uint8)
+    addr = engine.register(src)[0]
+    print(_native.mooncake_write(engine._direct, 1 << 40, addr, addr, 4096))
+    engine.close()
+"""
+
+
+def test_a_refused_write_frees_mooncakes_message_with_the_delete_that_pairs_its_new():
+    """The message's delete[] was looked up in Mooncake's library scope, where libstdc++'s forwards to
+    the global scalar delete: with AddressSanitizer preloaded that is its operator delete, and it aborts
+    the process on the mismatch with the new[] Mooncake's own reference bound to."""
+    asan = ctypes.util.find_library("asan")
+    if asan is None:
+        pytest.skip("no libasan to preload (it comes with gcc)")
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(engine_module.__file__)))
+    env = dict(os.environ, LD_PRELOAD=asan, ASAN_OPTIONS="detect_leaks=0",
+               PYTHONPATH=package_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(REFUSED_UNDER_ASAN)], capture_output=True,
+                          text=True, timeout=120, cwd=package_root, env=env)
+    if done.returncode == 3:
+        pytest.skip(done.stdout.strip())
+    assert "alloc-dealloc-mismatch" not in done.stderr, done.stderr[-3000:]
+    assert (done.returncode, done.stdout.strip()) == (0, "0"), done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("way", ["direct", "binding"])
