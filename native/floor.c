@@ -262,6 +262,42 @@ static int rows_fit(const struct serving *s, const struct receiver *r, int i)
     return 0;
 }
 
+/* Reads one receiver, a tuple (rank, push handle, segment, row_start, rows), into r; 0, or -1 with a
+ * TypeError or ValueError that names the receiver. Every u64 field is range-checked (epd_u64_arg): a
+ * negative rows or row_start read as its low 64 bits would pass as a huge count. */
+static int receiver_arg(PyObject *item, int i, struct receiver *r)
+{
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 5) {
+        PyErr_Format(PyExc_TypeError, "floor_serve: receiver %d must be a tuple (rank, push handle, segment, "
+                     "row_start, rows), not %.100s", i, Py_TYPE(item)->tp_name);
+        return -1;
+    }
+    PyObject *rank_o = PyTuple_GET_ITEM(item, 0);
+    long long rank = PyLong_AsLongLong(rank_o);
+    if (rank == -1 && PyErr_Occurred()) {
+        /* As epd_u64_arg answers: TypeError for no integer, ValueError for one out of range. */
+        PyObject *type = PyErr_ExceptionMatches(PyExc_TypeError)       ? PyExc_TypeError
+                         : PyErr_ExceptionMatches(PyExc_OverflowError) ? PyExc_ValueError
+                                                                       : NULL;
+        if (type != NULL) {
+            PyErr_Clear();
+            PyErr_Format(type, "floor_serve: receiver %d's rank must be an int64, got %R", i, rank_o);
+        }
+        return -1;
+    }
+    r->rank = rank;
+    char segment[64], row_start[64], rows[64];
+    snprintf(segment, sizeof segment, "floor_serve: receiver %d's segment", i);
+    snprintf(row_start, sizeof row_start, "floor_serve: receiver %d's row_start", i);
+    snprintf(rows, sizeof rows, "floor_serve: receiver %d's rows", i);
+    if ((r->push = handle_of(PyTuple_GET_ITEM(item, 1))) == NULL ||
+        epd_u64_arg(PyTuple_GET_ITEM(item, 2), segment, &r->segment) < 0 ||
+        epd_u64_arg(PyTuple_GET_ITEM(item, 3), row_start, &r->row_start) < 0 ||
+        epd_u64_arg(PyTuple_GET_ITEM(item, 4), rows, &r->rows) < 0)
+        return -1;
+    return 0;
+}
+
 /* floor_serve(engine, pull, pull_fd, receivers, until, deadline_s, poll_min_s, poll_max_s, base,
  *             row_bytes, starts, step, warmup) -> bytes written for rooms other than `warmup`. */
 PyObject *epd_floor_serve(PyObject *self, PyObject *args)
@@ -269,20 +305,22 @@ PyObject *epd_floor_serve(PyObject *self, PyObject *args)
     (void)self;
     struct serving s;
     memset(&s, 0, sizeof s);
-    PyObject *engine_obj, *pull_obj, *receivers;
-    if (!PyArg_ParseTuple(args, "OOiO!LdddKKLLL:floor_serve", &engine_obj, &pull_obj, &s.pull_fd, &PyList_Type,
-                          &receivers, &s.until, &s.deadline_s, &s.schedule.min_s, &s.schedule.max_s, &s.base,
-                          &s.row_bytes, &s.starts, &s.step, &s.warmup))
+    PyObject *engine_obj, *pull_obj, *receivers, *base_obj, *row_bytes_obj;
+    if (!PyArg_ParseTuple(args, "OOiO!LdddOOLLL:floor_serve", &engine_obj, &pull_obj, &s.pull_fd, &PyList_Type,
+                          &receivers, &s.until, &s.deadline_s, &s.schedule.min_s, &s.schedule.max_s, &base_obj,
+                          &row_bytes_obj, &s.starts, &s.step, &s.warmup))
         return NULL;
     uint64_t engine;
     if (epd_u64_arg(engine_obj, "engine", &engine) < 0 || (s.pull = handle_of(pull_obj)) == NULL ||
+        epd_u64_arg(base_obj, "floor_serve: base", &s.base) < 0 ||
+        epd_u64_arg(row_bytes_obj, "floor_serve: row_bytes", &s.row_bytes) < 0 ||
         seconds_arg("floor_serve", "deadline_s", s.deadline_s) < 0 ||
         seconds_arg("floor_serve", "poll_min_s", s.schedule.min_s) < 0 ||
         seconds_arg("floor_serve", "poll_max_s", s.schedule.max_s) < 0)
         return NULL;
     s.engine = (void *)(uintptr_t)engine;
-    /* A tuple of our own: parsing a receiver may run Python (__index__), which could change the list;
-       it also keeps each receiver's socket alive while the loop runs. */
+    /* A tuple of our own: parsing a receiver may run Python (__index__), which could change the list. The
+       sockets behind the handles are the caller's to keep open while the loop runs. */
     PyObject *rx = PySequence_Tuple(receivers);
     if (rx == NULL)
         return NULL;
@@ -294,16 +332,10 @@ PyObject *epd_floor_serve(PyObject *self, PyObject *args)
         return NULL;
     }
     for (int i = 0; i < s.nrx; i++) {
-        struct receiver *r = &s.rx[i];
-        PyObject *push;
-        long long rank;
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(rx, i), "LOKKK:floor_serve receiver", &rank, &push,
-                              &r->segment, &r->row_start, &r->rows) ||
-            (r->push = handle_of(push)) == NULL || rows_fit(&s, r, i) < 0) {
+        if (receiver_arg(PyTuple_GET_ITEM(rx, i), i, &s.rx[i]) < 0 || rows_fit(&s, &s.rx[i], i) < 0) {
             Py_DECREF(rx);
             return NULL;
         }
-        r->rank = rank;
     }
     if (!ready()) {
         Py_DECREF(rx);
@@ -431,12 +463,14 @@ PyObject *epd_floor_receive(PyObject *self, PyObject *args)
     (void)self;
     struct asking a;
     memset(&a, 0, sizeof a);
-    PyObject *push_obj, *pull_obj, *slot_list;
+    PyObject *push_obj, *pull_obj, *slot_list, *width_obj, *nbytes_obj;
     long long rank, items;
-    if (!PyArg_ParseTuple(args, "OOiLO!LdKK:floor_receive", &push_obj, &pull_obj, &a.pull_fd, &rank, &PyList_Type,
-                          &slot_list, &items, &a.deadline_s, &a.width, &a.nbytes))
+    if (!PyArg_ParseTuple(args, "OOiLO!LdOO:floor_receive", &push_obj, &pull_obj, &a.pull_fd, &rank, &PyList_Type,
+                          &slot_list, &items, &a.deadline_s, &width_obj, &nbytes_obj))
         return NULL;
     if ((a.push = handle_of(push_obj)) == NULL || (a.pull = handle_of(pull_obj)) == NULL ||
+        epd_u64_arg(width_obj, "floor_receive: width", &a.width) < 0 ||
+        epd_u64_arg(nbytes_obj, "floor_receive: nbytes", &a.nbytes) < 0 ||
         seconds_arg("floor_receive", "deadline_s", a.deadline_s) < 0)
         return NULL;
     a.rank = rank;

@@ -76,3 +76,36 @@ def test_a_wait_that_is_no_bound_is_refused(call, named, seconds):
     undefined: the loop would wait for ever or for an arbitrary time."""
     with pytest.raises(ValueError, match=rf"^{named} must be a number of seconds in 0\.\.1e\+09, got "):
         call(seconds)
+
+
+@pytest.mark.parametrize("receiver, error, message", [
+    (b"not a tuple", TypeError, r"^floor_serve: receiver 1 must be a tuple \(rank, push handle, segment, row_start, "
+                                r"rows\), not bytes$"),
+    ((1, 1, 0, 0), TypeError, r"^floor_serve: receiver 1 must be a tuple .*, not tuple$"),
+    ([1, 1, 0, 0, 1], TypeError, r"^floor_serve: receiver 1 must be a tuple .*, not list$"),
+    ((1.5, 1, 0, 0, 1), TypeError, r"^floor_serve: receiver 1's rank must be an int64, got 1\.5$"),
+    ((1 << 63, 1, 0, 0, 1), ValueError, r"^floor_serve: receiver 1's rank must be an int64, got 9223372036854775808$"),
+    ((1, 1, -1, 0, 1), ValueError, r"^floor_serve: receiver 1's segment must be an int in 0\.\.18446744073709551615, "
+                                   r"got -1$"),
+    ((1, 1, 0, -1, 1), ValueError, r"^floor_serve: receiver 1's row_start must be an int in 0\.\."),
+    ((1, 1, 0, 0, -1), ValueError, r"^floor_serve: receiver 1's rows must be an int in 0\.\."),
+])
+def test_a_receiver_that_is_no_five_tuple_of_integers_in_range_is_refused_naming_it(receiver, error, message):
+    """Each receiver was parsed with PyArg_ParseTuple's "LOKKK": a non-tuple raised SystemError ("new style
+    getargs format but argument is not a tuple"), and "K" read a negative rows or row_start as its low 64
+    bits (rows -1 with row_bytes 1 from base 0 passed as 2**64 - 1 rows)."""
+    with pytest.raises(error, match=message):
+        serve(receivers=((0, 1, 0, 0, 1), receiver), base=0, row_bytes=1)
+
+
+@pytest.mark.parametrize("call, named", [
+    (lambda: serve(base=-SLOT), "floor_serve: base"),
+    (lambda: serve(row_bytes=-8), "floor_serve: row_bytes"),
+    (lambda: receive(width=-8), "floor_receive: width"),
+    (lambda: receive(nbytes=-64), "floor_receive: nbytes"),
+    (lambda: receive(width=8, nbytes=1 << 64), "floor_receive: nbytes"),
+])
+def test_a_negative_or_too_large_size_or_address_is_refused_not_wrapped(call, named):
+    """"K" kept the low 64 bits of each: -8 passed as 2**64 - 8."""
+    with pytest.raises(ValueError, match=rf"^{named} must be an int in 0\.\.18446744073709551615, got "):
+        call()
