@@ -15,7 +15,7 @@ NVIDIA_MARKERS ?= /proc/driver/nvidia/version /dev/nvidia0
 MOONCAKE ?= $(if $(wildcard $(NVIDIA_MARKERS)),cuda,cpu)
 OTHER_MOONCAKE := mooncake-transfer-engine$(if $(filter cuda,$(MOONCAKE)),-non-cuda,)
 
-.PHONY: setup demo test test-unit test-live bench doctor clean
+.PHONY: setup demo test test-unit test-live asan bench doctor clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,23 @@ test-unit: $(STAMP)
 
 test-live: $(STAMP)
 	$(PY) -m pytest -q -ra tests/live
+
+# The C core built with AddressSanitizer and UndefinedBehaviorSanitizer, and the tests that reach it run
+# against that build (Python itself is not instrumented, so the runtimes are preloaded); the normal
+# build is put back afterwards, whatever the tests said. `make asan ASAN_TESTS=...` picks the tests.
+ASAN_TESTS ?= tests/unit/test_native.py tests/unit/test_native_floor.py tests/unit/test_native_init.py \
+	tests/unit/test_send_frames.py tests/unit/test_wire_engine.py tests/live/test_native_sanitized.py \
+	tests/live/test_native_signals.py tests/live/test_native_zmq.py tests/live/test_wire_frames.py \
+	tests/live/test_wire_hostile.py tests/live/test_wire_listener_bounds.py tests/live/test_wire_listener_threads.py \
+	tests/live/test_engine_direct_calls.py
+SANITIZE := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g
+
+asan: $(STAMP)
+	CFLAGS="$(SANITIZE)" LDFLAGS="$(SANITIZE)" $(PY) setup.py -q build_ext --inplace --force -t build/asan
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	$(PY) -m pytest -q -ra -p no:cacheprovider $(ASAN_TESTS); \
+	rc=$$?; $(PY) setup.py -q build_ext --inplace --force -t build/normal; exit $$rc
 
 bench: $(STAMP)
 	$(VENV)/bin/epd-transfer bench --quick

@@ -36,3 +36,15 @@ def test_the_wheel_follows_the_nvidia_driver_and_the_other_goes_first(tmp_path, 
 def test_the_wheel_can_be_named():
     commands = _setup_commands("NVIDIA_MARKERS=/nonexistent", "MOONCAKE=cuda")
     assert commands[-1] == '.venv/bin/python -m pip install -q -e ".[cuda,test]"', commands
+
+
+def test_asan_puts_the_normal_build_back_whatever_the_tests_said():
+    """`make asan` replaces the extension in place with a sanitized build: the default build must not keep it."""
+    out = subprocess.run(["make", "-n", "-o", ".venv/.installed", "asan", "ASAN_TESTS=tests/x.py"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    sanitized, tested = out.replace("\\\n", " ").strip().splitlines()
+    assert "-fsanitize=address,undefined" in sanitized and "build_ext --inplace --force" in sanitized, out
+    run, restore = tested.split("rc=$?;")
+    assert "libasan.so" in run and "-m pytest" in run and run.rstrip().endswith("tests/x.py;"), out
+    assert restore.strip().startswith(".venv/bin/python setup.py -q build_ext --inplace --force"), out
+    assert "sanitize" not in restore and restore.endswith("exit $rc"), out
