@@ -82,6 +82,15 @@ def test_snapshot_values():
     json.dumps(snap, allow_nan=False)  # plain and strict-JSON serializable
 
 
+def test_the_default_latency_buckets_tell_apart_rooms_under_a_millisecond():
+    m = Metrics("epd")
+    for seconds in (0.00008, 0.0003, 0.0004, 0.0008):  # rooms of an RDMA link's sizes
+        m.observe("room_latency_seconds", seconds)
+    snap = m.snapshot()
+    assert [total(snap, "epd_room_latency_seconds_bucket", le=le) for le in ("0.0001", "0.00025", "0.0005", "0.001")] \
+        == [1, 1, 3, 4]
+
+
 def test_broken_gauge_fn_does_not_break_reads():
     m = Metrics("epd")
     m.gauge_fn("queue_depth", lambda: 1 / 0)
