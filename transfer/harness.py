@@ -418,10 +418,20 @@ def prefill_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finish
         waits = _GiveUp(None, None if say is None else _receiving_line(sc, rank, say, rank_left))
         window: deque = deque()
         free = list(range(sc.inflight))
+        # Slots of failed rooms whose memory a late write may still reach (README: reuse a failed room's
+        # dst only once handle.safe_to_reuse), oldest first, as (handle, slot).
+        held: deque = deque()
         report["t_start"] = time.time()
         for index, room in enumerate(sc.rooms):
-            if not free:
-                free.append(_settle_receive(window.popleft(), sc, source, deep, slots, ds_slots, report, waits))
+            while not free:
+                free += _safe_slots(held)
+                if free:
+                    break
+                if window:
+                    _settle_into(_settle_receive(window.popleft(), sc, source, deep, slots, ds_slots, report, waits),
+                                 free, held)
+                else:
+                    free += _wait_safe(held, sc, rank, say)
             slot = free.pop()
             span = sc.span_of(index)
             row_start, rows = (prefill_shard(span, rank, sc.prefill_ranks, sc.encode_ranks, per_block=sc.per_block)
@@ -444,10 +454,52 @@ def prefill_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finish
     return report
 
 
+def _settle_into(settled: tuple, free: list, held: deque) -> None:
+    """Files a settled (handle, slot): free when no write can land in its memory any more, else held."""
+    handle, slot = settled
+    if handle.safe_to_reuse:
+        free.append(slot)
+    else:
+        held.append(settled)
+
+
+def _safe_slots(held: deque) -> list[int]:
+    """Takes out of `held` the slots whose rooms' memory became safe to reuse; returns them."""
+    safe = [slot for handle, slot in held if handle.safe_to_reuse]
+    if safe:
+        kept = [(handle, slot) for handle, slot in held if not handle.safe_to_reuse]
+        held.clear()
+        held.extend(kept)
+    return safe
+
+
+#: How often a prefill rank whose every slot is held re-reads whether one became safe to reuse.
+SAFE_POLL_S = 0.05
+
+
+def _wait_safe(held: deque, sc: Scenario, rank: int, say=None) -> list[int]:
+    """The slots of `held` that became safe to reuse, waiting for the first: each is, at the latest, once its
+    room's quarantine passed (its encode rank confirming the cancel makes it sooner)."""
+    start = time.monotonic()
+    say_at = start + WAIT_SAY_S
+    while True:
+        safe = _safe_slots(held)
+        if safe:
+            return safe
+        now = time.monotonic()
+        if say is not None and now >= say_at:
+            say(f"prefill rank {rank}: every receive slot ({sc.inflight}, --inflight) holds a failed room whose "
+                f"cancel encode rank {rank // sc.fanout} has not confirmed, so a late write may still land there; "
+                f"waiting {now - start:.0f}s so far for one to be safe to reuse (each at most its quarantine, "
+                f"EPD_QUARANTINE_S, from its failure)")
+            say_at += WAIT_SAY_S
+        time.sleep(SAFE_POLL_S)
+
+
 def _settle_receive(entry, sc: Scenario, source, deep, slots, ds_slots, report: dict,
-                    waits: _GiveUp | None = None) -> int:
-    """Waits for one room (through `waits`, which may say how the wait goes), checks its bytes, frees its slot;
-    returns the slot."""
+                    waits: _GiveUp | None = None) -> tuple:
+    """Waits for one room (through `waits`, which may say how the wait goes), checks its bytes, clears it;
+    returns (handle, slot): the slot is for reuse once handle.safe_to_reuse."""
     from transfer.status import TransferPoll
 
     handle, slot, span, row_start, rows = entry
@@ -467,7 +519,7 @@ def _settle_receive(entry, sc: Scenario, source, deep, slots, ds_slots, report: 
         else:
             report["verified_bytes"] += nbytes
     handle.clear()
-    return slot
+    return handle, slot
 
 
 def check_landed(slot, item, row_start: int, rows: int) -> str | None:
