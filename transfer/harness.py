@@ -20,7 +20,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from transfer.frames import dtype_size, prefill_shard
@@ -932,9 +932,4 @@ def _resolved_protocol(protocol: str, device: str = "") -> str:
     return effective_protocol(protocol, device)[0]
 
 
-def scenario_dict(sc: Scenario) -> dict:
-    """The scenario as plain data (for JSON output)."""
-    return asdict(sc)
-
-
-__all__ = ["SENTINEL", "ItemSource", "Scenario", "check_landed", "encode_rank", "prefill_rank", "run", "scenario_dict"]
+__all__ = ["SENTINEL", "ItemSource", "Scenario", "check_landed", "encode_rank", "prefill_rank", "run"]
