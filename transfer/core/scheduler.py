@@ -64,12 +64,11 @@ class WriteScheduler:
     """Per-session queues of write jobs, each with its room's first ask, and the slots in flight."""
 
     def __init__(self, depth: int, bound_s: float, session_slots: int | None = None, *,
-                 pick_work: int = MAX_PICK_WORK, turn_work: int = SESSION_TURN_WORK,
-                 visit_work: int = VISIT_WORK) -> None:
+                 turn_work: int = SESSION_TURN_WORK) -> None:
         self.depth = max(1, depth)
         self.bound_s = bound_s
         self.session_slots = session_share(self.depth) if session_slots is None else max(1, session_slots)
-        self.pick_work, self.turn_work, self.visit_work = pick_work, turn_work, max(1, visit_work)
+        self.pick_work, self.turn_work, self.visit_work = MAX_PICK_WORK, turn_work, VISIT_WORK
         self._queues: dict[Hashable, deque[tuple[int, Any, float]]] = {}  # session -> (seq, job, asked at)
         self._ring: deque[Hashable] = deque()  # sessions with waiting jobs, the next to visit first
         self._flying: Counter[Hashable] = Counter()  # jobs in flight per session

@@ -174,12 +174,10 @@ class PrefillDriver:
         metrics: Metrics,
         pool: Any = None,
         quarantine_s: float = float("inf"),
-        clock: Callable[[], float] = time.monotonic,
-        lookup_threads: int = LOOKUP_THREADS,
     ) -> None:
         self.engine_rank = engine_rank
         self._forks = _io.forks()  # see check_process
-        self.clock = clock
+        self.clock = time.monotonic
         self.metrics = metrics
         self.pool = pool
         self.lookup_timeout_s = lookup_timeout_s
@@ -225,12 +223,12 @@ class PrefillDriver:
         self._watch = threading.Lock()  # held by that thread; _watch_waker wakes it when a room concludes elsewhere
         self._watch_woken = False  # its last sleep saw the watch waker readable (held under _watch)
         self._statuses_left = False  # a drain stopped with statuses still queued
-        self._ticked_at = clock()  # when the I/O thread last ticked the core
+        self._ticked_at = self.clock()  # when the I/O thread last ticked the core
         self._watch_poller = select.poll()  # used by the thread that holds _watch
         self._watch_poller.register(self._status_fd, select.POLLIN)
         self._watch_poller.register(self._watch_waker.fileno(), select.POLLIN)
-        self._lookups = _LookUps(f"epd-pre{engine_rank}-boot", lookup_timeout_s, clock, self._deliver,
-                                 lookup_threads)
+        self._lookups = _LookUps(f"epd-pre{engine_rank}-boot", lookup_timeout_s, self.clock, self._deliver,
+                                 LOOKUP_THREADS)
         self._stopping = False
         # close() and the I/O thread agree here on who closes the sockets: close() once the
         # thread stopped, else the thread itself when it finally does.
