@@ -14,12 +14,15 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transfer import config
 from transfer.errors import ConfigError, ListenError
 from transfer.frames import normalize_dtype
 from transfer.ports import is_wildcard
+
+if TYPE_CHECKING:
+    from transfer.bootstrap import BootstrapServer
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -349,20 +352,8 @@ def _bootstrap(args: argparse.Namespace) -> int:
 def _rank(args: argparse.Namespace) -> int:
     """One rank of a real deployment (launch scripts): encode or prefill, no parent to sync with."""
     from transfer import harness
-    from transfer.bootstrap import BootstrapServer
 
-    if _environment_refused("rank"):
-        return 2
-    limit = args.encode_ranks if args.role == "encode" else args.prefill_ranks
-    if args.prefill_ranks % args.encode_ranks or not 0 <= args.rank < limit:
-        if args.prefill_ranks % args.encode_ranks:
-            print(f"epd-transfer rank: prefill ranks {args.prefill_ranks} (-P) must be a multiple of encode ranks "
-                  f"{args.encode_ranks} (-E)", file=sys.stderr)
-        else:
-            flag = "-E/--encode-ranks" if args.role == "encode" else "-P/--prefill-ranks"
-            print(f"epd-transfer rank: --rank {args.rank} is no {args.role} rank: with {flag} {limit} they are 0 to "
-                  f"{limit - 1}{' on each prefill node' if args.role == 'prefill' else ''}; give a --rank below "
-                  f"{limit}, or the deployment's {flag}", file=sys.stderr)
+    if _environment_refused("rank") or _rank_options_refused(args):
         return 2
     sc = harness.Scenario(
         encode_ranks=args.encode_ranks, prefill_ranks=args.prefill_ranks, items=args.items, span=args.span,
@@ -372,58 +363,19 @@ def _rank(args: argparse.Namespace) -> int:
         deadline_s=args.deadline, fanout_timeout_s=args.bootstrap_timeout, register_timeout_s=args.bootstrap_timeout,
         token=args.token, timeout_s=args.timeout, first_room=args.first_room, ports=args.ports,
     )
-    if args.protocol == "wire" and isinstance(args.ports, int) and args.ports:
-        print(f"--ports {args.ports} is one port, and a wire rank listens twice (its ZMQ socket and its wire "
-              f"listener): give a range FIRST-LAST", file=sys.stderr)
-        return 2
-    if args.device and args.protocol == "wire":
-        print(f"--device {args.device} names a Mooncake RDMA device; the wire protocol uses none "
-              f"(unset EPD_DEVICE or pick another --protocol)", file=sys.stderr)
-        return 2
     sc.device = args.device
-    # Said now, not after a prefill rank waited out --bootstrap-timeout for its encode rank.
-    if _host_refused("rank", args.host):
-        return 2
-    if _memory_refused("rank", sc, {args.role: 1}):
-        return 2
     # As demo and bench: said now, not after a prefill rank waited out --bootstrap-timeout for its encode rank.
-    if _protocol_refused("rank", args.protocol, args.device):
+    if (_host_refused("rank", args.host) or _memory_refused("rank", sc, {args.role: 1})
+            or _protocol_refused("rank", args.protocol, args.device)):
         return 2
 
-    # SIGTERM (what Kubernetes, Slurm and the launch scripts send), SIGHUP (a dropped terminal or ssh
-    # session) and SIGINT unwind the rank through its context managers: its route is withdrawn, its rooms
-    # fail with a reason, its engine and sockets close; it exits 128 + the signal's number. A signal
-    # ignored when the rank started (nohup, a background job's SIGINT) stays ignored.
-    for stop in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        if stop == signal.SIGTERM or signal.getsignal(stop) is not signal.SIG_IGN:
-            signal.signal(stop, _raise_stopped)
-    _exit_with(args.exit_with)
-    # --timeout bounds the whole rank: the alarm unwinds it through its context managers
-    # (engine, sockets, bootstrap server) wherever it waits.
-    signal.signal(signal.SIGALRM, _raise_rank_timeout)
-    signal.setitimer(signal.ITIMER_REAL, args.timeout)
+    _arm_rank_stops(args.exit_with, args.timeout)
 
     def start_bound() -> tuple[float, str]:  # what ends a wait at the start (what is left of --timeout: its alarm)
         return _start_bound(args.bootstrap_timeout, signal.getitimer(signal.ITIMER_REAL)[0])
 
     noop = lambda: None  # nobody to sync with in a real deployment
-    server = None
-    if args.serve_bootstrap:
-        bind = args.bootstrap_bind or args.bootstrap.rpartition(":")[0].strip("[]")
-        port = int(args.bootstrap.rpartition(":")[2])
-        try:
-            server = BootstrapServer(bind, port, token=args.token)
-        except OSError as error:  # its message already names the server and the address (or the range)
-            raise OSError(error.strerror or str(error)) from None
-        except ConfigError as error:  # an address not of this host
-            if args.bootstrap_bind:
-                raise
-            raise ConfigError(f"--serve-bootstrap binds the host of --bootstrap {args.bootstrap} unless "
-                              f"--bootstrap-bind gives another, and {error}; where peers reach the server at an "
-                              f"address this host does not hold (a load balancer's, a Kubernetes service's), keep "
-                              f"it in --bootstrap and give this host's as --bootstrap-bind (0.0.0.0: every "
-                              f"interface)") from None
-        print(f"bootstrap server on http://{server.address}", file=sys.stderr, flush=True)
+    server = _served_bootstrap(args) if args.serve_bootstrap else None
     try:
         if args.role == "encode":
             if server is None:  # its registration then goes on within what is left (2 s at least: a try's bound)
@@ -461,6 +413,71 @@ def _rank(args: argparse.Namespace) -> int:
             server.close()
     print(json.dumps(summary), flush=True)
     return 0 if ok else 1
+
+
+def _rank_options_refused(args: argparse.Namespace) -> bool:
+    """Says on stderr what does not fit, and returns True, where `epd-transfer rank`'s options contradict
+    each other: -P no multiple of -E, a --rank past its role's ranks, one --ports port or a --device for a
+    wire rank."""
+    limit = args.encode_ranks if args.role == "encode" else args.prefill_ranks
+    if args.prefill_ranks % args.encode_ranks:
+        print(f"epd-transfer rank: prefill ranks {args.prefill_ranks} (-P) must be a multiple of encode ranks "
+              f"{args.encode_ranks} (-E)", file=sys.stderr)
+    elif not 0 <= args.rank < limit:
+        flag = "-E/--encode-ranks" if args.role == "encode" else "-P/--prefill-ranks"
+        print(f"epd-transfer rank: --rank {args.rank} is no {args.role} rank: with {flag} {limit} they are 0 to "
+              f"{limit - 1}{' on each prefill node' if args.role == 'prefill' else ''}; give a --rank below "
+              f"{limit}, or the deployment's {flag}", file=sys.stderr)
+    elif args.protocol == "wire" and isinstance(args.ports, int) and args.ports:
+        print(f"--ports {args.ports} is one port, and a wire rank listens twice (its ZMQ socket and its wire "
+              f"listener): give a range FIRST-LAST", file=sys.stderr)
+    elif args.device and args.protocol == "wire":
+        print(f"--device {args.device} names a Mooncake RDMA device; the wire protocol uses none "
+              f"(unset EPD_DEVICE or pick another --protocol)", file=sys.stderr)
+    else:
+        return False
+    return True
+
+
+def _arm_rank_stops(exit_with: int | None, timeout_s: float) -> None:
+    """Makes the rank's stops unwind it through its context managers (its route is withdrawn, its rooms
+    fail with a reason, its engine, sockets and bootstrap server close), wherever it waits.
+
+    SIGTERM (what Kubernetes, Slurm and the launch scripts send), SIGHUP (a dropped terminal or ssh
+    session) and SIGINT raise `_Stopped`: the rank exits 128 + the signal's number. A signal ignored
+    when the rank started (nohup, a background job's SIGINT) stays ignored. `exit_with` is
+    --exit-with's (see `_exit_with`); SIGALRM after `timeout_s` (--timeout, the bound on the whole
+    rank) raises `_RankTimeout`.
+    """
+    for stop in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        if stop == signal.SIGTERM or signal.getsignal(stop) is not signal.SIG_IGN:
+            signal.signal(stop, _raise_stopped)
+    _exit_with(exit_with)
+    signal.signal(signal.SIGALRM, _raise_rank_timeout)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+
+
+def _served_bootstrap(args: argparse.Namespace) -> BootstrapServer:
+    """The bootstrap server --serve-bootstrap runs beside the rank, on --bootstrap-bind (else the host of
+    --bootstrap) and the port of --bootstrap; its address goes to stderr."""
+    from transfer.bootstrap import BootstrapServer
+
+    bind = args.bootstrap_bind or args.bootstrap.rpartition(":")[0].strip("[]")
+    port = int(args.bootstrap.rpartition(":")[2])
+    try:
+        server = BootstrapServer(bind, port, token=args.token)
+    except OSError as error:  # its message already names the server and the address (or the range)
+        raise OSError(error.strerror or str(error)) from None
+    except ConfigError as error:  # an address not of this host
+        if args.bootstrap_bind:
+            raise
+        raise ConfigError(f"--serve-bootstrap binds the host of --bootstrap {args.bootstrap} unless "
+                          f"--bootstrap-bind gives another, and {error}; where peers reach the server at an "
+                          f"address this host does not hold (a load balancer's, a Kubernetes service's), keep "
+                          f"it in --bootstrap and give this host's as --bootstrap-bind (0.0.0.0: every "
+                          f"interface)") from None
+    print(f"bootstrap server on http://{server.address}", file=sys.stderr, flush=True)
+    return server
 
 
 class _Stopped(KeyboardInterrupt):
