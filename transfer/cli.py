@@ -876,6 +876,13 @@ _JSON_HELP = (
     "print the result as JSON instead of text, or also write it to FILE and say where (default: text only)")
 
 
+def _add_protocol(parser: argparse.ArgumentParser) -> None:
+    """The `--protocol` option demo and rank share."""
+    parser.add_argument("--protocol", default="auto", choices=["auto", "tcp", "rdma", "wire"],
+                        help="data path: auto (rdma when an RDMA device has an ACTIVE port, else tcp), tcp, rdma, "
+                             "or our framed wire")
+
+
 def _add_json(parser: argparse.ArgumentParser) -> None:
     """The shared `--json [FILE]` option."""
     parser.add_argument("--json", metavar="FILE", nargs="?", const="-", default=None, help=_JSON_HELP)
@@ -928,8 +935,7 @@ def build_parser() -> _Parser:
     demo.add_argument("--items", type=_positive_int, default=64, help="items (rooms) to move")
     _add_item_shape(demo)
     demo.add_argument("--inflight", type=_positive_int, default=8, help="rooms in flight per rank")
-    demo.add_argument("--protocol", default="auto", choices=["auto", "tcp", "rdma", "wire"],
-                      help="data path: auto (rdma when an RDMA device has an ACTIVE port, else tcp), tcp, rdma, or our framed wire")
+    _add_protocol(demo)
     demo.add_argument("--host", type=_rank_host, default="127.0.0.1", help="IPv4 address every rank binds")
     demo.add_argument("--no-integrity", action="store_true", help="skip the checksums of landed bytes")
     demo.add_argument("--deadline", type=_seconds, default=_FromEnv("EPD_DEADLINE_S"),
@@ -979,8 +985,7 @@ def build_parser() -> _Parser:
                       help="port, or range FIRST-LAST, of this rank's listeners (its ZMQ socket and, with "
                            "--protocol wire, its wire listener: consecutive free ports of the range); 0: any "
                            "free port. Mooncake's own: MC_MIN_RPC_PORT/MC_MAX_RPC_PORT")
-    rank.add_argument("--protocol", default="auto", choices=["auto", "tcp", "rdma", "wire"],
-                      help="data path: auto (rdma when an RDMA device has an ACTIVE port, else tcp), tcp, rdma, or our framed wire")
+    _add_protocol(rank)
     rank.add_argument("--items", type=_positive_int, default=64, help="items (rooms) to move")
     rank.add_argument("--first-room", type=_room, default=0,
                       help="rooms are first-room .. first-room + items - 1")
