@@ -77,6 +77,20 @@ def _refuse_shared_engine(engine: TransferEngineLike) -> None:
                           f"manager needs an engine of its own")
 
 
+def _check_memory(engine: TransferEngineLike, buffer: torch.Tensor | tuple[int, int] | None,
+                  pool: ReceivePool | None) -> None:
+    """ConfigError unless a session manager is given exactly one of a registered `buffer` and a `pool`, and
+    the pool is open and registered with the manager's `engine`."""
+    if (buffer is None) == (pool is None):
+        raise ConfigError("give the session manager either a registered `buffer` or a `pool` of receive slots")
+    if pool is not None and pool.engine is not engine:
+        raise ConfigError("the pool's memory is registered with another engine than the manager's: "
+                          "encode ranks could not write into it")
+    if pool is not None and pool.closed:
+        raise ConfigError(f"the receive pool at {pool.region.addr:#x} is closed: its slots are gone; give the "
+                          f"session manager an open ReceivePool (close a pool only after its manager)")
+
+
 def pool_gauges(metrics: Metrics | MetricsClaim, pool: ReceivePool) -> None:
     """The receive pool's gauges: read-only, so a scrape (on its thread) queries no event and unregisters no
     fallback; the manager's thread and receive() poll the pool."""
@@ -212,14 +226,7 @@ class SessionManager:
         self.metrics = metrics or Metrics("epd_prefill")
         declare_role(self.metrics, "prefill", engine_rank)
 
-        if (buffer is None) == (pool is None):
-            raise ConfigError("give the session manager either a registered `buffer` or a `pool` of receive slots")
-        if pool is not None and pool.engine is not engine:
-            raise ConfigError("the pool's memory is registered with another engine than the manager's: "
-                              "encode ranks could not write into it")
-        if pool is not None and pool.closed:
-            raise ConfigError(f"the receive pool at {pool.region.addr:#x} is closed: its slots are gone; give the "
-                              f"session manager an open ReceivePool (close a pool only after its manager)")
+        _check_memory(engine, buffer, pool)
         # Its close lets go of the metrics; a manager that never starts, at once.
         release_metrics = self.metrics.claim(f"the session manager of prefill rank {engine_rank}")
         self._release_metrics = release_metrics
@@ -260,14 +267,19 @@ class SessionManager:
         release_metrics.gauge_fn("rooms_in_flight", lambda: len(rooms))
         if pool is not None:
             pool_gauges(release_metrics, pool)
+        self._claim_engine()
+
+    def _claim_engine(self) -> None:
+        """Files the engine as this manager's; where another thread's manager claimed it since __init__
+        looked, closes this manager and raises that ConfigError (see `_refuse_shared_engine`)."""
         refused: ConfigError | None = None
         with _managed_lock:
             try:
-                _refuse_shared_engine(engine)  # another thread's manager may have claimed it meanwhile
+                _refuse_shared_engine(self.engine)
             except ConfigError as exc:
                 refused = exc
             else:
-                _managed_engines[engine] = (engine_rank, id(self))
+                _managed_engines[self.engine] = (self.engine_rank, id(self))
         if refused is not None:
             self.close()  # outside the lock, which closing takes
             raise refused
