@@ -853,31 +853,9 @@ class BootstrapClient:
                 text = shown(raw.decode("utf-8", "replace"))
                 if status == 412 and only_if_absent:  # another registration holds the rank: left alone
                     return False
-                if status == 200:
-                    raise BootstrapError(f"{self.address} answered encode rank {engine_rank}'s registration with "
-                                         f"HTTP 200 and {text!r}, which no bootstrap server answers: is it the "
-                                         f"bootstrap server's address?")
-                if 300 <= status < 400:
-                    raise BootstrapError(f"{self.address} redirected encode rank {engine_rank}'s registration "
-                                         f"(HTTP {status}), which no bootstrap server does: give the bootstrap "
-                                         f"server's own address")
-                if status == 401:
-                    sent = "the token sent is not the server's" if self.token else "no token was sent"
-                    raise BootstrapError(f"bootstrap server {self.address} refused encode rank {engine_rank}: "
-                                         f"HTTP 401: {text} ({sent}): give the sender pool the server's token "
-                                         f"(token=; `epd-transfer rank`: --token or EPD_TOKEN)")
-                if status == 409 and "restart" not in text:  # a server that does not say what to do
-                    raise BootstrapError(f"bootstrap server {self.address} refused encode rank {engine_rank}: "
-                                         f"HTTP 409: {text}: sizes other than its first registration's? "
-                                         f"{_SIZES_STAY}")
-                if status == 501:  # Not Implemented: a server that takes no PUT, which retrying does not change
-                    raise BootstrapError(f"{self.address} answered encode rank {engine_rank}'s registration with "
-                                         f"HTTP 501 (PUT not implemented), which no bootstrap server answers: is "
-                                         f"it the bootstrap server's address (not a metrics endpoint's, say)? It "
-                                         f"said: {text}")
-                if status < 500:
-                    raise BootstrapError(f"bootstrap server {self.address} refused encode rank "
-                                         f"{engine_rank}: HTTP {status}: {text}")
+                refused = self._refused(engine_rank, status, text)
+                if refused is not None:
+                    raise refused
                 last = why = f"HTTP {status}: {text}"
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -891,6 +869,37 @@ class BootstrapClient:
             lines.failed(time.monotonic(), tries, why)
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 0.5)
+
+    def _refused(self, engine_rank: int, status: int, text: str) -> BootstrapError | None:
+        """The error for an answer to encode rank `engine_rank`'s registration that registered nothing and
+        that no retry changes (any 2xx, 3xx, 4xx, and 501: not a bootstrap server's, or a refusal); None
+        for the other 5xx, which register_rank() retries. `text` is the answer's body, shown."""
+        if status == 200:
+            return BootstrapError(f"{self.address} answered encode rank {engine_rank}'s registration with "
+                                  f"HTTP 200 and {text!r}, which no bootstrap server answers: is it the "
+                                  f"bootstrap server's address?")
+        if 300 <= status < 400:
+            return BootstrapError(f"{self.address} redirected encode rank {engine_rank}'s registration "
+                                  f"(HTTP {status}), which no bootstrap server does: give the bootstrap "
+                                  f"server's own address")
+        if status == 401:
+            sent = "the token sent is not the server's" if self.token else "no token was sent"
+            return BootstrapError(f"bootstrap server {self.address} refused encode rank {engine_rank}: "
+                                  f"HTTP 401: {text} ({sent}): give the sender pool the server's token "
+                                  f"(token=; `epd-transfer rank`: --token or EPD_TOKEN)")
+        if status == 409 and "restart" not in text:  # a server that does not say what to do
+            return BootstrapError(f"bootstrap server {self.address} refused encode rank {engine_rank}: "
+                                  f"HTTP 409: {text}: sizes other than its first registration's? "
+                                  f"{_SIZES_STAY}")
+        if status == 501:  # Not Implemented: a server that takes no PUT, which retrying does not change
+            return BootstrapError(f"{self.address} answered encode rank {engine_rank}'s registration with "
+                                  f"HTTP 501 (PUT not implemented), which no bootstrap server answers: is "
+                                  f"it the bootstrap server's address (not a metrics endpoint's, say)? It "
+                                  f"said: {text}")
+        if status < 500:
+            return BootstrapError(f"bootstrap server {self.address} refused encode rank "
+                                  f"{engine_rank}: HTTP {status}: {text}")
+        return None
 
     def unregister_rank(self, world_size: int, dp_size: int, rank_ip: str, rank_port: int,
                         engine_rank: int, timeout: float = 1.0, instance: str | None = None) -> bool:
