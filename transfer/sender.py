@@ -223,12 +223,18 @@ class SenderPool:
             raise
         self._release_metrics = release_metrics
         self._dropped.atexit = False  # at exit the daemon threads go with the process
+        self._register(bootstrap, register_timeout_s)
+
+    def _register(self, bootstrap: BootstrapClient, register_timeout_s: float) -> None:
+        """Lists the started pool's route at the bootstrap server, retrying up to `register_timeout_s`, and
+        keeps it listed (`_Route.keep`). A refusal, or a stop signal's exception (KeyboardInterrupt), closes
+        the pool, withdrawing the route where the server may list it, and is raised."""
         try:
-            bootstrap.register_rank(tp_size, dp_size, self.host, self.port, engine_rank, retry_for=register_timeout_s,
-                                    instance=self._route.instance)
+            bootstrap.register_rank(self.tp_size, self.dp_size, self.host, self.port, self.engine_rank,
+                                    retry_for=register_timeout_s, instance=self._route.instance)
             self._route.listed = True
             self._route.keep()
-        except BaseException:  # a refusal, or a stop signal's exception (KeyboardInterrupt) anywhere in here
+        except BaseException:
             # A server that refused every attempt lists no route of this pool's: close() withdraws none.
             self._route.listed = bootstrap.may_have_registered
             self.close()
