@@ -251,17 +251,15 @@ class _WriterPool:
     """Threads for write_async(): a FIFO queue per key (a peer session), and total threads in all.
 
     At most per_peer of a lone key's jobs run at once; keys with jobs queued or running share
-    per_peer (at least one each). A free thread serves the keys in turn. One shared pool let a
-    peer that stopped reading take every thread, each for a reply timeout, while writes to
-    healthy peers waited behind them; here it takes only its share.
+    per_peer (at least one each). A free thread serves the keys in turn. So a peer that stopped
+    reading holds only its share of the threads (each for a reply timeout), and writes to
+    healthy peers do not wait behind it.
 
     Each job wakes at most one parked thread, and a thread that finishes a job takes the next
-    itself. Waking every parked thread for each job (a Condition's notify_all) woke a herd
-    that mostly found nothing to do: at 512 KiB over four peers the encode process slept 71-79
-    times a room, and 43-46 with one wake-up a job."""
+    itself: no job wakes a herd of threads that mostly find nothing to do."""
 
-    #: How long a thread with nothing to take waits for a job before it leaves: starting a
-    #: thread per write cost two thirds of the 512 KiB rate.
+    #: How long a thread with nothing to take waits for a job before it leaves: threads outlive
+    #: their job, so that a run of writes does not start a thread for each.
     IDLE_S = 2.0
 
     def __init__(self, name: str, per_peer: int, total: int) -> None:
