@@ -747,10 +747,10 @@ class Engine(RegisteredMemory):
         Raises ConfigError for a hostname that is empty, a wildcard, does not resolve or is not this
         host's, an unknown protocol, a device_name no RDMA device has (device_names(): comma-separated
         names, each stripped; Mooncake gets them so), a device not present when the protocol is rdma, or a
-        timeout outside its bound (0 < transfer_timeout_s, 0 <= open_timeout_s, both at most
-        1e6 s; ConfigTypeError for one that is not a number), all before Mooncake is imported; EngineError when rdma was asked for and
-        no RDMA device is usable, or Mooncake refused to start; EngineUnavailable when
-        mooncake.engine cannot be imported."""
+        timeout outside its bound (0 < transfer_timeout_s, 0 <= open_timeout_s, both at most 1e6 s;
+        ConfigTypeError for one that is not a number), all before Mooncake is imported; EngineError when
+        rdma was asked for and no RDMA device is usable, or Mooncake refused to start; EngineUnavailable
+        when mooncake.engine cannot be imported."""
         check_hostname(hostname)
         device_name = device_names(device_name)
         self.protocol, self.protocol_reason = effective_protocol(protocol, device_name)

@@ -432,12 +432,12 @@ class WireEngine(RegisteredMemory):
         that sends nothing for first_byte_timeout_s (None: the listener's 10 s; never more than
         idle_timeout_s) is closed; with every connection slot taken, one that has sent nothing
         yet, or else one evict_after_s behind the least rate, is closed for a new one (negative
-        evict_after_s: none). min_rate_bps (0: none) is that least
-        rate both ways: a transfer in must keep it after a grace, and a transfer out must be taken
-        within reply_timeout_s plus its bytes at it, whatever pace the peer reads at. writers_per_peer: write_async() batches to a lone busy peer
-        that run at once, each on a connection of its own; busy peers share that many (at
-        least one each); one that waited in its peer's queue for longer than queue_timeout_s (None:
-        reply_timeout_s) fails without sending anything."""
+        evict_after_s: none). min_rate_bps (0: none) is that least rate both ways: a transfer in
+        must keep it after a grace, and a transfer out must be taken within reply_timeout_s plus
+        its bytes at it, whatever pace the peer reads at. writers_per_peer: write_async() batches
+        to a lone busy peer that run at once, each on a connection of its own; busy peers share
+        that many (at least one each); one that waited in its peer's queue for longer than
+        queue_timeout_s (None: reply_timeout_s) fails without sending anything."""
         _check_advertised(hostname)
         if int(writers_per_peer) < 1:
             raise ConfigError(f"writers_per_peer must be at least 1, got {writers_per_peer}")
