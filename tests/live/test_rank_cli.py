@@ -90,13 +90,13 @@ def test_rank_timeout_stops_a_prefill_rank_whose_encode_rank_never_registers():
 def test_an_encode_rank_whose_prefill_rank_does_not_ask_says_so_every_ten_seconds():
     result = _rank(["--role", "encode", "--rank", "0", "--serve-bootstrap", "--bootstrap",
                     f"127.0.0.1:{_free_port()}", "--protocol", "wire", "--items", "2", "--span", "8", "--hidden", "64",
-                    "--bootstrap-timeout", "300", "--timeout", "12"], timeout=90)
+                    "--bootstrap-timeout", "300", "--timeout", "24"], timeout=90)
     assert result.returncode == 1, result.stderr
     # --timeout ends the rank long before the 300 s fanout timeout: the line names it.
     assert re.search(r"^encode rank 0: room 0 not concluded after 10s \(WaitingForInput\): waits for prefill rank 0 "
                      r"to ask for it \(at most \d+s more: --timeout ends the rank before the fanout timeout, 300s, "
                      r"--bootstrap-timeout\)$", result.stderr, re.MULTILINE), result.stderr
-    assert "encode rank 0: stopped after --timeout 12s" in result.stderr
+    assert "encode rank 0: stopped after --timeout 24s" in result.stderr
 
 
 def test_a_prefill_rank_whose_encode_rank_never_writes_says_so_every_ten_seconds():
@@ -110,7 +110,7 @@ def test_a_prefill_rank_whose_encode_rank_never_writes_says_so_every_ten_seconds
         try:
             BootstrapClient(server.address).register_rank(1, 1, "127.0.0.1", port, 0)
             result = _rank(["--role", "prefill", "--rank", "0", "--bootstrap", server.address, "--protocol", "wire",
-                            "--items", "2", "--span", "8", "--hidden", "64", "--deadline", "300", "--timeout", "12"],
+                            "--items", "2", "--span", "8", "--hidden", "64", "--deadline", "300", "--timeout", "24"],
                            timeout=90)
         finally:
             asks.close(0)
@@ -118,7 +118,7 @@ def test_a_prefill_rank_whose_encode_rank_never_writes_says_so_every_ten_seconds
     assert re.search(r"^prefill rank 0: room 0 not concluded after 10s \(\w+\): waits for encode rank 0 to be sent "
                      r"the item and write it \(at most \d+s more: --timeout ends the rank before the room's "
                      r"deadline, 300s, --deadline\)$", result.stderr, re.MULTILINE), result.stderr
-    assert "prefill rank 0: stopped after --timeout 12s" in result.stderr
+    assert "prefill rank 0: stopped after --timeout 24s" in result.stderr
 
 
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
