@@ -586,6 +586,36 @@ def seconds_left(deadline: float, most: float) -> float:
     return max(0.0, min(most, deadline - time.monotonic()))
 
 
+#: How long a caller's call waits for a lock its side's own threads take only for short steps (the
+#: prefill driver's, the encode side's source registrations): past it, the holder is stuck (an engine call,
+#: a device, a log handler that does not return) and the call raises instead of joining it.
+LOCK_WAIT_S = 5.0
+
+
+def threads_inside(holds: Callable[[Any], bool]) -> str:
+    """The other threads with a call on an object `holds` accepts (a frame whose `self` it is) on their stack,
+    each named with where it is now; for the error of a call that found a lock held too long (not a hot path)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    me = threading.get_ident()
+    found = []
+    for ident, frame in sys._current_frames().items():
+        if ident == me:
+            continue
+        inner: Any = frame
+        while inner is not None:
+            try:
+                inside = holds(inner.f_locals.get("self"))
+            except Exception:  # noqa: BLE001 - an object whose attributes raise is no holder
+                inside = False
+            if inside:
+                code = frame.f_code
+                found.append(f"thread {names.get(ident, ident)} at {os.path.basename(code.co_filename)}:"
+                             f"{frame.f_lineno} in {code.co_name}()")
+                break
+            inner = inner.f_back
+    return "; ".join(found) or "no thread inside its calls now (a thread that took the lock directly?)"
+
+
 def status_connection_limit(wanted: int = MAX_STATUS_CONNECTIONS) -> int:
     """`wanted`, cut to a quarter of the descriptors this process may open and of the context's sockets."""
     sockets = CONTEXT_MAX_SOCKETS

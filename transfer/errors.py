@@ -66,8 +66,9 @@ class BootstrapNoRoute(BootstrapError):
 
 
 class UsageError(TransferError, RuntimeError):
-    """A call the object's state does not allow: it is closed, its thread stopped, or the ranks of a group
-    are out of step with each other."""
+    """A call the object's state does not allow: it is closed, its thread stopped or is stuck (a session
+    manager's call that waited transfer._io.LOCK_WAIT_S for a lock one of its threads holds), or the ranks of
+    a group are out of step with each other."""
 
 
 class CollectiveError(UsageError):

@@ -159,6 +159,11 @@ class ReceiveHandle(_io.RoomHandle[Room]):
         copy-out's CUDA event, if any) completed, and likewise when its memory is already
         safe (see `safe_to_reuse`); otherwise into quarantine, since a late one-sided write
         may still land in it, until the encode rank confirms the cancel.
+
+        UsageError when a thread of the manager stays stuck holding its lock for
+        transfer._io.LOCK_WAIT_S (the text names it): the room is kept for a clear() again
+        (held only once the room was forgotten: its slot waits out its quarantine bound), unless
+        the manager is closed (then this returns: close() gave the room up).
         """
         if event is not None and not callable(getattr(event, "query", None)):
             raise ConfigTypeError(f"room {self._state.room}: event must have query() (e.g. a torch.cuda.Event); "
@@ -323,6 +328,9 @@ class SessionManager:
         bytes are a whole number of rows of whole elements. Its row bytes go with the ask,
         and an encode rank of ours refuses the room (nothing written) when its item's
         deepstack rows are another width.
+
+        UsageError, nothing filed, when a thread of the manager stays stuck holding its lock
+        (held only for non-blocking steps) for transfer._io.LOCK_WAIT_S; the text names it.
         """
         if self._closed:
             raise UsageError(MANAGER_CLOSED)

@@ -274,6 +274,10 @@ class SenderPool:
         after this returns, so leave them unchanged until the room concluded. The pool keeps the tensors
         given alive until the room is cleared or the pool closed: the caller may drop its own references
         at once (memory given by raw address is the caller's to keep).
+
+        EngineError, nothing sent, when the engine's book of source registrations stays held for
+        transfer._io.LOCK_WAIT_S (a deregistration by a pool's thread that does not return); the text
+        names the thread.
         """
         self._driver.check_process()
         if self._book.stopping:

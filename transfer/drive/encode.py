@@ -242,8 +242,16 @@ class SourceRegistry:
         held: list[int] = []
 
         def undo() -> None:
-            with self.lock:
+            if not held:
+                return
+            if not self.lock.acquire(True, _io.LOCK_WAIT_S):
+                log.error("keeping %d source registrations held for a send() that failed: the book of source "
+                          "registrations stayed held; they go with the engine", len(held))
+                return
+            try:
                 self._let_go(held)
+            finally:
+                self.lock.release()
 
         try:
             for region in regions:
@@ -270,11 +278,19 @@ class SourceRegistry:
         return functools.partial(self._release, key)
 
     def _release(self, key: int) -> None:
-        """Lets go of one hold, unless it was let go of already."""
-        with self.lock:
+        """Lets go of one hold, unless it was let go of already. When `lock` stays held past LOCK_WAIT_S (a
+        deregistration that does not return) the hold is kept, for release_all() at the pool's close."""
+        if not self.lock.acquire(True, _io.LOCK_WAIT_S):
+            log.error("keeping a room's source registrations for now: the engine's book of source registrations "
+                      "stayed held for %gs (inside it: %s); the sender pool's close lets go of them",
+                      _io.LOCK_WAIT_S, _io.threads_inside(lambda obj: getattr(obj, "lock", None) is self.lock))
+            return
+        try:
             bases = self._holds.pop(key, None)
             if bases is not None:
                 self._let_go(bases)
+        finally:
+            self.lock.release()
 
     def _let_go(self, bases: Iterable[int]) -> None:
         """One hold fewer on each base; unregisters those no room holds any more (lock held)."""
@@ -350,9 +366,12 @@ class SourceRegistry:
         caller's own; (False, None) when none is registered.
 
         The registration another caller is making is left out until it is counted: it would
-        pass for the caller's own, which no room holds.
+        pass for the caller's own, which no room holds. EngineError when `lock` stays held past
+        LOCK_WAIT_S (a deregistration that does not return): nothing is held then.
         """
-        with self.lock:
+        if not self.lock.acquire(True, _io.LOCK_WAIT_S):
+            raise EngineError(self._held_text(region))
+        try:
             if self._holding is not None:
                 found = self._holding(region.addr, region.nbytes)
                 # Registered regions are disjoint: none but the one registered under way holds the region then.
@@ -368,6 +387,17 @@ class SourceRegistry:
                 return True, None
             self.counts.hold(base)
             return True, base
+        finally:
+            self.lock.release()
+
+    def _held_text(self, region: _io.Region) -> str:
+        """Why holding `region` gave up waiting for `lock`, and what to do."""
+        return (f"source {region.addr:#x} ({region.nbytes} bytes): waited {_io.LOCK_WAIT_S:g}s for the engine's "
+                f"book of source registrations, held all that time (its holders take it for bookkeeping and for "
+                f"the engine's deregistration of a temporary registration, engine.unregister); nothing was sent. "
+                f"Inside it now: {_io.threads_inside(lambda obj: getattr(obj, 'lock', None) is self.lock)}. An "
+                f"engine call that does not return there holds every send() on the engine: check the engine's "
+                f"device, close() the sender pool (it returns within close_timeout_s) and the engine")
 
     def _registered_across(self, addr: int, nbytes: int) -> tuple[int, int] | None:
         """(base, length) of a registration sharing a byte with [addr, addr + nbytes), or None."""

@@ -248,7 +248,9 @@ class PrefillDriver:
         """Files the room and starts it; the caller's thread sends its ask when the route is cached."""
         room = spec.room
         self.check_process()
-        with self._lock:
+        if not self._lock.acquire(True, _io.LOCK_WAIT_S):
+            raise UsageError(MANAGER_CLOSED if self._stopping else self._held_text("receive()"))
+        try:
             if self._stopping:
                 raise UsageError(MANAGER_CLOSED)
             if self.failure is not None:
@@ -273,6 +275,8 @@ class PrefillDriver:
                     self.metrics.inc("rooms_failed_total", reason=FailureKind.OTHER.value)
                 raise
             wake = self._must_wake()
+        finally:
+            self._lock.release()
         for verify in verifies:  # none in practice: a Verify follows a status
             self._verify(verify)
         if wake:
@@ -283,7 +287,11 @@ class PrefillDriver:
         forked child: the room, its lock and its encode rank's socket are the parent's)."""
         if self.forked:
             return None
-        with self._lock:
+        if not self._lock.acquire(True, _io.LOCK_WAIT_S):
+            if self._stopping:  # close() failed the rooms without it, and takes their slots back
+                return None
+            raise UsageError(self._held_text("clear()"))
+        try:
             if self.rooms.get(record.room) is not record:
                 return None
             succeeded = self.table.get(record.room) == TransferPoll.Success
@@ -304,6 +312,8 @@ class PrefillDriver:
             cancels = bool(self._cancels_out)
             if unconcluded:  # last: a count that raises leaves the room forgotten in full
                 self.metrics.inc("rooms_failed_total", reason=FailureKind.CLEARED.value)
+        finally:
+            self._lock.release()
         if unconcluded:
             self._tell_waiters()  # a wait() on it from another thread returns
         if cancels:
@@ -317,12 +327,29 @@ class PrefillDriver:
             record.on_safe = None
 
     def when_safe(self, record: Room, on_safe: Callable[[], None]) -> None:
-        """Runs `on_safe` once the cleared room's memory is known safe (at once when it already is)."""
-        with self._lock:
+        """Runs `on_safe` once the cleared room's memory is known safe (at once when it already is). UsageError
+        when the lock stays held past LOCK_WAIT_S: `on_safe` never runs (the memory waits out its quarantine)."""
+        if not self._lock.acquire(True, _io.LOCK_WAIT_S):
+            if self._stopping:  # closed: no confirmation is heard any more, the memory waits out its quarantine
+                return
+            raise UsageError(self._held_text("clear()", "the room is forgotten, and its pool slot waits out its "
+                                                        "quarantine bound"))
+        try:
             if not record.memory_safe:
                 record.on_safe = on_safe
                 return
+        finally:
+            self._lock.release()
         on_safe()
+
+    def _held_text(self, call: str, left: str = "nothing was done") -> str:
+        """Why a caller's `call` gave up waiting for _lock (`left`: what that leaves), and what to do. Its
+        holders take it only for non-blocking steps: one that keeps it LOCK_WAIT_S is stuck."""
+        return (f"prefill rank {self.engine_rank}'s session manager: {call} waited {_io.LOCK_WAIT_S:g}s for its "
+                f"lock, which its steps hold for microseconds, and gave up; {left}. Inside the manager now: "
+                f"{_io.threads_inside(lambda obj: obj is self)}. A step stuck there (a device, engine or log "
+                f"handler call that does not return) holds every room: close() the manager (it returns within "
+                f"close_timeout_s, failing its rooms) and start a new one")
 
     def progress(self) -> None:
         """Handles the statuses queued, on the caller's thread (poll(), concluded()); never blocks.
