@@ -1,10 +1,12 @@
 """A caller's call that needs a lock one of the library's threads is stuck holding gives up within
-LOCK_WAIT_S, raising the library's error that names the stuck thread and what to do, instead of joining it.
+LOCK_WAIT_S, raising the library's error that names the stuck thread and what to do, instead of joining it;
+and a thread the process cannot start fails the rooms that needed it, naming why, instead of raising out of
+receive() or stopping the manager.
 
 Real Mooncake engines (tcp on loopback), real ZMQ sockets and real bootstrap servers. The stuck holders are
 the library's own threads inside a call that does not return: the prefill I/O thread counting a failed room
 with the caller's metrics (an exporter that hangs), the encode thread dropping a temporary registration
-(an engine.unregister that hangs).
+(an engine.unregister that hangs); the thread limit is played by Thread.start() raising as CPython's does.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import socket
 import threading
 from typing import Any
 
+import torch
 from live_helpers import HOST, LIVE, item_tensor, wait_until
 
 from transfer import _io
@@ -111,6 +114,40 @@ def test_receive_and_clear_behind_the_io_thread_stuck_inside_a_step_raise_usage_
         finally:
             metrics.go.set()
             manager.close()
+
+
+def test_a_look_up_thread_the_process_cannot_start_fails_its_room_naming_the_thread_limit(engines, server,
+                                                                                         monkeypatch):
+    """receive() needs a look-up thread and the process is at its thread limit (Thread.start() raises
+    RuntimeError, as CPython's does then): receive() returns its handle, and the room fails as a bootstrap
+    failure saying so and what to do; the manager's I/O thread serves on, and the next room, once threads
+    can be started again, is looked up and asked for."""
+    encode, prefill = engines
+    start = threading.Thread.start
+
+    def at_the_limit(thread: threading.Thread) -> None:
+        if thread.name.startswith("epd-pre0-boot"):
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    with SenderPool(encode, 0, 1, 1, server.address, host=HOST) as sender, \
+            ReceivePool(prefill, 4 * SLOT, SLOT) as pool, \
+            SessionManager(prefill, 0, 1, 1, pool=pool, host=HOST) as manager:
+        monkeypatch.setattr(threading.Thread, "start", at_the_limit)
+        handle = manager.receive(1, server.address, rows=SPAN, hidden=HIDDEN, dtype="bfloat16")
+        assert handle.wait(HANG_S) == TransferPoll.Failed
+        assert handle.failure_kind is FailureKind.BOOTSTRAP
+        assert "cannot start a thread to look it up (RuntimeError: can't start new thread)" in handle.failure, \
+            handle.failure
+        assert "thread limit" in handle.failure, handle.failure
+        handle.clear()
+        monkeypatch.undo()
+        sent = sender.send(2, item_tensor(2, SPAN, HIDDEN))
+        again = manager.receive(2, server.address, rows=SPAN, hidden=HIDDEN, dtype="bfloat16")
+        assert again.wait(HANG_S) == TransferPoll.Success, again.failure
+        assert torch.equal(again.rows, item_tensor(2, SPAN, HIDDEN))
+        again.clear()
+        sent.clear()
 
 
 def test_send_behind_a_deregistration_that_does_not_return_raises_engine_error_naming_the_thread(engines, server,

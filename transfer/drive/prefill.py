@@ -1009,9 +1009,11 @@ class _LookUps:
         self._idle = 0
         self._stopping = False
         self._busy: dict[int, Any] = {}  # the look-up each thread is inside, by thread id
+        self._throttled = _io.ThrottledLog(log)
 
     def submit(self, action: LookUpParallel | LookUpRoute) -> None:
-        """Queues a look-up; never blocks."""
+        """Queues a look-up; never blocks, never raises for want of a thread: with none to run it (the process
+        cannot start one), the look-up fails at once, naming why."""
         with self._cond:
             if self._stopping:
                 return
@@ -1019,10 +1021,28 @@ class _LookUps:
             # An idle thread takes one job when it next runs: each job queued needs one of its own.
             if len(self._jobs) > self._idle and len(self._threads) < self._max:
                 thread = threading.Thread(target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True)
-                thread.start()
+                try:
+                    thread.start()
+                except RuntimeError as exc:  # the process's or the system's thread limit
+                    self._unstarted(action, exc)
+                    return
                 self._threads.append(thread)
             else:
                 self._cond.notify()
+
+    def _unstarted(self, action: LookUpParallel | LookUpRoute, exc: RuntimeError) -> None:
+        """No thread could be started for `action`, just queued (_cond held): the running threads take it after
+        their look-ups under way (each bounded), or with none running it fails now."""
+        if self._threads:
+            self._cond.notify()
+            self._throttled.warning("no thread", "cannot start another bootstrap look-up thread (%s): %s waits "
+                                    "for one of the %d running", exc, _lookup_text(action), len(self._threads))
+            return
+        self._jobs.pop()  # the one just queued: no thread will take it
+        detail = (f"cannot start a thread to look it up ({type(exc).__name__}: {exc}): this process is at its "
+                  f"thread limit; raise it (ulimit -u, the container's pids limit) or run fewer threads")
+        key = action.key if type(action) is LookUpRoute else None
+        self._deliver(("failed", action.bootstrap_addr, key, detail, 0.0))
 
     def stop(self) -> None:
         """No look-up starts, and none is delivered, once this returned."""
