@@ -152,8 +152,9 @@ def agree(oks: Sequence[bool], group: dist.ProcessGroup | None = None, *, keys: 
     every rank (e.g. the item's geometry); an item whose keys differ fails on all
     ranks. An outcome may be a TransferPoll (only Success is True). Ranks that pass
     different numbers of items or of keys per item, or a rank with invalid keys, an
-    outcome without a truth value or a `device` the group runs no collective on (meta),
-    make every rank raise.
+    outcome without a truth value or a `device` the group runs no collective on (meta) or
+    this process has not (CUDA in a CPU-only torch, an index past the device count), make
+    every rank raise.
     """
     _check_member(group, "agree")
     with _one_call_at_a_time(group, "agree"):
@@ -166,11 +167,26 @@ def _agree(oks: Sequence[bool], group: dist.ProcessGroup | None, keys: Sequence[
     target, refusal = _default_device(group), None
     if device is not None:
         try:  # a device the group cannot use must still reach the collective (on one it can), as a refusal
-            target = _usable_device(group, torch.device(device))
+            chosen = _usable_device(group, torch.device(device))
         except (RuntimeError, TypeError, ValueError) as exc:
             refusal = f"device {device!r}: {exc}"
+        else:
+            missing = _missing_device(chosen)
+            refusal = f"device {device!r}: {missing}" if missing else None
+            target = target if refusal else chosen
     reduced = _agreement(oks, keys, group, target, "agree", refusal, rooms=None)
     return _flags(reduced)
+
+
+def _missing_device(device: torch.device) -> str | None:
+    """Why this process cannot hold a tensor on `device` (None when it can): CUDA in a CPU-only build of torch,
+    or an index past the device count, raises only once a tensor is put there."""
+    try:
+        torch.zeros(1, dtype=torch.int64, device=device)
+    except Exception as exc:  # noqa: BLE001 - AssertionError without CUDA, RuntimeError past the device count
+        return (f"this process cannot hold a tensor there ({type(exc).__name__}: {exc}); pass one of this "
+                f"process's devices, or none for the group's default")
+    return None
 
 
 def _usable_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:

@@ -730,3 +730,27 @@ def test_a_first_item_on_a_device_the_group_cannot_use_fails_only_that_item_ever
                     else "another rank of the group refused the batch (see its log)")
         assert obs["agree"]["raised"] == f"ConfigError: agree: {expected}", (rank, obs["agree"])
         assert obs["agree_after"] == [True, False], (rank, obs["agree_after"])
+
+
+def agree_on_a_device_one_rank_lacks(rank: int, size: int) -> dict:
+    """The last rank asks agree() for a CUDA device no process has (gloo runs collectives on CUDA, so the
+    device passes as the backend's); afterwards a well-formed call must still work."""
+    device = "cuda:99" if rank == size - 1 else None
+    started = time.monotonic()
+    try:
+        out = {"flags": agree([True], device=device), "raised": None}
+    except Exception as exc:  # noqa: BLE001 - what it raises is the observation
+        out = {"flags": None, "raised": f"{type(exc).__name__}: {exc}"}
+    out["took"] = time.monotonic() - started
+    out["after"] = agree([True, False])
+    return out
+
+
+def test_agree_on_a_device_one_rank_lacks_raises_everywhere_promptly(tmp_path):
+    observed = seen(run_ranks("agree_on_a_device_one_rank_lacks", 2, tmp_path))
+    for rank, obs in enumerate(observed):
+        assert obs["raised"] is not None and obs["raised"].startswith("ConfigError: agree:"), (rank, obs)
+        assert "Timed out" not in obs["raised"], (rank, obs)  # told, not left to the group's timeout
+        assert obs["after"] == [True, False], (rank, obs["after"])
+    assert "device 'cuda:99': this process cannot hold a tensor there" in observed[-1]["raised"], observed[-1]
+    assert "another rank of the group refused the batch" in observed[0]["raised"], observed[0]
