@@ -12,7 +12,8 @@ items, and:
    314 items): an item that failed on any rank (or whose geometry differs between
    ranks, which is logged) fails on all of them; ranks that pass different numbers
    of items, or different rooms at one position, or whose shards are not the group's
-   split, raise on every rank;
+   split, raise on every rank (naming the lowest rank that refused the batch, or the
+   lowest ranks passing the fewest and the most items);
 2. rebuilds the full rows of every agreed item with ONE all-gather for the whole
    batch: each rank packs its shard rows (embedding, then deepstack) of every
    item into one flat byte buffer padded to the largest rank's size, and unpacks
@@ -69,7 +70,10 @@ _I64_MAX = 2**63 - 1
 # The first all-reduce has this many int64 elements whatever the batch, so ranks that
 # disagree on the number of items still meet in one collective of one size and all see it.
 _FIRST_ELEMENTS = 4096
-_HEADER = 5  # valid, count, -count, width, -width
+# The lowest refusing rank (the group's size where none refuses), count * size + rank, -count * size + rank,
+# width, -width: the MIN names the lowest rank that refused, and the lowest ranks holding the fewest and
+# the most items.
+_HEADER = 5
 
 
 @dataclass
@@ -255,19 +259,22 @@ def _agreement(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None, group:
     """
     count, width, flat, problem = _table(oks, keys)
     problem = refusal or problem
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
     if problem is not None:
-        log.error("%s on rank %d of the group: %s", what, dist.get_rank(group), problem)
-    header = [0 if problem else 1, count, -count, width, -width]
+        log.error("%s on rank %d of the group: %s", what, rank, problem)
+    header = [rank if problem else size, *_counted(count, rank, size), width, -width]
     message = torch.tensor(header + flat, dtype=torch.int64)
     first = torch.zeros(_FIRST_ELEMENTS, dtype=torch.int64)
     first[: min(message.numel(), _FIRST_ELEMENTS)] = message[:_FIRST_ELEMENTS]
     batch = _Batch(what, rooms, count)
     first = _min_all_reduce(first, group, device, batch, "the agreement's all-reduce")
-    if first[0] != 1:
-        raise ConfigError(f"{what}: {problem or 'another rank of the group refused the batch (see its log)'}")
-    if first[1] != -first[2]:
-        raise UsageError(f"{what}: the ranks of the group pass different numbers of items "
-                           f"({int(first[1])} to {int(-first[2])}); they must pass the same items")
+    if first[0] != size:
+        raise ConfigError(f"{what}: {problem or _refused_by(int(first[0]))}")
+    (fewest, fewest_rank), (most, most_rank) = _count_range(int(first[1]), int(first[2]), size)
+    if fewest != most:
+        raise UsageError(f"{what}: the ranks of the group pass different numbers of items (rank {fewest_rank} "
+                         f"of the group passes {fewest}, rank {most_rank} passes {most}; this is rank {rank}, "
+                         f"with {count}); they must pass the same items")
     if first[3] != -first[4]:
         raise UsageError(f"{what}: the ranks of the group pass different numbers of keys per item "
                            f"({int(first[3])} to {int(-first[4])})")
@@ -276,6 +283,26 @@ def _agreement(oks: Sequence[bool], keys: Sequence[Sequence[int]] | None, group:
     if rest.numel():
         rest = _min_all_reduce(rest, group, device, batch, "the agreement's second all-reduce")
     return torch.cat([first, rest])[_HEADER : _HEADER + count * (1 + 2 * width)].view(count, 1 + 2 * width)
+
+
+def _counted(count: int, rank: int, size: int) -> tuple[int, int]:
+    """A rank's item count as two agreement elements: their MIN over the group holds the fewest and the most
+    items, each with the lowest rank passing it (see _count_range)."""
+    return count * size + rank, -count * size + rank
+
+
+def _count_range(low: int, high: int, size: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((fewest items, lowest rank passing them), (most items, lowest rank passing them)) from the MIN of
+    every rank's _counted elements: 0 <= rank < size, so divmod splits each back exactly."""
+    fewest, fewest_rank = divmod(low, size)
+    most, most_rank = divmod(high, size)
+    return (fewest, fewest_rank), (-most, most_rank)
+
+
+def _refused_by(rank: int) -> str:
+    """Why a rank whose own batch was fine raises: `rank`, the lowest that refused it, logged why."""
+    return (f"rank {rank} of the group refused the batch (its log says why; other ranks may have refused it "
+            f"too, each logging why)")
 
 
 def _min_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device, batch: _Batch,

@@ -469,6 +469,31 @@ def test_ranks_with_different_item_counts_raise_everywhere_promptly(tmp_path):
         assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
 
 
+def middle_rank_out_of_step(rank: int, size: int) -> dict:
+    """Rank 1 of three passes one item where the others pass two, then refuses a batch (a block size
+    off by one); afterwards a well-formed batch must still work."""
+    out = {}
+    cases = [Case(rank, size, 130, 6)] + ([] if rank == 1 else [Case(rank, size, 131, 4)])
+    out["count"] = judge(cases, reassemble)
+    cases = [Case(rank, size, 132, 6)]
+    out["refused"] = judge(cases, (lambda items: reassemble(items, block_size=size + 1)) if rank == 1 else reassemble)
+    out["after"] = judge([Case(rank, size, 133, 5)], reassemble)
+    return out
+
+
+def test_a_rank_out_of_step_is_named_on_every_rank(tmp_path):
+    for rank, obs in enumerate(seen(run_ranks("middle_rank_out_of_step", 3, tmp_path))):
+        got = obs["count"]["raised"] or ""
+        assert got.startswith("UsageError: reassemble: the ranks of the group pass different numbers of items "
+                              "(rank 1 of the group passes 1, rank 0 passes 2; "
+                              f"this is rank {rank}, with {1 if rank == 1 else 2})"), (rank, got)
+        got = obs["refused"]["raised"] or ""
+        expected = "block_size 4 differs" if rank == 1 else "rank 1 of the group refused the batch (its log says why"
+        assert got.startswith("ConfigError: reassemble: ") and expected in got, (rank, got)
+        assert all(obs["count"]["untouched"]) and all(obs["refused"]["untouched"]), (rank, obs)
+        assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
+
+
 def test_empty_list_on_one_rank_raises_everywhere_promptly(tmp_path):
     for rank, obs in enumerate(seen(run_ranks("empty_vs_items", 2, tmp_path))):
         first = obs["mismatch"]
@@ -518,7 +543,8 @@ def _refused_by_the_last_rank(observed: list[dict], names: tuple[str, ...], reas
         for name in names:
             got = obs[name]
             assert got["raised"] is not None and got["raised"].startswith("ConfigError: reassemble:"), (rank, name, got)
-            expected = reason(name) if rank == len(observed) - 1 else "another rank of the group refused the batch"
+            last = len(observed) - 1
+            expected = reason(name) if rank == last else f"rank {last} of the group refused the batch (its log says why"
             assert expected in got["raised"], (rank, name, got["raised"])
             assert "Timed out" not in got["raised"], (rank, name, got)  # told, not left to the group's timeout
             assert all(got["untouched"]), (rank, name)
@@ -727,7 +753,8 @@ def test_a_first_item_on_a_device_the_group_cannot_use_fails_only_that_item_ever
         assert got["flags"] == [False, True] and got["exact"] == [True], (rank, got)
         assert obs["after"]["flags"] == [True] and all(obs["after"]["exact"]), (rank, obs["after"])
         expected = ("device 'meta': the group's gloo backend runs no collective on meta tensors" if rank == 1
-                    else "another rank of the group refused the batch (see its log)")
+                    else "rank 1 of the group refused the batch (its log says why; other ranks may have refused it "
+                         "too, each logging why)")
         assert obs["agree"]["raised"] == f"ConfigError: agree: {expected}", (rank, obs["agree"])
         assert obs["agree_after"] == [True, False], (rank, obs["agree_after"])
 
@@ -753,4 +780,4 @@ def test_agree_on_a_device_one_rank_lacks_raises_everywhere_promptly(tmp_path):
         assert "Timed out" not in obs["raised"], (rank, obs)  # told, not left to the group's timeout
         assert obs["after"] == [True, False], (rank, obs["after"])
     assert "device 'cuda:99': this process cannot hold a tensor there" in observed[-1]["raised"], observed[-1]
-    assert "another rank of the group refused the batch" in observed[0]["raised"], observed[0]
+    assert "rank 1 of the group refused the batch" in observed[0]["raised"], observed[0]

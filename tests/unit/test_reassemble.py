@@ -49,6 +49,24 @@ def test_agreement_rows_of_unusable_arguments_name_the_problem_without_raising()
     assert table([True], [(2**64,)])[3] == "item 0 has a key outside signed 64 bits: [18446744073709551616]"
 
 
+def test_the_min_of_every_ranks_counted_elements_names_the_fewest_and_the_most_items_and_their_ranks():
+    counted, count_range = reassemble_module._counted, reassemble_module._count_range
+
+    def agreed(counts: list[int]) -> tuple[tuple[int, int], tuple[int, int]]:
+        size = len(counts)
+        low, high = (min(pair) for pair in zip(*(counted(c, r, size) for r, c in enumerate(counts))))
+        assert all(-(2**63) <= v < 2**63 for v in (low, high))  # what the int64 all-reduce carries
+        return count_range(low, high, size)
+
+    assert agreed([4]) == ((4, 0), (4, 0))
+    assert agreed([0, 0, 0]) == ((0, 0), (0, 0))
+    assert agreed([2, 1, 2]) == ((1, 1), (2, 0))
+    assert agreed([3, 5, 5, 3, 0, 5, 0, 3]) == ((0, 4), (5, 1))
+    assert agreed([7, 7, 7, 6]) == ((6, 3), (7, 0))
+    big = 2**58  # any item count a list can hold, times a group of eight, fits 63 bits
+    assert agreed([big, big + 1, 0, big, big, big, big, big]) == ((0, 2), (big + 1, 1))
+
+
 def test_a_room_key_is_the_room_inside_the_wires_range_only():
     key = reassemble_module._room_key
     assert [key(0), key(5), key(2**63 - 1)] == [0, 5, 2**63 - 1]
