@@ -70,6 +70,15 @@ STATUS_CONNECT_S = 5.0
 #: (ZMQ starts at 100 ms and doubles): a restarted receiver is reached within it.
 STATUS_RECONNECT_MAX_MS = 1000
 
+#: The longest a connection attempt of ours waits for its peer's answer before ZMQ makes a
+#: new one (when EPD_ZMQ_TCP_TIMEOUT_S is on): an attempt whose SYN was lost while a link was
+#: down is replaced this soon after the link is back, not at the end of the kernel's SYN
+#: back-off (about 2 minutes).
+CONNECT_TIMEOUT_MS = 2000
+
+#: Bounds a connection that went dead (see EPD_ZMQ_TCP_TIMEOUT_S in transfer.config).
+TCP_TIMEOUT_ENV = "EPD_ZMQ_TCP_TIMEOUT_S"
+
 #: Messages our listeners queue per connected peer before ZMQ stops reading from it:
 #: a peer that sends faster than we drain meets back-pressure (its own sends fill up)
 #: instead of growing our memory without bound; other peers' connections are unaffected.
@@ -82,6 +91,7 @@ SCHED_BATCH_ENV = "EPD_ZMQ_SCHED_BATCH"
 
 _context: zmq.Context | None = None
 _context_pid = 0
+_tcp_timeout_ms = 0  # EPD_ZMQ_TCP_TIMEOUT_S, read with the context
 _context_lock = threading.Lock()
 
 
@@ -97,11 +107,13 @@ def context() -> zmq.Context:
     instead of being switched out at each send. The context is ours, not
     zmq.Context.instance(), so the engine's own sockets keep the policy they had. A
     process forked after first use makes its own (ZMQ contexts do not survive fork).
+    EPD_ZMQ_TCP_TIMEOUT_S is read with it, once a process, for every connection push_socket() makes.
     """
-    global _context, _context_pid
+    global _context, _context_pid, _tcp_timeout_ms
     with _context_lock:
         if _context is None or _context_pid != os.getpid():
             batch = getattr(os, "SCHED_BATCH", None) if config.resolve(SCHED_BATCH_ENV) else None
+            _tcp_timeout_ms = math.ceil(config.resolve(TCP_TIMEOUT_ENV) * 1000)
             ctx = zmq.Context()
             ctx.set(zmq.MAX_SOCKETS, CONTEXT_MAX_SOCKETS)
             if batch is not None:
@@ -283,6 +295,11 @@ def push_socket(host: str, port: int, hwm: int = STATUS_HWM, immediate: bool = F
     meanwhile raises zmq.Again), and what was queued dies with the connection: ZMQ
     otherwise keeps it and hands it to whoever listens at that address next.
     `reconnect_max_ms` > 0 lets the pause between reconnection attempts double up to it.
+    Under EPD_ZMQ_TCP_TIMEOUT_S (on by default) a connection whose sent data goes unacknowledged
+    that long (TCP_USER_TIMEOUT, through ZMQ_TCP_MAXRT), or whose attempt goes unanswered for
+    CONNECT_TIMEOUT_MS, is dropped and made again: once a dead link is back, ZMQ reconnects
+    within about a second instead of waiting out TCP's retransmission back-off. Neither puts
+    anything on the wire: the peer needs nothing of its own.
     zmq.ZMQError when the address cannot be connected to (a malformed host, or a name
     rather than an IP address); no socket is left behind then.
     """
@@ -300,6 +317,9 @@ def push_socket(host: str, port: int, hwm: int = STATUS_HWM, immediate: bool = F
             sock.setsockopt(zmq.IMMEDIATE, 1)
         if reconnect_max_ms > 0:
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, reconnect_max_ms)
+        if _tcp_timeout_ms > 0:
+            sock.setsockopt(zmq.TCP_MAXRT, _tcp_timeout_ms)
+            sock.setsockopt(zmq.CONNECT_TIMEOUT, min(_tcp_timeout_ms, CONNECT_TIMEOUT_MS))
         sock.connect(address)
     except zmq.ZMQError:
         sock.close(0)

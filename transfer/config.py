@@ -194,6 +194,11 @@ SETTINGS: tuple[Setting, ...] = (
             "how long an idle fallback buffer is kept for reuse"),
     Setting("EPD_ZMQ_SCHED_BATCH", "", "the library's ZMQ I/O thread", True, "flag",
             "runs it under SCHED_BATCH, so waking it never preempts the engine's thread (0: the default policy)"),
+    Setting("EPD_ZMQ_TCP_TIMEOUT_S", "", "the library's ZMQ connections (asks and statuses)", 10.0, "seconds0",
+            "how long one may hold data the peer's host has not acknowledged, or take to connect (at most "
+            "2 s an attempt), before it is dropped and made afresh: a link that went dead is left then, not "
+            "waited on through TCP's retransmission back-off once it is back; what the dropped one still "
+            "held is lost (0: the OS's bounds, about 15 minutes and 2 minutes)"),
     Setting("EPD_MOONCAKE_DIRECT", "", "the Engine's Mooncake calls", True, "flag",
             "submits writes and reads their status from C on the Mooncake wheels checked (0: through its binding)"),
     Setting("EPD_TOKEN", "--token", "epd-transfer bootstrap/rank", None, "text",
