@@ -13,6 +13,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 pytestmark = [pytest.mark.live, pytest.mark.skipif(shutil.which("make") is None, reason="needs make")]
 
 
+def _outside_make() -> dict[str, str]:
+    """This environment without what a `make` above this test (`make test`) hands its children."""
+    return {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+
+
 def _setup_commands(*args: str) -> list[str]:
     """The pip commands `make setup` would run (make -n: printed, not run)."""
     out = subprocess.run(["make", "-n", "-B", "setup", *args], cwd=REPO, capture_output=True, text=True,
@@ -40,8 +45,9 @@ def test_the_wheel_can_be_named():
 
 def test_asan_puts_the_normal_build_back_whatever_the_tests_said():
     """`make asan` replaces the extension in place with a sanitized build: the default build must not keep it."""
-    out = subprocess.run(["make", "-n", "-o", ".venv/.installed", "asan", "ASAN_TESTS=tests/x.py"], cwd=REPO,
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(["make", "-n", "--no-print-directory", "-o", ".venv/.installed", "asan",
+                          "ASAN_TESTS=tests/x.py"], cwd=REPO, capture_output=True, text=True, timeout=60, check=True,
+                         env=_outside_make()).stdout
     sanitized, tested = out.replace("\\\n", " ").strip().splitlines()
     assert "-fsanitize=address,undefined" in sanitized and "build_ext --inplace --force" in sanitized, out
     run, restore = tested.split("rc=$?;")
