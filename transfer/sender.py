@@ -304,6 +304,8 @@ class SenderPool:
                 raise ConfigError(f"room {room}: deepstack rows {ds_span} x {ds_dtype} != item rows {span} x {dtype}: "
                                   f"give deepstack one row per item row, in the item's dtype")
             ds_row_bytes = ds_hidden * dtype_size(ds_dtype)
+        if room in self._book.held:  # before registering anything; looked at again where the item is published
+            raise _busy_room(room)
         state = RoomState(room, time.monotonic())
         # Registered before the item is published: a TransferInfo may dispatch it at once.
         state.release = self._hold_registered(region, ds_region)
@@ -317,7 +319,7 @@ class SenderPool:
                 if self._book.stopping:
                     refused: Exception | None = self._stopped_error()
                 elif room in self._book.held:
-                    refused = ConfigError(f"room {room} is already being sent; clear() it first")
+                    refused = _busy_room(room)
                 else:
                     refused = None
                     self._book.held[room] = state
@@ -603,6 +605,11 @@ def _close(book: RoomBook, driver: EncodeDriver, route: _Route,
                                                    f"call for close_timeout_s {close_timeout_s:g}s "
                                                    f"(EPD_CLOSE_TIMEOUT_S): a prefill rank stopped or "
                                                    f"unreachable?"), time.monotonic())
+
+
+def _busy_room(room: int) -> ConfigError:
+    """Why send() refuses a room the pool still holds."""
+    return ConfigError(f"room {room} is already being sent; clear() it first")
 
 
 def _close_dropped(book: RoomBook, driver: EncodeDriver, route: _Route,

@@ -16,6 +16,7 @@ from live_helpers import HOST, LIVE, bootstrap_server, item_tensor, wait_until
 
 from transfer.drive.encode import RETRY_RELEASES_S
 from transfer.engine import Engine, EngineError
+from transfer.errors import ConfigError
 from transfer.receiver import SessionManager
 from transfer.sender import SenderPool
 from transfer.status import TransferPoll
@@ -309,3 +310,25 @@ def test_items_waiting_for_their_receivers_each_in_a_temporary_registration_land
             send.clear()
         assert wait_until(lambda: encode.registered() == before, 10.0)
         assert all(encode.registration_holding(item.data_ptr(), 1) is None for item in items)
+
+
+def test_a_duplicate_send_of_a_room_is_refused_before_its_source_is_registered(engines, server, monkeypatch):
+    """Registering a source is slow over RDMA: a send() the room book refuses must not pay for one first."""
+    encode, _ = engines
+    registering: list[int] = []
+    register = encode.register
+
+    def counted(buf, length=None):
+        registering.append(buf.data_ptr() if isinstance(buf, torch.Tensor) else buf)
+        return register(buf, length)
+
+    monkeypatch.setattr(encode, "register", counted)
+    first, second = item_tensor(1, SPAN, HIDDEN), item_tensor(2, SPAN, HIDDEN)
+    with SenderPool(encode, 0, 1, 1, server.address, host=HOST) as pool:
+        handle = pool.send(1, first)
+        assert registering == [first.data_ptr()]
+        with pytest.raises(ConfigError, match="room 1 is already being sent; clear\\(\\) it first"):
+            pool.send(1, second)
+        assert registering == [first.data_ptr()], "the refused send registered its source"
+        assert encode.registration_holding(second.data_ptr(), 1) is None
+        handle.clear()
