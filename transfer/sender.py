@@ -451,7 +451,10 @@ class SenderPool:
         the log names them, and the sources they read stay registered until the engine is done
         with those writes (then a sender pool on the engine, made before or after, drops the
         temporary registrations among them) or closes. Once the thread stopped (closed, or stopped
-        by an error before), the pool holds no item's source, its room cleared or not. A thread
+        by an error before), the pool holds no item's source, its room cleared or not; the temporary
+        registrations no room holds are dropped in batches until shortly before `close_timeout_s`, and
+        those left then (logged at info, with their count) stay registered until the next sender
+        pool on the engine drops them, or the engine closes. A thread
         still stuck at `close_timeout_s` (inside an engine call) is left to finish alone: its rooms
         fail here, and it closes its own sockets and registrations if it ever returns. In a process
         forked from the one that made the pool, it closes nothing: the route, thread and sockets are
@@ -596,7 +599,12 @@ def _close(book: RoomBook, driver: EncodeDriver, route: _Route,
     if thread.ident is not None and thread is not threading.current_thread():
         thread.join(timeout=_io.seconds_left(deadline, close_timeout_s))
     if thread.ident is not None and not thread.is_alive():
-        driver.release_sources()  # those of a thread that stopped before it let go of them (idempotent)
+        driver.release_sources(deadline)  # those of a thread that stopped before it let go of them (idempotent)
+        left = driver.sources.dropping
+        if first and left:
+            log.info("sender pool of encode rank %d: closing left %d temporary source registrations no room holds "
+                     "registered, for want of time (close_timeout_s %gs): the next sender pool on the engine drops "
+                     "them, or the engine's close()", engine_rank, left, close_timeout_s)
     if first and thread.is_alive():
         log.error("sender pool of encode rank %d: its thread was still inside an engine call at close_timeout_s "
                   "%gs (EPD_CLOSE_TIMEOUT_S); failing its rooms, leaving its sockets and temporary source "

@@ -14,8 +14,10 @@ import pytest
 import torch
 from live_helpers import HOST, LIVE, bootstrap_server, item_tensor, wait_until
 
-from transfer.drive.encode import RETRY_RELEASES_S
+from transfer.drive import encode as drive
+from transfer.drive.encode import DROP_BATCH, RETRY_RELEASES_S
 from transfer.engine import Engine, EngineError
+from transfer.core.failure import FailureKind
 from transfer.errors import ConfigError
 from transfer.receiver import SessionManager
 from transfer.sender import SenderPool
@@ -312,6 +314,29 @@ def test_items_waiting_for_their_receivers_each_in_a_temporary_registration_land
         assert all(encode.registration_holding(item.data_ptr(), 1) is None for item in items)
 
 
+class _CountedUnregistrations:
+    """Mooncake's TransferEngine, counting its unregistration calls (and the addresses each named); each address
+    unregistered takes `cost_s` more (deregistering a region over RDMA)."""
+
+    def __init__(self, te, cost_s: float = 0.0) -> None:
+        self._te = te
+        self.cost_s = cost_s
+        self.calls: list[tuple[str, int]] = []
+
+    def unregister_memory(self, addr: int) -> int:
+        self.calls.append(("unregister_memory", 1))
+        time.sleep(self.cost_s)
+        return self._te.unregister_memory(addr)
+
+    def batch_unregister_memory(self, addrs: list[int]) -> int:
+        self.calls.append(("batch_unregister_memory", len(addrs)))
+        time.sleep(self.cost_s * len(addrs))
+        return self._te.batch_unregister_memory(addrs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._te, name)
+
+
 def test_a_duplicate_send_of_a_room_is_refused_before_its_source_is_registered(engines, server, monkeypatch):
     """Registering a source is slow over RDMA: a send() the room book refuses must not pay for one first."""
     encode, _ = engines
@@ -332,3 +357,74 @@ def test_a_duplicate_send_of_a_room_is_refused_before_its_source_is_registered(e
         assert registering == [first.data_ptr()], "the refused send registered its source"
         assert encode.registration_holding(second.data_ptr(), 1) is None
         handle.clear()
+
+
+def _waiting_items(count: int) -> list[torch.Tensor]:
+    """`count` items outside registered memory, each its own tensor (its send registers it alone)."""
+    return [torch.zeros(SPAN, HIDDEN, dtype=torch.bfloat16) for _ in range(count)]
+
+
+def test_closing_a_pool_with_thousands_of_rooms_waiting_drops_their_registrations_in_batches(
+        engines, server, monkeypatch):
+    """Thousands of items waiting for receivers that never asked, each in a temporary registration: close fails
+    every room, naming why, and drops every registration with a few of Mooncake's batch calls, not one call each
+    (each rewrites the engine's segment description: 20,000 took seconds of the pool's thread)."""
+    encode, _ = engines
+    before = encode.registered()
+    items = _waiting_items(3000)
+    pool = SenderPool(encode, 0, 1, 1, server.address, host=HOST)
+    try:
+        handles = [pool.send(room, item) for room, item in enumerate(items, 1)]
+        counted = _CountedUnregistrations(encode._te)
+        monkeypatch.setattr(encode, "_te", counted)
+    finally:
+        pool.close()
+    assert not pool._thread.is_alive()
+    assert [handle.poll() for handle in handles] == [TransferPoll.Failed] * len(items)
+    assert {(handle.failure_kind, handle.failure) for handle in handles} == {(FailureKind.CLOSED, "sender pool closed")}
+    assert encode.registered() == before
+    assert [name for name, _ in counted.calls] == ["batch_unregister_memory"] * len(counted.calls)
+    assert sum(n for _, n in counted.calls) == len(items) and len(counted.calls) <= len(items) // DROP_BATCH + 1
+
+
+def test_clearing_thousands_of_waiting_rooms_drops_their_registrations_in_batches(engines, server, monkeypatch):
+    encode, _ = engines
+    before = encode.registered()
+    items = _waiting_items(3000)
+    with SenderPool(encode, 0, 1, 1, server.address, host=HOST) as pool:
+        handles = [pool.send(room, item) for room, item in enumerate(items, 1)]
+        counted = _CountedUnregistrations(encode._te)
+        monkeypatch.setattr(encode, "_te", counted)
+        for handle in handles:
+            handle.clear()
+        assert wait_until(lambda: encode.registered() == before, 60.0)
+    assert [name for name, _ in counted.calls] == ["batch_unregister_memory"] * len(counted.calls)
+    assert len(counted.calls) <= len(items) // 10, counted.calls
+
+
+def test_a_close_that_cannot_drop_every_registration_in_time_concludes_its_rooms_and_leaves_the_rest_to_the_engine(
+        engines, server, monkeypatch, caplog):
+    """Unregistering slowly (RDMA), a close with thousands of rooms waiting kept its thread past close_timeout_s,
+    which logged it stuck inside an engine call: it now stops dropping registrations in time, concludes every room
+    with its reason, and the next pool on the engine drops the registrations left."""
+    encode, _ = engines
+    before = encode.registered()
+    monkeypatch.setattr(drive, "DROP_BATCH", 64)
+    items = _waiting_items(2000)
+    pool = SenderPool(encode, 0, 1, 1, server.address, host=HOST, close_timeout_s=1.0)
+    try:
+        handles = [pool.send(room, item) for room, item in enumerate(items, 1)]
+        monkeypatch.setattr(encode, "_te", _CountedUnregistrations(encode._te, cost_s=1e-3))
+    finally:
+        with caplog.at_level(logging.INFO, logger="transfer.sender"):
+            pool.close()
+    assert not pool._thread.is_alive(), "close() returned with its thread still dropping registrations"
+    assert not [m for m in caplog.messages if "stuck" in m or "still inside an engine call" in m]
+    assert [handle.poll() for handle in handles] == [TransferPoll.Failed] * len(items)
+    assert {(handle.failure_kind, handle.failure) for handle in handles} == {(FailureKind.CLOSED, "sender pool closed")}
+    left = len(encode.registered()) - len(before)
+    assert left > 0
+    [line] = [m for m in caplog.messages if "temporary source registrations no room holds" in m]
+    assert f"closing left {left} temporary source registrations" in line
+    with SenderPool(encode, 0, 1, 1, server.address, host=HOST):  # the next pool on the engine
+        assert wait_until(lambda: encode.registered() == before, 60.0)

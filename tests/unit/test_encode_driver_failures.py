@@ -328,3 +328,102 @@ def test_a_close_shorter_than_its_reserve_still_waits_half_its_time_for_the_writ
     assert engine.regions == {} and sources.holding == 0
     assert not [m for m in caplog.messages if "abandoned" in m]
     assert clock.now <= 0.5
+
+
+class BatchingEngine(FakeEngine):
+    """A FakeEngine with unregister_many (one engine call for many regions, as Engine's batch call), each region
+    unregistered moving `clock` on by `cost_s`."""
+
+    def __init__(self, clock: Clock | None = None, cost_s: float = 0.0) -> None:
+        super().__init__()
+        self.clock = clock
+        self.cost_s = cost_s
+
+    def unregister(self, addr: int) -> None:
+        super().unregister(addr)
+        if self.clock is not None:
+            self.clock.sleep(self.cost_s)
+
+    def unregister_many(self, addrs) -> dict[int, str]:
+        addrs = list(addrs)
+        self.events.append(("unregister_many", len(addrs)))
+        for addr in addrs:
+            del self.regions[addr]
+        if self.clock is not None:
+            self.clock.sleep(self.cost_s * len(addrs))
+        return {}
+
+
+def _released_rooms(driver: EncodeDriver, sources: SourceRegistry, rooms: int) -> None:
+    """`rooms` rooms, each holding a temporary registration of its own, that the core says nothing reads any more."""
+    states = []
+    for room in range(rooms):
+        state = RoomState(room, 0.0)
+        state.release = sources.hold(_io.Region(0x100000 + room * 0x1000, 256))
+        states.append(state)
+    driver._carry([drive.Release(state.room, state) for state in states])
+
+
+def test_the_registrations_of_many_rooms_released_at_once_go_in_batches_not_one_engine_call_each(make_driver):
+    """Each unregistration of its own rewrites the engine's description of its memory (Mooncake): tens of
+    thousands of rooms cleared, or failed by a close, held the driver's thread for seconds."""
+    engine = BatchingEngine()
+    sources = SourceRegistry(engine)
+    driver = make_driver(FakeCore(), engine, sources)
+    rooms = 2 * drive.DROP_BATCH + 5
+    _released_rooms(driver, sources, rooms)
+    driver._close()
+    assert engine.events == [("unregister_many", drive.DROP_BATCH), ("unregister_many", drive.DROP_BATCH),
+                             ("unregister_many", 5)]
+    assert engine.regions == {} and len(sources.counts) == 0 and sources.holding == 0 and sources.dropping == 0
+
+
+def test_a_registration_released_and_held_again_before_the_flush_stays_registered(make_driver):
+    engine = BatchingEngine()
+    sources = SourceRegistry(engine)
+    driver = make_driver(FakeCore(), engine, sources)
+    _released_rooms(driver, sources, 3)
+    again = sources.hold(_io.Region(0x101000 + 64, 64))  # a new room's rows inside the second room's source
+    assert again is not None
+    assert sources.flush() == 0
+    assert engine.regions == {0x101000: 256} and sources.counts.counts() == {0x101000: 1}
+    again()
+    assert engine.regions == {} and len(sources.counts) == 0
+
+
+def test_closing_drops_registrations_until_its_deadline_and_leaves_the_rest_to_the_next_pool_on_the_engine(
+        make_driver, monkeypatch):
+    """Unregistering is slow with many registrations: a close that dropped them all overran close_timeout_s
+    (its caller then logs the thread stuck in an engine call). It stops before close_by, and what it left is
+    dropped by the next flush of a pool on the engine."""
+    clock = Clock()
+    engine = BatchingEngine(clock, cost_s=1e-3)
+    sources = SourceRegistry(engine)
+    driver = make_driver(FakeCore(), engine, sources, clock=clock, sleep=clock.sleep)
+    monkeypatch.setattr(drive, "DROP_BATCH", 64)
+    rooms = 3000
+    _released_rooms(driver, sources, rooms)
+    driver.stop(close_by=1.0)
+    driver._close()
+    assert clock.now <= 1.0, "closing dropped registrations past close_by"
+    left = sources.dropping
+    assert 0 < left < rooms and len(engine.regions) == left
+    assert all(n <= 64 for kind, n in engine.events if kind == "unregister_many")
+    later = SourceRegistry(engine)  # the next pool's, on the same engine
+    assert later.flush() == 0
+    assert engine.regions == {} and len(later.counts) == 0
+    assert driver.pull.closed and driver.waker.closed and driver.statuses.closed
+
+
+def test_a_source_overlapping_a_registration_no_room_holds_any_more_is_registered_not_refused(make_driver):
+    """A released registration waits for the driver's flush: a caller's memory reused meanwhile at an address
+    overlapping it (raw pointers) registers, the old registration dropped first, as it would once flushed."""
+    engine = BatchingEngine()
+    sources = SourceRegistry(engine)
+    driver = make_driver(FakeCore(), engine, sources)
+    _released_rooms(driver, sources, 1)
+    release = sources.hold(_io.Region(0x100000 + 128, 512))  # overlaps the first room's 256 bytes
+    assert release is not None
+    assert engine.regions == {0x100000 + 128: 512} and sources.dropping == 0
+    release()
+    assert engine.regions == {}

@@ -255,3 +255,77 @@ def test_a_failed_start_with_free_ports_left_points_at_mooncakes_log(protocol, i
 
     hint = start_failure_hint(protocol, 20000, 20002, "given", in_use)
     assert hint == "Mooncake's log lines above say why (its ports come from 20000-20002, given)"
+
+
+class _BatchingTE(MooncakeStandIn):
+    """Mooncake's registrations as a set, with its batch unregistration: it goes on past an address it refuses
+    (those in `refuse`) and then answers -1 without naming it; a second unregistration of one answers -3."""
+
+    def __init__(self) -> None:
+        self.held: set[int] = set()
+        self.refuse: set[int] = set()
+        self.calls: list[tuple[str, int]] = []
+
+    def batch_register_memory(self, addrs: list[int], sizes: list[int]) -> int:
+        self.held.update(addrs)
+        return 0
+
+    def unregister_memory(self, addr: int) -> int:
+        self.calls.append(("unregister_memory", 1))
+        return self._drop(addr)
+
+    def batch_unregister_memory(self, addrs: list[int]) -> int:
+        self.calls.append(("batch_unregister_memory", len(addrs)))
+        rcs = [self._drop(addr) for addr in addrs]
+        return next((rc for rc in rcs if rc != 0), 0)
+
+    def _drop(self, addr: int) -> int:
+        if addr in self.refuse:
+            return -1
+        if addr not in self.held:
+            return -3
+        self.held.discard(addr)
+        return 0
+
+
+def _batching_engine(monkeypatch) -> tuple[Engine, _BatchingTE]:
+    fake = _BatchingTE()
+
+    class FakeModule:
+        TransferEngine = staticmethod(lambda: fake)
+
+    monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
+    return Engine("127.0.0.1", protocol="tcp"), fake
+
+
+def test_many_regions_are_unregistered_in_one_mooncake_call(monkeypatch):
+    """Mooncake's unregister_memory rewrites the engine's segment description each time: tens of thousands of
+    temporary source registrations dropped one call each held a sender pool's thread for seconds."""
+    engine, fake = _batching_engine(monkeypatch)
+    bases = [0x10000 + i * 0x1000 for i in range(100)]
+    for base in bases:
+        engine.register(base, 256)
+    assert engine.unregister_many(bases[:60]) == {}
+    assert fake.calls == [("batch_unregister_memory", 60)]
+    assert sorted(engine.registered()) == bases[60:] and fake.held == set(bases[60:])
+    fake.calls.clear()
+    engine.close()  # the rest go with one call too
+    assert fake.calls == [("batch_unregister_memory", 40)] and fake.held == set()
+
+
+def test_a_region_mooncakes_batch_refuses_stays_registered_and_the_others_go(monkeypatch):
+    import torch
+
+    engine, fake = _batching_engine(monkeypatch)
+    tensors = [torch.zeros(64, dtype=torch.uint8) for _ in range(3)]
+    first, refused, last = (engine.register(tensor)[0] for tensor in tensors)
+    fake.refuse = {refused}
+    problems = engine.unregister_many([first, refused, last, 0x999000])
+    assert set(problems) == {refused, 0x999000}
+    assert "failed (rc=-1); it stays registered" in problems[refused] and "is not registered" in problems[0x999000]
+    assert engine.registered() == {refused: 64} and engine.owner_of(refused, 64) is tensors[1]
+    assert engine.owner_of(first, 64) is None
+    fake.refuse = set()
+    engine.close()
+    with pytest.raises(EngineError, match="is closed"):
+        engine.unregister_many([first])

@@ -166,6 +166,7 @@ def test_a_stopped_drivers_registry_lets_go_of_every_hold_but_those_a_write_stil
     releases = [sources.hold(_io.Region(0x1000, 256)), sources.hold(_io.Region(0x9000, 256), _io.Region(0x1040, 64))]
     sources.hold(_io.Region(0x20000, 128))
     assert sources.release_all(reads=[(0x9080, 16)]) == 2
+    assert sources.flush() == 0
     assert engine.regions == {0x9000: 256, 0x1000: 256} and sources.counts.counts() == {0x9000: 1, 0x1000: 1}
     for release in releases:
         release()  # a hold already let go of is not let go of again

@@ -38,6 +38,10 @@ class SourceCounts:
         self._held[base] -= 1
         return not self._held[base]
 
+    def idle(self, base: int) -> bool:
+        """Whether `base` is ours and no room holds it."""
+        return self._held.get(base) == 0
+
     def dropped(self, base: int) -> None:
         """The engine let go of `base` (or it is gone anyway): forget it."""
         self._held.pop(base, None)

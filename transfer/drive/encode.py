@@ -85,8 +85,13 @@ CLOSE_WAIT_S = 60.0
 #: pushing their Failed statuses (CLOSE_LINGER_MS) and closing the sockets.
 CLOSE_AFTER_WRITES_S = CLOSE_LINGER_MS / 1000 + 0.5
 
-#: How often registrations the engine would not drop yet are tried again.
+#: How often registrations the engine would not drop yet are tried again, and those no room holds any more
+#: dropped when fewer than DROP_BATCH wait.
 RETRY_RELEASES_S = 0.5
+
+#: The most temporary source registrations dropped in one engine call (SourceRegistry.flush), and in one turn of
+#: a serving driver: once this many wait, the driver drops them on its next turn.
+DROP_BATCH = 1024
 
 
 def _some(items: list, most: int) -> str:
@@ -179,6 +184,9 @@ class _EngineSources:
     counts: SourceCounts = field(default_factory=SourceCounts)
     registering: threading.Lock = field(default_factory=threading.Lock)  # taken by callers only, never by a driver
     pending: int | None = None  # the base being registered and not yet counted
+    #: Our registrations no room holds any more, in the order they were let go of, to drop in the next batch
+    #: (SourceRegistry.flush); one held again meanwhile is skipped there.
+    dropping: dict[int, None] = field(default_factory=dict)
     #: [batches still read from, bases held]: let go of by any registry's retry() once the engine is done with
     #: every one of those writes (see SourceRegistry.leave_to_engine).
     abandoned: list[tuple[set[int], tuple[int, ...]]] = field(default_factory=list)
@@ -207,7 +215,8 @@ class SourceRegistry:
 
     send() holds them on the caller's thread; the driver releases them once the core
     says nothing reads them any more, and once it stopped, whatever its rooms still hold
-    (release_all(): writes still in flight excepted). Every registry on one engine shares
+    (release_all(): writes still in flight excepted). The driver's releases leave the
+    registrations no room holds to flush(), which unregisters up to DROP_BATCH in one engine call. Every registry on one engine shares
     its counts: a region registered for one pool's send stays registered while a room of
     any pool on that engine reads it, and one the caller registered is never unregistered here.
     `lock` guards the counts and is never held across a registration (slow for a large
@@ -223,6 +232,8 @@ class SourceRegistry:
         self.lock = self._shared.lock
         self.counts = self._shared.counts
         self._registering = self._shared.registering
+        #: Our registrations no room holds any more, waiting for flush() (every registry's on the engine).
+        self.due = self._shared.dropping
         self._holds: dict[int, tuple[int, ...]] = {}  # this registry's holds not let go of yet: key -> bases
         self._keys = itertools.count(1)
         # The engine's own look-ups (transfer.core.registrations), where it has them: one each, where a snapshot
@@ -232,12 +243,13 @@ class SourceRegistry:
         self._overlapping: Callable[[int, int], tuple[int, int] | None] | None = getattr(
             engine, "registration_overlapping", None)
 
-    def hold(self, *regions: _io.Region | None) -> Callable[[], None] | None:
+    def hold(self, *regions: _io.Region | None) -> Callable[..., None] | None:
         """Holds each region's registration (registering it if needed); returns their release, or None.
 
         The release lets go once, however often it is called (release_all() may have let go
-        already). If one region cannot be registered, those already held are released before
-        raising.
+        already), and drops the registrations no room holds any more at once; `later=True` (the
+        driver's) leaves them to the next flush(), which drops many in one engine call. If one
+        region cannot be registered, those already held are released before raising.
         """
         held: list[int] = []
 
@@ -250,6 +262,7 @@ class SourceRegistry:
                 return
             try:
                 self._let_go(held)
+                self._drop_many(self._take_dropping(held))
             finally:
                 self.lock.release()
 
@@ -277,8 +290,9 @@ class SourceRegistry:
             self._holds[key] = tuple(held)
         return functools.partial(self._release, key)
 
-    def _release(self, key: int) -> None:
-        """Lets go of one hold, unless it was let go of already. When `lock` stays held past LOCK_WAIT_S (a
+    def _release(self, key: int, later: bool = False) -> None:
+        """Lets go of one hold, unless it was let go of already; drops the registrations no room holds any
+        more now, or with the next flush() when `later`. When `lock` stays held past LOCK_WAIT_S (a
         deregistration that does not return) the hold is kept, for release_all() at the pool's close."""
         if not self.lock.acquire(True, _io.LOCK_WAIT_S):
             log.error("keeping a room's source registrations for now: the engine's book of source registrations "
@@ -289,18 +303,58 @@ class SourceRegistry:
             bases = self._holds.pop(key, None)
             if bases is not None:
                 self._let_go(bases)
+                if not later:
+                    self._drop_many(self._take_dropping(bases))
         finally:
             self.lock.release()
 
     def _let_go(self, bases: Iterable[int]) -> None:
-        """One hold fewer on each base; unregisters those no room holds any more (lock held)."""
+        """One hold fewer on each base; those no room holds any more are due to be dropped (lock held)."""
         for base in bases:
             if self.counts.release(base):
-                self._drop(base)
+                self._shared.dropping[base] = None
+
+    @property
+    def dropping(self) -> int:
+        """How many registrations no room holds wait for flush() (read without the lock: a hint)."""
+        return len(self._shared.dropping)
+
+    def flush(self, most: int | None = None, until: float = math.inf, clock: Callable[[], float] = time.monotonic,
+              ) -> int:
+        """Unregisters the registrations no room holds any more (of every registry on the engine), DROP_BATCH to
+        an engine call: at most `most`, and none started once `clock()` plus the last batch's time passes
+        `until`; returns how many are left to a later flush().
+
+        The last let go of go first: the order Mooncake drops fastest of those measured (tcp, 20,000
+        registrations, 1,024 a call: newest first 2.4 s, oldest first 3.6 s, in address order 3.2 s)."""
+        spent = 0.0
+        done = 0
+        while self._shared.dropping and (most is None or done < most):
+            if clock() + spent > until:
+                break
+            started = clock()
+            with self.lock:
+                size = DROP_BATCH if most is None else min(DROP_BATCH, most - done)
+                batch = list(itertools.islice(reversed(self._shared.dropping), size))
+                done += len(batch)
+                self._drop_many(self._take_dropping(batch))
+            spent = clock() - started
+        return len(self._shared.dropping)
+
+    def _take_dropping(self, bases: Iterable[int]) -> list[int]:
+        """Takes `bases` off the registrations due to be dropped; those of them no room holds again (lock held)."""
+        due = []
+        for base in bases:
+            if base in self._shared.dropping:
+                del self._shared.dropping[base]
+                if self.counts.idle(base):
+                    due.append(base)
+        return due
 
     def release_all(self, reads: Iterable[tuple[int, int]] = ()) -> int:
         """Lets go of every hold this registry made that was not let go of yet, but those around
         memory a write may still read (`reads`: (address, bytes) pairs); returns how many it let go.
+        The registrations no room holds any more then wait for flush().
 
         For a driver that stopped: the rooms it will never release any more. Only this
         registry's own holds go, so a source another pool on the engine still sends stays
@@ -348,9 +402,15 @@ class SourceRegistry:
 
     def _refuse_overlap(self, region: _io.Region) -> None:
         """EngineError when `region` overlaps a registration without lying inside it: the engine would
-        refuse to register it (no byte is registered twice), naming neither that registration nor a way out."""
+        refuse to register it (no byte is registered twice), naming neither that registration nor a way out.
+        One of ours that no room holds any more, waiting for flush(), is dropped here instead."""
         with self.lock:
             found = self._registered_across(region.addr, region.nbytes)
+            while found is not None and found[0] in self._shared.dropping and self.counts.idle(found[0]):
+                self._drop_many(self._take_dropping([found[0]]))
+                if self.counts.is_ours(found[0]):
+                    break  # the engine kept it (a write it gave up on still reads it)
+                found = self._registered_across(region.addr, region.nbytes)
             if found is None:
                 return
             base, size = found
@@ -421,12 +481,44 @@ class SourceRegistry:
             self.counts.hold(region.addr)
         return region.addr
 
-    def _drop(self, base: int) -> None:
-        """Unregisters one of ours no room holds any more (lock held).
+    def _drop_many(self, bases: list[int]) -> None:
+        """Unregisters ours no room holds any more (lock held): in one engine call where the engine has
+        unregister_many, else one each.
 
         The engine refuses while a write it gave up on still reads the memory: the
         registration then stays ours at refcount 0 and is retried.
         """
+        if not bases:
+            return
+        many = getattr(self.engine, "unregister_many", None)
+        if many is None or len(bases) == 1:
+            for base in bases:
+                self._drop(base)
+            return
+        try:
+            problems = many(bases)
+        except Exception as exc:  # noqa: BLE001 - e.g. the engine closed: nothing was let go
+            problems = dict.fromkeys(bases, str(exc))
+        if not problems:
+            for base in bases:
+                self.counts.dropped(base)
+            return
+        registered = self.engine.registered()
+        failed = []
+        for base in bases:
+            problem = problems.get(base)
+            if problem is not None and base in registered:
+                if self.counts.kept(base):
+                    log.warning("keeping the temporary registration of %#x for now: %s", base, problem)
+                continue
+            if problem is not None:
+                failed.append(problem)
+            self.counts.dropped(base)
+        if failed:
+            log.warning("dropping %d temporary source registrations failed: %s", len(failed), _some(failed, 1))
+
+    def _drop(self, base: int) -> None:
+        """Unregisters one of ours no room holds any more (lock held); see _drop_many."""
         try:
             self.engine.unregister(base)
         except Exception as exc:  # noqa: BLE001 - the room concludes either way
@@ -466,10 +558,9 @@ class SourceRegistry:
         closed pools left to writes they abandoned, once the engine is done with those (leave_to_engine)."""
         over = self._abandoned_over() if self._shared.abandoned else []
         with self.lock:
-            for bases in over:
-                self._let_go(bases)
-            for base in self.counts.retry():
-                self._drop(base)
+            let_go = [base for bases in over for base in bases]
+            self._let_go(let_go)
+            self._drop_many(self._take_dropping(let_go) + self.counts.retry())
 
     def _abandoned_over(self) -> list[tuple[int, ...]]:
         """Takes the abandoned holds whose writes the engine is done with off the shared book; their bases.
@@ -614,6 +705,8 @@ class EncodeDriver:
             self._fds = (self.waker.fileno(), self.pull.fileno())
             self._select_fds = list(self._fds) if max(self._fds) < SELECT_FD_LIMIT else None
             polls = self.polls
+            sources = self.sources
+            dropping = sources.due  # read each turn without a call: the registrations no room holds any more
             more_requests = False  # the last round left requests queued (the socket's FD will not signal them)
             next_retry = self.clock() + RETRY_RELEASES_S
             while not self._stop:
@@ -623,6 +716,8 @@ class EncodeDriver:
                 else:
                     now = self.clock()
                     timeout = polls.sleep_s(now) if busy else max(0.0, self.core.next_wakeup() - now)
+                    if dropping:  # registrations to drop at the next retry
+                        timeout = min(timeout, max(0.0, next_retry - now))
                 woken, asked = self._sleep(poller, timeout)
                 # The flag saves a system call per loop; the pipe's readability covers a
                 # wake() caught between setting the flag and writing its byte.
@@ -650,8 +745,11 @@ class EncodeDriver:
                 elif self.core.busy:  # only writes held by their ready events: back off as for writes
                     polls.idle()
                 if now >= next_retry:
-                    self.sources.retry()
+                    sources.retry()
+                    sources.flush(DROP_BATCH)
                     next_retry = now + RETRY_RELEASES_S
+                elif dropping and len(dropping) >= DROP_BATCH:
+                    sources.flush(DROP_BATCH)
         except BaseException as exc:  # a bug here must not leave rooms hanging silently
             log.exception("the sender pool's thread failed; failing its rooms")
             self._failed(f"sender pool stopped: {type(exc).__name__}: {exc}")
@@ -756,7 +854,7 @@ class EncodeDriver:
             elif kind is Release:
                 release, action.token.release = action.token.release, None
                 if release is not None:
-                    release()
+                    release(later=True)  # dropped with others in one engine call (the turn's flush)
             elif kind is Warn:
                 self._warnings.warning(action.key, action.message, *action.args)
             elif kind is Count:
@@ -903,11 +1001,13 @@ class EncodeDriver:
                 f"stopped reading: a prefill rank stopped, wedged or unreachable?); the write was abandoned, and "
                 f"its bytes may still land; {remedy}")
 
-    def release_sources(self) -> None:
+    def release_sources(self, until: float = math.inf) -> None:
         """Lets go of the pool's source registrations that no room releases any more, but those
         writes still in flight read (the thread stopped, or never settled them): those go to the
         engine's shared book, let go of once the engine is done with the writes
-        (SourceRegistry.leave_to_engine).
+        (SourceRegistry.leave_to_engine). Unregisters those no room holds, in batches, until
+        `until` (driver clock): the rest stay registered, due to be dropped by the next
+        flush of any sender pool on the engine (its driver's next retry) or by the engine's close.
 
         The core releases every room once nothing reads it; after the thread failed, the
         rooms it lost on the way (an item it never filed, actions it never carried out)
@@ -917,6 +1017,7 @@ class EncodeDriver:
             let_go = self.sources.release_all(read for flight in self._flights for read in flight.reads)
             # Nothing polls the writes left in flight any more: what they read goes once the engine is done.
             self.sources.leave_to_engine((flight.batch, flight.reads) for flight in self._flights)
+            self.sources.flush(until=until, clock=self.clock)
         except Exception:
             log.exception("sender pool of encode rank %d: dropping its temporary source registrations failed",
                           self.engine_rank)
@@ -974,6 +1075,7 @@ class EncodeDriver:
             log.warning("sender pool of encode rank %d: dropped %d items its stopped thread never filed",
                         self.engine_rank, dropped)
         self.book.fail_open(Failure(FailureKind.CLOSED, "sender pool closed"), self.clock())
-        self.release_sources()
+        # The sockets close next, their linger cut to what is left before close_by.
+        self.release_sources(math.inf if self.close_by is None else self.close_by - self._close_reserve / 2)
         if not self._flights:
             self.sources.retry()  # registrations an abandoned write held, if the engine let go since
