@@ -85,12 +85,11 @@ CLOSE_WAIT_S = 60.0
 #: pushing their Failed statuses (CLOSE_LINGER_MS) and closing the sockets.
 CLOSE_AFTER_WRITES_S = CLOSE_LINGER_MS / 1000 + 0.5
 
-#: How often registrations the engine would not drop yet are tried again, and those no room holds any more
-#: dropped when fewer than DROP_BATCH wait.
+#: How often registrations the engine would not drop yet are tried again.
 RETRY_RELEASES_S = 0.5
 
 #: The most temporary source registrations dropped in one engine call (SourceRegistry.flush), and in one turn of
-#: a serving driver: once this many wait, the driver drops them on its next turn.
+#: a serving driver, which drops those its turn let go of at the turn's end.
 DROP_BATCH = 1024
 
 
@@ -716,8 +715,8 @@ class EncodeDriver:
                 else:
                     now = self.clock()
                     timeout = polls.sleep_s(now) if busy else max(0.0, self.core.next_wakeup() - now)
-                    if dropping:  # registrations to drop at the next retry
-                        timeout = min(timeout, max(0.0, next_retry - now))
+                    if dropping:  # more than one turn's batch was let go of: the next turn drops more
+                        timeout = 0.0
                 woken, asked = self._sleep(poller, timeout)
                 # The flag saves a system call per loop; the pipe's readability covers a
                 # wake() caught between setting the flag and writing its byte.
@@ -746,9 +745,8 @@ class EncodeDriver:
                     polls.idle()
                 if now >= next_retry:
                     sources.retry()
-                    sources.flush(DROP_BATCH)
                     next_retry = now + RETRY_RELEASES_S
-                elif dropping and len(dropping) >= DROP_BATCH:
+                if dropping:  # what this turn's rooms let go of, in one engine call
                     sources.flush(DROP_BATCH)
         except BaseException as exc:  # a bug here must not leave rooms hanging silently
             log.exception("the sender pool's thread failed; failing its rooms")
