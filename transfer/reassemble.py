@@ -82,7 +82,8 @@ class ShardedItem:
 
     `shard`, when given (a ReceiveHandle's `shard`), is the `(row_start, rows)` this rank
     received; reassemble checks it is this rank's split over the group, so a group that is
-    not the one the rows were split over raises instead of rebuilding wrong rows.
+    not the one the rows were split over raises instead of rebuilding wrong rows. An empty
+    shard inside the span matches an empty split wherever it starts.
     """
 
     room: int
@@ -586,14 +587,19 @@ def _check_shard(item: ShardedItem, index: int, rank: int, size: int, problem: s
     """Why the item's received shard is not this rank's split of its span over the group (None when it is).
 
     A wrong group would rebuild other rows into place on every rank with no other sign,
-    so this refuses the batch rather than failing the item.
+    so this refuses the batch rather than failing the item. An empty shard inside the span
+    is this rank's split wherever it starts, when that split is empty too (a span smaller
+    than the group leaves ranks without rows).
     """
     if item.shard is None or problem is not None:
         return None
     row_start, rows = (operator.index(v) for v in item.shard)
-    expected = shard_rows(item.full.shape[0], rank, size)
+    span = item.full.shape[0]
+    expected = shard_rows(span, rank, size)
     if (row_start, rows) == expected:
         return None
+    if rows == expected[1] == 0 and 0 <= row_start <= span:
+        return None  # an empty shard places no row: the exchange takes every offset from shard_rows
     return (f"item {index} (room {item.room}) holds rows [{row_start}, {row_start + rows}) of {item.full.shape[0]}, "
             f"but rank {rank} of a group of {size} holds rows [{expected[0]}, {expected[0] + expected[1]}): pass the "
             f"group the rows were split over (with per-block shards, the encode rank's block)")

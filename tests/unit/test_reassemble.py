@@ -82,6 +82,18 @@ def test_a_shard_is_checked_against_the_ranks_split_of_the_span():
     assert wrong.startswith("item 2 (room 4) holds rows [0, 10) of 10, but rank 1 of a group of 3 holds rows [4, 7)")
 
 
+def test_an_empty_shard_anywhere_in_the_span_is_the_split_of_a_rank_holding_no_rows():
+    check = reassemble_module._check_shard
+    rows = original(5, 2, torch.float32)  # 2 rows over 4 ranks: ranks 2 and 3 hold (2, 0)
+    for shard in ((0, 0), (1, 0), (2, 0)):
+        assert check(ShardedItem(5, rows, True, shard=shard), 0, 3, 4, None) is None, shard
+    for shard in ((3, 0), (-1, 0), (1, 1)):  # outside the span, or rows the rank does not hold
+        assert check(ShardedItem(5, rows, True, shard=shard), 0, 3, 4, None) is not None, shard
+    wrong = check(ShardedItem(5, rows, True, shard=(0, 0)), 0, 1, 4, None)  # rank 1 holds row 1
+    assert wrong.startswith("item 0 (room 5) holds rows [0, 0) of 2, but rank 1 of a group of 4 holds rows [1, 2)")
+    assert check(ShardedItem(6, original(6, 0, torch.float32), True, shard=(0, 0)), 0, 1, 4, None) is None
+
+
 def test_reassembly_without_a_process_group_says_how_to_make_one():
     import pytest
     import torch.distributed as dist
@@ -143,3 +155,4 @@ def test_a_batch_whose_geometry_differs_is_one_line_spelling_out_the_first_rooms
         "room 102: span 8 .. 9 and 2 more); failing them on rank 1"]
     assert _disagreement_lines(caplog, here[:2], there[:1] + here[1:2]) == [
         "room 100 has another geometry on another rank of the group (dtype 1 .. 2); failing it on rank 1"]
+
