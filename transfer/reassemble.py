@@ -504,6 +504,7 @@ def _reassemble(items: Iterable[ShardedItem], group: dist.ProcessGroup | None, b
     # An empty batch still takes part in the agreement: a peer with items is waiting in it.
     device = _batch_device(items, group)
     oks, keys, usable = [], [], []
+    unusable: list[tuple[int, str]] = []  # (position, why) of the items this rank fails on its own
     for i, item in enumerate(items):
         try:
             room, ok = _room_key(item.room), _is_ok(item.ok)
@@ -517,7 +518,7 @@ def _reassemble(items: Iterable[ShardedItem], group: dist.ProcessGroup | None, b
             continue
         if problem is not None:
             # Not raising: the other ranks are already in the collective; fail the item everywhere.
-            log.warning("room %s on rank %d of the group: %s; failing it", item.room, rank, problem)
+            unusable.append((i, problem))
         oks.append(ok and problem is None)
         keys.append((room, *(_keys(item) if problem is None else (-1,) * 5)))
         if problem is None:
@@ -528,8 +529,9 @@ def _reassemble(items: Iterable[ShardedItem], group: dist.ProcessGroup | None, b
         refusal = refusal or f"the items' memory could not be compared ({type(exc).__name__}: {exc})"
         shared = {}
     for i, problem in shared.items():
-        log.warning("room %s on rank %d of the group: %s; failing it", items[i].room, rank, problem)
+        unusable.append((i, problem))
         oks[i] = False
+    _log_unusable(items, sorted(unusable), rank)
     # Allocated before the agreement, for every item that may be agreed: a rank that cannot
     # allocate once agreed would leave its peers in an all-gather it never joins.
     buffers = None
@@ -605,6 +607,18 @@ def _check_shard(item: ShardedItem, index: int, rank: int, size: int, problem: s
             f"group the rows were split over (with per-block shards, the encode rank's block)")
 
 
+def _log_unusable(items: Sequence[ShardedItem], unusable: Sequence[tuple[int, str]], rank: int) -> None:
+    """Log why this rank fails items of its own (positions, in order), in one line per batch: the room
+    and reason of one, or how many and the first rooms' reasons."""
+    if len(unusable) == 1:
+        i, problem = unusable[0]
+        log.warning("room %s on rank %d of the group: %s; failing it", items[i].room, rank, problem)
+    elif unusable:
+        log.warning("%d rooms are unusable on rank %d of the group (%s); failing them", len(unusable), rank,
+                    _first([f"room {items[i].room}: {problem}" for i, problem in unusable], _NAMED_GEOMETRIES,
+                           "; "))
+
+
 _KEY_NAMES = ("span", "row bytes", "dtype", "deepstack row bytes", "deepstack dtype")
 
 
@@ -640,7 +654,7 @@ def _log_disagreements(items: Sequence[ShardedItem], oks: list[bool], reduced: t
 
 
 _NAMED_ROOMS = 8  # rooms one line names
-_NAMED_GEOMETRIES = 3  # rooms whose differing geometry one line spells out
+_NAMED_GEOMETRIES = 3  # rooms whose differing geometry, or reason to fail on this rank, one line spells out
 
 
 def _first(things: Sequence[object], count: int, sep: str = ", ") -> str:

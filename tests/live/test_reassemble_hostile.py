@@ -720,10 +720,11 @@ def test_destinations_sharing_memory_fail_their_items_everywhere_untouched(tmp_p
         assert obs["raised"] is None, (rank, obs["raised"])
         assert obs["flags"] == [False, False, False, True], (rank, obs)
         assert obs["untouched"][:3] == [True] * 3 and obs["exact"][3], (rank, obs)
-        assert any(line.startswith("room 1000 on rank") and "shares memory with room 1001's full tensor" in line
-                   for line in obs["log"]), (rank, obs["log"])
-        assert any(line.startswith("room 1002 on rank") and "its full tensor and its deepstack share memory" in line
-                   for line in obs["log"]), (rank, obs["log"])
+        named = [line for line in obs["log"] if "room 100" in line]
+        assert len(named) == 1 and named[0].startswith(f"3 rooms are unusable on rank {rank} of the group ("), \
+            (rank, obs["log"])
+        assert "room 1000: its full tensor shares memory with room 1001's full tensor" in named[0], named
+        assert "room 1002: its full tensor and its deepstack share memory" in named[0], named
 
 
 def first_item_on_a_device_the_group_cannot_use(rank: int, size: int) -> dict:

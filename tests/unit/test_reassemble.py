@@ -156,3 +156,15 @@ def test_a_batch_whose_geometry_differs_is_one_line_spelling_out_the_first_rooms
     assert _disagreement_lines(caplog, here[:2], there[:1] + here[1:2]) == [
         "room 100 has another geometry on another rank of the group (dtype 1 .. 2); failing it on rank 1"]
 
+
+def test_a_batch_of_items_unusable_on_this_rank_is_one_line_spelling_out_the_first_rooms(caplog):
+    items = [ShardedItem(100 + i, torch.zeros(1, 1), True) for i in range(20)]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="transfer.reassemble"):
+        reassemble_module._log_unusable(items, [(i, f"problem {i}") for i in range(20)], 1)
+        reassemble_module._log_unusable(items, [(4, "its deepstack is odd")], 1)
+        reassemble_module._log_unusable(items, [], 1)
+    assert [record.getMessage() for record in caplog.records] == [
+        "20 rooms are unusable on rank 1 of the group (room 100: problem 0; room 101: problem 1; room 102: problem 2 "
+        "and 17 more); failing them",
+        "room 104 on rank 1 of the group: its deepstack is odd; failing it"]
