@@ -550,6 +550,11 @@ class SessionManager:
                 return
             _close(self._driver, self.engine, (self.engine_rank, id(self)), self._owned, self._release_metrics,
                    close_by)
+            # Its rooms' fallbacks are the pool's again: a closed manager keeps no record of them, so their
+            # memory goes when the pool lets go of them, not with this manager.
+            with self._regions_lock:
+                main = self._region_sets[0]
+                self._region_sets = [main, *(r for r in self._region_sets[1:] if not r.leased)]
 
     def _unregister_owned(self) -> None:
         """Unregisters the memory this manager registered."""

@@ -443,3 +443,37 @@ def test_a_metrics_scrape_leaves_unregistering_a_fallback_to_the_managers_thread
         assert wait_until(lambda: big.addr not in engine.registered(), 10)
         threads = [name for addr, name in engine.unregistered if addr == big.addr]
     assert threads and "scraper" not in threads, threads
+
+
+@pytest.mark.live
+def test_a_closed_managers_fallback_is_freed_once_the_pool_drops_it(engines):
+    """close() gives a room's fallback back as clear() would: once its grace passed the pool unregisters
+    it, and its memory is freed then, while the closed manager (and the room's handle, cleared) lives on."""
+    import gc
+    import socket
+    import weakref
+
+    from transfer.receiver import SessionManager
+
+    _, prefill_engine = engines
+    rows, hidden = 8, 64
+    nobody = socket.socket()
+    nobody.bind((HOST, 0))  # bound, never listening: the look-up is refused, no ask leaves
+    try:
+        with ReceivePool(prefill_engine, SLOT, SLOT, quarantine_s=0.2, grace_s=0.2) as slots:
+            manager = SessionManager(prefill_engine, 0, 1, 1, pool=slots, host=HOST, deadline_s=60)
+            with manager:
+                big = manager.receive(1, f"{HOST}:{nobody.getsockname()[1]}", rows=rows, hidden=hidden,
+                                      dtype=BF16)
+                fallback = big.rows.data_ptr()
+                assert fallback in prefill_engine.registered()
+                (memory,) = [weakref.ref(region.tensor) for region in slots._fallbacks.values()]
+            big.clear()
+            del big
+            assert wait_until(lambda: slots.poll() or fallback not in prefill_engine.registered(), 5.0), \
+                "the fallback stayed registered 5 s past a 0.2 s grace"
+            gc.collect()
+            assert memory() is None, "the closed session manager keeps its room's fallback buffer allocated"
+            assert manager._closed  # alive until here
+    finally:
+        nobody.close()

@@ -1160,3 +1160,25 @@ def test_a_status_for_a_room_not_yet_asked_for_is_ignored_and_the_room_is_asked_
     assert isinstance(warn, Warn) and c.stage(0) == "lookup"
     assert [type(a) for a in c.route_resolved(1.0, KEY0, ENCODE)] == [Announce, SendAsk]
     assert c.stage(0) == "asked"
+
+
+def test_a_closed_core_that_forgot_its_rooms_keeps_none_of_their_destinations():
+    """A room's spec names its destination memory (a pool's fallback buffer): once closed and told to forget
+    its rooms, the core holds none of it (rooms asked, or waiting for a look-up; their deadline entries)."""
+    import gc
+    import weakref
+
+    c = core()
+    routed(c)
+    buffers = [Regions(Region(0x900000 + i * 0x1000, 64)) for i in range(3)]
+    c.receive(0.0, spec(1, regions=buffers[0]))  # asked: the route is known
+    c.receive(0.0, dataclasses.replace(spec(2, regions=buffers[1]), bootstrap_addr="10.0.0.9:8998"))  # a look-up
+    c.receive(0.0, spec(3, regions=buffers[2]))
+    kept = [weakref.ref(regions) for regions in buffers]
+    del buffers
+    c.close(1.0, Failure(FailureKind.CLOSED, "closed"))
+    c.forget_rooms()
+    gc.collect()
+    assert [ref() for ref in kept] == [None, None, None]
+    assert len(c) == 0 and not c.clear(1.0, 1)
+    assert c.tick(120.0) == []

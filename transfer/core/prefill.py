@@ -1054,6 +1054,19 @@ class PrefillCore:
             actions += self.abandon(now, state.room, state.token)
         return actions
 
+    def forget_rooms(self) -> None:
+        """Lets go of every room and of what waits on them; for a closed core, which no event reaches any
+        more. A room's spec names its destination memory (a pool's fallback buffer): held here, it stays
+        allocated for as long as the core lives. A clear() afterwards finds no room and does nothing."""
+        self._rooms.clear()
+        self._deadlines.clear()
+        self._held.clear()
+        self._awaiting_parallel.clear()
+        self._awaiting_route.clear()
+        self._stranded.clear()
+        self._stranded_next = float("inf")
+        self.asks = AskQueues(self.asks.limit)
+
     def tick(self, now: float, limit: int | None = None, unread: bool = False) -> list:
         """Fails rooms past their deadline and lets held asks go whose earlier ask's cancel got no answer
         within CANCEL_ANSWER_WAIT_S, at most `limit` of them together (next_wakeup() says if more are

@@ -512,6 +512,7 @@ class PrefillDriver:
                 now = self.clock()
                 self._carry(now, self.core.close(now, failure))
                 cancelled = self._send_cancels_left()
+                self.core.forget_rooms()
             finally:
                 self._lock.release()
             self._close_sockets(cancelled, close_by)
