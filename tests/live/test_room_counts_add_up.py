@@ -270,8 +270,6 @@ def test_room_counters_add_up_when_the_encode_rank_is_killed_mid_room(engines, s
 
 
 def test_a_receive_that_raised_after_filing_its_room_is_counted_concluded_too(engines, server, monkeypatch):
-    import threading as threading_mod
-
     import torch
 
     from transfer.receiver import SessionManager
@@ -280,22 +278,23 @@ def test_a_receive_that_raised_after_filing_its_room_is_counted_concluded_too(en
     buf = torch.zeros((2, SPAN, HIDDEN), dtype=torch.bfloat16)
     metrics = Metrics("epd_prefill")
     with SessionManager(prefill_engine, 0, 1, 1, buffer=buf, host=HOST, deadline_s=1.0, metrics=metrics) as manager:
-        # The room's route is not known yet: receive() files it and hands its look-up to a thread that this
-        # process cannot start now (out of threads), so receive() raises, leaving no handle.
-        start = threading_mod.Thread.start
+        # The room's route is not known yet: receive() files it and hands its look-up over, and a signal's
+        # exception (Ctrl-C) arrives right then, so receive() raises, leaving no handle.
+        lookups = manager._driver._lookups
+        submit = lookups.submit
 
-        def cannot_start(thread: threading_mod.Thread) -> None:
-            raise RuntimeError("can't start new thread")
+        def interrupted(action):
+            raise KeyboardInterrupt
 
-        monkeypatch.setattr(threading_mod.Thread, "start", cannot_start)
+        monkeypatch.setattr(lookups, "submit", interrupted)
         try:
             manager.receive(1, server.address, buf[0])
-        except RuntimeError as exc:
-            assert "can't start new thread" in str(exc)
+        except KeyboardInterrupt:
+            pass
         else:
             raise AssertionError("receive() did not raise")
         finally:
-            monkeypatch.setattr(threading_mod.Thread, "start", start)
+            monkeypatch.setattr(lookups, "submit", submit)
         rows = manager.stats()
         _assert_adds_up(rows, "epd_prefill", [(TransferPoll.Failed, FailureKind.OTHER)], "bytes_received_total")
         assert _gauge(rows, "epd_prefill_rooms_in_flight") == 0
