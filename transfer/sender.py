@@ -52,8 +52,9 @@ __all__ = ["DEAD_AFTER_S", "DEAD_SESSION_MAX_S", "DEAD_SESSION_S", "DEAD_STALL_F
 log = logging.getLogger("transfer.sender")
 
 #: After a write to a prefill session failed slowly (DEAD_AFTER_S or longer), later writes
-#: to it fail at once for DEAD_SESSION_S, or until it registers again; a submission that
-#: held the thread for `t` seconds pauses it DEAD_STALL_FACTOR * t (at most DEAD_SESSION_MAX_S).
+#: to it fail at once for DEAD_SESSION_S, or until it registers again, a write to it lands, or
+#: (once, unless that write was a stall) it asks again; a submission that held the thread for
+#: `t` seconds pauses it DEAD_STALL_FACTOR * t (at most DEAD_SESSION_MAX_S).
 DEAD_SESSION_S = _breaker.PAUSE_S
 DEAD_AFTER_S = _breaker.SLOW_AFTER_S
 DEAD_STALL_FACTOR = _breaker.STALL_FACTOR

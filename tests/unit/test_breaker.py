@@ -55,3 +55,38 @@ def test_a_bounded_breaker_sweeps_finished_pauses_before_evicting():
     breaker.failed("live", took=1.0, now=5.0)
     breaker.failed("new", took=1.0, now=5.5)
     assert "old" not in breaker and "live" in breaker and "new" in breaker
+
+
+def test_a_word_from_the_key_ends_its_pause_once_until_a_call_to_it_succeeds():
+    breaker = Breaker(pause_s=5.0, slow_after_s=0.25, max_pause_s=600.0)
+    breaker.failed("peer", took=10.0, now=100.0)
+    assert breaker.revivable("peer") and breaker.heard_from("peer", 101.0)
+    assert breaker.open_since("peer", 101.0) is None and "peer" not in breaker
+    assert not breaker.heard_from("peer", 102.0), "nothing left to end"
+    # Failing slowly again after that: the word did not mean it works, so it waits the pause out.
+    breaker.failed("peer", took=10.0, now=112.0)
+    assert not breaker.revivable("peer") and not breaker.heard_from("peer", 113.0)
+    assert breaker.open_since("peer", 116.9) == 112.0 and breaker.open_since("peer", 117.0) is None
+    breaker.failed("peer", took=10.0, now=130.0)
+    assert not breaker.heard_from("peer", 131.0)
+    breaker.succeeded("peer")  # a call landed: the pause ends, and the next one may end with a word again
+    assert breaker.open_since("peer", 131.0) is None
+    breaker.failed("peer", took=10.0, now=140.0)
+    assert breaker.heard_from("peer", 141.0)
+
+
+def test_a_stall_or_an_expired_pause_is_not_ended_by_a_word_and_old_revivals_are_forgotten():
+    breaker = Breaker(pause_s=5.0, slow_after_s=0.25, stall_factor=4.0, max_pause_s=600.0)
+    breaker.failed("staller", took=60.0, now=0.0, blocking=True)
+    assert not breaker.heard_from("staller", 1.0), "a peer that never answers a handshake still talks"
+    assert breaker.open_since("staller", 1.0) == 0.0
+    breaker.failed("peer", took=1.0, now=0.0)
+    assert not breaker.heard_from("peer", 5.0) and breaker.open_since("peer", 5.0) is None
+    breaker.failed("peer", took=1.0, now=10.0)
+    assert breaker.heard_from("peer", 11.0)
+    breaker.sweep(610.9)
+    breaker.failed("peer", took=1.0, now=611.0)
+    assert not breaker.revivable("peer"), "revived 600 s ago less a moment: a repeat"
+    breaker.sweep(611.0)
+    breaker.failed("peer", took=1.0, now=612.0)
+    assert breaker.revivable("peer"), "its revival forgotten, it may end its pause with a word again"

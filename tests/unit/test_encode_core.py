@@ -440,25 +440,47 @@ def test_a_write_waiting_past_the_bound_since_the_first_ask_is_never_started():
     assert (2, 6000, TransferPoll.Failed) in run.statuses(out)
 
 
-def test_a_slow_write_failure_opens_the_breaker_until_the_session_registers_again():
+def test_a_slow_write_failure_pauses_the_session_until_it_asks_again_and_a_repeat_until_it_registers_again():
     run = Run(breaker=Breaker(pause_s=5.0, slow_after_s=0.25))
     run.offer(_offer(1))
     [write] = run.of(StartWrite, run.ask(_ask(1)))
+    run.ask(_ask(2, ptr=0x20000))  # room 1's destination is held in its quarantine: another one
     out = run(run.core.write_failed(write.wid, "connection reset", took=1.0, now=1.0))
     [failed] = run.of(Conclude, out)
     assert failed.failure.kind is FailureKind.WRITE
     assert failed.failure.detail == "write to 10.0.0.7:17000 (room 1) failed: connection reset"
-    run.at(2.0).offer(_offer(2))
-    out = run.ask(_ask(2, ptr=0x20000))  # room 1's destination is held in its quarantine: another one
+    out = run.at(2.0).offer(_offer(2))  # asked before the failure: its write is paused
     assert run.of(StartWrite, out) == []
     detail = run.of(Conclude, out)[0].failure.detail
     assert "skipped: a write to it failed 1.0s ago (connection reset)" in detail, "the cause is kept"
-    assert detail.endswith("; writes to it fail at once for 4.0s more, or until its prefill rank registers again: "
-                           "is the prefill rank whose engine is 10.0.0.7:17000 still running, and that session's "
-                           "host and port reachable from this encode node?"), "how long, what ends it, what to check"
-    run(run.core.registration(Registration("10.0.0.7", 6000, "10.0.0.7:17000", 0x10000, 0), run.now))
+    assert detail.endswith("; writes to it fail at once for 4.0s more, or until its prefill rank asks or registers "
+                           "again: is the prefill rank whose engine is 10.0.0.7:17000 still running, and that "
+                           "session's host and port reachable from this encode node?"), "how long, what ends it"
+    # It asks again: it reaches this rank, so the link is back; its write starts.
     run.offer(_offer(3))
-    assert len(run.of(StartWrite, run.ask(_ask(3, ptr=0x20000)))) == 1
+    [write] = run.of(StartWrite, run.ask(_ask(3, ptr=0x30000)))
+    # Failing slowly again, it is paused the whole time: only registering again ends that.
+    run(run.core.write_failed(write.wid, "connection reset", took=1.0, now=3.0))
+    run.at(4.0).offer(_offer(4))
+    out = run.ask(_ask(4, ptr=0x40000))
+    assert run.of(StartWrite, out) == []
+    assert "; writes to it fail at once for 4.0s more, or until its prefill rank registers again: " in \
+        run.of(Conclude, out)[0].failure.detail
+    run(run.core.registration(Registration("10.0.0.7", 6000, "10.0.0.7:17000", 0x10000, 0), run.now))
+    run.offer(_offer(5))
+    assert len(run.of(StartWrite, run.ask(_ask(5, ptr=0x50000)))) == 1
+
+
+def test_a_write_that_lands_ends_its_sessions_pause():
+    run = Run(breaker=Breaker(pause_s=5.0, slow_after_s=0.25))
+    run.offer(_offer(1))
+    run.offer(_offer(2))
+    [first] = run.of(StartWrite, run.ask(_ask(1)))
+    [second] = run.of(StartWrite, run.ask(_ask(2, ptr=0x20000)))
+    run.ask(_ask(3, ptr=0x30000))  # its item comes during the pause
+    run(run.core.write_failed(first.wid, "timed out", took=1.0, now=1.0))
+    run(run.core.write_done(second.wid, (), now=1.5))
+    assert len(run.of(StartWrite, run.at(2.0).offer(_offer(3)))) == 1
 
 
 def test_a_quick_write_failure_leaves_the_session_usable_and_a_stall_is_logged():

@@ -49,6 +49,8 @@ class Breaker:
         self.max_keys = max_keys
         self._open: dict[Hashable, tuple[float, float]] = {}  # key -> (failed at, paused until), oldest first
         self._detail: dict[Hashable, str] = {}
+        self._revivable: set[Hashable] = set()  # open keys whose pause a word from them ends (`heard_from`)
+        self._revived: dict[Hashable, float] = {}  # key -> when a word from it ended its pause, oldest first
 
     def failed(self, key: Hashable, took: float, now: float, *, blocking: bool = False,
                detail: str = "") -> Trip | None:
@@ -56,13 +58,18 @@ class Breaker:
 
         `blocking`: the call held its caller all along, so a long one scales the pause.
         `detail`: why it failed, for the refusals the pause causes.
+
+        A word from the key (`heard_from`) ends the pause unless it is a stall's (a peer that
+        accepts connections and never answers still talks) or the key failed slowly again
+        after a word from it ended an earlier pause: such a key waits its pauses out until
+        a write to it succeeds, it is reset, or MAX_PAUSE_S passed since.
         """
         if took < self.slow_after_s:
             return None
         pause, stalled = self.pause_s, False
         if blocking and took * self.stall_factor > pause:
             pause, stalled = min(self.max_pause_s, took * self.stall_factor), True
-        self.reset(key)
+        self._close(key)
         if self.max_keys is not None and len(self._open) >= self.max_keys:
             self.sweep(now)
             while len(self._open) >= self.max_keys:
@@ -70,7 +77,31 @@ class Breaker:
         self._open[key] = (now, now + pause)
         if detail:
             self._detail[key] = detail
+        if not stalled and key not in self._revived:
+            self._revivable.add(key)
         return Trip(key, now, now + pause, stalled)
+
+    def heard_from(self, key: Hashable, now: float) -> bool:
+        """`key` spoke (it reached us): ends its pause if a word from it may (see `failed`); True when it did."""
+        if key not in self._revivable:
+            return False
+        if now >= self._open[key][1]:
+            return False
+        self._close(key)
+        self._revived.pop(key, None)
+        self._revived[key] = now
+        if self.max_keys is not None and len(self._revived) > self.max_keys:
+            del self._revived[next(iter(self._revived))]
+        return True
+
+    def revivable(self, key: Hashable) -> bool:
+        """Whether a word from `key` ends its pause now."""
+        return key in self._revivable
+
+    def succeeded(self, key: Hashable) -> None:
+        """A call to `key` succeeded: it is usable, its pause over and earlier ones forgiven."""
+        if key in self._open or key in self._revived:
+            self.reset(key)
 
     def detail(self, key: Hashable) -> str | None:
         """Why `key` failed, as recorded, or None."""
@@ -84,14 +115,25 @@ class Breaker:
         return entry[0]
 
     def reset(self, key: Hashable) -> None:
-        """Forgets `key`'s failure (it came back)."""
+        """Forgets `key`'s failures (it came back)."""
+        self._close(key)
+        self._revived.pop(key, None)
+
+    def _close(self, key: Hashable) -> None:
+        """Ends `key`'s pause."""
         self._open.pop(key, None)
         self._detail.pop(key, None)
+        self._revivable.discard(key)
 
     def sweep(self, now: float) -> None:
-        """Forgets keys whose pause is over; they only take memory."""
+        """Forgets keys whose pause is over, and revivals MAX_PAUSE_S old; they only take memory."""
         for key in [k for k, (_, until) in self._open.items() if now >= until]:
-            self.reset(key)
+            self._close(key)
+        while self._revived:
+            key, at = next(iter(self._revived.items()))
+            if now - at < self.max_pause_s:
+                break
+            del self._revived[key]
 
     def next_expiry(self) -> float | None:
         """When the earliest pause ends (a sweep then frees memory), or None."""

@@ -460,6 +460,7 @@ class EncodeCore:
         A new session asking for what a parked rank asked for is that rank restarted:
         it supersedes its predecessor (see `_supersede`).
         """
+        self.breaker.heard_from(info.session_id, now)  # it reaches us: a pause after a slow failure may end
         if info.fanout > self.parked.max_receivers:
             # No room takes that many receivers: it would wait out the fanout timeout.
             self._warn("receivers", "room %d: %s asked with fanout %d, more than the %d receivers a room may have",
@@ -688,6 +689,7 @@ class EncodeCore:
         job = self._writes.pop(wid, None)
         if job is not None:
             self.scheduler.finished(job.info.session_id)
+            self.breaker.succeeded(job.info.session_id)
             if not job.room.failed and self._serves(job):
                 self._push(job.info, TransferPoll.Success, checksums)
                 job.room.served.add(job.info.session_id)
@@ -1093,9 +1095,10 @@ class EncodeCore:
         entry = self.breaker.entry(session)
         left = max(0.0, entry[1] - now) if entry is not None else 0.0
         peer = receiver_text(session)
+        ends = "asks or registers again" if self.breaker.revivable(session) else "registers again"
         return (f"write to {peer} (room {room}) skipped: a write to it failed {now - since:.1f}s ago"
                 + (f" ({why})" if why else "")
-                + f"; writes to it fail at once for {left:.1f}s more, or until its prefill rank registers again: "
+                + f"; writes to it fail at once for {left:.1f}s more, or until its prefill rank {ends}: "
                   f"is the prefill rank whose engine is {peer} still running, and that session's host and port "
                   f"reachable from this encode node?")
 
