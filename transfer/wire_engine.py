@@ -202,6 +202,26 @@ def _reason(body: bytes) -> str:
     return printable(reason)
 
 
+#: What the listener's ERROR says when its read of a transfer's bytes timed out (wire_listener.c).
+_PEER_READ_TIMED_OUT = "timed out waiting for the peer"
+
+
+def _failure_words(exc: BaseException) -> tuple[str, str]:
+    """How a failed write reads: the verb for `exc` (a refusal only where the peer refused the transfer, not where
+    its read of our bytes timed out) and a hint that follows the sizes ("" when none)."""
+    if isinstance(exc, _Refused):
+        if _PEER_READ_TIMED_OUT in str(exc):
+            return ("timed out at the peer", "; the peer stopped waiting for the rest of its bytes, which did not "
+                                             "reach it within its receive timeout: was the link down, or this "
+                                             "sender held up?")
+        return "refused by the peer", ""
+    if isinstance(exc, TimeoutError) or (isinstance(exc, OSError) and exc.errno == errno.ETIMEDOUT):
+        return "failed", "; the peer did not answer in time: was the link down, or is the peer stopped or wedged?"
+    if isinstance(exc, OSError) and (exc.errno in (errno.ECONNRESET, errno.EPIPE) or "connection closed" in str(exc)):
+        return "failed", "; the peer closed the connection mid-transfer: did its receiver stop or close?"
+    return "failed", ""
+
+
 class _Conn:
     """One TCP connection to a peer's listener."""
 
@@ -556,11 +576,7 @@ class WireEngine(RegisteredMemory):
         except (_Refused, OSError, wire.MsgError, EngineError) as exc:
             with self._lock:
                 self._sent["write_failures"] += 1
-            what = "refused by the peer" if isinstance(exc, _Refused) else "failed"
-            hint = ""
-            if isinstance(exc, OSError) and (exc.errno in (errno.ECONNRESET, errno.EPIPE)
-                                             or "connection closed" in str(exc)):
-                hint = "; the peer closed the connection mid-transfer: did its receiver stop or close?"
+            what, hint = _failure_words(exc)
             raise EngineError(f"write to {session_id} {what}: {exc} ({len(lens)} buffer(s), "
                               f"{sum(lens)} bytes, first destination 0x{dsts[0]:x}+{lens[0]}){hint}") from None
         finally:

@@ -3,13 +3,14 @@ peer's answer."""
 
 from __future__ import annotations
 
+import errno
 import re
 
 import pytest
 
 from transfer import wire
 from transfer.errors import ConfigError, EngineError
-from transfer.wire_engine import CHUNK_BYTES, WireEngine, _Refused, _split_session
+from transfer.wire_engine import CHUNK_BYTES, WireEngine, _failure_words, _Refused, _split_session
 
 
 def test_chunk_size_default_is_four_mib():
@@ -123,3 +124,26 @@ def test_a_peers_answer_is_quoted_as_one_printable_bounded_line(kind, payload):
     error = _answer(kind, payload)
     assert isinstance(error, (EngineError, _Refused)) and str(error).isprintable(), error
     assert len(str(error)) < 700, len(str(error))
+
+
+def test_the_peers_read_timing_out_reads_as_a_timeout_and_its_other_errors_as_refusals():
+    timed_out = _Refused("read: timed out waiting for the peer mid-frame in layer 0 after 67931 of 131072 data bytes")
+    verb, hint = _failure_words(timed_out)
+    assert verb == "timed out at the peer" and "refused" not in verb
+    assert "did not reach it within its receive timeout: was the link down, or this sender held up?" in hint
+    assert _failure_words(_Refused("destination 0x1000+4096 is not inside registered memory")) == (
+        "refused by the peer", "")
+
+
+@pytest.mark.parametrize("exc", [
+    TimeoutError("connect to 10.0.0.7:17000: timed out (connect_timeout_s=10)"),
+    OSError(errno.ETIMEDOUT, "read: timed out after 60 s without progress"),
+])
+def test_a_timeout_on_this_side_says_the_peer_did_not_answer_in_time(exc):
+    assert _failure_words(exc) == (
+        "failed", "; the peer did not answer in time: was the link down, or is the peer stopped or wedged?")
+
+
+def test_a_reset_mid_transfer_says_the_peer_closed_the_connection():
+    verb, hint = _failure_words(ConnectionResetError(errno.ECONNRESET, "write: connection reset by peer"))
+    assert verb == "failed" and "the peer closed the connection mid-transfer" in hint
