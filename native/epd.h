@@ -71,6 +71,8 @@ PyObject *epd_msg_decode(Py_buffer *data);
 /* zmqmsg.c: whole multipart messages on pyzmq's sockets, through libzmq functions handed over by zmq_bind. */
 PyObject *epd_zmq_bind(PyObject *self, PyObject *args);
 PyObject *epd_zmq_recv_parts(PyObject *self, PyObject *args);
+/* zmq_recv_parts for C callers (GIL held, zmq_bind called): a new reference to what it returns. */
+PyObject *epd_zmq_recv_message(void *handle, Py_ssize_t max_bytes, Py_ssize_t max_parts);
 PyObject *epd_zmq_send_parts(PyObject *self, PyObject *args);
 /* The same functions for C callers, which may run without the GIL: whether zmq_bind was called;
    one single-part message of at most cap bytes into buf, without blocking: its size, or -1 with
@@ -79,6 +81,10 @@ PyObject *epd_zmq_send_parts(PyObject *self, PyObject *args);
 int epd_zmq_ready(void);
 int epd_zmq_recv_into(void *handle, void *buf, size_t cap, int *err);
 int epd_zmq_send_bytes(void *handle, const void *buf, size_t n, int *err);
+
+/* lane.c: the statuses a prefill driver settles in lanes (transfer/core/lane.py). */
+PyObject *epd_lane_match(PyObject *self, PyObject *args);
+PyObject *epd_lane_take(PyObject *self, PyObject *args);
 
 /* mooncake.c: Mooncake's write and status calls on the binding's engine, once mooncake_bind found them. */
 PyObject *epd_mooncake_bind(PyObject *self, PyObject *args);

@@ -466,6 +466,11 @@ static PyMethodDef methods[] = {
      "zmq_recv_parts(handle, max_bytes=0, max_parts=0) -> list of bytes, None when none queued, or "
      "(bytes, parts) of a message over either bound (0: none), discarded."},
     {"zmq_send_parts", epd_zmq_send_parts, METH_VARARGS, "zmq_send_parts(handle, parts): one message, never blocking."},
+    {"lane_match", epd_lane_match, METH_VARARGS,
+     "lane_match(parts, lanes, success) -> the room whose lane the status settles, or None."},
+    {"lane_take", epd_lane_take, METH_VARARGS,
+     "lane_take(handle, lanes, success, most, max_bytes=0, max_parts=0) -> (settled, message, empty): statuses "
+     "read in order, the rooms they settle taken out of lanes, up to the first that settles none (message)."},
     {"floor_serve", epd_floor_serve, METH_VARARGS,
      "floor_serve(engine, pull, pull_fd, receivers, until, deadline_s, poll_min_s, poll_max_s, base, row_bytes, "
      "starts, step, warmup) -> bytes: the bench floor's encode loop in C, the GIL released."},

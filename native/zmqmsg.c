@@ -148,6 +148,11 @@ PyObject *epd_zmq_recv_parts(PyObject *self, PyObject *args)
         return NULL;
     if (!bound())
         return NULL;
+    return epd_zmq_recv_message(handle, max_bytes, max_parts);
+}
+
+PyObject *epd_zmq_recv_message(void *handle, Py_ssize_t max_bytes, Py_ssize_t max_parts)
+{
     PyObject *parts = NULL;
     unsigned long long total = 0, count = 0;
     int over = 0, more = 0;

@@ -28,6 +28,7 @@ from typing import Any
 from fakes import Region, Regions
 
 from transfer.core import encode as enc
+from transfer.core import lane
 from transfer.core import prefill as pre
 from transfer.frames import (
     TransferInfo,
@@ -203,10 +204,15 @@ class Pair:
     """`encode_tp` EncodeCores serving `prefill_tp` PrefillCores, with a fake clock and a chosen schedule."""
 
     def __init__(self, *, encode_tp: int = 1, prefill_tp: int = 1, deadline_s: float = 10.0,
-                 fanout_timeout_s: float = 5.0, integrity: bool = True, late_requests: bool = False) -> None:
+                 fanout_timeout_s: float = 5.0, integrity: bool = True, late_requests: bool = False,
+                 lanes: bool = True) -> None:
         """`late_requests`: what a connection the prefill core lets go (Disconnect) had queued may still be
-        delivered, late, or lost (a fault), as bytes already on their way over tcp may; else it is dropped."""
+        delivered, late, or lost (a fault), as bytes already on their way over tcp may; else it is dropped.
+        `lanes`: a status its lane settles (transfer.core.lane) goes to `lanes_settled`, as the driver's
+        does; else every status goes to `status`."""
         self.now = 0.0
+        self.lanes = lanes
+        self.settled_in_lanes = 0
         self.late_requests = late_requests
         self.stopped: set[int] = set()  # encode ranks stopped now (SIGSTOP): nothing of theirs moves
         self.step = 0
@@ -523,6 +529,13 @@ class Pair:
             self.note(f"encode {e} -> prefill {rank.rank}: cancel answer room {answer.room} "
                       f"{answer.answer.name}" + (" (again)" if duplicate else ""))
             self.carry_prefill(rank, core.cancel_answered(self.now, answer.room, answer.rank, answer.answer))
+            return
+        settled = lane.settles(frames, core.lanes) if self.lanes else None
+        if settled is not None:
+            del core.lanes[settled]
+            self.settled_in_lanes += 1
+            self.note(f"encode {e} -> prefill {rank.rank}: room {settled} Success" + (" (again)" if duplicate else ""))
+            self.carry_prefill(rank, core.lanes_settled(self.now, [settled]))
             return
         unreadable = None
         try:

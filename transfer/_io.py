@@ -27,6 +27,7 @@ from transfer.core.failure import FailureKind, without_room
 from transfer.errors import ConfigError, ConfigTypeError, ListenError, PortsInUse
 from transfer.frames import host_text
 from transfer.ports import PortSpec, bare_host, bind_port, cannot_listen, is_wildcard, listen_error
+from transfer.status import TransferPoll
 
 if TYPE_CHECKING:
     from transfer.core.failure import Failure
@@ -447,7 +448,6 @@ def recv_frames(sock: zmq.Socket) -> list[bytes] | None:
     The pyzmq path asks ZMQ_EVENTS first, so draining a socket ends without raising
     (and building) a zmq.Again, which cost more than a message.
     """
-    global oversized_dropped
     bounded = type(sock) is ControlListener
     while True:
         if _NATIVE is not None:
@@ -474,11 +474,43 @@ def recv_frames(sock: zmq.Socket) -> list[bytes] | None:
             if not oversized(sizes):
                 return frames
             total, parts = sum(sizes), len(sizes)
-        with _oversized_lock:
-            oversized_dropped += 1
-        _complaints.warning("oversized", "dropped a control message of %d bytes in %d parts: the "
-                            "bounds are %d bytes and %d parts in all", total, parts,
-                            MAX_CONTROL_MESSAGE, MAX_CONTROL_PARTS)
+        _dropped_oversized(total, parts)
+
+
+def _dropped_oversized(total: int, parts: int) -> None:
+    """Counts and warns of a control message discarded for its size."""
+    global oversized_dropped
+    with _oversized_lock:
+        oversized_dropped += 1
+    _complaints.warning("oversized", "dropped a control message of %d bytes in %d parts: the "
+                        "bounds are %d bytes and %d parts in all", total, parts,
+                        MAX_CONTROL_MESSAGE, MAX_CONTROL_PARTS)
+
+
+_SUCCESS = int(TransferPoll.Success)
+
+
+def take_statuses(sock: zmq.Socket, lanes: dict[int, int],
+                  most: int) -> tuple[list[int], list[bytes] | None, bool]:
+    """Reads a status socket (a ControlListener) without blocking, settling lanes (transfer.core.lane).
+
+    Takes the rooms the statuses read settle out of `lanes`, in order, up to `most` messages or
+    the first message that settles none: returns those rooms, that message (None if none), and
+    whether the socket is empty. Natively every lane's Success is read, matched and settled in
+    one call; without the native core each call reads one message as recv_frames() does and
+    leaves lanes alone, which the general path then takes."""
+    if _NATIVE is None:
+        frames = recv_frames(sock)
+        return [], frames, frames is None
+    try:
+        settled, frames, empty = _NATIVE.lane_take(sock.underlying, lanes, _SUCCESS, most, MAX_CONTROL_MESSAGE,
+                                                   MAX_CONTROL_PARTS)
+    except OSError as exc:
+        raise _zmq_error(exc) from None
+    if type(frames) is tuple:  # over the bounds: discarded unread
+        _dropped_oversized(*frames)
+        return settled, None, False
+    return settled, frames, empty
 
 
 class ThrottledLog:

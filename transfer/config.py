@@ -245,6 +245,9 @@ def parse_seconds(text: str, zero_ok: bool = False) -> float:
 def check_seconds(argument: str, value: Any, zero_ok: bool = False) -> float:
     """`value` as seconds if it is a real number in (0, MAX_SECONDS] ([0, ...] with `zero_ok`):
     ConfigTypeError for another type, ConfigError naming `argument` otherwise."""
+    kind = type(value)
+    if (kind is float or kind is int) and (0 <= value if zero_ok else 0 < value) and value <= MAX_SECONDS:
+        return value + 0.0  # a plain number in range, read as the text below would be (-0 is 0)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigTypeError(f"{argument}={value!r} is not {_KINDS['seconds0' if zero_ok else 'seconds'][1]}")
     try:

@@ -7,6 +7,8 @@ import warnings
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from transfer import cli, config
 from transfer.config import SETTINGS, renamed, resolve, setting
@@ -231,6 +233,22 @@ def test_check_seconds_takes_any_real_number_in_range():
     assert config.check_seconds("timeout", np.float32(0.5)) == 0.5
     assert config.check_seconds("timeout", 0, zero_ok=True) == 0.0
     assert config.check_seconds("timeout", 1e6) == 1e6
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.floats() | st.integers(-10, 10**7) | st.sampled_from([-0.0, 5e-324, 1e6, 1e6 + 1, 10**6]), st.booleans())
+def test_check_seconds_reads_a_plain_number_as_its_text_would_be_read(value, zero_ok):
+    try:
+        expected: object = config.parse_seconds(str(float(value)), zero_ok)
+    except ConfigError:
+        expected = ConfigError
+    try:
+        got: object = config.check_seconds("timeout", value, zero_ok)
+    except ConfigError:
+        got = ConfigError
+    assert got == expected and type(got) is type(expected)
+    if type(got) is float:
+        assert str(got) == str(expected)  # -0.0 and 0.0 told apart
 
 
 @pytest.mark.parametrize("env, text", [("EPD_SEND_DEPTH", "99999999999999999999999"),

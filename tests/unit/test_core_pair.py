@@ -397,3 +397,43 @@ def test_a_kill_step_with_no_rank_left_to_kill_does_nothing_and_the_schedule_goe
 def test_spans_cover_empty_shards():
     """Rooms span 1..MAX_SPAN rows, so with four prefill ranks some shards are empty."""
     assert min(span_of(room) for room in ROOMS) < 4 <= MAX_SPAN
+
+
+def _lanes_on_and_off(schedule, table, **pair_options) -> Pair:
+    """Plays `schedule` with integrity checks off twice, statuses settled in lanes and all through `status`:
+    every step must go the same way. Returns the run with lanes."""
+    runs = []
+    for lanes in (True, False):
+        pair = Pair(integrity=False, lanes=lanes, **pair_options)
+        run(pair, schedule, table, retries=True)
+        runs.append(pair)
+    with_lanes, without = runs
+    assert with_lanes.log == without.log, with_lanes.trace()
+    assert without.settled_in_lanes == 0
+    return with_lanes
+
+
+@FAST
+@given(SCHEDULE)
+def test_lanes_settle_successes_as_the_status_rules_would_on_a_reliable_network(schedule):
+    _lanes_on_and_off(schedule, RELIABLE, encode_tp=2, prefill_tp=4)
+
+
+@FAST
+@given(SCHEDULE)
+def test_lanes_settle_successes_as_the_status_rules_would_with_lost_messages_and_dying_ranks(schedule):
+    _lanes_on_and_off(schedule, HOSTILE, encode_tp=2, prefill_tp=4)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(SCHEDULE)
+@example(EARLIER_ASK_READ_LATE)
+def test_lanes_settle_successes_as_the_status_rules_would_with_dropped_connections_and_rooms_asked_again(schedule):
+    _lanes_on_and_off(schedule, CHURN, deadline_s=2.0, late_requests=True)
+
+
+def test_a_room_asked_in_the_plain_case_is_settled_in_its_lane():
+    """The comparisons above can fail only if lanes are used: a plain room's Success is settled in one."""
+    pair = _lanes_on_and_off([6, 8] + [0] * 20, RELIABLE)
+    assert pair.settled_in_lanes >= 1
+    assert all(not p.core.lanes for p in pair.prefills)

@@ -407,6 +407,10 @@ class PrefillCore:
         self._unfenced_asks: dict[tuple[int, int], tuple[float, int]] = {}
         self._held: list[tuple[float, int, _Room]] = []  # (when its ask goes anyway, token, room), a heap
         self._unread = UnreadGrace()  # holds the rules for want of a status while statuses may be unread
+        # Room -> the encode rank whose plain Success the driver may settle without status() (transfer.core.lane):
+        # rooms asked in the plain case, until anything else happens to them. The driver reads it and takes a
+        # room out as it settles one, then tells lanes_settled().
+        self.lanes: dict[int, int] = {}
 
     # ------------------------------------------------------------ queries
 
@@ -547,6 +551,7 @@ class PrefillCore:
         if state is None or (token is not None and state.token != token):
             return False
         del self._rooms[room]
+        self.lanes.pop(room, None)
         if state.stage == QUEUED:
             self._let_go += 1
         return True
@@ -693,6 +698,7 @@ class PrefillCore:
                     and (not rooms or rooms[-1] is not state):
                 state.stage = QUEUED
                 state.asked = False  # its ask never left: nothing will write for it yet
+                self.lanes.pop(state.room, None)
                 rooms.append(state)
         self.asks.put_back(addr, rooms)
         return []
@@ -905,6 +911,8 @@ class PrefillCore:
         state = self._rooms.get(room)
         if state is None:
             return []  # unknown or cleared: stale
+        if self.lanes:
+            self.lanes.pop(room, None)  # whatever this status does, the room is not in the plain case any more
         ignored = self._ignored(state, status, rank)
         if ignored is not None:
             return ignored
@@ -924,6 +932,18 @@ class PrefillCore:
         if status is not TransferPoll.Success:
             return [Advance(room, state.token, status)]
         return self._succeeded(now, state, sums, unreadable)
+
+    def lanes_settled(self, now: float, rooms: list[int]) -> list:
+        """Plain Successes the driver took out of `lanes` (transfer.core.lane), in the order they came: what
+        status() would do with each (the room's encode rank answered; the room concludes Success)."""
+        actions: list = []
+        for room in rooms:
+            state = self._rooms.get(room)
+            if state is None or state.stage != ASKED:
+                raise AssertionError(f"room {room} was settled in a lane it no longer had")
+            self._answered(now, state.addr, state.conn)
+            actions += self._conclude(state, None)
+        return actions
 
     def _ignored(self, state: _Room, status: TransferPoll, rank: int) -> list | None:
         """What to do instead of taking the status, when it is not the room's to take now: nothing,
@@ -1066,6 +1086,7 @@ class PrefillCore:
         self._stranded.clear()
         self._stranded_next = float("inf")
         self.asks = AskQueues(self.asks.limit)
+        self.lanes.clear()
 
     def tick(self, now: float, limit: int | None = None, unread: bool = False) -> list:
         """Fails rooms past their deadline and lets held asks go whose earlier ask's cancel got no answer
@@ -1155,6 +1176,8 @@ class PrefillCore:
             state.given_up = state.safe = True
         if state.stage == QUEUED:
             self._let_go += 1
+        elif state.stage == ASKED:
+            self.lanes.pop(state.room, None)
         state.stage = CONCLUDED
         state.outcome = failure
         return [Conclude(state.room, state.token, failure, unverified)]
@@ -1171,6 +1194,7 @@ class PrefillCore:
         if state.given_up:
             return []
         state.given_up = True
+        self.lanes.pop(state.room, None)
         if not state.asked:
             state.safe = True
             return [MemorySafe(state.room, state.token)]
@@ -1317,7 +1341,8 @@ class PrefillCore:
         return conn
 
     def _emit_ask(self, state: _Room) -> list:
-        """The room's registration (unless its encode rank holds the region) and its TransferInfo."""
+        """The room's registration (unless its encode rank holds the region) and its TransferInfo; the room
+        gets a lane (`lanes`) when its Success can only be this ask's and is taken unchecked."""
         spec = state.spec
         addr, key = state.addr, state.route_key
         if addr is None or key is None:
@@ -1342,6 +1367,12 @@ class PrefillCore:
         actions.append(SendAsk(addr, spec.room, state.token, info))
         state.stage = ASKED
         state.asked = True
+        if not self.integrity and state.encode_rank is not None:
+            # No earlier ask of the room number may still be told of (`_ignored`, `_unfenced`): none given up
+            # without a cancel, even one STALE_CANCEL_S ago, nor one whose cancel awaits answers.
+            key = (spec.room, state.encode_rank)
+            if key not in self._unfenced_asks and not self.cancels.holds(key):
+                self.lanes[spec.room] = state.encode_rank
         return actions
 
     def _expire(self, now: float, state: _Room) -> list:

@@ -689,35 +689,49 @@ class PrefillDriver:
                 return
 
     def _take_statuses(self, limit: int) -> tuple[list[Verify], bool]:
-        """Handles up to `limit` queued statuses (_lock held); the checksums to run, and whether more may wait."""
+        """Handles up to `limit` queued statuses (_lock held); the checksums to run, and whether more may wait.
+
+        The Successes that settle lanes (transfer.core.lane) are read and matched natively, many a
+        call; each other status goes through the core's general rules, in the order they came."""
         verifies: list[Verify] = []
-        for _ in range(limit):
-            frames = _io.recv_frames(self._status_sock)
-            if frames is None:
+        core = self.core
+        left = limit
+        while left > 0:
+            settled, frames, empty = _io.take_statuses(self._status_sock, core.lanes, left)
+            now = self.clock()
+            if settled:
+                left -= len(settled)
+                actions = core.lanes_settled(now, settled)
+                self._stamp_status(now, actions)
+                verifies += self._carry(now, actions)
+            if frames is not None:
+                left -= 1
+                verifies += self._take_status(now, frames)
+            if empty:
                 self._statuses_left = False
                 return verifies, False
-            now = self.clock()
-            unreadable = None  # a checksum part (ours, SPEC.md 8) that does not parse
-            reason = None  # why the encode side failed the room (ours, SPEC.md 8)
-            try:
-                answer = parse_cancel_reply(frames)
-                if answer is not None:
-                    verifies += self._carry(now, self.core.cancel_answered(now, answer.room, answer.rank,
-                                                                          answer.answer))
-                    continue
-                room, status, rank, sums = parse_status(frames)
-                if status is TransferPoll.Failed and len(frames) > 3:
-                    reason = parse_failure_reason(frames)
-            except UnreadableChecksum as exc:
-                room, status, rank, sums, unreadable = exc.room, exc.status, exc.rank, (), str(exc)
-            except WireError as exc:
-                self._complaints.warning(str(exc), "dropped a malformed status (%d parts): %s", len(frames), exc)
-                continue
-            actions = self.core.status(now, room, status, rank, sums, unreadable, reason)
-            self._stamp_status(now, actions)
-            verifies += self._carry(now, actions)
         self._statuses_left = True
         return verifies, True
+
+    def _take_status(self, now: float, frames: list[bytes]) -> list[Verify]:
+        """One status (or cancel answer) through the core's general rules (_lock held); the checksums to run."""
+        unreadable = None  # a checksum part (ours, SPEC.md 8) that does not parse
+        reason = None  # why the encode side failed the room (ours, SPEC.md 8)
+        try:
+            answer = parse_cancel_reply(frames)
+            if answer is not None:
+                return self._carry(now, self.core.cancel_answered(now, answer.room, answer.rank, answer.answer))
+            room, status, rank, sums = parse_status(frames)
+            if status is TransferPoll.Failed and len(frames) > 3:
+                reason = parse_failure_reason(frames)
+        except UnreadableChecksum as exc:
+            room, status, rank, sums, unreadable = exc.room, exc.status, exc.rank, (), str(exc)
+        except WireError as exc:
+            self._complaints.warning(str(exc), "dropped a malformed status (%d parts): %s", len(frames), exc)
+            return []
+        actions = self.core.status(now, room, status, rank, sums, unreadable, reason)
+        self._stamp_status(now, actions)
+        return self._carry(now, actions)
 
     def _stamp_status(self, now: float, actions: list) -> None:
         """Notes when the status that settles a room (concludes it, or has it verified) was read."""

@@ -1,0 +1,100 @@
+"""_io.take_statuses: a prefill status socket read with lanes (transfer.core.lane), natively and on the
+pyzmq path. Real ZMQ sockets on loopback: the order statuses are taken in is what a lane must keep."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from transfer import _io
+from transfer.frames import status_frames
+from transfer.status import TransferPoll
+
+HOST = "127.0.0.1"
+S, F = TransferPoll.Success, TransferPoll.Failed
+
+
+@pytest.fixture(params=["native", "pyzmq"])
+def path(request, monkeypatch):
+    if request.param == "native":
+        if _io._NATIVE is None:
+            pytest.fail("the native ZMQ path did not bind (transfer._native built? libzmq 4?)")
+    else:
+        monkeypatch.setattr(_io, "_NATIVE", None)
+    return request.param
+
+
+@pytest.fixture
+def sockets():
+    pull, port = _io.pull_socket(HOST, 0, "status socket")
+    push = _io.context().socket(zmq.PUSH)
+    push.connect(f"tcp://{HOST}:{port}")
+    try:
+        yield push, pull
+    finally:
+        push.close(0)
+        pull.close(0)
+
+
+def take_all(pull, lanes: dict[int, int], count: int, most: int = 64, timeout: float = 10.0) -> list:
+    """What take_statuses hands over for `count` messages, in order: ("settled", room) and ("message", frames)."""
+    got: list = []
+    deadline = time.monotonic() + timeout
+    taken = 0
+    while taken < count:
+        settled, frames, empty = _io.take_statuses(pull, lanes, min(most, count - taken))
+        got += [("settled", room) for room in settled]
+        taken += len(settled)
+        if frames is not None:
+            got.append(("message", frames))
+            taken += 1
+        if empty and taken < count:
+            assert time.monotonic() < deadline, f"{taken} of {count} messages arrived: {got}"
+            time.sleep(0.001)
+    return got
+
+
+def test_lane_successes_settle_in_order_and_every_other_message_comes_between_them(path, sockets):
+    push, pull = sockets
+    sent = [status_frames(1, S, 0), status_frames(2, S, 0), status_frames(3, F, 0), status_frames(4, S, 1),
+            status_frames(5, S, 0), [b"6", b"5", b"0", b"123", b"456"], status_frames(9, S, 0)]
+    for frames in sent:
+        push.send_multipart(frames)
+    lanes = {1: 0, 2: 0, 3: 0, 4: 0, 5: 0, 6: 0}
+    got = take_all(pull, lanes, len(sent))
+    if path == "native":
+        assert got == [("settled", 1), ("settled", 2), ("message", sent[2]), ("message", sent[3]),
+                       ("settled", 5), ("settled", 6), ("message", sent[6])]
+        assert lanes == {3: 0, 4: 0}  # not settled: the general rules end those lanes
+    else:  # no native intake: every status goes the general way, and lanes are left to it
+        assert got == [("message", frames) for frames in sent]
+        assert lanes == {1: 0, 2: 0, 3: 0, 4: 0, 5: 0, 6: 0}
+
+
+def test_a_message_over_the_bounds_is_dropped_counted_and_the_next_one_is_read(path, sockets):
+    push, pull = sockets
+    before = _io.oversized_dropped
+    push.send_multipart([b"1"] * (_io.MAX_CONTROL_PARTS + 1))
+    push.send_multipart(status_frames(2, S, 0))
+    lanes = {2: 0}
+    got: list = []
+    deadline = time.monotonic() + 10.0
+    while not got:
+        settled, frames, _ = _io.take_statuses(pull, lanes, 8)
+        got = [("settled", room) for room in settled] + ([("message", frames)] if frames is not None else [])
+        assert time.monotonic() < deadline, "the status after the oversized message never came"
+        time.sleep(0.001)
+    assert got == ([("settled", 2)] if path == "native" else [("message", status_frames(2, S, 0))])
+    assert _io.oversized_dropped == before + 1
+
+
+def test_at_most_the_messages_asked_for_are_taken_in_one_call(sockets):
+    push, pull = sockets
+    for room in range(10):
+        push.send_multipart(status_frames(room, S, 0))
+    lanes = {room: 0 for room in range(10)}
+    assert take_all(pull, lanes, 4, most=4) == [("settled", room) for room in range(4)]
+    assert sorted(lanes) == list(range(4, 10))
+    assert take_all(pull, lanes, 6) == [("settled", room) for room in range(4, 10)]

@@ -1,0 +1,159 @@
+"""Lanes (transfer.core.lane): which statuses settle one, the native twin of that rule, and when a
+PrefillCore grants and ends one. Whole schedules with lanes on and off: tests/unit/test_core_pair.py."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prefill_rooms import BOOT, ENCODE, KEY0, spec
+from prefill_rooms import core as prefill_core
+
+from transfer import _native
+from transfer.core.failure import Failure, FailureKind
+from transfer.core.lane import MAX_DIGITS, settles
+from transfer.core.prefill import Conclude, LookUpParallel, LookUpRoute, PrefillCore, SendAsk
+from transfer.frames import CancelAnswer, UnreadableChecksum, parse_cancel_reply, parse_status, status_frames
+from transfer.status import TransferPoll
+
+SUCCESS = int(TransferPoll.Success)
+
+
+def digits(most: int = MAX_DIGITS + 3) -> st.SearchStrategy[bytes]:
+    return st.text("0123456789", min_size=0, max_size=most).map(str.encode)
+
+
+PART = st.one_of(
+    digits(),
+    st.integers(0, 12).map(lambda n: str(n).encode()),
+    st.sampled_from([b"5", b"05", b"0", b"9223372036854775807", b"9223372036854775808", b"18446744073709551615",
+                     b"18446744073709551616", b"cancel-confirmed", b"failure", b"+5", b" 5", b"\xd9\xa5", b""]),
+    st.binary(max_size=4),
+    st.sampled_from(["5", 5, None, bytearray(b"5"), memoryview(b"5")]),
+)
+LANES = st.dictionaries(st.integers(0, 12) | st.sampled_from([(1 << 63) - 1, 1 << 63]),
+                        st.integers(0, 12) | st.sampled_from([(1 << 63) - 1, 1 << 63, -1]), max_size=6)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.lists(PART, max_size=7), LANES)
+def test_the_native_rule_settles_exactly_what_the_python_rule_does(parts, lanes):
+    assert _native.lane_match(parts, lanes, SUCCESS) == settles(parts, lanes)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(PART, max_size=7), LANES)
+def test_a_status_a_lane_settles_is_that_rooms_success_from_its_lane_rank_to_the_general_parsers(parts, lanes):
+    room = settles(parts, lanes)
+    if room is None:
+        return
+    assert parse_cancel_reply(parts) is None
+    try:
+        parsed = parse_status(parts)[:3]
+    except UnreadableChecksum as exc:  # a checksum part past a u64: read as unreadable, which integrity off ignores
+        parsed = (exc.room, exc.status, exc.rank)
+    assert parsed == (room, TransferPoll.Success, lanes[room])
+
+
+def test_only_plain_successes_of_the_lanes_rank_settle():
+    lanes = {7: 0}
+    assert settles(status_frames(7, TransferPoll.Success, 0), lanes) == 7
+    assert settles([b"7", b"5", b"0", b"123", b"18446744073709551615"], lanes) == 7  # checksums, unread
+    assert settles(status_frames(7, TransferPoll.Success, 1), lanes) is None  # another rank
+    assert settles(status_frames(7, TransferPoll.Failed, 0), lanes) is None
+    assert settles(status_frames(7, TransferPoll.Transferring, 0), lanes) is None
+    assert settles(status_frames(8, TransferPoll.Success, 0), lanes) is None  # no lane
+    assert settles([b"7", b"5", b"0", b"cancel-confirmed"], lanes) is None
+    assert settles([b"7", b"5", b"0", b"1", b"2", b"3"], lanes) is None  # more parts than a status has
+    assert settles((b"7", b"5", b"0"), lanes) is None  # not a received message
+
+
+def test_lane_take_needs_a_lanes_dict_and_a_bound_socket_library():
+    with pytest.raises(TypeError):
+        _native.lane_match([b"1", b"5", b"0"], [(1, 0)], SUCCESS)
+    with pytest.raises(TypeError):
+        _native.lane_take(0, [(1, 0)], SUCCESS, 8)
+
+
+# ------------------------------------------------------------- the core's grants
+
+
+def asked(c: PrefillCore, room: int, now: float = 0.0) -> int:
+    token, actions = c.receive(now, spec(room, slot=room))
+    if actions == [LookUpParallel(BOOT)]:
+        actions = c.parallel_resolved(now, BOOT, 1, 1)
+    if actions == [LookUpRoute(KEY0)]:
+        actions = c.route_resolved(now, KEY0, ENCODE)
+    assert SendAsk in [type(a) for a in actions]
+    return token
+
+
+def plain() -> PrefillCore:
+    return prefill_core(deadline_s=10.0, integrity=False)
+
+
+def test_a_room_asked_in_the_plain_case_gets_a_lane_naming_its_encode_rank():
+    c = plain()
+    asked(c, 3)
+    assert c.lanes == {3: 0}
+
+
+def test_with_integrity_checks_on_no_room_gets_a_lane():
+    c = prefill_core(deadline_s=10.0)
+    asked(c, 3)
+    assert c.lanes == {}
+
+
+def test_settling_a_lane_does_what_the_status_would():
+    settled, general = plain(), plain()
+    tokens = [asked(c, 3) for c in (settled, general)]
+    del settled.lanes[3]  # as the driver's intake takes it out
+    assert settled.lanes_settled(1.0, [3]) == general.status(1.0, 3, TransferPoll.Success, 0) \
+        == [Conclude(3, tokens[0], None)]
+    assert settled.stage(3) == general.stage(3) == "concluded"
+    assert settled._answered_at == general._answered_at == {ENCODE: 1.0}
+
+
+def test_a_lane_settled_for_a_room_that_no_longer_has_one_is_a_bug_said_loudly():
+    c = plain()
+    asked(c, 3)
+    c.status(1.0, 3, TransferPoll.Failed, 0)
+    with pytest.raises(AssertionError, match="room 3 was settled in a lane it no longer had"):
+        c.lanes_settled(1.0, [3])
+
+
+@pytest.mark.parametrize("event", ["status", "clear", "abandon", "deadline", "refused", "close"])
+def test_anything_else_that_happens_to_the_room_ends_its_lane(event):
+    c = plain()
+    token = asked(c, 3)
+    asked(c, 4)
+    if event == "status":
+        c.status(1.0, 3, TransferPoll.Transferring, 0)
+    elif event == "clear":
+        c.clear(1.0, 3, token)
+    elif event == "abandon":
+        c.abandon(1.0, 3, token)
+    elif event == "deadline":
+        c.tick(10.0 + 1e-3, unread=False)
+        assert c.lanes == {}
+        return
+    elif event == "refused":
+        c.refused(1.0, ENCODE, [SendAsk(ENCODE, 3, token, None)])  # the socket did not take it
+        assert c.stage(3) == "queued"
+    elif event == "close":
+        c.close(1.0, Failure(FailureKind.OTHER, "closed"))
+        assert c.lanes == {}
+        return
+    assert c.lanes == {4: 0}
+
+
+def test_a_room_asked_again_while_an_earlier_asks_statuses_may_come_gets_no_lane():
+    """The earlier ask of the room number was given up: with its cancel unanswered, or with no cancel (its
+    connection dropped), a Success may be that ask's, which only the general rules tell apart."""
+    c = plain()
+    token = asked(c, 7)
+    c.abandon(1.0, 7, token)  # a cancel goes, unanswered
+    c.clear(1.0, 7, token)
+    c.cancel_answered(1.1, 7, 0, CancelAnswer.TOO_LATE)  # answered, with more to come
+    asked(c, 7, 1.2)
+    assert c.lanes == {}
