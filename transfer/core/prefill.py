@@ -1370,8 +1370,8 @@ class PrefillCore:
         if not self.integrity and state.encode_rank is not None:
             # No earlier ask of the room number may still be told of (`_ignored`, `_unfenced`): none given up
             # without a cancel, even one STALE_CANCEL_S ago, nor one whose cancel awaits answers.
-            key = (spec.room, state.encode_rank)
-            if key not in self._unfenced_asks and not self.cancels.holds(key):
+            asked = (spec.room, state.encode_rank)
+            if asked not in self._unfenced_asks and not self.cancels.holds(asked):
                 self.lanes[spec.room] = state.encode_rank
         return actions
 
