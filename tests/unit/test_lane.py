@@ -31,19 +31,40 @@ PART = st.one_of(
     st.binary(max_size=4),
     st.sampled_from(["5", 5, None, bytearray(b"5"), memoryview(b"5")]),
 )
+EDGES = st.sampled_from([b"18446744073709551615", b"18446744073709551616", b"99999999999999999999",
+                         b"9223372036854775807", b"9223372036854775808", b"000000000000000000001", b"0"])
+# Mostly near-plain Successes of rooms 0-12 from ranks 0-12, so the rule's every branch is reached.
+SMALL = st.integers(0, 12).map(lambda n: b"%d" % n)
+NEAR_STATUS = st.tuples(
+    st.one_of(SMALL, SMALL, SMALL, SMALL, st.sampled_from([b"01", b"0001"]), PART),
+    st.one_of(st.just(b"5"), st.just(b"5"), st.just(b"5"), st.sampled_from([b"05", b"0", b"4"]), PART),
+    st.one_of(SMALL, SMALL, SMALL, SMALL, EDGES, PART),
+    st.lists(st.one_of(digits(21), EDGES, EDGES, PART), max_size=3),
+).map(lambda t: [t[0], t[1], t[2], *t[3]])
+MESSAGE = st.one_of(st.lists(PART, max_size=7), NEAR_STATUS, NEAR_STATUS, NEAR_STATUS)
 LANES = st.dictionaries(st.integers(0, 12) | st.sampled_from([(1 << 63) - 1, 1 << 63]),
                         st.integers(0, 12) | st.sampled_from([(1 << 63) - 1, 1 << 63, -1]), max_size=6)
 
 
-@settings(max_examples=2000, deadline=None)
-@given(st.lists(PART, max_size=7), LANES)
-def test_the_native_rule_settles_exactly_what_the_python_rule_does(parts, lanes):
+def with_its_lane(parts: list, lanes: dict[int, int]) -> dict[int, int]:
+    """`lanes` plus one for the room and rank the message names, where it names them in digits."""
+    if len(parts) >= 3 and all(type(p) is bytes and p.isdigit() for p in (parts[0], parts[2])):
+        return {**lanes, int(parts[0]): int(parts[2])}
+    return lanes
+
+
+@settings(max_examples=3000, deadline=None)
+@given(MESSAGE, LANES, st.booleans())
+def test_the_native_rule_settles_exactly_what_the_python_rule_does(parts, lanes, its_lane):
+    if its_lane:
+        lanes = with_its_lane(parts, lanes)
     assert _native.lane_match(parts, lanes, SUCCESS) == settles(parts, lanes)
 
 
-@settings(max_examples=500, deadline=None)
-@given(st.lists(PART, max_size=7), LANES)
+@settings(max_examples=1000, deadline=None)
+@given(MESSAGE, LANES)
 def test_a_status_a_lane_settles_is_that_rooms_success_from_its_lane_rank_to_the_general_parsers(parts, lanes):
+    lanes = with_its_lane(parts, lanes)
     room = settles(parts, lanes)
     if room is None:
         return
@@ -65,6 +86,7 @@ def test_only_plain_successes_of_the_lanes_rank_settle():
     assert settles(status_frames(8, TransferPoll.Success, 0), lanes) is None  # no lane
     assert settles([b"7", b"5", b"0", b"cancel-confirmed"], lanes) is None
     assert settles([b"7", b"5", b"0", b"1", b"2", b"3"], lanes) is None  # more parts than a status has
+    assert settles([b"7", b"5", b"0", b"18446744073709551616"], lanes) is None  # a checksum past a u64
     assert settles((b"7", b"5", b"0"), lanes) is None  # not a received message
 
 

@@ -27,16 +27,20 @@ from transfer.status import TransferPoll
 
 __all__ = ["MAX_DIGITS", "settles"]
 
+_I64_MAX = (1 << 63) - 1
+_U64_MAX = (1 << 64) - 1
+
 #: Most digits of a room, status or rank number a lane reads (19: every such number fits in an
 #: int64, which SPEC.md's numbers must); a checksum part may have one more (a u64).
 MAX_DIGITS = 19
 
 
-def _plain(part: object, most: int = MAX_DIGITS) -> int | None:
-    """The number a part holds when it is `bytes` of 1 to `most` ASCII digits, else None."""
+def _plain(part: object, most: int = MAX_DIGITS, largest: int = _I64_MAX) -> int | None:
+    """The number a part holds when it is `bytes` of 1 to `most` ASCII digits, at most `largest`, else None."""
     if type(part) is not bytes or not 0 < len(part) <= most or not part.isdigit():
         return None
-    return int(part)
+    value = int(part)
+    return value if value <= largest else None
 
 
 def settles(parts: Sequence[object], lanes: Mapping[int, int]) -> int | None:
@@ -44,17 +48,15 @@ def settles(parts: Sequence[object], lanes: Mapping[int, int]) -> int | None:
 
     It settles a room when it is a plain Success (3 parts of plain digits, with up to
     MAX_CHECKSUMS checksum parts of plain digits after them, which a lane does not read: lanes
-    exist only with integrity checks off) of a room in `lanes`, from the encode rank its lane
-    names. A room number past int64 never has a lane: it is not a room SPEC.md allows."""
+    exist only with integrity checks off, but a checksum past a u64 is not plain) of a room in
+    `lanes`, from the encode rank its lane names. Room and rank numbers are at most int64's."""
     if type(parts) is not list or not STATUS_PARTS <= len(parts) <= STATUS_PARTS + MAX_CHECKSUMS:
         return None
     room, code, rank = (_plain(part) for part in parts[:STATUS_PARTS])
-    if room is None or code != TransferPoll.Success or rank is None or room > _I64_MAX or rank > _I64_MAX:
+    if room is None or code != TransferPoll.Success or rank is None:
         return None
-    if any(_plain(part, MAX_DIGITS + 1) is None for part in parts[STATUS_PARTS:]):
+    if any(_plain(part, MAX_DIGITS + 1, _U64_MAX) is None for part in parts[STATUS_PARTS:]):
         return None
     lane = lanes.get(room)
     return room if lane is not None and lane == rank else None
 
-
-_I64_MAX = (1 << 63) - 1
