@@ -335,6 +335,8 @@ class Pair:
                     self.note(f"prefill {rank.rank}: disconnect {action.addr}, {len(dropped)} unsent dropped")
             elif kind is pre.Conclude:
                 self.prefill_concluded(rank, action)
+            elif kind is pre.Warn and action.key == "lane outlived":
+                self.fail(f"prefill {rank.rank}: {action.message}")
             elif kind is pre.Verify:
                 rank.verifies.append(action)
             elif kind is pre.MemorySafe:

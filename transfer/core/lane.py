@@ -59,4 +59,3 @@ def settles(parts: Sequence[object], lanes: Mapping[int, int]) -> int | None:
         return None
     lane = lanes.get(room)
     return room if lane is not None and lane == rank else None
-

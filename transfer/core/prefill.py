@@ -939,8 +939,14 @@ class PrefillCore:
         actions: list = []
         for room in rooms:
             state = self._rooms.get(room)
-            if state is None or state.stage != ASKED:
-                raise AssertionError(f"room {room} was settled in a lane it no longer had")
+            if state is None or state.stage != ASKED or state.given_up or state.encode_rank is None:
+                # A lane outlived its plain case: a bug of the lane rules. The general rules take the Success.
+                actions.append(Warn("lane outlived", f"room {room}: settled in a lane it should no longer have "
+                                                     f"had (stage {None if state is None else state.stage}); "
+                                                     f"taken by the general status rules instead"))
+                if state is not None and state.encode_rank is not None:
+                    actions += self.status(now, room, TransferPoll.Success, state.encode_rank)
+                continue
             self._answered(now, state.addr, state.conn)
             actions += self._conclude(state, None)
         return actions
