@@ -42,3 +42,16 @@ def server():
 
     with BootstrapServer(HOST, 0) as bootstrap:
         yield bootstrap
+
+
+@pytest.fixture(params=["native", "pyzmq"])
+def zmq_path(request, monkeypatch):
+    """Runs a test on the native ZMQ path (transfer._native's libzmq calls) and again on pyzmq's."""
+    from transfer import _io
+
+    if request.param == "native":
+        if _io._NATIVE is None:
+            pytest.fail("the native ZMQ path did not bind (transfer._native built? libzmq 4?)")
+    else:
+        monkeypatch.setattr(_io, "_NATIVE", None)
+    return request.param

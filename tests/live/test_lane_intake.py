@@ -16,16 +16,6 @@ HOST = "127.0.0.1"
 S, F = TransferPoll.Success, TransferPoll.Failed
 
 
-@pytest.fixture(params=["native", "pyzmq"])
-def path(request, monkeypatch):
-    if request.param == "native":
-        if _io._NATIVE is None:
-            pytest.fail("the native ZMQ path did not bind (transfer._native built? libzmq 4?)")
-    else:
-        monkeypatch.setattr(_io, "_NATIVE", None)
-    return request.param
-
-
 @pytest.fixture
 def sockets():
     pull, port = _io.pull_socket(HOST, 0, "status socket")
@@ -56,7 +46,7 @@ def take_all(pull, lanes: dict[int, int], count: int, most: int = 64, timeout: f
     return got
 
 
-def test_lane_successes_settle_in_order_and_every_other_message_comes_between_them(path, sockets):
+def test_lane_successes_settle_in_order_and_every_other_message_comes_between_them(zmq_path, sockets):
     push, pull = sockets
     sent = [status_frames(1, S, 0), status_frames(2, S, 0), status_frames(3, F, 0), status_frames(4, S, 1),
             status_frames(5, S, 0), [b"6", b"5", b"0", b"123", b"456"], status_frames(9, S, 0)]
@@ -64,7 +54,7 @@ def test_lane_successes_settle_in_order_and_every_other_message_comes_between_th
         push.send_multipart(frames)
     lanes = {1: 0, 2: 0, 3: 0, 4: 0, 5: 0, 6: 0}
     got = take_all(pull, lanes, len(sent))
-    if path == "native":
+    if zmq_path == "native":
         assert got == [("settled", 1), ("settled", 2), ("message", sent[2]), ("message", sent[3]),
                        ("settled", 5), ("settled", 6), ("message", sent[6])]
         assert lanes == {3: 0, 4: 0}  # not settled: the general rules end those lanes
@@ -73,7 +63,7 @@ def test_lane_successes_settle_in_order_and_every_other_message_comes_between_th
         assert lanes == {1: 0, 2: 0, 3: 0, 4: 0, 5: 0, 6: 0}
 
 
-def test_a_message_over_the_bounds_is_dropped_counted_and_the_next_one_is_read(path, sockets):
+def test_a_message_over_the_bounds_is_dropped_counted_and_the_next_one_is_read(zmq_path, sockets):
     push, pull = sockets
     before = _io.oversized_dropped
     push.send_multipart([b"1"] * (_io.MAX_CONTROL_PARTS + 1))
@@ -86,7 +76,7 @@ def test_a_message_over_the_bounds_is_dropped_counted_and_the_next_one_is_read(p
         got = [("settled", room) for room in settled] + ([("message", frames)] if frames is not None else [])
         assert time.monotonic() < deadline, "the status after the oversized message never came"
         time.sleep(0.001)
-    assert got == ([("settled", 2)] if path == "native" else [("message", status_frames(2, S, 0))])
+    assert got == ([("settled", 2)] if zmq_path == "native" else [("message", status_frames(2, S, 0))])
     assert _io.oversized_dropped == before + 1
 
 

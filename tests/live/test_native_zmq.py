@@ -16,17 +16,6 @@ from transfer import _io
 HOST = "127.0.0.1"
 
 
-@pytest.fixture(params=["native", "pyzmq"])
-def path(request, monkeypatch):
-    """Runs a test on the native path and again on pyzmq's."""
-    if request.param == "native":
-        if _io._NATIVE is None:
-            pytest.fail("the native ZMQ path did not bind (transfer._native built? libzmq 4?)")
-    else:
-        monkeypatch.setattr(_io, "_NATIVE", None)
-    return request.param
-
-
 @contextmanager
 def connected(hwm: int):
     """A PUSH connected to a PULL on loopback, each queue bounded at `hwm` (0: unbounded)."""
@@ -68,7 +57,7 @@ def messages(n: int, seed: int) -> list[list[bytes]]:
     return [[rng.randbytes(rng.choice([0, 1, 7, 200, 70_000])) for _ in range(rng.randint(1, 20))] for _ in range(n)]
 
 
-def test_messages_arrive_whole_and_in_order(path, pair):
+def test_messages_arrive_whole_and_in_order(zmq_path, pair):
     push, pull = pair
     sent = messages(500, seed=1)
     assert _io.recv_frames(pull) is None  # nothing queued yet: None, not an error
@@ -78,7 +67,7 @@ def test_messages_arrive_whole_and_in_order(path, pair):
     assert _io.recv_frames(pull) is None
 
 
-def test_either_path_reads_what_plain_pyzmq_sent_and_the_other_way(path, pair):
+def test_either_path_reads_what_plain_pyzmq_sent_and_the_other_way(zmq_path, pair):
     push, pull = pair
     sent = messages(100, seed=2)
     for frames in sent:
@@ -89,7 +78,7 @@ def test_either_path_reads_what_plain_pyzmq_sent_and_the_other_way(path, pair):
     assert drain(pull, len(sent), recv=lambda s: s.recv_multipart(zmq.NOBLOCK) if s.poll(0) else None) == sent
 
 
-def test_a_full_queue_raises_again_and_queues_no_part(path):
+def test_a_full_queue_raises_again_and_queues_no_part(zmq_path):
     with connected(1) as (push, pull):
         sent = []
         deadline = time.monotonic() + 10
@@ -111,7 +100,7 @@ def test_a_full_queue_raises_again_and_queues_no_part(path):
     ((b"head", 7), TypeError),  # a tuple: never the native call, whichever path
     ([], ValueError),
 ])
-def test_a_message_refused_for_its_parts_queues_nothing_on_either_path(path, pair, refused, error):
+def test_a_message_refused_for_its_parts_queues_nothing_on_either_path(zmq_path, pair, refused, error):
     """A part that is not bytes is refused before any part is queued: a part queued with more to
     come would be the head of the next message sent on the socket."""
     push, pull = pair
@@ -123,7 +112,7 @@ def test_a_message_refused_for_its_parts_queues_nothing_on_either_path(path, pai
     assert _io.recv_frames(pull) is None
 
 
-def test_a_closed_socket_raises_zmq_error(path):
+def test_a_closed_socket_raises_zmq_error(zmq_path):
     sock = _io.context().socket(zmq.PULL)
     sock.close(0)
     with pytest.raises(zmq.ZMQError):

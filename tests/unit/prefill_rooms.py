@@ -38,3 +38,14 @@ def routed(c: PrefillCore, now: float = 0.0, tp: int = 1, dp: int = 1) -> None:
     actions = c.route_resolved(now, KEY0, ENCODE)
     assert [type(a) for a in actions] == [Announce, SendAsk]
     c.clear(now, 999)
+
+
+def asked(c: PrefillCore, room: int, now: float = 0.0) -> int:
+    """Receives `room` (at its own slot) and resolves its route: its ask goes out. Returns its token."""
+    token, actions = c.receive(now, spec(room, slot=room))
+    if actions == [LookUpParallel(BOOT)]:
+        actions = c.parallel_resolved(now, BOOT, 1, 1)
+    if actions == [LookUpRoute(KEY0)]:
+        actions = c.route_resolved(now, KEY0, ENCODE)
+    assert SendAsk in [type(a) for a in actions]
+    return token

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prefill_rooms import BOOT, ENCODE, KEY0, spec
+from prefill_rooms import ENCODE, asked
 from prefill_rooms import core as prefill_core
 
 from transfer import _native
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.lane import MAX_DIGITS, settles
-from transfer.core.prefill import Conclude, LookUpParallel, LookUpRoute, PrefillCore, SendAsk, Warn
+from transfer.core.prefill import Conclude, PrefillCore, SendAsk, Warn
 from transfer.frames import CancelAnswer, parse_cancel_reply, parse_status, status_frames
 from transfer.status import TransferPoll
 
@@ -94,16 +94,6 @@ def test_lane_take_needs_a_lanes_dict_and_a_bound_socket_library():
 
 
 # ------------------------------------------------------------- the core's grants
-
-
-def asked(c: PrefillCore, room: int, now: float = 0.0) -> int:
-    token, actions = c.receive(now, spec(room, slot=room))
-    if actions == [LookUpParallel(BOOT)]:
-        actions = c.parallel_resolved(now, BOOT, 1, 1)
-    if actions == [LookUpRoute(KEY0)]:
-        actions = c.route_resolved(now, KEY0, ENCODE)
-    assert SendAsk in [type(a) for a in actions]
-    return token
 
 
 def plain() -> PrefillCore:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from prefill_rooms import BOOT, ENCODE, KEY0, spec
+from prefill_rooms import BOOT, ENCODE, KEY0, asked, spec
 from prefill_rooms import core as prefill_core
 
 import transfer.core.cancels as cancels
@@ -30,17 +30,6 @@ CONFIRMED, TOO_LATE, WRITE_FAILED = CancelAnswer.CONFIRMED, CancelAnswer.TOO_LAT
 
 def core() -> PrefillCore:
     return prefill_core(deadline_s=10.0)
-
-
-def asked(c: PrefillCore, room: int, now: float = 0.0) -> int:
-    """Receives `room` and resolves its route: its ask goes out."""
-    token, actions = c.receive(now, spec(room, slot=room))
-    if actions == [LookUpParallel(BOOT)]:
-        actions = c.parallel_resolved(now, BOOT, 1, 1)
-    if actions == [LookUpRoute(KEY0)]:
-        actions = c.route_resolved(now, KEY0, ENCODE)
-    assert SendAsk in [type(a) for a in actions]
-    return token
 
 
 def of(kind: type, actions: list) -> list:
