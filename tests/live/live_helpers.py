@@ -527,7 +527,7 @@ class Receiver:
     def __init__(
         self, engine, rank: int, tp: int, *, fanout: int, slots: int = 8, max_span: int = 16, hidden: int = 64,
         dtype: str = DTYPE, deepstack: int = 0, deadline_s: float = 30.0, dp: int = 1,
-        lookup_timeout_s: float = 2.0,
+        lookup_timeout_s: float = 2.0, integrity: bool = True,
     ) -> None:
         import torch
 
@@ -543,7 +543,7 @@ class Receiver:
             self.ds_slots.view(torch.uint8).fill_(SENTINEL)
         self.manager = SessionManager(
             engine, rank, tp, dp, buffer=self.slots, deepstack_buffer=self.ds_slots, host=HOST, deadline_s=deadline_s,
-            lookup_timeout_s=lookup_timeout_s,
+            lookup_timeout_s=lookup_timeout_s, integrity=integrity,
         )
         self._next_slot = 0
         self.asked: dict[int, tuple[Any, int, int, int, int]] = {}

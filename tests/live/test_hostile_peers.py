@@ -169,10 +169,13 @@ def engine():
         yield e
 
 
+@pytest.mark.parametrize("integrity", [True, False], ids=["integrity", "lanes"])
 def test_garbage_on_every_listener_leaves_a_room_in_flight_and_the_rooms_between_to_land_their_bytes(bootstrap,
-                                                                                                  engine):
+                                                                                                  engine, integrity):
+    """With integrity off on the prefill side, the rooms' Successes are settled in lanes, between the garbage."""
     rng = random.Random(20261206)
-    with encode_process(bootstrap.address) as encoder, Receiver(engine, 0, 1, fanout=1, slots=BURSTS + 2) as r:
+    with encode_process(bootstrap.address) as encoder, \
+            Receiver(engine, 0, 1, fanout=1, slots=BURSTS + 2, integrity=integrity) as r:
         encode_addr = (encoder.info["host"], encoder.info["port"])
         flight = next(_rooms)
         r.ask(flight, bootstrap.address, SPAN)
@@ -213,7 +216,9 @@ def test_garbage_on_every_listener_leaves_a_room_in_flight_and_the_rooms_between
         finally:
             encode_junk.close(0)
             status_junk.close(0)
-        # The room asked before the first burst was parked at the encode rank through all of them.
+        # The room asked before the first burst was parked at the encode rank through all of them (in its lane,
+        # with integrity off: nothing of the garbage ended it).
+        assert (flight in r.manager._driver.core.lanes) is not integrity
         encoder.call("send", [flight], SPAN, HIDDEN)
         assert r.wait([flight], 20.0) == {flight: ("Success", None)}
         assert r.landed(flight) is None
