@@ -605,6 +605,13 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 @functools.lru_cache(maxsize=256)
+def checked_address(address: str) -> tuple[str, int]:
+    """split_address, remembered for the addresses seen most recently (receive() checks its bootstrap
+    address on every call, and a rank asks few servers); what it refuses raises each time."""
+    return split_address(address)
+
+
+@functools.lru_cache(maxsize=256)
 def _resolver_takes(host: str) -> bool:
     """Whether `host` encodes as the resolver encodes it (IDNA). Cached: receive() splits its bootstrap
     address on every call, and the codec runs in Python."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from transfer import _io, config
-from transfer.bootstrap import split_address
+from transfer.bootstrap import checked_address, split_address
 from transfer.core.prefill import ENCODE_FAILED, RoomSpec
 from transfer.core.prefill_breaker import UNREACHABLE_RETRY_S
 from transfer.core.quarantine import Fate, fate_of, reusable
@@ -393,7 +393,11 @@ class SessionManager:
         span = rows if span is None else span
         if lease is None:  # a leased slot's was checked before it was leased
             _check_geometry(room, rows, hidden, span, row_start)
-        split_address(bootstrap_addr)  # a malformed address is the caller's error, not a room failed later
+        # A malformed address is the caller's error, not a room failed later.
+        if type(bootstrap_addr) is str:
+            checked_address(bootstrap_addr)
+        else:
+            split_address(bootstrap_addr)  # names what it got, or takes a str subclass as it is
         row_bytes = hidden * dtype_size(dtype)
         ds_ptr, ds_nbytes, ds_row_bytes = 0, 0, None
         if deepstack_dst is not None:
@@ -421,8 +425,8 @@ class SessionManager:
         span = rows if span is None else span
         _check_geometry(room, rows, hidden, span, row_start, deepstack_hidden or 0)
         torch_dtype = getattr(torch, dtype.removeprefix("torch."))
-        nbytes = span * hidden * dtype_size(dtype)
-        ds_nbytes = span * (deepstack_hidden or 0) * dtype_size(dtype)
+        size = dtype_size(dtype)
+        nbytes, ds_nbytes = span * hidden * size, span * (deepstack_hidden or 0) * size
         try:
             lease = self.pool.lease_or_fallback(nbytes + ds_nbytes)
         except SlotError:
@@ -714,11 +718,14 @@ class RegionSet:
 def _check_geometry(room: int, rows: int, hidden: int, span: int, row_start: int, deepstack_hidden: int = 0) -> None:
     """ConfigError unless every size is a non-negative integer (hidden a positive one) and the shard
     lies inside the item's span."""
-    for name, value, least in (("rows", rows, 0), ("hidden", hidden, 1), ("span", span, 0),
-                               ("row_start", row_start, 0), ("deepstack_hidden", deepstack_hidden, 0)):
-        problem = size_problem(name, value, least)
-        if problem:
-            raise ConfigError(f"room {room}: {problem}")
+    if not (type(rows) is int and type(hidden) is int and type(span) is int and type(row_start) is int
+            and type(deepstack_hidden) is int and rows >= 0 and hidden >= 1 and span >= 0 and row_start >= 0
+            and deepstack_hidden >= 0):  # else the first size that is not one, named
+        for name, value, least in (("rows", rows, 0), ("hidden", hidden, 1), ("span", span, 0),
+                                   ("row_start", row_start, 0), ("deepstack_hidden", deepstack_hidden, 0)):
+            problem = size_problem(name, value, least)
+            if problem:
+                raise ConfigError(f"room {room}: {problem}")
     if row_start + rows > span:
         raise ConfigError(f"room {room}: shard [{row_start}, {row_start + rows}) outside the item's span {span}")
 

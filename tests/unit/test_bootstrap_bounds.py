@@ -282,3 +282,19 @@ def test_register_rank_refuses_a_retry_bound_that_is_no_bound_before_any_request
     client._request = request
     with pytest.raises(ConfigError, match="retry_for"):
         client.register_rank(2, 1, "10.0.0.1", 7001, engine_rank=0, retry_for=retry_for)
+
+
+@pytest.mark.parametrize("address", ["10.0.0.1:8998", "[::1]:8998", "encode-0.cluster.local:0008998"])
+def test_a_checked_address_is_split_as_split_address_splits_it(address):
+    from transfer.bootstrap import checked_address
+
+    assert checked_address(address) == split_address(address)
+
+
+def test_an_address_checked_and_refused_is_refused_again():
+    """checked_address remembers what it split, never what it refused."""
+    from transfer.bootstrap import checked_address
+
+    for _ in range(2):
+        with pytest.raises(ConfigError, match=r"^bootstrap address must be host:port \(a port of 1-65535\)"):
+            checked_address("10.0.0.1:0")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from transfer.errors import ConfigError
 from transfer.receiver import _deepstack_row_bytes, _destination
@@ -80,3 +82,27 @@ def test_a_lazily_negated_destination_is_refused():
     assert tensor.is_neg() and tensor.is_contiguous()
     with pytest.raises(ConfigError, match="lazily negated or conjugated view"):
         _destination(tensor, None, None, None)
+
+
+SIZES = st.one_of(st.integers(-2, 3), st.sampled_from([True, False, 1.0, None, "1"]))
+
+
+@settings(max_examples=500, deadline=None)
+@given(SIZES, SIZES, SIZES, SIZES, SIZES)
+def test_geometry_is_checked_size_by_size_in_the_order_named(rows, hidden, span, row_start, deepstack_hidden):
+    """A receive's sizes are refused as each one's own check refuses it, the first in order named."""
+    from transfer.frames import size_problem
+    from transfer.receiver import _check_geometry
+
+    problems = [size_problem(name, value, least) for name, value, least in (
+        ("rows", rows, 0), ("hidden", hidden, 1), ("span", span, 0), ("row_start", row_start, 0),
+        ("deepstack_hidden", deepstack_hidden, 0))]
+    first = next((problem for problem in problems if problem), None)
+    if first is None and row_start + rows > span:
+        first = f"shard [{row_start}, {row_start + rows}) outside the item's span {span}"
+    if first is None:
+        _check_geometry(7, rows, hidden, span, row_start, deepstack_hidden)
+    else:
+        with pytest.raises(ConfigError) as refused:
+            _check_geometry(7, rows, hidden, span, row_start, deepstack_hidden)
+        assert str(refused.value) == f"room 7: {first}"
