@@ -237,8 +237,9 @@ class Slot:
             if n < 0:
                 raise ConfigError(f"{self._name()}: negative dimension in shape {shape}")
             count *= n
-        size = torch.empty((), dtype=dtype).element_size()
-        need = count * size
+        if type(dtype) is not torch.dtype:
+            raise ConfigTypeError(f"{self._name()}: dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
+        need = count * dtype.itemsize
         if need > self.nbytes:
             raise ConfigError(f"{self._name()}: shape {shape} of {dtype} needs {need} bytes, "
                              f"the slot holds {self.nbytes}")

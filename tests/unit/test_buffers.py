@@ -97,6 +97,8 @@ def test_view_writes_the_slot_bytes(engine, clock):
         assert half.shape == (8, 16) and half.data_ptr() == second.addr
         with pytest.raises(ValueError, match=r"slot \d+ at 0x[0-9a-f]+: shape \(9, 8\) of torch.float32 needs 288 bytes"):
             first.view((9, 8), torch.float32)
+        with pytest.raises(TypeError, match=r"slot \d+ at 0x[0-9a-f]+: dtype must be a torch.dtype, got str 'float32'"):
+            first.view((4,), "float32")
         second.release()
         with pytest.raises(SlotError, match="view\\(\\) after it was released"):
             second.view((1,), torch.uint8)
