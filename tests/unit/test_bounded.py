@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import pytest
+
 from transfer.core.bounded import BySession, forget_before, remember
 
 
@@ -106,3 +108,15 @@ def test_views_by_session_are_the_entries_own():
     assert list(cache.keys()) == [2, 3]
     assert [entry.filed_at for entry in cache.values()] == [2.0, 3.0]
     assert dict(cache.items()) == {2: _Cancel(("b",), 2.0), 3: _Cancel(("a",), 3.0)}
+
+
+def test_pop_takes_an_entry_and_its_sessions_as_a_dict_pops():
+    cache = _by_session()
+    cache[1] = _Cancel(("a", "b"))
+    cache[2] = _Cancel(("a",))
+    assert cache.pop(1) == _Cancel(("a", "b"))
+    assert (cache.of("a"), cache.of("b"), list(cache)) == ([2], [], [2])
+    assert cache.pop(1, None) is None and cache.pop(1, "none") == "none"
+    with pytest.raises(KeyError):
+        cache.pop(1)
+    assert cache.pop(2, None) == _Cancel(("a",)) and cache.of("a") == [] and len(cache) == 0

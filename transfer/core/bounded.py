@@ -38,6 +38,7 @@ def forget_before(cache: MutableMapping[Any, _F], oldest: float) -> None:
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
+_ABSENT: Any = object()
 
 
 class BySession(MutableMapping[_K, _V]):
@@ -94,6 +95,16 @@ class BySession(MutableMapping[_K, _V]):
     def clear(self) -> None:
         self._entries.clear()
         self._by_session.clear()
+
+    def pop(self, key: _K, default: Any = _ABSENT) -> Any:
+        """MutableMapping's pop in one dict look-up: its own raises a KeyError inside for every key absent."""
+        value = self._entries.pop(key, _ABSENT)
+        if value is _ABSENT:
+            if default is _ABSENT:
+                raise KeyError(key)
+            return default
+        self._unindex(key, value)
+        return value
 
     def _unindex(self, key: _K, value: _V) -> None:
         for session in self._sessions(value):
