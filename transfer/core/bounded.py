@@ -98,10 +98,8 @@ class BySession(MutableMapping[_K, _V]):
 
     def pop(self, key: _K, default: Any = _ABSENT) -> Any:
         """MutableMapping's pop in one dict look-up: its own raises a KeyError inside for every key absent."""
-        value = self._entries.pop(key, _ABSENT)
+        value = self._entries.pop(key) if default is _ABSENT else self._entries.pop(key, _ABSENT)
         if value is _ABSENT:
-            if default is _ABSENT:
-                raise KeyError(key)
             return default
         self._unindex(key, value)
         return value
