@@ -4,15 +4,15 @@ PrefillCore grants and ends one. Whole schedules with lanes on and off: tests/un
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from prefill_rooms import ENCODE, asked
+from prefill_rooms import BOOT, ENCODE, asked, spec
 from prefill_rooms import core as prefill_core
 
 from transfer import _native
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.lane import MAX_DIGITS, settles
-from transfer.core.prefill import Conclude, PrefillCore, SendAsk, Warn
+from transfer.core.prefill import Announce, Conclude, PrefillCore, SendAsk, Warn
 from transfer.frames import CancelAnswer, parse_cancel_reply, parse_status, status_frames
 from transfer.status import TransferPoll
 
@@ -177,3 +177,124 @@ def test_a_room_asked_again_while_an_earlier_asks_statuses_may_come_gets_no_lane
     c.cancel_answered(1.1, 7, 0, CancelAnswer.TOO_LATE)  # answered, with more to come
     asked(c, 7, 1.2)
     assert c.lanes == {}
+
+
+# ------------------------------------------------- every core event, with lanes and without
+
+ADDRS = [ENCODE, ("10.0.0.2", 7001), ("10.0.0.4", 7000)]
+KEYS = [(BOOT, 0, 0), (BOOT, 1, 0)]  # with sizes (2, 2) and prefill tp 2: even rooms to encode rank 0, odd to 1
+ROOMS = st.integers(0, 4)
+RANKS = st.integers(0, 1)
+SUCCESS_RANK = st.sampled_from([None, None, 0, 1])  # None: the room's own encode rank under sizes (2, 2)
+EVENTS = st.lists(st.one_of(
+    st.tuples(st.just("receive"), ROOMS),
+    st.tuples(st.just("clear"), ROOMS, st.booleans()),  # abandoned first, as the driver's clear() does, or not
+    st.tuples(st.just("status"), ROOMS, st.sampled_from(list(TransferPoll)), RANKS),
+    *[st.tuples(st.just("success"), ROOMS, SUCCESS_RANK)] * 3,
+    st.tuples(st.just("answer"), ROOMS, RANKS, st.sampled_from(list(CancelAnswer))),
+    st.tuples(st.just("cancel_unsent"), ROOMS, RANKS),
+    st.tuples(st.just("dropped"), st.sampled_from(ADDRS)),
+    st.tuples(st.just("connect_failed"), st.sampled_from(ADDRS)),
+    st.tuples(st.just("refused"),),  # the last step's asks, not taken by their socket
+    st.tuples(st.just("unsent"),),  # the last step's first ask, which its socket raised on
+    st.tuples(st.just("writable"), st.sampled_from(ADDRS)),
+    st.tuples(st.just("parallel"), st.sampled_from([(2, 2), (2, 2), (1, 1), (2, 1)])),
+    *[st.tuples(st.just("route"), st.sampled_from(KEYS), st.just(ENCODE), st.just(None))] * 2,
+    st.tuples(st.just("route"), st.sampled_from(KEYS), st.sampled_from(ADDRS), st.sampled_from([None, "a", "b"])),
+    st.tuples(st.just("missing"), st.sampled_from(KEYS)),
+    st.tuples(st.just("lookup_failed"), st.sampled_from(KEYS)),
+    st.tuples(st.just("tick"), st.sampled_from([0.1, 1.0, 5.0, 10.0, 301.0]), st.booleans()),
+    st.tuples(st.just("fail"), ROOMS),
+    st.tuples(st.just("idle_closed"), st.sampled_from(ADDRS)),
+    st.tuples(st.just("close"),),
+), min_size=20, max_size=80)
+
+
+def step(c: PrefillCore, event: tuple, now: float, last: list, lanes: bool) -> list:
+    """One event into the core; a Success goes to `lanes_settled` when `lanes` and its lane settles it."""
+    kind, *args = event
+    token = c.token(args[0]) if args and type(args[0]) is int else None
+    if kind == "receive":
+        return [] if args[0] in c else c.receive(now, spec(args[0], slot=args[0]))[1]
+    if kind == "clear":
+        actions = c.abandon(now, args[0], token) if token is not None and args[1] else []
+        c.clear(now, args[0], token)
+        return actions
+    if kind == "status":
+        return c.status(now, *args)
+    if kind == "success":
+        room, rank = args[0], args[0] % 2 if args[1] is None else args[1]
+        settled = settles(status_frames(room, TransferPoll.Success, rank), c.lanes) if lanes else None
+        if settled is None:
+            return c.status(now, room, TransferPoll.Success, rank)
+        del c.lanes[settled]
+        return c.lanes_settled(now, [settled])
+    if kind == "answer":
+        return c.cancel_answered(now, *args)
+    if kind == "cancel_unsent":
+        return [] if token is None else c.cancel_unsent(now, args[0], args[1], token)
+    if kind == "dropped":
+        return c.connection_dropped(now, args[0])
+    if kind == "connect_failed":
+        return c.connect_failed(now, args[0], "connection refused")
+    if kind == "refused":
+        asks = [a for a in last if type(a) in (Announce, SendAsk)]
+        return c.refused(now, asks[0].addr, [a for a in asks if a.addr == asks[0].addr]) if asks else []
+    if kind == "unsent":
+        asks = [a for a in last if type(a) is SendAsk]
+        return c.unsent(now, asks[0], Failure(FailureKind.OTHER, "the socket raised")) if asks else []
+    if kind == "writable":
+        return c.writable(now, args[0])
+    if kind == "parallel":
+        return c.parallel_resolved(now, BOOT, *args[0])
+    if kind == "route":
+        return c.route_resolved(now, *args)
+    if kind == "missing":
+        return c.route_missing(now, args[0], "no such encode rank")
+    if kind == "lookup_failed":
+        return c.lookup_failed(now, BOOT, args[0], "server down", 0.1)
+    if kind == "tick":
+        return c.tick(now, 2, unread=args[1])
+    if kind == "fail":
+        return [] if token is None else c.fail(now, args[0], token, Failure(FailureKind.OTHER, "failed"))
+    if kind == "idle_closed":
+        return c.connection_closed(now, args[0]) if c.idle(args[0], now) else []
+    return c.close(now, Failure(FailureKind.CLOSED, "closed"))
+
+
+def books(c: PrefillCore) -> tuple:
+    """What a lane must leave as status() would: the rooms, who answered when, cancels, unfenced asks."""
+    rooms = sorted((room, s.stage, s.token, s.asked, s.given_up, s.safe, s.outcome) for room, s in c._rooms.items())
+    return (rooms, dict(c._answered_at), dict(c._unfenced_asks), c.cancels.pending, dict(c.cancels._ghosts),
+            dict(c._conns))
+
+
+ASKED = [("receive", 0), ("parallel", (2, 2)), ("route", KEYS[0], ENCODE, None)]
+# A lane's room cleared (not given up first), or its ask not taken by the socket, then its Success.
+CLEARED = [*ASKED, ("clear", 0, False), ("success", 0, None)]
+REFUSED = [*ASKED, ("refused",), ("success", 0, None)]
+# Rooms asked again while the earlier ask's statuses may still come: its cancel unanswered, or given up with none.
+ASKED_AGAIN_WITH_A_CANCEL_OUT = [*ASKED, ("clear", 0, True), ("receive", 0), ("tick", 1.0, False), ("success", 0, None)]
+ASKED_AGAIN_WITH_NO_CANCEL = [*ASKED, ("dropped", ENCODE), ("clear", 0, True), ("receive", 0),
+                              ("route", KEYS[0], ENCODE, None), ("success", 0, None)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(EVENTS, st.integers(1, 3), st.sampled_from([1, 2, 256]))
+@example(CLEARED, 1, 256)
+@example(REFUSED, 1, 256)
+@example(ASKED_AGAIN_WITH_A_CANCEL_OUT, 1, 256)
+@example(ASKED_AGAIN_WITH_NO_CANCEL, 1, 256)
+def test_a_core_settling_lanes_takes_every_event_as_one_without_them(events, ask_batch, max_sockets):
+    """Integrity checks off, prefill tp 2, rooms 0-4 over two encode ranks and three addresses: each event does
+    the same to a core whose lane Successes go to lanes_settled as to one that takes them all through status()."""
+    in_lanes, general = (prefill_core(tp_size=2, deadline_s=10.0, integrity=False, ask_batch=ask_batch,
+                                      max_sockets=max_sockets) for _ in range(2))
+    now = 0.0
+    last: tuple[list, list] = ([], [])
+    for event in events:
+        now += 0.05 + (event[1] if event[0] == "tick" else 0.0)
+        last = (step(in_lanes, event, now, last[0], lanes=True), step(general, event, now, last[1], lanes=False))
+        assert last[0] == last[1], event
+        assert books(in_lanes) == books(general), event
+        assert all(in_lanes.stage(room) == "asked" for room in in_lanes.lanes), event
