@@ -14,14 +14,15 @@ import os
 from urllib.parse import parse_qs
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from prefill_rooms import BOOT, ENCODE, KEY0, core, spec
 
+from transfer import _native, wire
 from transfer import bootstrap as bs
-from transfer import wire
 from transfer.core.encode import EncodeCore, Offer, PushStatus, StartWrite
-from transfer.core.prefill import Conclude, SendAsk
+from transfer.core.lane import settles
+from transfer.core.prefill import Conclude, PrefillCore, SendAsk
 from transfer.frames import (
     MAX_REASON_BYTES,
     Cancel,
@@ -418,6 +419,42 @@ def lies_about_the_room(room: int, rank: int) -> bool:
     return room == GOOD_ROOM and rank == 0
 
 
+def take_status(prefill: PrefillCore, event: tuple, now: float, lanes: bool = False) -> list:
+    """What the prefill core does with one status event, as the session manager's I/O thread feeds it (with
+    `lanes`, a message that settles a lane goes to `lanes_settled`, as the native intake hands it over)."""
+    if event[0] == "frames":
+        frames = event[1]
+        if lanes:
+            room = settles(frames, prefill.lanes)
+            assert _native.lane_match(frames, prefill.lanes, int(TransferPoll.Success)) == room
+            if room is not None:
+                if lies_about_the_room(room, prefill.lanes[room]):
+                    return []
+                del prefill.lanes[room]
+                return prefill.lanes_settled(now, [room])
+        try:
+            reply = parse_cancel_reply(frames)
+            if reply is not None:
+                if lies_about_the_room(reply.room, reply.rank):
+                    return []
+                return prefill.cancel_answered(now, reply.room, reply.rank, reply.answer)
+            room, poll, rank, sums = parse_status(frames)
+            unreadable = None
+            reason = parse_failure_reason(frames) if poll is TransferPoll.Failed and len(frames) > 3 else None
+        except UnreadableChecksum as exc:
+            room, poll, rank, sums, unreadable, reason = exc.room, exc.status, exc.rank, (), str(exc), None
+        except WireError:
+            return []
+        if lies_about_the_room(room, rank):
+            return []
+        return prefill.status(now, room, poll, rank, sums, unreadable, reason)
+    if event[0] == "status" and not lies_about_the_room(event[1], event[3]):
+        return prefill.status(now, *event[1:])
+    if event[0] == "answer" and not lies_about_the_room(event[1], event[2]):
+        return prefill.cancel_answered(now, *event[1:])
+    return []
+
+
 @given(st.lists(status_events, max_size=12))
 def test_the_prefill_core_fed_any_parsed_status_raises_nothing_and_still_concludes_its_room(events):
     prefill = core()
@@ -427,30 +464,59 @@ def test_the_prefill_core_fed_any_parsed_status_raises_nothing_and_still_conclud
     now = 0.0
     for event in events:
         now += 0.01
-        if event[0] == "frames":  # as the session manager's I/O thread reads one
-            frames = event[1]
-            try:
-                reply = parse_cancel_reply(frames)
-                if reply is not None:
-                    if not lies_about_the_room(reply.room, reply.rank):
-                        prefill.cancel_answered(now, reply.room, reply.rank, reply.answer)
-                    continue
-                room, poll, rank, sums = parse_status(frames)
-                unreadable = None
-                reason = parse_failure_reason(frames) if poll is TransferPoll.Failed and len(frames) > 3 else None
-            except UnreadableChecksum as exc:
-                room, poll, rank, sums, unreadable, reason = exc.room, exc.status, exc.rank, (), str(exc), None
-            except WireError:
-                continue
-            if not lies_about_the_room(room, rank):
-                prefill.status(now, room, poll, rank, sums, unreadable, reason)
-        elif event[0] == "status" and not lies_about_the_room(event[1], event[3]):
-            prefill.status(now, *event[1:])
-        elif event[0] == "answer" and not lies_about_the_room(event[1], event[2]):
-            prefill.cancel_answered(now, *event[1:])
+        take_status(prefill, event, now)
     assert prefill.stage(GOOD_ROOM) == "asked"
     actions = prefill.status(now, GOOD_ROOM, TransferPoll.Success, 0)
     assert [(a.room, a.failure) for a in actions if isinstance(a, Conclude)] == [(GOOD_ROOM, None)]
+
+
+# Rooms asked besides the served one, each in a lane (integrity checks off), which hostile statuses may settle
+# or end; and one never asked.
+LANE_ROOMS, UNASKED_ROOM = (5, 6), 7
+lane_status_events = st.one_of(
+    status_events,
+    st.sampled_from([status_frames(room, TransferPoll.Success, 0, sums) for room in (*LANE_ROOMS, UNASKED_ROOM)
+                     for sums in ((), (1,), (1, U64_MAX))]).flatmap(mutated_parts).map(lambda f: ("frames", f)),
+    st.tuples(st.sampled_from((*LANE_ROOMS, UNASKED_ROOM)), st.sampled_from(list(TransferPoll)), st.integers(0, 2),
+              st.lists(st.integers(0, U64_MAX), max_size=2).map(tuple))
+    .map(lambda t: ("frames", status_frames(*t))),
+    st.tuples(st.just("answer"), st.sampled_from(LANE_ROOMS), st.integers(0, 1), st.sampled_from(list(CancelAnswer))),
+)
+
+
+@given(st.lists(lane_status_events, max_size=12))
+@example([("frames", status_frames(5, TransferPoll.Success, 0))])
+def test_the_prefill_core_settling_lanes_does_with_any_status_what_its_general_rules_do(events):
+    """Integrity checks off: one core settles what lanes take, the other takes everything through status();
+    each event must do the same in both, and the served room still concludes on its Success."""
+    cores = []
+    for _ in range(2):
+        prefill = core(integrity=False)
+        for room in (GOOD_ROOM, *LANE_ROOMS):
+            prefill.receive(0.0, spec(room, slot=room))
+        prefill.parallel_resolved(0.0, BOOT, 1, 1)
+        assert [a.room for a in prefill.route_resolved(0.0, KEY0, ENCODE) if isinstance(a, SendAsk)] \
+            == [GOOD_ROOM, *LANE_ROOMS]
+        assert prefill.lanes == {GOOD_ROOM: 0, **{room: 0 for room in LANE_ROOMS}}
+        cores.append(prefill)
+    in_lanes, general = cores
+    now = 0.0
+    for event in events:
+        now += 0.01
+        assert take_status(in_lanes, event, now, lanes=True) == take_status(general, event, now), event
+        assert [(in_lanes.stage(room), in_lanes.token(room)) for room in (GOOD_ROOM, *LANE_ROOMS)] \
+            == [(general.stage(room), general.token(room)) for room in (GOOD_ROOM, *LANE_ROOMS)]
+        assert in_lanes._answered_at == general._answered_at
+        assert all(in_lanes.stage(room) == "asked" for room in in_lanes.lanes)
+    assert in_lanes.stage(GOOD_ROOM) == general.stage(GOOD_ROOM) == "asked"
+    success = status_frames(GOOD_ROOM, TransferPoll.Success, 0)
+    if settles(success, in_lanes.lanes) == GOOD_ROOM:  # else a status about it, from another rank, ended its lane
+        del in_lanes.lanes[GOOD_ROOM]
+        actions = in_lanes.lanes_settled(now, [GOOD_ROOM])
+    else:
+        actions = in_lanes.status(now, GOOD_ROOM, TransferPoll.Success, 0)
+    assert actions == general.status(now, GOOD_ROOM, TransferPoll.Success, 0) \
+        == [Conclude(GOOD_ROOM, in_lanes.token(GOOD_ROOM), None)]
 
 
 def test_the_mutations_reach_every_kind_of_outcome():
