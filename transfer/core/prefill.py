@@ -1373,7 +1373,7 @@ class PrefillCore:
         actions.append(SendAsk(addr, spec.room, state.token, info))
         state.stage = ASKED
         state.asked = True
-        if not self.integrity and state.encode_rank is not None:
+        if not self.integrity and state.encode_rank is not None and not state.given_up:
             # No earlier ask of the room number may still be told of (`_ignored`, `_unfenced`): none given up
             # without a cancel, even one STALE_CANCEL_S ago, nor one whose cancel awaits answers.
             asked = (spec.room, state.encode_rank)
