@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from prefill_rooms import BOOT, ENCODE, asked, spec
+from prefill_rooms import BOOT, ENCODE, KEY0, asked, spec
 from prefill_rooms import core as prefill_core
 
 from transfer import _native
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.lane import MAX_DIGITS, settles
-from transfer.core.prefill import Announce, Conclude, PrefillCore, SendAsk, Warn
+from transfer.core.prefill import Announce, Conclude, LookUpParallel, PrefillCore, SendAsk, Warn
 from transfer.frames import CancelAnswer, parse_cancel_reply, parse_status, status_frames
 from transfer.status import TransferPoll
 
@@ -298,3 +298,14 @@ def test_a_core_settling_lanes_takes_every_event_as_one_without_them(events, ask
         assert last[0] == last[1], event
         assert books(in_lanes) == books(general), event
         assert all(in_lanes.stage(room) == "asked" for room in in_lanes.lanes), event
+
+
+def test_a_room_given_up_before_its_ask_goes_out_gets_no_lane():
+    """The driver clears a room in the same hold it gives it up in; a core driven alone may ask for it after."""
+    c = plain()
+    token, actions = c.receive(0.0, spec(5, slot=5))
+    assert actions == [LookUpParallel(BOOT)]
+    c.abandon(0.1, 5, token)
+    c.parallel_resolved(0.2, BOOT, 1, 1)
+    assert SendAsk in [type(a) for a in c.route_resolved(0.3, KEY0, ENCODE)]
+    assert c.lanes == {}
