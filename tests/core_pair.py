@@ -321,7 +321,9 @@ class Pair:
                 if rank.core.asking(action.room, action.token):
                     self.send_request(rank, action.addr, action.info.to_frames(), f"ask room {action.room}")
             elif kind is pre.SendCancel:
-                if action.addr in rank.conns:
+                # A socket a drop left stays and connects again (one the core let go of is closed); an unasked
+                # cancel goes on it then, where the core still holds a connection to that address.
+                if action.addr in rank.conns or (action.unasked and rank.core.connected(action.addr)):
                     self.send_request(rank, action.addr, action.frames, f"cancel room {action.room}")
             elif kind is pre.Disconnect:
                 conn = rank.conns.pop(action.addr, None)
@@ -623,7 +625,8 @@ class Pair:
         else:
             addr = self.encodes[action.key[2]].addr
             self.note(f"prefill {rank.rank}: look-up: encode rank {action.key[2]} at {addr}")
-            self.carry_prefill(rank, core.route_resolved(self.now, action.key, addr))
+            # Our bootstrap server names the registration of each of our encode ranks.
+            self.carry_prefill(rank, core.route_resolved(self.now, action.key, addr, f"encode-{action.key[2]}"))
 
     def tick(self, seconds: float) -> None:
         self.now += seconds

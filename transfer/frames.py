@@ -24,6 +24,7 @@ __all__ = [
     "CANCEL_MARKER",
     "CANCEL_PARTS",
     "CANCEL_READS_WRITE_FAILED",
+    "CANCEL_UNASKED",
     "DEEPSTACK_ROW_BYTES_PART",
     "DTYPE_BYTES",
     "MAX_REGIONS_PER_SESSION",
@@ -80,6 +81,10 @@ CANCEL_MARKER = b"Cancel"
 CANCEL_PARTS = 5
 #: A cancel's part 5 when its sender reads CancelAnswer.WRITE_FAILED (earlier releases did not).
 CANCEL_READS_WRITE_FAILED = b"reads-write-failed"
+#: A cancel's part 5 when its sender failed the room before asking for it (an unasked cancel): the
+#: room's fanout cannot complete; no answer is awaited. A rank that does not read it takes a plain cancel
+#: of a room that sender has nothing parked for, which stops nothing.
+CANCEL_UNASKED = b"unasked"
 
 
 class CancelAnswer(Enum):
@@ -833,26 +838,31 @@ def shown(text: str, limit: int = MAX_REASON_BYTES) -> str:
 
 @dataclass(frozen=True)
 class Cancel:
-    """A prefill rank gave up on a room it asked for: write nothing more into its memory for it."""
+    """A prefill rank gave up on a room it asked for: write nothing more into its memory for it; or
+    (`unasked`) it failed the room before asking for it: it will not ask for the room's item."""
 
     room: int
     endpoint: str
     port: int
     session_id: str
     reads_write_failed: bool = False  # its sender reads CancelAnswer.WRITE_FAILED
+    unasked: bool = False  # its sender never asked for this room: no answer is awaited
 
     def to_frames(self) -> list[bytes]:
         """Encode as cancel parts (see cancel_frames)."""
-        return cancel_frames(self.room, self.endpoint, self.port, self.session_id, self.reads_write_failed)
+        return cancel_frames(self.room, self.endpoint, self.port, self.session_id, self.reads_write_failed,
+                             unasked=self.unasked)
 
 
 def cancel_frames(room: int, endpoint: str, port: int, session_id: str, reads_write_failed: bool = False,
-                  ) -> list[bytes]:
+                  *, unasked: bool = False) -> list[bytes]:
     """Encode a cancel: the marker, room, status endpoint, port and session (the ask's), and whether
-    its sender reads a WRITE_FAILED answer."""
+    its sender reads a WRITE_FAILED answer, or (`unasked`, which takes part 5 instead) that it never asked."""
     frames = [CANCEL_MARKER, _encode_room(room), _encode_text(endpoint, "endpoint"), _encode_port(port),
               _encode_text(session_id, "session")]
-    if reads_write_failed:
+    if unasked:
+        frames.append(CANCEL_UNASKED)
+    elif reads_write_failed:
         frames.append(CANCEL_READS_WRITE_FAILED)
     return frames
 
@@ -876,8 +886,8 @@ def parse_cancel(frames: Sequence[object]) -> Cancel:
     endpoint = _text(parts[2], "endpoint")
     port = _port(_number(parts[3], "port"))
     session_id = _text(parts[4], "session")
-    reads_write_failed = len(frames) > CANCEL_PARTS and _part(frames[CANCEL_PARTS]) == CANCEL_READS_WRITE_FAILED
-    return Cancel(room, endpoint, port, session_id, reads_write_failed)
+    flag = _part(frames[CANCEL_PARTS]) if len(frames) > CANCEL_PARTS else None
+    return Cancel(room, endpoint, port, session_id, flag == CANCEL_READS_WRITE_FAILED, unasked=flag == CANCEL_UNASKED)
 
 
 @dataclass(frozen=True)

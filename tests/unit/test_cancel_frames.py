@@ -40,6 +40,18 @@ def test_a_cancel_says_in_part_5_that_its_sender_reads_write_failed_answers():
     assert parse_cancel(frames[:5] + [b"reads-something-else"]).reads_write_failed is False
 
 
+def test_an_unasked_cancel_says_so_in_part_5_and_reads_as_a_plain_cancel_to_an_earlier_release():
+    cancel = Cancel(7, "127.0.0.1", 5555, "127.0.0.1:17000", unasked=True)
+    frames = cancel.to_frames()
+    assert frames == [b"Cancel", b"7", b"127.0.0.1", b"5555", b"127.0.0.1:17000", b"unasked"]
+    assert frames == cancel_frames(7, "127.0.0.1", 5555, "127.0.0.1:17000", reads_write_failed=True, unasked=True)
+    assert parse_cancel(frames) == cancel and not cancel.reads_write_failed
+    assert parse_cancel(frames + [b"later parts ignored"]) == cancel
+    # An earlier release read part 5 for reads-write-failed alone: it takes this for a plain cancel.
+    assert parse_cancel(frames[:5] + [b"reads-write-failed"]).unasked is False
+    assert len(frames) < TRANSFER_INFO_PARTS  # a peer drops it as malformed
+
+
 def test_cancel_is_a_shape_the_peers_drop():
     """A peer parses any request not marked None as a TransferInfo: a cancel is too short for one."""
     assert len(cancel_frames(1, "h", 1, "s")) == CANCEL_PARTS < TRANSFER_INFO_PARTS

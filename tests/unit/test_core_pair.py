@@ -437,3 +437,48 @@ def test_a_room_asked_in_the_plain_case_is_settled_in_its_lane():
     pair = _lanes_on_and_off([6, 8] + [0] * 20, RELIABLE)
     assert pair.settled_in_lanes >= 1
     assert all(not p.core.lanes for p in pair.prefills)
+
+
+def _block_whose_second_rank_fails_room_2_unasked(offer_first: bool) -> Pair:
+    """Prefill tp 2 over encode tp 1 (fanout 2): room 1 goes through, then prefill rank 1's bootstrap server
+    is not asked for a while (a look-up of it timed out after its connection dropped) and its room 2 fails
+    before any ask, while rank 0 asks for room 2 and the encode rank is sent its item (before or after)."""
+    pair = Pair(encode_tp=1, prefill_tp=2, deadline_s=60.0, fanout_timeout_s=120.0)
+    for p in (0, 1):
+        pair.receive(p, 1)
+    pair.offer(0, 1)
+    pair.drain("lookup", "request", "land", "complete", "status", "verify")
+    assert [rec.outcome() for rec in pair.all_receives] == ["Success", "Success"]
+    for p in (0, 1):
+        pair.clear_receive(p, 1)
+    pair.clear_send(0, 1)
+    rank1 = pair.prefills[1]
+    addr = pair.encodes[0].addr
+    pair.drop_connection(1, addr)  # its route is looked up again by the next room
+    rank1.core.lookup_failed(pair.now, "10.0.0.1:8998", None, "timed out", 2.0)  # the server is not asked for a while
+    if offer_first:
+        pair.offer(0, 2)
+    pair.receive(0, 2)
+    pair.receive(1, 2)
+    if not offer_first:
+        pair.tick(0.5)
+        pair.drain("request")
+        pair.offer(0, 2)  # the item waits a moment for that rank's ask, in case it asks again at once
+        pair.tick(0.2)
+    pair.drain("lookup", "request", "land", "complete", "status", "verify")
+    return pair
+
+
+@pytest.mark.parametrize("offer_first", [True, False])
+def test_a_rank_that_fails_a_room_before_asking_fails_it_at_once_for_the_rest_of_its_block(offer_first):
+    pair = _block_whose_second_rank_fails_room_2_unasked(offer_first)
+    rank0, rank1 = (next(rec for rec in pair.all_receives if rec.room == 2 and rec.rank == p) for p in (0, 1))
+    assert rank1.outcome() == "Failed(bootstrap)"
+    # Rank 0 hears of it from the encode rank at once, not at its deadline; the item is not held for the fanout.
+    assert rank0.outcome() == "Failed(peer_failed)", pair.trace()
+    [send] = [send for send in pair.all_sends if send.room == 2]
+    assert send.concluded[0][1].kind is FailureKind.CANCELLED
+    assert "receiver 10.0.2.1:17001" in send.concluded[0][1].detail
+    assert pair.now < 1.0
+    pair.settle()
+    pair.check_concluded()

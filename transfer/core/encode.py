@@ -17,7 +17,10 @@ A receiver that gave up on a room sends a cancel (our extension): its parked ask
 or queued write is dropped and the room concludes Failed (`cancelled`), never
 Success. Its answer says whether the receiver's memory is safe now (nothing was or
 will be written) or a write was already in flight; then a second answer follows
-once that write is over.
+once that write is over. A receiver that failed a room before asking for it sends an
+unasked cancel: the room's fanout cannot complete, so its item fails at once (or when
+it comes), telling the receivers that asked Failed instead of holding them for the
+fanout timeout; it is not answered (see `_unasked`).
 
 A receiver may give a room up and ask for it again at once (cancel, then ask). An
 item that comes within REASK_GRACE_S of the cancel of a parked ask waits the rest of
@@ -534,6 +537,9 @@ class EncodeCore:
         receiver is answered confirmed at once, or, when its write is already in flight
         (the engine cannot take it back), too late now and confirmed once it is over.
         """
+        if cancel.unasked:
+            self._unasked(cancel.room, cancel.session_id, now)
+            return self._flush(now)
         room_number, session = cancel.room, cancel.session_id
         # Every write into that receiver for the room number: an earlier send's may still fly
         # beside the current one's.
@@ -546,6 +552,28 @@ class EncodeCore:
         self._cancel_unstarted(room_number, session, detail, now)
         self._first_cancel_answer(cancel, flying, now)
         return self._flush(now)
+
+    def _unasked(self, room_number: int, session: str, now: float) -> None:
+        """A receiver failed the room before asking for it (an unasked cancel): the room's fanout cannot
+        complete. Its item fails now, telling the receivers parked for it Failed, or, not sent yet, when it
+        comes (unless that receiver asks for the room meanwhile: `_forget_cancel`). Nothing is done where
+        anything of that receiver's is under way for the room number (a parked ask or a write: an earlier
+        ask's, whose own rules hold), nor to a room being written to a fanout without it or over already.
+        Not answered: its sender awaits no answer (its memory was never offered)."""
+        if any(job.room.room == room_number and job.info.session_id == session for job in self._writes.values()):
+            return
+        asks = self.parked.get(room_number)
+        if asks is not None and session in asks.infos:
+            return
+        room = self._rooms.get(room_number)
+        if room is None:
+            remember(self._cancelled, room_number, _CancelledAsk(session, now), MAX_CANCELLED_ROOMS)
+            return
+        if room.failed or room.succeeded or room.receivers:
+            return
+        self._fail_by_cancel(room, session, f"room {room_number}: receiver {receiver_text(session)} failed it "
+                                            f"before asking for it, so its whole fanout will not ask", now)
+        self._dispatch(room_number, now)  # tells the receivers parked for it Failed
 
     def _cancel_unstarted(self, room_number: int, session: str, detail: str, now: float) -> None:
         """Drops the cancelling receiver's parked ask and fails the room the cancel is for, unless nothing of

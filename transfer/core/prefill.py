@@ -24,6 +24,11 @@ is safe to reuse (`MemorySafe`) at once when no encode rank was ever asked, or o
 the encode rank confirms the cancel. Without either, only the caller's quarantine
 bound makes it safe. A room asked for again while such a cancel is unanswered must
 not take the earlier ask's status for its own (see `_ask`).
+
+A room that fails before its ask went out gets an unasked cancel to its encode rank, where
+that rank is known, ours, and connected (see `_unasked_cancel`): that rank would otherwise hold
+the item, and the asks of the rest of the room's fanout, until its fanout timeout, and those
+prefill ranks' rooms until their deadlines.
 """
 
 from __future__ import annotations
@@ -158,13 +163,15 @@ class SendAsk:
 
 @dataclass(frozen=True)
 class SendCancel:
-    """Tell the encode rank at `addr` the room is given up: write nothing more into its memory."""
+    """Tell the encode rank at `addr` the room is given up: write nothing more into its memory; or (`unasked`)
+    that the room failed before its ask went out, so its fanout will not complete (no answer is awaited)."""
 
     addr: Address
     room: int
     rank: int
     token: int
     frames: list[bytes] = field(repr=False, compare=False)
+    unasked: bool = False
 
 
 @dataclass(frozen=True)
@@ -1186,7 +1193,30 @@ class PrefillCore:
             self.lanes.pop(state.room, None)
         state.stage = CONCLUDED
         state.outcome = failure
+        if failure is not None and not state.asked:
+            return [Conclude(state.room, state.token, failure, unverified), *self._unasked_cancel(state)]
         return [Conclude(state.room, state.token, failure, unverified)]
+
+    def _unasked_cancel(self, state: _Room) -> list:
+        """The unasked cancel of a room that failed before its ask went out (our extension, docs/protocol.md 8).
+
+        Its encode rank holds the item, and the asks of the other prefill ranks of its fanout, until the whole
+        fanout asked: with this rank failing the room unasked, until the fanout timeout on that side, and the
+        other ranks' rooms until their deadlines. So the room's encode rank is told, where it is known (the
+        route looked up, or where it was last found), a connection to it is in use (none is made for this),
+        it registered as one of ours (the bootstrap server named its registration: a peer's never is, and a
+        peer would log each cancel as a malformed request), and no cancel of the room to that rank awaits
+        answers (an encode rank of an earlier
+        release answers this one as a plain cancel, which would be taken for that one's). No answer is awaited:
+        the room's memory was never offered."""
+        key, rank = state.route_key, state.encode_rank
+        if key is None or rank is None or key not in self._instances:
+            return []
+        addr = self._routes.get(key) or self._resolved.get(key)
+        if addr is None or addr not in self._conns or self.cancels.holds((state.room, rank)):
+            return []
+        frames = cancel_frames(state.room, self.host, self.status_port, self.session_id, unasked=True)
+        return [SendCancel(addr, state.room, rank, state.token, frames, unasked=True)]
 
     def _give_up(self, now: float, state: _Room) -> list:
         """Tells the encode rank the room is given up, on the connection it was asked on.

@@ -942,6 +942,8 @@ class PrefillDriver:
                 _io.send_frames(sock, action.frames)
                 return []
             except zmq.Again:
+                if action.unasked:
+                    return []  # it awaits no answer: its memory was never offered
                 self._complaints.warning("cancel not sent", "room %d: the socket to %s:%d cannot take its cancel "
                                          "now; its memory is safe only after the quarantine bound", action.room,
                                          *action.addr)
