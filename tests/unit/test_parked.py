@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from transfer.core.parked import ASK_OVERHEAD_BYTES, ParkedAsks, ask_cost
 
 
@@ -123,3 +126,34 @@ def test_a_session_past_its_share_of_the_bytes_drops_its_own_oldest_asks_but_nev
     admission = parked.add(big, now=3.0)
     assert [i.room for i in admission.dropped] == [1, 2, 3] and parked.rooms() == [100, 4]
     assert parked.nbytes == ask_cost(_ask(100, "good")) + ask_cost(big)
+
+
+_SESSIONS = ("a", "b", "c")
+_OPS = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 3), st.sampled_from(_SESSIONS), st.integers(1, 3),
+              st.sampled_from(("10.0.0.7", "10.0.0.777"))),
+    st.tuples(st.just("drop_ask"), st.integers(0, 3), st.sampled_from(_SESSIONS)),
+    st.tuples(st.just("drop_session"), st.sampled_from(_SESSIONS)),
+    st.tuples(st.just("take"), st.integers(0, 3)),
+), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_OPS, max_rooms=st.integers(2, 8), max_bytes=st.integers(3, 20))
+def test_each_rooms_fanout_first_ask_and_bytes_stay_those_of_its_parked_asks(ops, max_rooms, max_bytes):
+    """Whatever comes and goes (repeats, drops, evictions under tight bounds), a room's fanout is its first
+    parked ask's, and every byte count is the sum of its parked asks' costs."""
+    parked = ParkedAsks(max_rooms=max_rooms, max_bytes=max_bytes * ASK_OVERHEAD_BYTES)
+    for now, (op, *args) in enumerate(ops):
+        if op == "add":
+            room, session, fanout, endpoint = args
+            parked.add(_ask(room, session, fanout=fanout, endpoint=endpoint), now=float(now))
+        else:
+            getattr(parked, op)(*args)
+        total = 0
+        for asks in parked.values():
+            first = next(iter(asks.infos.values()))
+            assert (asks.fanout, asks.first) == (first.fanout, first.session_id)
+            assert asks.nbytes == sum(ask_cost(info) for info in asks.infos.values())
+            total += asks.nbytes
+        assert parked.nbytes == total

@@ -59,12 +59,15 @@ class DestinationBook:
 
     def hold(self, session: str, room: int, ranges: list[tuple[int, int]]) -> tuple[Held, ...]:
         """Files `room`'s [start, end) ranges for `session`; returns what free() lets go of later."""
-        entry = self._sessions.setdefault(session, _Session())
+        entry = self._sessions.get(session)
+        if entry is None:
+            entry = self._sessions[session] = _Session()
         held = []
         for start, end in ranges:
             seq, self._next_seq = self._next_seq, self._next_seq + 1
             bisect.insort(entry.spans, (start, end, seq, room))
-            entry.longest = max(entry.longest, end - start)
+            if end - start > entry.longest:
+                entry.longest = end - start
             held.append(Held(start, end, seq))
         return tuple(held)
 

@@ -990,7 +990,9 @@ class EncodeCore:
         sessions = {info.session_id for info in kept}
         if not room.failed:
             if asked is not None and not kept:
-                self._check_fanouts_agree(room, asks, [asked], now)
+                # The first ask's fanout is the room's (asks.fanout): a later ask that agrees with it agrees.
+                if asked.fanout != fanout or asked.session_id == asks.first:
+                    self._check_fanouts_agree(room, asks, [asked], now)
             else:
                 self._check_fanouts_agree(room, asks, [*kept, *asks.infos.values()], now)
         if not room.failed:
@@ -1005,17 +1007,19 @@ class EncodeCore:
             for info in newcomers:
                 self._tell_failed([info], self._reask_failure(room, info, now))
             return
-        infos = sorted(kept + newcomers, key=lambda i: (i.row_start, i.session_id))
+        infos = sorted(kept + newcomers, key=lambda i: (i.row_start, i.session_id)) if kept else newcomers
         room.receivers = infos
         room.orphans = []
         self._unserved.discard(room_number)
+        offer = room.offer
+        ranges = [self._ranges(info, offer) for info in newcomers]
         if (self._fanout_too_late(room, fanout, first_at, last_at, len(infos), now)
-                or self._refused(room, infos, newcomers, fanout, now)):
+                or self._refused(room, infos, newcomers, ranges, fanout, now)):
             return
         if not kept:
-            self._out.append(Progress(room_number, room.offer.token, TransferPoll.Transferring, first_at, now))
+            self._out.append(Progress(room_number, offer.token, TransferPoll.Transferring, first_at, now))
         # A fanout let in past its time-out while the rules were held back: its writes' wait starts now.
-        self._queue_writes(room, newcomers, first_at if now - first_at <= self.fanout_timeout_s else now)
+        self._queue_writes(room, newcomers, ranges, first_at if now - first_at <= self.fanout_timeout_s else now)
 
     def _check_fanouts_agree(self, room: _Room, asks: Asks, infos: list[TransferInfo], now: float) -> None:
         """Asks that disagree on the fanout would wait for ranks that do not exist: fails the room at once."""
@@ -1056,9 +1060,10 @@ class EncodeCore:
                                                      f"{waited:.1f}s after the first)", now)
         return True
 
-    def _refused(self, room: _Room, infos: list[TransferInfo], newcomers: list[TransferInfo], fanout: int,
-                 now: float) -> bool:
-        """Fails the room if its receivers' geometry, regions or destinations rule its writes out."""
+    def _refused(self, room: _Room, infos: list[TransferInfo], newcomers: list[TransferInfo],
+                 ranges: list[list[tuple[int, int]]], fanout: int, now: float) -> bool:
+        """Fails the room if its receivers' geometry, regions or destinations (`ranges`, each newcomer's
+        `_ranges`) rule its writes out."""
         offer = room.offer
         has_deepstack = offer.deepstack_addr is not None
         reason = validate_fanout(offer.span, offer.hidden, offer.dtype, has_deepstack, infos, fanout,
@@ -1067,20 +1072,23 @@ class EncodeCore:
         if reason is None:
             reason, kind = self.regions.check(newcomers, offer.row_bytes, offer.deepstack_row_bytes), FailureKind.REGION
         if reason is None:
-            reason = self._overlap(newcomers, offer, now)
+            reason = self._overlap(newcomers, ranges, now)
         if reason is None:
             return False
         self._fail(room, kind, reason, now)
         return True
 
-    def _queue_writes(self, room: _Room, newcomers: list[TransferInfo], first_at: float) -> None:
-        """Queues a write of each newcomer's shard (a superseded session's write may still be in flight)."""
+    def _queue_writes(self, room: _Room, newcomers: list[TransferInfo], ranges: list[list[tuple[int, int]]],
+                      first_at: float) -> None:
+        """Queues a write of each newcomer's shard, holding its destination `ranges` (each newcomer's
+        `_ranges`) until it is over (a superseded session's write may still be in flight)."""
         room.pending += len(newcomers)
-        for info in newcomers:
-            job = _Job(room, info, regions_checked=self.regions.version)
-            self._hold_ranges(job, room.offer)
-            room.queued.append(job)
-            self.scheduler.push(job, info.session_id, first_at)
+        version, hold, queued, push = self.regions.version, self._destinations.hold, room.queued, self.scheduler.push
+        for info, spans in zip(newcomers, ranges):
+            session = info.session_id
+            job = _Job(room, info, hold(session, room.room, spans), version)
+            queued.append(job)
+            push(job, session, first_at)
 
     def _pump(self, now: float) -> None:
         """Starts the waiting writes that may start now."""
@@ -1176,20 +1184,24 @@ class EncodeCore:
         self._destinations.free(job.info.session_id, job.ranges)
         job.ranges = ()
 
-    def _ranges(self, info: TransferInfo, offer: Offer) -> list[tuple[int, int]]:
-        """The destination byte ranges a receiver's write covers (empty ones left out)."""
-        ranges = [(info.embedding_ptr, info.rows * offer.row_bytes)]
+    @staticmethod
+    def _ranges(info: TransferInfo, offer: Offer) -> list[tuple[int, int]]:
+        """The destination byte ranges [start, end) a receiver's write covers (empty ones left out)."""
+        length = info.rows * offer.row_bytes
+        ranges = [(info.embedding_ptr, info.embedding_ptr + length)] if length > 0 else []
         if offer.deepstack_addr is not None:
-            ranges.append((info.deepstack_ptr, info.rows * offer.deepstack_row_bytes))
-        return [(ptr, ptr + length) for ptr, length in ranges if length > 0]
+            length = info.rows * offer.deepstack_row_bytes
+            if length > 0:
+                ranges.append((info.deepstack_ptr, info.deepstack_ptr + length))
+        return ranges
 
-    def _overlap(self, infos: list[TransferInfo], offer: Offer, now: float) -> str | None:
+    def _overlap(self, infos: list[TransferInfo], ranges: list[list[tuple[int, int]]], now: float) -> str | None:
         """Why a receiver's destination overlaps another room's write of the same session still queued or
         in flight, or failed within its quarantine, or None: two rooms writing one range would leave
         either's rows torn."""
         self._destinations.expire(now)
-        for info in infos:
-            for start, end in self._ranges(info, offer):
+        for info, spans in zip(infos, ranges):
+            for start, end in spans:
                 other = self._destinations.overlap(info.session_id, info.room, start, end)
                 if other is None:
                     continue
@@ -1201,10 +1213,6 @@ class EncodeCore:
                 return (f"{what}, whose write there failed {now - failed_at:.1f}s ago: its bytes may still land "
                         f"for {other.until - now:.1f}s more; give the room another destination, or ask again then")
         return None
-
-    def _hold_ranges(self, job: _Job, offer: Offer) -> None:
-        """Records the job's destinations until it is over."""
-        job.ranges = self._destinations.hold(job.info.session_id, job.room.room, self._ranges(job.info, offer))
 
     def _receiver_done(self, room: _Room, now: float) -> None:
         """One receiver's write is over (settled, failed or skipped)."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from transfer.frames import TransferInfo
 
@@ -47,30 +48,42 @@ def ask_cost(info: TransferInfo) -> int:
     return len(info.endpoint) + len(info.session_id) + len(info.dtype) + ASK_OVERHEAD_BYTES
 
 
-@dataclass
+@dataclass(eq=False)
 class Asks:
-    """One room's parked TransferInfos, by session id, and when the first and the latest came."""
+    """One room's parked TransferInfos, by session id, and when the first and the latest came.
+
+    ParkedAsks keeps `fanout` and `first` current as asks come and go: the fanout the asks
+    announce is the first one's (validation compares the rest), and `first` is that ask's
+    session. `costs` holds what each parked ask counts against the byte bound (ask_cost).
+    """
 
     room: int
     first_at: float
     infos: dict[str, TransferInfo] = field(default_factory=dict)
     nbytes: int = 0
     last_at: float = 0.0
+    fanout: int = 0
+    first: str = ""
+    costs: dict[str, int] = field(default_factory=dict)
 
-    @property
-    def fanout(self) -> int:
-        """The fanout the asks announce (the first one's; validation compares the rest)."""
-        return next(iter(self.infos.values())).fanout
+    def taken_out(self, session: str) -> None:
+        """`session`'s ask left `infos`: the first ask's fanout is the next one's when it was the first."""
+        if session == self.first and self.infos:
+            info = next(iter(self.infos.values()))
+            self.first, self.fanout = info.session_id, info.fanout
 
 
-@dataclass
-class Admission:
+class Admission(NamedTuple):
     """What parking one ask did: whether it was refused, whole rooms evicted to make room, and the asking
     session's own oldest asks dropped to keep it within its share."""
 
     refused: bool = False
-    evicted: list[Asks] = field(default_factory=list)
-    dropped: list[TransferInfo] = field(default_factory=list)
+    evicted: Sequence[Asks] = ()
+    dropped: Sequence[TransferInfo] = ()
+
+
+_PARKED = Admission()  # parked, nothing refused, evicted or dropped: the common case
+_REFUSED = Admission(refused=True)
 
 
 @dataclass(eq=False)
@@ -105,34 +118,39 @@ class ParkedAsks:
         new room past max_rooms evicts the oldest room, and past max_bytes the oldest
         rooms go until the bound holds or only this room is left (`evicted`).
         """
-        admission = Admission()
         session = info.session_id
-        asks = self._rooms.get(info.room)
+        room = info.room
+        asks = self._rooms.get(room)
         if asks is not None and len(asks.infos) >= self.max_receivers and session not in asks.infos:
-            admission.refused = True
-            return admission
+            return _REFUSED
+        evicted: list[Asks] = []
+        dropped: list[TransferInfo] = []
         mine = self._by_session.get(session)
-        if mine is not None and info.room not in mine.rooms and len(mine.rooms) >= self.session_rooms:
-            admission.dropped.append(self._drop_oldest_of(session, mine))
-            asks = self._rooms.get(info.room)  # an ask dropped may have been its room's last
+        if mine is None:
+            mine = self._by_session[session] = _Mine()
+        elif room not in mine.rooms and len(mine.rooms) >= self.session_rooms:
+            dropped.append(self._drop_oldest_of(session, mine))
+            asks = self._rooms.get(room)  # an ask dropped may have been its room's last
         if asks is None:
             if len(self._rooms) >= self.max_rooms:
-                admission.evicted.append(self._evict_oldest())
-            asks = self._rooms[info.room] = Asks(info.room, now)
-        replaced = asks.infos.get(session)
-        asks.infos[session] = info
+                evicted.append(self._evict_oldest())
+            asks = self._rooms[room] = Asks(room, now, fanout=info.fanout, first=session)
+        elif session == asks.first:  # its repeat keeps the first place
+            asks.fanout = info.fanout
+        infos, costs = asks.infos, asks.costs
+        infos[session] = info
         asks.last_at = now
-        mine = self._by_session.setdefault(session, _Mine())
-        mine.rooms[info.room] = None
-        cost = ask_cost(info) - (ask_cost(replaced) if replaced is not None else 0)
+        mine.rooms[room] = None
+        cost = ask_cost(info)
+        costs[session], cost = cost, cost - costs.get(session, 0)
         asks.nbytes += cost
         mine.nbytes += cost
         self.nbytes += cost
         while mine.nbytes > self.session_bytes and len(mine.rooms) > 1:
-            admission.dropped.append(self._drop_oldest_of(session, mine, keep=info.room))
+            dropped.append(self._drop_oldest_of(session, mine, keep=room))
         while self.nbytes > self.max_bytes and len(self._rooms) > 1:
-            admission.evicted.append(self._evict_oldest(keep=info.room))
-        return admission
+            evicted.append(self._evict_oldest(keep=room))
+        return Admission(False, evicted, dropped) if evicted or dropped else _PARKED
 
     def _drop_oldest_of(self, session: str, mine: _Mine, keep: int | None = None) -> TransferInfo:
         """Drops the session's oldest ask but the one in room `keep` (the one being parked)."""
@@ -154,8 +172,8 @@ class ParkedAsks:
         asks = self._rooms.pop(room, None)
         if asks is not None:
             self.nbytes -= asks.nbytes
-            for session, info in asks.infos.items():
-                self._unindex(session, room, ask_cost(info))
+            for session, cost in asks.costs.items():
+                self._unindex(session, room, cost)
         return asks
 
     def _unindex(self, session: str, room: int, cost: int) -> None:
@@ -173,12 +191,14 @@ class ParkedAsks:
         for room in sorted(() if mine is None else mine.rooms):
             asks = self._rooms[room]
             info = asks.infos.pop(session)
-            cost = ask_cost(info)
+            cost = asks.costs.pop(session)
             asks.nbytes -= cost
             self.nbytes -= cost
             dropped.append(info)
             if not asks.infos:
                 del self._rooms[room]
+            else:
+                asks.taken_out(session)
         return dropped
 
     def drop_ask(self, room: int, session: str) -> TransferInfo | None:
@@ -187,12 +207,14 @@ class ParkedAsks:
         info = None if asks is None else asks.infos.pop(session, None)
         if asks is None or info is None:
             return None
-        cost = ask_cost(info)
+        cost = asks.costs.pop(session)
         asks.nbytes -= cost
         self.nbytes -= cost
         self._unindex(session, room, cost)
         if not asks.infos:
             del self._rooms[room]
+        else:
+            asks.taken_out(session)
         return info
 
     def has_session(self, session: str) -> bool:
