@@ -1120,6 +1120,19 @@ def test_a_room_one_of_whose_receivers_restarted_mid_write_writes_that_shard_to_
     assert run.conclusions() == [(7, TransferPoll.Success, None)] and [r.room for r in run.of(Release, done)] == [7]
 
 
+def test_a_served_receivers_next_ask_stays_parked_when_a_successor_takes_the_orphaned_shard():
+    """Rank 0, served, asks again (for the room's next send) before rank 1's successor asks: the successor's
+    ask is taken for the orphaned shard, rank 0's stays parked for the next send."""
+    run = Run()
+    (served, orphaned), successor = _one_of_two_restarted_mid_write(run)
+    run(run.core.write_done(served.wid, (3,), 1.2))
+    again = _ask(7, 0, fanout=2, ptr=0x50000)
+    assert run.of(StartWrite, run.at(1.3).ask(again)) == []
+    (retry,) = run.of(StartWrite, run.at(1.4).ask(successor))
+    assert retry.session_id == successor.session_id
+    assert list(run.core.parked.get(7).infos.values()) == [again]
+
+
 def test_a_successor_asking_while_its_predecessors_write_flies_is_written_and_the_room_released_after_both():
     run = Run()
     (served, orphaned), successor = _one_of_two_restarted_mid_write(run)

@@ -1001,8 +1001,11 @@ class EncodeCore:
                 return
         newcomers = sorted((info for info in asks.infos.values() if info.session_id not in sessions),
                            key=lambda i: (i.row_start, i.session_id))
-        for info in newcomers:
-            self.parked.drop_ask(room_number, info.session_id)
+        if sessions:  # the asks of receivers being served stay parked for the room's next send
+            for info in newcomers:
+                self.parked.drop_ask(room_number, info.session_id)
+        else:
+            self.parked.take(room_number)
         if room.failed:
             for info in newcomers:
                 self._tell_failed([info], self._reask_failure(room, info, now))
