@@ -86,6 +86,10 @@ int epd_zmq_send_bytes(void *handle, const void *buf, size_t n, int *err);
 PyObject *epd_lane_match(PyObject *self, PyObject *args);
 PyObject *epd_lane_take(PyObject *self, PyObject *args);
 
+/* ask.c: the asks an encode driver reads, parsed (transfer/frames.py's TransferInfo._from_plain_frames). */
+PyObject *epd_ask_parse(PyObject *self, PyObject *args);
+PyObject *epd_ask_take(PyObject *self, PyObject *args);
+
 /* mooncake.c: Mooncake's write and status calls on the binding's engine, once mooncake_bind found them. */
 PyObject *epd_mooncake_bind(PyObject *self, PyObject *args);
 PyObject *epd_mooncake_open(PyObject *self, PyObject *args);

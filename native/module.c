@@ -471,6 +471,11 @@ static PyMethodDef methods[] = {
     {"lane_take", epd_lane_take, METH_VARARGS,
      "lane_take(handle, lanes, success, most, max_bytes=0, max_parts=0) -> (settled, message, empty): statuses "
      "read in order, the rooms they settle taken out of lanes, up to the first that settles none (message)."},
+    {"ask_parse", epd_ask_parse, METH_VARARGS,
+     "ask_parse(parts, cls) -> cls(*fields) of a plain TransferInfo's parts, or None when they are not one."},
+    {"ask_take", epd_ask_take, METH_VARARGS,
+     "ask_take(handle, cls, most, max_bytes=0, max_parts=0) -> (asks, message, empty): plain asks read and "
+     "parsed in order, up to the first message that is not one (message)."},
     {"floor_serve", epd_floor_serve, METH_VARARGS,
      "floor_serve(engine, pull, pull_fd, receivers, until, deadline_s, poll_min_s, poll_max_s, base, row_bytes, "
      "starts, step, warmup) -> bytes: the bench floor's encode loop in C, the GIL released."},

@@ -41,6 +41,7 @@ from transfer.status import TransferPoll
 #: within another step counts for itself.
 STEPS = {
     ("transfer/drive/encode.py", "_take_commands"): "items and clears filed",
+    ("transfer/_io.py", "take_asks"): "ask: received",  # plain asks parsed there too, natively
     ("transfer/_io.py", "recv_frames"): "ask: received",
     ("transfer/frames.py", "from_frames"): "ask: parsed",
     ("transfer/core/encode.py", "ask"): "ask: rules, to its room's dispatch",

@@ -25,7 +25,7 @@ from transfer import config
 from transfer._forks import forks
 from transfer.core.failure import FailureKind, without_room
 from transfer.errors import ConfigError, ConfigTypeError, ListenError, PortsInUse
-from transfer.frames import host_text
+from transfer.frames import TransferInfo, host_text
 from transfer.ports import PortSpec, bare_host, bind_port, cannot_listen, is_wildcard, listen_error
 from transfer.status import TransferPoll
 
@@ -511,6 +511,28 @@ def take_statuses(sock: zmq.Socket, lanes: dict[int, int],
         _dropped_oversized(*frames)
         return settled, None, False
     return settled, frames, empty
+
+
+def take_asks(sock: zmq.Socket, most: int) -> tuple[list[TransferInfo], list[bytes] | None, bool]:
+    """Reads a request socket (a ControlListener) without blocking, parsing its plain asks.
+
+    Returns the TransferInfos of the plain asks read in order (TransferInfo's plain case: 13 or
+    14 bytes parts, well formed), up to `most` messages or the first message that is not one;
+    that message (None if none: a registration, a cancel, or an ask the strict parser takes);
+    and whether the socket is empty. Natively the asks are read and parsed in one call; without
+    the native core each call reads one message as recv_frames() does, for the general path."""
+    if _NATIVE is None:
+        frames = recv_frames(sock)
+        return [], frames, frames is None
+    try:
+        asks, frames, empty = _NATIVE.ask_take(sock.underlying, TransferInfo, most, MAX_CONTROL_MESSAGE,
+                                               MAX_CONTROL_PARTS)
+    except OSError as exc:
+        raise _zmq_error(exc) from None
+    if type(frames) is tuple:  # over the bounds: discarded unread
+        _dropped_oversized(*frames)
+        return asks, None, False
+    return asks, frames, empty
 
 
 class ThrottledLog:

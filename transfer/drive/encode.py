@@ -794,31 +794,44 @@ class EncodeDriver:
         return actions
 
     def _drain_requests(self) -> bool:
-        """Files up to MAX_REQUESTS_PER_ROUND queued requests; True when more may be queued."""
-        for _ in range(MAX_REQUESTS_PER_ROUND):
-            frames = _io.recv_frames(self.pull)
-            if frames is None:
+        """Files up to MAX_REQUESTS_PER_ROUND queued requests, in order; True when more may be queued.
+
+        Plain asks come parsed in one native call (`_io.take_asks`); any other message (a
+        registration, a cancel, a malformed one) stops that call and goes `_request`.
+        """
+        left = MAX_REQUESTS_PER_ROUND
+        while left > 0:
+            asks, frames, empty = _io.take_asks(self.pull, left)
+            left -= len(asks) + 1  # the message that ended the call, if any: one read, filed or discarded
+            for info in asks:
+                self._carry(self.core.ask(info, self.clock()))
+            if frames is not None:
+                self._request(frames)
+            if empty:
                 return False
-            try:
-                if is_registration(frames):
-                    reg = parse_registration(frames)
-                    # A receiver that (re)announced itself gets a fresh status connection: statuses
-                    # queued for a predecessor at the same address never reach it.
-                    self.statuses.expect(reg.endpoint, reg.port)
-                    self._carry(self.core.registration(reg, self.clock()))
-                    continue
-                if is_cancel(frames):
-                    cancel = parse_cancel(frames)
-                    # A clear() posted meanwhile reaches the core first, as for a write.
-                    self._take_commands()
-                    self._carry(self.core.cancel(cancel, self.clock()))
-                    continue
-                info = TransferInfo.from_frames(frames)
-            except WireError as exc:
-                self._complaints.warning(str(exc), "dropped a malformed request (%d parts): %s", len(frames), exc)
-                continue
-            self._carry(self.core.ask(info, self.clock()))
         return True
+
+    def _request(self, frames: list[bytes]) -> None:
+        """Files one request that is not a plain ask; a malformed one is logged and dropped."""
+        try:
+            if is_registration(frames):
+                reg = parse_registration(frames)
+                # A receiver that (re)announced itself gets a fresh status connection: statuses
+                # queued for a predecessor at the same address never reach it.
+                self.statuses.expect(reg.endpoint, reg.port)
+                self._carry(self.core.registration(reg, self.clock()))
+                return
+            if is_cancel(frames):
+                cancel = parse_cancel(frames)
+                # A clear() posted meanwhile reaches the core first, as for a write.
+                self._take_commands()
+                self._carry(self.core.cancel(cancel, self.clock()))
+                return
+            info = TransferInfo.from_frames(frames)
+        except WireError as exc:
+            self._complaints.warning(str(exc), "dropped a malformed request (%d parts): %s", len(frames), exc)
+            return
+        self._carry(self.core.ask(info, self.clock()))
 
     # --------------------------------------------------------------- actions
 

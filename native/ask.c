@@ -1,0 +1,202 @@
+/* The asks an encode driver reads off its request socket, parsed in one call.
+ *
+ * The rule is transfer/frames.py's `TransferInfo._from_plain_frames`, which the unit suite holds
+ * this file to: 13 bytes parts (SPEC.md 4.2), or 14 with our part 13; the eight numbers plain
+ * ASCII digits (at most 160 in all, each at most 2^63 - 1, the port at most 65535), the three
+ * texts ASCII, the two pointers 8 bytes each in host order, part 9 true exactly when it is "1".
+ * Anything else is not a plain ask: it goes the general path (registrations, cancels, a peer's
+ * longer asks, and whatever is malformed), which parses it strictly.
+ */
+#include "epd.h"
+
+#include <string.h>
+
+#define ASK_PARTS 13
+#define ASK_MAX_DIGITS 160 /* all eight numbers together, as _PLAIN_DIGITS */
+#define ASK_FIELDS 14
+
+/* Parts 0-12 by meaning, and where each number goes among the eight. */
+enum { P_ROOM, P_ENDPOINT, P_PORT, P_SESSION, P_EMB, P_DS, P_ROWS, P_HIDDEN, P_DTYPE, P_HAS_DS, P_FANOUT,
+       P_ROW_START, P_SPAN, P_WIDTH };
+
+static const int number_parts[] = {P_ROOM, P_PORT, P_ROWS, P_HIDDEN, P_FANOUT, P_ROW_START, P_SPAN, P_WIDTH};
+#define NUMBERS (sizeof(number_parts) / sizeof(number_parts[0]))
+
+/* A part of 1 or more ASCII digits worth at most 2^63 - 1 into *value; its digits are added to *digits.
+ * 0 when it is not. */
+static int plain_i64(PyObject *part, Py_ssize_t *digits, long long *value)
+{
+    Py_ssize_t n = PyBytes_GET_SIZE(part);
+    const unsigned char *s = (const unsigned char *)PyBytes_AS_STRING(part);
+    if (n == 0)
+        return 0;
+    unsigned long long v = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9')
+            return 0;
+        unsigned d = s[i] - '0';
+        if (v > ((unsigned long long)INT64_MAX - d) / 10)
+            return 0; /* past 2^63 - 1 */
+        v = v * 10 + d;
+    }
+    *digits += n;
+    *value = (long long)v;
+    return 1;
+}
+
+/* An ASCII text part as str, or NULL: with *failed set when that was an error (not merely non-ASCII). */
+static PyObject *ascii_text(PyObject *part, int *failed)
+{
+    Py_ssize_t n = PyBytes_GET_SIZE(part);
+    const unsigned char *s = (const unsigned char *)PyBytes_AS_STRING(part);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (s[i] > 0x7f)
+            return NULL;
+    }
+    PyObject *text = PyUnicode_DecodeASCII((const char *)s, n, "strict");
+    if (text == NULL)
+        *failed = 1;
+    return text;
+}
+
+/* A plain ask's TransferInfo (cls called with its fields), Py_None when `parts` is not one, NULL with an
+ * exception set. */
+static PyObject *plain_ask(PyObject *parts, PyObject *cls)
+{
+    if (!PyList_CheckExact(parts))
+        Py_RETURN_NONE;
+    Py_ssize_t count = PyList_GET_SIZE(parts);
+    if (count != ASK_PARTS && count != ASK_PARTS + 1)
+        Py_RETURN_NONE;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (!PyBytes_CheckExact(PyList_GET_ITEM(parts, i)))
+            Py_RETURN_NONE;
+    }
+    long long number[NUMBERS];
+    Py_ssize_t digits = 0;
+    number[NUMBERS - 1] = 0;
+    for (size_t i = 0; i < NUMBERS; i++) {
+        if (number_parts[i] >= count) {
+            digits += 1; /* part 13 absent: counted as "0", as the Python rule does, and not kept */
+            continue;
+        }
+        if (!plain_i64(PyList_GET_ITEM(parts, number_parts[i]), &digits, &number[i]))
+            Py_RETURN_NONE;
+    }
+    PyObject *emb = PyList_GET_ITEM(parts, P_EMB), *ds = PyList_GET_ITEM(parts, P_DS);
+    if (digits > ASK_MAX_DIGITS || number[1] > 0xFFFF || PyBytes_GET_SIZE(emb) != 8 || PyBytes_GET_SIZE(ds) != 8)
+        Py_RETURN_NONE;
+    uint64_t emb_ptr, ds_ptr;
+    memcpy(&emb_ptr, PyBytes_AS_STRING(emb), 8);
+    memcpy(&ds_ptr, PyBytes_AS_STRING(ds), 8);
+    PyObject *has_ds = PyList_GET_ITEM(parts, P_HAS_DS);
+    int deep = PyBytes_GET_SIZE(has_ds) == 1 && PyBytes_AS_STRING(has_ds)[0] == '1';
+
+    PyObject *fields[ASK_FIELDS] = {NULL};
+    PyObject *out = NULL;
+    int failed = 0;
+    int texts[] = {P_ENDPOINT, P_SESSION, P_DTYPE};
+    for (int i = 0; i < 3; i++) {
+        fields[texts[i]] = ascii_text(PyList_GET_ITEM(parts, texts[i]), &failed);
+        if (fields[texts[i]] == NULL)
+            goto done; /* non-ASCII: the strict parser says so; or an error (failed) */
+    }
+    fields[P_ROOM] = PyLong_FromLongLong(number[0]);
+    fields[P_PORT] = PyLong_FromLongLong(number[1]);
+    fields[P_ROWS] = PyLong_FromLongLong(number[2]);
+    fields[P_HIDDEN] = PyLong_FromLongLong(number[3]);
+    fields[P_FANOUT] = PyLong_FromLongLong(number[4]);
+    fields[P_ROW_START] = PyLong_FromLongLong(number[5]);
+    fields[P_SPAN] = PyLong_FromLongLong(number[6]);
+    fields[P_WIDTH] = count > ASK_PARTS ? PyLong_FromLongLong(number[7]) : Py_NewRef(Py_None);
+    fields[P_EMB] = PyLong_FromUnsignedLongLong(emb_ptr);
+    fields[P_DS] = PyLong_FromUnsignedLongLong(ds_ptr);
+    fields[P_HAS_DS] = Py_NewRef(deep ? Py_True : Py_False);
+    for (int i = 0; i < ASK_FIELDS; i++) {
+        if (fields[i] == NULL) {
+            failed = 1;
+            goto done;
+        }
+    }
+    out = PyObject_Vectorcall(cls, fields, ASK_FIELDS, NULL);
+done:
+    for (int i = 0; i < ASK_FIELDS; i++)
+        Py_XDECREF(fields[i]);
+    if (out == NULL && !failed && !PyErr_Occurred())
+        Py_RETURN_NONE;
+    return out;
+}
+
+/* ask_parse(parts, cls) -> cls(...) of a plain ask, or None (see plain_ask). */
+PyObject *epd_ask_parse(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *parts, *cls;
+    if (!PyArg_ParseTuple(args, "OO", &parts, &cls))
+        return NULL;
+    return plain_ask(parts, cls);
+}
+
+/* ask_take(handle, cls, most, max_bytes=0, max_parts=0) -> (asks, message, empty).
+ *
+ * Reads at most `most` messages off the socket without blocking, parsing each plain ask (`asks`, in
+ * order), up to the first message that is not one: `message` is then what zmq_recv_parts returned for
+ * it (its parts, or (bytes, parts) for one over the bounds), else None. `empty`: the socket had nothing
+ * more queued. A receive or a parse that fails after asks were read ends the call with them (it fails
+ * again on the next); with none, it raises, as zmq_recv_parts does. */
+PyObject *epd_ask_take(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *handle_obj, *cls;
+    Py_ssize_t most, max_bytes = 0, max_parts = 0;
+    if (!PyArg_ParseTuple(args, "OOn|nn", &handle_obj, &cls, &most, &max_bytes, &max_parts))
+        return NULL;
+    void *handle = PyLong_AsVoidPtr(handle_obj);
+    if (handle == NULL && PyErr_Occurred())
+        return NULL;
+    if (!epd_zmq_ready()) {
+        PyErr_SetString(PyExc_RuntimeError, "zmq_bind() was not called");
+        return NULL;
+    }
+    PyObject *asks = PyList_New(0);
+    if (asks == NULL)
+        return NULL;
+    PyObject *message = NULL;
+    int empty = 0;
+    for (Py_ssize_t i = 0; i < most; i++) {
+        message = epd_zmq_recv_message(handle, max_bytes, max_parts);
+        if (message == NULL)
+            break;
+        if (message == Py_None) {
+            empty = 1;
+            break;
+        }
+        PyObject *ask = plain_ask(message, cls);
+        if (ask == NULL) {
+            PyErr_Clear(); /* out of memory, or cls refused it: the general path takes the message */
+            break;
+        }
+        if (ask == Py_None) {
+            Py_DECREF(ask);
+            break;
+        }
+        Py_CLEAR(message);
+        int appended = PyList_Append(asks, ask);
+        Py_DECREF(ask);
+        if (appended < 0)
+            break;
+    }
+    if (PyErr_Occurred()) {
+        if (PyList_GET_SIZE(asks) == 0) {
+            Py_DECREF(asks);
+            Py_XDECREF(message);
+            return NULL;
+        }
+        PyErr_Clear(); /* what failed fails again on the next call; the asks read are not lost */
+    }
+    if (message == NULL || message == Py_None) {
+        Py_XDECREF(message);
+        message = Py_NewRef(Py_None);
+    }
+    return Py_BuildValue("(NNO)", asks, message, empty ? Py_True : Py_False);
+}

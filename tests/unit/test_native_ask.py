@@ -1,0 +1,91 @@
+"""native/ask.c's plain ask parse (what `_io.take_asks` reads an encode rank's asks with) agrees with
+TransferInfo's plain-case parser, `_from_plain_frames`: it accepts exactly the same parts, with the same
+values and types. Reading them off a real socket: tests/live/test_ask_intake.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_frames_shortcuts import ASK, NUMBER_INDEXES, WIDE_ASK, number_parts, pointer_parts, text_parts, typed
+
+from transfer import _native
+from transfer.frames import TransferInfo
+
+
+def agree(frames) -> object:
+    """What both parsers made of `frames`, after checking they made the same (None: not a plain ask)."""
+    native = _native.ask_parse(frames, TransferInfo)
+    assert typed(native) == typed(TransferInfo._from_plain_frames(frames))
+    return native
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow], max_examples=1500, deadline=None)
+@given(st.data())
+def test_the_native_parse_takes_exactly_the_asks_the_python_shortcut_does(data):
+    frames = list(data.draw(st.sampled_from([ASK, WIDE_ASK])))
+    for index in data.draw(st.sets(st.integers(0, len(frames) - 1), max_size=4)):
+        if index in NUMBER_INDEXES or index == 13:
+            frames[index] = data.draw(number_parts)
+        elif index in (4, 5):
+            frames[index] = data.draw(pointer_parts)
+        elif index == 9:
+            frames[index] = data.draw(st.sampled_from([b"1", b"0", b"", b"01", b"11", b"true", b"\x01"]))
+        else:
+            frames[index] = data.draw(text_parts)
+    frames = frames[: data.draw(st.integers(11, 15))] + [b"7"] * data.draw(st.integers(0, 2))
+    agree(frames)
+
+
+def test_a_plain_ask_and_one_with_our_part_13_parse_to_equal_transfer_infos():
+    assert agree(ASK) == TransferInfo.from_frames(ASK) and agree(ASK).deepstack_row_bytes is None
+    assert agree(WIDE_ASK) == TransferInfo.from_frames(WIDE_ASK) and agree(WIDE_ASK).deepstack_row_bytes == 16384
+
+
+@pytest.mark.parametrize("total", [159, 160, 161])
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_digit_bound_counts_an_absent_part_13_as_one_digit(total, wide):
+    """The eight numbers hold at most 160 digits in all, leading zeros included; without part 13 it counts
+    as the one digit "0"."""
+    frames = list(WIDE_ASK if wide else ASK)
+    others = sum(len(frames[i]) for i in NUMBER_INDEXES if i != 0) + (len(frames[13]) if wide else 1)
+    frames[0] = b"0" * (total - others - 1) + b"7"
+    parsed = agree(frames)
+    assert (parsed is not None) == (total <= 160)
+
+
+@pytest.mark.parametrize("index, value, plain", [
+    (0, b"9223372036854775807", True), (0, b"9223372036854775808", False), (0, b"18446744073709551616", False),
+    (2, b"65535", True), (2, b"65536", False), (2, b"0065535", True), (6, b"-1", False), (6, b"+1", False),
+    (7, b" 1", False), (10, b"", False), (11, b"1_0", False), (1, b"caf\xc3\xa9", False), (1, b"", True),
+    (3, b"\x00", True), (8, b"\x7f", True), (8, b"\x80", False), (4, b"\x01" * 7, False), (5, b"\xff" * 9, False),
+])
+def test_each_bound_is_the_shortcuts(index, value, plain):
+    frames = list(ASK)
+    frames[index] = value
+    assert (agree(frames) is not None) is plain
+
+
+@pytest.mark.parametrize("frames", [tuple(ASK), [bytearray(p) for p in ASK], ASK[:12], ASK + [b"1", b"2"],
+                                    [memoryview(ASK[0]), *ASK[1:]], [b"None", *ASK[1:]], [b"Cancel", *ASK[1:]],
+                                    "not a list", None])
+def test_anything_but_a_list_of_13_or_14_bytes_parts_is_left_to_the_strict_parser(frames):
+    assert _native.ask_parse(frames, TransferInfo) is None
+
+
+def test_the_asks_are_built_by_the_class_handed_in():
+    class Ask(TransferInfo):
+        """A subclass whose construction must stay its own."""
+
+    parsed = _native.ask_parse(list(WIDE_ASK), Ask)
+    assert type(parsed) is Ask and dataclasses.asdict(parsed) == dataclasses.asdict(TransferInfo.from_frames(WIDE_ASK))
+
+
+def test_a_class_that_refuses_the_fields_raises_its_error():
+    def refuse(*fields):
+        raise ValueError(f"refused {len(fields)} fields")
+
+    with pytest.raises(ValueError, match="refused 14 fields"):
+        _native.ask_parse(list(ASK), refuse)
