@@ -138,6 +138,15 @@ class ReceiveHandle(_io.RoomHandle[Room]):
         return super().poll()
 
     @property
+    def retry_at(self) -> float | None:
+        """Where the room failed because its bootstrap server is paused, when that pause ends (on time.monotonic's
+        clock), else None (also once cleared). A look-up that failed slowly (a timeout, an error answered
+        slowly) pauses its server for UNREACHABLE_RETRY_S: that look-up's rooms fail, and so do the rooms
+        received meanwhile, at once, all of kind bootstrap. Receiving the room again from then may succeed."""
+        failure = self._read(self._table.failure)
+        return None if failure is None else failure.retry_at
+
+    @property
     def safe_to_reuse(self) -> bool:
         """Whether no encode rank will write into this room's memory any more.
 

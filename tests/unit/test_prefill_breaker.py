@@ -14,6 +14,14 @@ def test_a_slow_failure_keeps_rooms_from_asking_for_a_while():
     assert len(breaker) == 0
 
 
+def test_a_paused_server_says_why_and_when_it_is_asked_again():
+    breaker = BootstrapBreaker(retry_s=1.0, slow_s=0.25)
+    breaker.failed("h:1", now=10.0, took_s=2.0, why="unreachable: timed out")
+    assert breaker.paused("h:1", 10.25) == ("unreachable: timed out (after 2.0s) (0.2s ago; not asked again for 1s)",
+                                            11.0)
+    assert breaker.paused("h:1", 11.0) is None
+
+
 def test_a_quick_failure_lets_every_room_try():
     breaker = BootstrapBreaker(retry_s=1.0, slow_s=0.25)
     assert not breaker.failed("h:1", now=10.0, took_s=0.01, why="connection refused")

@@ -183,6 +183,20 @@ def test_after_a_slow_failure_rooms_fail_at_once_until_the_pause_is_over():
     assert c.receive(3.0, spec(3, slot=2))[1] == [LookUpParallel(BOOT)]
 
 
+def test_failures_of_a_paused_bootstrap_server_say_when_its_pause_ends():
+    c = core()
+    c.receive(0.0, spec(1))
+    c.receive(0.0, spec(2, slot=1))
+    # The slow look-up's own rooms, and a room asked for during the pause it opened: retry_at is its end.
+    failures = concluded(c.lookup_failed(2.0, BOOT, None, "unreachable: timed out", took_s=2.0))
+    assert {room: f.retry_at for room, f in failures.items()} == {1: 3.0, 2: 3.0}
+    assert concluded(c.receive(2.5, spec(3, slot=2))[1])[3].retry_at == 3.0
+    # A quick failure pauses nothing: its rooms carry no retry_at.
+    c.receive(3.0, spec(4, slot=3))
+    quick = concluded(c.lookup_failed(3.1, BOOT, None, "unreachable: connection refused", took_s=0.01))
+    assert quick[4].kind is FailureKind.BOOTSTRAP and quick[4].retry_at is None
+
+
 def test_a_look_up_answered_for_a_cleared_room_asks_nothing():
     c = core()
     c.receive(0.0, spec(1))

@@ -53,10 +53,16 @@ class FailureKind(str, Enum):
 @dataclass(frozen=True)
 class Failure:
     """A room's failure: `kind` for programs (metrics, retries), `detail` for people (one printable
-    line of at most MAX_DETAIL characters, whatever text it quotes)."""
+    line of at most MAX_DETAIL characters, whatever text it quotes).
+
+    `retry_at`, where set, is when the pause that failed the room ends (on the clock of the `now` that
+    concluded it): its bootstrap server failed a look-up slowly, which pauses it (core/prefill_breaker.py),
+    and this room's look-up was that one or met the pause. Asking for the room again from then may
+    succeed; every other failure leaves it None."""
 
     kind: FailureKind
     detail: str
+    retry_at: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, FailureKind):

@@ -638,12 +638,14 @@ class PrefillCore:
                       took_s: float) -> list:
         """A look-up (of the sizes when `key` is None, else of a route) failed after `took_s`: the rooms
         waiting for it fail; asks waiting at the route's last address keep waiting there (the server
-        said nothing of the route: `route_missing` is its answer that it has none)."""
-        self.breaker.failed(bootstrap_addr, now, took_s, detail)
+        said nothing of the route: `route_missing` is its answer that it has none). A slow failure
+        pauses the server: the failures say until when (`retry_at`)."""
+        paused = self.breaker.failed(bootstrap_addr, now, took_s, detail)
         if key is not None:
             self._probes.pop(key, None)
         waiting = self._awaiting_parallel.pop(bootstrap_addr, ()) if key is None else self._awaiting_route.pop(key, ())
-        failure = Failure(FailureKind.BOOTSTRAP, f"bootstrap {bootstrap_addr}: {detail}")
+        failure = Failure(FailureKind.BOOTSTRAP, f"bootstrap {bootstrap_addr}: {detail}",
+                          retry_at=now + self.breaker.retry_s if paused else None)
         return [action for state in waiting if self._looking_up(state) for action in self._conclude(state, failure)]
 
     def route_missing(self, now: float, key: RouteKey, detail: str) -> list:
@@ -1312,9 +1314,10 @@ class PrefillCore:
 
     def _look_up(self, now: float, state: _Room, bootstrap: str, key: RouteKey | None) -> list:
         """Files the room behind a look-up, starting one unless one is under way."""
-        refusal = self.breaker.refusal(bootstrap, now)
-        if refusal is not None:
-            return self._conclude(state, Failure(FailureKind.BOOTSTRAP, f"bootstrap {bootstrap}: {refusal}"))
+        paused = self.breaker.paused(bootstrap, now)
+        if paused is not None:
+            return self._conclude(state, Failure(FailureKind.BOOTSTRAP, f"bootstrap {bootstrap}: {paused[0]}",
+                                                 retry_at=paused[1]))
         if key is None:
             waiting = self._awaiting_parallel.setdefault(bootstrap, [])
             action: Any = LookUpParallel(bootstrap)

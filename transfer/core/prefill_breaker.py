@@ -34,12 +34,17 @@ class BootstrapBreaker:
 
     def refusal(self, addr: str, now: float) -> str | None:
         """Why `addr` is not asked now, or None when it may be."""
+        paused = self.paused(addr, now)
+        return None if paused is None else paused[0]
+
+    def paused(self, addr: str, now: float) -> tuple[str, float] | None:
+        """(why `addr` is not asked now, when it is asked again), or None when it may be asked now."""
         since = self._breaker.open_since(addr, now)
         if since is None:
             self._breaker.reset(addr)  # its pause is over: it only takes memory
             return None
-        return (f"{self._breaker.detail(addr)} ({now - since:.1f}s ago; "
-                f"not asked again for {self.retry_s:g}s)")
+        why = f"{self._breaker.detail(addr)} ({now - since:.1f}s ago; not asked again for {self.retry_s:g}s)"
+        return why, since + self.retry_s
 
     def __len__(self) -> int:
         return len(self._breaker)
