@@ -61,6 +61,8 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"  written   {written} MiB by encode rank{'s' if len(summary['encode_bytes']) > 1 else ''} "
           f"{', '.join(str(r) for r in range(len(summary['encode_bytes'])))}")
     print(f"  failed    {summary['failed']}")
+    if summary["retried"]:
+        print(f"  retried   {summary['retried']} (asked for again after their bootstrap server's pause)")
     print(f"  verified  {_verified_text(summary)}")
     print(f"  GB/s      {summary['gbps']:.2f}")
     print(f"  rooms/s   {summary['rooms_per_s']:.1f}")

@@ -390,6 +390,11 @@ def prefill_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finish
     `say(line)`, where given, is told every WAIT_SAY_S that a room it waits for has not concluded yet;
     `rank_left()`, where given, the seconds left before the rank's --timeout ends it (0: none), which the
     line names where that comes before the room's deadline.
+
+    A room that failed because its bootstrap server was paused (handle.retry_at: a look-up of it failed slowly)
+    is asked for again, in the same slot, once the pause is over, at most PAUSE_RETRIES times and within what is
+    left of the rank (pause_retry_wait), each said to `say`; report["retried"] counts them, and a room counts once
+    in its rooms, with its last outcome.
     """
     import torch
 
@@ -407,8 +412,9 @@ def prefill_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finish
                             f"{sc.inflight} deepstack receive slots of {sc.max_span} x {deep.hidden} {sc.dtype}")
     report: dict[str, Any] = {
         "role": "prefill", "rank": rank, "rooms": [], "failed": [], "latencies": [],
-        "bytes": 0, "verified_bytes": 0, "bad": [],
+        "bytes": 0, "verified_bytes": 0, "bad": [], "retried": 0,
     }
+    ends = time.monotonic() + sc.timeout_s
     with make_engine(sc) as engine, SessionManager(
         engine, rank, sc.prefill_ranks, 1, buffer=slots, deepstack_buffer=ds_slots, host=sc.host,
         status_port=sc.ports, deadline_s=sc.deadline_s, integrity=sc.integrity,
@@ -416,24 +422,14 @@ def prefill_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finish
         ready()
         go()
         waits = _GiveUp(None, None if say is None else _receiving_line(sc, rank, say, rank_left))
+        # Rooms asked for, not yet settled, in order: (handle, slot, span, row_start, rows, retries).
         window: deque = deque()
         free = list(range(sc.inflight))
         # Slots of failed rooms whose memory a late write may still reach (README: reuse a failed room's
         # dst only once handle.safe_to_reuse), oldest first, as (handle, slot).
         held: deque = deque()
-        report["t_start"] = time.time()
-        for index, room in enumerate(sc.rooms):
-            while not free:
-                free += _safe_slots(held)
-                if free:
-                    break
-                if window:
-                    _settle_into(_settle_receive(window.popleft(), sc, source, deep, slots, ds_slots, report, waits),
-                                 free, held)
-                else:
-                    free += _wait_safe(held, sc, rank, say)
-            slot = free.pop()
-            span = sc.span_of(index)
+
+        def ask(room: int, slot: int, span: int, retries: int = 0) -> None:
             row_start, rows = (prefill_shard(span, rank, sc.prefill_ranks, sc.encode_ranks, per_block=sc.per_block)
                                if sc.sharded else (0, span))
             slots[slot].view(torch.uint8).fill_(SENTINEL)
@@ -445,13 +441,68 @@ def prefill_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finish
                 room, bootstrap_addr, slots[slot, row_start : row_start + rows],
                 row_start=row_start, span=span, deepstack_dst=ds_dst,
             )
-            window.append((handle, slot, span, row_start, rows))
+            window.append((handle, slot, span, row_start, rows, retries))
+
+        def again(entry: tuple) -> bool:
+            """Asks for a room that failed while its bootstrap server was paused again, in the same slot, once
+            the pause is over (pause_retry_wait); False where it stays failed."""
+            from transfer.core.failure import without_room
+
+            handle, slot, span, _, _, retries = entry
+            now = time.monotonic()
+            alarm = rank_left() if rank_left is not None else 0.0  # what is left of --timeout (0: none)
+            left = min(ends - now, alarm) if alarm > 0 else ends - now
+            wait = pause_retry_wait(handle.retry_at, retries, now, left)
+            if wait is None or not handle.safe_to_reuse:  # a room never asked for is safe at once
+                return False
+            if say is not None:
+                why = without_room(handle.room, handle.failure or "")
+                say(f"prefill rank {rank}: room {handle.room} failed: {why}; its bootstrap server is paused after a "
+                    f"slow failure: asking for the room again in {wait:.1f}s, once that pause is over (retry "
+                    f"{retries + 1} of {PAUSE_RETRIES})")
+            handle.clear()
+            time.sleep(wait)
+            report["retried"] += 1
+            ask(handle.room, slot, span, retries + 1)
+            return True
+
+        report["t_start"] = time.time()
+        for index, room in enumerate(sc.rooms):
+            while not free:
+                free += _safe_slots(held)
+                if free:
+                    break
+                if window:
+                    settled = _settle_receive(window.popleft(), sc, source, deep, slots, ds_slots, report, waits,
+                                              again)
+                    if settled is not None:
+                        _settle_into(settled, free, held)
+                else:
+                    free += _wait_safe(held, sc, rank, say)
+            ask(room, free.pop(), sc.span_of(index))
         while window:
-            _settle_receive(window.popleft(), sc, source, deep, slots, ds_slots, report, waits)
+            _settle_receive(window.popleft(), sc, source, deep, slots, ds_slots, report, waits, again)
         report["t_end"] = time.time()
         report["stats"] = manager.stats()
         finished()
     return report
+
+
+#: How many times a prefill rank asks again for a room that failed because its bootstrap server was paused
+#: (handle.retry_at): a look-up that failed slowly pauses the server for about a second (UNREACHABLE_RETRY_S),
+#: and every room asked for meanwhile, back to back, fails at once.
+PAUSE_RETRIES = 3
+
+
+def pause_retry_wait(retry_at: float | None, retries: int, now: float, left_s: float) -> float | None:
+    """Seconds a prefill rank waits before asking again for a room that failed, or None where the room stays
+    failed: it failed for anything but its bootstrap server's pause (`retry_at`, when the pause ends, None), it
+    was asked for again PAUSE_RETRIES times already (`retries`), or the pause outlasts what is left of the rank
+    (`left_s`)."""
+    if retry_at is None or retries >= PAUSE_RETRIES:
+        return None
+    wait = max(0.0, retry_at - now)
+    return wait if wait < left_s else None
 
 
 def _settle_into(settled: tuple, free: list, held: deque) -> None:
@@ -497,13 +548,16 @@ def _wait_safe(held: deque, sc: Scenario, rank: int, say=None) -> list[int]:
 
 
 def _settle_receive(entry, sc: Scenario, source, deep, slots, ds_slots, report: dict,
-                    waits: _GiveUp | None = None) -> tuple:
+                    waits: _GiveUp | None = None, again: Callable[[tuple], bool] | None = None) -> tuple | None:
     """Waits for one room (through `waits`, which may say how the wait goes), checks its bytes, clears it;
-    returns (handle, slot): the slot is for reuse once handle.safe_to_reuse."""
+    returns (handle, slot): the slot is for reuse once handle.safe_to_reuse. A failed room that `again(entry)`
+    asked for again is not settled: None."""
     from transfer.status import TransferPoll
 
-    handle, slot, span, row_start, rows = entry
+    handle, slot, span, row_start, rows = entry[:5]
     status = (waits or _GiveUp(None)).wait(handle, sc.deadline_s + 5)
+    if status == TransferPoll.Failed and again is not None and again(entry):
+        return None
     report["rooms"].append(handle.room)
     if status != TransferPoll.Success:
         report["failed"].append((handle.room, handle.failure or f"still {status.name}"))
@@ -900,6 +954,7 @@ def summarize(sc: Scenario, reports: list[dict]) -> dict:
         "items": sc.items,
         "bytes": nbytes,
         "failed": len(failed),
+        "retried": sum(r["retried"] for r in prefill),  # asks again of rooms failed while a bootstrap was paused
         # Nothing landed is nothing verified: a run whose every room failed must not read as checked.
         "verified": nbytes > 0 and sum(r["verified_bytes"] for r in prefill) == nbytes and not bad,
         "gbps": nbytes / wall / 1e9 if wall > 0 else 0.0,

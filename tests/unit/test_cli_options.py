@@ -78,7 +78,7 @@ def test_bench_refuses_an_unwritable_json_folder_before_measuring(tmp_path, caps
 
 
 def _summary(**overrides) -> dict:
-    summary = {"items": 4, "bytes": 0, "failed": 4, "verified": False, "gbps": 0.0, "rooms_per_s": 0.0,
+    summary = {"items": 4, "bytes": 0, "failed": 4, "retried": 0, "verified": False, "gbps": 0.0, "rooms_per_s": 0.0,
                "p50_ms": 0.0, "p99_ms": 0.0, "protocol": "tcp", "failures": ["prefill 0 room 0: deadline"],
                "mismatches": [], "encode_bytes": [0]}
     summary.update(overrides)
@@ -88,7 +88,7 @@ def _summary(**overrides) -> dict:
 def test_summarize_does_not_verify_a_run_where_nothing_landed():
     sc = harness.Scenario(items=2, prefill_ranks=1)
     failed = {"role": "prefill", "rank": 0, "rooms": [0, 1], "failed": [(0, "deadline"), (1, "deadline")],
-              "latencies": [], "bytes": 0, "verified_bytes": 0, "bad": [], "t_start": 1.0, "t_end": 2.0}
+              "latencies": [], "bytes": 0, "verified_bytes": 0, "bad": [], "retried": 0, "t_start": 1.0, "t_end": 2.0}
     summary = harness.summarize(sc, [failed])
     assert summary["verified"] is False and summary["failed"] == 2
 
@@ -108,6 +108,22 @@ def test_a_demo_that_verified_says_so(monkeypatch, capsys):
     assert cli.main(["demo", "--items", "4"]) == 0
     out = capsys.readouterr().out
     assert "verified  yes" in out and "(2.0 MiB landed, every byte checked)" in out
+
+
+def test_a_demo_that_asked_for_rooms_again_says_how_many(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_probe_mooncake", lambda: (True, "imports"))
+    monkeypatch.setattr(harness, "run", lambda sc: _summary(bytes=2 << 20, failed=0, verified=True, failures=[],
+                                                            retried=2))
+    assert cli.main(["demo", "--items", "4"]) == 0
+    assert "  retried   2 (asked for again after their bootstrap server's pause)" in capsys.readouterr().out
+
+
+def test_summarize_counts_the_rooms_asked_for_again_of_every_prefill_rank():
+    sc = harness.Scenario(items=2, prefill_ranks=2)
+    reports = [{"role": "prefill", "rank": rank, "rooms": [0, 1], "failed": [], "latencies": [0.001, 0.001],
+                "bytes": 64, "verified_bytes": 64, "bad": [], "retried": retried, "t_start": 1.0, "t_end": 2.0}
+               for rank, retried in ((0, 3), (1, 1))]
+    assert harness.summarize(sc, reports)["retried"] == 4
 
 
 def test_rank_device_reaches_the_mooncake_engine(monkeypatch):
@@ -139,7 +155,7 @@ def test_rank_refuses_a_device_with_the_wire_protocol(capsys):
 
 def test_a_prefill_ranks_summary_names_its_node_and_rank(monkeypatch, capsys):
     report = {"role": "prefill", "rank": 1, "rooms": [5], "failed": [], "latencies": [0.001], "bytes": 64,
-              "verified_bytes": 64, "bad": [], "t_start": 1.0, "t_end": 2.0}
+              "verified_bytes": 64, "bad": [], "retried": 0, "t_start": 1.0, "t_end": 2.0}
     monkeypatch.setattr(cli, "_wait_for_route", lambda *a: None)
     monkeypatch.setattr(cli, "_probe_mooncake", lambda: (True, "imports"))
     monkeypatch.setattr(harness, "prefill_rank", lambda sc, rank, *a, **kw: dict(report, rank=rank))
