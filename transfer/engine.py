@@ -302,6 +302,9 @@ def _start_failure_hint(protocol: str) -> str:
     return start_failure_hint(protocol, first, last, how, in_use)
 
 
+_PLAIN = (list, tuple)  # sequences check_batch reads without checking they are sequences
+
+
 def check_batch(session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
                 lengths: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
     """A write's buffers as ints, zero-length ones dropped; ConfigError for a batch no peer could take.
@@ -309,7 +312,7 @@ def check_batch(session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[i
     Checked before any buffer goes out, not halfway through the batch (pybind's bare
     TypeError, or a wire peer refusing the transfer after a round trip).
     """
-    plain = type(src_addrs) is list and type(dst_addrs) is list and type(lengths) is list  # as the drivers pass
+    plain = type(src_addrs) in _PLAIN and type(dst_addrs) in _PLAIN and type(lengths) in _PLAIN  # the drivers' are
     for name, given in () if plain else (("src_addrs", src_addrs), ("dst_addrs", dst_addrs), ("lengths", lengths)):
         if isinstance(given, (str, bytes)) or not hasattr(given, "__len__"):
             raise ConfigTypeError(f"write to {session_id}: {name} must be a sequence of ints, one per buffer, got "

@@ -111,7 +111,8 @@ def make_driver(monkeypatch):
 
 
 def _flight(wid: int, batch: int, session: str, *reads: tuple[int, int]) -> drive._Flight:
-    return drive._Flight(wid, batch, session, sum(n for _, n in reads), (), 0.0, reads)
+    return drive._Flight(wid, batch, session, sum(n for _, n in reads), (), 0.0, tuple(a for a, _ in reads),
+                         tuple(n for _, n in reads))
 
 
 def test_a_failure_settling_one_write_leaves_the_others_in_flight_and_their_sources_held(make_driver):

@@ -1157,17 +1157,16 @@ class EncodeCore:
         if outside is not None:
             self._skip(job, FailureKind.REGION, f"{outside} (found as its queued write was to start)", now)
             return
-        srcs = [offer.src_addr + info.row_start * offer.row_bytes]
-        dsts = [info.embedding_ptr]
-        lengths = [info.rows * offer.row_bytes]
+        srcs: tuple[int, ...] = (offer.src_addr + info.row_start * offer.row_bytes,)
+        dsts: tuple[int, ...] = (info.embedding_ptr,)
+        lengths: tuple[int, ...] = (info.rows * offer.row_bytes,)
         if offer.deepstack_addr is not None:
-            srcs.append(offer.deepstack_addr + info.row_start * offer.deepstack_row_bytes)
-            dsts.append(info.deepstack_ptr)
-            lengths.append(info.rows * offer.deepstack_row_bytes)
+            srcs += (offer.deepstack_addr + info.row_start * offer.deepstack_row_bytes,)
+            dsts += (info.deepstack_ptr,)
+            lengths += (info.rows * offer.deepstack_row_bytes,)
         wid, self._next_wid = self._next_wid, self._next_wid + 1
         self._writes[wid] = job
-        self._out.append(StartWrite(wid, room.room, info.session_id, tuple(srcs), tuple(dsts), tuple(lengths),
-                                    offer.sources, offer.token))
+        self._out.append(StartWrite(wid, room.room, info.session_id, srcs, dsts, lengths, offer.sources, offer.token))
 
     def _skip(self, job: _Job, kind: FailureKind, detail: str, now: float) -> None:
         """Fails the room of a write that will not start, and lets go of its turn and destinations."""

@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -593,7 +593,13 @@ class _Flight:
     nbytes: int
     checksums: tuple[int, ...]
     submitted_at: float
-    reads: tuple[tuple[int, int], ...] = ()  # (address, bytes) of the sources it reads
+    srcs: tuple[int, ...] = ()  # the sources it reads, and their lengths
+    lengths: tuple[int, ...] = ()
+
+    @property
+    def reads(self) -> Iterator[tuple[int, int]]:
+        """(address, bytes) of the sources it reads."""
+        return zip(self.srcs, self.lengths)
 
 
 class EncodeDriver:
@@ -876,7 +882,7 @@ class EncodeDriver:
             return self.core.write_skipped(write.wid, self.clock())
         submitted_at = self.clock()
         try:
-            batch = self._submit(write.session_id, list(write.srcs), list(write.dsts), list(write.lengths))
+            batch = self._submit(write.session_id, write.srcs, write.dsts, write.lengths)
         except Exception as exc:  # noqa: BLE001 - any failure concludes the room
             now = self.clock()
             return self.core.write_failed(write.wid, str(exc), now - submitted_at, now, blocking=True)
@@ -895,10 +901,10 @@ class EncodeDriver:
         nbytes = sum(write.lengths)
         self.polls.started(nbytes, submitted_at)
         self._flights.append(_Flight(write.wid, batch, write.session_id, nbytes, checksums, submitted_at,
-                                     tuple(zip(write.srcs, write.lengths))))
+                                     write.srcs, write.lengths))
         return answer
 
-    def _submit(self, session_id: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
+    def _submit(self, session_id: str, srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int]) -> int:
         """Starts a batch write; engines without an async API write synchronously here (id 0)."""
         write_async = getattr(self.engine, "write_async", None)
         if write_async is None:
