@@ -5,6 +5,8 @@ values and types. Reading them off a real socket: tests/live/test_ask_intake.py.
 from __future__ import annotations
 
 import dataclasses
+import gc
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -89,3 +91,50 @@ def test_a_class_that_refuses_the_fields_raises_its_error():
 
     with pytest.raises(ValueError, match="refused 14 fields"):
         _native.ask_parse(list(ASK), refuse)
+
+
+@pytest.mark.parametrize("frames", [list(ASK), list(WIDE_ASK)], ids=["13 parts", "14 parts"])
+def test_a_parsed_asks_fields_are_held_by_it_alone_and_what_was_handed_in_keeps_its_references(frames):
+    """The fields the parse builds are the TransferInfo's (one reference each, in its __dict__, plus the
+    argument here), and the parts, the list and the class keep the references they had, whatever the parse
+    made of them: a plain ask, none (non-ASCII, past a bound) or the class's error."""
+    parsed = _native.ask_parse(frames, TransferInfo)
+    names = ("room", "endpoint", "port", "session_id", "embedding_ptr", "deepstack_ptr", "rows", "hidden", "dtype",
+             "row_start", "span")  # not fanout: 4, one of CPython's shared small ints
+    held = {name: sys.getrefcount(getattr(parsed, name)) for name in names}
+    assert held == dict.fromkeys(names, 2)  # its __dict__'s, and getrefcount's argument
+    del parsed
+
+    def refuse(*fields):
+        raise ValueError("refused")
+
+    late_text, past_bound = list(frames), list(frames)
+    late_text[8] = b"torch.\xff"  # the last text: the two before it were built
+    past_bound[2] = b"65536"
+    cases = [(frames, TransferInfo), (late_text, TransferInfo), (past_bound, TransferInfo), (frames, refuse)]
+    gc.collect()  # no earlier test's garbage freed meanwhile (it may hold None)
+    gc.disable()
+    try:
+        before = _references(cases)
+        none_before = sys.getrefcount(None)
+        for case in cases:
+            _parse_often(*case)
+        none_after = sys.getrefcount(None)
+    finally:
+        gc.enable()
+    assert _references(cases) == before
+    assert abs(none_after - none_before) < 100  # 3000 parses: one reference leaked or lost each would show
+
+
+def _references(cases: list) -> list:
+    """The references each list of parts, each part and each class of `cases` has."""
+    return [(sys.getrefcount(parts), [sys.getrefcount(part) for part in parts], sys.getrefcount(cls))
+            for parts, cls in cases]
+
+
+def _parse_often(parts: list[bytes], cls) -> None:
+    for _ in range(1000):
+        try:
+            _native.ask_parse(parts, cls)
+        except ValueError:
+            pass
