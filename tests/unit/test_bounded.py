@@ -86,6 +86,8 @@ def test_an_entry_replaced_or_deleted_is_found_by_its_sessions_no_more():
     assert list(cache.items()) == [(1, _Cancel(("b",)))]  # kept its place, as a dict does
     cache.clear()
     assert (cache.of("b"), len(cache)) == ([], 0)
+    cache[4] = _Cancel(("d",))  # filed after a clear: `get` (the entries' own) finds it
+    assert (cache.get(4), cache.get(1), cache.get(1, "none")) == (_Cancel(("d",)), None, "none")
 
 
 def test_a_bounded_memory_by_session_forgets_like_a_dict():

@@ -135,14 +135,16 @@ _OPS = st.lists(st.one_of(
     st.tuples(st.just("drop_ask"), st.integers(0, 3), st.sampled_from(_SESSIONS)),
     st.tuples(st.just("drop_session"), st.sampled_from(_SESSIONS)),
     st.tuples(st.just("take"), st.integers(0, 3)),
+    st.tuples(st.just("take_all")),
 ), max_size=60)
 
 
 @settings(max_examples=300, deadline=None)
 @given(ops=_OPS, max_rooms=st.integers(2, 8), max_bytes=st.integers(3, 20))
 def test_each_rooms_fanout_first_ask_and_bytes_stay_those_of_its_parked_asks(ops, max_rooms, max_bytes):
-    """Whatever comes and goes (repeats, drops, evictions under tight bounds), a room's fanout is its first
-    parked ask's, and every byte count is the sum of its parked asks' costs."""
+    """Whatever comes and goes (repeats, drops, evictions under tight bounds, all taken at once), a room's
+    fanout is its first parked ask's, every byte count is the sum of its parked asks' costs, and `get` (the
+    room dict's own) finds exactly the rooms parked."""
     parked = ParkedAsks(max_rooms=max_rooms, max_bytes=max_bytes * ASK_OVERHEAD_BYTES)
     for now, (op, *args) in enumerate(ops):
         if op == "add":
@@ -157,3 +159,5 @@ def test_each_rooms_fanout_first_ask_and_bytes_stay_those_of_its_parked_asks(ops
             assert asks.nbytes == sum(ask_cost(info) for info in asks.infos.values())
             total += asks.nbytes
         assert parked.nbytes == total
+        assert [parked.get(room) for room in range(4)] == [parked[room] if room in parked else None
+                                                            for room in range(4)]
