@@ -1146,6 +1146,21 @@ def test_a_successor_asking_while_its_predecessors_write_flies_is_written_and_th
     assert run.conclusions() == [(7, TransferPoll.Success, None)]
 
 
+def test_a_successors_write_holds_its_own_destination_beside_a_receiver_still_being_served():
+    """Rank 1's successor asks while rank 0's write of room 7 still flies: the successor's write holds the
+    successor's destination (not rank 0's, which sorts before it among the room's receivers), so another
+    room asking for the same rows of that session is refused until the successor's write is over."""
+    run = Run()
+    (served, orphaned), successor = _one_of_two_restarted_mid_write(run)
+    (retry,) = run.of(StartWrite, run.at(1.1).ask(successor))
+    assert retry.dsts == (0x90000,)
+    run.offer(_offer(8, span=8))
+    out = run.at(1.2).ask(_ask(8, 0, fanout=1, span=8, session=successor.session_id, ptr=0x90000, port=6001))
+    assert run.of(StartWrite, out) == []
+    [conclusion] = run.of(Conclude, out)
+    assert conclusion.failure.kind is FailureKind.REGION and "overlaps room 7" in conclusion.failure.detail
+
+
 def test_a_room_one_of_whose_receivers_restarted_fails_everywhere_at_the_fanout_timeout_if_no_successor_asks():
     run = Run()
     (served, orphaned), _ = _one_of_two_restarted_mid_write(run)
