@@ -142,8 +142,9 @@ PyObject *epd_ask_parse(PyObject *self, PyObject *args)
  * Reads at most `most` messages off the socket without blocking, parsing each plain ask (`asks`, in
  * order), up to the first message that is not one: `message` is then what zmq_recv_parts returned for
  * it (its parts, or (bytes, parts) for one over the bounds), else None. `empty`: the socket had nothing
- * more queued. A receive or a parse that fails after asks were read ends the call with them (it fails
- * again on the next); with none, it raises, as zmq_recv_parts does. */
+ * more queued. A receive that fails after asks were read ends the call with them: a socket's error
+ * fails again on the next call, and a message whose parts could not be allocated is lost, as ZMQ
+ * already handed it over; with no ask read, it raises, as zmq_recv_parts does. */
 PyObject *epd_ask_take(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -180,11 +181,13 @@ PyObject *epd_ask_take(PyObject *self, PyObject *args)
             Py_DECREF(ask);
             break;
         }
-        Py_CLEAR(message);
         int appended = PyList_Append(asks, ask);
         Py_DECREF(ask);
-        if (appended < 0)
+        if (appended < 0) {
+            PyErr_Clear(); /* out of memory: the general path takes the message, and parses it again */
             break;
+        }
+        Py_CLEAR(message);
     }
     if (PyErr_Occurred()) {
         if (PyList_GET_SIZE(asks) == 0) {
@@ -192,7 +195,7 @@ PyObject *epd_ask_take(PyObject *self, PyObject *args)
             Py_XDECREF(message);
             return NULL;
         }
-        PyErr_Clear(); /* what failed fails again on the next call; the asks read are not lost */
+        PyErr_Clear(); /* the asks read are filed; see above for what failed */
     }
     if (message == NULL || message == Py_None) {
         Py_XDECREF(message);

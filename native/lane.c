@@ -107,7 +107,9 @@ static int settle(PyObject *lanes, PyObject *settled, long long room)
  * of `lanes` in order (`settled`), up to the first message that settles none: `message` is then
  * what zmq_recv_parts returned for it (its parts, or (bytes, parts) for one over the bounds), else
  * None. `empty`: the socket had nothing more queued. A receive that fails after rooms were settled
- * ends the call with them (it fails again on the next); with none, it raises, as zmq_recv_parts does. */
+ * ends the call with them: a socket's error fails again on the next call, and a message whose parts
+ * could not be allocated is lost, as ZMQ already handed it over; with none settled, it raises, as
+ * zmq_recv_parts does. */
 PyObject *epd_lane_take(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -154,7 +156,7 @@ PyObject *epd_lane_take(PyObject *self, PyObject *args)
             Py_DECREF(settled);
             return NULL;
         }
-        PyErr_Clear(); /* what failed fails again on the next call; the rooms settled are not lost */
+        PyErr_Clear(); /* the rooms settled are booked; see above for what failed */
     }
     if (message == NULL || message == Py_None) {
         Py_XDECREF(message);
