@@ -137,14 +137,26 @@ PyObject *epd_ask_parse(PyObject *self, PyObject *args)
     return plain_ask(parts, cls);
 }
 
+/* An epd_taker: a plain ask's TransferInfo onto `asks`. */
+static int take_ask(void *cls, PyObject *message, PyObject *asks)
+{
+    PyObject *ask = plain_ask(message, cls);
+    if (ask == NULL)
+        return -1;
+    if (ask == Py_None) {
+        Py_DECREF(ask);
+        return 0;
+    }
+    int appended = PyList_Append(asks, ask);
+    Py_DECREF(ask);
+    return appended < 0 ? -1 : 1;
+}
+
 /* ask_take(handle, cls, most, max_bytes=0, max_parts=0) -> (asks, message, empty).
  *
- * Reads at most `most` messages off the socket without blocking, parsing each plain ask (`asks`, in
- * order), up to the first message that is not one: `message` is then what zmq_recv_parts returned for
- * it (its parts, or (bytes, parts) for one over the bounds), else None. `empty`: the socket had nothing
- * more queued. A receive that fails after asks were read ends the call with them: a socket's error
- * fails again on the next call, and a message whose parts could not be allocated is lost, as ZMQ
- * already handed it over; with no ask read, it raises, as zmq_recv_parts does. */
+ * Reads at most `most` messages off the socket without blocking, parsing each plain ask into cls(...)
+ * (`asks`, in order), up to the first message that is not one (`message`): see epd_zmq_take. A class
+ * that raises leaves the message to the general path. */
 PyObject *epd_ask_take(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -152,54 +164,5 @@ PyObject *epd_ask_take(PyObject *self, PyObject *args)
     Py_ssize_t most, max_bytes = 0, max_parts = 0;
     if (!PyArg_ParseTuple(args, "OOn|nn", &handle_obj, &cls, &most, &max_bytes, &max_parts))
         return NULL;
-    void *handle = PyLong_AsVoidPtr(handle_obj);
-    if (handle == NULL && PyErr_Occurred())
-        return NULL;
-    if (!epd_zmq_ready()) {
-        PyErr_SetString(PyExc_RuntimeError, "zmq_bind() was not called");
-        return NULL;
-    }
-    PyObject *asks = PyList_New(0);
-    if (asks == NULL)
-        return NULL;
-    PyObject *message = NULL;
-    int empty = 0;
-    for (Py_ssize_t i = 0; i < most; i++) {
-        message = epd_zmq_recv_message(handle, max_bytes, max_parts);
-        if (message == NULL)
-            break;
-        if (message == Py_None) {
-            empty = 1;
-            break;
-        }
-        PyObject *ask = plain_ask(message, cls);
-        if (ask == NULL) {
-            PyErr_Clear(); /* out of memory, or cls refused it: the general path takes the message */
-            break;
-        }
-        if (ask == Py_None) {
-            Py_DECREF(ask);
-            break;
-        }
-        int appended = PyList_Append(asks, ask);
-        Py_DECREF(ask);
-        if (appended < 0) {
-            PyErr_Clear(); /* out of memory: the general path takes the message, and parses it again */
-            break;
-        }
-        Py_CLEAR(message);
-    }
-    if (PyErr_Occurred()) {
-        if (PyList_GET_SIZE(asks) == 0) {
-            Py_DECREF(asks);
-            Py_XDECREF(message);
-            return NULL;
-        }
-        PyErr_Clear(); /* the asks read are filed; see above for what failed */
-    }
-    if (message == NULL || message == Py_None) {
-        Py_XDECREF(message);
-        message = Py_NewRef(Py_None);
-    }
-    return Py_BuildValue("(NNO)", asks, message, empty ? Py_True : Py_False);
+    return epd_zmq_take(handle_obj, most, max_bytes, max_parts, take_ask, cls);
 }

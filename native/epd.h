@@ -81,6 +81,19 @@ PyObject *epd_zmq_send_parts(PyObject *self, PyObject *args);
 int epd_zmq_ready(void);
 int epd_zmq_recv_into(void *handle, void *buf, size_t cap, int *err);
 int epd_zmq_send_bytes(void *handle, const void *buf, size_t n, int *err);
+/* A message handed to a taker (GIL held): 1, it took the message, appending what it made of it to
+   `taken`; 0, it leaves the message to the general path; -1 with an exception set: the message goes
+   the general path too, so the taker leaves nothing that path would not take as it comes. */
+typedef int (*epd_taker)(void *ctx, PyObject *message, PyObject *taken);
+/* Reads at most `most` messages off the socket (a pyzmq socket's handle, as an int) without blocking,
+   bounded as zmq_recv_parts bounds them, handing each to `take` in arrival order up to the first it
+   leaves. Returns (taken, message, empty): `message` is what zmq_recv_parts returned for the message
+   left (its parts, or (bytes, parts) for one over the bounds), else None; `empty`, whether the socket
+   had nothing more queued. A receive that fails after messages were taken ends the call with them: a
+   socket's error fails again on the next call, and a message whose parts could not be allocated is
+   lost, as ZMQ already handed it over; with none taken, it raises, as zmq_recv_parts does. */
+PyObject *epd_zmq_take(PyObject *handle_obj, Py_ssize_t most, Py_ssize_t max_bytes, Py_ssize_t max_parts,
+                       epd_taker take, void *ctx);
 
 /* lane.c: the statuses a prefill driver settles in lanes (transfer/core/lane.py). */
 PyObject *epd_lane_match(PyObject *self, PyObject *args);

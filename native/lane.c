@@ -90,77 +90,42 @@ PyObject *epd_lane_match(PyObject *self, PyObject *args)
     return PyLong_FromLongLong(room);
 }
 
-/* Takes a settled room out of `lanes` and onto `settled`: 0, or -1 with an exception set. */
-static int settle(PyObject *lanes, PyObject *settled, long long room)
+struct lanes {
+    PyObject *lanes;
+    unsigned long long success;
+};
+
+/* An epd_taker: a status that settles a lane takes its room out of the lanes dict, then onto `settled`. */
+static int settle(void *ctx, PyObject *message, PyObject *settled)
 {
+    struct lanes *lanes = ctx;
+    long long room;
+    int found = match(message, lanes->lanes, lanes->success, &room);
+    if (found <= 0)
+        return found;
     PyObject *key = PyLong_FromLongLong(room);
     if (key == NULL)
         return -1;
-    int failed = PyList_Append(settled, key) < 0 || PyDict_DelItem(lanes, key) < 0;
+    /* The lane goes first: a room whose append then fails is one without a lane, which the general
+       path books from the message as it books any other. */
+    int failed = PyDict_DelItem(lanes->lanes, key) < 0 || PyList_Append(settled, key) < 0;
     Py_DECREF(key);
-    return failed ? -1 : 0;
+    return failed ? -1 : 1;
 }
 
 /* lane_take(handle, lanes, success, most, max_bytes=0, max_parts=0) -> (settled, message, empty).
  *
  * Reads at most `most` messages off the socket without blocking, taking the rooms they settle out
- * of `lanes` in order (`settled`), up to the first message that settles none: `message` is then
- * what zmq_recv_parts returned for it (its parts, or (bytes, parts) for one over the bounds), else
- * None. `empty`: the socket had nothing more queued. A receive that fails after rooms were settled
- * ends the call with them: a socket's error fails again on the next call, and a message whose parts
- * could not be allocated is lost, as ZMQ already handed it over; with none settled, it raises, as
- * zmq_recv_parts does. */
+ * of `lanes` in order (`settled`), up to the first message that settles none (`message`): see
+ * epd_zmq_take. */
 PyObject *epd_lane_take(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *handle_obj, *lanes;
-    unsigned long long success;
+    PyObject *handle_obj;
+    struct lanes lanes;
     Py_ssize_t most, max_bytes = 0, max_parts = 0;
-    if (!PyArg_ParseTuple(args, "OO!Kn|nn", &handle_obj, &PyDict_Type, &lanes, &success, &most, &max_bytes,
-                          &max_parts))
+    if (!PyArg_ParseTuple(args, "OO!Kn|nn", &handle_obj, &PyDict_Type, &lanes.lanes, &lanes.success, &most,
+                          &max_bytes, &max_parts))
         return NULL;
-    void *handle = PyLong_AsVoidPtr(handle_obj);
-    if (handle == NULL && PyErr_Occurred())
-        return NULL;
-    if (!epd_zmq_ready()) {
-        PyErr_SetString(PyExc_RuntimeError, "zmq_bind() was not called");
-        return NULL;
-    }
-    PyObject *settled = PyList_New(0);
-    if (settled == NULL)
-        return NULL;
-    PyObject *message = NULL;
-    int empty = 0;
-    for (Py_ssize_t i = 0; i < most; i++) {
-        message = epd_zmq_recv_message(handle, max_bytes, max_parts);
-        if (message == NULL)
-            break;
-        if (message == Py_None) {
-            empty = 1;
-            break;
-        }
-        long long room;
-        int found = match(message, lanes, success, &room);
-        if (found < 0) {
-            PyErr_Clear(); /* out of memory matching it: the general path takes it */
-            found = 0;
-        }
-        if (found == 0)
-            break;
-        Py_CLEAR(message);
-        if (settle(lanes, settled, room) < 0)
-            break;
-    }
-    if (PyErr_Occurred()) {
-        if (PyList_GET_SIZE(settled) == 0) {
-            Py_DECREF(settled);
-            return NULL;
-        }
-        PyErr_Clear(); /* the rooms settled are booked; see above for what failed */
-    }
-    if (message == NULL || message == Py_None) {
-        Py_XDECREF(message);
-        message = Py_NewRef(Py_None);
-    }
-    return Py_BuildValue("(NNO)", settled, message, empty ? Py_True : Py_False);
+    return epd_zmq_take(handle_obj, most, max_bytes, max_parts, settle, &lanes);
 }

@@ -249,3 +249,47 @@ PyObject *epd_zmq_send_parts(PyObject *self, PyObject *args)
     }
     Py_RETURN_NONE;
 }
+
+PyObject *epd_zmq_take(PyObject *handle_obj, Py_ssize_t most, Py_ssize_t max_bytes, Py_ssize_t max_parts,
+                       epd_taker take, void *ctx)
+{
+    void *handle = PyLong_AsVoidPtr(handle_obj);
+    if (handle == NULL && PyErr_Occurred())
+        return NULL;
+    if (!bound())
+        return NULL;
+    PyObject *taken = PyList_New(0);
+    if (taken == NULL)
+        return NULL;
+    PyObject *message = NULL;
+    int empty = 0;
+    for (Py_ssize_t i = 0; i < most; i++) {
+        message = epd_zmq_recv_message(handle, max_bytes, max_parts);
+        if (message == NULL)
+            break;
+        if (message == Py_None) {
+            empty = 1;
+            break;
+        }
+        int took = take(ctx, message, taken);
+        if (took < 0) {
+            PyErr_Clear(); /* out of memory taking it: the general path takes the message */
+            took = 0;
+        }
+        if (took == 0)
+            break;
+        Py_CLEAR(message);
+    }
+    if (PyErr_Occurred()) { /* the receive failed */
+        if (PyList_GET_SIZE(taken) == 0) {
+            Py_DECREF(taken);
+            return NULL;
+        }
+        PyErr_Clear(); /* what was taken is handed over; the failure is told in epd.h */
+    }
+    if (message == NULL || message == Py_None) {
+        Py_XDECREF(message);
+        message = Py_NewRef(Py_None);
+    }
+    return Py_BuildValue("(NNO)", taken, message, empty ? Py_True : Py_False);
+}

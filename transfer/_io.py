@@ -500,17 +500,8 @@ def take_statuses(sock: zmq.Socket, lanes: dict[int, int],
     one call; without the native core each call reads one message as recv_frames() does and
     leaves lanes alone, which the general path then takes."""
     if _NATIVE is None:
-        frames = recv_frames(sock)
-        return [], frames, frames is None
-    try:
-        settled, frames, empty = _NATIVE.lane_take(sock.underlying, lanes, _SUCCESS, most, MAX_CONTROL_MESSAGE,
-                                                   MAX_CONTROL_PARTS)
-    except OSError as exc:
-        raise _zmq_error(exc) from None
-    if type(frames) is tuple:  # over the bounds: discarded unread
-        _dropped_oversized(*frames)
-        return settled, None, False
-    return settled, frames, empty
+        return _one_message(sock)
+    return _taken(_NATIVE.lane_take, sock, lanes, _SUCCESS, most)
 
 
 def take_asks(sock: zmq.Socket, most: int) -> tuple[list[TransferInfo], list[bytes] | None, bool]:
@@ -522,17 +513,26 @@ def take_asks(sock: zmq.Socket, most: int) -> tuple[list[TransferInfo], list[byt
     and whether the socket is empty. Natively the asks are read and parsed in one call; without
     the native core each call reads one message as recv_frames() does, for the general path."""
     if _NATIVE is None:
-        frames = recv_frames(sock)
-        return [], frames, frames is None
+        return _one_message(sock)
+    return _taken(_NATIVE.ask_take, sock, TransferInfo, most)
+
+
+def _one_message(sock: zmq.Socket) -> tuple[list, list[bytes] | None, bool]:
+    """What a take call reads without the native core: one message, for the general path."""
+    frames = recv_frames(sock)
+    return [], frames, frames is None
+
+
+def _taken(take: Callable[..., tuple], sock: zmq.Socket, *args: object) -> tuple[list, list[bytes] | None, bool]:
+    """What a native take call (epd_zmq_take's: lane_take, ask_take) read off a ControlListener."""
     try:
-        asks, frames, empty = _NATIVE.ask_take(sock.underlying, TransferInfo, most, MAX_CONTROL_MESSAGE,
-                                               MAX_CONTROL_PARTS)
+        taken, frames, empty = take(sock.underlying, *args, MAX_CONTROL_MESSAGE, MAX_CONTROL_PARTS)
     except OSError as exc:
         raise _zmq_error(exc) from None
     if type(frames) is tuple:  # over the bounds: discarded unread
         _dropped_oversized(*frames)
-        return asks, None, False
-    return asks, frames, empty
+        return taken, None, False
+    return taken, frames, empty
 
 
 class ThrottledLog:

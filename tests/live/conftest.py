@@ -55,3 +55,21 @@ def zmq_path(request, monkeypatch):
     else:
         monkeypatch.setattr(_io, "_NATIVE", None)
     return request.param
+
+
+@pytest.fixture
+def listener():
+    """(push, pull): a control listener (`_io.pull_socket`, bounded as the drivers' are) on loopback and a
+    PUSH connected to it."""
+    import zmq
+
+    from transfer import _io
+
+    pull, port = _io.pull_socket(HOST, 0, "listener")
+    push = _io.context().socket(zmq.PUSH)
+    push.connect(f"tcp://{HOST}:{port}")
+    try:
+        yield push, pull
+    finally:
+        push.close(0)
+        pull.close(0)

@@ -847,3 +847,24 @@ def mutate_parts(parts: list[bytes], rng: random.Random) -> list[bytes]:
         elif op == "many":
             parts += [b"1"] * rng.randint(1, 100)
     return parts or [b""]  # ZMQ sends no message of no parts
+
+
+def take_all(take: Callable[[int], tuple[list, Any, bool]], count: int, kind: str, most: int = 64,
+             timeout: float = 10.0) -> list:
+    """What a take call (`take(most)`: `_io.take_statuses` or `_io.take_asks` on a socket) hands over for
+    `count` messages, in order: (kind, item) for each it took, ("message", frames) for each it left to the
+    general path. A message over the bounds, discarded, counts for neither."""
+    got: list = []
+    deadline = time.monotonic() + timeout
+    taken = 0
+    while taken < count:
+        items, frames, empty = take(min(most, count - taken))
+        got += [(kind, item) for item in items]
+        taken += len(items)
+        if frames is not None:
+            got.append(("message", frames))
+            taken += 1
+        if empty and taken < count:
+            assert time.monotonic() < deadline, f"{taken} of {count} messages arrived: {got}"
+            time.sleep(0.001)
+    return got

@@ -4,10 +4,8 @@ pyzmq path. Real ZMQ sockets on loopback: every request comes out once, in the o
 from __future__ import annotations
 
 import dataclasses
-import time
 
-import pytest
-import zmq
+from live_helpers import take_all
 
 from transfer import _io
 from transfer.frames import TransferInfo, cancel_frames, registration_frames
@@ -21,38 +19,12 @@ def ask(room: int, **changes) -> TransferInfo:
     return dataclasses.replace(info, **changes)
 
 
-@pytest.fixture
-def sockets():
-    pull, port = _io.pull_socket(HOST, 0, "request socket")
-    push = _io.context().socket(zmq.PUSH)
-    push.connect(f"tcp://{HOST}:{port}")
-    try:
-        yield push, pull
-    finally:
-        push.close(0)
-        pull.close(0)
+def taking(pull):
+    return lambda most: _io.take_asks(pull, most)
 
 
-def take_all(pull, count: int, most: int = 64, timeout: float = 10.0) -> list:
-    """What take_asks hands over for `count` messages, in order: ("ask", info) and ("message", frames)."""
-    got: list = []
-    deadline = time.monotonic() + timeout
-    taken = 0
-    while taken < count:
-        asks, frames, empty = _io.take_asks(pull, min(most, count - taken))
-        got += [("ask", info) for info in asks]
-        taken += len(asks)
-        if frames is not None:
-            got.append(("message", frames))
-            taken += 1
-        if empty and taken < count:
-            assert time.monotonic() < deadline, f"{taken} of {count} messages arrived: {got}"
-            time.sleep(0.001)
-    return got
-
-
-def test_plain_asks_come_parsed_in_order_and_every_other_request_comes_between_them(zmq_path, sockets):
-    push, pull = sockets
+def test_plain_asks_come_parsed_in_order_and_every_other_request_comes_between_them(zmq_path, listener):
+    push, pull = listener
     wide = ask(3, has_deepstack=True, deepstack_row_bytes=512)
     sent = [ask(1).to_frames(), ask(2).to_frames(),
             registration_frames(HOST, 17001, f"{HOST}:15432", 0x7F00_0000_0000, 0),
@@ -60,7 +32,7 @@ def test_plain_asks_come_parsed_in_order_and_every_other_request_comes_between_t
             ask(4).to_frames() + [b"later", b"parts a peer may add"], ask(5).to_frames()]
     for frames in sent:
         push.send_multipart(frames)
-    got = take_all(pull, len(sent))
+    got = take_all(taking(pull), len(sent), "ask")
     if zmq_path == "native":
         assert got == [("ask", ask(1)), ("ask", ask(2)), ("message", sent[2]), ("ask", wide), ("message", sent[4]),
                        ("message", sent[5]), ("message", sent[6]), ("ask", ask(5))]
@@ -70,25 +42,19 @@ def test_plain_asks_come_parsed_in_order_and_every_other_request_comes_between_t
     assert TransferInfo.from_frames(sent[6]) == ask(4)  # the general path still takes what the plain one leaves
 
 
-def test_a_request_over_the_bounds_is_dropped_counted_and_the_next_one_is_read(zmq_path, sockets):
-    push, pull = sockets
+def test_a_request_over_the_bounds_is_dropped_counted_and_the_next_one_is_read(zmq_path, listener):
+    push, pull = listener
     before = _io.oversized_dropped
     push.send_multipart([b"1"] * (_io.MAX_CONTROL_PARTS + 1))
     push.send_multipart(ask(2).to_frames())
-    got: list = []
-    deadline = time.monotonic() + 10.0
-    while not got:
-        asks, frames, _ = _io.take_asks(pull, 8)
-        got = [("ask", info) for info in asks] + ([("message", frames)] if frames is not None else [])
-        assert time.monotonic() < deadline, "the ask after the oversized request never came"
-        time.sleep(0.001)
+    got = take_all(taking(pull), 1, "ask", most=8)
     assert got == ([("ask", ask(2))] if zmq_path == "native" else [("message", ask(2).to_frames())])
     assert _io.oversized_dropped == before + 1
 
 
-def test_at_most_the_messages_asked_for_are_taken_in_one_call(sockets):
-    push, pull = sockets
+def test_at_most_the_messages_asked_for_are_taken_in_one_call(listener):
+    push, pull = listener
     for room in range(10):
         push.send_multipart(ask(room).to_frames())
-    assert take_all(pull, 4, most=4) == [("ask", ask(room)) for room in range(4)]
-    assert take_all(pull, 6) == [("ask", ask(room)) for room in range(4, 10)]
+    assert take_all(taking(pull), 4, "ask", most=4) == [("ask", ask(room)) for room in range(4)]
+    assert take_all(taking(pull), 6, "ask") == [("ask", ask(room)) for room in range(4, 10)]

@@ -3,57 +3,27 @@ pyzmq path. Real ZMQ sockets on loopback: the order statuses are taken in is wha
 
 from __future__ import annotations
 
-import time
-
-import pytest
-import zmq
+from live_helpers import take_all
 
 from transfer import _io
 from transfer.frames import status_frames
 from transfer.status import TransferPoll
 
-HOST = "127.0.0.1"
 S, F = TransferPoll.Success, TransferPoll.Failed
 
 
-@pytest.fixture
-def sockets():
-    pull, port = _io.pull_socket(HOST, 0, "status socket")
-    push = _io.context().socket(zmq.PUSH)
-    push.connect(f"tcp://{HOST}:{port}")
-    try:
-        yield push, pull
-    finally:
-        push.close(0)
-        pull.close(0)
+def taking(pull, lanes: dict[int, int]):
+    return lambda most: _io.take_statuses(pull, lanes, most)
 
 
-def take_all(pull, lanes: dict[int, int], count: int, most: int = 64, timeout: float = 10.0) -> list:
-    """What take_statuses hands over for `count` messages, in order: ("settled", room) and ("message", frames)."""
-    got: list = []
-    deadline = time.monotonic() + timeout
-    taken = 0
-    while taken < count:
-        settled, frames, empty = _io.take_statuses(pull, lanes, min(most, count - taken))
-        got += [("settled", room) for room in settled]
-        taken += len(settled)
-        if frames is not None:
-            got.append(("message", frames))
-            taken += 1
-        if empty and taken < count:
-            assert time.monotonic() < deadline, f"{taken} of {count} messages arrived: {got}"
-            time.sleep(0.001)
-    return got
-
-
-def test_lane_successes_settle_in_order_and_every_other_message_comes_between_them(zmq_path, sockets):
-    push, pull = sockets
+def test_lane_successes_settle_in_order_and_every_other_message_comes_between_them(zmq_path, listener):
+    push, pull = listener
     sent = [status_frames(1, S, 0), status_frames(2, S, 0), status_frames(3, F, 0), status_frames(4, S, 1),
             status_frames(5, S, 0), [b"6", b"5", b"0", b"123", b"456"], status_frames(9, S, 0)]
     for frames in sent:
         push.send_multipart(frames)
     lanes = {1: 0, 2: 0, 3: 0, 4: 0, 5: 0, 6: 0}
-    got = take_all(pull, lanes, len(sent))
+    got = take_all(taking(pull, lanes), len(sent), "settled")
     if zmq_path == "native":
         assert got == [("settled", 1), ("settled", 2), ("message", sent[2]), ("message", sent[3]),
                        ("settled", 5), ("settled", 6), ("message", sent[6])]
@@ -63,28 +33,21 @@ def test_lane_successes_settle_in_order_and_every_other_message_comes_between_th
         assert lanes == {1: 0, 2: 0, 3: 0, 4: 0, 5: 0, 6: 0}
 
 
-def test_a_message_over_the_bounds_is_dropped_counted_and_the_next_one_is_read(zmq_path, sockets):
-    push, pull = sockets
+def test_a_message_over_the_bounds_is_dropped_counted_and_the_next_one_is_read(zmq_path, listener):
+    push, pull = listener
     before = _io.oversized_dropped
     push.send_multipart([b"1"] * (_io.MAX_CONTROL_PARTS + 1))
     push.send_multipart(status_frames(2, S, 0))
-    lanes = {2: 0}
-    got: list = []
-    deadline = time.monotonic() + 10.0
-    while not got:
-        settled, frames, _ = _io.take_statuses(pull, lanes, 8)
-        got = [("settled", room) for room in settled] + ([("message", frames)] if frames is not None else [])
-        assert time.monotonic() < deadline, "the status after the oversized message never came"
-        time.sleep(0.001)
+    got = take_all(taking(pull, {2: 0}), 1, "settled", most=8)
     assert got == ([("settled", 2)] if zmq_path == "native" else [("message", status_frames(2, S, 0))])
     assert _io.oversized_dropped == before + 1
 
 
-def test_at_most_the_messages_asked_for_are_taken_in_one_call(sockets):
-    push, pull = sockets
+def test_at_most_the_messages_asked_for_are_taken_in_one_call(listener):
+    push, pull = listener
     for room in range(10):
         push.send_multipart(status_frames(room, S, 0))
     lanes = {room: 0 for room in range(10)}
-    assert take_all(pull, lanes, 4, most=4) == [("settled", room) for room in range(4)]
+    assert take_all(taking(pull, lanes), 4, "settled", most=4) == [("settled", room) for room in range(4)]
     assert sorted(lanes) == list(range(4, 10))
-    assert take_all(pull, lanes, 6) == [("settled", room) for room in range(4, 10)]
+    assert take_all(taking(pull, lanes), 6, "settled") == [("settled", room) for room in range(4, 10)]
