@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["forks"]
+__all__ = ["count", "forks"]
 
-_forks = 0  # counted in each child
+#: Forks so far: what forks() returns, for a hot path to read without a call.
+count = 0  # counted in each child
 
 
 def _count_fork() -> None:
-    global _forks
-    _forks += 1
+    global count
+    count += 1
 
 
 if hasattr(os, "register_at_fork"):
@@ -23,4 +24,4 @@ if hasattr(os, "register_at_fork"):
 
 def forks() -> int:
     """Forks so far (0 in the process the interpreter started in)."""
-    return _forks
+    return count

@@ -33,7 +33,7 @@ from typing import Any
 
 import zmq
 
-from transfer import _io
+from transfer import _forks, _io
 from transfer.bootstrap import BootstrapClient, BootstrapError, BootstrapNoRoute
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.prefill import (
@@ -176,7 +176,7 @@ class PrefillDriver:
         quarantine_s: float = float("inf"),
     ) -> None:
         self.engine_rank = engine_rank
-        self._forks = _io.forks()  # see check_process
+        self._forks = _forks.count  # see check_process
         self.clock = time.monotonic
         self.metrics = metrics
         self.pool = pool
@@ -285,7 +285,7 @@ class PrefillDriver:
     def clear(self, record: Room) -> bool | None:
         """Forgets the room; whether it had succeeded, or None when it was not held (nor is it in a
         forked child: the room, its lock and its encode rank's socket are the parent's)."""
-        if self.forked:
+        if self._forks != _forks.count:  # self.forked, without its call
             return None
         if not self._lock.acquire(True, _io.LOCK_WAIT_S):
             if self._stopping:  # close() failed the rooms without it, and takes their slots back
@@ -440,12 +440,12 @@ class PrefillDriver:
     def forked(self) -> bool:
         """Whether this process was forked from the one that made this driver (which holds its sockets and
         its I/O thread)."""
-        return self._forks != _io.forks()
+        return self._forks != _forks.count
 
     def check_process(self) -> None:
         """UsageError in a process forked from the one that made this driver: its sockets are the parent's
         (ZMQ's calls on them fail there, for ever, as interrupted) and its I/O thread did not come along."""
-        if self.forked:
+        if self._forks != _forks.count:  # self.forked, without its call
             raise UsageError(f"prefill rank {self.engine_rank}'s session manager was made before this process "
                              f"(pid {os.getpid()}) was forked from its parent: its sockets and I/O thread are the "
                              f"parent's; make a SessionManager in this process")
