@@ -1196,3 +1196,23 @@ def test_a_closed_core_that_forgot_its_rooms_keeps_none_of_their_destinations():
     assert [ref() for ref in kept] == [None, None, None]
     assert len(c) == 0 and not c.clear(1.0, 1)
     assert c.tick(120.0) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 7), min_size=1, max_size=30, unique=True))
+def test_a_room_asked_at_once_goes_on_its_addresss_connection_of_now_made_the_most_recently_used(rooms):
+    """An ask that goes out at once takes the connection its _ask found (no second look): the address's
+    connection in use, which is now the most recently used, as for an ask that waited in a queue."""
+    c = core(engine_rank=0, tp_size=2, dp_size=1)  # encode tp 2 in 2 dp groups: one rank each, fanout 1
+    addrs = {0: ("10.0.0.2", 7000), 1: ("10.0.0.4", 7000)}
+    c.receive(0.0, spec(100))
+    c.parallel_resolved(0.0, BOOT, 2, 2)
+    for group, addr in addrs.items():
+        c.route_resolved(0.0, (BOOT, group, 0), addr)
+    for room in rooms:
+        _, actions = c.receive(1.0, spec(room, slot=room))
+        assert kinds(actions)[-1] is SendAsk
+        addr = addrs[room % 2]
+        assert actions[-1].addr == addr
+        assert c._rooms[room].conn == c._conns[addr]
+        assert list(c._conns)[-1] == addr

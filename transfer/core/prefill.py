@@ -285,6 +285,7 @@ class _Room:
     spec: RoomSpec
     token: int
     deadline: float
+    room: int  # spec.room, read without a call
     stage: str = LOOKUP
     encode_rank: int | None = None
     fanout: int = 1
@@ -298,10 +299,6 @@ class _Room:
     partly_verified: bool = False  # its Success carried checksums for some of its regions only
     given_up: bool = False  # given up on already: abandon() and _expire() send it no (further) cancel
     safe: bool = False  # no encode rank writes into its memory any more (known without a cancel)
-
-    @property
-    def room(self) -> int:
-        return self.spec.room
 
     def where(self) -> str:
         """The encode rank this room waits on, for failure reasons."""
@@ -491,15 +488,17 @@ class PrefillCore:
     def receive(self, now: float, spec: RoomSpec) -> tuple[int, list]:
         """A room the caller asks for; returns its token and the actions to start it. Refused (ConfigError)
         while its number is held; a room that raises is not held."""
-        self.refuse_held(spec.room)
+        room = spec.room
+        if room in self._rooms:
+            self.refuse_held(room)
         self._tokens += 1
-        state = _Room(spec, self._tokens, now + self.deadline_s)
-        self._rooms[spec.room] = state
+        state = _Room(spec, self._tokens, now + self.deadline_s, room)
+        self._rooms[room] = state
         self._push_deadline(state)
         try:
             return state.token, self._route(now, state)
         except BaseException:
-            del self._rooms[spec.room]
+            del self._rooms[room]
             raise
 
     def abandon(self, now: float, room: int, token: int) -> list:
@@ -1368,7 +1367,7 @@ class PrefillCore:
             state.stage = QUEUED
             self.asks.push(addr, state)
             return actions
-        return actions + self._emit_ask(state)
+        return actions + self._emit_ask(state, conn_current=True)
 
     def _conn_of(self, addr: Address) -> int:
         """The connection in use to `addr` (a new one when there is none), now the most recently used."""
@@ -1379,9 +1378,10 @@ class PrefillCore:
         self._conns[addr] = conn
         return conn
 
-    def _emit_ask(self, state: _Room) -> list:
+    def _emit_ask(self, state: _Room, conn_current: bool = False) -> list:
         """The room's registration (unless its encode rank holds the region) and its TransferInfo; the room
-        gets a lane (`lanes`) when its Success can only be this ask's and is taken unchecked."""
+        gets a lane (`lanes`) when its Success can only be this ask's and is taken unchecked.
+        `conn_current`: state.conn is the address's connection of now, made the most recently used already."""
         spec = state.spec
         addr, key = state.addr, state.route_key
         if addr is None or key is None:
@@ -1389,7 +1389,8 @@ class PrefillCore:
         actions: list = []
         regions = spec.regions
         emb, ds = regions.embedding, regions.deepstack
-        state.conn = self._conn_of(addr)  # it goes on the address's connection of now, not of when it queued
+        if not conn_current:
+            state.conn = self._conn_of(addr)  # it goes on the address's connection of now, not of when it queued
         state.instance = self._instances.get(key)
         region, lengths = (emb.addr, ds.addr if ds else 0), (emb.nbytes, ds.nbytes if ds else 0)
         if self.announcements.needs(addr, region, lengths):
