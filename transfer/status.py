@@ -37,6 +37,10 @@ def advance(old: TransferPoll | None, new: TransferPoll) -> TransferPoll:
     return new if new > old else old
 
 
+# The table's fast paths compare members by identity: the table holds members only.
+_FAILED, _SUCCESS = TransferPoll.Failed, TransferPoll.Success
+
+
 def is_terminal(status: TransferPoll | None) -> bool:
     """True for the statuses a room concludes with (Failed, Success)."""
     if status is None:
@@ -65,7 +69,9 @@ class RoomTable:
     def start(self, room: int, status: TransferPoll = TransferPoll.Bootstrapping) -> TransferPoll:
         """Begin tracking `room`; on a room already tracked this only advances it (Failed stays)."""
         with self._lock:
-            now = advance(self._status.get(room), status)
+            old = self._status.get(room)
+            # advance(None, status) is status, once a member.
+            now = status if old is None and type(status) is TransferPoll else advance(old, status)
             self._status[room] = now
             return now
 
@@ -73,7 +79,7 @@ class RoomTable:
         """Apply `status` to a known room and return its new status; None (ignored) for an unknown room.
 
         A plain-text `reason` is kept as a Failure of kind OTHER."""
-        if isinstance(reason, str):
+        if reason is not None and isinstance(reason, str):
             reason = Failure(FailureKind.OTHER, reason)
         with self._lock:
             old = self._status.get(room)
@@ -81,7 +87,8 @@ class RoomTable:
                 return None
             now = advance(old, status)
             self._status[room] = now
-            if is_terminal(now) and not is_terminal(old):
+            # is_terminal(now) and not is_terminal(old), of members
+            if (now is _SUCCESS or now is _FAILED) and old is not _SUCCESS and old is not _FAILED:
                 self._concluded[room] = None
             # The first reason is the cause; later ones are usually consequences.
             if now is TransferPoll.Failed and reason is not None and room not in self._reason:
@@ -112,15 +119,16 @@ class RoomTable:
         """Move a known, open room to Success or Failed; True only for the call that concluded it."""
         with self._lock:
             old = self._status.get(room)
-            if old is None or is_terminal(old):
+            if old is None or old is _SUCCESS or old is _FAILED:  # is_terminal(old), of a member
                 return False
             now = advance(old, status)
             self._status[room] = now
-            if is_terminal(now):
+            if now is _SUCCESS or now is _FAILED:
                 self._concluded[room] = None
-                if now is TransferPoll.Failed:
+                if now is _FAILED:
                     self._reason[room] = failure or Failure(FailureKind.OTHER, "failed")
-            return is_terminal(now)
+                return True
+            return False
 
     def overturn(self, room: int, failure: Failure) -> bool:
         """Move a room concluded Success to Failed (Failed overrides any state, SPEC.md section 3); True

@@ -136,3 +136,77 @@ def test_room_table_overturns_a_success_to_failed_once_and_reports_it_again():
     assert not table.overturn(1, failure) and not table.overturn(2, failure)
     table.start(3)
     assert not table.overturn(3, failure) and table.get(3) is not TransferPoll.Failed, "only a Success is overturned"
+
+
+class _ModelTable:
+    """RoomTable's rules spelled with advance() and is_terminal() on a plain dict, for the table to match."""
+
+    def __init__(self) -> None:
+        self.status: dict[int, TransferPoll] = {}
+        self.reason: dict[int, Failure] = {}
+        self.concluded: dict[int, None] = {}
+
+    def start(self, room, status):
+        self.status[room] = now = advance(self.status.get(room), status)
+        return now
+
+    def update(self, room, status, reason):
+        if isinstance(reason, str):
+            reason = Failure(FailureKind.OTHER, reason)
+        old = self.status.get(room)
+        if old is None:
+            return None
+        self.status[room] = now = advance(old, status)
+        if is_terminal(now) and not is_terminal(old):
+            self.concluded[room] = None
+        if now is P.Failed and reason is not None and room not in self.reason:
+            self.reason[room] = reason
+        return now
+
+    def conclude(self, room, status, failure):
+        old = self.status.get(room)
+        if old is None or is_terminal(old):
+            return False
+        self.status[room] = now = advance(old, status)
+        if is_terminal(now):
+            self.concluded[room] = None
+            if now is P.Failed:
+                self.reason[room] = failure or Failure(FailureKind.OTHER, "failed")
+        return is_terminal(now)
+
+    def clear(self, room):
+        for held in (self.status, self.reason, self.concluded):
+            held.pop(room, None)
+
+    def take_concluded(self):
+        rooms, self.concluded = list(self.concluded), {}
+        return rooms
+
+
+_STATUSES = st.one_of(st.sampled_from(list(P)), st.integers(0, 5))
+_TABLE_OPS = st.lists(st.one_of(
+    st.tuples(st.just("start"), st.integers(0, 3), _STATUSES),
+    st.tuples(st.just("update"), st.integers(0, 3), _STATUSES, st.sampled_from([None, "why", "other"])),
+    st.tuples(st.just("conclude"), st.integers(0, 3), st.sampled_from([P.Success, P.Failed]),
+              st.sampled_from([None, Failure(FailureKind.DEADLINE, "late")])),
+    st.tuples(st.just("clear"), st.integers(0, 3)),
+    st.tuples(st.just("take"),),
+), max_size=40)
+
+
+@given(_TABLE_OPS)
+def test_room_table_fast_paths_match_advance_and_is_terminal(ops):
+    """start(), update() and conclude() compare members by identity instead of calling advance() and
+    is_terminal() where they can: every answer, status, reason and conclusion is the same."""
+    table, model = RoomTable(), _ModelTable()
+    for op in ops:
+        kind, args = op[0], op[1:]
+        if kind == "take":
+            assert table.take_concluded() == model.take_concluded()
+            continue
+        got, want = getattr(table, kind)(*args), getattr(model, kind)(*args)
+        assert got == want and type(got) is type(want)
+        for room in range(4):
+            assert table.get(room) is model.status.get(room)
+            assert table.failure(room) == model.reason.get(room)
+    assert table.take_concluded() == model.take_concluded()
