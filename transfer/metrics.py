@@ -321,10 +321,13 @@ class Metrics:
 
     def inc(self, name: str, amount: float = 1, **labels: object) -> None:
         """Add a finite non-negative amount to a counter (ConfigError otherwise)."""
-        _check_amount(name, amount)
+        if not 0 <= amount < math.inf:  # _check_amount's test, its call only to refuse
+            _check_amount(name, amount)
         key = self._series_key(labels) if labels else ()
+        counters = self._counters
         with self._lock:
-            series = self._series(self._counters, name, "counter")
+            # There once claimed as a counter.
+            series = counters[name] if name in counters else self._series(counters, name, "counter")
             series[key] = series.get(key, 0) + amount
 
     def inc_all(self, amounts: dict[str, float], observations: dict[str, float] | None = None) -> None:
@@ -332,19 +335,29 @@ class Metrics:
         under one hold of the lock: no read sees some of them and not the others (a room's Success with
         its latency and bytes). ConfigError for an amount inc() refuses or a NaN, recording nothing."""
         for name, amount in amounts.items():
-            _check_amount(name, amount)
+            if not 0 <= amount < math.inf:  # _check_amount's test, its call only to refuse
+                _check_amount(name, amount)
         observed = []
-        for name, value in (observations or {}).items():
-            value = _checked_value(name, value)
-            observed.append((name, value, _bucket_index(self.buckets, value)))
+        if observations:
+            for name, value in observations.items():
+                value = float(value)
+                if value != value:  # NaN: _checked_value refuses it
+                    _checked_value(name, value)
+                observed.append((name, value, _bucket_index(self.buckets, value)))
+        counters, histograms = self._counters, self._histograms
         with self._lock:
             # Every name claimed before any series moves: a name claimed as another kind records nothing.
-            counters = [(self._series(self._counters, name, "counter"), amount) for name, amount in amounts.items()]
-            histograms = [(self._series(self._histograms, name, "histogram"), value, index) for name, value, index in observed]
-            for series, amount in counters:
+            for name in amounts:
+                if name not in counters:
+                    self._series(counters, name, "counter")
+            for name, _, _ in observed:
+                if name not in histograms:
+                    self._series(histograms, name, "histogram")
+            for name, amount in amounts.items():
+                series = counters[name]
                 series[()] = series.get((), 0) + amount
-            for hists, value, index in histograms:
-                self._record(hists, (), value, index)
+            for name, value, index in observed:
+                self._record(histograms[name], (), value, index)
 
     def _series(self, store: dict, name: str, kind: str) -> dict:
         """`name`'s series by label key in `store` (self._counters or self._histograms, as `kind` says), the name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -16,6 +17,8 @@ from transfer.metrics import (
     ROLE_COUNTERS,
     ROLES,
     Metrics,
+    _check_amount,
+    _checked_value,
     declare_role,
     escape_label_value,
     estimate_quantile,
@@ -291,3 +294,55 @@ def test_a_components_gauges_leave_the_set_when_it_lets_go_and_the_callers_own_s
     again.gauge_fn("rooms_in_flight", lambda: 1)
     claim()  # an old claim takes nothing of its successor's
     assert total(m.snapshot(), "epd_x_rooms_in_flight") == 1
+
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_AMOUNTS = st.one_of(st.sampled_from([1, 0, 2.5, -1, math.nan, math.inf, -math.inf]), st.integers(-2, 5),
+                     st.floats(allow_nan=True, allow_infinity=True))
+_COUNTER_NAMES = st.sampled_from(["a_total", "b_total", "h"])  # "h" is claimed as a histogram below
+
+
+@given(st.dictionaries(_COUNTER_NAMES, _AMOUNTS, max_size=3),
+       st.dictionaries(st.sampled_from(["h", "a_total"]), _AMOUNTS, max_size=2),
+       st.lists(st.tuples(_COUNTER_NAMES, _AMOUNTS), max_size=3))
+def test_inc_and_inc_all_check_inline_as_check_amount_and_checked_value_do(amounts, observations, incs):
+    """inc() and inc_all() test amounts and observations inline, calling _check_amount and _checked_value
+    only to refuse: each refuses what those refuse with the same error, recording nothing, and otherwise
+    records what one inc() or observe() a name records."""
+    fast, slow = Metrics("ns"), Metrics("ns")
+    for metrics in (fast, slow):
+        metrics.histogram("h")
+    for name, amount in incs:
+        try:
+            _check_amount(name, amount)
+            slow._series(slow._counters, name, "counter")
+        except ConfigError as exc:
+            with pytest.raises(ConfigError, match=f"^{re.escape(str(exc))}$"):
+                fast.inc(name, amount)
+            continue
+        fast.inc(name, amount)
+        slow.inc(name, amount)
+    expected: ConfigError | None = None
+    try:
+        for name, amount in amounts.items():
+            _check_amount(name, amount)
+        for name, value in observations.items():
+            _checked_value(name, value)
+        for name in amounts:
+            slow._series(slow._counters, name, "counter")
+        for name in observations:
+            slow._series(slow._histograms, name, "histogram")
+    except ConfigError as exc:
+        expected = exc
+    if expected is not None:
+        with pytest.raises(ConfigError, match=f"^{re.escape(str(expected))}$"):
+            fast.inc_all(amounts, observations)
+    else:
+        fast.inc_all(amounts, observations)
+        for name, amount in amounts.items():
+            slow.inc(name, amount)
+        for name, value in observations.items():
+            slow.observe(name, value)
+    assert fast.snapshot() == slow.snapshot()
