@@ -141,12 +141,14 @@ class RoomTable:
             self._concluded[room] = None
             return True
 
-    def clear(self, room: int) -> None:
-        """Forget the room entirely (status and reason); a no-op for an unknown room."""
+    def clear(self, room: int) -> TransferPoll | None:
+        """Forget the room entirely (status and reason); returns the status it had (None for an unknown room,
+        which this leaves as it is)."""
         with self._lock:
-            self._status.pop(room, None)
+            status = self._status.pop(room, None)
             self._reason.pop(room, None)
             self._concluded.pop(room, None)
+            return status
 
     def take_concluded(self) -> list[int]:
         """Rooms that turned Success or Failed since the last call, oldest first, each once."""

@@ -1216,3 +1216,47 @@ def test_a_room_asked_at_once_goes_on_its_addresss_connection_of_now_made_the_mo
         assert actions[-1].addr == addr
         assert c._rooms[room].conn == c._conns[addr]
         assert list(c._conns)[-1] == addr
+
+
+_LET_GO_EVENTS = st.lists(st.one_of(
+    st.tuples(st.just("receive"), st.integers(0, 3)),
+    st.tuples(st.just("status"), st.integers(0, 3), st.sampled_from(list(TransferPoll))),
+    st.tuples(st.just("socket"), st.booleans()),
+    st.tuples(st.just("clear"), st.integers(0, 3), st.booleans()),
+), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_LET_GO_EVENTS, st.booleans())
+def test_let_go_is_safe_then_clear(events, integrity):
+    """let_go() is the driver's clear() with one look-up: what safe() then clear() answer and leave behind."""
+    cores = [core(deadline_s=10.0, integrity=integrity), core(deadline_s=10.0, integrity=integrity)]
+    for c in cores:
+        routed(c)
+    accepting = True
+    for event in events:
+        kind = event[0]
+        if kind == "socket":
+            accepting = event[1]
+            continue
+        answers = []
+        for i, c in enumerate(cores):
+            if kind == "receive":
+                if event[1] in c:
+                    continue
+                _, actions = c.receive(1.0, spec(event[1], slot=event[1]))
+                refused = [a for a in actions if isinstance(a, (Announce, SendAsk))]
+                if refused and not accepting:
+                    c.refused(1.0, ENCODE, refused)
+            elif kind == "status":
+                c.status(1.0, event[1], event[2], 0, (1,) if integrity else ())
+            else:
+                token = c.token(event[1])
+                token = (0 if token is None else token) + (0 if event[2] else 1)  # a stale token, or none held
+                c.abandon(1.0, event[1], token)
+                answers.append(c.let_go(1.0, event[1], token) if i else
+                               (c.safe(event[1], token), c.clear(1.0, event[1], token))[0])
+        assert len(set(answers)) <= 1
+        a, b = cores
+        assert [(a.token(r), a.stage(r)) for r in range(4)] == [(b.token(r), b.stage(r)) for r in range(4)]
+        assert a.lanes == b.lanes and a._let_go == b._let_go and a.next_wakeup() == b.next_wakeup()

@@ -562,6 +562,18 @@ class PrefillCore:
             self._let_go += 1
         return True
 
+    def let_go(self, now: float, room: int, token: int) -> bool:
+        """safe() then clear() of the room held under `token`, with one look-up: whether no encode rank writes into
+        its memory any more (known without a cancel's answer), False when it was not held."""
+        state = self._rooms.get(room)
+        if state is None or state.token != token:
+            return False
+        del self._rooms[room]
+        self.lanes.pop(room, None)
+        if state.stage == QUEUED:
+            self._let_go += 1
+        return state.safe
+
     def parallel_resolved(self, now: float, bootstrap_addr: str, encode_tp: int, encode_dp: int) -> list:
         """The bootstrap server told the encode side's sizes."""
         remember(self._parallel, bootstrap_addr, (encode_tp, encode_dp), MAX_SIZES)

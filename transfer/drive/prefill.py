@@ -292,16 +292,20 @@ class PrefillDriver:
                 return None
             raise UsageError(self._held_text("clear()"))
         try:
-            if self.rooms.get(record.room) is not record:
+            room = record.room
+            if self.rooms.get(room) is not record:
                 return None
-            succeeded = self.table.get(record.room) == TransferPoll.Success
             now = self.clock()
-            self._carry(now, self.core.abandon(now, record.room, record.token))
-            if self.core.safe(record.room, record.token):
+            actions = self.core.abandon(now, room, record.token)
+            if actions:  # a cancel: its room's status, as it stands before they are carried out
+                succeeded = self.table.get(room) == TransferPoll.Success
+                self._carry(now, actions)
+            if self.core.let_go(now, room, record.token):
                 record.memory_safe = True
-            del self.rooms[record.room]
-            self.table.clear(record.room)
-            self.core.clear(now, record.room, record.token)
+            del self.rooms[room]
+            status = self.table.clear(room)
+            if not actions:  # nothing moved its status since abandon(): the one it left with
+                succeeded = status == TransferPoll.Success
             unconcluded = record.concluded_at is None
             if unconcluded:  # given up before it concluded: its quarantine bound runs from here
                 record.concluded_at = now
