@@ -884,7 +884,8 @@ class PrefillDriver:
             self._monitors[addr] = monitor
             self._used_at[addr] = now
         elif threading.current_thread() is not self._thread and (
-                sock in self._watching or any(cancel.addr == addr for cancel in self._cancels_out)):
+                sock in self._watching or (self._cancels_out and any(cancel.addr == addr
+                                                                     for cancel in self._cancels_out))):
             # The I/O thread may be polling it, or has a cancel to send on it first (an ask for the
             # room again must not overtake it): the ask waits with those queued there, for it to send.
             refused[addr] = [action]
