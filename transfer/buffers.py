@@ -248,8 +248,7 @@ class Slot:
 
     def release(self, event: EventLike | None = None) -> None:
         """Returns the slot once its rows were copied out (after `event.query()` is True, if given)."""
-        self._transition(_RELEASED, "release")
-        self._pool._on_release(self, event)
+        self._pool._on_release(self, event)  # moves it to released, as _transition() does, in the same hold
 
     def fail(self) -> None:
         """The room failed: quarantine the slot (a late one-sided write may still land in it)."""
@@ -268,8 +267,12 @@ class Slot:
         """Moves a leased handle to `state`; any second move is a SlotError."""
         with self._pool._lock:
             if self._state != _LEASED:
-                raise SlotError(f"{self._name()}: {what}() after it was already {self._state}")
+                raise self._moved_again(what)
             self._state = state
+
+    def _moved_again(self, what: str) -> SlotError:
+        """The SlotError of a second move (`what`: release or fail) of a handle no longer leased."""
+        return SlotError(f"{self._name()}: {what}() after it was already {self._state}")
 
     def _check_leased(self, what: str) -> None:
         """Refuses access through a handle that gave its memory back."""
@@ -511,10 +514,16 @@ class ReceivePool:
     # -- returns (called by Slot) -----------------------------------------------
 
     def _on_release(self, slot: Slot, event: EventLike | None) -> None:
-        """A released handle: free now, or once its event completed."""
+        """Releases a handle (SlotError unless it was leased): free now, or once its event completed."""
         with self._lock:
+            if slot._state != _LEASED:
+                raise slot._moved_again("release")
+            slot._state = _RELEASED
             if not slot.is_fallback:
                 self._leased -= 1
+                if event is None:  # _settle() of a slot, which needs no clock
+                    self._free.append(slot.index)
+                    return
             now = self._clock()
             if event is None:
                 self._settle(slot, now)
