@@ -672,7 +672,9 @@ def _take_lease(record: Room) -> Slot | None:
 
 def _settle(lease: Slot, fate: Fate, event: EventLike | None = None) -> None:
     """Carries out a slot's fate: quarantines it, or frees it (after `event` for FREE_AFTER_COPY)."""
-    if fate.quarantined:
+    if fate is Fate.FREE:  # the common fate, told without the quarantined property's call
+        lease.release(None)
+    elif fate.quarantined:
         lease.fail()
     else:
         lease.release(event if fate is Fate.FREE_AFTER_COPY else None)

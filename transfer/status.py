@@ -146,8 +146,10 @@ class RoomTable:
         which this leaves as it is)."""
         with self._lock:
             status = self._status.pop(room, None)
-            self._reason.pop(room, None)
-            self._concluded.pop(room, None)
+            if room in self._reason:  # a Failed room's: a Success has none
+                del self._reason[room]
+            if room in self._concluded:  # concluded, not handed out yet
+                del self._concluded[room]
             return status
 
     def take_concluded(self) -> list[int]:

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transfer.errors import ConfigError
-from transfer.receiver import _deepstack_row_bytes, _destination
+from transfer.core.quarantine import Fate
+from transfer.receiver import _deepstack_row_bytes, _destination, _settle
 
 BF16 = "torch.bfloat16"
 
@@ -106,3 +107,29 @@ def test_geometry_is_checked_size_by_size_in_the_order_named(rows, hidden, span,
         with pytest.raises(ConfigError) as refused:
             _check_geometry(7, rows, hidden, span, row_start, deepstack_hidden)
         assert str(refused.value) == f"room 7: {first}"
+
+
+class _Lease:
+    """A pool slot's two ways out, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def release(self, event=None) -> None:
+        self.calls.append(("release", event))
+
+    def fail(self) -> None:
+        self.calls.append(("fail",))
+
+
+@pytest.mark.parametrize("fate", list(Fate))
+@pytest.mark.parametrize("event", [None, "copy-out event"])
+def test_a_slots_fate_is_carried_out_as_its_quarantined_property_says(fate, event):
+    """_settle() tells Fate.FREE by identity before asking `quarantined`: every fate ends as that property
+    says (fail() when quarantined, else release(), with the event only after a copy-out)."""
+    lease = _Lease()
+    _settle(lease, fate, event)
+    if fate.quarantined:
+        assert lease.calls == [("fail",)]
+    else:
+        assert lease.calls == [("release", event if fate is Fate.FREE_AFTER_COPY else None)]

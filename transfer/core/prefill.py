@@ -569,7 +569,8 @@ class PrefillCore:
         if state is None or state.token != token:
             return False
         del self._rooms[room]
-        self.lanes.pop(room, None)
+        if room in self.lanes:  # cleared before the driver settled its lane
+            del self.lanes[room]
         if state.stage == QUEUED:
             self._let_go += 1
         return state.safe
