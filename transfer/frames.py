@@ -447,16 +447,20 @@ class TransferInfo:
         rows, hidden, fanout, row_start, span = self.rows, self.hidden, self.fanout, self.row_start, self.span
         endpoint, session, dtype = self.endpoint, self.session_id, self.dtype
         # The common case: exact ints in range and ASCII strs, which encode as the strict encoders
-        # below would (b"%d" of an exact int is its str() in ASCII). Anything else, a bool or an
-        # IntEnum among them, takes the strict encoders and their errors.
+        # below would (b"%d" of an exact int is its str() in ASCII; an exact str encodes as ASCII exactly
+        # when it is ASCII). Anything else, a bool or an IntEnum among them, takes the strict encoders
+        # and their errors.
         if (type(room) is type(port) is type(emb) is type(ds) is type(rows) is type(hidden) is type(fanout)
                 is type(row_start) is type(span) is int and type(endpoint) is type(session) is type(dtype) is str
                 and 0 <= room <= _I64_MAX and 0 <= port <= 0xFFFF and 0 <= emb <= _U64_MAX and 0 <= ds <= _U64_MAX
                 and _I64_MIN <= rows <= _I64_MAX and _I64_MIN <= hidden <= _I64_MAX and _I64_MIN <= fanout <= _I64_MAX
-                and _I64_MIN <= row_start <= _I64_MAX and _I64_MIN <= span <= _I64_MAX
-                and endpoint.isascii() and session.isascii() and dtype.isascii()):
-            parts = [b"%d" % room, endpoint.encode("ascii"), b"%d" % port, session.encode("ascii"),
-                     _POINTER.pack(emb), _POINTER.pack(ds), b"%d" % rows, b"%d" % hidden, dtype.encode("ascii"),
+                and _I64_MIN <= row_start <= _I64_MAX and _I64_MIN <= span <= _I64_MAX):
+            try:
+                texts = endpoint.encode("ascii"), session.encode("ascii"), dtype.encode("ascii")
+            except UnicodeEncodeError:
+                return self._checked_frames()
+            parts = [b"%d" % room, texts[0], b"%d" % port, texts[1],
+                     _POINTER.pack(emb), _POINTER.pack(ds), b"%d" % rows, b"%d" % hidden, texts[2],
                      b"1" if self.has_deepstack else b"0", b"%d" % fanout, b"%d" % row_start, b"%d" % span]
             width = self.deepstack_row_bytes
             if width is None:
