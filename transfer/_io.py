@@ -1127,7 +1127,7 @@ class Region:
 
     def contains(self, addr: int, nbytes: int) -> bool:
         """Whether [addr, addr + nbytes) lies wholly inside this region."""
-        return nbytes == 0 or (self.addr <= addr and addr + nbytes <= self.end)
+        return nbytes == 0 or (self.addr <= addr and addr + nbytes <= self.addr + self.nbytes)  # end, without its call
 
 
 def as_region(buf: Any, nbytes: int | None = None) -> Region:
