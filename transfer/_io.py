@@ -1058,10 +1058,11 @@ class RoomHandle(Generic[_Record]):
     def _read(self, read: Callable[[int], _Value | None]) -> _Value | None:
         """What `read` finds in the room table under this handle's room number, or None once the room
         is cleared: looked at before and after, as a room reusing the number may come in between."""
-        if not self._current():
+        held, room, state = self._held, self.room, self._state  # _current(), twice, without its calls
+        if held(room) is not state:
             return None
-        value = read(self.room)
-        return value if self._current() else None
+        value = read(room)
+        return value if held(room) is state else None
 
     def poll(self) -> TransferPoll:
         """The room's status right now (never blocks; Failed once cleared, whoever reuses its number)."""

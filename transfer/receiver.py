@@ -133,7 +133,7 @@ class ReceiveHandle(_io.RoomHandle[Room]):
     def wait(self, timeout: float) -> TransferPoll:
         """Blocks up to `timeout` seconds for a terminal status (for tools and tests, not scheduler loops)."""
         timeout = config.check_seconds("timeout", timeout, zero_ok=True)
-        if self._current():  # a cleared room will not conclude for this handle
+        if self._held(self.room) is self._state:  # _current(): a cleared room will not conclude for this handle
             self._manager._driver.wait(self._state, timeout)
         return super().poll()
 
