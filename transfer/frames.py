@@ -14,7 +14,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, cast
+from typing import Any
 
 from transfer.core.failure import cut_printable, printable
 from transfer.errors import ConfigError, ConfigTypeError, WireError
@@ -764,11 +764,12 @@ def _plain_status(frames: list[object]) -> tuple[int, TransferPoll, int, tuple[i
         if type(part) is not bytes:
             return None
     # As in TransferInfo's shortcut: one digit check, int() raising ValueError only for an empty part.
-    digits = b"".join(cast("list[bytes]", frames))
+    parts: list[bytes] = frames  # type: ignore[assignment]  # bytes, each checked above (cast() is a call)
+    digits = b"".join(parts)
     if not digits.isdigit() or len(digits) > _PLAIN_DIGITS:
         return None
     try:
-        room, code, rank, *checksums = map(int, cast("list[bytes]", frames))
+        room, code, rank, *checksums = map(int, parts)
     except ValueError:
         return None
     status = _STATUS_MEMBERS.get(code)
