@@ -1206,7 +1206,7 @@ def host_readable(addr: int, nbytes: int) -> bool:
 def checksum(region: Region, addr: int, nbytes: int) -> int:
     """The layer checksum of [addr, addr + nbytes) inside `region`: host memory read by address, memory on
     any other device (CUDA, or another accelerator's) through the region's tensor, by torch on that device."""
-    from transfer import wire
+    import transfer.wire as wire  # found in sys.modules after the first, with no fromlist to handle
 
     # An address on a device is no host address: reading it as one kills the process.
     if region.device.partition(":")[0] != "cpu":
