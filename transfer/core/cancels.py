@@ -166,7 +166,8 @@ class CancelBook:
 
     def unanswered_anywhere(self, key: Key) -> bool:
         """Whether a cancel of `key` got no answer at all yet, on whatever connection it was sent."""
-        return any(not cancel.answered for cancel in self._awaiting.get(key, ()))
+        awaiting = self._awaiting.get(key)
+        return awaiting is not None and any(not cancel.answered for cancel in awaiting)
 
     def awaited_at(self, addr: Address, now: float) -> bool:
         """Whether a cancel sent on the current connection to `addr` within CANCEL_SILENCE_S is unanswered."""

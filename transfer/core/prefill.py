@@ -1040,10 +1040,10 @@ class PrefillCore:
                 f"({unreadable}), so the landed bytes cannot be verified"))
         spec = state.spec
         regions = spec.regions
-        wanted = [("embedding", regions.embedding, spec.embedding_ptr, spec.nbytes)]
+        wanted = [("embedding", regions.embedding, spec.embedding_ptr, spec.rows * spec.row_bytes)]  # spec.nbytes
         if spec.deepstack_ptr and regions.deepstack is not None:
             wanted.append(("deepstack", regions.deepstack, spec.deepstack_ptr, spec.deepstack_nbytes))
-        checks = tuple((*check, expected) for check, expected in zip(wanted, sums))
+        checks = tuple([(*check, expected) for check, expected in zip(wanted, sums)])
         if not checks:  # the encode rank sent none: taken unverified, and counted so
             return self._conclude(state, None, unverified=True)
         state.partly_verified = len(checks) < len(wanted)  # the deepstack's is optional: counted unverified
