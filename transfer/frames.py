@@ -250,6 +250,8 @@ def scalar_ints(*values: Any) -> tuple:
 def check_room(room: int) -> int:
     """`room` as a plain int (a tensor or numpy scalar would key the room's books by identity, not number);
     ConfigError unless it fits the wire: a non-negative signed 64-bit integer (ConfigTypeError: not an int)."""
+    if type(room) is int and 0 <= room <= _I64_MAX:  # the common case, with no call
+        return room
     room = _integer("room", room)
     if room < 0:
         raise ConfigError(f"negative room {room}")

@@ -375,3 +375,45 @@ def test_validate_fanout_agrees_with_the_rules_read_one_at_a_time(data):
     width = data.draw(st.sampled_from([None, 64, 128]))
     assert (validate_fanout(span, 64, "torch.int8", deepstack, infos, fanout, width)
             == rule_by_rule(span, 64, "torch.int8", deepstack, infos, fanout, width))
+
+
+def _check_room_strictly(room):
+    """check_room() as it reads without its shortcut: every value through _integer() and the range checks."""
+    from transfer.errors import ConfigError
+    from transfer.frames import _integer
+
+    room = _integer("room", room)
+    if room < 0:
+        raise ConfigError(f"negative room {room}")
+    if room > I64_MAX:
+        raise ConfigError(f"room {room} does not fit the wire's signed 64 bits")
+    return room
+
+
+def _room_outcome(call, value):
+    try:
+        result = call(value)
+    except Exception as exc:  # noqa: BLE001 - the refusal is compared, type and text
+        return "error", type(exc), str(exc)
+    return "ok", type(result), result
+
+
+ROOM_EDGES = [0, 1, -1, I64_MAX, I64_MAX + 1, I64_MIN, U64_MAX, True, False, Code.five, 1.0, None, "1", b"1"]
+
+
+@given(st.one_of(st.integers(I64_MIN - 1, U64_MAX + 1), st.sampled_from(ROOM_EDGES)))
+def test_check_room_shortcut_agrees_with_the_strict_checks(room):
+    from transfer.frames import check_room
+
+    assert _room_outcome(check_room, room) == _room_outcome(_check_room_strictly, room)
+
+
+def test_check_room_shortcut_agrees_on_numpy_and_torch_scalars():
+    import numpy
+    import torch
+
+    from transfer.frames import check_room
+
+    for room in (numpy.int64(7), numpy.int32(-1), numpy.uint64(U64_MAX), torch.tensor(5), torch.tensor(-5),
+                 numpy.float64(1.0), numpy.bool_(True)):
+        assert _room_outcome(check_room, room) == _room_outcome(_check_room_strictly, room), room
