@@ -28,7 +28,15 @@ from transfer.core.prefill_breaker import UNREACHABLE_RETRY_S
 from transfer.core.quarantine import Fate, fate_of, reusable
 from transfer.drive.prefill import MANAGER_CLOSED, PrefillDriver, Room
 from transfer.errors import ConfigError, ConfigTypeError, EngineError, FallbackLimitError, SlotError, UsageError
-from transfer.frames import check_parallel, check_room, dtype_size, normalize_dtype, scalar_ints, size_problem
+from transfer.frames import (
+    DTYPE_BYTES,
+    check_parallel,
+    check_room,
+    dtype_size,
+    normalize_dtype,
+    scalar_ints,
+    size_problem,
+)
 from transfer.interfaces import EventLike, TransferEngineLike
 from transfer.metrics import Metrics, MetricsClaim, declare_role
 from transfer.ports import PortSpec, parse_ports
@@ -407,7 +415,7 @@ class SessionManager:
             checked_address(bootstrap_addr)
         else:
             split_address(bootstrap_addr)  # names what it got, or takes a str subclass as it is
-        row_bytes = hidden * dtype_size(dtype)
+        row_bytes = hidden * DTYPE_BYTES[dtype]  # dtype_size() of a name normalize_dtype() gave, with no call
         ds_ptr, ds_nbytes, ds_row_bytes = 0, 0, None
         if deepstack_dst is not None:
             ds = _io.as_region(deepstack_dst)
@@ -434,7 +442,7 @@ class SessionManager:
         span = rows if span is None else span
         _check_geometry(room, rows, hidden, span, row_start, deepstack_hidden or 0)
         torch_dtype = getattr(torch, dtype.removeprefix("torch."))
-        size = dtype_size(dtype)
+        size = DTYPE_BYTES[dtype]  # dtype_size() of a name normalize_dtype() gave, with no call
         nbytes, ds_nbytes = span * hidden * size, span * (deepstack_hidden or 0) * size
         try:
             lease = self.pool.lease_or_fallback(nbytes + ds_nbytes)
