@@ -231,7 +231,7 @@ class Slot:
     def view(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """The slot's first bytes as a tensor of `shape` and `dtype` (shares the slot's memory)."""
         self._check_leased("view")
-        shape = tuple(int(n) for n in shape)
+        shape = tuple([int(n) for n in shape])
         count = 1
         for n in shape:
             if n < 0:
@@ -369,7 +369,8 @@ class ReceivePool:
             raise ConfigError(f"cannot lease a negative size ({nbytes} bytes)")
         self.poll()
         with self._lock:
-            self._check_open()
+            if self._closed:  # _check_open(), without its call
+                raise self._closed_error()
             if nbytes > self.slot_bytes or not self._free:
                 return None
             index = self._free.popleft()
@@ -594,11 +595,12 @@ class ReceivePool:
 
     def poll(self) -> None:
         """Frees slots whose event completed or quarantine ended, drops fallbacks past their grace."""
-        _let_go_of_held()
+        if _held:  # _let_go_of_held()'s own first test, without its call
+            _let_go_of_held()
         expired: list[Region] = []
         with self._lock:
-            if self._closed:
-                return
+            if self._closed or not (self._pending or self._quarantine or self._graces):
+                return  # nothing to free (the usual case: every lease polls)
             now = self._clock()
             if self._pending:
                 waiting = []
