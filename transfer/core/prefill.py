@@ -1203,8 +1203,8 @@ class PrefillCore:
             state.given_up = state.safe = True
         if state.stage == QUEUED:
             self._let_go += 1
-        elif state.stage == ASKED:
-            self.lanes.pop(state.room, None)
+        elif state.stage == ASKED and state.room in self.lanes:  # not when the driver settled it there
+            del self.lanes[state.room]
         state.stage = CONCLUDED
         state.outcome = failure
         if failure is not None and not state.asked:
