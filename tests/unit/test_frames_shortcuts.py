@@ -96,10 +96,9 @@ pointer_parts = st.one_of(st.binary(min_size=7, max_size=9), st.binary(min_size=
 buffer_types = st.sampled_from([bytes, bytearray, memoryview, zmq.Frame])
 
 
-@settings(suppress_health_check=[HealthCheck.too_slow], max_examples=300)
-@given(st.data())
-def test_transfer_info_shortcut_agrees_with_the_strict_parser(data):
-    # A list of bytes may take the shortcut; the same parts as a tuple always parse strictly.
+def near_ask(data, flags=text_parts, fewest: int = 10) -> list:
+    """An ask's parts (ours or a peer's), up to four of them drawn at their bounds (part 9 from `flags`), cut
+    to `fewest` to 15 parts and given up to two more: what the shortcuts must take exactly as the strict parser."""
     frames = list(data.draw(st.sampled_from([ASK, WIDE_ASK])))
     for index in data.draw(st.sets(st.integers(0, len(frames) - 1), max_size=4)):
         if index in NUMBER_INDEXES or index == 13:
@@ -107,8 +106,15 @@ def test_transfer_info_shortcut_agrees_with_the_strict_parser(data):
         elif index in (4, 5):
             frames[index] = data.draw(pointer_parts)
         else:
-            frames[index] = data.draw(text_parts)
-    frames = frames[: data.draw(st.integers(10, 15))] + [b"7"] * data.draw(st.integers(0, 2))
+            frames[index] = data.draw(flags if index == 9 else text_parts)
+    return frames[: data.draw(st.integers(fewest, 15))] + [b"7"] * data.draw(st.integers(0, 2))
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow], max_examples=300)
+@given(st.data())
+def test_transfer_info_shortcut_agrees_with_the_strict_parser(data):
+    # A list of bytes may take the shortcut; the same parts as a tuple always parse strictly.
+    frames = near_ask(data)
     assert outcome(TransferInfo.from_frames, frames) == outcome(TransferInfo.from_frames, tuple(frames))
 
 

@@ -11,10 +11,13 @@ import sys
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_frames_shortcuts import ASK, NUMBER_INDEXES, WIDE_ASK, number_parts, pointer_parts, text_parts, typed
+from test_frames_shortcuts import ASK, NUMBER_INDEXES, WIDE_ASK, near_ask, typed
 
 from transfer import _native
 from transfer.frames import TransferInfo
+
+
+FLAGS = st.sampled_from([b"1", b"0", b"", b"01", b"11", b"true", b"\x01"])  # part 9, true exactly when b"1"
 
 
 def agree(frames) -> object:
@@ -27,18 +30,7 @@ def agree(frames) -> object:
 @settings(suppress_health_check=[HealthCheck.too_slow], max_examples=1500, deadline=None)
 @given(st.data())
 def test_the_native_parse_takes_exactly_the_asks_the_python_shortcut_does(data):
-    frames = list(data.draw(st.sampled_from([ASK, WIDE_ASK])))
-    for index in data.draw(st.sets(st.integers(0, len(frames) - 1), max_size=4)):
-        if index in NUMBER_INDEXES or index == 13:
-            frames[index] = data.draw(number_parts)
-        elif index in (4, 5):
-            frames[index] = data.draw(pointer_parts)
-        elif index == 9:
-            frames[index] = data.draw(st.sampled_from([b"1", b"0", b"", b"01", b"11", b"true", b"\x01"]))
-        else:
-            frames[index] = data.draw(text_parts)
-    frames = frames[: data.draw(st.integers(11, 15))] + [b"7"] * data.draw(st.integers(0, 2))
-    agree(frames)
+    agree(near_ask(data, FLAGS, fewest=11))
 
 
 def test_a_plain_ask_and_one_with_our_part_13_parse_to_equal_transfer_infos():
