@@ -153,11 +153,17 @@ def test_each_rooms_fanout_first_ask_and_bytes_stay_those_of_its_parked_asks(ops
         else:
             getattr(parked, op)(*args)
         total = 0
+        mine: dict[str, dict[int, int]] = {}  # session -> room -> the cost of its ask parked there
         for asks in parked.values():
             first = next(iter(asks.infos.values()))
             assert (asks.fanout, asks.first) == (first.fanout, first.session_id)
             assert asks.nbytes == sum(ask_cost(info) for info in asks.infos.values())
             total += asks.nbytes
+            for session, info in asks.infos.items():
+                mine.setdefault(session, {})[asks.room] = ask_cost(info)
         assert parked.nbytes == total
+        # Each session's index names exactly the rooms it has an ask in, and their bytes.
+        assert {session: (set(m.rooms), m.nbytes) for session, m in parked._by_session.items()} == {
+            session: (set(rooms), sum(rooms.values())) for session, rooms in mine.items()}
         assert [parked.get(room) for room in range(4)] == [parked[room] if room in parked else None
                                                             for room in range(4)]

@@ -128,9 +128,7 @@ class ParkedAsks:
         evicted: list[Asks] = []
         dropped: list[TransferInfo] = []
         mine = self._by_session.get(session)
-        if mine is None:
-            mine = self._by_session[session] = _Mine()
-        elif room not in mine.rooms and len(mine.rooms) >= self.session_rooms:
+        if mine is not None and room not in mine.rooms and len(mine.rooms) >= self.session_rooms:
             dropped.append(self._drop_oldest_of(session, mine))
             asks = self._rooms.get(room)  # an ask dropped may have been its room's last
         if asks is None:
@@ -139,6 +137,10 @@ class ParkedAsks:
             asks = self._rooms[room] = Asks(room, now, fanout=info.fanout, first=session)
         elif session == asks.first:  # its repeat keeps the first place
             asks.fanout = info.fanout
+        # Looked up again: the ask dropped, or the room evicted, may have been the session's last.
+        mine = self._by_session.get(session)
+        if mine is None:
+            mine = self._by_session[session] = _Mine()
         infos, costs = asks.infos, asks.costs
         infos[session] = info
         asks.last_at = now
