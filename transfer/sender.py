@@ -30,12 +30,14 @@ from transfer.core.regions import MAX_SESSIONS
 from transfer.drive.encode import EncodeDriver, RoomBook, RoomState, SourceRegistry
 from transfer.errors import BootstrapNoRoute, ConfigError, ConfigTypeError, EngineError, UsageError
 from transfer.frames import (
+    DTYPE_BYTES,
     MAX_REGIONS_PER_SESSION,
     check_parallel,
     check_room,
     dtype_size,
     normalize_dtype,
     scalar_int,
+    scalar_ints,
     size_problem,
 )
 from transfer.interfaces import EventLike, TransferEngineLike
@@ -288,13 +290,13 @@ class SenderPool:
             # The pool's one thread polls it: an event it could only wait on would hold every room.
             raise ConfigTypeError(f"room {room}: ready_event must have query() (e.g. a torch.cuda.Event); "
                                   f"got {type(ready_event).__name__}")
-        src, deepstack = scalar_int(src), scalar_int(deepstack)
         region, span, hidden, dtype = _source(src, span, hidden, dtype)
-        if isinstance(src, int):
+        if region.tensor is None:  # a raw pointer
             region = self._raw_source(room, region)
-        row_bytes = hidden * dtype_size(dtype)
+        row_bytes = hidden * DTYPE_BYTES[dtype]  # dtype_size() of a name _source() gave, with no call
         ds_region, ds_row_bytes = None, 0
         if deepstack is not None:
+            deepstack = scalar_int(deepstack)
             # A raw deepstack pointer takes the item's rows and dtype; a tensor has its own, compared below.
             raw = isinstance(deepstack, int)
             ds_region, ds_span, ds_hidden, ds_dtype = _source(deepstack, span if raw else None, deepstack_hidden,
@@ -641,7 +643,8 @@ def _source(src: torch.Tensor | int, span: int | None, hidden: int | None, dtype
     """(region, span, hidden, dtype) of a source tensor `[span, hidden]` or raw pointer; `name` is the
     argument it was given as ("src", or "deepstack", whose `hidden` is `deepstack_hidden`)."""
     noun, hidden_name = ("source", "hidden") if name == "src" else (name, f"{name}_hidden")
-    src, span, hidden = scalar_int(src), scalar_int(span), scalar_int(hidden)
+    src = scalar_int(src)
+    span, hidden = scalar_ints(span, hidden)
     if isinstance(src, int):
         if span is None or hidden is None or dtype is None:
             needs = "span, hidden and dtype" if name == "src" else hidden_name
@@ -657,11 +660,13 @@ def _source(src: torch.Tensor | int, span: int | None, hidden: int | None, dtype
     if str(src.layout) != "torch.strided":
         raise ConfigError(f"{noun} is a {src.layout} tensor, whose values are not rows in memory: "
                           f"pass {name}.to_dense()")
-    if src.device.type == "meta":
+    device = src.device
+    if device.type == "meta":
         raise ConfigError(f"{noun} is on device meta, which holds no memory: pass a tensor on the cpu or a cuda device")
-    if src.dim() != 2:
-        raise ConfigError(f"{noun} must be 2-D [span, {hidden_name}], got shape {tuple(src.shape)}")
-    t_span, t_hidden, t_dtype = int(src.shape[0]), int(src.shape[1]), normalize_dtype(src.dtype)
+    shape = src.shape
+    if len(shape) != 2:
+        raise ConfigError(f"{noun} must be 2-D [span, {hidden_name}], got shape {tuple(shape)}")
+    t_span, t_hidden, t_dtype = int(shape[0]), int(shape[1]), normalize_dtype(src.dtype)
     if t_hidden < 1:
         raise ConfigError(f"{noun} of shape {tuple(src.shape)} has no columns: no receiver can ask for it")
     for arg, given, actual in (("span", span, t_span), (hidden_name, hidden, t_hidden),
@@ -671,7 +676,10 @@ def _source(src: torch.Tensor | int, span: int | None, hidden: int | None, dtype
     if not src.is_contiguous():
         raise ConfigError(f"{noun} of shape {tuple(src.shape)} and strides {tuple(src.stride())} is not contiguous: "
                           f"its rows are not one span of memory; pass {name}.contiguous()")
-    return _io.as_region(src), t_span, t_hidden, t_dtype
+    _io.refuse_lazy_view(src)
+    # What _io.as_region() makes of it, its checks done above: a contiguous 2-D tensor's bytes.
+    region = _io.Region(src.data_ptr(), t_span * t_hidden * DTYPE_BYTES[t_dtype], str(device), src)
+    return region, t_span, t_hidden, t_dtype
 
 
 #: Registrations whose readability a pool remembers (raw sources on a CUDA host).

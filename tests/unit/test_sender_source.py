@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from transfer import _io
 from transfer.core.encode import Conclude, EncodeCore, Offer, StartWrite
 from transfer.frames import TransferInfo, dtype_size
 from transfer.sender import _source
@@ -193,3 +194,20 @@ def test_a_raw_sources_span_that_is_no_integer_is_still_refused(span):
 
     with pytest.raises(ConfigError, match=r"^a raw source's span must be a non-negative integer"):
         _source(SRC, span, HIDDEN, "bfloat16")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.int64])
+@pytest.mark.parametrize("make", [
+    lambda dtype: torch.zeros(5, 24, dtype=dtype),
+    lambda dtype: torch.zeros(9, 24, dtype=dtype)[3:7],  # rows of a larger tensor: a storage offset
+    lambda dtype: torch.zeros(1, 1, dtype=dtype),
+    lambda dtype: torch.zeros(0, 8, dtype=dtype),
+    lambda dtype: torch.zeros(2, 3, 8, dtype=dtype)[1],  # a 2-D view of a 3-D tensor
+], ids=["whole", "rows", "one", "empty", "slab"])
+def test_a_source_tensors_region_is_the_one_as_region_makes_of_it(dtype, make):
+    tensor = make(dtype)
+    region, span, hidden, name = _source(tensor, None, None, None)
+    expected = _io.as_region(tensor)
+    assert (region.addr, region.nbytes, region.device) == (expected.addr, expected.nbytes, expected.device)
+    assert region.tensor is tensor
+    assert (span, hidden, name) == (tensor.shape[0], tensor.shape[1], str(dtype))

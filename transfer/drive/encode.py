@@ -27,7 +27,7 @@ from typing import Any
 
 import zmq
 
-from transfer import _io
+from transfer import _forks, _io
 from transfer.core.encode import (
     Conclude,
     Count,
@@ -612,7 +612,7 @@ class EncodeDriver:
         self.core = core
         self.engine = engine
         self.engine_rank = engine_rank
-        self._forks = _io.forks()  # see check_process
+        self._forks = _forks.count  # see check_process
         self.book = book
         self.sources = sources
         self.metrics = metrics
@@ -646,12 +646,12 @@ class EncodeDriver:
     def forked(self) -> bool:
         """Whether this process was forked from the one that made this driver (which holds its thread, its
         sockets and the pool's bootstrap route)."""
-        return self._forks != _io.forks()
+        return self._forks != _forks.count
 
     def check_process(self) -> None:
         """UsageError in a process forked from the one that made this driver: no thread here would serve
         what it is given, and the prefill ranks ask the parent."""
-        if self.forked:
+        if self._forks != _forks.count:  # self.forked, without its call
             raise UsageError(f"encode rank {self.engine_rank}'s sender pool was made before this process "
                              f"(pid {os.getpid()}) was forked from its parent: its thread, sockets and bootstrap "
                              f"route are the parent's; make a SenderPool in this process")
