@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transfer.core.scheduler import WriteScheduler, session_share
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transfer.core.scheduler import WriteScheduler, _Pick, session_share
 
 
 @dataclass
@@ -179,3 +182,133 @@ def test_a_pick_looks_at_each_job_whose_item_is_not_ready_at_most_once():
 
     picked = sched.pick(0.0, cancelled=lambda j: j.cancelled, ready=ready, expired=lambda j, w: None)
     assert picked.start == [] and sorted(calls) == sorted(f"w{i}" for i in range(30)) and len(sched) == 30
+
+
+class _LookedAtAll(WriteScheduler):
+    """The pick as it reads with every job it looks at filed in `seen`, its held jobs always put back and its
+    starts sorted by a lambda: what the scheduler's bookkeeping must stay equal to."""
+
+    def pick(self, now, *, cancelled, ready, expired):
+        pick = _Pick(now, cancelled, ready, expired)
+        if not self.waiting or self.in_flight >= self.depth:
+            return pick.picked
+        progress = True
+        while progress and pick.work < self.pick_work and self.in_flight < self.depth and self._ring:
+            progress = False
+            for _ in range(len(self._ring)):
+                if pick.work >= self.pick_work or self.in_flight >= self.depth:
+                    break
+                session = self._ring[0]
+                self._ring.rotate(-1)
+                progress |= self._visit(session, pick)
+        pick.started.sort(key=lambda entry: entry[0])
+        pick.picked.start = [job for _, job in pick.started]
+        return pick.picked
+
+    def _visit(self, session, pick):
+        queue = self._queues[session]
+        allowance = min(self.visit_work, self.turn_work - self._turn[session], self.pick_work - pick.work)
+        opened = self._flying[session] < self.session_slots
+        held = []
+        looked, moved, started = 0, False, False
+        while queue and looked < allowance:
+            entry = queue[0]
+            seq, job, asked_at = entry
+            if seq in pick.seen:
+                break
+            cancelled = pick.cancelled(job)
+            if not cancelled and (not opened or started):
+                break
+            queue.popleft()
+            pick.seen.add(seq)
+            looked += 1
+            if cancelled:
+                pick.picked.dropped.append(job)
+                moved = True
+                continue
+            go = pick.ready(job)
+            if pick.now - asked_at > self.bound_s and not pick.cancelled(job):
+                pick.expired(job, pick.now - asked_at)
+                go = True
+            if not go:
+                held.append(entry)
+                continue
+            moved = True
+            if pick.cancelled(job):
+                pick.picked.dropped.append(job)
+                continue
+            pick.started.append((seq, job))
+            self.in_flight += 1
+            self._flying[session] += 1
+            started = True
+        unseen = bool(held) and bool(queue) and queue[0][0] not in pick.seen
+        queue.extend(held)
+        taken = looked - len(held)
+        self.waiting -= taken
+        self._turn[session] += looked
+        pick.work += looked
+        if not queue:
+            del self._queues[session]
+            self._ring.pop()
+        return moved or unseen
+
+
+_SCHEDULER_STEPS = st.lists(st.one_of(
+    st.tuples(st.just("push"), st.sampled_from("abc"), st.integers(0, 3), st.booleans(), st.booleans()),
+    st.tuples(st.just("pick"), st.integers(0, 8)),
+    st.tuples(st.just("finish"), st.sampled_from("abc")),
+    st.tuples(st.just("turn")),
+    st.tuples(st.just("flip"), st.integers(0, 40), st.sampled_from(["ready", "cancelled"])),
+), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=_SCHEDULER_STEPS, depth=st.integers(1, 5), slots=st.integers(1, 4), works=st.tuples(
+    st.integers(1, 6), st.integers(1, 6), st.integers(1, 4)))
+def test_a_pick_starts_drops_and_asks_about_the_same_jobs_as_one_that_files_every_job_it_looks_at(
+        steps, depth, slots, works):
+    def run(sched: WriteScheduler) -> list:
+        jobs: list[Job] = []
+        flying: dict[str, int] = {}
+        seen: list = []
+        for step in steps:
+            if step[0] == "push":
+                _, session, asked_at, ready, cancelled = step
+                job = Job(f"{session}{len(jobs)}", ready, cancelled)
+                jobs.append(job)
+                sched.push(job, session, float(asked_at))
+            elif step[0] == "pick":
+                def cancelled(job: Job) -> bool:
+                    seen.append(("cancelled", job.name))
+                    return job.cancelled
+
+                def ready(job: Job) -> bool:
+                    seen.append(("ready", job.name))
+                    return job.ready
+
+                def expired(job: Job, waited: float) -> None:
+                    seen.append(("expired", job.name, waited))
+                    job.cancelled = True
+
+                picked = sched.pick(float(step[1]), cancelled=cancelled, ready=ready, expired=expired)
+                for job in picked.start:
+                    flying[job.name[0]] = flying.get(job.name[0], 0) + 1
+                seen.append(([j.name for j in picked.start], [j.name for j in picked.dropped]))
+            elif step[0] == "finish":
+                if flying.get(step[1]):
+                    flying[step[1]] -= 1
+                    sched.finished(step[1])
+            elif step[0] == "turn":
+                sched.new_turn()
+            elif jobs:
+                job = jobs[step[1] % len(jobs)]
+                setattr(job, step[2], not getattr(job, step[2]))
+            seen.append((sched.waiting, sched.in_flight, [sched.queued(s) for s in "abc"]))
+        return seen
+
+    def made(cls: type[WriteScheduler]) -> WriteScheduler:
+        sched = cls(depth, 4.0, slots)
+        sched.pick_work, sched.turn_work, sched.visit_work = works
+        return sched
+
+    assert run(made(WriteScheduler)) == run(made(_LookedAtAll))

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 __all__ = ["MAX_PICK_WORK", "SESSION_TURN_WORK", "VISIT_WORK", "Picked", "WriteScheduler", "session_share"]
@@ -56,8 +57,13 @@ class _Pick:
     expired: Callable[[Any, float], None]
     picked: Picked = field(default_factory=Picked)
     started: list[tuple[int, Any]] = field(default_factory=list)
-    seen: set[int] = field(default_factory=set)  # jobs (by sequence number) looked at by this pick
+    # Jobs (by sequence number) this pick looked at and sent to the back: the others it looked at left the
+    # queues, so a job at a queue's front was looked at by this pick exactly when it is in here.
+    seen: set[int] = field(default_factory=set)
     work: int = 0
+
+
+_SEQ = itemgetter(0)  # a started entry's sequence number
 
 
 class WriteScheduler:
@@ -120,7 +126,7 @@ class WriteScheduler:
                 session = self._ring[0]
                 self._ring.rotate(-1)  # the next pick starts with the next session
                 progress |= self._visit(session, pick)
-        pick.started.sort(key=lambda entry: entry[0])
+        pick.started.sort(key=_SEQ)
         pick.picked.start = [job for _, job in pick.started]
         return pick.picked
 
@@ -142,7 +148,6 @@ class WriteScheduler:
             if not cancelled and (not opened or started):
                 break  # its session has its share in flight, or had its start of this visit: others go next
             queue.popleft()
-            pick.seen.add(seq)
             looked += 1
             if cancelled:
                 pick.picked.dropped.append(job)
@@ -154,6 +159,7 @@ class WriteScheduler:
                 go = True
             if not go:
                 held.append(entry)
+                pick.seen.add(seq)
                 continue
             moved = True
             if pick.cancelled(job):
@@ -163,9 +169,11 @@ class WriteScheduler:
             self.in_flight += 1
             self._flying[session] += 1
             started = True  # cancelled jobs right behind it still leave
-        unseen = bool(held) and bool(queue) and queue[0][0] not in pick.seen
-        queue.extend(held)
-        taken = looked - len(held)
+        unseen, taken = False, looked
+        if held:  # sent to the back
+            unseen = bool(queue) and queue[0][0] not in pick.seen
+            queue.extend(held)
+            taken -= len(held)
         self.waiting -= taken
         self._turn[session] += looked
         pick.work += looked
