@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from transfer.core.breaker import Breaker
 
 
@@ -90,3 +93,31 @@ def test_a_stall_or_an_expired_pause_is_not_ended_by_a_word_and_old_revivals_are
     breaker.sweep(611.0)
     breaker.failed("peer", took=1.0, now=612.0)
     assert breaker.revivable("peer"), "its revival forgotten, it may end its pause with a word again"
+
+
+_KEYS = st.sampled_from("abc")
+
+
+@given(st.lists(st.one_of(
+    st.tuples(st.just("failed"), _KEYS, st.sampled_from([0.01, 1.0, 10.0]), st.booleans()),
+    st.tuples(st.just("heard_from"), _KEYS), st.tuples(st.just("succeeded"), _KEYS), st.tuples(st.just("reset"), _KEYS),
+    st.tuples(st.just("sweep"),), st.tuples(st.just("wait"), st.sampled_from([1.0, 6.0, 700.0])),
+), max_size=30))
+def test_tripped_holds_every_key_paused_or_revivable_so_that_an_empty_one_means_none_is(steps):
+    breaker = Breaker(pause_s=5.0, slow_after_s=0.25, max_keys=2)
+    now = 0.0
+    for step in steps:
+        if step[0] == "failed":
+            breaker.failed(step[1], step[2], now, blocking=step[3])
+        elif step[0] == "wait":
+            now += step[1]
+        elif step[0] == "sweep":
+            breaker.sweep(now)
+        elif step[0] == "heard_from":
+            breaker.heard_from(step[1], now)
+        else:
+            getattr(breaker, step[0])(step[1])
+        assert breaker.tripped == {key: breaker.entry(key) for key in "abc" if breaker.entry(key) is not None}
+        for key in "abc":
+            if key not in breaker.tripped:  # what the encode core skips asking while tripped is empty
+                assert breaker.open_since(key, now) is None and not breaker.revivable(key)

@@ -48,6 +48,9 @@ class Breaker:
         self.max_pause_s = MAX_PAUSE_S if max_pause_s is None else max_pause_s
         self.max_keys = max_keys
         self._open: dict[Hashable, tuple[float, float]] = {}  # key -> (failed at, paused until), oldest first
+        # The same dict, for a caller's cheap test: while it is empty no key is paused or revivable, so
+        # heard_from() does nothing and open_since() says None (read it; the breaker keeps it).
+        self.tripped = self._open
         self._detail: dict[Hashable, str] = {}
         self._revivable: set[Hashable] = set()  # open keys whose pause a word from them ends (`heard_from`)
         self._revived: dict[Hashable, float] = {}  # key -> when a word from it ended its pause, oldest first

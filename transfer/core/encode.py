@@ -463,7 +463,8 @@ class EncodeCore:
         A new session asking for what a parked rank asked for is that rank restarted:
         it supersedes its predecessor (see `_supersede`).
         """
-        self.breaker.heard_from(info.session_id, now)  # it reaches us: a pause after a slow failure may end
+        if self.breaker.tripped:  # it reaches us: a pause after a slow failure may end
+            self.breaker.heard_from(info.session_id, now)
         if info.fanout > self.parked.max_receivers:
             # No room takes that many receivers: it would wait out the fanout timeout.
             self._warn("receivers", "room %d: %s asked with fanout %d, more than the %d receivers a room may have",
@@ -1148,7 +1149,7 @@ class EncodeCore:
         if job in room.queued:
             room.queued.remove(job)
         offer = room.offer
-        since = self.breaker.open_since(info.session_id, now)
+        since = self.breaker.open_since(info.session_id, now) if self.breaker.tripped else None
         if since is not None:
             self._skip(job, FailureKind.WRITE, self._paused_detail(info.session_id, room.room, since, now), now)
             return

@@ -1,0 +1,186 @@
+"""The encode core's shortcuts for the plain case answer every event as its rules read without them.
+
+`StrictCore` is EncodeCore with each rule that has a shortcut read the long way (the
+Breaker, scheduler and parked-ask book behind it as they are); Hypothesis drives both
+with the same events (items with and without ready events, asks that agree or disagree,
+restarts, registrations, cancels, clears, writes that land, fail or are skipped, ticks
+and time past the timeouts) and every answer must be the same, action for action.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from transfer.core.encode import EncodeCore, Offer, StartWrite, _Job
+from transfer.core.failure import FailureKind
+from transfer.frames import Cancel, Registration, TransferInfo, shard_rows
+
+HIDDEN = 4
+DTYPE = "torch.int8"
+ROW = HIDDEN
+SRC = 0x1000
+BASE = 0x10_0000
+SLOT = 0x100
+SESSIONS = ["10.0.0.1:100", "10.0.0.1:101", "10.0.0.2:100", "10.0.0.1:102"]
+
+
+class StrictCore(EncodeCore):
+    """EncodeCore with the rules its shortcuts skip read in full."""
+
+    def ask(self, info: TransferInfo, now: float) -> list:
+        self.breaker.heard_from(info.session_id, now)  # the shortcut's own call then finds nothing to end
+        return super().ask(info, now)
+
+    def _start(self, job: _Job, now: float) -> None:
+        room, info = job.room, job.info
+        if job in room.queued:
+            room.queued.remove(job)
+        offer = room.offer
+        since = self.breaker.open_since(info.session_id, now)
+        if since is not None:
+            self._skip(job, FailureKind.WRITE, self._paused_detail(info.session_id, room.room, since, now), now)
+            return
+        outside = (None if job.regions_checked == self.regions.version
+                   else self.regions.check([info], offer.row_bytes, offer.deepstack_row_bytes))
+        if outside is not None:
+            self._skip(job, FailureKind.REGION, f"{outside} (found as its queued write was to start)", now)
+            return
+        srcs: tuple[int, ...] = (offer.src_addr + info.row_start * offer.row_bytes,)
+        dsts: tuple[int, ...] = (info.embedding_ptr,)
+        lengths: tuple[int, ...] = (info.rows * offer.row_bytes,)
+        if offer.deepstack_addr is not None:
+            srcs += (offer.deepstack_addr + info.row_start * offer.deepstack_row_bytes,)
+            dsts += (info.deepstack_ptr,)
+            lengths += (info.rows * offer.deepstack_row_bytes,)
+        wid, self._next_wid = self._next_wid, self._next_wid + 1
+        self._writes[wid] = job
+        self._out.append(StartWrite(wid, room.room, info.session_id, srcs, dsts, lengths, offer.sources, offer.token))
+
+
+class Event:
+    """A ready event whose query() answers from a script, then True (or raises, scripted so)."""
+
+    def __init__(self, script: tuple) -> None:
+        self.script = list(script)
+
+    def query(self) -> bool:
+        answer = self.script.pop(0) if self.script else True
+        if answer is None:
+            raise RuntimeError("broken event")
+        return answer
+
+
+_ROOM = st.integers(0, 3)
+_SESSION = st.integers(0, len(SESSIONS) - 1)
+_READY = st.one_of(st.none(), st.tuples(st.sampled_from([False, True, None]), st.booleans()))
+EVENTS = st.lists(st.one_of(
+    st.tuples(st.just("offer"), _ROOM, st.sampled_from([4, 4, 3, 1]), st.booleans(), _READY),
+    st.tuples(st.just("ask"), _ROOM, _SESSION, st.sampled_from([1, 2, 2, 3, 4, 2000]), st.integers(0, 3),
+              st.sampled_from(["plain"] * 6 + ["span", "hidden", "ptr", "slot", "rows"]), st.booleans()),
+    st.tuples(st.just("room"), _ROOM, st.integers(1, 4), st.integers(0, 4), _SESSION, st.booleans(), _READY),
+    st.tuples(st.just("room"), _ROOM, st.integers(1, 4), st.integers(0, 4), _SESSION, st.booleans(), _READY),
+    st.tuples(st.just("clear"), _ROOM),
+    st.tuples(st.just("register"), _SESSION, st.integers(0, 2), st.sampled_from([None, 8 * SLOT, SLOT // 2])),
+    st.tuples(st.just("cancel"), _ROOM, _SESSION, st.booleans(), st.booleans()),
+    st.tuples(st.just("write"), st.integers(0, 7), st.sampled_from(["done", "done", "done", "failed", "slow", "stall",
+                                                                     "skipped", "checksum"])),
+    st.tuples(st.just("tick"), st.sampled_from([0.0, 0.01, 0.05, 0.2, 0.6, 3.0, 11.0]), st.booleans()),
+), max_size=40)
+
+
+def _rounds(events: list) -> list:
+    """The events, each ("room", room, fanout, offer after this many asks, first session, deepstack) spelled
+    out: a plain round of the room, its whole fanout asking from sessions in turn, its item among them."""
+    spelled: list = []
+    for event in events:
+        if event[0] != "room":
+            spelled.append(event)
+            continue
+        _, room, fanout, offer_at, first, deepstack, ready = event
+        asks = [("ask", room, (first + rank) % len(SESSIONS), fanout, rank, "plain", deepstack)
+                for rank in range(fanout)]
+        asks.insert(min(offer_at, fanout), ("offer", room, 4, deepstack, ready))
+        spelled += asks
+    return spelled
+
+
+def _drive(core: EncodeCore, events: list, tokens: list) -> list:
+    """Every answer the core gives to `events`, in order (with its queries' outcomes)."""
+    now = 0.0
+    answers: list = []
+    offered: dict[int, object] = {}
+    writes: list[int] = []
+    for event in _rounds(events):
+        kind = event[0]
+        if kind == "offer":
+            _, room, span, deepstack, ready = event
+            token = tokens[len(answers) % len(tokens)]
+            offered[room] = token
+            script = None if ready is None else ((ready[0],) * 3 if ready[1] else (ready[0],))
+            out = core.offer(Offer(room, token, SRC, span, HIDDEN, DTYPE, ROW, 0x8000 if deepstack else None,
+                                   2 * ROW if deepstack else 0, None if script is None else Event(script)), now)
+        elif kind == "ask":
+            _, room, session, fanout, rank, variant, deepstack = event
+            span = 3 if variant == "span" else 4
+            start, rows = shard_rows(span, rank % min(fanout, 4), min(fanout, 4))
+            if variant == "rows":
+                rows += 1
+            slot = (room + (1 if variant == "slot" else 0)) % 4
+            ptr = BASE + slot * SLOT + (7 * SLOT if variant == "ptr" else 0) + start * ROW
+            out = core.ask(TransferInfo(room, "10.0.0.9", 6000 + session, SESSIONS[session], ptr,
+                                        0x9000 + start * 2 * ROW if deepstack else 0, rows,
+                                        HIDDEN + (1 if variant == "hidden" else 0), DTYPE, deepstack, fanout, start,
+                                        span, 2 * ROW if deepstack else None), now)
+        elif kind == "clear":
+            out = core.clear(event[1], offered.get(event[1]), now)
+        elif kind == "register":
+            _, session, port, length = event
+            out = core.registration(Registration("10.0.0.9", 6000 + port, SESSIONS[session], BASE, 0x9000, length,
+                                                 None if length is None else 0x1000), now)
+        elif kind == "cancel":
+            _, room, session, unasked, reads = event
+            out = core.cancel(Cancel(room, "10.0.0.9", 6000 + session, SESSIONS[session], reads, unasked=unasked),
+                              now)
+        elif kind == "write":
+            if not writes:
+                continue
+            wid = writes.pop(event[1] % len(writes))
+            how = event[2]
+            if how == "done":
+                out = core.write_done(wid, (), now)
+            elif how == "failed":
+                out = core.write_failed(wid, "refused", 0.01, now)
+            elif how == "slow":
+                out = core.write_failed(wid, "timed out", 2.0, now)
+            elif how == "stall":
+                out = core.write_failed(wid, "no handshake", 2.0, now, blocking=True)
+            elif how == "skipped":
+                out = core.write_skipped(wid, now)
+            else:
+                writes.append(wid)
+                out = core.checksum_failed(wid, "bad rows", now)
+        else:
+            _, passed, unread = event
+            now += passed
+            out = core.tick(now, unread)
+        writes += [action.wid for action in out if isinstance(action, StartWrite)]
+        answers.append(out)
+    return answers
+
+
+# Each shortcut's edge: a session paused by a stall (its ask ends no pause) and one by a slow failure (its
+# ask does), each asked for again; items whose ready events complete late or raise.
+@example([("room", 0, 1, 1, 0, False, None), ("write", 0, "stall"), ("tick", 0.01, False),
+          ("room", 1, 2, 1, 0, False, None)], 2)
+@example([("room", 0, 1, 1, 0, False, None), ("write", 0, "slow"), ("tick", 0.01, False),
+          ("room", 1, 2, 2, 0, False, None), ("room", 2, 1, 0, 1, False, None)], 4)
+@example([("room", 0, 2, 1, 0, True, (False, True)), ("tick", 0.01, False), ("tick", 0.01, False),
+          ("room", 1, 1, 0, 2, False, (None, False))], 1)
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=EVENTS, depth=st.integers(1, 4))
+def test_the_core_answers_every_event_as_its_rules_read_without_shortcuts(events, depth):
+    tokens = [object() for _ in range(3)]
+    fast = _drive(EncodeCore(fanout_timeout_s=10.0, depth=depth), events, tokens)
+    strict = _drive(StrictCore(fanout_timeout_s=10.0, depth=depth), events, tokens)
+    assert fast == strict
