@@ -57,6 +57,17 @@ class StrictCore(EncodeCore):
         self._writes[wid] = job
         self._out.append(StartWrite(wid, room.room, info.session_id, srcs, dsts, lengths, offer.sources, offer.token))
 
+    def _pump(self, now: float) -> None:
+        if self._closed or self._writes_stopped or not self.scheduler.waiting:
+            return
+        picked = self.scheduler.pick(now, cancelled=lambda job: job.room.failed or not self._serves(job),
+                                     ready=lambda job: self._ready(job, now), expired=lambda job, waited:
+                                     self._expired(job, waited, now))
+        for job in picked.dropped:
+            self._job_done(job, now)
+        for job in picked.start:
+            self._start(job, now)
+
 
 class Event:
     """A ready event whose query() answers from a script, then True (or raises, scripted so)."""

@@ -702,7 +702,12 @@ class EncodeCore:
     def _unwanted(self, job: _Job) -> bool:
         """Whether a write not submitted yet should never be: its room failed, or its receiver restarted
         (a write into the dead process's memory would serve nobody)."""
-        return job.room.failed or not self._serves(job)
+        if job.room.failed:
+            return True
+        for info in job.room.receivers:  # not self._serves(job), without its call: a pick asks twice a write
+            if info is job.info:
+                return False
+        return True
 
     def write_skipped(self, wid: int, now: float) -> list:
         """A write was not submitted after all (its room failed first)."""
@@ -1098,9 +1103,10 @@ class EncodeCore:
         """Starts the waiting writes that may start now."""
         if self._closed or self._writes_stopped or not self.scheduler.waiting:
             return
+        # An item with no ready event (or one that completed) may be read: _ready()'s answer, without its call.
         picked = self.scheduler.pick(now, cancelled=self._unwanted,
-                                     ready=lambda job: self._ready(job, now), expired=lambda job, waited:
-                                     self._expired(job, waited, now))
+                                     ready=lambda job: job.room.offer.ready_event is None or self._ready(job, now),
+                                     expired=lambda job, waited: self._expired(job, waited, now))
         for job in picked.dropped:
             self._job_done(job, now)
         for job in picked.start:
@@ -1167,7 +1173,7 @@ class EncodeCore:
             lengths += (info.rows * offer.deepstack_row_bytes,)
         wid, self._next_wid = self._next_wid, self._next_wid + 1
         self._writes[wid] = job
-        self._out.append(StartWrite(wid, room.room, info.session_id, srcs, dsts, lengths, offer.sources, offer.token))
+        self._out.append(StartWrite(wid, offer.room, info.session_id, srcs, dsts, lengths, offer.sources, offer.token))
 
     def _skip(self, job: _Job, kind: FailureKind, detail: str, now: float) -> None:
         """Fails the room of a write that will not start, and lets go of its turn and destinations."""
