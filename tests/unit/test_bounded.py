@@ -122,3 +122,20 @@ def test_pop_takes_an_entry_and_its_sessions_as_a_dict_pops():
     with pytest.raises(KeyError):
         cache.pop(1)
     assert cache.pop(2, None) == _Cancel(("a",)) and cache.of("a") == [] and len(cache) == 0
+
+
+def test_entries_is_the_book_itself_through_every_change():
+    book: BySession[int, _Entry] = BySession(lambda entry: ("s",))
+    assert not book.entries
+    book[1] = _Entry(1.0)
+    remember(book, 2, _Entry(2.0), limit=2)
+    assert book.entries == {1: _Entry(1.0), 2: _Entry(2.0)}
+    del book[1]
+    assert book.entries == {2: _Entry(2.0)}
+    forget_before(book, 3.0)
+    assert not book.entries
+    book[3] = _Entry(3.0)
+    book.clear()
+    assert not book.entries and len(book) == 0
+    book[4] = _Entry(4.0)
+    assert book.pop(4) == _Entry(4.0) and not book.entries

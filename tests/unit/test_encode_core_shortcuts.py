@@ -12,9 +12,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from transfer.core.encode import EncodeCore, Offer, StartWrite, _Job
-from transfer.core.failure import FailureKind
-from transfer.frames import Cancel, Registration, TransferInfo, shard_rows
+from transfer.core.encode import CLEARED_GRACE_S, REASK_GRACE_S, SWEEP_S, EncodeCore, Offer, StartWrite, _Job
+from transfer.core.failure import Failure, FailureKind
+from transfer.frames import Cancel, Registration, TransferInfo, receiver_text, shard_rows
 
 HIDDEN = 4
 DTYPE = "torch.int8"
@@ -29,8 +29,54 @@ class StrictCore(EncodeCore):
     """EncodeCore with the rules its shortcuts skip read in full."""
 
     def ask(self, info: TransferInfo, now: float) -> list:
-        self.breaker.heard_from(info.session_id, now)  # the shortcut's own call then finds nothing to end
-        return super().ask(info, now)
+        self.breaker.heard_from(info.session_id, now)  # it reaches us: a pause after a slow failure may end
+        if info.fanout > self.parked.max_receivers:
+            # No room takes that many receivers: it would wait out the fanout timeout.
+            self._warn("receivers", "room %d: %s asked with fanout %d, more than the %d receivers a room may have",
+                       info.room, receiver_text(info.session_id), info.fanout, self.parked.max_receivers)
+            self._tell_failed([info], Failure(FailureKind.GEOMETRY, f"room {info.room}: asked with fanout "
+                                                                    f"{info.fanout}, more than the "
+                                                                    f"{self.parked.max_receivers} receivers a room "
+                                                                    f"may have"))
+            return self._flush(now)
+        room = self._rooms.get(info.room)
+        if room is None and self._recent(self._cleared_failures.get(info.room), now) is not None:
+            # A receiver's cancel failed the room's item, or it came late, and the caller has cleared it since:
+            # parked like any ask, this one is told why after CLEARED_GRACE_S unless the caller sends the room
+            # again meanwhile (a retry).
+            self._reasks_due.append((info, now))
+        if room is not None and not room.failed and info.session_id not in room.served and info in room.receivers:
+            # A copy of an ask its room is writing now (the message came twice): parked, it would wait
+            # for the room's next send and be told Failed when none came.
+            self._warn("repeated ask", "room %d: %s asked again for the write under way; ignoring the copy",
+                       info.room, receiver_text(info.session_id))
+            return self._flush(now)
+        predecessor = self._predecessor_by_shard(info)
+        if predecessor is not None:
+            self._supersede(predecessor, info.session_id, "shard",
+                            f"asking for room {info.room}'s shard (rows {info.row_start}+{info.rows} of fanout "
+                            f"{info.fanout}) it had asked for", now)
+        admission = self.parked.add(info, now)
+        if admission.refused:
+            self._warn("receivers", "room %d: more than %d receivers asked; telling %s Failed",
+                       info.room, self.parked.max_receivers, receiver_text(info.session_id))
+            self._tell_failed([info], Failure(FailureKind.GEOMETRY, f"room {info.room}: more than "
+                                                                    f"{self.parked.max_receivers} receivers asked"))
+            return self._flush(now)
+        self._forget_cancel(info)
+        for asks in admission.evicted:
+            self._warn("parked", "room %d: %d rooms (%d bytes of asks) were asked for and not served yet; "
+                       "failing the oldest ask", asks.room, len(self.parked) + 1, self.parked.nbytes + asks.nbytes)
+            failure = Failure(FailureKind.OTHER, f"room {asks.room}: dropped unserved, the oldest of more than "
+                                                 f"{len(self.parked)} rooms asked for and not served yet")
+            self._tell_failed(asks.infos.values(), failure)
+            evicted = self._rooms.get(asks.room)
+            if evicted is not None and asks.room in self._unserved:  # sent: told Failed, its ranks ask no more
+                self._fail_with(evicted, failure, now)
+        for dropped in admission.dropped:
+            self._drop_over_share(dropped, now)
+        self._dispatch(info.room, now, asked=info)
+        return self._flush(now)
 
     def _start(self, job: _Job, now: float) -> None:
         room, info = job.room, job.info
@@ -67,6 +113,32 @@ class StrictCore(EncodeCore):
             self._job_done(job, now)
         for job in picked.start:
             self._start(job, now)
+
+    def tick(self, now: float, unread: bool = False) -> list:
+        self.scheduler.new_turn()
+        if self._unread.holds(now, unread, self._rules_due()):
+            return self._flush(now)
+        while self._clears_due and now >= self._clears_due[0][1] + CLEARED_GRACE_S:
+            self._fail_cleared_asks(*self._clears_due.popleft())
+        while self._reasks_due and now >= self._reasks_due[0][1] + CLEARED_GRACE_S:
+            self._tell_reask(*self._reasks_due.popleft())
+        if self._held:
+            self._fail_unclaimed_held(now)
+        self._destinations.expire(now)
+        if now >= self._next_sweep:
+            self._sweep(now)
+            self._next_sweep = now + SWEEP_S
+        return self._flush(now)
+
+    def _rules_due(self) -> float:
+        due = self._next_sweep
+        if self._clears_due:
+            due = min(due, self._clears_due[0][1] + CLEARED_GRACE_S)
+        if self._reasks_due:
+            due = min(due, self._reasks_due[0][1] + CLEARED_GRACE_S)
+        for held in self._held.values():  # items sent right after a cancel: MAX_CANCELLED_ROOMS at most
+            due = min(due, held.cancelled_at + REASK_GRACE_S)
+        return due
 
 
 class Event:
@@ -176,7 +248,7 @@ def _drive(core: EncodeCore, events: list, tokens: list) -> list:
             now += passed
             out = core.tick(now, unread)
         writes += [action.wid for action in out if isinstance(action, StartWrite)]
-        answers.append(out)
+        answers.append((out, core.next_wakeup()))
     return answers
 
 
@@ -188,6 +260,10 @@ def _drive(core: EncodeCore, events: list, tokens: list) -> list:
           ("room", 1, 2, 2, 0, False, None), ("room", 2, 1, 0, 1, False, None)], 4)
 @example([("room", 0, 2, 1, 0, True, (False, True)), ("tick", 0.01, False), ("tick", 0.01, False),
           ("room", 1, 1, 0, 2, False, (None, False))], 1)
+@example([("ask", 0, 0, 2, 0, "plain", False), ("cancel", 0, 0, False, True), ("offer", 0, 4, False, None),
+          ("ask", 0, 0, 2, 0, "plain", False), ("ask", 0, 1, 2, 1, "plain", False), ("tick", 0.2, False)], 2)
+@example([("ask", 0, 0, 2, 0, "plain", False), ("cancel", 0, 0, False, True), ("offer", 0, 4, False, None),
+          ("tick", 0.05, False), ("tick", 0.2, False)], 2)
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=EVENTS, depth=st.integers(1, 4))
 def test_the_core_answers_every_event_as_its_rules_read_without_shortcuts(events, depth):

@@ -51,6 +51,8 @@ class BySession(MutableMapping[_K, _V]):
     def __init__(self, sessions: Callable[[_V], Iterable[str]]) -> None:
         self._sessions = sessions
         self._entries: dict[_K, _V] = {}
+        # The same dict, read-only to others: its truth says whether any entry is filed without __len__'s call.
+        self.entries = self._entries
         # The dict's own get, which the method below only documents: one call on the rules' hot path.
         self.get = self._entries.get  # type: ignore[method-assign,assignment]
         self._by_session: dict[str, dict[_K, None]] = {}  # session -> keys of the entries naming it

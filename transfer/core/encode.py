@@ -498,7 +498,8 @@ class EncodeCore:
             self._tell_failed([info], Failure(FailureKind.GEOMETRY, f"room {info.room}: more than "
                                                                     f"{self.parked.max_receivers} receivers asked"))
             return self._flush(now)
-        self._forget_cancel(info)
+        if self._cancelled.entries or self._held.entries:  # else no cancel of this ask's room is remembered
+            self._forget_cancel(info)
         for asks in admission.evicted:
             self._warn("parked", "room %d: %d rooms (%d bytes of asks) were asked for and not served yet; "
                        "failing the oldest ask", asks.room, len(self.parked) + 1, self.parked.nbytes + asks.nbytes)
@@ -783,7 +784,7 @@ class EncodeCore:
             self._fail_cleared_asks(*self._clears_due.popleft())
         while self._reasks_due and now >= self._reasks_due[0][1] + CLEARED_GRACE_S:
             self._tell_reask(*self._reasks_due.popleft())
-        if self._held:
+        if self._held.entries:
             self._fail_unclaimed_held(now)
         self._destinations.expire(now)
         if now >= self._next_sweep:
@@ -931,8 +932,9 @@ class EncodeCore:
             due = min(due, self._clears_due[0][1] + CLEARED_GRACE_S)
         if self._reasks_due:
             due = min(due, self._reasks_due[0][1] + CLEARED_GRACE_S)
-        for held in self._held.values():  # items sent right after a cancel: MAX_CANCELLED_ROOMS at most
-            due = min(due, held.cancelled_at + REASK_GRACE_S)
+        if self._held.entries:
+            for held in self._held.values():  # items sent right after a cancel: MAX_CANCELLED_ROOMS at most
+                due = min(due, held.cancelled_at + REASK_GRACE_S)
         return due
 
     def expects(self, room: int) -> bool:
