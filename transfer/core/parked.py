@@ -137,16 +137,16 @@ class ParkedAsks:
             asks = self._rooms[room] = Asks(room, now, fanout=info.fanout, first=session)
         elif session == asks.first:  # its repeat keeps the first place
             asks.fanout = info.fanout
-        # Looked up again: the ask dropped, or the room evicted, may have been the session's last.
-        mine = self._by_session.get(session)
+        if dropped or evicted:  # looked up again: what went may have been the session's last ask
+            mine = self._by_session.get(session)
         if mine is None:
             mine = self._by_session[session] = _Mine()
         infos, costs = asks.infos, asks.costs
         infos[session] = info
         asks.last_at = now
         mine.rooms[room] = None
-        cost = ask_cost(info)
-        costs[session], cost = cost, cost - costs.get(session, 0)
+        cost = len(info.endpoint) + len(info.session_id) + len(info.dtype) + ASK_OVERHEAD_BYTES  # ask_cost(info)
+        costs[session], cost = cost, cost - (costs[session] if session in costs else 0)  # less its repeat's
         asks.nbytes += cost
         mine.nbytes += cost
         self.nbytes += cost
