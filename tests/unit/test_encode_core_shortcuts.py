@@ -12,7 +12,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from transfer.core.encode import CLEARED_GRACE_S, REASK_GRACE_S, SWEEP_S, EncodeCore, Offer, StartWrite, _Job
+from transfer.core.encode import (CLEARED_GRACE_S, REASK_GRACE_S, SWEEP_S, EncodeCore, Offer, Progress, StartWrite, _Job,
+                                   _Room)
+from transfer.status import TransferPoll
 from transfer.core.failure import Failure, FailureKind
 from transfer.frames import Cancel, Registration, TransferInfo, receiver_text, shard_rows
 
@@ -140,6 +142,73 @@ class StrictCore(EncodeCore):
             due = min(due, held.cancelled_at + REASK_GRACE_S)
         return due
 
+    def _dispatch(self, room_number: int, now: float, asked: TransferInfo | None = None) -> None:
+        asks = self.parked.get(room_number)
+        if asks is None:
+            return
+        room = self._rooms.get(room_number)
+        if room is None or room.succeeded or (room.receivers and not room.failed and not room.orphans):
+            return  # a served room's sources may be released: later asks wait for its next send
+        # Read before the newcomers' asks are dropped below.
+        fanout, first_at, last_at = asks.fanout, asks.first_at, asks.last_at
+        kept = [] if room.failed else room.receivers  # being served: their asks wait for the next send
+        sessions = {info.session_id for info in kept}
+        if not room.failed:
+            if asked is not None and not kept:
+                # The first ask's fanout is the room's (asks.fanout): a later ask that agrees with it agrees.
+                if asked.fanout != fanout or asked.session_id == asks.first:
+                    self._check_fanouts_agree(room, asks, [asked], now)
+            else:
+                self._check_fanouts_agree(room, asks, [*kept, *asks.infos.values()], now)
+        if not room.failed:
+            asked_now = len(asks.infos) if not sessions else sum(1 for s in asks.infos if s not in sessions)
+            if len(kept) + asked_now < fanout:
+                return
+        newcomers = sorted((info for info in asks.infos.values() if info.session_id not in sessions),
+                           key=lambda i: (i.row_start, i.session_id))
+        if sessions:  # the asks of receivers being served stay parked for the room's next send
+            for info in newcomers:
+                self.parked.drop_ask(room_number, info.session_id)
+        else:
+            self.parked.take(room_number)
+        if room.failed:
+            for info in newcomers:
+                self._tell_failed([info], self._reask_failure(room, info, now))
+            return
+        infos = sorted(kept + newcomers, key=lambda i: (i.row_start, i.session_id)) if kept else newcomers
+        room.receivers = infos
+        room.orphans = []
+        self._unserved.discard(room_number)
+        offer = room.offer
+        ranges = [self._ranges_one(info, offer) for info in newcomers]
+        if (self._fanout_too_late(room, fanout, first_at, last_at, len(infos), now)
+                or self._refused(room, infos, newcomers, ranges, fanout, now)):
+            return
+        if not kept:
+            self._out.append(Progress(room_number, offer.token, TransferPoll.Transferring, first_at, now))
+        # A fanout let in past its time-out while the rules were held back: its writes' wait starts now.
+        self._queue_writes(room, newcomers, ranges, first_at if now - first_at <= self.fanout_timeout_s else now)
+
+    @staticmethod
+    def _ranges_one(info: TransferInfo, offer: Offer) -> list[tuple[int, int]]:
+        length = info.rows * offer.row_bytes
+        ranges = [(info.embedding_ptr, info.embedding_ptr + length)] if length > 0 else []
+        if offer.deepstack_addr is not None:
+            length = info.rows * offer.deepstack_row_bytes
+            if length > 0:
+                ranges.append((info.deepstack_ptr, info.deepstack_ptr + length))
+        return ranges
+
+    def _queue_writes(self, room: _Room, newcomers: list[TransferInfo], ranges: list[list[tuple[int, int]]],
+                      first_at: float) -> None:
+        room.pending += len(newcomers)
+        version, hold, queued, push = self.regions.version, self._destinations.hold, room.queued, self.scheduler.push
+        for info, spans in zip(newcomers, ranges):
+            session = info.session_id
+            job = _Job(room, info, hold(session, room.room, spans), version)
+            queued.append(job)
+            push(job, session, first_at)
+
 
 class Event:
     """A ready event whose query() answers from a script, then True (or raises, scripted so)."""
@@ -169,6 +238,7 @@ EVENTS = st.lists(st.one_of(
     st.tuples(st.just("write"), st.integers(0, 7), st.sampled_from(["done", "done", "done", "failed", "slow", "stall",
                                                                      "skipped", "checksum"])),
     st.tuples(st.just("tick"), st.sampled_from([0.0, 0.01, 0.05, 0.2, 0.6, 3.0, 11.0]), st.booleans()),
+    st.tuples(st.just("wait"), st.sampled_from([0.05, 11.0])),  # a driver held up: time passes without a tick
 ), max_size=40)
 
 
@@ -243,6 +313,9 @@ def _drive(core: EncodeCore, events: list, tokens: list) -> list:
             else:
                 writes.append(wid)
                 out = core.checksum_failed(wid, "bad rows", now)
+        elif kind == "wait":
+            now += event[1]
+            continue
         else:
             _, passed, unread = event
             now += passed
@@ -264,6 +337,16 @@ def _drive(core: EncodeCore, events: list, tokens: list) -> list:
           ("ask", 0, 0, 2, 0, "plain", False), ("ask", 0, 1, 2, 1, "plain", False), ("tick", 0.2, False)], 2)
 @example([("ask", 0, 0, 2, 0, "plain", False), ("cancel", 0, 0, False, True), ("offer", 0, 4, False, None),
           ("tick", 0.05, False), ("tick", 0.2, False)], 2)
+# A rank restarted while its room's write flies: its successor's ask joins the receivers kept. A room whose
+# fanout completes past the fanout timeout, its item sent in time, and one whose item came late.
+@example([("register", 0, 0, None), ("room", 0, 2, 2, 0, False, None), ("register", 3, 0, None),
+          ("ask", 0, 3, 2, 0, "plain", False), ("write", 0, "done"), ("write", 0, "done")], 4)
+@example([("offer", 0, 4, False, None), ("ask", 0, 0, 2, 0, "plain", False), ("wait", 11.0),
+          ("ask", 0, 1, 2, 1, "plain", False), ("ask", 1, 2, 2, 0, "plain", False), ("wait", 11.0),
+          ("ask", 1, 3, 2, 1, "plain", False), ("offer", 1, 4, False, None)], 2)
+# The first ask asked again with another fanout, held to the next one.
+@example([("offer", 0, 4, False, None), ("ask", 0, 0, 3, 0, "plain", False), ("ask", 0, 1, 3, 1, "plain", False),
+          ("ask", 0, 0, 2, 0, "plain", False)], 2)
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=EVENTS, depth=st.integers(1, 4))
 def test_the_core_answers_every_event_as_its_rules_read_without_shortcuts(events, depth):

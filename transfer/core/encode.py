@@ -33,8 +33,9 @@ room served before its cancel came waits for the room's next send, like any ask.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, NamedTuple, TypeVar
 
 from transfer.core.bounded import BySession, Filed, forget_before, remember
@@ -94,6 +95,13 @@ MAX_QUARANTINED_RANGES = 2 * MAX_FAILED_WRITES
 #: Status endpoints whose latest session is remembered (least recently seen forgotten
 #: first): a new session at a known endpoint is a restarted prefill rank.
 MAX_ENDPOINTS = 4096
+
+
+#: The sessions of a room's receivers being served, when it has none.
+_NO_SESSIONS: frozenset[str] = frozenset()
+
+#: The order a room's receivers are kept in.
+_BY_ROWS = attrgetter("row_start", "session_id")
 
 
 def _grace_over(cancelled_at: float, now: float) -> bool:
@@ -995,20 +1003,21 @@ class EncodeCore:
         # Read before the newcomers' asks are dropped below.
         fanout, first_at, last_at = asks.fanout, asks.first_at, asks.last_at
         kept = [] if room.failed else room.receivers  # being served: their asks wait for the next send
-        sessions = {info.session_id for info in kept}
+        sessions: Set[str] = {info.session_id for info in kept} if kept else _NO_SESSIONS
         if not room.failed:
             if asked is not None and not kept:
-                # The first ask's fanout is the room's (asks.fanout): a later ask that agrees with it agrees.
-                if asked.fanout != fanout or asked.session_id == asks.first:
+                # The first ask's fanout is the room's (asks.fanout): a later ask that agrees with it agrees,
+                # and the first ask parked alone agrees with itself.
+                if asked.fanout != fanout or (asked.session_id == asks.first and len(asks.infos) > 1):
                     self._check_fanouts_agree(room, asks, [asked], now)
             else:
                 self._check_fanouts_agree(room, asks, [*kept, *asks.infos.values()], now)
         if not room.failed:
-            asked_now = len(asks.infos) if not sessions else sum(1 for s in asks.infos if s not in sessions)
-            if len(kept) + asked_now < fanout:
+            asked_all = len(kept) + sum(1 for s in asks.infos if s not in sessions) if kept else len(asks.infos)
+            if asked_all < fanout:
                 return
-        newcomers = sorted((info for info in asks.infos.values() if info.session_id not in sessions),
-                           key=lambda i: (i.row_start, i.session_id))
+        newcomers = sorted(asks.infos.values() if not kept else
+                           (info for info in asks.infos.values() if info.session_id not in sessions), key=_BY_ROWS)
         if sessions:  # the asks of receivers being served stay parked for the room's next send
             for info in newcomers:
                 self.parked.drop_ask(room_number, info.session_id)
@@ -1018,7 +1027,7 @@ class EncodeCore:
             for info in newcomers:
                 self._tell_failed([info], self._reask_failure(room, info, now))
             return
-        infos = sorted(kept + newcomers, key=lambda i: (i.row_start, i.session_id)) if kept else newcomers
+        infos = sorted(kept + newcomers, key=_BY_ROWS) if kept else newcomers
         room.receivers = infos
         room.orphans = []
         self._unserved.discard(room_number)
