@@ -1032,8 +1032,10 @@ class EncodeCore:
         room.orphans = []
         self._unserved.discard(room_number)
         offer = room.offer
-        ranges = [self._ranges(info, offer) for info in newcomers]
-        if (self._fanout_too_late(room, fanout, first_at, last_at, len(infos), now)
+        ranges = self._ranges(newcomers, offer)
+        # Within the fanout timeout of its first ask nothing came too late: _fanout_too_late()'s first test.
+        if ((now - first_at > self.fanout_timeout_s
+             and self._fanout_too_late(room, fanout, first_at, last_at, len(infos), now))
                 or self._refused(room, infos, newcomers, ranges, fanout, now)):
             return
         if not kept:
@@ -1104,9 +1106,10 @@ class EncodeCore:
         `_ranges`) until it is over (a superseded session's write may still be in flight)."""
         room.pending += len(newcomers)
         version, hold, queued, push = self.regions.version, self._destinations.hold, room.queued, self.scheduler.push
+        number = room.offer.room
         for info, spans in zip(newcomers, ranges):
             session = info.session_id
-            job = _Job(room, info, hold(session, room.room, spans), version)
+            job = _Job(room, info, hold(session, number, spans), version)
             queued.append(job)
             push(job, session, first_at)
 
@@ -1205,15 +1208,18 @@ class EncodeCore:
         job.ranges = ()
 
     @staticmethod
-    def _ranges(info: TransferInfo, offer: Offer) -> list[tuple[int, int]]:
-        """The destination byte ranges [start, end) a receiver's write covers (empty ones left out)."""
-        length = info.rows * offer.row_bytes
-        ranges = [(info.embedding_ptr, info.embedding_ptr + length)] if length > 0 else []
-        if offer.deepstack_addr is not None:
-            length = info.rows * offer.deepstack_row_bytes
-            if length > 0:
-                ranges.append((info.deepstack_ptr, info.deepstack_ptr + length))
-        return ranges
+    def _ranges(infos: list[TransferInfo], offer: Offer) -> list[list[tuple[int, int]]]:
+        """The destination byte ranges [start, end) each receiver's write covers (empty ones left out)."""
+        every = []
+        for info in infos:
+            length = info.rows * offer.row_bytes
+            ranges = [(info.embedding_ptr, info.embedding_ptr + length)] if length > 0 else []
+            if offer.deepstack_addr is not None:
+                length = info.rows * offer.deepstack_row_bytes
+                if length > 0:
+                    ranges.append((info.deepstack_ptr, info.deepstack_ptr + length))
+            every.append(ranges)
+        return every
 
     def _overlap(self, infos: list[TransferInfo], ranges: list[list[tuple[int, int]]], now: float) -> str | None:
         """Why a receiver's destination overlaps another room's write of the same session still queued or
