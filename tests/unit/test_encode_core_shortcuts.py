@@ -347,6 +347,10 @@ def _drive(core: EncodeCore, events: list, tokens: list) -> list:
 # The first ask asked again with another fanout, held to the next one.
 @example([("offer", 0, 4, False, None), ("ask", 0, 0, 3, 0, "plain", False), ("ask", 0, 1, 3, 1, "plain", False),
           ("ask", 0, 0, 2, 0, "plain", False)], 2)
+# A restarted rank asking for its shard of a fanout parked in full, and of one being written.
+@example([("ask", 0, 0, 2, 0, "plain", False), ("ask", 0, 1, 2, 1, "plain", False), ("ask", 0, 3, 2, 0, "plain", False),
+          ("offer", 0, 4, False, None)], 2)
+@example([("room", 0, 2, 2, 0, False, None), ("ask", 0, 3, 2, 0, "plain", False), ("write", 0, "done")], 2)
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=EVENTS, depth=st.integers(1, 4))
 def test_the_core_answers_every_event_as_its_rules_read_without_shortcuts(events, depth):

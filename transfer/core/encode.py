@@ -494,7 +494,10 @@ class EncodeCore:
             self._warn("repeated ask", "room %d: %s asked again for the write under way; ignoring the copy",
                        info.room, receiver_text(info.session_id))
             return self._flush(now)
-        predecessor = self._predecessor_by_shard(info)
+        # Only a room whose whole fanout asked (parked, or being written) has a shard to supersede by.
+        asks = self.parked.get(info.room)
+        predecessor = (self._predecessor_by_shard(info) if (asks is not None and len(asks.infos) >= asks.fanout)
+                       or (room is not None and room.receivers) else None)
         if predecessor is not None:
             self._supersede(predecessor, info.session_id, "shard",
                             f"asking for room {info.room}'s shard (rows {info.row_start}+{info.rows} of fanout "
