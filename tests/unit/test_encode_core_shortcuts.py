@@ -209,6 +209,11 @@ class StrictCore(EncodeCore):
             queued.append(job)
             push(job, session, first_at)
 
+    def _flush(self, now: float) -> list:
+        self._pump(now)
+        out, self._out = self._out, []
+        return out
+
 
 class Event:
     """A ready event whose query() answers from a script, then True (or raises, scripted so)."""

@@ -1382,7 +1382,8 @@ class EncodeCore:
         self._out.append(Warn(key, message, args))
 
     def _flush(self, now: float) -> list:
-        self._pump(now)
+        if self.scheduler.waiting:  # else _pump() has no write to start
+            self._pump(now)
         out, self._out = self._out, []
         return out
 
