@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import tracemalloc
 
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
 from transfer.core.regions import MAX_REGIONS_PER_SESSION, RegionBook
-from transfer.frames import Registration, TransferInfo, parse_registration, registration_frames
+from transfer.frames import (Registration, TransferInfo, check_region, parse_registration, receiver_text,
+                             registration_frames)
 
 SESSION = "10.0.0.7:17000"
 
@@ -190,3 +194,63 @@ def test_a_sessions_regions_hold_its_long_session_id_and_endpoint_once():
     assert len(book.regions(session)) == MAX_REGIONS_PER_SESSION
     assert held < 4 * 2 * text, f"{held} bytes held for {MAX_REGIONS_PER_SESSION} regions of one session"
     assert _check(book, _ask(0x10000 * MAX_REGIONS_PER_SESSION, session=session)) is None
+
+
+class _StrictBook(RegionBook):
+    """check() as it reads with every region's reason collected and the session filed again through _use()."""
+
+    def check(self, infos, row_bytes, deepstack_row_bytes):
+        for info in infos:
+            session = self._sessions.pop(info.session_id, None)
+            if session is None:
+                why = self._retired.get(info.session_id)
+                if why is not None:
+                    return (f"room {info.room}: receiver {receiver_text(info.session_id)} announced its regions "
+                            f"with lengths before, but {why}: no destination of it is accepted until it registers "
+                            f"again")
+                continue
+            self._sessions[info.session_id] = session
+            self._use(info.session_id, session)
+            if not session.announced:
+                continue
+            reasons = [check_region(info, reg, row_bytes, deepstack_row_bytes) for reg in session.regs]
+            if reasons and all(reasons):
+                return reasons[-1]
+        return None
+
+
+_SESSIONS = ("a:1", "a:2", "b:1")
+_REGION_STEPS = st.lists(st.one_of(
+    st.tuples(st.just("register"), st.sampled_from(_SESSIONS), st.integers(0, 1), st.sampled_from([0, 4096, 8192]),
+              st.sampled_from([None, 1024, 4096]), st.sampled_from([None, 0, 2048])),
+    st.tuples(st.just("served"), st.sampled_from(_SESSIONS)),
+    st.tuples(st.just("forget"), st.sampled_from(_SESSIONS)),
+    st.tuples(st.just("check"), st.lists(st.tuples(st.sampled_from(_SESSIONS), st.sampled_from([0, 1024, 4096, 9000]),
+                                                   st.integers(0, 4), st.booleans()), max_size=3)),
+), max_size=40)
+
+
+@example([("register", "a:1", 0, 0, 4096, None), ("register", "a:2", 0, 0, None, None),
+          ("check", [("a:1", 0, 2, False), ("a:2", 9000, 1, False)]), ("register", "b:1", 0, 0, 4096, 0)], 2, 2)
+@settings(max_examples=300)
+@given(steps=_REGION_STEPS, max_sessions=st.integers(1, 3), per_session=st.integers(1, 3))
+def test_a_check_answers_and_files_sessions_as_one_reading_every_region_through_use(steps, max_sessions, per_session):
+    def run(book: RegionBook) -> list:
+        seen: list = []
+        for step in steps:
+            if step[0] == "register":
+                _, session, port, base, length, deepstack_length = step
+                seen.append(book.register(Registration("10.0.0.7", 6000 + port, session, base, 0x10_0000 + base,
+                                                       length, deepstack_length if length is not None else None)))
+            elif step[0] == "check":
+                infos = [TransferInfo(1, "10.0.0.7", 5000, session, ptr, 0x10_0000 + ptr, rows, 256, "torch.bfloat16",
+                                      deepstack, 1, 0, rows) for session, ptr, rows, deepstack in step[1]]
+                seen.append(book.check(infos, 256, 128))
+            else:
+                getattr(book, step[0])(step[1])
+            seen.append((book.sessions(), [list(order) for order in book._order], dict(book._retired), book.version,
+                         {s: (book._sessions[s].filed, book._sessions[s].kind) for s in book.sessions()}))
+        return seen
+
+    assert (run(RegionBook(max_sessions=max_sessions, per_session=per_session))
+            == run(_StrictBook(max_sessions=max_sessions, per_session=per_session)))

@@ -146,22 +146,33 @@ class RegionBook:
         peers do; one that announced lengths and was then retired is refused; a session
         used here becomes the last to be forgotten.
         """
+        sessions = self._sessions
         for info in infos:
-            session = self._sessions.pop(info.session_id, None)
-            if session is None:
-                why = self._retired.get(info.session_id)
+            session_id = info.session_id
+            if session_id not in sessions:
+                why = self._retired.get(session_id)
                 if why is not None:
-                    return (f"room {info.room}: receiver {receiver_text(info.session_id)} announced its regions "
+                    return (f"room {info.room}: receiver {receiver_text(session_id)} announced its regions "
                             f"with lengths before, but {why}: no destination of it is accepted until it registers "
                             f"again")
                 continue
-            self._sessions[info.session_id] = session
-            self._use(info.session_id, session)
+            # _use(), moved to the end of both dicts by del and set: its kind is the one it is filed under
+            # (every change of it files it again).
+            session = sessions[session_id]
+            del sessions[session_id]
+            sessions[session_id] = session
+            order = self._order[session.filed]
+            del order[session_id]
+            order[session_id] = None
             if not session.announced:
                 continue
-            reasons = [check_region(info, reg, row_bytes, deepstack_row_bytes) for reg in session.regs]
-            if reasons and all(reasons):
-                return reasons[-1]
+            reason = None
+            for reg in session.regs:  # outside when outside every one of them: the last one's reason
+                reason = check_region(info, reg, row_bytes, deepstack_row_bytes)
+                if not reason:
+                    break
+            if reason:
+                return reason
         return None
 
     def regions(self, session_id: str) -> list[Registration]:
