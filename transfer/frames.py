@@ -968,9 +968,10 @@ def validate_fanout(span: int, hidden: int, dtype: str, has_deepstack: bool, inf
         if info.session_id in seen:
             return f"room {room}: receiver {receiver_text(info.session_id)} asked twice"
         seen.add(info.session_id)
-    if all(info.is_identity for info in infos):
-        return None
-    return _tiling_gap(room, infos)
+    for info in infos:
+        if info.row_start != 0 or info.rows != info.span:  # not info.is_identity
+            return _tiling_gap(room, infos)
+    return None  # every one is identity
 
 
 def _receiver_mismatch(info: TransferInfo, room: int, fanout: int, span: int, hidden: int, dtype: str,
