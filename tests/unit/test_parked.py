@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from transfer.core.parked import ASK_OVERHEAD_BYTES, ParkedAsks, ask_cost
@@ -139,6 +139,8 @@ _OPS = st.lists(st.one_of(
 ), max_size=60)
 
 
+@example(ops=[("add", 0, "a", 2, "10.0.0.7"), ("add", 1, "a", 2, "10.0.0.7"), ("add", 1, "b", 2, "10.0.0.7"),
+              ("take", 0), ("take", 1)], max_rooms=8, max_bytes=20)  # a session in two rooms, taken one by one
 @settings(max_examples=300, deadline=None)
 @given(ops=_OPS, max_rooms=st.integers(2, 8), max_bytes=st.integers(3, 20))
 def test_each_rooms_fanout_first_ask_and_bytes_stay_those_of_its_parked_asks(ops, max_rooms, max_bytes):
