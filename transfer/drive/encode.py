@@ -715,11 +715,13 @@ class EncodeDriver:
             next_retry = self.clock() + RETRY_RELEASES_S
             while not self._stop:
                 busy = bool(self._flights) or self.core.busy
+                # Only this thread changes the core: its wake-up holds until the sleep is over.
+                due = self.core.next_wakeup()
                 if more_requests or self.commands:
                     timeout = 0.0
                 else:
                     now = self.clock()
-                    timeout = polls.sleep_s(now) if busy else max(0.0, self.core.next_wakeup() - now)
+                    timeout = polls.sleep_s(now) if busy else max(0.0, due - now)
                     if dropping:  # more than one turn's batch was let go of: the next turn drops more
                         timeout = 0.0
                 woken, asked = self._sleep(poller, timeout)
@@ -728,7 +730,7 @@ class EncodeDriver:
                 if woken or self.waker.pending():
                     self.waker.drain()
                 now = self.clock()
-                if now - self.core.next_wakeup() >= LATE_TICK_S:
+                if now - due >= LATE_TICK_S:
                     # Held up past the tick's time: the asks that came meanwhile are read below, and
                     # the core judges them with its rules held back, as asks that may have come in time.
                     self._carry(self.core.tick(now, unread=True))
@@ -779,8 +781,13 @@ class EncodeDriver:
             if not poller.poll(0):
                 time.sleep(timeout)
             return True, True
-        events = poller.poll(math.ceil(timeout * 1e3))
-        return any(fd == waker for fd, _ in events), any(fd == pull for fd, _ in events)
+        woken = asked = False
+        for fd, _ in poller.poll(math.ceil(timeout * 1e3)):
+            if fd == waker:
+                woken = True
+            if fd == pull:
+                asked = True
+        return woken, asked
 
     def _take_commands(self) -> None:
         """Files the commands posted (items sent, rooms cleared) with the core and carries its answers."""
