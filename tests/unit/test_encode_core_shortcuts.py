@@ -12,8 +12,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from transfer.core.encode import (CLEARED_GRACE_S, REASK_GRACE_S, SWEEP_S, EncodeCore, Offer, Progress, StartWrite, _Job,
-                                   _Room)
+from transfer.core.encode import (CLEARED_GRACE_S, REASK_GRACE_S, SWEEP_S, EncodeCore, Offer, Progress, StartWrite,
+                                   _grace_over, _HeldItem, _Job, _late_item, _Room)
+from transfer.core.failure import CLEARED
 from transfer.status import TransferPoll
 from transfer.core.failure import Failure, FailureKind
 from transfer.frames import Cancel, Registration, TransferInfo, receiver_text, shard_rows
@@ -214,6 +215,33 @@ class StrictCore(EncodeCore):
         out, self._out = self._out, []
         return out
 
+    def offer(self, offer: Offer, now: float) -> list:
+        old = self._rooms.get(offer.room)
+        if old is not None:  # the caller clears before sending again; a stale one is failed, not kept
+            self._fail_with(old, CLEARED, now)
+            self._unserved.discard(old.room)
+        room = self._rooms[offer.room] = _Room(offer, now)
+        if self._closed:  # sent while the driver was closing: nothing will serve it
+            self._fail(room, FailureKind.CLOSED, self._close_detail, now)
+            return self._out_take()
+        self._cleared_failures.pop(offer.room, None)
+        timed_out = self._recent(self._asks_timed_out.pop(offer.room, None), now)
+        cancelled = self._recent(self._cancelled.pop(offer.room, None), now)
+        if cancelled is not None and _grace_over(cancelled.cancelled_at, now):
+            self._fail_cancelled_item(room, cancelled.session, cancelled.cancelled_at, now)
+            return self._flush(now)
+        if timed_out is not None and cancelled is None and self.parked.get(offer.room) is None:
+            room.late = True
+            self._fail(room, FailureKind.OTHER, _late_item(room.room, now - timed_out.first_at, self.fanout_timeout_s,
+                                                           f"{timed_out.asked}, told Failed "
+                                                           f"{now - timed_out.told_at:.1f}s ago"), now)
+            return self._flush(now)
+        if cancelled is not None:  # its receiver may be asking for it again right now: the item waits for it
+            self._held[offer.room] = _HeldItem(cancelled.session, cancelled.cancelled_at, room)
+        self._unserved.add(offer.room)
+        self._dispatch(room.room, now)
+        return self._flush(now)
+
 
 class Event:
     """A ready event whose query() answers from a script, then True (or raises, scripted so)."""
@@ -356,6 +384,12 @@ def _drive(core: EncodeCore, events: list, tokens: list) -> list:
 @example([("ask", 0, 0, 2, 0, "plain", False), ("ask", 0, 1, 2, 1, "plain", False), ("ask", 0, 3, 2, 0, "plain", False),
           ("offer", 0, 4, False, None)], 2)
 @example([("room", 0, 2, 2, 0, False, None), ("ask", 0, 3, 2, 0, "plain", False), ("write", 0, "done")], 2)
+# An item sent after its asks were told Failed for want of it; a room a cancel failed, cleared, sent again and
+# cleared again, then asked for.
+@example([("ask", 0, 0, 2, 0, "plain", False), ("tick", 11.0, False), ("offer", 0, 4, False, None)], 2)
+@example([("offer", 0, 4, False, None), ("ask", 0, 0, 2, 0, "plain", False), ("cancel", 0, 0, False, True),
+          ("clear", 0), ("offer", 0, 4, False, None), ("clear", 0), ("wait", 0.05), ("ask", 0, 1, 2, 1, "plain", False),
+          ("tick", 0.2, False)], 2)
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=EVENTS, depth=st.integers(1, 4))
 def test_the_core_answers_every_event_as_its_rules_read_without_shortcuts(events, depth):

@@ -406,9 +406,11 @@ class EncodeCore:
         if self._closed:  # sent while the driver was closing: nothing will serve it
             self._fail(room, FailureKind.CLOSED, self._close_detail, now)
             return self._out_take()
-        self._cleared_failures.pop(offer.room, None)
-        timed_out = self._recent(self._asks_timed_out.pop(offer.room, None), now)
-        cancelled = self._recent(self._cancelled.pop(offer.room, None), now)
+        # Each book looked at only when it holds anything: nearly always all three are empty.
+        if self._cleared_failures.entries:
+            self._cleared_failures.pop(offer.room, None)
+        timed_out = self._recent(self._asks_timed_out.pop(offer.room, None), now) if self._asks_timed_out else None
+        cancelled = self._recent(self._cancelled.pop(offer.room, None), now) if self._cancelled.entries else None
         if cancelled is not None and _grace_over(cancelled.cancelled_at, now):
             self._fail_cancelled_item(room, cancelled.session, cancelled.cancelled_at, now)
             return self._flush(now)
@@ -421,7 +423,7 @@ class EncodeCore:
         if cancelled is not None:  # its receiver may be asking for it again right now: the item waits for it
             self._held[offer.room] = _HeldItem(cancelled.session, cancelled.cancelled_at, room)
         self._unserved.add(offer.room)
-        self._dispatch(room.room, now)
+        self._dispatch(offer.room, now)
         return self._flush(now)
 
     def clear(self, room: int, token: Any, now: float) -> list:
