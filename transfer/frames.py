@@ -1022,11 +1022,14 @@ def _tiling_gap(room: int, infos: list[TransferInfo]) -> str | None:
 def check_region(info: TransferInfo, registration: Registration, row_bytes: int,
                  deepstack_row_bytes: int) -> str | None:
     """Check the write ranges lie inside the registered regions (SPEC.md 8); None when fine or lengths unknown."""
-    if registration.embedding_len is not None:
-        reason = _outside("embedding", info.embedding_ptr, info.rows * row_bytes,
-                          registration.embedding_base, registration.embedding_len)
-        if reason is not None:
-            return f"room {info.room}: receiver {receiver_text(info.session_id)} {reason}"
+    region_len = registration.embedding_len
+    if region_len is not None:
+        ptr, length, base = info.embedding_ptr, info.rows * row_bytes, registration.embedding_base
+        # Inside, or empty: _outside()'s None, without its call.
+        if length and not (length > 0 and base <= ptr and ptr + length <= base + region_len):
+            reason = _outside("embedding", ptr, length, base, region_len)
+            if reason is not None:
+                return f"room {info.room}: receiver {receiver_text(info.session_id)} {reason}"
     if info.has_deepstack and registration.deepstack_len is not None:
         reason = _outside("deepstack", info.deepstack_ptr, info.rows * deepstack_row_bytes,
                           registration.deepstack_base, registration.deepstack_len)

@@ -17,13 +17,16 @@ from hypothesis import strategies as st
 from transfer.frames import (
     CancelAnswer,
     FAILURE_MARKER,
+    Registration,
     TransferInfo,
     WireError,
     _checked_status_frames,
+    _outside,
     _receiver_mismatch,
     _tiling_gap,
     cancel_frames,
     cancel_reply_frames,
+    check_region,
     is_cancel,
     is_registration,
     parse_cancel_reply,
@@ -423,3 +426,33 @@ def test_check_room_shortcut_agrees_on_numpy_and_torch_scalars():
     for room in (numpy.int64(7), numpy.int32(-1), numpy.uint64(U64_MAX), torch.tensor(5), torch.tensor(-5),
                  numpy.float64(1.0), numpy.bool_(True)):
         assert _room_outcome(check_room, room) == _room_outcome(_check_room_strictly, room), room
+
+
+def _check_region_strictly(info, registration, row_bytes, deepstack_row_bytes):
+    """check_region() as it reads without its shortcut: each range through _outside()."""
+    if registration.embedding_len is not None:
+        reason = _outside("embedding", info.embedding_ptr, info.rows * row_bytes,
+                          registration.embedding_base, registration.embedding_len)
+        if reason is not None:
+            return f"room {info.room}: receiver {info.session_id} {reason}"
+    if info.has_deepstack and registration.deepstack_len is not None:
+        reason = _outside("deepstack", info.deepstack_ptr, info.rows * deepstack_row_bytes,
+                          registration.deepstack_base, registration.deepstack_len)
+        if reason is not None:
+            return f"room {info.room}: receiver {info.session_id} {reason}"
+    return None
+
+
+_EDGES = st.one_of(st.integers(-3, 3), st.sampled_from([4096 - 1, 4096, 4096 + 1, 8192]), st.integers(-2**64, 2**64))
+
+
+@settings(max_examples=500)
+@given(ptr=_EDGES, rows=st.integers(-2, 3), row_bytes=st.sampled_from([0, 1, 1024, 4096]), base=_EDGES,
+       length=st.one_of(st.none(), _EDGES), deepstack=st.booleans(), deepstack_ptr=_EDGES,
+       deepstack_len=st.one_of(st.none(), _EDGES))
+def test_check_region_agrees_with_each_range_read_through_outside(ptr, rows, row_bytes, base, length, deepstack,
+                                                                 deepstack_ptr, deepstack_len):
+    info = TransferInfo(7, "h", 1, "s:1", ptr, deepstack_ptr, rows, 64, "torch.int8", deepstack, 1, 0, max(rows, 0))
+    registration = Registration("h", 1, "s:1", base, 0, length, deepstack_len)
+    assert (check_region(info, registration, row_bytes, 2 * row_bytes)
+            == _check_region_strictly(info, registration, row_bytes, 2 * row_bytes))
