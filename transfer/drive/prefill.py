@@ -883,11 +883,12 @@ class PrefillDriver:
             self._sockets[addr] = sock
             self._monitors[addr] = monitor
             self._used_at[addr] = now
-        elif threading.current_thread() is not self._thread and (
-                sock in self._watching or (self._cancels_out and any(cancel.addr == addr
-                                                                     for cancel in self._cancels_out))):
-            # The I/O thread may be polling it, or has a cancel to send on it first (an ask for the
-            # room again must not overtake it): the ask waits with those queued there, for it to send.
+        elif ((sock in self._watching or (self._cancels_out and any(cancel.addr == addr
+                                                                    for cancel in self._cancels_out)))
+              and threading.current_thread() is not self._thread):
+            # Off the I/O thread, which may be polling it, or has a cancel to send on it first (an ask for
+            # the room again must not overtake it): the ask waits with those queued there, for it to send.
+            # (The thread is asked last: the two tests before it, free of calls, rarely hold.)
             refused[addr] = [action]
             return []
         elif addr not in checked and _io.dropped(self._monitors[addr]):
