@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 import pytest
 from fakes import Region, Regions
@@ -1073,9 +1074,28 @@ EVENTS = st.lists(
         st.tuples(st.just("socket"), st.booleans()),
         st.tuples(st.just("writable"),),
         st.tuples(st.just("tick"), st.floats(0.0, 30.0)),
+        st.tuples(st.just("late tick"), st.floats(0.0, 30.0)),
     ),
     max_size=60,
 )
+
+
+def next_wakeup_by_its_rules(c: PrefillCore) -> float | None:
+    """next_wakeup() as its rules read, through the calls its plain case makes without (_open(), defer(),
+    heads()): the earliest open room's deadline or held ask, at the end of an unread grace while one holds,
+    and the asks waiting for a socket and the stranded rooms' look-ups."""
+    heap, held = c._deadlines, c._held
+    while heap and not c._open(heap[0][2]):
+        heapq.heappop(heap)
+    while held and not c._in(held[0][2], "held"):
+        heapq.heappop(held)
+    rules = c._unread.defer(min([entries[0][0] for entries in (heap, held) if entries], default=None))
+    due = [c._recheck_due(addr, head) for addr, head in c.asks.heads(c._queued)]
+    if c._stranded:
+        due.append(c._stranded_next)
+    if rules is not None:
+        due.append(rules)
+    return min(due, default=None)
 
 
 class FakeDriver:
@@ -1152,9 +1172,10 @@ def test_random_interleavings_keep_the_room_invariants(events):
             d.accepting = event[1]
         elif kind == "writable":
             d.carry(now, c.writable(now, ENCODE))
-        elif kind == "tick":
+        elif kind == "tick" or kind == "late tick":
             now += event[1]
-            d.carry(now, c.tick(now))
+            d.carry(now, c.tick(now, unread=kind == "late tick"))
+        assert c.next_wakeup() == next_wakeup_by_its_rules(c)
     # Asks reach an encode rank in the order the rooms were asked for.
     assert d.sent == sorted(d.sent) and len(set(d.sent)) == len(d.sent)
     # Every room still open concludes by its deadline, except one whose bytes are being checked.

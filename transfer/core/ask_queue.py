@@ -23,11 +23,12 @@ class AskQueues:
 
     def __init__(self, limit: int = MAX_UNSENT_ASKS) -> None:
         self.limit = limit
-        self._queues: dict[Hashable, deque[Any]] = {}
+        #: The queue of each address with asks waiting (read, never changed, outside).
+        self.queues: dict[Hashable, deque[Any]] = {}
 
     def waiting(self, addr: Hashable) -> int:
         """How many asks wait for `addr` (a newer ask must queue behind any)."""
-        queue = self._queues.get(addr)
+        queue = self.queues.get(addr)
         return 0 if queue is None else len(queue)
 
     def full(self, addr: Hashable) -> bool:
@@ -36,44 +37,44 @@ class AskQueues:
 
     def push(self, addr: Hashable, ask: Any) -> None:
         """Queues `ask` behind those waiting for `addr` (check full() first)."""
-        self._queues.setdefault(addr, deque()).append(ask)
+        self.queues.setdefault(addr, deque()).append(ask)
 
     def put_back(self, addr: Hashable, asks: Iterable[Any]) -> None:
         """Returns asks that were taken but not sent to the front, in their order."""
         asks = list(asks)
         if asks:
-            queue = self._queues.setdefault(addr, deque())
+            queue = self.queues.setdefault(addr, deque())
             queue.extendleft(reversed(asks))
 
     def take(self, addr: Hashable, budget: int) -> list[Any]:
         """Takes up to `budget` asks from the front, oldest first."""
-        queue = self._queues.get(addr)
+        queue = self.queues.get(addr)
         if not queue:
             return []
         taken = [queue.popleft() for _ in range(min(budget, len(queue)))]
         if not queue:
-            del self._queues[addr]
+            del self.queues[addr]
         return taken
 
     def prune(self, addr: Hashable, keep: Callable[[Any], bool]) -> int:
         """Forgets the asks waiting for `addr` that `keep` refuses (rooms cleared since); how many are left."""
-        queue = self._queues.get(addr)
+        queue = self.queues.get(addr)
         if queue is None:
             return 0
         kept = deque(ask for ask in queue if keep(ask))
         if kept:
-            self._queues[addr] = kept
+            self.queues[addr] = kept
         else:
-            del self._queues[addr]
+            del self.queues[addr]
         return len(kept)
 
     def items(self, addr: Hashable) -> list[Any]:
         """The asks waiting for `addr`, oldest first."""
-        return list(self._queues.get(addr, ()))
+        return list(self.queues.get(addr, ()))
 
     def remove(self, addr: Hashable, taken: Callable[[Any], bool]) -> list[Any]:
         """Takes the asks waiting for `addr` that `taken` picks (they move elsewhere), oldest first."""
-        queue = self._queues.get(addr)
+        queue = self.queues.get(addr)
         if queue is None:
             return []
         out = [ask for ask in queue if taken(ask)]
@@ -83,26 +84,26 @@ class AskQueues:
 
     def drop(self, addr: Hashable) -> list[Any]:
         """Takes every ask waiting for `addr` (its connection is given up)."""
-        return list(self._queues.pop(addr, ()))
+        return list(self.queues.pop(addr, ()))
 
     def heads(self, live: Callable[[Any], bool]) -> list[tuple[Any, Any]]:
         """Each address with asks waiting and its oldest one that `live` keeps (older ones it refuses,
         rooms cleared since, are forgotten)."""
-        if not self._queues:
+        if not self.queues:
             return []
         out = []
-        for addr, queue in list(self._queues.items()):
+        for addr, queue in list(self.queues.items()):
             while queue and not live(queue[0]):
                 queue.popleft()
             if queue:
                 out.append((addr, queue[0]))
             else:
-                del self._queues[addr]
+                del self.queues[addr]
         return out
 
     def addresses(self) -> list[Hashable]:
         """The addresses with asks waiting, in the order they first queued."""
-        return list(self._queues)
+        return list(self.queues)
 
     def __len__(self) -> int:
-        return sum(len(queue) for queue in self._queues.values())
+        return sum(len(queue) for queue in self.queues.values())

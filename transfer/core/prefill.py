@@ -450,10 +450,15 @@ class PrefillCore:
     def next_wakeup(self) -> float | None:
         """When tick() next has something to do (the earliest open room's deadline, held ask, asks
         waiting for a socket too long, or look-up for rooms asked on a dropped connection), or None."""
-        rules = self._unread.defer(self._rules_due())  # held back by a tick with statuses maybe unread
+        rules = self._rules_due()
+        held_until = self._unread.until  # held back by a tick with statuses maybe unread (UnreadGrace.defer())
+        if held_until is not None:
+            rules = held_until
+        if not self.asks.queues and not self._stranded:
+            return rules  # the plain case: no ask waits for a socket (heads() would find none), no room for a route
         heads = self.asks.heads(self._queued)
         if not heads and not self._stranded:
-            return rules  # the plain case: no ask waits for a socket, no room for a route
+            return rules
         due = [self._recheck_due(addr, head) for addr, head in heads]
         if self._stranded:
             due.append(self._stranded_next)
@@ -465,7 +470,10 @@ class PrefillCore:
         """When the earliest of the rules that act for want of a status comes due (an open room's
         deadline, a held ask's wait for its cancel's answer), or None."""
         heap = self._deadlines
-        while heap and not self._open(heap[0][2]):
+        while heap:
+            state = heap[0][2]
+            if self._rooms.get(state.room) is state and state.stage != CONCLUDED:  # _open(state), without its call
+                break
             heapq.heappop(heap)
         held = self._held
         while held and not self._in(held[0][2], HELD):

@@ -39,7 +39,9 @@ class UnreadGrace:
     """A core's hold on its rules for want of a message while its driver may not have read them all."""
 
     def __init__(self) -> None:
-        self._until: float | None = None  # a tick with messages maybe unread held the rules back till then
+        #: Till when a tick with messages maybe unread holds the rules back (None: no hold on); read, never set,
+        #: outside.
+        self.until: float | None = None
         #: When the last hold ended: rules due by then were held once already, and are not held again.
         self.ended = float("-inf")
 
@@ -50,18 +52,18 @@ class UnreadGrace:
         rules it held, whatever is still unread (once in a row); only rules that came due after it
         ended may be held again (its driver was held up again before that tick came). A core whose
         tick applies a limited number goes on applying those due by `ended` while a later hold is on."""
-        if self._until is not None and now >= self._until:
-            ended, self._until = self._until, None
+        if self.until is not None and now >= self.until:
+            ended, self.until = self.until, None
             self.ended = ended
             if due is None or due <= ended:
                 return False
-        if unread and self._until is None:
-            self._until = now + UNREAD_GRACE_S
-        return self._until is not None
+        if unread and self.until is None:
+            self.until = now + UNREAD_GRACE_S
+        return self.until is not None
 
     def holding(self, now: float) -> bool:
         """Whether a hold is on at `now`: a message read now may have waited unread since before its rule's time."""
-        return self._until is not None and now < self._until
+        return self.until is not None and now < self.until
 
     @overload
     def defer(self, due: float) -> float: ...
@@ -72,4 +74,4 @@ class UnreadGrace:
     def defer(self, due: float | None) -> float | None:
         """When the core next needs a tick for rules due at `due`: at the hold's end while one is on (that
         tick ends it, or applies them)."""
-        return due if self._until is None else self._until
+        return due if self.until is None else self.until
