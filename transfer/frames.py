@@ -271,9 +271,21 @@ def _dtype_name(dtype: object) -> str | None:
     return name if name in DTYPE_BYTES else None
 
 
+# The wire's name of each torch.dtype normalize_dtype() took (one entry a name of DTYPE_BYTES at most), and the
+# type of those (torch.dtype, once one came; torch is not imported here): every receive() names its dtype so.
+_torch_dtype_names: dict[object, str] = {}
+_torch_dtype: type | None = None
+
+
 def normalize_dtype(dtype: object) -> str:
     """The wire's dtype name for a `torch.dtype`, `"torch.bfloat16"` or `"bfloat16"`; ConfigError otherwise."""
+    global _torch_dtype
+    if type(dtype) is _torch_dtype and dtype in _torch_dtype_names:  # a torch.dtype taken before: no call
+        return _torch_dtype_names[dtype]
     name = _dtype_name(dtype)
+    if name is not None and type(dtype).__name__ == "dtype" and type(dtype).__module__ == "torch":
+        _torch_dtype = type(dtype)
+        _torch_dtype_names[dtype] = name
     if name is None:
         raise ConfigError(f"unknown dtype {dtype!r}: the wire carries only "
                           f"{', '.join(n.removeprefix('torch.') for n in DTYPE_BYTES)} (a torch.dtype, or its name "

@@ -456,3 +456,45 @@ def test_check_region_agrees_with_each_range_read_through_outside(ptr, rows, row
     registration = Registration("h", 1, "s:1", base, 0, length, deepstack_len)
     assert (check_region(info, registration, row_bytes, 2 * row_bytes)
             == _check_region_strictly(info, registration, row_bytes, 2 * row_bytes))
+
+
+def _dtype_outcome(call, value):
+    try:
+        result = call(value)
+    except Exception as exc:  # noqa: BLE001 - the refusal is compared, type and text
+        return "error", type(exc), str(exc)
+    return "ok", type(result), result
+
+
+def _normalize_dtype_strictly(dtype):
+    """normalize_dtype() as its rules read, with no names filed."""
+    from transfer.errors import ConfigError
+    from transfer.frames import DTYPE_BYTES, _dtype_name
+
+    name = _dtype_name(dtype)
+    if name is None:
+        raise ConfigError(f"unknown dtype {dtype!r}: the wire carries only "
+                          f"{', '.join(n.removeprefix('torch.') for n in DTYPE_BYTES)} (a torch.dtype, or its name "
+                          f"with or without 'torch.')")
+    return name
+
+
+def _torch_dtypes():
+    import torch
+
+    return sorted({value for value in vars(torch).values() if isinstance(value, torch.dtype)}, key=str)
+
+
+@given(st.data())
+def test_normalize_dtype_of_a_torch_dtype_taken_before_agrees_with_the_rules(data):
+    """The names filed for torch dtypes taken before: every torch dtype (known to the wire or not, first
+    taken or again), its names as strings, and what is no dtype, in any order, as the rules read them."""
+    import numpy
+
+    from transfer.frames import normalize_dtype
+
+    torch_dtypes = _torch_dtypes()
+    others = [*(str(t) for t in torch_dtypes), *(str(t).removeprefix("torch.") for t in torch_dtypes), None, 2,
+              [1], {}, numpy.dtype("float16"), numpy.float16, Text("bfloat16"), "float16x"]
+    for dtype in data.draw(st.lists(st.sampled_from([*torch_dtypes, *others]), max_size=40)):
+        assert _dtype_outcome(normalize_dtype, dtype) == _dtype_outcome(_normalize_dtype_strictly, dtype), dtype
