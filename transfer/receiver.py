@@ -64,6 +64,8 @@ _closing_engines: weakref.WeakKeyDictionary[TransferEngineLike, threading.Event]
 DROPPED_CLOSE_WAIT_S = 30.0
 # Guards each room's `lease` while it is taken back, by clear() or close().
 _leases_lock = threading.Lock()
+# The torch.dtype of each wire dtype name a pooled receive() leased rows of (torch is imported at the first).
+_torch_dtypes: dict[str, torch.dtype] = {}
 
 
 def _await_dropped_manager(engine: TransferEngineLike) -> None:
@@ -441,7 +443,10 @@ class SessionManager:
             raise ConfigError(f"room {room}: a pooled receive needs rows, hidden and dtype")
         span = rows if span is None else span
         _check_geometry(room, rows, hidden, span, row_start, deepstack_hidden or 0)
-        torch_dtype = getattr(torch, dtype.removeprefix("torch."))
+        if dtype in _torch_dtypes:
+            torch_dtype = _torch_dtypes[dtype]
+        else:
+            torch_dtype = _torch_dtypes[dtype] = getattr(torch, dtype.removeprefix("torch."))
         size = DTYPE_BYTES[dtype]  # dtype_size() of a name normalize_dtype() gave, with no call
         nbytes, ds_nbytes = span * hidden * size, span * (deepstack_hidden or 0) * size
         try:
@@ -458,9 +463,12 @@ class SessionManager:
                                          f"never cleared: call clear() on their handles") from None
             raise
         try:
-            flat = lease.view((nbytes + ds_nbytes,), torch.uint8)
-            full = flat[:nbytes].view(torch_dtype).view(span, hidden)
-            full_ds = flat[nbytes:].view(torch_dtype).view(span, deepstack_hidden) if deepstack_hidden else None
+            if deepstack_hidden:
+                flat = lease.view((nbytes + ds_nbytes,), torch.uint8)
+                full = flat[:nbytes].view(torch_dtype).view(span, hidden)
+                full_ds = flat[nbytes:].view(torch_dtype).view(span, deepstack_hidden)
+            else:  # the same rows as the slot's first nbytes viewed as bytes, then as the dtype, then shaped
+                full, full_ds = lease.view((span, hidden), torch_dtype), None
             if lease.is_fallback:
                 with self._regions_lock:
                     self._region_sets.append(RegionSet(lease.region, lease.region, leased=True))

@@ -330,6 +330,59 @@ def test_a_pooled_receive_refused_before_any_ask_keeps_no_slot(engines):
         assert (stats["fallbacks_live"], stats["fallback_bytes"]) == (0, 0)
 
 
+def _layout(t: torch.Tensor) -> tuple:
+    """Where a tensor's elements are and how they are laid out and typed."""
+    return t.untyped_storage().data_ptr(), t.storage_offset(), t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("dtype, span, hidden, row_start, rows, deepstack_hidden", [
+    (torch.bfloat16, 4, 64, 0, 4, None),  # a slot's whole 512 bytes
+    ("float32", 6, 16, 2, 3, None),
+    ("torch.int8", 8, 24, 1, 5, 16),  # with deepstack rows
+    (torch.bfloat16, 0, 8, 0, 0, None),  # no rows at all
+    (torch.float32, 4, 64, 0, 4, None),  # 1 KiB: a fallback buffer's
+    (torch.float16, 4, 64, 1, 2, 32),  # a fallback buffer's, with deepstack rows
+])
+def test_a_pooled_receives_rows_and_regions_are_its_leases_bytes_as_its_dtype(engines, dtype, span, hidden, row_start,
+                                                                              rows, deepstack_hidden):
+    """A pooled receive's rows (and deepstack rows) are its lease's first bytes viewed as the dtype and shaped
+    [span, hidden], each shard the rows asked for, and its announced regions those that hold them; as the
+    lease's bytes viewed as uint8 and cut read them, and as _regions_for() finds them."""
+    from transfer.bootstrap import BootstrapServer
+    from transfer.frames import DTYPE_BYTES, normalize_dtype
+    from transfer.receiver import SessionManager
+
+    _, engine = engines
+    name = normalize_dtype(dtype)
+    torch_dtype = getattr(torch, name.removeprefix("torch."))
+    nbytes, ds_nbytes = span * hidden * DTYPE_BYTES[name], span * (deepstack_hidden or 0) * DTYPE_BYTES[name]
+    with BootstrapServer(HOST, 0) as server, ReceivePool(engine, 4 * SLOT * 2, SLOT * 2) as pool, \
+            SessionManager(engine, 0, 1, 1, pool=pool, host=HOST, deadline_s=30.0) as manager:
+        for room in (1, 2):  # a fresh lease, then the same slot or fallback leased again
+            handle = manager.receive(room, server.address, rows=rows, hidden=hidden, dtype=dtype, row_start=row_start,
+                                     span=span, deepstack_hidden=deepstack_hidden)
+            lease = handle._state.lease
+            assert lease.is_fallback == (nbytes + ds_nbytes > SLOT * 2)
+            flat = lease.view((nbytes + ds_nbytes,), torch.uint8)
+            full = flat[:nbytes].view(torch_dtype).view(span, hidden)
+            assert _layout(handle.rows) == _layout(full)
+            shard = full[row_start:row_start + rows]
+            ds_ptr = ds_shard_nbytes = 0
+            if deepstack_hidden:
+                full_ds = flat[nbytes:].view(torch_dtype).view(span, deepstack_hidden)
+                assert _layout(handle.deepstack) == _layout(full_ds)
+                ds_ptr = full_ds[row_start:row_start + rows].data_ptr()
+                ds_shard_nbytes = rows * deepstack_hidden * DTYPE_BYTES[name]
+            else:
+                assert handle.deepstack is None
+            spec = manager._driver.core._rooms[room].spec
+            assert (spec.embedding_ptr, spec.deepstack_ptr) == (shard.data_ptr(), ds_ptr)
+            assert spec.regions is manager._regions_for(room, shard.data_ptr(), rows * hidden * DTYPE_BYTES[name],
+                                                        ds_ptr, ds_shard_nbytes, bool(deepstack_hidden), leased=True)
+            handle.clear()
+
+
 @pytest.mark.live
 @pytest.mark.driver_dies
 def test_a_pooled_receive_its_dead_manager_refuses_gives_its_slot_back_at_once(engines):
