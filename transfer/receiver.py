@@ -423,8 +423,12 @@ class SessionManager:
             ds = _io.as_region(deepstack_dst)
             ds_ptr, ds_nbytes = ds.addr, ds.nbytes
             ds_row_bytes = _deepstack_row_bytes(room, deepstack_dst, ds_nbytes, rows, dtype, deepstack_hidden)
-        regions = self._regions_for(room, ptr, rows * row_bytes, ds_ptr, ds_nbytes, deepstack_dst is not None,
-                                    leased=lease is not None)
+        if lease is not None and not lease.is_fallback:
+            # A pool slot lies in the pool's region, the main set's, which stays first: where _regions_for() finds it.
+            regions = self._region_sets[0]
+        else:
+            regions = self._regions_for(room, ptr, rows * row_bytes, ds_ptr, ds_nbytes, deepstack_dst is not None,
+                                        leased=lease is not None)
         spec = RoomSpec(room, bootstrap_addr, ptr, rows, hidden, dtype, row_bytes, row_start, span, regions,
                         ds_ptr, ds_nbytes, deepstack_dst is not None, ds_row_bytes)
         record = Room(room, started_at=self._driver.clock(), nbytes=rows * row_bytes + ds_nbytes, lease=lease)
