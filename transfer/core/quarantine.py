@@ -67,23 +67,24 @@ class AwaitingConfirmation(Generic[T]):
     def __init__(self, quarantine_s: float, limit: int) -> None:
         self.quarantine_s = quarantine_s
         self.limit = limit
-        self._rooms: dict[int, tuple[float, T]] = {}
+        #: (when let go, room) by token, oldest first (read, never changed, outside).
+        self.rooms: dict[int, tuple[float, T]] = {}
 
     def __len__(self) -> int:
-        return len(self._rooms)
+        return len(self.rooms)
 
     def add(self, token: int, now: float, room: T) -> None:
         """Files a room let go at `now`, until its cancel is confirmed."""
-        self._rooms[token] = (now, room)
+        self.rooms[token] = (now, room)
 
     def confirmed(self, token: int) -> T | None:
         """The room whose cancel was confirmed, no longer awaited; None when it is not here."""
-        entry = self._rooms.pop(token, None)
+        entry = self.rooms.pop(token, None)
         return None if entry is None else entry[1]
 
     def expire(self, now: float) -> list[T]:
         """Forgets and returns the rooms whose quarantine passed at `now`, and the oldest past the limit."""
-        rooms = self._rooms
+        rooms = self.rooms
         gone: list[T] = []
         while rooms:
             token, (let_go_at, room) = next(iter(rooms.items()))

@@ -312,7 +312,8 @@ class PrefillDriver:
             if fate_of(succeeded=succeeded, memory_safe=record.memory_safe,
                        confirmable=True) is Fate.QUARANTINE_UNTIL_CONFIRMED:
                 self._awaiting_safe.add(record.token, now, record)
-            self._forget_unconfirmed(now)
+            if self._awaiting_safe.rooms:  # else none to let go of
+                self._forget_unconfirmed(now)
             cancels = bool(self._cancels_out)
             if unconcluded:  # last: a count that raises leaves the room forgotten in full
                 self.metrics.inc("rooms_failed_total", reason=FailureKind.CLEARED.value)
