@@ -656,7 +656,10 @@ class SessionManager:
             # Read after clear(): a confirmation heard meanwhile makes the memory safe already.
             fate = fate_of(succeeded=succeeded, memory_safe=record.memory_safe, confirmable=True,
                            copy_out=event is not None)
-            self._give_back(lease, fate, event)
+            if fate is Fate.FREE and not lease.is_fallback:
+                lease.release(None)  # _give_back() of a slot free at once, without its call and _settle()'s
+            else:
+                self._give_back(lease, fate, event)
             if fate is Fate.QUARANTINE_UNTIL_CONFIRMED:
                 self._driver.when_safe(record, lease.end_quarantine)
         if error is not None:

@@ -380,7 +380,9 @@ def test_a_pooled_receives_rows_and_regions_are_its_leases_bytes_as_its_dtype(en
             assert (spec.embedding_ptr, spec.deepstack_ptr) == (shard.data_ptr(), ds_ptr)
             assert spec.regions is manager._regions_for(room, shard.data_ptr(), rows * hidden * DTYPE_BYTES[name],
                                                         ds_ptr, ds_shard_nbytes, bool(deepstack_hidden), leased=True)
-            handle.clear()
+            handle.clear()  # never asked for: its memory is free at once, a slot back in the pool
+            stats = pool.stats()
+            assert (stats["free"], stats["leased"], stats["quarantined"]) == (4, 0, 0), stats
 
 
 @pytest.mark.live
