@@ -4,7 +4,8 @@ clear(), and the encode caller's send(), wait() and clear().
 
 One process: a bootstrap server, a sender pool and a session manager with a receive pool, each
 side on its own Mooncake engine over tcp on 127.0.0.1, fanout 1, integrity off. `--inflight`
-rooms are kept in flight; every call of the timed rooms runs under `sys.setprofile`, which counts
+rooms are kept in flight, each received into a slot the manager leases from its pool, or with `--dst tensor`
+into a 2-D slice of a registered buffer (as `transfer.bench` receives); every call of the timed rooms runs under `sys.setprofile`, which counts
 the Python functions and built-ins it enters (the threads behind the calls are not counted:
 `bench --calls` counts those). Every room must succeed and its first and last rows must have
 landed. `--detail CALL` also lists the functions that call enters most, a room.
@@ -76,6 +77,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     room_options(parser)
     parser.add_argument("--detail", choices=CALLS, help="also list the functions this call enters most")
+    parser.add_argument("--dst", choices=("pool", "tensor"), default="pool",
+                        help="receive into a pool's slot (default) or a 2-D slice of a registered buffer")
     args = parser.parse_args()
     rows, hidden, inflight = args.rows, args.hidden, args.inflight
     counter = Counter(args.detail)
@@ -84,21 +87,27 @@ def main() -> int:
             BootstrapServer("127.0.0.1", 0) as server:
         items = torch.randn(inflight, rows, hidden).to(torch.bfloat16)
         encode_engine.register(items)
+        slots = torch.zeros(inflight * 2, rows, hidden, dtype=torch.bfloat16) if args.dst == "tensor" else None
         with ReceivePool(prefill_engine, item_bytes * inflight * 2, item_bytes) as pool, \
                 SenderPool(encode_engine, 0, 1, 1, server.address, integrity=False) as sender, \
-                SessionManager(prefill_engine, 0, 1, 1, pool=pool, integrity=False) as manager:
+                SessionManager(prefill_engine, 0, 1, 1, **({"pool": pool} if slots is None else {"buffer": slots}),
+                               integrity=False) as manager:
 
             def start(room: int) -> tuple[int, Any, Any]:
                 sent = counter.run("encode send", sender.send, room, items[room % inflight])
-                asked = counter.run("prefill receive", manager.receive, room, server.address, None, rows, hidden,
-                                    torch.bfloat16)
+                if slots is not None:  # rooms in flight never share a slot
+                    asked = counter.run("prefill receive", manager.receive, room, server.address,
+                                        slots[room % (inflight * 2), :rows])
+                else:
+                    asked = counter.run("prefill receive", manager.receive, room, server.address, None, rows, hidden,
+                                        torch.bfloat16)
                 return room, sent, asked
 
             def finish(room: int, sent: Any, asked: Any) -> None:
                 status = counter.run("prefill wait", asked.wait, 30.0)
                 if status != TransferPoll.Success:
                     raise SystemExit(f"room {room}: {status.name}: {asked.failure}")
-                landed = asked.rows
+                landed = slots[room % (inflight * 2)] if slots is not None else asked.rows
                 if not (torch.equal(landed[0], items[room % inflight][0])
                         and torch.equal(landed[-1], items[room % inflight][-1])):
                     raise SystemExit(f"room {room}: the rows that landed are not the item's")
@@ -107,8 +116,9 @@ def main() -> int:
                 counter.run("encode clear", sent.clear)
 
             took = run_rooms(start, finish, args.rooms, inflight, counter.profiled)
+    into = "a registered buffer's rows" if slots is not None else "pool slots"
     print(f"{args.rooms} rooms of {item_bytes // 1024} KiB, {inflight} in flight, fanout 1, integrity off, "
-          f"in {took:.2f} s (profiled)")
+          f"into {into}, in {took:.2f} s (profiled)")
     print_counts("call", list(CALLS), counter.counts, counter.functions, args.rooms, args.detail)
     return 0
 

@@ -14,13 +14,16 @@ pytestmark = [pytest.mark.live, pytest.mark.skipif(bool(MOONCAKE_MISSING), reaso
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_the_caller_calls_bench_counts_each_caller_call_and_lists_one_calls_functions():
+@pytest.mark.parametrize("dst, into", [("pool", "pool slots"), ("tensor", "a registered buffer's rows")])
+def test_the_caller_calls_bench_counts_each_caller_call_and_lists_one_calls_functions(dst, into):
     result = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_caller_calls.py"), "--rooms", "20",
-                             "--inflight", "4", "--rows", "4", "--hidden", "256", "--detail", "prefill receive"],
+                             "--inflight", "4", "--rows", "4", "--hidden", "256", "--detail", "prefill receive",
+                             "--dst", dst],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("20 rooms of 2 KiB, 4 in flight"), lines[0]
+    assert f"integrity off, into {into}, in " in lines[0], lines[0]
     counts = {" ".join(line.split()[:2]): float(line.split()[2]) for line in lines
               if line.startswith(("prefill ", "encode ")) and len(line.split()) == 3}
     assert set(counts) == {"prefill receive", "prefill wait", "prefill clear", "encode send", "encode wait",
