@@ -226,11 +226,19 @@ def _integer(name: str, value: object) -> int:
     return operator.index(value)  # type: ignore[arg-type]
 
 
+#: torch.Tensor, once scalar_int() was given one (torch is not imported here): a plain tensor is then told by
+#: its type, without a call (scalar_ints(), and the session manager's destination checks).
+torch_tensor: type[Any] | None = None
+
+
 def scalar_int(value: Any) -> Any:
     """`value` as a plain int when it is a numpy or torch integer scalar (as a pointer or size computed
     with numpy is), else unchanged: a bool, a float or a tensor of rows is left for the checks to refuse."""
+    global torch_tensor
     if value is None or type(value) is int or isinstance(value, bool) or not hasattr(type(value), "__index__"):
         return value
+    if type(value).__name__ == "Tensor" and type(value).__module__ == "torch":
+        torch_tensor = type(value)
     if hasattr(value, "data_ptr") and (value.dim() != 0 or str(value.dtype) == "torch.bool"):
         return value
     try:
@@ -240,9 +248,10 @@ def scalar_int(value: Any) -> Any:
 
 
 def scalar_ints(*values: Any) -> tuple:
-    """`scalar_int` of each value; plain ints and Nones (the common case) pass without a call each."""
+    """`scalar_int` of each value; plain ints, Nones and plain tensors of one dimension or more (the common
+    cases, which scalar_int() leaves as they are) pass without a call each."""
     for value in values:
-        if value is not None and type(value) is not int:
+        if value is not None and type(value) is not int and not (type(value) is torch_tensor and value.ndim):
             return tuple([v if v is None or type(v) is int else scalar_int(v) for v in values])
     return values
 

@@ -133,3 +133,56 @@ def test_a_slots_fate_is_carried_out_as_its_quarantined_property_says(fate, even
         assert lease.calls == [("fail",)]
     else:
         assert lease.calls == [("release", event if fate is Fate.FREE_AFTER_COPY else None)]
+
+
+# ------------------------------------------- plain tensors told by their type
+
+def _tensor(draw_shape, dtype, kind):
+    """A destination of `kind`: plain, transposed, a lazily negated or conjugated view, a Parameter."""
+    tensor = torch.zeros(draw_shape, dtype=dtype)
+    if kind == "transposed" and tensor.dim() >= 2:
+        return tensor.transpose(0, 1)
+    if kind == "negated" and not dtype.is_complex and dtype is not torch.bool:
+        return torch._neg_view(tensor)
+    if kind == "conjugated" and dtype.is_complex:
+        return tensor.conj()
+    if kind == "imaginary" and dtype.is_complex:
+        return tensor.conj().imag  # negated
+    if kind == "parameter":
+        return torch.nn.Parameter(tensor, requires_grad=False)
+    return tensor
+
+
+TENSORS = st.builds(_tensor, st.lists(st.integers(0, 3), max_size=3).map(tuple),
+                    st.sampled_from([torch.bfloat16, torch.float32, torch.int64, torch.bool, torch.complex64]),
+                    st.sampled_from(["plain", "transposed", "negated", "conjugated", "imaginary", "parameter"]))
+GIVEN = st.one_of(st.none(), st.integers(0, 4), st.sampled_from([True, 2.0]))
+GIVEN_DTYPE = st.sampled_from([None, BF16, "torch.float32", "torch.int64"])
+
+
+def _as_the_rules_read(monkeypatch, call, *args):
+    """What `call` makes of its arguments with no tensor type told, as the rules read them, and as the shortcut
+    does once the type is told: ('ok', result) or ('error', type, text)."""
+    from transfer import frames
+
+    outcomes = []
+    for told in (None, torch.Tensor):
+        monkeypatch.setattr(frames, "torch_tensor", told)
+        try:
+            result = call(*args)
+        except Exception as exc:  # noqa: BLE001 - the refusal is compared, type and text
+            outcomes.append(("error", type(exc), str(exc)))
+        else:
+            outcomes.append(("ok", [(type(value), id(value) if isinstance(value, torch.Tensor) else value)
+                                    for value in (result if isinstance(result, tuple) else (result,))]))
+    return outcomes
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(TENSORS, st.just(torch.tensor(3)), st.just(torch.tensor(True)), GIVEN), max_size=4))
+def test_scalar_ints_leave_a_plain_tensor_told_by_its_type_as_scalar_int_does(values):
+    from transfer.frames import scalar_ints
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        slow, fast = _as_the_rules_read(monkeypatch, scalar_ints, *values)
+    assert fast == slow
