@@ -179,6 +179,14 @@ def _as_the_rules_read(monkeypatch, call, *args):
 
 
 @settings(max_examples=300, deadline=None)
+@given(TENSORS, GIVEN, GIVEN, GIVEN_DTYPE)
+def test_a_plain_destination_tensor_told_by_its_type_is_read_as_the_checks_read_it(dst, rows, hidden, dtype):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        slow, fast = _as_the_rules_read(monkeypatch, _destination, dst, rows, hidden, dtype)
+    assert fast == slow
+
+
+@settings(max_examples=300, deadline=None)
 @given(st.lists(st.one_of(TENSORS, st.just(torch.tensor(3)), st.just(torch.tensor(True)), GIVEN), max_size=4))
 def test_scalar_ints_leave_a_plain_tensor_told_by_its_type_as_scalar_int_does(values):
     from transfer.frames import scalar_ints
