@@ -388,6 +388,8 @@ class PrefillDriver:
         other waiters wait for a conclusion.
         """
         self.check_process()
+        if record.concluded_at is not None:
+            return  # as the loop below returns at once, without reading the clock
         deadline = self.clock() + timeout
         while record.concluded_at is None:
             remaining = deadline - self.clock()
