@@ -40,12 +40,12 @@ from transfer.frames import (
 from transfer.interfaces import EventLike, TransferEngineLike
 from transfer.metrics import Metrics, MetricsClaim, declare_role
 from transfer.ports import PortSpec, parse_ports
+from transfer.status import TransferPoll
 
 if TYPE_CHECKING:
     import torch
 
     from transfer.buffers import ReceivePool, Slot
-    from transfer.status import TransferPoll
 
 __all__ = ["ENCODE_FAILED", "UNREACHABLE_RETRY_S", "ReceiveHandle", "RegionSet", "SessionManager"]
 
@@ -145,7 +145,8 @@ class ReceiveHandle(_io.RoomHandle[Room]):
         timeout = config.check_seconds("timeout", timeout, zero_ok=True)
         if self._held(self.room) is self._state:  # _current(): a cleared room will not conclude for this handle
             self._manager._driver.wait(self._state, timeout)
-        return super().poll()
+        status = self._read(self._table.get)  # RoomHandle.poll(), without its call
+        return TransferPoll.Failed if status is None else status
 
     @property
     def retry_at(self) -> float | None:
