@@ -334,13 +334,15 @@ class Metrics:
         """Adds to unlabelled counters and records one observation in each of unlabelled histograms, all
         under one hold of the lock: no read sees some of them and not the others (a room's Success with
         its latency and bytes). ConfigError for an amount inc() refuses or a NaN, recording nothing."""
-        for name, amount in amounts.items():
+        # The dicts are read by key, not through items() (a call each loop).
+        for name in amounts:
+            amount = amounts[name]
             if not 0 <= amount < math.inf:  # _check_amount's test, its call only to refuse
                 _check_amount(name, amount)
         observed = []
         if observations:
-            for name, value in observations.items():
-                value = float(value)
+            for name in observations:
+                value = float(observations[name])
                 if value != value:  # NaN: _checked_value refuses it
                     _checked_value(name, value)
                 observed.append((name, value, _bucket_index(self.buckets, value)))
@@ -353,9 +355,9 @@ class Metrics:
             for name, _, _ in observed:
                 if name not in histograms:
                     self._series(histograms, name, "histogram")
-            for name, amount in amounts.items():
+            for name in amounts:
                 series = counters[name]
-                series[()] = series.get((), 0) + amount
+                series[()] = series.get((), 0) + amounts[name]
             for name, value, index in observed:
                 self._record(histograms[name], (), value, index)
 
