@@ -245,9 +245,9 @@ class PrefillDriver:
     # ------------------------------------------------------------ commands
 
     def receive(self, record: Room, spec: RoomSpec) -> None:
-        """Files the room and starts it; the caller's thread sends its ask when the route is cached."""
+        """Files the room and starts it; the caller's thread sends its ask when the route is cached. The caller
+        checked the process first (check_process(): SessionManager.receive() does, before it leases a slot)."""
         room = spec.room
-        self.check_process()
         if not self._lock.acquire(True, _io.LOCK_WAIT_S):
             raise UsageError(MANAGER_CLOSED if self._stopping else self._held_text("receive()"))
         try:
