@@ -102,7 +102,9 @@ class CancelBook:
 
     def __init__(self, current_conn: Callable[[Address], int | None]) -> None:
         self._current_conn = current_conn
-        self._awaiting: dict[Key, list[Cancel]] = {}  # oldest first; keys in the order first sent
+        #: The cancels of each key awaiting answers, oldest first; keys in the order first sent (read, never
+        #: changed, outside).
+        self.awaiting: dict[Key, list[Cancel]] = {}
         self._count = 0
         # (sent at, key, cancel), in the order sent; those awaiting no answer any more are let go of all at once
         # whenever they make up most of it, so it holds at most about twice the cancels still awaited
@@ -134,7 +136,7 @@ class CancelBook:
 
     def holds(self, key: Key) -> bool:
         """Whether answers may still come for `key`: cancels await them, or it was set aside."""
-        return key in self._awaiting or key in self._ghosts
+        return key in self.awaiting or key in self._ghosts
 
     def ghost(self, key: Key) -> bool:
         """Whether `key` was set aside and awaits last answers."""
@@ -152,21 +154,21 @@ class CancelBook:
     def stranger(self, key: Key, addr: Address, conn: int) -> bool:
         """Whether cancels of `key` await answers from elsewhere than connection `conn` to `addr` (another
         address, or an earlier connection), whose answers would be taken for one sent there."""
-        awaiting = self._awaiting.get(key)
+        awaiting = self.awaiting.get(key)
         if not awaiting:
             return False
         return awaiting[0].addr != addr or awaiting[-1].conn != conn
 
     def unanswered(self, key: Key, conn: int | None) -> Cancel | None:
         """The newest cancel of `key` sent on connection `conn` that got no answer at all yet."""
-        for cancel in reversed(self._awaiting.get(key, ())):
+        for cancel in reversed(self.awaiting.get(key, ())):
             if not cancel.answered and cancel.conn == conn:
                 return cancel
         return None
 
     def unanswered_anywhere(self, key: Key) -> bool:
         """Whether a cancel of `key` got no answer at all yet, on whatever connection it was sent."""
-        awaiting = self._awaiting.get(key)
+        awaiting = self.awaiting.get(key)
         return awaiting is not None and any(not cancel.answered for cancel in awaiting)
 
     def awaited_at(self, addr: Address, now: float) -> bool:
@@ -176,7 +178,7 @@ class CancelBook:
     def awaited_addresses(self, now: float) -> set[Address]:
         """The addresses `awaited_at()` holds for."""
         current = self._current_conn
-        return {cancel.addr for cancels in self._awaiting.values() for cancel in cancels
+        return {cancel.addr for cancels in self.awaiting.values() for cancel in cancels
                 if not cancel.answered and current(cancel.addr) == cancel.conn
                 and now - cancel.sent_at < CANCEL_SILENCE_S}
 
@@ -186,7 +188,7 @@ class CancelBook:
         """Files a cancel sent now; returns the oldest key, to set aside, once more than MAX_PENDING_CANCELS
         await answers."""
         cancel = Cancel(token, addr, conn, now)
-        self._awaiting.setdefault(key, []).append(cancel)
+        self.awaiting.setdefault(key, []).append(cancel)
         self._sent.append((now, key, cancel))
         if len(self._sent) > self._sent_compact_at:
             kept = [entry for entry in self._sent if not entry[2].gone]
@@ -196,12 +198,12 @@ class CancelBook:
         self._sent_to.setdefault(addr, _SentCancels()).add(cancel)
         self._unanswered_since.setdefault(addr, now)
         self._count += 1
-        return next(iter(self._awaiting)) if self._count > MAX_PENDING_CANCELS else None
+        return next(iter(self.awaiting)) if self._count > MAX_PENDING_CANCELS else None
 
     def answered(self, key: Key, answer: CancelAnswer) -> Cancel | None:
         """An answer for `key`: the cancel it answers, forgotten on its last answer; None for a ghost's
         answer, or a TOO_LATE when every cancel of `key` was answered already."""
-        cancels = self._awaiting.get(key)
+        cancels = self.awaiting.get(key)
         if not cancels:
             self._ghost_answered(key, answer)
             return None
@@ -218,7 +220,7 @@ class CancelBook:
     def unsent(self, key: Key, token: int) -> Cancel | None:
         """The socket did not take the cancel of `key` for `token`: it awaits no answer and says nothing of
         its address's silence. The cancel, or None when none such awaits an answer."""
-        for cancel in self._awaiting.get(key, ()):
+        for cancel in self.awaiting.get(key, ()):
             if cancel.token == token and not cancel.answered:
                 self._drop(key, cancel)
                 self.restart_silence(cancel.addr)
@@ -227,7 +229,7 @@ class CancelBook:
 
     def set_aside(self, key: Key) -> None:
         """Sets every cancel of `key` aside as a ghost that takes their answers still to come."""
-        cancels = self._awaiting.pop(key)
+        cancels = self.awaiting.pop(key)
         for cancel in cancels:
             cancel.gone = True
         self._count -= len(cancels)
@@ -248,7 +250,7 @@ class CancelBook:
             if now - sent_at < STALE_CANCEL_S and not crowded:
                 break
             sent.popleft()
-            if not any(pending is cancel for pending in self._awaiting.get(key, ())):
+            if not any(pending is cancel for pending in self.awaiting.get(key, ())):
                 continue  # its last answer came
             if self._current_conn(cancel.addr) == cancel.conn and not crowded:
                 again.append((now, key, cancel))
@@ -287,11 +289,11 @@ class CancelBook:
 
     def _drop(self, key: Key, cancel: Cancel) -> None:
         """Forgets one cancel awaiting its answer under `key`."""
-        cancels = self._awaiting[key]
+        cancels = self.awaiting[key]
         cancels.remove(cancel)
         cancel.gone = True
         if not cancels:
-            del self._awaiting[key]
+            del self.awaiting[key]
         self._count -= 1
 
     def _ghost_answered(self, key: Key, answer: CancelAnswer) -> None:

@@ -1359,8 +1359,10 @@ class PrefillCore:
         answer cancels is asked at once; its statuses before the answer are dropped instead.
         """
         state.addr = addr
-        if not self.cancels.answers(addr) and state.encode_rank is not None:
-            cancel = self.cancels.unanswered((state.room, state.encode_rank), self._conns.get(addr))
+        key = (state.room, state.encode_rank)
+        # unanswered() finds none for a key no cancel of which awaits answers: tested first, without a call.
+        if state.encode_rank is not None and key in self.cancels.awaiting and not self.cancels.answers(addr):
+            cancel = self.cancels.unanswered(key, self._conns.get(addr))
             if cancel is not None and now < cancel.sent_at + CANCEL_ANSWER_WAIT_S:
                 state.stage = HELD
                 heapq.heappush(self._held, (cancel.sent_at + CANCEL_ANSWER_WAIT_S, state.token, state))
