@@ -243,7 +243,8 @@ class Slot:
         if need > self.nbytes:
             raise ConfigError(f"{self._name()}: shape {shape} of {dtype} needs {need} bytes, "
                              f"the slot holds {self.nbytes}")
-        flat = self.region.tensor.reshape(-1).view(torch.uint8)
+        # A slot's bytes are cut from the pool's byte view of its region (made once), a fallback's from its own.
+        flat = self.region.tensor.reshape(-1).view(torch.uint8) if self.is_fallback else self._pool._bytes
         return flat[self._offset : self._offset + need].view(dtype).view(shape)
 
     def release(self, event: EventLike | None = None) -> None:
@@ -343,6 +344,7 @@ class ReceivePool:
         self._lock = threading.Lock()
         engine.register(tensor)
         self.region = Region(tensor.data_ptr(), int(nbytes), self.device, tensor)
+        self._bytes = tensor.reshape(-1).view(torch.uint8)  # the region's bytes, which its slots' views cut
         self._closed = False
         # Free slot numbers, oldest-returned first: spreads reuse over the whole pool.
         self._free: deque[int] = deque(range(self.slots))

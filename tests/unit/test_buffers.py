@@ -394,3 +394,27 @@ def test_a_metrics_scrape_of_the_pool_does_none_of_polls_work(engine, clock):
         pool.poll()
         assert big.addr not in engine.regions
         assert total(metrics.snapshot(), "epd_test_fallback_bytes") == 0
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """Where a tensor's elements are and how they are laid out and typed."""
+    return t.untyped_storage().data_ptr(), t.storage_offset(), t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(0, 4), st.lists(st.integers(0, 6), max_size=3), st.sampled_from(
+    [torch.uint8, torch.bfloat16, torch.float32, torch.float64, torch.int16]))
+def test_a_view_cuts_the_bytes_its_region_holds_at_its_offset(engine, clock, leases, shape, dtype):
+    """Slots' views cut the pool's byte view of its region, made once; a fallback's its own buffer's: each as
+    the slot's region's tensor, flattened to bytes, cut at the slot's offset, then typed and shaped, reads."""
+    with make_pool(engine, clock, slots=4) as pool:
+        slots = [pool.lease_or_fallback(SLOT) for _ in range(leases)] + [pool.lease_or_fallback(SLOT * 2)]
+        for slot in slots:
+            need = dtype.itemsize
+            for n in shape:
+                need *= n
+            if need > slot.nbytes:
+                continue
+            offset = slot.addr - slot.region.addr
+            by_region = slot.region.tensor.reshape(-1).view(torch.uint8)[offset: offset + need].view(dtype)
+            assert _layout(slot.view(tuple(shape), dtype)) == _layout(by_region.view(tuple(shape)))
