@@ -368,10 +368,10 @@ class SessionManager:
             # Before a slot is leased, so a room number in flight takes none (nor a fallback buffer); the
             # core refuses it again, under the driver's lock, when it files the room.
             self._driver.core.refuse_held(room)
-            lease, full, full_ds, dst, deepstack_dst = self._lease(room, rows, hidden, dtype_name, row_start, span,
+            lease, full, full_ds, ptr, deepstack_dst = self._lease(room, rows, hidden, dtype_name, row_start, span,
                                                                    deepstack_hidden)
             # The slot's shard as a pointer: its geometry is the one just checked and leased for.
-            return self._receive(room, bootstrap_addr, dst.data_ptr(), rows=rows, hidden=hidden, dtype=dtype_name,
+            return self._receive(room, bootstrap_addr, ptr, rows=rows, hidden=hidden, dtype=dtype_name,
                                  row_start=row_start, span=span, deepstack_dst=deepstack_dst,
                                  deepstack_hidden=deepstack_hidden, lease=lease, full=full, full_ds=full_ds)
         if deepstack_hidden and deepstack_dst is None:
@@ -409,7 +409,10 @@ class SessionManager:
               deepstack_dst: torch.Tensor | tuple[int, int] | None, deepstack_hidden: int | None,
               lease: Slot | None) -> tuple[Room, RoomSpec]:
         """The room's record and spec, its destinations checked."""
-        ptr, rows, hidden, dtype = _destination(dst, rows, hidden, dtype)
+        if lease is not None and type(dst) is int and rows is not None and hidden is not None and dtype is not None:
+            ptr = dst  # a leased shard's address and geometry, as _destination() returns them, without its calls
+        else:
+            ptr, rows, hidden, dtype = _destination(dst, rows, hidden, dtype)
         span = rows if span is None else span
         if lease is None:  # a leased slot's was checked before it was leased
             _check_geometry(room, rows, hidden, span, row_start)
@@ -437,9 +440,9 @@ class SessionManager:
 
     def _lease(self, room: int, rows: int | None, hidden: int | None, dtype: str | None, row_start: int,
                span: int | None, deepstack_hidden: int | None,
-               ) -> tuple[Slot, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+               ) -> tuple[Slot, torch.Tensor, torch.Tensor | None, int, torch.Tensor | None]:
         """Leases a pool slot for the item's full span; returns the lease, its rows and deepstack views, and
-        this rank's shard of each."""
+        this rank's shard of each (of the rows, its address)."""
         import torch
 
         if self.pool is None:
@@ -480,8 +483,10 @@ class SessionManager:
         except BaseException:  # nothing was asked for it: its memory is safe
             self._give_back(lease, fate_of(succeeded=False, memory_safe=True, confirmable=False))
             raise
-        shard = slice(row_start, row_start + rows)
-        return lease, full, full_ds, full[shard], full_ds[shard] if full_ds is not None else None
+        # The rows view the lease's first bytes (Slot.view()), at its address: a shard's begin row_start rows in.
+        # An empty one's pointer is torch's for an empty tensor.
+        ptr = lease.addr + row_start * hidden * size if rows else full[row_start:row_start].data_ptr()
+        return lease, full, full_ds, ptr, full_ds[row_start:row_start + rows] if full_ds is not None else None
 
     def _give_back(self, lease: Slot, fate: Fate, event: EventLike | None = None) -> None:
         """Gives a lease to its fate (see `_settle`). A fallback's region record goes first: once

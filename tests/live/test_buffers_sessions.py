@@ -341,6 +341,7 @@ def _layout(t: torch.Tensor) -> tuple:
     ("float32", 6, 16, 2, 3, None),
     ("torch.int8", 8, 24, 1, 5, 16),  # with deepstack rows
     (torch.bfloat16, 0, 8, 0, 0, None),  # no rows at all
+    (torch.bfloat16, 4, 8, 2, 0, 4),  # none of the item's rows
     (torch.float32, 4, 64, 0, 4, None),  # 1 KiB: a fallback buffer's
     (torch.float16, 4, 64, 1, 2, 32),  # a fallback buffer's, with deepstack rows
 ])
