@@ -85,7 +85,10 @@ class RoomTable:
             old = self._status.get(room)
             if old is None:
                 return None
-            now = advance(old, status)
+            if type(status) is TransferPoll and status is not _FAILED and old is not _FAILED:
+                now = status if status > old else old  # advance() of members, neither Failed, without its call
+            else:
+                now = advance(old, status)
             self._status[room] = now
             # is_terminal(now) and not is_terminal(old), of members
             if (now is _SUCCESS or now is _FAILED) and old is not _SUCCESS and old is not _FAILED:
