@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from transfer.core.announce import REANNOUNCE_AFTER, AnnounceBook, Announcements
 from transfer.frames import MAX_REGIONS_PER_SESSION
 
@@ -67,3 +70,28 @@ def test_a_withdrawn_or_forgotten_announcement_is_made_again():
     book.forget("rank0")
     assert book.needs("rank0", (0x1000, 0), (64, 0)) and book.needs("rank0", (0x2000, 0), (64, 0))
     assert len(book) == 0
+
+
+REGIONS = st.sampled_from([(0x1000, 0), (0x1000, 0x9000), (0x2000, 0)])
+LENGTHS = st.sampled_from([(64, 0), (64, 32), (128, 0)])
+
+
+@settings(max_examples=300)
+@given(st.lists(st.tuples(st.sampled_from(["announced", "withdraw", "forget"]), st.integers(0, 1), REGIONS, LENGTHS),
+                max_size=40), st.integers(1, 4), st.integers(1, 4))
+def test_needs_is_what_the_ranks_announcements_hold(ops, window, reannounce_after):
+    """needs() reads a rank's announcements itself: a rank never told, or one whose Announcements.holds() says no."""
+    book = AnnounceBook(window=window, reannounce_after=reannounce_after)
+    for kind, rank, region, lengths in ops:
+        if kind == "announced":
+            book.announced(rank, region, lengths)
+        elif kind == "withdraw":
+            book.withdraw(rank, region)
+        else:
+            book.forget(rank)
+        for asked in range(2):
+            for other in ((0x1000, 0), (0x1000, 0x9000), (0x2000, 0)):
+                for other_lengths in ((64, 0), (64, 32), (128, 0)):
+                    known = book._ranks.get(asked)
+                    assert book.needs(asked, other, other_lengths) == (
+                        known is None or not known.holds(other, other_lengths))

@@ -61,7 +61,10 @@ class AnnounceBook:
     def needs(self, rank: Hashable, region: Region, lengths: Lengths) -> bool:
         """Whether the region must be announced to `rank` before a room may land in it."""
         known = self._ranks.get(rank)
-        return known is None or not known.holds(region, lengths)
+        if known is None:
+            return True
+        entry = known.regions.get(region)  # not known.holds(region, lengths), without its call
+        return entry is None or entry[0] != lengths or known.count - entry[1] >= known.reannounce_after
 
     def announced(self, rank: Hashable, region: Region, lengths: Lengths) -> None:
         """Records that `rank` was told of the region."""
