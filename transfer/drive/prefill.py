@@ -816,9 +816,8 @@ class PrefillDriver:
         refused: dict[tuple[str, int], list] = {}
         dropped: set[tuple[str, int]] = set()
         checked: set[tuple[str, int]] = set()
-        i = 0
-        while i < len(work):
-            action = work[i]
+        i = 0  # actions carried out so far
+        for action in work:  # a list's iterator also takes what is appended to the list meanwhile
             i += 1
             kind = type(action)
             if kind is SendAsk or kind is Announce:
@@ -850,7 +849,7 @@ class PrefillDriver:
                 # unless a room connected to the same address again meanwhile (then it serves that room).
             elif kind is Warn:
                 self._complaints.warning(action.key, "%s", action.message)
-            if i == len(work) and refused:
+            if refused and i == len(work):
                 # The asks a socket did not take wait in the core, in order; after a lost
                 # connection their route is looked up again (they move if their rank did), and
                 # they go out behind a fresh registration.
