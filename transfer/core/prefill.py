@@ -1377,7 +1377,7 @@ class PrefillCore:
                     f"{self.max_sockets} sockets to encode ranks, its cap, each with rooms under way"))
             actions = made
         state.conn, state.asked_at = self._conn_of(addr), now
-        waiting = self.asks.waiting(addr)
+        waiting = self.asks.waiting(addr) if addr in self.asks.queues else 0  # none waits there: no call
         if waiting and not defer and self.asks.full(addr) and self._pruned_at.get(addr) != self._let_go:
             # Rooms cleared while their asks waited leave them behind: only open ones hold a place.
             remember(self._pruned_at, addr, self._let_go, MAX_ENCODE_SOCKETS)
