@@ -4,6 +4,7 @@ The pool's logic runs against a recording engine, a fake clock and fake events."
 
 from __future__ import annotations
 
+import numpy
 import pytest
 import torch
 from fakes import FakeClock, FakeEvent, RecordingEngine
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transfer.buffers import SLOT_ALIGN, FallbackLimitError, ReceivePool, Slot, SlotError
+from transfer.errors import ConfigError
 
 
 SLOT = 256
@@ -417,4 +419,16 @@ def test_a_view_cuts_the_bytes_its_region_holds_at_its_offset(engine, clock, lea
                 continue
             offset = slot.addr - slot.region.addr
             by_region = slot.region.tensor.reshape(-1).view(torch.uint8)[offset: offset + need].view(dtype)
-            assert _layout(slot.view(tuple(shape), dtype)) == _layout(by_region.view(tuple(shape)))
+            for given in (tuple(shape), torch.Size(shape), [numpy.int64(n) for n in shape]):
+                view = slot.view(given, dtype)
+                assert _layout(view) == _layout(by_region.view(tuple(shape)))
+
+
+@pytest.mark.parametrize("shape", [(2, -1), torch.Size([2, -1]), [numpy.int64(2), numpy.int32(-1)], (2.0, -1.0),
+                                   (True, -1)])
+def test_a_view_names_a_negative_shape_as_ints_whatever_its_numbers_types(engine, clock, shape):
+    with make_pool(engine, clock, slots=1) as pool:
+        slot = pool.lease(SLOT)
+        with pytest.raises(ConfigError, match=rf"^slot 0 at {slot.addr:#x}: negative dimension in shape "
+                                              rf"\({int(shape[0])}, -1\)$"):
+            slot.view(shape, torch.uint8)
