@@ -28,13 +28,15 @@ def test_a_forked_childs_calls_on_the_parents_engine_are_refused_and_its_close_r
         def child() -> dict:
             report = outcomes({
                 "write": lambda: encode.write(prefill.session_id, [src.data_ptr()], [dst.data_ptr()], [1024]),
+                "write_async": lambda: encode.write_async(prefill.session_id, [src.data_ptr()], [dst.data_ptr()],
+                                                          [1024]),
                 "register": lambda: encode.register(torch.zeros(64, dtype=torch.uint8))}, messages=True)
             encode.close()  # it returns: in_forked_child waits for it 20 s at most
             return {**report, "pid": os.getpid()}
 
         report = in_forked_child(child, wait_s=20.0)
         assert report is not None, "the child's calls on the inherited engine did not return"
-        for name in ("write", "register"):
+        for name in ("write", "write_async", "register"):
             assert report[name] == (f"UsageError: engine {encode.session_id} was made before this process (pid {report['pid']}) "
                                     f"was forked from its parent: Mooncake's threads and connections are the "
                                     f"parent's, so nothing here would carry its writes; make an Engine in this "
