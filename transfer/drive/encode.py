@@ -932,22 +932,23 @@ class EncodeDriver:
         """
         busy: set[str] = set()
         settled = False
+        poll = getattr(self.engine, "poll", None)  # looked up each round: None for an engine that only waits
         for flight in list(self._flights):  # writes started meanwhile wait for the next round
             if flight.session in busy:
                 continue
-            if self._settled(flight):
+            if self._settled(flight, poll):
                 settled = True
             else:
                 busy.add(flight.session)
         self.polls.polled(settled, len(busy))
         return settled
 
-    def _settled(self, flight: _Flight) -> bool:
-        """Whether the write is over; if so, takes it off the writes in flight and tells the core."""
+    def _settled(self, flight: _Flight, poll: Callable[[int], bool] | None) -> bool:
+        """Whether the write is over (`poll`: the engine's, None to wait for it); if so, takes it off the
+        writes in flight and tells the core."""
         failed: str | None = None
         try:
             if flight.batch:
-                poll = getattr(self.engine, "poll", None)
                 if poll is None:
                     self.engine.wait(flight.batch)
                 elif not poll(flight.batch):
