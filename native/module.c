@@ -489,6 +489,9 @@ static PyMethodDef methods[] = {
      "mooncake_write(engine, handle, src, dst, length) -> batch id, 0 when refused."},
     {"mooncake_check", (PyCFunction)(void (*)(void))epd_mooncake_check, METH_FASTCALL,
      "mooncake_check(engine, batch) -> 1 done, -1 failed, -2 timed out, 0 in flight, -1000-code unreadable."},
+    {"mooncake_settle", (PyCFunction)(void (*)(void))epd_mooncake_settle, METH_FASTCALL,
+     "mooncake_settle(engine, batches) -> 1 none left, 0 the first in flight, or a failed batch's code: the "
+     "batches (a list) checked in order, those over taken off."},
     EPD_WIRE_METHODS
     {NULL, NULL, 0, NULL},
 };

@@ -235,3 +235,39 @@ PyObject *epd_mooncake_check(PyObject *self, PyObject *const *args, Py_ssize_t n
         return NULL;
     return PyLong_FromLong(epd_mc_check((void *)(uintptr_t)engine, batch));
 }
+
+/* mooncake_settle(engine, batches) -> what is left of one write's batches in flight, `batches` (a list of
+ * batch ids, oldest first) checked from its first and each batch that is over taken off it, as Mooncake
+ * freed it when it answered so: 1 when none is left, 0 when the first left is in flight (or timed out: it
+ * still ends later), or the code of a batch that failed (-1, or -1000 - code when Mooncake could not read
+ * its status), that batch taken off and those after it not checked yet. The GIL is held all along: no
+ * other thread sees the list between a batch's check and its removal. */
+PyObject *epd_mooncake_settle(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    uint64_t engine, batch;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "mooncake_settle takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *batches = args[1];
+    if (!PyList_CheckExact(batches)) {
+        PyErr_Format(PyExc_TypeError, "mooncake_settle: the batches must be a list, not %.80s",
+                     Py_TYPE(batches)->tp_name);
+        return NULL;
+    }
+    if (!is_bound() || epd_u64_arg(args[0], "engine", &engine) < 0)
+        return NULL;
+    while (PyList_GET_SIZE(batches) > 0) {
+        if (epd_u64_arg(PyList_GET_ITEM(batches, 0), "batch", &batch) < 0)
+            return NULL;
+        long rc = epd_mc_check((void *)(uintptr_t)engine, batch);
+        if (rc == 0 || rc == -2)
+            return PyLong_FromLong(0);
+        if (PyList_SetSlice(batches, 0, 1, NULL) < 0)
+            return NULL;
+        if (rc < 0)
+            return PyLong_FromLong(rc);
+    }
+    return PyLong_FromLong(1);
+}

@@ -361,7 +361,9 @@ class _Pending:
     submitting: bool = True  # batches are still being handed to Mooncake (set and cleared under the engine lock)
     waiting: bool = False  # held back until its session's probe lets it go (set and cleared under the engine lock)
     probe: Probe | None = None  # the probe it waits on
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one poller at a time per batch
+    # One poller at a time reads its batches' statuses (Mooncake frees a batch when it answers it is over):
+    # the engine's writes share the engine's lock for that, none holding it while it waits.
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def reads(self, addr: int, nbytes: int) -> bool:
         """Whether one of its sources overlaps [addr, addr + nbytes)."""
@@ -819,6 +821,7 @@ class Engine(RegisteredMemory):
         # from one buffer. Reset whenever a region goes.
         self._source_region = (0, 0)
         self._pending: dict[int, _Pending] = {}  # write_async tickets not yet settled
+        self._settling = threading.Lock()  # every write's `lock`: taken within _lock, never the other way round
         self._overdue: list[_Pending] = []  # writes reported failed at their deadline, still in Mooncake's hands
         self._overdue_check_at = OVERDUE_CHECK_AT  # how many overdue writes are filed before they are read again
         self._in_flight_at = time.monotonic()  # when poll() last found a write in flight
@@ -1180,13 +1183,17 @@ class Engine(RegisteredMemory):
                                                                pending.lens, "the engine closed first")
                     break
                 engine = self._direct
-                rc = (_native.mooncake_check(engine, pending.batches[0]) if engine
-                      else int(te.transfer_check_status(pending.batches[0])))
+                if engine:
+                    # Takes the batches over off the list, in one call: 1 when none is left, else as below.
+                    rc = _native.mooncake_settle(engine, pending.batches)
+                else:
+                    rc = int(te.transfer_check_status(pending.batches[0]))
+                    if rc not in (0, -2):
+                        pending.batches.pop(0)  # Mooncake freed that batch (or cannot read it)
                 # -2 (TIMEOUT, with MC_SLICE_TIMEOUT set) says a slice is old, not that it stopped:
                 # the batch completes or fails later and Mooncake frees it only then.
                 if rc in (0, -2):
                     return False
-                pending.batches.pop(0)  # Mooncake freed that batch (or cannot read it)
                 if rc < 0 and pending.error is None:
                     why = f"rc={rc}" if rc > -1000 else f"Mooncake could not read its status (code {-1000 - rc})"
                     pending.error = self._describe_failure("write", pending.session_id, pending.dsts, pending.lens,

@@ -198,3 +198,58 @@ def test_other_python_threads_run_while_a_write_is_handed_to_mooncake(trio, way)
     if long_calls < 3:
         pytest.skip(f"only {long_calls} of 12 submissions of 8 MiB took 0.5 ms or more: too short to tell")
     assert ran_meanwhile > 0, f"no other thread ran in the first half of any of {long_calls} submissions of 8 MiB"
+
+
+@pytest.mark.parametrize("way", ["direct", "binding"])
+def test_a_failed_buffer_among_landed_ones_fails_the_write_once_every_batch_settled(trio, way):
+    """A write of three buffers whose second goes where the peer registered nothing: the write fails
+    (rc=-1), and only once every batch it submitted settled (none is left in flight), the others landed."""
+    writers, reader, src, dst, srcs, dst_addr = trio
+    writer, piece = writers[way], 64 << 10
+    writer.write(reader.session_id, [srcs[way]], [dst_addr], [4096])  # the segment is open
+    dst.zero_()
+    ticket = writer.write_async(reader.session_id, [srcs[way], srcs[way] + piece, srcs[way] + 2 * piece],
+                                [dst_addr, dst_addr + SPAN + (1 << 20), dst_addr + 2 * piece], [piece] * 3)
+    pending = writer._pending[ticket]
+    with pytest.raises(EngineError, match=r"write to .* failed \(rc=-1\)"):
+        writer.wait(ticket, timeout_s=60)
+    assert pending.batches == []
+    assert ticket not in writer._pending
+    assert torch.equal(dst[:piece], src[:piece]) and torch.equal(dst[2 * piece:3 * piece], src[2 * piece:3 * piece])
+
+
+def test_settle_takes_off_the_batches_over_in_order_and_stops_at_a_failed_one(trio):
+    """mooncake_settle(engine, batches): each batch over is taken off the list (Mooncake freed it when it
+    answered); a failed one is answered with its code, those after it left for the next call; 1 once
+    none is left, 0 while the first is in flight."""
+    writers, reader, src, dst, srcs, dst_addr = trio
+    writer = writers["direct"]
+    if writer.calls != "direct":
+        pytest.skip(f"the direct calls are off here: {writer.calls_reason}")
+    from transfer import _native
+    writer.write(reader.session_id, [srcs["direct"]], [dst_addr], [4096])  # the segment is open
+    handle = writer._handles[reader.session_id]
+    piece = 64 << 10
+    dst.zero_()
+    targets = [dst_addr, dst_addr + piece, dst_addr + SPAN + (1 << 20), dst_addr + 3 * piece]
+    batches = [_native.mooncake_write(writer._direct, handle, srcs["direct"] + i * piece, at, piece)
+               for i, at in enumerate(targets)]
+    assert all(batches)
+    submitted = list(batches)
+    answers = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        left = list(batches)
+        rc = _native.mooncake_settle(writer._direct, batches)
+        if rc == 0:
+            assert batches == left  # nothing over yet at its head: nothing taken off
+            time.sleep(0.001)
+            continue
+        answers.append((rc, len(batches)))
+        if rc == 1:
+            break
+    assert answers == [(-1, 1), (1, 0)]  # the failed one and those before it went in one call
+    assert batches == [] and len(submitted) == 4
+    assert torch.equal(dst[:2 * piece], src[:2 * piece])
+    assert torch.equal(dst[3 * piece:4 * piece], src[3 * piece:4 * piece])
+    assert _native.mooncake_settle(writer._direct, []) == 1

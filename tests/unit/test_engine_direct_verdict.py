@@ -45,7 +45,16 @@ def test_binding_refuses_a_loaded_library_without_mooncakes_methods():
 @pytest.mark.parametrize("call, args", [
     (_native.mooncake_write, (1, 2, 3, 4)),
     (_native.mooncake_check, (1,)),
+    (_native.mooncake_settle, (1,)),
 ])
 def test_the_hot_calls_count_their_arguments(call, args):
     with pytest.raises(TypeError, match="takes"):
         call(*args)
+
+
+@pytest.mark.parametrize("batches", [(1, 2), None, 7, type("Batches", (list,), {})([1])])
+def test_settle_takes_a_writes_batches_as_a_list_only(batches):
+    """It takes the batches over off the list it is given: a tuple, or a list of another type, is refused
+    before Mooncake is asked anything."""
+    with pytest.raises(TypeError, match="the batches must be a list"):
+        _native.mooncake_settle(1, batches)
