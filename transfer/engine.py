@@ -1236,7 +1236,7 @@ class Engine(RegisteredMemory):
         srcs, dsts, lens = check_batch(session_id, src_addrs, dst_addrs, lengths)
         if not lens:
             return None
-        return _Pending(session_id, srcs, dsts, lens)
+        return _Pending(session_id, srcs, dsts, lens, lock=self._settling)
 
     def _check_sources(self, pending: _Pending) -> None:
         """Refuse a source range outside our registered memory (RDMA would fail obscurely); lock held."""
