@@ -849,10 +849,12 @@ class EncodeDriver:
     # --------------------------------------------------------------- actions
 
     def _carry(self, actions: list) -> None:
-        """Carries out the core's actions, and those its answers to them bring, in order."""
-        work = deque(actions)
-        while work:
-            action = work.popleft()
+        """Carries out the core's actions, and those its answers to them bring, in order.
+
+        `actions` (the core's answer, this call's to use up) takes those answers in place: a list's
+        loop goes on to what was put after its place, at the end or right after it.
+        """
+        for at, action in enumerate(actions):
             kind = type(action)
             if kind is PushStatus:
                 if action.cancel is None:
@@ -866,10 +868,9 @@ class EncodeDriver:
                 if self.commands:
                     # A clear() posted meanwhile reaches the core before any byte is written: the
                     # answers come first, then this write, in this loop (a burst of items does not nest).
-                    work.appendleft(action)
-                    work.extendleft(reversed(self._answer_commands()))
+                    actions[at + 1:at + 1] = [*self._answer_commands(), action]
                     continue
-                work.extend(self._start(action))
+                actions.extend(self._start(action))
             elif kind is Conclude:
                 self.book.conclude(action.token, action.status, action.failure, action.at)
             elif kind is Progress:
