@@ -100,3 +100,34 @@ def test_past_the_quarantine_limit_the_oldest_quarantined_ranges_go_first():
     assert book.overlap("s", 9, 10, 20) == Overlap(1, 10, 20, 101.0)
     assert book.overlap("s", 9, 20, 30) == Overlap(2, 20, 30, 102.0)
     assert book.quarantined == 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.tuples(st.just("hold"), st.sampled_from("ab"), st.integers(0, 4), _ranges),
+                          st.tuples(st.sampled_from(["free", "quarantine"]), st.integers(0, 30))), max_size=40),
+       st.sampled_from("ab"), st.integers(0, 4), st.integers(0, 80), st.integers(1, 30))
+def test_a_range_freed_leaves_the_book_and_its_quarantine_whether_it_was_quarantined_or_not(steps, session, room,
+                                                                                             start, length):
+    book = DestinationBook()
+    held: list[tuple[str, tuple, list, bool]] = []  # (session, what hold() returned, its entries, quarantined)
+    for step in steps:
+        if step[0] == "hold":
+            _, who, number, ranges = step
+            held.append((who, book.hold(who, number, ranges), [(who, number, s, e) for s, e in ranges], False))
+        elif held:
+            i = step[1] % len(held)
+            who, handle, entries, quarantined = held[i]
+            if step[0] == "free":
+                book.free(who, handle)
+                del held[i]
+            elif not quarantined:
+                book.quarantine(who, handle, until=100.0)
+                held[i] = (who, handle, entries, True)
+    assert book.quarantined == sum(len(handle) for _, handle, _, quarantined in held if quarantined)
+    end = start + length
+    found = book.overlap(session, room, start, end)
+    rivals = {(r, s, e, 100.0 if quarantined else None) for _, _, entries, quarantined in held
+              for who, r, s, e in entries if who == session and r != room and s < end and e > start}
+    assert (found is None) if not rivals else (found is not None and tuple(found) in rivals)
+    book.expire(100.0)
+    assert book.quarantined == 0

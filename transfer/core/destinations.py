@@ -73,8 +73,10 @@ class DestinationBook:
 
     def free(self, session: str, held: tuple[Held, ...]) -> None:
         """Lets go of ranges hold() filed for `session`."""
+        quarantined = self._quarantined
         for one in held:
-            self._quarantined.pop(one.seq, None)
+            if quarantined:  # a range held by a write that failed may be among them
+                quarantined.pop(one.seq, None)
             self._free_one(session, one)
 
     def _free_one(self, session: str, held: Held) -> None:
