@@ -742,7 +742,8 @@ class EncodeCore:
                 self._push(job.info, TransferPoll.Success, checksums)
                 job.room.served.add(job.info.session_id)
             self.regions.served(job.info.session_id)  # its engine took a write: evicted after those never served
-            self._job_over(job)
+            if job.waits:  # cancels that came while it flew: _job_over answers them
+                self._job_over(job)
             self._job_done(job, now)
         return self._flush(now)
 
