@@ -837,7 +837,7 @@ class Pushers:
                 sock = opened
             else:
                 self._endpoints.use(key, time.monotonic())
-            waiting = self._waiting.get(key)
+            waiting = self._waiting.get(key) if self._waiting else None  # mostly none: every connection is up
             if waiting is not None and not self._came_up(key, sock):
                 if len(waiting) >= self._hwm:
                     return self._drop(key, 1, "its connection is not up yet and its queue is full")
