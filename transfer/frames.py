@@ -717,12 +717,12 @@ def status_frames(room: int, status: TransferPoll | int, rank: int, checksums: I
     """
     # The common case: exact ints in range and a tuple of at most two checksums, encoded as the
     # strict encoders would; anything else (a reason among them) takes them and their errors.
-    if (reason is None and type(room) is type(rank) is int and type(checksums) is tuple and len(checksums) <= 2
+    # (`not checksums[2:]`: at most two, without a call; `in` then `[]`: the code, without one either.)
+    if (reason is None and type(room) is type(rank) is int and type(checksums) is tuple and not checksums[2:]
             and 0 <= room <= _I64_MAX and _I64_MIN <= rank <= _I64_MAX
             and (type(status) is TransferPoll or type(status) is int)):
-        code = _STATUS_CODES.get(status)
-        if code is not None:
-            parts = [b"%d" % room, code, b"%d" % rank]
+        if status in _STATUS_CODES:
+            parts = [b"%d" % room, _STATUS_CODES[status], b"%d" % rank]
             for checksum in checksums:
                 if type(checksum) is not int or not 0 <= checksum <= _U64_MAX:
                     break
