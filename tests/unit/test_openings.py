@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from transfer.core.openings import Openings, Verdict
 
 
@@ -129,3 +132,21 @@ def test_a_silent_peer_is_refused_within_a_bound_of_the_hold_up_s_end_and_a_seco
     # A hold-up that came before the probe went out is none of its wait's.
     _, other, _ = openings.admit("other", 100.0)
     assert openings.verdict(other, 106.0, held_up=0.5)[0] is Verdict.REFUSE
+
+
+@settings(max_examples=300)
+@given(st.integers(1, 4), st.lists(st.tuples(st.sampled_from(["opened", "forget"]), st.sampled_from("abcdef")),
+                                   max_size=40))
+def test_open_sessions_are_the_most_recently_opened_up_to_the_bound(max_open, steps):
+    """Whatever the order of openings and forgettings (a session opened again among them), the open ones are
+    the `max_open` most recently opened and not forgotten since."""
+    openings = Openings(max_open=max_open)
+    model: list[str] = []  # oldest first
+    for op, session in steps:
+        getattr(openings, op)(session)
+        if session in model:
+            model.remove(session)
+        if op == "opened":
+            model.append(session)
+            del model[:-max_open]
+    assert [session for session in "abcdef" if openings.is_open(session)] == sorted(model)

@@ -125,7 +125,10 @@ class Openings:
 
     def opened(self, session: str) -> None:
         """The session's segment is open (a probe answered, or Mooncake accepted a write to it)."""
-        self._open.pop(session, None)
+        if session in self._open:  # mostly (every write to it says so): moved to the newest end, no more open
+            del self._open[session]
+            self._open[session] = None
+            return
         self._open[session] = None
         while len(self._open) > self.max_open:
             del self._open[next(iter(self._open))]
