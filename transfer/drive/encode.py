@@ -611,6 +611,7 @@ class EncodeDriver:
                  sleep=time.sleep) -> None:
         self.core = core
         self.engine = engine
+        self._write_async = getattr(engine, "write_async", None)  # None: the engine writes synchronously
         self.engine_rank = engine_rank
         self._forks = _forks.count  # see check_process
         self.book = book
@@ -914,7 +915,7 @@ class EncodeDriver:
 
     def _submit(self, session_id: str, srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int]) -> int:
         """Starts a batch write; engines without an async API write synchronously here (id 0)."""
-        write_async = getattr(self.engine, "write_async", None)
+        write_async = self._write_async
         if write_async is None:
             self.engine.write(session_id, srcs, dsts, lengths)
             return 0
