@@ -941,7 +941,8 @@ class Engine(RegisteredMemory):
         if pending is None:
             return 0
         with self._lock:
-            self._check_open()
+            if self._closed:  # _check_open(), without its call while open
+                self._check_open()
             self._check_sources(pending)
             ticket = self._next_ticket = self._next_ticket + 1
             if session_id not in self._held and (not self._probing or self._openings.is_open(session_id)):

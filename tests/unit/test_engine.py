@@ -131,10 +131,14 @@ def test_a_call_on_a_closed_engine_says_what_closed_it_and_what_to_do(monkeypatc
     monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
     engine = Engine("127.0.0.1", protocol="tcp")
     engine.close()
+    told = (f"engine {engine.session_id} is closed: its close() ran; start a new engine (and new pools and managers "
+            f"on it) to register or write more")
     with pytest.raises(EngineError) as caught:
         engine.register(0x10000, 64)
-    assert str(caught.value) == (f"engine {engine.session_id} is closed: its close() ran; start a new engine (and new "
-                                 f"pools and managers on it) to register or write more")
+    assert str(caught.value) == told
+    with pytest.raises(EngineError) as caught:
+        engine.write_async("127.0.0.1:1", [0x10000], [0x1000], [64])
+    assert str(caught.value) == told
 
 
 @pytest.mark.parametrize("environ, seconds", [
