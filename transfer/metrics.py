@@ -328,7 +328,7 @@ class Metrics:
         with self._lock:
             # There once claimed as a counter.
             series = counters[name] if name in counters else self._series(counters, name, "counter")
-            series[key] = series.get(key, 0) + amount
+            series[key] = (series[key] if key in series else 0) + amount  # series.get(key, 0), without its call
 
     def inc_all(self, amounts: dict[str, float], observations: dict[str, float] | None = None) -> None:
         """Adds to unlabelled counters and records one observation in each of unlabelled histograms, all
