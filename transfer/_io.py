@@ -739,8 +739,8 @@ class StatusEndpoints:
     def use(self, key: Any, now: float) -> list:
         """Marks `key` used now; opens it if new, returning the endpoints to close to make room."""
         if key in self._used:
+            del self._used[key]  # filed again as the most recently used: move_to_end, without its call
             self._used[key] = now
-            self._used.move_to_end(key)
             return []
         evicted = []
         while len(self._used) >= self.limit:
