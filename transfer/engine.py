@@ -321,6 +321,21 @@ def check_batch(session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[i
     if not (len(src_addrs) == len(dst_addrs) == len(lengths)):
         raise ConfigError(f"write to {session_id}: {len(src_addrs)} sources, "
                           f"{len(dst_addrs)} destinations, {len(lengths)} lengths")
+    if plain:
+        # The drivers' batches: exact ints, none empty, each destination in range. _checked_batch would
+        # build the same lists, buffer by buffer; any other batch goes to it (an exact int reads the same twice).
+        for src, dst, length in zip(src_addrs, dst_addrs, lengths):
+            if not (type(src) is int and type(dst) is int and type(length) is int and length > 0
+                    and 0 <= dst and dst + length <= _ADDRESS_SPACE):
+                break
+        else:
+            return list(src_addrs), list(dst_addrs), list(lengths)
+    return _checked_batch(session_id, src_addrs, dst_addrs, lengths)
+
+
+def _checked_batch(session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
+                   lengths: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+    """check_batch's work, buffer by buffer, for sequences of as many buffers each."""
     srcs: list[int] = []
     dsts: list[int] = []
     lens: list[int] = []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 from fakes import MooncakeStandIn
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from transfer import engine as engine_module
 from transfer.engine import Engine, EngineError, choose_protocol, rdma_device_names
@@ -198,6 +200,36 @@ def test_a_batch_of_index_like_ints_is_taken_and_zero_lengths_dropped():
 
     assert engine_module.check_batch("p:1", [np.int64(16), 32], (48, np.uint64(64)), [np.int32(8), 0]) == (
         [16], [48], [8])
+
+
+def _checked(check, *args):
+    """('ok', the lists and their items' types) or ('error', exception type, message)."""
+    try:
+        lists = check("p:1", *args)
+    except (ConfigError, TypeError) as exc:
+        return "error", type(exc), str(exc)
+    return "ok", lists, [[type(item) for item in one] for one in lists]
+
+
+_ADDRESS_SPACE = 1 << 64
+_edge_ints = st.one_of(st.integers(-2, 2), st.integers(0, _ADDRESS_SPACE + 2),
+                       st.sampled_from([_ADDRESS_SPACE - 1, _ADDRESS_SPACE, _ADDRESS_SPACE - 64]))
+_buffer_items = st.one_of(*[_edge_ints] * 6, st.booleans(), st.just(64.0), st.just("64"))  # mostly ints
+
+
+@settings(max_examples=500)
+@given(st.lists(st.tuples(_buffer_items, _buffer_items, _buffer_items), max_size=3), st.sampled_from([list, tuple]))
+@example([(0x1000, _ADDRESS_SPACE - 64, 64)], tuple)  # the destination's last byte is the address space's
+@example([(0x1000, _ADDRESS_SPACE - 64, 65)], tuple)  # one past it
+@example([(0x1000, 0x2000, 64), (0x1040, 0x2040, 0)], tuple)  # an empty buffer after one to write
+@example([(0x1000, 0x2000, 64), (0x1040, 0x2040, True)], list)
+@example([(0x1000, -1, 1)], list)  # a destination below the address space
+def test_a_plain_batch_checks_as_the_buffer_by_buffer_loop_does(buffers, kind):
+    """check_batch's copy of a plain batch of exact ints (none empty, each destination in range) is what its
+    buffer-by-buffer loop builds, and any other batch gets what that loop makes of it: the lists, or its error."""
+    srcs, dsts, lens = (kind(column) for column in zip(*buffers)) if buffers else (kind(), kind(), kind())
+    assert (_checked(engine_module.check_batch, srcs, dsts, lens)
+            == _checked(engine_module._checked_batch, srcs, dsts, lens))
 
 
 @pytest.mark.parametrize("environ, first, last, how", [
