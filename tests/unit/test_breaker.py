@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -121,3 +123,30 @@ def test_tripped_holds_every_key_paused_or_revivable_so_that_an_empty_one_means_
         for key in "abc":
             if key not in breaker.tripped:  # what the encode core skips asking while tripped is empty
                 assert breaker.open_since(key, now) is None and not breaker.revivable(key)
+
+
+@given(st.lists(st.one_of(
+    st.tuples(st.just("failed"), _KEYS, st.sampled_from([0.01, 1.0, 10.0]), st.booleans()),
+    st.tuples(st.just("heard_from"), _KEYS), st.tuples(st.just("succeeded"), _KEYS), st.tuples(st.just("reset"), _KEYS),
+    st.tuples(st.just("sweep"),), st.tuples(st.just("wait"), st.sampled_from([1.0, 6.0, 700.0])),
+), max_size=30))
+def test_while_tripped_and_revived_are_empty_a_success_changes_nothing(steps):
+    """What the encode core's write_done skips: succeeded() with no key paused and none revived."""
+    breaker = Breaker(pause_s=5.0, slow_after_s=0.25, max_keys=2)
+    now = 0.0
+    for step in steps:
+        if step[0] == "failed":
+            breaker.failed(step[1], step[2], now, blocking=step[3])
+        elif step[0] == "wait":
+            now += step[1]
+        elif step[0] == "sweep":
+            breaker.sweep(now)
+        elif step[0] == "heard_from":
+            breaker.heard_from(step[1], now)
+        else:
+            getattr(breaker, step[0])(step[1])
+        if not breaker.tripped and not breaker.revived:
+            before = copy.deepcopy(vars(breaker))
+            for key in "abc":
+                breaker.succeeded(key)
+            assert vars(breaker) == before

@@ -215,6 +215,19 @@ class StrictCore(EncodeCore):
         out, self._out = self._out, []
         return out
 
+    def write_done(self, wid: int, checksums: tuple[int, ...], now: float) -> list:
+        job = self._writes.pop(wid, None)
+        if job is not None:
+            self.scheduler.finished(job.info.session_id)
+            self.breaker.succeeded(job.info.session_id)
+            if not job.room.failed and self._serves(job):
+                self._push(job.info, TransferPoll.Success, checksums)
+                job.room.served.add(job.info.session_id)
+            self.regions.served(job.info.session_id)
+            self._job_over(job)
+            self._job_done(job, now)
+        return self._flush(now)
+
     def offer(self, offer: Offer, now: float) -> list:
         old = self._rooms.get(offer.room)
         if old is not None:  # the caller clears before sending again; a stale one is failed, not kept
@@ -390,6 +403,15 @@ def _drive(core: EncodeCore, events: list, tokens: list) -> list:
 @example([("offer", 0, 4, False, None), ("ask", 0, 0, 2, 0, "plain", False), ("cancel", 0, 0, False, True),
           ("clear", 0), ("offer", 0, 4, False, None), ("clear", 0), ("wait", 0.05), ("ask", 0, 1, 2, 1, "plain", False),
           ("tick", 0.2, False)], 2)
+# A write a cancel found in flight, answered once it lands; a session paused by a stall while another write to
+# it flies, which lands (ending the pause), then asked for again; a session whose slow failure a word ended, a
+# write to it landing (its breaker forgets it), then failing slowly again and asked for again.
+@example([("room", 0, 1, 1, 0, False, None), ("cancel", 0, 0, False, True), ("write", 0, "done")], 2)
+@example([("room", 0, 1, 1, 0, False, None), ("tick", 0.0, False), ("room", 1, 1, 1, 0, False, None),
+          ("write", 0, "stall"), ("write", 0, "done"), ("room", 2, 1, 1, 0, False, None)], 4)
+@example([("room", 0, 1, 1, 0, False, None), ("write", 0, "slow"), ("tick", 0.01, False),
+          ("room", 1, 1, 1, 0, False, None), ("write", 0, "done"), ("room", 2, 1, 1, 0, False, None),
+          ("write", 0, "slow"), ("tick", 0.01, False), ("room", 3, 1, 1, 0, False, None)], 2)
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=EVENTS, depth=st.integers(1, 4))
 def test_the_core_answers_every_event_as_its_rules_read_without_shortcuts(events, depth):

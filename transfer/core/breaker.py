@@ -54,6 +54,8 @@ class Breaker:
         self._detail: dict[Hashable, str] = {}
         self._revivable: set[Hashable] = set()  # open keys whose pause a word from them ends (`heard_from`)
         self._revived: dict[Hashable, float] = {}  # key -> when a word from it ended its pause, oldest first
+        # The same dict, for a caller's cheap test: while it and `tripped` are empty, succeeded() does nothing.
+        self.revived = self._revived
 
     def failed(self, key: Hashable, took: float, now: float, *, blocking: bool = False,
                detail: str = "") -> Trip | None:

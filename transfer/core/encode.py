@@ -737,7 +737,8 @@ class EncodeCore:
         job = self._writes.pop(wid, None)
         if job is not None:
             self.scheduler.finished(job.info.session_id)
-            self.breaker.succeeded(job.info.session_id)
+            if self.breaker.tripped or self.breaker.revived:  # else no key for a success to reset
+                self.breaker.succeeded(job.info.session_id)
             if not job.room.failed and self._serves(job):
                 self._push(job.info, TransferPoll.Success, checksums)
                 job.room.served.add(job.info.session_id)
