@@ -1101,7 +1101,9 @@ class RoomHandle(Generic[_Record]):
     def wait(self, timeout: float) -> TransferPoll:
         """Blocks up to `timeout` seconds for a terminal status (for tools and tests, not scheduler loops)."""
         timeout = config.check_seconds("timeout", timeout, zero_ok=True)
-        if self._current():  # a cleared room will not conclude for this handle
+        # A room concluded already has nothing to wait for (Conclusions.wait would return at once); a
+        # cleared room will not conclude for this handle.
+        if self._state.concluded_at is None and self._current():
             self._conclusions.wait(self._state, timeout)
         return self.poll()
 

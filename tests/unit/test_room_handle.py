@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from transfer import config
 from transfer._io import Conclusions, RoomHandle
 from transfer.core.failure import Failure, FailureKind
 from transfer.status import RoomTable, TransferPoll
@@ -82,3 +85,30 @@ def test_a_read_of_a_room_still_held_reports_it():
     table.fail(7, Failure(FailureKind.CHECKSUM, "checksum mismatch"))
     assert handle.poll() is TransferPoll.Failed
     assert handle.failure == "checksum mismatch" and handle.failure_kind is FailureKind.CHECKSUM
+
+
+class StrictHandle(RoomHandle):
+    """RoomHandle.wait() as it reads without its shortcut for a concluded room: every held room waits."""
+
+    def wait(self, timeout: float) -> TransferPoll:
+        timeout = config.check_seconds("timeout", timeout, zero_ok=True)
+        if self._current():
+            self._conclusions.wait(self._state, timeout)
+        return self.poll()
+
+
+@given(status=st.sampled_from(TransferPoll), concluded=st.booleans(), held=st.booleans(), cleared=st.booleans())
+def test_a_wait_on_a_concluded_room_answers_as_a_wait_through_the_conclusions_would(status, concluded, held, cleared):
+    answers = []
+    for kind in (StrictHandle, RoomHandle):
+        rooms: dict[int, State] = {}
+        table = RoomTable()
+        state = rooms[7] = State(7, concluded_at=2.0 if concluded else None)
+        table.start(7, status)
+        handle = kind(table, state, Conclusions(), rooms.get)
+        if cleared:
+            table.clear(7)
+        if not held:
+            rooms[7] = State(7)  # the number reused by another room
+        answers.append(handle.wait(0))
+    assert answers[0] is answers[1]
