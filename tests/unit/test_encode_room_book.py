@@ -5,7 +5,10 @@ from __future__ import annotations
 import logging
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from transfer import _io
 from transfer._io import RoomHandle
 from transfer.core.failure import Failure, FailureKind
 from transfer.drive.encode import RoomBook, RoomState
@@ -121,3 +124,59 @@ def test_a_conclusion_whose_count_raises_still_wakes_the_waiters():
     with pytest.raises(RuntimeError, match="exporter down"):
         book.conclude(state, TransferPoll.Failed, Failure(FailureKind.CLEARED, "cleared"), at=2.0)
     assert notified.times == 1 and state.concluded_at == 2.0 and book.table.get(1) is TransferPoll.Failed
+
+
+class _StrictBook(RoomBook):
+    """RoomBook.conclude() as it reads without its shortcut for a send concluded already."""
+
+    def conclude(self, state: RoomState, status: TransferPoll, failure: Failure | None, at: float) -> bool:
+        with self.lock:
+            if self.held.get(state.room) is not state or not self.table.conclude(state.room, status, failure):
+                return False
+            state.concluded_at = at
+        try:
+            _io.count_concluded(self.metrics, self.failures, state.room, status is TransferPoll.Success, failure,
+                                at - state.started_at)
+        finally:
+            self.conclusions.notify()
+        return True
+
+
+_STEPS = st.lists(st.one_of(
+    st.tuples(st.just("conclude"), st.integers(0, 2), st.sampled_from([TransferPoll.Success, TransferPoll.Failed,
+                                                                         TransferPoll.Transferring])),
+    st.tuples(st.just("progress"), st.integers(0, 2), st.just(TransferPoll.Transferring)),
+    st.tuples(st.just("clear"), st.integers(0, 2), st.none()),
+    st.tuples(st.just("send"), st.integers(0, 2), st.none())), max_size=12)
+
+
+@given(steps=_STEPS)
+def test_a_conclusion_of_a_send_concluded_already_answers_as_the_book_would(steps):
+    """The book's shortcut for a send that concluded (a clear() of a served room) against the full rule, over
+    sends, progress, conclusions and clears of a few rooms, an older send of a room concluded again too."""
+    outcomes = []
+    for kind in (_StrictBook, RoomBook):
+        book = kind(Metrics("test"))
+        sends: list[RoomState] = []
+        answers = []
+        for at, (step, pick, status) in enumerate(steps):
+            if step == "send" or not sends:
+                state = RoomState(pick, started_at=float(at))
+                book.held[pick] = state
+                book.table.clear(pick)
+                book.table.start(pick, TransferPoll.WaitingForInput)
+                sends.append(state)
+                continue
+            state = sends[pick % len(sends)]
+            if step == "conclude":
+                failure = None if status is TransferPoll.Success else Failure(FailureKind.CLEARED, f"step {at}")
+                answers.append(book.conclude(state, status, failure, at=float(at)))
+            elif step == "progress":
+                book.progress(state, status, asked_at=float(at), at=float(at))
+            elif book.held.get(state.room) is state:
+                del book.held[state.room]
+                book.table.clear(state.room)
+        rows = sorted((row["name"], sorted(row["labels"].items()), row["value"]) for row in book.metrics.snapshot())
+        outcomes.append((answers, [s.concluded_at for s in sends], {room: (book.table.get(room), book.table.failure(room))
+                         for room in range(3)}, book.table.take_concluded(), rows))
+    assert outcomes[0] == outcomes[1]

@@ -141,6 +141,10 @@ class RoomBook:
 
     def conclude(self, state: RoomState, status: TransferPoll, failure: Failure | None, at: float) -> bool:
         """Concludes the room if `state` is still its current send and open; True only for the call that did."""
+        # concluded_at is set only below, once the table concluded the room: this send is over (a clear() of
+        # a room that concluded, mostly), and the table would refuse it again.
+        if state.concluded_at is not None:
+            return False
         with self.lock:
             if self.held.get(state.room) is not state or not self.table.conclude(state.room, status, failure):
                 return False
