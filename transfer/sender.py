@@ -421,8 +421,7 @@ class SenderPool:
             with book.lock:
                 if book.held.get(state.room) is state:
                     del book.held[state.room]
-                    served = self._table.get(state.room) is TransferPoll.Success
-                    self._table.clear(state.room)
+                    served = self._table.clear(state.room) is TransferPoll.Success  # the status it had
                     # A room served in full leaves nothing to tell anyone: the driver drops it on its
                     # next turn, without a wake-up of its own.
                     self._driver.post("clear", state.room, state, wake=not served)
