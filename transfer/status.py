@@ -124,7 +124,8 @@ class RoomTable:
             old = self._status.get(room)
             if old is None or old is _SUCCESS or old is _FAILED:  # is_terminal(old), of a member
                 return False
-            now = advance(old, status)
+            # advance(old, status) of an open room and a terminal member is that member
+            now = status if status is _SUCCESS or status is _FAILED else advance(old, status)
             self._status[room] = now
             if now is _SUCCESS or now is _FAILED:
                 self._concluded[room] = None

@@ -189,7 +189,7 @@ _STATUSES = st.one_of(st.sampled_from(list(P)), st.integers(0, 5))
 _TABLE_OPS = st.lists(st.one_of(
     st.tuples(st.just("start"), st.integers(0, 3), _STATUSES),
     st.tuples(st.just("update"), st.integers(0, 3), _STATUSES, st.sampled_from([None, "why", "other"])),
-    st.tuples(st.just("conclude"), st.integers(0, 3), st.sampled_from([P.Success, P.Failed]),
+    st.tuples(st.just("conclude"), st.integers(0, 3), _STATUSES,
               st.sampled_from([None, Failure(FailureKind.DEADLINE, "late")])),
     st.tuples(st.just("clear"), st.integers(0, 3)),
     st.tuples(st.just("take"),),
