@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transfer.core.destinations import DestinationBook, Overlap
+from transfer.core.destinations import DestinationBook, Held, Overlap
 
 
 def test_another_rooms_overlapping_range_is_found_and_touching_ones_are_not():
@@ -131,3 +131,14 @@ def test_a_range_freed_leaves_the_book_and_its_quarantine_whether_it_was_quarant
     assert (found is None) if not rivals else (found is not None and tuple(found) in rivals)
     book.expire(100.0)
     assert book.quarantined == 0
+
+
+@given(st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(0, 1 << 20)), max_size=6))
+def test_a_hold_answers_held_ranges_as_the_named_tuple_builds_them(spans):
+    book = DestinationBook()
+    ranges = [(start, start + length) for start, length in spans]
+    held = book.hold("s", 1, ranges)
+    assert [type(one) for one in held] == [Held] * len(ranges)
+    assert held == tuple(Held(start, end, seq) for (start, end), seq in zip(ranges, range(1, len(ranges) + 1)))
+    assert [(one.start, one.end, one.seq) for one in held] == [(start, end, one.seq) for (start, end), one in
+                                                                zip(ranges, held)]

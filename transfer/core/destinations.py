@@ -25,6 +25,10 @@ class Held(NamedTuple):
     seq: int
 
 
+# Held(start, end, seq) without the NamedTuple's Python __new__ in between: the same tuple of type Held.
+_new_held = tuple.__new__
+
+
 class Overlap(NamedTuple):
     """Another room's held range that a new range overlaps."""
 
@@ -68,7 +72,7 @@ class DestinationBook:
             bisect.insort(entry.spans, (start, end, seq, room))
             if end - start > entry.longest:
                 entry.longest = end - start
-            held.append(Held(start, end, seq))
+            held.append(_new_held(Held, (start, end, seq)))
         return tuple(held)
 
     def free(self, session: str, held: tuple[Held, ...]) -> None:
