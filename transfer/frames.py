@@ -984,11 +984,12 @@ def validate_fanout(span: int, hidden: int, dtype: str, has_deepstack: bool, inf
         reason = _receiver_mismatch(info, room, want, span, hidden, dtype, has_deepstack, deepstack_row_bytes)
         if reason is not None:
             return f"room {room}: receiver {receiver_text(info.session_id)} {reason}"
-    seen: set[str] = set()
-    for info in infos:
-        if info.session_id in seen:
-            return f"room {room}: receiver {receiver_text(info.session_id)} asked twice"
-        seen.add(info.session_id)
+    if len(set(map(_SESSION, infos))) != want:  # some session asked twice: the first repeat is named
+        seen: set[str] = set()
+        for info in infos:
+            if info.session_id in seen:
+                return f"room {room}: receiver {receiver_text(info.session_id)} asked twice"
+            seen.add(info.session_id)
     for info in infos:
         if info.row_start != 0 or info.rows != info.span:  # not info.is_identity
             return _tiling_gap(room, infos)
@@ -1019,6 +1020,7 @@ def _receiver_mismatch(info: TransferInfo, room: int, fanout: int, span: int, hi
 
 
 _SHARD_ORDER = operator.attrgetter("row_start", "rows")
+_SESSION = operator.attrgetter("session_id")
 
 
 def _tiling_gap(room: int, infos: list[TransferInfo]) -> str | None:
