@@ -303,7 +303,8 @@ def test_a_pick_starts_drops_and_asks_about_the_same_jobs_as_one_that_files_ever
             elif jobs:
                 job = jobs[step[1] % len(jobs)]
                 setattr(job, step[2], not getattr(job, step[2]))
-            seen.append((sched.waiting, sched.in_flight, [sched.queued(s) for s in "abc"]))
+            seen.append((sched.waiting, sched.in_flight, [sched.queued(s) for s in "abc"],
+                         [sched.flying(s) for s in "abc"]))
         return seen
 
     def made(cls: type[WriteScheduler]) -> WriteScheduler:

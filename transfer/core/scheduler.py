@@ -135,8 +135,16 @@ class WriteScheduler:
         those whose item is not ready to the back; True on any change or when jobs this pick
         has not looked at came to the front."""
         queue = self._queues[session]
-        allowance = min(self.visit_work, self.turn_work - self._turn[session], self.pick_work - pick.work)
-        opened = self._flying[session] < self.session_slots
+        # The Counters read with `in` first: their [] of a session they lack calls Counter.__missing__.
+        turn, flying = self._turn, self._flying
+        turn_left = self.turn_work - turn[session] if session in turn else self.turn_work
+        pick_left = self.pick_work - pick.work
+        allowance = self.visit_work  # the least of the three, without min()'s call
+        if turn_left < allowance:
+            allowance = turn_left
+        if pick_left < allowance:
+            allowance = pick_left
+        opened = session not in flying or flying[session] < self.session_slots
         held: list[tuple[int, Any, float]] = []
         looked, moved, started = 0, False, False
         while queue and looked < allowance:
@@ -167,7 +175,7 @@ class WriteScheduler:
                 continue
             pick.started.append((seq, job))
             self.in_flight += 1
-            self._flying[session] += 1
+            flying[session] = flying[session] + 1 if session in flying else 1
             started = True  # cancelled jobs right behind it still leave
         unseen, taken = False, looked
         if held:  # sent to the back
@@ -175,7 +183,7 @@ class WriteScheduler:
             queue.extend(held)
             taken -= len(held)
         self.waiting -= taken
-        self._turn[session] += looked
+        turn[session] = turn[session] + looked if session in turn else looked
         pick.work += looked
         if not queue:
             del self._queues[session]
