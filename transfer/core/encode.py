@@ -524,7 +524,10 @@ class EncodeCore:
                 self._fail_with(evicted, failure, now)
         for dropped in admission.dropped:
             self._drop_over_share(dropped, now)
-        self._dispatch(info.room, now, asked=info)
+        # An ask before its item has nothing to start: _dispatch() would find no room (only offer() and
+        # clear() file and forget one, never an ask's rules).
+        if room is not None:
+            self._dispatch(info.room, now, asked=info)
         return self._flush(now)
 
     def _drop_over_share(self, dropped: TransferInfo, now: float) -> None:
