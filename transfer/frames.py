@@ -120,6 +120,9 @@ _U64_MAX = (1 << 64) - 1
 # Native byte order, standard 8-byte size: SPEC.md's struct.pack("Q", p) without alignment padding.
 _POINTER = struct.Struct("=Q")
 _POINTER_PAIR = struct.Struct("=QQ")
+#: The endpoint, session id and dtype (exact, ASCII strs) TransferInfo.to_frames() encoded last, and their
+#: ASCII bytes; replaced whole, so a thread reads one consistent tuple.
+_last_ask_texts: tuple[str, str, str, tuple[bytes, bytes, bytes]] = ("", "", "", (b"", b"", b""))
 #: The most digits the shortcuts hand to int() at once: every number of a message at its widest.
 _PLAIN_DIGITS = 20 * 8
 _set_attribute = object.__setattr__
@@ -466,6 +469,7 @@ class TransferInfo:
     def to_frames(self) -> list[bytes]:
         """Encode as the 13 parts of SPEC.md 4.2, and part 13 when `deepstack_row_bytes` is set; raises
         WireError for a value the parser would refuse."""
+        global _last_ask_texts
         room, port, emb, ds = self.room, self.port, self.embedding_ptr, self.deepstack_ptr
         rows, hidden, fanout, row_start, span = self.rows, self.hidden, self.fanout, self.row_start, self.span
         endpoint, session, dtype = self.endpoint, self.session_id, self.dtype
@@ -478,10 +482,14 @@ class TransferInfo:
                 and 0 <= room <= _I64_MAX and 0 <= port <= 0xFFFF and 0 <= emb <= _U64_MAX and 0 <= ds <= _U64_MAX
                 and _I64_MIN <= rows <= _I64_MAX and _I64_MIN <= hidden <= _I64_MAX and _I64_MIN <= fanout <= _I64_MAX
                 and _I64_MIN <= row_start <= _I64_MAX and _I64_MIN <= span <= _I64_MAX):
-            try:
-                texts = endpoint.encode("ascii"), session.encode("ascii"), dtype.encode("ascii")
-            except UnicodeEncodeError:
-                return self._checked_frames()
+            last_endpoint, last_session, last_dtype, texts = _last_ask_texts
+            # The very str objects encoded last: their bytes are those (a prefill rank asks with the same three).
+            if endpoint is not last_endpoint or session is not last_session or dtype is not last_dtype:
+                try:
+                    texts = endpoint.encode("ascii"), session.encode("ascii"), dtype.encode("ascii")
+                except UnicodeEncodeError:
+                    return self._checked_frames()
+                _last_ask_texts = endpoint, session, dtype, texts
             parts = [b"%d" % room, texts[0], b"%d" % port, texts[1],
                      _POINTER.pack(emb), _POINTER.pack(ds), b"%d" % rows, b"%d" % hidden, texts[2],
                      b"1" if self.has_deepstack else b"0", b"%d" % fanout, b"%d" % row_start, b"%d" % span]

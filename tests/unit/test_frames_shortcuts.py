@@ -498,3 +498,21 @@ def test_normalize_dtype_of_a_torch_dtype_taken_before_agrees_with_the_rules(dat
               [1], {}, numpy.dtype("float16"), numpy.float16, Text("bfloat16"), "float16x"]
     for dtype in data.draw(st.lists(st.sampled_from([*torch_dtypes, *others]), max_size=40)):
         assert _dtype_outcome(normalize_dtype, dtype) == _dtype_outcome(_normalize_dtype_strictly, dtype), dtype
+
+
+# Texts equal in value but separate str objects, so that a reuse of the last encoded bytes keyed on
+# anything but the very objects would send another ask's endpoint, session or dtype.
+ENDPOINTS = ["10.0.0.12", "".join(["10.0.0.", "13"]), "".join(["10.0.0.", "13"]), "café", Text("10.0.0.12")]
+SESSIONS = ["10.0.0.12:15432", "".join(["10.0.0.12:", "15433"]), "".join(["10.0.0.12:", "15433"]), "\x7f"]
+DTYPES = ["torch.bfloat16", "".join(["torch.", "float16"]), "".join(["torch.", "float16"]), "bfloat16"]
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow], max_examples=300)
+@given(st.lists(st.tuples(st.sampled_from(range(len(ENDPOINTS))), st.sampled_from(range(len(SESSIONS))),
+                          st.sampled_from(range(len(DTYPES)))), min_size=1, max_size=8))
+def test_to_frames_agrees_with_the_strict_encoders_ask_after_ask(asks):
+    # to_frames() reuses the bytes of the texts it encoded last: each ask still carries its own.
+    for endpoint, session, dtype in asks:
+        info = dataclasses.replace(INFO, endpoint=ENDPOINTS[endpoint], session_id=SESSIONS[session],
+                                   dtype=DTYPES[dtype])
+        assert outcome(info.to_frames) == outcome(info._checked_frames)
