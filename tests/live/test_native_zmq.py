@@ -133,3 +133,25 @@ def test_native_send_refuses_what_is_not_a_list_of_bytes(pair):
         _io._NATIVE.zmq_send_parts(push.underlying, [])
     _io.send_frames(push, [b"after"])  # nothing of the refused ones was queued
     assert drain(pull, 1) == [[b"after"]]
+
+
+def test_dropped_tells_of_a_lost_connection_once(zmq_path):
+    ctx = _io.context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port(f"tcp://{HOST}")
+    push = ctx.socket(zmq.PUSH)
+    monitor = _io.watch_drops(push)
+    try:
+        push.connect(f"tcp://{HOST}:{port}")
+        _io.send_frames(push, [b"up"])
+        assert drain(pull, 1) == [[b"up"]]  # connected
+        assert not _io.dropped(monitor)
+        pull.close(0)
+        deadline = time.monotonic() + 10.0
+        while not _io.dropped(monitor):
+            assert time.monotonic() < deadline, "the lost connection was never reported"
+            time.sleep(0.01)
+        assert not _io.dropped(monitor)  # the report was drained
+    finally:
+        _io.close_watched(push, monitor)
+        pull.close(0)
