@@ -309,8 +309,9 @@ class PrefillDriver:
             unconcluded = record.concluded_at is None
             if unconcluded:  # given up before it concluded: its quarantine bound runs from here
                 record.concluded_at = now
-            if fate_of(succeeded=succeeded, memory_safe=record.memory_safe,
-                       confirmable=True) is Fate.QUARANTINE_UNTIL_CONFIRMED:
+            # A room that succeeded is never quarantined (fate_of()): asked only of one that did not.
+            if not succeeded and fate_of(succeeded=False, memory_safe=record.memory_safe,
+                                         confirmable=True) is Fate.QUARANTINE_UNTIL_CONFIRMED:
                 self._awaiting_safe.add(record.token, now, record)
             if self._awaiting_safe.rooms:  # else none to let go of
                 self._forget_unconfirmed(now)
