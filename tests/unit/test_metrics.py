@@ -346,3 +346,18 @@ def test_inc_and_inc_all_check_inline_as_check_amount_and_checked_value_do(amoun
         for name, value in observations.items():
             slow.observe(name, value)
     assert fast.snapshot() == slow.snapshot()
+
+
+@given(st.lists(st.tuples(st.sampled_from([(), (("reason", "a"),), (("reason", "b"),)]),
+                          st.one_of(st.integers(0, 5), st.floats(0, 1e6), st.sampled_from([True, False, -0.0, 0.0]))),
+                max_size=6))
+def test_a_counter_holds_the_sum_of_its_amounts_from_zero(incs):
+    """Each series holds 0 plus each amount inc() added to it, in order, typed as that sum is (True adds 1)."""
+    m = Metrics("ns")
+    expected: dict = {}
+    for labels, amount in incs:
+        m.inc("a_total", amount, **dict(labels))
+        expected[labels] = expected.get(labels, 0) + amount
+    held = m._counters.get("a_total", {})
+    assert {key: (type(value), value) for key, value in held.items()} == {
+        key: (type(value), value) for key, value in expected.items()}
