@@ -576,6 +576,22 @@ class PrefillCore:
         state = self._rooms.get(room)
         if state is None or state.token != token:
             return False
+        return self._forget(state)
+
+    def abandon_or_let_go(self, now: float, room: int, token: int) -> tuple[list, bool | None]:
+        """abandon(), and let_go() too where abandon() has nothing to carry out, with one look-up: abandon()'s
+        actions and None (let_go() follows once they are carried out), or no actions and let_go()'s answer."""
+        state = self._rooms.get(room)
+        if state is None or state.token != token:
+            return [], False
+        if state.given_up or (state.stage == CONCLUDED and state.outcome is None):  # abandon() has nothing to do
+            return [], self._forget(state)
+        actions = self._give_up(now, state)
+        return (actions, None) if actions else ([], self.let_go(now, room, token))
+
+    def _forget(self, state: _Room) -> bool:
+        """let_go() of the room `state` held: whether its memory is safe."""
+        room = state.room
         del self._rooms[room]
         if room in self.lanes:  # cleared before the driver settled its lane
             del self.lanes[room]

@@ -296,11 +296,12 @@ class PrefillDriver:
             if self.rooms.get(room) is not record:
                 return None
             now = self.clock()
-            actions = self.core.abandon(now, room, record.token)
+            actions, safe = self.core.abandon_or_let_go(now, room, record.token)
             if actions:  # a cancel: its room's status, as it stands before they are carried out
                 succeeded = self.table.get(room) == TransferPoll.Success
                 self._carry(now, actions)
-            if self.core.let_go(now, room, record.token):
+                safe = self.core.let_go(now, room, record.token)
+            if safe:
                 record.memory_safe = True
             del self.rooms[room]
             status = self.table.clear(room)
