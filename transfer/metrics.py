@@ -357,7 +357,8 @@ class Metrics:
                     self._series(histograms, name, "histogram")
             for name in amounts:
                 series = counters[name]
-                series[()] = series.get((), 0) + amounts[name]
+                # As inc() adds: 0 + amount for a series' first count, without get()'s call.
+                series[()] = series[()] + amounts[name] if () in series else 0 + amounts[name]
             for name, value, index in observed:
                 self._record(histograms[name], (), value, index)
 

@@ -352,12 +352,16 @@ def test_inc_and_inc_all_check_inline_as_check_amount_and_checked_value_do(amoun
                           st.one_of(st.integers(0, 5), st.floats(0, 1e6), st.sampled_from([True, False, -0.0, 0.0]))),
                 max_size=6))
 def test_a_counter_holds_the_sum_of_its_amounts_from_zero(incs):
-    """Each series holds 0 plus each amount inc() added to it, in order, typed as that sum is (True adds 1)."""
-    m = Metrics("ns")
+    """Each series holds 0 plus each amount inc() (or for an unlabelled one, inc_all()) added to it, in order, typed
+    as that sum is (True adds 1)."""
+    m, all_at_once = Metrics("ns"), Metrics("ns")
     expected: dict = {}
     for labels, amount in incs:
         m.inc("a_total", amount, **dict(labels))
+        if not labels:
+            all_at_once.inc_all({"a_total": amount})
         expected[labels] = expected.get(labels, 0) + amount
-    held = m._counters.get("a_total", {})
-    assert {key: (type(value), value) for key, value in held.items()} == {
-        key: (type(value), value) for key, value in expected.items()}
+    for metrics, series in ((m, expected), (all_at_once, {(): expected[()]} if () in expected else {})):
+        held = metrics._counters.get("a_total", {})
+        assert {key: (type(value), value) for key, value in held.items()} == {
+            key: (type(value), value) for key, value in series.items()}
