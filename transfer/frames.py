@@ -490,8 +490,9 @@ class TransferInfo:
                 except UnicodeEncodeError:
                     return self._checked_frames()
                 _last_ask_texts = endpoint, session, dtype, texts
+            pointers = _POINTER_PAIR.pack(emb, ds)  # "=QQ": the two "=Q" packs back to back, with no padding
             parts = [b"%d" % room, texts[0], b"%d" % port, texts[1],
-                     _POINTER.pack(emb), _POINTER.pack(ds), b"%d" % rows, b"%d" % hidden, texts[2],
+                     pointers[:8], pointers[8:], b"%d" % rows, b"%d" % hidden, texts[2],
                      b"1" if self.has_deepstack else b"0", b"%d" % fanout, b"%d" % row_start, b"%d" % span]
             width = self.deepstack_row_bytes
             if width is None:
