@@ -36,7 +36,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, final
 
 from transfer.core.announce import AnnounceBook, Region
 from transfer.core.ask_queue import AskQueues
@@ -139,6 +139,7 @@ class LookUpRoute:
 # __init__ costs a microsecond per field, on the caller's thread.
 
 
+@final
 @dataclass(slots=True)
 class Announce:
     """Push a registration (the room's regions) to the encode rank at `addr`."""
@@ -151,6 +152,7 @@ class Announce:
     frames: list[bytes] = field(repr=False, compare=False)
 
 
+@final
 @dataclass(slots=True)
 class SendAsk:
     """Push the room's TransferInfo to the encode rank at `addr`."""
