@@ -179,6 +179,18 @@ def test_a_room_asked_again_while_an_earlier_asks_statuses_may_come_gets_no_lane
     assert c.lanes == {}
 
 
+def test_a_room_asked_again_while_its_earlier_cancel_is_set_aside_gets_no_lane():
+    """A cancel set aside (its connection lost) still takes late answers: a Success may be the earlier ask's."""
+    c = plain()
+    token = asked(c, 7)
+    c.abandon(1.0, 7, token)  # a cancel goes, unanswered
+    c.clear(1.0, 7, token)
+    c.cancels.set_aside((7, 0))  # as a stale cancel on a connection since lost is
+    assert c.cancels.ghost((7, 0)) and (7, 0) not in c.cancels.awaiting
+    asked(c, 7, 1.2)
+    assert c.lanes == {}
+
+
 # ------------------------------------------------- every core event, with lanes and without
 
 ADDRS = [ENCODE, ("10.0.0.2", 7001), ("10.0.0.4", 7000)]
@@ -265,7 +277,7 @@ def step(c: PrefillCore, event: tuple, now: float, last: list, lanes: bool) -> l
 def books(c: PrefillCore) -> tuple:
     """What a lane must leave as status() would: the rooms, who answered when, cancels, unfenced asks."""
     rooms = sorted((room, s.stage, s.token, s.asked, s.given_up, s.safe, s.outcome) for room, s in c._rooms.items())
-    return (rooms, dict(c._answered_at), dict(c._unfenced_asks), c.cancels.pending, dict(c.cancels._ghosts),
+    return (rooms, dict(c._answered_at), dict(c._unfenced_asks), c.cancels.pending, dict(c.cancels.ghosts),
             dict(c._conns))
 
 

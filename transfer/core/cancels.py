@@ -110,7 +110,8 @@ class CancelBook:
         # whenever they make up most of it, so it holds at most about twice the cancels still awaited
         self._sent: deque[tuple[float, Key, Cancel]] = deque()
         self._sent_compact_at = _MIN_COMPACT
-        self._ghosts: dict[Key, int] = {}  # key set aside -> last answers still to come
+        #: Each key set aside -> its last answers still to come (read, never changed, outside).
+        self.ghosts: dict[Key, int] = {}
         self._answering: dict[Address, None] = {}  # encode ranks seen to answer cancels, least recently heard first
         self._unanswered_since: dict[Address, float] = {}  # when a cancel there last went unanswered
         self._sent_to: dict[Address, _SentCancels] = {}  # each address's cancels, for its silence clock
@@ -130,17 +131,17 @@ class CancelBook:
 
     def full(self) -> str | None:
         """Why no cancel may be sent now (MAX_GHOSTS keys set aside await last answers), or None."""
-        if len(self._ghosts) < MAX_GHOSTS:
+        if len(self.ghosts) < MAX_GHOSTS:
             return None
-        return f"{len(self._ghosts)} cancels set aside still await answers (at most {MAX_GHOSTS})"
+        return f"{len(self.ghosts)} cancels set aside still await answers (at most {MAX_GHOSTS})"
 
     def holds(self, key: Key) -> bool:
         """Whether answers may still come for `key`: cancels await them, or it was set aside."""
-        return key in self.awaiting or key in self._ghosts
+        return key in self.awaiting or key in self.ghosts
 
     def ghost(self, key: Key) -> bool:
         """Whether `key` was set aside and awaits last answers."""
-        return key in self._ghosts
+        return key in self.ghosts
 
     def answers(self, addr: Address) -> bool:
         """Whether the encode rank at `addr` was seen to answer cancels (on its current connection or before)."""
@@ -233,7 +234,7 @@ class CancelBook:
         for cancel in cancels:
             cancel.gone = True
         self._count -= len(cancels)
-        self._ghosts[key] = self._ghosts.get(key, 0) + len(cancels)
+        self.ghosts[key] = self.ghosts.get(key, 0) + len(cancels)
 
     def set_aside_stale(self, now: float, limit: int | None, released: Callable[[Key], list]) -> list:
         """Sets aside the keys of cancels sent STALE_CANCEL_S ago on a connection since lost, at most `limit`
@@ -298,13 +299,13 @@ class CancelBook:
 
     def _ghost_answered(self, key: Key, answer: CancelAnswer) -> None:
         """An answer for a key set aside: a last answer leaves one fewer."""
-        left = self._ghosts.get(key)
+        left = self.ghosts.get(key)
         if left is None or answer is CancelAnswer.TOO_LATE:
             return
         if left > 1:
-            self._ghosts[key] = left - 1
+            self.ghosts[key] = left - 1
         else:
-            del self._ghosts[key]
+            del self.ghosts[key]
 
     def _heard(self, cancel: Cancel) -> None:
         """A cancel got its first answer (or its last): its encode rank answers cancels."""

@@ -1451,8 +1451,9 @@ class PrefillCore:
         if not self.integrity and state.encode_rank is not None and not state.given_up:
             # No earlier ask of the room number may still be told of (`_ignored`, `_unfenced`): none given up
             # without a cancel, even one STALE_CANCEL_S ago, nor one whose cancel awaits answers.
-            asked = (spec.room, state.encode_rank)
-            if asked not in self._unfenced_asks and not self.cancels.holds(asked):
+            asked, cancels = (spec.room, state.encode_rank), self.cancels
+            # cancels.holds(asked), without its call.
+            if asked not in self._unfenced_asks and asked not in cancels.awaiting and asked not in cancels.ghosts:
                 self.lanes[spec.room] = state.encode_rank
         return actions
 
