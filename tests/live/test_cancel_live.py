@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from live_helpers import HOST, wait_until
+import pytest
+from live_helpers import HOST, bootstrap_server, encode_process, stopped, wait_until
 
 from transfer.bootstrap import BootstrapServer
 
@@ -154,3 +155,39 @@ def test_a_room_asked_again_right_after_its_clear_is_served_not_dropped_by_the_o
     finally:
         for item in items:
             encode_engine.unregister(item.data_ptr())
+
+
+@pytest.mark.parametrize("given_up", ["cleared before it concluded", "failed at its deadline"])
+def test_a_given_up_rooms_slot_is_not_leased_again_until_its_encode_rank_confirms_the_cancel(engines, given_up):
+    """The encode rank (its own process) holds the room's ask, then stops (SIGSTOP): it can neither write nor
+    confirm. A late write may still land in the slot, so clear() quarantines it: the pool does not lease it
+    (nor does its quarantine bound free it meanwhile). Once the rank resumes and confirms the cancel, the
+    slot serves the next room."""
+    from transfer.buffers import ReceivePool
+    from transfer.core.failure import FailureKind
+    from transfer.receiver import SessionManager
+    from transfer.status import TransferPoll
+
+    _, prefill_engine = engines
+    rows, hidden = 4, 64
+    slot = rows * hidden * 2
+    deadline_s = 1.0 if given_up == "failed at its deadline" else 60.0
+    with bootstrap_server() as server, encode_process(server.address) as encode, \
+            ReceivePool(prefill_engine, slot, slot, grace_s=0, quarantine_s=600, max_fallback_bytes=0) as slots, \
+            SessionManager(prefill_engine, 0, 1, 1, pool=slots, host=HOST, deadline_s=deadline_s) as manager:
+        handle = manager.receive(1, server.address, rows=rows, hidden=hidden, dtype=BF16)
+        assert wait_until(lambda: encode.call("state")["asks"] == 1, 10), "the ask never reached the rank"
+        with stopped(encode.proc.pid, []):
+            if given_up == "failed at its deadline":
+                assert handle.wait(10) == TransferPoll.Failed and handle.failure_kind is FailureKind.DEADLINE
+            else:
+                assert handle.poll() not in (TransferPoll.Failed, TransferPoll.Success)
+            handle.clear()
+            assert not handle.safe_to_reuse
+            assert slots.stats()["quarantined"] == 1
+            assert slots.lease(slot) is None, "the slot was leased while a late write may still land in it"
+        assert wait_until(lambda: handle.safe_to_reuse, 10), "the encode rank never confirmed the cancel"
+        assert wait_until(lambda: slots.stats()["quarantined"] == 0, 10)
+        following = manager.receive(2, server.address, rows=rows, hidden=hidden, dtype=BF16)
+        assert following.rows.data_ptr() == handle.rows.data_ptr()  # the one slot, free again
+        following.clear()
