@@ -659,15 +659,19 @@ class SessionManager:
             return
         lease = _take_lease(record)
         if lease is not None:
-            # Read after clear(): a confirmation heard meanwhile makes the memory safe already.
-            fate = fate_of(succeeded=succeeded, memory_safe=record.memory_safe, confirmable=True,
-                           copy_out=event is not None)
-            if fate is Fate.FREE and not lease.is_fallback:
-                lease.release(None)  # _give_back() of a slot free at once, without its call and _settle()'s
+            if succeeded and event is None and not lease.is_fallback:
+                # fate_of() frees a room that succeeded, without a copy-out, at once (Fate.FREE): released without its call.
+                lease.release(None)
             else:
-                self._give_back(lease, fate, event)
-            if fate is Fate.QUARANTINE_UNTIL_CONFIRMED:
-                self._driver.when_safe(record, lease.end_quarantine)
+                # Read after clear(): a confirmation heard meanwhile makes the memory safe already.
+                fate = fate_of(succeeded=succeeded, memory_safe=record.memory_safe, confirmable=True,
+                               copy_out=event is not None)
+                if fate is Fate.FREE and not lease.is_fallback:
+                    lease.release(None)  # _give_back() of a slot free at once, without its call and _settle()'s
+                else:
+                    self._give_back(lease, fate, event)
+                if fate is Fate.QUARANTINE_UNTIL_CONFIRMED:
+                    self._driver.when_safe(record, lease.end_quarantine)
         if error is not None:
             raise error
 

@@ -7,14 +7,16 @@ _forget() asks of it: clear() says whether the room succeeded, when_safe() files
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 from fakes import FakeClock, FakeEvent, RecordingEngine
 from hypothesis import given
 from hypothesis import strategies as st
 
 from transfer.buffers import ReceivePool, Slot
+from transfer.core.quarantine import Fate, fate_of
 from transfer.drive.prefill import Room
-from transfer.receiver import SessionManager
+from transfer.receiver import SessionManager, _settle
 
 SLOT = 256
 GRACE = 10.0
@@ -106,3 +108,46 @@ def test_a_cleared_pooled_rooms_memory_is_freed_exactly_when_no_write_can_land_i
             else:
                 clock.advance(QUARANTINE)
             assert not _held_back(pool, clock, lease)
+
+
+class _Lease:
+    """A pool slot or fallback that records what is done with it."""
+
+    def __init__(self, is_fallback: bool) -> None:
+        self.is_fallback = is_fallback
+        self.region = object()
+        self.calls: list[tuple] = []
+
+    def release(self, event=None) -> None:
+        self.calls.append(("release", event))
+
+    def fail(self) -> None:
+        self.calls.append(("fail",))
+
+    def end_quarantine(self) -> None:
+        self.calls.append(("end_quarantine",))
+
+
+@given(succeeded=st.booleans(), memory_safe=st.booleans(), copy_out=st.booleans(), fallback=st.booleans())
+def test_forget_carries_out_exactly_the_fate_fate_of_gives(succeeded, memory_safe, copy_out, fallback):
+    """_forget() frees a room that succeeded, without a copy-out, without asking fate_of(): every room ends as
+    _give_back() of fate_of()'s fate would end it (the lease's calls, a fallback's region record dropped), and
+    waits for its cancel's confirmation exactly when that fate is Fate.QUARANTINE_UNTIL_CONFIRMED."""
+    event = FakeEvent() if copy_out else None
+    fate = fate_of(succeeded=succeeded, memory_safe=memory_safe, confirmable=True, copy_out=copy_out)
+    settled = _Lease(fallback)
+    _settle(settled, fate, event)
+    lease = _Lease(fallback)
+    record = Room(7, started_at=0.0, nbytes=SLOT, lease=lease, token=1, succeeded=succeeded, memory_safe=memory_safe)
+    driver = _Driver(succeeded)
+    manager = _manager(driver)
+    others = SimpleNamespace(embedding=object())
+    manager._region_sets = [others, SimpleNamespace(embedding=lease.region)]
+    manager._forget(record, event)
+    assert lease.calls == settled.calls
+    assert manager._region_sets[0] is others
+    assert len(manager._region_sets) == (1 if fallback else 2), "a fallback's region record outlived it"
+    if fate is Fate.QUARANTINE_UNTIL_CONFIRMED:
+        assert driver.on_safe == lease.end_quarantine
+    else:
+        assert driver.on_safe is None
