@@ -4,7 +4,8 @@
 Breaker, scheduler and parked-ask book behind it as they are); Hypothesis drives both
 with the same events (items with and without ready events, asks that agree or disagree,
 restarts, registrations, cancels, clears, writes that land, fail or are skipped, ticks
-and time past the timeouts) and every answer must be the same, action for action.
+and time past the timeouts) and every answer must be the same, action for action, as
+must be whether each write started and not yet over is still wanted.
 """
 
 from __future__ import annotations
@@ -105,6 +106,10 @@ class StrictCore(EncodeCore):
         wid, self._next_wid = self._next_wid, self._next_wid + 1
         self._writes[wid] = job
         self._out.append(StartWrite(wid, room.room, info.session_id, srcs, dsts, lengths, offer.sources, offer.token))
+
+    def wants(self, wid: int) -> bool:
+        job = self._writes.get(wid)
+        return job is not None and not (job.room.failed or not self._serves(job))
 
     def _pump(self, now: float) -> None:
         if self._closed or self._writes_stopped or not self.scheduler.waiting:
@@ -367,7 +372,7 @@ def _drive(core: EncodeCore, events: list, tokens: list) -> list:
             now += passed
             out = core.tick(now, unread)
         writes += [action.wid for action in out if isinstance(action, StartWrite)]
-        answers.append((out, core.next_wakeup()))
+        answers.append((out, core.next_wakeup(), [core.wants(wid) for wid in writes]))
     return answers
 
 

@@ -714,7 +714,12 @@ class EncodeCore:
         """Whether a started write should still be submitted (its room has not failed meanwhile, and its
         receiver was not superseded)."""
         job = self._writes.get(wid)
-        return job is not None and not self._unwanted(job)
+        if job is None or job.room.failed:
+            return False
+        for info in job.room.receivers:  # not self._unwanted(job), without its call: asked once a write
+            if info is job.info:
+                return True
+        return False
 
     def _unwanted(self, job: _Job) -> bool:
         """Whether a write not submitted yet should never be: its room failed, or its receiver restarted
