@@ -307,7 +307,7 @@ def test_the_pair_catches_a_write_outside_the_room_destination():
     pair.receive(0, 1)
     pair.drain("lookup", "request")
     rec = pair.all_receives[0]
-    stray = StartWrite(99, 1, pair.prefills[0].session, (0x7000_0000 + 1 * 6 * 8,), (rec.ptr + 8,), (8,))
+    stray = StartWrite(99, 1, pair.prefills[0].session, (0x7000_0000 + 1 * 6 * 8,), (rec.ptr + 8,), (8,), 8)
     with pytest.raises(Violation, match="outside that room's destination"):
         pair.land(Flight(0, stray, ()))
 

@@ -105,7 +105,8 @@ class StrictCore(EncodeCore):
             lengths += (info.rows * offer.deepstack_row_bytes,)
         wid, self._next_wid = self._next_wid, self._next_wid + 1
         self._writes[wid] = job
-        self._out.append(StartWrite(wid, room.room, info.session_id, srcs, dsts, lengths, offer.sources, offer.token))
+        self._out.append(StartWrite(wid, room.room, info.session_id, srcs, dsts, lengths, sum(lengths), offer.sources,
+                                    offer.token))
 
     def wants(self, wid: int) -> bool:
         job = self._writes.get(wid)

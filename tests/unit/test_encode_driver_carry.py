@@ -47,7 +47,7 @@ class ScriptedCore:
 
     def action(self, node: int) -> object:
         if self.nodes[node].write:
-            return StartWrite(node, node, "peer:1", (0x1000,), (0x2000,), (64,))
+            return StartWrite(node, node, "peer:1", (0x1000,), (0x2000,), (64,), 64)
         return Warn(str(node), "scripted")
 
     def wants(self, wid: int) -> bool:

@@ -144,6 +144,7 @@ class StartWrite:
     srcs: tuple[int, ...]
     dsts: tuple[int, ...]
     lengths: tuple[int, ...]
+    nbytes: int  # sum(lengths)
     sources: tuple = ()
     token: Any = None  # the send's, as Progress and Conclude carry it: its stages are stamped on it
 
@@ -1195,14 +1196,17 @@ class EncodeCore:
             return
         srcs: tuple[int, ...] = (offer.src_addr + info.row_start * offer.row_bytes,)
         dsts: tuple[int, ...] = (info.embedding_ptr,)
-        lengths: tuple[int, ...] = (info.rows * offer.row_bytes,)
+        nbytes = info.rows * offer.row_bytes
+        lengths: tuple[int, ...] = (nbytes,)
         if offer.deepstack_addr is not None:
             srcs += (offer.deepstack_addr + info.row_start * offer.deepstack_row_bytes,)
             dsts += (info.deepstack_ptr,)
             lengths += (info.rows * offer.deepstack_row_bytes,)
+            nbytes += lengths[1]
         wid, self._next_wid = self._next_wid, self._next_wid + 1
         self._writes[wid] = job
-        self._out.append(StartWrite(wid, offer.room, info.session_id, srcs, dsts, lengths, offer.sources, offer.token))
+        self._out.append(StartWrite(wid, offer.room, info.session_id, srcs, dsts, lengths, nbytes, offer.sources,
+                                    offer.token))
 
     def _skip(self, job: _Job, kind: FailureKind, detail: str, now: float) -> None:
         """Fails the room of a write that will not start, and lets go of its turn and destinations."""

@@ -911,7 +911,7 @@ class EncodeDriver:
                                   for region, addr, n in zip(write.sources, write.srcs, write.lengths))
             except Exception as exc:  # noqa: BLE001 - e.g. a device error: this room only
                 answer = self.core.checksum_failed(write.wid, str(exc), self.clock())
-        nbytes = sum(write.lengths)
+        nbytes = write.nbytes
         self.polls.started(nbytes, submitted_at)
         self._flights.append(_Flight(write.wid, batch, write.session_id, nbytes, checksums, submitted_at,
                                      write.srcs, write.lengths))
