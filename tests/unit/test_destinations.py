@@ -142,3 +142,45 @@ def test_a_hold_answers_held_ranges_as_the_named_tuple_builds_them(spans):
     assert held == tuple(Held(start, end, seq) for (start, end), seq in zip(ranges, range(1, len(ranges) + 1)))
     assert [(one.start, one.end, one.seq) for one in held] == [(start, end, one.seq) for (start, end), one in
                                                                 zip(ranges, held)]
+
+
+class StrictBook(DestinationBook):
+    """DestinationBook with free() letting go of each range through _free_one(), its session looked up each time."""
+
+    def free(self, session: str, held: tuple[Held, ...]) -> None:
+        for one in held:
+            self._quarantined.pop(one.seq, None)
+            self._free_one(session, one)
+
+
+def _state(book: DestinationBook) -> tuple:
+    return ({session: (list(entry.spans), entry.longest) for session, entry in book._sessions.items()},
+            list(book._quarantined.items()))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.tuples(st.just("hold"), st.sampled_from("ab"), st.integers(0, 4), _ranges),
+                          st.tuples(st.sampled_from(["free", "free again", "quarantine"]), st.integers(0, 30)),
+                          st.tuples(st.just("expire"), st.integers(0, 3))), max_size=40),
+       st.integers(1, 4))
+def test_free_leaves_the_book_as_freeing_each_range_alone_does(steps, limit):
+    books = DestinationBook(quarantine_limit=limit), StrictBook(quarantine_limit=limit)
+    held: list[tuple[str, tuple, tuple]] = []  # (session, each book's hold(), ...)
+    for step in steps:
+        if step[0] == "hold":
+            _, who, number, ranges = step
+            held.append((who, *(book.hold(who, number, ranges) for book in books)))
+        elif step[0] == "expire":
+            for book in books:
+                book.expire(float(step[1]))
+        elif held:
+            i = step[1] % len(held)
+            who, *handles = held[i]
+            for book, handle in zip(books, handles):
+                if step[0] == "quarantine":
+                    book.quarantine(who, handle, until=float(i % 4))
+                else:
+                    book.free(who, handle)
+            if step[0] == "free":
+                del held[i]
+        assert _state(books[0]) == _state(books[1])

@@ -78,10 +78,18 @@ class DestinationBook:
     def free(self, session: str, held: tuple[Held, ...]) -> None:
         """Lets go of ranges hold() filed for `session`."""
         quarantined = self._quarantined
+        # _free_one() of each range, with the session's entry looked up once: a range it no longer has is left.
+        entry = self._sessions.get(session)
         for one in held:
             if quarantined:  # a range held by a write that failed may be among them
                 quarantined.pop(one.seq, None)
-            self._free_one(session, one)
+            if entry is not None:
+                spans = entry.spans
+                index = bisect.bisect_left(spans, (one.start, one.end, one.seq))
+                if index < len(spans) and spans[index][2] == one.seq:
+                    del spans[index]
+        if entry is not None and not entry.spans:
+            del self._sessions[session]
 
     def _free_one(self, session: str, held: Held) -> None:
         """Lets go of one range hold() filed for `session`, if the book still has it."""
