@@ -1218,7 +1218,8 @@ class EncodeCore:
         """One receiver's write is over: its destinations are free, and its room may conclude."""
         if job in job.room.queued:
             job.room.queued.remove(job)
-        self._free_ranges(job)
+        self._destinations.free(job.info.session_id, job.ranges)  # _free_ranges(job), without its call
+        job.ranges = ()
         self._receiver_done(job.room, now)
 
     def _free_ranges(self, job: _Job) -> None:
