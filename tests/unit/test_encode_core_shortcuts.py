@@ -149,7 +149,8 @@ class StrictCore(EncodeCore):
             due = min(due, held.cancelled_at + REASK_GRACE_S)
         return due
 
-    def _dispatch(self, room_number: int, now: float, asked: TransferInfo | None = None) -> None:
+    def _dispatch(self, room_number: int, now: float, asked: TransferInfo | None = None,
+                  room: _Room | None = None) -> None:  # the room looked up here, whatever the caller holds
         asks = self.parked.get(room_number)
         if asks is None:
             return

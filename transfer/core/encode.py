@@ -424,7 +424,7 @@ class EncodeCore:
         if cancelled is not None:  # its receiver may be asking for it again right now: the item waits for it
             self._held[offer.room] = _HeldItem(cancelled.session, cancelled.cancelled_at, room)
         self._unserved.add(offer.room)
-        self._dispatch(offer.room, now)
+        self._dispatch(offer.room, now, room=room)
         return self._flush(now)
 
     def clear(self, room: int, token: Any, now: float) -> list:
@@ -526,9 +526,9 @@ class EncodeCore:
         for dropped in admission.dropped:
             self._drop_over_share(dropped, now)
         # An ask before its item has nothing to start: _dispatch() would find no room (only offer() and
-        # clear() file and forget one, never an ask's rules).
+        # clear() file and forget one, never an ask's rules, so `room` is still the one filed).
         if room is not None:
-            self._dispatch(info.room, now, asked=info)
+            self._dispatch(info.room, now, asked=info, room=room)
         return self._flush(now)
 
     def _drop_over_share(self, dropped: TransferInfo, now: float) -> None:
@@ -997,7 +997,8 @@ class EncodeCore:
 
     # ------------------------------------------------------------ rules
 
-    def _dispatch(self, room_number: int, now: float, asked: TransferInfo | None = None) -> None:
+    def _dispatch(self, room_number: int, now: float, asked: TransferInfo | None = None,
+                  room: _Room | None = None) -> None:
         """Starts the room's writes once the item is here and its whole fanout asked.
 
         Asks for a room that already failed are answered Failed at once: nothing will
@@ -1009,11 +1010,14 @@ class EncodeCore:
         agreed on the fanout (each was held to the others when it came, or when the item
         did), so it alone is held to one of them: an ask costs the same however many of
         its room's receivers asked before it, and the fanout is sorted once, when complete.
+
+        `room`: the room filed under `room_number`, when the caller holds it already (None: looked up here).
         """
         asks = self.parked.get(room_number)
         if asks is None:
             return
-        room = self._rooms.get(room_number)
+        if room is None:
+            room = self._rooms.get(room_number)
         if room is None or room.succeeded or (room.receivers and not room.failed and not room.orphans):
             return  # a served room's sources may be released: later asks wait for its next send
         # Read before the newcomers' asks are dropped below.
