@@ -41,6 +41,18 @@ def test_at_most_depth_start_oldest_first_and_a_finished_one_frees_a_slot():
     assert [j.name for j in _pick(sched).start] == ["w2"] and len(sched) == 0
 
 
+def test_a_session_whose_writes_in_flight_are_all_over_is_no_longer_held():
+    sched = WriteScheduler(depth=4, bound_s=10.0)
+    for session in "ab":
+        sched.push(Job(f"{session}0"), session, asked_at=0.0)
+        sched.push(Job(f"{session}1"), session, asked_at=0.0)
+    assert len(_pick(sched).start) == 4
+    sched.finished("a")
+    assert sched.flying("a") == 1 and sched.flying("b") == 2
+    sched.finished("a")
+    assert sched.flying("a") == 0 and list(sched._flying) == ["b"]  # a book of the sessions ever written: unbounded
+
+
 def test_a_session_at_its_share_lets_other_sessions_go_first():
     sched = WriteScheduler(depth=4, bound_s=10.0)  # share 3
     for i in range(5):
@@ -208,7 +220,7 @@ class _LookedAtAll(WriteScheduler):
     def _visit(self, session, pick):
         queue = self._queues[session]
         allowance = min(self.visit_work, self.turn_work - self._turn[session], self.pick_work - pick.work)
-        opened = self._flying[session] < self.session_slots
+        opened = self._flying.get(session, 0) < self.session_slots
         held = []
         looked, moved, started = 0, False, False
         while queue and looked < allowance:
@@ -239,7 +251,7 @@ class _LookedAtAll(WriteScheduler):
                 continue
             pick.started.append((seq, job))
             self.in_flight += 1
-            self._flying[session] += 1
+            self._flying[session] = self._flying.get(session, 0) + 1
             started = True
         unseen = bool(held) and bool(queue) and queue[0][0] not in pick.seen
         queue.extend(held)

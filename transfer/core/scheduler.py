@@ -77,7 +77,9 @@ class WriteScheduler:
         self.pick_work, self.turn_work, self.visit_work = MAX_PICK_WORK, turn_work, VISIT_WORK
         self._queues: dict[Hashable, deque[tuple[int, Any, float]]] = {}  # session -> (seq, job, asked at)
         self._ring: deque[Hashable] = deque()  # sessions with waiting jobs, the next to visit first
-        self._flying: Counter[Hashable] = Counter()  # jobs in flight per session
+        # Jobs in flight per session, a session with none left out: a dict, whose del (unlike a Counter's)
+        # is no Python call.
+        self._flying: dict[Hashable, int] = {}
         self._turn: Counter[Hashable] = Counter()  # jobs looked at this turn per session
         self.waiting = 0  # jobs waiting (read it; the scheduler keeps it)
         self._seq = 0
@@ -96,9 +98,12 @@ class WriteScheduler:
     def finished(self, session: Hashable) -> None:
         """A started job is over (settled or failed): its slot is free."""
         self.in_flight -= 1
-        self._flying[session] -= 1
-        if not self._flying[session]:
-            del self._flying[session]
+        flying = self._flying
+        left = flying[session] - 1
+        if left:
+            flying[session] = left
+        else:
+            del flying[session]
 
     def new_turn(self) -> None:
         """The driver's next turn: every session may be looked at again."""
@@ -135,7 +140,8 @@ class WriteScheduler:
         those whose item is not ready to the back; True on any change or when jobs this pick
         has not looked at came to the front."""
         queue = self._queues[session]
-        # The Counters read with `in` first: their [] of a session they lack calls Counter.__missing__.
+        # The counts read with `in` first: a Counter's [] of a session it lacks calls Counter.__missing__
+        # (and `flying`, a dict, has no such session).
         turn, flying = self._turn, self._flying
         turn_left = self.turn_work - turn[session] if session in turn else self.turn_work
         pick_left = self.pick_work - pick.work
@@ -205,7 +211,7 @@ class WriteScheduler:
 
     def flying(self, session: Hashable) -> int:
         """Jobs in flight for `session`."""
-        return self._flying[session]
+        return self._flying.get(session, 0)
 
     def __len__(self) -> int:
         """Jobs waiting."""
