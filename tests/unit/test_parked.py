@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from transfer.core import parked as parked_module
 from transfer.core.parked import ASK_OVERHEAD_BYTES, ParkedAsks, ask_cost
 
 
@@ -13,8 +14,9 @@ def test_an_ask_costs_its_text_and_a_fixed_part():
 from transfer.frames import TransferInfo
 
 
-def _ask(room: int, session: str = "s0", fanout: int = 1, endpoint: str = "10.0.0.7") -> TransferInfo:
-    return TransferInfo(room, endpoint, 5000, session, 0x10000, 0, 4, 256, "torch.bfloat16", False, fanout, 0, 4)
+def _ask(room: int, session: str = "s0", fanout: int = 1, endpoint: str = "10.0.0.7",
+         dtype: str = "torch.bfloat16") -> TransferInfo:
+    return TransferInfo(room, endpoint, 5000, session, 0x10000, 0, 4, 256, dtype, False, fanout, 0, 4)
 
 
 def test_asks_of_a_room_collect_by_session_and_a_repeat_replaces():
@@ -131,7 +133,8 @@ def test_a_session_past_its_share_of_the_bytes_drops_its_own_oldest_asks_but_nev
 _SESSIONS = ("a", "b", "c")
 _OPS = st.lists(st.one_of(
     st.tuples(st.just("add"), st.integers(0, 3), st.sampled_from(_SESSIONS), st.integers(1, 3),
-              st.sampled_from(("10.0.0.7", "10.0.0.777"))),
+              st.sampled_from(("10.0.0.7", "10.0.0.777", "10.0.0.8")),
+              st.sampled_from(("torch.bfloat16", "torch.int8"))),
     st.tuples(st.just("drop_ask"), st.integers(0, 3), st.sampled_from(_SESSIONS)),
     st.tuples(st.just("drop_session"), st.sampled_from(_SESSIONS)),
     st.tuples(st.just("take"), st.integers(0, 3)),
@@ -139,19 +142,30 @@ _OPS = st.lists(st.one_of(
 ), max_size=60)
 
 
-@example(ops=[("add", 0, "a", 2, "10.0.0.7"), ("add", 1, "a", 2, "10.0.0.7"), ("add", 1, "b", 2, "10.0.0.7"),
-              ("take", 0), ("take", 1)], max_rooms=8, max_bytes=20)  # a session in two rooms, taken one by one
+@example(ops=[("add", 0, "a", 2, "10.0.0.7", "torch.bfloat16"), ("add", 1, "a", 2, "10.0.0.7", "torch.bfloat16"),
+              ("add", 1, "b", 2, "10.0.0.7", "torch.bfloat16"), ("take", 0), ("take", 1)],
+         max_rooms=8, max_bytes=20, costs_kept=4096)  # a session in two rooms, taken one by one
 @settings(max_examples=300, deadline=None)
-@given(ops=_OPS, max_rooms=st.integers(2, 8), max_bytes=st.integers(3, 20))
-def test_each_rooms_fanout_first_ask_and_bytes_stay_those_of_its_parked_asks(ops, max_rooms, max_bytes):
-    """Whatever comes and goes (repeats, drops, evictions under tight bounds, all taken at once), a room's
-    fanout is its first parked ask's, every byte count is the sum of its parked asks' costs, and `get` (the
-    room dict's own) finds exactly the rooms parked."""
+@given(ops=_OPS, max_rooms=st.integers(2, 8), max_bytes=st.integers(3, 20), costs_kept=st.integers(1, 4))
+def test_each_rooms_fanout_first_ask_and_bytes_stay_those_of_its_parked_asks(ops, max_rooms, max_bytes, costs_kept):
+    """Whatever comes and goes (repeats, drops, evictions under tight bounds, all taken at once, asks of a
+    session with other endpoints and dtypes, costs kept for few sessions), a room's fanout is its first parked
+    ask's, every byte count is the sum of its parked asks' costs, and `get` (the room dict's own) finds exactly
+    the rooms parked."""
+    kept_before = parked_module.MAX_COSTS_KEPT
+    parked_module.MAX_COSTS_KEPT = costs_kept
+    try:
+        _hold_counts(ops, max_rooms, max_bytes)
+    finally:
+        parked_module.MAX_COSTS_KEPT = kept_before
+
+
+def _hold_counts(ops: list, max_rooms: int, max_bytes: int) -> None:
     parked = ParkedAsks(max_rooms=max_rooms, max_bytes=max_bytes * ASK_OVERHEAD_BYTES)
     for now, (op, *args) in enumerate(ops):
         if op == "add":
-            room, session, fanout, endpoint = args
-            parked.add(_ask(room, session, fanout=fanout, endpoint=endpoint), now=float(now))
+            room, session, fanout, endpoint, dtype = args
+            parked.add(_ask(room, session, fanout=fanout, endpoint=endpoint, dtype=dtype), now=float(now))
         else:
             getattr(parked, op)(*args)
         total = 0

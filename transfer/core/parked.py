@@ -32,6 +32,9 @@ MAX_RECEIVERS_PER_ROOM = 1024
 MAX_PARKED_BYTES = 64 << 20
 ASK_OVERHEAD_BYTES = 512  # a parked TransferInfo with short text parts takes about this much
 
+#: Sessions whose latest ask's cost is kept (past it they are all forgotten, and computed again).
+MAX_COSTS_KEPT = 4096
+
 
 def session_share(bound: int) -> int:
     """What one receiver session may hold of a bound on parked asks (rooms or bytes): a quarter, at least 1.
@@ -111,6 +114,9 @@ class ParkedAsks:
         self.get = self._rooms.get  # type: ignore[method-assign,assignment]
         self._by_session: dict[str, _Mine] = {}  # the rooms each session has an ask parked in
         self.nbytes = 0
+        # Session -> (endpoint, dtype, ask_cost) of its latest ask: its asks repeat both strings, and
+        # equal strings have equal lengths, so the cost is read back without ask_cost()'s three len() calls.
+        self._costs_of: dict[str, tuple[str, str, int]] = {}
 
     def add(self, info: TransferInfo, now: float) -> Admission:
         """Parks `info` for its room (a session's repeat replaces its earlier ask).
@@ -145,7 +151,15 @@ class ParkedAsks:
         infos[session] = info
         asks.last_at = now
         mine.rooms[room] = None
-        cost = len(info.endpoint) + len(info.session_id) + len(info.dtype) + ASK_OVERHEAD_BYTES  # ask_cost(info)
+        costs_of = self._costs_of
+        kept = costs_of[session] if session in costs_of else None
+        if kept is not None and kept[0] == info.endpoint and kept[1] == info.dtype:
+            cost = kept[2]
+        else:
+            cost = ask_cost(info)
+            if len(costs_of) >= MAX_COSTS_KEPT:
+                costs_of.clear()
+            costs_of[session] = (info.endpoint, info.dtype, cost)
         costs[session], cost = cost, cost - (costs[session] if session in costs else 0)  # less its repeat's
         asks.nbytes += cost
         mine.nbytes += cost
