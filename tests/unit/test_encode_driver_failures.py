@@ -12,7 +12,7 @@ import math
 import pytest
 
 from transfer import _io
-from transfer.core.encode import EncodeCore, Offer
+from transfer.core.encode import EncodeCore, Offer, StartWrite
 from transfer.drive import encode as drive
 from transfer.drive.encode import EncodeDriver, RoomBook, RoomState, SourceRegistry
 from transfer.metrics import Metrics
@@ -428,3 +428,33 @@ def test_a_source_overlapping_a_registration_no_room_holds_any_more_is_registere
     assert engine.regions == {0x100000 + 128: 512} and sources.dropping == 0
     release()
     assert engine.regions == {}
+
+
+class SyncEngine(FakeEngine):
+    """An engine without an async API: write() returns once the write is over."""
+
+    def write(self, session: str, srcs, dsts, lens) -> None:
+        self.events.append(("write", session, tuple(srcs), tuple(dsts), tuple(lens)))
+
+
+class AsyncEngine(SyncEngine):
+    """An engine whose write_async() answers batch 42."""
+
+    def write_async(self, session: str, srcs, dsts, lens) -> int:
+        self.events.append(("write_async", session, tuple(srcs), tuple(dsts), tuple(lens)))
+        return 42
+
+
+class WantingCore(FakeCore):
+    def wants(self, wid: int) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("kind, call, batch", [(AsyncEngine, "write_async", 42), (SyncEngine, "write", 0)])
+def test_a_write_goes_to_the_engines_async_call_or_to_its_synchronous_one_without(make_driver, kind, call, batch):
+    engine = kind()
+    driver = make_driver(WantingCore(), engine)
+    assert driver._start(StartWrite(5, 1, "s1", (0x9000, 0xA000), (0x2000, 0x3000), (256, 64), 320)) == []
+    assert engine.events == [(call, "s1", (0x9000, 0xA000), (0x2000, 0x3000), (256, 64))]
+    [flight] = driver._flights
+    assert (flight.wid, flight.batch, flight.session, flight.nbytes) == (5, batch, "s1", 320)

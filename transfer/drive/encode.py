@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -894,8 +894,13 @@ class EncodeDriver:
         if not self.core.wants(write.wid):
             return self.core.write_skipped(write.wid, self.clock())
         submitted_at = self.clock()
+        write_async = self._write_async
         try:
-            batch = self._submit(write.session_id, write.srcs, write.dsts, write.lengths)
+            if write_async is not None:
+                batch = write_async(write.session_id, write.srcs, write.dsts, write.lengths)
+            else:  # an engine without an async API writes synchronously here (batch 0: nothing to poll)
+                self.engine.write(write.session_id, write.srcs, write.dsts, write.lengths)
+                batch = 0
         except Exception as exc:  # noqa: BLE001 - any failure concludes the room
             now = self.clock()
             return self.core.write_failed(write.wid, str(exc), now - submitted_at, now, blocking=True)
@@ -916,14 +921,6 @@ class EncodeDriver:
         self._flights.append(_Flight(write.wid, batch, write.session_id, nbytes, checksums, submitted_at,
                                      write.srcs, write.lengths))
         return answer
-
-    def _submit(self, session_id: str, srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int]) -> int:
-        """Starts a batch write; engines without an async API write synchronously here (id 0)."""
-        write_async = self._write_async
-        if write_async is None:
-            self.engine.write(session_id, srcs, dsts, lengths)
-            return 0
-        return write_async(session_id, srcs, dsts, lengths)
 
     def _settle(self) -> bool:
         """Settles the writes that completed; True when any did.
