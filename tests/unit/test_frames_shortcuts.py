@@ -516,3 +516,11 @@ def test_to_frames_agrees_with_the_strict_encoders_ask_after_ask(asks):
         info = dataclasses.replace(INFO, endpoint=ENDPOINTS[endpoint], session_id=SESSIONS[session],
                                    dtype=DTYPES[dtype])
         assert outcome(info.to_frames) == outcome(info._checked_frames)
+
+
+@pytest.mark.parametrize("row_start, rows", [(-1, 3), (0, -1), (3, 2), (-2, -1)])
+def test_validate_fanout_names_a_shard_outside_the_item_as_the_rules_read_one_at_a_time_do(row_start, rows):
+    infos = [TransferInfo(5, "h", 1, "s0", 0, 0, 2, 64, "torch.int8", False, 2, 0, 4),
+             TransferInfo(5, "h", 1, "s1", 0, 0, rows, 64, "torch.int8", False, 2, row_start, 4)]
+    reason = validate_fanout(4, 64, "torch.int8", False, infos, 2)
+    assert reason == rule_by_rule(4, 64, "torch.int8", False, infos, 2, None) and "outside [0, 4)" in reason
