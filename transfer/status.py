@@ -68,11 +68,14 @@ class RoomTable:
 
     def start(self, room: int, status: TransferPoll = TransferPoll.Bootstrapping) -> TransferPoll:
         """Begin tracking `room`; on a room already tracked this only advances it (Failed stays)."""
+        statuses = self._status
         with self._lock:
-            old = self._status.get(room)
-            # advance(None, status) is status, once a member.
-            now = status if old is None and type(status) is TransferPoll else advance(old, status)
-            self._status[room] = now
+            # A room not tracked takes a member as it is (advance(None, status) is status): no dict.get() call.
+            if room not in statuses and type(status) is TransferPoll:
+                statuses[room] = status
+                return status
+            now = advance(statuses.get(room), status)
+            statuses[room] = now
             return now
 
     def update(self, room: int, status: TransferPoll, reason: Failure | str | None = None) -> TransferPoll | None:
@@ -81,15 +84,16 @@ class RoomTable:
         A plain-text `reason` is kept as a Failure of kind OTHER."""
         if reason is not None and isinstance(reason, str):
             reason = Failure(FailureKind.OTHER, reason)
+        statuses = self._status
         with self._lock:
-            old = self._status.get(room)
-            if old is None:
+            if room not in statuses:
                 return None
+            old = statuses[room]  # a tracked room's, read by key without dict.get()'s call
             if type(status) is TransferPoll and status is not _FAILED and old is not _FAILED:
                 now = status if status > old else old  # advance() of members, neither Failed, without its call
             else:
                 now = advance(old, status)
-            self._status[room] = now
+            statuses[room] = now
             # is_terminal(now) and not is_terminal(old), of members
             if (now is _SUCCESS or now is _FAILED) and old is not _SUCCESS and old is not _FAILED:
                 self._concluded[room] = None
