@@ -1325,10 +1325,10 @@ class PrefillCore:
     def _route(self, now: float, state: _Room, defer: bool = False) -> list:
         """Finds the room's encode rank, from the caches or by a look-up."""
         bootstrap = state.spec.bootstrap_addr
-        sizes = self._parallel.get(bootstrap)
-        if sizes is None:
+        # The caches hold no None: each is read by key once `in` found it, without dict.get()'s call.
+        if bootstrap not in self._parallel:
             return self._look_up(now, state, bootstrap, None)
-        encode_tp, encode_dp = sizes
+        encode_tp, encode_dp = self._parallel[bootstrap]
         local_tp = self.tp_size // self.dp_size
         if local_tp % encode_tp:
             return self._conclude(state, Failure(
@@ -1345,10 +1345,9 @@ class PrefillCore:
         # statuses and cancel answers carry (SPEC.md sections 4.3 and 5).
         state.encode_rank = group * group_size + tp_rank
         key = state.route_key = (bootstrap, group, tp_rank)
-        addr = self._routes.get(key)
-        if addr is None:
+        if key not in self._routes:
             return self._look_up(now, state, bootstrap, key)
-        return self._ask(now, state, addr, defer)
+        return self._ask(now, state, self._routes[key], defer)
 
     def _look_up(self, now: float, state: _Room, bootstrap: str, key: RouteKey | None) -> list:
         """Files the room behind a look-up, starting one unless one is under way."""
@@ -1432,7 +1431,7 @@ class PrefillCore:
         emb, ds = regions.embedding, regions.deepstack
         if not conn_current:
             state.conn = self._conn_of(addr)  # it goes on the address's connection of now, not of when it queued
-        state.instance = self._instances.get(key)
+        state.instance = self._instances[key] if key in self._instances else None  # .get(key), without its call
         region, lengths = (emb.addr, ds.addr if ds else 0), (emb.nbytes, ds.nbytes if ds else 0)
         if self.announcements.needs(addr, region, lengths):
             frames = registration_frames(self.host, self.status_port, self.session_id, *region, *lengths)
