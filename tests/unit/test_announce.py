@@ -95,3 +95,23 @@ def test_needs_is_what_the_ranks_announcements_hold(ops, window, reannounce_afte
                     known = book._ranks.get(asked)
                     assert book.needs(asked, other, other_lengths) == (
                         known is None or not known.holds(other, other_lengths))
+
+
+_RANKS = st.sampled_from(["rank0", "rank1"])
+_REGIONS = st.tuples(st.sampled_from([0x1000, 0x2000, 0x3000]), st.sampled_from([0, 0x9000]))
+_LENGTHS = st.tuples(st.sampled_from([64, 128]), st.sampled_from([0, 256]))
+_BOOK_OPS = st.lists(st.one_of(
+    st.tuples(st.just("announced"), _RANKS, _REGIONS, _LENGTHS),
+    st.tuples(st.just("withdraw"), _RANKS, _REGIONS),
+    st.tuples(st.just("forget"), _RANKS),
+), max_size=30)
+
+
+@given(_BOOK_OPS, st.integers(2, 4), _RANKS, _REGIONS, _LENGTHS)
+def test_needs_is_what_the_ranks_announcements_hold(ops, window, rank, region, lengths):
+    """needs() reads the rank's announcement by key: exactly not Announcements.holds(), True for a rank never told."""
+    book = AnnounceBook(window=window, reannounce_after=window // 2)
+    for op, *args in [("forget", "nobody"), *ops]:
+        getattr(book, op)(*args)
+        known = book._ranks.get(rank)
+        assert book.needs(rank, region, lengths) == (known is None or not known.holds(region, lengths))

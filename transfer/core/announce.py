@@ -60,11 +60,15 @@ class AnnounceBook:
 
     def needs(self, rank: Hashable, region: Region, lengths: Lengths) -> bool:
         """Whether the region must be announced to `rank` before a room may land in it."""
-        known = self._ranks.get(rank)
-        if known is None:
+        # known.holds(region, lengths), read by key with `in` (the books hold no None), without a call.
+        if rank not in self._ranks:
             return True
-        entry = known.regions.get(region)  # not known.holds(region, lengths), without its call
-        return entry is None or entry[0] != lengths or known.count - entry[1] >= known.reannounce_after
+        known = self._ranks[rank]
+        regions = known.regions
+        if region not in regions:
+            return True
+        entry = regions[region]
+        return entry[0] != lengths or known.count - entry[1] >= known.reannounce_after
 
     def announced(self, rank: Hashable, region: Region, lengths: Lengths) -> None:
         """Records that `rank` was told of the region."""
