@@ -438,8 +438,11 @@ class PrefillCore:
 
     def asking(self, room: int, token: int) -> bool:
         """Whether the room's ask may go out now (held, not concluded, not waiting in a queue)."""
-        state = self._rooms.get(room)
-        return state is not None and state.token == token and state.stage == ASKED
+        rooms = self._rooms
+        if room not in rooms:  # then read by key, without dict.get()'s call
+            return False
+        state = rooms[room]
+        return state.token == token and state.stage == ASKED
 
     def waiting(self, addr: Address) -> int:
         """Asks waiting for `addr`'s socket to take them."""

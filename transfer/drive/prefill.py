@@ -873,7 +873,8 @@ class PrefillDriver:
             return []
         if type(action) is SendAsk and not self.core.asking(action.room, action.token):
             return []  # concluded or cleared since the ask was made: its memory is not ours to offer
-        sock = self._sockets.get(addr)
+        sockets = self._sockets
+        sock = sockets[addr] if addr in sockets else None  # sockets.get(addr), without its call
         if sock is None:
             try:
                 sock = _io.push_socket(*addr, immediate=True, reconnect_max_ms=_io.STATUS_RECONNECT_MAX_MS)
@@ -914,7 +915,8 @@ class PrefillDriver:
                 FailureKind.OTHER, f"room {action.room}: asking for it failed: {type(exc).__name__}: {exc}"))
         if type(action) is SendAsk:
             self.table.update(action.room, TransferPoll.WaitingForInput)
-            record = self.rooms.get(action.room)
+            rooms = self.rooms
+            record = rooms[action.room] if action.room in rooms else None  # rooms.get(), without its call
             if record is not None and record.token == action.token and record.asked_at is None:
                 record.asked_at = sent_at
         return []
