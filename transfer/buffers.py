@@ -237,17 +237,29 @@ class Slot:
             if type(n) is not int:  # a shape of exact ints is kept as it is (int() of each is itself)
                 shape = tuple([int(n) for n in shape])
                 break
-        count = 1
+        count, dims = 1, 0
         for n in shape:
             if n < 0:
                 raise ConfigError(f"{self._name()}: negative dimension in shape {shape}")
             count *= n
+            dims += 1
         if type(dtype) is not torch.dtype:
             raise ConfigTypeError(f"{self._name()}: dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
         need = count * dtype.itemsize
         if need > self.nbytes:
             raise ConfigError(f"{self._name()}: shape {shape} of {dtype} needs {need} bytes, "
                              f"the slot holds {self.nbytes}")
+        if dims == 2 and not self.is_fallback:
+            # A slot starting on a row boundary of the pool's rows of this width and dtype (kept, for the last
+            # geometry asked): those rows, sliced; the same elements, offset, shape and strides as below.
+            rows, width = shape
+            kept = self._pool._rows
+            if kept is None or kept[0] is not dtype or kept[1] != width:
+                kept = self._pool._rows_of(dtype, width)
+            row_bytes = kept[2]
+            if row_bytes and not self._offset % row_bytes:
+                first = self._offset // row_bytes
+                return kept[3][first : first + rows]
         # A slot's bytes are cut from the pool's byte view of its region (made once), a fallback's from its own.
         flat = self.region.tensor.reshape(-1).view(torch.uint8) if self.is_fallback else self._pool._bytes
         return flat[self._offset : self._offset + need].view(dtype).view(shape)
@@ -350,6 +362,8 @@ class ReceivePool:
         engine.register(tensor)
         self.region = Region(tensor.data_ptr(), int(nbytes), self.device, tensor)
         self._bytes = tensor.reshape(-1).view(torch.uint8)  # the region's bytes, which its slots' views cut
+        # (dtype, width, row bytes, the region's whole rows of `width` elements of `dtype`): see _rows_of().
+        self._rows: tuple[torch.dtype, int, int, torch.Tensor] | None = None
         self._closed = False
         # Free slot numbers, oldest-returned first: spreads reuse over the whole pool.
         self._free: deque[int] = deque(range(self.slots))
@@ -367,6 +381,15 @@ class ReceivePool:
         self._fallback_bytes = 0
         self._retired: list[Region] = []  # fallbacks close() unregistered; freed with the pool
         self._seq = _entry_numbers
+
+    def _rows_of(self, dtype: torch.dtype, width: int) -> tuple[torch.dtype, int, int, torch.Tensor]:
+        """The region's whole rows of `width` elements of `dtype` as one 2-D tensor (no rows for a width of 0),
+        kept for the next Slot.view() of that geometry; a slot's rows are a slice of it."""
+        row_bytes = width * dtype.itemsize
+        whole = self._bytes[: self.region.nbytes - self.region.nbytes % row_bytes] if row_bytes else self._bytes[:0]
+        kept = (dtype, width, row_bytes, whole.view(dtype).view(-1, width) if row_bytes else whole)
+        self._rows = kept  # one assignment: a thread reading it sees one geometry whole
+        return kept
 
     # -- leasing ------------------------------------------------------------
 

@@ -424,6 +424,32 @@ def test_a_view_cuts_the_bytes_its_region_holds_at_its_offset(engine, clock, lea
                 assert _layout(view) == _layout(by_region.view(tuple(shape)))
 
 
+_DTYPES = st.sampled_from([torch.uint8, torch.bfloat16, torch.float32, torch.float64, torch.int16])
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 9), st.sampled_from([0, 1, 2, 3, 4, 8, 16, 64, 300]),
+                          _DTYPES), min_size=1, max_size=12))
+def test_a_slots_rows_are_the_bytes_cut_typed_and_shaped_whatever_geometry_came_before(engine, clock, views):
+    """A 2-D view of a slot, sliced from the pool's rows of its geometry (kept for the last geometry asked), is
+    the slot's bytes cut at its offset, typed and shaped: the same elements of the region, laid out and typed
+    alike, one geometry after another."""
+    with make_pool(engine, clock, slots=4) as pool:
+        slots = [pool.lease(SLOT) for _ in range(4)]
+        for index, rows, width, dtype in views:
+            slot = slots[index]
+            need = rows * width * dtype.itemsize
+            if need > slot.nbytes:
+                continue
+            offset = slot.addr - slot.region.addr
+            by_bytes = pool._bytes[offset: offset + need].view(dtype).view((rows, width))
+            view = slot.view((rows, width), dtype)
+            assert _layout(view) == _layout(by_bytes)
+            if need:
+                view.view(torch.uint8).view(-1)[-1] = index + 1  # the slot's last byte asked for: the region's
+                assert pool.region.tensor[offset + need - 1] == index + 1
+
+
 @pytest.mark.parametrize("shape", [(2, -1), torch.Size([2, -1]), [numpy.int64(2), numpy.int32(-1)], (2.0, -1.0),
                                    (True, -1)])
 def test_a_view_names_a_negative_shape_as_ints_whatever_its_numbers_types(engine, clock, shape):
