@@ -474,10 +474,11 @@ class PrefillCore:
     def _rules_due(self) -> float | None:
         """When the earliest of the rules that act for want of a status comes due (an open room's
         deadline, a held ask's wait for its cancel's answer), or None."""
-        heap = self._deadlines
+        heap, rooms = self._deadlines, self._rooms
         while heap:
             state = heap[0][2]
-            if self._rooms.get(state.room) is state and state.stage != CONCLUDED:  # _open(state), without its call
+            # _open(state), without its call, and the room read by key without dict.get()'s (rooms files no None)
+            if state.room in rooms and rooms[state.room] is state and state.stage != CONCLUDED:
                 break
             heapq.heappop(heap)
         held = self._held
