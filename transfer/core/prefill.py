@@ -529,7 +529,7 @@ class PrefillCore:
 
     def safe(self, room: int, token: int) -> bool:
         """Whether no encode rank writes into the room's memory any more, known without a cancel's answer."""
-        state = self._rooms.get(room)
+        state = self._rooms.get(room)  # one read: the driver's close() asks without its lock when that is stuck
         return state is not None and state.token == token and state.safe
 
     @property
@@ -928,7 +928,8 @@ class PrefillCore:
     def _answered(self, now: float, addr: Address | None, conn: int | None) -> None:
         """The encode rank at `addr` answered on connection `conn` (a status, a cancel's answer): it is
         alive there, whatever becomes of rooms it was never sent items for."""
-        if addr is not None and conn is not None and self._conns.get(addr) == conn:
+        # self._conns.get(addr) == conn, read by key without its call (conn is no None)
+        if addr is not None and conn is not None and addr in self._conns and self._conns[addr] == conn:
             self._answered_at[addr] = now
 
     def _forget_routes_to(self, addr: Address) -> None:
@@ -988,8 +989,9 @@ class PrefillCore:
         """Plain Successes the driver took out of `lanes` (transfer.core.lane), in the order they came: what
         status() would do with each (the room's encode rank answered; the room concludes Success)."""
         actions: list = []
+        held = self._rooms
         for room in rooms:
-            state = self._rooms.get(room)
+            state = held[room] if room in held else None  # held.get(room), without its call
             if state is None or state.stage != ASKED or state.given_up or state.encode_rank is None:
                 # A lane outlived its plain case: a bug of the lane rules. The general rules take the Success.
                 actions.append(Warn("lane outlived", f"room {room}: settled in a lane it should no longer have "

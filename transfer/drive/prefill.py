@@ -746,7 +746,8 @@ class PrefillDriver:
         """Notes when the status that settles a room (concludes it, or has it verified) was read."""
         for action in actions:
             if type(action) is Conclude or type(action) is Verify:
-                record = self.rooms.get(action.room)
+                rooms = self.rooms
+                record = rooms[action.room] if action.room in rooms else None  # rooms.get(), without its call
                 if record is not None and record.token == action.token and record.status_at is None:
                     record.status_at = now
 
@@ -977,7 +978,7 @@ class PrefillDriver:
 
     def _conclude(self, now: float, action: Conclude) -> None:
         """Concludes the room in the table once; counts and logs it."""
-        record = self.rooms.get(action.room)
+        record = self.rooms.get(action.room)  # one read: close() concludes here without _lock when it is stuck
         if record is None or record.token != action.token:
             return
         failure = action.failure
