@@ -108,8 +108,9 @@ class RoomTable:
 
     def get(self, room: int) -> TransferPoll | None:
         """The room's status, or None when it is not tracked."""
+        statuses = self._status
         with self._lock:
-            return self._status.get(room)
+            return statuses[room] if room in statuses else None  # statuses.get(room), without its call
 
     def reason(self, room: int) -> str | None:
         """The room's first failure reason as text, or None."""
@@ -124,13 +125,16 @@ class RoomTable:
 
     def conclude(self, room: int, status: TransferPoll, failure: Failure | None = None) -> bool:
         """Move a known, open room to Success or Failed; True only for the call that concluded it."""
+        statuses = self._status
         with self._lock:
-            old = self._status.get(room)
-            if old is None or old is _SUCCESS or old is _FAILED:  # is_terminal(old), of a member
+            if room not in statuses:  # then read by key, without dict.get()'s call
+                return False
+            old = statuses[room]
+            if old is _SUCCESS or old is _FAILED:  # is_terminal(old), of a member
                 return False
             # advance(old, status) of an open room and a terminal member is that member
             now = status if status is _SUCCESS or status is _FAILED else advance(old, status)
-            self._status[room] = now
+            statuses[room] = now
             if now is _SUCCESS or now is _FAILED:
                 self._concluded[room] = None
                 if now is _FAILED:
