@@ -276,6 +276,8 @@ class SessionManager:
             raise
         # Every destination lies in one of these announced (embedding, deepstack) region
         # pairs; the first is the main buffer, the rest are added for per-item buffers.
+        # A list once published here is never changed: each change, under _regions_lock, publishes a new one,
+        # so a reader takes the attribute once, without the lock or a copy.
         self._region_sets: list[RegionSet] = [RegionSet(self.buffer, self.deepstack_buffer, leased=pool is not None)]
         self._regions_lock = threading.Lock()
         self._closed = False
@@ -479,7 +481,7 @@ class SessionManager:
                 full, full_ds = lease.view((span, hidden), torch_dtype), None
             if lease.is_fallback:
                 with self._regions_lock:
-                    self._region_sets.append(RegionSet(lease.region, lease.region, leased=True))
+                    self._region_sets = [*self._region_sets, RegionSet(lease.region, lease.region, leased=True)]
         except BaseException:  # nothing was asked for it: its memory is safe
             self._give_back(lease, fate_of(succeeded=False, memory_safe=True, confirmable=False))
             raise
@@ -509,21 +511,22 @@ class SessionManager:
         regions = RegionSet(self._receive_region(embedding),
                             self._receive_region(deepstack) if deepstack is not None else None)
         with self._regions_lock:
-            self._region_sets.append(regions)
+            self._region_sets = [*self._region_sets, regions]
         return regions
 
     def remove_region(self, regions: RegionSet) -> None:
         """Stops accepting destinations in a region added with add_region()."""
         with self._regions_lock:
             if regions in self._region_sets[1:]:
-                self._region_sets.remove(regions)
+                sets = list(self._region_sets)
+                sets.remove(regions)
+                self._region_sets = sets
 
     def _regions_for(self, room: int, ptr: int, nbytes: int, ds_ptr: int, ds_nbytes: int, has_ds: bool,
                      leased: bool = False) -> RegionSet:
         """The announced region pair that holds the destination, or a ConfigError naming it. A destination
         not `leased` from the pool must not touch the pool's memory, which the pool leases to other rooms."""
-        with self._regions_lock:
-            sets = list(self._region_sets)
+        sets = self._region_sets  # never changed once published (see __init__)
         if not leased:
             for regions in sets:
                 pool_memory = regions.embedding
