@@ -818,7 +818,8 @@ class PrefillDriver:
         verifies: list[Verify] = []
         refused: dict[tuple[str, int], list] = {}
         dropped: set[tuple[str, int]] = set()
-        checked: set[tuple[str, int]] = set()
+        # The addresses whose drop reports this carry read: a dict used as a set, filed by key without set.add()'s call.
+        checked: dict[tuple[str, int], None] = {}
         i = 0  # actions carried out so far
         for action in work:  # a list's iterator also takes what is appended to the list meanwhile
             i += 1
@@ -866,7 +867,7 @@ class PrefillDriver:
                 dropped.clear()
         return verifies
 
-    def _push(self, now: float, action: Announce | SendAsk, refused: dict, dropped: set, checked: set) -> list:
+    def _push(self, now: float, action: Announce | SendAsk, refused: dict, dropped: set, checked: dict) -> list:
         """Sends a registration or a TransferInfo unless its socket cannot take it now."""
         addr = action.addr
         if addr in refused:
@@ -902,7 +903,7 @@ class PrefillDriver:
             dropped.add(addr)
             refused[addr] = [action]
             return []
-        checked.add(addr)
+        checked[addr] = None
         sent_at = self.clock()  # before: the encode rank cannot have it earlier
         self._used_at[addr] = sent_at
         try:
