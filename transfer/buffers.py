@@ -397,14 +397,23 @@ class ReceivePool:
         """A free slot for an item of `nbytes`, or None (too big or exhausted); never blocks."""
         if nbytes < 0:
             raise ConfigError(f"cannot lease a negative size ({nbytes} bytes)")
-        self.poll()
-        with self._lock:
-            if self._closed:  # _check_open(), without its call
-                raise self._closed_error()
-            if nbytes > self.slot_bytes or not self._free:
-                return None
-            index = self._free.popleft()
-            self._leased += 1
+        if _held:  # poll()'s first step: _let_go_of_held()'s own first test, without its call
+            _let_go_of_held()
+        freed = False
+        while True:
+            with self._lock:
+                # poll()'s own test under this hold: with nothing to free (the usual case) the slot is taken
+                # in the same hold, else once _free_due() (poll()'s work past its first step) did its work.
+                if freed or self._closed or not (self._pending or self._quarantine or self._graces):
+                    if self._closed:  # _check_open(), without its call
+                        raise self._closed_error()
+                    if nbytes > self.slot_bytes or not self._free:
+                        return None
+                    index = self._free.popleft()
+                    self._leased += 1
+                    break
+            self._free_due()
+            freed = True
         return Slot(self, self.region, index * self.slot_bytes, self.slot_bytes, index, False)
 
     def lease_or_fallback(self, nbytes: int) -> Slot:
@@ -627,6 +636,10 @@ class ReceivePool:
         """Frees slots whose event completed or quarantine ended, drops fallbacks past their grace."""
         if _held:  # _let_go_of_held()'s own first test, without its call
             _let_go_of_held()
+        self._free_due()
+
+    def _free_due(self) -> None:
+        """poll() of this pool's own slots and fallbacks: what is due is freed."""
         expired: list[Region] = []
         with self._lock:
             if self._closed or not (self._pending or self._quarantine or self._graces):

@@ -203,6 +203,30 @@ def test_stale_handle_cannot_release_the_next_lease(engine, clock):
         assert new.leased and counts(pool) == (0, 1, 0, 0)
 
 
+@pytest.mark.parametrize("due", ["copy-out", "quarantine", "grace"])
+def test_a_lease_does_the_polls_work_before_it_takes_a_slot(engine, clock, due):
+    """lease() frees what poll() would first, each alone due: a slot whose copy-out completed or quarantine
+    ended is leased again, a fallback past its grace is unregistered, with no poll() called in between."""
+    with make_pool(engine, clock, slots=1) as pool:
+        slot = pool.lease(SLOT)
+        if due == "copy-out":
+            event = FakeEvent()
+            slot.release(event)
+            event.done = True
+        elif due == "quarantine":
+            slot.fail()
+            clock.advance(QUARANTINE)
+        else:
+            slot.release()
+            big = pool.lease_or_fallback(SLOT * 3)
+            big.release()
+            clock.advance(GRACE)
+        again = pool.lease(SLOT)
+        assert again is not None and again.index == 0
+        if due == "grace":
+            assert big.addr not in engine.regions and pool.stats(poll=False)["fallbacks_live"] == 0
+
+
 def test_too_big_item_gets_a_registered_fallback_dropped_after_grace(engine, clock):
     with make_pool(engine, clock, slots=2) as pool:
         big = pool.lease_or_fallback(SLOT * 3 + 5)
