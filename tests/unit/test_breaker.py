@@ -100,12 +100,16 @@ def test_a_stall_or_an_expired_pause_is_not_ended_by_a_word_and_old_revivals_are
 _KEYS = st.sampled_from("abc")
 
 
-@given(st.lists(st.one_of(
+#: A breaker's events in any order: failures fast and slow, words heard, successes, resets, sweeps, time.
+_STEPS = st.lists(st.one_of(
     st.tuples(st.just("failed"), _KEYS, st.sampled_from([0.01, 1.0, 10.0]), st.booleans()),
     st.tuples(st.just("heard_from"), _KEYS), st.tuples(st.just("succeeded"), _KEYS), st.tuples(st.just("reset"), _KEYS),
     st.tuples(st.just("sweep"),), st.tuples(st.just("wait"), st.sampled_from([1.0, 6.0, 700.0])),
-), max_size=30))
-def test_tripped_holds_every_key_paused_or_revivable_so_that_an_empty_one_means_none_is(steps):
+), max_size=30)
+
+
+def _stepped(steps):
+    """A breaker taken through `steps`, yielding it and the clock after each."""
     breaker = Breaker(pause_s=5.0, slow_after_s=0.25, max_keys=2)
     now = 0.0
     for step in steps:
@@ -119,32 +123,22 @@ def test_tripped_holds_every_key_paused_or_revivable_so_that_an_empty_one_means_
             breaker.heard_from(step[1], now)
         else:
             getattr(breaker, step[0])(step[1])
+        yield breaker, now
+
+
+@given(_STEPS)
+def test_tripped_holds_every_key_paused_or_revivable_so_that_an_empty_one_means_none_is(steps):
+    for breaker, now in _stepped(steps):
         assert breaker.tripped == {key: breaker.entry(key) for key in "abc" if breaker.entry(key) is not None}
         for key in "abc":
             if key not in breaker.tripped:  # what the encode core skips asking while tripped is empty
                 assert breaker.open_since(key, now) is None and not breaker.revivable(key)
 
 
-@given(st.lists(st.one_of(
-    st.tuples(st.just("failed"), _KEYS, st.sampled_from([0.01, 1.0, 10.0]), st.booleans()),
-    st.tuples(st.just("heard_from"), _KEYS), st.tuples(st.just("succeeded"), _KEYS), st.tuples(st.just("reset"), _KEYS),
-    st.tuples(st.just("sweep"),), st.tuples(st.just("wait"), st.sampled_from([1.0, 6.0, 700.0])),
-), max_size=30))
+@given(_STEPS)
 def test_while_tripped_and_revived_are_empty_a_success_changes_nothing(steps):
     """What the encode core's write_done skips: succeeded() with no key paused and none revived."""
-    breaker = Breaker(pause_s=5.0, slow_after_s=0.25, max_keys=2)
-    now = 0.0
-    for step in steps:
-        if step[0] == "failed":
-            breaker.failed(step[1], step[2], now, blocking=step[3])
-        elif step[0] == "wait":
-            now += step[1]
-        elif step[0] == "sweep":
-            breaker.sweep(now)
-        elif step[0] == "heard_from":
-            breaker.heard_from(step[1], now)
-        else:
-            getattr(breaker, step[0])(step[1])
+    for breaker, now in _stepped(steps):
         if not breaker.tripped and not breaker.revived:
             before = copy.deepcopy(vars(breaker))
             for key in "abc":

@@ -399,7 +399,8 @@ def _check_room_strictly(room):
     return room
 
 
-def _room_outcome(call, value):
+def _outcome(call, value):
+    """What `call(value)` gives: its result and type, or its refusal's type and text."""
     try:
         result = call(value)
     except Exception as exc:  # noqa: BLE001 - the refusal is compared, type and text
@@ -414,7 +415,7 @@ ROOM_EDGES = [0, 1, -1, I64_MAX, I64_MAX + 1, I64_MIN, U64_MAX, True, False, Cod
 def test_check_room_shortcut_agrees_with_the_strict_checks(room):
     from transfer.frames import check_room
 
-    assert _room_outcome(check_room, room) == _room_outcome(_check_room_strictly, room)
+    assert _outcome(check_room, room) == _outcome(_check_room_strictly, room)
 
 
 def test_check_room_shortcut_agrees_on_numpy_and_torch_scalars():
@@ -425,7 +426,7 @@ def test_check_room_shortcut_agrees_on_numpy_and_torch_scalars():
 
     for room in (numpy.int64(7), numpy.int32(-1), numpy.uint64(U64_MAX), torch.tensor(5), torch.tensor(-5),
                  numpy.float64(1.0), numpy.bool_(True)):
-        assert _room_outcome(check_room, room) == _room_outcome(_check_room_strictly, room), room
+        assert _outcome(check_room, room) == _outcome(_check_room_strictly, room), room
 
 
 def _check_region_strictly(info, registration, row_bytes, deepstack_row_bytes):
@@ -456,14 +457,6 @@ def test_check_region_agrees_with_each_range_read_through_outside(ptr, rows, row
     registration = Registration("h", 1, "s:1", base, 0, length, deepstack_len)
     assert (check_region(info, registration, row_bytes, 2 * row_bytes)
             == _check_region_strictly(info, registration, row_bytes, 2 * row_bytes))
-
-
-def _dtype_outcome(call, value):
-    try:
-        result = call(value)
-    except Exception as exc:  # noqa: BLE001 - the refusal is compared, type and text
-        return "error", type(exc), str(exc)
-    return "ok", type(result), result
 
 
 def _normalize_dtype_strictly(dtype):
@@ -497,7 +490,7 @@ def test_normalize_dtype_of_a_torch_dtype_taken_before_agrees_with_the_rules(dat
     others = [*(str(t) for t in torch_dtypes), *(str(t).removeprefix("torch.") for t in torch_dtypes), None, 2,
               [1], {}, numpy.dtype("float16"), numpy.float16, Text("bfloat16"), "float16x"]
     for dtype in data.draw(st.lists(st.sampled_from([*torch_dtypes, *others]), max_size=40)):
-        assert _dtype_outcome(normalize_dtype, dtype) == _dtype_outcome(_normalize_dtype_strictly, dtype), dtype
+        assert _outcome(normalize_dtype, dtype) == _outcome(_normalize_dtype_strictly, dtype), dtype
 
 
 # Texts equal in value but separate str objects, so that a reuse of the last encoded bytes keyed on
