@@ -135,7 +135,7 @@ def pause_on_read(monkeypatch: Any, cls: type, name: str, race: Race) -> None:
 
 
 class PausingDict(dict):
-    """A mapping whose get() pauses the racer calling it, after reading."""
+    """A mapping whose reads, get() and a subscript, pause the racer calling it, after reading."""
 
     def __init__(self, data: dict, race: Race) -> None:
         super().__init__(data)
@@ -143,6 +143,11 @@ class PausingDict(dict):
 
     def get(self, key: Any, default: Any = None) -> Any:
         value = super().get(key, default)
+        self.race.pause()
+        return value
+
+    def __getitem__(self, key: Any) -> Any:
+        value = super().__getitem__(key)
         self.race.pause()
         return value
 
