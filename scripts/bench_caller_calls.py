@@ -8,7 +8,9 @@ rooms are kept in flight, each received into a slot the manager leases from its 
 into a 2-D slice of a registered buffer (as `transfer.bench` receives); every call of the timed rooms runs under `sys.setprofile`, which counts
 the Python functions and built-ins it enters (the threads behind the calls are not counted:
 `bench --calls` counts those). Every room must succeed and its first and last rows must have
-landed. `--detail CALL` also lists the functions that call enters most, a room.
+landed. `--detail CALL` also lists the functions that call enters most, a room. `--cpu` runs the
+same rooms without the profiler and prints each call's CPU a room instead (the calling thread's
+clock around each call, in microseconds).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import collections
 import contextlib
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -73,15 +76,44 @@ class Counter:
             self._name = None
 
 
+class Clock(Counter):
+    """Sums the calling thread's CPU nanoseconds spent inside `run(name, ...)`, per name (no profiler)."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self._on = False
+
+    @contextlib.contextmanager
+    def profiled(self) -> Iterator[None]:
+        self._on = True
+        try:
+            yield
+        finally:
+            self._on = False
+
+    def run(self, name: str, call: Any, *args: Any) -> Any:
+        if not self._on:
+            return call(*args)
+        started = time.thread_time_ns()
+        try:
+            return call(*args)
+        finally:
+            self.counts[name] += time.thread_time_ns() - started
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     room_options(parser)
     parser.add_argument("--detail", choices=CALLS, help="also list the functions this call enters most")
     parser.add_argument("--dst", choices=("pool", "tensor"), default="pool",
                         help="receive into a pool's slot (default) or a 2-D slice of a registered buffer")
+    parser.add_argument("--cpu", action="store_true",
+                        help="print each call's CPU a room (us, no profiler) instead of its Python calls")
     args = parser.parse_args()
+    if args.cpu and args.detail:
+        parser.error("--detail lists calls counted under the profiler, which --cpu leaves off")
     rows, hidden, inflight = args.rows, args.hidden, args.inflight
-    counter = Counter(args.detail)
+    counter = Clock() if args.cpu else Counter(args.detail)
     item_bytes = rows * hidden * 2
     with Engine("127.0.0.1", "tcp") as encode_engine, Engine("127.0.0.1", "tcp") as prefill_engine, \
             BootstrapServer("127.0.0.1", 0) as server:
@@ -118,8 +150,13 @@ def main() -> int:
             took = run_rooms(start, finish, args.rooms, inflight, counter.profiled)
     into = "a registered buffer's rows" if slots is not None else "pool slots"
     print(f"{args.rooms} rooms of {item_bytes // 1024} KiB, {inflight} in flight, fanout 1, integrity off, "
-          f"into {into}, in {took:.2f} s (profiled)")
-    print_counts("call", list(CALLS), counter.counts, counter.functions, args.rooms, args.detail)
+          f"into {into}, in {took:.2f} s{'' if args.cpu else ' (profiled)'}")
+    if args.cpu:
+        print("call             CPU a room (us)")
+        for name in CALLS:
+            print(f"{name:16} {counter.counts[name] / args.rooms / 1000:.1f}")
+    else:
+        print_counts("call", list(CALLS), counter.counts, counter.functions, args.rooms, args.detail)
     return 0
 
 
