@@ -56,6 +56,7 @@ from transfer.core.prefill import (
 )
 from transfer.core.quarantine import AwaitingConfirmation, Fate, fate_of
 from transfer.core.unread import unread
+from transfer.core.wake import sleep_plan
 from transfer.errors import UsageError
 from transfer.frames import UnreadableChecksum, WireError, parse_cancel_reply, parse_failure_reason, parse_status
 from transfer.metrics import Metrics
@@ -214,7 +215,7 @@ class PrefillDriver:
         # uses them (changed under the lock, by the I/O thread or once it stopped).
         self._watching: dict[zmq.Socket, tuple[str, int]] = {}
         self._resync = False  # an ask was refused off the I/O thread: it must watch that socket
-        self._wake_at = 0.0  # when the I/O thread next wakes by itself
+        self._wake_at = 0.0  # work due before this wakes the I/O thread (sleep_plan())
         self._results: deque[tuple] = deque()  # look-up results for the I/O thread
         self._verifies: deque[Verify] = deque()  # checksums a caller's poll handed to the I/O thread
         self._cancels_out: deque[SendCancel] = deque()  # cancels a caller's clear() handed to the I/O thread
@@ -635,18 +636,9 @@ class PrefillDriver:
         """How long the I/O thread may sleep (until the core's next wakeup, at most 1 s), and whether
         it watches the status socket meanwhile (not while the caller reads it)."""
         with self._lock:
-            wakeup = self.core.next_wakeup()
-            now = self.clock()
-            timeout_ms = 1000 if wakeup is None else max(0, min(1000, int((wakeup - now) * 1000) + 1))
-            waiter = self._watcher is not None
-            watch = not waiter and now - self._caller_at >= CALLER_LEASE_S
-            if waiter:  # look again a while later: it may have left
-                timeout_ms = min(timeout_ms, math.ceil(WAITER_LOOK_S * 1000))
-            elif not watch:  # look again when the caller's lease runs out
-                timeout_ms = min(timeout_ms, max(1, math.ceil((self._caller_at + CALLER_LEASE_S - now) * 1000)))
-            if self._statuses_left or self._verifies:
-                timeout_ms = 0
-            self._wake_at = now + timeout_ms / 1000
+            timeout_ms, watch, self._wake_at = sleep_plan(
+                self.clock(), self.core.next_wakeup(), waiter=self._watcher is not None, caller_at=self._caller_at,
+                lease_s=CALLER_LEASE_S, look_s=WAITER_LOOK_S, busy=self._statuses_left or bool(self._verifies))
         return timeout_ms, watch
 
     def _tick(self, now: float) -> list:
