@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from bisect import bisect_left
 import math
 import re
 import threading
@@ -345,7 +346,8 @@ class Metrics:
                 value = float(observations[name])
                 if value != value:  # NaN: _checked_value refuses it
                     _checked_value(name, value)
-                observed.append((name, value, _bucket_index(self.buckets, value)))
+                # _bucket_index(), in one call: the bounds are sorted.
+                observed.append((name, value, bisect_left(self.buckets, value)))
         counters, histograms = self._counters, self._histograms
         with self._lock:
             # Every name claimed before any series moves: a name claimed as another kind records nothing.
@@ -393,7 +395,7 @@ class Metrics:
         """Record one observation (seconds, for latencies) in a histogram."""
         value = _checked_value(name, value)
         key = self._series_key(labels, reserved=("le",)) if labels else ()
-        index = _bucket_index(self.buckets, value)
+        index = bisect_left(self.buckets, value)  # _bucket_index(), in one call: the bounds are sorted
         with self._lock:
             self._record(self._series(self._histograms, name, "histogram"), key, value, index)
 
@@ -561,7 +563,8 @@ def _checked_value(name: str, value: float) -> float:
 
 
 def _bucket_index(bounds: tuple[float, ...], value: float) -> int:
-    """Index of the first bucket whose upper bound is >= value (len(bounds) for +Inf)."""
+    """Index of the first bucket whose upper bound is >= value (len(bounds) for +Inf): the rule that
+    bisect_left() of the sorted bounds reads in one call where a value is recorded."""
     for i, bound in enumerate(bounds):
         if value <= bound:
             return i

@@ -17,6 +17,7 @@ from transfer.metrics import (
     ROLE_COUNTERS,
     ROLES,
     Metrics,
+    _bucket_index,
     _check_amount,
     _checked_value,
     declare_role,
@@ -365,3 +366,22 @@ def test_a_counter_holds_the_sum_of_its_amounts_from_zero(incs):
         held = metrics._counters.get("a_total", {})
         assert {key: (type(value), value) for key, value in held.items()} == {
             key: (type(value), value) for key, value in series.items()}
+
+
+_BOUNDS = st.lists(st.one_of(st.floats(-1e3, 1e3), st.sampled_from([0.0, -0.0, 0.001, 0.5, 1.0])), min_size=1,
+                   max_size=6)
+_VALUES = st.lists(st.one_of(st.floats(allow_nan=False), st.sampled_from([0.0, -0.0, 0.001, 0.5, 1.0])), max_size=6)
+
+
+@given(_BOUNDS, _VALUES)
+def test_observe_and_inc_all_record_each_value_in_the_bucket_bucket_index_names(bounds, values):
+    """Where a value is recorded its bucket is read in one call (bisect_left of the sorted bounds): the bucket
+    _bucket_index() names, duplicate bounds, negative values, the bounds themselves and +-Inf included."""
+    observed, all_at_once = Metrics("ns", buckets=bounds), Metrics("ns", buckets=bounds)
+    expected = [0] * (len(bounds) + 1)
+    for value in values:
+        observed.observe("h", value)
+        all_at_once.inc_all({}, {"h": value})
+        expected[_bucket_index(observed.buckets, value)] += 1
+    for metrics in (observed, all_at_once):
+        assert (metrics._histograms["h"][()].counts if values else expected) == expected
