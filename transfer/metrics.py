@@ -364,6 +364,46 @@ class Metrics:
             for name, value, index in observed:
                 self._record(histograms[name], (), value, index)
 
+    def inc_all_observing(self, amounts: dict[str, float], name: str, values: list[float]) -> None:
+        """inc_all(amounts_i, {name: value_i}) for several values at once, `amounts` the sums of the amounts_i:
+        adds `amounts` to unlabelled counters and records each of `values`, in order, in the unlabelled
+        histogram `name`, all under one hold of the lock (the Successes of the rooms one read of a status socket
+        concluded: their count, their bytes and each one's latency). ConfigError for an amount or value inc_all()
+        refuses, recording nothing."""
+        for counter in amounts:
+            amount = amounts[counter]
+            if not 0 <= amount < math.inf:  # _check_amount's test, its call only to refuse
+                _check_amount(counter, amount)
+        buckets = self.buckets
+        observed = []
+        for value in values:
+            value = float(value)
+            if value != value:  # NaN: _checked_value refuses it
+                _checked_value(name, value)
+            observed.append((value, bisect_left(buckets, value)))  # _bucket_index(), in one call: bounds are sorted
+        counters, histograms = self._counters, self._histograms
+        with self._lock:
+            # Every name claimed before any series moves, as inc_all() claims them.
+            for counter in amounts:
+                if counter not in counters:
+                    self._series(counters, counter, "counter")
+            if observed and name not in histograms:
+                self._series(histograms, name, "histogram")
+            for counter in amounts:
+                series = counters[counter]
+                # As inc() adds: 0 + amount for a series' first count, without get()'s call.
+                series[()] = series[()] + amounts[counter] if () in series else 0 + amounts[counter]
+            if observed:
+                held = histograms[name]
+                if () not in held:
+                    held[()] = _Histogram(len(buckets))
+                hist = held[()]
+                counts = hist.counts
+                for value, index in observed:  # _record() of each, in order
+                    counts[index] += 1
+                    hist.total += value
+                    hist.count += 1
+
     def _series(self, store: dict, name: str, kind: str) -> dict:
         """`name`'s series by label key in `store` (self._counters or self._histograms, as `kind` says), the name
         claimed as that kind the first time (_lock held)."""

@@ -240,7 +240,11 @@ def step(c: PrefillCore, event: tuple, now: float, last: list, lanes: bool) -> l
         if settled is None:
             return c.status(now, room, TransferPoll.Success, rank)
         del c.lanes[settled]
-        return c.lanes_settled(now, [settled])
+        actions = c.lanes_settled(now, [settled])
+        # What the driver's _settle_lanes() counts on, leaving a plain Success's memory_safe as it is.
+        assert all(c.safe(a.room, a.token) is False for a in actions if type(a) is Conclude and a.failure is None
+                   and not a.unverified and not any(type(b) is Warn for b in actions)), actions
+        return actions
     if kind == "answer":
         return c.cancel_answered(now, *args)
     if kind == "cancel_unsent":

@@ -297,7 +297,7 @@ def test_a_components_gauges_leave_the_set_when_it_lets_go_and_the_callers_own_s
     assert total(m.snapshot(), "epd_x_rooms_in_flight") == 1
 
 
-from hypothesis import given  # noqa: E402
+from hypothesis import example, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 _AMOUNTS = st.one_of(st.sampled_from([1, 0, 2.5, -1, math.nan, math.inf, -math.inf]), st.integers(-2, 5),
@@ -385,3 +385,45 @@ def test_observe_and_inc_all_record_each_value_in_the_bucket_bucket_index_names(
         expected[_bucket_index(observed.buckets, value)] += 1
     for metrics in (observed, all_at_once):
         assert (metrics._histograms["h"][()].counts if values else expected) == expected
+
+
+_LATENCIES = st.lists(st.one_of(st.floats(-1.0, 100.0), st.sampled_from([0.0, 0.001, 0.5, math.inf, -math.inf, math.nan])),
+                      min_size=1, max_size=5)
+
+
+@given(st.lists(st.integers(0, 1 << 40), min_size=1, max_size=5), _LATENCIES, st.sampled_from([None, "h", "c_total"]),
+       st.sampled_from([[], [0.5], [-1.0]]))
+@example([1, 2, 3], [0.1, 0.2, 0.3], None, [])  # summed in another order, the histogram's sum differs
+def test_inc_all_observing_records_what_an_inc_all_of_each_value_records(nbytes, latencies, claimed, earlier):
+    """inc_all_observing(sums, name, values) records what inc_all() of each room's amounts and value records,
+    in turn (one room or more, as the prefill driver calls it): the sums, each value in order (the histogram's
+    sum added to value by value); a name claimed as another kind or a NaN refused, recording nothing (with
+    inc_all()'s error where only one of them is wrong)."""
+    rooms = list(zip(nbytes, latencies))
+    together, one_by_one = Metrics("ns"), Metrics("ns")
+    for metrics in (together, one_by_one):
+        if claimed == "h":
+            metrics.inc("h")  # claimed as a counter: no histogram of that name
+        elif claimed == "c_total":
+            metrics.histogram("c_total")
+        for value in earlier:
+            metrics.inc_all({"c_total": 1} if claimed != "c_total" else {}, {"l": value})
+    expected: ConfigError | None = None
+    try:
+        for size, latency in rooms:
+            one_by_one.inc_all({"c_total": 1, "b_total": size}, {"l" if claimed != "h" else "h": latency})
+    except ConfigError as exc:
+        expected = exc
+    name = "l" if claimed != "h" else "h"
+    sums = {"c_total": len(rooms), "b_total": sum(nbytes[:len(rooms)])}
+    if expected is not None:
+        before = together.snapshot()
+        with pytest.raises(ConfigError) as refused:
+            together.inc_all_observing(sums, name, [latency for _, latency in rooms])
+        assert together.snapshot() == before
+        if claimed is None or not any(math.isnan(latency) for _, latency in rooms):  # one reason to refuse
+            assert str(refused.value) == str(expected)
+        return
+    together.inc_all_observing(sums, name, [latency for _, latency in rooms])
+    assert together.snapshot() == one_by_one.snapshot()
+    assert together.prometheus_text() == one_by_one.prometheus_text()

@@ -702,9 +702,7 @@ class PrefillDriver:
             now = self.clock()
             if settled:
                 left -= len(settled)
-                actions = core.lanes_settled(now, settled)
-                self._stamp_status(now, actions)
-                verifies += self._carry(now, actions)
+                verifies += self._settle_lanes(now, settled)
             if frames is not None:
                 left -= 1
                 verifies += self._take_status(now, frames)
@@ -713,6 +711,53 @@ class PrefillDriver:
                 return verifies, False
         self._statuses_left = True
         return verifies, True
+
+    def _settle_lanes(self, now: float, settled: list[int]) -> list[Verify]:
+        """The Successes that settled the lanes of `settled` through the core, carried out (_lock held); the
+        checksums to run.
+
+        The core's plain answer, a Conclude Success of each room, is carried out for the rooms together:
+        what _stamp_status() and _carry() do one room at a time, with one hold of the table's lock, one update
+        of the metrics and one wake-up of the waiters. Any other answer (a lane that outlived its plain case)
+        goes through them."""
+        actions = self.core.lanes_settled(now, settled)
+        rooms = self.rooms
+        records: list[Room] = []
+        for action in actions:
+            if type(action) is not Conclude or action.failure is not None or action.unverified:
+                self._stamp_status(now, actions)
+                return self._carry(now, actions)
+            room = action.room
+            record = rooms[room] if room in rooms else None  # rooms.get(), without its call (_lock held)
+            if record is not None and record.token == action.token:
+                if record.status_at is None:  # _stamp_status()
+                    record.status_at = now
+                records.append(record)
+        if records:
+            self._succeed(now, records)
+        return []
+
+    def _succeed(self, now: float, records: list[Room]) -> None:
+        """_conclude() of a Conclude Success of each room of `records` (held under its token), together."""
+        rooms = self.table.succeed([record.room for record in records])
+        if len(rooms) < len(records):  # some concluded already (by close(), without _lock): the others only
+            done = set(rooms)
+            records = [record for record in records if record.room in done]
+            if not records:
+                return
+        nbytes = 0
+        for record in records:
+            nbytes += record.nbytes
+        # _io.count_concluded() of each Success, at once.
+        self.metrics.inc_all_observing({"rooms_succeeded_total": len(records), "bytes_received_total": nbytes},
+                                       "room_latency_seconds", [now - record.started_at for record in records])
+        for record in records:
+            record.concluded_at = now
+            record.succeeded = True
+            # memory_safe stays: a lane's room was asked and is neither verified nor given up, so the core does not
+            # hold its memory safe (PrefillCore.safe() is False); nor does a Success's memory_safe count (its
+            # readers take succeeded first, and an Overturn sets it).
+        self._tell_waiters()
 
     def _take_status(self, now: float, frames: list[bytes]) -> list[Verify]:
         """One status (or cancel answer) through the core's general rules (_lock held); the checksums to run."""
