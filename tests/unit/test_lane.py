@@ -122,6 +122,16 @@ def test_settling_a_lane_does_what_the_status_would():
     assert settled._answered_at == general._answered_at == {ENCODE: 1.0}
 
 
+def test_settling_a_lane_still_in_lanes_takes_it_out_as_the_status_would():
+    """The driver's intake takes a room out of lanes as it settles it; handed one still there, the core takes it out."""
+    settled, general = plain(), plain()
+    tokens = [asked(c, room) for c in (settled, general) for room in (3, 4)]
+    assert settled.lanes_settled(1.0, [3]) == general.status(1.0, 3, TransferPoll.Success, 0) \
+        == [Conclude(3, tokens[0], None)]
+    assert settled.lanes == general.lanes == {4: 0}
+    assert books(settled) == books(general)
+
+
 def test_a_lane_settled_for_a_room_no_longer_in_the_plain_case_is_warned_of_and_goes_the_general_rules():
     c, general = plain(), plain()
     for core in (c, general):

@@ -1000,8 +1000,16 @@ class PrefillCore:
                 if state is not None and state.encode_rank is not None:
                     actions += self.status(now, room, TransferPoll.Success, state.encode_rank)
                 continue
-            self._answered(now, state.addr, state.conn)
-            actions += self._conclude(state, None)
+            addr, conns = state.addr, self._conns
+            if addr is not None and addr in conns and conns[addr] == state.conn:  # _answered(), without its call
+                self._answered_at[addr] = now
+            # _conclude(state, None) of a room ASKED, without its call: one ASKED was asked (_emit_ask() sets both,
+            # refused() unsets both), so its memory is not safe yet.
+            if room in self.lanes:
+                del self.lanes[room]
+            state.stage = CONCLUDED
+            state.outcome = None
+            actions.append(Conclude(room, state.token))
         return actions
 
     def _ignored(self, state: _Room, status: TransferPoll, rank: int) -> list | None:
