@@ -660,7 +660,8 @@ class SessionManager:
             succeeded, error = record.succeeded, exc  # forgotten before the error: the slot still goes to its fate
         if succeeded is None:  # cleared already
             return
-        lease = _take_lease(record)
+        # A room's lease is only ever taken from it: one read None stays None, with no slot to take under the lock.
+        lease = None if record.lease is None else _take_lease(record)
         if lease is not None:
             if succeeded and event is None and not lease.is_fallback:
                 # fate_of() frees a room that succeeded, without a copy-out, at once (Fate.FREE): released without its call.
