@@ -170,8 +170,12 @@ class RoomTable:
     def clear(self, room: int) -> TransferPoll | None:
         """Forget the room entirely (status and reason); returns the status it had (None for an unknown room,
         which this leaves as it is)."""
+        statuses = self._status
         with self._lock:
-            status = self._status.pop(room, None)
+            status = None
+            if room in statuses:  # pop(room, None), without its call
+                status = statuses[room]
+                del statuses[room]
             if room in self._reason:  # a Failed room's: a Success has none
                 del self._reason[room]
             if room in self._concluded:  # concluded, not handed out yet

@@ -587,7 +587,8 @@ class PrefillCore:
     def abandon_or_let_go(self, now: float, room: int, token: int) -> tuple[list, bool | None]:
         """abandon(), and let_go() too where abandon() has nothing to carry out, with one look-up: abandon()'s
         actions and None (let_go() follows once they are carried out), or no actions and let_go()'s answer."""
-        state = self._rooms.get(room)
+        rooms = self._rooms
+        state = rooms[room] if room in rooms else None  # rooms.get(), without its call
         if state is None or state.token != token:
             return [], False
         if state.given_up or (state.stage == CONCLUDED and state.outcome is None):  # abandon() has nothing to do

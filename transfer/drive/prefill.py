@@ -293,8 +293,8 @@ class PrefillDriver:
                 return None
             raise UsageError(self._held_text("clear()"))
         try:
-            room = record.room
-            if self.rooms.get(room) is not record:
+            room, rooms = record.room, self.rooms
+            if room not in rooms or rooms[room] is not record:  # rooms.get(), without its call (_lock held)
                 return None
             now = self.clock()
             actions, safe = self.core.abandon_or_let_go(now, room, record.token)
