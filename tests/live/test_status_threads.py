@@ -48,3 +48,21 @@ def test_room_table_a_failure_racing_a_success_leaves_the_room_failed(monkeypatc
         assert table.get(room) is P.Failed
         assert table.reason(room) == "the write failed"
         assert table.take_concluded() == [room]
+
+
+@pytest.mark.parametrize("status", [P.Success, P.Failed])
+def test_room_table_succeed_racing_a_conclude_of_the_same_room_only_one_concludes_it(monkeypatch, status):
+    """succeed() (the lanes' Successes of one read, concluded together) and conclude() (close() failing the room
+    without the driver's lock, or another Success) on one room: only one concludes it, and its status stays."""
+    for room in range(5):
+        table = RoomTable()
+        table.start(room)
+        race = Race()
+        monkeypatch.setattr(table, "_lock", WatchedLock(table._lock, race))
+        monkeypatch.setattr(table, "_status", PausingDict(table._status, race))
+        done = run_racers(race, {"succeed": lambda: table.succeed([room]),
+                                 "conclude": lambda: table.conclude(room, status)})
+        assert race.inside() == {"succeed", "conclude"}  # both got to the check
+        assert (done["succeed"] == [room]) != done["conclude"], done
+        assert table.get(room) is (P.Success if done["succeed"] else status)
+        assert table.take_concluded() == [room]
