@@ -143,10 +143,13 @@ class ReceiveHandle(_io.RoomHandle[Room]):
     def wait(self, timeout: float) -> TransferPoll:
         """Blocks up to `timeout` seconds for a terminal status (for tools and tests, not scheduler loops)."""
         timeout = config.check_seconds("timeout", timeout, zero_ok=True)
-        if self._held(self.room) is self._state:  # _current(): a cleared room will not conclude for this handle
-            self._manager._driver.wait(self._state, timeout)
-        status = self._read(self._table.get)  # RoomHandle.poll(), without its call
-        return TransferPoll.Failed if status is None else status
+        held, room, state = self._held, self.room, self._state
+        if held(room) is state:  # _current(): a cleared room will not conclude for this handle
+            self._manager._driver.wait(state, timeout)
+        # RoomHandle.poll(), without its calls, and without _read()'s look before the read: a room forgotten is
+        # never held again, so one held after the read was held while it was read.
+        status = self._table.get(room)
+        return TransferPoll.Failed if status is None or held(room) is not state else status
 
     @property
     def retry_at(self) -> float | None:

@@ -1,8 +1,10 @@
-"""A room handle's reads (poll, failure, failure_kind) once its room is cleared and its number reused."""
+"""A room handle's reads (poll, failure, failure_kind, a receive handle's wait) once its room is cleared and its
+number reused."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 from transfer import config
 from transfer._io import Conclusions, RoomHandle
 from transfer.core.failure import Failure, FailureKind
+from transfer.receiver import ReceiveHandle
 from transfer.status import RoomTable, TransferPoll
 
 
@@ -112,3 +115,43 @@ def test_a_wait_on_a_concluded_room_answers_as_a_wait_through_the_conclusions_wo
             rooms[7] = State(7)  # the number reused by another room
         answers.append(handle.wait(0))
     assert answers[0] is answers[1]
+
+
+class _Driver:
+    """What a ReceiveHandle reads of its manager's driver; wait() returns at once, as for a concluded room."""
+
+    def __init__(self, table: RoomTable, rooms: dict) -> None:
+        self.table, self.rooms, self.conclusions = table, rooms, Conclusions()
+        self.waits = 0
+
+    def wait(self, record: object, timeout: float) -> None:
+        self.waits += 1
+
+
+@given(status=st.sampled_from(TransferPoll), held=st.booleans(), cleared=st.booleans(), reused=st.booleans(),
+       failing=st.booleans())
+def test_a_receive_handles_wait_answers_as_a_poll_after_the_wait_would(status, held, cleared, reused, failing):
+    """ReceiveHandle.wait() reads the room's status with one look at whether it is held, after the read: the
+    answer poll() gives (Failed once the room is cleared, or its number reused, before or during the read)."""
+    answers, waits = [], []
+    for kind in ("receive", "poll"):
+        rooms: dict[int, State] = {}
+        table = ReusingTable(rooms)
+        state = rooms[7] = State(7)
+        table.start(7, status)
+        driver = _Driver(table, rooms)
+        handle = ReceiveHandle(SimpleNamespace(_driver=driver), state)  # type: ignore[arg-type]
+        if cleared:
+            table.clear(7)
+        if not held:
+            rooms[7] = State(7)  # the number reused by another room
+        table.armed, table.failing = reused, failing
+        if kind == "receive":
+            answers.append(handle.wait(0))
+        else:
+            if handle._current():
+                driver.wait(state, 0)
+            answers.append(RoomHandle.poll(handle))
+        waits.append(driver.waits)
+        handle._manager = SimpleNamespace(_closed=True)  # its finalizer warns of no clear() otherwise
+    assert answers[0] is answers[1] and waits[0] == waits[1]
