@@ -390,12 +390,13 @@ class PrefillDriver:
         I/O thread), so a status wakes it directly rather than the I/O thread and then it;
         other waiters wait for a conclusion.
         """
-        self.check_process()
+        if self._forks != _forks.count:  # check_process()'s test, its call only to refuse
+            self.check_process()
         if record.concluded_at is not None:
             return  # as the loop below returns at once, without reading the clock
         deadline = self.clock() + timeout
+        remaining = timeout  # deadline less the clock, read last; each turn's end reads it again
         while record.concluded_at is None:
-            remaining = deadline - self.clock()
             if remaining <= 0:
                 return
             if self._stopping or self.failure is not None:
@@ -403,20 +404,22 @@ class PrefillDriver:
                 return
             if not self._watch.acquire(blocking=False):
                 self.conclusions.wait(record, min(remaining, CALLER_LEASE_S))
+                remaining = deadline - self.clock()
                 continue
             try:
                 if self._stopping:
                     continue  # close() got here first: the watch waker may be closed
                 self._watcher = threading.get_ident()
-                self._watch_step(record, remaining)
+                self._watch_step(record, remaining, deadline)
             finally:
                 self._watcher = None
-                self._caller_at = self.clock()  # a scheduler's next poll usually follows at once
+                now = self._caller_at = self.clock()  # a scheduler's next poll usually follows at once
+                remaining = deadline - now
                 self._watch.release()
 
-    def _watch_step(self, record: Room, remaining: float) -> None:
-        """One turn of a waiting caller: handle what is queued, then sleep on the socket (holds _watch)."""
-        ends = self.clock() + remaining
+    def _watch_step(self, record: Room, remaining: float, ends: float) -> None:
+        """One turn of a waiting caller, `remaining` seconds before the wait `ends` (on the clock): handle what is
+        queued, then sleep on the socket (holds _watch)."""
         # Before looking: a conclusion from now on wakes the sleep below.
         self._watch_waker.drain(self._watch_woken)
         self._watch_woken = False
