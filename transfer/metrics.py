@@ -375,12 +375,11 @@ class Metrics:
             if not 0 <= amount < math.inf:  # _check_amount's test, its call only to refuse
                 _check_amount(counter, amount)
         buckets = self.buckets
-        observed = []
-        for value in values:
-            value = float(value)
+        # Each value with its bucket (_bucket_index(), in one call: the bounds are sorted).
+        observed = [(value, bisect_left(buckets, value)) for value in map(float, values)]
+        for value, _ in observed:
             if value != value:  # NaN: _checked_value refuses it
                 _checked_value(name, value)
-            observed.append((value, bisect_left(buckets, value)))  # _bucket_index(), in one call: bounds are sorted
         counters, histograms = self._counters, self._histograms
         with self._lock:
             # Every name claimed before any series moves, as inc_all() claims them.

@@ -143,18 +143,19 @@ class RoomTable:
             return False
 
     def succeed(self, rooms: list[int]) -> list[int]:
-        """conclude(room, Success) of each of `rooms` in turn, under one hold of the lock: the rooms it
-        concluded, in order."""
+        """conclude(room, Success) of each of `rooms` in turn, under one hold of the lock: the rooms it did not
+        conclude (unknown, or concluded already), in order; usually none."""
         statuses, concluded = self._status, self._concluded
-        done = []
+        left = []
         with self._lock:
             for room in rooms:
                 # As conclude() does: a known room not terminal yet turns Success.
                 if room in statuses and statuses[room] is not _SUCCESS and statuses[room] is not _FAILED:
                     statuses[room] = _SUCCESS
                     concluded[room] = None
-                    done.append(room)
-        return done
+                else:
+                    left.append(room)
+        return left
 
     def overturn(self, room: int, failure: Failure) -> bool:
         """Move a room concluded Success to Failed (Failed overrides any state, SPEC.md section 3); True
