@@ -446,8 +446,10 @@ class PrefillDriver:
         # The socket's descriptor signals only after a receive found it empty, as the one above
         # did; a conclusion elsewhere (a deadline, a look-up, close()) signals the watch waker.
         waker = self._watch_waker.fileno()
-        events = self._watch_poller.poll(math.ceil(max(0.0, min(ends - self.clock(), WAIT_SLICE_S)) * 1000))
-        self._watch_woken = any(fd == waker for fd, _ in events)
+        woken = False
+        for fd, _ in self._watch_poller.poll(math.ceil(max(0.0, min(ends - self.clock(), WAIT_SLICE_S)) * 1000)):
+            woken = woken or fd == waker  # any(), without its call and its generator's
+        self._watch_woken = woken
 
     @property
     def forked(self) -> bool:
@@ -742,10 +744,9 @@ class PrefillDriver:
 
     def _succeed(self, now: float, records: list[Room]) -> None:
         """_conclude() of a Conclude Success of each room of `records` (held under its token), together."""
-        rooms = self.table.succeed([record.room for record in records])
-        if len(rooms) < len(records):  # some concluded already (by close(), without _lock): the others only
-            done = set(rooms)
-            records = [record for record in records if record.room in done]
+        left = self.table.succeed([record.room for record in records])
+        if left:  # some concluded already (by close(), without _lock): the others only
+            records = [record for record in records if record.room not in left]
             if not records:
                 return
         nbytes = 0
