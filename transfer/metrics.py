@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 import logging
-from bisect import bisect_left
 import math
 import re
 import threading
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler
 from typing import Any
