@@ -100,6 +100,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import platform
 import queue as queue_mod
 import select
 import statistics
@@ -314,6 +315,12 @@ def thread_group(name: str, main: bool) -> str | None:
     if name.startswith("epd-enc") or name.endswith("-io"):
         return "driver"
     return "other"
+
+
+def interpreter() -> str:
+    """The Python every rank runs (this process's): its build moves the control plane's figures, which are
+    mostly the interpreter's work (docs/performance.md, "Measured: the control plane's CPU by library")."""
+    return f"{platform.python_implementation()} {platform.python_version()} ({sys.executable})"
 
 
 def usable_cpus() -> int:
@@ -2068,7 +2075,7 @@ def main(args: argparse.Namespace) -> int:
     if not as_json:
         pool = f"depth {opts.depth}" if opts.depth is not None else ""
         print(f"epd-transfer bench: protocol {opts.protocol} on {opts.host}, sender pool "
-              f"{pool or 'defaults'}, raw issue {opts.raw_issue}, {usable_cpus()} CPUs")
+              f"{pool or 'defaults'}, raw issue {opts.raw_issue}, {interpreter()}, {usable_cpus()} CPUs")
         print(format_table(rows, cpu=getattr(args, "cpu", False)))
         if opts.calls:
             print("\nPython calls a room, over each role's ranks (cProfile: this run's times are slowed by it)")
