@@ -745,13 +745,18 @@ class EncodeCore:
         """A write landed: its receiver is told Success (with the checksums) unless the room failed."""
         job = self._writes.pop(wid, None)
         if job is not None:
-            self.scheduler.finished(job.info.session_id)
+            room, info = job.room, job.info
+            self.scheduler.finished(info.session_id)
             if self.breaker.tripped or self.breaker.revived:  # else no key for a success to reset
-                self.breaker.succeeded(job.info.session_id)
-            if not job.room.failed and self._serves(job):
-                self._push(job.info, TransferPoll.Success, checksums)
-                job.room.served.add(job.info.session_id)
-            self.regions.served(job.info.session_id)  # its engine took a write: evicted after those never served
+                self.breaker.succeeded(info.session_id)
+            if not room.failed:
+                for receiver in room.receivers:  # self._serves(job), without its call
+                    if receiver is info:  # then self._push(), without its call
+                        self._out.append(PushStatus(info.endpoint, info.port, info.room, TransferPoll.Success,
+                                                    tuple(checksums), None, None))
+                        room.served.add(info.session_id)
+                        break
+            self.regions.served(info.session_id)  # its engine took a write: evicted after those never served
             if job.waits:  # cancels that came while it flew: _job_over answers them
                 self._job_over(job)
             self._job_done(job, now)
@@ -1219,12 +1224,16 @@ class EncodeCore:
         self._job_done(job, now)
 
     def _job_done(self, job: _Job, now: float) -> None:
-        """One receiver's write is over: its destinations are free, and its room may conclude."""
-        if job in job.room.queued:
-            job.room.queued.remove(job)
+        """One receiver's write is over (settled, failed or skipped): its destinations are free, and its room
+        may conclude once none of its writes is left."""
+        room = job.room
+        if job in room.queued:
+            room.queued.remove(job)
         self._destinations.free(job.info.session_id, job.ranges)  # _free_ranges(job), without its call
         job.ranges = ()
-        self._receiver_done(job.room, now)
+        room.pending -= 1
+        if not room.pending:
+            self._writes_over(room, now)
 
     def _free_ranges(self, job: _Job) -> None:
         """Lets go of the job's destinations: it is over, or it will never start."""
@@ -1264,11 +1273,8 @@ class EncodeCore:
                         f"for {other.until - now:.1f}s more; give the room another destination, or ask again then")
         return None
 
-    def _receiver_done(self, room: _Room, now: float) -> None:
-        """One receiver's write is over (settled, failed or skipped)."""
-        room.pending -= 1
-        if room.pending:
-            return
+    def _writes_over(self, room: _Room, now: float) -> None:
+        """The last of the room's writes is over (settled, failed or skipped)."""
         if room.failed:
             self._release_when_idle(room)
         elif room.orphans:
@@ -1296,7 +1302,8 @@ class EncodeCore:
         self._conclude(room, TransferPoll.Failed, room.failure, now)
 
     def _conclude(self, room: _Room, status: TransferPoll, failure: Failure | None, now: float) -> None:
-        self._out.append(Conclude(room.room, room.offer.token, status, failure, now))
+        offer = room.offer  # its number read there, without the `room` property's call
+        self._out.append(Conclude(offer.room, offer.token, status, failure, now))
         self._release_when_idle(room)
 
     def _release_when_idle(self, room: _Room) -> None:
@@ -1304,7 +1311,8 @@ class EncodeCore:
         if room.pending or room.released:
             return
         room.released = True
-        self._out.append(Release(room.room, room.offer.token))
+        offer = room.offer  # its number read there, without the `room` property's call
+        self._out.append(Release(offer.room, offer.token))
 
     def _fail_cleared_asks(self, room_number: int, cleared_at: float, asked_then: int) -> None:
         """Tells the receivers parked for a room cleared unserved Failed, unless it was sent again.
