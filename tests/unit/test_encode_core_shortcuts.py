@@ -85,7 +85,7 @@ class StrictCore(EncodeCore):
     def _start(self, job: _Job, now: float) -> None:
         room, info = job.room, job.info
         if job in room.queued:
-            room.queued.remove(job)
+            del room.queued[job]
         offer = room.offer
         since = self.breaker.open_since(info.session_id, now)
         if since is not None:
@@ -214,7 +214,7 @@ class StrictCore(EncodeCore):
         for info, spans in zip(newcomers, ranges):
             session = info.session_id
             job = _Job(room, info, hold(session, room.room, spans), version)
-            queued.append(job)
+            queued[job] = None
             push(job, session, first_at)
 
     def _flush(self, now: float) -> list:

@@ -220,7 +220,7 @@ class _Room:
     offered_at: float
     receivers: list[TransferInfo] = field(default_factory=list)
     pending: int = 0  # receivers whose write is queued or in flight
-    queued: list[_Job] = field(default_factory=list)  # those whose write waits for a slot
+    queued: dict[_Job, None] = field(default_factory=dict)  # those whose write waits for a slot, in order
     failed: bool = False
     failure: Failure | None = None  # why it failed, told to every receiver
     succeeded: bool = False  # every receiver was served: nothing may tell them Failed any more
@@ -1135,7 +1135,7 @@ class EncodeCore:
         for info, spans in zip(newcomers, ranges):
             session = info.session_id
             job = _Job(room, info, hold(session, number, spans), version)
-            queued.append(job)
+            queued[job] = None
             push(job, session, first_at)
 
     def _pump(self, now: float) -> None:
@@ -1192,7 +1192,7 @@ class EncodeCore:
         the regions its session announces (it registered again, or was superseded, while the write was queued)."""
         room, info = job.room, job.info
         if job in room.queued:
-            room.queued.remove(job)
+            del room.queued[job]
         offer = room.offer
         since = self.breaker.open_since(info.session_id, now) if self.breaker.tripped else None
         if since is not None:
@@ -1228,7 +1228,7 @@ class EncodeCore:
         may conclude once none of its writes is left."""
         room = job.room
         if job in room.queued:
-            room.queued.remove(job)
+            del room.queued[job]
         self._destinations.free(job.info.session_id, job.ranges)  # _free_ranges(job), without its call
         job.ranges = ()
         room.pending -= 1
