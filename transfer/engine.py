@@ -314,22 +314,28 @@ def check_batch(session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[i
     TypeError, or a wire peer refusing the transfer after a round trip).
     """
     plain = type(src_addrs) in _PLAIN and type(dst_addrs) in _PLAIN and type(lengths) in _PLAIN  # the drivers' are
-    for name, given in () if plain else (("src_addrs", src_addrs), ("dst_addrs", dst_addrs), ("lengths", lengths)):
-        if isinstance(given, (str, bytes)) or not hasattr(given, "__len__"):
-            raise ConfigTypeError(f"write to {session_id}: {name} must be a sequence of ints, one per buffer, got "
-                                  f"{type(given).__name__} {given!r:.40}: for one buffer pass [src], [dst], [length]")
+    if plain:
+        # The drivers' batches: as many exact ints each, none empty, each destination in range. _checked_batch
+        # would build the same lists, buffer by buffer; any other batch goes on below (an exact int reads the
+        # same twice). zip's strict=True compares the counts, which the three len() calls below do otherwise.
+        try:
+            for src, dst, length in zip(src_addrs, dst_addrs, lengths, strict=True):
+                if not (type(src) is int and type(dst) is int and type(length) is int and length > 0
+                        and 0 <= dst and dst + length <= _ADDRESS_SPACE):
+                    break
+            else:
+                return list(src_addrs), list(dst_addrs), list(lengths)
+        except ValueError:
+            pass  # not as many of each: refused below
+    else:
+        for name, given in (("src_addrs", src_addrs), ("dst_addrs", dst_addrs), ("lengths", lengths)):
+            if isinstance(given, (str, bytes)) or not hasattr(given, "__len__"):
+                raise ConfigTypeError(f"write to {session_id}: {name} must be a sequence of ints, one per buffer, "
+                                      f"got {type(given).__name__} {given!r:.40}: for one buffer pass [src], [dst], "
+                                      f"[length]")
     if not (len(src_addrs) == len(dst_addrs) == len(lengths)):
         raise ConfigError(f"write to {session_id}: {len(src_addrs)} sources, "
                           f"{len(dst_addrs)} destinations, {len(lengths)} lengths")
-    if plain:
-        # The drivers' batches: exact ints, none empty, each destination in range. _checked_batch would
-        # build the same lists, buffer by buffer; any other batch goes to it (an exact int reads the same twice).
-        for src, dst, length in zip(src_addrs, dst_addrs, lengths):
-            if not (type(src) is int and type(dst) is int and type(length) is int and length > 0
-                    and 0 <= dst and dst + length <= _ADDRESS_SPACE):
-                break
-        else:
-            return list(src_addrs), list(dst_addrs), list(lengths)
     return _checked_batch(session_id, src_addrs, dst_addrs, lengths)
 
 
@@ -952,9 +958,10 @@ class Engine(RegisteredMemory):
         """
         if self._forks != _forks.count:  # _check_process(), without its calls
             self._check_process()
-        pending = self._batch(session_id, src_addrs, dst_addrs, lengths)
-        if pending is None:
+        srcs, dsts, lens = check_batch(session_id, src_addrs, dst_addrs, lengths)
+        if not lens:
             return 0
+        pending = _Pending(session_id, srcs, dsts, lens, lock=self._settling)
         with self._lock:
             if self._closed:  # _check_open(), without its call while open
                 self._check_open()
@@ -1245,14 +1252,6 @@ class Engine(RegisteredMemory):
                 raise EngineError(f"write ticket {ticket} on {self.session_id} still in flight after {timeout_s}s")
             time.sleep(delay)
             delay = min(delay * 2, POLL_MAX_S)
-
-    def _batch(self, session_id: str, src_addrs: Sequence[int], dst_addrs: Sequence[int],
-               lengths: Sequence[int]) -> _Pending | None:
-        """Validate a batch and drop zero-length entries; the write to file, or None when nothing is left."""
-        srcs, dsts, lens = check_batch(session_id, src_addrs, dst_addrs, lengths)
-        if not lens:
-            return None
-        return _Pending(session_id, srcs, dsts, lens, lock=self._settling)
 
     def _check_sources(self, pending: _Pending) -> None:
         """Refuse a source range outside our registered memory (RDMA would fail obscurely); lock held."""

@@ -20,6 +20,7 @@ import pytest
 import torch
 from live_helpers import wait_until
 
+from transfer import engine as engine_module
 from transfer.engine import Engine, TransferError
 from transfer.wire_engine import WireEngine
 
@@ -275,36 +276,33 @@ def test_mooncake_ticket_settled_by_close_still_tells_its_owner():
 
 @pytest.mark.live
 @pytest.mark.skipif(bool(_MOONCAKE_MISSING), reason=_MOONCAKE_MISSING or "n/a")
-def test_mooncake_write_after_close_began_is_refused_cleanly():
+def test_mooncake_write_after_close_began_is_refused_cleanly(monkeypatch):
     """A write that passed its checks just before close() checks again when filing its ticket:
     it is refused with the engine's name, nothing is written, and close() completes."""
+    paused, go = threading.Event(), threading.Event()
+    checked = engine_module.check_batch
 
-    class Pausing(Engine):
-        """Waits after validating its first batch: the moment close() may come in between."""
+    def pausing(*args):
+        """Waits after validating the first batch: the moment close() may come in between."""
+        batch = checked(*args)
+        if not paused.is_set():
+            paused.set()
+            go.wait(30)
+        return batch
 
-        def __init__(self) -> None:
-            super().__init__("127.0.0.1", protocol="tcp")
-            self.paused, self.go = threading.Event(), threading.Event()
-
-        def _batch(self, *args):
-            batch = super()._batch(*args)
-            if not self.paused.is_set():
-                self.paused.set()
-                self.go.wait(30)
-            return batch
-
+    monkeypatch.setattr(engine_module, "check_batch", pausing)  # what write_async validates its batch with
     with _mooncake() as reader:
         dst = torch.zeros(4096, dtype=torch.uint8)
         reader.register(dst)
-        writer = Pausing()
+        writer = Engine("127.0.0.1", protocol="tcp")
         src = _filled(4096, 3)
         writer.register(src)
         writing, outcome = _in_thread(
             lambda: writer.write(reader.session_id, [src.data_ptr()], [dst.data_ptr()], [4096]))
-        assert writer.paused.wait(30)
+        assert paused.wait(30)
         closing, close_outcome = _in_thread(writer.close)
         closing.join(30)
-        writer.go.set()
+        go.set()
         writing.join(30)
         assert close_outcome == [("ok", None)]
         assert len(outcome) == 1 and outcome[0][0] == "raised", outcome

@@ -232,6 +232,26 @@ def test_a_plain_batch_checks_as_the_buffer_by_buffer_loop_does(buffers, kind):
             == _checked(engine_module._checked_batch, srcs, dsts, lens))
 
 
+
+def _counted_then_checked(session_id, srcs, dsts, lens):
+    """check_batch's rules read the long way for sequences: the counts compared first, then buffer by buffer."""
+    if not (len(srcs) == len(dsts) == len(lens)):
+        raise ConfigError(f"write to {session_id}: {len(srcs)} sources, {len(dsts)} destinations, {len(lens)} lengths")
+    return engine_module._checked_batch(session_id, srcs, dsts, lens)
+
+
+@settings(max_examples=500)
+@given(st.lists(_buffer_items, max_size=3), st.lists(_buffer_items, max_size=3), st.lists(_buffer_items, max_size=3),
+       st.sampled_from([list, tuple]))
+@example([0x1000, 0x1040], [0x2000], [64], tuple)  # fewer destinations, every buffer plain
+@example([0x1000], [0x2000], [64, 64], list)  # more lengths
+@example([0x1000, 0x1040], [0x2000, 0x2040], [0], tuple)  # fewer lengths, the first buffer empty
+def test_a_plain_batch_of_unequal_counts_is_refused_as_the_counts_say(srcs, dsts, lens, kind):
+    """Sources, destinations and lengths given in unequal numbers are refused naming the three counts, whatever
+    the buffers hold; equal ones are checked buffer by buffer."""
+    srcs, dsts, lens = kind(srcs), kind(dsts), kind(lens)
+    assert _checked(engine_module.check_batch, srcs, dsts, lens) == _checked(_counted_then_checked, srcs, dsts, lens)
+
 @pytest.mark.parametrize("environ, first, last, how", [
     ({}, 15000, 17000, "Mooncake's default, MC_MIN_RPC_PORT/MC_MAX_RPC_PORT being unset"),
     ({"MC_MIN_RPC_PORT": "20000", "MC_MAX_RPC_PORT": "20003"}, 20000, 20003,
