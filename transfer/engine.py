@@ -967,7 +967,8 @@ class Engine(RegisteredMemory):
                 self._check_open()
             self._check_sources(pending)
             ticket = self._next_ticket = self._next_ticket + 1
-            if session_id not in self._held and (not self._probing or self._openings.is_open(session_id)):
+            # The openings' is_open(), without its call.
+            if session_id not in self._held and (not self._probing or session_id in self._openings.open_sessions):
                 # What _admit() would say with nothing held for the session: GO, no probe.
                 self._pending[ticket] = pending
                 held = False

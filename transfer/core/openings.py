@@ -60,12 +60,14 @@ class Openings:
         self.open_timeout_s = open_timeout_s
         self.max_probing = max_probing
         self.max_open = max_open
-        self._open: dict[str, None] = {}  # oldest first
+        #: Sessions whose segment is open, oldest first: the engine reads it (a write's `in`, no call); only this
+        #: class changes it.
+        self.open_sessions: dict[str, None] = {}
         self._probing: dict[str, Probe] = {}
 
     def admit(self, session: str, now: float, held_up: float = 0.0) -> tuple[Verdict, Probe | None, str]:
         """A new write to `session`: (verdict, the probe it waits on, why it is refused); `held_up` as for verdict()."""
-        if session in self._open:
+        if session in self.open_sessions:
             return Verdict.GO, None, ""
         probe = self._probing.get(session)
         if probe is not None:
@@ -125,21 +127,21 @@ class Openings:
 
     def opened(self, session: str) -> None:
         """The session's segment is open (a probe answered, or Mooncake accepted a write to it)."""
-        if session in self._open:  # mostly (every write to it says so): moved to the newest end, no more open
-            del self._open[session]
-            self._open[session] = None
+        if session in self.open_sessions:  # mostly (every write says so): moved to the newest end, no more open
+            del self.open_sessions[session]
+            self.open_sessions[session] = None
             return
-        self._open[session] = None
-        while len(self._open) > self.max_open:
-            del self._open[next(iter(self._open))]
+        self.open_sessions[session] = None
+        while len(self.open_sessions) > self.max_open:
+            del self.open_sessions[next(iter(self.open_sessions))]
 
     def forget(self, session: str) -> None:
         """The session is gone (its peer left): its next write probes again."""
-        self._open.pop(session, None)
+        self.open_sessions.pop(session, None)
 
     def is_open(self, session: str) -> bool:
         """Whether writes to `session` go to Mooncake at once."""
-        return session in self._open
+        return session in self.open_sessions
 
     def probing(self) -> int:
         """Probes in flight."""
