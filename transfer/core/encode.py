@@ -760,7 +760,11 @@ class EncodeCore:
             if job.waits:  # cancels that came while it flew: _job_over answers them
                 self._job_over(job)
             self._job_done(job, now)
-        return self._flush(now)
+        # self._flush(now), without its call: the writes its slot lets start, then the answer.
+        if self.scheduler.waiting:
+            self._pump(now)
+        out, self._out = self._out, []
+        return out
 
     def write_failed(self, wid: int, error: str, took: float, now: float, *, blocking: bool = False) -> list:
         """A write failed after `took` seconds; a slow failure (a dead peer) opens its session's breaker.
