@@ -51,7 +51,7 @@ ASAN_TESTS ?= tests/unit/test_native.py tests/unit/test_native_floor.py tests/un
 	tests/live/test_native_signals.py tests/live/test_native_zmq.py tests/live/test_wire_frames.py \
 	tests/live/test_wire_hostile.py tests/live/test_wire_listener_bounds.py tests/live/test_wire_listener_threads.py \
 	tests/live/test_engine_direct_calls.py tests/unit/test_lane.py tests/live/test_lane_intake.py \
-	tests/unit/test_native_ask.py tests/live/test_ask_intake.py tests/live/test_encode_request_rounds.py
+	tests/unit/test_native_ask.py tests/unit/test_send_ask.py tests/live/test_ask_intake.py tests/live/test_encode_request_rounds.py
 SANITIZE := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g
 
 asan: $(STAMP)

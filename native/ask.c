@@ -166,3 +166,204 @@ PyObject *epd_ask_take(PyObject *self, PyObject *args)
         return NULL;
     return epd_zmq_take(handle_obj, most, max_bytes, max_parts, take_ask, cls);
 }
+
+/* ---------------------------------------------------------------- the asks a prefill rank sends
+ *
+ * The rule is transfer/frames.py's `TransferInfo.to_frames` in its plain case, which the unit suite holds
+ * this encoder to: the nine numbers exact ints in range (the room and port not negative, the port at most
+ * 65535, the pointers u64, the rest i64), the three texts exact ASCII strs, part 13 absent (None) or an
+ * exact int in [0, 2^63 - 1]. Numbers go as decimal ASCII, the pointers as 8 bytes in host order, part 9
+ * as "1" or "0". Anything else (a bool or an IntEnum among the numbers, a str subclass, a has_deepstack
+ * that is not True or False, an instance of another class) is not a plain ask: the Python encoder takes it.
+ */
+
+/* The fields in part order, then part 13's. */
+static const char *const ask_field_names[ASK_FIELDS] = {
+    "room", "endpoint", "port", "session_id", "embedding_ptr", "deepstack_ptr", "rows", "hidden", "dtype",
+    "has_deepstack", "fanout", "row_start", "span", "deepstack_row_bytes"};
+static PyObject *ask_keys[ASK_FIELDS];
+
+/* An ask's parts, pointing into its fields' texts and into `digits`. */
+struct ask_parts {
+    const char *data[ASK_FIELDS];
+    size_t len[ASK_FIELDS];
+    Py_ssize_t count;
+    char digits[ASK_FIELDS * 24];
+};
+
+/* v as decimal ASCII at out (at most 20 bytes); its length. */
+static size_t put_i64(char *out, long long v)
+{
+    char tmp[24];
+    size_t n = 0;
+    unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+    do {
+        tmp[n++] = (char)('0' + u % 10);
+        u /= 10;
+    } while (u);
+    size_t len = 0;
+    if (v < 0)
+        out[len++] = '-';
+    while (n)
+        out[len++] = tmp[--n];
+    return len;
+}
+
+/* An exact int within [lo, hi] into *v: 1, or 0 when it is not one. */
+static int exact_i64(PyObject *obj, long long lo, long long hi, long long *v)
+{
+    if (obj == NULL || !PyLong_CheckExact(obj))
+        return 0;
+    int overflow;
+    *v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (*v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return !overflow && *v >= lo && *v <= hi;
+}
+
+/* An exact int within [0, 2^64 - 1] into *v: 1, or 0 when it is not one. */
+static int exact_u64(PyObject *obj, unsigned long long *v)
+{
+    if (obj == NULL || !PyLong_CheckExact(obj))
+        return 0;
+    *v = PyLong_AsUnsignedLongLong(obj);
+    if (*v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear(); /* negative, or past 2^64 - 1 */
+        return 0;
+    }
+    return 1;
+}
+
+/* An exact ASCII str's bytes: 1, or 0 when it is not one. */
+static int exact_ascii(PyObject *obj, const char **data, size_t *len)
+{
+    if (obj == NULL || !PyUnicode_CheckExact(obj) || !PyUnicode_IS_ASCII(obj))
+        return 0;
+    *data = (const char *)PyUnicode_DATA(obj);
+    *len = (size_t)PyUnicode_GET_LENGTH(obj);
+    return 1;
+}
+
+/* The parts of `info`, an instance of exactly `cls` (TransferInfo): 1; 0 when it is not a plain ask; -1 with
+ * an exception set. The parts point into the info's texts: used while the caller holds `info`. */
+static int encode_ask(PyObject *info, PyObject *cls, struct ask_parts *out)
+{
+    if ((PyObject *)Py_TYPE(info) != cls)
+        return 0;
+    if (ask_keys[0] == NULL) {
+        for (int i = 0; i < ASK_FIELDS; i++) {
+            if ((ask_keys[i] = PyUnicode_InternFromString(ask_field_names[i])) == NULL)
+                return -1;
+        }
+    }
+    PyObject *dict = PyObject_GenericGetDict(info, NULL);
+    if (dict == NULL)
+        return -1;
+    /* Borrowed from the info's own dict, which the info (held by the caller) keeps. */
+    PyObject *field[ASK_FIELDS];
+    int found = PyDict_CheckExact(dict);
+    for (int i = 0; found && i < ASK_FIELDS; i++) {
+        field[i] = PyDict_GetItemWithError(dict, ask_keys[i]);
+        found = field[i] != NULL;
+    }
+    Py_DECREF(dict);
+    if (!found)
+        return PyErr_Occurred() ? -1 : 0;
+    static const int signed_parts[] = {P_ROWS, P_HIDDEN, P_FANOUT, P_ROW_START, P_SPAN};
+    long long number;
+    char *digits = out->digits;
+    if (!exact_i64(field[P_ROOM], 0, INT64_MAX, &number))
+        return 0;
+    out->data[P_ROOM] = digits;
+    out->len[P_ROOM] = put_i64(digits, number);
+    digits += 24;
+    if (!exact_i64(field[P_PORT], 0, 0xFFFF, &number))
+        return 0;
+    out->data[P_PORT] = digits;
+    out->len[P_PORT] = put_i64(digits, number);
+    digits += 24;
+    for (size_t i = 0; i < sizeof(signed_parts) / sizeof(signed_parts[0]); i++) {
+        if (!exact_i64(field[signed_parts[i]], INT64_MIN, INT64_MAX, &number))
+            return 0;
+        out->data[signed_parts[i]] = digits;
+        out->len[signed_parts[i]] = put_i64(digits, number);
+        digits += 24;
+    }
+    int pointers[] = {P_EMB, P_DS};
+    for (int i = 0; i < 2; i++) {
+        unsigned long long ptr;
+        if (!exact_u64(field[pointers[i]], &ptr))
+            return 0;
+        uint64_t word = ptr;
+        memcpy(digits, &word, 8); /* struct's "=Q": host order */
+        out->data[pointers[i]] = digits;
+        out->len[pointers[i]] = 8;
+        digits += 24;
+    }
+    int texts[] = {P_ENDPOINT, P_SESSION, P_DTYPE};
+    for (int i = 0; i < 3; i++) {
+        if (!exact_ascii(field[texts[i]], &out->data[texts[i]], &out->len[texts[i]]))
+            return 0;
+    }
+    if (field[P_HAS_DS] != Py_True && field[P_HAS_DS] != Py_False)
+        return 0;
+    out->data[P_HAS_DS] = field[P_HAS_DS] == Py_True ? "1" : "0";
+    out->len[P_HAS_DS] = 1;
+    out->count = ASK_PARTS;
+    if (field[P_WIDTH] != Py_None) {
+        if (!exact_i64(field[P_WIDTH], 0, INT64_MAX, &number))
+            return 0;
+        out->data[P_WIDTH] = digits;
+        out->len[P_WIDTH] = put_i64(digits, number);
+        out->count = ASK_PARTS + 1;
+    }
+    return 1;
+}
+
+/* ask_frames(info, cls) -> the parts of a plain ask as a list of bytes, or None when it is not one. */
+PyObject *epd_ask_frames(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *info, *cls;
+    if (!PyArg_ParseTuple(args, "OO", &info, &cls))
+        return NULL;
+    struct ask_parts parts;
+    int plain = encode_ask(info, cls, &parts);
+    if (plain <= 0)
+        return plain < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *out = PyList_New(parts.count);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < parts.count; i++) {
+        PyObject *part = PyBytes_FromStringAndSize(parts.data[i], (Py_ssize_t)parts.len[i]);
+        if (part == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, part);
+    }
+    return out;
+}
+
+/* ask_send(handle, info, cls) -> True once a plain ask's parts are queued as one message, as zmq_send_parts
+ * queues them (OSError with libzmq's errno when not: EAGAIN, nothing queued); None when it is not a plain
+ * ask (nothing sent). */
+PyObject *epd_ask_send(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *handle_obj, *info, *cls;
+    if (!PyArg_ParseTuple(args, "OOO", &handle_obj, &info, &cls))
+        return NULL;
+    void *handle = PyLong_AsVoidPtr(handle_obj);
+    if (handle == NULL && PyErr_Occurred())
+        return NULL;
+    struct ask_parts parts;
+    int plain = encode_ask(info, cls, &parts);
+    if (plain <= 0)
+        return plain < 0 ? NULL : Py_NewRef(Py_None);
+    if (epd_zmq_send_spans(handle, parts.data, parts.len, parts.count) < 0)
+        return NULL;
+    Py_RETURN_TRUE;
+}

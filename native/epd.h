@@ -74,6 +74,9 @@ PyObject *epd_zmq_recv_parts(PyObject *self, PyObject *args);
 /* zmq_recv_parts for C callers (GIL held, zmq_bind called): a new reference to what it returns. */
 PyObject *epd_zmq_recv_message(void *handle, Py_ssize_t max_bytes, Py_ssize_t max_parts);
 PyObject *epd_zmq_send_parts(PyObject *self, PyObject *args);
+/* zmq_send_parts for C callers (GIL held): the n parts data[i] of len[i] bytes (n >= 1) as one message: 0,
+   or -1 with an exception set (an OSError with libzmq's errno when a send failed: nothing was delivered). */
+int epd_zmq_send_spans(void *handle, const char *const *data, const size_t *len, Py_ssize_t n);
 /* The same functions for C callers, which may run without the GIL: whether zmq_bind was called;
    one single-part message of at most cap bytes into buf, without blocking: its size, or -1 with
    libzmq's errno in *err (EAGAIN: none queued; EMSGSIZE: a longer or multipart message, dropped
@@ -102,6 +105,9 @@ PyObject *epd_lane_take(PyObject *self, PyObject *args);
 /* ask.c: the asks an encode driver reads, parsed (transfer/frames.py's TransferInfo._from_plain_frames). */
 PyObject *epd_ask_parse(PyObject *self, PyObject *args);
 PyObject *epd_ask_take(PyObject *self, PyObject *args);
+/* ask.c: the asks a prefill rank sends, encoded (transfer/frames.py's TransferInfo.to_frames, plain case). */
+PyObject *epd_ask_frames(PyObject *self, PyObject *args);
+PyObject *epd_ask_send(PyObject *self, PyObject *args);
 
 /* mooncake.c: Mooncake's write and status calls on the binding's engine, once mooncake_bind found them. */
 PyObject *epd_mooncake_bind(PyObject *self, PyObject *args);

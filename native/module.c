@@ -476,6 +476,12 @@ static PyMethodDef methods[] = {
     {"ask_take", epd_ask_take, METH_VARARGS,
      "ask_take(handle, cls, most, max_bytes=0, max_parts=0) -> (asks, message, empty): plain asks read and "
      "parsed in order, up to the first message that is not one (message)."},
+    {"ask_frames", epd_ask_frames, METH_VARARGS,
+     "ask_frames(info, cls) -> the parts of a plain TransferInfo (exactly of cls) as to_frames() makes them, or None "
+     "when it is not one."},
+    {"ask_send", epd_ask_send, METH_VARARGS,
+     "ask_send(handle, info, cls) -> True once a plain TransferInfo's parts are queued as one message (OSError as "
+     "zmq_send_parts), or None when it is not one (nothing sent)."},
     {"floor_serve", epd_floor_serve, METH_VARARGS,
      "floor_serve(engine, pull, pull_fd, receivers, until, deadline_s, poll_min_s, poll_max_s, base, row_bytes, "
      "starts, step, warmup) -> bytes: the bench floor's encode loop in C, the GIL released."},

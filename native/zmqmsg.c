@@ -202,12 +202,46 @@ fail: /* out of memory: the error goes up, and the rest of the message with it *
     return NULL;
 }
 
-/* zmq_send_parts(handle, parts): queues one multipart message; OSError(EAGAIN) when the
- * queue is full, and then nothing was queued. A later part can still fail: libzmq refuses it
- * when the peer's pipe goes away in the middle of the message, rolls back the parts before it
- * and then drops every part up to the message's last. The rest of the message is handed over
- * for that drop to end with it (else the next message would be dropped in its place while
- * reported queued), and the failure is reported: nothing of the message was delivered. */
+/* Queues one multipart message of `n` parts (part(ctx, i, &data, &len) gives each): 0, or -1 with an OSError
+ * carrying libzmq's errno (EAGAIN when the queue is full, and then nothing was queued). A later part can
+ * still fail: libzmq refuses it when the peer's pipe goes away in the middle of the message, rolls back the
+ * parts before it and then drops every part up to the message's last. The rest of the message is handed
+ * over for that drop to end with it (else the next message would be dropped in its place while reported
+ * queued), and the failure is reported: nothing of the message was delivered. */
+static int send_message(void *handle, Py_ssize_t n, void (*part)(void *, Py_ssize_t, const char **, size_t *),
+                        void *ctx)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *data;
+        size_t len;
+        part(ctx, i, &data, &len);
+        int flags = ZMQ_DONTWAIT_ | (i + 1 < n ? ZMQ_SNDMORE_ : 0);
+        while (sock_send(handle, data, len, flags) < 0) {
+            int err = zmq_errno_();
+            if (err == EINTR)
+                continue;
+            for (Py_ssize_t j = i + 1; i > 0 && j < n; j++) {
+                part(ctx, j, &data, &len);
+                int rest_flags = ZMQ_DONTWAIT_ | (j + 1 < n ? ZMQ_SNDMORE_ : 0);
+                while (sock_send(handle, data, len, rest_flags) < 0 && zmq_errno_() == EINTR)
+                    ;
+            }
+            zmq_failed(err);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void list_part(void *parts, Py_ssize_t i, const char **data, size_t *len)
+{
+    PyObject *part = PyList_GET_ITEM((PyObject *)parts, i);
+    *data = PyBytes_AS_STRING(part);
+    *len = (size_t)PyBytes_GET_SIZE(part);
+}
+
+/* zmq_send_parts(handle, parts): queues one multipart message (see send_message); OSError(EAGAIN) when
+ * the queue is full, and then nothing was queued. */
 PyObject *epd_zmq_send_parts(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -230,24 +264,29 @@ PyObject *epd_zmq_send_parts(PyObject *self, PyObject *args)
             return NULL;
         }
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *part = PyList_GET_ITEM(parts, i);
-        int flags = ZMQ_DONTWAIT_ | (i + 1 < n ? ZMQ_SNDMORE_ : 0);
-        while (sock_send(handle, PyBytes_AS_STRING(part), (size_t)PyBytes_GET_SIZE(part), flags) < 0) {
-            int err = zmq_errno_();
-            if (err == EINTR)
-                continue;
-            for (Py_ssize_t j = i + 1; i > 0 && j < n; j++) {
-                PyObject *rest = PyList_GET_ITEM(parts, j);
-                int rest_flags = ZMQ_DONTWAIT_ | (j + 1 < n ? ZMQ_SNDMORE_ : 0);
-                while (sock_send(handle, PyBytes_AS_STRING(rest), (size_t)PyBytes_GET_SIZE(rest), rest_flags) < 0 &&
-                       zmq_errno_() == EINTR)
-                    ;
-            }
-            return zmq_failed(err);
-        }
-    }
+    if (send_message(handle, n, list_part, parts) < 0)
+        return NULL;
     Py_RETURN_NONE;
+}
+
+struct spans {
+    const char *const *data;
+    const size_t *len;
+};
+
+static void span_part(void *ctx, Py_ssize_t i, const char **data, size_t *len)
+{
+    const struct spans *spans = ctx;
+    *data = spans->data[i];
+    *len = spans->len[i];
+}
+
+int epd_zmq_send_spans(void *handle, const char *const *data, const size_t *len, Py_ssize_t n)
+{
+    if (!bound())
+        return -1;
+    struct spans spans = {data, len};
+    return send_message(handle, n, span_part, &spans);
 }
 
 PyObject *epd_zmq_take(PyObject *handle_obj, Py_ssize_t most, Py_ssize_t max_bytes, Py_ssize_t max_parts,

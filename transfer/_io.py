@@ -436,6 +436,18 @@ def send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
             raise
 
 
+def send_ask(sock: zmq.Socket, info: TransferInfo) -> None:
+    """send_frames(sock, info.to_frames()): a plain ask's parts encoded and queued natively, in one call
+    (native/ask.c holds to_frames()'s plain case), any other through to_frames() and send_frames()."""
+    if _NATIVE is not None:
+        try:
+            if _NATIVE.ask_send(sock.underlying, info, TransferInfo) is not None:
+                return
+        except OSError as exc:
+            raise _zmq_error(exc) from None
+    send_frames(sock, info.to_frames())
+
+
 def readable(sock: zmq.Socket) -> bool:
     """Whether a message is queued on sock (never blocks)."""
     return bool(_get(sock, zmq.EVENTS) & zmq.POLLIN)

@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from transfer import _io
+from transfer.frames import TransferInfo
 
 HOST = "127.0.0.1"
 
@@ -121,6 +122,18 @@ def test_a_closed_socket_raises_zmq_error(zmq_path):
     push.close(0)
     with pytest.raises(zmq.ZMQError):
         _io.send_frames(push, [b"x"])
+
+
+def test_an_ask_arrives_as_its_to_frames_parts_on_either_path(zmq_path, pair):
+    push, pull = pair
+    rng = random.Random(3)
+    asks = [TransferInfo(rng.randrange(2**63), "10.0.0.12", rng.randrange(65536), "10.0.0.12:15432",
+                         rng.randrange(2**64), rng.randrange(2**64), rng.randrange(-5, 1 << 20), 4096, "torch.bfloat16",
+                         rng.random() < 0.5, rng.randint(1, 8), rng.randrange(1 << 20), rng.randrange(1 << 21),
+                         rng.choice([None, 0, 16384])) for _ in range(200)]
+    for info in asks:
+        _io.send_ask(push, info)
+    assert drain(pull, len(asks)) == [info.to_frames() for info in asks]
 
 
 def test_native_send_refuses_what_is_not_a_list_of_bytes(pair):

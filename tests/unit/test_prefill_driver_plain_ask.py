@@ -1,7 +1,7 @@
 """The prefill driver's receive(): the lone ask it sends itself (`_ask_plain`) ends as _carry() would carry it.
 
 A driver with neither its thread nor real sockets: each encode address's socket and monitor are fakes whose
-send and drop reports the test picks, through transfer._io's two calls the driver makes on them.
+send and drop reports the test picks, through the transfer._io calls the driver makes on them.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from prefill_rooms import BOOT, ENCODE, KEY0, MAIN, core, spec
 from transfer import _io
 from transfer.drive import prefill as drive
 from transfer.drive.prefill import PrefillDriver, Room
+from transfer.frames import TransferInfo
 from transfer.metrics import Metrics
 
 OTHER = ("10.0.0.4", 7001)
@@ -60,6 +61,10 @@ def _send_frames(sock: _Socket, frames: list[bytes]) -> None:
     if sock.send == "error":
         raise RuntimeError("the socket broke")
     sock.sent.append(frames)
+
+
+def _send_ask(sock: _Socket, info: TransferInfo) -> None:
+    _send_frames(sock, info.to_frames())
 
 
 def _dropped(monitor: _Monitor) -> bool:
@@ -106,6 +111,7 @@ def _outcome(driver: PrefillDriver, record: Room) -> tuple:
 @pytest.fixture
 def fake_links(monkeypatch):
     monkeypatch.setattr(_io, "send_frames", _send_frames)
+    monkeypatch.setattr(_io, "send_ask", _send_ask)
     monkeypatch.setattr(_io, "dropped", _dropped)
     monkeypatch.setattr(_io, "push_socket", lambda *a, **kw: _Socket("ok"))
     monkeypatch.setattr(_io, "watch_drops", lambda sock: _Monitor(False))

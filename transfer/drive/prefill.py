@@ -1004,7 +1004,10 @@ class PrefillDriver:
     def _send(self, sock: zmq.Socket, action: Announce | SendAsk) -> None:
         """Queues the action's frames on the socket without blocking (zmq.Again when it cannot take them)."""
         # Both types are final: the type tells them apart, without isinstance()'s call.
-        _io.send_frames(sock, action.info.to_frames() if type(action) is SendAsk else action.frames)
+        if type(action) is SendAsk:
+            _io.send_ask(sock, action.info)
+        else:
+            _io.send_frames(sock, action.frames)
 
     def _disconnect(self, addr: tuple[str, int], linger_ms: int = 0) -> None:
         """Closes the socket to `addr` and what watches it (I/O thread or close())."""
