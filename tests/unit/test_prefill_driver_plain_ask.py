@@ -21,6 +21,7 @@ from transfer.drive import prefill as drive
 from transfer.drive.prefill import PrefillDriver, Room
 from transfer.frames import TransferInfo
 from transfer.metrics import Metrics
+from transfer.status import TransferPoll
 
 OTHER = ("10.0.0.4", 7001)
 FRESH = Regions(Region(0x900000, 1 << 20))
@@ -108,6 +109,11 @@ def _outcome(driver: PrefillDriver, record: Room) -> tuple:
             driver._lookups.submitted, list(driver._cancels_out), driver._waker.woken, driver.metrics.snapshot())
 
 
+def _general(driver: PrefillDriver, now: float, action: object, record: Room) -> list:
+    driver.table.start(record.room, TransferPoll.Bootstrapping)
+    return driver._carry(now, [action])
+
+
 @pytest.fixture
 def fake_links(monkeypatch):
     monkeypatch.setattr(_io, "send_frames", _send_frames)
@@ -127,8 +133,8 @@ def test_a_receive_ends_as_its_ask_carried_by_carry_would(fake_links, room, send
     outcomes = []
     for plain in (True, False):
         driver = _driver(send, drop, watched, cancel_queued, socket)
-        if not plain:  # the general path: every action through _carry()
-            driver._ask_plain = lambda now, action, record, d=driver: d._carry(now, [action])
+        if not plain:  # the general path: the room started at Bootstrapping, every action through _carry()
+            driver._ask_plain = lambda now, action, record, d=driver: _general(d, now, action, record)
         record = Room(room, started_at=5.0, nbytes=64)
         room_spec = spec(room, slot=slot, regions=FRESH if fresh_region else MAIN)  # FRESH: announced first
         try:

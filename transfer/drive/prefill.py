@@ -262,14 +262,15 @@ class PrefillDriver:
             counted = False
             try:
                 self.rooms[room] = record
-                self.table.start(room, TransferPoll.Bootstrapping)
                 # Counted before anything concludes it (the actions may): no scrape sees it concluded, not started.
                 self.metrics.inc("rooms_started_total")
                 counted = True
-                # The plain start, a lone ask on a socket the caller may use now: sent as _carry() would send it.
+                # The plain start, a lone ask on a socket the caller may use now: sent as _carry() would send it
+                # (the room enters the table there).
                 if len(actions) == 1 and type(actions[0]) is SendAsk:
                     verifies = self._ask_plain(now, actions[0], record)
                 else:
+                    self.table.start(room, TransferPoll.Bootstrapping)
                     verifies = self._carry(now, actions)
             except BaseException:  # the caller gets the error and no handle: leave nothing behind
                 self.core.clear(now, room, record.token)
@@ -969,34 +970,40 @@ class PrefillDriver:
         return []
 
     def _ask_plain(self, now: float, action: SendAsk, record: Room) -> list[Verify]:
-        """Carries out `[action]`, the ask core.receive() just made for `record`'s room, with what _carry() would
-        do (_lock held, off the I/O thread); the checksums to run after it.
+        """Starts `record`'s room in the table and carries out `[action]`, the ask core.receive() just made for
+        it, with what table.start(room, Bootstrapping) and _carry() would do (_lock held, off the I/O thread);
+        the checksums to run after it.
 
         The ask is not re-checked with core.asking(): nothing ran since the core made it. Where its socket is
-        the plain one (open, not polled by the I/O thread, no cancel queued for it) it is sent here; a drop
-        report, a full queue or a failed send is handed on to the core as _carry() hands it on."""
-        addr = action.addr
+        the plain one (open, not polled by the I/O thread, no cancel queued for it) it is sent here, and the
+        room enters the table at WaitingForInput: what start() and then update() leave, and no one reads the
+        table for the room in between (its handle is not out yet). A drop report, a full queue or a failed
+        send is handed on to the core as _carry() hands it on, the room started at Bootstrapping first."""
+        addr, room = action.addr, action.room
         sockets = self._sockets
-        if addr not in sockets or self._cancels_out:
-            return self._carry(now, [action])  # a socket to open, or one a cancel may have to go on first
+        if addr not in sockets or self._cancels_out or sockets[addr] in self._watching:
+            # A socket to open, one a cancel may have to go on first, or one the I/O thread may be polling.
+            self.table.start(room, TransferPoll.Bootstrapping)
+            return self._carry(now, [action])
         sock = sockets[addr]
-        if sock in self._watching:
-            return self._carry(now, [action])  # the I/O thread may be polling it
         if _io.dropped(self._monitors[addr]):
             # _carry(): the ask waits in the core, behind a look-up of its route
+            self.table.start(room, TransferPoll.Bootstrapping)
             return self._carry(now, [*self.core.refused(now, addr, [action]), *self.core.connection_dropped(now, addr)])
         sent_at = self.clock()  # before: the encode rank cannot have it earlier
         self._used_at[addr] = sent_at
         try:
             self._send(sock, action)
         except zmq.Again:
+            self.table.start(room, TransferPoll.Bootstrapping)
             self._resync = True  # _carry() off the I/O thread: it must watch that socket
             return self._carry(now, self.core.refused(now, addr, [action]))
         except Exception as exc:  # as _push(): the room fails, not the caller's call
-            log.exception("asking %s:%d for room %d failed", addr[0], addr[1], action.room)
+            self.table.start(room, TransferPoll.Bootstrapping)
+            log.exception("asking %s:%d for room %d failed", addr[0], addr[1], room)
             return self._carry(now, self.core.unsent(now, action, Failure(
-                FailureKind.OTHER, f"room {action.room}: asking for it failed: {type(exc).__name__}: {exc}")))
-        self.table.update(action.room, TransferPoll.WaitingForInput)
+                FailureKind.OTHER, f"room {room}: asking for it failed: {type(exc).__name__}: {exc}")))
+        self.table.start(room, TransferPoll.WaitingForInput)
         if record.asked_at is None:  # the room's record, just filed under the ask's token
             record.asked_at = sent_at
         return []
