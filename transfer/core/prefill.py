@@ -1452,13 +1452,11 @@ class PrefillCore:
             frames = registration_frames(self.host, self.status_port, self.session_id, *region, *lengths)
             self.announcements.announced(addr, region, lengths)
             actions.append(Announce(addr, spec.room, state.token, key, region, frames))
-        info = TransferInfo(
-            room=spec.room, endpoint=self.host, port=self.status_port, session_id=self.session_id,
-            embedding_ptr=spec.embedding_ptr, deepstack_ptr=spec.deepstack_ptr, rows=spec.rows,
-            hidden=spec.hidden, dtype=spec.dtype, has_deepstack=spec.has_deepstack,
-            fanout=state.fanout, row_start=spec.row_start, span=spec.span,
-            deepstack_row_bytes=spec.deepstack_row_bytes if spec.has_deepstack else None,
-        )
+        # In field order, by position (room, endpoint, port, session_id, embedding_ptr, deepstack_ptr, rows, hidden,
+        # dtype, has_deepstack, fanout, row_start, span, deepstack_row_bytes): keywords cost a match each.
+        info = TransferInfo(spec.room, self.host, self.status_port, self.session_id, spec.embedding_ptr,
+                            spec.deepstack_ptr, spec.rows, spec.hidden, spec.dtype, spec.has_deepstack, state.fanout,
+                            spec.row_start, spec.span, spec.deepstack_row_bytes if spec.has_deepstack else None)
         actions.append(SendAsk(addr, spec.room, state.token, info))
         state.stage = ASKED
         state.asked = True
