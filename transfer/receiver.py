@@ -114,7 +114,10 @@ class ReceiveHandle(_io.RoomHandle[Room]):
     def __init__(self, manager: SessionManager, room: Room, rows: torch.Tensor | None = None,
                  deepstack: torch.Tensor | None = None, shard: tuple[int, int] = (0, 0)) -> None:
         driver = manager._driver
-        super().__init__(driver.table, room, driver.conclusions, driver.rooms.get)
+        # RoomHandle.__init__(driver.table, room, driver.conclusions, driver.rooms.get)'s fields, without its call
+        self._table, self._state, self._conclusions = driver.table, room, driver.conclusions
+        self._held = driver.rooms.get
+        self.room = room.room
         self._manager = manager
         #: With a pool: the leased `[span, hidden]` rows (this rank's shard lands in its
         #: rows; the others are for reassembly) and likewise the deepstack rows.
@@ -440,7 +443,8 @@ class SessionManager:
                                         leased=lease is not None)
         spec = RoomSpec(room, bootstrap_addr, ptr, rows, hidden, dtype, row_bytes, row_start, span, regions,
                         ds_ptr, ds_nbytes, deepstack_dst is not None, ds_row_bytes)
-        record = Room(room, started_at=self._driver.clock(), nbytes=rows * row_bytes + ds_nbytes, lease=lease)
+        # Room(room, started_at, nbytes, lease), by position: keywords cost a match each.
+        record = Room(room, self._driver.clock(), rows * row_bytes + ds_nbytes, lease)
         return record, spec
 
     def _lease(self, room: int, rows: int | None, hidden: int | None, dtype: str | None, row_start: int,

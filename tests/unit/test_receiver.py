@@ -194,3 +194,20 @@ def test_scalar_ints_leave_a_plain_tensor_told_by_its_type_as_scalar_int_does(va
     with pytest.MonkeyPatch.context() as monkeypatch:
         slow, fast = _as_the_rules_read(monkeypatch, scalar_ints, *values)
     assert fast == slow
+
+
+def test_a_receive_handle_holds_what_room_handle_init_would_set():
+    from types import SimpleNamespace
+
+    from transfer import _io
+    from transfer.drive.prefill import Room
+    from transfer.receiver import ReceiveHandle
+    from transfer.status import RoomTable
+
+    driver = SimpleNamespace(table=RoomTable(), conclusions=_io.Conclusions(), rooms={})
+    manager = SimpleNamespace(_driver=driver, _closed=True)  # closed: the dropped handle warns of nothing
+    record = Room(7, 1.0, 64)
+    handle = ReceiveHandle(manager, record, shard=(0, 4))
+    reference = _io.RoomHandle(driver.table, record, driver.conclusions, driver.rooms.get)
+    assert {name: value for name, value in vars(handle).items() if name in vars(reference)} == vars(reference)
+    assert handle.shard == (0, 4) and handle._manager is manager
