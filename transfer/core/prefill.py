@@ -508,7 +508,7 @@ class PrefillCore:
         self._tokens += 1
         state = _Room(spec, self._tokens, now + self.deadline_s, room)
         self._rooms[room] = state
-        self._push_deadline(state)
+        heapq.heappush(self._deadlines, (state.deadline, state.token, state))
         try:
             return state.token, self._route(now, state)
         except BaseException:
@@ -1234,9 +1234,6 @@ class PrefillCore:
             return None
         return state
 
-    def _push_deadline(self, state: _Room) -> None:
-        heapq.heappush(self._deadlines, (state.deadline, state.token, state))
-
     def _conclude(self, state: _Room, failure: Failure | None, unverified: bool = False) -> list:
         if not state.asked or (state.stage == VERIFYING and failure is None):
             # Never asked, or its bytes verified (its write is over): nothing will write there. A Success
@@ -1408,7 +1405,12 @@ class PrefillCore:
                     f"room {state.room}: not connecting to {state.where()}: this prefill rank already holds "
                     f"{self.max_sockets} sockets to encode ranks, its cap, each with rooms under way"))
             actions = made
-        state.conn, state.asked_at = self._conn_of(addr), now
+        conns = self._conns
+        if addr in conns:  # _conn_of(addr) of a connection in use, without its call: made the most recently used
+            state.conn = conns[addr] = conns.pop(addr)
+        else:
+            state.conn = self._conn_of(addr)
+        state.asked_at = now
         waiting = self.asks.waiting(addr) if addr in self.asks.queues else 0  # none waits there: no call
         if waiting and not defer and self.asks.full(addr) and self._pruned_at.get(addr) != self._let_go:
             # Rooms cleared while their asks waited leave them behind: only open ones hold a place.
