@@ -435,11 +435,19 @@ class SessionManager:
             ds = _io.as_region(deepstack_dst)
             ds_ptr, ds_nbytes = ds.addr, ds.nbytes
             ds_row_bytes = _deepstack_row_bytes(room, deepstack_dst, ds_nbytes, rows, dtype, deepstack_hidden)
+        sets = self._region_sets  # never changed once published (see __init__)
+        main, nbytes = sets[0], rows * row_bytes
+        emb = main.embedding
         if lease is not None and not lease.is_fallback:
             # A pool slot lies in the pool's region, the main set's, which stays first: where _regions_for() finds it.
-            regions = self._region_sets[0]
+            regions = main
+        elif (lease is None and deepstack_dst is None and len(sets) == 1 and not main.leased
+              and emb.addr <= ptr and ptr + nbytes <= emb.addr + emb.nbytes):
+            # Rows inside the main buffer, no other set and no pool memory to keep out of: what _regions_for()
+            # finds first, without its calls.
+            regions = main
         else:
-            regions = self._regions_for(room, ptr, rows * row_bytes, ds_ptr, ds_nbytes, deepstack_dst is not None,
+            regions = self._regions_for(room, ptr, nbytes, ds_ptr, ds_nbytes, deepstack_dst is not None,
                                         leased=lease is not None)
         spec = RoomSpec(room, bootstrap_addr, ptr, rows, hidden, dtype, row_bytes, row_start, span, regions,
                         ds_ptr, ds_nbytes, deepstack_dst is not None, ds_row_bytes)

@@ -211,3 +211,42 @@ def test_a_receive_handle_holds_what_room_handle_init_would_set():
     reference = _io.RoomHandle(driver.table, record, driver.conclusions, driver.rooms.get)
     assert {name: value for name, value in vars(handle).items() if name in vars(reference)} == vars(reference)
     assert handle.shard == (0, 4) and handle._manager is manager
+
+
+def _region_manager(sets):
+    """A SessionManager holding `sets` (the first its main set), with a driver stand-in that only reads the clock."""
+    from types import SimpleNamespace
+
+    from transfer.receiver import SessionManager
+
+    manager = SessionManager.__new__(SessionManager)
+    manager._region_sets, manager.buffer = sets, sets[0].embedding
+    manager._driver = SimpleNamespace(clock=lambda: 1.0)
+    return manager
+
+
+def _outcome(call):
+    try:
+        return "ok", call()
+    except ConfigError as exc:
+        return "error", str(exc)
+
+
+@settings(max_examples=500, deadline=None)
+@given(main=st.tuples(st.integers(0, 4096), st.integers(0, 4096)), leased=st.booleans(),
+       others=st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 4096), st.booleans()), max_size=2),
+       ptr=st.integers(0, 8192), rows=st.integers(0, 8), hidden=st.integers(1, 64),
+       deepstack=st.none() | st.integers(0, 8192), main_deepstack=st.booleans())
+def test_a_destination_lands_in_the_region_set_regions_for_finds(main, leased, others, ptr, rows, hidden, deepstack,
+                                                                main_deepstack):
+    from transfer._io import Region
+    from transfer.receiver import RegionSet
+
+    sets = [RegionSet(Region(*main), Region(*main) if main_deepstack else None, leased=leased),
+            *(RegionSet(Region(addr, nbytes), Region(addr, nbytes), leased=pool) for addr, nbytes, pool in others)]
+    manager = _region_manager(sets)
+    ds = None if deepstack is None else (deepstack, rows * 4)  # rows of two bfloat16 elements
+    found = _outcome(lambda: manager._room(7, "127.0.0.1:1", ptr, rows=rows, hidden=hidden, dtype="torch.bfloat16",
+                                           row_start=0, span=None, deepstack_dst=ds, deepstack_hidden=None,
+                                           lease=None)[1].regions)
+    assert found == _outcome(lambda: manager._regions_for(7, ptr, rows * hidden * 2, *(ds or (0, 0)), ds is not None))
