@@ -398,8 +398,11 @@ def test_clearing_thousands_of_waiting_rooms_drops_their_registrations_in_batche
         for handle in handles:
             handle.clear()
         assert wait_until(lambda: encode.registered() == before, 60.0)
-    assert [name for name, _ in counted.calls] == ["batch_unregister_memory"] * len(counted.calls)
+    # Every registration dropped, in few engine calls: a driver turn that took a lone clear drops its one
+    # registration with unregister_memory, which a loaded host makes happen now and then.
+    assert sum(n for _, n in counted.calls) == len(items), counted.calls
     assert len(counted.calls) <= len(items) // 10, counted.calls
+    assert any(name == "batch_unregister_memory" for name, _ in counted.calls), counted.calls
 
 
 def test_a_close_that_cannot_drop_every_registration_in_time_concludes_its_rooms_and_leaves_the_rest_to_the_engine(
