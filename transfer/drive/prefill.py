@@ -280,8 +280,7 @@ class PrefillDriver:
                 if counted and record.concluded_at is None:  # counted started, so counted concluded too
                     self.metrics.inc("rooms_failed_total", reason=FailureKind.OTHER.value)
                 raise
-            wakeup = self.core.next_wakeup()  # _must_wake(), without its call
-            wake = self._resync or (wakeup is not None and wakeup < self._wake_at)
+            wake = self._must_wake()
         finally:
             self._lock.release()
         for verify in verifies:  # none in practice: a Verify follows a status
