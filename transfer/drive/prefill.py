@@ -415,46 +415,62 @@ class PrefillDriver:
                 if self._stopping:
                     continue  # close() got here first: the watch waker may be closed
                 self._watcher = threading.get_ident()
-                self._watch_step(record, remaining, deadline)
+                self._watch_turns(record, remaining, deadline)
             finally:
                 self._watcher = None
                 now = self._caller_at = self.clock()  # a scheduler's next poll usually follows at once
                 remaining = deadline - now
                 self._watch.release()
 
-    def _watch_step(self, record: Room, remaining: float, ends: float) -> None:
-        """One turn of a waiting caller, `remaining` seconds before the wait `ends` (on the clock): handle what is
-        queued, then sleep on the socket (holds _watch)."""
-        # Before looking: a conclusion from now on wakes the sleep below.
-        self._watch_waker.drain(self._watch_woken)
-        self._watch_woken = False
-        if not self._lock.acquire(timeout=remaining):
-            return  # held past the wait's own bound (a stuck I/O thread): wait() returns
-        try:
-            taken = self._take_as_caller()
-            if taken is None:
-                return
-            verifies, more = taken
-            wake = self._must_wake()
-        finally:
-            self._lock.release()
-        if wake:
-            self._waker.wake()
-        for i, verify in enumerate(verifies):
-            if self.clock() >= ends:  # the wait is over: the I/O thread checks the rest
-                self._verifies.extend(verifies[i:])
+    def _watch_turns(self, record: Room, remaining: float, ends: float) -> None:
+        """The turns of a waiting caller, `remaining` seconds before the wait `ends` (on the clock), while it holds
+        _watch: each handles what is queued, then sleeps on the socket. It returns where wait()'s loop would not
+        start another turn (the room concluded, the wait is over, closing or failed), and where the lock stays
+        held past the wait's own bound (a stuck I/O thread); a turn that found more queued, or a sleep that
+        ended, is followed by the next turn in the same hold of _watch."""
+        while True:
+            # Before looking: a conclusion from now on wakes the sleep below.
+            self._watch_waker.drain(self._watch_woken)
+            self._watch_woken = False
+            if not self._lock.acquire(timeout=remaining):
+                return  # held past the wait's own bound (a stuck I/O thread): wait() returns
+            try:
+                # _take_as_caller(), without its call
+                if self._stopping or self.failure is not None:
+                    return
+                self._caller_at = self.clock()
+                verifies, more = self._take_statuses(STATUSES_PER_HOLD)
+                wake = self._must_wake()
+            finally:
+                self._lock.release()
+            if wake:
                 self._waker.wake()
-                break
-            self._verify(verify)
-        if record.concluded_at is not None or more:
-            return
-        # The socket's descriptor signals only after a receive found it empty, as the one above
-        # did; a conclusion elsewhere (a deadline, a look-up, close()) signals the watch waker.
-        waker = self._watch_waker.fileno()
-        woken = False
-        for fd, _ in self._watch_poller.poll(math.ceil(max(0.0, min(ends - self.clock(), WAIT_SLICE_S)) * 1000)):
-            woken = woken or fd == waker  # any(), without its call and its generator's
-        self._watch_woken = woken
+            for i, verify in enumerate(verifies):
+                if self.clock() >= ends:  # the wait is over: the I/O thread checks the rest
+                    self._verifies.extend(verifies[i:])
+                    self._waker.wake()
+                    break
+                self._verify(verify)
+            if record.concluded_at is not None:
+                return
+            if not more:
+                # The socket's descriptor signals only after a receive found it empty, as the one above
+                # did; a conclusion elsewhere (a deadline, a look-up, close()) signals the watch waker.
+                waker = self._watch_waker.fileno()
+                woken = False
+                for fd, _ in self._watch_poller.poll(
+                        math.ceil(max(0.0, min(ends - self.clock(), WAIT_SLICE_S)) * 1000)):
+                    woken = woken or fd == waker  # any(), without its call and its generator's
+                self._watch_woken = woken
+                if record.concluded_at is not None:
+                    return
+            # wait()'s loop, which would start the next turn: closing or failed, it waits for the conclusion
+            # without the socket (the watch waker may be closed); past the wait's end, it returns.
+            if self._stopping or self.failure is not None:
+                return
+            remaining = ends - self.clock()
+            if remaining <= 0:
+                return
 
     @property
     def forked(self) -> bool:
