@@ -7,6 +7,7 @@ landed bytes are checked in every case.
 
 from __future__ import annotations
 
+import select
 import threading
 import time
 
@@ -101,6 +102,40 @@ def test_wait_reads_and_verifies_on_the_waiting_thread(engines, server):
         assert handled and me in handled, handled
         assert verified == [me], verified
         assert torch.equal(slots[0].view(torch.uint8), item.view(torch.uint8)), "landed bytes differ"
+
+
+def test_a_wait_whose_status_came_after_the_socket_was_read_empty_is_woken_by_it(pair):
+    """A read that found the status socket empty leaves its descriptor to signal what comes since: a waiting
+    caller whose status came meanwhile, unread, sleeps on the descriptor first and returns on it at once. The
+    I/O thread reads nothing here, so the status is the waiting thread's to read."""
+    pool, manager, slots, bootstrap = pair
+    driver = manager._driver
+    driver._drain_statuses = lambda: None  # the I/O thread leaves the socket alone
+    handled = _record_status_threads(driver)
+    item = item_tensor(6, SPAN, HIDDEN)
+    handle = manager.receive(6, bootstrap, slots[0])
+    time.sleep(2 * drive.PROGRESS_EVERY_S)
+    manager.concluded()  # reads the socket to empty
+    assert driver._drained
+    sent = pool.send(6, item)
+    assert sent.wait(10) == TransferPoll.Success, sent.failure
+    poller = select.poll()
+    poller.register(driver._status_fd, select.POLLIN)
+    assert wait_until(lambda: bool(poller.poll(0)), 10.0), "the status socket's descriptor never signalled"
+    assert driver._drained and handle._state.concluded_at is None  # nobody read it yet
+    sleeps: list[list[tuple[int, int]]] = []  # what each of the waiting caller's sleeps returned
+    watch_poller = driver._watch_poller
+
+    class Recording:
+        def poll(self, timeout_ms):
+            sleeps.append(watch_poller.poll(timeout_ms))
+            return sleeps[-1]
+
+    driver._watch_poller = Recording()
+    assert handle.wait(10) == TransferPoll.Success, handle.failure
+    assert sleeps == [[(driver._status_fd, select.POLLIN)]], sleeps  # one sleep, ended by the status socket
+    assert handled == [threading.current_thread().name], handled
+    assert torch.equal(slots[0].view(torch.uint8), item.view(torch.uint8)), "landed bytes differ"
 
 
 def test_two_waiters_both_see_their_rooms_concluded(pair):

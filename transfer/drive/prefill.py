@@ -224,6 +224,9 @@ class PrefillDriver:
         self._watch = threading.Lock()  # held by that thread; _watch_waker wakes it when a room concludes elsewhere
         self._watch_woken = False  # its last sleep saw the watch waker readable (held under _watch)
         self._statuses_left = False  # a drain stopped with statuses still queued
+        # The last read of the status socket found it empty (its descriptor signals whatever comes since); false
+        # from the start of each read, so a read that raised leaves it false.
+        self._drained = False
         self._ticked_at = self.clock()  # when the I/O thread last ticked the core
         self._watch_poller = select.poll()  # used by the thread that holds _watch
         self._watch_poller.register(self._status_fd, select.POLLIN)
@@ -427,7 +430,12 @@ class PrefillDriver:
         _watch: each handles what is queued, then sleeps on the socket. It returns where wait()'s loop would not
         start another turn (the room concluded, the wait is over, closing or failed), and where the lock stays
         held past the wait's own bound (a stuck I/O thread); a turn that found more queued, or a sleep that
-        ended, is followed by the next turn in the same hold of _watch."""
+        ended, is followed by the next turn in the same hold of _watch.
+
+        The first turn does not read the socket where the last read found it empty (`_drained`): its descriptor
+        then signals whatever came since, so that turn's sleep ends at once for a status already queued, and the
+        next turn reads it."""
+        first = True
         while True:
             # Before looking: a conclusion from now on wakes the sleep below.
             self._watch_waker.drain(self._watch_woken)
@@ -439,7 +447,12 @@ class PrefillDriver:
                 if self._stopping or self.failure is not None:
                     return
                 self._caller_at = self.clock()
-                verifies, more = self._take_statuses(STATUSES_PER_HOLD)
+                if first and self._drained:
+                    taken: tuple[list[Verify], bool] = ([], False)
+                else:
+                    taken = self._take_statuses(STATUSES_PER_HOLD)
+                verifies, more = taken
+                first = False
                 wake = self._must_wake()
             finally:
                 self._lock.release()
@@ -454,8 +467,9 @@ class PrefillDriver:
             if record.concluded_at is not None:
                 return
             if not more:
-                # The socket's descriptor signals only after a receive found it empty, as the one above
-                # did; a conclusion elsewhere (a deadline, a look-up, close()) signals the watch waker.
+                # The socket's descriptor signals only after a receive found it empty, as the one above (or,
+                # on the first turn, the last one) did; a conclusion elsewhere (a deadline, a look-up, close())
+                # signals the watch waker.
                 waker = self._watch_waker.fileno()
                 woken = False
                 for fd, _ in self._watch_poller.poll(
@@ -723,6 +737,7 @@ class PrefillDriver:
         verifies: list[Verify] = []
         core = self.core
         left = limit
+        self._drained = False
         while left > 0:
             settled, frames, empty = _io.take_statuses(self._status_sock, core.lanes, left)
             now = self.clock()
@@ -734,6 +749,7 @@ class PrefillDriver:
                 verifies += self._take_status(now, frames)
             if empty:
                 self._statuses_left = False
+                self._drained = True
                 return verifies, False
         self._statuses_left = True
         return verifies, True
