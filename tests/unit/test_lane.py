@@ -143,6 +143,37 @@ def test_a_lane_settled_for_a_room_no_longer_in_the_plain_case_is_warned_of_and_
     assert actions[0].failure.kind is FailureKind.OTHER  # the general rules do not take it as this ask's
 
 
+# What becomes of a room before its lane's Success is settled: nothing (the plain case), given up (its lane
+# ended: the general rules take the Success), or cleared (not held: the Success is warned of and dropped).
+BEFORE_SETTLED = st.sampled_from(["plain", "plain", "plain", "given up", "cleared"])
+
+
+@given(st.lists(st.tuples(st.integers(0, 7), BEFORE_SETTLED), min_size=1, max_size=6, unique_by=lambda r: r[0]))
+@example([(1, "plain"), (2, "given up"), (3, "plain")])
+@example([(1, "plain"), (2, "plain")])
+def test_lanes_succeeded_tells_the_plain_answer_of_a_batch_by_tokens_and_any_other_as_the_rooms_one_by_one(rooms):
+    """lanes_succeeded() of a batch: with every room in its plain case, each room's token in order (each a
+    Conclude Success, as status() answers); else the actions settling each room alone would give, in order."""
+    batch, single = plain(), plain()
+    for core in (batch, single):
+        for room, before in rooms:
+            token = asked(core, room)
+            if before == "given up":
+                core.abandon(0.5, room, token)
+            elif before == "cleared":
+                core.clear(0.5, room, token)
+            core.lanes.pop(room, None)  # as the driver's intake takes it out
+    numbers = [room for room, _ in rooms]
+    tokens, actions = batch.lanes_succeeded(1.0, numbers)
+    one_by_one = [action for room in numbers for action in single.lanes_settled(1.0, [room])]
+    if all(before == "plain" for _, before in rooms):
+        assert actions == [] and tokens == [batch._rooms[room].token for room in numbers]
+        assert one_by_one == [Conclude(room, token) for room, token in zip(numbers, tokens)]
+    else:
+        assert tokens == [] and actions == one_by_one
+    assert books(batch) == books(single)
+
+
 @pytest.mark.parametrize("event", ["status", "clear", "abandon", "deadline", "refused", "close", "connect_failed",
                                    "unsent", "fail"])
 def test_anything_else_that_happens_to_the_room_ends_its_lane(event):

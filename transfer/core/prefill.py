@@ -989,11 +989,23 @@ class PrefillCore:
     def lanes_settled(self, now: float, rooms: list[int]) -> list:
         """Plain Successes the driver took out of `lanes` (transfer.core.lane), in the order they came: what
         status() would do with each (the room's encode rank answered; the room concludes Success)."""
-        actions: list = []
+        tokens, actions = self.lanes_succeeded(now, rooms)
+        if actions:
+            return actions
+        return [Conclude(room, token) for room, token in zip(rooms, tokens)]
+
+    def lanes_succeeded(self, now: float, rooms: list[int]) -> tuple[list[int], list]:
+        """lanes_settled(), its plain answer told without its actions: where every room concludes Success (a
+        Conclude Success each, the answer of a lane in its plain case), each room's token in order and no
+        actions; else no tokens and lanes_settled()'s actions."""
+        tokens: list[int] = []
+        actions: list | None = None  # once a room is not in its plain case: every room's actions, in order
         held = self._rooms
         for room in rooms:
             state = held[room] if room in held else None  # held.get(room), without its call
             if state is None or state.stage != ASKED or state.given_up or state.encode_rank is None:
+                if actions is None:  # the rooms before, each a Conclude Success
+                    actions = [Conclude(done, token) for done, token in zip(rooms, tokens)]
                 # A lane outlived its plain case: a bug of the lane rules. The general rules take the Success.
                 actions.append(Warn("lane outlived", f"room {room}: settled in a lane it should no longer have "
                                                      f"had (stage {None if state is None else state.stage}); "
@@ -1010,8 +1022,11 @@ class PrefillCore:
                 del self.lanes[room]
             state.stage = CONCLUDED
             state.outcome = None
-            actions.append(Conclude(room, state.token))
-        return actions
+            if actions is None:
+                tokens.append(state.token)
+            else:
+                actions.append(Conclude(room, state.token))
+        return ([], actions) if actions is not None else (tokens, [])
 
     def _ignored(self, state: _Room, status: TransferPoll, rank: int) -> list | None:
         """What to do instead of taking the status, when it is not the room's to take now: nothing,

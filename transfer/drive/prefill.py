@@ -758,20 +758,19 @@ class PrefillDriver:
         """The Successes that settled the lanes of `settled` through the core, carried out (_lock held); the
         checksums to run.
 
-        The core's plain answer, a Conclude Success of each room, is carried out for the rooms together:
-        what _stamp_status() and _carry() do one room at a time, with one hold of the table's lock, one update
-        of the metrics and one wake-up of the waiters. Any other answer (a lane that outlived its plain case)
-        goes through them."""
-        actions = self.core.lanes_settled(now, settled)
+        The core's plain answer, a Conclude Success of each room (told as the rooms' tokens: core.lanes_succeeded()),
+        is carried out for the rooms together: what _stamp_status() and _carry() do one room at a time, with one
+        hold of the table's lock, one update of the metrics and one wake-up of the waiters. Any other answer (a
+        lane that outlived its plain case) goes through them."""
+        tokens, actions = self.core.lanes_succeeded(now, settled)
+        if actions:
+            self._stamp_status(now, actions)
+            return self._carry(now, actions)
         rooms = self.rooms
         records: list[Room] = []
-        for action in actions:
-            if type(action) is not Conclude or action.failure is not None or action.unverified:
-                self._stamp_status(now, actions)
-                return self._carry(now, actions)
-            room = action.room
+        for room, token in zip(settled, tokens):
             record = rooms[room] if room in rooms else None  # rooms.get(), without its call (_lock held)
-            if record is not None and record.token == action.token:
+            if record is not None and record.token == token:
                 if record.status_at is None:  # _stamp_status()
                     record.status_at = now
                 records.append(record)
