@@ -425,6 +425,28 @@ class ReceivePool:
         slot = self.lease(nbytes)
         if slot is not None:
             return slot
+        return self._fallback(nbytes)
+
+    def lease_rows(self, nbytes: int, rows: int, width: int, dtype: torch.dtype) -> tuple[Slot, torch.Tensor | None]:
+        """lease_or_fallback(nbytes), and its first `rows` rows of `width` elements of `dtype` where a pool slot
+        holds them as Slot.view((rows, width), dtype) gives them and without its call: a slice of the rows kept
+        for the last geometry viewed. None where they are not kept (another geometry, a fallback): view() them.
+        `rows` and `width` are non-negative ints and `nbytes` holds the rows (a pooled receive() checked them)."""
+        slot = self.lease(nbytes)
+        if slot is None:
+            return self._fallback(nbytes), None
+        kept = self._rows
+        if kept is None or kept[0] is not dtype or kept[1] != width or not kept[2] or slot._offset % kept[2]:
+            return slot, None
+        first = slot._offset // kept[2]
+        try:
+            return slot, kept[3][first : first + rows]  # view()'s own cut of kept rows
+        except BaseException:  # nothing was asked for it: the slot is free again, as the caller's failure frees it
+            slot.release()
+            raise
+
+    def _fallback(self, nbytes: int) -> Slot:
+        """lease_or_fallback() once lease() found no slot: an idle fallback buffer, or one registered."""
         # Mooncake refuses empty regions; a zero-byte item still gets a (1-byte) buffer.
         size = max(int(nbytes), 1)
         region = self._idle_fallback(size)

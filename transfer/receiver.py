@@ -460,22 +460,27 @@ class SessionManager:
                ) -> tuple[Slot, torch.Tensor, torch.Tensor | None, int, torch.Tensor | None]:
         """Leases a pool slot for the item's full span; returns the lease, its rows and deepstack views, and
         this rank's shard of each (of the rows, its address)."""
-        import torch
-
-        if self.pool is None:
+        pool = self.pool
+        if pool is None:
             raise ConfigError(f"room {room}: no dst given and the manager has no pool")
         if rows is None or hidden is None or dtype is None:
             raise ConfigError(f"room {room}: a pooled receive needs rows, hidden and dtype")
         span = rows if span is None else span
         _check_geometry(room, rows, hidden, span, row_start, deepstack_hidden or 0)
-        if dtype in _torch_dtypes:
+        if dtype in _torch_dtypes:  # torch is imported by then: the first pooled receive() of the dtype did
             torch_dtype = _torch_dtypes[dtype]
         else:
+            import torch
+
             torch_dtype = _torch_dtypes[dtype] = getattr(torch, dtype.removeprefix("torch."))
         size = DTYPE_BYTES[dtype]  # dtype_size() of a name normalize_dtype() gave, with no call
         nbytes, ds_nbytes = span * hidden * size, span * (deepstack_hidden or 0) * size
+        full: torch.Tensor | None = None
         try:
-            lease = self.pool.lease_or_fallback(nbytes + ds_nbytes)
+            if deepstack_hidden:
+                lease = pool.lease_or_fallback(nbytes + ds_nbytes)
+            else:  # the slot's rows, cut by the pool where it keeps rows of this geometry (else viewed below)
+                lease, full = pool.lease_rows(nbytes, span, hidden, torch_dtype)
         except SlotError:
             if self._closed:  # close() came after receive() looked, and the pool's close after it
                 raise UsageError(MANAGER_CLOSED) from None
@@ -489,11 +494,15 @@ class SessionManager:
             raise
         try:
             if deepstack_hidden:
+                import torch
+
                 flat = lease.view((nbytes + ds_nbytes,), torch.uint8)
                 full = flat[:nbytes].view(torch_dtype).view(span, hidden)
                 full_ds = flat[nbytes:].view(torch_dtype).view(span, deepstack_hidden)
             else:  # the same rows as the slot's first nbytes viewed as bytes, then as the dtype, then shaped
-                full, full_ds = lease.view((span, hidden), torch_dtype), None
+                if full is None:
+                    full = lease.view((span, hidden), torch_dtype)
+                full_ds = None
             if lease.is_fallback:
                 with self._regions_lock:
                     self._region_sets = [*self._region_sets, RegionSet(lease.region, lease.region, leased=True)]

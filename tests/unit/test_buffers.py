@@ -4,6 +4,8 @@ The pool's logic runs against a recording engine, a fake clock and fake events."
 
 from __future__ import annotations
 
+import re
+
 import numpy
 import pytest
 import torch
@@ -482,3 +484,39 @@ def test_a_view_names_a_negative_shape_as_ints_whatever_its_numbers_types(engine
         with pytest.raises(ConfigError, match=rf"^slot 0 at {slot.addr:#x}: negative dimension in shape "
                                               rf"\({int(shape[0])}, -1\)$"):
             slot.view(shape, torch.uint8)
+
+
+def _rows_layout(t: torch.Tensor, base: int) -> tuple:
+    """_layout() with the addresses taken from `base`: two pools' tensors compared by place in their regions (an empty
+    tensor's data_ptr() is torch's, for any empty tensor)."""
+    return (t.untyped_storage().data_ptr() - base, t.storage_offset(), t.data_ptr() - base if t.numel() else t.data_ptr(),
+            tuple(t.shape), t.stride(), t.dtype)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 9), st.sampled_from([0, 1, 2, 3, 4, 8, 16, 64]), _DTYPES, st.booleans()),
+                min_size=1, max_size=12))
+def test_lease_rows_leases_what_lease_or_fallback_leases_and_cuts_its_view(engine, clock, leases):
+    """lease_rows(nbytes, rows, width, dtype) leases the slot (or fallback) lease_or_fallback(nbytes) leases, and
+    the rows it cuts where the pool keeps that geometry's rows are the slot's view((rows, width), dtype): the same
+    elements of the region, laid out and typed alike, one geometry after another (None where it cuts none, and a
+    receive() views them)."""
+    with make_pool(engine, clock, slots=3) as fast, make_pool(RecordingEngine(), FakeClock(), slots=3) as slow:
+        for rows, width, dtype, keep in leases:
+            nbytes = rows * width * dtype.itemsize
+            try:
+                leased, cut = fast.lease_rows(nbytes, rows, width, dtype)
+            except FallbackLimitError as exc:
+                with pytest.raises(FallbackLimitError, match=re.escape(str(exc))):
+                    slow.lease_or_fallback(nbytes)
+                continue
+            slot = slow.lease_or_fallback(nbytes)
+            assert ((leased.addr - leased.region.addr, leased.index, leased.is_fallback, leased.nbytes)
+                    == (slot.addr - slot.region.addr, slot.index, slot.is_fallback, slot.nbytes))
+            assert cut is None or not leased.is_fallback, "a fallback's rows are viewed"
+            rows_of = cut if cut is not None else leased.view((rows, width), dtype)
+            assert (_rows_layout(rows_of, leased.region.addr)
+                    == _rows_layout(slot.view((rows, width), dtype), slot.region.addr))
+            if not keep:
+                leased.release()
+                slot.release()
