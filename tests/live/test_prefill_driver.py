@@ -186,7 +186,7 @@ def test_a_wait_that_close_overtakes_before_it_watches_the_socket_returns_withou
         driver.close()
 
 
-def test_an_ask_made_in_receive_leaves_the_socket_the_io_thread_watches_to_it(engines, server):
+def test_an_ask_made_in_receive_leaves_the_socket_the_io_thread_watches_to_it(engines, server, monkeypatch):
     """The asks for an encode rank that takes no connection wait on a socket the I/O thread polls
     until it can take them. With their rooms cleared, the full queue empties inside the next
     receive(), whose ask still waits for the I/O thread: no other thread touches a socket it polls."""
@@ -199,14 +199,17 @@ def test_an_ask_made_in_receive_leaves_the_socket_the_io_thread_watches_to_it(en
         driver = manager._driver
         driver.core.asks.limit = 2
         sends_elsewhere = []
-        send = driver._send
 
-        def send_noting_the_thread(sock, action):
-            if sock in driver._watching and threading.current_thread() is not driver._thread:
-                sends_elsewhere.append(action)
-            return send(sock, action)
+        def noting_the_thread(send):
+            def send_noting_the_thread(sock, what):  # an ask's TransferInfo, or a registration's frames
+                if sock in driver._watching and threading.current_thread() is not driver._thread:
+                    sends_elsewhere.append(what)
+                return send(sock, what)
+            return send_noting_the_thread
 
-        driver._send = send_noting_the_thread
+        # Every ask and registration the driver sends goes through these, from whichever thread.
+        monkeypatch.setattr(_io, "send_ask", noting_the_thread(_io.send_ask))
+        monkeypatch.setattr(_io, "send_frames", noting_the_thread(_io.send_frames))
         first = manager.receive(1, server.address, slots[0])
         assert wait_until(lambda: len(driver._watching) == 1, 10.0), "room 1's ask never waited for its socket"
         second = manager.receive(2, server.address, slots[1])  # the route is cached: queued behind room 1's

@@ -592,10 +592,10 @@ def test_rooms_that_do_not_fit_the_wire_and_non_ascii_hosts_are_refused_up_front
             assert not manager._driver.rooms and manager._driver._thread.is_alive()
 
 
-def test_an_ask_that_fails_unexpectedly_fails_its_room_only_whichever_thread_sent_it():
+def test_an_ask_that_fails_unexpectedly_fails_its_room_only_whichever_thread_sent_it(monkeypatch):
     import torch
 
-    from transfer.core.prefill import SendAsk
+    from transfer import _io
     from transfer.receiver import SessionManager
     from transfer.status import TransferPoll
 
@@ -604,14 +604,14 @@ def test_an_ask_that_fails_unexpectedly_fails_its_room_only_whichever_thread_sen
         try:
             buf = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
             with SessionManager(engine, 0, 1, 1, buffer=buf) as manager:
-                send = manager._driver._send
+                send = _io.send_ask  # each ask the driver sends, from whichever thread
 
-                def send_or_break(sock, action):
-                    if isinstance(action, SendAsk) and action.room in (1, 3):
+                def send_or_break(sock, info):
+                    if info.room in (1, 3):
                         raise RuntimeError("injected")
-                    return send(sock, action)
+                    return send(sock, info)
 
-                manager._driver._send = send_or_break
+                monkeypatch.setattr(_io, "send_ask", send_or_break)
                 first = manager.receive(1, server.address, buf[0])  # asked by the I/O thread
                 assert first.wait(5) == TransferPoll.Failed
                 assert first.failure == "room 1: asking for it failed: RuntimeError: injected"
@@ -623,7 +623,7 @@ def test_an_ask_that_fails_unexpectedly_fails_its_room_only_whichever_thread_sen
                 assert third.poll() == TransferPoll.Failed
                 assert third.failure == "room 3: asking for it failed: RuntimeError: injected"
                 third.clear()
-                manager._driver._send = send
+                monkeypatch.setattr(_io, "send_ask", send)
                 assert manager.receive(3, server.address, buf[2]).poll() == TransferPoll.WaitingForInput
         finally:
             asks.close(0)

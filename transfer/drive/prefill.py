@@ -1024,7 +1024,7 @@ class PrefillDriver:
         sent_at = self.clock()  # before: the encode rank cannot have it earlier
         self._used_at[addr] = sent_at
         try:
-            self._send(sock, action)
+            _io.send_ask(sock, action.info)  # _send() of a SendAsk, without its call
         except zmq.Again:
             self.table.start(room, TransferPoll.Bootstrapping)
             self._resync = True  # _carry() off the I/O thread: it must watch that socket
