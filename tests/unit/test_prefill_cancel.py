@@ -279,6 +279,17 @@ def test_an_ask_again_waits_for_the_cancels_answer_from_a_rank_not_known_to_answ
     assert of(Conclude, c.status(1.3, 7, TransferPoll.Success, 0)) == [Conclude(7, token, None)]
 
 
+def test_a_held_asks_wait_is_read_by_wakes_before_as_next_wakeup_reads_it():
+    """The held ask's wait ends before any deadline: wakes_before() answers for it as next_wakeup() does."""
+    c = core()
+    c.integrity = False
+    _cleared_and_asked_again(c, 7, 1.0)
+    wakeup = 1.0 + prefill.CANCEL_ANSWER_WAIT_S
+    for t in (wakeup - 0.01, wakeup, wakeup + 0.01, c.deadline_s + 2.0):
+        assert c.wakes_before(t) == (wakeup < t), t
+    assert c.next_wakeup() == wakeup
+
+
 def test_an_ask_held_for_a_cancels_answer_goes_when_none_comes_in_time():
     """A peer drops cancels unanswered: the ask goes once the wait is over, and its statuses count; a Success,
     which may be the cancelled ask's, only with checksums that show the bytes landed in this ask's memory."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 
 import pytest
 from fakes import Region, Regions
@@ -604,6 +605,16 @@ def test_rooms_whose_asks_never_left_for_a_dropped_connection_are_looked_up_agai
     assert c.idle(ENCODE, 0.5)
 
 
+def test_asks_waiting_for_a_socket_are_read_by_wakes_before_as_next_wakeup_reads_them():
+    """Their look-up again comes due before any deadline: wakes_before() answers for it as next_wakeup() does."""
+    c = core()
+    routed(c)
+    c.refused(0.0, ENCODE, c.receive(0.0, spec(1, slot=1))[1])
+    for t in (QUEUED_LOOKUP_S - 0.01, QUEUED_LOOKUP_S, QUEUED_LOOKUP_S + 0.01, c.deadline_s + 1.0):
+        assert c.wakes_before(t) == (QUEUED_LOOKUP_S < t), t
+    assert c.next_wakeup() == QUEUED_LOOKUP_S
+
+
 def test_asks_that_waited_for_a_socket_too_long_are_looked_up_again():
     """No connection was ever made at the address the bootstrap server named (a stale one): after
     QUEUED_LOOKUP_S their route is looked up again, and they are asked wherever the rank is now."""
@@ -1098,6 +1109,22 @@ def next_wakeup_by_its_rules(c: PrefillCore) -> float | None:
     return min(due, default=None)
 
 
+def next_wakeup_unpopped(c: PrefillCore) -> float | None:
+    """next_wakeup_by_its_rules() with nothing popped or pruned: a heap's top once the entries no longer due left
+    it is its earliest entry still due, and a queue's head once the asks no longer waiting left it is its
+    oldest ask still waiting."""
+    due = [entry[0] for entry in c._deadlines if c._open(entry[2])]
+    due += [entry[0] for entry in c._held if c._in(entry[2], "held")]
+    rules = c._unread.defer(min(due, default=None))
+    due = [c._recheck_due(addr, next(state for state in queue if c._queued(state)))
+           for addr, queue in c.asks.queues.items() if any(c._queued(state) for state in queue)]
+    if c._stranded:
+        due.append(c._stranded_next)
+    if rules is not None:
+        due.append(rules)
+    return min(due, default=None)
+
+
 class FakeDriver:
     """Carries out a core's actions as the real driver does, with a socket that takes asks or not."""
 
@@ -1175,7 +1202,11 @@ def test_random_interleavings_keep_the_room_invariants(events):
         elif kind == "tick" or kind == "late tick":
             now += event[1]
             d.carry(now, c.tick(now, unread=kind == "late tick"))
-        assert c.next_wakeup() == next_wakeup_by_its_rules(c)
+        # Asked while the heaps still hold the entries no longer due (until a wakes_before() reads next_wakeup()).
+        wakeup = next_wakeup_unpopped(c)
+        for t in (now, now + 5.0, now + 10.0, now + 10.5, math.inf):
+            assert c.wakes_before(t) == (wakeup is not None and wakeup < t), t
+        assert c.next_wakeup() == next_wakeup_by_its_rules(c) == wakeup
     # Asks reach an encode rank in the order the rooms were asked for.
     assert d.sent == sorted(d.sent) and len(set(d.sent)) == len(d.sent)
     # Every room still open concludes by its deadline, except one whose bytes are being checked.

@@ -471,6 +471,18 @@ class PrefillCore:
             due.append(rules)
         return min(due) if due else None
 
+    def wakes_before(self, t: float) -> bool:
+        """Whether next_wakeup() is before `t`. With no ask waiting for a socket, no room waiting for a route and
+        no unread grace holding the rules, next_wakeup() is the rules' due time, no earlier than the tops of
+        their heaps (an entry no longer due only leaves a heap, moving its top later): tops at `t` or later, or
+        none, answer no without the entries that are no longer due being popped (next_wakeup() pops them)."""
+        if self._unread.until is None and not self.asks.queues and not self._stranded:
+            deadlines, held = self._deadlines, self._held
+            if (not deadlines or deadlines[0][0] >= t) and (not held or held[0][0] >= t):
+                return False
+        wakeup = self.next_wakeup()
+        return wakeup is not None and wakeup < t
+
     def _rules_due(self) -> float | None:
         """When the earliest of the rules that act for want of a status comes due (an open room's
         deadline, a held ask's wait for its cancel's answer), or None."""

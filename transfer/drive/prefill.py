@@ -510,8 +510,7 @@ class PrefillDriver:
 
     def _must_wake(self) -> bool:
         """Whether a step off the I/O thread left it work it would not wake for by itself (_lock held)."""
-        wakeup = self.core.next_wakeup()
-        return self._resync or (wakeup is not None and wakeup < self._wake_at)
+        return self._resync or self.core.wakes_before(self._wake_at)
 
     def _run_on_safe(self, record: Room) -> None:
         on_safe, record.on_safe = record.on_safe, None
