@@ -9,7 +9,9 @@ Mooncake engine over tcp on 127.0.0.1, integrity off; the prefill ranks share th
 the Python functions and built-ins it enters; each call is counted for the innermost step whose
 function is running (`STEPS`), the rest as `other` (the loop, its sleeps and ticks). Every room
 must succeed and its first and last rows must have landed on every rank. `--detail STEP` also lists
-the functions that step enters most, a room.
+the functions that step enters most, a room. `--cpu` runs the same rooms without the profiler and
+prints the driver thread's CPU a room instead (its thread clock over the timed rooms, in microseconds);
+`--profile N` runs them under cProfile on the driver's thread and lists the N functions of most own time.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import cProfile
+import pstats
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,6 +51,7 @@ STEPS = {
     ("transfer/frames.py", "from_frames"): "ask: parsed",
     ("transfer/core/encode.py", "ask"): "ask: rules, to its room's dispatch",
     ("transfer/core/encode.py", "_pump"): "writes picked",
+    ("transfer/core/encode.py", "_start"): "writes picked",  # emitted by a pick, or by a fanout's writes started at once
     ("transfer/drive/encode.py", "_start"): "write: submitted",
     ("transfer/drive/encode.py", "_settle"): "write: completion polls",
     ("transfer/core/encode.py", "write_done"): "write: done, rules",
@@ -54,6 +60,39 @@ STEPS = {
     ("transfer/drive/encode.py", "conclude"): "room concluded: books, metrics",
 }
 OTHER = "other"
+
+
+class DriverClock:
+    """Sums the driver thread's CPU over the timed rooms (its thread clock, no profiler); `hand_over` finds the
+    thread. With `profile`, runs cProfile on that thread instead, from its start."""
+
+    def __init__(self, profile: bool = False) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.functions: collections.Counter[str] = collections.Counter()
+        self.ns = 0
+        self.profiler = cProfile.Profile(time.thread_time) if profile else None  # CPU, not the sleeps
+        self._clock: int | None = None
+
+    @contextlib.contextmanager
+    def counted(self) -> Iterator[None]:
+        """Adds the driver thread's CPU meanwhile to `ns`."""
+        if self._clock is None:
+            raise SystemExit("the sender pool's thread was not found")
+        started = time.clock_gettime_ns(self._clock)
+        try:
+            yield
+        finally:
+            self.ns += time.clock_gettime_ns(self._clock) - started
+
+    def hand_over(self, frame: Any, event: str, arg: Any) -> None:
+        """threading.setprofile's hook: notes the sender pool's thread's clock (or profiles it); every thread
+        stops calling it."""
+        sys.setprofile(None)
+        name = threading.current_thread().name
+        if name.startswith("epd-enc") and not name.endswith("-route"):
+            self._clock = time.pthread_getcpuclockid(threading.get_ident())
+            if self.profiler is not None:
+                self.profiler.enable()
 
 
 class StepCounter:
@@ -115,11 +154,19 @@ def main() -> int:
     parser.add_argument("--fanout", type=int, default=1, help="prefill ranks sharing each item (default 1)")
     parser.add_argument("--detail", choices=sorted({*STEPS.values(), OTHER}),
                         help="also list the functions this step enters most")
+    parser.add_argument("--cpu", action="store_true",
+                        help="print the driver thread's CPU a room (us, no profiler) instead of its calls")
+    parser.add_argument("--profile", type=int, metavar="N",
+                        help="list the N functions of most own time on the driver's thread (cProfile)")
+    parser.add_argument("--callers", metavar="FUNCTION", help="with --profile: also list who calls FUNCTION")
     args = parser.parse_args()
+    if (args.cpu or args.profile) and args.detail:
+        parser.error("--detail lists calls counted under sys.setprofile, which --cpu and --profile leave off")
     rows, hidden, fanout, inflight = args.rows, args.hidden, args.fanout, args.inflight
     if fanout < 1 or rows < fanout:
         parser.error(f"--fanout must be between 1 and --rows ({rows})")
-    counter = StepCounter(args.detail)
+    counter: StepCounter | DriverClock = (DriverClock(bool(args.profile)) if args.cpu or args.profile
+                                          else StepCounter(args.detail))
     item_bytes = rows * hidden * 2
     shards = [shard_rows(rows, rank, fanout) for rank in range(fanout)]
     threading.setprofile(counter.hand_over)  # before the sender pool starts its thread
@@ -139,6 +186,17 @@ def main() -> int:
                     engine.close()
     finally:
         threading.setprofile(None)
+    if isinstance(counter, DriverClock):
+        print(f"{args.rooms} rooms of {item_bytes // 1024} KiB, fanout {fanout}, {inflight} in flight, integrity "
+              f"off, in {took:.2f} s{' (profiled)' if counter.profiler else ''}: the encode driver's thread took "
+              f"{counter.ns / args.rooms / 1000:.1f} us of CPU a room")
+        if counter.profiler is not None:
+            counter.profiler.disable()  # the thread's own profiler is off with the thread; this one is stopped
+            stats = pstats.Stats(counter.profiler).sort_stats("tottime")
+            stats.print_stats(args.profile)
+            if args.callers:
+                stats.print_callers(args.callers)
+        return 0
     total = sum(counter.counts.values())
     print(f"{args.rooms} rooms of {item_bytes // 1024} KiB, fanout {fanout}, {inflight} in flight, integrity off, "
           f"in {took:.2f} s (profiled): the encode driver made {total / args.rooms:.1f} calls a room")
@@ -147,7 +205,7 @@ def main() -> int:
     return 0
 
 
-def _run(rooms: int, inflight: int, counter: StepCounter, bootstrap: str, encode_engine: Engine,
+def _run(rooms: int, inflight: int, counter: StepCounter | DriverClock, bootstrap: str, encode_engine: Engine,
          engines: list[Engine], buffers: list[torch.Tensor], items: torch.Tensor,
          shards: list[tuple[int, int]]) -> float:
     """Runs `inflight` untimed rooms, then `rooms` counted ones; the seconds the counted ones took."""

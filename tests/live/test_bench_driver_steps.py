@@ -45,3 +45,17 @@ def test_the_steps_add_up_to_the_drivers_calls_and_the_asks_and_writes_scale_wit
     listed = [float(line.split()[0]) for line in detail if line.strip()]
     assert 1 <= len(listed) <= 25 and listed == sorted(listed, reverse=True) and listed[-1] > 0, detail
     assert sum(listed) <= two["write: submitted"] + 1e-6, (listed, two)
+
+
+def test_cpu_prints_the_drivers_thread_cpu_a_room_and_profile_its_functions_by_own_time():
+    base = [sys.executable, os.path.join(REPO, "scripts", "bench_driver_steps.py"), "--rooms", "20", "--inflight",
+            "4", "--rows", "4", "--hidden", "256", "--fanout", "2"]
+    for extra in (["--cpu"], ["--profile", "5", "--callers", "_carry"]):
+        result = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
+        first = result.stdout.splitlines()[0]
+        assert first.startswith("20 rooms of 2 KiB, fanout 2, 4 in flight"), first
+        assert float(first.rsplit(" took ", 1)[1].split()[0]) > 0, first
+    assert "Ordered by: internal time" in result.stdout and "was called by" in result.stdout, result.stdout
+    refused = subprocess.run([*base, "--cpu", "--detail", "other"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "--detail" in refused.stderr, refused.stderr
