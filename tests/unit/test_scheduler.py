@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from transfer.core.scheduler import WriteScheduler, _Pick, session_share
@@ -325,3 +326,50 @@ def test_a_pick_starts_drops_and_asks_about_the_same_jobs_as_one_that_files_ever
         return sched
 
     assert run(made(WriteScheduler)) == run(made(_LookedAtAll))
+
+
+def _counts(sched: WriteScheduler) -> tuple:
+    """What a scheduler's later picks read: its counts, sessions in turn and queued jobs."""
+    return (sched.waiting, sched.in_flight, sched._seq, dict(sched._flying), dict(sched._turn), list(sched._ring),
+            {session: [(seq, job.name, at) for seq, job, at in queue] for session, queue in sched._queues.items()})
+
+
+# A session holding its share of the slots; one whose work this turn is used up.
+@example(steps=[("push", "a", 0, True, False), ("pick", 0)], depth=5, slots=1, works=(6, 6, 4), new=["b", "a"])
+@example(steps=[("push", "a", 0, True, False), ("pick", 0), ("finish", "a")], depth=5, slots=1, works=(6, 1, 4),
+         new=["a"])
+@settings(max_examples=300, deadline=None)
+@given(steps=_SCHEDULER_STEPS, depth=st.integers(1, 5), slots=st.integers(1, 4), works=st.tuples(
+    st.integers(1, 6), st.integers(1, 6), st.integers(1, 4)), new=st.lists(st.sampled_from("abcd"), unique=True))
+def test_start_now_takes_the_slots_of_new_jobs_only_where_a_pick_would_start_them_all(steps, depth, slots, works,
+                                                                                      new):
+    sched = WriteScheduler(depth, 4.0, slots)
+    sched.pick_work, sched.turn_work, sched.visit_work = works
+    jobs: list[Job] = []
+    for step in steps:
+        if step[0] == "push":
+            _, session, asked_at, ready, cancelled = step
+            jobs.append(Job(f"{session}{len(jobs)}", ready, cancelled))
+            sched.push(jobs[-1], session, float(asked_at))
+        elif step[0] == "pick":
+            _pick(sched, float(step[1]))
+        elif step[0] == "finish":
+            if sched.flying(step[1]):
+                sched.finished(step[1])
+        elif step[0] == "turn":
+            sched.new_turn()
+        elif jobs:
+            job = jobs[step[1] % len(jobs)]
+            setattr(job, step[2], not getattr(job, step[2]))
+    picked = copy.deepcopy(sched)
+    before = _counts(sched)
+    for session in new:  # ready and wanted, their room's first ask now
+        picked.push(Job(f"new-{session}"), session, 8.0)
+    started = _pick(picked, 8.0)
+    if sched.start_now(list(new)):
+        assert [job.name for job in started.start] == [f"new-{session}" for session in new] and not started.dropped
+        assert _counts(sched) == _counts(picked)
+    else:  # pushed instead, then picked
+        assert _counts(sched) == before
+        assert new == [] or [job.name for job in started.start] != [f"new-{session}" for session in new] or \
+            before[0] > 0

@@ -1070,7 +1070,8 @@ class EncodeCore:
         if not kept:
             self._out.append(Progress(room_number, offer.token, TransferPoll.Transferring, first_at, now))
         # A fanout let in past its time-out while the rules were held back: its writes' wait starts now.
-        self._queue_writes(room, newcomers, ranges, first_at if now - first_at <= self.fanout_timeout_s else now)
+        self._queue_writes(room, newcomers, ranges, first_at if now - first_at <= self.fanout_timeout_s else now,
+                           now)
 
     def _check_fanouts_agree(self, room: _Room, asks: Asks, infos: list[TransferInfo], now: float) -> None:
         """Asks that disagree on the fanout would wait for ranks that do not exist: fails the room at once."""
@@ -1130,16 +1131,29 @@ class EncodeCore:
         return True
 
     def _queue_writes(self, room: _Room, newcomers: list[TransferInfo], ranges: list[list[tuple[int, int]]],
-                      first_at: float) -> None:
+                      first_at: float, now: float) -> None:
         """Queues a write of each newcomer's shard, holding its destination `ranges` (each newcomer's
-        `_ranges`) until it is over (a superseded session's write may still be in flight)."""
+        `_ranges`) until it is over (a superseded session's write may still be in flight); starts them at
+        once where the pick that follows (`_flush`) would start them all."""
         room.pending += len(newcomers)
-        version, hold, queued, push = self.regions.version, self._destinations.hold, room.queued, self.scheduler.push
+        version, hold, queued = self.regions.version, self._destinations.hold, room.queued
         number = room.offer.room
+        jobs, sessions = [], []
         for info, spans in zip(newcomers, ranges):
             session = info.session_id
             job = _Job(room, info, hold(session, number, spans), version)
             queued[job] = None
+            jobs.append(job)
+            sessions.append(session)
+        # Fresh jobs of a room not failed are wanted, an item without a ready event is ready, and `first_at` is
+        # within the bound of `now`: a pick would start every one where the scheduler takes them all now.
+        if (room.offer.ready_event is None and not self._closed and not self._writes_stopped
+                and self.scheduler.start_now(sessions)):
+            for job in jobs:
+                self._start(job, now)
+            return
+        push = self.scheduler.push
+        for job, session in zip(jobs, sessions):
             push(job, session, first_at)
 
     def _pump(self, now: float) -> None:

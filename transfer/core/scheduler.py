@@ -15,7 +15,7 @@ receiver is told Failed instead).
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
@@ -94,6 +94,30 @@ class WriteScheduler:
         queue.append((self._seq, job, asked_at))
         self._seq += 1
         self.waiting += 1
+
+    def start_now(self, sessions: Sequence[Hashable]) -> bool:
+        """Takes a slot for one new job of each of `sessions` (distinct) where push() and a pick would start
+        them all at once, ready and wanted as they are: no job waits, the slots hold them all, and each
+        session has a slot of its share free and work left this turn. Then counts them as that pick would
+        (its sequence numbers, the slots, the turn's work) and returns True; else takes nothing and returns
+        False, and the jobs go push().
+
+        A pick visits the waiting sessions in turn and starts one job a visit; with no other job waiting
+        it visits each of these once, starting its job, in the order they were pushed."""
+        count = len(sessions)
+        if self.waiting or self.in_flight + count > self.depth or count > self.pick_work:
+            return False
+        flying, turn = self._flying, self._turn
+        for session in sessions:
+            if ((session in flying and flying[session] >= self.session_slots)
+                    or (session in turn and turn[session] >= self.turn_work)):
+                return False
+        for session in sessions:
+            flying[session] = flying[session] + 1 if session in flying else 1
+            turn[session] = turn[session] + 1 if session in turn else 1
+        self.in_flight += count
+        self._seq += count
+        return True
 
     def finished(self, session: Hashable) -> None:
         """A started job is over (settled or failed): its slot is free."""
