@@ -822,7 +822,9 @@ class EncodeDriver:
             asks, frames, empty = _io.take_asks(self.pull, left)
             left -= len(asks) + 1  # the message that ended the call, if any: one read, filed or discarded
             for info in asks:
-                self._carry(self.core.ask(info, self.clock()))
+                answer = self.core.ask(info, self.clock())
+                if answer:  # none for an ask that leaves its room's fanout incomplete
+                    self._carry(answer)
             if frames is not None:
                 self._request(frames)
             if empty:
@@ -875,7 +877,9 @@ class EncodeDriver:
                     # answers come first, then this write, in this loop (a burst of items does not nest).
                     actions[at + 1:at + 1] = [*self._answer_commands(), action]
                     continue
-                actions.extend(self._start(action))
+                answer = self._start(action)
+                if answer:  # mostly none: the write went out
+                    actions.extend(answer)
             elif kind is Conclude:
                 self.book.conclude(action.token, action.status, action.failure, action.at)
             elif kind is Progress:
