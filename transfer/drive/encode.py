@@ -715,11 +715,14 @@ class EncodeDriver:
             self._select_fds = list(self._fds) if max(self._fds) < SELECT_FD_LIMIT else None
             polls = self.polls
             sources = self.sources
+            # The core's `busy` (writes wait for a slot or a ready event), read off its scheduler without the
+            # property's call, one to three times a turn.
+            scheduler = self.core.scheduler
             dropping = sources.due  # read each turn without a call: the registrations no room holds any more
             more_requests = False  # the last round left requests queued (the socket's FD will not signal them)
             next_retry = self.clock() + RETRY_RELEASES_S
             while not self._stop:
-                busy = bool(self._flights) or self.core.busy
+                busy = bool(self._flights) or scheduler.waiting > 0
                 # Only this thread changes the core: its wake-up holds until the sleep is over.
                 due = self.core.next_wakeup()
                 if more_requests or self.commands:
@@ -747,13 +750,13 @@ class EncodeDriver:
                     more_requests = self._drain_requests()
                 now = self.clock()
                 due = self.core.next_wakeup()
-                if self.core.busy or now >= due:
+                if scheduler.waiting or now >= due:
                     # Asks that came before a room's time-out count: when some may still be unread,
                     # the core gives the next rounds a moment to read them.
                     self._carry(self.core.tick(now, unread=unread(now, due, more_requests)))
                 if self._flights:
                     self._settle()
-                elif self.core.busy:  # only writes held by their ready events: back off as for writes
+                elif scheduler.waiting:  # only writes held by their ready events: back off as for writes
                     polls.idle()
                 if now >= next_retry:
                     sources.retry()
