@@ -96,7 +96,7 @@ class WriteScheduler:
         self.waiting += 1
 
     def start_now(self, sessions: Sequence[Hashable]) -> bool:
-        """Takes a slot for one new job of each of `sessions` (distinct) where push() and a pick would start
+        """Takes a slot for one new job of each of `sessions` (all distinct) where push() and a pick would start
         them all at once, ready and wanted as they are: no job waits, the slots hold them all, and each
         session has a slot of its share free and work left this turn. Then counts them as that pick would
         (its sequence numbers, the slots, the turn's work) and returns True; else takes nothing and returns
@@ -107,6 +107,8 @@ class WriteScheduler:
         count = len(sessions)
         if self.waiting or self.in_flight + count > self.depth or count > self.pick_work:
             return False
+        if count > 1 and len(set(sessions)) < count:
+            return False  # a session named twice: how many of its jobs start is the pick's to say
         flying, turn = self._flying, self._turn
         for session in sessions:
             if ((session in flying and flying[session] >= self.session_slots)
