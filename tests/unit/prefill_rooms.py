@@ -49,3 +49,27 @@ def asked(c: PrefillCore, room: int, now: float = 0.0) -> int:
         actions = c.route_resolved(now, KEY0, ENCODE)
     assert SendAsk in [type(a) for a in actions]
     return token
+
+
+def status_driver(kind: type | None = None):
+    """A prefill driver (of `kind`, a PrefillDriver by default) with what its status steps use: a real core
+    (deadline 10 s, integrity off), room table and Metrics, and no I/O thread or sockets."""
+    import logging
+    import math
+    from collections import deque
+
+    from transfer import _io
+    from transfer.core.quarantine import AwaitingConfirmation
+    from transfer.drive.prefill import PrefillDriver
+    from transfer.metrics import Metrics
+    from transfer.status import RoomTable
+
+    kind = PrefillDriver if kind is None else kind
+    d = kind.__new__(kind)
+    d.core = core(deadline_s=10.0, integrity=False)
+    d.rooms, d.table, d.metrics, d.conclusions = {}, RoomTable(), Metrics("epd_prefill"), _io.Conclusions()
+    d._watcher = None
+    d._failures = d._complaints = _io.ThrottledLog(logging.getLogger("transfer.test"))
+    d._thread, d._cancels_out, d._sockets, d._watching = None, deque(), {}, {}
+    d._awaiting_safe = AwaitingConfirmation(math.inf, 16)
+    return d

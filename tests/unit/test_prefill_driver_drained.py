@@ -7,32 +7,21 @@ sockets, which these reads never touch beyond the scripted call."""
 
 from __future__ import annotations
 
-import logging
-import math
 from collections import deque
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from prefill_rooms import core as prefill_core
+from prefill_rooms import status_driver
 
 from transfer import _io
-from transfer.core.quarantine import AwaitingConfirmation
 from transfer.drive import prefill as drive
 from transfer.drive.prefill import PrefillDriver
-from transfer.metrics import Metrics
-from transfer.status import RoomTable
 
 
 def driver() -> PrefillDriver:
     """A driver with what its reads of the status socket use, and no thread or socket."""
-    d = PrefillDriver.__new__(PrefillDriver)
-    d.core = prefill_core(deadline_s=10.0, integrity=False)
-    d.rooms, d.table, d.metrics, d.conclusions = {}, RoomTable(), Metrics("epd_prefill"), _io.Conclusions()
-    d._watcher = None
-    d._failures = d._complaints = _io.ThrottledLog(logging.getLogger("transfer.test"))
-    d._thread, d._cancels_out, d._sockets, d._watching = None, deque(), {}, {}
-    d._awaiting_safe = AwaitingConfirmation(math.inf, 16)
+    d = status_driver()
     d._status_sock = None
     d.clock = lambda: 1.0
     d._statuses_left = d._drained = False

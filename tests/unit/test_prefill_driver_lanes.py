@@ -6,22 +6,14 @@ which these steps never touch (the intake's settled rooms are handed in as lane_
 
 from __future__ import annotations
 
-import logging
-import math
-from collections import deque
-
 from hypothesis import example, given
 from hypothesis import strategies as st
-from prefill_rooms import asked
-from prefill_rooms import core as prefill_core
+from prefill_rooms import asked, status_driver
 
-from transfer import _io
 from transfer.core.failure import Failure, FailureKind
 from transfer.core.prefill import Conclude
-from transfer.core.quarantine import AwaitingConfirmation
 from transfer.drive.prefill import PrefillDriver, Room
-from transfer.metrics import Metrics
-from transfer.status import RoomTable, TransferPoll
+from transfer.status import TransferPoll
 
 
 class OneByOne(PrefillDriver):
@@ -35,14 +27,7 @@ class OneByOne(PrefillDriver):
 
 def driver(kind: type[PrefillDriver]) -> PrefillDriver:
     """A driver of `kind` with what its status steps use, and no thread or socket."""
-    d = kind.__new__(kind)
-    d.core = prefill_core(deadline_s=10.0, integrity=False)
-    d.rooms, d.table, d.metrics, d.conclusions = {}, RoomTable(), Metrics("epd_prefill"), _io.Conclusions()
-    d._watcher = None
-    d._failures = d._complaints = _io.ThrottledLog(logging.getLogger("transfer.test"))
-    d._thread, d._cancels_out, d._sockets, d._watching = None, deque(), {}, {}
-    d._awaiting_safe = AwaitingConfirmation(math.inf, 16)
-    return d
+    return status_driver(kind)
 
 
 # What happens to a room before its lane's Success is read: nothing; its status already stamped; concluded
