@@ -705,48 +705,69 @@ def junk_pusher(host: str, port: int):
     return sock
 
 
+#: Every session a peer_with_64_mib() process had in this test process: an engine that wrote to one keeps
+#: its connection to that host:port, and Mooncake fails every write to a new engine listening there.
+_PEER_SESSIONS: set[str] = set()
+
+
 def peer_with_64_mib():
     """A prefill engine in a process of its own with 64 MiB registered: (process, session, address).
 
-    A 64 MiB write to it takes long enough to still be in flight when a test stops (SIGSTOP) it.
+    A 64 MiB write to it takes long enough to still be in flight when a test stops (SIGSTOP) it. Its
+    session is one no earlier such peer of this test process had (a peer whose engine took an earlier
+    one's port is replaced), so no engine here holds a connection to a process that is gone at its address.
     """
     import subprocess
     import sys
 
-    peer = subprocess.Popen(
-        [sys.executable, "-c", (
-            "import time, torch\n"
-            "from transfer.engine import Engine\n"
-            "e = Engine('127.0.0.1', 'tcp'); buf = torch.zeros(64 << 20, dtype=torch.uint8); e.register(buf)\n"
-            "print(e.session_id, buf.data_ptr(), flush=True)\n"
-            "time.sleep(120)\n")],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    session, landing = peer.stdout.readline().split()
-    return peer, session, int(landing)
+    for _ in range(10):
+        peer = subprocess.Popen(
+            [sys.executable, "-c", (
+                "import time, torch\n"
+                "from transfer.engine import Engine\n"
+                "e = Engine('127.0.0.1', 'tcp'); buf = torch.zeros(64 << 20, dtype=torch.uint8); e.register(buf)\n"
+                "print(e.session_id, buf.data_ptr(), flush=True)\n"
+                "time.sleep(120)\n")],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        session, landing = peer.stdout.readline().split()
+        if session not in _PEER_SESSIONS:
+            _PEER_SESSIONS.add(session)
+            return peer, session, int(landing)
+        peer.kill()
+        peer.wait(10)
+    raise RuntimeError(f"ten peer engines in a row took ports earlier peers had: {sorted(_PEER_SESSIONS)}")
 
 
 def stopped_peer(encode):
     """peer_with_64_mib(), stopped (SIGSTOP) once `encode` has written to it, so the handshake is done first.
 
     Returns (process, session, address); a write to it stays in flight until the process is
-    continued (SIGCONT). The caller kills it.
+    continued (SIGCONT). The caller kills it. A peer the first write fails to is replaced, twice at most.
     """
     import torch
 
-    peer, session, landing = peer_with_64_mib()
-    try:
-        warm = torch.zeros(64, dtype=torch.uint8)
-        encode.register(warm)
+    from transfer.errors import EngineError
+
+    tries = 3
+    while True:
+        peer, session, landing = peer_with_64_mib()
         try:
-            encode.write(session, [warm.data_ptr()], [landing], [64])
-        finally:
-            encode.unregister(warm.data_ptr())
-        os.kill(peer.pid, signal.SIGSTOP)
-    except BaseException:
-        peer.kill()
-        peer.wait(10)
-        raise
-    return peer, session, landing
+            warm = torch.zeros(64, dtype=torch.uint8)
+            encode.register(warm)
+            try:
+                encode.write(session, [warm.data_ptr()], [landing], [64])
+            finally:
+                encode.unregister(warm.data_ptr())
+            os.kill(peer.pid, signal.SIGSTOP)
+            return peer, session, landing
+        except BaseException as exc:
+            peer.kill()
+            peer.wait(10)
+            tries -= 1
+            # Mooncake keeps its connections to peers `encode` wrote to: a new peer listening where a gone one
+            # did can meet that dead connection (its first write fails: end of file). Another peer, another port.
+            if not isinstance(exc, EngineError) or not tries:
+                raise
 
 
 def cuda_mooncake_missing() -> str:
