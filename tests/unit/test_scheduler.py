@@ -275,6 +275,27 @@ _SCHEDULER_STEPS = st.lists(st.one_of(
 ), max_size=60)
 
 
+def _scheduler(cls: type[WriteScheduler], depth: int, slots: int, works: tuple[int, int, int]) -> WriteScheduler:
+    """A scheduler of `cls` with `depth` slots, `slots` a session, and (pick, turn, visit) work bounds `works`."""
+    sched = cls(depth, 4.0, slots)
+    sched.pick_work, sched.turn_work, sched.visit_work = works
+    return sched
+
+
+def _push_step(sched: WriteScheduler, step: tuple, jobs: list[Job]) -> None:
+    """A ("push", session, asked_at, ready, cancelled) step: a new job, named by its session and number."""
+    _, session, asked_at, ready, cancelled = step
+    jobs.append(Job(f"{session}{len(jobs)}", ready, cancelled))
+    sched.push(jobs[-1], session, float(asked_at))
+
+
+def _flip_step(step: tuple, jobs: list[Job]) -> None:
+    """A ("flip", index, attribute) step: one of the jobs so far turns that attribute over."""
+    if jobs:
+        job = jobs[step[1] % len(jobs)]
+        setattr(job, step[2], not getattr(job, step[2]))
+
+
 @settings(max_examples=300, deadline=None)
 @given(steps=_SCHEDULER_STEPS, depth=st.integers(1, 5), slots=st.integers(1, 4), works=st.tuples(
     st.integers(1, 6), st.integers(1, 6), st.integers(1, 4)))
@@ -286,10 +307,7 @@ def test_a_pick_starts_drops_and_asks_about_the_same_jobs_as_one_that_files_ever
         seen: list = []
         for step in steps:
             if step[0] == "push":
-                _, session, asked_at, ready, cancelled = step
-                job = Job(f"{session}{len(jobs)}", ready, cancelled)
-                jobs.append(job)
-                sched.push(job, session, float(asked_at))
+                _push_step(sched, step, jobs)
             elif step[0] == "pick":
                 def cancelled(job: Job) -> bool:
                     seen.append(("cancelled", job.name))
@@ -313,19 +331,13 @@ def test_a_pick_starts_drops_and_asks_about_the_same_jobs_as_one_that_files_ever
                     sched.finished(step[1])
             elif step[0] == "turn":
                 sched.new_turn()
-            elif jobs:
-                job = jobs[step[1] % len(jobs)]
-                setattr(job, step[2], not getattr(job, step[2]))
+            else:
+                _flip_step(step, jobs)
             seen.append((sched.waiting, sched.in_flight, [sched.queued(s) for s in "abc"],
                          [sched.flying(s) for s in "abc"]))
         return seen
 
-    def made(cls: type[WriteScheduler]) -> WriteScheduler:
-        sched = cls(depth, 4.0, slots)
-        sched.pick_work, sched.turn_work, sched.visit_work = works
-        return sched
-
-    assert run(made(WriteScheduler)) == run(made(_LookedAtAll))
+    assert run(_scheduler(WriteScheduler, depth, slots, works)) == run(_scheduler(_LookedAtAll, depth, slots, works))
 
 
 def _counts(sched: WriteScheduler) -> tuple:
@@ -344,14 +356,11 @@ def _counts(sched: WriteScheduler) -> tuple:
     st.integers(1, 6), st.integers(1, 6), st.integers(1, 4)), new=st.lists(st.sampled_from("abcd"), max_size=4))
 def test_start_now_takes_the_slots_of_new_jobs_only_where_a_pick_would_start_them_all(steps, depth, slots, works,
                                                                                       new):
-    sched = WriteScheduler(depth, 4.0, slots)
-    sched.pick_work, sched.turn_work, sched.visit_work = works
+    sched = _scheduler(WriteScheduler, depth, slots, works)
     jobs: list[Job] = []
     for step in steps:
         if step[0] == "push":
-            _, session, asked_at, ready, cancelled = step
-            jobs.append(Job(f"{session}{len(jobs)}", ready, cancelled))
-            sched.push(jobs[-1], session, float(asked_at))
+            _push_step(sched, step, jobs)
         elif step[0] == "pick":
             _pick(sched, float(step[1]))
         elif step[0] == "finish":
@@ -359,9 +368,8 @@ def test_start_now_takes_the_slots_of_new_jobs_only_where_a_pick_would_start_the
                 sched.finished(step[1])
         elif step[0] == "turn":
             sched.new_turn()
-        elif jobs:
-            job = jobs[step[1] % len(jobs)]
-            setattr(job, step[2], not getattr(job, step[2]))
+        else:
+            _flip_step(step, jobs)
     picked = copy.deepcopy(sched)
     before = _counts(sched)
     for session in new:  # ready and wanted, their room's first ask now

@@ -716,7 +716,7 @@ class EncodeDriver:
             polls = self.polls
             sources = self.sources
             # The core's `busy` (writes wait for a slot or a ready event), read off its scheduler without the
-            # property's call, one to three times a turn.
+            # property's call.
             scheduler = self.core.scheduler
             dropping = sources.due  # read each turn without a call: the registrations no room holds any more
             more_requests = False  # the last round left requests queued (the socket's FD will not signal them)

@@ -443,14 +443,9 @@ class PrefillDriver:
             if not self._lock.acquire(timeout=remaining):
                 return  # held past the wait's own bound (a stuck I/O thread): wait() returns
             try:
-                # _take_as_caller(), without its call
-                if self._stopping or self.failure is not None:
+                taken = self._take_as_caller(read=not (first and self._drained))
+                if taken is None:
                     return
-                self._caller_at = self.clock()
-                if first and self._drained:
-                    taken: tuple[list[Verify], bool] = ([], False)
-                else:
-                    taken = self._take_statuses(STATUSES_PER_HOLD)
                 verifies, more = taken
                 first = False
                 wake = self._must_wake()
@@ -500,13 +495,14 @@ class PrefillDriver:
                              f"(pid {os.getpid()}) was forked from its parent: its sockets and I/O thread are the "
                              f"parent's; make a SessionManager in this process")
 
-    def _take_as_caller(self) -> tuple[list[Verify], bool] | None:
+    def _take_as_caller(self, read: bool = True) -> tuple[list[Verify], bool] | None:
         """The caller's thread handles the statuses queued, as progress() and wait() do (_lock held):
-        the checksums they call for and whether more are queued, or None once stopping or failed."""
+        the checksums they call for and whether more are queued, or None once stopping or failed. With
+        `read` false the socket is left as it is (nothing taken, none said to be left)."""
         if self._stopping or self.failure is not None:
             return None
         self._caller_at = self.clock()
-        return self._take_statuses(STATUSES_PER_HOLD)
+        return self._take_statuses(STATUSES_PER_HOLD) if read else ([], False)
 
     def _must_wake(self) -> bool:
         """Whether a step off the I/O thread left it work it would not wake for by itself (_lock held)."""
