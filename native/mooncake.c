@@ -1,6 +1,6 @@
 /* Mooncake's write and status calls made from C, on the engine the Python binding started.
  *
- * The same calls the binding makes, without its Python layer (docs/performance.md, "Kept:
+ * The same calls the binding makes, without its Python layer (docs/performance-log.md, "Kept:
  * Mooncake's calls from C"). We do not link Mooncake: its binding's
  * get_engine_ptr() gives the mooncake::TransferEngine it holds, and mooncake_bind() looks up
  * five of that class's methods by their mangled names in the engine.so the binding already
