@@ -1,8 +1,9 @@
 """The docs hold together: every protocol section the code cites exists in docs/protocol.md, every
 relative link in the README and docs/ points at a file (and heading) that exists, the README's
-Python blocks parse, and what the README and docs/ name (constructor arguments and defaults,
-epd-transfer options, make targets, exceptions, metric series and metrics calls, pool counts, modules,
-`EPD_*` variables, keywords passed to the public API) exists."""
+Python blocks parse, docs/performance.md's contents list its sections, and what the README and
+docs/ name (constructor arguments and defaults, epd-transfer options, make targets, exceptions,
+metric series and metrics calls, pool counts, modules, `EPD_*` variables, keywords passed to the
+public API) exists."""
 
 from __future__ import annotations
 
@@ -89,6 +90,25 @@ def test_the_readme_python_blocks_parse():
 def test_the_readme_keeps_the_two_commands():
     readme = _read(os.path.join(REPO, "README.md"))
     assert "make test" in readme and "make demo" in readme
+
+
+def _contents(text: str) -> list[tuple[str, str]]:
+    """(title, anchor) of each line of the list that follows a file's "Contents:" line."""
+    block = text.split("\nContents:\n", 1)[1].lstrip("\n").split("\n\n", 1)[0]
+    return re.findall(r"^- \[([^\]]+)\]\(#([^)]+)\)", block, re.M)
+
+
+def test_the_contents_reader_reads_the_list_after_its_line():
+    text = "# T\n\nContents:\n\n- [A b](#a-b): one\n- [C](#c)\n\n- [D](#d)\n\n## A b\n"
+    assert _contents(text) == [("A b", "a-b"), ("C", "c")]
+
+
+def test_the_performance_contents_list_every_section_in_order():
+    text = _read(os.path.join(REPO, "docs", "performance.md"))
+    sections = re.findall(r"^## (.+)$", text, re.M)
+    listed = _contents(text)
+    assert [title for title, _ in listed] == sections
+    assert [anchor for _, anchor in listed] == [_anchor(title) for title in sections]
 
 
 _GUARANTEES = os.path.join(REPO, "docs", "guarantees.md")
