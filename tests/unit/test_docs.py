@@ -261,7 +261,7 @@ def _options() -> dict[str, set[str]]:
 def test_every_epd_transfer_option_the_docs_show_exists():
     # "`epd-transfer bench --stages`", "`rank --deadline`", "`demo --protocol wire`", "`bootstrap|rank --exit-with`"
     options = _options()
-    every = set().union(*options.values())
+    every = set().union(*options.values()) | _script_options()
     wrong = []
     for path in [p for p in DOCS if not p.endswith("CHANGELOG.md")]:  # the changelog keeps past options
         text = _read(path)
@@ -280,6 +280,18 @@ def test_every_epd_transfer_option_the_docs_show_exists():
             if sub not in options:
                 wrong.append(f"{os.path.relpath(path, REPO)}: epd-transfer {sub}")
     assert not wrong, f"the docs show epd-transfer options that do not exist: {wrong}"
+
+
+def _script_options() -> set[str]:
+    """The long options scripts/*.py define (`add_argument("--...")`), which the docs may show beside the CLI's."""
+    return {flag for path in glob.glob(os.path.join(REPO, "scripts", "*.py"))
+            for flag in re.findall(r"add_argument\(\s*\"(--[a-z][-a-z0-9]*)\"", _read(path))}
+
+
+def test_the_scripts_options_are_read_from_their_parsers():
+    flags = _script_options()
+    assert {"--aa", "--runs", "--keep", "--start-timeout", "--rooms"} <= flags
+    assert "--made-up-flag" not in flags
 
 
 def test_every_make_target_the_docs_show_exists():
