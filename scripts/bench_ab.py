@@ -13,7 +13,7 @@ window.
 
 Per cell (item, encode ranks, fanout, in flight, integrity, path) and figure (control CPU ms a room, p50
 added ms, ratio to raw, and the control plane's thread groups from `cpu_threads`), the table shows each
-side's median [min-max], the change of the medians and a verdict: "moved" only where A's and B's ranges do
+side's median [min, max], the change of the medians and a verdict: "moved" only where A's and B's ranges do
 not overlap (and, with `--aa`, A's and A''s do), else "within noise"; with fewer than MIN_RUNS runs a side,
 "too few runs". The trees are removed at the end unless `--keep`.
 """
@@ -148,7 +148,7 @@ def _cell_label(cell: dict) -> str:
 
 
 def _spread_text(s: dict | None) -> str:
-    return "-" if s is None else f"{s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}]"
+    return "-" if s is None else f"{s['median']:.3f} [{s['min']:.3f}, {s['max']:.3f}]"
 
 
 def format_summary(rows: list[dict]) -> str:
@@ -285,7 +285,7 @@ def main() -> int:
     rows = summarise(runs)
     print(f"A = {revs['a']}, B = {revs['b']}; {args.runs} pair(s) in ABBA order"
           f"{', with a second copy of A' if args.aa else ''}; bench {' '.join(bench)}")
-    print("median [min-max] over the runs; 'moved': A's and B's ranges keep apart"
+    print("median [min, max] over the runs; 'moved': A's and B's ranges keep apart"
           + (" while A's and its copy's overlap" if args.aa else "") + "\n")
     print(format_summary(rows))
     if args.json:
