@@ -38,3 +38,17 @@ def test_dropping_an_address_hands_back_everything_it_held():
     queues.push("A", 2)
     assert queues.drop("A") == [1, 2]
     assert queues.drop("A") == [] and queues.take("A", 1) == [] and len(queues) == 0
+
+
+def test_removing_takes_the_picked_asks_in_order_and_leaves_the_rest_in_theirs():
+    """The prefill core moves a rank's waiting asks to its new address with remove(): those it picks must leave
+    oldest first, the others keep their place, an address left empty is forgotten, and one with nothing
+    waiting gives nothing (rather than raising)."""
+    queues = AskQueues()
+    for ask in (1, 2, 3, 4):
+        queues.push("A", ask)
+    assert queues.remove("A", lambda ask: ask % 2 == 0) == [2, 4]
+    assert queues.items("A") == [1, 3]
+    assert queues.remove("A", lambda ask: ask > 10) == [] and queues.items("A") == [1, 3]
+    assert queues.remove("A", lambda ask: True) == [1, 3] and queues.addresses() == []
+    assert queues.remove("B", lambda ask: True) == [] and len(queues) == 0

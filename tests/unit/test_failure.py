@@ -54,3 +54,11 @@ def test_a_plain_text_reason_is_kept_as_other():
     table.start(1)
     table.fail(1, "boom")
     assert table.failure(1) == Failure(FailureKind.OTHER, "boom")
+
+
+def test_a_failure_kind_prints_as_its_metric_label():
+    """Callers read `failure_kind()` and print or log it next to the `rooms_failed_total{reason}` label: it must
+    read `deadline` there, not Python's `FailureKind.DEADLINE` (what a str-valued Enum prints by default)."""
+    assert str(FailureKind.DEADLINE) == "deadline"
+    assert f"{FailureKind.CHECKSUM}" == "checksum"
+    assert [str(kind) for kind in FailureKind] == [kind.value for kind in FailureKind]
