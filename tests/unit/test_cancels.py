@@ -178,3 +178,18 @@ def test_answered_cancels_are_let_go_of_so_the_book_keeps_about_twice_those_awai
     released: list = []
     book.set_aside_stale(10.0 + STALE_CANCEL_S, None, lambda key: released.append(key) or [])
     assert released == [(room, 0) for room in range(0, 10_000, 10)] and book.pending == 0
+
+
+def test_a_key_set_aside_with_two_cancels_stays_a_ghost_until_both_last_answers_came(book):
+    """A room asked twice of one encode rank may have two cancels out when its key is set aside: the first last
+    answer is the earlier ask's, and the later ask may still write into the room's memory, so the key must hold
+    (its memory not safe) until the second last answer too."""
+    book.add(0.0, (7, 0), token=1, addr=A, conn=1)
+    book.add(0.1, (7, 0), token=2, addr=A, conn=1)
+    book.set_aside((7, 0))
+    assert book.ghost((7, 0)) and book.pending == 0
+    assert book.answered((7, 0), TOO_LATE) is None and book.ghost((7, 0)), "a TOO_LATE is no last answer"
+    assert book.answered((7, 0), CONFIRMED) is None
+    assert book.ghost((7, 0)) and book.holds((7, 0)), "one last answer of two still to come"
+    assert book.answered((7, 0), WRITE_FAILED) is None
+    assert not book.ghost((7, 0)) and not book.holds((7, 0))
