@@ -272,10 +272,6 @@ class RoomSpec:
     has_deepstack: bool = False
     deepstack_row_bytes: int | None = None
 
-    @property
-    def nbytes(self) -> int:
-        return self.rows * self.row_bytes
-
 
 # A room's stages, in order; it may skip ahead to CONCLUDED from any of them. HELD: its ask waits
 # for the answer to the cancel of an earlier ask of the room.
@@ -1108,7 +1104,7 @@ class PrefillCore:
                 f"({unreadable}), so the landed bytes cannot be verified"))
         spec = state.spec
         regions = spec.regions
-        wanted = [("embedding", regions.embedding, spec.embedding_ptr, spec.rows * spec.row_bytes)]  # spec.nbytes
+        wanted = [("embedding", regions.embedding, spec.embedding_ptr, spec.rows * spec.row_bytes)]
         if spec.deepstack_ptr and regions.deepstack is not None:
             wanted.append(("deepstack", regions.deepstack, spec.deepstack_ptr, spec.deepstack_nbytes))
         checks = tuple([(*check, expected) for check, expected in zip(wanted, sums)])
