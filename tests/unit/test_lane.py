@@ -174,8 +174,8 @@ def test_lanes_succeeded_tells_the_plain_answer_of_a_batch_by_tokens_and_any_oth
     assert books(batch) == books(single)
 
 
-@pytest.mark.parametrize("event", ["status", "clear", "abandon", "deadline", "refused", "close", "connect_failed",
-                                   "unsent", "fail"])
+@pytest.mark.parametrize("event", ["status", "clear", "let_go", "abandon", "deadline", "refused", "close",
+                                   "connect_failed", "unsent", "fail"])
 def test_anything_else_that_happens_to_the_room_ends_its_lane(event):
     c = plain()
     token = asked(c, 3)
@@ -184,6 +184,8 @@ def test_anything_else_that_happens_to_the_room_ends_its_lane(event):
         c.status(1.0, 3, TransferPoll.Transferring, 0)
     elif event == "clear":
         c.clear(1.0, 3, token)
+    elif event == "let_go":  # the room forgotten before the driver settled its lane: no Success concludes it
+        assert c.let_go(1.0, 3, token) is False and c.stage(3) is None
     elif event == "abandon":
         c.abandon(1.0, 3, token)
     elif event == "deadline":
