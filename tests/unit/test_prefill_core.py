@@ -27,6 +27,7 @@ from transfer.core.prefill import (
     SendCancel,
     Verify,
     Warn,
+    checksum_failed_detail,
 )
 from transfer.errors import ConfigError
 from transfer.frames import CancelAnswer, TransferInfo, parse_registration
@@ -472,6 +473,27 @@ def test_a_verification_for_a_cleared_and_reused_room_number_changes_nothing():
     new, _ = c.receive(0.3, spec(1, slot=2))
     assert new != old
     assert c.checksum_verified(0.4, 1, old) == [] and c.stage(1) == "asked"
+    assert c.checksum_mismatched(0.4, 1, old, "embedding", 7, 8) == [] and c.stage(1) == "asked"
+
+
+def test_a_checksum_that_raised_fails_the_room_naming_its_memory_and_what_to_check():
+    """The driver fails a room whose landed bytes could not be checksummed (a device error, memory freed) with
+    checksum_failed_detail(): the one line an operator sees must name the room, the bytes and where they lie,
+    whose Success it was, the error, and what to look at, rather than take the bytes unverified."""
+    c = core()
+    routed(c)
+    token, _ = c.receive(0.0, spec(1, slot=1))
+    (verify,) = c.status(0.1, 1, TransferPoll.Success, 0, (11,))
+    (what, _, addr, nbytes, _), = verify.checks
+    detail = checksum_failed_detail(1, what, addr, nbytes, verify.where, RuntimeError("CUDA error: an illegal "
+                                                                                      "memory access"))
+    failure = Failure(FailureKind.OTHER, detail)
+    assert c.fail(0.2, 1, token, failure) == [Conclude(1, token, failure)]
+    assert failure.detail == (
+        f"room 1: checksumming its landed embedding (64 bytes at {MAIN.embedding.addr + 64:#x}) to verify the "
+        f"Success from encode rank 0 at {ENCODE[0]}:{ENCODE[1]} failed: RuntimeError: CUDA error: an illegal memory "
+        f"access; the room is failed rather than taken unverified: is its receive memory still allocated, and its "
+        f"device usable?")
 
 
 # ------------------------------------------------------------------------ clear
@@ -879,6 +901,38 @@ def test_an_ask_or_registration_the_socket_raised_on_fails_its_room_only_and_saf
     assert kinds(c.receive(0.2, spec(2, regions=other))[1]) == [Announce, SendAsk], "announced again"
     token3, actions = c.receive(0.3, spec(3, slot=3))
     assert kinds(c.unsent(0.3, actions[-1], failure)) == [Conclude] and c.safe(3, token3)
+
+
+def test_an_ask_the_socket_raised_on_after_its_room_concluded_or_was_cleared_changes_nothing():
+    """The driver reports each action the socket raised on, in order: once the registration before an ask failed
+    the room, the ask's own failure (or one for a room cleared and received again meanwhile) must not conclude
+    it a second time nor touch the room now under that number."""
+    c = core()
+    routed(c)
+    other = Regions(Region(0x800000, 4096))
+    token, (announce, ask) = c.receive(0.0, spec(1, regions=other))
+    failure = Failure(FailureKind.OTHER, "room 1: asking for it failed: RuntimeError: injected")
+    assert c.unsent(0.0, announce, failure) == [Conclude(1, token, failure)]
+    assert c.unsent(0.0, ask, failure) == [] and c.stage(1) == "concluded"
+    c.clear(0.1, 1, token)
+    assert c.unsent(0.1, ask, failure) == [], "a room no longer held"
+    again, _ = c.receive(0.2, spec(1, slot=1))
+    assert c.unsent(0.2, ask, failure) == [] and c.stage(1) == "asked", "the room number's new ask"
+    assert c.asking(1, again)
+
+
+def test_asking_holds_only_for_the_held_token_of_a_room_whose_ask_may_go_out():
+    """The driver checks asking() before it sends an ask it took from a queue: a room cleared (or concluded,
+    or received again under a new token) since must not have its ask sent."""
+    c = core()
+    assert not c.asking(1, 1), "a room never received"
+    token, _ = c.receive(0.0, spec(1))
+    assert not c.asking(1, token), "still looking its route up"
+    c.parallel_resolved(0.0, BOOT, 1, 1)
+    c.route_resolved(0.0, KEY0, ENCODE)
+    assert c.asking(1, token) and not c.asking(1, token + 1)
+    c.clear(0.1, 1, token)
+    assert not c.asking(1, token)
 
 
 def test_the_same_embedding_region_with_another_deepstack_region_is_announced_again():
