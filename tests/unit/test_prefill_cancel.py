@@ -307,6 +307,28 @@ def test_an_ask_held_for_a_cancels_answer_goes_when_none_comes_in_time():
     assert c.stage(8) == "asked", "a room with no cancel before it is asked at once"
 
 
+def test_a_held_ask_stays_held_while_the_cancel_it_waits_for_is_unanswered_though_an_earlier_one_is_answered():
+    """Room 7 asked three times of a rank not known to answer cancels: the third ask waits for the second
+    ask's cancel. The first cancel's answer (they come in the order sent) says nothing of the second ask,
+    whose statuses may still come and would be taken for the third's: the ask stays held until its own."""
+    c = core()
+    c.integrity = False
+    wait = prefill.CANCEL_ANSWER_WAIT_S
+    first, second, actions = _cleared_and_asked_again(c, 7, 1.0)
+    assert actions == [] and c.stage(7) == "held"
+    (ask,) = c.tick(1.0 + wait)
+    assert isinstance(ask, SendAsk) and ask.token == second
+    now = 1.0 + wait + 0.1
+    assert [type(a) for a in c.abandon(now, 7, second)] == [SendCancel]
+    assert c.clear(now, 7, second)
+    third, actions = c.receive(now, spec(7, slot=9))
+    assert actions == [] and c.stage(7) == "held"
+    assert c.cancel_answered(now + 0.1, 7, 0, CONFIRMED) == [MemorySafe(7, first)]
+    assert c.stage(7) == "held", "the second ask's cancel is still unanswered"
+    safe, ask = c.cancel_answered(now + 0.2, 7, 0, CONFIRMED)
+    assert safe == MemorySafe(7, second) and isinstance(ask, SendAsk) and ask.token == third
+
+
 def test_a_cancel_on_a_dropped_connection_holds_nothing_back_on_the_fresh_one():
     """The cancel went out on a socket dropped since (its room's deadline): the new ask goes on a
     fresh connection, which the cancel does not travel ahead of, so its statuses count as they come
