@@ -348,6 +348,23 @@ def test_concluded_rooms_leave_the_deadline_heap():
     assert c.next_wakeup() is None
 
 
+def test_concluded_rooms_behind_an_open_rooms_earlier_deadline_do_not_pile_up_in_the_heap():
+    """One room left open (its encode rank never answers) keeps its deadline at the heap's top, so entries of
+    rooms concluded since never reach the top to be popped: without compacting, a busy receiver's heap would
+    hold every room of the last deadline_s, and tick() would sift through them all."""
+    c = core(deadline_s=600.0)
+    routed(c)
+    stuck, _ = c.receive(0.0, spec(0))
+    for room in range(1, 5000):
+        c.receive(1.0, spec(room, slot=room % 100))
+        c.status(1.0, room, TransferPoll.Failed, 0)
+        c.clear(1.0, room)
+        c.tick(1.0)
+    assert c.deadline_entries() <= 2 * 1 + 1024 + 1 and len(c) == 1
+    assert c.next_wakeup() == 600.0
+    assert concluded(c.tick(600.0))[0].kind is FailureKind.DEADLINE, "the open room's entry is kept"
+
+
 def test_a_room_being_verified_is_left_to_its_verification():
     c = core(deadline_s=10.0)
     routed(c)
