@@ -704,6 +704,24 @@ def test_asks_waiting_at_an_old_address_move_with_their_key_whichever_look_up_fi
     assert c.writable(0.5, ENCODE) == []
 
 
+def test_asks_waiting_too_long_make_no_second_look_up_of_a_route_a_room_is_looking_up_already():
+    """Room 1's ask waits at the old address; room 2 is looking the same route up when room 1's wait comes due:
+    that look-up's answer moves room 1's ask too, so a second one would only double the bootstrap server's
+    load (and its answer would find nothing left to do)."""
+    c = core()
+    routed(c)
+    c.refused(0.0, ENCODE, c.receive(0.0, spec(1, slot=1))[1])
+    assert c.connection_dropped(0.1, ENCODE) == [LookUpRoute(KEY0)]
+    assert c.lookup_failed(0.2, BOOT, KEY0, "refused", took_s=0.0) == [] and c.stage(1) == "queued"
+    assert c.receive(0.3, spec(2, slot=2))[1] == [LookUpRoute(KEY0)]
+    assert c.tick(0.1 + QUEUED_LOOKUP_S) == [] and c.stage(1) == "queued" and c.stage(2) == "lookup"
+    moved = ("10.0.0.2", 7001)
+    disconnect, *actions = c.route_resolved(2.2, KEY0, moved)
+    assert disconnect == Disconnect(ENCODE)
+    assert [(type(a), a.addr, a.room) for a in actions] == [(Announce, moved, 1), (SendAsk, moved, 1),
+                                                            (SendAsk, moved, 2)]
+
+
 def test_a_queued_room_cleared_before_its_connection_dropped_is_not_looked_up_again():
     c = core()
     routed(c)
