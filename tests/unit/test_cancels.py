@@ -69,6 +69,18 @@ def test_a_cancel_the_socket_did_not_take_restarts_the_clock_from_the_next_one_s
     assert not book.silent(A, 100.0)
 
 
+def test_a_cancel_the_socket_did_not_take_is_the_one_of_its_token_never_an_earlier_one_of_the_key(book):
+    """Two asks of room 7 cancelled in turn: the socket refusing the second cancel must drop that one only, or
+    the first (which the rank did read) would lose its answer and the room's memory be taken for safe or lost."""
+    book.add(0.0, (7, 0), token=1, addr=A, conn=1)
+    book.add(0.1, (7, 0), token=2, addr=A, conn=1)
+    assert book.unsent((7, 0), token=2).token == 2
+    assert book.pending == 1 and book.answered((7, 0), CONFIRMED).token == 1
+    book.add(0.2, (8, 0), token=3, addr=A, conn=1)
+    book.answered((8, 0), TOO_LATE)
+    assert book.unsent((8, 0), token=3) is None, "heard already: it was taken"
+
+
 def test_forgetting_a_connection_stops_its_clock_and_with_answering_what_it_showed(book):
     book.add(0.0, (7, 0), token=1, addr=A, conn=1)
     book.add(0.0, (8, 0), token=2, addr=A, conn=1)
