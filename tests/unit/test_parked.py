@@ -85,7 +85,7 @@ def test_rooms_older_than_a_cutoff_in_arrival_order():
     parked = ParkedAsks()
     for room, at in ((5, 1.0), (3, 2.0), (8, 9.0)):
         parked.add(_ask(room), now=at)
-    assert parked.older_than(5.0) == [5, 3] and parked.oldest_first_at() == 1.0
+    assert parked.older_than(5.0) == [5, 3]
 
 
 def test_dropping_a_session_removes_its_asks_from_every_room_and_their_bytes():
@@ -183,3 +183,16 @@ def _hold_counts(ops: list, max_rooms: int, max_bytes: int) -> None:
             session: (set(rooms), sum(rooms.values())) for session, rooms in mine.items()}
         assert [parked.get(room) for room in range(4)] == [parked[room] if room in parked else None
                                                             for room in range(4)]
+
+
+def test_iterating_the_rooms_walks_a_copy_so_rooms_may_be_taken_meanwhile():
+    """A sweep takes the rooms it walks (one told Failed, the next looked at): a walk of the live dict would
+    raise once the first went, leaving the rest parked past their deadline."""
+    parked = ParkedAsks()
+    for room in (5, 3, 8):
+        parked.add(_ask(room, f"s{room}"), now=float(room))
+    walked = []
+    for room in parked:
+        walked.append(room)
+        parked.take(room)
+    assert walked == [5, 3, 8] and len(parked) == 0 and parked.nbytes == 0

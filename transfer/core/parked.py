@@ -254,12 +254,6 @@ class ParkedAsks:
         """Rooms whose first ask came before `cutoff`, oldest first."""
         return [room for room, asks in self._rooms.items() if asks.first_at < cutoff]
 
-    def oldest_first_at(self) -> float | None:
-        """When the oldest parked room's first ask came (rooms are kept in arrival order)."""
-        for asks in self._rooms.values():
-            return asks.first_at
-        return None
-
     def take_all(self) -> list[Asks]:
         """Removes and returns every room's asks."""
         rooms, self.nbytes = list(self._rooms.values()), 0
