@@ -62,3 +62,23 @@ def test_a_region_registered_again_after_it_went_is_found_and_clear_forgets_ever
     assert book.setdefault(0x7000, 8) == 8 and book.holding(0x7000, 8) == (0x7000, 8)
     book.clear()
     assert book.holding(0x3000, 1) is None and book.overlapping(0, 1 << 20) is None and not book
+
+
+def test_every_dict_mutation_keeps_the_sorted_bases_in_step():
+    """The look-ups read the sorted bases, then the dict: a base registered again (a new length), popped when absent,
+    taken by popitem or set by setdefault that the bases list misses or holds twice would make a look-up find a
+    base the dict lacks (a KeyError) or miss a region it has."""
+    book = Registrations()
+    book[0x1000] = 0x100
+    book[0x3000] = 0x100
+    book[0x1000] = 0x200  # registered again, a new length: still one base
+    assert book.holding(0x1100, 0x100) == (0x1000, 0x200)
+    del book[0x1000]
+    assert book.holding(0x1010, 16) is None and book.overlapping(0x0f00, 0x200) is None
+    assert book.pop(0x2000, None) is None  # absent: nothing else goes
+    assert book.holding(0x3000, 0x100) == (0x3000, 0x100)
+    assert book.setdefault(0x3000, 8) == 0x100 and book.holding(0x3000, 0x100) == (0x3000, 0x100)
+    assert book.popitem() == (0x3000, 0x100)
+    assert book.holding(0x3000, 1) is None and book.overlapping(0, 1 << 20) is None and not book
+    book[0x3000] = 0x10
+    assert book.holding(0x3000, 0x10) == (0x3000, 0x10)
