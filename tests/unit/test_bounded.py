@@ -139,3 +139,25 @@ def test_entries_is_the_book_itself_through_every_change():
     assert not book.entries and len(book) == 0
     book[4] = _Entry(4.0)
     assert book.pop(4) == _Entry(4.0) and not book.entries
+
+
+def test_an_entry_is_read_back_by_its_key_and_a_key_never_filed_is_a_key_error():
+    """The cores read an entry by key (`cache[key]`) where they know it is filed: a key not filed must raise, not
+    answer a default that a rule would take for an entry."""
+    cache = _by_session()
+    cache[1] = _Cancel(("a",))
+    assert cache[1] == _Cancel(("a",))
+    with pytest.raises(KeyError):
+        cache[2]
+
+
+def test_an_entry_naming_a_session_twice_is_filed_once_under_it_and_forgotten_cleanly():
+    """`sessions` may name a session more than once (a room's receivers, say): unfiling such an entry meets the
+    session again after its index went, which must not raise and must leave no index behind."""
+    cache = _by_session()
+    cache[1] = _Cancel(("a", "a", "b"))
+    assert (cache.of("a"), cache.of("b")) == ([1], [1])
+    del cache[1]
+    assert (cache.of("a"), cache.of("b"), len(cache)) == ([], [], 0)
+    cache[2] = _Cancel(("a", "a"))
+    assert cache.pop(2) == _Cancel(("a", "a")) and cache.of("a") == []
