@@ -97,6 +97,20 @@ def test_a_stall_or_an_expired_pause_is_not_ended_by_a_word_and_old_revivals_are
     assert breaker.revivable("peer"), "its revival forgotten, it may end its pause with a word again"
 
 
+
+def test_revivals_are_bounded_by_max_keys_the_oldest_forgotten_first():
+    """A revival (a word ended a key's pause) makes the key's next slow failure wait its pause out; peers that
+    come and go by the thousand must not grow that memory past `max_keys`, so the oldest revival goes first and
+    that key may again end a pause with a word."""
+    breaker = Breaker(pause_s=5.0, slow_after_s=0.25, max_keys=2)
+    for now, key in enumerate("abc"):
+        breaker.failed(key, took=1.0, now=float(now))
+        assert breaker.heard_from(key, now + 0.5)
+    breaker.failed("a", took=1.0, now=10.0)
+    breaker.failed("b", took=1.0, now=10.0)
+    assert breaker.revivable("a"), "its revival was the oldest of three, past max_keys: forgotten"
+    assert not breaker.revivable("b"), "its revival is still remembered: a repeat waits its pause out"
+
 _KEYS = st.sampled_from("abc")
 
 
