@@ -254,3 +254,17 @@ def test_a_check_answers_and_files_sessions_as_one_reading_every_region_through_
 
     assert (run(RegionBook(max_sessions=max_sessions, per_session=per_session))
             == run(_StrictBook(max_sessions=max_sessions, per_session=per_session)))
+
+
+def test_retired_sessions_are_bounded_by_max_sessions_the_oldest_forgotten_first():
+    """Retired sessions are refused until they register again; a peer superseding sessions by the thousand must
+    not grow that memory past max_sessions, so the oldest retired one is forgotten first (its asks are then
+    written as a session that never announced lengths would be)."""
+    book = RegionBook(max_sessions=2)
+    for session in ("s0", "s1", "s2"):
+        book.register(_reg(5000, 0x10000, session=session))
+        book.forget(session, "it was superseded")
+    assert _check(book, _ask(0xDEAD0000, session="s0")) is None, "forgotten: written as the peers do"
+    for session in ("s1", "s2"):
+        reason = _check(book, _ask(0xDEAD0000, session=session))
+        assert reason is not None and "superseded" in reason
