@@ -150,3 +150,18 @@ def test_open_sessions_are_the_most_recently_opened_up_to_the_bound(max_open, st
             model.append(session)
             del model[:-max_open]
     assert [session for session in "abcdef" if openings.is_open(session)] == sorted(model)
+
+
+def test_a_stale_probes_second_answer_leaves_the_sessions_newer_probe_in_flight():
+    """A probe answered twice (its thread's answer reported again after a refusal let the next write probe anew)
+    must not take the newer probe off the books: the next write would start a second probe of the same peer,
+    and the writes waiting on the first would never hear its answer."""
+    openings = Openings(open_timeout_s=5.0)
+    _, old, _ = openings.admit("peer", 100.0)
+    openings.answered(old, False, 100.01)
+    verdict, new, _ = openings.admit("peer", 101.0)
+    assert verdict is Verdict.PROBE and new is not old
+    openings.answered(old, False, 101.5)
+    assert openings.probing() == 1
+    again, same, _ = openings.admit("peer", 102.0)
+    assert again is Verdict.WAIT and same is new
