@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from transfer.core import encode as encode_core
 from transfer.core.breaker import Breaker
 from transfer import config
 from transfer.core.encode import (
@@ -1429,3 +1430,94 @@ def test_a_clear_of_a_send_never_filed_releases_nothing_once_closed():
     run = Run()
     run(run.core.close(run.now))
     assert run.of(Release, run(run.core.clear(1, Token(), run.now))) == []
+
+
+def test_an_offered_room_whose_parked_asks_are_evicted_fails_and_lets_go_of_its_item():
+    """Its receivers were told Failed, so they never ask again: left waiting for the rest of its fanout, the room
+    would hold its item (and its sources) until the fanout timeout, and conclude only then."""
+    run = Run(fanout_timeout_s=120.0, parked=ParkedAsks(max_rooms=4))
+    offer = _offer(1000)
+    run.offer(offer)
+    run.ask(_ask(1000, fanout=2))  # half its fanout: parked, the room waits for the other half
+    out = []
+    for room in range(4):  # other sessions' asks for rooms not sent yet: the fifth room parked evicts the oldest
+        out += run.at(0.1).ask(_ask(room, session=f"10.0.0.9:{17000 + room}", port=7000 + room))
+    assert run.statuses(out) == [(1000, 6000, TransferPoll.Failed)]
+    assert run.conclusions() == [(1000, TransferPoll.Failed, FailureKind.OTHER)]
+    assert run.of(Release, out) == [Release(1000, offer.token)]
+
+
+def test_a_superseded_receivers_write_still_queued_never_starts_and_its_successor_is_written():
+    """The process that asked for it is gone (its memory may be the successor's): the write waits for a slot, but
+    when one frees it is dropped, and the successor's ask for the same shard gets it."""
+    run = Run(depth=1)
+    run.offer(_offer(1, span=4))
+    run.ask(_ask(1, rank=0, fanout=2))
+    [first] = run.of(StartWrite, run.ask(_ask(1, rank=1, fanout=2)))  # the other waits for the slot
+    successor = "10.0.0.7:27001"
+    assert run.of(StartWrite, run.ask(_ask(1, rank=1, fanout=2, session=successor, ptr=0x90000))) == []
+    out = run.complete(first)
+    assert [(w.session_id, w.dsts) for w in run.of(StartWrite, out)] == [(successor, (0x90000,))]
+    assert run.conclusions() == []
+
+
+def test_a_write_failure_reported_after_close_gave_the_write_up_is_ignored():
+    """close() forgets the writes in flight unless told the driver still settles them; a driver that reports one
+    failing afterwards must not find a room to fail twice, nor a breaker to trip."""
+    run = Run()
+    run.offer(_offer(1))
+    [write] = run.of(StartWrite, run.ask(_ask(1)))
+    run(run.core.close(1.0))
+    assert run(run.core.write_failed(write.wid, "connection reset", took=1.0, now=2.0)) == []
+    assert run.core.breaker.open_since("10.0.0.7:17000", 2.0) is None
+
+
+def test_a_checksum_failure_of_a_superseded_receivers_write_does_not_fail_the_room():
+    """The write was to a process that is gone: its rows are nobody's now, and the successor's own write decides
+    the room."""
+    run = Run()
+    run.offer(_offer(1, span=4))
+    run.ask(_ask(1, rank=0, fanout=2))
+    [_, old] = run.of(StartWrite, run.ask(_ask(1, rank=1, fanout=2)))
+    successor = "10.0.0.7:27001"
+    out = run.ask(_ask(1, rank=1, fanout=2, session=successor, ptr=0x90000))
+    [new] = run.of(StartWrite, out)
+    assert run(run.core.checksum_failed(old.wid, "device error", run.now)) == []
+    assert run.conclusions() == []
+    for write in run.of(StartWrite):
+        run.complete(write)
+    assert run.conclusions() == [(1, TransferPoll.Success, None)] and new.session_id == successor
+
+
+def test_status_endpoints_remembered_are_bounded_the_least_recently_registered_forgotten(monkeypatch):
+    """A peer registering sessions at new ports by the thousand must not grow the core's memory without bound; an
+    endpoint forgotten only means a successor there is not recognised as one (its predecessor's asks then wait
+    out their own deadline)."""
+    monkeypatch.setattr(encode_core, "MAX_ENDPOINTS", 2)
+    run = Run()
+
+    def register(port: int, session: str) -> list:
+        return run(run.core.registration(Registration("10.0.0.7", port, session, 0x10000, 0, 64 * ROW, 0), run.now))
+
+    for number in range(3):
+        register(6000 + number, f"old{number}")
+        run.ask(_ask(10 + number, session=f"old{number}", port=6000 + number))
+    out = register(6000, "new0")  # at the endpoint forgotten: not a successor
+    assert run.of(Count, out) == [] and 10 in run.core.parked
+    out = register(6002, "new2")  # at one remembered: supersedes its session
+    assert run.of(Count, out) == [Count("sessions_superseded_total", "status_endpoint")]
+    assert 12 not in run.core.parked and 11 in run.core.parked
+
+
+def test_writes_waiting_for_a_slot_when_writes_stop_never_start():
+    """stop_writes() is the close's first step: the writes in flight settle, and none that waited for their slot
+    may start meanwhile (the engine is going away)."""
+    run = Run(depth=1)
+    run.offer(_offer(1))
+    [first] = run.of(StartWrite, run.ask(_ask(1)))
+    run.offer(_offer(2))
+    run.ask(_ask(2, session="10.0.0.7:17001", port=6001, ptr=0x90000))
+    assert len(run.of(StartWrite)) == 1
+    run.core.stop_writes()
+    out = run.complete(first)
+    assert run.of(StartWrite, out) == [] and run.core.waiting == 1
