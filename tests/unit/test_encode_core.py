@@ -1461,15 +1461,17 @@ def test_a_superseded_receivers_write_still_queued_never_starts_and_its_successo
     assert run.conclusions() == []
 
 
-def test_a_write_failure_reported_after_close_gave_the_write_up_is_ignored():
+def test_a_write_failed_or_skipped_after_close_gave_it_up_is_ignored():
     """close() forgets the writes in flight unless told the driver still settles them; a driver that reports one
-    failing afterwards must not find a room to fail twice, nor a breaker to trip."""
+    failing or not submitted afterwards must not find a room to fail twice, a slot to free, nor a breaker to
+    trip."""
     run = Run()
     run.offer(_offer(1))
     [write] = run.of(StartWrite, run.ask(_ask(1)))
     run(run.core.close(1.0))
     assert run(run.core.write_failed(write.wid, "connection reset", took=1.0, now=2.0)) == []
     assert run.core.breaker.open_since("10.0.0.7:17000", 2.0) is None
+    assert run(run.core.write_skipped(write.wid, 2.0)) == []
 
 
 def test_a_checksum_failure_of_a_superseded_receivers_write_does_not_fail_the_room():
