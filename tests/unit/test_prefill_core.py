@@ -687,20 +687,32 @@ def test_asks_whose_route_is_unchanged_or_cannot_be_looked_up_wait_where_they_ar
     assert kinds(c.writable(6.1, ENCODE)) == [SendAsk] and c.stage(1) == "asked"
 
 
-def test_asks_waiting_at_an_old_address_move_with_their_key_whichever_look_up_finds_it():
-    """The look-up made for them failed; a later room's own look-up finds the rank elsewhere: the
-    older asks go there first, not to the old address when its socket takes asks again."""
+def _old_address_asks_and_a_new_look_up() -> PrefillCore:
+    """Room 1's ask waits at ENCODE, whose connection dropped and whose look-up failed; room 2 looks the same
+    route up afresh."""
     c = core()
     routed(c)
     c.refused(0.0, ENCODE, c.receive(0.0, spec(1, slot=1))[1])
     assert c.connection_dropped(0.1, ENCODE) == [LookUpRoute(KEY0)]
     assert c.lookup_failed(0.2, BOOT, KEY0, "refused", took_s=0.0) == [] and c.stage(1) == "queued"
     assert c.receive(0.3, spec(2, slot=2))[1] == [LookUpRoute(KEY0)]
+    return c
+
+
+def _moved_with_both_asks(c: PrefillCore, now: float) -> None:
+    """The route's look-up finds the rank at another address: the old socket goes, both rooms are asked there."""
     moved = ("10.0.0.2", 7001)
-    disconnect, *actions = c.route_resolved(0.4, KEY0, moved)
+    disconnect, *actions = c.route_resolved(now, KEY0, moved)
     assert disconnect == Disconnect(ENCODE)
     assert [(type(a), a.addr, a.room) for a in actions] == [(Announce, moved, 1), (SendAsk, moved, 1),
                                                             (SendAsk, moved, 2)]
+
+
+def test_asks_waiting_at_an_old_address_move_with_their_key_whichever_look_up_finds_it():
+    """The look-up made for them failed; a later room's own look-up finds the rank elsewhere: the
+    older asks go there first, not to the old address when its socket takes asks again."""
+    c = _old_address_asks_and_a_new_look_up()
+    _moved_with_both_asks(c, 0.4)
     assert c.writable(0.5, ENCODE) == []
 
 
@@ -708,18 +720,9 @@ def test_asks_waiting_too_long_make_no_second_look_up_of_a_route_a_room_is_looki
     """Room 1's ask waits at the old address; room 2 is looking the same route up when room 1's wait comes due:
     that look-up's answer moves room 1's ask too, so a second one would only double the bootstrap server's
     load (and its answer would find nothing left to do)."""
-    c = core()
-    routed(c)
-    c.refused(0.0, ENCODE, c.receive(0.0, spec(1, slot=1))[1])
-    assert c.connection_dropped(0.1, ENCODE) == [LookUpRoute(KEY0)]
-    assert c.lookup_failed(0.2, BOOT, KEY0, "refused", took_s=0.0) == [] and c.stage(1) == "queued"
-    assert c.receive(0.3, spec(2, slot=2))[1] == [LookUpRoute(KEY0)]
+    c = _old_address_asks_and_a_new_look_up()
     assert c.tick(0.1 + QUEUED_LOOKUP_S) == [] and c.stage(1) == "queued" and c.stage(2) == "lookup"
-    moved = ("10.0.0.2", 7001)
-    disconnect, *actions = c.route_resolved(2.2, KEY0, moved)
-    assert disconnect == Disconnect(ENCODE)
-    assert [(type(a), a.addr, a.room) for a in actions] == [(Announce, moved, 1), (SendAsk, moved, 1),
-                                                            (SendAsk, moved, 2)]
+    _moved_with_both_asks(c, 2.2)
 
 
 def test_a_queued_room_cleared_before_its_connection_dropped_is_not_looked_up_again():
@@ -924,13 +927,20 @@ def test_rooms_whose_socket_could_not_be_made_are_safe_to_reuse_at_once():
     assert c.abandon(0.1, 1, token) == []
 
 
-def test_an_ask_or_registration_the_socket_raised_on_fails_its_room_only_and_safe():
+def _registration_unsent(other: Regions) -> tuple[PrefillCore, int, SendAsk, Failure]:
+    """Room 1 asked into `other`, a region its encode rank was not told of: the socket raised on the
+    registration, which fails the room; the core, the room's token, its ask and that failure."""
     c = core()
     routed(c)
-    other = Regions(Region(0x800000, 4096))
     token, (announce, ask) = c.receive(0.0, spec(1, regions=other))
     failure = Failure(FailureKind.OTHER, "room 1: asking for it failed: RuntimeError: injected")
     assert c.unsent(0.0, announce, failure) == [Conclude(1, token, failure)]
+    return c, token, ask, failure
+
+
+def test_an_ask_or_registration_the_socket_raised_on_fails_its_room_only_and_safe():
+    other = Regions(Region(0x800000, 4096))
+    c, token, ask, failure = _registration_unsent(other)
     assert c.safe(1, token) and c.abandon(0.1, 1, token) == []
     assert c.clear(0.1, 1, token)
     assert kinds(c.receive(0.2, spec(2, regions=other))[1]) == [Announce, SendAsk], "announced again"
@@ -942,12 +952,7 @@ def test_an_ask_the_socket_raised_on_after_its_room_concluded_or_was_cleared_cha
     """The driver reports each action the socket raised on, in order: once the registration before an ask failed
     the room, the ask's own failure (or one for a room cleared and received again meanwhile) must not conclude
     it a second time nor touch the room now under that number."""
-    c = core()
-    routed(c)
-    other = Regions(Region(0x800000, 4096))
-    token, (announce, ask) = c.receive(0.0, spec(1, regions=other))
-    failure = Failure(FailureKind.OTHER, "room 1: asking for it failed: RuntimeError: injected")
-    assert c.unsent(0.0, announce, failure) == [Conclude(1, token, failure)]
+    c, token, ask, failure = _registration_unsent(Regions(Region(0x800000, 4096)))
     assert c.unsent(0.0, ask, failure) == [] and c.stage(1) == "concluded"
     c.clear(0.1, 1, token)
     assert c.unsent(0.1, ask, failure) == [], "a room no longer held"
