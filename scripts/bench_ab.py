@@ -7,7 +7,7 @@ revision, a copy of the tracked and untracked-not-ignored files for the working 
 is built in place with this interpreter, and each run is `python -m transfer.cli bench <bench options>
 --json FILE` with PYTHONPATH and the working folder set to that side's tree (each side's `transfer` is
 checked and printed once). `--runs N` pairs run in ABBA order (A B, B A, A B, ...), so neither side always
-goes first: on this host the second of two back-to-back runs was the slower one. `--aa` adds a second copy
+goes first and a drift of the host between runs falls on both. `--aa` adds a second copy
 of A to every pair (A B A', then A' B A), so the A/A column shows the noise of identical code in the same
 window.
 
