@@ -404,6 +404,8 @@ def test_a_pooled_receive_its_dead_manager_refuses_gives_its_slot_back_at_once(e
         first = manager.receive(1, server.address, rows=4, hidden=64, dtype=BF16)
         manager._driver.core.tick = broken  # the I/O thread calls it on every turn
         manager._driver._waker.wake()
+        # Room 1 may fail first on its own (no encode rank is registered): wait for the thread's end.
+        assert wait_until(lambda: manager._driver.failure is not None, 5.0)
         assert first.wait(5) == TransferPoll.Failed
         with pytest.raises(RuntimeError, match="I/O thread stopped after an error"):
             manager.receive(2, server.address, rows=4, hidden=64, dtype=BF16)
