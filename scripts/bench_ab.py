@@ -4,9 +4,11 @@
 Each side (`--a`, `--b`: git revisions of this repository; by default HEAD against the working tree as it
 is, uncommitted changes included) is prepared under a temporary folder: a detached git worktree for a
 revision, a copy of the tracked and untracked-not-ignored files for the working tree. Its native extension
-is built in place with this interpreter, and each run is `python -m transfer.cli bench <bench options>
---json FILE` with PYTHONPATH and the working folder set to that side's tree (each side's `transfer` is
-checked and printed once). `--runs N` pairs run in ABBA order (A B, B A, A B, ...), so neither side always
+is built in place with the side's interpreter (`--a-python`, `--b-python`: a Python that has torch, pyzmq
+and Mooncake installed, such as another venv's; by default this one), and each run is `python -m
+transfer.cli bench <bench options> --json FILE` with PYTHONPATH and the working folder set to that side's
+tree (each side's `transfer` is checked and printed once). Two interpreters on one revision compare the
+interpreters. `--runs N` pairs run in ABBA order (A B, B A, A B, ...), so neither side always
 goes first and a drift of the host between runs falls on both. `--aa` adds a second copy
 of A to every pair (A B A', then A' B A), so the A/A column shows the noise of identical code in the same
 window.
@@ -139,6 +141,11 @@ def order(runs: int, sides: list[str]) -> list[str]:
     return out
 
 
+def side_pythons(sides: list[str], a_python: str, b_python: str) -> dict[str, str]:
+    """Each side's interpreter: B's its own, A's and its copy's A's."""
+    return {side: b_python if side == "b" else a_python for side in sides}
+
+
 def _cell_label(cell: dict) -> str:
     encode = f", encode ranks {cell['encode_ranks']}" if cell.get("encode_ranks", 1) != 1 else ""
     integrity = "on" if cell["integrity"] else "off"
@@ -187,14 +194,14 @@ def _copy_working_tree(dest: Path) -> None:
         shutil.copy2(source, dest / name)
 
 
-def prepare(rev: str, dest: Path) -> None:
-    """`dest`: a detached worktree of `rev`, or a copy of the working tree; its native extension built."""
+def prepare(rev: str, dest: Path, python: str = sys.executable) -> None:
+    """`dest`: a detached worktree of `rev`, or a copy of the working tree; its native extension built by `python`."""
     if rev == WORKING_TREE:
         dest.mkdir(parents=True)
         _copy_working_tree(dest)
     else:
         _git("worktree", "add", "--detach", "--quiet", str(dest), rev)
-    subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=dest, check=True,
+    subprocess.run([python, "setup.py", "-q", "build_ext", "--inplace"], cwd=dest, check=True,
                    stdout=subprocess.DEVNULL)
 
 
@@ -202,18 +209,18 @@ def _child_env(tree: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(tree)}
 
 
-def imported_from(tree: Path) -> str:
+def imported_from(tree: Path, python: str = sys.executable) -> str:
     """Where a child with `tree`'s environment imports `transfer` from; refuses another tree's."""
-    where = subprocess.run([sys.executable, "-c", "import transfer; print(transfer.__file__)"], cwd=tree,
+    where = subprocess.run([python, "-c", "import transfer; print(transfer.__file__)"], cwd=tree,
                            env=_child_env(tree), check=True, capture_output=True, text=True).stdout.strip()
     if not Path(where).resolve().is_relative_to(tree.resolve()):
         raise SystemExit(f"bench_ab: a child run in {tree} imports transfer from {where}")
     return where
 
 
-def run_bench(tree: Path, bench: list[str], json_path: Path) -> list[dict]:
-    """One bench run in `tree`; its rows."""
-    done = subprocess.run([sys.executable, "-m", "transfer.cli", "bench", *bench, "--json", str(json_path)],
+def run_bench(tree: Path, bench: list[str], json_path: Path, python: str = sys.executable) -> list[dict]:
+    """One bench run in `tree` by `python`; its rows."""
+    done = subprocess.run([python, "-m", "transfer.cli", "bench", *bench, "--json", str(json_path)],
                           cwd=tree, env=_child_env(tree), capture_output=True, text=True)
     if not json_path.exists():
         raise SystemExit(f"bench_ab: the bench in {tree} exited {done.returncode} without its JSON\n"
@@ -249,6 +256,10 @@ def main() -> int:
     parser.add_argument("--a", default="HEAD", help="side A: a git revision (default HEAD)")
     parser.add_argument("--b", default=WORKING_TREE,
                         help="side B: a git revision (default: the working tree as it is, uncommitted changes too)")
+    parser.add_argument("--a-python", default=sys.executable, metavar="PYTHON",
+                        help="side A's interpreter (default: this one)")
+    parser.add_argument("--b-python", default=sys.executable, metavar="PYTHON",
+                        help="side B's interpreter (default: this one)")
     parser.add_argument("--runs", type=int, default=6, help="pairs of runs, in ABBA order (default 6)")
     parser.add_argument("--aa", action="store_true", help="also run a second copy of A in every pair: the noise floor")
     parser.add_argument("--keep", action="store_true", help="keep the prepared trees (their folder is printed)")
@@ -263,19 +274,21 @@ def main() -> int:
     revs = {"a": _resolve(args.a), "b": _resolve(args.b)}
     if args.aa:
         revs["aa"] = revs["a"]
+    pythons = side_pythons(list(revs), args.a_python, args.b_python)
     root = Path(tempfile.mkdtemp(prefix="bench_ab-"))
     trees = {side: root / side for side in revs}
     prepared: list[tuple[str, Path]] = []
     try:
         for side, rev in revs.items():
-            prepare(rev, trees[side])
+            prepare(rev, trees[side], pythons[side])
             prepared.append((rev, trees[side]))
-            print(f"bench_ab: {side} = {rev}: transfer from {imported_from(trees[side])}", file=sys.stderr)
+            where = imported_from(trees[side], pythons[side])
+            print(f"bench_ab: {side} = {rev} on {pythons[side]}: transfer from {where}", file=sys.stderr)
         runs: dict[str, list[list[dict]]] = {side: [] for side in revs}
         sequence = order(args.runs, list(revs))
         for i, side in enumerate(sequence):
             print(f"bench_ab: run {i + 1}/{len(sequence)}: {side}", file=sys.stderr, flush=True)
-            runs[side].append(run_bench(trees[side], bench, root / f"run-{i}-{side}.json"))
+            runs[side].append(run_bench(trees[side], bench, root / f"run-{i}-{side}.json", pythons[side]))
     finally:
         if args.keep:
             print(f"bench_ab: the trees are kept under {root}", file=sys.stderr)
@@ -283,15 +296,15 @@ def main() -> int:
             _remove(prepared)
             shutil.rmtree(root, ignore_errors=True)
     rows = summarise(runs)
-    print(f"A = {revs['a']}, B = {revs['b']}; {args.runs} pair(s) in ABBA order"
+    print(f"A = {revs['a']} on {pythons['a']}, B = {revs['b']} on {pythons['b']}; {args.runs} pair(s) in ABBA order"
           f"{', with a second copy of A' if args.aa else ''}; bench {' '.join(bench)}")
     print("median [min, max] over the runs; 'moved': A's and B's ranges keep apart"
           + (" while A's and its copy's overlap" if args.aa else "") + "\n")
     print(format_summary(rows))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"a": revs["a"], "b": revs["b"], "runs": args.runs, "bench": bench, "order": sequence,
-                       "rows": rows}, fh, indent=1)
+            json.dump({"a": revs["a"], "b": revs["b"], "a_python": pythons["a"], "b_python": pythons["b"],
+                       "runs": args.runs, "bench": bench, "order": sequence, "rows": rows}, fh, indent=1)
     return 0
 
 

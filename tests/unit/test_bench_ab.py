@@ -9,7 +9,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
-from bench_ab import MIN_RUNS, format_summary, order, summarise  # noqa: E402
+from bench_ab import MIN_RUNS, format_summary, order, side_pythons, summarise  # noqa: E402
 
 
 def _row(path="epd", fanout=1, inflight=1, control=1.0, added=0.5, ratio=0.9, verified=True, driver=0.3, caller=0.1,
@@ -38,6 +38,11 @@ def _figure(rows, name, **cell):
 def test_abba_order_alternates_which_side_goes_first():
     assert order(3, ["a", "b"]) == ["a", "b", "b", "a", "a", "b"]
     assert order(2, ["a", "b", "aa"]) == ["a", "b", "aa", "aa", "b", "a"]
+
+
+def test_a_and_its_copy_run_on_as_interpreter_and_b_on_its_own():
+    assert side_pythons(["a", "b", "aa"], "/v311/python", "/v313/python") == {
+        "a": "/v311/python", "b": "/v313/python", "aa": "/v311/python"}
 
 
 def test_each_side_gets_the_median_and_range_of_its_runs():
