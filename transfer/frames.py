@@ -220,11 +220,23 @@ def size_problem(name: str, value: object, least: int = 0) -> str | None:
     return None
 
 
+def _boolean(value: object) -> bool:
+    """Whether `value` is a bool: Python's, numpy's (`numpy.bool_`) or a torch tensor of `torch.bool` (numpy
+    before 2.3 and torch index these as 0 and 1, so they would pass for numbers). Neither is imported here."""
+    kind = type(value)
+    if kind is bool:
+        return True
+    module = kind.__module__
+    if module == "numpy":
+        return kind.__name__ in ("bool", "bool_")  # numpy 2's name, numpy 1's
+    return module.startswith("torch") and str(getattr(value, "dtype", None)) == "torch.bool"
+
+
 def _integer(name: str, value: object) -> int:
     """`value` as a plain int (a numpy or torch integer scalar is one); ConfigTypeError for a bool or a non-integer."""
     if type(value) is int:
         return value
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+    if _boolean(value) or not hasattr(type(value), "__index__"):
         raise ConfigTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     return operator.index(value)  # type: ignore[arg-type]
 
@@ -238,11 +250,11 @@ def scalar_int(value: Any) -> Any:
     """`value` as a plain int when it is a numpy or torch integer scalar (as a pointer or size computed
     with numpy is), else unchanged: a bool, a float or a tensor of rows is left for the checks to refuse."""
     global torch_tensor
-    if value is None or type(value) is int or isinstance(value, bool) or not hasattr(type(value), "__index__"):
+    if value is None or type(value) is int or _boolean(value) or not hasattr(type(value), "__index__"):
         return value
     if type(value).__name__ == "Tensor" and type(value).__module__ == "torch":
         torch_tensor = type(value)
-    if hasattr(value, "data_ptr") and (value.dim() != 0 or str(value.dtype) == "torch.bool"):
+    if hasattr(value, "data_ptr") and value.dim() != 0:
         return value
     try:
         return operator.index(value)

@@ -1004,3 +1004,24 @@ def test_scalar_ints_turns_each_integer_scalar_into_a_plain_int_and_leaves_the_r
     mixed = scalar_ints(numpy.int64(5), 7, None, torch.tensor(3), rows, True, 2.5)
     assert [type(v) for v in mixed[:4]] == [int, int, type(None), int] and mixed[:4] == (5, 7, None, 3)
     assert mixed[4] is rows and mixed[5] is True and mixed[6] == 2.5
+
+
+def test_numpy_and_torch_bools_are_refused_as_numbers_whatever_numpy_indexes_them_as():
+    # numpy before 2.3 (with a DeprecationWarning) and torch both index a bool scalar as 0 or 1.
+    import warnings
+
+    import numpy
+    import torch
+
+    from transfer.errors import ConfigTypeError
+    from transfer.frames import check_parallel, check_room, scalar_ints
+
+    bools = (numpy.bool_(True), numpy.bool_(False), torch.tensor(True), torch.tensor([True]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no index taken of a numpy bool, on any numpy
+        for value in bools:
+            with pytest.raises(ConfigTypeError, match=r"^room must be an int, got "):
+                check_room(value)
+            with pytest.raises(ConfigTypeError, match=r"^tp size must be an int, got "):
+                check_parallel(0, value, 1)
+            assert scalar_ints(value, numpy.int64(2))[0] is value  # left for the size checks to refuse
