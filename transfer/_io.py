@@ -377,10 +377,14 @@ def _native_parts() -> Any:
     per-part calls); None where it cannot be bound, and pyzmq's calls serve instead."""
     try:
         import ctypes
-
-        import zmq.backend.cython._zmq as backend
+        import importlib
 
         from . import _native
+
+        try:  # pyzmq 26 on has the whole backend in one module
+            backend = importlib.import_module("zmq.backend.cython._zmq")
+        except ImportError:  # pyzmq 25: its socket module links libzmq as well
+            backend = importlib.import_module("zmq.backend.cython.socket")
 
         if zmq.zmq_version_info()[0] != 4:  # the message layout zmqmsg.c assumes
             return None
