@@ -40,7 +40,7 @@ def test_abba_order_alternates_which_side_goes_first():
     assert order(2, ["a", "b", "aa"]) == ["a", "b", "aa", "aa", "b", "a"]
 
 
-def test_a_and_its_copy_run_on_as_interpreter_and_b_on_its_own():
+def test_side_a_and_its_copy_share_one_interpreter_and_b_has_its_own():
     assert side_pythons(["a", "b", "aa"], "/v311/python", "/v313/python") == {
         "a": "/v311/python", "b": "/v313/python", "aa": "/v311/python"}
 
