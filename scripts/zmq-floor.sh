@@ -32,7 +32,8 @@ libzmq=$("$python" -c "import zmq; print(next(l.split()[-1] for l in open('/proc
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-cc -O2 -Wall -Wextra -o "$work/zmq_floor" "$here/zmq_floor.c" "$libzmq" -Wl,-rpath,"$(dirname "$libzmq")"
+# An RPATH, not a RUNPATH: it also finds the libraries libzmq needs beside it (pyzmq 25 bundles libsodium so).
+cc -O2 -Wall -Wextra -o "$work/zmq_floor" "$here/zmq_floor.c" "$libzmq" -Wl,--disable-new-dtags,-rpath,"$(dirname "$libzmq")"
 
 # A base port with its FANOUT ports above it all free, below the kernel's ephemeral range (whose
 # ports other processes' connections take at any moment).

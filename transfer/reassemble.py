@@ -111,7 +111,8 @@ _turns: weakref.WeakKeyDictionary[dist.ProcessGroup, threading.Lock] = weakref.W
 def _group_timeout(group: dist.ProcessGroup) -> timedelta:
     """The timeout the group's collectives wait under (torch's default for the backend where it cannot be read)."""
     try:
-        timeout = group._get_backend(_default_device(group)).options._timeout
+        # getattr: torch's stubs gained Backend.options after 2.4, the oldest torch this package takes.
+        timeout = getattr(group._get_backend(_default_device(group)), "options")._timeout
     except Exception:  # noqa: BLE001 - a private attribute of torch's; the default bounds the wait as well
         timeout = None
     if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
