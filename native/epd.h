@@ -115,6 +115,8 @@ PyObject *epd_mooncake_open(PyObject *self, PyObject *args);
 PyObject *epd_mooncake_write(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *epd_mooncake_check(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *epd_mooncake_settle(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *epd_mooncake_account(PyObject *self, PyObject *arg);
+PyObject *epd_mooncake_cpu(PyObject *self, PyObject *unused);
 /* The same calls for C callers (no Python, so callable without the GIL; the caller keeps the engine
    alive): whether mooncake_bind found the methods; one WRITE as a batch of its own (0: refused);
    a batch's first task's state as mooncake_check answers it. */

@@ -498,6 +498,10 @@ static PyMethodDef methods[] = {
     {"mooncake_settle", (PyCFunction)(void (*)(void))epd_mooncake_settle, METH_FASTCALL,
      "mooncake_settle(engine, batches) -> 1 none left, 0 the first in flight, or a failed batch's code: the "
      "batches (a list) checked in order, those over taken off."},
+    {"mooncake_account", epd_mooncake_account, METH_O,
+     "mooncake_account(on): counts the thread CPU the write and status calls take from now on, or no longer."},
+    {"mooncake_cpu", epd_mooncake_cpu, METH_NOARGS,
+     "mooncake_cpu() -> seconds of thread CPU counted inside the write and status calls so far."},
     EPD_WIRE_METHODS
     {NULL, NULL, 0, NULL},
 };

@@ -254,3 +254,34 @@ def test_settle_takes_off_the_batches_over_in_order_and_stops_at_a_failed_one(tr
     assert torch.equal(dst[:2 * piece], src[:2 * piece])
     assert torch.equal(dst[3 * piece:4 * piece], src[3 * piece:4 * piece])
     assert _native.mooncake_settle(writer._direct, []) == 1
+
+
+def test_the_cpu_inside_the_write_and_status_calls_is_counted_only_while_asked(trio):
+    from transfer import _native
+
+    writers, reader, src, dst, srcs, dst_addr = trio
+    writer, piece = writers["direct"], 512 << 10
+    if writer.calls != "direct":
+        pytest.skip(f"Mooncake's calls go through the binding here: {writer.calls_reason}")
+
+    def writes(n: int) -> None:
+        for _ in range(n):
+            writer.write(reader.session_id, [srcs["direct"]], [dst_addr], [piece])
+
+    dst.zero_()
+    before = _native.mooncake_cpu()
+    writes(4)
+    assert _native.mooncake_cpu() == before  # not asked: nothing counted
+    _native.mooncake_account(True)
+    try:
+        counted_at, spent_at = _native.mooncake_cpu(), time.thread_time()
+        writes(20)
+        counted, spent = _native.mooncake_cpu() - counted_at, time.thread_time() - spent_at
+    finally:
+        _native.mooncake_account(False)
+    # Inside the calls, on this thread: a part of its CPU over the same writes, never more.
+    assert 0 < counted <= spent, (counted, spent)
+    after = _native.mooncake_cpu()
+    writes(4)
+    assert _native.mooncake_cpu() == after
+    assert torch.equal(dst[:piece], src[:piece])

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import io
+import types
 
 import pytest
 
-from transfer import bench, cli
+from transfer import _native, bench, cli
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -180,10 +181,26 @@ def test_table_lists_every_row():
     assert table[0].split()[:2] == ["path", "item"] and "GB/s" in table[0] and "p99" in table[0]
     assert table[1].split()[0] == "raw" and table[1].split()[-1] == "1.00"
     assert table[2].split()[0] == "epd" and " on " in table[2] and table[2].split()[-1] == "0.75"
-    rows[1].update(cpu_control_ms=1.25, cpu_transport_ms=6.5)
+    rows[1].update(cpu_control_ms=1.25, cpu_mooncake_ms=0.25, cpu_transport_ms=6.5)
     wide = bench.format_table(rows, cpu=True).splitlines()
-    assert wide[0].split()[-4:] == ["control", "ms", "transport", "ms"]
-    assert wide[1].split()[-2:] == ["-", "-"] and wide[2].split()[-3:] == ["0.75", "1.250", "6.500"]
+    assert wide[0].split()[-6:] == ["control", "ms", "mooncake", "ms", "transport", "ms"]
+    assert wide[1].split()[-3:] == ["-", "-", "-"] and wide[2].split()[-4:] == ["0.75", "1.250", "0.250", "6.500"]
+
+
+def test_row_of_tells_the_control_cpu_inside_mooncakes_calls_where_every_rank_counted_it():
+    """The encode rank spent 6 ms of its 20 ms of control CPU inside Mooncake's calls, the prefill ranks none
+    of theirs: (6 + 0 + 0) / 4 rooms = 1.5 ms a room, out of (20 + 2 * 4) / 4 = 7 ms a room of control."""
+    cell = bench.Cell("epd", 4, 8, "torch.bfloat16", fanout=2, inflight=2, items=4, integrity=False)
+    encode = {"t_start": 10.0, "t_end": 12.0, "failed": [], "bytes": 64,
+              "cpu": {"control": 0.020, "transport": 0.010, "mooncake": 0.006}}
+    prefill = {"t_start": 10.0, "t_end": 12.0, "failed": [], "bad": [], "bytes": 32, "latencies": [0.1] * 4,
+               "latency_rooms": [0, 1, 2, 3], "cpu": {"control": 0.004, "transport": 0.020, "mooncake": 0.0}}
+    row = bench.row_of(cell, {("encode", 0): encode, ("prefill", 0): prefill, ("prefill", 1): dict(prefill)})
+    assert row["cpu_control_ms"] == pytest.approx(7.0) and row["cpu_mooncake_ms"] == pytest.approx(1.5)
+    # A rank whose engine makes Mooncake's calls through the binding counts none: no share is told.
+    uncounted = dict(prefill, cpu={"control": 0.004, "transport": 0.020})
+    row = bench.row_of(cell, {("encode", 0): encode, ("prefill", 0): prefill, ("prefill", 1): uncounted})
+    assert row["cpu_control_ms"] == pytest.approx(7.0) and row["cpu_mooncake_ms"] is None
 
 
 class _Tty(io.StringIO):
@@ -332,3 +349,15 @@ def test_counting_calls_on_a_python_whose_cprofile_is_one_per_process_raises_bef
     with pytest.raises(RuntimeError, match=r"^--calls needs Python 3\.10 or 3\.11 \(this is 3\.13\)"):
         counts.install()
     assert threading.getprofile() is None and counts.snapshot() == {}
+
+
+def test_a_rank_counts_mooncakes_calls_once_an_engine_makes_them_from_c(monkeypatch):
+    asked: list[bool] = []
+    monkeypatch.setattr(bench, "_MOONCAKE_COUNTED", False)
+    monkeypatch.setattr(_native, "mooncake_account", asked.append)
+    bench._count_mooncake_calls(types.SimpleNamespace(calls="binding"))
+    bench._count_mooncake_calls(object())  # the wire path's engine has no `calls`
+    assert asked == [] and not bench._MOONCAKE_COUNTED
+    bench._count_mooncake_calls(types.SimpleNamespace(calls="direct"))
+    bench._count_mooncake_calls(types.SimpleNamespace(calls="direct"))
+    assert asked == [True] and bench._MOONCAKE_COUNTED
