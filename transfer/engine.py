@@ -37,8 +37,9 @@ transfer_engine_py.cpp in kvcache-ai/Mooncake):
 Direct calls: on the Mooncake wheel versions native/mooncake.c was checked against
 (DIRECT_CALLS_CHECKED; `EPD_MOONCAKE_DIRECT=0` turns them off), a session's writes after
 the first are submitted, and every write's status read, from C on the engine the binding
-holds (`get_engine_ptr`), with the GIL held: the same TransferEngine methods the binding
-calls (docs/performance-log.md, "Kept: Mooncake's calls from C"). The first write to a
+holds (`get_engine_ptr`): the same TransferEngine methods the binding calls
+(docs/performance-log.md, "Kept: Mooncake's calls from C"); the submission lets go of the GIL,
+as the binding's does, the status reads keep it. The first write to a
 session still goes through the binding, whose handshake (`openSegment`) may block; its
 segment handle is then looked up from Mooncake's cache. `calls` says which way an engine's calls go, `calls_reason` why.
 """
