@@ -62,6 +62,7 @@ def _zmq(row: dict) -> float | None:
 #: The figures compared, each read from one bench row: (name, reader).
 FIGURES: list[tuple[str, Callable[[dict], float | None]]] = [
     ("control ms", lambda row: row.get("cpu_control_ms")),
+    ("of it Mooncake's calls ms", lambda row: row.get("cpu_mooncake_ms")),  # None from a bench that does not count it
     ("p50 added ms", lambda row: row.get("p50_added_ms")),
     ("ratio to raw", lambda row: row.get("ratio_to_raw")),
     ("encode driver ms", _group("encode", "driver")),

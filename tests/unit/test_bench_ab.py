@@ -123,3 +123,11 @@ def test_the_text_names_each_cell_and_its_verdicts():
     control = next(line for line in text.splitlines() if line.strip().startswith("control ms"))
     assert control.split()[2:] == ["1.100", "[1.000,", "1.200]", "2.100", "[2.000,", "2.200]", "1.100", "[1.000,",
                                    "1.200]", "+90.9", "%", "moved"]
+
+
+def test_the_control_cpu_inside_mooncakes_calls_is_compared_where_a_side_counted_it():
+    a = [[_row("raw"), {**_row(control=c), "cpu_mooncake_ms": m}] for c, m in ((1.0, 0.03), (1.2, 0.04), (1.1, 0.05))]
+    b = _runs([1.0, 1.1, 1.2])  # a checkout whose bench does not count it: no figure
+    mooncake = _figure(summarise({"a": a, "b": b}), "of it Mooncake's calls ms")
+    assert mooncake["a"] == {"median": 0.04, "min": 0.03, "max": 0.05, "n": 3}
+    assert mooncake["b"] is None and mooncake["change_pct"] is None
