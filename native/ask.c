@@ -183,13 +183,21 @@ static const char *const ask_field_names[ASK_FIELDS] = {
     "has_deepstack", "fanout", "row_start", "span", "deepstack_row_bytes"};
 static PyObject *ask_keys[ASK_FIELDS];
 
-/* An ask's parts, pointing into its fields' texts and into `digits`. */
+/* An ask's parts, pointing into its fields' texts (held in `fields`) and into `digits`. */
 struct ask_parts {
     const char *data[ASK_FIELDS];
     size_t len[ASK_FIELDS];
     Py_ssize_t count;
     char digits[ASK_FIELDS * 24];
+    PyObject *fields[ASK_FIELDS];
 };
+
+/* Lets go of the fields encode_ask held. */
+static void release_ask(struct ask_parts *parts)
+{
+    for (int i = 0; i < ASK_FIELDS; i++)
+        Py_CLEAR(parts->fields[i]);
+}
 
 /* v as decimal ASCII at out (at most 20 bytes); its length. */
 static size_t put_i64(char *out, long long v)
@@ -247,9 +255,12 @@ static int exact_ascii(PyObject *obj, const char **data, size_t *len)
 }
 
 /* The parts of `info`, an instance of exactly `cls` (TransferInfo): 1; 0 when it is not a plain ask; -1 with
- * an exception set. The parts point into the info's texts: used while the caller holds `info`. */
+ * an exception set. Whatever it returns, the caller calls release_ask once done with the parts, which point
+ * into the field values `out` holds. */
 static int encode_ask(PyObject *info, PyObject *cls, struct ask_parts *out)
 {
+    for (int i = 0; i < ASK_FIELDS; i++)
+        out->fields[i] = NULL;
     if ((PyObject *)Py_TYPE(info) != cls)
         return 0;
     if (ask_keys[0] == NULL) {
@@ -261,11 +272,12 @@ static int encode_ask(PyObject *info, PyObject *cls, struct ask_parts *out)
     PyObject *dict = PyObject_GenericGetDict(info, NULL);
     if (dict == NULL)
         return -1;
-    /* Borrowed from the info's own dict, which the info (held by the caller) keeps. */
-    PyObject *field[ASK_FIELDS];
+    /* Each value held as soon as it is found: a later lookup may compare a key of the dict's with Python code
+       (a str subclass's __eq__), which can change the dict and drop the values it held. */
+    PyObject **field = out->fields;
     int found = PyDict_CheckExact(dict);
     for (int i = 0; found && i < ASK_FIELDS; i++) {
-        field[i] = PyDict_GetItemWithError(dict, ask_keys[i]);
+        field[i] = Py_XNewRef(PyDict_GetItemWithError(dict, ask_keys[i]));
         found = field[i] != NULL;
     }
     Py_DECREF(dict);
@@ -331,19 +343,19 @@ PyObject *epd_ask_frames(PyObject *self, PyObject *args)
         return NULL;
     struct ask_parts parts;
     int plain = encode_ask(info, cls, &parts);
-    if (plain <= 0)
+    if (plain <= 0) {
+        release_ask(&parts);
         return plain < 0 ? NULL : Py_NewRef(Py_None);
-    PyObject *out = PyList_New(parts.count);
-    if (out == NULL)
-        return NULL;
-    for (Py_ssize_t i = 0; i < parts.count; i++) {
-        PyObject *part = PyBytes_FromStringAndSize(parts.data[i], (Py_ssize_t)parts.len[i]);
-        if (part == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, i, part);
     }
+    PyObject *out = PyList_New(parts.count);
+    for (Py_ssize_t i = 0; out != NULL && i < parts.count; i++) {
+        PyObject *part = PyBytes_FromStringAndSize(parts.data[i], (Py_ssize_t)parts.len[i]);
+        if (part == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, part);
+    }
+    release_ask(&parts);
     return out;
 }
 
@@ -361,9 +373,13 @@ PyObject *epd_ask_send(PyObject *self, PyObject *args)
         return NULL;
     struct ask_parts parts;
     int plain = encode_ask(info, cls, &parts);
-    if (plain <= 0)
+    if (plain <= 0) {
+        release_ask(&parts);
         return plain < 0 ? NULL : Py_NewRef(Py_None);
-    if (epd_zmq_send_spans(handle, parts.data, parts.len, parts.count) < 0)
+    }
+    int sent = epd_zmq_send_spans(handle, parts.data, parts.len, parts.count);
+    release_ask(&parts);
+    if (sent < 0)
         return NULL;
     Py_RETURN_TRUE;
 }

@@ -105,3 +105,30 @@ def test_send_ask_refused_as_send_frames_is(refused, sent, fake_libzmq):
     with pytest.raises(_io.zmq.Again):
         _io.send_ask(_Socket(), INFO)
     assert fake.calls == whole(INFO.to_frames())[:sent]
+
+
+def test_each_field_the_encoder_read_is_held_while_it_looks_up_the_next():
+    """A key of the info's dict that is compared with Python code (a str subclass colliding with a field's name)
+    may change the dict in the middle of the lookups: the fields read before stay what they were read as, and
+    the memory of a value the dict let go of is never read."""
+    info = dataclasses.replace(INFO, room=int("1099511627776"))  # made at run time: the dict holds its only ref
+    fields = info.__dict__
+    armed, kept = [], []
+
+    class Colliding(str):
+        def __hash__(self):
+            return hash("endpoint")
+
+        def __eq__(self, other):
+            if armed:
+                fields["room"] = 7  # drops the room the encoder read just before
+                kept.append(int("2199023255552"))  # an int of the same size, made where the room was
+            return False
+
+    endpoint = fields.pop("endpoint")
+    fields[Colliding("x")] = 0  # takes the slot "endpoint" left, so its lookup meets this key first
+    fields["endpoint"] = endpoint
+    armed.append(True)
+    frames = _native.ask_frames(info, TransferInfo)
+    assert kept, "the lookup of 'endpoint' did not compare the colliding key"
+    assert frames is not None and frames[0] == b"1099511627776"
