@@ -289,7 +289,8 @@ PyObject *epd_mooncake_check(PyObject *self, PyObject *const *args, Py_ssize_t n
  * freed it when it answered so: 1 when none is left, 0 when the first left is in flight (or timed out: it
  * still ends later), or the code of a batch that failed (-1, or -1000 - code when Mooncake could not read
  * its status), that batch taken off and those after it not checked yet. The GIL is held all along: no
- * other thread sees the list between a batch's check and its removal. */
+ * other thread sees the list between a batch's check and its removal. A batch whose reading changed the
+ * list (its __index__) is RuntimeError, and Mooncake is not asked about it. */
 PyObject *epd_mooncake_settle(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
@@ -307,12 +308,26 @@ PyObject *epd_mooncake_settle(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (!is_bound() || epd_u64_arg(args[0], "engine", &engine) < 0)
         return NULL;
     while (PyList_GET_SIZE(batches) > 0) {
-        if (epd_u64_arg(PyList_GET_ITEM(batches, 0), "batch", &batch) < 0)
+        /* Held while it is read: a batch that is no int runs its __index__, which may change the list and
+           drop the list's reference to it, and the slice below must take off the very batch checked. */
+        PyObject *first = Py_NewRef(PyList_GET_ITEM(batches, 0));
+        if (epd_u64_arg(first, "batch", &batch) < 0) {
+            Py_DECREF(first);
             return NULL;
+        }
+        if (PyList_GET_SIZE(batches) == 0 || PyList_GET_ITEM(batches, 0) != first) {
+            Py_DECREF(first);
+            PyErr_SetString(PyExc_RuntimeError, "mooncake_settle: the batches list changed while a batch was read");
+            return NULL;
+        }
         long rc = epd_mc_check((void *)(uintptr_t)engine, batch);
-        if (rc == 0 || rc == -2)
+        if (rc == 0 || rc == -2) {
+            Py_DECREF(first);
             return PyLong_FromLong(0);
-        if (PyList_SetSlice(batches, 0, 1, NULL) < 0)
+        }
+        int cut = PyList_SetSlice(batches, 0, 1, NULL);
+        Py_DECREF(first);
+        if (cut < 0)
             return NULL;
         if (rc < 0)
             return PyLong_FromLong(rc);

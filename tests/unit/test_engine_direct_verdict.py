@@ -3,6 +3,8 @@ calls' refusals before any engine exists."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 
 from transfer import _native
@@ -58,3 +60,53 @@ def test_settle_takes_a_writes_batches_as_a_list_only(batches):
     before Mooncake is asked anything."""
     with pytest.raises(TypeError, match="the batches must be a list"):
         _native.mooncake_settle(1, batches)
+
+
+@pytest.fixture
+def bound():
+    """The direct calls bound to the installed Mooncake library; no engine is made (the calls below are refused
+    before one would be asked anything)."""
+    mooncake_engine = pytest.importorskip("mooncake.engine")
+    _native.mooncake_bind(mooncake_engine.__file__)
+
+
+def test_settle_quotes_a_batch_out_of_range_while_it_still_holds_it(bound):
+    """A batch read through its __index__ may drop the list's reference to itself: the error that quotes it
+    quotes a live object, not the memory it left."""
+    batches, quoted = [], []
+
+    class Batch:
+        def __index__(self):
+            batches.clear()
+            return -1
+
+        def __repr__(self):
+            quoted.append(alive() is self)
+            return "Batch()"
+
+    batches.append(Batch())
+    alive = weakref.ref(batches[0])
+    with pytest.raises(ValueError, match=r"^batch must be an int in 0\.\.18446744073709551615, got Batch\(\)$"):
+        _native.mooncake_settle(1, batches)
+    assert quoted == [True]
+
+
+@pytest.mark.parametrize("change", ["clear", "insert"])
+def test_settle_refuses_a_batch_whose_reading_changed_the_list_before_mooncake_is_asked(bound, change):
+    """The batch taken off the list must be the batch checked: when reading the first batch changed the list,
+    nothing is asked of Mooncake (the engine here is no engine) and nothing is taken off."""
+    batches = []
+
+    class Batch:
+        def __index__(self):
+            if change == "clear":
+                batches.clear()
+            else:
+                batches.insert(0, 5)
+            return 4
+
+    batches.append(Batch())
+    with pytest.raises(RuntimeError, match="^mooncake_settle: the batches list changed while a batch was read$"):
+        _native.mooncake_settle(1, batches)
+    assert batches[:1] == ([] if change == "clear" else [5])
+    assert len(batches) == (0 if change == "clear" else 2)
