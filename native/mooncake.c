@@ -167,8 +167,8 @@ int epd_mc_ready(void)
 }
 
 /* The CPU time the calling threads spent inside epd_mc_write and epd_mc_check while counting is on
- * (mooncake_account): Mooncake's own work on our threads, which over tcp includes moving bytes. Reading
- * a thread's CPU clock is a system call (about a microsecond here), so it is off unless a bench asks. */
+ * (mooncake_account): Mooncake's own work on our threads. Reading a thread's CPU clock is a system call,
+ * so counting is off unless a bench asks for it. */
 static atomic_int counting;
 static atomic_ullong counted_ns;
 

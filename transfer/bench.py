@@ -59,10 +59,10 @@ transport. `--json` rows also split the control plane per role and thread group
 (`cpu_threads`: caller, driver, zmq, other; ms and voluntary context switches per room).
 A raw cell's prefill ranks read theirs from the barrier, after the warm-up shards.
 `cpu_mooncake_ms` (the table's "mooncake ms") is the part of the control figure spent inside
-Mooncake's write and status calls, which the control-plane threads make: Mooncake's own work, which
-over tcp includes moving bytes in the submitting thread. It is counted (each call bracketed by the
-thread's CPU clock, about a microsecond a call here) where every rank's engine makes those calls from
-C (`Engine.calls` 'direct'), else None; raw cells, whose control figure is 0, and wire cells read None.
+Mooncake's write and status calls, which the control-plane threads make: Mooncake's own work. It is
+counted (each call bracketed by two reads of the thread's CPU clock, system calls the control figure
+carries) where every rank's engine makes those calls from C (`Engine.calls` 'direct'), else None; raw
+cells, whose control figure is 0, and wire cells read None.
 
 Python calls per room (`--calls`): every Python thread of every rank runs under cProfile, and
 each control-plane group's calls over the timed window, divided by the rooms, are printed
