@@ -413,7 +413,20 @@ class _Handler(OneDeadlineHandler):
 
     def _read_body(self) -> bytes:
         """Read a Content-Length body of at most MAX_BODY bytes (413 beyond, before reading; 400 when
-        the client ends its body short)."""
+        the client ends its body short).
+
+        A body framed more than one way is read no way: 411 with a Transfer-Encoding (which overrides a
+        Content-Length, and is not read here), 400 for Content-Length headers that disagree. An
+        intermediary that went by the other framing would have passed on another request than the one
+        this would register."""
+        if "Transfer-Encoding" in self.headers:
+            self.close_connection = True
+            raise _RequestError(411, f"{self.command} /route needs a Content-Length body, not a Transfer-Encoding "
+                                     f"one")
+        lengths = {value.strip() for value in self.headers.get_all("Content-Length", [])}
+        if len(lengths) > 1:
+            self.close_connection = True
+            raise _RequestError(400, f"{self.command} /route has conflicting Content-Length headers")
         length_text = self.headers.get("Content-Length")
         text = (length_text or "").strip()
         # ASCII digits only: str.isdigit() also takes '\xb2', which int() refuses.

@@ -411,6 +411,41 @@ def test_a_body_shorter_than_its_content_length_is_a_400_saying_so(server):
     assert server.registered_ranks == 0
 
 
+def _framed(server: BootstrapServer, framing: bytes, body: bytes, extra: bytes = b"") -> bytes:
+    """A PUT /route of `body` with the framing headers `framing` (`%d`: its length), `extra` after it."""
+    head = b"PUT /route HTTP/1.1\r\nContent-Type: application/json\r\n" + framing.replace(b"%d", b"%d" % len(body))
+    return _raw(server, head + b"\r\n" + body + extra)
+
+
+_CONFLICT = b"PUT /route has conflicting Content-Length headers"
+_CODED = b"PUT /route needs a Content-Length body, not a Transfer-Encoding one"
+
+
+@pytest.mark.parametrize("framing, extra, status, needle", [
+    (b"Content-Length: %d\r\nContent-Length: 999\r\n", b"x" * 200, 400, _CONFLICT),
+    (b"Content-Length: 999\r\nContent-Length: %d\r\n", b"", 400, _CONFLICT),
+    (b"Transfer-Encoding: chunked\r\nContent-Length: %d\r\n", b"", 411, _CODED),
+    (b"Content-Length: %d\r\nTransfer-Encoding: identity\r\n", b"", 411, _CODED),
+    (b"Transfer-Encoding: chunked\r\n", b"", 411, _CODED),
+], ids=["a second length past the body", "a first length past the body", "chunked besides a length",
+        "any transfer coding besides a length", "chunked alone"])
+def test_a_body_whose_length_its_headers_leave_in_doubt_is_refused_and_registers_nothing(server, framing, extra,
+                                                                                           status, needle):
+    """A body framed two ways (lengths that disagree, or a transfer coding, which overrides a length) is read no
+    way: an intermediary that went by the other framing would have passed on another request than this one."""
+    answer = _framed(server, framing, json.dumps(_registration(0)).encode(), extra)
+    assert answer.startswith(b"HTTP/1.0 %d " % status), answer[:200]
+    assert answer.endswith(needle), answer
+    assert server.registered_ranks == 0
+    assert _get(server, "engine_rank=-1&target_dp_group=-1")[0] == 200
+
+
+def test_a_length_given_twice_alike_is_one_length(server):
+    answer = _framed(server, b"Content-Length: %d\r\nContent-Length: %d\r\n", json.dumps(_registration(0)).encode())
+    assert answer.startswith(b"HTTP/1.0 200 "), answer[:200]
+    assert server.registered_ranks == 1
+
+
 _FILLED_HEADERS = b"".join(b"X-Filler-%d: %s\r\n" % (i, b"a" * 1000) for i in range(20))
 
 
