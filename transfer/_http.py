@@ -76,6 +76,25 @@ class DeadlineReader(io.RawIOBase):
         return count
 
 
+class _LineReader(io.BufferedReader):
+    """A buffered reader noting whether a line read from it (the request line and headers are read by lines,
+    a body is not) holds a CR other than its ending's, or a NUL.
+
+    The stdlib's header parser takes a lone CR for a line's end: behind one, a header line carries
+    another header, which a reader going by the HTTP spec (that refuses such a line, or reads the CR
+    as a space) never saw: a Content-Length, an Authorization, a header of ours."""
+
+    malformed = False
+
+    def readline(self, size: int | None = -1, /) -> bytes:
+        """One line, noted as malformed where it holds a CR before its end or a NUL."""
+        line = super().readline(size)
+        text = line[:-2] if line.endswith(b"\r\n") else line[:-1] if line.endswith(b"\n") else line
+        if b"\r" in text or b"\x00" in text:
+            self.malformed = True
+        return line
+
+
 class OneDeadlineHandler(BaseHTTPRequestHandler):
     """A request handler that reads its request line and headers within `header_timeout`
     seconds and `header_bytes` bytes, and its one request (HTTP/1.0) within `timeout`
@@ -87,6 +106,7 @@ class OneDeadlineHandler(BaseHTTPRequestHandler):
     one request per connection no handler thread lingers on a keep-alive socket. The
     byte budget bounds what each connection's headers hold in memory (the stdlib alone
     allows 100 lines of 64 KiB); bytes of the body read along with the headers count too.
+    A request line or header holding a CR before its line's end, or a NUL, is a 400: see _LineReader.
     """
 
     protocol_version = "HTTP/1.0"
@@ -101,7 +121,7 @@ class OneDeadlineHandler(BaseHTTPRequestHandler):
         self.rfile.close()
         self._reader = DeadlineReader(self.connection, self._connected_at + min(self.header_timeout, self.timeout),
                                       budget=self.header_bytes)
-        self.rfile = io.BufferedReader(self._reader)
+        self.rfile = self._lines = _LineReader(self._reader)
 
     def parse_request(self) -> bool:
         """Parses the request line and headers; the body, if any, gets the rest of `timeout`."""
@@ -113,6 +133,9 @@ class OneDeadlineHandler(BaseHTTPRequestHandler):
         parsed = super().parse_request()
         if parsed and self._reader.exhausted:
             self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, too_long)
+            return False
+        if parsed and self._lines.malformed:
+            self.send_error(HTTPStatus.BAD_REQUEST, "a CR inside a line, or a NUL, in the request line or headers")
             return False
         self._reader.budget = None
         self._reader.deadline = self._connected_at + self.timeout

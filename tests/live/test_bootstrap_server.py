@@ -440,6 +440,21 @@ def test_a_body_whose_length_its_headers_leave_in_doubt_is_refused_and_registers
     assert _get(server, "engine_rank=-1&target_dp_group=-1")[0] == 200
 
 
+@pytest.mark.parametrize("headers", [
+    b"X-Note: a\rX-EPD-Instance: forged\r\nContent-Length: %d\r\n", b"X-Note: a\rContent-Length: %d\r\n",
+    b"X-Note: a\x00b\r\nContent-Length: %d\r\n", b"Content-Length: %d\r\nX-Note: a\r\r\n",
+], ids=["an instance behind a CR", "the only length behind a CR", "a NUL", "a CR before the line's end"])
+def test_a_header_line_holding_a_cr_or_nul_is_a_400_and_registers_nothing(server, headers):
+    """A CR is a line's end only before its LF: read as one elsewhere, it would start a header that a reader
+    going by the HTTP spec (which refuses it, or reads it as a space) never saw."""
+    body = json.dumps(_registration(0)).encode()
+    answer = _raw(server, b"PUT /route HTTP/1.0\r\n" + headers.replace(b"%d", b"%d" % len(body)) + b"\r\n" + body)
+    assert answer.startswith(b"HTTP/1.0 400 "), answer[:200]
+    assert answer.endswith(b"a CR inside a line, or a NUL, in the request line or headers"), answer
+    assert server.registered_ranks == 0
+    assert _get(server, "engine_rank=-1&target_dp_group=-1")[0] == 200
+
+
 def test_a_length_given_twice_alike_is_one_length(server):
     answer = _framed(server, b"Content-Length: %d\r\nContent-Length: %d\r\n", json.dumps(_registration(0)).encode())
     assert answer.startswith(b"HTTP/1.0 200 "), answer[:200]
