@@ -14,6 +14,7 @@ whole are answered however many unfinished ones are held open.
 
 from __future__ import annotations
 
+import email.errors
 import io
 import logging
 import socket
@@ -76,6 +77,12 @@ class DeadlineReader(io.RawIOBase):
         return count
 
 
+#: What the stdlib's header parser notes for a header line it could not read as one (a space before the colon, no
+#: colon, no name, a first line that continues none): it drops that line, and every one after it.
+_NO_HEADER = (email.errors.MissingHeaderBodySeparatorDefect, email.errors.FirstHeaderLineIsContinuationDefect,
+              email.errors.InvalidHeaderDefect)
+
+
 class _LineReader(io.BufferedReader):
     """A buffered reader noting whether a line read from it (the request line and headers are read by lines,
     a body is not) holds a CR other than its ending's, or a NUL.
@@ -106,7 +113,9 @@ class OneDeadlineHandler(BaseHTTPRequestHandler):
     one request per connection no handler thread lingers on a keep-alive socket. The
     byte budget bounds what each connection's headers hold in memory (the stdlib alone
     allows 100 lines of 64 KiB); bytes of the body read along with the headers count too.
-    A request line or header holding a CR before its line's end, or a NUL, is a 400: see _LineReader.
+    A request line or header holding a CR before its line's end, or a NUL, is a 400 (see _LineReader), and so
+    is a header line that is no header: the stdlib would drop it and the headers after it, where a reader going
+    by the HTTP spec refuses the request.
     """
 
     protocol_version = "HTTP/1.0"
@@ -136,6 +145,10 @@ class OneDeadlineHandler(BaseHTTPRequestHandler):
             return False
         if parsed and self._lines.malformed:
             self.send_error(HTTPStatus.BAD_REQUEST, "a CR inside a line, or a NUL, in the request line or headers")
+            return False
+        if parsed and any(isinstance(defect, _NO_HEADER) for defect in self.headers.defects):
+            self.send_error(HTTPStatus.BAD_REQUEST,
+                            "a header line that is no header (a name, a colon right after it, a value)")
             return False
         self._reader.budget = None
         self._reader.deadline = self._connected_at + self.timeout

@@ -455,6 +455,22 @@ def test_a_header_line_holding_a_cr_or_nul_is_a_400_and_registers_nothing(server
     assert _get(server, "engine_rank=-1&target_dp_group=-1")[0] == 200
 
 
+@pytest.mark.parametrize("headers", [
+    b"Content-Length: %d\r\nX-Note : a\r\nTransfer-Encoding: chunked\r\n",
+    b"Content-Length: %d\r\nno colon\r\nTransfer-Encoding: chunked\r\n",
+    b"Content-Length: %d\r\n: a\r\n", b" X-Note: a\r\nContent-Length: %d\r\n",
+], ids=["a space before the colon", "no colon", "no name", "a first line that continues none"])
+def test_a_header_line_that_is_no_header_is_a_400_and_registers_nothing(server, headers):
+    """The stdlib's parser drops such a line, and every header after it (a Transfer-Encoding, say), where a
+    reader going by the HTTP spec refuses the request."""
+    body = json.dumps(_registration(0)).encode()
+    answer = _raw(server, b"PUT /route HTTP/1.0\r\n" + headers.replace(b"%d", b"%d" % len(body)) + b"\r\n" + body)
+    assert answer.startswith(b"HTTP/1.0 400 "), answer[:200]
+    assert answer.endswith(b"a header line that is no header (a name, a colon right after it, a value)"), answer
+    assert server.registered_ranks == 0
+    assert _get(server, "engine_rank=-1&target_dp_group=-1")[0] == 200
+
+
 def test_a_length_given_twice_alike_is_one_length(server):
     answer = _framed(server, b"Content-Length: %d\r\nContent-Length: %d\r\n", json.dumps(_registration(0)).encode())
     assert answer.startswith(b"HTTP/1.0 200 "), answer[:200]
