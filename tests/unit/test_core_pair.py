@@ -419,8 +419,16 @@ def test_lanes_settle_successes_as_the_status_rules_would_on_a_reliable_network(
     _lanes_on_and_off(schedule, RELIABLE, encode_tp=2, prefill_tp=4)
 
 
+#: A Success delivered twice, its room concluded, cleared and received again under its number in between:
+#: with integrity checks off nothing tells the repeat from the new ask's Success, and this network repeats a
+#: Success only with integrity on (tests/core_pair.py, Pair.moves).
+SUCCESS_REPEATED_TO_A_REUSED_NUMBER = [8, 0, 0, 0, 0, 1048, 1528, 0, 0, 0, 0, 0, 0, 0, 0, 424, 0, 11, 566, 0, 0, 0,
+                                       0, 0, 0, 0, 8, 0, 8, 8, 315, 0, 3517, 347, 648]
+
+
 @FAST
 @given(SCHEDULE)
+@example(SUCCESS_REPEATED_TO_A_REUSED_NUMBER)
 def test_lanes_settle_successes_as_the_status_rules_would_with_lost_messages_and_dying_ranks(schedule):
     _lanes_on_and_off(schedule, HOSTILE, encode_tp=2, prefill_tp=4)
 
