@@ -101,6 +101,36 @@ def test_a_peers_wildcard_session_id_is_refused_rather_than_connected_to(session
         _split_session(session_id)
 
 
+# Spellings the system's address parser (which connect() and bind() go through) reads as the unspecified
+# address, that ipaddress does not take for one: the inet_aton forms of 0.0.0.0 and an IPv4-mapped 0.0.0.0.
+OTHER_WILDCARD_SPELLINGS = ["0", "00", "0.0", "0.0.0", "0x0", "000.000.000.000", "::ffff:0.0.0.0", "[::ffff:0:0]"]
+
+
+@pytest.mark.parametrize("hostname", OTHER_WILDCARD_SPELLINGS)
+def test_a_wildcard_hostname_in_another_spelling_is_refused_before_any_socket(hostname):
+    """`0` binds every interface as 0.0.0.0 does: advertised in the session id, it names each peer's own host."""
+    with pytest.raises(ConfigError, match=f"hostname '{re.escape(hostname)}' is a wildcard address"):
+        WireEngine(hostname)
+
+
+@pytest.mark.parametrize("host", OTHER_WILDCARD_SPELLINGS)
+def test_a_peers_wildcard_session_id_in_another_spelling_is_refused_rather_than_connected_to(host):
+    """A session id of `0:17000` connects to a listener on our own host, as one of `0.0.0.0:17000` does."""
+    session_id = f"{host}:17000"
+    with pytest.raises(EngineError, match=f"session id '{re.escape(session_id)}' names a wildcard address"):
+        _split_session(session_id)
+
+
+@pytest.mark.parametrize("session_id, address", [
+    ("127.0.0.1:17000", ("127.0.0.1", 17000)), ("10.0.0.0:17000", ("10.0.0.0", 17000)),
+    ("[::1]:17000", ("::1", 17000)), ("[::ffff:10.0.0.1]:17000", ("::ffff:10.0.0.1", 17000)),
+    ("fe80::1%lo:17000", ("fe80::1%lo", 17000)), ("node0:17000", ("node0", 17000)),
+    ("0.example:17000", ("0.example", 17000)),
+])
+def test_a_session_id_naming_a_host_is_no_wildcard(session_id, address):
+    assert _split_session(session_id) == address
+
+
 def test_a_peers_session_id_port_past_ints_digit_limit_reads_or_is_refused_as_engine_error():
     """The session id comes from a peer's TransferInfo: a port of 5000 digits is no ValueError of int()'s."""
     zeros = "0" * 5000
