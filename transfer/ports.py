@@ -134,10 +134,24 @@ def bare_host(host: str) -> str:
     return host.strip("[]")
 
 
+#: The characters of an IPv4 address as inet_aton() reads one (decimal, octal or hexadecimal parts).
+_INET_ATON_CHARACTERS = "0123456789abcdefABCDEFxX."
+
+
 def is_wildcard(host: str) -> bool:
     """Whether `host` (optionally with a `:port` suffix, an IPv6 one bracketed or not) is an unspecified
-    address such as 0.0.0.0 or ::, which binds every interface but names no host a peer can reach."""
+    address, which binds every interface but names no host a peer can reach: 0.0.0.0 or :: in any spelling
+    connect() and bind() take for one, an IPv4-mapped 0.0.0.0 and inet_aton's forms of 0.0.0.0 (`0`, `0x0`,
+    `0.0`, `000.000.000.000`, which the system's getaddrinfo() reads as an address) among them. Never looked up."""
+    bare = bare_host(host)
     try:
-        return ipaddress.ip_address(bare_host(host)).is_unspecified
+        address = ipaddress.ip_address(bare)
     except ValueError:
-        return False  # a name or not an address at all
+        if not bare or bare.strip(_INET_ATON_CHARACTERS):
+            return False  # a name or not an address at all
+        try:
+            return socket.inet_aton(bare) == bytes(4)
+        except OSError:
+            return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_unspecified or (mapped is not None and mapped.is_unspecified)

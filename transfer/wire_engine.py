@@ -100,7 +100,6 @@ peer that stopped reading, after the reply timeout, whatever a shorter ``queue_t
 from __future__ import annotations
 
 import errno
-import ipaddress
 import itertools
 import logging
 import math
@@ -123,7 +122,7 @@ from transfer.core.failure import printable
 from transfer.core.registrations import Registrations
 from transfer.engine import RegisteredMemory, _buffer_span, check_batch
 from transfer.errors import ConfigError, EngineError, UsageError
-from transfer.ports import PortSpec, bind_port, listen_error
+from transfer.ports import PortSpec, bind_port, is_wildcard, listen_error
 
 log = logging.getLogger(__name__)
 
@@ -166,38 +165,16 @@ def _split_session(session_id: str) -> tuple[str, int]:
     if len(digits) > 5 or not 1 <= int(digits or "0") <= 65535:
         # getaddrinfo would take it modulo 65536 and write to another listener.
         raise EngineError(f"session id {session_id!r}: port {port} is outside 1..65535")
-    if _wildcard(host):
+    if is_wildcard(host):
         # Connecting there reaches a listener on this host, which may take bytes meant for the peer.
         raise EngineError(f"session id {session_id!r} names a wildcard address, not the peer's: "
                           f"its engine must be started with the IP address peers reach it on")
     return host.strip("[]"), int(digits)
 
 
-#: The characters of an IPv4 address as inet_aton() reads one (decimal, octal or hexadecimal parts).
-_INET_ATON_CHARACTERS = "0123456789abcdefABCDEFxX."
-
-
-def _wildcard(host: str) -> bool:
-    """Whether `host` (an IPv6 literal possibly bracketed) is an unspecified address such as 0.0.0.0 or ::,
-    in any spelling connect() and bind() take for one: an IPv4-mapped 0.0.0.0, and inet_aton's forms of
-    0.0.0.0 (`0`, `0x0`, `0.0`, `000.000.000.000`), which the system's getaddrinfo() reads as an address."""
-    bare = host.strip("[]")
-    try:
-        address = ipaddress.ip_address(bare)
-    except ValueError:
-        if not bare or bare.strip(_INET_ATON_CHARACTERS):
-            return False  # a name or not an address at all
-        try:
-            return socket.inet_aton(bare) == bytes(4)
-        except OSError:
-            return False
-    mapped = getattr(address, "ipv4_mapped", None)
-    return address.is_unspecified or (mapped is not None and mapped.is_unspecified)
-
-
 def _check_advertised(hostname: str) -> None:
     """ConfigError for a wildcard hostname: the session id built from it is where peers connect."""
-    if isinstance(hostname, str) and _wildcard(hostname):
+    if isinstance(hostname, str) and is_wildcard(hostname):
         raise ConfigError(f"hostname {hostname!r} is a wildcard address: peers connect to the session id "
                           f"(hostname:port), and there it would name their own host; give this node's IP address "
                           f"(the one peers reach it on)")

@@ -443,14 +443,16 @@ def test_prefill_ranks_that_are_not_a_multiple_of_the_encode_ranks_are_a_parser_
     assert err.startswith(f"epd-transfer {argv[0]}: ") and err.count("\n") == 1, err
 
 
-@pytest.mark.parametrize("argv", [["demo", "--host", "0.0.0.0"], [*RANK, "--host", "0.0.0.0"]], ids=["demo", "rank"])
-def test_a_wildcard_rank_host_is_a_parser_error(argv, capsys):
-    # The rank's engine and sockets advertise it to peers, which would connect to their own host.
+@pytest.mark.parametrize("host", ["0.0.0.0", "0"])
+@pytest.mark.parametrize("command", [["demo"], RANK], ids=["demo", "rank"])
+def test_a_wildcard_rank_host_is_a_parser_error(command, host, capsys):
+    # The rank's engine and sockets advertise it to peers, which would connect to their own host; `0` binds as
+    # 0.0.0.0 does.
     with pytest.raises(SystemExit) as done:
-        cli.parse_args(argv)
+        cli.parse_args([*command, "--host", host])
     assert done.value.code == 2
     err = capsys.readouterr().err
-    assert "'0.0.0.0' is a wildcard address" in err and "give this node's IPv4 address" in err, err
+    assert f"{host!r} is a wildcard address" in err and "give this node's IPv4 address" in err, err
 
 
 @pytest.mark.parametrize("first, items, said", [

@@ -171,7 +171,7 @@ def test_a_region_must_end_below_the_top_of_the_address_space(monkeypatch):
     assert engine.registered() == {(1 << 64) - 32: 16}
 
 
-@pytest.mark.parametrize("hostname", ["0.0.0.0", "::", "[::]", "0.0.0.0:17000"])
+@pytest.mark.parametrize("hostname", ["0.0.0.0", "::", "[::]", "0.0.0.0:17000", "0", "0:17000", "0x0", "::ffff:0.0.0.0"])
 def test_a_wildcard_hostname_is_refused_before_mooncake_starts(hostname, monkeypatch):
     # Its session id (hostname:port) goes to every peer, whose writes there would reach their own host.
     monkeypatch.setattr(engine_module, "_import_engine", lambda: pytest.fail("Mooncake was started"))

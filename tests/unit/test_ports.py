@@ -7,7 +7,7 @@ import errno
 
 import pytest
 
-from transfer import cli
+from transfer import cli, ports
 from transfer.errors import ConfigError, ConfigTypeError, ListenError, PortsInUse
 from transfer.ports import bind_port, describe_ports, listen_error, parse_ports
 
@@ -165,3 +165,16 @@ def test_a_wire_rank_refuses_one_port_for_its_two_listeners(capsys):
             "--ports", "30000"]
     assert cli.main(argv) == 2
     assert "give a range FIRST-LAST" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]", "0", "00", "0.0", "0.0.0", "0x0", "000.000.000.000",
+                                  "::ffff:0.0.0.0", "[::ffff:0:0]", "0:17000", "0x0:17000", "0.0.0.0:17000"])
+def test_every_spelling_the_system_reads_as_the_unspecified_address_is_a_wildcard(host):
+    # getaddrinfo() (under connect() and bind()) reads inet_aton's forms of 0.0.0.0, which ipaddress does not.
+    assert ports.is_wildcard(host)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "10.0.0.0", "::1", "[::ffff:10.0.0.1]", "node0", "0.example", "cafe",
+                                  "0xdeadbeef", "1", "", "10.0.0.1:17000"])
+def test_an_address_or_name_of_a_host_is_no_wildcard(host):
+    assert not ports.is_wildcard(host)
