@@ -440,6 +440,17 @@ def test_a_body_whose_length_its_headers_leave_in_doubt_is_refused_and_registers
     assert _get(server, "engine_rank=-1&target_dp_group=-1")[0] == 200
 
 
+def _refused_whole(server: BootstrapServer, headers: bytes, why: bytes) -> None:
+    """A PUT /route of a registration under `headers` (`%d`: the body's length) is a 400 saying `why`, and the
+    server registered nothing and goes on serving."""
+    body = json.dumps(_registration(0)).encode()
+    answer = _raw(server, b"PUT /route HTTP/1.0\r\n" + headers.replace(b"%d", b"%d" % len(body)) + b"\r\n" + body)
+    assert answer.startswith(b"HTTP/1.0 400 "), answer[:200]
+    assert answer.endswith(why), answer
+    assert server.registered_ranks == 0
+    assert _get(server, "engine_rank=-1&target_dp_group=-1")[0] == 200
+
+
 @pytest.mark.parametrize("headers", [
     b"X-Note: a\rX-EPD-Instance: forged\r\nContent-Length: %d\r\n", b"X-Note: a\rContent-Length: %d\r\n",
     b"X-Note: a\x00b\r\nContent-Length: %d\r\n", b"Content-Length: %d\r\nX-Note: a\r\r\n",
@@ -447,12 +458,7 @@ def test_a_body_whose_length_its_headers_leave_in_doubt_is_refused_and_registers
 def test_a_header_line_holding_a_cr_or_nul_is_a_400_and_registers_nothing(server, headers):
     """A CR is a line's end only before its LF: read as one elsewhere, it would start a header that a reader
     going by the HTTP spec (which refuses it, or reads it as a space) never saw."""
-    body = json.dumps(_registration(0)).encode()
-    answer = _raw(server, b"PUT /route HTTP/1.0\r\n" + headers.replace(b"%d", b"%d" % len(body)) + b"\r\n" + body)
-    assert answer.startswith(b"HTTP/1.0 400 "), answer[:200]
-    assert answer.endswith(b"a CR inside a line, or a NUL, in the request line or headers"), answer
-    assert server.registered_ranks == 0
-    assert _get(server, "engine_rank=-1&target_dp_group=-1")[0] == 200
+    _refused_whole(server, headers, b"a CR inside a line, or a NUL, in the request line or headers")
 
 
 @pytest.mark.parametrize("headers", [
@@ -463,12 +469,7 @@ def test_a_header_line_holding_a_cr_or_nul_is_a_400_and_registers_nothing(server
 def test_a_header_line_that_is_no_header_is_a_400_and_registers_nothing(server, headers):
     """The stdlib's parser drops such a line, and every header after it (a Transfer-Encoding, say), where a
     reader going by the HTTP spec refuses the request."""
-    body = json.dumps(_registration(0)).encode()
-    answer = _raw(server, b"PUT /route HTTP/1.0\r\n" + headers.replace(b"%d", b"%d" % len(body)) + b"\r\n" + body)
-    assert answer.startswith(b"HTTP/1.0 400 "), answer[:200]
-    assert answer.endswith(b"a header line that is no header (a name, a colon right after it, a value)"), answer
-    assert server.registered_ranks == 0
-    assert _get(server, "engine_rank=-1&target_dp_group=-1")[0] == 200
+    _refused_whole(server, headers, b"a header line that is no header (a name, a colon right after it, a value)")
 
 
 def test_a_length_given_twice_alike_is_one_length(server):
