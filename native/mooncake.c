@@ -9,7 +9,7 @@
  * returning Status by value takes a hidden result pointer first and `this` second, and a
  * `const std::vector<T>&` is a pointer to libstdc++'s {begin, end, end of storage}.
  *
- * The write lets go of the GIL (over tcp Mooncake moves much of the bytes inside it); the
+ * The write lets go of the GIL (the copying threads it wakes may take the cores first); the
  * other calls keep it, since none waits on the network (openSegment would, which is why the
  * caller opens a segment only once the binding's own write opened it, so the call answers
  * from Mooncake's cache).
@@ -179,10 +179,8 @@ static unsigned long long thread_ns(void)
     return (unsigned long long)ts.tv_sec * 1000000000ULL + (unsigned long long)ts.tv_nsec;
 }
 
-uint64_t epd_mc_write(void *te, uint64_t handle, uint64_t src, uint64_t dst, uint64_t length)
+static uint64_t write_one(void *te, uint64_t handle, uint64_t src, uint64_t dst, uint64_t length)
 {
-    int count = atomic_load_explicit(&counting, memory_order_relaxed);
-    unsigned long long started = count ? thread_ns() : 0;
     struct mc_request request = {MC_WRITE, (void *)(uintptr_t)src, handle, dst, length, 0, 0, 0};
     struct mc_request_vector requests = {&request, &request + 1, &request + 1};
     uint64_t batch = allocate_batch(te, 1);
@@ -194,8 +192,16 @@ uint64_t epd_mc_write(void *te, uint64_t handle, uint64_t src, uint64_t dst, uin
         status_code(&freed);
         batch = 0;
     }
-    if (count)
-        atomic_fetch_add_explicit(&counted_ns, thread_ns() - started, memory_order_relaxed);
+    return batch;
+}
+
+uint64_t epd_mc_write(void *te, uint64_t handle, uint64_t src, uint64_t dst, uint64_t length)
+{
+    if (!atomic_load_explicit(&counting, memory_order_relaxed))
+        return write_one(te, handle, src, dst, length);
+    unsigned long long started = thread_ns();
+    uint64_t batch = write_one(te, handle, src, dst, length);
+    atomic_fetch_add_explicit(&counted_ns, thread_ns() - started, memory_order_relaxed);
     return batch;
 }
 
@@ -259,7 +265,7 @@ PyObject *epd_mooncake_write(PyObject *self, PyObject *const *args, Py_ssize_t n
         epd_u64_arg(args[2], "src", &src) < 0 || epd_u64_arg(args[3], "dst", &dst) < 0 ||
         epd_u64_arg(args[4], "length", &length) < 0)
         return NULL;
-    /* Over tcp Mooncake moves much of the write inside this call (milliseconds for megabytes): other
+    /* The call wakes Mooncake's copying threads, which may take the cores before it returns: other
      * Python threads, the model's among them, run meanwhile. */
     uint64_t batch;
     Py_BEGIN_ALLOW_THREADS
