@@ -589,11 +589,22 @@ class ReceivePool:
             now = self._clock()
             if event is None:
                 self._settle(slot, now)
-            elif not self._settle_if_done(slot, event, now):
-                if self._closed:  # given back after close(): its memory outlives the pool until the copy is done
-                    _hold(self._clock, now + self.quarantine_of(slot.nbytes), slot.region, event)
-                else:
-                    self._pending.append((slot, event))
+                return
+            try:
+                done = self._settle_if_done(slot, event, now)
+            except BaseException:  # an interrupt inside the event's query(): the copy is not known to be done
+                self._await_copy(slot, event, now)
+                raise
+            if not done:
+                self._await_copy(slot, event, now)
+
+    def _await_copy(self, slot: Slot, event: EventLike, now: float) -> None:
+        """Keeps a released handle until its copy-out event completed (lock held): pending, or after close()
+        held apart from the pool."""
+        if self._closed:  # given back after close(): its memory outlives the pool until the copy is done
+            _hold(self._clock, now + self.quarantine_of(slot.nbytes), slot.region, event)
+        else:
+            self._pending.append((slot, event))
 
     def _on_fail(self, slot: Slot) -> None:
         """A failed handle: quarantine (slot) or the longer of grace and quarantine (fallback)."""
@@ -668,10 +679,16 @@ class ReceivePool:
                 return  # nothing to free (the usual case: every lease polls)
             now = self._clock()
             if self._pending:
-                waiting = []
-                for slot, event in self._pending:
-                    if not self._settle_if_done(slot, event, now):
-                        waiting.append((slot, event))
+                pending, waiting = self._pending, []
+                try:
+                    for i, (slot, event) in enumerate(pending):
+                        if not self._settle_if_done(slot, event, now):
+                            waiting.append((slot, event))
+                except BaseException:
+                    # An interrupt inside an event's query(): the handles settled before it stay settled and
+                    # leave the list (settled again, a slot would be free twice), that one and the rest wait on.
+                    self._pending = waiting + pending[i:]
+                    raise
                 self._pending = waiting
             while self._quarantine and self._quarantine[0][0] <= now:
                 self._free.append(heapq.heappop(self._quarantine)[2])
