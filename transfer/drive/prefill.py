@@ -783,16 +783,18 @@ class PrefillDriver:
         nbytes = 0
         for record in records:
             nbytes += record.nbytes
-        # _io.count_concluded() of each Success, at once.
-        self.metrics.inc_all_observing({"rooms_succeeded_total": len(records), "bytes_received_total": nbytes},
-                                       "room_latency_seconds", [now - record.started_at for record in records])
-        for record in records:
-            record.concluded_at = now
-            record.succeeded = True
-            # memory_safe stays: a lane's room was asked and is neither verified nor given up, so the core does not
-            # hold its memory safe (PrefillCore.safe() is False); nor does a Success's memory_safe count (its
-            # readers take succeeded first, and an Overturn sets it).
-        self._tell_waiters()
+        try:
+            # _io.count_concluded() of each Success, at once.
+            self.metrics.inc_all_observing({"rooms_succeeded_total": len(records), "bytes_received_total": nbytes},
+                                           "room_latency_seconds", [now - record.started_at for record in records])
+        finally:  # concluded in the table, however the count went (see _conclude)
+            for record in records:
+                record.concluded_at = now
+                record.succeeded = True
+                # memory_safe stays: a lane's room was asked and is neither verified nor given up, so the core does
+                # not hold its memory safe (PrefillCore.safe() is False); nor does a Success's memory_safe count (its
+                # readers take succeeded first, and an Overturn sets it).
+            self._tell_waiters()
 
     def _take_status(self, now: float, frames: list[bytes]) -> list[Verify]:
         """One status (or cancel answer) through the core's general rules (_lock held); the checksums to run."""
@@ -1105,12 +1107,14 @@ class PrefillDriver:
             success_counts = {"bytes_received_total": record.nbytes}
             if action.unverified:
                 success_counts["rooms_unverified_total"] = 1
-        _io.count_concluded(self.metrics, self._failures, action.room, failure is None, failure,
-                            now - record.started_at, success_counts)
-        record.concluded_at = now
-        record.succeeded = failure is None
-        record.memory_safe = record.memory_safe or self.core.safe(action.room, action.token)
-        self._tell_waiters()
+        try:
+            _io.count_concluded(self.metrics, self._failures, action.room, failure is None, failure,
+                                now - record.started_at, success_counts)
+        finally:  # the room concluded in the table, however the count went: its record says so, its waiters return
+            record.concluded_at = now
+            record.succeeded = failure is None
+            record.memory_safe = record.memory_safe or self.core.safe(action.room, action.token)
+            self._tell_waiters()
 
     def _tell_waiters(self) -> None:
         """Wakes the callers waiting for conclusions (the watching one through its waker)."""
@@ -1124,12 +1128,14 @@ class PrefillDriver:
         record = self.rooms.get(action.room)
         if record is None or record.token != action.token or not self.table.overturn(action.room, action.failure):
             return
-        self.metrics.inc("rooms_failed_after_success_total")
-        self._failures.warning(action.failure.kind, "room %d failed after its Success: %s", action.room,
-                               action.failure.detail)
-        record.succeeded = False
-        record.memory_safe = True  # its write was over when it was told Success: no quarantine
-        self._tell_waiters()
+        try:
+            self.metrics.inc("rooms_failed_after_success_total")
+            self._failures.warning(action.failure.kind, "room %d failed after its Success: %s", action.room,
+                                   action.failure.detail)
+        finally:  # Failed in the table, however the count went (see _conclude)
+            record.succeeded = False
+            record.memory_safe = True  # its write was over when it was told Success: no quarantine
+            self._tell_waiters()
 
 
 def _lookup_text(action: LookUpParallel | LookUpRoute) -> str:
