@@ -602,9 +602,9 @@ class SessionManager:
         pool's again once this returned. What is still busy at `close_timeout_s` is left to
         end alone, and one error line names it: bootstrap look-ups still waiting for their
         server (each ends at `lookup_timeout_s`, delivering nothing), an I/O thread stuck
-        inside a step (its rooms fail here; it closes its sockets if it ever returns). In a
-        process forked from the one that made the manager, it only marks the manager closed:
-        what it would close is the parent's.
+        inside a step (its rooms fail here; if it ever returns, it asks for none of them and
+        closes its sockets). In a process forked from the one that made the manager, it only
+        marks the manager closed: what it would close is the parent's.
         """
         close_by = time.monotonic() + self.close_timeout_s
         with self._closing:

@@ -947,6 +947,11 @@ class PrefillDriver:
         if addr in refused:
             refused[addr].append(action)
             return []
+        if self._stopping:
+            # Closing. A close() that could not take the lock from a thread stuck holding it (this one, back now)
+            # failed the rooms through the table and let go of their memory, quarantined from then with no cancel
+            # sent: an ask leaving now could have a write land past that quarantine. Nothing is offered any more.
+            return []
         if type(action) is SendAsk and not self.core.asking(action.room, action.token):
             return []  # concluded or cleared since the ask was made: its memory is not ours to offer
         sockets = self._sockets
@@ -1003,14 +1008,16 @@ class PrefillDriver:
         the checksums to run after it.
 
         The ask is not re-checked with core.asking(): nothing ran since the core made it. Where its socket is
-        the plain one (open, not polled by the I/O thread, no cancel queued for it) it is sent here, and the
+        the plain one (open, not polled by the I/O thread, no cancel queued for it) and the manager is not
+        closing (close() may have given the room up while a count held this call), it is sent here, and the
         room enters the table at WaitingForInput: what start() and then update() leave, and no one reads the
         table for the room in between (its handle is not out yet). A drop report, a full queue or a failed
         send is handed on to the core as _carry() hands it on, the room started at Bootstrapping first."""
         addr, room = action.addr, action.room
         sockets = self._sockets
-        if addr not in sockets or self._cancels_out or sockets[addr] in self._watching:
-            # A socket to open, one a cancel may have to go on first, or one the I/O thread may be polling.
+        if addr not in sockets or self._cancels_out or sockets[addr] in self._watching or self._stopping:
+            # A socket to open, one a cancel may have to go on first, or one the I/O thread may be polling; or
+            # closing, which _push() refuses.
             self.table.start(room, TransferPoll.Bootstrapping)
             return self._carry(now, [action])
         sock = sockets[addr]
