@@ -495,7 +495,9 @@ class BootstrapServer:
         self.address = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
         self._server.address_text = self.address
         self._closed = False
-        self._lock = threading.Lock()
+        # Held by a close() until the socket is closed; reentrant, for a close() that a signal's handler calls
+        # inside another on the same thread (stopping again is harmless).
+        self._lock = threading.RLock()
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
                                         name=f"bootstrap-{self.address}", daemon=True)
         self._thread.start()
@@ -510,13 +512,15 @@ class BootstrapServer:
         return len(self._server.table)
 
     def close(self) -> None:
-        """Stop serving, join the thread and close the socket; idempotent."""
+        """Stop serving, join the thread and close the socket; idempotent: a second close() returns once the
+        first is done. A close that raised before its end (a stop signal's exception, KeyboardInterrupt,
+        while it waited for the thread) is finished by the next, or by the server's collection."""
         with self._lock:
             if self._closed:
                 return
+            _stop(self._server, self._thread)
             self._closed = True
         self._dropped.detach()
-        _stop(self._server, self._thread)
 
     def __enter__(self) -> BootstrapServer:
         """Context-manager entry."""
@@ -528,7 +532,8 @@ class BootstrapServer:
 
 
 def _stop(server: _HTTPServer, thread: threading.Thread) -> None:
-    """Stops serving, joins the serving thread and closes the listening socket."""
+    """Stops serving, joins the serving thread and closes the listening socket; again, after a stop that
+    raised on the way, it finishes it."""
     server.shutdown()
     thread.join()
     server.server_close()

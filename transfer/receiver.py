@@ -288,6 +288,7 @@ class SessionManager:
         self._regions_lock = threading.Lock()
         self._closed = False
         self._closing = threading.RLock()  # a second close() returns once the first is done
+        self._closing_here = False  # a close() is under way (on the thread holding _closing)
         self.status_port = self._driver.status_port
         # Holds what closing needs, never the manager: a manager dropped without close() is closed by it.
         self._dropped = weakref.finalize(self, _close_dropped, self._driver, engine, (engine_rank, id(self)),
@@ -604,18 +605,26 @@ class SessionManager:
         server (each ends at `lookup_timeout_s`, delivering nothing), an I/O thread stuck
         inside a step (its rooms fail here; if it ever returns, it asks for none of them and
         closes its sockets). In a process forked from the one that made the manager, it only
-        marks the manager closed: what it would close is the parent's.
+        marks the manager closed: what it would close is the parent's. A close that raised before
+        its end (a stop signal's exception, KeyboardInterrupt, while it waited) is finished by a
+        close() again, or by the manager's collection.
         """
         close_by = time.monotonic() + self.close_timeout_s
         with self._closing:
-            if self._closed:
+            # Closed, or a close under way on this very thread (a signal's handler called this inside it).
+            if self._closed and (not self._dropped.alive or self._closing_here):
                 return
             self._closed = True
-            self._dropped.detach()
             if self._driver.forked:  # its thread, sockets and registrations are the parent's, not this child's
+                self._dropped.detach()
                 return
-            _close(self._driver, self.engine, (self.engine_rank, id(self)), self._owned, self._release_metrics,
-                   close_by)
+            self._closing_here = True
+            try:
+                _close(self._driver, self.engine, (self.engine_rank, id(self)), self._owned,
+                       self._release_metrics, close_by)
+            finally:
+                self._closing_here = False
+            self._dropped.detach()  # only once closed: one dropped after a close that raised still closes
             # Its rooms' fallbacks are the pool's again: a closed manager keeps no record of them, so their
             # memory goes when the pool lets go of them, not with this manager.
             with self._regions_lock:
@@ -708,7 +717,9 @@ def _close(driver: PrefillDriver, engine: TransferEngineLike, claim: tuple[int, 
            release_metrics: Callable[[], None] | None = None, close_by: float = math.inf) -> None:
     """Closes a session manager's parts: the driver (by `close_by`, time.monotonic()), the memory it
     registered, then its claim on the engine (a new manager there finds no memory of this one still
-    registered); lets go of its metrics."""
+    registered); lets go of its metrics. A close that raised before it unregistered that memory (a stop
+    signal's exception) keeps the claim: the memory is the next close's to unregister, and a manager made
+    there meanwhile would lose what it registered of it then."""
     if release_metrics is not None:
         release_metrics()
     try:
@@ -719,9 +730,10 @@ def _close(driver: PrefillDriver, engine: TransferEngineLike, claim: tuple[int, 
                 _settle(lease, fate_of(succeeded=record.succeeded, memory_safe=record.memory_safe, confirmable=False))
         _unregister(engine, owned)
     finally:
-        with _managed_lock:
-            if _managed_engines.get(engine) == claim:
-                del _managed_engines[engine]
+        if not owned:
+            with _managed_lock:
+                if _managed_engines.get(engine) == claim:
+                    del _managed_engines[engine]
 
 
 def _take_lease(record: Room) -> Slot | None:
@@ -767,13 +779,14 @@ def _close_dropped(driver: PrefillDriver, engine: TransferEngineLike, claim: tup
 
 
 def _unregister(engine: TransferEngineLike, owned: list[int]) -> None:
-    """Unregisters the memory a manager registered (`owned`, emptied)."""
-    for addr in owned:
+    """Unregisters the memory a manager registered (`owned`, emptied as it goes: a close interrupted on
+    the way leaves the rest to the next)."""
+    while owned:
         try:
-            engine.unregister(addr)
+            engine.unregister(owned[0])
         except Exception as exc:  # noqa: BLE001 - closing must go on
-            log.warning("unregistering %#x failed: %s", addr, exc)
-    owned.clear()
+            log.warning("unregistering %#x failed: %s", owned[0], exc)
+        del owned[0]
 
 
 @dataclass(frozen=True, eq=False)

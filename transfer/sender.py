@@ -460,11 +460,13 @@ class SenderPool:
         still stuck at `close_timeout_s` (inside an engine call) is left to finish alone: its rooms
         fail here, and it closes its own sockets and registrations if it ever returns. In a process
         forked from the one that made the pool, it closes nothing: the route, thread and sockets are
-        the parent's.
+        the parent's. A close that raised before it asked the thread to stop (a stop signal's exception,
+        KeyboardInterrupt, while it waited for the bootstrap server) is finished by a close() again, or by
+        the pool's collection.
         """
-        self._dropped.detach()
         if not self._driver.forked:
             _close(self._book, self._driver, self._route, self._release_metrics, self.close_timeout_s)
+        self._dropped.detach()  # only once closed: one dropped after a close that raised still closes
 
     def __enter__(self) -> SenderPool:
         return self
@@ -492,6 +494,9 @@ class _Route:
     serving: Callable[[], bool] = lambda: True
     #: Set when the pool closes: the keeper stops (before the route is withdrawn).
     closing: threading.Event = field(default_factory=threading.Event)
+    #: Held by the close that withdraws the route and asks the pool's thread to stop; reentrant, for a
+    #: close() that a signal's handler calls inside another on the same thread.
+    closer: threading.RLock = field(default_factory=threading.RLock)
     keeper: threading.Thread | None = None
     #: Held by the keeper from its look at `closing` to the end of its registration again: what a
     #: closing pool waits for (a look-up under way it does not wait for).
@@ -587,15 +592,22 @@ def _close(book: RoomBook, driver: EncodeDriver, route: _Route,
     engine_rank = route.engine_rank
     deadline = time.monotonic() + close_timeout_s
     with book.lock:  # send() publishes items under it: none slips in after this
-        first = not book.closed
         book.closed = book.stopping = True
     if release_metrics is not None:
         release_metrics()
-    if first:
-        route.stop_keeping(deadline)
-        if route.listed:
-            route.unregister(deadline)
-        driver.stop(deadline)  # on the driver's clock, which a pool's driver shares (time.monotonic)
+    # The close that asks the thread to stop; one that raised before it did (a stop signal's exception
+    # while it withdrew the route) leaves the withdrawal and the stop to the next.
+    first = False
+    if route.closer.acquire(timeout=_io.seconds_left(deadline, close_timeout_s)):
+        try:
+            if not driver.stop_asked:
+                first = True
+                route.stop_keeping(deadline)
+                if route.listed:
+                    route.unregister(deadline)
+                driver.stop(deadline)  # on the driver's clock, which a pool's driver shares (time.monotonic)
+        finally:
+            route.closer.release()
     thread = driver.thread
     # A later close() waits as long as the first may: its caller may close the engine next.
     if thread.ident is not None and thread is not threading.current_thread():

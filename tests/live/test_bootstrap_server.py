@@ -245,6 +245,34 @@ def test_close_releases_port_and_joins_thread():
     assert not BootstrapClient(f"127.0.0.1:{port}", timeout=0.5).health()
 
 
+def test_a_close_from_another_thread_returns_once_the_first_close_let_go_of_the_port():
+    srv = BootstrapServer("127.0.0.1", 0)
+    port = srv.port
+    entered, release = threading.Event(), threading.Event()
+    join = srv._thread.join
+
+    def held_join(*args, **kwargs):  # the first close, held while it stops the serving thread
+        entered.set()
+        release.wait(10)
+        return join(*args, **kwargs)
+
+    srv._thread.join = held_join
+    first = threading.Thread(target=srv.close)
+    first.start()
+    assert entered.wait(10)
+    second = threading.Thread(target=srv.close)
+    second.start()
+    second.join(0.5)
+    assert second.is_alive(), "the second close() returned while the first still held the port"
+    release.set()
+    second.join(10)
+    assert not second.is_alive()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))  # would fail while the server still listened
+    first.join(10)
+
+
 def test_close_ends_the_requests_still_being_read_and_their_threads():
     """A registration whose body was still coming in when the server closed is not answered 200: its
     route went with the closed server, and the rank must learn it is not registered."""

@@ -22,15 +22,18 @@ ROUTE = sender._Route("10.0.0.1:8998", "t0k", 4, 2, "10.0.0.7", 7000, 3, "ab" * 
 
 
 class _Driver:
-    """What _close uses of an EncodeDriver: stop(), and a thread (never started: nothing to join)."""
+    """What _close uses of an EncodeDriver: stop() and whether it was asked, and a thread (never started:
+    nothing to join)."""
 
     def __init__(self, calls: list) -> None:
         self.calls = calls
         self.thread = threading.Thread(target=lambda: None)
+        self.stop_asked = False
 
     def stop(self, close_by: float | None = None) -> None:
         self.calls.append("stop")
         self.close_by = close_by
+        self.stop_asked = True
 
 
 @pytest.fixture
@@ -53,6 +56,28 @@ def test_close_withdraws_the_route_it_registered_before_the_driver_stops_and_onl
     assert calls == [("unregister", ROUTE), "stop"]
     sender._close(book, driver, ROUTE)
     assert calls == [("unregister", ROUTE), "stop"], "a second close asks nothing again"
+
+
+def test_a_close_interrupted_while_it_withdraws_the_route_leaves_the_withdrawal_and_the_stop_to_the_next(
+        deletes, monkeypatch):
+    """A stop signal's exception (a rank's SIGTERM handler raises KeyboardInterrupt) taken while close()
+    waits for the DELETE's answer: the close raises it, and a close again sends the DELETE and stops the
+    driver, which would otherwise serve on."""
+    calls: list = []
+
+    def unregister(route, deadline):
+        calls.append(("unregister", route))
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(sender._Route, "unregister", unregister)
+    book, driver = RoomBook(Metrics("epd_test")), _Driver(calls)
+    with pytest.raises(KeyboardInterrupt):
+        sender._close(book, driver, ROUTE)
+    assert calls == [("unregister", ROUTE)] and book.closed
+    sender._close(book, driver, ROUTE)
+    assert calls == [("unregister", ROUTE), ("unregister", ROUTE), "stop"]
+    sender._close(book, driver, ROUTE)
+    assert calls == [("unregister", ROUTE), ("unregister", ROUTE), "stop"], "a close after it asks nothing again"
 
 
 def test_close_withdraws_no_route_the_server_never_listed(deletes, monkeypatch):

@@ -692,6 +692,11 @@ class EncodeDriver:
         if wake:
             self.waker.wake()
 
+    @property
+    def stop_asked(self) -> bool:
+        """Whether stop() was called."""
+        return self._stop
+
     def stop(self, close_by: float | None = None) -> None:
         """Asks the thread to settle its writes, fail what is left and close its sockets, by `close_by`
         (driver clock) when given: writes still in flight CLOSE_AFTER_WRITES_S before it (half the time

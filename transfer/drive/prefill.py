@@ -239,6 +239,7 @@ class PrefillDriver:
         self._exit_lock = threading.Lock()
         self._exited = False
         self._abandoned = False
+        self._closed = False  # a close() ran to its end
         self.failure: str | None = None  # why the I/O thread stopped on its own
         self._complaints = _io.ThrottledLog(log)  # about statuses peers sent
         self._failures = _io.ThrottledLog(log)  # rooms that failed, per kind
@@ -521,15 +522,17 @@ class PrefillDriver:
 
         Returns by `close_by` (time.monotonic()) whatever happens: a thread still busy then (the I/O
         thread, a caller's wait() inside a checksum, a look-up thread waiting for its server) is left
-        to end alone, its sockets with it, and one error line names it."""
+        to end alone, its sockets with it, and one error line names it. A close that raised before
+        its end (a stop signal's exception, KeyboardInterrupt, while it waited) is finished by the next
+        one; once a close ended, the next returns at once."""
+        if self._closed:
+            return
         started = time.monotonic()
         self._lookups.stop()  # a look-up answered from now on delivers nothing
         # receive() files rooms under the lock: none is filed after this. A thread stuck while
         # holding it keeps receive() out anyway, so close() goes on without it.
         locked = self._lock.acquire(timeout=_io.seconds_left(close_by, STOP_WAIT_S))
         try:
-            if self._stopping:
-                return
             self._stopping = True
         finally:
             if locked:
@@ -537,7 +540,8 @@ class PrefillDriver:
         self._waker.wake()
         self._thread.join(timeout=_io.seconds_left(close_by, STOP_WAIT_S))
         with self._exit_lock:
-            stuck = self._abandoned = not self._exited
+            # A thread an earlier close left stuck closes the sockets itself, whenever it stopped.
+            stuck = self._abandoned = self._abandoned or not self._exited
         # Held by no thread once the I/O thread stopped, unless one is stuck inside a step.
         held = not stuck and self._lock.acquire(
             timeout=-1 if math.isinf(close_by) else _io.seconds_left(close_by, math.inf))
@@ -570,6 +574,7 @@ class PrefillDriver:
                       "" if math.isinf(close_by) else "; raise close_timeout_s (EPD_CLOSE_TIMEOUT_S) to wait for them")
         for throttled in (self._complaints, self._failures):
             throttled.flush()  # the counts of warnings left out that no later one will tell
+        self._closed = True
 
     def _send_cancels_left(self) -> set[tuple[str, int]]:
         """Sends the cancels handed to the I/O thread and not sent yet (_lock held; only once it stopped,
