@@ -605,7 +605,9 @@ class RegisteredMemory:
     _registrations: threading.Condition
     _owners: dict[int, Any]
     _closed: bool
-    _released: threading.Event  # set once _release() returned
+    _released: threading.Event  # set once a _release() ran to its end
+    _releasing: threading.Lock  # held by the close() running _release()
+    _releaser: int | None = None  # the thread that runs it
 
     @property
     def closed(self) -> bool:
@@ -613,16 +615,24 @@ class RegisteredMemory:
         return self._closed
 
     def _close_once(self) -> None:
-        """Runs the engine's _release() once. A call while another is under way returns when that
-        one did, so no close() returns while a peer may still write into the engine's memory."""
+        """Runs the engine's _release() until one ran to its end. A call while another is under way
+        returns when that one did, so no close() returns while a peer may still write into the engine's
+        memory; one whose _release() raised (a stop signal's exception while it waited for writes) leaves
+        it to the next close(), which runs it again. A call from inside it on the same thread (a signal's
+        handler) returns at once: the close it interrupted goes on."""
+        me = threading.get_ident()
         with self._lock:
-            closing, self._closed = not self._closed, True
-        if not closing:
-            self._released.wait()
-            return
-        try:
-            self._release()
-        finally:
+            self._closed = True
+            if self._releaser == me:
+                return
+        with self._releasing:
+            if self._released.is_set():
+                return
+            self._releaser = me
+            try:
+                self._release()
+            finally:
+                self._releaser = None
             self._released.set()
 
     def _release(self) -> None:
@@ -852,6 +862,7 @@ class Engine(RegisteredMemory):
         self._closed = False
         self._close_by = math.inf  # when close() stops waiting for writes in flight (its timeout_s)
         self._released = threading.Event()  # set once close() released the memory and the transport
+        self._releasing = threading.Lock()
         self._openings = Openings(open_timeout_s=self.open_timeout_s)
         self._te = mooncake_engine.TransferEngine()
         _started_port_range()
@@ -1299,7 +1310,8 @@ class Engine(RegisteredMemory):
         Writes still held back for a probe fail; a probe still out keeps Mooncake's engine
         (its threads and listener) alive until it returns, at most Mooncake's 60 s, as does a
         write being handed to Mooncake (a handshake with a new peer), which close() waits for.
-        A close() while another is under way returns when that one did. ConfigError for a
+        A close() while another is under way returns when that one did; one cut short (a stop signal's
+        exception) is finished by the next. ConfigError for a
         `timeout_s` below 0 or above 1e6 (ConfigTypeError for one that is not a number).
         """
         if self._forks != forks():
@@ -1320,7 +1332,13 @@ class Engine(RegisteredMemory):
                              f"nothing here would carry its writes; make an Engine in this process")
 
     def _release(self) -> None:
-        """close()'s work, once: settle the writes, unregister the memory, destroy the transport."""
+        """close()'s work: settle the writes, unregister the memory, destroy the transport; again after a
+        close cut short, what is left of it."""
+        if self._te is None:  # a close cut short right after it destroyed the transport
+            with self._lock:
+                self._owners.clear()
+                self._overdue.clear()
+            return
         with self._lock:
             self._held.clear()
             for pending in self._pending.values():

@@ -502,6 +502,7 @@ class WireEngine(RegisteredMemory):
         self._write_ids = itertools.count(1)
         self._closed = False
         self._released = threading.Event()  # set once close() closed the connections and the listener
+        self._releasing = threading.Lock()
         self._sent = {"connections_opened": 0, "writes": 0, "bytes_sent": 0, "write_failures": 0, "retries": 0}
         self._batches: dict[int, Future] = {}
         self._batch_ids = itertools.count(1)
@@ -918,7 +919,8 @@ class WireEngine(RegisteredMemory):
     def close(self) -> None:
         """Waits for writes in flight (each bounded by the timeouts), closes every connection,
         stops and joins the listener's threads and frees its port; idempotent. A close() while
-        another is under way returns when that one did. In a process forked from the one that started
+        another is under way returns when that one did; one cut short (a stop signal's exception) is
+        finished by the next. In a process forked from the one that started
         the engine it only closes that process's copies of the engine's descriptors, at once: the writes,
         threads and connections are the parent's, which go on."""
         if self._forks != forks():
@@ -936,7 +938,8 @@ class WireEngine(RegisteredMemory):
         _native.wire_listener_close(self._listener)
 
     def _release(self) -> None:
-        """close()'s work, once: settle the writes, close the connections and the listener."""
+        """close()'s work: settle the writes, close the connections and the listener; again after a close cut
+        short, what is left of it."""
         with self._lock:
             self._wait_for_registrations()
             writers, self._writers = self._writers, None

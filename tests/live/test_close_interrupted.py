@@ -1,7 +1,8 @@
 """A close() that a stop signal's exception interrupts (a rank's SIGTERM handler raises KeyboardInterrupt
 wherever the main thread is, here while close() waits) raises it, and a close() again finishes the job:
 the thread stopped, the port free, the memory registered for it unregistered, the route withdrawn; so
-does the collection of one dropped after such a close. Likewise a bootstrap server's.
+does the collection of one dropped after such a close. Likewise a bootstrap server's, and an engine's
+(Mooncake's or the wire engine), whose close() that the handler itself calls inside another returns.
 
 Real Mooncake engines (tcp on loopback), a real bootstrap server and real ZMQ sockets, ranks in this
 process. The interrupt is played where close() blocks: joining the session manager's I/O thread, waiting
@@ -13,19 +14,21 @@ from __future__ import annotations
 
 import gc
 import socket
+import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 import torch
-from live_helpers import HOST, LIVE, epd_threads, port_rebindable, wait_until
+from live_helpers import HOST, LIVE, MOONCAKE_MISSING, epd_threads, port_rebindable, wait_until
 
 from transfer.bootstrap import BootstrapClient, BootstrapServer
 from transfer.errors import ConfigError
 from transfer.receiver import SessionManager
 from transfer.sender import SenderPool
 from transfer.status import TransferPoll
+from transfer.wire_engine import WireEngine
 
 pytestmark = LIVE
 
@@ -150,3 +153,60 @@ def _bindable(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+@pytest.mark.parametrize("kind", ["Engine", "WireEngine"])
+def test_an_engine_close_interrupted_while_it_settles_is_finished_by_a_close_again(kind):
+    """Cut short while it waited for registrations under way, before it let go of anything: the close again
+    unregisters the memory and stops the transport, freeing its port."""
+    if kind == "Engine":
+        if MOONCAKE_MISSING:
+            pytest.skip(MOONCAKE_MISSING)
+        from transfer.engine import Engine
+
+        engine = Engine(HOST, "tcp")
+    else:
+        engine = WireEngine(HOST)
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    engine.register(buf)
+    port = engine.rpc_port
+    engine._wait_for_registrations = _interrupted_once(engine._wait_for_registrations)
+    with pytest.raises(KeyboardInterrupt):
+        engine.close()
+    engine.close()
+    assert engine.registered() == {}
+    assert wait_until(lambda: _bindable(port), WAIT_S), f"port {port} still bound"
+
+
+@pytest.mark.parametrize("kind", ["Engine", "WireEngine"])
+def test_an_engine_close_a_signals_handler_calls_inside_a_close_returns_and_the_interrupted_one_goes_on(kind):
+    """As a SIGTERM handler that closes the engine, run while the main thread's close() unregisters."""
+    if kind == "Engine":
+        if MOONCAKE_MISSING:
+            pytest.skip(MOONCAKE_MISSING)
+        from transfer.engine import Engine
+
+        engine = Engine(HOST, "tcp")
+    else:
+        engine = WireEngine(HOST)
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    engine.register(buf)
+    port = engine.rpc_port
+    inner: list[str] = []
+    wait = engine._wait_for_registrations
+
+    def handler_closes():
+        if not inner:
+            inner.append("called")
+            engine.close()
+            inner.append("returned")
+        return wait()
+
+    engine._wait_for_registrations = handler_closes
+    closing = threading.Thread(target=engine.close, daemon=True)
+    closing.start()
+    closing.join(WAIT_S)
+    assert not closing.is_alive(), f"the close inside close() waits for the close it interrupted: {inner}"
+    assert inner == ["called", "returned"]
+    assert engine.registered() == {}
+    assert wait_until(lambda: _bindable(port), WAIT_S), f"port {port} still bound"
