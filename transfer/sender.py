@@ -458,7 +458,9 @@ class SenderPool:
         those left then (logged at info, with their count) stay registered until the next sender
         pool on the engine drops them, or the engine closes. A thread
         still stuck at `close_timeout_s` (inside an engine call) is left to finish alone: its rooms
-        fail here, and it closes its own sockets and registrations if it ever returns. In a process
+        fail here, and it closes its own sockets and registrations if it ever returns. So is a caller's
+        thread that holds the pool's room book for half of `close_timeout_s` (a send() inside the caller's
+        metrics exporter): the open rooms fail without it. In a process
         forked from the one that made the pool, it closes nothing: the route, thread and sockets are
         the parent's. A close that raised before it asked the thread to stop (a stop signal's exception,
         KeyboardInterrupt, while it waited for the bootstrap server) is finished by a close() again, or by
@@ -591,8 +593,15 @@ def _close(book: RoomBook, driver: EncodeDriver, route: _Route,
     metrics (another pool may record into them); returns within `close_timeout_s`."""
     engine_rank = route.engine_rank
     deadline = time.monotonic() + close_timeout_s
-    with book.lock:  # send() publishes items under it: none slips in after this
+    # send() publishes items under the book's lock: none slips in after this. A thread holding it for half the
+    # close's time is stuck (a send() inside the caller's metrics): the close goes on without it, and the send
+    # it is inside publishes its item to a driver that fails it.
+    locked = book.lock.acquire(timeout=_io.seconds_left(deadline, min(_io.LOCK_WAIT_S, close_timeout_s / 2)))
+    try:
         book.closed = book.stopping = True
+    finally:
+        if locked:
+            book.lock.release()
     if release_metrics is not None:
         release_metrics()
     # The close that asks the thread to stop; one that raised before it did (a stop signal's exception
@@ -619,7 +628,17 @@ def _close(book: RoomBook, driver: EncodeDriver, route: _Route,
             log.info("sender pool of encode rank %d: closing left %d temporary source registrations no room holds "
                      "registered, for want of time (close_timeout_s %gs): the next sender pool on the engine drops "
                      "them, or the engine's close()", engine_rank, left, close_timeout_s)
-    if first and thread.is_alive():
+    if first and thread.is_alive() and not locked:
+        # The thread waits for the book's lock too: it closes once the stuck holder lets go.
+        log.error("sender pool of encode rank %d: a thread held its room book through close_timeout_s %gs "
+                  "(EPD_CLOSE_TIMEOUT_S): a send() inside the caller's metrics?; failing its rooms, leaving its "
+                  "sockets and temporary source registrations to its thread, which closes them once that thread "
+                  "lets go", engine_rank, close_timeout_s)
+        book.fail_open(Failure(FailureKind.CLOSED, f"sender pool closed while a thread held its room book for "
+                                                   f"close_timeout_s {close_timeout_s:g}s (EPD_CLOSE_TIMEOUT_S): a "
+                                                   f"send() stuck inside the caller's metrics?"), time.monotonic(),
+                       wait=0.0)
+    elif first and thread.is_alive():
         log.error("sender pool of encode rank %d: its thread was still inside an engine call at close_timeout_s "
                   "%gs (EPD_CLOSE_TIMEOUT_S); failing its rooms, leaving its sockets and temporary source "
                   "registrations to it", engine_rank, close_timeout_s)

@@ -92,6 +92,22 @@ def test_fail_open_fails_every_open_room_and_leaves_concluded_ones(caplog):
     assert len([m for m in caplog.messages if "failed: sender pool closed" in m]) == 1
 
 
+def test_fail_open_past_its_wait_for_a_lock_someone_holds_fails_the_open_rooms_through_the_table():
+    """The lock held (a send() stuck inside the caller's metrics holds it): the rooms still fail, once each,
+    counted, and their waiters are told."""
+    book, states = _book_with(1, 2, 3)
+    book.conclude(states[0], TransferPoll.Success, None, at=2.0)
+    book.conclusions = notified = _Notified()  # type: ignore[assignment]
+    with book.lock:  # as the stuck send holds it
+        book.fail_open(Failure(FailureKind.CLOSED, "sender pool closed"), at=3.0, wait=0.0)
+    assert [book.table.get(r) for r in (1, 2, 3)] == [TransferPoll.Success, TransferPoll.Failed, TransferPoll.Failed]
+    assert [state.concluded_at for state in states] == [2.0, 3.0, 3.0]
+    assert _failed(book) == {"closed": 2}
+    assert notified.times == 2
+    book.fail_open(Failure(FailureKind.CLOSED, "sender pool closed"), at=4.0)
+    assert _failed(book) == {"closed": 2}, "a room failed without the lock was failed again"
+
+
 def test_a_failure_that_names_its_room_is_logged_with_the_room_once(caplog):
     # validate_fanout's reasons start with the room: the log names it once, never "room 0 failed: room 0: ...".
     book, (state,) = _book_with(0)

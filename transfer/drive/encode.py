@@ -163,10 +163,26 @@ class RoomBook:
                 self.table.update(state.room, status)
                 state.asked_at, state.writing_at = asked_at, at
 
-    def fail_open(self, failure: Failure, at: float) -> None:
-        """Fails every open room (the driver is gone; nobody else will conclude them)."""
-        with self.lock:
+    def fail_open(self, failure: Failure, at: float, wait: float = -1) -> None:
+        """Fails every open room (the driver is gone; nobody else will conclude them).
+
+        With the lock held by another thread past `wait` seconds (a send() stuck inside the caller's metrics,
+        which holds it: clear() and send() wait behind it), the rooms are failed through the table, which
+        is thread-safe, without it."""
+        if not self.lock.acquire(timeout=wait):
+            for state in list(self.held.values()):
+                if state.concluded_at is None and self.table.conclude(state.room, TransferPoll.Failed, failure):
+                    state.concluded_at = at
+                    try:
+                        _io.count_concluded(self.metrics, self.failures, state.room, False, failure,
+                                            at - state.started_at)
+                    finally:
+                        self.conclusions.notify()
+            return
+        try:
             states = list(self.held.values())
+        finally:
+            self.lock.release()
         for state in states:
             if not is_terminal(self.table.get(state.room)):
                 self.conclude(state, TransferPoll.Failed, failure, at)
