@@ -326,6 +326,16 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             if thread.ident is not None and thread is not threading.current_thread():  # started, not ours
                 thread.join(max(0.0, deadline - time.monotonic()))
 
+    def close_copies(self) -> None:
+        """In a process forked from the server's: closes this process's copies of the listening socket and
+        of the connections being served, never shutting one down (that would end the parent's), taking no
+        lock (a thread of the parent's may have held it at the fork)."""
+        for sock in [self.socket, *list(self._serving)]:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
     def _turn_away(self, request: socket.socket, text: bytes) -> None:
         """Answers 503 without blocking the accepting thread (the client may not read it)."""
         answer = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"

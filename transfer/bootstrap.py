@@ -63,6 +63,7 @@ from datetime import datetime, timedelta
 from typing import Any, TypeGuard, cast
 from urllib.parse import SplitResult, parse_qs, urlsplit
 
+from transfer._forks import forks
 from transfer._http import BoundedHTTPServer, DeadlineReader, OneDeadlineHandler
 from transfer._resolve import connect_within
 from transfer.config import check_seconds
@@ -501,8 +502,9 @@ class BootstrapServer:
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
                                         name=f"bootstrap-{self.address}", daemon=True)
         self._thread.start()
+        self._forks = forks()
         # Dropped without close(), the server stops anyway (its thread holds the HTTP server, not this).
-        self._dropped = weakref.finalize(self, _stop_dropped, self._server, self._thread, self.address)
+        self._dropped = weakref.finalize(self, _stop_dropped, self._server, self._thread, self.address, self._forks)
         self._dropped.atexit = False  # at exit the daemon thread goes with the process
         log.info("bootstrap server on %s (token %s)", self.address, "on" if token else "off")
 
@@ -514,7 +516,13 @@ class BootstrapServer:
     def close(self) -> None:
         """Stop serving, join the thread and close the socket; idempotent: a second close() returns once the
         first is done. A close that raised before its end (a stop signal's exception, KeyboardInterrupt,
-        while it waited for the thread) is finished by the next, or by the server's collection."""
+        while it waited for the thread) is finished by the next, or by the server's collection. In a process
+        forked from the one that made the server it closes only that process's copies of its sockets, at
+        once: the serving thread is the parent's, which serves on."""
+        if self._forks != forks():
+            self._dropped.detach()
+            self._server.close_copies()
+            return
         with self._lock:
             if self._closed:
                 return
@@ -539,9 +547,13 @@ def _stop(server: _HTTPServer, thread: threading.Thread) -> None:
     server.server_close()
 
 
-def _stop_dropped(server: _HTTPServer, thread: threading.Thread, address: str) -> None:
+def _stop_dropped(server: _HTTPServer, thread: threading.Thread, address: str, made_at: int = 0) -> None:
     """A BootstrapServer was dropped without close(): says so, and stops it on a thread of its own
-    (the collection may run on any thread, the serving one too, which shutdown() would wait on)."""
+    (the collection may run on any thread, the serving one too, which shutdown() would wait on). A forked
+    child's copy is the parent's server: only the child's copies of its sockets are closed."""
+    if made_at != forks():
+        server.close_copies()
+        return
     warnings.warn(f"bootstrap server on {address} was dropped without close(): stopping it", ResourceWarning)
     threading.Thread(target=_stop, args=(server, thread), name=f"bootstrap-stop-{address}", daemon=True).start()
 
