@@ -459,7 +459,14 @@ class PrefillDriver:
                     self._verifies.extend(verifies[i:])
                     self._waker.wake()
                     break
-                self._verify(verify)
+                try:
+                    self._verify(verify)
+                except BaseException:
+                    # A stop signal's exception (KeyboardInterrupt) in this wait(): the statuses were taken off
+                    # the socket, so the I/O thread checks these rooms (a check done again changes nothing).
+                    self._verifies.extend(verifies[i:])
+                    self._waker.wake()
+                    raise
             if record.concluded_at is not None:
                 return
             if not more:
