@@ -131,3 +131,15 @@ def on_lazy_device(tensor: Any) -> Any:
         lazy.init()
         _lazy_ready = True
     return tensor.to("lazy")
+
+
+def interrupted_once(call: Any) -> Any:
+    """`call`, whose first call meets a stop signal's exception (KeyboardInterrupt) instead of running."""
+    calls = []
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        if not calls:
+            calls.append(1)
+            raise KeyboardInterrupt
+        return call(*args, **kwargs)
+    return interrupted

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from fakes import interrupted_once
 from live_helpers import HOST, LIVE, MOONCAKE_MISSING, epd_threads, port_rebindable, wait_until
 
 from transfer.bootstrap import BootstrapClient, BootstrapServer
@@ -40,17 +41,6 @@ def _registered(engine, tensor: torch.Tensor) -> bool:
     addr = tensor.data_ptr()
     return any(base <= addr < base + size for base, size in engine.registered().items())
 
-
-def _interrupted_once(call):
-    """`call`, whose first call meets a stop signal's exception instead of returning."""
-    calls = []
-
-    def interrupted(*args, **kwargs):
-        if not calls:
-            calls.append(1)
-            raise KeyboardInterrupt
-        return call(*args, **kwargs)
-    return interrupted
 
 
 @contextmanager
@@ -77,7 +67,7 @@ def test_a_session_manager_close_interrupted_while_its_thread_stops_is_finished_
     assert _registered(prefill, dst)
     assert wait_until(lambda: handle.poll() == TransferPoll.WaitingForInput, WAIT_S), handle.failure
     thread = manager._driver._thread
-    thread.join = _interrupted_once(thread.join)
+    thread.join = interrupted_once(thread.join)
     with pytest.raises(KeyboardInterrupt):
         manager.close()
     del thread
@@ -110,7 +100,7 @@ def test_a_sender_pool_close_interrupted_while_it_withdraws_its_route_is_finishe
     assert server.registered_ranks == 1
     handle = pool.send(1, src)
     assert _registered(encode, src)
-    monkeypatch.setattr(BootstrapClient, "unregister_rank", _interrupted_once(BootstrapClient.unregister_rank))
+    monkeypatch.setattr(BootstrapClient, "unregister_rank", interrupted_once(BootstrapClient.unregister_rank))
     with pytest.raises(KeyboardInterrupt):
         pool.close()
     if then == "close again":
@@ -132,7 +122,7 @@ def test_a_bootstrap_server_close_interrupted_while_its_thread_stops_is_finished
     bootstrap = BootstrapServer(HOST, 0)
     port = bootstrap.port
     thread = bootstrap._thread
-    thread.join = _interrupted_once(thread.join)
+    thread.join = interrupted_once(thread.join)
     with pytest.raises(KeyboardInterrupt):
         bootstrap.close()
     del thread
@@ -155,10 +145,8 @@ def _bindable(port: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("kind", ["Engine", "WireEngine"])
-def test_an_engine_close_interrupted_while_it_settles_is_finished_by_a_close_again(kind):
-    """Cut short while it waited for registrations under way, before it let go of anything: the close again
-    unregisters the memory and stops the transport, freeing its port."""
+def _engine_with_memory(kind: str):
+    """(engine, the tensor it registered): a Mooncake tcp Engine or a WireEngine on the loopback."""
     if kind == "Engine":
         if MOONCAKE_MISSING:
             pytest.skip(MOONCAKE_MISSING)
@@ -169,8 +157,16 @@ def test_an_engine_close_interrupted_while_it_settles_is_finished_by_a_close_aga
         engine = WireEngine(HOST)
     buf = torch.zeros(4096, dtype=torch.uint8)
     engine.register(buf)
+    return engine, buf
+
+
+@pytest.mark.parametrize("kind", ["Engine", "WireEngine"])
+def test_an_engine_close_interrupted_while_it_settles_is_finished_by_a_close_again(kind):
+    """Cut short while it waited for registrations under way, before it let go of anything: the close again
+    unregisters the memory and stops the transport, freeing its port."""
+    engine, buf = _engine_with_memory(kind)
     port = engine.rpc_port
-    engine._wait_for_registrations = _interrupted_once(engine._wait_for_registrations)
+    engine._wait_for_registrations = interrupted_once(engine._wait_for_registrations)
     with pytest.raises(KeyboardInterrupt):
         engine.close()
     engine.close()
@@ -181,16 +177,7 @@ def test_an_engine_close_interrupted_while_it_settles_is_finished_by_a_close_aga
 @pytest.mark.parametrize("kind", ["Engine", "WireEngine"])
 def test_an_engine_close_a_signals_handler_calls_inside_a_close_returns_and_the_interrupted_one_goes_on(kind):
     """As a SIGTERM handler that closes the engine, run while the main thread's close() unregisters."""
-    if kind == "Engine":
-        if MOONCAKE_MISSING:
-            pytest.skip(MOONCAKE_MISSING)
-        from transfer.engine import Engine
-
-        engine = Engine(HOST, "tcp")
-    else:
-        engine = WireEngine(HOST)
-    buf = torch.zeros(4096, dtype=torch.uint8)
-    engine.register(buf)
+    engine, buf = _engine_with_memory(kind)
     port = engine.rpc_port
     inner: list[str] = []
     wait = engine._wait_for_registrations

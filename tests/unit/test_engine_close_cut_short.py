@@ -5,7 +5,7 @@ engine; with real engines, and a close() that the handler calls inside another: 
 from __future__ import annotations
 
 import pytest
-from fakes import MooncakeStandIn
+from fakes import MooncakeStandIn, interrupted_once
 
 from transfer import engine as engine_module
 from transfer.engine import Engine
@@ -39,20 +39,10 @@ def rig(monkeypatch):
     engine.close()
 
 
-def _interrupted_once(call):
-    calls = []
-
-    def interrupted(*args, **kwargs):
-        if not calls:
-            calls.append(1)
-            raise KeyboardInterrupt
-        return call(*args, **kwargs)
-    return interrupted
-
 
 def test_a_close_cut_short_before_it_let_go_of_anything_is_finished_by_the_next(rig):
     engine, fake = rig
-    engine._wait_for_registrations = _interrupted_once(engine._wait_for_registrations)
+    engine._wait_for_registrations = interrupted_once(engine._wait_for_registrations)
     with pytest.raises(KeyboardInterrupt):
         engine.close()
     assert engine.closed and engine.registered() == {ADDR: NBYTES} and engine._te is fake
