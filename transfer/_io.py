@@ -472,33 +472,45 @@ def recv_frames(sock: zmq.Socket) -> list[bytes] | None:
     The pyzmq path asks ZMQ_EVENTS first, so draining a socket ends without raising
     (and building) a zmq.Again, which cost more than a message.
     """
-    bounded = type(sock) is ControlListener
     while True:
-        if _NATIVE is not None:
-            try:
-                frames = (_NATIVE.zmq_recv_parts(sock.underlying, MAX_CONTROL_MESSAGE, MAX_CONTROL_PARTS)
-                          if bounded else _NATIVE.zmq_recv_parts(sock.underlying))
-            except OSError as exc:
-                raise _zmq_error(exc) from None
-            if type(frames) is not tuple:
-                return frames
-            total, parts = frames
-        else:
-            if not readable(sock):
-                return None
-            try:
-                frames = [_recv(sock, zmq.NOBLOCK)]
-                while _get(sock, zmq.RCVMORE):
-                    frames.append(_recv(sock, zmq.NOBLOCK))
-            except zmq.Again:
-                return None
-            if not bounded:
-                return frames
-            sizes = [len(frame) for frame in frames]
-            if not oversized(sizes):
-                return frames
-            total, parts = sum(sizes), len(sizes)
-        _dropped_oversized(total, parts)
+        frames = _recv_or_discard(sock)
+        if frames is not _DISCARDED:
+            return frames  # type: ignore[return-value]
+
+
+#: What _recv_or_discard() answers for a message it discarded for its size.
+_DISCARDED = object()
+
+
+def _recv_or_discard(sock: zmq.Socket) -> list[bytes] | None | object:
+    """recv_frames()'s one read: a message, None when none is queued, or _DISCARDED for one it discarded
+    (counted and warned about) for its size."""
+    if _NATIVE is not None:
+        try:
+            frames = (_NATIVE.zmq_recv_parts(sock.underlying, MAX_CONTROL_MESSAGE, MAX_CONTROL_PARTS)
+                      if type(sock) is ControlListener else _NATIVE.zmq_recv_parts(sock.underlying))
+        except OSError as exc:
+            raise _zmq_error(exc) from None
+        if type(frames) is not tuple:
+            return frames
+        total, parts = frames
+    else:
+        if not readable(sock):
+            return None
+        try:
+            frames = [_recv(sock, zmq.NOBLOCK)]
+            while _get(sock, zmq.RCVMORE):
+                frames.append(_recv(sock, zmq.NOBLOCK))
+        except zmq.Again:
+            return None
+        if type(sock) is not ControlListener:
+            return frames
+        sizes = [len(frame) for frame in frames]
+        if not oversized(sizes):
+            return frames
+        total, parts = sum(sizes), len(sizes)
+    _dropped_oversized(total, parts)
+    return _DISCARDED
 
 
 def _dropped_oversized(total: int, parts: int) -> None:
@@ -542,9 +554,12 @@ def take_asks(sock: zmq.Socket, most: int) -> tuple[list[TransferInfo], list[byt
 
 
 def _one_message(sock: zmq.Socket) -> tuple[list, list[bytes] | None, bool]:
-    """What a take call reads without the native core: one message, for the general path."""
-    frames = recv_frames(sock)
-    return [], frames, frames is None
+    """What a take call reads without the native core: one message, for the general path, or one discarded
+    for its size (then none, with the socket not empty, as natively): a caller counts it among those read."""
+    frames = _recv_or_discard(sock)
+    if frames is _DISCARDED:
+        return [], None, False
+    return [], frames, frames is None  # type: ignore[return-value]
 
 
 def _taken(take: Callable[..., tuple], sock: zmq.Socket, *args: object) -> tuple[list, list[bytes] | None, bool]:

@@ -43,6 +43,19 @@ def test_a_message_over_the_bounds_is_dropped_counted_and_the_next_one_is_read(z
     assert _io.oversized_dropped == before + 1
 
 
+def test_a_take_call_ends_at_a_message_discarded_for_its_size_having_read_only_it(zmq_path, listener):
+    # On both paths, so a caller can count the discard among the messages it reads per turn: a peer pushing
+    # only such messages must not keep it in one call.
+    push, pull = listener
+    before = _io.oversized_dropped
+    push.send_multipart([b"1"] * (_io.MAX_CONTROL_PARTS + 1))
+    push.send_multipart(status_frames(2, F, 0))
+    assert pull.poll(10_000)
+    assert _io.take_statuses(pull, {2: 0}, 8) == ([], None, False)
+    assert _io.oversized_dropped == before + 1
+    assert take_all(taking(pull, {2: 0}), 1, "settled") == [("message", status_frames(2, F, 0))]
+
+
 def test_at_most_the_messages_asked_for_are_taken_in_one_call(listener):
     push, pull = listener
     for room in range(10):

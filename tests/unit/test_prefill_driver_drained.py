@@ -34,8 +34,8 @@ class Failed(Exception):
 
 
 def scripted(monkeypatch, answers: list) -> None:
-    """_io.take_statuses answers `answers` in turn: (socket left empty?, n) for n lane Successes read, or
-    Failed to raise."""
+    """_io.take_statuses answers `answers` in turn: (socket left empty?, n) for n lane Successes read (then,
+    when not empty, the call's limit reached or one message discarded for its size), or Failed to raise."""
     script = deque(answers)
 
     def take(sock, lanes, most):
@@ -59,7 +59,7 @@ def ends_empty(answers: list, limit: int) -> bool:
         if answer is Failed:
             return False
         empty, settled = answer
-        limit -= settled
+        limit -= settled + 1  # a call that ends short of empty ends on a message: one more read
         if empty:
             return True
         if limit <= 0:

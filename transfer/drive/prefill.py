@@ -748,11 +748,12 @@ class PrefillDriver:
         while left > 0:
             settled, frames, empty = _io.take_statuses(self._status_sock, core.lanes, left)
             now = self.clock()
+            # The message that ended the call, if any, counts as one read: handled below, or discarded for its
+            # size (a peer pushing only such messages must not hold the lock for as long as it pushes).
+            left -= len(settled) + 1
             if settled:
-                left -= len(settled)
                 verifies += self._settle_lanes(now, settled)
             if frames is not None:
-                left -= 1
                 verifies += self._take_status(now, frames)
             if empty:
                 self._statuses_left = False
