@@ -117,6 +117,7 @@ MAX_REGIONS_PER_SESSION = 64
 _I64_MIN = -(1 << 63)
 _I64_MAX = (1 << 63) - 1
 _U64_MAX = (1 << 64) - 1
+_ADDRESS_END = 1 << 64  # one past the last byte a u64 pointer names
 # Native byte order, standard 8-byte size: SPEC.md's struct.pack("Q", p) without alignment padding.
 _POINTER = struct.Struct("=Q")
 _POINTER_PAIR = struct.Struct("=QQ")
@@ -1075,7 +1076,8 @@ def check_region(info: TransferInfo, registration: Registration, row_bytes: int,
     if region_len is not None:
         ptr, length, base = info.embedding_ptr, info.rows * row_bytes, registration.embedding_base
         # Inside, or empty: _outside()'s None, without its call.
-        if length and not (length > 0 and base <= ptr and ptr + length <= base + region_len):
+        if length and not (length > 0 and base <= ptr and ptr + length <= base + region_len
+                           and ptr + length <= _ADDRESS_END):
             reason = _outside("embedding", ptr, length, base, region_len)
             if reason is not None:
                 return f"room {info.room}: receiver {receiver_text(info.session_id)} {reason}"
@@ -1088,10 +1090,14 @@ def check_region(info: TransferInfo, registration: Registration, row_bytes: int,
 
 
 def _outside(what: str, ptr: int, length: int, base: int, region_len: int) -> str | None:
-    """Describe [ptr, ptr+length) escaping [base, base+region_len), or None; an empty write always fits."""
+    """Describe [ptr, ptr+length) escaping [base, base+region_len), or None; an empty write always fits.
+
+    A region announced past the end of the address space ends there: a range beyond it would wrap to
+    its bottom, outside the region.
+    """
     if length == 0:
         return None  # a zero-row shard writes nothing, so no address is touched
-    if length > 0 and base <= ptr and ptr + length <= base + region_len:
+    if length > 0 and base <= ptr and ptr + length <= min(base + region_len, _ADDRESS_END):
         return None
     return (f"{what} range [{ptr:#x}, {ptr + length:#x}) ({length} bytes) outside registered region "
             f"[{base:#x}, {base + region_len:#x})")

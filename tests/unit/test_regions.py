@@ -98,6 +98,22 @@ def test_deepstack_destinations_are_checked_against_their_own_length():
     assert reason is not None and "deepstack" in reason
 
 
+def test_a_region_announced_past_the_address_space_holds_no_destination_that_wraps():
+    # A destination past 2**64 is written at the bottom of the address space, outside the region; nor would the
+    # destination book see it overlap another room's write there.
+    top = (1 << 64) - 4096
+    book = RegionBook()
+    book.register(Registration("10.0.0.7", 5000, SESSION, top, top, 1 << 20, 1 << 20))
+    assert _check(book, _ask(top, rows=8)) is None  # 4096 bytes: the region's last
+    reason = _check(book, _ask(top, rows=9))
+    assert reason is not None and "outside registered region" in reason
+    assert _check(book, _ask(top + 512, rows=8)) is not None
+    deep = TransferInfo(1, "10.0.0.7", 5000, SESSION, top, top + 256, 8, 256, "torch.bfloat16", True, 1, 0, 8)
+    assert book.check([deep], 512, 32) is None
+    reason = book.check([deep], 512, 512)
+    assert reason is not None and "deepstack" in reason
+
+
 def test_once_a_session_announced_lengths_a_registration_without_them_is_refused():
     book = RegionBook()
     assert book.register(_reg(5000, 0x10000)) is None
