@@ -82,6 +82,21 @@ def test_an_item_sent_right_after_a_cancel_fails_once_its_grace_passed_without_a
     assert run.of(StartWrite) == []
 
 
+def test_a_tick_at_the_wake_up_the_grace_asked_for_ends_the_grace():
+    """The driver sleeps until next_wakeup() and ticks then: that tick must conclude what it woke for, even where
+    the cancel's time plus the grace rounds below the sum's exact value (10.7 + 0.1 - 10.7 < 0.1)."""
+    run = Run()
+    run(run.core.tick(10.7))  # the sweep's next turn after the grace's end
+    run(run.core.ask(_ask(2, OLD), 10.7))
+    run(run.core.cancel(_cancel(2), 10.7))
+    run(run.core.offer(_offer(2), 10.71))
+    due = run.core.next_wakeup()
+    assert due == 10.7 + REASK_GRACE_S and due - 10.7 < REASK_GRACE_S
+    run(run.core.tick(due))
+    assert run.conclusions() == [(2, TransferPoll.Failed, FailureKind.CANCELLED)]
+    assert run.core.next_wakeup() > due, "nothing left due then: the driver does not wake again at once"
+
+
 def test_a_new_ask_for_a_room_its_own_cancel_failed_in_flight_is_told_so_at_once():
     run = Run()
     run(run.core.offer(_offer(3), 0.0))

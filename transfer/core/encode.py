@@ -105,8 +105,11 @@ _BY_ROWS = attrgetter("row_start", "session_id")
 
 
 def _grace_over(cancelled_at: float, now: float) -> bool:
-    """Whether REASK_GRACE_S passed since a receiver's cancel: an item then waits no more for its new ask."""
-    return now - cancelled_at >= REASK_GRACE_S
+    """Whether REASK_GRACE_S passed since a receiver's cancel: an item then waits no more for its new ask.
+
+    Read as next_wakeup() computes the grace's end (the sum, not the difference, which may round below the
+    grace): a tick at the wake-up the grace asked for ends it."""
+    return now >= cancelled_at + REASK_GRACE_S
 
 
 @dataclass
