@@ -383,6 +383,9 @@ class _Pending:
     submitting: bool = True  # batches are still being handed to Mooncake (set and cleared under the engine lock)
     waiting: bool = False  # held back until its session's probe lets it go (set and cleared under the engine lock)
     probe: Probe | None = None  # the probe it waits on
+    # A stop signal's exception cut its submission short: a batch Mooncake took may read its sources under an id
+    # the call's answer would have given, until the transport goes.
+    cut_short: bool = False
     # One poller at a time reads its batches' statuses (Mooncake frees a batch when it answers it is over):
     # the engine's writes share the engine's lock for that, none holding it while it waits.
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -995,7 +998,8 @@ class Engine(RegisteredMemory):
             with self._lock:
                 if not held:
                     self._submitted(pending)
-                refused = not (pending.waiting or pending.submitting or pending.batches or pending.error is None)
+                refused = not (pending.waiting or pending.submitting or pending.batches or pending.cut_short
+                               or pending.error is None)
                 if refused:
                     self._pending.pop(ticket, None)  # refused with nothing in flight: fail at once
         if refused:
@@ -1067,13 +1071,32 @@ class Engine(RegisteredMemory):
                     break
                 if verdict is Verdict.GO:
                     pending.waiting, pending.probe, pending.submitting = False, None, True
-                    ready.append(pending)
+                    ready.append((ticket, pending))
                 else:
                     kept.append(ticket)  # refused: it fails when its owner polls it
             if kept:
                 self._held[session_id] = kept
-        for pending in ready:
-            self._submit(pending)
+        for i, (_, pending) in enumerate(ready):
+            try:
+                self._submit(pending)
+            except BaseException:
+                self._hold_again(session_id, ready[i + 1:])
+                raise
+
+    def _hold_again(self, session_id: str, writes: list[tuple[int, _Pending]]) -> None:
+        """Puts writes let go and not handed over (a stop signal's exception cut an older one's submission short)
+        back at the head of the session's held-back writes, for the next poll to submit; failed once closed."""
+        with self._lock:
+            for _, pending in writes:
+                pending.submitting = False
+                if self._closed:
+                    pending.error = self._describe_failure("write", pending.session_id, pending.dsts, pending.lens,
+                                                           "the engine closed before it was submitted")
+                else:
+                    pending.waiting = True
+            if writes and not self._closed:
+                self._held[session_id] = [ticket for ticket, _ in writes] + self._held.get(session_id, [])
+            self._changed.notify_all()  # close() waits for submissions to settle
 
     def _unhold(self, session_id: str, ticket: int) -> None:
         """Takes a failed ticket off its session's held-back writes, and the session off the book once none is
@@ -1103,18 +1126,25 @@ class Engine(RegisteredMemory):
                     batch_id = _native.mooncake_write(engine, handle, src, dst, length)
                 else:
                     batch_id = int(te.batch_transfer_async_write(session_id, [src], [dst], [length]))
-                    if engine and batch_id not in _BAD_BATCH_IDS:
-                        handle = self._open_handle(engine, session_id)
                 if batch_id in _BAD_BATCH_IDS:
                     pending.error = self._describe_failure(
                         "write", session_id, pending.dsts, pending.lens,
                         "Mooncake refused the batch: an unknown or unreachable session, or a peer that does "
                         "not run Mooncake (a `wire` prefill rank? both sides must use the same protocol)")
                     break
+                # Filed before the handle look-up, which may raise: the batch reads the source until it settled.
                 pending.batches.append(batch_id)
+                if engine and handle < 0:
+                    handle = self._open_handle(engine, session_id)
         except Exception as exc:  # noqa: BLE001 - the batches already submitted stay tracked
             pending.error = self._describe_failure("write", session_id, pending.dsts, pending.lens,
                                                    f"submitting failed: {exc}")
+        except BaseException:
+            # Raised as a call returned (where Python runs a signal's handler), it loses the batch id answered.
+            pending.cut_short = True
+            pending.error = self._describe_failure("write", session_id, pending.dsts, pending.lens,
+                                                   "its submission was cut short by a stop signal")
+            raise
         finally:
             # The clock starts once submitted: a handshake with a new peer may take a while.
             pending.deadline = time.monotonic() + self.transfer_timeout_s + sum(pending.lens) * 1e-9
@@ -1234,6 +1264,8 @@ class Engine(RegisteredMemory):
                     why = f"rc={rc}" if rc > -1000 else f"Mooncake could not read its status (code {-1000 - rc})"
                     pending.error = self._describe_failure("write", pending.session_id, pending.dsts, pending.lens,
                                                            why, remedy=_failed_write_remedy(pending.session_id))
+            if pending.cut_short and self._te is not None:
+                return False  # a batch it cannot read may still read its sources
             return not (pending.submitting or pending.waiting)  # a held-back write reads its sources later
 
     def _collect_overdue(self) -> None:
@@ -1358,10 +1390,12 @@ class Engine(RegisteredMemory):
         # timeout_s). Their tickets stay filed: an owner polling one later still learns how its write ended.
         for pending in writes:
             delay = POLL_MIN_S
-            while not self._advance(pending) and time.monotonic() <= min(pending.deadline, self._close_by):
+            # One cut short is never seen to settle: the transport's end below is what stops it.
+            while (not self._advance(pending) and not pending.cut_short
+                   and time.monotonic() <= min(pending.deadline, self._close_by)):
                 time.sleep(delay)
                 delay = min(delay * 2, POLL_MAX_S)
-            if pending.batches:
+            if pending.batches or pending.cut_short:
                 log.warning("closing %s: %s", self.session_id, self._describe_failure(
                     "write", pending.session_id, pending.dsts, pending.lens, "still in flight at close"))
         with self._lock:
