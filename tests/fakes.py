@@ -143,3 +143,13 @@ def interrupted_once(call: Any) -> Any:
             raise KeyboardInterrupt
         return call(*args, **kwargs)
     return interrupted
+
+
+def stand_in_mooncake(monkeypatch: Any, te: Any) -> None:
+    """Makes transfer.engine start `te` (a MooncakeStandIn) where it would start Mooncake's TransferEngine."""
+    from transfer import engine as engine_module
+
+    class Module:
+        TransferEngine = staticmethod(lambda: te)
+
+    monkeypatch.setattr(engine_module, "_import_engine", lambda: Module)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from fakes import MooncakeStandIn
+from fakes import MooncakeStandIn, stand_in_mooncake
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -59,10 +59,7 @@ def test_mooncake_timeout_status_is_a_warning_not_an_outcome(monkeypatch):
     per-poll signal ... not an outcome')."""
     fake = _ScriptedTE()
 
-    class FakeModule:
-        TransferEngine = staticmethod(lambda: fake)
-
-    monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
+    stand_in_mooncake(monkeypatch, fake)
     engine = Engine("127.0.0.1", protocol="tcp")
     buf = bytearray(64)
     addr = id(buf)  # any plausible address: the scripted engine reads nothing
@@ -80,10 +77,7 @@ def test_a_write_mooncake_reports_failed_says_what_to_check(monkeypatch):
     fake = _ScriptedTE()
     fake.script = [-1]
 
-    class FakeModule:
-        TransferEngine = staticmethod(lambda: fake)
-
-    monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
+    stand_in_mooncake(monkeypatch, fake)
     engine = Engine("127.0.0.1", protocol="tcp")
     buf = bytearray(64)
     engine.register(id(buf), 64)
@@ -109,10 +103,7 @@ def test_a_region_mooncake_would_not_unregister_stays_registered_and_its_tensor_
 
     fake = RefusingTE()
 
-    class FakeModule:
-        TransferEngine = staticmethod(lambda: fake)
-
-    monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
+    stand_in_mooncake(monkeypatch, fake)
     engine = Engine("127.0.0.1", protocol="tcp")
     tensor = torch.zeros(64, dtype=torch.uint8)
     addr, _ = engine.register(tensor)
@@ -347,10 +338,7 @@ class _BatchingTE(MooncakeStandIn):
 def _batching_engine(monkeypatch) -> tuple[Engine, _BatchingTE]:
     fake = _BatchingTE()
 
-    class FakeModule:
-        TransferEngine = staticmethod(lambda: fake)
-
-    monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
+    stand_in_mooncake(monkeypatch, fake)
     return Engine("127.0.0.1", protocol="tcp"), fake
 
 

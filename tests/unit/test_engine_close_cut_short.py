@@ -5,9 +5,8 @@ engine; with real engines, and a close() that the handler calls inside another: 
 from __future__ import annotations
 
 import pytest
-from fakes import MooncakeStandIn, interrupted_once
+from fakes import MooncakeStandIn, interrupted_once, stand_in_mooncake
 
-from transfer import engine as engine_module
 from transfer.engine import Engine
 
 ADDR, NBYTES = 0x10000, 1 << 20
@@ -29,10 +28,7 @@ def rig(monkeypatch):
     """(engine, fake): an engine on the stand-in with one region registered."""
     fake = _CountingTE()
 
-    class FakeModule:
-        TransferEngine = staticmethod(lambda: fake)
-
-    monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
+    stand_in_mooncake(monkeypatch, fake)
     engine = Engine("127.0.0.1", protocol="tcp", open_timeout_s=0)
     engine.register(ADDR, NBYTES)
     yield engine, fake

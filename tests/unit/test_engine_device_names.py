@@ -5,7 +5,7 @@ each piece exactly), and a name no RDMA device has refused with what is allowed.
 from __future__ import annotations
 
 import pytest
-from fakes import MooncakeStandIn
+from fakes import MooncakeStandIn, stand_in_mooncake
 
 from transfer import cli
 from transfer import engine as engine_module
@@ -59,10 +59,7 @@ class _Recording(MooncakeStandIn):
 def test_the_engine_gives_mooncake_the_names_stripped(monkeypatch):
     fake = _Recording()
 
-    class FakeModule:
-        TransferEngine = staticmethod(lambda: fake)
-
-    monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
+    stand_in_mooncake(monkeypatch, fake)
     engine = Engine("127.0.0.1", protocol="tcp", device_name=" mlx5_0, mlx5_1 ,")
     try:
         assert fake.initialized == ("127.0.0.1", "P2PHANDSHAKE", "tcp", "mlx5_0,mlx5_1")

@@ -5,7 +5,7 @@ SIGTERM handler raises KeyboardInterrupt wherever the main thread is). Its sourc
 from __future__ import annotations
 
 import pytest
-from fakes import FakeTime, MooncakeStandIn
+from fakes import FakeTime, MooncakeStandIn, stand_in_mooncake
 
 from transfer import engine as engine_module
 from transfer.engine import Engine, EngineError
@@ -77,10 +77,7 @@ def rig(monkeypatch):
     """(engine, fake): an engine whose calls go direct, on the stand-ins, its source memory registered."""
     fake = _BatchCountingTE()
 
-    class FakeModule:
-        TransferEngine = staticmethod(lambda: fake)
-
-    monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
+    stand_in_mooncake(monkeypatch, fake)
     monkeypatch.setattr(engine_module, "_bind_direct", lambda te, module: (1, "stand-in"))
     monkeypatch.setattr(engine_module, "_native", _NativeStandIn(fake))
     monkeypatch.setattr(engine_module, "time", FakeTime(100.0))
@@ -111,11 +108,8 @@ def test_a_write_whose_submission_a_stop_signal_cut_short_keeps_its_source_until
     let go of until close() destroyed the transport; close() does not wait out the write's transfer timeout."""
     fake = _InterruptedTE()
 
-    class FakeModule:
-        TransferEngine = staticmethod(lambda: fake)
-
     clock = FakeTime(100.0)
-    monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
+    stand_in_mooncake(monkeypatch, fake)
     monkeypatch.setattr(engine_module, "_bind_direct", lambda te, module: (0, "stand-in"))
     monkeypatch.setattr(engine_module, "time", clock)
     engine = Engine("127.0.0.1", protocol="tcp", transfer_timeout_s=5.0, open_timeout_s=0)
@@ -136,11 +130,8 @@ def test_writes_let_go_together_after_one_whose_submission_was_cut_short_are_sub
     fake = _InterruptedTE()
     fake.send_probe = lambda session: 0
 
-    class FakeModule:
-        TransferEngine = staticmethod(lambda: fake)
-
     started = []
-    monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
+    stand_in_mooncake(monkeypatch, fake)
     monkeypatch.setattr(engine_module, "_bind_direct", lambda te, module: (0, "stand-in"))
     monkeypatch.setattr(engine_module, "FIRST_ANSWER_S", 0.0)
     monkeypatch.setattr(Engine, "_start_probe", lambda self, probe: started.append(probe))

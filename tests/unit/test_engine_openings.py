@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from fakes import FakeTime, MooncakeStandIn
+from fakes import FakeTime, MooncakeStandIn, stand_in_mooncake
 
 from transfer import engine as engine_module
 from transfer.engine import Engine, EngineError
@@ -41,10 +41,7 @@ def rig(monkeypatch):
     """(engine, fake, probes started): probes are recorded, and answered by the test."""
     fake = _ProbingTE()
 
-    class FakeModule:
-        TransferEngine = staticmethod(lambda: fake)
-
-    monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
+    stand_in_mooncake(monkeypatch, fake)
     monkeypatch.setattr(engine_module, "FIRST_ANSWER_S", 0.0)
     started = []
     monkeypatch.setattr(Engine, "_start_probe", lambda self, probe: started.append(probe))
@@ -144,10 +141,7 @@ def test_closing_fails_a_held_back_write_without_submitting_it(rig):
 def test_probing_can_be_turned_off(monkeypatch):
     fake = _ProbingTE()
 
-    class FakeModule:
-        TransferEngine = staticmethod(lambda: fake)
-
-    monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
+    stand_in_mooncake(monkeypatch, fake)
     with Engine("127.0.0.1", protocol="tcp", open_timeout_s=0) as engine:
         engine.register(SRC, 64)
         engine.write("peer:1", [SRC], [0x100], [64])

@@ -4,7 +4,7 @@ against a scripted transfer engine that counts the batches it allocated and free
 from __future__ import annotations
 
 import pytest
-from fakes import FakeTime, MooncakeStandIn
+from fakes import FakeTime, MooncakeStandIn, stand_in_mooncake
 
 from transfer import engine as engine_module
 from transfer.engine import OVERDUE_CHECK_AT, Engine, EngineError
@@ -45,11 +45,8 @@ def rig(monkeypatch):
     memory registered by the caller (no temporary registration comes and goes)."""
     fake = _BatchCountingTE()
 
-    class FakeModule:
-        TransferEngine = staticmethod(lambda: fake)
-
     clock = FakeTime(100.0)
-    monkeypatch.setattr(engine_module, "_import_engine", lambda: FakeModule)
+    stand_in_mooncake(monkeypatch, fake)
     monkeypatch.setattr(engine_module, "time", clock)
     engine = Engine("127.0.0.1", protocol="tcp", transfer_timeout_s=5.0, open_timeout_s=0)
     engine.register(SRC, 1 << 20)
