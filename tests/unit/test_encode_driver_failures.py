@@ -12,7 +12,8 @@ import math
 import pytest
 
 from transfer import _io
-from transfer.core.encode import EncodeCore, Offer, StartWrite
+from transfer.core.encode import Conclude, EncodeCore, Offer, PushStatus, Release, StartWrite
+from transfer.core.failure import Failure, FailureKind
 from transfer.drive import encode as drive
 from transfer.drive.encode import EncodeDriver, RoomBook, RoomState, SourceRegistry
 from transfer.metrics import Metrics
@@ -458,3 +459,49 @@ def test_a_write_goes_to_the_engines_async_call_or_to_its_synchronous_one_withou
     assert engine.events == [(call, "s1", (0x9000, 0xA000), (0x2000, 0x3000), (256, 64))]
     [flight] = driver._flights
     assert (flight.wid, flight.batch, flight.session, flight.nbytes) == (5, batch, "s1", 320)
+
+
+class _RefusingMetrics(Metrics):
+    """The caller's metrics, whose every count raises (an exporter that is down)."""
+
+    def inc(self, name: str, amount: float = 1, **labels: object) -> None:
+        raise Broken(f"cannot count {name}")
+
+
+def test_closing_with_counts_that_raise_still_fails_every_room_and_lets_go_of_every_source(make_driver, caplog):
+    """The first room's count raising stops neither the conclusions of the others (their waiters would wait out
+    their timeouts, their handles read them open after the close) nor the release of their sources."""
+    engine = FakeEngine()
+    sources = SourceRegistry(engine)
+    driver = make_driver(EncodeCore(now=0.0), engine, sources)
+    driver.book.metrics = _RefusingMetrics("epd_test")
+    states = [_sent(driver, room, sources, 0x1000 * room) for room in (1, 2, 3)]
+    with caplog.at_level(logging.ERROR, logger="transfer.sender"):
+        driver._close()
+    assert "closing the sender pool's driver failed" in caplog.text and "cannot count" in caplog.text
+    assert [driver.book.table.get(room) for room in (1, 2, 3)] == [TransferPoll.Failed] * 3
+    assert all(state.concluded_at is not None for state in states)
+    assert engine.regions == {} and sources.holding == 0
+    assert driver.pull.closed and driver.waker.closed
+
+
+def test_a_conclusion_whose_count_raises_stops_none_of_the_actions_after_it(make_driver):
+    """The receivers of the other rooms are still told Failed and their sources let go of; the count's error
+    is raised after."""
+    engine = FakeEngine()
+    sources = SourceRegistry(engine)
+    driver = make_driver(EncodeCore(now=0.0), engine, sources)
+    driver.book.metrics = _RefusingMetrics("epd_test")
+    pushed: list = []
+    driver.statuses.send = lambda endpoint, port, frames: pushed.append((endpoint, port))
+    first, second = (_sent(driver, room, sources, 0x1000 * room) for room in (1, 2))
+    failure = Failure(FailureKind.CLOSED, "sender pool closed")
+    with pytest.raises(Broken):
+        driver._carry([Conclude(1, first, TransferPoll.Failed, failure, 1.0),
+                       PushStatus("10.0.0.2", 7100, 2, TransferPoll.Failed, failure=failure),
+                       Conclude(2, second, TransferPoll.Failed, failure, 1.0), Release(2, second)])
+    assert pushed == [("10.0.0.2", 7100)]
+    assert [driver.book.table.get(room) for room in (1, 2)] == [TransferPoll.Failed] * 2
+    assert second.release is None
+    sources.flush()
+    assert engine.regions == {0x1000: 4 * 64 * 2}

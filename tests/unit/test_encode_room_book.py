@@ -196,3 +196,23 @@ def test_a_conclusion_of_a_send_concluded_already_answers_as_the_book_would(step
         outcomes.append((answers, [s.concluded_at for s in sends], {room: (book.table.get(room), book.table.failure(room))
                          for room in range(3)}, book.table.take_concluded(), rows))
     assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.parametrize("wait", [-1, 0.0], ids=["lock_free", "lock_held"])
+def test_fail_open_whose_counts_raise_still_fails_every_open_room_and_wakes_the_waiters(wait):
+    """The caller's metrics refuse every count (an exporter that is down): each open room still concludes
+    Failed and its waiters are told, whether the lock is free or a stuck send() holds it; the count's error
+    is raised after."""
+    book, states = _book_with(1, 2, 3)
+    book.metrics = _RefusingMetrics("test")
+    book.conclusions = notified = _Notified()  # type: ignore[assignment]
+    held = book.lock.acquire() if wait == 0.0 else False
+    try:
+        with pytest.raises(RuntimeError, match="exporter down"):
+            book.fail_open(Failure(FailureKind.CLOSED, "sender pool closed"), at=3.0, wait=wait)
+    finally:
+        if held:
+            book.lock.release()
+    assert [book.table.get(r) for r in (1, 2, 3)] == [TransferPoll.Failed] * 3
+    assert [state.concluded_at for state in states] == [3.0] * 3
+    assert notified.times == 3

@@ -168,7 +168,9 @@ class RoomBook:
 
         With the lock held by another thread past `wait` seconds (a send() stuck inside the caller's metrics,
         which holds it: clear() and send() wait behind it), the rooms are failed through the table, which
-        is thread-safe, without it."""
+        is thread-safe, without it. A count that raises (the caller's metrics) fails no room less: the
+        first such error is raised once every open room failed and its waiters were told."""
+        error: Exception | None = None  # the first count that raised: every room fails all the same
         if not self.lock.acquire(timeout=wait):
             for state in list(self.held.values()):
                 if state.concluded_at is None and self.table.conclude(state.room, TransferPoll.Failed, failure):
@@ -176,16 +178,23 @@ class RoomBook:
                     try:
                         _io.count_concluded(self.metrics, self.failures, state.room, False, failure,
                                             at - state.started_at)
+                    except Exception as exc:  # noqa: BLE001 - raised once the other rooms failed too
+                        error = error or exc
                     finally:
                         self.conclusions.notify()
-            return
-        try:
-            states = list(self.held.values())
-        finally:
-            self.lock.release()
-        for state in states:
-            if not is_terminal(self.table.get(state.room)):
-                self.conclude(state, TransferPoll.Failed, failure, at)
+        else:
+            try:
+                states = list(self.held.values())
+            finally:
+                self.lock.release()
+            for state in states:
+                if not is_terminal(self.table.get(state.room)):
+                    try:
+                        self.conclude(state, TransferPoll.Failed, failure, at)
+                    except Exception as exc:  # noqa: BLE001 - raised once the other rooms failed too
+                        error = error or exc
+        if error is not None:
+            raise error
 
     def parked(self) -> int:
         """Rooms sent whose receivers have not all asked yet (a scrape may come from any thread)."""
@@ -883,8 +892,11 @@ class EncodeDriver:
         """Carries out the core's actions, and those its answers to them bring, in order.
 
         `actions` (the core's answer, this call's to use up) takes those answers in place: a list's
-        loop goes on to what was put after its place, at the end or right after it.
+        loop goes on to what was put after its place, at the end or right after it. A count that raises
+        (the caller's metrics) stops none of the actions after it (the Failed statuses and releases of the
+        other rooms): the first such error is raised once they are carried out.
         """
+        error: Exception | None = None
         for at, action in enumerate(actions):
             kind = type(action)
             if kind is PushStatus:
@@ -905,7 +917,10 @@ class EncodeDriver:
                 if answer:  # mostly none: the write went out
                     actions.extend(answer)
             elif kind is Conclude:
-                self.book.conclude(action.token, action.status, action.failure, action.at)
+                try:
+                    self.book.conclude(action.token, action.status, action.failure, action.at)
+                except Exception as exc:  # noqa: BLE001 - its count's: the room concluded, and waiters were told
+                    error = error or exc
             elif kind is Progress:
                 self.book.progress(action.token, action.status, action.asked_at, action.at)
             elif kind is Release:
@@ -915,7 +930,12 @@ class EncodeDriver:
             elif kind is Warn:
                 self._warnings.warning(action.key, action.message, *action.args)
             elif kind is Count:
-                self.metrics.inc(action.metric, reason=action.reason)
+                try:
+                    self.metrics.inc(action.metric, reason=action.reason)
+                except Exception as exc:  # noqa: BLE001 - raised once the rest is carried out
+                    error = error or exc
+        if error is not None:
+            raise error
 
     def _start(self, write: StartWrite) -> list:
         """Submits one receiver's shard without waiting; returns the core's answer when it did not start."""
@@ -1129,8 +1149,10 @@ class EncodeDriver:
         if dropped:
             log.warning("sender pool of encode rank %d: dropped %d items its stopped thread never filed",
                         self.engine_rank, dropped)
-        self.book.fail_open(Failure(FailureKind.CLOSED, "sender pool closed"), self.clock())
-        # The sockets close next, their linger cut to what is left before close_by.
-        self.release_sources(math.inf if self.close_by is None else self.close_by - self._close_reserve / 2)
-        if not self._flights:
-            self.sources.retry()  # registrations an abandoned write held, if the engine let go since
+        try:
+            self.book.fail_open(Failure(FailureKind.CLOSED, "sender pool closed"), self.clock())
+        finally:  # however the rooms' counts went (the caller's metrics): the sources go all the same
+            # The sockets close next, their linger cut to what is left before close_by.
+            self.release_sources(math.inf if self.close_by is None else self.close_by - self._close_reserve / 2)
+            if not self._flights:
+                self.sources.retry()  # registrations an abandoned write held, if the engine let go since
