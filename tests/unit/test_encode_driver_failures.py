@@ -505,3 +505,16 @@ def test_a_conclusion_whose_count_raises_stops_none_of_the_actions_after_it(make
     assert second.release is None
     sources.flush()
     assert engine.regions == {0x1000: 4 * 64 * 2}
+
+
+def test_a_write_whose_byte_count_raises_is_still_told_to_the_core_as_over(make_driver):
+    """The write is over however the count of its bytes went: the core hears of it (its room may conclude
+    Success, its receiver be told so), and the count's error is raised after."""
+    engine = FakeEngine()
+    core = FakeCore()
+    driver = make_driver(core, engine)
+    driver.metrics = _RefusingMetrics("epd_test")
+    driver._flights = [_flight(1, 11, "s1", (0x9000, 256))]
+    with pytest.raises(Broken, match="bytes_written_total"):
+        driver._settle()
+    assert driver._flights == [] and core.done == [1]

@@ -1011,8 +1011,10 @@ class EncodeDriver:
         if failed is not None:
             self._carry(self.core.write_failed(flight.wid, failed, now - flight.submitted_at, now))
         else:
-            self.metrics.inc("bytes_written_total", flight.nbytes)
-            self._carry(self.core.write_done(flight.wid, flight.checksums, now))
+            try:
+                self.metrics.inc("bytes_written_total", flight.nbytes)
+            finally:  # the write is over however its count went (the caller's metrics): the core hears of it
+                self._carry(self.core.write_done(flight.wid, flight.checksums, now))
         return True
 
     def _writes_deadline(self, deadline: float) -> float:
