@@ -840,7 +840,8 @@ class Pushers:
 
     def __init__(self, hwm: int = STATUS_HWM, limit: int | None = None, idle_s: float = STATUS_IDLE_S,
                  connect_s: float = STATUS_CONNECT_S, on_dropped: Callable[[int], None] | None = None) -> None:
-        """`on_dropped(count)` hears of each drop as it is counted (under the pushers' lock)."""
+        """`on_dropped(count)` hears of each drop as it is counted (under the pushers' lock); an error it raises
+        is logged (throttled), and stops nothing."""
         self._hwm = hwm
         self._endpoints = StatusEndpoints(status_connection_limit() if limit is None else limit, idle_s, connect_s)
         self._sockets: dict[tuple[str, int], zmq.Socket] = {}
@@ -948,7 +949,10 @@ class Pushers:
         """Counts dropped statuses and warns, throttled (lock held)."""
         self.dropped += count
         if self._on_dropped is not None:
-            self._on_dropped(count)
+            try:
+                self._on_dropped(count)
+            except Exception as exc:  # noqa: BLE001 - a count (the caller's metrics) stops no close, send or watch
+                self._warn.warning("on_dropped", "counting %d dropped statuses failed: %r", count, exc)
         self._warn.warning(why, "dropping statuses to %s:%d: %s", host_text(key[0]), key[1], why)
         return False
 

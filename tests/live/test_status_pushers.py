@@ -218,3 +218,19 @@ def test_a_host_that_is_no_ip_address_closes_no_other_endpoint():
         assert list(pushers._sockets) == [_dead_endpoint(0)]
     finally:
         pushers.close()
+
+
+def test_a_count_of_dropped_statuses_that_raises_stops_neither_the_close_nor_a_send(caplog):
+    # The encode driver counts drops in the caller's metrics, whose exporter may raise: close() still
+    # closes every endpoint's socket and its waker, and a send() still answers False.
+    def refusing(count: int) -> None:
+        raise RuntimeError("exporter down")
+
+    pushers = _io.Pushers(connect_s=10.0, on_dropped=refusing)
+    for i in range(3):
+        pushers.send(*_dead_endpoint(i), status_frames(i, 0, 0))
+    with caplog.at_level(logging.WARNING, logger=_io.log.name):
+        pushers.close()
+    assert len(pushers) == 0 and pushers.dropped == 3
+    assert pushers.send(*_dead_endpoint(0), status_frames(0, 0, 0)) is False
+    assert any("exporter down" in m for m in caplog.messages), caplog.messages
