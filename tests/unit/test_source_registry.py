@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from transfer import _io
 from transfer.drive.encode import SourceRegistry
 
@@ -236,3 +238,40 @@ def test_a_sources_look_up_reads_no_snapshot_of_the_registrations_other_rooms_ho
     for release in [*held, inside, view]:
         release()
     assert dict(engine.regions) == {0x9000000: 4096} and len(sources.counts) == 0
+
+
+class _InterruptedWaiting:
+    """The registry's lock, whose next `with` raises KeyboardInterrupt while it waits (a stop signal landing in
+    a send() blocked behind another thread's deregistration); acquire() is left alone."""
+
+    def __init__(self, lock) -> None:
+        self._lock = lock
+        self.armed = False
+
+    def acquire(self, *args) -> bool:
+        return self._lock.acquire(*args)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> None:
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_a_hold_interrupted_while_it_files_its_registrations_lets_go_of_them():
+    engine = FakeEngine()
+    sources = SourceRegistry(engine)
+    release_first = sources.hold(_io.Region(0x1000, 256))
+    sources.lock = lock = _InterruptedWaiting(sources.lock)
+    lock.armed = True  # the next `with` is where the second hold files what it holds
+    with pytest.raises(KeyboardInterrupt):
+        sources.hold(_io.Region(0x1000, 256))
+    assert sources.counts.counts() == {0x1000: 1} and sources.holding == 1
+    release_first()
+    assert engine.regions == {} and len(sources.counts) == 0

@@ -277,9 +277,11 @@ class SourceRegistry:
         The release lets go once, however often it is called (release_all() may have let go
         already), and drops the registrations no room holds any more at once; `later=True` (the
         driver's) leaves them to the next flush(), which drops many in one engine call. If one
-        region cannot be registered, those already held are released before raising.
+        region cannot be registered, or a stop signal's exception lands while they are filed, those
+        already held are released before raising.
         """
         held: list[int] = []
+        key = next(self._keys)  # what the holds are filed under, once all are held
 
         def undo() -> None:
             if not held:
@@ -289,6 +291,7 @@ class SourceRegistry:
                           "registrations stayed held; they go with the engine", len(held))
                 return
             try:
+                self._holds.pop(key, None)  # filed already (an interrupt right after): let go of here, once
                 self._let_go(held)
                 self._drop_many(self._take_dropping(held))
             finally:
@@ -308,14 +311,15 @@ class SourceRegistry:
                             base = self._register(extent)
                 if base is not None:
                     held.append(base)
+            if not held:
+                return None
+            # Filed in the same try: a stop signal's exception while this waits for the lock (a deregistration
+            # holds it) lets go of what is held, which no release would otherwise ever reach.
+            with self.lock:
+                self._holds[key] = tuple(held)
         except BaseException:
             undo()
             raise
-        if not held:
-            return None
-        with self.lock:
-            key = next(self._keys)
-            self._holds[key] = tuple(held)
         return functools.partial(self._release, key)
 
     def _release(self, key: int, later: bool = False) -> None:
