@@ -335,7 +335,12 @@ class SenderPool:
             if refused is None:
                 return SendHandle(self, state)
         except BaseException as exc:
-            self._withdraw(state, counted, exc)
+            try:
+                self._withdraw(state, counted, exc)
+            except Exception as count_error:  # noqa: BLE001 - the withdrawal's count (the caller's metrics)
+                # The room is withdrawn all the same: the caller gets the send's own error (a stop signal's
+                # exception its handler waits for), not the count's.
+                log.warning("room %d: counting the withdrawn send as failed raised %r", room, count_error)
             raise
         if state.release is not None:
             state.release()

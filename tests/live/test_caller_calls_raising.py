@@ -97,6 +97,30 @@ def test_a_send_interrupted_after_queueing_its_item_fails_it_and_frees_the_room(
         received.clear()
 
 
+def test_a_send_interrupted_after_queueing_its_item_raises_the_interrupt_though_the_failures_count_raises(
+        engines, server, monkeypatch):
+    # The withdrawn room's conclusion counts as failed, and the exporter refuses that count: the caller still
+    # gets the stop signal's exception (which its handler waits for), not the count's, and the room is free.
+    encode, _ = engines
+    src = item_tensor(1, SPAN, HIDDEN)
+    metrics = Refusing("epd_encode", "rooms_failed_total")
+    with SenderPool(encode, 0, 1, 1, server.address, host=HOST, metrics=metrics) as pool:
+        offer = pool._driver.offer
+
+        def interrupted(item):
+            offer(item)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(pool._driver, "offer", interrupted)
+        metrics.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            pool.send(1, src)
+        monkeypatch.undo()
+        assert pool._book.held == {}
+        assert wait_until(lambda: not _registered(encode, src), WAIT_S)
+        metrics.armed = False
+
+
 def test_an_encode_clear_whose_count_raises_still_frees_the_room(engines, server):
     encode, _ = engines
     src = item_tensor(1, SPAN, HIDDEN)
