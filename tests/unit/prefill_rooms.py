@@ -73,3 +73,14 @@ def status_driver(kind: type | None = None):
     d._thread, d._cancels_out, d._sockets, d._watching = None, deque(), {}, {}
     d._awaiting_safe = AwaitingConfirmation(math.inf, 16)
     return d
+
+
+def reading_driver():
+    """A status_driver() for scripted reads of its status socket (what `_io.take_statuses` hands over): no
+    socket, a clock at 1.0, nothing read yet, and the rooms a read settles in lanes left alone."""
+    d = status_driver()
+    d._status_sock = None
+    d.clock = lambda: 1.0
+    d._statuses_left = d._drained = False
+    d._settle_lanes = lambda now, settled: []
+    return d

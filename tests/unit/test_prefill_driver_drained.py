@@ -12,7 +12,7 @@ from collections import deque
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from prefill_rooms import status_driver
+from prefill_rooms import reading_driver
 
 from transfer import _io
 from transfer.drive import prefill as drive
@@ -21,12 +21,7 @@ from transfer.drive.prefill import PrefillDriver
 
 def driver() -> PrefillDriver:
     """A driver with what its reads of the status socket use, and no thread or socket."""
-    d = status_driver()
-    d._status_sock = None
-    d.clock = lambda: 1.0
-    d._statuses_left = d._drained = False
-    d._settle_lanes = lambda now, settled: []  # the rooms a read settled are not this test's
-    return d
+    return reading_driver()
 
 
 class Failed(Exception):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 
-from prefill_rooms import status_driver
+from prefill_rooms import reading_driver
 
 from transfer import _io
 from transfer.drive import prefill as drive
@@ -17,12 +17,7 @@ from transfer.drive.prefill import PrefillDriver
 
 def driver() -> PrefillDriver:
     """A driver with what its reads of the status socket use, and no thread or socket."""
-    d = status_driver()
-    d._status_sock = None
-    d.clock = lambda: 1.0
-    d._statuses_left = d._drained = False
-    d._settle_lanes = lambda now, settled: []  # the rooms a read settled are not this test's
-    return d
+    return reading_driver()
 
 
 class Flooded(Exception):
