@@ -608,7 +608,7 @@ class RegisteredMemory:
     _registrations: threading.Condition
     _owners: dict[int, Any]
     _closed: bool
-    _released: threading.Event  # set once a _release() ran to its end
+    _released: bool  # once a _release() ran to its end (read and set under _releasing)
     _releasing: threading.Lock  # held by the close() running _release()
     _releaser: int | None = None  # the thread that runs it
 
@@ -629,14 +629,14 @@ class RegisteredMemory:
             if self._releaser == me:
                 return
         with self._releasing:
-            if self._released.is_set():
+            if self._released:
                 return
             self._releaser = me
             try:
                 self._release()
             finally:
                 self._releaser = None
-            self._released.set()
+            self._released = True
 
     def _release(self) -> None:
         """close()'s work: settle the writes, drop the memory, stop the transport."""
@@ -864,7 +864,7 @@ class Engine(RegisteredMemory):
         self._next_ticket = 0
         self._closed = False
         self._close_by = math.inf  # when close() stops waiting for writes in flight (its timeout_s)
-        self._released = threading.Event()  # set once close() released the memory and the transport
+        self._released = False  # close() released the memory and the transport
         self._releasing = threading.Lock()
         self._openings = Openings(open_timeout_s=self.open_timeout_s)
         self._te = mooncake_engine.TransferEngine()
@@ -873,7 +873,7 @@ class Engine(RegisteredMemory):
         if rc != 0:
             self._te = None
             self._closed = True
-            self._released.set()
+            self._released = True
             raise EngineError(
                 f"Mooncake engine failed to start on {hostname} with protocol {self.protocol} "
                 f"(device {device_name or 'auto'}, metadata {metadata}): rc={rc}; {_start_failure_hint(self.protocol)}")

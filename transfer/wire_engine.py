@@ -501,7 +501,7 @@ class WireEngine(RegisteredMemory):
         self._reading: dict[int, tuple[str, list[tuple[int, int]]]] = {}  # writes in flight: session, sources
         self._write_ids = itertools.count(1)
         self._closed = False
-        self._released = threading.Event()  # set once close() closed the connections and the listener
+        self._released = False  # close() closed the connections and the listener
         self._releasing = threading.Lock()
         self._sent = {"connections_opened": 0, "writes": 0, "bytes_sent": 0, "write_failures": 0, "retries": 0}
         self._batches: dict[int, Future] = {}
