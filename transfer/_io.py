@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
 import zmq
 
 from transfer import config
-from transfer._forks import forks
+from transfer._forks import forks, free_in_child
 from transfer.core.failure import FailureKind, without_room
 from transfer.errors import ConfigError, ConfigTypeError, ListenError, PortsInUse
 from transfer.frames import TransferInfo, host_text
@@ -93,7 +93,7 @@ SCHED_BATCH_ENV = "EPD_ZMQ_SCHED_BATCH"
 _context: zmq.Context | None = None
 _context_pid = 0
 _tcp_timeout_ms = 0  # EPD_ZMQ_TCP_TIMEOUT_S, read with the context
-_context_lock = threading.Lock()
+_context_lock = free_in_child(threading.Lock())
 
 
 
@@ -687,7 +687,7 @@ def count_concluded(metrics: Metrics, failures: ThrottledLog, room: int, succeed
 
 #: Control messages recv_frames() discarded for their size, in this process.
 oversized_dropped = 0
-_oversized_lock = threading.Lock()
+_oversized_lock = free_in_child(threading.Lock())
 _complaints = ThrottledLog(log)
 
 

@@ -13,6 +13,8 @@ import threading
 import time
 from typing import Any
 
+from transfer._forks import free_in_child
+
 __all__ = ["connect_within", "resolve"]
 
 
@@ -42,7 +44,7 @@ class _NameLookUp:
 # Host name look-ups under way, one per (host, port): a resolver that does not answer holds one
 # thread per name, however many requests wait for it.
 _name_lookups: dict[tuple[str, int], _NameLookUp] = {}
-_name_lookups_lock = threading.Lock()
+_name_lookups_lock = free_in_child(threading.Lock())
 
 
 def resolve(host: str, port: int, timeout: float) -> list[Any]:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -43,6 +42,7 @@ from typing import Any, TypedDict, TypeVar
 import torch
 
 from transfer import config
+from transfer._forks import free_in_child
 from transfer._io import Region
 from transfer.errors import ConfigError, ConfigTypeError, FallbackLimitError, SlotError
 from transfer.interfaces import EventLike, TransferEngineLike
@@ -127,19 +127,10 @@ class PoolStats(TypedDict):
 # would read another tensor's bytes.
 _Held = tuple[Callable[[], float], float, Region, EventLike | None, set[int] | None]
 _held: list[_Held] = []
-_held_lock = threading.Lock()
+_held_lock = free_in_child(threading.Lock())
 #: Quarantine and grace entry numbers, unique over every pool: a closed pool's hold names the quarantines it waits for.
 _entry_numbers = itertools.count()
 
-
-def _new_held_lock() -> None:
-    """In a forked child: a fresh lock (another thread may have held the parent's at the fork)."""
-    global _held_lock
-    _held_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_held_lock)
 
 
 def _hold(clock: Callable[[], float], deadline: float, region: Region, event: EventLike | None = None,

@@ -123,7 +123,7 @@ MAX_HANDLES = 65536
 
 #: Where the process stands with the direct calls once asked: (bound, why).
 _direct_bound: tuple[bool, str] | None = None
-_direct_lock = threading.Lock()
+_direct_lock = _forks.free_in_child(threading.Lock())
 
 
 def direct_calls_verdict(installed: Mapping[str, str], wanted: bool, has_pointer: bool) -> tuple[bool, str]:

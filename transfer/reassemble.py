@@ -58,6 +58,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from transfer._forks import free_in_child
 from transfer.errors import CollectiveError, ConfigError, UsageError
 from transfer.frames import shard_rows
 from transfer.status import TransferPoll
@@ -103,7 +104,7 @@ def _is_ok(ok: object) -> bool:
     return bool(ok)
 
 
-_turns_lock = threading.Lock()
+_turns_lock = free_in_child(threading.Lock())
 # One lock per process group; a destroyed group's lock goes with it.
 _turns: weakref.WeakKeyDictionary[dist.ProcessGroup, threading.Lock] = weakref.WeakKeyDictionary()
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from transfer import _io, config, frames
+from transfer._forks import free_in_child
 from transfer.bootstrap import checked_address, split_address
 from transfer.core.prefill import ENCODE_FAILED, RoomSpec
 from transfer.core.prefill_breaker import UNREACHABLE_RETRY_S
@@ -57,13 +58,13 @@ log = logging.getLogger("transfer.receiver")
 _managed_engines: weakref.WeakKeyDictionary[TransferEngineLike, tuple[int, int]] = weakref.WeakKeyDictionary()
 # Reentrant: a collection inside a hold of it (on whichever thread allocates) may run the finalizer of a
 # manager dropped in a reference cycle, which takes it too.
-_managed_lock = threading.RLock()
+_managed_lock = free_in_child(threading.RLock())
 # Engines whose session manager was dropped without close() and is being closed: set once it is.
 _closing_engines: weakref.WeakKeyDictionary[TransferEngineLike, threading.Event] = weakref.WeakKeyDictionary()
 #: Seconds a new session manager waits for the close of one dropped on its engine.
 DROPPED_CLOSE_WAIT_S = 30.0
 # Guards each room's `lease` while it is taken back, by clear() or close().
-_leases_lock = threading.Lock()
+_leases_lock = free_in_child(threading.Lock())
 # The torch.dtype of each wire dtype name a pooled receive() leased rows of (torch is imported at the first).
 _torch_dtypes: dict[str, torch.dtype] = {}
 

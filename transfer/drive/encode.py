@@ -223,7 +223,7 @@ class _EngineSources:
 # Engine -> the source registrations its sender pools share. Weakly keyed, and nothing in a
 # value refers to its engine, so an entry goes with its engine.
 _engine_sources: weakref.WeakKeyDictionary[Any, _EngineSources] = weakref.WeakKeyDictionary()
-_engine_sources_lock = threading.Lock()
+_engine_sources_lock = _forks.free_in_child(threading.Lock())
 
 
 def _sources_of(engine: Any) -> _EngineSources:
