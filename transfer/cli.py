@@ -110,13 +110,13 @@ def _shard_mode(sc) -> str:
 
 
 def _verified_text(summary: dict) -> str:
-    """`yes` only when bytes landed and every one matched; otherwise NO and why."""
+    """`yes` only when a room landed and every landed byte matched; otherwise NO and why."""
     if summary["verified"]:
         return "yes"
+    if summary["mismatches"]:  # first: a rank whose shards are empty may still find bytes written outside them
+        return "NO (landed bytes differ from what was sent)"
     if summary["bytes"] == 0:
         return "NO (no item landed)"
-    if summary["mismatches"]:
-        return "NO (landed bytes differ from what was sent)"
     return "NO (not every landed byte was checked)"
 
 

@@ -955,8 +955,9 @@ def summarize(sc: Scenario, reports: list[dict]) -> dict:
         "bytes": nbytes,
         "failed": len(failed),
         "retried": sum(r["retried"] for r in prefill),  # asks again of rooms failed while a bootstrap was paused
-        # Nothing landed is nothing verified: a run whose every room failed must not read as checked.
-        "verified": nbytes > 0 and sum(r["verified_bytes"] for r in prefill) == nbytes and not bad,
+        # No room landed is nothing verified: a run whose every room failed must not read as checked. A room
+        # that landed no bytes (an empty shard: a span smaller than the group) was checked, its slot untouched.
+        "verified": bool(latencies) and sum(r["verified_bytes"] for r in prefill) == nbytes and not bad,
         "gbps": nbytes / wall / 1e9 if wall > 0 else 0.0,
         "p50_ms": _percentile(latencies, 50) * 1e3,
         "p99_ms": _percentile(latencies, 99) * 1e3,

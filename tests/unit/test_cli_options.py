@@ -93,6 +93,21 @@ def test_summarize_does_not_verify_a_run_where_nothing_landed():
     assert summary["verified"] is False and summary["failed"] == 2
 
 
+def test_summarize_verifies_a_prefill_rank_whose_every_shard_is_empty():
+    # A span smaller than the prefill group leaves a rank no rows: its rooms succeed with nothing written, and
+    # its check is that the whole slot kept its sentinel bytes (as `epd-transfer rank` reports one rank).
+    sc = harness.Scenario(items=2, prefill_ranks=2, span=1)
+    empty = {"role": "prefill", "rank": 1, "rooms": [0, 1], "failed": [], "latencies": [0.001, 0.001],
+             "bytes": 0, "verified_bytes": 0, "bad": [], "retried": 0, "t_start": 1.0, "t_end": 2.0}
+    summary = harness.summarize(sc, [empty])
+    assert summary["verified"] is True and summary["failed"] == 0 and summary["bytes"] == 0
+    touched = {**empty, "bad": ["room 1: bytes outside the shard were written"]}
+    assert harness.summarize(sc, [touched])["verified"] is False
+    said = cli._verified_text(_summary(failed=0, failures=[], mismatches=["prefill 1 room 1: bytes outside the "
+                                                                          "shard were written"]))
+    assert said == "NO (landed bytes differ from what was sent)"
+
+
 def test_a_demo_where_every_room_failed_says_verified_no(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_probe_mooncake", lambda: (True, "imports"))
     monkeypatch.setattr(harness, "run", lambda sc: _summary())
