@@ -187,18 +187,18 @@ def check_mooncake(probe: Probe) -> tuple[list[Check], dict]:
         detail = "no mooncake-transfer-engine wheel installed"
         if imports:
             detail = "mooncake imports but no wheel metadata (source build?)"
-            return [Check("mooncake", "ok", f"{detail}, {how}")], info
+            checks = [Check("mooncake", "ok", f"{detail}, {how}")]
+            if how == IMPORTS_NO_PROBE:
+                checks.append(_no_probe_check(f"rebuild Mooncake from a source whose TransferEngine has "
+                                              f"send_probe, or {wheel_fix}"))
+            return checks, info
         return [Check("mooncake", "fail", detail, wheel_fix)], info
     names = ", ".join(f"{d['name']} {d['version']} ({d['flavour']})" for d in dists)
     checks = []
     if imports:
         checks.append(Check("mooncake", "ok", f"{names}, {how}"))
         if how == IMPORTS_NO_PROBE:
-            checks.append(Check(
-                "mooncake-probe", "warn",
-                "without send_probe, a peer stopped at its first contact holds every write of this "
-                "engine for up to 60 s (docs/guarantees.md)",
-                f"pip install --upgrade {dists[0]['name']}"))
+            checks.append(_no_probe_check(f"pip install --upgrade {dists[0]['name']}"))
     else:
         if "libibverbs" in how or "libnuma" in how:
             fix = "apt-get install libibverbs1 libnuma1"
@@ -222,6 +222,13 @@ def check_mooncake(probe: Probe) -> tuple[list[Check], dict]:
             "GPU memory cannot be registered with it over tcp (host memory works)",
             f"pip uninstall {dists[0]['name']} && pip install mooncake-transfer-engine"))
     return checks, info
+
+
+def _no_probe_check(fix: str) -> Check:
+    """The warning for a binding whose TransferEngine has no send_probe, with `fix`."""
+    return Check("mooncake-probe", "warn",
+                 "without send_probe, a peer stopped at its first contact holds every write of this "
+                 "engine for up to 60 s (docs/guarantees.md)", fix)
 
 
 # ---- system libraries ---------------------------------------------------------

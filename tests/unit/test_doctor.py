@@ -236,6 +236,15 @@ def test_a_binding_without_send_probe_warns_of_the_frozen_peer_stall(monkeypatch
     assert [c.name for c in doctor.check_mooncake(ok_probe)[0]] == ["mooncake"]
 
 
+def test_a_source_build_without_send_probe_warns_of_the_frozen_peer_stall_too(monkeypatch):
+    monkeypatch.setattr(doctor, "mooncake_distributions", list)  # no wheel metadata: built from source
+    checks, info = doctor.check_mooncake(lambda: (True, doctor.IMPORTS_NO_PROBE))
+    assert [(c.name, c.level) for c in checks] == [("mooncake", "ok"), ("mooncake-probe", "warn")]
+    assert "60 s" in checks[1].detail and "send_probe" in checks[1].fix
+    assert info["imports"] is True
+    assert [c.name for c in doctor.check_mooncake(ok_probe)[0]] == ["mooncake"]
+
+
 def test_missing_mooncake_fails_with_the_wheel_fix(monkeypatch):
     monkeypatch.setattr(doctor, "mooncake_distributions", list)
     checks, _ = doctor.check_mooncake(bad_probe)
