@@ -160,7 +160,9 @@ def probe_mooncake_import(timeout_s: float | None = None) -> tuple[bool, str]:
     except subprocess.TimeoutExpired:
         return False, f"import mooncake.engine hung for more than {timeout_s:g}s"
     if done.returncode == 0:
-        return True, done.stdout.strip() or "imports"
+        # The import may print lines of its own: the verdict is the line the probe printed, not all of stdout.
+        verdicts = [ln.strip() for ln in done.stdout.splitlines() if ln.strip() in ("imports", IMPORTS_NO_PROBE)]
+        return True, verdicts[-1] if verdicts else "imports"
     if done.returncode < 0:
         return False, f"import mooncake.engine crashed (signal {-done.returncode})"
     lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()]

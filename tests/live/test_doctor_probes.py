@@ -44,6 +44,17 @@ def test_probe_timeout_is_reported():
     assert not ok and "hung for more than" in detail
 
 
+def test_what_the_mooncake_import_prints_is_not_taken_for_the_probe_verdict(tmp_path, monkeypatch):
+    shadow = tmp_path / "mooncake"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("print('mooncake: a line a build prints as it loads')\n")
+    (shadow / "engine.py").write_text("class TransferEngine:\n    pass\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(ROOT)]))
+    assert doctor.probe_mooncake_import(timeout_s=60) == (True, doctor.IMPORTS_NO_PROBE)
+    (shadow / "engine.py").write_text("class TransferEngine:\n    def send_probe(self):\n        pass\n")
+    assert doctor.probe_mooncake_import(timeout_s=60) == (True, "imports")
+
+
 @pytest.mark.parametrize("argv", [["demo", "--items", "1"], ["bench", "--quick"],
                                   ["rank", "--role", "prefill", "--rank", "0", "--bootstrap", "127.0.0.1:1",
                                    "--bootstrap-timeout", "30"]], ids=["demo", "bench", "rank"])
