@@ -780,9 +780,10 @@ def run(sc: Scenario) -> dict:
     """Runs the scenario end to end in separate processes; returns the summary.
 
     Each rank's output goes to a log of its own. A rank that crashes or dies ends the
-    run at once (RuntimeError), one that hangs ends it at sc.timeout_s (TimeoutError),
-    naming the rank and quoting the end of its log. Every rank is stopped on the way
-    out (Ctrl-C included), and the logs go with the run.
+    run at once (RuntimeError), as does one that exits with an error after its report;
+    one that hangs ends it at sc.timeout_s (TimeoutError); each error names the rank and
+    quotes the end of its log. Every rank is stopped on the way out (Ctrl-C included),
+    and the logs go with the run.
     """
     from transfer.bootstrap import BootstrapServer
 
@@ -823,7 +824,12 @@ def run(sc: Scenario) -> dict:
             go_evt.set()
             for r in ranks:
                 r.proc.join(timeout=max(1.0, deadline - time.monotonic()))
+            exits = [(r, r.proc.exitcode) for r in ranks]  # before _stop, whose signals are not a rank's failure
             _stop(ranks)
+        # A rank that crashed after its report (in its engine's close, at its interpreter's exit) is a failed run.
+        for exited, code in exits:
+            if code:
+                raise RuntimeError(f"{exited.name} died ({_exit_text(code)}) after its report; {_log_tail(exited)}")
     return summarize(sc, reports)
 
 
