@@ -33,6 +33,13 @@ IMPORT_TIMEOUT_S = 60.0
 # How long torch's import and CUDA query may take in their subprocess before we call them hung.
 CUDA_TIMEOUT_S = 60.0
 
+# How long a probe's child that ran past its timeout is waited for once killed: one stuck in the kernel (a
+# driver's uninterruptible wait, as on a GPU fallen off the bus) outlives SIGKILL, and is left behind.
+REAP_TIMEOUT_S = 5.0
+
+# What a hung probe's line adds when its child outlived SIGKILL.
+UNKILLABLE = ", and its process could not be killed (stuck in the kernel: see dmesg)"
+
 # Mooncake distributions and the build each one is (they all install `mooncake`).
 MOONCAKE_FLAVOURS = {
     "mooncake-transfer-engine": "CUDA build",
@@ -149,16 +156,38 @@ def mooncake_distributions() -> list[dict]:
 IMPORTS_NO_PROBE = "imports, but its TransferEngine has no send_probe"
 
 
+def _run_probe(code: str, timeout_s: float) -> tuple[subprocess.CompletedProcess | None, bool]:
+    """`python -c code` in a child process, its output captured: (the finished child, False), or (None, whether
+    it still runs) where it ran past timeout_s. Such a child is killed and waited for at most REAP_TIMEOUT_S:
+    subprocess.run's wait after its kill has no bound, and one stuck in the kernel would hang the doctor."""
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        out, err = child.communicate(timeout=timeout_s)
+    except BaseException as stopped:  # the timeout, or Ctrl-C: the child goes too
+        child.kill()
+        try:
+            child.communicate(timeout=REAP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for stream in (child.stdout, child.stderr):
+                if stream is not None:
+                    stream.close()
+        if not isinstance(stopped, subprocess.TimeoutExpired):
+            raise
+        return None, child.poll() is None
+    return subprocess.CompletedProcess(child.args, child.returncode, out, err), False
+
+
 def probe_mooncake_import(timeout_s: float | None = None) -> tuple[bool, str]:
     """Import mooncake.engine in a child process (a crash or hang cannot take the doctor down)."""
     timeout_s = IMPORT_TIMEOUT_S if timeout_s is None else timeout_s
     code = ("import mooncake.engine as e; "
             f"print('imports' if hasattr(e.TransferEngine, 'send_probe') else {IMPORTS_NO_PROBE!r})")
-    try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
-        return False, f"import mooncake.engine hung for more than {timeout_s:g}s"
+    done, left = _run_probe(code, timeout_s)
+    if done is None:
+        return False, f"import mooncake.engine hung for more than {timeout_s:g}s{UNKILLABLE if left else ''}"
     if done.returncode == 0:
         # The import may print lines of its own: the verdict is the line the probe printed, not all of stdout.
         verdicts = [ln.strip() for ln in done.stdout.splitlines() if ln.strip() in ("imports", IMPORTS_NO_PROBE)]
@@ -393,11 +422,10 @@ def probe_cuda(timeout_s: float | None = None) -> dict:
     crashes in cuInit (a GPU fallen off the bus) cannot take the doctor down. torch, torch_cuda, available and
     devices; import_error when torch does not import, error when the query failed, hung or crashed."""
     timeout_s = CUDA_TIMEOUT_S if timeout_s is None else timeout_s
-    try:
-        done = subprocess.run([sys.executable, "-c", _CUDA_QUERY], capture_output=True, text=True,
-                              timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
-        return {"error": f"the CUDA query (torch.cuda.is_available()) hung for more than {timeout_s:g}s"}
+    done, left = _run_probe(_CUDA_QUERY, timeout_s)
+    if done is None:
+        return {"error": f"the CUDA query (torch.cuda.is_available()) hung for more than {timeout_s:g}s"
+                         f"{UNKILLABLE if left else ''}"}
     lines = done.stdout.strip().splitlines()
     try:
         info = json.loads(lines[-1]) if done.returncode == 0 and lines else None

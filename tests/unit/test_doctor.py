@@ -368,3 +368,56 @@ def test_a_wheel_that_does_not_match_the_host_warns(monkeypatch, name, flavour, 
     assert [(c.name, c.level, c.detail, c.fix) for c in checks[1:]] == [("mooncake-wheels", "warn", said, fix)]
     monkeypatch.setattr(doctor, "_cuda_host", lambda: not nvidia)
     assert [c.name for c in doctor.check_mooncake(ok_probe)[0]] == ["mooncake"]
+
+
+class UnkillableChild:
+    """A probe's child that never ends, SIGKILL included (a process stuck in the kernel, as in a driver's
+    uninterruptible wait): each wait on it runs out, and a wait without a bound would never return."""
+
+    instances: list[UnkillableChild] = []
+
+    def __init__(self, args, **_kwargs) -> None:
+        self.args = args
+        self.returncode = None
+        self.killed = False
+        self.stdout = io.StringIO()
+        self.stderr = io.StringIO()
+        UnkillableChild.instances.append(self)
+
+    def _runs_out(self, timeout):
+        if timeout is None:
+            raise AssertionError("an unbounded wait for a child that never ends")
+        raise doctor.subprocess.TimeoutExpired(self.args, timeout)
+
+    def communicate(self, input=None, timeout=None):
+        self._runs_out(timeout)
+
+    def wait(self, timeout=None):
+        self._runs_out(timeout)
+
+    def poll(self):
+        return None
+
+    def kill(self) -> None:
+        self.killed = True
+
+    terminate = kill
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wait()  # as subprocess.Popen's, which waits without a bound
+
+
+@pytest.mark.parametrize("probe, hung", [
+    (lambda: doctor.probe_mooncake_import(timeout_s=1), lambda found: found[1]),
+    (lambda: doctor.probe_cuda(timeout_s=1), lambda found: found["error"]),
+], ids=["mooncake", "cuda"])
+def test_a_probe_whose_child_cannot_be_killed_still_ends_saying_so(monkeypatch, probe, hung):
+    UnkillableChild.instances.clear()
+    monkeypatch.setattr(doctor.subprocess, "Popen", UnkillableChild)
+    said = hung(probe())
+    assert "hung for more than 1s" in said and "could not be killed" in said and "dmesg" in said, said
+    (child,) = UnkillableChild.instances
+    assert child.killed
