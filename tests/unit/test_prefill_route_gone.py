@@ -12,6 +12,7 @@ from transfer.core.prefill import (
     Announce,
     Conclude,
     Disconnect,
+    LookUpParallel,
     LookUpRoute,
     SendAsk,
     SendCancel,
@@ -200,3 +201,53 @@ def test_with_encode_dp_a_route_gone_names_the_engine_rank_its_statuses_carry():
     c.connection_dropped(0.2, ENCODE)
     [failure] = concluded(c.route_missing(0.3, (BOOT, 1, 1), "no route")).values()
     assert failure.detail.startswith(f"encode rank 3 (dp group 1) is no longer registered at bootstrap {BOOT}")
+
+
+def _two_groups_found(c) -> None:
+    """Prefill tp 2 over an encode side of 2 ranks in 2 dp groups: rooms go by their parity, each group's one
+    rank found (group 0's at ENCODE, group 1's at GROUP1), and those rooms cleared."""
+    assert c.receive(0.0, spec(0))[1] == [LookUpParallel(BOOT)]
+    assert c.parallel_resolved(0.0, BOOT, 2, 2) == [LookUpRoute(KEY0)]
+    assert SendAsk in [type(a) for a in c.route_resolved(0.0, KEY0, ENCODE)]
+    assert c.receive(0.0, spec(1, slot=1))[1] == [LookUpRoute(KEY1)]
+    assert SendAsk in [type(a) for a in c.route_resolved(0.0, KEY1, GROUP1)]
+    c.clear(0.0, 0)
+    c.clear(0.0, 1)
+
+
+KEY1, GROUP1 = (BOOT, 1, 0), ("10.0.0.4", 7000)
+
+
+def test_a_missing_route_has_the_sizes_read_again_and_rooms_follow_a_deployment_resized_since():
+    """The encode side restarted with one dp group where it had two: group 1's route is gone, and the rooms
+    that would go there fail. The 404 has the sizes read again, rooms waiting for nothing meanwhile, and
+    once the server tells the new sizes every room goes to group 0, not to the gone group for ever."""
+    c = core(tp_size=2)
+    _two_groups_found(c)
+    c.connection_dropped(0.1, GROUP1)
+    assert c.receive(0.2, spec(3, slot=3))[1] == [LookUpRoute(KEY1)]
+    actions = c.route_missing(0.3, KEY1, f"no route for encode rank 0 in dp group 1 at {BOOT}")
+    assert list(concluded(actions)) == [3]
+    assert LookUpParallel(BOOT) in actions
+    # Rooms of the route still found meanwhile go as before, on the sizes known.
+    assert SendAsk in [type(a) for a in c.receive(0.35, spec(4, slot=4))[1]]
+    assert c.route_missing(0.36, KEY1, "no route") == [], "one read of the sizes at a time"
+    assert c.parallel_resolved(0.4, BOOT, 2, 1) == []
+    # Group 0's one route was computed under the old sizes too: it is looked up again, then every room goes there.
+    assert c.receive(0.5, spec(5, slot=5))[1] == [LookUpRoute(KEY0)]
+    assert SendAsk in [type(a) for a in c.route_resolved(0.6, KEY0, ENCODE)]
+    assert SendAsk in [type(a) for a in c.receive(0.7, spec(7, slot=7))[1]]
+
+
+def test_sizes_read_again_and_found_unchanged_keep_every_route_and_a_failed_read_fails_no_room():
+    c = core(tp_size=2)
+    _two_groups_found(c)
+    c.connection_dropped(0.1, GROUP1)
+    c.receive(0.2, spec(3, slot=3))
+    assert LookUpParallel(BOOT) in c.route_missing(0.3, KEY1, "no route")
+    assert c.lookup_failed(0.4, BOOT, None, "bootstrap server unreachable for parallel info: timed out", 0.01) == []
+    assert SendAsk in [type(a) for a in c.receive(0.5, spec(4, slot=4))[1]], "the sizes known still serve"
+    c.receive(0.6, spec(5, slot=5))
+    assert LookUpParallel(BOOT) in c.route_missing(0.7, KEY1, "no route"), "read again after the failed read"
+    assert c.parallel_resolved(0.8, BOOT, 2, 2) == []
+    assert SendAsk in [type(a) for a in c.receive(0.9, spec(6, slot=6))[1]], "group 0's route kept"

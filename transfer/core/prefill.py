@@ -389,6 +389,7 @@ class PrefillCore:
         self._tokens = 0
         self._deadlines: list[tuple[float, int, _Room]] = []
         self._parallel: dict[str, tuple[int, int]] = {}
+        self._sizes_reread: set[str] = set()  # servers whose sizes a 404 had read again, that read not answered yet
         self._routes: dict[RouteKey, Address] = {}
         self._resolved: dict[RouteKey, Address] = {}  # where each route was last found, kept when forgotten
         self._instances: dict[RouteKey, str] = {}  # the registration each route was last found of (our servers say)
@@ -615,7 +616,13 @@ class PrefillCore:
         return state.safe
 
     def parallel_resolved(self, now: float, bootstrap_addr: str, encode_tp: int, encode_dp: int) -> list:
-        """The bootstrap server told the encode side's sizes."""
+        """The bootstrap server told the encode side's sizes. Sizes other than those known before (the encode
+        side restarted resized) forget the routes found at that server: each was computed from the old ones."""
+        self._sizes_reread.discard(bootstrap_addr)
+        before = self._parallel.get(bootstrap_addr)
+        if before is not None and before != (encode_tp, encode_dp):
+            for key in [key for key in self._routes if key[0] == bootstrap_addr]:
+                del self._routes[key]
         remember(self._parallel, bootstrap_addr, (encode_tp, encode_dp), MAX_SIZES)
         self.breaker.succeeded(bootstrap_addr)
         actions: list = []
@@ -694,6 +701,8 @@ class PrefillCore:
         paused = self.breaker.failed(bootstrap_addr, now, took_s, detail)
         if key is not None:
             self._probes.pop(key, None)
+        else:
+            self._sizes_reread.discard(bootstrap_addr)
         waiting = self._awaiting_parallel.pop(bootstrap_addr, ()) if key is None else self._awaiting_route.pop(key, ())
         failure = Failure(FailureKind.BOOTSTRAP, f"bootstrap {bootstrap_addr}: {detail}",
                           retry_at=now + self.breaker.retry_s if paused else None)
@@ -702,6 +711,10 @@ class PrefillCore:
     def route_missing(self, now: float, key: RouteKey, detail: str) -> list:
         """The bootstrap server answered that no encode rank is registered under `key` (a 404; `detail`
         says so). An answer, not an unreachable server: its breaker stays shut for its other routes.
+
+        The server's sizes are read again (one read at a time; no room waits for it, the sizes known
+        serve meanwhile): a deployment restarted with other sizes has no such route any more, and
+        rooms of the new sizes go elsewhere (`parallel_resolved`).
 
         Every room of that route that could only ever be served through a new registration fails
         now: those waiting for the look-up, asks waiting for a socket at the route's last address
@@ -742,6 +755,9 @@ class PrefillCore:
             self.asks.prune(addr, self._queued)
         if key in self._stranded:
             self._still_stranded(key)
+        if bootstrap in self._parallel and bootstrap not in self._sizes_reread:
+            self._sizes_reread.add(bootstrap)
+            actions.append(LookUpParallel(bootstrap))
         for old in dict.fromkeys((last, probed)):
             if old is not None:
                 actions += self._retire(now, old)
@@ -1397,8 +1413,10 @@ class PrefillCore:
             waiting = self._awaiting_route.setdefault(key, [])
             action = LookUpRoute(key)
         waiting.append(state)
-        # One look-up a key: a route looked up again for asks waiting elsewhere answers these too.
-        return [action] if len(waiting) == 1 and key not in self._probes else []
+        # One look-up a key: a route looked up again for asks waiting elsewhere answers these too, and sizes
+        # read again after a 404 answer the rooms that wait for them since.
+        under_way = key in self._probes if key is not None else bootstrap in self._sizes_reread
+        return [action] if len(waiting) == 1 and not under_way else []
 
     def _ask(self, now: float, state: _Room, addr: Address, defer: bool = False) -> list:
         """Asks for the room now, or files it behind the asks waiting for the same socket
