@@ -556,9 +556,10 @@ def _wait_for_route(who: str, bootstrap: str, encode_rank: int, timeout_s: float
 
     client = BootstrapClient(bootstrap)
 
-    def listed(bound_s: float) -> None:
+    def listed(bound_s: float) -> None:  # both look-ups within the try's bound (the route's 0.05 s at least)
+        ends = time.monotonic() + bound_s
         client.parallel_info(bound_s)
-        client.route(encode_rank, 0, bound_s)
+        client.route(encode_rank, 0, max(0.05, ends - time.monotonic()))
 
     _waited(who, f"encode rank {encode_rank} to register at bootstrap {bootstrap}", timeout_s, listed,
             f"encode rank {encode_rank} never registered at bootstrap {bootstrap}",

@@ -154,3 +154,37 @@ def test_a_wait_the_ranks_timeout_ends_first_names_that_option_and_is_left_to_it
     assert [line.split(": ", 2)[2].split(",")[0] for line in lines[1:-1]] == ["8s of 30s", "15s of 30s",
                                                                              "23s of 30s"]
     assert lines[-1].startswith(f"{WHO}: done waiting for {WHAT}, after 29s (61 tries)"), lines[-1]
+
+
+def test_the_two_look_ups_of_a_prefill_ranks_try_for_its_route_share_the_tries_bound(monkeypatch):
+    """A server that answers the sizes late and never answers the route: each try's route look-up gets what is
+    left of the try's bound after the sizes took theirs (0.05 s at least), so --bootstrap-timeout 1 ends the
+    wait after about 1 s, not after the two look-ups' bounds together."""
+    import functools
+
+    import transfer.bootstrap
+    from fakes import FakeTime
+
+    clock = FakeTime(100.0)
+    monkeypatch.setattr(transfer.bootstrap, "time", clock)
+    monkeypatch.setattr(cli, "time", clock)
+    lines: list[str] = []
+    monkeypatch.setattr(cli, "_waited", functools.partial(cli._waited, say=lines.append, clock=clock.monotonic,
+                                                          sleep=clock.sleep))
+    asked: list[tuple[str, float, float]] = []
+
+    def late_then_silent(self, method, path, body=None, headers=None, timeout=None, answered=None):
+        sizes = "engine_rank=-1" in path
+        asked.append(("sizes" if sizes else "route", clock.now, timeout))
+        if sizes:
+            clock.now += 0.9 * timeout
+            return 200, b'{"prefill_tp_size": 1, "prefill_dp_size": 1}'
+        clock.now += timeout
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(transfer.bootstrap.BootstrapClient, "_request", late_then_silent)
+    with pytest.raises(BootstrapError, match=rf"^{NEVER} within 1s \(1 try\), the last: .*timed out"):
+        cli._wait_for_route(WHO, "10.0.0.1:8998", 0, 1.0)
+    assert [what for what, _, _ in asked] == ["sizes", "route"], asked
+    assert asked[1][2] == pytest.approx(0.1), asked
+    assert clock.now <= 101.0 + 1e-9, clock.now
