@@ -314,6 +314,8 @@ def push_socket(host: str, port: int, hwm: int = STATUS_HWM, immediate: bool = F
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.SNDTIMEO, 0)
+        if ":" in host:  # ZMQ connects a socket to an IPv6 address only with this set; IPv4 ones keep its default
+            sock.setsockopt(zmq.IPV6, 1)
         if immediate:
             sock.setsockopt(zmq.IMMEDIATE, 1)
         if reconnect_max_ms > 0:
