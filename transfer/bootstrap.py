@@ -794,7 +794,8 @@ class BootstrapClient:
                  headers: dict[str, str] | None = None,
                  timeout: float | None = None, answered: dict[str, str] | None = None) -> tuple[int, bytes]:
         """One HTTP exchange within `timeout`; returns (status, body), and puts the answer's INSTANCE_HEADER, if
-        any, in `answered`; OSError/HTTPException on transport failure."""
+        any, in `answered`; OSError/HTTPException on transport failure. A body is read up to one byte past
+        MAX_BODY: one that long is longer than any bootstrap server's answer, and is not read further."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         conn = _BoundedConnection(self.host, self.port, timeout=timeout, deadline=deadline)
@@ -807,8 +808,8 @@ class BootstrapClient:
             instance = response.getheader(INSTANCE_HEADER)
             if answered is not None and instance is not None:
                 answered[INSTANCE_HEADER] = instance
-            raw = response.read(MAX_BODY)
-            if response.length and len(raw) < MAX_BODY:  # the server closed before its Content-Length
+            raw = response.read(MAX_BODY + 1)
+            if response.length and len(raw) <= MAX_BODY:  # the server closed before its Content-Length
                 raise http.client.IncompleteRead(raw, response.length)
             return response.status, raw
         finally:
@@ -825,6 +826,10 @@ class BootstrapClient:
                                        f"{shown(str(error)) or type(error).__name__}") from error
         if status != 200:
             return status, shown(raw.decode("utf-8", "replace"))
+        if len(raw) > MAX_BODY:
+            raise BootstrapError(f"bootstrap server {self.address} sent an answer over {MAX_BODY} bytes for "
+                                 f"{what}, longer than any bootstrap server's: is it the bootstrap server's "
+                                 f"address?")
         try:
             return status, json.loads(raw)
         except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes

@@ -616,6 +616,38 @@ def test_a_json_answer_nested_past_the_parser_is_a_bootstrap_error():
                 call()
 
 
+@pytest.mark.parametrize("framing", ["length", "chunked", "close"])
+def test_a_json_answer_over_the_body_bound_is_a_bootstrap_error_saying_so_not_that_it_is_no_json(framing):
+    """A valid JSON answer padded past MAX_BODY is read only up to that bound: the error says the answer was
+    too long for a bootstrap server's, not that it was not JSON (which it was)."""
+    from transfer.bootstrap import MAX_BODY
+
+    body = b'{"prefill_tp_size": 4, "prefill_dp_size": 2, "rank_ip": "10.0.0.1", "rank_port": 7000, "pad": "'
+    body += b"x" * MAX_BODY + b'"}'
+    if framing == "length":
+        answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    elif framing == "chunked":
+        answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    else:
+        answer = b"HTTP/1.0 200 OK\r\n\r\n" + body
+    with _answering(answer) as address:
+        client = BootstrapClient(address, timeout=5.0)
+        for call, what in ((client.parallel_info, "parallel info"), (lambda: client.route(0, 0), "encode rank 0")):
+            with pytest.raises(BootstrapError, match=rf"^bootstrap server {address} sent an answer over {MAX_BODY} "
+                                                     rf"bytes for {what}, longer than any bootstrap server's"):
+                call()
+
+
+def test_an_answer_of_the_body_bound_exactly_is_read_whole():
+    from transfer.bootstrap import MAX_BODY
+
+    head = b'{"prefill_tp_size": 4, "prefill_dp_size": 2, "pad": "'
+    body = head + b"x" * (MAX_BODY - len(head) - 2) + b'"}'
+    assert len(body) == MAX_BODY
+    with _answering(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body) as address:
+        assert BootstrapClient(address, timeout=5.0).parallel_info() == (4, 2)
+
+
 def test_an_answer_shorter_than_its_content_length_is_a_transport_error():
     body = b'{"prefill_tp_size": 4, "prefill_dp_size": 2}'
     with _answering(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % (len(body) + 100) + body) as address:

@@ -233,7 +233,8 @@ def test_a_transport_error_quoting_the_server_reaches_the_failure_printable_and_
 @pytest.mark.parametrize("call", [_CALLS["parallel info"], _CALLS["route"]], ids=["parallel info", "route"])
 def test_an_incomplete_answer_is_quoted_printable_and_cut(call):
     with pytest.raises(BootstrapError, match="incomplete") as caught:
-        call(_client_answering({"prefill_tp_size": None, "rank_ip": None, "pad": _HOSTILE_TEXT}))
+        # Short enough to be read whole (MAX_BODY), far longer than a reason.
+        call(_client_answering({"prefill_tp_size": None, "rank_ip": None, "pad": _HOSTILE_TEXT[:MAX_BODY // 2]}))
     _assert_fit_for_a_failure_reason(str(caught.value))
 
 
