@@ -10,8 +10,8 @@ import time
 import pytest
 from live_helpers import HOST, wait_until
 
-from transfer.core.prefill import LookUpParallel
-from transfer.drive.prefill import _LookUps
+from transfer.core.prefill import LookUpParallel, LookUpRoute
+from transfer.drive.prefill import LOOKUP_THREADS, _LookUps
 
 pytestmark = pytest.mark.live
 
@@ -35,6 +35,29 @@ def test_a_look_up_submitted_behind_a_stalled_one_is_answered_while_a_thread_was
             assert answer[1] == server.address, answer
         finally:
             silent.close()  # the stalled look-up's connection is reset: it ends now
+            lookups.close(10.0)
+
+
+def test_a_stalled_server_with_a_look_up_for_every_thread_leaves_one_to_the_other_servers(server):
+    """Look-ups of as many routes as there are threads, at a server that accepts and never answers (its sizes
+    answered, then it hung): they hold all but one thread, and another server's look-up is answered on that
+    one meanwhile, not once theirs time out; the stalled server's last look-up waits for one of its own."""
+    answers: queue.Queue = queue.Queue()
+    lookups = _LookUps("epd-test-boot", STALL_S, time.monotonic, answers.put, LOOKUP_THREADS)
+    with socket.socket() as silent:
+        silent.bind((HOST, 0))
+        silent.listen(16)
+        stalled = f"{HOST}:{silent.getsockname()[1]}"
+        try:
+            for group in range(LOOKUP_THREADS):
+                lookups.submit(LookUpRoute((stalled, group, 0)))
+            assert wait_until(lambda: len(lookups._busy) >= LOOKUP_THREADS - 1, 10.0), lookups._busy
+            lookups.submit(LookUpParallel(server.address))
+            answer = answers.get(timeout=10.0)
+            assert answer[1] == server.address, answer
+            assert [job.bootstrap_addr for job in lookups._jobs] == [stalled]
+        finally:
+            silent.close()
             lookups.close(10.0)
 
 

@@ -1166,7 +1166,10 @@ def _lookup_text(action: LookUpParallel | LookUpRoute) -> str:
 
 
 class _LookUps:
-    """Bootstrap look-ups on up to `threads` threads, started as needed; results go to `deliver`."""
+    """Bootstrap look-ups on up to `threads` threads, started as needed; results go to `deliver`.
+
+    One server's look-ups run on all but one of the threads at most (its others wait, in order): a server
+    that stalls with a look-up on each of them leaves a thread to the other servers' look-ups."""
 
     def __init__(self, name: str, timeout_s: float, clock: Callable[[], float], deliver: Callable[[tuple], None],
                  threads: int) -> None:
@@ -1181,6 +1184,8 @@ class _LookUps:
         self._idle = 0
         self._stopping = False
         self._busy: dict[int, Any] = {}  # the look-up each thread is inside, by thread id
+        self._per_server = max(1, threads - 1)
+        self._serving: dict[str, int] = {}  # look-ups under way per server, while any is
         self._throttled = _io.ThrottledLog(log)
 
     def submit(self, action: LookUpParallel | LookUpRoute) -> None:
@@ -1240,19 +1245,42 @@ class _LookUps:
         self.stop()
         return self.join(timeout)
 
+    def _next(self) -> int | None:
+        """Where the oldest job queued whose server has a thread left to it is (_cond held), if any."""
+        serving = self._serving
+        if not serving:
+            return 0 if self._jobs else None
+        for i, action in enumerate(self._jobs):
+            if serving.get(action.bootstrap_addr, 0) < self._per_server:
+                return i
+        return None
+
     def _work(self) -> None:
         _io.name_this_thread(self._name)
         me = threading.get_ident()
         while True:
             with self._cond:
                 self._idle += 1
-                self._cond.wait_for(lambda: self._jobs or self._stopping)
+                self._cond.wait_for(lambda: self._stopping or self._next() is not None)
                 self._idle -= 1
                 if self._stopping:
                     return
-                action = self._jobs.popleft()
+                at = self._next()  # found by wait_for() under this same hold of _cond
+                if at is None:
+                    continue
+                action = self._jobs[at]
+                del self._jobs[at]
+                addr = action.bootstrap_addr
+                self._serving[addr] = self._serving.get(addr, 0) + 1
                 self._busy[me] = action
-            result = self._look_up(action)
+            try:
+                result = self._look_up(action)
+            finally:
+                with self._cond:
+                    left = self._serving.pop(addr) - 1
+                    if left:
+                        self._serving[addr] = left
+                    self._cond.notify_all()  # a job of that server's may be taken now
             with self._cond:  # held while delivering: nothing is delivered once stop() returned
                 del self._busy[me]
                 if self._stopping:
