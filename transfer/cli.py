@@ -41,8 +41,7 @@ def _demo(args: argparse.Namespace) -> int:
     # Said now, not by a rank's traceback once it fails to allocate its items or slots.
     if _memory_refused("demo", sc, {"encode": sc.encode_ranks, "prefill": sc.prefill_ranks}):
         return 2
-    # SIGTERM unwinds like Ctrl-C, so the harness stops its ranks instead of orphaning them; it exits 143.
-    signal.signal(signal.SIGTERM, _raise_stopped)
+    _arm_run_stops()
     summary = run(sc)
     ok = summary["failed"] == 0 and summary["verified"]
     if args.json == "-":
@@ -146,7 +145,7 @@ def _bench(args: argparse.Namespace) -> int:
     # Only the wire and memcpy paths run without a Mooncake engine of --protocol.
     if set(bench.options_from(args).paths) - {"wire", "memcpy"} and _protocol_refused("bench", args.protocol):
         return 2
-    signal.signal(signal.SIGTERM, _raise_stopped)  # unwinds like Ctrl-C (the bench stops its ranks); exits 143
+    _arm_run_stops()
     return bench.main(args)
 
 
@@ -490,6 +489,26 @@ class _Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
+def _arm_run_stops() -> None:
+    """Makes demo's and bench's stops unwind the run, which stops its ranks instead of orphaning them, once.
+
+    SIGTERM raises `_Stopped` (exit 143), Ctrl-C a plain KeyboardInterrupt (`interrupted`, exit 130); after
+    either the command is stopping (_stopping), so a second one while the run stops its ranks is noted
+    instead of cutting that stop short. A Ctrl-C ignored when the command started (a background job's)
+    stays ignored.
+    """
+    signal.signal(signal.SIGTERM, _raise_stopped)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _raise_interrupted)
+
+
+def _raise_interrupted(_signum: int, _frame: object) -> None:
+    """Ctrl-C's handler in demo and bench: unwinds as Python's own does, and the command is stopping from
+    then on (_stopping)."""
+    _stopping()
+    raise KeyboardInterrupt
+
+
 def _raise_stopped(signum: int, _frame: object) -> None:
     """A stop signal's handler (rank, demo, bench): unwinds through the context managers, naming the signal.
     The process is stopping from then on (_stopping)."""
@@ -509,7 +528,7 @@ def _stopping() -> None:
     the rank started stays ignored."""
     signal.setitimer(signal.ITIMER_REAL, 0)
     for stop in _STOP_SIGNALS:
-        if signal.getsignal(stop) in (_raise_stopped, _raise_rank_timeout):
+        if signal.getsignal(stop) in (_raise_stopped, _raise_interrupted, _raise_rank_timeout):
             signal.signal(stop, _noted_while_stopping)
 
 

@@ -319,6 +319,24 @@ def test_demo_stops_every_rank(demo, how):
         assert os.listdir(run.tmp) == []  # the ranks' logs went with the run
 
 
+@pytest.mark.live
+def test_a_second_ctrl_c_while_the_demo_stops_its_ranks_is_noted_and_a_hung_rank_still_killed(demo):
+    run = demo("--protocol", "wire", "--items", "1000000", "--timeout", "300")
+    *_, prefill1 = run.ranks()
+    time.sleep(2)
+    os.kill(prefill1, signal.SIGSTOP)  # it cannot be told to stop: the demo kills it past its grace
+    os.killpg(run.proc.pid, signal.SIGINT)
+    time.sleep(1)
+    os.killpg(run.proc.pid, signal.SIGINT)  # a second Ctrl-C while the demo waits out that grace
+    code, _, err, _ = run.finish(within=60)  # far inside its --timeout 300
+    assert code == 130, err[-3000:]
+    assert "SIGINT ignored: already stopping (SIGKILL ends it at once)" in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "epd-transfer demo: interrupted"
+    assert "Traceback" not in err
+    assert run.leftovers() == [], "the stopped rank outlived the run"
+    assert os.listdir(run.tmp) == []
+
+
 def _wait_on(flag) -> None:
     flag.wait(60)
 

@@ -1,0 +1,83 @@
+"""`demo` and `bench` stop once, as a rank does: the first stop signal, Ctrl-C or SIGTERM, unwinds the run,
+which then stops its ranks, and one that comes meanwhile is noted, not raised, so it cannot cut that stop
+short (ranks neither waited for nor killed), and the exit status is the first signal's. The signals are
+raised in this process, on the test's thread, where their handlers run."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from transfer import bench, cli, harness
+
+COMMANDS = {"demo": ["demo", "--protocol", "wire", "--items", "1", "--span", "1", "--hidden", "8"],
+            "bench": ["bench", "--paths", "wire"]}
+
+
+@pytest.fixture
+def handlers_restored():
+    """The stop signals' handlers put back as they were once the command set its own."""
+    before = {stop: signal.getsignal(stop) for stop in cli._STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for stop, handler in before.items():
+            signal.signal(stop, handler)
+
+
+def _stopped_while_stopping(first: signal.Signals, second: signal.Signals, steps: list[str]):
+    """A run (harness.run, bench.main) that the first signal stops, and the second while it stops its ranks."""
+
+    def run(*_args, **_kwargs):
+        try:
+            signal.raise_signal(first)
+            steps.append("ran on past the first signal")
+        finally:  # where the run stops its ranks (harness._stop, RankSet.close)
+            signal.raise_signal(second)
+            steps.append("ranks stopped")
+
+    return run
+
+
+def _run_stopped(command: str, first: signal.Signals, second: signal.Signals, monkeypatch) -> tuple[int, list[str]]:
+    steps: list[str] = []
+    run = _stopped_while_stopping(first, second, steps)
+    monkeypatch.setattr(harness, "run", run)
+    monkeypatch.setattr(bench, "main", run)
+    return cli.main(COMMANDS[command]), steps
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.parametrize("first, second", [
+    (signal.SIGINT, signal.SIGINT), (signal.SIGINT, signal.SIGTERM),
+    (signal.SIGTERM, signal.SIGINT), (signal.SIGTERM, signal.SIGTERM),
+], ids=lambda s: s.name)
+def test_a_second_stop_signal_while_the_run_stops_its_ranks_is_noted_not_raised(command, first, second,
+                                                                                  handlers_restored, monkeypatch,
+                                                                                  capfd):
+    code, steps = _run_stopped(command, first, second, monkeypatch)
+    assert steps == ["ranks stopped"], steps
+    assert code == 128 + first, f"exit {code} after {first.name} then {second.name}"
+    err = capfd.readouterr().err
+    said = "interrupted" if first == signal.SIGINT else f"stopped by {first.name}"
+    assert f"epd-transfer {command}: {said}\n" in err, err
+    assert f"{second.name} ignored: already stopping (SIGKILL ends it at once)" in err, err
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_ctrl_c_ignored_when_the_run_started_stays_ignored(command, handlers_restored, monkeypatch):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job's
+    steps: list[str] = []
+
+    def run(*_args, **_kwargs):
+        signal.raise_signal(signal.SIGINT)
+        steps.append("ran on past an ignored Ctrl-C")
+        raise RuntimeError("the run failed")
+
+    monkeypatch.setattr(harness, "run", run)
+    monkeypatch.setattr(bench, "main", run)
+    assert cli.main(COMMANDS[command]) == 1
+    assert steps == ["ran on past an ignored Ctrl-C"]
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
