@@ -649,7 +649,7 @@ def _running_pid(text: str) -> int:
     pid = _positive_int(text)
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: past a C int, which no process number is
         raise argparse.ArgumentTypeError(f"no process {pid} is running") from None
     except PermissionError:
         pass  # running, as another user

@@ -386,6 +386,19 @@ def test_exit_with_a_process_that_is_not_running_is_a_parser_error(argv, monkeyp
     assert "--exit-with: no process 999999 is running" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["bootstrap", "--port", "0"], RANK])
+@pytest.mark.parametrize("pid", ["2147483648", "99999999999999999999"])
+def test_exit_with_a_number_past_any_process_is_a_parser_error(argv, pid, monkeypatch, capsys):
+    # os.kill() takes a C int: a larger number raised OverflowError, a traceback instead of the parser's line.
+    monkeypatch.setattr(cli, "_bootstrap", _never)
+    monkeypatch.setattr(cli, "_rank", _never)
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*argv, "--exit-with", pid])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --exit-with: no process {pid} is running" in err and len(err.splitlines()) == 1, err
+
+
 def test_bench_calls_on_a_python_whose_cprofile_is_one_per_process_is_refused_before_the_bench(monkeypatch,
                                                                                                 capsys):
     # From Python 3.12 cProfile takes the process's one sys.monitoring profiler slot: the profiler of
