@@ -402,14 +402,17 @@ def prefill_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finish
 
     source = ItemSource(sc.max_span, sc.hidden, sc.dtype)
     deep = ItemSource(sc.max_span, sc.hidden, sc.dtype, seed=99, width_factor=sc.deepstack) if sc.deepstack else None
-    nbytes = sc.inflight * sc.max_span * sc.row_bytes
-    slots = allocate(lambda: torch.empty((sc.inflight, sc.max_span, sc.hidden), dtype=source.dtype), nbytes,
-                     f"{sc.inflight} receive slots of {sc.max_span} x {sc.hidden} {sc.dtype}")
+    # No more rooms than items are ever in flight: slots past them would never be used (rank_memory counts
+    # these), and an --inflight past any tensor's size would fail the allocation.
+    count = min(sc.inflight, sc.items)
+    nbytes = count * sc.max_span * sc.row_bytes
+    slots = allocate(lambda: torch.empty((count, sc.max_span, sc.hidden), dtype=source.dtype), nbytes,
+                     f"{count} receive slots of {sc.max_span} x {sc.hidden} {sc.dtype}")
     ds_slots = None
     if deep is not None:
-        ds_slots = allocate(lambda: torch.empty((sc.inflight, sc.max_span, deep.hidden), dtype=source.dtype),
+        ds_slots = allocate(lambda: torch.empty((count, sc.max_span, deep.hidden), dtype=source.dtype),
                             nbytes * sc.deepstack,
-                            f"{sc.inflight} deepstack receive slots of {sc.max_span} x {deep.hidden} {sc.dtype}")
+                            f"{count} deepstack receive slots of {sc.max_span} x {deep.hidden} {sc.dtype}")
     report: dict[str, Any] = {
         "role": "prefill", "rank": rank, "rooms": [], "failed": [], "latencies": [],
         "bytes": 0, "verified_bytes": 0, "bad": [], "retried": 0,
@@ -424,7 +427,7 @@ def prefill_rank(sc: Scenario, rank: int, bootstrap_addr: str, ready, go, finish
         waits = _GiveUp(None, None if say is None else _receiving_line(sc, rank, say, rank_left))
         # Rooms asked for, not yet settled, in order: (handle, slot, span, row_start, rows, retries).
         window: deque = deque()
-        free = list(range(sc.inflight))
+        free = list(range(count))
         # Slots of failed rooms whose memory a late write may still reach (README: reuse a failed room's
         # dst only once handle.safe_to_reuse), oldest first, as (handle, slot).
         held: deque = deque()
@@ -539,7 +542,7 @@ def _wait_safe(held: deque, sc: Scenario, rank: int, say=None) -> list[int]:
             return safe
         now = time.monotonic()
         if say is not None and now >= say_at:
-            say(f"prefill rank {rank}: every receive slot ({sc.inflight}, --inflight) holds a failed room whose "
+            say(f"prefill rank {rank}: every receive slot ({len(held)}, --inflight) holds a failed room whose "
                 f"cancel encode rank {rank // sc.fanout} has not confirmed, so a late write may still land there; "
                 f"waiting {now - start:.0f}s so far for one to be safe to reuse (each at most its quarantine, "
                 f"EPD_QUARANTINE_S, from its failure)")

@@ -3,6 +3,8 @@ allocate, said in one line (transfer.harness's memory helpers; transfer.bench.me
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -36,6 +38,30 @@ def test_a_rank_needs_its_item_pools_and_the_receive_slots_its_rooms_use():
     assert rank_memory(sc, "prefill") == 3 * pool + 3 * 8 * 1024 * 8192
     sc.items = 2  # two rooms fill two slots only
     assert rank_memory(sc, "prefill") == 3 * pool + 3 * 2 * 1024 * 8192
+
+
+@pytest.mark.parametrize("inflight, slots", [(2**64, 2), (8, 2), (1, 1)])
+def test_a_prefill_rank_allocates_the_receive_slots_its_rooms_use(inflight, slots, monkeypatch):
+    # As rank_memory counts them: no more rooms than --items are ever in flight, so an --inflight past them
+    # (past any tensor's size, even) allocates no more.
+    from transfer import receiver
+
+    class Made(Exception):
+        pass
+
+    def manager(engine, rank, *args, buffer, deepstack_buffer, **kwargs):
+        raise Made(tuple(buffer.shape), tuple(deepstack_buffer.shape))
+
+    monkeypatch.setattr(harness, "make_engine", lambda sc: contextlib.nullcontext())
+    monkeypatch.setattr(receiver, "SessionManager", manager)
+    sc = Scenario(span=4, hidden=8, items=2, inflight=inflight, deepstack=2, protocol="wire")
+    with pytest.raises(Made) as made:
+        harness.prefill_rank(sc, 0, "127.0.0.1:1", _nothing, _nothing, _nothing)
+    assert made.value.args == ((slots, 4, 8), (slots, 4, 16))
+
+
+def _nothing() -> None:
+    pass
 
 
 def test_memory_past_the_hosts_is_refused_with_both_figures():
