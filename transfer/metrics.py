@@ -439,7 +439,12 @@ class Metrics:
             self._record(self._series(self._histograms, name, "histogram"), key, value, index)
 
     def set_gauge(self, name: str, value: float, **labels: object) -> None:
-        """Set a gauge to a value."""
+        """Set a gauge to a number, read as a gauge_fn's is (an int stays one); ConfigTypeError for anything
+        else, which no read could render."""
+        try:
+            value = value if type(value) is int else float(value)
+        except (TypeError, ValueError):
+            raise ConfigTypeError(f"gauge {name!r} takes a number, not {value!r}") from None
         key = self._series_key(labels)
         with self._lock:
             self._claim(name, "gauge")

@@ -11,7 +11,7 @@ import pytest
 from metrics_golden import GOLDEN, GOLDEN_SNAPSHOT, small_example
 
 from transfer.core.failure import FailureKind
-from transfer.errors import ConfigError
+from transfer.errors import ConfigError, ConfigTypeError
 from transfer.metrics import (
     REASON_CATEGORIES,
     ROLE_COUNTERS,
@@ -100,6 +100,27 @@ def test_broken_gauge_fn_does_not_break_reads():
     m.gauge_fn("queue_depth", lambda: 1 / 0)
     assert m.snapshot() == [{"name": "epd_queue_depth", "type": "gauge", "labels": {}, "value": None}]
     assert "epd_queue_depth NaN" in m.prometheus_text()
+
+
+@pytest.mark.parametrize("value", [None, "three", [1], object()], ids=["None", "text", "list", "object"])
+def test_a_gauge_set_to_no_number_is_refused_and_the_reads_go_on(value):
+    # One that is no number would fail every read of the text format: an endpoint serving the set would close
+    # each scrape unanswered.
+    m = Metrics("epd")
+    m.inc("rooms_started_total")
+    with pytest.raises(ConfigTypeError, match="gauge 'parked_rooms' takes a number, not "):
+        m.set_gauge("parked_rooms", value)
+    assert m.prometheus_text().endswith("epd_rooms_started_total 1\n")
+    assert [row["name"] for row in m.snapshot()] == ["epd_rooms_started_total"]
+
+
+def test_a_gauge_keeps_an_int_as_an_int_and_reads_other_numbers_as_floats():
+    m = Metrics("epd")
+    m.set_gauge("parked_rooms", 3)
+    m.set_gauge("fallback_bytes", 2.5)
+    assert [(row["name"], row["value"]) for row in m.snapshot()] == [("epd_fallback_bytes", 2.5),
+                                                                      ("epd_parked_rooms", 3)]
+    assert "epd_parked_rooms 3\n" in m.prometheus_text()
 
 
 def test_a_counter_read_from_a_callable_is_a_counter():
