@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing.process
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -39,3 +40,18 @@ def _pure(monkeypatch):
     monkeypatch.setattr(time, "sleep", _refuse("sleep"))
     yield
     pytest_socket.enable_socket()
+
+
+#: The signals whose handlers a command run in the test process sets (`epd-transfer demo`, `bench` and `rank`).
+_HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGALRM)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_kept():
+    """Puts back the handlers a command under test set, so the next test and pytest itself take a Ctrl-C
+    or a SIGTERM as before (not as a command that is stopping would)."""
+    before = {sig: signal.getsignal(sig) for sig in _HANDLED}
+    yield
+    for sig, handler in before.items():
+        if signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
