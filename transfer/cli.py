@@ -490,14 +490,17 @@ class _Stopped(KeyboardInterrupt):
 
 
 def _arm_run_stops() -> None:
-    """Makes demo's and bench's stops unwind the run, which stops its ranks instead of orphaning them, once.
+    """Makes demo's and bench's stops unwind the run, which stops its ranks instead of orphaning them and
+    takes their logs along, once.
 
-    SIGTERM raises `_Stopped` (exit 143), Ctrl-C a plain KeyboardInterrupt (`interrupted`, exit 130); after
-    either the command is stopping (_stopping), so a second one while the run stops its ranks is noted
-    instead of cutting that stop short. A Ctrl-C ignored when the command started (a background job's)
-    stays ignored.
+    SIGTERM and SIGHUP (a dropped terminal or ssh session) raise `_Stopped` (exit 143, 129), Ctrl-C a plain
+    KeyboardInterrupt (`interrupted`, exit 130); after any of them the command is stopping (_stopping), so a
+    second one while the run stops its ranks is noted instead of cutting that stop short. A SIGHUP or Ctrl-C
+    ignored when the command started (nohup, a background job's Ctrl-C) stays ignored.
     """
     signal.signal(signal.SIGTERM, _raise_stopped)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, _raise_stopped)
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
         signal.signal(signal.SIGINT, _raise_interrupted)
 

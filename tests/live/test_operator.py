@@ -337,6 +337,34 @@ def test_a_second_ctrl_c_while_the_demo_stops_its_ranks_is_noted_and_a_hung_rank
     assert os.listdir(run.tmp) == []
 
 
+@pytest.mark.live
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_a_hangup_stops_the_run_as_sigterm_does_and_leaves_nothing_behind(tmp_path, command):
+    # A dropped terminal or ssh session: the run stops its ranks and takes their logs along, and exits 129.
+    argv = {"demo": ["demo", "--protocol", "wire", "-P", "2", "--span", "16", "--hidden", "128", "--items", "1000000"],
+            "bench": ["bench", "--paths", "wire", "--sizes", "64x256", "--fanouts", "2", "--inflight", "1",
+                      "--integrity", "off", "--items", "1000000"]}[command]
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "transfer.cli", *argv], cwd=REPO,
+                            env=dict(os.environ, TMPDIR=str(tmp)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while len(_ranks_of(proc.pid)) < 3:
+            assert time.monotonic() < deadline and proc.poll() is None, "the ranks did not start"
+            time.sleep(0.2)
+        time.sleep(2)
+        os.kill(proc.pid, signal.SIGHUP)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 129, err[-3000:]
+        assert err.strip().splitlines()[-1] == f"epd-transfer {command}: stopped by SIGHUP", err[-3000:]
+        _assert_nothing_left(proc)
+        assert [name for name in os.listdir(tmp) if name.startswith(("epd-", "pymp-"))] == []
+    finally:
+        _kill_session(proc)
+
+
 def _wait_on(flag) -> None:
     flag.wait(60)
 

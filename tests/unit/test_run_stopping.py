@@ -1,4 +1,4 @@
-"""`demo` and `bench` stop once, as a rank does: the first stop signal, Ctrl-C or SIGTERM, unwinds the run,
+"""`demo` and `bench` stop once, as a rank does: the first stop signal (Ctrl-C, SIGTERM, SIGHUP) unwinds the run,
 which then stops its ranks, and one that comes meanwhile is noted, not raised, so it cannot cut that stop
 short (ranks neither waited for nor killed), and the exit status is the first signal's. The signals are
 raised in this process, on the test's thread, where their handlers run."""
@@ -32,13 +32,20 @@ def _stopped_while_stopping(first: signal.Signals, second: signal.Signals, steps
 
     def run(*_args, **_kwargs):
         try:
-            signal.raise_signal(first)
+            _raise(first)
             steps.append("ran on past the first signal")
         finally:  # where the run stops its ranks (harness._stop, RankSet.close)
-            signal.raise_signal(second)
+            _raise(second)
             steps.append("ranks stopped")
 
     return run
+
+
+def _raise(sig: signal.Signals) -> None:
+    """Raises `sig` in this process, where a handler of the command's takes it (by default it would end
+    the test's process)."""
+    assert callable(signal.getsignal(sig)), f"{sig.name} is taken by no handler: {signal.getsignal(sig)}"
+    signal.raise_signal(sig)
 
 
 def _run_stopped(command: str, first: signal.Signals, second: signal.Signals, monkeypatch) -> tuple[int, list[str]]:
@@ -53,6 +60,7 @@ def _run_stopped(command: str, first: signal.Signals, second: signal.Signals, mo
 @pytest.mark.parametrize("first, second", [
     (signal.SIGINT, signal.SIGINT), (signal.SIGINT, signal.SIGTERM),
     (signal.SIGTERM, signal.SIGINT), (signal.SIGTERM, signal.SIGTERM),
+    (signal.SIGHUP, signal.SIGINT), (signal.SIGINT, signal.SIGHUP),
 ], ids=lambda s: s.name)
 def test_a_second_stop_signal_while_the_run_stops_its_ranks_is_noted_not_raised(command, first, second,
                                                                                   handlers_restored, monkeypatch,
@@ -67,17 +75,18 @@ def test_a_second_stop_signal_while_the_run_stops_its_ranks_is_noted_not_raised(
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_a_ctrl_c_ignored_when_the_run_started_stays_ignored(command, handlers_restored, monkeypatch):
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job's
+@pytest.mark.parametrize("ignored", [signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_signal_ignored_when_the_run_started_stays_ignored(command, ignored, handlers_restored, monkeypatch):
+    signal.signal(ignored, signal.SIG_IGN)  # a background job's Ctrl-C, nohup's SIGHUP
     steps: list[str] = []
 
     def run(*_args, **_kwargs):
-        signal.raise_signal(signal.SIGINT)
-        steps.append("ran on past an ignored Ctrl-C")
+        signal.raise_signal(ignored)
+        steps.append("ran on past an ignored signal")
         raise RuntimeError("the run failed")
 
     monkeypatch.setattr(harness, "run", run)
     monkeypatch.setattr(bench, "main", run)
     assert cli.main(COMMANDS[command]) == 1
-    assert steps == ["ran on past an ignored Ctrl-C"]
-    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    assert steps == ["ran on past an ignored signal"]
+    assert signal.getsignal(ignored) is signal.SIG_IGN
