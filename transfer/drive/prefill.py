@@ -223,6 +223,11 @@ class PrefillDriver:
         self._watcher: int | None = None  # the thread whose wait() sleeps on the status socket
         self._watch = threading.Lock()  # held by that thread; _watch_waker wakes it when a room concludes elsewhere
         self._watch_woken = False  # its last sleep saw the watch waker readable (held under _watch)
+        # close() and a wait() holding _watch agree here on who closes the status socket and the watch waker:
+        # close() once no wait() holds _watch, else that wait() as it lets go (`_status_left`). Reentrant: a
+        # signal's handler may close the manager on a waiting thread inside its hold.
+        self._watch_exit = threading.RLock()
+        self._status_left = False
         self._statuses_left = False  # a drain stopped with statuses still queued
         # The last read of the status socket found it empty (its descriptor signals whatever comes since); false
         # from the start of each read, so a read that raised leaves it false.
@@ -424,7 +429,11 @@ class PrefillDriver:
                 self._watcher = None
                 now = self._caller_at = self.clock()  # a scheduler's next poll usually follows at once
                 remaining = deadline - now
-                self._watch.release()
+                with self._watch_exit:
+                    self._watch.release()
+                    left, self._status_left = self._status_left, False
+                if left:  # close() gave up waiting for this wait(): its sockets are this thread's to close
+                    self._close_status()
 
     def _watch_turns(self, record: Room, remaining: float, ends: float) -> None:
         """The turns of a waiting caller, `remaining` seconds before the wait `ends` (on the clock), while it holds
@@ -598,9 +607,17 @@ class PrefillDriver:
         """Closes every socket and the wakers; only once the I/O thread stopped. The sockets to the encode
         addresses in `cancelled` get CANCEL_FLUSH_MS to send the cancels queued on them (ZMQ's I/O thread
         sends them: this does not wait). A caller's wait() still inside a turn at `close_by` (a checksum
-        that does not return) keeps the status socket and its waker: it sleeps on their descriptors."""
+        that does not return), or the one a signal's handler closing the manager interrupted on this very
+        thread (it cannot return before this does), keeps the status socket and its waker: it sleeps on
+        their descriptors, and closes them as it returns."""
         # A waiting caller sleeps on the status socket's descriptor; the rooms' conclusions woke it.
-        watched = self._watch.acquire(timeout=-1 if math.isinf(close_by) else _io.seconds_left(close_by, math.inf))
+        inside = self._watcher == threading.get_ident()  # never true of the I/O thread
+        watched = not inside and self._watch.acquire(
+            timeout=-1 if math.isinf(close_by) else _io.seconds_left(close_by, math.inf))
+        if not watched:
+            with self._watch_exit:  # a wait() that let go meanwhile left the sockets here; else it takes them
+                watched = self._watch.acquire(blocking=False)
+                self._status_left = not watched
         try:
             with self._lock:
                 if watched:
@@ -610,12 +627,20 @@ class PrefillDriver:
             if watched:
                 self._watch_waker.close()
             else:
-                log.error("prefill rank %d: a wait() on a room did not return by close's bound; its status "
-                          "socket stays open", self.engine_rank)
+                self._watch_waker.wake()  # an interrupted sleep on it ends once the handler returns
+                if not inside:
+                    log.error("prefill rank %d: a wait() on a room did not return by close's bound; it closes the "
+                              "status socket when it does", self.engine_rank)
         finally:
             if watched:
                 self._watch.release()
         self._waker.close()
+
+    def _close_status(self) -> None:
+        """Closes the status socket and the watch waker that _close_sockets() left to a wait(), as it lets go."""
+        with self._lock:
+            self._status_sock.close(0)
+        self._watch_waker.close()
 
     def sockets(self) -> list[zmq.Socket]:
         """The status socket and the open sockets to encode ranks."""
