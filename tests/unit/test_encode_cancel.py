@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from encode_rooms import Run
 
+from transfer.core import encode
 from transfer.core.encode import (
     FAILED_WRITES_KEPT_S,
     REASK_GRACE_S,
@@ -13,6 +14,7 @@ from transfer.core.encode import (
     Offer,
     PushStatus,
     StartWrite,
+    Warn,
 )
 from transfer.core.failure import FailureKind
 from transfer.frames import Cancel, CancelAnswer, TransferInfo, shard_rows
@@ -37,10 +39,11 @@ def _offer(room: int, span: int = 4, ready_event=None) -> Offer:
     return Offer(room, object(), SRC, span, HIDDEN, DTYPE, ROW, None, 0, ready_event)
 
 
-def _ask(room: int, rank: int = 0, fanout: int = 1, span: int = 4) -> TransferInfo:
+def _ask(room: int, rank: int = 0, fanout: int = 1, span: int = 4, ptr: int | None = None) -> TransferInfo:
     start, rows = shard_rows(span, rank, fanout)
-    return TransferInfo(room, "10.0.0.7", 6000 + rank, f"10.0.0.7:{17000 + rank}", 0x10000 * (rank + 1), 0, rows,
-                        HIDDEN, DTYPE, False, fanout, start, span)
+    return TransferInfo(room, "10.0.0.7", 6000 + rank, f"10.0.0.7:{17000 + rank}",
+                        0x10000 * (rank + 1) if ptr is None else ptr, 0, rows, HIDDEN, DTYPE, False, fanout, start,
+                        span)
 
 
 def _cancel(room: int, rank: int = 0, reads_write_failed: bool = True) -> Cancel:
@@ -163,6 +166,24 @@ def test_a_cancel_that_comes_after_its_write_failed_is_answered_write_failed():
     assert run.answers(out) == [(6, 6000, WRITE_FAILED)]
     # Remembered long enough for the receiver's quarantine, then forgotten.
     assert run.answers(run(run.core.cancel(_cancel(6), 30.0 + FAILED_WRITES_KEPT_S + 1))) == [(6, 6000, CONFIRMED)]
+
+
+def test_past_the_failed_writes_bound_no_cancel_is_confirmed_while_a_forgotten_failure_may_still_land(monkeypatch):
+    # Writes failing faster than the book keeps them (a partition): the oldest is forgotten while its bytes may
+    # still land, and a cancel of any room is answered write failed until that failure's window passed.
+    monkeypatch.setattr(encode, "MAX_FAILED_WRITES", 3)
+    run = Run()
+    for room in range(1, 5):
+        run.now = 30.0 + room
+        run(run.core.offer(_offer(room), run.now))
+        [write] = run.of(StartWrite, run(run.core.ask(_ask(room, ptr=0x10000 * room), run.now)))  # memory of its own
+        run(run.core.write_failed(write.wid, "the peer reset the connection", 0.01, run.now))
+    assert run.answers(run(run.core.cancel(_cancel(1), 40.0))) == [(1, 6000, WRITE_FAILED)]
+    assert "failed writes forgotten" in [warn.key for warn in run.of(Warn)]
+    run(run.core.ask(_ask(9), 40.0))  # a room no write of which failed: its memory cannot be told apart
+    assert run.answers(run(run.core.cancel(_cancel(9), 40.0))) == [(9, 6000, WRITE_FAILED)]
+    run(run.core.ask(_ask(10), 31.0 + FAILED_WRITES_KEPT_S + 1))
+    assert run.answers(run(run.core.cancel(_cancel(10), 31.0 + FAILED_WRITES_KEPT_S + 1))) == [(10, 6000, CONFIRMED)]
 
 
 def test_a_cancel_of_an_ask_for_the_rooms_next_send_leaves_the_send_under_way_alone():

@@ -75,7 +75,8 @@ MAX_CANCELLED_ROOMS = 4096
 #: Failed writes remembered by (room, receiver session) for a cancel that comes after the failure:
 #: their bytes may still land, so such a cancel is not confirmed. Kept this long (past the
 #: receive pool's default quarantine of 280 s, which bounds the late landing on the other side),
-#: and at most this many (oldest forgotten first).
+#: and at most this many (oldest forgotten first, warned): until a forgotten one's time is up, no
+#: cancel is confirmed, since it may be that write's.
 FAILED_WRITES_KEPT_S = 300.0
 MAX_FAILED_WRITES = 4096
 
@@ -418,6 +419,7 @@ class EncodeCore:
         self._reasks_due: deque[tuple[TransferInfo, float]] = deque()  # new asks for those, and when they came
         self._held: BySession[int, _HeldItem] = BySession(_one_session)
         self._failed_writes: dict[tuple[int, str], float] = {}  # (room, session) -> when a write to it failed
+        self._failed_forgotten_at = float("-inf")  # when the newest failed write the bound forgot failed
         self._next_sweep = now + SWEEP_S
         self._unread = UnreadGrace()  # holds the rules for want of an ask while asks may be unread
         self._closed = False
@@ -719,13 +721,31 @@ class EncodeCore:
             self._answer_cancel(cancel, CancelAnswer.CONFIRMED)
 
     def _write_failed_for(self, room: int, session: str, now: float) -> bool:
-        """Whether a write of the room to the session failed recently enough that its bytes may still land."""
-        while self._failed_writes:
-            oldest = next(iter(self._failed_writes.items()))
+        """Whether a write of the room to the session failed recently enough that its bytes may still land
+        (also while one the bound forgot may have been that write)."""
+        self._forget_failed_writes(now)
+        return (room, session) in self._failed_writes or now - self._failed_forgotten_at <= FAILED_WRITES_KEPT_S
+
+    def _forget_failed_writes(self, now: float) -> None:
+        """Forgets the failed writes whose bytes can no longer land, and past MAX_FAILED_WRITES the oldest
+        others, saying so: until their time is up, every cancel is told its write failed."""
+        failed = self._failed_writes
+        while failed:
+            oldest = next(iter(failed.items()))
             if now - oldest[1] <= FAILED_WRITES_KEPT_S:
                 break
-            del self._failed_writes[oldest[0]]
-        return (room, session) in self._failed_writes
+            del failed[oldest[0]]
+        forgotten = None
+        while len(failed) > MAX_FAILED_WRITES:
+            forgotten = next(iter(failed.items()))
+            del failed[forgotten[0]]
+        if forgotten is None:
+            return
+        (room, session), self._failed_forgotten_at = forgotten
+        self._warn("failed writes forgotten", "more than %d writes failed within %gs: the oldest, of room %d to %s, "
+                   "is forgotten while its bytes may still land, so every cancel is answered write failed until "
+                   "%gs after it failed (its receiver's memory waits out its quarantine)",
+                   MAX_FAILED_WRITES, FAILED_WRITES_KEPT_S, room, receiver_text(session), FAILED_WRITES_KEPT_S)
 
     @staticmethod
     def _serves(job: _Job) -> bool:
@@ -812,7 +832,11 @@ class EncodeCore:
                        "for %.1fs before failing: a peer that accepts connections but never answers the engine's "
                        "handshake? Writes to it fail at once for the next %.0fs, or until it registers again",
                        receiver_text(session), took, trip.until - now)
-        remember(self._failed_writes, (job.room.room, session), now, MAX_FAILED_WRITES)
+        failed = self._failed_writes
+        failed.pop((job.room.room, session), None)  # filed again as the newest
+        failed[job.room.room, session] = now
+        if len(failed) > MAX_FAILED_WRITES:
+            self._forget_failed_writes(now)
         # Its bytes may still land: no other room writes there until the quarantine passed.
         self._destinations.quarantine(session, job.ranges, now + FAILED_WRITE_QUARANTINE_S)
         job.ranges = ()
