@@ -823,6 +823,25 @@ def test_a_failed_writes_destination_is_held_from_other_rooms_for_its_quarantine
     assert len(run.of(StartWrite, run.ask(_ask(6, ptr=0x10000)))) == 1
 
 
+def test_a_failed_writes_destination_let_go_before_its_quarantine_ended_is_warned(monkeypatch):
+    """Past MAX_QUARANTINED_RANGES the oldest failed write's destination is let go early: another room may then
+    be written there while its bytes may still land, and the log says so."""
+    monkeypatch.setattr(encode_core, "MAX_QUARANTINED_RANGES", 2)
+    run = Run()
+    for room in (1, 2, 3):
+        run.at(40.0 + room).offer(_offer(room))
+        [write] = run.of(StartWrite, run.ask(_ask(room, ptr=0x10000 * room)))
+        assert [w.key for w in run.of(Warn, run(run.core.write_failed(write.wid, "it failed", 0.01, run.now)))
+                if w.key == "destinations let go"] == ([] if room < 3 else ["destinations let go"])
+    [warn] = [w for w in run.of(Warn) if w.key == "destinations let go"]
+    assert warn.message % warn.args == (
+        f"more than 2 failed writes' destinations held: room 1's [{0x10000:#x}, {0x10000 + 4 * ROW:#x}) at "
+        f"receiver 10.0.0.7:17000 is let go {FAILED_WRITE_QUARANTINE_S - 2.0:.0f}s before its quarantine ends, "
+        f"and another room may be written there while that write's bytes may still land")
+    run.offer(_offer(4))
+    assert len(run.of(StartWrite, run.ask(_ask(4, ptr=0x10000)))) == 1
+
+
 def test_a_failed_writes_quarantine_is_the_receive_pools_default():
     """Our prefill ranks hold a failed room's slot that long from when they hear of the failure: the
     encode side's hold ends no later, so it never refuses a slot one of ours hands out again."""

@@ -14,7 +14,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-__all__ = ["DestinationBook", "Held", "Overlap"]
+__all__ = ["DestinationBook", "Held", "Overlap", "Quarantined"]
 
 
 class Held(NamedTuple):
@@ -27,6 +27,16 @@ class Held(NamedTuple):
 
 # Held(start, end, seq) without the NamedTuple's Python __new__ in between: the same tuple of type Held.
 _new_held = tuple.__new__
+
+
+class Quarantined(NamedTuple):
+    """A failed write's range in quarantine: whose, which room's, and until when."""
+
+    session: str
+    room: int
+    start: int
+    end: int
+    until: float
 
 
 class Overlap(NamedTuple):
@@ -91,30 +101,38 @@ class DestinationBook:
         if entry is not None and not entry.spans:
             del self._sessions[session]
 
-    def _free_one(self, session: str, held: Held) -> None:
-        """Lets go of one range hold() filed for `session`, if the book still has it."""
+    def _free_one(self, session: str, held: Held) -> int | None:
+        """Lets go of one range hold() filed for `session`, if the book still has it; the room that held it."""
         entry = self._sessions.get(session)
         if entry is None:
-            return
+            return None
+        room = None
         index = bisect.bisect_left(entry.spans, (held.start, held.end, held.seq))
         if index < len(entry.spans) and entry.spans[index][2] == held.seq:
+            room = entry.spans[index][3]
             del entry.spans[index]
         if not entry.spans:
             del self._sessions[session]
+        return room
 
-    def quarantine(self, session: str, held: tuple[Held, ...], until: float) -> None:
+    def quarantine(self, session: str, held: tuple[Held, ...], until: float) -> list[Quarantined]:
         """Keeps ranges hold() filed for `session` held until `until` instead of letting go of them now (a failed
-        write whose bytes may still land there); expire() lets go of them then.
+        write whose bytes may still land there); expire() lets go of them then. Returns the ranges let go of
+        before their time to keep quarantine_limit, oldest first.
 
         Ranges are let go in the order they were quarantined, so `until` should not decrease from one call to
         the next (a fixed bound from a monotonic `now`): one that does is let go late, never early.
         """
         for one in held:
             self._quarantined[one.seq] = (session, one, until)
+        early: list[Quarantined] = []
         while len(self._quarantined) > self.quarantine_limit:
             seq = next(iter(self._quarantined))
-            oldest, one, _ = self._quarantined.pop(seq)
-            self._free_one(oldest, one)
+            oldest, one, ends = self._quarantined.pop(seq)
+            room = self._free_one(oldest, one)
+            if room is not None:
+                early.append(Quarantined(oldest, room, one.start, one.end, ends))
+        return early
 
     def expire(self, now: float) -> None:
         """Lets go of the quarantined ranges whose `until` came by `now`."""

@@ -89,7 +89,7 @@ MAX_FAILED_WRITES = 4096
 #: from when they hear of the failure, so this hold refuses no slot of theirs handed out again (unless
 #: their own deadline failed the room before the write failed), and a receiver without a quarantine of
 #: its own (a peer's) gets the same bound. At most MAX_QUARANTINED_RANGES ranges are held so (the
-#: oldest let go first past it).
+#: oldest let go first past it, warned).
 FAILED_WRITE_QUARANTINE_S = 280.0
 MAX_QUARANTINED_RANGES = 2 * MAX_FAILED_WRITES
 
@@ -838,7 +838,13 @@ class EncodeCore:
         if len(failed) > MAX_FAILED_WRITES:
             self._forget_failed_writes(now)
         # Its bytes may still land: no other room writes there until the quarantine passed.
-        self._destinations.quarantine(session, job.ranges, now + FAILED_WRITE_QUARANTINE_S)
+        early = self._destinations.quarantine(session, job.ranges, now + FAILED_WRITE_QUARANTINE_S)
+        if early:
+            first = early[0]
+            self._warn("destinations let go", "more than %d failed writes' destinations held: room %d's [%#x, %#x) "
+                       "at receiver %s is let go %.0fs before its quarantine ends, and another room may be written "
+                       "there while that write's bytes may still land", self._destinations.quarantine_limit,
+                       first.room, first.start, first.end, receiver_text(first.session), first.until - now)
         job.ranges = ()
         if self._serves(job):  # a superseded session's failure is not its room's
             self._fail(job.room, FailureKind.WRITE,
