@@ -48,10 +48,11 @@ _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGALRM)
 
 @pytest.fixture(autouse=True)
 def _signal_handlers_kept():
-    """Puts back the handlers a command under test set, so the next test and pytest itself take a Ctrl-C
-    or a SIGTERM as before (not as a command that is stopping would)."""
+    """Puts back the handlers a command under test set, and disarms the timer a rank's --timeout arms, so the
+    next test and pytest itself take a Ctrl-C or a SIGTERM as before (not as a command that is stopping would)."""
     before = {sig: signal.getsignal(sig) for sig in _HANDLED}
     yield
+    signal.setitimer(signal.ITIMER_REAL, 0)
     for sig, handler in before.items():
         if signal.getsignal(sig) is not handler:
             signal.signal(sig, handler)

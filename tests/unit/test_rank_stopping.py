@@ -13,17 +13,10 @@ from transfer import cli
 
 @pytest.fixture
 def rank_handlers():
-    """The handlers `epd-transfer rank` installs, put back as they were afterwards."""
-    before = {stop: signal.getsignal(stop) for stop in cli._STOP_SIGNALS}
+    """The handlers `epd-transfer rank` installs (conftest.py puts back those before)."""
     for stop in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(stop, cli._raise_stopped)
     signal.signal(signal.SIGALRM, cli._raise_rank_timeout)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        for stop, handler in before.items():
-            signal.signal(stop, handler)
 
 
 @pytest.mark.parametrize("first", ["SIGTERM", "--timeout"])

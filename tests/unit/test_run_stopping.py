@@ -15,18 +15,6 @@ COMMANDS = {"demo": ["demo", "--protocol", "wire", "--items", "1", "--span", "1"
             "bench": ["bench", "--paths", "wire"]}
 
 
-@pytest.fixture
-def handlers_restored():
-    """The stop signals' handlers put back as they were once the command set its own."""
-    before = {stop: signal.getsignal(stop) for stop in cli._STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        for stop, handler in before.items():
-            signal.signal(stop, handler)
-
-
 def _stopped_while_stopping(first: signal.Signals, second: signal.Signals, steps: list[str]):
     """A run (harness.run, bench.main) that the first signal stops, and the second while it stops its ranks."""
 
@@ -63,8 +51,7 @@ def _run_stopped(command: str, first: signal.Signals, second: signal.Signals, mo
     (signal.SIGHUP, signal.SIGINT), (signal.SIGINT, signal.SIGHUP),
 ], ids=lambda s: s.name)
 def test_a_second_stop_signal_while_the_run_stops_its_ranks_is_noted_not_raised(command, first, second,
-                                                                                  handlers_restored, monkeypatch,
-                                                                                  capfd):
+                                                                                  monkeypatch, capfd):
     code, steps = _run_stopped(command, first, second, monkeypatch)
     assert steps == ["ranks stopped"], steps
     assert code == 128 + first, f"exit {code} after {first.name} then {second.name}"
@@ -76,7 +63,7 @@ def test_a_second_stop_signal_while_the_run_stops_its_ranks_is_noted_not_raised(
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 @pytest.mark.parametrize("ignored", [signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
-def test_a_signal_ignored_when_the_run_started_stays_ignored(command, ignored, handlers_restored, monkeypatch):
+def test_a_signal_ignored_when_the_run_started_stays_ignored(command, ignored, monkeypatch):
     signal.signal(ignored, signal.SIG_IGN)  # a background job's Ctrl-C, nohup's SIGHUP
     steps: list[str] = []
 
