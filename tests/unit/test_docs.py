@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import glob
+import math
 import os
 import re
 
@@ -448,3 +449,27 @@ def test_every_keyword_the_docs_pass_to_the_public_api_is_one_it_takes():
                         wrong.append(f"{os.path.relpath(path, REPO)}: {span} ({name} takes no {keyword}=)")
     assert checked >= 20
     assert not wrong, f"the docs pass keywords the API does not take: {wrong}"
+
+
+def test_the_latency_buckets_the_docs_state_are_the_ones_there_are():
+    # "buckets from 0.1 ms to 60 s", and the bounds listed one after another, then "and +Inf".
+    from transfer.metrics import LATENCY_BUCKETS
+
+    units = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+    stated, wrong = 0, []
+    for path in DOCS:
+        if path.endswith("CHANGELOG.md"):  # what changed, not what is
+            continue
+        text = _read(path)
+        for low, low_unit, high, high_unit in re.findall(r"buckets from ([\d.]+) ?(us|ms|s) to ([\d.]+) ?(us|ms|s)\b",
+                                                         text):
+            stated += 1
+            bounds = (float(low) * units[low_unit], float(high) * units[high_unit])
+            if not all(math.isclose(a, b) for a, b in zip(bounds, (LATENCY_BUCKETS[0], LATENCY_BUCKETS[-1]))):
+                wrong.append(f"{os.path.relpath(path, REPO)}: buckets from {low} {low_unit} to {high} {high_unit}")
+        for listed in re.findall(r"^((?:\d+(?:\.\d+)?, )+\d+(?:\.\d+)?)\nand \+Inf", text, re.M):
+            stated += 1
+            if tuple(float(b) for b in listed.split(", ")) != LATENCY_BUCKETS:
+                wrong.append(f"{os.path.relpath(path, REPO)}: {listed}")
+    assert stated >= 2, "the README and docs/operations.md no longer state the latency buckets this test reads"
+    assert not wrong, f"the docs state latency buckets other than transfer.metrics.LATENCY_BUCKETS: {wrong}"
