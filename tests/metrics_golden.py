@@ -34,7 +34,7 @@ epd_room_latency_seconds_count{rank="0",role="prefill"} 3
 # TYPE epd_rooms_failed_total counter
 epd_rooms_failed_total{rank="0",reason="checksum",role="prefill"} 1
 epd_rooms_failed_total{rank="0",reason="we\\"ird\\\\re\\nason",role="prefill"} 3
-# HELP epd_rooms_started_total Rooms started (ask sent or item accepted).
+# HELP epd_rooms_started_total Rooms started: filed by receive() (before its ask goes out) or accepted by send().
 # TYPE epd_rooms_started_total counter
 epd_rooms_started_total{rank="0",role="prefill"} 2
 """

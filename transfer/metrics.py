@@ -36,7 +36,7 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 
 # Help text for the names the library uses; others get their name spelled out.
 KNOWN_HELP: dict[str, str] = {
-    "rooms_started_total": "Rooms started (ask sent or item accepted).",
+    "rooms_started_total": "Rooms started: filed by receive() (before its ask goes out) or accepted by send().",
     "rooms_succeeded_total": "Rooms concluded Success.",
     "rooms_failed_total": "Rooms concluded Failed, by failure kind.",
     "bytes_written_total": "Embedding and deepstack bytes of the writes to receivers that completed, "
@@ -49,7 +49,9 @@ KNOWN_HELP: dict[str, str] = {
     "rooms_failed_after_success_total": "Rooms concluded Success that their encode rank then told Failed "
                                         "before they were cleared (another receiver's write failed): they are "
                                         "Failed now, and still counted in rooms_succeeded_total.",
-    "statuses_dropped_total": "Status pushes dropped because a receiver stopped draining its queue.",
+    "statuses_dropped_total": "Status pushes dropped: their receiver could not be reached or stopped draining its "
+                              "queue, or their connection closed before they went out (the pool closed, or made "
+                              "room for another receiver).",
     "sessions_superseded_total": "Prefill sessions replaced by a restarted rank's new session, by how it was told.",
     "registrations_refused_total": "Registrations refused (a session that announced region lengths sent one without).",
     "cancels_total": "Answers to receivers' cancels, by answer (too_late, then confirmed or write_failed; or one of these).",
