@@ -219,11 +219,11 @@ class Pair:
 
     def __init__(self, *, encode_tp: int = 1, prefill_tp: int = 1, deadline_s: float = 10.0,
                  fanout_timeout_s: float = 5.0, integrity: bool = True, late_requests: bool = False,
-                 lanes: bool = True) -> None:
+                 lanes: bool = True, depth: int = 32) -> None:
         """`late_requests`: what a connection the prefill core lets go (Disconnect) had queued may still be
         delivered, late, or lost (a fault), as bytes already on their way over tcp may; else it is dropped.
         `lanes`: a status its lane settles (transfer.core.lane) goes to `lanes_settled`, as the driver's
-        does; else every status goes to `status`."""
+        does; else every status goes to `status`. `depth`: each encode core's writes in flight at most."""
         self.now = 0.0
         self.integrity = integrity
         self.lanes = lanes
@@ -233,7 +233,7 @@ class Pair:
         self.step = 0
         self.log: list[str] = []
         self.encode_tp, self.prefill_tp = encode_tp, prefill_tp
-        self.encodes = [EncodeRank(e, enc.EncodeCore(fanout_timeout_s=fanout_timeout_s, now=self.now),
+        self.encodes = [EncodeRank(e, enc.EncodeCore(fanout_timeout_s=fanout_timeout_s, depth=depth, now=self.now),
                                    (f"10.0.1.{e}", 7000 + e)) for e in range(encode_tp)]
         self.prefills = []
         for p in range(prefill_tp):
@@ -419,6 +419,11 @@ class Pair:
                 self.note(f"encode {rank.rank}: room {action.room} concluded {action.status.name}"
                           + (f" ({action.failure.kind.value}): {action.failure.detail}" if action.failure else ""))
                 self.expect(len(send.concluded) == 1, f"encode {rank.rank} concluded room {action.room} twice")
+        # The queue_depth gauge counts the queued writes that may still start, and only those.
+        may_start = sum(1 for queue in rank.core.scheduler._queues.values() for _, job, _ in queue
+                        if not rank.core._unwanted(job))
+        self.expect(rank.core.writes_to_start == may_start,
+                    f"encode {rank.rank}: {rank.core.writes_to_start} writes counted waiting to start, {may_start} may")
 
     def push_status(self, rank: EncodeRank, push: enc.PushStatus) -> None:
         endpoint = (push.endpoint, push.port)

@@ -43,7 +43,8 @@ KNOWN_HELP: dict[str, str] = {
                            "whatever their room's fate.",
     "bytes_received_total": "Embedding and deepstack bytes of the rooms concluded Success, counted at the Success.",
     "room_latency_seconds": "Seconds from a room's start to its Success.",
-    "queue_depth": "Receiver shard writes ready to start, waiting for a free slot in flight or their ready event.",
+    "queue_depth": "Receiver shard writes ready to start, waiting for a free slot in flight or their ready event "
+                   "(not those of a failed room or a restarted receiver, which never start).",
     "rooms_in_flight": "Rooms asked for and not yet cleared, concluded or not.",
     "rooms_unverified_total": "Rooms concluded Success with no checksum to verify (the encode rank sent none).",
     "rooms_failed_after_success_total": "Rooms concluded Success that their encode rank then told Failed "

@@ -212,7 +212,7 @@ class SenderPool:
             # without close() is collected, and its finalizer closes it.
             core = self._core
             # Through the claim: they leave the metrics with it, at close.
-            release_metrics.gauge_fn("queue_depth", lambda: core.waiting)
+            release_metrics.gauge_fn("queue_depth", lambda: core.writes_to_start)
             release_metrics.gauge_fn("parked_rooms", self._book.parked)
             self._driver.start()
             # The instance names this pool's registration: its withdrawal leaves a successor's at the same port alone.

@@ -361,6 +361,16 @@ def test_lost_and_repeated_messages_failed_writes_and_dying_ranks_break_no_rule(
     run(pair, schedule, HOSTILE)
 
 
+@FAST
+@given(SCHEDULE)
+def test_writes_queued_behind_one_slot_through_faults_break_no_rule_and_are_counted_while_they_may_start(schedule):
+    """With one write in flight at a time, writes queue behind it while their rooms fail, are cleared or their
+    receivers restart: every step checks that the queue's count (the queue_depth gauge) holds exactly those that
+    may still start (Pair.carry_encode)."""
+    pair = Pair(encode_tp=2, prefill_tp=4, depth=1)
+    run(pair, schedule, HOSTILE + [CLEAR_RECEIVE] * 2)
+
+
 #: A room's ask is queued on a connection that drops while its encode rank is stopped; the caller gives the
 #: room up (no cancel: nothing was asked on the fresh connection) and receives it again; the resumed rank
 #: reads the old connection's ask first and serves it: its Success is the earlier ask's, not the new one's.

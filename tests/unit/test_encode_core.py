@@ -358,6 +358,42 @@ def test_at_most_depth_writes_start_and_a_completion_starts_the_next():
     assert third.room == 2 and run.core.waiting == 0
 
 
+def test_writes_that_will_never_start_are_not_counted_waiting_to_start_while_every_slot_is_taken():
+    """The queue_depth gauge reads writes_to_start: a failed room's queued writes leave the scheduler's queue only
+    at a pick, and no pick runs while every slot is in flight, so they are left out of the count at once."""
+    run = Run(depth=1)
+    offers = [_offer(room) for room in range(3)]
+    for offer in offers:
+        run.offer(offer)
+    writes = [w for room in range(3) for w in run.of(StartWrite, run.ask(_ask(room, session=f"s{room}")))]
+    assert [w.room for w in writes] == [0] and run.core.writes_to_start == 2
+    run(run.core.clear(1, offers[1].token, run.now))
+    assert run.core.writes_to_start == 1
+    run(run.core.clear(2, offers[2].token, run.now))
+    run(run.core.clear(0, offers[0].token, run.now))
+    # Every room cleared: the write in flight is not waiting, and the other two never start.
+    assert run.core.writes_to_start == 0 and run.core.waiting == 2
+    assert run.of(StartWrite, run.complete(writes[0])) == []
+    assert run.core.writes_to_start == 0 and run.core.waiting == 0
+
+
+def test_a_superseded_receivers_queued_write_is_not_counted_waiting_to_start():
+    run = Run(depth=1)
+    old, new = "10.0.0.7:17000", "10.0.0.7:18000"
+    run(run.core.registration(Registration("10.0.0.7", 6000, old, 0x10000, 0, 8 * ROW, 0), 0.0))
+    run.offer(_offer(7))
+    run.offer(_offer(8))
+    (first,) = run.of(StartWrite, run.ask(_ask(7, session=old)))
+    assert run.of(StartWrite, run.ask(_ask(8, session=old, ptr=0x10000 + 4 * ROW))) == []
+    assert run.core.writes_to_start == 1
+    run(run.core.registration(Registration("10.0.0.7", 6000, new, 0x10000, 0, 8 * ROW, 0), 1.0))
+    assert run.core.writes_to_start == 0  # room 8 waits for the successor's ask, not for its old write
+    run(run.core.write_done(first.wid, (5,), 1.5))
+    assert run.core.waiting == 0 and run.core.writes_to_start == 0
+    (retry,) = run.of(StartWrite, run.at(2.0).ask(_ask(8, session=new, ptr=0x10000 + 4 * ROW)))
+    assert retry.session_id == new and run.core.writes_to_start == 0
+
+
 def test_a_write_waits_for_its_ready_event_without_holding_up_others():
     class Event:
         done = False

@@ -295,6 +295,7 @@ class _Job:
     ranges: tuple[Held, ...] = ()  # its destinations, as the destination book holds them
     regions_checked: int = -1  # the region book's version when its destination was checked
     waits: list[_CancelWait] = field(default_factory=list)  # cancels that came while it was in flight
+    unwanted: bool = False  # queued, and will never start (counted in EncodeCore._unwanted_waiting)
 
 
 class _CancelledAsk(NamedTuple):
@@ -406,6 +407,9 @@ class EncodeCore:
         self._rooms: dict[int, _Room] = {}  # offered, not yet cleared
         self._unserved: set[int] = set()  # offered rooms waiting for asks (all, or restarted ranks'), not failed
         self._writes: dict[int, _Job] = {}  # started, not yet over
+        # Queued writes that will never start (their room failed, or their receiver was superseded): they stay in
+        # the scheduler's queue until a pick drops them, and no pick runs while every slot is in flight.
+        self._unwanted_waiting = 0
         # Of writes queued or in flight, and of failed writes in their quarantine.
         self._destinations = DestinationBook(quarantine_limit=MAX_QUARANTINED_RANGES)
         self._endpoints: dict[tuple[str, int], str] = {}  # status endpoint -> its latest session
@@ -755,11 +759,20 @@ class EncodeCore:
                 return True
         return False
 
-    @staticmethod
-    def _spare(room: _Room, session: str) -> None:
+    def _spare(self, room: _Room, session: str) -> None:
         """Leaves a cancelling receiver out of the room's Failed pushes: its answer says it all, and a plain
-        Failed could reach the retry it may already have asked for under the same room number."""
+        Failed could reach the retry it may already have asked for under the same room number. Its queued
+        writes will never start (`_unwanted`)."""
         room.receivers = [info for info in room.receivers if info.session_id != session]
+        for job in room.queued:
+            if job.info.session_id == session:
+                self._count_unwanted(job)
+
+    def _count_unwanted(self, job: _Job) -> None:
+        """Counts a queued write that will never start out of `writes_to_start`, once."""
+        if not job.unwanted:
+            job.unwanted = True
+            self._unwanted_waiting += 1
 
     def wants(self, wid: int) -> bool:
         """Whether a started write should still be submitted (its room has not failed meanwhile, and its
@@ -1051,6 +1064,12 @@ class EncodeCore:
         return self.scheduler.waiting
 
     @property
+    def writes_to_start(self) -> int:
+        """Writes waiting to start that still may (the queue_depth gauge): `waiting`, less those that will
+        never start and wait for a pick to drop them (safe to read from another thread: never below 0)."""
+        return max(0, self.scheduler.waiting - self._unwanted_waiting)
+
+    @property
     def parked_rooms(self) -> int:
         """Offered rooms waiting for receivers to ask: not all asked yet, or one restarted (safe to read from
         another thread)."""
@@ -1307,6 +1326,9 @@ class EncodeCore:
         room = job.room
         if job in room.queued:
             del room.queued[job]
+        if job.unwanted:  # it left the scheduler's queue
+            job.unwanted = False
+            self._unwanted_waiting -= 1
         self._destinations.free(job.info.session_id, job.ranges)  # _free_ranges(job), without its call
         job.ranges = ()
         room.pending -= 1
@@ -1375,6 +1397,7 @@ class EncodeCore:
         # (a cancel is confirmed at once), so the next room asking for it must not find it taken.
         for job in room.queued:
             self._free_ranges(job)
+            self._count_unwanted(job)
         self._unserved.discard(room.room)
         self._tell_failed(room.receivers, room.failure)
         self._conclude(room, TransferPoll.Failed, room.failure, now)
