@@ -11,12 +11,14 @@ from __future__ import annotations
 import math
 import threading
 
+import pytest
 from prefill_rooms import BOOT, spec, status_driver
 
 from transfer import _io
 from transfer.core.failure import FailureKind
 from transfer.core.prefill import LookUpParallel
 from transfer.drive.prefill import Room
+from transfer.errors import ConfigError, UsageError
 from transfer.metrics import KNOWN_HELP, REASON_CATEGORIES, total
 from transfer.status import TransferPoll
 
@@ -82,3 +84,14 @@ def test_a_status_lost_to_an_unreachable_receiver_or_a_closed_pusher_is_counted_
     assert counted == [1, 1] and pushers.dropped == 2
     help_text = KNOWN_HELP["statuses_dropped_total"]
     assert "reach" in help_text and "closed" in help_text, help_text
+
+
+def test_a_receive_refused_before_it_filed_its_room_counts_nowhere():
+    d = _receiving_driver()
+    d.receive(Room(5, 0.0, 64, None), spec(5))
+    with pytest.raises(ConfigError, match="already being received"):
+        d.receive(Room(5, 0.0, 64, None), spec(5))
+    d._stopping = True
+    with pytest.raises(UsageError):
+        d.receive(Room(6, 0.0, 64, None), spec(6))
+    assert _counts(d) == {"started": 1, "succeeded": 0}  # the first receive's room only, still open
