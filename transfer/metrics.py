@@ -46,6 +46,9 @@ KNOWN_HELP: dict[str, str] = {
     "queue_depth": "Receiver shard writes ready to start, waiting for a free slot in flight or their ready event "
                    "(not those of a failed room or a restarted receiver, which never start).",
     "rooms_in_flight": "Rooms asked for and not yet cleared, concluded or not.",
+    "cancels_set_aside": "Cancels given up on unanswered (encode rank gone, or too many awaited) that still take "
+                         "late answers; at 65536 no cancel is sent and cleared rooms' memory waits out its "
+                         "quarantine.",
     "rooms_unverified_total": "Rooms concluded Success with no checksum to verify (the encode rank sent none).",
     "rooms_failed_after_success_total": "Rooms concluded Success that their encode rank then told Failed "
                                         "before they were cleared (another receiver's write failed): they are "

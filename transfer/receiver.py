@@ -300,6 +300,8 @@ class SessionManager:
         # Through the claim: they leave the metrics with it, at close (a set that outlives the
         # manager neither reads its closed parts nor keeps its pool's memory).
         release_metrics.gauge_fn("rooms_in_flight", lambda: len(rooms))
+        core = self._driver.core
+        release_metrics.gauge_fn("cancels_set_aside", lambda: core.cancels_set_aside)
         if pool is not None:
             pool_gauges(release_metrics, pool)
         self._claim_engine()

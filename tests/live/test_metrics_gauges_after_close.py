@@ -26,8 +26,8 @@ def test_a_closed_managers_pool_gauges_leave_its_metrics_and_free_the_pool(engin
     shared = Metrics("epd_kept")
     pool = ReceivePool(prefill_engine, 4 * SLOT, SLOT)
     with pool, SessionManager(prefill_engine, 0, 1, 1, pool=pool, host=HOST, metrics=shared):
-        assert _gauges(shared.snapshot()) == {"epd_kept_rooms_in_flight", "epd_kept_quarantined_slots",
-                                              "epd_kept_fallback_bytes"}
+        assert _gauges(shared.snapshot()) == {"epd_kept_rooms_in_flight", "epd_kept_cancels_set_aside",
+                                              "epd_kept_quarantined_slots", "epd_kept_fallback_bytes"}
     assert _gauges(shared.snapshot()) == set(), "a closed manager's gauges are still read"
     assert "quarantined_slots" not in shared.prometheus_text()
     gone = weakref.ref(pool)
@@ -36,7 +36,8 @@ def test_a_closed_managers_pool_gauges_leave_its_metrics_and_free_the_pool(engin
     assert gone() is None, "the Metrics keeps the closed pool (and its memory) alive"
     buf = torch.zeros(64, dtype=torch.uint8)
     with SessionManager(prefill_engine, 0, 1, 1, buffer=buf, host=HOST, metrics=shared):
-        assert _gauges(shared.snapshot()) == {"epd_kept_rooms_in_flight"}, "a pool's gauges without a pool"
+        assert _gauges(shared.snapshot()) == {"epd_kept_rooms_in_flight", "epd_kept_cancels_set_aside"}, \
+            "a pool's gauges without a pool"
 
 
 def test_a_closed_sender_pools_gauges_leave_its_metrics(engines, server):

@@ -202,6 +202,7 @@ def test_room_counters_add_up_on_both_sides_through_a_mix_of_fates(engines, serv
             _assert_adds_up(rows, "epd_prefill", prefill_out, "bytes_received_total")
             _assert_adds_up(rows, "epd_encode", encode_out, "bytes_written_total")
             assert _gauge(rows, "epd_prefill_rooms_in_flight") == 0
+            assert _gauge(rows, "epd_prefill_cancels_set_aside") == 0
             assert _gauge(rows, "epd_encode_parked_rooms") == 0
             assert _gauge(rows, "epd_encode_queue_depth") == 0
             # The cleared asks' slots wait for their cancels' confirmation (or their quarantine) only.

@@ -459,6 +459,17 @@ def test_at_the_ghost_bound_no_cancel_is_sent_and_no_ghost_is_dropped(monkeypatc
     assert c.cancel_answered(20.0, 1, 0, CONFIRMED) == [] and not c.safe(1, again)
 
 
+def test_the_rooms_whose_cancels_are_set_aside_are_counted_until_their_last_answers_came(monkeypatch):
+    """What the cancels_set_aside gauge reads: rooms set aside as ghosts, each until its last answer."""
+    monkeypatch.setattr(cancels, "MAX_PENDING_CANCELS", 2)
+    c, _ = _past_the_pending_bound(1, (2, 3, 4))
+    assert c.cancels_set_aside == 2  # rooms 1 (answered too late so far) and 2
+    c.cancel_answered(20.0, 2, 0, CONFIRMED)
+    assert c.cancels_set_aside == 1
+    c.cancel_answered(20.0, 1, 0, CONFIRMED)
+    assert c.cancels_set_aside == 0
+
+
 def test_an_unanswered_cancel_on_a_connection_still_in_use_is_kept():
     c = prefill_core(deadline_s=10 * cancels.STALE_CANCEL_S)
     _answering(c)

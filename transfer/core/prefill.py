@@ -546,6 +546,12 @@ class PrefillCore:
         """Cancels sent and not yet confirmed."""
         return self.cancels.pending
 
+    @property
+    def cancels_set_aside(self) -> int:
+        """Rooms whose cancels were set aside unanswered and still take late answers (safe to read from another
+        thread); at MAX_GHOSTS no cancel is sent."""
+        return len(self.cancels.ghosts)
+
     def cancel_answered(self, now: float, room: int, rank: int, answer: CancelAnswer) -> list:
         """An encode rank answered a cancel: its memory is safe once the answer is CONFIRMED.
 
