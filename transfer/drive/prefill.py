@@ -26,7 +26,7 @@ import os
 import select
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -1209,8 +1209,7 @@ class _LookUps:
         self._idle = 0
         self._stopping = False
         self._busy: dict[int, Any] = {}  # the look-up each thread is inside, by thread id
-        self._per_server = max(1, threads - 1)
-        self._serving: dict[str, int] = {}  # look-ups under way per server, while any is
+        self._per_server = max(1, threads - 1)  # look-ups under way (in _busy) one server may have
         self._throttled = _io.ThrottledLog(log)
 
     def submit(self, action: LookUpParallel | LookUpRoute) -> None:
@@ -1272,11 +1271,11 @@ class _LookUps:
 
     def _next(self) -> int | None:
         """Where the oldest job queued whose server has a thread left to it is (_cond held), if any."""
-        serving = self._serving
-        if not serving:
+        if not self._busy:
             return 0 if self._jobs else None
+        serving = Counter(action.bootstrap_addr for action in self._busy.values())
         for i, action in enumerate(self._jobs):
-            if serving.get(action.bootstrap_addr, 0) < self._per_server:
+            if serving[action.bootstrap_addr] < self._per_server:
                 return i
         return None
 
@@ -1295,19 +1294,11 @@ class _LookUps:
                     continue
                 action = self._jobs[at]
                 del self._jobs[at]
-                addr = action.bootstrap_addr
-                self._serving[addr] = self._serving.get(addr, 0) + 1
                 self._busy[me] = action
-            try:
-                result = self._look_up(action)
-            finally:
-                with self._cond:
-                    left = self._serving.pop(addr) - 1
-                    if left:
-                        self._serving[addr] = left
-                    self._cond.notify_all()  # a job of that server's may be taken now
+            result = self._look_up(action)
             with self._cond:  # held while delivering: nothing is delivered once stop() returned
                 del self._busy[me]
+                self._cond.notify_all()  # a job of that server's may be taken now
                 if self._stopping:
                     return
                 self._deliver(result)
